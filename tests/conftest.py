@@ -1,0 +1,68 @@
+"""Shared helpers: launching real mpirun jobs under a timeout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+MPIRUN = str(VENV_BIN / "mpirun") if (VENV_BIN / "mpirun").exists() else "mpirun"
+
+
+def mpi_env(**extra: str) -> dict[str, str]:
+    """Environment for ranks: one thread per pool (several ranks share 2 cores)."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1",
+               MKL_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1",
+               PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}")
+    env.update(extra)
+    return env
+
+
+def mpirun(np_: int, args: list[str], timeout: float = 240, env: dict[str, str] | None = None,
+           cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    """Run ``args`` on ``np_`` ranks with the venv's mpirun; a hang fails after ``timeout`` s."""
+    cmd = [MPIRUN, "-np", str(np_), "--bind-to", "none", "--oversubscribe"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    try:
+        return subprocess.run(cmd + args, env=env or mpi_env(), cwd=cwd, capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        err = (exc.stderr or b"").decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        pytest.fail(f"mpirun -np {np_} {' '.join(args)} hung for {timeout}s\n{out[-4000:]}\n{err[-4000:]}")
+
+
+def run_rank_suite(np_: int, suite: str, tmp_path: Path, timeout: float = 240,
+                   extra_env: dict[str, str] | None = None, pytest_args: list[str] | None = None) -> None:
+    """Run the pytest file ``tests/mpi/<suite>`` on every rank and check all ranks agree.
+
+    Each rank writes its own JUnit XML; the job passes when every rank ran the same
+    tests and every one of them passed on every rank.
+    """
+    env = mpi_env(**(extra_env or {}))
+    runner = str(ROOT / "tests" / "mpi" / "run_suite.py")
+    proc = mpirun(np_, [sys.executable, runner, str(tmp_path), str(ROOT / "tests" / "mpi" / suite)]
+                  + (pytest_args or []), timeout=timeout, env=env)
+    reports = sorted(tmp_path.glob("junit-rank-*.xml"))
+    detail = f"\n--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, f"mpirun exited {proc.returncode}" + detail
+    assert len(reports) == np_, f"expected {np_} JUnit reports, found {len(reports)}" + detail
+    outcomes = []
+    for report in reports:
+        suite_el = ET.parse(report).getroot()
+        suite_el = suite_el if suite_el.tag == "testsuite" else suite_el.find("testsuite")
+        assert suite_el is not None
+        counts = {k: int(suite_el.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+        assert counts["failures"] == 0 and counts["errors"] == 0, f"{report.name}: {counts}" + detail
+        outcomes.append(counts)
+    assert all(o == outcomes[0] for o in outcomes), f"ranks disagree: {outcomes}" + detail
+    assert outcomes[0]["tests"] > outcomes[0]["skipped"], "no test ran" + detail

@@ -1,0 +1,279 @@
+"""Collectives against a numpy reference built from every rank's input.
+
+Runs under mpirun at any size (and serially): each rank regenerates all ranks'
+inputs from (seed, rank), so the reference needs no communication. Float inputs
+are small integers so that sums are exact in any order and results can be
+compared exactly; scaled results use a dtype tolerance.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mpi4py import MPI
+
+import unison
+from unison.common.runtime import state
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+FLOATS = [np.dtype(np.float16), BF16, np.dtype(np.float32), np.dtype(np.float64)]
+INTS = [np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8)]
+ALL = FLOATS + INTS + [np.dtype(np.bool_)]
+OPS = [unison.Sum, unison.Average, unison.Min, unison.Max, unison.Product]
+ALGOS = ["auto", "ring", "rhd", "mpi"]
+SHAPES = [(), (1,), (5, 3), (3001,), (2, 1100, 3)]  # 0-d, tiny, inline, > 4 KiB, 3-d
+WORLD = MPI.COMM_WORLD
+N, R = WORLD.Get_size(), WORLD.Get_rank()
+hyp = settings(derandomize=True, database=None, max_examples=25, deadline=None,
+               suppress_health_check=list(HealthCheck))
+
+
+def make(rank: int, shape: tuple[int, ...], dtype: np.dtype, seed: int, op=None) -> np.ndarray:
+    rng = np.random.default_rng([seed, rank])
+    if dtype == np.bool_:
+        return rng.integers(0, 2, size=shape).astype(bool)
+    lo, hi = (-2, 3) if op == unison.Product else (-8, 9)
+    if dtype == np.uint8:
+        lo, hi = 0, (3 if op == unison.Product else 30)
+    if dtype == np.int8 and op != unison.Product:
+        lo, hi = -30, 31
+    return rng.integers(lo, hi, size=shape).astype(dtype)
+
+
+def reference_reduce(inputs: list[np.ndarray], op) -> np.ndarray:
+    stack = np.stack([a.astype(np.float64) if a.dtype != np.bool_ else a for a in inputs])
+    if inputs[0].dtype == np.bool_:
+        f = {unison.Sum: np.any, unison.Max: np.any, unison.Min: np.all, unison.Product: np.all}[op]
+        return f(stack, axis=0)
+    if op in (unison.Sum, unison.Average):
+        out = stack.sum(axis=0)
+        if op == unison.Average:
+            out = out / len(inputs) if inputs[0].dtype in FLOATS else np.trunc(out / len(inputs))
+        return out
+    return {unison.Min: np.min, unison.Max: np.max, unison.Product: np.prod}[op](stack, axis=0)
+
+
+def assert_same_on_all_ranks(arr: np.ndarray) -> None:
+    digest = hashlib.sha256(np.ascontiguousarray(arr).tobytes() + str(arr.shape).encode()).hexdigest()
+    digests = WORLD.allgather(digest)
+    assert len(set(digests)) == 1, f"results differ between ranks: {digests}"
+
+
+def check_close(got: np.ndarray, want: np.ndarray, dtype: np.dtype, exact: bool) -> None:
+    assert got.dtype == dtype
+    assert got.shape == want.shape
+    if exact:
+        np.testing.assert_array_equal(got.astype(np.float64) if dtype != np.bool_ else got, want)
+    else:
+        rtol = {np.dtype(np.float16): 2e-3, BF16: 1e-2}.get(dtype, 1e-6)
+        np.testing.assert_allclose(got.astype(np.float64), want, rtol=rtol, atol=rtol)
+
+
+@pytest.mark.parametrize("algorithm", ALGOS)
+@pytest.mark.parametrize("dtype", ALL, ids=str)
+@pytest.mark.parametrize("op", OPS, ids=repr)
+def test_allreduce(op, dtype, algorithm):
+    if dtype == np.bool_ and op == unison.Average:
+        pytest.skip("Average is refused for bool (tested in test_bool_average_refused)")
+    for i, shape in enumerate(SHAPES):
+        seed = 1000 + i
+        mine = make(R, shape, dtype, seed, op)
+        got = unison.allreduce(mine, op=op, algorithm=algorithm, name=f"t{i}")
+        want = reference_reduce([make(r, shape, dtype, seed, op) for r in range(N)], op)
+        exact = not (op == unison.Average and dtype in FLOATS and N not in (1, 2, 4))
+        check_close(got, want, dtype, exact)
+        assert_same_on_all_ranks(got)
+        np.testing.assert_array_equal(mine, make(R, shape, dtype, seed, op))  # input untouched
+
+
+@pytest.mark.parametrize("algorithm", ALGOS)
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.int32)], ids=str)
+def test_allreduce_scale_factors(dtype, algorithm):
+    for shape in [(7,), (3001,)]:
+        mine = make(R, shape, dtype, 7)
+        got = unison.allreduce(mine, op=unison.Sum, prescale_factor=0.5, postscale_factor=3.0,
+                               algorithm=algorithm)
+        inputs = [make(r, shape, dtype, 7) for r in range(N)]
+        if dtype == np.int32:
+            want = np.trunc(sum(np.trunc(a * 0.5) for a in inputs) * 3.0)
+            check_close(got, want, dtype, exact=True)
+        else:
+            want = sum(a.astype(np.float64) * 0.5 for a in inputs) * 3.0
+            check_close(got, want, dtype, exact=False)
+        assert_same_on_all_ranks(got)
+
+
+def test_allreduce_noncontiguous_input():
+    base = make(R, (40, 60), np.dtype(np.float32), 3)
+    view = base[::2, 1::3]
+    got = unison.allreduce(view, op=unison.Sum)
+    want = sum(make(r, (40, 60), np.dtype(np.float32), 3)[::2, 1::3].astype(np.float64) for r in range(N))
+    check_close(got, want, np.dtype(np.float32), exact=True)
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "ring", "mpi"])
+@pytest.mark.parametrize("dtype", ALL, ids=str)
+def test_allgather_uneven_first_dim(dtype, algorithm):
+    for rows_of, trailing in [(lambda r: r + 1, (3,)), (lambda r: 700 * (r % 2) + 1, (2, 2)),
+                              (lambda r: 0 if r == 0 else 2, ())]:
+        inputs = [make(r, (rows_of(r),) + trailing, dtype, 11) for r in range(N)]
+        got = unison.allgather(inputs[R], algorithm=algorithm)
+        check_close(got, np.concatenate(inputs).astype(np.float64) if dtype != np.bool_
+                    else np.concatenate(inputs), dtype, exact=True)
+        assert_same_on_all_ranks(got)
+
+
+def test_allgather_scalar_is_stacked():
+    got = unison.allgather(np.float32(R))
+    np.testing.assert_array_equal(got, np.arange(N, dtype=np.float32))
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "tree", "mpi"])
+@pytest.mark.parametrize("dtype", ALL, ids=str)
+def test_broadcast_every_root(dtype, algorithm):
+    for shape in [(), (4,), (3, 1500)]:
+        for root in range(N):
+            mine = make(R, shape, dtype, 20 + root)
+            got = unison.broadcast(mine, root_rank=root, algorithm=algorithm)
+            want = make(root, shape, dtype, 20 + root)
+            check_close(got, want.astype(np.float64) if dtype != np.bool_ else want, dtype, exact=True)
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "ring", "mpi"])
+@pytest.mark.parametrize("dtype", ALL, ids=str)
+@pytest.mark.parametrize("op", [unison.Sum, unison.Average, unison.Max], ids=repr)
+def test_reducescatter(op, dtype, algorithm):
+    if dtype == np.bool_ and op == unison.Average:
+        pytest.skip("Average is refused for bool")
+    for rows, trailing in [(N, (3,)), (2 * N + 1, (2,)), (1000 * N + N - 1, (3,)), (1, ())]:
+        shape = (rows,) + trailing
+        inputs = [make(r, shape, dtype, 31, op) for r in range(N)]
+        got = unison.reducescatter(inputs[R], op=op, algorithm=algorithm)
+        full = reference_reduce(inputs, op)
+        base, extra = divmod(rows, N)
+        counts = [base + (1 if i < extra else 0) for i in range(N)]
+        start = sum(counts[:R])
+        exact = not (op == unison.Average and dtype in FLOATS and N not in (1, 2, 4))
+        check_close(got, full[start:start + counts[R]], dtype, exact)
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "pairwise", "mpi"])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16, np.dtype(np.int64), np.dtype(np.bool_)], ids=str)
+def test_alltoall(dtype, algorithm):
+    for scale in (1, 900):
+        splits_of = [[(src + dst) % 3 * scale for dst in range(N)] for src in range(N)]
+        inputs = [make(src, (sum(splits_of[src]), 2), dtype, 41) for src in range(N)]
+        got, recv = unison.alltoall(inputs[R], splits=splits_of[R], algorithm=algorithm)
+        pieces = []
+        for src in range(N):
+            start = sum(splits_of[src][:R])
+            pieces.append(inputs[src][start:start + splits_of[src][R]])
+        want = np.concatenate(pieces)
+        np.testing.assert_array_equal(recv, [splits_of[src][R] for src in range(N)])
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(got, want)
+
+
+def test_alltoall_default_even_split():
+    mine = np.arange(2 * N, dtype=np.int32) + 100 * R
+    got, recv = unison.alltoall(mine)
+    np.testing.assert_array_equal(recv, [2] * N)
+    np.testing.assert_array_equal(got, np.concatenate([np.arange(2 * R, 2 * R + 2) + 100 * s for s in range(N)]))
+
+
+@hyp
+@given(shape=st.lists(st.integers(0, 40), min_size=0, max_size=4).map(tuple),
+       dtype=st.sampled_from(ALL), algorithm=st.sampled_from(ALGOS), seed=st.integers(0, 10**6))
+def test_allreduce_hypothesis(shape, dtype, algorithm, seed):
+    mine = make(R, shape, dtype, seed)
+    got = unison.allreduce(mine, op=unison.Max, algorithm=algorithm)
+    want = reference_reduce([make(r, shape, dtype, seed) for r in range(N)], unison.Max)
+    check_close(got, want, dtype, exact=True)
+    assert_same_on_all_ranks(got)
+
+
+@hyp
+@given(rows=st.lists(st.integers(0, 300), min_size=8, max_size=8), cols=st.integers(1, 9),
+       dtype=st.sampled_from(ALL), seed=st.integers(0, 10**6))
+def test_allgather_hypothesis(rows, cols, dtype, seed):
+    inputs = [make(r, (rows[r], cols), dtype, seed) for r in range(N)]
+    got = unison.allgather(inputs[R])
+    np.testing.assert_array_equal(got, np.concatenate(inputs))
+
+
+# ------------------------------------------------------------------ bad input, on every rank
+
+def test_mismatched_shapes_raise_on_every_rank():
+    if N == 1:
+        pytest.skip("needs two ranks to disagree")
+    with pytest.raises(unison.MismatchError) as info:
+        unison.allreduce(np.zeros((R + 2, 3), np.float32), name="grad/w")
+    msg = str(info.value)
+    assert "grad/w" in msg and "shape" in msg
+    for r in range(N):
+        assert f"rank {r}: collective=allreduce, shape=({r + 2}, 3)" in msg
+    assert isinstance(info.value, ValueError)
+    # the job goes on after the error
+    np.testing.assert_array_equal(unison.allreduce(np.ones(3), op=unison.Sum), np.full(3, N))
+
+
+def test_mismatched_dtypes_and_ops_raise_on_every_rank():
+    if N == 1:
+        pytest.skip("needs two ranks to disagree")
+    with pytest.raises(unison.MismatchError, match="dtype"):
+        unison.allreduce(np.zeros(5, np.float32 if R == 0 else np.float64))
+    with pytest.raises(unison.MismatchError, match="op"):
+        unison.allreduce(np.zeros(5), op=unison.Sum if R == 0 else unison.Max)
+    with pytest.raises(unison.MismatchError, match="collective"):
+        if R == 0:
+            unison.broadcast(np.zeros(5), root_rank=0)
+        else:
+            unison.allreduce(np.zeros(5))
+    with pytest.raises(unison.MismatchError, match="shape"):  # large message: no hang either
+        unison.allreduce(np.zeros(100_000 + R, np.float32), algorithm="ring")
+    with pytest.raises(unison.MismatchError, match="algorithm"):
+        unison.allreduce(np.zeros(10), algorithm="ring" if R == 0 else "rhd")
+    with pytest.raises(unison.MismatchError, match="shape"):
+        unison.allgather(np.zeros((2, 3 + R)))
+
+
+def test_unsupported_dtype_raises_type_error_everywhere():
+    bad = np.zeros(3, np.complex64) if R == 0 else np.zeros(3, np.float32)
+    with pytest.raises(TypeError, match="complex64"):
+        unison.allreduce(bad)
+    with pytest.raises(TypeError, match="complex64"):
+        unison.broadcast(bad, root_rank=0)
+
+
+def test_bool_average_refused():
+    with pytest.raises(TypeError, match="Average is not defined for bool"):
+        unison.allreduce(np.ones(4, bool))
+
+
+def test_bad_root_and_splits_raise_value_error_everywhere():
+    with pytest.raises(ValueError, match=rf"root_rank={N} is not a rank"):
+        unison.broadcast(np.zeros(3), root_rank=N)
+    with pytest.raises(ValueError, match="splits="):
+        unison.alltoall(np.zeros(4), splits=[5] + [0] * (N - 1) if R == 0 else [4] + [0] * (N - 1))
+    with pytest.raises(ValueError, match="0-d"):
+        unison.reducescatter(np.float32(1.0))
+
+
+def test_unknown_algorithm_and_op():
+    with pytest.raises(ValueError, match="algorithm='bogus'.*auto, ring, rhd, mpi"):
+        unison.allreduce(np.zeros(3), algorithm="bogus")
+    with pytest.raises(ValueError, match="unknown reduce op"):
+        unison.allreduce(np.zeros(3), op="median")
+
+
+def test_barrier_and_topology():
+    unison.barrier()
+    assert unison.size() == N and unison.rank() == R
+    assert unison.local_size() == N and unison.local_rank() == R  # one host
+    assert unison.cross_size() == 1 and unison.cross_rank() == 0
+    assert state().comm.Get_size() == N

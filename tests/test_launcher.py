@@ -1,0 +1,497 @@
+"""Tests of ``unisonrun``: command lines in one process, then real ``mpirun`` jobs (``-m mpi``)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from unison.run import LaunchConfig, MpirunNotFoundError, build_command, find_mpirun, main
+from unison.run.hosts import parse_hosts, read_hostfile
+from unison.run.pycommand import wrap_python_command
+
+MPIRUN = "/venv/bin/mpirun"
+PYTHON = "/venv/bin/python"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def build(command=("python", "train.py"), *, environ=None, cpu_count=4, euid=1000, **options):
+    """Builds a command line for a fake environment; ``options`` are ``LaunchConfig`` fields."""
+    config = LaunchConfig(command=tuple(command), **options)
+    return build_command(
+        config,
+        environ={"PATH": "/usr/bin:/bin"} if environ is None else environ,
+        executable=PYTHON,
+        cpu_count=cpu_count,
+        euid=euid,
+        mpirun=MPIRUN,
+    )
+
+
+def option_values(command, option):
+    """Returns the values following each occurrence of ``option`` in ``command``."""
+    return [command[i + 1] for i, item in enumerate(command[:-1]) if item == option]
+
+
+# --- command lines ---------------------------------------------------------------------------
+
+
+def test_defaults():
+    command = build()
+    assert command[0] == MPIRUN
+    assert option_values(command, "-np") == ["1"]
+    assert option_values(command, "--bind-to") == ["none"]
+    assert "--allow-run-as-root" not in command
+    assert "--oversubscribe" not in command
+    assert "-H" not in command and "--hostfile" not in command
+
+
+@pytest.mark.parametrize("np", [1, 2, 7])
+def test_np(np):
+    assert option_values(build(np=np, cpu_count=8), "-np") == [str(np)]
+
+
+def test_bind_to_override():
+    assert option_values(build(bind_to="core"), "--bind-to") == ["core"]
+
+
+@pytest.mark.parametrize(("euid", "expected"), [(0, True), (1000, False)])
+def test_allow_run_as_root_only_for_root(euid, expected):
+    assert ("--allow-run-as-root" in build(euid=euid)) is expected
+
+
+@pytest.mark.parametrize(
+    ("np", "cpu_count", "expected"),
+    [(2, 4, False), (4, 4, False), (5, 4, True), (3, 2, True)],
+)
+def test_oversubscribe_against_local_cpus(np, cpu_count, expected):
+    assert ("--oversubscribe" in build(np=np, cpu_count=cpu_count)) is expected
+
+
+def test_oversubscribe_forced_on_and_off():
+    assert "--oversubscribe" in build(np=1, oversubscribe=True)
+    assert "--oversubscribe" not in build(np=64, cpu_count=2, oversubscribe=False)
+
+
+@pytest.mark.parametrize(("np", "expected"), [(4, False), (5, True)])
+def test_hosts_passed_and_their_slots_counted(np, expected):
+    command = build(np=np, cpu_count=64, hosts="localhost:2,otherhost:2")
+    assert option_values(command, "-H") == ["localhost:2,otherhost:2"]
+    assert ("--oversubscribe" in command) is expected
+
+
+@pytest.mark.parametrize(("np", "expected"), [(5, False), (6, True)])
+def test_hostfile_passed_and_its_slots_counted(tmp_path, np, expected):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# cluster\nnode1 slots=2\nnode2 slots=2 max_slots=4  # big\n\nnode3\n")
+    command = build(np=np, cpu_count=64, hostfile=str(hostfile))
+    assert option_values(command, "--hostfile") == [str(hostfile)]
+    assert ("--oversubscribe" in command) is expected
+
+
+def test_hosts_and_hostfile_slots_add_up(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node1 slots=2\n")
+    common = {"cpu_count": 64, "hosts": "a:1", "hostfile": str(hostfile)}
+    assert "--oversubscribe" not in build(np=3, **common)
+    assert "--oversubscribe" in build(np=4, **common)
+
+
+def test_bare_host_counts_one_slot():
+    assert parse_hosts("a,b:3") == [("a", 1), ("b", 3)]
+
+
+def test_environment_forwarding_is_selected_and_sorted():
+    environ = {
+        "UNISON_X": "1",
+        "HOROVOD_Y": "2",
+        "PYTHONPATH": "/src",
+        "OMP_NUM_THREADS": "1",
+        "TF_NUM_INTRAOP_THREADS": "2",
+        "MKL_NUM_THREADS": "3",
+        "PATH": "/usr/bin:/bin",
+        "HOME": "/root",
+        "SECRET_TOKEN": "x",
+        "XUNISON_Z": "no",
+    }
+    command = build(environ=environ)
+    assert option_values(command, "-x") == [
+        "HOROVOD_Y",
+        "MKL_NUM_THREADS",
+        "OMP_NUM_THREADS",
+        "PATH=/venv/bin:/usr/bin:/bin",
+        "PYTHONPATH",
+        "TF_NUM_INTRAOP_THREADS",
+        "UNISON_X",
+    ]
+
+
+def test_path_gets_venv_bin_once():
+    command = build(environ={"PATH": "/venv/bin:/usr/bin"})
+    assert option_values(command, "-x") == ["PATH=/venv/bin:/usr/bin"]
+    assert option_values(build(environ={}), "-x") == ["PATH=/venv/bin"]
+
+
+def test_user_command_passes_through_after_mpirun_options():
+    user = ["python", "train.py", "--lr", "0.1", "-np", "3", "-H", "x:1"]
+    command = build(user, np=2)
+    assert command[-len(user) - 2 :] == ["python", "-m", "mpi4py", *user[1:]]
+    assert option_values(command, "-np")[0] == "2"
+    unwrapped = build(user, abort_on_exception=False)
+    assert unwrapped[-len(user) :] == user
+
+
+def test_non_python_command_is_not_wrapped():
+    user = ["./train.sh", "--epochs", "3"]
+    assert build(user)[-3:] == user
+
+
+def test_mpi_args_go_before_the_command():
+    command = build(mpi_args=("--mca", "btl", "self,vader"))
+    assert command[-7:] == ["--mca", "btl", "self,vader", "python", "-m", "mpi4py", "train.py"]
+
+
+@pytest.mark.parametrize(
+    ("command", "expected"),
+    [
+        (["python", "x.py", "-c", "1"], ["python", "-m", "mpi4py", "x.py", "-c", "1"]),
+        (["python3.11", "-u", "x.py"], ["python3.11", "-u", "-m", "mpi4py", "x.py"]),
+        (["/v/bin/python", "-c", "pass"], ["/v/bin/python", "-m", "mpi4py", "-c", "pass"]),
+        (["python", "-uc", "pass"], ["python", "-u", "-m", "mpi4py", "-c", "pass"]),
+        (["python", "-cpass"], ["python", "-m", "mpi4py", "-c", "pass"]),
+        (["python", "-m", "pytest", "-q"], ["python", "-m", "mpi4py", "-m", "pytest", "-q"]),
+        (
+            ["python", "-W", "error", "-X", "dev", "x.py"],
+            ["python", "-W", "error", "-X", "dev", "-m", "mpi4py", "x.py"],
+        ),
+        (["python", "-Wignore", "x.py"], ["python", "-Wignore", "-m", "mpi4py", "x.py"]),
+        (["python", "-", "a"], ["python", "-m", "mpi4py", "-", "a"]),
+        (["python", "-m", "mpi4py", "x.py"], ["python", "-m", "mpi4py", "x.py"]),
+        (["python", "-u"], ["python", "-u"]),
+        (["python", "--version"], ["python", "--version"]),
+        (["pythonista", "x.py"], ["pythonista", "x.py"]),
+        (["bash", "-c", "python x.py"], ["bash", "-c", "python x.py"]),
+    ],
+)
+def test_wrap_python_command(command, expected):
+    assert wrap_python_command(command) == expected
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("np", [0, -2])
+def test_np_below_one_is_rejected(np):
+    with pytest.raises(ValueError, match=rf"-np must be at least 1; received {np}"):
+        build(np=np)
+
+
+def test_empty_command_is_rejected():
+    with pytest.raises(ValueError, match="no command given"):
+        build(command=())
+
+
+@pytest.mark.parametrize("hosts", ["host:abc", "host:0", "host:-1", "a:1,b:x"])
+def test_malformed_host_slots_are_rejected(hosts):
+    bad = hosts.split(",")[-1]
+    with pytest.raises(ValueError, match=rf"received '{bad.split(':')[1]}'.*'host:slots'"):
+        build(hosts=hosts)
+
+
+@pytest.mark.parametrize("hosts", [":2", "a:1,,b:1", ""])
+def test_empty_host_names_are_rejected(hosts):
+    with pytest.raises(ValueError, match=r"malformed -H entry .*expected 'host:slots'"):
+        build(hosts=hosts)
+
+
+def test_missing_hostfile_is_rejected(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match=f"hostfile not found: '{missing}'"):
+        build(hostfile=str(missing))
+
+
+def test_bad_hostfile_slots_name_file_and_line(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node1 slots=2\nnode2 slots=many\n")
+    with pytest.raises(ValueError, match=rf"'many' in hostfile '{hostfile}' line 2"):
+        read_hostfile(hostfile)
+
+
+# --- finding mpirun --------------------------------------------------------------------------
+
+
+def test_find_mpirun_prefers_the_one_beside_python(tmp_path):
+    beside = tmp_path / "mpirun"
+    beside.write_text("#!/bin/sh\n")
+    beside.chmod(0o755)
+    found = find_mpirun(str(tmp_path / "python"), which=lambda name: "/usr/bin/mpirun")
+    assert found == str(beside)
+
+
+def test_find_mpirun_falls_back_to_path(tmp_path):
+    found = find_mpirun(str(tmp_path / "python"), which=lambda name: "/usr/bin/mpirun")
+    assert found == "/usr/bin/mpirun"
+
+
+def test_find_mpirun_explains_how_to_install(tmp_path):
+    with pytest.raises(MpirunNotFoundError, match=r"pip install 'unison\[mpi\]'"):
+        find_mpirun(str(tmp_path / "python"), which=lambda name: None)
+
+
+# --- the real command-line interface ----------------------------------------------------------
+
+
+def require_mpirun():
+    """Skips the test when no ``mpirun`` can be found (the CLI refuses to build a command)."""
+    try:
+        find_mpirun(sys.executable)
+    except MpirunNotFoundError:
+        pytest.skip("no mpirun installed")
+
+
+def unisonrun(*args, timeout=120, **kwargs):
+    """Runs ``python -m unison.run ARGS`` and returns the completed process."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, "-m", "unison.run", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=REPO,
+        **kwargs,
+    )
+
+
+def test_cli_dry_run_prints_the_command():
+    require_mpirun()
+    result = unisonrun("--dry-run", "-np", "2", "python", "x.py", "--lr", "0.1")
+    assert result.returncode == 0, result.stderr
+    command = shlex.split(result.stdout)
+    assert Path(command[0]).name == "mpirun"
+    beside = Path(sys.executable).parent / "mpirun"
+    if beside.is_file():
+        assert command[0] == str(beside)
+    assert " -np 2 " in result.stdout and " --bind-to none " in result.stdout
+    assert command[-2:] == ["--lr", "0.1"]
+    assert "OMP_NUM_THREADS" in option_values(command, "-x")
+
+
+def test_cli_strips_a_leading_double_dash(capsys):
+    require_mpirun()
+    assert main(["--dry-run", "-np", "2", "--", "python", "x.py", "-np", "5"]) == 0
+    command = shlex.split(capsys.readouterr().out)
+    assert command[-6:] == ["python", "-m", "mpi4py", "x.py", "-np", "5"]
+    assert option_values(command, "-np")[0] == "2"
+
+
+def test_cli_help_exits_zero():
+    result = unisonrun("--help")
+    assert result.returncode == 0
+    assert "usage: unisonrun" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-np", "0", "python", "x.py"], "-np must be at least 1; received 0"),
+        (["-H", "host:abc", "python", "x.py"], "received 'abc'"),
+        (["--hostfile", "/no/such/hostfile", "python", "x.py"], "'/no/such/hostfile'"),
+        (["-np", "2"], "no command given"),
+    ],
+)
+def test_cli_errors_exit_two_with_one_line(args, message):
+    require_mpirun()
+    result = unisonrun("--dry-run", *args)
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("unisonrun: error: ") and message in last
+
+
+# --- real jobs -------------------------------------------------------------------------------
+
+PRINT_RANK = (
+    "from mpi4py import MPI; c = MPI.COMM_WORLD; print(f'rank {c.Get_rank()} of {c.Get_size()}')"
+)
+
+RAISE_ON_RANK_1 = textwrap.dedent(
+    """
+    import time
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    if comm.Get_rank() == 1:
+        raise RuntimeError('boom-rank1')
+    {wait}
+    """
+)
+WAITS = {"barrier": "comm.Barrier()", "sleep": "time.sleep(60)"}
+
+
+def venv_mpirun():
+    """Returns the ``mpirun`` beside this interpreter, skipping the test when there is none."""
+    pytest.importorskip("mpi4py")
+    beside = Path(sys.executable).parent / "mpirun"
+    if not beside.is_file():
+        pytest.skip(f"no mpirun beside {sys.executable}")
+    return str(beside)
+
+
+def plain_mpirun(*args):
+    """Returns a plain ``mpirun`` command line for two ranks of this interpreter."""
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    return [
+        venv_mpirun(),
+        "-np",
+        "2",
+        *root,
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        sys.executable,
+        *args,
+    ]
+
+
+def output(result):
+    return result.stdout + result.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+def test_job_runs_every_rank():
+    venv_mpirun()
+    result = unisonrun("-np", "2", sys.executable, "-c", PRINT_RANK)
+    assert result.returncode == 0, output(result)
+    assert "rank 0 of 2" in result.stdout and "rank 1 of 2" in result.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+def test_console_script_runs_a_job():
+    venv_mpirun()
+    script = Path(sys.executable).parent / "unisonrun"
+    if not script.is_file():
+        pytest.skip("the unisonrun console script is not installed")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [str(script), "-np", "2", "python", "-c", PRINT_RANK],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert result.returncode == 0, output(result)
+    assert "rank 0 of 2" in result.stdout and "rank 1 of 2" in result.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("wait", sorted(WAITS))
+def test_raising_rank_ends_the_job_quickly(wait):
+    venv_mpirun()
+    start = time.monotonic()
+    result = unisonrun("-np", "2", "python", "-c", RAISE_ON_RANK_1.format(wait=WAITS[wait]))
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0
+    assert "boom-rank1" in output(result)
+    assert "Traceback" in output(result)
+    assert elapsed < 30, f"job took {elapsed:.1f} s to end"
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+def test_plain_mpirun_with_mpi4py_runner_ends_quickly():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    code = RAISE_ON_RANK_1.format(wait=WAITS["barrier"])
+    start = time.monotonic()
+    result = subprocess.run(
+        plain_mpirun("-m", "mpi4py", "-c", code),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert result.returncode != 0
+    assert "boom-rank1" in output(result)
+    assert time.monotonic() - start < 30
+
+
+def stop(process, timeout=30):
+    """Ends ``process`` (an ``mpirun`` or ``unisonrun``) the way a user would, with SIGTERM."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+def test_plain_mpirun_hangs_when_a_rank_raises_without_mpi4py_runner():
+    """Documents [Note: a raising rank hangs Open MPI 5]: the reason unisonrun wraps Python."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    code = RAISE_ON_RANK_1.format(wait=WAITS["barrier"])
+    process = subprocess.Popen(
+        plain_mpirun("-c", code), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
+    )
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            process.wait(timeout=10)
+    finally:
+        if process.poll() is None:
+            stop(process)
+
+
+def alive(pid):
+    """Tells whether process ``pid`` exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+def test_sigterm_to_unisonrun_ends_every_rank(tmp_path):
+    venv_mpirun()
+    code = textwrap.dedent(
+        f"""
+        import os, time
+        from mpi4py import MPI
+        rank = MPI.COMM_WORLD.Get_rank()
+        with open(os.path.join({str(tmp_path)!r}, f"rank{{rank}}.pid"), "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(120)
+        """
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "unison.run", "-np", "2", "python", "-c", code],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        cwd=REPO,
+    )
+    pid_files = [tmp_path / "rank0.pid", tmp_path / "rank1.pid"]
+    deadline = time.monotonic() + 60
+    while not all(f.is_file() and f.read_text() for f in pid_files):
+        assert process.poll() is None and time.monotonic() < deadline, "ranks did not start"
+        time.sleep(0.2)
+    pids = [int(f.read_text()) for f in pid_files]
+    start = time.monotonic()
+    status = stop(process)
+    assert status != 0
+    assert time.monotonic() - start < 15
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(pid) for pid in pids)

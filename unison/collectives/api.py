@@ -1,0 +1,448 @@
+"""The blocking collectives on numpy arrays: Unison's framework-neutral API.
+
+Each call first agrees with the other ranks on what is being called (see
+:mod:`unison.collectives.header`), then runs one algorithm:
+
+============== ===================================== ==============================
+collective     ours                                  MPI's
+============== ===================================== ==============================
+allreduce      inline (<= 4 KiB), rhd, ring          ``MPI_Allreduce``
+allgather      inline, ring                          ``MPI_Allgatherv``
+broadcast      inline, binomial tree                 ``MPI_Bcast``
+reducescatter  inline, ring                          ``MPI_Reduce_scatter``
+alltoall       inline, pairwise exchange             ``MPI_Alltoallv``
+============== ===================================== ==============================
+
+``algorithm="auto"`` (the default, or ``UNISON_<OP>_ALGORITHM``) picks by
+message size and rank count; see :mod:`unison.collectives.select`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from unison.collectives import native, rhd, ring, tree
+from unison.collectives.header import INLINE_BYTES, Call, Collective, Negotiator
+from unison.collectives.p2p import exchange as p2p_exchange
+from unison.collectives.reduce import check_op, finalize, prescale, reducer
+from unison.collectives.select import choose_allreduce, choose_simple
+from unison.common import runtime
+from unison.common.config import validate_algorithm
+from unison.common.dtypes import dtype_code, dtype_name, supported_names
+from unison.common.exceptions import CollectiveError, InvalidArgumentError
+from unison.common.ops import Average, ReduceOp, parse_op
+
+__all__ = ["allreduce", "allgather", "broadcast", "reducescatter", "alltoall", "barrier"]
+
+_negotiators: dict[int, Negotiator] = {}
+TAG_A2A = 41
+
+
+def _negotiator(st: runtime.State) -> Negotiator:
+    neg = _negotiators.get(id(st))
+    if neg is None:
+        _negotiators.clear()
+        from mpi4py import MPI
+
+        neg = _negotiators[id(st)] = Negotiator(st.comm, MPI)
+    return neg
+
+
+class _Prep:
+    """The local half of a call: the array, and any error to report to all ranks."""
+
+    def __init__(self, coll: Collective, tensor: Any, name: str | None, config_field: str,
+                 algorithm: str | None, st: runtime.State) -> None:
+        self.call = Call(coll, name=name)
+        self.array: np.ndarray = np.empty(0)
+        try:
+            self.call.algorithm = validate_algorithm(
+                config_field, algorithm if algorithm is not None
+                else getattr(st.config, config_field))
+            self.array = _as_array(tensor)
+            self.call.dtype_code = dtype_code(self.array.dtype)
+            self.call.shape = self.array.shape
+            self.call.nbytes = self.array.nbytes
+        except TypeError as exc:
+            self.fail(exc)
+        except ValueError as exc:
+            self.fail(exc)
+
+    def fail(self, exc: Exception) -> None:
+        if self.call.error is None:
+            self.call.error = (1 if isinstance(exc, TypeError) else 2, str(exc))
+
+    def check(self, fn: Any, *args: Any) -> None:
+        if self.call.error is None:
+            try:
+                fn(*args)
+            except (TypeError, ValueError) as exc:
+                self.fail(exc)
+
+    def raise_local(self) -> None:
+        if self.call.error is not None:
+            kind, text = self.call.error
+            raise (CollectiveError if kind == 1 else InvalidArgumentError)(text)
+
+
+def _as_array(tensor: Any) -> np.ndarray:
+    arr = np.asarray(tensor)
+    if dtype_code(arr.dtype) < 0:
+        raise TypeError(f"dtype {arr.dtype} is not supported by Unison's collectives; "
+                        f"supported dtypes: {supported_names()}. Cast the array first.")
+    return arr
+
+
+def _flat(arr: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(arr).reshape(-1)
+
+
+def _run(prep: _Prep, st: runtime.State) -> Negotiator | None:
+    """Exchange headers (size > 1) or raise the local error (size 1)."""
+    if st.size == 1:
+        prep.raise_local()
+        return None
+    neg = _negotiator(st)
+    neg.exchange(prep.call)
+    return neg
+
+
+def _chunk(st: runtime.State, itemsize: int) -> int:
+    return max(1, st.config.chunk_bytes // itemsize)
+
+
+def allreduce(tensor: Any, op: Any = Average, name: str | None = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              algorithm: str | None = None) -> np.ndarray:
+    """Reduce ``tensor`` over all ranks and return the result on every rank.
+
+    Args:
+        tensor: array-like of a supported dtype, any shape; not modified.
+        op: ``unison.Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        name: a label for error messages and (with the engine) the timeline.
+        prescale_factor: each rank's input is multiplied by this before reducing.
+        postscale_factor: the result is multiplied by this after reducing.
+        algorithm: ``"auto"``, ``"ring"``, ``"rhd"`` or ``"mpi"``; default from
+            ``UNISON_ALLREDUCE_ALGORITHM``.
+
+    Returns:
+        A new array of the input's shape and dtype, bitwise identical on all ranks.
+
+    Raises:
+        NotInitializedError: before ``unison.init()``.
+        CollectiveError: an unsupported dtype or op on any rank (a ``TypeError``).
+        MismatchError: ranks passed different shapes, dtypes, ops or factors (a ``ValueError``).
+    """
+    st = runtime.state("unison.allreduce()")
+    prep = _Prep(Collective.ALLREDUCE, tensor, name, "allreduce_algorithm", algorithm, st)
+    call, x = prep.call, prep.array
+    try:
+        rop = parse_op(op)
+        call.op, call.prescale, call.postscale = int(rop), float(prescale_factor), float(postscale_factor)
+    except (TypeError, ValueError) as exc:
+        prep.fail(exc)
+        rop = ReduceOp.SUM
+    prep.check(check_op, x.dtype, rop, call.prescale, call.postscale)
+    n = st.size
+    small = call.algorithm == "auto" and x.nbytes <= INLINE_BYTES
+    flat = _flat(x) if call.error is None else x
+    if small and call.error is None and n > 1:
+        mine = _negotiator(st).inline_area()[:x.nbytes].view(x.dtype)
+        prescale(flat, call.prescale, mine)
+        call.inline = True
+    neg = _run(prep, st)
+    out = np.empty(x.size, dtype=x.dtype)
+    ufunc = reducer(x.dtype, rop)
+    if neg is None:
+        prescale(flat, call.prescale, out)
+        finalize(out, rop, 1, call.postscale)
+        return out.reshape(x.shape)
+    if x.size == 0:
+        return out.reshape(x.shape)
+    if small:
+        stack = neg.gathered[:, 256:256 + x.nbytes].view(x.dtype)
+        ufunc.reduce(stack, axis=0, out=out)
+        finalize(out, rop, n, call.postscale)
+        return out.reshape(x.shape)
+    algo = choose_allreduce(call.algorithm, x.nbytes, n)
+    chunk = _chunk(st, x.itemsize)
+    comm, mpi = neg.comm, neg.mpi
+
+    def finish(seg: np.ndarray) -> None:
+        finalize(seg, rop, n, call.postscale)
+
+    if algo == "ring":
+        src = flat
+        if call.prescale != 1.0:
+            src = np.empty_like(flat)
+            prescale(flat, call.prescale, src)
+        ring.allreduce(comm, mpi, src, out, ufunc, chunk, finish)
+    elif algo == "rhd":
+        prescale(flat, call.prescale, out)
+        rhd.allreduce(comm, mpi, out, ufunc, chunk, finish)
+    else:
+        src = flat
+        if call.prescale != 1.0:
+            src = np.empty_like(flat)
+            prescale(flat, call.prescale, src)
+        native.allreduce(comm, mpi, src, out, rop)
+        finish(out)
+    return out.reshape(x.shape)
+
+
+def allgather(tensor: Any, name: str | None = None, algorithm: str | None = None) -> np.ndarray:
+    """Concatenate every rank's ``tensor`` along the first dimension, in rank order.
+
+    The first dimension may differ between ranks; the others and the dtype must
+    match. A 0-d input counts as shape ``(1,)``.
+
+    Args:
+        tensor: array-like.
+        name: a label for error messages.
+        algorithm: ``"auto"``, ``"ring"`` or ``"mpi"``; default from ``UNISON_ALLGATHER_ALGORITHM``.
+
+    Raises:
+        MismatchError: trailing shapes or dtypes differ between ranks.
+    """
+    st = runtime.state("unison.allgather()")
+    prep = _Prep(Collective.ALLGATHER, tensor, name, "allgather_algorithm", algorithm, st)
+    x = prep.array.reshape(1) if prep.array.ndim == 0 else prep.array
+    call = prep.call
+    call.shape, call.vary_dim0 = x.shape, True
+    if st.size > 1 and call.error is None and call.algorithm == "auto" and x.nbytes <= INLINE_BYTES:
+        _negotiator(st).inline_area()[:x.nbytes] = _flat(x).view(np.uint8)
+        call.inline = True
+    neg = _run(prep, st)
+    if neg is None:
+        return np.array(x, order="C")
+    rows = neg.dim0s()
+    trailing = x.shape[1:]
+    out = np.empty((sum(rows),) + trailing, dtype=x.dtype)
+    row_bytes = int(np.prod(trailing, dtype=np.int64)) * x.itemsize
+    counts = [r * row_bytes for r in rows]
+    offsets = [sum(counts[:i]) for i in range(len(counts))]
+    ob = out.reshape(-1).view(np.uint8)
+    if neg.all_inline():
+        for i in range(st.size):
+            ob[offsets[i]:offsets[i] + counts[i]] = neg.payload(i, counts[i])
+        return out
+    algo = choose_simple("allgather", call.algorithm, sum(counts), st.size)
+    if algo == "mpi":
+        native.allgatherv(neg.comm, _flat(x), out, counts, offsets, neg.mpi)
+    else:
+        r = st.rank
+        ob[offsets[r]:offsets[r] + counts[r]] = _flat(x).view(np.uint8)
+        ring.allgatherv(neg.comm, neg.mpi, ob, counts, offsets, st.config.chunk_bytes)
+    return out
+
+
+def broadcast(tensor: Any, root_rank: int = 0, name: str | None = None,
+              algorithm: str | None = None) -> np.ndarray:
+    """Return ``root_rank``'s ``tensor`` on every rank.
+
+    Every rank passes an array of the same shape and dtype (its values are
+    ignored except on the root).
+
+    Raises:
+        InvalidArgumentError: ``root_rank`` is not a rank (a ``ValueError``).
+        MismatchError: ranks disagree on shape, dtype or root.
+    """
+    st = runtime.state("unison.broadcast()")
+    prep = _Prep(Collective.BROADCAST, tensor, name, "broadcast_algorithm", algorithm, st)
+    call, x = prep.call, prep.array
+    prep.check(_check_root, root_rank, st.size)
+    call.root = int(root_rank) if call.error is None else -1
+    small = call.algorithm == "auto" and x.nbytes <= INLINE_BYTES
+    if small and st.size > 1 and call.error is None and st.rank == call.root:
+        _negotiator(st).inline_area()[:x.nbytes] = _flat(x).view(np.uint8)
+    call.inline = small
+    neg = _run(prep, st)
+    out = np.array(x, order="C") if (neg is None or st.rank == call.root) else np.empty_like(x, order="C")
+    if neg is None or x.size == 0:
+        return out
+    ob = out.reshape(-1).view(np.uint8)
+    if small:
+        if st.rank != call.root:
+            ob[:] = neg.payload(call.root, x.nbytes)
+        return out
+    algo = choose_simple("broadcast", call.algorithm, x.nbytes, st.size)
+    if algo == "mpi":
+        native.broadcast(neg.comm, ob, call.root, neg.mpi)
+    else:
+        tree.broadcast(neg.comm, ob, call.root, st.config.chunk_bytes)
+    return out
+
+
+def _check_root(root: Any, size: int) -> None:
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < size:
+        raise ValueError(f"root_rank={root!r} is not a rank of this job; "
+                         f"pass an integer in [0, {size})")
+
+
+def _rows_split(rows: int, size: int) -> list[int]:
+    base, extra = divmod(rows, size)
+    return [base + (1 if i < extra else 0) for i in range(size)]
+
+
+def reducescatter(tensor: Any, op: Any = Average, name: str | None = None,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                  algorithm: str | None = None) -> np.ndarray:
+    """Reduce ``tensor`` over all ranks and return this rank's rows of the result.
+
+    The first dimension is split into ``size`` contiguous parts; when it does not
+    divide evenly the first ``dim0 % size`` ranks get one extra row (Horovod's rule).
+
+    Raises:
+        InvalidArgumentError: a 0-d input.
+        MismatchError: ranks passed different shapes, dtypes, ops or factors.
+    """
+    st = runtime.state("unison.reducescatter()")
+    prep = _Prep(Collective.REDUCESCATTER, tensor, name, "reducescatter_algorithm", algorithm, st)
+    call, x = prep.call, prep.array
+    try:
+        rop = parse_op(op)
+        call.op, call.prescale, call.postscale = int(rop), float(prescale_factor), float(postscale_factor)
+    except (TypeError, ValueError) as exc:
+        prep.fail(exc)
+        rop = ReduceOp.SUM
+    prep.check(check_op, x.dtype, rop, call.prescale, call.postscale)
+    if call.error is None and x.ndim == 0:
+        prep.fail(ValueError("reducescatter needs an array with at least one dimension to split; "
+                             "got a 0-d array. Reshape it to (1,) or use allreduce"))
+    n, r = st.size, st.rank
+    small = call.algorithm == "auto" and x.nbytes <= INLINE_BYTES
+    flat = _flat(x) if call.error is None else x
+    if small and n > 1 and call.error is None:
+        prescale(flat, call.prescale, _negotiator(st).inline_area()[:x.nbytes].view(x.dtype))
+        call.inline = True
+    neg = _run(prep, st)
+    rows = _rows_split(x.shape[0], n)
+    row_elems = int(np.prod(x.shape[1:], dtype=np.int64))
+    counts = [k * row_elems for k in rows]
+    offsets = [sum(counts[:i]) for i in range(n)]
+    out = np.empty(counts[r], dtype=x.dtype)
+    shape = (rows[r],) + x.shape[1:]
+    if neg is None:
+        prescale(flat, call.prescale, out)
+        finalize(out, rop, 1, call.postscale)
+        return out.reshape(shape)
+    ufunc = reducer(x.dtype, rop)
+    if small:
+        stack = neg.gathered[:, 256:256 + x.nbytes].view(x.dtype)[:, offsets[r]:offsets[r] + counts[r]]
+        ufunc.reduce(stack, axis=0, out=out)
+    else:
+        src = flat
+        if call.prescale != 1.0:
+            src = np.empty_like(flat)
+            prescale(flat, call.prescale, src)
+        algo = choose_simple("reducescatter", call.algorithm, x.nbytes, n)
+        if algo == "mpi":
+            native.reduce_scatter(neg.comm, neg.mpi, src, out, counts, rop)
+        else:
+            work = np.empty_like(src)
+            ring.reduce_scatter(neg.comm, neg.mpi, src, work, counts, offsets, ufunc,
+                                _chunk(st, x.itemsize), shift=0)
+            out[:] = work[offsets[r]:offsets[r] + counts[r]]
+    finalize(out, rop, n, call.postscale)
+    return out.reshape(shape)
+
+
+def _check_splits(splits: Any, dim0: int, size: int) -> list[int]:
+    if splits is None:
+        if dim0 % size:
+            raise ValueError(f"alltoall without splits needs the first dimension ({dim0}) to be "
+                             f"divisible by the number of ranks ({size}); pass splits=[...] "
+                             "with one row count per rank")
+        return [dim0 // size] * size
+    s = [int(v) for v in np.asarray(splits).reshape(-1).tolist()]
+    if len(s) != size or any(v < 0 for v in s) or sum(s) != dim0:
+        raise ValueError(f"splits={s!r} must hold {size} non-negative row counts (one per rank) "
+                         f"summing to the first dimension ({dim0})")
+    return s
+
+
+def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
+             algorithm: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Send ``splits[i]`` rows of ``tensor`` to rank i; receive each rank's rows for this rank.
+
+    Args:
+        tensor: array-like with at least one dimension.
+        splits: rows for each rank, in rank order; by default an equal split
+            (the first dimension must then divide by the number of ranks).
+
+    Returns:
+        ``(output, received_splits)``: the received rows concatenated in rank
+        order, and how many came from each rank (int64 array).
+
+    Raises:
+        InvalidArgumentError: bad ``splits`` or a 0-d input.
+        MismatchError: trailing shapes or dtypes differ between ranks.
+    """
+    st = runtime.state("unison.alltoall()")
+    prep = _Prep(Collective.ALLTOALL, tensor, name, "alltoall_algorithm", algorithm, st)
+    call, x = prep.call, prep.array
+    n, r = st.size, st.rank
+    call.vary_dim0 = True
+    if call.error is None and x.ndim == 0:
+        prep.fail(ValueError("alltoall needs an array with at least one dimension; got a 0-d array"))
+    my_splits = [0] * n
+    try:
+        if call.error is None:
+            my_splits = _check_splits(splits, x.shape[0], n)
+    except ValueError as exc:
+        prep.fail(exc)
+    row_bytes = int(np.prod(x.shape[1:], dtype=np.int64)) * x.itemsize if x.ndim else 0
+    split_bytes = 8 * n
+    if n > 1 and split_bytes <= INLINE_BYTES:
+        area = _negotiator(st).inline_area()
+        area[:split_bytes].view(np.int64)[:] = my_splits
+        if call.error is None and call.algorithm == "auto" and split_bytes + x.nbytes <= INLINE_BYTES:
+            area[split_bytes:split_bytes + x.nbytes] = _flat(x).view(np.uint8)
+            call.inline = True
+    neg = _run(prep, st)
+    if neg is None:
+        return np.array(x, order="C"), np.asarray(my_splits, dtype=np.int64)
+    if split_bytes <= INLINE_BYTES:
+        all_splits = np.stack([neg.payload(i, split_bytes).view(np.int64) for i in range(n)])
+    else:
+        all_splits = np.empty((n, n), dtype=np.int64)
+        neg.comm.Allgather(np.asarray(my_splits, dtype=np.int64), all_splits)
+    recv_splits = all_splits[:, r].copy()
+    out = np.empty((int(recv_splits.sum()),) + x.shape[1:], dtype=x.dtype)
+    ob = out.reshape(-1).view(np.uint8)
+    rcounts = [int(v) * row_bytes for v in recv_splits]
+    roffs = [sum(rcounts[:i]) for i in range(n)]
+    if neg.all_inline():
+        for i in range(n):
+            start = split_bytes + int(all_splits[i, :r].sum()) * row_bytes
+            ob[roffs[i]:roffs[i] + rcounts[i]] = neg.payload(i, rcounts[i], start)
+        return out, recv_splits
+    xb = _flat(x).view(np.uint8)
+    scounts = [v * row_bytes for v in my_splits]
+    soffs = [sum(scounts[:i]) for i in range(n)]
+    algo = choose_simple("alltoall", call.algorithm, x.nbytes, n)
+    if algo == "mpi":
+        native.alltoallv(neg.comm, neg.mpi, xb, scounts, soffs, ob, rcounts, roffs)
+    else:
+        ob[roffs[r]:roffs[r] + rcounts[r]] = xb[soffs[r]:soffs[r] + scounts[r]]
+        for k in range(1, n):
+            d, s = (r + k) % n, (r - k) % n
+            p2p_exchange(neg.comm, neg.mpi, xb[soffs[d]:soffs[d] + scounts[d]], d,
+                         ob[roffs[s]:roffs[s] + rcounts[s]], s, TAG_A2A, st.config.chunk_bytes)
+    return out, recv_splits
+
+
+def barrier() -> None:
+    """Block until every rank has called ``barrier()``.
+
+    Raises:
+        MismatchError: another rank is in a different collective.
+    """
+    st = runtime.state("unison.barrier()")
+    if st.size > 1:
+        _negotiator(st).exchange(Call(Collective.BARRIER, algorithm="auto"))
+
+
+_ = dtype_name

@@ -1,0 +1,97 @@
+"""Local reduction kernels and scaling, the arithmetic every algorithm shares.
+
+All reductions run through numpy ufuncs into preallocated outputs, so the
+arithmetic is as fast as numpy's loops and identical inputs give bitwise
+identical outputs on every rank.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from unison.common.dtypes import bfloat16, dtype_name, is_bool, is_float
+from unison.common.exceptions import CollectiveError
+from unison.common.ops import ReduceOp
+
+__all__ = ["reducer", "check_op", "prescale", "finalize"]
+
+_FLOAT_UFUNCS = {
+    ReduceOp.AVERAGE: np.add,
+    ReduceOp.SUM: np.add,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.PRODUCT: np.multiply,
+}
+_BOOL_UFUNCS = {
+    ReduceOp.SUM: np.logical_or,
+    ReduceOp.MAX: np.logical_or,
+    ReduceOp.MIN: np.logical_and,
+    ReduceOp.PRODUCT: np.logical_and,
+}
+
+
+def check_op(dtype: np.dtype, op: ReduceOp, prescale_factor: float, postscale_factor: float) -> None:
+    """Refuse combinations with no meaning.
+
+    Raises:
+        CollectiveError: Average or a scale factor on bool data.
+    """
+    if is_bool(dtype):
+        if op is ReduceOp.AVERAGE:
+            raise CollectiveError(
+                "op=unison.Average is not defined for bool arrays; use unison.Sum or unison.Max "
+                "(logical or), or unison.Min or unison.Product (logical and)")
+        if prescale_factor != 1.0 or postscale_factor != 1.0:
+            raise CollectiveError(
+                f"prescale_factor={prescale_factor} / postscale_factor={postscale_factor} cannot "
+                "scale bool arrays; leave both at 1.0 or cast the array to a number type")
+
+
+def reducer(dtype: np.dtype, op: ReduceOp) -> np.ufunc:
+    """The binary ufunc that combines two partial results of ``op`` on ``dtype``."""
+    return (_BOOL_UFUNCS if is_bool(dtype) else _FLOAT_UFUNCS)[op]
+
+
+def _scale(buf: np.ndarray, factor: float, out: np.ndarray) -> None:
+    dt = buf.dtype
+    if dt == np.float32 or dt == np.float64:
+        np.multiply(buf, dt.type(factor), out=out)
+    elif is_float(dt):  # float16, bfloat16: scale in float32, round once
+        out[...] = (buf.astype(np.float32) * np.float32(factor)).astype(dt)
+    else:  # integers: scale in float64 and truncate toward zero, as a C cast would
+        out[...] = np.trunc(buf.astype(np.float64) * factor).astype(dt)
+
+
+def prescale(src: np.ndarray, factor: float, out: np.ndarray) -> None:
+    """``out = src * factor`` (``src`` may equal ``out``)."""
+    if factor == 1.0:
+        if out is not src:
+            np.copyto(out, src)
+    else:
+        _scale(src, factor, out)
+
+
+def finalize(buf: np.ndarray, op: ReduceOp, size: int, postscale_factor: float) -> None:
+    """Turn a fully reduced buffer into the result, in place: average, then postscale.
+
+    Float averages multiply by ``postscale_factor / size`` in one pass; integer
+    averages divide exactly, truncating toward zero.
+    """
+    if buf.size == 0:
+        return
+    factor = postscale_factor
+    if op is ReduceOp.AVERAGE:
+        if is_float(buf.dtype):
+            factor = postscale_factor / size
+        else:
+            wide = buf.astype(np.int64)
+            buf[...] = (np.sign(wide) * (np.abs(wide) // size)).astype(buf.dtype)
+    if factor != 1.0:
+        _scale(buf, factor, buf)
+
+
+def describe_dtype(dtype: np.dtype) -> str:
+    return dtype_name(dtype)
+
+
+_ = bfloat16  # re-exported for algorithm modules that special-case half types

@@ -1,0 +1,175 @@
+"""Unison's settings: one typed object, built once per ``init()``.
+
+Precedence for every setting: explicit argument > ``UNISON_<NAME>`` environment
+variable > ``HOROVOD_<NAME>`` (so existing Horovod job scripts keep working) >
+default. A malformed value raises ``ValueError`` naming the variable, the value
+and what would be accepted. An unknown ``UNISON_*`` variable is most likely a
+typo, so it is logged as a warning with the list of known names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["Config", "ALGORITHMS", "load_config"]
+
+logger = logging.getLogger(__name__)
+
+#: Allreduce algorithms a user can force. ``auto`` picks by size and rank count.
+ALGORITHMS = ("auto", "ring", "rhd", "mpi")
+ALLGATHER_ALGORITHMS = ("auto", "ring", "mpi")
+BROADCAST_ALGORITHMS = ("auto", "tree", "mpi")
+REDUCESCATTER_ALGORITHMS = ("auto", "ring", "mpi")
+ALLTOALL_ALGORITHMS = ("auto", "pairwise", "mpi")
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+# Environment variable names (without the UNISON_/HOROVOD_ prefix).
+ENV_ALLREDUCE_ALGORITHM = "ALLREDUCE_ALGORITHM"
+ENV_ALLGATHER_ALGORITHM = "ALLGATHER_ALGORITHM"
+ENV_BROADCAST_ALGORITHM = "BROADCAST_ALGORITHM"
+ENV_REDUCESCATTER_ALGORITHM = "REDUCESCATTER_ALGORITHM"
+ENV_ALLTOALL_ALGORITHM = "ALLTOALL_ALGORITHM"
+ENV_CHUNK_BYTES = "CHUNK_BYTES"
+ENV_LOG_LEVEL = "LOG_LEVEL"
+ENV_ABORT_ON_ERROR = "ABORT_ON_ERROR"
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in choices:
+            raise ValueError(f"valid choices are {', '.join(choices)}")
+        return value
+
+    return parse
+
+
+def _level(raw: str) -> str:
+    value = raw.strip().upper()
+    if value not in LOG_LEVELS:
+        raise ValueError(f"valid choices are {', '.join(LOG_LEVELS)}")
+    return value
+
+
+def _positive_int(raw: str) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ValueError("expected a positive integer number of bytes") from None
+    if value <= 0:
+        raise ValueError("expected a positive integer number of bytes")
+    return value
+
+
+def _flag(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("expected one of 1, 0, true, false")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """All of Unison's settings, with their defaults."""
+
+    allreduce_algorithm: str = "auto"
+    allgather_algorithm: str = "auto"
+    broadcast_algorithm: str = "auto"
+    reducescatter_algorithm: str = "auto"
+    alltoall_algorithm: str = "auto"
+    #: Largest message our point-to-point algorithms send at once; bigger
+    #: transfers are streamed in pieces of this size so they stay in cache.
+    chunk_bytes: int = 1 << 20
+    log_level: str = "WARNING"
+    #: Abort the MPI job when a rank dies of an uncaught exception.
+    abort_on_error: bool = True
+
+
+# field name -> (env suffix, parser)
+_FIELDS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "allreduce_algorithm": (ENV_ALLREDUCE_ALGORITHM, _choice(ALGORITHMS)),
+    "allgather_algorithm": (ENV_ALLGATHER_ALGORITHM, _choice(ALLGATHER_ALGORITHMS)),
+    "broadcast_algorithm": (ENV_BROADCAST_ALGORITHM, _choice(BROADCAST_ALGORITHMS)),
+    "reducescatter_algorithm": (ENV_REDUCESCATTER_ALGORITHM, _choice(REDUCESCATTER_ALGORITHMS)),
+    "alltoall_algorithm": (ENV_ALLTOALL_ALGORITHM, _choice(ALLTOALL_ALGORITHMS)),
+    "chunk_bytes": (ENV_CHUNK_BYTES, _positive_int),
+    "log_level": (ENV_LOG_LEVEL, _level),
+    "abort_on_error": (ENV_ABORT_ON_ERROR, _flag),
+}
+
+#: Suffixes Unison reads itself plus those read by other parts (engine, backends)
+#: registered through :func:`register_env`.
+_KNOWN_SUFFIXES: set[str] = {suffix for suffix, _ in _FIELDS.values()}
+
+
+def register_env(*suffixes: str) -> None:
+    """Declare extra ``UNISON_*`` suffixes read elsewhere, so they are not flagged as typos."""
+    _KNOWN_SUFFIXES.update(suffixes)
+
+
+def env_value(suffix: str, environ: Mapping[str, str] | None = None) -> tuple[str, str] | None:
+    """Return ``(variable name, raw value)`` for a setting, UNISON_ first, else HOROVOD_."""
+    env = os.environ if environ is None else environ
+    for prefix in ("UNISON_", "HOROVOD_"):
+        name = prefix + suffix
+        if name in env:
+            return name, env[name]
+    return None
+
+
+def parse_env(suffix: str, parse: Callable[[str], Any], default: Any,
+              environ: Mapping[str, str] | None = None) -> Any:
+    """Read one setting from the environment through ``parse``.
+
+    Raises:
+        ValueError: the variable is set to a value ``parse`` refuses; the message
+            names the variable, the value and what ``parse`` accepts.
+    """
+    found = env_value(suffix, environ)
+    if found is None:
+        return default
+    name, raw = found
+    try:
+        return parse(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r} is not valid: {exc}") from None
+
+
+def validate_algorithm(field: str, value: str) -> str:
+    """Check a per-call ``algorithm=`` keyword against the choices of ``field``."""
+    parse = _FIELDS[field][1]
+    try:
+        return parse(value)
+    except (ValueError, AttributeError) as exc:
+        raise ValueError(f"algorithm={value!r} is not valid: {exc}") from None
+
+
+def load_config(environ: Mapping[str, str] | None = None, **overrides: Any) -> Config:
+    """Build the :class:`Config` from ``overrides`` > environment > defaults.
+
+    Raises:
+        ValueError: a variable or override is malformed, or an override names no setting.
+    """
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for field, (suffix, parse) in _FIELDS.items():
+        if field in overrides and overrides[field] is not None:
+            raw = overrides.pop(field)
+            values[field] = parse(str(raw)) if isinstance(raw, str) else raw
+        else:
+            overrides.pop(field, None)
+            values[field] = parse_env(suffix, parse, getattr(Config, field), env)
+    if overrides:
+        known = ", ".join(_FIELDS)
+        raise ValueError(f"unknown Unison setting(s) {sorted(overrides)}; known settings: {known}")
+    for name in env:
+        if name.startswith("UNISON_") and name[len("UNISON_"):] not in _KNOWN_SUFFIXES:
+            logger.warning("%s is not a Unison setting and is ignored; known: %s", name,
+                           ", ".join("UNISON_" + s for s in sorted(_KNOWN_SUFFIXES)))
+    return Config(**values)

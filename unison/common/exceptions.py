@@ -1,0 +1,47 @@
+"""Exceptions raised by Unison.
+
+Every class subclasses the built-in exception a user would naturally catch
+(``RuntimeError``, ``ValueError``, ``TypeError``) so existing ``except`` clauses
+keep working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "UnisonError", "NotInitializedError", "MismatchError", "CollectiveError", "InvalidArgumentError",
+]
+
+
+class UnisonError(RuntimeError):
+    """Base class of Unison's own errors."""
+
+
+class NotInitializedError(UnisonError):
+    """A collective or query was called before :func:`unison.init`."""
+
+    def __init__(self, what: str = "this call") -> None:
+        super().__init__(
+            f"Unison has not been initialized: {what} needs it. Call unison.init() first "
+            "(once per process, after importing unison)."
+        )
+
+
+class MismatchError(UnisonError, ValueError):
+    """Ranks submitted the same collective with incompatible arguments.
+
+    Raised on every rank, with every rank's view of the call in the message.
+    """
+
+
+class CollectiveError(UnisonError, TypeError):
+    """A rank submitted a collective that cannot run (bad dtype, op or argument).
+
+    Raised on every rank so that no rank is left waiting for the others.
+    """
+
+
+class InvalidArgumentError(UnisonError, ValueError):
+    """A rank passed an argument that no rank can accept (bad root, splits, shape).
+
+    Raised on every rank so that no rank is left waiting for the others.
+    """

@@ -1,0 +1,50 @@
+"""Reduction operations, as module-level constants like Horovod's ``hvd.Sum``."""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Product", "parse_op"]
+
+
+class ReduceOp(enum.IntEnum):
+    """How the values of all ranks are combined."""
+
+    AVERAGE = 0
+    SUM = 1
+    MIN = 2
+    MAX = 3
+    PRODUCT = 4
+
+    def __repr__(self) -> str:
+        return f"unison.{self.name.capitalize()}"
+
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
+
+
+def parse_op(op: object) -> ReduceOp:
+    """Return ``op`` as a :class:`ReduceOp`.
+
+    Accepts the constants, their integer values, or names such as ``"sum"``.
+
+    Raises:
+        ValueError: ``op`` names no reduction.
+    """
+    if isinstance(op, ReduceOp):
+        return op
+    if isinstance(op, str):
+        key = op.strip().upper()
+        if key in ReduceOp.__members__:
+            return ReduceOp[key]
+    elif isinstance(op, int) and not isinstance(op, bool):
+        try:
+            return ReduceOp(op)
+        except ValueError:
+            pass
+    valid = ", ".join(f"unison.{m.capitalize()}" for m in ReduceOp.__members__)
+    raise ValueError(f"unknown reduce op {op!r}; valid ops are {valid}")

@@ -1,0 +1,258 @@
+"""Process-wide runtime: MPI start-up, rank topology and clean failure.
+
+``init()`` duplicates the world communicator so that Unison's traffic can never
+match a user's own MPI messages, splits it by shared memory to find the ranks on
+this host (``local_rank``) and across hosts (``cross_rank``), and installs an
+exception hook so that one rank dying ends the whole job instead of leaving the
+others blocked in a collective.
+
+Without mpi4py (``pip install unison`` without the ``mpi`` extra) or without
+``mpirun``, a process is a job of size 1 and every collective is local.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import threading
+import traceback
+from types import TracebackType
+from typing import Any
+
+from unison.common.config import Config, load_config
+from unison.common.exceptions import NotInitializedError, UnisonError
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size", "state", "mpi_built", "mpi_threads_supported",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class State:
+    """What ``init()`` set up. ``comm`` is None for a size-1 job without MPI."""
+
+    config: Config
+    comm: Any
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    owns_comm: bool
+
+
+_state: State | None = None
+_lock = threading.Lock()
+_previous_excepthook: Any = None
+
+
+def _import_mpi() -> Any:
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
+    return MPI
+
+
+def mpi_built() -> bool:
+    """Whether mpi4py (and so multi-process jobs) is available."""
+    return _import_mpi() is not None
+
+
+def mpi_threads_supported() -> bool:
+    """Whether MPI runs with ``MPI_THREAD_MULTIPLE`` (Horovod's query of the same name)."""
+    mpi = _import_mpi()
+    return mpi is not None and mpi.Query_thread() == mpi.THREAD_MULTIPLE
+
+
+def init(comm: Any = None, **settings: Any) -> None:
+    """Start Unison in this process. Call it once, on every rank, before any collective.
+
+    Args:
+        comm: an mpi4py communicator (or a list of world ranks) to run on; the
+            world communicator by default. Unison works on a duplicate of it.
+        **settings: overrides of :class:`~unison.common.config.Config` fields,
+            e.g. ``allreduce_algorithm="ring"``; they win over ``UNISON_*`` variables.
+
+    Raises:
+        ValueError: a setting or ``UNISON_*`` variable is malformed.
+    """
+    global _state
+    with _lock:
+        if _state is not None:
+            return
+        config = load_config(**settings)
+        _configure_logging(config)
+        mpi = _import_mpi()
+        if mpi is None:
+            if comm is not None:
+                raise UnisonError("init(comm=...) needs mpi4py; install it with pip install 'unison[mpi]'")
+            _state = State(config, None, 0, 1, 0, 1, 0, 1, owns_comm=False)
+            logger.debug("mpi4py not found: running as a single process")
+            return
+        _state = _mpi_state(mpi, comm, config)
+        if _state.size > 1 and config.abort_on_error:
+            _install_excepthook()
+    logger.debug("initialized: rank %d of %d (local %d of %d)", _state.rank, _state.size,
+                 _state.local_rank, _state.local_size)
+
+
+def _mpi_state(mpi: Any, comm: Any, config: Config) -> State:
+    world = mpi.COMM_WORLD
+    if comm is None:
+        base = world
+    elif isinstance(comm, (list, tuple)):
+        ranks = [int(r) for r in comm]
+        bad = [r for r in ranks if not 0 <= r < world.Get_size()]
+        if bad or len(set(ranks)) != len(ranks):
+            raise ValueError(f"init(comm={list(comm)!r}): ranks must be distinct and in "
+                             f"[0, {world.Get_size()})")
+        base = world.Create_group(world.Get_group().Incl(ranks))
+        if base == mpi.COMM_NULL:
+            raise UnisonError(f"this process (world rank {world.Get_rank()}) is not in "
+                              f"init(comm={ranks!r}); only listed ranks may call init")
+    else:
+        base = comm
+    dup = base.Dup()
+    local = dup.Split_type(mpi.COMM_TYPE_SHARED, key=dup.Get_rank())
+    cross = dup.Split(color=local.Get_rank(), key=dup.Get_rank())
+    state = State(
+        config=config, comm=dup, rank=dup.Get_rank(), size=dup.Get_size(),
+        local_rank=local.Get_rank(), local_size=local.Get_size(),
+        cross_rank=cross.Get_rank(), cross_size=cross.Get_size(), owns_comm=True,
+    )
+    local.Free()
+    cross.Free()
+    return state
+
+
+def shutdown() -> None:
+    """Stop Unison in this process; ``init()`` may be called again afterwards."""
+    global _state
+    with _lock:
+        state, _state = _state, None
+    if state is None:
+        return
+    for hook in list(_shutdown_hooks):
+        hook()
+    if state.owns_comm and state.comm is not None:
+        try:
+            state.comm.Free()
+        except Exception:  # MPI already finalized at interpreter exit
+            logger.debug("communicator already freed", exc_info=True)
+    _uninstall_excepthook()
+
+
+_shutdown_hooks: list[Any] = []
+
+
+def add_shutdown_hook(hook: Any) -> None:
+    """Run ``hook()`` at the start of :func:`shutdown` (used by the engine)."""
+    _shutdown_hooks.append(hook)
+
+
+def is_initialized() -> bool:
+    return _state is not None
+
+
+def state(what: str = "this call") -> State:
+    """Return the runtime state.
+
+    Raises:
+        NotInitializedError: ``init()`` has not been called.
+    """
+    s = _state
+    if s is None:
+        raise NotInitializedError(what)
+    return s
+
+
+def rank() -> int:
+    """This process's rank, 0 <= rank < size."""
+    return state("unison.rank()").rank
+
+
+def size() -> int:
+    """The number of processes in the job."""
+    return state("unison.size()").size
+
+
+def local_rank() -> int:
+    """This process's rank among the processes on its host (from MPI's shared-memory split)."""
+    return state("unison.local_rank()").local_rank
+
+
+def local_size() -> int:
+    """The number of processes on this host."""
+    return state("unison.local_size()").local_size
+
+
+def cross_rank() -> int:
+    """The index of this host among hosts, i.e. the rank among processes with the same local rank."""
+    return state("unison.cross_rank()").cross_rank
+
+
+def cross_size() -> int:
+    """The number of processes sharing this process's local rank (= hosts, when balanced)."""
+    return state("unison.cross_size()").cross_size
+
+
+class _RankAdapter(logging.LoggerAdapter):
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        s = _state
+        prefix = f"[unison rank {s.rank}] " if s is not None else "[unison] "
+        return prefix + str(msg), kwargs
+
+
+def get_logger(name: str) -> logging.LoggerAdapter:
+    """A logger whose records carry this process's rank."""
+    return _RankAdapter(logging.getLogger(name), {})
+
+
+def _configure_logging(config: Config) -> None:
+    level = 5 if config.log_level == "TRACE" else getattr(logging, config.log_level)
+    logging.getLogger("unison").setLevel(level)
+
+
+def _excepthook(exc_type: type[BaseException], exc: BaseException,
+                tb: TracebackType | None) -> None:
+    """Print the traceback, then abort the MPI job so no other rank waits forever."""
+    s = _state
+    head = f"[unison] rank {s.rank} of {s.size} failed; aborting the job:\n" if s else ""
+    sys.stderr.write(head + "".join(traceback.format_exception(exc_type, exc, tb)))
+    sys.stderr.flush()
+    mpi = _import_mpi()
+    if mpi is not None and s is not None and s.size > 1 and not issubclass(exc_type, KeyboardInterrupt):
+        mpi.COMM_WORLD.Abort(1)
+    if _previous_excepthook not in (None, sys.__excepthook__):
+        _previous_excepthook(exc_type, exc, tb)
+
+
+def _thread_excepthook(args: threading.ExceptHookArgs) -> None:
+    if args.exc_type is SystemExit:
+        return
+    _excepthook(args.exc_type, args.exc_value or args.exc_type(), args.exc_traceback)
+
+
+def _install_excepthook() -> None:
+    global _previous_excepthook
+    if sys.excepthook is not _excepthook:
+        _previous_excepthook = sys.excepthook
+        sys.excepthook = _excepthook
+
+
+def _uninstall_excepthook() -> None:
+    global _previous_excepthook
+    if sys.excepthook is _excepthook:
+        sys.excepthook = _previous_excepthook or sys.__excepthook__
+    _previous_excepthook = None
+
+
+def environ_flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0")

@@ -1,0 +1,124 @@
+"""Parse the host lists given to ``unisonrun`` (``-H`` and ``--hostfile``).
+
+The launcher only needs the host lists for two things: to reject malformed input early, with a
+message that names the bad value (``mpirun``'s own errors arrive late and are long), and to count
+the slots, so it can decide whether ``-np`` asks for more processes than there are slots
+(``--oversubscribe``). The lists themselves are handed to ``mpirun`` unchanged.
+
+Accepted forms, following Open MPI:
+
+* ``-H``: comma-separated ``host:slots`` entries, e.g. ``localhost:2,node7:4``. A bare ``host``
+  means one slot, as it does for ``mpirun -H``.
+* ``--hostfile``: one host per line, ``host [slots=N] [max_slots=M]``; ``#`` starts a comment.
+  A line without ``slots=`` is counted as one slot here. Open MPI itself gives such a host as many
+  slots as it has cores, so the count is a lower bound and at worst ``unisonrun`` adds an
+  unneeded ``--oversubscribe``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import NamedTuple
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+_HOST_FORM = "'host:slots' with slots a positive integer, e.g. 'localhost:2'"
+_HOSTFILE_FORM = "'host slots=N' with N a positive integer, e.g. 'node7 slots=4'"
+
+
+class Host(NamedTuple):
+    """One host and the number of MPI slots (processes) it offers."""
+
+    name: str
+    slots: int
+
+
+def _parse_slots(text: str, where: str, form: str) -> int:
+    """Parses a slot count, which must be a positive integer.
+
+    Args:
+        text: The slot count as written by the user.
+        where: Describes where ``text`` came from, for the error message.
+        form: The expected form of the whole entry, for the error message.
+
+    Returns:
+        The slot count.
+
+    Raises:
+        ValueError: ``text`` is not a positive integer.
+    """
+    try:
+        slots = int(text)
+    except ValueError:
+        slots = 0
+    if slots < 1:
+        raise ValueError(
+            f"slots must be a positive integer; received {text!r} in {where}; expected {form}"
+        )
+    return slots
+
+
+def parse_hosts(value: str) -> list[Host]:
+    """Parses a ``-H`` value such as ``"localhost:2,node7:4"``.
+
+    Args:
+        value: Comma-separated ``host:slots`` entries; a bare ``host`` counts as one slot.
+
+    Returns:
+        The hosts in the order given.
+
+    Raises:
+        ValueError: An entry is empty, has an empty host name, or a slot count that is not a
+            positive integer.
+    """
+    hosts = []
+    for entry in value.split(","):
+        name, sep, slots_text = entry.strip().rpartition(":")
+        if not sep:
+            name, slots_text = slots_text, "1"
+        if not name:
+            raise ValueError(f"malformed -H entry {entry!r} in {value!r}: expected {_HOST_FORM}")
+        hosts.append(Host(name, _parse_slots(slots_text, f"-H entry {entry!r}", _HOST_FORM)))
+    return hosts
+
+
+def read_hostfile(path: str | Path) -> list[Host]:
+    """Reads an Open MPI hostfile.
+
+    Args:
+        path: The hostfile; lines look like ``node7 slots=4``, ``#`` starts a comment.
+
+    Returns:
+        The hosts listed, with one slot for a line that gives no ``slots=``.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist or is not a file.
+        ValueError: A ``slots=`` value is not a positive integer.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"hostfile not found: {str(path)!r}; pass the path of an existing file to --hostfile"
+        )
+    hosts = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        slots = 1
+        for field in fields[1:]:
+            key, _, text = field.partition("=")
+            if key == "slots":
+                where = f"hostfile {str(path)!r} line {number}"
+                slots = _parse_slots(text, where, _HOSTFILE_FORM)
+        hosts.append(Host(fields[0], slots))
+    logger.debug("hostfile %s lists %d host(s)", path, len(hosts))
+    return hosts
+
+
+def total_slots(hosts: list[Host]) -> int:
+    """Returns the number of slots offered by ``hosts`` altogether."""
+    return sum(host.slots for host in hosts)

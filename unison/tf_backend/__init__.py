@@ -1,0 +1,1 @@
+"""Placeholder package: filled in by the backend issues."""
