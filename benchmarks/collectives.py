@@ -548,6 +548,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank, n = world.Get_rank(), world.Get_size()
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format=f"[collectives rank {rank}] %(levelname)s %(message)s")
+    load_start = os.getloadavg()[0]
     membw = measure_membw(world)
     notes: list[str] = []
     gloo = _start_gloo(world, args, notes)
@@ -580,6 +581,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_summaries(records)
         for f in failures:
             print(f"FAILED: {f}")
+        print(f"\nhost load average (1 min): {load_start:.2f} at start, {os.getloadavg()[0]:.2f} "
+              f"at end, on {os.cpu_count()} CPUs with {n} ranks; more than the ranks means other "
+              "work shared the CPUs")
         if args.json is not None:
             write_json(args.json, records)
             print(f"wrote {args.json}")

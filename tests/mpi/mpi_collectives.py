@@ -277,3 +277,32 @@ def test_barrier_and_topology():
     assert unison.local_size() == N and unison.local_rank() == R  # one host
     assert unison.cross_size() == 1 and unison.cross_rank() == 0
     assert state().comm.Get_size() == N
+
+
+@pytest.mark.parametrize("algorithm", ALGOS)
+def test_allreduce_out_and_in_place(algorithm):
+    for shape in [(6,), (3001,), (2, 70000)]:
+        mine = make(R, shape, np.dtype(np.float32), 5)
+        want = sum(make(r, shape, np.dtype(np.float32), 5).astype(np.float64) for r in range(N))
+        out = np.empty(shape, np.float32)
+        got = unison.allreduce(mine, op=unison.Sum, algorithm=algorithm, out=out)
+        assert got is out
+        check_close(out, want, np.dtype(np.float32), exact=True)
+        inplace = mine.copy()
+        assert unison.allreduce(inplace, op=unison.Sum, algorithm=algorithm, out=inplace) is inplace
+        check_close(inplace, want, np.dtype(np.float32), exact=True)
+    with pytest.raises(ValueError, match="out= must be a C-contiguous"):
+        unison.allreduce(np.ones(4, np.float32), out=np.empty(4, np.float64), algorithm=algorithm)
+
+
+def test_cached_small_call_still_detects_mismatch():
+    """The second identical small call takes the cached plan; a changed call must still be checked."""
+    for _ in range(3):
+        np.testing.assert_array_equal(unison.allreduce(np.ones(3), op=unison.Sum), np.full(3, N))
+    if N == 1:
+        return
+    with pytest.raises(unison.MismatchError, match="shape"):
+        unison.allreduce(np.ones(3) if R == 0 else np.ones(4), op=unison.Sum, name="cached")
+    with pytest.raises(unison.MismatchError, match="op"):
+        unison.allreduce(np.ones(3), op=unison.Sum if R == 0 else unison.Min)
+    np.testing.assert_array_equal(unison.allreduce(np.ones(3), op=unison.Sum), np.full(3, N))

@@ -41,6 +41,7 @@ HEADER_BYTES = 256
 INLINE_BYTES = 4096
 BLOCK_BYTES = HEADER_BYTES + INLINE_BYTES
 MATCH_WORDS = 21
+MATCH_BYTES = MATCH_WORDS * 8
 MAX_DIMS = 8
 
 W_ERR = 20
@@ -103,7 +104,11 @@ class Negotiator:
         self.block = np.zeros(BLOCK_BYTES, dtype=np.uint8)
         self.gathered = np.zeros((self.size, BLOCK_BYTES), dtype=np.uint8)
         self.words = self.gathered[:, :HEADER_BYTES].view(np.int64)
-        self._match = self.gathered[:, : MATCH_WORDS * 8]
+        self._match = self.gathered[:, :MATCH_BYTES]
+        #: cached per-signature plans of the fast paths (see api.InlineAllreduce)
+        self.plans: dict[Any, Any] = {}
+        #: the plan whose header is in ``block`` (any other exchange resets it)
+        self.last_plan: Any = None
 
     def inline_area(self) -> np.ndarray:
         """This rank's inline space, to fill before :meth:`exchange`."""
@@ -129,6 +134,7 @@ class Negotiator:
         err_bytes = err_text.encode("utf-8", "replace")[:INLINE_BYTES]
         if err_bytes:
             self.block[HEADER_BYTES:HEADER_BYTES + len(err_bytes)] = np.frombuffer(err_bytes, np.uint8)
+        self.last_plan = None
         _STRUCT.pack_into(
             self.block, 0, MAGIC, int(call.coll), call.dtype_code, call.op,
             ALGO_CODES[call.algorithm], call.root, call.prescale, call.postscale,
@@ -140,7 +146,7 @@ class Negotiator:
         self.comm.Allgather([self.block, self.mpi.BYTE], [self.gathered, self.mpi.BYTE])
         match = self._match
         if match[1:].tobytes() != match[0].tobytes() * (self.size - 1) or self.words[0, W_ERR]:
-            self._raise(call)
+            self.raise_mismatch(call)
 
     def all_inline(self) -> bool:
         return bool(self.words[:, W_INLINE].all())
@@ -175,7 +181,8 @@ class Negotiator:
             desc["prescale_factor"], desc["postscale_factor"] = repr(pre), repr(post)
         return desc
 
-    def _raise(self, call: Call) -> None:
+    def raise_mismatch(self, call: Call) -> None:
+        """Raise the error that describes why the gathered headers disagree."""
         label = f"unison.{call.coll.name.lower()}" + (f"(name={call.name!r})" if call.name else "()")
         errors = []
         for r in range(self.size):
@@ -198,7 +205,7 @@ class Negotiator:
             for r, d in enumerate(descs))
         differing = ", ".join(keys) or "shape"
         raise MismatchError(
-            f"{label}: ranks called it with different arguments ({differing} differ): {per_rank}. "
+            f"{label}: ranks called it with different arguments (differing: {differing}): {per_rank}. "
             "Every rank must make the same collective calls in the same order with the same "
             "dtype, shape (first dimension excepted for allgather/alltoall), op, root and "
             "scale factors.")

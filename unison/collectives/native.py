@@ -69,7 +69,8 @@ def mpi_op(mpi: Any, dtype: np.dtype, op: ReduceOp) -> Any:
 
 def allreduce(comm: Any, mpi: Any, inp: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
     t = mpi_type(mpi, inp.dtype)
-    comm.Allreduce([inp, inp.size, t], [out, out.size, t], op=mpi_op(mpi, inp.dtype, op))
+    send = mpi.IN_PLACE if inp.ctypes.data == out.ctypes.data else [inp, inp.size, t]
+    comm.Allreduce(send, [out, out.size, t], op=mpi_op(mpi, inp.dtype, op))
 
 
 def reduce_scatter(comm: Any, mpi: Any, inp: np.ndarray, out: np.ndarray, counts: list[int],

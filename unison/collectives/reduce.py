@@ -65,7 +65,7 @@ def _scale(buf: np.ndarray, factor: float, out: np.ndarray) -> None:
 def prescale(src: np.ndarray, factor: float, out: np.ndarray) -> None:
     """``out = src * factor`` (``src`` may equal ``out``)."""
     if factor == 1.0:
-        if out is not src:
+        if out.ctypes.data != src.ctypes.data:
             np.copyto(out, src)
     else:
         _scale(src, factor, out)

@@ -45,6 +45,8 @@ class State:
     cross_rank: int
     cross_size: int
     owns_comm: bool
+    #: per-communicator objects built lazily by the collectives (exchange buffers, plans)
+    cache: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 _state: State | None = None

@@ -1,0 +1,105 @@
+"""A plain process (no mpirun) is a job of size 1; settings and errors need no MPI job."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import unison
+from unison.common.config import load_config
+
+
+@pytest.fixture
+def fresh():
+    unison.shutdown()
+    yield
+    unison.shutdown()
+
+
+def test_collective_before_init_names_the_fix(fresh):
+    with pytest.raises(unison.NotInitializedError, match=r"Call unison.init\(\) first"):
+        unison.allreduce(np.ones(3))
+    with pytest.raises(RuntimeError, match="unison.init"):
+        unison.rank()
+
+
+def test_size_one_semantics(fresh):
+    unison.init()
+    assert (unison.rank(), unison.size(), unison.local_rank(), unison.local_size()) == (0, 1, 0, 1)
+    assert (unison.cross_rank(), unison.cross_size()) == (0, 1)
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    np.testing.assert_array_equal(unison.allreduce(x), x)
+    np.testing.assert_array_equal(unison.allreduce(x, op=unison.Sum, prescale_factor=2.0,
+                                                   postscale_factor=0.5), x)
+    np.testing.assert_array_equal(unison.allgather(x), x)
+    np.testing.assert_array_equal(unison.broadcast(x, root_rank=0), x)
+    np.testing.assert_array_equal(unison.reducescatter(x, op=unison.Sum), x)
+    out, splits = unison.alltoall(x)
+    np.testing.assert_array_equal(out, x)
+    np.testing.assert_array_equal(splits, [2])
+    assert unison.broadcast(np.float64(3.0)).shape == ()
+    unison.barrier()
+    with pytest.raises(TypeError, match="complex128"):
+        unison.allreduce(np.ones(2, complex))
+    with pytest.raises(ValueError, match="root_rank=1"):
+        unison.broadcast(x, root_rank=1)
+    assert unison.allreduce(np.ones(3, np.int64) * 7).tolist() == [7, 7, 7]
+
+
+def test_init_is_idempotent_and_shutdown_allows_reinit(fresh):
+    unison.init()
+    unison.init()
+    assert unison.is_initialized()
+    unison.shutdown()
+    assert not unison.is_initialized()
+    unison.init()
+    assert unison.size() == 1
+
+
+def test_env_settings_and_horovod_alias():
+    assert load_config({}).allreduce_algorithm == "auto"
+    assert load_config({"UNISON_ALLREDUCE_ALGORITHM": "RING"}).allreduce_algorithm == "ring"
+    assert load_config({"HOROVOD_ALLREDUCE_ALGORITHM": "rhd"}).allreduce_algorithm == "rhd"
+    both = {"UNISON_ALLREDUCE_ALGORITHM": "mpi", "HOROVOD_ALLREDUCE_ALGORITHM": "rhd"}
+    assert load_config(both).allreduce_algorithm == "mpi"
+    assert load_config(both, allreduce_algorithm="ring").allreduce_algorithm == "ring"
+    assert load_config({"UNISON_CHUNK_BYTES": "4096"}).chunk_bytes == 4096
+
+
+@pytest.mark.parametrize("var, value, expected", [
+    ("UNISON_ALLREDUCE_ALGORITHM", "fastest", "UNISON_ALLREDUCE_ALGORITHM='fastest'.*auto, ring, rhd, mpi"),
+    ("HOROVOD_ALLREDUCE_ALGORITHM", "nccl", "HOROVOD_ALLREDUCE_ALGORITHM='nccl'.*auto, ring, rhd, mpi"),
+    ("UNISON_BROADCAST_ALGORITHM", "ring", "UNISON_BROADCAST_ALGORITHM='ring'.*auto, tree, mpi"),
+    ("UNISON_CHUNK_BYTES", "-5", "UNISON_CHUNK_BYTES='-5'.*positive integer"),
+    ("UNISON_CHUNK_BYTES", "1MB", "UNISON_CHUNK_BYTES='1MB'.*positive integer"),
+    ("UNISON_LOG_LEVEL", "loud", "UNISON_LOG_LEVEL='loud'.*DEBUG"),
+])
+def test_malformed_env_raises_value_error_naming_variable(var, value, expected):
+    with pytest.raises(ValueError, match=expected):
+        load_config({var: value})
+
+
+def test_unknown_setting_and_typo_warning(caplog):
+    with pytest.raises(ValueError, match="unknown Unison setting"):
+        load_config({}, fusion="yes")
+    with caplog.at_level("WARNING", logger="unison"):
+        load_config({"UNISON_ALLREDUCE_ALGORTHM": "ring"})
+    assert "UNISON_ALLREDUCE_ALGORTHM is not a Unison setting" in caplog.text
+
+
+def test_init_rejects_malformed_env(fresh, monkeypatch):
+    monkeypatch.setenv("UNISON_ALLREDUCE_ALGORITHM", "bogus")
+    with pytest.raises(ValueError, match="UNISON_ALLREDUCE_ALGORITHM='bogus'"):
+        unison.init()
+    assert not unison.is_initialized()
+
+
+def test_import_has_no_side_effects():
+    code = ("import sys, unison; assert 'mpi4py.MPI' not in sys.modules; "
+            "assert 'tensorflow' not in sys.modules and 'torch' not in sys.modules")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "" and proc.stderr == ""
