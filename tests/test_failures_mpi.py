@@ -6,7 +6,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import mpirun
 
 pytestmark = pytest.mark.mpi
