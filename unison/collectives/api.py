@@ -23,11 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from unison.collectives import native, rhd, ring, tree
+from unison.collectives import kernels
 from unison.collectives.header import INLINE_BYTES, MATCH_BYTES, Call, Collective, Negotiator
-from unison.collectives.p2p import exchange as p2p_exchange
 from unison.collectives.reduce import check_op, finalize, prescale, reducer
-from unison.collectives.select import choose_allreduce, choose_simple
 from unison.common import runtime
 from unison.common.config import validate_algorithm
 from unison.common.dtypes import dtype_code, dtype_from_code, supported_names
@@ -35,8 +33,6 @@ from unison.common.exceptions import CollectiveError, InvalidArgumentError
 from unison.common.ops import Average, ReduceOp, parse_op
 
 __all__ = ["allreduce", "allgather", "broadcast", "reducescatter", "alltoall", "barrier"]
-
-TAG_A2A = 41
 
 
 def _negotiator(st: runtime.State) -> Negotiator:
@@ -178,29 +174,8 @@ def allreduce(tensor: Any, op: Any = Average, name: str | None = None,
             neg.plans[(tensor.shape, tensor.dtype, op, prescale_factor, postscale_factor, algorithm)] = \
                 InlineAllreduce(neg, call, ufunc, rop)
         return result
-    algo = choose_allreduce(call.algorithm, x.nbytes, n)
-    chunk = _chunk(st, x.itemsize)
-    comm, mpi = neg.comm, neg.mpi
-
-    def finish(seg: np.ndarray) -> None:
-        finalize(seg, rop, n, call.postscale)
-
-    if algo == "ring":
-        src = flat
-        if call.prescale != 1.0:
-            src = np.empty_like(flat)
-            prescale(flat, call.prescale, src)
-        ring.allreduce(comm, mpi, src, out, ufunc, chunk, finish)
-    elif algo == "rhd":
-        prescale(flat, call.prescale, out)
-        rhd.allreduce(comm, mpi, out, ufunc, chunk, finish)
-    else:
-        src = flat
-        if call.prescale != 1.0:
-            src = np.empty_like(flat)
-            prescale(flat, call.prescale, src)
-        native.allreduce(comm, mpi, src, out, rop)
-        finish(out)
+    kernels.allreduce(neg.comm, neg.mpi, flat, out, rop, call.prescale, call.postscale,
+                      call.algorithm, st.config.chunk_bytes)
     return result
 
 
@@ -224,13 +199,18 @@ class InlineAllreduce:
     def __init__(self, neg: Negotiator, call: Call, ufunc: np.ufunc, op: ReduceOp) -> None:
         self.neg, self.call, self.ufunc, self.op = neg, call, ufunc, op
         self.header = neg.block[:256].copy()
-        self.expected = neg.gathered[:, :MATCH_BYTES].tobytes()
+        # each rank's must-match words, as memoryviews into the gathered buffer
+        gm = memoryview(neg.gathered.reshape(-1))
+        width = neg.gathered.shape[1]
+        self.matches = [gm[i * width:i * width + MATCH_BYTES] for i in range(neg.size)]
+        self.expected = memoryview(neg.gathered[0, :MATCH_BYTES].tobytes())
         count = int(np.prod(call.shape, dtype=np.int64))
         self.dtype = dtype_from_code(call.dtype_code)
         self.mine = neg.block[256:256 + call.nbytes].view(self.dtype).reshape(call.shape)
         stack = neg.gathered[:, 256:256 + call.nbytes].view(self.dtype)
         self.rows = [stack[i] for i in range(neg.size)]
         self.count = count
+        self.flat = len(call.shape) == 1
         self.plain = call.prescale == 1.0 and call.postscale == 1.0 and op is not ReduceOp.AVERAGE
 
     def fits(self, out: np.ndarray) -> bool:
@@ -247,12 +227,14 @@ class InlineAllreduce:
             neg.block[:256] = self.header
             neg.last_plan = self
         neg.comm.Allgather(neg.block, neg.gathered)
-        if neg.gathered[:, :MATCH_BYTES].tobytes() != self.expected:
-            call.name = name
-            neg.raise_mismatch(call)
+        expected = self.expected
+        for words in self.matches:
+            if words != expected:
+                call.name = name
+                neg.raise_mismatch(call)
         if result is None:
             result = np.empty(call.shape, dtype=self.dtype)
-        out = result.reshape(self.count)
+        out = result if self.flat else result.reshape(self.count)
         rows, ufunc = self.rows, self.ufunc
         ufunc(rows[0], rows[1], out=out)  # rank order, so every rank computes the same bits
         for row in rows[2:]:
@@ -298,13 +280,7 @@ def allgather(tensor: Any, name: str | None = None, algorithm: str | None = None
         for i in range(st.size):
             ob[offsets[i]:offsets[i] + counts[i]] = neg.payload(i, counts[i])
         return out
-    algo = choose_simple("allgather", call.algorithm, sum(counts), st.size)
-    if algo == "mpi":
-        native.allgatherv(neg.comm, _flat(x), out, counts, offsets, neg.mpi)
-    else:
-        r = st.rank
-        ob[offsets[r]:offsets[r] + counts[r]] = _flat(x).view(np.uint8)
-        ring.allgatherv(neg.comm, neg.mpi, ob, counts, offsets, st.config.chunk_bytes)
+    kernels.allgatherv(neg.comm, neg.mpi, _flat(x), out, counts, call.algorithm, st.config.chunk_bytes)
     return out
 
 
@@ -337,11 +313,7 @@ def broadcast(tensor: Any, root_rank: int = 0, name: str | None = None,
         if st.rank != call.root:
             ob[:] = neg.payload(call.root, x.nbytes)
         return out
-    algo = choose_simple("broadcast", call.algorithm, x.nbytes, st.size)
-    if algo == "mpi":
-        native.broadcast(neg.comm, ob, call.root, neg.mpi)
-    else:
-        tree.broadcast(neg.comm, ob, call.root, st.config.chunk_bytes)
+    kernels.broadcast(neg.comm, neg.mpi, out, call.root, call.algorithm, st.config.chunk_bytes)
     return out
 
 
@@ -398,24 +370,13 @@ def reducescatter(tensor: Any, op: Any = Average, name: str | None = None,
         prescale(flat, call.prescale, out)
         finalize(out, rop, 1, call.postscale)
         return out.reshape(shape)
-    ufunc = reducer(x.dtype, rop)
     if small:
         stack = neg.gathered[:, 256:256 + x.nbytes].view(x.dtype)[:, offsets[r]:offsets[r] + counts[r]]
-        ufunc.reduce(stack, axis=0, out=out)
+        reducer(x.dtype, rop).reduce(stack, axis=0, out=out)
+        finalize(out, rop, n, call.postscale)
     else:
-        src = flat
-        if call.prescale != 1.0:
-            src = np.empty_like(flat)
-            prescale(flat, call.prescale, src)
-        algo = choose_simple("reducescatter", call.algorithm, x.nbytes, n)
-        if algo == "mpi":
-            native.reduce_scatter(neg.comm, neg.mpi, src, out, counts, rop)
-        else:
-            work = np.empty_like(src)
-            ring.reduce_scatter(neg.comm, neg.mpi, src, work, counts, offsets, ufunc,
-                                _chunk(st, x.itemsize), shift=0)
-            out[:] = work[offsets[r]:offsets[r] + counts[r]]
-    finalize(out, rop, n, call.postscale)
+        kernels.reducescatter(neg.comm, neg.mpi, flat, out, counts, rop, call.prescale,
+                              call.postscale, call.algorithm, st.config.chunk_bytes)
     return out.reshape(shape)
 
 
@@ -489,18 +450,9 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
             start = split_bytes + int(all_splits[i, :r].sum()) * row_bytes
             ob[roffs[i]:roffs[i] + rcounts[i]] = neg.payload(i, rcounts[i], start)
         return out, recv_splits
-    xb = _flat(x).view(np.uint8)
     scounts = [v * row_bytes for v in my_splits]
-    soffs = [sum(scounts[:i]) for i in range(n)]
-    algo = choose_simple("alltoall", call.algorithm, x.nbytes, n)
-    if algo == "mpi":
-        native.alltoallv(neg.comm, neg.mpi, xb, scounts, soffs, ob, rcounts, roffs)
-    else:
-        ob[roffs[r]:roffs[r] + rcounts[r]] = xb[soffs[r]:soffs[r] + scounts[r]]
-        for k in range(1, n):
-            d, s = (r + k) % n, (r - k) % n
-            p2p_exchange(neg.comm, neg.mpi, xb[soffs[d]:soffs[d] + scounts[d]], d,
-                         ob[roffs[s]:roffs[s] + rcounts[s]], s, TAG_A2A, st.config.chunk_bytes)
+    kernels.alltoallv(neg.comm, neg.mpi, _flat(x), scounts, out, rcounts, call.algorithm,
+                      st.config.chunk_bytes)
     return out, recv_splits
 
 

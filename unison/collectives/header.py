@@ -136,7 +136,7 @@ class Negotiator:
             self.block[HEADER_BYTES:HEADER_BYTES + len(err_bytes)] = np.frombuffer(err_bytes, np.uint8)
         self.last_plan = None
         _STRUCT.pack_into(
-            self.block, 0, MAGIC, int(call.coll), call.dtype_code, call.op,
+            self.block, 0, MAGIC, int(call.coll), call.dtype_code, call.op,  # type: ignore[arg-type]
             ALGO_CODES[call.algorithm], call.root, call.prescale, call.postscale,
             len(shape), -1 if call.vary_dim0 else dim0, *dims, _tail_hash(shape),
             -1 if call.vary_dim0 else call.nbytes, 1 if err_kind else 0,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from unison.common.dtypes import bfloat16, dtype_name, is_bool, is_float
+from unison.common.dtypes import is_bool, is_float
 from unison.common.exceptions import CollectiveError
 from unison.common.ops import ReduceOp
 
@@ -89,9 +89,3 @@ def finalize(buf: np.ndarray, op: ReduceOp, size: int, postscale_factor: float) 
     if factor != 1.0:
         _scale(buf, factor, buf)
 
-
-def describe_dtype(dtype: np.dtype) -> str:
-    return dtype_name(dtype)
-
-
-_ = bfloat16  # re-exported for algorithm modules that special-case half types
