@@ -12,9 +12,11 @@ with PASS/MISS so a threshold change can be judged by one command.
 
 What is measured, for each (op, impl, size):
 
-* ``impl`` is one of :data:`IMPLS`. ``unison-*`` calls ``unison.<op>(...,
-  algorithm=...)`` with the algorithm :data:`UNISON_ALGORITHMS` maps it to (a
-  missing entry means the op has no such algorithm and the case is skipped).
+* ``impl`` is one of :data:`IMPLS`. ``unison-*`` calls the algorithm-level
+  ``unison.collectives.<op>(..., algorithm=...)`` with the algorithm
+  :data:`UNISON_ALGORITHMS` maps it to (a missing entry means the op has no such
+  algorithm and the case is skipped). The top-level ``unison.<op>`` calls go
+  through the engine (naming, negotiation, fusion), which is not measured here.
   ``mpi-native`` calls mpi4py's ``Allreduce``/``Allgather``/``Reduce_scatter_block``/
   ``Bcast`` on preallocated numpy buffers over a ``Dup`` of ``COMM_WORLD``, the
   communicator type Unison itself uses. ``gloo`` calls torch.distributed with the
@@ -44,6 +46,7 @@ What is measured, for each (op, impl, size):
   that sleeps rather than spins): the best of several ``np.copyto`` of 256 MiB of
   float32, counting read plus write (2 x size). Every busbw is also printed as a
   share of it, since on one host every collective is a sequence of memory copies.
+  Messages that fit in cache can exceed 100%.
 * Each case's last result is checked against the known answer; a wrong answer is
   reported as a failure (every rank agrees on it) and left out of the outputs.
 
@@ -187,9 +190,9 @@ def measure_membw(comm: Any, nbytes: int = MEMBW_BYTES, tries: int = 5) -> float
 
 
 # --- one collective call per impl -------------------------------------------------------------
-# Each builder returns (call, check): call() runs the collective once and returns its
-# output; check(output) raises ValueError when the output is not the known answer for
-# inputs filled with (rank + 1) (or 0 where gloo accumulates in place).
+# Each *_call builder returns call(), which runs the collective once on preallocated input
+# and returns its output. _checker's check(output) raises ValueError unless the output is
+# the known answer for inputs filled with rank + 1 (or 0 where gloo accumulates in place).
 
 
 def _checker(op: str, n: int, fills: np.ndarray) -> Callable[[Any], None]:
@@ -209,14 +212,15 @@ def _checker(op: str, n: int, fills: np.ndarray) -> Callable[[Any], None]:
 
 def unison_call(op: str, algorithm: str, x: np.ndarray) -> Callable[[], Any]:
     import unison
+    from unison import collectives as coll
 
     if op == "allreduce":
-        return lambda: unison.allreduce(x, op=unison.Sum, algorithm=algorithm)
+        return lambda: coll.allreduce(x, op=unison.Sum, algorithm=algorithm)
     if op == "allgather":
-        return lambda: unison.allgather(x, algorithm=algorithm)
+        return lambda: coll.allgather(x, algorithm=algorithm)
     if op == "reducescatter":
-        return lambda: unison.reducescatter(x, op=unison.Sum, algorithm=algorithm)
-    return lambda: unison.broadcast(x, root_rank=0, algorithm=algorithm)
+        return lambda: coll.reducescatter(x, op=unison.Sum, algorithm=algorithm)
+    return lambda: coll.broadcast(x, root_rank=0, algorithm=algorithm)
 
 
 def mpi_call(op: str, comm: Any, x: np.ndarray) -> Callable[[], Any]:
@@ -252,7 +256,7 @@ class Gloo:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
                                 rank=world.Get_rank(), world_size=world.Get_size())
         n = world.Get_size()
-        self.fns: dict[str, Callable[..., Any]] = {
+        self.fns: dict[str, Callable[..., Any] | None] = {
             "allreduce": dist.all_reduce,
             "allgather": getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor,
             "reducescatter": (getattr(dist, "reduce_scatter_single", None)
@@ -267,8 +271,7 @@ class Gloo:
                 self.missing[op] = next(e for e in errs if e)
 
     def _probe(self, op: str, n: int) -> str:
-        if self.fns[op] is None:
-            return f"torch.distributed has no {op} into a single tensor"
+        """Runs ``op`` once on a tiny tensor; returns why it failed, or "" if it worked."""
         try:
             self.call(op, np.ones(n, dtype=np.float32))()
         except (RuntimeError, ValueError, NotImplementedError) as exc:
@@ -276,10 +279,21 @@ class Gloo:
         return ""
 
     def call(self, op: str, x: np.ndarray) -> Callable[[], Any]:
-        t, f, n = self.torch.from_numpy(x), self.fns[op], self.dist.get_world_size()
-        if op in ("allreduce", "broadcast"):
-            return (lambda: (f(t), t)[1]) if op == "allreduce" else (lambda: (f(t, src=0), t)[1])
-        out = self.torch.empty(x.size * n if op == "allgather" else x.size // n)
+        """A call of ``op`` on a tensor sharing ``x``'s memory, into a preallocated output.
+
+        Raises:
+            NotImplementedError: this torch has no single-tensor form of ``op``.
+        """
+        f = self.fns[op]
+        if f is None:
+            raise NotImplementedError(f"torch.distributed has no {op} into a single tensor")
+        t, n = self.torch.from_numpy(x), self.dist.get_world_size()
+        if op == "allreduce":
+            return lambda: (f(t), t)[1]  # in place
+        if op == "broadcast":
+            return lambda: (f(t, src=0), t)[1]  # in place
+        out = self.torch.empty(x.size * n if op == "allgather" else x.size // n,
+                               dtype=self.torch.float32)
         return lambda: (f(out, t), out)[1]
 
     def close(self) -> None:
@@ -291,7 +305,22 @@ class Gloo:
 
 def time_case(world: Any, call: Callable[[], Any], repeats: int | None, budget_s: float,
               warmup: int) -> tuple[np.ndarray, Any]:
-    """Warms up, then times ``call``; returns the per-iteration max-over-ranks times and output."""
+    """Warms up, then times ``call``.
+
+    Every rank must call this with the same arguments; the number of warm-up and
+    timed calls is derived from times agreed over ``world``, so ranks stay in step.
+
+    Args:
+        world: the communicator for the barriers and the max-over-ranks reduction.
+        call: runs the collective once and returns its output.
+        repeats: timed calls; None picks clamp(budget_s / warm-up time, 3, 50).
+        budget_s: target seconds of timed calls when ``repeats`` is None.
+        warmup: most warm-up calls (the first is always made; further ones only
+            while they fit in a fifth of a second).
+
+    Returns:
+        The per-call times (max over ranks), and the last call's output.
+    """
     from mpi4py import MPI
 
     def timed() -> tuple[float, Any]:
@@ -335,6 +364,17 @@ def plan(ops: Sequence[str], impls: Sequence[str], sizes: Sequence[int],
 def run_case(world: Any, mpi_comm: Any, gloo: Gloo | None, op: str, nbytes: int, impl: str,
              args: argparse.Namespace, membw: float) -> Record:
     """Times one case and checks its answer.
+
+    Args:
+        world: ``COMM_WORLD``, for timing and agreeing on the check.
+        mpi_comm: the communicator ``mpi-native`` runs on.
+        gloo: the started gloo group, or None.
+        op, nbytes, impl: the case; ``nbytes`` is each rank's input size.
+        args: the command line (``repeats``, ``budget_s``, ``warmup``).
+        membw: rank 0's memory bandwidth in GB/s, copied into the record.
+
+    Returns:
+        The measured record.
 
     Raises:
         WrongResultError: the collective returned a wrong answer on some rank (raised on
@@ -446,7 +486,8 @@ def write_png(path: Path, records: Sequence[Record], membw: float) -> None:
         for impl in IMPLS:
             pts = sorted((r.bytes, r.busbw_gbps) for r in records if r.op == op and r.impl == impl)
             if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", label=impl)
+                ax.plot(*zip(*pts, strict=True), marker="o", label=impl,
+                        color=f"C{IMPLS.index(impl)}")
         ax.axhline(membw, linestyle="--", color="gray", label=f"memory bw ({membw:.1f} GB/s)")
         sizes = sorted({r.bytes for r in records if r.op == op})
         ax.set_xscale("log", base=2)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import run_rank_suite
+from harness import run_rank_suite
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600)]
 

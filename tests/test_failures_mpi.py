@@ -6,7 +6,7 @@ import sys
 import time
 
 import pytest
-from conftest import mpirun
+from harness import mpirun
 
 pytestmark = pytest.mark.mpi
 

@@ -5,10 +5,36 @@
     total = unison.allreduce(np.ones(4), op=unison.Sum)
 
 Run under ``unisonrun -np 4 python train.py`` (or plain ``mpirun``); a plain
-``python train.py`` is a job of size 1.
+``python train.py`` is a job of size 1. The top-level collectives go through the
+engine (named, negotiated, fused; ``*_async`` variants return handles);
+``unison.collectives`` holds the direct, algorithm-level calls.
 """
 
-from unison.collectives import allgather, allreduce, alltoall, barrier, broadcast, reducescatter
+from unison.common.compression import Compression
+from unison.common.engine.engine import DuplicateNameError, ShutdownError, StallError
+from unison.common.engine.frontend import (
+    add_process_set,
+    allgather,
+    allgather_async,
+    allreduce,
+    allreduce_async,
+    alltoall,
+    alltoall_async,
+    barrier,
+    broadcast,
+    broadcast_async,
+    grouped_allreduce,
+    grouped_allreduce_async,
+    join,
+    poll,
+    reducescatter,
+    reducescatter_async,
+    start_timeline,
+    stop_timeline,
+    synchronize,
+)
+from unison.common.engine.handles import Handle
+from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.common.exceptions import (
     CollectiveError,
     InvalidArgumentError,
@@ -37,6 +63,10 @@ __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "mpi_built", "mpi_threads_supported",
     "allreduce", "allgather", "broadcast", "reducescatter", "alltoall", "barrier",
-    "ReduceOp", "Average", "Sum", "Min", "Max", "Product",
+    "allreduce_async", "allgather_async", "broadcast_async", "reducescatter_async", "alltoall_async",
+    "grouped_allreduce", "grouped_allreduce_async", "poll", "synchronize", "join", "Handle",
+    "ProcessSet", "global_process_set", "add_process_set", "start_timeline", "stop_timeline",
+    "Compression", "ReduceOp", "Average", "Sum", "Min", "Max", "Product",
     "UnisonError", "NotInitializedError", "MismatchError", "CollectiveError", "InvalidArgumentError",
+    "StallError", "ShutdownError", "DuplicateNameError",
 ]

@@ -1,4 +1,5 @@
-"""Collectives against a numpy reference built from every rank's input.
+"""The direct collectives (``unison.collectives``: one algorithm, chosen or forced) against
+a numpy reference built from every rank's input.
 
 Runs under mpirun at any size (and serially): each rank regenerates all ranks'
 inputs from (seed, rank), so the reference needs no communication. Float inputs
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 
 import unison
+from unison import collectives as C
 from unison.common.runtime import state
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -29,6 +31,13 @@ ALGOS = ["auto", "ring", "rhd", "mpi"]
 SHAPES = [(), (1,), (5, 3), (3001,), (2, 1100, 3)]  # 0-d, tiny, inline, > 4 KiB, 3-d
 WORLD = MPI.COMM_WORLD
 N, R = WORLD.Get_size(), WORLD.Get_rank()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _unison_session():
+    unison.init()
+    yield
+    unison.shutdown()
 hyp = settings(derandomize=True, database=None, max_examples=25, deadline=None,
                suppress_health_check=list(HealthCheck))
 
@@ -83,7 +92,7 @@ def test_allreduce(op, dtype, algorithm):
     for i, shape in enumerate(SHAPES):
         seed = 1000 + i
         mine = make(R, shape, dtype, seed, op)
-        got = unison.allreduce(mine, op=op, algorithm=algorithm, name=f"t{i}")
+        got = C.allreduce(mine, op=op, algorithm=algorithm, name=f"t{i}")
         want = reference_reduce([make(r, shape, dtype, seed, op) for r in range(N)], op)
         exact = not (op == unison.Average and dtype in FLOATS and N not in (1, 2, 4))
         check_close(got, want, dtype, exact)
@@ -96,7 +105,7 @@ def test_allreduce(op, dtype, algorithm):
 def test_allreduce_scale_factors(dtype, algorithm):
     for shape in [(7,), (3001,)]:
         mine = make(R, shape, dtype, 7)
-        got = unison.allreduce(mine, op=unison.Sum, prescale_factor=0.5, postscale_factor=3.0,
+        got = C.allreduce(mine, op=unison.Sum, prescale_factor=0.5, postscale_factor=3.0,
                                algorithm=algorithm)
         inputs = [make(r, shape, dtype, 7) for r in range(N)]
         if dtype == np.int32:
@@ -111,7 +120,7 @@ def test_allreduce_scale_factors(dtype, algorithm):
 def test_allreduce_noncontiguous_input():
     base = make(R, (40, 60), np.dtype(np.float32), 3)
     view = base[::2, 1::3]
-    got = unison.allreduce(view, op=unison.Sum)
+    got = C.allreduce(view, op=unison.Sum)
     want = sum(make(r, (40, 60), np.dtype(np.float32), 3)[::2, 1::3].astype(np.float64) for r in range(N))
     check_close(got, want, np.dtype(np.float32), exact=True)
 
@@ -122,14 +131,14 @@ def test_allgather_uneven_first_dim(dtype, algorithm):
     for rows_of, trailing in [(lambda r: r + 1, (3,)), (lambda r: 700 * (r % 2) + 1, (2, 2)),
                               (lambda r: 0 if r == 0 else 2, ())]:
         inputs = [make(r, (rows_of(r),) + trailing, dtype, 11) for r in range(N)]
-        got = unison.allgather(inputs[R], algorithm=algorithm)
+        got = C.allgather(inputs[R], algorithm=algorithm)
         check_close(got, np.concatenate(inputs).astype(np.float64) if dtype != np.bool_
                     else np.concatenate(inputs), dtype, exact=True)
         assert_same_on_all_ranks(got)
 
 
 def test_allgather_scalar_is_stacked():
-    got = unison.allgather(np.float32(R))
+    got = C.allgather(np.float32(R))
     np.testing.assert_array_equal(got, np.arange(N, dtype=np.float32))
 
 
@@ -139,7 +148,7 @@ def test_broadcast_every_root(dtype, algorithm):
     for shape in [(), (4,), (3, 1500)]:
         for root in range(N):
             mine = make(R, shape, dtype, 20 + root)
-            got = unison.broadcast(mine, root_rank=root, algorithm=algorithm)
+            got = C.broadcast(mine, root_rank=root, algorithm=algorithm)
             want = make(root, shape, dtype, 20 + root)
             check_close(got, want.astype(np.float64) if dtype != np.bool_ else want, dtype, exact=True)
 
@@ -153,7 +162,7 @@ def test_reducescatter(op, dtype, algorithm):
     for rows, trailing in [(N, (3,)), (2 * N + 1, (2,)), (1000 * N + N - 1, (3,)), (1, ())]:
         shape = (rows,) + trailing
         inputs = [make(r, shape, dtype, 31, op) for r in range(N)]
-        got = unison.reducescatter(inputs[R], op=op, algorithm=algorithm)
+        got = C.reducescatter(inputs[R], op=op, algorithm=algorithm)
         full = reference_reduce(inputs, op)
         base, extra = divmod(rows, N)
         counts = [base + (1 if i < extra else 0) for i in range(N)]
@@ -168,7 +177,7 @@ def test_alltoall(dtype, algorithm):
     for scale in (1, 900):
         splits_of = [[(src + dst) % 3 * scale for dst in range(N)] for src in range(N)]
         inputs = [make(src, (sum(splits_of[src]), 2), dtype, 41) for src in range(N)]
-        got, recv = unison.alltoall(inputs[R], splits=splits_of[R], algorithm=algorithm)
+        got, recv = C.alltoall(inputs[R], splits=splits_of[R], algorithm=algorithm)
         pieces = []
         for src in range(N):
             start = sum(splits_of[src][:R])
@@ -181,7 +190,7 @@ def test_alltoall(dtype, algorithm):
 
 def test_alltoall_default_even_split():
     mine = np.arange(2 * N, dtype=np.int32) + 100 * R
-    got, recv = unison.alltoall(mine)
+    got, recv = C.alltoall(mine)
     np.testing.assert_array_equal(recv, [2] * N)
     np.testing.assert_array_equal(got, np.concatenate([np.arange(2 * R, 2 * R + 2) + 100 * s for s in range(N)]))
 
@@ -191,7 +200,7 @@ def test_alltoall_default_even_split():
        dtype=st.sampled_from(ALL), algorithm=st.sampled_from(ALGOS), seed=st.integers(0, 10**6))
 def test_allreduce_hypothesis(shape, dtype, algorithm, seed):
     mine = make(R, shape, dtype, seed)
-    got = unison.allreduce(mine, op=unison.Max, algorithm=algorithm)
+    got = C.allreduce(mine, op=unison.Max, algorithm=algorithm)
     want = reference_reduce([make(r, shape, dtype, seed) for r in range(N)], unison.Max)
     check_close(got, want, dtype, exact=True)
     assert_same_on_all_ranks(got)
@@ -202,7 +211,7 @@ def test_allreduce_hypothesis(shape, dtype, algorithm, seed):
        dtype=st.sampled_from(ALL), seed=st.integers(0, 10**6))
 def test_allgather_hypothesis(rows, cols, dtype, seed):
     inputs = [make(r, (rows[r], cols), dtype, seed) for r in range(N)]
-    got = unison.allgather(inputs[R])
+    got = C.allgather(inputs[R])
     np.testing.assert_array_equal(got, np.concatenate(inputs))
 
 
@@ -212,66 +221,67 @@ def test_mismatched_shapes_raise_on_every_rank():
     if N == 1:
         pytest.skip("needs two ranks to disagree")
     with pytest.raises(unison.MismatchError) as info:
-        unison.allreduce(np.zeros((R + 2, 3), np.float32), name="grad/w")
+        C.allreduce(np.zeros((R + 2, 3), np.float32), name="grad/w")
     msg = str(info.value)
     assert "grad/w" in msg and "shape" in msg
     for r in range(N):
         assert f"rank {r}: collective=allreduce, shape=({r + 2}, 3)" in msg
     assert isinstance(info.value, ValueError)
     # the job goes on after the error
-    np.testing.assert_array_equal(unison.allreduce(np.ones(3), op=unison.Sum), np.full(3, N))
+    np.testing.assert_array_equal(C.allreduce(np.ones(3), op=unison.Sum), np.full(3, N))
 
 
 def test_mismatched_dtypes_and_ops_raise_on_every_rank():
     if N == 1:
         pytest.skip("needs two ranks to disagree")
     with pytest.raises(unison.MismatchError, match="dtype"):
-        unison.allreduce(np.zeros(5, np.float32 if R == 0 else np.float64))
+        C.allreduce(np.zeros(5, np.float32 if R == 0 else np.float64))
     with pytest.raises(unison.MismatchError, match="op"):
-        unison.allreduce(np.zeros(5), op=unison.Sum if R == 0 else unison.Max)
+        C.allreduce(np.zeros(5), op=unison.Sum if R == 0 else unison.Max)
     with pytest.raises(unison.MismatchError, match="collective"):
         if R == 0:
-            unison.broadcast(np.zeros(5), root_rank=0)
+            C.broadcast(np.zeros(5), root_rank=0)
         else:
-            unison.allreduce(np.zeros(5))
+            C.allreduce(np.zeros(5))
     with pytest.raises(unison.MismatchError, match="shape"):  # large message: no hang either
-        unison.allreduce(np.zeros(100_000 + R, np.float32), algorithm="ring")
+        C.allreduce(np.zeros(100_000 + R, np.float32), algorithm="ring")
     with pytest.raises(unison.MismatchError, match="algorithm"):
-        unison.allreduce(np.zeros(10), algorithm="ring" if R == 0 else "rhd")
+        C.allreduce(np.zeros(10), algorithm="ring" if R == 0 else "rhd")
     with pytest.raises(unison.MismatchError, match="shape"):
-        unison.allgather(np.zeros((2, 3 + R)))
+        C.allgather(np.zeros((2, 3 + R)))
 
 
 def test_unsupported_dtype_raises_type_error_everywhere():
     bad = np.zeros(3, np.complex64) if R == 0 else np.zeros(3, np.float32)
     with pytest.raises(TypeError, match="complex64"):
-        unison.allreduce(bad)
+        C.allreduce(bad)
     with pytest.raises(TypeError, match="complex64"):
-        unison.broadcast(bad, root_rank=0)
+        C.broadcast(bad, root_rank=0)
 
 
 def test_bool_average_refused():
     with pytest.raises(TypeError, match="Average is not defined for bool"):
-        unison.allreduce(np.ones(4, bool))
+        C.allreduce(np.ones(4, bool))
 
 
 def test_bad_root_and_splits_raise_value_error_everywhere():
     with pytest.raises(ValueError, match=rf"root_rank={N} is not a rank"):
-        unison.broadcast(np.zeros(3), root_rank=N)
+        C.broadcast(np.zeros(3), root_rank=N)
     with pytest.raises(ValueError, match="splits="):
-        unison.alltoall(np.zeros(4), splits=[5] + [0] * (N - 1) if R == 0 else [4] + [0] * (N - 1))
+        C.alltoall(np.zeros(4), splits=[5] + [0] * (N - 1) if R == 0 else [4] + [0] * (N - 1))
     with pytest.raises(ValueError, match="0-d"):
-        unison.reducescatter(np.float32(1.0))
+        C.reducescatter(np.float32(1.0))
 
 
 def test_unknown_algorithm_and_op():
     with pytest.raises(ValueError, match="algorithm='bogus'.*auto, ring, rhd, mpi"):
-        unison.allreduce(np.zeros(3), algorithm="bogus")
+        C.allreduce(np.zeros(3), algorithm="bogus")
     with pytest.raises(ValueError, match="unknown reduce op"):
-        unison.allreduce(np.zeros(3), op="median")
+        C.allreduce(np.zeros(3), op="median")
 
 
 def test_barrier_and_topology():
+    C.barrier()
     unison.barrier()
     assert unison.size() == N and unison.rank() == R
     assert unison.local_size() == N and unison.local_rank() == R  # one host
@@ -285,24 +295,24 @@ def test_allreduce_out_and_in_place(algorithm):
         mine = make(R, shape, np.dtype(np.float32), 5)
         want = sum(make(r, shape, np.dtype(np.float32), 5).astype(np.float64) for r in range(N))
         out = np.empty(shape, np.float32)
-        got = unison.allreduce(mine, op=unison.Sum, algorithm=algorithm, out=out)
+        got = C.allreduce(mine, op=unison.Sum, algorithm=algorithm, out=out)
         assert got is out
         check_close(out, want, np.dtype(np.float32), exact=True)
         inplace = mine.copy()
-        assert unison.allreduce(inplace, op=unison.Sum, algorithm=algorithm, out=inplace) is inplace
+        assert C.allreduce(inplace, op=unison.Sum, algorithm=algorithm, out=inplace) is inplace
         check_close(inplace, want, np.dtype(np.float32), exact=True)
     with pytest.raises(ValueError, match="out= must be a C-contiguous"):
-        unison.allreduce(np.ones(4, np.float32), out=np.empty(4, np.float64), algorithm=algorithm)
+        C.allreduce(np.ones(4, np.float32), out=np.empty(4, np.float64), algorithm=algorithm)
 
 
 def test_cached_small_call_still_detects_mismatch():
     """The second identical small call takes the cached plan; a changed call must still be checked."""
     for _ in range(3):
-        np.testing.assert_array_equal(unison.allreduce(np.ones(3), op=unison.Sum), np.full(3, N))
+        np.testing.assert_array_equal(C.allreduce(np.ones(3), op=unison.Sum), np.full(3, N))
     if N == 1:
         return
     with pytest.raises(unison.MismatchError, match="shape"):
-        unison.allreduce(np.ones(3) if R == 0 else np.ones(4), op=unison.Sum, name="cached")
+        C.allreduce(np.ones(3) if R == 0 else np.ones(4), op=unison.Sum, name="cached")
     with pytest.raises(unison.MismatchError, match="op"):
-        unison.allreduce(np.ones(3), op=unison.Sum if R == 0 else unison.Min)
-    np.testing.assert_array_equal(unison.allreduce(np.ones(3), op=unison.Sum), np.full(3, N))
+        C.allreduce(np.ones(3), op=unison.Sum if R == 0 else unison.Min)
+    np.testing.assert_array_equal(C.allreduce(np.ones(3), op=unison.Sum), np.full(3, N))

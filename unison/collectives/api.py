@@ -26,9 +26,10 @@ import numpy as np
 from unison.collectives import kernels
 from unison.collectives.header import INLINE_BYTES, MATCH_BYTES, Call, Collective, Negotiator
 from unison.collectives.reduce import check_op, finalize, prescale, reducer
+from unison.collectives.validate import as_array, check_root, check_splits, rows_split
 from unison.common import runtime
 from unison.common.config import validate_algorithm
-from unison.common.dtypes import dtype_code, dtype_from_code, supported_names
+from unison.common.dtypes import dtype_code, dtype_from_code
 from unison.common.exceptions import CollectiveError, InvalidArgumentError
 from unison.common.ops import Average, ReduceOp, parse_op
 
@@ -55,7 +56,7 @@ class _Prep:
             self.call.algorithm = validate_algorithm(
                 config_field, algorithm if algorithm is not None
                 else getattr(st.config, config_field))
-            self.array = _as_array(tensor)
+            self.array = as_array(tensor)
             self.call.dtype_code = dtype_code(self.array.dtype)
             self.call.shape = self.array.shape
             self.call.nbytes = self.array.nbytes
@@ -79,14 +80,6 @@ class _Prep:
         if self.call.error is not None:
             kind, text = self.call.error
             raise (CollectiveError if kind == 1 else InvalidArgumentError)(text)
-
-
-def _as_array(tensor: Any) -> np.ndarray:
-    arr = np.asarray(tensor)
-    if dtype_code(arr.dtype) < 0:
-        raise TypeError(f"dtype {arr.dtype} is not supported by Unison's collectives; "
-                        f"supported dtypes: {supported_names()}. Cast the array first.")
-    return arr
 
 
 def _flat(arr: np.ndarray) -> np.ndarray:
@@ -298,7 +291,7 @@ def broadcast(tensor: Any, root_rank: int = 0, name: str | None = None,
     st = runtime.state("unison.broadcast()")
     prep = _Prep(Collective.BROADCAST, tensor, name, "broadcast_algorithm", algorithm, st)
     call, x = prep.call, prep.array
-    prep.check(_check_root, root_rank, st.size)
+    prep.check(check_root, root_rank, st.size)
     call.root = int(root_rank) if call.error is None else -1
     small = call.algorithm == "auto" and x.nbytes <= INLINE_BYTES
     if small and st.size > 1 and call.error is None and st.rank == call.root:
@@ -315,17 +308,6 @@ def broadcast(tensor: Any, root_rank: int = 0, name: str | None = None,
         return out
     kernels.broadcast(neg.comm, neg.mpi, out, call.root, call.algorithm, st.config.chunk_bytes)
     return out
-
-
-def _check_root(root: Any, size: int) -> None:
-    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < size:
-        raise ValueError(f"root_rank={root!r} is not a rank of this job; "
-                         f"pass an integer in [0, {size})")
-
-
-def _rows_split(rows: int, size: int) -> list[int]:
-    base, extra = divmod(rows, size)
-    return [base + (1 if i < extra else 0) for i in range(size)]
 
 
 def reducescatter(tensor: Any, op: Any = Average, name: str | None = None,
@@ -360,7 +342,7 @@ def reducescatter(tensor: Any, op: Any = Average, name: str | None = None,
         prescale(flat, call.prescale, _negotiator(st).inline_area()[:x.nbytes].view(x.dtype))
         call.inline = True
     neg = _run(prep, st)
-    rows = _rows_split(x.shape[0], n)
+    rows = rows_split(x.shape[0], n)
     row_elems = int(np.prod(x.shape[1:], dtype=np.int64))
     counts = [k * row_elems for k in rows]
     offsets = [sum(counts[:i]) for i in range(n)]
@@ -378,20 +360,6 @@ def reducescatter(tensor: Any, op: Any = Average, name: str | None = None,
         kernels.reducescatter(neg.comm, neg.mpi, flat, out, counts, rop, call.prescale,
                               call.postscale, call.algorithm, st.config.chunk_bytes)
     return out.reshape(shape)
-
-
-def _check_splits(splits: Any, dim0: int, size: int) -> list[int]:
-    if splits is None:
-        if dim0 % size:
-            raise ValueError(f"alltoall without splits needs the first dimension ({dim0}) to be "
-                             f"divisible by the number of ranks ({size}); pass splits=[...] "
-                             "with one row count per rank")
-        return [dim0 // size] * size
-    s = [int(v) for v in np.asarray(splits).reshape(-1).tolist()]
-    if len(s) != size or any(v < 0 for v in s) or sum(s) != dim0:
-        raise ValueError(f"splits={s!r} must hold {size} non-negative row counts (one per rank) "
-                         f"summing to the first dimension ({dim0})")
-    return s
 
 
 def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
@@ -421,7 +389,7 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
     my_splits = [0] * n
     try:
         if call.error is None:
-            my_splits = _check_splits(splits, x.shape[0], n)
+            my_splits = check_splits(splits, x.shape[0], n)
     except ValueError as exc:
         prep.fail(exc)
     row_bytes = int(np.prod(x.shape[1:], dtype=np.int64)) * x.itemsize if x.ndim else 0

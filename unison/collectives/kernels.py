@@ -35,6 +35,10 @@ def allreduce(comm: Any, mpi: Any, src: np.ndarray, out: np.ndarray, op: ReduceO
     chunk = _elems(chunk_bytes, out.itemsize)
     if out.size == 0:
         return
+    if n == 1:
+        prescale(src, prescale_factor, out)
+        finalize(out, op, 1, postscale_factor)
+        return
 
     def finish(seg: np.ndarray) -> None:
         finalize(seg, op, n, postscale_factor)
@@ -86,6 +90,10 @@ def reducescatter(comm: Any, mpi: Any, src: np.ndarray, out: np.ndarray, counts:
                   chunk_bytes: int) -> None:
     """Reduce ``src`` over ranks; write this rank's ``counts[rank]`` elements to ``out``."""
     n, r = comm.Get_size(), comm.Get_rank()
+    if n == 1:
+        prescale(src, prescale_factor, out)
+        finalize(out, op, 1, postscale_factor)
+        return
     if prescale_factor != 1.0:
         scaled = np.empty_like(src)
         prescale(src, prescale_factor, scaled)

@@ -36,6 +36,15 @@ ENV_ALLTOALL_ALGORITHM = "ALLTOALL_ALGORITHM"
 ENV_CHUNK_BYTES = "CHUNK_BYTES"
 ENV_LOG_LEVEL = "LOG_LEVEL"
 ENV_ABORT_ON_ERROR = "ABORT_ON_ERROR"
+ENV_FUSION_THRESHOLD = "FUSION_THRESHOLD"
+ENV_CYCLE_TIME = "CYCLE_TIME"
+ENV_CACHE_CAPACITY = "CACHE_CAPACITY"
+ENV_STALL_CHECK_TIME = "STALL_CHECK_TIME_SECONDS"
+ENV_STALL_SHUTDOWN_TIME = "STALL_SHUTDOWN_TIME_SECONDS"
+ENV_STALL_CHECK_DISABLE = "STALL_CHECK_DISABLE"
+ENV_TIMELINE = "TIMELINE"
+ENV_AUTOTUNE = "AUTOTUNE"
+ENV_AUTOTUNE_LOG = "AUTOTUNE_LOG"
 
 
 def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
@@ -65,6 +74,37 @@ def _positive_int(raw: str) -> int:
     return value
 
 
+def _non_negative_int(raw: str) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ValueError("expected a non-negative integer") from None
+    if value < 0:
+        raise ValueError("expected a non-negative integer")
+    return value
+
+
+def _non_negative_float(raw: str) -> float:
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise ValueError("expected a non-negative number") from None
+    if not value >= 0:
+        raise ValueError("expected a non-negative number")
+    return value
+
+
+def _positive_float(raw: str) -> float:
+    value = _non_negative_float(raw)
+    if value == 0:
+        raise ValueError("expected a positive number")
+    return value
+
+
+def _path(raw: str) -> str:
+    return raw.strip()
+
+
 def _flag(raw: str) -> bool:
     value = raw.strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -89,6 +129,23 @@ class Config:
     log_level: str = "WARNING"
     #: Abort the MPI job when a rank dies of an uncaught exception.
     abort_on_error: bool = True
+    #: Engine: fuse ready all-reduces into buffers of at most this many bytes (0: no fusion).
+    fusion_threshold: int = 128 << 20
+    #: Engine: milliseconds between negotiation cycles while requests are pending.
+    cycle_time: float = 1.0
+    #: Engine: names whose negotiation is remembered (response cache; 0 disables it).
+    cache_capacity: int = 1024
+    #: Engine: warn about tensors some ranks submitted and others not after this many seconds.
+    stall_check_time_seconds: float = 60.0
+    #: Engine: fail such tensors' handles on every rank after this many seconds (0: never).
+    stall_shutdown_time_seconds: float = 0.0
+    stall_check_disable: bool = False
+    #: Engine: rank 0 writes a Chrome-trace timeline to this path ("" = off).
+    timeline: str = ""
+    #: Engine: tune fusion threshold and cycle time online.
+    autotune: bool = False
+    #: Engine: CSV log of autotune trials ("" = none).
+    autotune_log: str = ""
 
 
 # field name -> (env suffix, parser)
@@ -101,6 +158,15 @@ _FIELDS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "chunk_bytes": (ENV_CHUNK_BYTES, _positive_int),
     "log_level": (ENV_LOG_LEVEL, _level),
     "abort_on_error": (ENV_ABORT_ON_ERROR, _flag),
+    "fusion_threshold": (ENV_FUSION_THRESHOLD, _non_negative_int),
+    "cycle_time": (ENV_CYCLE_TIME, _positive_float),
+    "cache_capacity": (ENV_CACHE_CAPACITY, _non_negative_int),
+    "stall_check_time_seconds": (ENV_STALL_CHECK_TIME, _non_negative_float),
+    "stall_shutdown_time_seconds": (ENV_STALL_SHUTDOWN_TIME, _non_negative_float),
+    "stall_check_disable": (ENV_STALL_CHECK_DISABLE, _flag),
+    "timeline": (ENV_TIMELINE, _path),
+    "autotune": (ENV_AUTOTUNE, _flag),
+    "autotune_log": (ENV_AUTOTUNE_LOG, _path),
 }
 
 #: Suffixes Unison reads itself plus those read by other parts (engine, backends)
@@ -161,7 +227,10 @@ def load_config(environ: Mapping[str, str] | None = None, **overrides: Any) -> C
     for field, (suffix, parse) in _FIELDS.items():
         if field in overrides and overrides[field] is not None:
             raw = overrides.pop(field)
-            values[field] = parse(str(raw)) if isinstance(raw, str) else raw
+            try:
+                values[field] = parse(str(raw))
+            except ValueError as exc:
+                raise ValueError(f"{field}={raw!r} is not valid: {exc}") from None
         else:
             overrides.pop(field, None)
             values[field] = parse_env(suffix, parse, getattr(Config, field), env)

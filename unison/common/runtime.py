@@ -12,9 +12,9 @@ Without mpi4py (``pip install unison`` without the ``mpi`` extra) or without
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
-import os
 import sys
 import threading
 import traceback
@@ -52,6 +52,7 @@ class State:
 _state: State | None = None
 _lock = threading.Lock()
 _previous_excepthook: Any = None
+_atexit_registered = False
 
 
 def _import_mpi() -> Any:
@@ -73,12 +74,14 @@ def mpi_threads_supported() -> bool:
     return mpi is not None and mpi.Query_thread() == mpi.THREAD_MULTIPLE
 
 
-def init(comm: Any = None, **settings: Any) -> None:
+def init(comm: Any = None, process_sets: Any = None, **settings: Any) -> None:
     """Start Unison in this process. Call it once, on every rank, before any collective.
 
     Args:
         comm: an mpi4py communicator (or a list of world ranks) to run on; the
             world communicator by default. Unison works on a duplicate of it.
+        process_sets: :class:`~unison.ProcessSet` objects (or rank lists) to
+            register now, identically on every rank.
         **settings: overrides of :class:`~unison.common.config.Config` fields,
             e.g. ``allreduce_algorithm="ring"``; they win over ``UNISON_*`` variables.
 
@@ -101,8 +104,17 @@ def init(comm: Any = None, **settings: Any) -> None:
         _state = _mpi_state(mpi, comm, config)
         if _state.size > 1 and config.abort_on_error:
             _install_excepthook()
+        global _atexit_registered
+        if not _atexit_registered:
+            atexit.register(shutdown)  # runs before mpi4py finalizes MPI
+            _atexit_registered = True
     logger.debug("initialized: rank %d of %d (local %d of %d)", _state.rank, _state.size,
                  _state.local_rank, _state.local_size)
+    from unison.common.engine import frontend
+
+    frontend.engine("unison.init()")  # collective (it duplicates the communicator): start it now
+    for ps in process_sets or ():
+        frontend.add_process_set(ps)
 
 
 def _mpi_state(mpi: Any, comm: Any, config: Config) -> State:
@@ -142,7 +154,7 @@ def shutdown() -> None:
     if state is None:
         return
     for hook in list(_shutdown_hooks):
-        hook()
+        hook(state)
     if state.owns_comm and state.comm is not None:
         try:
             state.comm.Free()
@@ -236,12 +248,6 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException,
         _previous_excepthook(exc_type, exc, tb)
 
 
-def _thread_excepthook(args: threading.ExceptHookArgs) -> None:
-    if args.exc_type is SystemExit:
-        return
-    _excepthook(args.exc_type, args.exc_value or args.exc_type(), args.exc_traceback)
-
-
 def _install_excepthook() -> None:
     global _previous_excepthook
     if sys.excepthook is not _excepthook:
@@ -255,6 +261,3 @@ def _uninstall_excepthook() -> None:
         sys.excepthook = _previous_excepthook or sys.__excepthook__
     _previous_excepthook = None
 
-
-def environ_flag(name: str) -> bool:
-    return os.environ.get(name, "") not in ("", "0")

@@ -1,4 +1,4 @@
-"""Shared helpers: launching real mpirun jobs under a timeout."""
+"""Helpers for the tests that launch real mpirun jobs, each under a timeout."""
 
 from __future__ import annotations
 

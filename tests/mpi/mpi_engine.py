@@ -1,0 +1,236 @@
+"""The engine under mpirun: negotiation, fusion, errors, join, process sets, timeline.
+
+Every rank runs these tests in the same order; results are checked against numpy
+references that each rank rebuilds from every rank's inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import unison
+from unison.common.engine import frontend
+
+WORLD = MPI.COMM_WORLD
+N, R = WORLD.Get_size(), WORLD.Get_rank()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _unison_session():
+    unison.init()
+    yield
+    unison.shutdown()
+needs_engine = pytest.mark.skipif(N == 1, reason="a size-1 job computes locally, without the engine")
+
+
+def data(rank: int, i: int, size: int) -> np.ndarray:
+    return (np.random.default_rng([i, rank]).integers(-50, 50, size)).astype(np.float32)
+
+
+def test_random_submission_order_gives_correct_results():
+    names = [f"order.{i}" for i in range(60)]
+    mine = names[:]
+    random.Random(R).shuffle(mine)  # every rank submits in its own order
+    handles = {nm: unison.allreduce_async(data(R, int(nm[6:]), 5 + int(nm[6:]) * 37), op=unison.Sum,
+                                          name=nm) for nm in mine}
+    for nm, h in handles.items():
+        i = int(nm[6:])
+        want = sum(data(r, i, 5 + i * 37).astype(np.float64) for r in range(N))
+        np.testing.assert_array_equal(unison.synchronize(h), want)
+
+
+def test_poll_and_average_default():
+    h = unison.allreduce_async(np.full(3, float(R)), name="poll.avg")
+    res = unison.synchronize(h)
+    assert unison.poll(h)
+    np.testing.assert_allclose(res, np.full(3, (N - 1) / 2))
+
+
+def _run_set(tag: str):
+    return [unison.synchronize(unison.allreduce_async(data(R, i, 1000 * (i % 7) + 3), op=unison.Sum,
+                                                      name=f"{tag}.{i}"))
+            for i in range(40)] + \
+        [unison.synchronize(h) for h in [unison.allreduce_async(data(R, i, 50 + i), op=unison.Sum,
+                                                                name=f"{tag}.b{i}") for i in range(40)]]
+
+
+@needs_engine
+def test_fusion_on_and_off_give_identical_results():
+    eng = frontend.engine()
+    default = eng.fusion_threshold
+    try:
+        fused = _run_set("fuse.on")
+        eng.fusion_threshold = 0
+        unfused = _run_set("fuse.off")
+        eng.fusion_threshold = 4096  # many small buffers
+        small = _run_set("fuse.small")
+    finally:
+        eng.fusion_threshold = default
+    for a, b, c in zip(fused, unfused, small, strict=True):
+        assert a.tobytes() == b.tobytes() == c.tobytes()
+
+
+def test_grouped_allreduce_fuses_and_matches():
+    tensors = [data(R, i, 10 * i + 1) for i in range(25)]
+    out = unison.grouped_allreduce(tensors, op=unison.Sum, name="grouped")
+    for i, got in enumerate(out):
+        np.testing.assert_array_equal(got, sum(data(r, i, 10 * i + 1) for r in range(N)))
+
+
+def test_other_collectives_through_the_engine():
+    g = unison.allgather(np.full((R + 1, 2), R, np.int32), name="eng.ag")
+    np.testing.assert_array_equal(g[:, 0], np.repeat(np.arange(N), np.arange(1, N + 1)))
+    b = unison.broadcast(np.arange(5) + R, root_rank=N - 1, name="eng.bc")
+    np.testing.assert_array_equal(b, np.arange(5) + N - 1)
+    rs = unison.reducescatter(np.ones((2 * N + 1, 3)) * (R + 1), op=unison.Sum, name="eng.rs")
+    assert rs.shape == (3 if R == 0 else 2, 3) and np.all(rs == N * (N + 1) / 2)
+    out, splits = unison.alltoall(np.arange(N) + 100 * R, splits=[1] * N, name="eng.a2a")
+    np.testing.assert_array_equal(out, [R + 100 * s for s in range(N)])
+    np.testing.assert_array_equal(splits, [1] * N)
+    unison.barrier()
+
+
+def test_mismatches_raise_on_every_rank_and_engine_goes_on():
+    if N == 1:
+        pytest.skip("needs two ranks")
+    cases = [
+        (lambda: unison.allreduce(np.ones(R + 2), name="mm.shape"), "shape=\\(2,\\)"),
+        (lambda: unison.allreduce(np.ones(2, np.float32 if R else np.float64), name="mm.dtype"), "dtype"),
+        (lambda: unison.allreduce(np.ones(2), op=unison.Sum if R else unison.Max, name="mm.op"), "op="),
+        (lambda: unison.broadcast(np.ones(2), root_rank=R % 2, name="mm.root"), "root_rank"),
+        (lambda: unison.allreduce(np.ones(2), prescale_factor=1.0 + R, name="mm.scale"), "prescale"),
+    ]
+    for fn, pattern in cases:
+        with pytest.raises(unison.MismatchError, match=pattern) as info:
+            fn()
+        for r in range(N):
+            assert f"rank {r}:" in str(info.value)
+    # a cached name whose shape changes is re-negotiated and caught
+    for _ in range(2):
+        unison.allreduce(np.ones(4), name="mm.cached")
+    with pytest.raises(unison.MismatchError, match="mm.cached"):
+        unison.allreduce(np.ones(4 + R), name="mm.cached")
+    np.testing.assert_array_equal(unison.allreduce(np.ones(4), op=unison.Sum, name="mm.cached"), [N] * 4)
+
+
+def test_invalid_arguments_raise_on_every_rank():
+    bad = np.ones(3, np.complex64) if R == 0 else np.ones(3)
+    with pytest.raises(TypeError, match="complex64"):
+        unison.allreduce(bad, name="inv.dtype")
+    with pytest.raises(ValueError, match=f"root_rank={N}"):
+        unison.broadcast(np.ones(2), root_rank=N, name="inv.root")
+    with pytest.raises(TypeError, match="Average is not defined for bool"):
+        unison.allreduce(np.ones(2, bool), name="inv.bool")
+
+
+def test_duplicate_name_in_flight_fails_second_handle():
+    if N == 1:
+        pytest.skip("a size-1 job completes at submission")
+    first = unison.allreduce_async(np.ones(2), name="dup") if R == 0 else None
+    if R == 0:
+        second = unison.allreduce_async(np.ones(2), name="dup")
+        with pytest.raises(unison.DuplicateNameError, match="'dup' is already in flight"):
+            unison.synchronize(second)
+    WORLD.Barrier()
+    if R != 0:
+        first = unison.allreduce_async(np.ones(2), name="dup")
+    np.testing.assert_array_equal(unison.synchronize(first), np.ones(2))
+
+
+def test_join_with_uneven_step_counts():
+    steps = R + 2  # rank r has r + 2 batches
+    results = []
+    for s in range(steps):
+        results.append(unison.allreduce(np.full(4, 1.0), op=unison.Sum, name=f"join.{s}"))
+    last = unison.join()
+    assert last == N - 1
+    for s, res in enumerate(results):
+        contributors = sum(1 for r in range(N) if r + 2 > s)
+        np.testing.assert_array_equal(res, np.full(4, float(contributors)))
+    # the engine is usable after a join
+    np.testing.assert_array_equal(unison.allreduce(np.ones(2), op=unison.Sum, name="after.join"), [N, N])
+
+
+def test_process_sets():
+    evens = unison.add_process_set([r for r in range(N) if r % 2 == 0])
+    odds = unison.add_process_set([r for r in range(N) if r % 2 == 1]) if N > 1 else None
+    mine = evens if R % 2 == 0 else odds
+    members = [r for r in range(N) if r % 2 == R % 2]
+    got = unison.allreduce(np.full(3, float(R)), op=unison.Sum, name="ps.sum", process_set=mine)
+    np.testing.assert_array_equal(got, np.full(3, float(sum(members))))
+    avg = unison.allreduce(np.full(3, float(R)), name="ps.avg", process_set=mine)
+    np.testing.assert_allclose(avg, np.full(3, sum(members) / len(members)))
+    g = unison.allgather(np.array([R]), name="ps.ag", process_set=mine)
+    np.testing.assert_array_equal(g, members)
+    if N > 1:
+        other = odds if R % 2 == 0 else evens
+        with pytest.raises(ValueError, match="not a member"):
+            unison.allreduce(np.ones(1), name="ps.bad", process_set=other)
+    with pytest.raises(ValueError, match="not registered"):
+        unison.allreduce(np.ones(1), process_set=unison.ProcessSet([0]))
+
+
+@pytest.mark.parametrize("compression, unit_roundoff", [(unison.Compression.fp16, 2.0 ** -11),
+                                                        (unison.Compression.bf16, 2.0 ** -8)])
+def test_compression_error_bounds(compression, unit_roundoff):
+    # N roundings of the inputs and N - 1 of partial sums, each <= u relative to sum(|x|)
+    rtol = (2 * N - 1) * unit_roundoff
+    x = np.random.default_rng(R).normal(size=5000)
+    got = unison.allreduce(x, op=unison.Sum, name=f"comp.{compression.__name__}", compression=compression)
+    want = sum(np.random.default_rng(r).normal(size=5000) for r in range(N))
+    assert got.dtype == np.float64
+    scale = sum(np.abs(np.random.default_rng(r).normal(size=5000)) for r in range(N))
+    assert np.max(np.abs(got - want) / scale) <= rtol
+    assert np.max(np.abs(got - want) / scale) > 0  # it really was compressed
+
+
+@needs_engine
+def test_timeline_parses_and_holds_phases(tmp_path_factory):
+    path = WORLD.bcast(str(tmp_path_factory.mktemp("tl") / "timeline.json") if R == 0 else None)
+    unison.start_timeline(path)
+    for _step in range(3):
+        hs = [unison.allreduce_async(np.ones(100 + i), name=f"tl.{i}") for i in range(5)]
+        for h in hs:
+            unison.synchronize(h)
+    unison.allreduce(np.ones(300_000, np.float32), name="tl.big")
+    unison.stop_timeline()
+    unison.barrier()
+    if R == 0:
+        events = json.load(open(path))
+        assert not os.path.exists(path + ".tmp")
+        phases = {e["name"] for e in events if e["ph"] in "BE"}
+        for phase in ("NEGOTIATE_ALLREDUCE", "QUEUE", "MEMCPY_IN_FUSION_BUFFER", "ALLREDUCE",
+                      "MEMCPY_OUT_FUSION_BUFFER"):
+            assert phase in phases, phases
+        rows = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+        assert {"tl.0", "tl.4", "tl.big"} <= rows
+        marks = {e["name"] for e in events if e["ph"] == "i"}
+        assert {f"rank {r} ready" for r in range(N)} <= marks
+        opened = {}
+        for e in events:  # every begin has its end
+            if e["ph"] == "B":
+                opened[(e["tid"], e["name"])] = opened.get((e["tid"], e["name"]), 0) + 1
+            elif e["ph"] == "E":
+                opened[(e["tid"], e["name"])] -= 1
+        assert all(v == 0 for v in opened.values()), opened
+
+
+@needs_engine
+def test_engine_thread_error_reaches_caller(monkeypatch):
+    from unison.collectives import kernels
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected failure in the engine thread")
+
+    monkeypatch.setattr(kernels, "alltoallv", boom)
+    with pytest.raises(RuntimeError, match="injected failure") as info:
+        unison.alltoall(np.arange(N, dtype=np.float32), name="boom")
+    assert any("boom" in str(tb.name) for tb in info.traceback)  # the original traceback
+    with pytest.raises(RuntimeError, match="injected failure"):
+        unison.allreduce(np.ones(2), name="after.boom")

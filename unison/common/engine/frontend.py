@@ -1,0 +1,335 @@
+"""The engine's user API on numpy arrays: ``*_async`` submissions, ``poll``, ``synchronize``.
+
+Every function builds a named :class:`Request` and hands it to the engine. A
+rank whose arguments are invalid still submits the name, carrying the error, so
+that every rank raises it instead of the others waiting. Unnamed calls get
+``<op>.noname.<n>`` names from per-op counters, identical on every rank as long as
+ranks make the same calls in the same order.
+
+A job of size 1 (no mpirun) computes immediately and returns a finished handle.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from unison.collectives import api as direct
+from unison.collectives.reduce import check_op
+from unison.collectives.validate import as_array, check_root, check_splits
+from unison.common import runtime
+from unison.common.compression import Compression, Compressor
+from unison.common.engine.engine import Engine
+from unison.common.engine.handles import Handle
+from unison.common.engine.process_sets import ProcessSet
+from unison.common.engine.requests import Kind, Request
+from unison.common.ops import Average, ReduceOp, parse_op
+
+__all__ = [
+    "allreduce_async", "allgather_async", "broadcast_async", "alltoall_async", "reducescatter_async",
+    "grouped_allreduce_async", "grouped_allreduce", "allreduce", "allgather", "broadcast", "alltoall",
+    "reducescatter", "barrier", "join", "poll", "synchronize", "engine", "add_process_set",
+    "start_timeline", "stop_timeline",
+]
+
+_counters: collections.Counter[str] = collections.Counter()
+
+
+def engine(what: str = "this call") -> Engine | None:
+    """The running engine, started on first use; None in a job of size 1."""
+    st = runtime.state(what)
+    eng = st.cache.get("engine")
+    if eng is None and st.size > 1:
+        from mpi4py import MPI
+
+        eng = st.cache["engine"] = Engine(st.comm.Dup(), MPI, st.config, st.rank)
+    return eng
+
+
+def _stop_engine(st: runtime.State) -> None:
+    eng = st.cache.pop("engine", None)
+    if eng is not None:
+        eng.stop()
+
+
+runtime.add_shutdown_hook(_stop_engine)
+
+
+def _auto_name(kind: str, name: str | None) -> str:
+    if name is not None:
+        return str(name)
+    n = _counters[kind]
+    _counters[kind] += 1
+    return f"{kind}.noname.{n}"
+
+
+def _check_local(process_set: ProcessSet | None) -> None:
+    """In a size-1 job: only registered sets (which all hold rank 0) are usable."""
+    if process_set is not None and process_set.process_set_id is None:
+        raise ValueError(f"{process_set!r} is not registered; pass it to unison.init(process_sets=[...]) "
+                         "or unison.add_process_set() on every rank first")
+
+
+def _set_id(eng: Engine, process_set: ProcessSet | None) -> tuple[int, int]:
+    """(process set id, its size) — raising now if the set is unusable on this rank."""
+    if process_set is None or process_set.process_set_id == 0 and process_set.ranks is None:
+        return 0, runtime.size()
+    st = eng.process_set(process_set)
+    return st.ps.process_set_id or 0, st.comm.Get_size()
+
+
+def _done(value: Any, post: Callable[[Any], Any] | None = None) -> Handle:
+    h = Handle("local", post)
+    h.set_result(value)
+    return h
+
+
+def _submit(eng: Engine, kind: Kind, name: str, tensor: Any, sid: int,
+            checks: Callable[[np.ndarray], dict | None], post: Callable[[Any], Any] | None = None,
+            **fields: Any) -> Handle:
+    """Build the request; an argument error is carried in it ("T:"/"V:" + message).
+
+    ``checks(array)`` raises for invalid arguments and may return extra request fields.
+    """
+    error, arr = "", np.empty(0, dtype=np.float32)
+    try:
+        arr = np.ascontiguousarray(as_array(tensor))
+        fields.update(checks(arr) or {})
+    except TypeError as exc:
+        error = "T:" + str(exc)
+    except ValueError as exc:
+        error = "V:" + str(exc)
+    req = Request(name=name, kind=kind, array=arr, handle=Handle(name, post), process_set=sid,
+                  error=error, **fields)
+    return eng.submit(req)
+
+
+def _op(op: Any) -> ReduceOp:
+    try:
+        return parse_op(op)
+    except ValueError:
+        return ReduceOp.SUM  # reported through the checks below
+
+
+def allreduce_async(tensor: Any, op: Any = Average, name: str | None = None,
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet | None = None,
+                    compression: type[Compressor] = Compression.none,
+                    out: np.ndarray | None = None, algorithm: str = "auto") -> Handle:
+    """Submit an all-reduce of ``tensor`` (see :func:`unison.allreduce`); returns a handle.
+
+    ``synchronize(handle)`` returns the reduced array (``out`` when given).
+    """
+    eng = engine("unison.allreduce_async()")
+    name = _auto_name("allreduce", name)
+    compressed, ctx = compression.compress(np.asarray(tensor))
+    post = None if compression is Compression.none else (lambda r: compression.decompress(r, ctx))
+    if eng is None:
+        _check_local(process_set)
+        res = direct.allreduce(compressed, op, name, prescale_factor, postscale_factor, out=out)
+        return _done(res, post)
+    rop = _op(op)
+    sid, _ = _set_id(eng, process_set)
+
+    def checks(arr: np.ndarray) -> None:
+        parse_op(op)
+        check_op(arr.dtype, rop, float(prescale_factor), float(postscale_factor))
+        direct.validate_algorithm("allreduce_algorithm", algorithm)
+        if out is not None:
+            direct._check_out(out, arr)
+
+    return _submit(eng, Kind.ALLREDUCE, name, compressed, sid, checks, post, op=int(rop),
+                   prescale=float(prescale_factor), postscale=float(postscale_factor),
+                   out=out.reshape(-1) if out is not None and out.flags.c_contiguous else None,
+                   algorithm=str(algorithm))
+
+
+def allgather_async(tensor: Any, name: str | None = None, process_set: ProcessSet | None = None) -> Handle:
+    """Submit an all-gather along the first dimension (which may differ per rank)."""
+    eng = engine("unison.allgather_async()")
+    name = _auto_name("allgather", name)
+    arr = np.asarray(tensor)
+    arr = arr.reshape(1) if arr.ndim == 0 else arr
+    if eng is None:
+        _check_local(process_set)
+        return _done(direct.allgather(arr, name))
+    sid, _ = _set_id(eng, process_set)
+    return _submit(eng, Kind.ALLGATHER, name, arr, sid, lambda a: None)
+
+
+def broadcast_async(tensor: Any, root_rank: int = 0, name: str | None = None,
+                    process_set: ProcessSet | None = None) -> Handle:
+    """Submit a broadcast from ``root_rank`` (a rank of ``process_set``)."""
+    eng = engine("unison.broadcast_async()")
+    name = _auto_name("broadcast", name)
+    if eng is None:
+        _check_local(process_set)
+        return _done(direct.broadcast(tensor, root_rank, name))
+    sid, size = _set_id(eng, process_set)
+    root = int(root_rank) if isinstance(root_rank, (int, np.integer)) else -1
+    return _submit(eng, Kind.BROADCAST, name, tensor, sid, lambda a: check_root(root_rank, size), root=root)
+
+
+def alltoall_async(tensor: Any, splits: Any = None, name: str | None = None,
+                   process_set: ProcessSet | None = None) -> Handle:
+    """Submit an all-to-all; the result is ``(received, received_splits)``."""
+    eng = engine("unison.alltoall_async()")
+    name = _auto_name("alltoall", name)
+    if eng is None:
+        _check_local(process_set)
+        return _done(direct.alltoall(tensor, splits, name))
+    sid, size = _set_id(eng, process_set)
+
+    def checks(arr: np.ndarray) -> dict:
+        if arr.ndim == 0:
+            raise ValueError("alltoall needs an array with at least one dimension; got a 0-d array")
+        return {"splits": tuple(check_splits(splits, arr.shape[0], size))}
+
+    return _submit(eng, Kind.ALLTOALL, name, tensor, sid, checks)
+
+
+def reducescatter_async(tensor: Any, op: Any = Average, name: str | None = None,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                        process_set: ProcessSet | None = None) -> Handle:
+    """Submit a reduce-scatter; the result is this rank's rows of the reduction."""
+    eng = engine("unison.reducescatter_async()")
+    name = _auto_name("reducescatter", name)
+    if eng is None:
+        _check_local(process_set)
+        return _done(direct.reducescatter(tensor, op, name, prescale_factor, postscale_factor))
+    rop = _op(op)
+    sid, _ = _set_id(eng, process_set)
+
+    def checks(arr: np.ndarray) -> None:
+        parse_op(op)
+        check_op(arr.dtype, rop, float(prescale_factor), float(postscale_factor))
+        if arr.ndim == 0:
+            raise ValueError("reducescatter needs an array with at least one dimension to split; "
+                             "got a 0-d array. Reshape it to (1,) or use allreduce")
+
+    return _submit(eng, Kind.REDUCESCATTER, name, tensor, sid, checks, op=int(rop),
+                   prescale=float(prescale_factor), postscale=float(postscale_factor))
+
+
+class _GroupHandle(Handle):
+    """Completes when every member does; its result is the list of results."""
+
+    __slots__ = ("members",)
+
+    def __init__(self, name: str, members: list[Handle]) -> None:
+        super().__init__(name)
+        self.members = members
+
+    def done(self) -> bool:
+        return all(h.done() for h in self.members)
+
+    def wait(self, timeout: float | None = None) -> Any:
+        return [h.wait(timeout) for h in self.members]
+
+
+def grouped_allreduce_async(tensors: Sequence[Any], op: Any = Average, name: str | None = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet | None = None,
+                            compression: type[Compressor] = Compression.none) -> Handle:
+    """Submit all-reduces of several tensors at once, so they negotiate and fuse together."""
+    base = _auto_name("grouped_allreduce", name)
+    handles = [allreduce_async(t, op, f"{base}.{i}", prescale_factor, postscale_factor, process_set,
+                               compression) for i, t in enumerate(tensors)]
+    return _GroupHandle(base, handles)
+
+
+def poll(handle: Handle) -> bool:
+    """Whether ``handle``'s collective has finished (successfully or not)."""
+    return handle.done()
+
+
+def synchronize(handle: Handle) -> Any:
+    """Wait for ``handle``; return its result or raise its error."""
+    return handle.wait()
+
+
+# --------------------------------------------------------------- blocking forms
+
+def allreduce(tensor: Any, op: Any = Average, name: str | None = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, process_set: ProcessSet | None = None,
+              compression: type[Compressor] = Compression.none, out: np.ndarray | None = None,
+              algorithm: str = "auto") -> np.ndarray:
+    """Reduce ``tensor`` over all ranks (of ``process_set``); see docs/engine.md."""
+    return allreduce_async(tensor, op, name, prescale_factor, postscale_factor, process_set,
+                           compression, out, algorithm).wait()
+
+
+def grouped_allreduce(tensors: Sequence[Any], op: Any = Average, name: str | None = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet | None = None,
+                      compression: type[Compressor] = Compression.none) -> list[np.ndarray]:
+    return grouped_allreduce_async(tensors, op, name, prescale_factor, postscale_factor, process_set,
+                                   compression).wait()
+
+
+def allgather(tensor: Any, name: str | None = None, process_set: ProcessSet | None = None) -> np.ndarray:
+    return allgather_async(tensor, name, process_set).wait()
+
+
+def broadcast(tensor: Any, root_rank: int = 0, name: str | None = None,
+              process_set: ProcessSet | None = None) -> np.ndarray:
+    return broadcast_async(tensor, root_rank, name, process_set).wait()
+
+
+def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
+             process_set: ProcessSet | None = None) -> tuple[np.ndarray, np.ndarray]:
+    return alltoall_async(tensor, splits, name, process_set).wait()
+
+
+def reducescatter(tensor: Any, op: Any = Average, name: str | None = None, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0, process_set: ProcessSet | None = None) -> np.ndarray:
+    return reducescatter_async(tensor, op, name, prescale_factor, postscale_factor, process_set).wait()
+
+
+def barrier(process_set: ProcessSet | None = None) -> None:
+    """Wait until every rank (of ``process_set``) reaches the barrier."""
+    eng = engine("unison.barrier()")
+    if eng is None:
+        return
+    sid, _ = _set_id(eng, process_set)
+    name = _auto_name("barrier", None)
+    _submit(eng, Kind.BARRIER, name, np.empty(0, np.uint8), sid, lambda a: None).wait()
+
+
+def join() -> int:
+    """Take part in every collective with identity values until all ranks join.
+
+    Call it when this rank has run out of data; the other ranks' collectives keep
+    completing (this rank contributes zeros to sums). Returns the last rank to join.
+    """
+    eng = engine("unison.join()")
+    if eng is None:
+        return 0
+    return eng.join().wait()
+
+
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Register a process set; call it on every rank, in the same order."""
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    eng = engine("unison.add_process_set()")
+    if eng is None:
+        ps.process_set_id = ps.process_set_id if ps.process_set_id is not None else 0
+        return ps
+    return eng.add_process_set(ps)
+
+
+def start_timeline(path: str) -> None:
+    """Start recording a Chrome-trace timeline to ``path`` (written by rank 0)."""
+    eng = engine("unison.start_timeline()")
+    if eng is not None:
+        eng.start_timeline(path)
+
+
+def stop_timeline() -> None:
+    """Stop recording and close the timeline file."""
+    eng = engine("unison.stop_timeline()")
+    if eng is not None:
+        eng.stop_timeline()

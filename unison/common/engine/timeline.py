@@ -1,0 +1,106 @@
+"""Timeline: a Chrome-trace JSON of what the engine did with each tensor.
+
+Rank 0 writes it (``UNISON_TIMELINE=path.json`` or ``unison.start_timeline``).
+Each tensor is one row (a trace "thread") with nested phases::
+
+    NEGOTIATE_ALLREDUCE  |--- rank 0 ready . rank 1 ready ---|
+    QUEUE                                                    |--|
+    MEMCPY_IN_FUSION_BUFFER                                     |-|
+    ALLREDUCE                                                     |-----|
+    MEMCPY_OUT_FUSION_BUFFER                                             |-|
+
+Open it in https://ui.perfetto.dev or chrome://tracing. Events stream to
+``path + ".tmp"`` while recording; ``stop()`` closes the JSON array and renames
+the file into place, so a reader never sees a half-written trace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import IO
+
+__all__ = ["Timeline"]
+
+
+class Timeline:
+    """Records phases per tensor name; every method is a no-op while inactive."""
+
+    def __init__(self) -> None:
+        self._file: IO[str] | None = None
+        self._path = ""
+        self._tids: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._t0 = time.monotonic()
+        self._first = True
+
+    @property
+    def active(self) -> bool:
+        return self._file is not None
+
+    def start(self, path: str) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._close()
+            self._path = os.fspath(path)
+            self._file = open(self._path + ".tmp", "w", encoding="utf-8")  # noqa: SIM115
+            self._file.write("[\n")
+            self._tids.clear()
+            self._first = True
+            self._emit({"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "unison engine"}})
+
+    def stop(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
+        if self._file is None:
+            return
+        self._file.write("\n]\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self._file = None
+        os.replace(self._path + ".tmp", self._path)
+
+    def _emit(self, event: dict) -> None:
+        assert self._file is not None  # noqa: S101 - callers hold the lock and checked
+        self._file.write(("" if self._first else ",\n") + json.dumps(event))
+        self._first = False
+
+    def _tid(self, name: str) -> int:
+        tid = self._tids.get(name)
+        if tid is None:
+            tid = self._tids[name] = len(self._tids) + 1
+            self._emit({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": name}})
+        return tid
+
+    def _us(self, t: float | None) -> float:
+        return round(((time.monotonic() if t is None else t) - self._t0) * 1e6, 3)
+
+    def begin(self, name: str, phase: str, t: float | None = None, args: dict | None = None) -> None:
+        if self._file is None:
+            return
+        with self._lock:
+            if self._file is not None:
+                ev = {"name": phase, "ph": "B", "pid": 0, "tid": self._tid(name), "ts": self._us(t)}
+                if args:
+                    ev["args"] = args
+                self._emit(ev)
+
+    def end(self, name: str, phase: str, t: float | None = None) -> None:
+        if self._file is None:
+            return
+        with self._lock:
+            if self._file is not None:
+                self._emit({"name": phase, "ph": "E", "pid": 0, "tid": self._tid(name), "ts": self._us(t)})
+
+    def mark(self, name: str, label: str, t: float | None = None) -> None:
+        if self._file is None:
+            return
+        with self._lock:
+            if self._file is not None:
+                self._emit({"name": label, "ph": "i", "s": "t", "pid": 0, "tid": self._tid(name),
+                            "ts": self._us(t)})
