@@ -48,7 +48,7 @@ ALL_JOINED = 1 << 32
 _ANY_MASK = (1 << 32) - 1
 
 
-@dataclass
+@dataclass(slots=True)
 class Response:
     """One name that every rank has submitted (or joined past): run it, or fail it."""
 
@@ -59,6 +59,8 @@ class Response:
     ready_times: dict[int, float] | None = None
     #: "type" or "value": an invalid argument on some rank (TypeError / ValueError), not a mismatch
     invalid: str = ""
+    #: payload size, computed once by the executor
+    nbytes: int = -1
 
 
 def wait(req: Any) -> None:
@@ -96,7 +98,9 @@ class Controller:
         self.joined_ranks: list[int] = []
         self.timeline_mode = False
         self.cycles = 0
-        self.last_ready_bits: np.ndarray | None = None
+        self.last_ready_bits = 0
+        #: timeline mode: bit -> {rank: first time seen set}
+        self.bit_seen: dict[int, dict[int, float]] = {}
 
     # ------------------------------------------------------------- requests
     def add(self, req: Request) -> None:
@@ -115,58 +119,63 @@ class Controller:
         """Run one negotiation round; returns (responses, any-rank flags, all joined)."""
         self.cycles += 1
         words = (len(self.bit_names) + 63) // 64
-        vec = np.zeros(words + 1, dtype=np.uint64)
-        waiting = set(self.to_announce)
+        bits = 0
         if self.joined:
             for b, name in enumerate(self.bit_names):
                 if name is not None:
-                    vec[b >> 6] |= np.uint64(1 << (b & 63))
+                    bits |= 1 << b
         else:
+            waiting = set(self.to_announce)
+            cache_bit = self.cache_bit
             for name in self.pending:
-                b = self.cache_bit.get(name)
+                b = cache_bit.get(name)
                 if b is not None and name not in waiting:
-                    vec[b >> 6] |= np.uint64(1 << (b & 63))
+                    bits |= 1 << b
+        vec = np.empty(words + 1, dtype=np.uint64)
+        vec[:words] = np.frombuffer(bits.to_bytes(words * 8, "little"), dtype=np.uint64)
         flags = local_flags
         if self.to_announce or (self.joined and not self._join_told):
             flags |= FLAG_ANNOUNCE
         vec[words] = np.uint64((~flags & _ANY_MASK) | (ALL_JOINED if self.joined else 0))
-        mine = vec[:words].copy()
         per_rank = None
         if self.timeline_mode:
-            gathered = np.empty((self.size, words + 1), dtype=np.uint64)
-            wait(self.comm.Iallgather(vec, gathered))
-            per_rank = gathered
-            result = np.bitwise_and.reduce(gathered, axis=0)
+            per_rank = np.empty((self.size, words + 1), dtype=np.uint64)
+            wait(self.comm.Iallgather(vec, per_rank))
+            result = np.bitwise_and.reduce(per_rank, axis=0)
         else:
             result = np.empty_like(vec)
             wait(self.comm.Iallreduce(vec, result, op=self.mpi.BAND))
         last = int(result[words])
         any_flags = ~last & _ANY_MASK
         all_joined = bool(last & ALL_JOINED)
-        self.last_ready_bits = mine
+        self.last_ready_bits = bits
         responses: list[Response] = []
-        if not all_joined:
-            now = time.monotonic()
-            for w in np.flatnonzero(result[:words]):
-                bits = int(result[w])
-                while bits:
-                    low = bits & -bits
-                    b = (int(w) << 6) + low.bit_length() - 1
-                    bits ^= low
-                    name = self.bit_names[b]
-                    if name is None:
-                        continue
-                    times = None
-                    if per_rank is not None:
-                        times = {r: now for r in range(self.size)
-                                 if int(per_rank[r, w]) & low}
-                    responses.append(Response(name, self.cache_sig[name],
-                                              self.pending.pop(name, None), ready_times=times))
+        if per_rank is not None:
+            self._note_ready_times(per_rank[:, :words])
+        ready = 0 if all_joined else int.from_bytes(result[:words].tobytes(), "little")
+        pending, names, sigs = self.pending, self.bit_names, self.cache_sig
+        while ready:
+            low = ready & -ready
+            ready ^= low
+            b = low.bit_length() - 1
+            name = names[b]
+            if name is not None:
+                times = self.bit_seen.pop(b, None) if per_rank is not None else None
+                responses.append(Response(name, sigs[name], pending.pop(name, None), ready_times=times))
         if any_flags & FLAG_ANNOUNCE:
             responses += self._announce_round()
         if any_flags & FLAG_TIMELINE:
             self.timeline_mode = not self.timeline_mode
         return responses, any_flags, all_joined
+
+    def _note_ready_times(self, per_rank: np.ndarray) -> None:
+        now = time.monotonic()
+        for r in range(self.size):
+            bits = int.from_bytes(per_rank[r].tobytes(), "little")
+            while bits:
+                low = bits & -bits
+                bits ^= low
+                self.bit_seen.setdefault(low.bit_length() - 1, {}).setdefault(r, now)
 
     def _announce_round(self) -> list[Response]:
         entries = []
@@ -254,10 +263,8 @@ class Controller:
 
     def cached_stalls(self) -> list[tuple[str, list[int]]]:
         """Collective: every rank's ready bits, to name the ranks missing cached names."""
-        mine = self.last_ready_bits if self.last_ready_bits is not None else np.zeros(0, np.uint64)
         words = (len(self.bit_names) + 63) // 64
-        vec = np.zeros(words, dtype=np.uint64)
-        vec[:min(words, mine.size)] = mine[:words]
+        vec = np.frombuffer(self.last_ready_bits.to_bytes(words * 8, "little"), dtype=np.uint64).copy()
         gathered = np.empty((self.size, words), dtype=np.uint64)
         if words:
             wait(self.comm.Iallgather(vec, gathered))

@@ -32,7 +32,7 @@ from unison.common.engine.controller import (
     Controller,
 )
 from unison.common.engine.executor import Executor
-from unison.common.engine.handles import Handle
+from unison.common.engine.handles import Handle, wake_waiters
 from unison.common.engine.process_sets import ProcessSet
 from unison.common.engine.requests import Request
 from unison.common.engine.timeline import Timeline
@@ -87,6 +87,7 @@ class Engine:
         self._timeline_toggle = False
         self._join_handles: list[Handle] = []
         self._running: list = []  # responses being executed, failed if the thread dies
+        self._sleeping = False
         self.autotuner = Autotuner(config, rank) if config.autotune else None
         gps = ProcessSet()
         gps.process_set_id = 0
@@ -137,13 +138,13 @@ class Engine:
                                 "rank); call unison.init() again to restart it")
 
     def submit(self, req: Request) -> Handle:
-        self.check()
-        self.process_set(self._set_objs[req.process_set] if req.process_set < len(self._set_objs)
-                         else None)
+        """Queue ``req`` (its process set was checked by the caller) and wake the thread."""
+        if self._error is not None or self._stopping:
+            self.check()
         if self.timeline.active:
             self.timeline.begin(req.name, "NEGOTIATE_" + req.kind.name, req.submitted)
+        key = (req.process_set, req.name)
         with self._cv:
-            key = (req.process_set, req.name)
             if key in self._inflight:
                 req.handle.set_error(DuplicateNameError(
                     f"a collective named {req.name!r} is already in flight on this rank; wait for it "
@@ -151,7 +152,8 @@ class Engine:
                 return req.handle
             self._inflight.add(key)
             self._queue.append(req)
-            self._cv.notify()
+            if self._sleeping:
+                self._cv.notify()
         return req.handle
 
     def join(self) -> Handle:
@@ -206,6 +208,7 @@ class Engine:
                     h.set_error(exc)
         finally:
             self._stopped.set()
+            wake_waiters()
 
     def _busy(self) -> bool:
         return any(st.controller.has_work() for st in self._sets.values()) or bool(self._join_handles)
@@ -214,7 +217,9 @@ class Engine:
         """One cycle over every process set; returns True when the engine should stop."""
         with self._cv:
             if not self._queue and not self._stopping and not self._timeline_toggle:
+                self._sleeping = True
                 self._cv.wait(self.cycle_time if self._busy() else IDLE_CYCLE_S)
+                self._sleeping = False
             new = list(self._queue)
             self._queue.clear()
             stopping = self._stopping
@@ -237,15 +242,17 @@ class Engine:
             self._running = responses
             st.executor.run(responses, self.fusion_threshold)
             self._running = []
-            with self._cv:
-                for resp in responses:
-                    self._inflight.discard((sid, resp.name))
+            if responses:
+                with self._cv:
+                    self._inflight.difference_update([(sid, resp.name) for resp in responses])
+                wake_waiters()
             if all_joined and sid == 0:
                 last = st.controller.finish_join()
                 with self._cv:
                     handles, self._join_handles = self._join_handles, []
                 for h in handles:
                     h.set_result(last)
+                wake_waiters()
             if any_flags & FLAG_SHUTDOWN:
                 stop = True
         if self.autotuner is not None:
@@ -260,6 +267,7 @@ class Engine:
                     h.set_error(err)
                 self._join_handles.clear()
                 self._stopping = True
+            wake_waiters()
         return stop
 
     # ------------------------------------------------------------- stalls
@@ -293,6 +301,7 @@ class Engine:
             ctl.fail_all(StallError(decision))
             with self._cv:
                 self._inflight = {k for k in self._inflight if k[0] != ctl.set_id}
+            wake_waiters()
 
     def _judge_stalls(self, everyone: list, size: int) -> str | None:
         cfg = self.config

@@ -18,6 +18,7 @@ A joined rank contributes the op's identity for names it never submitted.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -81,8 +82,9 @@ class Executor:
 
     @staticmethod
     def _nbytes(resp: Response) -> int:
-        kind, dtc, shape, *_ = resp.sig
-        return int(np.prod(shape, dtype=np.int64)) * dtype_from_code(dtc).itemsize
+        if resp.nbytes < 0:
+            resp.nbytes = math.prod(resp.sig[2]) * dtype_from_code(resp.sig[1]).itemsize
+        return resp.nbytes
 
     def _mark_ready(self, resp: Response) -> None:
         tl = self.timeline
@@ -123,25 +125,27 @@ class Executor:
         buf = self._fusion_buffer(total).view(dtype)
         self._phase(batch, "QUEUE", False)
         self._phase(batch, "MEMCPY_IN_FUSION_BUFFER", True)
-        offsets, off = [], 0
-        for resp in batch:
-            src = self._input(resp)
-            buf[off:off + src.size] = src
-            offsets.append((off, src.size))
-            off += src.size
+        srcs = [self._input(resp) for resp in batch]
+        count = total // dtype.itemsize
+        np.concatenate(srcs, out=buf[:count])
         self._phase(batch, "MEMCPY_IN_FUSION_BUFFER", False)
         self._phase(batch, "ALLREDUCE", True)
         kernels.allreduce(self.comm, self.mpi, buf, buf, ReduceOp(op), pre, post, algorithm,
                           self.chunk_bytes)
         self._phase(batch, "ALLREDUCE", False)
         self._phase(batch, "MEMCPY_OUT_FUSION_BUFFER", True)
-        for resp, (o, count) in zip(batch, offsets, strict=True):
-            req = resp.request
-            if req is None:
-                continue
-            out = req.out if req.out is not None else np.empty(req.array.shape, dtype=dtype)
-            out.reshape(-1)[:] = buf[o:o + count]
-            req.handle.set_result(out)
+        # one copy out of the shared buffer; each result is a view of it (or the caller's out=)
+        results = buf.copy()
+        off = 0
+        for resp, src in zip(batch, srcs, strict=True):
+            req, n = resp.request, src.size
+            if req is not None:
+                if req.out is not None:
+                    req.out.reshape(-1)[:] = results[off:off + n]
+                    req.handle.set_result(req.out)
+                else:
+                    req.handle.set_result(results[off:off + n].reshape(req.array.shape))
+            off += n
         self._phase(batch, "MEMCPY_OUT_FUSION_BUFFER", False)
         self.bytes_done += total
 

@@ -22,6 +22,7 @@ from unison.collectives.reduce import check_op
 from unison.collectives.validate import as_array, check_root, check_splits
 from unison.common import runtime
 from unison.common.compression import Compression, Compressor
+from unison.common.dtypes import SUPPORTED_DTYPES
 from unison.common.engine.engine import Engine
 from unison.common.engine.handles import Handle
 from unison.common.engine.process_sets import ProcessSet
@@ -36,6 +37,8 @@ __all__ = [
 ]
 
 _counters: collections.Counter[str] = collections.Counter()
+#: dtypes whose every op is valid (bool refuses Average, so it takes the checked path)
+_FAST_DTYPES = frozenset(dt for dt in SUPPORTED_DTYPES if dt != np.bool_)
 
 
 def engine(what: str = "this call") -> Engine | None:
@@ -121,8 +124,18 @@ def allreduce_async(tensor: Any, op: Any = Average, name: str | None = None,
                     out: np.ndarray | None = None, algorithm: str = "auto") -> Handle:
     """Submit an all-reduce of ``tensor`` (see :func:`unison.allreduce`); returns a handle.
 
-    ``synchronize(handle)`` returns the reduced array (``out`` when given).
+    ``synchronize(handle)`` returns the reduced array (``out`` when given). The
+    engine reads ``tensor`` later, in its thread: do not modify it until then.
     """
+    st = runtime._state
+    if (st is not None and type(tensor) is np.ndarray and type(op) is ReduceOp and out is None
+            and process_set is None and compression is Compression.none and algorithm == "auto"
+            and prescale_factor == 1.0 and postscale_factor == 1.0 and tensor.flags.c_contiguous
+            and tensor.dtype in _FAST_DTYPES):  # the common case, kept cheap: one per gradient
+        eng = st.cache.get("engine")
+        if eng is not None:
+            name = _auto_name("allreduce", name) if name is None else str(name)
+            return eng.submit(Request(name, Kind.ALLREDUCE, tensor, Handle(name), op=int(op)))
     eng = engine("unison.allreduce_async()")
     name = _auto_name("allreduce", name)
     compressed, ctx = compression.compress(np.asarray(tensor))
@@ -143,7 +156,7 @@ def allreduce_async(tensor: Any, op: Any = Average, name: str | None = None,
 
     return _submit(eng, Kind.ALLREDUCE, name, compressed, sid, checks, post, op=int(rop),
                    prescale=float(prescale_factor), postscale=float(postscale_factor),
-                   out=out.reshape(-1) if out is not None and out.flags.c_contiguous else None,
+                   out=out if isinstance(out, np.ndarray) and out.flags.c_contiguous else None,
                    algorithm=str(algorithm))
 
 
@@ -225,6 +238,9 @@ class _GroupHandle(Handle):
 
     def done(self) -> bool:
         return all(h.done() for h in self.members)
+
+    def set_result(self, value: Any) -> None:
+        raise TypeError("a group handle completes through its members")
 
     def wait(self, timeout: float | None = None) -> Any:
         return [h.wait(timeout) for h in self.members]

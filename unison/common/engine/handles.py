@@ -1,12 +1,29 @@
-"""Handles: what an async submission returns, completed by the engine thread."""
+"""Handles: what an async submission returns, completed by the engine thread.
+
+A training step submits hundreds of tensors, so a handle must be cheap: it is a
+slotted object with a flag, not a ``threading.Event`` (which allocates a
+condition and a lock). Waiters sleep on one condition shared by all handles;
+the engine sets results without locking and wakes the waiters once per batch
+(:func:`wake_waiters`). The flag is set before the wake-up takes the lock, and
+a waiter checks it under that lock, so no wake-up is lost.
+"""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Handle"]
+__all__ = ["Handle", "wake_waiters"]
+
+_completion = threading.Condition(threading.Lock())
+
+
+def wake_waiters() -> None:
+    """Wake every thread blocked in :meth:`Handle.wait` to re-check its handle."""
+    with _completion:
+        _completion.notify_all()
 
 
 class Handle:
@@ -17,27 +34,28 @@ class Handle:
     its original traceback).
     """
 
-    __slots__ = ("name", "_event", "_result", "_error", "_post", "__weakref__")
+    __slots__ = ("name", "_done", "_result", "_error", "_post", "__weakref__")
 
     def __init__(self, name: str, post: Callable[[Any], Any] | None = None) -> None:
         self.name = name
-        self._event = threading.Event()
+        self._done = False
         self._result: Any = None
         self._error: BaseException | None = None
         self._post = post
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._done
 
     def set_result(self, value: Any) -> None:
-        if not self._event.is_set():
+        """Record the result; the caller then calls :func:`wake_waiters` (once per batch)."""
+        if not self._done:
             self._result = value
-            self._event.set()
+            self._done = True
 
     def set_error(self, error: BaseException) -> None:
-        if not self._event.is_set():
+        if not self._done:
             self._error = error
-            self._event.set()
+            self._done = True
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until done; return the result or raise the recorded error.
@@ -45,8 +63,14 @@ class Handle:
         Raises:
             TimeoutError: not done within ``timeout`` seconds.
         """
-        if not self._event.wait(timeout):
-            raise TimeoutError(f"collective {self.name!r} did not finish within {timeout} s")
+        if not self._done:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            with _completion:
+                while not self._done:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise TimeoutError(f"collective {self.name!r} did not finish within {timeout} s")
+                    _completion.wait(left)
         if self._error is not None:
             raise self._error
         if self._post is not None:
@@ -54,5 +78,5 @@ class Handle:
         return self._result
 
     def __repr__(self) -> str:
-        state = "done" if self.done() else "pending"
+        state = "done" if self._done else "pending"
         return f"<unison.Handle {self.name!r} {state}>"

@@ -31,7 +31,7 @@ class Kind(enum.IntEnum):
 Signature = tuple
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """A named collective submitted on this rank, waiting for the others."""
 
