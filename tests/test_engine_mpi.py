@@ -77,3 +77,46 @@ def test_shutdown_fails_pending_handles_promptly(tmp_path):
     assert "rank 0 ShutdownError after" in out and "rank 0 later call refused" in out, out
     assert "rank 1 shut down" in out
     assert time.monotonic() - start < 30
+
+
+AUTOTUNE = """
+import csv, sys, numpy as np, unison
+from unison.common.engine import frontend
+unison.init()
+eng = frontend.engine()
+tuner = eng.autotuner
+seen = set()
+for step in range(400):
+    hs = [unison.allreduce_async(np.ones(16384, np.float32), op=unison.Sum, name=f"w{i}") for i in range(8)]
+    for h in hs:
+        assert unison.synchronize(h)[0] == unison.size()
+    mine = (eng.fusion_threshold, eng.cycle_time)
+    everyone = unison.allgather(np.array([mine], dtype=np.float64), name=f"check{step}")
+    assert (everyone == everyone[0]).all(), everyone   # every rank uses the same values
+    seen.add(mine)
+    if tuner.done:
+        break
+print(f"rank {unison.rank()} done={tuner.done} settings={len(seen)} final={mine}", flush=True)
+"""
+
+
+def test_autotune_moves_parameters_and_keeps_ranks_consistent(tmp_path):
+    script = tmp_path / "tune.py"
+    script.write_text(AUTOTUNE)
+    log = tmp_path / "autotune.csv"
+    env = mpi_env(UNISON_AUTOTUNE="1", UNISON_AUTOTUNE_LOG=str(log), UNISON_AUTOTUNE_STEPS_PER_SAMPLE="3")
+    proc = mpirun(2, [sys.executable, str(script)], timeout=240, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert out.count("done=True") == 2, out
+    settings = {line.split("settings=")[1].split()[0] for line in out.splitlines() if "settings=" in line}
+    assert all(int(s) >= 5 for s in settings), out
+    finals = {line.split("final=")[1] for line in out.splitlines() if "final=" in line}
+    assert len(finals) == 1, finals
+    import csv
+
+    rows = list(csv.DictReader(open(log)))
+    assert len(rows) >= 8
+    assert len({r["fusion_threshold_bytes"] for r in rows}) >= 5
+    assert len({r["cycle_time_ms"] for r in rows}) >= 3
+    assert all(float(r["bytes_per_s"]) > 0 for r in rows)

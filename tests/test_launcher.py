@@ -495,3 +495,42 @@ def test_sigterm_to_unisonrun_ends_every_rank(tmp_path):
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(alive(pid) for pid in pids)
+
+
+def test_engine_flags_become_unison_variables(tmp_path):
+    from unison.run.launcher import _parser, engine_environment
+
+    args = _parser().parse_args(["-np", "2", "--fusion-threshold-mb", "32", "--cycle-time-ms", "2.5",
+                                 "--timeline-filename", str(tmp_path / "tl.json"), "--autotune",
+                                 "--autotune-log-file", "tune.csv", "python", "x.py"])
+    env = engine_environment(args)
+    assert env["UNISON_FUSION_THRESHOLD"] == str(32 << 20)
+    assert env["UNISON_CYCLE_TIME"] == "2.5"
+    assert env["UNISON_TIMELINE"] == str(tmp_path / "tl.json")
+    assert env["UNISON_AUTOTUNE"] == "1"
+    assert env["UNISON_AUTOTUNE_LOG"].endswith("tune.csv")
+    assert engine_environment(_parser().parse_args(["python", "x.py"])) == {}
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--fusion-threshold-mb", "-1", "--fusion-threshold-mb -1 must be >= 0"),
+    ("--cycle-time-ms", "0", "--cycle-time-ms 0 must be > 0"),
+])
+def test_engine_flags_reject_bad_values(flag, value, message, capsys):
+    from unison.run.launcher import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--dry-run", flag, value, "python", "x.py"])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_engine_flags_reach_the_ranks(tmp_path):
+    script = tmp_path / "show.py"
+    script.write_text("import os; print('SEEN', os.environ.get('UNISON_FUSION_THRESHOLD'), "
+                      "os.environ.get('UNISON_CYCLE_TIME'))")
+    proc = subprocess.run([sys.executable, "-m", "unison.run", "-np", "2", "--fusion-threshold-mb", "1",
+                           "--cycle-time-ms", "3", sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count(f"SEEN {1 << 20} 3.0") == 2

@@ -73,7 +73,7 @@ def test_env_settings_and_horovod_alias():
     ("UNISON_ALLREDUCE_ALGORITHM", "fastest", "UNISON_ALLREDUCE_ALGORITHM='fastest'.*auto, ring, rhd, mpi"),
     ("HOROVOD_ALLREDUCE_ALGORITHM", "nccl", "HOROVOD_ALLREDUCE_ALGORITHM='nccl'.*auto, ring, rhd, mpi"),
     ("UNISON_BROADCAST_ALGORITHM", "ring", "UNISON_BROADCAST_ALGORITHM='ring'.*auto, tree, mpi"),
-    ("UNISON_CHUNK_BYTES", "-5", "UNISON_CHUNK_BYTES='-5'.*positive integer"),
+    ("UNISON_CHUNK_BYTES", "-5", "UNISON_CHUNK_BYTES=.-5.*positive integer"),
     ("UNISON_CHUNK_BYTES", "1MB", "UNISON_CHUNK_BYTES='1MB'.*positive integer"),
     ("UNISON_LOG_LEVEL", "loud", "UNISON_LOG_LEVEL='loud'.*DEBUG"),
 ])

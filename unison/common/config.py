@@ -45,6 +45,8 @@ ENV_STALL_CHECK_DISABLE = "STALL_CHECK_DISABLE"
 ENV_TIMELINE = "TIMELINE"
 ENV_AUTOTUNE = "AUTOTUNE"
 ENV_AUTOTUNE_LOG = "AUTOTUNE_LOG"
+ENV_AUTOTUNE_WARMUP = "AUTOTUNE_WARMUP_SAMPLES"
+ENV_AUTOTUNE_STEPS = "AUTOTUNE_STEPS_PER_SAMPLE"
 
 
 def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
@@ -68,9 +70,9 @@ def _positive_int(raw: str) -> int:
     try:
         value = int(raw.strip())
     except ValueError:
-        raise ValueError("expected a positive integer number of bytes") from None
+        raise ValueError("expected a positive integer") from None
     if value <= 0:
-        raise ValueError("expected a positive integer number of bytes")
+        raise ValueError("expected a positive integer")
     return value
 
 
@@ -146,6 +148,10 @@ class Config:
     autotune: bool = False
     #: Engine: CSV log of autotune trials ("" = none).
     autotune_log: str = ""
+    #: Engine: autotune samples discarded at the start (the first steps negotiate names in full).
+    autotune_warmup_samples: int = 1
+    #: Engine: cycles (at least) per autotune sample.
+    autotune_steps_per_sample: int = 20
 
 
 # field name -> (env suffix, parser)
@@ -167,6 +173,8 @@ _FIELDS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "timeline": (ENV_TIMELINE, _path),
     "autotune": (ENV_AUTOTUNE, _flag),
     "autotune_log": (ENV_AUTOTUNE_LOG, _path),
+    "autotune_warmup_samples": (ENV_AUTOTUNE_WARMUP, _non_negative_int),
+    "autotune_steps_per_sample": (ENV_AUTOTUNE_STEPS, _positive_int),
 }
 
 #: Suffixes Unison reads itself plus those read by other parts (engine, backends)

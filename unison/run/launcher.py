@@ -267,6 +267,19 @@ def _parser() -> argparse.ArgumentParser:
         help="run Python commands as given, not through 'python -m mpi4py' (a raising rank "
         "may then hang the job in MPI_Finalize)",
     )
+    engine = parser.add_argument_group(
+        "engine settings", "shorthands for UNISON_* variables, set for every rank")
+    engine.add_argument("--fusion-threshold-mb", type=float, metavar="MB",
+                        help="fuse all-reduces into buffers of at most MB MiB (0 disables fusion); "
+                        "UNISON_FUSION_THRESHOLD")
+    engine.add_argument("--cycle-time-ms", type=float, metavar="MS",
+                        help="milliseconds between negotiation cycles; UNISON_CYCLE_TIME")
+    engine.add_argument("--timeline-filename", metavar="PATH",
+                        help="rank 0 writes a Chrome-trace timeline here; UNISON_TIMELINE")
+    engine.add_argument("--autotune", action="store_true",
+                        help="tune fusion threshold and cycle time online; UNISON_AUTOTUNE=1")
+    engine.add_argument("--autotune-log-file", metavar="PATH",
+                        help="CSV log of autotune trials; UNISON_AUTOTUNE_LOG")
     parser.add_argument(
         "--verbose", action="store_true", help="print the mpirun command to stderr, then run it"
     )
@@ -298,7 +311,32 @@ def _config_from_args(args: argparse.Namespace) -> LaunchConfig:
     )
 
 
-def run_command(command: Sequence[str]) -> int:
+def engine_environment(args: argparse.Namespace) -> dict[str, str]:
+    """The ``UNISON_*`` variables that the engine flags stand for.
+
+    Raises:
+        ValueError: a negative threshold or a non-positive cycle time.
+    """
+    env: dict[str, str] = {}
+    if args.fusion_threshold_mb is not None:
+        if args.fusion_threshold_mb < 0:
+            raise ValueError(f"--fusion-threshold-mb {args.fusion_threshold_mb:g} must be >= 0 "
+                             "(0 disables fusion)")
+        env["UNISON_FUSION_THRESHOLD"] = str(int(args.fusion_threshold_mb * (1 << 20)))
+    if args.cycle_time_ms is not None:
+        if args.cycle_time_ms <= 0:
+            raise ValueError(f"--cycle-time-ms {args.cycle_time_ms:g} must be > 0")
+        env["UNISON_CYCLE_TIME"] = repr(args.cycle_time_ms)
+    if args.timeline_filename:
+        env["UNISON_TIMELINE"] = os.path.abspath(args.timeline_filename)
+    if args.autotune:
+        env["UNISON_AUTOTUNE"] = "1"
+    if args.autotune_log_file:
+        env["UNISON_AUTOTUNE_LOG"] = os.path.abspath(args.autotune_log_file)
+    return env
+
+
+def run_command(command: Sequence[str], env: Mapping[str, str] | None = None) -> int:
     """Runs ``command``, forwarding SIGINT and SIGTERM to it, and returns its exit status.
 
     ``mpirun`` shares this process group, so a Ctrl-C in a terminal reaches it directly as well
@@ -311,7 +349,7 @@ def run_command(command: Sequence[str]) -> int:
     Returns:
         Its exit status; ``128 + N`` when it was killed by signal ``N``.
     """
-    process = subprocess.Popen(list(command))
+    process = subprocess.Popen(list(command), env=None if env is None else dict(env))
 
     def forward(signum: int, frame: object) -> None:
         if process.poll() is None:
@@ -343,9 +381,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="unisonrun: %(message)s")
     try:
         config = _config_from_args(args)
+        environ = {**os.environ, **engine_environment(args)}
         command = build_command(
             config,
-            environ=os.environ,
+            environ=environ,
             executable=sys.executable,
             cpu_count=os.cpu_count() or 1,
             euid=os.geteuid(),
@@ -358,6 +397,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.verbose:
         print(shlex.join(command), file=sys.stderr, flush=True)
     try:
-        return run_command(command)
+        return run_command(command, environ)
     except OSError as error:
         parser.error(f"cannot start {command[0]!r}: {error}")

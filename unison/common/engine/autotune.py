@@ -1,8 +1,8 @@
 """Autotune: pick the fusion threshold and cycle time from measured throughput.
 
 With ``UNISON_AUTOTUNE=1`` the engine runs trials: each candidate setting is
-kept for a sample of at least ``SAMPLE_CYCLES`` cycles and ``SAMPLE_BYTES``
-reduced, and scored by bytes per second. Trial boundaries depend only on
+kept for a sample of at least ``UNISON_AUTOTUNE_STEPS_PER_SAMPLE`` cycles and
+``SAMPLE_BYTES`` reduced (after ``UNISON_AUTOTUNE_WARMUP_SAMPLES`` discarded ones), and scored by bytes per second. Trial boundaries depend only on
 counters that are identical on every rank (cycles, bytes executed), so all ranks
 reach them in the same cycle; rank 0 then scores the trial and broadcasts the
 next setting, so every rank always uses the same values. The search is
@@ -27,9 +27,8 @@ logger = logging.getLogger(__name__)
 
 THRESHOLDS_MB = (0, 1, 4, 16, 64, 128)
 CYCLE_TIMES_MS = (0.25, 0.5, 1.0, 2.0, 5.0)
-SAMPLE_CYCLES = 20
-SAMPLE_BYTES = 32 << 20
-WARMUP_TRIALS = 1
+#: A sample also needs this many bytes reduced, so that idle cycles do not count as samples.
+SAMPLE_BYTES = 1 << 20
 
 
 class Autotuner:
@@ -41,7 +40,8 @@ class Autotuner:
         self.current = (config.fusion_threshold, config.cycle_time)
         self.candidates = [(mb << 20, config.cycle_time) for mb in THRESHOLDS_MB]
         self.phase = "threshold"
-        self.index = -WARMUP_TRIALS
+        self.index = -config.autotune_warmup_samples
+        self.steps = config.autotune_steps_per_sample
         self.scores: dict[tuple[int, float], float] = {}
         self.done = False
         self._start: tuple[float, int, int] | None = None
@@ -71,7 +71,7 @@ class Autotuner:
             self._start = (now, ctl.cycles, ex.bytes_done)
             return self._enter()
         t0, c0, b0 = self._start
-        if ctl.cycles - c0 < SAMPLE_CYCLES or ex.bytes_done - b0 < SAMPLE_BYTES:
+        if ctl.cycles - c0 < self.steps or ex.bytes_done - b0 < SAMPLE_BYTES:
             return None
         rate = (ex.bytes_done - b0) / max(now - t0, 1e-9)
         best = st.comm.bcast(self._score(rate, ex.bytes_done - b0, now - t0) if self.rank == 0 else None,

@@ -1,0 +1,545 @@
+"""Benchmark the engine's tensor fusion against plain MPI on a training step's gradients.
+
+Run it inside one MPI job; every rank runs the same cases in the same order::
+
+    unisonrun -np 2 python benchmarks/fusion.py --json out.json
+
+Why it exists: a data-parallel training step all-reduces every gradient tensor
+as soon as backward produces it, one call per tensor. Many small calls cost one
+collective start-up each; the engine exists to hide that by negotiating named
+tensors across ranks and fusing the ready ones into one buffer (see
+``[Note: fusion buffer]`` in :mod:`unison.common.engine.executor`). The issue that
+asked for this script set targets for that engine against the best a user could
+do by hand with MPI, and quoted C++ Horovod on the same machine for context.
+This script measures all of them on the same data, in one job, and prints the
+targets with PASS/MISS.
+
+What is measured:
+
+* Cases (``--cases``). ``resnet50``: the shapes of ResNet-50's 161 parameter
+  tensors (conv weights without bias, BatchNorm weight and bias, fc weight and
+  bias; 25,557,032 float32 in all), written out below from the architecture in
+  Keras' layout (conv ``kh x kw x in x out``, fc ``in x out``). ``small1000``:
+  1,000 tensors of 1,000 float32. Both are submitted in backward order (the last
+  layer first), as gradient hooks would see them. ``latency4B``: one 4-byte
+  all-reduce.
+* Impls (``--impls``), for ``resnet50`` and ``small1000``:
+
+  - ``engine-fused``: one ``unison.allreduce_async`` per tensor, each under a
+    stable name (``<case>.<index>``), then ``synchronize`` on every handle; the
+    engine's fusion threshold as configured at ``unison.init()`` (128 MiB unless
+    ``UNISON_FUSION_THRESHOLD`` says otherwise).
+  - ``engine-nofusion``: the same calls with the engine's ``fusion_threshold``
+    set to 0 for the duration of the impl (it is read by the engine thread at
+    every cycle, so changing it between steps is safe).
+  - ``engine-grouped``: one ``unison.grouped_allreduce_async`` of the whole set
+    (its members get the same names as above).
+  - ``mpi-per-tensor``: one blocking mpi4py ``Allreduce(src, dst)`` per tensor on
+    preallocated numpy buffers.
+  - ``mpi-packed``: every tensor copied into one preallocated contiguous buffer,
+    one mpi4py ``Allreduce`` of it, and the result copied back out into one
+    buffer per tensor; both copies are timed, as fusion's copies are.
+
+  For ``latency4B``: ``engine`` (``unison.allreduce`` of a 1-element float32
+  array under the name ``"lat"``) and ``mpi-native`` (mpi4py ``Allreduce``).
+  The mpi4py calls run on a ``Dup`` of ``COMM_WORLD``, the communicator type the
+  engine itself uses. The engine calls return new arrays, as its API does.
+* The op is ``Sum`` everywhere, so every impl computes the same thing. Inputs
+  are filled with ``rank + 1``; each impl's last step is checked against
+  ``n (n + 1) / 2`` on every element, and a wrong answer is reported as FAILED
+  (every rank agrees on it), left out of the outputs, and makes the exit status 1.
+* Timing: each impl is warmed up for ``--warmup`` steps (the engine's first step
+  negotiates every name in full, later ones hit its response cache), then timed
+  ``--repeats`` steps (``--latency-repeats`` for ``latency4B``), each step alone
+  between a ``COMM_WORLD`` barrier and the clock. A step's time is its maximum
+  over ranks; the reported time is the median step.
+* The floor of a case is the faster of ``mpi-per-tensor`` and ``mpi-packed``
+  (for ``latency4B``, ``mpi-native``): what the same job gets from MPI without
+  any engine. Every time is also printed as a ratio to it.
+
+Outputs: a table, the targets and the issue's reference numbers on rank 0's
+stdout; with ``--json``, a list of records ``{case, impl, np, tensors, bytes,
+time_s}`` (``bytes`` is each rank's input: the sum over the set's tensors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger("benchmarks.fusion")
+
+CASES = ("resnet50", "small1000", "latency4B")
+SET_IMPLS = ("engine-fused", "engine-nofusion", "engine-grouped", "mpi-per-tensor", "mpi-packed")
+LATENCY_IMPLS = ("engine", "mpi-native")
+IMPLS = SET_IMPLS + LATENCY_IMPLS
+#: The impls whose faster time is a case's floor.
+FLOOR_IMPLS = {"resnet50": ("mpi-per-tensor", "mpi-packed"),
+               "small1000": ("mpi-per-tensor", "mpi-packed"),
+               "latency4B": ("mpi-native",)}
+#: (case, impl, metric, bound): "ratio" is time / floor, "ms" the time in milliseconds.
+TARGETS = (
+    ("resnet50", "engine-fused", "ratio", 1.15),
+    ("small1000", "engine-fused", "ratio", 5.0),
+    ("latency4B", "engine", "ms", 0.5),
+)
+REFERENCE = ("C++ Horovod 0.28.1 (MPI, np=2) on this machine: resnet50 77 ms vs floor 33 ms; "
+             "small1000 29.5 ms vs floor 0.8 ms; 4 KiB allreduce 1.07 ms")
+RESNET50_TENSORS, RESNET50_PARAMS = 161, 25_557_032
+#: The engine's first step negotiates every name in full; from the next it uses its cache.
+MIN_WARMUP = 3
+LATENCY_MIN_WARMUP = 20
+
+
+class WrongResultError(RuntimeError):
+    """An impl returned a wrong answer on some rank; raised on every rank alike."""
+
+
+@dataclass
+class Record:
+    """One measured (case, impl), as written to the JSON file."""
+
+    case: str
+    impl: str
+    np: int
+    tensors: int
+    bytes: int
+    time_s: float
+
+
+# --- tensor sets ------------------------------------------------------------------------------
+
+
+def resnet50_shapes() -> list[tuple[int, ...]]:
+    """ResNet-50's parameter shapes in forward order (Keras layout: conv kh x kw x in x out).
+
+    The stem (7x7 conv to 64, BatchNorm), then stages of [3, 4, 6, 3] bottleneck
+    blocks of widths 64/128/256/512 and expansion 4: each block is a 1x1 conv to
+    the width, a 3x3 conv, a 1x1 conv to 4x the width, each followed by a
+    BatchNorm (weight and bias); a stage's first block adds a 1x1 downsample conv
+    with its BatchNorm. Then the 2048 x 1000 classifier and its bias. Convs have
+    no bias, as in torchvision.
+
+    Raises:
+        RuntimeError: the list does not add up to ResNet-50's 161 tensors and
+            25,557,032 parameters (a bug in this function).
+    """
+    def bn(c: int) -> list[tuple[int, ...]]:
+        return [(c,), (c,)]
+
+    shapes: list[tuple[int, ...]] = [(7, 7, 3, 64), *bn(64)]
+    cin = 64
+    for width, blocks in zip((64, 128, 256, 512), (3, 4, 6, 3), strict=True):
+        cout = 4 * width
+        for b in range(blocks):
+            shapes += [(1, 1, cin, width), *bn(width), (3, 3, width, width), *bn(width),
+                       (1, 1, width, cout), *bn(cout)]
+            if b == 0:
+                shapes += [(1, 1, cin, cout), *bn(cout)]
+            cin = cout
+    shapes += [(2048, 1000), (1000,)]
+    params = sum(math.prod(s) for s in shapes)
+    if len(shapes) != RESNET50_TENSORS or params != RESNET50_PARAMS:
+        raise RuntimeError(f"ResNet-50 should have {RESNET50_TENSORS} tensors and {RESNET50_PARAMS} "
+                           f"parameters; the list has {len(shapes)} and {params}")
+    return shapes
+
+
+def case_shapes(case: str) -> list[tuple[int, ...]]:
+    """The shapes of ``case``'s tensors in submission order (backward order for resnet50)."""
+    if case == "resnet50":
+        return resnet50_shapes()[::-1]
+    if case == "small1000":
+        return [(1000,)] * 1000
+    return [(1,)]
+
+
+# --- one step per impl ------------------------------------------------------------------------
+# Each builder returns step(), which reduces the whole set once and returns the list of
+# result arrays, in the order of the inputs.
+
+
+def engine_step(tensors: Sequence[np.ndarray], names: Sequence[str]) -> Callable[[], list]:
+    import unison
+
+    def step() -> list:
+        handles = [unison.allreduce_async(t, op=unison.Sum, name=nm)
+                   for t, nm in zip(tensors, names, strict=True)]
+        return [unison.synchronize(h) for h in handles]
+    return step
+
+
+def grouped_step(tensors: Sequence[np.ndarray], name: str) -> Callable[[], list]:
+    import unison
+
+    return lambda: unison.synchronize(unison.grouped_allreduce_async(list(tensors), op=unison.Sum,
+                                                                     name=name))
+
+
+def latency_step(x: np.ndarray) -> Callable[[], list]:
+    import unison
+
+    return lambda: [unison.allreduce(x, op=unison.Sum, name="lat")]
+
+
+def mpi_per_tensor_step(comm: Any, tensors: Sequence[np.ndarray]) -> Callable[[], list]:
+    from mpi4py import MPI
+
+    outs = [np.empty_like(t) for t in tensors]
+
+    def step() -> list:
+        for src, dst in zip(tensors, outs, strict=True):
+            comm.Allreduce(src, dst, op=MPI.SUM)
+        return outs
+    return step
+
+
+def mpi_packed_step(comm: Any, tensors: Sequence[np.ndarray]) -> Callable[[], list]:
+    from mpi4py import MPI
+
+    total = sum(t.size for t in tensors)
+    packed_in = np.empty(total, dtype=np.float32)
+    packed_out = np.empty(total, dtype=np.float32)
+    bounds = np.cumsum([0] + [t.size for t in tensors])
+    ins = [packed_in[a:b].reshape(t.shape) for t, a, b in zip(tensors, bounds[:-1], bounds[1:],
+                                                                 strict=True)]
+    outs_packed = [packed_out[a:b].reshape(t.shape) for t, a, b in zip(tensors, bounds[:-1],
+                                                                         bounds[1:], strict=True)]
+    outs = [np.empty_like(t) for t in tensors]
+
+    def step() -> list:
+        for src, view in zip(tensors, ins, strict=True):
+            np.copyto(view, src)
+        comm.Allreduce(packed_in, packed_out, op=MPI.SUM)
+        for view, dst in zip(outs_packed, outs, strict=True):
+            np.copyto(dst, view)
+        return outs
+    return step
+
+
+def build_step(case: str, impl: str, comm: Any, tensors: list[np.ndarray]) -> Callable[[], list]:
+    """The step function of ``impl`` on ``case``'s tensors."""
+    if impl in ("engine-fused", "engine-nofusion"):
+        return engine_step(tensors, [f"{case}.{i}" for i in range(len(tensors))])
+    if impl == "engine-grouped":
+        return grouped_step(tensors, case)  # members are named "<case>.<index>" too
+    if impl == "engine":
+        return latency_step(tensors[0])
+    if impl == "mpi-per-tensor" or impl == "mpi-native":
+        return mpi_per_tensor_step(comm, tensors)
+    return mpi_packed_step(comm, tensors)
+
+
+# --- timing and checking ----------------------------------------------------------------------
+
+
+def time_steps(world: Any, step: Callable[[], list], warmup: int, repeats: int) -> tuple[np.ndarray, list]:
+    """Runs ``warmup`` untimed steps, then times ``repeats`` steps, each after a barrier.
+
+    Args:
+        world: the communicator for the barriers and the max-over-ranks reduction.
+        step: reduces the whole set once and returns the results.
+        warmup: untimed steps first.
+        repeats: timed steps.
+
+    Returns:
+        The per-step times (max over ranks), and the last step's results.
+    """
+    from mpi4py import MPI
+
+    out: list = []
+    for _ in range(warmup):
+        world.Barrier()
+        out = step()
+    times = np.empty(repeats)
+    for i in range(repeats):
+        out = []  # let the previous results go before the next step allocates
+        world.Barrier()
+        t0 = time.perf_counter()
+        out = step()
+        times[i] = time.perf_counter() - t0
+    world.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
+    return times, out
+
+
+def check(outs: Sequence[Any], shapes: Sequence[tuple[int, ...]], expect: float) -> str:
+    """An empty string if every result has its shape and every element equals ``expect``."""
+    if len(outs) != len(shapes):
+        return f"got {len(outs)} results for {len(shapes)} tensors"
+    for i, (out, shape) in enumerate(zip(outs, shapes, strict=True)):
+        arr = np.asarray(out)
+        if arr.shape != shape:
+            return f"tensor {i}: result shape {arr.shape}, expected {shape}"
+        if not (arr == expect).all():
+            return (f"tensor {i} {shape}: got values {np.unique(arr)[:8].tolist()}, "
+                    f"expected {expect:g} everywhere")
+    return ""
+
+
+class FusionThreshold:
+    """Sets the running engine's fusion threshold for a block of steps, then restores it."""
+
+    def __init__(self, value: int | None) -> None:
+        from unison.common.engine import frontend
+
+        self.engine = frontend.engine("benchmarks/fusion.py")
+        self.value = value
+        self.saved: int | None = None
+
+    def __enter__(self) -> FusionThreshold:
+        if self.engine is not None and self.value is not None:
+            self.saved = self.engine.fusion_threshold
+            self.engine.fusion_threshold = self.value
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.engine is not None and self.saved is not None:
+            self.engine.fusion_threshold = self.saved
+
+
+def run_case(world: Any, comm: Any, case: str, impl: str, args: argparse.Namespace,
+             default_threshold: int) -> Record:
+    """Times ``impl`` on ``case`` and checks its answer.
+
+    Args:
+        world: ``COMM_WORLD``, for the barriers, the timing and agreeing on the check.
+        comm: the communicator the mpi4py impls run on.
+        case, impl: what to run.
+        args: the command line (``warmup``, ``repeats``, ``latency_repeats``).
+        default_threshold: the engine's fusion threshold at start-up, for ``engine-fused``.
+
+    Returns:
+        The measured record.
+
+    Raises:
+        WrongResultError: the impl returned a wrong answer on some rank (raised on every rank).
+    """
+    n, r = world.Get_size(), world.Get_rank()
+    shapes = case_shapes(case)
+    tensors = [np.full(s, r + 1, dtype=np.float32) for s in shapes]
+    step = build_step(case, impl, comm, tensors)
+    latency = case == "latency4B"
+    warmup = max(args.warmup, LATENCY_MIN_WARMUP) if latency else args.warmup
+    repeats = args.latency_repeats if latency else args.repeats
+    threshold = {"engine-fused": default_threshold, "engine-nofusion": 0}.get(impl)
+    with FusionThreshold(threshold):
+        times, outs = time_steps(world, step, warmup, repeats)
+    err = check(outs, shapes, n * (n + 1) / 2)
+    errs = [f"rank {i}: {e}" for i, e in enumerate(world.allgather(err)) if e]
+    if errs:
+        raise WrongResultError("; ".join(errs))
+    t = float(np.median(times))
+    if r == 0:
+        logger.debug("%s %s: %d repeats, median %s, min %s", case, impl, times.size, human_time(t),
+                     human_time(float(times.min())))
+    return Record(case, impl, n, len(tensors), sum(x.nbytes for x in tensors), t)
+
+
+def plan(cases: Sequence[str], impls: Sequence[str]) -> list[tuple[str, str]]:
+    """The (case, impl) pairs to run: each case's applicable impls, side by side."""
+    return [(case, impl) for case in cases for impl in impls
+            if impl in (LATENCY_IMPLS if case == "latency4B" else SET_IMPLS)]
+
+
+# --- reporting --------------------------------------------------------------------------------
+
+
+def human_bytes(n: int) -> str:
+    """``4096 -> "4 KiB"``; exact binary units where they divide evenly."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.2f} {unit}"
+    return f"{n} B"
+
+
+def human_time(t: float) -> str:
+    """Seconds as ``"12.3 us"`` below a millisecond, else ``"4.56 ms"``."""
+    return f"{t * 1e6:.1f} us" if t < 1e-3 else f"{t * 1e3:.2f} ms"
+
+
+def floors(records: Sequence[Record]) -> dict[str, float]:
+    """Each case's floor time: the fastest of its :data:`FLOOR_IMPLS` that was measured."""
+    out: dict[str, float] = {}
+    for rec in records:
+        if rec.impl in FLOOR_IMPLS[rec.case]:
+            out[rec.case] = min(out.get(rec.case, math.inf), rec.time_s)
+    return out
+
+
+def print_table(records: Sequence[Record]) -> None:
+    floor = floors(records)
+    print(f"{'case':<11}{'impl':<17}{'np':>3}{'tensors':>9}{'bytes':>12}{'time':>12}{'/ floor':>9}")
+    for rec in records:
+        ratio = f"{rec.time_s / floor[rec.case]:.2f}" if rec.case in floor else "-"
+        print(f"{rec.case:<11}{rec.impl:<17}{rec.np:>3}{rec.tensors:>9}{human_bytes(rec.bytes):>12}"
+              f"{human_time(rec.time_s):>12}{ratio:>9}")
+    print("floor: the faster of mpi-per-tensor and mpi-packed (latency4B: mpi-native)")
+
+
+def print_targets(records: Sequence[Record], n: int) -> None:
+    by = {(r.case, r.impl): r for r in records}
+    floor = floors(records)
+    print(f"\ntargets (np={n})")
+    for case, impl, metric, bound in TARGETS:
+        rec = by.get((case, impl))
+        if metric == "ratio":
+            what = f"{case} {impl} time / floor"
+            value = rec.time_s / floor[case] if rec is not None and case in floor else None
+            shown, unit = ("n/a" if value is None else f"{value:.2f}"), ""
+        else:
+            what = f"{case} {impl} time"
+            value = rec.time_s * 1e3 if rec is not None else None
+            shown, unit = ("n/a" if value is None else f"{value:.3f} ms"), " ms"
+        verdict = "not measured" if value is None else "PASS" if value <= bound else "MISS"
+        target = f"(target <= {bound:g}{unit})"
+        print(f"  {what:<36} = {shown:<9} {target:<20} {verdict}")
+    print(f"\nreference from the issue: {REFERENCE}")
+
+
+def _atomic_write(path: Path, write: Callable[[Any], None], mode: str) -> None:
+    """Writes through a temporary file in ``path``'s directory, then renames it over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, mode) as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, records: Sequence[Record]) -> None:
+    _atomic_write(path, lambda f: json.dump([asdict(r) for r in records], f, indent=1), "w")
+
+
+# --- command line -----------------------------------------------------------------------------
+
+
+def _choices(allowed: Sequence[str]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        items = [s for s in text.split(",") if s]
+        bad = [s for s in items if s not in allowed]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(allowed)}")
+        return items
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Time the engine's per-tensor all-reduces (fused, unfused, grouped) against "
+                    "mpi4py per tensor and packed, on ResNet-50's gradient shapes, on 1000 small "
+                    "tensors, and a 4-byte latency. Run under unisonrun/mpirun; rank 0 prints.",
+        epilog="Lists take commas or spaces. Engine settings come from the UNISON_* environment "
+               "variables (e.g. UNISON_FUSION_THRESHOLD, UNISON_CYCLE_TIME).")
+    p.add_argument("--cases", type=_choices(CASES), nargs="+", default=[list(CASES)],
+                   help=f"cases to run (default: all of {', '.join(CASES)})")
+    p.add_argument("--impls", type=_choices(IMPLS), nargs="+", default=[list(IMPLS)],
+                   help=f"implementations to run (default: all of {', '.join(IMPLS)}; the last two "
+                        "are latency4B's)")
+    p.add_argument("--repeats", type=int, default=20,
+                   help="timed steps for resnet50 and small1000 (default 20)")
+    p.add_argument("--latency-repeats", type=int, default=500,
+                   help="timed calls for latency4B (default 500)")
+    p.add_argument("--warmup", type=int, default=MIN_WARMUP,
+                   help=f"untimed steps before timing, at least {MIN_WARMUP} (default {MIN_WARMUP}; "
+                        f"latency4B uses at least {LATENCY_MIN_WARMUP})")
+    p.add_argument("--json", type=Path, default=None, help="write the records to this JSON file")
+    p.add_argument("--log-level", default="WARNING",
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="diagnostics on stderr")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    args.cases = [c for c in CASES if c in {x for group in args.cases for x in group}]
+    args.impls = [i for i in IMPLS if i in {x for group in args.impls for x in group}]
+    if args.repeats < 1 or args.latency_repeats < 1:
+        p.error(f"--repeats and --latency-repeats must be at least 1; got {args.repeats} and "
+                f"{args.latency_repeats}")
+    if args.warmup < MIN_WARMUP:
+        p.error(f"--warmup must be at least {MIN_WARMUP} (the engine's first step negotiates every "
+                f"name in full; the timed steps should hit its cache); got {args.warmup}")
+    if not plan(args.cases, args.impls):
+        p.error(f"no impl of --impls {','.join(args.impls)} applies to --cases {','.join(args.cases)}: "
+                f"resnet50 and small1000 take {', '.join(SET_IMPLS)}; latency4B takes "
+                f"{', '.join(LATENCY_IMPLS)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    from mpi4py import MPI
+    from tqdm import tqdm
+
+    import unison
+    from unison.common.engine import frontend
+
+    unison.init()
+    world = MPI.COMM_WORLD
+    rank, n = world.Get_rank(), world.Get_size()
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format=f"[fusion rank {rank}] %(levelname)s %(message)s")
+    load_start = os.getloadavg()[0]
+    eng = frontend.engine("benchmarks/fusion.py")
+    threshold = eng.fusion_threshold if eng is not None else 0
+    comm = world.Dup()
+    cases = plan(args.cases, args.impls)
+    if rank == 0:
+        settings = ("no engine (a job of size 1 computes locally)" if eng is None else
+                    f"engine fusion threshold {human_bytes(threshold)}, cycle time "
+                    f"{eng.cycle_time * 1e3:g} ms{', autotune ON' if eng.autotuner else ''}")
+        print(f"np={n}, {settings}; {args.repeats} steps per set case, {args.latency_repeats} for "
+              f"latency4B, after {args.warmup} warm-up steps")
+        if eng is not None and threshold == 0:
+            print("note: UNISON_FUSION_THRESHOLD is 0, so engine-fused does not fuse either")
+    records: list[Record] = []
+    failures: list[str] = []
+    bar = tqdm(cases, disable=rank != 0, file=sys.stderr, unit="case", dynamic_ncols=True)
+    for case, impl in bar:
+        bar.set_description(f"{case} {impl}")
+        what = f"{case} {impl} np={n}"
+        try:
+            records.append(run_case(world, comm, case, impl, args, threshold))
+        except (WrongResultError, unison.UnisonError) as exc:
+            # Both are raised on every rank alike (the engine agrees on errors before
+            # moving data), so all ranks can go on to the next case.
+            failures.append(f"{what}: {type(exc).__name__}: {exc}")
+            if rank == 0:
+                logger.error("%s", failures[-1])
+        except BaseException:
+            logger.critical("%s failed on rank %d; the job ends", what, rank)
+            raise
+    bar.close()
+    if rank == 0:
+        print_table(records)
+        print_targets(records, n)
+        for f in failures:
+            print(f"FAILED: {f}")
+        print(f"\nhost load average (1 min): {load_start:.2f} at start, {os.getloadavg()[0]:.2f} "
+              f"at end, on {os.cpu_count()} CPUs with {n} ranks; more than the ranks means other "
+              "work shared the CPUs")
+        if args.json is not None:
+            write_json(args.json, records)
+            print(f"wrote {args.json}")
+    comm.Free()
+    unison.shutdown()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
