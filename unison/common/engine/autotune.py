@@ -2,8 +2,8 @@
 
 With ``UNISON_AUTOTUNE=1`` the engine runs trials: each candidate setting is
 kept for a sample of at least ``UNISON_AUTOTUNE_STEPS_PER_SAMPLE`` cycles and
-``SAMPLE_BYTES`` reduced (after ``UNISON_AUTOTUNE_WARMUP_SAMPLES`` discarded ones), and scored by bytes per second. Trial boundaries depend only on
-counters that are identical on every rank (cycles, bytes executed), so all ranks
+``SAMPLE_BYTES`` reduced (after ``UNISON_AUTOTUNE_WARMUP_SAMPLES`` discarded
+ones), and scored by bytes per second. Trial boundaries depend only on counters that are identical on every rank (cycles, bytes executed), so all ranks
 reach them in the same cycle; rank 0 then scores the trial and broadcasts the
 next setting, so every rank always uses the same values. The search is
 coordinate-wise: fusion thresholds at the default cycle time, then cycle times
