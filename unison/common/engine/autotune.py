@@ -4,8 +4,9 @@ With ``UNISON_AUTOTUNE=1`` the engine runs trials: each candidate setting is
 kept for a sample of at least ``UNISON_AUTOTUNE_STEPS_PER_SAMPLE`` cycles and
 ``SAMPLE_BYTES`` reduced (after ``UNISON_AUTOTUNE_WARMUP_SAMPLES`` discarded
 ones), and scored by bytes per second. Trial boundaries depend only on counters
-that are identical on every rank (cycles, bytes executed), so all ranks reach them in the same cycle; rank 0 then scores the trial and broadcasts the
-next setting, so every rank always uses the same values. The search is
+that are identical on every rank (cycles, bytes executed), so all ranks reach
+them in the same cycle; rank 0 then scores the trial and broadcasts the next
+setting, so every rank always uses the same values. The search is
 coordinate-wise: fusion thresholds at the default cycle time, then cycle times
 at the best threshold; the best setting found is kept for the rest of the job.
 Each trial is a row of ``UNISON_AUTOTUNE_LOG`` (CSV, written by rank 0).
