@@ -222,6 +222,24 @@ def test_timeline_parses_and_holds_phases(tmp_path_factory):
 
 
 @needs_engine
+def test_response_cache_evicts_least_recently_used_consistently():
+    ctl = frontend.engine()._sets[0].controller
+    old = ctl.capacity
+    ctl.capacity = 3  # every rank, same point in the program
+    try:
+        for step in range(4):
+            for i in range(7):
+                got = unison.allreduce(np.full(2, float(i + R)), op=unison.Sum, name=f"lru.{i}")
+                np.testing.assert_array_equal(got, np.full(2, float(N * i + sum(range(N)))))
+            assert len(ctl.cache_bit) <= 3
+        cached = WORLD.allgather(sorted(ctl.cache_bit.items()))
+        assert all(c == cached[0] for c in cached)  # same names on the same bits everywhere
+    finally:
+        ctl.capacity = old
+
+
+# keep last: it kills this rank's engine thread on purpose
+@needs_engine
 def test_engine_thread_error_reaches_caller(monkeypatch):
     from unison.collectives import kernels
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 __all__ = ["choose_allreduce", "choose_simple"]
 
 #: All-reduce messages from this size up use the ring; smaller ones MPI's call.
-RING_MIN_BYTES = 32 << 20
+RING_MIN_BYTES = 1 << 20
 #: Reduce-scatter inputs from this size up use the ring.
 RS_RING_MIN_BYTES = 4 << 20
 

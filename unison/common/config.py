@@ -136,7 +136,7 @@ class Config:
     #: Engine: milliseconds between negotiation cycles while requests are pending.
     cycle_time: float = 1.0
     #: Engine: names whose negotiation is remembered (response cache; 0 disables it).
-    cache_capacity: int = 1024
+    cache_capacity: int = 4096
     #: Engine: warn about tensors some ranks submitted and others not after this many seconds.
     stall_check_time_seconds: float = 60.0
     #: Engine: fail such tensors' handles on every rank after this many seconds (0: never).

@@ -1,1 +1,96 @@
-"""Placeholder package: filled in by the backend issues."""
+"""Horovod-compatible PyTorch API: ``import unison.torch_backend as hvd``.
+
+A Horovod training script runs unchanged after replacing ``import horovod.torch
+as hvd`` with this import. CPU tensors; collectives go through Unison's engine.
+"""
+
+from unison.common.compression import Compression
+from unison.common.engine.engine import DuplicateNameError, ShutdownError, StallError
+from unison.common.engine.frontend import add_process_set, start_timeline, stop_timeline
+from unison.common.engine.process_sets import ProcessSet, global_process_set
+from unison.common.exceptions import (
+    CollectiveError,
+    InvalidArgumentError,
+    MismatchError,
+    NotInitializedError,
+    UnisonError,
+)
+from unison.common.ops import Average, Max, Min, Product, ReduceOp, Sum
+from unison.common.runtime import (
+    cross_rank,
+    cross_size,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_threads_supported,
+    rank,
+    shutdown,
+    size,
+)
+from unison.torch_backend.functions import (
+    allgather_object,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
+from unison.torch_backend.mpi_ops import (
+    allgather,
+    allgather_async,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    alltoall,
+    alltoall_async,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allgather,
+    grouped_allgather_async,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    join,
+    poll,
+    reducescatter,
+    reducescatter_async,
+    synchronize,
+)
+from unison.torch_backend.optimizer import DistributedOptimizer
+from unison.torch_backend.sync_batch_norm import SyncBatchNorm
+
+
+def mpi_enabled() -> bool:
+    """Horovod compatibility: collectives run over MPI."""
+    return mpi_built()
+
+
+def gloo_built() -> bool:
+    return False
+
+
+def nccl_built() -> bool:
+    return False
+
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
+    "cross_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "nccl_built",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "allgather",
+    "allgather_async", "grouped_allgather", "grouped_allgather_async", "broadcast", "broadcast_",
+    "broadcast_async", "broadcast_async_", "alltoall", "alltoall_async", "reducescatter",
+    "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async", "barrier", "join",
+    "poll", "synchronize", "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
+    "allgather_object", "DistributedOptimizer", "SyncBatchNorm", "Compression", "ProcessSet",
+    "global_process_set", "add_process_set", "start_timeline", "stop_timeline", "ReduceOp", "Average",
+    "Sum", "Min", "Max", "Product", "UnisonError", "NotInitializedError", "MismatchError",
+    "CollectiveError", "InvalidArgumentError", "StallError", "ShutdownError", "DuplicateNameError",
+]

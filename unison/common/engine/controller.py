@@ -87,9 +87,10 @@ class Controller:
         self.capacity = capacity
         self.pending: dict[str, Request] = {}
         self.to_announce: list[str] = []
-        self.cache_bit: dict[str, int] = {}
+        self.cache_bit: dict[str, int] = {}  # in least- to most-recently-used order
         self.cache_sig: dict[str, Signature] = {}
         self.bit_names: list[str | None] = []
+        self.free_bits: list[int] = []
         #: name -> {rank: (signature, dim0)}; identical on every rank
         self.table: dict[str, dict[int, tuple[Signature, int]]] = {}
         self.seen_at: dict[str, dict[int, float]] = {}
@@ -162,6 +163,7 @@ class Controller:
             if name is not None:
                 times = self.bit_seen.pop(b, None) if per_rank is not None else None
                 responses.append(Response(name, sigs[name], pending.pop(name, None), ready_times=times))
+                self.cache_bit[name] = self.cache_bit.pop(name)  # most recently used
         if any_flags & FLAG_ANNOUNCE:
             responses += self._announce_round()
         if any_flags & FLAG_TIMELINE:
@@ -205,7 +207,9 @@ class Controller:
         return self._complete()
 
     def _evict(self, name: str) -> None:
-        self.bit_names[self.cache_bit.pop(name)] = None
+        bit = self.cache_bit.pop(name)
+        self.bit_names[bit] = None
+        self.free_bits.append(bit)
         del self.cache_sig[name]
         if name in self.pending and name not in self.to_announce:
             self.to_announce.append(name)
@@ -235,12 +239,27 @@ class Controller:
                          f"{per_rank}. Every rank must submit a name with the same collective, dtype, "
                          "shape (first dimension excepted for allgather/alltoall), op, root and "
                          "scale factors.")
-            elif len(self.bit_names) < self.capacity:
-                self.cache_bit[name] = len(self.bit_names)
-                self.cache_sig[name] = ref
-                self.bit_names.append(name)
+            elif self.capacity:
+                self._cache(name, ref)
             out.append(Response(name, ref, self.pending.pop(name, None), error, times, invalid))
         return out
+
+    def _cache(self, name: str, sig: Signature) -> None:
+        """Give ``name`` a bit; when full, evict the least recently used name.
+
+        Every rank sees the same completions in the same order, so every rank
+        evicts the same name and reuses the same bit.
+        """
+        while len(self.cache_bit) >= self.capacity:
+            self._evict(next(iter(self.cache_bit)))
+        if self.free_bits:
+            bit = self.free_bits.pop()
+            self.bit_names[bit] = name
+        else:
+            bit = len(self.bit_names)
+            self.bit_names.append(name)
+        self.cache_bit[name] = bit
+        self.cache_sig[name] = sig
 
     def finish_join(self) -> int:
         """All ranks joined: reset join state; return the last rank to join."""

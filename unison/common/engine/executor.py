@@ -26,6 +26,7 @@ import numpy as np
 from unison.collectives import kernels
 from unison.common.dtypes import dtype_from_code
 from unison.common.engine.controller import Response
+from unison.common.engine.pool import ResultPool
 from unison.common.engine.requests import Kind, identity_like
 from unison.common.engine.timeline import Timeline
 from unison.common.exceptions import CollectiveError, InvalidArgumentError, MismatchError
@@ -46,6 +47,7 @@ class Executor:
         self.timeline = timeline
         self._buffer = np.empty(0, dtype=np.uint8)
         self.bytes_done = 0
+        self.pool = ResultPool()
 
     def _fusion_buffer(self, nbytes: int) -> np.ndarray:
         if self._buffer.size < nbytes:
@@ -134,8 +136,9 @@ class Executor:
                           self.chunk_bytes)
         self._phase(batch, "ALLREDUCE", False)
         self._phase(batch, "MEMCPY_OUT_FUSION_BUFFER", True)
-        # one copy out of the shared buffer; each result is a view of it (or the caller's out=)
-        results = buf.copy()
+        # one copy out of the fusion buffer; each result is a view of it (or the caller's out=)
+        results = self.pool.empty((count,), dtype)
+        np.copyto(results, buf[:count])
         off = 0
         for resp, src in zip(batch, srcs, strict=True):
             req, n = resp.request, src.size
@@ -164,7 +167,8 @@ class Executor:
         _, dtc, shape, op, _, pre, post, _, algorithm = resp.sig
         req = resp.request
         src = self._input(resp)
-        out = req.out if (req is not None and req.out is not None) else np.empty(shape, dtype_from_code(dtc))
+        out = req.out if (req is not None and req.out is not None) else self.pool.empty(shape,
+                                                                                         dtype_from_code(dtc))
         kernels.allreduce(self.comm, self.mpi, src, out.reshape(-1), ReduceOp(op), pre, post, algorithm,
                           self.chunk_bytes)
         self.bytes_done += out.nbytes

@@ -1,0 +1,32 @@
+"""The PyTorch backend under real mpirun at 1-4 ranks, and gradcheck in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import run_rank_suite
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("np_", [1, 2, 3, 4])
+def test_torch_backend(np_, tmp_path):
+    run_rank_suite(np_, "mpi_torch.py", tmp_path)
+
+
+def test_gradcheck_each_autograd_op():
+    import unison.torch_backend as hvd
+
+    hvd.init()
+    x = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
+    ops = {
+        "allreduce": lambda t: hvd.allreduce(t, op=hvd.Average),
+        "allreduce_scaled": lambda t: hvd.allreduce(t, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0),
+        "allgather": lambda t: hvd.allgather(t),
+        "broadcast": lambda t: hvd.broadcast(t, root_rank=0),
+        "reducescatter": lambda t: hvd.reducescatter(t, op=hvd.Average),
+        "alltoall": lambda t: hvd.alltoall(t)[0],
+    }
+    for name, fn in ops.items():
+        assert torch.autograd.gradcheck(fn, (x,)), name

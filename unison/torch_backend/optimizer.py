@@ -1,0 +1,273 @@
+"""``DistributedOptimizer``: gradients all-reduced while backward still runs.
+
+A hook on every parameter fires the moment autograd has accumulated its
+gradient (``register_post_accumulate_grad_hook``) and submits that gradient to
+the engine under the parameter's name, in place. Communication thus overlaps the
+rest of the backward pass; ``step()`` waits for the reductions, then steps.
+Ranks may produce gradients in any order: the engine negotiates by name.
+
+The wrapped optimizer is an instance of a subclass of the original optimizer's
+class built on the same parameter groups, so ``isinstance`` checks, schedulers
+and ``state_dict()`` keep working.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from unison.common import runtime
+from unison.common.compression import Compression
+from unison.common.engine import frontend
+from unison.common.engine.process_sets import ProcessSet
+from unison.common.ops import Average, ReduceOp, parse_op
+from unison.torch_backend.tensors import from_numpy, to_numpy
+
+__all__ = ["DistributedOptimizer"]
+
+
+class _Pending:
+    """One parameter's in-flight reduction and how to write its result back."""
+
+    __slots__ = ("handle", "target", "ctx", "sparse")
+
+    def __init__(self, handle: Any, target: np.ndarray | None, ctx: Any = None, sparse: Any = None) -> None:
+        self.handle, self.target, self.ctx, self.sparse = handle, target, ctx, sparse
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Mixed into a subclass of the user's optimizer class by :func:`DistributedOptimizer`."""
+
+    _unison_distributed = True
+
+    def __init__(self, params: Any, named_parameters: list[tuple[str, torch.Tensor]], compression: Any,
+                 backward_passes_per_step: int, op: ReduceOp, gradient_predivide_factor: float,
+                 groups: list[list[torch.Tensor]] | None, sparse_as_dense: bool,
+                 process_set: ProcessSet | None) -> None:
+        super(self.__class__, self).__init__(params)  # the user's optimizer class, same param groups
+        self._compression = compression
+        self._passes = backward_passes_per_step
+        self._op = op
+        self._prescale = 1.0 / gradient_predivide_factor
+        self._postscale = gradient_predivide_factor
+        self._sparse_as_dense = sparse_as_dense
+        self._process_set = process_set
+        self._names = {p: name for name, p in named_parameters}
+        self._params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        self._delay = {p: self._passes for p in self._params}
+        self._pending: dict[torch.Tensor, _Pending] = {}
+        self._group_of: dict[torch.Tensor, int] = {}
+        self._groups = [list(g) for g in groups] if groups else []
+        for gid, group in enumerate(self._groups):
+            for p in group:
+                self._group_of[p] = gid
+        self._group_ready: dict[int, list[torch.Tensor]] = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        self._hooks = []
+        if runtime.size() > 1:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
+
+    # ------------------------------------------------------------- hooks
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if p in self._pending:
+            raise RuntimeError(
+                f"the gradient of {self._names[p]!r} was computed more than backward_passes_per_step="
+                f"{self._passes} times before optimizer.step(); increase backward_passes_per_step to "
+                "accumulate gradients locally, or call step() after every backward pass")
+        self._delay[p] -= 1
+        if self._delay[p] > 0:
+            return
+        gid = self._group_of.get(p)
+        if gid is None:
+            self._pending[p] = self._submit(p)
+            return
+        ready = self._group_ready.setdefault(gid, [])
+        ready.append(p)
+        if len(ready) == len(self._groups[gid]):  # the whole group at once, so it fuses
+            for q in ready:
+                self._pending[q] = self._submit(q)
+            del self._group_ready[gid]
+
+    def _submit(self, p: torch.Tensor) -> _Pending:
+        name = self._names[p]
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grad = p.grad
+        if grad.is_sparse:
+            if not self._sparse_as_dense:
+                return self._submit_sparse(p, name)
+            grad = p.grad = grad.to_dense()
+        arr = to_numpy(grad)
+        compressed, ctx = self._compression.compress(arr)
+        in_place = compressed is arr and grad.is_contiguous()
+        handle = frontend.allreduce_async(compressed, self._op, name, self._prescale, self._postscale,
+                                          self._process_set, out=compressed if in_place else None)
+        return _Pending(handle, None if in_place else arr, ctx)
+
+    def _submit_sparse(self, p: torch.Tensor, name: str) -> _Pending:
+        g = p.grad.coalesce()
+        indices = frontend.allgather_async(g.indices().t().contiguous().numpy(), f"{name}.indices",
+                                           self._process_set)
+        values = frontend.allgather_async(to_numpy(g.values()), f"{name}.values", self._process_set)
+        return _Pending((indices, values), None, sparse=g.shape)
+
+    def _finish(self, p: torch.Tensor, pend: _Pending) -> None:
+        if pend.sparse is not None:
+            idx, vals = (h.wait() for h in pend.handle)
+            values = from_numpy(vals)
+            if self._op == Average:
+                values = values / _set_size(self._process_set)
+            p.grad = torch.sparse_coo_tensor(torch.from_numpy(idx).t(), values, pend.sparse).coalesce()
+            return
+        result = pend.handle.wait()
+        if pend.target is not None:  # compressed or non-contiguous: copy back into the gradient
+            with torch.no_grad():
+                p.grad.copy_(from_numpy(self._compression.decompress(result, pend.ctx)).view(p.grad.shape))
+
+    # ------------------------------------------------------------- public
+    def synchronize(self) -> None:
+        """Wait for every gradient's reduction; parameters without a gradient contribute zeros."""
+        if runtime.size() > 1:
+            for p in self._params:
+                if p not in self._pending:  # no gradient this step, or passes not yet complete
+                    self._pending[p] = self._submit(p)
+            for p, pend in self._pending.items():
+                self._finish(p, pend)
+        self._pending.clear()
+        self._group_ready.clear()
+        self._delay = {p: self._passes for p in self._params}
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Inside this context ``step()`` does not synchronize: call ``synchronize()`` yourself first.
+
+        For gradient clipping::
+
+            loss.backward()
+            optimizer.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        """
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Any = None) -> Any:
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called after optimizer.synchronize() without the "
+                              "optimizer.skip_synchronize() context: the gradients are reduced twice. "
+                              "Wrap step() in `with optimizer.skip_synchronize():`", stacklevel=2)
+            self.synchronize()
+        elif self._pending or not self._synchronized:
+            raise RuntimeError("optimizer.step() inside skip_synchronize() needs optimizer.synchronize() "
+                               "first; the gradients have not been reduced yet")
+        self._synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, *args: Any, **kwargs: Any) -> None:
+        if self._pending:
+            raise RuntimeError("optimizer.zero_grad() was called after loss.backward() but before "
+                               "optimizer.step() or optimizer.synchronize(): the gradients are still "
+                               "being reduced. Call step() (or synchronize()) first")
+        return super(self.__class__, self).zero_grad(*args, **kwargs)
+
+
+def _set_size(process_set: ProcessSet | None) -> int:
+    return runtime.size() if process_set is None or process_set.ranks is None else process_set.size()
+
+
+def _named(optimizer: torch.optim.Optimizer,
+           named_parameters: Iterable[tuple[str, torch.Tensor]] | None) -> list[tuple[str, torch.Tensor]]:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        return [(f"allreduce.noname.{i}", p) for i, p in enumerate(params)]
+    named = list(named_parameters)
+    if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
+        raise ValueError("named_parameters must be (name, parameter) pairs, e.g. model.named_parameters()")
+    names = [n for n, _ in named]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"named_parameters holds duplicate names {dups}; every parameter needs a unique "
+                         "name (it is what ranks match gradients by)")
+    known = {id(p) for _, p in named}
+    missing = [i for i, p in enumerate(params) if id(p) not in known]
+    if missing:
+        raise ValueError(f"named_parameters does not cover {len(missing)} of the optimizer's {len(params)} "
+                         f"parameters (positions {missing[:10]}); pass model.named_parameters() for the "
+                         "model whose parameters the optimizer updates")
+    return named
+
+
+def _groups(optimizer: torch.optim.Optimizer, num_groups: int,
+            groups: Any) -> list[list[torch.Tensor]] | None:
+    if groups is None and not num_groups:
+        return None
+    if isinstance(groups, int) or (groups is None and num_groups):
+        n = groups if isinstance(groups, int) else num_groups
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        return [list(chunk) for chunk in np.array_split(np.array(params, dtype=object), n) if len(chunk)]
+    owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    out = []
+    for group in groups:
+        group = list(group)
+        if any(id(p) not in owned for p in group):
+            raise ValueError("groups= lists a parameter the optimizer does not update")
+        out.append(group)
+    return out
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horovod's name
+                         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+                         compression: Any = Compression.none, backward_passes_per_step: int = 1,
+                         op: Any = Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                         groups: Any = None, sparse_as_dense: bool = False,
+                         process_set: ProcessSet | None = None) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so gradients are averaged across ranks, overlapping backward.
+
+    Args:
+        optimizer: any ``torch.optim`` optimizer, not already wrapped.
+        named_parameters: ``model.named_parameters()``; names are how ranks match gradients.
+        compression: ``Compression.none`` or ``Compression.fp16`` for the wire.
+        backward_passes_per_step: backward passes accumulated locally per step (scale the
+            loss by its inverse to average them).
+        op: ``Average`` (default), ``Sum`` ...
+        gradient_predivide_factor: divide by this before the sum and by ``size / factor``
+            after (Average only), to keep fp16 sums in range.
+        num_groups / groups: reduce parameters in groups (fused together) instead of one by one.
+        sparse_as_dense: reduce sparse gradients densely instead of by all-gather.
+        process_set: reduce over this process set only.
+
+    Raises:
+        ValueError: the optimizer is already wrapped; bad or incomplete ``named_parameters``;
+            ``gradient_predivide_factor`` with an op other than Average.
+    """
+    if getattr(optimizer, "_unison_distributed", False):
+        raise ValueError("this optimizer is already a DistributedOptimizer; wrap the original optimizer "
+                         "once")
+    if backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
+    rop = parse_op(op)
+    if gradient_predivide_factor != 1.0 and rop != Average:
+        raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} only applies to "
+                         f"op=Average; got op={rop!r}")
+    runtime.state("DistributedOptimizer")
+    named = _named(optimizer, named_parameters)
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
+    wrapped = cls(optimizer.param_groups, named, compression, backward_passes_per_step, rop,
+                  gradient_predivide_factor, _groups(optimizer, num_groups, groups), sparse_as_dense,
+                  process_set)
+    if optimizer.state:
+        wrapped.load_state_dict(optimizer.state_dict())
+    return wrapped
+
