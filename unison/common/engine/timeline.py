@@ -45,6 +45,7 @@ class Timeline:
             if self._file is not None:
                 self._close()
             self._path = os.fspath(path)
+            os.makedirs(os.path.dirname(os.path.abspath(self._path)), exist_ok=True)
             self._file = open(self._path + ".tmp", "w", encoding="utf-8")  # noqa: SIM115
             self._file.write("[\n")
             self._tids.clear()
