@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from harness import run_rank_suite
 
 

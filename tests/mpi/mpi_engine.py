@@ -227,7 +227,7 @@ def test_response_cache_evicts_least_recently_used_consistently():
     old = ctl.capacity
     ctl.capacity = 3  # every rank, same point in the program
     try:
-        for step in range(4):
+        for _step in range(4):
             for i in range(7):
                 got = unison.allreduce(np.full(2, float(i + R)), op=unison.Sum, name=f"lru.{i}")
                 np.testing.assert_array_equal(got, np.full(2, float(N * i + sum(range(N)))))

@@ -27,7 +27,7 @@ from unison.collectives import kernels
 from unison.collectives.header import INLINE_BYTES, MATCH_BYTES, Call, Collective, Negotiator
 from unison.collectives.reduce import check_op, finalize, prescale, reducer
 from unison.collectives.validate import as_array, check_root, check_splits, rows_split
-from unison.common import runtime
+from unison.common import pool, runtime
 from unison.common.config import validate_algorithm
 from unison.common.dtypes import dtype_code, dtype_from_code
 from unison.common.exceptions import CollectiveError, InvalidArgumentError
@@ -150,7 +150,7 @@ def allreduce(tensor: Any, op: Any = Average, name: str | None = None,
     if out is not None:
         prep.check(_check_out, out, x)
     neg = _run(prep, st)
-    result = np.empty(x.shape, dtype=x.dtype) if out is None else out
+    result = pool.results.empty(x.shape, x.dtype) if out is None else out
     out = result.reshape(-1)
     ufunc = reducer(x.dtype, rop)
     if neg is None:
@@ -264,7 +264,7 @@ def allgather(tensor: Any, name: str | None = None, algorithm: str | None = None
         return np.array(x, order="C")
     rows = neg.dim0s()
     trailing = x.shape[1:]
-    out = np.empty((sum(rows),) + trailing, dtype=x.dtype)
+    out = pool.results.empty((sum(rows),) + trailing, x.dtype)
     row_bytes = int(np.prod(trailing, dtype=np.int64)) * x.itemsize
     counts = [r * row_bytes for r in rows]
     offsets = [sum(counts[:i]) for i in range(len(counts))]
@@ -298,7 +298,9 @@ def broadcast(tensor: Any, root_rank: int = 0, name: str | None = None,
         _negotiator(st).inline_area()[:x.nbytes] = _flat(x).view(np.uint8)
     call.inline = small
     neg = _run(prep, st)
-    out = np.array(x, order="C") if (neg is None or st.rank == call.root) else np.empty_like(x, order="C")
+    out = pool.results.empty(x.shape, x.dtype)
+    if neg is None or st.rank == call.root:
+        np.copyto(out, x)
     if neg is None or x.size == 0:
         return out
     ob = out.reshape(-1).view(np.uint8)
@@ -346,7 +348,7 @@ def reducescatter(tensor: Any, op: Any = Average, name: str | None = None,
     row_elems = int(np.prod(x.shape[1:], dtype=np.int64))
     counts = [k * row_elems for k in rows]
     offsets = [sum(counts[:i]) for i in range(n)]
-    out = np.empty(counts[r], dtype=x.dtype)
+    out = pool.results.empty((counts[r],), x.dtype)
     shape = (rows[r],) + x.shape[1:]
     if neg is None:
         prescale(flat, call.prescale, out)
@@ -409,7 +411,7 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
         all_splits = np.empty((n, n), dtype=np.int64)
         neg.comm.Allgather(np.asarray(my_splits, dtype=np.int64), all_splits)
     recv_splits = all_splits[:, r].copy()
-    out = np.empty((int(recv_splits.sum()),) + x.shape[1:], dtype=x.dtype)
+    out = pool.results.empty((int(recv_splits.sum()),) + x.shape[1:], x.dtype)
     ob = out.reshape(-1).view(np.uint8)
     rcounts = [int(v) * row_bytes for v in recv_splits]
     roffs = [sum(rcounts[:i]) for i in range(n)]

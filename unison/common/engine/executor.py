@@ -26,11 +26,11 @@ import numpy as np
 from unison.collectives import kernels
 from unison.common.dtypes import dtype_from_code
 from unison.common.engine.controller import Response
-from unison.common.engine.pool import ResultPool
 from unison.common.engine.requests import Kind, identity_like
 from unison.common.engine.timeline import Timeline
 from unison.common.exceptions import CollectiveError, InvalidArgumentError, MismatchError
 from unison.common.ops import ReduceOp
+from unison.common.pool import ResultPool
 
 __all__ = ["Executor"]
 
