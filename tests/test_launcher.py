@@ -433,23 +433,6 @@ def stop(process, timeout=30):
         raise
 
 
-@pytest.mark.mpi
-@pytest.mark.timeout(180)
-def test_plain_mpirun_hangs_when_a_rank_raises_without_mpi4py_runner():
-    """Documents [Note: a raising rank hangs Open MPI 5]: the reason unisonrun wraps Python."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    code = RAISE_ON_RANK_1.format(wait=WAITS["barrier"])
-    process = subprocess.Popen(
-        plain_mpirun("-c", code), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
-    )
-    try:
-        with pytest.raises(subprocess.TimeoutExpired):
-            process.wait(timeout=10)
-    finally:
-        if process.poll() is None:
-            stop(process)
-
-
 def alive(pid):
     """Tells whether process ``pid`` exists and is not a zombie."""
     try:

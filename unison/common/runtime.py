@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import os
 import sys
 import threading
 import traceback
@@ -55,7 +56,16 @@ _previous_excepthook: Any = None
 _atexit_registered = False
 
 
+#: Open MPI settings Unison wants before MPI starts, unless the user set them: ranks
+#: that wait yield the core instead of spinning, because every rank also runs the
+#: engine thread and the training computation (see docs/engine.md, "CPU use").
+MPI_DEFAULTS = {"OMPI_MCA_mpi_yield_when_idle": "1"}
+
+
 def _import_mpi() -> Any:
+    if "mpi4py.MPI" not in sys.modules:
+        for key, value in MPI_DEFAULTS.items():
+            os.environ.setdefault(key, value)
     try:
         from mpi4py import MPI
     except ImportError:

@@ -208,6 +208,9 @@ def build_command(
         command.append("--allow-run-as-root")
     if _needs_oversubscribe(config, hosts, cpu_count):
         command.append("--oversubscribe")
+    if "OMPI_MCA_mpi_yield_when_idle" not in environ and "mpi_yield_when_idle" not in config.mpi_args:
+        # every rank also runs Unison's engine thread: waiting ranks yield instead of spinning
+        command += ["--mca", "mpi_yield_when_idle", "1"]
     command += forwarded_environment(environ, executable)
     command += config.mpi_args
     if config.abort_on_exception:
