@@ -58,7 +58,6 @@ against size (``--png``, by default next to the JSON).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
@@ -67,11 +66,12 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from benchutil import atomic_write, human_bytes, human_time, list_choices, write_json
 
 logger = logging.getLogger("benchmarks.collectives")
 
@@ -142,20 +142,6 @@ def size_range(lo: int, hi: int) -> list[int]:
         sizes.append(lo)
         lo *= 4
     return sizes
-
-
-def human_bytes(n: int) -> str:
-    """``4096 -> "4 KiB"``; exact binary units where they divide evenly."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            v = n / scale
-            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.2f} {unit}"
-    return f"{n} B"
-
-
-def human_time(t: float) -> str:
-    """Seconds as ``"12.3 us"`` below a millisecond, else ``"4.56 ms"``."""
-    return f"{t * 1e6:.1f} us" if t < 1e-3 else f"{t * 1e3:.2f} ms"
 
 
 def busbw_gbps(op: str, nbytes: int, n: int, t: float) -> float:
@@ -451,23 +437,6 @@ def print_summaries(records: Sequence[Record]) -> None:
         print(f"  {what:<58} = {value:.2f}  (target {cmp} {bound})  {'PASS' if ok else 'MISS'}")
 
 
-def _atomic_write(path: Path, write: Callable[[Any], None], mode: str) -> None:
-    """Writes through a temporary file in ``path``'s directory, then renames it over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, mode) as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def write_json(path: Path, records: Sequence[Record]) -> None:
-    _atomic_write(path, lambda f: json.dump([asdict(r) for r in records], f, indent=1), "w")
-
-
 def write_png(path: Path, records: Sequence[Record], membw: float) -> None:
     """One subplot per op: busbw against size, a line per impl, memory bandwidth dashed.
 
@@ -499,21 +468,11 @@ def write_png(path: Path, records: Sequence[Record], membw: float) -> None:
     for ax in list(axes.flat)[len(ops):]:
         ax.set_visible(False)
     fig.tight_layout()
-    _atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120), "wb")
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120), "wb")
     plt.close(fig)
 
 
 # --- command line -----------------------------------------------------------------------------
-
-
-def _choices(allowed: Sequence[str]) -> Callable[[str], list[str]]:
-    def parse(text: str) -> list[str]:
-        items = [s for s in text.split(",") if s]
-        bad = [s for s in items if s not in allowed]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(allowed)}")
-        return items
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -521,9 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time Unison's collectives against mpi4py's native calls and torch's gloo, "
                     "with nccl-tests' bus bandwidth. Run under unisonrun/mpirun; rank 0 prints.",
         epilog="Sizes take binary units: 4096, 4K, 16M, 1G. Lists take commas or spaces.")
-    p.add_argument("--ops", type=_choices(OPS), nargs="+", default=[list(OPS)],
+    p.add_argument("--ops", type=list_choices(OPS), nargs="+", default=[list(OPS)],
                    help=f"collectives to run (default: all of {', '.join(OPS)})")
-    p.add_argument("--impls", type=_choices(IMPLS), nargs="+", default=[list(IMPLS)],
+    p.add_argument("--impls", type=list_choices(IMPLS), nargs="+", default=[list(IMPLS)],
                    help=f"implementations to run (default: all of {', '.join(IMPLS)})")
     p.add_argument("--min-bytes", type=parse_bytes, default=4 << 10,
                    help="smallest per-rank input size (default 4K)")

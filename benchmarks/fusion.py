@@ -65,18 +65,18 @@ time_s}`` (``bytes`` is each rank's input: the sum over the set's tensors).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from benchutil import human_bytes, human_time, list_choices, write_json
 
 logger = logging.getLogger("benchmarks.fusion")
 
@@ -378,20 +378,6 @@ def plan(cases: Sequence[str], impls: Sequence[str]) -> list[tuple[str, str]]:
 # --- reporting --------------------------------------------------------------------------------
 
 
-def human_bytes(n: int) -> str:
-    """``4096 -> "4 KiB"``; exact binary units where they divide evenly."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            v = n / scale
-            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.2f} {unit}"
-    return f"{n} B"
-
-
-def human_time(t: float) -> str:
-    """Seconds as ``"12.3 us"`` below a millisecond, else ``"4.56 ms"``."""
-    return f"{t * 1e6:.1f} us" if t < 1e-3 else f"{t * 1e3:.2f} ms"
-
-
 def floors(records: Sequence[Record]) -> dict[str, float]:
     """Each case's floor time: the fastest of its :data:`FLOOR_IMPLS` that was measured."""
     out: dict[str, float] = {}
@@ -431,34 +417,7 @@ def print_targets(records: Sequence[Record], n: int) -> None:
     print(f"\nreference from the issue: {REFERENCE}")
 
 
-def _atomic_write(path: Path, write: Callable[[Any], None], mode: str) -> None:
-    """Writes through a temporary file in ``path``'s directory, then renames it over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, mode) as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def write_json(path: Path, records: Sequence[Record]) -> None:
-    _atomic_write(path, lambda f: json.dump([asdict(r) for r in records], f, indent=1), "w")
-
-
 # --- command line -----------------------------------------------------------------------------
-
-
-def _choices(allowed: Sequence[str]) -> Callable[[str], list[str]]:
-    def parse(text: str) -> list[str]:
-        items = [s for s in text.split(",") if s]
-        bad = [s for s in items if s not in allowed]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(allowed)}")
-        return items
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -468,9 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "tensors, and a 4-byte latency. Run under unisonrun/mpirun; rank 0 prints.",
         epilog="Lists take commas or spaces. Engine settings come from the UNISON_* environment "
                "variables (e.g. UNISON_FUSION_THRESHOLD, UNISON_CYCLE_TIME).")
-    p.add_argument("--cases", type=_choices(CASES), nargs="+", default=[list(CASES)],
+    p.add_argument("--cases", type=list_choices(CASES), nargs="+", default=[list(CASES)],
                    help=f"cases to run (default: all of {', '.join(CASES)})")
-    p.add_argument("--impls", type=_choices(IMPLS), nargs="+", default=[list(IMPLS)],
+    p.add_argument("--impls", type=list_choices(IMPLS), nargs="+", default=[list(IMPLS)],
                    help=f"implementations to run (default: all of {', '.join(IMPLS)}; the last two "
                         "are latency4B's)")
     p.add_argument("--repeats", type=int, default=20,

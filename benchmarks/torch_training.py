@@ -53,9 +53,11 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from benchutil import list_choices, write_json
 
 logger = logging.getLogger("benchmarks.torch_training")
 
@@ -266,29 +268,7 @@ def print_targets(records: Sequence[Record], n: int) -> None:
     print(f"reference: {REFERENCE}")
 
 
-def write_json(path: Path, records: Sequence[Record]) -> None:
-    """Writes the records through a temporary file in ``path``'s directory, then renames it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps([asdict(r) for r in records], indent=1))
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 # --- command line -----------------------------------------------------------------------------
-
-
-def _choices(allowed: Sequence[str]) -> Callable[[str], list[str]]:
-    def parse(text: str) -> list[str]:
-        items = [s for s in text.split(",") if s]
-        bad = [s for s in items if s not in allowed]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(allowed)}")
-        return items
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -296,9 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time training steps of Unison's DistributedOptimizer against PyTorch DDP over "
                     "gloo on the same model, data and batch. Run under unisonrun/mpirun; rank 0 prints.",
         epilog="Lists take commas or spaces, e.g. --models mlp,cnn.")
-    p.add_argument("--models", type=_choices(MODELS), nargs="+", default=[list(MODELS)],
+    p.add_argument("--models", type=list_choices(MODELS), nargs="+", default=[list(MODELS)],
                    help=f"models to run (default: all of {', '.join(MODELS)})")
-    p.add_argument("--impls", type=_choices(IMPLS), nargs="+", default=[list(IMPLS)],
+    p.add_argument("--impls", type=list_choices(IMPLS), nargs="+", default=[list(IMPLS)],
                    help=f"implementations to run (default: all of {', '.join(IMPLS)})")
     p.add_argument("--steps", type=int, default=20, help="timed steps per case (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before timing (default 3)")

@@ -76,6 +76,18 @@ class _Prep:
             except (TypeError, ValueError) as exc:
                 self.fail(exc)
 
+    def reduction(self, op: Any, prescale_factor: float, postscale_factor: float) -> ReduceOp:
+        """Record the op and scale factors in the call; a bad op or combination is this rank's error."""
+        try:
+            rop = parse_op(op)
+            self.call.op, self.call.prescale = int(rop), float(prescale_factor)
+            self.call.postscale = float(postscale_factor)
+        except (TypeError, ValueError) as exc:
+            self.fail(exc)
+            return ReduceOp.SUM
+        self.check(check_op, self.array.dtype, rop, self.call.prescale, self.call.postscale)
+        return rop
+
     def raise_local(self) -> None:
         if self.call.error is not None:
             kind, text = self.call.error
@@ -133,13 +145,7 @@ def allreduce(tensor: Any, op: Any = Average, name: str | None = None,
             return plan.run(tensor, name, out)
     prep = _Prep(Collective.ALLREDUCE, tensor, name, "allreduce_algorithm", algorithm, st)
     call, x = prep.call, prep.array
-    try:
-        rop = parse_op(op)
-        call.op, call.prescale, call.postscale = int(rop), float(prescale_factor), float(postscale_factor)
-    except (TypeError, ValueError) as exc:
-        prep.fail(exc)
-        rop = ReduceOp.SUM
-    prep.check(check_op, x.dtype, rop, call.prescale, call.postscale)
+    rop = prep.reduction(op, prescale_factor, postscale_factor)
     n = st.size
     small = call.algorithm == "auto" and x.nbytes <= INLINE_BYTES
     flat = _flat(x) if call.error is None else x
@@ -193,7 +199,7 @@ class InlineAllreduce:
         self.neg, self.call, self.ufunc, self.op = neg, call, ufunc, op
         self.header = neg.block[:256].copy()
         # each rank's must-match words, as memoryviews into the gathered buffer
-        gm = memoryview(neg.gathered.reshape(-1))
+        gm = memoryview(neg.gathered.reshape(-1))  # type: ignore[arg-type]
         width = neg.gathered.shape[1]
         self.matches = [gm[i * width:i * width + MATCH_BYTES] for i in range(neg.size)]
         self.expected = memoryview(neg.gathered[0, :MATCH_BYTES].tobytes())
@@ -327,13 +333,7 @@ def reducescatter(tensor: Any, op: Any = Average, name: str | None = None,
     st = runtime.state("unison.reducescatter()")
     prep = _Prep(Collective.REDUCESCATTER, tensor, name, "reducescatter_algorithm", algorithm, st)
     call, x = prep.call, prep.array
-    try:
-        rop = parse_op(op)
-        call.op, call.prescale, call.postscale = int(rop), float(prescale_factor), float(postscale_factor)
-    except (TypeError, ValueError) as exc:
-        prep.fail(exc)
-        rop = ReduceOp.SUM
-    prep.check(check_op, x.dtype, rop, call.prescale, call.postscale)
+    rop = prep.reduction(op, prescale_factor, postscale_factor)
     if call.error is None and x.ndim == 0:
         prep.fail(ValueError("reducescatter needs an array with at least one dimension to split; "
                              "got a 0-d array. Reshape it to (1,) or use allreduce"))

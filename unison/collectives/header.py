@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -86,7 +86,6 @@ class Call:
     nbytes: int = 0
     inline: bool = False
     error: tuple[int, str] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _tail_hash(shape: tuple[int, ...]) -> int:

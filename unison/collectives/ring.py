@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from unison.collectives.p2p import exchange
+from unison.collectives.p2p import exchange, segments
 
 __all__ = ["reduce_scatter", "allgatherv", "allreduce"]
 
@@ -76,8 +76,6 @@ def allreduce(comm: Any, mpi: Any, inp: np.ndarray, out: np.ndarray, op: np.ufun
     ``finish`` runs on the owned segment between the two phases (averaging and
     post-scaling once per element instead of once per rank).
     """
-    from unison.collectives.p2p import segments
-
     n = comm.Get_size()
     counts, offsets = segments(out.size, n)
     own = reduce_scatter(comm, mpi, inp, out, counts, offsets, op, chunk, shift=1)

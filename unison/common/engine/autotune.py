@@ -47,6 +47,8 @@ class Autotuner:
         self.done = False
         self._start: tuple[float, int, int] | None = None
         self.trials = 0
+        #: (cycle, fusion threshold, cycle time ms) at every change: identical on every rank
+        self.history: list[tuple[int, int, float]] = []
         if rank == 0 and self.log_path:
             self._write_row(["trial", "fusion_threshold_bytes", "cycle_time_ms", "bytes", "seconds",
                              "bytes_per_s", "phase"], mode="w")
@@ -64,6 +66,12 @@ class Autotuner:
 
     def step(self, st: Any) -> tuple[int, float] | None:
         """Called once per cycle on every rank; returns new (threshold, cycle ms) or None."""
+        change = self._step(st)
+        if change is not None:
+            self.history.append((st.controller.cycles, int(change[0]), float(change[1])))
+        return change
+
+    def _step(self, st: Any) -> tuple[int, float] | None:
         if self.done:
             return None
         ctl, ex = st.controller, st.executor

@@ -129,9 +129,9 @@ class Controller:
             waiting = set(self.to_announce)
             cache_bit = self.cache_bit
             for name in self.pending:
-                b = cache_bit.get(name)
-                if b is not None and name not in waiting:
-                    bits |= 1 << b
+                bit = cache_bit.get(name)
+                if bit is not None and name not in waiting:
+                    bits |= 1 << bit
         vec = np.empty(words + 1, dtype=np.uint64)
         vec[:words] = np.frombuffer(bits.to_bytes(words * 8, "little"), dtype=np.uint64)
         flags = local_flags

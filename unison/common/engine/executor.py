@@ -177,7 +177,7 @@ class Executor:
     def _allgather(self, resp: Response) -> np.ndarray:
         _, dtc, trailing, *_ = resp.sig
         dtype = dtype_from_code(dtc)
-        mine = self._input(resp).reshape((-1,) + tuple(trailing))
+        mine: np.ndarray = self._input(resp).reshape((-1, *trailing))
         rows = np.empty(self.comm.Get_size(), dtype=np.int64)
         self.comm.Allgather(np.array([mine.shape[0]], dtype=np.int64), rows)
         row_bytes = int(np.prod(trailing, dtype=np.int64)) * dtype.itemsize

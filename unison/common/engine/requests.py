@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from unison.collectives.header import Collective as Kind
 from unison.common.dtypes import dtype_code, dtype_from_code, dtype_name, is_float
 from unison.common.engine.handles import Handle
 from unison.common.ops import ReduceOp
 
 __all__ = ["Kind", "Request", "Signature", "describe", "identity_like"]
-
-
-class Kind(enum.IntEnum):
-    ALLREDUCE = 1
-    ALLGATHER = 2
-    BROADCAST = 3
-    ALLTOALL = 4
-    REDUCESCATTER = 5
-    BARRIER = 6
 
 
 #: What every rank must agree on for one name: (kind, dtype code, shape, op, root,

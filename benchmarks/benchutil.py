@@ -1,0 +1,55 @@
+"""Helpers every benchmark script shares: units, atomic JSON, list options."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+__all__ = ["human_bytes", "human_time", "atomic_write", "write_json", "list_choices"]
+
+
+def human_bytes(n: int) -> str:
+    """``4096 -> "4 KiB"``; exact binary units where they divide evenly."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.2f} {unit}"
+    return f"{n} B"
+
+
+def human_time(t: float) -> str:
+    """Seconds as ``"12.3 us"`` below a millisecond, else ``"4.56 ms"``."""
+    return f"{t * 1e6:.1f} us" if t < 1e-3 else f"{t * 1e3:.2f} ms"
+
+
+def atomic_write(path: Path, write: Callable[[Any], None], mode: str) -> None:
+    """Writes through a temporary file in ``path``'s directory, then renames it over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, mode) as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, records: Sequence[Any]) -> None:
+    """Write dataclass records as a JSON list, atomically."""
+    atomic_write(path, lambda f: json.dump([asdict(r) for r in records], f, indent=1), "w")
+
+
+def list_choices(allowed: Sequence[str]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        items = [s for s in text.split(",") if s]
+        bad = [s for s in items if s not in allowed]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(allowed)}")
+        return items
+    return parse
