@@ -76,6 +76,13 @@ def test_fusion_on_and_off_give_identical_results():
         assert a.tobytes() == b.tobytes() == c.tobytes()
 
 
+def test_zero_d_arrays_keep_their_shape():
+    b = unison.broadcast(np.float32(R + 5), root_rank=0, name="zd.bc")
+    a = unison.allreduce(np.float64(R), op=unison.Sum, name="zd.ar")
+    assert b.shape == () and float(b) == 5.0
+    assert a.shape == () and float(a) == sum(range(N))
+
+
 def test_grouped_allreduce_fuses_and_matches():
     tensors = [data(R, i, 10 * i + 1) for i in range(25)]
     out = unison.grouped_allreduce(tensors, op=unison.Sum, name="grouped")

@@ -99,7 +99,9 @@ def _submit(eng: Engine, kind: Kind, name: str, tensor: Any, sid: int,
     """
     error, arr = "", np.empty(0, dtype=np.float32)
     try:
-        arr = np.ascontiguousarray(as_array(tensor))
+        arr = as_array(tensor)
+        if not arr.flags.c_contiguous:  # (np.ascontiguousarray would also turn 0-d into 1-d)
+            arr = np.ascontiguousarray(arr)
         fields.update(checks(arr) or {})
     except TypeError as exc:
         error = "T:" + str(exc)

@@ -1,0 +1,109 @@
+"""The Horovod-compatible TensorFlow API under mpirun: values, gradients, tape equivalence."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from mpi4py import MPI
+
+import unison.tf_backend as hvd
+
+WORLD = MPI.COMM_WORLD
+N, R = WORLD.Get_size(), WORLD.Get_rank()
+tf.config.threading.set_intra_op_parallelism_threads(1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _session():
+    hvd.init()
+    yield
+    hvd.shutdown()
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_collective_values(graph):
+    def run():
+        t = tf.fill([3], float(R))
+        s = hvd.allreduce(t, op=hvd.Sum, name=f"v.sum.{graph}")
+        a = hvd.allreduce(t, name=f"v.avg.{graph}")
+        g = hvd.allgather(tf.fill([R + 1, 2], R), name=f"v.ag.{graph}")
+        b = hvd.broadcast(tf.range(4) + R, root_rank=N - 1, name=f"v.bc.{graph}")
+        gr = hvd.grouped_allreduce([tf.ones([2]), tf.ones([3, 1]) * 2.0], op=hvd.Sum, name=f"v.gr.{graph}")
+        rs = hvd.reducescatter(tf.ones([2 * N, 2]), op=hvd.Sum, name=f"v.rs.{graph}")
+        out, splits = hvd.alltoall(tf.range(N, dtype=tf.float32) + 10.0 * R, name=f"v.a2a.{graph}")
+        return s, a, g, b, gr, rs, out, splits
+
+    s, a, g, b, gr, rs, out, splits = (tf.function(run) if graph else run)()
+    np.testing.assert_array_equal(s.numpy(), [sum(range(N))] * 3)
+    np.testing.assert_allclose(a.numpy(), [(N - 1) / 2] * 3)
+    assert g.shape == (N * (N + 1) // 2, 2)
+    np.testing.assert_array_equal(b.numpy(), np.arange(4) + N - 1)
+    np.testing.assert_array_equal(gr[0].numpy(), [N] * 2)
+    np.testing.assert_array_equal(gr[1].numpy(), [[2 * N]] * 3)
+    assert rs.shape == (2, 2) and np.all(rs.numpy() == N)
+    np.testing.assert_array_equal(out.numpy(), [R + 10.0 * r for r in range(N)])
+    np.testing.assert_array_equal(splits.numpy(), [1] * N)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_gradients(graph):
+    def run():
+        x = tf.ones([N, 2])
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            y1 = tf.reduce_sum(hvd.allreduce(x, op=hvd.Average, name=f"g.ar.{graph}") * float(R + 1))
+            y2 = tf.reduce_sum(hvd.allgather(x, name=f"g.ag.{graph}") * float(R + 1))
+            y3 = tf.reduce_sum(hvd.broadcast(x, 0, name=f"g.bc.{graph}") * float(R + 1))
+            y4 = tf.reduce_sum(hvd.reducescatter(x, op=hvd.Sum, name=f"g.rs.{graph}") * float(R + 1))
+        return [tape.gradient(y, x) for y in (y1, y2, y3, y4)]
+
+    g1, g2, g3, g4 = (tf.function(run) if graph else run)()
+    total = float(sum(r + 1 for r in range(N)))
+    np.testing.assert_allclose(g1.numpy(), np.full((N, 2), total / N))
+    np.testing.assert_allclose(g2.numpy(), np.full((N, 2), total))
+    np.testing.assert_allclose(g3.numpy(), np.full((N, 2), total if R == 0 else 0.0))
+    np.testing.assert_allclose(g4.numpy(), np.concatenate([np.full((1, 2), float(r + 1)) for r in range(N)]))
+
+
+def test_distributed_gradient_tape_matches_one_process():
+    b, steps = 4, 4
+    rng = np.random.default_rng(0)
+    xs = rng.normal(size=(steps, N * b, 5)).astype(np.float32)
+    ys = rng.normal(size=(steps, N * b, 1)).astype(np.float32)
+    w = tf.Variable(np.random.default_rng(R).normal(size=(5, 1)).astype(np.float32))  # ranks differ
+    emb = tf.Variable(np.random.default_rng(R + 7).normal(size=(10, 1)).astype(np.float32))
+    hvd.broadcast_variables([w, emb], root_rank=0)
+    w_ref = tf.Variable(w.numpy())
+    emb_ref = tf.Variable(emb.numpy())
+    ids = tf.constant([1, 3, 3, 7])
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((x @ w + tf.reduce_sum(tf.gather(emb, ids)) - y) ** 2)
+        tape = hvd.DistributedGradientTape(tape)
+        gw, ge = tape.gradient(loss, [w, emb])
+        w.assign_sub(0.1 * gw)
+        emb.assign_sub(0.1 * tf.convert_to_tensor(ge))
+
+    for s in range(steps):
+        step(xs[s, R * b:(R + 1) * b], ys[s, R * b:(R + 1) * b])
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((xs[s] @ w_ref + tf.reduce_sum(tf.gather(emb_ref, ids)) - ys[s]) ** 2)
+        gw, ge = tape.gradient(loss, [w_ref, emb_ref])
+        w_ref.assign_sub(0.1 * gw)
+        emb_ref.assign_sub(0.1 * tf.convert_to_tensor(ge))
+    np.testing.assert_allclose(w.numpy(), w_ref.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(emb.numpy(), emb_ref.numpy(), rtol=1e-5, atol=1e-6)
+    everyone = WORLD.allgather(w.numpy())
+    assert all(np.array_equal(everyone[0], e) for e in everyone)
+
+
+def test_objects_and_errors():
+    assert hvd.broadcast_object({"r": R}, root_rank=0) == {"r": 0}
+    assert hvd.allgather_object(R) == list(range(N))
+    if N > 1:
+        with pytest.raises(hvd.MismatchError, match="shape"):
+            hvd.allreduce(tf.ones([R + 1]), name="tf.mismatch")
+    assert int(hvd.size_op()) == N and int(hvd.rank_op()) == R

@@ -1,0 +1,13 @@
+"""The Horovod-compatible TensorFlow API under real mpirun at 1-3 ranks."""
+
+from __future__ import annotations
+
+import pytest
+from harness import run_rank_suite
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("np_", [1, 2, 3])
+def test_tf_backend(np_, tmp_path):
+    run_rank_suite(np_, "mpi_tf.py", tmp_path)
