@@ -45,12 +45,13 @@ from unison.tf_backend.mpi_ops import (
     reducescatter,
     size_op,
 )
+from unison.tf_backend.strategy import UnisonStrategy
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "mpi_built", "mpi_threads_supported", "allreduce", "grouped_allreduce", "allgather",
     "broadcast", "alltoall", "reducescatter", "join", "barrier", "size_op", "rank_op",
-    "broadcast_variables", "broadcast_object", "allgather_object", "DistributedGradientTape",
+    "broadcast_variables", "broadcast_object", "allgather_object", "DistributedGradientTape", "UnisonStrategy",
     "Compression", "ProcessSet", "global_process_set", "add_process_set", "start_timeline",
     "stop_timeline", "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "UnisonError",
     "NotInitializedError", "MismatchError", "CollectiveError", "InvalidArgumentError", "StallError",
