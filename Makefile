@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints-dev.txt
 	touch $(STAMP)
 
 demo: venv
-	$(VENV)/bin/unisonrun -np $(NP) $(PY) examples/collectives_demo.py
+	$(VENV)/bin/unisonrun -np $(NP) $(PY) examples/keras_fit.py
 
 test: venv
 	$(PY) -m pytest -q -p no:cacheprovider tests

@@ -1,0 +1,96 @@
+"""Horovod-style Keras API (no strategy): DistributedOptimizer with plain fit, and the callbacks."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import unison.tf_backend.keras as hvd  # noqa: E402
+
+WORLD = MPI.COMM_WORLD
+N, R = WORLD.Get_size(), WORLD.Get_rank()
+B = 6  # per-rank batch
+rs = np.random.RandomState(1)
+X = rs.randn(B * N * 4, 3).astype("float32")
+Y = (X @ np.array([[0.5], [-1.0], [2.0]], "float32")).astype("float32")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _session():
+    hvd.init()
+    yield
+
+
+def shard(a: np.ndarray) -> np.ndarray:
+    """This rank's rows of every global batch of B * N rows."""
+    g = a.reshape(-1, N, B, *a.shape[1:])
+    return g[:, R].reshape(-1, *a.shape[1:])
+
+
+def make_model(seed: int) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)])
+
+
+def test_distributed_optimizer_plain_fit_matches_one_process():
+    model = make_model(10 + R)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.02)), loss="mse")
+    init = None
+
+    class Grab(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            nonlocal init
+            init = [w.copy() for w in self.model.get_weights()]
+
+    model.fit(shard(X), shard(Y), batch_size=B, epochs=2, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), Grab()])
+    ref = make_model(0)
+    ref.set_weights(init)  # rank 0's initial weights, as broadcast
+    ref.compile(optimizer=keras.optimizers.Adam(0.02), loss="mse")
+    ref.fit(X, Y, batch_size=B * N, epochs=2, shuffle=False, verbose=0)
+    for w, v in zip(model.get_weights(), ref.get_weights(), strict=True):
+        np.testing.assert_allclose(w, v, rtol=1e-5, atol=1e-6)
+    flat = np.concatenate([w.ravel() for w in model.get_weights()])
+    assert all(np.array_equal(flat, f) for f in WORLD.allgather(flat))
+    with pytest.raises(ValueError, match="already a DistributedOptimizer"):
+        hvd.DistributedOptimizer(model.optimizer)
+
+
+def test_metric_average_and_learning_rate_callbacks():
+    model = make_model(3)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    lrs, losses = [], []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            lrs.append(float(self.model.optimizer.learning_rate.numpy()))
+
+        def on_epoch_end(self, epoch, logs=None):
+            losses.append(logs["loss"])
+
+    steps = len(shard(X)) // B
+    model.fit(shard(X) * (R + 1), shard(Y), batch_size=B, epochs=3, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=2, steps_per_epoch=steps),
+                         hvd.callbacks.MetricAverageCallback(), Record()])
+    assert lrs[0] == pytest.approx(0.1 / N)
+    assert lrs[steps] == pytest.approx(0.1 * (1 * (N - 1) / 2 + 1) / N)
+    assert lrs[-1] == pytest.approx(lrs[2 * steps])  # warmup over after 2 epochs
+    everyone = WORLD.allgather(losses)
+    assert all(np.allclose(e, everyone[0]) for e in everyone)  # averaged: the same on every rank
+
+    model.optimizer.learning_rate.assign(1.0)
+    sched = hvd.callbacks.LearningRateScheduleCallback(0.5, multiplier=lambda epoch: 0.1 ** epoch)
+    seen = []
+
+    class Lr(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            seen.append(float(self.model.optimizer.learning_rate.numpy()))
+
+    model.fit(shard(X), shard(Y), batch_size=B, epochs=2, verbose=0, callbacks=[sched, Lr()])
+    assert seen == pytest.approx([0.5, 0.05])
