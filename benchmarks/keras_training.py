@@ -320,10 +320,10 @@ def run_mwms(world: Any, args: argparse.Namespace) -> dict[str, Timing]:
             cmd += ["--batch", str(args.batch)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0 or not result.exists():
-            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
-            raise RuntimeError(f"mwms-loop worker {rank} of {n} exited with {proc.returncode} "
-                               f"({'timed out' if proc.returncode == 124 else 'no result'}); "
-                               f"its output ends:\n{tail}")
+            why = (f"timed out after --mwms-timeout {args.mwms_timeout:g} s"
+                   if proc.returncode == 124 else f"exit status {proc.returncode}")
+            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:]) or "(no output)"
+            raise RuntimeError(f"mwms-loop worker {rank} of {n} failed ({why}); its output ends:\n{tail}")
         return {name: Timing(**t) for name, t in json.loads(result.read_text()).items()}
 
 
@@ -474,6 +474,49 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def run_unison(world: Any, args: argparse.Namespace) -> dict[tuple[str, str], Timing]:
+    """Times the ``unison-*`` impls of every model under one UnisonStrategy; this rank's Timings."""
+    from unison.tf_backend import UnisonStrategy
+
+    n = world.Get_size()
+    strategy = UnisonStrategy()
+    if strategy.num_replicas_in_sync != n:
+        raise RuntimeError(f"UnisonStrategy has {strategy.num_replicas_in_sync} replicas but "
+                           f"MPI_COMM_WORLD has {n} ranks")
+    timings = {}
+    for name in args.models:
+        for impl, run in (("unison-fit", time_fit), ("unison-loop", time_loop)):
+            if impl in args.impls:
+                logger.info("%s %s", name, impl)
+                timings[(name, impl)] = run(strategy, name, n * batch_of(args, name), args,
+                                            world.Barrier)
+    return timings
+
+
+def report(records: Sequence[Record], failures: Sequence[str], n: int, args: argparse.Namespace,
+           load_start: float) -> None:
+    """Rank 0's output: setup, table, targets, failures, host load; the JSON file."""
+    import tensorflow as tf
+
+    baseline = load_baseline(args.baseline_json) if args.baseline_json is not None else None
+    print(f"np={n}, TensorFlow {tf.__version__}, {args.intra_op_threads} intra-op / "
+          f"{args.inter_op_threads} inter-op thread(s) per process, {args.steps} timed steps "
+          f"after {args.warmup} warm-up")
+    for name in args.models:
+        print(f"{name}: {build_model(name).count_params():,} parameters, batch "
+              f"{batch_of(args, name)} per replica, global batch {n * batch_of(args, name)}")
+    print_table(records, baseline)
+    print_targets(records, n)
+    for f in failures:
+        print(f"FAILED: {f}")
+    print(f"\nhost load average (1 min): {load_start:.2f} at start, {os.getloadavg()[0]:.2f} at "
+          f"end, on {os.cpu_count()} CPUs with {n} rank(s); more than the ranks means other work "
+          "shared the CPUs")
+    if args.json is not None:
+        write_json(args.json, records)
+        print(f"wrote {args.json}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.mwms_worker is not None:
@@ -484,30 +527,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank, n = world.Get_rank(), world.Get_size()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stderr,
                         format=f"[keras_training rank {rank}] %(levelname)s %(message)s")
-    baseline = load_baseline(args.baseline_json) if args.baseline_json is not None else None
+    if args.baseline_json is not None:
+        load_baseline(args.baseline_json)  # a bad file fails now, not after the runs
     load_start = os.getloadavg()[0]
 
     timings: dict[tuple[str, str], Timing] = {}
     if "mwms-loop" in args.impls:  # first, before Unison starts: [Note: MWMS runs in child processes]
         logger.info("mwms-loop: %d worker process(es), models %s", n, ", ".join(args.models))
-        for name, timing in run_mwms(world, args).items():
-            timings[(name, "mwms-loop")] = timing
-    import tensorflow as tf
-
+        timings.update({(name, "mwms-loop"): t for name, t in run_mwms(world, args).items()})
     configure_tf(args)
     if any(i.startswith("unison-") for i in args.impls):
-        from unison.tf_backend import UnisonStrategy
-
-        strategy = UnisonStrategy()
-        if strategy.num_replicas_in_sync != n:
-            raise RuntimeError(f"UnisonStrategy has {strategy.num_replicas_in_sync} replicas but "
-                               f"MPI_COMM_WORLD has {n} ranks")
-        for name in args.models:
-            for impl, run in (("unison-fit", time_fit), ("unison-loop", time_loop)):
-                if impl in args.impls:
-                    logger.info("%s %s", name, impl)
-                    timings[(name, impl)] = run(strategy, name, n * batch_of(args, name), args,
-                                                world.Barrier)
+        timings.update(run_unison(world, args))
 
     records: list[Record] = []
     failures: list[str] = []
@@ -518,23 +548,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             except OutOfSyncError as exc:
                 failures.append(str(exc))
     if rank == 0:
-        print(f"np={n}, TensorFlow {tf.__version__}, {args.intra_op_threads} intra-op / "
-              f"{args.inter_op_threads} inter-op thread(s) per process, {args.steps} timed steps "
-              f"after {args.warmup} warm-up")
-        for name in args.models:
-            params = build_model(name).count_params()
-            print(f"{name}: {params:,} parameters, batch {batch_of(args, name)} per replica, "
-                  f"global batch {n * batch_of(args, name)}")
-        print_table(records, baseline)
-        print_targets(records, n)
-        for f in failures:
-            print(f"FAILED: {f}")
-        print(f"\nhost load average (1 min): {load_start:.2f} at start, {os.getloadavg()[0]:.2f} at "
-              f"end, on {os.cpu_count()} CPUs with {n} rank(s); more than the ranks means other work "
-              "shared the CPUs")
-        if args.json is not None:
-            write_json(args.json, records)
-            print(f"wrote {args.json}")
+        report(records, failures, n, args, load_start)
     return 1 if failures else 0
 
 

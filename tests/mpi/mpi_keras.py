@@ -137,3 +137,45 @@ def test_datasets_from_function_and_gather(strategy):
 def test_unbatched_dataset_is_refused(strategy):
     with pytest.raises(ValueError, match="batched dataset"):
         strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices(np.arange(4.0)))
+
+
+def test_backup_and_restore_resumes_interrupted_fit(strategy, tmp_path_factory):
+    from unison.tf_backend.keras import callbacks
+
+    backup = WORLD.bcast(str(tmp_path_factory.mktemp("backup")) if R == 0 else None)
+    ckpt = WORLD.bcast(str(tmp_path_factory.mktemp("ckpt")) if R == 0 else None)
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                raise RuntimeError("simulated crash")
+
+    def fresh():
+        keras.utils.set_random_seed(5)
+        with strategy.scope():
+            m = make_model()
+            m.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        return m
+
+    straight = fresh()
+    straight.fit(data(), epochs=4, verbose=0)
+    first = fresh()
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        first.fit(data(), epochs=4, verbose=0,
+                  callbacks=[callbacks.BackupAndRestore(backup),
+                             callbacks.ModelCheckpoint(ckpt + "/m-{epoch}.weights.h5", save_weights_only=True),
+                             Interrupt()])
+    resumed = fresh()
+    seen = []
+
+    class Epochs(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            seen.append(epoch)
+
+    resumed.fit(data(), epochs=4, verbose=0, callbacks=[callbacks.BackupAndRestore(backup), Epochs()])
+    assert seen == [2, 3]
+    for w, v in zip(resumed.get_weights(), straight.get_weights(), strict=True):
+        np.testing.assert_allclose(w, v, rtol=1e-5, atol=1e-6)
+    assert same_everywhere(resumed.get_weights())
+    if R == 0:
+        assert sorted(os.listdir(ckpt)) == ["m-1.weights.h5", "m-2.weights.h5"]

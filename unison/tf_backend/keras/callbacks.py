@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +15,7 @@ from unison.common.engine import frontend
 from unison.common.ops import Average
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback",
-           "LearningRateScheduleCallback"]
+           "LearningRateScheduleCallback", "BackupAndRestore", "ModelCheckpoint"]
 
 
 def _broadcast_all(variables: list[Any], root_rank: int, tag: str) -> None:
@@ -108,3 +110,42 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         if epoch == self.end_epoch - 1 and self.verbose and runtime.rank() == 0:
             print(f"\nEpoch {epoch + 1}: finished learning-rate warmup to {self.initial_lr:g}.")
+
+
+class BackupAndRestore(keras.callbacks.BackupAndRestore):
+    """Keras's ``BackupAndRestore`` for a job of many ranks sharing ``backup_dir``.
+
+    Rank 0 writes the backup (weights, then the epoch marker, each through a
+    temporary file and a rename, so a crash never leaves a torn backup); every rank
+    restores from it, so a resumed ``fit`` starts all ranks from the same state.
+    """
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        frontend.barrier()  # rank 0's last backup is complete before anyone reads it
+        super().on_train_begin(logs)
+
+    def _save_model(self) -> None:
+        if runtime.rank() == 0:
+            os.makedirs(self.backup_dir, exist_ok=True)
+            weights = self._weights_path
+            tmp = os.path.join(os.path.dirname(weights), ".tmp-" + os.path.basename(weights))
+            self.model.save_weights(tmp, overwrite=True)
+            os.replace(tmp, weights)
+            meta = self._training_metadata_path
+            with open(meta + ".tmp", "w", encoding="utf-8") as f:
+                json.dump({"epoch": self._current_epoch, "batch": self._last_batch_seen}, f)
+            os.replace(meta + ".tmp", meta)
+        frontend.barrier()
+
+    def on_train_end(self, logs: Any = None) -> None:
+        frontend.barrier()
+        if runtime.rank() == 0:
+            super().on_train_end(logs)
+
+
+class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Keras's ``ModelCheckpoint`` that writes from rank 0 only (the others hold the same model)."""
+
+    def _save_model(self, epoch: int, batch: Any, logs: Any) -> None:
+        if runtime.rank() == 0:
+            super()._save_model(epoch, batch, logs)
