@@ -179,3 +179,12 @@ def test_backup_and_restore_resumes_interrupted_fit(strategy, tmp_path_factory):
     assert same_everywhere(resumed.get_weights())
     if R == 0:
         assert sorted(os.listdir(ckpt)) == ["m-1.weights.h5", "m-2.weights.h5"]
+
+
+def test_model_built_outside_scope_is_refused_inside_it(strategy):
+    outside = make_model()
+    with strategy.scope(), pytest.raises(ValueError, match="created outside `with strategy.scope"):
+        outside.compile(optimizer="sgd", loss="mse")
+    outside.compile(optimizer="sgd", loss="mse")  # entirely outside: a local model, allowed
+    with strategy.scope(), pytest.raises(ValueError, match="would diverge"):
+        outside.fit(data(), epochs=1, verbose=0)

@@ -299,3 +299,42 @@ class UnisonStrategy(distribute_lib.Strategy):
             import keras
 
             keras.config.disable_interactive_logging()
+        _guard_keras()
+
+
+_GUARDED = False
+
+
+def _guard_keras() -> None:
+    """Refuse a model built outside ``scope()`` but compiled or fit inside it.
+
+    Keras binds a model to the strategy that was current when the model was
+    created; such a model would train locally on every rank and the ranks would
+    silently diverge. Models used entirely outside the scope are left alone.
+    """
+    global _GUARDED
+    if _GUARDED:
+        return
+    import keras
+
+    def check(model: Any, what: str) -> None:
+        current = tf.distribute.get_strategy()
+        # Keras records the strategy current at creation (None outside any scope)
+        if isinstance(current, UnisonStrategy) and getattr(model, "_distribute_strategy", None) is not current:
+            raise ValueError(f"{what}: this model was created outside `with strategy.scope():`, so it "
+                             "would train on each rank separately and the ranks would diverge. Create "
+                             "the model (and compile it) inside the UnisonStrategy scope")
+
+    def wrap(name: str) -> None:
+        original = getattr(keras.Model, name)
+
+        def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+            check(self, f"model.{name}()")
+            return original(self, *args, **kwargs)
+
+        guarded.__doc__ = original.__doc__
+        setattr(keras.Model, name, guarded)
+
+    for name in ("compile", "fit", "evaluate", "predict"):
+        wrap(name)
+    _GUARDED = True
