@@ -56,14 +56,20 @@ def test_gradients(graph):
             y2 = tf.reduce_sum(hvd.allgather(x, name=f"g.ag.{graph}") * float(R + 1))
             y3 = tf.reduce_sum(hvd.broadcast(x, 0, name=f"g.bc.{graph}") * float(R + 1))
             y4 = tf.reduce_sum(hvd.reducescatter(x, op=hvd.Sum, name=f"g.rs.{graph}") * float(R + 1))
-        return [tape.gradient(y, x) for y in (y1, y2, y3, y4)]
+            y5 = tf.reduce_sum(hvd.alltoall(x, name=f"g.a2a.{graph}")[0] * float(R + 1))
+            y6 = tf.add_n([tf.reduce_sum(t) * float(R + 1) for t in
+                           hvd.grouped_allreduce([x, 2.0 * x], op=hvd.Sum, name=f"g.gr.{graph}")])
+        return [tape.gradient(y, x) for y in (y1, y2, y3, y4, y5, y6)]
 
-    g1, g2, g3, g4 = (tf.function(run) if graph else run)()
+    g1, g2, g3, g4, g5, g6 = (tf.function(run) if graph else run)()
     total = float(sum(r + 1 for r in range(N)))
     np.testing.assert_allclose(g1.numpy(), np.full((N, 2), total / N))
     np.testing.assert_allclose(g2.numpy(), np.full((N, 2), total))
     np.testing.assert_allclose(g3.numpy(), np.full((N, 2), total if R == 0 else 0.0))
     np.testing.assert_allclose(g4.numpy(), np.concatenate([np.full((1, 2), float(r + 1)) for r in range(N)]))
+    # alltoall: row r of x went to rank r, whose upstream gradient is r + 1
+    np.testing.assert_allclose(g5.numpy(), np.concatenate([np.full((1, 2), float(r + 1)) for r in range(N)]))
+    np.testing.assert_allclose(g6.numpy(), np.full((N, 2), 3.0 * total))
 
 
 def test_distributed_gradient_tape_matches_one_process():
