@@ -27,10 +27,10 @@ What is measured, for each (model, impl):
 
   - ``unison-fit``: ``model.compile(SGD, sparse cross-entropy)`` and ``model.fit``
     under ``UnisonStrategy``, ``verbose=0``. One warm-up ``fit`` of ``--warmup``
-    steps (it traces the train function), then a ``fit`` of ``1 + --steps`` steps;
-    a callback reads the clock after a barrier at the end of its first step and
-    again at the end of its last, so ``--steps`` steps are timed and starting the
-    epoch's iterator is not (the loops create theirs before warming up).
+    steps (it traces the train function), then a ``fit`` of ``1 + --repeats *
+    --steps`` steps; a callback times the runs of ``--steps`` steps after the
+    first, so starting the epoch's iterator is not timed (the loops create theirs
+    before warming up).
   - ``unison-loop``: a custom loop under ``UnisonStrategy``: a ``tf.function`` that
     takes the next element of ``experimental_distribute_dataset``, runs the step
     through ``strategy.run`` (forward, ``tf.nn.compute_average_loss(...,
@@ -41,16 +41,18 @@ What is measured, for each (model, impl):
     with ring collectives, one worker per rank on localhost.
 
   All three use the same SGD and ``jit_compile`` off.
-* Each case runs ``--warmup`` steps, a barrier, ``--steps`` timed steps; the time
-  is the maximum over ranks, and ``samples_per_s = np * batch * steps / time``.
+* Each case runs ``--warmup`` steps, then ``--repeats`` timed runs of ``--steps``
+  steps, each after a barrier. A run's time is its maximum over ranks; the fastest
+  run counts (the CPUs may be shared: the host load is printed), and
+  ``samples_per_s = np * batch * steps / time``.
   After timing, the replicas' weights are compared: data parallelism keeps them
   equal, so a difference is reported as a failure.
 
 [Note: MWMS runs in child processes] MultiWorkerMirroredStrategy starts a TF
 cluster (a gRPC server and collective executors) that cannot share a process
 reliably with UnisonStrategy, and it is configured by ``TF_CONFIG`` rather than
-MPI. So ``mwms-loop`` runs first, before Unison starts: rank 0 picks two free
-localhost ports and broadcasts them with mpi4py, and every rank runs this script
+MPI. So ``mwms-loop`` runs first, before Unison starts: rank 0 picks one free
+localhost port per rank and broadcasts them with mpi4py, and every rank runs this script
 again as a plain Python child (no MPI; ``OMPI_*``/``PMIX_*`` variables removed)
 with ``TF_CONFIG = {"cluster": {"worker": [...]}, "task": {"type": "worker",
 "index": rank}}`` and the hidden ``--mwms-worker RESULT`` option. The children
@@ -119,9 +121,9 @@ class Record:
 
 @dataclass
 class Timing:
-    """What one process measured for one case: seconds, its replica's batch, weight checksums."""
+    """What one process measured for one case: seconds per repeat, its replica's batch, weight checksums."""
 
-    elapsed: float
+    elapsed: list[float]
     local_batch: int
     checksums: list[float]
 
@@ -205,7 +207,7 @@ def make_train_step(strategy: Any, model: Any, opt: Any, global_batch: int) -> C
 
 def time_loop(strategy: Any, name: str, global_batch: int, args: argparse.Namespace,
               barrier: Callable[[], None]) -> Timing:
-    """Builds ``name`` under ``strategy`` and times ``args.steps`` custom-loop steps."""
+    """Builds ``name`` under ``strategy`` and times ``args.repeats`` runs of ``args.steps`` loop steps."""
     import keras
 
     with strategy.scope():
@@ -217,34 +219,41 @@ def time_loop(strategy: Any, name: str, global_batch: int, args: argparse.Namesp
     step = make_train_step(strategy, model, opt, global_batch)
     for _ in range(args.warmup):
         step(iterator)
-    barrier()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        loss = step(iterator)
-    float(loss)
-    elapsed = time.perf_counter() - t0
+    elapsed = []
+    for _ in range(args.repeats):
+        barrier()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            loss = step(iterator)
+        float(loss)
+        elapsed.append(time.perf_counter() - t0)
     barrier()
     return Timing(elapsed, local_batch, checksums(model))
 
 
 def time_fit(strategy: Any, name: str, global_batch: int, args: argparse.Namespace,
              barrier: Callable[[], None]) -> Timing:
-    """Compiles ``name`` under ``strategy``, warms ``fit`` up, then times ``args.steps`` steps of a ``fit``.
+    """Compiles ``name`` under ``strategy``, warms ``fit`` up, then times steps of one more ``fit``.
 
-    The timed ``fit`` runs ``1 + args.steps`` steps and the clock starts after its first:
-    like the loops, this leaves out starting the epoch's input iterator.
+    The timed ``fit`` runs ``1 + args.repeats * args.steps`` steps and the clock starts
+    after its first: like the loops, this leaves out starting the epoch's input iterator.
     """
     import keras
 
     class Clock(keras.callbacks.Callback):
-        """Seconds from the end of batch 0 (after a barrier) to the end of the last batch."""
+        """Seconds for each ``args.steps`` batches after batch 0, each run started by a barrier."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.elapsed: list[float] = []
+            self.t0 = 0.0
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            if batch == 0:
+            if batch > 0 and batch % args.steps == 0:
+                self.elapsed.append(time.perf_counter() - self.t0)
+            if batch < args.repeats * args.steps and batch % args.steps == 0:
                 barrier()
                 self.t0 = time.perf_counter()
-            elif batch == args.steps:
-                self.elapsed = time.perf_counter() - self.t0
 
     with strategy.scope():
         model = build_model(name)
@@ -254,8 +263,8 @@ def time_fit(strategy: Any, name: str, global_batch: int, args: argparse.Namespa
     local_batch = local_batch_size(strategy, iter(strategy.experimental_distribute_dataset(data)))
     model.fit(data, epochs=1, steps_per_epoch=args.warmup, shuffle=False, verbose=0)
     clock = Clock()
-    model.fit(data, epochs=1, steps_per_epoch=1 + args.steps, shuffle=False, verbose=0,
-              callbacks=[clock])
+    model.fit(data, epochs=1, steps_per_epoch=1 + args.repeats * args.steps, shuffle=False,
+              verbose=0, callbacks=[clock])
     barrier()
     return Timing(clock.elapsed, local_batch, checksums(model))
 
@@ -313,7 +322,8 @@ def run_mwms(world: Any, args: argparse.Namespace) -> dict[str, Timing]:
         result = Path(tmp) / f"rank{rank}.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--mwms-worker", str(result),
                "--models", ",".join(args.models), "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--mwms-timeout", str(args.mwms_timeout),
+               "--warmup", str(args.warmup), "--repeats", str(args.repeats),
+               "--mwms-timeout", str(args.mwms_timeout),
                "--intra-op-threads", str(args.intra_op_threads),
                "--inter-op-threads", str(args.inter_op_threads)]
         if args.batch is not None:
@@ -335,7 +345,7 @@ def batch_of(args: argparse.Namespace, name: str) -> int:
 
 
 def merge(world: Any, name: str, impl: str, timing: Timing, args: argparse.Namespace) -> Record:
-    """Checks every rank's batch and weights, and turns the slowest rank's time into a Record.
+    """Checks every rank's batch and weights; the best repeat's slowest rank gives the Record.
 
     Raises:
         OutOfSyncError: on every rank, when the ranks' weights differ.
@@ -355,7 +365,7 @@ def merge(world: Any, name: str, impl: str, timing: Timing, args: argparse.Names
     if worst > SYNC_RTOL:
         raise OutOfSyncError(f"{name} {impl}: weights differ across ranks after training "
                              f"(largest relative checksum difference {worst:.3g}, tolerance {SYNC_RTOL})")
-    elapsed = max(t.elapsed for t in everyone)
+    elapsed = min(max(run) for run in zip(*(t.elapsed for t in everyone), strict=True))
     return Record(name, impl, n, batch, n * batch * args.steps / elapsed)
 
 
@@ -442,6 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--impls", type=list_choices(IMPLS), nargs="+", default=[list(IMPLS)],
                    help=f"implementations to run (default: all of {', '.join(IMPLS)})")
     p.add_argument("--steps", type=int, default=20, help="timed steps per case (default 20)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed runs of --steps steps per case; the fastest counts (default 3)")
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed steps before timing, at least 1: the first one traces (default 3)")
     p.add_argument("--batch", type=int, default=None,
@@ -465,9 +477,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.models = [m for m in MODELS if m in {x for group in args.models for x in group}]
     args.impls = [i for i in IMPLS if i in {x for group in args.impls for x in group}]
-    if args.steps < 1 or args.warmup < 1 or (args.batch is not None and args.batch < 1):
-        p.error(f"--steps, --warmup and --batch must be at least 1 (got --steps {args.steps}, "
-                f"--warmup {args.warmup}, --batch {args.batch})")
+    if min(args.steps, args.repeats, args.warmup, args.batch or 1) < 1:
+        p.error(f"--steps, --repeats, --warmup and --batch must be at least 1 (got --steps "
+                f"{args.steps}, --repeats {args.repeats}, --warmup {args.warmup}, --batch {args.batch})")
     if args.intra_op_threads < 1 or args.inter_op_threads < 1:
         p.error(f"thread counts must be at least 1 (got --intra-op-threads {args.intra_op_threads}, "
                 f"--inter-op-threads {args.inter_op_threads})")
@@ -500,8 +512,8 @@ def report(records: Sequence[Record], failures: Sequence[str], n: int, args: arg
 
     baseline = load_baseline(args.baseline_json) if args.baseline_json is not None else None
     print(f"np={n}, TensorFlow {tf.__version__}, {args.intra_op_threads} intra-op / "
-          f"{args.inter_op_threads} inter-op thread(s) per process, {args.steps} timed steps "
-          f"after {args.warmup} warm-up")
+          f"{args.inter_op_threads} inter-op thread(s) per process, best of {args.repeats} runs of "
+          f"{args.steps} steps after {args.warmup} warm-up")
     for name in args.models:
         print(f"{name}: {build_model(name).count_params():,} parameters, batch "
               f"{batch_of(args, name)} per replica, global batch {n * batch_of(args, name)}")

@@ -22,6 +22,8 @@ import time
 from collections import deque
 from typing import Any
 
+import numpy as np
+
 from unison.common.config import Config
 from unison.common.engine.autotune import Autotuner
 from unison.common.engine.controller import (
@@ -34,7 +36,7 @@ from unison.common.engine.controller import (
 from unison.common.engine.executor import Executor
 from unison.common.engine.handles import Handle, wake_waiters
 from unison.common.engine.process_sets import ProcessSet
-from unison.common.engine.requests import Request
+from unison.common.engine.requests import Kind, Request
 from unison.common.engine.timeline import Timeline
 from unison.common.exceptions import UnisonError
 
@@ -101,7 +103,15 @@ class Engine:
 
     # ------------------------------------------------------------- public side
     def add_process_set(self, ps: ProcessSet) -> ProcessSet:
-        """Register ``ps`` (collective: every rank, same order). Returns it with its id."""
+        """Register ``ps`` (collective: every rank, same order). Returns it with its id.
+
+        The communicator is created by the engine thread, as a negotiated request
+        of the global set: every rank creates it at the same point of the same
+        cycle and starts negotiating on it from the next cycle. (Created from the
+        calling thread, it would race the engine's own collectives on the global
+        communicator, and ranks could start cycling the new set at different
+        cycles, each waiting inside a different set's round for the other.)
+        """
         if ps.process_set_id is not None:
             return ps
         ranks = ps.ranks or []
@@ -109,14 +119,22 @@ class Engine:
         bad = [r for r in ranks if not 0 <= r < size]
         if bad or not ranks:
             raise ValueError(f"ProcessSet ranks {ranks} must be non-empty and within [0, {size})")
-        group = self._world.Get_group().Incl(ranks)
-        comm = self._world.Create_group(group)
-        group.Free()
         with self._cv:
-            ps.process_set_id = len(self._set_objs)
+            sid = len(self._set_objs)
             self._set_objs.append(ps)
+
+        def activate() -> None:
+            group = self._world.Get_group().Incl(ranks)
+            comm = self._world.Create_group(group)
+            group.Free()
             if comm != self.mpi.COMM_NULL:
-                self._sets[ps.process_set_id] = _SetState(ps, comm, self.mpi, self.config, self.timeline)
+                self._sets[sid] = _SetState(ps, comm, self.mpi, self.config, self.timeline)
+
+        name = f"unison.add_process_set.{sid}"
+        req = Request(name=name, kind=Kind.BARRIER, array=np.asarray(ranks, dtype=np.int64),
+                      handle=Handle(name), action=activate)
+        self.submit(req).wait()
+        ps.process_set_id = sid
         return ps
 
     def process_set(self, ps: ProcessSet | None) -> _SetState:

@@ -222,6 +222,7 @@ class Executor:
         self.bytes_done += out.nbytes
         return out, recv
 
-    def _barrier(self, resp: Response) -> None:
-        return None
+    def _barrier(self, resp: Response) -> Any:
+        req = resp.request
+        return req.action() if req is not None and req.action is not None else None
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -41,6 +43,9 @@ class Request:
     #: (bad dtype or op), "V:<message>" for a ValueError (bad root, splits, shape)
     error: str = ""
     algorithm: str = "auto"
+    #: for BARRIER requests: run by the engine thread when every rank has submitted
+    #: (at the same point of the same cycle on every rank)
+    action: Callable[[], Any] | None = None
     submitted: float = field(default_factory=time.monotonic)
 
     def signature(self) -> Signature:
