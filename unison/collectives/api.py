@@ -24,12 +24,13 @@ from typing import Any
 import numpy as np
 
 from unison.collectives import kernels
-from unison.collectives.header import INLINE_BYTES, MATCH_BYTES, Call, Collective, Negotiator
+from unison.collectives.header import INLINE_BYTES, Call, Collective, Negotiator
+from unison.collectives.plans import InlineAllreduce
 from unison.collectives.reduce import check_op, finalize, prescale, reducer
 from unison.collectives.validate import as_array, check_root, check_splits, rows_split
 from unison.common import pool, runtime
 from unison.common.config import validate_algorithm
-from unison.common.dtypes import dtype_code, dtype_from_code
+from unison.common.dtypes import dtype_code
 from unison.common.exceptions import CollectiveError, InvalidArgumentError
 from unison.common.ops import Average, ReduceOp, parse_op
 
@@ -186,61 +187,6 @@ def _check_out(out: Any, x: np.ndarray) -> None:
         raise ValueError(f"out= must be a C-contiguous numpy array with the input's shape {x.shape} "
                          f"and dtype {x.dtype}; got {got}")
 
-
-class InlineAllreduce:
-    """A cached plan for a small all-reduce seen before: header prebuilt, one exchange.
-
-    Repeated calls with the same shape, dtype, op and factors (every training
-    step) skip argument parsing and header packing; the call is one all-gather
-    and one local reduction.
-    """
-
-    def __init__(self, neg: Negotiator, call: Call, ufunc: np.ufunc, op: ReduceOp) -> None:
-        self.neg, self.call, self.ufunc, self.op = neg, call, ufunc, op
-        self.header = neg.block[:256].copy()
-        # each rank's must-match words, as memoryviews into the gathered buffer
-        gm = memoryview(neg.gathered.reshape(-1))  # type: ignore[arg-type]
-        width = neg.gathered.shape[1]
-        self.matches = [gm[i * width:i * width + MATCH_BYTES] for i in range(neg.size)]
-        self.expected = memoryview(neg.gathered[0, :MATCH_BYTES].tobytes())
-        count = int(np.prod(call.shape, dtype=np.int64))
-        self.dtype = dtype_from_code(call.dtype_code)
-        self.mine = neg.block[256:256 + call.nbytes].view(self.dtype).reshape(call.shape)
-        stack = neg.gathered[:, 256:256 + call.nbytes].view(self.dtype)
-        self.rows = [stack[i] for i in range(neg.size)]
-        self.count = count
-        self.flat = len(call.shape) == 1
-        self.plain = call.prescale == 1.0 and call.postscale == 1.0 and op is not ReduceOp.AVERAGE
-
-    def fits(self, out: np.ndarray) -> bool:
-        return (type(out) is np.ndarray and out.shape == self.call.shape and out.dtype == self.dtype
-                and out.flags.c_contiguous)
-
-    def run(self, x: np.ndarray, name: str | None, result: np.ndarray | None) -> np.ndarray:
-        neg, call = self.neg, self.call
-        if call.prescale == 1.0:
-            np.copyto(self.mine, x)
-        else:
-            prescale(x, call.prescale, self.mine)
-        if neg.last_plan is not self:
-            neg.block[:256] = self.header
-            neg.last_plan = self
-        neg.comm.Allgather(neg.block, neg.gathered)
-        expected = self.expected
-        for words in self.matches:
-            if words != expected:
-                call.name = name
-                neg.raise_mismatch(call)
-        if result is None:
-            result = np.empty(call.shape, dtype=self.dtype)
-        out = result if self.flat else result.reshape(self.count)
-        rows, ufunc = self.rows, self.ufunc
-        ufunc(rows[0], rows[1], out=out)  # rank order, so every rank computes the same bits
-        for row in rows[2:]:
-            ufunc(out, row, out=out)
-        if not self.plain:
-            finalize(out, self.op, neg.size, call.postscale)
-        return result
 
 
 def allgather(tensor: Any, name: str | None = None, algorithm: str | None = None) -> np.ndarray:
