@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Product", "parse_op"]
+__all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Product", "parse_op", "resolve_op"]
 
 
 class ReduceOp(enum.IntEnum):
@@ -48,3 +48,16 @@ def parse_op(op: object) -> ReduceOp:
             pass
     valid = ", ".join(f"unison.{m.capitalize()}" for m in ReduceOp.__members__)
     raise ValueError(f"unknown reduce op {op!r}; valid ops are {valid}")
+
+
+def resolve_op(average: bool | None, op: object) -> ReduceOp:
+    """Horovod's two spellings: the deprecated ``average=`` flag or ``op=`` (default Average).
+
+    Raises:
+        ValueError: both are given, or ``op`` names no reduction.
+    """
+    if average is not None:
+        if op is not None:
+            raise ValueError("pass either average= (deprecated) or op=, not both")
+        return ReduceOp.AVERAGE if average else ReduceOp.SUM
+    return ReduceOp.AVERAGE if op is None else parse_op(op)

@@ -26,11 +26,10 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from unison.common import runtime
 from unison.common.compression import Compression
 from unison.common.engine import frontend
-from unison.common.engine.process_sets import ProcessSet
-from unison.common.ops import Average, ReduceOp, Sum, parse_op
+from unison.common.engine.process_sets import ProcessSet, set_rank, set_size
+from unison.common.ops import Average, ReduceOp, Sum, parse_op, resolve_op
 
 __all__ = ["allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
            "join", "barrier", "size_op", "rank_op"]
@@ -48,22 +47,6 @@ def _host(fn: Callable[..., Any], inputs: Sequence[tf.Tensor], tout: Any) -> Any
             return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(out, tout, strict=True)]
         return tf.convert_to_tensor(out, dtype=tout)
     return tf.numpy_function(fn, list(inputs), tout, stateful=True)
-
-
-def _resolve_op(average: bool | None, op: Any) -> ReduceOp:
-    if average is not None:
-        if op is not None:
-            raise ValueError("pass either average= (deprecated) or op=, not both")
-        return Average if average else Sum
-    return Average if op is None else parse_op(op)
-
-
-def _set_size(process_set: ProcessSet | None) -> int:
-    return runtime.size() if process_set is None or process_set.ranks is None else process_set.size()
-
-
-def _set_rank(process_set: ProcessSet | None) -> int:
-    return runtime.rank() if process_set is None or process_set.ranks is None else process_set.rank()
 
 
 def _allreduce_dense(tensor: tf.Tensor, op: ReduceOp, name: str, pre: float, post: float,
@@ -92,13 +75,13 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "", 
               postscale_factor: float = 1.0, name: str | None = None,
               process_set: ProcessSet | None = None) -> Any:
     """Reduce ``tensor`` over the ranks (``tf.IndexedSlices`` are all-gathered); differentiable."""
-    rop = _resolve_op(average, op)
+    rop = resolve_op(average, op)
     name = _name("allreduce", name)
     if isinstance(tensor, tf.IndexedSlices):
         values = allgather(tensor.values, name=name + ".values", process_set=process_set)
         indices = allgather(tensor.indices, name=name + ".indices", process_set=process_set)
         if rop == Average:
-            values = values / tf.cast(_set_size(process_set), values.dtype)
+            values = values / tf.cast(set_size(process_set), values.dtype)
         return tf.IndexedSlices(values * (prescale_factor * postscale_factor), indices,
                                 dense_shape=tensor.dense_shape)
     return _allreduce_dense(tensor, rop, name, prescale_factor, postscale_factor, process_set, compression)
@@ -109,7 +92,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       name: str | None = None, process_set: ProcessSet | None = None) -> list[tf.Tensor]:
     """All-reduce several tensors in ONE host callback and one fused engine group; differentiable."""
-    rop = _resolve_op(average, op)
+    rop = resolve_op(average, op)
     base = _name("grouped_allreduce", name)
     xs = [tf.convert_to_tensor(t) for t in tensors]
     if not xs:
@@ -157,8 +140,8 @@ def allgather(tensor: Any, name: str | None = None, process_set: ProcessSet | No
 
         def grad(dy: tf.Tensor) -> tf.Tensor:
             total = allreduce(dy, op=Sum, name=name + ".grad", process_set=process_set)
-            start = tf.reduce_sum(rows[:_set_rank(process_set)])
-            return tf.reshape(total[start:start + rows[_set_rank(process_set)]], tf.shape(t))
+            start = tf.reduce_sum(rows[:set_rank(process_set)])
+            return tf.reshape(total[start:start + rows[set_rank(process_set)]], tf.shape(t))
 
         return y, grad
 
@@ -180,7 +163,7 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
 
         def grad(dy: tf.Tensor) -> tf.Tensor:
             total = allreduce(dy, op=Sum, name=name + ".grad", process_set=process_set)
-            return total if _set_rank(process_set) == root_rank else tf.zeros_like(total)
+            return total if set_rank(process_set) == root_rank else tf.zeros_like(total)
 
         return y, grad
 
@@ -192,7 +175,7 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
     """Send ``splits[i]`` rows to rank i; returns (received rows, received splits); differentiable."""
     name = _name("alltoall", name)
     x = tf.convert_to_tensor(tensor)
-    n = _set_size(process_set)
+    n = set_size(process_set)
     s = tf.convert_to_tensor(splits if splits is not None else [-1] * n, dtype=tf.int64)
 
     @tf.custom_gradient
@@ -233,7 +216,7 @@ def reducescatter(tensor: Any, name: str | None = None, op: Any = Average,
         def grad(dy: tf.Tensor) -> tf.Tensor:
             g = allgather(dy, name=name + ".grad", process_set=process_set) * (prescale_factor * postscale_factor)
             if rop == Average:
-                g = g / tf.cast(_set_size(process_set), g.dtype)
+                g = g / tf.cast(set_size(process_set), g.dtype)
             return g
 
         return y, grad
@@ -251,8 +234,8 @@ def barrier(process_set: ProcessSet | None = None) -> None:
 
 
 def size_op(process_set: ProcessSet | None = None) -> tf.Tensor:
-    return tf.constant(_set_size(process_set), dtype=tf.int32)
+    return tf.constant(set_size(process_set), dtype=tf.int32)
 
 
 def rank_op(process_set: ProcessSet | None = None) -> tf.Tensor:
-    return tf.constant(_set_rank(process_set), dtype=tf.int32)
+    return tf.constant(set_rank(process_set), dtype=tf.int32)

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from unison.common import runtime
 from unison.common.engine import frontend
 from unison.common.engine.objects import allgather_object, broadcast_object
 from unison.torch_backend.mpi_ops import broadcast_async_, synchronize
@@ -50,11 +51,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     buf = io.BytesIO()
     torch.save(opt.state_dict(), buf)
     state = broadcast_object(buf.getvalue(), root_rank, name=f"broadcast_optimizer_state.{prefix or ''}")
-    if frontend.engine() is None or root_rank != _rank():
+    if frontend.engine() is None or root_rank != runtime.rank():
         opt.load_state_dict(torch.load(io.BytesIO(state), weights_only=False))
 
 
-def _rank() -> int:
-    from unison.common import runtime
-
-    return runtime.rank()

@@ -24,12 +24,11 @@ from typing import Any
 import numpy as np
 import torch
 
-import unison
 from unison.common.compression import Compression
 from unison.common.engine import frontend
 from unison.common.engine.handles import Handle
-from unison.common.engine.process_sets import ProcessSet
-from unison.common.ops import Average, ReduceOp, Sum, parse_op
+from unison.common.engine.process_sets import ProcessSet, set_rank, set_size
+from unison.common.ops import Average, ReduceOp, Sum, parse_op, resolve_op
 from unison.torch_backend.tensors import from_numpy, to_numpy
 
 __all__ = [
@@ -70,14 +69,6 @@ def synchronize(handle: Handle) -> Any:
     return handle.wait()
 
 
-def _resolve_op(average: bool | None, op: Any) -> ReduceOp:
-    if average is not None:
-        if op is not None:
-            raise ValueError("pass either average= (deprecated) or op=, not both")
-        return Average if average else Sum
-    return Average if op is None else parse_op(op)
-
-
 # ----------------------------------------------------------------- allreduce
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -85,7 +76,7 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
                     process_set: ProcessSet | None = None,
                     compression: Any = Compression.none) -> Handle:
     """Start an all-reduce of ``tensor``; ``synchronize(handle)`` returns a new tensor."""
-    rop = _resolve_op(average, op)
+    rop = resolve_op(average, op)
     inner = frontend.allreduce_async(to_numpy(tensor), rop, name, prescale_factor, postscale_factor,
                                      process_set, compression)
     return TorchHandle(inner, lambda arr: from_numpy(np.array(arr, copy=True)).view(tensor.shape))
@@ -95,7 +86,7 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
                      op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: ProcessSet | None = None) -> Handle:
     """Start an in-place all-reduce: the result lands in ``tensor``'s memory."""
-    rop = _resolve_op(average, op)
+    rop = resolve_op(average, op)
     if not tensor.is_contiguous():
         raise ValueError("allreduce_ needs a contiguous tensor (it writes the result in place); "
                          "call .contiguous() first or use allreduce")
@@ -136,7 +127,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         op: ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
         compression: ``Compression.none`` or ``Compression.fp16`` (what travels on the wire).
     """
-    return _Allreduce.apply(tensor, name, _resolve_op(average, op), prescale_factor, postscale_factor,
+    return _Allreduce.apply(tensor, name, resolve_op(average, op), prescale_factor, postscale_factor,
                             process_set, compression)
 
 
@@ -144,7 +135,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
                             name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
                             postscale_factor: float = 1.0, process_set: ProcessSet | None = None,
                             compression: Any = Compression.none) -> Handle:
-    rop = _resolve_op(average, op)
+    rop = resolve_op(average, op)
     inner = frontend.grouped_allreduce_async([to_numpy(t) for t in tensors], rop, name, prescale_factor,
                                              postscale_factor, process_set, compression)
     return TorchHandle(inner, lambda arrs: [from_numpy(np.array(a, copy=True)).view(t.shape)
@@ -196,13 +187,9 @@ class _Allgather(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         total = synchronize(allreduce_async(grad.contiguous(), None, None, Sum, 1.0, 1.0, ctx.process_set))
         rows = frontend.allgather(np.array([ctx.dim0], dtype=np.int64), process_set=ctx.process_set)
-        me = _set_rank(ctx.process_set)
+        me = set_rank(ctx.process_set)
         start = int(rows[:me].sum())
         return total[start:start + ctx.dim0].clone(), None, None
-
-
-def _set_rank(process_set: ProcessSet | None) -> int:
-    return unison.rank() if process_set is None or process_set.ranks is None else process_set.rank()
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None,
@@ -258,7 +245,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         total = synchronize(allreduce_async(grad.contiguous(), None, None, Sum, 1.0, 1.0, ctx.process_set))
-        if _set_rank(ctx.process_set) != ctx.root:
+        if set_rank(ctx.process_set) != ctx.root:
             total = torch.zeros_like(total)
         return total, None, None, None
 
@@ -320,7 +307,7 @@ class _Reducescatter(torch.autograd.Function):
         op, ps, pre, post = ctx.args
         g = synchronize(allgather_async(grad.contiguous(), None, ps)) * (pre * post)
         if op == Average:
-            g = g / (unison.size() if ps is None or ps.ranks is None else ps.size())
+            g = g / set_size(ps)
         return (g,) + (None,) * 6
 
 

@@ -24,7 +24,7 @@ import torch
 from unison.common import runtime
 from unison.common.compression import Compression
 from unison.common.engine import frontend
-from unison.common.engine.process_sets import ProcessSet
+from unison.common.engine.process_sets import ProcessSet, set_size
 from unison.common.ops import Average, ReduceOp, parse_op
 from unison.torch_backend.tensors import from_numpy, to_numpy
 
@@ -122,7 +122,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             idx, vals = (h.wait() for h in pend.handle)
             values = from_numpy(vals)
             if self._op == Average:
-                values = values / _set_size(self._process_set)
+                values = values / set_size(self._process_set)
             p.grad = torch.sparse_coo_tensor(torch.from_numpy(idx).t(), values, pend.sparse).coalesce()
             return
         result = pend.handle.wait()
@@ -181,10 +181,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                "optimizer.step() or optimizer.synchronize(): the gradients are still "
                                "being reduced. Call step() (or synchronize()) first")
         return super(self.__class__, self).zero_grad(*args, **kwargs)
-
-
-def _set_size(process_set: ProcessSet | None) -> int:
-    return runtime.size() if process_set is None or process_set.ranks is None else process_set.size()
 
 
 def _named(optimizer: torch.optim.Optimizer,

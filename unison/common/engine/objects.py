@@ -7,15 +7,10 @@ from typing import Any
 
 import numpy as np
 
-from unison.common import runtime
 from unison.common.engine import frontend
-from unison.common.engine.process_sets import ProcessSet
+from unison.common.engine.process_sets import ProcessSet, set_rank
 
 __all__ = ["broadcast_object", "allgather_object"]
-
-
-def _set_rank(process_set: ProcessSet | None) -> int:
-    return runtime.rank() if process_set is None or process_set.ranks is None else process_set.rank()
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
@@ -26,7 +21,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     size = frontend.broadcast(np.array([payload.size], dtype=np.int64), root_rank, f"{name}.size",
                               process_set)
     buf = np.zeros(int(size[0]), dtype=np.uint8)
-    if _set_rank(process_set) == root_rank:
+    if set_rank(process_set) == root_rank:
         buf[:] = payload
     data = frontend.broadcast(buf, root_rank, f"{name}.data", process_set)
     return pickle.loads(data.tobytes())

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["ProcessSet", "global_process_set"]
+__all__ = ["ProcessSet", "global_process_set", "set_rank", "set_size"]
 
 
 class ProcessSet:
@@ -49,3 +49,17 @@ class ProcessSet:
 
 
 global_process_set = ProcessSet()
+
+
+def set_rank(process_set: ProcessSet | None) -> int:
+    """This process's rank in ``process_set`` (None or the global set: the job)."""
+    from unison.common import runtime
+
+    return runtime.rank() if process_set is None or process_set.ranks is None else process_set.rank()
+
+
+def set_size(process_set: ProcessSet | None) -> int:
+    """The number of ranks in ``process_set`` (None or the global set: the job)."""
+    from unison.common import runtime
+
+    return runtime.size() if process_set is None or process_set.ranks is None else process_set.size()
