@@ -40,7 +40,9 @@ What is measured, for each (model, impl):
   - ``mwms-loop``: the same loop under ``tf.distribute.MultiWorkerMirroredStrategy``
     with ring collectives, one worker per rank on localhost.
 
-  All three use the same SGD and ``jit_compile`` off.
+  All three use the same SGD and ``jit_compile`` off, and the same glibc
+  settings (``unison.common.runtime.keep_freed_memory``, which ``unison.init()``
+  applies), so the comparison is of the distribution only.
 * Each case runs ``--warmup`` steps, then ``--repeats`` timed runs of ``--steps``
   steps, each after a barrier. A run's time is its maximum over ranks; the fastest
   run counts (the CPUs may be shared: the host load is printed), and
@@ -292,6 +294,9 @@ def mwms_worker(args: argparse.Namespace) -> int:
     try:
         import tensorflow as tf
 
+        from unison.common import runtime
+
+        runtime.keep_freed_memory()  # the allocator settings unison.init() gives the Unison ranks
         configure_tf(args)
         impl = tf.distribute.experimental.CommunicationImplementation.RING
         strategy = tf.distribute.MultiWorkerMirroredStrategy(

@@ -103,3 +103,33 @@ def test_import_has_no_side_effects():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "" and proc.stderr == ""
+
+
+def test_result_pool_hands_out_aligned_arrays_and_never_a_live_one():
+    from unison.common.pool import ALIGN, ResultPool
+
+    pool = ResultPool()
+    a = pool.empty((512, 1024), np.float32)
+    assert a.ctypes.data % ALIGN == 0 and a.shape == (512, 1024) and a.dtype == np.float32
+    view = a[3:].reshape(-1)  # only a view of it stays alive
+    del a
+    b = pool.empty((512, 1024), np.float32)
+    assert not np.shares_memory(b, view)  # still referenced through the view: not reused
+    address = b.ctypes.data
+    del b
+    c = pool.empty((512, 1024), np.float32)
+    assert c.ctypes.data == address  # dropped everywhere: recycled
+
+
+def test_keep_freed_memory_respects_user_malloc_settings(monkeypatch):
+    import sys
+
+    from unison.common import runtime
+
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1000")
+    assert runtime.keep_freed_memory() is False
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
+    assert runtime.keep_freed_memory() is sys.platform.startswith("linux")
+    assert load_config(malloc_cache=False).malloc_cache is False
+    monkeypatch.setenv("UNISON_MALLOC_CACHE", "0")
+    assert load_config().malloc_cache is False

@@ -50,7 +50,9 @@ def test_replicas_and_data_split(strategy):
     assert sorted(map(tuple, seen.tolist())) == sorted(map(tuple, X.tolist()))  # disjoint, complete
 
 
-def test_fit_matches_one_process_on_global_batches(strategy):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_fit_matches_one_process_on_global_batches(overlap):
+    strategy = UnisonStrategy(overlap_gradients=overlap)  # each gradient reduced as computed, or all at once
     keras.utils.set_random_seed(100 + R)  # ranks initialise differently: the broadcast must fix it
     with strategy.scope():
         model = make_model()
@@ -82,7 +84,9 @@ def test_fit_with_numpy_arrays(strategy):
     assert same_everywhere(model.get_weights())
 
 
-def test_custom_training_loop_matches_one_process(strategy):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_custom_training_loop_matches_one_process(overlap):
+    strategy = UnisonStrategy(overlap_gradients=overlap)
     keras.utils.set_random_seed(7 + R)
     with strategy.scope():
         model = make_model()
@@ -188,3 +192,64 @@ def test_model_built_outside_scope_is_refused_inside_it(strategy):
     outside.compile(optimizer="sgd", loss="mse")  # entirely outside: a local model, allowed
     with strategy.scope(), pytest.raises(ValueError, match="would diverge"):
         outside.fit(data(), epochs=1, verbose=0)
+
+
+def test_overlap_gradients_must_be_a_bool_or_none():
+    with pytest.raises(TypeError, match="overlap_gradients must be True, False or None"):
+        UnisonStrategy(overlap_gradients="yes")
+
+
+def test_predict_returns_the_global_predictions_on_every_rank(strategy):
+    keras.utils.set_random_seed(3 + R)
+    with strategy.scope():
+        model = make_model()
+    ref = make_model()
+    ref.set_weights(model.get_weights())
+    x = X[:-3]  # the last global batch is partial: ranks get unequal shares of it
+    out = model.predict(x, batch_size=GLOBAL_BATCH, verbose=0)
+    assert out.shape == (len(x), 1)
+    np.testing.assert_allclose(out, ref.predict(x, batch_size=GLOBAL_BATCH, verbose=0), rtol=1e-6)
+    from_dataset = model.predict(tf.data.Dataset.from_tensor_slices(x).batch(GLOBAL_BATCH), verbose=0)
+    np.testing.assert_allclose(from_dataset, out, rtol=1e-6)
+    assert same_everywhere([out])
+
+
+def shared_dir(tmp_path_factory, name):
+    return WORLD.bcast(str(tmp_path_factory.mktemp(name)) if R == 0 else None)
+
+
+def test_save_and_keras_model_checkpoint_write_from_rank_0_only(strategy, tmp_path_factory):
+    folder = shared_dir(tmp_path_factory, "save")
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer="sgd", loss="mse")
+    assert model.save(f"{folder}/r{R}.keras") is None
+    model.save_weights(f"{folder}/r{R}.weights.h5")
+    model.fit(data(), epochs=2, verbose=0, callbacks=[  # Keras's own callback, on every rank
+        keras.callbacks.ModelCheckpoint(folder + "/ckpt-{epoch}.keras")])
+    WORLD.Barrier()
+    assert sorted(os.listdir(folder)) == ["ckpt-1.keras", "ckpt-2.keras", "r0.keras", "r0.weights.h5"]
+    loaded = keras.models.load_model(f"{folder}/ckpt-2.keras")
+    for w, v in zip(loaded.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_array_equal(w, v)
+
+
+def test_tf_train_checkpoint_writes_from_rank_0_only(strategy, tmp_path_factory):
+    folder = shared_dir(tmp_path_factory, "tfckpt")
+    with strategy.scope():
+        model = make_model()
+    ckpt = tf.train.Checkpoint(model=model)
+    assert ckpt.write(f"{folder}/w{R}") == f"{folder}/w{R}"
+    manager = tf.train.CheckpointManager(ckpt, f"{folder}/managed", max_to_keep=2)
+    paths = [manager.save() for _ in range(3)]
+    assert paths == [f"{folder}/managed/ckpt-{i}" for i in (1, 2, 3)]
+    WORLD.Barrier()
+    assert sorted(p for p in os.listdir(folder) if p != "managed") == ["w0.data-00000-of-00001", "w0.index"]
+    assert sorted(os.listdir(f"{folder}/managed")) == [
+        "checkpoint", "ckpt-2.data-00000-of-00001", "ckpt-2.index", "ckpt-3.data-00000-of-00001",
+        "ckpt-3.index"]
+    saved = [w.copy() for w in model.get_weights()]
+    model.set_weights([np.zeros_like(w) for w in saved])
+    ckpt.restore(tf.train.latest_checkpoint(f"{folder}/managed")).assert_consumed()
+    for w, v in zip(model.get_weights(), saved, strict=True):
+        np.testing.assert_array_equal(w, v)

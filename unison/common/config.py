@@ -47,6 +47,7 @@ ENV_AUTOTUNE = "AUTOTUNE"
 ENV_AUTOTUNE_LOG = "AUTOTUNE_LOG"
 ENV_AUTOTUNE_WARMUP = "AUTOTUNE_WARMUP_SAMPLES"
 ENV_AUTOTUNE_STEPS = "AUTOTUNE_STEPS_PER_SAMPLE"
+ENV_MALLOC_CACHE = "MALLOC_CACHE"
 
 
 def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
@@ -152,6 +153,9 @@ class Config:
     autotune_warmup_samples: int = 1
     #: Engine: cycles (at least) per autotune sample.
     autotune_steps_per_sample: int = 20
+    #: Keep freed large blocks in the process instead of returning them to the OS
+    #: (glibc ``mallopt``), so a training step does not page-fault its buffers anew.
+    malloc_cache: bool = True
 
 
 # field name -> (env suffix, parser)
@@ -175,6 +179,7 @@ _FIELDS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "autotune_log": (ENV_AUTOTUNE_LOG, _path),
     "autotune_warmup_samples": (ENV_AUTOTUNE_WARMUP, _non_negative_int),
     "autotune_steps_per_sample": (ENV_AUTOTUNE_STEPS, _positive_int),
+    "malloc_cache": (ENV_MALLOC_CACHE, _flag),
 }
 
 #: Suffixes Unison reads itself plus those read by other parts (engine, backends)

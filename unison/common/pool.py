@@ -7,6 +7,11 @@ the pool keeps the arrays it handed out and gives one back out when the caller
 has dropped every reference to it: ``sys.getrefcount`` then sees only the pool's
 own. A view keeps its base alive, and ``torch.from_numpy`` keeps a reference
 too, so an array still visible anywhere is never handed out twice.
+
+Pooled arrays start on a 64-byte boundary. TensorFlow adopts a returned numpy
+array without copying only when it is aligned that way (``numpy_function``
+outputs); a large ``np.empty`` lands 16 bytes past a page boundary, which
+would cost TensorFlow a fresh allocation and a copy per gradient.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import math
 import sys
 import threading
+import typing
 
 import numpy as np
 
@@ -21,6 +27,22 @@ __all__ = ["ResultPool", "results"]
 
 #: Smaller arrays come from malloc's free lists anyway.
 MIN_BYTES = 256 << 10
+#: Start of every pooled array: TensorFlow's (Eigen's) alignment for zero-copy adoption.
+ALIGN = 64
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = ALIGN) -> np.ndarray:
+    """``np.empty(shape, dtype)`` whose data starts on an ``align``-byte boundary.
+
+    The result is a view of a raw byte buffer; NumPy makes every further view of
+    it refer to that same buffer (``.base``), which is what :class:`ResultPool`
+    counts references on.
+    """
+    dt = np.dtype(dtype)
+    nbytes = math.prod(shape) * dt.itemsize
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start:start + nbytes].view(dt).reshape(shape)
 
 
 class ResultPool:
@@ -40,15 +62,22 @@ class ResultPool:
             return np.empty(shape, dtype=dt)
         key = (tuple(shape), dt)
         with self._lock:
-            arrays = self._arrays.setdefault(key, [])
-            for i in range(len(arrays)):
-                if sys.getrefcount(arrays[i]) == 2:  # the list's reference and the argument's
-                    return arrays[i]
-            arr = np.empty(shape, dtype=dt)
+            # the pool keeps each array's raw buffer: every view handed out (and every
+            # view of those) refers to it, so only the pool's reference left means free
+            buffers = self._arrays.setdefault(key, [])
+            for i in range(len(buffers)):
+                if sys.getrefcount(buffers[i]) == 2:  # the list's reference and the argument's
+                    return _typed(buffers[i], shape, dt)
+            arr = aligned_empty(shape, dt)
             if self.held + nbytes <= self.max_bytes:
-                arrays.append(arr)
+                buffers.append(typing.cast(np.ndarray, arr.base))  # a view of its raw buffer
                 self.held += nbytes
             return arr
+
+
+def _typed(raw: np.ndarray, shape: tuple[int, ...], dt: np.dtype) -> np.ndarray:
+    start = -raw.ctypes.data % ALIGN
+    return raw[start:start + math.prod(shape) * dt.itemsize].view(dt).reshape(shape)
 
 
 #: The process-wide pool of the direct collectives (the engine keeps its own per process set).

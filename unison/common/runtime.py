@@ -62,6 +62,36 @@ _atexit_registered = False
 MPI_DEFAULTS = {"OMPI_MCA_mpi_yield_when_idle": "1"}
 
 
+#: glibc ``mallopt`` parameters (malloc.h) and the values :func:`keep_freed_memory` sets.
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_MALLOC_SETTINGS = ((_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 512 << 20), (_M_TOP_PAD, 64 << 20))
+_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc keep freed large blocks for reuse instead of unmapping them.
+
+    By default glibc serves blocks of a few MiB with ``mmap`` and returns them on
+    ``free``, so every training step page-faults its gradient and temporary
+    buffers in again: ~600 faults (~2 ms) per step for a 4M-parameter Keras MLP
+    here. Serving them from the heap (up to 32 MiB) and trimming it only above
+    512 MiB of free space keeps them, as PyTorch's caching allocator does for
+    GPU memory. Skipped when the user set any ``MALLOC_*_`` tuning variable.
+
+    Returns:
+        Whether the settings were applied (False off glibc or when skipped).
+    """
+    if any(name in os.environ for name in _MALLOC_ENV) or not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (e.g. musl)
+        return False
+    return all(mallopt(param, value) == 1 for param, value in _MALLOC_SETTINGS)
+
+
 def _import_mpi() -> Any:
     if "mpi4py.MPI" not in sys.modules:
         for key, value in MPI_DEFAULTS.items():
@@ -104,6 +134,8 @@ def init(comm: Any = None, process_sets: Any = None, **settings: Any) -> None:
             return
         config = load_config(**settings)
         _configure_logging(config)
+        if config.malloc_cache:
+            keep_freed_memory()
         mpi = _import_mpi()
         if mpi is None:
             if comm is not None:
