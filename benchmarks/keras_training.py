@@ -40,9 +40,11 @@ What is measured, for each (model, impl):
   - ``mwms-loop``: the same loop under ``tf.distribute.MultiWorkerMirroredStrategy``
     with ring collectives, one worker per rank on localhost.
 
-  All three use the same SGD and ``jit_compile`` off, and the same glibc
-  settings (``unison.common.runtime.keep_freed_memory``, which ``unison.init()``
-  applies), so the comparison is of the distribution only.
+  All three use the same SGD and ``jit_compile`` off, and by default the same
+  glibc settings (``unison.common.runtime.keep_freed_memory``, which
+  ``unison.init()`` applies), so the comparison is of the distribution only;
+  ``--mwms-allocator default`` runs MWMS as a plain TensorFlow job would (glibc
+  defaults: measured here that costs MWMS ~20% of its throughput on the mlp).
 * Each case runs ``--warmup`` steps, then ``--repeats`` timed runs of ``--steps``
   steps, each after a barrier. A run's time is its maximum over ranks; the fastest
   run counts (the CPUs may be shared: the host load is printed), and
@@ -294,9 +296,10 @@ def mwms_worker(args: argparse.Namespace) -> int:
     try:
         import tensorflow as tf
 
-        from unison.common import runtime
+        if args.mwms_allocator == "unison":
+            from unison.common import runtime
 
-        runtime.keep_freed_memory()  # the allocator settings unison.init() gives the Unison ranks
+            runtime.keep_freed_memory()  # the allocator settings unison.init() gives the Unison ranks
         configure_tf(args)
         impl = tf.distribute.experimental.CommunicationImplementation.RING
         strategy = tf.distribute.MultiWorkerMirroredStrategy(
@@ -328,7 +331,7 @@ def run_mwms(world: Any, args: argparse.Namespace) -> dict[str, Timing]:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--mwms-worker", str(result),
                "--models", ",".join(args.models), "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--repeats", str(args.repeats),
-               "--mwms-timeout", str(args.mwms_timeout),
+               "--mwms-timeout", str(args.mwms_timeout), "--mwms-allocator", args.mwms_allocator,
                "--intra-op-threads", str(args.intra_op_threads),
                "--inter-op-threads", str(args.inter_op_threads)]
         if args.batch is not None:
@@ -468,6 +471,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TensorFlow intra-op threads per process (default 1)")
     p.add_argument("--inter-op-threads", type=int, default=2,
                    help="TensorFlow inter-op threads per process (default 2)")
+    p.add_argument("--mwms-allocator", choices=("unison", "default"), default="unison",
+                   help="glibc malloc settings of the mwms-loop workers: 'unison' (default) gives them "
+                        "what unison.init() gives the Unison ranks, so only the distribution differs; "
+                        "'default' leaves glibc's, as a plain TensorFlow job runs")
     p.add_argument("--mwms-timeout", type=float, default=600.0,
                    help="seconds after which an mwms-loop worker process gives up (default 600)")
     p.add_argument("--json", type=Path, default=None, help="write the records to this JSON file")
