@@ -64,6 +64,14 @@ from unison.torch_backend.mpi_ops import (
     synchronize,
 )
 from unison.torch_backend.optimizer import DistributedOptimizer
+from unison.torch_backend.pipeline import (
+    Pipeline,
+    PipelineError,
+    PipelineGrid,
+    balance_by_params,
+    balance_by_time,
+    pipeline_grid,
+)
 from unison.torch_backend.sync_batch_norm import SyncBatchNorm
 
 
@@ -93,4 +101,5 @@ __all__ = [
     "global_process_set", "add_process_set", "start_timeline", "stop_timeline", "ReduceOp", "Average",
     "Sum", "Min", "Max", "Product", "UnisonError", "NotInitializedError", "MismatchError",
     "CollectiveError", "InvalidArgumentError", "StallError", "ShutdownError", "DuplicateNameError",
+    "Pipeline", "PipelineGrid", "pipeline_grid", "balance_by_params", "balance_by_time", "PipelineError",
 ]

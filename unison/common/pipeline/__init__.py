@@ -7,7 +7,14 @@ model into stages. ``PipelineDriver`` runs a table across MPI ranks with a frame
 """
 
 from unison.common.pipeline.builders import build_schedule
-from unison.common.pipeline.driver import PipelineDriver, PipelineError, RemoteTraceback, StageWorker, StepStats
+from unison.common.pipeline.driver import (
+    PipelineDriver,
+    PipelineError,
+    RemoteTraceback,
+    StageWorker,
+    StepStats,
+    raise_together,
+)
 from unison.common.pipeline.partition import balance_by_cost, check_balance
 from unison.common.pipeline.render import render_png, render_text
 from unison.common.pipeline.schedule import COMM_OPS, COMPUTE_OPS, SCHEDULES, Action, Schedule, ScheduleError
@@ -18,5 +25,5 @@ __all__ = [
     "SCHEDULES", "COMPUTE_OPS", "COMM_OPS", "ScheduleError", "Action", "Schedule", "build_schedule",
     "validate", "render_grid", "simulate", "compare_schedules", "SimResult", "Event", "render_text",
     "render_png", "balance_by_cost", "check_balance", "PipelineDriver", "PipelineError", "StageWorker",
-    "StepStats", "RemoteTraceback",
+    "StepStats", "RemoteTraceback", "raise_together",
 ]

@@ -39,7 +39,7 @@ from unison.common.pipeline.schedule import Action, Schedule
 from unison.common.pipeline.validate import validate
 from unison.common.pool import ResultPool
 
-__all__ = ["PipelineError", "RemoteTraceback", "StageWorker", "StepStats", "PipelineDriver"]
+__all__ = ["PipelineError", "RemoteTraceback", "StageWorker", "StepStats", "PipelineDriver", "raise_together"]
 
 ACT, GRAD = 0, 1
 UPSTREAM, ORIGIN = 1, 2  # how a rank's step failed: stopped by a neighbour, or the failure itself
@@ -181,7 +181,7 @@ class PipelineDriver:
         Raises:
             PipelineError: on every rank, when any rank's ``check`` is set or its step failed.
         """
-        self._agree_on_check(check)
+        raise_together(self.world, check)
         run = _Step(self, worker)
         failure = run.walk()
         self._agree_on_end(run, failure)
@@ -192,20 +192,6 @@ class PipelineDriver:
         if self.world is not self.comm:
             self.world.Free()
         self.comm.Free()
-
-    def _agree_on_check(self, check: str | None) -> None:
-        from mpi4py import MPI
-
-        if check is not None and not isinstance(check, str):
-            raise TypeError(f"check must be a message (str) or None; received {type(check).__name__}")
-        flag = np.array([check is not None], np.int64)
-        self.world.Allreduce(MPI.IN_PLACE, [flag, MPI.INT64_T], op=MPI.MAX)
-        if not flag[0]:
-            return
-        problems = self.world.allgather(check)
-        bad = [r for r, text in enumerate(problems) if text is not None]
-        also = f" (ranks {bad[1:]} also failed the pre-flight check)" if len(bad) > 1 else ""
-        raise PipelineError(f"rank {bad[0]}: {problems[bad[0]]}{also}")
 
     def _agree_on_end(self, run: _Step, failure: _Failure | None) -> None:
         from mpi4py import MPI
@@ -229,6 +215,28 @@ class PipelineDriver:
         if origin == self.world_rank and failure is not None and failure.exc is not None:
             raise error from failure.exc
         raise error from RemoteTraceback(trace)
+
+
+def raise_together(comm: Any, problem: str | None) -> None:
+    """Agree over ``comm`` whether any rank has a ``problem``; if so raise it on every rank.
+
+    Collective: one small Allreduce, plus an allgather of the messages when some rank has one.
+
+    Raises:
+        PipelineError: ``"rank r: <problem>"`` for the lowest rank with a problem, on every rank.
+    """
+    from mpi4py import MPI
+
+    if problem is not None and not isinstance(problem, str):  # still take part, so nobody waits
+        problem = f"a pre-flight check must give a message (str) or None; it gave {type(problem).__name__}"
+    flag = np.array([problem is not None], np.int64)
+    comm.Allreduce(MPI.IN_PLACE, [flag, MPI.INT64_T], op=MPI.MAX)
+    if not flag[0]:
+        return
+    problems = comm.allgather(problem)
+    bad = [r for r, text in enumerate(problems) if text is not None]
+    also = f" (ranks {bad[1:]} reported problems too)" if len(bad) > 1 else ""
+    raise PipelineError(f"rank {bad[0]}: {problems[bad[0]]}{also}")
 
 
 def _peer(a: Action) -> int:

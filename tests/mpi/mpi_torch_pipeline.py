@@ -1,0 +1,217 @@
+"""The PyTorch pipeline under mpirun: the same parameters as one process, and errors on every rank."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from mpi4py import MPI
+from torch import nn
+
+import unison.torch_backend as hvd
+from unison.common.pipeline import SCHEDULES, simulate
+
+WORLD = MPI.COMM_WORLD
+N, R = WORLD.Get_size(), WORLD.Get_rank()
+CHUNKS, BATCH, STEPS = 4, 8, 3
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _session():
+    hvd.init()
+    yield
+    hvd.shutdown()
+
+
+def make_layers(dropout=False, seed=0):
+    """Eight layers (enough for 8 stages); a Dropout as layer 3 when asked."""
+    torch.manual_seed(seed)
+    return [nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Dropout(0.3) if dropout else nn.Tanh(),
+            nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4), nn.Linear(4, 1)]
+
+
+def batch(step, replica=0):
+    g = torch.Generator().manual_seed(100 * replica + step)
+    return torch.randn(BATCH, 6, generator=g), torch.randn(BATCH, 1, generator=g)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def reference_losses(model, batches, chunks):
+    """Train ``model`` in this process; ``chunks`` None: whole batches, else microbatch by microbatch.
+
+    Microbatches draw dropout masks one microbatch at a time in microbatch order, as the
+    pipeline's dropout stage does, so with the same seed both draw the same masks.
+    """
+    opt, losses = sgd(model.parameters()), []
+    for x, y in batches:
+        opt.zero_grad()
+        if chunks is None:
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            losses.append(loss.item())
+        else:
+            total = 0.0
+            for xs, ys in zip(x.chunk(chunks), y.chunk(chunks), strict=True):
+                part = nn.functional.mse_loss(model(xs), ys) / chunks
+                part.backward()
+                total += part.item()
+            losses.append(total)
+        opt.step()
+    return losses
+
+
+def assert_same_as_reference(pipe, ref, losses, ref_losses):
+    layers = list(ref)
+    for s, span in pipe.layer_ranges.items():
+        mine = dict(pipe.stages[s].named_parameters())
+        theirs = dict(nn.Sequential(*layers[span.start:span.stop]).named_parameters())
+        assert mine.keys() == theirs.keys()
+        for name in mine:
+            torch.testing.assert_close(mine[name], theirs[name], rtol=1e-5, atol=1e-5, msg=f"stage {s} {name}")
+    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    assert all(e == losses for e in WORLD.allgather(losses))  # the loss is broadcast to every rank
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always", "except_last"])
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_k_steps_equal_one_process_with_dropout(name, checkpoint):
+    v = 2 if name == "interleaved" else 1
+    layers = make_layers(dropout=True)
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    pipe = hvd.Pipeline(layers, chunks=CHUNKS, schedule=name, virtual_stages=v, checkpoint=checkpoint,
+                        loss_fn=nn.functional.mse_loss, optimizer=sgd)
+    batches = [batch(k) for k in range(STEPS)]
+    torch.manual_seed(123)  # the dropout stage's masks ...
+    losses = [pipe.train_step(x, y) for x, y in batches]
+    torch.manual_seed(123)  # ... are the reference's, microbatch by microbatch
+    ref_losses = reference_losses(ref, batches, CHUNKS)
+    assert_same_as_reference(pipe, ref, losses, ref_losses)
+    sim = simulate(pipe.schedule)
+    assert pipe.stats.peak_per_stage == {s: sim.peak_activations[s] for s in pipe.stages}
+    pipe.close()
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
+def test_k_steps_equal_one_process_on_whole_batches(name):
+    layers = make_layers()
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    pipe = hvd.Pipeline(nn.Sequential(*layers), chunks=CHUNKS, schedule=name, loss_fn=nn.functional.mse_loss,
+                        optimizer=sgd)
+    assert pipe.balance == hvd.balance_by_params(ref, N)
+    batches = [batch(k) for k in range(STEPS)]
+    losses = [pipe.train_step(x, y) for x, y in batches]
+    assert_same_as_reference(pipe, ref, losses, reference_losses(ref, batches, None))
+    pipe.close()
+
+
+@pytest.mark.skipif(N != 4, reason="the data x pipeline grid needs 4 ranks")
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
+def test_dp2_x_pp2_grid_equals_one_process_on_the_global_batch(name):
+    grid = hvd.pipeline_grid(pp=2, dp=2)
+    assert (grid.pipeline, grid.position) == (R // 2, R % 2) and grid.data_set.ranks == [R % 2, R % 2 + 2]
+    layers = make_layers()
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    pipe = hvd.Pipeline(layers, balance=[3, 5], chunks=CHUNKS, schedule=name, grid=grid,
+                        loss_fn=nn.functional.mse_loss, optimizer=sgd)
+    losses, global_batches = [], []
+    for k in range(STEPS):
+        parts = [batch(k, replica) for replica in range(2)]
+        losses.append(pipe.train_step(*parts[grid.pipeline]))
+        global_batches.append((torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])))
+    assert_same_as_reference(pipe, ref, losses, reference_losses(ref, global_batches, None))
+    pipe.close()
+
+
+def test_predict_and_evaluate_run_forward_only_with_dropout_off():
+    layers = make_layers(dropout=True)
+    ref = nn.Sequential(*copy.deepcopy(layers)).eval()
+    pipe = hvd.Pipeline(layers, chunks=CHUNKS, loss_fn=nn.functional.mse_loss, optimizer=sgd)
+    x, y = batch(0)
+    out = pipe.predict(x)
+    with torch.no_grad():
+        expected = ref(x)
+    if pipe.holds_last:
+        torch.testing.assert_close(out, expected)
+    else:
+        assert out is None
+    assert pipe.evaluate(x, y) == pytest.approx(nn.functional.mse_loss(expected, y).item(), rel=1e-6)
+    pipe.train_step(x, y)  # training still works after evaluation
+    pipe.close()
+
+
+def raised_everywhere(fn, *parts):
+    """``fn()`` raises PipelineError (a ValueError) with the same message on every rank, containing ``parts``."""
+    with pytest.raises(hvd.PipelineError) as info:
+        fn()
+    message = str(info.value)
+    assert isinstance(info.value, ValueError)
+    assert all(e == message for e in WORLD.allgather(message)), message
+    for part in parts:
+        assert part in message, message
+    return message
+
+
+def test_bad_configurations_raise_on_every_rank():
+    def build(**kwargs):
+        args = dict(chunks=CHUNKS, loss_fn=nn.functional.mse_loss, optimizer=sgd)
+        return hvd.Pipeline(make_layers(), **{**args, **kwargs})
+
+    bad = [1] * (N - 1) + [10 - N]  # sums to 9
+    raised_everywhere(lambda: build(balance=bad), f"balance {bad} sums to 9 but the model has 8 layers",
+                      "sum to 8")
+    v = 8 // N + 1
+    raised_everywhere(lambda: build(schedule="interleaved", virtual_stages=v),
+                      f"the model has 8 layers, too few for {N * v} stages")
+    raised_everywhere(lambda: build(balance=[1] * (N - 1) + [2, 7 - N]), f"has {N + 1} stages, more stages than")
+    raised_everywhere(lambda: hvd.pipeline_grid(pp=N + 1),
+                      f"needs pp * dp = {N + 1} ranks, more than the job's {N}")
+    if N > 1:  # interleaved needs a multiple of p microbatches: fewer than p cannot run
+        raised_everywhere(lambda: build(schedule="interleaved", virtual_stages=2, chunks=1),
+                          f"interleaved needs num_microbatches (1) to be a multiple of the number of ranks ({N})")
+    raised_everywhere(lambda: build(checkpoint="sometimes"),
+                      "checkpoint must be one of never, always, except_last")
+
+
+def test_bad_batches_raise_on_every_rank_and_the_next_step_works():
+    pipe = hvd.Pipeline(make_layers(), chunks=CHUNKS, loss_fn=nn.functional.mse_loss, optimizer=sgd)
+    x, y = batch(0)
+    raised_everywhere(lambda: pipe.train_step(x[:7], y[:7]),
+                      "rank 0: inputs has a batch of 7 rows, which 4 microbatches (chunks=4) do not divide; "
+                      "use a batch that is a multiple of 4 (e.g. 4 or 8)")
+    raised_everywhere(lambda: pipe.train_step(None, y), "rank 0: inputs must be a batch (an array or tensor) "
+                      "on the rank holding stage 0; received None")
+    before = [p.detach().clone() for p in pipe.parameters()]
+    pipe.train_step(x, y)
+    assert all(not torch.equal(a, b) for a, b in zip(before, pipe.parameters(), strict=True))
+    pipe.close()
+
+
+class GrowsOnThirdCall(nn.Module):
+    """An identity that returns one extra row on its third call."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return torch.cat([x, x[:1]]) if self.calls == 3 else x
+
+
+@pytest.mark.skipif(N == 1, reason="one stage sends nothing")
+def test_a_stage_output_changing_shape_raises_on_every_rank():
+    layers = [GrowsOnThirdCall(), *make_layers()]
+    pipe = hvd.Pipeline(layers, balance=[2] + [1] * (N - 2) + [9 - N], chunks=CHUNKS,
+                        loss_fn=nn.functional.mse_loss, optimizer=sgd)
+    x, y = batch(0)
+    raised_everywhere(lambda: pipe.train_step(x, y),
+                      "pipeline step failed on rank 0 at F2@s0 (forward of stage 0, microbatch 2): the output of "
+                      "stage 0 for microbatch 2 is (3, 16) float32 but microbatch 0 gave (2, 16) float32",
+                      "make every microbatch the same size")
+    pipe.train_step(x, y)
+    pipe.close()

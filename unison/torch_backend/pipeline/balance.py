@@ -1,0 +1,96 @@
+"""Cutting a sequence of PyTorch layers into pipeline stages, by parameter count or measured time.
+
+Both measure one cost per layer and hand it to the framework-neutral
+:func:`unison.common.pipeline.balance_by_cost`, which minimises the largest stage.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from time import perf_counter
+
+import torch
+from torch import nn
+
+from unison.common.pipeline import ScheduleError, balance_by_cost
+
+__all__ = ["balance_by_params", "balance_by_time", "as_layers"]
+
+
+def as_layers(module: nn.Sequential | Sequence[nn.Module]) -> list[nn.Module]:
+    """The layers of an ``nn.Sequential`` or a list of modules, in order.
+
+    Raises:
+        TypeError: anything else, or an element that is not an ``nn.Module``.
+    """
+    if isinstance(module, nn.Sequential):
+        return list(module)
+    if isinstance(module, nn.Module) or not isinstance(module, Sequence):
+        raise TypeError(f"a pipeline needs an nn.Sequential or a list of nn.Module layers; received "
+                        f"{type(module).__name__}. Wrap the layers in nn.Sequential(...)")
+    bad = [i for i, layer in enumerate(module) if not isinstance(layer, nn.Module)]
+    if bad:
+        raise TypeError(f"layer {bad[0]} is {type(module[bad[0]]).__name__}, not an nn.Module; a pipeline "
+                        "needs a list of nn.Module layers")
+    return list(module)
+
+
+def balance_by_params(module: nn.Sequential | Sequence[nn.Module], p: int) -> list[int]:
+    """Layers per stage for ``p`` stages with the largest stage's parameter count as small as possible.
+
+    Args:
+        module: the layers, in order.
+        p: the number of stages (``p * v`` for the interleaved schedule).
+
+    Raises:
+        ScheduleError: fewer layers than stages, or ``p`` not a positive integer.
+    """
+    layers = as_layers(module)
+    return balance_by_cost([sum(t.numel() for t in layer.parameters()) for layer in layers], p)
+
+
+def balance_by_time(module: nn.Sequential | Sequence[nn.Module], sample: torch.Tensor, p: int,
+                    device: torch.device | str | None = None, repeats: int = 3) -> list[int]:
+    """Layers per stage for ``p`` stages with the slowest stage as fast as possible.
+
+    Each layer's forward and backward time is measured on ``sample`` (one microbatch), the
+    fastest of ``repeats`` runs; layers and sample are moved to ``device`` first. The layers'
+    ``.grad`` are cleared afterwards.
+
+    Raises:
+        ScheduleError: fewer layers than stages, or ``repeats`` below 1.
+    """
+    layers = as_layers(module)
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ScheduleError(f"repeats must be a positive integer; received {repeats!r}")
+    dev = torch.device(device) if device is not None else sample.device
+    times = [math.inf] * len(layers)
+    for _ in range(repeats):
+        x = sample.to(dev)
+        for i, layer in enumerate(layers):
+            layer.to(dev)
+            times[i] = min(times[i], _time_layer(layer, x))
+            with torch.no_grad():
+                x = layer(x)
+    for layer in layers:
+        for param in layer.parameters():
+            param.grad = None
+    return balance_by_cost(times, p)
+
+
+def _time_layer(layer: nn.Module, x: torch.Tensor) -> float:
+    """Seconds for one forward and backward of ``layer`` on ``x``."""
+    x = x.detach().requires_grad_(x.is_floating_point())
+    _sync(x.device)
+    start = perf_counter()
+    y = layer(x)
+    if y.requires_grad:
+        torch.autograd.backward(y, torch.ones_like(y))
+    _sync(x.device)
+    return perf_counter() - start
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

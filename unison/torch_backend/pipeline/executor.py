@@ -1,0 +1,203 @@
+"""Pipeline-parallel training of an ``nn.Sequential`` across ranks.
+
+The model's layers are cut into ``p * v`` stages (by an explicit balance, or by parameter
+count); each rank keeps only its stages. A step splits the batch into ``chunks``
+microbatches and runs a schedule from ``unison.common.pipeline`` through the
+framework-neutral driver, which moves activations and gradients point to point and makes a
+failure on any rank raise the same :class:`PipelineError` on every rank. The last stage
+computes the loss. On a data x pipeline grid, each stage's gradients are then averaged over
+the ranks that hold the same stage, and each rank's optimizer steps its own parameters.
+
+A step computes exactly the gradient of the mean loss over the whole batch, so ``k`` steps
+equal the unpartitioned model trained in one process on the same batches (models whose
+layers mix rows of a batch, such as BatchNorm, differ by their microbatch statistics).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from unison.common.ops import Average
+from unison.common.pipeline import PipelineError, Schedule, build_schedule, check_balance, raise_together
+from unison.common.pipeline.grid import PipelineGrid, pipeline_grid, world_comm
+from unison.common.pipeline.runner import PipelineRunner
+from unison.torch_backend.mpi_ops import grouped_allreduce_
+from unison.torch_backend.pipeline.balance import as_layers, balance_by_params
+from unison.torch_backend.pipeline.stages import CHECKPOINTS, TorchStages
+
+__all__ = ["Pipeline"]
+
+_instances = itertools.count()
+
+
+@dataclass(frozen=True)
+class _Plan:
+    layers: list[nn.Module]
+    balance: list[int]
+    schedule: Schedule
+    checkpoint: str
+    device: torch.device
+
+
+class Pipeline(PipelineRunner):
+    """A model split into pipeline stages across ranks; collective (every rank, same arguments).
+
+    Args:
+        module: an ``nn.Sequential`` or a list of layers, built the same way on every rank. The
+            pipeline references only this rank's layers: drop your own reference to the whole
+            model to free the rest.
+        balance: layers per stage, ``p * v`` numbers summing to the layer count; default
+            :func:`balance_by_params`.
+        chunks: microbatches per step; every batch must be a multiple of it.
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zb-h1"``.
+        virtual_stages: ``v``, stages per rank (the interleaved schedule needs ``v >= 2``).
+        checkpoint: ``"never"``, ``"always"`` or ``"except_last"`` (every microbatch but the
+            last): forget activations in forward and recompute them, with the same random
+            numbers, before backward.
+        loss_fn: ``loss_fn(output, target) -> scalar`` (a mean over the microbatch), on the
+            last stage.
+        optimizer: ``optimizer(params) -> torch.optim.Optimizer`` for this rank's parameters;
+            None to step yourself. A rank whose stages have no parameters gets no optimizer.
+        grid: a :func:`pipeline_grid` for data x pipeline; default: one pipeline of all ranks.
+        device: where this rank's stages compute (CUDA tensors travel through host memory).
+
+    Raises:
+        PipelineError: on every rank, for a balance, schedule, chunks or layout that cannot
+            run; the message names the values and the fix.
+    """
+
+    def __init__(self, module: nn.Sequential | Sequence[nn.Module], balance: Sequence[int] | None = None,
+                 chunks: int = 1, schedule: str = "1f1b", virtual_stages: int = 1, checkpoint: str = "never",
+                 loss_fn: Callable[..., torch.Tensor] | None = None,
+                 optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+                 grid: PipelineGrid | None = None, device: torch.device | str | None = None) -> None:
+        grid = grid if grid is not None else pipeline_grid(dp=1)
+        plan, problem = None, None
+        try:
+            plan = _plan(module, balance, chunks, schedule, virtual_stages, checkpoint, loss_fn, optimizer,
+                         grid, device)
+        except (ValueError, TypeError) as exc:
+            problem = str(exc)
+        raise_together(world_comm(), problem)  # every rank raises here if any rank has a problem
+        if plan is None:
+            raise PipelineError(str(problem))
+        super().__init__(plan.schedule, chunks, grid)
+        self.balance, self.device = plan.balance, plan.device
+        starts = list(itertools.accumulate([0, *plan.balance]))
+        #: stage -> the indices of its layers in the model
+        self.layer_ranges = {s: range(starts[s], starts[s + 1]) for s in self.schedule.stages_of(grid.position)}
+        self.stages = {s: nn.Sequential(*plan.layers[r.start:r.stop]).to(plan.device)
+                       for s, r in self.layer_ranges.items()}
+        self._worker = TorchStages(self.stages, self.schedule.num_stages, loss_fn,  # type: ignore[arg-type]
+                                   plan.checkpoint, plan.device)
+        self.optimizer = self._make_optimizer(optimizer)
+        self._name = f"pipeline.{next(_instances)}"
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters, stage by stage."""
+        return [p for s in sorted(self.stages) for p in self.stages[s].parameters()]
+
+    def train_step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> float:
+        """One step on a batch: forward, backward, gradient averaging over ``dp``, optimizer step.
+
+        Args:
+            inputs: the batch, on the rank holding stage 0 (ignored elsewhere).
+            targets: its targets, on the rank holding the last stage (ignored elsewhere).
+
+        Returns:
+            The mean loss over the batch (over every replica's batch on a grid), on every rank.
+
+        Raises:
+            PipelineError: on every rank, when a batch does not split into ``chunks``, a rank
+                lacks its inputs or targets, or any stage fails.
+        """
+        problem = self.batch_problem(inputs, targets, need_targets=True)
+        self._begin(inputs, targets, problem, train=True)
+        for p in self.parameters():
+            p.grad = None
+        self.run(self._worker, problem, train=True)
+        if self.grid.dp > 1:
+            self._average_gradients()
+        if self.optimizer is not None:
+            self.optimizer.step()
+        return self.global_loss(self._worker.loss)
+
+    def evaluate(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> float:
+        """The mean loss over a batch without training (dropout off), on every rank."""
+        self._forward_only(inputs, targets, need_targets=True)
+        return self.global_loss(self._worker.loss)
+
+    def predict(self, inputs: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The model's output for a batch, on the rank holding the last stage (None elsewhere)."""
+        self._forward_only(inputs, None, need_targets=False)
+        outputs = self._worker.outputs
+        return torch.cat([outputs[k] for k in sorted(outputs)]) if self.holds_last else None
+
+    # ------------------------------------------------------------------ helpers
+    def _make_optimizer(self, factory: Any) -> torch.optim.Optimizer | None:
+        """``factory(params)``, or None without a factory or (a stage of activations only) parameters."""
+        params, problem, made = self.parameters(), None, None
+        try:
+            made = factory(params) if factory is not None and params else None
+        except Exception as exc:  # a failure on one rank must not leave the others waiting
+            problem = f"optimizer(params) failed for stages {sorted(self.stages)}: {type(exc).__name__}: {exc}"
+        raise_together(self._world, problem)
+        return made
+
+    def _forward_only(self, inputs: Any, targets: Any, need_targets: bool) -> None:
+        """Every stage's forward in evaluation mode; backward sends only empty arrays."""
+        problem = self.batch_problem(inputs, targets, need_targets)
+        self._begin(inputs, targets, problem, train=False)
+        try:
+            self.run(self._worker, problem, train=False)
+        finally:
+            for module in self.stages.values():
+                module.train(True)
+
+    def _begin(self, inputs: Any, targets: Any, problem: str | None, train: bool) -> None:
+        """Hand this rank's microbatches to the worker (none when the step will not run)."""
+        def split(batch: Any, held: bool) -> list[torch.Tensor] | None:
+            ok = held and problem is None and batch is not None
+            return list(batch.split(batch.shape[0] // self.chunks)) if ok else None
+
+        self._worker.begin(split(inputs, self.holds_first), split(targets, self.holds_last), self.chunks, train)
+
+    def _average_gradients(self) -> None:
+        """Average each gradient over the ranks that hold the same stages (through host memory)."""
+        params = self.parameters()
+        if not params:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        host = [g.detach().cpu() if g.device.type != "cpu" else g for g in grads]
+        grouped_allreduce_(host, op=Average, name=f"{self._name}.grads.{self.grid.position}",
+                           process_set=self.grid.data_set)
+        for p, g, h in zip(params, grads, host, strict=True):
+            p.grad = g if h is g else h.to(g.device)
+
+
+def _plan(module: Any, balance: Any, chunks: Any, schedule: Any, v: Any, checkpoint: Any, loss_fn: Any,
+          optimizer: Any, grid: PipelineGrid, device: Any) -> _Plan:
+    """Check the arguments; raises ValueError or TypeError with the values and the fix."""
+    layers = as_layers(module)
+    if not callable(loss_fn):
+        raise TypeError("Pipeline needs loss_fn(output, target) -> scalar tensor, applied on the last stage; "
+                        f"received {loss_fn!r}")
+    if optimizer is not None and not callable(optimizer):
+        raise TypeError("optimizer must be a factory: optimizer(params) -> torch.optim.Optimizer, e.g. "
+                        f"lambda params: torch.optim.SGD(params, lr=0.1); received {type(optimizer).__name__}")
+    if checkpoint not in CHECKPOINTS:
+        raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINTS)}; received {checkpoint!r}")
+    built = build_schedule(schedule, grid.pp, chunks, v)
+    stages = built.num_stages
+    if len(layers) < stages:
+        raise ValueError(f"the model has {len(layers)} layers, too few for {stages} stages (p={grid.pp} ranks x "
+                         f"v={v}); use fewer ranks or virtual stages, or split the model into more layers")
+    sizes = balance_by_params(layers, stages) if balance is None else check_balance(balance, len(layers),
+                                                                                     grid.pp, v)
+    return _Plan(layers, sizes, built, checkpoint, torch.device(device if device is not None else "cpu"))

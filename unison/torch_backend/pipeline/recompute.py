@@ -1,0 +1,58 @@
+"""Activation checkpointing for pipeline stages: forget in forward, recompute before backward.
+
+Why not ``torch.utils.checkpoint``: it hides the recomputation inside autograd's backward of
+one call. A pipeline stage's backward is a separate action of the schedule, sometimes many
+actions after the forward, and for zero-bubble schedules the recomputed graph must survive
+from ``I`` (input gradient) until ``W`` (weight gradients). So the stage keeps only its
+input and the random-number state of the forward, and rebuilds the graph itself right
+before its backward.
+
+[Note: RNG replay] Dropout draws random numbers. The recomputed forward must draw the same
+ones, or the gradients belong to a different network than the loss. :func:`capture` records
+the generator state before the first forward; :func:`replay` restores it for the
+recomputation and then puts back the state it found, so the recomputation consumes no
+random numbers of the training run: later forwards see the same stream as without
+checkpointing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+__all__: list[str] = []
+
+
+@dataclass(frozen=True)
+class RngState:
+    """The CPU generator's state and, for a CUDA stage, that device's generator state."""
+
+    cpu: torch.Tensor
+    device: torch.device
+    accelerator: torch.Tensor | None = None
+
+
+def capture(device: torch.device) -> RngState:
+    """The generator state a forward on ``device`` is about to use."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return RngState(torch.get_rng_state(), device, cuda)
+
+
+def _restore(state: RngState) -> None:
+    torch.set_rng_state(state.cpu)
+    if state.accelerator is not None:
+        torch.cuda.set_rng_state(state.accelerator, state.device)
+
+
+@contextmanager
+def replay(state: RngState) -> Iterator[None]:
+    """Run the block with the generators as ``state`` had them, then as they were before."""
+    now = capture(state.device)
+    _restore(state)
+    try:
+        yield
+    finally:
+        _restore(now)

@@ -1,0 +1,175 @@
+"""The PyTorch side of a pipeline: this rank's stage modules as a :class:`StageWorker`.
+
+The driver (``unison.common.pipeline.driver``) calls ``forward``/``backward`` (or the split
+``backward_input``/``backward_weight``) per stage and microbatch, with numpy arrays at the
+stage boundaries. Here those become tensors on the stage's device (CUDA tensors are staged
+through host memory), and each microbatch keeps what its backward needs:
+
+    no checkpoint   F: (input leaf, output) with the autograd graph
+    checkpoint      F: (input, RNG state) only; the graph is rebuilt right before B or I
+    split (zb-h1)   I: input gradient with retain_graph; W: weight gradients from the same
+                    graph, added into ``.grad``
+
+The last stage applies the loss to its output and the microbatch's targets, scaled by
+``1 / chunks`` so that a step's gradient is that of the mean loss over the whole batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from unison.common.pipeline import PipelineError
+from unison.torch_backend.pipeline.recompute import RngState, capture, replay
+from unison.torch_backend.tensors import from_numpy, to_numpy
+
+__all__: list[str] = []
+
+CHECKPOINTS = ("never", "always", "except_last")
+_NO_GRADIENT = np.empty(0, np.float32)  # what an evaluation pass sends upstream
+
+
+@dataclass
+class _Kept:
+    """What a microbatch keeps between its forward and its backward on one stage."""
+
+    x: torch.Tensor
+    out: torch.Tensor | None = None  # the output (the scaled loss on the last stage)
+    rng: RngState | None = None  # set when the forward is to be recomputed
+    grad: torch.Tensor | None = None  # split backward: the output gradient, for W
+
+
+class TorchStages:
+    """Stage modules of one rank, driven one (stage, microbatch) action at a time.
+
+    Args:
+        modules: stage index -> the stage's layers, already on ``device``.
+        num_stages: stages in the whole pipeline.
+        loss_fn: ``loss_fn(output, target)`` on the last stage, a scalar tensor.
+        checkpoint: one of ``CHECKPOINTS``.
+        device: where the stages compute.
+    """
+
+    def __init__(self, modules: dict[int, nn.Module], num_stages: int, loss_fn: Callable[..., Any],
+                 checkpoint: str, device: torch.device) -> None:
+        self.modules = modules
+        self.last = num_stages - 1
+        self.loss_fn = loss_fn
+        self.checkpoint = checkpoint
+        self.device = device
+        self.params = {s: [p for p in m.parameters() if p.requires_grad] for s, m in modules.items()}
+        self.begin(None, None, 1, train=True)
+
+    def begin(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None, chunks: int,
+              train: bool) -> None:
+        """Start a step: the microbatches of this rank's inputs and targets (None where not held)."""
+        self.inputs, self.targets, self.chunks, self.train = inputs, targets, chunks, train
+        self.kept: dict[tuple[int, int], _Kept] = {}
+        self.loss = 0.0
+        self.outputs: dict[int, torch.Tensor] = {}
+        for module in self.modules.values():
+            module.train(train)
+
+    # ------------------------------------------------------------------ the StageWorker calls
+    def forward(self, stage: int, mb: int, x: np.ndarray | None) -> np.ndarray | None:
+        inp = self._input(stage, mb, x)
+        if not self.train:
+            with torch.no_grad():
+                out = self._loss_or_output(stage, mb, self.modules[stage](inp))
+            return None if stage == self.last else _host(out)
+        if self.checkpoint == "always" or (self.checkpoint == "except_last" and mb < self.chunks - 1):
+            rng = capture(self.device)
+            with torch.no_grad():
+                out = self._loss_or_output(stage, mb, self.modules[stage](inp))
+            self.kept[(stage, mb)] = _Kept(inp, rng=rng)
+        else:
+            out = self._loss_or_output(stage, mb, self.modules[stage](inp))
+            self.kept[(stage, mb)] = _Kept(inp, out)
+        return None if stage == self.last else _host(out)
+
+    def backward(self, stage: int, mb: int, grad: np.ndarray | None) -> np.ndarray | None:
+        if not self.train:
+            return None if stage == 0 else _NO_GRADIENT
+        kept = self._graph(stage, mb, grad)
+        self.kept.pop((stage, mb))
+        if kept.out is not None and kept.out.requires_grad:
+            torch.autograd.backward(kept.out, kept.grad)
+        return None if stage == 0 else self._input_grad(kept.x)
+
+    def backward_input(self, stage: int, mb: int, grad: np.ndarray | None) -> np.ndarray | None:
+        kept = self._graph(stage, mb, grad)
+        if stage == 0:
+            return None  # nobody needs stage 0's input gradient; W does all its work
+        if kept.out is None or not kept.out.requires_grad:
+            return self._input_grad(kept.x)
+        (dx,) = torch.autograd.grad(kept.out, [kept.x], kept.grad, retain_graph=True, allow_unused=True)
+        return _host(dx if dx is not None else torch.zeros_like(kept.x))
+
+    def backward_weight(self, stage: int, mb: int) -> None:
+        kept = self.kept.pop((stage, mb))
+        params = self.params[stage]
+        if not params or kept.out is None or not kept.out.requires_grad:
+            return
+        grads = torch.autograd.grad(kept.out, params, kept.grad, allow_unused=True)
+        for param, g in zip(params, grads, strict=True):
+            if g is None:
+                continue
+            if param.grad is None:
+                param.grad = g.detach()
+            else:
+                param.grad.add_(g)
+
+    # ------------------------------------------------------------------ helpers
+    def _input(self, stage: int, mb: int, x: np.ndarray | None) -> torch.Tensor:
+        if stage == 0:
+            if self.inputs is None:
+                raise PipelineError("stage 0 has no inputs; pass inputs to train_step on the rank holding stage 0")
+            return self.inputs[mb].to(self.device)
+        inp = from_numpy(x).to(self.device)  # type: ignore[arg-type]  # the driver gives arrays past stage 0
+        if self.train and inp.is_floating_point():
+            inp.requires_grad_()
+        return inp
+
+    def _loss_or_output(self, stage: int, mb: int, out: torch.Tensor, count: bool = True) -> torch.Tensor:
+        """On the last stage: the microbatch's loss / chunks (added to ``self.loss`` if ``count``)."""
+        if stage != self.last:
+            return out
+        if not self.train:
+            self.outputs[mb] = out
+        if self.targets is None:
+            if self.train:
+                raise PipelineError(f"stage {stage} is the last stage but has no targets; pass targets to "
+                                    "train_step on the rank holding the last stage")
+            return out
+        loss = self.loss_fn(out, self.targets[mb].to(self.device))
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise PipelineError(f"loss_fn must return a scalar tensor (a mean over the microbatch); it "
+                                f"returned {got}. Use reduction='mean'")
+        loss = loss.reshape(()) / self.chunks
+        if count:
+            self.loss += float(loss.detach())
+        return loss
+
+    def _graph(self, stage: int, mb: int, grad: np.ndarray | None) -> _Kept:
+        """The microbatch's graph (recomputed when checkpointed) and output gradient."""
+        kept = self.kept[(stage, mb)]
+        if kept.rng is not None:
+            with replay(kept.rng):
+                kept.out = self._loss_or_output(stage, mb, self.modules[stage](kept.x), count=False)
+            kept.rng = None
+        kept.grad = None if grad is None else from_numpy(grad).to(self.device)
+        return kept
+
+    def _input_grad(self, x: torch.Tensor) -> np.ndarray:
+        return _host(x.grad if x.grad is not None else torch.zeros_like(x))
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    """A host numpy array of ``t`` (a view on the CPU, a copy from a GPU)."""
+    return to_numpy(t.detach().cpu())
