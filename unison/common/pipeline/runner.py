@@ -2,8 +2,9 @@
 
 An executor (``unison.torch_backend.Pipeline``, the Keras one) owns stage modules and a
 :class:`~unison.common.pipeline.driver.StageWorker`; the rest is the same for every framework
-and lives here: the communicators of a data x pipeline grid, the training and forward-only
-drivers, the pre-flight check of a batch, and the loss every rank returns::
+and lives here: the checks of the arguments and the cut into stages (agreed over the job), the
+communicators of a data x pipeline grid, the training and forward-only drivers, the pre-flight
+check of a batch, and the loss every rank returns::
 
     world (Dup)  --Split by pipeline-->  pipeline comm  --> PipelineDriver(schedule)
                                                         --> PipelineDriver(fill_drain) for evaluation
@@ -11,15 +12,82 @@ drivers, the pre-flight check of a batch, and the loss every rank returns::
 
 from __future__ import annotations
 
-from typing import Any
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
-from unison.common.pipeline.driver import PipelineDriver, StageWorker, StepStats
+from unison.common.pipeline.builders import build_schedule
+from unison.common.pipeline.driver import PipelineDriver, PipelineError, StageWorker, StepStats, raise_together
 from unison.common.pipeline.grid import PipelineGrid, fill_drain, world_comm
+from unison.common.pipeline.partition import check_balance
 from unison.common.pipeline.schedule import Schedule
 
-__all__ = ["PipelineRunner"]
+__all__ = ["PipelineRunner", "CHECKPOINTS", "plan_stages", "agreed", "layer_ranges"]
+
+#: activation checkpointing: never, every microbatch, or every microbatch but the last
+CHECKPOINTS = ("never", "always", "except_last")
+
+T = TypeVar("T")
+
+
+def agreed(make: Callable[[], T], failed: str | None = None) -> T:
+    """``make()`` on every rank of the job; collective.
+
+    Args:
+        make: what to run.
+        failed: what ``make`` does, for messages. A ValueError or TypeError of ``make`` speaks
+            for itself when ``failed`` is None; any other exception (and any at all when
+            ``failed`` is given) is reported as ``"<failed> failed: <type>: <message>"``.
+
+    Raises:
+        PipelineError: on every rank, with the first failing rank's message, when ``make``
+            raised on any rank (so no rank goes on to wait for the others); on that rank its
+            ``__cause__`` is the original exception.
+    """
+    result, problem, error = None, None, None
+    try:
+        result = make()
+    except Exception as exc:
+        what = failed or "setting up the pipeline"
+        plain = failed is None and isinstance(exc, (ValueError, TypeError))
+        problem, error = (str(exc) if plain else f"{what} failed: {type(exc).__name__}: {exc}"), exc
+    try:
+        raise_together(world_comm(), problem)
+    except PipelineError as agreed_error:
+        raise agreed_error from error
+    return result  # type: ignore[return-value]  # set: raise_together raised otherwise
+
+
+def plan_stages(num_layers: int, balance: Sequence[int] | None, default: Callable[[int], list[int]],
+                chunks: int, schedule: str, v: int, checkpoint: str, pp: int) -> tuple[Schedule, list[int]]:
+    """The checks every executor makes, and its cut of ``num_layers`` layers into stages.
+
+    Args:
+        default: ``default(num_stages)`` -> the balance to use when ``balance`` is None.
+
+    Returns:
+        The schedule and the balance (layers per stage).
+
+    Raises:
+        ValueError: (a ScheduleError for schedules and balances) with the values and the fix.
+    """
+    if checkpoint not in CHECKPOINTS:
+        raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINTS)}; received {checkpoint!r}")
+    built = build_schedule(schedule, pp, chunks, v)
+    stages = built.num_stages
+    if num_layers < stages:
+        raise ValueError(f"the model has {num_layers} layers, too few for {stages} stages (p={pp} ranks x "
+                         f"v={v}); use fewer ranks or virtual stages, or split the model into more layers")
+    sizes = default(stages) if balance is None else check_balance(balance, num_layers, pp, v)
+    return built, sizes
+
+
+def layer_ranges(balance: Sequence[int], stages: Sequence[int]) -> dict[int, range]:
+    """Stage -> the indices of its layers in the model, for the given ``stages``."""
+    starts = list(itertools.accumulate([0, *balance]))
+    return {s: range(starts[s], starts[s + 1]) for s in stages}
 
 
 class PipelineRunner:

@@ -24,12 +24,12 @@ import torch
 from torch import nn
 
 from unison.common.ops import Average
-from unison.common.pipeline import PipelineError, Schedule, build_schedule, check_balance, raise_together
-from unison.common.pipeline.grid import PipelineGrid, pipeline_grid, world_comm
-from unison.common.pipeline.runner import PipelineRunner
+from unison.common.pipeline import Schedule
+from unison.common.pipeline.grid import PipelineGrid, pipeline_grid
+from unison.common.pipeline.runner import PipelineRunner, agreed, layer_ranges, plan_stages
 from unison.torch_backend.mpi_ops import grouped_allreduce_
 from unison.torch_backend.pipeline.balance import as_layers, balance_by_params
-from unison.torch_backend.pipeline.stages import CHECKPOINTS, TorchStages
+from unison.torch_backend.pipeline.stages import TorchStages
 
 __all__ = ["Pipeline"]
 
@@ -78,20 +78,12 @@ class Pipeline(PipelineRunner):
                  optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
                  grid: PipelineGrid | None = None, device: torch.device | str | None = None) -> None:
         grid = grid if grid is not None else pipeline_grid(dp=1)
-        plan, problem = None, None
-        try:
-            plan = _plan(module, balance, chunks, schedule, virtual_stages, checkpoint, loss_fn, optimizer,
-                         grid, device)
-        except (ValueError, TypeError) as exc:
-            problem = str(exc)
-        raise_together(world_comm(), problem)  # every rank raises here if any rank has a problem
-        if plan is None:
-            raise PipelineError(str(problem))
+        plan = agreed(lambda: _plan(module, balance, chunks, schedule, virtual_stages, checkpoint, loss_fn,
+                                    optimizer, grid, device))
         super().__init__(plan.schedule, chunks, grid)
         self.balance, self.device = plan.balance, plan.device
-        starts = list(itertools.accumulate([0, *plan.balance]))
         #: stage -> the indices of its layers in the model
-        self.layer_ranges = {s: range(starts[s], starts[s + 1]) for s in self.schedule.stages_of(grid.position)}
+        self.layer_ranges = layer_ranges(plan.balance, self.schedule.stages_of(grid.position))
         self.stages = {s: nn.Sequential(*plan.layers[r.start:r.stop]).to(plan.device)
                        for s, r in self.layer_ranges.items()}
         self._worker = TorchStages(self.stages, self.schedule.num_stages, loss_fn,  # type: ignore[arg-type]
@@ -142,13 +134,9 @@ class Pipeline(PipelineRunner):
     # ------------------------------------------------------------------ helpers
     def _make_optimizer(self, factory: Any) -> torch.optim.Optimizer | None:
         """``factory(params)``, or None without a factory or (a stage of activations only) parameters."""
-        params, problem, made = self.parameters(), None, None
-        try:
-            made = factory(params) if factory is not None and params else None
-        except Exception as exc:  # a failure on one rank must not leave the others waiting
-            problem = f"optimizer(params) failed for stages {sorted(self.stages)}: {type(exc).__name__}: {exc}"
-        raise_together(self._world, problem)
-        return made
+        params = self.parameters()
+        return agreed(lambda: factory(params) if factory is not None and params else None,
+                      failed=f"optimizer(params) for stages {sorted(self.stages)}")
 
     def _forward_only(self, inputs: Any, targets: Any, need_targets: bool) -> None:
         """Every stage's forward in evaluation mode; backward sends only empty arrays."""
@@ -191,13 +179,6 @@ def _plan(module: Any, balance: Any, chunks: Any, schedule: Any, v: Any, checkpo
     if optimizer is not None and not callable(optimizer):
         raise TypeError("optimizer must be a factory: optimizer(params) -> torch.optim.Optimizer, e.g. "
                         f"lambda params: torch.optim.SGD(params, lr=0.1); received {type(optimizer).__name__}")
-    if checkpoint not in CHECKPOINTS:
-        raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINTS)}; received {checkpoint!r}")
-    built = build_schedule(schedule, grid.pp, chunks, v)
-    stages = built.num_stages
-    if len(layers) < stages:
-        raise ValueError(f"the model has {len(layers)} layers, too few for {stages} stages (p={grid.pp} ranks x "
-                         f"v={v}); use fewer ranks or virtual stages, or split the model into more layers")
-    sizes = balance_by_params(layers, stages) if balance is None else check_balance(balance, len(layers),
-                                                                                     grid.pp, v)
+    built, sizes = plan_stages(len(layers), balance, lambda stages: balance_by_params(layers, stages), chunks,
+                               schedule, v, checkpoint, grid.pp)
     return _Plan(layers, sizes, built, checkpoint, torch.device(device if device is not None else "cpu"))

@@ -30,7 +30,6 @@ from unison.torch_backend.tensors import from_numpy, to_numpy
 
 __all__: list[str] = []
 
-CHECKPOINTS = ("never", "always", "except_last")
 _NO_GRADIENT = np.empty(0, np.float32)  # what an evaluation pass sends upstream
 
 
@@ -51,7 +50,7 @@ class TorchStages:
         modules: stage index -> the stage's layers, already on ``device``.
         num_stages: stages in the whole pipeline.
         loss_fn: ``loss_fn(output, target)`` on the last stage, a scalar tensor.
-        checkpoint: one of ``CHECKPOINTS``.
+        checkpoint: one of ``unison.common.pipeline.runner.CHECKPOINTS``.
         device: where the stages compute.
     """
 
