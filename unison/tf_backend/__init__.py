@@ -3,7 +3,8 @@
 Like ``horovod.tensorflow``: collectives on tf.Tensors (eager and inside
 ``tf.function``, with gradients), ``broadcast_variables``, ``broadcast_object``,
 ``allgather_object`` and ``DistributedGradientTape``. Everything goes through
-Unison's engine.
+Unison's engine. ``Pipeline`` trains a ``keras.Sequential`` as pipeline stages across ranks
+(docs/pipeline.md).
 """
 
 from unison.common.compression import Compression
@@ -45,6 +46,7 @@ from unison.tf_backend.mpi_ops import (
     reducescatter,
     size_op,
 )
+from unison.tf_backend.pipeline import Pipeline, PipelineError, PipelineGrid, balance_by_params, pipeline_grid
 from unison.tf_backend.strategy import UnisonStrategy
 
 __all__ = [
@@ -55,5 +57,6 @@ __all__ = [
     "Compression", "ProcessSet", "global_process_set", "add_process_set", "start_timeline",
     "stop_timeline", "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "UnisonError",
     "NotInitializedError", "MismatchError", "CollectiveError", "InvalidArgumentError", "StallError",
-    "ShutdownError", "DuplicateNameError",
+    "ShutdownError", "DuplicateNameError", "Pipeline", "PipelineGrid", "pipeline_grid", "balance_by_params",
+    "PipelineError",
 ]

@@ -1,0 +1,222 @@
+"""The Keras pipeline under mpirun: the same weights as one process, and errors on every rank."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import unison.tf_backend as hvd  # noqa: E402
+from unison.tf_backend.pipeline import Pipeline, PipelineError, pipeline_grid  # noqa: E402
+
+WORLD = MPI.COMM_WORLD
+N, R = WORLD.Get_size(), WORLD.Get_rank()
+CHUNKS, BATCH, STEPS = 4, 8, 3
+LR, MOMENTUM = 0.1, 0.9
+# all four schedules at 2 ranks; one, with the interleaved layout's 8 stages, at 4 ranks
+CASES = ([(name, ck) for name in ("gpipe", "1f1b", "interleaved", "zb-h1") for ck in ("never", "always")]
+         + [("1f1b", "except_last")]) if N <= 2 else [("interleaved", "always")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _session():
+    hvd.init()
+    yield
+    hvd.shutdown()
+
+
+def make_model(dropout=False, seed=0):
+    """Eight layers (enough for 8 stages), built with the same seed on every rank; a Dropout as layer 3."""
+    keras.utils.set_random_seed(seed)
+    def dense(units):
+        return keras.layers.Dense(units, activation="tanh")
+
+    return keras.Sequential([
+        keras.Input((6,)), dense(16), dense(16), dense(16),
+        keras.layers.Dropout(0.3, seed=11) if dropout else dense(16),
+        dense(8), dense(8), dense(4), keras.layers.Dense(1)])
+
+
+def sgd():
+    return keras.optimizers.SGD(LR, momentum=MOMENTUM)
+
+
+def batch(step, replica=0):
+    g = np.random.default_rng(100 * replica + step)
+    return g.standard_normal((BATCH, 6)).astype("float32"), g.standard_normal((BATCH, 1)).astype("float32")
+
+
+def reference(model, batches, chunks=None):
+    """Train ``model`` in this process; ``chunks`` None: whole batches, else microbatch by microbatch.
+
+    Microbatches draw dropout masks one microbatch at a time in microbatch order, as the
+    pipeline's dropout stage does, so with the same seed both draw the same masks.
+    """
+    opt, losses, mse = sgd(), [], keras.losses.MeanSquaredError()
+    for x, y in batches:
+        parts = [(x, y)] if chunks is None else list(zip(np.split(x, chunks), np.split(y, chunks), strict=True))
+        grads, total = None, 0.0
+        for xs, ys in parts:
+            with tf.GradientTape() as tape:
+                loss = mse(ys, model(xs, training=True)) / len(parts)
+            g = tape.gradient(loss, model.trainable_variables)
+            grads = g if grads is None else [a + b for a, b in zip(grads, g, strict=True)]
+            total += float(loss)
+        opt.apply(grads, model.trainable_variables)
+        losses.append(total)
+    return losses
+
+
+def assert_same(pipe, ref, losses, ref_losses):
+    for mine, theirs in zip(pipe.get_weights(), ref.get_weights(), strict=True):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert all(e == losses for e in WORLD.allgather(losses))  # the loss reaches every rank
+
+
+def raised_everywhere(fn):
+    """Run ``fn``, which must raise PipelineError here; return the message, identical on every rank."""
+    with pytest.raises(PipelineError) as info:
+        fn()
+    message = str(info.value)
+    everyone = WORLD.allgather(message)
+    assert all(e == message for e in everyone), everyone
+    return message
+
+
+@pytest.mark.parametrize("schedule, checkpoint", CASES)
+def test_every_schedule_trains_like_one_process(schedule, checkpoint):
+    v = 2 if schedule == "interleaved" else 1
+    pipe = Pipeline(make_model(), chunks=CHUNKS, schedule=schedule, virtual_stages=v, checkpoint=checkpoint,
+                    loss="mse", optimizer=sgd)
+    batches = [batch(k) for k in range(STEPS)]
+    losses = [pipe.train_step(x if pipe.holds_first else None, y if pipe.holds_last else None)
+              for x, y in batches]
+    ref = make_model()
+    assert_same(pipe, ref, losses, reference(ref, batches))
+    assert sorted(pipe.stats.peak_per_stage) == sorted(pipe.stages)
+    pipe.close()
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_dropout_recompute_draws_the_masks_of_the_first_forward(checkpoint):
+    """Checkpointing replays each Dropout mask: the same weights as keeping the activations, and as
+    one process running the microbatches in order; without replay the recompute would draw anew."""
+    pipe = Pipeline(make_model(dropout=True), chunks=CHUNKS, schedule="zb-h1", checkpoint=checkpoint, loss="mse",
+                    optimizer=sgd)
+    batches = [batch(k) for k in range(STEPS)]
+    losses = [pipe.train_step(x, y) for x, y in batches]
+    ref = make_model(dropout=True)
+    assert_same(pipe, ref, losses, reference(ref, batches, chunks=CHUNKS))
+    pipe.close()
+
+
+def test_data_x_pipeline_grid_trains_like_one_process_on_both_batches():
+    dp = 2
+    grid = pipeline_grid(dp=dp)
+    assert (grid.pp, grid.dp) == (N // dp, dp) and grid.pipeline_ranks[grid.position] == R
+    keras.utils.set_random_seed(R)  # replicas built differently: pipeline 0's weights are broadcast
+    model = make_model(seed=0 if grid.pipeline == 0 else 5)
+    pipe = Pipeline(model, chunks=2, schedule="1f1b", loss="mse", optimizer=sgd, grid=grid)
+    mine = [batch(k, grid.pipeline) for k in range(STEPS)]
+    losses = [pipe.train_step(x, y) for x, y in mine]
+    both = [tuple(np.concatenate(parts) for parts in zip(*(batch(k, d) for d in range(dp)), strict=True))
+            for k in range(STEPS)]
+    ref = make_model()
+    assert_same(pipe, ref, losses, reference(ref, both))
+    pipe.close()
+
+
+def test_fit_evaluate_and_predict(capsys):
+    rs = np.random.default_rng(3)
+    x, y = rs.standard_normal((40, 6)).astype("float32"), rs.standard_normal((40, 1)).astype("float32")
+    pipe = Pipeline(make_model(), chunks=2, loss=keras.losses.MeanSquaredError(), optimizer=sgd)
+    history = pipe.fit(x, y, batch_size=BATCH, epochs=2, verbose=1, seed=4)
+    shown = capsys.readouterr().out
+    ref = make_model()
+    ref_losses = reference(ref, [(x[rows], y[rows]) for epoch in range(2)
+                                 for rows in np.split(np.random.default_rng([4, epoch]).permutation(40), 5)])
+    np.testing.assert_allclose(history, [np.mean(ref_losses[:5]), np.mean(ref_losses[5:])], rtol=1e-5)
+    assert ("Epoch 2/2" in shown and "loss:" in shown) == (R == 0)  # the progress bar on rank 0 only
+    assert pipe.evaluate(x[:8], y[:8]) == pytest.approx(float(keras.losses.MeanSquaredError()(y[:8], ref(x[:8]))),
+                                                        rel=1e-5)
+    out = pipe.predict(x[:8])
+    if pipe.holds_last:
+        np.testing.assert_allclose(out, ref(x[:8]).numpy(), rtol=1e-5, atol=1e-6)
+    else:
+        assert out is None
+    pipe.close()
+
+
+class Wobbly(keras.layers.Layer):
+    """Returns 5 columns for a microbatch whose first value is positive, else 4: a data-dependent shape."""
+
+    def call(self, x):
+        return x[:, :4 + tf.cast(x[0, 0] > 0, tf.int32)]
+
+    def compute_output_shape(self, shape):
+        return (shape[0], None)
+
+
+def test_bad_input_raises_the_same_error_on_every_rank():
+    ok = {"loss": "mse", "optimizer": sgd}
+    msg = raised_everywhere(lambda: Pipeline(make_model(), balance=[3] * N, **ok))
+    assert (f"balance {[3] * N} sums to {3 * N} but the model has 8 layers; give p={N} stage sizes that sum "
+            "to 8") in msg
+    if N > 1:
+        msg = raised_everywhere(lambda: Pipeline(make_model().layers[:1], **ok))
+        assert msg.startswith(f"rank 0: the model has 1 layers, too few for {N} stages (p={N} ranks x v=1); use "
+                              "fewer ranks or virtual stages, or split the model into more layers")
+    msg = raised_everywhere(lambda: pipeline_grid(pp=N + 1))
+    assert f"needs pp * dp = {N + 1} ranks, more than the job's {N}" in msg
+    msg = raised_everywhere(lambda: Pipeline(make_model(), chunks=3, schedule="interleaved", virtual_stages=2,
+                                             **ok))
+    if N > 1:
+        assert "interleaved needs num_microbatches (3) to be a multiple of the number of ranks" in msg
+    msg = raised_everywhere(lambda: Pipeline([keras.layers.Dense(4) for _ in range(N)], **ok))
+    assert "are not built; start the Sequential with keras.Input(shape), or pass input_shape" in msg
+
+    msg = raised_everywhere(lambda: Pipeline(make_model(), loss="mse", optimizer=sgd()))
+    assert "optimizer must be a factory, not an optimizer instance: each stage needs its own" in msg
+
+    def fails_on_the_last_rank():
+        if R == N - 1:
+            raise RuntimeError("no optimizer here")
+        return sgd()
+
+    with pytest.raises(PipelineError) as info:
+        Pipeline(make_model(), loss="mse", optimizer=fails_on_the_last_rank)
+    assert all(m == str(info.value) for m in WORLD.allgather(str(info.value)))
+    assert str(info.value) == f"rank {N - 1}: optimizer() for stages [{N - 1}] failed: RuntimeError: no " \
+                              "optimizer here"
+    assert isinstance(info.value.__cause__, RuntimeError) == (R == N - 1)
+
+    pipe = Pipeline(make_model(), chunks=CHUNKS, **ok)
+    x, y = batch(0)
+    msg = raised_everywhere(lambda: pipe.train_step(x[:7], y[:7]))
+    assert "has a batch of 7 rows, which 4 microbatches (chunks=4) do not divide; use a batch that is a " \
+           "multiple of 4 (e.g. 4 or 8)" in msg
+    msg = raised_everywhere(lambda: pipe.train_step(None, y))
+    assert msg.startswith("rank 0: x must be a batch (an array or tensor) on the rank holding stage 0; received "
+                          "None")
+    assert pipe.train_step(x, y) == pytest.approx(reference(make_model(), [(x, y)])[0], rel=1e-5)  # still fine
+    pipe.close()
+
+
+@pytest.mark.skipif(N < 2, reason="one stage sends nothing")
+def test_a_stage_output_that_changes_shape_raises_on_every_rank():
+    total = keras.layers.Lambda(lambda t: tf.reduce_sum(t, axis=1, keepdims=True))
+    layers = [Wobbly(), total] + [keras.layers.Dense(1) for _ in range(N - 1)]
+    pipe = Pipeline(layers, balance=[1, 2] + [1] * (N - 2), chunks=2, loss="mse", optimizer=sgd, input_shape=(6,))
+    x, y = batch(0)
+    x[0, 0], x[4, 0] = 1.0, -1.0  # microbatch 0 gives 5 columns, microbatch 1 gives 4
+    msg = raised_everywhere(lambda: pipe.train_step(x, y))
+    assert ("at F1@s0 (forward of stage 0, microbatch 1): the output of stage 0 for microbatch 1 is (4, 4) "
+            "float32 but microbatch 0 gave (4, 5) float32 in this step") in msg
+    pipe.close()

@@ -1,0 +1,280 @@
+"""Pipeline-parallel training of a Keras 3 ``Sequential`` across ranks (TensorFlow backend).
+
+The model's layers are cut into ``p * v`` stages (by an explicit balance, or by parameter
+count); each rank keeps only its stages. A step splits the batch into ``chunks`` microbatches
+and runs a schedule from ``unison.common.pipeline`` through the framework-neutral driver,
+which moves activations and gradients point to point and makes a failure on any rank raise
+the same :class:`PipelineError` on every rank. The last stage computes the loss. On a data x
+pipeline grid, each stage's gradients are then averaged over the ranks that hold the same
+stage (an engine all-reduce over that position's process set), and each stage's own Keras
+optimizer applies them.
+
+A step computes the gradient of the loss over the whole batch with Keras's reduction, so ``k``
+steps equal the unpartitioned model trained in one process on the same batches (layers that mix
+rows of a batch, such as BatchNormalization, differ by their microbatch statistics; random
+layers draw per microbatch).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import keras
+import numpy as np
+
+from unison.common.engine import frontend
+from unison.common.ops import Average, Sum
+from unison.common.pipeline import PipelineError, Schedule, balance_by_cost
+from unison.common.pipeline.grid import PipelineGrid, pipeline_grid
+from unison.common.pipeline.runner import PipelineRunner, agreed, layer_ranges, plan_stages
+from unison.tf_backend.functions import broadcast_variables
+from unison.tf_backend.pipeline.fit import fit
+from unison.tf_backend.pipeline.stages import KerasStage, KerasStages, scaled_loss
+
+__all__ = ["Pipeline", "balance_by_params"]
+
+_instances = itertools.count()
+
+
+def balance_by_params(layers: Sequence[keras.Layer], p: int) -> list[int]:
+    """Layers per stage for ``p`` stages with the largest stage's parameter count as small as possible.
+
+    Raises:
+        ScheduleError: fewer layers than stages, or ``p`` not a positive integer.
+        ValueError: a layer is not built.
+    """
+    return balance_by_cost([layer.count_params() for layer in layers], p)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    layers: list[keras.Layer]
+    balance: list[int]
+    schedule: Schedule
+    loss: Callable[[Any, Any], Any]
+    is_mean: bool
+
+
+class Pipeline(PipelineRunner):
+    """A Keras model split into pipeline stages across ranks; collective (every rank, same arguments).
+
+    Args:
+        model: a ``keras.Sequential`` or a list of Keras layers, built the same way on every rank
+            (same seed, or the same weights loaded). The pipeline trains this rank's layers in
+            place and never touches the others: drop your reference to the model to free them;
+            :meth:`get_weights` gathers the trained weights of every stage.
+        balance: layers per stage, ``p * v`` numbers summing to the layer count; default
+            :func:`balance_by_params`.
+        chunks: microbatches per step; every batch must be a multiple of it.
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zb-h1"``.
+        virtual_stages: ``v``, stages per rank (the interleaved schedule needs ``v >= 2``).
+        checkpoint: ``"never"``, ``"always"`` or ``"except_last"`` (every microbatch but the
+            last): forget activations in forward and recompute them, with the same random
+            numbers, before backward.
+        loss: a Keras loss, a loss name (``"mse"``) or ``loss(y_true, y_pred)`` returning a
+            scalar or per-example values (averaged), applied on the last stage.
+        optimizer: a factory, called once per stage this rank holds (each stage steps its own
+            variables): ``lambda: keras.optimizers.SGD(0.1)``, or an optimizer name (``"adam"``).
+        grid: a :func:`pipeline_grid` for data x pipeline; default: one pipeline of all ranks. With
+            ``dp > 1`` every replica of a stage starts from pipeline 0's weights (broadcast).
+        input_shape: one example's shape (without the batch dimension), needed only when the
+            layers are not built yet; every rank then builds the whole model once.
+        input_dtype: the inputs' dtype for that build.
+
+    Raises:
+        PipelineError: on every rank, for a model, balance, schedule, chunks or layout that cannot
+            run; the message names the values and the fix.
+    """
+
+    def __init__(self, model: keras.Sequential | Sequence[keras.Layer], balance: Sequence[int] | None = None,
+                 chunks: int = 1, schedule: str = "1f1b", virtual_stages: int = 1, checkpoint: str = "never",
+                 loss: Any = None, optimizer: Callable[[], keras.optimizers.Optimizer] | str | None = None,
+                 grid: PipelineGrid | None = None, input_shape: Sequence[int] | None = None,
+                 input_dtype: str = "float32") -> None:
+        grid = grid if grid is not None else pipeline_grid(dp=1)
+        plan = agreed(lambda: _plan(model, balance, chunks, schedule, virtual_stages, checkpoint, loss, optimizer,
+                                    grid, input_shape, input_dtype))
+        super().__init__(plan.schedule, chunks, grid, names=("x", "y"))
+        self.balance, self.checkpoint, self._is_mean = plan.balance, checkpoint, plan.is_mean
+        self._layers = plan.layers
+        #: stage -> the indices of its layers in the model
+        self.layer_ranges = layer_ranges(plan.balance, self.schedule.stages_of(grid.position))
+        last = self.schedule.num_stages - 1
+        self.stages = {s: KerasStage(s, plan.layers[r.start:r.stop], plan.loss if s == last else None)
+                       for s, r in self.layer_ranges.items()}
+        self._worker = KerasStages(self.stages, self.schedule.num_stages, checkpoint)
+        try:
+            self.optimizers = self._make_optimizers(optimizer)
+        except PipelineError:  # raised on every rank: free the communicators together
+            self.close()
+            raise
+        self._name = f"keras_pipeline.{next(_instances)}"
+        if grid.dp > 1:
+            broadcast_variables([v for s in sorted(self.stages) for v in self.stages[s].all_weights], root_rank=0,
+                                process_set=grid.data_set)
+
+    @property
+    def trainable_variables(self) -> list[Any]:
+        """This rank's trainable variables, stage by stage."""
+        return [v for s in sorted(self.stages) for v in self.stages[s].weights]
+
+    def train_step(self, x: Any = None, y: Any = None) -> float:
+        """One step on a batch: forward, backward, gradient averaging over ``dp``, optimizer steps.
+
+        Args:
+            x: this pipeline's batch of inputs, on the rank holding stage 0 (ignored elsewhere).
+            y: its targets, on the rank holding the last stage (ignored elsewhere).
+
+        Returns:
+            The loss over the batch (the mean over every replica's batch on a grid, or the sum
+            for a ``reduction="sum"`` loss), on every rank.
+
+        Raises:
+            PipelineError: on every rank, when a batch does not split into ``chunks``, a rank
+                lacks its inputs or targets, or any stage fails.
+        """
+        problem = self.batch_problem(x, y, need_targets=True)
+        self._begin(x, y, problem, train=True)
+        self.run(self._worker, problem, train=True)
+        grads = self._reduce_gradients(self._worker.grads)
+        for s, stage in self.stages.items():
+            self.optimizers[s].apply(grads[s], stage.weights)
+        return self.global_loss(self._worker.loss, self._is_mean)
+
+    def fit(self, x: Any, y: Any, batch_size: int, epochs: int = 1, verbose: int = 1, shuffle: bool = True,
+            seed: int = 0) -> list[float]:
+        """Train on in-memory arrays for ``epochs``; Keras's progress bar on rank 0. Collective.
+
+        Args:
+            x: every example's inputs (may be None on ranks that do not hold stage 0).
+            y: their targets (may be None on ranks that do not hold the last stage).
+            batch_size: the global batch (all replicas together): a multiple of ``dp * chunks``.
+                The last partial batch of an epoch is dropped.
+            epochs: passes over the data.
+            verbose: 0 silent, 1 a progress bar, 2 one line per epoch (on rank 0 only).
+            shuffle: visit the examples in a new order each epoch (``seed`` and the epoch number
+                pick it, the same on every rank).
+            seed: the shuffling seed.
+
+        Returns:
+            Each epoch's mean training loss, on every rank.
+
+        Raises:
+            PipelineError: on every rank, for arguments that cannot run (values and fix named).
+        """
+        return fit(self, x, y, batch_size, epochs, verbose, shuffle, seed)
+
+    def evaluate(self, x: Any = None, y: Any = None) -> float:
+        """The loss over a batch without training (dropout off), on every rank."""
+        self._forward_only(x, y, need_targets=True)
+        return self.global_loss(self._worker.loss, self._is_mean)
+
+    def predict(self, x: Any = None) -> np.ndarray | None:
+        """The model's output for a batch, on the rank holding the last stage (None elsewhere)."""
+        self._forward_only(x, None, need_targets=False)
+        outputs = self._worker.outputs
+        return np.concatenate([outputs[k] for k in sorted(outputs)]) if self.holds_last else None
+
+    def get_weights(self) -> list[np.ndarray]:
+        """Every layer's weights in model order (``keras.Sequential.get_weights`` order), on every rank.
+
+        Collective. Pipeline 0's ranks contribute their stages; on a grid the replicas are equal.
+        """
+        mine = {}
+        if self.grid.pipeline == 0:
+            mine = {i: self._layers[i].get_weights() for r in self.layer_ranges.values() for i in r}
+        held: dict[int, list[np.ndarray]] = {}
+        for part in self._world.allgather(mine):
+            held.update(part)
+        return [w for i in sorted(held) for w in held[i]]
+
+    # ------------------------------------------------------------------ helpers
+    def _make_optimizers(self, factory: Any) -> dict[int, keras.optimizers.Optimizer]:
+        """One optimizer per stage, built for its variables; a failure anywhere raises everywhere."""
+        def make() -> dict[int, keras.optimizers.Optimizer]:
+            made = {s: _make_optimizer(factory) for s in self.stages}
+            for s, stage in self.stages.items():
+                made[s].build(stage.weights)
+            return made
+
+        return agreed(make, failed=f"optimizer() for stages {sorted(self.stages)}")
+
+    def _forward_only(self, x: Any, y: Any, need_targets: bool) -> None:
+        """Every stage's forward with training off; backward sends only empty arrays."""
+        problem = self.batch_problem(x, y, need_targets)
+        self._begin(x, y, problem, train=False)
+        self.run(self._worker, problem, train=False)
+
+    def _begin(self, x: Any, y: Any, problem: str | None, train: bool) -> None:
+        """Hand this rank's microbatches to the worker (none when the step will not run)."""
+        def split(batch: Any, held: bool) -> list[np.ndarray] | None:
+            ok = held and problem is None and batch is not None
+            return np.split(np.asarray(batch), self.chunks) if ok else None
+
+        self._worker.begin(split(x, self.holds_first), split(y, self.holds_last), self.chunks, train)
+
+    def _reduce_gradients(self, grads: dict[int, list[Any]]) -> dict[int, list[Any]]:
+        """Each stage's gradient sums, averaged (summed for a ``"sum"`` loss) over its data group."""
+        out = {s: grads.get(s) or [np.zeros(v.shape, v.dtype) for v in st.weights]
+               for s, st in self.stages.items()}
+        order = [(s, i) for s in sorted(out) for i in range(len(out[s]))]
+        if self.grid.dp == 1 or not order:
+            return out
+        reduced = frontend.grouped_allreduce([np.asarray(out[s][i]) for s, i in order],
+                                             Average if self._is_mean else Sum,
+                                             f"{self._name}.grads.{self.grid.position}",
+                                             process_set=self.grid.data_set)
+        for (s, i), value in zip(order, reduced, strict=True):
+            out[s][i] = value
+        return out
+
+
+def _make_optimizer(optimizer: Any) -> keras.optimizers.Optimizer:
+    opt = keras.optimizers.get(optimizer) if isinstance(optimizer, str) else optimizer()
+    if not isinstance(opt, keras.optimizers.Optimizer):
+        raise TypeError(f"optimizer() must return a keras.optimizers.Optimizer; it returned {type(opt).__name__}")
+    return opt
+
+
+def _as_layers(model: Any, input_shape: Any, input_dtype: str) -> list[keras.Layer]:
+    """The layers of a Sequential or a list, built (by every rank, on ``input_shape``) if they are not."""
+    if isinstance(model, keras.Sequential):
+        layers = list(model.layers)
+    elif isinstance(model, keras.Model) or not isinstance(model, Sequence):
+        raise TypeError(f"a pipeline needs a keras.Sequential or a list of Keras layers; received "
+                        f"{type(model).__name__}. Wrap the layers in keras.Sequential([...])")
+    else:
+        layers = list(model)
+        bad = [i for i, layer in enumerate(layers) if not isinstance(layer, keras.Layer)]
+        if bad:
+            raise TypeError(f"layer {bad[0]} is {type(layers[bad[0]]).__name__}, not a keras.Layer; a pipeline "
+                            "needs a list of Keras layers")
+    unbuilt = [layer.name for layer in layers if not layer.built]
+    if unbuilt:
+        if input_shape is None:
+            raise ValueError(f"layers {unbuilt} are not built; start the Sequential with keras.Input(shape), or "
+                             "pass input_shape=(...) (one example's shape, without the batch dimension)")
+        keras.Sequential([keras.Input(tuple(input_shape), dtype=input_dtype), *layers])
+    return layers
+
+
+def _plan(model: Any, balance: Any, chunks: Any, schedule: Any, v: Any, checkpoint: Any, loss: Any,
+          optimizer: Any, grid: PipelineGrid, input_shape: Any, input_dtype: str) -> _Plan:
+    """Check the arguments and build the layers; raises ValueError or TypeError with the values and the fix."""
+    if loss is None:
+        raise TypeError("Pipeline needs loss=: a Keras loss, a loss name ('mse') or loss(y_true, y_pred), "
+                        "applied on the last stage")
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError("optimizer must be a factory, not an optimizer instance: each stage needs its own "
+                        "optimizer; pass lambda: keras.optimizers.SGD(0.1)")
+    if optimizer is None or not (isinstance(optimizer, str) or callable(optimizer)):
+        raise TypeError("optimizer must be a factory returning a Keras optimizer, one per stage, e.g. "
+                        f"lambda: keras.optimizers.SGD(0.1), or a name ('adam'); received {optimizer!r}")
+    layers = _as_layers(model, input_shape, input_dtype)
+    built, sizes = plan_stages(len(layers), balance, lambda stages: balance_by_params(layers, stages), chunks,
+                               schedule, v, checkpoint, grid.pp)
+    fn, is_mean = scaled_loss(loss, chunks)
+    return _Plan(layers, sizes, built, fn, is_mean)
