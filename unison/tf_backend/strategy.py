@@ -38,6 +38,7 @@ import collections
 import itertools
 import os
 import threading
+import weakref
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -62,6 +63,9 @@ _pending: dict[int, tuple[Any, np.ndarray]] = {}  # submitted reductions by id, 
 _ids = itertools.count(1)
 
 
+_traced: weakref.WeakKeyDictionary[Any, collections.Counter[str]] = weakref.WeakKeyDictionary()
+
+
 def _run_name(base: str) -> str:
     """``base.<n>`` for the n-th execution of ``base`` in this process (same n on every rank)."""
     with _lock:
@@ -70,13 +74,35 @@ def _run_name(base: str) -> str:
     return f"{base}.{n}"
 
 
-def _submit(base: str, a: np.ndarray) -> np.int64:
+def _op_name(base: str) -> str:
+    """The engine name of a collective created now.
+
+    In a graph being traced (``tf.function``) the name is fixed at trace time:
+    ``base.t<k>`` for the k-th such collective of this graph, so every execution
+    of the step reuses the same names and the engine's response cache answers
+    their negotiation (a new name costs an extra all-gather per step). Every rank
+    traces the same program, so k agrees even if ranks retrace at different
+    times. One graph op never runs twice at once (a step's reductions finish
+    before the next step's start), so a fixed name is never in flight twice.
+    Eagerly, ``base.<n>`` numbers the executions instead.
+    """
+    if tf.executing_eagerly():
+        return _run_name(base)
+    graph = tf.compat.v1.get_default_graph()
+    with _lock:
+        counts = _traced.setdefault(graph, collections.Counter())
+        k = counts[base]
+        counts[base] += 1
+    return f"{base}.t{k}"
+
+
+def _submit(name: str, a: np.ndarray) -> np.int64:
     """Hand ``a`` to the engine for a sum over the ranks; returns an id for :func:`_collect`.
 
     TensorFlow's array for a callback input keeps the tensor's buffer alive, so
     the engine may read it after the callback has returned.
     """
-    handle = frontend.allreduce_async(np.ascontiguousarray(a), Sum, _run_name(base))
+    handle = frontend.allreduce_async(np.ascontiguousarray(a), Sum, name)
     with _lock:
         key = next(_ids)
         _pending[key] = (handle, a)
@@ -90,8 +116,8 @@ def _collect(*keys: np.ndarray) -> list[np.ndarray]:
     return [np.asarray(h.wait(), dtype=a.dtype).reshape(a.shape) for h, a in entries]
 
 
-def _sum_arrays(base: str, *arrays: np.ndarray) -> list[np.ndarray]:
-    outs = frontend.grouped_allreduce([np.ascontiguousarray(a) for a in arrays], Sum, _run_name(base))
+def _sum_arrays(name: str, *arrays: np.ndarray) -> list[np.ndarray]:
+    outs = frontend.grouped_allreduce([np.ascontiguousarray(a) for a in arrays], Sum, name)
     return [np.asarray(o, dtype=a.dtype).reshape(a.shape) for o, a in zip(outs, arrays, strict=True)]
 
 
@@ -100,9 +126,10 @@ def grouped_sum(tensors: Sequence[Any], base: str) -> list[tf.Tensor]:
     ts = [tf.convert_to_tensor(t) for t in tensors]
     if not ts or runtime.size() == 1:
         return ts
+    name = _op_name(base)
     if tf.executing_eagerly():
-        return [tf.constant(o) for o in _sum_arrays(base, *[t.numpy() for t in ts])]
-    out = tf.numpy_function(lambda *a: _sum_arrays(base, *a), ts, [t.dtype for t in ts], stateful=True,
+        return [tf.constant(o) for o in _sum_arrays(name, *[t.numpy() for t in ts])]
+    out = tf.numpy_function(lambda *a: _sum_arrays(name, *a), ts, [t.dtype for t in ts], stateful=True,
                             name="unison_grouped_sum")
     for o, t in zip(out, ts, strict=True):
         o.set_shape(t.shape)
@@ -119,10 +146,11 @@ def overlapped_sum(tensors: Sequence[Any], base: str) -> list[tf.Tensor]:
     ts = [tf.convert_to_tensor(t) for t in tensors]
     if not ts or runtime.size() == 1:
         return ts
+    name = _op_name(base)
     if tf.executing_eagerly():
-        keys = [_submit(f"{base}.{i}", t.numpy()) for i, t in enumerate(ts)]
+        keys = [_submit(f"{name}.{i}", t.numpy()) for i, t in enumerate(ts)]
         return [tf.constant(o) for o in _collect(*keys)]
-    keys = [tf.numpy_function(lambda a, i=i: _submit(f"{base}.{i}", a), [t], tf.int64, stateful=True,
+    keys = [tf.numpy_function(lambda a, i=i: _submit(f"{name}.{i}", a), [t], tf.int64, stateful=True,
                               name="unison_submit_sum")
             for i, t in enumerate(ts)]
     out = tf.numpy_function(_collect, keys, [t.dtype for t in ts], stateful=True, name="unison_collect_sum")
@@ -131,8 +159,8 @@ def overlapped_sum(tensors: Sequence[Any], base: str) -> list[tf.Tensor]:
     return list(out)
 
 
-def _gather_array(base: str, a: np.ndarray) -> np.ndarray:
-    return np.asarray(frontend.allgather(np.ascontiguousarray(a), _run_name(base)), dtype=a.dtype)
+def _gather_array(name: str, a: np.ndarray) -> np.ndarray:
+    return np.asarray(frontend.allgather(np.ascontiguousarray(a), name), dtype=a.dtype)
 
 
 class _GlobalSumVariable(resource_variable_ops.ResourceVariable):
@@ -263,10 +291,11 @@ class UnisonExtended(distribute_lib.StrategyExtendedV1):
         if axis != 0:
             perm = [axis] + [i for i in range(len(v.shape)) if i != axis]
             v = tf.transpose(v, perm)
+        name = _op_name("unison.gather")
         if tf.executing_eagerly():
-            out = tf.constant(_gather_array("unison.gather", v.numpy()))
+            out = tf.constant(_gather_array(name, v.numpy()))
         else:
-            out = tf.numpy_function(lambda a: _gather_array("unison.gather", a), [v], v.dtype, stateful=True)
+            out = tf.numpy_function(lambda a: _gather_array(name, a), [v], v.dtype, stateful=True)
             out.set_shape([None] + v.shape.as_list()[1:])
         return out if perm is None else tf.transpose(out, np.argsort(perm))
 
@@ -414,7 +443,8 @@ def _gather_rows(tensor: Any, base: str) -> Any:
     t = tf.convert_to_tensor(tensor)
     if t.shape.rank == 0:
         return t
-    out = tf.numpy_function(lambda a: _gather_array(base, a), [t], t.dtype, stateful=True,
+    name = _op_name(base)
+    out = tf.numpy_function(lambda a: _gather_array(name, a), [t], t.dtype, stateful=True,
                             name="unison_gather_rows")
     out.set_shape([None] + t.shape.as_list()[1:])
     return out
