@@ -11,25 +11,29 @@ Keras 3 drives a strategy through a handful of ``StrategyExtended`` hooks
   every rank runs the same number of steps even when the last batch is partial.
   ``distribute_datasets_from_function`` gets an ``InputContext`` with
   ``num_input_pipelines=size`` and ``input_pipeline_id=rank``.
+* **Collectives in a graph** (:func:`_host_collective`): a *stateless* submit
+  callback hands its tensors to the engine without waiting, so TensorFlow runs
+  it as soon as they exist; a *stateful* collect callback waits. tf.function runs
+  stateful ops in program order, so every rank waits on its collectives in the
+  same order, and submits never wait: no op order TensorFlow picks can
+  deadlock the ranks. (Stateful submits would be chained in program order too,
+  and could not start before the gradient listed first, the last one computed.)
 * **Gradients** (``_batch_reduce_to``): Keras hands over all of a step's
-  gradients in one list. In a graph each gradient gets a *submit* host callback
-  that hands it to the engine without waiting, so its reduction starts as soon
-  as TensorFlow has computed it, while backward still runs; one *collect*
-  callback, which needs every submit first, waits for all of them. Submits never
-  block, so whatever order TensorFlow runs them in, every rank eventually
-  submits everything and the engine (which negotiates by name) completes.
-  Overlap needs a spare core per process for the engine: where every core is
-  busy with TensorFlow's compute (as many processes as cores, the usual CPU
-  case), the engine's lock-step ring has to be time-sliced against compute and
-  a step gets ~10% slower than reducing everything at once after backward (one
-  callback, one fused group). ``overlap_gradients=None`` picks per host.
+  gradients in one list. With ``overlap_gradients`` each gradient has its own
+  submit, so its reduction starts while backward still runs; otherwise one
+  submit takes them all (one fused group) when the last is computed. Overlap
+  needs a spare core per process for the engine: where every core is busy with
+  TensorFlow's compute (as many processes as cores, the usual CPU case) both
+  took the same ~29 ms per step of the benchmark MLP here, and reducing after
+  backward keeps the ring's lock-step exchanges off the cores compute needs.
+  ``overlap_gradients=None`` picks per host.
 * **Metrics**: Keras keeps loss and metric state in ON_READ/SUM variables and
   never reduces them across processes. Here such variables sum their updates
   over the ranks inside ``strategy.run``, so every rank holds the global state
   and reports the number one process would on the same global batches.
 
-Names of engine collectives come from per-name execution counters, identical
-on every rank because every rank runs the same program.
+Names of engine collectives are fixed when a step is traced (see :func:`_op_name`),
+identical on every rank because every rank traces the same program.
 """
 
 from __future__ import annotations
@@ -96,71 +100,91 @@ def _op_name(base: str) -> str:
     return f"{base}.t{k}"
 
 
-def _submit(name: str, a: np.ndarray) -> np.int64:
-    """Hand ``a`` to the engine for a sum over the ranks; returns an id for :func:`_collect`.
-
-    TensorFlow's array for a callback input keeps the tensor's buffer alive, so
-    the engine may read it after the callback has returned.
-    """
-    handle = frontend.allreduce_async(np.ascontiguousarray(a), Sum, name)
+def _enqueue(handle: Any, shapes: list[tuple[np.dtype, tuple[int, ...]]]) -> np.int64:
     with _lock:
         key = next(_ids)
-        _pending[key] = (handle, a)
+        _pending[key] = (handle, shapes)
     return np.int64(key)
 
 
+def _submit_sum(name: str, *arrays: np.ndarray) -> np.int64:
+    """Hand ``arrays`` to the engine for one grouped sum over the ranks; returns a key for :func:`_collect`.
+
+    Never blocks. TensorFlow's array for a callback input keeps the tensor's
+    buffer alive, so the engine may read it after the callback has returned.
+    """
+    handle = frontend.grouped_allreduce_async([np.ascontiguousarray(a) for a in arrays], Sum, name)
+    return _enqueue(handle, [(a.dtype, a.shape) for a in arrays])
+
+
+def _submit_gather(name: str, a: np.ndarray) -> np.int64:
+    """Hand ``a`` to the engine for an all-gather along axis 0; returns a key for :func:`_collect`."""
+    return _enqueue(frontend.allgather_async(np.ascontiguousarray(a), name), [(a.dtype, (-1, *a.shape[1:]))])
+
+
 def _collect(*keys: np.ndarray) -> list[np.ndarray]:
-    """Wait for the reductions :func:`_submit` returned ``keys`` for; their sums, in order."""
+    """Wait for the collectives submitted under ``keys``; their results, in order."""
     with _lock:
         entries = [_pending.pop(int(k)) for k in keys]
-    return [np.asarray(h.wait(), dtype=a.dtype).reshape(a.shape) for h, a in entries]
+    out = []
+    for handle, shapes in entries:
+        results = handle.wait()
+        results = results if isinstance(results, list) else [results]
+        out += [np.asarray(r, dtype=dt).reshape(shape) for r, (dt, shape) in zip(results, shapes, strict=True)]
+    return out
 
 
-def _sum_arrays(name: str, *arrays: np.ndarray) -> list[np.ndarray]:
-    outs = frontend.grouped_allreduce([np.ascontiguousarray(a) for a in arrays], Sum, name)
-    return [np.asarray(o, dtype=a.dtype).reshape(a.shape) for o, a in zip(outs, arrays, strict=True)]
+def _host_collective(submits: list[tuple[Callable[..., np.int64], list[tf.Tensor]]],
+                     dtypes: list[tf.DType]) -> list[tf.Tensor]:
+    """Run collectives as host callbacks: ``submit(*arrays)`` each, then one collect for all.
+
+    Eagerly: submit, then wait. In a graph, the submits are *stateless* callbacks,
+    so TensorFlow runs each as soon as its inputs exist (a gradient as backward
+    computes it, a loss right after forward) and the engine works meanwhile. The
+    collect is *stateful*: tf.function runs stateful ops in program order, so
+    every rank waits on its collectives in the same order, and since submits
+    never wait, no order TensorFlow picks for them can deadlock the ranks.
+    """
+    if tf.executing_eagerly():
+        keys = [submit(*[t.numpy() for t in ts]) for submit, ts in submits]
+        return [tf.constant(o) for o in _collect(*keys)]
+    keys = [tf.numpy_function(submit, ts, tf.int64, stateful=False, name="unison_submit")
+            for submit, ts in submits]
+    return list(tf.numpy_function(_collect, keys, dtypes, stateful=True, name="unison_collect"))
 
 
 def grouped_sum(tensors: Sequence[Any], base: str) -> list[tf.Tensor]:
-    """Sum dense tensors over the ranks in one engine call (one host callback in a graph)."""
+    """Sum dense tensors over the ranks in one grouped engine call (fused), after all of them exist."""
     ts = [tf.convert_to_tensor(t) for t in tensors]
     if not ts or runtime.size() == 1:
         return ts
     name = _op_name(base)
-    if tf.executing_eagerly():
-        return [tf.constant(o) for o in _sum_arrays(name, *[t.numpy() for t in ts])]
-    out = tf.numpy_function(lambda *a: _sum_arrays(name, *a), ts, [t.dtype for t in ts], stateful=True,
-                            name="unison_grouped_sum")
+    out = _host_collective([(lambda *a: _submit_sum(name, *a), ts)], [t.dtype for t in ts])
     for o, t in zip(out, ts, strict=True):
         o.set_shape(t.shape)
-    return list(out)
+    return out
 
 
 def overlapped_sum(tensors: Sequence[Any], base: str) -> list[tf.Tensor]:
-    """Sum dense tensors over the ranks, each reduction starting as soon as its tensor exists.
-
-    In a graph: one non-blocking submit callback per tensor (TensorFlow runs it
-    when that tensor is computed) and one collect callback that waits for all.
-    Eagerly, the tensors exist already: submit all, then wait.
-    """
+    """Sum dense tensors over the ranks, each reduction starting as soon as its tensor exists."""
     ts = [tf.convert_to_tensor(t) for t in tensors]
     if not ts or runtime.size() == 1:
         return ts
     name = _op_name(base)
-    if tf.executing_eagerly():
-        keys = [_submit(f"{name}.{i}", t.numpy()) for i, t in enumerate(ts)]
-        return [tf.constant(o) for o in _collect(*keys)]
-    keys = [tf.numpy_function(lambda a, i=i: _submit(f"{name}.{i}", a), [t], tf.int64, stateful=True,
-                              name="unison_submit_sum")
-            for i, t in enumerate(ts)]
-    out = tf.numpy_function(_collect, keys, [t.dtype for t in ts], stateful=True, name="unison_collect_sum")
+    out = _host_collective([(lambda a, i=i: _submit_sum(f"{name}.{i}", a), [t]) for i, t in enumerate(ts)],
+                           [t.dtype for t in ts])
     for o, t in zip(out, ts, strict=True):
         o.set_shape(t.shape)
-    return list(out)
+    return out
 
 
-def _gather_array(name: str, a: np.ndarray) -> np.ndarray:
-    return np.asarray(frontend.allgather(np.ascontiguousarray(a), name), dtype=a.dtype)
+def gather_rows(tensor: Any, base: str) -> tf.Tensor:
+    """All ranks' rows of ``tensor`` (axis 0, counts may differ), in rank order."""
+    t = tf.convert_to_tensor(tensor)
+    name = _op_name(base)
+    (out,) = _host_collective([(lambda a: _submit_gather(name, a), [t])], [t.dtype])
+    out.set_shape([None] + t.shape.as_list()[1:])
+    return out
 
 
 class _GlobalSumVariable(resource_variable_ops.ResourceVariable):
@@ -291,12 +315,7 @@ class UnisonExtended(distribute_lib.StrategyExtendedV1):
         if axis != 0:
             perm = [axis] + [i for i in range(len(v.shape)) if i != axis]
             v = tf.transpose(v, perm)
-        name = _op_name("unison.gather")
-        if tf.executing_eagerly():
-            out = tf.constant(_gather_array(name, v.numpy()))
-        else:
-            out = tf.numpy_function(lambda a: _gather_array(name, a), [v], v.dtype, stateful=True)
-            out.set_shape([None] + v.shape.as_list()[1:])
+        out = gather_rows(v, "unison.gather")
         return out if perm is None else tf.transpose(out, np.argsort(perm))
 
     def _update(self, var: Any, fn: Any, args: Any, kwargs: Any, group: bool) -> Any:
@@ -438,18 +457,6 @@ def _atomic_save(save: Callable[..., Any], filepath: Any, *args: Any, **kwargs: 
     return result
 
 
-def _gather_rows(tensor: Any, base: str) -> Any:
-    """All ranks' rows of ``tensor`` (axis 0), in rank order: the global batch's rows in order."""
-    t = tf.convert_to_tensor(tensor)
-    if t.shape.rank == 0:
-        return t
-    name = _op_name(base)
-    out = tf.numpy_function(lambda a: _gather_array(name, a), [t], t.dtype, stateful=True,
-                            name="unison_gather_rows")
-    out.set_shape([None] + t.shape.as_list()[1:])
-    return out
-
-
 def _gather_predictions(model: Any) -> None:
     """Make ``model.predict`` return the predictions of the whole global batch on every rank.
 
@@ -465,7 +472,8 @@ def _gather_predictions(model: Any) -> None:
     def predict_step(data: Any) -> Any:
         outputs = step(data)
         flat = nest.flatten(outputs)
-        gathered = [_gather_rows(t, f"unison.predict.{i}") for i, t in enumerate(flat)]
+        gathered = [t if tf.convert_to_tensor(t).shape.rank == 0 else gather_rows(t, f"unison.predict.{i}")
+                    for i, t in enumerate(flat)]
         return nest.pack_sequence_as(outputs, gathered)
 
     model.predict_step = predict_step
