@@ -220,3 +220,19 @@ def test_a_stage_output_that_changes_shape_raises_on_every_rank():
     assert ("at F1@s0 (forward of stage 0, microbatch 1): the output of stage 0 for microbatch 1 is (4, 4) "
             "float32 but microbatch 0 gave (4, 5) float32 in this step") in msg
     pipe.close()
+
+
+@pytest.mark.skipif(N == 1, reason="needs ranks that disagree")
+def test_arguments_that_differ_between_ranks_raise_on_every_rank():
+    mine = [1] * (N - 1) + [9 - N] if R == 0 else [2] + [1] * (N - 2) + [8 - N]
+    msg = raised_everywhere(lambda: Pipeline(make_model(), balance=mine, loss="mse", optimizer=sgd))
+    assert "built with different arguments on different ranks" in msg
+    assert f"balance: rank 0 {[1] * (N - 1) + [9 - N]!r}, rank 1 {[2] + [1] * (N - 2) + [8 - N]!r}" in msg
+
+
+def test_balance_by_time_is_the_same_on_every_rank():
+    layers = list(make_model().layers)
+    if R == 1:  # slower here only
+        layers[0] = keras.Sequential([keras.Input((6,)), *[keras.layers.Dense(6) for _ in range(100)], layers[0]])
+    balance = hvd.balance_by_time(layers, np.ones((4, 6), "float32"), N)
+    assert WORLD.allgather(balance) == [balance] * N and sum(balance) == 8

@@ -177,6 +177,27 @@ def test_bad_configurations_raise_on_every_rank():
                       "checkpoint must be one of never, always, except_last")
 
 
+@pytest.mark.skipif(N == 1, reason="needs ranks that disagree")
+def test_arguments_that_differ_between_ranks_raise_on_every_rank():
+    def build(**kwargs):
+        args = dict(chunks=CHUNKS, loss_fn=nn.functional.mse_loss, optimizer=sgd)
+        return hvd.Pipeline(make_layers(), **{**args, **kwargs})
+
+    mine = [1] * (N - 1) + [9 - N] if R == 0 else [2] + [1] * (N - 2) + [8 - N]
+    raised_everywhere(lambda: build(balance=mine), "built with different arguments on different ranks",
+                      f"balance: rank 0 {[1] * (N - 1) + [9 - N]!r}, rank 1 {[2] + [1] * (N - 2) + [8 - N]!r}")
+    raised_everywhere(lambda: build(chunks=CHUNKS if R else 2 * CHUNKS),
+                      f"chunks: rank 0 {2 * CHUNKS}, rank 1 {CHUNKS}")
+
+
+def test_balance_by_time_is_the_same_on_every_rank():
+    layers = make_layers()
+    if R == 1:
+        layers[0] = nn.Sequential(*[nn.Linear(6, 6) for _ in range(200)], layers[0])  # slower here only
+    balance = hvd.balance_by_time(layers, torch.randn(4, 6), N)
+    assert WORLD.allgather(balance) == [balance] * N and sum(balance) == 8
+
+
 def test_bad_batches_raise_on_every_rank_and_the_next_step_works():
     pipe = hvd.Pipeline(make_layers(), chunks=CHUNKS, loss_fn=nn.functional.mse_loss, optimizer=sgd)
     x, y = batch(0)

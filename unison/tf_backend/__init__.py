@@ -46,7 +46,14 @@ from unison.tf_backend.mpi_ops import (
     reducescatter,
     size_op,
 )
-from unison.tf_backend.pipeline import Pipeline, PipelineError, PipelineGrid, balance_by_params, pipeline_grid
+from unison.tf_backend.pipeline import (
+    Pipeline,
+    PipelineError,
+    PipelineGrid,
+    balance_by_params,
+    balance_by_time,
+    pipeline_grid,
+)
 from unison.tf_backend.strategy import UnisonStrategy
 
 __all__ = [
@@ -58,5 +65,6 @@ __all__ = [
     "stop_timeline", "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "UnisonError",
     "NotInitializedError", "MismatchError", "CollectiveError", "InvalidArgumentError", "StallError",
     "ShutdownError", "DuplicateNameError", "Pipeline", "PipelineGrid", "pipeline_grid", "balance_by_params",
+    "balance_by_time",
     "PipelineError",
 ]

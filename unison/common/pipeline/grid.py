@@ -16,7 +16,7 @@ Keras executors share it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from unison.common import runtime
 from unison.common.engine.frontend import add_process_set
@@ -24,7 +24,9 @@ from unison.common.engine.process_sets import ProcessSet
 from unison.common.pipeline.driver import raise_together
 from unison.common.pipeline.schedule import Action, Schedule
 
-__all__ = ["PipelineGrid", "pipeline_grid", "world_comm", "fill_drain"]
+T = TypeVar("T")
+
+__all__ = ["PipelineGrid", "pipeline_grid", "world_comm", "fill_drain", "rank0_decides"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,13 @@ def world_comm() -> Any:
 
         comm = MPI.COMM_SELF
     return comm
+
+
+def rank0_decides(value: T) -> T:
+    """Rank 0's ``value`` on every rank when Unison runs on several ranks (collective), else ``value``."""
+    if not runtime.is_initialized() or runtime.size() == 1:
+        return value
+    return world_comm().bcast(value, root=0)  # type: ignore[attr-defined, no-any-return]
 
 
 def fill_drain(p: int, m: int, v: int) -> Schedule:

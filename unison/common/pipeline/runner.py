@@ -24,7 +24,7 @@ from unison.common.pipeline.grid import PipelineGrid, fill_drain, world_comm
 from unison.common.pipeline.partition import check_balance
 from unison.common.pipeline.schedule import Schedule
 
-__all__ = ["PipelineRunner", "CHECKPOINTS", "plan_stages", "agreed", "layer_ranges"]
+__all__ = ["PipelineRunner", "CHECKPOINTS", "plan_stages", "agreed", "layer_ranges", "same_on_every_rank"]
 
 #: activation checkpointing: never, every microbatch, or every microbatch but the last
 CHECKPOINTS = ("never", "always", "except_last")
@@ -58,6 +58,26 @@ def agreed(make: Callable[[], T], failed: str | None = None) -> T:
     except PipelineError as agreed_error:
         raise agreed_error from error
     return result  # type: ignore[return-value]  # set: raise_together raised otherwise
+
+
+def same_on_every_rank(comm: Any, **values: Any) -> None:
+    """Raise the same PipelineError on every rank unless ``values`` agree across ``comm``; collective.
+
+    Ranks built with different balances, chunk counts or schedules would exchange messages the
+    others never expect: instead of a hang or a silently different model, every rank names the
+    values that differ, rank by rank.
+    """
+    mine = {key: repr(value) for key, value in values.items()}
+    everyone = comm.allgather(mine)
+    differ = [key for key in mine if len({theirs.get(key) for theirs in everyone}) > 1]
+    if differ:
+        listing = "; ".join(
+            f"{key}: " + ", ".join(f"rank {r} {theirs.get(key)}" for r, theirs in enumerate(everyone))
+            for key in differ)
+        raise PipelineError(f"the pipeline was built with different arguments on different ranks ({listing}); "
+                            "pass the same values on every rank (a balance measured on each rank differs: "
+                            "measure it with unison's balance_by_time, where rank 0's timings decide, or "
+                            "broadcast it)")
 
 
 def plan_stages(num_layers: int, balance: Sequence[int] | None, default: Callable[[int], list[int]],
@@ -98,10 +118,15 @@ class PipelineRunner:
         chunks: microbatches per step (the schedule's ``m``).
         grid: where this rank sits.
         names: what the executor's API calls the inputs and the targets, for messages.
+        **layout: more values that must be the same on every rank (the balance, the
+            checkpoint mode, the layer count); checked with the schedule's, see
+            :func:`same_on_every_rank`.
     """
 
     def __init__(self, schedule: Schedule, chunks: int, grid: PipelineGrid,
-                 names: tuple[str, str] = ("inputs", "targets")) -> None:
+                 names: tuple[str, str] = ("inputs", "targets"), **layout: Any) -> None:
+        same_on_every_rank(world_comm(), schedule=schedule.name, p=schedule.p, chunks=chunks, v=schedule.v,
+                           pp=grid.pp, dp=grid.dp, **layout)
         self.schedule, self.chunks, self.grid, self.names = schedule, chunks, grid, names
         self._world = world_comm().Dup()
         pipe = self._world.Split(color=grid.pipeline, key=grid.position)

@@ -6,6 +6,7 @@ moves arrays between ranks live in ``unison.common.pipeline``; this package is t
 
 from unison.common.pipeline import PipelineError, StepStats
 from unison.common.pipeline.grid import PipelineGrid, pipeline_grid
-from unison.tf_backend.pipeline.executor import Pipeline, balance_by_params
+from unison.tf_backend.pipeline.executor import Pipeline, balance_by_params, balance_by_time
 
-__all__ = ["Pipeline", "PipelineGrid", "pipeline_grid", "balance_by_params", "PipelineError", "StepStats"]
+__all__ = ["Pipeline", "PipelineGrid", "pipeline_grid", "balance_by_params", "balance_by_time", "PipelineError",
+           "StepStats"]

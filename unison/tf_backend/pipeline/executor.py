@@ -18,17 +18,20 @@ layers draw per microbatch).
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from time import perf_counter
 from typing import Any
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from unison.common.engine import frontend
 from unison.common.ops import Average, Sum
-from unison.common.pipeline import PipelineError, Schedule, balance_by_cost
-from unison.common.pipeline.grid import PipelineGrid, pipeline_grid
+from unison.common.pipeline import PipelineError, Schedule, ScheduleError, balance_by_cost
+from unison.common.pipeline.grid import PipelineGrid, pipeline_grid, rank0_decides
 from unison.common.pipeline.runner import PipelineRunner, agreed, layer_ranges, plan_stages
 from unison.tf_backend.functions import broadcast_variables
 from unison.tf_backend.pipeline.fit import fit
@@ -47,6 +50,45 @@ def balance_by_params(layers: Sequence[keras.Layer], p: int) -> list[int]:
         ValueError: a layer is not built.
     """
     return balance_by_cost([layer.count_params() for layer in layers], p)
+
+
+def balance_by_time(model: keras.Sequential | Sequence[keras.Layer], sample: Any, p: int,
+                    repeats: int = 3) -> list[int]:
+    """Layers per stage for ``p`` stages with the slowest stage as fast as possible.
+
+    Each layer's forward and backward time (a compiled ``tf.function`` per layer, timed after
+    one untimed call) is measured on ``sample`` (one microbatch), the fastest of ``repeats``
+    runs. When Unison runs on several ranks this is collective: every rank measures, rank 0's
+    times decide, and every rank returns the same balance.
+
+    Raises:
+        ScheduleError: fewer layers than stages, or ``repeats`` below 1.
+    """
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ScheduleError(f"repeats must be a positive integer; received {repeats!r}")
+    x = tf.convert_to_tensor(sample)
+    layers = _as_layers(model, tuple(x.shape[1:]), x.dtype.name)
+    times = []
+    for layer in layers:
+        step = tf.function(_forward_backward(layer))
+        step(x)  # trace
+        best = math.inf
+        for _ in range(repeats):
+            start = perf_counter()
+            _ = [t.numpy() for t in step(x)]
+            best = min(best, perf_counter() - start)
+        times.append(best)
+        x = layer(x, training=False)
+    return balance_by_cost(rank0_decides(times), p)
+
+
+def _forward_backward(layer: keras.Layer) -> Callable[[Any], Any]:
+    def run(x: Any) -> Any:
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True)
+        return [g for g in tape.gradient(y, [x, *layer.trainable_variables]) if g is not None] or [y]
+    return run
 
 
 @dataclass(frozen=True)
@@ -97,7 +139,8 @@ class Pipeline(PipelineRunner):
         grid = grid if grid is not None else pipeline_grid(dp=1)
         plan = agreed(lambda: _plan(model, balance, chunks, schedule, virtual_stages, checkpoint, loss, optimizer,
                                     grid, input_shape, input_dtype))
-        super().__init__(plan.schedule, chunks, grid, names=("x", "y"))
+        super().__init__(plan.schedule, chunks, grid, names=("x", "y"), balance=plan.balance,
+                         checkpoint=checkpoint, layers=len(plan.layers))
         self.balance, self.checkpoint, self._is_mean = plan.balance, checkpoint, plan.is_mean
         self._layers = plan.layers
         #: stage -> the indices of its layers in the model

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from unison.common.pipeline import ScheduleError, balance_by_cost
+from unison.common.pipeline.grid import rank0_decides
 
 __all__ = ["balance_by_params", "balance_by_time", "as_layers"]
 
@@ -56,7 +57,9 @@ def balance_by_time(module: nn.Sequential | Sequence[nn.Module], sample: torch.T
 
     Each layer's forward and backward time is measured on ``sample`` (one microbatch), the
     fastest of ``repeats`` runs; layers and sample are moved to ``device`` first. The layers'
-    ``.grad`` are cleared afterwards.
+    ``.grad`` are cleared afterwards. When Unison runs on several ranks this is collective:
+    every rank measures, rank 0's times decide, and every rank returns the same balance
+    (timings differ between ranks, and ranks with different balances cannot form a pipeline).
 
     Raises:
         ScheduleError: fewer layers than stages, or ``repeats`` below 1.
@@ -76,7 +79,7 @@ def balance_by_time(module: nn.Sequential | Sequence[nn.Module], sample: torch.T
     for layer in layers:
         for param in layer.parameters():
             param.grad = None
-    return balance_by_cost(times, p)
+    return balance_by_cost(rank0_decides(times), p)
 
 
 def _time_layer(layer: nn.Module, x: torch.Tensor) -> float:

@@ -80,7 +80,8 @@ class Pipeline(PipelineRunner):
         grid = grid if grid is not None else pipeline_grid(dp=1)
         plan = agreed(lambda: _plan(module, balance, chunks, schedule, virtual_stages, checkpoint, loss_fn,
                                     optimizer, grid, device))
-        super().__init__(plan.schedule, chunks, grid)
+        super().__init__(plan.schedule, chunks, grid, balance=plan.balance, checkpoint=plan.checkpoint,
+                         layers=len(plan.layers))
         self.balance, self.device = plan.balance, plan.device
         #: stage -> the indices of its layers in the model
         self.layer_ranges = layer_ranges(plan.balance, self.schedule.stages_of(grid.position))
