@@ -28,7 +28,8 @@ What it reports, one record per (schedule, p, m, v, source, stages):
 
    From each rank's :class:`~unison.common.pipeline.StepStats` of the median timed step:
    ``bubble = 1 - sum(busy) / (p * makespan)`` (makespan: the slowest rank's), peak live
-   activations per stage (``F`` done, ``B`` — for zb-h1 ``W`` — not yet), and
+   activations per stage (the most microbatches whose activations the executor's stage held
+   at once, counted where it keeps them: ``Pipeline.live_peak_per_stage``), and
    ``samples_per_s = batch / median step time``.
 
 JSON: a list of records ``{schedule, p, m, v, source, stages, bubble, peak_activations
@@ -203,7 +204,7 @@ def measure(args: argparse.Namespace) -> int:
                 st = pipe.stats
                 steps.append({"wall": max(world.allgather(wall)),
                               "busy": world.allgather(st.busy), "makespan": world.allgather(st.makespan),
-                              "peaks": world.allgather(st.peak_per_stage),
+                              "peaks": world.allgather(pipe.live_peak_per_stage),
                               "events": world.allgather([(a.op, a.stage, a.microbatch, s, e)
                                                          for a, s, e in st.events])})
         pipe.close()

@@ -93,6 +93,8 @@ def test_k_steps_equal_one_process_with_dropout(name, checkpoint):
     assert_same_as_reference(pipe, ref, losses, ref_losses)
     sim = simulate(pipe.schedule)
     assert pipe.stats.peak_per_stage == {s: sim.peak_activations[s] for s in pipe.stages}
+    # where the activations are actually kept: as many at once as the schedule says
+    assert pipe.live_peak_per_stage == {s: sim.peak_activations[s] for s in pipe.stages}
     pipe.close()
 
 
@@ -110,14 +112,18 @@ def test_k_steps_equal_one_process_on_whole_batches(name):
 
 
 @pytest.mark.skipif(N != 4, reason="the data x pipeline grid needs 4 ranks")
-@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
-def test_dp2_x_pp2_grid_equals_one_process_on_the_global_batch(name):
+@pytest.mark.parametrize("name, checkpoint", [("gpipe", "always"), ("1f1b", "never"),
+                                              ("interleaved", "except_last"), ("zb-h1", "never"),
+                                              ("zb-h1", "always")])
+def test_dp2_x_pp2_grid_equals_one_process_on_the_global_batch(name, checkpoint):
     grid = hvd.pipeline_grid(pp=2, dp=2)
     assert (grid.pipeline, grid.position) == (R // 2, R % 2) and grid.data_set.ranks == [R % 2, R % 2 + 2]
-    layers = make_layers()
-    ref = nn.Sequential(*copy.deepcopy(layers))
-    pipe = hvd.Pipeline(layers, balance=[3, 5], chunks=CHUNKS, schedule=name, grid=grid,
-                        loss_fn=nn.functional.mse_loss, optimizer=sgd)
+    ref = nn.Sequential(*copy.deepcopy(make_layers()))
+    layers = make_layers(seed=grid.pipeline)  # pipeline 1 starts elsewhere: the pipeline broadcasts pipeline 0's
+    v = 2 if name == "interleaved" else 1
+    pipe = hvd.Pipeline(layers, balance=[3, 5] if v == 1 else [2, 2, 2, 2], chunks=CHUNKS, schedule=name,
+                        virtual_stages=v, checkpoint=checkpoint, grid=grid, loss_fn=nn.functional.mse_loss,
+                        optimizer=sgd)
     losses, global_batches = [], []
     for k in range(STEPS):
         parts = [batch(k, replica) for replica in range(2)]
@@ -125,6 +131,18 @@ def test_dp2_x_pp2_grid_equals_one_process_on_the_global_batch(name):
         global_batches.append((torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])))
     assert_same_as_reference(pipe, ref, losses, reference_losses(ref, global_batches, None))
     pipe.close()
+
+
+def test_numpy_batches_train_like_tensors():
+    pipes = [hvd.Pipeline(make_layers(), chunks=CHUNKS, loss_fn=nn.functional.mse_loss, optimizer=sgd)
+             for _ in range(2)]
+    x, y = batch(0)
+    assert pipes[0].train_step(x.numpy(), y.numpy()) == pipes[1].train_step(x, y)
+    for a, b in zip(pipes[0].parameters(), pipes[1].parameters(), strict=True):
+        assert torch.equal(a, b)
+    with pipes[0], pipes[1]:  # a context manager closes them
+        pass
+    pipes[0].close()  # closing twice is harmless
 
 
 def test_predict_and_evaluate_run_forward_only_with_dropout_off():
@@ -201,6 +219,13 @@ def test_balance_by_time_is_the_same_on_every_rank():
 def test_bad_batches_raise_on_every_rank_and_the_next_step_works():
     pipe = hvd.Pipeline(make_layers(), chunks=CHUNKS, loss_fn=nn.functional.mse_loss, optimizer=sgd)
     x, y = batch(0)
+    first, last = R == 0, R == pipe.schedule.stage_rank(pipe.schedule.num_stages - 1)
+    raised_everywhere(lambda: pipe.train_step(x.tolist() if first else x, y),
+                      "inputs must be a torch.Tensor or a numpy array; received list")
+    if N > 1:
+        raised_everywhere(lambda: pipe.train_step(x, y[:4] if last else y),
+                          "microbatch 0 reaches the last stage with 2 rows but its targets have 1 rows",
+                          "pass targets with as many rows as the inputs")
     raised_everywhere(lambda: pipe.train_step(x[:7], y[:7]),
                       "rank 0: inputs has a batch of 7 rows, which 4 microbatches (chunks=4) do not divide; "
                       "use a batch that is a multiple of 4 (e.g. 4 or 8)")

@@ -74,6 +74,12 @@ class ResultPool:
                 self.held += nbytes
             return arr
 
+    def clear(self) -> None:
+        """Forget every array (the ones still in use stay valid; their memory is freed with them)."""
+        with self._lock:
+            self._arrays.clear()
+            self.held = 0
+
 
 def _typed(raw: np.ndarray, shape: tuple[int, ...], dt: np.dtype) -> np.ndarray:
     start = -raw.ctypes.data % ALIGN

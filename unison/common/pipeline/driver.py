@@ -41,6 +41,8 @@ from unison.common.pool import ResultPool
 
 __all__ = ["PipelineError", "RemoteTraceback", "StageWorker", "StepStats", "PipelineDriver", "raise_together"]
 
+#: Most bytes of receive buffers a driver keeps for reuse.
+POOL_BYTES = 256 << 20
 ACT, GRAD = 0, 1
 UPSTREAM, ORIGIN = 1, 2  # how a rank's step failed: stopped by a neighbour, or the failure itself
 _KIND = {"RECV_ACT": ACT, "SEND_ACT": ACT, "RECV_GRAD": GRAD, "SEND_GRAD": GRAD}
@@ -165,7 +167,8 @@ class PipelineDriver:
         self.world_rank = self.world.Get_rank()
         self._world_of = MPI.Group.Translate_ranks(self.comm.Get_group(), list(range(schedule.p)),
                                                    self.world.Get_group())
-        self._pool = ResultPool()
+        # received arrays; a step's shapes repeat, so a small pool covers them
+        self._pool = ResultPool(max_bytes=POOL_BYTES)
 
     def step(self, worker: StageWorker, check: str | None = None) -> StepStats:
         """Run one step of the schedule with ``worker``; see [Note: pipeline failures].
@@ -188,10 +191,14 @@ class PipelineDriver:
         return run.stats(perf_counter() - run.t0)
 
     def close(self) -> None:
-        """Free the driver's communicators (collective over ``world``)."""
+        """Free the driver's communicators (collective over ``world``) and its receive buffers; idempotent."""
+        if self.comm is None:
+            return
         if self.world is not self.comm:
             self.world.Free()
         self.comm.Free()
+        self.comm = self.world = None  # type: ignore[assignment]
+        self._pool.clear()
 
     def _agree_on_end(self, run: _Step, failure: _Failure | None) -> None:
         from mpi4py import MPI

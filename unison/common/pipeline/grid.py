@@ -73,15 +73,13 @@ def pipeline_grid(pp: int | None = None, dp: int = 1) -> PipelineGrid:
     pp = size // dp if pp is None else pp
     data_set = None
     if dp > 1:
-        key = (id(runtime.state()), pp, dp)
-        if key not in _registered:
-            _registered[key] = [add_process_set(ProcessSet([d * pp + i for d in range(dp)])) for i in range(pp)]
-        data_set = _registered[key][rank % pp]
+        # this session's registered data groups (they die with it), so repeated grids reuse them
+        registered = runtime.state().cache.setdefault("pipeline.grids", {})
+        if (pp, dp) not in registered:
+            registered[(pp, dp)] = [add_process_set(ProcessSet([d * pp + i for d in range(dp)]))
+                                    for i in range(pp)]
+        data_set = registered[(pp, dp)][rank % pp]
     return PipelineGrid(pp, dp, rank // pp, rank % pp, data_set)
-
-
-#: (runtime session, pp, dp) -> the registered data groups, so that repeated grids reuse them
-_registered: dict[tuple[int, int, int], list[ProcessSet]] = {}
 
 
 def world_comm() -> Any:

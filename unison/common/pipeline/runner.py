@@ -193,7 +193,10 @@ class PipelineRunner:
         return float(total[0]) / (self.grid.dp if mean else 1)
 
     def close(self) -> None:
-        """Free the communicators (collective)."""
+        """Free the communicators and buffers (collective); idempotent."""
+        if self._world is None:
+            return
         for driver in [self.driver, *self._eval.values()]:
             driver.close()
         self._world.Free()
+        self._world = None

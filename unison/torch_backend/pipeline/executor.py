@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -27,7 +28,7 @@ from unison.common.ops import Average
 from unison.common.pipeline import Schedule
 from unison.common.pipeline.grid import PipelineGrid, pipeline_grid
 from unison.common.pipeline.runner import PipelineRunner, agreed, layer_ranges, plan_stages
-from unison.torch_backend.mpi_ops import grouped_allreduce_
+from unison.torch_backend.mpi_ops import broadcast, grouped_allreduce_
 from unison.torch_backend.pipeline.balance import as_layers, balance_by_params
 from unison.torch_backend.pipeline.stages import TorchStages
 
@@ -82,15 +83,31 @@ class Pipeline(PipelineRunner):
                                     optimizer, grid, device))
         super().__init__(plan.schedule, chunks, grid, balance=plan.balance, checkpoint=plan.checkpoint,
                          layers=len(plan.layers))
-        self.balance, self.device = plan.balance, plan.device
-        #: stage -> the indices of its layers in the model
-        self.layer_ranges = layer_ranges(plan.balance, self.schedule.stages_of(grid.position))
-        self.stages = {s: nn.Sequential(*plan.layers[r.start:r.stop]).to(plan.device)
-                       for s, r in self.layer_ranges.items()}
-        self._worker = TorchStages(self.stages, self.schedule.num_stages, loss_fn,  # type: ignore[arg-type]
-                                   plan.checkpoint, plan.device)
-        self.optimizer = self._make_optimizer(optimizer)
-        self._name = f"pipeline.{next(_instances)}"
+        try:
+            self.balance, self.device = plan.balance, plan.device
+            #: stage -> the indices of its layers in the model
+            self.layer_ranges = layer_ranges(plan.balance, self.schedule.stages_of(grid.position))
+            self.stages = {s: nn.Sequential(*plan.layers[r.start:r.stop]).to(plan.device)
+                           for s, r in self.layer_ranges.items()}
+            self._worker = TorchStages(self.stages, self.schedule.num_stages, loss_fn,  # type: ignore[arg-type]
+                                       plan.checkpoint, plan.device)
+            self._name = f"pipeline.{next(_instances)}"
+            if grid.dp > 1:
+                self._broadcast_state()
+            self.optimizer = self._make_optimizer(optimizer)
+        except BaseException:
+            self.close()  # every rank raises here together (agreed/collective calls): free the communicators
+            raise
+        #: per stage on this rank, the most microbatches whose activations the last step held at
+        #: once (counted where they are kept, unlike ``stats.peak_per_stage``, which counts the
+        #: schedule's F and B/W)
+        self.live_peak_per_stage: dict[int, int] = {}
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters, stage by stage."""
@@ -110,11 +127,15 @@ class Pipeline(PipelineRunner):
             PipelineError: on every rank, when a batch does not split into ``chunks``, a rank
                 lacks its inputs or targets, or any stage fails.
         """
-        problem = self.batch_problem(inputs, targets, need_targets=True)
+        inputs, targets, problem = self._batch(inputs, targets, need_targets=True)
         self._begin(inputs, targets, problem, train=True)
         for p in self.parameters():
             p.grad = None
-        self.run(self._worker, problem, train=True)
+        try:
+            self.run(self._worker, problem, train=True)
+        finally:
+            self.live_peak_per_stage = dict(self._worker.live_peak)
+            self._worker.kept.clear()  # a failed step leaves graphs behind
         if self.grid.dp > 1:
             self._average_gradients()
         if self.optimizer is not None:
@@ -141,13 +162,27 @@ class Pipeline(PipelineRunner):
 
     def _forward_only(self, inputs: Any, targets: Any, need_targets: bool) -> None:
         """Every stage's forward in evaluation mode; backward sends only empty arrays."""
-        problem = self.batch_problem(inputs, targets, need_targets)
+        inputs, targets, problem = self._batch(inputs, targets, need_targets)
         self._begin(inputs, targets, problem, train=False)
         try:
             self.run(self._worker, problem, train=False)
         finally:
             for module in self.stages.values():
                 module.train(True)
+
+    def _batch(self, inputs: Any, targets: Any, need_targets: bool) -> tuple[Any, Any, str | None]:
+        """This rank's batches as tensors (numpy arrays are wrapped), and why a step cannot run."""
+        def tensor(batch: Any, held: bool, name: str) -> tuple[Any, str | None]:
+            if not held or batch is None or isinstance(batch, torch.Tensor):
+                return batch, None
+            if isinstance(batch, np.ndarray):
+                return torch.from_numpy(batch), None
+            return batch, (f"rank {self.grid.position}: {name} must be a torch.Tensor or a numpy array; received "
+                           f"{type(batch).__name__}")
+
+        inputs, bad_inputs = tensor(inputs, self.holds_first, "inputs")
+        targets, bad_targets = tensor(targets, self.holds_last, "targets")
+        return inputs, targets, bad_inputs or bad_targets or self.batch_problem(inputs, targets, need_targets)
 
     def _begin(self, inputs: Any, targets: Any, problem: str | None, train: bool) -> None:
         """Hand this rank's microbatches to the worker (none when the step will not run)."""
@@ -156,6 +191,17 @@ class Pipeline(PipelineRunner):
             return list(batch.split(batch.shape[0] // self.chunks)) if ok else None
 
         self._worker.begin(split(inputs, self.holds_first), split(targets, self.holds_last), self.chunks, train)
+
+    def _broadcast_state(self) -> None:
+        """Every replica of a stage starts from pipeline 0's parameters and buffers (one data-parallel group)."""
+        tensors = [t for s in sorted(self.stages)
+                   for t in [*self.stages[s].parameters(), *self.stages[s].buffers()]]
+        for i, t in enumerate(tensors):
+            host = t.detach().cpu()
+            out = broadcast(host, root_rank=0, name=f"{self._name}.init.{i}",  # the set's first: pipeline 0
+                            process_set=self.grid.data_set)
+            with torch.no_grad():
+                t.copy_(out.to(t.device))
 
     def _average_gradients(self) -> None:
         """Average each gradient over the ranks that hold the same stages (through host memory)."""
