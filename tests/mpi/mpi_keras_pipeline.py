@@ -13,6 +13,7 @@ import tensorflow as tf  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import unison.tf_backend as hvd  # noqa: E402
+from unison.common.pipeline import simulate  # noqa: E402
 from unison.tf_backend.pipeline import Pipeline, PipelineError, pipeline_grid  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
@@ -100,7 +101,8 @@ def test_every_schedule_trains_like_one_process(schedule, checkpoint):
               for x, y in batches]
     ref = make_model()
     assert_same(pipe, ref, losses, reference(ref, batches))
-    assert sorted(pipe.stats.peak_per_stage) == sorted(pipe.stages)
+    sim = simulate(pipe.schedule)
+    assert pipe.stats.peak_per_stage == {s: sim.peak_activations[s] for s in pipe.stages}
     pipe.close()
 
 
@@ -117,19 +119,62 @@ def test_dropout_recompute_draws_the_masks_of_the_first_forward(checkpoint):
     pipe.close()
 
 
-def test_data_x_pipeline_grid_trains_like_one_process_on_both_batches():
-    dp = 2
+# every schedule and checkpoint mode on a 2 x 2 grid; at other sizes the 1f1b case only
+GRID_CASES = [("1f1b", "never")] + ([(name, ck) for name in ("gpipe", "interleaved", "zb-h1")
+                                     for ck in ("never", "always")] if N == 4 else [])
+
+
+def both_batches(steps, dp=2):
+    """Step k's batches of every replica, concatenated: what one process trains on."""
+    return [tuple(np.concatenate(parts) for parts in zip(*(batch(k, d) for d in range(dp)), strict=True))
+            for k in range(steps)]
+
+
+@pytest.mark.parametrize("schedule, checkpoint", GRID_CASES)
+def test_data_x_pipeline_grid_trains_like_one_process_on_both_batches(schedule, checkpoint):
+    dp, steps = 2, 2
     grid = pipeline_grid(dp=dp)
     assert (grid.pp, grid.dp) == (N // dp, dp) and grid.pipeline_ranks[grid.position] == R
+    v = 2 if schedule == "interleaved" else 1
     keras.utils.set_random_seed(R)  # replicas built differently: pipeline 0's weights are broadcast
     model = make_model(seed=0 if grid.pipeline == 0 else 5)
-    pipe = Pipeline(model, chunks=2, schedule="1f1b", loss="mse", optimizer=sgd, grid=grid)
-    mine = [batch(k, grid.pipeline) for k in range(STEPS)]
+    if len(model.layers) < grid.pp * v:
+        pytest.skip(f"{len(model.layers)} layers are too few for {grid.pp * v} stages")
+    pipe = Pipeline(model, chunks=2, schedule=schedule, virtual_stages=v, checkpoint=checkpoint, loss="mse",
+                    optimizer=sgd, grid=grid)
+    mine = [batch(k, grid.pipeline) for k in range(steps)]
     losses = [pipe.train_step(x, y) for x, y in mine]
-    both = [tuple(np.concatenate(parts) for parts in zip(*(batch(k, d) for d in range(dp)), strict=True))
-            for k in range(STEPS)]
     ref = make_model()
-    assert_same(pipe, ref, losses, reference(ref, both))
+    assert_same(pipe, ref, losses, reference(ref, both_batches(steps, dp)))
+    pipe.close()
+
+
+class Tripwire(keras.layers.Layer):
+    """Passes its input on, and fails (in the compiled graph) on a microbatch holding a value of 50 or more."""
+
+    def call(self, x):
+        with tf.control_dependencies([tf.debugging.assert_less(tf.reduce_max(x), 50.0, message="tripwire")]):
+            return tf.identity(x)
+
+
+@pytest.mark.skipif(N % 2, reason="a grid of 2 pipelines needs an even number of ranks")
+def test_a_stage_that_fails_on_one_rank_of_a_grid_raises_on_every_rank_and_the_next_step_trains():
+    grid = pipeline_grid(dp=2)
+    def model():
+        return keras.Sequential([keras.Input((6,)), Tripwire(), *make_model().layers])
+
+    pipe = Pipeline(model(), balance=[5, 4] if grid.pp == 2 else None, chunks=2, loss="mse", optimizer=sgd,
+                    grid=grid)
+    x, y = batch(0, grid.pipeline)
+    if grid.pipeline == 1:
+        x[BATCH // 2, 0] = 100.0  # pipeline 1's microbatch 1 trips its stage 0
+    culprit = WORLD.allgather((grid.pipeline, grid.position)).index((1, 0))
+    msg = raised_everywhere(lambda: pipe.train_step(x, y))
+    assert msg.startswith(f"pipeline step failed on rank {culprit} at F1@s0 (forward of stage 0, microbatch 1): "
+                          "InvalidArgumentError") and "tripwire" in msg
+    losses = [pipe.train_step(*batch(0, grid.pipeline))]  # nothing of the failed step is left behind
+    ref = model()
+    assert_same(pipe, ref, losses, reference(ref, both_batches(1)))
     pipe.close()
 
 
@@ -205,6 +250,43 @@ def test_bad_input_raises_the_same_error_on_every_rank():
     msg = raised_everywhere(lambda: pipe.train_step(None, y))
     assert msg.startswith("rank 0: x must be a batch (an array or tensor) on the rank holding stage 0; received "
                           "None")
+    assert pipe.train_step(x, y) == pytest.approx(reference(make_model(), [(x, y)])[0], rel=1e-5)  # still fine
+    pipe.close()
+
+
+@pytest.mark.skipif(N < 2, reason="inputs and targets on one rank: the pre-flight check compares their rows")
+def test_targets_with_fewer_rows_than_inputs_raise_on_every_rank():
+    pipe = Pipeline(make_model(), chunks=2, loss="mse", optimizer=sgd)
+    x, y = batch(0)
+    msg = raised_everywhere(lambda: pipe.train_step(x, y[:4]))
+    last = N - 1
+    assert msg == (f"pipeline step failed on rank {last} at F0@s{last} (forward of stage {last}, microbatch 0): "
+                   f"ValueError: microbatch 0 of y has 2 rows but the activation reaching the last stage ({last}) "
+                   "has 4: y has 4 rows for the 8 of x; pass y with as many rows as x")
+    assert "y has 4 rows for the 8 of x" in raised_everywhere(lambda: pipe.evaluate(x, y[:4]))
+    assert pipe.train_step(x, y) == pytest.approx(reference(make_model(), [(x, y)])[0], rel=1e-5)  # still fine
+    pipe.close()
+
+
+class Shaped:
+    """Claims a shape, but numpy sees a single object in it."""
+
+    shape = (BATCH, 6)
+
+
+def test_batches_that_are_not_arrays_raise_on_every_rank():
+    pipe = Pipeline(make_model(), chunks=2, loss="mse", optimizer=sgd)
+    x, y = batch(0)
+    msg = raised_everywhere(lambda: pipe.train_step(x.tolist(), y))
+    assert msg.startswith("rank 0: x must be a batch (an array or tensor) on the rank holding stage 0; received "
+                          "list without a batch dimension")
+    msg = raised_everywhere(lambda: pipe.train_step(x, 3.0))
+    assert msg.startswith(f"rank {N - 1}: y must be a batch (an array or tensor) on the rank holding the last "
+                          f"stage ({N - 1}); received float without a batch dimension")
+    msg = raised_everywhere(lambda: pipe.train_step(Shaped(), y))
+    assert msg.startswith("rank 0: this rank's batch does not split into 2 microbatches (ValueError: x (Shaped, "
+                          "shape (8, 6)) converts to a numpy array without a batch dimension); pass numpy arrays")
+    assert "received int without a batch dimension" in raised_everywhere(lambda: pipe.predict(7))
     assert pipe.train_step(x, y) == pytest.approx(reference(make_model(), [(x, y)])[0], rel=1e-5)  # still fine
     pipe.close()
 

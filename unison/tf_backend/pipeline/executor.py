@@ -179,8 +179,7 @@ class Pipeline(PipelineRunner):
             PipelineError: on every rank, when a batch does not split into ``chunks``, a rank
                 lacks its inputs or targets, or any stage fails.
         """
-        problem = self.batch_problem(x, y, need_targets=True)
-        self._begin(x, y, problem, train=True)
+        problem = self._begin(x, y, need_targets=True, train=True)
         self.run(self._worker, problem, train=True)
         grads = self._reduce_gradients(self._worker.grads)
         for s, stage in self.stages.items():
@@ -247,17 +246,28 @@ class Pipeline(PipelineRunner):
 
     def _forward_only(self, x: Any, y: Any, need_targets: bool) -> None:
         """Every stage's forward with training off; backward sends only empty arrays."""
-        problem = self.batch_problem(x, y, need_targets)
-        self._begin(x, y, problem, train=False)
+        problem = self._begin(x, y, need_targets, train=False)
         self.run(self._worker, problem, train=False)
 
-    def _begin(self, x: Any, y: Any, problem: str | None, train: bool) -> None:
-        """Hand this rank's microbatches to the worker (none when the step will not run)."""
-        def split(batch: Any, held: bool) -> list[np.ndarray] | None:
-            ok = held and problem is None and batch is not None
-            return np.split(np.asarray(batch), self.chunks) if ok else None
+    def _begin(self, x: Any, y: Any, need_targets: bool, train: bool) -> str | None:
+        """Check this rank's batch and hand its microbatches to the worker; return the pre-flight problem.
 
-        self._worker.begin(split(x, self.holds_first), split(y, self.holds_last), self.chunks, train)
+        Whatever is wrong with the batch (a list, a scalar, an object whose ``shape`` numpy cannot
+        use) becomes the problem the driver raises on every rank, never an exception here alone.
+        The worker gets no microbatches when the step will not run.
+        """
+        inputs = targets = None
+        try:
+            problem = self.batch_problem(x, y, need_targets)
+            if problem is None:
+                inputs = _split(self.names[0], x, self.chunks) if self.holds_first else None
+                targets = _split(self.names[1], y, self.chunks) if self.holds_last and y is not None else None
+        except Exception as exc:  # noqa: BLE001  # reported on every rank by the driver's pre-flight check
+            problem = (f"this rank's batch does not split into {self.chunks} microbatches ({type(exc).__name__}: "
+                       f"{exc}); pass numpy arrays or tensors with one row per example")
+            inputs = targets = None
+        self._worker.begin(inputs, targets, self.chunks, train)
+        return problem
 
     def _reduce_gradients(self, grads: dict[int, list[Any]]) -> dict[int, list[Any]]:
         """Each stage's gradient sums, averaged (summed for a ``"sum"`` loss) over its data group."""
@@ -280,6 +290,19 @@ def _make_optimizer(optimizer: Any) -> keras.optimizers.Optimizer:
     if not isinstance(opt, keras.optimizers.Optimizer):
         raise TypeError(f"optimizer() must return a keras.optimizers.Optimizer; it returned {type(opt).__name__}")
     return opt
+
+
+def _split(name: str, batch: Any, chunks: int) -> list[np.ndarray]:
+    """``batch`` as ``chunks`` numpy microbatches.
+
+    Raises:
+        ValueError: ``batch`` has a ``shape`` but numpy sees no batch dimension in it.
+    """
+    array = np.asarray(batch)
+    if array.ndim == 0:
+        raise ValueError(f"{name} ({type(batch).__name__}, shape {tuple(batch.shape)}) converts to a numpy array "
+                         "without a batch dimension")
+    return np.split(array, chunks)
 
 
 def _as_layers(model: Any, input_shape: Any, input_dtype: str) -> list[keras.Layer]:

@@ -215,6 +215,8 @@ class KerasStages:
     # ------------------------------------------------------------------ the StageWorker calls
     def forward(self, stage: int, mb: int, x: np.ndarray | None) -> np.ndarray | None:
         st, inp, y_true = self.stages[stage], self._input(stage, mb, x), self._target(stage, mb)
+        if y_true is not None:
+            self._check_rows(stage, mb, inp, y_true)
         if not self.train:
             out = st.infer(inp)
             if stage != self.last:
@@ -282,6 +284,21 @@ class KerasStages:
             raise PipelineError(f"stage {stage} is the last stage but has no targets; pass y to train_step on "
                                 "the ranks holding the last stage")
         return tf.convert_to_tensor(self.targets[mb])
+
+    def _check_rows(self, stage: int, mb: int, inp: tf.Tensor, y_true: tf.Tensor) -> None:
+        """Targets and activations must have one row each per example: else the loss would broadcast.
+
+        The inputs (stage 0) and the targets (last stage) live on different ranks, so the
+        pre-flight check cannot compare their rows; the last stage compares them here.
+
+        Raises:
+            ValueError: the microbatch of targets has another row count than the activation.
+        """
+        n, k = int(inp.shape[0]), int(y_true.shape[0])
+        if n != k:
+            raise ValueError(f"microbatch {mb} of y has {k} rows but the activation reaching the last stage "
+                             f"({stage}) has {n}: y has {k * self.chunks} rows for the {n * self.chunks} of x; "
+                             "pass y with as many rows as x")
 
     def _add(self, stage: int, grads: list[tf.Tensor]) -> None:
         held = self.grads.get(stage)
