@@ -182,6 +182,7 @@ def measure(args: argparse.Namespace) -> int:
     world, p = MPI.COMM_WORLD, unison.size()
     kind, m = args.measure, args.chunks
     out: dict[str, Any] = {"kind": kind, "p": p, "m": m, "cases": []}
+    cases = []
     for name in args.schedules:
         v = _v(name)
         if kind == "sleep":
@@ -193,9 +194,12 @@ def measure(args: argparse.Namespace) -> int:
                         virtual_stages=v, loss_fn=torch.nn.functional.mse_loss,
                         optimizer=lambda params: torch.optim.SGD(params, lr=1e-3))
         gen = torch.Generator().manual_seed(1)
-        x, y = torch.randn(batch, width, generator=gen), torch.randn(batch, width, generator=gen)
-        steps = []
-        for i in range(args.warmup + args.steps):
+        cases.append((name, v, batch, pipe, torch.randn(batch, width, generator=gen),
+                      torch.randn(batch, width, generator=gen), []))
+    # round robin: one step of each schedule in turn, so a slow spell of the shared host
+    # falls on every schedule alike instead of on whichever ran then
+    for i in range(args.warmup + args.steps):
+        for _, _, _, pipe, x, y, steps in cases:
             world.Barrier()
             t0 = time.perf_counter()
             pipe.train_step(x, y)
@@ -207,6 +211,7 @@ def measure(args: argparse.Namespace) -> int:
                               "peaks": world.allgather(pipe.live_peak_per_stage),
                               "events": world.allgather([(a.op, a.stage, a.microbatch, s, e)
                                                          for a, s, e in st.events])})
+    for name, v, batch, pipe, _, _, steps in cases:
         pipe.close()
         median = sorted(steps, key=lambda s: s["wall"])[len(steps) // 2]
         peaks: dict[int, int] = {}
@@ -334,7 +339,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="schedules to measure (default: all)")
     p.add_argument("--no-measure", action="store_true", help="simulate only; launch no MPI job")
     p.add_argument("--chunks", type=int, default=8, help="microbatches per measured step (default 8)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per measured case (default 5)")
+    p.add_argument("--steps", type=int, default=9,
+                   help="timed steps per measured case, round robin over the schedules (default 9)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     p.add_argument("--sleep-ms", type=float, default=10.0,
                    help="forward time of a sleep stage in ms; backward is twice it (default 10)")
