@@ -253,3 +253,17 @@ def test_tf_train_checkpoint_writes_from_rank_0_only(strategy, tmp_path_factory)
     ckpt.restore(tf.train.latest_checkpoint(f"{folder}/managed")).assert_consumed()
     for w, v in zip(model.get_weights(), saved, strict=True):
         np.testing.assert_array_equal(w, v)
+
+
+def test_reductions_of_constants_in_a_tf_function_run_every_call(strategy):
+    # grappler folds a stateless callback of constants at optimisation time: it would run once
+    @tf.function
+    def step(k):
+        total = strategy.reduce("SUM", strategy.run(lambda: tf.constant([1.0, 2.0])), axis=None)
+        mine = strategy.reduce("SUM", strategy.run(lambda: tf.cast(k, tf.float32) * (R + 1)), axis=None)
+        return total, mine
+
+    for k in range(3):
+        total, mine = step(tf.constant(k))
+        np.testing.assert_array_equal(total.numpy(), [N * 1.0, N * 2.0])
+        assert float(mine) == k * N * (N + 1) / 2

@@ -11,13 +11,13 @@ Keras 3 drives a strategy through a handful of ``StrategyExtended`` hooks
   every rank runs the same number of steps even when the last batch is partial.
   ``distribute_datasets_from_function`` gets an ``InputContext`` with
   ``num_input_pipelines=size`` and ``input_pipeline_id=rank``.
-* **Collectives in a graph** (:func:`_host_collective`): a *stateless* submit
-  callback hands its tensors to the engine without waiting, so TensorFlow runs
-  it as soon as they exist; a *stateful* collect callback waits. tf.function runs
-  stateful ops in program order, so every rank waits on its collectives in the
-  same order, and submits never wait: no op order TensorFlow picks can
-  deadlock the ranks. (Stateful submits would be chained in program order too,
-  and could not start before the gradient listed first, the last one computed.)
+* **Collectives in a graph** (:func:`_host_collective`): a submit callback
+  hands its tensors to the engine without waiting and is exempt from
+  tf.function's program-order chain of stateful ops, so TensorFlow runs it as
+  soon as they exist; a collect callback waits, chained in program order, so
+  every rank waits on its collectives in the same order, and submits never
+  wait: no op order TensorFlow picks can deadlock the ranks. (Chained submits
+  could not start before the gradient listed first, the last one computed.)
 * **Gradients** (``_batch_reduce_to``): Keras hands over all of a step's
   gradients in one list. With ``overlap_gradients`` each gradient has its own
   submit, so its reduction starts while backward still runs; otherwise one
@@ -138,18 +138,28 @@ def _host_collective(submits: list[tuple[Callable[..., np.int64], list[tf.Tensor
                      dtypes: list[tf.DType]) -> list[tf.Tensor]:
     """Run collectives as host callbacks: ``submit(*arrays)`` each, then one collect for all.
 
-    Eagerly: submit, then wait. In a graph, the submits are *stateless* callbacks,
-    so TensorFlow runs each as soon as its inputs exist (a gradient as backward
-    computes it, a loss right after forward) and the engine works meanwhile. The
-    collect is *stateful*: tf.function runs stateful ops in program order, so
-    every rank waits on its collectives in the same order, and since submits
-    never wait, no order TensorFlow picks for them can deadlock the ranks.
+    Eagerly: submit, then wait. In a graph, the submits are stateful callbacks
+    marked to run independently of tf.function's program-order chain of stateful
+    ops, so TensorFlow runs each as soon as its inputs exist (a gradient as
+    backward computes it, a loss right after forward) and the engine works
+    meanwhile. (Stateless callbacks would also be free to run early, but grappler
+    folds a stateless callback of constants at optimisation time: it would run
+    once, not once per step.) The collect is stateful and chained: every rank
+    waits on its collectives in the same order, and since submits never wait, no
+    order TensorFlow picks for them can deadlock the ranks.
     """
     if tf.executing_eagerly():
         keys = [submit(*[t.numpy() for t in ts]) for submit, ts in submits]
         return [tf.constant(o) for o in _collect(*keys)]
-    keys = [tf.numpy_function(submit, ts, tf.int64, stateful=False, name="unison_submit")
-            for submit, ts in submits]
+    keys = []
+    for submit, ts in submits:
+        key = tf.numpy_function(submit, ts, tf.int64, stateful=True, name="unison_submit")
+        # stateful, so it is never constant-folded, merged or pruned, but exempt from the
+        # program-order chain of stateful ops: it runs when its inputs exist
+        manager = getattr(tf.compat.v1.get_default_graph(), "experimental_acd_manager", None)
+        if manager is not None:
+            manager.run_independently(key.op)
+        keys.append(key)
     return list(tf.numpy_function(_collect, keys, dtypes, stateful=True, name="unison_collect"))
 
 
