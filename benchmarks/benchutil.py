@@ -10,7 +10,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-__all__ = ["human_bytes", "human_time", "atomic_write", "write_json", "list_choices"]
+__all__ = ["human_bytes", "human_time", "atomic_write", "write_json", "list_choices", "selected",
+           "ratio_target"]
 
 
 def human_bytes(n: int) -> str:
@@ -53,3 +54,17 @@ def list_choices(allowed: Sequence[str]) -> Callable[[str], list[str]]:
             raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(allowed)}")
         return items
     return parse
+
+
+def selected(groups: Sequence[Sequence[str]], allowed: Sequence[str]) -> list[str]:
+    """The choices of a repeated :func:`list_choices` option (``nargs="+"``), once each, in ``allowed``'s order."""
+    chosen = {x for group in groups for x in group}
+    return [a for a in allowed if a in chosen]
+
+
+def ratio_target(what: str, mine: float | None, theirs: float | None, minimum: float, note: str = "") -> str:
+    """A target line ``  what = 1.23  (target >= minimum)  PASS``, or "n/a   not measured"."""
+    if mine is None or theirs is None:
+        return f"  {what} = n/a   not measured"
+    verdict = "PASS" if mine / theirs >= minimum else "MISS"
+    return f"  {what} = {mine / theirs:.2f}  (target >= {minimum})  {verdict}{note}"

@@ -71,7 +71,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from benchutil import atomic_write, human_bytes, human_time, list_choices, write_json
+from benchutil import atomic_write, human_bytes, human_time, list_choices, selected, write_json
 
 logger = logging.getLogger("benchmarks.collectives")
 
@@ -505,8 +505,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
-    args.ops = [op for op in OPS if op in {o for group in args.ops for o in group}]
-    args.impls = [i for i in IMPLS if i in {o for group in args.impls for o in group}]
+    args.ops = selected(args.ops, OPS)
+    args.impls = selected(args.impls, IMPLS)
     if args.min_bytes > args.max_bytes:
         p.error(f"--min-bytes ({args.min_bytes}) is larger than --max-bytes ({args.max_bytes})")
     if (args.repeats is not None and args.repeats < 1) or args.warmup < 1 or args.budget_s <= 0:

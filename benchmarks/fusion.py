@@ -76,7 +76,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from benchutil import human_bytes, human_time, list_choices, write_json
+from benchutil import human_bytes, human_time, list_choices, selected, write_json
 
 logger = logging.getLogger("benchmarks.fusion")
 
@@ -448,8 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
-    args.cases = [c for c in CASES if c in {x for group in args.cases for x in group}]
-    args.impls = [i for i in IMPLS if i in {x for group in args.impls for x in group}]
+    args.cases = selected(args.cases, CASES)
+    args.impls = selected(args.impls, IMPLS)
     if args.repeats < 1 or args.latency_repeats < 1:
         p.error(f"--repeats and --latency-repeats must be at least 1; got {args.repeats} and "
                 f"{args.latency_repeats}")

@@ -93,7 +93,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchutil import atomic_write, list_choices, write_json
+from benchutil import atomic_write, list_choices, ratio_target, selected, write_json
 
 logger = logging.getLogger("benchmarks.keras_training")
 
@@ -434,14 +434,9 @@ def print_targets(records: Sequence[Record], n: int) -> None:
     print(f"\ntargets (np={n}; set for np={TARGET_NP}):")
     for model in dict.fromkeys(r.model for r in records):
         for mine, theirs, minimum in TARGETS:
-            what = f"{model:<5} {mine} / {theirs}"
-            a, b = by.get((model, mine)), by.get((model, theirs))
-            if a is None or b is None:
-                print(f"  {what} = n/a   not measured")
-                continue
-            verdict = "PASS" if a / b >= minimum else "MISS"
             note = "" if n == TARGET_NP else f"  (this is np={n})"
-            print(f"  {what} = {a / b:.2f}  (target >= {minimum})  {verdict}{note}")
+            print(ratio_target(f"{model:<5} {mine} / {theirs}", by.get((model, mine)), by.get((model, theirs)),
+                               minimum, note))
     print(f"reference (from the issue): {REFERENCE}")
 
 
@@ -487,8 +482,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
-    args.models = [m for m in MODELS if m in {x for group in args.models for x in group}]
-    args.impls = [i for i in IMPLS if i in {x for group in args.impls for x in group}]
+    args.models = selected(args.models, MODELS)
+    args.impls = selected(args.impls, IMPLS)
     if min(args.steps, args.repeats, args.warmup, args.batch or 1) < 1:
         p.error(f"--steps, --repeats, --warmup and --batch must be at least 1 (got --steps "
                 f"{args.steps}, --repeats {args.repeats}, --warmup {args.warmup}, --batch {args.batch})")

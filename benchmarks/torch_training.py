@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchutil import list_choices, write_json
+from benchutil import list_choices, ratio_target, selected, write_json
 
 logger = logging.getLogger("benchmarks.torch_training")
 
@@ -257,14 +257,9 @@ def print_targets(records: Sequence[Record], n: int) -> None:
     print(f"\ntargets (np={n}): unison samples/s / ddp-gloo samples/s >= {TARGET_RATIO} "
           f"at np={TARGET_NP}")
     for model in dict.fromkeys(r.model for r in records):
-        mine, theirs = by.get((model, "unison")), by.get((model, "ddp-gloo"))
-        what = f"{model:<5} unison / ddp-gloo"
-        if mine is None or theirs is None:
-            print(f"  {what} = n/a   not measured")
-            continue
-        verdict = "PASS" if mine / theirs >= TARGET_RATIO else "MISS"
         note = "" if n == TARGET_NP else f"  (the target is set for np={TARGET_NP}; this is np={n})"
-        print(f"  {what} = {mine / theirs:.2f}  (target >= {TARGET_RATIO})  {verdict}{note}")
+        print(ratio_target(f"{model:<5} unison / ddp-gloo", by.get((model, "unison")), by.get((model, "ddp-gloo")),
+                           TARGET_RATIO, note))
     print(f"reference: {REFERENCE}")
 
 
@@ -294,8 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
-    args.models = [m for m in MODELS if m in {x for group in args.models for x in group}]
-    args.impls = [i for i in IMPLS if i in {x for group in args.impls for x in group}]
+    args.models = selected(args.models, MODELS)
+    args.impls = selected(args.impls, IMPLS)
     if args.steps < 1 or args.warmup < 0 or (args.batch is not None and args.batch < 1):
         p.error(f"--steps and --batch must be at least 1 and --warmup at least 0 (got --steps "
                 f"{args.steps}, --warmup {args.warmup}, --batch {args.batch})")

@@ -39,10 +39,7 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = ALIGN) -
     counts references on.
     """
     dt = np.dtype(dtype)
-    nbytes = math.prod(shape) * dt.itemsize
-    raw = np.empty(nbytes + align, dtype=np.uint8)
-    start = -raw.ctypes.data % align
-    return raw[start:start + nbytes].view(dt).reshape(shape)
+    return _typed(np.empty(math.prod(shape) * dt.itemsize + align, dtype=np.uint8), shape, dt, align)
 
 
 class ResultPool:
@@ -81,8 +78,9 @@ class ResultPool:
             self.held = 0
 
 
-def _typed(raw: np.ndarray, shape: tuple[int, ...], dt: np.dtype) -> np.ndarray:
-    start = -raw.ctypes.data % ALIGN
+def _typed(raw: np.ndarray, shape: tuple[int, ...], dt: np.dtype, align: int = ALIGN) -> np.ndarray:
+    """The ``shape``/``dt`` view of ``raw`` that starts on its first ``align``-byte boundary."""
+    start = -raw.ctypes.data % align
     return raw[start:start + math.prod(shape) * dt.itemsize].view(dt).reshape(shape)
 
 

@@ -56,6 +56,7 @@ from tensorflow.python.util import nest
 
 from unison.common import runtime
 from unison.common.engine import frontend
+from unison.common.files import atomic_path
 from unison.common.ops import Sum
 
 __all__ = ["UnisonStrategy", "split_global_batch"]
@@ -135,18 +136,18 @@ def _collect(*keys: np.ndarray) -> list[np.ndarray]:
 
 
 def _host_collective(submits: list[tuple[Callable[..., np.int64], list[tf.Tensor]]],
-                     dtypes: list[tf.DType]) -> list[tf.Tensor]:
+                     outputs: list[tuple[tf.DType, Any]]) -> list[tf.Tensor]:
     """Run collectives as host callbacks: ``submit(*arrays)`` each, then one collect for all.
 
-    Eagerly: submit, then wait. In a graph, the submits are stateful callbacks
-    marked to run independently of tf.function's program-order chain of stateful
-    ops, so TensorFlow runs each as soon as its inputs exist (a gradient as
-    backward computes it, a loss right after forward) and the engine works
-    meanwhile. (Stateless callbacks would also be free to run early, but grappler
-    folds a stateless callback of constants at optimisation time: it would run
-    once, not once per step.) The collect is stateful and chained: every rank
-    waits on its collectives in the same order, and since submits never wait, no
-    order TensorFlow picks for them can deadlock the ranks.
+    ``outputs``: the dtype and (static) shape of each result. Eagerly: submit, then
+    wait. In a graph, the submits are stateful callbacks marked to run independently of
+    tf.function's program-order chain of stateful ops, so TensorFlow runs each as soon
+    as its inputs exist (a gradient as backward computes it, a loss right after forward)
+    and the engine works meanwhile. (Stateless callbacks would also be free to run
+    early, but grappler folds a stateless callback of constants at optimisation time: it
+    would run once, not once per step.) The collect is stateful and chained: every rank
+    waits on its collectives in the same order, and since submits never wait, no order
+    TensorFlow picks for them can deadlock the ranks.
     """
     if tf.executing_eagerly():
         keys = [submit(*[t.numpy() for t in ts]) for submit, ts in submits]
@@ -160,41 +161,35 @@ def _host_collective(submits: list[tuple[Callable[..., np.int64], list[tf.Tensor
         if manager is not None:
             manager.run_independently(key.op)
         keys.append(key)
-    return list(tf.numpy_function(_collect, keys, dtypes, stateful=True, name="unison_collect"))
+    out = tf.numpy_function(_collect, keys, [dt for dt, _ in outputs], stateful=True, name="unison_collect")
+    for o, (_, shape) in zip(out, outputs, strict=True):
+        o.set_shape(shape)
+    return list(out)
 
 
-def grouped_sum(tensors: Sequence[Any], base: str) -> list[tf.Tensor]:
-    """Sum dense tensors over the ranks in one grouped engine call (fused), after all of them exist."""
+def grouped_sum(tensors: Sequence[Any], base: str, overlap: bool = False) -> list[tf.Tensor]:
+    """Sum dense tensors over the ranks.
+
+    One grouped engine call (fused) when the last of them exists; with ``overlap``,
+    one call per tensor, each starting as soon as its tensor exists.
+    """
     ts = [tf.convert_to_tensor(t) for t in tensors]
     if not ts or runtime.size() == 1:
         return ts
     name = _op_name(base)
-    out = _host_collective([(lambda *a: _submit_sum(name, *a), ts)], [t.dtype for t in ts])
-    for o, t in zip(out, ts, strict=True):
-        o.set_shape(t.shape)
-    return out
-
-
-def overlapped_sum(tensors: Sequence[Any], base: str) -> list[tf.Tensor]:
-    """Sum dense tensors over the ranks, each reduction starting as soon as its tensor exists."""
-    ts = [tf.convert_to_tensor(t) for t in tensors]
-    if not ts or runtime.size() == 1:
-        return ts
-    name = _op_name(base)
-    out = _host_collective([(lambda a, i=i: _submit_sum(f"{name}.{i}", a), [t]) for i, t in enumerate(ts)],
-                           [t.dtype for t in ts])
-    for o, t in zip(out, ts, strict=True):
-        o.set_shape(t.shape)
-    return out
+    if overlap:
+        submits = [(lambda a, i=i: _submit_sum(f"{name}.{i}", a), [t]) for i, t in enumerate(ts)]
+    else:
+        submits = [(lambda *a: _submit_sum(name, *a), ts)]
+    return _host_collective(submits, [(t.dtype, t.shape) for t in ts])
 
 
 def gather_rows(tensor: Any, base: str) -> tf.Tensor:
     """All ranks' rows of ``tensor`` (axis 0, counts may differ), in rank order."""
     t = tf.convert_to_tensor(tensor)
     name = _op_name(base)
-    (out,) = _host_collective([(lambda a: _submit_gather(name, a), [t])], [t.dtype])
-    out.set_shape([None] + t.shape.as_list()[1:])
-    return out
+    return _host_collective([(lambda a: _submit_gather(name, a), [t])],
+                            [(t.dtype, [None] + t.shape.as_list()[1:])])[0]
 
 
 class _GlobalSumVariable(resource_variable_ops.ResourceVariable):
@@ -308,7 +303,7 @@ class UnisonExtended(distribute_lib.StrategyExtendedV1):
         values = [self._local_results(v)[0] for v, _ in value_destination_pairs]
         signature = "|".join(f"{v.dtype.name}{tf.TensorShape(v.shape).as_list()}" for v in values)
         base = f"unison.reduce.{len(values)}.{zlib.crc32(signature.encode()):08x}"
-        out = (overlapped_sum if self._overlap else grouped_sum)(values, base)
+        out = grouped_sum(values, base, overlap=self._overlap)
         if reduce_op == reduce_util.ReduceOp.MEAN:
             out = [o / tf.cast(runtime.size(), o.dtype) for o in out]
         return out
@@ -448,23 +443,11 @@ def _unison_model(model: Any) -> bool:
 
 
 def _atomic_save(save: Callable[..., Any], filepath: Any, *args: Any, **kwargs: Any) -> Any:
-    """``save(filepath, ...)`` through a temporary file in the same folder, then a rename.
-
-    The temporary name keeps the file's suffixes (Keras picks the format from
-    them), so an interrupted save never leaves a truncated file at ``filepath``.
-    """
+    """``save(filepath, ...)`` through a temporary file in the same folder, then a rename."""
     if not isinstance(filepath, (str, os.PathLike)):
         return save(filepath, *args, **kwargs)  # a file object: the caller owns it
-    path = os.fspath(filepath)
-    folder, name = os.path.split(path)
-    tmp = os.path.join(folder, f".unison-tmp-{os.getpid()}-{name}")
-    try:
-        result = save(tmp, *args, **kwargs)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return result
+    with atomic_path(filepath) as tmp:
+        return save(tmp, *args, **kwargs)
 
 
 def _gather_predictions(model: Any) -> None:

@@ -167,6 +167,8 @@ class PipelineDriver:
         self.world_rank = self.world.Get_rank()
         self._world_of = MPI.Group.Translate_ranks(self.comm.Get_group(), list(range(schedule.p)),
                                                    self.world.Get_group())
+        #: this rank's actions with their communication, derived once
+        self.actions = schedule.actions(self.rank)
         # received arrays; a step's shapes repeat, so a small pool covers them
         self._pool = ResultPool(max_bytes=POOL_BYTES)
 
@@ -273,7 +275,7 @@ class _Step:
 
     def walk(self) -> _Failure | None:
         """Run this rank's actions; on failure, owe nobody a message and say what happened."""
-        actions = self.schedule.actions(self.driver.rank)
+        actions = self.driver.actions
         for i, a in enumerate(actions):
             try:
                 self.do(a)

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from collections.abc import Sequence
 from typing import Any
 
+from unison.common.files import atomic_path
 from unison.common.pipeline.schedule import Schedule
 from unison.common.pipeline.simulate import SimResult, simulate
 
@@ -126,13 +126,5 @@ def _panel(ax: Any, res: SimResult) -> None:
 
 
 def _save_atomically(fig: Any, path: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".png", dir=os.path.dirname(os.path.abspath(path)))
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fig.savefig(fh, format="png", dpi=110)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)

@@ -12,6 +12,7 @@ import numpy as np
 
 from unison.common import runtime
 from unison.common.engine import frontend
+from unison.common.files import atomic_path
 from unison.common.ops import Average
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback",
@@ -127,14 +128,10 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     def _save_model(self) -> None:
         if runtime.rank() == 0:
             os.makedirs(self.backup_dir, exist_ok=True)
-            weights = self._weights_path
-            tmp = os.path.join(os.path.dirname(weights), ".tmp-" + os.path.basename(weights))
-            self.model.save_weights(tmp, overwrite=True)
-            os.replace(tmp, weights)
-            meta = self._training_metadata_path
-            with open(meta + ".tmp", "w", encoding="utf-8") as f:
+            with atomic_path(self._weights_path) as tmp:
+                self.model.save_weights(tmp, overwrite=True)
+            with atomic_path(self._training_metadata_path) as tmp, open(tmp, "w", encoding="utf-8") as f:
                 json.dump({"epoch": self._current_epoch, "batch": self._last_batch_seen}, f)
-            os.replace(meta + ".tmp", meta)
         frontend.barrier()
 
     def on_train_end(self, logs: Any = None) -> None:
