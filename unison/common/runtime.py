@@ -152,11 +152,10 @@ def init(comm: Any = None, process_sets: Any = None, **settings: Any) -> None:
             _atexit_registered = True
     logger.debug("initialized: rank %d of %d (local %d of %d)", _state.rank, _state.size,
                  _state.local_rank, _state.local_size)
-    from unison.common.engine import frontend
-
-    frontend.engine("unison.init()")  # collective (it duplicates the communicator): start it now
-    for ps in process_sets or ():
-        frontend.add_process_set(ps)
+    # Layers above this one (the engine) start here through hooks they registered at import,
+    # so this module never imports upward (see docs/architecture.md).
+    for hook in list(_init_hooks):
+        hook(_state, list(process_sets or ()))
 
 
 def _mpi_state(mpi: Any, comm: Any, config: Config) -> State:
@@ -206,11 +205,23 @@ def shutdown() -> None:
 
 
 _shutdown_hooks: list[Any] = []
+_init_hooks: list[Any] = []
 
 
 def add_shutdown_hook(hook: Any) -> None:
-    """Run ``hook()`` at the start of :func:`shutdown` (used by the engine)."""
-    _shutdown_hooks.append(hook)
+    """Run ``hook(state)`` at the start of :func:`shutdown` (used by the engine)."""
+    if hook not in _shutdown_hooks:
+        _shutdown_hooks.append(hook)
+
+
+def add_init_hook(hook: Any) -> None:
+    """Run ``hook(state, process_sets)`` at the end of every :func:`init` (used by the engine).
+
+    A higher layer registers what it must start at ``init()`` (the engine thread, which
+    is collective) instead of this module importing it.
+    """
+    if hook not in _init_hooks:
+        _init_hooks.append(hook)
 
 
 def is_initialized() -> bool:

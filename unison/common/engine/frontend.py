@@ -58,7 +58,14 @@ def _stop_engine(st: runtime.State) -> None:
         eng.stop()
 
 
+def _start_engine(st: runtime.State, process_sets: list[Any]) -> None:
+    engine("unison.init()")  # collective (it duplicates the communicator): start it now
+    for ps in process_sets:
+        add_process_set(ps)
+
+
 runtime.add_shutdown_hook(_stop_engine)
+runtime.add_init_hook(_start_engine)
 
 
 def _auto_name(kind: str, name: str | None) -> str:
