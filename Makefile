@@ -21,6 +21,22 @@ demo: venv
 test: venv
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
+# The inner-loop tier: no TensorFlow/PyTorch jobs, a minute or two.
+FAST_TESTS := tests/test_layers.py tests/test_config.py tests/test_files.py tests/test_single_process.py \
+	tests/test_pipeline_schedules.py tests/test_launcher.py tests/test_collectives_mpi.py tests/test_engine_mpi.py
+
+test-fast: venv
+	$(PY) -m pytest -q -p no:cacheprovider $(wildcard $(FAST_TESTS))
+
+# Every benchmark, each printing its table and PASS/MISS target lines; JSON and PNGs land in out/.
+bench: venv
+	mkdir -p out
+	$(VENV)/bin/unisonrun -np $(NP) $(PY) benchmarks/collectives.py --json out/collectives.json
+	$(VENV)/bin/unisonrun -np $(NP) $(PY) benchmarks/fusion.py --json out/fusion.json
+	$(VENV)/bin/unisonrun -np $(NP) $(PY) benchmarks/torch_training.py --json out/torch.json
+	$(VENV)/bin/unisonrun -np $(NP) $(PY) benchmarks/keras_training.py --json out/keras.json
+	$(PY) benchmarks/pipeline.py --json out/pipeline.json --png-dir out/pipeline
+
 lint: venv
 	$(VENV)/bin/ruff check unison tests benchmarks examples
 	$(VENV)/bin/mypy unison/common unison/collectives
