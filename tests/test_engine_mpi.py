@@ -18,6 +18,7 @@ def test_engine(np_, tmp_path):
 
 STALL = """
 import time, numpy as np, unison
+from mpi4py import MPI
 unison.init()
 if unison.rank() == 1:
     h = unison.allreduce_async(np.ones(3), name="grad/stuck")
@@ -26,8 +27,16 @@ if unison.rank() == 1:
         print("NO ERROR")
     except unison.StallError as e:
         print("rank 1 got StallError:", e, flush=True)
+    MPI.COMM_WORLD.send("failed", dest=0)
 else:
-    time.sleep(6)
+    MPI.COMM_WORLD.recv(source=1)   # (instead of a sleep: the same order at any machine load)
+    # rank 0 never submitted it while it stalled: it is told, its late submission fails at once
+    t0 = time.monotonic()
+    try:
+        unison.allreduce(np.ones(3), name="grad/stuck")
+        print("NO ERROR ON RANK 0")
+    except unison.StallError as e:
+        print(f"rank 0 got StallError after {time.monotonic() - t0:.2f}s:", e, flush=True)
 unison.allreduce(np.ones(1), name="after")
 print(f"rank {unison.rank()} finished", flush=True)
 """
@@ -44,6 +53,10 @@ def test_stall_warning_names_tensor_and_missing_rank(tmp_path):
     assert "rank 1 got StallError: stalled for more than UNISON_STALL_SHUTDOWN_TIME_SECONDS=3" in out
     assert "NO ERROR" not in out
     assert "rank 0 finished" in out and "rank 1 finished" in out
+    # the stall inspector's decision reaches the rank that never submitted the name
+    told = [line for line in out.splitlines() if "rank 0 got StallError after" in line]
+    assert told and "UNISON_STALL_SHUTDOWN_TIME_SECONDS=3" in told[0] and "'grad/stuck'" in told[0], out
+    assert float(told[0].split("after ")[1].split("s:")[0]) < 1.0, told
 
 
 SHUTDOWN = """
@@ -58,8 +71,8 @@ if unison.rank() == 0:
         print(f"rank 0 ShutdownError after {time.monotonic() - t0:.1f}s:", e, flush=True)
     try:
         unison.allreduce(np.ones(1), name="later")
-    except unison.ShutdownError:
-        print("rank 0 later call refused", flush=True)
+    except unison.ShutdownError as e:
+        print("rank 0 later call refused:", e, flush=True)
 else:
     time.sleep(1)
     unison.shutdown()
@@ -76,6 +89,11 @@ def test_shutdown_fails_pending_handles_promptly(tmp_path):
     assert proc.returncode == 0, out
     assert "rank 0 ShutdownError after" in out and "rank 0 later call refused" in out, out
     assert "rank 1 shut down" in out
+    # the error names the rank that shut down, in the pending handle's error and in later calls'
+    named = "rank 1 shut down (unison.shutdown() or the process exited) while this collective was pending"
+    failed = next(line for line in out.splitlines() if line.startswith("rank 0 ShutdownError after"))
+    refused = next(line for line in out.splitlines() if line.startswith("rank 0 later call refused"))
+    assert named in failed and named in refused, out
     assert time.monotonic() - start < 30
 
 
@@ -120,3 +138,170 @@ def test_autotune_moves_parameters_and_keeps_ranks_consistent(tmp_path):
     assert len({r["fusion_threshold_bytes"] for r in rows}) >= 5
     assert len({r["cycle_time_ms"] for r in rows}) >= 3
     assert all(float(r["bytes_per_s"]) > 0 for r in rows)
+
+
+SHUTDOWN_RACE = """
+import collections, sys, time, numpy as np, unison
+from mpi4py import MPI
+TRIALS = 7   # the last time rank 1 exits instead (unison.shutdown() at interpreter exit)
+for trial in range(TRIALS):
+    unison.init()
+    if unison.rank() == 1:
+        time.sleep(0.05 + 0.05 * trial)
+        if trial == TRIALS - 1:
+            sys.exit(0)
+        unison.shutdown()   # while rank 0 keeps submitting
+    else:
+        handles, i = [], 0
+        while True:
+            try:
+                handles.append(unison.allreduce_async(np.ones(4), name=f"t{trial}.{i}"))
+            except unison.ShutdownError:
+                break
+            i += 1
+            if i % 8 == 0:
+                time.sleep(0.0005)
+        t0 = time.monotonic()
+        outcomes = collections.Counter()
+        for h in handles:
+            try:
+                h.wait(timeout=max(0.01, 10 - (time.monotonic() - t0)))
+                outcomes["result"] += 1
+            except unison.ShutdownError:
+                outcomes["ShutdownError"] += 1
+            except TimeoutError:
+                outcomes["hung"] += 1
+        try:
+            unison.join()
+            outcomes["join returned"] += 1
+        except unison.ShutdownError:
+            outcomes["join ShutdownError"] += 1
+        print(f"trial {trial}: {len(handles)} handles, {dict(outcomes)} in {time.monotonic() - t0:.2f}s",
+              flush=True)
+        unison.shutdown()
+    if trial < TRIALS - 1:
+        MPI.COMM_WORLD.Barrier()
+"""
+
+
+def test_peer_shutdown_fails_every_pending_handle_every_time(tmp_path):
+    script = tmp_path / "race.py"
+    script.write_text(SHUTDOWN_RACE)
+    proc = mpirun(2, [sys.executable, str(script)], timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    trials = [line for line in out.splitlines() if line.startswith("trial ")]
+    assert len(trials) == 7, out
+    for line in trials:
+        handles = int(line.split(": ")[1].split(" handles")[0])
+        assert f"'ShutdownError': {handles}" in line or handles == 0, line
+        assert "hung" not in line and "'join ShutdownError': 1" in line, line
+        assert float(line.rsplit(" in ", 1)[1].rstrip("s")) < 10.0, line
+
+
+FORGOTTEN_JOIN = """
+import numpy as np, unison
+unison.init()
+steps = 3 if unison.rank() == 1 else 1_000_000
+for s in range(steps):
+    unison.allreduce(np.ones(8), name=f"g{s % 4}")
+print(f"rank {unison.rank()} finished its loop", flush=True)
+"""
+
+
+def test_rank_that_exits_early_ends_the_job_with_an_error(tmp_path):
+    script = tmp_path / "forgot_join.py"
+    script.write_text(FORGOTTEN_JOIN)
+    start = time.monotonic()
+    proc = mpirun(2, [sys.executable, str(script)], timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "rank 1 finished its loop" in out and "rank 0 finished its loop" not in out, out
+    assert "ShutdownError" in out, out
+    assert "rank 1 shut down (unison.shutdown() or the process exited)" in out, out  # names who left
+    assert time.monotonic() - start < 60
+
+
+AUTOTUNE_UNEVEN = """
+import numpy as np, unison
+from mpi4py import MPI
+from unison.common.engine import frontend
+unison.init()
+eng = frontend.engine()
+tuner = eng.autotuner
+n, r = unison.size(), unison.rank()
+splits = [4096 if d == 0 else 1 for d in range(n)]   # rank 0 receives far more than the others
+for step in range(150):
+    out, _ = unison.alltoall(np.ones((sum(splits), 64), np.float32), splits=splits, name="a2a")
+    assert out.shape == (splits[r] * n, 64)
+    rs = unison.reducescatter(np.ones((2 * n + 1, 16384), np.float32), op=unison.Sum, name="rs")
+    assert rs.shape[0] == (3 if r == 0 else 2) and np.all(rs == n)
+    if MPI.COMM_WORLD.allreduce(int(len(tuner.history) >= 6), op=MPI.MIN):
+        break
+histories = MPI.COMM_WORLD.allgather(tuner.history)
+assert all(h == histories[0] for h in histories), histories
+print(f"rank {r} changes={len(tuner.history)}", flush=True)
+"""
+
+
+def test_autotune_with_uneven_alltoall_and_reducescatter_does_not_deadlock(tmp_path):
+    script = tmp_path / "tune_uneven.py"
+    script.write_text(AUTOTUNE_UNEVEN)
+    env = mpi_env(UNISON_AUTOTUNE="1", UNISON_AUTOTUNE_STEPS_PER_SAMPLE="2",
+                  UNISON_AUTOTUNE_LOG=str(tmp_path / "tune.csv"))
+    proc = mpirun(2, [sys.executable, str(script)], timeout=180, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    changes = [int(line.split("changes=")[1]) for line in out.splitlines() if "changes=" in line]
+    assert len(changes) == 2 and min(changes) >= 6, out
+
+
+COLLECTIVE_TIMEOUT = """
+import os, sys, time, numpy as np, unison
+from unison.common.engine import watchdog
+unison.init()
+case = sys.argv[1]
+if unison.rank() == 1:
+    if case == "engine-failure":
+        from unison.collectives import kernels
+
+        def boom(*args, **kwargs):
+            raise RuntimeError("injected failure in rank 1's engine")
+
+        kernels.allreduce = boom
+        try:
+            unison.allreduce(np.ones(4), name="grad/a")
+        except RuntimeError as e:
+            print("rank 1 caught:", e, flush=True)
+    time.sleep(100)   # stopped taking part, without exiting
+else:
+    if case == "hook":
+        def on_timeout(engine, report):
+            print("HOOK CALLED:", report, flush=True)
+            os._exit(7)
+
+        watchdog.on_collective_timeout = on_timeout
+    unison.allreduce(np.ones(4), name="grad/a")   # "missing": rank 1 never submits it
+print("NOT ABORTED", flush=True)
+"""
+
+
+@pytest.mark.parametrize("case", ["missing", "engine-failure", "hook"])
+def test_collective_timeout_ends_the_job_with_a_report(case, tmp_path):
+    script = tmp_path / "timeout.py"
+    script.write_text(COLLECTIVE_TIMEOUT)
+    env = mpi_env(UNISON_COLLECTIVE_TIMEOUT_SECONDS="3")
+    start = time.monotonic()
+    proc = mpirun(2, [sys.executable, str(script), case], timeout=90, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert time.monotonic() - start < 60, out
+    assert "NOT ABORTED" not in out, out
+    assert "UNISON_COLLECTIVE_TIMEOUT_SECONDS=3" in out and "'grad/a'" in out, out
+    if case == "missing":
+        assert "not submitted by rank(s) [1]" in out, out
+    if case == "engine-failure":
+        assert "rank 1 caught: injected failure" in out, out
+        assert "submitted by every rank" in out, out
+    if case == "hook":
+        assert "HOOK CALLED:" in out, out

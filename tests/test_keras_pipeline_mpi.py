@@ -24,7 +24,7 @@ from unison.tf_backend.pipeline.stages import KerasStage, scaled_loss  # noqa: E
 @pytest.mark.parametrize("np_", [2, 4])
 def test_keras_pipeline(np_, tmp_path):
     run_rank_suite(np_, "mpi_keras_pipeline.py", tmp_path, timeout=150,
-                   extra_env={"UNISON_TEST_HANG_DUMP_S": "120"})
+                   extra_env={"TEST_HANG_DUMP_S": "120"})
 
 
 @pytest.mark.mpi

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -211,6 +213,45 @@ def test_empty_host_names_are_rejected(hosts):
         build(hosts=hosts)
 
 
+@pytest.mark.parametrize(
+    ("hosts", "bad", "why"),
+    [
+        ("-oProxyCommand=touch /tmp/x:1", "-oProxyCommand=touch /tmp/x", "begins with '-'"),
+        ("a:1,--help", "--help", "begins with '-'"),
+        ("node1;reboot:2", "node1;reboot", "';'"),
+        ("a:1,$(id):1", "$(id)", "'$'"),
+        ("`id`", "`id`", "'`'"),
+        ("a|b:1", "a|b", "'|'"),
+        ("a b:1", "a b", "' '"),
+        ("n*:1", "n*", "'*'"),
+        ("a&:1", "a&", "'&'"),
+        ("a>b", "a>b", "'>'"),
+        ("x\\y:1", "x\\y", "'\\\\'"),
+        ("x'y", "x'y", "\"'\""),
+        ("tab\there", "tab\there", "'\\t'"),
+    ],
+)
+def test_unsafe_host_names_are_rejected(hosts, bad, why):
+    with pytest.raises(ValueError) as info:
+        build(hosts=hosts)
+    message = str(info.value)
+    assert f"host name {bad!r} in -H" in message and why in message, message
+
+
+@pytest.mark.parametrize("line", ["-oProxyCommand=x slots=2", "node1;reboot slots=1", "$(id)", "a|b slots=2"])
+def test_unsafe_hostfile_names_are_rejected(tmp_path, line):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(f"good slots=2\n{line}\n")
+    bad = line.split()[0]
+    with pytest.raises(ValueError, match=rf"host name {re.escape(repr(bad))} in hostfile '{hostfile}' line 2"):
+        build(hostfile=str(hostfile))
+
+
+@pytest.mark.parametrize("hosts", ["localhost:2", "node-7.cluster.org:4,gpu_01:1", "10.0.0.7:2", "user@node1"])
+def test_ordinary_host_names_are_accepted(hosts):
+    assert option_values(build(hosts=hosts, cpu_count=64), "-H") == [hosts]
+
+
 def test_missing_hostfile_is_rejected(tmp_path):
     missing = tmp_path / "nope"
     with pytest.raises(FileNotFoundError, match=f"hostfile not found: '{missing}'"):
@@ -305,6 +346,7 @@ def test_cli_help_exits_zero():
         (["-H", "host:abc", "python", "x.py"], "received 'abc'"),
         (["--hostfile", "/no/such/hostfile", "python", "x.py"], "'/no/such/hostfile'"),
         (["-np", "2"], "no command given"),
+        (["--hosts=-oProxyCommand=id:1", "python", "x.py"], "host name '-oProxyCommand=id' in -H entry"),
     ],
 )
 def test_cli_errors_exit_two_with_one_line(args, message):
@@ -423,16 +465,6 @@ def test_plain_mpirun_with_mpi4py_runner_ends_quickly():
     assert time.monotonic() - start < 30
 
 
-def stop(process, timeout=30):
-    """Ends ``process`` (an ``mpirun`` or ``unisonrun``) the way a user would, with SIGTERM."""
-    process.send_signal(signal.SIGTERM)
-    try:
-        return process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        raise
-
-
 def alive(pid):
     """Tells whether process ``pid`` exists and is not a zombie."""
     try:
@@ -440,44 +472,6 @@ def alive(pid):
     except (FileNotFoundError, ProcessLookupError):
         return False
     return state != "Z"
-
-
-@pytest.mark.mpi
-@pytest.mark.timeout(180)
-def test_sigterm_to_unisonrun_ends_every_rank(tmp_path):
-    venv_mpirun()
-    code = textwrap.dedent(
-        f"""
-        import os, time
-        from mpi4py import MPI
-        rank = MPI.COMM_WORLD.Get_rank()
-        with open(os.path.join({str(tmp_path)!r}, f"rank{{rank}}.pid"), "w") as f:
-            f.write(str(os.getpid()))
-        time.sleep(120)
-        """
-    )
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "unison.run", "-np", "2", "python", "-c", code],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-        cwd=REPO,
-    )
-    pid_files = [tmp_path / "rank0.pid", tmp_path / "rank1.pid"]
-    deadline = time.monotonic() + 60
-    while not all(f.is_file() and f.read_text() for f in pid_files):
-        assert process.poll() is None and time.monotonic() < deadline, "ranks did not start"
-        time.sleep(0.2)
-    pids = [int(f.read_text()) for f in pid_files]
-    start = time.monotonic()
-    status = stop(process)
-    assert status != 0
-    assert time.monotonic() - start < 15
-    deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(alive(pid) for pid in pids)
 
 
 def test_engine_flags_become_unison_variables(tmp_path):
@@ -517,3 +511,100 @@ def test_engine_flags_reach_the_ranks(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count(f"SEEN {1 << 20} 3.0") == 2
+
+
+# --- naming the failed rank, from mpirun's own messages (Open MPI 5.0 / PRRTE 3.0) ------------
+
+EDGE = "-" * 74 + "\n"
+KILLED = (EDGE + "prterun noticed that process rank 1 with PID 8211 on node vm exited on\n"
+          "signal 9 (Killed).\n" + EDGE)
+ABORTED = (EDGE + "MPI_ABORT was invoked on rank 0 in communicator MPI_COMM_WORLD\n  Proc: [[63541,1],0]\n"
+           "  Errorcode: 1\n\nNOTE: invoking MPI_ABORT causes Open MPI to kill all MPI processes.\n" + EDGE
+           + EDGE + 'prterun has exited due to process rank 0 with PID 0 on node vm calling\n"abort". This may '
+           "have caused other processes\n" + EDGE)
+NONZERO = (EDGE + "prterun detected that one or more processes exited with non-zero status,\nthus causing "
+           "the job to be terminated. The first process to do so was:\n\n   Process name: "
+           "[prterun-vm-10701@1,1]\n   Exit code:    3\n" + EDGE)
+IMPROPER = (EDGE + "prterun has exited due to process rank 1 with PID 6882 on node vm exiting\nimproperly. "
+            "There are three reasons this could occur:\n" + EDGE)
+
+
+@pytest.mark.parametrize(
+    ("stderr", "expected"),
+    [
+        (KILLED, "rank 1 (PID 8211 on vm) was killed by signal 9 (SIGKILL)"),
+        (ABORTED, "rank 0 (on vm) called MPI_Abort with error code 1"),
+        (NONZERO, "rank 1 exited with status 3"),
+        (IMPROPER, "rank 1 (PID 6882 on vm) exited without calling MPI_Finalize"),
+        ("Traceback...\nsome rank output\n", "mpirun named no failed rank"),
+        (EDGE + "The user-provided time limit for job execution has been reached:\n\n  Timeout: 5 seconds\n\n"
+         "The job will now be aborted.\n" + EDGE,
+         "reached mpirun's time limit (--timeout, MPIEXEC_TIMEOUT) of 5 seconds"),
+    ],
+)
+def test_report_names_the_failed_rank(stderr, expected):
+    from unison.run.report import MpirunReport
+
+    report = MpirunReport()
+    for start in range(0, len(stderr), 7):  # pieces of any size, boxes split anywhere
+        report.feed(stderr[start:start + 7])
+    summary = report.summary(137)
+    assert summary.startswith("the job failed (exit status 137)") and expected in summary, summary
+
+
+def test_report_ignores_other_boxes_and_keeps_the_first_failure():
+    from unison.run.report import MpirunReport
+
+    report = MpirunReport()
+    report.feed(EDGE + "prterun has detected an attempt to run as root.\n" + EDGE + "rank output\n" * 100
+                + KILLED + NONZERO.replace("@1,1]", "@1,0]"))
+    assert [f.rank for f in report.failures] == [1, 0]
+    assert report.summary(9).endswith("then rank 0 exited with status 3")
+    report.feed("50%|#####     ")
+    assert report.mid_line
+
+
+# --- stopping: forwarded signals, and escalation when mpirun does not stop -------------------
+
+STUBBORN = textwrap.dedent(
+    """
+    import os, signal, subprocess, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    child = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                              "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"])
+    with open(sys.argv[1], "w") as f:
+        f.write(f"{os.getpid()} {child.pid}")
+    time.sleep(120)
+    """
+)
+
+
+def test_stop_signal_escalates_to_killing_every_process(tmp_path):
+    """A 'mpirun' that ignores SIGTERM, and its child too, still ends: signal again, then SIGKILL."""
+    from unison.run.supervise import run_command
+
+    script, pids_file = tmp_path / "stubborn.py", tmp_path / "pids"
+    script.write_text(STUBBORN)
+
+    def send_when_started():
+        deadline = time.monotonic() + 60
+        while not (pids_file.is_file() and pids_file.read_text()):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)  # runs the launcher's handler in the main thread
+
+    timer = threading.Thread(target=send_when_started, daemon=True)
+    timer.start()
+    start = time.monotonic()
+    result = run_command([sys.executable, str(script), str(pids_file)], force_after_s=0.5, kill_after_s=1.5)
+    elapsed = time.monotonic() - start
+    timer.join(5)
+    pids = [int(p) for p in pids_file.read_text().split()]
+    assert result.stop_signal == signal.SIGTERM and result.status == 128 + signal.SIGTERM
+    assert elapsed < 30
+    deadline = time.monotonic() + 5
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(pid) for pid in pids), pids

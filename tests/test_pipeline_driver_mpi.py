@@ -11,4 +11,4 @@ from harness import run_rank_suite
 @pytest.mark.parametrize("np_", [1, 2, 3, 4])
 def test_pipeline_driver(np_, tmp_path):
     run_rank_suite(np_, "mpi_pipeline_driver.py", tmp_path, timeout=150,
-                   extra_env={"UNISON_TEST_HANG_DUMP_S": "120"})
+                   extra_env={"TEST_HANG_DUMP_S": "120"})

@@ -73,8 +73,8 @@ def test_env_settings_and_horovod_alias():
     ("UNISON_ALLREDUCE_ALGORITHM", "fastest", "UNISON_ALLREDUCE_ALGORITHM='fastest'.*auto, ring, rhd, mpi"),
     ("HOROVOD_ALLREDUCE_ALGORITHM", "nccl", "HOROVOD_ALLREDUCE_ALGORITHM='nccl'.*auto, ring, rhd, mpi"),
     ("UNISON_BROADCAST_ALGORITHM", "ring", "UNISON_BROADCAST_ALGORITHM='ring'.*auto, tree, mpi"),
-    ("UNISON_CHUNK_BYTES", "-5", "UNISON_CHUNK_BYTES=.-5.*positive integer"),
-    ("UNISON_CHUNK_BYTES", "1MB", "UNISON_CHUNK_BYTES='1MB'.*positive integer"),
+    ("UNISON_CHUNK_BYTES", "-5", r"UNISON_CHUNK_BYTES=.-5.*integer in \[1, 2147483647\]"),
+    ("UNISON_CHUNK_BYTES", "1MB", r"UNISON_CHUNK_BYTES='1MB'.*integer in \[1, 2147483647\]"),
     ("UNISON_LOG_LEVEL", "loud", "UNISON_LOG_LEVEL='loud'.*DEBUG"),
 ])
 def test_malformed_env_raises_value_error_naming_variable(var, value, expected):
@@ -133,3 +133,40 @@ def test_keep_freed_memory_respects_user_malloc_settings(monkeypatch):
     assert load_config(malloc_cache=False).malloc_cache is False
     monkeypatch.setenv("UNISON_MALLOC_CACHE", "0")
     assert load_config().malloc_cache is False
+
+
+def test_collective_header_words_are_named_and_decoded():
+    """The agreement header's layout: named word offsets, decoded into a typed record."""
+    from unison.collectives import header as H
+
+    assert H.MATCH_WORDS == H.W_ERR + 1 and H.W_MYDIM0 == H.MATCH_WORDS
+    assert H.W_ERRKIND < H.HEADER_WORDS and H._STRUCT.size == H.HEADER_BYTES
+    rec = H.Header(H.MAGIC, int(H.Collective.ALLREDUCE), 2, 0, 1, -1, 0.5, 2.0, 3, 7, (4, 5) + (0,) * 6,
+                   0, 560, 1, 7, 560, 0, 12, H.ERR_VALUE)
+    block = np.zeros(H.BLOCK_BYTES, np.uint8)
+    rec.pack_into(block)
+    words = block[:H.HEADER_BYTES].view(np.int64)
+    assert (words[H.W_COLLECTIVE], words[H.W_NDIM], words[H.W_DIM0], words[H.W_DIMS + 1]) == (1, 3, 7, 5)
+    assert (words[H.W_ERR], words[H.W_ERRLEN], words[H.W_ERRKIND]) == (1, 12, H.ERR_VALUE)
+    assert block[H.W_PRESCALE * 8:H.W_POSTSCALE * 8].view(np.float64)[0] == 0.5
+    assert H.Header.unpack(block) == rec
+
+
+def test_integer_average_helpers_widen_and_truncate_toward_zero():
+    """[Note: integer average]: narrow integer averages sum in int64; floats and int64 do not widen."""
+    from unison.collectives.reduce import accumulator, reduce_stack
+    from unison.common.ops import ReduceOp
+
+    for dt in (np.int8, np.uint8, np.int16, np.int32):
+        assert accumulator(np.dtype(dt), ReduceOp.AVERAGE) == np.int64
+        assert accumulator(np.dtype(dt), ReduceOp.SUM) is None
+    assert accumulator(np.dtype(np.int64), ReduceOp.AVERAGE) is None
+    assert accumulator(np.dtype(np.float16), ReduceOp.AVERAGE) is None
+    stack = np.array([[200, 255, 1], [200, 255, 0]], np.uint8)
+    out = np.empty(3, np.uint8)
+    reduce_stack(stack, ReduceOp.AVERAGE, out, 2, 1.0)
+    assert out.tolist() == [200, 255, 0]
+    signed = np.array([[-3, -128, 127], [0, -128, 127], [0, -127, 126]], np.int8)
+    got = np.empty(3, np.int8)
+    reduce_stack(signed, ReduceOp.AVERAGE, got, 3, 1.0)
+    assert got.tolist() == [-1, -127, 126]  # truncation toward zero, not floor

@@ -22,7 +22,7 @@ from unison.torch_backend.pipeline.recompute import capture, replay
 @pytest.mark.parametrize("np_", [2, 4])
 def test_torch_pipeline(np_, tmp_path):
     run_rank_suite(np_, "mpi_torch_pipeline.py", tmp_path, timeout=150,
-                   extra_env={"UNISON_TEST_HANG_DUMP_S": "120"})
+                   extra_env={"TEST_HANG_DUMP_S": "120"})
 
 
 @pytest.mark.mpi

@@ -11,7 +11,7 @@ engine (named, negotiated, fused; ``*_async`` variants return handles);
 """
 
 from unison.common.compression import Compression
-from unison.common.engine.engine import DuplicateNameError, ShutdownError, StallError
+from unison.common.engine.engine import DuplicateNameError, JoinError, ShutdownError, StallError
 from unison.common.engine.frontend import (
     add_process_set,
     allgather,
@@ -29,6 +29,7 @@ from unison.common.engine.frontend import (
     poll,
     reducescatter,
     reducescatter_async,
+    remove_process_set,
     start_timeline,
     stop_timeline,
     synchronize,
@@ -65,8 +66,8 @@ __all__ = [
     "allreduce", "allgather", "broadcast", "reducescatter", "alltoall", "barrier",
     "allreduce_async", "allgather_async", "broadcast_async", "reducescatter_async", "alltoall_async",
     "grouped_allreduce", "grouped_allreduce_async", "poll", "synchronize", "join", "Handle",
-    "ProcessSet", "global_process_set", "add_process_set", "start_timeline", "stop_timeline",
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "start_timeline", "stop_timeline",
     "Compression", "ReduceOp", "Average", "Sum", "Min", "Max", "Product",
     "UnisonError", "NotInitializedError", "MismatchError", "CollectiveError", "InvalidArgumentError",
-    "StallError", "ShutdownError", "DuplicateNameError",
+    "StallError", "ShutdownError", "DuplicateNameError", "JoinError",
 ]

@@ -316,3 +316,113 @@ def test_cached_small_call_still_detects_mismatch():
     with pytest.raises(unison.MismatchError, match="op"):
         C.allreduce(np.ones(3), op=unison.Sum if R == 0 else unison.Min)
     np.testing.assert_array_equal(C.allreduce(np.ones(3), op=unison.Sum), np.full(3, N))
+
+
+# ------------------------------------------------------------------ integer Average (issue 10, item 2)
+# [Note: integer average] Sums of narrow integers are accumulated in int64 and only then
+# divided, truncating toward zero (C integer division), so values that overflow the input
+# dtype when summed still average correctly.
+
+NARROW_INTS = [np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.int32)]
+# > 4 KiB so that non-inline algorithms run, and (for int32) > 1 MiB so that auto picks the ring
+INT_SHAPES = [(), (7,), (3, 5), (3001,), (300_001,)]
+
+
+def make_extreme(rank: int, shape: tuple[int, ...], dtype: np.dtype, seed: int) -> np.ndarray:
+    """Values near the dtype's limits (either sign), so that any sum of two overflows."""
+    info = np.iinfo(dtype)
+    rng = np.random.default_rng([seed, rank])
+    big = rng.integers(info.max // 2 + 1, info.max, size=shape, endpoint=True)
+    if info.min == 0:
+        return big.astype(dtype)
+    sign = rng.choice([-1, 1], size=shape)
+    small = rng.integers(-5, 6, size=shape)  # a few small values, negative ones included
+    pick = rng.random(size=shape) < 0.2
+    return np.where(pick, small, sign * big).astype(dtype)
+
+
+def int_average(inputs: list[np.ndarray], pre: float = 1.0, post: float = 1.0) -> np.ndarray:
+    """The exact average: int64 sum, division truncating toward zero, then postscale."""
+    scaled = [a if pre == 1.0 else np.trunc(a.astype(np.float64) * pre).astype(a.dtype) for a in inputs]
+    total = np.sum([a.astype(np.int64) for a in scaled], axis=0)
+    avg = np.sign(total) * (np.abs(total) // len(inputs))
+    return avg if post == 1.0 else np.trunc(avg.astype(np.float64) * post)
+
+
+@pytest.mark.parametrize("algorithm", ALGOS)
+@pytest.mark.parametrize("dtype", NARROW_INTS, ids=str)
+def test_integer_average_does_not_overflow(dtype, algorithm):
+    for i, shape in enumerate(INT_SHAPES):
+        inputs = [make_extreme(r, shape, dtype, 50 + i) for r in range(N)]
+        want = int_average(inputs)
+        for _ in range(2):  # the second small call takes the cached inline plan
+            got = C.allreduce(inputs[R], algorithm=algorithm, name=f"int-avg-{i}")
+            assert got.dtype == dtype and got.shape == shape
+            np.testing.assert_array_equal(got.astype(np.int64), want)
+            assert_same_on_all_ranks(got)
+        np.testing.assert_array_equal(inputs[R], make_extreme(R, shape, dtype, 50 + i))
+
+
+@pytest.mark.parametrize("algorithm", ALGOS)
+def test_integer_average_truncates_toward_zero(algorithm):
+    """(-3 + 0 + ...) / n is -1 at n = 2 and 3 (floor would give -2), 0 at n = 4."""
+    for shape in [(2,), (5000,)]:
+        for dtype in NARROW_INTS:
+            if np.iinfo(dtype).min == 0:
+                continue
+            mine = np.full(shape, -3 if R == 0 else 0, dtype)
+            got = C.allreduce(mine, algorithm=algorithm)
+            np.testing.assert_array_equal(got, np.full(shape, int(-3 / N), dtype))
+
+
+def test_uint8_average_of_200():
+    """The report: 200 on every rank averages to 200, not (200 * n mod 256) / n."""
+    for algorithm in ALGOS:
+        got = C.allreduce(np.array([200], np.uint8), algorithm=algorithm)
+        np.testing.assert_array_equal(got, [200])
+    np.testing.assert_array_equal(unison.allreduce(np.array([200], np.uint8), name="u8-200"), [200])
+
+
+@pytest.mark.parametrize("algorithm", ALGOS)
+@pytest.mark.parametrize("dtype", [np.dtype(np.int8), np.dtype(np.int16)], ids=str)
+def test_integer_average_with_scale_factors(dtype, algorithm):
+    """Prescale scales each input in its own dtype (truncating); postscale scales the average.
+
+    Scaled inputs and the scaled average stay within the dtype; the sums do not.
+    """
+    for shape in [(9,), (3001,)]:
+        inputs = [make_extreme(r, shape, dtype, 60) // 2 for r in range(N)]
+        got = C.allreduce(inputs[R], prescale_factor=1.5, postscale_factor=1.25, algorithm=algorithm)
+        np.testing.assert_array_equal(got.astype(np.int64), int_average(inputs, 1.5, 1.25))
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "ring", "mpi"])
+@pytest.mark.parametrize("dtype", NARROW_INTS, ids=str)
+def test_integer_reducescatter_average_does_not_overflow(dtype, algorithm):
+    for rows, trailing in [(N, (3,)), (2 * N + 1, ()), (2000 * N + 1, (3,))]:
+        shape = (rows,) + trailing
+        inputs = [make_extreme(r, shape, dtype, 70) for r in range(N)]
+        full = int_average(inputs)
+        counts = [rows // N + (1 if i < rows % N else 0) for i in range(N)]
+        start = sum(counts[:R])
+        got = C.reducescatter(inputs[R], algorithm=algorithm)
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(got.astype(np.int64), full[start:start + counts[R]])
+
+
+@pytest.mark.parametrize("dtype", NARROW_INTS, ids=str)
+def test_engine_integer_average_fused_and_single(dtype):
+    """The engine's fused buffers and single requests (kernels.allreduce) widen too."""
+    shapes = [(5,), (17, 3), (4000,)]
+    inputs = [[make_extreme(r, s, dtype, 80 + j) for j, s in enumerate(shapes)] for r in range(N)]
+    got = unison.grouped_allreduce(inputs[R], name=f"engine-int-avg-{dtype}")
+    for j in range(len(shapes)):
+        assert got[j].dtype == dtype
+        np.testing.assert_array_equal(got[j].astype(np.int64), int_average([inp[j] for inp in inputs]))
+    single = unison.allreduce(inputs[R][2], name=f"engine-int-avg-single-{dtype}")
+    np.testing.assert_array_equal(single.astype(np.int64), int_average([inp[2] for inp in inputs]))
+    rs = unison.reducescatter(inputs[R][2], name=f"engine-int-rs-{dtype}")
+    counts = [4000 // N + (1 if i < 4000 % N else 0) for i in range(N)]
+    start = sum(counts[:R])
+    np.testing.assert_array_equal(rs.astype(np.int64),
+                                  int_average([inp[2] for inp in inputs])[start:start + counts[R]])

@@ -7,8 +7,10 @@ references that each rank rebuilds from every rank's inputs.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
+import time
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from mpi4py import MPI
 
 import unison
 from unison.common.engine import frontend
+from unison.common.engine.errors import JoinError
 
 WORLD = MPI.COMM_WORLD
 N, R = WORLD.Get_size(), WORLD.Get_rank()
@@ -136,14 +139,15 @@ def test_invalid_arguments_raise_on_every_rank():
         unison.allreduce(np.ones(2, bool), name="inv.bool")
 
 
-def test_duplicate_name_in_flight_fails_second_handle():
+def test_duplicate_name_in_flight_raises_at_submission():
     if N == 1:
         pytest.skip("a size-1 job completes at submission")
     first = unison.allreduce_async(np.ones(2), name="dup") if R == 0 else None
     if R == 0:
-        second = unison.allreduce_async(np.ones(2), name="dup")
         with pytest.raises(unison.DuplicateNameError, match="'dup' is already in flight"):
-            unison.synchronize(second)
+            unison.allreduce_async(np.ones(2), name="dup")
+        with pytest.raises(ValueError):  # Horovod's type for it
+            unison.broadcast_async(np.ones(2), 0, name="dup")
     WORLD.Barrier()
     if R != 0:
         first = unison.allreduce_async(np.ones(2), name="dup")
@@ -162,6 +166,180 @@ def test_join_with_uneven_step_counts():
         np.testing.assert_array_equal(res, np.full(4, float(contributors)))
     # the engine is usable after a join
     np.testing.assert_array_equal(unison.allreduce(np.ones(2), op=unison.Sum, name="after.join"), [N, N])
+
+
+def _refused_while_rank0_joined(calls, caplog):
+    """Rank 0 joins; every other rank makes ``calls``: each must raise JoinError, then join.
+
+    Rank 0's join() returns normally (Horovod's contract: the joined rank is not the one that
+    erred) and logs a warning naming the refused calls; returns that warning's text on rank 0.
+    """
+    if R == 0:
+        with caplog.at_level(logging.WARNING, logger="unison.common.engine.engine"):
+            last = unison.join()
+        assert 1 <= last < N  # the last rank to join is one of the others
+        return " ".join(rec.getMessage() for rec in caplog.records if "had joined" in rec.getMessage())
+    for what, call in calls:
+        with pytest.raises(JoinError, match="only allreduce and barrier") as info:
+            call()
+        assert "[0]" in str(info.value), (what, info.value)
+    # allreduce still works with rank 0 joined (it contributes zeros)
+    got = unison.allreduce(np.ones(3), op=unison.Sum, name="jr.ar")
+    np.testing.assert_array_equal(got, np.full(3, N - 1.0))
+    assert 1 <= unison.join() < N  # the last rank to join
+    return ""
+
+
+@needs_engine
+def test_join_refuses_collectives_that_need_every_ranks_data(caplog):
+    # a broadcast cached before the join must be refused too (the cache path)
+    for _ in range(2):
+        np.testing.assert_array_equal(unison.broadcast(np.full(4, 7.0 + R), 1, name="jr.cached"),
+                                      np.full(4, 8.0))
+    calls = [
+        ("broadcast from a joined root", lambda: unison.broadcast(np.full(4, 7.0), 0, name="jr.bc0")),
+        ("broadcast from a live root", lambda: unison.broadcast(np.full(4, 7.0), 1, name="jr.bc1")),
+        ("cached broadcast", lambda: unison.broadcast(np.full(4, 7.0), 1, name="jr.cached")),
+        ("allgather", lambda: unison.allgather(np.ones((2, 3)), name="jr.ag")),
+        ("alltoall", lambda: unison.alltoall(np.arange(N, dtype=np.float32), name="jr.a2a")),
+        ("reducescatter", lambda: unison.reducescatter(np.ones((N, 2)), name="jr.rs")),
+    ]
+    message = _refused_while_rank0_joined(calls, caplog)
+    if R == 0:  # the joined rank is told which collectives were refused, and who submitted them
+        assert "JoinError" in message and "Only allreduce and barrier" in message, message
+        for name in ("jr.bc0", "jr.bc1", "jr.cached", "jr.ag", "jr.a2a", "jr.rs"):
+            assert f"{name!r} submitted by rank(s) {list(range(1, N))}" in message, message
+    # after the join everything works again, on every rank
+    np.testing.assert_array_equal(unison.broadcast(np.full(4, 7.0 + R), 0, name="jr.bc0"), np.full(4, 7.0))
+    np.testing.assert_array_equal(unison.broadcast(np.full(4, 7.0 + R), 1, name="jr.cached"),
+                                  np.full(4, 8.0))
+    g = unison.allgather(np.full((1, 2), R), name="jr.ag")
+    np.testing.assert_array_equal(g[:, 0], np.arange(N))
+
+
+@needs_engine
+def test_add_and_remove_process_set_while_a_rank_joined_raise_everywhere(caplog):
+    before = len(frontend.engine()._set_objs)
+    message = _refused_while_rank0_joined(
+        [("add_process_set", lambda: unison.add_process_set(list(range(N))))], caplog)
+    assert R != 0 or f"'unison.add_process_set.{before}' submitted by rank(s)" in message, message
+    assert len(frontend.engine()._set_objs) == before  # nothing half-registered
+    ps = unison.add_process_set(list(range(N)))
+    assert ps.process_set_id == before
+    got = unison.allreduce(np.full(2, float(R)), op=unison.Sum, name="jr.ps", process_set=ps)
+    np.testing.assert_array_equal(got, np.full(2, float(sum(range(N)))))
+    _refused_while_rank0_joined([("remove_process_set", lambda: frontend.remove_process_set(ps))], caplog)
+    assert ps.process_set_id == before  # still registered everywhere, and usable
+    got = unison.allreduce(np.full(2, float(R)), op=unison.Sum, name="jr.ps", process_set=ps)
+    np.testing.assert_array_equal(got, np.full(2, float(sum(range(N)))))
+    assert frontend.remove_process_set(ps) is True
+
+
+@needs_engine
+def test_collectives_right_after_join_never_meet_a_joined_rank():
+    """After every rank joined, a rank whose join() returned first submits at once: the next
+    collectives (cached and new names, a process set, registering a set) must run with every
+    rank live, never be refused or see a rank still joined (a rank must not "run ahead")."""
+    pair = unison.add_process_set([0, N - 1])
+    for i in range(12):
+        if R == i % N:
+            time.sleep(0.02)  # a different rank joins last each time
+        last = unison.join()
+        assert 0 <= last < N
+        root = (i + 1) % N
+        got = unison.broadcast(np.full(3, float(R + 10 * i)), root, name="aj.bc")  # cached after i=0
+        np.testing.assert_array_equal(got, np.full(3, float(root + 10 * i)))
+        got = unison.broadcast(np.full(2, float(R)), root, name=f"aj.bc.{i}")  # new each time
+        np.testing.assert_array_equal(got, np.full(2, float(root)))
+        if R in (0, N - 1):  # (the engine's root_rank is a rank of the set)
+            got = unison.broadcast(np.full(2, float(R + i)), i % 2, name="aj.ps.bc", process_set=pair)
+            np.testing.assert_array_equal(got, np.full(2, float(pair.ranks[i % 2] + i)))
+            got = unison.allreduce(np.full(2, 1.0), op=unison.Sum, name="aj.ps.ar", process_set=pair)
+            np.testing.assert_array_equal(got, np.full(2, float(len({0, N - 1}))))
+        g = unison.allgather(np.full((1, 2), R), name="aj.ag")
+        np.testing.assert_array_equal(g[:, 0], np.arange(N))
+        if i % 4 == 3:  # registering and removing a set right after a join
+            extra = unison.add_process_set(list(range(N)))
+            got = unison.allreduce(np.ones(2), op=unison.Sum, name=f"aj.extra.{i}", process_set=extra)
+            np.testing.assert_array_equal(got, np.full(2, float(N)))
+            assert frontend.remove_process_set(extra) is True
+    assert frontend.remove_process_set(pair) is True
+
+
+@needs_engine
+def test_remove_process_set_frees_it_on_every_rank():
+    eng = frontend.engine()
+    assert frontend.remove_process_set(unison.global_process_set) is False
+    assert frontend.remove_process_set(unison.ProcessSet([0])) is False  # never registered
+    members = [0, N - 1]
+    ps = unison.add_process_set(members)
+    sid = ps.process_set_id
+    state = eng._sets.get(sid)
+    assert (state is not None) == (R in members)
+    pending = None
+    if R in members:
+        got = unison.allreduce(np.full(2, float(R)), op=unison.Sum, name="rm.ar", process_set=ps)
+        np.testing.assert_array_equal(got, np.full(2, float(sum(set(members)))))
+        if R == 0:  # submitted on one member only: removal fails it instead of leaving it pending
+            pending = unison.allreduce_async(np.ones(2), name="rm.pending", process_set=ps)
+    assert frontend.remove_process_set(ps) is True
+    assert ps.process_set_id is None and sid not in eng._sets
+    if state is not None:
+        assert state.comm == MPI.COMM_NULL  # its communicator was freed
+    if pending is not None:
+        with pytest.raises(ValueError, match="was removed"):
+            unison.synchronize(pending)
+    if R in members:
+        with pytest.raises(ValueError, match="not registered"):
+            unison.allreduce(np.ones(1), name="rm.after", process_set=ps)
+    assert frontend.remove_process_set(ps) is False  # already removed
+    again = unison.add_process_set(ps)  # a removed set can be added again, under a new id
+    assert again is ps and ps.process_set_id not in (None, sid)
+    if R in members:
+        got = unison.allreduce(np.full(2, float(R)), op=unison.Sum, name="rm.ar", process_set=ps)
+        np.testing.assert_array_equal(got, np.full(2, float(sum(set(members)))))
+    assert frontend.remove_process_set(ps) is True
+
+
+def test_broadcast_object_root_is_a_global_rank_with_a_process_set():
+    from unison.common.engine.objects import broadcast_object
+
+    members = list(range(1, N)) or [0]
+    ps = unison.add_process_set(members)
+    root = members[-1]  # a rank of the job: its rank in the set is len(members) - 1
+    if R in members:
+        got = broadcast_object({"from": R, "blob": list(range(R))}, root, name="bo.ps", process_set=ps)
+        assert got == {"from": root, "blob": list(range(root))}
+        if N > 1:
+            with pytest.raises(ValueError, match="root_rank=0 is not a member"):
+                broadcast_object(1, 0, name="bo.nonmember", process_set=ps)
+    assert broadcast_object(("g", R), N - 1, name="bo.global") == ("g", N - 1)
+    assert frontend.remove_process_set(ps) is (N > 1)
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "ring", "rhd", "mpi"])
+def test_uint16_reductions_gather_and_broadcast(algorithm):
+    top = np.iinfo(np.uint16).max
+
+    def mine(r):
+        return np.array([top - r, r, 1000 + 7 * r, top, 40000], np.uint16)
+
+    stack = np.stack([mine(r) for r in range(N)]).astype(np.int64)
+    wants = {unison.Sum: stack.sum(0) % (top + 1), unison.Average: stack.sum(0) // N,
+             unison.Min: stack.min(0), unison.Max: stack.max(0)}
+    for op, want in wants.items():
+        got = unison.allreduce(mine(R), op=op, name=f"u16.{algorithm}.{op!r}", algorithm=algorithm)
+        assert got.dtype == np.uint16, (op, got.dtype)
+        np.testing.assert_array_equal(got, want.astype(np.uint16), err_msg=f"{op!r}")
+    big = np.full(600_000, 40000 + R, np.uint16)  # > 1 MiB: reduced on its own, not fused
+    got = unison.allreduce(big, op=unison.Average, name=f"u16.big.{algorithm}", algorithm=algorithm)
+    assert got.dtype == np.uint16 and np.all(got == (sum(40000 + r for r in range(N)) // N))
+    g = unison.allgather(np.full((R + 1, 2), top - R, np.uint16), name=f"u16.ag.{algorithm}")
+    assert g.dtype == np.uint16
+    np.testing.assert_array_equal(g[:, 0], np.repeat(top - np.arange(N), np.arange(1, N + 1)))
+    b = unison.broadcast(mine(R), N - 1, name=f"u16.bc.{algorithm}")
+    assert b.dtype == np.uint16
+    np.testing.assert_array_equal(b, mine(N - 1))
 
 
 def test_process_sets():

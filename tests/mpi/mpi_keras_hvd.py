@@ -94,3 +94,26 @@ def test_metric_average_and_learning_rate_callbacks():
 
     model.fit(shard(X), shard(Y), batch_size=B, epochs=2, verbose=0, callbacks=[sched, Lr()])
     assert seen == pytest.approx([0.5, 0.05])
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_distributed_optimizer_gradient_none_on_some_ranks(graph):
+    """Issue 10 item 3: rank r has a gradient for ``a`` (even r) or ``b`` (odd r), none for ``c``."""
+    import tensorflow as tf
+
+    a, b = keras.Variable(np.zeros((3, 2), "float32")), keras.Variable(np.zeros((3, 2), "float32"))
+    c = keras.Variable(np.zeros((2,), "float32"))
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0))
+    opt.build([a, b, c])
+    mine = tf.fill((3, 2), float(R + 1))
+    grads = [mine if R % 2 == 0 else None, mine if R % 2 == 1 else None, None]
+
+    def apply():
+        opt.apply(grads, [a, b, c])
+
+    (tf.function(apply) if graph else apply)()
+    want_a = -sum(r + 1 for r in range(N) if r % 2 == 0) / N
+    want_b = -sum(r + 1 for r in range(N) if r % 2 == 1) / N
+    np.testing.assert_allclose(a.numpy(), np.full((3, 2), want_a), rtol=1e-6)
+    np.testing.assert_allclose(b.numpy(), np.full((3, 2), want_b), rtol=1e-6)
+    np.testing.assert_array_equal(c.numpy(), np.zeros(2))

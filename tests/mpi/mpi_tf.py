@@ -31,7 +31,8 @@ def test_collective_values(graph):
         b = hvd.broadcast(tf.range(4) + R, root_rank=N - 1, name=f"v.bc.{graph}")
         gr = hvd.grouped_allreduce([tf.ones([2]), tf.ones([3, 1]) * 2.0], op=hvd.Sum, name=f"v.gr.{graph}")
         rs = hvd.reducescatter(tf.ones([2 * N, 2]), op=hvd.Sum, name=f"v.rs.{graph}")
-        out, splits = hvd.alltoall(tf.range(N, dtype=tf.float32) + 10.0 * R, name=f"v.a2a.{graph}")
+        out, splits = hvd.alltoall(tf.range(N, dtype=tf.float32) + 10.0 * R, splits=[1] * N,
+                                   name=f"v.a2a.{graph}")
         return s, a, g, b, gr, rs, out, splits
 
     s, a, g, b, gr, rs, out, splits = (tf.function(run) if graph else run)()
@@ -56,7 +57,7 @@ def test_gradients(graph):
             y2 = tf.reduce_sum(hvd.allgather(x, name=f"g.ag.{graph}") * float(R + 1))
             y3 = tf.reduce_sum(hvd.broadcast(x, 0, name=f"g.bc.{graph}") * float(R + 1))
             y4 = tf.reduce_sum(hvd.reducescatter(x, op=hvd.Sum, name=f"g.rs.{graph}") * float(R + 1))
-            y5 = tf.reduce_sum(hvd.alltoall(x, name=f"g.a2a.{graph}")[0] * float(R + 1))
+            y5 = tf.reduce_sum(hvd.alltoall(x, name=f"g.a2a.{graph}") * float(R + 1))  # no splits: rows only
             y6 = tf.add_n([tf.reduce_sum(t) * float(R + 1) for t in
                            hvd.grouped_allreduce([x, 2.0 * x], op=hvd.Sum, name=f"g.gr.{graph}")])
         return [tape.gradient(y, x) for y in (y1, y2, y3, y4, y5, y6)]
@@ -64,9 +65,11 @@ def test_gradients(graph):
     g1, g2, g3, g4, g5, g6 = (tf.function(run) if graph else run)()
     total = float(sum(r + 1 for r in range(N)))
     np.testing.assert_allclose(g1.numpy(), np.full((N, 2), total / N))
-    np.testing.assert_allclose(g2.numpy(), np.full((N, 2), total))
-    np.testing.assert_allclose(g3.numpy(), np.full((N, 2), total if R == 0 else 0.0))
-    np.testing.assert_allclose(g4.numpy(), np.concatenate([np.full((1, 2), float(r + 1)) for r in range(N)]))
+    # Horovod's gradient rules: allgather and broadcast average the upstream gradients over the
+    # ranks; reducescatter(Sum) all-gathers them times the set size
+    np.testing.assert_allclose(g2.numpy(), np.full((N, 2), total / N))
+    np.testing.assert_allclose(g3.numpy(), np.full((N, 2), total / N if R == 0 else 0.0))
+    np.testing.assert_allclose(g4.numpy(), np.concatenate([np.full((1, 2), float((r + 1) * N)) for r in range(N)]))
     # alltoall: row r of x went to rank r, whose upstream gradient is r + 1
     np.testing.assert_allclose(g5.numpy(), np.concatenate([np.full((1, 2), float(r + 1)) for r in range(N)]))
     np.testing.assert_allclose(g6.numpy(), np.full((N, 2), 3.0 * total))
@@ -113,3 +116,59 @@ def test_objects_and_errors():
         with pytest.raises(hvd.MismatchError, match="shape"):
             hvd.allreduce(tf.ones([R + 1]), name="tf.mismatch")
     assert int(hvd.size_op()) == N and int(hvd.rank_op()) == R
+
+
+def _branch_loss(r, x, a, b, emb, mixed):
+    """Rank ``r``'s loss: even ranks use ``a`` and gather ``emb``; odd ranks use ``b``.
+
+    ``mixed`` gets a sparse gradient on rank 0 and a dense one on rank 1; nobody uses a fifth variable.
+    """
+    ids = tf.constant([0, 2, 2])
+    if r % 2 == 0:
+        y = tf.reduce_sum(tf.tanh(x @ a)) + tf.reduce_sum(tf.gather(emb, ids)) * float(r + 1)
+    else:
+        y = 2.0 * tf.reduce_sum(tf.tanh(x @ b))
+    if r == 0:
+        y += tf.reduce_sum(tf.gather(mixed, ids))
+    if r == 1:
+        y += tf.reduce_sum(mixed * mixed)
+    return y
+
+
+def _branch_reference(x_of, init):
+    """The mean over ranks of each rank's gradient, computed in one process (None: nobody has one)."""
+    total, seen = [np.zeros_like(v) for v in init], [False] * len(init)
+    for r in range(N):
+        vs = [tf.Variable(v) for v in init]
+        with tf.GradientTape() as tape:
+            loss = _branch_loss(r, x_of(r), *vs[:4])
+        for i, g in enumerate(tape.gradient(loss, vs)):
+            if g is not None:
+                total[i] += tf.convert_to_tensor(g).numpy()
+                seen[i] = True
+    return [t / N if s else None for t, s in zip(total, seen, strict=True)]
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_tape_gradients_none_on_some_ranks_match_one_process(graph):
+    """Issue 10 item 3: a gradient None on some ranks must not shift the pairing of the others."""
+    rng = np.random.default_rng(5)
+    init = [rng.normal(size=s).astype(np.float32) for s in [(3, 2), (3, 2), (4, 2), (4, 2), (2,)]]
+    vs = [tf.Variable(v) for v in init]  # a and b have the same shape: a shifted pairing would not raise
+
+    def x_of(r):
+        return tf.constant(np.random.default_rng(100 + r).normal(size=(5, 3)).astype(np.float32))
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = _branch_loss(R, x, *vs[:4])
+        grads = hvd.DistributedGradientTape(tape).gradient(loss, vs)
+        return [None if g is None else tf.convert_to_tensor(g) for g in grads]
+
+    got = (tf.function(step) if graph else step)(x_of(R))
+    want = _branch_reference(x_of, init)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if w is None:
+            assert g is None, f"variable {i}: no rank has a gradient, so it must stay None"
+        else:
+            np.testing.assert_allclose(g.numpy(), w, rtol=1e-5, atol=1e-6, err_msg=f"variable {i}")

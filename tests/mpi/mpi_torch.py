@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 
 import numpy as np
@@ -232,7 +233,9 @@ def test_collectives_values_and_inplace():
     assert [o.tolist() for o in outs] == [[N] * 2, [2 * N] * 3]
     rs = hvd.reducescatter(torch.ones(2 * N, 2), op=hvd.Sum)
     assert rs.shape == (2, 2) and torch.all(rs == N)
-    out, splits = hvd.alltoall(torch.arange(N, dtype=torch.float32) + 10 * R)
+    out = hvd.alltoall(torch.arange(N, dtype=torch.float32) + 10 * R)  # Horovod: no splits given, no splits back
+    assert out.tolist() == [float(R + 10 * s) for s in range(N)]
+    out, splits = hvd.alltoall(torch.arange(N, dtype=torch.float32) + 10 * R, splits=[1] * N)
     assert out.tolist() == [float(R + 10 * s) for s in range(N)] and splits.tolist() == [1] * N
     assert hvd.broadcast_object({"r": R}, root_rank=0) == {"r": 0}
     assert hvd.allgather_object(R * 2) == [2 * r for r in range(N)]
@@ -250,19 +253,21 @@ def test_autograd_gradients_across_ranks():
     weights = [torch.arange(rows * 2, dtype=torch.float32).view(rows, 2) * (r + 1) for r in range(N)]
     (hvd.allgather(x) * weights[R]).sum().backward()
     total = sum(weights)
-    torch.testing.assert_close(x.grad, total[2 * R:2 * R + 2])
+    # Horovod's gradient rules: allgather and broadcast average the upstream gradients over the
+    # ranks; reducescatter(Sum) all-gathers them times the set size
+    torch.testing.assert_close(x.grad, total[2 * R:2 * R + 2] / N)
 
     x = torch.ones(3, requires_grad=True)
     (hvd.broadcast(x, root_rank=0) * (R + 1)).sum().backward()
-    expect = float(sum(r + 1 for r in range(N))) if R == 0 else 0.0
+    expect = float(sum(r + 1 for r in range(N))) / N if R == 0 else 0.0
     torch.testing.assert_close(x.grad, torch.full((3,), expect))
 
     x = torch.ones(N, 2, requires_grad=True)
     (hvd.reducescatter(x, op=hvd.Sum) * (R + 1)).sum().backward()
-    torch.testing.assert_close(x.grad, torch.cat([torch.full((1, 2), float(r + 1)) for r in range(N)]))
+    torch.testing.assert_close(x.grad, torch.cat([torch.full((1, 2), float((r + 1) * N)) for r in range(N)]))
 
     x = torch.ones(N, requires_grad=True)
-    out, _ = hvd.alltoall(x)
+    out = hvd.alltoall(x)
     (out * (R + 1)).sum().backward()
     torch.testing.assert_close(x.grad, torch.tensor([float(r + 1) for r in range(N)]))
 
@@ -284,3 +289,79 @@ def test_sync_batch_norm_matches_batch_norm_on_global_batch():
     torch.testing.assert_close(mine.grad, ref_in.grad[R * 4:(R + 1) * 4], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(sbn.running_mean, bn.running_mean, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(sbn.running_var, bn.running_var, rtol=1e-4, atol=1e-6)
+
+
+def test_default_parameter_names_never_collide_with_unnamed_calls(monkeypatch):
+    """Issue 10 item 5: unnamed user calls in flight during backward and step() keep their names."""
+    monkeypatch.setattr(frontend, "_counters", collections.Counter())  # unnamed calls from .noname.0
+    model = make_model(11)  # the same initial weights on every rank
+    ref = copy.deepcopy(model)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))  # default names
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(2):
+        parts = batches(300 + step, 3)
+        x, y = parts[R]
+        before = [hvd.allreduce_async(torch.full((2,), float(R + k)), op=hvd.Sum) for k in range(8)]
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        during = [hvd.allreduce_async(torch.full((3,), float(R * k)), op=hvd.Sum) for k in range(8)]
+        opt.step()
+        for k, h in enumerate(before):
+            torch.testing.assert_close(hvd.synchronize(h), torch.full((2,), float(sum(r + k for r in range(N)))))
+        for k, h in enumerate(during):
+            torch.testing.assert_close(hvd.synchronize(h), torch.full((3,), float(sum(r * k for r in range(N)))))
+        ref_opt.zero_grad()
+        xs, ys = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        torch.nn.functional.mse_loss(ref(xs), ys).backward()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+def _uneven_global_batch(dtype, shift, seed):
+    """Every rank's (different-sized) batch of a (sum of sizes, 2, 3) global batch, in ``dtype``."""
+    sizes = [2 + 3 * r for r in range(N)]
+    g = torch.Generator().manual_seed(seed)
+    full = (torch.randn(sum(sizes), 2, 3, generator=g, dtype=torch.float64) * 2.0 + shift).to(dtype)
+    starts = np.cumsum([0] + sizes)
+    return full, int(starts[R]), int(starts[R + 1])
+
+
+@pytest.mark.parametrize("dtype,shift", [(torch.float64, 0.0), (torch.float32, 1000.0),
+                                         (torch.bfloat16, 100.0), (torch.float16, 100.0)],
+                         ids=["float64", "float32-mean1000", "bf16-mean100", "fp16-mean100"])
+def test_sync_batch_norm_low_precision_large_mean_uneven_batches(dtype, shift):
+    """Issue 10 item 4: statistics, input/weight/bias gradients and running stats vs BatchNorm in float64
+    on the concatenated global batch, with a different batch size on every rank."""
+    full, lo, hi = _uneven_global_batch(dtype, shift, seed=42)
+    sbn = hvd.SyncBatchNorm(2).to(torch.float64 if dtype == torch.float64 else torch.float32)
+    bn = torch.nn.BatchNorm1d(2).double()
+    with torch.no_grad():
+        for m in (sbn, bn):
+            m.weight.copy_(torch.tensor([1.5, -0.5]))
+            m.bias.copy_(torch.tensor([0.25, 2.0]))
+    tol = {torch.float64: (1e-9, 1e-9), torch.float32: (1e-4, 1e-4)}.get(dtype, (2e-2, 4e-2))
+    for step in range(2):
+        mine = full[lo:hi].clone().requires_grad_(True)
+        ref_in = full.double().clone().requires_grad_(True)  # the same (rounded) values, in float64
+        out, ref = sbn(mine), bn(ref_in)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.double(), ref[lo:hi].detach(), rtol=tol[0], atol=tol[1])
+        w = torch.linspace(-1.0, 1.0, full.numel(), dtype=torch.float64).view(full.shape) * (step + 1)
+        (out.double() * w[lo:hi]).sum().backward()
+        (ref * w).sum().backward()
+        gx = mine.grad.double()
+        scale = float(ref_in.grad.abs().max())
+        torch.testing.assert_close(gx, ref_in.grad[lo:hi], rtol=tol[0], atol=tol[1] * scale)
+        for mp, rp in ((sbn.weight, bn.weight), (sbn.bias, bn.bias)):  # local sums add up to the global
+            total = torch.from_numpy(WORLD.allreduce(mp.grad.double().numpy()))
+            torch.testing.assert_close(total, rp.grad, rtol=tol[0],
+                                       atol=tol[1] * max(1.0, float(rp.grad.abs().max())))
+            mp.grad, rp.grad = None, None
+    torch.testing.assert_close(sbn.running_mean.double(), bn.running_mean, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sbn.running_var.double(), bn.running_var, rtol=1e-4, atol=1e-5)
+    assert int(sbn.num_batches_tracked) == 2
+    sbn.eval()
+    bn.eval()
+    torch.testing.assert_close(sbn(full[lo:hi]).double(), bn(full.double())[lo:hi].detach(),
+                               rtol=tol[0], atol=tol[1])

@@ -26,7 +26,7 @@ import numpy as np
 from unison.collectives import kernels
 from unison.collectives.header import INLINE_BYTES, Call, Collective, Negotiator
 from unison.collectives.plans import InlineAllreduce
-from unison.collectives.reduce import check_op, finalize, prescale, reducer
+from unison.collectives.reduce import check_op, finalize, prescale, reduce_stack, reducer
 from unison.collectives.validate import as_array, check_root, check_splits, rows_split
 from unison.common import pool, runtime
 from unison.common.config import validate_algorithm
@@ -40,9 +40,7 @@ __all__ = ["allreduce", "allgather", "broadcast", "reducescatter", "alltoall", "
 def _negotiator(st: runtime.State) -> Negotiator:
     neg = st.cache.get("negotiator")
     if neg is None:
-        from mpi4py import MPI
-
-        neg = st.cache["negotiator"] = Negotiator(st.comm, MPI)
+        neg = st.cache["negotiator"] = Negotiator(st.comm, st.mpi)
     return neg
 
 
@@ -167,9 +165,7 @@ def allreduce(tensor: Any, op: Any = Average, name: str | None = None,
     if x.size == 0:
         return result
     if small:
-        stack = neg.gathered[:, 256:256 + x.nbytes].view(x.dtype)
-        ufunc.reduce(stack, axis=0, out=out)
-        finalize(out, rop, n, call.postscale)
+        reduce_stack(neg.inline_rows(x.nbytes).view(x.dtype), rop, out, n, call.postscale)
         if type(tensor) is np.ndarray:
             neg.plans[(tensor.shape, tensor.dtype, op, prescale_factor, postscale_factor, algorithm)] = \
                 InlineAllreduce(neg, call, ufunc, rop)
@@ -301,9 +297,8 @@ def reducescatter(tensor: Any, op: Any = Average, name: str | None = None,
         finalize(out, rop, 1, call.postscale)
         return out.reshape(shape)
     if small:
-        stack = neg.gathered[:, 256:256 + x.nbytes].view(x.dtype)[:, offsets[r]:offsets[r] + counts[r]]
-        reducer(x.dtype, rop).reduce(stack, axis=0, out=out)
-        finalize(out, rop, n, call.postscale)
+        stack = neg.inline_rows(x.nbytes).view(x.dtype)[:, offsets[r]:offsets[r] + counts[r]]
+        reduce_stack(stack, rop, out, n, call.postscale)
     else:
         kernels.reducescatter(neg.comm, neg.mpi, flat, out, counts, rop, call.prescale,
                               call.postscale, call.algorithm, st.config.chunk_bytes)

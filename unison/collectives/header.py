@@ -6,6 +6,8 @@ root, scale factors, algorithm) followed by 4 KiB of inline space::
 
     block = | must-match words 0-20 | per-rank words 21-31 | inline (4096 B) |
 
+(the word offsets are the ``W_*`` constants below; :class:`Header` decodes a block).
+
 * If any rank's must-match words differ, every rank sees every header and
   raises the same :class:`MismatchError` listing each rank's call; nothing hangs
   and no rank computes on garbage.
@@ -26,7 +28,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -34,25 +36,81 @@ from unison.common.dtypes import dtype_from_code, dtype_name
 from unison.common.exceptions import CollectiveError, InvalidArgumentError, MismatchError
 from unison.common.ops import ReduceOp
 
-__all__ = ["Collective", "Call", "Negotiator", "INLINE_BYTES", "HEADER_BYTES"]
+__all__ = ["Collective", "Call", "Header", "Negotiator", "INLINE_BYTES", "HEADER_BYTES"]
 
 MAGIC = 0x554E49534F4E0001
 HEADER_BYTES = 256
 INLINE_BYTES = 4096
 BLOCK_BYTES = HEADER_BYTES + INLINE_BYTES
-MATCH_WORDS = 21
-MATCH_BYTES = MATCH_WORDS * 8
 MAX_DIMS = 8
 
-W_ERR = 20
-W_MYDIM0 = 21
-W_MYNBYTES = 22
-W_INLINE = 23
-W_ERRLEN = 24
+# Word offsets of the header (int64 words; W_PRESCALE and W_POSTSCALE hold float64 bits)::
+#
+#   0 magic | 1 collective | 2 dtype | 3 op | 4 algorithm | 5 root | 6 prescale | 7 postscale
+#   8 ndim | 9 dim0 (-1: may vary) | 10-17 dims 1..8 | 18 hash of dims 9.. | 19 nbytes (-1: may vary)
+#   20 error flag                                                       <- must match up to here
+#   21 my dim0 | 22 my nbytes | 23 inline | 24 error length | 25 error kind | 26-31 unused
+W_MAGIC = 0
+W_COLLECTIVE = 1
+W_DTYPE = 2
+W_OP = 3
+W_ALGORITHM = 4
+W_ROOT = 5
+W_PRESCALE = 6
+W_POSTSCALE = 7
+W_NDIM = 8
+W_DIM0 = 9
+W_DIMS = 10
+W_TAIL_HASH = W_DIMS + MAX_DIMS
+W_NBYTES = W_TAIL_HASH + 1
+W_ERR = W_NBYTES + 1
+#: Words 0 .. W_ERR must be equal on every rank (an error flag set anywhere is a mismatch).
+MATCH_WORDS = W_ERR + 1
+MATCH_BYTES = MATCH_WORDS * 8
+W_MYDIM0 = MATCH_WORDS
+W_MYNBYTES = W_MYDIM0 + 1
+W_INLINE = W_MYNBYTES + 1
+W_ERRLEN = W_INLINE + 1
+W_ERRKIND = W_ERRLEN + 1
+HEADER_WORDS = HEADER_BYTES // 8
 
 ERR_NONE, ERR_TYPE, ERR_VALUE = 0, 1, 2
 
-_STRUCT = struct.Struct("<6q2d24q")
+_STRUCT = struct.Struct(f"<{W_PRESCALE}q2d{HEADER_WORDS - W_PRESCALE - 2}q")
+_UNUSED = (0,) * (HEADER_WORDS - W_ERRKIND - 1)
+
+
+class Header(NamedTuple):
+    """One rank's header words, decoded (the layout above)."""
+
+    magic: int
+    collective: int
+    dtype_code: int
+    op: int
+    algorithm: int
+    root: int
+    prescale: float
+    postscale: float
+    ndim: int
+    dim0: int
+    dims: tuple[int, ...]
+    tail_hash: int
+    nbytes: int
+    error: int
+    my_dim0: int
+    my_nbytes: int
+    inline: int
+    error_len: int
+    error_kind: int
+
+    @classmethod
+    def unpack(cls, block: np.ndarray) -> Header:
+        w = _STRUCT.unpack_from(block, 0)  # type: ignore[arg-type]
+        return cls._make([*w[:W_DIMS], tuple(w[W_DIMS:W_TAIL_HASH]), *w[W_TAIL_HASH:W_ERRKIND + 1]])
+
+    def pack_into(self, block: np.ndarray) -> None:
+        _STRUCT.pack_into(block, 0, *self[:W_DIMS], *self.dims,  # type: ignore[arg-type]
+                          *self[W_DIMS + 1:], *_UNUSED)
 
 
 class Collective(enum.IntEnum):
@@ -134,13 +192,13 @@ class Negotiator:
         if err_bytes:
             self.block[HEADER_BYTES:HEADER_BYTES + len(err_bytes)] = np.frombuffer(err_bytes, np.uint8)
         self.last_plan = None
+        # the words in Header's field order, packed flat (this runs on every uncached call)
         _STRUCT.pack_into(
             self.block, 0, MAGIC, int(call.coll), call.dtype_code, call.op,  # type: ignore[arg-type]
             ALGO_CODES[call.algorithm], call.root, call.prescale, call.postscale,
             len(shape), -1 if call.vary_dim0 else dim0, *dims, _tail_hash(shape),
             -1 if call.vary_dim0 else call.nbytes, 1 if err_kind else 0,
-            dim0, call.nbytes, int(call.inline), len(err_bytes) if err_kind else 0,
-            err_kind, 0, 0, 0, 0, 0, 0,
+            dim0, call.nbytes, int(call.inline), len(err_bytes) if err_kind else 0, err_kind, *_UNUSED,
         )
         self.comm.Allgather([self.block, self.mpi.BYTE], [self.gathered, self.mpi.BYTE])
         match = self._match
@@ -153,31 +211,35 @@ class Negotiator:
     def dim0s(self) -> list[int]:
         return self.words[:, W_MYDIM0].tolist()
 
+    def inline_rows(self, nbytes: int) -> np.ndarray:
+        """The first ``nbytes`` of every rank's inline space: a (size, nbytes) uint8 view."""
+        return self.gathered[:, HEADER_BYTES:HEADER_BYTES + nbytes]
+
+    def header(self, rank: int) -> Header:
+        """``rank``'s gathered header, decoded."""
+        return Header.unpack(self.gathered[rank])
+
     # ----------------------------------------------------------------- errors
     def _describe(self, rank: int) -> dict[str, str]:
-        w = self.words[rank]
-        (_, coll, dtc, op, algo, root, pre, post, ndim, dim0m, *rest) = _STRUCT.unpack_from(
-            self.gathered[rank], 0)
-        dims = rest[:MAX_DIMS]
-        dim0 = int(w[W_MYDIM0])
-        shape = tuple([dim0] + list(dims[: max(ndim - 1, 0)]))[:ndim] if ndim else ()
-        shape_s = str(shape) if ndim <= 1 + MAX_DIMS else str(shape)[:-1] + ", ...)"
+        h = self.header(rank)
+        shape = tuple([h.my_dim0] + list(h.dims[: max(h.ndim - 1, 0)]))[:h.ndim] if h.ndim else ()
+        shape_s = str(shape) if h.ndim <= 1 + MAX_DIMS else str(shape)[:-1] + ", ...)"
         try:
-            coll_s = Collective(coll).name.lower()
+            coll_s = Collective(h.collective).name.lower()
         except ValueError:
-            coll_s = f"<unknown collective {coll}>"
+            coll_s = f"<unknown collective {h.collective}>"
         desc = {
             "collective": coll_s,
             "shape": shape_s,
-            "dtype": dtype_name(dtype_from_code(dtc)) if dtc >= 0 else "<unsupported>",
-            "algorithm": _ALGO_NAMES.get(algo, str(algo)),
+            "dtype": dtype_name(dtype_from_code(h.dtype_code)) if h.dtype_code >= 0 else "<unsupported>",
+            "algorithm": _ALGO_NAMES.get(h.algorithm, str(h.algorithm)),
         }
-        if op >= 0:
-            desc["op"] = repr(ReduceOp(op))
-        if root >= 0:
-            desc["root_rank"] = str(root)
-        if pre != 1.0 or post != 1.0:
-            desc["prescale_factor"], desc["postscale_factor"] = repr(pre), repr(post)
+        if h.op >= 0:
+            desc["op"] = repr(ReduceOp(h.op))
+        if h.root >= 0:
+            desc["root_rank"] = str(h.root)
+        if h.prescale != 1.0 or h.postscale != 1.0:
+            desc["prescale_factor"], desc["postscale_factor"] = repr(h.prescale), repr(h.postscale)
         return desc
 
     def raise_mismatch(self, call: Call) -> None:
@@ -188,7 +250,7 @@ class Negotiator:
             w = self.words[r]
             if w[W_ERR]:
                 text = self.payload(r, int(w[W_ERRLEN])).tobytes().decode("utf-8", "replace")
-                errors.append((int(w[25]), f"rank {r}: {text}"))
+                errors.append((int(w[W_ERRKIND]), f"rank {r}: {text}"))
         if errors:
             kinds = {k for k, _ in errors}
             cls = CollectiveError if kinds == {ERR_TYPE} else InvalidArgumentError

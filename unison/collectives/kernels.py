@@ -11,15 +11,18 @@ from typing import Any
 
 import numpy as np
 
-from unison.collectives import native, rhd, ring, tree
+from unison.collectives import adasum, native, rhd, ring, tree
 from unison.collectives.p2p import exchange
-from unison.collectives.reduce import finalize, prescale, reducer
+from unison.collectives.reduce import accumulator, finalize, prescale, reducer
 from unison.collectives.select import choose_allreduce, choose_simple
 from unison.common.ops import ReduceOp
 
 __all__ = ["allreduce", "allgatherv", "broadcast", "reducescatter", "alltoallv"]
 
 TAG_A2A = 41
+#: Integer averages are summed in int64 (see [Note: integer average] in :mod:`.reduce`)
+#: this many elements at a time, so the accumulator stays at most 32 MiB.
+WIDE_PIECE_ELEMS = 4 << 20
 
 
 def _elems(chunk_bytes: int, itemsize: int) -> int:
@@ -30,6 +33,9 @@ def allreduce(comm: Any, mpi: Any, src: np.ndarray, out: np.ndarray, op: ReduceO
               prescale_factor: float, postscale_factor: float, algorithm: str,
               chunk_bytes: int) -> None:
     """``out = postscale * op(prescale * src over ranks)``; ``out`` may be ``src`` (in place)."""
+    if op is ReduceOp.ADASUM:  # its own algorithm (vector halving, distance doubling); never fused
+        adasum.allreduce(comm, mpi, src, out, prescale_factor, postscale_factor, chunk_bytes)
+        return
     n = comm.Get_size()
     algo = choose_allreduce(algorithm, out.nbytes, n)
     chunk = _elems(chunk_bytes, out.itemsize)
@@ -38,6 +44,11 @@ def allreduce(comm: Any, mpi: Any, src: np.ndarray, out: np.ndarray, op: ReduceO
     if n == 1:
         prescale(src, prescale_factor, out)
         finalize(out, op, 1, postscale_factor)
+        return
+    wide = accumulator(out.dtype, op)
+    if wide is not None:
+        _allreduce_widened(comm, mpi, src, out, wide, op, prescale_factor, postscale_factor, algo,
+                           chunk_bytes)
         return
 
     def finish(seg: np.ndarray) -> None:
@@ -56,6 +67,19 @@ def allreduce(comm: Any, mpi: Any, src: np.ndarray, out: np.ndarray, op: ReduceO
     else:
         native.allreduce(comm, mpi, src, out, op)
         finish(out)
+
+
+def _allreduce_widened(comm: Any, mpi: Any, src: np.ndarray, out: np.ndarray, wide: np.dtype,
+                       op: ReduceOp, prescale_factor: float, postscale_factor: float, algo: str,
+                       chunk_bytes: int) -> None:
+    """An integer average summed in ``wide``, piece by piece (every rank cuts the same pieces)."""
+    acc = np.empty(min(out.size, WIDE_PIECE_ELEMS), dtype=wide)
+    for lo in range(0, out.size, acc.size):
+        hi = min(lo + acc.size, out.size)
+        piece = acc[:hi - lo]
+        prescale(src[lo:hi], prescale_factor, piece)  # scaled in the input's dtype, then widened
+        allreduce(comm, mpi, piece, piece, op, 1.0, postscale_factor, algo, chunk_bytes)
+        np.copyto(out[lo:hi], piece, casting="unsafe")
 
 
 def allgatherv(comm: Any, mpi: Any, mine: np.ndarray, out: np.ndarray, byte_counts: list[int],
@@ -94,11 +118,19 @@ def reducescatter(comm: Any, mpi: Any, src: np.ndarray, out: np.ndarray, counts:
         prescale(src, prescale_factor, out)
         finalize(out, op, 1, postscale_factor)
         return
+    algo = choose_simple("reducescatter", algorithm, src.nbytes, n)
+    wide = accumulator(src.dtype, op)
+    if wide is not None:  # see [Note: integer average] in .reduce
+        acc, acc_out = np.empty(src.size, dtype=wide), np.empty(out.size, dtype=wide)
+        prescale(src, prescale_factor, acc)
+        reducescatter(comm, mpi, acc, acc_out, counts, op, 1.0, postscale_factor, algo, chunk_bytes)
+        np.copyto(out, acc_out, casting="unsafe")
+        return
     if prescale_factor != 1.0:
         scaled = np.empty_like(src)
         prescale(src, prescale_factor, scaled)
         src = scaled
-    if choose_simple("reducescatter", algorithm, src.nbytes, n) == "mpi":
+    if algo == "mpi":
         native.reduce_scatter(comm, mpi, src, out, counts, op)
     else:
         offsets = [sum(counts[:i]) for i in range(n)]

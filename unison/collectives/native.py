@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from unison.collectives.reduce import reducer
 from unison.common.dtypes import bfloat16
 from unison.common.ops import ReduceOp
 
@@ -27,6 +28,7 @@ def _type_table(mpi: Any) -> dict[np.dtype, Any]:
         np.dtype(np.int32): mpi.INT32_T,
         np.dtype(np.int64): mpi.INT64_T,
         np.dtype(np.uint8): mpi.UINT8_T,
+        np.dtype(np.uint16): mpi.UINT16_T,
         np.dtype(np.bool_): mpi.C_BOOL,
     }
 
@@ -38,8 +40,6 @@ def _half_type(mpi: Any) -> Any:
 
 @functools.cache
 def _half_op(mpi: Any, dtype: np.dtype, op: ReduceOp) -> Any:
-    from unison.collectives.reduce import reducer
-
     ufunc = reducer(dtype, op)
 
     def combine(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:

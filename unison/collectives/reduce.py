@@ -3,6 +3,17 @@
 All reductions run through numpy ufuncs into preallocated outputs, so the
 arithmetic is as fast as numpy's loops and identical inputs give bitwise
 identical outputs on every rank.
+
+[Note: integer average] ``Average`` of integers divides a sum that can overflow
+the input dtype (two ranks' uint8 200s sum to 144). Every algorithm therefore
+sums int8, uint8, int16 and int32 data in an int64 accumulator
+(:func:`accumulator`), divides there, truncating toward zero like C integer
+division (Horovod's result whenever its own narrow sum does not overflow), and
+casts the average -- always within the input's range -- back. ``prescale_factor``
+scales each rank's input in its own dtype first (truncating, as before), and
+``postscale_factor`` scales the average. int64 cannot be widened: its sums wrap
+beyond +-2**63, as ``Sum`` of any integer dtype wraps (numpy's and MPI's rule).
+Float data never takes this path, so its speed is unchanged.
 """
 
 from __future__ import annotations
@@ -13,7 +24,10 @@ from unison.common.dtypes import is_bool, is_float
 from unison.common.exceptions import CollectiveError
 from unison.common.ops import ReduceOp
 
-__all__ = ["reducer", "check_op", "prescale", "finalize"]
+__all__ = ["reducer", "check_op", "prescale", "finalize", "accumulator", "reduce_stack"]
+
+#: The accumulator of integer averages (see [Note: integer average]).
+WIDE = np.dtype(np.int64)
 
 _FLOAT_UFUNCS = {
     ReduceOp.AVERAGE: np.add,
@@ -36,6 +50,9 @@ def check_op(dtype: np.dtype, op: ReduceOp, prescale_factor: float, postscale_fa
     Raises:
         CollectiveError: Average or a scale factor on bool data.
     """
+    if op is ReduceOp.ADASUM and not is_float(dtype):
+        raise CollectiveError(f"op=unison.Adasum combines floating-point gradients; got dtype {np.dtype(dtype)}. "
+                              "Cast the array to float32, or use unison.Sum / unison.Average")
     if is_bool(dtype):
         if op is ReduceOp.AVERAGE:
             raise CollectiveError(
@@ -89,3 +106,27 @@ def finalize(buf: np.ndarray, op: ReduceOp, size: int, postscale_factor: float) 
     if factor != 1.0:
         _scale(buf, factor, buf)
 
+
+
+def accumulator(dtype: np.dtype, op: ReduceOp) -> np.dtype | None:
+    """The wider dtype in which ``op`` must sum ``dtype`` data, or None when ``dtype`` itself will do.
+
+    See [Note: integer average].
+    """
+    dt = np.dtype(dtype)
+    if op is ReduceOp.AVERAGE and dt.kind in "iu" and dt.itemsize < WIDE.itemsize:
+        return WIDE
+    return None
+
+
+def reduce_stack(stack: np.ndarray, op: ReduceOp, out: np.ndarray, size: int,
+                 postscale_factor: float) -> None:
+    """``out`` = the finished ``op`` over the rows of ``stack`` (one per rank, in rank order)."""
+    wide = accumulator(stack.dtype, op)
+    if wide is None:
+        reducer(stack.dtype, op).reduce(stack, axis=0, out=out)
+        finalize(out, op, size, postscale_factor)
+        return
+    acc = np.add.reduce(stack, axis=0, dtype=wide)
+    finalize(acc, op, size, postscale_factor)
+    np.copyto(out, acc, casting="unsafe")

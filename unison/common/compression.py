@@ -1,31 +1,102 @@
 """Gradient compression: what travels on the wire, Horovod's ``Compression`` API.
 
-``Compression.fp16`` and ``Compression.bf16`` cast floating-point arrays to a
+``Compression.fp16`` and ``Compression.bf16`` cast floating-point tensors to a
 16-bit type before the collective and back afterwards, halving the bytes moved
 at the cost of precision (float16 keeps ~3 decimal digits and overflows above
 65504; bfloat16 keeps float32's range with ~2 digits). Other dtypes pass through.
+
+[Note: one Compression for every framework] The compressors are framework
+neutral: they only ask a *caster* whether a tensor is floating point and to cast
+it. numpy arrays use the built-in caster; a backend registers its own for its
+tensor type (``register_caster(torch.Tensor, TorchCaster())`` in the PyTorch
+backend), so ``Compression.fp16.compress(t)`` returns a tensor of ``t``'s own
+framework and ``decompress`` restores its original dtype, while the core keeps
+passing numpy arrays through the very same objects::
+
+    compress(t)  ->  caster_for(t).cast(t, "float16"), original dtype as ctx
+    decompress(t, ctx)  ->  caster_for(t).cast_back(t, ctx)
+
+This module never imports a framework (see docs/architecture.md).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from unison.common.dtypes import bfloat16
 
-__all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor"]
+__all__ = [
+    "Compression", "Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Caster",
+    "register_caster", "caster_for",
+]
+
+
+class Caster(Protocol):
+    """How a compressor inspects and casts one framework's tensors."""
+
+    def compressible(self, tensor: Any) -> bool:
+        """Whether ``tensor`` is floating point (the only kind a cast compressor touches)."""
+
+    def cast(self, tensor: Any, wire: str) -> Any:
+        """``tensor`` cast to the wire dtype named ``wire`` ("float16" or "bfloat16")."""
+
+    def dtype(self, tensor: Any) -> Any:
+        """``tensor``'s dtype, handed back to :meth:`cast_back`."""
+
+    def cast_back(self, tensor: Any, dtype: Any) -> Any:
+        """``tensor`` cast back to ``dtype``."""
+
+
+class _NumpyCaster:
+    """numpy arrays: float32 and float64 travel compressed (what the core always did)."""
+
+    _WIRE = {"float16": np.dtype(np.float16), "bfloat16": bfloat16}
+
+    def compressible(self, tensor: Any) -> bool:
+        return np.asarray(tensor).dtype in (np.float32, np.float64)
+
+    def cast(self, tensor: Any, wire: str) -> Any:
+        return np.asarray(tensor).astype(self._WIRE[wire])
+
+    def dtype(self, tensor: Any) -> Any:
+        return np.asarray(tensor).dtype
+
+    def cast_back(self, tensor: Any, dtype: Any) -> Any:
+        return np.asarray(tensor).astype(dtype)
+
+
+_NUMPY = _NumpyCaster()
+_casters: list[tuple[type, Caster]] = []
+
+
+def register_caster(tensor_type: type, caster: Caster) -> None:
+    """Make the compressors use ``caster`` for instances of ``tensor_type`` (a backend calls this)."""
+    for i, (known, _) in enumerate(_casters):
+        if known is tensor_type:
+            _casters[i] = (tensor_type, caster)
+            return
+    _casters.append((tensor_type, caster))
+
+
+def caster_for(tensor: Any) -> Caster:
+    """The registered caster of ``tensor``'s type; numpy's for anything else."""
+    for known, caster in _casters:
+        if isinstance(tensor, known):
+            return caster
+    return _NUMPY
 
 
 class Compressor:
-    """Interface: ``compress(array) -> (array, ctx)`` and ``decompress(array, ctx) -> array``."""
+    """Interface: ``compress(tensor) -> (tensor, ctx)`` and ``decompress(tensor, ctx) -> tensor``."""
 
     @staticmethod
-    def compress(tensor: np.ndarray) -> tuple[np.ndarray, Any]:
+    def compress(tensor: Any) -> tuple[Any, Any]:
         raise NotImplementedError
 
     @staticmethod
-    def decompress(tensor: np.ndarray, ctx: Any) -> np.ndarray:
+    def decompress(tensor: Any, ctx: Any) -> Any:
         raise NotImplementedError
 
 
@@ -33,34 +104,34 @@ class NoneCompressor(Compressor):
     """No compression."""
 
     @staticmethod
-    def compress(tensor: np.ndarray) -> tuple[np.ndarray, Any]:
+    def compress(tensor: Any) -> tuple[Any, Any]:
         return tensor, None
 
     @staticmethod
-    def decompress(tensor: np.ndarray, ctx: Any) -> np.ndarray:
+    def decompress(tensor: Any, ctx: Any) -> Any:
         return tensor
 
 
-def _cast_compressor(wire: np.dtype) -> type[Compressor]:
+def _cast_compressor(wire: str, name: str) -> type[Compressor]:
     class _Cast(Compressor):
         @staticmethod
-        def compress(tensor: np.ndarray) -> tuple[np.ndarray, Any]:
-            arr = np.asarray(tensor)
-            if arr.dtype in (np.float32, np.float64):
-                return arr.astype(wire), arr.dtype
-            return arr, None
+        def compress(tensor: Any) -> tuple[Any, Any]:
+            caster = caster_for(tensor)
+            if caster.compressible(tensor):
+                return caster.cast(tensor, wire), caster.dtype(tensor)
+            return tensor, None
 
         @staticmethod
-        def decompress(tensor: np.ndarray, ctx: Any) -> np.ndarray:
-            return tensor if ctx is None else tensor.astype(ctx)
+        def decompress(tensor: Any, ctx: Any) -> Any:
+            return tensor if ctx is None else caster_for(tensor).cast_back(tensor, ctx)
 
+    _Cast.__name__ = _Cast.__qualname__ = name
+    _Cast.__doc__ = f"Floating-point tensors travel as {wire}; ``decompress`` restores their dtype."
     return _Cast
 
 
-FP16Compressor = _cast_compressor(np.dtype(np.float16))
-FP16Compressor.__name__ = FP16Compressor.__qualname__ = "FP16Compressor"
-BF16Compressor = _cast_compressor(bfloat16)
-BF16Compressor.__name__ = BF16Compressor.__qualname__ = "BF16Compressor"
+FP16Compressor = _cast_compressor("float16", "FP16Compressor")
+BF16Compressor = _cast_compressor("bfloat16", "BF16Compressor")
 
 
 class Compression:

@@ -2,20 +2,34 @@
 
 Precedence for every setting: explicit argument > ``UNISON_<NAME>`` environment
 variable > ``HOROVOD_<NAME>`` (so existing Horovod job scripts keep working) >
-default. A malformed value raises ``ValueError`` naming the variable, the value
-and what would be accepted. An unknown ``UNISON_*`` variable is most likely a
-typo, so it is logged as a warning with the list of known names.
+default. A variable that is empty (or only blanks) counts as unset, for every
+type: ``UNISON_AUTOTUNE=`` means the default, never "off" by accident.
+
+Every value is checked against its type and range -- finite, within bounds --
+and a bad one raises ``ValueError`` naming the variable (or argument), the
+value and the valid range; nothing malformed reaches the engine thread, where
+the error would surface late and on one rank only. An unknown ``UNISON_*``
+variable is most likely a typo, so it is logged as a warning with the list of
+known names.
+
+Some settings change which MPI calls a rank makes (chunk sizes, fusion,
+algorithms, the response cache, autotuning), so they must be equal on every
+rank; :func:`mismatch_report` describes any difference and ``init()`` raises it
+on every rank. docs/settings.md is the table of all of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import numbers
 import os
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
-__all__ = ["Config", "ALGORITHMS", "load_config"]
+__all__ = ["Config", "ALGORITHMS", "SETTINGS", "Setting", "load_config", "mismatch_report",
+           "must_match_values"]
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +40,9 @@ BROADCAST_ALGORITHMS = ("auto", "tree", "mpi")
 REDUCESCATTER_ALGORITHMS = ("auto", "ring", "mpi")
 ALLTOALL_ALGORITHMS = ("auto", "pairwise", "mpi")
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+#: Prefixes read, in this order (the second is the Horovod alias).
+PREFIXES = ("UNISON_", "HOROVOD_")
 
 # Environment variable names (without the UNISON_/HOROVOD_ prefix).
 ENV_ALLREDUCE_ALGORITHM = "ALLREDUCE_ALGORITHM"
@@ -48,78 +65,149 @@ ENV_AUTOTUNE_LOG = "AUTOTUNE_LOG"
 ENV_AUTOTUNE_WARMUP = "AUTOTUNE_WARMUP_SAMPLES"
 ENV_AUTOTUNE_STEPS = "AUTOTUNE_STEPS_PER_SAMPLE"
 ENV_MALLOC_CACHE = "MALLOC_CACHE"
+ENV_COLLECTIVE_TIMEOUT = "COLLECTIVE_TIMEOUT_SECONDS"
+
+#: Bounds. One MPI message carries at most a C ``int`` count; integers travel as int64;
+#: waits longer than this many seconds are a mistake (0 is the way to say "never").
+MPI_COUNT_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+MAX_SECONDS = 30 * 86400.0
+#: A negotiation cycle longer than a minute would make every collective wait that long.
+MAX_CYCLE_MS = 60_000.0
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
 
-def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
-    def parse(raw: str) -> str:
-        value = raw.strip().lower()
-        if value not in choices:
-            raise ValueError(f"valid choices are {', '.join(choices)}")
+class Spec(Protocol):
+    """How one setting is parsed from text and checked as a value."""
+
+    def describe(self) -> str: ...
+
+    def parse(self, raw: str) -> Any: ...
+
+    def check(self, value: Any) -> Any: ...
+
+
+def _invalid(spec: Spec) -> ValueError:
+    return ValueError(f"expected {spec.describe()}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One of a fixed set of names (case-insensitive)."""
+
+    choices: tuple[str, ...]
+
+    def describe(self) -> str:
+        return "one of " + ", ".join(self.choices)
+
+    def parse(self, raw: str) -> str:
+        value = raw.strip()
+        return self.check(value.upper() if self.choices[0].isupper() else value.lower())
+
+    def check(self, value: Any) -> str:
+        if not isinstance(value, str) or value not in self.choices:
+            raise _invalid(self)
         return value
 
-    return parse
+
+@dataclasses.dataclass(frozen=True)
+class IntRange:
+    """An integer in ``[low, high]`` -- the one integer check every setting uses."""
+
+    low: int
+    high: int
+
+    def describe(self) -> str:
+        return f"an integer in [{self.low}, {self.high}]"
+
+    def parse(self, raw: str) -> int:
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            raise _invalid(self) from None
+        return self.check(value)
+
+    def check(self, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
+                or not self.low <= int(value) <= self.high:
+            raise _invalid(self)
+        return int(value)
 
 
-def _level(raw: str) -> str:
-    value = raw.strip().upper()
-    if value not in LOG_LEVELS:
-        raise ValueError(f"valid choices are {', '.join(LOG_LEVELS)}")
-    return value
+@dataclasses.dataclass(frozen=True)
+class FloatRange:
+    """A finite number in ``[low, high]`` (``(low, high]`` with ``open_low``)."""
+
+    low: float
+    high: float
+    open_low: bool = False
+
+    def describe(self) -> str:
+        return f"a finite number in {'(' if self.open_low else '['}{self.low:g}, {self.high:g}]"
+
+    def parse(self, raw: str) -> float:
+        try:
+            value = float(raw.strip())
+        except ValueError:
+            raise _invalid(self) from None
+        return self.check(value)
+
+    def check(self, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise _invalid(self)
+        value = float(value)
+        above = value > self.low if self.open_low else value >= self.low
+        if not (math.isfinite(value) and above and value <= self.high):
+            raise _invalid(self)
+        return value
 
 
-def _positive_int(raw: str) -> int:
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise ValueError("expected a positive integer") from None
-    if value <= 0:
-        raise ValueError("expected a positive integer")
-    return value
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """A boolean: 1/0, true/false, yes/no, on/off (case-insensitive)."""
+
+    def describe(self) -> str:
+        return "one of " + ", ".join(_TRUE + _FALSE)
+
+    def parse(self, raw: str) -> bool:
+        value = raw.strip().lower()
+        if value in _TRUE:
+            return True
+        if value in _FALSE:
+            return False
+        raise _invalid(self)
+
+    def check(self, value: Any) -> bool:
+        if isinstance(value, bool):
+            return value
+        return self.parse(str(value))
 
 
-def _non_negative_int(raw: str) -> int:
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise ValueError("expected a non-negative integer") from None
-    if value < 0:
-        raise ValueError("expected a non-negative integer")
-    return value
+@dataclasses.dataclass(frozen=True)
+class FilePath:
+    """A file path; empty means off."""
 
+    def describe(self) -> str:
+        return "a file path (empty: off)"
 
-def _non_negative_float(raw: str) -> float:
-    try:
-        value = float(raw.strip())
-    except ValueError:
-        raise ValueError("expected a non-negative number") from None
-    if not value >= 0:
-        raise ValueError("expected a non-negative number")
-    return value
+    def parse(self, raw: str) -> str:
+        return self.check(raw.strip())
 
-
-def _positive_float(raw: str) -> float:
-    value = _non_negative_float(raw)
-    if value == 0:
-        raise ValueError("expected a positive number")
-    return value
-
-
-def _path(raw: str) -> str:
-    return raw.strip()
-
-
-def _flag(raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError("expected one of 1, 0, true, false")
+    def check(self, value: Any) -> str:
+        if not isinstance(value, str) or "\0" in value:
+            raise _invalid(self)
+        return value
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """All of Unison's settings, with their defaults."""
+    """All of Unison's settings, with their defaults (docs/settings.md has the table).
+
+    Building one checks every value (:class:`ValueError` naming the field, the value
+    and the valid range), so a ``Config`` never holds garbage.
+    """
 
     allreduce_algorithm: str = "auto"
     allgather_algorithm: str = "auto"
@@ -156,35 +244,63 @@ class Config:
     #: Keep freed large blocks in the process instead of returning them to the OS
     #: (glibc ``mallopt``), so a training step does not page-fault its buffers anew.
     malloc_cache: bool = True
+    #: Engine: a collective wait longer than this many seconds ends the job (0: no limit).
+    collective_timeout_seconds: float = 0.0
+    #: Where each value came from: an argument, a variable's name, or "default".
+    sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for setting in SETTINGS:
+            value = getattr(self, setting.field)
+            try:
+                setting.spec.check(value)
+            except ValueError as exc:
+                raise ValueError(f"Config({setting.field}={value!r}) is not valid: {exc}") from None
 
 
-# field name -> (env suffix, parser)
-_FIELDS: dict[str, tuple[str, Callable[[str], Any]]] = {
-    "allreduce_algorithm": (ENV_ALLREDUCE_ALGORITHM, _choice(ALGORITHMS)),
-    "allgather_algorithm": (ENV_ALLGATHER_ALGORITHM, _choice(ALLGATHER_ALGORITHMS)),
-    "broadcast_algorithm": (ENV_BROADCAST_ALGORITHM, _choice(BROADCAST_ALGORITHMS)),
-    "reducescatter_algorithm": (ENV_REDUCESCATTER_ALGORITHM, _choice(REDUCESCATTER_ALGORITHMS)),
-    "alltoall_algorithm": (ENV_ALLTOALL_ALGORITHM, _choice(ALLTOALL_ALGORITHMS)),
-    "chunk_bytes": (ENV_CHUNK_BYTES, _positive_int),
-    "log_level": (ENV_LOG_LEVEL, _level),
-    "abort_on_error": (ENV_ABORT_ON_ERROR, _flag),
-    "fusion_threshold": (ENV_FUSION_THRESHOLD, _non_negative_int),
-    "cycle_time": (ENV_CYCLE_TIME, _positive_float),
-    "cache_capacity": (ENV_CACHE_CAPACITY, _non_negative_int),
-    "stall_check_time_seconds": (ENV_STALL_CHECK_TIME, _non_negative_float),
-    "stall_shutdown_time_seconds": (ENV_STALL_SHUTDOWN_TIME, _non_negative_float),
-    "stall_check_disable": (ENV_STALL_CHECK_DISABLE, _flag),
-    "timeline": (ENV_TIMELINE, _path),
-    "autotune": (ENV_AUTOTUNE, _flag),
-    "autotune_log": (ENV_AUTOTUNE_LOG, _path),
-    "autotune_warmup_samples": (ENV_AUTOTUNE_WARMUP, _non_negative_int),
-    "autotune_steps_per_sample": (ENV_AUTOTUNE_STEPS, _positive_int),
-    "malloc_cache": (ENV_MALLOC_CACHE, _flag),
-}
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One row of the settings table."""
+
+    field: str
+    suffix: str
+    spec: Spec
+    #: Whether every rank must use the same value (it changes which MPI calls a rank makes).
+    must_match: bool
+
+    @property
+    def variable(self) -> str:
+        return PREFIXES[0] + self.suffix
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("allreduce_algorithm", ENV_ALLREDUCE_ALGORITHM, Choice(ALGORITHMS), True),
+    Setting("allgather_algorithm", ENV_ALLGATHER_ALGORITHM, Choice(ALLGATHER_ALGORITHMS), True),
+    Setting("broadcast_algorithm", ENV_BROADCAST_ALGORITHM, Choice(BROADCAST_ALGORITHMS), True),
+    Setting("reducescatter_algorithm", ENV_REDUCESCATTER_ALGORITHM, Choice(REDUCESCATTER_ALGORITHMS), True),
+    Setting("alltoall_algorithm", ENV_ALLTOALL_ALGORITHM, Choice(ALLTOALL_ALGORITHMS), True),
+    Setting("chunk_bytes", ENV_CHUNK_BYTES, IntRange(1, MPI_COUNT_MAX), True),
+    Setting("log_level", ENV_LOG_LEVEL, Choice(LOG_LEVELS), False),
+    Setting("abort_on_error", ENV_ABORT_ON_ERROR, Flag(), True),
+    Setting("fusion_threshold", ENV_FUSION_THRESHOLD, IntRange(0, INT64_MAX), True),
+    Setting("cycle_time", ENV_CYCLE_TIME, FloatRange(0.0, MAX_CYCLE_MS, open_low=True), True),
+    Setting("cache_capacity", ENV_CACHE_CAPACITY, IntRange(0, INT64_MAX), True),
+    Setting("stall_check_time_seconds", ENV_STALL_CHECK_TIME, FloatRange(0.0, MAX_SECONDS), True),
+    Setting("stall_shutdown_time_seconds", ENV_STALL_SHUTDOWN_TIME, FloatRange(0.0, MAX_SECONDS), True),
+    Setting("stall_check_disable", ENV_STALL_CHECK_DISABLE, Flag(), True),
+    Setting("timeline", ENV_TIMELINE, FilePath(), False),
+    Setting("autotune", ENV_AUTOTUNE, Flag(), True),
+    Setting("autotune_log", ENV_AUTOTUNE_LOG, FilePath(), False),
+    Setting("autotune_warmup_samples", ENV_AUTOTUNE_WARMUP, IntRange(0, INT64_MAX), True),
+    Setting("autotune_steps_per_sample", ENV_AUTOTUNE_STEPS, IntRange(1, INT64_MAX), True),
+    Setting("malloc_cache", ENV_MALLOC_CACHE, Flag(), False),
+    Setting("collective_timeout_seconds", ENV_COLLECTIVE_TIMEOUT, FloatRange(0.0, MAX_SECONDS), True),
+)
+_BY_FIELD = {s.field: s for s in SETTINGS}
 
 #: Suffixes Unison reads itself plus those read by other parts (engine, backends)
 #: registered through :func:`register_env`.
-_KNOWN_SUFFIXES: set[str] = {suffix for suffix, _ in _FIELDS.values()}
+_KNOWN_SUFFIXES: set[str] = {s.suffix for s in SETTINGS}
 
 
 def register_env(*suffixes: str) -> None:
@@ -193,11 +309,14 @@ def register_env(*suffixes: str) -> None:
 
 
 def env_value(suffix: str, environ: Mapping[str, str] | None = None) -> tuple[str, str] | None:
-    """Return ``(variable name, raw value)`` for a setting, UNISON_ first, else HOROVOD_."""
+    """Return ``(variable name, raw value)`` for a setting, UNISON_ first, else HOROVOD_.
+
+    A variable holding an empty (or blank) value counts as unset.
+    """
     env = os.environ if environ is None else environ
-    for prefix in ("UNISON_", "HOROVOD_"):
+    for prefix in PREFIXES:
         name = prefix + suffix
-        if name in env:
+        if env.get(name, "").strip():
             return name, env[name]
     return None
 
@@ -222,36 +341,91 @@ def parse_env(suffix: str, parse: Callable[[str], Any], default: Any,
 
 def validate_algorithm(field: str, value: str) -> str:
     """Check a per-call ``algorithm=`` keyword against the choices of ``field``."""
-    parse = _FIELDS[field][1]
+    spec = _BY_FIELD[field].spec
     try:
-        return parse(value)
+        return spec.parse(value)
     except (ValueError, AttributeError) as exc:
         raise ValueError(f"algorithm={value!r} is not valid: {exc}") from None
+
+
+def _from_argument(setting: Setting, raw: Any) -> Any:
+    try:
+        return setting.spec.parse(raw) if isinstance(raw, str) else setting.spec.check(raw)
+    except ValueError as exc:
+        raise ValueError(f"{setting.field}={raw!r} is not valid: {exc}") from None
+
+
+def _is_unset(raw: Any) -> bool:
+    return raw is None or (isinstance(raw, str) and not raw.strip())
 
 
 def load_config(environ: Mapping[str, str] | None = None, **overrides: Any) -> Config:
     """Build the :class:`Config` from ``overrides`` > environment > defaults.
 
+    An override of ``None`` or an empty string, like an empty variable, means "unset".
+
     Raises:
-        ValueError: a variable or override is malformed, or an override names no setting.
+        ValueError: a variable or override is malformed or out of range, or an
+            override names no setting.
     """
     env = os.environ if environ is None else environ
+    unknown = sorted(set(overrides) - set(_BY_FIELD))
+    if unknown:
+        raise ValueError(f"unknown Unison setting(s) {unknown}; known settings: {', '.join(_BY_FIELD)}")
     values: dict[str, Any] = {}
-    for field, (suffix, parse) in _FIELDS.items():
-        if field in overrides and overrides[field] is not None:
-            raw = overrides.pop(field)
-            try:
-                values[field] = parse(str(raw))
-            except ValueError as exc:
-                raise ValueError(f"{field}={raw!r} is not valid: {exc}") from None
+    sources: dict[str, str] = {}
+    for setting in SETTINGS:
+        raw = overrides.get(setting.field)
+        found = env_value(setting.suffix, env)
+        if not _is_unset(raw):
+            values[setting.field] = _from_argument(setting, raw)
+            sources[setting.field] = f"init({setting.field}=...)"
+        elif found is not None:
+            values[setting.field] = parse_env(setting.suffix, setting.spec.parse, None, env)
+            sources[setting.field] = found[0]
         else:
-            overrides.pop(field, None)
-            values[field] = parse_env(suffix, parse, getattr(Config, field), env)
-    if overrides:
-        known = ", ".join(_FIELDS)
-        raise ValueError(f"unknown Unison setting(s) {sorted(overrides)}; known settings: {known}")
+            sources[setting.field] = "default"
+    _warn_unknown(env)
+    return Config(**values, sources=sources)
+
+
+def _warn_unknown(env: Mapping[str, str]) -> None:
     for name in env:
-        if name.startswith("UNISON_") and name[len("UNISON_"):] not in _KNOWN_SUFFIXES:
+        if name.startswith(PREFIXES[0]) and name[len(PREFIXES[0]):] not in _KNOWN_SUFFIXES:
             logger.warning("%s is not a Unison setting and is ignored; known: %s", name,
-                           ", ".join("UNISON_" + s for s in sorted(_KNOWN_SUFFIXES)))
-    return Config(**values)
+                           ", ".join(PREFIXES[0] + s for s in sorted(_KNOWN_SUFFIXES)))
+
+
+# ------------------------------------------------------------------ cross-rank agreement
+
+def must_match_values(config: Config) -> dict[str, Any]:
+    """The settings that must be equal on every rank, as plain JSON-able values."""
+    return {s.field: getattr(config, s.field) for s in SETTINGS if s.must_match}
+
+
+def mismatch_report(per_rank: Sequence[Mapping[str, Any]],
+                    sources: Sequence[Mapping[str, str]] | None = None) -> str | None:
+    """Describe the must-match settings that differ between ranks, or None when all agree.
+
+    Args:
+        per_rank: each rank's :func:`must_match_values`, in rank order.
+        sources: each rank's ``Config.sources`` (where its values came from), if known.
+    """
+    lines = []
+    for setting in SETTINGS:
+        if not setting.must_match or setting.field not in per_rank[0]:
+            continue
+        values = [v.get(setting.field) for v in per_rank]
+        if all(v == values[0] for v in values):
+            continue
+        ranks = ", ".join(
+            f"rank {r}: {v!r}" + (f" (from {sources[r].get(setting.field, 'default')})" if sources else "")
+            for r, v in enumerate(values))
+        lines.append(f"{setting.variable} ({setting.field}): {ranks}")
+    if not lines:
+        return None
+    return ("settings that must be equal on every rank differ between ranks -- "
+            + "; ".join(lines)
+            + ". Set each variable listed to one value for every rank (for example export it in the "
+              "job script or pass it with unisonrun/mpirun -x), or pass the same init(...) "
+              "arguments on every rank; see docs/settings.md.")

@@ -24,6 +24,7 @@ SUPPORTED_DTYPES: tuple[np.dtype, ...] = (
     np.dtype(np.int64),
     np.dtype(np.uint8),
     np.dtype(np.bool_),
+    np.dtype(np.uint16),  # (code 10: appended, as every new dtype is)
 )
 _CODES = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
 

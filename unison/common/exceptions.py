@@ -16,7 +16,7 @@ class UnisonError(RuntimeError):
     """Base class of Unison's own errors."""
 
 
-class NotInitializedError(UnisonError):
+class NotInitializedError(UnisonError, ValueError):
     """A collective or query was called before :func:`unison.init`."""
 
     def __init__(self, what: str = "this call") -> None:

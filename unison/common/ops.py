@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Product", "parse_op", "resolve_op"]
+__all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum", "parse_op", "resolve_op"]
 
 
 class ReduceOp(enum.IntEnum):
@@ -15,6 +15,7 @@ class ReduceOp(enum.IntEnum):
     MIN = 2
     MAX = 3
     PRODUCT = 4
+    ADASUM = 5  # Horovod's scale-invariant combination (unison.collectives.adasum)
 
     def __repr__(self) -> str:
         return f"unison.{self.name.capitalize()}"
@@ -25,6 +26,7 @@ Sum = ReduceOp.SUM
 Min = ReduceOp.MIN
 Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
+Adasum = ReduceOp.ADASUM
 
 
 def parse_op(op: object) -> ReduceOp:

@@ -6,6 +6,13 @@ this host (``local_rank``) and across hosts (``cross_rank``), and installs an
 exception hook so that one rank dying ends the whole job instead of leaving the
 others blocked in a collective.
 
+Before anything above this layer starts (the engine, through an init hook), the
+ranks agree once (:func:`_agree`): each rank's settings errors, MPI thread level
+and must-match settings are all-gathered, so a bad variable on one host, MPI
+without ``MPI_THREAD_MULTIPLE`` (the engine thread and the caller's thread both
+call MPI) or settings that differ between hosts raise the same error on every
+rank instead of leaving some ranks waiting in a collective.
+
 Without mpi4py (``pip install unison`` without the ``mpi`` extra) or without
 ``mpirun``, a process is a job of size 1 and every collective is local.
 """
@@ -14,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -22,8 +30,10 @@ import traceback
 from types import TracebackType
 from typing import Any
 
-from unison.common.config import Config, load_config
-from unison.common.exceptions import NotInitializedError, UnisonError
+import numpy as np
+
+from unison.common.config import Config, load_config, mismatch_report, must_match_values
+from unison.common.exceptions import InvalidArgumentError, MismatchError, NotInitializedError, UnisonError
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -48,6 +58,8 @@ class State:
     owns_comm: bool
     #: per-communicator objects built lazily by the collectives (exchange buffers, plans)
     cache: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: the ``mpi4py.MPI`` module (None without MPI): the one accessor the layers above use
+    mpi: Any = None
 
 
 _state: State | None = None
@@ -93,6 +105,12 @@ def keep_freed_memory() -> bool:
 
 
 def _import_mpi() -> Any:
+    """``mpi4py.MPI``, or None without mpi4py.
+
+    mpi4py requests ``MPI_THREAD_MULTIPLE`` by default (``mpi4py.rc.thread_level =
+    "multiple"``); Unison does not override a user's different choice but refuses it in
+    :func:`init`, naming the level received.
+    """
     if "mpi4py.MPI" not in sys.modules:
         for key, value in MPI_DEFAULTS.items():
             os.environ.setdefault(key, value)
@@ -101,6 +119,13 @@ def _import_mpi() -> Any:
     except ImportError:
         return None
     return MPI
+
+
+def thread_level_name(mpi: Any, level: int) -> str:
+    """``MPI_THREAD_SINGLE`` etc. for a level returned by ``MPI.Query_thread()``."""
+    names = {mpi.THREAD_SINGLE: "MPI_THREAD_SINGLE", mpi.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
+             mpi.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED", mpi.THREAD_MULTIPLE: "MPI_THREAD_MULTIPLE"}
+    return names.get(level, f"thread level {level}")
 
 
 def mpi_built() -> bool:
@@ -126,36 +151,118 @@ def init(comm: Any = None, process_sets: Any = None, **settings: Any) -> None:
             e.g. ``allreduce_algorithm="ring"``; they win over ``UNISON_*`` variables.
 
     Raises:
-        ValueError: a setting or ``UNISON_*`` variable is malformed.
+        ValueError: a setting or ``UNISON_*`` variable is malformed or out of range on
+            any rank (``InvalidArgumentError`` under MPI, raised on every rank).
+        MismatchError: a setting that must be equal on every rank differs (every rank
+            raises, listing each rank's value and the variable to fix).
+        UnisonError: MPI does not provide ``MPI_THREAD_MULTIPLE`` (every rank raises).
     """
     global _state
     with _lock:
         if _state is not None:
             return
-        config = load_config(**settings)
-        _configure_logging(config)
-        if config.malloc_cache:
-            keep_freed_memory()
+        try:
+            config, config_error = load_config(**settings), ""
+        except ValueError as exc:  # reported by every rank in _agree, so none is left waiting
+            config, config_error = Config(), str(exc)
         mpi = _import_mpi()
-        if mpi is None:
-            if comm is not None:
-                raise UnisonError("init(comm=...) needs mpi4py; install it with pip install 'unison[mpi]'")
-            _state = State(config, None, 0, 1, 0, 1, 0, 1, owns_comm=False)
-            logger.debug("mpi4py not found: running as a single process")
-            return
-        _state = _mpi_state(mpi, comm, config)
-        if _state.size > 1 and config.abort_on_error:
-            _install_excepthook()
-        global _atexit_registered
-        if not _atexit_registered:
-            atexit.register(shutdown)  # runs before mpi4py finalizes MPI
-            _atexit_registered = True
+        _state = _local_state(config, config_error, comm) if mpi is None else \
+            _world_state(mpi, comm, config, config_error)
     logger.debug("initialized: rank %d of %d (local %d of %d)", _state.rank, _state.size,
                  _state.local_rank, _state.local_size)
     # Layers above this one (the engine) start here through hooks they registered at import,
     # so this module never imports upward (see docs/architecture.md).
     for hook in list(_init_hooks):
         hook(_state, list(process_sets or ()))
+
+
+def _local_state(config: Config, config_error: str, comm: Any) -> State:
+    """A job of size 1 without mpi4py."""
+    if config_error:
+        raise ValueError(config_error)
+    if comm is not None:
+        raise UnisonError("init(comm=...) needs mpi4py; install it with pip install 'unison[mpi]'")
+    _start(config)
+    logger.debug("mpi4py not found: running as a single process")
+    return State(config, None, 0, 1, 0, 1, 0, 1, owns_comm=False)
+
+
+def _world_state(mpi: Any, comm: Any, config: Config, config_error: str) -> State:
+    """Set up the communicators, agree with the other ranks, then apply ``config`` locally."""
+    global _atexit_registered
+    if mpi.Is_finalized():
+        raise UnisonError("MPI has already been finalized in this process; unison.init() must "
+                          "run before MPI.Finalize()")
+    if not mpi.Is_initialized():  # mpi4py.rc.initialize = False: start it as mpi4py would
+        mpi.Init_thread(mpi.THREAD_MULTIPLE)
+    state = _mpi_state(mpi, comm, config)
+    try:
+        _agree(state, config_error)
+    except Exception:
+        state.comm.Free()
+        raise
+    _start(config)
+    if state.size > 1 and config.abort_on_error:
+        _install_excepthook()
+    if not _atexit_registered:
+        atexit.register(shutdown)  # runs before mpi4py finalizes MPI
+        _atexit_registered = True
+    return state
+
+
+def _start(config: Config) -> None:
+    """The process-local effects of a valid configuration."""
+    _configure_logging(config)
+    if config.malloc_cache:
+        keep_freed_memory()
+
+
+def _allgather_json(comm: Any, mpi: Any, value: Any) -> list[Any]:
+    """All-gather a JSON-able value from every rank (bytes, never pickles)."""
+    mine = np.frombuffer(json.dumps(value, sort_keys=True).encode(), dtype=np.uint8)
+    lengths = np.empty(comm.Get_size(), dtype=np.int64)
+    comm.Allgather(np.array([mine.size], dtype=np.int64), lengths)
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    gathered = np.empty(int(lengths.sum()), dtype=np.uint8)
+    comm.Allgatherv(mine, [gathered, lengths.tolist(), offsets.tolist(), mpi.BYTE])
+    return [json.loads(gathered[o:o + n].tobytes()) for o, n in zip(offsets, lengths, strict=True)]
+
+
+def _agree(st: State, config_error: str) -> None:
+    """Check, with one exchange, what every rank must have right before anything starts.
+
+    Raises (the same error on every rank):
+        InvalidArgumentError: a rank's settings were malformed (each such rank's message).
+        UnisonError: a rank's MPI does not provide ``MPI_THREAD_MULTIPLE``.
+        MismatchError: a setting that must match differs between ranks.
+    """
+    mpi = st.mpi
+    mine = {"error": config_error, "thread_level": mpi.Query_thread(),
+            "values": must_match_values(st.config), "sources": dict(st.config.sources)}
+    ranks = _allgather_json(st.comm, mpi, mine)
+    errors = [f"rank {r}: {d['error']}" for r, d in enumerate(ranks) if d["error"]]
+    if errors:
+        raise InvalidArgumentError(f"unison.init(): settings are not valid on {len(errors)} of "
+                                   f"{st.size} rank(s): " + "; ".join(errors))
+    low = [(r, d["thread_level"]) for r, d in enumerate(ranks) if d["thread_level"] != mpi.THREAD_MULTIPLE]
+    if low:
+        raise UnisonError(_thread_level_message(mpi, low))
+    report = mismatch_report([d["values"] for d in ranks], [d["sources"] for d in ranks])
+    if report:
+        raise MismatchError("unison.init(): " + report)
+
+
+def _thread_level_message(mpi: Any, low: list[tuple[int, int]]) -> str:
+    got = ", ".join(f"rank {r}: {thread_level_name(mpi, level)}" for r, level in low)
+    import mpi4py
+
+    requested = getattr(mpi4py.rc, "thread_level", "?")
+    return (f"unison.init(): MPI provides a thread level below MPI_THREAD_MULTIPLE ({got}); Unison "
+            "needs MPI_THREAD_MULTIPLE because its engine thread and your threads both call MPI. "
+            f"mpi4py.rc.thread_level is {requested!r}: leave it at 'multiple' (mpi4py's default; "
+            "also unset MPI4PY_RC_THREAD_LEVEL), and do not initialize MPI yourself with a lower "
+            "level (MPI.Init_thread) before unison.init(). If that is already so, this MPI "
+            "library lacks thread support: use one built with MPI_THREAD_MULTIPLE.")
 
 
 def _mpi_state(mpi: Any, comm: Any, config: Config) -> State:
@@ -180,7 +287,7 @@ def _mpi_state(mpi: Any, comm: Any, config: Config) -> State:
     state = State(
         config=config, comm=dup, rank=dup.Get_rank(), size=dup.Get_size(),
         local_rank=local.Get_rank(), local_size=local.Get_size(),
-        cross_rank=cross.Get_rank(), cross_size=cross.Get_size(), owns_comm=True,
+        cross_rank=cross.Get_rank(), cross_size=cross.Get_size(), owns_comm=True, mpi=mpi,
     )
     local.Free()
     cross.Free()

@@ -13,6 +13,12 @@ Accepted forms, following Open MPI:
   A line without ``slots=`` is counted as one slot here. Open MPI itself gives such a host as many
   slots as it has cores, so the count is a lower bound and at worst ``unisonrun`` adds an
   unneeded ``--oversubscribe``.
+
+Host names are checked before anything runs: ``mpirun`` starts its daemons on other hosts
+through ``ssh`` and a remote shell, so a name that begins with ``-`` would be read as an option
+(``-oProxyCommand=...`` runs a command) and a name holding a shell metacharacter (``;``, ``$``,
+a backquote...) could run one on the far side. Such names are refused with the name, where it
+came from and why.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 _HOST_FORM = "'host:slots' with slots a positive integer, e.g. 'localhost:2'"
 _HOSTFILE_FORM = "'host slots=N' with N a positive integer, e.g. 'node7 slots=4'"
+#: characters a POSIX shell treats specially, and quotes: never part of a real host name
+SHELL_METACHARACTERS = frozenset("|&;<>()$`\\\"' \t\n*?[]#~{}!")
+_NAME_FORM = "letters, digits, '.', '-' and '_' (e.g. 'node-7.cluster'), not starting with '-'"
 
 
 class Host(NamedTuple):
@@ -61,6 +70,30 @@ def _parse_slots(text: str, where: str, form: str) -> int:
     return slots
 
 
+def check_host_name(name: str, where: str) -> str:
+    """Refuses a host name that ``mpirun`` or a remote shell would read as more than a name.
+
+    Args:
+        name: The host name as written by the user.
+        where: Describes where ``name`` came from, for the error message.
+
+    Returns:
+        ``name``, unchanged.
+
+    Raises:
+        ValueError: ``name`` begins with ``-``, or holds a shell metacharacter, a quote,
+            whitespace or a control character.
+    """
+    if name.startswith("-"):
+        reason = "begins with '-', so mpirun and ssh would read it as an option"
+    else:
+        bad = next((c for c in name if c in SHELL_METACHARACTERS or not c.isprintable()), None)
+        if bad is None:
+            return name
+        reason = f"holds {bad!r}, which a shell treats specially (mpirun starts remote daemons through one)"
+    raise ValueError(f"host name {name!r} in {where} {reason}; host names are {_NAME_FORM}")
+
+
 def parse_hosts(value: str) -> list[Host]:
     """Parses a ``-H`` value such as ``"localhost:2,node7:4"``.
 
@@ -71,8 +104,8 @@ def parse_hosts(value: str) -> list[Host]:
         The hosts in the order given.
 
     Raises:
-        ValueError: An entry is empty, has an empty host name, or a slot count that is not a
-            positive integer.
+        ValueError: An entry is empty, has an empty or unsafe host name (see
+            ``check_host_name``), or a slot count that is not a positive integer.
     """
     hosts = []
     for entry in value.split(","):
@@ -81,7 +114,9 @@ def parse_hosts(value: str) -> list[Host]:
             name, slots_text = slots_text, "1"
         if not name:
             raise ValueError(f"malformed -H entry {entry!r} in {value!r}: expected {_HOST_FORM}")
-        hosts.append(Host(name, _parse_slots(slots_text, f"-H entry {entry!r}", _HOST_FORM)))
+        where = f"-H entry {entry!r}"
+        check_host_name(name, where)
+        hosts.append(Host(name, _parse_slots(slots_text, where, _HOST_FORM)))
     return hosts
 
 
@@ -96,7 +131,8 @@ def read_hostfile(path: str | Path) -> list[Host]:
 
     Raises:
         FileNotFoundError: ``path`` does not exist or is not a file.
-        ValueError: A ``slots=`` value is not a positive integer.
+        ValueError: A host name is unsafe (see ``check_host_name``) or a ``slots=`` value is
+            not a positive integer.
     """
     path = Path(path)
     if not path.is_file():
@@ -108,11 +144,12 @@ def read_hostfile(path: str | Path) -> list[Host]:
         fields = line.split("#", 1)[0].split()
         if not fields:
             continue
+        where = f"hostfile {str(path)!r} line {number}"
+        check_host_name(fields[0], where)
         slots = 1
         for field in fields[1:]:
             key, _, text = field.partition("=")
             if key == "slots":
-                where = f"hostfile {str(path)!r} line {number}"
                 slots = _parse_slots(text, where, _HOSTFILE_FORM)
         hosts.append(Host(fields[0], slots))
     logger.debug("hostfile %s lists %d host(s)", path, len(hosts))

@@ -22,6 +22,10 @@ Why each piece is there:
   interpreter's directory first so that a bare ``python`` in the command is the same Python.
 * ``python -m mpi4py``: see [Note: a raising rank hangs Open MPI 5] in ``pycommand.py``.
 
+While the job runs, ``supervise.py`` forwards SIGINT/SIGTERM/SIGHUP to ``mpirun`` and makes sure
+they end it ([Note: stopping a job]); after a failed job the last line names the failed rank
+([Note: naming the failed rank] in ``report.py``). ``docs/run.md`` is the user's reference.
+
 Diagnostics go through ``logging``; only the command-line entry point prints.
 """
 
@@ -33,7 +37,6 @@ import os
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,6 +44,7 @@ from pathlib import Path
 
 from unison.run.hosts import Host, parse_hosts, read_hostfile, total_slots
 from unison.run.pycommand import wrap_python_command
+from unison.run.supervise import run_command
 
 __all__ = ["LaunchConfig", "MpirunNotFoundError", "build_command", "find_mpirun", "main"]
 
@@ -54,7 +58,6 @@ FORWARDED_NAMES = (
     "TF_NUM_INTEROP_THREADS",
     "TF_NUM_INTRAOP_THREADS",
 )
-_FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class MpirunNotFoundError(RuntimeError):
@@ -339,35 +342,6 @@ def engine_environment(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
-def run_command(command: Sequence[str], env: Mapping[str, str] | None = None) -> int:
-    """Runs ``command``, forwarding SIGINT and SIGTERM to it, and returns its exit status.
-
-    ``mpirun`` shares this process group, so a Ctrl-C in a terminal reaches it directly as well
-    as through the forwarding; Open MPI takes the second SIGINT as "stop now", which still ends
-    every rank.
-
-    Args:
-        command: The command line to run.
-
-    Returns:
-        Its exit status; ``128 + N`` when it was killed by signal ``N``.
-    """
-    process = subprocess.Popen(list(command), env=None if env is None else dict(env))
-
-    def forward(signum: int, frame: object) -> None:
-        if process.poll() is None:
-            logger.debug("forwarding signal %d to mpirun (pid %d)", signum, process.pid)
-            process.send_signal(signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED_SIGNALS}
-    try:
-        status = process.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return 128 - status if status < 0 else status
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``unisonrun`` and ``python -m unison.run``.
 
@@ -375,8 +349,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: The arguments after the program name; ``sys.argv[1:]`` when ``None``.
 
     Returns:
-        ``mpirun``'s exit status, or 0 for ``--dry-run``. Bad input exits with status 2 and a
-        one-line ``unisonrun: error: ...`` on stderr.
+        ``mpirun``'s exit status; ``128 + N`` when signal ``N`` stopped the job; 0 for
+        ``--dry-run``. Bad input exits with status 2 and a one-line ``unisonrun: error: ...``
+        on stderr. A failed job ends with one ``unisonrun: the job failed ...`` line naming
+        the failed rank (see docs/run.md).
     """
     parser = _parser()
     args = parser.parse_args(argv)
@@ -400,6 +376,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.verbose:
         print(shlex.join(command), file=sys.stderr, flush=True)
     try:
-        return run_command(command, environ)
+        result = run_command(command, environ)
     except OSError as error:
         parser.error(f"cannot start {command[0]!r}: {error}")
+    if result.status == 0:
+        return 0
+    newline = "\n" if result.report.mid_line else ""
+    if result.stop_signal is not None:
+        name = signal.Signals(result.stop_signal).name
+        print(f"{newline}unisonrun: the job was stopped by {name} (exit status {result.status})",
+              file=sys.stderr, flush=True)
+    else:
+        print(f"{newline}unisonrun: {result.report.summary(result.status)}", file=sys.stderr, flush=True)
+    return result.status

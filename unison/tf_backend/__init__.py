@@ -1,16 +1,17 @@
 """Horovod-compatible TensorFlow API: ``import unison.tf_backend as hvd``.
 
-Like ``horovod.tensorflow``: collectives on tf.Tensors (eager and inside
-``tf.function``, with gradients), ``broadcast_variables``, ``broadcast_object``,
-``allgather_object`` and ``DistributedGradientTape``. Everything goes through
-Unison's engine. ``Pipeline`` trains a ``keras.Sequential`` as pipeline stages across ranks
-(docs/pipeline.md).
+Like ``horovod.tensorflow`` 0.28, call for call, on CPU tensors: the collectives
+on tf.Tensors (eager and inside ``tf.function``, with Horovod's gradients and
+``tf.errors``), grouped variants, ``broadcast_`` in place, ``broadcast_variables``,
+object broadcasts, ``DistributedGradientTape``, process sets and the build
+queries. docs/horovod.md lists every name with its status. Everything goes
+through Unison's engine. ``Pipeline`` trains a ``keras.Sequential`` as pipeline
+stages across ranks (docs/pipeline.md); ``UnisonStrategy`` is a
+``tf.distribute.Strategy`` for Keras ``model.fit``.
 """
 
-from unison.common.compression import Compression
-from unison.common.engine.engine import DuplicateNameError, ShutdownError, StallError
-from unison.common.engine.frontend import add_process_set, start_timeline, stop_timeline
-from unison.common.engine.objects import allgather_object, broadcast_object
+from unison.common.engine.engine import DuplicateNameError, JoinError, ShutdownError, StallError
+from unison.common.engine.frontend import add_process_set, stop_timeline
 from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.common.exceptions import (
     CollectiveError,
@@ -23,7 +24,6 @@ from unison.common.ops import Average, Max, Min, Product, ReduceOp, Sum
 from unison.common.runtime import (
     cross_rank,
     cross_size,
-    init,
     is_initialized,
     local_rank,
     local_size,
@@ -33,19 +33,47 @@ from unison.common.runtime import (
     shutdown,
     size,
 )
-from unison.tf_backend.functions import DistributedGradientTape, broadcast_variables
+from unison.tf_backend.basics import (
+    Adasum,
+    ccl_built,
+    check_num_rank_power_of_2,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    handle_average_backwards_compatibility,
+    init,
+    is_homogeneous,
+    mpi_enabled,
+    nccl_built,
+    remove_process_set,
+    rocm_built,
+    start_timeline,
+)
+from unison.tf_backend.compression import Compression
+from unison.tf_backend.functions import (
+    DistributedGradientTape,
+    PartialDistributedGradientTape,
+    broadcast_variables,
+)
 from unison.tf_backend.mpi_ops import (
     allgather,
     allreduce,
     alltoall,
     barrier,
     broadcast,
+    grouped_allgather,
     grouped_allreduce,
+    grouped_reducescatter,
     join,
+    local_rank_op,
+    local_size_op,
+    process_set_included_op,
     rank_op,
     reducescatter,
     size_op,
 )
+from unison.tf_backend.optimizers import DistributedOptimizer
 from unison.tf_backend.pipeline import (
     Pipeline,
     PipelineError,
@@ -55,16 +83,38 @@ from unison.tf_backend.pipeline import (
     pipeline_grid,
 )
 from unison.tf_backend.strategy import UnisonStrategy
+from unison.tf_backend.variables import (
+    allgather_object,
+    broadcast_,
+    broadcast_global_variables,
+    broadcast_object,
+    broadcast_object_fn,
+)
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
-    "cross_size", "mpi_built", "mpi_threads_supported", "allreduce", "grouped_allreduce", "allgather",
-    "broadcast", "alltoall", "reducescatter", "join", "barrier", "size_op", "rank_op",
-    "broadcast_variables", "broadcast_object", "allgather_object", "DistributedGradientTape", "UnisonStrategy",
-    "Compression", "ProcessSet", "global_process_set", "add_process_set", "start_timeline",
-    "stop_timeline", "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "UnisonError",
-    "NotInitializedError", "MismatchError", "CollectiveError", "InvalidArgumentError", "StallError",
-    "ShutdownError", "DuplicateNameError", "Pipeline", "PipelineGrid", "pipeline_grid", "balance_by_params",
-    "balance_by_time",
-    "PipelineError",
+    "cross_size", "is_homogeneous", "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built",
+    "gloo_enabled", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
+    "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_",
+    "alltoall", "reducescatter", "grouped_reducescatter", "join", "barrier", "size_op", "local_size_op",
+    "rank_op", "local_rank_op", "process_set_included_op", "broadcast_variables",
+    "broadcast_global_variables", "broadcast_object", "broadcast_object_fn", "allgather_object",
+    "DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer", "UnisonStrategy",
+    "Compression", "ProcessSet",
+    "global_process_set",
+    "add_process_set", "remove_process_set", "start_timeline", "stop_timeline", "ReduceOp", "Average",
+    "Sum", "Min", "Max", "Product", "Adasum", "handle_average_backwards_compatibility",
+    "check_num_rank_power_of_2", "UnisonError", "NotInitializedError", "MismatchError", "CollectiveError",
+    "InvalidArgumentError", "StallError", "ShutdownError", "DuplicateNameError", "JoinError", "Pipeline",
+    "PipelineGrid",
+    "pipeline_grid", "balance_by_params", "balance_by_time", "PipelineError", "SyncBatchNormalization",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``SyncBatchNormalization`` is loaded on first use (it imports Keras)."""
+    if name == "SyncBatchNormalization":
+        from unison.tf_backend.sync_batch_norm import SyncBatchNormalization
+
+        return SyncBatchNormalization
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

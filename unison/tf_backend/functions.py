@@ -1,18 +1,48 @@
-"""Broadcasting variables and ``DistributedGradientTape``."""
+"""Broadcasting variables and ``DistributedGradientTape``.
+
+[Note: gradients that are None on some ranks]
+A data-dependent branch can leave a variable without a gradient on one rank
+while another rank has one. Every reduction is therefore named by the
+variable's position in the FULL list of gradients (never by its position among
+the non-None ones), and before reducing, the ranks agree on what each variable
+has: nothing anywhere (it stays None on every rank), a dense gradient somewhere
+(ranks without one contribute zeros), or only ``IndexedSlices`` (ranks without
+one contribute empty slices). Every rank thus ends with the gradient one
+process would compute for the mean (or sum) of all ranks' losses. This differs
+from Horovod's TensorFlow API, which reduces only the non-None gradients (a
+mismatch there hangs or pairs the wrong tensors); it matches Horovod's PyTorch
+optimizer, which reduces zeros for parameters without a gradient.
+
+The agreement is one small all-reduce of per-variable flags. Eagerly it runs on
+every call. Inside a ``tf.function`` the None pattern is fixed when the function
+is traced, so it runs while tracing and is remembered per (name, local pattern):
+a rank that retraces for another reason (a new batch shape) does not exchange
+again.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import warnings
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from unison.common.compression import Compression
-from unison.common.engine.process_sets import ProcessSet
-from unison.common.ops import Average, parse_op
-from unison.tf_backend.mpi_ops import _name, broadcast, grouped_allreduce
+from unison.common.engine import frontend
+from unison.common.engine.process_sets import ProcessSet, set_size
+from unison.common.ops import Average, ReduceOp, Sum, parse_op
+from unison.tf_backend import host_ops
+from unison.tf_backend.mpi_ops import _name, allgather, broadcast
 
-__all__ = ["broadcast_variables", "DistributedGradientTape"]
+__all__ = ["broadcast_variables", "DistributedGradientTape", "PartialDistributedGradientTape", "reduce_gradients",
+           "reduce_partial", "fill_missing_gradients", "check_groups", "local_layer_variables", "source_key"]
+
+#: per-variable kinds exchanged before a reduction
+_NONE, _DENSE, _SPARSE = 0, 1, 2
+#: agreed kinds of traced (graph-mode) reductions, by (name, this rank's kinds)
+_agreed_in_graphs: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
 
 
 def broadcast_variables(variables: Iterable[tf.Variable], root_rank: int,
@@ -23,17 +53,84 @@ def broadcast_variables(variables: Iterable[tf.Variable], root_rank: int,
                              process_set=process_set))
 
 
+def source_key(source: Any) -> Any:
+    """A hashable key of a variable (Keras or TensorFlow) or watched tensor: the same object, the same key."""
+    inner = getattr(source, "value", None)
+    if isinstance(inner, tf.Variable):  # a Keras variable keeps its TensorFlow variable in ``value``
+        source = inner
+    return source.ref() if hasattr(source, "ref") else id(source)
+
+
+def check_groups(num_groups: int, groups: Any) -> Any:
+    """Horovod's checks of ``num_groups`` (deprecated) and ``groups``; the groups to use.
+
+    ``groups`` only decides how Horovod fuses its allreduces; here every dense
+    gradient of a step goes to the engine in one grouped call whatever it says, so
+    the numbers are the same. It is validated as Horovod does.
+
+    Raises:
+        ValueError: ``groups`` is neither a positive integer nor a list of lists of variables.
+    """
+    if num_groups != 0:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups`", DeprecationWarning, stacklevel=3)
+        if groups is None:
+            groups = num_groups
+    if groups is None:
+        return None
+    if isinstance(groups, list):
+        for group in groups:
+            if not isinstance(group, (list, tuple)) or not all(_is_variable(v) for v in group):
+                raise ValueError(f"groups must be a positive integer or a list of lists of variables; got the "
+                                 f"group {group!r}")
+        return groups
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0:
+        raise ValueError(f"groups should be a non-negative integer or a list of list of tf.Variable; got "
+                         f"{groups!r}")
+    return groups
+
+
+def _is_variable(v: Any) -> bool:
+    return isinstance(v, tf.Variable) or isinstance(getattr(v, "value", None), tf.Variable)
+
+
+def local_layer_variables(local_layers: Any) -> list[Any]:
+    """The trainable variables of ``local_layers`` (None, one Keras layer, or a collection of them).
+
+    Raises:
+        ValueError: an entry is not a Keras layer (Horovod's error).
+    """
+    import keras
+
+    if local_layers is None:
+        return []
+    if isinstance(local_layers, keras.layers.Layer):
+        local_layers = [local_layers]
+    layers = list(local_layers)
+    bad = [layer for layer in layers if not isinstance(layer, keras.layers.Layer)]
+    if bad:
+        raise ValueError(f"All local layers must be of tf.keras.layers.Layer type; got {bad!r}")
+    return [v for layer in layers for v in layer.trainable_weights]
+
+
 class DistributedGradientTape:
     """Wraps a ``tf.GradientTape``: ``gradient()`` returns gradients averaged over the ranks.
 
-    All of a step's gradients are reduced in one grouped call (one host callback,
-    one fused engine group), so op ordering can never deadlock ranks.
+    All of a step's dense gradients are reduced in one host callback (one fused
+    engine group), so op ordering can never deadlock ranks. A gradient that is
+    None on some ranks only is reduced with zeros from those ranks; see
+    [Note: gradients that are None on some ranks]. Sources registered with
+    :meth:`register_local_source` keep their local gradient (divided by the
+    process set's size when ``scale_local_gradients``), as Horovod's.
+
+    ``device_dense`` and ``device_sparse`` are accepted for Horovod's signature and
+    ignored (CPU tensors); ``groups`` is validated and does not change the numbers
+    (see :func:`check_groups`).
     """
 
     def __init__(self, gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
                  compression: Any = Compression.none, sparse_as_dense: bool = False, op: Any = Average,
                  gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
-                 process_set: ProcessSet | None = None) -> None:
+                 process_set: ProcessSet | None = None, scale_local_gradients: bool = True) -> None:
         self._tape = gradtape
         self._compression = compression
         self._sparse_as_dense = sparse_as_dense
@@ -41,9 +138,12 @@ class DistributedGradientTape:
         if gradient_predivide_factor != 1.0 and self._op != Average:
             raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} only applies to "
                              f"op=Average; got op={self._op!r}")
+        self._groups = check_groups(num_groups, groups)
         self._pre = 1.0 / gradient_predivide_factor
         self._post = gradient_predivide_factor
         self._process_set = process_set
+        self._scale_local = bool(scale_local_gradients)
+        self._local_sources: set[Any] = set()
         self._name = _name("DistributedGradientTape", None)
 
     def __getattr__(self, item: str) -> Any:
@@ -56,37 +156,241 @@ class DistributedGradientTape:
     def __exit__(self, *exc: Any) -> Any:
         return self._tape.__exit__(*exc)
 
+    def register_local_source(self, source: Any) -> None:
+        """Keep ``source``'s gradient local: never reduced over the ranks (scaled, see the class)."""
+        self._local_sources.add(source_key(source))
+
     def gradient(self, target: Any, sources: Any, output_gradients: Any = None, **kwargs: Any) -> Any:
         grads = self._tape.gradient(target, sources, output_gradients, **kwargs)
         flat = tf.nest.flatten(grads)
-        reduced = reduce_gradients(flat, self._op, self._pre, self._post, self._compression,
-                                   self._sparse_as_dense, self._name, self._process_set)
+        variables = tf.nest.flatten(sources)
+        reduced = reduce_partial(flat, variables, self._local_sources, self._scale_local, self._op, self._pre,
+                                 self._post, self._compression, self._sparse_as_dense, self._name,
+                                 self._process_set)
         return tf.nest.pack_sequence_as(grads, reduced)
 
 
-def reduce_gradients(grads: list[Any], op: Any, pre: float, post: float, compression: Any,
-                     sparse_as_dense: bool, name: str, process_set: ProcessSet | None) -> list[Any]:
-    """Reduce a step's gradients in one grouped call; None stays None, IndexedSlices are handled."""
-    from unison.tf_backend.mpi_ops import allreduce
+def PartialDistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",  # noqa: N802
+                                   device_sparse: str = "", compression: Any = Compression.none,
+                                   sparse_as_dense: bool = False, op: Any = Average,
+                                   gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                                   groups: Any = None, process_set: ProcessSet | None = None,
+                                   local_layers: Any = None,
+                                   scale_local_gradients: bool = True) -> DistributedGradientTape:
+    """A :class:`DistributedGradientTape` whose ``local_layers``' variables keep their local gradients.
 
-    out: list[Any] = list(grads)
-    dense_idx, dense = [], []
-    for i, g in enumerate(grads):
-        if g is None:
-            continue
-        if isinstance(g, tf.IndexedSlices):
-            if sparse_as_dense:
-                g = tf.convert_to_tensor(g)
-            else:
-                out[i] = allreduce(g, op=op, prescale_factor=pre, postscale_factor=post,
-                                   name=f"{name}.sparse.{i}", process_set=process_set)
-                continue
-        dense_idx.append(i)
-        dense.append(g)
-    if dense:
-        for i, r in zip(dense_idx, grouped_allreduce(dense, op=op, prescale_factor=pre,
-                                                    postscale_factor=post, name=name,
-                                                    compression=compression,
-                                                    process_set=process_set), strict=True):
+    Without ``local_layers`` it is a plain ``DistributedGradientTape``.
+
+    Raises:
+        ValueError: an entry of ``local_layers`` is not a Keras layer.
+    """
+    local = local_layer_variables(local_layers)
+    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
+                                   gradient_predivide_factor, num_groups, groups, process_set,
+                                   scale_local_gradients)
+    for var in local:
+        tape.register_local_source(var)
+    return tape
+
+
+def reduce_partial(grads: list[Any], variables: Sequence[Any], local: set[Any], scale_local: bool, op: Any,
+                   pre: float, post: float, compression: Any, sparse_as_dense: bool, name: str,
+                   process_set: ProcessSet | None, local_factor: float = 1.0) -> list[Any]:
+    """:func:`reduce_gradients`, except for the variables whose :func:`source_key` is in ``local``.
+
+    Those keep this rank's gradient, divided by the process set's size when
+    ``scale_local`` (Horovod's scaling: the others are averaged over the set), and
+    multiplied by ``local_factor``. They are left out of the reduction as a None
+    (so the others keep their positions, and names, in the full list).
+    """
+    if not local:
+        return reduce_gradients(grads, op, pre, post, compression, sparse_as_dense, name, process_set, variables)
+    is_local = [source_key(v) in local for v in variables]
+    masked = [None if loc else g for g, loc in zip(grads, is_local, strict=True)]
+    out = reduce_gradients(masked, op, pre, post, compression, sparse_as_dense, name, process_set, variables)
+    factor = local_factor / set_size(process_set) if scale_local else local_factor
+    for i, loc in enumerate(is_local):
+        if loc:
+            out[i] = _scaled(grads[i], factor)
+    return out
+
+
+def _scaled(g: Any, factor: float) -> Any:
+    if g is None or factor == 1.0:
+        return g
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape)
+    g = tf.convert_to_tensor(g)
+    return g * tf.cast(factor, g.dtype)
+
+
+def reduce_gradients(grads: list[Any], op: Any, pre: float, post: float, compression: Any,
+                     sparse_as_dense: bool, name: str, process_set: ProcessSet | None,
+                     variables: Sequence[Any] | None = None) -> list[Any]:
+    """Reduce a step's gradients over the ranks; see [Note: gradients that are None on some ranks].
+
+    Args:
+        grads: one entry per variable: a tensor, ``tf.IndexedSlices`` or None.
+        op, pre, post, compression, process_set: as for ``grouped_allreduce``.
+        sparse_as_dense: reduce ``IndexedSlices`` densely.
+        name: base of the engine names; variable ``i`` is reduced as ``f"{name}.{i}"``.
+        variables: the variables (or sources) ``grads`` belong to, in the same order: they give
+            the shape and dtype of the zeros a rank without a gradient contributes.
+
+    Returns:
+        The reduced gradients, in order; None only where no rank has a gradient.
+
+    Raises:
+        ValueError: ``variables`` does not match ``grads`` in length.
+    """
+    if variables is not None and len(variables) != len(grads):
+        raise ValueError(f"reduce_gradients got {len(grads)} gradients but {len(variables)} variables; "
+                         "pass one variable per gradient, in the same order")
+    grads = [tf.convert_to_tensor(g) if sparse_as_dense and isinstance(g, tf.IndexedSlices) else g
+             for g in grads]
+    kinds = _agree_kinds(grads, name, process_set)
+    out: list[Any] = [None] * len(grads)
+    dense_idx = [i for i, k in enumerate(kinds) if k == _DENSE]
+    for i, k in enumerate(kinds):
+        if k == _SPARSE:
+            g = grads[i] if grads[i] is not None else _empty_slices(_variable(variables, i, name))
+            out[i] = _reduce_sparse(g, op, pre * post, f"{name}.sparse.{i}", process_set)
+    if dense_idx:
+        dense = [_dense(grads[i], variables, i, name) for i in dense_idx]
+        reduced = _grouped_by_name(dense, [f"{name}.{i}" for i in dense_idx], parse_op(op), pre, post,
+                                   compression, process_set)
+        for i, r in zip(dense_idx, reduced, strict=True):
             out[i] = r
     return out
+
+
+def fill_missing_gradients(grads: Sequence[Any], variables: Sequence[Any], name: str,
+                           process_set: ProcessSet | None = None) -> list[Any]:
+    """Give every rank the same set of gradients: zeros where only other ranks have one.
+
+    For a reduction that names gradients by their position among the non-None
+    ones (Keras's ``replica_context.all_reduce`` path): afterwards every rank has a
+    gradient for exactly the variables that have one on some rank, so the filtered
+    lists agree everywhere. See [Note: gradients that are None on some ranks].
+
+    Args:
+        grads: one entry per variable: a tensor, ``tf.IndexedSlices`` or None.
+        variables: the variables ``grads`` belong to, in the same order.
+        name: engine name of the agreement; the same on every rank for the same call site.
+        process_set: the ranks that reduce together.
+
+    Returns:
+        ``grads`` with dense zeros (or empty ``IndexedSlices``, where every other rank has
+        only slices) in place of None where another rank has a gradient.
+
+    Raises:
+        ValueError: ``variables`` does not match ``grads`` in length.
+    """
+    grads = list(grads)
+    if len(variables) != len(grads):
+        raise ValueError(f"fill_missing_gradients got {len(grads)} gradients but {len(variables)} variables; "
+                         "pass one variable per gradient, in the same order")
+    kinds = _agree_kinds(grads, name, process_set)
+    out = list(grads)
+    for i, (g, k) in enumerate(zip(grads, kinds, strict=True)):
+        if g is None and k == _DENSE:
+            out[i] = _dense(None, variables, i, name)
+        elif g is None and k == _SPARSE:
+            out[i] = _empty_slices(variables[i])
+    return out
+
+
+def _local_kind(g: Any) -> int:
+    if g is None:
+        return _NONE
+    return _SPARSE if isinstance(g, tf.IndexedSlices) else _DENSE
+
+
+def _agree_kinds(grads: list[Any], name: str, process_set: ProcessSet | None) -> tuple[int, ...]:
+    """Every rank's view of each variable: None nowhere-else, dense anywhere, or only sparse."""
+    local = tuple(_local_kind(g) for g in grads)
+    if set_size(process_set) == 1:
+        return local
+    if tf.executing_eagerly():
+        return _exchange_kinds(local, name, process_set)
+    key = (name, local)
+    if key not in _agreed_in_graphs:
+        _agreed_in_graphs[key] = _exchange_kinds(local, name, process_set)
+    return _agreed_in_graphs[key]
+
+
+@tf.autograph.experimental.do_not_convert  # runs while tracing: plain Python, not graph code
+def _exchange_kinds(local: tuple[int, ...], name: str, process_set: ProcessSet | None) -> tuple[int, ...]:
+    flags = np.zeros((2, len(local)), np.int64)
+    for i, k in enumerate(local):
+        if k != _NONE:
+            flags[0 if k == _DENSE else 1, i] = 1
+    counts = frontend.allreduce(flags, Sum, f"{name}.present", process_set=process_set)
+    return tuple(_DENSE if counts[0, i] else (_SPARSE if counts[1, i] else _NONE)
+                 for i in range(len(local)))
+
+
+def _variable(variables: Sequence[Any] | None, i: int, name: str) -> Any:
+    if variables is None:
+        raise ValueError(f"gradient {i} of {name!r} is None on this rank but not on another; pass the "
+                         "variables to reduce_gradients so this rank can contribute zeros")
+    return variables[i]
+
+
+def _dense(g: Any, variables: Sequence[Any] | None, i: int, name: str) -> tf.Tensor:
+    """This rank's dense contribution for variable ``i``: its gradient, or zeros."""
+    if g is None:
+        var = _variable(variables, i, name)
+        return tf.zeros(var.shape, var.dtype)
+    return tf.convert_to_tensor(g)
+
+
+def _empty_slices(var: Any) -> tf.IndexedSlices:
+    shape = tf.TensorShape(var.shape)
+    values = tf.zeros([0] + shape[1:].as_list(), var.dtype)
+    return tf.IndexedSlices(values, tf.zeros([0], tf.int64), tf.constant(shape.as_list(), tf.int64))
+
+
+def _reduce_sparse(g: tf.IndexedSlices, op: Any, scale: float, name: str,
+                   process_set: ProcessSet | None) -> tf.IndexedSlices:
+    """Horovod's reduction of ``IndexedSlices``: gather every rank's rows (and indices, as int64)."""
+    if parse_op(op) not in (Sum, Average):
+        raise ValueError(f"IndexedSlices gradients reduce with op=Sum or Average only; got {op!r}. Pass "
+                         "sparse_as_dense=True to reduce them densely")
+    values = allgather(g.values, name=f"{name}.values", process_set=process_set)
+    indices = allgather(tf.cast(g.indices, tf.int64), name=f"{name}.indices", process_set=process_set)
+    if parse_op(op) == Average:
+        values = values / tf.cast(set_size(process_set), values.dtype)
+    if scale != 1.0:
+        values = values * tf.cast(scale, values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=g.dense_shape)
+
+
+def _grouped_by_name(tensors: list[tf.Tensor], names: list[str], op: ReduceOp, pre: float, post: float,
+                     compression: Any, process_set: ProcessSet | None) -> list[tf.Tensor]:
+    """All-reduce ``tensors[i]`` under the engine name ``names[i]``, as one collective op."""
+    wires = [compression.compress(t) for t in tensors]
+    reduced = _reduce_named([w for w, _ in wires], names, op, pre, post, process_set)
+    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, wires, strict=True)]
+
+
+def _reduce_named(xs: list[tf.Tensor], names: list[str], op: ReduceOp, pre: float, post: float,
+                  process_set: ProcessSet | None) -> list[tf.Tensor]:
+    """One submit/collect pair (see ``host_ops``) for the whole group; differentiable."""
+
+    @tf.custom_gradient
+    def reduce(*ts: tf.Tensor) -> Any:
+        def start(*arrays: np.ndarray) -> Any:
+            handles = [frontend.allreduce_async(host_ops.to_wire(a, True), op, n, pre, post, process_set)
+                       for a, n in zip(arrays, names, strict=True)]
+            return host_ops.Many(handles), lambda rs: [host_ops.from_wire(r, a.dtype).reshape(a.shape)
+                                                       for r, a in zip(rs, arrays, strict=True)]
+
+        ys = host_ops.run(start, list(ts), [t.dtype for t in ts], [t.shape for t in ts], names[0])
+
+        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
+            return _reduce_named(list(dys), [n + ".grad" for n in names], op, pre, post, process_set)
+
+        return list(ys), grad
+
+    return list(reduce(*xs))

@@ -1,241 +1,348 @@
 """Horovod's ``horovod.tensorflow`` collectives on tf.Tensors, eager and inside ``tf.function``.
 
-Each op hands numpy views of its inputs to Unison's engine. Eagerly it calls the
-engine directly; in a graph it runs as a ``tf.numpy_function`` (a host callback
-that holds one inter-op thread while it waits). Two such callbacks blocking on
-different collectives in different orders on two ranks could deadlock, so the
-gradient paths (``DistributedGradientTape``, the Keras optimizer, the strategy)
-reduce a whole step's gradients in ONE callback: one grouped engine call, whose
-members fuse and may complete in any order.
+Every op runs through :mod:`unison.tf_backend.host_ops`: a non-blocking submit
+and an ordered collect, so no graph deadlocks whatever order TensorFlow picks
+and however few threads it has (see its [Note: collects wait for every submit
+they can]). Errors are Horovod's ``tf.errors`` classes.
 
-Names: an op gets its engine name when it is created (traced); a graph runs each
-op once per step, so the name is unique while in flight and identical on every
-rank as long as ranks build the same graph.
+Names (how ranks match their ops): eagerly, ``name`` or ``tf.<op>.noname.<n>``
+(the n-th unnamed call of that op). In a graph, like Horovod's node names:
+``name`` or ``Horovod<Op>_<input tensor name>``, inside the current name scope
+(unless ``ignore_name_scope``) and made unique within the graph, so the names
+agree on every rank that builds the same graph, whatever the build order of
+explicitly named ops.
 
-Gradients (of the sum of every rank's loss): allreduce -> allreduce with the same
-op; allgather -> this rank's rows of the summed gradients; broadcast -> the summed
-gradients on the root, zeros elsewhere; reducescatter -> allgather; alltoall ->
-alltoall back with the received splits.
+Gradients are Horovod 0.28's (``horovod/tensorflow/mpi_ops.py``):
+
+* allreduce -> allreduce of the gradient with the same op and scale factors;
+* allgather -> the average over ranks of the gradient, this rank's rows;
+* broadcast -> the average over ranks on the root, zeros elsewhere;
+* reducescatter -> allgather of the gradient (times the set size for Sum);
+* alltoall -> alltoall back with the received splits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-from unison.common.compression import Compression
 from unison.common.engine import frontend
-from unison.common.engine.process_sets import ProcessSet, set_rank, set_size
-from unison.common.ops import Average, ReduceOp, Sum, parse_op, resolve_op
+from unison.common.engine.process_sets import ProcessSet, global_process_set, set_rank, set_size
+from unison.common.ops import Average, ReduceOp, Sum, parse_op
+from unison.tf_backend import host_ops
+from unison.tf_backend.basics import is_adasum, process_set_by_id, reduce_op
+from unison.tf_backend.compression import Compression
+from unison.tf_backend.gather_ops import (  # noqa: F401 - re-exported
+    _allgather,
+    _root_in_set,
+    allgather,
+    alltoall,
+    broadcast,
+    grouped_allgather,
+)
+from unison.tf_backend.op_base import (  # noqa: F401 - _name, _op_name, _ps are used by sibling modules
+    _REDUCIBLE,
+    _allreduce,
+    _check_bool_op,
+    _check_dtype,
+    _check_not_scalar,
+    _name,
+    _op_name,
+    _ps,
+    _rows_shape,
+    _tensor,
+)
 
-__all__ = ["allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
-           "join", "barrier", "size_op", "rank_op"]
+__all__ = ["allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "alltoall",
+           "reducescatter", "grouped_reducescatter", "join", "barrier", "size_op", "local_size_op",
+           "rank_op", "local_rank_op", "process_set_included_op"]
+
+def _check_adasum(ps: ProcessSet | None) -> None:
+    """Horovod's rules for op=Adasum on CPU: the global set, a power-of-two number of ranks.
+
+    Raises:
+        NotImplementedError: either rule is broken (Horovod's error type).
+    """
+    from unison.collectives import adasum
+
+    if ps is not None:
+        raise NotImplementedError("Adasum does not support non-global process sets yet (as in Horovod)")
+    adasum.check_size(set_size(None))
 
 
-def _name(kind: str, name: str | None) -> str:
-    return frontend._auto_name(f"tf.{kind}", name)
+def _engine_adasum(rop: Any) -> bool:
+    """Whether ``rop`` is Adasum and the engine reduces it itself (then it goes the usual way)."""
+    return is_adasum(rop) and rop is getattr(ReduceOp, "ADASUM", object())
 
 
-def _host(fn: Callable[..., Any], inputs: Sequence[tf.Tensor], tout: Any) -> Any:
-    """Run ``fn`` on numpy values: directly when eager, as a stateful numpy_function in a graph."""
-    if tf.executing_eagerly():
-        out = fn(*[t.numpy() for t in inputs])
-        if isinstance(tout, (list, tuple)):
-            return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(out, tout, strict=True)]
-        return tf.convert_to_tensor(out, dtype=tout)
-    return tf.numpy_function(fn, list(inputs), tout, stateful=True)
+def _adasum_eager(x: tf.Tensor, pre: float, post: float, ps: ProcessSet | None) -> tf.Tensor:
+    """Horovod's Adasum on CPU tensors before the engine knows it (eager only)."""
+    from unison.collectives import adasum
+
+    _check_adasum(ps)
+    if not tf.executing_eagerly():
+        raise NotImplementedError("op=hvd.Adasum inside tf.function needs the engine's Adasum (pending); "
+                                  "call it eagerly or use op=hvd.Average")
+    return tf.convert_to_tensor(adasum.allreduce_direct(x.numpy(), pre, post).reshape(x.shape.as_list()))
 
 
-def _allreduce_dense(tensor: tf.Tensor, op: ReduceOp, name: str, pre: float, post: float,
-                     process_set: ProcessSet | None, compression: Any) -> tf.Tensor:
-    @tf.custom_gradient
-    def reduce(x: tf.Tensor) -> Any:
-        def run(a: np.ndarray) -> np.ndarray:
-            wire, ctx = compression.compress(np.asarray(a))
-            res = frontend.allreduce(wire, op, name, pre, post, process_set)
-            return np.asarray(compression.decompress(res, ctx), dtype=a.dtype)
-
-        y = _host(run, [x], x.dtype)
-        if not tf.executing_eagerly():
-            y.set_shape(x.shape)
-
-        def grad(dy: tf.Tensor) -> tf.Tensor:
-            return _allreduce_dense(dy, op, name + ".grad", pre, post, process_set, compression)
-
-        return y, grad
-
-    return reduce(tf.convert_to_tensor(tensor))
+def _allreduce_sparse(t: tf.IndexedSlices, rop: Any, pre: float, post: float, ps: ProcessSet | None,
+                      ignore_name_scope: bool) -> tf.IndexedSlices:
+    """Horovod's IndexedSlices allreduce: two allgathers; Average divides the values by the size."""
+    if is_adasum(rop):
+        raise NotImplementedError("The Adasum reduction does not currently support sparse tensors; pass "
+                                  "sparse_as_dense=True or reduce a dense tensor")
+    if rop not in (Sum, Average):
+        raise NotImplementedError(f"Only Sum and Average ops are supported with tf.IndexedSlices; got {rop!r}")
+    values = allgather(t.values, process_set=ps or global_process_set, ignore_name_scope=ignore_name_scope)
+    indices = allgather(t.indices, process_set=ps or global_process_set, ignore_name_scope=ignore_name_scope)
+    if pre != 1.0 or post != 1.0:  # after the gathers, as Horovod, so no peer is left waiting
+        raise NotImplementedError(f"prescale_factor={pre} / postscale_factor={post} are not supported with "
+                                  "tf.IndexedSlices (as in Horovod); scale the values yourself")
+    if rop == Average:
+        values = values / tf.cast(set_size(ps), values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=t.dense_shape)
 
 
 def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "", device_sparse: str = "",
               compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, name: str | None = None,
-              process_set: ProcessSet | None = None) -> Any:
-    """Reduce ``tensor`` over the ranks (``tf.IndexedSlices`` are all-gathered); differentiable."""
-    rop = resolve_op(average, op)
-    name = _name("allreduce", name)
+              process_set: ProcessSet | None = global_process_set, ignore_name_scope: bool = False) -> Any:
+    """Reduce ``tensor`` over the ranks of ``process_set`` (default op Average); differentiable.
+
+    ``tf.IndexedSlices`` are all-gathered (values and indices), as in Horovod.
+
+    Raises:
+        TypeError: a dtype the op does not take (bool with Average).
+        NotImplementedError: IndexedSlices with an op other than Sum/Average or with scale factors.
+    """
+    rop = reduce_op(average, op)
+    ps = _ps(process_set)
     if isinstance(tensor, tf.IndexedSlices):
-        values = allgather(tensor.values, name=name + ".values", process_set=process_set)
-        indices = allgather(tensor.indices, name=name + ".indices", process_set=process_set)
-        if rop == Average:
-            values = values / tf.cast(set_size(process_set), values.dtype)
-        return tf.IndexedSlices(values * (prescale_factor * postscale_factor), indices,
-                                dense_shape=tensor.dense_shape)
-    return _allreduce_dense(tensor, rop, name, prescale_factor, postscale_factor, process_set, compression)
+        return _allreduce_sparse(tensor, rop, prescale_factor, postscale_factor, ps, ignore_name_scope)
+    compression = compression or Compression.none
+    x = _tensor(tensor)
+    _check_dtype("allreduce", x, _REDUCIBLE)
+    _check_bool_op("allreduce", x, rop)
+    wire, ctx = compression.compress(x)
+    if is_adasum(rop) and not _engine_adasum(rop):
+        return compression.decompress(_adasum_eager(wire, prescale_factor, postscale_factor, ps), ctx)
+    if _engine_adasum(rop):
+        _check_adasum(ps)
+    name = _op_name("allreduce", name, x, ignore_name_scope)
+    return compression.decompress(_allreduce(wire, rop, name, prescale_factor, postscale_factor, ps), ctx)
+
+
+def _grouped_dense(xs: list[tf.Tensor], rop: Any, base: str, pre: float, post: float,
+                   ps: ProcessSet | None) -> list[tf.Tensor]:
+    @tf.custom_gradient
+    def reduce(*ts: tf.Tensor) -> Any:
+        def start(*arrays: np.ndarray) -> Any:
+            h = frontend.grouped_allreduce_async([host_ops.to_wire(a, True) for a in arrays], rop, base, pre,
+                                                 post, ps)
+            return h, lambda rs: [host_ops.from_wire(r, a.dtype).reshape(a.shape)
+                                  for r, a in zip(rs, arrays, strict=True)]
+
+        ys = host_ops.run(start, list(ts), [t.dtype for t in ts], [t.shape for t in ts], base)
+
+        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
+            return _grouped_dense(list(dys), rop, _op_name("grouped_allreduce", base + "_grad", dys[0]), pre,
+                                  post, ps)
+
+        return ys, grad
+
+    return list(reduce(*xs))
 
 
 def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, device_dense: str = "",
                       device_sparse: str = "", compression: Any = Compression.none, op: Any = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      name: str | None = None, process_set: ProcessSet | None = None) -> list[tf.Tensor]:
-    """All-reduce several tensors in ONE host callback and one fused engine group; differentiable."""
-    rop = resolve_op(average, op)
-    base = _name("grouped_allreduce", name)
-    xs = [tf.convert_to_tensor(t) for t in tensors]
-    if not xs:
-        return []
+                      process_set: ProcessSet | None = global_process_set, ignore_name_scope: bool = False,
+                      name: str | None = None) -> Any:
+    """All-reduce several tensors as one group (one fused engine call); IndexedSlices may be mixed in.
 
-    @tf.custom_gradient
-    def reduce(*args: tf.Tensor) -> Any:
-        def run(*arrays: np.ndarray) -> list[np.ndarray]:
-            wires = [compression.compress(np.asarray(a)) for a in arrays]
-            outs = frontend.grouped_allreduce([w for w, _ in wires], rop, base, prescale_factor,
-                                              postscale_factor, process_set)
-            return [np.asarray(compression.decompress(o, c), dtype=a.dtype)
-                    for o, (_, c), a in zip(outs, wires, arrays, strict=True)]
-
-        ys = _host(run, list(args), [a.dtype for a in args])
-        if not tf.executing_eagerly():
-            for y, a in zip(ys, args, strict=True):
-                y.set_shape(a.shape)
-
-        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
-            return grouped_allreduce(list(dys), None, op=rop, prescale_factor=prescale_factor,
-                                     postscale_factor=postscale_factor, name=base + ".grad",
-                                     process_set=process_set, compression=compression)
-
-        return list(ys), grad
-
-    return reduce(*xs)
-
-
-def allgather(tensor: Any, name: str | None = None, process_set: ProcessSet | None = None) -> tf.Tensor:
-    """Concatenate every rank's tensor along dim 0 (which may differ per rank); differentiable."""
-    name = _name("allgather", name)
-    x = tf.convert_to_tensor(tensor)
-
-    @tf.custom_gradient
-    def gather(t: tf.Tensor) -> Any:
-        def run(a: np.ndarray) -> list[np.ndarray]:
-            rows = frontend.allgather(np.array([a.shape[0] if a.ndim else 1], np.int64), name + ".rows",
-                                      process_set)
-            return [frontend.allgather(a, name, process_set).astype(a.dtype, copy=False), rows]
-
-        y, rows = _host(run, [t], [t.dtype, tf.int64])
-        if not tf.executing_eagerly():
-            y.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
-
-        def grad(dy: tf.Tensor) -> tf.Tensor:
-            total = allreduce(dy, op=Sum, name=name + ".grad", process_set=process_set)
-            start = tf.reduce_sum(rows[:set_rank(process_set)])
-            return tf.reshape(total[start:start + rows[set_rank(process_set)]], tf.shape(t))
-
-        return y, grad
-
-    return gather(x)
+    Returns ``tensors`` itself when it is empty, as Horovod.
+    """
+    if not tensors:
+        return tensors
+    rop = reduce_op(average, op)
+    ps = _ps(process_set)
+    out: list[Any] = [None] * len(tensors)
+    sparse = [(i, t) for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
+    dense = [(i, _tensor(t)) for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
+    if sparse:
+        for (i, _), r in zip(sparse, _grouped_sparse([t for _, t in sparse], rop, prescale_factor,
+                                                     postscale_factor, ps, ignore_name_scope), strict=True):
+            out[i] = r
+    if dense:
+        compression = compression or Compression.none
+        for _, x in dense:
+            _check_dtype("grouped_allreduce", x, _REDUCIBLE)
+            _check_bool_op("grouped_allreduce", x, rop)
+        wires = [compression.compress(x) for _, x in dense]
+        if is_adasum(rop) and not _engine_adasum(rop):
+            reduced = [_adasum_eager(w, prescale_factor, postscale_factor, ps) for w, _ in wires]
+        else:
+            if _engine_adasum(rop):
+                _check_adasum(ps)
+            base = _op_name("grouped_allreduce", name, dense[0][1], ignore_name_scope)
+            reduced = _grouped_dense([w for w, _ in wires], rop, base, prescale_factor, postscale_factor, ps)
+        for (i, _), r, (_, ctx) in zip(dense, reduced, wires, strict=True):
+            out[i] = compression.decompress(r, ctx)
+    return out
 
 
-def broadcast(tensor: Any, root_rank: int, name: str | None = None,
-              process_set: ProcessSet | None = None) -> tf.Tensor:
-    """``root_rank``'s tensor on every rank; differentiable."""
-    name = _name("broadcast", name)
-    x = tf.convert_to_tensor(tensor)
-
-    @tf.custom_gradient
-    def bcast(t: tf.Tensor) -> Any:
-        y = _host(lambda a: frontend.broadcast(a, root_rank, name, process_set).astype(a.dtype, copy=False),
-                  [t], t.dtype)
-        if not tf.executing_eagerly():
-            y.set_shape(t.shape)
-
-        def grad(dy: tf.Tensor) -> tf.Tensor:
-            total = allreduce(dy, op=Sum, name=name + ".grad", process_set=process_set)
-            return total if set_rank(process_set) == root_rank else tf.zeros_like(total)
-
-        return y, grad
-
-    return bcast(x)
+def _grouped_sparse(slices: list[tf.IndexedSlices], rop: Any, pre: float, post: float,
+                    ps: ProcessSet | None, ignore_name_scope: bool) -> list[tf.IndexedSlices]:
+    if is_adasum(rop):
+        raise NotImplementedError("The Adasum reduction does not currently support sparse tensors; pass "
+                                  "sparse_as_dense=True or reduce dense tensors")
+    if rop not in (Sum, Average):
+        raise NotImplementedError(f"Only Sum and Average ops are supported with tf.IndexedSlices; got {rop!r}")
+    pset = ps or global_process_set
+    values = grouped_allgather([s.values for s in slices], process_set=pset, ignore_name_scope=ignore_name_scope)
+    indices = grouped_allgather([s.indices for s in slices], process_set=pset,
+                                ignore_name_scope=ignore_name_scope)
+    if pre != 1.0 or post != 1.0:
+        raise NotImplementedError(f"prescale_factor={pre} / postscale_factor={post} are not supported with "
+                                  "tf.IndexedSlices (as in Horovod); scale the values yourself")
+    if rop == Average:
+        values = [v / tf.cast(set_size(ps), v.dtype) for v in values]
+    return [tf.IndexedSlices(v, i, dense_shape=s.dense_shape) for v, i, s in zip(values, indices, slices,
+                                                                                 strict=True)]
 
 
-def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
-             process_set: ProcessSet | None = None) -> tuple[tf.Tensor, tf.Tensor]:
-    """Send ``splits[i]`` rows to rank i; returns (received rows, received splits); differentiable."""
-    name = _name("alltoall", name)
-    x = tf.convert_to_tensor(tensor)
-    n = set_size(process_set)
-    s = tf.convert_to_tensor(splits if splits is not None else [-1] * n, dtype=tf.int64)
-
-    @tf.custom_gradient
-    def exchange(t: tf.Tensor) -> Any:
-        def run(a: np.ndarray, sp: np.ndarray) -> list[np.ndarray]:
-            out, recv = frontend.alltoall(a, None if (sp < 0).any() else sp, name, process_set)
-            return [out.astype(a.dtype, copy=False), recv.astype(np.int64)]
-
-        y, recv = _host(run, [t, s], [t.dtype, tf.int64])
-        if not tf.executing_eagerly():
-            y.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
-
-        def grad(dy: tf.Tensor, _unused: Any = None) -> tf.Tensor:
-            back, _ = alltoall(dy, recv, name=name + ".grad", process_set=process_set)
-            return tf.reshape(back, tf.shape(t))
-
-        return (y, recv), grad
-
-    y, recv = exchange(x)
-    return y, tf.stop_gradient(recv)
-
-
-def reducescatter(tensor: Any, name: str | None = None, op: Any = Average,
-                  process_set: ProcessSet | None = None, prescale_factor: float = 1.0,
-                  postscale_factor: float = 1.0) -> tf.Tensor:
-    """Reduce over ranks and keep this rank's rows of dim 0; differentiable."""
-    rop = parse_op(op)
-    name = _name("reducescatter", name)
-    x = tf.convert_to_tensor(tensor)
-
+# ------------------------------------------------------------------------------- reducescatter
+def _reducescatter(x: tf.Tensor, rop: Any, name: str, pre: float, post: float,
+                   ps: ProcessSet | None) -> tf.Tensor:
     @tf.custom_gradient
     def scatter(t: tf.Tensor) -> Any:
-        y = _host(lambda a: frontend.reducescatter(a, rop, name, prescale_factor, postscale_factor,
-                                                   process_set).astype(a.dtype, copy=False), [t], t.dtype)
-        if not tf.executing_eagerly():
-            y.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
+        def start(a: np.ndarray) -> Any:
+            h = frontend.reducescatter_async(host_ops.to_wire(a, True), rop, name, pre, post, ps)
+            return h, lambda r: [host_ops.from_wire(r, a.dtype).reshape((-1, *a.shape[1:]))]
+
+        y = host_ops.run(start, [t], [t.dtype], [_rows_shape(t)], name)[0]
 
         def grad(dy: tf.Tensor) -> tf.Tensor:
-            g = allgather(dy, name=name + ".grad", process_set=process_set) * (prescale_factor * postscale_factor)
-            if rop == Average:
-                g = g / tf.cast(set_size(process_set), g.dtype)
-            return g
+            if rop == Sum:
+                dy = dy * tf.cast(set_size(ps), dy.dtype)
+            return _allgather(dy, _op_name("allgather", name + "_grad", dy), ps, differentiable=False)
 
         return y, grad
 
     return scatter(x)
 
 
-def join() -> int:
-    """Contribute identity values until every rank joins; returns the last rank to join."""
-    return frontend.join()
+def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compression.none, op: Any = Average,
+                  name: str | None = None, process_set: ProcessSet | None = global_process_set,
+                  ignore_name_scope: bool = False, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> tf.Tensor:
+    """Reduce over the ranks, then keep this rank's rows of dimension 0 (Horovod's split); differentiable."""
+    rop = parse_op(op)
+    x = _tensor(tensor)
+    _check_dtype("reducescatter", x, _REDUCIBLE)
+    _check_bool_op("reducescatter", x, rop)
+    _check_not_scalar("Reducescatter", x)
+    compression = compression or Compression.none
+    wire, ctx = compression.compress(x)
+    name = _op_name("reducescatter", name, x, ignore_name_scope)
+    return compression.decompress(_reducescatter(wire, rop, name, prescale_factor, postscale_factor,
+                                                 _ps(process_set)), ctx)
 
 
-def barrier(process_set: ProcessSet | None = None) -> None:
-    frontend.barrier(process_set)
+def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compression: Any = Compression.none,
+                          op: Any = Average, process_set: ProcessSet | None = global_process_set,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
+    """Reduce-scatter several tensors as one group; differentiable. Empty input is returned as is."""
+    if not tensors:
+        return tensors
+    rop = parse_op(op)
+    xs = [_tensor(t) for t in tensors]
+    for x in xs:
+        _check_dtype("grouped_reducescatter", x, _REDUCIBLE)
+        _check_bool_op("grouped_reducescatter", x, rop)
+        _check_not_scalar("GroupedReducescatter", x)
+    compression = compression or Compression.none
+    wires = [compression.compress(x) for x in xs]
+    base = _op_name("grouped_reducescatter", None, xs[0])
+    ps = _ps(process_set)
+    pre, post = prescale_factor, postscale_factor
+
+    @tf.custom_gradient
+    def scatter(*ts: tf.Tensor) -> Any:
+        def start(*arrays: np.ndarray) -> Any:
+            hs = [frontend.reducescatter_async(host_ops.to_wire(a, True), rop, f"{base}.{i}", pre, post, ps)
+                  for i, a in enumerate(arrays)]
+            return host_ops.Many(hs), lambda rs: [host_ops.from_wire(r, a.dtype).reshape((-1, *a.shape[1:]))
+                                          for r, a in zip(rs, arrays, strict=True)]
+
+        ys = host_ops.run(start, list(ts), [t.dtype for t in ts], [_rows_shape(t) for t in ts], base)
+
+        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
+            scale = set_size(ps) if rop == Sum else 1
+            return [_allgather(dy * tf.cast(scale, dy.dtype), _op_name("allgather", f"{base}.{i}_grad", dy),
+                               ps, differentiable=False) for i, dy in enumerate(dys)]
+
+        return ys, grad
+
+    reduced = scatter(*[w for w, _ in wires])
+    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, wires, strict=True)]
 
 
-def size_op(process_set: ProcessSet | None = None) -> tf.Tensor:
-    return tf.constant(set_size(process_set), dtype=tf.int32)
+# ------------------------------------------------------------------------------- join, queries
+def join() -> tf.Tensor:
+    """Contribute identity values until every rank joins; the last rank to join (an int32 scalar tensor)."""
+    if tf.executing_eagerly():
+        return tf.constant(frontend.join(), dtype=tf.int32)
+    return tf.reshape(tf.numpy_function(lambda: np.int32(frontend.join()), [], tf.int32, stateful=True), [])
 
 
-def rank_op(process_set: ProcessSet | None = None) -> tf.Tensor:
-    return tf.constant(set_rank(process_set), dtype=tf.int32)
+def barrier(process_set: ProcessSet | None = global_process_set) -> None:
+    """Wait until every rank of the set arrives (not in ``horovod.tensorflow``: Unison's addition)."""
+    frontend.barrier(_ps(process_set))
+
+
+def _set_of(process_set: Any) -> ProcessSet | None:
+    if isinstance(process_set, ProcessSet):
+        return _ps(process_set)
+    return _ps(process_set_by_id(int(process_set or 0)))
+
+
+def size_op(process_set_id: Any = 0, name: str | None = None) -> tf.Tensor:
+    """The number of ranks (of the process set with this id, or a ProcessSet), as an int32 tensor."""
+    return tf.constant(set_size(_set_of(process_set_id)), dtype=tf.int32, name=name)
+
+
+def local_size_op(name: str | None = None) -> tf.Tensor:
+    """The number of ranks on this host, as an int32 tensor."""
+    from unison.common import runtime
+
+    return tf.constant(runtime.local_size(), dtype=tf.int32, name=name)
+
+
+def rank_op(name: str | None = None) -> tf.Tensor:
+    """This process's rank, as an int32 tensor (a ProcessSet as ``name``: its rank in that set)."""
+    if isinstance(name, ProcessSet):
+        return tf.constant(set_rank(_ps(name)), dtype=tf.int32)
+    return tf.constant(set_rank(None), dtype=tf.int32, name=name)
+
+
+def local_rank_op(name: str | None = None) -> tf.Tensor:
+    """This process's rank on its host, as an int32 tensor (Horovod 0.28 returns the global rank: a bug)."""
+    from unison.common import runtime
+
+    return tf.constant(runtime.local_rank(), dtype=tf.int32, name=name)
+
+
+def process_set_included_op(process_set_id: Any = 0, name: str | None = None) -> tf.Tensor:
+    """1 if this process belongs to the process set, else 0 (an int32 tensor).
+
+    Raises:
+        ValueError: no registered process set has this id.
+    """
+    ps = process_set_id if isinstance(process_set_id, ProcessSet) else process_set_by_id(int(process_set_id))
+    return tf.constant(int(ps.included()), dtype=tf.int32, name=name)
+

@@ -26,7 +26,9 @@ Keras 3 drives a strategy through a handful of ``StrategyExtended`` hooks
   TensorFlow's compute (as many processes as cores, the usual CPU case) both
   took the same ~29 ms per step of the benchmark MLP here, and reducing after
   backward keeps the ring's lock-step exchanges off the cores compute needs.
-  ``overlap_gradients=None`` picks per host.
+  ``overlap_gradients=None`` picks per host. Gradients are paired by variable,
+  never by position among the non-None ones: see [Note: gradients None on some
+  ranks, under the strategy] (:func:`_guard_optimizers`).
 * **Metrics**: Keras keeps loss and metric state in ON_READ/SUM variables and
   never reduces them across processes. Here such variables sum their updates
   over the ranks inside ``strategy.run``, so every rank holds the global state
@@ -443,9 +445,18 @@ def _unison_model(model: Any) -> bool:
 
 
 def _atomic_save(save: Callable[..., Any], filepath: Any, *args: Any, **kwargs: Any) -> Any:
-    """``save(filepath, ...)`` through a temporary file in the same folder, then a rename."""
-    if not isinstance(filepath, (str, os.PathLike)):
-        return save(filepath, *args, **kwargs)  # a file object: the caller owns it
+    """``save(filepath, ...)`` through :func:`~unison.common.files.atomic_path` (durable, atomic).
+
+    Written in place instead: a file object (the caller owns it), sharded weights
+    (``max_shard_size``: Keras writes the shards next to the index file) and
+    ``overwrite=False`` over an existing file (Keras asks first, as it does without
+    the strategy).
+    """
+    if not isinstance(filepath, (str, os.PathLike)) or kwargs.get("max_shard_size") is not None:
+        return save(filepath, *args, **kwargs)
+    overwrite = kwargs.get("overwrite", args[0] if args else True)
+    if not overwrite and os.path.exists(filepath):
+        return save(filepath, *args, **kwargs)
     with atomic_path(filepath) as tmp:
         return save(tmp, *args, **kwargs)
 
@@ -483,8 +494,8 @@ def _guard_keras() -> None:
       diverge. Models used entirely outside the scope are left alone.
     * ``predict`` returns the whole global batch's predictions on every rank.
     * ``save`` and ``save_weights`` (and so Keras's ``ModelCheckpoint`` and
-      ``BackupAndRestore``) write from rank 0 only, atomically; other ranks
-      return without writing. Every rank may call them (as Keras's callbacks
+      ``BackupAndRestore``) write from rank 0 only, atomically and durably;
+      other ranks return without writing. Every rank may call them (as Keras's callbacks
       do), or rank 0 alone: nothing in them communicates.
     """
     global _GUARDED
@@ -530,24 +541,118 @@ def _guard_keras() -> None:
     wrap("predict", _gather_predictions)
     wrap_save("save")
     wrap_save("save_weights")
+    _guard_optimizers()
     _guard_checkpoints()
     _GUARDED = True
 
 
-def _guard_checkpoints() -> None:
-    """``tf.train.Checkpoint`` (``save``, ``write``, ``CheckpointManager.save``) writes from rank 0 only.
+_optimizer_ids = itertools.count()
 
-    All three end in ``Checkpoint._write``, which also runs the bookkeeping
-    callbacks (the ``checkpoint`` state file, the manager's deletion of old
-    checkpoints). On other ranks of a multi-process job it returns the path it
-    would have written and touches no file, so ranks sharing a folder never race.
-    (Asynchronous checkpointing, ``experimental_enable_async_checkpoint``, is
-    not covered.)
+
+def _unison_optimizer(optimizer: Any) -> bool:
+    """Whether ``optimizer`` was created under a UnisonStrategy of a multi-process job."""
+    return (isinstance(getattr(optimizer, "_distribution_strategy", None), UnisonStrategy)
+            and runtime.size() > 1)
+
+
+def _optimizer_tag(optimizer: Any) -> str:
+    """``<k>.<n>.<crc>``: the k-th optimizer to apply gradients in this process, its variables' signature.
+
+    Every rank runs the same program, so k agrees; it keeps two optimizers with
+    same-shaped variables (a GAN's) apart.
+    """
+    tag = getattr(optimizer, "_unison_tag", None)
+    if tag is None:
+        variables = optimizer._trainable_variables
+        signature = "|".join(f"{tf.as_dtype(v.dtype).name}{list(v.shape)}" for v in variables)
+        tag = f"{next(_optimizer_ids)}.{len(variables)}.{zlib.crc32(signature.encode()):08x}"
+        optimizer._unison_tag = tag
+    return tag
+
+
+def _guard_optimizers() -> None:
+    """Reduce the gradients of optimizers created under a UnisonStrategy by variable, never by position.
+
+    [Note: gradients None on some ranks, under the strategy]
+    Keras's ``apply`` drops the variables whose gradient is None, and its
+    ``_all_reduce_sum_gradients`` hands the rest to ``replica_context.all_reduce``,
+    which can only pair them by position. When a data-dependent branch leaves a
+    different variable without a gradient on each rank, rank 0's gradient k would be
+    summed with rank 1's gradient k of another variable (silently, when the shapes
+    match) or the ranks would hang. So, for such optimizers:
+
+    * ``apply`` first makes the ranks agree on which variables have a gradient
+      anywhere (:func:`~unison.tf_backend.functions.fill_missing_gradients`); a rank
+      without one contributes zeros, so every rank keeps, clips, decays and updates the
+      same variables, as one process would on the global batch. (Eagerly this costs one
+      small all-reduce per step; in a ``tf.function`` it runs once, while tracing: the
+      None pattern is fixed then.)
+    * ``_all_reduce_sum_gradients`` names the group by the variables' positions in the
+      optimizer's FULL variable list.
+    """
+    import keras
+    from keras.src import backend as keras_backend
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    from unison.tf_backend.functions import fill_missing_gradients
+
+    apply = keras.optimizers.Optimizer.apply
+    all_reduce = TFOptimizer._all_reduce_sum_gradients
+
+    def agreeing_apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
+        if _unison_optimizer(self) and len(grads):
+            if trainable_variables is not None:
+                trainable_variables = list(trainable_variables)
+            if not self.built and trainable_variables is not None:
+                with keras_backend.name_scope(self.name, caller=self):  # as Keras's apply builds it
+                    self.build(trainable_variables)
+                self.built = True
+            variables = (trainable_variables if trainable_variables is not None
+                         else getattr(self, "_trainable_variables", []))
+            if len(variables) == len(grads):  # otherwise Keras raises its own error
+                grads = fill_missing_gradients(list(grads), variables, f"unison.grads.{_optimizer_tag(self)}")
+        return apply(self, grads, trainable_variables)
+
+    def all_reduce_by_variable(self: Any, grads_and_vars: Any) -> Any:
+        pairs = list(grads_and_vars)
+        if not _unison_optimizer(self) or tf.distribute.get_replica_context() is None:
+            return all_reduce(self, pairs)
+        present = [i for i, (g, _) in enumerate(pairs) if g is not None]
+        positions = ",".join(str(self._get_variable_index(pairs[i][1])) for i in present)
+        base = f"unison.grads.{_optimizer_tag(self)}.{zlib.crc32(positions.encode()):08x}"
+        reduced = grouped_sum([pairs[i][0] for i in present], base,
+                              overlap=self._distribution_strategy.extended._overlap)
+        for i, r in zip(present, reduced, strict=True):
+            pairs[i] = (r, pairs[i][1])
+        return pairs
+
+    agreeing_apply.__doc__ = apply.__doc__
+    keras.optimizers.Optimizer.apply = agreeing_apply
+    TFOptimizer._all_reduce_sum_gradients = all_reduce_by_variable
+
+
+def _guard_checkpoints() -> None:
+    """A ``tf.train.Checkpoint`` of the strategy's state writes from rank 0 only; any other on every rank.
+
+    [Note: replicated checkpoints]
+    ``save``, ``write`` and ``CheckpointManager.save`` all end in
+    ``Checkpoint._write``, which also runs the bookkeeping callbacks (the
+    ``checkpoint`` state file, the manager's deletion of old checkpoints). A
+    checkpoint is *replicated* when something it tracks was created under a
+    UnisonStrategy (a model, or a variable made in ``strategy.scope()``, such as
+    the optimizer's): every rank holds the same values, so on ranks other than 0
+    of a multi-process job ``_write`` returns the path it would have written and
+    touches no file, and ranks sharing a folder never race. Any other checkpoint
+    (a user's per-rank state, made outside the strategy's scope) writes on every
+    rank, as without the strategy. Per-rank state tracked by a replicated
+    checkpoint is saved from rank 0 only: keep it in a checkpoint of its own.
+    (Asynchronous checkpointing, ``experimental_enable_async_checkpoint``, is not
+    covered.)
     """
     original = tf.train.Checkpoint._write
 
     def _write(self: Any, file_prefix: Any, options: Any = None) -> Any:
-        if runtime.size() > 1 and runtime.rank() != 0:
+        if runtime.size() > 1 and runtime.rank() != 0 and _replicated(self):
             if isinstance(file_prefix, tf.Tensor):
                 file_prefix = file_prefix.numpy()
             return file_prefix.decode() if isinstance(file_prefix, bytes) else os.fspath(file_prefix)
@@ -555,3 +660,17 @@ def _guard_checkpoints() -> None:
 
     _write.__doc__ = original.__doc__
     tf.train.Checkpoint._write = _write
+
+
+def _replicated(checkpoint: Any) -> bool:
+    """Whether ``checkpoint`` tracks anything created under a UnisonStrategy (see [Note: replicated checkpoints]).
+
+    Keras models and TensorFlow variables record the strategy they were created
+    under in ``_distribute_strategy``; a Keras variable keeps its TensorFlow
+    variable in ``_value``.
+    """
+    for obj in tf.train.TrackableView(checkpoint).descendants():
+        for candidate in (obj, getattr(obj, "_value", None)):
+            if isinstance(getattr(candidate, "_distribute_strategy", None), UnisonStrategy):
+                return True
+    return False

@@ -5,8 +5,7 @@ as hvd`` with this import. CPU tensors; collectives go through Unison's engine.
 """
 
 from unison.common.compression import Compression
-from unison.common.engine.engine import DuplicateNameError, ShutdownError, StallError
-from unison.common.engine.frontend import add_process_set, start_timeline, stop_timeline
+from unison.common.engine.engine import DuplicateNameError, JoinError, ShutdownError, StallError
 from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.common.exceptions import (
     CollectiveError,
@@ -19,15 +18,30 @@ from unison.common.ops import Average, Max, Min, Product, ReduceOp, Sum
 from unison.common.runtime import (
     cross_rank,
     cross_size,
-    init,
     is_initialized,
     local_rank,
     local_size,
-    mpi_built,
-    mpi_threads_supported,
     rank,
     shutdown,
     size,
+)
+from unison.torch_backend.basics import (
+    add_process_set,
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_homogeneous,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    remove_process_set,
+    rocm_built,
+    start_timeline,
+    stop_timeline,
 )
 from unison.torch_backend.functions import (
     allgather_object,
@@ -36,6 +50,7 @@ from unison.torch_backend.functions import (
     broadcast_parameters,
 )
 from unison.torch_backend.mpi_ops import (
+    Adasum,
     allgather,
     allgather_async,
     allreduce,
@@ -61,6 +76,7 @@ from unison.torch_backend.mpi_ops import (
     poll,
     reducescatter,
     reducescatter_async,
+    sparse_allreduce_async,
     synchronize,
 )
 from unison.torch_backend.optimizer import DistributedOptimizer
@@ -74,23 +90,11 @@ from unison.torch_backend.pipeline import (
 )
 from unison.torch_backend.sync_batch_norm import SyncBatchNorm
 
-
-def mpi_enabled() -> bool:
-    """Horovod compatibility: collectives run over MPI."""
-    return mpi_built()
-
-
-def gloo_built() -> bool:
-    return False
-
-
-def nccl_built() -> bool:
-    return False
-
-
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
-    "cross_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "nccl_built",
+    "cross_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled",
+    "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "is_homogeneous",
+    "sparse_allreduce_async", "remove_process_set", "Adasum",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "allgather",
     "allgather_async", "grouped_allgather", "grouped_allgather_async", "broadcast", "broadcast_",
@@ -100,6 +104,6 @@ __all__ = [
     "allgather_object", "DistributedOptimizer", "SyncBatchNorm", "Compression", "ProcessSet",
     "global_process_set", "add_process_set", "start_timeline", "stop_timeline", "ReduceOp", "Average",
     "Sum", "Min", "Max", "Product", "UnisonError", "NotInitializedError", "MismatchError",
-    "CollectiveError", "InvalidArgumentError", "StallError", "ShutdownError", "DuplicateNameError",
+    "CollectiveError", "InvalidArgumentError", "StallError", "ShutdownError", "DuplicateNameError", "JoinError",
     "Pipeline", "PipelineGrid", "pipeline_grid", "balance_by_params", "balance_by_time", "PipelineError",
 ]

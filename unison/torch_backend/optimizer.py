@@ -8,7 +8,15 @@ Ranks may produce gradients in any order: the engine negotiates by name.
 
 The wrapped optimizer is an instance of a subclass of the original optimizer's
 class built on the same parameter groups, so ``isinstance`` checks, schedulers
-and ``state_dict()`` keep working.
+and ``state_dict()`` keep working. It carries Horovod's attributes too
+(``_parameter_names``, ``backward_passes_per_step``, ``op``,
+``gradient_predivide_factor``, ``sparse_as_dense``, ``process_set``,
+``set_backward_passes_per_step()``).
+
+``op=hvd.Adasum`` follows Horovod's Adasum optimizer: no gradient is reduced;
+``step()`` applies the wrapped optimizer to the local gradients, then combines
+every rank's parameter change with Adasum and applies the combination to the
+parameters as they were before the step.
 """
 
 from __future__ import annotations
@@ -24,8 +32,10 @@ import torch
 from unison.common import runtime
 from unison.common.compression import Compression
 from unison.common.engine import frontend
-from unison.common.engine.process_sets import ProcessSet, set_size
+from unison.common.engine.process_sets import ProcessSet, global_process_set, set_size
 from unison.common.ops import Average, ReduceOp, parse_op
+from unison.torch_backend.handles import Adasum, is_adasum
+from unison.torch_backend.mpi_ops import grouped_allreduce
 from unison.torch_backend.tensors import from_numpy, to_numpy
 
 __all__ = ["DistributedOptimizer"]
@@ -69,9 +79,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._group_ready: dict[int, list[torch.Tensor]] = {}
         self._synchronized = False
         self._should_synchronize = True
+        # Horovod's attributes, which user code reads
+        self._parameter_names = self._names
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set if process_set is not None else global_process_set
+        self._adasum = op is Adasum
         self._hooks = []
-        if runtime.size() > 1:
+        if runtime.size() > 1 and not self._adasum:
             self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Horovod's setter: accumulate ``passes`` backward passes locally per step from now on."""
+        if passes < 1:
+            raise ValueError(f"backward_passes_per_step={passes} must be >= 1")
+        self.backward_passes_per_step = self._passes = passes
+        self._delay = {p: passes for p in self._params}
 
     # ------------------------------------------------------------- hooks
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -133,7 +158,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------- public
     def synchronize(self) -> None:
         """Wait for every gradient's reduction; parameters without a gradient contribute zeros."""
-        if runtime.size() > 1:
+        if runtime.size() > 1 and not self._adasum:
             for p in self._params:
                 if p not in self._pending:  # no gradient this step, or passes not yet complete
                     self._pending[p] = self._submit(p)
@@ -162,7 +187,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._should_synchronize = True
 
+    def _adasum_step(self, closure: Any) -> Any:
+        """Horovod's Adasum optimizer: a local step, then the Adasum of every rank's parameter change."""
+        starts = [p.detach().clone() for p in self._params]
+        for p in self._params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        loss = super(self.__class__, self).step(closure)
+        if runtime.size() > 1 and self._params:
+            with torch.no_grad():
+                deltas = [p.detach() - s for p, s in zip(self._params, starts, strict=True)]
+                combined = grouped_allreduce(deltas, op=Adasum, name="DistributedOptimizer.adasum")
+                for p, s, d in zip(self._params, starts, combined, strict=True):
+                    p.copy_(s + d)
+        self._synchronized = False
+        return loss
+
     def step(self, closure: Any = None) -> Any:
+        if self._adasum:
+            return self._adasum_step(closure)
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called after optimizer.synchronize() without the "
@@ -183,11 +226,36 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).zero_grad(*args, **kwargs)
 
 
+def _check_combination(op: Any, compression: Any, backward_passes_per_step: int, num_groups: int,
+                       groups: Any, process_set: ProcessSet | None) -> None:
+    """Refuse option combinations that would be silently ignored (docs/horovod.md, "Options that combine").
+
+    ``op=Adasum`` combines parameter changes after a local step (Horovod's Adasum optimizer):
+    our version of it runs on the whole job, uncompressed, one backward pass per step.
+    """
+    if op is not Adasum:
+        return
+    given = []
+    if compression is not Compression.none:
+        given.append(f"compression={getattr(compression, '__name__', compression)!r}")
+    if backward_passes_per_step != 1:
+        given.append(f"backward_passes_per_step={backward_passes_per_step}")
+    if num_groups or groups:
+        given.append("num_groups/groups")
+    if process_set is not None and process_set is not global_process_set and process_set.ranks is not None:
+        given.append(f"process_set={process_set!r}")
+    if given:
+        raise ValueError(f"DistributedOptimizer(op=Adasum) does not combine with {', '.join(given)}: the "
+                         "Adasum optimizer combines every rank's uncompressed parameter change after each "
+                         "step. Drop those options, or use op=Average (docs/horovod.md lists which options "
+                         "combine)")
+
+
 def _named(optimizer: torch.optim.Optimizer,
            named_parameters: Iterable[tuple[str, torch.Tensor]] | None) -> list[tuple[str, torch.Tensor]]:
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if named_parameters is None:
-        return [(f"allreduce.noname.{i}", p) for i, p in enumerate(params)]
+        return _default_names(optimizer)
     named = list(named_parameters)
     if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
         raise ValueError("named_parameters must be (name, parameter) pairs, e.g. model.named_parameters()")
@@ -205,6 +273,19 @@ def _named(optimizer: torch.optim.Optimizer,
     return named
 
 
+def _default_names(optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    """Names of a namespace of their own: ``DistributedOptimizer.noname.<k>.<group>.<index>``.
+
+    Unnamed collectives are ``<op>.noname.<n>``; the optimizer's names must never equal one of
+    them (a user's unnamed ``allreduce_async`` in flight during backward would collide), nor
+    another unnamed optimizer's (``k`` numbers the optimizers, identically on every rank as long
+    as ranks wrap them in the same order).
+    """
+    base = frontend._auto_name("DistributedOptimizer", None)
+    return [(f"{base}.{g}.{j}", p) for g, group in enumerate(optimizer.param_groups)
+            for j, p in enumerate(group["params"])]
+
+
 def _groups(optimizer: torch.optim.Optimizer, num_groups: int,
             groups: Any) -> list[list[torch.Tensor]] | None:
     if groups is None and not num_groups:
@@ -212,7 +293,11 @@ def _groups(optimizer: torch.optim.Optimizer, num_groups: int,
     if isinstance(groups, int) or (groups is None and num_groups):
         n = groups if isinstance(groups, int) else num_groups
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-        return [list(chunk) for chunk in np.array_split(np.array(params, dtype=object), n) if len(chunk)]
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"num_groups/groups={n!r} must be a positive number of groups")
+        base, extra = divmod(len(params), n)  # n consecutive groups, sizes differing by at most one
+        bounds = np.cumsum([0] + [base + (1 if i < extra else 0) for i in range(n)]).tolist()
+        return [params[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
     owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
     out = []
     for group in groups:
@@ -233,11 +318,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
 
     Args:
         optimizer: any ``torch.optim`` optimizer, not already wrapped.
-        named_parameters: ``model.named_parameters()``; names are how ranks match gradients.
+        named_parameters: ``model.named_parameters()``; names are how ranks match gradients
+            (use names your own collectives do not use). Without it, parameters are named
+            ``DistributedOptimizer.noname.<k>.<group>.<index>``.
         compression: ``Compression.none`` or ``Compression.fp16`` for the wire.
         backward_passes_per_step: backward passes accumulated locally per step (scale the
             loss by its inverse to average them).
-        op: ``Average`` (default), ``Sum`` ...
+        op: ``Average`` (default), ``Sum`` ..., or ``Adasum`` (Horovod's Adasum optimizer: see the
+            module docstring; a power-of-two number of ranks, the global process set).
         gradient_predivide_factor: divide by this before the sum and by ``size / factor``
             after (Average only), to keep fp16 sums in range.
         num_groups / groups: reduce parameters in groups (fused together) instead of one by one.
@@ -253,11 +341,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
                          "once")
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
-    rop = parse_op(op)
+    rop = Adasum if is_adasum(op) else parse_op(op)
     if gradient_predivide_factor != 1.0 and rop != Average:
         raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} only applies to "
                          f"op=Average; got op={rop!r}")
     runtime.state("DistributedOptimizer")
+    _check_combination(rop, compression, backward_passes_per_step, num_groups, groups, process_set)
     named = _named(optimizer, named_parameters)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     wrapped = cls(optimizer.param_groups, named, compression, backward_passes_per_step, rop,

@@ -2,14 +2,17 @@
 
 With ``UNISON_AUTOTUNE=1`` the engine runs trials: each candidate setting is
 kept for a sample of at least ``UNISON_AUTOTUNE_STEPS_PER_SAMPLE`` cycles and
-``SAMPLE_BYTES`` reduced (after ``UNISON_AUTOTUNE_WARMUP_SAMPLES`` discarded
+``SAMPLE_BYTES`` executed (after ``UNISON_AUTOTUNE_WARMUP_SAMPLES`` discarded
 ones), and scored by bytes per second. Trial boundaries depend only on counters
-that are identical on every rank (cycles, bytes executed), so all ranks reach
-them in the same cycle; rank 0 then scores the trial and broadcasts the next
-setting, so every rank always uses the same values. The search is
-coordinate-wise: fusion thresholds at the default cycle time, then cycle times
+that are identical on every rank: the global set's cycle count and the executor's
+``agreed_bytes`` (executor [Note: agreed bytes]), never on bytes only this rank
+received (an uneven alltoall or reducescatter), so all ranks reach them in the same
+cycle and enter the decision's broadcast together; rank 0 scores the trial and
+broadcasts the next setting, so every rank always uses the same values. The search
+is coordinate-wise: fusion thresholds at the default cycle time, then cycle times
 at the best threshold; the best setting found is kept for the rest of the job.
-Each trial is a row of ``UNISON_AUTOTUNE_LOG`` (CSV, written by rank 0).
+Each trial is a row of ``UNISON_AUTOTUNE_LOG`` (CSV, written by rank 0 into a file
+it creates afresh: see :func:`~unison.common.engine.timeline.open_fresh`).
 """
 
 from __future__ import annotations
@@ -18,9 +21,13 @@ import csv
 import logging
 import os
 import time
-from typing import Any
+from typing import IO, Any
+
+import numpy as np
 
 from unison.common.config import Config
+from unison.common.engine.controller import wait
+from unison.common.engine.timeline import open_fresh
 
 __all__ = ["Autotuner"]
 
@@ -49,20 +56,28 @@ class Autotuner:
         self.trials = 0
         #: (cycle, fusion threshold, cycle time ms) at every change: identical on every rank
         self.history: list[tuple[int, int, float]] = []
+        self._log: IO[str] | None = None
         if rank == 0 and self.log_path:
-            self._write_row(["trial", "fusion_threshold_bytes", "cycle_time_ms", "bytes", "seconds",
-                             "bytes_per_s", "phase"], mode="w")
+            self._open_log()
 
-    def _write_row(self, row: list[Any], mode: str = "a") -> None:
-        tmp = self.log_path + ".tmp"
-        rows: list[list[str]] = []
-        if mode == "a" and os.path.exists(self.log_path):
-            with open(self.log_path, newline="", encoding="utf-8") as f:
-                rows = list(csv.reader(f))
-        rows.append([str(v) for v in row])
-        with open(tmp, "w", newline="", encoding="utf-8") as f:
-            csv.writer(f).writerows(rows)
+    def _open_log(self) -> None:
+        """Rank 0 writes the CSV header into a fresh file and keeps it open to append rows."""
+        self._log, tmp = open_fresh(self.log_path)
+        self._writer = csv.writer(self._log)
+        self._write_row(["trial", "fusion_threshold_bytes", "cycle_time_ms", "bytes", "seconds",
+                         "bytes_per_s", "phase"])
         os.replace(tmp, self.log_path)
+
+    def _write_row(self, row: list[Any]) -> None:
+        if self._log is not None:
+            self._writer.writerow(row)
+            self._log.flush()
+
+    def close(self) -> None:
+        """Close the CSV log (the engine calls this when it stops)."""
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
     def step(self, st: Any) -> tuple[int, float] | None:
         """Called once per cycle on every rank; returns new (threshold, cycle ms) or None."""
@@ -77,16 +92,23 @@ class Autotuner:
         ctl, ex = st.controller, st.executor
         now = time.monotonic()
         if self._start is None:
-            self._start = (now, ctl.cycles, ex.bytes_done)
+            self._start = (now, ctl.cycles, ex.agreed_bytes)
             return self._enter()
         t0, c0, b0 = self._start
-        if ctl.cycles - c0 < self.steps or ex.bytes_done - b0 < SAMPLE_BYTES:
+        nbytes = ex.agreed_bytes - b0
+        if ctl.cycles - c0 < self.steps or nbytes < SAMPLE_BYTES:  # alike on every rank
             return None
-        rate = (ex.bytes_done - b0) / max(now - t0, 1e-9)
-        best = st.comm.bcast(self._score(rate, ex.bytes_done - b0, now - t0) if self.rank == 0 else None,
-                             root=0)
-        self._start = (time.monotonic(), ctl.cycles, ex.bytes_done)
+        best = self._agree(st, self._score(nbytes / max(now - t0, 1e-9), nbytes, now - t0)
+                           if self.rank == 0 else None)
+        self._start = (time.monotonic(), ctl.cycles, ex.agreed_bytes)
         return self._advance(best)
+
+    @staticmethod
+    def _agree(st: Any, best: tuple[int, float] | None) -> tuple[int, float] | None:
+        """Rank 0's decision on every rank: a broadcast of three numbers (no pickle)."""
+        buf = np.array([best is not None, *(best or (0, 0.0))], dtype=np.float64)
+        wait(st.comm.Ibcast(buf, root=0))
+        return (int(buf[1]), float(buf[2])) if buf[0] else None
 
     def _score(self, rate: float, nbytes: int, seconds: float) -> tuple[int, float] | None:
         self.trials += 1
@@ -115,6 +137,7 @@ class Autotuner:
             self.index = 0
             return self._enter()
         self.done = True
+        self.close()
         if best is not None:
             self.current = best
             if self.rank == 0:

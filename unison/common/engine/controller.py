@@ -6,7 +6,7 @@ rank has something new to say, one all-gather::
     cycle:  vec = [ready bits of cached names ... | flags]      (uint64 words)
             Allreduce(vec, BAND)                                 -> ready everywhere
             if any rank set ANNOUNCE:
-                Allgatherv(pickled (name, signature, dim0) of new requests)
+                Allgatherv(JSON records (name, dim0, signature) of new requests)
                 -> every rank updates the same table; names now submitted by all
                    ranks complete, in the same order on every rank, and join the cache
 
@@ -20,22 +20,40 @@ re-announces, and the table then compares all ranks' signatures.
 
 Flags share the last word: bits 0-31 are "any rank" flags, sent inverted so
 that AND computes OR; bits 32-63 are "every rank" flags, sent plainly.
+
+[Note: wire records] What ranks send each other is plain data: announcements are
+JSON (:func:`encode_announcement`), the stall round JSON too, everything else
+numeric arrays. A peer's bytes are parsed and checked, never unpickled, so they
+cannot run code on this rank. Pickle is left to the explicit object API
+(:mod:`unison.common.engine.objects`), where the user asks for it.
+
+[Note: join] A joined rank contributes the op's identity to allreduces and passes
+barriers; it has no data for the other collectives, nor can it run an engine
+action (``add_process_set``, ``remove_process_set``). Those complete with a
+:class:`JoinError` on the ranks that submitted them and are remembered on the
+joined ranks, whose ``join()`` still returns normally once every rank has joined
+(Horovod's contract) but logs a warning naming each refused collective and the
+ranks that submitted it. Every rank sets
+``FLAG_JOINED`` while joined, so the cache path sees it in the very cycle that a
+rank joins; the announcement of that cycle names the joined ranks.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import pickle
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from unison.common.engine.requests import Request, Signature, describe
+from unison.common.engine.errors import StallError
+from unison.common.engine.requests import ACTION, Kind, Request, Signature, describe
 
 __all__ = ["Controller", "Response", "FLAG_ANNOUNCE", "FLAG_SHUTDOWN", "FLAG_STALL_CHECK",
-           "FLAG_STALL_ABORT", "FLAG_TIMELINE"]
+           "FLAG_STALL_ABORT", "FLAG_TIMELINE", "FLAG_JOINED", "encode_announcement",
+           "decode_announcement", "allgather_bytes", "works_with_join"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +62,7 @@ FLAG_SHUTDOWN = 1 << 1
 FLAG_STALL_CHECK = 1 << 2
 FLAG_STALL_ABORT = 1 << 3
 FLAG_TIMELINE = 1 << 4
+FLAG_JOINED = 1 << 5
 ALL_JOINED = 1 << 32
 _ANY_MASK = (1 << 32) - 1
 
@@ -61,6 +80,85 @@ class Response:
     invalid: str = ""
     #: payload size, computed once by the executor
     nbytes: int = -1
+    #: ranks that submitted it, when negotiated in full (None for a cached name)
+    submitters: list[int] | None = None
+
+
+# ----------------------------------------------------------------- wire records
+#: one announced request: [name, dim0, kind, dtype, shape, op, root, prescale, postscale,
+#: error, algorithm]; the fields after dim0 are :class:`Signature`'s, in its order
+_RECORD_LEN = 2 + len(Signature._fields)
+_FIELD_TYPES = {"kind": int, "dtype": int, "op": int, "root": int, "prescale": float,
+                "postscale": float, "error": str, "algorithm": str}
+
+
+def encode_announcement(entries: list[tuple[str, Signature, int]], joined: bool) -> bytes:
+    """This rank's announcement: ``[joined, [record, ...]]`` as UTF-8 JSON (see [Note: wire records])."""
+    records = [[name, dim0, *sig] for name, sig, dim0 in entries]
+    return json.dumps([joined, records], separators=(",", ":")).encode()
+
+
+def decode_announcement(raw: bytes, rank: int) -> tuple[list[tuple[str, Signature, int]], bool]:
+    """Parse and check rank ``rank``'s announcement; returns ``(entries, joined)``.
+
+    Raises:
+        ValueError: the bytes are not a well-formed announcement (a different Unison
+            version on that rank, or corrupted traffic).
+    """
+    try:
+        joined, records = json.loads(raw)
+        if type(joined) is not bool or type(records) is not list:
+            raise ValueError("expected [joined, records]")
+        return [_decode_record(rec) for rec in records], joined
+    except (ValueError, TypeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"malformed negotiation record from rank {rank} ({exc}; {bytes(raw[:60])!r}...): "
+                         "every rank must run the same Unison version") from None
+
+
+def _decode_record(rec: Any) -> tuple[str, Signature, int]:
+    if type(rec) is not list or len(rec) != _RECORD_LEN:
+        raise ValueError(f"a record must be a list of {_RECORD_LEN} fields")
+    name, dim0, *fields = rec
+    values = dict(zip(Signature._fields, fields, strict=True))
+    shape = values["shape"]
+    if type(name) is not str or type(dim0) is not int or type(shape) is not list \
+            or not all(type(d) is int for d in shape):
+        raise ValueError("bad name, dim0 or shape")
+    for key, typ in _FIELD_TYPES.items():
+        if typ is float and type(values[key]) is int:
+            values[key] = float(values[key])
+        if type(values[key]) is not typ:
+            raise ValueError(f"field {key} must be {typ.__name__}")
+    values["shape"] = tuple(shape)
+    return name, Signature(**values), dim0
+
+
+def allgather_bytes(comm: Any, mpi: Any, payload: bytes) -> list[bytes]:
+    """Every rank's ``payload``, in rank order (two non-blocking collectives, waited on gently)."""
+    mine = np.frombuffer(payload, dtype=np.uint8)
+    sizes = np.empty(comm.Get_size(), dtype=np.int64)
+    wait(comm.Iallgather(np.array([mine.size], dtype=np.int64), sizes))
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    gathered = np.empty(int(sizes.sum()), dtype=np.uint8)
+    wait(comm.Iallgatherv(mine, [gathered, sizes, offsets, mpi.BYTE]))
+    return [gathered[o:o + n].tobytes() for o, n in zip(offsets.tolist(), sizes.tolist(), strict=True)]
+
+
+def works_with_join(sig: Signature) -> bool:
+    """Whether a collective can run while some ranks have joined (see [Note: join])."""
+    return sig.kind == Kind.ALLREDUCE or (sig.kind == Kind.BARRIER and sig.algorithm != ACTION)
+
+
+def kind_name(sig: Signature) -> str:
+    """The collective's name for messages ("broadcast", or "process set change" for an engine action)."""
+    return "add_process_set/remove_process_set" if sig.algorithm == ACTION else Kind(sig.kind).name.lower()
+
+
+def join_error(name: str, sig: Signature, joined: list[int]) -> str:
+    what = kind_name(sig)
+    return (f"{what} {name!r} ran while rank(s) {sorted(joined)} had joined: a joined rank has no data "
+            "for it, so only allreduce and barrier work with join (Horovod refuses the others too). "
+            "Run it before join() on every rank, or after every rank's join() returned")
 
 
 def wait(req: Any) -> None:
@@ -99,15 +197,24 @@ class Controller:
         self.joined_ranks: list[int] = []
         self.timeline_mode = False
         self.cycles = 0
-        self.last_ready_bits = 0
         #: timeline mode: bit -> {rank: first time seen set}
         self.bit_seen: dict[int, dict[int, float]] = {}
+        #: names the stall inspector failed elsewhere before this rank submitted them -> message
+        self.stalled_names: dict[str, str] = {}
+        #: collectives refused while this rank was joined, with their submitters: its join() warns
+        #: of them (see [Note: join])
+        self.refused_while_joined: list[str] = []
 
     # ------------------------------------------------------------- requests
-    def add(self, req: Request) -> None:
+    def add(self, req: Request) -> bool:
+        """Take ``req`` into negotiation; False when it failed at once (see :meth:`mark_stalled`)."""
+        if self.stalled_names and req.name in self.stalled_names:
+            req.handle.set_error(StallError(self.stalled_names.pop(req.name)))
+            return False
         self.pending[req.name] = req
         if self.cache_sig.get(req.name) != req.signature():
             self.to_announce.append(req.name)
+        return True
 
     def has_work(self) -> bool:
         return bool(self.pending) or self.joined or bool(self.table)
@@ -135,7 +242,11 @@ class Controller:
         vec = np.empty(words + 1, dtype=np.uint64)
         vec[:words] = np.frombuffer(bits.to_bytes(words * 8, "little"), dtype=np.uint64)
         flags = local_flags
-        if self.to_announce or (self.joined and not self._join_told):
+        if self.joined:
+            flags |= FLAG_JOINED
+            if not self._join_told:
+                flags |= FLAG_ANNOUNCE
+        if self.to_announce:
             flags |= FLAG_ANNOUNCE
         vec[words] = np.uint64((~flags & _ANY_MASK) | (ALL_JOINED if self.joined else 0))
         per_rank = None
@@ -149,7 +260,6 @@ class Controller:
         last = int(result[words])
         any_flags = ~last & _ANY_MASK
         all_joined = bool(last & ALL_JOINED)
-        self.last_ready_bits = bits
         responses: list[Response] = []
         if per_rank is not None:
             self._note_ready_times(per_rank[:, :words])
@@ -166,6 +276,8 @@ class Controller:
                 self.cache_bit[name] = self.cache_bit.pop(name)  # most recently used
         if any_flags & FLAG_ANNOUNCE:
             responses += self._announce_round()
+        if any_flags & FLAG_JOINED:
+            self._refuse_with_join(responses)
         if any_flags & FLAG_TIMELINE:
             self.timeline_mode = not self.timeline_mode
         return responses, any_flags, all_joined
@@ -186,17 +298,12 @@ class Controller:
             if req is not None:
                 entries.append((name, req.signature(), req.array.shape[0] if req.array.ndim else 0))
         tell_join = self.joined and not self._join_told
-        payload = np.frombuffer(pickle.dumps((entries, tell_join)), dtype=np.uint8)
         self.to_announce.clear()
         self._join_told = self._join_told or tell_join
-        sizes = np.empty(self.size, dtype=np.int64)
-        wait(self.comm.Iallgather(np.array([payload.size], dtype=np.int64), sizes))
-        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        gathered = np.empty(int(sizes.sum()), dtype=np.uint8)
-        wait(self.comm.Iallgatherv(payload, [gathered, sizes, offsets, self.mpi.BYTE]))
+        gathered = allgather_bytes(self.comm, self.mpi, encode_announcement(entries, tell_join))
         now = time.monotonic()
-        for r in range(self.size):
-            their_entries, joined = pickle.loads(gathered[offsets[r]:offsets[r] + sizes[r]].tobytes())
+        for r, raw in enumerate(gathered):
+            their_entries, joined = decode_announcement(raw, r)
             if joined and r not in self.joined_ranks:
                 self.joined_ranks.append(r)
             for name, sig, dim0 in their_entries:
@@ -223,26 +330,48 @@ class Controller:
                 continue
             del self.table[name]
             times = self.seen_at.pop(name, None)
-            sigs = [entry[r][0] for r in sorted(entry)]
-            ref = sigs[0]
-            error = None
-            bad = [r for r in sorted(entry) if entry[r][0][7]]
-            invalid = ""
-            if bad:  # error texts are "T:<message>" (TypeError) or "V:<message>" (ValueError)
-                invalid = "type" if any(entry[r][0][7].startswith("T:") for r in bad) else "value"
-                error = (f"collective {name!r} failed on {len(bad)} of {self.size} rank(s): "
-                         + "; ".join(f"rank {r}: {entry[r][0][7][2:]}" for r in bad))
-            elif any(s != ref for s in sigs):
-                per_rank = "; ".join(f"rank {r}: {describe(entry[r][0], entry[r][1])}"
-                                     for r in sorted(entry))
-                error = (f"tensor {name!r} was submitted with different arguments on different ranks: "
-                         f"{per_rank}. Every rank must submit a name with the same collective, dtype, "
-                         "shape (first dimension excepted for allgather/alltoall), op, root and "
-                         "scale factors.")
-            elif self.capacity:
+            ranks = sorted(entry)
+            ref = entry[ranks[0]][0]
+            error, invalid = self._check(name, entry, ranks)
+            if error is None and self.capacity and (not joined or works_with_join(ref)):
                 self._cache(name, ref)
-            out.append(Response(name, ref, self.pending.pop(name, None), error, times, invalid))
+            out.append(Response(name, ref, self.pending.pop(name, None), error, times, invalid,
+                                submitters=ranks))
         return out
+
+    def _check(self, name: str, entry: dict[int, tuple[Signature, int]],
+               ranks: list[int]) -> tuple[str | None, str]:
+        """(error text or None, "type" / "value" / "") for every rank's submission of ``name``."""
+        bad = [r for r in ranks if entry[r][0].error]
+        if bad:  # error texts are "T:<message>" (TypeError) or "V:<message>" (ValueError)
+            invalid = "type" if any(entry[r][0].error.startswith("T:") for r in bad) else "value"
+            return (f"collective {name!r} failed on {len(bad)} of {self.size} rank(s): "
+                    + "; ".join(f"rank {r}: {entry[r][0].error[2:]}" for r in bad)), invalid
+        ref = entry[ranks[0]][0]
+        if any(entry[r][0] != ref for r in ranks):
+            per_rank = "; ".join(f"rank {r}: {describe(*entry[r])}" for r in ranks)
+            return (f"tensor {name!r} was submitted with different arguments on different ranks: "
+                    f"{per_rank}. Every rank must submit a name with the same collective, dtype, "
+                    "shape (first dimension excepted for allgather/alltoall), op, root and "
+                    "scale factors."), ""
+        return None, ""
+
+    def _refuse_with_join(self, responses: list[Response]) -> None:
+        """Fail what a joined rank cannot take part in, on every rank (see [Note: join])."""
+        for resp in responses:
+            if resp.error is None and not works_with_join(resp.sig):
+                resp.error, resp.invalid = join_error(resp.name, resp.sig, self.joined_ranks), "join"
+                if self.joined:
+                    self.refused_while_joined.append(
+                        f"{kind_name(resp.sig)} {resp.name!r} submitted by rank(s) {self._submitters(resp)}")
+
+    def _submitters(self, resp: Response) -> list[int]:
+        """Ranks (of this set) that submitted ``resp``: announced ones per the table, cached ones
+        by every rank that had not joined (a joined rank sets every cached bit)."""
+        if resp.submitters is not None:
+            return resp.submitters
+        joined = set(self.joined_ranks)
+        return [r for r in range(self.size) if r not in joined]
 
     def _cache(self, name: str, sig: Signature) -> None:
         """Give ``name`` a bit; when full, evict the least recently used name.
@@ -261,40 +390,19 @@ class Controller:
         self.cache_bit[name] = bit
         self.cache_sig[name] = sig
 
-    def finish_join(self) -> int:
-        """All ranks joined: reset join state; return the last rank to join."""
+    def finish_join(self) -> tuple[int, list[str]]:
+        """All ranks joined: reset join state; return the last rank to join and what was refused
+        while this rank had joined (see [Note: join])."""
         last = self.joined_ranks[-1] if self.joined_ranks else self.size - 1
+        refused, self.refused_while_joined = self.refused_while_joined, []
         self.joined, self._join_told, self.joined_ranks = False, False, []
-        return last
+        return last, refused
 
     # ---------------------------------------------------------------- stalls
-    def stalled(self, older_than: float) -> list[tuple[str, list[int]]]:
-        """(name, ranks that have not submitted it) for announced names waiting too long."""
-        now = time.monotonic()
-        joined = set(self.joined_ranks)
-        out = []
-        for name, entry in self.table.items():
-            first = min(self.seen_at.get(name, {now: now}).values())
-            if now - first >= older_than:
-                missing = [r for r in range(self.size) if r not in entry and r not in joined]
-                out.append((name, missing))
-        return out
-
-    def cached_stalls(self) -> list[tuple[str, list[int]]]:
-        """Collective: every rank's ready bits, to name the ranks missing cached names."""
-        words = (len(self.bit_names) + 63) // 64
-        vec = np.frombuffer(self.last_ready_bits.to_bytes(words * 8, "little"), dtype=np.uint64).copy()
-        gathered = np.empty((self.size, words), dtype=np.uint64)
-        if words:
-            wait(self.comm.Iallgather(vec, gathered))
-        out = []
-        for b, name in enumerate(self.bit_names):
-            if name is None:
-                continue
-            has = [bool(int(gathered[r, b >> 6]) >> (b & 63) & 1) for r in range(self.size)]
-            if any(has) and not all(has):
-                out.append((name, [r for r in range(self.size) if not has[r]]))
-        return out
+    def mark_stalled(self, names: dict[str, str]) -> None:
+        """Fail this rank's next submission of each name with its message (the stall inspector
+        failed it on the ranks that had submitted it)."""
+        self.stalled_names.update(names)
 
     def fail_all(self, error: BaseException) -> None:
         """Fail every pending handle and forget what was announced."""

@@ -12,6 +12,14 @@ sleeps rather than spins, so an idle engine costs next to no CPU.
 Errors: an exception in the thread fails every pending handle with that same
 exception object (its traceback intact) and is raised again by every later
 call. A rank's ``shutdown()`` fails every rank's pending handles promptly.
+
+[Note: no handle left behind] Every accepted request sits in ``_inflight`` from
+``submit`` until the executor has completed its handle. Whatever ends the thread
+(a shutdown flag from any rank, an exception), :meth:`Engine._close` runs last:
+under the lock it marks the engine stopped, so ``submit`` and ``join`` refuse from
+then on, and it fails every request still in ``_inflight`` and every join handle.
+So no handle can be queued after the last cycle and never completed; and a
+``Handle.wait`` that outlives its engine thread raises as well.
 """
 
 from __future__ import annotations
@@ -32,31 +40,37 @@ from unison.common.engine.controller import (
     FLAG_STALL_CHECK,
     FLAG_TIMELINE,
     Controller,
+    wait,
 )
+from unison.common.engine.errors import DuplicateNameError, JoinError, ShutdownError, StallError
 from unison.common.engine.executor import Executor
 from unison.common.engine.handles import Handle, wake_waiters
 from unison.common.engine.process_sets import ProcessSet
 from unison.common.engine.requests import Kind, Request
+from unison.common.engine.stalls import stall_flags, stall_round
 from unison.common.engine.timeline import Timeline
-from unison.common.exceptions import UnisonError
+from unison.common.engine.watchdog import Watchdog
 
-__all__ = ["Engine", "StallError", "ShutdownError", "DuplicateNameError"]
+__all__ = ["Engine", "StallError", "ShutdownError", "DuplicateNameError", "JoinError"]
 
 logger = logging.getLogger(__name__)
 
 IDLE_CYCLE_S = 0.005
+#: how long ``stop()`` waits for the last cycle before failing what is left itself
+STOP_TIMEOUT_S = 30.0
+
+_PEER_SHUTDOWN = ("a rank called unison.shutdown() (or exited) while this collective was pending; every "
+                  "rank must finish its collectives, or call unison.join(), before shutting down")
+_STOPPED = ("the Unison engine has stopped (unison.shutdown() was called on some rank, or a rank "
+            "exited); call unison.init() again to restart it")
 
 
-class StallError(UnisonError):
-    """Some ranks submitted a tensor that others never did, for too long."""
-
-
-class ShutdownError(UnisonError):
-    """The engine stopped (this or another rank shut down) with the request pending."""
-
-
-class DuplicateNameError(UnisonError, ValueError):
-    """A name was submitted again while the first submission is still in flight."""
+def shutdown_message(stopping: list[int], me: int) -> str:
+    """Why a pending collective failed, naming the ranks (of the job) that shut down."""
+    who = ", ".join(str(r) + (" (this rank)" if r == me else "") for r in stopping)
+    return (f"rank{'s' if len(stopping) > 1 else ''} {who} shut down (unison.shutdown() or the process "
+            "exited) while this collective was pending; every rank must finish its collectives, or "
+            "call unison.join(), before shutting down")
 
 
 class _SetState:
@@ -66,6 +80,17 @@ class _SetState:
         self.controller = Controller(comm, mpi, config.cache_capacity, ps.process_set_id or 0)
         self.executor = Executor(comm, mpi, config.chunk_bytes, timeline)
         self.last_stall_report = 0.0
+
+    def world_ranks(self, ranks: list[int]) -> list[int]:
+        """Ranks of this set's communicator as ranks of the job."""
+        return ranks if self.ps.ranks is None else [self.ps.ranks[r] for r in ranks]
+
+    def close(self, error: BaseException) -> list[Request]:
+        """Fail this set's pending requests with ``error``, free its communicator; returns them."""
+        failed = list(self.controller.pending.values())
+        self.controller.fail_all(error)
+        self.comm.Free()
+        return failed
 
 
 class Engine:
@@ -80,16 +105,24 @@ class Engine:
         self.cycle_time = config.cycle_time / 1000.0
         self._cv = threading.Condition()
         self._queue: deque[Request] = deque()
-        self._inflight: set[tuple[int, str]] = set()
+        #: (process set, name) -> request, from submit until its handle completes
+        self._inflight: dict[tuple[int, str], Request] = {}
         self._sets: dict[int, _SetState] = {}
         self._set_objs: list[ProcessSet] = []
         self._error: BaseException | None = None
+        #: set by stop() (this rank asks every rank to stop) and by _close(); read under the lock
         self._stopping = False
         self._stopped = threading.Event()
+        self._exit_error: BaseException = ShutdownError(_STOPPED)
+        #: what later calls raise once stopped (names the ranks that shut down, once known)
+        self._stopped_text = _STOPPED
+        #: a peer's shutdown, as the error of this rank's pending handles (set by the last cycle)
+        self._peer_shutdown: ShutdownError | None = None
         self._timeline_toggle = False
         self._join_handles: list[Handle] = []
-        self._running: list = []  # responses being executed, failed if the thread dies
         self._sleeping = False
+        #: when the current (or last) cycle began: the watchdog times cycles with it
+        self._cycle_since = time.monotonic()
         self.autotuner = Autotuner(config, rank) if config.autotune else None
         gps = ProcessSet()
         gps.process_set_id = 0
@@ -98,6 +131,9 @@ class Engine:
         self._world = comm
         if config.timeline and rank == 0:
             self.timeline.start(config.timeline)
+        # (a Config field added with settings validation; absent or 0: off)
+        limit = float(getattr(config, "collective_timeout_seconds", 0.0) or 0.0)
+        self._watchdog = Watchdog(self, limit) if limit > 0 else None
         self._thread = threading.Thread(target=self._run, name="unison-engine", daemon=True)
         self._thread.start()
 
@@ -133,9 +169,43 @@ class Engine:
         name = f"unison.add_process_set.{sid}"
         req = Request(name=name, kind=Kind.BARRIER, array=np.asarray(ranks, dtype=np.int64),
                       handle=Handle(name), action=activate)
-        self.submit(req).wait()
+        try:
+            self.submit(req).wait()
+        except BaseException:
+            with self._cv:  # refused on every rank alike (e.g. a rank had joined): ids stay aligned
+                if self._set_objs[-1] is ps:
+                    self._set_objs.pop()
+            raise
         ps.process_set_id = sid
         return ps
+
+    def remove_process_set(self, ps: ProcessSet) -> bool:
+        """Unregister ``ps`` (collective: every rank, same order); False for the global or an unknown set.
+
+        Like :meth:`add_process_set`, a negotiated request of the global set: every rank
+        drops the set's negotiation state and frees its communicator at the same point of
+        the same cycle, so no member is left cycling a set the others have dropped. A
+        request still pending on the set fails with ``ValueError``. The set's id is not
+        reused; ``ps.process_set_id`` becomes None (the object can be added again).
+        """
+        sid = ps.process_set_id
+        if sid is None or sid == 0 or ps.ranks is None or sid >= len(self._set_objs) \
+                or self._set_objs[sid] is not ps:
+            return False
+
+        def deactivate() -> None:
+            st = self._sets.pop(sid, None)
+            if st is not None:
+                self._forget(st.close(ValueError(
+                    f"{ps!r} was removed (unison.remove_process_set) while this collective on it was "
+                    "pending; finish a set's collectives before removing it")))
+
+        name = f"unison.remove_process_set.{sid}"
+        req = Request(name=name, kind=Kind.BARRIER, array=np.asarray(ps.ranks, dtype=np.int64),
+                      handle=Handle(name), action=deactivate)
+        self.submit(req).wait()
+        ps.process_set_id = None
+        return True
 
     def process_set(self, ps: ProcessSet | None) -> _SetState:
         sid = 0 if ps is None else ps.process_set_id
@@ -151,36 +221,54 @@ class Engine:
         """Raise the background thread's error, or a shutdown error, if any."""
         if self._error is not None:
             raise self._error
-        if self._stopped.is_set() or self._stopping:
-            raise ShutdownError("the Unison engine has stopped (unison.shutdown() was called on some "
-                                "rank); call unison.init() again to restart it")
+        if self._stopping or self._stopped.is_set():
+            raise ShutdownError(self._stopped_text)
+
+    def alive(self) -> bool:
+        """Whether the engine thread still runs (handles can still complete)."""
+        return not self._stopped.is_set()
+
+    def exit_error(self) -> BaseException:
+        """What a handle left pending by a stopped engine raises."""
+        return self._error or self._exit_error
 
     def submit(self, req: Request) -> Handle:
-        """Queue ``req`` (its process set was checked by the caller) and wake the thread."""
-        if self._error is not None or self._stopping:
-            self.check()
-        if self.timeline.active:
+        """Queue ``req`` (its process set was checked by the caller) and wake the thread.
+
+        Raises:
+            DuplicateNameError: ``req.name`` is already in flight on this rank (Horovod raises
+                its ValueError at submission too).
+            ShutdownError: the engine stopped (or the thread's own error, if it failed).
+        """
+        timeline = self.timeline.active
+        if timeline:
             self.timeline.begin(req.name, "NEGOTIATE_" + req.kind.name, req.submitted)
         key = (req.process_set, req.name)
         with self._cv:
-            if key in self._inflight:
-                req.handle.set_error(DuplicateNameError(
-                    f"a collective named {req.name!r} is already in flight on this rank; wait for it "
-                    "(unison.synchronize) before submitting the name again, or use another name"))
+            if not self._stopping and key not in self._inflight:
+                self._inflight[key] = req
+                self._queue.append(req)
+                req.handle._engine = self
+                if self._sleeping:
+                    self._cv.notify()
                 return req.handle
-            self._inflight.add(key)
-            self._queue.append(req)
-            if self._sleeping:
-                self._cv.notify()
-        return req.handle
+        if timeline:
+            self.timeline.end(req.name, "NEGOTIATE_" + req.kind.name)
+        self.check()
+        raise DuplicateNameError(
+            f"a collective named {req.name!r} is already in flight on this rank; wait for it "
+            "(unison.synchronize) before submitting the name again, or use another name")
 
     def join(self) -> Handle:
         handle = Handle("unison.join")
-        self.check()
+        handle._engine = self
         with self._cv:
-            self._join_handles.append(handle)
-            self._cv.notify()
-        return handle
+            if not self._stopping:
+                self._join_handles.append(handle)
+                self._cv.notify()
+                return handle
+        self.check()
+        raise ShutdownError(self._stopped_text)  # (check() raised already)
 
     def start_timeline(self, path: str) -> None:
         if self.rank == 0:
@@ -196,37 +284,54 @@ class Engine:
             self._timeline_toggle = True
             self._cv.notify()
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Stop the thread after one last cycle that tells the other ranks."""
         with self._cv:
             self._stopping = True
             self._cv.notify()
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.error("[unison rank %d] the engine thread did not stop within %g s (it waits in a "
+                         "collective that another rank left); failing its pending requests", self.rank,
+                         timeout)
+            self._close(ShutdownError(f"the Unison engine did not stop within {timeout:g} s at "
+                                      "unison.shutdown(): some rank stopped taking part"), thread_ended=False)
         if self.rank == 0:
             self.timeline.stop()
+        if self.autotuner is not None:
+            self.autotuner.close()
 
     # ------------------------------------------------------------- the thread
     def _run(self) -> None:
+        error: BaseException = ShutdownError(_PEER_SHUTDOWN)
         try:
             while not self._cycle():
                 pass
+            error = self._peer_shutdown or error
         except BaseException as exc:  # noqa: BLE001 - handed to every caller
             logger.error("[unison rank %d] engine thread failed: %r", self.rank, exc)
-            self._error = exc
-            for resp in self._running:
-                if resp.request is not None:
-                    resp.request.handle.set_error(exc)
-            for st in self._sets.values():
-                st.controller.fail_all(exc)
-            with self._cv:
-                for req in self._queue:
-                    req.handle.set_error(exc)
-                self._queue.clear()
-                for h in self._join_handles:
-                    h.set_error(exc)
+            self._error = error = exc
         finally:
+            self._close(error)
+
+    def _close(self, error: BaseException, thread_ended: bool = True) -> None:
+        """Refuse new work and fail every handle still pending (see [Note: no handle left behind])."""
+        with self._cv:
+            self._stopping = True
+            self._exit_error = error
+            requests = list(self._inflight.values())
+            self._inflight.clear()
+            self._queue.clear()
+            joins, self._join_handles = self._join_handles, []
+        for req in requests:
+            req.handle.set_error(error)
+        for handle in joins:
+            handle.set_error(error)
+        if thread_ended:
             self._stopped.set()
-            wake_waiters()
+            if self._watchdog is not None:
+                self._watchdog.stop()
+        wake_waiters()
 
     def _busy(self) -> bool:
         return any(st.controller.has_work() for st in self._sets.values()) or bool(self._join_handles)
@@ -238,114 +343,122 @@ class Engine:
                 self._sleeping = True
                 self._cv.wait(self.cycle_time if self._busy() else IDLE_CYCLE_S)
                 self._sleeping = False
+            self._cycle_since = time.monotonic()
             new = list(self._queue)
             self._queue.clear()
             stopping = self._stopping
             toggle, self._timeline_toggle = self._timeline_toggle, False
             joins = bool(self._join_handles)
         for req in new:
-            self._sets[req.process_set].controller.add(req)
+            st = self._sets.get(req.process_set)
+            if st is None:  # removed (by another thread's remove_process_set) after it was checked
+                req.handle.set_error(ValueError(f"process set {req.process_set} was removed before "
+                                                f"{req.name!r} could run on it; register a set again"))
+                self._forget([req])
+            elif not st.controller.add(req):  # failed at once
+                self._forget([req])
         if joins and not self._sets[0].controller.joined:
             self._sets[0].controller.join()
         stop = False
         for sid in sorted(self._sets):
-            st = self._sets[sid]
+            st = self._sets.get(sid)
+            if st is None:  # removed by this cycle's remove_process_set (on every member alike)
+                continue
             flags = FLAG_SHUTDOWN if stopping else 0
             if toggle and self.rank == 0 and sid == 0:
                 flags |= FLAG_TIMELINE
-            flags |= self._stall_flags(st)
+            flags |= stall_flags(st.controller, self.config, st.last_stall_report)
+            if flags & FLAG_STALL_CHECK:
+                st.last_stall_report = time.monotonic()
             responses, any_flags, all_joined = st.controller.cycle(flags)
             if any_flags & (FLAG_STALL_CHECK | FLAG_STALL_ABORT):
                 self._stall_round(st)
-            self._running = responses
             st.executor.run(responses, self.fusion_threshold)
-            self._running = []
             if responses:
-                with self._cv:
-                    self._inflight.difference_update([(sid, resp.name) for resp in responses])
-                wake_waiters()
+                self._forget([resp.request for resp in responses if resp.request is not None])
             if all_joined and sid == 0:
-                last = st.controller.finish_join()
-                with self._cv:
-                    handles, self._join_handles = self._join_handles, []
-                for h in handles:
-                    h.set_result(last)
-                wake_waiters()
+                self._finish_join(st)
             if any_flags & FLAG_SHUTDOWN:
+                if sid == 0:
+                    self._who_shut_down(st, stopping)
                 stop = True
         if self.autotuner is not None:
             self._apply_tuning(self.autotuner.step(self._sets[0]))
-        if stop:
-            err = ShutdownError("a rank called unison.shutdown() while this collective was pending; "
-                                "every rank must finish its collectives before shutting down")
-            for st in self._sets.values():
-                st.controller.fail_all(err)
-            with self._cv:
-                for h in self._join_handles:
-                    h.set_error(err)
-                self._join_handles.clear()
-                self._stopping = True
-            wake_waiters()
         return stop
 
-    # ------------------------------------------------------------- stalls
-    def _stall_flags(self, st: _SetState) -> int:
-        cfg = self.config
-        if cfg.stall_check_disable or not st.controller.pending:
-            return 0
-        limit = cfg.stall_check_time_seconds
-        if cfg.stall_shutdown_time_seconds:
-            limit = min(limit, cfg.stall_shutdown_time_seconds) if limit else cfg.stall_shutdown_time_seconds
-        if not limit:
-            return 0
-        now = time.monotonic()
-        oldest = min(req.submitted for req in st.controller.pending.values())
-        if now - oldest >= limit and now - st.last_stall_report >= limit:
-            st.last_stall_report = now
-            return FLAG_STALL_CHECK
-        return 0
+    def _who_shut_down(self, st: _SetState, stopping: bool) -> None:
+        """Collective on the global set, in the cycle every rank sees ``FLAG_SHUTDOWN``: which
+        ranks asked to stop. Pending handles then fail with a message naming them."""
+        mine = np.array([1 if stopping else 0], dtype=np.uint8)
+        every = np.empty(st.controller.size, dtype=np.uint8)
+        wait(st.comm.Iallgather(mine, every))
+        ranks = [r for r in range(every.size) if every[r]]
+        text = shutdown_message(ranks, self.rank)
+        self._peer_shutdown = ShutdownError(text)
+        self._stopped_text = f"the Unison engine has stopped: {text}. Call unison.init() again to restart it"
 
-    def _stall_round(self, st: _SetState) -> None:
-        """Collective: rank 0 of the set names stalled tensors and missing ranks; maybe abort."""
+    def _forget(self, done: list[Request]) -> None:
+        """Requests whose handles completed leave ``_inflight``; wake their waiters."""
+        with self._cv:
+            inflight = self._inflight
+            for req in done:
+                inflight.pop((req.process_set, req.name), None)
+        wake_waiters()
+
+    def _finish_join(self, st: _SetState) -> None:
+        """Every rank joined: ``join()`` returns the last rank to join, on every rank.
+
+        Collectives refused while this rank had joined raised :class:`JoinError` on the
+        ranks that submitted them; this rank is told in a warning (Horovod's joined rank
+        returns normally from ``join()``, and scripts rely on it).
+        """
+        last, refused = st.controller.finish_join()
+        with self._cv:
+            handles, self._join_handles = self._join_handles, []
+        if refused and handles:
+            logger.warning("[unison rank %d] while this rank had joined, other ranks ran collectives a "
+                           "joined rank cannot take part in; they raised JoinError there: %s. Only "
+                           "allreduce and barrier work with join: run the others before join() on "
+                           "every rank", self.rank, "; ".join(refused))
+        for h in handles:
+            h.set_result(last)
+        wake_waiters()
+
+    # ------------------------------------------------------------- timeouts
+    def overdue(self, now: float, limit: float) -> tuple[list[Request], float]:
+        """(requests submitted more than ``limit`` s ago, oldest first; seconds in the current cycle)."""
+        with self._cv:
+            old = [req for req in self._inflight.values() if now - req.submitted > limit]
+            busy_for = 0.0 if self._sleeping else now - self._cycle_since
+        return sorted(old, key=lambda req: req.submitted), busy_for
+
+    def arrival(self, req: Request) -> str:
+        """What this rank knows of which ranks submitted ``req`` (read from another thread)."""
+        st = self._sets.get(req.process_set)
+        if st is None:
+            return "not negotiated yet"
         ctl = st.controller
-        now = time.monotonic()
-        mine = {name: now - req.submitted for name, req in ctl.pending.items()}
-        everyone = st.comm.gather((mine, list(ctl.joined_ranks)), root=0)
-        decision = None
-        if ctl.rank == 0:
-            decision = self._judge_stalls(everyone, ctl.size)
-        decision = st.comm.bcast(decision, root=0)
-        if decision is not None:
-            ctl.fail_all(StallError(decision))
-            with self._cv:
-                self._inflight = {k for k in self._inflight if k[0] != ctl.set_id}
-            wake_waiters()
+        entry = ctl.table.get(req.name)
+        if entry is not None:
+            joined = set(ctl.joined_ranks)
+            missing = [r for r in range(ctl.size) if r not in entry and r not in joined]
+            return f"not submitted by rank(s) {st.world_ranks(missing)}"
+        if ctl.pending.get(req.name) is req:
+            return ("waiting in negotiation (a cached name: which ranks have not submitted it is not "
+                    "known here; UNISON_STALL_CHECK_TIME_SECONDS names them)")
+        if req in self._queue:
+            return "not negotiated yet: the engine thread is still in an earlier cycle"
+        return "submitted by every rank; its collective has not finished (some rank stopped taking part)"
 
-    def _judge_stalls(self, everyone: list, size: int) -> str | None:
-        cfg = self.config
-        ages: dict[str, float] = {}
-        have: dict[str, set[int]] = {}
-        joined = set(everyone[0][1])
-        for r, (pending, _) in enumerate(everyone):
-            for name, age in pending.items():
-                ages[name] = max(ages.get(name, 0.0), age)
-                have.setdefault(name, set()).add(r)
-        lines = []
-        worst = 0.0
-        for name in sorted(have, key=lambda k: -ages[k]):
-            missing = [r for r in range(size) if r not in have[name] and r not in joined]
-            if missing and ages[name] >= (cfg.stall_check_time_seconds or ages[name]):
-                lines.append(f"{name!r} (waiting {ages[name]:.1f} s) missing on rank(s) {missing}")
-                worst = max(worst, ages[name])
-        if not lines:
-            return None
-        report = "; ".join(lines)
-        logger.warning("[unison rank 0] stalled collectives: %s. Some ranks submitted these tensors and "
-                       "others have not: check that every rank runs the same collectives.", report)
-        if cfg.stall_shutdown_time_seconds and worst >= cfg.stall_shutdown_time_seconds:
-            return (f"stalled for more than UNISON_STALL_SHUTDOWN_TIME_SECONDS="
-                    f"{cfg.stall_shutdown_time_seconds:g} s: {report}")
-        return None
+    # ------------------------------------------------------------- stalls
+    def _stall_round(self, st: _SetState) -> None:
+        """Collective over the set (see :mod:`.stalls`); drop the handles it failed from ``_inflight``."""
+        if stall_round(st.controller, self.mpi, self.config) is not None:
+            sid = st.controller.set_id
+            with self._cv:
+                self._inflight = {k: r for k, r in self._inflight.items()
+                                  if not (k[0] == sid and r.handle.done())}
+            wake_waiters()
 
     def _apply_tuning(self, params: tuple[int, float] | None) -> None:
         if params is not None:

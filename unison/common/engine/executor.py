@@ -13,7 +13,14 @@ and unpacked::
 Large tensors gain nothing from fusion (their transfer dwarfs one collective's
 start-up) and would pay two extra copies, so a tensor of at least
 ``DIRECT_BYTES`` is reduced on its own, straight from its input into its result.
-A joined rank contributes the op's identity for names it never submitted.
+A joined rank contributes the op's identity to all-reduces it never submitted
+(the other collectives fail while a rank is joined: controller [Note: join]).
+
+[Note: agreed bytes] ``agreed_bytes`` counts the bytes of executed responses from
+values every rank knows alike (signatures, gathered row counts), never from what
+only this rank received: the autotuner decides its sample boundaries from it, and
+ranks that decided differently would enter different collectives. An alltoall
+counts one row per call (how much each rank receives is known to it alone).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import numpy as np
 from unison.collectives import kernels
 from unison.common.dtypes import dtype_from_code
 from unison.common.engine.controller import Response
+from unison.common.engine.errors import JoinError
 from unison.common.engine.requests import Kind, identity_like
 from unison.common.engine.timeline import Timeline
 from unison.common.exceptions import CollectiveError, InvalidArgumentError, MismatchError
@@ -36,6 +44,8 @@ __all__ = ["Executor"]
 
 #: Tensors at least this large skip the fusion buffer (see [Note: fusion buffer]).
 DIRECT_BYTES = 1 << 20
+#: Response.invalid -> the exception raised on every rank
+_ERRORS = {"type": CollectiveError, "value": InvalidArgumentError, "join": JoinError}
 
 
 class Executor:
@@ -46,7 +56,8 @@ class Executor:
         self.chunk_bytes = chunk_bytes
         self.timeline = timeline
         self._buffer = np.empty(0, dtype=np.uint8)
-        self.bytes_done = 0
+        #: bytes executed, counted alike on every rank (see [Note: agreed bytes])
+        self.agreed_bytes = 0
         self.pool = ResultPool()
 
     def _fusion_buffer(self, nbytes: int) -> np.ndarray:
@@ -61,15 +72,14 @@ class Executor:
         for resp in responses:
             if resp.error is not None:
                 if resp.request is not None:
-                    cls = {"type": CollectiveError, "value": InvalidArgumentError}.get(resp.invalid,
-                                                                                        MismatchError)
-                    resp.request.handle.set_error(cls(resp.error))
+                    resp.request.handle.set_error(_ERRORS.get(resp.invalid, MismatchError)(resp.error))
                 continue
             self._mark_ready(resp)
-            kind = resp.sig[0]
+            sig = resp.sig
             nbytes = self._nbytes(resp)
-            if kind == Kind.ALLREDUCE and threshold > 0 and nbytes < min(DIRECT_BYTES, threshold):
-                key = (resp.sig[1], resp.sig[3], resp.sig[5], resp.sig[6], resp.sig[8])
+            if (sig.kind == Kind.ALLREDUCE and threshold > 0 and nbytes < min(DIRECT_BYTES, threshold)
+                    and sig.op != ReduceOp.ADASUM):  # Adasum's coefficients are per tensor: never fused
+                key = (sig.dtype, sig.op, sig.prescale, sig.postscale, sig.algorithm)
                 if key not in groups:
                     groups[key] = []
                     order.append(key)
@@ -85,7 +95,7 @@ class Executor:
     @staticmethod
     def _nbytes(resp: Response) -> int:
         if resp.nbytes < 0:
-            resp.nbytes = math.prod(resp.sig[2]) * dtype_from_code(resp.sig[1]).itemsize
+            resp.nbytes = math.prod(resp.sig.shape) * dtype_from_code(resp.sig.dtype).itemsize
         return resp.nbytes
 
     def _mark_ready(self, resp: Response) -> None:
@@ -94,13 +104,14 @@ class Executor:
             return
         for r, t in sorted((resp.ready_times or {}).items(), key=lambda kv: kv[1]):
             tl.mark(resp.name, f"rank {r} ready", t)
-        tl.end(resp.name, "NEGOTIATE_" + Kind(resp.sig[0]).name)
+        tl.end(resp.name, "NEGOTIATE_" + Kind(resp.sig.kind).name)
         tl.begin(resp.name, "QUEUE")
 
-    def _input(self, resp: Response, dim0: int = 0) -> np.ndarray:
+    @staticmethod
+    def _input(resp: Response) -> np.ndarray:
         if resp.request is not None:
             return resp.request.array.reshape(-1)
-        return identity_like(resp.sig, dim0).reshape(-1)
+        return identity_like(resp.sig).reshape(-1)
 
     def _phase(self, resps: list[Response], phase: str, begin: bool) -> None:
         if self.timeline.active:
@@ -122,8 +133,8 @@ class Executor:
             start = end
 
     def _fused_batch(self, batch: list[Response], total: int) -> None:
-        _, dtc, _, op, _, pre, post, _, algorithm = batch[0].sig
-        dtype = dtype_from_code(dtc)
+        sig = batch[0].sig
+        dtype = dtype_from_code(sig.dtype)
         buf = self._fusion_buffer(total).view(dtype)
         self._phase(batch, "QUEUE", False)
         self._phase(batch, "MEMCPY_IN_FUSION_BUFFER", True)
@@ -132,8 +143,8 @@ class Executor:
         np.concatenate(srcs, out=buf[:count])
         self._phase(batch, "MEMCPY_IN_FUSION_BUFFER", False)
         self._phase(batch, "ALLREDUCE", True)
-        kernels.allreduce(self.comm, self.mpi, buf, buf, ReduceOp(op), pre, post, algorithm,
-                          self.chunk_bytes)
+        kernels.allreduce(self.comm, self.mpi, buf, buf, ReduceOp(sig.op), sig.prescale, sig.postscale,
+                          sig.algorithm, self.chunk_bytes)
         self._phase(batch, "ALLREDUCE", False)
         self._phase(batch, "MEMCPY_OUT_FUSION_BUFFER", True)
         # one copy out of the fusion buffer; each result is a view of it (or the caller's out=)
@@ -150,10 +161,10 @@ class Executor:
                     req.handle.set_result(results[off:off + n].reshape(req.array.shape))
             off += n
         self._phase(batch, "MEMCPY_OUT_FUSION_BUFFER", False)
-        self.bytes_done += total
+        self.agreed_bytes += total
 
     def _single(self, resp: Response) -> None:
-        kind = Kind(resp.sig[0])
+        kind = Kind(resp.sig.kind)
         self._phase([resp], "QUEUE", False)
         self._phase([resp], kind.name, True)
         try:
@@ -164,65 +175,66 @@ class Executor:
             resp.request.handle.set_result(result)
 
     def _allreduce(self, resp: Response) -> np.ndarray:
-        _, dtc, shape, op, _, pre, post, _, algorithm = resp.sig
-        req = resp.request
+        sig, req = resp.sig, resp.request
         src = self._input(resp)
-        out = req.out if (req is not None and req.out is not None) else self.pool.empty(shape,
-                                                                                         dtype_from_code(dtc))
-        kernels.allreduce(self.comm, self.mpi, src, out.reshape(-1), ReduceOp(op), pre, post, algorithm,
-                          self.chunk_bytes)
-        self.bytes_done += out.nbytes
+        out = req.out if (req is not None and req.out is not None) else self.pool.empty(
+            sig.shape, dtype_from_code(sig.dtype))
+        kernels.allreduce(self.comm, self.mpi, src, out.reshape(-1), ReduceOp(sig.op), sig.prescale,
+                          sig.postscale, sig.algorithm, self.chunk_bytes)
+        self.agreed_bytes += out.nbytes
         return out
 
     def _allgather(self, resp: Response) -> np.ndarray:
-        _, dtc, trailing, *_ = resp.sig
-        dtype = dtype_from_code(dtc)
-        mine: np.ndarray = self._input(resp).reshape((-1, *trailing))
+        sig = resp.sig
+        dtype = dtype_from_code(sig.dtype)
+        mine: np.ndarray = self._input(resp).reshape((-1, *sig.shape))
         rows = np.empty(self.comm.Get_size(), dtype=np.int64)
         self.comm.Allgather(np.array([mine.shape[0]], dtype=np.int64), rows)
-        row_bytes = int(np.prod(trailing, dtype=np.int64)) * dtype.itemsize
-        out = np.empty((int(rows.sum()),) + tuple(trailing), dtype=dtype)
+        row_bytes = int(np.prod(sig.shape, dtype=np.int64)) * dtype.itemsize
+        out = np.empty((int(rows.sum()), *sig.shape), dtype=dtype)
         kernels.allgatherv(self.comm, self.mpi, mine, out, [int(r) * row_bytes for r in rows],
-                           resp.sig[8], self.chunk_bytes)
-        self.bytes_done += out.nbytes
+                           sig.algorithm, self.chunk_bytes)
+        self.agreed_bytes += out.nbytes  # the gathered rows: the same on every rank
         return out
 
     def _broadcast(self, resp: Response) -> np.ndarray:
-        _, dtc, shape, _, root, *_, algorithm = resp.sig
-        out = np.array(self._input(resp).reshape(shape), order="C")
-        kernels.broadcast(self.comm, self.mpi, out, root, algorithm, self.chunk_bytes)
-        self.bytes_done += out.nbytes
+        sig = resp.sig
+        out = np.array(self._input(resp).reshape(sig.shape), order="C")
+        kernels.broadcast(self.comm, self.mpi, out, sig.root, sig.algorithm, self.chunk_bytes)
+        self.agreed_bytes += out.nbytes
         return out
 
     def _reducescatter(self, resp: Response) -> np.ndarray:
-        _, dtc, shape, op, _, pre, post, _, algorithm = resp.sig
+        sig = resp.sig
+        shape = sig.shape
         n, r = self.comm.Get_size(), self.comm.Get_rank()
         base, extra = divmod(shape[0], n)
         rows = [base + (1 if i < extra else 0) for i in range(n)]
         row_elems = int(np.prod(shape[1:], dtype=np.int64))
-        out = np.empty((rows[r],) + tuple(shape[1:]), dtype=dtype_from_code(dtc))
+        out = np.empty((rows[r], *shape[1:]), dtype=dtype_from_code(sig.dtype))
         kernels.reducescatter(self.comm, self.mpi, self._input(resp), out.reshape(-1),
-                              [k * row_elems for k in rows], ReduceOp(op), pre, post, algorithm,
-                              self.chunk_bytes)
-        self.bytes_done += out.nbytes * n
+                              [k * row_elems for k in rows], ReduceOp(sig.op), sig.prescale, sig.postscale,
+                              sig.algorithm, self.chunk_bytes)
+        self.agreed_bytes += self._nbytes(resp)  # the whole input: this rank's rows may differ
         return out
 
     def _alltoall(self, resp: Response) -> tuple[np.ndarray, np.ndarray]:
-        _, dtc, trailing, *_ = resp.sig
-        dtype = dtype_from_code(dtc)
+        sig, req = resp.sig, resp.request
+        if req is None or req.splits is None:
+            raise AssertionError(f"alltoall {resp.name!r} reached the executor without this rank's "
+                                 "request (a joined rank is refused before: controller [Note: join])")
+        dtype = dtype_from_code(sig.dtype)
         n = self.comm.Get_size()
-        req = resp.request
-        splits = np.asarray(req.splits if req is not None else [0] * n, dtype=np.int64)
+        splits = np.asarray(req.splits, dtype=np.int64)
         recv = np.empty(n, dtype=np.int64)
         self.comm.Alltoall(splits, recv)
-        row_bytes = int(np.prod(trailing, dtype=np.int64)) * dtype.itemsize
-        out = np.empty((int(recv.sum()),) + tuple(trailing), dtype=dtype)
+        row_bytes = int(np.prod(sig.shape, dtype=np.int64)) * dtype.itemsize
+        out = np.empty((int(recv.sum()), *sig.shape), dtype=dtype)
         kernels.alltoallv(self.comm, self.mpi, self._input(resp), [int(v) * row_bytes for v in splits],
-                          out, [int(v) * row_bytes for v in recv], resp.sig[8], self.chunk_bytes)
-        self.bytes_done += out.nbytes
+                          out, [int(v) * row_bytes for v in recv], sig.algorithm, self.chunk_bytes)
+        self.agreed_bytes += row_bytes  # one row: the received volume differs per rank
         return out, recv
 
     def _barrier(self, resp: Response) -> Any:
         req = resp.request
         return req.action() if req is not None and req.action is not None else None
-

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from unison.collectives import adasum
 from unison.collectives import api as direct
 from unison.collectives.reduce import check_op
 from unison.collectives.validate import as_array, check_root, check_splits
@@ -33,7 +34,7 @@ __all__ = [
     "allreduce_async", "allgather_async", "broadcast_async", "alltoall_async", "reducescatter_async",
     "grouped_allreduce_async", "grouped_allreduce", "allreduce", "allgather", "broadcast", "alltoall",
     "reducescatter", "barrier", "join", "poll", "synchronize", "engine", "add_process_set",
-    "start_timeline", "stop_timeline",
+    "remove_process_set", "start_timeline", "stop_timeline",
 ]
 
 _counters: collections.Counter[str] = collections.Counter()
@@ -140,7 +141,7 @@ def allreduce_async(tensor: Any, op: Any = Average, name: str | None = None,
     if (st is not None and type(tensor) is np.ndarray and type(op) is ReduceOp and out is None
             and process_set is None and compression is Compression.none and algorithm == "auto"
             and prescale_factor == 1.0 and postscale_factor == 1.0 and tensor.flags.c_contiguous
-            and tensor.dtype in _FAST_DTYPES):  # the common case, kept cheap: one per gradient
+            and tensor.dtype in _FAST_DTYPES and op is not ReduceOp.ADASUM):  # the common case, kept cheap
         eng = st.cache.get("engine")
         if eng is not None:
             name = _auto_name("allreduce", name) if name is None else str(name)
@@ -154,7 +155,11 @@ def allreduce_async(tensor: Any, op: Any = Average, name: str | None = None,
         res = direct.allreduce(compressed, op, name, prescale_factor, postscale_factor, out=out)
         return _done(res, post)
     rop = _op(op)
-    sid, _ = _set_id(eng, process_set)
+    sid, set_size = _set_id(eng, process_set)
+    if rop is ReduceOp.ADASUM:  # Horovod's rules, raised on every rank alike (NotImplementedError)
+        if sid != 0:
+            raise NotImplementedError("Adasum does not support non-global process sets yet (as in Horovod)")
+        adasum.check_size(set_size)
 
     def checks(arr: np.ndarray) -> None:
         parse_op(op)
@@ -325,10 +330,20 @@ def barrier(process_set: ProcessSet | None = None) -> None:
 
 
 def join() -> int:
-    """Take part in every collective with identity values until all ranks join.
+    """Take part in the other ranks' allreduces with identity values until all ranks join.
 
-    Call it when this rank has run out of data; the other ranks' collectives keep
-    completing (this rank contributes zeros to sums). Returns the last rank to join.
+    Call it when this rank has run out of data; the other ranks' allreduces and
+    barriers keep completing (this rank contributes zeros to sums). Returns the last
+    rank to join.
+
+    A joined rank has no data for broadcast, allgather, alltoall or reducescatter,
+    and cannot take part in ``add_process_set`` / ``remove_process_set``: while some
+    rank is joined these raise :class:`~unison.common.engine.errors.JoinError` on the
+    ranks that called them. This ``join()`` still returns normally, as Horovod's does,
+    and logs a warning naming each refused collective and the ranks that submitted it.
+
+    Raises:
+        ShutdownError: the engine stopped (some rank shut down) before every rank joined.
     """
     eng = engine("unison.join()")
     if eng is None:
@@ -337,13 +352,42 @@ def join() -> int:
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
-    """Register a process set; call it on every rank, in the same order."""
+    """Register a process set; call it on every rank, in the same order.
+
+    Raises:
+        JoinError: some rank has called ``join()`` (raised on every other rank; the
+            set is not registered anywhere).
+    """
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     eng = engine("unison.add_process_set()")
     if eng is None:
         ps.process_set_id = ps.process_set_id if ps.process_set_id is not None else 0
         return ps
     return eng.add_process_set(ps)
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister a process set and free its communicator; call it on every rank, in the same order.
+
+    Every rank frees the set at the same point (a negotiated request of the global
+    set, as for :func:`add_process_set`); afterwards ``process_set.process_set_id`` is
+    None and using the set raises ``ValueError`` (it can be added again).
+
+    Returns:
+        True when removed; False for the global set or a set that is not registered
+        (as Horovod's ``remove_process_set``).
+
+    Raises:
+        JoinError: some rank has called ``join()`` (the set stays registered everywhere).
+    """
+    sid = process_set.process_set_id
+    if sid is None or sid == 0 or process_set.ranks is None:
+        return False
+    eng = engine("unison.remove_process_set()")
+    if eng is None:
+        process_set.process_set_id = None
+        return True
+    return eng.remove_process_set(process_set)
 
 
 def start_timeline(path: str) -> None:

@@ -6,6 +6,11 @@ condition and a lock). Waiters sleep on one condition shared by all handles;
 the engine sets results without locking and wakes the waiters once per batch
 (:func:`wake_waiters`). The flag is set before the wake-up takes the lock, and
 a waiter checks it under that lock, so no wake-up is lost.
+
+A waiter also re-checks every ``LIVENESS_S`` that the engine that took its request
+still runs: should a handle ever outlive its engine thread without being
+completed, ``wait`` raises the engine's exit error instead of blocking forever
+(engine [Note: no handle left behind]).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from typing import Any
 __all__ = ["Handle", "wake_waiters"]
 
 _completion = threading.Condition(threading.Lock())
+#: seconds between a blocked waiter's checks that its engine is alive
+LIVENESS_S = 1.0
 
 
 def wake_waiters() -> None:
@@ -34,7 +41,7 @@ class Handle:
     its original traceback).
     """
 
-    __slots__ = ("name", "_done", "_result", "_error", "_post", "__weakref__")
+    __slots__ = ("name", "_done", "_result", "_error", "_post", "_engine", "__weakref__")
 
     def __init__(self, name: str, post: Callable[[Any], Any] | None = None) -> None:
         self.name = name
@@ -42,6 +49,8 @@ class Handle:
         self._result: Any = None
         self._error: BaseException | None = None
         self._post = post
+        #: the engine that accepted the request (set by ``Engine.submit``), for liveness checks
+        self._engine: Any = None
 
     def done(self) -> bool:
         return self._done
@@ -67,15 +76,21 @@ class Handle:
             deadline = None if timeout is None else time.monotonic() + timeout
             with _completion:
                 while not self._done:
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
+                    left = LIVENESS_S if deadline is None else min(deadline - time.monotonic(), LIVENESS_S)
+                    if deadline is not None and left <= 0:
                         raise TimeoutError(f"collective {self.name!r} did not finish within {timeout} s")
-                    _completion.wait(left)
+                    if not _completion.wait(left) and not self._done:
+                        self._check_engine()
         if self._error is not None:
             raise self._error
         if self._post is not None:
             self._result, self._post = self._post(self._result), None
         return self._result
+
+    def _check_engine(self) -> None:
+        engine = self._engine
+        if engine is not None and not engine.alive():
+            self.set_error(engine.exit_error())
 
     def __repr__(self) -> str:
         state = "done" if self._done else "pending"

@@ -1,4 +1,11 @@
-"""Moving picklable Python objects between ranks, for every backend."""
+"""Moving picklable Python objects between ranks, for every backend.
+
+This is the one place where Unison unpickles what another rank sent, because the
+caller asks for exactly that: ``pickle.loads`` can run arbitrary code, so use these
+functions only among ranks of the same trusted job (as with Horovod's
+``broadcast_object``). The engine's own traffic never uses pickle (controller
+[Note: wire records]).
+"""
 
 from __future__ import annotations
 
@@ -7,23 +14,50 @@ from typing import Any
 
 import numpy as np
 
+from unison.common import runtime
 from unison.common.engine import frontend
-from unison.common.engine.process_sets import ProcessSet, set_rank
+from unison.common.engine.process_sets import ProcessSet
 
 __all__ = ["broadcast_object", "allgather_object"]
 
 
+def _set_root(root_rank: int, process_set: ProcessSet | None) -> int:
+    """Horovod's rule: ``root_rank`` is a rank of the job; the engine wants its rank in the set.
+
+    Raises:
+        ValueError: ``root_rank`` is not a member of ``process_set``.
+    """
+    if process_set is None or process_set.ranks is None:
+        return root_rank
+    if root_rank not in process_set.ranks:
+        raise ValueError(f"root_rank={root_rank} is not a member of {process_set!r}: as in Horovod, "
+                         "broadcast_object's root_rank is a rank of the job (unison.rank()) that "
+                         "belongs to the process set")
+    return process_set.ranks.index(root_rank)
+
+
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet | None = None) -> Any:
-    """Return ``root_rank``'s ``obj`` (pickled) on every rank."""
+    """Return ``root_rank``'s ``obj`` (pickled) on every rank (of ``process_set``).
+
+    Args:
+        obj: the object to send (read on the root only).
+        root_rank: the sending rank, a rank of the job even with a process set
+            (Horovod's rule, as the backends' ``broadcast``).
+        name: the collective's name (auto-named when None).
+        process_set: the ranks taking part (every rank when None).
+
+    Raises:
+        ValueError: ``root_rank`` is not a member of ``process_set``.
+    """
     name = name or frontend._auto_name("broadcast_object", None)
     payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
-    size = frontend.broadcast(np.array([payload.size], dtype=np.int64), root_rank, f"{name}.size",
-                              process_set)
+    root = _set_root(int(root_rank), process_set)
+    size = frontend.broadcast(np.array([payload.size], dtype=np.int64), root, f"{name}.size", process_set)
     buf = np.zeros(int(size[0]), dtype=np.uint8)
-    if set_rank(process_set) == root_rank:
+    if runtime.rank() == int(root_rank):
         buf[:] = payload
-    data = frontend.broadcast(buf, root_rank, f"{name}.data", process_set)
+    data = frontend.broadcast(buf, root, f"{name}.data", process_set)
     return pickle.loads(data.tobytes())
 
 

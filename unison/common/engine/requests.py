@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -14,14 +14,39 @@ from unison.common.dtypes import dtype_code, dtype_from_code, dtype_name, is_flo
 from unison.common.engine.handles import Handle
 from unison.common.ops import ReduceOp
 
-__all__ = ["Kind", "Request", "Signature", "describe", "identity_like"]
+__all__ = ["Kind", "Request", "Signature", "ACTION", "describe", "identity_like"]
 
 
-#: What every rank must agree on for one name: (kind, dtype code, shape, op, root,
-#: prescale, postscale, error, algorithm). For allgather and alltoall the shape
-#: omits the first dimension, which may differ per rank. A rank whose arguments
-#: were invalid submits its error text instead, so every rank can raise it.
-Signature = tuple
+class Signature(NamedTuple):
+    """What every rank must agree on for one name; compared field by field across ranks.
+
+    A rank whose arguments were invalid submits its error text instead (``dtype`` is
+    then -1), so every rank can raise it.
+    """
+
+    kind: int
+    #: :func:`~unison.common.dtypes.dtype_code` of the array's dtype
+    dtype: int
+    #: for allgather and alltoall without the first dimension, which may differ per rank
+    shape: tuple[int, ...]
+    op: int
+    root: int
+    prescale: float
+    postscale: float
+    #: "" or "T:<message>" (a TypeError: bad dtype or op) / "V:<message>" (a ValueError)
+    error: str
+    #: the requested algorithm; :data:`ACTION` for a barrier that runs an engine action
+    algorithm: str
+
+
+#: ``Signature.algorithm`` of a barrier whose engine action is itself collective on every
+#: rank (``add_process_set`` creates a communicator): a joined rank cannot take part.
+ACTION = "action"
+
+_ROWS_MAY_DIFFER = frozenset((Kind.ALLGATHER, Kind.ALLTOALL))
+#: builds a Signature from a prepared tuple without the generated ``__new__``'s call
+#: (``signature()`` runs for every submission)
+_make_signature = tuple.__new__
 
 
 @dataclass(eq=False, slots=True)
@@ -50,41 +75,40 @@ class Request:
 
     def signature(self) -> Signature:
         if self.error:
-            return (int(self.kind), -1, (), -1, -1, 1.0, 1.0, self.error, "")
+            return _make_signature(Signature, (int(self.kind), -1, (), -1, -1, 1.0, 1.0, self.error, ""))
         shape = self.array.shape
-        if self.kind in (Kind.ALLGATHER, Kind.ALLTOALL):
+        if self.kind in _ROWS_MAY_DIFFER:
             shape = shape[1:]
-        return (int(self.kind), dtype_code(self.array.dtype), tuple(shape), self.op, self.root,
-                self.prescale, self.postscale, "", self.algorithm)
+        algorithm = self.algorithm if self.action is None else ACTION
+        return _make_signature(Signature, (int(self.kind), dtype_code(self.array.dtype), shape, self.op,
+                                           self.root, self.prescale, self.postscale, "", algorithm))
 
 
 def describe(sig: Signature, dim0: int | None = None) -> str:
     """A human-readable form of a signature for error messages."""
-    kind, dtc, shape, op, root, pre, post, error, algorithm = sig
-    if error:
-        return f"error: {error[2:]}"
-    if dim0 is not None and Kind(kind) in (Kind.ALLGATHER, Kind.ALLTOALL):
-        shape = (dim0,) + tuple(shape)
-    parts = [f"{Kind(kind).name.lower()}", f"shape={tuple(shape)}",
-             f"dtype={dtype_name(dtype_from_code(dtc)) if dtc >= 0 else '?'}"]
-    if op >= 0:
-        parts.append(f"op={ReduceOp(op)!r}")
-    if root >= 0:
-        parts.append(f"root_rank={root}")
-    if pre != 1.0 or post != 1.0:
-        parts.append(f"prescale_factor={pre}, postscale_factor={post}")
-    if algorithm != "auto":
-        parts.append(f"algorithm={algorithm}")
+    if sig.error:
+        return f"error: {sig.error[2:]}"
+    kind, shape = Kind(sig.kind), sig.shape
+    if dim0 is not None and kind in _ROWS_MAY_DIFFER:
+        shape = (dim0, *shape)
+    dtype = dtype_name(dtype_from_code(sig.dtype)) if sig.dtype >= 0 else "?"
+    parts = [kind.name.lower(), f"shape={tuple(shape)}", f"dtype={dtype}"]
+    if sig.op >= 0:
+        parts.append(f"op={ReduceOp(sig.op)!r}")
+    if sig.root >= 0:
+        parts.append(f"root_rank={sig.root}")
+    if sig.prescale != 1.0 or sig.postscale != 1.0:
+        parts.append(f"prescale_factor={sig.prescale}, postscale_factor={sig.postscale}")
+    if sig.algorithm not in ("auto", ACTION):
+        parts.append(f"algorithm={sig.algorithm}")
     return " ".join(parts)
 
 
-def identity_like(sig: Signature, dim0: int = 0) -> np.ndarray:
-    """What a joined rank contributes in place of data it never submitted."""
-    kind, dtc, shape, op, *_ = sig
-    dtype = dtype_from_code(dtc)
-    if Kind(kind) in (Kind.ALLGATHER, Kind.ALLTOALL):
-        return np.zeros((dim0,) + tuple(shape), dtype=dtype)
-    arr = np.zeros(shape, dtype=dtype)
+def identity_like(sig: Signature) -> np.ndarray:
+    """What a joined rank contributes to an allreduce it never submitted: the op's identity."""
+    dtype = dtype_from_code(sig.dtype)
+    arr = np.zeros(sig.shape, dtype=dtype)
+    op = sig.op
     if op == ReduceOp.PRODUCT or (op == ReduceOp.MIN and dtype == np.bool_):
         arr[...] = 1
     elif op == ReduceOp.MIN:

@@ -9,20 +9,38 @@ Each tensor is one row (a trace "thread") with nested phases::
     ALLREDUCE                                                     |-----|
     MEMCPY_OUT_FUSION_BUFFER                                             |-|
 
-Open it in https://ui.perfetto.dev or chrome://tracing. Events stream to
-``path + ".tmp"`` while recording; ``stop()`` closes the JSON array and renames
-the file into place, so a reader never sees a half-written trace.
+Open it in https://ui.perfetto.dev or chrome://tracing. Events stream to a
+fresh temporary file next to ``path`` while recording (:func:`open_fresh`: never
+a predictable name that a planted symlink could redirect); ``stop()`` closes the
+JSON array and renames the file into place, so a reader never sees a half-written
+trace.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import tempfile
 import threading
 import time
 from typing import IO
 
-__all__ = ["Timeline"]
+__all__ = ["Timeline", "open_fresh"]
+
+
+def open_fresh(path: str) -> tuple[IO[str], str]:
+    """Create a new file next to ``path`` for writing; returns (file, its temporary path).
+
+    The file is created exclusively under a random name (``O_CREAT | O_EXCL |
+    O_NOFOLLOW``, as :func:`tempfile.mkstemp` does), so a file or symlink planted at
+    a predictable name is never followed or overwritten. Rename it over ``path``
+    with :func:`os.replace` (which replaces a symlink at ``path``, never its target).
+    """
+    folder, name = os.path.split(os.path.abspath(os.fspath(path)))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+    os.fchmod(fd, 0o644)  # readable like a file opened with open(path, "w") under the usual umask
+    return os.fdopen(fd, "w", newline="", encoding="utf-8"), tmp
 
 
 class Timeline:
@@ -31,6 +49,7 @@ class Timeline:
     def __init__(self) -> None:
         self._file: IO[str] | None = None
         self._path = ""
+        self._tmp = ""
         self._tids: dict[str, int] = {}
         self._lock = threading.Lock()
         self._t0 = time.monotonic()
@@ -45,8 +64,7 @@ class Timeline:
             if self._file is not None:
                 self._close()
             self._path = os.fspath(path)
-            os.makedirs(os.path.dirname(os.path.abspath(self._path)), exist_ok=True)
-            self._file = open(self._path + ".tmp", "w", encoding="utf-8")  # noqa: SIM115
+            self._file, self._tmp = open_fresh(self._path)
             self._file.write("[\n")
             self._tids.clear()
             self._first = True
@@ -64,7 +82,7 @@ class Timeline:
         os.fsync(self._file.fileno())
         self._file.close()
         self._file = None
-        os.replace(self._path + ".tmp", self._path)
+        os.replace(self._tmp, self._path)
 
     def _emit(self, event: dict) -> None:
         assert self._file is not None  # noqa: S101 - callers hold the lock and checked

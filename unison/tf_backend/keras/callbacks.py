@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import fnmatch
+import itertools
 import json
+import logging
 import os
+import shutil
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -11,12 +17,15 @@ import keras
 import numpy as np
 
 from unison.common import runtime
-from unison.common.engine import frontend
-from unison.common.files import atomic_path
+from unison.common.engine import frontend, objects
+from unison.common.exceptions import UnisonError
+from unison.common.files import atomic_path, remove_leftovers
 from unison.common.ops import Average
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback",
-           "LearningRateScheduleCallback", "BackupAndRestore", "ModelCheckpoint"]
+           "LearningRateScheduleCallback", "BackupAndRestore", "ModelCheckpoint", "BestModelCheckpoint"]
+
+logger = logging.getLogger(__name__)
 
 
 def _broadcast_all(variables: list[Any], root_rank: int, tag: str) -> None:
@@ -26,11 +35,15 @@ def _broadcast_all(variables: list[Any], root_rank: int, tag: str) -> None:
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
-    """Make every rank start from ``root_rank``'s model (and optimizer) variables."""
+    """Make every rank start from ``root_rank``'s model (and optimizer) variables.
 
-    def __init__(self, root_rank: int = 0) -> None:
+    ``device`` is accepted for Horovod's signature and ignored: the broadcast runs on host memory.
+    """
+
+    def __init__(self, root_rank: int = 0, device: str = "") -> None:
         super().__init__()
         self.root_rank = root_rank
+        self.device = device
         self._done = False
 
     def on_train_begin(self, logs: Any = None) -> None:
@@ -44,7 +57,14 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
 
 class MetricAverageCallback(keras.callbacks.Callback):
-    """Average the epoch's metrics over the ranks, so every rank logs the same numbers."""
+    """Average the epoch's metrics over the ranks, so every rank logs the same numbers.
+
+    ``device`` is accepted for Horovod's signature and ignored: the average runs on host memory.
+    """
+
+    def __init__(self, device: str = "") -> None:
+        super().__init__()
+        self.device = device
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if not logs:
@@ -114,30 +134,214 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
 
 class BackupAndRestore(keras.callbacks.BackupAndRestore):
-    """Keras's ``BackupAndRestore`` for a job of many ranks sharing ``backup_dir``.
+    """Keras's ``BackupAndRestore`` for a job of many ranks; ``backup_dir`` must be readable by every rank.
 
-    Rank 0 writes the backup (weights, then the epoch marker, each through a
-    temporary file and a rename, so a crash never leaves a torn backup); every rank
-    restores from it, so a resumed ``fit`` starts all ranks from the same state.
+    [Note: one backup, named by a manifest]
+    Rank 0 writes the weights to a new, uniquely named file, then the manifest
+    ``unison-backup.json`` (epoch, batch, that file's name and size), each through
+    :func:`~unison.common.files.atomic_path` (temporary, fsync, rename, fsync of the
+    folder). Renaming the manifest is the one step that moves the backup forward: a
+    crash before it leaves the previous backup whole, a crash after it the new one,
+    never new weights at an old epoch. Restores read only the file the manifest
+    names; weights files it no longer names are removed after each save. With
+    ``double_checkpoint=True`` the manifest also names the previous backup (whose
+    weights are kept), restored when the current one cannot be loaded on some rank.
+
+    Every rank takes part in every step, so no rank goes on alone:
+
+    * after a save, rank 0 broadcasts its outcome: if the save failed, every rank
+      raises the same error (path and reason); then every rank checks that it sees
+      the new weights file, and raises on every rank if some do not (a folder that
+      is not shared);
+    * at restore, what each rank finds (the manifest's epoch and file, or nothing)
+      is gathered; ranks that disagree raise on every rank, naming who sees what;
+      a file that fails to load on any rank fails (or falls back) on every rank.
     """
 
-    def on_train_begin(self, logs: Any = None) -> None:
-        frontend.barrier()  # rank 0's last backup is complete before anyone reads it
-        super().on_train_begin(logs)
+    def __init__(self, backup_dir: str | os.PathLike[str], save_freq: str | int = "epoch",
+                 double_checkpoint: bool = False, delete_checkpoint: bool = True) -> None:
+        if not isinstance(double_checkpoint, bool):
+            raise TypeError(f"double_checkpoint must be True or False, got {double_checkpoint!r}")
+        super().__init__(os.fspath(backup_dir) if backup_dir else backup_dir, save_freq=save_freq,
+                         double_checkpoint=double_checkpoint, delete_checkpoint=delete_checkpoint)
+        self._manifest_path = os.path.join(self.backup_dir, MANIFEST)
+        self._calls = itertools.count()
 
+    def _name(self, what: str) -> str:
+        """A collective name, the same on every rank (each rank makes the same calls in order)."""
+        return f"unison.BackupAndRestore.{what}.{next(self._calls)}"
+
+    # restore ---------------------------------------------------------------------------------
+    def on_train_begin(self, logs: Any = None) -> None:
+        if not self.model.built:
+            raise ValueError(f"BackupAndRestore needs a built model before fit(); model {self.model.name} is "
+                             "not built. Build it first (model.build(input_shape) or call it on a batch)")
+        frontend.barrier()  # rank 0's last save or deletion is complete before anyone reads
+        manifest = self._agreed_manifest()
+        if manifest is None:
+            return
+        entries = [manifest["current"]]
+        if self.double_checkpoint and manifest.get("previous"):
+            entries.append(manifest["previous"])
+        failures = []
+        for entry in entries:
+            failed = self._load_everywhere(entry)
+            if not failed:
+                self.model._initial_epoch = int(entry["epoch"])
+                return
+            failures.append(failed)
+        raise UnisonError(f"BackupAndRestore cannot resume from the backup in {self.backup_dir!r}: "
+                          + "; then ".join(failures) + ". Delete the folder to start from scratch"
+                          + ("" if self.double_checkpoint else
+                             ", or pass double_checkpoint=True to keep the previous backup as well"))
+
+    def _agreed_manifest(self) -> dict | None:
+        """This rank's manifest, once every rank has found the same one.
+
+        Raises:
+            UnisonError: on every rank, when ranks found different things or none could read it.
+        """
+        manifest, seen = _read_manifest(self._manifest_path)
+        views = objects.allgather_object((seen, self.backup_dir), self._name("restore"))
+        if len({s for s, _ in views}) > 1:
+            groups: dict[str, list[int]] = {}
+            for r, (s, folder) in enumerate(views):
+                groups.setdefault(f"{s} in {folder!r}", []).append(r)
+            found = "; ".join(f"{_ranks(rs)} {'sees' if len(rs) == 1 else 'see'} {what}"
+                              for what, rs in groups.items())
+            raise UnisonError(f"BackupAndRestore: the ranks found different backups, so they would resume from "
+                              f"different states: {found}. Every rank must read the same backup: give "
+                              "backup_dir a folder every rank can read (on a shared filesystem), the same "
+                              "one on every rank")
+        if manifest is None and seen != _NONE:
+            raise UnisonError(f"BackupAndRestore cannot resume: {seen}. Delete {self._manifest_path!r} to "
+                              "start from scratch")
+        return manifest
+
+    def _load_everywhere(self, entry: dict) -> str:
+        """Load ``entry``'s weights on every rank; '' if all succeeded, else what failed where."""
+        path = os.path.join(self.backup_dir, entry["weights"])
+        error = ""
+        try:
+            _check_size(path, int(entry["size"]))
+            if self.model.optimizer is not None and not self.model.optimizer.built:
+                self.model.optimizer.build(self.model.trainable_variables)  # its variables are saved too
+            self.model.load_weights(path)
+        except Exception as exc:  # every rank must learn of it, not just this one
+            error = f"{type(exc).__name__}: {exc}"
+        errors = objects.allgather_object(error, self._name("load"))
+        failed = {r: e for r, e in enumerate(errors) if e}
+        return "; ".join(f"rank {r} could not load {path!r} (epoch {entry['epoch']}): {e}"
+                         for r, e in failed.items())
+
+    # save ------------------------------------------------------------------------------------
     def _save_model(self) -> None:
+        error, name = None, None
         if runtime.rank() == 0:
-            os.makedirs(self.backup_dir, exist_ok=True)
-            with atomic_path(self._weights_path) as tmp:
-                self.model.save_weights(tmp, overwrite=True)
-            with atomic_path(self._training_metadata_path) as tmp, open(tmp, "w", encoding="utf-8") as f:
-                json.dump({"epoch": self._current_epoch, "batch": self._last_batch_seen}, f)
-        frontend.barrier()
+            try:
+                name = self._write_backup()
+            except Exception as exc:  # shared with every rank below, then raised
+                error = f"{type(exc).__name__}: {exc}"
+                logger.error("BackupAndRestore: saving the backup in %s failed", self.backup_dir,
+                             exc_info=True)
+        error, name, folder = objects.broadcast_object((error, name, self.backup_dir), 0, self._name("save"))
+        if error is not None:
+            raise UnisonError(f"BackupAndRestore: rank 0 could not save the backup of epoch {self._current_epoch} "
+                              f"in {folder!r}: {error}. Training stops on every rank so none goes on without "
+                              "a backup; give backup_dir a folder rank 0 can write (with free space)")
+        self._check_visible(name, folder)
+
+    def _write_backup(self) -> str:
+        """Rank 0: write the weights under a new name, then the manifest naming them; return the name."""
+        os.makedirs(self.backup_dir, exist_ok=True)
+        name = f"backup-e{self._current_epoch}-b{self._last_batch_seen}-{uuid.uuid4().hex[:12]}.weights.h5"
+        path = os.path.join(self.backup_dir, name)
+        _write_weights(self.model, path)
+        entry = {"epoch": self._current_epoch, "batch": self._last_batch_seen, "weights": name,
+                 "size": os.path.getsize(path)}
+        manifest: dict[str, Any] = {"format": 1, "current": entry}
+        if self.double_checkpoint:
+            last, _ = _read_manifest(self._manifest_path)
+            if last is not None:
+                manifest["previous"] = last["current"]
+        _write_manifest(self._manifest_path, manifest)
+        _remove_unnamed(self.backup_dir, manifest)
+        return name
+
+    def _check_visible(self, name: str, folder: str) -> None:
+        """Every rank sees the weights rank 0 just wrote, or every rank raises."""
+        sees = os.path.exists(os.path.join(self.backup_dir, name))
+        views = objects.allgather_object((sees, self.backup_dir), self._name("visible"))
+        blind = [r for r, (s, _) in enumerate(views) if not s]
+        if blind:
+            where = "; ".join(f"rank {r} looks in {views[r][1]!r}" for r in blind)
+            raise UnisonError(f"BackupAndRestore: {_ranks(blind)} cannot see the backup rank 0 just wrote "
+                              f"({name} in {folder!r}; {where}), so they could not resume from it. Give "
+                              "backup_dir a folder every rank can read (on a shared filesystem), the same one "
+                              "on every rank")
 
     def on_train_end(self, logs: Any = None) -> None:
-        frontend.barrier()
-        if runtime.rank() == 0:
-            super().on_train_end(logs)
+        error = None
+        if runtime.rank() == 0 and self.delete_checkpoint and os.path.exists(self.backup_dir):
+            try:
+                shutil.rmtree(self.backup_dir)
+            except Exception as exc:  # shared with every rank below, then raised
+                error = f"{type(exc).__name__}: {exc}"
+        error = objects.broadcast_object(error, 0, self._name("delete"))
+        if error is not None:
+            raise UnisonError(f"BackupAndRestore: rank 0 could not delete the finished backup in "
+                              f"{self.backup_dir!r}: {error}. A later fit would resume from it; delete it "
+                              "by hand, or pass delete_checkpoint=False to keep it on purpose")
+
+
+MANIFEST = "unison-backup.json"
+_NONE = "no backup"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+
+def _read_manifest(path: str) -> tuple[dict | None, str]:
+    """The manifest at ``path`` (None if absent or unreadable) and a one-line account of what was found."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+        entry = manifest["current"]
+        return manifest, f"the backup of epoch {entry['epoch']} ({entry['weights']})"
+    except (FileNotFoundError, NotADirectoryError):  # no such file, or no such folder
+        return None, _NONE
+    except Exception as exc:  # reported to every rank by the caller
+        return None, f"an unreadable manifest {path!r} ({type(exc).__name__}: {exc})"
+
+
+def _check_size(path: str, size: int) -> None:
+    found = os.path.getsize(path)
+    if found != size:
+        raise OSError(f"{path!r} holds {found} bytes, the manifest says {size}: the file is damaged")
+
+
+def _write_weights(model: Any, path: str) -> None:
+    with atomic_path(path) as tmp:
+        model.save_weights(tmp, overwrite=True)
+
+
+def _write_manifest(path: str, manifest: dict) -> None:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        json.dump(manifest, f)
+
+
+def _remove_unnamed(folder: str, manifest: dict) -> None:
+    """Remove backup weights the manifest no longer names (older saves, saves cut short before it)."""
+    keep = {e["weights"] for e in (manifest["current"], manifest.get("previous")) if e}
+    for entry in os.listdir(folder):
+        if fnmatch.fnmatch(entry, _WEIGHTS_PATTERN) and entry not in keep:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(folder, entry))
+    remove_leftovers(folder, _WEIGHTS_PATTERN)
+
+
+_WEIGHTS_PATTERN = "backup-*.weights.h5"
 
 
 class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
@@ -146,3 +350,31 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     def _save_model(self, epoch: int, batch: Any, logs: Any) -> None:
         if runtime.rank() == 0:
             super()._save_model(epoch, batch, logs)
+
+
+class BestModelCheckpoint(ModelCheckpoint):
+    """Horovod's ``BestModelCheckpoint``: rank 0 saves the model each time ``monitor`` improves.
+
+    A :class:`ModelCheckpoint` with ``save_best_only=True`` (the whole model, not only
+    the weights). As in Horovod, the path is not an argument: set ``filepath`` on the
+    callback before ``fit`` (Horovod's Spark estimator does); ``filepath=`` is also
+    accepted here as a keyword, a Unison addition.
+
+    Raises:
+        ValueError: at the first save, on every rank, when no ``filepath`` was set.
+    """
+
+    def __init__(self, monitor: str = "val_loss", verbose: int = 0, mode: str = "auto",
+                 save_freq: str | int = "epoch", filepath: str | os.PathLike[str] | None = None) -> None:
+        # Keras checks the file name's extension at construction; the real path may come later
+        super().__init__(os.fspath(filepath) if filepath is not None else "unset.keras", monitor=monitor,
+                         verbose=verbose, save_best_only=True, save_weights_only=False, mode=mode,
+                         save_freq=save_freq)
+        if filepath is None:
+            self.filepath = None
+
+    def _save_model(self, epoch: int, batch: Any, logs: Any) -> None:
+        if self.filepath is None:
+            raise ValueError("BestModelCheckpoint has no filepath; set `callback.filepath = "
+                             "'best.keras'` (a .keras or .h5 file) before fit(), or pass filepath=")
+        super()._save_model(epoch, batch, logs)

@@ -3,8 +3,20 @@
 The wrapped optimizer is an instance of a subclass of the original optimizer's
 class (same config), whose ``apply`` first averages the step's gradients over
 the ranks in one grouped call (see :func:`unison.tf_backend.functions.reduce_gradients`),
-then applies them. No strategy is involved: each rank feeds its own shard of
-data, as in a Horovod Keras script.
+then applies them. A gradient that is None on some ranks but not on others is
+reduced with zeros from the ranks without one; one that is None on every rank
+stays None (Keras then skips its variable), as in one process. No strategy is
+involved: each rank feeds its own shard of data, as in a Horovod Keras script.
+
+Variables registered with ``register_local_var`` (or the ``local_layers`` of
+:func:`PartialDistributedOptimizer`) keep this rank's gradient, divided by the
+process set's size when ``scale_local_gradients`` (Horovod 0.28's behaviour).
+
+[Note: backward_passes_per_step]
+``backward_passes_per_step=k`` uses Keras's own gradient accumulation, which
+applies the MEAN of the k accumulated gradients. Horovod applies their SUM unless
+``average_aggregated_gradients=True``; so without it the gradients are scaled by
+k after the reduction, and the applied update is Horovod's.
 """
 
 from __future__ import annotations
@@ -16,28 +28,43 @@ import keras
 from unison.common.compression import Compression
 from unison.common.engine import frontend
 from unison.common.ops import Average, parse_op
-from unison.tf_backend.functions import reduce_gradients
+from unison.tf_backend.functions import check_groups, local_layer_variables, reduce_partial, source_key
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
 
 
 def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None = None,  # noqa: N802
-                         compression: Any = Compression.none, backward_passes_per_step: int = 1,
-                         op: Any = Average, gradient_predivide_factor: float = 1.0,
-                         sparse_as_dense: bool = False, process_set: Any = None) -> keras.optimizers.Optimizer:
+                         device_dense: str = "", device_sparse: str = "", compression: Any = Compression.none,
+                         sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
+                         op: Any = Average, backward_passes_per_step: int = 1,
+                         average_aggregated_gradients: bool = False, num_groups: int = 0, groups: Any = None,
+                         process_set: Any = None,
+                         scale_local_gradients: bool = True) -> keras.optimizers.Optimizer:
     """Wrap a Keras 3 optimizer so gradients are averaged across ranks before each update.
+
+    Horovod 0.28's signature (``horovod.tensorflow.keras.DistributedOptimizer``).
 
     Args:
         optimizer: a ``keras.optimizers.Optimizer`` (not already wrapped).
+        name: base of the engine names of the reductions.
+        device_dense, device_sparse: accepted for Horovod's signature and ignored (CPU tensors).
         compression: ``Compression.none`` / ``.fp16`` for the wire.
+        sparse_as_dense: reduce ``IndexedSlices`` densely instead of by all-gather.
+        gradient_predivide_factor: divide before the sum, the rest after (Average only).
+        op: ``Average`` (default) or ``Sum``.
         backward_passes_per_step: gradients of this many steps are accumulated (with
             Keras's own ``gradient_accumulation_steps``) before the variables change.
-        op: ``Average`` (default) or ``Sum``.
-        gradient_predivide_factor: divide before the sum, the rest after (Average only).
-        sparse_as_dense: reduce ``IndexedSlices`` densely instead of by all-gather.
+        average_aggregated_gradients: apply the mean of the accumulated gradients
+            instead of their sum (see [Note: backward_passes_per_step]).
+        num_groups, groups: Horovod's fusion groups: validated; the numbers do not depend on them
+            (every gradient of a step is reduced in one grouped call).
+        process_set: the ranks that average together.
+        scale_local_gradients: divide the gradients of variables registered with
+            ``register_local_var`` by the process set's size.
 
     Raises:
-        ValueError: already wrapped, or a predivide factor with an op other than Average.
+        ValueError: already wrapped, a predivide factor with an op other than Average,
+            ``backward_passes_per_step`` < 1, or bad ``groups``.
     """
     if getattr(optimizer, "_unison_distributed", False):
         raise ValueError("this optimizer is already a DistributedOptimizer; wrap the original once")
@@ -46,17 +73,64 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
         raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} only applies to op=Average")
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
+    check_groups(num_groups, groups)
     base = name or frontend._auto_name("keras.DistributedOptimizer", None)
     pre, post = 1.0 / gradient_predivide_factor, gradient_predivide_factor
+    # Keras's accumulation applies the mean of the k gradients; Horovod their sum unless averaging
+    factor = 1.0 if average_aggregated_gradients else float(backward_passes_per_step)
 
     def apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
-        reduced = reduce_gradients(list(grads), rop, pre, post, compression, sparse_as_dense, base,
-                                   process_set)
+        # the variables give the zeros of a gradient that is None here but not on another rank
+        if trainable_variables is not None:
+            trainable_variables = list(trainable_variables)
+        variables = trainable_variables or getattr(self, "_trainable_variables", None)
+        reduced = reduce_partial(list(grads), variables, _local_vars(self), scale_local_gradients, rop,
+                                 pre, post * factor, compression, sparse_as_dense, base, process_set,
+                                 local_factor=factor)
         return super(cls, self).apply(reduced, trainable_variables)
 
+    def register_local_var(self: Any, var: Any) -> None:
+        """Keep ``var``'s gradient local: never reduced over the ranks (Horovod's ``register_local_var``)."""
+        _local_vars(self).add(source_key(var))
+
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
-               {"apply": apply, "_unison_distributed": True})
+               {"apply": apply, "register_local_var": register_local_var, "_unison_distributed": True})
     config = optimizer.get_config()
     if backward_passes_per_step > 1:
         config["gradient_accumulation_steps"] = backward_passes_per_step
     return cls.from_config(config)
+
+
+def _local_vars(optimizer: Any) -> set[Any]:
+    """The keys of ``optimizer``'s registered local variables (made on first use: ``from_config`` skips it)."""
+    if "_unison_local_vars" not in optimizer.__dict__:
+        optimizer._unison_local_vars = set()
+    return optimizer._unison_local_vars
+
+
+def PartialDistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None = None,  # noqa: N802
+                                device_dense: str = "", device_sparse: str = "",
+                                compression: Any = Compression.none, sparse_as_dense: bool = False,
+                                gradient_predivide_factor: float = 1.0, op: Any = Average,
+                                backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
+                                groups: Any = None, process_set: Any = None, local_layers: Any = None,
+                                scale_local_gradients: bool = True) -> keras.optimizers.Optimizer:
+    """A :func:`DistributedOptimizer` whose ``local_layers``' variables keep their local gradients.
+
+    ``local_layers``: a Keras layer or a collection of them (None: a plain
+    ``DistributedOptimizer``). Their trainable variables are registered with
+    ``register_local_var``.
+
+    Raises:
+        ValueError: an entry of ``local_layers`` is not a Keras layer, or as ``DistributedOptimizer``.
+    """
+    local = local_layer_variables(local_layers)
+    wrapped = DistributedOptimizer(optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
+                                   compression=compression, sparse_as_dense=sparse_as_dense,
+                                   gradient_predivide_factor=gradient_predivide_factor, op=op,
+                                   backward_passes_per_step=backward_passes_per_step,
+                                   average_aggregated_gradients=average_aggregated_gradients, groups=groups,
+                                   process_set=process_set, scale_local_gradients=scale_local_gradients)
+    for var in local:
+        wrapped.register_local_var(var)
+    return wrapped

@@ -155,9 +155,10 @@ class Pipeline(PipelineRunner):
             self.close()
             raise
         self._name = f"keras_pipeline.{next(_instances)}"
-        if grid.dp > 1:
-            broadcast_variables([v for s in sorted(self.stages) for v in self.stages[s].all_weights], root_rank=0,
-                                process_set=grid.data_set)
+        if grid.dp > 1:  # root_rank is a global rank (Horovod's rule): the data set's first is pipeline 0's
+            ranks = grid.data_set.ranks if grid.data_set is not None else None
+            broadcast_variables([v for s in sorted(self.stages) for v in self.stages[s].all_weights],
+                                root_rank=ranks[0] if ranks else 0, process_set=grid.data_set)
 
     @property
     def trainable_variables(self) -> list[Any]:

@@ -196,9 +196,11 @@ class Pipeline(PipelineRunner):
         """Every replica of a stage starts from pipeline 0's parameters and buffers (one data-parallel group)."""
         tensors = [t for s in sorted(self.stages)
                    for t in [*self.stages[s].parameters(), *self.stages[s].buffers()]]
+        ranks = self.grid.data_set.ranks if self.grid.data_set is not None else None
+        root = ranks[0] if ranks else 0  # Horovod's rule: root_rank is a global rank, also with a process set
         for i, t in enumerate(tensors):
             host = t.detach().cpu()
-            out = broadcast(host, root_rank=0, name=f"{self._name}.init.{i}",  # the set's first: pipeline 0
+            out = broadcast(host, root_rank=root, name=f"{self._name}.init.{i}",  # the set's first: pipeline 0
                             process_set=self.grid.data_set)
             with torch.no_grad():
                 t.copy_(out.to(t.device))

@@ -1,0 +1,237 @@
+"""horovod.tensorflow(.keras) 0.28 parity, second part: partial (local) gradients, the Keras optimizer's
+keywords, callbacks' ``device``, ``BestModelCheckpoint`` and the Keras module's names.
+
+Every test body runs unchanged at any rank count (np 2 and 3 in tests/test_tf_parity2_mpi.py) and
+compares with numpy. Rows: docs/horovod-tf-rows2.md.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import warnings
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import unison.tf_backend as hvd  # noqa: E402
+import unison.tf_backend.keras as hvd_keras  # noqa: E402
+
+WORLD = MPI.COMM_WORLD
+N, R = WORLD.Get_size(), WORLD.Get_rank()
+MODES = pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _session():
+    hvd.init()
+    yield
+    hvd.shutdown()
+
+
+def dense(units: int, inputs: int, seed: int) -> keras.layers.Dense:
+    layer = keras.layers.Dense(units, kernel_initializer=keras.initializers.Constant(0.5 + seed),
+                               bias_initializer="zeros")
+    layer.build((None, inputs))
+    return layer
+
+
+def same_everywhere(a: np.ndarray) -> bool:
+    return all(np.array_equal(a, other) for other in WORLD.allgather(a))
+
+
+# ------------------------------------------------------------------------ partial gradient tapes
+@MODES
+@pytest.mark.parametrize("scale", [True, False])
+def test_register_local_source_keeps_the_local_gradient(graph, scale):
+    """register_local_source: that gradient is not reduced; divided by the set size if scale_local_gradients."""
+    shared = tf.Variable(np.ones(3, np.float32))
+    local = tf.Variable(np.ones(2, np.float32))
+    c = np.float32(R + 1)
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = c * tf.reduce_sum(shared) + c * c * tf.reduce_sum(local)
+        tape = hvd.DistributedGradientTape(tape, scale_local_gradients=scale)
+        tape.register_local_source(local)
+        return tape.gradient(loss, [shared, local])
+
+    gs, gl = (tf.function(step) if graph else step)()
+    mean_c = np.mean([r + 1.0 for r in range(N)])
+    np.testing.assert_allclose(gs.numpy(), np.full(3, mean_c), rtol=1e-6)
+    np.testing.assert_allclose(gl.numpy(), np.full(2, c * c / (N if scale else 1)), rtol=1e-6)
+
+
+@MODES
+def test_partial_distributed_gradient_tape_with_local_layers(graph):
+    """PartialDistributedGradientTape(local_layers=...): those layers' variables keep local gradients."""
+    shared, local = dense(2, 3, 0), dense(1, 2, 1)
+    x = np.full((4, 3), R + 1.0, np.float32)
+    variables = shared.trainable_weights + local.trainable_weights
+
+    def grads_of(tape_wrapper):
+        def step():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(local(shared(x)))
+            return tape_wrapper(tape).gradient(loss, variables)
+        return [g.numpy() for g in (tf.function(step) if graph else step)()]
+
+    got = grads_of(lambda t: hvd_keras.PartialDistributedGradientTape(t, local_layers=local))
+    plain = grads_of(lambda t: t)  # this rank's own gradients
+    everyone = WORLD.allgather(plain)
+    for i, g in enumerate(got):
+        if i < 2:  # shared: the mean over the ranks
+            np.testing.assert_allclose(g, np.mean([e[i] for e in everyone], axis=0), rtol=1e-5)
+        else:  # local: this rank's, divided by the set size
+            np.testing.assert_allclose(g, plain[i] / N, rtol=1e-5)
+    none = grads_of(lambda t: hvd_keras.PartialDistributedGradientTape(t))  # no local layers: all averaged
+    for i, g in enumerate(none):
+        np.testing.assert_allclose(g, np.mean([e[i] for e in everyone], axis=0), rtol=1e-5)
+
+
+def test_partial_tape_and_optimizer_refuse_non_layers():
+    with pytest.raises(ValueError, match="local layers must be of tf.keras.layers.Layer"):
+        hvd_keras.PartialDistributedGradientTape(tf.GradientTape(), local_layers=[tf.Variable(1.0)])
+    with pytest.raises(ValueError, match="local layers must be of tf.keras.layers.Layer"):
+        hvd_keras.PartialDistributedOptimizer(keras.optimizers.SGD(0.1), local_layers=["dense"])
+
+
+def test_tape_groups_checked_as_horovod():
+    with pytest.raises(ValueError, match="groups"):
+        hvd.DistributedGradientTape(tf.GradientTape(), groups=0)
+    with pytest.raises(ValueError, match="groups"):
+        hvd.DistributedGradientTape(tf.GradientTape(), groups=[[1.0]])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hvd.DistributedGradientTape(tf.GradientTape(), num_groups=2)
+    assert any(issubclass(w.category, DeprecationWarning) for w in caught)
+    v = tf.Variable([1.0, 2.0])
+    with tf.GradientTape() as tape:
+        loss = (R + 1.0) * tf.reduce_sum(v)
+    g = hvd.DistributedGradientTape(tape, groups=[[v]], device_dense="/cpu:0").gradient(loss, [v])[0]
+    np.testing.assert_allclose(g.numpy(), np.full(2, (N + 1) / 2), rtol=1e-6)
+
+
+# ------------------------------------------------------------------------ Keras DistributedOptimizer keywords
+def test_keras_distributed_optimizer_takes_horovod_keywords():
+    """device_dense/device_sparse (ignored on CPU), groups, scale_local_gradients: accepted; mean gradient."""
+    layer = dense(2, 2, 0)
+    opt = hvd_keras.DistributedOptimizer(keras.optimizers.SGD(1.0), device_dense="/cpu:0", device_sparse="",
+                                         average_aggregated_gradients=False, groups=1,
+                                         scale_local_gradients=True, process_set=hvd.global_process_set)
+    before = [v.numpy() for v in layer.trainable_weights]
+    grads = [tf.fill(v.shape, float(R + 1)) for v in layer.trainable_weights]
+    opt.apply(grads, layer.trainable_weights)
+    for b, v in zip(before, layer.trainable_weights, strict=True):
+        np.testing.assert_allclose(v.numpy(), b - (N + 1) / 2, rtol=1e-6)
+    with pytest.raises(ValueError, match="groups"):
+        hvd_keras.DistributedOptimizer(keras.optimizers.SGD(1.0), groups=-1)
+
+
+@pytest.mark.parametrize("average", [False, True])
+def test_keras_backward_passes_apply_the_sum_unless_averaged(average):
+    """backward_passes_per_step=k: Horovod applies the sum of the k averaged gradients (mean if averaging)."""
+    v = keras.Variable(np.zeros(2, np.float32))
+    opt = hvd_keras.DistributedOptimizer(keras.optimizers.SGD(1.0), backward_passes_per_step=2,
+                                         average_aggregated_gradients=average)
+    for step in range(2):
+        opt.apply([tf.fill((2,), float((R + 1) * (step + 1)))], [v])
+    per_step = [np.mean([(r + 1) * (s + 1) for r in range(N)]) for s in range(2)]
+    expect = -(np.mean(per_step) if average else np.sum(per_step))
+    np.testing.assert_allclose(v.numpy(), np.full(2, expect), rtol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [True, False])
+def test_partial_distributed_optimizer_keeps_local_layers_local(scale):
+    shared, local = dense(2, 2, 0), dense(1, 2, 1)
+    opt = hvd_keras.PartialDistributedOptimizer(keras.optimizers.SGD(1.0), local_layers=local,
+                                                scale_local_gradients=scale)
+    variables = shared.trainable_weights + local.trainable_weights
+    before = [v.numpy() for v in variables]
+    opt.apply([tf.fill(v.shape, float(R + 1)) for v in variables], variables)
+    for i, (b, v) in enumerate(zip(before, variables, strict=True)):
+        step = (N + 1) / 2 if i < 2 else (R + 1) / (N if scale else 1)
+        np.testing.assert_allclose(v.numpy(), b - step, rtol=1e-6)
+    assert same_everywhere(np.concatenate([v.numpy().ravel() for v in shared.trainable_weights]))
+
+
+def test_partial_distributed_optimizer_in_fit():
+    """model.fit with a local head: the shared layer stays identical on every rank, the head differs."""
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+    head = model.layers[-1]
+    opt = hvd_keras.PartialDistributedOptimizer(keras.optimizers.SGD(0.05), local_layers=[head])
+    model.compile(optimizer=opt, loss="mse")
+    rs = np.random.RandomState(R)
+    x, y = rs.randn(16, 3).astype("float32"), rs.randn(16, 1).astype("float32")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0,
+              callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0, device="")])
+    assert same_everywhere(model.layers[0].get_weights()[0])
+    if N > 1:
+        heads = WORLD.allgather(head.get_weights()[0])
+        assert not all(np.array_equal(heads[0], h) for h in heads[1:])
+
+
+# ------------------------------------------------------------------------ callbacks
+def test_metric_average_callback_takes_device():
+    cb = hvd_keras.callbacks.MetricAverageCallback(device="")
+    assert cb.device == ""
+    logs = {"loss": float(R), "acc": 2.0 * R}
+    cb.on_epoch_end(0, logs)
+    assert logs == pytest.approx({"loss": (N - 1) / 2, "acc": float(N - 1)})
+    assert hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0, device="/cpu:0").device == "/cpu:0"
+
+
+def shared_dir() -> str:
+    return WORLD.bcast(tempfile.mkdtemp(prefix="unison-best-") if R == 0 else None, root=0)
+
+
+def test_best_model_checkpoint_saves_on_improvement_from_rank_0():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    path = os.path.join(shared_dir(), "best.keras")
+    cb = hvd_keras.callbacks.BestModelCheckpoint(monitor="val_loss", mode="min")
+    assert cb.save_best_only and cb.filepath is None
+    cb.set_model(model)
+    with pytest.raises(ValueError, match="filepath"):
+        cb.on_epoch_end(0, {"val_loss": 1.0})
+    cb.filepath = path
+    saved = []
+    for epoch, val in enumerate([1.0, 2.0, 0.5]):
+        cb.on_epoch_end(epoch, {"val_loss": val})
+        WORLD.Barrier()
+        saved.append(os.path.exists(path))
+        WORLD.Barrier()
+        if R == 0 and os.path.exists(path):
+            os.remove(path)
+        WORLD.Barrier()
+    if R == 0:
+        shutil.rmtree(os.path.dirname(path))
+    assert saved == [True, False, True]  # rank 0 wrote it where every rank looks; only on improvement
+    if R == 0:
+        assert cb.best == 0.5
+
+
+# ------------------------------------------------------------------------ module names
+HVD_TF_KERAS = ("init shutdown is_initialized start_timeline stop_timeline size local_size cross_size rank "
+                "local_rank cross_rank is_homogeneous mpi_threads_supported mpi_enabled mpi_built gloo_enabled "
+                "gloo_built nccl_built ddl_built ccl_built cuda_built rocm_built Average Sum Adasum Compression "
+                "ProcessSet global_process_set add_process_set remove_process_set callbacks DistributedOptimizer "
+                "PartialDistributedOptimizer broadcast_global_variables allreduce allgather broadcast "
+                "reducescatter load_model").split()
+HVD_CALLBACKS = ("BroadcastGlobalVariablesCallback MetricAverageCallback LearningRateScheduleCallback "
+                 "LearningRateWarmupCallback BestModelCheckpoint").split()
+
+
+def test_keras_module_has_every_horovod_keras_name():
+    """horovod.tensorflow.keras and horovod.keras 0.28 (but ``elastic``, pending) in unison.tf_backend.keras."""
+    assert [n for n in HVD_TF_KERAS if not hasattr(hvd_keras, n)] == []
+    assert [n for n in HVD_CALLBACKS if not hasattr(hvd_keras.callbacks, n)] == []
+    assert len(hvd_keras.__all__) == len(set(hvd_keras.__all__))
+    assert all(hasattr(hvd_keras, n) for n in hvd_keras.__all__)

@@ -1,0 +1,500 @@
+"""``unison.torch_backend`` against Horovod 0.28's ``horovod.torch``, call for call (docs/horovod-torch-rows.md).
+
+Every rank runs these tests in the same order; each rank rebuilds every rank's
+inputs and checks results and gradients against numpy.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+import unison.torch_backend as hvd
+from unison.collectives import adasum
+
+WORLD = MPI.COMM_WORLD
+N, R = WORLD.Get_size(), WORLD.Get_rank()
+torch.set_num_threads(1)
+multi = pytest.mark.skipif(N == 1, reason="needs two ranks")
+
+#: every public name of horovod.torch 0.28 (its __init__ imports), elastic excepted (issue 10)
+HOROVOD_TORCH_NAMES = """
+Compression allgather_object broadcast_object broadcast_optimizer_state broadcast_parameters allreduce
+allreduce_async allreduce_ allreduce_async_ grouped_allreduce grouped_allreduce_async grouped_allreduce_
+grouped_allreduce_async_ sparse_allreduce_async allgather allgather_async grouped_allgather
+grouped_allgather_async broadcast broadcast_async broadcast_ broadcast_async_ alltoall alltoall_async
+reducescatter reducescatter_async grouped_reducescatter grouped_reducescatter_async join barrier poll
+synchronize init shutdown is_initialized start_timeline stop_timeline size local_size cross_size rank
+local_rank cross_rank mpi_threads_supported mpi_enabled mpi_built gloo_enabled gloo_built nccl_built
+ddl_built ccl_built cuda_built rocm_built ProcessSet global_process_set add_process_set remove_process_set
+Average Sum Adasum Min Max Product DistributedOptimizer SyncBatchNorm
+""".split()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _session():
+    hvd.init()
+    yield
+    hvd.shutdown()
+
+
+def per_rank(fn):
+    """[fn(0), ..., fn(N-1)]: every rank's input, rebuilt on each rank."""
+    return [fn(r) for r in range(N)]
+
+
+# ----------------------------------------------------------------- names and queries
+
+def test_every_horovod_torch_name_exists():
+    missing = [n for n in HOROVOD_TORCH_NAMES if not hasattr(hvd, n)]
+    assert not missing, missing
+
+
+def test_capability_queries_describe_this_build():
+    assert hvd.mpi_built() is True and hvd.mpi_enabled() is True
+    for query in (hvd.gloo_built, hvd.gloo_enabled, hvd.nccl_built, hvd.ddl_built, hvd.ccl_built,
+                  hvd.cuda_built, hvd.rocm_built):
+        assert query() is False, query.__name__
+    assert isinstance(hvd.mpi_threads_supported(), bool)
+    sizes = WORLD.allgather(hvd.local_size())
+    assert hvd.is_homogeneous() is all(s == sizes[0] for s in sizes)
+    assert list(inspect.signature(hvd.start_timeline).parameters) == ["file_path", "mark_cycles"]
+    assert list(inspect.signature(hvd.stop_timeline).parameters) == []
+    assert hvd.is_initialized() and hvd.size() == N and hvd.rank() == R
+
+
+def test_timeline_start_stop(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tl") / f"timeline{R}.json")
+    hvd.start_timeline(path, mark_cycles=True)
+    hvd.allreduce(torch.ones(2), name="parity.timeline")
+    hvd.stop_timeline()
+
+
+# ----------------------------------------------------------------- return types
+
+def test_return_types_match_horovod():
+    t = torch.arange(N * 2, dtype=torch.float32).view(N, 2) + R
+    assert isinstance(hvd.allreduce(t), torch.Tensor)
+    u = t.clone()
+    assert hvd.allreduce_(u) is u
+    h = hvd.allreduce_async(t)
+    assert isinstance(hvd.poll(h), bool) and isinstance(hvd.synchronize(h), torch.Tensor)
+    assert isinstance(hvd.grouped_allreduce([t, t]), list)
+    assert isinstance(hvd.synchronize(hvd.grouped_allreduce_async([t, t])), list)
+    assert isinstance(hvd.grouped_allgather([t, t]), list)
+    assert isinstance(hvd.grouped_reducescatter([t, t]), list)
+    v = t.clone()
+    assert hvd.broadcast_(v, 0) is v
+    out = hvd.alltoall(t)
+    assert isinstance(out, torch.Tensor)  # without splits: the tensor alone
+    out, recv = hvd.alltoall(t, splits=[1] * N)
+    assert recv.dtype == torch.int32 and recv.tolist() == [1] * N
+    out, recv = hvd.alltoall(t, splits=torch.ones(N, dtype=torch.int64))
+    assert recv.dtype == torch.int64  # the splits' own dtype
+    res = hvd.synchronize(hvd.alltoall_async(t))
+    assert isinstance(res, tuple) and len(res) == 2 and res[1].dtype == torch.int32
+    assert hvd.barrier() is None
+    assert isinstance(hvd.reducescatter(t), torch.Tensor)
+
+
+# ----------------------------------------------------------------- allreduce
+
+@pytest.mark.parametrize("op,fn", [("Sum", np.sum), ("Average", np.mean), ("Min", np.min),
+                                   ("Max", np.max), ("Product", np.prod)])
+def test_allreduce_ops_against_numpy(op, fn):
+    inputs = per_rank(lambda r: np.arange(6, dtype=np.float64).reshape(2, 3) * (r + 1) - r)
+    out = hvd.allreduce(torch.from_numpy(inputs[R]), op=getattr(hvd, op), prescale_factor=0.5,
+                        postscale_factor=3.0)
+    np.testing.assert_allclose(out.numpy(), 3.0 * fn([0.5 * x for x in inputs], axis=0), rtol=1e-12)
+
+
+def test_deprecated_average_flag():
+    t = torch.full((2,), float(R))
+    torch.testing.assert_close(hvd.allreduce(t, average=False), torch.full((2,), float(sum(range(N)))))
+    torch.testing.assert_close(hvd.allreduce(t, average=True), torch.full((2,), (N - 1) / 2))
+    with pytest.raises(ValueError):
+        hvd.allreduce(t, average=True, op=hvd.Sum)
+
+
+def test_allreduce_of_sparse_tensor_is_refused():
+    s = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.tensor([1.0]), (3,))
+    with pytest.raises(ValueError, match="sparse"):
+        hvd.allreduce(s)
+
+
+def test_sparse_allreduce_async_gathers_and_averages():
+    def sparse(r):
+        return torch.sparse_coo_tensor(torch.tensor([[r % 4, (r + 1) % 4]]), torch.tensor([r + 1.0, 10.0]), (4,))
+
+    for op, scale in ((hvd.Average, 1.0 / N), (hvd.Sum, 1.0)):
+        h = hvd.sparse_allreduce_async(sparse(R), name=f"parity.sparse.{op!r}", op=op)
+        out = h()  # Horovod's handle is called
+        assert out.is_sparse and out.shape == (4,) and out._nnz() == 2 * N
+        expect = sum(sparse(r).to_dense() for r in range(N)) * scale
+        torch.testing.assert_close(out.to_dense(), expect)
+        torch.testing.assert_close(hvd.synchronize(h).to_dense(), expect)
+    with pytest.raises(ValueError, match="sparse COO"):
+        hvd.sparse_allreduce_async(torch.ones(2), "parity.dense", hvd.Average)
+
+
+def test_grouped_allreduce_is_differentiable():
+    xs = [torch.ones(3, requires_grad=True), torch.ones(2, 2, requires_grad=True)]
+    outs = hvd.grouped_allreduce(xs, op=hvd.Sum)
+    (outs[0] * (R + 1)).sum().backward(retain_graph=True)
+    (outs[1] * 2 * (R + 1)).sum().backward()
+    total = float(sum(r + 1 for r in range(N)))
+    torch.testing.assert_close(xs[0].grad, torch.full((3,), total))
+    torch.testing.assert_close(xs[1].grad, torch.full((2, 2), 2 * total))
+
+
+# ----------------------------------------------------------------- gradients (Horovod: averaged)
+
+def test_allgather_gradient_is_my_slice_of_the_average():
+    rows = per_rank(lambda r: r + 1)
+    total = sum(rows)
+    weights = per_rank(lambda r: np.arange(total * 2, dtype=np.float64).reshape(total, 2) * (r + 1))
+    x = torch.ones(rows[R], 2, dtype=torch.float64, requires_grad=True)
+    (hvd.allgather(x) * torch.from_numpy(weights[R])).sum().backward()
+    start = sum(rows[:R])
+    np.testing.assert_allclose(x.grad.numpy(), np.mean(weights, axis=0)[start:start + rows[R]])
+
+
+def test_grouped_allgather_gradient():
+    rows = per_rank(lambda r: r + 2)
+    total = sum(rows)
+    xs = [torch.ones(rows[R], 3, requires_grad=True), torch.ones(rows[R], requires_grad=True)]
+    outs = hvd.grouped_allgather(xs)
+    assert [o.shape[0] for o in outs] == [total, total]
+    w = per_rank(lambda r: np.arange(total, dtype=np.float32) * (r + 1))
+    (outs[0] * torch.from_numpy(w[R])[:, None]).sum().backward(retain_graph=True)
+    (outs[1] * torch.from_numpy(w[R])).sum().backward()
+    start = sum(rows[:R])
+    mine = np.mean(w, axis=0)[start:start + rows[R]]
+    np.testing.assert_allclose(xs[0].grad.numpy(), np.repeat(mine[:, None], 3, axis=1), rtol=1e-6)
+    np.testing.assert_allclose(xs[1].grad.numpy(), mine, rtol=1e-6)
+
+
+@pytest.mark.parametrize("root", [0, N - 1])
+def test_broadcast_gradient_is_the_average_on_the_root(root):
+    x = torch.ones(3, requires_grad=True)
+    (hvd.broadcast(x, root_rank=root) * (R + 1)).sum().backward()
+    expect = np.mean([r + 1.0 for r in range(N)]) if R == root else 0.0
+    np.testing.assert_allclose(x.grad.numpy(), np.full(3, expect), rtol=1e-6)
+
+
+@pytest.mark.parametrize("op_name", ["Sum", "Average"])
+def test_reducescatter_gradient(op_name):
+    op = getattr(hvd, op_name)
+    x = torch.ones(2 * N, 3, dtype=torch.float64, requires_grad=True)
+    (hvd.reducescatter(x, op=op, prescale_factor=0.5, postscale_factor=4.0) * (R + 1)).sum().backward()
+    factor = (N if op_name == "Sum" else 1) * 0.5 * 4.0
+    expect = np.concatenate([np.full((2, 3), (r + 1) * factor) for r in range(N)])
+    np.testing.assert_allclose(x.grad.numpy(), expect)
+
+
+def test_grouped_reducescatter_values_and_gradient():
+    inputs = per_rank(lambda r: np.arange(4 * N, dtype=np.float64).reshape(2 * N, 2) + r)
+    xs = [torch.from_numpy(inputs[R]).clone().requires_grad_(True) for _ in range(2)]
+    outs = hvd.grouped_reducescatter(xs, op=hvd.Sum)
+    np.testing.assert_allclose(outs[0].detach().numpy(), np.sum(inputs, axis=0)[2 * R:2 * R + 2])
+    (outs[0] * (R + 1)).sum().backward(retain_graph=True)
+    outs[1].sum().backward()
+    np.testing.assert_allclose(xs[0].grad.numpy(),
+                               np.concatenate([np.full((2, 2), (r + 1.0) * N) for r in range(N)]))
+    np.testing.assert_allclose(xs[1].grad.numpy(), np.full((2 * N, 2), float(N)))
+
+
+def test_alltoall_gradient_goes_back():
+    x = torch.ones(N, requires_grad=True)
+    (hvd.alltoall(x) * (R + 1)).sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), [r + 1.0 for r in range(N)])
+
+
+# ----------------------------------------------------------------- reducescatter rows
+
+@pytest.mark.parametrize("op_name,fn", [("Sum", np.sum), ("Average", np.mean)])
+def test_reducescatter_values_with_factors(op_name, fn):
+    inputs = per_rank(lambda r: np.arange(6 * N, dtype=np.float32).reshape(3 * N, 2) * (r + 1))
+    out = hvd.reducescatter(torch.from_numpy(inputs[R]), op=getattr(hvd, op_name), prescale_factor=2.0,
+                            postscale_factor=0.25)
+    expect = 0.25 * fn([2.0 * x for x in inputs], axis=0)[3 * R:3 * R + 3]
+    np.testing.assert_allclose(out.numpy(), expect, rtol=1e-6)
+
+
+def test_reducescatter_scalar_input_raises_everywhere():
+    with pytest.raises(ValueError, match="at least one dimension"):
+        hvd.reducescatter(torch.tensor(float(R)))
+
+
+@multi
+def test_reducescatter_type_mismatch_raises_everywhere():
+    t = torch.ones(N, 2, dtype=torch.float32 if R == 0 else torch.float64)
+    with pytest.raises(RuntimeError):  # Horovod: HorovodInternalError, a RuntimeError
+        hvd.reducescatter(t, name="parity.rs.mismatch")
+
+
+# ----------------------------------------------------------------- compression
+
+def test_fp16_compression_on_torch_tensors():
+    t = torch.arange(6, dtype=torch.float64).view(2, 3) + R
+    c, ctx = hvd.Compression.fp16.compress(t)
+    assert isinstance(c, torch.Tensor) and c.dtype == torch.float16
+    back = hvd.Compression.fp16.decompress(c, ctx)
+    assert isinstance(back, torch.Tensor) and back.dtype == torch.float64
+    i, ictx = hvd.Compression.fp16.compress(torch.ones(2, dtype=torch.int32))
+    assert i.dtype == torch.int32 and hvd.Compression.fp16.decompress(i, ictx).dtype == torch.int32
+    x = t.clone().float().requires_grad_(True)
+    out = hvd.allreduce(x, op=hvd.Sum, compression=hvd.Compression.fp16)
+    assert out.dtype == torch.float32
+    np.testing.assert_allclose(out.detach().numpy(), sum(np.arange(6.0).reshape(2, 3) + r for r in range(N)))
+    out.sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), np.full((2, 3), float(N)))
+    rs = hvd.reducescatter(torch.ones(N, 2), op=hvd.Sum, compression=hvd.Compression.fp16)
+    assert rs.dtype == torch.float32 and torch.all(rs == N)
+
+
+# ----------------------------------------------------------------- duplicate names
+
+@multi
+@pytest.mark.parametrize("kind", ["allreduce", "allgather", "broadcast", "reducescatter"])
+def test_duplicate_pending_name_raises_value_error_at_once(kind):
+    t = torch.ones(N, 2)
+    submit = {
+        "allreduce": lambda name: hvd.allreduce_async(t, name=name),
+        "allgather": lambda name: hvd.allgather_async(t, name=name),
+        "broadcast": lambda name: hvd.broadcast_async(t, 0, name=name),
+        "reducescatter": lambda name: hvd.reducescatter_async(t, name=name),
+    }[kind]
+    name = f"parity.dup.{kind}"
+    if R == 0:  # the other ranks have not submitted it yet: it is pending here
+        first = submit(name)
+        with pytest.raises(ValueError):
+            submit(name)
+    hvd.barrier()
+    if R != 0:
+        first = submit(name)
+    hvd.synchronize(first)
+
+
+# ----------------------------------------------------------------- process sets
+
+def _sets():
+    even = [r for r in range(N) if r % 2 == 0]
+    odd = [r for r in range(N) if r % 2 == 1] or [0]
+    return even, odd
+
+
+def test_process_sets_in_every_op():
+    even, odd = _sets()
+    ps_even, ps_odd = hvd.add_process_set(even), hvd.add_process_set(hvd.ProcessSet(odd))
+    mine = ps_even if R in even else ps_odd
+    members = even if R in even else odd
+    assert mine.included() and mine.size() == len(members) and mine.rank() == members.index(R)
+    t = torch.full((len(members) * 2, 2), float(R))
+    torch.testing.assert_close(hvd.allreduce(t, op=hvd.Sum, process_set=mine),
+                               torch.full_like(t, float(sum(members))))
+    gathered = hvd.allgather(torch.full((1,), float(R)), process_set=mine)
+    assert gathered.tolist() == [float(m) for m in members]
+    for root in members:  # root_rank is a global rank, as in Horovod
+        torch.testing.assert_close(hvd.broadcast(t, root, process_set=mine), torch.full_like(t, float(root)))
+    rs = hvd.reducescatter(t, op=hvd.Average, process_set=mine, postscale_factor=2.0)
+    torch.testing.assert_close(rs, torch.full((2, 2), 2.0 * float(np.mean(members))))
+    grs = hvd.grouped_reducescatter([t, t], op=hvd.Sum, process_set=mine)
+    torch.testing.assert_close(grs[1], torch.full((2, 2), float(sum(members))))
+    out = hvd.alltoall(torch.arange(len(members), dtype=torch.float32), process_set=mine)
+    assert out.tolist() == [float(members.index(R))] * len(members)
+    hvd.barrier(process_set=mine)
+    g = torch.full((3,), float(R))
+    torch.testing.assert_close(hvd.allreduce(g, op=hvd.Sum, process_set=hvd.global_process_set),
+                               torch.full_like(g, float(sum(range(N)))))
+    x = torch.ones(1, requires_grad=True)
+    (hvd.allgather(x, process_set=mine) * 2).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((1,), 2.0))
+    with pytest.raises(ValueError, match="not a member"):
+        hvd.broadcast(t, root_rank=next(r for r in range(N + 1) if r not in members), process_set=mine)
+    assert hvd.remove_process_set(hvd.global_process_set) is False
+    assert hvd.remove_process_set(ps_even) is True and hvd.remove_process_set(ps_odd) is True
+    with pytest.raises(ValueError):
+        hvd.allreduce(t, process_set=mine)
+
+
+@multi
+def test_non_member_gets_value_error():
+    ps = hvd.add_process_set([0])
+    if R != 0:
+        with pytest.raises(ValueError, match="not a member"):
+            hvd.allreduce(torch.ones(2), process_set=ps)
+    else:
+        torch.testing.assert_close(hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=ps), torch.ones(2))
+    hvd.barrier()  # the next test shuts down: rank 0's set-only allreduce must be done everywhere first
+    hvd.remove_process_set(ps)
+
+
+def test_init_with_process_sets_and_dynamic():
+    hvd.barrier()  # every rank is done with the previous tests' collectives before any shuts down
+    hvd.shutdown()
+    first = hvd.ProcessSet(range(N))
+    hvd.init(process_sets=[first])
+    assert first.process_set_id is not None
+    torch.testing.assert_close(hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=first),
+                               torch.full((2,), float(N)))
+    hvd.shutdown()
+    hvd.init(process_sets="dynamic")
+    late = hvd.add_process_set(list(range(N)))
+    torch.testing.assert_close(hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=late),
+                               torch.full((2,), float(N)))
+
+
+# ----------------------------------------------------------------- Adasum
+
+def test_adasum_against_the_numpy_tree():
+    inputs = per_rank(lambda r: np.random.default_rng(r).standard_normal((5, 3)))
+    if N & (N - 1):  # Horovod: NotImplementedError at np=3
+        with pytest.raises(NotImplementedError, match="non-power of 2"):
+            hvd.allreduce(torch.from_numpy(inputs[R]), op=hvd.Adasum)
+        return
+    x = torch.from_numpy(inputs[R]).clone().requires_grad_(True)
+    out = hvd.allreduce(x, op=hvd.Adasum)
+    np.testing.assert_allclose(out.detach().numpy(), adasum.reference(inputs), rtol=1e-10)
+    everyone = WORLD.allgather(out.detach().numpy())
+    assert all(np.array_equal(e, everyone[0]) for e in everyone)
+    grouped = hvd.grouped_allreduce([x.detach(), 2 * x.detach()], op=hvd.Adasum)
+    np.testing.assert_allclose(grouped[1].numpy(), adasum.reference([2 * v for v in inputs]), rtol=1e-10)
+    if N > 1:
+        with pytest.raises(NotImplementedError, match="process sets"):
+            hvd.allreduce(x, op=hvd.Adasum, process_set=hvd.add_process_set([0, 1]))
+
+
+
+# ----------------------------------------------------------------- DistributedOptimizer and functions
+
+def _linear(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+
+
+def _batch(r: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + r)
+    return torch.randn(3, 4, generator=g), torch.randn(3, 1, generator=g)
+
+
+def _train_matches_global_batch(model, opt, steps=2, lr=0.1):
+    ref = _linear(0)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    for step in range(steps):
+        x, y = _batch(R, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        sum(torch.nn.functional.mse_loss(ref(_batch(r, step)[0]), _batch(r, step)[1]) for r in range(N)).div(
+            N).backward()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_optimizer_without_named_parameters_and_horovod_attributes():
+    model = _linear(0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    names = opt._parameter_names  # Horovod's map, which user code reads
+    assert set(names) == set(model.parameters()) and len(set(names.values())) == 4
+    assert opt.backward_passes_per_step == 1 and opt.op == hvd.Average
+    assert opt.gradient_predivide_factor == 1.0 and opt.sparse_as_dense is False
+    opt.set_backward_passes_per_step(1)
+    _train_matches_global_batch(model, opt)
+
+
+def test_optimizer_with_torch_compile():
+    model = _linear(0)
+    compiled = torch.compile(model, backend="aot_eager")
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    _train_matches_global_batch(compiled, opt)
+
+
+def test_optimizer_sparse_gradients_with_sparse_adam():
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(8, 3, sparse=True)
+    ref = torch.nn.Embedding(8, 3, sparse=True)
+    ref.load_state_dict(emb.state_dict())
+    opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(list(emb.parameters()), lr=0.1),
+                                   named_parameters=emb.named_parameters())
+    ref_opt = torch.optim.SparseAdam(list(ref.parameters()), lr=0.1)
+    ids = per_rank(lambda r: torch.tensor([r % 8, (r + 3) % 8]))
+    for _ in range(2):
+        opt.zero_grad()
+        emb(ids[R]).sum().backward()
+        opt.step()
+        ref_opt.zero_grad()
+        (sum(ref(i).sum() for i in ids) / N).backward()
+        ref_opt.step()
+    torch.testing.assert_close(emb.weight, ref.weight, rtol=1e-5, atol=1e-6)
+
+
+def test_optimizer_adasum():
+    model = _linear(0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), op=hvd.Adasum)
+    start = [p.detach().clone() for p in model.parameters()]
+    x, y = _batch(R, 0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    if N & (N - 1):
+        with pytest.raises(NotImplementedError, match="non-power of 2"):
+            opt.step()
+        return
+    opt.step()
+    deltas = []
+    for r in range(N):  # every rank's local SGD change, rebuilt here
+        local = _linear(0)
+        xr, yr = _batch(r, 0)
+        torch.nn.functional.mse_loss(local(xr), yr).backward()
+        deltas.append([-0.1 * p.grad.numpy() for p in local.parameters()])
+    for i, (p, s) in enumerate(zip(model.parameters(), start, strict=True)):
+        expect = s.numpy() + adasum.reference([d[i] for d in deltas])
+        np.testing.assert_allclose(p.detach().numpy(), expect, rtol=1e-5, atol=1e-6)
+
+
+def test_broadcast_parameters_and_state_with_frozen_and_gradless_parameters():
+    model = _linear(R)
+    model[0].weight.requires_grad_(False)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_parameters(list(model.named_parameters()), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)  # fresh optimizer: no state, no gradients
+    dopt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    x, y = _batch(R, 0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    dopt.step()
+    hvd.broadcast_optimizer_state(dopt, root_rank=0)
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()]).numpy()
+    assert all(np.array_equal(e, flat) for e in WORLD.allgather(flat))
+
+
+# ----------------------------------------------------------------- deliberate differences; join (last)
+
+@multi
+def test_integer_average_has_no_overflow():
+    big = np.iinfo(np.int32).max
+    t = torch.tensor([1 + R, -1 - R, big], dtype=torch.int32)
+    out = hvd.allreduce(t, op=hvd.Average)
+    expect = np.trunc(np.mean([[1 + r, -1 - r, big] for r in range(N)], axis=0)).astype(np.int32)
+    assert out.dtype == torch.int32 and out.tolist() == expect.tolist()  # Horovod's int32 sum would wrap
+
+
+@multi
+@pytest.mark.parametrize("kind", ["allgather", "broadcast"])
+def test_join_then_allgather_or_broadcast_raises(kind):
+    t = torch.ones(2, 2)
+    if R == 0:
+        last = hvd.join()  # Horovod: the joined rank's join() returns the last rank to join
+    else:
+        with pytest.raises(RuntimeError):  # Horovod: HorovodInternalError, a RuntimeError
+            hvd.allgather(t, name=f"parity.join.{kind}") if kind == "allgather" else hvd.broadcast(
+                t, 1, name=f"parity.join.{kind}")
+        last = hvd.join()
+    assert isinstance(last, int) and 0 <= last < N

@@ -1,0 +1,117 @@
+"""Engine pieces that need no MPI: the negotiation wire records and the files the engine writes."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+from unison.common.config import Config
+from unison.common.engine import controller, handles
+from unison.common.engine.autotune import Autotuner
+from unison.common.engine.errors import ShutdownError
+from unison.common.engine.handles import Handle
+from unison.common.engine.requests import Kind, Request, Signature
+from unison.common.engine.timeline import Timeline
+
+
+def _request(name: str, kind: Kind, array: np.ndarray, **fields) -> Request:
+    return Request(name, kind, array, Handle(name), **fields)
+
+
+def test_signature_is_a_named_record():
+    sig = _request("x", Kind.ALLGATHER, np.ones((3, 2), np.float32)).signature()
+    assert isinstance(sig, Signature)
+    assert (sig.kind, sig.shape, sig.op, sig.root, sig.error, sig.algorithm) == (
+        Kind.ALLGATHER, (2,), -1, -1, "", "auto")
+    bad = _request("y", Kind.BROADCAST, np.ones(2), error="V:root_rank=9 is out of range").signature()
+    assert bad.error.startswith("V:") and bad.dtype == -1
+
+
+def test_announcement_round_trips_as_plain_data():
+    entries = [
+        ("grad/ü.0", _request("a", Kind.ALLREDUCE, np.ones((4, 5)), op=1, prescale=0.1,
+                                postscale=1 / 3).signature(), 4),
+        ("bc", _request("b", Kind.BROADCAST, np.ones(()), root=1).signature(), 0),
+        ("err", _request("c", Kind.ALLTOALL, np.ones(1), error="T:bad dtype").signature(), 1),
+    ]
+    raw = controller.encode_announcement(entries, joined=True)
+    json.loads(raw)  # plain JSON, nothing executable
+    back, joined = controller.decode_announcement(raw, rank=3)
+    assert joined is True and back == entries
+    assert all(isinstance(sig, Signature) and isinstance(sig.shape, tuple) for _, sig, _ in back)
+
+
+class _Exploit:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))  # creating the file proves the payload ran
+
+
+def test_a_pickled_announcement_is_refused_not_run(tmp_path):
+    marker = tmp_path / "payload-ran"
+    raw = pickle.dumps(([("x", _Exploit(str(marker)), 0)], False))
+    with pytest.raises(ValueError, match="rank 1"):
+        controller.decode_announcement(raw, rank=1)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("raw", [b'[true, [["a", 1]]]', b'{"a": 1}', b'[1, []]',
+                                 b'[false, [["a", 0, 1, 7, "x", -1, -1, 1.0, 1.0, "", "auto"]]]'])
+def test_a_malformed_announcement_names_the_rank(raw):
+    with pytest.raises(ValueError, match="from rank 2"):
+        controller.decode_announcement(raw, rank=2)
+
+
+def test_timeline_does_not_follow_a_planted_symlink(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    path = tmp_path / "timeline.json"
+    os.symlink(victim, str(path) + ".tmp")
+    tl = Timeline()
+    tl.start(str(path))
+    tl.begin("t", "ALLREDUCE")
+    tl.end("t", "ALLREDUCE")
+    tl.stop()
+    assert victim.read_text() == "keep"
+    assert {e["name"] for e in json.loads(path.read_text())} >= {"ALLREDUCE", "thread_name"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["timeline.json", "timeline.json.tmp", "victim.txt"]
+
+
+@pytest.mark.parametrize("planted", ["tune.csv.tmp", "tune.csv"])
+def test_autotune_log_never_writes_through_a_planted_symlink(tmp_path, planted):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    os.symlink(victim, tmp_path / planted)
+    log = tmp_path / "tune.csv"
+    tuner = Autotuner(Config(autotune=True, autotune_log=str(log)), rank=0)
+    tuner.index = 0  # past the warm-up: each scored sample is a row
+    for rate in (1e6, 2e6):
+        tuner._score(rate, 1 << 20, 0.5)
+    tuner.close()
+    assert victim.read_text() == "keep"
+    assert not log.is_symlink()
+    rows = list(csv.DictReader(log.open()))
+    assert [float(r["bytes_per_s"]) for r in rows] == [1e6, 2e6]
+
+
+class _GoneEngine:
+    def alive(self) -> bool:
+        return False
+
+    def exit_error(self) -> BaseException:
+        return ShutdownError("the engine thread has ended")
+
+
+def test_wait_raises_when_its_engine_thread_is_gone(monkeypatch):
+    monkeypatch.setattr(handles, "LIVENESS_S", 0.05)
+    handle = Handle("orphan")
+    handle._engine = _GoneEngine()  # as Engine.submit records it
+    with pytest.raises(ShutdownError, match="has ended"):
+        handle.wait(timeout=5)

@@ -1,0 +1,13 @@
+"""horovod.tensorflow(.keras) parity, part 2 (docs/horovod-tf-rows2.md) under real mpirun at 2 and 3 ranks."""
+
+from __future__ import annotations
+
+import pytest
+from harness import run_rank_suite
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_tf_parity2(np_, tmp_path):
+    run_rank_suite(np_, "mpi_tf_parity2.py", tmp_path, timeout=600, extra_env={"TEST_HANG_DUMP_S": "540"})

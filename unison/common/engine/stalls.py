@@ -1,0 +1,106 @@
+"""The stall inspector: names tensors some ranks submitted and others did not, for too long.
+
+When the oldest pending request of a process set is older than
+``UNISON_STALL_CHECK_TIME_SECONDS`` (or ``UNISON_STALL_SHUTDOWN_TIME_SECONDS``), the
+rank raises ``FLAG_STALL_CHECK`` in its next negotiation; every rank of the set then
+runs :func:`stall_round` in the same cycle: one all-gather of every rank's pending
+names and their ages (JSON: controller [Note: wire records]). Every rank receives the
+same data and judges it the same way, so no decision needs broadcasting. Rank 0 logs
+the report. Past the shutdown time, every rank fails its pending handles of the set
+with :class:`StallError`, logs why, and remembers the stalled names it never
+submitted: its own late submission of such a name then fails at once with the same
+message instead of waiting for ranks that have moved on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from unison.common.config import Config
+from unison.common.engine.controller import FLAG_STALL_CHECK, Controller, allgather_bytes
+from unison.common.engine.errors import StallError
+
+__all__ = ["stall_flags", "stall_round"]
+
+logger = logging.getLogger(__name__)
+
+
+def stall_flags(ctl: Controller, cfg: Config, last_report: float) -> int:
+    """``FLAG_STALL_CHECK`` when this rank's oldest pending request is due a check, else 0."""
+    if cfg.stall_check_disable or not ctl.pending:
+        return 0
+    limit = cfg.stall_check_time_seconds
+    if cfg.stall_shutdown_time_seconds:
+        limit = min(limit, cfg.stall_shutdown_time_seconds) if limit else cfg.stall_shutdown_time_seconds
+    if not limit:
+        return 0
+    now = time.monotonic()
+    oldest = min(req.submitted for req in ctl.pending.values())
+    if now - oldest >= limit and now - last_report >= limit:
+        return FLAG_STALL_CHECK
+    return 0
+
+
+def stall_round(ctl: Controller, mpi: Any, cfg: Config) -> str | None:
+    """Collective over the set: judge stalls alike on every rank; fail them past the shutdown time.
+
+    Returns:
+        The failure message when the set's pending handles were failed, else None.
+    """
+    now = time.monotonic()
+    mine = [{name: now - req.submitted for name, req in ctl.pending.items()}, ctl.joined_ranks]
+    everyone = [_decode(raw, r) for r, raw in
+                enumerate(allgather_bytes(ctl.comm, mpi, json.dumps(mine).encode()))]
+    verdict = _judge(everyone, ctl.size, cfg, log=ctl.rank == 0)
+    if verdict is None:
+        return None
+    message, missing = verdict
+    ctl.fail_all(StallError(message))
+    ctl.mark_stalled({name: message for name, ranks in missing.items() if ctl.rank in ranks})
+    logger.error("[unison rank %d] the stall inspector failed the pending collectives of every rank "
+                 "(process set %d): %s", ctl.rank, ctl.set_id, message)
+    return message
+
+
+def _decode(raw: bytes, rank: int) -> tuple[dict[str, float], list[int]]:
+    try:
+        pending, joined = json.loads(raw)
+        if not (isinstance(pending, dict) and isinstance(joined, list)):
+            raise ValueError("expected [pending, joined]")
+        return {str(k): float(v) for k, v in pending.items()}, [int(r) for r in joined]
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"malformed stall report from rank {rank} ({exc}): every rank must run the "
+                         "same Unison version") from None
+
+
+def _judge(everyone: list[tuple[dict[str, float], list[int]]], size: int, cfg: Config,
+           log: bool) -> tuple[str, dict[str, list[int]]] | None:
+    """(message, {stalled name: ranks missing it}) when past the shutdown time, else None."""
+    ages: dict[str, float] = {}
+    have: dict[str, set[int]] = {}
+    joined = set(everyone[0][1])
+    for r, (pending, _) in enumerate(everyone):
+        for name, age in pending.items():
+            ages[name] = max(ages.get(name, 0.0), age)
+            have.setdefault(name, set()).add(r)
+    lines, missing = [], {}
+    worst = 0.0
+    for name in sorted(have, key=lambda k: (-ages[k], k)):
+        absent = [r for r in range(size) if r not in have[name] and r not in joined]
+        if absent and ages[name] >= (cfg.stall_check_time_seconds or ages[name]):
+            lines.append(f"{name!r} (waiting {ages[name]:.1f} s) missing on rank(s) {absent}")
+            missing[name] = absent
+            worst = max(worst, ages[name])
+    if not lines:
+        return None
+    report = "; ".join(lines)
+    if log:
+        logger.warning("[unison rank 0] stalled collectives: %s. Some ranks submitted these tensors and "
+                       "others have not: check that every rank runs the same collectives.", report)
+    if cfg.stall_shutdown_time_seconds and worst >= cfg.stall_shutdown_time_seconds:
+        return (f"stalled for more than UNISON_STALL_SHUTDOWN_TIME_SECONDS="
+                f"{cfg.stall_shutdown_time_seconds:g} s: {report}"), missing
+    return None

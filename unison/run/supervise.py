@@ -1,0 +1,207 @@
+"""Run ``mpirun`` to its end: forward stop signals, make sure they stop it, name the failed rank.
+
+[Note: stopping a job]
+``unisonrun`` forwards SIGINT, SIGTERM and SIGHUP to ``mpirun``, which then kills every rank
+(measured: under half a second for ranks sleeping, in a barrier, or spinning in
+``MPI_Finalize``) and exits non-zero. The forwarding handlers are installed *before* ``mpirun``
+starts, so a signal that arrives while it is starting is not lost. If ``mpirun`` is still
+running ``FORCE_AFTER_S`` seconds after the first signal, the signal is sent again (Open MPI
+takes a second SIGINT/SIGTERM as "terminate forcibly"); after ``KILL_AFTER_S`` seconds
+``mpirun`` and every process below it get SIGKILL, so no rank outlives the launcher's exit.
+``unisonrun`` then exits with ``128 + signal number``, as a shell reports a job ended by that
+signal.
+
+``mpirun`` shares the launcher's process group, so a Ctrl-C typed in a terminal reaches it
+twice (directly and forwarded), which Open MPI takes as the forcible stop: same outcome.
+
+``mpirun``'s stderr is copied through to ours as it comes, in whatever pieces it comes (progress
+bars included), and read by :class:`~unison.run.report.MpirunReport` on the way; see
+[Note: naming the failed rank] in ``report.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+from unison.run.report import MpirunReport
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+FORCE_AFTER_S = 5.0
+KILL_AFTER_S = 10.0
+_READ_SIZE = 1 << 16
+
+
+@dataclass
+class JobResult:
+    """How a job ended.
+
+    Attributes:
+        status: ``unisonrun``'s exit status: ``mpirun``'s, or ``128 + N`` when the job was
+            stopped by signal ``N`` sent to the launcher.
+        stop_signal: The signal that stopped the job, or ``None``.
+        report: The rank failures ``mpirun`` reported.
+    """
+
+    status: int
+    stop_signal: int | None = None
+    report: MpirunReport = field(default_factory=MpirunReport)
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children first), read from ``/proc``; empty without it."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path("/proc", entry, "stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(entry))
+    found, queue = [], list(children.get(pid, []))
+    while queue:
+        child = queue.pop(0)
+        found.append(child)
+        queue += children.get(child, [])
+    return found
+
+
+class _Stopper:
+    """Forwards stop signals to ``mpirun`` and escalates when it does not end; see [Note: stopping a job]."""
+
+    def __init__(self, force_after_s: float, kill_after_s: float) -> None:
+        self.process: subprocess.Popen[bytes] | None = None
+        self.signum: int | None = None
+        self._since = 0.0
+        self._stages = [(force_after_s, self._force), (kill_after_s, self._kill)]
+        self._poll_s = 1.0  # how often to look for a stop: a handler cannot cut a blocking wait short
+
+    def handle(self, signum: int, frame: object) -> None:
+        """Signal handler: forward ``signum`` now (or as soon as ``mpirun`` has started)."""
+        if self.signum is None:
+            self.signum, self._since = signum, time.monotonic()
+        self._send(signum)
+
+    def started(self, process: subprocess.Popen[bytes]) -> None:
+        """Takes the started ``mpirun``; passes on a signal that came while it was starting."""
+        self.process = process
+        if self.signum is not None:
+            self._send(self.signum)
+
+    def next_wakeup(self) -> float:
+        """Seconds until the next escalation is due, or until the next look for a stop signal."""
+        if self.signum is None or not self._stages:
+            return self._poll_s
+        return max(0.05, self._since + self._stages[0][0] - time.monotonic())
+
+    def escalate(self) -> None:
+        """Runs the escalations that are due."""
+        while self._stages and self.signum is not None and time.monotonic() >= self._since + self._stages[0][0]:
+            delay, action = self._stages.pop(0)
+            action(delay)
+
+    def _send(self, signum: int) -> None:
+        if self.process is not None and self.process.poll() is None:
+            logger.info("forwarding signal %d to mpirun (pid %d)", signum, self.process.pid)
+            self.process.send_signal(signum)
+
+    def _force(self, delay: float) -> None:
+        if self.signum is not None and self.process is not None and self.process.poll() is None:
+            logger.warning("mpirun is still running %g s after signal %d: sending it again to force the stop",
+                           delay, self.signum)
+            self._send(self.signum)
+
+    def _kill(self, delay: float) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        below = descendants(self.process.pid)
+        logger.warning("mpirun (pid %d) is still running %g s after signal %s: killing it and the %d "
+                       "process(es) below it", self.process.pid, delay, self.signum, len(below))
+        for pid in [self.process.pid, *below]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _copy_stderr(source: BinaryIO, sink: BinaryIO | None, report: MpirunReport) -> None:
+    """Copies ``mpirun``'s stderr to ``sink`` as it arrives and feeds it to ``report``."""
+    fd = source.fileno()
+    while chunk := os.read(fd, _READ_SIZE):
+        if sink is not None:
+            try:
+                sink.write(chunk)
+                sink.flush()
+            except (OSError, ValueError):  # our stderr is gone: keep reading so mpirun never blocks
+                sink = None
+        report.feed(chunk.decode(errors="replace"))
+
+
+def _stderr_sink() -> BinaryIO | None:
+    stream = sys.stderr
+    return getattr(stream, "buffer", None) if stream is not None else None
+
+
+def run_command(command: Sequence[str], env: Mapping[str, str] | None = None, *,
+                force_after_s: float = FORCE_AFTER_S, kill_after_s: float = KILL_AFTER_S) -> JobResult:
+    """Runs ``mpirun`` (or any command) to its end; see [Note: stopping a job].
+
+    Args:
+        command: The command line to run.
+        env: Its environment; this process's when ``None``.
+        force_after_s: Seconds after the first stop signal at which it is sent again.
+        kill_after_s: Seconds after the first stop signal at which the command and every
+            process below it are killed.
+
+    Returns:
+        How the job ended.
+
+    Raises:
+        OSError: The command cannot be started.
+    """
+    stopper = _Stopper(force_after_s, kill_after_s)
+    report = MpirunReport()
+    previous = {sig: signal.signal(sig, stopper.handle) for sig in FORWARDED_SIGNALS}
+    try:
+        process = subprocess.Popen(list(command), env=None if env is None else dict(env), stderr=subprocess.PIPE)
+        stopper.started(process)
+        copier = threading.Thread(target=_copy_stderr, args=(process.stderr, _stderr_sink(), report),
+                                  name="unisonrun-stderr", daemon=True)
+        copier.start()
+        status = _wait(process, stopper)
+        copier.join(timeout=5.0)  # a rank that outlived mpirun may hold the pipe open: don't wait for it
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    status = 128 - status if status < 0 else status
+    if stopper.signum is not None and status != 0:
+        status = 128 + stopper.signum
+    return JobResult(status, stopper.signum, report)
+
+
+def _wait(process: subprocess.Popen[bytes], stopper: _Stopper) -> int:
+    """Waits for ``process``, running the stopper's escalations while a stop is pending."""
+    while True:
+        try:
+            return process.wait(timeout=stopper.next_wakeup())
+        except subprocess.TimeoutExpired:
+            stopper.escalate()

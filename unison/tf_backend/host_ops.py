@@ -1,0 +1,335 @@
+"""Collectives as TensorFlow ops that no graph can deadlock: a submit and a collect per op.
+
+Why not one blocking host callback per op: a ``tf.numpy_function`` that waits for
+its collective holds a TensorFlow inter-op thread. Build twenty independent
+``allreduce`` ops into one ``tf.function`` and evaluate them at once (Horovod
+fuses exactly such graphs): rank 0's only thread blocks inside op 3 while rank 1's
+blocks inside op 17, each waiting for a peer that never submits. Horovod avoids it
+with asynchronous C++ kernels; we have host callbacks, so (as UnisonStrategy does,
+see ``strategy.py``) every op is split in two:
+
+* **submit** (``_submit``): hands the arrays to the engine and returns at once
+  with a key. It is stateful but marked to run independently of tf.function's
+  program-order chain of stateful ops, so it runs as soon as its inputs exist.
+* **collect** (``_collect``): waits for the key's result. Collects stay in the
+  program-order chain.
+
+[Note: collects wait for every submit they can]
+A submit alone is not enough: with one inter-op thread, TensorFlow runs a
+collect as soon as its own submit finished, before other ready submits, and
+blocks. So when a submit S is built, every earlier collect C of the same graph
+that S cannot depend on gets a control input from S: no collect starts while a
+submit it could wait for has not run. (Older submits come first anyway: each
+submit's collect is built right after it, and collects run in program order; in
+a graph without that chain, a TF1 graph, each collect gets them as control
+inputs.)
+
+"Cannot depend" must hold in the final graph, after tf.function's automatic
+control dependencies (ACD) add their edges, which do not exist yet when S is
+built: stateful ops without resource inputs are chained in program order (so
+such an op may wait for any older op, C included), and a resource's users are
+ordered after its older users. ``_taint(op)`` is the
+newest chained op among op and everything it waits for, following the resource
+rule too; S can come to wait for C only if ``_taint(S)`` is C or newer, so S gets
+the edge to C only when ``_taint(S) < C``'s id, which also rules out cycles.
+(Conservative: a submit fed by a stateful op created after C is not waited for,
+so with fewer inter-op threads than such collects a graph could still stall;
+tests/mpi/mpi_tf_parity.py covers the usual shapes: independent ops, chains,
+variable writes then reads, gradients.)
+
+Errors are raised as the ``tf.errors`` class Horovod's kernels report: ranks
+that disagree (shape, dtype, root, op) -> ``FailedPreconditionError``, a bad
+argument -> ``InvalidArgumentError``; eagerly and in graphs alike (see
+:func:`to_tf_error`).
+
+[Note: error classes from graphs]
+A host callback cannot choose its op's status code: TensorFlow turns any
+exception but ValueError/TypeError (InvalidArgument), NotImplementedError,
+IndexError/StopIteration and MemoryError into ``UnknownError``. So in a graph the
+collect raises :class:`_GraphOpError`, whose message ends with a marker naming
+the wanted code, and :func:`_unknown_error_init` (installed as
+``tf.errors.UnknownError.__init__``, which every path that reports a failed op
+calls, from C++ or Python) turns such an ``UnknownError`` into the class the
+marker names, without the marker. Other errors are untouched.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.framework import errors_impl
+
+from unison.common.dtypes import SUPPORTED_DTYPES
+from unison.common.engine import engine as _engine_errors
+from unison.common.engine.engine import DuplicateNameError, ShutdownError
+from unison.common.exceptions import CollectiveError, InvalidArgumentError, NotInitializedError
+
+__all__ = ["run", "Many", "to_tf_error", "to_wire", "from_wire"]
+
+#: ``start(*arrays) -> (handle, finish)``; ``finish(result) -> list of output arrays``
+Start = Callable[..., tuple[Any, Callable[[Any], list[np.ndarray]]]]
+
+_lock = threading.Lock()  # callbacks run on several TensorFlow threads
+_pending: dict[int, tuple[Any, Callable[[Any], list[np.ndarray]] | None, BaseException | None]] = {}
+_keys = itertools.count(1)
+_collects: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+_taints: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
+_submits: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+
+
+# ----------------------------------------------------------------------------- errors
+def to_tf_error(exc: BaseException) -> tf.errors.OpError:
+    """The ``tf.errors`` exception Horovod's kernel reports for ``exc``.
+
+    Horovod reports every error the coordinator finds across ranks (mismatched
+    shapes, dtypes, roots, ops, a broadcast or allgather while a rank joined) as
+    ``FailedPreconditionError``; argument errors found locally as
+    ``InvalidArgumentError``. A Unison exception comes back as an instance of both
+    classes (``except hvd.MismatchError`` keeps working).
+    """
+    if isinstance(exc, tf.errors.OpError):
+        return exc
+    join_error = getattr(_engine_errors, "JoinError", ())
+    if isinstance(exc, join_error):
+        cls: type[tf.errors.OpError] = tf.errors.FailedPreconditionError
+    elif isinstance(exc, (InvalidArgumentError, CollectiveError, DuplicateNameError)):
+        cls = tf.errors.InvalidArgumentError
+    elif isinstance(exc, NotInitializedError):
+        cls = tf.errors.FailedPreconditionError
+    elif isinstance(exc, ShutdownError):
+        cls = tf.errors.UnknownError
+    elif isinstance(exc, (ValueError, TypeError)) and not _is_unison(exc):
+        cls = tf.errors.InvalidArgumentError
+    else:  # MismatchError and the engine's other cross-rank refusals
+        cls = tf.errors.FailedPreconditionError
+    if _is_unison(exc):
+        return _both(cls, type(exc))(None, None, str(exc))
+    return cls(None, None, str(exc))
+
+
+_combined: dict[tuple[type, type], type] = {}
+
+
+def _both(tf_cls: type, unison_cls: type) -> type:
+    """A class that is ``tf_cls`` and ``unison_cls`` at once (named like ``tf_cls``)."""
+    key = (tf_cls, unison_cls)
+    if key not in _combined:
+        _combined[key] = type(tf_cls.__name__, (tf_cls, unison_cls),
+                              {"__module__": tf_cls.__module__, "__doc__": tf_cls.__doc__,
+                               "__init__": tf_cls.__init__, "__str__": tf_cls.__str__})
+    return _combined[key]
+
+
+def _is_unison(exc: BaseException) -> bool:
+    return type(exc).__module__.startswith("unison.")
+
+
+_MARK = re.compile(r" \[unison-tf-error-code=(\d+)\]")
+
+
+class _GraphOpError(Exception):
+    """Raised in a graph's host callback: carries the ``tf.errors`` code to report (see the Note)."""
+
+    def __init__(self, error: tf.errors.OpError) -> None:
+        super().__init__(f"{error.message} [unison-tf-error-code={error.error_code}]")
+
+
+_unknown_init = errors_impl.UnknownError.__init__
+
+
+def _unknown_error_init(self: Any, *args: Any, **kwargs: Any) -> None:
+    """``UnknownError.__init__``, turning a marked error into the class it names (see the Note)."""
+    _unknown_init(self, *args, **kwargs)
+    found = _MARK.search(self._message or "")  # noqa: SLF001
+    if found:
+        code = int(found.group(1))
+        self._message = self._message.replace(found.group(0), "")  # noqa: SLF001
+        self._error_code = code  # noqa: SLF001
+        self.__class__ = _reported_class(code)
+
+
+_reported: dict[int, type] = {}
+
+
+def _reported_class(code: int) -> type:
+    """The class for code ``code``, also an UnknownError: Python's exception machinery created this
+    exception as an UnknownError and insists it stays one."""
+    if code not in _reported:
+        base = errors_impl.exception_type_from_error_code(code)
+        _reported[code] = type(base.__name__, (base, errors_impl.UnknownError),
+                               {"__module__": base.__module__, "__doc__": base.__doc__})
+    return _reported[code]
+
+
+if errors_impl.UnknownError.__init__ is not _unknown_error_init and \
+        getattr(errors_impl.UnknownError.__init__, "__name__", "") != "_unknown_error_init":
+    errors_impl.UnknownError.__init__ = _unknown_error_init
+
+
+# ----------------------------------------------------------------------------- dtypes
+_WIDE_UINT16 = np.dtype(np.uint16) not in SUPPORTED_DTYPES
+
+
+def to_wire(a: np.ndarray, arithmetic: bool) -> np.ndarray:
+    """``a`` in a dtype the engine moves: uint16 (when the core lacks it) as int32 for
+    arithmetic (exact for every op) or viewed as int16 for moving bits."""
+    if _WIDE_UINT16 and a.dtype == np.uint16:
+        return a.astype(np.int32) if arithmetic else a.view(np.int16)
+    return a
+
+
+def from_wire(r: Any, dtype: np.dtype) -> np.ndarray:
+    """The engine's result ``r`` back in the caller's ``dtype`` (the inverse of :func:`to_wire`)."""
+    r = np.asarray(r)
+    if r.dtype == dtype:
+        return r
+    if dtype == np.uint16 and r.dtype == np.int16:
+        return r.view(np.uint16)
+    return r.astype(dtype)  # int32 -> uint16 wraps modulo 2**16, as uint16 arithmetic does
+
+
+# ----------------------------------------------------------------------------- submit / collect
+class Many:
+    """Several engine handles waited on as one (a ``start`` may return it as its handle)."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = handles
+
+    def wait(self) -> list[Any]:
+        return [h.wait() for h in self.handles]
+
+
+def _submit(start: Start, *arrays: np.ndarray) -> np.int64:
+    """Start a collective without waiting; returns the key :func:`_collect` takes."""
+    try:
+        handle, finish = start(*arrays)
+        entry: tuple[Any, Any, BaseException | None] = (handle, finish, None)
+    except Exception as exc:  # noqa: BLE001 - reported by the collect, in program order
+        entry = (None, None, exc)
+    with _lock:
+        key = next(_keys)
+        _pending[key] = entry
+    return np.int64(key)
+
+
+def _collect(key: Any, in_graph: bool = False) -> list[np.ndarray]:
+    """Wait for the collective submitted under ``key``; its output arrays.
+
+    Raises:
+        tf.errors.OpError: eagerly, the class Horovod reports (:func:`to_tf_error`).
+        _GraphOpError: ``in_graph``, the same, marked for :func:`_status_to_exception`.
+    """
+    with _lock:
+        handle, finish, error = _pending.pop(int(key))
+    if error is None and finish is not None:
+        try:
+            return finish(handle.wait() if handle is not None else None)
+        except Exception as exc:  # noqa: BLE001 - re-raised as the tf.errors class below
+            error = exc
+    error = error if error is not None else RuntimeError(f"collective {key} has no result")
+    if not in_graph:
+        raise to_tf_error(error) from error
+    raise _GraphOpError(to_tf_error(error)) from error
+
+
+def run(start: Start, inputs: Sequence[tf.Tensor], touts: Sequence[tf.DType],
+        shapes: Sequence[Any], name: str = "unison") -> list[tf.Tensor]:
+    """Run one collective: ``start`` on the inputs' arrays, outputs of dtypes ``touts``.
+
+    Eagerly it submits and waits; in a graph it builds a submit and a collect op
+    (see the module docstring). ``shapes`` are the outputs' static shapes.
+    """
+    if tf.executing_eagerly():
+        outs = _collect(_submit(start, *[t.numpy() for t in inputs]))
+        return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outs, touts, strict=True)]
+    op_name = _op_name(name)
+    key = tf.numpy_function(lambda *a: _submit(start, *a), list(inputs), tf.int64, stateful=True,
+                            name=f"{op_name}_submit")
+    _mark_submit(key.op)
+    outs = tf.numpy_function(lambda k: _collect(k, in_graph=True), [key], list(touts), stateful=True,
+                             name=f"{op_name}_collect")
+    outs = outs if isinstance(outs, (list, tuple)) else [outs]
+    for o, s in zip(outs, shapes, strict=True):
+        o.set_shape(s)
+    if getattr(key.graph, "experimental_acd_manager", None) is None:
+        # no program-order chain (a TF1 graph): wait for every older submit too (they cannot depend on it)
+        for name in _submits.get(key.graph, ()):
+            if name != key.op.name:
+                outs[0].op._add_control_input(key.graph.get_operation_by_name(name))  # noqa: SLF001
+    _collects.setdefault(key.graph, []).append(outs[0].op)
+    return list(outs)
+
+
+def _op_name(name: str) -> str:
+    cleaned = "".join(c if c.isalnum() or c in "_-" else "_" for c in name).lstrip("_-")
+    return cleaned or "unison"
+
+
+def _mark_submit(op: Any) -> None:
+    """Free ``op`` from the stateful chain and make earlier collects wait for it (see the Note)."""
+    graph = op.graph
+    manager = getattr(graph, "experimental_acd_manager", None)
+    if manager is not None:
+        manager.run_independently(op)
+    _submits.setdefault(graph, set()).add(op.name)
+    collects = _collects.get(graph)
+    if not collects:
+        return
+    taint = max([_taint(t.op) for t in op.inputs] + [_taint(c) for c in op.control_inputs] + [-1])
+    for c in collects:
+        if c._id > taint:  # noqa: SLF001 - op ids grow with creation order
+            c._add_control_input(op)  # noqa: SLF001
+
+
+def _chained(op: Any) -> bool:
+    """Whether automatic control dependencies chain ``op`` after every older stateful op without
+    resources (stateful, no resource input, not one of our submits): it may wait for any older op."""
+    if op.name in _submits.get(op.graph, ()):
+        return False
+    return bool(op._is_stateful) and not _resources(op)  # noqa: SLF001
+
+
+def _resources(op: Any) -> list[Any]:
+    return [t for t in op.inputs if t.dtype == tf.resource]
+
+
+def _parents(op: Any) -> list[Any]:
+    """The ops ``op`` waits for once automatic control dependencies are added (as far as they can be).
+
+    Its inputs and control inputs, and for a resource user every older user of the same
+    resource (ACD orders a resource's users after its last writer, and writers after reads).
+    """
+    parents = [t.op for t in op.inputs] + list(op.control_inputs)
+    for handle in _resources(op):
+        parents += [c for c in handle.consumers() if c._id < op._id]  # noqa: SLF001
+    return [p for p in parents if p.graph is op.graph]
+
+
+def _taint(op: Any) -> int:
+    """The id of the newest op that is :func:`_chained` among ``op`` and what it waits for (-1: none).
+
+    Ops created after a collect C can come to wait for C only through such an op (see the Note).
+    """
+    memo = _taints.setdefault(op.graph, {})
+    if op.name in memo:
+        return memo[op.name]
+    stack = [(op, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if node.name in memo:
+            continue
+        parents = _parents(node)
+        if not expanded:
+            stack.append((node, True))
+            stack.extend((p, False) for p in parents if p.name not in memo)
+            continue
+        own = node._id if _chained(node) else -1  # noqa: SLF001
+        memo[node.name] = max([own] + [memo.get(p.name, -1) for p in parents])
+    return memo[op.name]

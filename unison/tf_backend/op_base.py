@@ -1,0 +1,92 @@
+"""What every TensorFlow collective op shares: names, dtype checks, static shapes, the dense allreduce.
+
+See :mod:`unison.tf_backend.mpi_ops` for how names are chosen and which
+gradients the ops have.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from unison.common.engine import frontend
+from unison.common.engine.process_sets import ProcessSet, global_process_set
+from unison.common.ops import Average
+from unison.tf_backend import host_ops
+
+__all__: list[str] = []
+
+_MOVABLE = frozenset({tf.uint8, tf.int8, tf.uint16, tf.int16, tf.int32, tf.int64, tf.float16, tf.bfloat16,
+                      tf.float32, tf.float64, tf.bool})
+_REDUCIBLE = _MOVABLE
+
+
+def _name(kind: str, name: str | None) -> str:
+    """An eager-style engine name: ``name``, or the next ``tf.<kind>.noname.<n>``."""
+    return frontend._auto_name(f"tf.{kind}", name)
+
+
+def _op_name(kind: str, name: str | None, tensor: Any, ignore_name_scope: bool = False) -> str:
+    """The engine name of an op built now (see the module docstring)."""
+    if tf.executing_eagerly():
+        return _name(kind, name)
+    if name is None:
+        base = getattr(tensor, "name", None) or kind
+        name = f"Horovod{kind.capitalize()}_{host_ops._op_name(base)}"
+    unique = tf.compat.v1.get_default_graph().unique_name(str(name))
+    return unique.rsplit("/", 1)[-1] if ignore_name_scope else unique
+
+
+def _ps(process_set: ProcessSet | None) -> ProcessSet | None:
+    return None if process_set is None or process_set is global_process_set else process_set
+
+
+def _check_dtype(kind: str, t: tf.Tensor, allowed: frozenset) -> None:
+    if t.dtype not in allowed:
+        names = ", ".join(sorted(d.name for d in allowed))
+        raise TypeError(f"hvd.{kind} does not take {t.dtype.name} tensors; supported dtypes: {names}. "
+                        "Cast the tensor first")
+
+
+def _tensor(value: Any) -> tf.Tensor:
+    return value if isinstance(value, tf.Tensor) else tf.convert_to_tensor(value)
+
+
+def _rows_shape(t: tf.Tensor) -> tf.TensorShape:
+    """The static shape of an allgather/alltoall/reducescatter result: unknown first dimension."""
+    return tf.TensorShape([None]).concatenate(t.shape[1:]) if t.shape.rank else tf.TensorShape(None)
+
+
+# ------------------------------------------------------------------------------- allreduce
+def _allreduce(x: tf.Tensor, rop: Any, name: str, pre: float, post: float,
+               ps: ProcessSet | None) -> tf.Tensor:
+    @tf.custom_gradient
+    def reduce(t: tf.Tensor) -> Any:
+        def start(a: np.ndarray) -> Any:
+            h = frontend.allreduce_async(host_ops.to_wire(a, True), rop, name, pre, post, ps)
+            return h, lambda r: [host_ops.from_wire(r, a.dtype).reshape(a.shape)]
+
+        y = host_ops.run(start, [t], [t.dtype], [t.shape], name)[0]
+
+        def grad(dy: tf.Tensor) -> tf.Tensor:
+            return _allreduce(dy, rop, _op_name("allreduce", name + "_grad", dy), pre, post, ps)
+
+        return y, grad
+
+    return reduce(x)
+
+
+def _check_bool_op(kind: str, x: tf.Tensor, rop: Any) -> None:
+    if x.dtype == tf.bool and rop == Average:
+        raise TypeError(f"hvd.{kind} of a bool tensor needs op=hvd.Sum/Max (logical or) or hvd.Min/Product "
+                        "(logical and); Average is not defined for bool")
+
+
+def _check_not_scalar(kind: str, x: tf.Tensor) -> None:
+    if x.shape.rank == 0:
+        msg = f"Horovod{kind} does not support scalar inputs; reshape to [1] or use allreduce"
+        if tf.executing_eagerly():
+            raise tf.errors.InvalidArgumentError(None, None, msg)
+        raise ValueError(msg)

@@ -1,0 +1,53 @@
+"""``SyncBatchNormalization``: Keras batch normalization with statistics over every rank's batch.
+
+Horovod's TensorFlow layer averages the ranks' batch means and mean squares,
+which is exact only when every rank has the same batch size, and forms the
+variance as ``E[x^2] - mean^2``. Ours computes the statistics of the union of the
+ranks' batches exactly, in two passes (counts and sums, then squared deviations
+from the global mean, all in float32 or wider as Keras computes BN), so unequal
+batches and large-mean activations get the statistics one process would compute
+on the concatenated batch. Both collectives are differentiable, so gradients flow
+through the global statistics to every rank's inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from unison.common.engine.process_sets import ProcessSet, global_process_set, set_size
+from unison.common.ops import Sum
+from unison.tf_backend.mpi_ops import allreduce, grouped_allreduce
+
+__all__ = ["SyncBatchNormalization"]
+
+
+class SyncBatchNormalization(keras.layers.BatchNormalization):
+    """``keras.layers.BatchNormalization`` whose training statistics cover the batches of all ranks.
+
+    Args:
+        process_set: the ranks whose batches are normalized together (default: all).
+        **kwargs: ``keras.layers.BatchNormalization``'s arguments.
+    """
+
+    def __init__(self, *args: Any, process_set: ProcessSet | None = global_process_set, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._process_set = process_set
+
+    def _moments(self, inputs: Any, mask: Any) -> Any:
+        if set_size(None if self._process_set is global_process_set else self._process_set) == 1:
+            return super()._moments(inputs, mask)
+        x = tf.convert_to_tensor(inputs)
+        weights = tf.ones_like(x) if mask is None else tf.broadcast_to(
+            tf.cast(tf.expand_dims(mask, -1), x.dtype), tf.shape(x))
+        axes = list(self._reduction_axes)
+        count, total = grouped_allreduce([tf.reduce_sum(weights, axes, keepdims=True),
+                                          tf.reduce_sum(x * weights, axes, keepdims=True)],
+                                         op=Sum, process_set=self._process_set)
+        mean = total / tf.maximum(count, 1.0)
+        squares = allreduce(tf.reduce_sum(tf.square(x - mean) * weights, axes, keepdims=True), op=Sum,
+                            process_set=self._process_set)
+        variance = squares / tf.maximum(count, 1.0)
+        return tf.squeeze(mean, axes), tf.squeeze(variance, axes)

@@ -1,0 +1,213 @@
+"""All-reduce on CPU tensors (plain, in place, grouped; differentiable), Horovod's ``horovod.torch`` way.
+
+See :mod:`unison.torch_backend.mpi_ops` for the table of gradients. ``op=Adasum``
+follows Horovod's rules (power-of-two ranks, global set only); until the
+engine's ReduceOp knows ADASUM it runs as a blocking, agreement-checked
+reduction (:func:`unison.collectives.adasum.allreduce_direct`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from unison.collectives import adasum
+from unison.common.compression import Compression
+from unison.common.engine import frontend
+from unison.common.engine.handles import Handle
+from unison.common.engine.process_sets import ProcessSet, set_size
+from unison.common.ops import ReduceOp
+from unison.torch_backend.handles import (
+    Adasum,
+    ListHandle,
+    TorchHandle,
+    raise_now,
+    reduce_op,
+    set_or_none,
+    synchronize,
+)
+from unison.torch_backend.tensors import from_numpy, to_numpy
+
+__all__ = [
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
+]
+
+_ENGINE_ADASUM = hasattr(ReduceOp, "ADASUM")
+
+
+def _copy_out(like: torch.Tensor) -> Any:
+    return lambda arr: from_numpy(np.array(arr, copy=True)).view(like.shape)
+
+
+def _dense(tensor: torch.Tensor, what: str) -> np.ndarray:
+    if tensor.is_sparse:
+        raise ValueError(f"{what} takes dense tensors; got a sparse {tensor.dtype} tensor (Horovod refuses it "
+                         "too). Use hvd.sparse_allreduce_async, or tensor.to_dense()")
+    return to_numpy(tensor)
+
+def _check_adasum(process_set: ProcessSet | None) -> None:
+    """Horovod's rules (and error types) for op=Adasum on CPU tensors."""
+    if process_set is not None:
+        raise NotImplementedError("Adasum does not support non-global process sets yet (as in Horovod); "
+                                  "use op=Average with a process set, or Adasum on the global set")
+    adasum.check_size(set_size(None))
+
+
+def _adasum_now(tensor: torch.Tensor, name: str | None, pre: float, post: float,
+                out: torch.Tensor | None) -> Handle:
+    """Adasum before the engine knows it: a blocking, agreement-checked reduction (finished handle)."""
+    result = from_numpy(adasum.allreduce_direct(to_numpy(tensor), pre, post)).view(tensor.shape)
+    if out is not None:
+        with torch.no_grad():
+            out.copy_(result)
+        result = out
+    done = Handle(name or "adasum")
+    done.set_result(result)
+    return done
+
+
+def _allreduce_submit(tensor: torch.Tensor, rop: Any, name: str | None, pre: float, post: float,
+                      process_set: ProcessSet | None, in_place: bool) -> Handle:
+    ps = set_or_none(process_set)
+    arr = _dense(tensor, "allreduce")
+    if rop is Adasum:
+        _check_adasum(ps)
+        if not _ENGINE_ADASUM:
+            return _adasum_now(tensor, name, pre, post, tensor if in_place else None)
+    if in_place:
+        if not tensor.is_contiguous():
+            raise ValueError("allreduce_ needs a contiguous tensor (it writes the result in place); "
+                             "call .contiguous() first or use allreduce")
+        inner = raise_now(frontend.allreduce_async(arr, rop, name, pre, post, ps, out=arr))
+        return TorchHandle(inner, lambda _: tensor)
+    inner = raise_now(frontend.allreduce_async(arr, rop, name, pre, post, ps))
+    return TorchHandle(inner, _copy_out(tensor))
+
+
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                    op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet | None = None) -> Handle:
+    """Start an all-reduce of ``tensor``; ``synchronize(handle)`` returns a new tensor.
+
+    Raises:
+        ValueError: a name already in flight on this rank (Horovod's rule), a sparse tensor.
+        NotImplementedError: op=Adasum on a process set or a non-power-of-two job (Horovod's).
+    """
+    return _allreduce_submit(tensor, reduce_op(average, op), name, prescale_factor, postscale_factor,
+                             process_set, in_place=False)
+
+
+def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                     op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: ProcessSet | None = None) -> Handle:
+    """Start an in-place all-reduce: the result lands in ``tensor``'s memory."""
+    return _allreduce_submit(tensor, reduce_op(average, op), name, prescale_factor, postscale_factor,
+                             process_set, in_place=True)
+
+
+def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: ProcessSet | None = None) -> torch.Tensor:
+    """In-place all-reduce; returns ``tensor``."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
+                                        process_set))
+
+
+class _Allreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: Any, pre: float, post: float,
+                process_set: ProcessSet | None) -> torch.Tensor:
+        ctx.args = (op, pre, post, process_set)
+        return synchronize(_allreduce_submit(tensor, op, name, pre, post, process_set, in_place=False))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        op, pre, post, ps = ctx.args
+        return (_Allreduce.apply(grad.contiguous(), None, op, pre, post, ps),) + (None,) * 5
+
+
+def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+              compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, process_set: ProcessSet | None = None) -> torch.Tensor:
+    """All-reduce ``tensor`` over the ranks (of ``process_set``); differentiable.
+
+    Args:
+        op: ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product`` or ``Adasum``.
+        compression: ``Compression.none`` or ``Compression.fp16`` (what travels on the wire).
+    """
+    rop = reduce_op(average, op)
+    compressed, cctx = compression.compress(tensor)
+    out = _Allreduce.apply(compressed, name, rop, prescale_factor, postscale_factor, process_set)
+    return compression.decompress(out, cctx)
+
+
+def _grouped_submit(tensors: Sequence[torch.Tensor], rop: Any, name: str | None, pre: float, post: float,
+                    process_set: ProcessSet | None) -> Handle:
+    ps = set_or_none(process_set)
+    if rop is Adasum and not _ENGINE_ADASUM:
+        _check_adasum(ps)
+        base = frontend._auto_name("grouped_allreduce", name)
+        return ListHandle(base, [_adasum_now(t, f"{base}.{i}", pre, post, None) for i, t in enumerate(tensors)])
+    inner = frontend.grouped_allreduce_async([_dense(t, "grouped_allreduce") for t in tensors], rop, name,
+                                             pre, post, ps)
+    for member in inner.members:
+        raise_now(member)
+    return TorchHandle(inner, lambda arrs: [_copy_out(t)(a) for a, t in zip(arrs, tensors, strict=True)])
+
+
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                            name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0, process_set: ProcessSet | None = None) -> Handle:
+    """Start all-reduces of several tensors at once (they negotiate and fuse together)."""
+    return _grouped_submit(list(tensors), reduce_op(average, op), name, prescale_factor, postscale_factor,
+                           process_set)
+
+
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                             name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
+                             postscale_factor: float = 1.0,
+                             process_set: ProcessSet | None = None) -> Handle:
+    """Start in-place all-reduces of several tensors; ``synchronize`` returns the same tensors."""
+    base = frontend._auto_name("grouped_allreduce", name)
+    handles = [allreduce_async_(t, average, f"{base}.{i}", op, prescale_factor, postscale_factor,
+                                process_set) for i, t in enumerate(tensors)]
+    return ListHandle(base, handles)
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, name: str | None, op: Any, pre: float, post: float, process_set: Any,
+                *tensors: torch.Tensor) -> tuple:
+        ctx.args = (op, pre, post, process_set)
+        return tuple(synchronize(_grouped_submit(tensors, op, name, pre, post, process_set)))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        op, pre, post, ps = ctx.args
+        reduced = _GroupedAllreduce.apply(None, op, pre, post, ps, *[g.contiguous() for g in grads])
+        return (None,) * 5 + tuple(reduced)
+
+
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                      name: str | None = None, compression: Any = Compression.none, op: Any = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet | None = None) -> list[torch.Tensor]:
+    """All-reduce a list of tensors together; differentiable. Returns a list."""
+    rop = reduce_op(average, op)
+    pairs = [compression.compress(t) for t in tensors]
+    outs = _GroupedAllreduce.apply(name, rop, prescale_factor, postscale_factor, process_set,
+                                   *[p[0] for p in pairs])
+    return [compression.decompress(o, p[1]) for o, p in zip(outs, pairs, strict=True)]
+
+
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                       name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
+                       postscale_factor: float = 1.0,
+                       process_set: ProcessSet | None = None) -> list[torch.Tensor]:
+    """In-place grouped all-reduce; returns the tensors."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                postscale_factor, process_set))
