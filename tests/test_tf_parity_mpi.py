@@ -1,4 +1,4 @@
-"""horovod.tensorflow parity (docs/horovod-tf-rows.md) under real mpirun at 2 and 3 ranks."""
+"""horovod.tensorflow parity (docs/horovod.md) under real mpirun at 2 and 3 ranks."""
 
 from __future__ import annotations
 

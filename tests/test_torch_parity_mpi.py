@@ -1,4 +1,4 @@
-"""Horovod 0.28 parity of the PyTorch backend under real mpirun (docs/horovod-torch-rows.md)."""
+"""Horovod 0.28 parity of the PyTorch backend under real mpirun (docs/horovod.md)."""
 
 from __future__ import annotations
 

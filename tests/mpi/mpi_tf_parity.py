@@ -1,7 +1,7 @@
 """horovod.tensorflow 0.28 parity under mpirun: each test asserts Horovod's behaviour against numpy.
 
 Every test body runs unchanged at any rank count (np 2 and 3 in
-tests/test_tf_parity_mpi.py). Tests named after docs/horovod-tf-rows.md rows.
+tests/test_tf_parity_mpi.py). Tests named after docs/horovod.md rows.
 """
 
 from __future__ import annotations

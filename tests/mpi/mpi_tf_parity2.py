@@ -2,7 +2,7 @@
 keywords, callbacks' ``device``, ``BestModelCheckpoint`` and the Keras module's names.
 
 Every test body runs unchanged at any rank count (np 2 and 3 in tests/test_tf_parity2_mpi.py) and
-compares with numpy. Rows: docs/horovod-tf-rows2.md.
+compares with numpy. Rows: docs/horovod.md.
 """
 
 from __future__ import annotations

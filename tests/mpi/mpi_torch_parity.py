@@ -1,4 +1,4 @@
-"""``unison.torch_backend`` against Horovod 0.28's ``horovod.torch``, call for call (docs/horovod-torch-rows.md).
+"""``unison.torch_backend`` against Horovod 0.28's ``horovod.torch``, call for call (docs/horovod.md).
 
 Every rank runs these tests in the same order; each rank rebuilds every rank's
 inputs and checks results and gradients against numpy.

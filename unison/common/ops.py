@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum", "parse_op", "resolve_op"]
+__all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum", "parse_op", "resolve_op", "is_adasum"]
 
 
 class ReduceOp(enum.IntEnum):
@@ -63,3 +63,11 @@ def resolve_op(average: bool | None, op: object) -> ReduceOp:
             raise ValueError("pass either average= (deprecated) or op=, not both")
         return ReduceOp.AVERAGE if average else ReduceOp.SUM
     return ReduceOp.AVERAGE if op is None else parse_op(op)
+
+
+def is_adasum(op: object) -> bool:
+    """Whether ``op`` asks for Adasum (``unison.Adasum``, its value or the name ``"adasum"``)."""
+    try:
+        return parse_op(op) is ReduceOp.ADASUM
+    except ValueError:
+        return False

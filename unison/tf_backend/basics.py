@@ -2,9 +2,8 @@
 
 Unison is one Python build over MPI on CPU tensors: MPI is built and enabled;
 Gloo, NCCL, DDL, oneCCL, CUDA and ROCm are not, so a script that guards a feature
-with ``hvd.nccl_built()`` takes its CPU path. (The PyTorch backend answers the
-same in ``unison/torch_backend/basics.py``; both should move to one neutral
-module.)
+with ``hvd.nccl_built()`` takes its CPU path. (The answers live in
+:mod:`unison.common.capabilities`, shared with the PyTorch backend.)
 """
 
 from __future__ import annotations
@@ -12,9 +11,21 @@ from __future__ import annotations
 from typing import Any
 
 from unison.common import runtime
+from unison.common.capabilities import (  # re-exported under Horovod's names
+    ccl_built,
+    check_num_rank_power_of_2,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    is_homogeneous,
+    mpi_enabled,
+    nccl_built,
+    rocm_built,
+)
 from unison.common.engine import frontend
 from unison.common.engine.process_sets import ProcessSet, global_process_set
-from unison.common.ops import ReduceOp, resolve_op
+from unison.common.ops import Adasum, is_adasum, resolve_op
 
 __all__ = [
     "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built", "ccl_built", "cuda_built",
@@ -23,91 +34,18 @@ __all__ = [
 ]
 
 
-def mpi_enabled() -> bool:
-    """Whether collectives run over MPI (always, when mpi4py is installed)."""
-    return runtime.mpi_built()
 
 
-def gloo_built() -> bool:
-    """False: Unison has no Gloo transport."""
-    return False
 
 
-def gloo_enabled() -> bool:
-    """False: Unison has no Gloo transport."""
-    return False
 
 
-def nccl_built() -> bool:
-    """False: this build moves CPU tensors over MPI (Horovod returns 0 or the NCCL version)."""
-    return False
 
 
-def ddl_built() -> bool:
-    """False: no IBM DDL."""
-    return False
 
 
-def ccl_built() -> bool:
-    """False: no oneCCL."""
-    return False
 
 
-def cuda_built() -> bool:
-    """False: this build reduces CPU tensors only."""
-    return False
-
-
-def rocm_built() -> bool:
-    """False: this build reduces CPU tensors only."""
-    return False
-
-
-def is_homogeneous() -> bool:
-    """Whether every host runs the same number of ranks (collective on the first call).
-
-    Raises:
-        NotInitializedError: ``init()`` was not called.
-    """
-    st = runtime.state("is_homogeneous()")
-    if "homogeneous" not in st.cache:
-        sizes = [st.local_size] if st.comm is None or st.size == 1 else st.comm.allgather(st.local_size)
-        st.cache["homogeneous"] = all(s == sizes[0] for s in sizes)
-    return bool(st.cache["homogeneous"])
-
-
-def check_num_rank_power_of_2(num_rank: int) -> bool:
-    """Whether ``num_rank`` is a power of two (Horovod's helper of the same name)."""
-    return num_rank > 0 and num_rank & (num_rank - 1) == 0
-
-
-class _AdasumOp:
-    """Horovod's ``hvd.Adasum`` until the core's ReduceOp has an ADASUM member."""
-
-    def __repr__(self) -> str:
-        return "unison.Adasum"
-
-
-#: ``op=hvd.Adasum``: the core's constant when the engine knows it, else a marker
-Adasum: Any = ReduceOp.ADASUM if hasattr(ReduceOp, "ADASUM") else _AdasumOp()
-
-
-def is_adasum(op: Any) -> bool:
-    return op is Adasum or type(op).__name__ == "_AdasumOp" or (
-        isinstance(op, str) and op.strip().lower() == "adasum")
-
-
-def reduce_op(average: bool | None, op: Any) -> Any:
-    """Horovod's ``average=`` / ``op=`` pair: a ReduceOp, or :data:`Adasum`.
-
-    Raises:
-        ValueError: both are given, or ``op`` names no reduction.
-    """
-    if is_adasum(op):
-        if average is not None:
-            raise ValueError("pass either average= (deprecated) or op=, not both")
-        return Adasum
-    return resolve_op(average, op)
 
 
 def handle_average_backwards_compatibility(op: Any, average: bool | None) -> Any:
@@ -171,3 +109,6 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     ``mark_cycles`` is accepted for Horovod's signature; engine cycles are not marked.
     """
     frontend.start_timeline(file_path)
+
+#: Horovod's ``average=`` / ``op=`` pair: a ReduceOp (``Adasum`` included).
+reduce_op = resolve_op

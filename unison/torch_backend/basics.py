@@ -15,6 +15,19 @@ from collections.abc import Sequence
 from typing import Any
 
 from unison.common import runtime
+from unison.common.capabilities import (  # re-exported under Horovod's names
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    is_homogeneous,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rocm_built,
+)
 from unison.common.engine import frontend
 from unison.common.engine.process_sets import ProcessSet
 
@@ -26,75 +39,18 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-mpi_built = runtime.mpi_built
-mpi_threads_supported = runtime.mpi_threads_supported
 
 
-def mpi_enabled() -> bool:
-    """Whether collectives run over MPI (always, when mpi4py is installed)."""
-    return runtime.mpi_built()
 
 
-def gloo_built() -> bool:
-    """False: Unison has no Gloo transport."""
-    return False
 
 
-def gloo_enabled() -> bool:
-    """False: Unison has no Gloo transport."""
-    return False
 
 
-def nccl_built() -> bool:
-    """False: this build moves CPU tensors over MPI (no NCCL)."""
-    return False
 
 
-def ddl_built() -> bool:
-    """False: no IBM DDL."""
-    return False
 
 
-def ccl_built() -> bool:
-    """False: no oneCCL."""
-    return False
-
-
-def cuda_built() -> bool:
-    """False: this build reduces CPU tensors only."""
-    return False
-
-
-def rocm_built() -> bool:
-    """False: this build reduces CPU tensors only."""
-    return False
-
-
-def _exchange_local_sizes(st: runtime.State, _process_sets: Any = None) -> None:
-    """Init hook (collective, every rank): remember whether every host runs as many ranks."""
-    if st.comm is None or st.size == 1:
-        st.cache["homogeneous"] = True
-        return
-    sizes = st.comm.allgather(st.local_size)
-    st.cache["homogeneous"] = all(s == sizes[0] for s in sizes)
-
-
-runtime.add_init_hook(_exchange_local_sizes)
-
-
-def is_homogeneous() -> bool:
-    """Whether every host runs the same number of ranks (Horovod's query).
-
-    Known from ``init()``; if this module was first imported after ``init()``,
-    the first call is collective (every rank must make it).
-
-    Raises:
-        NotInitializedError: ``init()`` was not called.
-    """
-    st = runtime.state("is_homogeneous()")
-    if "homogeneous" not in st.cache:
-        _exchange_local_sizes(st)
-    return bool(st.cache["homogeneous"])
 
 
 def init(comm: Any = None, process_sets: Any = None, **settings: Any) -> None:

@@ -17,21 +17,12 @@ from typing import Any
 
 from unison.common.engine.handles import Handle
 from unison.common.engine.process_sets import ProcessSet, global_process_set
-from unison.common.ops import ReduceOp, resolve_op
+from unison.common.ops import Adasum, is_adasum, resolve_op
 
 __all__ = ["TorchHandle", "SparseHandle", "ListHandle", "raise_now", "set_or_none", "root_in_set",
            "Adasum", "is_adasum", "reduce_op", "poll", "synchronize"]
 
 
-class _AdasumOp:
-    """Horovod's ``hvd.Adasum`` until the core's ReduceOp has an ADASUM member."""
-
-    def __repr__(self) -> str:
-        return "unison.Adasum"
-
-
-#: ``op=hvd.Adasum``: the core's constant when the engine knows it, else a marker this backend handles.
-Adasum: Any = ReduceOp.ADASUM if hasattr(ReduceOp, "ADASUM") else _AdasumOp()
 
 
 def poll(handle: Handle) -> bool:
@@ -44,21 +35,6 @@ def synchronize(handle: Handle) -> Any:
     return handle.wait()
 
 
-def is_adasum(op: Any) -> bool:
-    return op is Adasum or (isinstance(op, str) and op.strip().lower() == "adasum")
-
-
-def reduce_op(average: bool | None, op: Any) -> Any:
-    """Horovod's ``average=`` / ``op=`` pair as a ReduceOp, or :data:`Adasum`.
-
-    Raises:
-        ValueError: both are given, or ``op`` names no reduction.
-    """
-    if is_adasum(op):
-        if average is not None:
-            raise ValueError("pass either average= (deprecated) or op=, not both")
-        return Adasum
-    return resolve_op(average, op)
 
 
 def raise_now(inner: Handle) -> Handle:
@@ -132,3 +108,6 @@ class SparseHandle(ListHandle):
 
     def __call__(self) -> Any:
         return self.wait()
+
+#: Horovod's ``average=`` / ``op=`` pair: a ReduceOp (``Adasum`` included).
+reduce_op = resolve_op

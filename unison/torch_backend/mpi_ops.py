@@ -3,7 +3,7 @@
 Every call converts the tensor to a numpy view (no copy for contiguous CPU
 tensors), submits it to the engine and converts the result back. The ``_``
 variants work in place. The blocking, out-of-place ops are autograd functions
-whose gradients are Horovod 0.28's, call for call (docs/horovod-torch-rows.md):
+whose gradients are Horovod 0.28's, call for call (docs/horovod.md):
 
 ===================== =====================================================
 forward               backward
