@@ -117,3 +117,19 @@ def test_distributed_optimizer_gradient_none_on_some_ranks(graph):
     np.testing.assert_allclose(a.numpy(), np.full((3, 2), want_a), rtol=1e-6)
     np.testing.assert_allclose(b.numpy(), np.full((3, 2), want_b), rtol=1e-6)
     np.testing.assert_array_equal(c.numpy(), np.zeros(2))
+
+
+def test_default_jit_compile_trains_and_explicit_xla_is_refused_clearly():
+    """Keras's default jit_compile="auto" is False on CPU, so fit runs our host collectives;
+    jit_compile=True cannot compile them: a ValueError naming the fix, on every rank (no opaque graph error)."""
+    model = make_model(3)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss="mse")
+    assert model.jit_compile is False
+    model.fit(shard(X), shard(Y), batch_size=B, epochs=1, verbose=0, shuffle=False,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    weights = WORLD.allgather(model.get_weights()[0])
+    assert all(np.array_equal(w, weights[0]) for w in weights)
+    xla = make_model(3)
+    xla.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss="mse", jit_compile=True)
+    with pytest.raises(ValueError, match="XLA-compiled function .*jit_compile=False"):
+        xla.fit(shard(X), shard(Y), batch_size=B, epochs=1, verbose=0, shuffle=False)

@@ -65,13 +65,14 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import errors_impl
+from tensorflow.python.ops import control_flow_util
 
 from unison.common.dtypes import SUPPORTED_DTYPES
 from unison.common.engine import engine as _engine_errors
 from unison.common.engine.engine import DuplicateNameError, ShutdownError
 from unison.common.exceptions import CollectiveError, InvalidArgumentError, NotInitializedError
 
-__all__ = ["run", "Many", "to_tf_error", "to_wire", "from_wire"]
+__all__ = ["refuse_xla", "run", "Many", "to_tf_error", "to_wire", "from_wire"]
 
 #: ``start(*arrays) -> (handle, finish)``; ``finish(result) -> list of output arrays``
 Start = Callable[..., tuple[Any, Callable[[Any], list[np.ndarray]]]]
@@ -249,6 +250,7 @@ def run(start: Start, inputs: Sequence[tf.Tensor], touts: Sequence[tf.DType],
     if tf.executing_eagerly():
         outs = _collect(_submit(start, *[t.numpy() for t in inputs]))
         return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outs, touts, strict=True)]
+    refuse_xla(name)
     op_name = _op_name(name)
     key = tf.numpy_function(lambda *a: _submit(start, *a), list(inputs), tf.int64, stateful=True,
                             name=f"{op_name}_submit")
@@ -265,6 +267,24 @@ def run(start: Start, inputs: Sequence[tf.Tensor], touts: Sequence[tf.DType],
                 outs[0].op._add_control_input(key.graph.get_operation_by_name(name))  # noqa: SLF001
     _collects.setdefault(key.graph, []).append(outs[0].op)
     return list(outs)
+
+
+def refuse_xla(what: str) -> None:
+    """Raise a clear error when a collective is traced into an XLA-compiled function.
+
+    Unison's collectives are host callbacks, which XLA cannot compile; without this the
+    user gets an opaque "Graph execution error" at the first step. Keras's default
+    ``jit_compile="auto"`` resolves to False on CPU, so only an explicit
+    ``jit_compile=True`` (``model.compile`` or ``tf.function``) lands here.
+
+    Raises:
+        ValueError: the current graph is (inside) an XLA context.
+    """
+    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        raise ValueError(f"Unison collective {what!r} inside an XLA-compiled function (jit_compile=True): "
+                         "its host callback cannot be compiled by XLA. Compile with jit_compile=False "
+                         "(model.compile(..., jit_compile=False) or tf.function(jit_compile=False)); "
+                         "Keras's default jit_compile='auto' is False on CPU")
 
 
 def _op_name(name: str) -> str:

@@ -60,6 +60,7 @@ from unison.common import runtime
 from unison.common.engine import frontend
 from unison.common.files import atomic_path
 from unison.common.ops import Sum
+from unison.tf_backend.host_ops import refuse_xla
 
 __all__ = ["UnisonStrategy", "split_global_batch"]
 
@@ -154,6 +155,7 @@ def _host_collective(submits: list[tuple[Callable[..., np.int64], list[tf.Tensor
     if tf.executing_eagerly():
         keys = [submit(*[t.numpy() for t in ts]) for submit, ts in submits]
         return [tf.constant(o) for o in _collect(*keys)]
+    refuse_xla("UnisonStrategy reduction")
     keys = []
     for submit, ts in submits:
         key = tf.numpy_function(submit, ts, tf.int64, stateful=True, name="unison_submit")
