@@ -549,16 +549,19 @@ def test_keras_module_exports_the_keras_flavours():
 
 
 # ------------------------------------------------------------------------ Adasum
-def test_adasum_eager_as_horovod():
-    """Horovod: Adasum of CPU tensors needs a power-of-two rank count (NotImplementedError otherwise)."""
+@MODES
+def test_adasum_eager_as_horovod(graph):
+    """Horovod: Adasum of CPU tensors needs a power-of-two rank count (NotImplementedError otherwise);
+    inside tf.function it runs through the engine's Adasum, with the same result."""
     from unison.collectives import adasum
 
     x = tf.constant(np.arange(4, dtype=np.float32) + 2.0 * R)
+    tag = "graph" if graph else "eager"
     if not hvd.check_num_rank_power_of_2(N):
         with pytest.raises(NotImplementedError):
-            hvd.allreduce(x, op=hvd.Adasum, name="adasum.bad")
+            run(lambda t: hvd.allreduce(t, op=hvd.Adasum, name=f"adasum.bad.{tag}"), graph, x)
         return
-    y = hvd.allreduce(x, op=hvd.Adasum, name="adasum")
+    y = run(lambda t: hvd.allreduce(t, op=hvd.Adasum, name=f"adasum.{tag}"), graph, x)
     expect = adasum.reference([np.arange(4, dtype=np.float32) + 2.0 * r for r in range(N)])
     np.testing.assert_allclose(y.numpy(), expect, rtol=1e-5)
 
