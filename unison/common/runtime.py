@@ -146,7 +146,8 @@ def init(comm: Any = None, process_sets: Any = None, **settings: Any) -> None:
         comm: an mpi4py communicator (or a list of world ranks) to run on; the
             world communicator by default. Unison works on a duplicate of it.
         process_sets: :class:`~unison.ProcessSet` objects (or rank lists) to
-            register now, identically on every rank.
+            register now, identically on every rank; or Horovod's ``"dynamic"``, which
+            registers none (Unison always allows adding sets later).
         **settings: overrides of :class:`~unison.common.config.Config` fields,
             e.g. ``allreduce_algorithm="ring"``; they win over ``UNISON_*`` variables.
 
@@ -158,6 +159,11 @@ def init(comm: Any = None, process_sets: Any = None, **settings: Any) -> None:
         UnisonError: MPI does not provide ``MPI_THREAD_MULTIPLE`` (every rank raises).
     """
     global _state
+    if isinstance(process_sets, str):
+        if process_sets != "dynamic":
+            raise ValueError(f"init(process_sets={process_sets!r}): pass a list of ProcessSet objects "
+                             "(or rank lists), or 'dynamic'")
+        process_sets = None
     with _lock:
         if _state is not None:
             return

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from unison.common import runtime
 from unison.common.capabilities import (  # re-exported under Horovod's names
     ccl_built,
     check_num_rank_power_of_2,
@@ -24,28 +23,16 @@ from unison.common.capabilities import (  # re-exported under Horovod's names
     rocm_built,
 )
 from unison.common.engine import frontend
+from unison.common.engine.frontend import start_timeline
 from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.common.ops import Adasum, is_adasum, resolve_op
+from unison.common.runtime import init
 
 __all__ = [
     "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built", "ccl_built", "cuda_built",
     "rocm_built", "is_homogeneous", "handle_average_backwards_compatibility", "check_num_rank_power_of_2",
     "Adasum", "is_adasum", "reduce_op", "remove_process_set", "process_set_by_id", "init", "start_timeline",
 ]
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def handle_average_backwards_compatibility(op: Any, average: bool | None) -> Any:
@@ -79,36 +66,8 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         raise ValueError(f"{process_set!r} is not registered (never added, or already removed)")
     if process_set.process_set_id == 0 or process_set.ranks is None:
         return False
-    remover = getattr(frontend, "remove_process_set", None)
-    if remover is not None:
-        return bool(remover(process_set))
-    process_set.process_set_id = None  # the engine keeps its idle communicator until shutdown()
-    return True
+    return bool(frontend.remove_process_set(process_set))
 
-
-
-def init(comm: Any = None, process_sets: Any = None, **settings: Any) -> None:
-    """Horovod's ``hvd.init``: ``process_sets`` is a list of sets (or rank lists), or ``"dynamic"``.
-
-    Unison always allows adding process sets later, so ``"dynamic"`` registers none now.
-
-    Raises:
-        ValueError: ``process_sets`` is a string other than ``"dynamic"``.
-    """
-    if isinstance(process_sets, str):
-        if process_sets != "dynamic":
-            raise ValueError(f"init(process_sets={process_sets!r}): pass a list of ProcessSet objects "
-                             "(or rank lists), or 'dynamic'")
-        process_sets = None
-    runtime.init(comm, process_sets, **settings)
-
-
-def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Start recording a Chrome-trace timeline to ``file_path`` (rank 0 writes it).
-
-    ``mark_cycles`` is accepted for Horovod's signature; engine cycles are not marked.
-    """
-    frontend.start_timeline(file_path)
 
 #: Horovod's ``average=`` / ``op=`` pair: a ReduceOp (``Adasum`` included).
 reduce_op = resolve_op

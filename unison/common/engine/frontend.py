@@ -390,11 +390,14 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     return eng.remove_process_set(process_set)
 
 
-def start_timeline(path: str) -> None:
-    """Start recording a Chrome-trace timeline to ``path`` (written by rank 0)."""
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start recording a Chrome-trace timeline to ``file_path`` (written by rank 0).
+
+    Horovod's signature; ``mark_cycles`` is accepted, engine cycles are not marked.
+    """
     eng = engine("unison.start_timeline()")
     if eng is not None:
-        eng.start_timeline(path)
+        eng.start_timeline(file_path)
 
 
 def stop_timeline() -> None:
