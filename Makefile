@@ -23,7 +23,7 @@ test: venv
 
 # The inner-loop tier: no TensorFlow/PyTorch jobs, a minute or two.
 FAST_TESTS := tests/test_layers.py tests/test_config.py tests/test_files.py tests/test_engine_files.py tests/test_adasum.py tests/test_single_process.py \
-	tests/test_pipeline_schedules.py tests/test_launcher.py tests/test_collectives_mpi.py tests/test_engine_mpi.py
+	tests/test_pipeline_schedules.py tests/test_launcher.py tests/test_perfmodel.py tests/test_collectives_mpi.py tests/test_engine_mpi.py
 
 test-fast: venv
 	$(PY) -m pytest -q -p no:cacheprovider $(wildcard $(FAST_TESTS))
@@ -36,6 +36,7 @@ bench: venv
 	$(VENV)/bin/unisonrun -np $(NP) $(PY) benchmarks/torch_training.py --json out/torch.json
 	$(VENV)/bin/unisonrun -np $(NP) $(PY) benchmarks/keras_training.py --json out/keras.json
 	$(PY) benchmarks/pipeline.py --json out/pipeline.json --png-dir out/pipeline
+	$(PY) benchmarks/hosts.py --json out/hosts.json
 
 lint: venv
 	$(VENV)/bin/ruff check unison tests benchmarks examples

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,12 +29,47 @@ def mpi_env(**extra: str) -> dict[str, str]:
     return env
 
 
+@contextlib.contextmanager
+def hosts_for_test(instance: int, hosts: int = 2, slots: int = 2, rate: str | None = None) -> Iterator[Any]:
+    """Test hosts of ``instance`` for the ``with`` block, always torn down; skips the test (saying
+    why) on a machine that cannot make them (not root, no ``ip netns``)."""
+    from unison.run import testhosts
+
+    reason = testhosts.available()
+    if reason is not None:
+        print(f"\ntest hosts cannot be made here, skipping: {reason}")
+        pytest.skip(f"test hosts cannot be made here: {reason}")
+    made = testhosts.up(hosts, slots=slots, rate=rate, instance=instance)
+    try:
+        yield made
+    finally:
+        testhosts.down(instance)
+
+
+def host_flags(hosts: Any) -> list[str]:
+    """mpirun flags that place ranks on the test hosts ``hosts`` (a ``testhosts.TestHosts``).
+
+    ``--map-by slot`` fills each host before the next (ranks 0-1 on the first host of two);
+    TCP (and PRRTE's own wire) is pinned to the test subnet, so nothing between hosts can take
+    another road; shared memory is used only within a host (see [Note: no shared memory between
+    test hosts] in ``unison/run/testhosts.py``).
+    """
+    return ["--hostfile", hosts.hostfile, "--map-by", "slot", "--prtemca", "plm_ssh_agent", hosts.agent,
+            "--mca", "btl", "tcp,sm,self", "--mca", "btl_tcp_if_include", hosts.subnet,
+            "--prtemca", "oob_tcp_if_include", hosts.subnet]
+
+
 def mpirun(np_: int, args: list[str], timeout: float = 240, env: dict[str, str] | None = None,
-           cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    """Run ``args`` on ``np_`` ranks with the venv's mpirun; a hang fails after ``timeout`` s."""
+           cwd: Path = ROOT, hosts: Any = None) -> subprocess.CompletedProcess[str]:
+    """Run ``args`` on ``np_`` ranks with the venv's mpirun; a hang fails after ``timeout`` s.
+
+    With ``hosts`` (test hosts made by ``unison.run.testhosts``) the ranks run across them.
+    """
     cmd = [MPIRUN, "-np", str(np_), "--bind-to", "none", "--oversubscribe"]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
+    if hosts is not None:
+        cmd += host_flags(hosts)
     try:
         return subprocess.run(cmd + args, env=env or mpi_env(), cwd=cwd, capture_output=True,
                               text=True, timeout=timeout)
@@ -42,7 +80,8 @@ def mpirun(np_: int, args: list[str], timeout: float = 240, env: dict[str, str] 
 
 
 def run_rank_suite(np_: int, suite: str, tmp_path: Path, timeout: float = 240,
-                   extra_env: dict[str, str] | None = None, pytest_args: list[str] | None = None) -> None:
+                   extra_env: dict[str, str] | None = None, pytest_args: list[str] | None = None,
+                   hosts: Any = None) -> None:
     """Run the pytest file ``tests/mpi/<suite>`` on every rank and check all ranks agree.
 
     Each rank writes its own JUnit XML; the job passes when every rank ran the same
@@ -51,7 +90,7 @@ def run_rank_suite(np_: int, suite: str, tmp_path: Path, timeout: float = 240,
     env = mpi_env(**(extra_env or {}))
     runner = str(ROOT / "tests" / "mpi" / "run_suite.py")
     proc = mpirun(np_, [sys.executable, runner, str(tmp_path), str(ROOT / "tests" / "mpi" / suite)]
-                  + (pytest_args or []), timeout=timeout, env=env)
+                  + (pytest_args or []), timeout=timeout, env=env, hosts=hosts)
     reports = sorted(tmp_path.glob("junit-rank-*.xml"))
     detail = f"\n--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
     assert proc.returncode == 0, f"mpirun exited {proc.returncode}" + detail

@@ -129,3 +129,11 @@ def test_settings_that_must_match_are_compared_at_init(np_, tmp_path):
                    "rank 2: 5.0 (from HOROVOD_CYCLE_TIME)" in line
         assert "UNISON_LOG_LEVEL" not in line
     assert sum(f"rank {r} clean init ok" in out for r in range(np_)) == np_, out[-6000:]
+
+
+# ------------------------------------------------------------------ topology-aware and deterministic algorithms
+
+@pytest.mark.parametrize("np_", [1, 2, 3, 4])
+def test_hierarchical_and_deterministic(np_, tmp_path):
+    """Hosts simulated by splitting the ranks (r // 2, r % 2); 3 ranks make a non-homogeneous layout."""
+    run_rank_suite(np_, "mpi_hierarchical.py", tmp_path)

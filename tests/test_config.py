@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # variable suffix -> bad values (each must be refused) and the valid range the message names
 BAD_VALUES = {
-    "ALLREDUCE_ALGORITHM": (["fastest", "nccl", "1"], "one of auto, ring, rhd, mpi"),
-    "ALLGATHER_ALGORITHM": (["rhd", "tree"], "one of auto, ring, mpi"),
-    "BROADCAST_ALGORITHM": (["ring", "x"], "one of auto, tree, mpi"),
+    "ALLREDUCE_ALGORITHM": (["fastest", "nccl", "1"], "one of auto, ring, rhd, hierarchical, mpi"),
+    "ALLGATHER_ALGORITHM": (["rhd", "tree"], "one of auto, ring, hierarchical, mpi"),
+    "BROADCAST_ALGORITHM": (["ring", "x"], "one of auto, tree, hierarchical, mpi"),
     "REDUCESCATTER_ALGORITHM": (["rhd", "tree"], "one of auto, ring, mpi"),
     "ALLTOALL_ALGORITHM": (["ring"], "one of auto, pairwise, mpi"),
     "CHUNK_BYTES": (["0", "-5", "1MB", "1.5", "inf", str(2**31)], "an integer in [1, 2147483647]"),
@@ -38,6 +38,10 @@ BAD_VALUES = {
     "AUTOTUNE_STEPS_PER_SAMPLE": (["0", "-3", "ten"], "an integer in [1, 9223372036854775807]"),
     "MALLOC_CACHE": (["enabled", "-1"], "one of 1, true, yes, on, 0, false, no, off"),
     "COLLECTIVE_TIMEOUT_SECONDS": (["inf", "nan", "-1", "1e12", "never"], "a finite number in [0, 2.592e+06]"),
+    "HIERARCHICAL_ALLREDUCE": (["maybe", "2"], "one of 1, true, yes, on, 0, false, no, off"),
+    "HIERARCHICAL_ALLGATHER": (["auto"], "one of 1, true, yes, on, 0, false, no, off"),
+    "DETERMINISTIC": (["strict", "-1"], "one of 1, true, yes, on, 0, false, no, off"),
+    "HOST_TIMEOUT_SECONDS": (["inf", "-5", "30s"], "a finite number in [0, 2.592e+06]"),
 }
 # paths accept any text (empty: off); nothing to refuse but they must still be known
 NO_BAD_VALUES = {"TIMELINE", "AUTOTUNE_LOG"}

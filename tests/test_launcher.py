@@ -608,3 +608,443 @@ def test_stop_signal_escalates_to_killing_every_process(tmp_path):
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(alive(pid) for pid in pids), pids
+
+
+# --- across hosts: hostfile options, launch agent, TCP pinning, environment ------------------
+
+
+def write_hostfile(tmp_path, *options, hosts=("h1 slots=2", "h2 slots=2")):
+    """Writes a hostfile with ``# unison:`` option lines, as ``unison.run.testhosts`` does."""
+    path = tmp_path / "hostfile"
+    path.write_text("\n".join([*hosts, *(f"# unison: {o}" for o in options)]) + "\n")
+    return str(path)
+
+
+def test_hostfile_options_need_no_other_flag(tmp_path):
+    hostfile = write_hostfile(tmp_path, "launch-agent=/run/agent.sh", "tcp-include=198.18.1.0/24")
+    command = build(np=4, hostfile=hostfile)
+    assert option_values(command, "--hostfile") == [hostfile]
+    assert option_values(command, "--prtemca") == ["plm", "plm_ssh_agent", "oob_tcp_if_include"]
+    assert command[command.index("plm_ssh_agent") + 1] == "/run/agent.sh"
+    assert command[command.index("plm") + 1] == "ssh"
+    assert command[command.index("btl_tcp_if_include") + 1] == "198.18.1.0/24"
+    assert command[command.index("oob_tcp_if_include") + 1] == "198.18.1.0/24"
+    assert "--oversubscribe" not in command  # 4 ranks on 2 x 2 slots
+
+
+def test_a_plain_hostfile_adds_no_agent_and_no_pinning(tmp_path):
+    command = build(np=2, hostfile=write_hostfile(tmp_path))
+    assert "--prtemca" not in command and "btl_tcp_if_include" not in command
+
+
+def test_explicit_flags_win_over_the_hostfile(tmp_path):
+    hostfile = write_hostfile(tmp_path, "launch-agent=/run/agent.sh", "tcp-include=198.18.1.0/24")
+    command = build(np=4, hostfile=hostfile, launch_agent="ssh -p 2222", tcp_include="10.1.0.0/16")
+    assert command[command.index("plm_ssh_agent") + 1] == "ssh -p 2222"
+    assert command[command.index("btl_tcp_if_include") + 1] == "10.1.0.0/16"
+    assert "198.18.1.0/24" not in command
+    by_interface = build(np=4, hostfile=hostfile, network_interface="eth1")
+    assert by_interface[by_interface.index("oob_tcp_if_include") + 1] == "eth1"
+
+
+def test_launch_agent_and_tcp_flags_without_hostfile():
+    command = build(np=2, hosts="a:1,b:1", launch_agent="/opt/agent", tcp_include="10.0.0.7/24,10.2.0.0/16",
+                    network_interface="ib0")
+    assert command[command.index("plm_ssh_agent") + 1] == "/opt/agent"
+    assert command[command.index("btl_tcp_if_include") + 1] == "10.0.0.0/24,10.2.0.0/16,ib0"
+    assert option_values(build(tcp_include="10.0.0.0/8"), "--mca").count("btl_tcp_if_include") == 1
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"tcp_include": "10.0.0.0"}, "--tcp-include '10.0.0.0': '10.0.0.0' is not a subnet in CIDR form"),
+        ({"tcp_include": "10.0.0.0/24,abc/8"}, "'abc/8' is not a subnet in CIDR form; give e.g. 10.0.0.0/24"),
+        ({"tcp_include": "10.0.0.0/40"}, "'10.0.0.0/40' is not a subnet"),
+        ({"network_interface": "eth0;id"}, "'eth0;id' is not a network interface name"),
+        ({"network_interface": ""}, "'' is not a network interface name"),
+        ({"launch_agent": " "}, "--launch-agent is empty"),
+    ],
+)
+def test_bad_network_options_are_rejected(options, message):
+    with pytest.raises(ValueError) as error:
+        build(hosts="a:1", **options)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("agent=/x", "unknown option line '# unison: agent=/x'; known options: launch-agent, "
+                     "network-interface, tcp-include"),
+        ("tcp-include=", "option '# unison: tcp-include=' has no value"),
+        ("tcp-include=198.18.1.0", "option tcp-include '198.18.1.0': '198.18.1.0' is not a subnet"),
+    ],
+)
+def test_bad_hostfile_options_are_rejected(tmp_path, line, message):
+    with pytest.raises(ValueError) as error:
+        build(hostfile=write_hostfile(tmp_path, line))
+    assert message in str(error.value) and "hostfile" in str(error.value)
+
+
+def test_jobs_with_hosts_forward_the_whole_environment_but_host_specific_names():
+    environ = {"PATH": "/usr/bin", "MY_DATA": "/data", "HOME": "/root", "LD_LIBRARY_PATH": "/opt/lib",
+               "UNISON_X": "1", "HOSTNAME": "laptop", "PWD": "/src", "SSH_AUTH_SOCK": "/tmp/s",
+               "XDG_RUNTIME_DIR": "/run/user/0", "OMPI_MCA_btl": "tcp,self", "PMIX_RANK": "0",
+               "SLURM_PROCID": "0", "BASH_FUNC_f%%": "() { :; }", "_": "/usr/bin/unisonrun"}
+    forwarded = option_values(build(hosts="a:1,b:1", np=2, environ=environ), "-x")
+    assert forwarded == ["HOME", "LD_LIBRARY_PATH", "MY_DATA", "PATH=/venv/bin:/usr/bin", "UNISON_X"]
+    local = option_values(build(np=2, environ=environ), "-x")
+    assert local == ["PATH=/venv/bin:/usr/bin", "UNISON_X"]  # ranks here inherit the rest
+
+
+# --- Slurm -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "expected"),
+    [
+        ("node[01-03,07],gpu-a1", ["node01", "node02", "node03", "node07", "gpu-a1"]),
+        ("n1", ["n1"]),
+        ("n[8-11]", ["n8", "n9", "n10", "n11"]),
+        ("n[098-101]", ["n098", "n099", "n100", "n101"]),
+        ("r[1-2]n[1-2],x", ["r1n1", "r1n2", "r2n1", "r2n2", "x"]),
+        ("a[3],b[1,5]", ["a3", "b1", "b5"]),
+        ("c-[1-2].cluster", ["c-1.cluster", "c-2.cluster"]),
+    ],
+)
+def test_slurm_nodelist_expands(nodelist, expected):
+    from unison.run.slurm import expand_nodelist
+
+    assert expand_nodelist(nodelist) == expected
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "message"),
+    [
+        ("", "SLURM_JOB_NODELIST is empty"),
+        ("node[01-03", "has a '[' without its ']'"),
+        ("node01-03]", "has a ']' without its '['"),
+        ("n[1-[2]]", "nests brackets"),
+        ("n[3-1]", "range '3-1' ends below its start"),
+        ("n[a-b]", "'a-b' in [a-b] is not a number or a range"),
+        ("n[]", "'' in [] is not a number or a range"),
+        ("a,,b", "has an empty name"),
+        ("n[0-99999999]", "names more than 100000 hosts"),
+        ("n[1-2];reboot", "holds ';'"),
+    ],
+)
+def test_slurm_nodelist_errors_quote_the_value(nodelist, message):
+    from unison.run.slurm import SlurmError, expand_nodelist
+
+    with pytest.raises(ValueError) as error:
+        expand_nodelist(nodelist)
+    assert message in str(error.value)
+    if "holds" not in message:
+        assert isinstance(error.value, SlurmError) and "SLURM_JOB_NODELIST" in str(error.value)
+
+
+@pytest.mark.parametrize(("tasks", "expected"), [("2(x3),1", [2, 2, 2, 1]), ("4", [4]), ("1,2(x2)", [1, 2, 2])])
+def test_slurm_tasks_per_node_expands(tasks, expected):
+    from unison.run.slurm import expand_tasks_per_node
+
+    assert expand_tasks_per_node(tasks) == expected
+
+
+@pytest.mark.parametrize("tasks", ["", "2(x)", "2x3", "0", "2(x0)", "-1", "a", "2,,1"])
+def test_slurm_tasks_per_node_errors_quote_the_value(tasks):
+    from unison.run.slurm import SlurmError, expand_tasks_per_node
+
+    with pytest.raises(SlurmError) as error:
+        expand_tasks_per_node(tasks)
+    assert "SLURM_TASKS_PER_NODE" in str(error.value) and "'2(x3),1'" in str(error.value)
+
+
+SLURM = {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "node[01-03,07],gpu-a1",
+         "SLURM_TASKS_PER_NODE": "2(x3),1,2", "SLURM_NTASKS": "9", "PATH": "/usr/bin"}
+
+
+def test_slurm_allocation_gives_hosts_and_np():
+    command = build(environ=SLURM)
+    assert option_values(command, "-np") == ["9"]
+    assert option_values(command, "-H") == ["node01:2,node02:2,node03:2,node07:1,gpu-a1:2"]
+    assert "--oversubscribe" not in command and "--prtemca" not in command
+    assert "SLURM_PROCID" not in " ".join(command)
+
+
+def test_slurm_ntasks_unset_means_every_slot_and_explicit_np_wins():
+    environ = {k: v for k, v in SLURM.items() if k != "SLURM_NTASKS"}
+    assert option_values(build(environ=environ), "-np") == ["9"]
+    assert option_values(build(environ=SLURM, np=3), "-np") == ["3"]
+    assert option_values(build(environ={**SLURM, "SLURM_NTASKS": "4"}), "-np") == ["4"]
+
+
+def test_explicit_hosts_win_over_slurm(tmp_path):
+    command = build(environ=SLURM, hosts="x:2")
+    assert option_values(command, "-H") == ["x:2"] and option_values(command, "-np") == ["1"]
+    command = build(environ=SLURM, hostfile=write_hostfile(tmp_path), np=2)
+    assert "-H" not in command
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"SLURM_TASKS_PER_NODE": "2(x3)"}, "gives 3 count(s) but SLURM_JOB_NODELIST='node[01-03,07],gpu-a1' "
+                                            "names 5 host(s)"),
+        ({"SLURM_TASKS_PER_NODE": None}, "SLURM_TASKS_PER_NODE is not"),
+        ({"SLURM_NTASKS": "10"}, "SLURM_NTASKS=10 exceeds the 9 task(s)"),
+        ({"SLURM_NTASKS": "many"}, "SLURM_NTASKS='many' is not a positive integer"),
+        ({"SLURM_JOB_NODELIST": "node[01-03"}, "has a '[' without its ']'"),
+    ],
+)
+def test_slurm_bad_variables_are_rejected(change, message):
+    environ = {k: v for k, v in {**SLURM, **change}.items() if v is not None}
+    with pytest.raises(ValueError) as error:
+        build(environ=environ)
+    assert message in str(error.value)
+
+
+def test_cli_dry_run_inside_slurm(monkeypatch, capsys):
+    require_mpirun()
+    for name, value in SLURM.items():
+        if name != "PATH":
+            monkeypatch.setenv(name, value)
+    assert main(["--dry-run", "python", "x.py"]) == 0
+    command = shlex.split(capsys.readouterr().out)
+    assert option_values(command, "-np") == ["9"]
+    assert option_values(command, "-H") == ["node01:2,node02:2,node03:2,node07:1,gpu-a1:2"]
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x3)")
+    with pytest.raises(SystemExit) as stop:
+        main(["--dry-run", "python", "x.py"])
+    assert stop.value.code == 2
+    assert "unisonrun: error: SLURM_TASKS_PER_NODE='2(x3)' gives 3 count(s)" in capsys.readouterr().err
+
+
+# --- lost hosts: the launcher's side ------------------------------------------------------------
+
+DAEMON_LOST = (EDGE + "A daemon failed to report back after being spawned. This could\nbe due to several "
+               "factors, including inability to find the\ndaemon executable.\n\n  Local host:    vm\n"
+               "  Remote host:   unison1-h2\n  Daemon exit status: 0\n\nThis may also be caused by a "
+               "firewall on the remote host.\n" + EDGE)
+NODE_DIED = (EDGE + "PRTE has lost communication with a remote daemon.\n\n  HNP daemon   : [prterun-vm-1@0,0] "
+             "on node vm\n  Remote daemon: [prterun-vm-1@0,2] on node node7\n\nThis is usually due to "
+             "either a failure of the TCP network\n" + EDGE)
+
+
+def heartbeat_line(host="unison1-h2"):
+    from unison.common import heartbeat
+
+    class Fake:
+        hosts, rank, timeout = ["unison1-h1", "unison1-h1", host], 1, 30.0
+
+    return heartbeat.Heartbeat.describe(Fake(), 2, 30.04)
+
+
+def test_heartbeat_line_and_status_match_the_report():
+    from unison.common.heartbeat import ABORT_CODE
+    from unison.run.report import HOST_LOST_STATUS, parse_heartbeat
+
+    line = heartbeat_line()
+    assert line.startswith("[unison] host unison1-h2 is not answering: rank 1 (on unison1-h1)")
+    assert "UNISON_HOST_TIMEOUT_SECONDS=30" in line
+    found = parse_heartbeat("[1,1]<stderr>: " + line)  # also behind mpirun's --tag-output prefix
+    assert found is not None and found.host == "unison1-h2"
+    assert found.describe() == ("host unison1-h2 stopped answering: rank 1 (on unison1-h1) heard nothing from "
+                                "rank 2 for 30.0 s (UNISON_HOST_TIMEOUT_SECONDS); check that host and its "
+                                "network link")
+    assert ABORT_CODE == HOST_LOST_STATUS == 75
+
+
+@pytest.mark.parametrize(
+    ("stream", "text", "expected"),
+    [
+        ("stderr", heartbeat_line() + "\n" + ABORTED,
+         "host unison1-h2 stopped answering: rank 1 (on unison1-h1) heard nothing from rank 2 for 30.0 s"),
+        ("stdout", DAEMON_LOST, "host unison1-h2 lost its Open MPI daemon"),
+        ("stderr", NODE_DIED, "host node7 lost its connection to mpirun"),
+    ],
+)
+def test_report_names_the_lost_host_and_never_reports_success(stream, text, expected):
+    from unison.run.report import MpirunReport
+
+    report = MpirunReport()
+    for start in range(0, len(text), 11):
+        report.feed(text[start:start + 11], stream)
+        report.feed("rank output on the other stream\n", "stdout" if stream == "stderr" else "stderr")
+    assert report.status(0) == 75 and report.status(1) == 1
+    summary = report.summary(75)
+    assert summary.startswith("the job failed (exit status 75): " + expected), summary
+    assert report.host_lost_at is not None
+
+
+def test_report_without_lost_host_keeps_status_zero():
+    from unison.run.report import MpirunReport
+
+    report = MpirunReport()
+    report.feed(ABORTED)
+    assert report.status(0) == 0 and not report.hosts_lost and report.host_lost_at is None
+
+
+HANGS_AFTER_LOST_HOST = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    with open(sys.argv[1], "w") as f:
+        f.write(str(child.pid))
+    sys.stderr.write(sys.argv[2] + "\\n")
+    sys.stderr.flush()
+    time.sleep(120)
+    """
+)
+
+
+def test_launcher_kills_an_mpirun_that_outlives_a_lost_host(tmp_path):
+    """An 'mpirun' still waiting after a heartbeat line is killed, with its children, after the grace."""
+    from unison.run.supervise import run_command
+
+    script, pid_file = tmp_path / "hangs.py", tmp_path / "pid"
+    script.write_text(HANGS_AFTER_LOST_HOST)
+    start = time.monotonic()
+    result = run_command([sys.executable, str(script), str(pid_file), heartbeat_line()], host_lost_grace_s=1.0)
+    elapsed = time.monotonic() - start
+    assert result.status == 75 and result.stop_signal is None
+    assert result.report.hosts_lost[0].host == "unison1-h2"
+    assert elapsed < 30, elapsed
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(child)
+
+
+def test_launcher_turns_a_lost_daemon_with_status_zero_into_a_failure(tmp_path, capsys):
+    from unison.run.supervise import run_command
+
+    script = tmp_path / "lost.py"
+    script.write_text(f"import sys\nsys.stdout.write({DAEMON_LOST!r})\n")
+    result = run_command([sys.executable, str(script)])
+    assert result.status == 75
+    assert "Remote host:   unison1-h2" in capsys.readouterr().out  # passed through unchanged
+    assert result.report.summary(result.status).endswith("check that host and its network link")
+
+
+# --- probing hosts before launch -----------------------------------------------------------------
+
+LOCAL_AGENT = "#!/bin/sh\n# a launch agent that runs the command here, whatever the host\nhost=$1; shift\n"
+
+
+def agent_script(tmp_path, body):
+    """Writes an executable launch agent called as ``AGENT HOST COMMAND``."""
+    path = tmp_path / "agent.sh"
+    path.write_text(LOCAL_AGENT + body + "\n")
+    path.chmod(0o755)
+    return [str(path)]
+
+
+def test_probe_passes_a_host_that_answers_and_reaches_back(tmp_path):
+    from unison.run.probe import probe_hosts
+
+    agent = agent_script(tmp_path, 'exec /bin/sh -c "$*"')
+    results = probe_hosts(["node1", "localhost"], agent=agent, python=sys.executable,
+                          addresses={"lo": "127.0.0.1"}, timeout=30)
+    assert [(r.host, r.reason) for r in results] == [("node1", None)]
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        ('echo "ssh: Could not resolve hostname $host" >&2; exit 255',
+         "exit status 255): ssh: Could not resolve hostname node"),
+        ("sleep 60", "no answer through"),
+    ],
+)
+def test_probe_names_each_failing_host_within_its_deadline(tmp_path, body, reason):
+    from unison.run.probe import HostUnreachableError, check_hosts
+
+    agent = agent_script(tmp_path, body)
+    start = time.monotonic()
+    with pytest.raises(HostUnreachableError) as error:
+        check_hosts(["node1", "node2"], agent=agent, python=sys.executable, addresses={"lo": "127.0.0.1"},
+                    timeout=3)
+    assert time.monotonic() - start < 15
+    message = str(error.value)
+    assert message.startswith("cannot reach 2 of 2 host(s), so nothing was launched: host node1: ")
+    assert "host node2: " in message and reason in message
+    assert message.endswith("or pass --skip-host-check")
+
+
+def test_probe_names_a_host_that_cannot_connect_back(tmp_path, monkeypatch):
+    import unison.run.probe as probe
+
+    listen = probe._Listener.__init__
+
+    def on_a_closed_port(self, secret):
+        listen(self, secret)
+        self.port = free_port()  # the host is told a port where nothing listens
+
+    monkeypatch.setattr(probe._Listener, "__init__", on_a_closed_port)
+    agent = agent_script(tmp_path, 'exec /bin/sh -c "$*"')
+    [result] = probe.probe_hosts(["node1"], agent=agent, python=sys.executable, addresses={"lo": "127.0.0.1"},
+                                 timeout=30)
+    assert result.reason.startswith("it could not open a TCP connection back to this machine, as Open MPI's "
+                                    "daemon must: cannot connect back to 127.0.0.1:")
+    assert "Connection refused" in result.reason
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_probe_refuses_an_include_list_that_matches_no_local_address():
+    from unison.run.probe import HostUnreachableError, reach_back_addresses
+
+    addresses = {"eth0": "10.0.0.5", "eth1": "192.168.1.2"}
+    assert reach_back_addresses(["10.0.0.0/24"], addresses) == ["10.0.0.5"]
+    assert reach_back_addresses(["eth1"], addresses) == ["192.168.1.2"]
+    assert reach_back_addresses([], addresses) == ["10.0.0.5", "192.168.1.2"]
+    with pytest.raises(HostUnreachableError) as error:
+        reach_back_addresses(["172.16.0.0/12"], addresses)
+    assert "'172.16.0.0/12'" in str(error.value) and "eth0 10.0.0.5" in str(error.value)
+
+
+def test_probe_names_a_launch_agent_that_cannot_start(tmp_path):
+    from unison.run.probe import probe_hosts
+
+    [result] = probe_hosts(["node1"], agent=[str(tmp_path / "no-such-agent")], python=sys.executable,
+                           addresses={"lo": "127.0.0.1"}, timeout=5)
+    assert result.reason.startswith(f"cannot start the launch agent '{tmp_path / 'no-such-agent'}': ")
+    assert "--launch-agent" in result.reason
+
+
+def test_cli_refuses_to_launch_when_a_host_fails_the_probe(tmp_path, capsys, monkeypatch):
+    require_mpirun()
+    from unison.run import launcher
+    from unison.run.supervise import JobResult
+
+    launched = []
+    monkeypatch.setattr(launcher, "run_command", lambda command, env: launched.append(command) or JobResult(0))
+    agent = agent_script(tmp_path, 'echo "ssh: connect to host $host port 22: Connection timed out" >&2; exit 255')
+    hostfile = write_hostfile(tmp_path, f"launch-agent={agent[0]}", hosts=("node-a slots=1", "localhost slots=1"))
+    start = time.monotonic()
+    assert main(["--hostfile", hostfile, "-np", "2", "python", "-c", "pass"]) == 69
+    assert time.monotonic() - start < 30
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("unisonrun: error: cannot reach 1 of 1 host(s), so nothing was launched: host node-a: ")
+    assert "Connection timed out" in last and not launched
+    assert main(["--hostfile", hostfile, "--skip-host-check", "-np", "2", "python", "-c", "pass"]) == 0
+    assert len(launched) == 1 and "--skip-host-check" not in launched[0]
+
+
+def test_probe_skips_this_machine(tmp_path):
+    import socket
+
+    from unison.run.probe import probe_hosts
+
+    agent = agent_script(tmp_path, "exit 255")  # would fail every host it is asked for
+    here = socket.gethostname()
+    assert probe_hosts(["localhost", "127.0.0.1", here, "10.9.8.7"], agent=agent, python=sys.executable,
+                       addresses={"eth0": "10.9.8.7"}, timeout=5) == []

@@ -70,9 +70,11 @@ def test_env_settings_and_horovod_alias():
 
 
 @pytest.mark.parametrize("var, value, expected", [
-    ("UNISON_ALLREDUCE_ALGORITHM", "fastest", "UNISON_ALLREDUCE_ALGORITHM='fastest'.*auto, ring, rhd, mpi"),
-    ("HOROVOD_ALLREDUCE_ALGORITHM", "nccl", "HOROVOD_ALLREDUCE_ALGORITHM='nccl'.*auto, ring, rhd, mpi"),
-    ("UNISON_BROADCAST_ALGORITHM", "ring", "UNISON_BROADCAST_ALGORITHM='ring'.*auto, tree, mpi"),
+    ("UNISON_ALLREDUCE_ALGORITHM", "fastest",
+     "UNISON_ALLREDUCE_ALGORITHM=.fastest.*auto, ring, rhd, hierarchical, mpi"),
+    ("HOROVOD_ALLREDUCE_ALGORITHM", "nccl",
+     "HOROVOD_ALLREDUCE_ALGORITHM=.nccl.*auto, ring, rhd, hierarchical, mpi"),
+    ("UNISON_BROADCAST_ALGORITHM", "ring", "UNISON_BROADCAST_ALGORITHM='ring'.*auto, tree, hierarchical, mpi"),
     ("UNISON_CHUNK_BYTES", "-5", r"UNISON_CHUNK_BYTES=.-5.*integer in \[1, 2147483647\]"),
     ("UNISON_CHUNK_BYTES", "1MB", r"UNISON_CHUNK_BYTES='1MB'.*integer in \[1, 2147483647\]"),
     ("UNISON_LOG_LEVEL", "loud", "UNISON_LOG_LEVEL='loud'.*DEBUG"),

@@ -10,6 +10,7 @@ engine (named, negotiated, fused; ``*_async`` variants return handles);
 ``unison.collectives`` holds the direct, algorithm-level calls.
 """
 
+from unison.common import heartbeat as _heartbeat  # noqa: F401  (registers the host heartbeat's init hook)
 from unison.common.compression import Compression
 from unison.common.engine.engine import DuplicateNameError, JoinError, ShutdownError, StallError
 from unison.common.engine.frontend import (

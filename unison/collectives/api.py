@@ -6,15 +6,18 @@ Each call first agrees with the other ranks on what is being called (see
 ============== ===================================== ==============================
 collective     ours                                  MPI's
 ============== ===================================== ==============================
-allreduce      inline (<= 4 KiB), rhd, ring          ``MPI_Allreduce``
-allgather      inline, ring                          ``MPI_Allgatherv``
-broadcast      inline, binomial tree                 ``MPI_Bcast``
+allreduce      inline (<= 4 KiB), rhd, ring,         ``MPI_Allreduce``
+               hierarchical
+allgather      inline, ring, hierarchical            ``MPI_Allgatherv``
+broadcast      inline, binomial tree, hierarchical   ``MPI_Bcast``
 reducescatter  inline, ring                          ``MPI_Reduce_scatter``
 alltoall       inline, pairwise exchange             ``MPI_Alltoallv``
 ============== ===================================== ==============================
 
 ``algorithm="auto"`` (the default, or ``UNISON_<OP>_ALGORITHM``) picks by
-message size and rank count; see :mod:`unison.collectives.select`.
+topology, message size and rank count; see :mod:`unison.collectives.select`.
+Inline all-reduces and reduce-scatters fold the ranks' rows in rank order, as
+the deterministic mode does (:mod:`unison.collectives.ordered`).
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ import numpy as np
 
 from unison.collectives import kernels
 from unison.collectives.header import INLINE_BYTES, Call, Collective, Negotiator
+from unison.collectives.ordered import reduce_stack  # rank order (numpy's reduce is pairwise at >= 9 rows)
 from unison.collectives.plans import InlineAllreduce
-from unison.collectives.reduce import check_op, finalize, prescale, reduce_stack, reducer
+from unison.collectives.reduce import check_op, finalize, prescale, reducer
 from unison.collectives.validate import as_array, check_root, check_splits, rows_split
 from unison.common import pool, runtime
 from unison.common.config import validate_algorithm
@@ -122,7 +126,7 @@ def allreduce(tensor: Any, op: Any = Average, name: str | None = None,
         name: a label for error messages and (with the engine) the timeline.
         prescale_factor: each rank's input is multiplied by this before reducing.
         postscale_factor: the result is multiplied by this after reducing.
-        algorithm: ``"auto"``, ``"ring"``, ``"rhd"`` or ``"mpi"``; default from
+        algorithm: ``"auto"``, ``"ring"``, ``"rhd"``, ``"hierarchical"`` or ``"mpi"``; default from
             ``UNISON_ALLREDUCE_ALGORITHM``.
         out: a C-contiguous array of the input's shape and dtype to write the
             result into (it may be ``tensor`` itself, for an in-place reduction).
@@ -194,7 +198,8 @@ def allgather(tensor: Any, name: str | None = None, algorithm: str | None = None
     Args:
         tensor: array-like.
         name: a label for error messages.
-        algorithm: ``"auto"``, ``"ring"`` or ``"mpi"``; default from ``UNISON_ALLGATHER_ALGORITHM``.
+        algorithm: ``"auto"``, ``"ring"``, ``"hierarchical"`` or ``"mpi"``; default from
+            ``UNISON_ALLGATHER_ALGORITHM``.
 
     Raises:
         MismatchError: trailing shapes or dtypes differ between ranks.

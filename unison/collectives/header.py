@@ -122,7 +122,7 @@ class Collective(enum.IntEnum):
     BARRIER = 6
 
 
-ALGO_CODES = {"auto": 0, "ring": 1, "rhd": 2, "mpi": 3, "tree": 4, "pairwise": 5}
+ALGO_CODES = {"auto": 0, "ring": 1, "rhd": 2, "mpi": 3, "tree": 4, "pairwise": 5, "hierarchical": 6}
 _ALGO_NAMES = {v: k for k, v in ALGO_CODES.items()}
 
 

@@ -2,7 +2,16 @@
 
 Both front ends call these: the direct API (:mod:`unison.collectives.api`, after
 its header exchange) and the engine (:mod:`unison.common.engine`, after its
-negotiation). Inputs are 1-D contiguous arrays; nothing here checks agreement.
+negotiation, on its fused buffers too). Inputs are 1-D contiguous arrays;
+nothing here checks agreement.
+
+Two settings reach the kernels without passing through the callers: with
+``UNISON_DETERMINISTIC`` float reductions take :mod:`.ordered` whatever the
+algorithm, and ``UNISON_HIERARCHICAL_ALLREDUCE``/``_ALLGATHER`` make ``auto``
+pick :mod:`.hierarchical` whenever the communicator spans hosts. Both are read
+from the runtime's settings (equal on every rank, checked at ``init()``) unless
+given as arguments. The communicator's :mod:`.topology` is built the first time
+an algorithm needs it (see [Note: topology is collective]).
 """
 
 from __future__ import annotations
@@ -11,10 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from unison.collectives import adasum, native, rhd, ring, tree
+from unison.collectives import adasum, hierarchical, native, ordered, rhd, ring, topology, tree
 from unison.collectives.p2p import exchange
 from unison.collectives.reduce import accumulator, finalize, prescale, reducer
 from unison.collectives.select import choose_allreduce, choose_simple
+from unison.common import runtime
+from unison.common.dtypes import is_float
 from unison.common.ops import ReduceOp
 
 __all__ = ["allreduce", "allgatherv", "broadcast", "reducescatter", "alltoallv"]
@@ -29,41 +40,96 @@ def _elems(chunk_bytes: int, itemsize: int) -> int:
     return max(1, chunk_bytes // itemsize)
 
 
+def _setting(value: bool | None, field: str) -> bool:
+    """An explicit argument, else the runtime's setting ``field`` (False before ``init()``)."""
+    if value is not None:
+        return value
+    return bool(getattr(runtime.state().config, field)) if runtime.is_initialized() else False
+
+
+def _topology(comm: Any, mpi: Any, requested: str) -> topology.Topology | None:
+    """The communicator's topology when ``requested`` may need it (the same answer on every rank)."""
+    if requested in ("mpi", "rhd", "pairwise"):
+        return None
+    return topology.of(comm, mpi)
+
+
+def _hierarchical_ok(topo: topology.Topology, what: str) -> bool:
+    """Whether the hierarchical algorithms can run on ``topo``; logs the fallback once."""
+    if topo.homogeneous:
+        return True
+    topo.warn_once(what, "hierarchical %s needs the same number of ranks on every host; got %s ranks "
+                   "per host, so the host-ordered %s runs instead", what, list(topo.local_sizes),
+                   "tree" if what == "broadcast" else "ring")
+    return False
+
+
+def _by_ring_order(topo: topology.Topology, values: list[int]) -> list[int]:
+    """``values`` (indexed by rank of the communicator) reindexed by rank of ``topo.ring``."""
+    return [values[r] for r in topo.host_order]
+
+
 def allreduce(comm: Any, mpi: Any, src: np.ndarray, out: np.ndarray, op: ReduceOp,
               prescale_factor: float, postscale_factor: float, algorithm: str,
-              chunk_bytes: int) -> None:
-    """``out = postscale * op(prescale * src over ranks)``; ``out`` may be ``src`` (in place)."""
+              chunk_bytes: int, *, deterministic: bool | None = None,
+              hierarchical_forced: bool | None = None) -> None:
+    """``out = postscale * op(prescale * src over ranks)``; ``out`` may be ``src`` (in place).
+
+    Args:
+        deterministic: fold float data in rank order (:mod:`.ordered`); default
+            ``UNISON_DETERMINISTIC``.
+        hierarchical_forced: ``auto`` picks the hierarchical algorithm whenever
+            ``comm`` spans hosts; default ``UNISON_HIERARCHICAL_ALLREDUCE``.
+    """
     if op is ReduceOp.ADASUM:  # its own algorithm (vector halving, distance doubling); never fused
         adasum.allreduce(comm, mpi, src, out, prescale_factor, postscale_factor, chunk_bytes)
         return
     n = comm.Get_size()
-    algo = choose_allreduce(algorithm, out.nbytes, n)
-    chunk = _elems(chunk_bytes, out.itemsize)
-    if out.size == 0:
-        return
-    if n == 1:
+    if n == 1 or out.size == 0:
         prescale(src, prescale_factor, out)
         finalize(out, op, 1, postscale_factor)
         return
+    if _setting(deterministic, "deterministic") and is_float(out.dtype):
+        algo, topo = "ordered", None
+    else:
+        topo = _topology(comm, mpi, algorithm)
+        algo = choose_allreduce(algorithm, out.nbytes, n, topo,
+                                _setting(hierarchical_forced, "hierarchical_allreduce"))
+        if algo == "hierarchical" and not _hierarchical_ok(topo, "allreduce"):  # type: ignore[arg-type]
+            algo = "ring"
     wide = accumulator(out.dtype, op)
     if wide is not None:
         _allreduce_widened(comm, mpi, src, out, wide, op, prescale_factor, postscale_factor, algo,
-                           chunk_bytes)
+                           chunk_bytes, topo)
         return
+    _allreduce_run(comm, mpi, src, out, op, prescale_factor, postscale_factor, algo,
+                   _elems(chunk_bytes, out.itemsize), topo)
+
+
+def _allreduce_run(comm: Any, mpi: Any, src: np.ndarray, out: np.ndarray, op: ReduceOp,
+                   prescale_factor: float, postscale_factor: float, algo: str, chunk: int,
+                   topo: topology.Topology | None) -> None:
+    """Run the resolved algorithm ``algo``."""
+    n = comm.Get_size()
 
     def finish(seg: np.ndarray) -> None:
         finalize(seg, op, n, postscale_factor)
 
+    ufunc = reducer(out.dtype, op)
     if algo == "rhd":
         prescale(src, prescale_factor, out)
-        rhd.allreduce(comm, mpi, out, reducer(out.dtype, op), chunk, finish)
+        rhd.allreduce(comm, mpi, out, ufunc, chunk, finish)
         return
     if prescale_factor != 1.0:
         scaled = np.empty_like(src)
         prescale(src, prescale_factor, scaled)
         src = scaled
-    if algo == "ring":
-        ring.allreduce(comm, mpi, src, out, reducer(out.dtype, op), chunk, finish)
+    if algo == "ordered":
+        ordered.allreduce(comm, mpi, src, out, ufunc, chunk, finish)
+    elif algo == "hierarchical" and topo is not None:
+        hierarchical.allreduce(topo, mpi, src, out, ufunc, chunk, finish)
+    elif algo == "ring" and topo is not None:
+        ring.allreduce(topo.ring, mpi, src, out, ufunc, chunk, finish)
     else:
         native.allreduce(comm, mpi, src, out, op)
         finish(out)
@@ -71,72 +137,108 @@ def allreduce(comm: Any, mpi: Any, src: np.ndarray, out: np.ndarray, op: ReduceO
 
 def _allreduce_widened(comm: Any, mpi: Any, src: np.ndarray, out: np.ndarray, wide: np.dtype,
                        op: ReduceOp, prescale_factor: float, postscale_factor: float, algo: str,
-                       chunk_bytes: int) -> None:
+                       chunk_bytes: int, topo: topology.Topology | None) -> None:
     """An integer average summed in ``wide``, piece by piece (every rank cuts the same pieces)."""
     acc = np.empty(min(out.size, WIDE_PIECE_ELEMS), dtype=wide)
     for lo in range(0, out.size, acc.size):
         hi = min(lo + acc.size, out.size)
         piece = acc[:hi - lo]
         prescale(src[lo:hi], prescale_factor, piece)  # scaled in the input's dtype, then widened
-        allreduce(comm, mpi, piece, piece, op, 1.0, postscale_factor, algo, chunk_bytes)
+        _allreduce_run(comm, mpi, piece, piece, op, 1.0, postscale_factor, algo,
+                       _elems(chunk_bytes, wide.itemsize), topo)
         np.copyto(out[lo:hi], piece, casting="unsafe")
 
 
 def allgatherv(comm: Any, mpi: Any, mine: np.ndarray, out: np.ndarray, byte_counts: list[int],
-               algorithm: str, chunk_bytes: int) -> None:
-    """Gather every rank's bytes (``byte_counts[r]`` each) into ``out`` in rank order."""
-    offsets = [0] * len(byte_counts)
-    for i in range(1, len(byte_counts)):
+               algorithm: str, chunk_bytes: int, *, hierarchical_forced: bool | None = None) -> None:
+    """Gather every rank's bytes (``byte_counts[r]`` each) into ``out`` in rank order.
+
+    Args:
+        hierarchical_forced: ``auto`` picks the hierarchical all-gather whenever
+            ``comm`` spans hosts; default ``UNISON_HIERARCHICAL_ALLGATHER``.
+    """
+    n, r = comm.Get_size(), comm.Get_rank()
+    offsets = [0] * n
+    for i in range(1, n):
         offsets[i] = offsets[i - 1] + byte_counts[i - 1]
     ob = out.reshape(-1).view(np.uint8)
-    if choose_simple("allgather", algorithm, sum(byte_counts), comm.Get_size()) == "mpi":
+    topo = _topology(comm, mpi, algorithm) if n > 1 else None
+    algo = choose_simple("allgather", algorithm, sum(byte_counts), n, topo,
+                         _setting(hierarchical_forced, "hierarchical_allgather"))
+    if algo == "mpi" or topo is None:
         native.allgatherv(comm, mine, out, byte_counts, offsets, mpi)
         return
-    r = comm.Get_rank()
     ob[offsets[r]:offsets[r] + byte_counts[r]] = mine.reshape(-1).view(np.uint8)
-    ring.allgatherv(comm, mpi, ob, byte_counts, offsets, chunk_bytes)
+    if algo == "hierarchical" and _hierarchical_ok(topo, "allgather"):
+        hierarchical.allgatherv(topo, mpi, ob, byte_counts, offsets)
+    else:
+        ring.allgatherv(topo.ring, mpi, ob, _by_ring_order(topo, byte_counts),
+                        _by_ring_order(topo, offsets), chunk_bytes)
 
 
 def broadcast(comm: Any, mpi: Any, buf: np.ndarray, root: int, algorithm: str,
-              chunk_bytes: int) -> None:
-    """Broadcast ``buf`` (contiguous) from ``root`` in place."""
+              chunk_bytes: int, *, hierarchical_forced: bool | None = None) -> None:
+    """Broadcast ``buf`` (contiguous) from ``root`` in place.
+
+    Args:
+        hierarchical_forced: as for :func:`allgatherv` (``UNISON_HIERARCHICAL_ALLGATHER``).
+    """
     ob = buf.reshape(-1).view(np.uint8)
-    if ob.size == 0:
+    n = comm.Get_size()
+    if ob.size == 0 or n == 1:
         return
-    if choose_simple("broadcast", algorithm, ob.size, comm.Get_size()) == "mpi":
+    topo = _topology(comm, mpi, algorithm)
+    algo = choose_simple("broadcast", algorithm, ob.size, n, topo,
+                         _setting(hierarchical_forced, "hierarchical_allgather"))
+    if algo == "hierarchical" and topo is not None and _hierarchical_ok(topo, "broadcast"):
+        hierarchical.broadcast(topo, mpi, ob, root)
+    elif algo == "mpi" or topo is None:
         native.broadcast(comm, ob, root, mpi)
-    else:
-        tree.broadcast(comm, ob, root, chunk_bytes)
+    else:  # the tree (hierarchical falls back to it too), over the host-ordered communicator
+        tree.broadcast(topo.ring, ob, topo.host_order.index(root), chunk_bytes)
 
 
 def reducescatter(comm: Any, mpi: Any, src: np.ndarray, out: np.ndarray, counts: list[int],
                   op: ReduceOp, prescale_factor: float, postscale_factor: float, algorithm: str,
-                  chunk_bytes: int) -> None:
-    """Reduce ``src`` over ranks; write this rank's ``counts[rank]`` elements to ``out``."""
+                  chunk_bytes: int, *, deterministic: bool | None = None) -> None:
+    """Reduce ``src`` over ranks; write this rank's ``counts[rank]`` elements to ``out``.
+
+    Args:
+        deterministic: fold float data in rank order (:mod:`.ordered`); default
+            ``UNISON_DETERMINISTIC``.
+    """
     n, r = comm.Get_size(), comm.Get_rank()
     if n == 1:
         prescale(src, prescale_factor, out)
         finalize(out, op, 1, postscale_factor)
         return
-    algo = choose_simple("reducescatter", algorithm, src.nbytes, n)
+    if _setting(deterministic, "deterministic") and is_float(src.dtype):
+        algo, topo = "ordered", None
+    else:
+        topo = _topology(comm, mpi, algorithm)
+        algo = choose_simple("reducescatter", algorithm, src.nbytes, n, topo)
     wide = accumulator(src.dtype, op)
     if wide is not None:  # see [Note: integer average] in .reduce
         acc, acc_out = np.empty(src.size, dtype=wide), np.empty(out.size, dtype=wide)
         prescale(src, prescale_factor, acc)
-        reducescatter(comm, mpi, acc, acc_out, counts, op, 1.0, postscale_factor, algo, chunk_bytes)
+        reducescatter(comm, mpi, acc, acc_out, counts, op, 1.0, postscale_factor, algo, chunk_bytes,
+                      deterministic=False)
         np.copyto(out, acc_out, casting="unsafe")
         return
     if prescale_factor != 1.0:
         scaled = np.empty_like(src)
         prescale(src, prescale_factor, scaled)
         src = scaled
-    if algo == "mpi":
+    offsets = [sum(counts[:i]) for i in range(n)]
+    chunk = _elems(chunk_bytes, src.itemsize)
+    if algo == "ordered":
+        ordered.reduce_scatter(comm, mpi, src, out, counts, offsets, reducer(src.dtype, op), chunk)
+    elif algo == "mpi" or topo is None:
         native.reduce_scatter(comm, mpi, src, out, counts, op)
-    else:
-        offsets = [sum(counts[:i]) for i in range(n)]
+    else:  # ring, over the host-ordered communicator: its rank i owns its own segment
         work = np.empty_like(src)
-        ring.reduce_scatter(comm, mpi, src, work, counts, offsets, reducer(src.dtype, op),
-                            _elems(chunk_bytes, src.itemsize), shift=0)
+        ring.reduce_scatter(topo.ring, mpi, src, work, _by_ring_order(topo, counts),
+                            _by_ring_order(topo, offsets), reducer(src.dtype, op), chunk, shift=0)
         out[:] = work[offsets[r]:offsets[r] + counts[r]]
     finalize(out, op, n, postscale_factor)
 

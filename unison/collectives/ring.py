@@ -13,6 +13,15 @@ After it, rank r holds segment (r + shift) mod n reduced over all ranks; an
 all-gather with the same rotation then circulates the finished segments. Each
 rank sends and receives 2(n-1)/n of the buffer, the minimum for all-reduce.
 
+[Note: ring in host order] The kernels run these on ``Topology.ring``
+(:mod:`.topology`), a communicator whose ranks are numbered host by host. A
+ring over ranks placed round robin (``--map-by node``: 0 and 2 on host A, 1 and
+3 on host B) would cross between hosts at every step of its way round, 0 -> 1
+-> 2 -> 3 -> 0, sending each host's whole share over the network twice; in host
+order, 0 -> 2 -> 1 -> 3 -> 0, it crosses each host boundary once. Segment
+ownership follows the ring's ranks, so ``reduce_scatter`` callers pass counts
+and offsets in that order; the result does not depend on it.
+
 Every finished segment is computed by exactly one rank and then copied, so the
 result is bitwise identical on all ranks. Segment k of the output is written as
 ``input[k] op received`` the one time it arrives, so the input is never copied.

@@ -1,41 +1,91 @@
-"""Which algorithm ``"auto"`` runs, by message size and rank count.
+"""Which algorithm ``"auto"`` runs, by topology, message size and rank count.
 
 Messages of at most 4 KiB travel inline in the agreement exchange (see
-:mod:`unison.collectives.header`) before this is consulted. Above that, the
-table below comes from ``benchmarks/collectives.py`` on a 2-core shared-memory
-host at 2 and 4 ranks (docs/collectives.md has the numbers): Open MPI's own
-collectives win for medium messages, where a Python-driven algorithm pays a few
-microseconds per message, and our ring wins for large all-reduces and
-reduce-scatters, where it streams pieces through cache and writes each output
-segment once (1.2-1.5x ``MPI_Allreduce`` at 64-256 MiB). Every rank derives the
-same choice from the same inputs, so no agreement is needed.
+:mod:`unison.collectives.header`) before this is consulted. Above that:
+
+* One host (the communicator's :class:`~.topology.Topology` has one host, or
+  none is known): the table comes from ``benchmarks/collectives.py`` on a
+  2-core shared-memory host at 2 and 4 ranks. Open MPI's own collectives win
+  for medium messages, where a Python-driven algorithm pays a few microseconds
+  per message, and our ring wins for large all-reduces and reduce-scatters,
+  where it streams pieces through cache and writes each output segment once
+  (1.2-1.5x ``MPI_Allreduce`` at 64-256 MiB).
+* Several hosts: the table comes from runs on 2 test hosts x 2 ranks
+  (``unison.run.testhosts``), with the links unshaped and limited to 1 Gbit/s
+  (docs/collectives.md, "Many hosts", has the numbers). There, Open MPI's own
+  all-reduce and broadcast across hosts were 3-25x slower than ours from
+  256 KiB on, so: the hierarchical all-reduce from :data:`HIER_MIN_BYTES`
+  (it sends each byte across the network once per host instead of once per
+  rank), MPI's call below; the hierarchical all-gather and broadcast from
+  :data:`HIER_SIMPLE_MIN_BYTES`; and for reduce-scatter the direct algorithm of
+  :mod:`.ordered` (each segment's owner receives every rank's piece through
+  ``MPI_Alltoallv``), which was fastest at 5 of 6 sizes on both links. A layout
+  with unequal hosts makes the hierarchical algorithms fall back (see
+  :mod:`.kernels`).
+* ``UNISON_HIERARCHICAL_ALLREDUCE=1`` / ``UNISON_HIERARCHICAL_ALLGATHER=1``
+  (``force``) pick the hierarchical algorithms at every size whenever the
+  communicator spans hosts.
+
+Every rank derives the same choice from the same inputs (the topology is built
+collectively and identical everywhere), so no agreement is needed.
 """
 
 from __future__ import annotations
 
-__all__ = ["choose_allreduce", "choose_simple"]
+from typing import Any
 
-#: All-reduce messages from this size up use the ring; smaller ones MPI's call.
+__all__ = ["choose_allreduce", "choose_simple", "RING_MIN_BYTES", "RS_RING_MIN_BYTES", "HIER_MIN_BYTES",
+           "HIER_SIMPLE_MIN_BYTES"]
+
+#: One host: all-reduce messages from this size up use the ring; smaller ones MPI's call.
 RING_MIN_BYTES = 1 << 20
 #: Reduce-scatter inputs from this size up use the ring.
 RS_RING_MIN_BYTES = 4 << 20
+#: Several hosts: all-reduce messages from this size up use the hierarchical algorithm.
+HIER_MIN_BYTES = 256 << 10
+#: Several hosts: all-gathers (total bytes) and broadcasts from this size up use the hierarchical
+#: algorithms (smaller ones travel inline or through MPI's call).
+HIER_SIMPLE_MIN_BYTES = 16 << 10
 
 
-def choose_allreduce(requested: str, nbytes: int, size: int) -> str:
-    """Resolve ``requested`` ("auto", "ring", "rhd", "mpi") for a message of ``nbytes``."""
-    if requested != "auto":
-        return requested
-    return "ring" if nbytes >= RING_MIN_BYTES else "mpi"
+def _multi_host(topo: Any) -> bool:
+    return topo is not None and topo.spans_hosts
 
 
-def choose_simple(collective: str, requested: str, nbytes: int, size: int) -> str:
-    """Resolve the algorithm of allgather, broadcast, reducescatter or alltoall.
+def choose_allreduce(requested: str, nbytes: int, size: int, topo: Any = None, force: bool = False) -> str:
+    """Resolve ``requested`` ("auto", "ring", "rhd", "hierarchical", "mpi") for a message of ``nbytes``.
 
-    Our ring all-gather, binomial tree and pairwise all-to-all stay available by
-    name; measured here, MPI's own calls were faster for them at every size.
+    Args:
+        topo: the communicator's :class:`~.topology.Topology`, when known.
+        force: ``UNISON_HIERARCHICAL_ALLREDUCE``: hierarchical whenever ``topo`` spans hosts.
     """
     if requested != "auto":
         return requested
+    if _multi_host(topo):
+        if force or nbytes >= HIER_MIN_BYTES:
+            return "hierarchical"
+        return "mpi"
+    return "ring" if nbytes >= RING_MIN_BYTES else "mpi"
+
+
+def choose_simple(collective: str, requested: str, nbytes: int, size: int, topo: Any = None,
+                  force: bool = False) -> str:
+    """Resolve the algorithm of allgather, broadcast, reducescatter or alltoall.
+
+    Our ring all-gather, binomial tree and pairwise all-to-all stay available by
+    name; measured here, MPI's own calls were faster for them at every size on
+    one host. Across hosts see the module docstring; ``"ordered"`` (the direct
+    reduce-scatter) is chosen by ``auto`` only. ``force``
+    (``UNISON_HIERARCHICAL_ALLGATHER``) picks the hierarchical all-gather and
+    broadcast whenever ``topo`` spans hosts.
+    """
+    if requested != "auto":
+        return requested
+    if _multi_host(topo):
+        if collective in ("allgather", "broadcast"):
+            return "hierarchical" if force or nbytes >= HIER_SIMPLE_MIN_BYTES else "mpi"
+        if collective == "reducescatter":
+            return "ordered"
     if collective == "reducescatter":
         return "ring" if nbytes >= RS_RING_MIN_BYTES else "mpi"
     return "mpi"

@@ -34,9 +34,9 @@ __all__ = ["Config", "ALGORITHMS", "SETTINGS", "Setting", "load_config", "mismat
 logger = logging.getLogger(__name__)
 
 #: Allreduce algorithms a user can force. ``auto`` picks by size and rank count.
-ALGORITHMS = ("auto", "ring", "rhd", "mpi")
-ALLGATHER_ALGORITHMS = ("auto", "ring", "mpi")
-BROADCAST_ALGORITHMS = ("auto", "tree", "mpi")
+ALGORITHMS = ("auto", "ring", "rhd", "hierarchical", "mpi")
+ALLGATHER_ALGORITHMS = ("auto", "ring", "hierarchical", "mpi")
+BROADCAST_ALGORITHMS = ("auto", "tree", "hierarchical", "mpi")
 REDUCESCATTER_ALGORITHMS = ("auto", "ring", "mpi")
 ALLTOALL_ALGORITHMS = ("auto", "pairwise", "mpi")
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -66,6 +66,10 @@ ENV_AUTOTUNE_WARMUP = "AUTOTUNE_WARMUP_SAMPLES"
 ENV_AUTOTUNE_STEPS = "AUTOTUNE_STEPS_PER_SAMPLE"
 ENV_MALLOC_CACHE = "MALLOC_CACHE"
 ENV_COLLECTIVE_TIMEOUT = "COLLECTIVE_TIMEOUT_SECONDS"
+ENV_HIERARCHICAL_ALLREDUCE = "HIERARCHICAL_ALLREDUCE"
+ENV_HIERARCHICAL_ALLGATHER = "HIERARCHICAL_ALLGATHER"
+ENV_DETERMINISTIC = "DETERMINISTIC"
+ENV_HOST_TIMEOUT = "HOST_TIMEOUT_SECONDS"
 
 #: Bounds. One MPI message carries at most a C ``int`` count; integers travel as int64;
 #: waits longer than this many seconds are a mistake (0 is the way to say "never").
@@ -246,6 +250,17 @@ class Config:
     malloc_cache: bool = True
     #: Engine: a collective wait longer than this many seconds ends the job (0: no limit).
     collective_timeout_seconds: float = 0.0
+    #: Force the hierarchical all-reduce (within hosts, then across) whenever the job spans
+    #: hosts (Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE``); ``auto`` already picks it by size.
+    hierarchical_allreduce: bool = False
+    #: Force the hierarchical all-gather (and broadcast) whenever the job spans hosts.
+    hierarchical_allgather: bool = False
+    #: Reduce every element in rank order, whatever the fusion, autotune or timing, so that
+    #: runs and restarts reproduce bit for bit (costs speed: no hierarchy, no MPI reductions).
+    deterministic: bool = False
+    #: A job spanning hosts ends, naming the host, when a host stops answering for this many
+    #: seconds (a heartbeat between ranks; 0 turns it off).
+    host_timeout_seconds: float = 30.0
     #: Where each value came from: an argument, a variable's name, or "default".
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -295,6 +310,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("autotune_steps_per_sample", ENV_AUTOTUNE_STEPS, IntRange(1, INT64_MAX), True),
     Setting("malloc_cache", ENV_MALLOC_CACHE, Flag(), False),
     Setting("collective_timeout_seconds", ENV_COLLECTIVE_TIMEOUT, FloatRange(0.0, MAX_SECONDS), True),
+    Setting("hierarchical_allreduce", ENV_HIERARCHICAL_ALLREDUCE, Flag(), True),
+    Setting("hierarchical_allgather", ENV_HIERARCHICAL_ALLGATHER, Flag(), True),
+    Setting("deterministic", ENV_DETERMINISTIC, Flag(), True),
+    Setting("host_timeout_seconds", ENV_HOST_TIMEOUT, FloatRange(0.0, MAX_SECONDS), True),
 )
 _BY_FIELD = {s.field: s for s in SETTINGS}
 

@@ -14,6 +14,11 @@ Accepted forms, following Open MPI:
   slots as it has cores, so the count is a lower bound and at worst ``unisonrun`` adds an
   unneeded ``--oversubscribe``.
 
+A hostfile may end with ``# unison: key=value`` lines (Open MPI skips them as comments) that
+stand for ``unisonrun`` flags: ``launch-agent``, ``tcp-include`` and ``network-interface``;
+``python -m unison.run.testhosts up`` writes them so that its hostfile needs no other flag. A
+flag given on the command line wins over the hostfile's.
+
 Host names are checked before anything runs: ``mpirun`` starts its daemons on other hosts
 through ``ssh`` and a remote shell, so a name that begins with ``-`` would be read as an option
 (``-oProxyCommand=...`` runs a command) and a name holding a shell metacharacter (``;``, ``$``,
@@ -23,7 +28,9 @@ came from and why.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import re
 from pathlib import Path
 from typing import NamedTuple
 
@@ -159,3 +166,64 @@ def read_hostfile(path: str | Path) -> list[Host]:
 def total_slots(hosts: list[Host]) -> int:
     """Returns the number of slots offered by ``hosts`` altogether."""
     return sum(host.slots for host in hosts)
+
+
+#: the ``# unison:`` hostfile options ``unisonrun`` knows (see [Note: test hosts in a hostfile] in
+#: ``testhosts.py``), with the flag each stands for
+HOSTFILE_OPTIONS = {"launch-agent": "--launch-agent", "tcp-include": "--tcp-include",
+                    "network-interface": "--network-interface"}
+_INTERFACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,14}")
+
+
+def parse_tcp_include(value: str, flag: str) -> list[str]:
+    """Checks a TCP include list: subnets (``--tcp-include``) or interface names (``--network-interface``).
+
+    Args:
+        value: Comma-separated items, e.g. ``"10.0.0.0/24"`` or ``"eth1,ib0"``.
+        flag: The flag (or hostfile option) it came from, for error messages.
+
+    Returns:
+        The items; subnets in network form (``10.0.0.7/24`` gives ``10.0.0.0/24``).
+
+    Raises:
+        ValueError: an item is empty, not a subnet in CIDR form (``--tcp-include``) or not an
+            interface name (``--network-interface``).
+    """
+    items = []
+    for item in value.split(","):
+        item = item.strip()
+        if flag.endswith("tcp-include"):
+            try:
+                if "/" not in item:
+                    raise ValueError(item)
+                items.append(str(ipaddress.ip_network(item, strict=False)))
+            except ValueError:
+                raise ValueError(f"{flag} {value!r}: {item!r} is not a subnet in CIDR form; give e.g. "
+                                 "10.0.0.0/24 (several separated by commas)") from None
+        elif _INTERFACE.fullmatch(item):
+            items.append(item)
+        else:
+            raise ValueError(f"{flag} {value!r}: {item!r} is not a network interface name; give e.g. "
+                             "eth1 or ib0 (several separated by commas; see 'ip link')")
+    return items
+
+
+def read_hostfile_options(path: str | Path) -> dict[str, str]:
+    """The ``# unison: key=value`` options of a hostfile, checked (empty for a plain hostfile).
+
+    Raises:
+        ValueError: an option is not one of :data:`HOSTFILE_OPTIONS` or has no value.
+    """
+    # imported here, not at the top: ``unison.run`` imports this module, and ``python -m
+    # unison.run.testhosts`` warns when its module is already imported before it runs
+    from unison.run.testhosts import hostfile_options
+
+    options = hostfile_options(path)
+    for key, value in options.items():
+        if key not in HOSTFILE_OPTIONS:
+            raise ValueError(f"hostfile {str(path)!r} has an unknown option line '# unison: {key}={value}'; "
+                             f"known options: {', '.join(sorted(HOSTFILE_OPTIONS))}")
+        if not value:
+            raise ValueError(f"hostfile {str(path)!r} option '# unison: {key}=' has no value; "
+                             f"give it as for {HOSTFILE_OPTIONS[key]}")
+    return options

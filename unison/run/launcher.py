@@ -22,9 +22,24 @@ Why each piece is there:
   interpreter's directory first so that a bare ``python`` in the command is the same Python.
 * ``python -m mpi4py``: see [Note: a raising rank hangs Open MPI 5] in ``pycommand.py``.
 
+Across hosts (``-H``, ``--hostfile``, or a Slurm allocation, see ``slurm.py``) it adds::
+
+    [-H node01:2,...]  (from Slurm)  [--prtemca plm ssh --prtemca plm_ssh_agent AGENT]
+    [--mca btl_tcp_if_include X --prtemca oob_tcp_if_include X]  -x EVERY_VARIABLE ...
+
+* ``--launch-agent`` (or the hostfile's ``# unison: launch-agent=``) replaces ``ssh`` for starting
+  the daemons; ``plm ssh`` makes Open MPI use it even inside a batch allocation.
+* ``--tcp-include``/``--network-interface`` (or ``# unison: tcp-include=``) pin both the MPI
+  traffic (BTL) and the daemons' own wire (OOB) to those subnets or interfaces.
+* ``-x`` for every variable but host-specific ones: see [Note: the environment across hosts]
+  in ``placement.py``, which also resolves hosts, Slurm and the hostfile's options.
+* Before launching, every host is probed under a deadline ([Note: probing the hosts] in
+  ``probe.py``), so an unreachable host fails in seconds, named, instead of hanging.
+
 While the job runs, ``supervise.py`` forwards SIGINT/SIGTERM/SIGHUP to ``mpirun`` and makes sure
-they end it ([Note: stopping a job]); after a failed job the last line names the failed rank
-([Note: naming the failed rank] in ``report.py``). ``docs/run.md`` is the user's reference.
+they end it ([Note: stopping a job]), and kills it when it outlives a lost host; after a failed
+job the last line names the failed rank or the lost host ([Note: naming the failed rank] and
+[Note: naming a lost host] in ``report.py``). ``docs/run.md`` is the user's reference.
 
 Diagnostics go through ``logging``; only the command-line entry point prints.
 """
@@ -39,10 +54,16 @@ import shutil
 import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-from unison.run.hosts import Host, parse_hosts, read_hostfile, total_slots
+from unison.run.placement import (
+    LaunchConfig,
+    forwarded_environment,
+    needs_oversubscribe,
+    network_arguments,
+    resolve_placement,
+)
+from unison.run.probe import DEFAULT_AGENT, HostUnreachableError, check_hosts
 from unison.run.pycommand import wrap_python_command
 from unison.run.supervise import run_command
 
@@ -50,44 +71,13 @@ __all__ = ["LaunchConfig", "MpirunNotFoundError", "build_command", "find_mpirun"
 
 logger = logging.getLogger(__name__)
 
-FORWARDED_PREFIXES = ("UNISON_", "HOROVOD_")
-FORWARDED_NAMES = (
-    "MKL_NUM_THREADS",
-    "OMP_NUM_THREADS",
-    "PYTHONPATH",
-    "TF_NUM_INTEROP_THREADS",
-    "TF_NUM_INTRAOP_THREADS",
-)
+#: exit status when a host fails the probe before launch (sysexits.h ``EX_UNAVAILABLE``)
+HOST_UNREACHABLE_STATUS = 69
+
 
 
 class MpirunNotFoundError(RuntimeError):
     """Neither the running environment nor ``PATH`` has an ``mpirun``."""
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """What the user asked ``unisonrun`` for.
-
-    Attributes:
-        command: The program to run on every rank, with its arguments.
-        np: Number of processes (ranks), at least 1.
-        hosts: The ``-H`` value, e.g. ``"localhost:2,node7:2"``, or ``None``.
-        hostfile: Path of an Open MPI hostfile, or ``None``.
-        bind_to: Value for ``mpirun --bind-to``.
-        oversubscribe: ``True`` forces ``--oversubscribe``, ``None`` adds it when ``np`` exceeds
-            the slots.
-        abort_on_exception: Run Python commands through ``python -m mpi4py``.
-        mpi_args: Extra arguments for ``mpirun``, placed before the command.
-    """
-
-    command: tuple[str, ...]
-    np: int = 1
-    hosts: str | None = None
-    hostfile: str | None = None
-    bind_to: str = "none"
-    oversubscribe: bool | None = None
-    abort_on_exception: bool = True
-    mpi_args: tuple[str, ...] = ()
 
 
 def find_mpirun(executable: str, which: Callable[[str], str | None] = shutil.which) -> str:
@@ -116,56 +106,6 @@ def find_mpirun(executable: str, which: Callable[[str], str | None] = shutil.whi
     )
 
 
-def _host_list(config: LaunchConfig) -> list[Host] | None:
-    """Parses and validates ``-H`` and ``--hostfile``; ``None`` when neither was given."""
-    if config.hosts is None and config.hostfile is None:
-        return None
-    hosts = []
-    if config.hosts is not None:
-        hosts += parse_hosts(config.hosts)
-    if config.hostfile is not None:
-        hosts += read_hostfile(config.hostfile)
-    return hosts
-
-
-def _needs_oversubscribe(config: LaunchConfig, hosts: list[Host] | None, cpu_count: int) -> bool:
-    """Tells whether ``np`` exceeds the slots of ``hosts``, or of this machine without hosts."""
-    if config.oversubscribe is not None:
-        return config.oversubscribe
-    slots = cpu_count if hosts is None else total_slots(hosts)
-    if config.np > slots:
-        logger.info("-np %d exceeds %d slot(s): adding --oversubscribe", config.np, slots)
-        return True
-    return False
-
-
-def forwarded_environment(environ: Mapping[str, str], executable: str) -> list[str]:
-    """Builds the ``-x`` arguments that carry the environment to the ranks.
-
-    Args:
-        environ: The environment ``mpirun`` will run in.
-        executable: The Python interpreter in use; its directory goes first on the ranks' ``PATH``.
-
-    Returns:
-        ``["-x", "NAME", ...]`` sorted by name. ``PATH`` is given with its value
-        (``-x PATH=...``); the others are forwarded by name, with the value ``mpirun`` sees.
-        Unset variables are left out (Open MPI warns about them).
-    """
-    names = {
-        name for name in environ if name.startswith(FORWARDED_PREFIXES) or name in FORWARDED_NAMES
-    }
-    entries = {name: name for name in names}
-    bin_dir = str(Path(executable).parent)
-    path = [part for part in environ.get("PATH", "").split(os.pathsep) if part]
-    if path[:1] != [bin_dir]:
-        path.insert(0, bin_dir)
-    entries["PATH"] = "PATH=" + os.pathsep.join(path)
-    arguments = []
-    for name in sorted(entries):
-        arguments += ["-x", entries[name]]
-    return arguments
-
-
 def build_command(
     config: LaunchConfig,
     *,
@@ -189,32 +129,34 @@ def build_command(
         The full command line, ``mpirun`` first.
 
     Raises:
-        ValueError: ``np`` is below 1, the command is empty, or ``-H``/hostfile is malformed.
+        ValueError: ``np`` is below 1, the command is empty, or ``-H``/hostfile/Slurm
+            variables/TCP include items are malformed.
         FileNotFoundError: The hostfile does not exist.
         MpirunNotFoundError: ``mpirun`` is ``None`` and no ``mpirun`` was found.
     """
-    if config.np < 1:
-        raise ValueError(f"-np must be at least 1; received {config.np}; pass e.g. -np 2")
     if not config.command:
         raise ValueError(
             "no command given; put the program after the options, e.g. "
             "unisonrun -np 2 python train.py"
         )
-    hosts = _host_list(config)
-    command = [mpirun or find_mpirun(executable), "-np", str(config.np)]
+    placement = resolve_placement(config, environ)
+    command = [mpirun or find_mpirun(executable), "-np", str(placement.np)]
     if config.hosts is not None:
         command += ["-H", config.hosts]
     if config.hostfile is not None:
         command += ["--hostfile", config.hostfile]
+    if placement.slurm_hosts is not None:
+        command += ["-H", placement.slurm_hosts]
     command += ["--bind-to", config.bind_to]
     if euid == 0:
         command.append("--allow-run-as-root")
-    if _needs_oversubscribe(config, hosts, cpu_count):
+    if needs_oversubscribe(config, placement, cpu_count):
         command.append("--oversubscribe")
+    command += network_arguments(placement)
     if "OMPI_MCA_mpi_yield_when_idle" not in environ and "mpi_yield_when_idle" not in config.mpi_args:
         # every rank also runs Unison's engine thread: waiting ranks yield instead of spinning
         command += ["--mca", "mpi_yield_when_idle", "1"]
-    command += forwarded_environment(environ, executable)
+    command += forwarded_environment(environ, executable, every=placement.hosts is not None)
     command += config.mpi_args
     if config.abort_on_exception:
         command += wrap_python_command(config.command)
@@ -236,9 +178,9 @@ def _parser() -> argparse.ArgumentParser:
         "-n",
         dest="np",
         type=int,
-        default=1,
+        default=None,
         metavar="N",
-        help="number of processes (default: 1)",
+        help="number of processes (default: SLURM_NTASKS inside a Slurm allocation, else 1)",
     )
     parser.add_argument(
         "-H",
@@ -247,7 +189,18 @@ def _parser() -> argparse.ArgumentParser:
         metavar="HOST:SLOTS,...",
         help="hosts and their slots, e.g. localhost:2,node7:2",
     )
-    parser.add_argument("--hostfile", metavar="FILE", help="Open MPI hostfile")
+    parser.add_argument("--hostfile", metavar="FILE", help="Open MPI hostfile (its '# unison:' lines "
+                        "may give --launch-agent and --tcp-include)")
+    hosts = parser.add_argument_group("across hosts")
+    hosts.add_argument("--launch-agent", metavar="CMD",
+                       help="command that starts Open MPI's daemons on other hosts instead of ssh, "
+                       "called as 'CMD HOST COMMAND'")
+    hosts.add_argument("--tcp-include", metavar="CIDR[,CIDR]",
+                       help="use only these subnets for MPI's and its daemons' TCP, e.g. 10.0.0.0/24")
+    hosts.add_argument("--network-interface", metavar="IF[,IF]",
+                       help="use only these network interfaces for MPI's and its daemons' TCP, e.g. eth1")
+    hosts.add_argument("--skip-host-check", action="store_true",
+                       help="do not probe the hosts (through the launch agent, and back) before launching")
     parser.add_argument(
         "--bind-to",
         default="none",
@@ -310,6 +263,9 @@ def _config_from_args(args: argparse.Namespace) -> LaunchConfig:
         np=args.np,
         hosts=args.hosts,
         hostfile=args.hostfile,
+        launch_agent=args.launch_agent,
+        tcp_include=args.tcp_include,
+        network_interface=args.network_interface,
         bind_to=args.bind_to,
         oversubscribe=args.oversubscribe,
         abort_on_exception=args.abort_on_exception,
@@ -342,6 +298,20 @@ def engine_environment(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
+def _check_hosts(config: LaunchConfig, environ: Mapping[str, str]) -> None:
+    """Probes the hosts ``mpirun`` will start daemons on through ssh or the agent (see ``probe.py``).
+
+    Raises:
+        HostUnreachableError: a host cannot be reached, or cannot reach back.
+    """
+    placement = resolve_placement(config, environ)
+    if placement.hosts is None or not placement.uses_ssh:
+        return  # this machine alone, or a batch system starts the daemons
+    agent = shlex.split(placement.launch_agent) if placement.launch_agent else list(DEFAULT_AGENT)
+    check_hosts([h.name for h in placement.hosts], agent=agent, python=sys.executable,
+                include=placement.tcp_include)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``unisonrun`` and ``python -m unison.run``.
 
@@ -350,14 +320,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         ``mpirun``'s exit status; ``128 + N`` when signal ``N`` stopped the job; 0 for
-        ``--dry-run``. Bad input exits with status 2 and a one-line ``unisonrun: error: ...``
+        ``--dry-run``; 75 when a host was lost mid-job; 69 when a host could not be reached
+        before launching. Bad input exits with status 2 and a one-line ``unisonrun: error: ...``
         on stderr. A failed job ends with one ``unisonrun: the job failed ...`` line naming
         the failed rank (see docs/run.md).
     """
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.verbose:
-        logging.basicConfig(level=logging.INFO, format="unisonrun: %(message)s")
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="unisonrun: %(message)s")
     try:
         config = _config_from_args(args)
         environ = {**os.environ, **engine_environment(args)}
@@ -373,6 +343,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         print(shlex.join(command))
         return 0
+    if not args.skip_host_check:
+        try:
+            _check_hosts(config, environ)
+        except HostUnreachableError as error:
+            print(f"unisonrun: error: {error}", file=sys.stderr, flush=True)
+            return HOST_UNREACHABLE_STATUS
     if args.verbose:
         print(shlex.join(command), file=sys.stderr, flush=True)
     try:

@@ -17,18 +17,54 @@ closing line such as::
 
 The patterns below were taken from PRRTE 3.0 (Open MPI 5.0) messages; text they do not match
 is passed through all the same, and the closing line then gives only the exit status.
+
+[Note: naming a lost host]
+A job across hosts can also lose a whole host. Three messages say so, and name it:
+
+* Unison's heartbeat line (``unison/common/heartbeat.py``), written by a rank on a healthy host
+  when a neighbour on another host has been silent for ``UNISON_HOST_TIMEOUT_SECONDS``;
+* PRRTE's box "A daemon failed to report back ... Remote host: NAME", which ``mpirun`` prints
+  when the daemon of a host dies, also mid-job (measured: every process of a test host killed;
+  ``mpirun`` then exits within a second, with status 0);
+* PRRTE's boxes "PRTE has lost communication with a remote daemon ... on node NAME" and "PRTE is
+  unable to establish a communication connection ... target node: NAME".
+
+The closing line then starts with the host, e.g.::
+
+    unisonrun: the job failed (exit status 75): host node7 stopped answering: rank 1 (on node3) heard
+    nothing from rank 2 for 30.4 s (UNISON_HOST_TIMEOUT_SECONDS); check that host and its network link
+
+and the status is never 0: :data:`HOST_LOST_STATUS` when ``mpirun``'s is 0, or when the
+launcher had to kill ``mpirun`` (see [Note: stopping a job] in ``supervise.py``).
 """
 
 from __future__ import annotations
 
 import re
 import signal
+import time
 from typing import NamedTuple
 
 __all__: list[str] = []
 
 _BOX_EDGE = re.compile(r"-{20,}")
 _MAX_BOX_LINES = 60  # a box longer than this is not one of the failure messages
+
+
+#: exit status for a job that lost a host when ``mpirun`` gave none (0, or killed by the launcher);
+#: the same as ``unison.common.heartbeat.ABORT_CODE`` (sysexits.h ``EX_TEMPFAIL``; a test checks)
+HOST_LOST_STATUS = 75
+
+
+class HostFailure(NamedTuple):
+    """A host the job lost, as a rank's heartbeat or ``mpirun`` reported it."""
+
+    host: str
+    how: str
+
+    def describe(self) -> str:
+        """``host node7 stopped answering: ...; check that host and its network link``."""
+        return f"host {self.host} {self.how}; check that host and its network link"
 
 
 class RankFailure(NamedTuple):
@@ -88,6 +124,38 @@ _PATTERNS = (
 )
 
 
+_HEARTBEAT = re.compile(
+    r"\[unison\] host (?P<host>\S+) is not answering: rank (?P<rank>\d+) \(on (?P<me>\S+)\) has heard "
+    r"nothing from rank (?P<peer>\d+) on \S+ for (?P<seconds>[\d.]+) s \(UNISON_(?P<env>\w+)=")
+_HOST_BOXES = (
+    (re.compile(r"daemon failed to report back.*?Remote host: (?P<host>\S+)(?:.*?Daemon exit status: "
+                r"(?P<code>-?\d+))?"), "lost its Open MPI daemon (it died, or could not connect back to mpirun)"),
+    (re.compile(r"lost communication with a remote daemon.*?Remote daemon: \S+ on node (?P<host>\S+)"),
+     "lost its connection to mpirun (mpirun lost communication with its daemon)"),
+    (re.compile(r"unable to establish a communication connection.*?target node: (?P<host>\S+)"),
+     "could not be reached by mpirun's daemons"),
+)
+
+
+def parse_heartbeat(line: str) -> HostFailure | None:
+    """Recognises the line a rank's heartbeat writes before aborting (see [Note: naming a lost host])."""
+    found = _HEARTBEAT.search(line)
+    if not found:
+        return None
+    return HostFailure(found["host"], f"stopped answering: rank {found['rank']} (on {found['me']}) heard "
+                       f"nothing from rank {found['peer']} for {found['seconds']} s (UNISON_{found['env']})")
+
+
+def parse_host_box(text: str) -> HostFailure | None:
+    """Recognises one of ``mpirun``'s boxed messages about a lost host, in any line wrapping."""
+    flat = " ".join(text.split())
+    for pattern, how in _HOST_BOXES:
+        found = pattern.search(flat)
+        if found:
+            return HostFailure(found["host"], how)
+    return None
+
+
 _TIME_LIMIT = re.compile(r"time limit for job execution has been reached: Timeout: (?P<limit>\S+ \S+)")
 
 
@@ -108,35 +176,60 @@ def parse_box(text: str) -> RankFailure | None:
     return None
 
 
+class _Stream:
+    """The unfinished line and the open box of one of ``mpirun``'s output streams."""
+
+    def __init__(self) -> None:
+        self.tail = ""
+        self.box: list[str] | None = None
+
+
 class MpirunReport:
-    """Collects the rank failures ``mpirun`` reports, from its stderr fed in pieces of any size."""
+    """Collects the failures ``mpirun`` reports, from its output fed in pieces of any size.
+
+    ``mpirun`` prints most boxes on stderr but some (a lost daemon) on stdout, so both are fed,
+    each as its own stream: lines and boxes never mix across them.
+    """
 
     def __init__(self) -> None:
         self.failures: list[RankFailure] = []
+        #: hosts the job lost, first report first (see [Note: naming a lost host])
+        self.hosts_lost: list[HostFailure] = []
+        #: ``time.monotonic()`` when the first lost host was reported, else ``None``
+        self.host_lost_at: float | None = None
         #: mpirun's time limit (``--timeout``, ``MPIEXEC_TIMEOUT``) when it ended the job, e.g. "60 seconds"
         self.time_limit: str | None = None
-        self._tail = ""
-        self._box: list[str] | None = None
+        self._streams = {"stderr": _Stream(), "stdout": _Stream()}
 
-    def feed(self, text: str) -> None:
-        """Takes the next piece of ``mpirun``'s stderr."""
-        lines = (self._tail + text).split("\n")
-        self._tail = lines.pop()[-4096:]  # an unfinished line (a progress bar never ends one)
+    def feed(self, text: str, stream: str = "stderr") -> None:
+        """Takes the next piece of ``mpirun``'s ``stream`` (``"stderr"`` or ``"stdout"``)."""
+        state = self._streams[stream]
+        lines = (state.tail + text).split("\n")
+        state.tail = lines.pop()[-4096:]  # an unfinished line (a progress bar never ends one)
         for line in lines:
-            self._line(line)
+            self._line(line, state)
 
-    def _line(self, line: str) -> None:
+    def _line(self, line: str, state: _Stream) -> None:
+        self._add_host(parse_heartbeat(line))
         if _BOX_EDGE.fullmatch(line.strip()):
-            if self._box:
-                text = "\n".join(self._box)
+            if state.box:
+                text = "\n".join(state.box)
                 self._add(parse_box(text))
+                self._add_host(parse_host_box(text))
                 limit = _TIME_LIMIT.search(" ".join(text.split()))
                 self.time_limit = limit["limit"] if limit else self.time_limit
-            self._box = []  # an edge closes one box and may open the next
-        elif self._box is not None:
-            self._box.append(line)
-            if len(self._box) > _MAX_BOX_LINES:
-                self._box = None
+            state.box = []  # an edge closes one box and may open the next
+        elif state.box is not None:
+            state.box.append(line)
+            if len(state.box) > _MAX_BOX_LINES:
+                state.box = None
+
+    def _add_host(self, failure: HostFailure | None) -> None:
+        if failure is None or any(known.host == failure.host for known in self.hosts_lost):
+            return
+        self.hosts_lost.append(failure)
+        if self.host_lost_at is None:
+            self.host_lost_at = time.monotonic()
 
     def _add(self, failure: RankFailure | None) -> None:
         if failure is None:
@@ -152,17 +245,23 @@ class MpirunReport:
     @property
     def mid_line(self) -> bool:
         """Whether the text fed so far ends inside a line (a closing line must start a new one)."""
-        return bool(self._tail)
+        return bool(self._streams["stderr"].tail)
+
+    def status(self, mpirun_status: int) -> int:
+        """``unisonrun``'s exit status for ``mpirun``'s: never 0 once a host was lost."""
+        if self.hosts_lost and mpirun_status == 0:
+            return HOST_LOST_STATUS
+        return mpirun_status
 
     def summary(self, status: int) -> str:
         """The closing line for a job that ended with ``status`` (non-zero)."""
         head = f"the job failed (exit status {status})"
-        if self.time_limit and not self.failures:
+        if self.time_limit and not self.failures and not self.hosts_lost:
             return f"{head}: it reached mpirun's time limit (--timeout, MPIEXEC_TIMEOUT) of {self.time_limit}"
-        if not self.failures:
+        described = [f.describe() for f in self.hosts_lost] + [f.describe() for f in self.failures]
+        if not described:
             return head + "; mpirun named no failed rank: see the messages above"
-        first, *others = self.failures
-        text = f"{head}: {first.describe()}"
-        if others:
-            text += "; then " + "; ".join(f.describe() for f in others)
+        text = f"{head}: {described[0]}"
+        if described[1:]:
+            text += "; then " + "; ".join(described[1:])
         return text

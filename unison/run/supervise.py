@@ -14,9 +14,15 @@ signal.
 ``mpirun`` shares the launcher's process group, so a Ctrl-C typed in a terminal reaches it
 twice (directly and forwarded), which Open MPI takes as the forcible stop: same outcome.
 
-``mpirun``'s stderr is copied through to ours as it comes, in whatever pieces it comes (progress
-bars included), and read by :class:`~unison.run.report.MpirunReport` on the way; see
+``mpirun``'s stdout and stderr are copied through to ours as they come, in whatever pieces they
+come (progress bars included), and read by :class:`~unison.run.report.MpirunReport` on the way; see
 [Note: naming the failed rank] in ``report.py``.
+
+When that report names a lost host ([Note: naming a lost host] in ``report.py``), ``mpirun`` may
+keep waiting for the lost host's daemon (over a downed link TCP gives no error for minutes). If
+it has not exited ``HOST_LOST_GRACE_S`` seconds after the report, ``mpirun`` and every process
+below it (the launch agents and, through them, the daemons and ranks it reaches) get SIGKILL,
+and the job's status is ``HOST_LOST_STATUS``: a lost host never leaves the launcher waiting.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from unison.run.report import MpirunReport
+from unison.run.report import HOST_LOST_STATUS, MpirunReport
 
 __all__: list[str] = []
 
@@ -42,6 +48,7 @@ logger = logging.getLogger(__name__)
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 FORCE_AFTER_S = 5.0
 KILL_AFTER_S = 10.0
+HOST_LOST_GRACE_S = 10.0
 _READ_SIZE = 1 << 16
 
 
@@ -133,36 +140,48 @@ class _Stopper:
     def _kill(self, delay: float) -> None:
         if self.process is None or self.process.poll() is not None:
             return
-        below = descendants(self.process.pid)
-        logger.warning("mpirun (pid %d) is still running %g s after signal %s: killing it and the %d "
-                       "process(es) below it", self.process.pid, delay, self.signum, len(below))
-        for pid in [self.process.pid, *below]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        count = kill_tree(self.process.pid)
+        logger.warning("mpirun (pid %d) was still running %g s after signal %s: killed it and the %d "
+                       "process(es) below it", self.process.pid, delay, self.signum, count)
 
 
-def _copy_stderr(source: BinaryIO, sink: BinaryIO | None, report: MpirunReport) -> None:
-    """Copies ``mpirun``'s stderr to ``sink`` as it arrives and feeds it to ``report``."""
+def kill_tree(pid: int) -> int:
+    """SIGKILLs ``pid`` and every process below it (found first: orphans cannot be found later).
+
+    Returns:
+        How many processes below ``pid`` there were.
+    """
+    below = descendants(pid)
+    for each in [pid, *below]:
+        try:
+            os.kill(each, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return len(below)
+
+
+def _copy_output(source: BinaryIO, sink: BinaryIO | None, report: MpirunReport, stream: str) -> None:
+    """Copies ``mpirun``'s ``stream`` to ``sink`` as it arrives and feeds it to ``report``."""
     fd = source.fileno()
     while chunk := os.read(fd, _READ_SIZE):
         if sink is not None:
             try:
                 sink.write(chunk)
                 sink.flush()
-            except (OSError, ValueError):  # our stderr is gone: keep reading so mpirun never blocks
+            except (OSError, ValueError):  # our stream is gone: keep reading so mpirun never blocks
                 sink = None
-        report.feed(chunk.decode(errors="replace"))
+        report.feed(chunk.decode(errors="replace"), stream)
 
 
-def _stderr_sink() -> BinaryIO | None:
-    stream = sys.stderr
-    return getattr(stream, "buffer", None) if stream is not None else None
+def _sink(stream: str) -> BinaryIO | None:
+    """The binary stream under ``sys.stdout``/``sys.stderr``, or ``None`` when there is none."""
+    text = getattr(sys, stream)
+    return getattr(text, "buffer", None) if text is not None else None
 
 
 def run_command(command: Sequence[str], env: Mapping[str, str] | None = None, *,
-                force_after_s: float = FORCE_AFTER_S, kill_after_s: float = KILL_AFTER_S) -> JobResult:
+                force_after_s: float = FORCE_AFTER_S, kill_after_s: float = KILL_AFTER_S,
+                host_lost_grace_s: float = HOST_LOST_GRACE_S) -> JobResult:
     """Runs ``mpirun`` (or any command) to its end; see [Note: stopping a job].
 
     Args:
@@ -171,6 +190,8 @@ def run_command(command: Sequence[str], env: Mapping[str, str] | None = None, *,
         force_after_s: Seconds after the first stop signal at which it is sent again.
         kill_after_s: Seconds after the first stop signal at which the command and every
             process below it are killed.
+        host_lost_grace_s: Seconds after a lost host is reported at which the command and
+            every process below it are killed, if it is still running.
 
     Returns:
         How the job ended.
@@ -182,26 +203,51 @@ def run_command(command: Sequence[str], env: Mapping[str, str] | None = None, *,
     report = MpirunReport()
     previous = {sig: signal.signal(sig, stopper.handle) for sig in FORWARDED_SIGNALS}
     try:
-        process = subprocess.Popen(list(command), env=None if env is None else dict(env), stderr=subprocess.PIPE)
+        process = subprocess.Popen(list(command), env=None if env is None else dict(env),
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         stopper.started(process)
-        copier = threading.Thread(target=_copy_stderr, args=(process.stderr, _stderr_sink(), report),
-                                  name="unisonrun-stderr", daemon=True)
-        copier.start()
-        status = _wait(process, stopper)
-        copier.join(timeout=5.0)  # a rank that outlived mpirun may hold the pipe open: don't wait for it
+        copiers = [threading.Thread(target=_copy_output, args=(source, _sink(name), report, name),
+                                    name=f"unisonrun-{name}", daemon=True)
+                   for name, source in (("stdout", process.stdout), ("stderr", process.stderr))]
+        for copier in copiers:
+            copier.start()
+        status, killed = _wait(process, stopper, report, host_lost_grace_s)
+        deadline = time.monotonic() + 5.0  # a rank that outlived mpirun may hold a pipe open: don't wait for it
+        for copier in copiers:
+            copier.join(timeout=max(0.0, deadline - time.monotonic()))
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     status = 128 - status if status < 0 else status
     if stopper.signum is not None and status != 0:
         status = 128 + stopper.signum
+    elif killed:
+        status = HOST_LOST_STATUS
+    else:
+        status = report.status(status)
     return JobResult(status, stopper.signum, report)
 
 
-def _wait(process: subprocess.Popen[bytes], stopper: _Stopper) -> int:
-    """Waits for ``process``, running the stopper's escalations while a stop is pending."""
+def _wait(process: subprocess.Popen[bytes], stopper: _Stopper, report: MpirunReport,
+          grace_s: float) -> tuple[int, bool]:
+    """Waits for ``process``, running the stopper's escalations while a stop is pending.
+
+    Returns:
+        The process's status, and whether it was killed because it outlived a lost host's grace.
+    """
+    killed = False
     while True:
+        wakeup = stopper.next_wakeup()
+        lost_at = report.host_lost_at
+        if lost_at is not None and not killed:
+            wakeup = min(wakeup, max(0.05, lost_at + grace_s - time.monotonic()))
         try:
-            return process.wait(timeout=stopper.next_wakeup())
+            return process.wait(timeout=wakeup), killed
         except subprocess.TimeoutExpired:
             stopper.escalate()
+        lost_at = report.host_lost_at
+        if lost_at is not None and not killed and time.monotonic() >= lost_at + grace_s:
+            count = kill_tree(process.pid)
+            killed = True
+            logger.warning("mpirun was still running %g s after host %s was lost: killed it and the %d "
+                           "process(es) below it", grace_s, report.hosts_lost[0].host, count)

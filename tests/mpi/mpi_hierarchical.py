@@ -1,0 +1,429 @@
+"""Topology, hierarchical and host-ordered algorithms, and the deterministic mode, under mpirun.
+
+Hosts are simulated on one machine: the test builds a communicator's topology with
+``topology.build(comm, MPI, host_of)`` (ranks ``r // 2`` or ``r % 2`` on one "host") and
+attaches it, so the kernels run their cross-host paths at 1-4 ranks anywhere. Run
+across real test hosts (``unison.run.testhosts``) the ``real`` layout is the hosts'.
+References are numpy, rebuilt on each rank from every rank's inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+
+import ml_dtypes
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import unison
+from unison import collectives as C
+from unison.collectives import hierarchical, kernels, ordered, select, topology
+from unison.common.engine import frontend
+from unison.common.ops import ReduceOp
+from unison.common.runtime import state
+
+WORLD = MPI.COMM_WORLD
+N, R = WORLD.Get_size(), WORLD.Get_rank()
+BF16 = np.dtype(ml_dtypes.bfloat16)
+FLOATS = [np.dtype(np.float16), BF16, np.dtype(np.float32), np.dtype(np.float64)]
+OPS = [ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT]
+#: simulated layouts: a rank's host key (None: the machine's real hosts)
+LAYOUTS = {"real": None, "block": lambda r: r // 2, "roundrobin": lambda r: r % 2}
+SIZES = [1, 3, 1001, 70_001]  # fewer elements than ranks, odd, > 1 chunk with small chunks
+CHUNK = 1 << 20
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _unison_session():
+    unison.init()
+    yield
+    unison.shutdown()
+
+
+@pytest.fixture(scope="module")
+def comms():
+    """One communicator per layout, with its (simulated) topology attached."""
+    made = {}
+    for name, host_of in LAYOUTS.items():
+        comm = WORLD.Dup()
+        if host_of is not None:
+            topology.attach(comm, MPI, topology.build(comm, MPI, host_of))
+        made[name] = comm
+    yield made
+    for comm in made.values():
+        comm.Free()
+
+
+def digest_everywhere(arr: np.ndarray) -> None:
+    digest = hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest()
+    assert len(set(WORLD.allgather(digest))) == 1, "results differ between ranks"
+
+
+def make(rank: int, n: int, dtype: np.dtype, seed: int, exact: bool = True) -> np.ndarray:
+    """Small integers (exact sums in any order) or wide-ranging floats (order shows in the bits)."""
+    rng = np.random.default_rng([seed, rank])
+    if exact or not np.issubdtype(np.dtype(dtype), np.floating) and dtype != BF16:
+        return rng.integers(-3, 4, size=n).astype(dtype)
+    return (rng.standard_normal(n) * 10.0 ** rng.integers(-3, 4, size=n)).astype(dtype)
+
+
+def fold(inputs: list[np.ndarray], op: ReduceOp) -> np.ndarray:
+    """Rank-order reference in the inputs' dtype: ((x0 op x1) op x2) ..."""
+    f = {ReduceOp.SUM: np.add, ReduceOp.AVERAGE: np.add, ReduceOp.MIN: np.minimum,
+         ReduceOp.MAX: np.maximum, ReduceOp.PRODUCT: np.multiply}[op]
+    out = inputs[0].copy()
+    for x in inputs[1:]:
+        out = f(out, x).astype(inputs[0].dtype)
+    return out
+
+
+def reference(inputs: list[np.ndarray], op: ReduceOp) -> np.ndarray:
+    stack = np.stack([x.astype(np.float64) for x in inputs])
+    if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        out = stack.sum(axis=0)
+        return out / len(inputs) if op is ReduceOp.AVERAGE else out
+    return {ReduceOp.MIN: np.min, ReduceOp.MAX: np.max, ReduceOp.PRODUCT: np.prod}[op](stack, axis=0)
+
+
+def run_allreduce(comm, x: np.ndarray, op: ReduceOp, algorithm: str, pre: float = 1.0, post: float = 1.0,
+                  chunk: int = CHUNK, **kw) -> np.ndarray:
+    out = np.empty_like(x)
+    kernels.allreduce(comm, MPI, x, out, op, pre, post, algorithm, chunk, **kw)
+    return out
+
+
+# ------------------------------------------------------------------ topology
+
+def test_topology_of_the_real_hosts(comms):
+    topo = topology.of(comms["real"], MPI)
+    assert topology.of(comms["real"], MPI) is topo  # cached on the communicator
+    assert (topo.local_size, topo.local_rank) == (unison.local_size(), unison.local_rank())
+    assert (topo.cross_size, topo.cross_rank) == (unison.cross_size(), unison.cross_rank())
+    assert sum(topo.local_sizes) == N and topo.host_order[0] == 0
+    everyone = WORLD.allgather((MPI.Get_processor_name(), topo.hosts[R], topo.local_rank))
+    for name, host, _ in everyone:  # same processor name <=> same host index
+        assert [h for nm, h, _ in everyone if nm == name] == [host] * sum(nm == name for nm, _, _ in everyone)
+    assert sorted(lr for _, h, lr in everyone if h == topo.hosts[R]) == list(range(topo.local_size))
+
+
+@pytest.mark.parametrize("layout", ["block", "roundrobin"])
+def test_topology_of_simulated_hosts(comms, layout):
+    topo = topology.of(comms[layout], MPI)
+    key = LAYOUTS[layout]
+    keys = sorted({key(r) for r in range(N)}, key=lambda k: min(r for r in range(N) if key(r) == k))
+    assert topo.hosts == tuple(keys.index(key(r)) for r in range(N))
+    assert topo.local_ranks == tuple(sum(key(q) == key(r) for q in range(r)) for r in range(N))
+    assert topo.num_hosts == len(keys) and topo.spans_hosts == (len(keys) > 1)
+    assert topo.homogeneous == (len({sum(key(r) == k for r in range(N)) for k in keys}) == 1)
+    assert topo.host_order == tuple(sorted(range(N), key=lambda r: (topo.hosts[r], topo.local_ranks[r])))
+    assert topo.ring.Get_rank() == topo.host_order.index(R)
+    assert topo.cross.Get_size() == len(topo.members(topo.local_rank))
+    assert topo.members(topo.local_rank)[topo.cross_rank] == R
+    assert WORLD.allgather(topo.host_order) == [topo.host_order] * N
+
+
+def test_topology_is_freed_with_its_communicator():
+    comm = WORLD.Dup()
+    topo = topology.build(comm, MPI, LAYOUTS["block"])
+    topology.attach(comm, MPI, topo)
+    made = list(topo.owned)
+    comm.Free()
+    assert topo.owned == [] and all(c == MPI.COMM_NULL for c in made)
+
+
+# ------------------------------------------------------------------ selection (one process)
+
+class FakeTopo:
+    def __init__(self, hosts: int) -> None:
+        self.spans_hosts = hosts > 1
+
+
+def test_auto_picks_by_topology_and_size():
+    one, two = FakeTopo(1), FakeTopo(2)
+    big, small = 64 << 20, 64 << 10
+    assert select.choose_allreduce("auto", big, 4, one) == "ring"
+    assert select.choose_allreduce("auto", small, 4, one) == "mpi"
+    assert select.choose_allreduce("auto", big, 4, two) == "hierarchical"
+    assert select.choose_allreduce("auto", select.HIER_MIN_BYTES - 1, 4, two) == "mpi"
+    assert select.choose_allreduce("auto", small, 4, two, force=True) == "hierarchical"
+    assert select.choose_allreduce("auto", small, 4, one, force=True) == "mpi"  # one host: no effect
+    assert select.choose_allreduce("ring", big, 4, two, force=True) == "ring"  # a named algorithm wins
+    assert select.choose_simple("allgather", "mpi", small, 4, two, force=True) == "mpi"  # not auto
+    assert select.choose_simple("allgather", "auto", small, 4, two, force=True) == "hierarchical"
+    assert select.choose_simple("broadcast", "auto", big, 4, two, force=True) == "hierarchical"
+    assert select.choose_simple("broadcast", "auto", big, 4, one, force=True) == "mpi"
+    assert select.choose_simple("broadcast", "auto", small, 4, two) == "hierarchical"
+    assert select.choose_simple("allgather", "auto", select.HIER_SIMPLE_MIN_BYTES - 1, 4, two) == "mpi"
+    assert select.choose_simple("reducescatter", "auto", small, 4, two) == "ordered"  # the direct algorithm
+    assert select.choose_simple("reducescatter", "auto", big, 4, one) == "ring"
+    assert select.choose_simple("alltoall", "auto", big, 4, two) == "mpi"
+
+
+# ------------------------------------------------------------------ hierarchical all-reduce
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", FLOATS + [np.dtype(np.int32), np.dtype(np.int8), np.dtype(np.bool_)], ids=str)
+def test_hierarchical_allreduce_every_op(comms, layout, dtype):
+    comm = comms[layout]
+    for op in OPS:
+        if dtype == np.bool_ and op is ReduceOp.AVERAGE:
+            continue
+        for i, n in enumerate(SIZES):
+            inputs = [make(r, n, dtype, 100 + i) for r in range(N)]
+            if dtype == np.bool_:
+                inputs = [x > 0 for x in inputs]
+            got = run_allreduce(comm, inputs[R], op, "hierarchical")
+            digest_everywhere(got)
+            if dtype == np.bool_:
+                want = np.any(inputs, axis=0) if op in (ReduceOp.SUM, ReduceOp.MAX) else np.all(inputs, axis=0)
+                np.testing.assert_array_equal(got, want)
+                continue
+            want = reference(inputs, op)
+            if op is ReduceOp.AVERAGE and dtype.kind in "iu":
+                want = np.trunc(want)
+            exact = not (op is ReduceOp.AVERAGE and dtype in FLOATS and N not in (1, 2, 4))
+            if exact:
+                np.testing.assert_array_equal(got.astype(np.float64), want)
+                ring = run_allreduce(comm, inputs[R], op, "ring")  # exact maths: the same bits
+                assert got.tobytes() == ring.tobytes()
+            else:
+                np.testing.assert_allclose(got.astype(np.float64), want, rtol=1e-2)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_hierarchical_allreduce_inexact_floats_and_scaling(comms, layout):
+    comm = comms[layout]
+    for dtype, rtol in [(np.dtype(np.float32), 1e-5), (np.dtype(np.float64), 1e-12), (BF16, 2e-2)]:
+        for n in (5, 20_001):
+            inputs = [make(r, n, dtype, 7, exact=False) for r in range(N)]
+            for op, pre, post in [(ReduceOp.SUM, 1.0, 1.0), (ReduceOp.AVERAGE, 0.5, 3.0),
+                                  (ReduceOp.SUM, 2.0, 0.25)]:
+                got = run_allreduce(comm, inputs[R], op, "hierarchical", pre, post, chunk=4000)
+                digest_everywhere(got)
+                want = reference([x.astype(np.float64) * pre for x in inputs], op) * post
+                scale = np.abs(np.stack([x.astype(np.float64) for x in inputs])).sum(axis=0) * abs(pre * post)
+                assert np.all(np.abs(got.astype(np.float64) - want) <= rtol * scale + 1e-30)
+
+
+def test_hierarchical_integer_average_and_in_place(comms):
+    for layout in LAYOUTS:
+        comm = comms[layout]
+        inputs = [np.full(5000, 60 + 20 * r, np.int8) for r in range(N)]  # sums overflow int8
+        got = run_allreduce(comm, inputs[R], ReduceOp.AVERAGE, "hierarchical")
+        np.testing.assert_array_equal(got, np.full(5000, int(sum(60 + 20 * r for r in range(N)) / N)))
+        buf = make(R, 3001, np.dtype(np.float32), 9)
+        kernels.allreduce(comm, MPI, buf, buf, ReduceOp.SUM, 1.0, 1.0, "hierarchical", 1000)
+        np.testing.assert_array_equal(buf, sum(make(r, 3001, np.dtype(np.float32), 9) for r in range(N)))
+
+
+def test_non_homogeneous_layout_falls_back_to_the_ring_and_says_so(caplog):
+    if N < 3 or N % 2 == 0:
+        pytest.skip("needs a host with fewer ranks (3 ranks: hosts of 2 and 1)")
+    comm = WORLD.Dup()  # a fresh topology: the fallback is logged once per communicator
+    topology.attach(comm, MPI, topology.build(comm, MPI, LAYOUTS["block"]))
+    assert not topology.of(comm, MPI).homogeneous
+    inputs = [make(r, 10_001, np.dtype(np.float32), 3, exact=False) for r in range(N)]
+    with caplog.at_level(logging.INFO, logger="unison.collectives.topology"):
+        got = run_allreduce(comm, inputs[R], ReduceOp.SUM, "hierarchical")
+        again = run_allreduce(comm, inputs[R], ReduceOp.SUM, "hierarchical")
+    ring = run_allreduce(comm, inputs[R], ReduceOp.SUM, "ring")
+    comm.Free()
+    assert got.tobytes() == ring.tobytes() == again.tobytes()
+    lines = [r.getMessage() for r in caplog.records if "same number of ranks" in r.getMessage()]
+    assert len(lines) == 1 and "[2, 1] ranks per host" in lines[0], lines
+
+
+def test_forced_hierarchical_only_when_the_job_spans_hosts(comms, monkeypatch):
+    calls = []
+    real = hierarchical.allreduce
+    monkeypatch.setattr(hierarchical, "allreduce", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    x = make(R, 300, np.dtype(np.float32), 1)
+    for layout, comm in comms.items():
+        calls.clear()
+        got = run_allreduce(comm, x, ReduceOp.SUM, "auto", hierarchical_forced=True)
+        np.testing.assert_array_equal(got, sum(make(r, 300, np.dtype(np.float32), 1) for r in range(N)))
+        topo = topology.of(comm, MPI)
+        assert len(calls) == (1 if topo.spans_hosts and topo.homogeneous else 0), layout
+
+
+# ------------------------------------------------------------------ host-ordered ring
+
+def test_ring_runs_in_host_order(comms, monkeypatch):
+    """With ranks placed round robin the ring runs on the host-ordered communicator."""
+    from unison.collectives import ring
+
+    seen = []
+    real = ring.allreduce
+    monkeypatch.setattr(ring, "allreduce", lambda comm, *a, **k: (seen.append(comm), real(comm, *a, **k)))
+    comm = comms["roundrobin"]
+    topo = topology.of(comm, MPI)
+    inputs = [make(r, 20_001, np.dtype(np.float64), 4, exact=False) for r in range(N)]
+    got = run_allreduce(comm, inputs[R], ReduceOp.SUM, "ring")
+    if N == 1:  # one rank computes locally
+        assert seen == []
+        return
+    assert seen == [topo.ring] and seen[0].Get_rank() == topo.host_order.index(R)
+    np.testing.assert_allclose(got, reference(inputs, ReduceOp.SUM), rtol=1e-12)
+    digest_everywhere(got)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("algorithm", ["ring", "mpi", "auto"])
+def test_reducescatter_on_every_layout(comms, layout, algorithm):
+    comm = comms[layout]
+    for count in (N, 3 * N + 1, 40_000 * N + 1):
+        counts = [count // N + (1 if i < count % N else 0) for i in range(N)]
+        start = sum(counts[:R])
+        inputs = [make(r, count, np.dtype(np.float32), 12) for r in range(N)]
+        out = np.empty(counts[R], np.float32)
+        kernels.reducescatter(comm, MPI, inputs[R], out, counts, ReduceOp.SUM, 1.0, 1.0, algorithm, 4000)
+        np.testing.assert_array_equal(out, reference(inputs, ReduceOp.SUM)[start:start + counts[R]])
+
+
+# ------------------------------------------------------------------ all-gather, broadcast
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("algorithm", ["hierarchical", "ring", "auto"])
+def test_allgatherv_in_rank_order(comms, layout, algorithm):
+    comm = comms[layout]
+    for rows_of in (lambda r: r + 1, lambda r: 0 if r % 2 else 3000, lambda r: 0):
+        blocks = [np.arange(rows_of(r), dtype=np.int32) + 10_000 * r for r in range(N)]
+        out = np.empty(sum(b.size for b in blocks), np.int32)
+        kernels.allgatherv(comm, MPI, blocks[R], out, [b.nbytes for b in blocks], algorithm, 1000,
+                           hierarchical_forced=True)
+        np.testing.assert_array_equal(out, np.concatenate(blocks))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("algorithm", ["hierarchical", "tree", "auto"])
+def test_broadcast_from_every_root(comms, layout, algorithm):
+    comm = comms[layout]
+    for root in range(N):
+        for n in (1, 5000):
+            buf = np.arange(n, dtype=np.float64) * (root + 1) if R == root else np.zeros(n)
+            kernels.broadcast(comm, MPI, buf, root, algorithm, 1000, hierarchical_forced=True)
+            np.testing.assert_array_equal(buf, np.arange(n, dtype=np.float64) * (root + 1))
+
+
+# ------------------------------------------------------------------ deterministic mode
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_deterministic_allreduce_folds_in_rank_order(comms, layout, dtype):
+    comm = comms[layout]
+    for op in OPS:
+        for n in (1, 3, 1001, 20_001):
+            inputs = [make(r, n, dtype, 200 + n, exact=False) for r in range(N)]
+            if op is ReduceOp.PRODUCT:  # values near 1, so that float16 products stay finite
+                inputs = [(1 + x.astype(np.float32) / 1e4).astype(dtype) for x in inputs]
+            pre, post = (0.5, 3.0) if op in (ReduceOp.SUM, ReduceOp.AVERAGE) else (1.0, 1.0)
+            scaled = [(x.astype(np.float32) * np.float32(pre)).astype(dtype) if dtype.itemsize == 2
+                      else x * dtype.type(pre) for x in inputs]
+            want = fold(scaled, op)
+            results = {}
+            for algorithm in ("hierarchical", "auto"):
+                for chunk in (CHUNK, 3000):
+                    got = run_allreduce(comm, inputs[R], op, algorithm, pre, post, chunk,
+                                        deterministic=True)
+                    results[algorithm, chunk] = got.tobytes()
+            assert len(set(results.values())) == 1, "the algorithm or chunk changed the bits"
+            want_final = want.copy()
+            from unison.collectives.reduce import finalize
+            finalize(want_final, op, N, post)
+            assert results["auto", CHUNK] == want_final.tobytes()
+            digest_everywhere(np.frombuffer(results["auto", CHUNK], np.uint8))
+
+
+def test_deterministic_reducescatter_and_inline_rows_fold_in_rank_order(comms):
+    comm = comms["roundrobin"]
+    for count in (N, 5 * N + 2, 30_000 * N + 1):
+        counts = [count // N + (1 if i < count % N else 0) for i in range(N)]
+        start = sum(counts[:R])
+        inputs = [make(r, count, np.dtype(np.float32), 77, exact=False) for r in range(N)]
+        for chunk in (CHUNK, 400):
+            out = np.empty(counts[R], np.float32)
+            kernels.reducescatter(comm, MPI, inputs[R], out, counts, ReduceOp.SUM, 1.0, 1.0, "ring", chunk,
+                                  deterministic=True)
+            assert out.tobytes() == fold(inputs, ReduceOp.SUM)[start:start + counts[R]].tobytes()
+    # the inline path's rows: numpy's reduce is pairwise from 9 rows on; fold_rows is not
+    rows = np.array([[1e8], [1.0], [-1e8]] + [[1.0]] * 9, np.float32)
+    out = np.empty(1, np.float32)
+    ordered.reduce_stack(rows, ReduceOp.SUM, out, len(rows), 1.0)
+    assert out.tobytes() == fold(list(rows), ReduceOp.SUM).tobytes()
+
+
+@contextlib.contextmanager
+def reinit(**settings):
+    unison.shutdown()
+    unison.init(**settings)
+    try:
+        yield
+    finally:
+        unison.shutdown()
+        unison.init()
+
+
+def engine_set(tag: str, count: int = 30) -> list[np.ndarray]:
+    handles = [unison.allreduce_async(make(R, 10 * i + 1, np.dtype(np.float32), i, exact=False),
+                                      op=unison.Sum, name=f"{tag}.{i}") for i in range(count)]
+    return [unison.synchronize(h) for h in handles]
+
+
+@pytest.mark.skipif(N == 1, reason="a size-1 job computes locally, without the engine")
+def test_deterministic_engine_fused_equals_unfused_equals_numpy():
+    with reinit(deterministic=True):
+        assert state().config.deterministic
+        eng = frontend.engine()
+        fused = engine_set("det.fused")
+        eng.fusion_threshold = 0
+        unfused = engine_set("det.unfused")
+        eng.fusion_threshold = 2048
+        small = engine_set("det.small")
+        direct = [C.allreduce(make(R, 10 * i + 1, np.dtype(np.float32), i, exact=False), op=unison.Sum,
+                              algorithm="auto") for i in range(30)]
+        for i, (a, b, c, d) in enumerate(zip(fused, unfused, small, direct, strict=True)):
+            want = fold([make(r, 10 * i + 1, np.dtype(np.float32), i, exact=False) for r in range(N)],
+                        ReduceOp.SUM)
+            assert a.tobytes() == b.tobytes() == c.tobytes() == d.tobytes() == want.tobytes(), i
+
+
+@pytest.mark.skipif(N == 1, reason="a size-1 job computes locally, without the engine")
+def test_engine_fused_buffers_take_the_hierarchical_algorithm(monkeypatch):
+    """UNISON_HIERARCHICAL_ALLREDUCE reaches the engine's fused buffers through the kernels."""
+    calls = []
+    real = hierarchical.allreduce
+    monkeypatch.setattr(hierarchical, "allreduce", lambda topo, *a, **k: (calls.append(topo), real(topo, *a, **k)))
+    with reinit(hierarchical_allreduce=True):
+        eng = frontend.engine()
+        comm = eng._sets[0].comm
+        # simulated hosts for the engine's communicator: built on a copy (the engine thread owns
+        # the communicator itself), attached with local calls only
+        helper = WORLD.Dup()
+        topo = topology.build(helper, MPI, LAYOUTS["block" if N % 2 == 0 else "real"])
+        topology.attach(comm, MPI, topo)
+        handles = [unison.allreduce_async(make(R, 10 * i + 1, np.dtype(np.float32), i), op=unison.Sum,
+                                          name=f"hier.{i}") for i in range(20)]
+        got = [unison.synchronize(h) for h in handles]
+        for i, g in enumerate(got):
+            np.testing.assert_array_equal(g, sum(make(r, 10 * i + 1, np.dtype(np.float32), i) for r in range(N)))
+        spans = topo.spans_hosts
+        assert (len(calls) > 0) == spans and all(t is topo for t in calls)
+        assert len(calls) < 20 or not spans  # fused: fewer collectives than tensors
+    helper.Free()
+
+
+def test_direct_api_takes_the_hierarchical_algorithm_by_name():
+    """``algorithm="hierarchical"`` through the agreeing API (one host: the degenerate hierarchy)."""
+    xs = [np.random.default_rng([7, r]).standard_normal(5000).astype(np.float32) for r in range(N)]
+    got = C.allreduce(xs[R], op=unison.Sum, algorithm="hierarchical")
+    np.testing.assert_allclose(got, np.sum(xs, axis=0, dtype=np.float64), rtol=1e-5, atol=1e-5)
+    digest_everywhere(got)
+    rows = [np.full((r + 1, 1000), r, np.int32) for r in range(N)]
+    np.testing.assert_array_equal(C.allgather(rows[R], algorithm="hierarchical"), np.concatenate(rows))
+    root = N - 1
+    sent = np.arange(3000, dtype=np.float64) * (R == root)
+    np.testing.assert_array_equal(C.broadcast(sent, root_rank=root, algorithm="hierarchical"),
+                                  np.arange(3000, dtype=np.float64))

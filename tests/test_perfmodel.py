@@ -1,0 +1,304 @@
+"""The scaling model (unison.common.perfmodel) and its CLI, in one process: no MPI."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from unison import perfmodel as cli
+from unison.common import perfmodel as pm
+from unison.common.perfmodel_workloads import shapes, tensor_bytes
+
+MiB = 1 << 20
+GBIT = pm.parse_rate("1gbit")
+
+
+def cluster(hosts: int = 2, k: int = 2, intra: pm.Link | None = None, inter: pm.Link | None = None,
+            **kw: float) -> pm.Cluster:
+    return pm.Cluster(hosts, k, intra or pm.Link(1e-6, 1e-10), inter or pm.Link(1e-5, 1e-9), **kw)
+
+
+# --- formulas against hand-computed cases ------------------------------------------------------
+
+
+def test_ring_time_by_hand() -> None:
+    # p = 4 over 2 hosts: 6 steps of m/4 = 1 MiB (one piece) on the inter link, 3 reductions.
+    c = cluster(gamma_s_per_byte=2e-10)
+    s = MiB
+    expected = 6 * (1e-5 + s * 1e-9) + 3 * s * 2e-10
+    assert pm.ring_time(4 * MiB, c) == pytest.approx(expected, rel=1e-12)
+
+
+def test_ring_counts_pieces() -> None:
+    # 8 MiB per step in 1 MiB pieces: 8 latencies per step.
+    c = cluster()
+    expected = 6 * (8 * 1e-5 + 8 * MiB * 1e-9)
+    assert pm.ring_time(32 * MiB, c) == pytest.approx(expected, rel=1e-12)
+
+
+def test_ring_on_one_host_uses_intra_link() -> None:
+    c = cluster(hosts=1, k=4)
+    assert pm.ring_time(4 * MiB, c) == pytest.approx(6 * (1e-6 + MiB * 1e-10), rel=1e-12)
+
+
+def test_hierarchical_time_by_hand() -> None:
+    # H = 2, k = 2, m = 8 MiB: local RS and AG of 4 MiB (4 pieces) once each; cross all-reduce
+    # of 2 MiB segments (2 steps of 2 MiB, 2 pieces), 2 flows per NIC.
+    c = cluster(gamma_s_per_byte=3e-10)
+    m = 8 * MiB
+    t_rs = 1 * (4 * 1e-6 + 4 * MiB * 1e-10 + 4 * MiB * 3e-10)
+    t_ag = 1 * (4 * 1e-6 + 4 * MiB * 1e-10)
+    t_x = 2 * (2 * 1e-5 + 2 * MiB * 2 * 1e-9) + 1 * 2 * MiB * 3e-10
+    assert pm.hierarchical_time(m, c) == pytest.approx(t_rs + t_x + t_ag, rel=1e-12)
+
+
+def test_hierarchical_small_segments_use_halving_doubling() -> None:
+    # H = 8, k = 2, m = 256 KiB: segments of 128 KiB <= 256 KiB cross by recursive halving/doubling:
+    # 2 log2(8) = 6 latencies instead of the ring's 2 (H - 1) = 14.
+    c = cluster(hosts=8)
+    m = 256 << 10
+    local = 1 * (1e-6 + (m / 2) * 1e-10)
+    t_x = 6 * 1e-5 + 2 * 7 * (m / 16) * 2 * 1e-9
+    assert pm.hierarchical_time(m, c) == pytest.approx(2 * local + t_x, rel=1e-12)
+
+
+def test_two_way_links_serve_rings_of_two_and_the_two_host_cross_step() -> None:
+    # [Note: two-way transfers]: a ring of two and the cross step at H = 2 use the two-way beta,
+    # a ring of four the one-way one.
+    inter = pm.Link(1e-5, 1e-9, beta_two_way_s_per_byte=3e-9)
+    pair = cluster(hosts=2, k=1, inter=inter)
+    assert pm.ring_time(2 * MiB, pair) == pytest.approx(2 * (1e-5 + MiB * 3e-9), rel=1e-12)
+    four = cluster(hosts=2, k=2, inter=inter)
+    assert pm.ring_time(4 * MiB, four) == pytest.approx(6 * (1e-5 + MiB * 1e-9), rel=1e-12)
+    local = 1 * (4 * 1e-6 + 4 * MiB * 1e-10)
+    assert pm.hierarchical_time(8 * MiB, four) == pytest.approx(
+        2 * local + 2 * (2 * 1e-5 + 2 * MiB * 2 * 3e-9), rel=1e-12)
+    many = cluster(hosts=4, k=2, inter=inter)  # a cross ring of four: one-way
+    assert pm.hierarchical_time(16 * MiB, many) == pytest.approx(
+        2 * (8 * 1e-6 + 8 * MiB * 1e-10) + 6 * (2 * 1e-5 + 2 * MiB * 2 * 1e-9), rel=1e-12)
+
+
+def test_tree_time_by_hand() -> None:
+    # H = 4, k = 2: depth 2 (log2 4) inter hops + 1 intra hop, each way; 3 pieces.
+    c = cluster(hosts=4, gamma_s_per_byte=1e-10)
+    m = 3 * MiB
+    expected = 2 * (2 * 1e-5 + 1 * 1e-6) + 3 * 1e-5 + 2 * m * 1e-9 + m * 1e-10
+    assert pm.tree_time(m, c) == pytest.approx(expected, rel=1e-12)
+
+
+def test_allreduce_time_adds_overhead_and_handles_trivial_cases() -> None:
+    c = cluster(overhead_s=1e-3)
+    assert pm.allreduce_time("ring", 4 * MiB, c) == pytest.approx(1e-3 + pm.ring_time(4 * MiB, c))
+    assert pm.allreduce_time("tree", 0, c) == 0.0
+    assert pm.allreduce_time("hierarchical", MiB, cluster(hosts=1, k=1)) == 0.0
+    with pytest.raises(ValueError, match="'butterfly' is not modelled; choose from ring"):
+        pm.allreduce_time("butterfly", MiB, c)
+
+
+def test_busbw_matches_nccl_tests_convention() -> None:
+    assert pm.busbw_gbps(1e9, 4, 1.0) == pytest.approx(1.5)
+
+
+# --- limits and monotonicity ---------------------------------------------------------------------
+
+
+def test_hierarchical_beats_ring_when_inter_host_is_slow() -> None:
+    fast_local, slow_net = pm.Link(1e-6, 1 / 50e9), pm.Link(5e-6, 1 / 1.25e9)
+    for hosts, k in ((2, 2), (4, 8), (64, 8)):
+        c = cluster(hosts, k, fast_local, slow_net)
+        assert pm.hierarchical_time(256 * MiB, c) < pm.ring_time(256 * MiB, c)
+
+
+def test_hierarchical_bandwidth_ratio_at_two_by_two() -> None:
+    # Network-only limit: the flat ring puts 2 (p-1)/p m = 1.5 m through each NIC, the
+    # hierarchical one 2 (H-1)/H m = m: the issue's "1.5x at best".
+    c = cluster(2, 2, pm.Link(0.0, 0.0), pm.Link(0.0, 1e-9))
+    assert pm.ring_time(64 * MiB, c) / pm.hierarchical_time(64 * MiB, c) == pytest.approx(1.5)
+
+
+def test_ring_busbw_tends_to_link_bandwidth() -> None:
+    c = cluster(8, 8, pm.Link(0.0, 0.0), pm.Link(1e-6, 1e-9))
+    m = 1 << 34
+    assert pm.busbw_gbps(m, 64, pm.ring_time(m, c)) == pytest.approx(1.0, rel=1e-3)
+
+
+def test_times_grow_with_size_and_ring_latency_with_ranks() -> None:
+    c = cluster(4, 8)
+    for algo in pm.ALGORITHMS:
+        times = [pm.allreduce_time(algo, s, c) for s in (4 << 10, MiB, 64 * MiB, 256 * MiB)]
+        assert times == sorted(times) and len(set(times)) == 4
+    small = [pm.ring_time(4 << 10, c.with_ranks(r)) for r in (16, 64, 256)]
+    assert small == sorted(small)
+    # at 512 ranks a small message pays the ring's 2 (p - 1) latencies, the tree's 2 log2 H
+    big = c.with_ranks(512)
+    assert pm.tree_time(4 << 10, big) < pm.ring_time(4 << 10, big) / 10
+
+
+def test_with_ranks_fills_hosts_or_refuses() -> None:
+    c = cluster(1, 8)
+    assert (c.with_ranks(64).hosts, c.with_ranks(64).ranks_per_host) == (8, 8)
+    assert (c.with_ranks(4).hosts, c.with_ranks(4).ranks_per_host) == (1, 4)
+    with pytest.raises(ValueError, match="12 ranks do not fill whole hosts of 8"):
+        c.with_ranks(12)
+
+
+def test_bad_links_and_clusters_are_refused() -> None:
+    with pytest.raises(ValueError, match="alpha >= 0 and beta >= 0; got alpha=-1"):
+        pm.Link(-1.0, 0.0)
+    with pytest.raises(ValueError, match="at least 1 host and 1 rank per host; got hosts=0"):
+        pm.Cluster(0, 8, pm.Link(0, 0), pm.Link(0, 0))
+    with pytest.raises(ValueError, match="'fast' is not a link rate"):
+        pm.parse_rate("fast")
+    assert pm.parse_rate("100gbit") == pytest.approx(12.5e9)
+    assert pm.parse_seconds("5us") == pytest.approx(5e-6)
+
+
+# --- fusion and the step ------------------------------------------------------------------------
+
+
+def test_fuse_groups_ready_tensors_up_to_threshold() -> None:
+    sizes, ready = [10, 10, 10, 30, 5], [0.0, 0.0, 0.0, 0.0, 5.0]
+    buffers, done = pm.fuse(sizes, ready, threshold=25, cycle_s=0.0, run=lambda b: b / 10)
+    # at t=0: 10+10 (a third would pass 25), then 10, then 30 alone; 5 waits for t=5
+    assert buffers == [20, 10, 30, 5]
+    assert done == pytest.approx(max(2 + 1 + 3, 5) + 0.5)
+
+
+def test_step_overlap_hides_communication_and_no_overlap_exposes_it() -> None:
+    sizes = tensor_bytes("resnet50")
+    c = cluster(8, 8, pm.Link(2e-6, 1 / 150e9), pm.Link(5e-6, 1 / 12.5e9))
+    hidden = pm.predict_step("ring", sizes, c, compute_s=0.2)
+    exposed = pm.predict_step("ring", sizes, c, compute_s=0.2, overlap=False)
+    assert exposed.exposed_s == pytest.approx(exposed.comm_s, rel=0.05)
+    assert hidden.exposed_s < exposed.exposed_s
+    assert 0 < exposed.efficiency < hidden.efficiency <= 1
+    assert exposed.buffers == 1  # 97.5 MiB < 128 MiB: one fused buffer after the backward
+    assert pm.predict_step("tree", sizes, c.with_ranks(1), 0.2).efficiency == 1.0
+
+
+def test_efficiency_falls_with_ranks_for_the_flat_ring() -> None:
+    sizes = tensor_bytes("gpt-1.3b")
+    c = cluster(1, 8, pm.Link(2e-6, 1 / 150e9), pm.Link(5e-6, 1 / 12.5e9))
+    effs = [pm.predict_step("ring", sizes, c.with_ranks(r), 1.0).efficiency for r in (16, 64, 512)]
+    assert effs == sorted(effs, reverse=True) and effs[0] < 1
+
+
+# --- workloads ----------------------------------------------------------------------------------
+
+
+def test_resnet50_has_161_tensors_and_25_6m_parameters() -> None:
+    s = shapes("resnet50")
+    assert len(s) == 161
+    assert sum(math.prod(x) for x in s) == 25_557_032
+    assert s[0] == (64, 3, 7, 7) and s[-2:] == [(1000, 2048), (1000,)]
+    assert sum(1 for x in s if len(x) == 4) == 53  # convolutions, none with a bias
+
+
+def test_other_workloads_match_published_sizes() -> None:
+    assert sum(math.prod(x) for x in shapes("resnet101")) == 44_549_160
+    gpt = shapes("gpt-1.3b")
+    assert len(gpt) == 24 * 12 + 4
+    assert 1.30e9 < sum(math.prod(x) for x in gpt) < 1.32e9
+    assert tensor_bytes("resnet50", 2)[0] == 64 * 3 * 7 * 7 * 2
+    with pytest.raises(ValueError, match="unknown model 'vgg'; choose from resnet50"):
+        shapes("vgg")
+
+
+# --- calibration --------------------------------------------------------------------------------
+
+
+def test_fit_recovers_alpha_beta_from_synthetic_points() -> None:
+    rng = np.random.default_rng(0)
+    alpha, beta = 25e-6, 1 / 118e6
+    sizes = [4 << 10, 64 << 10, 256 << 10, MiB, 4 * MiB, 16 * MiB]
+    pts = [(b, (alpha * max(1, b // MiB) + beta * b) * (1 + rng.normal(0, 0.01)), max(1, b // MiB))
+           for b in sizes]
+    link = pm.fit_link(pts)
+    assert link.alpha_s == pytest.approx(alpha, rel=0.1)
+    assert link.beta_s_per_byte == pytest.approx(beta, rel=0.03)
+    exact = pm.fit_link([(b, 3e-6 + b * 1e-9) for b in (1, 1000, 10**6)])
+    assert (exact.alpha_s, exact.beta_s_per_byte) == pytest.approx((3e-6, 1e-9), rel=1e-9)
+
+
+def test_fit_keeps_parameters_non_negative_and_refuses_one_size() -> None:
+    link = pm.fit_link([(1000, 1e-6), (2000, 2.5e-6)])  # would need a negative alpha
+    assert link.alpha_s == 0.0 and link.beta_s_per_byte > 0
+    with pytest.raises(ValueError, match="two or more sizes"):
+        pm.fit_link([(1000, 1e-6), (1000, 2e-6)])
+
+
+def test_calibration_divides_shared_flows_and_keeps_two_way() -> None:
+    one = [(b, 1e-4 + b * 2e-8) for b in (4096, MiB, 16 * MiB)]
+    two = [(b, 1e-4 + b * 5e-8) for b in (4096, MiB, 16 * MiB)]
+    cal = pm.Calibration.fit(one, one, inter_two_way=two, inter_flows=2)
+    assert cal.inter.beta_s_per_byte == pytest.approx(1e-8, rel=1e-6)
+    assert cal.inter.two_way == pytest.approx(2.5e-8, rel=1e-6)
+    assert cal.intra.beta_s_per_byte == pytest.approx(2e-8, rel=1e-6)
+    assert cal.intra.two_way == cal.intra.beta_s_per_byte
+    with pytest.raises(ValueError, match="inter_flows must be >= 1; got 0"):
+        pm.Calibration.fit(one, one, inter_flows=0)
+
+
+def test_calibration_round_trips_through_json(tmp_path) -> None:
+    cal = pm.Calibration.fit([(4096, 1e-5), (MiB, 4e-4)], [(4096, 5e-5), (MiB, 9e-3)],
+                             [(MiB, 1e-4), (4 * MiB, 4e-4)], inter_two_way=[(4096, 6e-5), (MiB, 2e-2)],
+                             overhead_s=1e-4, notes="synthetic")
+    path = tmp_path / "cal.json"
+    cal.save(path)
+    back = pm.Calibration.load(path)
+    assert back == cal
+    assert back.gamma_s_per_byte == pytest.approx(1e-4 / MiB, rel=1e-6)
+    assert back.cluster(2, 2).inter == cal.inter
+    path.write_text(json.dumps({"version": 99}))
+    with pytest.raises(ValueError, match="not a Unison calibration file of version 1"):
+        pm.Calibration.load(path)
+
+
+# --- the command line ---------------------------------------------------------------------------
+
+
+def test_cli_prints_the_table_for_every_rank_count(capsys) -> None:
+    assert cli.main(["--model", "resnet50", "--ranks-per-host", "8", "--link", "100gbit",
+                     "--latency", "5us", "--compute-ms", "200"]) == 0
+    out = capsys.readouterr().out
+    assert "resnet50: 161 gradient tensors, 25,557,032 parameters" in out
+    for algo in pm.ALGORITHMS:
+        assert algo in out
+    rows = [ln.split() for ln in out.splitlines() if ln.strip()[:1].isdigit() and "|" in ln]
+    assert [int(r[0]) for r in rows] == [8, 16, 32, 64, 128, 256, 512]
+    assert "Horovod" in out
+
+
+def test_cli_json_and_png(tmp_path, capsys) -> None:
+    png = tmp_path / "model.png"
+    assert cli.main(["--model", "gpt-1.3b", "--ranks", "16,64", "--json", "--png", str(png),
+                     "--no-overlap"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {(p["ranks"], p["algorithm"]) for p in data["predictions"]} == \
+        {(r, a) for r in (16, 64) for a in pm.ALGORITHMS}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_cli_takes_a_calibration_file(tmp_path, capsys) -> None:
+    cal = pm.Calibration(pm.Link(1e-6, 1e-10), pm.Link(1e-4, 1 / 118e6), 1e-10)
+    path = tmp_path / "cal.json"
+    cal.save(path)
+    assert cli.main(["--calibration", str(path), "--ranks-per-host", "2", "--ranks", "4"]) == 0
+    assert "calibration" in capsys.readouterr().out
+
+
+def test_cli_refuses_bad_input() -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--link", "fast"])
+    assert exc.value.code == 2
+
+
+def test_cli_runs_as_a_module() -> None:
+    proc = subprocess.run([sys.executable, "-m", "unison.perfmodel", "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "--ranks-per-host" in proc.stdout

@@ -1,0 +1,473 @@
+"""An alpha-beta model of Unison's all-reduce algorithms, to predict scaling past one machine.
+
+Why it exists: the benchmarks run on at most a few namespace "hosts" of one machine, but users
+ask what a job of 512 ranks will do. A latency-bandwidth (Hockney) model, calibrated from links
+we *can* measure and checked against collectives we can run (``benchmarks/hosts.py``), answers
+that with its assumptions written down, instead of a guess.
+
+[Note: the alpha-beta model]
+Sending one message of ``s`` bytes over a link costs ``alpha + s * beta`` seconds. A cluster has
+two link kinds: ``intra`` (between ranks of one host: shared memory, NVLink) and ``inter``
+(between hosts: the NIC). ``gamma`` is the cost per byte of the local reduction (memory-bound on
+a CPU: it reads two operands and writes one). ``c`` is Unison's piece size (``chunk_bytes``,
+default 1 MiB): a transfer of ``s`` bytes is ``ceil(s / c)`` messages, each paying ``alpha``.
+Notation: ``m`` bytes per rank, ``H`` hosts, ``k`` ranks per host, ``p = H k`` ranks,
+``msgs(s) = ceil(s / c)``. A step of an algorithm runs on every rank at once, so its time is
+that of its slowest link; ``k`` flows through one NIC share it (each sees ``k * beta_inter``)::
+
+    host 1 (k=2)                 host 2 (k=2)
+    r0 --intra-- r1 ==inter==> r2 --intra-- r3 ==inter==> back to r0      flat ring:
+                                                                          1 flow per NIC
+    r0 --RS--> r1 (local)        r2 --RS--> r3 (local)                    hierarchical:
+    r0 <==========cross AR==========> r2   (segment 0, ranks with local rank 0)
+    r1 <==========cross AR==========> r3   (segment 1)  -> k flows per NIC
+    r0 --AG--> r1 (local)        r2 --AG--> r3 (local)
+
+Flat ring (``ring``; ranks in host order, so each host's NIC carries one flow each way)::
+
+    s = m / p;  a, b = the slower link's alpha, beta (inter when H > 1, else intra)
+    T_ring = 2 (p - 1) (msgs(s) a + s b) + (p - 1) s gamma
+
+Hierarchical (``hierarchical``: local reduce-scatter, cross-host all-reduce among the ranks of
+equal local rank, local all-gather)::
+
+    T_rs  = (k - 1) (msgs(m/k) a_l + (m/k) b_l + (m/k) gamma)
+    T_x   = 2 (H - 1) (msgs(m/p) a_x + (m/p) k b_x) + (H - 1) (m/p) gamma    (k flows per NIC)
+    T_ag  = (k - 1) (msgs(m/k) a_l + (m/k) b_l)
+    T_hier = T_rs + T_x + T_ag
+
+As in ``unison.collectives.hierarchical``, a cross-host segment ``m/k`` of at most
+``cross_rhd_bytes`` (256 KiB) is all-reduced by recursive halving/doubling instead of the ring:
+the same bytes in ``2 ceil(log2 H)`` messages, ``T_x = 2 ceil(log2 H) a_x + 2 (H-1)/H m b_x +
+(H-1) (m/p) gamma``.
+
+Tree (``tree``: NCCL-style, a chain inside each host and a double binary tree across hosts,
+reduce then broadcast, pipelined in pieces of ``c`` bytes; each rank sends about ``2 m`` in all,
+like the ring, but the path is only ``D = ceil(log2 H) + (k - 1)`` hops deep)::
+
+    T_tree = 2 (ceil(log2 H) a_x + (k - 1) a_l) + msgs(m) a + 2 m b + m gamma
+
+[Note: two-way transfers]
+In a ring of three or more, each rank sends to one neighbour and receives from the other, so each
+connection carries data one way. In a ring of two (the cross-host step at ``H = 2``, the local
+step at ``k = 2``) and in recursive halving/doubling, two ranks send to *each other* at once, and
+on a rate-limited TCP link each direction's acknowledgements queue behind the other's data: such
+a link is calibrated separately (``Link.beta_two_way_s_per_byte``) and used for those steps.
+
+Per-bucket cost: every fused buffer (see below) also pays ``overhead`` once (the agreement between
+ranks and the Python call path; 0 unless calibrated).
+
+Bus bandwidth (nccl-tests' convention) is ``2 (p - 1) / p * m / T``; on a network-bound flat ring
+it tends to ``1 / b_x``, and the hierarchical algorithm's can exceed it, since only
+``2 (H - 1) / H * m`` bytes cross each NIC instead of ``2 (p - 1) / p * m``.
+
+[Note: fusion and overlap in the step model]
+A step is ``compute`` seconds of forward and backward; the backward is the last
+``backward_share`` of it (default 2/3) and its gradients become ready in reverse order, evenly
+spaced by tensor. Like the engine, every ``cycle`` the ready, unsent gradients are fused into
+buffers of at most ``fusion_threshold`` bytes (a larger tensor travels alone) and all-reduced one
+buffer at a time. Communication overlaps the backward; what is left after it is *exposed*::
+
+    step = compute + exposed;    scaling efficiency = compute / step
+
+(the throughput of p ranks over p times one rank's, which has no communication). With
+``overlap=False`` every byte waits for the backward to end. Not modelled: the optimizer step,
+input loading, stragglers, congestion beyond the NIC share, and contention for the host's cores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Link", "Cluster", "Calibration", "ALGORITHMS", "allreduce_time", "busbw_gbps",
+           "fuse", "StepPrediction", "predict_step", "fit_link", "parse_rate", "parse_seconds"]
+
+ALGORITHMS = ("ring", "hierarchical", "tree")
+CALIBRATION_VERSION = 1
+DEFAULT_CHUNK_BYTES = 1 << 20
+DEFAULT_FUSION_THRESHOLD = 128 << 20
+DEFAULT_CYCLE_S = 1e-3
+DEFAULT_CROSS_RHD_BYTES = 256 << 10
+DEFAULT_BACKWARD_SHARE = 2 / 3
+_RATE_UNITS = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8,
+               "bps": 1.0, "kbps": 1e3, "mbps": 1e6, "gbps": 1e9, "tbps": 1e12}
+_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of link: ``alpha_s`` seconds per message, ``beta_s_per_byte`` seconds per byte.
+
+    ``beta_two_way_s_per_byte`` is ``beta`` when two ranks send to *each other* at once (a
+    ring of two, recursive halving/doubling): see [Note: two-way transfers]. ``None``: the same
+    as ``beta``.
+    """
+
+    alpha_s: float
+    beta_s_per_byte: float
+    beta_two_way_s_per_byte: float | None = None
+
+    def __post_init__(self) -> None:
+        two_way = self.beta_two_way_s_per_byte
+        if not (self.alpha_s >= 0 and self.beta_s_per_byte >= 0 and (two_way is None or two_way >= 0)):
+            raise ValueError(f"a link needs alpha >= 0 and beta >= 0; got alpha={self.alpha_s}, "
+                             f"beta={self.beta_s_per_byte}, two-way beta={two_way}")
+
+    @property
+    def two_way(self) -> float:
+        """Seconds per byte of a transfer whose peer sends back on the same connection at once."""
+        return self.beta_s_per_byte if self.beta_two_way_s_per_byte is None else self.beta_two_way_s_per_byte
+
+    @classmethod
+    def from_rate(cls, bytes_per_s: float, latency_s: float) -> Link:
+        """The link of a given bandwidth (bytes per second) and latency (seconds)."""
+        if bytes_per_s <= 0:
+            raise ValueError(f"link bandwidth must be positive; got {bytes_per_s} bytes/s")
+        return cls(latency_s, 1.0 / bytes_per_s)
+
+    def time(self, nbytes: float) -> float:
+        """Seconds for one message of ``nbytes``."""
+        return self.alpha_s + nbytes * self.beta_s_per_byte
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``hosts`` x ``ranks_per_host`` ranks, the two link kinds, and Unison's per-byte costs.
+
+    Attributes:
+        gamma_s_per_byte: local reduction cost per byte of the buffer.
+        chunk_bytes: Unison's piece size; each piece of a transfer is one message (``alpha``).
+        overhead_s: fixed cost per all-reduce call (agreement, call path).
+        cross_rhd_bytes: hierarchical cross-host segments up to this size use recursive
+            halving/doubling, larger ones the ring (as ``unison.collectives.hierarchical``).
+    """
+
+    hosts: int
+    ranks_per_host: int
+    intra: Link
+    inter: Link
+    gamma_s_per_byte: float = 0.0
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    overhead_s: float = 0.0
+    cross_rhd_bytes: int = DEFAULT_CROSS_RHD_BYTES
+
+    def __post_init__(self) -> None:
+        if self.hosts < 1 or self.ranks_per_host < 1:
+            raise ValueError(f"a cluster needs at least 1 host and 1 rank per host; got hosts="
+                             f"{self.hosts}, ranks_per_host={self.ranks_per_host}")
+        if self.chunk_bytes < 1 or self.gamma_s_per_byte < 0 or self.overhead_s < 0:
+            raise ValueError(f"chunk_bytes must be >= 1 and gamma, overhead >= 0; got chunk_bytes="
+                             f"{self.chunk_bytes}, gamma={self.gamma_s_per_byte}, "
+                             f"overhead={self.overhead_s}")
+
+    @property
+    def size(self) -> int:
+        return self.hosts * self.ranks_per_host
+
+    def with_ranks(self, ranks: int) -> Cluster:
+        """This cluster resized to ``ranks`` (whole hosts, or one partly filled host).
+
+        Raises:
+            ValueError: ``ranks`` is not a multiple of ``ranks_per_host`` (nor below it).
+        """
+        if ranks <= self.ranks_per_host:
+            return replace(self, hosts=1, ranks_per_host=ranks)
+        if ranks % self.ranks_per_host:
+            raise ValueError(f"{ranks} ranks do not fill whole hosts of {self.ranks_per_host}; "
+                             f"give a multiple of {self.ranks_per_host}")
+        return replace(self, hosts=ranks // self.ranks_per_host)
+
+
+def _msgs(nbytes: float, chunk: int) -> int:
+    return max(1, math.ceil(nbytes / chunk))
+
+
+def _slowest(c: Cluster) -> Link:
+    return c.inter if c.hosts > 1 else c.intra
+
+
+def ring_time(m: float, c: Cluster) -> float:
+    """Flat ring all-reduce of ``m`` bytes per rank (formula in the module docstring)."""
+    p = c.size
+    if p == 1:
+        return 0.0
+    s, link = m / p, _slowest(c)
+    beta = link.two_way if p == 2 else link.beta_s_per_byte  # a ring of two is an exchange
+    step = _msgs(s, c.chunk_bytes) * link.alpha_s + s * beta
+    return 2 * (p - 1) * step + (p - 1) * s * c.gamma_s_per_byte
+
+
+def hierarchical_time(m: float, c: Cluster) -> float:
+    """Local reduce-scatter, cross-host ring all-reduce (k flows per NIC), local all-gather."""
+    h, k = c.hosts, c.ranks_per_host
+    if h == 1:
+        return ring_time(m, c)
+    local = m / k
+    local_beta = c.intra.two_way if k == 2 else c.intra.beta_s_per_byte
+    local_step = _msgs(local, c.chunk_bytes) * c.intra.alpha_s + local * local_beta
+    t_rs = (k - 1) * (local_step + local * c.gamma_s_per_byte)
+    t_ag = (k - 1) * local_step
+    s = m / c.size
+    reduce = (h - 1) * s * c.gamma_s_per_byte
+    if local <= c.cross_rhd_bytes:  # recursive halving/doubling: log2 H steps each way
+        t_x = 2 * math.ceil(math.log2(h)) * c.inter.alpha_s + 2 * (h - 1) * s * k * c.inter.two_way
+    else:
+        beta = c.inter.two_way if h == 2 else c.inter.beta_s_per_byte
+        cross_step = _msgs(s, c.chunk_bytes) * c.inter.alpha_s + s * k * beta
+        t_x = 2 * (h - 1) * cross_step
+    return t_rs + t_x + reduce + t_ag
+
+
+def tree_time(m: float, c: Cluster) -> float:
+    """Chain within hosts, double binary tree across them, pipelined (module docstring)."""
+    if c.size == 1:
+        return 0.0
+    h, k = c.hosts, c.ranks_per_host
+    link = _slowest(c)
+    depth = 2 * (math.ceil(math.log2(h)) * c.inter.alpha_s + (k - 1) * c.intra.alpha_s)
+    return (depth + _msgs(m, c.chunk_bytes) * link.alpha_s + 2 * m * link.beta_s_per_byte
+            + m * c.gamma_s_per_byte)
+
+
+_TIMES: dict[str, Callable[[float, Cluster], float]] = {
+    "ring": ring_time, "hierarchical": hierarchical_time, "tree": tree_time}
+
+
+def allreduce_time(algorithm: str, nbytes: float, cluster: Cluster) -> float:
+    """Predicted seconds of one all-reduce of ``nbytes`` per rank, its call overhead included.
+
+    Raises:
+        ValueError: an unknown algorithm or a negative size.
+    """
+    if algorithm not in _TIMES:
+        raise ValueError(f"algorithm {algorithm!r} is not modelled; choose from {', '.join(ALGORITHMS)}")
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0; got {nbytes}")
+    if nbytes == 0 or cluster.size == 1:
+        return 0.0
+    return cluster.overhead_s + _TIMES[algorithm](nbytes, cluster)
+
+
+def busbw_gbps(nbytes: float, ranks: int, seconds: float) -> float:
+    """nccl-tests' all-reduce bus bandwidth, GB/s (1e9 bytes)."""
+    return 2 * (ranks - 1) / ranks * nbytes / seconds / 1e9 if seconds > 0 else math.inf
+
+
+# --- fusion and the training step -------------------------------------------------------------
+
+
+def fuse(sizes: Sequence[int], ready: Sequence[float], threshold: int, cycle_s: float,
+         run: Callable[[int], float]) -> tuple[list[int], float]:
+    """Simulates the engine: fuse ready tensors into buffers, all-reduce them one at a time.
+
+    Args:
+        sizes: bytes of each tensor, in the order they become ready.
+        ready: when each is ready (seconds, non-decreasing).
+        threshold: most bytes per fused buffer (0: no fusion, one tensor per buffer).
+        cycle_s: the engine's cycle; a buffer starts at a cycle boundary.
+        run: seconds to all-reduce one buffer of the given size.
+
+    Returns:
+        The buffer sizes, and when the last one finishes.
+    """
+    buffers: list[int] = []
+    free, i, n = 0.0, 0, len(sizes)
+    while i < n:
+        start = max(free, ready[i])
+        if cycle_s > 0:
+            start = math.ceil(start / cycle_s - 1e-9) * cycle_s
+        size = sizes[i]
+        i += 1
+        while i < n and ready[i] <= start and size + sizes[i] <= threshold:
+            size += sizes[i]
+            i += 1
+        buffers.append(size)
+        free = start + run(size)
+    return buffers, free
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """One algorithm at one cluster size: communication, exposure and efficiency of a step."""
+
+    algorithm: str
+    ranks: int
+    hosts: int
+    buffers: int
+    comm_s: float
+    exposed_s: float
+    step_s: float
+    efficiency: float
+
+
+def predict_step(algorithm: str, tensor_bytes: Sequence[int], cluster: Cluster, compute_s: float,
+                 fusion_threshold: int = DEFAULT_FUSION_THRESHOLD, cycle_s: float = DEFAULT_CYCLE_S,
+                 backward_share: float = DEFAULT_BACKWARD_SHARE, overlap: bool = True) -> StepPrediction:
+    """Predicts one training step (see [Note: fusion and overlap in the step model]).
+
+    Args:
+        algorithm: one of :data:`ALGORITHMS`.
+        tensor_bytes: gradient sizes in bytes, in forward (parameter) order.
+        cluster: the cluster.
+        compute_s: forward + backward seconds of one rank, without communication.
+        fusion_threshold, cycle_s: the engine's fusion settings.
+        backward_share: the share of ``compute_s`` that is the backward pass.
+        overlap: whether communication may start during the backward.
+
+    Raises:
+        ValueError: a non-positive compute time or a backward share outside (0, 1].
+    """
+    if compute_s <= 0 or not 0 < backward_share <= 1:
+        raise ValueError(f"compute_s must be > 0 and backward_share in (0, 1]; got compute_s="
+                         f"{compute_s}, backward_share={backward_share}")
+    sizes = list(reversed(tensor_bytes))
+    backward = compute_s * backward_share
+    n = len(sizes)
+    ready = [backward * (i + 1) / n for i in range(n)] if overlap else [backward] * n
+    buffers, done = fuse(sizes, ready, fusion_threshold, cycle_s,
+                         lambda b: allreduce_time(algorithm, b, cluster))
+    comm = sum(allreduce_time(algorithm, b, cluster) for b in buffers)
+    exposed = max(0.0, done - backward) if cluster.size > 1 else 0.0
+    step = compute_s + exposed
+    return StepPrediction(algorithm, cluster.size, cluster.hosts, len(buffers), comm, exposed, step,
+                          compute_s / step)
+
+
+# --- calibration ------------------------------------------------------------------------------
+
+
+def fit_link(points: Sequence[Sequence[float]]) -> Link:
+    """Fits ``time = alpha * messages + beta * bytes`` to measured points.
+
+    Each point is ``(bytes, seconds)`` (one message) or ``(bytes, seconds, messages)`` for a
+    transfer sent as several pieces. Least squares on *relative* error (each residual divided by
+    its time), so that a 4 KiB point counts as much as a 16 MiB one; ``alpha`` and ``beta`` are
+    kept non-negative.
+
+    Raises:
+        ValueError: fewer than two distinct sizes, or a non-positive time or message count.
+    """
+    rows = [list(p) + [1.0] * (3 - len(p)) for p in points]
+    pts = np.asarray(rows, dtype=np.float64).reshape(-1, 3)
+    if len(np.unique(pts[:, 0])) < 2 or (pts[:, 1] <= 0).any() or (pts[:, 0] < 0).any() \
+            or (pts[:, 2] < 1).any():
+        raise ValueError(f"fitting alpha and beta needs points at two or more sizes, bytes >= 0, "
+                         f"times > 0 and messages >= 1; got {pts.tolist()}")
+    b, t, k = pts[:, 0], pts[:, 1], pts[:, 2]
+    design = np.stack([k / t, b / t], axis=1)
+    (alpha, beta), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
+    if alpha < 0:
+        alpha, beta = 0.0, float(np.sum(b / t) / np.sum((b / t) ** 2))
+    elif beta < 0:
+        alpha, beta = float(np.sum(k / t) / np.sum((k / t) ** 2)), 0.0
+    return Link(float(alpha), float(beta))
+
+
+@dataclass
+class Calibration:
+    """Fitted link and cost parameters, kept as JSON next to the points they came from."""
+
+    intra: Link
+    inter: Link
+    gamma_s_per_byte: float = 0.0
+    overhead_s: float = 0.0
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    points: dict[str, list[list[float]]] = field(default_factory=dict)
+    notes: str = ""
+
+    @classmethod
+    def fit(cls, intra: Sequence[Sequence[float]], inter: Sequence[Sequence[float]],
+            reduce: Sequence[Sequence[float]] = (), inter_two_way: Sequence[Sequence[float]] = (),
+            inter_flows: int = 1, **kwargs: Any) -> Calibration:
+        """Fits both links (points as :func:`fit_link` takes them) and ``gamma``.
+
+        Args:
+            intra, inter: transfer points within a host and across hosts (one-way connections).
+            reduce: ``(bytes, seconds)`` of local reductions; ``gamma`` is their slope.
+            inter_two_way: optional cross-host points of two ranks sending to each other.
+            inter_flows: how many flows shared each host's link while ``inter`` and
+                ``inter_two_way`` were measured; the link's own ``beta`` is the per-flow one
+                divided by this.
+            kwargs: the other fields (``overhead_s``, ``chunk_bytes``, ``notes``).
+        """
+        if inter_flows < 1:
+            raise ValueError(f"inter_flows must be >= 1; got {inter_flows}")
+        gamma = fit_link(reduce).beta_s_per_byte if len(reduce) else 0.0
+        pts = {"intra": [list(p) for p in intra], "inter": [list(p) for p in inter],
+               "inter_two_way": [list(p) for p in inter_two_way], "reduce": [list(p) for p in reduce]}
+        one = fit_link(inter)
+        two = fit_link(inter_two_way).beta_s_per_byte / inter_flows if len(inter_two_way) else None
+        link = Link(one.alpha_s, one.beta_s_per_byte / inter_flows, two)
+        return cls(fit_link(intra), link, gamma, points=pts, **kwargs)
+
+    def cluster(self, hosts: int, ranks_per_host: int) -> Cluster:
+        return Cluster(hosts, ranks_per_host, self.intra, self.inter, self.gamma_s_per_byte,
+                       self.chunk_bytes, self.overhead_s)
+
+    def save(self, path: str | Path) -> None:
+        data = {"version": CALIBRATION_VERSION, **asdict(self)}
+        Path(path).write_text(json.dumps(data, indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Calibration:
+        """Reads a file written by :meth:`save`.
+
+        Raises:
+            ValueError: the file is not a calibration of this version.
+        """
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict) or data.get("version") != CALIBRATION_VERSION:
+            got = data.get("version") if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"{path} is not a Unison calibration file of version "
+                             f"{CALIBRATION_VERSION} (found version {got!r}); write it with "
+                             "Calibration.save or benchmarks/hosts.py --calibration-out")
+        data.pop("version")
+        try:
+            return cls(intra=Link(**data.pop("intra")), inter=Link(**data.pop("inter")), **data)
+        except TypeError as exc:
+            raise ValueError(f"{path}: malformed calibration ({exc})") from None
+
+
+def parse_rate(text: str) -> float:
+    """``"100gbit"`` -> bytes per second (``bit``/``kbit``/``mbit``/``gbit``, or ``...bps`` bytes).
+
+    Raises:
+        ValueError: not a rate.
+    """
+    s = text.strip().lower()
+    for unit in sorted(_RATE_UNITS, key=len, reverse=True):
+        if s.endswith(unit):
+            try:
+                value = float(s[:-len(unit)])
+            except ValueError:
+                break
+            if value > 0:
+                return value * _RATE_UNITS[unit]
+            break
+    raise ValueError(f"{text!r} is not a link rate; give e.g. 100gbit, 25gbit or 12.5gbps (bytes)")
+
+
+def parse_seconds(text: str) -> float:
+    """``"5us"`` -> 5e-6 (units ``s``, ``ms``, ``us``, ``ns``).
+
+    Raises:
+        ValueError: not a duration.
+    """
+    s = text.strip().lower()
+    for unit in sorted(_TIME_UNITS, key=len, reverse=True):
+        if s.endswith(unit):
+            try:
+                value = float(s[:-len(unit)])
+            except ValueError:
+                break
+            if value >= 0:
+                return value * _TIME_UNITS[unit]
+            break
+    raise ValueError(f"{text!r} is not a duration; give e.g. 5us, 1.5ms or 0s")

@@ -1,0 +1,235 @@
+"""Where a ``unisonrun`` job runs: hosts, process count, launch agent, TCP pinning, environment.
+
+:func:`resolve_placement` turns what the user asked for (:class:`LaunchConfig`), the hostfile's
+``# unison:`` options and a Slurm allocation into a :class:`Placement`; the launcher turns that
+into ``mpirun`` arguments. Hosts come from ``-H`` and ``--hostfile``; without both, inside a Slurm
+allocation, from Slurm (``slurm.py``). A launch agent and TCP include list given as options win
+over the hostfile's.
+
+[Note: the environment across hosts]
+Ranks on this machine inherit ``mpirun``'s whole environment; ranks that a daemon starts on
+another host get only what ``-x`` forwards (over ``ssh`` the daemon starts in a login
+environment; measured on test hosts with an agent that clears the environment as ``ssh`` does:
+a variable not named by ``-x`` did not arrive). So that a rank sees the same environment wherever
+it runs, a job with hosts forwards every variable, as Horovod's launcher does, except those that
+describe this machine or session (``HOSTNAME``, ``PWD``, ``SSH_*``, ``XDG_*``...), those MPI and
+Slurm set themselves on each host (``OMPI_*``, ``PMIX_*``, ``PRTE_*``, ``SLURM_*``; ``mpirun``
+carries the user's ``OMPI_MCA_*`` itself), shell functions, and names that are not identifiers.
+A job on this machine alone forwards Unison's selection only: the rest arrives anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from unison.run.hosts import (
+    Host,
+    parse_hosts,
+    parse_tcp_include,
+    read_hostfile,
+    read_hostfile_options,
+    total_slots,
+)
+from unison.run.slurm import in_allocation, read_allocation
+
+__all__ = ["LaunchConfig", "Placement", "forwarded_environment", "needs_oversubscribe", "network_arguments",
+           "resolve_placement"]
+
+logger = logging.getLogger(__name__)
+
+FORWARDED_PREFIXES = ("UNISON_", "HOROVOD_")
+FORWARDED_NAMES = (
+    "MKL_NUM_THREADS",
+    "OMP_NUM_THREADS",
+    "PYTHONPATH",
+    "TF_NUM_INTEROP_THREADS",
+    "TF_NUM_INTRAOP_THREADS",
+)
+#: not forwarded to other hosts: see [Note: the environment across hosts]
+HOST_SPECIFIC_NAMES = frozenset({"HOSTNAME", "HOST", "PWD", "OLDPWD", "SHLVL", "_", "DISPLAY", "XAUTHORITY",
+                                 "TERMCAP", "PS1", "PS2", "PROMPT_COMMAND"})
+HOST_SPECIFIC_PREFIXES = ("SSH_", "XDG_", "OMPI_", "PMIX_", "PRTE_", "OPAL_", "SLURM_", "BASH_FUNC_")
+_VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """What the user asked ``unisonrun`` for.
+
+    Attributes:
+        command: The program to run on every rank, with its arguments.
+        np: Number of processes (ranks), at least 1; ``None``: ``SLURM_NTASKS`` when the hosts
+            come from a Slurm allocation, else 1.
+        hosts: The ``-H`` value, e.g. ``"localhost:2,node7:2"``, or ``None``.
+        hostfile: Path of an Open MPI hostfile, or ``None``.
+        launch_agent: Command that starts the daemons on other hosts instead of ``ssh``, or
+            ``None`` (then the hostfile's ``launch-agent`` option, if any).
+        tcp_include: Subnets (``"10.0.0.0/24"``, comma-separated) to pin TCP to, or ``None``.
+        network_interface: Interface names (``"eth1"``, comma-separated) to pin TCP to, or
+            ``None``. With ``tcp_include`` both apply; either replaces the hostfile's.
+        bind_to: Value for ``mpirun --bind-to``.
+        oversubscribe: ``True`` forces ``--oversubscribe``, ``None`` adds it when ``np`` exceeds
+            the slots.
+        abort_on_exception: Run Python commands through ``python -m mpi4py``.
+        mpi_args: Extra arguments for ``mpirun``, placed before the command.
+    """
+
+    command: tuple[str, ...]
+    np: int | None = None
+    hosts: str | None = None
+    hostfile: str | None = None
+    launch_agent: str | None = None
+    tcp_include: str | None = None
+    network_interface: str | None = None
+    bind_to: str = "none"
+    oversubscribe: bool | None = None
+    abort_on_exception: bool = True
+    mpi_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the job runs, resolved from the options, the hostfile and Slurm.
+
+    Attributes:
+        np: Number of processes.
+        hosts: The hosts with their slots; ``None`` for this machine alone.
+        slurm_hosts: The ``-H`` value made from a Slurm allocation, or ``None``.
+        launch_agent: The daemons' launch agent, or ``None`` for Open MPI's (``ssh``, or the
+            batch system's).
+        tcp_include: Subnets and interfaces TCP is pinned to (empty: not pinned).
+        in_slurm: Whether the launcher runs inside a Slurm allocation (Open MPI then starts its
+            daemons through ``srun`` unless a launch agent is given).
+    """
+
+    np: int
+    hosts: list[Host] | None
+    slurm_hosts: str | None = None
+    launch_agent: str | None = None
+    tcp_include: tuple[str, ...] = ()
+    in_slurm: bool = False
+
+    @property
+    def uses_ssh(self) -> bool:
+        """Whether ``mpirun`` starts daemons on other hosts through ``ssh`` or the launch agent."""
+        return self.hosts is not None and (not self.in_slurm or self.launch_agent is not None)
+
+
+def _explicit_include(config: LaunchConfig) -> list[str] | None:
+    """The TCP include items given as options, or ``None`` when neither option was given."""
+    if config.tcp_include is None and config.network_interface is None:
+        return None
+    items = []
+    if config.tcp_include is not None:
+        items += parse_tcp_include(config.tcp_include, "--tcp-include")
+    if config.network_interface is not None:
+        items += parse_tcp_include(config.network_interface, "--network-interface")
+    return items
+
+
+def _hostfile_network(config: LaunchConfig) -> tuple[str | None, list[str]]:
+    """The launch agent and TCP include list: the options', else the hostfile's."""
+    options = read_hostfile_options(config.hostfile) if config.hostfile is not None else {}
+    agent = config.launch_agent if config.launch_agent is not None else options.get("launch-agent")
+    if agent is not None and not agent.strip():
+        raise ValueError("--launch-agent is empty; give a command such as 'ssh -p 2222' or a script path")
+    include = _explicit_include(config)
+    if include is None:
+        include = []
+        for key in ("tcp-include", "network-interface"):
+            if key in options:
+                include += parse_tcp_include(options[key], f"hostfile {config.hostfile!r} option {key}")
+    return agent, include
+
+
+def resolve_placement(config: LaunchConfig, environ: Mapping[str, str]) -> Placement:
+    """Resolves hosts, process count, launch agent and TCP pinning for ``config``.
+
+    ``-H`` and ``--hostfile`` give the hosts; without both, inside a Slurm allocation the hosts
+    (and, without ``-np``, the process count) come from Slurm (see ``slurm.py``).
+
+    Raises:
+        ValueError: ``np`` is below 1, or a host list, hostfile option, TCP include item or
+            Slurm variable is malformed.
+        FileNotFoundError: The hostfile does not exist.
+    """
+    hosts: list[Host] | None = None
+    slurm_hosts = None
+    np = config.np
+    if config.hosts is not None or config.hostfile is not None:
+        hosts = (parse_hosts(config.hosts) if config.hosts is not None else []) + (
+            read_hostfile(config.hostfile) if config.hostfile is not None else [])
+    elif in_allocation(environ):
+        allocation = read_allocation(environ)
+        hosts = allocation.hosts
+        slurm_hosts = ",".join(f"{h.name}:{h.slots}" for h in hosts)
+        np = allocation.ntasks if np is None else np
+    np = 1 if np is None else np
+    if np < 1:
+        raise ValueError(f"-np must be at least 1; received {np}; pass e.g. -np 2")
+    agent, include = _hostfile_network(config)
+    return Placement(np, hosts, slurm_hosts, agent, tuple(dict.fromkeys(include)), in_allocation(environ))
+
+
+def needs_oversubscribe(config: LaunchConfig, placement: Placement, cpu_count: int) -> bool:
+    """Tells whether ``np`` exceeds the slots of the hosts, or of this machine without hosts."""
+    if config.oversubscribe is not None:
+        return config.oversubscribe
+    slots = cpu_count if placement.hosts is None else total_slots(placement.hosts)
+    if placement.np > slots:
+        logger.info("-np %d exceeds %d slot(s): adding --oversubscribe", placement.np, slots)
+        return True
+    return False
+
+
+def network_arguments(placement: Placement) -> list[str]:
+    """The ``mpirun`` arguments for the launch agent and the TCP pinning of ``placement``."""
+    arguments = []
+    if placement.launch_agent is not None:
+        arguments += ["--prtemca", "plm", "ssh", "--prtemca", "plm_ssh_agent", placement.launch_agent]
+    if placement.tcp_include:
+        include = ",".join(placement.tcp_include)
+        arguments += ["--mca", "btl_tcp_if_include", include, "--prtemca", "oob_tcp_if_include", include]
+    return arguments
+
+
+def _forwarded_across_hosts(name: str) -> bool:
+    """Whether a job with hosts forwards ``name``; see [Note: the environment across hosts]."""
+    return (_VARIABLE_NAME.fullmatch(name) is not None and name not in HOST_SPECIFIC_NAMES
+            and not name.startswith(HOST_SPECIFIC_PREFIXES))
+
+
+def forwarded_environment(environ: Mapping[str, str], executable: str, every: bool = False) -> list[str]:
+    """Builds the ``-x`` arguments that carry the environment to the ranks.
+
+    Args:
+        environ: The environment ``mpirun`` will run in.
+        executable: The Python interpreter in use; its directory goes first on the ranks' ``PATH``.
+        every: Forward every variable but the host-specific ones (a job with hosts; see
+            [Note: the environment across hosts]) instead of Unison's selection.
+
+    Returns:
+        ``["-x", "NAME", ...]`` sorted by name. ``PATH`` is given with its value
+        (``-x PATH=...``); the others are forwarded by name, with the value ``mpirun`` sees.
+        Unset variables are left out (Open MPI warns about them).
+    """
+    names = {
+        name for name in environ
+        if (every and _forwarded_across_hosts(name))
+        or name.startswith(FORWARDED_PREFIXES) or name in FORWARDED_NAMES
+    }
+    entries = {name: name for name in names}
+    bin_dir = str(Path(executable).parent)
+    path = [part for part in environ.get("PATH", "").split(os.pathsep) if part]
+    if path[:1] != [bin_dir]:
+        path.insert(0, bin_dir)
+    entries["PATH"] = "PATH=" + os.pathsep.join(path)
+    arguments = []
+    for name in sorted(entries):
+        arguments += ["-x", entries[name]]
+    return arguments

@@ -1,0 +1,284 @@
+"""Check, before launching, that every host can be reached and can reach back.
+
+[Note: probing the hosts]
+``mpirun`` starts one daemon (``prted``) per host through the launch agent (``ssh`` by default),
+and each daemon must open a TCP connection back to ``mpirun``. When a host is down, ``ssh`` may
+wait minutes for its connection to time out; when a host is up but cannot route back (a downed
+link, a firewall, the wrong interface), the daemon may fail with a long message about libraries
+and firewalls, or wait. So before launching, ``unisonrun`` probes every host that is not this
+machine, all at once and each under a deadline (:data:`PROBE_TIMEOUT_S`):
+
+1. it listens on a free TCP port of this machine;
+2. through the same agent ``mpirun`` will use, it runs on the host the same Python as the
+   launcher's (the ranks need it there too), which connects back to that port on this machine's
+   addresses in the TCP subnet (``--tcp-include``/``--network-interface``; every non-loopback
+   IPv4 address without them), as ``prted`` must, and sends a token naming the host;
+3. a host passes when the agent exits 0 and its token arrived.
+
+A host that fails is named with the reason (no answer within the deadline, the agent's own
+error such as "Could not resolve hostname", or the connection back that failed) and nothing is
+launched. ``--skip-host-check`` turns the probe off. Hosts that are this machine
+(``localhost``, its hostname) are not probed.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import logging
+import os
+import secrets
+import shlex
+import signal
+import socket
+import struct
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 20.0
+CONNECT_BUDGET_S = 12.0
+MAX_PARALLEL = 64
+DEFAULT_AGENT = ("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
+_SIOCGIFADDR = 0x8915
+_LOCAL_NAMES = frozenset({"localhost", "localhost.localdomain", "127.0.0.1", "::1"})
+_REMOTE_CODE = """\
+import socket, sys
+addresses, port, token, wait = sys.argv[1].split(','), int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+errors = []
+for address in addresses:
+    try:
+        with socket.create_connection((address, port), wait) as connection:
+            connection.sendall(token.encode())
+        sys.exit(0)
+    except OSError as error:
+        errors.append(f'{address}:{port}: {error.strerror or error}')
+print('cannot connect back to ' + '; '.join(errors))
+sys.exit(3)
+"""
+
+
+class HostUnreachableError(RuntimeError):
+    """One or more hosts failed the probe; the message names each and why."""
+
+
+class ProbeResult(NamedTuple):
+    """How one host answered the probe: ``reason`` is ``None`` when it passed."""
+
+    host: str
+    reason: str | None
+    seconds: float
+
+
+def is_local(name: str, addresses: dict[str, str] | None = None) -> bool:
+    """Whether ``name`` is this machine, which ``mpirun`` starts ranks on without an agent.
+
+    ``localhost``, a loopback address, this machine's hostname, or one of ``addresses`` (by
+    interface). No name is looked up in DNS here: this machine named by another alias is probed
+    like any other host.
+    """
+    if name in _LOCAL_NAMES or name.startswith("127."):
+        return True
+    here = socket.gethostname()
+    return name in (here, here.split(".")[0]) or name in (addresses or {}).values()
+
+
+def interface_address(name: str) -> str | None:
+    """The IPv4 address of network interface ``name`` on Linux, or ``None``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            packed = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def local_addresses() -> dict[str, str]:
+    """This machine's IPv4 addresses by interface, loopback excluded (empty where unknown)."""
+    found = {}
+    for _, name in socket.if_nameindex():
+        address = interface_address(name)
+        if address and not address.startswith("127."):
+            found[name] = address
+    return found
+
+
+def reach_back_addresses(include: Sequence[str], addresses: dict[str, str] | None = None) -> list[str]:
+    """The addresses of this machine the hosts must reach, as ``prted`` will.
+
+    Args:
+        include: The ``btl_tcp_if_include`` items (subnets such as ``10.0.0.0/24`` or interface
+            names); empty for every interface.
+        addresses: This machine's addresses by interface; :func:`local_addresses` when ``None``.
+
+    Returns:
+        The matching addresses, sorted.
+
+    Raises:
+        HostUnreachableError: ``include`` is given but no address of this machine matches it.
+    """
+    addresses = local_addresses() if addresses is None else addresses
+    if not include:
+        return sorted(set(addresses.values()))
+    chosen = set()
+    for item in include:
+        if "/" in item:
+            network = ipaddress.ip_network(item, strict=False)
+            chosen |= {a for a in addresses.values() if ipaddress.ip_address(a) in network}
+        elif item in addresses:
+            chosen.add(addresses[item])
+    if not chosen:
+        mine = ", ".join(f"{n} {a}" for n, a in sorted(addresses.items())) or "none found"
+        raise HostUnreachableError(
+            f"no address of this machine is in the TCP include list {','.join(include)!r} (its "
+            f"addresses: {mine}); the hosts could not connect back to mpirun: give --tcp-include a "
+            "subnet or --network-interface an interface of this machine")
+    return sorted(chosen)
+
+
+class _Listener:
+    """A TCP port on this machine that records the probe tokens the hosts send back."""
+
+    def __init__(self, secret: str) -> None:
+        self.secret = secret
+        self.reached: set[str] = set()
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("0.0.0.0", 0))
+        self._sock.listen(128)
+        self._sock.settimeout(0.2)
+        self.port = self._sock.getsockname()[1]
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._accept, name="unisonrun-probe", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                connection, _ = self._sock.accept()
+            except OSError:
+                continue
+            with connection:
+                connection.settimeout(2.0)
+                try:
+                    token = connection.recv(512).decode(errors="replace")
+                except OSError:
+                    continue
+            secret, _, host = token.partition(":")
+            if secret == self.secret:
+                self.reached.add(host)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(1.0)
+        self._sock.close()
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def _run_agent(argv: list[str], timeout: float) -> tuple[int | None, str]:
+    """Runs ``argv`` in its own session; kills the whole session when ``timeout`` passes."""
+    process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+        return process.returncode, output.decode(errors="replace")
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+        return None, ""
+
+
+def _probe_one(host: str, agent: Sequence[str], python: str, addresses: list[str], listener: _Listener,
+               timeout: float) -> ProbeResult:
+    """Probes ``host``; see [Note: probing the hosts]."""
+    start = time.monotonic()
+    wait = max(1.0, min(5.0, CONNECT_BUDGET_S / max(1, len(addresses))))
+    remote = shlex.join([python, "-I", "-S", "-c", _REMOTE_CODE, ",".join(addresses), str(listener.port),
+                         f"{listener.secret}:{host}", f"{wait:g}"])
+    agent_name = shlex.join(agent)
+    try:
+        status, output = _run_agent([*agent, host, remote], timeout)
+    except OSError as error:
+        return ProbeResult(host, f"cannot start the launch agent {agent_name!r}: {error.strerror or error}; "
+                           "install it, or give one with --launch-agent", time.monotonic() - start)
+    seconds = time.monotonic() - start
+    if status is None:
+        return ProbeResult(host, f"no answer through {agent_name!r} within {timeout:g} s (the host is down, "
+                           "or its network does not answer)", seconds)
+    if status == 3:
+        return ProbeResult(host, f"it could not open a TCP connection back to this machine, as Open MPI's "
+                           f"daemon must: {_last_line(output)}", seconds)
+    if status != 0:
+        said = _last_line(output) or "no message"
+        return ProbeResult(host, f"{agent_name!r} failed to run {python!r} there (exit status {status}): "
+                           f"{said}", seconds)
+    deadline = time.monotonic() + 2.0
+    while host not in listener.reached and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if host not in listener.reached:
+        return ProbeResult(host, "its connection back to this machine did not arrive", seconds)
+    return ProbeResult(host, None, seconds)
+
+
+def probe_hosts(hosts: Sequence[str], *, agent: Sequence[str], python: str, include: Sequence[str] = (),
+                timeout: float = PROBE_TIMEOUT_S, addresses: dict[str, str] | None = None) -> list[ProbeResult]:
+    """Probes every host that is not this machine, in parallel; see [Note: probing the hosts].
+
+    Args:
+        hosts: Host names (repeats and local names are skipped).
+        agent: The launch agent's command, e.g. ``["ssh"]``; it is called as ``AGENT HOST COMMAND``.
+        python: The interpreter to run on each host (the launcher's own).
+        include: The TCP include list (subnets or interface names) the job will use.
+        timeout: Seconds each host has to answer.
+        addresses: This machine's addresses by interface; :func:`local_addresses` when ``None``.
+
+    Returns:
+        One result per probed host, in the order given.
+
+    Raises:
+        HostUnreachableError: ``include`` matches no address of this machine.
+    """
+    addresses = local_addresses() if addresses is None else addresses
+    names = list(dict.fromkeys(h for h in hosts if not is_local(h, addresses)))
+    if not names:
+        return []
+    back = reach_back_addresses(include, addresses)
+    listener = _Listener(secrets.token_hex(8))
+    try:
+        with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL, len(names))) as pool:
+            results = list(pool.map(lambda h: _probe_one(h, agent, python, back, listener, timeout), names))
+    finally:
+        listener.close()
+    for result in results:
+        logger.info("probe %s: %s (%.2f s)", result.host, result.reason or "ok", result.seconds)
+    return results
+
+
+def check_hosts(hosts: Sequence[str], *, agent: Sequence[str], python: str, include: Sequence[str] = (),
+                timeout: float = PROBE_TIMEOUT_S, addresses: dict[str, str] | None = None) -> None:
+    """Raises, naming each host and why, unless every host passes :func:`probe_hosts` (same arguments).
+
+    Raises:
+        HostUnreachableError: a host failed the probe, or ``include`` matches no address here.
+    """
+    results = probe_hosts(hosts, agent=agent, python=python, include=include, timeout=timeout,
+                          addresses=addresses)
+    failed = [r for r in results if r.reason is not None]
+    if failed:
+        details = "; ".join(f"host {r.host}: {r.reason}" for r in failed)
+        raise HostUnreachableError(
+            f"cannot reach {len(failed)} of {len(results)} host(s), so nothing was launched: {details}; "
+            "check those hosts and their network, fix the host list, or pass --skip-host-check")

@@ -1,0 +1,422 @@
+"""Test hosts on one machine: N network namespaces that Open MPI treats as N nodes.
+
+``python -m unison.run.testhosts up --hosts 2 --slots 2 [--rate 1gbit]`` builds::
+
+    root namespace                        namespace unison-h1 (hostname unison-h1)
+    bridge unbr0  198.18.0.1/24 --- unv1 ==== eth0 198.18.0.11/24   [tbf RATE both ways]
+                                 \\-- unv2 ==== eth0 198.18.0.12/24   (namespace unison-h2)
+
+and writes a hostfile (``unison-h1 slots=2`` ...) whose last lines tell ``unisonrun`` how to
+reach the hosts (see [Note: test hosts in a hostfile]); its path is the last line printed.
+``... down`` removes every namespace, link, bridge and ``/etc/hosts`` line it made, also the
+leftovers of a run that crashed half way (it looks for them by name, not only in its state file).
+
+[Note: reaching a namespace without ssh]
+``mpirun`` starts its daemon (``prted``) on a remote node by running ``AGENT HOST COMMAND`` where
+AGENT is ``ssh`` by default. Open MPI 5 takes another agent with ``--prtemca plm_ssh_agent``; ours
+(:data:`AGENT_SCRIPT`, written next to the hostfile) skips ssh-style options, then runs the command
+string with ``ip netns exec HOST unshare --uts`` after setting the hostname, so each daemon and its
+ranks see their own hostname (without that, every daemon reports the same node and the job never
+starts) and their own network stack. The environment passes through unchanged, as with a local
+launch. Only addresses in 198.18.0.0/24 (the benchmarking range, RFC 2544) inside namespaces made
+here are ever used.
+
+[Note: no shared memory between test hosts]
+The namespaces share one kernel, so ``/dev/shm`` is visible from all of them. Open MPI uses its
+shared-memory transport only between ranks that PMIx places on the same node, and the daemons
+report distinct hostnames, so between test hosts traffic goes through TCP on the veth links. The
+test suite proves it: a cross-host transfer on a link limited to R takes at least ``bytes / R``.
+
+Needs root, ``ip`` (iproute2), ``unshare`` and, for ``--rate``, ``tc``. ``--delay``/``--loss``
+need the ``netem`` queueing discipline, which some kernels lack; the command then exits naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from unison.common.files import atomic_path
+
+__all__ = ["Names", "TestHosts", "TestHostsError", "available", "current", "down", "hostfile_options", "up"]
+
+logger = logging.getLogger(__name__)
+
+STATE_ROOT = Path("/run/unison-testhosts")
+HOSTS_TAG = "# unison-testhosts"
+MAX_INSTANCE = 99
+#: hostfile comment lines ``unisonrun`` reads; Open MPI ignores comments
+OPTION_PREFIX = "# unison:"
+MAX_HOSTS = 200
+AGENT_SCRIPT = r"""#!/bin/sh
+# unison test-host launch agent: called by mpirun as `AGENT [ssh options] HOST COMMAND...`
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -[bcDEeFIiJLlmOopQRSWw]) shift 2 ;;
+    -*) shift ;;
+    *) break ;;
+  esac
+done
+host="$1"; shift
+exec ip netns exec "$host" unshare --uts /bin/sh -c 'hostname "$0" && exec /bin/sh -c "$1"' "$host" "$*"
+"""
+
+
+@dataclass(frozen=True)
+class Names:
+    """Names and addresses of one set of test hosts; ``instance`` K lets several sets coexist.
+
+    Instance 0 is ``unison-h1...`` on 198.18.0.0/24 with bridge ``unbr0``; instance K is
+    ``unisonK-h1...`` on 198.18.K.0/24 with bridge ``unbrK``.
+    """
+
+    instance: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.instance <= MAX_INSTANCE:
+            raise ValueError(f"--instance {self.instance} must be between 0 and {MAX_INSTANCE}")
+
+    @property
+    def subnet(self) -> ipaddress.IPv4Network:
+        return ipaddress.IPv4Network(f"198.18.{self.instance}.0/24")
+
+    @property
+    def ns_prefix(self) -> str:
+        return "unison-h" if self.instance == 0 else f"unison{self.instance}-h"
+
+    @property
+    def bridge(self) -> str:
+        return f"unbr{self.instance}"
+
+    @property
+    def veth_prefix(self) -> str:
+        return f"unv{self.instance}x"
+
+    @property
+    def state_dir(self) -> Path:
+        return STATE_ROOT if self.instance == 0 else STATE_ROOT / str(self.instance)
+
+    @property
+    def tag(self) -> str:
+        return f"{HOSTS_TAG}-{self.instance}"
+
+    def host(self, i: int) -> str:
+        return f"{self.ns_prefix}{i}"
+
+    def address(self, i: int) -> str:
+        return str(self.subnet.network_address + 10 + i)
+
+
+class TestHostsError(RuntimeError):
+    """The machine cannot make test hosts (no root, no ``ip``), or a step failed."""
+
+
+@dataclass(frozen=True)
+class TestHosts:
+    """What ``up`` made: host names, addresses, slots, link rate, and the files it wrote."""
+
+    hosts: tuple[str, ...]
+    addresses: tuple[str, ...]
+    slots: int
+    rate: str | None
+    hostfile: str
+    agent: str
+    subnet: str
+    instance: int = 0
+
+
+def _run(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    logger.debug("$ %s", " ".join(args))
+    proc = subprocess.run(list(args), capture_output=True, text=True, check=False)
+    if check and proc.returncode != 0:
+        raise TestHostsError(f"{' '.join(args)!r} failed (exit {proc.returncode}): "
+                             f"{(proc.stderr or proc.stdout).strip()}")
+    return proc
+
+
+def check_machine(need_tc: bool = False) -> None:
+    """Raises ``TestHostsError`` naming what is missing to make test hosts here.
+
+    Raises:
+        TestHostsError: not root, or ``ip``/``unshare`` (``tc`` with ``need_tc``) not found, or
+            network namespaces cannot be made.
+    """
+    if os.geteuid() != 0:
+        raise TestHostsError("test hosts need root (network namespaces); run as root or skip them")
+    for tool in ("ip", "unshare") + (("tc",) if need_tc else ()):
+        if shutil.which(tool) is None:
+            raise TestHostsError(f"test hosts need {tool!r} on PATH (package iproute2/util-linux)")
+
+
+def available() -> str | None:
+    """``None`` when this machine can make test hosts, else the reason it cannot."""
+    try:
+        check_machine(need_tc=True)
+    except TestHostsError as exc:
+        return str(exc)
+    probe = "unison-probe"
+    made = _run(["ip", "netns", "add", probe], check=False)
+    if made.returncode != 0:
+        return f"'ip netns add' failed here: {made.stderr.strip()}"
+    _run(["ip", "netns", "del", probe], check=False)
+    return None
+
+
+def _check_rate(rate: str | None) -> None:
+    if rate is not None and not re.fullmatch(r"\d+(\.\d+)?([kmg]?bit|[kmg]?bps)", rate):
+        raise ValueError(f"--rate {rate!r} is not a tc rate; give e.g. 1gbit, 500mbit or 100mbit")
+
+
+def _netem_available() -> bool:
+    probe = _run(["tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "0ms"], check=False)
+    if probe.returncode == 0:
+        _run(["tc", "qdisc", "del", "dev", "lo", "root"], check=False)
+        return True
+    return False
+
+
+def _shape(device: str, rate: str, namespace: str | None) -> None:
+    prefix = ["ip", "netns", "exec", namespace] if namespace else []
+    _run(prefix + ["tc", "qdisc", "replace", "dev", device, "root", "tbf", "rate", rate,
+                   "burst", "256kb", "latency", "10ms"])
+
+
+def _add_host(n: Names, i: int, slots: int, rate: str | None) -> None:
+    name, outer, inner = n.host(i), f"{n.veth_prefix}{i}", f"{n.veth_prefix}{i}p"
+    _run(["ip", "netns", "add", name])
+    _run(["ip", "link", "add", outer, "type", "veth", "peer", "name", inner])
+    _run(["ip", "link", "set", inner, "netns", name])
+    _run(["ip", "link", "set", outer, "master", n.bridge])
+    _run(["ip", "link", "set", outer, "up"])
+    inside = ["ip", "netns", "exec", name]
+    _run(inside + ["ip", "link", "set", inner, "name", "eth0"])
+    _run(inside + ["ip", "addr", "add", f"{n.address(i)}/{n.subnet.prefixlen}", "dev", "eth0"])
+    _run(inside + ["ip", "link", "set", "eth0", "up"])
+    _run(inside + ["ip", "link", "set", "lo", "up"])
+    if rate:
+        _shape("eth0", rate, name)  # what the host sends
+        _shape(outer, rate, None)   # what it receives
+    logger.info("test host %s at %s (%d slots%s)", name, n.address(i), slots,
+                f", {rate} each way" if rate else "")
+
+
+def _edit_etc_hosts(tag: str, lines: list[str]) -> None:
+    """Replaces the lines tagged ``tag`` in ``/etc/hosts`` by ``lines`` (each tagged), atomically."""
+    path = Path("/etc/hosts")
+    kept = [ln for ln in path.read_text().splitlines() if not ln.endswith(tag)]
+    text = "\n".join(kept + [f"{ln} {tag}" for ln in lines]) + "\n"
+    try:
+        with atomic_path(path) as tmp:
+            Path(tmp).write_text(text)
+    except OSError:  # /etc/hosts may be a bind mount that cannot be replaced: write in place
+        path.write_text(text)
+
+
+def hostfile_options(hostfile: str | Path) -> dict[str, str]:
+    """The ``# unison: key=value`` options of a hostfile (empty for a plain Open MPI hostfile).
+
+    [Note: test hosts in a hostfile]
+    ``up`` ends its hostfile with ``# unison: launch-agent=PATH`` and ``# unison:
+    tcp-include=198.18.0.0/24``; ``unisonrun --hostfile F`` turns them into the ``mpirun`` flags
+    that reach the namespaces, so the user passes no other flag. Open MPI skips comment lines.
+    """
+    options = {}
+    for line in Path(hostfile).read_text().splitlines():
+        if line.startswith(OPTION_PREFIX):
+            key, _, value = line[len(OPTION_PREFIX):].strip().partition("=")
+            options[key.strip()] = value.strip()
+    return options
+
+
+def _write_files(n: Names, made: TestHosts) -> None:
+    n.state_dir.mkdir(parents=True, exist_ok=True)
+    agent = Path(made.agent)
+    with atomic_path(agent) as tmp:
+        Path(tmp).write_text(AGENT_SCRIPT)
+        os.chmod(tmp, 0o755)
+    lines = [f"{h} slots={made.slots}" for h in made.hosts]
+    lines += [f"{OPTION_PREFIX} launch-agent={made.agent}", f"{OPTION_PREFIX} tcp-include={made.subnet}"]
+    with atomic_path(made.hostfile) as tmp:
+        Path(tmp).write_text("\n".join(lines) + "\n")
+    with atomic_path(n.state_dir / "state.json") as tmp:
+        Path(tmp).write_text(json.dumps(asdict(made), indent=1))
+
+
+def current(instance: int = 0) -> TestHosts | None:
+    """The test hosts of ``instance`` that are up (from its state file), or ``None``."""
+    try:
+        data = json.loads((Names(instance).state_dir / "state.json").read_text())
+        made = TestHosts(hosts=tuple(data["hosts"]), addresses=tuple(data["addresses"]),
+                         slots=int(data["slots"]), rate=data["rate"], hostfile=str(data["hostfile"]),
+                         agent=str(data["agent"]), subnet=str(data["subnet"]),
+                         instance=int(data["instance"]))
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    listed = _run(["ip", "netns", "list"], check=False).stdout
+    return made if all(re.search(rf"^{h}\b", listed, re.M) for h in made.hosts) else None
+
+
+def up(hosts: int, slots: int = 2, rate: str | None = None, delay: str | None = None,
+       loss: str | None = None, instance: int = 0) -> TestHosts:
+    """Makes ``hosts`` test hosts (idempotent: the same request again returns what is up).
+
+    Args:
+        hosts: How many hosts, 1 to 200.
+        slots: MPI slots per host, written to the hostfile.
+        rate: ``tc`` rate limit of each host's link, each way (``"1gbit"``), or ``None``.
+        delay, loss: ``netem`` delay and loss; refused where the kernel has no ``netem``.
+        instance: Which set of test hosts (0-99), so that several can be up at once.
+
+    Returns:
+        What is up, with the hostfile's path.
+
+    Raises:
+        ValueError: a bad count, slot number or rate.
+        TestHostsError: the machine cannot make test hosts, or a step failed (everything made
+            so far is removed again).
+    """
+    if not 1 <= hosts <= MAX_HOSTS:
+        raise ValueError(f"--hosts {hosts} must be between 1 and {MAX_HOSTS}")
+    if slots < 1:
+        raise ValueError(f"--slots {slots} must be at least 1")
+    _check_rate(rate)
+    check_machine(need_tc=rate is not None)
+    if (delay or loss) and not _netem_available():
+        raise TestHostsError("--delay/--loss need the netem queueing discipline, which this kernel "
+                             "lacks (tc: 'Specified qdisc kind is unknown'); drop them, or use "
+                             "--rate alone")
+    n = Names(instance)
+    names = tuple(n.host(i) for i in range(1, hosts + 1))
+    wanted = TestHosts(names, tuple(n.address(i) for i in range(1, hosts + 1)), slots, rate,
+                       str(n.state_dir / "hostfile"), str(n.state_dir / "agent.sh"), str(n.subnet),
+                       instance)
+    if current(instance) == wanted and not (delay or loss):
+        logger.info("test hosts already up: %s", ", ".join(names))
+        return wanted
+    down(instance)
+    try:
+        _run(["ip", "link", "add", n.bridge, "type", "bridge"])
+        _run(["ip", "addr", "add", f"{n.subnet.network_address + 1}/{n.subnet.prefixlen}", "dev",
+              n.bridge])
+        _run(["ip", "link", "set", n.bridge, "up"])
+        for i in range(1, hosts + 1):
+            _add_host(n, i, slots, rate)
+            if delay or loss:
+                netem = ["netem"] + (["delay", delay] if delay else []) + (["loss", loss] if loss else [])
+                _run(["ip", "netns", "exec", n.host(i), "tc", "qdisc", "replace", "dev", "eth0",
+                      "root"] + netem)
+        _edit_etc_hosts(n.tag, [f"{a} {h}" for a, h in zip(wanted.addresses, names, strict=True)])
+        _write_files(n, wanted)
+    except BaseException:
+        down(instance)
+        raise
+    return wanted
+
+
+def _leftovers(n: Names) -> tuple[list[str], list[str]]:
+    spaces = [ln.split()[0] for ln in _run(["ip", "netns", "list"], check=False).stdout.splitlines()
+              if re.match(rf"{re.escape(n.ns_prefix)}\d+\b", ln)]
+    links = re.findall(rf"^\d+: ({n.veth_prefix}\d+|{n.bridge})[@:]",
+                       _run(["ip", "-o", "link", "show"], check=False).stdout, re.M)
+    return spaces, links
+
+
+def _kill_namespace_processes(namespace: str) -> None:
+    pids = _run(["ip", "netns", "pids", namespace], check=False).stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), 9)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+def down(instance: int = 0) -> list[str]:
+    """Removes every test host, link, bridge, ``/etc/hosts`` line and file of ``instance``.
+
+    Processes still running inside a test host are killed first. Safe to call when nothing is up.
+
+    Returns:
+        What was removed, one item per entry.
+    """
+    n = Names(instance)
+    removed = []
+    spaces, links = _leftovers(n)
+    for ns in spaces:
+        _kill_namespace_processes(ns)
+        _run(["ip", "netns", "del", ns], check=False)
+        removed.append(f"namespace {ns}")
+    for link in links:
+        if link != n.bridge:
+            _run(["ip", "link", "del", link], check=False)
+            removed.append(f"link {link}")
+    if n.bridge in links:
+        _run(["ip", "link", "del", n.bridge], check=False)
+        removed.append(f"bridge {n.bridge}")
+    if any(ln.endswith(n.tag) for ln in Path("/etc/hosts").read_text().splitlines()):
+        _edit_etc_hosts(n.tag, [])
+        removed.append("/etc/hosts lines")
+    for name in ("state.json", "hostfile", "agent.sh"):
+        if (n.state_dir / name).exists():
+            (n.state_dir / name).unlink()
+            removed.append(str(n.state_dir / name))
+    return removed
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m unison.run.testhosts",
+        description="Make N test hosts on this machine (network namespaces that Open MPI sees as "
+        "N nodes), or remove them. Needs root.",
+        epilog="Example: python -m unison.run.testhosts up --hosts 2 --slots 2 --rate 1gbit; "
+        "unisonrun --hostfile /run/unison-testhosts/hostfile -np 4 python train.py; "
+        "python -m unison.run.testhosts down")
+    sub = parser.add_subparsers(dest="action", required=True)
+    make = sub.add_parser("up", help="make the hosts (again) and print the hostfile's path last")
+    make.add_argument("--hosts", type=int, default=2, help="number of hosts (default 2)")
+    make.add_argument("--slots", type=int, default=2, help="MPI slots per host (default 2)")
+    make.add_argument("--rate", help="limit each host's link to this rate each way, e.g. 1gbit")
+    make.add_argument("--delay", help="netem delay, e.g. 1ms (only where netem exists)")
+    make.add_argument("--loss", help="netem loss, e.g. 0.1%% (only where netem exists)")
+    gone = sub.add_parser("down", help="remove every test host and what came with it")
+    show = sub.add_parser("status", help="print the hostfile of the hosts that are up, or nothing")
+    for each in (make, gone, show):
+        each.add_argument("--instance", type=int, default=0,
+                          help="which set of test hosts, 0-99, so several can be up (default 0)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status (2 for bad input or an unfit machine)."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="testhosts: %(message)s")
+    try:
+        if args.action == "up":
+            made = up(args.hosts, args.slots, args.rate, args.delay, args.loss, args.instance)
+            for name, address in zip(made.hosts, made.addresses, strict=True):
+                print(f"{name} {address} slots={made.slots}")
+            print(made.hostfile)
+        elif args.action == "down":
+            for item in down(args.instance):
+                print(f"removed {item}")
+        else:
+            running = current(args.instance)
+            if running is not None:
+                print(running.hostfile)
+    except (ValueError, TestHostsError) as exc:
+        print(f"testhosts: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
