@@ -34,6 +34,7 @@ need the ``netem`` queueing discipline, which some kernels lack; the command the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import json
 import logging
@@ -369,6 +370,9 @@ def down(instance: int = 0) -> list[str]:
         if (n.state_dir / name).exists():
             (n.state_dir / name).unlink()
             removed.append(str(n.state_dir / name))
+    if n.state_dir != STATE_ROOT:
+        with contextlib.suppress(OSError):  # absent, or holding something not ours
+            n.state_dir.rmdir()
     return removed
 
 
