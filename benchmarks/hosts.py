@@ -455,9 +455,10 @@ def _mpirun() -> str:
 
 def mpirun_command(made: Any, worker_args: Sequence[str]) -> list[str]:
     """``mpirun`` across the test hosts with the flags they need (see the helper notes)."""
-    return [_mpirun(), "-np", str(RANKS), "--hostfile", made.hostfile, "--allow-run-as-root",
-            "--oversubscribe", "--bind-to", "none", "--prtemca", "plm_ssh_agent", made.agent,
-            "--mca", "btl_tcp_if_include", made.subnet, "--prtemca", "oob_tcp_if_include", made.subnet,
+    from unison.run import testhosts
+
+    return [_mpirun(), "-np", str(RANKS), *testhosts.mpirun_arguments(made), "--allow-run-as-root",
+            "--oversubscribe", "--bind-to", "none",
             sys.executable, str(Path(__file__).resolve()), "--worker", *worker_args]
 
 

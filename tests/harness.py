@@ -54,9 +54,9 @@ def host_flags(hosts: Any) -> list[str]:
     another road; shared memory is used only within a host (see [Note: no shared memory between
     test hosts] in ``unison/run/testhosts.py``).
     """
-    return ["--hostfile", hosts.hostfile, "--map-by", "slot", "--prtemca", "plm_ssh_agent", hosts.agent,
-            "--mca", "btl", "tcp,sm,self", "--mca", "btl_tcp_if_include", hosts.subnet,
-            "--prtemca", "oob_tcp_if_include", hosts.subnet]
+    from unison.run import testhosts
+
+    return testhosts.mpirun_arguments(hosts) + ["--map-by", "slot", "--mca", "btl", "tcp,sm,self"]
 
 
 def mpirun(np_: int, args: list[str], timeout: float = 240, env: dict[str, str] | None = None,

@@ -152,7 +152,7 @@ def build_command(
         command.append("--allow-run-as-root")
     if needs_oversubscribe(config, placement, cpu_count):
         command.append("--oversubscribe")
-    command += network_arguments(placement)
+    command += network_arguments(placement.launch_agent, placement.tcp_include)
     if "OMPI_MCA_mpi_yield_when_idle" not in environ and "mpi_yield_when_idle" not in config.mpi_args:
         # every rank also runs Unison's engine thread: waiting ranks yield instead of spinning
         command += ["--mca", "mpi_yield_when_idle", "1"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -187,13 +187,19 @@ def needs_oversubscribe(config: LaunchConfig, placement: Placement, cpu_count: i
     return False
 
 
-def network_arguments(placement: Placement) -> list[str]:
-    """The ``mpirun`` arguments for the launch agent and the TCP pinning of ``placement``."""
+def network_arguments(launch_agent: str | None, tcp_include: Sequence[str]) -> list[str]:
+    """The ``mpirun`` arguments for a launch agent and for pinning TCP to ``tcp_include``.
+
+    Args:
+        launch_agent: The command that starts Open MPI's daemons on other hosts, or ``None``
+            for ``ssh``.
+        tcp_include: Subnets (or interface names) MPI's and its daemons' TCP may use; empty: any.
+    """
     arguments = []
-    if placement.launch_agent is not None:
-        arguments += ["--prtemca", "plm", "ssh", "--prtemca", "plm_ssh_agent", placement.launch_agent]
-    if placement.tcp_include:
-        include = ",".join(placement.tcp_include)
+    if launch_agent is not None:
+        arguments += ["--prtemca", "plm", "ssh", "--prtemca", "plm_ssh_agent", launch_agent]
+    if tcp_include:
+        include = ",".join(tcp_include)
         arguments += ["--mca", "btl_tcp_if_include", include, "--prtemca", "oob_tcp_if_include", include]
     return arguments
 

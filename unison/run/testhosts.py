@@ -49,7 +49,8 @@ from pathlib import Path
 
 from unison.common.files import atomic_path
 
-__all__ = ["Names", "TestHosts", "TestHostsError", "available", "current", "down", "hostfile_options", "up"]
+__all__ = ["Names", "TestHosts", "TestHostsError", "available", "current", "down", "hostfile_options",
+           "mpirun_arguments", "up"]
 
 logger = logging.getLogger(__name__)
 
@@ -237,6 +238,18 @@ def hostfile_options(hostfile: str | Path) -> dict[str, str]:
             key, _, value = line[len(OPTION_PREFIX):].strip().partition("=")
             options[key.strip()] = value.strip()
     return options
+
+
+def mpirun_arguments(made: TestHosts) -> list[str]:
+    """The ``mpirun`` arguments that place a job on the test hosts ``made``.
+
+    The hostfile, plus what ``unisonrun --hostfile`` reads from its ``# unison:`` lines (built by
+    the launcher's own :func:`unison.run.placement.network_arguments`), for callers that run
+    ``mpirun`` themselves (the test harness, ``benchmarks/hosts.py``).
+    """
+    from unison.run.placement import network_arguments  # the launcher imports this module lazily
+
+    return ["--hostfile", made.hostfile] + network_arguments(made.agent, [made.subnet])
 
 
 def _write_files(n: Names, made: TestHosts) -> None:
