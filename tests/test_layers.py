@@ -2,7 +2,8 @@
 
 Layers, lowest first::
 
-    0 base         unison.common.{config,dtypes,exceptions,runtime,files,ops,pool,compression}, unison.run
+    0 base         unison.common.{config,dtypes,exceptions,runtime,files,ops,pool,compression,
+                   agreement}, unison.run
     1 collectives  unison.collectives
     2 engine       unison.common.engine
     3 schedulers   every other part of unison.common (pipeline, and what comes next: grids,
@@ -23,7 +24,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "unison"
-BASE = {"config", "dtypes", "exceptions", "runtime", "files", "ops", "pool", "compression", "__init__"}
+BASE = {"config", "dtypes", "exceptions", "runtime", "files", "ops", "pool", "compression", "agreement",
+        "__init__"}
 FRAMEWORKS = {"tensorflow", "torch", "jax", "jaxlib", "keras", "tf_keras"}
 NAMES = ["base", "collectives", "engine", "schedulers", "backends"]
 

@@ -32,13 +32,14 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
                          gradient_predivide_factor: float = 1.0, average_aggregated_gradients: bool = False,
                          num_groups: int = 0, groups: Any = None,
                          process_set: ProcessSet | None = global_process_set,
-                         scale_local_gradients: bool = True) -> Any:
+                         scale_local_gradients: bool = True, zero_stage: int = 0) -> Any:
     """Wrap ``optimizer`` so gradients are averaged over the ranks before each update.
 
     Raises:
         ValueError: Horovod's argument errors (predivide factor with an op other than
             Average, Adasum with aggregated-gradient averaging or with Keras, bad
-            ``groups``, an object that is no optimizer).
+            ``groups``, an object that is no optimizer), or a bad ``zero_stage`` (see the
+            Keras ``DistributedOptimizer``).
         NotImplementedError: a TF1 ``tf.compat.v1.train.Optimizer``, or an option the
             Keras wrapper does not offer yet.
     """
@@ -69,7 +70,8 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
              "gradient_predivide_factor": gradient_predivide_factor,
              "backward_passes_per_step": backward_passes_per_step,
              "average_aggregated_gradients": average_aggregated_gradients, "groups": groups,
-             "process_set": process_set, "scale_local_gradients": scale_local_gradients}
+             "process_set": process_set, "scale_local_gradients": scale_local_gradients,
+             "zero_stage": zero_stage}
     accepted = inspect.signature(keras_wrapper).parameters
     unsupported = [k for k, v in given.items() if k not in accepted and _DEFAULTS.get(k, v) != v]
     if unsupported:

@@ -244,9 +244,11 @@ def split_global_batch(dataset: tf.data.Dataset, rank: int, size: int) -> tf.dat
 class UnisonExtended(distribute_lib.StrategyExtendedV1):
     """The strategy's machinery: one local CPU replica, collectives through Unison's engine."""
 
-    def __init__(self, container_strategy: tf.distribute.Strategy, overlap_gradients: bool) -> None:
+    def __init__(self, container_strategy: tf.distribute.Strategy, overlap_gradients: bool,
+                 zero_stage: int = 0) -> None:
         super().__init__(container_strategy)
         self._overlap = overlap_gradients
+        self._zero_stage = zero_stage
         self._input_workers_obj = input_lib.InputWorkers([(_DEVICE, (_DEVICE,))])
         self._variables_created = 0
 
@@ -404,6 +406,15 @@ class UnisonStrategy(distribute_lib.Strategy):
             backward still runs (True), or all of a step's gradients together
             after backward (False). None (default): overlap when this host gives
             each local process at least two cores (see :func:`spare_cores`).
+        zero_stage: 0 (default) keeps a full optimizer state on every rank; 1 shards
+            the optimizer state of every optimizer created in ``scope()`` (each rank
+            keeps 1/N of it); 2 also reduce-scatters the gradients so each rank keeps
+            only its shard of them. Stage 3 is PyTorch-only. Every rank must pass the
+            same value (checked here; a mismatch raises on every rank). See
+            ``unison/tf_backend/zero.py`` and docs/zero.md.
+
+    Raises:
+        ValueError: ``zero_stage`` outside 0-2, or different on some rank.
 
     Example::
 
@@ -414,14 +425,19 @@ class UnisonStrategy(distribute_lib.Strategy):
         model.fit(dataset.batch(global_batch_size), epochs=5)
     """
 
-    def __init__(self, quiet_nonzero_ranks: bool = True, overlap_gradients: bool | None = None) -> None:
+    def __init__(self, quiet_nonzero_ranks: bool = True, overlap_gradients: bool | None = None,
+                 zero_stage: int = 0) -> None:
+        from unison.tf_backend import zero
+
         runtime.init()
         if overlap_gradients is None:
             overlap_gradients = spare_cores()
         elif not isinstance(overlap_gradients, bool):
             raise TypeError(f"overlap_gradients must be True, False or None (pick per host), "
                             f"got {overlap_gradients!r}")
-        super().__init__(UnisonExtended(self, overlap_gradients))
+        zero_stage = zero.check_keras_stage(zero_stage)
+        zero.agree(zero_stage, "", "UnisonStrategy(zero_stage=...)")
+        super().__init__(UnisonExtended(self, overlap_gradients, zero_stage))
         if quiet_nonzero_ranks and runtime.rank() != 0:
             import keras
 
@@ -538,8 +554,15 @@ def _guard_keras() -> None:
         rank0_save.__doc__ = original.__doc__
         setattr(keras.Model, name, rank0_save)
 
-    for name in ("compile", "fit", "evaluate"):
-        wrap(name)
+    from unison.tf_backend import zero_optimizer
+
+    def zero_stage(strategy: Any) -> int:
+        return strategy.extended._zero_stage if isinstance(strategy, UnisonStrategy) else 0
+
+    zero_optimizer.install(zero_stage)
+    wrap("compile")
+    wrap("fit", lambda model: zero_optimizer.check_compiled(model, zero_stage(model._distribute_strategy)))
+    wrap("evaluate")
     wrap("predict", _gather_predictions)
     wrap_save("save")
     wrap_save("save_weights")

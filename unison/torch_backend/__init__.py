@@ -89,6 +89,16 @@ from unison.torch_backend.pipeline import (
     pipeline_grid,
 )
 from unison.torch_backend.sync_batch_norm import SyncBatchNorm
+from unison.torch_backend.zero import clip_grad_norm_
+from unison.torch_backend.zero3 import (
+    clip_sharded_grad_norm_,
+    full_state_dict,
+    load_full_state_dict,
+    shard_module,
+    zero3_memory,
+)
+from unison.torch_backend.zero_amp import GradScaler
+from unison.torch_backend.zero_checkpoint import load_sharded, save_sharded
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
@@ -106,4 +116,6 @@ __all__ = [
     "Sum", "Min", "Max", "Product", "UnisonError", "NotInitializedError", "MismatchError",
     "CollectiveError", "InvalidArgumentError", "StallError", "ShutdownError", "DuplicateNameError", "JoinError",
     "Pipeline", "PipelineGrid", "pipeline_grid", "balance_by_params", "balance_by_time", "PipelineError",
+    "save_sharded", "load_sharded", "shard_module", "full_state_dict", "load_full_state_dict", "clip_grad_norm_",
+    "clip_sharded_grad_norm_", "zero3_memory", "GradScaler",
 ]

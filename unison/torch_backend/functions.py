@@ -34,6 +34,10 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str
         if not isinstance(p, torch.Tensor):
             raise ValueError(f"broadcast_parameters expects tensors; {name!r} is a {type(p).__name__}. "
                              "Pass model.state_dict() or model.named_parameters()")
+        if getattr(p, "_unison_zero3_shard", False) or "zero3_flat_" in str(name):
+            raise ValueError(f"{name!r} is a shard made by shard_module: every rank holds a different part, so "
+                             "broadcasting rank 0's would corrupt the others. shard_module already started every "
+                             "rank from rank 0's weights; use load_full_state_dict(model, ...) to load weights")
         target = p.data if isinstance(p, torch.nn.Parameter) else p
         handles.append(broadcast_async_(target, root_rank, f"broadcast.{prefix or ''}{name}"))
     for h in handles:

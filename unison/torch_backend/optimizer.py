@@ -34,9 +34,11 @@ from unison.common.compression import Compression
 from unison.common.engine import frontend
 from unison.common.engine.process_sets import ProcessSet, global_process_set, set_size
 from unison.common.ops import Average, ReduceOp, parse_op
+from unison.common.zero import DEFAULT_BUCKET_BYTES, check_stage
 from unison.torch_backend.handles import Adasum, is_adasum
 from unison.torch_backend.mpi_ops import grouped_allreduce
 from unison.torch_backend.tensors import from_numpy, to_numpy
+from unison.torch_backend.zero import agree_on_stage, make_zero_optimizer
 
 __all__ = ["DistributedOptimizer"]
 
@@ -251,6 +253,19 @@ def _check_combination(op: Any, compression: Any, backward_passes_per_step: int,
                          "combine)")
 
 
+def _check_zero(stage: int, op: Any, num_groups: int, groups: Any) -> None:
+    """Refuse what a ZeRO stage cannot honour (docs/zero.md)."""
+    if stage == 3:
+        raise ValueError("zero_stage=3 shards the weights, which an optimizer cannot do alone: call "
+                         "unison.torch_backend.shard_module(model) first and build a plain torch optimizer over "
+                         "the sharded model's parameters (docs/zero.md)")
+    if stage and op is Adasum:
+        raise ValueError(f"zero_stage={stage} does not combine with op=Adasum (Adasum combines whole-model "
+                         "parameter changes); use op=Average")
+    if stage and (num_groups or groups):
+        raise ValueError(f"zero_stage={stage} fuses gradients into its own buckets; drop num_groups/groups")
+
+
 def _named(optimizer: torch.optim.Optimizer,
            named_parameters: Iterable[tuple[str, torch.Tensor]] | None) -> list[tuple[str, torch.Tensor]]:
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -313,7 +328,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
                          compression: Any = Compression.none, backward_passes_per_step: int = 1,
                          op: Any = Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups: Any = None, sparse_as_dense: bool = False,
-                         process_set: ProcessSet | None = None) -> torch.optim.Optimizer:
+                         process_set: ProcessSet | None = None, zero_stage: int = 0,
+                         zero_bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so gradients are averaged across ranks, overlapping backward.
 
     Args:
@@ -331,6 +347,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
         num_groups / groups: reduce parameters in groups (fused together) instead of one by one.
         sparse_as_dense: reduce sparse gradients densely instead of by all-gather.
         process_set: reduce over this process set only.
+        zero_stage: 0 (default) keeps full copies on every rank; 1 shards the optimizer state
+            and 2 also the gradients across the ranks (ZeRO, see unison/torch_backend/zero.py and
+            docs/zero.md); for 3 (the weights too) use ``shard_module(model)``.
+        zero_bucket_bytes: with ``zero_stage`` 1 or 2, the size of the gradient buckets that are
+            reduce-scattered as backward fills them.
 
     Raises:
         ValueError: the optimizer is already wrapped; bad or incomplete ``named_parameters``;
@@ -346,8 +367,19 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
         raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} only applies to "
                          f"op=Average; got op={rop!r}")
     runtime.state("DistributedOptimizer")
+    stage = check_stage(zero_stage)
     _check_combination(rop, compression, backward_passes_per_step, num_groups, groups, process_set)
+    _check_zero(stage, rop, num_groups, groups)
     named = _named(optimizer, named_parameters)
+    sharded = [n for n, p in named if getattr(p, "_unison_zero3_shard", False)]
+    if sharded:
+        raise ValueError(f"parameters {sharded[:3]} are shards made by shard_module, which reduce-scatters their "
+                         "gradients itself; step them with a plain torch.optim optimizer, not "
+                         "DistributedOptimizer")
+    if stage:
+        return make_zero_optimizer(optimizer, named, stage, compression, backward_passes_per_step, rop,
+                                   gradient_predivide_factor, process_set, zero_bucket_bytes)
+    agree_on_stage(0, None, process_set)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     wrapped = cls(optimizer.param_groups, named, compression, backward_passes_per_step, rop,
                   gradient_predivide_factor, _groups(optimizer, num_groups, groups), sparse_as_dense,

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from unison.common import agreement
 from unison.common.exceptions import UnisonError
 from unison.common.pipeline.messages import Mailbox, check_sendable, describe
 from unison.common.pipeline.schedule import Action, Schedule
@@ -229,23 +230,10 @@ class PipelineDriver:
 def raise_together(comm: Any, problem: str | None) -> None:
     """Agree over ``comm`` whether any rank has a ``problem``; if so raise it on every rank.
 
-    Collective: one small Allreduce, plus an allgather of the messages when some rank has one.
-
     Raises:
         PipelineError: ``"rank r: <problem>"`` for the lowest rank with a problem, on every rank.
     """
-    from mpi4py import MPI
-
-    if problem is not None and not isinstance(problem, str):  # still take part, so nobody waits
-        problem = f"a pre-flight check must give a message (str) or None; it gave {type(problem).__name__}"
-    flag = np.array([problem is not None], np.int64)
-    comm.Allreduce(MPI.IN_PLACE, [flag, MPI.INT64_T], op=MPI.MAX)
-    if not flag[0]:
-        return
-    problems = comm.allgather(problem)
-    bad = [r for r, text in enumerate(problems) if text is not None]
-    also = f" (ranks {bad[1:]} reported problems too)" if len(bad) > 1 else ""
-    raise PipelineError(f"rank {bad[0]}: {problems[bad[0]]}{also}")
+    agreement.raise_together(comm, problem, PipelineError)
 
 
 def _peer(a: Action) -> int:

@@ -39,7 +39,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
                          op: Any = Average, backward_passes_per_step: int = 1,
                          average_aggregated_gradients: bool = False, num_groups: int = 0, groups: Any = None,
                          process_set: Any = None,
-                         scale_local_gradients: bool = True) -> keras.optimizers.Optimizer:
+                         scale_local_gradients: bool = True, zero_stage: int = 0) -> keras.optimizers.Optimizer:
     """Wrap a Keras 3 optimizer so gradients are averaged across ranks before each update.
 
     Horovod 0.28's signature (``horovod.tensorflow.keras.DistributedOptimizer``).
@@ -61,13 +61,24 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
         process_set: the ranks that average together.
         scale_local_gradients: divide the gradients of variables registered with
             ``register_local_var`` by the process set's size.
+        zero_stage: 0 (default) plain data parallelism; 1 shards the optimizer state over
+            the ranks, 2 also the gradients (see ``unison/tf_backend/zero.py``). Every rank
+            must pass the same value: the ranks compare it when the optimizer is built.
 
     Raises:
         ValueError: already wrapped, a predivide factor with an op other than Average,
-            ``backward_passes_per_step`` < 1, or bad ``groups``.
+            ``backward_passes_per_step`` < 1, bad ``groups``, ``zero_stage`` outside 0-2, an
+            optimizer ZeRO cannot shard, or an option ZeRO does not support.
     """
+    from unison.tf_backend import zero
+
     if getattr(optimizer, "_unison_distributed", False):
         raise ValueError("this optimizer is already a DistributedOptimizer; wrap the original once")
+    zero_stage = zero.check_keras_stage(zero_stage)
+    if zero_stage:
+        return _sharded(optimizer, zero_stage, name=name, compression=compression, op=op,
+                        gradient_predivide_factor=gradient_predivide_factor,
+                        backward_passes_per_step=backward_passes_per_step, process_set=process_set)
     rop = parse_op(op)
     if gradient_predivide_factor != 1.0 and rop != Average:
         raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} only applies to op=Average")
@@ -93,12 +104,40 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
         """Keep ``var``'s gradient local: never reduced over the ranks (Horovod's ``register_local_var``)."""
         _local_vars(self).add(source_key(var))
 
+    def build(self: Any, variables: Any) -> None:
+        if not self.built:  # every rank must wrap with the same zero_stage: they compare it here
+            zero.agree(0, "", f"{type(self).__name__}.build")
+        super(cls, self).build(variables)
+
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
-               {"apply": apply, "register_local_var": register_local_var, "_unison_distributed": True})
+               {"apply": apply, "build": build, "register_local_var": register_local_var,
+                "_unison_distributed": True})
     config = optimizer.get_config()
     if backward_passes_per_step > 1:
         config["gradient_accumulation_steps"] = backward_passes_per_step
     return cls.from_config(config)
+
+
+def _sharded(optimizer: Any, stage: int, **options: Any) -> keras.optimizers.Optimizer:
+    """``optimizer`` sharded at ``stage`` over every rank, refusing the options ZeRO does not take.
+
+    Raises:
+        ValueError: an option other than its default (``name`` aside).
+    """
+    from unison.common.engine.process_sets import global_process_set
+    from unison.tf_backend import zero_optimizer
+
+    defaults = {"compression": Compression.none, "op": Average, "gradient_predivide_factor": 1.0,
+                "backward_passes_per_step": 1}
+    bad = {k: options[k] for k, v in defaults.items() if options[k] is not v and options[k] != v}
+    if options["process_set"] not in (None, global_process_set):
+        bad["process_set"] = options["process_set"]
+    if bad:
+        raise ValueError(f"DistributedOptimizer(zero_stage={stage}) does not support {bad} yet; leave them at "
+                         "their defaults or use zero_stage=0")
+    wrapped = zero_optimizer.make_sharded(optimizer, stage, Average, in_place=False)
+    wrapped.__dict__["_unison_distributed"] = True
+    return wrapped
 
 
 def _local_vars(optimizer: Any) -> set[Any]:

@@ -1,0 +1,387 @@
+"""ZeRO stage 3 for PyTorch under mpirun: N sharded ranks against one process on the global batch.
+
+Every rank runs the same test bodies at any rank count; the reference model is trained unsharded on
+every rank with the whole global batch, so each comparison holds on every rank.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+from torch import nn
+
+import unison.torch_backend as hvd
+from unison.torch_backend.zero3 import (
+    clip_sharded_grad_norm_,
+    full_state_dict,
+    load_full_state_dict,
+    shard_module,
+    zero3_memory,
+)
+
+WORLD = MPI.COMM_WORLD
+N, R = WORLD.Get_size(), WORLD.Get_rank()
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _session():
+    hvd.init()
+    yield
+    hvd.shutdown()
+
+
+# ----------------------------------------------------------------- models and data
+class Mixed(nn.Module):
+    """One unit with two dtypes: a float32 matrix and a float64 scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(7, 5) * 0.3)
+        self.s = nn.Parameter(1 + 0.1 * torch.randn(5, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.w) * self.s.to(x.dtype)
+
+
+class Block(nn.Module):
+    """Transformer-ish: embedding, layer norm, attention, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(13, 6)
+        self.ln = nn.LayerNorm(6)
+        # no in_proj bias: its key part has a zero gradient in exact arithmetic, and Adam turns the
+        # rounding noise there into steps of size lr, which no two summation orders agree on
+        self.attn = nn.MultiheadAttention(6, 2, bias=False, batch_first=True)
+        self.head = nn.Linear(6, 5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.ln(self.emb(tokens))
+        a, _ = self.attn(h, h, h, need_weights=False)
+        return self.head(h + a).mean(dim=1)
+
+
+class TiedLM(nn.Module):
+    """An embedding tied to the output projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(13, 6)
+        self.mix = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 13, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.mix(self.emb(tokens).mean(dim=1))))
+
+
+def make(kind: str, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    if kind == "mlp":
+        return nn.Sequential(nn.Linear(6, 7), nn.Tanh(), Mixed(), nn.Tanh(), nn.Linear(5, 3))
+    if kind == "block":
+        return Block()
+    if kind == "tied":
+        return TiedLM()
+    if kind == "big":
+        return nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 97), nn.ReLU(), nn.Linear(97, 10))
+    raise ValueError(kind)
+
+
+def global_batch(kind: str, step: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + step)
+    if kind in ("block", "tied"):
+        x = torch.randint(0, 13, (N * b, 4), generator=g)
+        y = torch.randn(N * b, 5 if kind == "block" else 13, generator=g)
+    else:
+        x = torch.randn(N * b, 6 if kind == "mlp" else 64, generator=g)
+        y = torch.randn(N * b, 3 if kind == "mlp" else 10, generator=g)
+    return x, y
+
+
+def mine(t: torch.Tensor, b: int) -> torch.Tensor:
+    return t[R * b:(R + 1) * b]
+
+
+def make_opt(name: str, params) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=0.01)
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+def assert_same_as_reference(model: nn.Module, ref: nn.Module, atol: float = 2e-5) -> None:
+    full, expected = full_state_dict(model), ref.state_dict()
+    assert list(full) == list(expected)
+    for key, value in expected.items():
+        assert full[key].dtype == value.dtype, key
+        np.testing.assert_allclose(full[key].double().numpy(), value.double().numpy(), rtol=1e-4, atol=atol,
+                                   err_msg=key)
+
+
+def train_both(kind: str, opt_name: str, steps: int = 3, b: int = 3, passes: int = 1,
+               clip: float | None = None, **shard_kw) -> tuple[nn.Module, nn.Module, list]:
+    """Train a sharded model (ranks start from different weights: rank 0's win) and the reference."""
+    model, ref = make(kind, seed=100 + R), make(kind, seed=100)
+    shard_module(model, **shard_kw)
+    opt, ref_opt = make_opt(opt_name, model.parameters()), make_opt(opt_name, ref.parameters())
+    norms = []
+    for step in range(steps):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for j in range(passes):
+            x, y = global_batch(kind, step * passes + j, b)
+            nn.functional.mse_loss(model(mine(x, b)), mine(y, b)).backward()
+            nn.functional.mse_loss(ref(x), y).backward()
+        if clip is not None:
+            norms.append((float(clip_sharded_grad_norm_(model, clip)),
+                          float(nn.utils.clip_grad_norm_(ref.parameters(), clip))))
+        opt.step()
+        ref_opt.step()
+    return model, ref, norms
+
+
+# ----------------------------------------------------------------- equivalence
+@pytest.mark.parametrize("opt_name", ["sgd", "adam", "adamw"])
+@pytest.mark.parametrize("kind", ["mlp", "block"])
+def test_n_ranks_match_one_process_on_global_batch(kind, opt_name):
+    model, ref, _ = train_both(kind, opt_name)
+    assert_same_as_reference(model, ref)
+
+
+def test_parameter_counts_do_not_divide_by_rank_count():
+    model = shard_module(make("mlp", seed=1))
+    units = model._unison_zero3.units
+    sizes = [b.numel for u in units for b in u.plan.buckets]
+    assert N == 1 or any(s % N for s in sizes), sizes
+    dtypes = {key for u in units for key in u.flats}
+    assert dtypes == {"float32", "float64"}
+
+
+def test_accumulation_over_two_backward_passes():
+    model, ref, _ = train_both("mlp", "sgd", passes=2)
+    assert_same_as_reference(model, ref)
+
+
+def test_prefetch_off_and_bucket_splits_give_the_same_weights():
+    model, ref, _ = train_both("block", "adam", prefetch=False, bucket_bytes=64)
+    assert_same_as_reference(model, ref)
+    assert any(len(u.plan.buckets) > 1 for u in model._unison_zero3.units)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_equals_unsharded_clip(norm_type):
+    model, ref = make("mlp", seed=100), make("mlp", seed=100)
+    shard_module(model)
+    opt, ref_opt = make_opt("sgd", model.parameters()), make_opt("sgd", ref.parameters())
+    for step in range(2):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        x, y = global_batch("mlp", step, 3)
+        nn.functional.mse_loss(model(mine(x, 3)), mine(y, 3)).backward()
+        nn.functional.mse_loss(ref(x), y).backward()
+        got = float(clip_sharded_grad_norm_(model, 0.05, norm_type))
+        want = float(nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type))
+        assert want > 0.05  # the clip really scales
+        assert got == pytest.approx(want, rel=1e-5)
+        opt.step()
+        ref_opt.step()
+    assert_same_as_reference(model, ref)
+
+
+def test_tied_weights_inside_one_unit_train_like_the_reference():
+    model, ref, _ = train_both("tied", "adam", unit_classes=(TiedLM,))
+    assert_same_as_reference(model, ref)
+    full = full_state_dict(model)
+    assert torch.equal(full["emb.weight"], full["out.weight"])
+
+
+def test_frozen_parameters_stay_frozen_under_weight_decay():
+    model, ref = make("mlp", seed=100 + R), make("mlp", seed=100)
+    for m in (model, ref):
+        m[2].s.requires_grad_(False)  # the float64 scale, in a unit with a trainable matrix
+        m[0].bias.requires_grad_(False)
+    shard_module(model)
+    assert sorted(n for n, _ in model[2].named_parameters()) == ["zero3_flat_float32", "zero3_flat_float64_frozen"]
+    opt, ref_opt = make_opt("adamw", model.parameters()), make_opt("adamw", ref.parameters())
+    for step in range(2):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        x, y = global_batch("mlp", step, 3)
+        nn.functional.mse_loss(model(mine(x, 3)), mine(y, 3)).backward()
+        nn.functional.mse_loss(ref(x), y).backward()
+        opt.step()
+        ref_opt.step()
+    assert_same_as_reference(model, ref)
+    assert torch.equal(full_state_dict(model)["2.s"], make("mlp", seed=100)[2].s.detach())
+
+
+def test_prefetch_gathers_the_next_unit_during_the_current_forward():
+    model = shard_module(make("mlp", seed=1))
+    state = model._unison_zero3
+    seen = []
+
+    def probe(module, args):  # runs after shard_module's pre-hook on the first Linear
+        nxt = state.order[1] if len(state.order) > 1 else None
+        seen.append(nxt is not None and (bool(nxt.gathers) or nxt.is_gathered()))
+
+    model[0].register_forward_pre_hook(probe)
+    for _ in range(2):
+        model(torch.randn(2, 6)).sum().backward()
+    assert seen == [False, True]  # the first forward records the order; the second prefetches
+
+
+def test_backward_regathers_only_units_whose_weights_it_needs():
+    model = shard_module(make("block", seed=1))
+    state = model._unison_zero3
+    x, y = global_batch("block", 0, 2)
+    nn.functional.mse_loss(model(mine(x, 2)), mine(y, 2)).backward()
+    needed = {u.name for u in state.units if id(u) in state.needed_in_backward}
+    assert needed == {"ln", "attn", "head"}  # embedding backward does not read its weight
+    assert zero3_memory(model)["gathered_bytes"] == 0
+
+
+def test_eval_under_no_grad_then_train():
+    model, ref = make("mlp", seed=100), make("mlp", seed=100)
+    shard_module(model)
+    x, y = global_batch("mlp", 0, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x))
+    assert zero3_memory(model)["gathered_bytes"] == 0
+    opt, ref_opt = make_opt("adam", model.parameters()), make_opt("adam", ref.parameters())
+    nn.functional.mse_loss(model(mine(x, 3)), mine(y, 3)).backward()
+    nn.functional.mse_loss(ref(x), y).backward()
+    opt.step()
+    ref_opt.step()
+    assert_same_as_reference(model, ref)
+
+
+# ----------------------------------------------------------------- state dicts
+def test_full_state_dict_loads_in_a_plain_module_and_predicts_the_same():
+    model, ref, _ = train_both("block", "adamw", steps=2)
+    plain = make("block", seed=3)
+    plain.load_state_dict(full_state_dict(model))
+    x, _ = global_batch("block", 9, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(x), ref(x), rtol=1e-4, atol=2e-5)
+        torch.testing.assert_close(model(x), plain(x))
+
+
+def test_load_full_state_dict_into_a_sharded_model():
+    ref = make("block", seed=42)
+    model = shard_module(make("block", seed=7))
+    load_full_state_dict(model, ref.state_dict())
+    assert_same_as_reference(model, ref, atol=0)
+    with pytest.raises(KeyError, match="missing keys \\['emb.weight'\\]"):
+        load_full_state_dict(model, {k: v for k, v in ref.state_dict().items() if k != "emb.weight"})
+
+
+def test_bfloat16_unit_round_trips_exactly():
+    torch.manual_seed(5)
+    ref = nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 3)).to(torch.bfloat16)
+    model = shard_module(nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 3)).to(torch.bfloat16))
+    load_full_state_dict(model, ref.state_dict())
+    assert_same_as_reference(model, ref, atol=0)
+    x = torch.randn(4, 5).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+
+
+# ----------------------------------------------------------------- memory
+def reachable_bytes(model: nn.Module) -> int:
+    """Bytes of every distinct tensor storage reachable from the model's modules (parameters, their
+    gradients, buffers and plain tensor attributes), counted as allocated now."""
+    seen: dict[int, int] = {}
+    for mod in model.modules():
+        values = list(mod._parameters.values()) + list(mod._buffers.values()) + list(vars(mod).values())
+        values += [p.grad for p in mod._parameters.values() if p is not None]
+        for t in values:
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def test_memory_is_one_nth_and_full_weights_are_freed_between_forwards():
+    model = make("big", seed=100)
+    full = reachable_bytes(model)
+    shard_module(model)
+    state = model._unison_zero3
+    mem = zero3_memory(model)
+    assert mem["full_param_bytes"] == full
+    pad_bound = sum(len(u.plan.buckets) for u in state.units) * (N - 1) * 4
+    assert full / N <= mem["shard_bytes"] <= (full + pad_bound) / N
+    assert reachable_bytes(model) == mem["shard_bytes"]
+    assert sum(p.numel() * p.element_size() for p in model.parameters()) == mem["shard_bytes"]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sizes = sorted(sum(f.full_bytes for f in u.flats.values()) for u in state.units)
+    for step in range(2):
+        state.peak_gathered_bytes = 0
+        x, y = global_batch("big", step, 2)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(mine(x, 2)), mine(y, 2))
+        assert zero3_memory(model)["gathered_bytes"] == 0  # freed between forward and backward
+        assert model[0].weight.numel() == 0  # the attribute is a placeholder while freed
+        loss.backward()
+        opt.step()
+        mem = zero3_memory(model)
+        assert mem["gathered_bytes"] == 0
+        assert 0 < mem["peak_gathered_bytes"] <= sizes[-1] + sizes[-2]
+        assert all(v.grad is None for u in state.units for v in u.views)
+        assert mem["grad_bytes"] == mem["shard_bytes"]
+    moments = sum(t.untyped_storage().nbytes() for s in opt.state.values() for k, t in s.items() if k != "step")
+    assert moments == 2 * mem["shard_bytes"]
+    assert reachable_bytes(model) == 2 * mem["shard_bytes"]  # shards and their grads, nothing full
+
+
+# ----------------------------------------------------------------- bad input (every rank raises)
+def test_not_a_module_raises_type_error():
+    with pytest.raises(TypeError, match="torch.nn.Module; got list"):
+        shard_module([torch.zeros(3)])
+
+
+def test_one_rank_passing_a_non_module_raises_on_every_rank():
+    if N == 1:
+        pytest.skip("needs two ranks")
+    arg = [torch.zeros(3)] if R == 0 else make("mlp", seed=1)
+    with pytest.raises(TypeError, match="nn.Module"):
+        shard_module(arg)
+
+
+def test_sharding_twice_raises():
+    model = shard_module(make("mlp", seed=1))
+    with pytest.raises(RuntimeError, match="already applied"):
+        shard_module(model)
+    with pytest.raises(RuntimeError, match="already belong"):
+        shard_module(nn.Sequential(model[0]))
+
+
+def test_tied_weights_across_units_raise():
+    with pytest.raises(ValueError, match="tied weights.*unit_classes"):
+        shard_module(make("tied", seed=1))
+
+
+def test_bad_unit_classes_raise():
+    with pytest.raises(TypeError, match="unit_classes"):
+        shard_module(make("mlp", seed=1), unit_classes=(int,))
+
+
+def test_ranks_with_different_models_raise_on_every_rank():
+    if N == 1:
+        pytest.skip("needs two ranks")
+    model = make("mlp", seed=1)
+    if R == N - 1:
+        model[4] = nn.Linear(5, 4)
+    with pytest.raises(ValueError, match="different models"):
+        shard_module(model)
+
+
+def test_helpers_refuse_an_unsharded_model():
+    with pytest.raises(TypeError, match="shard_module"):
+        full_state_dict(make("mlp", seed=1))
+    with pytest.raises(TypeError, match="shard_module"):
+        clip_sharded_grad_norm_(make("mlp", seed=1), 1.0)

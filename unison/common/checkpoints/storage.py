@@ -1,0 +1,80 @@
+"""Writing the raw bytes of runs: sequentially, with their CRC-32, fsynced before anyone relies on them."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import zlib
+
+import numpy as np
+
+from unison.common.checkpoints.format import dtype_from_name
+from unison.common.checkpoints.layout import LocalEntry, Slot
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+
+def itemsize(dtype: str) -> int:
+    return dtype_from_name(dtype).itemsize
+
+
+def as_bytes(arr: np.ndarray) -> np.ndarray:
+    """A 1-D uint8 view of the contiguous array ``arr`` (any dtype, bfloat16 and bool included)."""
+    return arr.reshape(-1).view(np.uint8)
+
+
+def buffer(arr: np.ndarray) -> memoryview:
+    """The bytes of the contiguous array ``arr``, as a buffer file and zlib calls take."""
+    return memoryview(as_bytes(arr))  # type: ignore[arg-type]
+
+
+def crc32(arr: np.ndarray) -> int:
+    return zlib.crc32(buffer(arr)) & 0xFFFFFFFF
+
+
+def write_data_file(path: str, slots: list[Slot], local: dict[str, LocalEntry]) -> list[int]:
+    """Write this rank's runs, in ``slots`` order, to a new file at ``path``; fsync it and its folder.
+
+    Returns:
+        The CRC-32 of each run, in order.
+
+    Raises:
+        OSError: the file exists already or cannot be written or flushed.
+    """
+    crcs = []
+    with open(path, "xb") as f:
+        for slot in slots:
+            data = local[slot.name].pieces[slot.start]
+            f.write(buffer(data))
+            crcs.append(crc32(data))
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_folder(os.path.dirname(path) or os.curdir)
+    return crcs
+
+
+def fsync_folder(folder: str) -> None:
+    """Make a new entry of ``folder`` durable; skipped where folders cannot be opened or flushed."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError as exc:
+        logger.debug("cannot open folder %s to fsync it: %s", folder, exc)
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        logger.debug("filesystem refuses fsync of %s: %s", folder, exc)
+    finally:
+        os.close(fd)
+
+
+def remove_quietly(path: str) -> None:
+    """Remove the file at ``path`` if it is there (best effort: cleanup never hides the real error)."""
+    with contextlib.suppress(FileNotFoundError):
+        try:
+            os.remove(path)
+        except OSError as exc:
+            logger.warning("could not remove %s: %s", path, exc)

@@ -1,0 +1,271 @@
+"""ZeRO stages 1 and 2 for Keras 3 optimizers: each rank keeps and steps only its shard.
+
+Both ``UnisonStrategy(zero_stage=...)`` and the Keras ``DistributedOptimizer(..., zero_stage=...)``
+end here. The optimizer is turned into a *sharded* optimizer (:func:`sharded_class`): a subclass of
+its own class whose ``build`` lays the model's trainable variables out with the framework-neutral
+:class:`~unison.common.zero.plan.ShardPlan` (see [Note: ZeRO buckets]) and builds the user's
+optimizer on one flat 1-D *shard variable* per (group, dtype) key instead of on the model's
+variables. Keras creates slots per variable it is built on, so Adam's moments, SGD's momentum,
+gradient accumulators... exist for this rank's segments only: on the other ranks the memory is
+never allocated.
+
+[Note: a sharded Keras step]
+One ``apply(grads, model_variables)``::
+
+    grads (full, from the tape) --flatten per bucket--> | w3 | w2 | b2 |pad|
+        stage 1: all-reduce the bucket, keep segment r     (a full reduced bucket exists a moment)
+        stage 2: reduce-scatter the bucket -> segment r     (only the segment comes back)
+    segments of a key, concatenated ------------------> shard gradient (1/N of the key)
+    model variables' owned runs -----------------------> shard variable  (refreshed every step)
+    optimizer.apply(shard gradients, shard variables)     Keras's own update: lr schedules,
+                                                          clipvalue, accumulation, iterations
+    shard variable --all-gather per bucket--> bucket --split--> model variables (then constraints)
+
+The shard variable is a working copy of this rank's segments, refreshed from the model's
+variables at the start of every step (so ``set_weights``/``load_weights`` between steps are
+honoured); it is not optimizer state and not in ``optimizer.variables``. The model's variables
+stay full on every rank after the all-gather: ``model.save``, ``predict`` and ``evaluate`` see
+ordinary weights.
+
+What TensorFlow allows for stage 2: the tape returns every gradient of the step as a full tensor
+(one cannot make it write into a shard), so the full gradients exist transiently in both stages.
+Stage 2 never materialises more than that: each bucket's flat copy is handed to a reduce-scatter
+as soon as its gradients exist (the submit runs independently of the step's other stateful ops)
+and only the 1/N segment comes back; stage 1 gets the whole reduced bucket back and slices it.
+TensorFlow frees a gradient once its bucket's flat copy has been made (its last consumer).
+
+Gradients arrive averaged over the ranks: under ``UnisonStrategy`` Keras has already divided the
+loss by the replica count, so the reduction is a sum; under the Keras ``DistributedOptimizer``
+each rank's gradient is its local mean, so the reduction is an average.
+
+Only *elementwise* optimizers give the same numbers on a flat slice as on whole tensors (SGD,
+Adam, AdamW, Adamax, Nadam, RMSprop, Adagrad, Adadelta, Ftrl, Lion); others (Adafactor's
+factored moments, Lamb's per-variable trust ratio, Muon's matrix update, ``clipnorm``'s
+per-variable norm, EMA of the weights) raise a ``ValueError`` that names them;
+``global_clipnorm`` sums the shards' squared norms over the ranks. Keras weight decay
+(``weight_decay=``, AdamW) is applied by this module with a per-element mask, so
+``exclude_from_weight_decay`` by variable or by name still works.
+
+Saving: a sharded optimizer writes *no* variables into ``.keras`` / ``.weights.h5`` files (a
+rank's shard of Adam's moments would be garbage anywhere else); the file holds the full weights
+and the optimizer's config under its plain class name, so it loads in a plain Keras process,
+whose optimizer then starts fresh (Keras warns that it skipped the optimizer's variables).
+Loading a file into a sharded optimizer likewise leaves its state alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from unison.common import runtime
+from unison.common.engine import frontend
+from unison.common.ops import Average, Sum
+from unison.common.zero.plan import ParamSpec, Piece, ShardPlan, check_stage
+from unison.tf_backend.strategy import _enqueue, _host_collective, _op_name
+
+__all__: list[str] = []
+
+log = logging.getLogger(__name__)
+
+KERAS_STAGES = (0, 1, 2)
+BUCKET_BYTES: int | None = None  # the plan's bucket cap; None: its default (tests set it small)
+_names = itertools.count()
+_agreements = itertools.count()  # every rank reaches its agreements in the same order
+
+
+def check_keras_stage(zero_stage: object) -> int:
+    """``zero_stage`` as an int in 0-2, or a ``ValueError`` that says stage 3 is torch-only."""
+    if isinstance(zero_stage, (int, np.integer)) and not isinstance(zero_stage, bool) and int(zero_stage) == 3:
+        raise ValueError("zero_stage=3 (sharded weights) is PyTorch-only (unison.torch_backend.shard_module); "
+                         "Keras/TensorFlow supports zero_stage 0, 1 or 2")
+    return check_stage(zero_stage, KERAS_STAGES)
+
+
+# -------------------------------------------------------------------- agreement across ranks
+def agree(stage: int, signature: str, what: str) -> None:
+    """Raise on every rank unless every rank has the same ``stage`` and plan ``signature``.
+
+    A blocking all-gather of one fixed-size record; every rank must reach it (at strategy
+    construction, or at optimizer build).
+
+    Raises:
+        ValueError: the ranks disagree; the message lists every rank's values.
+    """
+    if runtime.size() == 1:
+        return
+    record = np.zeros(40, np.uint8)
+    text = f"{stage}:{signature}".encode()[:40]
+    record[:len(text)] = np.frombuffer(text, np.uint8)
+    name = f"unison.zero.agree.{next(_agreements)}"
+    everyone = np.asarray(frontend.allgather(record, name=name)).reshape(-1, 40)
+    seen = [bytes(r).rstrip(b"\0").decode() for r in everyone]
+    if any(s != seen[0] for s in seen):
+        listing = ", ".join(f"rank {i}: stage {s.split(':')[0]} plan {s.split(':')[1] or '-'}"
+                            for i, s in enumerate(seen))
+        raise ValueError(f"{what}: every rank must use the same zero_stage and the same model variables "
+                         f"(ShardPlan signature); got {listing}. Pass the same zero_stage on every rank "
+                         "and build the same model everywhere")
+
+
+# -------------------------------------------------------------------- host collectives
+def _submit_reduce(name: str, op: Any, a: np.ndarray, scatter: bool) -> np.int64:
+    """Hand one flat bucket to the engine: a reduce-scatter (stage 2) or an all-reduce (stage 1)."""
+    a = np.ascontiguousarray(a)
+    if scatter:
+        handle = frontend.reducescatter_async(a, op=op, name=name)
+        return _enqueue(handle, [(a.dtype, (a.shape[0] // runtime.size(),))])
+    return _enqueue(frontend.allreduce_async(a, op=op, name=name), [(a.dtype, a.shape)])
+
+
+def _submit_allgather(name: str, a: np.ndarray) -> np.int64:
+    a = np.ascontiguousarray(a)
+    return _enqueue(frontend.allgather_async(a, name), [(a.dtype, (a.shape[0] * runtime.size(),))])
+
+
+# -------------------------------------------------------------------- the layout
+class ShardLayout:
+    """A model's trainable variables laid into a :class:`ShardPlan`, and this rank's shard variables.
+
+    Args:
+        variables: the model's trainable variables (Keras variables), in the order Keras passes them.
+        stage: 1 or 2. op: ``Sum`` (gradients already divided by N) or ``Average``.
+        make_variable: ``(shape, dtype, name) -> variable``; the caller decides where it lives.
+        bucket_bytes: bucket cap of the plan.
+    """
+
+    def __init__(self, variables: Sequence[Any], stage: int, op: Any, make_variable: Any,
+                 bucket_bytes: int | None = None) -> None:
+        self.variables = list(variables)
+        self.stage, self.op = stage, op
+        self.rank, self.world = runtime.rank(), runtime.size()
+        self.names = [f"{i}:{_path(v)}" for i, v in enumerate(self.variables)]
+        specs = [ParamSpec(n, tuple(int(d) for d in v.shape), tf.as_dtype(v.dtype).name)
+                 for n, v in zip(self.names, self.variables, strict=True)]
+        bucket_bytes = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+        kwargs = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+        self.plan = ShardPlan.build(specs, self.world, **kwargs)
+        self.keys = self.plan.keys()
+        self.by_name = dict(zip(self.names, self.variables, strict=True))
+        self.shards = [make_variable((self.plan.shard_numel(k),), k[1], f"zero_shard_{k[0]}_{k[1]}")
+                       for k in self.keys]
+        self.tag = f"{next(_names)}.{self.plan.signature()}"
+        owned = self.plan.owned(self.rank)
+        self.runs: list[list[Piece]] = [sorted((p for n in self.names for p in owned.get(n, [])
+                                                if self._key(n) == k), key=lambda p: p.offset)
+                                        for k in self.keys]
+
+    def _key(self, name: str) -> tuple[int, str]:
+        b = self.plan.bucket_of(name)
+        return (b.group, b.dtype)
+
+    def numel(self) -> int:
+        """Elements of this rank's shard variables (padding included)."""
+        return sum(self.plan.shard_numel(k) for k in self.keys)
+
+    # ---------------------------------------------------------- gradients -> shard gradients
+    def shard_gradients(self, grads: Sequence[Any]) -> list[tf.Tensor]:
+        """This rank's reduced segment of every bucket, concatenated per key (see [Note: a sharded Keras step])."""
+        by_name = dict(zip(self.names, grads, strict=True))
+        flats = [self._flat_bucket(b, by_name) for b in self.plan.buckets]
+        reduced = self._reduce(flats)
+        pieces: dict[tuple[int, str], list[tf.Tensor]] = {k: [] for k in self.keys}
+        for b, r in zip(self.plan.buckets, reduced, strict=True):
+            if self.stage == 1:
+                lo, hi = b.segment(self.rank)
+                r = r[lo:hi]
+            pieces[(b.group, b.dtype)].append(r)
+        return [tf.concat(pieces[k], 0) if len(pieces[k]) > 1 else pieces[k][0] for k in self.keys]
+
+    def _flat_bucket(self, bucket: Any, by_name: dict[str, Any]) -> tf.Tensor:
+        dtype = tf.as_dtype(bucket.dtype)
+        parts = [tf.reshape(tf.cast(tf.convert_to_tensor(by_name[p.name]), dtype), [-1]) for p in bucket.pieces]
+        if bucket.padded > bucket.numel:
+            parts.append(tf.zeros([bucket.padded - bucket.numel], dtype))
+        return tf.concat(parts, 0) if len(parts) > 1 else parts[0]
+
+    def _reduce(self, flats: list[tf.Tensor]) -> list[tf.Tensor]:
+        if self.world == 1:
+            return flats
+        scatter = self.stage == 2
+        base = _op_name(f"unison.zero{self.stage}.{self.tag}")
+        submits = [(lambda a, i=i: _submit_reduce(f"{base}.b{i}", self.op, a, scatter), [f])
+                   for i, f in enumerate(flats)]
+        outputs = [(f.dtype, [b.segment_size if scatter else b.padded])
+                   for f, b in zip(flats, self.plan.buckets, strict=True)]
+        return _host_collective(submits, outputs)
+
+    # ---------------------------------------------------------- model variables <-> shard
+    def load_shards(self) -> None:
+        """Copy this rank's runs of the model's variables into the shard variables (padding zero)."""
+        for key, shard, runs in zip(self.keys, self.shards, self.runs, strict=True):
+            shard.assign(self._owned_values(key, runs))
+
+    def _owned_values(self, key: tuple[int, str], runs: list[Piece]) -> tf.Tensor:
+        dtype, parts, at = tf.as_dtype(key[1]), [], 0
+        for p in runs:
+            if p.offset > at:
+                parts.append(tf.zeros([p.offset - at], dtype))
+            flat = tf.reshape(_read(self.by_name[p.name]), [-1])
+            parts.append(flat[p.param_offset:p.param_offset + p.length])
+            at = p.offset + p.length
+        total = self.plan.shard_numel(key)
+        if total > at:
+            parts.append(tf.zeros([total - at], dtype))
+        return tf.concat(parts, 0) if len(parts) > 1 else parts[0]
+
+    def store_shards(self) -> None:
+        """All-gather every bucket's updated segments and write the model's variables (then constraints)."""
+        full = self._gather()
+        for b, flat in zip(self.plan.buckets, full, strict=True):
+            for p in b.pieces:
+                var = self.by_name[p.name]
+                var.assign(tf.reshape(flat[p.offset:p.offset + p.length], var.shape))
+        for var in self.variables:
+            if getattr(var, "constraint", None) is not None:
+                var.assign(var.constraint(var))
+
+    def _gather(self) -> list[tf.Tensor]:
+        key_index = {k: i for i, k in enumerate(self.keys)}
+        segments = []
+        for b in self.plan.buckets:
+            shard = _read(self.shards[key_index[(b.group, b.dtype)]])
+            segments.append(shard[b.shard_offset:b.shard_offset + b.segment_size])
+        if self.world == 1:
+            return segments
+        base = _op_name(f"unison.zero.gather.{self.tag}")
+        submits = [(lambda a, i=i: _submit_allgather(f"{base}.b{i}", a), [s]) for i, s in enumerate(segments)]
+        return _host_collective(submits, [(s.dtype, [b.padded]) for s, b in zip(segments, self.plan.buckets,
+                                                                                 strict=True)])
+
+    # ---------------------------------------------------------- weight decay
+    def decay_masks(self, uses_decay: Any) -> list[np.ndarray | None]:
+        """Per key, 1.0 where the element's variable takes weight decay and 0.0 elsewhere (padding too);
+        None where every element of the shard takes it."""
+        masks: list[np.ndarray | None] = []
+        for key, runs in zip(self.keys, self.runs, strict=True):
+            mask = np.zeros(self.plan.shard_numel(key), np.dtype("float32"))
+            for p in runs:
+                if uses_decay(self.by_name[p.name]):
+                    mask[p.offset:p.offset + p.length] = 1.0
+            masks.append(None if mask.all() else mask)
+        return masks
+
+
+def reduce_op(op: Any) -> Any:
+    """The engine op for gradients that are local means (``Average``) or already divided by N (``Sum``)."""
+    return Sum if op is Sum else Average
+
+
+def _read(var: Any) -> tf.Tensor:
+    """A Keras or TensorFlow variable's value, without the autocast a Keras variable applies in a scope."""
+    return tf.convert_to_tensor(getattr(var, "value", var))
+
+
+def _path(var: Any) -> str:
+    return str(getattr(var, "path", None) or getattr(var, "name", "variable"))

@@ -1,0 +1,407 @@
+"""ZeRO stages 1 and 2 for PyTorch: ``hvd.DistributedOptimizer(opt, ..., zero_stage=1|2)``.
+
+The layout is the core's :class:`~unison.common.zero.ShardPlan` ([Note: ZeRO buckets]): the
+parameters that train are moved into one flat buffer per bucket (each ``param.data`` becomes a
+view of it, so the model is unchanged for its user), and rank r owns segment r of every bucket.
+The user's optimizer class is instantiated again over the *segments* only, one flat tensor per
+bucket, so its state (Adam's two moments: 8 of the 16 bytes per parameter) exists for 1/N of
+the model on each rank::
+
+    backward ──► bucket full ──► reduce-scatter (average) ──► segment gradient
+                                                                  │ inner optimizer steps
+    model params (views) ◄── all-gather of the updated segments ◄─┘ the segment only
+
+Stage 1 keeps full gradients: they accumulate locally (as views of one flat gradient buffer per
+bucket) for ``backward_passes_per_step`` passes and each bucket is reduce-scattered when its
+last pass completes. Stage 2 keeps none: a parameter's gradient is copied into its bucket's
+staging buffer and freed the moment autograd has produced it; a bucket is reduce-scattered
+(every pass, into the segment's gradient, which accumulates) as soon as it is complete, and its
+staging buffer is freed after the reduction. Communication equals plain all-reduce (a
+reduce-scatter plus an all-gather) in both stages.
+
+Half-precision parameters (float16, bfloat16) get fp32 master copies of their segments: the
+optimizer steps those and the result is cast back into the model. After ``step()`` every rank
+holds the same full weights; the model's ``.grad`` of stage 1 holds the *local* gradient outside
+this rank's segments, so clip with :meth:`clip_grad_norm_` (global norm over every shard), not
+``torch.nn.utils.clip_grad_norm_`` on the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from unison.common import runtime
+from unison.common.compression import Compression
+from unison.common.engine import frontend
+from unison.common.engine.objects import allgather_object
+from unison.common.engine.process_sets import ProcessSet, global_process_set
+from unison.common.ops import Average, ReduceOp, Sum
+from unison.common.zero import DEFAULT_BUCKET_BYTES, Bucket, ParamSpec, ShardPlan
+from unison.torch_backend.tensors import from_numpy, to_numpy
+from unison.torch_backend.zero_state import ZeroStateMixin, check_optimizer
+
+__all__ = ["make_zero_optimizer", "agree_on_stage", "clip_grad_norm_"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+class _BucketState:
+    """One bucket on this rank: the flat weights, its segment, gradients and what is in flight."""
+
+    __slots__ = ("bucket", "params", "flat", "segment", "master", "grad_flat", "staging", "fired",
+                 "handle", "ctx", "gather", "pos")
+
+    def __init__(self, bucket: Bucket, params: list[torch.Tensor], flat: torch.Tensor, rank: int) -> None:
+        self.bucket, self.params, self.flat = bucket, params, flat
+        self.pos = {id(p): i for i, p in enumerate(params)}  # (list.index would compare tensors)
+        lo, hi = bucket.segment(rank)
+        self.segment = flat[lo:hi]
+        self.master: torch.nn.Parameter | None = None
+        self.grad_flat: torch.Tensor | None = None
+        self.staging: torch.Tensor | None = None
+        self.fired: set[int] = set()
+        self.handle: Any = None
+        self.ctx: Any = None
+        self.gather: Any = None
+
+
+class _ZeroOptimizer(ZeroStateMixin):
+    """Mixed into a subclass of the user's optimizer class by :func:`make_zero_optimizer`."""
+
+    _unison_distributed = True
+
+    def __init__(self, param_groups: list[dict], named: list[tuple[str, torch.Tensor]], zero_stage: int,
+                 compression: Any, backward_passes_per_step: int, op: ReduceOp,
+                 gradient_predivide_factor: float, process_set: ProcessSet | None, plan: ShardPlan,
+                 inner_cls: type) -> None:
+        inner_cls.__init__(self, param_groups)  # the user's class: its hyper-parameters and checks
+        self.zero_stage = zero_stage
+        self._compression, self._op = compression, op
+        self._prescale, self._postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
+        self.backward_passes_per_step = self._passes = backward_passes_per_step
+        self.op, self.gradient_predivide_factor = op, gradient_predivide_factor
+        self.process_set = process_set if process_set is not None else global_process_set
+        self._pset = process_set
+        self._world, self._rank = self.process_set.size(), self.process_set.rank()
+        self._names = {p: n for n, p in named}
+        self._parameter_names = self._names
+        self._base = frontend._auto_name("ZeroOptimizer", None)
+        self.plan = plan
+        self._buckets = self._flatten()
+        self._bucket_of = {p: b for b in self._buckets for p in b.params}
+        self._inner = self._make_inner(inner_cls)
+        self._delay = {p: self._passes for p in self._bucket_of}
+        self._rounds = {id(st): 0 for st in self._buckets}
+        self._synchronized = False
+        self._should_synchronize = True
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._bucket_of]
+
+    # ------------------------------------------------------------- layout
+    def _flatten(self) -> list[_BucketState]:
+        """Move every trained parameter into its bucket's flat buffer; ``param.data`` becomes a view."""
+        by_name = {n: p for p, n in self._names.items()}
+        states = []
+        for b in self.plan.buckets:
+            params = [by_name[piece.name] for piece in b.pieces]
+            flat = torch.zeros(b.padded, dtype=params[0].dtype)
+            with torch.no_grad():
+                for piece, p in zip(b.pieces, params, strict=True):
+                    view = flat[piece.offset:piece.offset + piece.length].view(p.shape)
+                    view.copy_(p.detach())
+                    p.data = view
+            st = _BucketState(b, params, flat, self._rank)
+            if self.zero_stage == 1:
+                st.grad_flat = torch.zeros_like(flat)
+                for piece, p in zip(b.pieces, params, strict=True):
+                    p.grad = st.grad_flat[piece.offset:piece.offset + piece.length].view(p.shape)
+            else:
+                for p in params:
+                    p.grad = None
+            states.append(st)
+        return states
+
+    def _make_inner(self, inner_cls: type) -> torch.optim.Optimizer:
+        """The user's optimizer class over this rank's segments (fp32 masters for half precision)."""
+        groups = []
+        for gid, group in enumerate(self.param_groups):
+            shards = []
+            for st in self._buckets:
+                if st.bucket.group != gid:
+                    continue
+                if st.segment.dtype in _HALF:
+                    st.master = torch.nn.Parameter(st.segment.detach().float())
+                else:
+                    st.master = torch.nn.Parameter(st.segment)  # shares the bucket's storage
+                shards.append(st.master)
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": shards})
+        return inner_cls([g for g in groups if g["params"]])
+
+    # ------------------------------------------------------------- gradients
+    def _on_grad(self, p: torch.Tensor) -> None:
+        self._synchronized = False  # a backward pass after synchronize(): those gradients need reducing too
+        st = self._bucket_of[p]
+        if self.zero_stage == 1:
+            self._stage1_grad(p, st)
+        else:
+            self._stage2_grad(p, st)
+
+    def _stage1_grad(self, p: torch.Tensor, st: _BucketState) -> None:
+        piece = st.bucket.pieces[st.pos[id(p)]]
+        view = st.grad_flat[piece.offset:piece.offset + piece.length].view(p.shape)
+        if p.grad.data_ptr() != view.data_ptr():  # model.zero_grad() dropped the view: take it back
+            with torch.no_grad():
+                view.copy_(p.grad)
+            p.grad = view
+        self._delay[p] -= 1
+        if st.handle is not None or self._delay[p] < 0:
+            raise RuntimeError(
+                f"the gradient of {self._names[p]!r} was computed more than backward_passes_per_step="
+                f"{self._passes} times before optimizer.step(); increase backward_passes_per_step or call "
+                "step() after every backward pass")
+        if self._delay[p] == 0:
+            st.fired.add(id(p))
+            if len(st.fired) == len(st.params):
+                self._submit(st, st.grad_flat)
+
+    def _stage2_grad(self, p: torch.Tensor, st: _BucketState) -> None:
+        if id(p) in st.fired:  # a new backward pass began before this bucket completed: flush it
+            self._flush(st)
+        piece = st.bucket.pieces[st.pos[id(p)]]
+        if st.staging is None:
+            st.staging = torch.zeros(st.bucket.padded, dtype=st.flat.dtype)
+        with torch.no_grad():
+            st.staging[piece.offset:piece.offset + piece.length].copy_(p.grad.reshape(-1))
+        p.grad = None  # freed now: the bucket's staging buffer holds it until the reduce-scatter
+        st.fired.add(id(p))
+        if len(st.fired) == len(st.params):
+            self._flush(st)
+
+    def _flush(self, st: _BucketState) -> None:
+        """Stage 2: reduce-scatter whatever the bucket holds (missing gradients count as zeros).
+
+        Every rank reduce-scatters each bucket exactly ``backward_passes_per_step`` times per step
+        (``synchronize`` tops up with zeros), so ranks whose passes touched different parameters
+        still issue the same collectives.
+        """
+        if self._rounds[id(st)] >= self._passes:
+            raise RuntimeError(
+                f"bucket {st.bucket.index} ({', '.join(p.name for p in st.bucket.pieces[:3])} ...) received "
+                f"gradients in more than backward_passes_per_step={self._passes} backward passes before "
+                "optimizer.step(); increase backward_passes_per_step or call step() after every backward pass")
+        if st.handle is not None:
+            self._finish(st)
+        staging = st.staging if st.staging is not None else torch.zeros(st.bucket.padded, dtype=st.flat.dtype)
+        st.staging = None
+        self._rounds[id(st)] += 1
+        self._submit(st, staging)
+
+    def _submit(self, st: _BucketState, flat_grad: torch.Tensor) -> None:
+        arr, st.ctx = self._compression.compress(to_numpy(flat_grad))
+        st.handle = frontend.reducescatter_async(arr, self._op, f"{self._base}.rs{st.bucket.index}",
+                                                 self._prescale, self._postscale, self._pset)
+        st.fired = set()
+
+    def _finish(self, st: _BucketState) -> None:
+        """Wait for the bucket's reduce-scatter and put (stage 2: add) the result in the shard's gradient."""
+        result = self._compression.decompress(st.handle.wait(), st.ctx)
+        st.handle = None
+        seg = from_numpy(result).to(st.master.dtype)
+        if st.master.grad is None or self.zero_stage == 1:
+            st.master.grad = seg
+        else:
+            st.master.grad.add_(seg)
+
+    # ------------------------------------------------------------- public
+    def synchronize(self) -> None:
+        """Wait for every bucket's reduce-scatter; parameters without a gradient contribute zeros."""
+        for st in self._buckets:
+            if self.zero_stage == 1:
+                if st.handle is None:
+                    self._submit(st, st.grad_flat)
+                continue
+            if st.fired or st.staging is not None:
+                self._flush(st)
+            while self._rounds[id(st)] < self._passes:
+                self._flush(st)
+        for st in self._buckets:
+            if st.handle is not None:
+                self._finish(st)
+        self._delay = {p: self._passes for p in self._bucket_of}
+        self._rounds = {id(st): 0 for st in self._buckets}
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """As on the plain DistributedOptimizer: ``step()`` inside does not synchronize."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        if passes < 1:
+            raise ValueError(f"backward_passes_per_step={passes} must be >= 1")
+        self.backward_passes_per_step = self._passes = passes
+        self._delay = {p: passes for p in self._bucket_of}
+
+    def step(self, closure: Any = None) -> Any:
+        if closure is not None:
+            raise ValueError("a ZeRO DistributedOptimizer does not take a closure: every rank steps only its "
+                             "shard, so the closure's loss could not be re-evaluated. Call loss.backward() "
+                             "before step()")
+        if self._should_synchronize and not self._synchronized:
+            self.synchronize()
+        elif not self._synchronized:
+            raise RuntimeError("optimizer.step() inside skip_synchronize() needs optimizer.synchronize() "
+                               "first; the gradients have not been reduced yet")
+        self._sync_hyperparameters()
+        self._inner.step()
+        self._gather_weights()
+        self._synchronized = False
+        return None
+
+    def _sync_hyperparameters(self) -> None:
+        """Schedulers change ``self.param_groups``; the inner optimizer's groups follow them."""
+        inner_groups = iter(self._inner.param_groups)
+        for gid, group in enumerate(self.param_groups):
+            if not any(st.bucket.group == gid for st in self._buckets):
+                continue
+            target = next(inner_groups)
+            for k, v in group.items():
+                if k != "params":
+                    target[k] = v
+
+    def _gather_weights(self) -> None:
+        """Write each updated segment into the model and all-gather the others' (two buckets in flight)."""
+        window: list[_BucketState] = []
+        for st in self._buckets:
+            with torch.no_grad():
+                if st.master is not None and st.master.data_ptr() != st.segment.data_ptr():
+                    st.segment.copy_(st.master.detach())
+            st.gather = frontend.allgather_async(to_numpy(st.segment), f"{self._base}.ag{st.bucket.index}",
+                                                 self._pset)
+            window.append(st)
+            if len(window) > 2:
+                self._land(window.pop(0))
+        for st in window:
+            self._land(st)
+
+    def _land(self, st: _BucketState) -> None:
+        full = from_numpy(st.gather.wait())
+        st.gather = None
+        with torch.no_grad():
+            st.flat.copy_(full.view(-1))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if any(st.handle is not None for st in self._buckets):
+            raise RuntimeError("optimizer.zero_grad() was called after loss.backward() but before "
+                               "optimizer.step() or optimizer.synchronize(): the gradients are still being "
+                               "reduced. Call step() (or synchronize()) first")
+        for st in self._buckets:
+            if st.grad_flat is not None:
+                st.grad_flat.zero_()
+                for piece, p in zip(st.bucket.pieces, st.params, strict=True):
+                    p.grad = st.grad_flat[piece.offset:piece.offset + piece.length].view(p.shape)
+            else:
+                st.staging = None
+                for p in st.params:
+                    p.grad = None
+            st.fired = set()
+            if st.master is not None:
+                st.master.grad = None
+        self._delay = {p: self._passes for p in self._bucket_of}
+        self._rounds = {id(st): 0 for st in self._buckets}
+        self._synchronized = False
+
+
+def _specs(optimizer: torch.optim.Optimizer, named: list[tuple[str, torch.Tensor]]) -> list[ParamSpec]:
+    """The trained parameters (``requires_grad``), each once, with their group."""
+    names = {id(p): n for n, p in named}
+    specs, seen = [], set()
+    for gid, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if p.is_sparse:
+                raise ValueError(f"parameter {names[id(p)]!r} is sparse; ZeRO shards dense parameters only")
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                specs.append(ParamSpec(names[id(p)], tuple(p.shape), _dtype_name(p.dtype), gid))
+    if not specs:
+        raise ValueError("the optimizer has no parameter that requires a gradient; nothing to shard")
+    return specs
+
+
+def agree_on_stage(zero_stage: int, signature: str | None, process_set: ProcessSet | None) -> None:
+    """Every rank of the set compares ``(zero_stage, plan signature)``; a mismatch raises everywhere.
+
+    Raises:
+        ValueError: ranks wrapped different models, or asked for different stages.
+    """
+    if runtime.size() == 1:
+        return
+    mine = (zero_stage, signature)
+    everyone = allgather_object(mine, frontend._auto_name("DistributedOptimizer.agree", None), process_set)
+    if len(set(everyone)) > 1:
+        table = ", ".join(f"rank {r}: zero_stage={s}" + (f" plan {sig}" if sig else "")
+                          for r, (s, sig) in enumerate(everyone))
+        raise ValueError(f"ranks disagree on the DistributedOptimizer's sharding ({table}); every rank must "
+                         "wrap the same model's parameters with the same zero_stage")
+
+
+def make_zero_optimizer(optimizer: torch.optim.Optimizer, named: list[tuple[str, torch.Tensor]],
+                        zero_stage: int, compression: Any = Compression.none,
+                        backward_passes_per_step: int = 1, op: ReduceOp = Average,
+                        gradient_predivide_factor: float = 1.0, process_set: ProcessSet | None = None,
+                        bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> torch.optim.Optimizer:
+    """Build the stage 1/2 optimizer (called by ``DistributedOptimizer(..., zero_stage=1|2)``).
+
+    Raises:
+        ValueError: an optimizer whose update is not elementwise, an op other than Average/Sum,
+            sparse parameters, or ranks that disagree on the stage or the model.
+    """
+    check_optimizer(optimizer)
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(f"zero_bucket_bytes={bucket_bytes!r} must be a positive number of bytes")
+    if op not in (Average, Sum):
+        raise ValueError(f"zero_stage={zero_stage} reduces gradients with op=Average or op=Sum; got op={op!r}")
+    if process_set is not None and not process_set.included():
+        raise ValueError(f"this rank ({runtime.rank()}) is not a member of {process_set!r}; a ZeRO optimizer "
+                         "shards over the ranks of its process set, so only members may build it")
+    set_ = process_set if process_set is not None else global_process_set
+    plan = ShardPlan.build(_specs(optimizer, named), set_.size(), bucket_bytes)
+    agree_on_stage(zero_stage, plan.signature(), process_set)  # before anything changes
+    cls = type(optimizer.__class__.__name__, (_ZeroOptimizer, optimizer.__class__), {})
+    wrapped = cls(optimizer.param_groups, named, zero_stage, compression, backward_passes_per_step, op,
+                  gradient_predivide_factor, process_set, plan, optimizer.__class__)
+    if optimizer.state:
+        wrapped.load_state_dict(optimizer.state_dict())
+    return wrapped
+
+
+def clip_grad_norm_(target: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip sharded gradients by their global norm (every rank's shards together); return the norm.
+
+    ``target`` is a ZeRO stage 1/2 ``DistributedOptimizer`` (its ``clip_grad_norm_``) or a model
+    sharded by ``shard_module`` (stage 3). Call it on every rank, after backward, before ``step()``.
+
+    Raises:
+        TypeError: ``target`` is neither; for plain data parallelism call ``optimizer.synchronize()``
+            and ``torch.nn.utils.clip_grad_norm_`` inside ``optimizer.skip_synchronize()``.
+    """
+    if getattr(target, "zero_stage", 0) in (1, 2):
+        return target.clip_grad_norm_(max_norm, norm_type)
+    if isinstance(target, torch.nn.Module):
+        from unison.torch_backend.zero3 import clip_sharded_grad_norm_
+
+        return clip_sharded_grad_norm_(target, max_norm, norm_type)
+    raise TypeError(f"clip_grad_norm_ takes a ZeRO DistributedOptimizer (zero_stage=1 or 2) or a model sharded by "
+                    f"shard_module; got {type(target).__name__}. Without ZeRO, call optimizer.synchronize() and "
+                    "torch.nn.utils.clip_grad_norm_ inside optimizer.skip_synchronize()")

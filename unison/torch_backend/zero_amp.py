@@ -1,0 +1,65 @@
+"""``unison.torch_backend.GradScaler``: dynamic loss scaling whose skip decision every rank agrees on.
+
+Under ZeRO a gradient element that overflowed lands, after the reduce-scatter, in the shard of
+one rank only. torch's ``GradScaler`` checks the gradients each process can see, so that rank
+would skip the step and lower its scale while the others step: the replicas drift apart
+silently. This subclass (i) unscales and checks the *shards* of a ZeRO optimizer (stage 1/2;
+the model's ``.grad`` hold local or no gradients there) after waiting for their reduction, and
+(ii) all-reduces the found-inf flag (maximum) across the ranks for every optimizer, so every
+rank skips the same steps and keeps the same scale. Use it exactly like ``torch.amp.GradScaler``::
+
+    scaler = hvd.GradScaler("cpu")
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)            # optional, e.g. before hvd.clip_grad_norm_(optimizer, 1.0)
+    scaler.step(optimizer)
+    scaler.update()
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from unison.common import runtime
+from unison.common.engine import frontend
+from unison.common.ops import Max
+
+__all__ = ["GradScaler"]
+
+
+class _Shards:
+    """What ``_unscale_grads_`` reads: the parameter groups of a ZeRO optimizer's shards."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.param_groups = optimizer._inner.param_groups
+
+
+class GradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` with the skip decision agreed across ranks (see the module docstring)."""
+
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        target: Any = optimizer
+        if getattr(optimizer, "zero_stage", 0) in (1, 2):
+            if not optimizer._synchronized:
+                optimizer.synchronize()
+            target = _Shards(optimizer)
+            allow_fp16 = True  # the shards' gradients are the optimizer's own (fp32 masters for half weights)
+        per_device = super()._unscale_grads_(target, inv_scale, found_inf, allow_fp16)
+        if runtime.is_initialized() and runtime.size() > 1:
+            self._agree(optimizer, per_device, found_inf)
+        return per_device
+
+    @staticmethod
+    def _agree(optimizer: Any, per_device: dict[torch.device, torch.Tensor], found_inf: torch.Tensor) -> None:
+        """Every rank ends with the largest found-inf of any rank (for each device it checked)."""
+        mine = max([float(t.item()) for t in per_device.values()], default=0.0)
+        pset = getattr(optimizer, "process_set", None)
+        agreed = float(frontend.allreduce(np.array([mine], np.float32), Max, "GradScaler.found_inf",
+                                          process_set=pset)[0])
+        if not per_device:  # this rank had no gradient at all: it still records the agreed flag
+            per_device[found_inf.device] = found_inf
+        for t in per_device.values():
+            t.fill_(agreed)

@@ -1,0 +1,274 @@
+"""``save_sharded`` / ``load_sharded``: a model and its (ZeRO or plain) optimizer in the core's
+sharded-checkpoint format (unison/common/checkpoints, docs/checkpoints.md).
+
+Under ZeRO each rank writes only what it owns: its segments of the weights, of the fp32 master
+weights and of every piece of optimizer state, so no rank ever holds the whole state. Everything
+else (buffers, frozen parameters, the step counts) is written once. Entries are named after the
+model's ``state_dict`` keys (``model.<key>``) and the parameter names (``optim.<name>.<state>``,
+``master.<name>``), with the flat ranges of the full tensors, so a checkpoint saved on N ranks
+loads on any M: each rank reads the ranges its own plan gives it, or whole tensors for a plain
+optimizer. ``consolidated=True`` writes one file from rank 0 instead of a folder.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from unison.common import checkpoints as ck
+from unison.common import runtime
+from unison.torch_backend.tensors import from_numpy, to_numpy
+
+__all__ = ["save_sharded", "load_sharded"]
+
+
+def _comm(optimizer: Any) -> Any:
+    pset = getattr(optimizer, "process_set", None)
+    if pset is not None and pset.ranks is not None and len(pset.ranks) != runtime.size():
+        raise ValueError(f"save_sharded/load_sharded run over every rank; this optimizer's process set "
+                         f"{pset!r} is a subset. Save with the global process set")
+    st = runtime.state("unison.torch_backend.save_sharded()")
+    return st.comm if st.size > 1 else None
+
+
+def _is_zero(optimizer: Any) -> bool:
+    return getattr(optimizer, "zero_stage", 0) in (1, 2)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    if torch.is_tensor(value):
+        return value.item()
+    return value
+
+
+def _param_names(optimizer: Any) -> dict[int, str]:
+    return {id(p): n for p, n in optimizer._names.items()}
+
+
+def _model_entries(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+    """Weights: under ZeRO this rank's segments of trained parameters, the rest replicated."""
+    entries: dict[str, Any] = {}
+    owned_params: dict[int, tuple[Any, Any]] = {}
+    if _is_zero(optimizer):
+        for st in optimizer._buckets:
+            for p in st.params:
+                owned_params[id(p)] = (st, p)
+    tensors = dict(model.state_dict(keep_vars=True))
+    for key, t in tensors.items():
+        if id(t) in owned_params:
+            st, p = owned_params[id(t)]
+            name = optimizer._names[p]
+            runs = [(pc.param_offset, to_numpy(st.segment[pc.offset:pc.offset + pc.length]))
+                    for pc in st.bucket.owned(optimizer._rank) if pc.name == name]
+            entries[f"model.{key}"] = ck.LocalShard(tuple(t.shape), _dtype(t), runs)
+        else:
+            entries[f"model.{key}"] = ck.Replicated(to_numpy(t.detach()))
+    return entries
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def _zero_optimizer_entries(optimizer: Any) -> dict[str, Any]:
+    entries: dict[str, Any] = {}
+    for st in optimizer._buckets:
+        owned = st.bucket.owned(optimizer._rank)
+        state = optimizer._inner.state.get(st.master, {})
+        halves = st.master.data_ptr() != st.segment.data_ptr()
+        for p, piece in zip(st.params, st.bucket.pieces, strict=True):
+            name = piece.name
+            mine = [pc for pc in owned if pc.name == name]
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.shape == st.master.shape:
+                    runs = [(pc.param_offset, to_numpy(value[pc.offset:pc.offset + pc.length])) for pc in mine]
+                    entries[f"optim.{name}.{key}"] = ck.LocalShard(tuple(p.shape), _dtype(value), runs)
+                else:
+                    entries[f"optim.{name}.{key}"] = ck.Replicated(np.asarray(_jsonable(value)))
+            if halves:
+                runs = [(pc.param_offset, to_numpy(st.master.detach()[pc.offset:pc.offset + pc.length]))
+                        for pc in mine]
+                entries[f"master.{name}"] = ck.LocalShard(tuple(p.shape), "float32", runs)
+    return entries
+
+
+def _plain_optimizer_entries(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    sd = optimizer.state_dict()
+    entries = {}
+    for index, state in sd["state"].items():
+        for key, value in state.items():
+            arr = to_numpy(value.detach()) if torch.is_tensor(value) else np.asarray(value)
+            entries[f"optim.{index}.{key}"] = ck.Replicated(arr)
+    return entries
+
+
+def _groups_metadata(optimizer: Any) -> list[dict[str, Any]]:
+    return [{k: _jsonable(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def save_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None,
+                 metadata: dict[str, Any] | None = None, consolidated: bool = False) -> ck.Manifest:
+    """Save ``model`` (and ``optimizer``) collectively; every rank calls it with the same ``path``.
+
+    Args:
+        path: a folder (sharded) or a file (``consolidated=True``) every rank can see.
+        model: the model whose ``state_dict`` is saved.
+        optimizer: a ZeRO ``DistributedOptimizer`` (each rank writes its shards), any other
+            optimizer (rank 0 writes its state), or None.
+        metadata: JSON-serializable extras (epoch, step, ...), returned by :func:`load_sharded`.
+        consolidated: write one file from rank 0 instead of a file per rank.
+
+    Returns:
+        The committed manifest, on every rank.
+
+    Raises:
+        unison.common.checkpoints.CheckpointError: on every rank, naming what failed.
+    """
+    comm = _comm(optimizer)
+    entries = _model_entries(model, optimizer)
+    meta: dict[str, Any] = {"user": metadata or {}, "optimizer": None}
+    if optimizer is not None:
+        zero = _is_zero(optimizer)
+        entries.update(_zero_optimizer_entries(optimizer) if zero else _plain_optimizer_entries(optimizer))
+        meta["optimizer"] = {"class": type(optimizer).__name__, "zero": zero,
+                             "groups": _groups_metadata(optimizer),
+                             "sharded_keys": sorted({k for st in getattr(optimizer, "_buckets", [])
+                                                     for k, v in optimizer._inner.state.get(st.master, {}).items()
+                                                     if torch.is_tensor(v) and v.shape == st.master.shape})}
+    save = ck.save_consolidated if consolidated else ck.save_sharded
+    return save(path, entries, comm, metadata=meta)
+
+
+def load_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None) -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save_sharded` on any number of ranks; returns the user metadata.
+
+    The model gets full weights; a ZeRO optimizer reads only its own segments of the state
+    (under its own plan, whatever the saving run's rank count); a plain optimizer gets the
+    whole state.
+
+    Raises:
+        unison.common.checkpoints.CheckpointError: a missing, corrupt or mismatched checkpoint.
+        ValueError: the checkpoint holds no optimizer state but ``optimizer`` was given, or
+            the model's keys differ from the saved ones.
+    """
+    comm = _comm(optimizer)
+    manifest = ck.read_manifest(path)
+    keys = list(model.state_dict().keys())
+    missing = [k for k in keys if f"model.{k}" not in manifest.entries]
+    if missing:
+        raise ValueError(f"the checkpoint at {os.fspath(path)!r} has no weights for {missing[:5]}; load it into "
+                         "the model it was saved from")
+    wanted: dict[str, Any] = {f"model.{k}": "full" for k in keys}
+    meta = manifest.metadata or {}
+    saved_opt = meta.get("optimizer")
+    if optimizer is not None and saved_opt is None:
+        raise ValueError(f"the checkpoint at {os.fspath(path)!r} holds no optimizer state; pass optimizer=None")
+    if optimizer is not None and _is_zero(optimizer):
+        if not saved_opt.get("zero"):
+            raise ValueError(f"the checkpoint at {os.fspath(path)!r} was saved from a plain optimizer; load it "
+                             "into one (zero_stage=0), or save from a ZeRO optimizer")
+        wanted.update(_zero_wanted(optimizer, manifest, set(saved_opt.get("sharded_keys", []))))
+    elif optimizer is not None:
+        wanted.update({name: "full" for name in manifest.entries if name.startswith("optim.")})
+    got = ck.load(path, wanted, comm)
+    with torch.no_grad():
+        model.load_state_dict({k: from_numpy(np.array(got[f"model.{k}"])) for k in keys})
+    if optimizer is not None:
+        if saved_opt.get("zero") and not _is_zero(optimizer):  # ZeRO's entries are named; a plain one's numbered
+            names = {n: i for i, n in enumerate(_plain_names(model, optimizer))}
+            got = {_numbered(k, names): v for k, v in got.items()
+                   if not k.startswith("optim.") or k[6:].rsplit(".", 1)[0] in names}
+        _restore_optimizer(optimizer, saved_opt, got)
+    return meta.get("user", {})
+
+
+def _numbered(entry: str, names: dict[str, int]) -> str:
+    """``optim.<parameter name>.<key>`` as a plain optimizer's ``optim.<index>.<key>``."""
+    if not entry.startswith("optim."):
+        return entry
+    name, key = entry[len("optim."):].rsplit(".", 1)
+    return f"optim.{names[name]}.{key}"
+
+
+def _plain_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The model's name of each parameter of a plain optimizer, in state-dict index order."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    unknown = [i for i, p in enumerate(params) if id(p) not in names]
+    if unknown:
+        raise ValueError(f"the optimizer's parameters at positions {unknown[:5]} are not the model's; pass the "
+                         "optimizer over this model's parameters")
+    return [names[id(p)] for p in params]
+
+
+def _zero_wanted(optimizer: Any, manifest: ck.Manifest, sharded_keys: set[str]) -> dict[str, Any]:
+    """Per entry: this rank's ranges of sharded state and masters, whole scalars (step counts)."""
+    wanted: dict[str, Any] = {}
+    for st in optimizer._buckets:
+        owned = st.bucket.owned(optimizer._rank)
+        for p in st.params:
+            name = optimizer._names[p]
+            for entry in manifest.entries:
+                if not entry.startswith(f"optim.{name}.") and entry != f"master.{name}":
+                    continue
+                if entry.startswith("master.") or entry[len(f"optim.{name}."):] in sharded_keys:
+                    wanted[entry] = [(pc.param_offset, pc.length) for pc in owned if pc.name == name]
+                else:
+                    wanted[entry] = "full"
+    return {k: v for k, v in wanted.items() if v != []}
+
+
+def _restore_optimizer(optimizer: Any, saved: dict[str, Any], got: dict[str, Any]) -> None:
+    for mine, group in zip(optimizer.param_groups, saved["groups"], strict=False):
+        mine.update({k: tuple(v) if isinstance(mine.get(k), tuple) else v for k, v in group.items()})
+    if not _is_zero(optimizer):
+        state: dict[int, dict[str, Any]] = {}
+        for name, value in got.items():
+            if name.startswith("optim."):
+                _, index, key = name.split(".", 2)
+                state.setdefault(int(index), {})[key] = from_numpy(np.array(value))
+        groups = optimizer.state_dict()["param_groups"]
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+        return
+    sharded = set(saved.get("sharded_keys", []))
+    for st in optimizer._buckets:
+        state = _bucket_state(optimizer, st, got)
+        if state:  # a rank owning only padding of a bucket still needs every piece of state
+            for key in sharded:
+                state.setdefault(key, torch.zeros(st.master.shape, dtype=st.master.dtype))
+        optimizer._inner.state[st.master] = state
+    optimizer._sync_hyperparameters()
+
+
+def _bucket_state(optimizer: Any, st: Any, got: dict[str, Any]) -> dict[str, Any]:
+    """This rank's segment of the bucket's state (and its fp32 masters) from the loaded ranges."""
+    owned = st.bucket.owned(optimizer._rank)
+    state: dict[str, Any] = {}
+    for p in st.params:
+        name = optimizer._names[p]
+        runs = [pc for pc in owned if pc.name == name]
+        for entry, value in got.items():
+            if not entry.startswith(f"optim.{name}."):
+                continue
+            key = entry[len(f"optim.{name}."):]
+            if isinstance(value, list):
+                for pc, part in zip(runs, value, strict=True):
+                    seg = state.setdefault(key, torch.zeros(st.master.shape, dtype=from_numpy(part[:0]).dtype))
+                    seg[pc.offset:pc.offset + pc.length] = from_numpy(np.array(part))
+            else:
+                state.setdefault(key, torch.as_tensor(np.array(value)))
+        masters = got.get(f"master.{name}")
+        if st.master.data_ptr() != st.segment.data_ptr():
+            with torch.no_grad():
+                if masters is None:
+                    for pc in runs:
+                        st.master[pc.offset:pc.offset + pc.length] = st.segment[pc.offset:pc.offset + pc.length]
+                else:
+                    for pc, part in zip(runs, masters, strict=True):
+                        st.master[pc.offset:pc.offset + pc.length] = from_numpy(np.array(part))
+    return state

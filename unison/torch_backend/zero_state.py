@@ -1,0 +1,168 @@
+"""What a ZeRO optimizer shows the outside: ``state_dict()`` in torch's own format, the global
+gradient norm, and which optimizers can be sharded at all.
+
+``state_dict()`` is *consolidated*: every rank all-gathers the segments of each piece of state
+and returns the dictionary a plain ``torch.optim`` optimizer of the same class would have
+(keyed by parameter index, full shapes), so it loads into an unsharded optimizer, and
+``load_state_dict()`` accepts it on any number of ranks (each rank keeps its own slices).
+It is collective: every rank of the optimizer's process set must call it, and it holds the
+full state on every rank for a moment. For models whose state does not fit once per rank,
+save shards instead (``unison.torch_backend.save_sharded``, docs/zero.md).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from unison.common.engine import frontend
+from unison.common.ops import Max, Sum
+from unison.torch_backend.tensors import from_numpy, to_numpy
+
+__all__ = ["ZeroStateMixin", "check_optimizer", "ELEMENTWISE", "NOT_SHARDABLE"]
+
+# Optimizers whose update of each element depends only on that element's gradient and state:
+# stepping a flat slice gives the same numbers as stepping the whole tensors.
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "Adagrad", "Adadelta",
+               "ASGD")
+NOT_SHARDABLE = {
+    "LBFGS": "its step re-evaluates a closure and keeps a history of whole-model directions",
+    "SparseAdam": "it needs sparse gradients, which a bucket's reduce-scatter makes dense",
+    "Adafactor": "it factors the second moment of each matrix into row and column statistics, which a "
+                 "flat slice of the matrix does not have",
+    "Muon": "it orthogonalises each whole matrix update, which needs the full matrix",
+}
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Raise unless ``optimizer``'s update is elementwise (so a flat shard of it is exact).
+
+    Raises:
+        ValueError: a known non-elementwise optimizer, or an unknown class not marked
+            ``_unison_elementwise = True``.
+    """
+    cls = type(optimizer)
+    for klass in cls.__mro__:
+        if getattr(klass, "_unison_elementwise", False):
+            return
+        if klass.__module__.startswith("torch.optim") and klass.__name__ in NOT_SHARDABLE:
+            raise ValueError(f"{cls.__name__} cannot be sharded with zero_stage: {NOT_SHARDABLE[klass.__name__]}."
+                             " Use zero_stage=0, or an elementwise optimizer (Adam, AdamW, SGD, ...)")
+        if klass.__module__.startswith("torch.optim") and klass.__name__ in ELEMENTWISE:
+            return
+    raise ValueError(f"{cls.__name__} is not a torch.optim optimizer known to be elementwise, so Unison cannot "
+                     "tell whether stepping a flat slice of the parameters gives the same numbers. If each "
+                     "element's update depends only on that element's gradient and state, set "
+                     f"`{cls.__name__}._unison_elementwise = True`; otherwise use zero_stage=0")
+
+
+class ZeroStateMixin:
+    """State dictionaries and gradient clipping for ``_ZeroOptimizer`` (uses its buckets and plan)."""
+
+    # ------------------------------------------------------------- state_dict
+    def _all_params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Torch's format, full shapes, on every rank (collective; see the module docstring)."""
+        self._sync_hyperparameters()
+        index = {id(p): i for i, p in enumerate(self._all_params())}
+        state: dict[int, dict[str, Any]] = {}
+        for st in self._buckets:
+            inner = self._inner.state.get(st.master, {})
+            for key in sorted(inner):
+                value = inner[key]
+                if torch.is_tensor(value) and value.shape == st.master.shape:
+                    full = from_numpy(frontend.allgather(to_numpy(value.detach()),
+                                                         f"{self._base}.sd{st.bucket.index}.{key}", self._pset))
+                    for piece, p in zip(st.bucket.pieces, st.params, strict=True):
+                        part = full[piece.offset:piece.offset + piece.length].view(p.shape).clone()
+                        state.setdefault(index[id(p)], {})[key] = part
+                else:
+                    for p in st.params:
+                        copy = value.clone() if torch.is_tensor(value) else value
+                        state.setdefault(index[id(p)], {})[key] = copy
+        groups, start = [], 0
+        for g in self.param_groups:
+            n = len(g["params"])
+            hyper = {k: v for k, v in g.items() if k != "params"}
+            groups.append({**hyper, "params": list(range(start, start + n))})
+            start += n
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load torch's format (from this or a plain optimizer, saved on any number of ranks).
+
+        Raises:
+            ValueError: the parameter groups or sizes do not match this optimizer's.
+        """
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups) or any(
+                len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups, strict=True)):
+            raise ValueError("the state dict's parameter groups "
+                             f"{[len(g['params']) for g in groups]} do not match this optimizer's "
+                             f"{[len(g['params']) for g in self.param_groups]}; load a state dict saved from "
+                             "an optimizer over the same parameters")
+        for mine, saved in zip(self.param_groups, groups, strict=True):
+            mine.update({k: v for k, v in saved.items() if k != "params"})
+        params = self._all_params()
+        saved_state = {int(k): v for k, v in state_dict["state"].items()}
+        by_param = {id(params[i]): s for i, s in saved_state.items()}
+        for st in self._buckets:
+            with torch.no_grad():
+                if st.master.data_ptr() != st.segment.data_ptr():  # fp32 master of half weights
+                    st.master.copy_(st.segment.float())
+            self._inner.state[st.master] = self._segment_state(st, by_param)
+        self._sync_hyperparameters()
+
+    def _segment_state(self, st: Any, by_param: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        """This rank's slice of the saved state of the bucket's parameters."""
+        have = [by_param[id(p)] for p in st.params if id(p) in by_param]
+        if not have:
+            return {}
+        out: dict[str, Any] = {}
+        owned = st.bucket.owned(self._rank)
+        for key, value in have[0].items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.shape == st.params[0].shape:
+                seg = torch.zeros(st.master.shape, dtype=st.master.dtype)
+                for piece in owned:
+                    p = st.params[[q.name for q in st.bucket.pieces].index(piece.name)]
+                    src = by_param.get(id(p), {}).get(key)
+                    if src is None or tuple(src.shape) != tuple(p.shape):
+                        raise ValueError(f"the saved state {key!r} of parameter {piece.name!r} has shape "
+                                         f"{None if src is None else tuple(src.shape)}; expected {tuple(p.shape)}")
+                    seg[piece.offset:piece.offset + piece.length] = src.reshape(-1)[
+                        piece.param_offset:piece.param_offset + piece.length].to(seg.dtype)
+                out[key] = seg
+            else:
+                out[key] = value.clone() if torch.is_tensor(value) else value
+        return out
+
+    # ------------------------------------------------------------- clipping
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip every shard's gradient by the *global* norm (all ranks' shards together); return it.
+
+        Synchronizes first when ``step()`` has not; the next ``step()`` then does not again.
+        Equals ``torch.nn.utils.clip_grad_norm_`` over the full averaged gradients.
+        """
+        if not self._synchronized:
+            self.synchronize()
+        grads = [st.master.grad for st in self._buckets if st.master.grad is not None]
+        norm_type = float(norm_type)
+        if math.isinf(norm_type):
+            local = max((g.detach().abs().max().item() for g in grads), default=0.0)
+            total = float(frontend.allreduce(np.array([local], np.float64), Max,
+                                             f"{self._base}.clipnorm", process_set=self._pset)[0])
+        else:
+            local = sum(float((g.detach().double().abs() ** norm_type).sum()) for g in grads)
+            summed = frontend.allreduce(np.array([local], np.float64), Sum, f"{self._base}.clipnorm",
+                                        process_set=self._pset)
+            total = float(summed[0]) ** (1 / norm_type)
+        coef = min(1.0, float(max_norm) / (total + 1e-6))
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return torch.tensor(total)
