@@ -37,6 +37,7 @@ bench: venv
 	$(VENV)/bin/unisonrun -np $(NP) $(PY) benchmarks/keras_training.py --json out/keras.json
 	$(PY) benchmarks/pipeline.py --json out/pipeline.json --png-dir out/pipeline
 	$(PY) benchmarks/hosts.py --json out/hosts.json
+	$(PY) benchmarks/zero.py --json out/zero.json --png out/zero_bytes.png
 
 lint: venv
 	$(VENV)/bin/ruff check unison tests benchmarks examples

@@ -6,6 +6,8 @@ every rank with the whole global batch, so each comparison holds on every rank.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from mpi4py import MPI
 from torch import nn
 
 import unison.torch_backend as hvd
+from unison.common import checkpoints as ck
 from unison.torch_backend.zero3 import (
     clip_sharded_grad_norm_,
     full_state_dict,
@@ -126,6 +129,14 @@ def assert_same_as_reference(model: nn.Module, ref: nn.Module, atol: float = 2e-
 def train_both(kind: str, opt_name: str, steps: int = 3, b: int = 3, passes: int = 1,
                clip: float | None = None, **shard_kw) -> tuple[nn.Module, nn.Module, list]:
     """Train a sharded model (ranks start from different weights: rank 0's win) and the reference."""
+    model, ref, norms, _, _ = train_pair(kind, opt_name, steps, b, passes, clip, **shard_kw)
+    return model, ref, norms
+
+
+def train_pair(kind: str, opt_name: str, steps: int = 3, b: int = 3, passes: int = 1,
+               clip: float | None = None, **shard_kw) -> tuple[nn.Module, nn.Module, list, torch.optim.Optimizer,
+                                                               torch.optim.Optimizer]:
+    """:func:`train_both`, also returning the two optimizers."""
     model, ref = make(kind, seed=100 + R), make(kind, seed=100)
     shard_module(model, **shard_kw)
     opt, ref_opt = make_opt(opt_name, model.parameters()), make_opt(opt_name, ref.parameters())
@@ -142,7 +153,7 @@ def train_both(kind: str, opt_name: str, steps: int = 3, b: int = 3, passes: int
                           float(nn.utils.clip_grad_norm_(ref.parameters(), clip))))
         opt.step()
         ref_opt.step()
-    return model, ref, norms
+    return model, ref, norms, opt, ref_opt
 
 
 # ----------------------------------------------------------------- equivalence
@@ -184,7 +195,8 @@ def test_clip_equals_unsharded_clip(norm_type):
         x, y = global_batch("mlp", step, 3)
         nn.functional.mse_loss(model(mine(x, 3)), mine(y, 3)).backward()
         nn.functional.mse_loss(ref(x), y).backward()
-        got = float(clip_sharded_grad_norm_(model, 0.05, norm_type))
+        clip = hvd.clip_grad_norm_ if norm_type == 2.0 else clip_sharded_grad_norm_  # the public name dispatches
+        got = float(clip(model, 0.05, norm_type))
         want = float(nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type))
         assert want > 0.05  # the clip really scales
         assert got == pytest.approx(want, rel=1e-5)
@@ -290,6 +302,205 @@ def test_bfloat16_unit_round_trips_exactly():
     with torch.no_grad():
         assert torch.equal(model(x), ref(x))
 
+
+def half_mlp() -> nn.Module:
+    """Two bfloat16 layers (7x5 + 5 and 5x3 + 3 parameters)."""
+    return nn.Sequential(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3)).to(torch.bfloat16)
+
+
+def half_data(step: int, b: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(700 + step)
+    return torch.randn(N * b, 7, generator=g), torch.randn(N * b, 3, generator=g)
+
+
+def owned_values(model: nn.Module, values: dict[str, torch.Tensor]):
+    """(this rank's master run, the same run cut from the full tensor ``values[name]``) per owned run."""
+    for unit in model._unison_zero3.units:
+        for name in unit.names:
+            flat = unit.flats[unit.flat_of[unit.index[name]]]
+            for pc in unit.owned.get(name, []):
+                full = values[name].detach().reshape(-1)
+                yield (flat.shard.detach()[pc.offset:pc.offset + pc.length],
+                       full[pc.param_offset:pc.param_offset + pc.length])
+
+
+def test_bfloat16_parameters_step_fp32_masters():
+    """The optimizer steps float32 masters; forward and backward see them rounded to bfloat16."""
+    torch.manual_seed(3)
+    model = half_mlp()
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    plain, compute = half_mlp(), half_mlp()  # plain: bfloat16 SGD; compute + masters: the reference
+    plain.load_state_dict(start)
+    masters = {k: v.float().requires_grad_(True) for k, v in start.items()}
+    shard_module(model)
+    assert all(p.dtype == torch.float32 for p in model.parameters()), "model.parameters() are the fp32 masters"
+    lr = 1e-4  # each update is far below bfloat16's resolution near these weights
+    opt, plain_opt = torch.optim.SGD(model.parameters(), lr=lr), torch.optim.SGD(plain.parameters(), lr=lr)
+    master_opt = torch.optim.SGD(masters.values(), lr=lr)
+    for step in range(3):
+        x, y = half_data(step)
+        with torch.no_grad():
+            for k, p in compute.named_parameters():
+                p.copy_(masters[k].bfloat16())
+        for m, o, (xs, ys) in ((model, opt, (mine(x, 3), mine(y, 3))), (plain, plain_opt, (x, y)),
+                               (compute, None, (x, y))):
+            m.zero_grad()
+            nn.functional.mse_loss(m(xs.bfloat16()).float(), ys).backward()
+            if o is not None:
+                o.step()
+        for k, p in compute.named_parameters():
+            masters[k].grad = p.grad.float()
+        master_opt.step()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+    assert full_state_dict(model)["0.weight"].dtype == torch.bfloat16
+    moved = torch.cat([(p.detach() != start[k]).reshape(-1) for k, p in plain.state_dict().items()])
+    assert moved.float().mean() < 0.5, "plain bfloat16 SGD was expected to round most updates away"
+    full, starts = full_state_dict(model), {k: v.float() for k, v in start.items()}
+    held = owned = 0
+    got, want = [], []
+    for (master, ref_master), (_, gathered), (_, first) in zip(
+            owned_values(model, masters), owned_values(model, full), owned_values(model, starts), strict=True):
+        assert torch.equal(gathered, master.bfloat16()), "the gathered weights are the masters, rounded"
+        held += int((master != master.bfloat16().float()).sum())  # precision bfloat16 cannot hold
+        owned += master.numel()
+        got.append(master - first)
+        want.append(ref_master - first)
+    assert held > 0.5 * owned, f"the fp32 masters keep updates bfloat16 rounds away ({held}/{owned})"
+    got_t, want_t = torch.cat(got), torch.cat(want)
+    scale = float(want_t.abs().max())
+    assert scale > 0
+    np.testing.assert_allclose(got_t.numpy(), want_t.numpy(), rtol=0.05, atol=0.03 * scale,
+                               err_msg="master updates differ from one process stepping fp32 masters")
+    mem = zero3_memory(model)
+    shard_numel = sum(p.numel() for p in model.parameters())
+    assert mem["master_bytes"] == mem["shard_bytes"] == 4 * shard_numel
+    assert mem["grad_bytes"] == mem["shard_bytes"]
+    assert mem["full_param_bytes"] == 2 * sum(v.numel() for v in start.values())
+    in_own_dtype = shard_module(half_mlp(), master_weights=False)
+    assert all(p.dtype == torch.bfloat16 for p in in_own_dtype.parameters())
+    assert zero3_memory(in_own_dtype)["master_bytes"] == 0
+
+
+# ----------------------------------------------------------------- sharded checkpoints (hvd.save_sharded)
+CKPT = os.environ.get("ZERO_CKPT_DIR")
+
+
+def continue_steps(pairs, first: int, b: int = 3) -> None:
+    """Two more steps of each (model, optimizer, sharded?) on the global batch (a sharded one on its part)."""
+    for step in range(first, first + 2):
+        x, y = global_batch("mlp", step, b)
+        for m, o, sharded in pairs:
+            o.zero_grad()
+            xs, ys = (mine(x, b), mine(y, b)) if sharded else (x, y)
+            nn.functional.mse_loss(m(xs), ys).backward()
+            o.step()
+
+
+def assert_plain_matches(plain: nn.Module, ref: nn.Module, atol: float = 2e-5) -> None:
+    for key, value in ref.state_dict().items():
+        np.testing.assert_allclose(plain.state_dict()[key].double().numpy(), value.double().numpy(), rtol=1e-4,
+                                   atol=atol, err_msg=key)
+
+
+def assert_runs_equal(model: nn.Module, opt: torch.optim.Optimizer, key: str,
+                      full: dict[str, torch.Tensor]) -> None:
+    """This rank's runs of optimizer state ``key`` equal the same elements of the full tensors, bit for bit."""
+    state = {id(p): opt.state[p][key] for p in model.parameters() if p in opt.state}
+    for unit in model._unison_zero3.units:
+        for name in unit.names:
+            flat = unit.flats[unit.flat_of[unit.index[name]]]
+            for pc in unit.owned.get(name, []):
+                got = state[id(flat.shard)][pc.offset:pc.offset + pc.length]
+                want = full[name].reshape(-1)[pc.param_offset:pc.param_offset + pc.length]
+                assert torch.equal(got, want), (key, name, pc)
+
+
+@pytest.mark.skipif(not CKPT, reason="the checkpoint test runs from tests/test_torch_zero3_mpi.py")
+def test_sharded_checkpoint_saved_at_4_loads_at_any_size():
+    """Stage 3 + Adam saved at 4 ranks (each rank its runs) resumes at N ranks into stage 3, a plain model +
+    plain Adam and stage 1, all continuing like one process; bfloat16 masters come back bit for bit; a stage 1
+    checkpoint loads back into stage 3."""
+    path, ref_path, half_path = (os.path.join(CKPT, n) for n in ("zero3_sharded", "zero3_ref.pt", "zero3_bf16"))
+    if N == 4:
+        model, ref, _, opt, ref_opt = train_pair("mlp", "adam", steps=2)
+        with pytest.raises(ValueError, match="not shards of this model"):
+            hvd.save_sharded(path, model, make_opt("adam", make("mlp", seed=1).parameters()))
+        hvd.save_sharded(path, model, opt, metadata={"step": 2})
+        half = shard_module(half_mlp())
+        half_opt = torch.optim.SGD(half.parameters(), lr=1e-4, momentum=0.9)
+        for step in range(2):
+            x, y = half_data(step)
+            half_opt.zero_grad()
+            nn.functional.mse_loss(half(mine(x, 3).bfloat16()).float(), mine(y, 3)).backward()
+            half_opt.step()
+        hvd.save_sharded(half_path, half, half_opt)
+        if R == 0:
+            from unison.common.files import atomic_path
+
+            with atomic_path(ref_path) as tmp:
+                torch.save({"model": ref.state_dict(), "opt": ref_opt.state_dict()}, tmp)
+        WORLD.Barrier()
+    assert os.path.exists(ref_path), f"{ref_path} missing: the np 4 launch must run first"
+    saved = torch.load(ref_path)
+    ref = make("mlp", seed=0)
+    ref.load_state_dict(saved["model"])
+    ref_opt = make_opt("adam", ref.parameters())
+    ref_opt.load_state_dict(saved["opt"])
+    model = shard_module(make("mlp", seed=7))
+    opt = make_opt("adam", model.parameters())
+    assert hvd.load_sharded(path, model, opt) == {"step": 2}
+    plain = make("mlp", seed=8)
+    plain_opt = make_opt("adam", plain.parameters())
+    hvd.load_sharded(path, plain, plain_opt)  # a plain model and optimizer, on every rank
+    staged = make("mlp", seed=9)
+    staged_opt = hvd.DistributedOptimizer(make_opt("adam", staged.parameters()),
+                                          named_parameters=staged.named_parameters(), zero_stage=1)
+    hvd.load_sharded(path, staged, staged_opt)
+    # the runs this rank read equal the same elements read whole by the plain path, bit for bit
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert_runs_equal(model, opt, key, {n: plain_opt.state[p][key] for n, p in plain.named_parameters()})
+    assert all(torch.equal(v, full_state_dict(model)[k]) for k, v in plain.state_dict().items())
+    # a plain optimizer's checkpoint numbers its state: the weights load into stage 3, the state is refused
+    plain_path = os.path.join(CKPT, f"plain_at_{N}")
+    hvd.save_sharded(plain_path, plain, plain_opt)
+    weights_only = shard_module(make("mlp", seed=12))
+    with pytest.raises(ValueError, match="saved from a plain optimizer"):
+        hvd.load_sharded(plain_path, weights_only, make_opt("adam", weights_only.parameters()))
+    hvd.load_sharded(plain_path, weights_only)
+    assert all(torch.equal(v, full_state_dict(weights_only)[k]) for k, v in plain.state_dict().items())
+    continue_steps([(model, opt, True), (ref, ref_opt, False), (plain, plain_opt, False),
+                    (staged, staged_opt, True)], first=20)
+    assert_same_as_reference(model, ref)
+    assert_plain_matches(plain, ref)
+    assert_plain_matches(staged, ref)
+
+    # and back: a stage 1 checkpoint (another layout, saved at this rank count) loads into stage 3
+    back = os.path.join(CKPT, f"zero1_at_{N}")
+    hvd.save_sharded(back, staged, staged_opt)
+    again = shard_module(make("mlp", seed=11))
+    again_opt = make_opt("adam", again.parameters())
+    hvd.load_sharded(back, again, again_opt)
+    assert all(torch.equal(v, full_state_dict(again)[k]) for k, v in staged.state_dict().items())
+    whole = staged_opt.state_dict()["state"]  # torch's format, full shapes (a collective)
+    names = [n for n, _ in staged.named_parameters()]
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert_runs_equal(again, again_opt, key, {n: whole[i][key] for i, n in enumerate(names)})
+
+    half = shard_module(half_mlp())
+    half_opt = torch.optim.SGD(half.parameters(), lr=1e-4, momentum=0.9)
+    hvd.load_sharded(half_path, half, half_opt)
+    names = [n for u in half._unison_zero3.units for n in u.names]
+    whole = ck.load(half_path, {e: "full" for n in names for e in (f"master.{n}", f"optim.{n}.momentum_buffer")})
+    masters = {n: torch.from_numpy(np.array(whole[f"master.{n}"])) for n in names}
+    buffers = {n: torch.from_numpy(np.array(whole[f"optim.{n}.momentum_buffer"])) for n in names}
+    held = 0
+    for (master, want), (_, weight) in zip(owned_values(half, masters), owned_values(half, full_state_dict(half)),
+                                           strict=True):
+        assert torch.equal(master, want), "the fp32 masters are restored bit for bit"
+        assert torch.equal(weight, master.bfloat16())
+        held += int((master != master.bfloat16().float()).sum())
+    assert held > 0, "the saved masters hold precision bfloat16 cannot"
+    assert_runs_equal(half, half_opt, "momentum_buffer", buffers)
 
 # ----------------------------------------------------------------- memory
 def reachable_bytes(model: nn.Module) -> int:

@@ -213,11 +213,28 @@ class _ZeroOptimizer(ZeroStateMixin):
         """Wait for the bucket's reduce-scatter and put (stage 2: add) the result in the shard's gradient."""
         result = self._compression.decompress(st.handle.wait(), st.ctx)
         st.handle = None
-        seg = from_numpy(result).to(st.master.dtype)
-        if st.master.grad is None or self.zero_stage == 1:
-            st.master.grad = seg
+        seg = from_numpy(result)
+        if self.zero_stage == 1 and st.master.dtype == st.grad_flat.dtype:
+            # into the bucket's own gradient buffer: the segment's gradient costs no extra memory
+            lo, hi = st.bucket.segment(self._rank)
+            own = st.grad_flat[lo:hi]
+            with torch.no_grad():
+                own.copy_(seg)
+            st.master.grad = own
+        elif st.master.grad is None or self.zero_stage == 1:
+            st.master.grad = seg.to(st.master.dtype)
         else:
-            st.master.grad.add_(seg)
+            st.master.grad.add_(seg.to(st.master.dtype))
+
+    def zero_working_bytes(self) -> int:
+        """Bytes held now beyond ZeRO's formula (docs/zero.md): the fp32 gradients of half-precision
+        weights' master segments (the formula counts gradients in the weights' dtype)."""
+        extra = 0
+        for st in self._buckets:
+            g = st.master.grad
+            if g is not None and g.dtype != st.flat.dtype:
+                extra += g.numel() * (g.element_size() - (st.flat.element_size() if self.zero_stage == 2 else 0))
+        return extra
 
     # ------------------------------------------------------------- public
     def synchronize(self) -> None:

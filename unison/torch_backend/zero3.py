@@ -46,7 +46,9 @@ Rules for users
       :func:`full_state_dict` gives the ordinary keys and full tensors, which a plain module loads,
       and :func:`load_full_state_dict` loads such a dict into a sharded model.
     - Clip with :func:`clip_sharded_grad_norm_`: the norm of the whole gradient, not a shard's.
-    - CPU tensors; mixed precision with fp32 master weights is not part of stage 3 yet.
+    - CPU tensors. Trainable float16/bfloat16 parameters get float32 master shards
+      (``master_weights=True``, [Note: ZeRO-3 master weights] in ``zero3_unit.py``): the optimizer
+      steps float32, forward and backward run in the parameters' dtype.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ class _Found:
 def shard_module(model: torch.nn.Module, process_set: ProcessSet | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, prefetch: bool = True,
                  unit_classes: tuple[type, ...] | None = None,
-                 sync_module_states: bool = True) -> torch.nn.Module:
+                 sync_module_states: bool = True, master_weights: bool = True) -> torch.nn.Module:
     """Shard ``model``'s parameters over the ranks of ``process_set`` (ZeRO stage 3), in place.
 
     Args:
@@ -110,6 +112,9 @@ def shard_module(model: torch.nn.Module, process_set: ProcessSet | None = None,
         unit_classes: module classes whose instances are units (default: every module that
             directly owns parameters is a unit).
         sync_module_states: first broadcast rank 0's parameters and buffers.
+        master_weights: keep float32 master shards for trainable float16/bfloat16 parameters
+            (the optimizer steps them; the gathered weights are rounded from them). False trains
+            half-precision parameters in their own dtype.
 
     Returns:
         ``model`` itself, now sharded.
@@ -129,7 +134,9 @@ def shard_module(model: torch.nn.Module, process_set: ProcessSet | None = None,
     error, found, mine = None, [], ("",)  # type: tuple[Exception | None, list[_Found], tuple]
     try:
         found = _discover(model, unit_classes, prefetch)
-        mine = ("ok", _signature(found, world, bucket_bytes), sum(len(f.params) for f in found))
+        if not isinstance(master_weights, bool):
+            raise TypeError(f"master_weights={master_weights!r} must be True or False")
+        mine = ("ok", _signature(found, world, bucket_bytes, master_weights), sum(len(f.params) for f in found))
     except (TypeError, ValueError, RuntimeError) as exc:
         error, mine = exc, ("error", type(exc).__name__, str(exc))
     _agree(allgather_object(mine, f"{tag}.agree", ps), error, rank)
@@ -137,7 +144,7 @@ def shard_module(model: torch.nn.Module, process_set: ProcessSet | None = None,
         _broadcast_from_first(model, tag, ps)
     keys = _state_keys(model, found)
     units = [build_unit(f.name, f.module, f.params, f.names, f.refs, f"{tag}.u{i}", rank, world,
-                        bucket_bytes, ps) for i, f in enumerate(found)]
+                        bucket_bytes, ps, master_weights) for i, f in enumerate(found)]
     for unit in units:
         install(unit)
         unit.module.__dict__["_unison_zero3_unit"] = True
@@ -218,9 +225,9 @@ def _visit(mod: torch.nn.Module, prefix: str, current: _Found | None, model: tor
             _visit(child, f"{prefix}{cname}.", current, model, classes, units, owner, seen)
 
 
-def _signature(found: list[_Found], world: int, bucket_bytes: int) -> str:
+def _signature(found: list[_Found], world: int, bucket_bytes: int, master_weights: bool) -> str:
     """A digest of every unit's plan: equal on ranks that will shard identically."""
-    desc = []
+    desc: list[Any] = [["master_weights", master_weights]]
     for f in found:
         desc.append([f.name, ShardPlan.build(param_specs(f.names, f.params), world, bucket_bytes).signature()])
     return hashlib.sha256(json.dumps(desc).encode()).hexdigest()[:16]
@@ -238,7 +245,7 @@ def _agree(everyone: list[tuple], error: Exception | None, rank: int) -> None:
         detail = ", ".join(f"rank {r}: {e[1]} ({e[2]} parameters)" for r, e in enumerate(everyone))
         raise ValueError(f"ranks would shard different models (plan signatures {detail}; this is rank {rank}). "
                          "Every rank must build the same model (parameter names, shapes, dtypes) and pass "
-                         "the same bucket_bytes and unit_classes")
+                         "the same bucket_bytes, unit_classes and master_weights")
 
 
 def _broadcast_from_first(model: torch.nn.Module, tag: str, ps: ProcessSet | None) -> None:
@@ -352,14 +359,17 @@ def zero3_memory(model: torch.nn.Module) -> dict[str, int]:
     """Bytes this rank holds for a sharded model now, counted from the allocated storages.
 
     Returns:
-        ``shard_bytes`` (the flat shards), ``grad_bytes`` (their ``.grad``), ``gathered_bytes``
-        (full unit buffers allocated now), ``peak_gathered_bytes`` (the most held at once so far),
-        ``full_param_bytes`` (the unsharded model's parameter bytes, for comparison).
+        ``shard_bytes`` (the flat shards, float32 masters included), ``master_bytes`` (the part of
+        ``shard_bytes`` that is float32 masters of half-precision parameters), ``grad_bytes``
+        (their ``.grad``), ``gathered_bytes`` (full unit buffers allocated now),
+        ``peak_gathered_bytes`` (the most held at once so far), ``full_param_bytes`` (the unsharded
+        model's parameter bytes in their own dtypes, for comparison).
     """
     state = _sharded(model, "zero3_memory")
     flats = [f for u in state.units for f in u.flats.values()]
     return {
         "shard_bytes": sum(f.shard.untyped_storage().nbytes() for f in flats),
+        "master_bytes": sum(f.shard.untyped_storage().nbytes() for f in flats if f.master),
         "grad_bytes": sum(f.shard.grad.untyped_storage().nbytes() for f in flats if f.shard.grad is not None),
         "gathered_bytes": sum(u.full_bytes() for u in state.units),
         "peak_gathered_bytes": state.peak_gathered_bytes,

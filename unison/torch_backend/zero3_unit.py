@@ -11,6 +11,15 @@ more buckets per dtype, each padded to a multiple of N). For each dtype the unit
     full   plain tensor, sum of the padded buckets    storage resized to 0 bytes while not in use
     views  full[base + piece.offset : ...].view(shape) one per parameter, set as the module's attribute
 
+[Note: ZeRO-3 master weights]
+For trainable float16/bfloat16 parameters (``masters=True``, the default) the shard is float32:
+the fp32 master copy of this rank's segment, which the optimizer steps and keeps state for,
+while ``full`` and the views stay in the parameter's dtype. A gather rounds the segment to the
+half dtype before the all-gather (half the bytes on the wire, and every rank rounds its own
+segment the same way); a reduce-scatter runs in the half dtype and its result is added into the
+float32 ``shard.grad``. So an update smaller than the half dtype's resolution is kept in the
+master and reaches the gathered weights once the sum of such updates is large enough.
+
 The views are leaf tensors that require grad and share ``full``'s storage, so gathering is
 "resize the storage back and copy the all-gathered buckets in" and freeing is
 ``full.untyped_storage().resize_(0)``: the views never change identity, and autograd's saved
@@ -72,11 +81,17 @@ class ParamRef:
 class Flat:
     """One dtype of one unit: shard, full buffer and its buckets (see [Note: ZeRO-3 unit buffers])."""
 
-    dtype: torch.dtype
+    dtype: torch.dtype  # the parameters' (and ``full``'s) dtype; ``shard.dtype`` differs for masters
     buckets: list[tuple[Bucket, int]]  # (bucket, its base offset in ``full``)
     shard: torch.nn.Parameter
     full: torch.Tensor
     full_bytes: int
+    master: bool = False  # ``shard`` is the float32 master of half-precision parameters
+
+    def segment(self, b: Bucket) -> torch.Tensor:
+        """This rank's segment of bucket ``b`` in the parameters' dtype (rounded from the master)."""
+        seg = self.shard.detach()[b.shard_offset:b.shard_offset + b.segment_size]
+        return seg.to(self.dtype) if self.master else seg
 
     def is_allocated(self) -> bool:
         return self.full.untyped_storage().nbytes() > 0
@@ -144,17 +159,17 @@ class Unit:
         if self.gathers or self.is_gathered():
             return
         for key, flat in self.flats.items():
-            shard = to_numpy(flat.shard)
             for b, base in flat.buckets:
-                seg = shard[b.shard_offset:b.shard_offset + b.segment_size]
-                h = frontend.allgather_async(seg, f"{self.tag}.{key}.b{b.index}.gather", self.process_set)
-                self.gathers.append((flat, b, base, h))
+                seg = flat.segment(b)  # kept referenced (in ``gathers``) until the gather lands
+                h = frontend.allgather_async(to_numpy(seg), f"{self.tag}.{key}.b{b.index}.gather",
+                                             self.process_set)
+                self.gathers.append((flat, b, base, (h, seg)))
 
     def finish_gather(self) -> None:
         """Wait for the gathers and write them into the (re-allocated) full buffers."""
         self.start_gather()
         pending, self.gathers = self.gathers, []
-        for flat, b, base, h in pending:
+        for flat, b, base, (h, _) in pending:
             arr = frontend.synchronize(h)
             flat.allocate()
             # .data: a refill must not bump the version counter autograd checks (see the Note);
@@ -199,7 +214,7 @@ class Unit:
         self.needs_reduce = False
 
     def finish_reduce(self) -> None:
-        """Wait for the reduce-scatters; add each result into the shard's ``.grad``."""
+        """Wait for the reduce-scatters; add each result into the shard's ``.grad`` (float32 for masters)."""
         pending, self.reduces = self.reduces, []
         for flat, b, h in pending:
             seg = from_numpy(frontend.synchronize(h)).reshape(-1)
@@ -213,19 +228,24 @@ class Unit:
         """Copy this rank's runs of parameter ``index`` from the full tensor ``value`` into the shard."""
         name = self.names[index]
         flat = self.flats[self.flat_of[index]]
-        src = value.detach().reshape(-1).to(flat.dtype)
+        src = value.detach().reshape(-1).to(flat.shard.dtype)
         for piece in self.owned.get(name, []):
             with torch.no_grad():
                 flat.shard[piece.offset:piece.offset + piece.length].copy_(
                     src[piece.param_offset:piece.param_offset + piece.length])
 
 
+HALF = (torch.float16, torch.bfloat16)
+
+
 def build_unit(name: str, module: torch.nn.Module, params: list[torch.nn.Parameter], names: list[str],
                refs: list[ParamRef], tag: str, rank: int, world: int, bucket_bytes: int,
-               process_set: ProcessSet | None) -> Unit:
+               process_set: ProcessSet | None, masters: bool = True) -> Unit:
     """Make ``module``'s unit from its (full, identical on every rank) parameters.
 
-    The full buffers are left freed; nothing is installed on the module yet (see :func:`install`).
+    With ``masters``, trainable half-precision parameters get a float32 shard ([Note: ZeRO-3 master
+    weights]). The full buffers are left freed; nothing is installed on the module yet (see
+    :func:`install`).
     """
     plan = ShardPlan.build(param_specs(names, params), world, bucket_bytes)
     index = {n: i for i, n in enumerate(names)}
@@ -246,9 +266,11 @@ def build_unit(name: str, module: torch.nn.Module, params: list[torch.nn.Paramet
                 v = full[off + piece.offset:off + piece.offset + piece.length].view(p.shape)
                 views[index[piece.name]] = v.requires_grad_(p.requires_grad)
                 flat_of[index[piece.name]] = flat_key(key)
-        shard = torch.nn.Parameter(torch.zeros(plan.shard_numel(key), dtype=dtype), requires_grad=key[0] == 0)
+        master = masters and key[0] == 0 and dtype in HALF
+        shard = torch.nn.Parameter(torch.zeros(plan.shard_numel(key), dtype=torch.float32 if master else dtype),
+                                   requires_grad=key[0] == 0)
         shard._unison_zero3_shard = True  # type: ignore[attr-defined]  # lets other wrappers refuse it
-        flats[flat_key(key)] = Flat(dtype, buckets, shard, full, full.untyped_storage().nbytes())
+        flats[flat_key(key)] = Flat(dtype, buckets, shard, full, full.untyped_storage().nbytes(), master)
     unit = Unit(name, module, list(names), refs, plan, flats, flat_of, views,  # type: ignore[arg-type]
                 tag, process_set, rank)
     for i, p in enumerate(params):

@@ -7,7 +7,8 @@ else (buffers, frozen parameters, the step counts) is written once. Entries are 
 model's ``state_dict`` keys (``model.<key>``) and the parameter names (``optim.<name>.<state>``,
 ``master.<name>``), with the flat ranges of the full tensors, so a checkpoint saved on N ranks
 loads on any M: each rank reads the ranges its own plan gives it, or whole tensors for a plain
-optimizer. ``consolidated=True`` writes one file from rank 0 instead of a folder.
+optimizer. ``consolidated=True`` writes one file from rank 0 instead of a folder. A model sharded
+by ``shard_module`` (stage 3) is handled by ``zero3_checkpoint.py`` with the same entry names.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ def _comm(optimizer: Any) -> Any:
                          f"{pset!r} is a subset. Save with the global process set")
     st = runtime.state("unison.torch_backend.save_sharded()")
     return st.comm if st.size > 1 else None
+
+
+def _stage3(model: Any) -> bool:
+    return isinstance(model, torch.nn.Module) and getattr(model, "_unison_zero3", None) is not None
 
 
 def _is_zero(optimizer: Any) -> bool:
@@ -117,9 +122,11 @@ def save_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
 
     Args:
         path: a folder (sharded) or a file (``consolidated=True``) every rank can see.
-        model: the model whose ``state_dict`` is saved.
-        optimizer: a ZeRO ``DistributedOptimizer`` (each rank writes its shards), any other
-            optimizer (rank 0 writes its state), or None.
+        model: the model whose ``state_dict`` is saved, or a model sharded by ``shard_module``
+            (each rank writes its shards' runs of every parameter).
+        optimizer: a ZeRO ``DistributedOptimizer`` (each rank writes its shards), a plain
+            optimizer over a sharded model's shards (likewise), any other optimizer (rank 0
+            writes its state), or None.
         metadata: JSON-serializable extras (epoch, step, ...), returned by :func:`load_sharded`.
         consolidated: write one file from rank 0 instead of a file per rank.
 
@@ -129,6 +136,10 @@ def save_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
     Raises:
         unison.common.checkpoints.CheckpointError: on every rank, naming what failed.
     """
+    if _stage3(model):
+        from unison.torch_backend import zero3_checkpoint  # imports this module's helpers
+
+        return zero3_checkpoint.save(path, model, optimizer, metadata, consolidated)
     comm = _comm(optimizer)
     entries = _model_entries(model, optimizer)
     meta: dict[str, Any] = {"user": metadata or {}, "optimizer": None}
@@ -149,13 +160,18 @@ def load_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
 
     The model gets full weights; a ZeRO optimizer reads only its own segments of the state
     (under its own plan, whatever the saving run's rank count); a plain optimizer gets the
-    whole state.
+    whole state. A model sharded by ``shard_module`` (and a plain optimizer over its shards)
+    reads only the ranges of its own shards.
 
     Raises:
         unison.common.checkpoints.CheckpointError: a missing, corrupt or mismatched checkpoint.
         ValueError: the checkpoint holds no optimizer state but ``optimizer`` was given, or
             the model's keys differ from the saved ones.
     """
+    if _stage3(model):
+        from unison.torch_backend import zero3_checkpoint  # imports this module's helpers
+
+        return zero3_checkpoint.load(path, model, optimizer)
     comm = _comm(optimizer)
     manifest = ck.read_manifest(path)
     keys = list(model.state_dict().keys())
