@@ -89,7 +89,6 @@ from unison.torch_backend.pipeline import (
     pipeline_grid,
 )
 from unison.torch_backend.sync_batch_norm import SyncBatchNorm
-from unison.torch_backend.zero import clip_grad_norm_
 from unison.torch_backend.zero3 import (
     clip_sharded_grad_norm_,
     full_state_dict,
@@ -99,6 +98,7 @@ from unison.torch_backend.zero3 import (
 )
 from unison.torch_backend.zero_amp import GradScaler
 from unison.torch_backend.zero_checkpoint import load_sharded, save_sharded
+from unison.torch_backend.zero_state import clip_grad_norm_
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",

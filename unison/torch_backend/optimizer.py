@@ -38,7 +38,8 @@ from unison.common.zero import DEFAULT_BUCKET_BYTES, check_stage
 from unison.torch_backend.handles import Adasum, is_adasum
 from unison.torch_backend.mpi_ops import grouped_allreduce
 from unison.torch_backend.tensors import from_numpy, to_numpy
-from unison.torch_backend.zero import agree_on_stage, make_zero_optimizer
+from unison.torch_backend.zero import make_zero_optimizer
+from unison.torch_backend.zero_state import agree_on_stage
 
 __all__ = ["DistributedOptimizer"]
 

@@ -37,14 +37,13 @@ import torch
 from unison.common import runtime
 from unison.common.compression import Compression
 from unison.common.engine import frontend
-from unison.common.engine.objects import allgather_object
 from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.common.ops import Average, ReduceOp, Sum
 from unison.common.zero import DEFAULT_BUCKET_BYTES, Bucket, ParamSpec, ShardPlan
 from unison.torch_backend.tensors import from_numpy, to_numpy
-from unison.torch_backend.zero_state import ZeroStateMixin, check_optimizer
+from unison.torch_backend.zero_state import ZeroStateMixin, agree_on_stage, check_optimizer
 
-__all__ = ["make_zero_optimizer", "agree_on_stage", "clip_grad_norm_"]
+__all__ = ["make_zero_optimizer"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -356,23 +355,6 @@ def _specs(optimizer: torch.optim.Optimizer, named: list[tuple[str, torch.Tensor
     return specs
 
 
-def agree_on_stage(zero_stage: int, signature: str | None, process_set: ProcessSet | None) -> None:
-    """Every rank of the set compares ``(zero_stage, plan signature)``; a mismatch raises everywhere.
-
-    Raises:
-        ValueError: ranks wrapped different models, or asked for different stages.
-    """
-    if runtime.size() == 1:
-        return
-    mine = (zero_stage, signature)
-    everyone = allgather_object(mine, frontend._auto_name("DistributedOptimizer.agree", None), process_set)
-    if len(set(everyone)) > 1:
-        table = ", ".join(f"rank {r}: zero_stage={s}" + (f" plan {sig}" if sig else "")
-                          for r, (s, sig) in enumerate(everyone))
-        raise ValueError(f"ranks disagree on the DistributedOptimizer's sharding ({table}); every rank must "
-                         "wrap the same model's parameters with the same zero_stage")
-
-
 def make_zero_optimizer(optimizer: torch.optim.Optimizer, named: list[tuple[str, torch.Tensor]],
                         zero_stage: int, compression: Any = Compression.none,
                         backward_passes_per_step: int = 1, op: ReduceOp = Average,
@@ -402,23 +384,3 @@ def make_zero_optimizer(optimizer: torch.optim.Optimizer, named: list[tuple[str,
         wrapped.load_state_dict(optimizer.state_dict())
     return wrapped
 
-
-def clip_grad_norm_(target: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip sharded gradients by their global norm (every rank's shards together); return the norm.
-
-    ``target`` is a ZeRO stage 1/2 ``DistributedOptimizer`` (its ``clip_grad_norm_``) or a model
-    sharded by ``shard_module`` (stage 3). Call it on every rank, after backward, before ``step()``.
-
-    Raises:
-        TypeError: ``target`` is neither; for plain data parallelism call ``optimizer.synchronize()``
-            and ``torch.nn.utils.clip_grad_norm_`` inside ``optimizer.skip_synchronize()``.
-    """
-    if getattr(target, "zero_stage", 0) in (1, 2):
-        return target.clip_grad_norm_(max_norm, norm_type)
-    if isinstance(target, torch.nn.Module):
-        from unison.torch_backend.zero3 import clip_sharded_grad_norm_
-
-        return clip_sharded_grad_norm_(target, max_norm, norm_type)
-    raise TypeError(f"clip_grad_norm_ takes a ZeRO DistributedOptimizer (zero_stage=1 or 2) or a model sharded by "
-                    f"shard_module; got {type(target).__name__}. Without ZeRO, call optimizer.synchronize() and "
-                    "torch.nn.utils.clip_grad_norm_ inside optimizer.skip_synchronize()")

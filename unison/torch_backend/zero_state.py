@@ -1,5 +1,6 @@
 """What a ZeRO optimizer shows the outside: ``state_dict()`` in torch's own format, the global
-gradient norm, and which optimizers can be sharded at all.
+gradient norm (``clip_grad_norm_``), which optimizers can be sharded at all, and the check that
+every rank asked for the same sharding (``agree_on_stage``).
 
 ``state_dict()`` is *consolidated*: every rank all-gathers the segments of each piece of state
 and returns the dictionary a plain ``torch.optim`` optimizer of the same class would have
@@ -18,11 +19,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from unison.common import runtime
 from unison.common.engine import frontend
+from unison.common.engine.objects import allgather_object
+from unison.common.engine.process_sets import ProcessSet
 from unison.common.ops import Max, Sum
 from unison.torch_backend.tensors import from_numpy, to_numpy
 
-__all__ = ["ZeroStateMixin", "check_optimizer", "ELEMENTWISE", "NOT_SHARDABLE"]
+__all__ = ["ZeroStateMixin", "check_optimizer", "agree_on_stage", "clip_grad_norm_", "ELEMENTWISE",
+           "NOT_SHARDABLE"]
 
 # Optimizers whose update of each element depends only on that element's gradient and state:
 # stepping a flat slice gives the same numbers as stepping the whole tensors.
@@ -166,3 +171,40 @@ class ZeroStateMixin:
             for g in grads:
                 g.mul_(coef)
         return torch.tensor(total)
+
+
+def agree_on_stage(zero_stage: int, signature: str | None, process_set: ProcessSet | None) -> None:
+    """Every rank of the set compares ``(zero_stage, plan signature)``; a mismatch raises everywhere.
+
+    Raises:
+        ValueError: ranks wrapped different models, or asked for different stages.
+    """
+    if runtime.size() == 1:
+        return
+    mine = (zero_stage, signature)
+    everyone = allgather_object(mine, frontend._auto_name("DistributedOptimizer.agree", None), process_set)
+    if len(set(everyone)) > 1:
+        table = ", ".join(f"rank {r}: zero_stage={s}" + (f" plan {sig}" if sig else "")
+                          for r, (s, sig) in enumerate(everyone))
+        raise ValueError(f"ranks disagree on the DistributedOptimizer's sharding ({table}); every rank must "
+                         "wrap the same model's parameters with the same zero_stage")
+
+def clip_grad_norm_(target: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip sharded gradients by their global norm (every rank's shards together); return the norm.
+
+    ``target`` is a ZeRO stage 1/2 ``DistributedOptimizer`` (its ``clip_grad_norm_``) or a model
+    sharded by ``shard_module`` (stage 3). Call it on every rank, after backward, before ``step()``.
+
+    Raises:
+        TypeError: ``target`` is neither; for plain data parallelism call ``optimizer.synchronize()``
+            and ``torch.nn.utils.clip_grad_norm_`` inside ``optimizer.skip_synchronize()``.
+    """
+    if getattr(target, "zero_stage", 0) in (1, 2):
+        return target.clip_grad_norm_(max_norm, norm_type)
+    if isinstance(target, torch.nn.Module):
+        from unison.torch_backend.zero3 import clip_sharded_grad_norm_
+
+        return clip_sharded_grad_norm_(target, max_norm, norm_type)
+    raise TypeError(f"clip_grad_norm_ takes a ZeRO DistributedOptimizer (zero_stage=1 or 2) or a model sharded by "
+                    f"shard_module; got {type(target).__name__}. Without ZeRO, call optimizer.synchronize() and "
+                    "torch.nn.utils.clip_grad_norm_ inside optimizer.skip_synchronize()")
