@@ -90,6 +90,7 @@ from unison.tf_backend.variables import (
     broadcast_object,
     broadcast_object_fn,
 )
+from unison.tf_backend.zero_checkpoint import load_sharded, save_sharded
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
@@ -108,6 +109,7 @@ __all__ = [
     "InvalidArgumentError", "StallError", "ShutdownError", "DuplicateNameError", "JoinError", "Pipeline",
     "PipelineGrid",
     "pipeline_grid", "balance_by_params", "balance_by_time", "PipelineError", "SyncBatchNormalization",
+    "save_sharded", "load_sharded",
 ]
 
 

@@ -50,7 +50,10 @@ Saving: a sharded optimizer writes *no* variables into ``.keras`` / ``.weights.h
 rank's shard of Adam's moments would be garbage anywhere else); the file holds the full weights
 and the optimizer's config under its plain class name, so it loads in a plain Keras process,
 whose optimizer then starts fresh (Keras warns that it skipped the optimizer's variables).
-Loading a file into a sharded optimizer likewise leaves its state alone.
+Loading a file into a sharded optimizer likewise leaves its state alone. The optimizer state is
+saved and resumed, on any rank count, by ``save_sharded`` / ``load_sharded`` (``zero_checkpoint.py``);
+``tf.train.Checkpoint`` of a sharded optimizer raises on every rank (see [Note: no
+tf.train.Checkpoint of a sharded optimizer] in ``zero_optimizer.py``).
 """
 
 from __future__ import annotations
@@ -137,10 +140,20 @@ class ShardLayout:
         stage: 1 or 2. op: ``Sum`` (gradients already divided by N) or ``Average``.
         make_variable: ``(shape, dtype, name) -> variable``; the caller decides where it lives.
         bucket_bytes: bucket cap of the plan.
+        what: the call named in the error when the ranks' stages or plans differ.
+
+    Raises:
+        ValueError: on every rank, when some rank has another stage or plan (:func:`agree`).
+
+    [Note: agree before naming]
+    The ranks agree on the plan *before* this layout takes its collective-name tag (a per-process
+    counter) and creates its shard variables (which a strategy broadcasts): a rank that raises here
+    has then advanced no counter the others have not, so the next layout's collectives still carry
+    the same names on every rank.
     """
 
     def __init__(self, variables: Sequence[Any], stage: int, op: Any, make_variable: Any,
-                 bucket_bytes: int | None = None) -> None:
+                 bucket_bytes: int | None = None, what: str = "ShardLayout") -> None:
         self.variables = list(variables)
         self.stage, self.op = stage, op
         self.rank, self.world = runtime.rank(), runtime.size()
@@ -150,11 +163,12 @@ class ShardLayout:
         bucket_bytes = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
         kwargs = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
         self.plan = ShardPlan.build(specs, self.world, **kwargs)
+        agree(stage, self.plan.signature(), what)  # first: see [Note: agree before naming]
+        self.tag = f"{next(_names)}.{self.plan.signature()}"
         self.keys = self.plan.keys()
         self.by_name = dict(zip(self.names, self.variables, strict=True))
         self.shards = [make_variable((self.plan.shard_numel(k),), k[1], f"zero_shard_{k[0]}_{k[1]}")
                        for k in self.keys]
-        self.tag = f"{next(_names)}.{self.plan.signature()}"
         owned = self.plan.owned(self.rank)
         self.runs: list[list[Piece]] = [sorted((p for n in self.names for p in owned.get(n, [])
                                                 if self._key(n) == k), key=lambda p: p.offset)

@@ -29,7 +29,7 @@ from keras.src.optimizers import base_optimizer
 from unison.common import runtime
 from unison.common.ops import Average, Sum
 from unison.tf_backend import zero
-from unison.tf_backend.strategy import grouped_sum
+from unison.tf_backend.strategy import UnisonStrategy, grouped_sum
 
 __all__: list[str] = []
 
@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Ftrl", "Lion")
 _classes: dict[type, type] = {}
+_agreeing: dict[type, type] = {}  # LossScaleOptimizer classes with agreed skips, for zero_stage=0
 
 
 def check_shardable(optimizer: Any) -> None:
@@ -75,6 +76,7 @@ def sharded_class(base: type) -> type:
         "_clip_gradients": _clip_gradients,
         "_all_reduce_sum_gradients": lambda self, pairs: list(pairs),
         "save_own_variables": lambda self, store: None, "load_own_variables": _load_own_variables,
+        "_trackable_children": _refuse_tf_checkpoint,
         "_unison_zero_sharded": True, "__module__": base.__module__, "__qualname__": base.__qualname__})
     _classes[base] = cls
     return cls
@@ -124,11 +126,59 @@ def _sharded_loss_scale(optimizer: Any, stage: int, op: Any, in_place: bool) -> 
     return optimizer
 
 
+def _agreeing_loss_scale_class(base: type) -> type:
+    """``base`` (a ``LossScaleOptimizer`` class) deciding its skips on the found-inf flag of every rank.
+
+    Used as is at ``zero_stage=0`` under ``UnisonStrategy`` (see [Note: agreed loss-scale skips]):
+    there the gradients Keras checks are still this rank's own (the all-reduce runs inside the
+    inner optimizer's ``apply``, inside the branch the decision picks), so without the agreement a
+    rank whose batch overflowed skips alone, its scale halves, and the other ranks wait in an
+    all-reduce it never joins.
+    """
+    if base in _agreeing:
+        return _agreeing[base]
+    if base in _agreeing.values() or getattr(base, "_unison_agrees_on_skips", False):
+        return base
+
+    def check_finite(self: Any, grads: Any) -> Any:
+        """Keras's check on this rank's gradients, then true only where every rank's was."""
+        finite = base.check_finite(self, grads)
+        if runtime.size() == 1:
+            return finite
+        overflowed = tf.cast(tf.logical_not(tf.convert_to_tensor(finite)), tf.float32)
+        return tf.equal(grouped_sum([overflowed], "unison.zero.finite")[0], 0.0)
+
+    cls = type(base.__name__, (base,), {
+        "check_finite": check_finite, "_unison_agrees_on_skips": True,
+        "__module__": base.__module__, "__qualname__": base.__qualname__})
+    _agreeing[base] = cls
+    return cls
+
+
+def _refuse_tf_checkpoint(self: Any, save_type: str = "checkpoint", **kwargs: Any) -> Any:
+    """Refuse ``tf.train.Checkpoint`` (save and restore) of a sharded optimizer; other traversals pass.
+
+    [Note: no tf.train.Checkpoint of a sharded optimizer]
+    A TensorFlow checkpoint would name this rank's *shard* slots (built on the shard variables)
+    as if they were the optimizer's state; under the strategy only rank 0 writes, so a restore
+    would give every rank rank 0's shard: a silent wrong answer. Every rank traverses the
+    checkpoint's objects (rank 0 to write, the others to decide not to), so every rank raises.
+    """
+    if save_type == "checkpoint":
+        raise ValueError(f"tf.train.Checkpoint cannot save or restore the sharded optimizer {self.name!r} "
+                         f"(zero_stage {self.__dict__.get('_unison_zero_stage')}): each rank holds only its "
+                         "shard of the state. Use unison.tf_backend.save_sharded(path, model, optimizer) and "
+                         "load_sharded(path, model, optimizer) (tf.train.Checkpoint(model=model) of a model "
+                         "compiled with it includes the optimizer too)")
+    return super(type(self), self)._trackable_children(save_type, **kwargs)
+
+
 def _loss_scale_class(base: type) -> type:
     if base in _classes:
         return _classes[base]
     if base in _classes.values():
         return base
+    original, base = base, _agreeing_loss_scale_class(base)
 
     def build(self: Any, var_list: Any) -> None:
         inner = self.inner_optimizer
@@ -140,18 +190,11 @@ def _loss_scale_class(base: type) -> type:
                          in_place=True)
         base.build(self, var_list)
 
-    def check_finite(self: Any, grads: Any) -> Any:
-        finite = base.check_finite(self, grads)
-        if runtime.size() == 1:
-            return finite
-        overflowed = tf.cast(tf.logical_not(tf.convert_to_tensor(finite)), tf.float32)
-        return tf.equal(grouped_sum([overflowed], "unison.zero.finite")[0], 0.0)
-
     cls = type(base.__name__, (base,), {
-        "build": build, "check_finite": check_finite, "save_own_variables": lambda self, store: None,
-        "load_own_variables": _load_own_variables, "_unison_zero_sharded": True,
-        "__module__": base.__module__, "__qualname__": base.__qualname__})
-    _classes[base] = cls
+        "build": build, "save_own_variables": lambda self, store: None,
+        "load_own_variables": _load_own_variables, "_trackable_children": _refuse_tf_checkpoint,
+        "_unison_zero_sharded": True, "__module__": base.__module__, "__qualname__": base.__qualname__})
+    _classes[original] = cls
     return cls
 
 
@@ -176,9 +219,9 @@ def _build(self: Any, variables: Any) -> None:
     def make_variable(shape: tuple[int, ...], dtype: str, name: str) -> Any:
         return keras.Variable(initializer="zeros", shape=shape, dtype=dtype, trainable=False, name=name)
 
-    with keras.name_scope(self.name, caller=self):
-        layout = zero.ShardLayout(variables, stage, self.__dict__["_unison_zero_op"], make_variable)
-    zero.agree(stage, layout.plan.signature(), f"{type(self).__name__}.build")
+    with keras.name_scope(self.name, caller=self):  # the layout agrees with the other ranks first
+        layout = zero.ShardLayout(variables, stage, self.__dict__["_unison_zero_op"], make_variable,
+                                  what=f"{type(self).__name__}.build")
     self.__dict__["_unison_zero"] = layout
     self.__dict__["_unison_zero_masks"] = None
     log.debug("zero stage %d: %s", stage, layout.plan.describe())
@@ -274,6 +317,9 @@ _INSTALLED = False
 def install(stage_of: Any) -> None:
     """Make optimizers created in the scope of a strategy with ``stage_of(strategy) > 0`` sharded.
 
+    A ``LossScaleOptimizer`` created in a ``UnisonStrategy``'s scope at ``zero_stage=0`` gets
+    agreed skips (:func:`_agreeing_loss_scale_class`) and is otherwise unchanged.
+
     ``stage_of(strategy)``: that strategy's zero stage, or 0 for any other strategy.
     """
     global _INSTALLED
@@ -285,9 +331,12 @@ def install(stage_of: Any) -> None:
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
         original(self, *args, **kwargs)
-        stage = stage_of(tf.distribute.get_strategy())
+        strategy = tf.distribute.get_strategy()
+        stage = stage_of(strategy)
         if stage > 0 and not is_sharded(self):
             make_sharded(self, stage, Sum, in_place=True)
+        elif isinstance(self, keras.optimizers.LossScaleOptimizer) and isinstance(strategy, UnisonStrategy):
+            self.__class__ = _agreeing_loss_scale_class(type(self))  # zero_stage=0: agree on skips too
 
     TFOptimizer.__init__ = __init__
     _INSTALLED = True

@@ -1,0 +1,410 @@
+"""``save_sharded`` / ``load_sharded`` for Keras 3: a model and its (ZeRO or plain) optimizer in the core's
+sharded-checkpoint format (unison/common/checkpoints, docs/checkpoints.md).
+
+The same names and meaning as ``unison.torch_backend.save_sharded`` / ``load_sharded``. Entries:
+
+* ``model.<path>``: every weight of the model, ``<path>`` its Keras variable path without the
+  model's own name (``hidden/kernel``). Under ZeRO each rank writes only the runs of the trained
+  variables it owns (the weights are full on every rank, so this only spreads the writing);
+  non-trainable weights are written once.
+* ``optim.<path>.<slot>``: every per-variable optimizer variable (Adam's ``momentum`` and
+  ``velocity``, SGD's ``momentum``, gradient accumulators ...) with the global shape of the
+  model variable. A sharded optimizer keeps them for its flat shard only; each rank writes its
+  runs, which together cover every element once. A plain optimizer's are written whole.
+* ``optim.<name>``: the optimizer's other variables (``iteration``, ``learning_rate`` when it is
+  a variable), and ``optim.loss_scale.<name>`` a ``LossScaleOptimizer``'s (``dynamic_scale``,
+  ``step_counter``): replicated.
+* The manifest's metadata: the user's ``metadata`` and the optimizer's class, zero stage and
+  Keras config (hyper-parameters), for reference.
+
+Because the names do not depend on how the state was sharded, a checkpoint saved on N ranks loads
+on any M: a sharded optimizer reads the ranges its own plan gives it, a plain optimizer whole
+tensors, and a checkpoint of a plain optimizer loads into a sharded one and the reverse.
+
+[Note: Keras slot names]
+Keras names a slot variable ``<reference path with '/' as '_'>_<slot>``
+(``BaseOptimizer.add_variable_from_reference``), where the reference is the model variable for a
+plain optimizer and the shard variable for a sharded one. The slot's name is what follows the
+reference's prefix (the longest prefix that matches, with the reference's shape).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from unison.common import agreement, runtime
+from unison.common import checkpoints as ck
+
+__all__ = ["save_sharded", "load_sharded"]
+
+LOSS_SCALE = "loss_scale"
+
+
+# -------------------------------------------------------------------- naming
+def _comm() -> Any:
+    if not runtime.is_initialized():
+        return None
+    st = runtime.state("unison.tf_backend.save_sharded()")
+    return st.comm if st.size > 1 else None
+
+
+def _split(optimizer: Any) -> tuple[Any, Any]:
+    """``(loss-scale wrapper or None, the optimizer that keeps the slots)``."""
+    import keras  # here, so that importing unison.tf_backend does not import Keras
+
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer, optimizer.inner_optimizer
+    return None, optimizer
+
+
+def _keys(model: Any) -> dict[str, Any]:
+    """Entry key -> variable for every weight of ``model``; keys are unique.
+
+    Raises:
+        ValueError: two weights share a path.
+    """
+    prefix = f"{model.name}/"
+    out: dict[str, Any] = {}
+    for v in model.weights:
+        path = _path(v)
+        key = path[len(prefix):] if path.startswith(prefix) else path
+        if key in out:
+            raise ValueError(f"two weights of model {model.name!r} have the path {path!r}; give the layers "
+                             "unique names so the checkpoint can tell them apart")
+        out[key] = v
+    return out
+
+
+def _ref_prefix(ref: Any) -> str:
+    return str(getattr(ref, "path", None) or ref.name).replace("/", "_").replace(":", "_") + "_"
+
+
+def _slots(optimizer: Any, refs: list[Any]) -> tuple[dict[tuple[int, str], Any], list[Any]]:
+    """``{(reference index, slot name): variable}`` and the optimizer's other variables.
+
+    See [Note: Keras slot names].
+    """
+    prefixes = sorted(((_ref_prefix(r), i) for i, r in enumerate(refs)), key=lambda p: -len(p[0]))
+    slots: dict[tuple[int, str], Any] = {}
+    others: list[Any] = []
+    for v in optimizer.variables:
+        name = str(v.name)
+        match = next((i for p, i in prefixes if name.startswith(p) and len(name) > len(p)
+                      and tuple(v.shape) == tuple(refs[i].shape)), None)
+        if match is None:
+            others.append(v)
+        else:
+            slots[(match, name[len(_ref_prefix(refs[match])):])] = v
+    return slots, others
+
+
+def _numpy(v: Any) -> np.ndarray:
+    """A variable's value as numpy (Keras and TensorFlow variables both have ``numpy()``)."""
+    return np.asarray(v.numpy())
+
+
+def _dtype(v: Any) -> str:
+    return tf.as_dtype(v.dtype).name
+
+
+def _layout(inner: Any) -> Any:
+    """The :class:`~unison.tf_backend.zero.ShardLayout` of a sharded optimizer; None for a plain one."""
+    if not getattr(type(inner), "_unison_zero_sharded", False):
+        return None
+    layout = inner.__dict__.get("_unison_zero")
+    if layout is None:
+        raise ValueError(f"the sharded optimizer {type(inner).__name__} is not built yet; run a step or call "
+                         "optimizer.build(model.trainable_variables) before saving")
+    return layout
+
+
+def _owned(layout: Any) -> dict[int, list[Any]]:
+    """Per model variable (its index in the layout): this rank's pieces of the shard, with the key's index."""
+    out: dict[int, list[Any]] = {}
+    index = {n: i for i, n in enumerate(layout.names)}
+    for k, runs in enumerate(layout.runs):
+        for p in runs:
+            out.setdefault(index[p.name], []).append((k, p))
+    return out
+
+
+def _layout_keys(layout: Any, model_keys: dict[str, Any]) -> list[str]:
+    """The model entry key of each variable the sharded optimizer was built on."""
+    by_id = {id(_unwrap(v)): k for k, v in model_keys.items()}
+    out = []
+    for v in layout.variables:
+        key = by_id.get(id(_unwrap(v)))
+        if key is None:
+            raise ValueError(f"the sharded optimizer was built on {_path(v)}, which is not a "
+                             "weight of this model; pass the model whose trainable_variables it was built on")
+        out.append(key)
+    return out
+
+
+def _unwrap(v: Any) -> Any:
+    """The TensorFlow variable inside a Keras variable (the two are the same weight)."""
+    inner = getattr(v, "value", None)
+    return inner if isinstance(inner, tf.Variable) else v
+
+
+def _path(v: Any) -> str:
+    return str(getattr(v, "path", None) or getattr(v, "name", "variable"))
+
+
+# -------------------------------------------------------------------- save
+def _model_entries(model_keys: dict[str, Any], layout: Any) -> dict[str, Any]:
+    entries: dict[str, Any] = {}
+    owned = _owned(layout) if layout is not None else {}
+    sharded = dict(zip(_layout_keys(layout, model_keys), range(len(layout.variables)), strict=True)) \
+        if layout is not None else {}
+    for key, v in model_keys.items():
+        if key in sharded:
+            flat = _numpy(v).reshape(-1)
+            runs = [(p.param_offset, flat[p.param_offset:p.param_offset + p.length])
+                    for _, p in owned.get(sharded[key], [])]
+            entries[f"model.{key}"] = ck.LocalShard(tuple(v.shape), _dtype(v), runs)
+        else:
+            entries[f"model.{key}"] = ck.Replicated(_numpy(v))
+    return entries
+
+
+def _zero_optimizer_entries(inner: Any, layout: Any, model_keys: dict[str, Any]) -> dict[str, Any]:
+    slots, others = _slots(inner, layout.shards)
+    keys = _layout_keys(layout, model_keys)
+    owned = _owned(layout)
+    values = {ks: _numpy(v) for ks, v in slots.items()}
+    entries: dict[str, Any] = {}
+    for i, var in enumerate(layout.variables):
+        pieces = owned.get(i, [])
+        shard_index = layout.keys.index(layout._key(layout.names[i]))
+        for slot in sorted({s for k, s in slots if k == shard_index}):
+            data = values[(shard_index, slot)]
+            runs = [(p.param_offset, data[p.offset:p.offset + p.length]) for _, p in pieces]
+            dtype = _dtype(slots[(shard_index, slot)])
+            entries[f"optim.{keys[i]}.{slot}"] = ck.LocalShard(tuple(var.shape), dtype, runs)
+    entries.update({f"optim.{v.name}": ck.Replicated(_numpy(v)) for v in others})
+    return entries
+
+
+def _plain_optimizer_entries(inner: Any, model_keys: dict[str, Any]) -> dict[str, Any]:
+    refs = _plain_refs(inner, model_keys)
+    slots, others = _slots(inner, [v for _, v in refs])
+    entries = {f"optim.{refs[i][0]}.{slot}": ck.Replicated(_numpy(v)) for (i, slot), v in slots.items()}
+    entries.update({f"optim.{v.name}": ck.Replicated(_numpy(v)) for v in others})
+    return entries
+
+
+def _plain_refs(inner: Any, model_keys: dict[str, Any]) -> list[tuple[str, Any]]:
+    """``(entry key, model variable)`` for each variable a plain optimizer was built on."""
+    if not inner.built:
+        raise ValueError(f"optimizer {type(inner).__name__} is not built yet; run a step or call "
+                         "optimizer.build(model.trainable_variables) first")
+    by_id = {id(_unwrap(v)): k for k, v in model_keys.items()}
+    out = []
+    for v in inner._trainable_variables:
+        key = by_id.get(id(_unwrap(v)))
+        if key is None:
+            raise ValueError(f"optimizer {type(inner).__name__} was built on {_path(v)}, which is not a weight of "
+                             "this model; pass the model it trains")
+        out.append((key, v))
+    return out
+
+
+def _config(optimizer: Any) -> Any:
+    """The optimizer's Keras config as JSON-safe data (hyper-parameters, for reference)."""
+    import keras
+
+    try:
+        config = keras.saving.serialize_keras_object(optimizer)
+        return json.loads(json.dumps(config, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)))
+    except (TypeError, ValueError, NotImplementedError):
+        return None
+
+
+def save_sharded(path: str | os.PathLike[str], model: Any, optimizer: Any = None,
+                 metadata: dict[str, Any] | None = None, consolidated: bool = False) -> ck.Manifest:
+    """Save ``model`` (and ``optimizer``) collectively; every rank calls it with the same ``path``.
+
+    Args:
+        path: a folder (sharded) or a file (``consolidated=True``) every rank can see.
+        model: the Keras model whose weights are saved.
+        optimizer: a built optimizer: a ZeRO (sharded) one, whose ranks each write their shard of
+            the state, a plain one (written once), a ``LossScaleOptimizer`` of either, or None.
+        metadata: JSON-serializable extras (epoch, step, ...), returned by :func:`load_sharded`.
+        consolidated: write one file from rank 0 instead of a file per rank.
+
+    Returns:
+        The committed manifest, on every rank.
+
+    Raises:
+        unison.common.checkpoints.CheckpointError: (a ``ValueError``) on every rank, naming what
+            failed: the optimizer is not built or was built on another model's variables, or the
+            save itself failed.
+    """
+    comm = _comm()
+    entries, meta = _agreed(comm, lambda: _save_entries(model, optimizer, metadata))
+    save = ck.save_consolidated if consolidated else ck.save_sharded
+    return save(path, entries, comm, metadata=meta)
+
+
+def _save_entries(model: Any, optimizer: Any, metadata: dict[str, Any] | None) -> tuple[dict[str, Any], dict]:
+    """This rank's entries and the manifest's metadata."""
+    model_keys = _keys(model)
+    wrapper, inner = _split(optimizer)
+    layout = _layout(inner) if inner is not None else None
+    entries = _model_entries(model_keys, layout)
+    meta: dict[str, Any] = {"user": metadata or {}, "optimizer": None}
+    if inner is not None:
+        if layout is not None:
+            entries.update(_zero_optimizer_entries(inner, layout, model_keys))
+        else:
+            entries.update(_plain_optimizer_entries(inner, model_keys))
+        if wrapper is not None:
+            entries.update({f"optim.{LOSS_SCALE}.{v.name}": ck.Replicated(_numpy(v)) for v in wrapper._variables})
+        stage = inner.__dict__.get("_unison_zero_stage", 0) if layout is not None else 0
+        meta["optimizer"] = {"class": type(optimizer).__name__, "inner": type(inner).__name__,
+                             "zero_stage": stage, "config": _config(optimizer)}
+    return entries, meta
+
+
+def _agreed(comm: Any, step: Callable[[], Any]) -> Any:
+    """``step()``, whose ``ValueError`` (bad input, an unreadable manifest) is raised on every rank.
+
+    Raises:
+        unison.common.checkpoints.CheckpointError: some rank's ``step`` raised; the same message on
+            every rank, naming that rank.
+    """
+    result, problem, cause = None, None, None
+    try:
+        result = step()
+    except ValueError as exc:
+        problem, cause = str(exc), exc
+    agreement.raise_together(comm, problem, ck.CheckpointError, cause)
+    return result
+
+
+# -------------------------------------------------------------------- load
+def _build(model: Any, optimizer: Any) -> None:
+    """Build ``optimizer`` on the model's trainable variables, as ``model.fit`` would, if it is not built."""
+    import keras
+
+    if optimizer.built:
+        return
+    strategy = getattr(model, "_distribute_strategy", None) or tf.distribute.get_strategy()
+    with strategy.scope(), keras.name_scope(optimizer.name, caller=optimizer):
+        optimizer.build(model.trainable_variables)
+
+
+def _missing(wanted: Iterable[str], manifest: ck.Manifest, path: Any, fix: str) -> None:
+    missing = [n for n in wanted if n not in manifest.entries]
+    if missing:
+        raise ValueError(f"the checkpoint at {os.fspath(path)!r} has no entries {missing[:6]}"
+                         f"{' ...' if len(missing) > 6 else ''}; {fix}")
+
+
+def load_sharded(path: str | os.PathLike[str], model: Any, optimizer: Any = None) -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save_sharded` on any number of ranks; returns the user metadata.
+
+    Collective when the job has several ranks (every rank calls it). The model gets full
+    weights; a ZeRO optimizer reads only its own ranges of the state (under its own plan,
+    whatever rank count saved it); a plain optimizer gets whole tensors. An optimizer that is
+    not built yet is built on ``model.trainable_variables`` first (as ``model.fit`` would), so
+    a freshly compiled model can be loaded before its first step.
+
+    Raises:
+        unison.common.checkpoints.CheckpointError: (a ``ValueError``) on every rank: a missing,
+            corrupt or mismatched checkpoint; weights or optimizer state of the model missing from
+            it (the message names them); ``optimizer`` given for a checkpoint without one.
+    """
+    comm = _comm()
+    manifest, model_keys = _agreed(comm, lambda: _open(path, model, optimizer))
+    wanted: dict[str, Any] = {f"model.{k}": "full" for k in model_keys}
+    wrapper, inner = _split(optimizer)
+    plan: dict[str, Any] = {}
+    if inner is not None:
+        _build(model, optimizer)  # collective under a strategy or ZeRO: after the ranks agreed above
+        plan = _agreed(comm, lambda: _checked_plan(path, manifest, wrapper, inner, model_keys))
+        wanted.update({name: spec for name, (spec, _, _) in plan.items()})
+    got = ck.load(path, wanted, comm)
+    for key, v in model_keys.items():
+        v.assign(np.asarray(got[f"model.{key}"]).reshape(tuple(v.shape)))
+    for name, (_, target, assemble) in plan.items():
+        value = assemble(got[name])
+        if value is not None:  # a shard's slot is assigned once its last entry is in
+            target.assign(value)
+    return (manifest.metadata or {}).get("user", {})
+
+
+def _open(path: Any, model: Any, optimizer: Any) -> tuple[ck.Manifest, dict[str, Any]]:
+    """The manifest and the model's entry keys, checked: every weight there, optimizer state if wanted."""
+    manifest = ck.read_manifest(path)
+    model_keys = _keys(model)
+    _missing([f"model.{k}" for k in model_keys], manifest, path, "load it into the model it was saved from "
+             "(the same layer names)")
+    if optimizer is not None and (manifest.metadata or {}).get("optimizer") is None:
+        raise ValueError(f"the checkpoint at {os.fspath(path)!r} holds no optimizer state; pass optimizer=None")
+    return manifest, model_keys
+
+
+def _checked_plan(path: Any, manifest: ck.Manifest, wrapper: Any, inner: Any,
+                  model_keys: dict[str, Any]) -> dict[str, tuple[Any, Any, Any]]:
+    plan = _optimizer_plan(wrapper, inner, model_keys)
+    _missing(plan, manifest, path, "load it into the same kind of optimizer it was saved from")
+    return plan
+
+
+def _optimizer_plan(wrapper: Any, inner: Any, model_keys: dict[str, Any]) -> dict[str, tuple[Any, Any, Any]]:
+    """Per entry: what to read, the variable it fills and how to turn what was read into its value."""
+    layout = _layout(inner)
+    plan: dict[str, tuple[Any, Any, Any]] = {}
+    if layout is not None:
+        plan.update(_zero_plan(inner, layout, model_keys))
+    else:
+        refs = _plain_refs(inner, model_keys)
+        slots, others = _slots(inner, [v for _, v in refs])
+        for (i, slot), v in slots.items():
+            plan[f"optim.{refs[i][0]}.{slot}"] = ("full", v, lambda a, v=v: a.reshape(tuple(v.shape)))
+        plan.update({f"optim.{v.name}": ("full", v, lambda a, v=v: a.reshape(tuple(v.shape))) for v in others})
+    if wrapper is not None:
+        plan.update({f"optim.{LOSS_SCALE}.{v.name}": ("full", v, lambda a, v=v: a.reshape(tuple(v.shape)))
+                     for v in wrapper._variables})
+    return plan
+
+
+def _zero_plan(inner: Any, layout: Any, model_keys: dict[str, Any]) -> dict[str, tuple[Any, Any, Any]]:
+    """A sharded optimizer reads, for each slot of each shard, the ranges of its own pieces."""
+    slots, others = _slots(inner, layout.shards)
+    keys = _layout_keys(layout, model_keys)
+    owned = _owned(layout)
+    plan: dict[str, tuple[Any, Any, Any]] = {}
+    for (k, slot), target in slots.items():
+        sources = [(f"optim.{keys[i]}.{slot}", pieces) for i, pieces in sorted(owned.items())
+                   if any(kk == k for kk, _ in pieces)]
+        filler = _ShardFiller(target, layout.plan.shard_numel(layout.keys[k]), len(sources))
+        for entry, pieces in sources:
+            mine = [p for kk, p in pieces if kk == k]
+            plan[entry] = ([(p.param_offset, p.length) for p in mine], target,
+                           lambda parts, mine=mine, f=filler: f.add(mine, parts))
+    plan.update({f"optim.{v.name}": ("full", v, lambda a, v=v: a.reshape(tuple(v.shape))) for v in others})
+    return plan
+
+
+class _ShardFiller:
+    """Collects one shard slot's runs from several entries; the last one returns the whole shard
+    (its padding zero, as a fresh slot's)."""
+
+    def __init__(self, target: Any, numel: int, expected: int) -> None:
+        self.value = np.zeros(numel, tf.as_dtype(target.dtype).as_numpy_dtype)
+        self.expected, self.seen = expected, 0
+
+    def add(self, pieces: list[Any], parts: list[np.ndarray]) -> np.ndarray | None:
+        for p, part in zip(pieces, parts, strict=True):
+            self.value[p.offset:p.offset + p.length] = part
+        self.seen += 1
+        return self.value if self.seen == self.expected else None
