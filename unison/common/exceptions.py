@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "UnisonError", "NotInitializedError", "MismatchError", "CollectiveError", "InvalidArgumentError",
+    "UnisonInternalError", "HorovodInternalError", "HostsUpdatedInterrupt",
 ]
 
 
@@ -45,3 +46,29 @@ class InvalidArgumentError(UnisonError, ValueError):
 
     Raised on every rank so that no rank is left waiting for the others.
     """
+
+
+class UnisonInternalError(UnisonError):
+    """A rank of the job failed (or the communicator was revoked) while this rank used it.
+
+    In elastic mode (``UNISON_ELASTIC=1``, set by ``unisonrun --elastic``) the elastic
+    ``run`` wrapper catches it, rolls back to the last commit, rebuilds Unison on the
+    surviving ranks and calls the training function again (docs/elastic.md). Horovod's
+    name for it, ``HorovodInternalError``, is the same class.
+    """
+
+
+#: Horovod's name, so ``except hvd.HorovodInternalError`` keeps working.
+HorovodInternalError = UnisonInternalError
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """The set of hosts changed: the elastic ``run`` wrapper resets without rolling back.
+
+    Args:
+        skip_sync: True when no rank was added, so the state need not be broadcast again.
+    """
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("the hosts of the job changed; resetting at this commit")
+        self.skip_sync = skip_sync

@@ -9,10 +9,13 @@ from unison.common.engine.engine import DuplicateNameError, JoinError, ShutdownE
 from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.common.exceptions import (
     CollectiveError,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
     InvalidArgumentError,
     MismatchError,
     NotInitializedError,
     UnisonError,
+    UnisonInternalError,
 )
 from unison.common.ops import Average, Max, Min, Product, ReduceOp, Sum
 from unison.common.runtime import (
@@ -25,6 +28,7 @@ from unison.common.runtime import (
     shutdown,
     size,
 )
+from unison.torch_backend import elastic
 from unison.torch_backend.basics import (
     add_process_set,
     ccl_built,
@@ -117,5 +121,6 @@ __all__ = [
     "CollectiveError", "InvalidArgumentError", "StallError", "ShutdownError", "DuplicateNameError", "JoinError",
     "Pipeline", "PipelineGrid", "pipeline_grid", "balance_by_params", "balance_by_time", "PipelineError",
     "save_sharded", "load_sharded", "shard_module", "full_state_dict", "load_full_state_dict", "clip_grad_norm_",
-    "clip_sharded_grad_norm_", "zero3_memory", "GradScaler",
+    "clip_sharded_grad_norm_", "zero3_memory", "GradScaler", "elastic", "UnisonInternalError",
+    "HorovodInternalError", "HostsUpdatedInterrupt",
 ]

@@ -172,6 +172,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._delay = {p: self._passes for p in self._params}
         self._synchronized = True
 
+    def reset_pending(self) -> None:
+        """Forget reductions in flight (elastic recovery: their engine is gone); the next backward
+        pass starts afresh."""
+        self._pending.clear()
+        self._group_ready.clear()
+        self._delay = {p: self._passes for p in self._params}
+        self._synchronized = False
+
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
         """Inside this context ``step()`` does not synchronize: call ``synchronize()`` yourself first.

@@ -280,8 +280,7 @@ class _ZeroOptimizer(ZeroStateMixin):
             raise RuntimeError("optimizer.step() inside skip_synchronize() needs optimizer.synchronize() "
                                "first; the gradients have not been reduced yet")
         self._sync_hyperparameters()
-        self._inner.step()
-        self._gather_weights()
+        self._step_and_gather()
         self._synchronized = False
         return None
 
@@ -296,18 +295,31 @@ class _ZeroOptimizer(ZeroStateMixin):
                 if k != "params":
                     target[k] = v
 
-    def _gather_weights(self) -> None:
-        """Write each updated segment into the model and all-gather the others' (two buckets in flight)."""
+    def _step_and_gather(self) -> None:
+        """Step the segments bucket by bucket, all-gathering each as soon as it is updated.
+
+        The engine thread all-gathers bucket i while this thread steps bucket i + 1, so most of the
+        all-gather hides behind the optimizer's arithmetic; at most three gathered buckets are held.
+        Stepping one bucket at a time is the same update: a torch optimizer's state is per
+        parameter (here, per segment), and each bucket is stepped with its own group's settings.
+        """
+        groups = self._inner.param_groups
+        group_of = {id(p): g for g in groups for p in g["params"]}
         window: list[_BucketState] = []
-        for st in self._buckets:
-            with torch.no_grad():
-                if st.master is not None and st.master.data_ptr() != st.segment.data_ptr():
-                    st.segment.copy_(st.master.detach())
-            st.gather = frontend.allgather_async(to_numpy(st.segment), f"{self._base}.ag{st.bucket.index}",
-                                                 self._pset)
-            window.append(st)
-            if len(window) > 2:
-                self._land(window.pop(0))
+        try:
+            for st in self._buckets:
+                self._inner.param_groups = [{**group_of[id(st.master)], "params": [st.master]}]
+                self._inner.step()
+                with torch.no_grad():
+                    if st.master.data_ptr() != st.segment.data_ptr():  # fp32 master of half weights
+                        st.segment.copy_(st.master.detach())
+                st.gather = frontend.allgather_async(to_numpy(st.segment), f"{self._base}.ag{st.bucket.index}",
+                                                     self._pset)
+                window.append(st)
+                if len(window) > 2:
+                    self._land(window.pop(0))
+        finally:
+            self._inner.param_groups = groups
         for st in window:
             self._land(st)
 

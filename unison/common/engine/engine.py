@@ -42,7 +42,7 @@ from unison.common.engine.controller import (
     Controller,
     wait,
 )
-from unison.common.engine.errors import DuplicateNameError, JoinError, ShutdownError, StallError
+from unison.common.engine.errors import DuplicateNameError, JoinError, ShutdownError, StallError, process_failure
 from unison.common.engine.executor import Executor
 from unison.common.engine.handles import Handle, wake_waiters
 from unison.common.engine.process_sets import ProcessSet
@@ -309,10 +309,34 @@ class Engine:
                 pass
             error = self._peer_shutdown or error
         except BaseException as exc:  # noqa: BLE001 - handed to every caller
+            failure = process_failure(exc, self.mpi)
+            if failure is not None:  # a peer died (ULFM): release the survivors, see [Note: process failure]
+                self.revoke()
+                exc = failure
             logger.error("[unison rank %d] engine thread failed: %r", self.rank, exc)
             self._error = error = exc
         finally:
             self._close(error)
+
+    def revoke(self) -> None:
+        """Revoke every communicator of this engine (ULFM; a no-op without it).
+
+        [Note: process failure] Under ``mpirun --with-ft ulfm`` a collective that involves a
+        dead rank fails (``ERR_PROC_FAILED``), but survivors waiting only on each other (a
+        ring step between two live ranks) would wait on. Revoking the communicators makes
+        every pending and later operation on them fail on every survivor (``ERR_REVOKED``),
+        so every engine thread ends and hands :class:`UnisonInternalError` to its handles.
+        """
+        for st in list(self._sets.values()):
+            try:
+                st.comm.Revoke()
+            except Exception:  # noqa: BLE001 - no ULFM, or already revoked: nothing to release
+                logger.debug("revoke failed", exc_info=True)
+
+    def registered_sets(self) -> list[ProcessSet]:
+        """Every process set registered with this engine (the global one first)."""
+        with self._cv:
+            return list(self._set_objs)
 
     def _close(self, error: BaseException, thread_ended: bool = True) -> None:
         """Refuse new work and fail every handle still pending (see [Note: no handle left behind])."""

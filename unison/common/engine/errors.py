@@ -6,9 +6,15 @@ the engine imports, can raise them too.
 
 from __future__ import annotations
 
-from unison.common.exceptions import InvalidArgumentError, UnisonError
+from typing import Any
 
-__all__ = ["StallError", "ShutdownError", "DuplicateNameError", "JoinError"]
+from unison.common.exceptions import InvalidArgumentError, UnisonError, UnisonInternalError
+
+__all__ = ["StallError", "ShutdownError", "DuplicateNameError", "JoinError", "process_failure"]
+
+#: ULFM error classes (MPI 4 FT proposal): a peer died, a receive from any source may have
+#: missed a dead peer, the communicator was revoked by some rank
+_FAILURE_CLASSES = ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
 
 
 class StallError(UnisonError):
@@ -34,3 +40,19 @@ class JoinError(InvalidArgumentError):
     and ``remove_process_set`` raise this on the ranks that submitted them. The joined
     ranks' ``join()`` returns normally (as in Horovod) and logs a warning naming them.
     """
+
+
+def process_failure(exc: BaseException, mpi: Any) -> UnisonInternalError | None:
+    """``exc`` as a :class:`UnisonInternalError` when it reports a dead rank or a revoked
+    communicator (only MPI with ULFM, ``mpirun --with-ft ulfm``, raises those); else None."""
+    if isinstance(exc, UnisonInternalError):
+        return exc
+    if mpi is None or not isinstance(exc, mpi.Exception):
+        return None
+    classes = {getattr(mpi, name) for name in _FAILURE_CLASSES if hasattr(mpi, name)}
+    if exc.Get_error_class() not in classes:
+        return None
+    error = UnisonInternalError(f"a rank of the job failed or left ({exc.Get_error_string()}); in elastic "
+                                "mode the elastic run wrapper recovers on the surviving ranks")
+    error.__cause__ = exc
+    return error

@@ -77,6 +77,12 @@ def _auto_name(kind: str, name: str | None) -> str:
     return f"{kind}.noname.{n}"
 
 
+def reset_auto_names() -> None:
+    """Start the ``<op>.noname.<n>`` counters again (after an elastic reset, so that ranks
+    that had reached different counts before a failure name their next calls alike)."""
+    _counters.clear()
+
+
 def _check_local(process_set: ProcessSet | None) -> None:
     """In a size-1 job: only registered sets (which all hold rank 0) are usable."""
     if process_set is not None and process_set.process_set_id is None:

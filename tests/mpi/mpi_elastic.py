@@ -1,0 +1,93 @@
+"""Elastic training on 3 ranks where one rank kills itself; run by tests/test_elastic_mpi.py.
+
+    python mpi_elastic.py OUT_DIR
+
+Every rank trains the same MLP with ``hvd.elastic.run``, a ``DistributedOptimizer`` (SGD
+with momentum, float64) and an ``ElasticSampler``, committing every ``COMMIT_EVERY`` steps.
+After step ``KILL_AFTER`` the rank ``VICTIM`` SIGKILLs itself (writing the time first to
+``OUT_DIR/kill.json``). Each survivor writes ``OUT_DIR/rank<r>.json`` at the end: final
+weights, the global batches of every step it kept, its resets and their timings.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+import unison.torch_backend as hvd
+from unison.common import elastic as core
+from unison.torch_backend import elastic
+
+N, FEATURES, HIDDEN, BS, EPOCHS = 96, 8, 16, 4, 2
+COMMIT_EVERY, KILL_AFTER, VICTIM, SEED, LR, MOMENTUM = 2, 5, 2, 3, 0.05, 0.9
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((N, FEATURES))
+    y = np.sin(x.sum(axis=1, keepdims=True))
+    return torch.from_numpy(x), torch.from_numpy(y)
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(),
+                               torch.nn.Linear(HIDDEN, 1)).double()
+
+
+def main(out: str) -> None:
+    faulthandler.dump_traceback_later(150, exit=True)  # a hang shows every thread's stack, then ends
+    hvd.init()
+    x, y = data()
+    net = model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM),
+                                   named_parameters=net.named_parameters())
+    sampler = elastic.ElasticSampler(range(N), shuffle=True, seed=SEED)
+    state = elastic.TorchState(net, opt, sampler=sampler, epoch=0, step=0, log=[])
+    resets: list[dict] = []
+    state.register_reset_callbacks([lambda: resets.append({"size": hvd.size(), "step": state.step,
+                                                           "first_step_at": None})])
+
+    @elastic.run
+    def train(state: elastic.TorchState) -> None:
+        while state.epoch < EPOCHS:
+            for b in range(len(state.sampler) // BS):
+                if state.step == KILL_AFTER and hvd.size() == 3 and hvd.rank() == VICTIM:
+                    with open(os.path.join(out, "kill.json"), "w") as f:
+                        json.dump({"time": time.time()}, f)
+                    os.kill(os.getpid(), 9)
+                idx = state.sampler.get_indices(b, BS)
+                opt.zero_grad()
+                loss = ((net(x[idx]) - y[idx]) ** 2).mean()
+                loss.backward()
+                opt.step()
+                state.step += 1
+                if resets and resets[-1]["first_step_at"] is None:
+                    resets[-1]["first_step_at"] = time.time()
+                every = [state.sampler._core.batch_indices(b, BS, r) for r in range(hvd.size())]
+                state.log.append([state.epoch, state.step, hvd.size(), every])
+                state.sampler.record_batch(b, BS)
+                if state.step % COMMIT_EVERY == 0:
+                    state.commit()
+            state.epoch += 1
+            state.sampler.set_epoch(state.epoch)
+            state.commit()
+
+    train(state)
+    rec = core.last_recovery()
+    result = {"rank": hvd.rank(), "size": hvd.size(), "step": state.step, "resets": resets,
+              "recovery_seconds": rec.seconds if rec else None, "log": state.log,
+              "weights": [p.detach().numpy().ravel().tolist() for p in net.parameters()]}
+    with open(os.path.join(out, f"rank{hvd.rank()}.json"), "w") as f:
+        json.dump(result, f)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,150 @@
+"""In-place recovery on ULFM: revoke, shrink, agree, rebuild Unison on the survivors.
+
+[Note: in-place recovery]
+Under ``mpirun --with-ft ulfm`` a rank's death does not end the job: the survivors' next
+operation that involves the dead rank fails with ``ERR_PROC_FAILED``. The engine thread
+turns that into :class:`~unison.common.exceptions.UnisonInternalError` for every pending
+handle and revokes its communicators, so that survivors waiting only on each other are
+released too (engine [Note: process failure]). The elastic ``run`` wrapper then calls
+:func:`recover` on every survivor::
+
+    revoke   the runtime's communicator and the engine's (every survivor's pending and
+             later operations on them fail: nobody keeps waiting on the old world)
+    shrink   MPI_Comm_shrink of the runtime's communicator: a new one of the survivors,
+             ranks renumbered in the old order (fault-tolerant, collective)
+    agree    MPI_Comm_agree on "I can go on" (this rank's count >= UNISON_ELASTIC_MIN_NP):
+             every survivor raises, or none does
+    rebuild  runtime.shutdown() (stops the engine thread, drops ``State.cache``: the
+             response cache, fusion buffers, negotiators, topologies), every registered
+             process set forgets its id, unnamed-call counters restart, then
+             runtime.init(comm=shrunk) with the same settings: new rank/size/local/cross
+             values, a new engine thread on a duplicate of the shrunk communicator
+
+Communicators of the old world are revoked, never freed: freeing one that a dead rank
+belonged to is not safe everywhere, and a few of them per failure cost nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from unison.common import runtime
+from unison.common.config import SETTINGS, Flag, IntRange, parse_env, register_env
+from unison.common.engine import frontend
+from unison.common.exceptions import UnisonError
+
+__all__ = ["Recovery", "enabled", "min_np", "recover", "last_recovery", "ENV_ELASTIC", "ENV_MIN_NP"]
+
+logger = logging.getLogger(__name__)
+
+#: ``UNISON_ELASTIC`` (``HOROVOD_ELASTIC``): 1 turns elastic mode on (``unisonrun --elastic``)
+ENV_ELASTIC = "ELASTIC"
+#: ``UNISON_ELASTIC_MIN_NP``: fewer surviving ranks than this end the job (``unisonrun --min-np``)
+ENV_MIN_NP = "ELASTIC_MIN_NP"
+register_env(ENV_ELASTIC, ENV_MIN_NP)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recovery:
+    """What one in-place recovery did, on this rank."""
+
+    old_rank: int
+    old_size: int
+    rank: int
+    size: int
+    #: seconds from the start of :func:`recover` to the rebuilt runtime and engine
+    seconds: float
+
+
+_last: Recovery | None = None
+
+
+def enabled() -> bool:
+    """Whether elastic mode is on (``UNISON_ELASTIC=1``; ``unisonrun --elastic`` sets it).
+
+    Raises:
+        ValueError: the variable is set to something other than a boolean.
+    """
+    return bool(parse_env(ENV_ELASTIC, Flag().parse, False))
+
+
+def min_np() -> int:
+    """The fewest ranks the job may shrink to (``UNISON_ELASTIC_MIN_NP``, default 1)."""
+    return int(parse_env(ENV_MIN_NP, IntRange(1, 1 << 30).parse, 1))
+
+
+def last_recovery() -> Recovery | None:
+    """The most recent recovery of this process (None before the first)."""
+    return _last
+
+
+def _revoke(comm: Any) -> None:
+    try:
+        comm.Revoke()
+    except Exception:  # noqa: BLE001 - already revoked: the aim is reached
+        logger.debug("revoke failed", exc_info=True)
+
+
+def _settings(config: Any) -> dict[str, Any]:
+    """The running configuration as ``init()`` arguments, so a rebuild keeps every setting."""
+    return {s.field: getattr(config, s.field) for s in SETTINGS}
+
+
+def _shrink(st: runtime.State) -> Any:
+    """Revoke the old world's communicators; return the survivors' communicator."""
+    eng = st.cache.get("engine")
+    if eng is not None:
+        eng.revoke()
+    _revoke(st.comm)
+    shrunk = st.comm.Shrink()
+    shrunk.Set_errhandler(st.mpi.ERRORS_RETURN)
+    return shrunk
+
+
+def _agree_to_continue(shrunk: Any) -> None:
+    """Every survivor raises, or none does (``MPI_Comm_agree`` is fault tolerant)."""
+    need = min_np()
+    ok = shrunk.Agree(1 if shrunk.Get_size() >= need else 0)
+    if not ok:
+        raise UnisonError(f"elastic: {shrunk.Get_size()} rank(s) survived, fewer than the minimum of "
+                          f"{need} (UNISON_ELASTIC_MIN_NP / unisonrun --min-np); ending the job. Restart "
+                          "it on more hosts, or lower --min-np")
+
+
+def _rebuild(st: runtime.State, shrunk: Any) -> None:
+    """Shut the old runtime and engine down and start them again on ``shrunk``."""
+    eng = st.cache.get("engine")
+    sets = eng.registered_sets()[1:] if eng is not None else []
+    st.owns_comm = False  # revoked, never freed (see [Note: in-place recovery])
+    runtime.shutdown()
+    for ps in sets:  # their ranks named the old world: re-register them in a reset callback
+        ps.process_set_id = None
+    frontend.reset_auto_names()
+    runtime.init(comm=shrunk, **_settings(st.config))
+
+
+def recover() -> Recovery:
+    """Rebuild Unison on the ranks that survived a failure (collective over the survivors).
+
+    Returns:
+        The old and new rank and size, and how long it took.
+
+    Raises:
+        UnisonError: not running under MPI, or fewer ranks survived than the minimum.
+    """
+    global _last
+    start = time.monotonic()
+    st = runtime.state("elastic recovery")
+    if st.comm is None:
+        raise UnisonError("elastic recovery needs MPI with ULFM: launch with unisonrun --elastic "
+                          "(mpirun --with-ft ulfm)")
+    shrunk = _shrink(st)
+    _agree_to_continue(shrunk)
+    _rebuild(st, shrunk)
+    _last = Recovery(st.rank, st.size, runtime.rank(), runtime.size(), time.monotonic() - start)
+    logger.warning("elastic: recovered after a failure in %.3f s: rank %d of %d is now rank %d of %d",
+                   _last.seconds, _last.old_rank, _last.old_size, _last.rank, _last.size)
+    return _last

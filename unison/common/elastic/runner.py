@@ -1,0 +1,63 @@
+"""The retry loop of the elastic ``run`` decorator, shared by the backends.
+
+    while True:
+        sync the state from rank 0 (unless a host update said there is no need)
+        call the training function -> its return value ends the loop
+        a rank failed (UnisonInternalError): restore the last commit
+        the hosts changed (HostsUpdatedInterrupt): keep the live state
+        rebuild Unison on the current world (reset), run the reset callbacks
+
+Without elastic mode (``UNISON_ELASTIC`` unset) a failure is raised as it is, and the job
+ends as it always did.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from unison.common import runtime
+from unison.common.elastic.recovery import enabled
+from unison.common.engine.errors import process_failure
+from unison.common.exceptions import HostsUpdatedInterrupt
+
+__all__ = ["run_fn"]
+
+logger = logging.getLogger(__name__)
+
+
+def _failure(exc: BaseException) -> BaseException | None:
+    st = runtime._state
+    return process_failure(exc, st.mpi if st is not None else None)
+
+
+def run_fn(func: Callable[..., Any], reset: Callable[[], Any]) -> Callable[..., Any]:
+    """Wrap ``func(state, *args, **kwargs)`` in the elastic retry loop; ``reset()`` rebuilds."""
+
+    @functools.wraps(func)
+    def wrapper(state: Any, *args: Any, **kwargs: Any) -> Any:
+        skip_sync = False
+        while True:
+            try:
+                if not skip_sync:
+                    state.sync()
+                return func(state, *args, **kwargs)
+            except HostsUpdatedInterrupt as exc:
+                skip_sync = exc.skip_sync
+            except Exception as exc:
+                failure = _failure(exc)
+                if failure is None:
+                    raise
+                if not enabled():
+                    logger.error("a rank failed and elastic mode is off (set UNISON_ELASTIC=1 or use "
+                                 "unisonrun --elastic to recover in place); ending the job")
+                    raise
+                logger.warning("elastic: %s; rolling back to the last commit", failure)
+                state.restore()
+                skip_sync = False
+            reset()
+            state.on_reset()
+
+    return wrapper

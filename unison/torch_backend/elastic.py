@@ -1,0 +1,228 @@
+"""Horovod's elastic API for PyTorch (``hvd.elastic``): in-place recovery on ULFM.
+
+    @hvd.elastic.run
+    def train(state):
+        for state.epoch in range(state.epoch, epochs):
+            for state.batch, (x, y) in enumerate(loader):      # loader over state.sampler
+                ...; optimizer.step()
+                state.sampler.record_batch(state.batch, batch_size)
+                if state.batch % 10 == 0:
+                    state.commit()
+            state.sampler.set_epoch(state.epoch + 1)
+
+    state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0)
+    train(state)
+
+When a rank dies (``unisonrun --elastic``), every survivor's pending collective raises
+:class:`UnisonInternalError`; ``run`` restores the last commit, rebuilds Unison on the
+survivors (``unison.common.elastic.recover``: new ``size()`` and ``rank()``), broadcasts
+the state from the new rank 0, calls the reset callbacks and calls ``train`` again.
+See docs/elastic.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from unison.common import runtime
+from unison.common.elastic import ObjectState, SamplerCore, recover, run_fn
+from unison.common.elastic import State as _State
+from unison.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt, UnisonInternalError
+from unison.torch_backend.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
+
+__all__ = ["run", "TorchState", "ObjectState", "State", "ElasticSampler", "UnisonInternalError",
+           "HorovodInternalError", "HostsUpdatedInterrupt"]
+
+logger = logging.getLogger(__name__)
+
+State = _State
+
+
+def run(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator: run ``func(state, ...)`` and recover in place when a rank fails (Horovod's ``run``)."""
+    return run_fn(func, recover)
+
+
+class ElasticSampler(torch.utils.data.Sampler):
+    """A sampler that resumes mid-epoch on any number of ranks (Horovod's ``ElasticSampler``).
+
+    Each epoch's samples are shuffled with ``seed + epoch`` and dealt round-robin over the
+    ranks. Call ``record_batch(batch_idx, batch_size)`` after each batch and keep the
+    sampler in the :class:`TorchState` (``sampler=...``): after a reset the samples that
+    the last commit did not cover are dealt over the new world, none twice, none skipped
+    ([Note: elastic sampling] in ``unison/common/elastic/sampler.py``). Call
+    ``set_epoch(e)`` when an epoch ends.
+
+    Args:
+        dataset: anything with ``len()``.
+        shuffle: shuffle each epoch.
+        seed: the shuffle's seed (the same on every rank).
+    """
+
+    def __init__(self, dataset: Any, shuffle: bool = True, seed: int = 0) -> None:
+        self.dataset = dataset
+        self._core = SamplerCore(len(dataset), shuffle, seed)
+        self.reset()
+
+    @property
+    def epoch(self) -> int:
+        return self._core.epoch
+
+    @property
+    def processed_indices(self) -> set[int]:
+        return self._core.processed_indices
+
+    def reset(self) -> None:
+        """Deal the remaining samples over the current ranks (also called after a reset)."""
+        st = runtime._state
+        self._core.reset(st.rank if st else 0, st.size if st else 1)
+
+    def set_epoch(self, epoch: int) -> None:
+        self._core.set_epoch(epoch)
+        self.reset()
+
+    def record_batch(self, batch_idx: int, batch_size: int) -> None:
+        self._core.record_batch(batch_idx, batch_size)
+
+    def record_indices(self, indices: Any) -> None:
+        self._core.record_indices(indices)
+
+    def get_indices(self, batch_idx: int, batch_size: int) -> list[int]:
+        """This rank's samples of batch ``batch_idx``."""
+        return self._core.batch_indices(batch_idx, batch_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._core.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        st = runtime._state
+        self._core.load_state_dict(state_dict, st.rank if st else 0, st.size if st else 1)
+
+    def __iter__(self) -> Any:
+        return iter(list(self._core.indices))
+
+    def __len__(self) -> int:
+        return len(self._core)
+
+
+class _Handler:
+    """Save / restore / sync of one stateful object kept in a :class:`TorchState`."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        self.save()
+
+    def save(self) -> None:
+        self._saved = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(copy.deepcopy(self._saved))
+
+
+class _ModelHandler(_Handler):
+    def sync(self) -> None:
+        broadcast_parameters(self.value.state_dict(), root_rank=0, prefix="elastic.")
+
+
+class _OptimizerHandler(_Handler):
+    def __init__(self, value: Any) -> None:
+        if getattr(value, "zero_stage", 0):
+            raise NotImplementedError(
+                f"elastic training with a ZeRO optimizer (zero_stage={value.zero_stage}) is not supported yet: "
+                "its shards are laid out for the old number of ranks. Use zero_stage=0 with hvd.elastic, or "
+                "resume a ZeRO job from hvd.save_sharded checkpoints, which load at any rank count")
+        super().__init__(value)
+
+    def restore(self) -> None:
+        _drop_pending_reductions(self.value)
+        super().restore()
+
+    def sync(self) -> None:
+        broadcast_optimizer_state(self.value, root_rank=0, prefix="elastic.")
+
+
+class _SamplerHandler(_Handler):
+    def sync(self) -> None:
+        self.value.load_state_dict(broadcast_object(self.value.state_dict(), root_rank=0,
+                                                    name="elastic.sampler"))
+
+
+def _drop_pending_reductions(optimizer: Any) -> None:
+    """Forget a ``DistributedOptimizer``'s reductions cut short by a failure (their handles
+    belong to the engine that stopped), so the next backward pass starts afresh."""
+    if getattr(optimizer, "_unison_distributed", False):
+        optimizer.reset_pending()
+
+
+def _handler(value: Any) -> _Handler | None:
+    if isinstance(value, torch.nn.Module):
+        return _ModelHandler(value)
+    if isinstance(value, torch.optim.Optimizer):
+        return _OptimizerHandler(value)
+    if isinstance(value, ElasticSampler):
+        return _SamplerHandler(value)
+    return None
+
+
+class TorchState(ObjectState):
+    """Model, optimizer, samplers and any picklable values, committed in memory (Horovod's name).
+
+    ``state.model``, ``state.optimizer`` and each keyword are attributes. ``commit()``
+    copies the model's and optimizer's ``state_dict()``, each sampler's progress and the
+    other values; ``restore()`` loads those copies; ``sync()`` broadcasts rank 0's to every
+    rank (``broadcast_parameters``, ``broadcast_optimizer_state``, ``broadcast_object``) and
+    commits the result, so every rank's commit is the same afterwards.
+
+    Args:
+        model: a ``torch.nn.Module`` (or None).
+        optimizer: a ``torch.optim.Optimizer``, a ``DistributedOptimizer`` too (or None).
+        **kwargs: more modules, optimizers, :class:`ElasticSampler` s, or picklable values.
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 **kwargs: Any) -> None:
+        named = dict(kwargs)
+        if model is not None:
+            named["model"] = model
+        if optimizer is not None:
+            named["optimizer"] = optimizer
+        self._handlers: dict[str, _Handler] = {}
+        plain = {}
+        for name, value in named.items():
+            handler = _handler(value)
+            if handler is None:
+                plain[name] = value
+            else:
+                self._handlers[name] = handler
+                setattr(self, name, value)
+        super().__init__(bcast_object=_bcast_values, **plain)
+
+    def save(self) -> None:
+        for handler in self._handlers.values():
+            handler.save()
+        super().save()
+
+    def restore(self) -> None:
+        for handler in self._handlers.values():
+            handler.restore()
+        super().restore()
+
+    def sync(self) -> None:
+        for handler in self._handlers.values():
+            handler.sync()
+        super().sync()
+        self.save()
+
+    def reset(self) -> None:
+        for handler in self._handlers.values():
+            if isinstance(handler, _SamplerHandler):
+                handler.value.reset()
+
+
+def _bcast_values(obj: Any, root_rank: int = 0) -> Any:
+    return broadcast_object(obj, root_rank=root_rank, name="elastic.values")
