@@ -382,3 +382,30 @@ def test_grad_scaler_skip_decision_is_agreed_by_every_rank(stage):
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     everyone = WORLD.allgather(weights.numpy())
     assert all((w == everyone[0]).all() for w in everyone)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fp16_compression_reduces_in_half_and_stays_close(stage):
+    """compression=Compression.fp16 sends each bucket as float16: close to, not equal to, float32."""
+    ref, _ = reference("sgd_momentum")
+    model = Mixed()
+    opt = hvd.DistributedOptimizer(OPTIMIZERS["sgd_momentum"](groups_of(model)),
+                                   named_parameters=model.named_parameters(), zero_stage=stage,
+                                   compression=hvd.Compression.fp16, zero_bucket_bytes=64)
+    sent = []
+    original = opt._compression.compress
+
+    def spy(arr):
+        out, ctx = original(arr)
+        sent.append(out.dtype)
+        return out, ctx
+
+    opt._compression = type("Spy", (), {"compress": staticmethod(spy),
+                                        "decompress": staticmethod(opt._compression.decompress)})
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = local(step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    assert sent and {str(d) for d in sent} == {"float16"}
+    assert_same_weights(model, ref, tol=2e-3)
