@@ -277,20 +277,28 @@ def test_ranks_asking_for_different_stages_raise_on_every_rank():
 CKPT = os.environ.get("ZERO_CKPT_DIR")
 
 
+def save_state(path: str, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Every rank: the consolidated model and optimizer state, written by rank 0 with torch.save."""
+    state = {"model": model.state_dict(), "opt": opt.state_dict()}  # (collective under ZeRO)
+    if R == 0:
+        from unison.common.files import atomic_path
+
+        with atomic_path(path) as tmp:
+            torch.save(state, tmp)
+    WORLD.Barrier()
+
+
+def load_state(path: str) -> dict:
+    assert os.path.exists(path), f"{path} missing: the np 4 launch must run first"
+    return torch.load(path)
+
+
 @pytest.mark.skipif(not CKPT, reason="the checkpoint test runs from tests/test_torch_zero_mpi.py")
 def test_checkpoint_saved_at_4_continues_identically_at_any_size():
     path = os.path.join(CKPT, "zero.pt")
     if N == 4:  # train, save the consolidated state, and the expected continuation
-        model, opt = distributed("adamw", 2)
-        state = {"model": model.state_dict(), "opt": opt.state_dict()}
-        if R == 0:
-            from unison.common.files import atomic_path
-
-            with atomic_path(path) as tmp:
-                torch.save(state, tmp)
-        WORLD.Barrier()
-    assert os.path.exists(path), f"{path} missing: the np 4 launch must run first"
-    state = torch.load(path)
+        save_state(path, *distributed("adamw", 2))
+    state = load_state(path)
     model = Mixed()
     model.load_state_dict(state["model"])
     opt = hvd.DistributedOptimizer(OPTIMIZERS["adamw"](groups_of(model)),
@@ -321,15 +329,8 @@ def test_sharded_checkpoint_saved_at_4_loads_at_any_size(consolidated):
     if N == 4:
         model, opt = distributed("adam", 2)
         hvd.save_sharded(path, model, opt, metadata={"step": STEPS}, consolidated=consolidated)
-        state = {"model": model.state_dict(), "opt": opt.state_dict()}
-        if R == 0:
-            from unison.common.files import atomic_path
-
-            with atomic_path(ref_path) as tmp:
-                torch.save(state, tmp)
-        WORLD.Barrier()
-    assert os.path.exists(ref_path), f"{ref_path} missing: the np 4 launch must run first"
-    state = torch.load(ref_path)
+        save_state(ref_path, model, opt)
+    state = load_state(ref_path)
     ref = Mixed()
     ref.load_state_dict(state["model"])
     ref_opt = OPTIMIZERS["adam"](groups_of(ref))

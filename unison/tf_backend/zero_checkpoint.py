@@ -136,13 +136,18 @@ def _owned(layout: Any) -> dict[int, list[Any]]:
 
 def _layout_keys(layout: Any, model_keys: dict[str, Any]) -> list[str]:
     """The model entry key of each variable the sharded optimizer was built on."""
+    return _keys_of(layout.variables, model_keys, "the sharded optimizer")
+
+
+def _keys_of(variables: Any, model_keys: dict[str, Any], who: str) -> list[str]:
+    """The model entry key of each of ``variables`` (what ``who`` was built on), or raise naming it."""
     by_id = {id(_unwrap(v)): k for k, v in model_keys.items()}
     out = []
-    for v in layout.variables:
+    for v in variables:
         key = by_id.get(id(_unwrap(v)))
         if key is None:
-            raise ValueError(f"the sharded optimizer was built on {_path(v)}, which is not a "
-                             "weight of this model; pass the model whose trainable_variables it was built on")
+            raise ValueError(f"{who} was built on {_path(v)}, which is not a weight of this model; pass the "
+                             "model whose trainable_variables it was built on")
         out.append(key)
     return out
 
@@ -205,15 +210,9 @@ def _plain_refs(inner: Any, model_keys: dict[str, Any]) -> list[tuple[str, Any]]
     if not inner.built:
         raise ValueError(f"optimizer {type(inner).__name__} is not built yet; run a step or call "
                          "optimizer.build(model.trainable_variables) first")
-    by_id = {id(_unwrap(v)): k for k, v in model_keys.items()}
-    out = []
-    for v in inner._trainable_variables:
-        key = by_id.get(id(_unwrap(v)))
-        if key is None:
-            raise ValueError(f"optimizer {type(inner).__name__} was built on {_path(v)}, which is not a weight of "
-                             "this model; pass the model it trains")
-        out.append((key, v))
-    return out
+    variables = list(inner._trainable_variables)
+    keys = _keys_of(variables, model_keys, f"optimizer {type(inner).__name__}")
+    return list(zip(keys, variables, strict=True))
 
 
 def _config(optimizer: Any) -> Any:

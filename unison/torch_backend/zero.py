@@ -56,11 +56,12 @@ class _BucketState:
     """One bucket on this rank: the flat weights, its segment, gradients and what is in flight."""
 
     __slots__ = ("bucket", "params", "flat", "segment", "master", "grad_flat", "staging", "fired",
-                 "handle", "ctx", "gather", "pos")
+                 "handle", "ctx", "gather", "pos", "grad_views")
 
     def __init__(self, bucket: Bucket, params: list[torch.Tensor], flat: torch.Tensor, rank: int) -> None:
         self.bucket, self.params, self.flat = bucket, params, flat
         self.pos = {id(p): i for i, p in enumerate(params)}  # (list.index would compare tensors)
+        self.grad_views: list[torch.Tensor] = []  # stage 1: each parameter's view of grad_flat
         lo, hi = bucket.segment(rank)
         self.segment = flat[lo:hi]
         self.master: torch.nn.Parameter | None = None
@@ -119,8 +120,10 @@ class _ZeroOptimizer(ZeroStateMixin):
             st = _BucketState(b, params, flat, self._rank)
             if self.zero_stage == 1:
                 st.grad_flat = torch.zeros_like(flat)
-                for piece, p in zip(b.pieces, params, strict=True):
-                    p.grad = st.grad_flat[piece.offset:piece.offset + piece.length].view(p.shape)
+                st.grad_views = [st.grad_flat[pc.offset:pc.offset + pc.length].view(p.shape)
+                                 for pc, p in zip(b.pieces, params, strict=True)]
+                for p, view in zip(params, st.grad_views, strict=True):
+                    p.grad = view
             else:
                 for p in params:
                     p.grad = None
@@ -153,8 +156,7 @@ class _ZeroOptimizer(ZeroStateMixin):
             self._stage2_grad(p, st)
 
     def _stage1_grad(self, p: torch.Tensor, st: _BucketState) -> None:
-        piece = st.bucket.pieces[st.pos[id(p)]]
-        view = st.grad_flat[piece.offset:piece.offset + piece.length].view(p.shape)
+        view = st.grad_views[st.pos[id(p)]]
         if p.grad.data_ptr() != view.data_ptr():  # model.zero_grad() dropped the view: take it back
             with torch.no_grad():
                 view.copy_(p.grad)
@@ -337,8 +339,8 @@ class _ZeroOptimizer(ZeroStateMixin):
         for st in self._buckets:
             if st.grad_flat is not None:
                 st.grad_flat.zero_()
-                for piece, p in zip(st.bucket.pieces, st.params, strict=True):
-                    p.grad = st.grad_flat[piece.offset:piece.offset + piece.length].view(p.shape)
+                for p, view in zip(st.params, st.grad_views, strict=True):
+                    p.grad = view
             else:
                 st.staging = None
                 for p in st.params:

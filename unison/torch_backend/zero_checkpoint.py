@@ -51,10 +51,6 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _param_names(optimizer: Any) -> dict[int, str]:
-    return {id(p): n for p, n in optimizer._names.items()}
-
-
 def _model_entries(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
     """Weights: under ZeRO this rank's segments of trained parameters, the rest replicated."""
     entries: dict[str, Any] = {}
@@ -224,14 +220,18 @@ def _plain_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> li
 
 def _zero_wanted(optimizer: Any, manifest: ck.Manifest, sharded_keys: set[str]) -> dict[str, Any]:
     """Per entry: this rank's ranges of sharded state and masters, whole scalars (step counts)."""
+    of_param: dict[str, list[str]] = {}  # parameter name -> its optim.<name>.<key> / master.<name> entries
+    for entry in manifest.entries:
+        if entry.startswith("optim."):  # state keys (exp_avg, step, ...) hold no dot; names may
+            of_param.setdefault(entry[len("optim."):].rsplit(".", 1)[0], []).append(entry)
+        elif entry.startswith("master."):
+            of_param.setdefault(entry[len("master."):], []).append(entry)
     wanted: dict[str, Any] = {}
     for st in optimizer._buckets:
         owned = st.bucket.owned(optimizer._rank)
         for p in st.params:
             name = optimizer._names[p]
-            for entry in manifest.entries:
-                if not entry.startswith(f"optim.{name}.") and entry != f"master.{name}":
-                    continue
+            for entry in of_param.get(name, []):
                 if entry.startswith("master.") or entry[len(f"optim.{name}."):] in sharded_keys:
                     wanted[entry] = [(pc.param_offset, pc.length) for pc in owned if pc.name == name]
                 else:
