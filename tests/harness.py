@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,12 +20,25 @@ ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 MPIRUN = str(VENV_BIN / "mpirun") if (VENV_BIN / "mpirun").exists() else "mpirun"
 
+# [Note: a temporary folder per launch]
+# Open MPI keeps each launch's session folder, with PMIx's rendezvous files, in
+# $TMPDIR/ompi.<mpirun's pid>; a launch that is killed leaves it behind. Over a long test run
+# (TensorFlow's and torch's threads use up process ids quickly) a later mpirun can get a pid
+# whose stale folder is still there, and PMIx then fails before any rank starts ("The PMIx
+# server's listener thread failed to start"; seen once in CI). Each environment made here
+# gets a folder of its own under one root that is removed when the tests end, so no launch
+# can meet another's leftovers. The path stays short: PMIx's socket paths must fit in 108 bytes.
+_TMP_ROOT = tempfile.mkdtemp(prefix="unison-t-", dir="/tmp" if os.path.isdir("/tmp") else None)
+atexit.register(shutil.rmtree, _TMP_ROOT, True)
+
 
 def mpi_env(**extra: str) -> dict[str, str]:
-    """Environment for ranks: one thread per pool (several ranks share 2 cores)."""
+    """Environment for ranks: one thread per pool (several ranks share 2 cores) and a
+    temporary folder of the launch's own (see [Note: a temporary folder per launch])."""
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1",
                MKL_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1",
+               TMPDIR=tempfile.mkdtemp(prefix="", dir=_TMP_ROOT),
                PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",
                PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}")
     env.update(extra)

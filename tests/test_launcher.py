@@ -1048,3 +1048,56 @@ def test_probe_skips_this_machine(tmp_path):
     here = socket.gethostname()
     assert probe_hosts(["localhost", "127.0.0.1", here, "10.9.8.7"], agent=agent, python=sys.executable,
                        addresses={"eth0": "10.9.8.7"}, timeout=5) == []
+
+
+def _session_dir(base: Path, name: str, age_s: float) -> Path:
+    folder = base / name
+    (folder / "0").mkdir(parents=True)
+    (folder / "pmix.vm.tool").write_text("uri")
+    stamp = time.time() - age_s
+    os.utime(folder, (stamp, stamp))
+    return folder
+
+
+def test_stale_session_dirs_only_dead_old_launches_of_this_user(tmp_path):
+    """[Note: stale session folders]: only folders of dead launches older than a minute go."""
+    from unison.run import session_dirs
+
+    dead = _session_dir(tmp_path, "ompi.4001", 600)
+    dead_daemon = _session_dir(tmp_path, "prted.4002", 600)
+    running = _session_dir(tmp_path, "ompi.4003", 600)
+    young = _session_dir(tmp_path, "ompi.4004", 5)
+    other = _session_dir(tmp_path, "ompi-4005", 600)
+    (tmp_path / "ompi.4006").write_text("a file, not a session folder")
+    alive = {4003}.__contains__
+    assert session_dirs.stale_session_dirs(tmp_path, alive=alive) == [dead, dead_daemon]
+    assert session_dirs.stale_session_dirs(tmp_path, alive=alive, uid=os.geteuid() + 1) == []
+    removed = session_dirs.remove_stale_session_dirs(tmp_path, alive=alive)
+    assert removed == [dead, dead_daemon]
+    assert not dead.exists() and not dead_daemon.exists()
+    assert running.exists() and young.exists() and other.exists() and (tmp_path / "ompi.4006").exists()
+
+
+def test_stale_session_dirs_real_process_ids(tmp_path):
+    """The default liveness check: this process's id is alive; an exited child's is not."""
+    from unison.run import session_dirs
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    mine = _session_dir(tmp_path, f"ompi.{os.getpid()}", 600)
+    gone = _session_dir(tmp_path, f"ompi.{child.pid}", 600)
+    assert session_dirs.stale_session_dirs(tmp_path) == [gone]
+    assert mine.exists()
+
+
+def test_unisonrun_removes_stale_session_dirs_before_launching(tmp_path):
+    """A stale folder in the job's TMPDIR is gone after a launch; the job still runs."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    stale = _session_dir(tmp_path, f"ompi.{child.pid}", 600)
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "unison.run", "-np", "1", sys.executable, "-c", "print('ran')"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "ran" in proc.stdout
+    assert not stale.exists()

@@ -65,6 +65,7 @@ from unison.run.placement import (
 )
 from unison.run.probe import DEFAULT_AGENT, HostUnreachableError, check_hosts
 from unison.run.pycommand import wrap_python_command
+from unison.run.session_dirs import remove_stale_session_dirs
 from unison.run.supervise import run_command
 
 __all__ = ["LaunchConfig", "MpirunNotFoundError", "build_command", "find_mpirun", "main"]
@@ -375,6 +376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return HOST_UNREACHABLE_STATUS
     if args.verbose:
         print(shlex.join(command), file=sys.stderr, flush=True)
+    remove_stale_session_dirs(environ.get("TMPDIR") or None)
     try:
         result = run_command(command, environ)
     except OSError as error:
