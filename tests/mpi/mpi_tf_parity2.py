@@ -227,11 +227,17 @@ HVD_TF_KERAS = ("init shutdown is_initialized start_timeline stop_timeline size 
                 "reducescatter load_model").split()
 HVD_CALLBACKS = ("BroadcastGlobalVariablesCallback MetricAverageCallback LearningRateScheduleCallback "
                  "LearningRateWarmupCallback BestModelCheckpoint").split()
+#: horovod.tensorflow.elastic and horovod.tensorflow.keras.elastic 0.28
+HVD_TF_ELASTIC = "run State ObjectState TensorFlowState TensorFlowKerasState".split()
+HVD_KERAS_ELASTIC = ("run KerasState CommitStateCallback UpdateBatchStateCallback "
+                     "UpdateEpochStateCallback").split()
 
 
 def test_keras_module_has_every_horovod_keras_name():
-    """horovod.tensorflow.keras and horovod.keras 0.28 (but ``elastic``, pending) in unison.tf_backend.keras."""
+    """horovod.tensorflow.keras and horovod.keras 0.28 in unison.tf_backend.keras, ``elastic`` included."""
     assert [n for n in HVD_TF_KERAS if not hasattr(hvd_keras, n)] == []
+    assert [n for n in HVD_TF_ELASTIC + HVD_KERAS_ELASTIC if not hasattr(hvd_keras.elastic, n)] == []
+    assert hvd_keras.elastic.HorovodInternalError is hvd_keras.HorovodInternalError
     assert [n for n in HVD_CALLBACKS if not hasattr(hvd_keras.callbacks, n)] == []
     assert len(hvd_keras.__all__) == len(set(hvd_keras.__all__))
     assert all(hasattr(hvd_keras, n) for n in hvd_keras.__all__)

@@ -21,7 +21,7 @@ N, R = WORLD.Get_size(), WORLD.Get_rank()
 torch.set_num_threads(1)
 multi = pytest.mark.skipif(N == 1, reason="needs two ranks")
 
-#: every public name of horovod.torch 0.28 (its __init__ imports), elastic excepted (issue 10)
+#: every public name of horovod.torch 0.28 (its __init__ imports)
 HOROVOD_TORCH_NAMES = """
 Compression allgather_object broadcast_object broadcast_optimizer_state broadcast_parameters allreduce
 allreduce_async allreduce_ allreduce_async_ grouped_allreduce grouped_allreduce_async grouped_allreduce_
@@ -31,7 +31,7 @@ reducescatter reducescatter_async grouped_reducescatter grouped_reducescatter_as
 synchronize init shutdown is_initialized start_timeline stop_timeline size local_size cross_size rank
 local_rank cross_rank mpi_threads_supported mpi_enabled mpi_built gloo_enabled gloo_built nccl_built
 ddl_built ccl_built cuda_built rocm_built ProcessSet global_process_set add_process_set remove_process_set
-Average Sum Adasum Min Max Product DistributedOptimizer SyncBatchNorm
+Average Sum Adasum Min Max Product DistributedOptimizer SyncBatchNorm elastic
 """.split()
 
 

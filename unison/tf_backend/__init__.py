@@ -15,10 +15,13 @@ from unison.common.engine.frontend import add_process_set, stop_timeline
 from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.common.exceptions import (
     CollectiveError,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
     InvalidArgumentError,
     MismatchError,
     NotInitializedError,
     UnisonError,
+    UnisonInternalError,
 )
 from unison.common.ops import Average, Max, Min, Product, ReduceOp, Sum
 from unison.common.runtime import (
@@ -109,12 +112,17 @@ __all__ = [
     "InvalidArgumentError", "StallError", "ShutdownError", "DuplicateNameError", "JoinError", "Pipeline",
     "PipelineGrid",
     "pipeline_grid", "balance_by_params", "balance_by_time", "PipelineError", "SyncBatchNormalization",
-    "save_sharded", "load_sharded",
+    "save_sharded", "load_sharded", "elastic", "UnisonInternalError", "HorovodInternalError",
+    "HostsUpdatedInterrupt",
 ]
 
 
 def __getattr__(name: str) -> object:
-    """``SyncBatchNormalization`` is loaded on first use (it imports Keras)."""
+    """``SyncBatchNormalization`` and ``elastic`` are loaded on first use (they import Keras)."""
+    if name == "elastic":
+        import importlib
+
+        return importlib.import_module("unison.tf_backend.elastic")
     if name == "SyncBatchNormalization":
         from unison.tf_backend.sync_batch_norm import SyncBatchNormalization
 

@@ -1,0 +1,95 @@
+"""The elastic Keras state and callbacks in one process (the multi-rank recovery is in
+tests/test_elastic_mpi.py::test_keras_fit_loses_a_rank_twice)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+keras = pytest.importorskip("keras")
+
+from unison.tf_backend import elastic  # noqa: E402
+
+
+def _model() -> keras.Model:
+    keras.utils.set_random_seed(1)
+    net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    net.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse")
+    return net
+
+
+def _state(net: keras.Model, **values: int) -> elastic.KerasState:
+    state = elastic.KerasState(net, **values)
+    state._bcast_object = lambda obj, root_rank=0: obj  # one process: nothing to broadcast
+    return state
+
+
+def _fit(net: keras.Model, callbacks: list, **kwargs: int) -> None:
+    x = np.arange(24, dtype="float32").reshape(8, 3) / 10
+    net.fit(x, x[:, :2], batch_size=2, shuffle=False, verbose=0, callbacks=callbacks, **kwargs)
+
+
+def test_commit_and_restore_cover_the_model_and_the_optimizer_slots() -> None:
+    net = _model()
+    state = _state(net, epoch=0, batch=0)
+    assert len(net.optimizer.variables) > 2  # built when the state was made: slots exist
+    before_w = [w.copy() for w in net.get_weights()]
+    before_opt = [v.numpy().copy() for v in net.optimizer.variables]
+    _fit(net, [], epochs=1)
+    assert not np.allclose(before_w[0], net.get_weights()[0])
+    state.restore()
+    for got, want in zip(net.get_weights(), before_w, strict=True):
+        np.testing.assert_array_equal(got, want)
+    for var, want in zip(net.optimizer.variables, before_opt, strict=True):
+        np.testing.assert_array_equal(var.numpy(), want)  # iterations and Adam's moments too
+
+
+def test_callbacks_count_batches_and_epochs_and_commit() -> None:
+    net = _model()
+    state = _state(net, epoch=0, batch=0)
+    commits = []
+    state.save = (lambda save: lambda: (commits.append((state.epoch, state.batch)), save())[1])(state.save)
+    callbacks = [elastic.UpdateBatchStateCallback(state), elastic.UpdateEpochStateCallback(state),
+                 elastic.CommitStateCallback(state, batches_per_commit=3)]
+    _fit(net, callbacks, epochs=2)  # 4 batches an epoch
+    assert (state.epoch, state.batch) == (2, 0)
+    assert commits == [(0, 3), (1, 0), (1, 3), (2, 0)]  # every 3 batches (counted afresh per fit) and at epoch ends
+
+
+@pytest.mark.parametrize("style", ["relative", "initial_epoch"])
+def test_a_resumed_fit_continues_the_counts(style: str) -> None:
+    """After a reset at epoch 1, batch 2: the rest of the epoch, then the last epoch, either way
+    of counting epochs that Keras allows."""
+    net = _model()
+    state = _state(net, epoch=1, batch=2)
+    callbacks = [elastic.UpdateBatchStateCallback(state), elastic.UpdateEpochStateCallback(state)]
+    seen = []
+    callbacks.append(keras.callbacks.LambdaCallback(on_batch_end=lambda b, logs: seen.append(
+        (state.epoch, state.batch))))
+    x = np.zeros((8, 3), "float32")
+    rest = {"relative": {"epochs": 1}, "initial_epoch": {"initial_epoch": 1, "epochs": 2}}[style]
+    net.fit(x[4:], x[4:, :2], batch_size=2, verbose=0, callbacks=callbacks, **rest)
+    assert seen == [(1, 3), (1, 4)] and (state.epoch, state.batch) == (2, 0)
+    last = {"relative": {"epochs": 1}, "initial_epoch": {"initial_epoch": 2, "epochs": 3}}[style]
+    net.fit(x, x[:, :2], batch_size=2, verbose=0, callbacks=callbacks, **last)
+    assert (state.epoch, state.batch) == (3, 0)
+
+
+def test_reset_drops_the_traced_step_functions() -> None:
+    net = _model()
+    state = _state(net, epoch=0)
+    _fit(net, [], epochs=1)
+    assert net.train_function is not None
+    state.reset()
+    assert net.train_function is None and net.predict_function is None
+
+
+def test_bad_input() -> None:
+    with pytest.raises(ValueError, match="batches_per_commit must be a positive int; got 0"):
+        elastic.CommitStateCallback(elastic.ObjectState(), batches_per_commit=0)
+    unbuilt = keras.Sequential([keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="is not built.*model.build"):
+        elastic.KerasState(unbuilt)

@@ -1,0 +1,301 @@
+"""Horovod's elastic API for TensorFlow and Keras 3 (``hvd.elastic``): in-place recovery on ULFM.
+
+    state = hvd.elastic.KerasState(model, epoch=0, batch=0)
+    callbacks = [hvd.elastic.UpdateBatchStateCallback(state),
+                 hvd.elastic.UpdateEpochStateCallback(state),
+                 hvd.elastic.CommitStateCallback(state, batches_per_commit=10)]
+
+    @hvd.elastic.run
+    def train(state):
+        if state.batch:                       # finish the epoch a failure cut short
+            model.fit(dataset.skip(state.batch).take(steps - state.batch), epochs=1,
+                      callbacks=callbacks)
+        model.fit(dataset.take(steps), epochs=epochs - state.epoch, callbacks=callbacks)
+
+    train(state)
+
+When a rank dies (``unisonrun --elastic``), the survivors' pending collectives fail inside
+the training step; TensorFlow hands that on as an ``OpError``, which :func:`run` turns back
+into :class:`UnisonInternalError`. ``run`` then restores the last commit, rebuilds Unison
+on the survivors (``unison.common.elastic.recover``), broadcasts the state from the new
+rank 0, forgets the model's traced step functions (they hold the old number of ranks) and
+calls ``train`` again. See docs/elastic.md ([Note: elastic Keras]).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from unison.common import runtime
+from unison.common.elastic import ObjectState, recover, run_fn
+from unison.common.elastic import State as _State
+from unison.common.engine import frontend
+from unison.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt, UnisonInternalError
+
+__all__ = ["run", "State", "ObjectState", "TensorFlowState", "TensorFlowKerasState", "KerasState",
+           "CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback",
+           "UnisonInternalError", "HorovodInternalError", "HostsUpdatedInterrupt"]
+
+logger = logging.getLogger(__name__)
+
+State = _State
+
+# [Note: elastic Keras]
+# A peer's death reaches the training step inside TensorFlow: the collective's numpy_function
+# raises UnisonInternalError, and TensorFlow re-raises it as an OpError (UnknownError) with the
+# original type only in its text. ``run`` asks the engine instead of parsing text: an engine
+# that stopped because a rank failed says so (its exit error is a UnisonInternalError).
+# A traced train step (model.fit's train_function, a tf.function of the user's) holds the
+# number of ranks it was traced with (the average's divisor, the strategy's split of each
+# global batch), so after a reset the model's step functions are dropped and traced again.
+
+
+def _engine_failure() -> UnisonInternalError | None:
+    """The engine's reason for stopping, when a rank's failure stopped it; else None."""
+    st = runtime._state
+    eng = st.cache.get("engine") if st is not None else None
+    if eng is None or eng.alive():
+        return None
+    error = eng.exit_error()
+    return error if isinstance(error, UnisonInternalError) else None
+
+
+def _translated(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``func`` with an ``OpError`` caused by a failed rank raised as :class:`UnisonInternalError`."""
+
+    @functools.wraps(func)
+    def call(state: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(state, *args, **kwargs)
+        except tf.errors.OpError as exc:
+            failure = _engine_failure()
+            if failure is None and "UnisonInternalError" not in str(exc):
+                raise
+            error = failure or UnisonInternalError(f"a rank of the job failed: {exc.message}")
+            raise error from exc
+
+    return call
+
+
+def run(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator: run ``func(state, ...)`` and recover in place when a rank fails (Horovod's ``run``)."""
+    return run_fn(_translated(func), recover)
+
+
+def _numpy(variables: Iterable[Any]) -> list[np.ndarray]:
+    return [np.array(v.numpy(), copy=True) for v in variables]
+
+
+def _assign(variables: list[Any], values: list[np.ndarray], what: str) -> None:
+    if len(variables) != len(values):
+        raise ValueError(f"elastic: the {what} has {len(variables)} variables but its commit holds "
+                         f"{len(values)}; variables were created after the commit. Build the model and "
+                         "its optimizer before creating the state (model.build / optimizer.build)")
+    for var, value in zip(variables, values, strict=True):
+        var.assign(value)
+
+
+def _broadcast(variables: list[Any], tag: str) -> None:
+    """Rank 0's values to every rank, one named broadcast per variable."""
+    for i, var in enumerate(variables):
+        value = frontend.broadcast(np.asarray(var.numpy()), 0, f"elastic.{tag}.{i}")
+        var.assign(np.asarray(value).reshape(var.shape))
+
+
+class TensorFlowState(ObjectState):
+    """TensorFlow variables and picklable values, committed in memory (Horovod's name).
+
+    Args:
+        variables: the ``tf.Variable`` s to commit (all of ``tf.compat.v1`` global variables
+            has no meaning in TF 2: pass them).
+        **kwargs: picklable values, kept as attributes.
+    """
+
+    def __init__(self, variables: Iterable[Any] | None = None, **kwargs: Any) -> None:
+        self.variables = list(variables or [])
+        self._saved_variables = _numpy(self.variables)
+        super().__init__(bcast_object=_bcast_values, **kwargs)
+
+    def save(self) -> None:
+        self._saved_variables = _numpy(self.variables)
+        super().save()
+
+    def restore(self) -> None:
+        _assign(self.variables, self._saved_variables, "state")
+        super().restore()
+
+    def sync(self) -> None:
+        _broadcast(self.variables, "variables")
+        super().sync()
+        self.save()
+
+
+class TensorFlowKerasState(ObjectState):
+    """A Keras model, its optimizer and picklable values, committed in memory (Horovod's name).
+
+    ``commit()`` copies every weight of the model and every variable of the optimizer
+    (its step count and slots) to host memory; ``restore()`` assigns the copies back;
+    ``sync()`` broadcasts rank 0's values. The optimizer is built on the model's trainable
+    weights when the state is made (Keras would build it at the first step), so a commit
+    made before training holds its slots too. A ``reset`` drops the model's traced step
+    functions ([Note: elastic Keras]).
+
+    Args:
+        model: a built Keras model.
+        optimizer: its optimizer (``model.optimizer`` when None; may be absent).
+        **kwargs: picklable values, kept as attributes (``epoch=0, batch=0``).
+
+    Raises:
+        ValueError: the model is not built, or its optimizer is a ZeRO optimizer (its shards
+            are laid out for the old number of ranks).
+    """
+
+    def __init__(self, model: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        if not model.built:
+            raise ValueError(f"elastic: the model {model.name!r} is not built, so it has no weights to "
+                             "commit; call model.build(input_shape) (or run it once) before the state")
+        self.model = model
+        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        if getattr(self.optimizer, "zero_stage", 0):
+            raise ValueError(f"elastic training with a ZeRO optimizer (zero_stage={self.optimizer.zero_stage}) "
+                             "is not supported: its shards are laid out for the old number of ranks. Use "
+                             "zero_stage=0 with hvd.elastic, or resume from hvd.save_sharded checkpoints")
+        self._build_optimizer()
+        self._saved_model = _numpy(model.weights)
+        self._saved_optimizer = _numpy(self._optimizer_variables())
+        super().__init__(bcast_object=_bcast_values, **kwargs)
+
+    def _build_optimizer(self) -> None:
+        opt = self.optimizer
+        if opt is None or getattr(opt, "built", True):
+            return
+        strategy = getattr(self.model, "_distribute_strategy", None)
+        with strategy.scope() if strategy is not None else _nothing():
+            opt.build(self.model.trainable_variables)
+
+    def _optimizer_variables(self) -> list[Any]:
+        return list(self.optimizer.variables) if self.optimizer is not None else []
+
+    def save(self) -> None:
+        self._saved_model = _numpy(self.model.weights)
+        self._saved_optimizer = _numpy(self._optimizer_variables())
+        super().save()
+
+    def restore(self) -> None:
+        _assign(list(self.model.weights), self._saved_model, "model")
+        _assign(self._optimizer_variables(), self._saved_optimizer, "optimizer")
+        super().restore()
+
+    def sync(self) -> None:
+        _broadcast(list(self.model.weights), "model")
+        _broadcast(self._optimizer_variables(), "optimizer")
+        super().sync()
+        self.save()
+
+    def reset(self) -> None:
+        for name in ("train_function", "test_function", "predict_function"):
+            if hasattr(self.model, name):
+                setattr(self.model, name, None)
+
+
+KerasState = TensorFlowKerasState
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _bcast_values(obj: Any, root_rank: int = 0) -> Any:
+    from unison.common.engine.objects import broadcast_object
+
+    return broadcast_object(obj, root_rank=root_rank, name="elastic.values")
+
+
+class CommitStateCallback(keras.callbacks.Callback):
+    """Commit the state at every epoch's end and every ``batches_per_commit`` batches after the
+    last commit (the count restarts at each ``fit`` and each epoch).
+
+    Put it after :class:`UpdateBatchStateCallback` and :class:`UpdateEpochStateCallback` in
+    the callback list (Keras calls them in order), so a commit holds the updated counters.
+    """
+
+    def __init__(self, state: State, batches_per_commit: int = 1) -> None:
+        super().__init__()
+        if not isinstance(batches_per_commit, int) or batches_per_commit < 1:
+            raise ValueError(f"batches_per_commit must be a positive int; got {batches_per_commit!r}")
+        self.state = state
+        self.batches_per_commit = batches_per_commit
+        self._left = batches_per_commit
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        self._left = self.batches_per_commit  # every rank counts from the same point after a reset
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self._left -= 1
+        if self._left == 0:
+            self.state.commit()
+            self._left = self.batches_per_commit
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self.state.commit()
+        self._left = self.batches_per_commit  # the next commit is batches_per_commit after this one
+
+
+class UpdateBatchStateCallback(keras.callbacks.Callback):
+    """Keep ``state.batch`` = the batches of the current epoch finished so far.
+
+    A ``fit`` that starts while ``state.batch > 0`` is taken to run the rest of that epoch
+    (the dataset given to it skips the ``state.batch`` batches already done), so the count
+    goes on from there. ``state.batch`` is back to 0 at the epoch's end. (Horovod's callback
+    stores the last batch's index instead; the count is what a resume needs.)
+    """
+
+    def __init__(self, state: State) -> None:
+        super().__init__()
+        self.state = state
+        self._offset = 0
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        self._offset = int(self.state.batch)
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self.state.batch = self._offset + batch + 1
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self.state.batch = 0
+        self._offset = 0
+
+
+class UpdateEpochStateCallback(keras.callbacks.Callback):
+    """Keep ``state.epoch`` = the epochs finished, across resets.
+
+    Works whether ``fit`` counts epochs from 0 (``epochs=total - state.epoch``, as in Horovod's
+    examples) or from the state (``initial_epoch=state.epoch, epochs=total``): the first epoch
+    Keras reports is matched to ``state.epoch``.
+    """
+
+    def __init__(self, state: State) -> None:
+        super().__init__()
+        self.state = state
+        self._offset: int | None = None
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        self._offset = None
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        if self._offset is None:
+            self._offset = int(self.state.epoch) - epoch
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self.state.epoch = (self._offset or 0) + epoch + 1
