@@ -90,6 +90,7 @@ def test_the_walker_sees_imports():
     assert any(a.startswith("unison.torch_backend") and b == "torch" for a, b, _ in pairs)
     assert layer("unison.common.runtime") == 0 and layer("unison.common.engine.engine") == 2
     assert layer("unison.common.pipeline.driver") == 3 and layer("unison.tf_backend.strategy") == 4
+    assert layer("unison.common.tensor_parallel.grid") == 3 and layer("unison.common.zero.plan") == 3
 
 
 def test_layers_point_down_only():

@@ -361,6 +361,24 @@ def test_process_sets():
         unison.allreduce(np.ones(1), process_set=unison.ProcessSet([0]))
 
 
+def test_unnamed_calls_on_a_subset_leave_the_global_names_aligned():
+    """Frontend [Note: a counter per process set]: ranks 0..N-2 make unnamed calls on their own
+    set; rank N-1 does not. The next unnamed global calls must still carry the same names on
+    every rank (with one counter for all sets they did not: a hang)."""
+    if N < 2:
+        pytest.skip("needs two ranks")
+    most = unison.add_process_set(list(range(N - 1)))
+    if R < N - 1:
+        for _ in range(2):
+            got = unison.allreduce(np.ones(2), op=unison.Sum, process_set=most)
+            np.testing.assert_array_equal(got, np.full(2, float(N - 1)))
+        unison.allgather(np.array([R]), process_set=most)
+    total = unison.allreduce(np.full(2, float(R)), op=unison.Sum)
+    np.testing.assert_array_equal(total, np.full(2, float(N * (N - 1) // 2)))
+    assert frontend._auto_name("allreduce", None, most).startswith(f"allreduce.set{most.process_set_id}.noname.")
+    unison.remove_process_set(most)
+
+
 @pytest.mark.parametrize("compression, unit_roundoff", [(unison.Compression.fp16, 2.0 ** -11),
                                                         (unison.Compression.bf16, 2.0 ** -8)])
 def test_compression_error_bounds(compression, unit_roundoff):

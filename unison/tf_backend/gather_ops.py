@@ -59,7 +59,7 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
     """Concatenate every rank's tensor along dimension 0 (which may differ per rank); differentiable."""
     x = _tensor(tensor)
     _check_dtype("allgather", x, _MOVABLE)
-    return _allgather(x, _op_name("allgather", name, x, ignore_name_scope), _ps(process_set))
+    return _allgather(x, _op_name("allgather", name, x, ignore_name_scope, _ps(process_set)), _ps(process_set))
 
 
 def grouped_allgather(tensors: Sequence[Any], name: str | None = None, ignore_name_scope: bool = False,
@@ -70,8 +70,8 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None, ignore_na
     xs = [_tensor(t) for t in tensors]
     for x in xs:
         _check_dtype("grouped_allgather", x, _MOVABLE)
-    base = _op_name("grouped_allgather", name, xs[0], ignore_name_scope)
     ps = _ps(process_set)
+    base = _op_name("grouped_allgather", name, xs[0], ignore_name_scope, ps)
 
     @tf.custom_gradient
     def gather(*ts: tf.Tensor) -> Any:
@@ -131,7 +131,8 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_
     """``root_rank``'s tensor (a global rank, as in Horovod) on every rank of the set; differentiable."""
     x = _tensor(tensor)
     _check_dtype("broadcast", x, _MOVABLE)
-    return _broadcast(x, root_rank, _op_name("broadcast", name, x, ignore_name_scope), _ps(process_set))
+    ps = _ps(process_set)
+    return _broadcast(x, root_rank, _op_name("broadcast", name, x, ignore_name_scope, ps), ps)
 
 
 # ------------------------------------------------------------------------------- alltoall
@@ -177,5 +178,5 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_na
             raise TypeError(f"alltoall splits must be integers (int32, as in Horovod); got {sp.dtype.name}")
         sp = tf.cast(sp, tf.int32)
     ps = _ps(process_set)
-    out, recv = _alltoall(x, sp, _op_name("alltoall", name, x, ignore_name_scope), ps)
+    out, recv = _alltoall(x, sp, _op_name("alltoall", name, x, ignore_name_scope, ps), ps)
     return (out, recv) if splits is not None else out

@@ -132,7 +132,7 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "", 
         return compression.decompress(_adasum_eager(wire, prescale_factor, postscale_factor, ps), ctx)
     if _engine_adasum(rop):
         _check_adasum(ps)
-    name = _op_name("allreduce", name, x, ignore_name_scope)
+    name = _op_name("allreduce", name, x, ignore_name_scope, ps)
     return compression.decompress(_allreduce(wire, rop, name, prescale_factor, postscale_factor, ps), ctx)
 
 
@@ -188,7 +188,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
         else:
             if _engine_adasum(rop):
                 _check_adasum(ps)
-            base = _op_name("grouped_allreduce", name, dense[0][1], ignore_name_scope)
+            base = _op_name("grouped_allreduce", name, dense[0][1], ignore_name_scope, ps)
             reduced = _grouped_dense([w for w, _ in wires], rop, base, prescale_factor, postscale_factor, ps)
         for (i, _), r, (_, ctx) in zip(dense, reduced, wires, strict=True):
             out[i] = compression.decompress(r, ctx)
@@ -248,7 +248,7 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
     _check_not_scalar("Reducescatter", x)
     compression = compression or Compression.none
     wire, ctx = compression.compress(x)
-    name = _op_name("reducescatter", name, x, ignore_name_scope)
+    name = _op_name("reducescatter", name, x, ignore_name_scope, _ps(process_set))
     return compression.decompress(_reducescatter(wire, rop, name, prescale_factor, postscale_factor,
                                                  _ps(process_set)), ctx)
 
@@ -267,8 +267,8 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compre
         _check_not_scalar("GroupedReducescatter", x)
     compression = compression or Compression.none
     wires = [compression.compress(x) for x in xs]
-    base = _op_name("grouped_reducescatter", None, xs[0])
     ps = _ps(process_set)
+    base = _op_name("grouped_reducescatter", None, xs[0], process_set=ps)
     pre, post = prescale_factor, postscale_factor
 
     @tf.custom_gradient

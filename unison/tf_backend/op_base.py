@@ -23,15 +23,17 @@ _MOVABLE = frozenset({tf.uint8, tf.int8, tf.uint16, tf.int16, tf.int32, tf.int64
 _REDUCIBLE = _MOVABLE
 
 
-def _name(kind: str, name: str | None) -> str:
-    """An eager-style engine name: ``name``, or the next ``tf.<kind>.noname.<n>``."""
-    return frontend._auto_name(f"tf.{kind}", name)
+def _name(kind: str, name: str | None, process_set: ProcessSet | None = None) -> str:
+    """An eager-style engine name: ``name``, or the next ``tf.<kind>.noname.<n>`` (counted per
+    process set: frontend [Note: a counter per process set])."""
+    return frontend._auto_name(f"tf.{kind}", name, process_set)
 
 
-def _op_name(kind: str, name: str | None, tensor: Any, ignore_name_scope: bool = False) -> str:
+def _op_name(kind: str, name: str | None, tensor: Any, ignore_name_scope: bool = False,
+             process_set: ProcessSet | None = None) -> str:
     """The engine name of an op built now (see the module docstring)."""
     if tf.executing_eagerly():
-        return _name(kind, name)
+        return _name(kind, name, process_set)
     if name is None:
         base = getattr(tensor, "name", None) or kind
         name = f"Horovod{kind.capitalize()}_{host_ops._op_name(base)}"

@@ -93,6 +93,17 @@ from unison.torch_backend.pipeline import (
     pipeline_grid,
 )
 from unison.torch_backend.sync_batch_norm import SyncBatchNorm
+from unison.torch_backend.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+from unison.torch_backend.tensor_parallel_blocks import (
+    ParallelMLP,
+    ParallelSelfAttention,
+    ParallelTransformerBlock,
+)
 from unison.torch_backend.zero3 import (
     clip_sharded_grad_norm_,
     full_state_dict,
@@ -123,4 +134,6 @@ __all__ = [
     "save_sharded", "load_sharded", "shard_module", "full_state_dict", "load_full_state_dict", "clip_grad_norm_",
     "clip_sharded_grad_norm_", "zero3_memory", "GradScaler", "elastic", "UnisonInternalError",
     "HorovodInternalError", "HostsUpdatedInterrupt",
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
+    "ParallelMLP", "ParallelSelfAttention", "ParallelTransformerBlock",
 ]

@@ -150,7 +150,7 @@ def _grouped_submit(tensors: Sequence[torch.Tensor], rop: Any, name: str | None,
     ps = set_or_none(process_set)
     if rop is Adasum and not _ENGINE_ADASUM:
         _check_adasum(ps)
-        base = frontend._auto_name("grouped_allreduce", name)
+        base = frontend._auto_name("grouped_allreduce", name, process_set)
         return ListHandle(base, [_adasum_now(t, f"{base}.{i}", pre, post, None) for i, t in enumerate(tensors)])
     inner = frontend.grouped_allreduce_async([_dense(t, "grouped_allreduce") for t in tensors], rop, name,
                                              pre, post, ps)
@@ -172,7 +172,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                              postscale_factor: float = 1.0,
                              process_set: ProcessSet | None = None) -> Handle:
     """Start in-place all-reduces of several tensors; ``synchronize`` returns the same tensors."""
-    base = frontend._auto_name("grouped_allreduce", name)
+    base = frontend._auto_name("grouped_allreduce", name, process_set)
     handles = [allreduce_async_(t, average, f"{base}.{i}", op, prescale_factor, postscale_factor,
                                 process_set) for i, t in enumerate(tensors)]
     return ListHandle(base, handles)

@@ -102,7 +102,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                             process_set: ProcessSet | None = None) -> Handle:
     """Start all-gathers of several tensors at once; ``synchronize`` returns a list."""
-    base = frontend._auto_name("grouped_allgather", name)
+    base = frontend._auto_name("grouped_allgather", name, process_set)
     return ListHandle(base, [allgather_async(t, f"{base}.{i}", process_set) for i, t in enumerate(tensors)])
 
 
@@ -257,7 +257,7 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
                                 op: Any = Average, process_set: ProcessSet | None = None,
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """Start reduce-scatters of several tensors at once; ``synchronize`` returns a list."""
-    base = frontend._auto_name("grouped_reducescatter", name)
+    base = frontend._auto_name("grouped_reducescatter", name, process_set)
     return ListHandle(base, [reducescatter_async(t, f"{base}.{i}", op, process_set, prescale_factor,
                                                  postscale_factor) for i, t in enumerate(tensors)])
 

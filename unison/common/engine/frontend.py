@@ -26,7 +26,7 @@ from unison.common.compression import Compression, Compressor
 from unison.common.dtypes import SUPPORTED_DTYPES
 from unison.common.engine.engine import Engine
 from unison.common.engine.handles import Handle
-from unison.common.engine.process_sets import ProcessSet
+from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.common.engine.requests import Kind, Request
 from unison.common.ops import Average, ReduceOp, parse_op
 
@@ -69,12 +69,22 @@ runtime.add_shutdown_hook(_stop_engine)
 runtime.add_init_hook(_start_engine)
 
 
-def _auto_name(kind: str, name: str | None) -> str:
+def _auto_name(kind: str, name: str | None, process_set: ProcessSet | None = None) -> str:
+    """``name``, or the next ``<kind>.noname.<n>``: one counter per kind and process set.
+
+    [Note: a counter per process set] A rank makes the unnamed calls of the sets it belongs
+    to only, so a counter shared by all sets would leave a rank that sat out another set's
+    calls behind its peers, and their next common call would carry different names (a hang,
+    seen with tensor-parallel groups). Calls on a set other than the global one are named
+    ``<kind>.set<id>.noname.<n>``.
+    """
     if name is not None:
         return str(name)
-    n = _counters[kind]
-    _counters[kind] += 1
-    return f"{kind}.noname.{n}"
+    sid = getattr(process_set, "process_set_id", None)
+    key = kind if process_set is None or process_set is global_process_set or sid is None else f"{kind}.set{sid}"
+    n = _counters[key]
+    _counters[key] += 1
+    return f"{key}.noname.{n}"
 
 
 def reset_auto_names() -> None:
@@ -150,10 +160,10 @@ def allreduce_async(tensor: Any, op: Any = Average, name: str | None = None,
             and tensor.dtype in _FAST_DTYPES and op is not ReduceOp.ADASUM):  # the common case, kept cheap
         eng = st.cache.get("engine")
         if eng is not None:
-            name = _auto_name("allreduce", name) if name is None else str(name)
+            name = _auto_name("allreduce", name, process_set)
             return eng.submit(Request(name, Kind.ALLREDUCE, tensor, Handle(name), op=int(op)))
     eng = engine("unison.allreduce_async()")
-    name = _auto_name("allreduce", name)
+    name = _auto_name("allreduce", name, process_set)
     compressed, ctx = compression.compress(np.asarray(tensor))
     post = None if compression is Compression.none else (lambda r: compression.decompress(r, ctx))
     if eng is None:
@@ -183,7 +193,7 @@ def allreduce_async(tensor: Any, op: Any = Average, name: str | None = None,
 def allgather_async(tensor: Any, name: str | None = None, process_set: ProcessSet | None = None) -> Handle:
     """Submit an all-gather along the first dimension (which may differ per rank)."""
     eng = engine("unison.allgather_async()")
-    name = _auto_name("allgather", name)
+    name = _auto_name("allgather", name, process_set)
     arr = np.asarray(tensor)
     arr = arr.reshape(1) if arr.ndim == 0 else arr
     if eng is None:
@@ -197,7 +207,7 @@ def broadcast_async(tensor: Any, root_rank: int = 0, name: str | None = None,
                     process_set: ProcessSet | None = None) -> Handle:
     """Submit a broadcast from ``root_rank`` (a rank of ``process_set``)."""
     eng = engine("unison.broadcast_async()")
-    name = _auto_name("broadcast", name)
+    name = _auto_name("broadcast", name, process_set)
     if eng is None:
         _check_local(process_set)
         return _done(direct.broadcast(tensor, root_rank, name))
@@ -210,7 +220,7 @@ def alltoall_async(tensor: Any, splits: Any = None, name: str | None = None,
                    process_set: ProcessSet | None = None) -> Handle:
     """Submit an all-to-all; the result is ``(received, received_splits)``."""
     eng = engine("unison.alltoall_async()")
-    name = _auto_name("alltoall", name)
+    name = _auto_name("alltoall", name, process_set)
     if eng is None:
         _check_local(process_set)
         return _done(direct.alltoall(tensor, splits, name))
@@ -229,7 +239,7 @@ def reducescatter_async(tensor: Any, op: Any = Average, name: str | None = None,
                         process_set: ProcessSet | None = None) -> Handle:
     """Submit a reduce-scatter; the result is this rank's rows of the reduction."""
     eng = engine("unison.reducescatter_async()")
-    name = _auto_name("reducescatter", name)
+    name = _auto_name("reducescatter", name, process_set)
     if eng is None:
         _check_local(process_set)
         return _done(direct.reducescatter(tensor, op, name, prescale_factor, postscale_factor))
@@ -271,7 +281,7 @@ def grouped_allreduce_async(tensors: Sequence[Any], op: Any = Average, name: str
                             process_set: ProcessSet | None = None,
                             compression: type[Compressor] = Compression.none) -> Handle:
     """Submit all-reduces of several tensors at once, so they negotiate and fuse together."""
-    base = _auto_name("grouped_allreduce", name)
+    base = _auto_name("grouped_allreduce", name, process_set)
     handles = [allreduce_async(t, op, f"{base}.{i}", prescale_factor, postscale_factor, process_set,
                                compression) for i, t in enumerate(tensors)]
     return _GroupHandle(base, handles)
@@ -331,7 +341,7 @@ def barrier(process_set: ProcessSet | None = None) -> None:
     if eng is None:
         return
     sid, _ = _set_id(eng, process_set)
-    name = _auto_name("barrier", None)
+    name = _auto_name("barrier", None, process_set)
     _submit(eng, Kind.BARRIER, name, np.empty(0, np.uint8), sid, lambda a: None).wait()
 
 

@@ -10,8 +10,8 @@ usual callbacks, ``load_model``, and Horovod's Keras flavours of
 
 from unison.tf_backend import *  # noqa: F403 - the whole TF API, as horovod.tensorflow.keras does
 from unison.tf_backend import __all__ as _tf_all
+from unison.tf_backend import elastic as elastic  # the Keras elastic API (a re-export)
 from unison.tf_backend.functions import PartialDistributedGradientTape
-from unison.tf_backend import elastic
 from unison.tf_backend.keras import callbacks
 from unison.tf_backend.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer
 from unison.tf_backend.keras_api import allgather, allreduce, broadcast, load_model, reducescatter

@@ -1,0 +1,293 @@
+"""What losing a rank costs: Unison's in-place elastic recovery against torchrun's restart.
+
+    python benchmarks/elastic.py --json elastic.json --png docs/benchmarks/elastic_timeline.png
+
+Runs ``benchmarks/elastic_worker.py`` twice on 3 local ranks, the same model (the torch
+benchmark MLP, ~20M parameters), batch and schedule: a commit every ``--commit-every`` steps,
+rank 2 SIGKILLed before step ``--kill-at``.
+
+* ``unison-inplace``: ``unisonrun -np 3 --elastic`` (mpirun with ULFM); ``hvd.elastic.run``
+  with a ``TorchState`` committed in memory; the 2 survivors shrink and go on.
+* ``torchrun`` (the anchor): ``torch.distributed.run --standalone --nproc-per-node=3
+  --max-restarts=3 --monitor-interval=0.1``, gloo, DDP, a checkpoint file at every commit;
+  torchrun stops the survivors and starts 3 new workers, which load the checkpoint.
+* ``unison-restart`` (a restart by ``unisonrun`` from the buddy copies): not built yet, so its
+  target line says MISS.
+
+Measured from the workers' event logs (wall-clock times of every step on every process):
+recovery = seconds from the kill to the next completed step; steps lost = the kill's step minus
+the step training resumed from; samples/s before the kill and after recovery; a commit's cost
+as a fraction of the step time at one commit per ``--commit-every`` steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchutil import atomic_write, write_json
+
+logger = logging.getLogger("benchmarks.elastic")
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "elastic_worker.py"
+RECOVERY_RATIO, COMMIT_FRACTION = 0.1, 0.05
+WARMUP_STEPS = 3
+
+
+@dataclass
+class Record:
+    impl: str
+    np_start: int
+    np_after: int
+    kill_step: int
+    resumed_from: int
+    steps_lost: int
+    recovery_s: float
+    samples_per_s_before: float
+    samples_per_s_after: float
+    step_s_before: float
+    commit_s: float
+    commit_fraction: float
+    wall_s: float
+    exit_status: int
+
+
+def _events(out: Path, mode: str) -> list[dict[str, Any]]:
+    events = []
+    for path in sorted(out.glob(f"{mode}-*.jsonl")):
+        pid = int(path.stem.rsplit("-", 1)[1])
+        for line in path.read_text().splitlines():
+            if line.strip():
+                events.append({**json.loads(line), "pid": pid})
+    return sorted(events, key=lambda e: e["t"])
+
+
+def _finish_times(steps: list[dict[str, Any]]) -> dict[int, float]:
+    """Each step index's completion: the last process to finish it."""
+    done: dict[int, float] = {}
+    for e in steps:
+        done[e["step"]] = max(done.get(e["step"], 0.0), e["t"])
+    return done
+
+
+def _rate(done: dict[int, float], first: int, last: int, samples_per_step: int) -> tuple[float, float]:
+    """(samples/s, seconds per step) over steps ``first..last`` (completion times)."""
+    if last <= first:
+        return float("nan"), float("nan")
+    seconds = done[last] - done[first]
+    return samples_per_step * (last - first) / seconds, seconds / (last - first)
+
+
+def analyse(impl: str, events: list[dict[str, Any]], args: argparse.Namespace, wall: float,
+            status: int) -> Record:
+    """The record of one run, from its event log.
+
+    Raises:
+        RuntimeError: the log has no kill, or no step completed after it (the job did not recover).
+    """
+    kills = [e for e in events if e["event"] == "kill"]
+    if not kills:
+        raise RuntimeError(f"{impl}: no rank logged its kill; see the run's output above")
+    t_kill, kill_step = kills[0]["t"], kills[0]["step"]
+    steps = [e for e in events if e["event"] == "step"]
+    before = [e for e in steps if e["t"] < t_kill]
+    # after the recovery: the shrunk world's steps, or those of processes started after the kill
+    # (a survivor can still finish a step of the old world just after the victim died)
+    restarted = {e["pid"] for e in events if e["event"] == "start" and e["t"] > t_kill}
+    after = [e for e in steps if e["t"] > t_kill and (e["size"] != args.np or e["pid"] in restarted)]
+    if not after:
+        raise RuntimeError(f"{impl}: no step completed after the kill (exit status {status})")
+    first_after = min(after, key=lambda e: e["t"])
+    resumed_from = first_after["step"] - 1
+    np_after = first_after["size"]
+    done_before = _finish_times(before)
+    rate_before, step_before = _rate(done_before, WARMUP_STEPS, max(done_before), args.np * args.batch)
+    after_recovered = [e for e in after if e["step"] > first_after["step"]]
+    done_after = _finish_times(after_recovered)
+    rate_after, _ = (_rate(done_after, min(done_after), max(done_after), np_after * args.batch)
+                     if done_after else (float("nan"), 0.0))
+    commits = [e["seconds"] for e in events if e["event"] == "commit" and e["t"] < t_kill]
+    commit_s = sum(commits) / len(commits) if commits else float("nan")
+    return Record(impl, args.np, np_after, kill_step, resumed_from, kill_step - resumed_from,
+                  first_after["t"] - t_kill, rate_before, rate_after, step_before, commit_s,
+                  commit_s / (args.commit_every * step_before), wall, status)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=f"{HERE.parent}{os.pathsep}{env.get('PYTHONPATH', '')}")
+    return env
+
+
+def _worker_args(mode: str, out: Path, args: argparse.Namespace) -> list[str]:
+    return [str(WORKER), mode, str(out), "--steps", str(args.steps), "--commit-every", str(args.commit_every),
+            "--kill-at", str(args.kill_at), "--world", str(args.np), "--batch", str(args.batch)]
+
+
+def command(impl: str, out: Path, args: argparse.Namespace) -> list[str]:
+    if impl == "unison-inplace":
+        return [sys.executable, "-m", "unison.run", "-np", str(args.np), "--elastic", sys.executable,
+                *_worker_args("unison", out, args)]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.np}",
+            "--max-restarts=3", "--monitor-interval=0.1", *_worker_args("torchrun", out, args)]
+
+
+def run_impl(impl: str, args: argparse.Namespace, scratch: Path) -> Record | None:
+    import time
+
+    out = scratch / impl
+    out.mkdir()
+    begin = time.monotonic()
+    try:
+        proc = subprocess.run(command(impl, out, args), env=_env(), capture_output=True, text=True,
+                              timeout=args.timeout)
+        status, output = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        status, output = 124, f"timed out after {args.timeout} s: {exc}"
+    wall = time.monotonic() - begin
+    mode = "unison" if impl == "unison-inplace" else "torchrun"
+    try:
+        return analyse(impl, _events(out, mode), args, wall, status)
+    except RuntimeError as error:
+        print(f"{impl} FAILED: {error}\n{output[-3000:]}", flush=True)
+        return None
+    finally:
+        if args.keep_logs:
+            shutil.copytree(out, args.keep_logs / impl, dirs_exist_ok=True)
+
+
+def print_table(records: list[Record]) -> None:
+    print(f"{'impl':<16}{'np':>7}{'recovery s':>12}{'lost':>6}{'samples/s before':>18}{'after':>9}"
+          f"{'step ms':>9}{'commit ms':>11}{'commit %':>10}{'wall s':>8}")
+    for r in records:
+        print(f"{r.impl:<16}{f'{r.np_start}->{r.np_after}':>7}{r.recovery_s:>12.3f}{r.steps_lost:>6}"
+              f"{r.samples_per_s_before:>18.1f}{r.samples_per_s_after:>9.1f}{r.step_s_before * 1e3:>9.1f}"
+              f"{r.commit_s * 1e3:>11.2f}{r.commit_fraction * 100:>9.2f}%{r.wall_s:>8.1f}")
+
+
+def _verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def target_lines(records: list[Record], args: argparse.Namespace) -> list[str]:
+    by = {r.impl: r for r in records}
+    mine, theirs = by.get("unison-inplace"), by.get("torchrun")
+    lines = ["targets:"]
+    if mine and theirs:
+        ratio = mine.recovery_s / theirs.recovery_s
+        lines.append(f"  in-place recovery / torchrun recovery = {mine.recovery_s:.3f} s / "
+                     f"{theirs.recovery_s:.3f} s = {ratio:.3f}  (target <= {RECOVERY_RATIO})  "
+                     f"{_verdict(ratio <= RECOVERY_RATIO)}")
+    else:
+        lines.append("  in-place recovery / torchrun recovery = n/a (a run failed)  MISS")
+    lines.append("  restart-tier recovery / torchrun recovery = n/a: the restart tier is not built yet  MISS")
+    if mine:
+        lines.append(f"  unison work lost = {mine.steps_lost} steps  (target <= one commit interval, "
+                     f"{args.commit_every})  {_verdict(mine.steps_lost <= args.commit_every)}")
+        lines.append(f"  unison commit overhead = {mine.commit_fraction * 100:.2f}% of step time at one commit "
+                     f"per {args.commit_every} steps  (target <= {COMMIT_FRACTION * 100:.0f}%)  "
+                     f"{_verdict(mine.commit_fraction <= COMMIT_FRACTION)}")
+    return lines
+
+
+def write_png(path: Path, scratch: Path, records: list[Record]) -> None:
+    """One panel per impl: a lane per process, a dot per completed step, the kill in red and the
+    recovery (kill to next completed step) shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(records), 1, figsize=(11, 2.2 + 1.1 * len(records)), squeeze=False)
+    for ax, rec in zip(axes[:, 0], records, strict=True):
+        mode = "unison" if rec.impl == "unison-inplace" else "torchrun"
+        events = _events(scratch / rec.impl, mode)
+        t0 = min(e["t"] for e in events)
+        lanes: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        for e in events:
+            lanes[e["pid"]].append(e)
+        order = sorted(lanes, key=lambda pid: lanes[pid][0]["t"])
+        for lane, pid in enumerate(order):
+            evs = lanes[pid]
+            start = next((e for e in evs if e["event"] == "start"), evs[0])
+            attempt = f", attempt {start['attempt']}" if "attempt" in start else ""
+            label = f"rank {start.get('rank', '?')}{attempt}"
+            xs = [e["t"] - t0 for e in evs if e["event"] == "step"]
+            ax.plot(xs, [lane] * len(xs), "|", ms=9, color="tab:blue")
+            ax.plot([start["t"] - t0], [lane], ">", color="gray")
+            ax.text(-0.01, lane, label, transform=ax.get_yaxis_transform(), ha="right", va="center", fontsize=8)
+        kill = next(e for e in events if e["event"] == "kill")
+        ax.axvline(kill["t"] - t0, color="red", lw=1.5)
+        ax.axvspan(kill["t"] - t0, kill["t"] - t0 + rec.recovery_s, color="orange", alpha=0.3)
+        ax.set_yticks([])
+        ax.set_ylim(-0.7, len(order) - 0.3)
+        ax.set_title(f"{rec.impl}: kill (red) -> next step {rec.recovery_s:.2f} s (shaded), "
+                     f"{rec.steps_lost} steps redone, {rec.np_start} -> {rec.np_after} ranks", fontsize=10)
+    axes[-1, 0].set_xlabel("seconds since the first event (| = a completed step, > = process ready)")
+    fig.tight_layout()
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110), "wb")
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--impls", default="unison-inplace,torchrun",
+                        help="comma list of unison-inplace, torchrun (default: both)")
+    parser.add_argument("--np", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--commit-every", type=int, default=10)
+    parser.add_argument("--kill-at", type=int, default=25)
+    parser.add_argument("--batch", type=int, default=64, help="samples per rank and step")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds allowed per run")
+    parser.add_argument("--json", type=Path, help="write the records here")
+    parser.add_argument("--png", type=Path, help="write the timeline picture here")
+    parser.add_argument("--keep-logs", type=Path, help="copy the workers' event logs here")
+    args = parser.parse_args(argv)
+    impls = [s for s in args.impls.split(",") if s]
+    bad = [s for s in impls if s not in ("unison-inplace", "torchrun")]
+    if bad or not impls:
+        parser.error(f"--impls {args.impls!r}: choose from unison-inplace, torchrun")
+    if not 0 < args.kill_at < args.steps or args.commit_every < 1 or args.np < 2:
+        parser.error(f"need 0 < --kill-at ({args.kill_at}) < --steps ({args.steps}), --commit-every >= 1 "
+                     f"and --np >= 2 (got {args.commit_every}, {args.np})")
+    args.impls = impls
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    scratch = Path(tempfile.mkdtemp(prefix="unison-elastic-"))
+    try:
+        records = []
+        for impl in args.impls:
+            print(f"running {impl} ...", flush=True)
+            rec = run_impl(impl, args, scratch)
+            if rec is not None:
+                records.append(rec)
+        print_table(records)
+        for line in target_lines(records, args):
+            print(line)
+        if args.json:
+            write_json(args.json, records)
+        if args.png and records:
+            write_png(args.png, scratch, records)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 0 if len(records) == len(args.impls) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

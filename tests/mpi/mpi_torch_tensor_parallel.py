@@ -1,0 +1,339 @@
+"""Tensor-parallel PyTorch layers under mpirun: every layer equals the unsplit layer, forward and backward.
+
+One launch covers tp = 1, 2, 3 and 4 (each tp up to the job's size). The job is cut into
+consecutive groups of tp ranks (at np 4: {0} {1} {2} {3}; {0,1} {2,3}; {0,1,2} with rank 3
+idle; {0,1,2,3}), every group registered as a process set on every rank in the same order.
+Every rank builds the same unsplit float64 layers and inputs from one seed and computes the
+reference locally; the ranks of a group run the parallel layer built from it and compare the
+output, the input's gradient and their shard of every parameter's gradient. A rank outside
+every group of a tp checks that building a layer on a group it is not in is refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mpi4py import MPI
+from torch import nn
+from torch.nn import functional as F
+
+import unison.torch_backend as hvd
+from unison.common.tensor_parallel import Grid, shard_range
+
+WORLD = MPI.COMM_WORLD
+N, R = WORLD.Get_size(), WORLD.Get_rank()
+torch.set_num_threads(1)
+TPS = [tp for tp in (1, 2, 3, 4) if tp <= N]
+TOL = dict(rtol=1e-10, atol=1e-11)
+D = torch.float64
+SETS: dict[int, hvd.ProcessSet | None] = {}  # tp -> this rank's registered group (None: idle)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _session():
+    hvd.init()
+    for tp in TPS:
+        SETS[tp] = None
+        for first in range(0, N - N % tp, tp):
+            ps = hvd.add_process_set(hvd.ProcessSet(range(first, first + tp)))
+            if R in ps.ranks:
+                SETS[tp] = ps
+    yield
+    hvd.shutdown()
+
+
+def group(tp: int) -> hvd.ProcessSet | None:
+    """This rank's group at ``tp``; on an idle rank, check that joining another group is refused."""
+    ps = SETS[tp]
+    if ps is None:
+        other = hvd.ProcessSet(range(tp))
+        with pytest.raises(ValueError, match="not in the tensor group"):
+            hvd.ColumnParallelLinear(4, 4 * tp, process_set=other)
+    return ps
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual, expected, **TOL)
+
+
+def piece(t: torch.Tensor, ps: hvd.ProcessSet, dim: int = -1) -> torch.Tensor:
+    """This rank's equal piece of ``t`` along ``dim``."""
+    start, stop = shard_range(t.shape[dim], ps.size(), ps.rank())
+    return t.narrow(dim, start, stop - start)
+
+
+def seeded(seed: int, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=D)
+
+
+def leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().requires_grad_(True)
+
+
+def linear(seed: int, fan_in: int, fan_out: int, bias: bool = True) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(fan_in, fan_out, bias=bias, dtype=D)
+
+
+# ------------------------------------------------------------------ linear layers
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("gather_output", [False, True])
+def test_column_parallel_linear(tp, gather_output):
+    ref = linear(1, 5, 4 * tp)
+    x, upstream = seeded(2, 3, 2, 5), seeded(3, 3, 2, 4 * tp)
+    x_ref = leaf(x)
+    (ref(x_ref) * upstream).sum().backward()
+    ps = group(tp)
+    if ps is None:
+        return
+    layer = hvd.ColumnParallelLinear.from_linear(ref, gather_output=gather_output, process_set=ps)
+    x_par = leaf(x)
+    out = layer(x_par)
+    close(out, ref(x) if gather_output else piece(ref(x), ps))
+    (out * (upstream if gather_output else piece(upstream, ps))).sum().backward()
+    close(x_par.grad, x_ref.grad)
+    close(layer.weight.grad, piece(ref.weight.grad, ps, 0))
+    close(layer.bias.grad, piece(ref.bias.grad, ps, 0))
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("input_is_parallel", [True, False])
+def test_row_parallel_linear(tp, input_is_parallel):
+    ref = linear(4, 3 * tp, 5)
+    x, upstream = seeded(5, 4, 3 * tp), seeded(6, 4, 5)
+    x_ref = leaf(x)
+    (ref(x_ref) * upstream).sum().backward()
+    ps = group(tp)
+    if ps is None:
+        return
+    layer = hvd.RowParallelLinear.from_linear(ref, input_is_parallel=input_is_parallel, process_set=ps)
+    x_par = leaf(piece(x, ps) if input_is_parallel else x)
+    out = layer(x_par)
+    close(out, ref(x))
+    (out * upstream).sum().backward()
+    close(x_par.grad, piece(x_ref.grad, ps) if input_is_parallel else x_ref.grad)
+    close(layer.weight.grad, piece(ref.weight.grad, ps, 1))
+    close(layer.bias.grad, ref.bias.grad)
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_column_then_row_without_bias(tp):
+    fc1, fc2 = linear(7, 6, 2 * tp, bias=False), linear(8, 2 * tp, 3, bias=False)
+    x, upstream = seeded(9, 5, 6), seeded(10, 5, 3)
+    x_ref = leaf(x)
+    (fc2(torch.tanh(fc1(x_ref))) * upstream).sum().backward()
+    ps = group(tp)
+    if ps is None:
+        return
+    col = hvd.ColumnParallelLinear.from_linear(fc1, process_set=ps)
+    row = hvd.RowParallelLinear.from_linear(fc2, process_set=ps)
+    assert col.bias is None and row.bias is None
+    x_par = leaf(x)
+    out = row(torch.tanh(col(x_par)))
+    close(out, fc2(torch.tanh(fc1(x))))
+    (out * upstream).sum().backward()
+    close(x_par.grad, x_ref.grad)
+    close(col.weight.grad, piece(fc1.weight.grad, ps, 0))
+    close(row.weight.grad, piece(fc2.weight.grad, ps, 1))
+
+
+# ------------------------------------------------------------------ vocabulary
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_vocab_parallel_embedding(tp):
+    torch.manual_seed(11)
+    ref = nn.Embedding(5 * tp, 4, dtype=D)
+    ids = torch.randint(0, 5 * tp, (3, 7), generator=torch.Generator().manual_seed(12))
+    ids[0, :3] = torch.tensor([0, 5 * tp - 1, 0])  # both ends of the vocabulary, one id twice
+    upstream = seeded(13, 3, 7, 4)
+    (ref(ids) * upstream).sum().backward()
+    ps = group(tp)
+    if ps is None:
+        return
+    layer = hvd.VocabParallelEmbedding.from_embedding(ref, process_set=ps)
+    out = layer(ids)
+    close(out, ref(ids))
+    (out * upstream).sum().backward()
+    close(layer.weight.grad, piece(ref.weight.grad, ps, 0))
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_vocab_parallel_cross_entropy(tp, reduction):
+    vocab = 3 * tp + 3 * (tp % 2)  # 6, 6, 12, 12: divisible by tp
+    logits = seeded(14, 4, 5, vocab) * 30  # large logits: the max must be subtracted
+    target = torch.randint(0, vocab, (4, 5), generator=torch.Generator().manual_seed(15))
+    target[0, 0], target[1, 1], target[2, 2] = -100, 0, vocab - 1
+    upstream = seeded(16, 4, 5) if reduction == "none" else torch.tensor(1.7, dtype=D)
+    full = leaf(logits)
+    expected = F.cross_entropy(full.reshape(-1, vocab), target.reshape(-1), reduction=reduction)
+    expected = expected.reshape(target.shape) if reduction == "none" else expected
+    (expected * upstream).sum().backward()
+    ps = group(tp)
+    if ps is None:
+        return
+    mine = leaf(piece(logits, ps))
+    loss = hvd.vocab_parallel_cross_entropy(mine, target, process_set=ps, reduction=reduction)
+    close(loss, expected)
+    (loss * upstream).sum().backward()
+    close(mine.grad, piece(full.grad, ps))
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_cross_entropy_refuses_a_target_outside_the_vocabulary(tp):
+    ps = group(tp)
+    if ps is None:
+        return
+    with pytest.raises(ValueError, match=rf"targets must be in \[0, {2 * tp}\)"):
+        hvd.vocab_parallel_cross_entropy(torch.zeros(3, 2, dtype=D), torch.tensor([0, 2 * tp, 1]), process_set=ps)
+
+
+# ------------------------------------------------------------------ blocks
+
+
+def mha(seed: int, hidden: int, heads: int) -> nn.MultiheadAttention:
+    torch.manual_seed(seed)
+    attn = nn.MultiheadAttention(hidden, heads, batch_first=True, dtype=D)
+    with torch.no_grad():  # torch starts the in/out biases at zero; give them values to check
+        attn.in_proj_bias.normal_()
+        attn.out_proj.bias.normal_()
+    return attn
+
+
+def causal_mask(seq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)  # True: may not attend
+
+
+def heads_rows(grad: torch.Tensor, hidden: int, ps: hvd.ProcessSet) -> torch.Tensor:
+    """This rank's rows of q, k and v in a fused (3 * hidden, ...) gradient."""
+    return torch.cat([piece(grad[i * hidden:(i + 1) * hidden], ps, 0) for i in range(3)])
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_parallel_mlp(tp):
+    fc1, fc2 = linear(17, 6, 4 * tp), linear(18, 4 * tp, 6)
+    x, upstream = seeded(19, 2, 3, 6), seeded(20, 2, 3, 6)
+    x_ref = leaf(x)
+    (fc2(F.gelu(fc1(x_ref))) * upstream).sum().backward()
+    ps = group(tp)
+    if ps is None:
+        return
+    mlp = hvd.ParallelMLP.from_linears(fc1, fc2, process_set=ps)
+    x_par = leaf(x)
+    out = mlp(x_par)
+    close(out, fc2(F.gelu(fc1(x))))
+    (out * upstream).sum().backward()
+    close(x_par.grad, x_ref.grad)
+    close(mlp.fc1.weight.grad, piece(fc1.weight.grad, ps, 0))
+    close(mlp.fc1.bias.grad, piece(fc1.bias.grad, ps, 0))
+    close(mlp.fc2.weight.grad, piece(fc2.weight.grad, ps, 1))
+    close(mlp.fc2.bias.grad, fc2.bias.grad)
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_parallel_self_attention(tp, causal):
+    heads, hidden, seq = 2 * tp, 4 * tp, 5
+    ref = mha(21, hidden, heads)
+    x, upstream = seeded(22, 2, seq, hidden), seeded(23, 2, seq, hidden)
+    x_ref = leaf(x)
+    mask = causal_mask(seq) if causal else None
+    (ref(x_ref, x_ref, x_ref, attn_mask=mask, need_weights=False)[0] * upstream).sum().backward()
+    ps = group(tp)
+    if ps is None:
+        return
+    attn = hvd.ParallelSelfAttention.from_multihead_attention(ref, causal=causal, process_set=ps)
+    x_par = leaf(x)
+    out = attn(x_par)
+    close(out, ref(x, x, x, attn_mask=mask, need_weights=False)[0])
+    (out * upstream).sum().backward()
+    close(x_par.grad, x_ref.grad)
+    close(attn.qkv.weight.grad, heads_rows(ref.in_proj_weight.grad, hidden, ps))
+    close(attn.qkv.bias.grad, heads_rows(ref.in_proj_bias.grad, hidden, ps))
+    close(attn.out.weight.grad, piece(ref.out_proj.weight.grad, ps, 1))
+    close(attn.out.bias.grad, ref.out_proj.bias.grad)
+
+
+class Block(nn.Module):
+    """The unsplit pre-norm block that ParallelTransformerBlock splits."""
+
+    def __init__(self, hidden: int, heads: int, ffn: int, causal: bool) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(hidden, dtype=D), nn.LayerNorm(hidden, dtype=D)
+        self.attn = mha(24, hidden, heads)
+        self.fc1, self.fc2 = linear(25, hidden, ffn), linear(26, ffn, hidden)
+        with torch.no_grad():
+            for norm in (self.ln1, self.ln2):
+                norm.weight.normal_()
+                norm.bias.normal_()
+        self.mask = causal_mask(7) if causal else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=self.mask, need_weights=False)[0]
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_parallel_transformer_block(tp):
+    hidden = 4 * tp
+    ref = Block(hidden, 2 * tp, 8 * tp, causal=True)
+    x, upstream = seeded(27, 2, 7, hidden), seeded(28, 2, 7, hidden)
+    x_ref = leaf(x)
+    (ref(x_ref) * upstream).sum().backward()
+    ps = group(tp)
+    if ps is None:
+        return
+    block = hvd.ParallelTransformerBlock.from_modules(ref.ln1, ref.attn, ref.ln2, ref.fc1, ref.fc2, causal=True,
+                                                      process_set=ps)
+    x_par = leaf(x)
+    out = block(x_par)
+    close(out, ref(x))
+    (out * upstream).sum().backward()
+    close(x_par.grad, x_ref.grad)
+    for name in ("ln1", "ln2"):
+        close(getattr(block, name).weight.grad, getattr(ref, name).weight.grad)
+        close(getattr(block, name).bias.grad, getattr(ref, name).bias.grad)
+    close(block.attn.qkv.weight.grad, heads_rows(ref.attn.in_proj_weight.grad, hidden, ps))
+    close(block.mlp.fc1.weight.grad, piece(ref.fc1.weight.grad, ps, 0))
+    close(block.mlp.fc2.weight.grad, piece(ref.fc2.weight.grad, ps, 1))
+
+
+# ------------------------------------------------------------------ bad sizes and the grid
+
+
+@pytest.mark.parametrize("tp", [tp for tp in TPS if tp > 1])
+@pytest.mark.parametrize("build,match", [
+    (lambda tp, ps: hvd.ColumnParallelLinear(4, 2 * tp + 1, process_set=ps), "out_features"),
+    (lambda tp, ps: hvd.RowParallelLinear(2 * tp + 1, 4, process_set=ps), "in_features"),
+    (lambda tp, ps: hvd.VocabParallelEmbedding(5 * tp + 1, 4, process_set=ps), "num_embeddings"),
+    (lambda tp, ps: hvd.ParallelSelfAttention(2 * (tp + 1), tp + 1, process_set=ps), "num_heads"),
+    (lambda tp, ps: hvd.ParallelMLP(4, 3 * tp + 1, process_set=ps), "out_features"),
+], ids=["column", "row", "vocab", "heads", "mlp"])
+def test_sizes_not_divisible_by_the_group_raise(tp, build, match):
+    ps = group(tp)
+    if ps is None:
+        return
+    with pytest.raises(ValueError, match=rf"{match} \(\d+\) is not divisible by the tensor group size \({tp}\).*"
+                                         rf"[Pp]ad .* to a multiple of {tp}"):
+        build(tp, ps)
+
+
+def test_grid_registers_its_tensor_groups():
+    if N % 2:
+        pytest.skip("the grid of tensor pairs needs an even job")
+    grid = Grid(tp=2)
+    sets = grid.register()
+    assert grid.register() == sets  # registered once per session
+    assert sets.tp.ranks == grid.tp_group_ranks(R) == [R - R % 2, R - R % 2 + 1]
+    assert sets.dp.ranks == grid.dp_group_ranks(R) == list(range(R % 2, N, 2))
+    assert sets.pp.ranks == [R]
+    ref = linear(29, 3, 4)
+    layer = hvd.ColumnParallelLinear.from_linear(ref, gather_output=True, process_set=sets.tp)
+    x = seeded(30, 2, 3)
+    close(layer(x), ref(x))
+    total = hvd.allreduce(torch.tensor([float(R)]), op=hvd.Sum, process_set=sets.dp)
+    assert total.item() == sum(grid.dp_group_ranks(R))

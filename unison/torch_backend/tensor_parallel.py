@@ -1,0 +1,271 @@
+"""Megatron-style tensor-parallel layers for PyTorch: each rank of a tensor group holds one shard.
+
+The tensor group is a registered process set (``hvd.add_process_set``; ``Grid.register`` makes
+one per grid row); ``global_process_set`` (the default) makes the whole job one group. Layers
+split one weight dimension evenly (docs/tensor_parallel.md)::
+
+    ColumnParallelLinear   weight rows (output features)   y_i = x W_i^T + b_i   (shard i of y)
+    RowParallelLinear      weight columns (input features) y = sum_i x_i W_i^T + b
+    VocabParallelEmbedding embedding rows (vocabulary)     each id looked up by the rank owning it
+
+A column layer followed by a row layer needs one all-reduce forward (``g``) and one backward
+(``f``): see ``tensor_parallel_comm.py`` for the operators and [Note: why g's backward is the
+identity]. Each layer has ``from_linear`` / ``from_embedding``, which copies this rank's shard out
+of an unsplit layer, so a pretrained model can be split and tests can compare with the unsplit
+layer. Randomly initialised shards draw from the same distribution as ``nn.Linear`` (bound
+``1/sqrt(in_features)`` of the whole layer); the row layer's replicated bias starts at zero so
+that it is the same on every rank of the group.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from unison.common import runtime
+from unison.common.engine.process_sets import ProcessSet, global_process_set, set_rank, set_size
+from unison.common.tensor_parallel.sharding import divisible_shard
+from unison.torch_backend.tensor_parallel_comm import (
+    allreduce_max_no_grad,
+    copy_to_group,
+    gather_from_group,
+    reduce_from_group,
+    scatter_to_group,
+)
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+           "vocab_parallel_cross_entropy", "group_position"]
+
+
+def group_position(process_set: ProcessSet, owner: str) -> tuple[int, int]:
+    """``(tp, shard index)`` of this rank in the tensor group ``process_set``.
+
+    Raises:
+        ValueError: this rank is not a member of ``process_set``.
+    """
+    tp, index = set_size(process_set), set_rank(process_set)
+    if index < 0:
+        raise ValueError(f"{owner}: this rank ({runtime.rank()}) is not in the tensor group {process_set!r}; "
+                         "build tensor-parallel layers only on the ranks of their group")
+    return tp, index
+
+
+def _uniform(shape: tuple[int, ...], fan_in: int, dtype: Any, device: Any) -> nn.Parameter:
+    bound = 1.0 / math.sqrt(fan_in)
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device).uniform_(-bound, bound))
+
+
+def _copy(param: nn.Parameter | None, source: torch.Tensor | None) -> None:
+    if param is None or source is None:
+        return
+    with torch.no_grad():
+        param.copy_(source)
+
+
+def _check_linear(linear: nn.Linear, owner: str) -> None:
+    if not isinstance(linear, nn.Linear):
+        raise TypeError(f"{owner}.from_linear needs a torch.nn.Linear; received {type(linear).__name__}")
+
+
+class ColumnParallelLinear(nn.Module):
+    """``nn.Linear(in_features, out_features)`` with the output features split over the tensor group.
+
+    The input is replicated over the group; each rank computes its ``out_features / tp`` outputs.
+
+    Args:
+        gather_output: all-gather the shards' outputs so every rank gets all ``out_features``
+            (otherwise each keeps its piece, ready for a :class:`RowParallelLinear`).
+        process_set: the tensor group (default: every rank).
+
+    Raises:
+        ValueError: ``out_features`` not divisible by the group size (on every rank: all ranks
+            pass the same sizes), or this rank not in the group.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
+                 process_set: ProcessSet = global_process_set, dtype: Any = None, device: Any = None) -> None:
+        super().__init__()
+        self.tp, self.shard = group_position(process_set, "ColumnParallelLinear")
+        self.start, self.stop = divisible_shard("ColumnParallelLinear out_features", out_features, self.tp,
+                                                self.shard)
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output, self.process_set = gather_output, process_set
+        local = self.stop - self.start
+        self.weight = _uniform((local, in_features), in_features, dtype, device)
+        self.bias = _uniform((local,), in_features, dtype, device) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, gather_output: bool = False,
+                    process_set: ProcessSet = global_process_set) -> ColumnParallelLinear:
+        """This rank's shard (rows ``start:stop`` of weight and bias) of an unsplit ``linear``."""
+        _check_linear(linear, "ColumnParallelLinear")
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, gather_output,
+                    process_set, linear.weight.dtype, linear.weight.device)
+        _copy(layer.weight, linear.weight[layer.start:layer.stop])
+        _copy(layer.bias, None if linear.bias is None else linear.bias[layer.start:layer.stop])
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(copy_to_group(x, self.process_set), self.weight, self.bias)
+        return gather_from_group(y, self.process_set) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} (this shard: "
+                f"[{self.start}, {self.stop}) of tp={self.tp}), gather_output={self.gather_output}")
+
+
+class RowParallelLinear(nn.Module):
+    """``nn.Linear(in_features, out_features)`` with the input features split over the tensor group.
+
+    Each rank multiplies its ``in_features / tp`` input columns; the partial outputs are summed
+    over the group (one all-reduce) and the bias, replicated, is added once.
+
+    Args:
+        input_is_parallel: the input is already this rank's piece of the last dimension (the
+            output of a :class:`ColumnParallelLinear`); otherwise it is the whole input and
+            each rank takes its piece.
+        process_set: the tensor group (default: every rank).
+
+    Raises:
+        ValueError: ``in_features`` not divisible by the group size, or this rank not in the group.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
+                 process_set: ProcessSet = global_process_set, dtype: Any = None, device: Any = None) -> None:
+        super().__init__()
+        self.tp, self.shard = group_position(process_set, "RowParallelLinear")
+        self.start, self.stop = divisible_shard("RowParallelLinear in_features", in_features, self.tp, self.shard)
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel, self.process_set = input_is_parallel, process_set
+        self.weight = _uniform((out_features, self.stop - self.start), in_features, dtype, device)
+        zeros = torch.zeros(out_features, dtype=self.weight.dtype, device=device)
+        self.bias = nn.Parameter(zeros) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, input_is_parallel: bool = True,
+                    process_set: ProcessSet = global_process_set) -> RowParallelLinear:
+        """This rank's shard (weight columns ``start:stop``, the whole bias) of an unsplit ``linear``."""
+        _check_linear(linear, "RowParallelLinear")
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, input_is_parallel,
+                    process_set, linear.weight.dtype, linear.weight.device)
+        _copy(layer.weight, linear.weight[:, layer.start:layer.stop])
+        _copy(layer.bias, linear.bias)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_group(x, self.process_set)
+        y = reduce_from_group(F.linear(x, self.weight), self.process_set)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (this shard: [{self.start}, {self.stop}) of tp={self.tp}), "
+                f"out_features={self.out_features}, input_is_parallel={self.input_is_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``nn.Embedding(num_embeddings, embedding_dim)`` with the vocabulary rows split over the group.
+
+    Each rank looks up the ids it owns (zeros for the others); one all-reduce sums the pieces,
+    so every rank gets every id's vector.
+
+    Raises:
+        ValueError: ``num_embeddings`` not divisible by the group size, or this rank not in the group.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, process_set: ProcessSet = global_process_set,
+                 dtype: Any = None, device: Any = None) -> None:
+        super().__init__()
+        self.tp, self.shard = group_position(process_set, "VocabParallelEmbedding")
+        self.start, self.stop = divisible_shard("VocabParallelEmbedding num_embeddings",
+                                                num_embeddings, self.tp, self.shard)
+        self.num_embeddings, self.embedding_dim, self.process_set = num_embeddings, embedding_dim, process_set
+        rows = torch.empty(self.stop - self.start, embedding_dim, dtype=dtype, device=device)
+        self.weight = nn.Parameter(rows.normal_())
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding,
+                       process_set: ProcessSet = global_process_set) -> VocabParallelEmbedding:
+        """This rank's rows ``start:stop`` of an unsplit ``embedding`` (no padding_idx, max_norm)."""
+        if not isinstance(embedding, nn.Embedding):
+            raise TypeError(f"VocabParallelEmbedding.from_embedding needs a torch.nn.Embedding; received "
+                            f"{type(embedding).__name__}")
+        if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
+            raise ValueError("VocabParallelEmbedding.from_embedding: padding_idx, max_norm and sparse are not "
+                             f"supported; received padding_idx={embedding.padding_idx}, "
+                             f"max_norm={embedding.max_norm}, sparse={embedding.sparse}")
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, process_set, embedding.weight.dtype,
+                    embedding.weight.device)
+        _copy(layer.weight, embedding.weight[layer.start:layer.stop])
+        return layer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mine = (ids >= self.start) & (ids < self.stop)
+        local = torch.where(mine, ids - self.start, torch.zeros_like(ids))
+        vectors = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return reduce_from_group(vectors, self.process_set)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim} (this shard: rows [{self.start}, {self.stop}) "
+                f"of tp={self.tp})")
+
+
+def _check_targets(target: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
+    valid = target != ignore_index
+    bad = valid & ((target < 0) | (target >= vocab))
+    if bool(bad.any()):
+        raise ValueError(f"vocab_parallel_cross_entropy: targets must be in [0, {vocab}) (the whole vocabulary: "
+                         f"logits' last dimension x tensor group size) or ignore_index={ignore_index}; "
+                         f"received {int(target[bad][0])}")
+    return valid
+
+
+def _reduce(loss: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / valid.sum()
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
+                                 process_set: ProcessSet = global_process_set, ignore_index: int = -100,
+                                 reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy over a vocabulary split along the logits' last dimension; no rank holds it all.
+
+    ``logits`` is this rank's ``(..., vocab / tp)`` piece (the output of a
+    :class:`ColumnParallelLinear` without ``gather_output``), ``target`` holds whole-vocabulary
+    ids of shape ``(...)``. The maximum and the sum of exponentials are all-reduced over the
+    group (a scalar per position), and the target's logit comes from the rank that owns it,
+    so the result, and the gradient of this rank's piece, equal ``F.cross_entropy`` on the
+    gathered logits (class dimension last).
+
+    Args:
+        ignore_index: targets with this value add nothing (and are not counted by ``"mean"``).
+        reduction: ``"mean"`` (default), ``"sum"`` or ``"none"`` (a loss per position).
+
+    Raises:
+        ValueError: an unknown reduction, a shape mismatch, or a target outside the vocabulary.
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"vocab_parallel_cross_entropy: reduction must be 'mean', 'sum' or 'none'; "
+                         f"received {reduction!r}")
+    if tuple(logits.shape[:-1]) != tuple(target.shape):
+        raise ValueError(f"vocab_parallel_cross_entropy: logits {tuple(logits.shape)} must be target's shape "
+                         f"{tuple(target.shape)} plus the vocabulary piece as the last dimension")
+    tp, index = group_position(process_set, "vocab_parallel_cross_entropy")
+    piece = logits.shape[-1]
+    start = index * piece
+    valid = _check_targets(target, piece * tp, ignore_index)
+    shifted = logits - allreduce_max_no_grad(logits.max(dim=-1).values, process_set).unsqueeze(-1)
+    sum_exp = reduce_from_group(shifted.exp().sum(dim=-1), process_set)
+    mine = valid & (target >= start) & (target < start + piece)
+    local = torch.where(mine, target - start, torch.zeros_like(target))
+    picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1)
+    picked = reduce_from_group(torch.where(mine, picked, torch.zeros_like(picked)), process_set)
+    loss = torch.where(valid, torch.log(sum_exp) - picked, torch.zeros_like(picked))
+    return _reduce(loss, valid, reduction)

@@ -1,0 +1,146 @@
+"""The four communication operators of Megatron-style tensor parallelism, as autograd functions.
+
+A tensor-parallel region starts where a replicated activation enters column-split weights
+and ends where row-split partial sums leave it. Each boundary is an operator whose backward
+is the *conjugate* of its forward, over the ranks of the tensor group (a process set)::
+
+    operator              forward                              backward
+    copy_to_group   (f)   identity                             all-reduce (sum) of the gradient
+    reduce_from_group (g) all-reduce (sum)                     identity
+    gather_from_group     all-gather along the last dim        this shard's slice of the gradient
+    scatter_to_group      this shard's slice of the last dim   all-gather of the gradient
+
+[Note: why g's backward is the identity] Every rank of the group goes on to compute the same
+loss from the replicated output of ``g``; each rank's backward is the gradient of that one loss,
+so the gradient reaching ``g`` is already the full gradient for its replicated output and,
+because the sum's partial derivative is 1 for every term, also for this rank's partial input.
+Summing it again over the group would count the loss ``tp`` times. ``f`` is the mirror image:
+the replicated input feeds ``tp`` different shards, so its gradient is the sum of theirs.
+
+On a group of one rank every operator is the identity and nothing is sent. The collectives go
+through Unison's engine on the group's process set, blocking.
+
+The calls are unnamed: the engine counts unnamed calls per process set (frontend [Note: a
+counter per process set]), so ranks that sat out other groups' calls still agree on the names.
+The ranks of a group must run the same layers in the same order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from unison.common.engine.process_sets import ProcessSet, set_rank, set_size
+from unison.common.ops import Max, Sum
+from unison.torch_backend.allreduce_ops import allreduce_async
+from unison.torch_backend.gather_ops import allgather_async
+from unison.torch_backend.handles import synchronize
+
+__all__ = ["copy_to_group", "reduce_from_group", "gather_from_group", "scatter_to_group",
+           "allreduce_max_no_grad"]
+
+
+def _allreduce(tensor: torch.Tensor, group: ProcessSet, op: Any, kind: str) -> torch.Tensor:
+    if set_size(group) == 1:
+        return tensor
+    return synchronize(allreduce_async(tensor.contiguous(), op=op, process_set=group))
+
+
+def _allreduce_sum(tensor: torch.Tensor, group: ProcessSet) -> torch.Tensor:
+    return _allreduce(tensor, group, Sum, "sum")
+
+
+def _gather_last(tensor: torch.Tensor, group: ProcessSet) -> torch.Tensor:
+    """Every shard's ``tensor`` concatenated along the last dimension, in shard order."""
+    if set_size(group) == 1:
+        return tensor
+    front = tensor.movedim(-1, 0).contiguous()
+    gathered = synchronize(allgather_async(front, process_set=group))
+    return gathered.movedim(0, -1)
+
+
+def _my_slice(tensor: torch.Tensor, group: ProcessSet) -> torch.Tensor:
+    """This shard's equal piece of ``tensor``'s last dimension."""
+    parts = set_size(group)
+    if parts == 1:
+        return tensor
+    width = tensor.shape[-1]
+    if width % parts:
+        raise ValueError(f"scatter_to_group: the last dimension ({width}) is not divisible by the tensor group "
+                         f"size ({parts}); pad it to a multiple of {parts}")
+    piece = width // parts
+    return tensor.narrow(-1, set_rank(group) * piece, piece).contiguous()
+
+
+def _fresh(out: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
+    """``out``, as a view when it is the forward's input itself (a group of one rank)."""
+    return out.view_as(out) if out is given else out
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: ProcessSet) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return _allreduce_sum(grad, ctx.group), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: ProcessSet) -> torch.Tensor:
+        return _fresh(_allreduce_sum(tensor, group), tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return grad, None
+
+
+class _GatherFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: ProcessSet) -> torch.Tensor:
+        ctx.group = group
+        return _fresh(_gather_last(tensor, group), tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return _my_slice(grad, ctx.group), None
+
+
+class _ScatterToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: ProcessSet) -> torch.Tensor:
+        ctx.group = group
+        return _fresh(_my_slice(tensor, group), tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return _gather_last(grad, ctx.group), None
+
+
+def copy_to_group(tensor: torch.Tensor, group: ProcessSet) -> torch.Tensor:
+    """``f``: identity forward, gradient summed over ``group`` backward (enter a parallel region)."""
+    return _CopyToGroup.apply(tensor, group)
+
+
+def reduce_from_group(tensor: torch.Tensor, group: ProcessSet) -> torch.Tensor:
+    """``g``: sum over ``group`` forward, identity backward (leave a parallel region)."""
+    return _ReduceFromGroup.apply(tensor, group)
+
+
+def gather_from_group(tensor: torch.Tensor, group: ProcessSet) -> torch.Tensor:
+    """Concatenate the shards' last dimensions forward; keep this shard's slice of the gradient backward."""
+    return _GatherFromGroup.apply(tensor, group)
+
+
+def scatter_to_group(tensor: torch.Tensor, group: ProcessSet) -> torch.Tensor:
+    """Keep this shard's slice of the last dimension forward; all-gather the gradient backward."""
+    return _ScatterToGroup.apply(tensor, group)
+
+
+def allreduce_max_no_grad(tensor: torch.Tensor, group: ProcessSet) -> torch.Tensor:
+    """The element-wise maximum over ``group`` of a tensor that carries no gradient."""
+    return _allreduce(tensor.detach(), group, Max, "max")
