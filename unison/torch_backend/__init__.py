@@ -29,6 +29,7 @@ from unison.common.runtime import (
     size,
 )
 from unison.torch_backend import elastic
+from unison.torch_backend import process_group as _process_group
 from unison.torch_backend.basics import (
     add_process_set,
     ccl_built,
@@ -137,3 +138,5 @@ __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
     "ParallelMLP", "ParallelSelfAttention", "ParallelTransformerBlock",
 ]
+
+_process_group.register()  # dist.init_process_group("unison") (unison/torch_backend/process_group.py)

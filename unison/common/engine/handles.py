@@ -11,10 +11,15 @@ A waiter also re-checks every ``LIVENESS_S`` that the engine that took its reque
 still runs: should a handle ever outlive its engine thread without being
 completed, ``wait`` raises the engine's exit error instead of blocking forever
 (engine [Note: no handle left behind]).
+
+``add_done_callback`` lets a caller be told instead of waiting (the ``torch.distributed``
+backend completes its futures that way); registering and completing take one small lock, so
+a callback is never lost between the two.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -22,9 +27,21 @@ from typing import Any
 
 __all__ = ["Handle", "wake_waiters"]
 
+logger = logging.getLogger(__name__)
+
 _completion = threading.Condition(threading.Lock())
 #: seconds between a blocked waiter's checks that its engine is alive
 LIVENESS_S = 1.0
+
+
+_callback_lock = threading.Lock()
+
+
+def _call(fn: Callable[[Handle], Any], handle: Handle) -> None:
+    try:
+        fn(handle)
+    except Exception:  # noqa: BLE001 - a callback's failure must not stop the engine thread
+        logger.exception("a done-callback of %r failed", handle)
 
 
 def wake_waiters() -> None:
@@ -41,7 +58,7 @@ class Handle:
     its original traceback).
     """
 
-    __slots__ = ("name", "_done", "_result", "_error", "_post", "_engine", "__weakref__")
+    __slots__ = ("name", "_done", "_result", "_error", "_post", "_engine", "_callbacks", "__weakref__")
 
     def __init__(self, name: str, post: Callable[[Any], Any] | None = None) -> None:
         self.name = name
@@ -51,20 +68,38 @@ class Handle:
         self._post = post
         #: the engine that accepted the request (set by ``Engine.submit``), for liveness checks
         self._engine: Any = None
+        self._callbacks: list[Callable[[Handle], Any]] | None = None
 
     def done(self) -> bool:
         return self._done
+
+    def add_done_callback(self, fn: Callable[[Handle], Any]) -> None:
+        """Call ``fn(handle)`` once the handle is done: at once if it already is, else on the
+        thread that completes it (the engine's: keep ``fn`` short, and never wait on another
+        handle inside it). An exception ``fn`` raises is logged, not propagated."""
+        with _callback_lock:
+            if not self._done:
+                self._callbacks = (self._callbacks or []) + [fn]
+                return
+        _call(fn, self)
+
+    def _finish(self) -> None:
+        with _callback_lock:
+            self._done = True
+            callbacks, self._callbacks = self._callbacks, None
+        for fn in callbacks or ():
+            _call(fn, self)
 
     def set_result(self, value: Any) -> None:
         """Record the result; the caller then calls :func:`wake_waiters` (once per batch)."""
         if not self._done:
             self._result = value
-            self._done = True
+            self._finish()
 
     def set_error(self, error: BaseException) -> None:
         if not self._done:
             self._error = error
-            self._done = True
+            self._finish()
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until done; return the result or raise the recorded error.

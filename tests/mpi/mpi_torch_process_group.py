@@ -1,0 +1,198 @@
+"""The ``torch.distributed`` backend "unison" on every rank (run by tests/test_torch_process_group_mpi.py).
+
+Every op is checked against numpy on values every rank can compute; DDP training against one
+process on the global batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import unison.torch_backend as hvd  # noqa: F401 - registers the backend
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _group():
+    dist.init_process_group("unison")  # no MASTER_ADDR/PORT: the store comes through MPI
+    yield
+    dist.destroy_process_group()
+
+
+def _rank_size() -> tuple[int, int]:
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _values(r: int, shape: tuple[int, ...] = (5,), dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    return (torch.arange(int(np.prod(shape)), dtype=torch.float64).reshape(shape) * (r + 1) + r).to(dtype)
+
+
+def test_the_group_is_ours_and_knows_mpis_rank():
+    from mpi4py import MPI
+
+    assert dist.get_backend() == "unison"
+    assert _rank_size() == (MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size())
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+@pytest.mark.parametrize("op, reduce", [(dist.ReduceOp.SUM, np.sum), (dist.ReduceOp.AVG, np.mean),
+                                        (dist.ReduceOp.PRODUCT, np.prod), (dist.ReduceOp.MIN, np.min),
+                                        (dist.ReduceOp.MAX, np.max)], ids=["sum", "avg", "prod", "min", "max"])
+def test_all_reduce(op, reduce, async_op):
+    r, n = _rank_size()
+    t = _values(r)
+    work = dist.all_reduce(t, op=op, async_op=async_op)
+    if async_op:
+        assert work.wait()
+    want = reduce(np.stack([_values(k).numpy() for k in range(n)]), axis=0)
+    np.testing.assert_allclose(t.numpy(), want, rtol=1e-12)
+
+
+def test_all_reduce_integers_and_future():
+    r, n = _rank_size()
+    t = torch.full((4,), r + 1, dtype=torch.int64)
+    fut = dist.all_reduce(t, async_op=True).get_future()
+    got = fut.wait()
+    assert t.tolist() == [n * (n + 1) // 2] * 4 and got[0] is t
+
+
+def test_broadcast_from_the_last_rank():
+    r, n = _rank_size()
+    t = _values(r, (2, 3))
+    dist.broadcast(t, src=n - 1)
+    np.testing.assert_array_equal(t.numpy(), _values(n - 1, (2, 3)).numpy())
+
+
+def test_all_gather_list_and_into_tensor():
+    r, n = _rank_size()
+    outs = [torch.zeros(2, 3, dtype=torch.float64) for _ in range(n)]
+    dist.all_gather(outs, _values(r, (2, 3)))
+    for k, out in enumerate(outs):
+        np.testing.assert_array_equal(out.numpy(), _values(k, (2, 3)).numpy())
+    flat = torch.zeros(n * 2, 3, dtype=torch.float64)
+    dist.all_gather_into_tensor(flat, _values(r, (2, 3)))
+    np.testing.assert_array_equal(flat.numpy(), np.concatenate([_values(k, (2, 3)).numpy() for k in range(n)]))
+
+
+def test_reduce_scatter_list_and_tensor():
+    r, n = _rank_size()
+    pieces = [_values(r * 10 + k, (3,)) for k in range(n)]
+    out = torch.zeros(3, dtype=torch.float64)
+    dist.reduce_scatter(out, pieces)
+    np.testing.assert_allclose(out.numpy(), sum(_values(q * 10 + r, (3,)).numpy() for q in range(n)))
+    whole = torch.cat(pieces)
+    out2 = torch.zeros(3, dtype=torch.float64)
+    dist.reduce_scatter_tensor(out2, whole, op=dist.ReduceOp.MAX)
+    np.testing.assert_array_equal(out2.numpy(), np.max([_values(q * 10 + r, (3,)).numpy() for q in range(n)], 0))
+
+
+def test_all_to_all_even_and_with_split_sizes():
+    r, n = _rank_size()
+    ins = [torch.full((2,), float(r * 100 + k)) for k in range(n)]
+    outs = [torch.zeros(2) for _ in range(n)]
+    dist.all_to_all(outs, ins)
+    assert [o.tolist() for o in outs] == [[float(k * 100 + r)] * 2 for k in range(n)]
+    # rank q sends (q + k + 1) rows to rank k
+    sends = [r + k + 1 for k in range(n)]
+    src = torch.cat([torch.full((s, 2), float(r * 100 + k)) for k, s in enumerate(sends)])
+    recv = [q + r + 1 for q in range(n)]
+    dst = torch.zeros(sum(recv), 2)
+    dist.all_to_all_single(dst, src, output_split_sizes=recv, input_split_sizes=sends)
+    want = torch.cat([torch.full((recv[q], 2), float(q * 100 + r)) for q in range(n)])
+    assert torch.equal(dst, want)
+
+
+def test_barrier_and_many_async_ops_in_flight():
+    r, n = _rank_size()
+    dist.barrier()
+    tensors = [torch.full((64,), float(r + i)) for i in range(20)]
+    works = [dist.all_reduce(t, async_op=True) for t in tensors]
+    for w in works:
+        w.wait()
+    for i, t in enumerate(tensors):
+        assert t[0].item() == sum(k + i for k in range(n))
+
+
+def test_errors_reach_wait_on_every_rank():
+    r, n = _rank_size()
+    with pytest.raises(NotImplementedError, match="no reduce op"):
+        dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.BAND)
+    if n > 1:
+        work = dist.all_reduce(torch.ones(r + 2), async_op=True)  # shapes differ per rank
+        with pytest.raises(Exception, match="(?i)shape|mismatch"):
+            work.wait()
+    dist.barrier()  # the group still works afterwards
+
+
+def test_ddp_training_equals_one_process_on_the_global_batch():
+    r, n = _rank_size()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n * 4, 6, generator=gen, dtype=torch.float64)
+    y = torch.randn(n * 4, 2, generator=gen, dtype=torch.float64)
+
+    def net() -> torch.nn.Module:
+        torch.manual_seed(1)
+        return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).double()
+
+    reference = net()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    model = net()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0001)  # several buckets
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x[r * 4:(r + 1) * 4]), y[r * 4:(r + 1) * 4]).backward()
+        opt.step()
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        np.testing.assert_allclose(got.detach().numpy(), want.detach().numpy(), rtol=0, atol=1e-12)
+
+
+def test_reduce_gather_scatter_to_and_from_a_root():
+    r, n = _rank_size()
+    root = n - 1
+    t = _values(r)
+    dist.reduce(t, dst=root, op=dist.ReduceOp.SUM)
+    if r == root:
+        np.testing.assert_allclose(t.numpy(), sum(_values(k).numpy() for k in range(n)))
+    else:
+        np.testing.assert_array_equal(t.numpy(), _values(r).numpy())  # untouched off the root
+    gathered = [torch.zeros(5, dtype=torch.float64) for _ in range(n)] if r == root else None
+    dist.gather(_values(r), gather_list=gathered, dst=root)
+    if r == root:
+        for k, g in enumerate(gathered):
+            np.testing.assert_array_equal(g.numpy(), _values(k).numpy())
+    out = torch.zeros(2, 3, dtype=torch.float64)
+    pieces = [_values(k, (2, 3)) for k in range(n)] if r == root else None
+    dist.scatter(out, scatter_list=pieces, src=root)
+    np.testing.assert_array_equal(out.numpy(), _values(r, (2, 3)).numpy())
+
+
+def test_send_recv_around_a_ring_and_from_any_source():
+    r, n = _rank_size()
+    if n == 1:
+        pytest.skip("needs two ranks")
+    ahead, behind = (r + 1) % n, (r - 1) % n
+    got = torch.zeros(4, dtype=torch.float64)
+    recv = dist.irecv(got, src=behind, tag=7)
+    send = dist.isend(_values(r, (4,)), dst=ahead, tag=7)
+    send.wait()
+    recv.wait()
+    np.testing.assert_array_equal(got.numpy(), _values(behind, (4,)).numpy())
+    if r == 0:
+        seen = set()
+        for _ in range(n - 1):
+            t = torch.zeros(1, dtype=torch.int64)
+            src = dist.recv(t, tag=9)  # any source
+            assert t.item() == src * 10
+            seen.add(src)
+        assert seen == set(range(1, n))
+    else:
+        dist.send(torch.tensor([r * 10]), dst=0, tag=9)
+    dist.barrier()

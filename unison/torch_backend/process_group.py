@@ -1,0 +1,324 @@
+"""A ``torch.distributed`` backend on Unison's engine: ``dist.init_process_group("unison")``.
+
+    import torch.distributed as dist
+    import unison.torch_backend            # registers the backend "unison"
+
+    dist.init_process_group("unison")      # under unisonrun / mpirun: rank and size from MPI
+    model = torch.nn.parallel.DistributedDataParallel(model)
+
+Each collective of the group is submitted to Unison's engine (negotiation, fusion, our
+all-reduce algorithms) and returns at once; its ``Work`` (and ``Work.get_future()``) completes
+when the engine has finished it, so DDP's bucket reductions overlap the backward pass.
+
+[Note: the store under MPI] ``init_process_group`` without ``init_method`` uses ``env://``,
+which needs ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``. Under an MPI launch that
+set none of them, Unison's wrapper of the ``env://`` handler makes the store itself: rank 0
+opens a ``TCPStore`` on a free port and MPI broadcasts its address, so PyTorch code that uses
+the store (barriers, ``new_group`` bookkeeping) has a real one. Everything else is left to
+PyTorch's own handler.
+
+This first slice covers the default group with all-reduce (SUM, AVG, PRODUCT, MIN, MAX),
+coalesced all-reduce, broadcast, all-gather (lists and into one tensor), reduce-scatter
+(lists and from one tensor), all-to-all (lists and with split sizes) and barrier, on CPU
+tensors. ``dist.new_group`` on this backend raises ``NotImplementedError`` (docs/torch_distributed.md).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import logging
+import os
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from unison.common import runtime
+from unison.common.engine import frontend
+from unison.common.ops import Average, Max, Min, Product, Sum
+from unison.torch_backend.process_group_work import P2PWork, collective_work, copy_into, host
+
+__all__ = ["UnisonProcessGroup", "BACKEND"]
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "unison"
+
+_OPS = {dist.ReduceOp.SUM: Sum, dist.ReduceOp.AVG: Average, dist.ReduceOp.PRODUCT: Product,
+        dist.ReduceOp.MIN: Min, dist.ReduceOp.MAX: Max}
+
+
+def _op(reduce_op: Any) -> Any:
+    for theirs, ours in _OPS.items():
+        if reduce_op == theirs:
+            return ours
+    raise NotImplementedError(f"the unison backend has no reduce op {reduce_op}; it supports SUM, AVG, "
+                              "PRODUCT, MIN and MAX")
+
+
+class UnisonProcessGroup(dist.ProcessGroup):
+    """The default process group of ``init_process_group("unison")`` (all ranks of the job)."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        super().__init__(rank, size)
+        self._rank, self._size = rank, size
+        self._p2p_comm: Any = None
+
+    def getBackendName(self) -> str:  # noqa: N802 - PyTorch's name
+        return BACKEND
+
+    def __repr__(self) -> str:
+        return f"UnisonProcessGroup(rank={self._rank}, size={self._size})"
+
+    # ----------------------------------------------------------- reductions
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        handles = [frontend.allreduce_async(host(t, "allreduce"), op) for t in tensors]
+
+        def finish(results: list[Any]) -> list[torch.Tensor]:
+            for t, r in zip(tensors, results, strict=True):
+                copy_into(t, r)
+            return tensors
+
+        return collective_work(handles, finish)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        return self.allreduce(tensors, opts)
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
+                       opts: Any = None) -> dist.Work:
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        handles = []
+        for out, pieces in zip(outputs, inputs, strict=True):
+            self._check_pieces(pieces, out, "reduce_scatter")
+            stacked = np.stack([host(p, "reduce_scatter") for p in pieces])
+            handles.append(frontend.reducescatter_async(stacked, op))
+
+        def finish(results: list[Any]) -> list[torch.Tensor]:
+            for out, r in zip(outputs, results, strict=True):
+                copy_into(out, r)
+            return outputs
+
+        return collective_work(handles, finish)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002 - PyTorch's
+                              opts: Any = None) -> dist.Work:
+        return self.reduce_scatter([output], [list(torch.chunk(input, self._size))], opts)
+
+    # ----------------------------------------------------------- movement
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        root = opts.rootRank if opts is not None else 0
+        handles = [frontend.broadcast_async(host(t, "broadcast"), root) for t in tensors]
+
+        def finish(results: list[Any]) -> list[torch.Tensor]:
+            if self._rank != root:
+                for t, r in zip(tensors, results, strict=True):
+                    copy_into(t, r)
+            return tensors
+
+        return collective_work(handles, finish)
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                  opts: Any = None) -> dist.Work:
+        handles = []
+        for outs, t in zip(outputs, inputs, strict=True):
+            self._check_pieces(outs, t, "allgather")
+            handles.append(frontend.allgather_async(host(t, "allgather").reshape(1, -1)))
+
+        def finish(results: list[Any]) -> list[list[torch.Tensor]]:
+            for outs, r in zip(outputs, results, strict=True):
+                for out, row in zip(outs, np.asarray(r), strict=True):
+                    copy_into(out, row)
+            return outputs
+
+        return collective_work(handles, finish)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002 - PyTorch's
+                          opts: Any = None) -> dist.Work:
+        return self.allgather([list(torch.chunk(output, self._size))], [input], opts)
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        if len(inputs) != self._size or len(outputs) != self._size:
+            raise ValueError(f"alltoall takes one input and one output tensor per rank ({self._size}); got "
+                             f"{len(inputs)} inputs and {len(outputs)} outputs")
+        flat = np.concatenate([host(t, "alltoall").reshape(-1) for t in inputs])
+        splits = np.array([t.numel() for t in inputs], dtype=np.int32)
+        handle = frontend.alltoall_async(flat, splits)
+
+        def finish(results: list[Any]) -> list[torch.Tensor]:
+            received = np.asarray(results[0][0])
+            offset = 0
+            for out in outputs:
+                copy_into(out, received[offset:offset + out.numel()])
+                offset += out.numel()
+            return outputs
+
+        return collective_work([handle], finish)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002 - PyTorch's
+                          output_split_sizes: list[int] | None, input_split_sizes: list[int] | None,
+                          opts: Any = None) -> dist.Work:
+        rows = input.shape[0] if input.dim() else 1
+        splits = list(input_split_sizes) if input_split_sizes else [rows // self._size] * self._size
+        if sum(splits) != rows:
+            raise ValueError(f"all_to_all_single: input_split_sizes {splits} do not add up to the input's "
+                             f"{rows} rows")
+        handle = frontend.alltoall_async(host(input, "all_to_all_single"), np.asarray(splits, dtype=np.int32))
+        return collective_work([handle], lambda results: (copy_into(output, results[0][0]), [output])[1])
+
+    # ----------------------------------------------------------- rooted
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        """An all-reduce whose result only the root keeps (the engine fuses and pipelines it)."""
+        root = opts.rootRank if opts is not None else 0
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        handles = [frontend.allreduce_async(host(t, "reduce"), op) for t in tensors]
+
+        def finish(results: list[Any]) -> list[torch.Tensor]:
+            if self._rank == root:
+                for t, r in zip(tensors, results, strict=True):
+                    copy_into(t, r)
+            return tensors
+
+        return collective_work(handles, finish)
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        """Every rank's tensor to the root: an all-to-all in which only the root receives."""
+        root = opts.rootRank if opts is not None else 0
+        (t,) = inputs
+        data = host(t, "gather").reshape(-1)
+        splits = np.zeros(self._size, np.int32)
+        splits[root] = data.size
+        handle = frontend.alltoall_async(data, splits)
+
+        def finish(results: list[Any]) -> Any:
+            if self._rank == root:
+                self._check_pieces(outputs[0], t, "gather")
+                received = np.asarray(results[0][0])
+                for k, out in enumerate(outputs[0]):
+                    copy_into(out, received[k * data.size:(k + 1) * data.size])
+            return outputs
+
+        return collective_work([handle], finish)
+
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
+                opts: Any = None) -> dist.Work:
+        """The root's pieces, one to each rank: an all-to-all in which only the root sends."""
+        root = opts.rootRank if opts is not None else 0
+        (out,) = outputs
+        splits = np.zeros(self._size, np.int32)
+        if self._rank == root:
+            self._check_pieces(inputs[0], out, "scatter")
+            data = np.concatenate([host(p, "scatter").reshape(-1) for p in inputs[0]])
+            splits[:] = out.numel()
+        else:
+            data = np.zeros(0, dtype=host(out, "scatter").dtype)
+        handle = frontend.alltoall_async(data, splits)
+        return collective_work([handle], lambda results: (copy_into(out, results[0][0]), outputs)[1])
+
+    # ----------------------------------------------------------- point to point
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
+        (t,) = tensors
+        data = np.ascontiguousarray(host(t, "send"))
+        return P2PWork(self._p2p().Isend(data, dest=dst, tag=tag), data)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
+        return self._recv(tensors, src, tag)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> dist.Work:
+        from mpi4py import MPI
+
+        return self._recv(tensors, MPI.ANY_SOURCE, tag)
+
+    def _recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
+        (t,) = tensors
+        buf = np.empty(tuple(t.shape), dtype=host(t, "recv").dtype)
+        return P2PWork(self._p2p().Irecv(buf, source=src, tag=tag), buf, into=t)
+
+    def _p2p(self) -> Any:
+        """A communicator of this group's own for point-to-point messages (never the engine's)."""
+        if self._p2p_comm is None:
+            self._p2p_comm = runtime.state("torch.distributed send/recv").comm.Dup()
+        return self._p2p_comm
+
+    def barrier(self, opts: Any = None) -> dist.Work:
+        return collective_work([frontend.allreduce_async(np.zeros(1, np.int8), Sum)], lambda results: [])
+
+    def _check_pieces(self, pieces: Sequence[torch.Tensor], like: torch.Tensor, what: str) -> None:
+        if len(pieces) != self._size or any(p.shape != like.shape for p in pieces):
+            raise ValueError(f"{what} needs {self._size} tensors (one per rank) shaped like {tuple(like.shape)}; "
+                             f"got {[tuple(p.shape) for p in pieces]}")
+
+
+def _create(store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> UnisonProcessGroup:
+    """PyTorch's creator hook: the group, after checking PyTorch's rank and size against MPI's."""
+    from unison.torch_backend import basics
+
+    if not runtime.is_initialized():
+        basics.init()
+    mine, total = runtime.rank(), runtime.size()
+    if world_size != total:
+        raise NotImplementedError(
+            f"the unison backend serves the default group of all {total} ranks; this group has {world_size} "
+            "(dist.new_group / DeviceMesh sub-groups are not supported on it yet: create them with "
+            "backend='gloo', or use Unison process sets)")
+    if rank != mine:
+        raise ValueError(f"init_process_group('unison') got rank={rank} but MPI says this process is rank "
+                         f"{mine}: drop rank=/world_size= (they come from MPI) or make them match")
+    return UnisonProcessGroup(rank, world_size)
+
+
+def _mpi_launch() -> tuple[int, int] | None:
+    """(rank, size) of an MPI launch that set no torch rendezvous variables; else None."""
+    if any(os.environ.get(v) for v in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")):
+        return None
+    if not (os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMIX_RANK")):
+        return None
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+
+def _mpi_store(rank: int, size: int, timeout: datetime.timedelta) -> Any:
+    """A TCPStore hosted by rank 0 on a free port; MPI tells the others where (see the Note)."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    hosts = comm.allgather(socket.gethostname())
+    address = "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostbyname(hosts[0])
+    store = (dist.TCPStore(address, 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
+             if rank == 0 else None)
+    port = comm.bcast(store.port if store is not None else None, root=0)
+    if store is None:
+        store = dist.TCPStore(address, port, size, is_master=False, timeout=timeout)
+    return store
+
+
+def _wrap_env_handler() -> None:
+    rdzv = importlib.import_module("torch.distributed.rendezvous")  # the module, not its function
+    original = rdzv._rendezvous_handlers.get("env")
+    if original is None or getattr(original, "_unison", False):
+        return
+
+    def handler(url: str, timeout: datetime.timedelta = dist.default_pg_timeout, **kwargs: Any) -> Any:
+        launch = _mpi_launch()
+        if launch is None:
+            yield from original(url, timeout=timeout, **kwargs)
+            return
+        rank, size = launch
+        yield _mpi_store(rank, size, timeout), rank, size
+        raise RuntimeError("the MPI launch's store cannot rendezvous again")
+
+    handler._unison = True  # type: ignore[attr-defined]
+    rdzv._rendezvous_handlers["env"] = handler
+
+
+def register() -> None:
+    """Register the backend ``"unison"`` with ``torch.distributed`` (once; importing
+    ``unison.torch_backend`` does it)."""
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
+    _wrap_env_handler()
