@@ -19,7 +19,7 @@ demo: venv
 	$(VENV)/bin/unisonrun -np $(NP) $(PY) examples/keras_fit.py
 
 test: venv
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=40 tests
 
 # The inner-loop tier: no TensorFlow/PyTorch jobs, a minute or two.
 FAST_TESTS := tests/test_layers.py tests/test_config.py tests/test_files.py tests/test_engine_files.py tests/test_adasum.py tests/test_single_process.py \
