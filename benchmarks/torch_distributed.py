@@ -1,0 +1,225 @@
+"""``torch.distributed`` on Unison against gloo: collective latency and bandwidth, and DDP training.
+
+    unisonrun -np 2 python benchmarks/torch_distributed.py --json out.json
+
+One MPI job holds both backends: the default group is ``init_process_group("unison")`` and a
+second group of the same ranks is ``dist.new_group(backend="gloo")`` (it uses the store Unison
+made through MPI). Every rank runs the same cases in the same order.
+
+* **Collectives**: ``all_reduce`` (SUM), ``all_gather_into_tensor``, ``reduce_scatter_tensor`` and
+  ``broadcast`` of float32 tensors from 4 KiB to 64 MiB (``--sizes``) on each group; the time per
+  call is the median of ``--reps`` timed calls after a warm-up, max over ranks; bus bandwidth as
+  in nccl-tests (all-reduce moves 2(n-1)/n of the bytes per rank, all-gather and reduce-scatter
+  (n-1)/n, broadcast 1).
+* **Training**: the torch benchmark's ``mlp`` (~20M parameters) and ``cnn`` (benchmarks/
+  torch_training.py: same weights, synthetic batch, SGD) for ``DistributedDataParallel`` on the
+  unison group, DDP on the gloo group, and Unison's own ``hvd.DistributedOptimizer``; samples/s
+  over ``--steps`` timed steps, and the ranks' weights compared afterwards.
+* FSDP2 (``fully_shard``) needs sub-groups of the backend (a ``DeviceMesh``), which the backend
+  does not provide yet: its target line says so.
+
+Targets, printed as lines: DDP on unison >= 1.3x DDP on gloo (mlp), >= 1.0x (cnn); DDP on unison
+>= 0.9x Unison's ``DistributedOptimizer``; FSDP2 on unison >= 1.3x FSDP2 on gloo (mlp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchutil import human_bytes, human_time, ratio_target, write_json  # noqa: E402
+from torch_training import (  # noqa: E402
+    DEFAULT_BATCH,
+    LR,
+    build_model,
+    check_in_sync,
+    make_step,
+    make_unison,
+    synthetic_batch,
+    time_steps,
+)
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+              "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
+
+
+@dataclass
+class OpRecord:
+    op: str
+    backend: str
+    np: int
+    bytes: int
+    seconds: float
+    busbw_gbs: float
+
+
+@dataclass
+class TrainRecord:
+    model: str
+    impl: str
+    np: int
+    batch: int
+    samples_per_s: float
+
+
+def _sizes(text: str) -> list[int]:
+    units = {"k": 1 << 10, "m": 1 << 20}
+    out = []
+    for item in text.split(","):
+        item = item.strip().lower().removesuffix("ib").removesuffix("b")
+        scale = units.get(item[-1:], 1)
+        out.append(int(float(item[:-1] if scale > 1 else item) * scale))
+    return out
+
+
+def _op_call(op: str, t: Any, group: Any, n: int) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(t, group=group)
+    if op == "broadcast":
+        return lambda: dist.broadcast(t, src=0, group=group)
+    if op == "all_gather":
+        out = torch.empty(t.numel() * n, dtype=t.dtype)
+        return lambda: dist.all_gather_into_tensor(out, t, group=group)
+    out = torch.empty(t.numel() // n, dtype=t.dtype)
+    return lambda: dist.reduce_scatter_tensor(out, t, group=group)
+
+
+def time_op(world: Any, call: Any, reps: int) -> float:
+    """Median seconds per call over ``reps`` calls (after 3 untimed), max over ranks."""
+    from mpi4py import MPI
+
+    for _ in range(3):
+        call()
+    times = []
+    for _ in range(reps):
+        world.Barrier()
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return float(world.allreduce(statistics.median(times), op=MPI.MAX))
+
+
+def run_ops(world: Any, groups: dict[str, Any], sizes: list[int], reps: int) -> list[OpRecord]:
+    import torch
+
+    n = world.Get_size()
+    records = []
+    for op in OPS:
+        for size in sizes:
+            numel = max(n, size // 4 // n * n)
+            for backend, group in groups.items():
+                t = torch.ones(numel)
+                seconds = time_op(world, _op_call(op, t, group, n), reps)
+                nbytes = numel * 4
+                busbw = BUS_FACTOR[op](n) * nbytes / seconds / 1e9
+                records.append(OpRecord(op, backend, n, nbytes, seconds, busbw))
+    return records
+
+
+def run_training(world: Any, hvd: Any, groups: dict[str, Any], models: list[str], args: argparse.Namespace
+                 ) -> list[TrainRecord]:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    n = world.Get_size()
+    records = []
+    for name in models:
+        batch = DEFAULT_BATCH[name]
+        x, y = synthetic_batch(name, batch, world.Get_rank())
+        for impl in ("ddp-unison", "ddp-gloo", "unison-optimizer"):
+            if impl == "unison-optimizer":
+                model, opt = make_unison(name, hvd)
+                checked = model
+            else:
+                checked = build_model(name)
+                model = DistributedDataParallel(checked, process_group=groups[impl.removeprefix("ddp-")])
+                opt = torch.optim.SGD(model.parameters(), lr=LR)
+            elapsed = time_steps(world, make_step(model, opt, x, y), args.warmup, args.steps)
+            check_in_sync(world, checked, f"{name} {impl}")
+            records.append(TrainRecord(name, impl, n, batch, n * batch * args.steps / elapsed))
+    return records
+
+
+def print_tables(ops: list[OpRecord], train: list[TrainRecord]) -> None:
+    print(f"{'op':<16}{'size':>10}{'unison':>12}{'gloo':>12}{'busbw unison':>14}{'busbw gloo':>12}{'ratio':>8}")
+    by = {(r.op, r.bytes, r.backend): r for r in ops}
+    for op, size in sorted({(r.op, r.bytes) for r in ops}, key=lambda k: (OPS.index(k[0]), k[1])):
+        u, g = by[(op, size, "unison")], by[(op, size, "gloo")]
+        print(f"{op:<16}{human_bytes(size):>10}{human_time(u.seconds):>12}{human_time(g.seconds):>12}"
+              f"{u.busbw_gbs:>11.2f} GB/s{g.busbw_gbs:>7.2f} GB/s{g.seconds / u.seconds:>7.2f}x")
+    print()
+    print(f"{'model':<8}{'impl':<20}{'np':>4}{'batch':>7}{'samples/s':>12}")
+    for r in train:
+        print(f"{r.model:<8}{r.impl:<20}{r.np:>4}{r.batch:>7}{r.samples_per_s:>12.1f}")
+
+
+def target_lines(train: list[TrainRecord]) -> list[str]:
+    rate = {(r.model, r.impl): r.samples_per_s for r in train}
+    lines = ["targets:"]
+    for model, minimum in (("mlp", 1.3), ("cnn", 1.0)):
+        lines.append(ratio_target(f"{model} DDP on unison / DDP on gloo samples/s",
+                                  rate.get((model, "ddp-unison")), rate.get((model, "ddp-gloo")), minimum))
+    for model in ("mlp", "cnn"):
+        lines.append(ratio_target(f"{model} DDP on unison / Unison DistributedOptimizer samples/s",
+                                  rate.get((model, "ddp-unison")), rate.get((model, "unison-optimizer")), 0.9))
+    lines.append("  mlp FSDP2 on unison / FSDP2 on gloo = n/a: FSDP2 needs sub-groups (a DeviceMesh) of the "
+                 "backend, not built yet  MISS")
+    return lines
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=_sizes, default=_sizes("4k,64k,1m,16m,64m"),
+                        help="tensor sizes in bytes, with k/m suffixes (default 4k,64k,1m,16m,64m)")
+    parser.add_argument("--reps", type=int, default=10, help="timed calls per op and size")
+    parser.add_argument("--models", default="mlp,cnn", help="comma list of mlp, cnn")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--skip-ops", action="store_true", help="only the training cases")
+    parser.add_argument("--json", type=Path, help="write the records here (rank 0)")
+    args = parser.parse_args(argv)
+    args.models = [m for m in args.models.split(",") if m]
+    bad = [m for m in args.models if m not in DEFAULT_BATCH]
+    if bad:
+        parser.error(f"--models: unknown {bad}; choose from {sorted(DEFAULT_BATCH)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    import unison.torch_backend as hvd
+
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    world = MPI.COMM_WORLD
+    hvd.init()
+    dist.init_process_group("unison")
+    groups = {"unison": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    ops = [] if args.skip_ops else run_ops(world, groups, args.sizes, args.reps)
+    train = run_training(world, hvd, groups, args.models, args)
+    if world.Get_rank() == 0:
+        print_tables(ops, train)
+        for line in target_lines(train):
+            print(line)
+        if args.json:
+            write_json(args.json, [*ops, *train])
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
