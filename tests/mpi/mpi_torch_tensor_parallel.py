@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from mpi4py import MPI
+from tensor_parallel_groups import BAD_SIZE_IDS, BAD_SIZES, TPS, check_bad_size, group_or_refusal, register_groups
 from torch import nn
 from torch.nn import functional as F
 
@@ -23,7 +24,6 @@ from unison.common.tensor_parallel import Grid, shard_range
 WORLD = MPI.COMM_WORLD
 N, R = WORLD.Get_size(), WORLD.Get_rank()
 torch.set_num_threads(1)
-TPS = [tp for tp in (1, 2, 3, 4) if tp <= N]
 TOL = dict(rtol=1e-10, atol=1e-11)
 D = torch.float64
 SETS: dict[int, hvd.ProcessSet | None] = {}  # tp -> this rank's registered group (None: idle)
@@ -32,24 +32,15 @@ SETS: dict[int, hvd.ProcessSet | None] = {}  # tp -> this rank's registered grou
 @pytest.fixture(scope="module", autouse=True)
 def _session():
     hvd.init()
-    for tp in TPS:
-        SETS[tp] = None
-        for first in range(0, N - N % tp, tp):
-            ps = hvd.add_process_set(hvd.ProcessSet(range(first, first + tp)))
-            if R in ps.ranks:
-                SETS[tp] = ps
+    SETS.update(register_groups(hvd))
     yield
+    hvd.barrier()  # a rank that shuts down stops the engine for all: wait for every group's last call
     hvd.shutdown()
 
 
 def group(tp: int) -> hvd.ProcessSet | None:
-    """This rank's group at ``tp``; on an idle rank, check that joining another group is refused."""
-    ps = SETS[tp]
-    if ps is None:
-        other = hvd.ProcessSet(range(tp))
-        with pytest.raises(ValueError, match="not in the tensor group"):
-            hvd.ColumnParallelLinear(4, 4 * tp, process_set=other)
-    return ps
+    """This rank's group at ``tp`` (None: idle; then joining another group must be refused)."""
+    return group_or_refusal(hvd, SETS, tp)
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -306,20 +297,9 @@ def test_parallel_transformer_block(tp):
 
 
 @pytest.mark.parametrize("tp", [tp for tp in TPS if tp > 1])
-@pytest.mark.parametrize("build,match", [
-    (lambda tp, ps: hvd.ColumnParallelLinear(4, 2 * tp + 1, process_set=ps), "out_features"),
-    (lambda tp, ps: hvd.RowParallelLinear(2 * tp + 1, 4, process_set=ps), "in_features"),
-    (lambda tp, ps: hvd.VocabParallelEmbedding(5 * tp + 1, 4, process_set=ps), "num_embeddings"),
-    (lambda tp, ps: hvd.ParallelSelfAttention(2 * (tp + 1), tp + 1, process_set=ps), "num_heads"),
-    (lambda tp, ps: hvd.ParallelMLP(4, 3 * tp + 1, process_set=ps), "out_features"),
-], ids=["column", "row", "vocab", "heads", "mlp"])
-def test_sizes_not_divisible_by_the_group_raise(tp, build, match):
-    ps = group(tp)
-    if ps is None:
-        return
-    with pytest.raises(ValueError, match=rf"{match} \(\d+\) is not divisible by the tensor group size \({tp}\).*"
-                                         rf"[Pp]ad .* to a multiple of {tp}"):
-        build(tp, ps)
+@pytest.mark.parametrize("build,what", BAD_SIZES, ids=BAD_SIZE_IDS)
+def test_sizes_not_divisible_by_the_group_raise(tp, build, what):
+    check_bad_size(hvd, SETS, tp, build, what)
 
 
 def test_grid_registers_its_tensor_groups():

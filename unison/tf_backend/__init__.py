@@ -114,15 +114,28 @@ __all__ = [
     "pipeline_grid", "balance_by_params", "balance_by_time", "PipelineError", "SyncBatchNormalization",
     "save_sharded", "load_sharded", "elastic", "UnisonInternalError", "HorovodInternalError",
     "HostsUpdatedInterrupt",
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
+    "ParallelMLP", "ParallelSelfAttention", "ParallelTransformerBlock",
 ]
+
+# Keras 3 tensor-parallel layers, loaded on first use (they import Keras): name -> module
+_TENSOR_PARALLEL = {
+    **dict.fromkeys(("ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+                     "vocab_parallel_cross_entropy"), "unison.tf_backend.tensor_parallel"),
+    **dict.fromkeys(("ParallelMLP", "ParallelSelfAttention", "ParallelTransformerBlock"),
+                    "unison.tf_backend.tensor_parallel_blocks"),
+}
 
 
 def __getattr__(name: str) -> object:
-    """``SyncBatchNormalization`` and ``elastic`` are loaded on first use (they import Keras)."""
-    if name == "elastic":
-        import importlib
+    """``SyncBatchNormalization``, ``elastic`` and the tensor-parallel layers are loaded on first use (they
+    import Keras)."""
+    import importlib
 
+    if name == "elastic":
         return importlib.import_module("unison.tf_backend.elastic")
+    if name in _TENSOR_PARALLEL:
+        return getattr(importlib.import_module(_TENSOR_PARALLEL[name]), name)
     if name == "SyncBatchNormalization":
         from unison.tf_backend.sync_batch_norm import SyncBatchNormalization
 

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from unison.common import runtime
-from unison.common.engine.process_sets import ProcessSet, global_process_set, set_rank, set_size
+from unison.common.engine.process_sets import ProcessSet, global_process_set
+from unison.common.tensor_parallel.groups import group_position
 from unison.common.tensor_parallel.sharding import divisible_shard
 from unison.torch_backend.tensor_parallel_comm import (
     allreduce_max_no_grad,
@@ -39,19 +39,6 @@ from unison.torch_backend.tensor_parallel_comm import (
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "vocab_parallel_cross_entropy", "group_position"]
-
-
-def group_position(process_set: ProcessSet, owner: str) -> tuple[int, int]:
-    """``(tp, shard index)`` of this rank in the tensor group ``process_set``.
-
-    Raises:
-        ValueError: this rank is not a member of ``process_set``.
-    """
-    tp, index = set_size(process_set), set_rank(process_set)
-    if index < 0:
-        raise ValueError(f"{owner}: this rank ({runtime.rank()}) is not in the tensor group {process_set!r}; "
-                         "build tensor-parallel layers only on the ranks of their group")
-    return tp, index
 
 
 def _uniform(shape: tuple[int, ...], fan_in: int, dtype: Any, device: Any) -> nn.Parameter:

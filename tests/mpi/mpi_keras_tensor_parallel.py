@@ -1,0 +1,358 @@
+"""Tensor-parallel Keras 3 layers under mpirun: every layer equals the unsplit Keras layer, forward and backward.
+
+The Keras twin of mpi_torch_tensor_parallel.py, with the same groups: one launch covers tp = 1,
+2, 3 and 4 (each up to the job's size), the job cut into consecutive groups of tp ranks (at
+np 4: {0} {1} {2} {3}; {0,1} {2,3}; {0,1,2} with rank 3 idle; {0,1,2,3}), registered on every
+rank in the same order. Every rank builds the same unsplit float64 Keras layers and inputs from
+one seed and computes the reference locally under ``tf.GradientTape``; the ranks of a group run
+the parallel layer built from it and compare the output, the input's gradient and their shard
+of every weight's gradient. Eager throughout, except the transformer block, which runs inside
+``tf.function`` (graph-named collectives).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+from tensor_parallel_groups import (  # noqa: E402
+    BAD_SIZE_IDS,
+    BAD_SIZES,
+    TPS,
+    check_bad_size,
+    group_or_refusal,
+    register_groups,
+)
+
+import unison.tf_backend as hvd  # noqa: E402
+from unison.common.tensor_parallel import Grid, shard_range  # noqa: E402
+
+WORLD = MPI.COMM_WORLD
+N, R = WORLD.Get_size(), WORLD.Get_rank()
+D = "float64"
+SETS: dict[int, hvd.ProcessSet | None] = {}  # tp -> this rank's registered group (None: idle)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _session():
+    hvd.init()
+    SETS.update(register_groups(hvd))
+    yield
+    hvd.barrier()  # a rank that shuts down stops the engine for all: wait for every group's last call
+    hvd.shutdown()
+
+
+def group(tp: int) -> hvd.ProcessSet | None:
+    """This rank's group at ``tp`` (None: idle; then joining another group must be refused)."""
+    return group_or_refusal(hvd, SETS, tp)
+
+
+def close(actual, expected) -> None:
+    np.testing.assert_allclose(np.asarray(tf.convert_to_tensor(actual)), np.asarray(expected), rtol=1e-10,
+                               atol=1e-11)
+
+
+def piece(t, ps: hvd.ProcessSet, axis: int = -1) -> np.ndarray:
+    """This rank's equal piece of ``t`` along ``axis``."""
+    t = np.asarray(tf.convert_to_tensor(t))
+    start, stop = shard_range(t.shape[axis], ps.size(), ps.rank())
+    return np.take(t, range(start, stop), axis=axis)
+
+
+def seeded(seed: int, *shape: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape)
+
+
+def randomize(layer: keras.layers.Layer, seed: int, scale: float = 0.5) -> keras.layers.Layer:
+    """Every weight of a built layer from one seed (biases too: Keras starts them at zero)."""
+    rng = np.random.default_rng(seed)
+    for w in layer.weights:
+        w.assign(rng.standard_normal(w.shape) * scale)
+    return layer
+
+
+def dense(seed: int, fan_in: int, units: int, bias: bool = True, activation=None) -> keras.layers.Dense:
+    layer = keras.layers.Dense(units, use_bias=bias, activation=activation, dtype=D)
+    layer.build((None, fan_in))
+    return randomize(layer, seed)
+
+
+def run(fn, x, upstream, weights=()):
+    """``fn(x)`` and the gradients of ``sum(fn(x) * upstream)`` for ``x`` and ``weights``."""
+    x = tf.convert_to_tensor(x)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        out = fn(x)
+        loss = tf.reduce_sum(out * upstream)
+    dx, *dw = tape.gradient(loss, [x, *weights])
+    return out, dx, dw
+
+
+# ------------------------------------------------------------------ linear layers
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("gather_output", [False, True])
+def test_column_parallel_linear(tp, gather_output):
+    ref = dense(1, 5, 4 * tp, activation="tanh")
+    x, upstream = seeded(2, 3, 2, 5), seeded(3, 3, 2, 4 * tp)
+    expected, dx, (dk, db) = run(ref, x, upstream, [ref.kernel, ref.bias])
+    ps = group(tp)
+    if ps is None:
+        return
+    layer = hvd.ColumnParallelLinear.from_dense(ref, gather_output=gather_output, process_set=ps)
+    out, dx_par, (dk_par, db_par) = run(layer, x, upstream if gather_output else piece(upstream, ps),
+                                        [layer.kernel, layer.bias])
+    close(out, expected if gather_output else piece(expected, ps))
+    close(dx_par, dx)
+    close(dk_par, piece(dk, ps, 1))
+    close(db_par, piece(db, ps, 0))
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("input_is_parallel", [True, False])
+def test_row_parallel_linear(tp, input_is_parallel):
+    ref = dense(4, 3 * tp, 5, activation="sigmoid")
+    x, upstream = seeded(5, 4, 3 * tp), seeded(6, 4, 5)
+    expected, dx, (dk, db) = run(ref, x, upstream, [ref.kernel, ref.bias])
+    ps = group(tp)
+    if ps is None:
+        return
+    layer = hvd.RowParallelLinear.from_dense(ref, input_is_parallel=input_is_parallel, process_set=ps)
+    out, dx_par, (dk_par, db_par) = run(layer, piece(x, ps) if input_is_parallel else x, upstream,
+                                        [layer.kernel, layer.bias])
+    close(out, expected)
+    close(dx_par, piece(dx, ps) if input_is_parallel else dx)
+    close(dk_par, piece(dk, ps, 0))
+    close(db_par, db)
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_column_then_row_without_bias(tp):
+    fc1, fc2 = dense(7, 6, 2 * tp, bias=False), dense(8, 2 * tp, 3, bias=False)
+    x, upstream = seeded(9, 5, 6), seeded(10, 5, 3)
+    expected, dx, (dk1, dk2) = run(lambda t: fc2(tf.tanh(fc1(t))), x, upstream, [fc1.kernel, fc2.kernel])
+    ps = group(tp)
+    if ps is None:
+        return
+    col = hvd.ColumnParallelLinear.from_dense(fc1, process_set=ps)
+    row = hvd.RowParallelLinear.from_dense(fc2, process_set=ps)
+    assert col.bias is None and row.bias is None
+    out, dx_par, (dk1_par, dk2_par) = run(lambda t: row(tf.tanh(col(t))), x, upstream, [col.kernel, row.kernel])
+    close(out, expected)
+    close(dx_par, dx)
+    close(dk1_par, piece(dk1, ps, 1))
+    close(dk2_par, piece(dk2, ps, 0))
+
+
+# ------------------------------------------------------------------ vocabulary
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_vocab_parallel_embedding(tp):
+    ref = keras.layers.Embedding(5 * tp, 4, dtype=D)
+    ref.build((None,))
+    randomize(ref, 11)
+    ids = np.random.default_rng(12).integers(0, 5 * tp, (3, 7))
+    ids[0, :3] = [0, 5 * tp - 1, 0]  # both ends of the vocabulary, one id twice
+    upstream = seeded(13, 3, 7, 4)
+    with tf.GradientTape() as tape:
+        expected = ref(ids)
+        grad = tape.gradient(tf.reduce_sum(expected * upstream), ref.embeddings)
+    ps = group(tp)
+    if ps is None:
+        return
+    layer = hvd.VocabParallelEmbedding.from_embedding(ref, process_set=ps)
+    with tf.GradientTape() as tape:
+        out = layer(ids)
+        grad_par = tape.gradient(tf.reduce_sum(out * upstream), layer.embeddings)
+    close(out, expected)
+    close(grad_par, piece(grad, ps, 0))
+
+
+def keras_cross_entropy(logits: tf.Tensor, target: np.ndarray, reduction: str) -> tf.Tensor:
+    """The reference: Keras's sparse categorical cross-entropy from logits, per position, then reduced."""
+    loss = keras.losses.sparse_categorical_crossentropy(target, logits, from_logits=True, ignore_class=-100)
+    if reduction == "none":
+        return loss
+    total = tf.reduce_sum(loss)
+    return total if reduction == "sum" else total / np.count_nonzero(target != -100)
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_vocab_parallel_cross_entropy(tp, reduction):
+    vocab = 3 * tp + 3 * (tp % 2)  # 6, 6, 12, 12: divisible by tp
+    logits = seeded(14, 4, 5, vocab) * 30  # large logits: the max must be subtracted
+    target = np.random.default_rng(15).integers(0, vocab, (4, 5))
+    target[0, 0], target[1, 1], target[2, 2] = -100, 0, vocab - 1
+    upstream = seeded(16, 4, 5) if reduction == "none" else np.float64(1.7)
+    expected, grad, _ = run(lambda t: keras_cross_entropy(t, target, reduction), logits, upstream)
+    ps = group(tp)
+    if ps is None:
+        return
+    loss, grad_par, _ = run(lambda t: hvd.vocab_parallel_cross_entropy(t, target, process_set=ps,
+                                                                       reduction=reduction),
+                            piece(logits, ps), upstream)
+    close(loss, expected)
+    close(grad_par, piece(grad, ps))
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_cross_entropy_refuses_a_target_outside_the_vocabulary(tp):
+    ps = group(tp)
+    if ps is None:
+        return
+    with pytest.raises(ValueError, match=rf"targets must be in \[0, {2 * tp}\)"):
+        hvd.vocab_parallel_cross_entropy(np.zeros((3, 2)), np.array([0, 2 * tp, 1]), process_set=ps)
+
+
+# ------------------------------------------------------------------ blocks
+
+
+def mha(seed: int, hidden: int, heads: int) -> keras.layers.MultiHeadAttention:
+    attn = keras.layers.MultiHeadAttention(heads, hidden // heads, dtype=D)
+    x = np.zeros((1, 2, hidden))
+    attn(x, x)  # builds it
+    return randomize(attn, seed)
+
+
+def heads_columns(grads: list, hidden: int, ps: hvd.ProcessSet) -> np.ndarray:
+    """This rank's heads of the q, k and v kernels' (or biases') gradients, fused as the qkv shard."""
+    flat = [np.reshape(np.asarray(g), (hidden, hidden) if len(g.shape) == 3 else (hidden,)) for g in grads]
+    return np.concatenate([piece(g, ps, -1) for g in flat], axis=-1)
+
+
+def attention_weights(attn: keras.layers.MultiHeadAttention) -> list:
+    parts = (attn.query_dense, attn.key_dense, attn.value_dense, attn.output_dense)
+    return [p.kernel for p in parts] + [p.bias for p in parts]
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_parallel_mlp(tp):
+    fc1, fc2 = dense(17, 6, 4 * tp, activation="gelu"), dense(18, 4 * tp, 6)
+    x, upstream = seeded(19, 2, 3, 6), seeded(20, 2, 3, 6)
+    expected, dx, (dk1, db1, dk2, db2) = run(lambda t: fc2(fc1(t)), x, upstream, fc1.weights + fc2.weights)
+    ps = group(tp)
+    if ps is None:
+        return
+    mlp = hvd.ParallelMLP.from_dense_pair(fc1, fc2, process_set=ps)
+    weights = [mlp.fc1.kernel, mlp.fc1.bias, mlp.fc2.kernel, mlp.fc2.bias]
+    out, dx_par, (dk1_par, db1_par, dk2_par, db2_par) = run(mlp, x, upstream, weights)
+    close(out, expected)
+    close(dx_par, dx)
+    close(dk1_par, piece(dk1, ps, 1))
+    close(db1_par, piece(db1, ps, 0))
+    close(dk2_par, piece(dk2, ps, 0))
+    close(db2_par, db2)
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_parallel_self_attention(tp, causal):
+    heads, hidden, seq = 2 * tp, 4 * tp, 5
+    ref = mha(21, hidden, heads)
+    x, upstream = seeded(22, 2, seq, hidden), seeded(23, 2, seq, hidden)
+    expected, dx, dw = run(lambda t: ref(t, t, use_causal_mask=causal), x, upstream, attention_weights(ref))
+    ps = group(tp)
+    if ps is None:
+        return
+    attn = hvd.ParallelSelfAttention.from_multi_head_attention(ref, causal=causal, process_set=ps)
+    weights = [attn.qkv.kernel, attn.qkv.bias, attn.out.kernel, attn.out.bias]
+    out, dx_par, (dqkv, dqkv_bias, dout, dout_bias) = run(attn, x, upstream, weights)
+    close(out, expected)
+    close(dx_par, dx)
+    close(dqkv, heads_columns(dw[0:3], hidden, ps))
+    close(dqkv_bias, heads_columns(dw[4:7], hidden, ps))
+    close(dout, piece(np.reshape(np.asarray(dw[3]), (hidden, hidden)), ps, 0))
+    close(dout_bias, dw[7])
+
+
+class Block:
+    """The unsplit pre-norm block that ParallelTransformerBlock splits, from Keras layers."""
+
+    def __init__(self, hidden: int, heads: int, ffn: int) -> None:
+        self.ln1, self.ln2 = (keras.layers.LayerNormalization(dtype=D) for _ in range(2))
+        for seed, norm in enumerate((self.ln1, self.ln2)):
+            norm.build((None, None, hidden))
+            randomize(norm, 30 + seed)
+        self.attn = mha(24, hidden, heads)
+        self.fc1, self.fc2 = dense(25, hidden, ffn, activation="gelu"), dense(26, ffn, hidden)
+
+    def __call__(self, x: tf.Tensor) -> tf.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, use_causal_mask=True)
+        return x + self.fc2(self.fc1(self.ln2(x)))
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_parallel_transformer_block_in_a_tf_function(tp):
+    hidden = 4 * tp
+    ref = Block(hidden, 2 * tp, 8 * tp)
+    x, upstream = seeded(27, 2, 7, hidden), seeded(28, 2, 7, hidden)
+    ref_weights = [ref.ln1.gamma, ref.ln2.beta, ref.attn.query_dense.kernel, ref.fc1.kernel, ref.fc2.kernel]
+    expected, dx, (dg1, db2, dq, dk1, dk2) = run(ref, x, upstream, ref_weights)
+    ps = group(tp)
+    if ps is None:
+        return
+    block = hvd.ParallelTransformerBlock.from_layers(ref.ln1, ref.attn, ref.ln2, ref.fc1, ref.fc2, causal=True,
+                                                     process_set=ps)
+    weights = [block.ln1.gamma, block.ln2.beta, block.attn.qkv.kernel, block.mlp.fc1.kernel, block.mlp.fc2.kernel]
+    step = tf.function(lambda t: run(block, t, upstream, weights))
+    out, dx_par, (dg1_par, db2_par, dqkv, dk1_par, dk2_par) = step(tf.constant(x))
+    close(out, expected)
+    close(dx_par, dx)
+    close(dg1_par, dg1)
+    close(db2_par, db2)
+    close(dqkv[:, :hidden // tp], piece(np.reshape(np.asarray(dq), (hidden, hidden)), ps, 1))  # q of my heads
+    close(dk1_par, piece(dk1, ps, 1))
+    close(dk2_par, piece(dk2, ps, 0))
+
+
+# ------------------------------------------------------------------ bad sizes, exports and the grid
+
+
+@pytest.mark.parametrize("tp", [tp for tp in TPS if tp > 1])
+@pytest.mark.parametrize("build,what", BAD_SIZES, ids=BAD_SIZE_IDS)
+def test_sizes_not_divisible_by_the_group_raise(tp, build, what):
+    check_bad_size(hvd, SETS, tp, build, what)
+
+
+def test_builders_refuse_what_they_cannot_split():
+    with pytest.raises(ValueError, match="needs a built Dense"):
+        hvd.ColumnParallelLinear.from_dense(keras.layers.Dense(4))
+    attn = keras.layers.MultiHeadAttention(2, 2, value_dim=3, dtype=D)
+    attn(np.zeros((1, 2, 4)), np.zeros((1, 2, 4)))
+    with pytest.raises(ValueError, match="value_dim == key_dim.*value_dim=3"):
+        hvd.ParallelSelfAttention.from_multi_head_attention(attn)
+
+
+def test_names_are_exported_lazily_from_the_backend():
+    import unison.tf_backend.keras as hvd_keras
+    from unison.tf_backend import tensor_parallel, tensor_parallel_blocks
+
+    for name in ("ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+                 "vocab_parallel_cross_entropy"):
+        assert name in hvd.__all__ and getattr(hvd, name) is getattr(tensor_parallel, name)
+        assert getattr(hvd_keras, name) is getattr(tensor_parallel, name)
+    for name in ("ParallelMLP", "ParallelSelfAttention", "ParallelTransformerBlock"):
+        assert name in hvd.__all__ and getattr(hvd, name) is getattr(tensor_parallel_blocks, name)
+        assert issubclass(getattr(hvd, name), keras.layers.Layer)
+
+
+def test_grid_registers_its_tensor_groups():
+    if N % 2:
+        pytest.skip("the grid of tensor pairs needs an even job")
+    grid = Grid(tp=2)
+    sets = grid.register()
+    assert sets.tp.ranks == grid.tp_group_ranks(R) == [R - R % 2, R - R % 2 + 1]
+    ref = dense(29, 3, 4)
+    layer = hvd.ColumnParallelLinear.from_dense(ref, gather_output=True, process_set=sets.tp)
+    x = seeded(30, 2, 3)
+    close(layer(x), ref(x))

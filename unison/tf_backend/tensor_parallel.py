@@ -1,0 +1,303 @@
+"""Megatron-style tensor-parallel layers for Keras 3 (TensorFlow backend): each rank of a group holds one shard.
+
+The same layers, names and split as the PyTorch backend's ``tensor_parallel.py`` (see its
+docstring and docs/tensor_parallel.md), as ``keras.layers.Layer`` subclasses. The tensor group is
+a registered process set (``hvd.add_process_set``; ``Grid.register`` makes one per grid row);
+``global_process_set`` (the default) makes the whole job one group::
+
+    ColumnParallelLinear   kernel columns (output units)  y_i = act(x K_i + b_i)   (shard i of y)
+    RowParallelLinear      kernel rows (input features)   y = act(sum_i x_i K_i + b)
+    VocabParallelEmbedding embedding rows (vocabulary)    each id looked up by the rank owning it
+
+Keras's ``Dense`` keeps its kernel as ``(in, out)``, the transpose of ``nn.Linear.weight``, so a
+column shard is a slice of kernel *columns* here. ``Dense`` also carries an activation; the
+parallel layers keep it (element-wise, so a column shard applies it to its own units, a row layer
+after the sum), and ``from_dense`` copies it. Randomly initialised shards draw from Glorot-uniform
+of the whole layer; biases start at zero, as ``Dense``'s, so the row layer's replicated bias is the
+same on every rank of the group.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from unison.common.engine.process_sets import ProcessSet, global_process_set
+from unison.common.tensor_parallel.groups import group_position
+from unison.common.tensor_parallel.sharding import divisible_shard
+from unison.tf_backend.tensor_parallel_comm import (
+    allreduce_max_no_grad,
+    copy_to_group,
+    gather_from_group,
+    reduce_from_group,
+    scatter_to_group,
+)
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+           "vocab_parallel_cross_entropy", "group_position"]
+
+
+def _glorot(fan_in: int, fan_out: int) -> keras.initializers.Initializer:
+    limit = math.sqrt(6.0 / (fan_in + fan_out))
+    return keras.initializers.RandomUniform(-limit, limit)
+
+
+def _check_dense(dense: Any, owner: str) -> None:
+    if not isinstance(dense, keras.layers.Dense):
+        raise TypeError(f"{owner}.from_dense needs a keras.layers.Dense; received {type(dense).__name__}")
+    if not dense.built:
+        raise ValueError(f"{owner}.from_dense needs a built Dense (its kernel exists); call it on an input or "
+                         f"dense.build(input_shape) first: {dense.name!r} is not built")
+
+
+def _in_out(dense: keras.layers.Dense) -> tuple[int, int]:
+    fan_in, fan_out = dense.kernel.shape
+    return int(fan_in), int(fan_out)
+
+
+class _ParallelDense(keras.layers.Layer):
+    """What the column and row layers share: sizes, the group, kernel, bias and activation."""
+
+    _owner = ""
+
+    def __init__(self, in_features: int, out_features: int, use_bias: bool, activation: Any,
+                 process_set: ProcessSet, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.tp, self.shard = group_position(process_set, self._owner)
+        self.in_features, self.out_features = in_features, out_features
+        self.process_set = process_set
+        self.activation = keras.activations.get(activation)
+        self.start, self.stop = self._split()
+        self.kernel = self.add_weight(shape=self._kernel_shape(), initializer=_glorot(in_features, out_features),
+                                      name="kernel")
+        self.bias = self.add_weight(shape=(self._bias_size(),), initializer="zeros",
+                                    name="bias") if use_bias else None
+        self.built = True
+
+    def _split(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def _kernel_shape(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def _bias_size(self) -> int:
+        raise NotImplementedError
+
+    def _load(self, kernel: Any, bias: Any) -> None:
+        self.kernel.assign(kernel)
+        if self.bias is not None and bias is not None:
+            self.bias.assign(bias)
+
+    def _finish(self, y: tf.Tensor) -> tf.Tensor:
+        return self.activation(y if self.bias is None else y + self.bias)
+
+
+class ColumnParallelLinear(_ParallelDense):
+    """``keras.layers.Dense(out_features)`` on ``in_features`` inputs, output units split over the group.
+
+    The input is replicated over the group; each rank computes its ``out_features / tp`` units.
+
+    Args:
+        gather_output: all-gather the shards' outputs so every rank gets all ``out_features``
+            (otherwise each keeps its piece, ready for a :class:`RowParallelLinear`).
+        activation: applied to this rank's units (element-wise), as ``Dense`` does.
+        process_set: the tensor group (default: every rank).
+        **kwargs: ``keras.layers.Layer`` arguments (``dtype=``, ``name=``).
+
+    Raises:
+        ValueError: ``out_features`` not divisible by the group size, or this rank not in the group.
+    """
+
+    _owner = "ColumnParallelLinear"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
+                 process_set: ProcessSet = global_process_set, activation: Any = None, **kwargs: Any) -> None:
+        super().__init__(in_features, out_features, bias, activation, process_set, **kwargs)
+        self.gather_output = gather_output
+
+    def _split(self) -> tuple[int, int]:
+        return divisible_shard("ColumnParallelLinear out_features", self.out_features, self.tp, self.shard)
+
+    def _kernel_shape(self) -> tuple[int, int]:
+        return self.in_features, self.stop - self.start
+
+    def _bias_size(self) -> int:
+        return self.stop - self.start
+
+    @classmethod
+    def from_dense(cls, dense: keras.layers.Dense, gather_output: bool = False,
+                   process_set: ProcessSet = global_process_set) -> ColumnParallelLinear:
+        """This rank's shard (kernel columns and bias ``start:stop``, the activation) of a built ``dense``."""
+        _check_dense(dense, cls._owner)
+        fan_in, fan_out = _in_out(dense)
+        layer = cls(fan_in, fan_out, dense.bias is not None, gather_output, process_set, dense.activation,
+                    dtype=dense.dtype_policy)
+        layer._load(dense.kernel[:, layer.start:layer.stop],
+                    None if dense.bias is None else dense.bias[layer.start:layer.stop])
+        return layer
+
+    def call(self, inputs: Any) -> tf.Tensor:
+        y = self._finish(keras.ops.matmul(copy_to_group(inputs, self.process_set), self.kernel))
+        return gather_from_group(y, self.process_set) if self.gather_output else y
+
+
+class RowParallelLinear(_ParallelDense):
+    """``keras.layers.Dense(out_features)`` on ``in_features`` inputs, input features split over the group.
+
+    Each rank multiplies its ``in_features / tp`` input features; the partial outputs are summed
+    over the group (one all-reduce), then the replicated bias and the activation are applied.
+
+    Args:
+        input_is_parallel: the input is already this rank's piece of the last dimension (the
+            output of a :class:`ColumnParallelLinear`); otherwise each rank takes its piece.
+        process_set: the tensor group (default: every rank).
+        **kwargs: ``keras.layers.Layer`` arguments (``dtype=``, ``name=``).
+
+    Raises:
+        ValueError: ``in_features`` not divisible by the group size, or this rank not in the group.
+    """
+
+    _owner = "RowParallelLinear"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
+                 process_set: ProcessSet = global_process_set, activation: Any = None, **kwargs: Any) -> None:
+        super().__init__(in_features, out_features, bias, activation, process_set, **kwargs)
+        self.input_is_parallel = input_is_parallel
+
+    def _split(self) -> tuple[int, int]:
+        return divisible_shard("RowParallelLinear in_features", self.in_features, self.tp, self.shard)
+
+    def _kernel_shape(self) -> tuple[int, int]:
+        return self.stop - self.start, self.out_features
+
+    def _bias_size(self) -> int:
+        return self.out_features
+
+    @classmethod
+    def from_dense(cls, dense: keras.layers.Dense, input_is_parallel: bool = True,
+                   process_set: ProcessSet = global_process_set) -> RowParallelLinear:
+        """This rank's shard (kernel rows ``start:stop``, the whole bias, the activation) of a built ``dense``."""
+        _check_dense(dense, cls._owner)
+        fan_in, fan_out = _in_out(dense)
+        layer = cls(fan_in, fan_out, dense.bias is not None, input_is_parallel, process_set, dense.activation,
+                    dtype=dense.dtype_policy)
+        layer._load(dense.kernel[layer.start:layer.stop], dense.bias)
+        return layer
+
+    def call(self, inputs: Any) -> tf.Tensor:
+        x = inputs if self.input_is_parallel else scatter_to_group(inputs, self.process_set)
+        return self._finish(reduce_from_group(keras.ops.matmul(x, self.kernel), self.process_set))
+
+
+class VocabParallelEmbedding(keras.layers.Layer):
+    """``keras.layers.Embedding(num_embeddings, embedding_dim)`` with the vocabulary rows split over the group.
+
+    Each rank looks up the ids it owns (zeros for the others); one all-reduce sums the pieces,
+    so every rank gets every id's vector.
+
+    Raises:
+        ValueError: ``num_embeddings`` not divisible by the group size, or this rank not in the group.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, process_set: ProcessSet = global_process_set,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.tp, self.shard = group_position(process_set, "VocabParallelEmbedding")
+        self.start, self.stop = divisible_shard("VocabParallelEmbedding num_embeddings", num_embeddings, self.tp,
+                                                self.shard)
+        self.num_embeddings, self.embedding_dim, self.process_set = num_embeddings, embedding_dim, process_set
+        self.embeddings = self.add_weight(shape=(self.stop - self.start, embedding_dim), initializer="uniform",
+                                          name="embeddings")
+        self.built = True
+
+    @classmethod
+    def from_embedding(cls, embedding: keras.layers.Embedding,
+                       process_set: ProcessSet = global_process_set) -> VocabParallelEmbedding:
+        """This rank's rows ``start:stop`` of a built ``embedding`` (no ``mask_zero``, not quantized)."""
+        if not isinstance(embedding, keras.layers.Embedding):
+            raise TypeError("VocabParallelEmbedding.from_embedding needs a keras.layers.Embedding; received "
+                            f"{type(embedding).__name__}")
+        if not embedding.built or embedding.mask_zero:
+            raise ValueError("VocabParallelEmbedding.from_embedding needs a built Embedding without mask_zero; "
+                             f"received built={embedding.built}, mask_zero={embedding.mask_zero}")
+        layer = cls(embedding.input_dim, embedding.output_dim, process_set, dtype=embedding.dtype_policy)
+        layer.embeddings.assign(embedding.embeddings[layer.start:layer.stop])
+        return layer
+
+    def call(self, inputs: Any) -> tf.Tensor:
+        ids = tf.cast(inputs, tf.int64)
+        mine = (ids >= self.start) & (ids < self.stop)
+        local = tf.where(mine, ids - self.start, tf.zeros_like(ids))
+        vectors = tf.gather(tf.convert_to_tensor(self.embeddings), local)
+        return reduce_from_group(vectors * tf.expand_dims(tf.cast(mine, vectors.dtype), -1), self.process_set)
+
+
+def _check_targets(target: tf.Tensor, vocab: int, ignore_index: int) -> tf.Tensor:
+    """``target != ignore_index``; raises (eagerly) or fails the graph for an id outside the vocabulary."""
+    valid = tf.not_equal(target, ignore_index)
+    bad = valid & ((target < 0) | (target >= vocab))
+    message = (f"vocab_parallel_cross_entropy: targets must be in [0, {vocab}) (the whole vocabulary: logits' "
+               f"last dimension x tensor group size) or ignore_index={ignore_index}")
+    if tf.executing_eagerly():
+        if bool(tf.reduce_any(bad)):
+            raise ValueError(f"{message}; received {int(tf.boolean_mask(target, bad)[0])}")
+        return valid
+    with tf.control_dependencies([tf.debugging.Assert(tf.logical_not(tf.reduce_any(bad)), [message])]):
+        return tf.identity(valid)
+
+
+def _reduce(loss: tf.Tensor, valid: tf.Tensor, reduction: str) -> tf.Tensor:
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return tf.reduce_sum(loss)
+    return tf.reduce_sum(loss) / tf.reduce_sum(tf.cast(valid, loss.dtype))
+
+
+def _check_shapes(logits: tf.Tensor, target: tf.Tensor, reduction: str) -> int:
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"vocab_parallel_cross_entropy: reduction must be 'mean', 'sum' or 'none'; "
+                         f"received {reduction!r}")
+    if not logits.shape[:-1].is_compatible_with(target.shape) or logits.shape[-1] is None:
+        raise ValueError(f"vocab_parallel_cross_entropy: logits {logits.shape} must be target's shape "
+                         f"{target.shape} plus the vocabulary piece (a known size) as the last dimension")
+    return int(logits.shape[-1])
+
+
+def vocab_parallel_cross_entropy(logits: Any, target: Any, process_set: ProcessSet = global_process_set,
+                                 ignore_index: int = -100, reduction: str = "mean") -> tf.Tensor:
+    """Cross-entropy over a vocabulary split along the logits' last dimension; no rank holds it all.
+
+    ``logits`` is this rank's ``(..., vocab / tp)`` piece (the output of a
+    :class:`ColumnParallelLinear` without ``gather_output``), ``target`` holds whole-vocabulary
+    ids of shape ``(...)``. The maximum and the sum of exponentials are all-reduced over the
+    group (a number per position), and the target's logit comes from the rank that owns it, so
+    the result, and the gradient of this rank's piece, equal
+    ``keras.losses.sparse_categorical_crossentropy(target, logits, from_logits=True)`` on the
+    gathered logits.
+
+    Args:
+        ignore_index: targets with this value add nothing (and are not counted by ``"mean"``).
+        reduction: ``"mean"`` (default), ``"sum"`` or ``"none"`` (a loss per position).
+
+    Raises:
+        ValueError: an unknown reduction, a shape mismatch, or (eagerly) a target outside the
+            vocabulary; inside ``tf.function`` such a target fails the graph at run time.
+    """
+    logits, target = tf.convert_to_tensor(logits), tf.cast(tf.convert_to_tensor(target), tf.int64)
+    piece = _check_shapes(logits, target, reduction)
+    tp, index = group_position(process_set, "vocab_parallel_cross_entropy")
+    start = index * piece
+    valid = _check_targets(target, piece * tp, ignore_index)
+    top = allreduce_max_no_grad(tf.reduce_max(logits, axis=-1), process_set)
+    shifted = logits - tf.expand_dims(top, -1)
+    sum_exp = reduce_from_group(tf.reduce_sum(tf.exp(shifted), axis=-1), process_set)
+    mine = valid & (target >= start) & (target < start + piece)
+    local = tf.where(mine, target - start, tf.zeros_like(target))
+    hot = tf.one_hot(local, piece, dtype=logits.dtype) * tf.expand_dims(tf.cast(mine, logits.dtype), -1)
+    picked = reduce_from_group(tf.reduce_sum(shifted * hot, axis=-1), process_set)
+    loss = tf.where(valid, tf.math.log(sum_exp) - picked, tf.zeros_like(picked))
+    return _reduce(loss, valid, reduction)

@@ -1,0 +1,237 @@
+"""Tensor-parallel transformer pieces for Keras 3, built from the column and row layers.
+
+The same blocks as the PyTorch backend's ``tensor_parallel_blocks.py``: each is one
+tensor-parallel region, entered by a :class:`ColumnParallelLinear` (nothing sent forward) and
+left by a :class:`RowParallelLinear` (one all-reduce), so a block costs one all-reduce forward
+and one backward::
+
+    ParallelMLP            x -> fc1 (column, activation) -> fc2 (row) -> y
+    ParallelSelfAttention  x -> qkv (column: this rank's heads) -> attention per head -> out (row) -> y
+    ParallelTransformerBlock  x + attn(ln1(x)), then + mlp(ln2(.))   (pre-norm; norms replicated)
+
+Rank ``i`` of a group of ``tp`` computes heads ``[i * h/tp, (i+1) * h/tp)`` whole. The builders
+take this rank's shard out of unsplit Keras layers: ``ParallelMLP.from_dense_pair`` (two
+``Dense``, activations kept), ``ParallelSelfAttention.from_multi_head_attention`` (a
+``keras.layers.MultiHeadAttention`` used as self-attention: its q/k/v ``EinsumDense`` kernels
+``(hidden, heads, key_dim)`` become the fused column shard, its output kernel
+``(heads, key_dim, hidden)`` the row shard) and ``ParallelTransformerBlock.from_layers``.
+No dropout yet (docs/tensor_parallel.md).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from unison.common.engine.process_sets import ProcessSet, global_process_set
+from unison.common.tensor_parallel.sharding import check_divisible
+from unison.tf_backend.tensor_parallel import ColumnParallelLinear, RowParallelLinear, group_position
+
+__all__ = ["ParallelMLP", "ParallelSelfAttention", "ParallelTransformerBlock"]
+
+
+def _gelu(x: Any) -> Any:
+    """Exact (erf) GELU, the default of torch's ``F.gelu`` and of ``keras.activations.gelu``."""
+    return keras.activations.gelu(x, approximate=False)
+
+
+class ParallelMLP(keras.layers.Layer):
+    """``fc2(fc1(x))``, ``fc1`` with ``activation``, the hidden units (``ffn_hidden_size``) split over the group.
+
+    Args:
+        activation: ``fc1``'s, applied to this rank's hidden units (default exact GELU).
+        fc2_activation: ``fc2``'s, applied after the sum (default none, as in Megatron's MLP).
+        **kwargs: ``keras.layers.Layer`` arguments (``dtype=``, ``name=``).
+
+    Raises:
+        ValueError: ``ffn_hidden_size`` not divisible by the group size.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, bias: bool = True, activation: Any = _gelu,
+                 process_set: ProcessSet = global_process_set, fc2_activation: Any = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        dtype = kwargs.get("dtype")
+        self.fc1 = ColumnParallelLinear(hidden_size, ffn_hidden_size, bias, process_set=process_set,
+                                        activation=activation, dtype=dtype)
+        self.fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, bias, process_set=process_set,
+                                     activation=fc2_activation, dtype=dtype)
+        self.built = True
+
+    @classmethod
+    def from_dense_pair(cls, fc1: keras.layers.Dense, fc2: keras.layers.Dense,
+                        process_set: ProcessSet = global_process_set) -> ParallelMLP:
+        """This rank's shard of the unsplit ``fc2(fc1(x))`` (both built; their activations kept)."""
+        hidden, ffn = _check_pair(fc1, fc2)
+        mlp = cls(hidden, ffn, fc1.bias is not None and fc2.bias is not None, fc1.activation,
+                  process_set, fc2.activation, dtype=fc1.dtype_policy)
+        _load(mlp.fc1, ColumnParallelLinear.from_dense(fc1, process_set=process_set))
+        _load(mlp.fc2, RowParallelLinear.from_dense(fc2, process_set=process_set))
+        return mlp
+
+    def call(self, inputs: Any) -> tf.Tensor:
+        return self.fc2(self.fc1(inputs))
+
+
+def _check_pair(fc1: Any, fc2: Any) -> tuple[int, int]:
+    """``(hidden, ffn_hidden)`` of two built Dense layers ``hidden -> ffn_hidden -> hidden``."""
+    for dense in (fc1, fc2):
+        if not isinstance(dense, keras.layers.Dense) or not dense.built:
+            raise ValueError("ParallelMLP.from_dense_pair needs two built keras.layers.Dense; received "
+                             f"{type(dense).__name__} (built={getattr(dense, 'built', None)})")
+    (hidden, ffn), (ffn2, out) = fc1.kernel.shape, fc2.kernel.shape
+    if ffn != ffn2 or out != hidden:
+        raise ValueError(f"ParallelMLP.from_dense_pair: fc1 maps {hidden} -> {ffn} features, fc2 {ffn2} -> "
+                         f"{out}; fc2 must take fc1's {ffn} outputs and return its {hidden} inputs")
+    return int(hidden), int(ffn)
+
+
+def _load(target: keras.layers.Layer, source: keras.layers.Layer) -> None:
+    """Copy ``source``'s weights into the same-shaped ``target``."""
+    if len(target.weights) != len(source.weights):
+        raise ValueError(f"{target.name}: the unsplit layers' biases must be all present or all absent; "
+                         f"received {len(source.weights)} weights for {len(target.weights)}")
+    target.set_weights(source.get_weights())
+
+
+def _check_mha(mha: Any) -> tuple[int, int]:
+    """``(hidden, heads)`` of a built MultiHeadAttention that the parallel layer can reproduce."""
+    if not isinstance(mha, keras.layers.MultiHeadAttention) or not mha.built:
+        raise ValueError("ParallelSelfAttention.from_multi_head_attention needs a built "
+                         f"keras.layers.MultiHeadAttention; received {type(mha).__name__}")
+    hidden = int(mha.query_dense.kernel.shape[0])
+    out = int(mha.output_dense.kernel.shape[-1])
+    plain = (mha.num_heads * mha.key_dim == hidden and mha.value_dim == mha.key_dim and out == hidden
+             and not mha.dropout and not getattr(mha, "_use_gate", False)
+             and getattr(mha, "_sliding_window", None) is None and tuple(mha.attention_axes or (1,)) == (1,))
+    if not plain:
+        raise ValueError("ParallelSelfAttention.from_multi_head_attention needs plain self-attention over "
+                         "(batch, seq, hidden): num_heads * key_dim == hidden == output size, "
+                         f"value_dim == key_dim, dropout=0, no gate or sliding window; received hidden={hidden}, "
+                         f"num_heads={mha.num_heads}, key_dim={mha.key_dim}, value_dim={mha.value_dim}, "
+                         f"output size={out}, dropout={mha.dropout}, attention_axes={mha.attention_axes}")
+    return hidden, mha.num_heads
+
+
+class ParallelSelfAttention(keras.layers.Layer):
+    """Multi-head self-attention over ``(batch, seq, hidden)`` with the heads split over the group.
+
+    The fused q/k/v projection is column-parallel (this rank's heads' columns of q, k and v);
+    the output projection is row-parallel. ``causal=True`` lets position ``t`` attend to
+    positions ``<= t`` only.
+
+    Raises:
+        ValueError: ``hidden_size`` not divisible by ``num_heads``, or ``num_heads`` not
+            divisible by the group size.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, causal: bool = False, bias: bool = True,
+                 process_set: ProcessSet = global_process_set, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        tp, _ = group_position(process_set, "ParallelSelfAttention")
+        if hidden_size % num_heads:
+            raise ValueError(f"ParallelSelfAttention: hidden_size ({hidden_size}) must be divisible by num_heads "
+                             f"({num_heads}); choose num_heads dividing {hidden_size}")
+        self.local_heads = check_divisible("ParallelSelfAttention num_heads", num_heads, tp)
+        self.hidden_size, self.num_heads, self.causal = hidden_size, num_heads, causal
+        self.head_dim = hidden_size // num_heads
+        dtype = kwargs.get("dtype")
+        self.qkv = ColumnParallelLinear(hidden_size, 3 * hidden_size, bias, process_set=process_set, dtype=dtype)
+        self.out = RowParallelLinear(hidden_size, hidden_size, bias, process_set=process_set, dtype=dtype)
+        self.built = True
+
+    @classmethod
+    def from_multi_head_attention(cls, mha: keras.layers.MultiHeadAttention, causal: bool = False,
+                                  process_set: ProcessSet = global_process_set) -> ParallelSelfAttention:
+        """This rank's heads of a built ``keras.layers.MultiHeadAttention`` used as ``mha(x, x)``.
+
+        Raises:
+            ValueError: an attention the layer cannot reproduce (see :func:`_check_mha`).
+        """
+        hidden, heads = _check_mha(mha)
+        attn = cls(hidden, heads, causal, mha.use_bias, process_set, dtype=mha.dtype_policy)
+        start, stop = attn.out.start, attn.out.stop  # this rank's heads, as columns of (heads * key_dim)
+        parts = (mha.query_dense, mha.key_dense, mha.value_dense)
+        kernels = [tf.reshape(p.kernel, (hidden, hidden))[:, start:stop] for p in parts]
+        attn.qkv.kernel.assign(tf.concat(kernels, 1))
+        if mha.use_bias:
+            attn.qkv.bias.assign(tf.concat([tf.reshape(p.bias, (hidden,))[start:stop] for p in parts], 0))
+            attn.out.bias.assign(mha.output_dense.bias)
+        attn.out.kernel.assign(tf.reshape(mha.output_dense.kernel, (hidden, hidden))[start:stop])
+        return attn
+
+    def _heads(self, x: tf.Tensor, batch: tf.Tensor, seq: tf.Tensor) -> tf.Tensor:
+        return tf.transpose(tf.reshape(x, (batch, seq, self.local_heads, self.head_dim)), (0, 2, 1, 3))
+
+    def call(self, inputs: Any) -> tf.Tensor:
+        x = tf.convert_to_tensor(inputs)
+        if x.shape.rank != 3 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"ParallelSelfAttention expects (batch, seq, {self.hidden_size}); received {x.shape}")
+        batch, seq = tf.shape(x)[0], tf.shape(x)[1]
+        q, k, v = (self._heads(t, batch, seq) for t in tf.split(self.qkv(x), 3, axis=-1))
+        scores = tf.matmul(q, k, transpose_b=True) * tf.cast(1.0 / math.sqrt(self.head_dim), q.dtype)
+        if self.causal:
+            allowed = tf.cast(tf.linalg.band_part(tf.ones((seq, seq)), -1, 0), tf.bool)
+            scores = tf.where(allowed, scores, tf.cast(-math.inf, scores.dtype))
+        context = tf.transpose(tf.matmul(tf.nn.softmax(scores, axis=-1), v), (0, 2, 1, 3))
+        return self.out(tf.reshape(context, (batch, seq, self.local_heads * self.head_dim)))
+
+
+class ParallelTransformerBlock(keras.layers.Layer):
+    """A pre-norm transformer block: ``x + attn(ln1(x))``, then ``+ mlp(ln2(.))``, heads and MLP split.
+
+    The layer norms (``keras.layers.LayerNormalization``) are replicated on every rank of the
+    group (their input and gradients are the same everywhere).
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, causal: bool = False,
+                 eps: float = 1e-5, activation: Any = _gelu, process_set: ProcessSet = global_process_set,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        dtype = kwargs.get("dtype")
+        self.ln1 = _norm(hidden_size, eps, dtype)
+        self.attn = ParallelSelfAttention(hidden_size, num_heads, causal, process_set=process_set, dtype=dtype)
+        self.ln2 = _norm(hidden_size, eps, dtype)
+        self.mlp = ParallelMLP(hidden_size, ffn_hidden_size, activation=activation, process_set=process_set,
+                               dtype=dtype)
+        self.built = True
+
+    @classmethod
+    def from_layers(cls, ln1: keras.layers.LayerNormalization, attn: keras.layers.MultiHeadAttention,
+                    ln2: keras.layers.LayerNormalization, fc1: keras.layers.Dense, fc2: keras.layers.Dense,
+                    causal: bool = False,
+                    process_set: ProcessSet = global_process_set) -> ParallelTransformerBlock:
+        """This rank's shard of the unsplit block made of these built layers (norms copied whole)."""
+        for norm in (ln1, ln2):
+            _check_norm(norm)
+        hidden, heads = _check_mha(attn)
+        _, ffn = _check_pair(fc1, fc2)
+        block = cls(hidden, heads, ffn, causal, ln1.epsilon, fc1.activation, process_set,
+                    dtype=fc1.dtype_policy)
+        block.ln2.epsilon = ln2.epsilon
+        for mine, theirs in ((block.ln1, ln1), (block.ln2, ln2)):
+            mine.set_weights(theirs.get_weights())
+        _load(block.attn, ParallelSelfAttention.from_multi_head_attention(attn, causal, process_set))
+        _load(block.mlp, ParallelMLP.from_dense_pair(fc1, fc2, process_set))
+        return block
+
+    def call(self, inputs: Any) -> tf.Tensor:
+        x = inputs + self.attn(self.ln1(inputs))
+        return x + self.mlp(self.ln2(x))
+
+
+def _norm(hidden: int, eps: float, dtype: Any) -> keras.layers.LayerNormalization:
+    norm = keras.layers.LayerNormalization(epsilon=eps, dtype=dtype)
+    norm.build((None, None, hidden))
+    return norm
+
+
+def _check_norm(norm: Any) -> None:
+    plain = (isinstance(norm, keras.layers.LayerNormalization) and norm.built and norm.center and norm.scale
+             and not getattr(norm, "rms_scaling", False) and tuple(norm.axis) in ((-1,), (2,)))
+    if not plain:
+        raise ValueError("ParallelTransformerBlock.from_layers needs built keras.layers.LayerNormalization norms "
+                         "over the last axis with center=True, scale=True, rms_scaling=False; received "
+                         f"{type(norm).__name__} {getattr(norm, 'name', '')!r}")
