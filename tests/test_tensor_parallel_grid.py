@@ -6,7 +6,15 @@ import itertools
 
 import pytest
 
-from unison.common.tensor_parallel import Grid, check_divisible, divisible_shard, padded_size, shard_range
+from unison.common.tensor_parallel import (
+    Grid,
+    Placement,
+    check_divisible,
+    divisible_shard,
+    padded_size,
+    resolve_plan,
+    shard_range,
+)
 from unison.common.tensor_parallel import grid as grid_module
 
 
@@ -118,3 +126,54 @@ def test_divisibility_checks_name_the_size_the_group_and_the_fix():
 def test_register_needs_a_running_job_of_the_grids_size():
     with pytest.raises(ValueError, match=r"needs an initialized Unison job of 2 ranks; Unison is not initialized"):
         Grid(tp=2).register()
+
+
+# ------------------------------------------------------------------ plans (parallelize's core)
+
+LAYERS = [("embed", "embedding"), ("blocks.0.fc1", "linear"), ("blocks.0.act", "GELU"), ("blocks.0.fc2", "linear"),
+          ("blocks.1.fc1", "linear"), ("blocks.1.act", "GELU"), ("blocks.1.fc2", "linear"), ("head", "linear")]
+NAMES = {"linear": "torch.nn.Linear", "embedding": "torch.nn.Embedding"}
+
+
+def test_resolve_plan_matches_whole_paths_in_model_order_with_defaults():
+    plan = {"head": {"style": "colwise", "gather_output": True}, r"blocks\.\d+\.fc2": "rowwise",
+            r"blocks\.\d+\.fc1": "colwise", "embed": {"style": "vocab"}}
+    assert resolve_plan(LAYERS, plan) == {
+        "embed": Placement("vocab", {}),
+        "blocks.0.fc1": Placement("colwise", {"gather_output": False}),
+        "blocks.0.fc2": Placement("rowwise", {"input_is_parallel": True}),
+        "blocks.1.fc1": Placement("colwise", {"gather_output": False}),
+        "blocks.1.fc2": Placement("rowwise", {"input_is_parallel": True}),
+        "head": Placement("colwise", {"gather_output": True}),
+    }
+    assert list(resolve_plan(LAYERS, {"blocks.0.fc.": "colwise"})) == ["blocks.0.fc1", "blocks.0.fc2"]
+
+
+@pytest.mark.parametrize("plan,message", [
+    ({"fc1": "colwise"}, r"^plan entry 'fc1' matches no layer path \(the whole path must match\); the model's "
+                         r"paths are \['embed', 'blocks.0.fc1', .*, 'head'\]$"),
+    ({r"blocks\.0\..*": "colwise"},
+     r"style 'colwise' splits a torch.nn.Linear layer, but 'blocks.0.act' is a GELU"),
+    ({"head": "vocab"}, r"style 'vocab' splits a torch.nn.Embedding layer, but 'head' is a torch.nn.Linear; .*"
+                        r"use \['colwise', 'rowwise'\]"),
+    ({"embed": "rowwise"}, r"but 'embed' is a torch.nn.Embedding; .* use \['vocab'\]"),
+    ({"head": "colwise", "he.d": "rowwise"}, r"layer 'head' is matched by two plan entries, 'head' and 'he.d'"),
+    ({"head": "diagonal"}, r"plan entry 'head': the style must be one of \['colwise', 'rowwise', 'vocab'\]; "
+                           r"received 'diagonal'"),
+    ({"head": {"gather_output": True}}, r"the style must be one of .*; received \{'gather_output': True\}"),
+    ({"head": {"style": "rowwise", "gather_output": True}},
+     r"style 'rowwise' takes the options \['input_is_parallel'\]; received \['gather_output'\]"),
+    ({"head": {"style": "colwise", "gather_output": 1}}, r"options are True or False; received"),
+    ({"head[": "colwise"}, r"plan entry 'head\[' is not a valid regular expression"),
+    ({}, r"the plan must be a non-empty dict"),
+])
+def test_bad_plans_raise_naming_the_entry_and_the_fix(plan, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_plan(LAYERS, plan, NAMES)
+
+
+def test_a_regex_that_matches_nothing_lists_some_paths():
+    layers = [(f"layers.{i}", "linear") for i in range(10)]
+    listed = r"'fc' matches no layer path .* \['layers.0', .*'layers.7' and 2 more\]$"
+    with pytest.raises(ValueError, match=listed):
+        resolve_plan(layers, {"fc": "colwise"})

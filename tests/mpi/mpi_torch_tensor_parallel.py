@@ -7,6 +7,8 @@ Every rank builds the same unsplit float64 layers and inputs from one seed and c
 reference locally; the ranks of a group run the parallel layer built from it and compare the
 output, the input's gradient and their shard of every parameter's gradient. A rank outside
 every group of a tp checks that building a layer on a group it is not in is refused.
+``parallelize`` is checked the same way on whole models, and by training on a dp x tp grid
+against one process trained on the global batch.
 """
 
 from __future__ import annotations
@@ -291,6 +293,129 @@ def test_parallel_transformer_block(tp):
     close(block.attn.qkv.weight.grad, heads_rows(ref.attn.in_proj_weight.grad, hidden, ps))
     close(block.mlp.fc1.weight.grad, piece(ref.fc1.weight.grad, ps, 0))
     close(block.mlp.fc2.weight.grad, piece(ref.fc2.weight.grad, ps, 1))
+
+
+# ------------------------------------------------------------------ parallelize(model, plan)
+
+
+def mlp(seed: int, hidden: int = 16, fan_in: int = 8, fan_out: int = 8) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(fan_in, hidden, dtype=D), nn.GELU(), nn.Linear(hidden, fan_out, dtype=D))
+
+
+MLP_PLAN = {"0": "colwise", "2": "rowwise"}
+
+
+@pytest.mark.parametrize("tp", [tp for tp in TPS if 16 % tp == 0])
+def test_parallelize_mlp_equals_the_unsplit_model(tp):
+    ref = mlp(31)
+    x, upstream = seeded(32, 4, 8), seeded(33, 4, 8)
+    x_ref = leaf(x)
+    (ref(x_ref) * upstream).sum().backward()
+    ps = group(tp)
+    if ps is None:
+        return
+    model = mlp(31)  # the same weights, split from a model of its own
+    assert hvd.parallelize(model, MLP_PLAN, ps) is model
+    assert [type(m) for m in model] == [hvd.ColumnParallelLinear, nn.GELU, hvd.RowParallelLinear]
+    x_par = leaf(x)
+    out = model(x_par)
+    close(out, ref(x))
+    (out * upstream).sum().backward()
+    close(x_par.grad, x_ref.grad)
+    close(model[0].weight.grad, piece(ref[0].weight.grad, ps, 0))
+    close(model[0].bias.grad, piece(ref[0].bias.grad, ps, 0))
+    close(model[2].weight.grad, piece(ref[2].weight.grad, ps, 1))
+    close(model[2].bias.grad, ref[2].bias.grad)
+
+
+class TinyLM(nn.Module):
+    """Embedding, tanh, a linear head over the vocabulary."""
+
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__()
+        torch.manual_seed(34)
+        self.embed, self.head = nn.Embedding(vocab, dim, dtype=D), nn.Linear(dim, vocab, dtype=D)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(ids)))
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_parallelize_embedding_and_head_with_the_vocab_parallel_loss(tp):
+    vocab = 12
+    ids = torch.randint(0, vocab, (3, 5), generator=torch.Generator().manual_seed(35))
+    target = torch.randint(0, vocab, (3, 5), generator=torch.Generator().manual_seed(36))
+    ref = TinyLM(vocab, 4)
+    expected = F.cross_entropy(ref(ids).reshape(-1, vocab), target.reshape(-1))
+    expected.backward()
+    ps = group(tp)
+    if ps is None:
+        return
+    model = hvd.parallelize(TinyLM(vocab, 4), {"embed": "vocab", "head": "colwise"}, ps)
+    assert isinstance(model.embed, hvd.VocabParallelEmbedding) and isinstance(model.head, hvd.ColumnParallelLinear)
+    loss = hvd.vocab_parallel_cross_entropy(model(ids), target, process_set=ps)
+    close(loss, expected)
+    loss.backward()
+    close(model.embed.weight.grad, piece(ref.embed.weight.grad, ps, 0))
+    close(model.head.weight.grad, piece(ref.head.weight.grad, ps, 0))
+    close(model.head.bias.grad, piece(ref.head.bias.grad, ps, 0))
+
+
+def test_parallelize_trains_on_a_dp_x_tp_grid_like_one_process():
+    """dp = N/2 data groups x tp = 2: k SGD-momentum steps, each data group on its slice of the
+    global batch, its gradients averaged over the data group only; every shard ends equal to its
+    slice of one process trained on the whole global batch."""
+    if N % 2:
+        pytest.skip("the dp x tp grid needs an even job")
+    grid, steps, per = Grid(dp=N // 2, tp=2), 3, 3
+    sets, mine = grid.register(), grid.coords(R).dp
+    ref = mlp(37, hidden=8, fan_in=6, fan_out=4)
+    model = hvd.parallelize(mlp(37, hidden=8, fan_in=6, fan_out=4), MLP_PLAN, sets.tp)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(), process_set=sets.dp)
+    for step in range(steps):
+        x, y = seeded(40 + step, per * grid.dp, 6), seeded(50 + step, per * grid.dp, 4)
+        ref_opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        F.mse_loss(model(x[mine * per:(mine + 1) * per]), y[mine * per:(mine + 1) * per]).backward()
+        opt.step()
+    close(model[0].weight, piece(ref[0].weight, sets.tp, 0))
+    close(model[0].bias, piece(ref[0].bias, sets.tp, 0))
+    close(model[2].weight, piece(ref[2].weight, sets.tp, 1))
+    close(model[2].bias, ref[2].bias)
+
+
+BAD_PLANS = [
+    ({"9": "colwise"}, r"plan entry '9' matches no layer path .* paths are \['0', '1', '2'\]"),
+    ({"1": "colwise"}, r"style 'colwise' splits a torch.nn.Linear layer, but '1' is a GELU"),
+    ({"0": "vocab"}, r"style 'vocab' splits a torch.nn.Embedding layer, but '0' is a torch.nn.Linear"),
+    ({"0": "colwise", "[02]": "rowwise"}, r"layer '0' is matched by two plan entries, '0' and '\[02\]'"),
+    ({"0": "diagonal"}, r"the style must be one of \['colwise', 'rowwise', 'vocab'\]; received 'diagonal'"),
+]
+
+
+@pytest.mark.parametrize("plan,message", BAD_PLANS, ids=["nothing", "not-linear", "not-embedding", "twice",
+                                                         "style"])
+def test_bad_plans_raise_the_same_error_on_every_rank(plan, message):
+    model = mlp(38)
+    with pytest.raises(ValueError, match=message) as err:
+        hvd.parallelize(model, plan, hvd.global_process_set)
+    assert [type(m) for m in model] == [nn.Linear, nn.GELU, nn.Linear]
+    assert hvd.allgather_object(str(err.value)) == [str(err.value)] * N
+
+
+def test_parallelize_refuses_sizes_the_group_does_not_divide_and_leaves_the_model():
+    if N == 1:
+        pytest.skip("every size divides a group of one")
+    model = nn.Sequential(nn.Linear(8, 4 * N, dtype=D), nn.GELU(), nn.Linear(2 * N + 1, 8, dtype=D))
+    with pytest.raises(ValueError, match=rf"RowParallelLinear in_features \({2 * N + 1}\) is not divisible by the "
+                                         rf"tensor group size \({N}\)"):
+        hvd.parallelize(model, MLP_PLAN, hvd.global_process_set)
+    assert [type(m) for m in model] == [nn.Linear, nn.GELU, nn.Linear]  # the column layer was not swapped in
 
 
 # ------------------------------------------------------------------ bad sizes and the grid

@@ -105,6 +105,7 @@ from unison.torch_backend.tensor_parallel_blocks import (
     ParallelSelfAttention,
     ParallelTransformerBlock,
 )
+from unison.torch_backend.tensor_parallel_plan import parallelize
 from unison.torch_backend.zero3 import (
     clip_sharded_grad_norm_,
     full_state_dict,
@@ -136,7 +137,7 @@ __all__ = [
     "clip_sharded_grad_norm_", "zero3_memory", "GradScaler", "elastic", "UnisonInternalError",
     "HorovodInternalError", "HostsUpdatedInterrupt",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
-    "ParallelMLP", "ParallelSelfAttention", "ParallelTransformerBlock",
+    "ParallelMLP", "ParallelSelfAttention", "ParallelTransformerBlock", "parallelize",
 ]
 
 _process_group.register()  # dist.init_process_group("unison") (unison/torch_backend/process_group.py)
