@@ -4,8 +4,8 @@ Both ``UnisonStrategy(zero_stage=...)`` and the Keras ``DistributedOptimizer(...
 end here. The optimizer is turned into a *sharded* optimizer (:func:`sharded_class`): a subclass of
 its own class whose ``build`` lays the model's trainable variables out with the framework-neutral
 :class:`~unison.common.zero.plan.ShardPlan` (see [Note: ZeRO buckets]) and builds the user's
-optimizer on one flat 1-D *shard variable* per (group, dtype) key instead of on the model's
-variables. Keras creates slots per variable it is built on, so Adam's moments, SGD's momentum,
+optimizer on flat 1-D *shard variables* (this rank's segment of each bucket) instead of on the
+model's variables. Keras creates slots per variable it is built on, so Adam's moments, SGD's momentum,
 gradient accumulators... exist for this rank's segments only: on the other ranks the memory is
 never allocated.
 
@@ -15,11 +15,13 @@ One ``apply(grads, model_variables)``::
     grads (full, from the tape) --flatten per bucket--> | w3 | w2 | b2 |pad|
         stage 1: all-reduce the bucket, keep segment r     (a full reduced bucket exists a moment)
         stage 2: reduce-scatter the bucket -> segment r     (only the segment comes back)
-    segments of a key, concatenated ------------------> shard gradient (1/N of the key)
-    model variables' owned runs -----------------------> shard variable  (refreshed every step)
+    segment r of the bucket --------------------------> gradient of that bucket's shard variable
+    model variables' owned runs -----------------------> shard variables (refreshed every step)
     optimizer.apply(shard gradients, shard variables)     Keras's own update: lr schedules,
                                                           clipvalue, accumulation, iterations
-    shard variable --all-gather per bucket--> bucket --split--> model variables (then constraints)
+    shard variable --all-gather--> bucket --split--> model variables (then constraints)
+
+There is one shard variable per bucket (see [Note: one shard variable per bucket]).
 
 The shard variable is a working copy of this rank's segments, refreshed from the model's
 variables at the start of every step (so ``set_weights``/``load_weights`` between steps are
@@ -58,6 +60,7 @@ tf.train.Checkpoint of a sharded optimizer] in ``zero_optimizer.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
@@ -132,6 +135,31 @@ def _submit_allgather(name: str, a: np.ndarray) -> np.int64:
 
 
 # -------------------------------------------------------------------- the layout
+def one_key_per_bucket(plan: ShardPlan) -> ShardPlan:
+    """``plan``'s buckets, each made its own (group, dtype) key: one shard variable per bucket.
+
+    [Note: one shard variable per bucket]
+    The plan's shard of a key is all its buckets' segments end to end. Built on that as one
+    variable, Keras's update makes temporaries as large as the whole shard (Adam: several per
+    step), and above glibc's largest mmap threshold (32 MiB) each is a fresh ``mmap`` that the
+    step page-faults in and unmaps again: Adam on one 96 MB variable took 0.76 s a step here,
+    0.32 s of it in the kernel, and 0.38 s on the same elements as three 32 MB variables. At
+    2 ranks the 50M-parameter MLP of ``benchmarks/zero.py`` had a 100 MB shard and stage 1/2
+    ran at 0.65x stage 0 (whose optimizer steps the model's own 16 MB variables). So each
+    bucket's segment is a shard variable of its own: at most ``bucket_bytes / N``, or one
+    parameter larger than the cap (alone in its bucket), which stage 0 updates whole as well.
+    Giving each bucket its own key keeps the plan's vocabulary (``keys``, ``shard_numel``,
+    ``owned``) meaning what ``zero_checkpoint.py`` reads. The buckets, and so the collectives
+    and every rank's segments, are unchanged: re-keyed, a bucket's parameters fill its cap in
+    the same order again. Each bucket's all-gather now also depends on its own update only.
+    """
+    specs = [dataclasses.replace(p, group=plan.bucket_of(p.name).index) for p in plan.params]
+    keyed = ShardPlan.build(specs, plan.world, bucket_bytes=plan.bucket_bytes)
+    if len(keyed.buckets) != len(plan.buckets):  # an internal invariant: never a user's doing
+        raise AssertionError(f"re-keying the ZeRO plan made {len(keyed.buckets)} buckets of {len(plan.buckets)}")
+    return keyed
+
+
 class ShardLayout:
     """A model's trainable variables laid into a :class:`ShardPlan`, and this rank's shard variables.
 
@@ -162,10 +190,11 @@ class ShardLayout:
                  for n, v in zip(self.names, self.variables, strict=True)]
         bucket_bytes = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
         kwargs = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
-        self.plan = ShardPlan.build(specs, self.world, **kwargs)
-        agree(stage, self.plan.signature(), what)  # first: see [Note: agree before naming]
-        self.tag = f"{next(_names)}.{self.plan.signature()}"
-        self.keys = self.plan.keys()
+        plan = ShardPlan.build(specs, self.world, **kwargs)
+        agree(stage, plan.signature(), what)  # first: see [Note: agree before naming]
+        self.tag = f"{next(_names)}.{plan.signature()}"
+        self.plan = one_key_per_bucket(plan)  # see [Note: one shard variable per bucket]
+        self.keys = self.plan.keys()  # keys[i] is buckets[i]'s: shards[i] is this rank's segment of it
         self.by_name = dict(zip(self.names, self.variables, strict=True))
         self.shards = [make_variable((self.plan.shard_numel(k),), k[1], f"zero_shard_{k[0]}_{k[1]}")
                        for k in self.keys]
@@ -184,17 +213,16 @@ class ShardLayout:
 
     # ---------------------------------------------------------- gradients -> shard gradients
     def shard_gradients(self, grads: Sequence[Any]) -> list[tf.Tensor]:
-        """This rank's reduced segment of every bucket, concatenated per key (see [Note: a sharded Keras step])."""
+        """This rank's reduced segment of every bucket: the gradient of each shard variable, in order.
+
+        See [Note: a sharded Keras step].
+        """
         by_name = dict(zip(self.names, grads, strict=True))
         flats = [self._flat_bucket(b, by_name) for b in self.plan.buckets]
         reduced = self._reduce(flats)
-        pieces: dict[tuple[int, str], list[tf.Tensor]] = {k: [] for k in self.keys}
-        for b, r in zip(self.plan.buckets, reduced, strict=True):
-            if self.stage == 1:
-                lo, hi = b.segment(self.rank)
-                r = r[lo:hi]
-            pieces[(b.group, b.dtype)].append(r)
-        return [tf.concat(pieces[k], 0) if len(pieces[k]) > 1 else pieces[k][0] for k in self.keys]
+        if self.stage == 2 or self.world == 1:
+            return reduced
+        return [r[slice(*b.segment(self.rank))] for b, r in zip(self.plan.buckets, reduced, strict=True)]
 
     def _flat_bucket(self, bucket: Any, by_name: dict[str, Any]) -> tf.Tensor:
         dtype = tf.as_dtype(bucket.dtype)
@@ -245,11 +273,7 @@ class ShardLayout:
                 var.assign(var.constraint(var))
 
     def _gather(self) -> list[tf.Tensor]:
-        key_index = {k: i for i, k in enumerate(self.keys)}
-        segments = []
-        for b in self.plan.buckets:
-            shard = _read(self.shards[key_index[(b.group, b.dtype)]])
-            segments.append(shard[b.shard_offset:b.shard_offset + b.segment_size])
+        segments = [_read(shard) for shard in self.shards]  # shards[i] is bucket i's segment
         if self.world == 1:
             return segments
         base = _op_name(f"unison.zero.gather.{self.tag}")
