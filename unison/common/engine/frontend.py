@@ -81,10 +81,25 @@ def _auto_name(kind: str, name: str | None, process_set: ProcessSet | None = Non
     if name is not None:
         return str(name)
     sid = getattr(process_set, "process_set_id", None)
-    key = kind if process_set is None or process_set is global_process_set or sid is None else f"{kind}.set{sid}"
-    n = _counters[key]
-    _counters[key] += 1
+    if process_set is None or process_set is global_process_set or sid is None:
+        counters, key = _counters, kind
+    else:
+        counters, key = _set_counters(process_set, sid), f"{kind}.set{sid}"
+    n = counters[key]
+    counters[key] += 1
     return f"{key}.noname.{n}"
+
+
+def _set_counters(process_set: ProcessSet, sid: int) -> collections.Counter[str]:
+    """The unnamed-call counters of ``process_set`` under its current id: kept on the set object
+    and started afresh whenever the set is registered under a new id (ids are reused after a
+    removal or a new ``init()``; a count left from an earlier set of that id would differ
+    between ranks that did and did not belong to it)."""
+    held = getattr(process_set, "_unison_auto_names", None)
+    if held is None or held[0] != sid:
+        held = (sid, collections.Counter())
+        process_set._unison_auto_names = held  # type: ignore[attr-defined]
+    return held[1]
 
 
 def reset_auto_names() -> None:
