@@ -13,8 +13,10 @@ completed, ``wait`` raises the engine's exit error instead of blocking forever
 (engine [Note: no handle left behind]).
 
 ``add_done_callback`` lets a caller be told instead of waiting (the ``torch.distributed``
-backend completes its futures that way); registering and completing take one small lock, so
-a callback is never lost between the two.
+backend completes its futures that way). Completing a handle nobody registered a callback on
+takes no lock; the callback list is handed over under one small lock, after the done flag is
+set on the completing side and after the callback is appended on the registering side, so a
+callback is neither lost nor run twice.
 """
 
 from __future__ import annotations
@@ -78,14 +80,17 @@ class Handle:
         thread that completes it (the engine's: keep ``fn`` short, and never wait on another
         handle inside it). An exception ``fn`` raises is logged, not propagated."""
         with _callback_lock:
-            if not self._done:
-                self._callbacks = (self._callbacks or []) + [fn]
-                return
-        _call(fn, self)
+            self._callbacks = (self._callbacks or []) + [fn]
+        if self._done:  # done meanwhile: whoever takes the list first runs it, so fn runs once
+            self._run_callbacks()
 
     def _finish(self) -> None:
+        self._done = True
+        if self._callbacks is not None:  # the engine's common case takes no lock
+            self._run_callbacks()
+
+    def _run_callbacks(self) -> None:
         with _callback_lock:
-            self._done = True
             callbacks, self._callbacks = self._callbacks, None
         for fn in callbacks or ():
             _call(fn, self)
