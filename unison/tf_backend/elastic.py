@@ -24,6 +24,7 @@ calls ``train`` again. See docs/elastic.md ([Note: elastic Keras]).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable, Iterable
@@ -121,7 +122,7 @@ class TensorFlowState(ObjectState):
     def __init__(self, variables: Iterable[Any] | None = None, **kwargs: Any) -> None:
         self.variables = list(variables or [])
         self._saved_variables = _numpy(self.variables)
-        super().__init__(bcast_object=_bcast_values, **kwargs)
+        super().__init__(**kwargs)
 
     def save(self) -> None:
         self._saved_variables = _numpy(self.variables)
@@ -170,14 +171,14 @@ class TensorFlowKerasState(ObjectState):
         self._build_optimizer()
         self._saved_model = _numpy(model.weights)
         self._saved_optimizer = _numpy(self._optimizer_variables())
-        super().__init__(bcast_object=_bcast_values, **kwargs)
+        super().__init__(**kwargs)
 
     def _build_optimizer(self) -> None:
         opt = self.optimizer
         if opt is None or getattr(opt, "built", True):
             return
         strategy = getattr(self.model, "_distribute_strategy", None)
-        with strategy.scope() if strategy is not None else _nothing():
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
             opt.build(self.model.trainable_variables)
 
     def _optimizer_variables(self) -> list[Any]:
@@ -206,20 +207,6 @@ class TensorFlowKerasState(ObjectState):
 
 
 KerasState = TensorFlowKerasState
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-def _bcast_values(obj: Any, root_rank: int = 0) -> Any:
-    from unison.common.engine.objects import broadcast_object
-
-    return broadcast_object(obj, root_rank=root_rank, name="elastic.values")
 
 
 class CommitStateCallback(keras.callbacks.Callback):

@@ -175,7 +175,7 @@ def allreduce_async(tensor: Any, op: Any = Average, name: str | None = None,
             and tensor.dtype in _FAST_DTYPES and op is not ReduceOp.ADASUM):  # the common case, kept cheap
         eng = st.cache.get("engine")
         if eng is not None:
-            name = _auto_name("allreduce", name, process_set)
+            name = _auto_name("allreduce", None) if name is None else str(name)  # global set here
             return eng.submit(Request(name, Kind.ALLREDUCE, tensor, Handle(name), op=int(op)))
     eng = engine("unison.allreduce_async()")
     name = _auto_name("allreduce", name, process_set)
