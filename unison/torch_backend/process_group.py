@@ -30,7 +30,7 @@ import importlib
 import logging
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -60,6 +60,18 @@ def _op(reduce_op: Any) -> Any:
                               "PRODUCT, MIN and MAX")
 
 
+def _into(targets: list[torch.Tensor], keep: bool = True) -> Callable[[list[Any]], list[torch.Tensor]]:
+    """A ``finish`` that copies each result into its target tensor (only when ``keep``)."""
+
+    def finish(results: list[Any]) -> list[torch.Tensor]:
+        if keep:
+            for target, result in zip(targets, results, strict=True):
+                copy_into(target, result)
+        return targets
+
+    return finish
+
+
 class UnisonProcessGroup(dist.ProcessGroup):
     """The default process group of ``init_process_group("unison")`` (all ranks of the job)."""
 
@@ -79,12 +91,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         handles = [frontend.allreduce_async(host(t, "allreduce"), op) for t in tensors]
 
-        def finish(results: list[Any]) -> list[torch.Tensor]:
-            for t, r in zip(tensors, results, strict=True):
-                copy_into(t, r)
-            return tensors
-
-        return collective_work(handles, finish)
+        return collective_work(handles, _into(tensors))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         return self.allreduce(tensors, opts)
@@ -98,12 +105,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
             stacked = np.stack([host(p, "reduce_scatter") for p in pieces])
             handles.append(frontend.reducescatter_async(stacked, op))
 
-        def finish(results: list[Any]) -> list[torch.Tensor]:
-            for out, r in zip(outputs, results, strict=True):
-                copy_into(out, r)
-            return outputs
-
-        return collective_work(handles, finish)
+        return collective_work(handles, _into(outputs))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002 - PyTorch's
                               opts: Any = None) -> dist.Work:
@@ -114,13 +116,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
         root = opts.rootRank if opts is not None else 0
         handles = [frontend.broadcast_async(host(t, "broadcast"), root) for t in tensors]
 
-        def finish(results: list[Any]) -> list[torch.Tensor]:
-            if self._rank != root:
-                for t, r in zip(tensors, results, strict=True):
-                    copy_into(t, r)
-            return tensors
-
-        return collective_work(handles, finish)
+        return collective_work(handles, _into(tensors, self._rank != root))
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts: Any = None) -> dist.Work:
@@ -177,13 +173,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         handles = [frontend.allreduce_async(host(t, "reduce"), op) for t in tensors]
 
-        def finish(results: list[Any]) -> list[torch.Tensor]:
-            if self._rank == root:
-                for t, r in zip(tensors, results, strict=True):
-                    copy_into(t, r)
-            return tensors
-
-        return collective_work(handles, finish)
+        return collective_work(handles, _into(tensors, self._rank == root))
 
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """Every rank's tensor to the root: an all-to-all in which only the root receives."""
