@@ -23,7 +23,7 @@ test: venv
 
 # The inner-loop tier: no TensorFlow/PyTorch jobs, a minute or two.
 FAST_TESTS := tests/test_layers.py tests/test_config.py tests/test_files.py tests/test_engine_files.py tests/test_adasum.py tests/test_single_process.py \
-	tests/test_pipeline_schedules.py tests/test_launcher.py tests/test_perfmodel.py tests/test_sharded_checkpoint.py tests/test_zero_plan.py tests/test_tensor_parallel_grid.py tests/test_collectives_mpi.py tests/test_engine_mpi.py
+	tests/test_pipeline_schedules.py tests/test_launcher.py tests/test_perfmodel.py tests/test_sharded_checkpoint.py tests/test_zero_plan.py tests/test_tensor_parallel_grid.py tests/test_tensor_parallel_render.py tests/test_collectives_mpi.py tests/test_engine_mpi.py
 
 test-fast: venv
 	$(PY) -m pytest -q -p no:cacheprovider $(wildcard $(FAST_TESTS))
@@ -39,6 +39,7 @@ bench: venv
 	$(PY) benchmarks/hosts.py --json out/hosts.json
 	$(PY) benchmarks/zero.py --json out/zero.json --png out/zero_bytes.png
 	$(PY) benchmarks/elastic.py --json out/elastic.json --png out/elastic_timeline.png
+	$(PY) benchmarks/tensor_parallel.py --json out/tensor_parallel.json --png out/tensor_parallel.png --grid-png out/tp_grid.png
 
 lint: venv
 	$(VENV)/bin/ruff check unison tests benchmarks examples

@@ -149,12 +149,12 @@ def mpirun_cmd(np_: int) -> list[str]:
     return cmd + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
 
 
-def launch(np_: int, worker_args: list[str], timeout_s: float) -> tuple[int, str]:
-    """Runs the worker on ``np_`` ranks; ``(exit status, output tail)``; 124 on a timeout.
+def launch(np_: int, worker_args: list[str], timeout_s: float, worker: Path = WORKER) -> tuple[int, str]:
+    """Runs ``worker`` on ``np_`` ranks; ``(exit status, output tail)``; 124 on a timeout.
 
     mpirun runs in its own session, so a timeout ends it and its ranks (that group only).
     """
-    cmd = mpirun_cmd(np_) + [sys.executable, str(WORKER), *worker_args]
+    cmd = mpirun_cmd(np_) + [sys.executable, str(worker), *worker_args]
     proc = subprocess.Popen(cmd, env=mpi_env(free_port()), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

@@ -388,13 +388,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
-    result = run(world, args)
-    if world.Get_rank() == 0:
-        tmp = args.out.with_name(f".{args.out.name}.tmp")
-        tmp.write_text(json.dumps(result))
-        os.replace(tmp, args.out)
-    world.Barrier()
+    write_result(world, run(world, args), args.out)
     return 0
+
+
+def write_result(world: Any, result: dict[str, Any], out: Path) -> None:
+    """Rank 0 writes ``result`` to ``out`` (atomically); every rank waits for it."""
+    if world.Get_rank() == 0:
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(json.dumps(result))
+        os.replace(tmp, out)
+    world.Barrier()
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ from harness import run_rank_suite
 
 
 @pytest.mark.mpi
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("np_", [1, 2, 3, 4])
 def test_pipeline_driver(np_, tmp_path):
-    run_rank_suite(np_, "mpi_pipeline_driver.py", tmp_path, timeout=150,
-                   extra_env={"TEST_HANG_DUMP_S": "120"})
+    run_rank_suite(np_, "mpi_pipeline_driver.py", tmp_path, timeout=250,
+                   extra_env={"TEST_HANG_DUMP_S": "220"})

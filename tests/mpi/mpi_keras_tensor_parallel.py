@@ -20,6 +20,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from keras_tp_helpers import close, piece, seeded  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 from tensor_parallel_groups import (  # noqa: E402
     BAD_SIZE_IDS,
@@ -31,7 +32,7 @@ from tensor_parallel_groups import (  # noqa: E402
 )
 
 import unison.tf_backend as hvd  # noqa: E402
-from unison.common.tensor_parallel import Grid, shard_range  # noqa: E402
+from unison.common.tensor_parallel import Grid  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 N, R = WORLD.Get_size(), WORLD.Get_rank()
@@ -51,22 +52,6 @@ def _session():
 def group(tp: int) -> hvd.ProcessSet | None:
     """This rank's group at ``tp`` (None: idle; then joining another group must be refused)."""
     return group_or_refusal(hvd, SETS, tp)
-
-
-def close(actual, expected) -> None:
-    np.testing.assert_allclose(np.asarray(tf.convert_to_tensor(actual)), np.asarray(expected), rtol=1e-10,
-                               atol=1e-11)
-
-
-def piece(t, ps: hvd.ProcessSet, axis: int = -1) -> np.ndarray:
-    """This rank's equal piece of ``t`` along ``axis``."""
-    t = np.asarray(tf.convert_to_tensor(t))
-    start, stop = shard_range(t.shape[axis], ps.size(), ps.rank())
-    return np.take(t, range(start, stop), axis=axis)
-
-
-def seeded(seed: int, *shape: int) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal(shape)
 
 
 def randomize(layer: keras.layers.Layer, seed: int, scale: float = 0.5) -> keras.layers.Layer:
@@ -277,7 +262,8 @@ def test_parallel_self_attention(tp, causal):
 class Block:
     """The unsplit pre-norm block that ParallelTransformerBlock splits, from Keras layers."""
 
-    def __init__(self, hidden: int, heads: int, ffn: int) -> None:
+    def __init__(self, hidden: int, heads: int, ffn: int, causal: bool = True) -> None:
+        self.causal = causal
         self.ln1, self.ln2 = (keras.layers.LayerNormalization(dtype=D) for _ in range(2))
         for seed, norm in enumerate((self.ln1, self.ln2)):
             norm.build((None, None, hidden))
@@ -287,7 +273,7 @@ class Block:
 
     def __call__(self, x: tf.Tensor) -> tf.Tensor:
         h = self.ln1(x)
-        x = x + self.attn(h, h, use_causal_mask=True)
+        x = x + self.attn(h, h, use_causal_mask=self.causal)
         return x + self.fc2(self.fc1(self.ln2(x)))
 
 
@@ -313,6 +299,120 @@ def test_parallel_transformer_block_in_a_tf_function(tp):
     close(dqkv[:, :hidden // tp], piece(np.reshape(np.asarray(dq), (hidden, hidden)), ps, 1))  # q of my heads
     close(dk1_par, piece(dk1, ps, 1))
     close(dk2_par, piece(dk2, ps, 0))
+
+
+# ------------------------------------------------------------------ sequence parallelism, dropout
+
+SEQ = 12  # divisible by every tp of the suite
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_sequence_parallel_block_in_a_tf_function(tp):
+    hidden = 4 * tp
+    ref = Block(hidden, 2 * tp, 8 * tp)
+    x, upstream = seeded(29, 2, SEQ, hidden), seeded(30, 2, SEQ, hidden)
+    ref_weights = [ref.ln1.gamma, ref.ln2.beta, ref.attn.output_dense.bias, ref.fc2.bias, ref.fc1.kernel,
+                   ref.fc2.kernel]
+    expected, dx, ref_grads = run(ref, x, upstream, ref_weights)
+    ps = group(tp)
+    if ps is None:
+        return
+    block = hvd.ParallelTransformerBlock.from_layers(ref.ln1, ref.attn, ref.ln2, ref.fc1, ref.fc2, causal=True,
+                                                     process_set=ps, sequence_parallel=True)
+    weights = [block.ln1.gamma, block.ln2.beta, block.attn.out.bias, block.mlp.fc2.bias, block.mlp.fc1.kernel,
+               block.mlp.fc2.kernel]
+
+    def split_run(t):
+        mine = hvd.scatter_to_sequence(t, ps)
+        out_mine = block(mine)
+        return hvd.gather_from_sequence(out_mine, ps, to_parallel=False), out_mine
+
+    step = tf.function(lambda t: run(lambda u: split_run(u)[0], t, upstream, weights))
+    out, dx_par, grads = step(tf.constant(x))
+    close(out, expected)
+    close(split_run(tf.constant(x))[1], piece(expected, ps, 1))  # each rank holds its own positions
+    close(dx_par, dx)
+    for got, want in zip(grads[:4], ref_grads[:4], strict=True):  # replicated: summed over every position
+        close(got, want)
+    close(grads[4], piece(ref_grads[4], ps, 1))
+    close(grads[5], piece(ref_grads[5], ps, 0))
+
+
+@pytest.mark.parametrize("tp", [tp for tp in TPS if tp > 1])
+def test_sequence_parallel_refuses_a_sequence_the_group_does_not_divide(tp):
+    ps = group(tp)
+    if ps is None:
+        return
+    with pytest.raises(ValueError, match=rf"sequence length \({2 * tp + 1}\) is not divisible by the tensor group "
+                                         rf"size \({tp}\); pad the sequence to a multiple of {tp}"):
+        hvd.scatter_to_sequence(np.zeros((2, 2 * tp + 1, 4)), ps)
+    with pytest.raises(ValueError, match="sequence_parallel=True needs input_is_parallel=True"):
+        hvd.RowParallelLinear(2 * tp, 4, input_is_parallel=False, process_set=ps, sequence_parallel=True)
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_seed_generators_shared_outside_and_per_shard_inside_a_region(tp):
+    from unison.tf_backend.tensor_parallel_random import dropout_generators
+
+    ps = group(tp)
+    if ps is None:
+        return
+    shared, own = dropout_generators("test", 5, ps)
+    a = keras.random.uniform((6,), seed=shared).numpy().tolist()
+    b = keras.random.uniform((6,), seed=own).numpy().tolist()
+    shared_all = hvd.allgather_object(a, process_set=ps)
+    own_all = hvd.allgather_object(b, process_set=ps)
+    assert all(row == shared_all[0] for row in shared_all)
+    assert len({tuple(row) for row in own_all}) == tp
+    again_shared, again_own = dropout_generators("test", 5, ps)  # reproducible
+    assert keras.random.uniform((6,), seed=again_shared).numpy().tolist() == a
+    assert keras.random.uniform((6,), seed=again_own).numpy().tolist() == b
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_block_dropout_is_reproducible_and_the_group_agrees(tp, sequence_parallel):
+    hidden = 4 * tp
+    ref = Block(hidden, 2 * tp, 8 * tp, causal=False)
+    x = tf.constant(seeded(31, 2, SEQ, hidden))
+    ps = group(tp)
+    if ps is None:
+        return
+
+    def build(**kwargs):
+        return hvd.ParallelTransformerBlock.from_layers(ref.ln1, ref.attn, ref.ln2, ref.fc1, ref.fc2,
+                                                        process_set=ps, hidden_dropout=0.3, attention_dropout=0.3,
+                                                        sequence_parallel=sequence_parallel, **kwargs)
+
+    def run_block(block, training):
+        inp = hvd.scatter_to_sequence(x, ps) if sequence_parallel else x
+        out = block(inp, training=training)
+        return hvd.gather_from_sequence(out, ps, to_parallel=False) if sequence_parallel else out
+
+    first = run_block(build(seed=11), True)
+    close(run_block(build(seed=11), True), first)  # the same seed: the same masks
+    outs = hvd.allgather_object(np.asarray(first).tolist(), process_set=ps)
+    assert all(o == outs[0] for o in outs)  # replicated output: every rank of the group agrees
+    assert not np.allclose(np.asarray(first), np.asarray(ref(x)))  # dropout acted in training
+    close(run_block(build(seed=11), False), ref(x))  # and evaluation is the plain block
+    hvd.model_parallel_manual_seed(3, ps)  # no seed=: the sequence model_parallel_manual_seed starts
+    seq_first = run_block(build(), True)
+    hvd.model_parallel_manual_seed(3, ps)
+    close(run_block(build(), True), seq_first)
+    with pytest.raises(ValueError, match="must be a probability"):
+        hvd.ParallelTransformerBlock(hidden, 2 * tp, 8 * tp, process_set=ps, hidden_dropout=1.5)
+
+
+def test_dropout_without_a_seed_is_refused():
+    from unison.tf_backend import tensor_parallel_random
+
+    saved = dict(tensor_parallel_random._SEQUENCE)
+    tensor_parallel_random._SEQUENCE.update(seed=None, count=0)
+    try:
+        with pytest.raises(ValueError, match="dropout needs a seed.*model_parallel_manual_seed"):
+            hvd.ParallelSelfAttention(8, 2, attention_dropout=0.1, process_set=hvd.ProcessSet([R]))
+    finally:
+        tensor_parallel_random._SEQUENCE.update(saved)
 
 
 # ------------------------------------------------------------------ bad sizes, exports and the grid

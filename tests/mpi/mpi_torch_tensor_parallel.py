@@ -253,7 +253,7 @@ def test_parallel_self_attention(tp, causal):
 class Block(nn.Module):
     """The unsplit pre-norm block that ParallelTransformerBlock splits."""
 
-    def __init__(self, hidden: int, heads: int, ffn: int, causal: bool) -> None:
+    def __init__(self, hidden: int, heads: int, ffn: int, causal: bool, seq: int = 7) -> None:
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(hidden, dtype=D), nn.LayerNorm(hidden, dtype=D)
         self.attn = mha(24, hidden, heads)
@@ -262,7 +262,7 @@ class Block(nn.Module):
             for norm in (self.ln1, self.ln2):
                 norm.weight.normal_()
                 norm.bias.normal_()
-        self.mask = causal_mask(7) if causal else None
+        self.mask = causal_mask(seq) if causal else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.ln1(x)
@@ -293,6 +293,202 @@ def test_parallel_transformer_block(tp):
     close(block.attn.qkv.weight.grad, heads_rows(ref.attn.in_proj_weight.grad, hidden, ps))
     close(block.mlp.fc1.weight.grad, piece(ref.fc1.weight.grad, ps, 0))
     close(block.mlp.fc2.weight.grad, piece(ref.fc2.weight.grad, ps, 1))
+
+
+# ------------------------------------------------------------------ sequence parallelism, dropout
+
+SEQ = 12  # divisible by every tp of the suite
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_sequence_parallel_block_equals_the_unsplit_block(tp):
+    hidden = 4 * tp
+    ref = Block(hidden, 2 * tp, 8 * tp, causal=True, seq=SEQ)
+    with torch.no_grad():
+        for fc in (ref.fc2, ref.attn.out_proj):
+            fc.bias.normal_()
+    x, upstream = seeded(29, 2, SEQ, hidden), seeded(30, 2, SEQ, hidden)
+    x_ref = leaf(x)
+    (ref(x_ref) * upstream).sum().backward()
+    ps = group(tp)
+    if ps is None:
+        return
+    block = hvd.ParallelTransformerBlock.from_modules(ref.ln1, ref.attn, ref.ln2, ref.fc1, ref.fc2, causal=True,
+                                                      process_set=ps, sequence_parallel=True)
+    x_par = leaf(x)
+    mine = hvd.scatter_to_sequence(x_par, ps)
+    assert mine.shape == (2, SEQ // tp, hidden)
+    out_mine = block(mine)
+    close(out_mine, piece(ref(x), ps, 1))  # each rank holds its own positions of the output
+    out = hvd.gather_from_sequence(out_mine, ps, to_parallel=False)
+    close(out, ref(x))
+    (out * upstream).sum().backward()
+    close(x_par.grad, x_ref.grad)
+    for name in ("ln1", "ln2"):  # replicated: the gradient of every position, summed over the group
+        close(getattr(block, name).weight.grad, getattr(ref, name).weight.grad)
+        close(getattr(block, name).bias.grad, getattr(ref, name).bias.grad)
+    close(block.attn.out.bias.grad, ref.attn.out_proj.bias.grad)
+    close(block.mlp.fc2.bias.grad, ref.fc2.bias.grad)
+    close(block.attn.qkv.weight.grad, heads_rows(ref.attn.in_proj_weight.grad, hidden, ps))
+    close(block.attn.out.weight.grad, piece(ref.attn.out_proj.weight.grad, ps, 1))
+    close(block.mlp.fc1.weight.grad, piece(ref.fc1.weight.grad, ps, 0))
+    close(block.mlp.fc2.weight.grad, piece(ref.fc2.weight.grad, ps, 1))
+
+
+@pytest.mark.parametrize("tp", [tp for tp in TPS if tp > 1])
+def test_sequence_parallel_refuses_a_sequence_the_group_does_not_divide(tp):
+    ps = group(tp)
+    if ps is None:
+        return
+    with pytest.raises(ValueError, match=rf"sequence length \({2 * tp + 1}\) is not divisible by the tensor group "
+                                         rf"size \({tp}\); pad the sequence to a multiple of {tp}"):
+        hvd.scatter_to_sequence(torch.zeros(2, 2 * tp + 1, 4, dtype=D), ps)
+    with pytest.raises(ValueError, match="sequence_parallel=True needs input_is_parallel=True"):
+        hvd.RowParallelLinear(2 * tp, 4, input_is_parallel=False, process_set=ps, sequence_parallel=True)
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_random_streams_shared_outside_and_per_shard_inside_a_region(tp):
+    ps = group(tp)
+    if ps is None:
+        return
+    tracker = hvd.get_rng_tracker()
+    hvd.model_parallel_manual_seed(1234, ps)
+    shared = torch.rand(6)
+    with tracker.fork():
+        own = torch.rand(6)
+    after = torch.rand(6)
+    torch.manual_seed(1234)
+    torch.rand(6)
+    close(after, torch.rand(6).to(after.dtype))  # the fork did not move the shared stream
+    shared_all = hvd.allgather_object(shared.tolist(), process_set=ps)
+    own_all = hvd.allgather_object(own.tolist(), process_set=ps)
+    assert all(row == shared_all[0] for row in shared_all)
+    assert len({tuple(row) for row in own_all}) == tp  # every shard draws its own numbers
+    assert own.tolist() != shared.tolist()
+    hvd.model_parallel_manual_seed(1234, ps)  # reproducible: the same seed, the same draws
+    torch.rand(6)
+    with tracker.fork():
+        assert torch.rand(6).tolist() == own.tolist()
+    with pytest.raises(ValueError, match="non-negative integer"):
+        hvd.model_parallel_manual_seed(-1, ps)
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_block_dropout_is_reproducible_and_the_group_agrees(tp, sequence_parallel):
+    hidden = 4 * tp
+    ref = Block(hidden, 2 * tp, 8 * tp, causal=False, seq=SEQ)
+    x = seeded(31, 2, SEQ, hidden)
+    ps = group(tp)
+    if ps is None:
+        return
+    block = hvd.ParallelTransformerBlock.from_modules(ref.ln1, ref.attn, ref.ln2, ref.fc1, ref.fc2, process_set=ps,
+                                                      hidden_dropout=0.3, attention_dropout=0.3,
+                                                      sequence_parallel=sequence_parallel)
+
+    def run() -> torch.Tensor:
+        inp = hvd.scatter_to_sequence(x, ps) if sequence_parallel else x
+        out = block(inp)
+        return hvd.gather_from_sequence(out, ps, to_parallel=False) if sequence_parallel else out
+
+    hvd.model_parallel_manual_seed(7, ps)
+    first = run()
+    hvd.model_parallel_manual_seed(7, ps)
+    close(run(), first)  # the same seed: the same masks
+    outs = hvd.allgather_object(first.tolist(), process_set=ps)
+    assert all(o == outs[0] for o in outs)  # replicated output: every rank of the group agrees
+    block.eval()
+    assert not torch.allclose(run(), first)  # dropout did act in training
+    close(run(), ref(x))  # and evaluation is the plain block
+    block.train()
+    hvd.get_rng_tracker().reset()
+    with pytest.raises(ValueError, match="model_parallel_manual_seed"):
+        run()
+    with pytest.raises(ValueError, match="must be a probability"):
+        hvd.ParallelTransformerBlock(hidden, 2 * tp, 8 * tp, process_set=ps, hidden_dropout=1.0)
+
+
+# ------------------------------------------------------------------ a GPT on the data x pipeline x tensor grid
+
+VOCAB, GPT_SEQ, GPT_HIDDEN, GPT_HEADS, GPT_FFN = 16, 6, 8, 4, 16
+
+
+class Embed(nn.Module):
+    """Token embedding (split over the vocabulary in the parallel model) plus learned positions."""
+
+    def __init__(self, tok: nn.Module, pos: nn.Embedding) -> None:
+        super().__init__()
+        self.tok, self.pos = tok, pos
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tok(ids) + self.pos.weight[:ids.shape[1]]
+
+
+class Head(nn.Module):
+    """Final norm and the vocabulary projection (column-parallel, logits left split, in the parallel model)."""
+
+    def __init__(self, norm: nn.LayerNorm, proj: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.proj = norm, proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(x))
+
+
+def reference_gpt() -> nn.Sequential:
+    torch.manual_seed(40)
+    blocks = [Block(GPT_HIDDEN, GPT_HEADS, GPT_FFN, causal=True, seq=GPT_SEQ) for _ in range(2)]
+    with torch.no_grad():  # the blocks' seeds are fixed: make the second one different
+        for p in blocks[1].parameters():
+            p.add_(0.1 * torch.randn(p.shape, dtype=D))
+    embed = Embed(nn.Embedding(VOCAB, GPT_HIDDEN, dtype=D), nn.Embedding(GPT_SEQ, GPT_HIDDEN, dtype=D))
+    head = Head(nn.LayerNorm(GPT_HIDDEN, dtype=D), nn.Linear(GPT_HIDDEN, VOCAB, bias=False, dtype=D))
+    return nn.Sequential(embed, *blocks, head)
+
+
+def parallel_gpt(ref: nn.Sequential, ps: hvd.ProcessSet) -> list[nn.Module]:
+    import copy
+
+    embed = Embed(hvd.VocabParallelEmbedding.from_embedding(ref[0].tok, ps), copy.deepcopy(ref[0].pos))
+    blocks = [hvd.ParallelTransformerBlock.from_modules(b.ln1, b.attn, b.ln2, b.fc1, b.fc2, causal=True,
+                                                        process_set=ps) for b in list(ref)[1:-1]]
+    head = Head(copy.deepcopy(ref[-1].norm), hvd.ColumnParallelLinear.from_linear(ref[-1].proj, process_set=ps))
+    return [embed, *blocks, head]
+
+
+@pytest.mark.parametrize("dp,pp,tp", [(1, 2, 2), (2, 1, 2), (2, 2, 1), (1, 1, 4)])
+def test_gpt_trains_on_the_grid_like_one_process(dp, pp, tp):
+    from unison.common.tensor_parallel import grid_pipeline
+
+    if dp * pp * tp != N:
+        pytest.skip(f"needs {dp * pp * tp} ranks")
+    grid = Grid(dp=dp, pp=pp, tp=tp)
+    sets = grid.register()
+    ids = torch.randint(0, VOCAB, (8, GPT_SEQ), generator=torch.Generator().manual_seed(41))
+    targets = torch.randint(0, VOCAB, (8, GPT_SEQ), generator=torch.Generator().manual_seed(42))
+    ref = reference_gpt()
+    pipe = hvd.Pipeline(parallel_gpt(ref, sets.tp), balance=[2, 2] if pp == 2 else [4], chunks=2,
+                        loss_fn=lambda out, tgt: hvd.vocab_parallel_cross_entropy(out, tgt, process_set=sets.tp),
+                        optimizer=lambda params: torch.optim.SGD(params, lr=0.2), grid=grid_pipeline(grid, sets))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2)
+    _, d, _ = grid.coords(R)
+    rows = slice(d * 8 // dp, (d + 1) * 8 // dp)  # this replica's part of the global batch
+    try:
+        for _ in range(3):
+            loss = pipe.train_step(ids[rows], targets[rows])
+            ref_opt.zero_grad()
+            ref_loss = F.cross_entropy(ref(ids).reshape(-1, VOCAB), targets.reshape(-1))
+            ref_loss.backward()
+            ref_opt.step()
+            assert abs(loss - ref_loss.item()) < 1e-10
+        expected = parallel_gpt(ref, sets.tp)  # the trained reference, split the same way
+        for stage, layers in pipe.layer_ranges.items():
+            for mine, want in zip(pipe.stages[stage], (expected[i] for i in layers), strict=True):
+                for (name, got), (_, exp) in zip(mine.named_parameters(), want.named_parameters(), strict=True):
+                    torch.testing.assert_close(got, exp, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    finally:
+        pipe.close()
 
 
 # ------------------------------------------------------------------ parallelize(model, plan)

@@ -115,7 +115,9 @@ __all__ = [
     "save_sharded", "load_sharded", "elastic", "UnisonInternalError", "HorovodInternalError",
     "HostsUpdatedInterrupt",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
-    "ParallelMLP", "ParallelSelfAttention", "ParallelTransformerBlock",
+    "ParallelMLP", "ParallelSelfAttention", "ParallelTransformerBlock", "scatter_to_sequence",
+    "gather_from_sequence", "reduce_scatter_to_sequence", "model_parallel_manual_seed", "save_tensor_parallel",
+    "load_tensor_parallel", "parallelize",
 ]
 
 # Keras 3 tensor-parallel layers, loaded on first use (they import Keras): name -> module
@@ -124,6 +126,12 @@ _TENSOR_PARALLEL = {
                      "vocab_parallel_cross_entropy"), "unison.tf_backend.tensor_parallel"),
     **dict.fromkeys(("ParallelMLP", "ParallelSelfAttention", "ParallelTransformerBlock"),
                     "unison.tf_backend.tensor_parallel_blocks"),
+    **dict.fromkeys(("scatter_to_sequence", "gather_from_sequence", "reduce_scatter_to_sequence"),
+                    "unison.tf_backend.tensor_parallel_comm"),
+    "model_parallel_manual_seed": "unison.tf_backend.tensor_parallel_random",
+    "parallelize": "unison.tf_backend.tensor_parallel_plan",
+    **dict.fromkeys(("save_tensor_parallel", "load_tensor_parallel"),
+                    "unison.tf_backend.tensor_parallel_checkpoint"),
 }
 
 

@@ -27,12 +27,15 @@ import tensorflow as tf
 
 from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.common.tensor_parallel.groups import group_position
+from unison.common.tensor_parallel.sequence import check_column_options, check_row_options
 from unison.common.tensor_parallel.sharding import divisible_shard
 from unison.tf_backend.tensor_parallel_comm import (
     allreduce_max_no_grad,
     copy_to_group,
     gather_from_group,
+    gather_from_sequence,
     reduce_from_group,
+    reduce_scatter_to_sequence,
     scatter_to_group,
 )
 
@@ -66,6 +69,7 @@ class _ParallelDense(keras.layers.Layer):
     def __init__(self, in_features: int, out_features: int, use_bias: bool, activation: Any,
                  process_set: ProcessSet, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.supports_jit = False  # collectives run outside XLA: compile(jit_compile="auto") must not pick it
         self.tp, self.shard = group_position(process_set, self._owner)
         self.in_features, self.out_features = in_features, out_features
         self.process_set = process_set
@@ -105,18 +109,23 @@ class ColumnParallelLinear(_ParallelDense):
             (otherwise each keeps its piece, ready for a :class:`RowParallelLinear`).
         activation: applied to this rank's units (element-wise), as ``Dense`` does.
         process_set: the tensor group (default: every rank).
+        sequence_parallel: the input is this rank's positions of a ``(batch, seq, in)`` tensor
+            split along the sequence; they are all-gathered first (backward: reduce-scatter).
         **kwargs: ``keras.layers.Layer`` arguments (``dtype=``, ``name=``).
 
     Raises:
-        ValueError: ``out_features`` not divisible by the group size, or this rank not in the group.
+        ValueError: ``out_features`` not divisible by the group size, this rank not in the group,
+            or ``gather_output`` together with ``sequence_parallel``.
     """
 
     _owner = "ColumnParallelLinear"
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
-                 process_set: ProcessSet = global_process_set, activation: Any = None, **kwargs: Any) -> None:
+                 process_set: ProcessSet = global_process_set, activation: Any = None,
+                 sequence_parallel: bool = False, **kwargs: Any) -> None:
+        check_column_options(gather_output, sequence_parallel)
         super().__init__(in_features, out_features, bias, activation, process_set, **kwargs)
-        self.gather_output = gather_output
+        self.gather_output, self.sequence_parallel = gather_output, bool(sequence_parallel)
 
     def _split(self) -> tuple[int, int]:
         return divisible_shard("ColumnParallelLinear out_features", self.out_features, self.tp, self.shard)
@@ -129,18 +138,23 @@ class ColumnParallelLinear(_ParallelDense):
 
     @classmethod
     def from_dense(cls, dense: keras.layers.Dense, gather_output: bool = False,
-                   process_set: ProcessSet = global_process_set) -> ColumnParallelLinear:
+                   process_set: ProcessSet = global_process_set,
+                   sequence_parallel: bool = False) -> ColumnParallelLinear:
         """This rank's shard (kernel columns and bias ``start:stop``, the activation) of a built ``dense``."""
         _check_dense(dense, cls._owner)
         fan_in, fan_out = _in_out(dense)
         layer = cls(fan_in, fan_out, dense.bias is not None, gather_output, process_set, dense.activation,
-                    dtype=dense.dtype_policy)
+                    sequence_parallel, dtype=dense.dtype_policy)
         layer._load(dense.kernel[:, layer.start:layer.stop],
                     None if dense.bias is None else dense.bias[layer.start:layer.stop])
         return layer
 
     def call(self, inputs: Any) -> tf.Tensor:
-        y = self._finish(keras.ops.matmul(copy_to_group(inputs, self.process_set), self.kernel))
+        if self.sequence_parallel:
+            x = gather_from_sequence(inputs, self.process_set, to_parallel=True)
+        else:
+            x = copy_to_group(inputs, self.process_set)
+        y = self._finish(keras.ops.matmul(x, self.kernel))
         return gather_from_group(y, self.process_set) if self.gather_output else y
 
 
@@ -154,18 +168,23 @@ class RowParallelLinear(_ParallelDense):
         input_is_parallel: the input is already this rank's piece of the last dimension (the
             output of a :class:`ColumnParallelLinear`); otherwise each rank takes its piece.
         process_set: the tensor group (default: every rank).
+        sequence_parallel: reduce-scatter the partial sums along the sequence (dimension 1)
+            instead of all-reducing them; the replicated bias's gradient is summed over the group.
         **kwargs: ``keras.layers.Layer`` arguments (``dtype=``, ``name=``).
 
     Raises:
-        ValueError: ``in_features`` not divisible by the group size, or this rank not in the group.
+        ValueError: ``in_features`` not divisible by the group size, this rank not in the group,
+            or ``sequence_parallel`` with ``input_is_parallel=False``.
     """
 
     _owner = "RowParallelLinear"
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
-                 process_set: ProcessSet = global_process_set, activation: Any = None, **kwargs: Any) -> None:
+                 process_set: ProcessSet = global_process_set, activation: Any = None,
+                 sequence_parallel: bool = False, **kwargs: Any) -> None:
+        check_row_options(input_is_parallel, sequence_parallel)
         super().__init__(in_features, out_features, bias, activation, process_set, **kwargs)
-        self.input_is_parallel = input_is_parallel
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, bool(sequence_parallel)
 
     def _split(self) -> tuple[int, int]:
         return divisible_shard("RowParallelLinear in_features", self.in_features, self.tp, self.shard)
@@ -178,17 +197,21 @@ class RowParallelLinear(_ParallelDense):
 
     @classmethod
     def from_dense(cls, dense: keras.layers.Dense, input_is_parallel: bool = True,
-                   process_set: ProcessSet = global_process_set) -> RowParallelLinear:
+                   process_set: ProcessSet = global_process_set,
+                   sequence_parallel: bool = False) -> RowParallelLinear:
         """This rank's shard (kernel rows ``start:stop``, the whole bias, the activation) of a built ``dense``."""
         _check_dense(dense, cls._owner)
         fan_in, fan_out = _in_out(dense)
         layer = cls(fan_in, fan_out, dense.bias is not None, input_is_parallel, process_set, dense.activation,
-                    dtype=dense.dtype_policy)
+                    sequence_parallel, dtype=dense.dtype_policy)
         layer._load(dense.kernel[layer.start:layer.stop], dense.bias)
         return layer
 
     def call(self, inputs: Any) -> tf.Tensor:
         x = inputs if self.input_is_parallel else scatter_to_group(inputs, self.process_set)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence(keras.ops.matmul(x, self.kernel), self.process_set)
+            return self.activation(y if self.bias is None else y + copy_to_group(self.bias, self.process_set))
         return self._finish(reduce_from_group(keras.ops.matmul(x, self.kernel), self.process_set))
 
 
@@ -205,6 +228,7 @@ class VocabParallelEmbedding(keras.layers.Layer):
     def __init__(self, num_embeddings: int, embedding_dim: int, process_set: ProcessSet = global_process_set,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.supports_jit = False  # collectives run outside XLA: compile(jit_compile="auto") must not pick it
         self.tp, self.shard = group_position(process_set, "VocabParallelEmbedding")
         self.start, self.stop = divisible_shard("VocabParallelEmbedding num_embeddings", num_embeddings, self.tp,
                                                 self.shard)

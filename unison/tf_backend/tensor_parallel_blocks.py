@@ -15,7 +15,12 @@ take this rank's shard out of unsplit Keras layers: ``ParallelMLP.from_dense_pai
 ``keras.layers.MultiHeadAttention`` used as self-attention: its q/k/v ``EinsumDense`` kernels
 ``(hidden, heads, key_dim)`` become the fused column shard, its output kernel
 ``(heads, key_dim, hidden)`` the row shard) and ``ParallelTransformerBlock.from_layers``.
-No dropout yet (docs/tensor_parallel.md).
+
+Dropout and sequence parallelism as in the PyTorch blocks: ``attention_dropout`` draws from the
+shard's own seed generator, ``hidden_dropout`` from the shared one (the shard's own under
+``sequence_parallel=True``) — see ``tensor_parallel_random.py``; under sequence parallelism a
+block takes and returns this rank's ``seq / tp`` positions, and the gradients of the replicated
+norm weights and row biases are summed over the group.
 """
 
 from __future__ import annotations
@@ -27,8 +32,11 @@ import keras
 import tensorflow as tf
 
 from unison.common.engine.process_sets import ProcessSet, global_process_set
+from unison.common.tensor_parallel.rng import check_probability
 from unison.common.tensor_parallel.sharding import check_divisible
 from unison.tf_backend.tensor_parallel import ColumnParallelLinear, RowParallelLinear, group_position
+from unison.tf_backend.tensor_parallel_comm import check_sequence, copy_to_group
+from unison.tf_backend.tensor_parallel_random import dropout_generators
 
 __all__ = ["ParallelMLP", "ParallelSelfAttention", "ParallelTransformerBlock"]
 
@@ -44,6 +52,7 @@ class ParallelMLP(keras.layers.Layer):
     Args:
         activation: ``fc1``'s, applied to this rank's hidden units (default exact GELU).
         fc2_activation: ``fc2``'s, applied after the sum (default none, as in Megatron's MLP).
+        sequence_parallel: input and output are this rank's positions along the sequence.
         **kwargs: ``keras.layers.Layer`` arguments (``dtype=``, ``name=``).
 
     Raises:
@@ -51,22 +60,25 @@ class ParallelMLP(keras.layers.Layer):
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, bias: bool = True, activation: Any = _gelu,
-                 process_set: ProcessSet = global_process_set, fc2_activation: Any = None, **kwargs: Any) -> None:
+                 process_set: ProcessSet = global_process_set, fc2_activation: Any = None,
+                 sequence_parallel: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.supports_jit = False  # collectives run outside XLA: compile(jit_compile="auto") must not pick it
         dtype = kwargs.get("dtype")
         self.fc1 = ColumnParallelLinear(hidden_size, ffn_hidden_size, bias, process_set=process_set,
-                                        activation=activation, dtype=dtype)
+                                        activation=activation, sequence_parallel=sequence_parallel, dtype=dtype)
         self.fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, bias, process_set=process_set,
-                                     activation=fc2_activation, dtype=dtype)
+                                     activation=fc2_activation, sequence_parallel=sequence_parallel, dtype=dtype)
         self.built = True
 
     @classmethod
     def from_dense_pair(cls, fc1: keras.layers.Dense, fc2: keras.layers.Dense,
-                        process_set: ProcessSet = global_process_set) -> ParallelMLP:
+                        process_set: ProcessSet = global_process_set,
+                        sequence_parallel: bool = False) -> ParallelMLP:
         """This rank's shard of the unsplit ``fc2(fc1(x))`` (both built; their activations kept)."""
         hidden, ffn = _check_pair(fc1, fc2)
         mlp = cls(hidden, ffn, fc1.bias is not None and fc2.bias is not None, fc1.activation,
-                  process_set, fc2.activation, dtype=fc1.dtype_policy)
+                  process_set, fc2.activation, sequence_parallel, dtype=fc1.dtype_policy)
         _load(mlp.fc1, ColumnParallelLinear.from_dense(fc1, process_set=process_set))
         _load(mlp.fc2, RowParallelLinear.from_dense(fc2, process_set=process_set))
         return mlp
@@ -89,11 +101,13 @@ def _check_pair(fc1: Any, fc2: Any) -> tuple[int, int]:
 
 
 def _load(target: keras.layers.Layer, source: keras.layers.Layer) -> None:
-    """Copy ``source``'s weights into the same-shaped ``target``."""
-    if len(target.weights) != len(source.weights):
+    """Copy ``source``'s trainable weights into the same-shaped ``target`` (seed generators' states stay)."""
+    mine, theirs = target.trainable_weights, source.trainable_weights
+    if len(mine) != len(theirs):
         raise ValueError(f"{target.name}: the unsplit layers' biases must be all present or all absent; "
-                         f"received {len(source.weights)} weights for {len(target.weights)}")
-    target.set_weights(source.get_weights())
+                         f"received {len(theirs)} weights for {len(mine)}")
+    for variable, value in zip(mine, theirs, strict=True):
+        variable.assign(value)
 
 
 def _check_mha(mha: Any) -> tuple[int, int]:
@@ -122,14 +136,27 @@ class ParallelSelfAttention(keras.layers.Layer):
     the output projection is row-parallel. ``causal=True`` lets position ``t`` attend to
     positions ``<= t`` only.
 
+    Args:
+        attention_dropout: dropout on the attention probabilities in training, from this
+            shard's own seed generator.
+        seed: the layer's seed (the same on every rank of the group); default: the next of
+            ``model_parallel_manual_seed``'s sequence. Only used with dropout.
+        sequence_parallel: input and output are this rank's positions along the sequence.
+
     Raises:
-        ValueError: ``hidden_size`` not divisible by ``num_heads``, or ``num_heads`` not
-            divisible by the group size.
+        ValueError: ``hidden_size`` not divisible by ``num_heads``, ``num_heads`` not divisible
+            by the group size, a dropout probability outside [0, 1), or dropout without a seed.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, causal: bool = False, bias: bool = True,
-                 process_set: ProcessSet = global_process_set, **kwargs: Any) -> None:
+                 process_set: ProcessSet = global_process_set, attention_dropout: float = 0.0,
+                 seed: int | None = None, sequence_parallel: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.supports_jit = False  # collectives run outside XLA: compile(jit_compile="auto") must not pick it
+        self.attention_dropout = check_probability("ParallelSelfAttention attention_dropout", attention_dropout)
+        self.sequence_parallel = bool(sequence_parallel)
+        if self.attention_dropout > 0:
+            _, self._own_generator = dropout_generators("ParallelSelfAttention", seed, process_set)
         tp, _ = group_position(process_set, "ParallelSelfAttention")
         if hidden_size % num_heads:
             raise ValueError(f"ParallelSelfAttention: hidden_size ({hidden_size}) must be divisible by num_heads "
@@ -138,20 +165,25 @@ class ParallelSelfAttention(keras.layers.Layer):
         self.hidden_size, self.num_heads, self.causal = hidden_size, num_heads, causal
         self.head_dim = hidden_size // num_heads
         dtype = kwargs.get("dtype")
-        self.qkv = ColumnParallelLinear(hidden_size, 3 * hidden_size, bias, process_set=process_set, dtype=dtype)
-        self.out = RowParallelLinear(hidden_size, hidden_size, bias, process_set=process_set, dtype=dtype)
+        self.qkv = ColumnParallelLinear(hidden_size, 3 * hidden_size, bias, process_set=process_set,
+                                        sequence_parallel=sequence_parallel, dtype=dtype)
+        self.out = RowParallelLinear(hidden_size, hidden_size, bias, process_set=process_set,
+                                     sequence_parallel=sequence_parallel, dtype=dtype)
         self.built = True
 
     @classmethod
     def from_multi_head_attention(cls, mha: keras.layers.MultiHeadAttention, causal: bool = False,
-                                  process_set: ProcessSet = global_process_set) -> ParallelSelfAttention:
+                                  process_set: ProcessSet = global_process_set, attention_dropout: float = 0.0,
+                                  seed: int | None = None,
+                                  sequence_parallel: bool = False) -> ParallelSelfAttention:
         """This rank's heads of a built ``keras.layers.MultiHeadAttention`` used as ``mha(x, x)``.
 
         Raises:
             ValueError: an attention the layer cannot reproduce (see :func:`_check_mha`).
         """
         hidden, heads = _check_mha(mha)
-        attn = cls(hidden, heads, causal, mha.use_bias, process_set, dtype=mha.dtype_policy)
+        attn = cls(hidden, heads, causal, mha.use_bias, process_set, attention_dropout, seed, sequence_parallel,
+                   dtype=mha.dtype_policy)
         start, stop = attn.out.start, attn.out.stop  # this rank's heads, as columns of (heads * key_dim)
         parts = (mha.query_dense, mha.key_dense, mha.value_dense)
         kernels = [tf.reshape(p.kernel, (hidden, hidden))[:, start:stop] for p in parts]
@@ -165,17 +197,21 @@ class ParallelSelfAttention(keras.layers.Layer):
     def _heads(self, x: tf.Tensor, batch: tf.Tensor, seq: tf.Tensor) -> tf.Tensor:
         return tf.transpose(tf.reshape(x, (batch, seq, self.local_heads, self.head_dim)), (0, 2, 1, 3))
 
-    def call(self, inputs: Any) -> tf.Tensor:
+    def call(self, inputs: Any, training: bool | None = None) -> tf.Tensor:
         x = tf.convert_to_tensor(inputs)
         if x.shape.rank != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"ParallelSelfAttention expects (batch, seq, {self.hidden_size}); received {x.shape}")
-        batch, seq = tf.shape(x)[0], tf.shape(x)[1]
-        q, k, v = (self._heads(t, batch, seq) for t in tf.split(self.qkv(x), 3, axis=-1))
+        qkv = self.qkv(x)  # under sequence parallelism: every position (the column layer gathered them)
+        batch, seq = tf.shape(qkv)[0], tf.shape(qkv)[1]
+        q, k, v = (self._heads(t, batch, seq) for t in tf.split(qkv, 3, axis=-1))
         scores = tf.matmul(q, k, transpose_b=True) * tf.cast(1.0 / math.sqrt(self.head_dim), q.dtype)
         if self.causal:
             allowed = tf.cast(tf.linalg.band_part(tf.ones((seq, seq)), -1, 0), tf.bool)
             scores = tf.where(allowed, scores, tf.cast(-math.inf, scores.dtype))
-        context = tf.transpose(tf.matmul(tf.nn.softmax(scores, axis=-1), v), (0, 2, 1, 3))
+        probs = tf.nn.softmax(scores, axis=-1)
+        if training and self.attention_dropout > 0:
+            probs = keras.random.dropout(probs, self.attention_dropout, seed=self._own_generator)
+        context = tf.transpose(tf.matmul(probs, v), (0, 2, 1, 3))
         return self.out(tf.reshape(context, (batch, seq, self.local_heads * self.head_dim)))
 
 
@@ -183,33 +219,54 @@ class ParallelTransformerBlock(keras.layers.Layer):
     """A pre-norm transformer block: ``x + attn(ln1(x))``, then ``+ mlp(ln2(.))``, heads and MLP split.
 
     The layer norms (``keras.layers.LayerNormalization``) are replicated on every rank of the
-    group (their input and gradients are the same everywhere).
+    group (their input and gradients are the same everywhere; under sequence parallelism their
+    gradients are summed over the group).
+
+    Args:
+        hidden_dropout: dropout on the attention's and the MLP's outputs before each residual
+            add, in training (the shared seed generator; the shard's own under sequence
+            parallelism).
+        attention_dropout: dropout on the attention probabilities (the shard's own generator).
+        seed: the block's seed (the same on every rank of the group); default: the next of
+            ``model_parallel_manual_seed``'s sequence. Only used with dropout.
+        sequence_parallel: input and output are this rank's ``seq / tp`` positions.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, causal: bool = False,
                  eps: float = 1e-5, activation: Any = _gelu, process_set: ProcessSet = global_process_set,
-                 **kwargs: Any) -> None:
+                 hidden_dropout: float = 0.0, attention_dropout: float = 0.0, seed: int | None = None,
+                 sequence_parallel: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.supports_jit = False  # collectives run outside XLA: compile(jit_compile="auto") must not pick it
         dtype = kwargs.get("dtype")
+        self.hidden_dropout = check_probability("ParallelTransformerBlock hidden_dropout", hidden_dropout)
+        self.sequence_parallel, self.process_set = bool(sequence_parallel), process_set
+        if self.hidden_dropout > 0:
+            shared, own = dropout_generators("ParallelTransformerBlock", seed, process_set)
+            self._hidden_generator = own if self.sequence_parallel else shared
         self.ln1 = _norm(hidden_size, eps, dtype)
-        self.attn = ParallelSelfAttention(hidden_size, num_heads, causal, process_set=process_set, dtype=dtype)
+        self.attn = ParallelSelfAttention(hidden_size, num_heads, causal, process_set=process_set,
+                                          attention_dropout=attention_dropout,
+                                          seed=None if seed is None else seed + 1,
+                                          sequence_parallel=sequence_parallel, dtype=dtype)
         self.ln2 = _norm(hidden_size, eps, dtype)
         self.mlp = ParallelMLP(hidden_size, ffn_hidden_size, activation=activation, process_set=process_set,
-                               dtype=dtype)
+                               sequence_parallel=sequence_parallel, dtype=dtype)
         self.built = True
 
     @classmethod
     def from_layers(cls, ln1: keras.layers.LayerNormalization, attn: keras.layers.MultiHeadAttention,
                     ln2: keras.layers.LayerNormalization, fc1: keras.layers.Dense, fc2: keras.layers.Dense,
-                    causal: bool = False,
-                    process_set: ProcessSet = global_process_set) -> ParallelTransformerBlock:
+                    causal: bool = False, process_set: ProcessSet = global_process_set,
+                    hidden_dropout: float = 0.0, attention_dropout: float = 0.0, seed: int | None = None,
+                    sequence_parallel: bool = False) -> ParallelTransformerBlock:
         """This rank's shard of the unsplit block made of these built layers (norms copied whole)."""
         for norm in (ln1, ln2):
             _check_norm(norm)
         hidden, heads = _check_mha(attn)
         _, ffn = _check_pair(fc1, fc2)
-        block = cls(hidden, heads, ffn, causal, ln1.epsilon, fc1.activation, process_set,
-                    dtype=fc1.dtype_policy)
+        block = cls(hidden, heads, ffn, causal, ln1.epsilon, fc1.activation, process_set, hidden_dropout,
+                    attention_dropout, seed, sequence_parallel, dtype=fc1.dtype_policy)
         block.ln2.epsilon = ln2.epsilon
         for mine, theirs in ((block.ln1, ln1), (block.ln2, ln2)):
             mine.set_weights(theirs.get_weights())
@@ -217,9 +274,23 @@ class ParallelTransformerBlock(keras.layers.Layer):
         _load(block.mlp, ParallelMLP.from_dense_pair(fc1, fc2, process_set))
         return block
 
-    def call(self, inputs: Any) -> tf.Tensor:
-        x = inputs + self.attn(self.ln1(inputs))
-        return x + self.mlp(self.ln2(x))
+    def _norm(self, norm: keras.layers.LayerNormalization, x: tf.Tensor) -> tf.Tensor:
+        if not self.sequence_parallel:
+            return norm(x)
+        gamma, beta = (copy_to_group(w, self.process_set) for w in (norm.gamma, norm.beta))
+        return keras.ops.layer_normalization(x, gamma, beta, norm.axis, norm.epsilon)
+
+    def _dropout(self, h: tf.Tensor, training: bool | None) -> tf.Tensor:
+        if not training or self.hidden_dropout == 0:
+            return h
+        return keras.random.dropout(h, self.hidden_dropout, seed=self._hidden_generator)
+
+    def call(self, inputs: Any, training: bool | None = None) -> tf.Tensor:
+        x = tf.convert_to_tensor(inputs)
+        if self.sequence_parallel:
+            check_sequence(x, self.process_set, "ParallelTransformerBlock", whole=False)
+        x = x + self._dropout(self.attn(self._norm(self.ln1, x), training=training), training)
+        return x + self._dropout(self.mlp(self._norm(self.ln2, x)), training)
 
 
 def _norm(hidden: int, eps: float, dtype: Any) -> keras.layers.LayerNormalization:

@@ -9,6 +9,10 @@ The same operators as the PyTorch backend's ``tensor_parallel_comm.py`` (see its
     gather_from_group     all-gather along the last dim        this shard's slice of the gradient
     scatter_to_group      this shard's slice of the last dim   all-gather of the gradient
 
+and the three sequence-parallel operators over dimension 1 of ``(batch, seq, hidden)``
+(``scatter_to_sequence``, ``gather_from_sequence``, ``reduce_scatter_to_sequence``; see the
+PyTorch module's docstring).
+
 Each is a ``tf.custom_gradient`` around Unison's TensorFlow collectives restricted to the group
 (``allreduce`` / ``allgather`` with ``process_set=``), so they work eagerly, under
 ``tf.GradientTape`` and inside ``tf.function``. The collectives' own gradients (Horovod's: an
@@ -28,12 +32,13 @@ import tensorflow as tf
 
 from unison.common.engine.process_sets import ProcessSet, set_rank, set_size
 from unison.common.ops import Max, Sum
+from unison.common.tensor_parallel.sequence import sequence_problem
 from unison.tf_backend.gather_ops import allgather
-from unison.tf_backend.mpi_ops import allreduce
+from unison.tf_backend.mpi_ops import allreduce, reducescatter
 from unison.tf_backend.op_base import _name
 
 __all__ = ["copy_to_group", "reduce_from_group", "gather_from_group", "scatter_to_group",
-           "allreduce_max_no_grad"]
+           "allreduce_max_no_grad", "scatter_to_sequence", "gather_from_sequence", "reduce_scatter_to_sequence"]
 
 
 def _named(kind: str, group: ProcessSet) -> dict[str, Any]:
@@ -125,3 +130,106 @@ def allreduce_max_no_grad(tensor: Any, group: ProcessSet) -> tf.Tensor:
     """The element-wise maximum over ``group`` of a tensor that carries no gradient."""
     x = tf.stop_gradient(tf.convert_to_tensor(tensor))
     return x if set_size(group) == 1 else tf.stop_gradient(allreduce(x, op=Max, **_named("allreduce", group)))
+
+
+# ----------------------------------------------------------------- sequence parallelism
+
+def check_sequence(tensor: tf.Tensor, group: ProcessSet, what: str, whole: bool) -> None:
+    """Raise unless ``tensor`` is ``(batch, seq, ...)`` with a static sequence the group divides (``whole``)."""
+    shape = None if tensor.shape.rank is None else tuple(tensor.shape)
+    problem = sequence_problem(shape, set_size(group), what, whole)
+    if problem:
+        raise ValueError(problem)
+
+
+def _to_front(tensor: tf.Tensor) -> tf.Tensor:
+    rank = tensor.shape.rank
+    return tf.transpose(tensor, [1, 0, *range(2, rank)])
+
+
+def _with_seq(out: tf.Tensor, given: tf.Tensor, times: int, divide: int) -> tf.Tensor:
+    """``out`` with ``given``'s static shape, its sequence length times ``times`` over ``divide``
+    (the collectives' dimension 0 is unknown at trace time)."""
+    seq = given.shape[1]
+    out.set_shape(given.shape[:1].concatenate([None if seq is None else seq * times // divide])
+                  .concatenate(given.shape[2:]))
+    return out
+
+
+def _gather_seq(tensor: tf.Tensor, group: ProcessSet) -> tf.Tensor:
+    """Every shard's positions concatenated along the sequence, in shard order."""
+    parts = set_size(group)
+    if parts == 1:
+        return tensor
+    return _with_seq(_to_front(allgather(_to_front(tensor), **_named("allgather", group))), tensor, parts, 1)
+
+
+def _seq_slice(tensor: tf.Tensor, group: ProcessSet) -> tf.Tensor:
+    """This shard's equal piece of the sequence."""
+    parts = set_size(group)
+    if parts == 1:
+        return tensor
+    piece = tensor.shape[1] // parts
+    start = set_rank(group) * piece
+    return tensor[:, start:start + piece]
+
+
+def _reduce_scatter_seq(tensor: tf.Tensor, group: ProcessSet) -> tf.Tensor:
+    """The sum over the group, this shard's positions of it."""
+    parts = set_size(group)
+    if parts == 1:
+        return tensor
+    out = _to_front(reducescatter(_to_front(tensor), op=Sum, **_named("reducescatter", group)))
+    return _with_seq(out, tensor, 1, parts)
+
+
+def scatter_to_sequence(tensor: Any, group: ProcessSet) -> tf.Tensor:
+    """This shard's ``seq / tp`` positions of a replicated ``(batch, seq, ...)`` tensor; backward all-gathers.
+
+    Raises:
+        ValueError: fewer than 2 dimensions, or a sequence the group does not divide.
+    """
+    x = tf.convert_to_tensor(tensor)
+    check_sequence(x, group, "scatter_to_sequence", whole=True)
+
+    @tf.custom_gradient
+    def scatter(t: tf.Tensor) -> Any:
+        return tf.identity(_seq_slice(t, group)), lambda dy: _gather_seq(dy, group)
+
+    return scatter(x)
+
+
+def gather_from_sequence(tensor: Any, group: ProcessSet, to_parallel: bool = True) -> tf.Tensor:
+    """All the shards' positions, concatenated along the sequence (dimension 1).
+
+    Args:
+        to_parallel: the result feeds a tensor-parallel layer (backward reduce-scatters the
+            partial gradients); False when it feeds computation replicated on every rank
+            (backward keeps this shard's positions of the whole gradient).
+    """
+    x = tf.convert_to_tensor(tensor)
+    check_sequence(x, group, "gather_from_sequence", whole=False)
+
+    def back(dy: tf.Tensor) -> tf.Tensor:
+        return _reduce_scatter_seq(dy, group) if to_parallel else _seq_slice(dy, group)
+
+    @tf.custom_gradient
+    def gather(t: tf.Tensor) -> Any:
+        return tf.identity(_gather_seq(t, group)), back
+
+    return gather(x)
+
+
+def reduce_scatter_to_sequence(tensor: Any, group: ProcessSet) -> tf.Tensor:
+    """The sum over the group of ``(batch, seq, ...)`` partial results, this shard's positions of it.
+
+    A row layer's exit under sequence parallelism; backward all-gathers the gradient.
+    """
+    x = tf.convert_to_tensor(tensor)
+    check_sequence(x, group, "reduce_scatter_to_sequence", whole=True)
+
+    @tf.custom_gradient
+    def reduce_scatter(t: tf.Tensor) -> Any:
+        return tf.identity(_reduce_scatter_seq(t, group)), lambda dy: _gather_seq(dy, group)
+
+    return reduce_scatter(x)

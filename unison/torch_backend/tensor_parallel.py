@@ -28,12 +28,15 @@ from torch.nn import functional as F
 
 from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.common.tensor_parallel.groups import group_position
+from unison.common.tensor_parallel.sequence import check_column_options, check_row_options
 from unison.common.tensor_parallel.sharding import divisible_shard
 from unison.torch_backend.tensor_parallel_comm import (
     allreduce_max_no_grad,
     copy_to_group,
     gather_from_group,
+    gather_from_sequence,
     reduce_from_group,
+    reduce_scatter_to_sequence,
     scatter_to_group,
 )
 
@@ -67,15 +70,21 @@ class ColumnParallelLinear(nn.Module):
         gather_output: all-gather the shards' outputs so every rank gets all ``out_features``
             (otherwise each keeps its piece, ready for a :class:`RowParallelLinear`).
         process_set: the tensor group (default: every rank).
+        sequence_parallel: the input is this rank's positions of a ``(batch, seq, in)`` tensor
+            split along the sequence; they are all-gathered first (backward: reduce-scatter).
 
     Raises:
         ValueError: ``out_features`` not divisible by the group size (on every rank: all ranks
-            pass the same sizes), or this rank not in the group.
+            pass the same sizes), this rank not in the group, or ``gather_output`` together
+            with ``sequence_parallel``.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
-                 process_set: ProcessSet = global_process_set, dtype: Any = None, device: Any = None) -> None:
+                 process_set: ProcessSet = global_process_set, dtype: Any = None, device: Any = None,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
+        check_column_options(gather_output, sequence_parallel)
+        self.sequence_parallel = bool(sequence_parallel)
         self.tp, self.shard = group_position(process_set, "ColumnParallelLinear")
         self.start, self.stop = divisible_shard("ColumnParallelLinear out_features", out_features, self.tp,
                                                 self.shard)
@@ -87,22 +96,28 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, gather_output: bool = False,
-                    process_set: ProcessSet = global_process_set) -> ColumnParallelLinear:
+                    process_set: ProcessSet = global_process_set,
+                    sequence_parallel: bool = False) -> ColumnParallelLinear:
         """This rank's shard (rows ``start:stop`` of weight and bias) of an unsplit ``linear``."""
         _check_linear(linear, "ColumnParallelLinear")
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, gather_output,
-                    process_set, linear.weight.dtype, linear.weight.device)
+                    process_set, linear.weight.dtype, linear.weight.device, sequence_parallel)
         _copy(layer.weight, linear.weight[layer.start:layer.stop])
         _copy(layer.bias, None if linear.bias is None else linear.bias[layer.start:layer.stop])
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_group(x, self.process_set), self.weight, self.bias)
+        if self.sequence_parallel:
+            x = gather_from_sequence(x, self.process_set, to_parallel=True)
+        else:
+            x = copy_to_group(x, self.process_set)
+        y = F.linear(x, self.weight, self.bias)
         return gather_from_group(y, self.process_set) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (this shard: "
-                f"[{self.start}, {self.stop}) of tp={self.tp}), gather_output={self.gather_output}")
+                f"[{self.start}, {self.stop}) of tp={self.tp}), gather_output={self.gather_output}, "
+                f"sequence_parallel={self.sequence_parallel}")
 
 
 class RowParallelLinear(nn.Module):
@@ -116,14 +131,21 @@ class RowParallelLinear(nn.Module):
             output of a :class:`ColumnParallelLinear`); otherwise it is the whole input and
             each rank takes its piece.
         process_set: the tensor group (default: every rank).
+        sequence_parallel: reduce-scatter the partial sums along the sequence (dimension 1 of
+            ``(batch, seq, out)``) instead of all-reducing them: each rank keeps its positions. The
+            replicated bias's gradient is then summed over the group (each rank saw some positions).
 
     Raises:
-        ValueError: ``in_features`` not divisible by the group size, or this rank not in the group.
+        ValueError: ``in_features`` not divisible by the group size, this rank not in the group,
+            or ``sequence_parallel`` with ``input_is_parallel=False``.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
-                 process_set: ProcessSet = global_process_set, dtype: Any = None, device: Any = None) -> None:
+                 process_set: ProcessSet = global_process_set, dtype: Any = None, device: Any = None,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
+        check_row_options(input_is_parallel, sequence_parallel)
+        self.sequence_parallel = bool(sequence_parallel)
         self.tp, self.shard = group_position(process_set, "RowParallelLinear")
         self.start, self.stop = divisible_shard("RowParallelLinear in_features", in_features, self.tp, self.shard)
         self.in_features, self.out_features = in_features, out_features
@@ -134,11 +156,12 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, input_is_parallel: bool = True,
-                    process_set: ProcessSet = global_process_set) -> RowParallelLinear:
+                    process_set: ProcessSet = global_process_set,
+                    sequence_parallel: bool = False) -> RowParallelLinear:
         """This rank's shard (weight columns ``start:stop``, the whole bias) of an unsplit ``linear``."""
         _check_linear(linear, "RowParallelLinear")
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, input_is_parallel,
-                    process_set, linear.weight.dtype, linear.weight.device)
+                    process_set, linear.weight.dtype, linear.weight.device, sequence_parallel)
         _copy(layer.weight, linear.weight[:, layer.start:layer.stop])
         _copy(layer.bias, linear.bias)
         return layer
@@ -146,12 +169,16 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_group(x, self.process_set)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence(F.linear(x, self.weight), self.process_set)
+            return y if self.bias is None else y + copy_to_group(self.bias, self.process_set)
         y = reduce_from_group(F.linear(x, self.weight), self.process_set)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (this shard: [{self.start}, {self.stop}) of tp={self.tp}), "
-                f"out_features={self.out_features}, input_is_parallel={self.input_is_parallel}")
+                f"out_features={self.out_features}, input_is_parallel={self.input_is_parallel}, "
+                f"sequence_parallel={self.sequence_parallel}")
 
 
 class VocabParallelEmbedding(nn.Module):

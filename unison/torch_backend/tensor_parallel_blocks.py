@@ -9,8 +9,16 @@ block costs one all-reduce forward and one backward::
     ParallelTransformerBlock  x + attn(ln1(x)), then + mlp(ln2(.))   (pre-norm; norms replicated)
 
 Attention heads are the unit of the split: rank ``i`` of a group of ``tp`` computes heads
-``[i * h/tp, (i+1) * h/tp)`` whole, so no head's scores ever cross ranks. Dropout is not offered
-yet: inside a tensor-parallel region it needs per-shard random streams (docs/tensor_parallel.md).
+``[i * h/tp, (i+1) * h/tp)`` whole, so no head's scores ever cross ranks.
+
+Dropout: ``attention_dropout`` (on the attention probabilities, inside the region: each shard's
+heads draw from the shard's own stream) and ``hidden_dropout`` (the block's, after each row
+layer, on the residual stream: the shared stream, the same mask on every rank of the group) —
+[Note: two random streams per rank]. With ``sequence_parallel=True`` a block takes and returns
+this rank's ``seq / tp`` positions: the column layers all-gather them, the row layers
+reduce-scatter, the layer norms and the hidden dropout (now the shard's own stream: each rank
+holds different positions) run on the local positions, and the gradients of the replicated
+norm weights and row biases are summed over the group, since each rank saw only its positions.
 """
 
 from __future__ import annotations
@@ -22,8 +30,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from unison.common.engine.process_sets import ProcessSet, global_process_set
+from unison.common.tensor_parallel.rng import check_probability
 from unison.common.tensor_parallel.sharding import check_divisible
 from unison.torch_backend.tensor_parallel import ColumnParallelLinear, RowParallelLinear, group_position
+from unison.torch_backend.tensor_parallel_comm import check_sequence, copy_to_group
+from unison.torch_backend.tensor_parallel_random import get_rng_tracker
 
 __all__ = ["ParallelMLP", "ParallelSelfAttention", "ParallelTransformerBlock"]
 
@@ -35,6 +46,7 @@ class ParallelMLP(nn.Module):
 
     Args:
         activation: applied element-wise to this rank's hidden piece (default GELU).
+        sequence_parallel: input and output are this rank's positions along the sequence.
 
     Raises:
         ValueError: ``ffn_hidden_size`` not divisible by the group size.
@@ -42,23 +54,26 @@ class ParallelMLP(nn.Module):
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, bias: bool = True,
                  activation: Activation = F.gelu, process_set: ProcessSet = global_process_set,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.fc1 = ColumnParallelLinear(hidden_size, ffn_hidden_size, bias, process_set=process_set, dtype=dtype)
-        self.fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, bias, process_set=process_set, dtype=dtype)
+        self.fc1 = ColumnParallelLinear(hidden_size, ffn_hidden_size, bias, process_set=process_set, dtype=dtype,
+                                        sequence_parallel=sequence_parallel)
+        self.fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, bias, process_set=process_set, dtype=dtype,
+                                     sequence_parallel=sequence_parallel)
         self.activation = activation
 
     @classmethod
     def from_linears(cls, fc1: nn.Linear, fc2: nn.Linear, activation: Activation = F.gelu,
-                     process_set: ProcessSet = global_process_set) -> ParallelMLP:
+                     process_set: ProcessSet = global_process_set, sequence_parallel: bool = False) -> ParallelMLP:
         """This rank's shard of the unsplit ``fc2(activation(fc1(x)))``."""
         if fc1.out_features != fc2.in_features:
             raise ValueError(f"ParallelMLP.from_linears: fc1's out_features ({fc1.out_features}) must equal fc2's "
                              f"in_features ({fc2.in_features})")
         mlp = cls(fc1.in_features, fc1.out_features, activation=activation, process_set=process_set,
-                  dtype=fc1.weight.dtype)
-        mlp.fc1 = ColumnParallelLinear.from_linear(fc1, process_set=process_set)
-        mlp.fc2 = RowParallelLinear.from_linear(fc2, process_set=process_set)
+                  dtype=fc1.weight.dtype, sequence_parallel=sequence_parallel)
+        mlp.fc1 = ColumnParallelLinear.from_linear(fc1, process_set=process_set,
+                                                   sequence_parallel=sequence_parallel)
+        mlp.fc2 = RowParallelLinear.from_linear(fc2, process_set=process_set, sequence_parallel=sequence_parallel)
         return mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,14 +92,22 @@ class ParallelSelfAttention(nn.Module):
     the output projection is row-parallel. ``causal=True`` lets position ``t`` attend to
     positions ``<= t`` only.
 
+    Args:
+        attention_dropout: dropout on the attention probabilities in training, drawn from this
+            shard's stream (``model_parallel_manual_seed`` first).
+        sequence_parallel: input and output are this rank's positions along the sequence.
+
     Raises:
-        ValueError: ``hidden_size`` not divisible by ``num_heads``, or ``num_heads`` not
-            divisible by the group size.
+        ValueError: ``hidden_size`` not divisible by ``num_heads``, ``num_heads`` not
+            divisible by the group size, or a dropout probability outside [0, 1).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, causal: bool = False, bias: bool = True,
-                 process_set: ProcessSet = global_process_set, dtype: torch.dtype | None = None) -> None:
+                 process_set: ProcessSet = global_process_set, dtype: torch.dtype | None = None,
+                 attention_dropout: float = 0.0, sequence_parallel: bool = False) -> None:
         super().__init__()
+        self.attention_dropout = check_probability("ParallelSelfAttention attention_dropout", attention_dropout)
+        self.sequence_parallel = bool(sequence_parallel)
         tp, _ = group_position(process_set, "ParallelSelfAttention")
         if hidden_size % num_heads:
             raise ValueError(f"ParallelSelfAttention: hidden_size ({hidden_size}) must be divisible by num_heads "
@@ -92,12 +115,15 @@ class ParallelSelfAttention(nn.Module):
         self.local_heads = check_divisible("ParallelSelfAttention num_heads", num_heads, tp)
         self.hidden_size, self.num_heads, self.causal = hidden_size, num_heads, causal
         self.head_dim = hidden_size // num_heads
-        self.qkv = ColumnParallelLinear(hidden_size, 3 * hidden_size, bias, process_set=process_set, dtype=dtype)
-        self.out = RowParallelLinear(hidden_size, hidden_size, bias, process_set=process_set, dtype=dtype)
+        self.qkv = ColumnParallelLinear(hidden_size, 3 * hidden_size, bias, process_set=process_set, dtype=dtype,
+                                        sequence_parallel=sequence_parallel)
+        self.out = RowParallelLinear(hidden_size, hidden_size, bias, process_set=process_set, dtype=dtype,
+                                     sequence_parallel=sequence_parallel)
 
     @classmethod
     def from_multihead_attention(cls, mha: nn.MultiheadAttention, causal: bool = False,
-                                 process_set: ProcessSet = global_process_set) -> ParallelSelfAttention:
+                                 process_set: ProcessSet = global_process_set, attention_dropout: float = 0.0,
+                                 sequence_parallel: bool = False) -> ParallelSelfAttention:
         """This rank's heads of an unsplit ``nn.MultiheadAttention`` (self-attention, no dropout).
 
         Raises:
@@ -109,13 +135,15 @@ class ParallelSelfAttention(nn.Module):
                              f"kdim={mha.kdim}, vdim={mha.vdim}, add_bias_kv={mha.bias_k is not None}, "
                              f"add_zero_attn={mha.add_zero_attn}, dropout={mha.dropout}")
         weight = mha.in_proj_weight
-        attn = cls(mha.embed_dim, mha.num_heads, causal, mha.in_proj_bias is not None, process_set, weight.dtype)
+        attn = cls(mha.embed_dim, mha.num_heads, causal, mha.in_proj_bias is not None, process_set, weight.dtype,
+                   attention_dropout, sequence_parallel)
         start, stop = attn.out.start, attn.out.stop
         with torch.no_grad():
             attn.qkv.weight.copy_(_head_rows(weight, mha.embed_dim, start, stop))
             if attn.qkv.bias is not None and mha.in_proj_bias is not None:
                 attn.qkv.bias.copy_(_head_rows(mha.in_proj_bias, mha.embed_dim, start, stop))
-        attn.out = RowParallelLinear.from_linear(mha.out_proj, process_set=process_set)
+        attn.out = RowParallelLinear.from_linear(mha.out_proj, process_set=process_set,
+                                                 sequence_parallel=sequence_parallel)
         return attn
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,7 +155,12 @@ class ParallelSelfAttention(nn.Module):
             raise ValueError(f"ParallelSelfAttention expects (batch, seq, {self.hidden_size}); received "
                              f"{tuple(x.shape)}")
         q, k, v = (self._heads(t) for t in self.qkv(x).chunk(3, dim=-1))
-        context = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        if self.training and self.attention_dropout > 0:
+            with get_rng_tracker().fork():
+                context = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attention_dropout,
+                                                         is_causal=self.causal)
+        else:
+            context = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         batch, _, seq, _ = context.shape
         return self.out(context.transpose(1, 2).reshape(batch, seq, self.local_heads * self.head_dim))
 
@@ -136,34 +169,66 @@ class ParallelTransformerBlock(nn.Module):
     """A pre-norm transformer block: ``x + attn(ln1(x))``, then ``+ mlp(ln2(.))``, heads and MLP split.
 
     The layer norms are replicated on every rank of the group (their input and gradients are
-    the same everywhere).
+    the same everywhere; under sequence parallelism their gradients are summed over the group).
+
+    Args:
+        hidden_dropout: dropout on the attention's and the MLP's outputs before each residual
+            add, in training (the shared stream; the shard's own under sequence parallelism).
+        attention_dropout: dropout on the attention probabilities (the shard's own stream).
+        sequence_parallel: input and output are this rank's ``seq / tp`` positions of
+            ``(batch, seq, hidden)``; ``scatter_to_sequence`` / ``gather_from_sequence`` enter
+            and leave the split around a stack of blocks.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, causal: bool = False,
                  eps: float = 1e-5, activation: Activation = F.gelu, process_set: ProcessSet = global_process_set,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, hidden_dropout: float = 0.0, attention_dropout: float = 0.0,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
+        self.hidden_dropout = check_probability("ParallelTransformerBlock hidden_dropout", hidden_dropout)
+        self.sequence_parallel, self.process_set = bool(sequence_parallel), process_set
         self.ln1 = nn.LayerNorm(hidden_size, eps=eps, dtype=dtype)
-        self.attn = ParallelSelfAttention(hidden_size, num_heads, causal, process_set=process_set, dtype=dtype)
+        self.attn = ParallelSelfAttention(hidden_size, num_heads, causal, process_set=process_set, dtype=dtype,
+                                          attention_dropout=attention_dropout, sequence_parallel=sequence_parallel)
         self.ln2 = nn.LayerNorm(hidden_size, eps=eps, dtype=dtype)
         self.mlp = ParallelMLP(hidden_size, ffn_hidden_size, activation=activation, process_set=process_set,
-                               dtype=dtype)
+                               dtype=dtype, sequence_parallel=sequence_parallel)
 
     @classmethod
     def from_modules(cls, ln1: nn.LayerNorm, attn: nn.MultiheadAttention, ln2: nn.LayerNorm, fc1: nn.Linear,
                      fc2: nn.Linear, causal: bool = False, activation: Activation = F.gelu,
-                     process_set: ProcessSet = global_process_set) -> ParallelTransformerBlock:
+                     process_set: ProcessSet = global_process_set, hidden_dropout: float = 0.0,
+                     attention_dropout: float = 0.0, sequence_parallel: bool = False) -> ParallelTransformerBlock:
         """This rank's shard of the unsplit block made of these modules (norms copied whole)."""
         block = cls(attn.embed_dim, attn.num_heads, fc1.out_features, causal, ln1.eps, activation, process_set,
-                    fc1.weight.dtype)
+                    fc1.weight.dtype, hidden_dropout, attention_dropout, sequence_parallel)
         block.ln1, block.ln2 = _clone_norm(ln1), _clone_norm(ln2)
-        block.attn = ParallelSelfAttention.from_multihead_attention(attn, causal, process_set)
-        block.mlp = ParallelMLP.from_linears(fc1, fc2, activation, process_set)
+        block.attn = ParallelSelfAttention.from_multihead_attention(attn, causal, process_set, attention_dropout,
+                                                                    sequence_parallel)
+        block.mlp = ParallelMLP.from_linears(fc1, fc2, activation, process_set, sequence_parallel)
         return block
 
+    def _norm(self, norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+        if not self.sequence_parallel or norm.weight is None:
+            return norm(x)
+        weight, bias = copy_to_group(norm.weight, self.process_set), norm.bias
+        if bias is not None:
+            bias = copy_to_group(bias, self.process_set)
+        return F.layer_norm(x, norm.normalized_shape, weight, bias, norm.eps)
+
+    def _dropout(self, h: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.hidden_dropout == 0:
+            return h
+        if self.sequence_parallel:
+            with get_rng_tracker().fork():
+                return F.dropout(h, self.hidden_dropout)
+        return F.dropout(h, self.hidden_dropout)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        if self.sequence_parallel:
+            check_sequence(x, self.process_set, "ParallelTransformerBlock", whole=False)
+        x = x + self._dropout(self.attn(self._norm(self.ln1, x)))
+        return x + self._dropout(self.mlp(self._norm(self.ln2, x)))
 
 
 def _clone_norm(norm: nn.LayerNorm) -> nn.LayerNorm:

@@ -10,6 +10,19 @@ is the *conjugate* of its forward, over the ranks of the tensor group (a process
     gather_from_group     all-gather along the last dim        this shard's slice of the gradient
     scatter_to_group      this shard's slice of the last dim   all-gather of the gradient
 
+Sequence parallelism (Korthikanti et al., "Reducing activation recomputation in large
+transformer models") keeps the activations *between* regions split along the sequence
+(dimension 1 of ``(batch, seq, hidden)``), so layer norms, dropout and residual adds each work on
+``seq / tp`` positions; ``f`` and ``g`` become an all-gather and a reduce-scatter of the same
+total volume as ``g``'s all-reduce::
+
+    scatter_to_sequence    this shard's positions               all-gather of the gradient
+    gather_from_sequence   all-gather of the positions          reduce-scatter (sum) of the gradient
+                                                                (this shard's positions only when the
+                                                                consumer is replicated, not split)
+    reduce_scatter_to_sequence  reduce-scatter (sum) along      all-gather of the gradient
+                           the positions
+
 [Note: why g's backward is the identity] Every rank of the group goes on to compute the same
 loss from the replicated output of ``g``; each rank's backward is the gradient of that one loss,
 so the gradient reaching ``g`` is already the full gradient for its replicated output and,
@@ -33,12 +46,15 @@ import torch
 
 from unison.common.engine.process_sets import ProcessSet, set_rank, set_size
 from unison.common.ops import Max, Sum
+from unison.common.tensor_parallel.sequence import sequence_problem
 from unison.torch_backend.allreduce_ops import allreduce_async
-from unison.torch_backend.gather_ops import allgather_async
+from unison.torch_backend.gather_ops import allgather_async, reducescatter_async
 from unison.torch_backend.handles import synchronize
 
 __all__ = ["copy_to_group", "reduce_from_group", "gather_from_group", "scatter_to_group",
-           "allreduce_max_no_grad"]
+           "allreduce_max_no_grad", "scatter_to_sequence", "gather_from_sequence", "reduce_scatter_to_sequence"]
+
+SEQ_DIM = 1
 
 
 def _allreduce(tensor: torch.Tensor, group: ProcessSet, op: Any, kind: str) -> torch.Tensor:
@@ -144,3 +160,107 @@ def scatter_to_group(tensor: torch.Tensor, group: ProcessSet) -> torch.Tensor:
 def allreduce_max_no_grad(tensor: torch.Tensor, group: ProcessSet) -> torch.Tensor:
     """The element-wise maximum over ``group`` of a tensor that carries no gradient."""
     return _allreduce(tensor.detach(), group, Max, "max")
+
+
+# ----------------------------------------------------------------- sequence parallelism
+
+def check_sequence(tensor: torch.Tensor, group: ProcessSet, what: str, whole: bool) -> None:
+    """Raise unless ``tensor`` is ``(batch, seq, ...)`` with a sequence the group divides (``whole``)."""
+    problem = sequence_problem(tuple(tensor.shape), set_size(group), what, whole)
+    if problem:
+        raise ValueError(problem)
+
+
+def _gather_seq(tensor: torch.Tensor, group: ProcessSet) -> torch.Tensor:
+    """Every shard's positions concatenated along the sequence, in shard order."""
+    if set_size(group) == 1:
+        return tensor
+    front = tensor.movedim(SEQ_DIM, 0).contiguous()
+    return synchronize(allgather_async(front, process_set=group)).movedim(0, SEQ_DIM)
+
+
+def _seq_slice(tensor: torch.Tensor, group: ProcessSet) -> torch.Tensor:
+    """This shard's equal piece of the sequence."""
+    parts = set_size(group)
+    if parts == 1:
+        return tensor
+    piece = tensor.shape[SEQ_DIM] // parts
+    return tensor.narrow(SEQ_DIM, set_rank(group) * piece, piece).contiguous()
+
+
+def _reduce_scatter_seq(tensor: torch.Tensor, group: ProcessSet) -> torch.Tensor:
+    """The sum over the group, this shard's positions of it."""
+    if set_size(group) == 1:
+        return tensor
+    front = tensor.movedim(SEQ_DIM, 0).contiguous()
+    return synchronize(reducescatter_async(front, op=Sum, process_set=group)).movedim(0, SEQ_DIM).contiguous()
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: ProcessSet) -> torch.Tensor:
+        ctx.group = group
+        return _fresh(_seq_slice(tensor, group), tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return _gather_seq(grad, ctx.group), None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: ProcessSet, to_parallel: bool) -> torch.Tensor:
+        ctx.group, ctx.to_parallel = group, to_parallel
+        return _fresh(_gather_seq(tensor, group), tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        if ctx.to_parallel:
+            return _reduce_scatter_seq(grad, ctx.group), None, None
+        return _seq_slice(grad, ctx.group), None, None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: ProcessSet) -> torch.Tensor:
+        ctx.group = group
+        return _fresh(_reduce_scatter_seq(tensor, group), tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return _gather_seq(grad, ctx.group), None
+
+
+def scatter_to_sequence(tensor: torch.Tensor, group: ProcessSet) -> torch.Tensor:
+    """This shard's ``seq / tp`` positions of a replicated ``(batch, seq, ...)`` tensor.
+
+    Enters sequence parallelism; backward all-gathers the gradient along the sequence.
+
+    Raises:
+        ValueError: fewer than 2 dimensions, or a sequence the group does not divide.
+    """
+    check_sequence(tensor, group, "scatter_to_sequence", whole=True)
+    return _ScatterToSequence.apply(tensor, group)
+
+
+def gather_from_sequence(tensor: torch.Tensor, group: ProcessSet, to_parallel: bool = True) -> torch.Tensor:
+    """All the shards' positions, concatenated along the sequence (dimension 1).
+
+    Args:
+        to_parallel: the result feeds a tensor-parallel layer (a column layer: every rank's
+            gradient is a partial sum, so backward reduce-scatters it); False when it feeds
+            computation replicated on every rank (every rank's gradient is already whole, so
+            backward keeps this shard's positions).
+    """
+    check_sequence(tensor, group, "gather_from_sequence", whole=False)
+    return _GatherFromSequence.apply(tensor, group, bool(to_parallel))
+
+
+def reduce_scatter_to_sequence(tensor: torch.Tensor, group: ProcessSet) -> torch.Tensor:
+    """The sum over the group of ``(batch, seq, ...)`` partial results, this shard's positions of it.
+
+    A row layer's exit under sequence parallelism (instead of ``g``'s all-reduce); backward
+    all-gathers the gradient.
+    """
+    check_sequence(tensor, group, "reduce_scatter_to_sequence", whole=True)
+    return _ReduceScatterToSequence.apply(tensor, group)

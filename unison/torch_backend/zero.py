@@ -93,7 +93,7 @@ class _ZeroOptimizer(ZeroStateMixin):
         self._world, self._rank = self.process_set.size(), self.process_set.rank()
         self._names = {p: n for n, p in named}
         self._parameter_names = self._names
-        self._base = frontend._auto_name("ZeroOptimizer", None)
+        self._base = frontend._auto_name("ZeroOptimizer", None, process_set)
         self.plan = plan
         self._buckets = self._flatten()
         self._bucket_of = {p: b for b in self._buckets for p in b.params}

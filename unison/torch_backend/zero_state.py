@@ -182,7 +182,8 @@ def agree_on_stage(zero_stage: int, signature: str | None, process_set: ProcessS
     if runtime.size() == 1:
         return
     mine = (zero_stage, signature)
-    everyone = allgather_object(mine, frontend._auto_name("DistributedOptimizer.agree", None), process_set)
+    name = frontend._auto_name("DistributedOptimizer.agree", None, process_set)
+    everyone = allgather_object(mine, name, process_set)
     if len(set(everyone)) > 1:
         table = ", ".join(f"rank {r}: zero_stage={s}" + (f" plan {sig}" if sig else "")
                           for r, (s, sig) in enumerate(everyone))

@@ -50,7 +50,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     Raises:
         ValueError: ``root_rank`` is not a member of ``process_set``.
     """
-    name = name or frontend._auto_name("broadcast_object", None)
+    name = name or frontend._auto_name("broadcast_object", None, process_set)
     payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
     root = _set_root(int(root_rank), process_set)
     size = frontend.broadcast(np.array([payload.size], dtype=np.int64), root, f"{name}.size", process_set)
@@ -63,7 +63,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
 
 def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet | None = None) -> list:
     """Return the list of every rank's ``obj`` (pickled), in rank order."""
-    name = name or frontend._auto_name("allgather_object", None)
+    name = name or frontend._auto_name("allgather_object", None, process_set)
     payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
     sizes = frontend.allgather(np.array([payload.size], dtype=np.int64), f"{name}.sizes", process_set)
     data = frontend.allgather(payload, f"{name}.data", process_set)

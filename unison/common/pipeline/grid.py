@@ -38,6 +38,11 @@ class PipelineGrid:
         pipeline: this rank's pipeline ``d`` (its rank among the replicas).
         position: this rank's place ``i`` in its pipeline (it holds stages ``i, i + pp, ...``).
         data_set: the registered process set of the ranks at this position; None when ``dp == 1``.
+        tp: ranks per tensor group: each stage is split over ``tp`` ranks, which run the
+            schedule in lockstep as ``tp`` pipelines (one per shard) and hold the same loss.
+        shard: this rank's index in its tensor group.
+        ranks: the job ranks of this rank's pipeline in stage order, when they are not
+            ``pipeline * pp + i`` (a data x pipeline x tensor grid).
     """
 
     pp: int
@@ -45,10 +50,15 @@ class PipelineGrid:
     pipeline: int
     position: int
     data_set: ProcessSet | None = None
+    tp: int = 1
+    shard: int = 0
+    ranks: tuple[int, ...] | None = None
 
     @property
     def pipeline_ranks(self) -> list[int]:
         """The job ranks of this rank's pipeline, in stage order."""
+        if self.ranks is not None:
+            return list(self.ranks)
         return [self.pipeline * self.pp + i for i in range(self.pp)]
 
 

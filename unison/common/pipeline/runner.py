@@ -126,7 +126,7 @@ class PipelineRunner:
     def __init__(self, schedule: Schedule, chunks: int, grid: PipelineGrid,
                  names: tuple[str, str] = ("inputs", "targets"), **layout: Any) -> None:
         same_on_every_rank(world_comm(), schedule=schedule.name, p=schedule.p, chunks=chunks, v=schedule.v,
-                           pp=grid.pp, dp=grid.dp, **layout)
+                           pp=grid.pp, dp=grid.dp, tp=grid.tp, **layout)
         self.schedule, self.chunks, self.grid, self.names = schedule, chunks, grid, names
         self._world = world_comm().Dup()
         pipe = self._world.Split(color=grid.pipeline, key=grid.position)
@@ -190,7 +190,7 @@ class PipelineRunner:
 
         total = np.array([local if self.holds_last else 0.0])
         self._world.Allreduce(MPI.IN_PLACE, [total, MPI.DOUBLE], op=MPI.SUM)
-        return float(total[0]) / (self.grid.dp if mean else 1)
+        return float(total[0]) / ((self.grid.dp if mean else 1) * self.grid.tp)  # a tensor group's ranks agree
 
     def close(self) -> None:
         """Free the communicators and buffers (collective); idempotent."""

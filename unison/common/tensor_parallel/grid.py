@@ -20,6 +20,8 @@ A :class:`Grid` is plain data: it can be built, printed and checked in one proce
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from unison.common import runtime
@@ -191,3 +193,23 @@ class Grid:
         me = runtime.rank()
         mine = {kind: next(s for s in sets if me in (s.ranks or [])) for kind, sets in cache[self].items()}
         return GridSets(mine["tp"], mine["dp"], mine["pp"])
+
+    # ------------------------------------------------------------------ picture
+
+    def render_png(self, path: str | os.PathLike[str], title: str | None = None,
+                   stage_labels: Sequence[str] | None = None) -> None:
+        """Draw this grid into a PNG: one box per rank, rows are stages, column groups data replicas,
+        tensor shards side by side (see :mod:`unison.common.tensor_parallel.render`).
+
+        Args:
+            path: the PNG to write (atomically); its folder must exist.
+            title: the heading; default the grid, its size and the rank formula.
+            stage_labels: one line per pipeline stage shown under ``stage p`` (what it holds).
+
+        Raises:
+            TypeError, ValueError, FileNotFoundError, IsADirectoryError: a bad ``path`` or
+                ``stage_labels``, or more ranks than one picture draws; the message says which.
+        """
+        from unison.common.tensor_parallel.render import render_png
+
+        render_png(self, path, title=title, stage_labels=stage_labels)

@@ -1,0 +1,243 @@
+"""``save_tensor_parallel`` / ``load_tensor_parallel``: a tensor-parallel Keras 3 model, one shard per rank.
+
+The Keras twin of ``unison/torch_backend/tensor_parallel_checkpoint.py``, over the same
+framework-neutral core ([Note: canonical layout of a tensor-parallel entry] in
+``unison/common/tensor_parallel/checkpoint.py``). Keras keeps a ``Dense`` kernel as ``(in, out)``,
+so a column layer splits kernel axis 1 and a row layer axis 0 (the transpose of torch's); the
+spec carries the axis, the layout follows.
+
+[Note: Keras entry names are attribute paths]
+Entries are named ``<attribute path>/<variable name>`` (``block/attn/qkv/kernel``), found by
+walking the model's public attributes that are layers (and lists of layers; a ``Sequential`` or
+functional model's layers by their names). Keras's own ``variable.path`` does not serve: a layer
+made in its parent's ``__init__`` gets no parent prefix, and an auto-generated layer name
+(``column_parallel_linear_3``) counts the layers this process made before, so it differs between
+a parallel model and its plain source. A plain ``keras.layers.MultiHeadAttention`` (self-attention
+as :class:`ParallelSelfAttention` accepts it) is named like the parallel layer: ``qkv/kernel`` is
+its q, k and v kernels reshaped to ``(hidden, hidden)`` and concatenated along the output axis,
+``out/kernel`` its output kernel as ``(hidden, hidden)``, so a block built by
+``from_multi_head_attention`` and its plain source share a checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import keras
+import numpy as np
+
+from unison.common import runtime
+from unison.common.checkpoints import Manifest
+from unison.common.engine.process_sets import ProcessSet
+from unison.common.tensor_parallel import checkpoint as tpck
+from unison.common.tensor_parallel.checkpoint import REPLICATED, ShardSpec, TPParam
+from unison.common.tensor_parallel.groups import group_position
+from unison.tf_backend.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from unison.tf_backend.tensor_parallel_blocks import ParallelSelfAttention
+
+__all__ = ["save_tensor_parallel", "load_tensor_parallel"]
+
+#: layer class -> {variable path inside the layer: how the layer splits it}; variables not listed
+#: are replicated; a container's entries override its children's (fused q/k/v: 3 blocks).
+SPLITS: list[tuple[type, dict[str, ShardSpec]]] = [
+    (ColumnParallelLinear, {"kernel": ShardSpec(1), "bias": ShardSpec(0)}),
+    (RowParallelLinear, {"kernel": ShardSpec(0)}),
+    (VocabParallelEmbedding, {"embeddings": ShardSpec(0)}),
+    (ParallelSelfAttention, {"qkv/kernel": ShardSpec(1, 3), "qkv/bias": ShardSpec(0, 3)}),
+]
+
+
+class _Slot(NamedTuple):
+    """One entry of a Keras model: its name, the layer whose group splits it, read and write."""
+
+    name: str
+    owner: Any
+    get: Callable[[], np.ndarray]
+    set: Callable[[np.ndarray], None]
+    dtype: str
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}/{name}" if prefix else name
+
+
+def _children(layer: Any) -> list[tuple[str, Any]]:
+    found: list[tuple[str, Any]] = []
+    for attr, value in vars(layer).items():
+        if attr.startswith("_"):
+            continue
+        if isinstance(value, keras.layers.Layer):
+            found.append((attr, value))
+        elif isinstance(value, (list, tuple)):
+            found += [(f"{attr}/{i}", v) for i, v in enumerate(value) if isinstance(v, keras.layers.Layer)]
+    if not found and isinstance(layer, keras.Model):  # Sequential / functional: layers by name
+        found = [(child.name, child) for child in layer.layers]
+    return found
+
+
+def _layers(root: Any) -> Iterator[tuple[str, Any]]:
+    """``(attribute path, layer)``, parents before children, each layer once (at its first path)."""
+    seen: set[int] = set()
+    stack = [("", root)]
+    while stack:
+        path, layer = stack.pop(0)
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        yield path, layer
+        if not isinstance(layer, keras.layers.MultiHeadAttention):
+            stack[0:0] = [(_join(path, name), child) for name, child in _children(layer)]
+
+
+def _variable_slot(name: str, owner: Any, variable: Any) -> _Slot:
+    return _Slot(name, owner, lambda: np.asarray(variable.numpy()), lambda a: variable.assign(a),
+                 str(variable.dtype))
+
+
+def _plain_mha(mha: keras.layers.MultiHeadAttention) -> bool:
+    if not mha.built or not mha.use_bias:
+        return False
+    hidden = int(mha.query_dense.kernel.shape[0])
+    return (mha.num_heads * mha.key_dim == hidden and mha.value_dim == mha.key_dim
+            and int(mha.output_dense.kernel.shape[-1]) == hidden
+            and tuple(mha.query_dense.kernel.shape) == tuple(mha.key_dense.kernel.shape))
+
+
+def _mha_slots(path: str, mha: keras.layers.MultiHeadAttention) -> list[_Slot]:
+    """A plain MultiHeadAttention as ParallelSelfAttention's four entries (see the module's note)."""
+    parts = (mha.query_dense, mha.key_dense, mha.value_dense)
+    hidden = int(mha.query_dense.kernel.shape[0])
+    out = mha.output_dense
+
+    def put(variables: list[Any], array: np.ndarray, axis: int) -> None:
+        for variable, piece in zip(variables, np.split(array, len(variables), axis=axis), strict=True):
+            variable.assign(piece.reshape(tuple(variable.shape)))
+
+    dtype = str(out.kernel.dtype)
+    return [
+        _Slot(_join(path, "qkv/kernel"), mha,
+              lambda: np.concatenate([np.reshape(p.kernel.numpy(), (hidden, hidden)) for p in parts], 1),
+              lambda a: put([p.kernel for p in parts], a, 1), dtype),
+        _Slot(_join(path, "qkv/bias"), mha,
+              lambda: np.concatenate([np.reshape(p.bias.numpy(), -1) for p in parts]),
+              lambda a: put([p.bias for p in parts], a, 0), dtype),
+        _Slot(_join(path, "out/kernel"), mha, lambda: np.reshape(out.kernel.numpy(), (hidden, hidden)),
+              lambda a: out.kernel.assign(a.reshape(tuple(out.kernel.shape))), dtype),
+        _variable_slot(_join(path, "out/bias"), mha, out.bias),
+    ]
+
+
+def _own_variables(layer: Any, children: list[tuple[str, Any]]) -> list[Any]:
+    """The variables ``layer`` made itself (not its children's, nor those of layers it replaced).
+
+    Keras keeps a layer's own variables in ``_trainable_variables`` / ``_non_trainable_variables``
+    (Keras 3); ``layer.weights`` also lists every layer ever assigned to an attribute, including
+    one since replaced (a plain ``Dense`` swapped for its parallel layer), so it cannot serve.
+    """
+    own = getattr(layer, "_trainable_variables", None)
+    if own is not None:
+        return list(own) + list(getattr(layer, "_non_trainable_variables", []))
+    theirs = {id(v) for _, child in children for v in child.weights}
+    return [v for v in layer.weights if id(v) not in theirs]
+
+
+def _slots(model: Any) -> tuple[list[_Slot], dict[str, ShardSpec]]:
+    """Every variable of ``model`` as a named slot, and entry name -> spec for the split ones."""
+    slots: list[_Slot] = []
+    specs: dict[str, ShardSpec] = {}
+    layers = list(_layers(model))
+    for path, layer in layers:
+        if isinstance(layer, keras.layers.MultiHeadAttention):
+            slots += _mha_slots(path, layer) if _plain_mha(layer) else [
+                _variable_slot(_join(path, "/".join(v.path.split("/")[-2:])), layer, v) for v in layer.weights]
+            continue
+        slots += [_variable_slot(_join(path, v.name), layer, v) for v in _own_variables(layer, _children(layer))]
+    for path, layer in reversed(layers):  # children first: containers override
+        for cls, table in SPLITS:
+            if isinstance(layer, cls):
+                specs.update({_join(path, key): spec for key, spec in table.items()})
+    return slots, specs
+
+
+def _describe(model: Any, with_arrays: bool) -> list[tuple[TPParam, _Slot]]:
+    slots, specs = _slots(model)
+    owners = {slot.name: slot.owner for slot in slots}
+    out = []
+    for slot in slots:
+        spec = specs.get(slot.name, REPLICATED)
+        array = slot.get()
+        tp, index = (1, 0) if spec.axis is None else group_position(
+            owners[slot.name].process_set, "save_tensor_parallel/load_tensor_parallel")
+        shape = list(array.shape)
+        if spec.axis is not None:
+            shape[spec.axis] *= tp
+        out.append((TPParam(slot.name, tuple(shape), spec, tp, index, array if with_arrays else None,
+                            str(array.dtype)), slot))
+    return out
+
+
+def _comm(local: bool) -> Any:
+    if local:
+        return None
+    st = runtime.state("unison.tf_backend.save_tensor_parallel()")
+    return st.comm if st.size > 1 else None
+
+
+def save_tensor_parallel(path: str | os.PathLike[str], model: Any, metadata: dict[str, Any] | None = None,
+                         data_process_set: ProcessSet | None = None, consolidated: bool = False,
+                         local: bool = False) -> Manifest:
+    """Save a (tensor-, pipeline-, data-) parallel Keras model collectively: each shard once, by its own rank.
+
+    Every rank of the job calls it with the same ``path`` (unless ``local``). Entries are named
+    by attribute paths ([Note: Keras entry names are attribute paths]); split variables are
+    written one run per shard, replicated ones once.
+
+    Args:
+        path: a folder (or one file with ``consolidated=True``) every rank can see.
+        model: this rank's built model or layer: parallel layers, plain layers, or both.
+        metadata: JSON-serializable extras, returned by :func:`load_tensor_parallel`.
+        data_process_set: this rank's data-parallel group: only data replica 0 writes. None:
+            every rank writes.
+        consolidated: one file written by rank 0 instead of a folder.
+        local: this process saves alone; no other rank calls.
+
+    Returns:
+        The committed manifest, on every rank.
+
+    Raises:
+        unison.common.checkpoints.CheckpointError: on every rank, naming what failed.
+    """
+    comm = _comm(local)
+    writes = tpck.replica_writes(data_process_set, comm)
+    params = [p for p, _ in _describe(model, with_arrays=writes)]
+    return tpck.save(path, params, comm, writes, metadata, consolidated)
+
+
+def load_tensor_parallel(path: str | os.PathLike[str], model: Any, local: bool = False,
+                         verify: str = "read") -> dict[str, Any]:
+    """Load a checkpoint of :func:`save_tensor_parallel` into a built Keras model at any tp / pp.
+
+    Each rank reads only its own shards when its layers split them as the saving layers did; a
+    plain layer reads the entry whole; a split layer slices an entry saved whole.
+
+    Args:
+        path: the checkpoint folder or file.
+        model: this rank's built model (its variables exist).
+        local: this process loads alone; no other rank calls.
+        verify: ``"read"`` or ``"all"``, as ``unison.common.checkpoints.load``.
+
+    Returns:
+        The user metadata given to :func:`save_tensor_parallel`.
+
+    Raises:
+        unison.common.checkpoints.CheckpointError: on every rank: a missing entry, a different
+            full shape, a variable split differently from the saved one, or a missing, corrupt
+            or mismatched checkpoint.
+    """
+    described = _describe(model, with_arrays=False)
+    pieces, user = tpck.load(path, [p for p, _ in described], _comm(local), verify)
+    for param, slot in described:
+        slot.set(pieces[param.name].astype(param.dtype, copy=False))
+    return user
