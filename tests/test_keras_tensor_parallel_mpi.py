@@ -10,7 +10,7 @@ from harness import run_rank_suite
 
 
 @pytest.mark.mpi
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(660)
 def test_keras_tensor_parallel(tmp_path):
-    run_rank_suite(4, "mpi_keras_tensor_parallel.py", tmp_path, timeout=420,
-                   extra_env={"TEST_HANG_DUMP_S": "360"})
+    run_rank_suite(4, "mpi_keras_tensor_parallel.py", tmp_path, timeout=600,
+                   extra_env={"TEST_HANG_DUMP_S": "540"})

@@ -415,6 +415,117 @@ def test_dropout_without_a_seed_is_refused():
         tensor_parallel_random._SEQUENCE.update(saved)
 
 
+# ------------------------------------------------------------------ a GPT through the Keras pipeline on the grid
+
+VOCAB, GPT_SEQ, GPT_HIDDEN, GPT_HEADS, GPT_FFN = 16, 6, 8, 4, 16
+
+
+class Embed(keras.layers.Layer):
+    """Token embedding (vocabulary-parallel in the split model) plus learned positions."""
+
+    def __init__(self, tok: keras.layers.Layer, positions: np.ndarray, **kwargs) -> None:
+        super().__init__(dtype=D, **kwargs)
+        self.tok = tok
+        self.pos = self.add_weight(shape=positions.shape, initializer="zeros", name="pos", dtype=D)
+        self.pos.assign(positions)
+        self.built = True
+
+    def call(self, ids, training=None):
+        return self.tok(ids) + self.pos[:GPT_SEQ]
+
+
+class Head(keras.layers.Layer):
+    """Final norm and the vocabulary projection (column-parallel, logits left split, in the split model)."""
+
+    def __init__(self, norm: keras.layers.Layer, proj: keras.layers.Layer, **kwargs) -> None:
+        super().__init__(dtype=D, **kwargs)
+        self.norm, self.proj = norm, proj
+        self.built = True
+
+    def call(self, x, training=None):
+        return self.proj(self.norm(x))
+
+
+class BlockLayer(keras.layers.Layer):
+    """The unsplit Block as a Keras layer (so the reference model trains with a tape)."""
+
+    def __init__(self, block: Block, **kwargs) -> None:
+        super().__init__(dtype=D, **kwargs)
+        self.block = block
+        self.parts = [block.ln1, block.attn, block.ln2, block.fc1, block.fc2]
+        self.built = True
+
+    def call(self, x, training=None):
+        return self.block(x)
+
+
+def reference_gpt() -> list:
+    emb = keras.layers.Embedding(VOCAB, GPT_HIDDEN, dtype=D)
+    emb.build((None, GPT_SEQ))
+    randomize(emb, 50)
+    blocks = [BlockLayer(Block(GPT_HIDDEN, GPT_HEADS, GPT_FFN)) for _ in range(2)]
+    rng = np.random.default_rng(51)
+    for w in blocks[1].block.attn.weights + blocks[1].block.fc1.weights:  # the Block's seeds are fixed
+        w.assign(w + 0.1 * rng.standard_normal(w.shape))
+    norm = keras.layers.LayerNormalization(epsilon=1e-5, dtype=D)
+    norm.build((None, None, GPT_HIDDEN))
+    randomize(norm, 52)
+    head = Head(norm, dense(54, GPT_HIDDEN, VOCAB, False))
+    return [Embed(emb, seeded(53, GPT_SEQ, GPT_HIDDEN) * 0.5), *blocks, head]
+
+
+def parallel_gpt(ref: list, ps: hvd.ProcessSet) -> list:
+    norm = keras.layers.LayerNormalization(epsilon=1e-5, dtype=D)
+    norm.build((None, None, GPT_HIDDEN))
+    norm.set_weights(ref[-1].norm.get_weights())
+    blocks = [hvd.ParallelTransformerBlock.from_layers(*b.parts, causal=True, process_set=ps) for b in ref[1:-1]]
+    return [Embed(hvd.VocabParallelEmbedding.from_embedding(ref[0].tok, ps), np.asarray(ref[0].pos)), *blocks,
+            Head(norm, hvd.ColumnParallelLinear.from_dense(ref[-1].proj, process_set=ps))]
+
+
+def reference_step(ref: list, variables: list, optimizer, ids: np.ndarray, targets: np.ndarray) -> float:
+    with tf.GradientTape() as tape:
+        x = tf.constant(ids)
+        for layer in ref:
+            x = layer(x)
+        loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(targets, x, from_logits=True))
+    optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables, strict=True))
+    return float(loss)
+
+
+@pytest.mark.parametrize("dp,pp,tp", [(1, 2, 2), (2, 1, 2)])
+def test_gpt_trains_through_the_keras_pipeline_on_the_grid_like_one_process(dp, pp, tp):
+    from unison.common.tensor_parallel import grid_pipeline
+
+    if dp * pp * tp != N:
+        pytest.skip(f"needs {dp * pp * tp} ranks")
+    grid = Grid(dp=dp, pp=pp, tp=tp)
+    sets = grid.register()
+    rng = np.random.default_rng(55)
+    ids, targets = rng.integers(0, VOCAB, (8, GPT_SEQ)), rng.integers(0, VOCAB, (8, GPT_SEQ))
+    ref = reference_gpt()
+    ref_vars = [v for layer in ref for v in layer.trainable_variables]
+    ref_opt = keras.optimizers.SGD(0.2)
+    pipe = hvd.Pipeline(parallel_gpt(ref, sets.tp), balance=[2, 2] if pp == 2 else [4], chunks=2,
+                        loss=lambda y, out: hvd.vocab_parallel_cross_entropy(out, y, process_set=sets.tp),
+                        optimizer=lambda: keras.optimizers.SGD(0.2), grid=grid_pipeline(grid, sets))
+    _, d, _ = grid.coords(R)
+    rows = slice(d * 8 // dp, (d + 1) * 8 // dp)  # this replica's part of the global batch
+    try:
+        for _ in range(2):
+            loss = pipe.train_step(ids[rows], targets[rows])
+            ref_loss = reference_step(ref, ref_vars, ref_opt, ids, targets)
+            assert abs(loss - ref_loss) < 1e-5, (loss, ref_loss)  # the pipeline's loss is float32
+        expected = parallel_gpt(ref, sets.tp)  # the trained reference, split the same way
+        for stage, layers in pipe.layer_ranges.items():
+            for mine, want in zip(pipe.stages[stage].layers, (expected[i] for i in layers), strict=True):
+                for got, exp in zip(mine.trainable_weights, want.trainable_weights, strict=True):
+                    np.testing.assert_allclose(np.asarray(got), np.asarray(exp), rtol=1e-5, atol=1e-6,
+                                               err_msg=got.path)
+    finally:
+        pipe.close()
+
+
 # ------------------------------------------------------------------ bad sizes, exports and the grid
 
 

@@ -410,3 +410,44 @@ def test_fp16_compression_reduces_in_half_and_stays_close(stage):
         opt.step()
     assert sent and {str(d) for d in sent} == {"float16"}
     assert_same_weights(model, ref, tol=2e-3)
+
+
+class TwoHeads(torch.nn.Module):
+    """A trunk and two heads; a step uses one head, so the other gets no gradient that step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.trunk, self.a, self.b = torch.nn.Linear(7, 6), torch.nn.Linear(6, 5), torch.nn.Linear(6, 5)
+
+    def forward(self, x: torch.Tensor, head: str) -> torch.Tensor:
+        return getattr(self, head)(torch.tanh(self.trunk(x)))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("zero_grad", ["optimizer", "model", "optimizer_keep"])
+def test_a_parameter_without_a_gradient_this_step_contributes_nothing(stage, zero_grad):
+    """Heads alternate; whatever zero_grad the user calls, a head unused this step must not be moved
+    by an earlier step's gradient (stage 1 keeps gradient views that a step does not clear)."""
+    heads = ["a", "b", "a", "a"]
+    ref = TwoHeads()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)  # no momentum: a zero gradient moves nothing
+    for step, head in enumerate(heads):
+        ref_opt.zero_grad()
+        x, y = data(step)
+        torch.nn.functional.mse_loss(ref(x, head), y).backward()
+        ref_opt.step()
+    model = TwoHeads()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), zero_stage=stage,
+                                   zero_bucket_bytes=64)
+    for step, head in enumerate(heads):
+        if zero_grad == "model":
+            model.zero_grad()
+        else:
+            opt.zero_grad(set_to_none=zero_grad == "optimizer")
+        x, y = local(step)
+        torch.nn.functional.mse_loss(model(x, head), y).backward()
+        opt.step()
+    for (name, got), want in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=TOL, atol=TOL, msg=lambda m, n=name: f"{n}: {m}")

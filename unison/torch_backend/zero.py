@@ -56,7 +56,7 @@ class _BucketState:
     """One bucket on this rank: the flat weights, its segment, gradients and what is in flight."""
 
     __slots__ = ("bucket", "params", "flat", "segment", "master", "grad_flat", "staging", "fired",
-                 "handle", "ctx", "gather", "pos", "grad_views")
+                 "handle", "ctx", "gather", "pos", "grad_views", "fresh")
 
     def __init__(self, bucket: Bucket, params: list[torch.Tensor], flat: torch.Tensor, rank: int) -> None:
         self.bucket, self.params, self.flat = bucket, params, flat
@@ -66,6 +66,7 @@ class _BucketState:
         self.segment = flat[lo:hi]
         self.master: torch.nn.Parameter | None = None
         self.grad_flat: torch.Tensor | None = None
+        self.fresh = True  # stage 2: the next reduce-scatter result replaces master.grad (not added)
         self.staging: torch.Tensor | None = None
         self.fired: set[int] = set()
         self.handle: Any = None
@@ -172,6 +173,26 @@ class _ZeroOptimizer(ZeroStateMixin):
             if len(st.fired) == len(st.params):
                 self._submit(st, st.grad_flat)
 
+    def _gather_views(self, st: _BucketState) -> None:
+        """Stage 1, before a bucket that did not fire is reduced: every gradient into its view.
+
+        [Note: stage 1's gradient views] After ``zero_grad(set_to_none=True)`` (the default) the
+        views are not cleared (a memset of every gradient, each step) but left stale: the first
+        backward pass copies each new gradient into its view (``_stage1_grad``), later passes
+        accumulate into it in place. A parameter that got no gradient this step still holds the
+        last step's in its view, so it is zeroed here, and one whose ``.grad`` is some other
+        tensor (assigned by hand) is copied in.
+        """
+        with torch.no_grad():
+            for p, view in zip(st.params, st.grad_views, strict=True):
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                else:
+                    continue
+                p.grad = view
+
     def _stage2_grad(self, p: torch.Tensor, st: _BucketState) -> None:
         if id(p) in st.fired:  # a new backward pass began before this bucket completed: flush it
             self._flush(st)
@@ -222,10 +243,11 @@ class _ZeroOptimizer(ZeroStateMixin):
             with torch.no_grad():
                 own.copy_(seg)
             st.master.grad = own
-        elif st.master.grad is None or self.zero_stage == 1:
+        elif st.master.grad is None or self.zero_stage == 1 or st.fresh:
             st.master.grad = seg.to(st.master.dtype)
         else:
             st.master.grad.add_(seg.to(st.master.dtype))
+        st.fresh = False
 
     def zero_working_bytes(self) -> int:
         """Bytes held now beyond ZeRO's formula (docs/zero.md): the fp32 gradients of half-precision
@@ -243,6 +265,7 @@ class _ZeroOptimizer(ZeroStateMixin):
         for st in self._buckets:
             if self.zero_stage == 1:
                 if st.handle is None:
+                    self._gather_views(st)
                     self._submit(st, st.grad_flat)
                 continue
             if st.fired or st.staging is not None:
@@ -283,6 +306,8 @@ class _ZeroOptimizer(ZeroStateMixin):
                                "first; the gradients have not been reduced yet")
         self._sync_hyperparameters()
         self._step_and_gather()
+        for st in self._buckets:  # the next step's first reduction replaces the shard's gradient, whichever
+            st.fresh = True        # zero_grad the user calls (model.zero_grad() never sees these shards)
         self._synchronized = False
         return None
 
@@ -326,10 +351,12 @@ class _ZeroOptimizer(ZeroStateMixin):
             self._land(st)
 
     def _land(self, st: _BucketState) -> None:
-        full = from_numpy(st.gather.wait())
+        full = from_numpy(st.gather.wait()).view(-1)
         st.gather = None
+        lo, hi = st.bucket.segment(self._rank)  # this rank's own segment is in place already
         with torch.no_grad():
-            st.flat.copy_(full.view(-1))
+            st.flat[:lo].copy_(full[:lo])
+            st.flat[hi:].copy_(full[hi:])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if any(st.handle is not None for st in self._buckets):
@@ -337,7 +364,10 @@ class _ZeroOptimizer(ZeroStateMixin):
                                "optimizer.step() or optimizer.synchronize(): the gradients are still being "
                                "reduced. Call step() (or synchronize()) first")
         for st in self._buckets:
-            if st.grad_flat is not None:
+            if st.grad_flat is not None and set_to_none:  # see [Note: stage 1's gradient views]
+                for p in st.params:
+                    p.grad = None
+            elif st.grad_flat is not None:
                 st.grad_flat.zero_()
                 for p, view in zip(st.params, st.grad_views, strict=True):
                     p.grad = view

@@ -301,6 +301,8 @@ class KerasStages:
                              "pass y with as many rows as x")
 
     def _add(self, stage: int, grads: list[tf.Tensor]) -> None:
+        # an embedding's gradient is tf.IndexedSlices (no "+"): summed over microbatches as a dense tensor
+        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
         held = self.grads.get(stage)
         self.grads[stage] = list(grads) if held is None else [a + g for a, g in zip(held, grads, strict=True)]
 
