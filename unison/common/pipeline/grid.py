@@ -40,7 +40,6 @@ class PipelineGrid:
         data_set: the registered process set of the ranks at this position; None when ``dp == 1``.
         tp: ranks per tensor group: each stage is split over ``tp`` ranks, which run the
             schedule in lockstep as ``tp`` pipelines (one per shard) and hold the same loss.
-        shard: this rank's index in its tensor group.
         ranks: the job ranks of this rank's pipeline in stage order, when they are not
             ``pipeline * pp + i`` (a data x pipeline x tensor grid).
     """
@@ -51,7 +50,6 @@ class PipelineGrid:
     position: int
     data_set: ProcessSet | None = None
     tp: int = 1
-    shard: int = 0
     ranks: tuple[int, ...] | None = None
 
     @property

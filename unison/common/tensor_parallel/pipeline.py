@@ -34,5 +34,5 @@ def grid_pipeline(grid: Grid, sets: GridSets | None = None) -> PipelineGrid:
     me = runtime.rank()
     p, d, t = grid.coords(me)
     return PipelineGrid(pp=grid.pp, dp=grid.dp, pipeline=d * grid.tp + t, position=p,
-                        data_set=sets.dp if grid.dp > 1 else None, tp=grid.tp, shard=t,
+                        data_set=sets.dp if grid.dp > 1 else None, tp=grid.tp,
                         ranks=tuple(grid.pp_group_ranks(me)))

@@ -212,7 +212,7 @@ class Pipeline(PipelineRunner):
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         host = [g.detach().cpu() if g.device.type != "cpu" else g for g in grads]
-        grouped_allreduce_(host, op=Average, name=f"{self._name}.grads.{self.grid.position}.{self.grid.shard}",
+        grouped_allreduce_(host, op=Average, name=f"{self._name}.grads.{self.grid.position}",
                            process_set=self.grid.data_set)
         for p, g, h in zip(params, grads, host, strict=True):
             p.grad = g if h is g else h.to(g.device)
