@@ -22,7 +22,7 @@ What is measured:
   Keras' layout (conv ``kh x kw x in x out``, fc ``in x out``). ``small1000``:
   1,000 tensors of 1,000 float32. Both are submitted in backward order (the last
   layer first), as gradient hooks would see them. ``latency4B``: one 4-byte
-  all-reduce.
+  all-reduce; ``latency4K``: one 4 KiB (1024 float32) all-reduce.
 * Impls (``--impls``), for ``resnet50`` and ``small1000``:
 
   - ``engine-fused``: one ``unison.allreduce_async`` per tensor, each under a
@@ -40,8 +40,18 @@ What is measured:
     one mpi4py ``Allreduce`` of it, and the result copied back out into one
     buffer per tensor; both copies are timed, as fusion's copies are.
 
-  For ``latency4B``: ``engine`` (``unison.allreduce`` of a 1-element float32
-  array under the name ``"lat"``) and ``mpi-native`` (mpi4py ``Allreduce``).
+  - ``torch-fused``: the same per-tensor calls through the PyTorch adapter:
+    ``unison.torch_backend.allreduce_async(t, name=..., op=Sum)`` on CPU torch
+    tensors (sharing the numpy inputs' memory), then ``synchronize`` on every
+    handle, which returns a new torch tensor per input (Horovod's contract).
+  - ``tf-fused``: ``unison.tf_backend.grouped_allreduce`` of the whole set inside
+    one ``tf.function`` on TensorFlow tensors (the adapter's graph ops), the
+    results read back with ``.numpy()``.
+
+  For ``latency4B`` and ``latency4K``: ``engine`` (``unison.allreduce`` of the array
+  under the name ``"lat"``), ``engine-unnamed`` (no name: the engine makes one per
+  call), ``torch`` and ``torch-unnamed`` (``unison.torch_backend.allreduce`` of a
+  torch tensor, with and without a name) and ``mpi-native`` (mpi4py ``Allreduce``).
   The mpi4py calls run on a ``Dup`` of ``COMM_WORLD``, the communicator type the
   engine itself uses. The engine calls return new arrays, as its API does.
 * The op is ``Sum`` everywhere, so every impl computes the same thing. Inputs
@@ -50,11 +60,11 @@ What is measured:
   (every rank agrees on it), left out of the outputs, and makes the exit status 1.
 * Timing: each impl is warmed up for ``--warmup`` steps (the engine's first step
   negotiates every name in full, later ones hit its response cache), then timed
-  ``--repeats`` steps (``--latency-repeats`` for ``latency4B``), each step alone
+  ``--repeats`` steps (``--latency-repeats`` for the latency cases), each step alone
   between a ``COMM_WORLD`` barrier and the clock. A step's time is its maximum
   over ranks; the reported time is the median step.
 * The floor of a case is the faster of ``mpi-per-tensor`` and ``mpi-packed``
-  (for ``latency4B``, ``mpi-native``): what the same job gets from MPI without
+  (for the latency cases, ``mpi-native``): what the same job gets from MPI without
   any engine. Every time is also printed as a ratio to it.
 
 Outputs: a table, the targets and the issue's reference numbers on rank 0's
@@ -80,19 +90,33 @@ from benchutil import human_bytes, human_time, list_choices, selected, write_jso
 
 logger = logging.getLogger("benchmarks.fusion")
 
-CASES = ("resnet50", "small1000", "latency4B")
-SET_IMPLS = ("engine-fused", "engine-nofusion", "engine-grouped", "mpi-per-tensor", "mpi-packed")
-LATENCY_IMPLS = ("engine", "mpi-native")
+CASES = ("resnet50", "small1000", "latency4B", "latency4K")
+SET_IMPLS = ("engine-fused", "engine-nofusion", "engine-grouped", "torch-fused", "tf-fused", "mpi-per-tensor",
+             "mpi-packed")
+LATENCY_IMPLS = ("engine", "engine-unnamed", "torch", "torch-unnamed", "mpi-native")
 IMPLS = SET_IMPLS + LATENCY_IMPLS
+#: impls that need a framework (imported only when one of them runs)
+TORCH_IMPLS = ("torch-fused", "torch", "torch-unnamed")
+TF_IMPLS = ("tf-fused",)
 #: The impls whose faster time is a case's floor.
 FLOOR_IMPLS = {"resnet50": ("mpi-per-tensor", "mpi-packed"),
                "small1000": ("mpi-per-tensor", "mpi-packed"),
-               "latency4B": ("mpi-native",)}
-#: (case, impl, metric, bound): "ratio" is time / floor, "ms" the time in milliseconds.
+               "latency4B": ("mpi-native",),
+               "latency4K": ("mpi-native",)}
+#: (case, impl, metric, bound): "ratio" is time / floor, "ms" the time in milliseconds,
+#: "vs:<impl>" the time over that impl's on the same case.
 TARGETS = (
     ("resnet50", "engine-fused", "ratio", 1.15),
     ("small1000", "engine-fused", "ratio", 5.0),
     ("latency4B", "engine", "ms", 0.5),
+    ("resnet50", "torch-fused", "ratio", 1.15),
+    ("resnet50", "tf-fused", "ratio", 1.15),
+    ("small1000", "torch-fused", "vs:engine-fused", 1.1),
+    ("small1000", "tf-fused", "vs:engine-fused", 1.1),
+    ("latency4K", "engine", "ms", 0.05),
+    ("latency4K", "torch", "ms", 0.05),
+    ("latency4K", "engine-unnamed", "vs:engine", 1.2),
+    ("latency4K", "torch-unnamed", "vs:torch", 1.2),
 )
 REFERENCE = ("C++ Horovod 0.28.1 (MPI, np=2) on this machine: resnet50 77 ms vs floor 33 ms; "
              "small1000 29.5 ms vs floor 0.8 ms; 4 KiB allreduce 1.07 ms")
@@ -162,6 +186,8 @@ def case_shapes(case: str) -> list[tuple[int, ...]]:
         return resnet50_shapes()[::-1]
     if case == "small1000":
         return [(1000,)] * 1000
+    if case == "latency4K":
+        return [(1024,)]
     return [(1,)]
 
 
@@ -187,10 +213,52 @@ def grouped_step(tensors: Sequence[np.ndarray], name: str) -> Callable[[], list]
                                                                      name=name))
 
 
-def latency_step(x: np.ndarray) -> Callable[[], list]:
+def latency_step(x: np.ndarray, named: bool = True) -> Callable[[], list]:
     import unison
 
-    return lambda: [unison.allreduce(x, op=unison.Sum, name="lat")]
+    name = "lat" if named else None
+    return lambda: [unison.allreduce(x, op=unison.Sum, name=name)]
+
+
+def torch_step(tensors: Sequence[np.ndarray], names: Sequence[str]) -> Callable[[], list]:
+    """One ``unison.torch_backend.allreduce_async`` per torch tensor (sharing the numpy inputs'
+    memory), then ``synchronize`` on every handle: what a hand-written gradient loop does."""
+    import torch
+
+    import unison.torch_backend as hvd
+
+    ts = [torch.from_numpy(t) for t in tensors]
+
+    def step() -> list:
+        handles = [hvd.allreduce_async(t, name=nm, op=hvd.Sum) for t, nm in zip(ts, names, strict=True)]
+        return [hvd.synchronize(h) for h in handles]
+    return step
+
+
+def torch_latency_step(x: np.ndarray, named: bool) -> Callable[[], list]:
+    import torch
+
+    import unison.torch_backend as hvd
+
+    t = torch.from_numpy(x)
+    name = "lat.torch" if named else None
+    return lambda: [hvd.allreduce(t, name=name, op=hvd.Sum)]
+
+
+def tf_step(tensors: Sequence[np.ndarray], name: str) -> Callable[[], list]:
+    """``unison.tf_backend.grouped_allreduce`` of the whole set inside one ``tf.function`` (the
+    TensorFlow adapter's graph ops: how a ``tf.function`` train step reduces its gradients)."""
+    import tensorflow as tf
+
+    import unison.tf_backend as hvd
+
+    xs = [tf.constant(t) for t in tensors]
+
+    @tf.function
+    def reduce() -> list:
+        return hvd.grouped_allreduce(xs, op=hvd.Sum, name=name)
+
+    return lambda: [y.numpy() for y in reduce()]
 
 
 def mpi_per_tensor_step(comm: Any, tensors: Sequence[np.ndarray]) -> Callable[[], list]:
@@ -234,8 +302,14 @@ def build_step(case: str, impl: str, comm: Any, tensors: list[np.ndarray]) -> Ca
         return engine_step(tensors, [f"{case}.{i}" for i in range(len(tensors))])
     if impl == "engine-grouped":
         return grouped_step(tensors, case)  # members are named "<case>.<index>" too
-    if impl == "engine":
-        return latency_step(tensors[0])
+    if impl == "torch-fused":
+        return torch_step(tensors, [f"{case}.torch.{i}" for i in range(len(tensors))])
+    if impl == "tf-fused":
+        return tf_step(tensors, f"{case}.tf")
+    if impl in ("engine", "engine-unnamed"):
+        return latency_step(tensors[0], named=impl == "engine")
+    if impl in ("torch", "torch-unnamed"):
+        return torch_latency_step(tensors[0], named=impl == "torch")
     if impl == "mpi-per-tensor" or impl == "mpi-native":
         return mpi_per_tensor_step(comm, tensors)
     return mpi_packed_step(comm, tensors)
@@ -329,7 +403,7 @@ def run_case(world: Any, comm: Any, case: str, impl: str, args: argparse.Namespa
     shapes = case_shapes(case)
     tensors = [np.full(s, r + 1, dtype=np.float32) for s in shapes]
     step = build_step(case, impl, comm, tensors)
-    latency = case == "latency4B"
+    latency = case.startswith("latency")
     warmup = max(args.warmup, LATENCY_MIN_WARMUP) if latency else args.warmup
     repeats = args.latency_repeats if latency else args.repeats
     threshold = {"engine-fused": default_threshold, "engine-nofusion": 0}.get(impl)
@@ -357,7 +431,7 @@ def settle(world: Any, comm: Any, cases: Sequence[tuple[str, str]], args: argpar
     slower on ``resnet50``.
     """
     for case, impl in cases:
-        if case == "latency4B":
+        if case.startswith("latency"):
             continue
         r = world.Get_rank()
         tensors = [np.full(s, r + 1, dtype=np.float32) for s in case_shapes(case)]
@@ -372,7 +446,7 @@ def settle(world: Any, comm: Any, cases: Sequence[tuple[str, str]], args: argpar
 def plan(cases: Sequence[str], impls: Sequence[str]) -> list[tuple[str, str]]:
     """The (case, impl) pairs to run: each case's applicable impls, side by side."""
     return [(case, impl) for case in cases for impl in impls
-            if impl in (LATENCY_IMPLS if case == "latency4B" else SET_IMPLS)]
+            if impl in (LATENCY_IMPLS if case.startswith("latency") else SET_IMPLS)]
 
 
 # --- reporting --------------------------------------------------------------------------------
@@ -394,7 +468,7 @@ def print_table(records: Sequence[Record]) -> None:
         ratio = f"{rec.time_s / floor[rec.case]:.2f}" if rec.case in floor else "-"
         print(f"{rec.case:<11}{rec.impl:<17}{rec.np:>3}{rec.tensors:>9}{human_bytes(rec.bytes):>12}"
               f"{human_time(rec.time_s):>12}{ratio:>9}")
-    print("floor: the faster of mpi-per-tensor and mpi-packed (latency4B: mpi-native)")
+    print("floor: the faster of mpi-per-tensor and mpi-packed (latency cases: mpi-native)")
 
 
 def print_targets(records: Sequence[Record], n: int) -> None:
@@ -407,13 +481,18 @@ def print_targets(records: Sequence[Record], n: int) -> None:
             what = f"{case} {impl} time / floor"
             value = rec.time_s / floor[case] if rec is not None and case in floor else None
             shown, unit = ("n/a" if value is None else f"{value:.2f}"), ""
+        elif metric.startswith("vs:"):
+            other = by.get((case, metric[3:]))
+            what = f"{case} {impl} time / {metric[3:]}"
+            value = rec.time_s / other.time_s if rec is not None and other is not None else None
+            shown, unit = ("n/a" if value is None else f"{value:.2f}"), ""
         else:
             what = f"{case} {impl} time"
             value = rec.time_s * 1e3 if rec is not None else None
             shown, unit = ("n/a" if value is None else f"{value:.3f} ms"), " ms"
         verdict = "not measured" if value is None else "PASS" if value <= bound else "MISS"
         target = f"(target <= {bound:g}{unit})"
-        print(f"  {what:<36} = {shown:<9} {target:<20} {verdict}")
+        print(f"  {what:<40} = {shown:<9} {target:<20} {verdict}")
     print(f"\nreference from the issue: {REFERENCE}")
 
 
@@ -424,21 +503,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Time the engine's per-tensor all-reduces (fused, unfused, grouped) against "
                     "mpi4py per tensor and packed, on ResNet-50's gradient shapes, on 1000 small "
-                    "tensors, and a 4-byte latency. Run under unisonrun/mpirun; rank 0 prints.",
+                    "tensors, and the latency of one 4-byte and one 4 KiB all-reduce, through the "
+                    "engine on numpy arrays and through the torch and TensorFlow adapters. Run "
+                    "under unisonrun/mpirun; rank 0 prints.",
         epilog="Lists take commas or spaces. Engine settings come from the UNISON_* environment "
                "variables (e.g. UNISON_FUSION_THRESHOLD, UNISON_CYCLE_TIME).")
     p.add_argument("--cases", type=list_choices(CASES), nargs="+", default=[list(CASES)],
                    help=f"cases to run (default: all of {', '.join(CASES)})")
     p.add_argument("--impls", type=list_choices(IMPLS), nargs="+", default=[list(IMPLS)],
-                   help=f"implementations to run (default: all of {', '.join(IMPLS)}; the last two "
-                        "are latency4B's)")
+                   help=f"implementations to run (default: all of {', '.join(IMPLS)}; the last "
+                        f"{len(LATENCY_IMPLS)} are the latency cases'")
     p.add_argument("--repeats", type=int, default=20,
                    help="timed steps for resnet50 and small1000 (default 20)")
     p.add_argument("--latency-repeats", type=int, default=500,
-                   help="timed calls for latency4B (default 500)")
+                   help="timed calls for each latency case (default 500)")
     p.add_argument("--warmup", type=int, default=MIN_WARMUP,
                    help=f"untimed steps before timing, at least {MIN_WARMUP} (default {MIN_WARMUP}; "
-                        f"latency4B uses at least {LATENCY_MIN_WARMUP})")
+                        f"the latency cases use at least {LATENCY_MIN_WARMUP})")
     p.add_argument("--json", type=Path, default=None, help="write the records to this JSON file")
     p.add_argument("--log-level", default="WARNING",
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="diagnostics on stderr")
@@ -458,7 +539,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                 f"name in full; the timed steps should hit its cache); got {args.warmup}")
     if not plan(args.cases, args.impls):
         p.error(f"no impl of --impls {','.join(args.impls)} applies to --cases {','.join(args.cases)}: "
-                f"resnet50 and small1000 take {', '.join(SET_IMPLS)}; latency4B takes "
+                f"resnet50 and small1000 take {', '.join(SET_IMPLS)}; the latency cases take "
                 f"{', '.join(LATENCY_IMPLS)}")
     return args
 
@@ -486,7 +567,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"engine fusion threshold {human_bytes(threshold)}, cycle time "
                     f"{eng.cycle_time * 1e3:g} ms{', autotune ON' if eng.autotuner else ''}")
         print(f"np={n}, {settings}; {args.repeats} steps per set case, {args.latency_repeats} for "
-              f"latency4B, after {args.warmup} warm-up steps")
+              f"each latency case, after {args.warmup} warm-up steps")
         if eng is not None and threshold == 0:
             print("note: UNISON_FUSION_THRESHOLD is 0, so engine-fused does not fuse either")
     settle(world, comm, cases, args, threshold)

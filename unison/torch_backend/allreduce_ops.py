@@ -29,7 +29,7 @@ from unison.torch_backend.handles import (
     set_or_none,
     synchronize,
 )
-from unison.torch_backend.tensors import from_numpy, to_numpy
+from unison.torch_backend.tensors import from_numpy, result_tensor, to_numpy
 
 __all__ = [
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
@@ -39,8 +39,8 @@ __all__ = [
 _ENGINE_ADASUM = hasattr(ReduceOp, "ADASUM")
 
 
-def _copy_out(like: torch.Tensor) -> Any:
-    return lambda arr: from_numpy(np.array(arr, copy=True)).view(like.shape)
+def _copy_out(source: np.ndarray) -> Any:
+    return lambda arr: result_tensor(arr, source)
 
 
 def _dense(tensor: torch.Tensor, what: str) -> np.ndarray:
@@ -85,7 +85,7 @@ def _allreduce_submit(tensor: torch.Tensor, rop: Any, name: str | None, pre: flo
         inner = raise_now(frontend.allreduce_async(arr, rop, name, pre, post, ps, out=arr))
         return TorchHandle(inner, lambda _: tensor)
     inner = raise_now(frontend.allreduce_async(arr, rop, name, pre, post, ps))
-    return TorchHandle(inner, _copy_out(tensor))
+    return TorchHandle(inner, _copy_out(arr))
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -97,6 +97,17 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
         ValueError: a name already in flight on this rank (Horovod's rule), a sparse tensor.
         NotImplementedError: op=Adasum on a process set or a non-power-of-two job (Horovod's).
     """
+    if (average is None and process_set is None and prescale_factor == 1.0 and postscale_factor == 1.0
+            and type(tensor) is torch.Tensor and not tensor.is_sparse):
+        # the common case: the engine's handle itself, converting its result once at synchronize
+        rop = ReduceOp.AVERAGE if op is None else reduce_op(None, op)
+        if rop is not ReduceOp.ADASUM:
+            arr = to_numpy(tensor)
+            inner = raise_now(frontend.allreduce_async(arr, rop, name))
+            if inner._engine is not None and inner._post is None:  # the engine's (never arr itself)
+                inner._post = from_numpy
+                return inner
+            return TorchHandle(inner, _copy_out(arr))
     return _allreduce_submit(tensor, reduce_op(average, op), name, prescale_factor, postscale_factor,
                              process_set, in_place=False)
 
@@ -152,11 +163,11 @@ def _grouped_submit(tensors: Sequence[torch.Tensor], rop: Any, name: str | None,
         _check_adasum(ps)
         base = frontend._auto_name("grouped_allreduce", name, process_set)
         return ListHandle(base, [_adasum_now(t, f"{base}.{i}", pre, post, None) for i, t in enumerate(tensors)])
-    inner = frontend.grouped_allreduce_async([_dense(t, "grouped_allreduce") for t in tensors], rop, name,
-                                             pre, post, ps)
+    sources = [_dense(t, "grouped_allreduce") for t in tensors]
+    inner = frontend.grouped_allreduce_async(sources, rop, name, pre, post, ps)
     for member in inner.members:
         raise_now(member)
-    return TorchHandle(inner, lambda arrs: [_copy_out(t)(a) for a, t in zip(arrs, tensors, strict=True)])
+    return TorchHandle(inner, lambda arrs: [result_tensor(a, src) for a, src in zip(arrs, sources, strict=True)])
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,

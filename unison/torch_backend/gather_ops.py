@@ -28,7 +28,7 @@ from unison.torch_backend.handles import (
     set_or_none,
     synchronize,
 )
-from unison.torch_backend.tensors import from_numpy
+from unison.torch_backend.tensors import result_tensor
 
 __all__ = [
     "sparse_allreduce_async", "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
@@ -69,8 +69,9 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: Any,
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: ProcessSet | None = None) -> Handle:
     """Start an all-gather along dim 0 (which may differ per rank)."""
-    inner = raise_now(frontend.allgather_async(_dense(tensor, "allgather"), name, set_or_none(process_set)))
-    return TorchHandle(inner, lambda arr: from_numpy(np.array(arr, copy=True)))
+    src = _dense(tensor, "allgather")
+    inner = raise_now(frontend.allgather_async(src, name, set_or_none(process_set)))
+    return TorchHandle(inner, lambda arr: result_tensor(arr, src))
 
 
 def _my_rows(grads: list[torch.Tensor], dims: list[int], ps: ProcessSet | None) -> list[torch.Tensor]:
@@ -130,8 +131,9 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
                     process_set: ProcessSet | None = None) -> Handle:
     """Start a broadcast from ``root_rank`` (a global rank, as in Horovod)."""
     ps = set_or_none(process_set)
-    inner = frontend.broadcast_async(_dense(tensor, "broadcast"), root_in_set(root_rank, ps), name, ps)
-    return TorchHandle(raise_now(inner), lambda arr: from_numpy(np.array(arr, copy=True)).view(tensor.shape))
+    src = _dense(tensor, "broadcast")
+    inner = frontend.broadcast_async(src, root_in_set(root_rank, ps), name, ps)
+    return TorchHandle(raise_now(inner), lambda arr: result_tensor(arr.reshape(src.shape), src))
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -183,8 +185,9 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     """
     split_list = splits.tolist() if isinstance(splits, torch.Tensor) else splits
     split_dtype = splits.dtype if isinstance(splits, torch.Tensor) else torch.int32
-    inner = frontend.alltoall_async(_dense(tensor, "alltoall"), split_list, name, set_or_none(process_set))
-    return TorchHandle(raise_now(inner), lambda res: (from_numpy(np.array(res[0], copy=True)),
+    src = _dense(tensor, "alltoall")
+    inner = frontend.alltoall_async(src, split_list, name, set_or_none(process_set))
+    return TorchHandle(raise_now(inner), lambda res: (result_tensor(res[0], src),
                                                       torch.as_tensor(np.asarray(res[1])).to(split_dtype)))
 
 
@@ -220,9 +223,10 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
                         process_set: ProcessSet | None = None, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0) -> Handle:
     """Start a reduce-scatter: this rank's rows (dim 0 split as evenly as possible) of the reduction."""
-    inner = frontend.reducescatter_async(_dense(tensor, "reducescatter"), parse_op(op), name, prescale_factor,
-                                         postscale_factor, set_or_none(process_set))
-    return TorchHandle(raise_now(inner), lambda arr: from_numpy(np.array(arr, copy=True)))
+    src = _dense(tensor, "reducescatter")
+    inner = frontend.reducescatter_async(src, parse_op(op), name, prescale_factor, postscale_factor,
+                                         set_or_none(process_set))
+    return TorchHandle(raise_now(inner), lambda arr: result_tensor(arr, src))
 
 
 def _scatter_grads(grads: Sequence[torch.Tensor], op: ReduceOp, ps: Any, pre: float, post: float) -> list:
