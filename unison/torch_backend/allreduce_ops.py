@@ -17,6 +17,7 @@ import torch
 from unison.collectives import adasum
 from unison.common.compression import Compression
 from unison.common.engine import frontend
+from unison.common.engine.engine import caller_waits
 from unison.common.engine.handles import Handle
 from unison.common.engine.process_sets import ProcessSet, set_size
 from unison.common.ops import ReduceOp
@@ -133,7 +134,9 @@ class _Allreduce(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: Any, pre: float, post: float,
                 process_set: ProcessSet | None) -> torch.Tensor:
         ctx.args = (op, pre, post, process_set)
-        return synchronize(_allreduce_submit(tensor, op, name, pre, post, process_set, in_place=False))
+        with caller_waits():
+            handle = _allreduce_submit(tensor, op, name, pre, post, process_set, in_place=False)
+        return synchronize(handle)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:

@@ -24,10 +24,12 @@ So no handle can be queued after the last cycle and never completed; and a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -56,6 +58,23 @@ __all__ = ["Engine", "StallError", "ShutdownError", "DuplicateNameError", "JoinE
 logger = logging.getLogger(__name__)
 
 IDLE_CYCLE_S = 0.005
+_caller = threading.local()
+
+
+@contextlib.contextmanager
+def caller_waits() -> Iterator[None]:
+    """Submissions inside are waited for at once by the submitting thread: ``submit`` leaves
+    the engine thread asleep, since the waiter will run the cycle itself ([Note: a waiter runs
+    the cycle]); blocking collectives wrap their submission in it."""
+    _caller.waits = True
+    try:
+        yield
+    finally:
+        _caller.waits = False
+
+
+#: at most this many cycles run on a waiting caller's thread per wait ([Note: a waiter runs the cycle])
+INLINE_CYCLES = 8
 #: how long ``stop()`` waits for the last cycle before failing what is left itself
 STOP_TIMEOUT_S = 30.0
 
@@ -123,6 +142,13 @@ class Engine:
         self._sleeping = False
         #: when the current (or last) cycle began: the watchdog times cycles with it
         self._cycle_since = time.monotonic()
+        #: held for every cycle, by the engine thread or by a waiter running one ([Note: a waiter
+        #: runs the cycle])
+        self._cycle_lock = threading.Lock()
+        #: what a waiter's cycle left for the engine thread: ("stop", None) or ("error", exc)
+        self._handed_over: tuple[str, BaseException | None] | None = None
+        #: a submission woke the sleeping engine thread, which is on its way to run the cycle
+        self._woken = False
         self.autotuner = Autotuner(config, rank) if config.autotune else None
         gps = ProcessSet()
         gps.process_set_id = 0
@@ -249,8 +275,9 @@ class Engine:
                 self._inflight[key] = req
                 self._queue.append(req)
                 req.handle._engine = self
-                if self._sleeping:
+                if self._sleeping and not getattr(_caller, "waits", False):
                     self._cv.notify()
+                    self._woken = True
                 return req.handle
         if timeline:
             self.timeline.end(req.name, "NEGOTIATE_" + req.kind.name)
@@ -361,12 +388,73 @@ class Engine:
         return any(st.controller.has_work() for st in self._sets.values()) or bool(self._join_handles)
 
     def _cycle(self) -> bool:
-        """One cycle over every process set; returns True when the engine should stop."""
+        """Sleep until there is work (or an idle cycle is due), then run one cycle; returns True
+        when the engine should stop."""
         with self._cv:
-            if not self._queue and not self._stopping and not self._timeline_toggle:
+            if (not self._queue and not self._stopping and not self._timeline_toggle
+                    and self._handed_over is None):
                 self._sleeping = True
                 self._cv.wait(self.cycle_time if self._busy() else IDLE_CYCLE_S)
                 self._sleeping = False
+        with self._cycle_lock:
+            self._woken = False
+            handed = self._handed_over  # read under the lock: a waiter's cycle may have just ended
+            if handed is not None:  # it saw the end ([Note: a waiter runs the cycle])
+                if handed[1] is not None:
+                    raise handed[1]
+                return True
+            return self._run_cycle()
+
+    def progress(self, handle: Handle) -> None:
+        """Run cycles on the calling thread until ``handle`` completes, at most ``INLINE_CYCLES``
+        of them, when no cycle is running; return at once otherwise.
+
+        [Note: a waiter runs the cycle] A lone blocking collective used to cost two thread
+        wake-ups per rank: the engine thread's, to negotiate and run it, and the caller's, to
+        return its result (on a loaded machine each is tens of microseconds). A thread that
+        is about to block on a handle may instead run the cycle itself, under the same
+        ``_cycle_lock`` the engine thread takes for each of its cycles, so cycles stay one at a
+        time and in the same order on every rank whichever thread runs them (a rank's cycle k
+        pairs with every other rank's cycle k, as before). When the engine thread holds the
+        lock, the waiter just waits. What would end the engine thread inside a waiter's cycle
+        (an exception, every rank's shutdown flag) is handed to the engine thread, which ends
+        as if its own cycle had seen it: it fails the pending handles, this one included, and
+        the waiter's ordinary wait raises that error. A ``KeyboardInterrupt`` (or any
+        ``BaseException``) inside a waiter's cycle leaves that cycle half done, so it ends
+        the engine the same way and is raised again at once.
+        """
+        if self._stopping or self._woken or threading.current_thread() is self._thread:
+            return  # (woken: the engine thread is about to run the cycle; racing it costs more)
+        if not self._cycle_lock.acquire(blocking=False):
+            return
+        error: BaseException | None = None
+        stop = False
+        try:
+            for _ in range(INLINE_CYCLES):
+                if handle._done or self._stopping or self._handed_over is not None:
+                    break
+                if self._run_cycle():
+                    stop = True
+                    break
+        except BaseException as exc:  # noqa: BLE001 - handed to the engine thread, below
+            error = exc
+        finally:
+            if stop or error is not None:  # set before the lock is free: no cycle may follow it
+                with self._cv:
+                    if self._handed_over is None:
+                        self._handed_over = ("error", error) if error is not None else ("stop", None)
+                    self._cv.notify()
+            self._cycle_lock.release()
+        if error is not None and not isinstance(error, Exception):
+            raise error
+        if not (stop or error is not None or handle._done):  # the engine thread goes on with it
+            with self._cv:
+                if self._sleeping:
+                    self._cv.notify()
+
+    def _run_cycle(self) -> bool:
+        """One cycle over every process set (the caller holds ``_cycle_lock``); True to stop."""
+        with self._cv:
             self._cycle_since = time.monotonic()
             new = list(self._queue)
             self._queue.clear()
@@ -453,7 +541,7 @@ class Engine:
         """(requests submitted more than ``limit`` s ago, oldest first; seconds in the current cycle)."""
         with self._cv:
             old = [req for req in self._inflight.values() if now - req.submitted > limit]
-            busy_for = 0.0 if self._sleeping else now - self._cycle_since
+            busy_for = now - self._cycle_since if self._cycle_lock.locked() else 0.0
         return sorted(old, key=lambda req: req.submitted), busy_for
 
     def arrival(self, req: Request) -> str:

@@ -24,7 +24,7 @@ from unison.collectives.validate import as_array, check_root, check_splits
 from unison.common import runtime
 from unison.common.compression import Compression, Compressor
 from unison.common.dtypes import SUPPORTED_DTYPES
-from unison.common.engine.engine import Engine
+from unison.common.engine.engine import Engine, caller_waits
 from unison.common.engine.handles import Handle
 from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.common.engine.requests import Kind, Request
@@ -319,35 +319,47 @@ def allreduce(tensor: Any, op: Any = Average, name: str | None = None, prescale_
               compression: type[Compressor] = Compression.none, out: np.ndarray | None = None,
               algorithm: str = "auto") -> np.ndarray:
     """Reduce ``tensor`` over all ranks (of ``process_set``); see docs/engine.md."""
-    return allreduce_async(tensor, op, name, prescale_factor, postscale_factor, process_set,
-                           compression, out, algorithm).wait()
+    with caller_waits():
+        handle = allreduce_async(tensor, op, name, prescale_factor, postscale_factor, process_set,
+                                 compression, out, algorithm)
+    return handle.wait()
 
 
 def grouped_allreduce(tensors: Sequence[Any], op: Any = Average, name: str | None = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet | None = None,
                       compression: type[Compressor] = Compression.none) -> list[np.ndarray]:
-    return grouped_allreduce_async(tensors, op, name, prescale_factor, postscale_factor, process_set,
-                                   compression).wait()
+    with caller_waits():
+        handle = grouped_allreduce_async(tensors, op, name, prescale_factor, postscale_factor, process_set,
+                                         compression)
+    return handle.wait()
 
 
 def allgather(tensor: Any, name: str | None = None, process_set: ProcessSet | None = None) -> np.ndarray:
-    return allgather_async(tensor, name, process_set).wait()
+    with caller_waits():
+        handle = allgather_async(tensor, name, process_set)
+    return handle.wait()
 
 
 def broadcast(tensor: Any, root_rank: int = 0, name: str | None = None,
               process_set: ProcessSet | None = None) -> np.ndarray:
-    return broadcast_async(tensor, root_rank, name, process_set).wait()
+    with caller_waits():
+        handle = broadcast_async(tensor, root_rank, name, process_set)
+    return handle.wait()
 
 
 def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
              process_set: ProcessSet | None = None) -> tuple[np.ndarray, np.ndarray]:
-    return alltoall_async(tensor, splits, name, process_set).wait()
+    with caller_waits():
+        handle = alltoall_async(tensor, splits, name, process_set)
+    return handle.wait()
 
 
 def reducescatter(tensor: Any, op: Any = Average, name: str | None = None, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0, process_set: ProcessSet | None = None) -> np.ndarray:
-    return reducescatter_async(tensor, op, name, prescale_factor, postscale_factor, process_set).wait()
+    with caller_waits():
+        handle = reducescatter_async(tensor, op, name, prescale_factor, postscale_factor, process_set)
+    return handle.wait()
 
 
 def barrier(process_set: ProcessSet | None = None) -> None:
@@ -357,7 +369,9 @@ def barrier(process_set: ProcessSet | None = None) -> None:
         return
     sid, _ = _set_id(eng, process_set)
     name = _auto_name("barrier", None, process_set)
-    _submit(eng, Kind.BARRIER, name, np.empty(0, np.uint8), sid, lambda a: None).wait()
+    with caller_waits():
+        handle = _submit(eng, Kind.BARRIER, name, np.empty(0, np.uint8), sid, lambda a: None)
+    handle.wait()
 
 
 def join() -> int:

@@ -113,6 +113,9 @@ class Handle:
             TimeoutError: not done within ``timeout`` seconds.
         """
         if not self._done:
+            engine = self._engine
+            if engine is not None and timeout is None:  # run the cycle here when no other thread
+                engine.progress(self)  # is in one (engine [Note: a waiter runs the cycle])
             deadline = None if timeout is None else time.monotonic() + timeout
             with _completion:
                 while not self._done:
