@@ -18,13 +18,13 @@ What is measured, for each (op, impl, size):
   algorithm and the case is skipped). The top-level ``unison.<op>`` calls go
   through the engine (naming, negotiation, fusion), which is not measured here.
   ``mpi-native`` calls mpi4py's ``Allreduce``/``Allgather``/``Reduce_scatter_block``/
-  ``Bcast`` on preallocated numpy buffers over a ``Dup`` of ``COMM_WORLD``, the
+  ``Bcast``/``Alltoall`` on preallocated numpy buffers over a ``Dup`` of ``COMM_WORLD``, the
   communicator type Unison itself uses. ``gloo`` calls torch.distributed with the
   gloo backend, initialised inside the same job over TCP on 127.0.0.1 (so only
   for single-host jobs). Unison's calls return a new array, as its API does; the
   other two write into preallocated buffers, as theirs do.
 * ``bytes`` is the size of each rank's float32 *input*, for every op, allgather
-  included (its output is ``np`` times larger). Reducescatter rounds it down to a
+  included (its output is ``np`` times larger). Reducescatter and alltoall round it down to a
   multiple of ``4 * np`` so that it splits evenly; the record holds the bytes used.
 * Each case is warmed up, then timed ``repeats`` times, each call alone between a
   ``COMM_WORLD`` barrier and the clock. An iteration's time is its maximum over
@@ -40,12 +40,16 @@ What is measured, for each (op, impl, size):
   allgather     total gathered output = input * n     (n - 1) / n
   reducescatter per-rank input (= the whole vector)   (n - 1) / n
   broadcast     per-rank input                        1
+  alltoall      per-rank input (n equal pieces)       (n - 1) / n
   ============= ===================================== ================
 
 * Memory bandwidth is measured once by rank 0 (the others wait at a barrier
   that sleeps rather than spins): the best of several ``np.copyto`` of 256 MiB of
-  float32, counting read plus write (2 x size). Every busbw is also printed as a
-  share of it, since on one host every collective is a sequence of memory copies.
+  float32, counting read plus write (2 x size). No collective's busbw can reach it:
+  a rank must read and write several bytes per byte of busbw. The table prints
+  every busbw as a share of the op's *memory bound* instead
+  (:func:`memory_bound_busbw`: the bytes each rank must read plus write per call,
+  at that bandwidth), and the plot draws that bound dashed.
   Messages that fit in cache can exceed 100%.
 * Each case's last result is checked against the known answer; a wrong answer is
   reported as a failure (every rank agrees on it) and left out of the outputs.
@@ -75,7 +79,7 @@ from benchutil import atomic_write, human_bytes, human_time, list_choices, selec
 
 logger = logging.getLogger("benchmarks.collectives")
 
-OPS = ("allreduce", "allgather", "reducescatter", "broadcast")
+OPS = ("allreduce", "allgather", "reducescatter", "broadcast", "alltoall")
 IMPLS = ("unison-auto", "unison-ring", "unison-rhd", "mpi-native", "gloo")
 #: The ``algorithm=`` each ``unison-*`` impl passes, per op. ``unison-ring`` means the
 #: ring for allreduce, allgather and reducescatter and the binomial tree for broadcast
@@ -93,13 +97,26 @@ BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "allgather": lambda n: (n - 1) / n,
     "reducescatter": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
+    "alltoall": lambda n: (n - 1) / n,
 }
-#: (op, bytes, metric, other impl, comparison, bound) for the issue's targets.
+#: Bytes each rank must read plus write per byte of its input, on one host, when every rank
+#: reads the others' buffers directly (one copy; see :func:`memory_bound_busbw`).
+RANK_TRAFFIC: dict[str, Callable[[int], float]] = {
+    "allreduce": lambda n: 3 - 1 / n,  # reduce S/n from n inputs (read S, write S/n), gather the rest
+    "allgather": lambda n: 2 * n,      # read every rank's S, write n S
+    "reducescatter": lambda n: 1 + 1 / n,  # read n pieces of S/n, write S/n
+    "broadcast": lambda n: 2,          # a receiver reads the root's S and writes S
+    "alltoall": lambda n: 2,           # read S in n pieces, write S
+}
+#: (op, bytes, metric, other impl, comparison, bound) for the issues' targets (issue 19: the direct
+#: collectives within 1.5x of MPI's own call's time at 4 KiB, 64 KiB and 1 MiB).
 TARGETS = (
     ("allreduce", 64 << 20, "busbw", "mpi-native", ">=", 0.9),
     ("allreduce", 64 << 20, "busbw", "gloo", ">=", 1.2),
-    ("allreduce", 4 << 10, "time", "mpi-native", "<=", 1.5),
+    *((op, nbytes, "time", "mpi-native", "<=", 1.5) for op in OPS for nbytes in (4 << 10, 64 << 10, 1 << 20)),
 )
+#: Issue 19: where ``auto`` picks MPI's own call, unison-auto's time within this factor of mpi-native's.
+AUTO_MPI_BOUND = 1.2
 MIN_REPEATS, MAX_REPEATS = 3, 50
 WARMUP_BUDGET_S = 0.2
 MEMBW_BYTES = 256 << 20
@@ -144,6 +161,19 @@ def size_range(lo: int, hi: int) -> list[int]:
     return sizes
 
 
+def memory_bound_busbw(op: str, n: int, membw: float) -> float:
+    """The busbw (GB/s) ``op`` would reach if each rank moved only its necessary bytes at ``membw``.
+
+    ``membw`` counts read plus write bytes per second (see :func:`measure_membw`);
+    :data:`RANK_TRAFFIC` gives the bytes a rank must read plus write per byte of its
+    input when it reads the other ranks' buffers directly (one copy, no staging), so
+    the fastest possible call takes ``S * RANK_TRAFFIC / membw`` and this is its busbw.
+    Messages that fit in cache can beat it; no busbw reaches ``membw`` itself.
+    """
+    per_byte = 1 / RANK_TRAFFIC[op](n) * (n if op == "allgather" else 1)  # algbw over membw
+    return membw * per_byte * BUS_FACTOR[op](n)
+
+
 def busbw_gbps(op: str, nbytes: int, n: int, t: float) -> float:
     """nccl-tests' bus bandwidth in GB/s for ``nbytes`` of per-rank input moved in ``t`` s."""
     size = nbytes * n if op == "allgather" else nbytes
@@ -186,13 +216,13 @@ def _checker(op: str, n: int, fills: np.ndarray) -> Callable[[Any], None]:
 
     def check(out: Any) -> None:
         arr = np.asarray(out.numpy() if hasattr(out, "numpy") else out)
-        if op == "allgather":
+        if op in ("allgather", "alltoall"):  # rank r's row of each source, in source order
             good = bool((arr.reshape(n, -1) == fills[:, None]).all())
         else:
             good = bool((arr == expect[op]).all())
         if not good:
             raise ValueError(f"wrong {op} result: got values {np.unique(arr)[:8].tolist()}, "
-                             f"expected {fills.tolist() if op == 'allgather' else expect[op]}")
+                             f"expected {fills.tolist() if op in ('allgather', 'alltoall') else expect[op]}")
     return check
 
 
@@ -206,6 +236,8 @@ def unison_call(op: str, algorithm: str, x: np.ndarray) -> Callable[[], Any]:
         return lambda: coll.allgather(x, algorithm=algorithm)
     if op == "reducescatter":
         return lambda: coll.reducescatter(x, op=unison.Sum, algorithm=algorithm)
+    if op == "alltoall":
+        return lambda: coll.alltoall(x, algorithm=algorithm)[0]
     return lambda: coll.broadcast(x, root_rank=0, algorithm=algorithm)
 
 
@@ -221,6 +253,8 @@ def mpi_call(op: str, comm: Any, x: np.ndarray) -> Callable[[], Any]:
         return lambda: (comm.Allreduce(x, out, op=MPI.SUM), out)[1]
     if op == "allgather":
         return lambda: (comm.Allgather(x, out), out)[1]
+    if op == "alltoall":
+        return lambda: (comm.Alltoall(x, out), out)[1]
     return lambda: (comm.Reduce_scatter_block(x, out, op=MPI.SUM), out)[1]
 
 
@@ -248,6 +282,7 @@ class Gloo:
             "reducescatter": (getattr(dist, "reduce_scatter_single", None)
                               or getattr(dist, "reduce_scatter_tensor", None)),
             "broadcast": dist.broadcast,
+            "alltoall": getattr(dist, "all_to_all_single", None),
         }
         self.missing: dict[str, str] = {}
         for op in OPS:
@@ -278,8 +313,8 @@ class Gloo:
             return lambda: (f(t), t)[1]  # in place
         if op == "broadcast":
             return lambda: (f(t, src=0), t)[1]  # in place
-        out = self.torch.empty(x.size * n if op == "allgather" else x.size // n,
-                               dtype=self.torch.float32)
+        out = self.torch.empty(x.size * n if op == "allgather" else x.size if op == "alltoall"
+                               else x.size // n, dtype=self.torch.float32)
         return lambda: (f(out, t), out)[1]
 
     def close(self) -> None:
@@ -367,7 +402,7 @@ def run_case(world: Any, mpi_comm: Any, gloo: Gloo | None, op: str, nbytes: int,
             every rank).
     """
     n, r = world.Get_size(), world.Get_rank()
-    count = nbytes // 4 - (nbytes // 4) % n if op == "reducescatter" else nbytes // 4
+    count = nbytes // 4 - (nbytes // 4) % n if op in ("reducescatter", "alltoall") else nbytes // 4
     accumulates = impl == "gloo" and op == "allreduce"  # in place: keep the sums bounded
     fills = np.zeros(n, np.float32) if accumulates else np.arange(1, n + 1, dtype=np.float32)
     x = np.full(count, fills[r], dtype=np.float32)
@@ -398,9 +433,10 @@ def run_case(world: Any, mpi_comm: Any, gloo: Gloo | None, op: str, nbytes: int,
 
 def print_table(records: Sequence[Record]) -> None:
     print(f"{'op':<14}{'impl':<13}{'np':>3}{'bytes':>10}{'time':>12}{'busbw GB/s':>12}"
-          f"{'of membw':>10}")
+          f"{'of bound':>10}")
     for rec in records:
-        share = rec.busbw_gbps / rec.membw_gbps if rec.membw_gbps else math.nan
+        bound = memory_bound_busbw(rec.op, rec.np, rec.membw_gbps)
+        share = rec.busbw_gbps / bound if bound else math.nan
         print(f"{rec.op:<14}{rec.impl:<13}{rec.np:>3}{human_bytes(rec.bytes):>10}"
               f"{human_time(rec.time_s):>12}{rec.busbw_gbps:>12.3f}{share:>10.1%}")
 
@@ -413,6 +449,23 @@ def _ratio(by: dict[tuple[str, str, int], Record], op: str, nbytes: int, other: 
     if metric == "time":
         return mine.time_s / theirs.time_s
     return mine.busbw_gbps / theirs.busbw_gbps if theirs.busbw_gbps else math.inf
+
+
+def auto_picks_mpi(op: str, nbytes: int, n: int) -> bool:
+    """Whether ``algorithm="auto"`` runs MPI's own call for ``op`` at ``nbytes`` per rank in this job."""
+    import types
+
+    import unison
+    from unison.collectives.header import INLINE_BYTES
+    from unison.collectives.select import choose_allreduce, choose_simple
+
+    if nbytes <= INLINE_BYTES:
+        return False
+    topo = types.SimpleNamespace(spans_hosts=unison.local_size() != unison.size())
+    if op == "allreduce":
+        return choose_allreduce("auto", nbytes, n, topo) == "mpi"
+    total = nbytes * n if op == "allgather" else nbytes
+    return choose_simple(op, "auto", total, n, topo) == "mpi"
 
 
 def print_summaries(records: Sequence[Record]) -> None:
@@ -435,6 +488,14 @@ def print_summaries(records: Sequence[Record]) -> None:
             continue
         ok = value >= bound if cmp == ">=" else value <= bound
         print(f"  {what:<58} = {value:.2f}  (target {cmp} {bound})  {'PASS' if ok else 'MISS'}")
+    print(f"  where auto picks MPI's own call: unison-auto time / mpi-native time <= {AUTO_MPI_BOUND}")
+    for op, nbytes in keys:
+        value = _ratio(by, op, nbytes, "mpi-native", "time")
+        if value is None or not auto_picks_mpi(op, nbytes, n):
+            continue
+        what = f"{human_bytes(nbytes)} {op} (auto = mpi) unison-auto time / mpi-native time"
+        ok = value <= AUTO_MPI_BOUND
+        print(f"  {what:<58} = {value:.2f}  (target <= {AUTO_MPI_BOUND})  {'PASS' if ok else 'MISS'}")
 
 
 def write_png(path: Path, records: Sequence[Record], membw: float) -> None:
@@ -457,7 +518,10 @@ def write_png(path: Path, records: Sequence[Record], membw: float) -> None:
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="o", label=impl,
                         color=f"C{IMPLS.index(impl)}")
-        ax.axhline(membw, linestyle="--", color="gray", label=f"memory bw ({membw:.1f} GB/s)")
+        bound = memory_bound_busbw(op, records[0].np, membw)
+        ax.axhline(bound, linestyle="--", color="gray",
+                   label=f"memory bound ({bound:.1f} GB/s: bytes a rank must\n"
+                         f"read + write at {membw:.1f} GB/s copy bw)")
         sizes = sorted({r.bytes for r in records if r.op == op})
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

@@ -52,6 +52,9 @@ What is measured:
   under the name ``"lat"``), ``engine-unnamed`` (no name: the engine makes one per
   call), ``torch`` and ``torch-unnamed`` (``unison.torch_backend.allreduce`` of a
   torch tensor, with and without a name) and ``mpi-native`` (mpi4py ``Allreduce``).
+  Unnamed calls cycle through ``AUTO_NAME_SLOTS`` names (frontend [Note: unnamed calls
+  reuse names]), so the first that many each negotiate in full; the unnamed impls warm
+  up for that many calls more, to time the steady state of a training loop.
   The mpi4py calls run on a ``Dup`` of ``COMM_WORLD``, the communicator type the
   engine itself uses. The engine calls return new arrays, as its API does.
 * The op is ``Sum`` everywhere, so every impl computes the same thing. Inputs
@@ -405,6 +408,10 @@ def run_case(world: Any, comm: Any, case: str, impl: str, args: argparse.Namespa
     step = build_step(case, impl, comm, tensors)
     latency = case.startswith("latency")
     warmup = max(args.warmup, LATENCY_MIN_WARMUP) if latency else args.warmup
+    if impl.endswith("-unnamed"):  # the first AUTO_NAME_SLOTS unnamed calls each negotiate in full
+        from unison.common.engine.requests import AUTO_NAME_SLOTS
+
+        warmup += AUTO_NAME_SLOTS
     repeats = args.latency_repeats if latency else args.repeats
     threshold = {"engine-fused": default_threshold, "engine-nofusion": 0}.get(impl)
     with FusionThreshold(threshold):

@@ -322,6 +322,91 @@ def test_cached_small_call_still_detects_mismatch():
     np.testing.assert_array_equal(C.allreduce(np.ones(3), op=unison.Sum), np.full(3, N))
 
 
+#: float32 elements in about 64 KiB (it and its half divide by 1-4 ranks): above the inline space, so a
+#: cached plan runs MPI's own call
+MID = 16368
+
+
+def _mid_calls(mine: np.ndarray) -> dict:
+    """One 64 KiB call of each collective on ``mine`` (float32, MID elements)."""
+    return {
+        "allreduce": lambda: C.allreduce(mine, op=unison.Sum, name="mid"),
+        "allgather": lambda: C.allgather(mine, name="mid"),
+        "broadcast": lambda: C.broadcast(mine, root_rank=N - 1, name="mid"),
+        "reducescatter": lambda: C.reducescatter(mine, op=unison.Sum, name="mid"),
+        "alltoall": lambda: C.alltoall(mine, name="mid")[0],
+    }
+
+
+def _mid_want(op: str, inputs: list[np.ndarray]) -> np.ndarray:
+    if op == "allreduce":
+        return sum(inputs)
+    if op == "allgather":
+        return np.concatenate(inputs)
+    if op == "broadcast":
+        return inputs[N - 1]
+    part = MID // N
+    if op == "reducescatter":
+        return sum(inputs)[R * part:(R + 1) * part]
+    return np.concatenate([a[R * part:(R + 1) * part] for a in inputs])
+
+
+@pytest.mark.parametrize("op", ["allreduce", "allgather", "broadcast", "reducescatter", "alltoall"])
+def test_cached_mid_size_calls_match_numpy_and_detect_mismatch(op):
+    """64 KiB calls repeat through a cached plan; results equal numpy, and a changed call on one rank
+    (shape, dtype, or an unsupported dtype with a long message) raises on every rank, never hangs."""
+    inputs = [np.full(MID, r + 1, np.float32) + np.arange(MID, dtype=np.float32) % 7 for r in range(N)]
+    for _ in range(3):  # the first call leaves a plan, the next ones take it
+        got = _mid_calls(inputs[R])[op]()
+        np.testing.assert_array_equal(got, _mid_want(op, inputs))
+        if op in ("allreduce", "allgather", "broadcast"):
+            assert_same_on_all_ranks(got)
+    if N == 1:
+        return
+    folded = inputs[R].reshape(MID // 2, 2) if R == 0 else inputs[R]  # trailing dims differ on rank 0
+    with pytest.raises(unison.MismatchError, match="shape") as info:
+        _mid_calls(folded)[op]()
+    assert "name='mid'" in str(info.value) and f"rank 0: collective={op}, shape=({MID // 2}, 2)" in str(info.value)
+    with pytest.raises(unison.MismatchError, match="dtype"):
+        _mid_calls(inputs[R].astype(np.float64) if R == N - 1 else inputs[R])[op]()
+    bad = inputs[R].astype(np.complex64) if R == 0 else inputs[R]  # the others take their cached plan
+    with pytest.raises(TypeError, match="complex64") as err:
+        _mid_calls(bad)[op]()
+    assert "Cast the array first." in str(err.value)  # the whole message, past the inline space
+    np.testing.assert_array_equal(_mid_calls(inputs[R])[op](), _mid_want(op, inputs))  # the job goes on
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "tree", "mpi"])
+def test_large_broadcast_overlaps_the_roots_copy(algorithm):
+    """From 256 KiB MPI's broadcast is posted non-blocking while the root copies its input (twice: the
+    second call takes the cached plan); every rank gets the root's bits, the root's input stays as it was."""
+    for root in range(N):
+        want = np.arange(300_000, dtype=np.float32) * (root + 1)
+        for _ in range(2):
+            mine = want.copy() if R == root else np.zeros(300_000, np.float32)
+            got = C.broadcast(mine, root_rank=root, algorithm=algorithm)
+            np.testing.assert_array_equal(got, want)
+            np.testing.assert_array_equal(mine, want if R == root else 0)
+
+
+def test_cached_plans_follow_other_ranks_first_dims_and_splits():
+    """A plan keyed by this rank's call must notice when another rank changed its rows or splits."""
+    for step in range(4):
+        rows = [2000 + (step if r == N - 1 else 0) for r in range(N)]  # only the last rank varies
+        inputs = [np.full((rows[r], 3), 10 * r + step, np.int32) for r in range(N)]
+        np.testing.assert_array_equal(C.allgather(inputs[R]), np.concatenate(inputs))
+        splits_of = [[1000 + (step if src == N - 1 and dst == 0 else 0) for dst in range(N)] for src in range(N)]
+        mine = np.arange(sum(splits_of[R]) * 2, dtype=np.float32).reshape(-1, 2) + 1000 * R
+        got, recv = C.alltoall(mine, splits=splits_of[R])
+        np.testing.assert_array_equal(recv, [splits_of[s][R] for s in range(N)])
+        pieces = []
+        for src in range(N):
+            theirs = np.arange(sum(splits_of[src]) * 2, dtype=np.float32).reshape(-1, 2) + 1000 * src
+            start = sum(splits_of[src][:R])
+            pieces.append(theirs[start:start + splits_of[src][R]])
+        np.testing.assert_array_equal(got, np.concatenate(pieces))
+
+
 # ------------------------------------------------------------------ integer Average (issue 10, item 2)
 # [Note: integer average] Sums of narrow integers are accumulated in int64 and only then
 # divided, truncating toward zero (C integer division), so values that overflow the input

@@ -379,6 +379,26 @@ def test_unnamed_calls_on_a_subset_leave_the_global_names_aligned():
     unison.remove_process_set(most)
 
 
+@needs_engine
+def test_unnamed_calls_reuse_names_and_more_in_flight_than_names_still_run_in_order():
+    """Frontend [Note: unnamed calls reuse names]: the n-th unnamed call is named by slot
+    n % AUTO_NAME_SLOTS (so a repeated lone call hits the negotiation cache), and a call whose
+    slot is still in flight is held, not refused, then runs with its own data. Rank 0
+    synchronizes in reverse order, so its later calls wait on held ones."""
+    from unison.common.engine import requests
+
+    count = requests.AUTO_NAME_SLOTS + 40
+    frontend._counters.clear()
+    handles = [unison.allreduce_async(np.full(3, float(i + R)), op=unison.Sum) for i in range(count)]
+    order = range(count - 1, -1, -1) if R == 0 else range(count)
+    got = {i: unison.synchronize(handles[i]) for i in order}
+    for i in range(count):
+        np.testing.assert_array_equal(got[i], np.full(3, float(N * i + N * (N - 1) // 2)))
+    names = {frontend._auto_name("allreduce", None) for _ in range(2 * requests.AUTO_NAME_SLOTS)}
+    assert len(names) == requests.AUTO_NAME_SLOTS
+    frontend._counters.clear()
+
+
 @pytest.mark.parametrize("compression, unit_roundoff", [(unison.Compression.fp16, 2.0 ** -11),
                                                         (unison.Compression.bf16, 2.0 ** -8)])
 def test_compression_error_bounds(compression, unit_roundoff):

@@ -6,11 +6,11 @@ Each call first agrees with the other ranks on what is being called (see
 ============== ===================================== ==============================
 collective     ours                                  MPI's
 ============== ===================================== ==============================
-allreduce      inline (<= 4 KiB), rhd, ring,         ``MPI_Allreduce``
+allreduce      inline (<= 256 B), rhd, ring,         ``MPI_Allreduce``
                hierarchical
-allgather      inline, ring, hierarchical            ``MPI_Allgatherv``
+allgather      inline, ring, hierarchical            ``MPI_Allgather(v)``
 broadcast      inline, binomial tree, hierarchical   ``MPI_Bcast``
-reducescatter  inline, ring                          ``MPI_Reduce_scatter``
+reducescatter  inline, ring                          ``MPI_Reduce_scatter(_block)``
 alltoall       inline, pairwise exchange             ``MPI_Alltoallv``
 ============== ===================================== ==============================
 
@@ -18,10 +18,17 @@ alltoall       inline, pairwise exchange             ``MPI_Alltoallv``
 topology, message size and rank count; see :mod:`unison.collectives.select`.
 Inline all-reduces and reduce-scatters fold the ranks' rows in rank order, as
 the deterministic mode does (:mod:`unison.collectives.ordered`).
+
+A call on a C-contiguous numpy array leaves a plan keyed by its local
+signature; the same call again replays the agreement with the plan's prebuilt
+header and moves the data with precomputed arguments (:mod:`.plans`). Every
+call, planned or not, makes the same fixed-size agreement exchange first, so a
+mismatch still raises on every rank, and the same MPI calls after it.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -29,7 +36,14 @@ import numpy as np
 from unison.collectives import kernels
 from unison.collectives.header import INLINE_BYTES, Call, Collective, Negotiator
 from unison.collectives.ordered import reduce_stack  # rank order (numpy's reduce is pairwise at >= 9 rows)
-from unison.collectives.plans import InlineAllreduce
+from unison.collectives.plans import (
+    AllgatherPlan,
+    AllreducePlan,
+    AlltoallPlan,
+    BroadcastPlan,
+    InlineAllreduce,
+    ReducescatterPlan,
+)
 from unison.collectives.reduce import check_op, finalize, prescale, reducer
 from unison.collectives.validate import as_array, check_root, check_splits, rows_split
 from unison.common import pool, runtime
@@ -41,11 +55,37 @@ from unison.common.ops import Average, ReduceOp, parse_op
 __all__ = ["allreduce", "allgather", "broadcast", "reducescatter", "alltoall", "barrier"]
 
 
+#: Plans kept per communicator before the cache starts over (a plan is a few hundred bytes per rank).
+MAX_PLANS = 1024
+
+
 def _negotiator(st: runtime.State) -> Negotiator:
     neg = st.cache.get("negotiator")
     if neg is None:
         neg = st.cache["negotiator"] = Negotiator(st.comm, st.mpi)
     return neg
+
+
+def _plan(st: runtime.State, key: tuple[Any, ...]) -> Any:
+    """The cached plan of a call signature, if any (see :mod:`.plans`)."""
+    neg = st.cache.get("negotiator")
+    if neg is None:
+        return None
+    try:
+        return neg.plans.get(key)
+    except TypeError:  # an unhashable argument: the full path checks it
+        return None
+
+
+def _keep(neg: Negotiator, key: tuple[Any, ...], plan: Any) -> None:
+    if len(neg.plans) >= MAX_PLANS:
+        neg.plans.clear()
+    neg.plans[key] = plan
+
+
+def _plannable(tensor: Any, st: runtime.State) -> bool:
+    """Whether a call on ``tensor`` may take (or leave) a cached plan."""
+    return type(tensor) is np.ndarray and st.size > 1 and tensor.flags.c_contiguous
 
 
 class _Prep:
@@ -141,9 +181,10 @@ def allreduce(tensor: Any, op: Any = Average, name: str | None = None,
         MismatchError: ranks passed different shapes, dtypes, ops or factors (a ``ValueError``).
     """
     st = runtime.state("unison.allreduce()")
-    if type(tensor) is np.ndarray and st.size > 1:
-        plan = _negotiator(st).plans.get(
-            (tensor.shape, tensor.dtype, op, prescale_factor, postscale_factor, algorithm))
+    key = ("allreduce", tensor.shape, tensor.dtype, op, prescale_factor, postscale_factor, algorithm) \
+        if _plannable(tensor, st) else None
+    if key is not None:
+        plan = _plan(st, key)
         if plan is not None and (out is None or plan.fits(out)):
             return plan.run(tensor, name, out)
     prep = _Prep(Collective.ALLREDUCE, tensor, name, "allreduce_algorithm", algorithm, st)
@@ -161,7 +202,6 @@ def allreduce(tensor: Any, op: Any = Average, name: str | None = None,
     neg = _run(prep, st)
     result = pool.results.empty(x.shape, x.dtype) if out is None else out
     out = result.reshape(-1)
-    ufunc = reducer(x.dtype, rop)
     if neg is None:
         prescale(flat, call.prescale, out)
         finalize(out, rop, 1, call.postscale)
@@ -170,12 +210,13 @@ def allreduce(tensor: Any, op: Any = Average, name: str | None = None,
         return result
     if small:
         reduce_stack(neg.inline_rows(x.nbytes).view(x.dtype), rop, out, n, call.postscale)
-        if type(tensor) is np.ndarray:
-            neg.plans[(tensor.shape, tensor.dtype, op, prescale_factor, postscale_factor, algorithm)] = \
-                InlineAllreduce(neg, call, ufunc, rop)
+        if key is not None:
+            _keep(neg, key, InlineAllreduce(neg, call, reducer(x.dtype, rop), rop))
         return result
     kernels.allreduce(neg.comm, neg.mpi, flat, out, rop, call.prescale, call.postscale,
                       call.algorithm, st.config.chunk_bytes)
+    if key is not None:
+        _keep(neg, key, AllreducePlan(neg, call, rop, st.config.chunk_bytes))
     return result
 
 
@@ -205,6 +246,14 @@ def allgather(tensor: Any, name: str | None = None, algorithm: str | None = None
         MismatchError: trailing shapes or dtypes differ between ranks.
     """
     st = runtime.state("unison.allgather()")
+    key = ("allgather", tensor.shape, tensor.dtype, algorithm) \
+        if _plannable(tensor, st) and tensor.ndim else None
+    if key is not None:
+        plan = _plan(st, key)
+        if plan is not None:
+            got = plan.run(tensor, name)
+            # None: another rank's first dimension changed; the exchange is done, recompute
+            return got if got is not None else _allgather_rest(plan.neg, tensor, plan.call, st, key)
     prep = _Prep(Collective.ALLGATHER, tensor, name, "allgather_algorithm", algorithm, st)
     x = prep.array.reshape(1) if prep.array.ndim == 0 else prep.array
     call = prep.call
@@ -215,18 +264,27 @@ def allgather(tensor: Any, name: str | None = None, algorithm: str | None = None
     neg = _run(prep, st)
     if neg is None:
         return np.array(x, order="C")
+    return _allgather_rest(neg, x, call, st, key)
+
+
+def _allgather_rest(neg: Negotiator, x: np.ndarray, call: Call, st: runtime.State,
+                    key: tuple[Any, ...] | None) -> np.ndarray:
+    """An all-gather once the headers are agreed; leaves a plan for ``key`` when one applies."""
     rows = neg.dim0s()
     trailing = x.shape[1:]
     out = pool.results.empty((sum(rows),) + trailing, x.dtype)
-    row_bytes = int(np.prod(trailing, dtype=np.int64)) * x.itemsize
+    row_bytes = math.prod(trailing) * x.itemsize
     counts = [r * row_bytes for r in rows]
-    offsets = [sum(counts[:i]) for i in range(len(counts))]
     ob = out.reshape(-1).view(np.uint8)
     if neg.all_inline():
+        start = 0
         for i in range(st.size):
-            ob[offsets[i]:offsets[i] + counts[i]] = neg.payload(i, counts[i])
+            ob[start:start + counts[i]] = neg.payload(i, counts[i])
+            start += counts[i]
         return out
     kernels.allgatherv(neg.comm, neg.mpi, _flat(x), out, counts, call.algorithm, st.config.chunk_bytes)
+    if key is not None and not call.inline:
+        _keep(neg, key, AllgatherPlan(neg, call, rows, st.config.chunk_bytes))
     return out
 
 
@@ -242,6 +300,12 @@ def broadcast(tensor: Any, root_rank: int = 0, name: str | None = None,
         MismatchError: ranks disagree on shape, dtype or root.
     """
     st = runtime.state("unison.broadcast()")
+    key = ("broadcast", tensor.shape, tensor.dtype, root_rank, algorithm) \
+        if _plannable(tensor, st) and type(root_rank) is int else None
+    if key is not None:
+        plan = _plan(st, key)
+        if plan is not None:
+            return plan.run(tensor, name)
     prep = _Prep(Collective.BROADCAST, tensor, name, "broadcast_algorithm", algorithm, st)
     call, x = prep.call, prep.array
     prep.check(check_root, root_rank, st.size)
@@ -252,16 +316,17 @@ def broadcast(tensor: Any, root_rank: int = 0, name: str | None = None,
     call.inline = small
     neg = _run(prep, st)
     out = pool.results.empty(x.shape, x.dtype)
-    if neg is None or st.rank == call.root:
-        np.copyto(out, x)
-    if neg is None or x.size == 0:
+    root_here = neg is None or st.rank == call.root
+    if neg is None or x.size == 0 or small:
+        if root_here:
+            np.copyto(out, x)
+        if neg is not None and not root_here and x.size:
+            out.reshape(-1).view(np.uint8)[:] = neg.payload(call.root, x.nbytes)
         return out
-    ob = out.reshape(-1).view(np.uint8)
-    if small:
-        if st.rank != call.root:
-            ob[:] = neg.payload(call.root, x.nbytes)
-        return out
-    kernels.broadcast(neg.comm, neg.mpi, out, call.root, call.algorithm, st.config.chunk_bytes)
+    kernels.broadcast(neg.comm, neg.mpi, out, call.root, call.algorithm, st.config.chunk_bytes,
+                      source=_flat(x) if root_here else None)
+    if key is not None:
+        _keep(neg, key, BroadcastPlan(neg, call, st.config.chunk_bytes))
     return out
 
 
@@ -278,6 +343,12 @@ def reducescatter(tensor: Any, op: Any = Average, name: str | None = None,
         MismatchError: ranks passed different shapes, dtypes, ops or factors.
     """
     st = runtime.state("unison.reducescatter()")
+    key = ("reducescatter", tensor.shape, tensor.dtype, op, prescale_factor, postscale_factor, algorithm) \
+        if _plannable(tensor, st) and tensor.ndim else None
+    if key is not None:
+        plan = _plan(st, key)
+        if plan is not None:
+            return plan.run(tensor, name)
     prep = _Prep(Collective.REDUCESCATTER, tensor, name, "reducescatter_algorithm", algorithm, st)
     call, x = prep.call, prep.array
     rop = prep.reduction(op, prescale_factor, postscale_factor)
@@ -292,9 +363,8 @@ def reducescatter(tensor: Any, op: Any = Average, name: str | None = None,
         call.inline = True
     neg = _run(prep, st)
     rows = rows_split(x.shape[0], n)
-    row_elems = int(np.prod(x.shape[1:], dtype=np.int64))
+    row_elems = math.prod(x.shape[1:])
     counts = [k * row_elems for k in rows]
-    offsets = [sum(counts[:i]) for i in range(n)]
     out = pool.results.empty((counts[r],), x.dtype)
     shape = (rows[r],) + x.shape[1:]
     if neg is None:
@@ -302,11 +372,14 @@ def reducescatter(tensor: Any, op: Any = Average, name: str | None = None,
         finalize(out, rop, 1, call.postscale)
         return out.reshape(shape)
     if small:
-        stack = neg.inline_rows(x.nbytes).view(x.dtype)[:, offsets[r]:offsets[r] + counts[r]]
+        offset = sum(counts[:r])
+        stack = neg.inline_rows(x.nbytes).view(x.dtype)[:, offset:offset + counts[r]]
         reduce_stack(stack, rop, out, n, call.postscale)
-    else:
-        kernels.reducescatter(neg.comm, neg.mpi, flat, out, counts, rop, call.prescale,
-                              call.postscale, call.algorithm, st.config.chunk_bytes)
+        return out.reshape(shape)
+    kernels.reducescatter(neg.comm, neg.mpi, flat, out, counts, rop, call.prescale,
+                          call.postscale, call.algorithm, st.config.chunk_bytes)
+    if key is not None and x.size:
+        _keep(neg, key, ReducescatterPlan(neg, call, rop, counts, shape, st.config.chunk_bytes))
     return out.reshape(shape)
 
 
@@ -328,9 +401,17 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
         MismatchError: trailing shapes or dtypes differ between ranks.
     """
     st = runtime.state("unison.alltoall()")
+    key = None
+    if _plannable(tensor, st) and tensor.ndim and (splits is None or type(splits) in (list, tuple)):
+        key = ("alltoall", tensor.shape, tensor.dtype, splits if splits is None else tuple(splits), algorithm)
+        plan = _plan(st, key)
+        if plan is not None:
+            got = plan.run(tensor, name)
+            # None: another rank's splits changed; the exchange is done, recompute
+            return got if got is not None else _alltoall_rest(plan.neg, tensor, plan.call, st, key)
     prep = _Prep(Collective.ALLTOALL, tensor, name, "alltoall_algorithm", algorithm, st)
     call, x = prep.call, prep.array
-    n, r = st.size, st.rank
+    n = st.size
     call.vary_dim0 = True
     if call.error is None and x.ndim == 0:
         prep.fail(ValueError("alltoall needs an array with at least one dimension; got a 0-d array"))
@@ -340,7 +421,6 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
             my_splits = check_splits(splits, x.shape[0], n)
     except ValueError as exc:
         prep.fail(exc)
-    row_bytes = int(np.prod(x.shape[1:], dtype=np.int64)) * x.itemsize if x.ndim else 0
     split_bytes = 8 * n
     if n > 1 and split_bytes <= INLINE_BYTES:
         area = _negotiator(st).inline_area()
@@ -351,8 +431,22 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
     neg = _run(prep, st)
     if neg is None:
         return np.array(x, order="C"), np.asarray(my_splits, dtype=np.int64)
+    return _alltoall_rest(neg, x, call, st, key, my_splits)
+
+
+def _alltoall_rest(neg: Negotiator, x: np.ndarray, call: Call, st: runtime.State,
+                   key: tuple[Any, ...] | None, my_splits: list[int] | None = None,
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """An all-to-all once the headers are agreed; leaves a plan for ``key`` when one applies.
+
+    ``my_splits`` is needed only when the splits do not travel inline (more than
+    ``INLINE_BYTES / 8`` ranks); a plan exists only when they do.
+    """
+    n, r = st.size, st.rank
+    split_bytes = 8 * n
+    row_bytes = math.prod(x.shape[1:]) * x.itemsize if x.ndim else 0
     if split_bytes <= INLINE_BYTES:
-        all_splits = np.stack([neg.payload(i, split_bytes).view(np.int64) for i in range(n)])
+        all_splits = neg.inline_rows(split_bytes).view(np.int64).copy()
     else:
         all_splits = np.empty((n, n), dtype=np.int64)
         neg.comm.Allgather(np.asarray(my_splits, dtype=np.int64), all_splits)
@@ -360,15 +454,18 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
     out = pool.results.empty((int(recv_splits.sum()),) + x.shape[1:], x.dtype)
     ob = out.reshape(-1).view(np.uint8)
     rcounts = [int(v) * row_bytes for v in recv_splits]
-    roffs = [sum(rcounts[:i]) for i in range(n)]
     if neg.all_inline():
+        start = 0
         for i in range(n):
-            start = split_bytes + int(all_splits[i, :r].sum()) * row_bytes
-            ob[roffs[i]:roffs[i] + rcounts[i]] = neg.payload(i, rcounts[i], start)
+            src = split_bytes + int(all_splits[i, :r].sum()) * row_bytes
+            ob[start:start + rcounts[i]] = neg.payload(i, rcounts[i], src)
+            start += rcounts[i]
         return out, recv_splits
-    scounts = [v * row_bytes for v in my_splits]
+    scounts = [int(v) * row_bytes for v in all_splits[r]]
     kernels.alltoallv(neg.comm, neg.mpi, _flat(x), scounts, out, rcounts, call.algorithm,
-                      st.config.chunk_bytes)
+                      st.config.chunk_bytes, uniform=bool((all_splits == all_splits[0, 0]).all()))
+    if key is not None and not call.inline and split_bytes <= INLINE_BYTES:
+        _keep(neg, key, AlltoallPlan(neg, call, all_splits, st.config.chunk_bytes))
     return out, recv_splits
 
 

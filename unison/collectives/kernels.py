@@ -28,7 +28,8 @@ from unison.common import runtime
 from unison.common.dtypes import is_float
 from unison.common.ops import ReduceOp
 
-__all__ = ["allreduce", "allgatherv", "broadcast", "reducescatter", "alltoallv"]
+__all__ = ["allreduce", "allgatherv", "broadcast", "reducescatter", "alltoallv", "allreduce_is_native",
+           "simple_is_native", "reducescatter_is_native"]
 
 TAG_A2A = 41
 #: Integer averages are summed in int64 (see [Note: integer average] in :mod:`.reduce`)
@@ -89,14 +90,8 @@ def allreduce(comm: Any, mpi: Any, src: np.ndarray, out: np.ndarray, op: ReduceO
         prescale(src, prescale_factor, out)
         finalize(out, op, 1, postscale_factor)
         return
-    if _setting(deterministic, "deterministic") and is_float(out.dtype):
-        algo, topo = "ordered", None
-    else:
-        topo = _topology(comm, mpi, algorithm)
-        algo = choose_allreduce(algorithm, out.nbytes, n, topo,
-                                _setting(hierarchical_forced, "hierarchical_allreduce"))
-        if algo == "hierarchical" and not _hierarchical_ok(topo, "allreduce"):  # type: ignore[arg-type]
-            algo = "ring"
+    algo, topo = _allreduce_algorithm(comm, mpi, out.nbytes, out.dtype, algorithm, deterministic,
+                                      hierarchical_forced)
     wide = accumulator(out.dtype, op)
     if wide is not None:
         _allreduce_widened(comm, mpi, src, out, wide, op, prescale_factor, postscale_factor, algo,
@@ -104,6 +99,57 @@ def allreduce(comm: Any, mpi: Any, src: np.ndarray, out: np.ndarray, op: ReduceO
         return
     _allreduce_run(comm, mpi, src, out, op, prescale_factor, postscale_factor, algo,
                    _elems(chunk_bytes, out.itemsize), topo)
+
+
+def _allreduce_algorithm(comm: Any, mpi: Any, nbytes: int, dtype: np.dtype, algorithm: str,
+                         deterministic: bool | None, hierarchical_forced: bool | None,
+                         ) -> tuple[str, topology.Topology | None]:
+    """The algorithm :func:`allreduce` runs (``"ordered"`` for deterministic floats), and the topology."""
+    if _setting(deterministic, "deterministic") and is_float(dtype):
+        return "ordered", None
+    topo = _topology(comm, mpi, algorithm)
+    algo = choose_allreduce(algorithm, nbytes, comm.Get_size(), topo,
+                            _setting(hierarchical_forced, "hierarchical_allreduce"))
+    if algo == "hierarchical" and not _hierarchical_ok(topo, "allreduce"):  # type: ignore[arg-type]
+        algo = "ring"
+    return algo, topo
+
+
+def allreduce_is_native(comm: Any, mpi: Any, nbytes: int, dtype: np.dtype, op: ReduceOp,
+                        prescale_factor: float, algorithm: str) -> bool:
+    """Whether :func:`allreduce` would hand this call to ``MPI_Allreduce`` untouched.
+
+    A cached plan (:mod:`.plans`) then makes that call itself. Ask only after
+    :func:`allreduce` has run once with the same arguments: the topology it
+    may need is then built (see [Note: topology is collective]).
+    """
+    if op is ReduceOp.ADASUM or prescale_factor != 1.0 or accumulator(dtype, op) is not None \
+            or comm.Get_size() == 1 or nbytes == 0:
+        return False
+    return _allreduce_algorithm(comm, mpi, nbytes, dtype, algorithm, None, None)[0] == "mpi"
+
+
+def simple_is_native(comm: Any, mpi: Any, collective: str, nbytes: int, algorithm: str) -> bool:
+    """Whether :func:`allgatherv`, :func:`broadcast` or :func:`alltoallv` would call MPI's own
+    collective for a call of ``nbytes`` (all-gather: the gathered total); see :func:`allreduce_is_native`.
+    """
+    n = comm.Get_size()
+    if n == 1 or nbytes == 0:
+        return False
+    topo = None if collective == "alltoall" else _topology(comm, mpi, algorithm)
+    force = collective != "alltoall" and _setting(None, "hierarchical_allgather")
+    return choose_simple(collective, algorithm, nbytes, n, topo, force) == "mpi"
+
+
+def reducescatter_is_native(comm: Any, mpi: Any, nbytes: int, dtype: np.dtype, op: ReduceOp,
+                            prescale_factor: float, algorithm: str) -> bool:
+    """Whether :func:`reducescatter` would call ``MPI_Reduce_scatter`` untouched; see
+    :func:`allreduce_is_native`."""
+    if prescale_factor != 1.0 or accumulator(dtype, op) is not None or comm.Get_size() == 1 \
+            or (_setting(None, "deterministic") and is_float(dtype)):
+        return False
+    topo = _topology(comm, mpi, algorithm)
+    return choose_simple("reducescatter", algorithm, nbytes, comm.Get_size(), topo) == "mpi"
 
 
 def _allreduce_run(comm: Any, mpi: Any, src: np.ndarray, out: np.ndarray, op: ReduceOp,
@@ -177,23 +223,33 @@ def allgatherv(comm: Any, mpi: Any, mine: np.ndarray, out: np.ndarray, byte_coun
 
 
 def broadcast(comm: Any, mpi: Any, buf: np.ndarray, root: int, algorithm: str,
-              chunk_bytes: int, *, hierarchical_forced: bool | None = None) -> None:
+              chunk_bytes: int, *, hierarchical_forced: bool | None = None,
+              source: np.ndarray | None = None) -> None:
     """Broadcast ``buf`` (contiguous) from ``root`` in place.
 
     Args:
         hierarchical_forced: as for :func:`allgatherv` (``UNISON_HIERARCHICAL_ALLGATHER``).
+        source: on the root only, the data to broadcast (contiguous, ``buf``'s size), which also
+            lands in ``buf``; MPI's call then sends it while the root copies it (see
+            :func:`.native.broadcast`). Without it the root's ``buf`` holds the data.
     """
     ob = buf.reshape(-1).view(np.uint8)
+    src = None if source is None else source.reshape(-1).view(np.uint8)
     n = comm.Get_size()
     if ob.size == 0 or n == 1:
+        if src is not None:
+            native.copy_exact(ob, src)
         return
     topo = _topology(comm, mpi, algorithm)
     algo = choose_simple("broadcast", algorithm, ob.size, n, topo,
                          _setting(hierarchical_forced, "hierarchical_allgather"))
-    if algo == "hierarchical" and topo is not None and _hierarchical_ok(topo, "broadcast"):
+    if algo == "mpi" or topo is None:
+        native.broadcast(comm, ob, root, mpi, src)
+        return
+    if src is not None:
+        native.copy_exact(ob, src)
+    if algo == "hierarchical" and _hierarchical_ok(topo, "broadcast"):
         hierarchical.broadcast(topo, mpi, ob, root)
-    elif algo == "mpi" or topo is None:
-        native.broadcast(comm, ob, root, mpi)
     else:  # the tree (hierarchical falls back to it too), over the host-ordered communicator
         tree.broadcast(topo.ring, ob, topo.host_order.index(root), chunk_bytes)
 
@@ -244,14 +300,24 @@ def reducescatter(comm: Any, mpi: Any, src: np.ndarray, out: np.ndarray, counts:
 
 
 def alltoallv(comm: Any, mpi: Any, send: np.ndarray, send_counts: list[int], out: np.ndarray,
-              recv_counts: list[int], algorithm: str, chunk_bytes: int) -> None:
-    """Send ``send_counts[i]`` bytes to rank i, receive ``recv_counts[i]`` from it, in rank order."""
+              recv_counts: list[int], algorithm: str, chunk_bytes: int, *, uniform: bool = False) -> None:
+    """Send ``send_counts[i]`` bytes to rank i, receive ``recv_counts[i]`` from it, in rank order.
+
+    Args:
+        uniform: every rank sends every rank the same number of bytes (true of all
+            ranks' counts, so every rank passes the same value); MPI's algorithm is
+            then ``MPI_Alltoall``, several times faster than ``MPI_Alltoallv`` at
+            256 KiB here.
+    """
     n, r = comm.Get_size(), comm.Get_rank()
     xb, ob = send.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8)
     soffs = [sum(send_counts[:i]) for i in range(n)]
     roffs = [sum(recv_counts[:i]) for i in range(n)]
     if choose_simple("alltoall", algorithm, xb.size, n) == "mpi":
-        native.alltoallv(comm, mpi, xb, send_counts, soffs, ob, recv_counts, roffs)
+        if uniform:
+            comm.Alltoall([xb, send_counts[0], mpi.BYTE], [ob, recv_counts[0], mpi.BYTE])
+        else:
+            native.alltoallv(comm, mpi, xb, send_counts, soffs, ob, recv_counts, roffs)
         return
     ob[roffs[r]:roffs[r] + recv_counts[r]] = xb[soffs[r]:soffs[r] + send_counts[r]]
     for k in range(1, n):

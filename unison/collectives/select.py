@@ -1,6 +1,6 @@
 """Which algorithm ``"auto"`` runs, by topology, message size and rank count.
 
-Messages of at most 4 KiB travel inline in the agreement exchange (see
+Messages of at most 256 bytes travel inline in the agreement exchange (see
 :mod:`unison.collectives.header`) before this is consulted. Above that:
 
 * One host (the communicator's :class:`~.topology.Topology` has one host, or

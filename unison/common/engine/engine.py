@@ -48,7 +48,7 @@ from unison.common.engine.errors import DuplicateNameError, JoinError, ShutdownE
 from unison.common.engine.executor import Executor
 from unison.common.engine.handles import Handle, wake_waiters
 from unison.common.engine.process_sets import ProcessSet
-from unison.common.engine.requests import Kind, Request
+from unison.common.engine.requests import AUTO_NAME_MARK, Kind, Request
 from unison.common.engine.stalls import stall_flags, stall_round
 from unison.common.engine.timeline import Timeline
 from unison.common.engine.watchdog import Watchdog
@@ -126,6 +126,9 @@ class Engine:
         self._queue: deque[Request] = deque()
         #: (process set, name) -> request, from submit until its handle completes
         self._inflight: dict[tuple[int, str], Request] = {}
+        #: unnamed calls whose reused name is still in flight, in submission order
+        #: ([Note: unnamed calls reuse names] in frontend.py)
+        self._held: dict[tuple[int, str], deque[Request]] = {}
         self._sets: dict[int, _SetState] = {}
         self._set_objs: list[ProcessSet] = []
         self._error: BaseException | None = None
@@ -271,6 +274,10 @@ class Engine:
             self.timeline.begin(req.name, "NEGOTIATE_" + req.kind.name, req.submitted)
         key = (req.process_set, req.name)
         with self._cv:
+            if not self._stopping and key in self._inflight and AUTO_NAME_MARK in req.name:
+                req.handle._engine = self  # an unnamed call's reused name: it runs after the last one
+                self._held.setdefault(key, deque()).append(req)
+                return req.handle
             if not self._stopping and key not in self._inflight:
                 self._inflight[key] = req
                 self._queue.append(req)
@@ -370,8 +377,9 @@ class Engine:
         with self._cv:
             self._stopping = True
             self._exit_error = error
-            requests = list(self._inflight.values())
+            requests = list(self._inflight.values()) + [r for q in self._held.values() for r in q]
             self._inflight.clear()
+            self._held.clear()
             self._queue.clear()
             joins, self._join_handles = self._join_handles, []
         for req in requests:
@@ -514,8 +522,25 @@ class Engine:
         with self._cv:
             inflight = self._inflight
             for req in done:
-                inflight.pop((req.process_set, req.name), None)
+                key = (req.process_set, req.name)
+                if inflight.get(key) is req:
+                    del inflight[key]
+                    if self._held:
+                        self._release(key)
         wake_waiters()
+
+    def _release(self, key: tuple[int, str]) -> None:
+        """Queue the next unnamed call held for ``key``'s name, now free (under ``_cv``)."""
+        held = self._held.get(key)
+        if not held:
+            return
+        req = held.popleft()
+        if not held:
+            del self._held[key]
+        self._inflight[key] = req
+        self._queue.append(req)
+        if self._sleeping:
+            self._cv.notify()
 
     def _finish_join(self, st: _SetState) -> None:
         """Every rank joined: ``join()`` returns the last rank to join, on every rank.
@@ -568,8 +593,10 @@ class Engine:
         if stall_round(st.controller, self.mpi, self.config) is not None:
             sid = st.controller.set_id
             with self._cv:
-                self._inflight = {k: r for k, r in self._inflight.items()
-                                  if not (k[0] == sid and r.handle.done())}
+                failed = [k for k, r in self._inflight.items() if k[0] == sid and r.handle.done()]
+                for k in failed:
+                    del self._inflight[k]
+                    self._release(k)
             wake_waiters()
 
     def _apply_tuning(self, params: tuple[int, float] | None) -> None:

@@ -14,7 +14,14 @@ from unison.common.dtypes import dtype_code, dtype_from_code, dtype_name, is_flo
 from unison.common.engine.handles import Handle
 from unison.common.ops import ReduceOp
 
-__all__ = ["Kind", "Request", "Signature", "ACTION", "describe", "identity_like"]
+__all__ = ["Kind", "Request", "Signature", "ACTION", "AUTO_NAME_MARK", "AUTO_NAME_SLOTS", "describe",
+           "identity_like"]
+
+#: In every name the frontend makes for an unnamed call (``<op>.noname.<k>``)
+AUTO_NAME_MARK = ".noname."
+#: Unnamed calls of one op and process set cycle through this many names
+#: ([Note: unnamed calls reuse names] in frontend.py)
+AUTO_NAME_SLOTS = 128
 
 
 class Signature(NamedTuple):
