@@ -17,7 +17,6 @@ import torch
 from unison.collectives import adasum
 from unison.common.compression import Compression
 from unison.common.engine import frontend
-from unison.common.engine.engine import caller_waits
 from unison.common.engine.handles import Handle
 from unison.common.engine.process_sets import ProcessSet, set_size
 from unison.common.ops import ReduceOp
@@ -42,6 +41,15 @@ _ENGINE_ADASUM = hasattr(ReduceOp, "ADASUM")
 
 def _copy_out(source: np.ndarray) -> Any:
     return lambda arr: result_tensor(arr, source)
+
+
+def _tensor_handle(inner: Handle, source: np.ndarray) -> Handle:
+    """A handle whose ``synchronize`` gives the result as a new tensor: the engine's own handle,
+    converting once (its result is never ``source``), or a wrapper that copies where needed."""
+    if inner._engine is not None and inner._post is None:
+        inner._post = from_numpy
+        return inner
+    return TorchHandle(inner, _copy_out(source))
 
 
 def _dense(tensor: torch.Tensor, what: str) -> np.ndarray:
@@ -85,8 +93,7 @@ def _allreduce_submit(tensor: torch.Tensor, rop: Any, name: str | None, pre: flo
                              "call .contiguous() first or use allreduce")
         inner = raise_now(frontend.allreduce_async(arr, rop, name, pre, post, ps, out=arr))
         return TorchHandle(inner, lambda _: tensor)
-    inner = raise_now(frontend.allreduce_async(arr, rop, name, pre, post, ps))
-    return TorchHandle(inner, _copy_out(arr))
+    return _tensor_handle(raise_now(frontend.allreduce_async(arr, rop, name, pre, post, ps)), arr)
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -100,15 +107,11 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
     """
     if (average is None and process_set is None and prescale_factor == 1.0 and postscale_factor == 1.0
             and type(tensor) is torch.Tensor and not tensor.is_sparse):
-        # the common case: the engine's handle itself, converting its result once at synchronize
+        # the common case, with the fewest Python calls per tensor
         rop = ReduceOp.AVERAGE if op is None else reduce_op(None, op)
         if rop is not ReduceOp.ADASUM:
             arr = to_numpy(tensor)
-            inner = raise_now(frontend.allreduce_async(arr, rop, name))
-            if inner._engine is not None and inner._post is None:  # the engine's (never arr itself)
-                inner._post = from_numpy
-                return inner
-            return TorchHandle(inner, _copy_out(arr))
+            return _tensor_handle(raise_now(frontend.allreduce_async(arr, rop, name)), arr)
     return _allreduce_submit(tensor, reduce_op(average, op), name, prescale_factor, postscale_factor,
                              process_set, in_place=False)
 
@@ -134,9 +137,7 @@ class _Allreduce(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: Any, pre: float, post: float,
                 process_set: ProcessSet | None) -> torch.Tensor:
         ctx.args = (op, pre, post, process_set)
-        with caller_waits():
-            handle = _allreduce_submit(tensor, op, name, pre, post, process_set, in_place=False)
-        return synchronize(handle)
+        return frontend._now(_allreduce_submit, tensor, op, name, pre, post, process_set, False)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:

@@ -325,52 +325,48 @@ def synchronize(handle: Handle) -> Any:
 
 # --------------------------------------------------------------- blocking forms
 
+def _now(submit: Callable[..., Handle], *args: Any) -> Any:
+    """``submit(*args)`` and wait for it: the engine thread is left asleep, since this thread
+    runs the cycle itself (engine [Note: a waiter runs the cycle])."""
+    with caller_waits():
+        handle = submit(*args)
+    return handle.wait()
+
+
 def allreduce(tensor: Any, op: Any = Average, name: str | None = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, process_set: ProcessSet | None = None,
               compression: type[Compressor] = Compression.none, out: np.ndarray | None = None,
               algorithm: str = "auto") -> np.ndarray:
     """Reduce ``tensor`` over all ranks (of ``process_set``); see docs/engine.md."""
-    with caller_waits():
-        handle = allreduce_async(tensor, op, name, prescale_factor, postscale_factor, process_set,
-                                 compression, out, algorithm)
-    return handle.wait()
+    return _now(allreduce_async, tensor, op, name, prescale_factor, postscale_factor, process_set,
+                compression, out, algorithm)
 
 
 def grouped_allreduce(tensors: Sequence[Any], op: Any = Average, name: str | None = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet | None = None,
                       compression: type[Compressor] = Compression.none) -> list[np.ndarray]:
-    with caller_waits():
-        handle = grouped_allreduce_async(tensors, op, name, prescale_factor, postscale_factor, process_set,
-                                         compression)
-    return handle.wait()
+    return _now(grouped_allreduce_async, tensors, op, name, prescale_factor, postscale_factor, process_set,
+                compression)
 
 
 def allgather(tensor: Any, name: str | None = None, process_set: ProcessSet | None = None) -> np.ndarray:
-    with caller_waits():
-        handle = allgather_async(tensor, name, process_set)
-    return handle.wait()
+    return _now(allgather_async, tensor, name, process_set)
 
 
 def broadcast(tensor: Any, root_rank: int = 0, name: str | None = None,
               process_set: ProcessSet | None = None) -> np.ndarray:
-    with caller_waits():
-        handle = broadcast_async(tensor, root_rank, name, process_set)
-    return handle.wait()
+    return _now(broadcast_async, tensor, root_rank, name, process_set)
 
 
 def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
              process_set: ProcessSet | None = None) -> tuple[np.ndarray, np.ndarray]:
-    with caller_waits():
-        handle = alltoall_async(tensor, splits, name, process_set)
-    return handle.wait()
+    return _now(alltoall_async, tensor, splits, name, process_set)
 
 
 def reducescatter(tensor: Any, op: Any = Average, name: str | None = None, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0, process_set: ProcessSet | None = None) -> np.ndarray:
-    with caller_waits():
-        handle = reducescatter_async(tensor, op, name, prescale_factor, postscale_factor, process_set)
-    return handle.wait()
+    return _now(reducescatter_async, tensor, op, name, prescale_factor, postscale_factor, process_set)
 
 
 def barrier(process_set: ProcessSet | None = None) -> None:
@@ -380,9 +376,7 @@ def barrier(process_set: ProcessSet | None = None) -> None:
         return
     sid, _ = _set_id(eng, process_set)
     name = _auto_name("barrier", None, process_set)
-    with caller_waits():
-        handle = _submit(eng, Kind.BARRIER, name, np.empty(0, np.uint8), sid, lambda a: None)
-    handle.wait()
+    _now(_submit, eng, Kind.BARRIER, name, np.empty(0, np.uint8), sid, lambda a: None)
 
 
 def join() -> int:
