@@ -34,6 +34,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
+from typing import Any
 
 __all__ = ["atomic_path", "remove_leftovers"]
 
@@ -175,3 +176,19 @@ def _remove_if_stale(path: str) -> bool:
     except FileNotFoundError:  # another process removed it first
         return False
     return True
+
+
+def atomic_keras_save(save: Any, filepath: Any, *args: Any, **kwargs: Any) -> Any:
+    """``save(filepath, ...)`` (a Keras ``save``/``save_weights``) through :func:`atomic_path`.
+
+    Written in place instead: a file object (the caller owns it), sharded weights
+    (``max_shard_size``: Keras writes the shards next to the index file) and
+    ``overwrite=False`` over an existing file (Keras asks first, as it does anyway).
+    """
+    if not isinstance(filepath, (str, os.PathLike)) or kwargs.get("max_shard_size") is not None:
+        return save(filepath, *args, **kwargs)
+    overwrite = kwargs.get("overwrite", args[0] if args else True)
+    if not overwrite and os.path.exists(filepath):
+        return save(filepath, *args, **kwargs)
+    with atomic_path(filepath) as tmp:
+        return save(tmp, *args, **kwargs)

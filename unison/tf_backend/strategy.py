@@ -58,7 +58,7 @@ from tensorflow.python.util import nest
 
 from unison.common import runtime
 from unison.common.engine import frontend
-from unison.common.files import atomic_path
+from unison.common.files import atomic_keras_save
 from unison.common.ops import Sum
 from unison.tf_backend.host_ops import refuse_xla
 
@@ -462,21 +462,7 @@ def _unison_model(model: Any) -> bool:
     return isinstance(getattr(model, "_distribute_strategy", None), UnisonStrategy) and runtime.size() > 1
 
 
-def _atomic_save(save: Callable[..., Any], filepath: Any, *args: Any, **kwargs: Any) -> Any:
-    """``save(filepath, ...)`` through :func:`~unison.common.files.atomic_path` (durable, atomic).
-
-    Written in place instead: a file object (the caller owns it), sharded weights
-    (``max_shard_size``: Keras writes the shards next to the index file) and
-    ``overwrite=False`` over an existing file (Keras asks first, as it does without
-    the strategy).
-    """
-    if not isinstance(filepath, (str, os.PathLike)) or kwargs.get("max_shard_size") is not None:
-        return save(filepath, *args, **kwargs)
-    overwrite = kwargs.get("overwrite", args[0] if args else True)
-    if not overwrite and os.path.exists(filepath):
-        return save(filepath, *args, **kwargs)
-    with atomic_path(filepath) as tmp:
-        return save(tmp, *args, **kwargs)
+_atomic_save = atomic_keras_save
 
 
 def _gather_predictions(model: Any) -> None:

@@ -1,0 +1,272 @@
+"""unison.keras on the active Keras backend (KERAS_BACKEND: tensorflow, jax or torch) under mpirun.
+
+Every data-parallel result is compared with one process training the same model,
+from rank 0's initial weights, on the same global batches.
+"""
+
+from __future__ import annotations
+
+import os
+
+import keras
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import unison.keras as uk
+from unison.keras import data as ukdata
+
+WORLD = MPI.COMM_WORLD
+N, R = WORLD.Get_size(), WORLD.Get_rank()
+BACKEND = keras.backend.backend()
+GLOBAL_BATCH = 8 * N
+rs = np.random.RandomState(0)
+X = rs.randn(GLOBAL_BATCH * 5 - 3, 4).astype("float32")  # the last global batch is ragged
+Y = (X[:, 1:] @ np.array([[1.0], [-2.0], [0.5]], "float32") + 0.1).astype("float32")
+LABELS = (X[:, 0] > 0).astype("int64") + (X[:, 1] > 0.5).astype("int64")  # 3 classes
+
+
+def make_model(batchnorm: bool = False, classes: int = 0) -> keras.Model:
+    layers = [keras.Input((4,)), keras.layers.Dense(8, activation="tanh")]
+    if batchnorm:
+        layers.append(keras.layers.BatchNormalization())
+    layers.append(keras.layers.Dense(classes or 1, activation="softmax" if classes else None))
+    return keras.Sequential(layers)
+
+
+def same_everywhere(arrays: list[np.ndarray]) -> bool:
+    flat = np.concatenate([np.asarray(a, np.float64).ravel() for a in arrays])
+    return all(np.array_equal(flat, other) for other in WORLD.allgather(flat))
+
+
+def assert_weights_close(a: keras.Model, b: keras.Model, rtol: float = 2e-5, atol: float = 2e-6) -> None:
+    for w, v in zip(a.get_weights(), b.get_weights(), strict=True):
+        np.testing.assert_allclose(w, v, rtol=rtol, atol=atol)
+
+
+def distributed_and_reference(dp, optimizer, **model_kwargs):
+    keras.utils.set_random_seed(100 + R)  # ranks start differently: the broadcast must fix it
+    with dp.scope():
+        model = make_model(**model_kwargs)
+        model.compile(optimizer=optimizer(), loss="mse", metrics=["mae"])
+    ref = make_model(**model_kwargs)
+    ref.set_weights(WORLD.bcast(model.get_weights()))
+    ref.compile(optimizer=optimizer(), loss="mse", metrics=["mae"])
+    return model, ref
+
+
+@pytest.fixture(scope="module")
+def dp():
+    return uk.DataParallel()
+
+
+@pytest.mark.parametrize("optimizer", [lambda: keras.optimizers.SGD(0.05, momentum=0.5),
+                                       lambda: keras.optimizers.Adam(0.01)], ids=["sgd", "adam"])
+def test_fit_equals_one_process_on_the_global_batches(dp, optimizer):
+    model, ref = distributed_and_reference(dp, optimizer)
+    hist = model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False, verbose=0)
+    want = ref.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False, verbose=0)
+    for key in ("loss", "mae"):  # global loss and metric, per epoch, on every rank
+        np.testing.assert_allclose(hist.history[key], want.history[key], rtol=2e-5)
+    assert_weights_close(model, ref)
+    assert same_everywhere(model.get_weights())
+
+
+def test_shuffled_fit_reads_the_same_global_batches_as_one_process(dp):
+    model, ref = distributed_and_reference(dp, lambda: keras.optimizers.SGD(0.05))
+    model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=2, verbose=0)  # shuffle=True: rank 0's seed
+    batches = ukdata.ShardedArrays(X, Y, batch_size=GLOBAL_BATCH, rank=0, size=1, shuffle=True, seed=dp.seed())
+    ref.fit(batches, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(model, ref)
+    assert same_everywhere(model.get_weights())
+
+
+def test_shuffled_rows_are_disjoint_and_complete(dp):
+    shards = [ukdata.ShardedArrays(X, batch_size=GLOBAL_BATCH, rank=r, size=N, shuffle=True, seed=dp.seed())
+              for r in range(N)]
+    for _epoch in range(2):
+        seen = np.concatenate([s[i] for i in range(len(shards[0])) for s in shards])
+        assert sorted(map(tuple, seen.tolist())) == sorted(map(tuple, X.tolist()))
+        for s in shards:
+            s.on_epoch_end()
+
+
+def test_evaluate_and_predict_are_global(dp):
+    model, ref = distributed_and_reference(dp, lambda: keras.optimizers.SGD(0.05))
+    got = model.evaluate(X, Y, batch_size=GLOBAL_BATCH, verbose=0, return_dict=True)
+    want = ref.evaluate(X, Y, batch_size=GLOBAL_BATCH, verbose=0, return_dict=True)
+    assert got.keys() == want.keys()
+    for key in got:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5)
+    x = X[: GLOBAL_BATCH * 2 + N - 1] if N > 1 else X  # N>1: a last batch smaller than the ranks
+    out = model.predict(x, batch_size=GLOBAL_BATCH, verbose=0)
+    assert out.shape == (len(x), 1)
+    np.testing.assert_allclose(out, ref.predict(x, batch_size=GLOBAL_BATCH, verbose=0), rtol=1e-5, atol=1e-6)
+    assert same_everywhere([out])
+
+
+def test_validation_data_and_split_are_global(dp):
+    model, ref = distributed_and_reference(dp, lambda: keras.optimizers.SGD(0.05))
+    hist = model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0, validation_split=0.25)
+    want = ref.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0, validation_split=0.25)
+    for key in ("loss", "val_loss", "val_mae"):
+        np.testing.assert_allclose(hist.history[key], want.history[key], rtol=2e-5)
+
+
+def test_classification_metrics_and_class_weights_are_global(dp):
+    keras.utils.set_random_seed(7 + R)
+    with dp.scope():
+        model = make_model(classes=3)
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy",
+                      metrics=["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(k=2)])
+    ref = make_model(classes=3)
+    ref.set_weights(WORLD.bcast(model.get_weights()))
+    ref.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy",
+                metrics=["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(k=2)])
+    weights = {0: 1.0, 1: 2.0, 2: 0.5}
+    hist = model.fit(X, LABELS, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0, class_weight=weights)
+    want = ref.fit(X, LABELS, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0, class_weight=weights)
+    for key in want.history:
+        np.testing.assert_allclose(hist.history[key], want.history[key], rtol=2e-5, err_msg=key)
+    assert_weights_close(model, ref)
+
+
+def test_batchnorm_statistics_agree_across_ranks(dp):
+    keras.utils.set_random_seed(5 + R)
+    with dp.scope():
+        model = make_model(batchnorm=True)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=2, verbose=0)
+    assert same_everywhere(model.get_weights())
+    moving = [v for v in model.non_trainable_variables if "moving_mean" in v.path]
+    assert moving and float(np.abs(keras.ops.convert_to_numpy(moving[0].value)).sum()) > 0  # it was updated
+
+
+def test_bad_batch_size_and_jit_compile_raise_on_every_rank(dp):
+    with dp.scope():
+        model = make_model()
+        model.compile(optimizer="sgd", loss="mse")
+    if N > 1:
+        with pytest.raises(ValueError, match=f"at least one row; use batch_size >= {N}"):
+            model.fit(X, Y, batch_size=N - 1, epochs=1, verbose=0)
+    if BACKEND != "jax":
+        with dp.scope(), pytest.raises(ValueError, match="jit_compile=True cannot call the host"):
+            make_model().compile(optimizer="sgd", loss="mse", jit_compile=True)
+
+
+def test_save_and_model_checkpoint_write_from_rank_0_only(dp, tmp_path_factory):
+    folder = WORLD.bcast(str(tmp_path_factory.mktemp("save")) if R == 0 else None)
+    with dp.scope():
+        model = make_model()
+        model.compile(optimizer="sgd", loss="mse")
+    model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=2, verbose=0, callbacks=[
+        keras.callbacks.ModelCheckpoint(folder + "/ckpt-{epoch}.keras")])
+    model.save(f"{folder}/r{R}.keras")
+    model.save_weights(f"{folder}/r{R}.weights.h5")
+    WORLD.Barrier()
+    assert sorted(os.listdir(folder)) == ["ckpt-1.keras", "ckpt-2.keras", "r0.keras", "r0.weights.h5"]
+    loaded = keras.models.load_model(f"{folder}/ckpt-2.keras")  # loads without Unison's optimizer class
+    for w, v in zip(loaded.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_array_equal(w, v)
+    assert type(loaded.optimizer).__module__.startswith("keras")
+
+
+# ------------------------------------------------------------ Horovod-style pieces
+
+
+def test_horovod_style_optimizer_and_callbacks_equal_one_process(tmp_path_factory):
+    """Each rank feeds its own equal shard: averaged gradients are the global batch's."""
+    keras.utils.set_random_seed(200 + R)
+    model = make_model()
+    model.compile(optimizer=uk.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss="mse", metrics=["mae"],
+                  jit_compile=False)
+    ref = make_model()
+    ref.set_weights(WORLD.bcast(model.get_weights()))  # what BroadcastGlobalVariablesCallback will give
+    ref.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    rows = GLOBAL_BATCH * 4
+    mine = np.concatenate([np.arange(b + R * 8, b + (R + 1) * 8) for b in range(0, rows, GLOBAL_BATCH)])
+    folder = WORLD.bcast(str(tmp_path_factory.mktemp("hvd")) if R == 0 else None)
+    hist = model.fit(X[mine], Y[mine], batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[
+        uk.callbacks.BroadcastGlobalVariablesCallback(0), uk.callbacks.MetricAverageCallback(),
+        uk.callbacks.ModelCheckpoint(folder + "/m-{epoch}.keras")])
+    want = ref.fit(X[:rows], Y[:rows], batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(model, ref)
+    assert same_everywhere(model.get_weights())
+    # MetricAverageCallback: the mean of the ranks' epoch means, which here (equal shards, equal
+    # batches) is the global mean loss of each epoch
+    np.testing.assert_allclose(hist.history["loss"], want.history["loss"], rtol=2e-5)
+    assert same_everywhere([np.array(hist.history["loss"])])
+    WORLD.Barrier()
+    assert sorted(os.listdir(folder)) == ["m-1.keras", "m-2.keras"]
+
+
+def test_learning_rate_warmup_ramps_from_lr_over_size():
+    model = make_model()
+    model.compile(optimizer=uk.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse", jit_compile=False)
+    seen = []
+
+    def lr(batch, logs):
+        if BACKEND == "jax":  # JAX's fit keeps the state outside the variables during an epoch
+            model.jax_state_sync()
+        seen.append(float(keras.ops.convert_to_numpy(model.optimizer.learning_rate)))
+
+    record = keras.callbacks.LambdaCallback(on_train_batch_begin=lr)
+    warm = uk.callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=2, steps_per_epoch=4)
+    model.fit(X[:32], Y[:32], batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[warm, record])
+    expect = [warm.rate(e + b / 4) for e in range(3) for b in range(4)]
+    np.testing.assert_allclose(seen, expect, rtol=1e-6)
+    assert seen[0] == pytest.approx(0.1 / N) and seen[-1] == pytest.approx(0.1)
+
+
+def test_collectives_on_backend_tensors_and_their_gradients():
+    x = keras.ops.convert_to_tensor(np.arange(6, dtype="float32").reshape(2, 3) + R)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(uk.allreduce(x, op=uk.Sum)),
+                               sum(np.arange(6, dtype="float32").reshape(2, 3) + r for r in range(N)))
+    gathered = keras.ops.convert_to_numpy(uk.allgather(x))
+    assert gathered.shape == (2 * N, 3)
+    np.testing.assert_array_equal(gathered[2 * R:2 * R + 2], keras.ops.convert_to_numpy(x))
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(uk.broadcast(x, root_rank=N - 1)),
+                                  np.arange(6, dtype="float32").reshape(2, 3) + N - 1)
+    # gradients, with weights w_r = r + 1 that differ per rank:
+    # d/dx sum(w_r * allreduce_avg(x)) = mean_r(w_r); d/dx sum(w_r * allgather(x)) = sum_r(w_r) on
+    # this rank's rows; d/dx sum(w_r * broadcast(x, 0)) = sum_r(w_r) on rank 0, zero elsewhere
+    def weighted(f):
+        def loss(t):
+            y = f(t)
+            return keras.ops.sum(keras.ops.full(keras.ops.shape(y), float(R + 1)) * y)
+        return loss
+
+    total = float(sum(range(1, N + 1)))
+    np.testing.assert_allclose(grad_of(weighted(uk.allreduce), x), np.full((2, 3), total / N))
+    np.testing.assert_allclose(grad_of(weighted(uk.allgather), x), np.full((2, 3), total))
+    np.testing.assert_allclose(grad_of(weighted(lambda t: uk.broadcast(t, 0)), x),
+                               np.full((2, 3), total if R == 0 else 0.0))
+
+
+def grad_of(f, x):
+    """d f(x) / dx on the active backend, traced where the backend compiles (jax.jit, tf.function)."""
+    if BACKEND == "jax":
+        import jax
+
+        return np.asarray(jax.jit(jax.grad(f))(x))
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        @tf.function
+        def g(t):
+            with tf.GradientTape() as tape:
+                tape.watch(t)
+                y = f(t)
+            return tape.gradient(y, t)
+
+        return g(x).numpy()
+
+    t = x.clone().requires_grad_(True)
+    f(t).backward()
+    return t.grad.numpy()
+
+
+def test_broadcast_variables_sets_root_values():
+    v = keras.Variable(np.full((3,), float(R), "float32"))
+    uk.broadcast_variables([v], root_rank=N - 1)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(v.value), np.full((3,), float(N - 1)))

@@ -1,0 +1,184 @@
+"""Data parallelism's framework-neutral parts: how a global batch is split, and the host-side math.
+
+Every framework adapter of data-parallel training (``unison.keras.DataParallel`` on the
+TensorFlow, JAX and torch backends of Keras 3) does the same four things; they live here
+once, on numpy arrays, so each adapter only moves its tensors to and from the host:
+
+* **Splitting** (:class:`BatchPlan`): the data is the *global* data on every rank and a
+  batch size is the *global* batch. Rank r of ``size`` takes rows
+  ``[r*m//size, (r+1)*m//size)`` of each global batch of m rows, so the ranks' rows
+  are disjoint, cover the batch, and every rank runs the same number of steps (the
+  same rule as ``UnisonStrategy``). A last global batch with fewer rows than ranks
+  would leave some ranks without a row (Keras cannot train on an empty batch); it is
+  dropped, with a warning that names the rows lost and the fix.
+* **Gradients** (:func:`average_gradients`): with ``rows`` (this rank's batch rows) the
+  result is ``sum_r rows_r * g_r / sum_r rows_r``: the gradient of the mean loss over
+  the global batch, exactly, also when the last batch splits unevenly (a plain average
+  of the ranks' gradients weighs a short share too much). One fused group: the
+  weighted gradients and the row count reduce together.
+* **Metrics** (:func:`sum_states`): Keras's metrics keep additive state (totals and
+  counts, confusion-matrix cells); summing each state over the ranks gives the state
+  one process would have after the global batches, so every rank reports the global
+  loss and metrics.
+* **Predictions** (:func:`gather_rows`): each rank predicts its rows; gathering them
+  in rank order per global batch restores the global order.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from unison.common.compression import Compression, Compressor
+from unison.common.engine import frontend
+from unison.common.ops import Average, Sum, parse_op
+
+__all__ = ["BatchPlan", "average_gradients", "broadcast_arrays", "gather_rows", "sum_states"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How ``samples`` rows, read in global batches of ``batch`` rows, split over ``size`` ranks.
+
+    Attributes:
+        samples: rows in the (global) data.
+        batch: rows in a global batch.
+        size: number of ranks.
+    """
+
+    samples: int
+    batch: int
+    size: int
+
+    def __post_init__(self) -> None:
+        for field, value in (("samples", self.samples), ("batch", self.batch), ("size", self.size)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"BatchPlan: {field} must be a non-negative integer; got {value!r}")
+        if self.size < 1:
+            raise ValueError(f"BatchPlan: size must be at least 1; got {self.size}")
+        if self.batch < self.size:
+            raise ValueError(f"batch_size={self.batch} is the GLOBAL batch and must give each of the "
+                             f"{self.size} ranks at least one row; use batch_size >= {self.size} (usually "
+                             f"{self.size} x the batch one process would use)")
+
+    @property
+    def dropped(self) -> int:
+        """Rows of a last global batch too small to give every rank a row (0 when none)."""
+        tail = self.samples % self.batch
+        return tail if 0 < tail < self.size else 0
+
+    @property
+    def steps(self) -> int:
+        """Global batches: every rank runs this many steps."""
+        return -(-(self.samples - self.dropped) // self.batch)
+
+    def global_rows(self, step: int) -> tuple[int, int]:
+        """Row range ``[start, stop)`` of global batch ``step`` in the (possibly shuffled) data."""
+        if not 0 <= step < self.steps:
+            raise IndexError(f"global batch {step} out of range: the data has {self.steps} batches")
+        start = step * self.batch
+        return start, min(start + self.batch, self.samples - self.dropped)
+
+    def rank_rows(self, step: int, rank: int) -> tuple[int, int]:
+        """Rows ``[start, stop)`` of the data that ``rank`` takes from global batch ``step``."""
+        start, stop = self.global_rows(step)
+        m = stop - start
+        return start + rank * m // self.size, start + (rank + 1) * m // self.size
+
+    def warn_if_dropping(self, rank: int, what: str = "the data") -> None:
+        """Log (on rank 0) the rows a too-small last batch loses, and how to keep them."""
+        if self.dropped and rank == 0:
+            logger.warning(
+                "%s: the last global batch has %d row(s) for %d ranks, so some ranks would get none; "
+                "those %d row(s) are skipped each epoch. To keep them, choose a batch_size whose "
+                "remainder (%d rows %% batch_size) is 0 or at least %d", what, self.dropped, self.size,
+                self.dropped, self.samples, self.size)
+
+
+def _as_list(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+    return [np.require(np.asarray(a), requirements="C") for a in arrays]  # keeps 0-d arrays 0-d
+
+
+def average_gradients(grads: Sequence[np.ndarray], rows: int | None = None, op: object = Average,
+                      compression: type[Compressor] = Compression.none,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[np.ndarray]:
+    """Combine one step's gradients over the ranks, in one fused group.
+
+    Args:
+        grads: this rank's gradients (any float dtype), in the same order on every rank.
+        rows: this rank's rows in the step's batch. When given (and ``op`` is Average) the
+            result weighs each rank by its rows: the global batch's mean-loss gradient.
+            None: the plain mean over ranks (Horovod's ``DistributedOptimizer``).
+        op: ``Average`` or ``Sum``.
+        compression: the wire format (``Compression.fp16`` halves the bytes).
+        prescale_factor, postscale_factor: multiply before / after the reduction
+            (Horovod's ``gradient_predivide_factor`` is made of these).
+
+    Returns:
+        The combined gradients, in the input's order and dtypes.
+    """
+    rop = parse_op(op)
+    arrays = _as_list(grads)
+    if not arrays:
+        return []
+    if rows is None or rop is not Average:
+        out = frontend.grouped_allreduce(arrays, op=rop, prescale_factor=prescale_factor,
+                                         postscale_factor=postscale_factor, compression=compression)
+        return [np.asarray(o, dtype=a.dtype).reshape(a.shape) for o, a in zip(out, arrays, strict=True)]
+    weight = float(rows) * prescale_factor
+    scaled = [a * np.asarray(weight, dtype=a.dtype) for a in arrays]
+    *summed, total = frontend.grouped_allreduce(scaled + [np.array([float(rows)], np.float64)], op=Sum,
+                                                compression=compression)
+    n = float(np.asarray(total).reshape(-1)[0])
+    if n <= 0:
+        raise ValueError(f"average_gradients: the ranks' rows sum to {n}; every step needs at least one row")
+    return [(np.asarray(s) * (postscale_factor / n)).astype(a.dtype, copy=False).reshape(a.shape)
+            for s, a in zip(summed, arrays, strict=True)]
+
+
+def sum_states(states: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Sum each array over the ranks (metric totals and counts), keeping shapes and dtypes."""
+    arrays = _as_list(states)
+    if not arrays:
+        return []
+    out = frontend.grouped_allreduce(arrays, op=Sum)
+    return [np.asarray(o).astype(a.dtype, copy=False).reshape(a.shape) for o, a in zip(out, arrays, strict=True)]
+
+
+def broadcast_arrays(arrays: Sequence[np.ndarray], root_rank: int = 0) -> list[np.ndarray]:
+    """Every rank gets ``root_rank``'s arrays (all submitted at once, then waited for)."""
+    handles = [frontend.broadcast_async(a, root_rank) for a in _as_list(arrays)]
+    return [np.asarray(h.wait()).reshape(np.shape(a)) for h, a in zip(handles, arrays, strict=True)]
+
+
+def gather_rows(local: np.ndarray, plan: BatchPlan, rank: int) -> np.ndarray:
+    """The global rows, in the data's order, from each rank's rows (``local``: this rank's, in step order).
+
+    Args:
+        local: this rank's outputs for its rows of every global batch, concatenated.
+        plan: the split the rows were taken by.
+        rank: this rank.
+
+    Raises:
+        ValueError: ``local`` does not have the rows ``plan`` gives this rank.
+    """
+    mine = sum(b - a for a, b in (plan.rank_rows(s, rank) for s in range(plan.steps)))
+    if local.shape[0] != mine:
+        raise ValueError(f"gather_rows: this rank (rank {rank}) has {local.shape[0]} rows of output but the "
+                         f"split gives it {mine} (samples={plan.samples}, batch={plan.batch}, size={plan.size})")
+    everyone = np.asarray(frontend.allgather(np.ascontiguousarray(local)))
+    pieces: list[np.ndarray] = []
+    offsets = np.cumsum([0] + [sum(b - a for a, b in (plan.rank_rows(s, r) for s in range(plan.steps)))
+                               for r in range(plan.size)])
+    cursor = offsets[:-1].copy()
+    for step in range(plan.steps):
+        for r in range(plan.size):
+            a, b = plan.rank_rows(step, r)
+            pieces.append(everyone[cursor[r]:cursor[r] + (b - a)])
+            cursor[r] += b - a
+    return np.concatenate(pieces) if pieces else everyone[:0]

@@ -1,0 +1,26 @@
+"""Unison for Keras 3 on every backend: ``import unison.keras as uk``.
+
+The same script trains across ranks with ``KERAS_BACKEND=tensorflow``, ``jax`` or
+``torch``; only the active backend's framework is imported.
+
+* :class:`DataParallel`: build and compile inside ``scope()``, then ``model.fit`` /
+  ``evaluate`` / ``predict`` on the global data and the global batch size.
+* Horovod-style pieces: :func:`DistributedOptimizer`, :mod:`~unison.keras.callbacks`
+  (``BroadcastGlobalVariablesCallback``, ``MetricAverageCallback``,
+  ``LearningRateWarmupCallback``, rank-0 ``ModelCheckpoint``), :func:`broadcast_variables`,
+  and :func:`allreduce` / :func:`allgather` / :func:`broadcast` on the backend's tensors.
+* The process's place in the job: :func:`init`, :func:`rank`, :func:`size`,
+  :func:`local_rank`, :func:`local_size`, :func:`shutdown`.
+"""
+
+from unison.common.compression import Compression
+from unison.common.ops import Average, Sum
+from unison.common.runtime import init, is_initialized, local_rank, local_size, rank, shutdown, size
+from unison.keras import callbacks
+from unison.keras.data_parallel import DataParallel
+from unison.keras.ops import allgather, allreduce, broadcast, broadcast_variables
+from unison.keras.optimizer import DistributedOptimizer
+
+__all__ = ["Average", "Compression", "DataParallel", "DistributedOptimizer", "Sum", "allgather", "allreduce",
+           "broadcast", "broadcast_variables", "callbacks", "init", "is_initialized", "local_rank",
+           "local_size", "rank", "shutdown", "size"]

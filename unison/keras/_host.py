@@ -1,0 +1,117 @@
+"""Run numpy code on the host from inside the active Keras backend's train step.
+
+The same three function names for every backend (Keras's own pattern of backend
+modules with one interface), chosen by ``keras.backend.backend()``:
+
+* ``host_call(fn, tensors, rows)``: ``fn(arrays, rows) -> arrays`` (same shapes and
+  dtypes) applied to ``tensors``, returning backend tensors. JAX's trainer compiles the
+  step with ``jax.jit``: the call is a ``jax.experimental.io_callback`` with
+  ``ordered=True``, so every rank runs its host calls in program order and the ranks'
+  collectives line up (never ``run_eagerly``). TensorFlow's trainer traces a
+  ``tf.function``: a stateful ``tf.numpy_function``, kept in program order by
+  tf.function's automatic control dependencies. Torch's trainer runs eagerly: a plain
+  call on the tensors' memory. Outside a trace every backend calls ``fn`` directly.
+* ``rows_of(tensor)``: the batch rows of ``tensor`` (a Python int where the shape is
+  static, a scalar tensor inside a TensorFlow graph with an unknown batch dimension).
+* ``to_numpy(value)``: a variable's or tensor's value as a numpy array.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+import numpy as np
+
+__all__: list[str] = []
+
+HostFn = Callable[[list[np.ndarray], "int | None"], list[np.ndarray]]
+
+
+def backend() -> str:
+    """The active Keras backend's name."""
+    return keras.backend.backend()
+
+
+def host_call(fn: HostFn, tensors: Sequence[Any], rows: Any = None) -> list[Any]:
+    """``fn`` on the host, on ``tensors``' values, from eager or traced code of the active backend."""
+    tensors = list(tensors)
+    if not tensors:
+        return []
+    name = backend()
+    if name == "jax":
+        return _jax_call(fn, tensors, rows)
+    if name == "tensorflow":
+        return _tf_call(fn, tensors, rows)
+    if name == "torch":
+        return _torch_call(fn, tensors, rows)
+    raise NotImplementedError(f"unison.keras runs on the tensorflow, jax and torch backends of Keras; "
+                              f"KERAS_BACKEND is {name!r}. Set KERAS_BACKEND to one of them")
+
+
+def _cast_like(outs: Sequence[np.ndarray], likes: Sequence[Any]) -> list[np.ndarray]:
+    # np.ascontiguousarray would turn a 0-d array into shape (1,)
+    return [np.require(np.asarray(o, dtype=like.dtype).reshape(like.shape), requirements="C")
+            for o, like in zip(outs, likes, strict=True)]
+
+
+def _jax_call(fn: HostFn, tensors: list[Any], rows: Any) -> list[Any]:
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import io_callback
+
+    if not any(isinstance(t, jax.core.Tracer) for t in tensors):
+        arrays = [np.asarray(t) for t in tensors]
+        return [jnp.asarray(o) for o in _cast_like(fn(arrays, None if rows is None else int(rows)), arrays)]
+    specs = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in tensors]
+    static_rows = None if rows is None else int(rows)  # jax shapes are static: rows is a Python int
+
+    def callback(*arrays: Any) -> list[np.ndarray]:
+        return _cast_like(fn([np.asarray(a) for a in arrays], static_rows), specs)
+
+    return list(io_callback(callback, specs, *tensors, ordered=True))
+
+
+def _tf_call(fn: HostFn, tensors: list[Any], rows: Any) -> list[Any]:
+    import tensorflow as tf
+
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if tf.executing_eagerly():
+        arrays = [t.numpy() for t in tensors]
+        outs = fn(arrays, None if rows is None else int(rows))
+        return [tf.convert_to_tensor(o) for o in _cast_like(outs, arrays)]
+    has_rows = rows is not None
+    inputs = tensors + ([tf.cast(rows, tf.int64)] if has_rows else [])
+
+    def callback(*arrays: Any) -> list[np.ndarray]:
+        values = list(arrays[:-1]) if has_rows else list(arrays)
+        return _cast_like(fn(values, int(arrays[-1]) if has_rows else None), values)
+
+    outs = tf.numpy_function(callback, inputs, [t.dtype for t in tensors], stateful=True)
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    for out, t in zip(outs, tensors, strict=True):
+        out.set_shape(t.shape)
+    return outs
+
+
+def _torch_call(fn: HostFn, tensors: list[Any], rows: Any) -> list[Any]:
+    import torch
+
+    arrays = [t.detach().cpu().numpy() for t in tensors]
+    outs = _cast_like(fn(arrays, None if rows is None else int(rows)), arrays)
+    return [torch.from_numpy(o).to(t.device) for o, t in zip(outs, tensors, strict=True)]
+
+
+def rows_of(tensor: Any) -> Any:
+    """Rows (first dimension) of ``tensor``: an int, or a scalar tensor in a TensorFlow graph."""
+    return keras.ops.shape(tensor)[0]
+
+
+def to_numpy(value: Any) -> np.ndarray:
+    """A numpy copy-free view (where the backend allows) of a variable's or tensor's value."""
+    if isinstance(value, keras.Variable):
+        value = value.value
+    if backend() == "torch":
+        return value.detach().cpu().numpy()
+    return np.asarray(keras.ops.convert_to_numpy(value))

@@ -1,0 +1,176 @@
+"""Horovod's Keras callbacks for Keras 3 on every backend (``unison.keras.callbacks``).
+
+For scripts that feed each rank its own data (Horovod's style) rather than using
+``DataParallel`` (which does all of this itself):
+
+* :class:`BroadcastGlobalVariablesCallback`: every rank starts from the root's model
+  and optimizer variables.
+* :class:`MetricAverageCallback`: the epoch's logged metrics averaged over the ranks.
+* :class:`LearningRateWarmupCallback`: the learning rate ramps from ``initial_lr / size``
+  to ``initial_lr`` over the first epochs (Goyal et al., "Accurate, Large Minibatch SGD").
+* :class:`ModelCheckpoint`: Keras's, writing from rank 0 only, atomically and durably.
+
+On the JAX backend Keras keeps the training state outside the variables during an
+epoch; a callback that sets a variable between steps first brings the state back
+(``model.jax_state_sync()``) and marks it to be read again, so the change takes effect
+on the next step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import keras
+import numpy as np
+
+from unison.common import runtime
+from unison.common.engine import frontend
+from unison.common.files import atomic_path
+from unison.common.ops import Average
+from unison.keras.ops import broadcast_variables
+
+__all__ = ["BroadcastGlobalVariablesCallback", "LearningRateWarmupCallback", "MetricAverageCallback",
+           "ModelCheckpoint"]
+
+
+def _sync_jax(model: Any) -> None:
+    """On JAX, put the trainer's state back into the variables and have the next step read them again."""
+    if keras.backend.backend() == "jax" and hasattr(model, "jax_state_sync"):
+        model.jax_state_sync()
+        model._jax_state_synced = True
+
+
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+    """Every rank starts training from ``root_rank``'s model and optimizer variables.
+
+    Args:
+        root_rank: the rank whose values everyone takes.
+        device: accepted for Horovod's signature; the broadcast runs on host memory.
+    """
+
+    def __init__(self, root_rank: int = 0, device: str = "") -> None:
+        super().__init__()
+        if not isinstance(root_rank, int) or not 0 <= root_rank < runtime.size():
+            raise ValueError(f"BroadcastGlobalVariablesCallback(root_rank={root_rank!r}): pick a rank in "
+                             f"[0, {runtime.size()})")
+        self.root_rank, self.device = root_rank, device
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        variables = list(self.model.variables)
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is not None and optimizer.built:  # Keras builds it before training starts
+            variables += list(optimizer.variables)
+        broadcast_variables(variables, self.root_rank)
+
+
+class MetricAverageCallback(keras.callbacks.Callback):
+    """Average each epoch's logged metrics over the ranks, so every rank logs the same numbers.
+
+    Args:
+        device: accepted for Horovod's signature; the average runs on host memory.
+    """
+
+    def __init__(self, device: str = "") -> None:
+        super().__init__()
+        self.device = device
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        if not logs:
+            return
+        keys = sorted(k for k, v in logs.items() if isinstance(v, (int, float, np.floating, np.integer)))
+        values = frontend.allreduce(np.array([float(logs[k]) for k in keys], np.float64), Average)
+        for key, value in zip(keys, np.asarray(values).tolist(), strict=True):
+            logs[key] = value
+
+
+class LearningRateWarmupCallback(keras.callbacks.Callback):
+    """Ramp the learning rate from ``initial_lr / size`` to ``initial_lr`` over ``warmup_epochs``.
+
+    ``lr(e) = initial_lr * (e * (size - 1) / warmup_epochs + 1) / size`` for the
+    (fractional, with ``steps_per_epoch``) epoch ``e < warmup_epochs``; then ``initial_lr``.
+
+    Args:
+        initial_lr: the learning rate after the warmup (usually size x one process's).
+        warmup_epochs: epochs the ramp lasts.
+        momentum_correction: accepted for Horovod's signature. Keras 3 optimizers compile
+            their momentum into the step as a constant, so it is not rescaled.
+        steps_per_epoch: update every step (else at the start of each epoch).
+        verbose: print (rank 0) when the warmup ends.
+    """
+
+    def __init__(self, initial_lr: float, warmup_epochs: int = 5, momentum_correction: bool = True,
+                 steps_per_epoch: int | None = None, verbose: int = 0) -> None:
+        super().__init__()
+        if warmup_epochs <= 0:
+            raise ValueError(f"LearningRateWarmupCallback(warmup_epochs={warmup_epochs}): pass a positive number")
+        self.initial_lr, self.warmup_epochs = float(initial_lr), warmup_epochs
+        self.momentum_correction, self.steps_per_epoch = momentum_correction, steps_per_epoch
+        self.verbose = verbose
+        self._epoch = 0
+
+    def rate(self, epoch: float) -> float:
+        """The learning rate at (fractional) ``epoch``."""
+        if epoch >= self.warmup_epochs:
+            return self.initial_lr
+        size = runtime.size()
+        return self.initial_lr * (epoch * (size - 1) / self.warmup_epochs + 1) / size
+
+    def _set(self, epoch: float) -> None:
+        _sync_jax(self.model)
+        self.model.optimizer.learning_rate.assign(self.rate(epoch))
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self._epoch = epoch
+        if epoch <= self.warmup_epochs:
+            self._set(epoch)
+
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        if self.steps_per_epoch and batch and self._epoch < self.warmup_epochs:
+            self._set(self._epoch + batch / self.steps_per_epoch)
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        if epoch == self.warmup_epochs - 1 and self.verbose and runtime.rank() == 0:
+            print(f"\nEpoch {epoch + 1}: finished learning-rate warmup to {self.initial_lr:g}.")
+
+
+@contextmanager
+def _atomic_saves(model: Any) -> Iterator[None]:
+    """Within the block, ``model.save``/``save_weights`` to a path write atomically and durably."""
+    originals: dict[str, Callable[..., Any]] = {}
+    for name in ("save", "save_weights"):
+        original = getattr(model, name)
+        originals[name] = original
+
+        def atomic(filepath: Any, *args: Any, _save: Callable[..., Any] = original, **kwargs: Any) -> Any:
+            if not isinstance(filepath, (str, os.PathLike)):
+                return _save(filepath, *args, **kwargs)
+            with atomic_path(filepath) as tmp:
+                return _save(tmp, *args, **kwargs)
+
+        object.__setattr__(model, name, atomic)
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            if getattr(original, "__self__", None) is model and original.__func__ is getattr(type(model), name):
+                object.__delattr__(model, name)  # it was the class's method: drop the instance override
+            else:
+                object.__setattr__(model, name, original)
+
+
+class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Keras's ``ModelCheckpoint``, written by rank 0 only, atomically and durably; other ranks do nothing.
+
+    Every argument is Keras's. With ``save_best_only`` the monitored value is rank 0's
+    (global under ``DataParallel``; use :class:`MetricAverageCallback` before this one
+    otherwise).
+    """
+
+    def _save_model(self, *args: Any, **kwargs: Any) -> Any:
+        if runtime.rank() != 0:
+            return None
+        with _atomic_saves(self.model):
+            return super()._save_model(*args, **kwargs)

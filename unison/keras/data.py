@@ -1,0 +1,218 @@
+"""Each rank's rows of every global batch, for the inputs ``model.fit`` takes on each backend.
+
+The user passes the *global* data (the same on every rank) and the *global* batch size;
+every rank trains on its rows of each global batch (the split of
+:class:`unison.common.data_parallel.BatchPlan`), so N ranks see exactly the batches one
+process would, and all run the same number of steps.
+
+* numpy arrays (and dicts / lists / tuples of them): :class:`ShardedArrays`, a
+  ``keras.utils.PyDataset`` that also shuffles (the same permutation on every rank,
+  from a seed rank 0 draws, a new one each epoch) and turns ``class_weight`` into
+  sample weights.
+* a ``keras.utils.PyDataset`` whose items are global batches: :class:`ShardedPyDataset`.
+* a torch ``DataLoader`` (torch backend): :class:`ShardedLoader`, reading the loader's
+  global batches in order.
+* a ``tf.data.Dataset`` of global batches (TensorFlow backend): each element is cut to
+  this rank's rows (``unison.tf_backend.split_global_batch``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import keras
+import numpy as np
+
+from unison.common.data_parallel import BatchPlan
+
+__all__ = ["ShardedArrays", "ShardedLoader", "ShardedPyDataset", "shard_input"]
+
+
+def _rows(structure: Any) -> int:
+    leaves = [a for a in keras.tree.flatten(structure) if a is not None]
+    if not leaves:
+        raise ValueError("the input has no arrays")
+    counts = {int(np.shape(a)[0]) for a in leaves}
+    if len(counts) != 1:
+        raise ValueError(f"all input arrays must have the same number of rows; got {sorted(counts)}")
+    return counts.pop()
+
+
+def _class_weights(y: Any, class_weight: dict[int, float]) -> np.ndarray:
+    labels = np.asarray(y)
+    if labels.ndim > 1 and labels.shape[-1] > 1:
+        labels = labels.argmax(axis=-1)
+    labels = labels.reshape(len(labels)).astype(np.int64)
+    missing = sorted(set(np.unique(labels).tolist()) - set(int(k) for k in class_weight))
+    if missing:
+        raise ValueError(f"class_weight has no weight for class(es) {missing}; give every class a weight")
+    table = np.zeros(max(int(k) for k in class_weight) + 1, np.float32)
+    for k, w in class_weight.items():
+        table[int(k)] = w
+    return table[labels]
+
+
+class ShardedArrays(keras.utils.PyDataset):
+    """This rank's rows of each global batch of in-memory arrays.
+
+    Args:
+        x, y, sample_weight: the global data (``y`` and ``sample_weight`` may be None).
+        batch_size: the global batch.
+        rank, size: this rank and the number of ranks.
+        shuffle: a new permutation of the rows each epoch, the same on every rank.
+        seed: the permutation's seed (the same on every rank).
+        class_weight: ``{class: weight}``, folded into the sample weights.
+    """
+
+    def __init__(self, x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: int, rank: int,
+                 size: int, shuffle: bool = False, seed: int = 0,
+                 class_weight: dict[int, float] | None = None) -> None:
+        super().__init__()
+        if class_weight is not None:
+            if y is None:
+                raise ValueError("class_weight needs targets y")
+            weights = _class_weights(y, class_weight)
+            sample_weight = weights if sample_weight is None else np.asarray(sample_weight) * weights
+        self.parts = tuple(p for p in (x, y, sample_weight) if p is not None) if y is not None else (x,)
+        self.samples = _rows(self.parts)
+        self.plan = BatchPlan(self.samples, int(batch_size), size)
+        self.rank, self.shuffle, self.seed, self.epoch = rank, shuffle, int(seed), 0
+        self.order = self._permutation()
+
+    def _permutation(self) -> np.ndarray | None:
+        if not self.shuffle:
+            return None
+        return np.random.default_rng([self.seed, self.epoch]).permutation(self.samples)
+
+    def __len__(self) -> int:
+        return self.plan.steps
+
+    def __getitem__(self, step: int) -> Any:
+        lo, hi = self.plan.rank_rows(step, self.rank)
+        take: Any = slice(lo, hi) if self.order is None else self.order[lo:hi]
+        batch = keras.tree.map_structure(lambda a: np.asarray(a)[take], self.parts)
+        return batch if len(batch) > 1 else batch[0]
+
+    def on_epoch_end(self) -> None:
+        self.epoch += 1
+        self.order = self._permutation()
+
+
+class ShardedPyDataset(keras.utils.PyDataset):
+    """This rank's rows of each global batch of a ``keras.utils.PyDataset``."""
+
+    def __init__(self, dataset: keras.utils.PyDataset, rank: int, size: int) -> None:
+        super().__init__()
+        self.dataset, self.rank, self.size = dataset, rank, size
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    @property
+    def num_batches(self) -> int | None:
+        return self.dataset.num_batches
+
+    def __getitem__(self, step: int) -> Any:
+        return cut(self.dataset[step], self.rank, self.size, f"batch {step} of the PyDataset")
+
+    def on_epoch_end(self) -> None:
+        self.dataset.on_epoch_end()
+
+
+class ShardedLoader(keras.utils.PyDataset):
+    """This rank's rows of each global batch of an iterable with a length (a torch ``DataLoader``).
+
+    Keras reads a ``PyDataset`` in order, from one thread (``workers=1``); each epoch
+    reads the loader once from the start.
+    """
+
+    def __init__(self, loader: Any, rank: int, size: int) -> None:
+        super().__init__()
+        self.loader, self.rank, self.size = loader, rank, size
+        self._it: Iterator[Any] | None = None
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getitem__(self, step: int) -> Any:
+        if step == 0 or self._it is None:
+            self._it, self._next = iter(self.loader), 0
+        if step != self._next:
+            raise RuntimeError(f"ShardedLoader is read in order; asked for batch {step} after {self._next - 1}")
+        self._next += 1
+        batch = next(self._it)
+        batch = tuple(batch) if isinstance(batch, list) else batch
+        return cut(keras.tree.map_structure(_numpy, batch), self.rank, self.size, f"batch {step} of the loader")
+
+
+def _numpy(value: Any) -> Any:
+    return value.detach().cpu().numpy() if hasattr(value, "detach") else np.asarray(value)
+
+
+def cut(batch: Any, rank: int, size: int, what: str) -> Any:
+    """This rank's rows ``[rank*m//size, (rank+1)*m//size)`` of every array of a global batch of m rows."""
+    m = _rows(batch)
+    if m < size:
+        raise ValueError(f"{what} has {m} row(s) for {size} ranks, so some rank would get none; make every "
+                         f"global batch at least {size} rows (drop or pad the last one)")
+    lo, hi = rank * m // size, (rank + 1) * m // size
+    return keras.tree.map_structure(lambda a: None if a is None else a[lo:hi], batch)
+
+
+def shard_input(x: Any, y: Any, sample_weight: Any, *, batch_size: int | None, rank: int, size: int,
+                shuffle: bool, seed: int, class_weight: dict[int, float] | None, what: str) -> Any:
+    """``x`` (with ``y``, ``sample_weight``) as an input of this rank's rows (fit, evaluate, predict).
+
+    Raises:
+        ValueError: a dataset, PyDataset or loader given with ``y`` or ``sample_weight``
+            (their batches carry them), or an input type Unison cannot split.
+    """
+    if _is_arrays(x):
+        plan_batch = 32 if batch_size is None else batch_size
+        data = ShardedArrays(x, y, sample_weight, batch_size=plan_batch, rank=rank, size=size,
+                             shuffle=shuffle, seed=seed, class_weight=class_weight)
+        if what != "model.predict":  # predict keeps a too-small last batch (see DataParallel)
+            data.plan.warn_if_dropping(rank, what)
+        return data
+    if y is not None or sample_weight is not None:
+        raise ValueError(f"{what}: y and sample_weight go with numpy arrays; a {type(x).__name__} yields them "
+                         "in its batches")
+    if isinstance(x, keras.utils.PyDataset):
+        return ShardedPyDataset(x, rank, size)
+    if _is_tf_dataset(x):
+        from unison.tf_backend.strategy import split_global_batch
+
+        return split_global_batch(x, rank, size)
+    if hasattr(x, "__iter__") and hasattr(x, "__len__") and hasattr(x, "dataset"):  # a torch DataLoader
+        return ShardedLoader(x, rank, size)
+    raise ValueError(f"{what}: unison.keras.DataParallel splits numpy arrays, keras.utils.PyDataset, "
+                     f"tf.data.Dataset (TensorFlow backend) and torch DataLoader (of global batches); "
+                     f"got {type(x).__name__}")
+
+
+def _is_arrays(x: Any) -> bool:
+    leaves = keras.tree.flatten(x) if isinstance(x, (dict, list, tuple)) else [x]
+    return bool(leaves) and all(isinstance(a, np.ndarray) or (hasattr(a, "__array__") and hasattr(a, "shape")
+                                                             and not hasattr(a, "element_spec"))
+                                for a in leaves)
+
+
+def _is_tf_dataset(x: Any) -> bool:
+    return type(x).__module__.startswith("tensorflow") and hasattr(x, "element_spec")
+
+
+def split_validation(arrays: Sequence[Any], fraction: float) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """Keras's ``validation_split``: the last ``fraction`` of the rows (before shuffling) for validation."""
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"validation_split={fraction} must be between 0 and 1")
+    n = _rows([a for a in arrays if a is not None])
+    cut_at = int(n * (1.0 - fraction))
+    if cut_at in (0, n):
+        raise ValueError(f"validation_split={fraction} of {n} rows leaves an empty training or validation set")
+
+    def part(a: Any, lo: int, hi: int) -> Any:
+        return None if a is None else keras.tree.map_structure(lambda v: v[lo:hi], a)
+
+    return tuple(part(a, 0, cut_at) for a in arrays), tuple(part(a, cut_at, n) for a in arrays)

@@ -1,0 +1,337 @@
+"""``DataParallel``: Keras 3 ``model.fit`` across ranks on the TensorFlow, JAX and torch backends.
+
+A model compiled inside ``DataParallel().scope()`` is adapted on this instance only
+(other models are left alone):
+
+* its optimizer becomes a :func:`~unison.keras.DistributedOptimizer`, and its
+  ``train_step`` tells the optimizer this rank's batch rows, so each update uses the
+  gradient of the mean loss over the global batch (exact also for a ragged last batch);
+* ``fit`` / ``evaluate`` / ``predict`` take the *global* data and the *global*
+  ``batch_size`` and give each rank its rows of every global batch
+  (:mod:`unison.keras.data`); rank 0's weights and optimizer variables are broadcast
+  when training starts; ``predict`` returns the global predictions on every rank;
+* loss and metrics are global: ``get_metrics_result`` sums each metric's state over the
+  ranks before computing the result (Keras's metrics keep additive state: totals and
+  counts), so every rank reports what one process would on the same global batches;
+* non-trainable float variables (``BatchNormalization``'s moving statistics, computed
+  from each rank's rows) are averaged over the ranks at the end of each epoch, so the
+  ranks end every epoch with identical weights;
+* only rank 0 shows the progress bar; ``save`` / ``save_weights`` (and so Keras's
+  ``ModelCheckpoint``) write from rank 0 only, atomically and durably.
+
+Compiling: JAX keeps ``jax.jit`` (the exchange is an ordered ``io_callback`` inside
+it); TensorFlow and torch run with ``jit_compile=False`` (XLA cannot call the host).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import keras
+import numpy as np
+
+from unison.common import runtime
+from unison.common.data_parallel import BatchPlan, broadcast_arrays, gather_rows, sum_states
+from unison.common.files import atomic_keras_save
+from unison.keras import _host, data
+from unison.keras.optimizer import DistributedOptimizer, batch_rows
+
+__all__ = ["DataParallel"]
+
+_ACTIVE: contextvars.ContextVar[DataParallel | None] = contextvars.ContextVar("unison_keras_dp", default=None)
+_INSTALLED = False
+_FIT = inspect.signature(keras.Model.fit)
+_EVALUATE = inspect.signature(keras.Model.evaluate)
+_PREDICT = inspect.signature(keras.Model.predict)
+
+
+class DataParallel:
+    """Data parallelism for Keras 3 on any backend: build and compile inside :meth:`scope`, then fit.
+
+    Args:
+        global_metrics: report loss and metrics over the global batch (sum each metric's
+            state over the ranks). False: each rank reports its own rows' values.
+        average_non_trainable: average non-trainable float variables over the ranks at
+            the end of each epoch.
+        seed: the shuffling seed (None: rank 0 draws one; every rank uses rank 0's).
+
+    Example::
+
+        dp = unison.keras.DataParallel()
+        with dp.scope():
+            model = make_model()
+            model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+            model.fit(x, y, batch_size=64 * unison.keras.size(), epochs=5)
+    """
+
+    def __init__(self, global_metrics: bool = True, average_non_trainable: bool = True,
+                 seed: int | None = None) -> None:
+        for name, value in (("global_metrics", global_metrics), ("average_non_trainable", average_non_trainable)):
+            if not isinstance(value, bool):
+                raise TypeError(f"DataParallel({name}={value!r}): pass True or False")
+        _host.host_call  # noqa: B018 - the backend check below names the supported ones
+        if _host.backend() not in ("tensorflow", "jax", "torch"):
+            raise NotImplementedError(f"unison.keras.DataParallel runs on the tensorflow, jax and torch backends; "
+                                      f"KERAS_BACKEND is {_host.backend()!r}")
+        runtime.init()
+        self.global_metrics = global_metrics
+        self.average_non_trainable = average_non_trainable
+        self._seed = seed
+
+    @property
+    def rank(self) -> int:
+        return runtime.rank()
+
+    @property
+    def size(self) -> int:
+        return runtime.size()
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[DataParallel]:
+        """Models compiled inside the block train data-parallel (fit may be called inside or after it)."""
+        _install()
+        token = _ACTIVE.set(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.reset(token)
+
+    def seed(self) -> int:
+        """The shuffling seed, rank 0's (one broadcast, on every rank, the first time)."""
+        if self._seed is None:
+            mine = np.array([np.random.SeedSequence().entropy % (2**31)], np.int64)
+            self._seed = int(broadcast_arrays([mine])[0][0])
+        return self._seed
+
+    # ----------------------------------------------------------------- compile
+
+    def compile_args(self, model: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``compile``'s arguments for a data-parallel ``model``: a distributed optimizer, host-callable steps."""
+        kwargs = dict(kwargs)
+        optimizer = keras.optimizers.get(kwargs.get("optimizer", "rmsprop"))
+        if not getattr(optimizer, "_unison_distributed", False):
+            optimizer = DistributedOptimizer(optimizer)
+        kwargs["optimizer"] = optimizer
+        if _host.backend() != "jax":
+            if kwargs.get("jit_compile") is True:
+                raise ValueError(f"DataParallel on the {_host.backend()} backend: jit_compile=True cannot "
+                                 "call the host for the gradient exchange; leave jit_compile unset (or False)")
+            kwargs["jit_compile"] = False
+        return kwargs
+
+    def adapt(self, model: Any) -> None:
+        """Give ``model`` (just compiled) its data-parallel methods, on this instance only."""
+        _set(model, "_unison_dp", self)
+        _set(model, "train_step", _rows_step(model.train_step))
+        if self.global_metrics:
+            _set(model, "get_metrics_result", _global_metrics_result(model))
+        for name, make in (("fit", _fit), ("evaluate", _evaluate), ("predict", _predict)):
+            _set(model, name, make(self, model, getattr(type(model), name).__get__(model)))
+        for name in ("save", "save_weights"):
+            _set(model, name, _rank0_save(getattr(type(model), name).__get__(model)))
+        model.train_function = model.test_function = model.predict_function = None
+
+    # --------------------------------------------------------------- helpers
+
+    def shard(self, x: Any, y: Any, sample_weight: Any, batch_size: Any, shuffle: bool, class_weight: Any,
+              what: str) -> Any:
+        if _already_sharded(x):
+            return x
+        return data.shard_input(x, y, sample_weight, batch_size=batch_size, rank=self.rank, size=self.size,
+                                shuffle=shuffle, seed=self.seed() if shuffle else 0, class_weight=class_weight,
+                                what=what)
+
+    def broadcast_state(self, model: Any) -> None:
+        """Rank 0's model and optimizer variables, on every rank."""
+        variables = list(model.variables)
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and optimizer.built:
+            variables += list(optimizer.variables)
+        _assign(variables, broadcast_arrays([_host.to_numpy(v) for v in variables]))
+
+    def average_state(self, model: Any) -> None:
+        """Average the non-trainable float variables over the ranks."""
+        variables = [v for v in model.non_trainable_variables if np.dtype(v.dtype).kind == "f"]
+        values = [_host.to_numpy(v) for v in variables]
+        summed = sum_states(values)
+        _assign(variables, [(s / self.size).astype(v.dtype) for s, v in zip(summed, values, strict=True)])
+
+
+def _set(model: Any, name: str, value: Any) -> None:
+    object.__setattr__(model, name, value)
+
+
+def _assign(variables: list[Any], values: list[np.ndarray]) -> None:
+    for var, value in zip(variables, values, strict=True):
+        var.assign(value)
+
+
+def _already_sharded(x: Any) -> bool:
+    return isinstance(x, (data.ShardedArrays, data.ShardedPyDataset, data.ShardedLoader))
+
+
+def _install() -> None:
+    """Wrap ``keras.Model.compile`` once: under an active scope it makes the model data-parallel."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    # Keras's Trainer, where compile is defined: Keras compiles a loaded model only when its class's
+    # compile is Trainer.compile, so the wrapper replaces it there (not on keras.Model)
+    from keras.src.trainers.trainer import Trainer
+
+    original = Trainer.compile
+
+    def compile(self: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: A001 - Keras's name
+        dp = _ACTIVE.get()
+        if dp is None:
+            return original(self, *args, **kwargs)
+        bound = inspect.signature(original).bind(self, *args, **kwargs)
+        arguments = dict(bound.arguments)
+        arguments.pop("self")
+        extra = arguments.pop("kwargs", {})
+        result = original(self, **dp.compile_args(self, {**arguments, **extra}))
+        dp.adapt(self)
+        return result
+
+    compile.__doc__ = original.__doc__
+    Trainer.compile = compile
+    _INSTALLED = True
+
+
+def _rows_step(step: Callable[..., Any]) -> Callable[..., Any]:
+    """``train_step`` telling the optimizer this rank's rows (the last argument is the batch on every backend)."""
+
+    def train_step(*args: Any) -> Any:
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(args[-1])
+        leaves = [t for t in keras.tree.flatten(x) if t is not None]
+        with batch_rows(_host.rows_of(leaves[0]) if leaves else None):
+            return step(*args)
+
+    return train_step
+
+
+def _global_metrics_result(model: Any) -> Callable[[], dict[str, Any]]:
+    """``get_metrics_result`` computing each metric from its state summed over the ranks."""
+
+    def get_metrics_result() -> dict[str, Any]:
+        metrics = list(model.metrics)
+        variables = [v for m in metrics for v in m.variables]
+        summed = _host.host_call(lambda arrays, _rows: sum_states(arrays), [v.value for v in variables])
+        results: dict[str, Any] = {}
+        start = 0
+        for metric in metrics:
+            count = len(metric.variables)
+            result = metric.stateless_result(summed[start:start + count])
+            start += count
+            if isinstance(result, dict):
+                results.update(result)
+            else:
+                results[metric.name] = result
+        return results
+
+    return get_metrics_result
+
+
+class _Sync(keras.callbacks.Callback):
+    """Broadcast rank 0's state when training starts; average non-trainable state at each epoch's end."""
+
+    def __init__(self, dp: DataParallel, model: Any) -> None:
+        super().__init__()
+        self._dp, self._target = dp, model
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        self._dp.broadcast_state(self._target)
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        if self._dp.average_non_trainable:
+            self._dp.average_state(self._target)
+
+
+def _quiet(verbose: Any, rank: int) -> Any:
+    return verbose if rank == 0 else 0
+
+
+def _fit(dp: DataParallel, model: Any, fit: Callable[..., Any]) -> Callable[..., Any]:
+    def distributed_fit(*args: Any, **kwargs: Any) -> Any:
+        a = _FIT.bind(model, *args, **kwargs).arguments
+        a.pop("self")
+        x, y, sw = a.pop("x", None), a.pop("y", None), a.pop("sample_weight", None)
+        batch = a.pop("batch_size", None)
+        split = a.pop("validation_split", 0.0)
+        val = a.pop("validation_data", None)
+        if split and val is None and data._is_arrays(x):
+            (x, y, sw), (vx, vy, vsw) = data.split_validation((x, y, sw), split)
+            val = (vx, vy, vsw)
+        elif split:
+            raise ValueError("validation_split needs numpy arrays as x; pass validation_data instead")
+        train = dp.shard(x, y, sw, batch, a.pop("shuffle", True), a.pop("class_weight", None), "model.fit")
+        if val is not None:
+            vx, vy, vsw = (tuple(val) + (None, None))[:3] if isinstance(val, (tuple, list)) else (val, None, None)
+            val = dp.shard(vx, vy, vsw, a.pop("validation_batch_size", None) or batch, False, None,
+                           "validation_data")
+        callbacks = list(a.pop("callbacks", None) or [])
+        callbacks.insert(0, _Sync(dp, model))
+        return fit(train, validation_data=val, shuffle=False, callbacks=callbacks,
+                   verbose=_quiet(a.pop("verbose", "auto"), dp.rank), **a)
+
+    return distributed_fit
+
+
+def _evaluate(dp: DataParallel, model: Any, evaluate: Callable[..., Any]) -> Callable[..., Any]:
+    def distributed_evaluate(*args: Any, **kwargs: Any) -> Any:
+        a = _EVALUATE.bind(model, *args, **kwargs).arguments
+        a.pop("self")
+        extra = a.pop("kwargs", {})
+        x = a.pop("x", None)
+        if extra.get("_use_cached_eval_dataset") or _already_sharded(x):  # fit's validation
+            return evaluate(x, verbose=a.pop("verbose", "auto"), **a, **extra)
+        if not getattr(model, "_unison_synced", False):
+            _sync_once(dp, model)
+        x = dp.shard(x, a.pop("y", None), a.pop("sample_weight", None), a.pop("batch_size", None), False, None,
+                     "model.evaluate")
+        return evaluate(x, verbose=_quiet(a.pop("verbose", "auto"), dp.rank), **a, **extra)
+
+    return distributed_evaluate
+
+
+def _sync_once(dp: DataParallel, model: Any) -> None:
+    if model.built:
+        dp.broadcast_state(model)
+        _set(model, "_unison_synced", True)
+
+
+def _predict(dp: DataParallel, model: Any, predict: Callable[..., Any]) -> Callable[..., Any]:
+    def distributed_predict(*args: Any, **kwargs: Any) -> Any:
+        a = _PREDICT.bind(model, *args, **kwargs).arguments
+        a.pop("self")
+        x, batch = a.pop("x"), a.pop("batch_size", None)
+        _sync_once(dp, model)
+        if not data._is_arrays(x):
+            raise ValueError(f"DataParallel's predict splits numpy arrays (the global data); got "
+                             f"{type(x).__name__}. Predict arrays, or call predict on each rank's own data "
+                             f"outside the data-parallel model")
+        sharded = dp.shard(x, None, None, batch, False, None, "model.predict")
+        outputs = predict(sharded, verbose=_quiet(a.pop("verbose", "auto"), dp.rank), **a)
+        plan: BatchPlan = sharded.plan
+        gathered = keras.tree.map_structure(lambda o: gather_rows(np.asarray(o), plan, dp.rank), outputs)
+        if not plan.dropped:
+            return gathered
+        # a last batch with fewer rows than ranks: every rank predicts it whole (no collective in predict)
+        tail = predict(keras.tree.map_structure(lambda a: np.asarray(a)[plan.samples - plan.dropped:], x),
+                       verbose=0, **a)
+        return keras.tree.map_structure(lambda g, t: np.concatenate([g, np.asarray(t)]), gathered, tail)
+
+    return distributed_predict
+
+
+def _rank0_save(save: Callable[..., Any]) -> Callable[..., Any]:
+    """``save``/``save_weights`` from rank 0 only, through ``atomic_path`` (others return None)."""
+
+    def rank0_save(filepath: Any, *args: Any, **kwargs: Any) -> Any:
+        return None if runtime.rank() != 0 else atomic_keras_save(save, filepath, *args, **kwargs)
+
+    return rank0_save

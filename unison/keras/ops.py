@@ -1,0 +1,155 @@
+"""Collectives on the active Keras backend's tensors, differentiable where the backend traces them.
+
+``allreduce``, ``allgather`` and ``broadcast`` take a backend tensor (or a numpy
+array) and return one of the same backend, from eager code or from inside the
+backend's compiled step (see :mod:`unison.keras._host`). Their gradients are the
+collectives' own adjoints, as in Horovod: an all-reduce's gradient is the all-reduce
+(same op) of the incoming gradient; an all-gather's is this rank's rows of the summed
+gradient; a broadcast's is the summed gradient on the root and zeros elsewhere.
+``broadcast_variables`` sets Keras variables to the root's values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+import numpy as np
+
+from unison.common import runtime
+from unison.common.data_parallel import broadcast_arrays
+from unison.common.engine import frontend
+from unison.common.ops import Average, Sum, parse_op
+from unison.keras import _host
+
+__all__ = ["allgather", "allreduce", "broadcast", "broadcast_variables"]
+
+Fn = Callable[[np.ndarray], np.ndarray]
+
+
+Shape = Callable[[Any], Any]
+
+
+def _differentiable(forward: Fn, backward: Fn, out_like: Shape | None = None,
+                    in_like: Shape | None = None) -> Callable[[Any], Any]:
+    """``forward`` on the host as a backend function whose gradient is ``backward`` on the host.
+
+    ``out_like`` / ``in_like`` map the input's shape to the output's and back (None: the same shape).
+    """
+    name = _host.backend()
+    if name == "jax":
+        import jax
+
+        @jax.custom_vjp
+        def f(x: Any) -> Any:
+            return _jax_shaped(forward, x, out_like or (lambda shape: shape))
+
+        f.defvjp(lambda x: (f(x), None), lambda _res, g: (_jax_shaped(backward, g, in_like or (lambda s: s)),))
+        return f
+    if name == "tensorflow":
+        import tensorflow as tf
+
+        @tf.custom_gradient
+        def g(x: Any) -> Any:
+            out = _tf_shaped(forward, x, out_like)
+            return out, lambda dy: _tf_shaped(backward, dy, None if out_like is None else (lambda _s: x.shape))
+
+        return g
+    import torch
+
+    class _Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Any) -> Any:
+            return torch.from_numpy(np.ascontiguousarray(forward(x.detach().cpu().numpy())))
+
+        @staticmethod
+        def backward(ctx: Any, dy: Any) -> Any:
+            return torch.from_numpy(np.ascontiguousarray(backward(dy.detach().cpu().numpy())))
+
+    return _Fn.apply
+
+
+def _jax_shaped(fn: Fn, x: Any, out_like: Callable[[Any], Any]) -> Any:
+    import jax
+    from jax.experimental import io_callback
+
+    if not isinstance(x, jax.core.Tracer):
+        return jax.numpy.asarray(fn(np.asarray(x)))
+    spec = jax.ShapeDtypeStruct(tuple(out_like(tuple(x.shape))), x.dtype)
+    return io_callback(lambda a: np.asarray(fn(np.asarray(a)), dtype=spec.dtype), spec, x, ordered=True)
+
+
+def _tf_shaped(fn: Fn, x: Any, out_like: Callable[[Any], Any] | None) -> Any:
+    import tensorflow as tf
+
+    if tf.executing_eagerly():
+        return tf.convert_to_tensor(fn(x.numpy()))
+    out = tf.numpy_function(lambda a: np.asarray(fn(a), dtype=a.dtype), [x], x.dtype, stateful=True)
+    out.set_shape(x.shape if out_like is None else tf.TensorShape(out_like(tuple(x.shape))))
+    return out
+
+
+def _tensor(x: Any) -> Any:
+    return keras.ops.convert_to_tensor(x) if isinstance(x, (np.ndarray, list, float, int)) else x
+
+
+def allreduce(x: Any, op: Any = Average) -> Any:
+    """``x`` reduced over every rank (``Average`` or ``Sum``); differentiable."""
+    rop = parse_op(op)
+    if rop not in (Average, Sum):
+        raise ValueError(f"unison.keras.allreduce(op={op!r}) supports Average and Sum")
+
+    def reduce(a: np.ndarray) -> np.ndarray:
+        return np.asarray(frontend.allreduce(np.ascontiguousarray(a), op=rop), dtype=a.dtype).reshape(a.shape)
+
+    return _differentiable(reduce, reduce)(_tensor(x))
+
+
+def allgather(x: Any) -> Any:
+    """The ranks' ``x`` stacked along the first dimension, in rank order; differentiable.
+
+    On the JAX backend, inside ``jax.jit``, every rank's first dimension must be the
+    same (the result's shape is fixed when the step is traced).
+    """
+    size, rank = runtime.size(), runtime.rank()
+    rows: dict[str, int] = {}
+
+    def gather(a: np.ndarray) -> np.ndarray:
+        counts = frontend.allgather(np.array([a.shape[0] if a.ndim else 1], np.int64))
+        rows["start"], rows["stop"] = int(counts[:rank].sum()), int(counts[:rank + 1].sum())
+        return np.asarray(frontend.allgather(np.ascontiguousarray(a)))
+
+    def mine(g: np.ndarray) -> np.ndarray:
+        summed = np.asarray(frontend.allreduce(np.ascontiguousarray(g), op=Sum), dtype=g.dtype)
+        return np.ascontiguousarray(summed[rows["start"]:rows["stop"]])
+
+    def gathered_shape(shape: Sequence[Any]) -> tuple[Any, ...]:
+        return (None if shape[0] is None else shape[0] * size, *shape[1:])
+
+    def own_shape(shape: Sequence[Any]) -> tuple[Any, ...]:  # jax: every rank has the same rows
+        return (shape[0] // size, *shape[1:])
+
+    return _differentiable(gather, mine, gathered_shape, own_shape)(_tensor(x))
+
+
+def broadcast(x: Any, root_rank: int = 0) -> Any:
+    """``root_rank``'s ``x`` on every rank; differentiable (the root gets the summed gradient)."""
+    rank = runtime.rank()
+
+    def forward(a: np.ndarray) -> np.ndarray:
+        return np.asarray(frontend.broadcast(np.ascontiguousarray(a), root_rank), dtype=a.dtype).reshape(a.shape)
+
+    def backward(g: np.ndarray) -> np.ndarray:
+        summed = np.asarray(frontend.allreduce(np.ascontiguousarray(g), op=Sum), dtype=g.dtype).reshape(g.shape)
+        return summed if rank == root_rank else np.zeros_like(summed)
+
+    return _differentiable(forward, backward)(_tensor(x))
+
+
+def broadcast_variables(variables: Sequence[Any], root_rank: int = 0) -> None:
+    """Assign ``root_rank``'s values to Keras ``variables`` on every rank (one call per variable, all at once)."""
+    variables = list(variables)
+    for var, value in zip(variables, broadcast_arrays([_host.to_numpy(v) for v in variables], root_rank),
+                          strict=True):
+        var.assign(value)
