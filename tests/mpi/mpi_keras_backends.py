@@ -72,6 +72,23 @@ def test_fit_equals_one_process_on_the_global_batches(dp, optimizer):
     assert same_everywhere(model.get_weights())
 
 
+def test_torch_streams_gradients_during_backward(dp):
+    if BACKEND != "torch":
+        pytest.skip("torch only: the other backends reduce in the compiled step")
+    model, ref = distributed_and_reference(dp, lambda: keras.optimizers.SGD(0.05))
+    model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    ref.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    steps = -(-len(X) // GLOBAL_BATCH)
+    assert model._unison_overlap.streamed == steps * len(model.trainable_weights)
+    assert_weights_close(model, ref)
+    quiet = uk.DataParallel(overlap_gradients=False)  # all at once in the optimizer: the same numbers
+    plain, ref2 = distributed_and_reference(quiet, lambda: keras.optimizers.SGD(0.05))
+    plain.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    ref2.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    assert plain._unison_overlap is None
+    assert_weights_close(plain, ref2)
+
+
 def test_shuffled_fit_reads_the_same_global_batches_as_one_process(dp):
     model, ref = distributed_and_reference(dp, lambda: keras.optimizers.SGD(0.05))
     model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=2, verbose=0)  # shuffle=True: rank 0's seed
@@ -270,3 +287,12 @@ def test_broadcast_variables_sets_root_values():
     v = keras.Variable(np.full((3,), float(R), "float32"))
     uk.broadcast_variables([v], root_rank=N - 1)
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(v.value), np.full((3,), float(N - 1)))
+
+
+def test_keras_pipeline_says_it_is_tensorflow_only():
+    if BACKEND == "tensorflow":
+        pytest.skip("runs there: tests/test_keras_pipeline_mpi.py")
+    from unison.tf_backend import Pipeline, PipelineError
+
+    with pytest.raises(PipelineError, match=f"TensorFlow backend only \\(KERAS_BACKEND is '{BACKEND}'\\)"):
+        Pipeline(make_model(), loss="mse", optimizer="sgd")

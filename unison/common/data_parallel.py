@@ -36,7 +36,7 @@ from unison.common.compression import Compression, Compressor
 from unison.common.engine import frontend
 from unison.common.ops import Average, Sum, parse_op
 
-__all__ = ["BatchPlan", "average_gradients", "broadcast_arrays", "gather_rows", "sum_states"]
+__all__ = ["BatchPlan", "GradientStream", "average_gradients", "broadcast_arrays", "gather_rows", "sum_states"]
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +139,70 @@ def average_gradients(grads: Sequence[np.ndarray], rows: int | None = None, op: 
         raise ValueError(f"average_gradients: the ranks' rows sum to {n}; every step needs at least one row")
     return [(np.asarray(s) * (postscale_factor / n)).astype(a.dtype, copy=False).reshape(a.shape)
             for s, a in zip(summed, arrays, strict=True)]
+
+
+class GradientStream:
+    """:func:`average_gradients`, one gradient at a time: each starts reducing as soon as it exists.
+
+    For backends that produce gradients one by one during backward (torch's
+    post-accumulate hooks), so the exchange overlaps the rest of backward. The
+    numbers are :func:`average_gradients`'s: with ``rows`` each rank sends
+    ``rows * g`` and the row counts reduce beside them; :meth:`results` divides by
+    the total. Gradients are named by ``key`` (the same on every rank), so the
+    order backward produces them in may differ between ranks.
+
+    Args:
+        rows, op, compression, prescale_factor, postscale_factor: as for :func:`average_gradients`.
+        prefix: engine name prefix of this stream's reductions (one stream in flight per prefix).
+    """
+
+    def __init__(self, rows: int | None, op: object = Average, compression: type[Compressor] = Compression.none,
+                 prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                 prefix: str = "unison.gradients") -> None:
+        self.op = parse_op(op)
+        self.weighted = rows is not None and self.op is Average
+        self.rows, self.compression, self.prefix = rows, compression, prefix
+        weight = float(rows) if rows is not None and self.weighted else 1.0
+        self.pre = weight * prescale_factor
+        self.post = postscale_factor
+        self.pending: dict[int, tuple[object, np.dtype, tuple[int, ...]]] = {}
+        self.total = (frontend.allreduce_async(np.array([weight], np.float64), Sum, f"{prefix}.rows")
+                      if self.weighted else None)
+
+    def submit(self, key: int, grad: np.ndarray) -> None:
+        """Start reducing gradient ``key`` (a copy is sent: ``grad`` may change afterwards)."""
+        if key in self.pending:
+            raise RuntimeError(f"GradientStream: gradient {key} submitted twice in one step")
+        array = np.asarray(grad)
+        scaled = array * np.asarray(self.pre, dtype=array.dtype)
+        op = Sum if self.weighted else self.op
+        handle = frontend.allreduce_async(scaled, op, f"{self.prefix}.{key}", compression=self.compression,
+                                          postscale_factor=1.0 if self.weighted else self.post)
+        self.pending[key] = (handle, array.dtype, array.shape)
+
+    def drain(self) -> None:
+        """Wait for whatever was submitted and not collected (a step that ended early), dropping it."""
+        leftovers = [h for h, _, _ in self.pending.values()] + ([self.total] if self.total is not None else [])
+        self.pending, self.total = {}, None
+        for handle in leftovers:
+            handle.wait()  # type: ignore[attr-defined]
+
+    def results(self, keys: Sequence[int]) -> list[np.ndarray]:
+        """The combined gradients of ``keys`` (each submitted), in that order."""
+        missing = [k for k in keys if k not in self.pending]
+        if missing:
+            raise RuntimeError(f"GradientStream: gradients {missing} were never submitted this step")
+        scale = 1.0
+        if self.total is not None:
+            n = float(np.asarray(self.total.wait()).reshape(-1)[0])
+            self.total = None
+            scale = self.post / n
+        out = []
+        for key in keys:
+            handle, dtype, shape = self.pending.pop(key)
+            value = np.asarray(handle.wait())  # type: ignore[attr-defined]
+            out.append((value * scale if scale != 1.0 else value).astype(dtype, copy=False).reshape(shape))
+        return out
 
 
 def sum_states(states: Sequence[np.ndarray]) -> list[np.ndarray]:

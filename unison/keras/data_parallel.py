@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -44,6 +45,7 @@ __all__ = ["DataParallel"]
 
 _ACTIVE: contextvars.ContextVar[DataParallel | None] = contextvars.ContextVar("unison_keras_dp", default=None)
 _INSTALLED = False
+_models = itertools.count()
 _FIT = inspect.signature(keras.Model.fit)
 _EVALUATE = inspect.signature(keras.Model.evaluate)
 _PREDICT = inspect.signature(keras.Model.predict)
@@ -58,6 +60,8 @@ class DataParallel:
         average_non_trainable: average non-trainable float variables over the ranks at
             the end of each epoch.
         seed: the shuffling seed (None: rank 0 draws one; every rank uses rank 0's).
+        overlap_gradients: on the torch backend, start each gradient's exchange as soon as
+            backward produces it (else all at once in the optimizer, as on the other backends).
 
     Example::
 
@@ -69,17 +73,18 @@ class DataParallel:
     """
 
     def __init__(self, global_metrics: bool = True, average_non_trainable: bool = True,
-                 seed: int | None = None) -> None:
-        for name, value in (("global_metrics", global_metrics), ("average_non_trainable", average_non_trainable)):
+                 seed: int | None = None, overlap_gradients: bool = True) -> None:
+        for name, value in (("global_metrics", global_metrics), ("average_non_trainable", average_non_trainable),
+                            ("overlap_gradients", overlap_gradients)):
             if not isinstance(value, bool):
                 raise TypeError(f"DataParallel({name}={value!r}): pass True or False")
-        _host.host_call  # noqa: B018 - the backend check below names the supported ones
         if _host.backend() not in ("tensorflow", "jax", "torch"):
             raise NotImplementedError(f"unison.keras.DataParallel runs on the tensorflow, jax and torch backends; "
                                       f"KERAS_BACKEND is {_host.backend()!r}")
         runtime.init()
         self.global_metrics = global_metrics
         self.average_non_trainable = average_non_trainable
+        self.overlap_gradients = overlap_gradients
         self._seed = seed
 
     @property
@@ -126,7 +131,13 @@ class DataParallel:
     def adapt(self, model: Any) -> None:
         """Give ``model`` (just compiled) its data-parallel methods, on this instance only."""
         _set(model, "_unison_dp", self)
-        _set(model, "train_step", _rows_step(model.train_step))
+        overlap = None
+        if _host.backend() == "torch" and self.overlap_gradients:
+            from unison.keras._torch_overlap import Overlap
+
+            overlap = Overlap(model, f"unison.keras.{next(_models)}.grad")
+        _set(model, "_unison_overlap", overlap)
+        _set(model, "train_step", _rows_step(model, model.train_step, overlap))
         if self.global_metrics:
             _set(model, "get_metrics_result", _global_metrics_result(model))
         for name, make in (("fit", _fit), ("evaluate", _evaluate), ("predict", _predict)):
@@ -202,14 +213,21 @@ def _install() -> None:
     _INSTALLED = True
 
 
-def _rows_step(step: Callable[..., Any]) -> Callable[..., Any]:
-    """``train_step`` telling the optimizer this rank's rows (the last argument is the batch on every backend)."""
+def _rows_step(model: Any, step: Callable[..., Any], overlap: Any = None) -> Callable[..., Any]:
+    """``train_step`` telling the optimizer this rank's rows (the last argument is the batch on every backend).
+
+    With ``overlap`` (torch), gradients stream out during backward (see :mod:`unison.keras._torch_overlap`).
+    """
 
     def train_step(*args: Any) -> Any:
         x, _, _ = keras.utils.unpack_x_y_sample_weight(args[-1])
         leaves = [t for t in keras.tree.flatten(x) if t is not None]
-        with batch_rows(_host.rows_of(leaves[0]) if leaves else None):
-            return step(*args)
+        rows = _host.rows_of(leaves[0]) if leaves else None
+        with batch_rows(rows):
+            settings = getattr(model.optimizer, "_unison_settings", None)
+            if overlap is None or settings is None:
+                return step(*args)
+            return overlap.step(rows, settings, lambda: step(*args))
 
     return train_step
 

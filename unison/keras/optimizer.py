@@ -97,5 +97,6 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
 
     cls = type(base.__name__, (base,), {"apply": apply, "_unison_distributed": True,
                                         "__module__": base.__module__, "__qualname__": base.__qualname__,
-                                        "_unison_combine": staticmethod(combine)})
+                                        "_unison_settings": (rop, compression, 1.0 / gradient_predivide_factor,
+                                                             gradient_predivide_factor)})
     return cls.from_config(optimizer.get_config())

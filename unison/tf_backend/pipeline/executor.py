@@ -136,6 +136,13 @@ class Pipeline(PipelineRunner):
                  loss: Any = None, optimizer: Callable[[], keras.optimizers.Optimizer] | str | None = None,
                  grid: PipelineGrid | None = None, input_shape: Sequence[int] | None = None,
                  input_dtype: str = "float32") -> None:
+        if keras.backend.backend() != "tensorflow":  # the same on every rank: no agreement needed
+            raise PipelineError(
+                f"unison.tf_backend.Pipeline runs on Keras's TensorFlow backend only (KERAS_BACKEND is "
+                f"{keras.backend.backend()!r}): each stage's forward and backward are TensorFlow functions "
+                "(tf.function, GradientTape, recomputation with TensorFlow's random state), which a JAX or "
+                "torch model cannot run. Set KERAS_BACKEND=tensorflow, or on torch use "
+                "unison.torch_backend.Pipeline with torch modules")
         grid = grid if grid is not None else pipeline_grid(dp=1)
         plan = agreed(lambda: _plan(model, balance, chunks, schedule, virtual_stages, checkpoint, loss, optimizer,
                                     grid, input_shape, input_dtype))

@@ -1,0 +1,40 @@
+"""unison.common.data_parallel in one process: the split of global batches, and the host math at size 1."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from unison.common.data_parallel import BatchPlan
+
+
+@pytest.mark.parametrize("samples,batch,size", [(77, 16, 2), (64, 16, 2), (10, 4, 3), (5, 5, 5), (0, 8, 2),
+                                                (23, 8, 3), (17, 16, 4), (100, 7, 7)])
+def test_every_row_once_in_global_batch_order(samples, batch, size):
+    plan = BatchPlan(samples, batch, size)
+    kept = samples - plan.dropped
+    assert plan.steps == -(-kept // batch)
+    rows = [list(range(*plan.rank_rows(step, rank))) for step in range(plan.steps) for rank in range(size)]
+    assert [r for chunk in rows for r in chunk] == list(range(kept))  # disjoint, complete, in order
+    for step in range(plan.steps):
+        shares = [np.subtract(*plan.rank_rows(step, r)[::-1]) for r in range(size)]
+        assert min(shares) >= 1 and max(shares) - min(shares) <= 1  # every rank has a row, balanced
+
+
+def test_a_last_batch_smaller_than_the_ranks_is_dropped_and_named(caplog):
+    plan = BatchPlan(17, 8, 3)  # 17 = 2 * 8 + 1: one row for three ranks
+    assert (plan.dropped, plan.steps) == (1, 2)
+    with caplog.at_level("WARNING"):
+        plan.warn_if_dropping(0, "model.fit")
+        plan.warn_if_dropping(1, "model.fit")  # said once, by rank 0
+    assert len(caplog.records) == 1
+    assert "1 row(s) for 3 ranks" in caplog.text and "remainder" in caplog.text
+
+
+def test_bad_plans_name_the_value_and_the_fix():
+    with pytest.raises(ValueError, match="batch_size=1 is the GLOBAL batch .* use batch_size >= 2"):
+        BatchPlan(10, 1, 2)
+    with pytest.raises(ValueError, match="samples must be a non-negative integer; got -1"):
+        BatchPlan(-1, 4, 2)
+    with pytest.raises(IndexError, match="global batch 3 out of range: the data has 3 batches"):
+        BatchPlan(10, 4, 2).global_rows(3)

@@ -1,0 +1,61 @@
+"""Torch backend: each gradient starts its exchange as soon as backward has produced it.
+
+Keras's torch trainer runs the step eagerly: ``loss.backward()``, then
+``optimizer.apply(grads)``. A post-accumulate-grad hook on every trainable
+parameter hands its gradient to a :class:`~unison.common.data_parallel.GradientStream`
+the moment backward finishes it, so the reductions run (on the engine's thread)
+while backward computes the earlier layers' gradients; ``apply`` then only waits for
+them. The hooks act only inside a data-parallel ``train_step``: a backward pass of
+the same model elsewhere (a user's own loop) exchanges nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from unison.common.data_parallel import GradientStream
+
+__all__: list[str] = []
+
+
+class Overlap:
+    """The hooks and the current step's stream of one model."""
+
+    def __init__(self, model: Any, prefix: str) -> None:
+        self.model, self.prefix = model, prefix
+        self.hooked: set[int] = set()
+        self.keys: dict[int, int] = {}
+        self.stream: GradientStream | None = None
+        self.streamed = 0  # gradients handed over during backward, over the model's life
+
+    def _hook(self, param: torch.Tensor) -> None:
+        key = self.keys.get(id(param))
+        if self.stream is not None and key is not None and param.grad is not None:
+            self.stream.submit(key, param.grad.detach().cpu().numpy())
+            self.streamed += 1
+
+    def step(self, rows: int | None, settings: tuple[Any, Any, float, float], run: Callable[[], Any]) -> Any:
+        """Run one train step (``run``) with this step's gradients streamed as backward makes them."""
+        params = [v.value for v in self.model.trainable_weights]
+        self.keys = {id(p): i for i, p in enumerate(params)}
+        for p in params:
+            if id(p) not in self.hooked and p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._hook)
+                self.hooked.add(id(p))
+        op, compression, pre, post = settings
+        optimizer = self.model.optimizer
+        self.stream = stream = GradientStream(rows, op, compression, pre, post, prefix=self.prefix)
+
+        def pending(present: list[int]) -> list[torch.Tensor]:
+            return [torch.from_numpy(a) for a in stream.results(present)]
+
+        optimizer.__dict__["_unison_pending"] = pending
+        try:
+            return run()
+        finally:
+            self.stream = None
+            optimizer.__dict__.pop("_unison_pending", None)
+            stream.drain()
