@@ -108,6 +108,48 @@ def test_shuffled_rows_are_disjoint_and_complete(dp):
             s.on_epoch_end()
 
 
+class GlobalBatches(keras.utils.PyDataset):
+    """The global batches of (X, Y), as a user's PyDataset would give them."""
+
+    def __init__(self):
+        super().__init__()
+
+    def __len__(self):
+        return -(-len(X) // GLOBAL_BATCH)
+
+    def __getitem__(self, i):
+        return X[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH], Y[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH]
+
+
+def global_batches_for_backend():
+    """The input type of global batches native to the backend (tf.data, a torch DataLoader) or None."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        return tf.data.Dataset.from_tensor_slices((X, Y)).batch(GLOBAL_BATCH)
+    if BACKEND == "torch":
+        import torch
+
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.from_numpy(X), torch.from_numpy(Y)),
+                                           batch_size=GLOBAL_BATCH, shuffle=False)
+    return None
+
+
+@pytest.mark.parametrize("kind", ["pydataset", "native"])
+def test_dataset_inputs_of_global_batches_train_like_one_process(dp, kind):
+    source = GlobalBatches() if kind == "pydataset" else global_batches_for_backend()
+    if source is None:
+        pytest.skip(f"no native dataset type on {BACKEND} beyond PyDataset")
+    model, ref = distributed_and_reference(dp, lambda: keras.optimizers.SGD(0.05))
+    hist = model.fit(source, epochs=2, verbose=0)
+    want = ref.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(hist.history["loss"], want.history["loss"], rtol=2e-5)
+    assert_weights_close(model, ref)
+    got = model.evaluate(source, verbose=0, return_dict=True)
+    want = ref.evaluate(X, Y, batch_size=GLOBAL_BATCH, verbose=0, return_dict=True)
+    np.testing.assert_allclose([got["loss"], got["mae"]], [want["loss"], want["mae"]], rtol=1e-5)
+
+
 def test_evaluate_and_predict_are_global(dp):
     model, ref = distributed_and_reference(dp, lambda: keras.optimizers.SGD(0.05))
     got = model.evaluate(X, Y, batch_size=GLOBAL_BATCH, verbose=0, return_dict=True)
