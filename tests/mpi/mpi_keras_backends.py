@@ -130,8 +130,8 @@ def global_batches_for_backend():
     if BACKEND == "torch":
         import torch
 
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.from_numpy(X), torch.from_numpy(Y)),
-                                           batch_size=GLOBAL_BATCH, shuffle=False)
+        pairs = torch.utils.data.TensorDataset(torch.from_numpy(X), torch.from_numpy(Y))
+        return torch.utils.data.DataLoader(pairs, batch_size=GLOBAL_BATCH, shuffle=False)
     return None
 
 
