@@ -76,10 +76,14 @@ def host_flags(hosts: Any) -> list[str]:
 
 
 def mpirun(np_: int, args: list[str], timeout: float = 240, env: dict[str, str] | None = None,
-           cwd: Path = ROOT, hosts: Any = None) -> subprocess.CompletedProcess[str]:
+           cwd: Path = ROOT, hosts: Any = None, linger_ok: bool = False) -> subprocess.CompletedProcess[str]:
     """Run ``args`` on ``np_`` ranks with the venv's mpirun; a hang fails after ``timeout`` s.
 
     With ``hosts`` (test hosts made by ``unison.run.testhosts``) the ranks run across them.
+    ``linger_ok``: return the output so far (exit status -9) instead of failing when mpirun is
+    still running at the timeout. For jobs that end by a rank's SIGKILL under ``--with-ft ulfm``:
+    Open MPI 5.0's prterun was seen, rarely, to outlive every rank of such a job (no process of
+    the job left) and never exit; the test then judges what the ranks printed.
     """
     cmd = [MPIRUN, "-np", str(np_), "--bind-to", "none", "--oversubscribe"]
     if os.geteuid() == 0:
@@ -92,6 +96,9 @@ def mpirun(np_: int, args: list[str], timeout: float = 240, env: dict[str, str] 
     except subprocess.TimeoutExpired as exc:
         out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         err = (exc.stderr or b"").decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        if linger_ok:
+            err += f"\n[mpirun still running after {timeout}s]"
+            return subprocess.CompletedProcess(cmd + args, -9, out, err)
         pytest.fail(f"mpirun -np {np_} {' '.join(args)} hung for {timeout}s\n{out[-4000:]}\n{err[-4000:]}")
 
 

@@ -87,6 +87,14 @@ def test_torch_streams_gradients_during_backward(dp):
     ref2.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
     assert plain._unison_overlap is None
     assert_weights_close(plain, ref2)
+    # compiled again (the same optimizer): the hooks stay one per parameter, each gradient sent once
+    before = model._unison_overlap.streamed
+    with dp.scope():
+        model.compile(optimizer=model.optimizer, loss="mse", metrics=["mae"])
+    model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    ref.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    assert model._unison_overlap.streamed - before == steps * len(model.trainable_weights)
+    assert_weights_close(model, ref)
 
 
 def test_shuffled_fit_reads_the_same_global_batches_as_one_process(dp):

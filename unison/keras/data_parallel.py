@@ -135,11 +135,16 @@ class DataParallel:
         if _host.backend() == "torch" and self.overlap_gradients:
             from unison.keras._torch_overlap import Overlap
 
-            overlap = Overlap(model, f"unison.keras.{next(_models)}.grad")
+            # compiled again: keep the hooks already on the parameters (new ones would send twice)
+            overlap = getattr(model, "_unison_overlap", None)
+            overlap = overlap or Overlap(model, f"unison.keras.{next(_models)}.grad")
         _set(model, "_unison_overlap", overlap)
-        _set(model, "train_step", _rows_step(model, model.train_step, overlap))
+        # the class's methods, not this instance's (already wrapped when the model is compiled again)
+        _set(model, "train_step", _rows_step(model, type(model).train_step.__get__(model), overlap))
         if self.global_metrics:
             _set(model, "get_metrics_result", _global_metrics_result(model))
+        elif "get_metrics_result" in model.__dict__:
+            object.__delattr__(model, "get_metrics_result")
         for name, make in (("fit", _fit), ("evaluate", _evaluate), ("predict", _predict)):
             _set(model, name, make(self, model, getattr(type(model), name).__get__(model)))
         for name in ("save", "save_weights"):
