@@ -100,10 +100,32 @@ def test_torch_streams_gradients_during_backward(dp):
 def test_shuffled_fit_reads_the_same_global_batches_as_one_process(dp):
     model, ref = distributed_and_reference(dp, lambda: keras.optimizers.SGD(0.05))
     model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=2, verbose=0)  # shuffle=True: rank 0's seed
-    batches = ukdata.ShardedArrays(X, Y, batch_size=GLOBAL_BATCH, rank=0, size=1, shuffle=True, seed=dp.seed())
-    ref.fit(batches, epochs=2, shuffle=False, verbose=0)
+    # one process reading the same input with the same seed (the permutations: numpy's on JAX and torch,
+    # a stateless TensorFlow shuffle on TensorFlow)
+    batches = ukdata.shard_input(X, Y, None, batch_size=GLOBAL_BATCH, rank=0, size=1, shuffle=True,
+                                 seed=dp.seed(), class_weight=None, what="the reference")
+    if BACKEND == "tensorflow":
+        ref.fit(batches.dataset, steps_per_epoch=batches.plan.steps, epochs=2, verbose=0)
+    else:
+        ref.fit(batches, epochs=2, shuffle=False, verbose=0)
     assert_weights_close(model, ref)
     assert same_everywhere(model.get_weights())
+
+
+def test_tensorflow_shuffled_rows_are_disjoint_and_complete_each_epoch(dp):
+    if BACKEND != "tensorflow":
+        pytest.skip("the tf.data path of arrays")
+    from unison.common.data_parallel import BatchPlan
+    from unison.keras._tf_data import arrays_dataset
+
+    plan = BatchPlan(len(X), GLOBAL_BATCH, N)
+    streams = [iter(arrays_dataset((X,), plan, r, True, dp.seed()).dataset) for r in range(N)]
+    orders = []
+    for _epoch in range(2):
+        seen = np.concatenate([next(s).numpy() for _ in range(plan.steps) for s in streams])
+        assert sorted(map(tuple, seen.tolist())) == sorted(map(tuple, X.tolist()))
+        orders.append(seen)
+    assert not np.array_equal(orders[0], orders[1])  # a new permutation each epoch
 
 
 def test_shuffled_rows_are_disjoint_and_complete(dp):

@@ -175,6 +175,10 @@ def shard_input(x: Any, y: Any, sample_weight: Any, *, batch_size: int | None, r
                              shuffle=shuffle, seed=seed, class_weight=class_weight)
         if what != "model.predict":  # predict keeps a too-small last batch (see DataParallel)
             data.plan.warn_if_dropping(rank, what)
+            if keras.backend.backend() == "tensorflow":  # gathered in tf.data: no Python call per step
+                from unison.keras._tf_data import arrays_dataset
+
+                return arrays_dataset(data.parts, data.plan, rank, shuffle, seed)
         return data
     if y is not None or sample_weight is not None:
         raise ValueError(f"{what}: y and sample_weight go with numpy arrays; a {type(x).__name__} yields them "

@@ -296,6 +296,7 @@ def _fit(dp: DataParallel, model: Any, fit: Callable[..., Any]) -> Callable[...,
             vx, vy, vsw = (tuple(val) + (None, None))[:3] if isinstance(val, (tuple, list)) else (val, None, None)
             val = dp.shard(vx, vy, vsw, a.pop("validation_batch_size", None) or batch, False, None,
                            "validation_data")
+        train, val = _unwrap(train, a, "steps_per_epoch"), _unwrap(val, a, "validation_steps")
         callbacks = list(a.pop("callbacks", None) or [])
         callbacks.insert(0, _Sync(dp, model))
         return fit(train, validation_data=val, shuffle=False, callbacks=callbacks,
@@ -316,9 +317,19 @@ def _evaluate(dp: DataParallel, model: Any, evaluate: Callable[..., Any]) -> Cal
             _sync_once(dp, model)
         x = dp.shard(x, a.pop("y", None), a.pop("sample_weight", None), a.pop("batch_size", None), False, None,
                      "model.evaluate")
+        x = _unwrap(x, a, "steps")
         return evaluate(x, verbose=_quiet(a.pop("verbose", "auto"), dp.rank), **a, **extra)
 
     return distributed_evaluate
+
+
+def _unwrap(sharded: Any, args: dict[str, Any], steps: str) -> Any:
+    """A TensorFlow pipeline's dataset; an endless (shuffled) one sets ``args[steps]`` to its batches."""
+    if sharded is None or type(sharded).__name__ != "TFArrays":
+        return sharded
+    if sharded.endless and args.get(steps) is None:
+        args[steps] = sharded.plan.steps
+    return sharded.dataset
 
 
 def _sync_once(dp: DataParallel, model: Any) -> None:
