@@ -29,12 +29,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from unison.common import runtime
 from unison.common.compression import Compression, Compressor
 from unison.common.engine import frontend
-from unison.common.ops import Average, Sum, parse_op
+from unison.common.ops import Average, ReduceOp, Sum, parse_op
 
 __all__ = ["BatchPlan", "GradientStream", "average_gradients", "broadcast_arrays", "gather_rows", "sum_states"]
 
@@ -104,6 +106,36 @@ def _as_list(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
     return [np.require(np.asarray(a), requirements="C") for a in arrays]  # keeps 0-d arrays 0-d
 
 
+def _weighting(rows: int | None, op: ReduceOp, prescale: float,
+               postscale: float) -> tuple[ReduceOp, float, float, float]:
+    """How to combine this step's gradients: (op, prescale, postscale, this rank's own weight).
+
+    With ``rows`` and Average, one small all-reduce of ``[rows, rows**2]`` tells every
+    rank alike whether the rows are equal (``size * sum(r**2) == sum(r)**2``, the usual
+    case): then the plain average is the row-weighted one, and the engine's scale factors
+    do all the work while copying. Else (a last batch split unevenly) each rank multiplies
+    its gradients by its rows (the returned weight: the engine's factors must agree over
+    the ranks) and the sum is divided by the total rows.
+    """
+    if rows is None or op is not Average:
+        return op, prescale, postscale, 1.0
+    total, squares = (float(v) for v in np.asarray(
+        frontend.allreduce(np.array([rows, rows * rows], np.float64), Sum)).reshape(-1))
+    if total <= 0:
+        raise ValueError(f"average_gradients: the ranks' rows sum to {total}; every step needs at least one row")
+    if runtime.size() * squares == total * total:
+        return Average, prescale, postscale, 1.0
+    return Sum, prescale, postscale / total, float(rows)
+
+
+def _weighed(array: np.ndarray, weight: float) -> np.ndarray:
+    return array if weight == 1.0 else array * np.asarray(weight, dtype=array.dtype)
+
+
+def _restore(out: Sequence[object], arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+    return [np.asarray(o).astype(a.dtype, copy=False).reshape(a.shape) for o, a in zip(out, arrays, strict=True)]
+
+
 def average_gradients(grads: Sequence[np.ndarray], rows: int | None = None, op: object = Average,
                       compression: type[Compressor] = Compression.none,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[np.ndarray]:
@@ -120,25 +152,20 @@ def average_gradients(grads: Sequence[np.ndarray], rows: int | None = None, op: 
             (Horovod's ``gradient_predivide_factor`` is made of these).
 
     Returns:
-        The combined gradients, in the input's order and dtypes.
+        The combined gradients, in the input's order and dtypes (at one rank, the inputs
+        themselves when no factor applies).
     """
     rop = parse_op(op)
     arrays = _as_list(grads)
     if not arrays:
         return []
-    if rows is None or rop is not Average:
-        out = frontend.grouped_allreduce(arrays, op=rop, prescale_factor=prescale_factor,
-                                         postscale_factor=postscale_factor, compression=compression)
-        return [np.asarray(o, dtype=a.dtype).reshape(a.shape) for o, a in zip(out, arrays, strict=True)]
-    weight = float(rows) * prescale_factor
-    scaled = [a * np.asarray(weight, dtype=a.dtype) for a in arrays]
-    *summed, total = frontend.grouped_allreduce(scaled + [np.array([float(rows)], np.float64)], op=Sum,
-                                                compression=compression)
-    n = float(np.asarray(total).reshape(-1)[0])
-    if n <= 0:
-        raise ValueError(f"average_gradients: the ranks' rows sum to {n}; every step needs at least one row")
-    return [(np.asarray(s) * (postscale_factor / n)).astype(a.dtype, copy=False).reshape(a.shape)
-            for s, a in zip(summed, arrays, strict=True)]
+    if runtime.size() == 1 and rop in (Average, Sum):
+        scale = prescale_factor * postscale_factor
+        return arrays if scale == 1.0 else [a * np.asarray(scale, dtype=a.dtype) for a in arrays]
+    rop, pre, post, weight = _weighting(rows, rop, prescale_factor, postscale_factor)
+    out = frontend.grouped_allreduce([_weighed(a, weight) for a in arrays], op=rop, prescale_factor=pre,
+                                     postscale_factor=post, compression=compression)
+    return _restore(out, arrays)
 
 
 class GradientStream:
@@ -146,10 +173,9 @@ class GradientStream:
 
     For backends that produce gradients one by one during backward (torch's
     post-accumulate hooks), so the exchange overlaps the rest of backward. The
-    numbers are :func:`average_gradients`'s: with ``rows`` each rank sends
-    ``rows * g`` and the row counts reduce beside them; :meth:`results` divides by
-    the total. Gradients are named by ``key`` (the same on every rank), so the
-    order backward produces them in may differ between ranks.
+    numbers are :func:`average_gradients`'s (the weighting is settled when the stream
+    starts, from the row counts). Gradients are named by ``key`` (the same on every
+    rank), so the order backward produces them in may differ between ranks.
 
     Args:
         rows, op, compression, prescale_factor, postscale_factor: as for :func:`average_gradients`.
@@ -159,50 +185,34 @@ class GradientStream:
     def __init__(self, rows: int | None, op: object = Average, compression: type[Compressor] = Compression.none,
                  prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                  prefix: str = "unison.gradients") -> None:
-        self.op = parse_op(op)
-        self.weighted = rows is not None and self.op is Average
-        self.rows, self.compression, self.prefix = rows, compression, prefix
-        weight = float(rows) if rows is not None and self.weighted else 1.0
-        self.pre = weight * prescale_factor
-        self.post = postscale_factor
-        self.pending: dict[int, tuple[object, np.dtype, tuple[int, ...]]] = {}
-        self.total = (frontend.allreduce_async(np.array([weight], np.float64), Sum, f"{prefix}.rows")
-                      if self.weighted else None)
+        self.op, self.pre, self.post, self.weight = _weighting(rows, parse_op(op), prescale_factor,
+                                                               postscale_factor)
+        self.compression, self.prefix = compression, prefix
+        self.pending: dict[int, tuple[Any, np.ndarray]] = {}
 
     def submit(self, key: int, grad: np.ndarray) -> None:
-        """Start reducing gradient ``key`` (a copy is sent: ``grad`` may change afterwards)."""
+        """Start reducing gradient ``key``; ``grad`` must stay unchanged until :meth:`results`."""
         if key in self.pending:
             raise RuntimeError(f"GradientStream: gradient {key} submitted twice in one step")
-        array = np.asarray(grad)
-        scaled = array * np.asarray(self.pre, dtype=array.dtype)
-        op = Sum if self.weighted else self.op
-        handle = frontend.allreduce_async(scaled, op, f"{self.prefix}.{key}", compression=self.compression,
-                                          postscale_factor=1.0 if self.weighted else self.post)
-        self.pending[key] = (handle, array.dtype, array.shape)
+        array = np.require(np.asarray(grad), requirements="C")
+        handle = frontend.allreduce_async(_weighed(array, self.weight), self.op, f"{self.prefix}.{key}",
+                                          prescale_factor=self.pre, postscale_factor=self.post,
+                                          compression=self.compression)
+        self.pending[key] = (handle, array)
 
     def drain(self) -> None:
         """Wait for whatever was submitted and not collected (a step that ended early), dropping it."""
-        leftovers = [h for h, _, _ in self.pending.values()] + ([self.total] if self.total is not None else [])
-        self.pending, self.total = {}, None
-        for handle in leftovers:
-            handle.wait()  # type: ignore[attr-defined]
+        leftovers, self.pending = self.pending, {}
+        for handle, _ in leftovers.values():
+            handle.wait()
 
     def results(self, keys: Sequence[int]) -> list[np.ndarray]:
         """The combined gradients of ``keys`` (each submitted), in that order."""
         missing = [k for k in keys if k not in self.pending]
         if missing:
             raise RuntimeError(f"GradientStream: gradients {missing} were never submitted this step")
-        scale = 1.0
-        if self.total is not None:
-            n = float(np.asarray(self.total.wait()).reshape(-1)[0])
-            self.total = None
-            scale = self.post / n
-        out = []
-        for key in keys:
-            handle, dtype, shape = self.pending.pop(key)
-            value = np.asarray(handle.wait())  # type: ignore[attr-defined]
-            out.append((value * scale if scale != 1.0 else value).astype(dtype, copy=False).reshape(shape))
-        return out
+        taken = [self.pending.pop(k) for k in keys]
+        return _restore([handle.wait() for handle, _ in taken], [array for _, array in taken])
 
 
 def sum_states(states: Sequence[np.ndarray]) -> list[np.ndarray]:
