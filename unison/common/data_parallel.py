@@ -220,8 +220,7 @@ def sum_states(states: Sequence[np.ndarray]) -> list[np.ndarray]:
     arrays = _as_list(states)
     if not arrays:
         return []
-    out = frontend.grouped_allreduce(arrays, op=Sum)
-    return [np.asarray(o).astype(a.dtype, copy=False).reshape(a.shape) for o, a in zip(out, arrays, strict=True)]
+    return _restore(frontend.grouped_allreduce(arrays, op=Sum), arrays)
 
 
 def broadcast_arrays(arrays: Sequence[np.ndarray], root_rank: int = 0) -> list[np.ndarray]:
@@ -241,15 +240,13 @@ def gather_rows(local: np.ndarray, plan: BatchPlan, rank: int) -> np.ndarray:
     Raises:
         ValueError: ``local`` does not have the rows ``plan`` gives this rank.
     """
-    mine = sum(b - a for a, b in (plan.rank_rows(s, rank) for s in range(plan.steps)))
-    if local.shape[0] != mine:
-        raise ValueError(f"gather_rows: this rank (rank {rank}) has {local.shape[0]} rows of output but the "
-                         f"split gives it {mine} (samples={plan.samples}, batch={plan.batch}, size={plan.size})")
+    counts = [sum(b - a for a, b in (plan.rank_rows(s, r) for s in range(plan.steps))) for r in range(plan.size)]
+    if local.shape[0] != counts[rank]:
+        raise ValueError(f"gather_rows: this rank (rank {rank}) has {local.shape[0]} rows of output but the split "
+                         f"gives it {counts[rank]} (samples={plan.samples}, batch={plan.batch}, size={plan.size})")
     everyone = np.asarray(frontend.allgather(np.ascontiguousarray(local)))
+    cursor = np.cumsum([0] + counts[:-1])  # where each rank's rows start in the gathered array
     pieces: list[np.ndarray] = []
-    offsets = np.cumsum([0] + [sum(b - a for a, b in (plan.rank_rows(s, r) for s in range(plan.steps)))
-                               for r in range(plan.size)])
-    cursor = offsets[:-1].copy()
     for step in range(plan.steps):
         for r in range(plan.size):
             a, b = plan.rank_rows(step, r)

@@ -18,7 +18,6 @@ on the next step.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -28,7 +27,7 @@ import numpy as np
 
 from unison.common import runtime
 from unison.common.engine import frontend
-from unison.common.files import atomic_path
+from unison.common.files import atomic_keras_save
 from unison.common.ops import Average
 from unison.keras.ops import broadcast_variables
 
@@ -145,10 +144,7 @@ def _atomic_saves(model: Any) -> Iterator[None]:
         originals[name] = original
 
         def atomic(filepath: Any, *args: Any, _save: Callable[..., Any] = original, **kwargs: Any) -> Any:
-            if not isinstance(filepath, (str, os.PathLike)):
-                return _save(filepath, *args, **kwargs)
-            with atomic_path(filepath) as tmp:
-                return _save(tmp, *args, **kwargs)
+            return atomic_keras_save(_save, filepath, *args, **kwargs)
 
         object.__setattr__(model, name, atomic)
     try:
