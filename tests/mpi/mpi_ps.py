@@ -1,0 +1,268 @@
+"""unison.ps (sharded tables, push/pull) under mpirun, checked against a one-process numpy reference.
+
+Launched by tests/test_ps_mpi.py at 4 ranks (which also saves a checkpoint into ``$PS_SHARED``)
+and at 2 (which loads what the 4 ranks saved). Every rank must agree on every outcome.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import unison.ps as ps
+from unison.common import runtime
+
+WORLD = MPI.COMM_WORLD
+N, R = WORLD.Get_size(), WORLD.Get_rank()
+SHARED = os.environ.get("PS_SHARED", "")
+ROWS, DIM = 97, 5
+runtime.init()
+
+
+def init_rows(keys: np.ndarray) -> np.ndarray:
+    """A deterministic initial table (so the reference can build it too)."""
+    return (np.sin(keys[:, None] * 0.37 + np.arange(DIM)[None, :]) * 0.5).astype(np.float64)
+
+
+def batches(steps: int, per_rank: int, seed: int = 3) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Global batches of Zipf-ish keys (duplicates included) and targets, the same on every rank."""
+    g = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        keys = np.minimum(g.zipf(1.3, (per_rank * N, 3)) - 1, ROWS - 1).astype(np.int64)
+        out.append((keys, g.normal(size=per_rank * N)))
+    return out
+
+
+W_OUT = np.linspace(-1.0, 1.0, DIM)
+
+
+def local_grads(table: np.ndarray, keys: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """d/d(rows) of mean_b 0.5 * (sum_j E[k_bj] . w - y_b)^2, per looked-up row: shape keys.shape + (DIM,)."""
+    pred = table[keys].sum(axis=1) @ W_OUT
+    resid = (pred - y) / len(y)
+    return np.broadcast_to(resid[:, None, None] * W_OUT[None, None, :], keys.shape + (DIM,)).copy()
+
+
+def dense_reference(kind: str, steps: list[tuple[np.ndarray, np.ndarray]], lr: float) -> np.ndarray:
+    """Dense data parallel in one process: each rank's local-mean gradient, averaged; torch's dense formulas."""
+    table = init_rows(np.arange(ROWS))
+    acc = np.zeros_like(table)
+    for keys, y in steps:
+        per = len(y) // N
+        grad = np.zeros_like(table)
+        for r in range(N):
+            k, t = keys[r * per : (r + 1) * per], y[r * per : (r + 1) * per]
+            np.add.at(grad, k.reshape(-1), local_grads(table, k, t).reshape(-1, DIM))
+        grad /= N
+        if kind == "sgd":
+            table -= lr * grad
+        else:
+            acc += grad * grad
+            table -= lr * grad / (np.sqrt(acc) + 1e-10)
+    return table
+
+
+def train(table: ps.ShardedTable, steps: list[tuple[np.ndarray, np.ndarray]], use_push_pull: bool = False) -> None:
+    for keys, y in steps:
+        per = len(y) // N
+        k, t = keys[R * per : (R + 1) * per], y[R * per : (R + 1) * per]
+        rows = table.pull(k)
+        dense = np.zeros((ROWS, DIM))
+        dense[k] = rows  # the rows this rank looked up are all it needs
+        g = local_grads(dense, k, t)
+        if use_push_pull:
+            table.push_pull(k, g)
+        else:
+            table.push(k, g)
+
+
+def agree(value) -> bool:
+    return all(v == value for v in WORLD.allgather(value))
+
+
+@pytest.mark.parametrize("kind,sharding", [("sgd", "hash"), ("adagrad", "row"), ("adagrad", "hash")])
+def test_bsp_equals_dense_data_parallel(kind, sharding):
+    opt = ps.SGD(lr=0.5) if kind == "sgd" else ps.Adagrad(lr=0.2)
+    steps = batches(6, 4)
+    with ps.ShardedTable(
+        ROWS, DIM, "float64", sharding, opt, name=f"bsp-{kind}-{sharding}", initializer=init_rows
+    ) as table:
+        np.testing.assert_allclose(table.to_numpy(), init_rows(np.arange(ROWS)), rtol=0, atol=0)
+        train(table, steps, use_push_pull=(kind == "adagrad"))
+        got = table.to_numpy()
+    np.testing.assert_allclose(got, dense_reference(kind, steps, opt.lr), rtol=1e-10, atol=1e-12)
+    assert not np.allclose(got, init_rows(np.arange(ROWS)))  # it trained
+
+
+def test_duplicate_and_empty_key_sets():
+    with ps.ShardedTable(
+        ROWS, DIM, "float64", optimizer=ps.SGD(lr=1.0), initializer="zeros", name="dups", average=False
+    ) as table:
+        keys = np.array([3, 3, 3, 50], np.int64) if R % 2 == 0 else np.zeros(0, np.int64)
+        grads = np.ones((len(keys), DIM))
+        table.push(keys, grads)
+        assert table.pull(np.zeros((0,), np.int64)).shape == (0, DIM)
+        assert table.pull(np.zeros((2, 0), np.int64)).shape == (2, 0, DIM)
+        evens = (N + 1) // 2
+        rows = table.pull(np.array([[3, 50], [3, 4]]))
+        assert rows.shape == (2, 2, DIM)
+        np.testing.assert_array_equal(rows[0, 0], -3.0 * evens)  # three duplicates summed, on every even rank
+        np.testing.assert_array_equal(rows[0, 1], -1.0 * evens)
+        np.testing.assert_array_equal(rows[1, 1], 0.0)
+        table.push(np.zeros(0, np.int64), np.zeros((0, DIM)))  # an empty push everywhere is a no-op
+        np.testing.assert_array_equal(table.pull([3])[0], -3.0 * evens)
+        stats = table.stats()
+    assert stats["pushes"] == 2 and stats["pulls"] == 4
+
+
+def test_async_handles_run_in_order():
+    with ps.ShardedTable(ROWS, DIM, optimizer=ps.SGD(lr=1.0), initializer="zeros", name="handles") as table:
+        k = np.arange(10)
+        h1 = table.push_async(k, np.ones((10, DIM), np.float32))
+        h2 = table.pull_async(k)
+        h1.wait()
+        np.testing.assert_allclose(h2.wait(), -1.0)  # the push is applied (averaged over N workers) first
+
+
+def test_adam_is_lazy_per_row():
+    with ps.ShardedTable(
+        ROWS, DIM, "float64", optimizer=ps.Adam(lr=0.1), initializer="zeros", name="adam"
+    ) as table:
+        for _ in range(3):
+            table.push([5], np.ones((1, DIM)))
+        table.push([6], np.ones((1, DIM)))
+        rows = table.pull([5, 6, 7])
+    # every row's first bias-corrected Adam step is -lr * sign(g); row 6 saw one step, row 7 none
+    np.testing.assert_allclose(rows[1], -0.1, rtol=1e-6)
+    np.testing.assert_allclose(rows[2], 0.0)
+    np.testing.assert_allclose(rows[0], -0.3, rtol=1e-5)  # a constant gradient: three steps of lr each
+
+
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_ssp_never_exceeds_its_bound(staleness):
+    """Each worker adds 1 to row 0 per step; a pull at clock c must see every worker's steps < c - s."""
+    steps = 12
+    with ps.ShardedTable(
+        8,
+        1,
+        "float64",
+        "row",
+        ps.SGD(lr=-1.0),
+        ps.SSP(staleness),
+        name=f"ssp{staleness}",
+        initializer="zeros",
+        average=False,
+    ) as table:
+        seen = []
+        for c in range(steps):
+            if R == N - 1:
+                time.sleep(0.02)  # the straggler
+            value = float(table.pull([0])[0, 0])
+            seen.append(value)
+            assert value >= N * max(0, c - staleness), (c, value)
+            table.push([0], np.ones((1, 1)))
+        stats = table.stats()
+        table.barrier()
+        final = float(table.pull([0])[0, 0])
+    assert final == N * steps  # every push applied, once
+    assert stats["max_staleness"] <= staleness
+    worst = WORLD.allreduce(stats["max_staleness"], op=MPI.MAX)
+    if staleness and N > 1:
+        assert worst >= 1  # the fast ranks did run ahead of the straggler: the bound was exercised
+
+
+def test_asp_runs_and_loses_no_push():
+    with ps.ShardedTable(
+        ROWS, 2, optimizer=ps.SGD(lr=-1.0), consistency=ps.ASP(), name="asp", initializer="zeros", average=False
+    ) as table:
+        g = np.random.default_rng(R)
+        total = np.zeros(ROWS)
+        for _ in range(20):
+            keys = g.integers(0, ROWS, 6)
+            table.pull(keys)
+            table.push(keys, np.ones((6, 2), np.float32))
+            np.add.at(total, keys, 1.0)
+        table.barrier()
+        got = table.to_numpy()[:, 0]
+    np.testing.assert_allclose(got, WORLD.allreduce(total))
+
+
+@pytest.mark.skipif(N < 3, reason="needs a dedicated server rank and two workers")
+@pytest.mark.parametrize("consistency", ["bsp", "asp"])
+def test_dedicated_server_ranks(consistency):
+    table = ps.ShardedTable(
+        ROWS,
+        DIM,
+        "float64",
+        optimizer=ps.SGD(lr=1.0),
+        consistency=consistency,
+        name=f"ps-{consistency}",
+        initializer="zeros",
+        servers=[N - 1],
+        average=False,
+    )
+    if R == N - 1:
+        with pytest.raises(ps.TableError, match="dedicated server"):
+            table.pull([1])
+        table.serve()
+        assert table.closed
+        return
+    table.push([R, 40], np.ones((2, DIM)))
+    table.barrier()
+    rows = table.pull(np.arange(N - 1))
+    table.close()
+    np.testing.assert_allclose(rows, -1.0)
+
+
+def test_checkpoint_round_trip_across_rank_counts(tmp_path):
+    """At 4 ranks: train, save, train one more global step; at 2: load and take the same global step."""
+    if not SHARED:
+        pytest.skip("PS_SHARED not set")
+    folder = os.path.join(SHARED, "table")
+    steps = batches(4, 8 // N, seed=9)
+    with ps.ShardedTable(
+        ROWS, DIM, "float64", "hash", ps.Adagrad(lr=0.3), name="ck", initializer=init_rows
+    ) as table:
+        if N == 4:
+            train(table, steps[:3])
+            table.save(folder, metadata={"step": 3})
+            before = table.to_numpy()
+            train(table, steps[3:])
+            after = table.to_numpy()  # collective: every rank
+            if R == 0:
+                np.save(os.path.join(SHARED, "before.npy"), before)
+                np.save(os.path.join(SHARED, "after.npy"), after)
+            WORLD.Barrier()
+            return
+        assert table.load(folder) == {"step": 3}
+        np.testing.assert_array_equal(table.to_numpy(), np.load(os.path.join(SHARED, "before.npy")))
+        train(table, steps[3:])  # needs the Adagrad sums saved by 4 ranks
+        np.testing.assert_allclose(table.to_numpy(), np.load(os.path.join(SHARED, "after.npy")), rtol=1e-12)
+
+
+def test_bad_input_raises_on_every_rank():
+    with ps.ShardedTable(ROWS, DIM, name="bad") as table:
+        keys = np.array([1, ROWS + 5]) if R == N - 1 else np.array([1, 2])
+        with pytest.raises(
+            ps.TableError, match=rf"rank {N - 1}: bad.pull: key {ROWS + 5} is out of range \[0, {ROWS}\)"
+        ):
+            table.pull(keys)
+        with pytest.raises(ps.TableError, match="keys must be integers; got dtype float64"):
+            table.pull(np.array([1.5]))
+        with pytest.raises(ps.TableError, match=r"gradients of shape \(2, 3\) do not match"):
+            table.push(np.array([1, 2]), np.zeros((2, 3)))
+        table.pull([1])  # still usable, every rank in step
+    with pytest.raises(ps.TableError, match="defined differently across ranks.*dim: rank 0 has 4"):
+        ps.ShardedTable(ROWS, 4 + (R == N - 1), name="mismatch")
+    with pytest.raises(ValueError, match=r"SSP\(staleness=-1\)"):
+        ps.SSP(-1)
+    with pytest.raises(ps.TableError, match="no sharded table named 'nope'"):
+        ps.get_table("nope")
+    with pytest.raises(ps.TableError, match=r"num_rows=0\): must be a positive int"):
+        ps.ShardedTable(0, DIM, name="empty")
+    assert agree(ps.tables())

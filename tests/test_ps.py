@@ -1,0 +1,86 @@
+"""unison.common.ps in one process: sharding maps, initial rows, gradient combining, optimizers, errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from unison.common.ps import SSP, Adagrad, Adam, consistency
+from unison.common.ps.shard import combine, initial_rows
+from unison.common.ps.sharding import Sharding, block_bounds
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 10, 97, 1000, 4096, 1_000_003])
+@pytest.mark.parametrize("kind", ["row", "hash"])
+def test_storage_is_a_bijection_and_keys_of_inverts_it(rows, kind):
+    sh = Sharding(kind, rows, 4)
+    keys = np.arange(min(rows, 200_000), dtype=np.int64)
+    p = sh.storage(keys)
+    assert p.min() >= 0 and p.max() < rows
+    assert len(np.unique(p)) == len(keys)
+    np.testing.assert_array_equal(sh.keys_of(p), keys)
+
+
+def test_hash_spreads_hot_keys_and_blocks_are_exact():
+    sh = Sharding("hash", 1_000_000, 8)
+    owners = sh.owners(sh.storage(np.arange(1000)))  # the 1000 hottest keys of a Zipf distribution
+    counts = np.bincount(owners, minlength=8)
+    assert counts.min() >= 100 and counts.max() <= 150, counts  # row sharding would put all on shard 0
+    assert (Sharding("row", 1_000_000, 8).owners(np.arange(1000)) == 0).all()
+    np.testing.assert_array_equal(block_bounds(10, 4), [0, 2, 5, 7, 10])
+
+
+@pytest.mark.parametrize("init", ["uniform", "normal", "zeros"])
+def test_initial_table_does_not_depend_on_the_shard_count(init):
+    whole = initial_rows(init, Sharding("hash", 300_000, 1), 0, 300_000, 4, np.dtype("float32"), seed=7)
+    sh = Sharding("hash", 300_000, 3)
+    parts = [initial_rows(init, sh, *sh.block(s), 4, np.dtype("float32"), seed=7) for s in range(3)]
+    np.testing.assert_array_equal(np.concatenate(parts), whole)
+    if init == "uniform":
+        assert np.abs(whole).max() <= 0.5 and whole.std() > 0.2
+
+
+def test_callable_initializer_gets_keys_and_must_return_rows():
+    sh = Sharding("hash", 50, 2)
+    lo, hi = sh.block(1)
+    rows = initial_rows(lambda k: np.repeat(k[:, None], 3, 1), sh, lo, hi, 3, np.dtype("float64"), 0)
+    np.testing.assert_array_equal(rows[:, 0], sh.keys_of(np.arange(lo, hi)))
+    with pytest.raises(ValueError, match=r"returned shape \(25,\) for 25 keys"):
+        initial_rows(lambda k: k, sh, lo, hi, 3, np.dtype("float64"), 0)
+
+
+def test_combine_sums_duplicates():
+    s, g = combine(np.array([5, 2, 5, 5, 9]), np.arange(10.0).reshape(5, 2))
+    np.testing.assert_array_equal(s, [2, 5, 9])
+    np.testing.assert_array_equal(g, [[2, 3], [0 + 4 + 6, 1 + 5 + 7], [8, 9]])
+    s, g = combine(np.zeros(0, np.int64), np.zeros((0, 2)))
+    assert s.shape == (0,) and g.shape == (0, 2)
+
+
+def test_adagrad_matches_torch_dense_on_touched_rows():
+    torch = pytest.importorskip("torch")
+    w = np.random.default_rng(0).normal(size=(6, 3))
+    ref = torch.nn.Parameter(torch.tensor(w))
+    opt = torch.optim.Adagrad([ref], lr=0.3)
+    mine, ada = w.copy(), Adagrad(lr=0.3)
+    state = ada.init_state(6, 3, np.dtype("float64"))
+    for step in range(4):
+        rows = np.array([1, 4]) if step % 2 else np.array([0, 1, 5])
+        g = np.random.default_rng(step).normal(size=(len(rows), 3))
+        dense = np.zeros((6, 3))
+        dense[rows] = g
+        ref.grad = torch.tensor(dense)
+        opt.step()
+        ada.apply(mine, state, rows, g)
+    np.testing.assert_allclose(mine, ref.detach().numpy(), rtol=1e-12)
+
+
+def test_bad_settings_name_the_value():
+    with pytest.raises(ValueError, match=r"SSP\(staleness=-1\)"):
+        SSP(-1)
+    with pytest.raises(ValueError, match=r"Adam\(beta1=1.5\)"):
+        Adam(beta1=1.5)
+    with pytest.raises(ValueError, match="sharding='cyclic'"):
+        Sharding("cyclic", 10, 2)
+    with pytest.raises(ValueError, match="consistency='eventual'"):
+        consistency.consistency_from_name("eventual")

@@ -1,0 +1,124 @@
+"""Server-side optimizers of a sharded table: the shard applies pushed gradients to its rows.
+
+Lazy: only the rows a push touches change, and only their per-row state (Adagrad's sum of
+squares, Adam's moments and step count). For SGD and Adagrad that is exactly what the dense
+optimizer does with a gradient that is zero on untouched rows (PyTorch's ``torch.optim.SGD`` and
+``torch.optim.Adagrad`` formulas, defaults included), so a table trained with BSP matches dense
+data-parallel training. Adam counts steps per row (each row's bias correction uses the number
+of times that row was updated), as lazy/sparse Adam variants do; it is not dense Adam's update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["SGD", "Adagrad", "Adam", "Optimizer", "optimizer_from_config"]
+
+
+@dataclass
+class Optimizer:
+    """Base: ``state_names`` are per-row arrays of the shard's shape (``steps`` is per row, 1-D)."""
+
+    lr: float = 0.01
+    state_names: tuple[str, ...] = field(default=(), init=False)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.lr, (int, float)) and np.isfinite(self.lr)):
+            raise ValueError(f"{type(self).__name__}(lr={self.lr!r}): the learning rate must be a finite number")
+
+    def init_state(self, rows: int, dim: int, dtype: np.dtype) -> dict[str, np.ndarray]:
+        return {}
+
+    def apply(
+        self, weights: np.ndarray, state: dict[str, np.ndarray], local: np.ndarray, grads: np.ndarray
+    ) -> None:
+        """Update ``weights[local]`` (unique local rows) with ``grads`` in place."""
+        raise NotImplementedError
+
+    def config(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k != "state_names"}
+        out["name"] = type(self).__name__
+        return out
+
+
+@dataclass
+class SGD(Optimizer):
+    """``w -= lr * g`` on the pushed rows."""
+
+    def apply(
+        self, weights: np.ndarray, state: dict[str, np.ndarray], local: np.ndarray, grads: np.ndarray
+    ) -> None:
+        weights[local] -= np.asarray(self.lr, weights.dtype) * grads
+
+
+@dataclass
+class Adagrad(Optimizer):
+    """``sum += g*g; w -= lr * g / (sqrt(sum) + eps)`` per row (``torch.optim.Adagrad``'s defaults)."""
+
+    initial_accumulator_value: float = 0.0
+    eps: float = 1e-10
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.state_names = ("sum",)
+
+    def init_state(self, rows: int, dim: int, dtype: np.dtype) -> dict[str, np.ndarray]:
+        return {"sum": np.full((rows, dim), self.initial_accumulator_value, dtype)}
+
+    def apply(
+        self, weights: np.ndarray, state: dict[str, np.ndarray], local: np.ndarray, grads: np.ndarray
+    ) -> None:
+        acc = state["sum"][local] + grads * grads
+        state["sum"][local] = acc
+        weights[local] -= (
+            np.asarray(self.lr, weights.dtype) * grads / (np.sqrt(acc) + np.asarray(self.eps, acc.dtype))
+        )
+
+
+@dataclass
+class Adam(Optimizer):
+    """Adam with per-row moments and a per-row step count for the bias correction (lazy Adam)."""
+
+    lr: float = 0.001
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"Adam({name}={value!r}) must be in [0, 1)")
+        self.state_names = ("m", "v", "steps")
+
+    def init_state(self, rows: int, dim: int, dtype: np.dtype) -> dict[str, np.ndarray]:
+        return {
+            "m": np.zeros((rows, dim), dtype),
+            "v": np.zeros((rows, dim), dtype),
+            "steps": np.zeros(rows, np.int64),
+        }
+
+    def apply(
+        self, weights: np.ndarray, state: dict[str, np.ndarray], local: np.ndarray, grads: np.ndarray
+    ) -> None:
+        t = state["steps"][local] + 1
+        state["steps"][local] = t
+        m = self.beta1 * state["m"][local] + (1.0 - self.beta1) * grads
+        v = self.beta2 * state["v"][local] + (1.0 - self.beta2) * grads * grads
+        state["m"][local], state["v"][local] = m, v
+        c1 = (1.0 - self.beta1 ** t.astype(np.float64))[:, None]
+        c2 = (1.0 - self.beta2 ** t.astype(np.float64))[:, None]
+        step = self.lr * (m / c1) / (np.sqrt(v / c2) + self.eps)
+        weights[local] -= step.astype(weights.dtype)
+
+
+_KINDS: dict[str, type[Optimizer]] = {"SGD": SGD, "Adagrad": Adagrad, "Adam": Adam}
+
+
+def optimizer_from_config(config: dict[str, Any]) -> Optimizer:
+    args = dict(config)
+    return _KINDS[args.pop("name")](**args)

@@ -1,0 +1,141 @@
+"""The server side of SSP/ASP tables: a thread per server rank answering the workers' requests.
+
+[Note: table messages]
+Requests travel on the table's request communicator, replies on its reply communicator (both
+``Dup``s of the table's, so they never match other traffic). A request is one byte buffer: an
+int64 header ``[op, request id, value, n]`` then ``n`` int64 storage indices, then for a push
+``n`` gradient rows. ``PULL``'s value is the slowest clock the reply must wait for (SSP); the
+reply, tagged with the request id, is an int64 (the slowest clock when served) then the rows.
+``CLOCK``'s value is the worker's new clock; ``FIN`` says the worker sends nothing more. A
+worker's messages to one server arrive in the order sent (MPI's non-overtaking rule: same
+source, communicator and tag), so a clock message is applied after that worker's pushes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from unison.common.ps.shard import Shard
+
+__all__ = ["Server", "PULL", "PUSH", "CLOCK", "FIN", "MARK", "DONE", "ACK_TAG", "HEADER", "pack", "NO_WAIT"]
+
+logger = logging.getLogger(__name__)
+
+PULL, PUSH, CLOCK, FIN, MARK = 1, 2, 3, 4, 5
+ACK_TAG = 32001  # replies to MARK (request ids stay below 30001)
+DONE = 1 << 62  # the clock of a worker that has closed the table: nobody waits for it
+HEADER = 4  # int64 words
+NO_WAIT = -(1 << 62)
+
+
+def pack(op: int, request: int, value: int, storage: np.ndarray, grads: np.ndarray | None = None) -> np.ndarray:
+    """One request buffer (uint8)."""
+    head = np.array([op, request, value, len(storage)], np.int64)
+    parts = [head.view(np.uint8), np.ascontiguousarray(storage, np.int64).view(np.uint8)]
+    if grads is not None:
+        parts.append(np.ascontiguousarray(grads).reshape(-1).view(np.uint8))
+    return np.concatenate(parts)
+
+
+class Server:
+    """Serve one shard to the workers over ``req``/``rep`` until every remote worker has sent FIN."""
+
+    def __init__(
+        self, shard: Shard, req: Any, rep: Any, mpi: Any, worker_of: dict[int, int], remote_workers: int
+    ) -> None:
+        self.shard, self.req, self.rep, self.mpi = shard, req, rep, mpi
+        self.worker_of = worker_of  # table rank -> worker index
+        self.remaining = remote_workers
+        self.deferred: list[tuple[int, int, int, np.ndarray]] = []  # (source, request, need, storage)
+        self.sends: list[tuple[Any, np.ndarray]] = []
+        self.error: BaseException | None = None
+        self.stop = threading.Event()
+        self.requests = 0
+        self.marks = np.zeros(len(set(worker_of.values())), np.int64)  # the last save mark of each worker
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._run, name="unison-ps-server", daemon=True)
+        self.thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            self.serve()
+        except BaseException as exc:  # surfaced to the worker thread on its next call
+            self.error = exc
+            logger.exception("the sharded-table server thread failed")
+
+    def serve(self) -> None:
+        status = self.mpi.Status()
+        idle = 0.0
+        while self.remaining > 0 and not self.stop.is_set():
+            if self.req.Iprobe(self.mpi.ANY_SOURCE, self.mpi.ANY_TAG, status):
+                idle = 0.0
+                count = status.Get_count(self.mpi.BYTE)
+                buf = np.empty(count, np.uint8)
+                self.req.Recv([buf, self.mpi.BYTE], status.Get_source(), status.Get_tag())
+                self._handle(status.Get_source(), buf)
+                continue
+            self._reap()
+            time.sleep(idle)
+            idle = min(1e-3, idle * 2 + 2e-5)
+        self._reap(wait=True)
+
+    def _handle(self, source: int, buf: np.ndarray) -> None:
+        self.requests += 1
+        op, request, value, n = (int(x) for x in buf[: HEADER * 8].view(np.int64))
+        storage = buf[HEADER * 8 : (HEADER + n) * 8].view(np.int64)
+        if op == PULL:
+            self.deferred.append((source, request, value, storage))
+            self._answer_ready()
+        elif op == PUSH:
+            grads = buf[(HEADER + n) * 8 :].view(self.shard.dtype).reshape(n, self.shard.dim)
+            self.shard.apply(storage, grads)
+        elif op == CLOCK:
+            self.shard.advance(self.worker_of[source], value)
+            self._answer_ready()
+        elif op == FIN:
+            self.remaining -= 1
+            self.shard.advance(self.worker_of[source], DONE)
+            self._answer_ready()
+        elif op == MARK:  # a barrier: acknowledge to every worker once all have marked (their pushes are in)
+            self.marks[self.worker_of[source]] = value
+            if int(self.marks.min()) >= value:
+                ack = np.array([value], np.int64)
+                for rank in self.worker_of:
+                    self.sends.append((self.rep.Isend([ack, self.mpi.INT64_T], rank, ACK_TAG), ack))
+        else:
+            raise RuntimeError(f"sharded table: unknown request op {op} from rank {source}")
+
+    def _answer_ready(self) -> None:
+        keep = []
+        with self.shard.cond:
+            slowest = int(self.shard.clocks.min())
+            for source, request, need, storage in self.deferred:
+                if slowest < need:
+                    keep.append((source, request, need, storage))
+                    continue
+                rows = self.shard.weights[storage - self.shard.lo]
+                reply = np.concatenate(
+                    [np.array([slowest], np.int64).view(np.uint8), rows.reshape(-1).view(np.uint8)]
+                )
+                self.sends.append((self.rep.Isend([reply, self.mpi.BYTE], source, request), reply))
+        self.deferred = keep
+
+    def _reap(self, wait: bool = False) -> None:
+        if not self.sends:
+            return
+        if wait:
+            self.mpi.Request.Waitall([r for r, _ in self.sends])
+            self.sends = []
+            return
+        self.sends = [(r, b) for r, b in self.sends if not r.Test()]

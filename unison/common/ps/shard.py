@@ -1,0 +1,130 @@
+"""One shard of a table: its rows in storage order, the optimizer's per-row state, the clocks.
+
+The shard's lock guards rows, state and clocks: the owning rank's worker thread reads and
+updates its own shard directly, while the server thread (SSP/ASP) serves the other workers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from unison.common.ps.optimizers import Optimizer
+from unison.common.ps.sharding import Sharding
+
+__all__ = ["Shard", "combine", "initial_rows"]
+
+_CHUNK = 1 << 16  # rows per random-number block: the initial table is the same on any number of ranks
+
+
+def combine(storage: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sum the gradient rows of equal storage indices: ``(unique sorted indices, summed rows)``."""
+    if len(storage) == 0:
+        return storage.astype(np.int64), grads.reshape(0, grads.shape[-1] if grads.ndim > 1 else 0)
+    order = np.argsort(storage, kind="stable")
+    s = storage[order]
+    starts = np.flatnonzero(np.r_[True, s[1:] != s[:-1]])
+    if len(starts) == len(s):
+        return s, grads[order]
+    return s[starts], np.add.reduceat(grads[order], starts, axis=0)
+
+
+def initial_rows(
+    initializer: Any, sharding: Sharding, lo: int, hi: int, dim: int, dtype: np.dtype, seed: int
+) -> np.ndarray:
+    """Rows ``[lo, hi)`` (storage order) of the initial table, the same whatever the sharding's shard count.
+
+    ``initializer``: ``"zeros"``, ``"uniform"`` (U(-1/sqrt(dim), 1/sqrt(dim))), ``"normal"``
+    (N(0, 1/dim)), or a callable ``keys -> rows`` given int64 keys.
+    """
+    n = hi - lo
+    if callable(initializer):
+        rows = np.asarray(initializer(sharding.keys_of(np.arange(lo, hi, dtype=np.int64))))
+        if rows.shape != (n, dim):
+            raise ValueError(
+                f"the initializer returned shape {rows.shape} for {n} keys; it must return "
+                f"(len(keys), dim) = ({n}, {dim})"
+            )
+        return np.ascontiguousarray(rows, dtype=dtype)
+    if initializer == "zeros":
+        return np.zeros((n, dim), dtype)
+    if initializer not in ("uniform", "normal"):
+        raise ValueError(
+            f"initializer={initializer!r} is not 'zeros', 'uniform', 'normal' or a callable keys -> rows"
+        )
+    out = np.empty((n, dim), dtype)
+    scale = 1.0 / np.sqrt(dim)
+    for chunk in range(lo // _CHUNK, (hi + _CHUNK - 1) // _CHUNK):
+        c0 = chunk * _CHUNK
+        rng = np.random.Generator(np.random.Philox(key=seed, counter=chunk))
+        block = (
+            rng.uniform(-scale, scale, (_CHUNK, dim))
+            if initializer == "uniform"
+            else rng.normal(0.0, scale, (_CHUNK, dim))
+        )
+        a, b = max(lo, c0), min(hi, c0 + _CHUNK)
+        out[a - lo : b - lo] = block[a - c0 : b - c0]
+    return out
+
+
+class Shard:
+    """Rows ``[lo, hi)`` of storage order, with the optimizer state and the workers' clocks."""
+
+    def __init__(
+        self,
+        sharding: Sharding,
+        index: int,
+        dim: int,
+        dtype: np.dtype,
+        optimizer: Optimizer,
+        initializer: Any,
+        seed: int,
+        workers: int,
+        scale: float,
+    ) -> None:
+        self.lo, self.hi = sharding.block(index)
+        self.dim, self.dtype = dim, np.dtype(dtype)
+        self.optimizer = optimizer
+        self.weights = initial_rows(initializer, sharding, self.lo, self.hi, dim, self.dtype, seed)
+        self.state = optimizer.init_state(self.hi - self.lo, dim, self.dtype)
+        self.scale = scale
+        self.clocks = np.zeros(workers, np.int64)
+        self.cond = threading.Condition()
+
+    def local(self, storage: np.ndarray) -> np.ndarray:
+        return storage - self.lo
+
+    def read(self, storage: np.ndarray) -> np.ndarray:
+        with self.cond:
+            return self.weights[storage - self.lo]
+
+    def apply(self, storage: np.ndarray, grads: np.ndarray, scale: float | None = None) -> None:
+        """Apply gradient rows (``storage`` may repeat: summed first), times ``scale`` (default: the shard's)."""
+        s, g = combine(storage, grads)
+        factor = self.scale if scale is None else scale
+        if factor != 1.0:
+            g = g * np.asarray(factor, g.dtype)
+        with self.cond:
+            self.optimizer.apply(self.weights, self.state, s - self.lo, g.astype(self.dtype, copy=False))
+
+    def advance(self, worker: int, clock: int) -> None:
+        with self.cond:
+            if clock > self.clocks[worker]:
+                self.clocks[worker] = clock
+                self.cond.notify_all()
+
+    def ready(self, need: int) -> bool:
+        """Whether the slowest worker's clock is at least ``need`` (call with the lock held)."""
+        return int(self.clocks.min()) >= need
+
+    def wait_ready(self, need: int, check: Callable[[], None] | None = None) -> int:
+        """Block until :meth:`ready`; return the slowest clock seen."""
+        with self.cond:
+            while not self.ready(need):
+                self.cond.wait(0.05)
+                if check is not None:
+                    check()
+            return int(self.clocks.min())

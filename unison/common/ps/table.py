@@ -1,0 +1,705 @@
+"""A sharded key-value table with push/pull: every rank a worker, every (or a chosen) rank a server.
+
+See [Note: storage order] (sharding.py), [Note: consistency models] (consistency.py),
+[Note: a BSP round] (exchange.py), [Note: table messages] (server.py) and docs/embeddings.md.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from unison.common import runtime
+from unison.common.agreement import raise_together
+from unison.common.exceptions import UnisonError
+from unison.common.ps import exchange as ex
+from unison.common.ps import server as sv
+from unison.common.ps.consistency import Consistency, consistency_from_name
+from unison.common.ps.optimizers import SGD, Optimizer
+from unison.common.ps.shard import Shard
+from unison.common.ps.sharding import Sharding
+
+__all__ = ["ShardedTable", "TableError", "Handle", "get_table", "tables"]
+
+logger = logging.getLogger(__name__)
+
+_registry: dict[str, ShardedTable] = {}
+_registry_lock = threading.Lock()
+
+
+class TableError(UnisonError, ValueError):
+    """Bad input to a sharded table, or ranks that disagree about it; raised on every rank that takes part."""
+
+
+def get_table(name: str) -> ShardedTable:
+    """The open table called ``name`` on this process."""
+    with _registry_lock:
+        if name not in _registry:
+            raise TableError(
+                f"no sharded table named {name!r} exists on this rank (open tables: "
+                f"{sorted(_registry)}); create it with ShardedTable(..., name={name!r}) on every rank"
+            )
+        return _registry[name]
+
+
+def tables() -> list[str]:
+    with _registry_lock:
+        return sorted(_registry)
+
+
+class Handle:
+    """An asynchronous table operation: :meth:`wait` returns its result (rows for a pull) or raises."""
+
+    def __init__(self, future: concurrent.futures.Future[Any]) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        return self._future.result(timeout)
+
+
+def _resolve_comm(comm: Any, process_set: Any) -> tuple[Any, Any]:
+    """(communicator or None for one process, mpi module or None)."""
+    if comm is not None:
+        from mpi4py import MPI  # a communicator was given: mpi4py is there
+
+        return comm, MPI
+    st = runtime.state("ShardedTable()")
+    if st.comm is None:
+        return None, None
+    if process_set is None or getattr(process_set, "ranks", None) is None:
+        return st.comm, st.mpi
+    group = st.comm.Get_group().Incl(process_set.ranks)
+    if st.rank not in process_set.ranks:
+        raise TableError(f"rank {st.rank} is not in {process_set!r}: create the table only on its ranks")
+    return st.comm.Create_group(group), st.mpi
+
+
+class ShardedTable:
+    """A ``num_rows x dim`` table spread over the ranks, read with :meth:`pull` and trained with :meth:`push`.
+
+    Collective to create (every rank of the communicator, the same arguments; checked). Each
+    server rank holds the storage block ``[s*N//n, (s+1)*N//n)`` of ``n`` servers, with the
+    optimizer's per-row state; each worker pulls the rows its batch needs and pushes their
+    gradients, which the owning server applies (see the module's notes for the consistency
+    models).
+
+    Args:
+        num_rows, dim: the table's shape.
+        dtype: the rows' numpy dtype (float32 or float64).
+        sharding: ``"hash"`` (default: neighbouring keys on different shards) or ``"row"``.
+        optimizer: :class:`SGD`, :class:`Adagrad` or :class:`Adam` (default ``SGD(lr=0.01)``).
+        consistency: ``BSP()`` (default), ``SSP(s)`` or ``ASP()`` (or their names).
+        name: the table's name (default ``"table<k>"``); unique per process.
+        initializer: ``"uniform"`` (default), ``"normal"``, ``"zeros"`` or ``keys -> rows``.
+        seed: the initial rows' random seed; the table is the same on any number of ranks.
+        servers: ranks (of the communicator) that hold the shards and do not train (PS style);
+            they call :meth:`serve`. Default: every rank is a server and a worker.
+        average: scale pushes by ``1/workers`` (default True: the data-parallel average).
+        comm, process_set: the ranks of the table (default: every rank of ``unison.init``).
+    """
+
+    _count = 0
+
+    def __init__(
+        self,
+        num_rows: int,
+        dim: int,
+        dtype: Any = "float32",
+        sharding: str = "hash",
+        optimizer: Optimizer | None = None,
+        consistency: Consistency | str = "bsp",
+        name: str | None = None,
+        initializer: Any = "uniform",
+        seed: int = 0,
+        servers: Sequence[int] | None = None,
+        average: bool = True,
+        comm: Any = None,
+        process_set: Any = None,
+    ) -> None:
+        base, self.mpi = _resolve_comm(comm, process_set)
+        self.size = 1 if base is None else base.Get_size()
+        self.rank = 0 if base is None else base.Get_rank()
+        ShardedTable._count += 1
+        self.name = name if name is not None else f"table{ShardedTable._count}"
+        problem = None
+        try:
+            self._check_args(num_rows, dim, dtype, optimizer, servers)
+            self.consistency = consistency_from_name(consistency)
+        except (TypeError, ValueError) as exc:
+            problem = str(exc)
+        raise_together(base, problem, TableError)
+        self.num_rows, self.dim, self.dtype = int(num_rows), int(dim), np.dtype(dtype)
+        self.optimizer = optimizer if optimizer is not None else SGD()
+        self.servers = list(range(self.size)) if servers is None else sorted(int(r) for r in servers)
+        self.workers = [r for r in range(self.size) if servers is None or r not in self.servers]
+        self.is_server, self.is_worker = self.rank in self.servers, self.rank in self.workers
+        self.sharding = Sharding(sharding, self.num_rows, len(self.servers))
+        self._agree(base, initializer, seed, average)
+        self.shard: Shard | None = None
+        if self.is_server:
+            self.shard = Shard(
+                self.sharding,
+                self.servers.index(self.rank),
+                self.dim,
+                self.dtype,
+                self.optimizer,
+                initializer,
+                seed,
+                len(self.workers),
+                1.0 / len(self.workers) if average else 1.0,
+            )
+        self.comm = None if base is None else base.Dup()
+        self._rep = None if base is None or self.consistency.collective else base.Dup()
+        self._clock = 0
+        self._request = 0
+        self._sends: list[tuple[Any, np.ndarray]] = []
+        self._stats = {
+            "pulls": 0,
+            "pushes": 0,
+            "keys": 0,
+            "rows_pulled": 0,
+            "remote_rows_pulled": 0,
+            "remote_rows_pushed": 0,
+            "bytes_sent": 0,
+            "bytes_received": 0,
+            "max_staleness": 0,
+            "wait_seconds": 0.0,
+        }
+        self._server: sv.Server | None = None
+        if self.comm is not None and not self.consistency.collective and self.shard is not None:
+            remote = len(self.workers) - (1 if self.is_worker else 0)
+            self._server = sv.Server(
+                self.shard,
+                self.comm,
+                self._rep,
+                self.mpi,  # type: ignore[arg-type]
+                {w: i for i, w in enumerate(self.workers)},
+                remote,
+            )
+            if self.is_worker:
+                self._server.start()
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"unison-ps-{self.name}")
+        self.closed = False
+        with _registry_lock:
+            if self.name in _registry:
+                raise TableError(
+                    f"a sharded table named {self.name!r} is already open; close it or pick another name"
+                )
+            _registry[self.name] = self
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_args(self, num_rows: Any, dim: Any, dtype: Any, optimizer: Any, servers: Any) -> None:
+        for label, value in (("num_rows", num_rows), ("dim", dim)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"ShardedTable({label}={value!r}): must be a positive int")
+        if np.dtype(dtype) not in (np.dtype(np.float32), np.dtype(np.float64)):
+            raise TypeError(f"ShardedTable(dtype={dtype!r}): rows must be float32 or float64")
+        if optimizer is not None and not isinstance(optimizer, Optimizer):
+            raise TypeError(f"ShardedTable(optimizer={optimizer!r}): give unison.ps.SGD, Adagrad or Adam")
+        if servers is not None:
+            bad = [r for r in servers if not 0 <= int(r) < self.size]
+            if bad or not servers or len(set(servers)) != len(list(servers)) or len(set(servers)) == self.size:
+                raise ValueError(
+                    f"ShardedTable(servers={list(servers)!r}): give distinct ranks in [0, {self.size}) "
+                    "and leave at least one worker rank"
+                )
+
+    def _agree(self, base: Any, initializer: Any, seed: int, average: bool) -> None:
+        """Every rank must define the same table: compare the definitions, raise the difference on every rank."""
+        mine = {
+            "name": self.name,
+            "num_rows": self.num_rows,
+            "dim": self.dim,
+            "dtype": str(self.dtype),
+            "sharding": self.sharding.kind,
+            "optimizer": self.optimizer.config(),
+            "consistency": repr(self.consistency),
+            "servers": self.servers,
+            "seed": seed,
+            "average": average,
+            "initializer": "callable" if callable(initializer) else initializer,
+        }
+        if base is None:
+            return
+        every = base.allgather(mine)
+        diffs = [
+            f"{key}: rank 0 has {every[0][key]!r}, rank {r} has {d[key]!r}"
+            for r, d in enumerate(every)
+            for key in mine
+            if d[key] != every[0][key]
+        ]
+        if diffs:
+            raise TableError(
+                f"sharded table {self.name!r} is defined differently across ranks ({'; '.join(diffs[:4])}); "
+                "create it with the same arguments on every rank"
+            )
+
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise TableError(f"table {self.name!r} is closed; {what} needs an open table")
+        if self._server is not None and self._server.error is not None:
+            raise TableError(f"table {self.name!r}: the server thread failed: {self._server.error!r}")
+
+    def _keys(self, keys: Any, what: str) -> np.ndarray:
+        arr = np.asarray(keys)
+        if arr.dtype.kind not in "iu" and not (arr.size == 0 and arr.dtype.kind == "f"):
+            raise TypeError(
+                f"{self.name}.{what}: keys must be integers; got dtype {arr.dtype}. Cast them with "
+                ".astype('int64')"
+            )
+        arr = arr.astype(np.int64, copy=False)
+        if arr.size:
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0 or hi >= self.num_rows:
+                bad = lo if lo < 0 else hi
+                raise ValueError(
+                    f"{self.name}.{what}: key {bad} is out of range [0, {self.num_rows}); the table "
+                    f"has num_rows={self.num_rows}"
+                )
+        return arr
+
+    def _grads(self, grads: Any, keys: np.ndarray, what: str) -> np.ndarray:
+        g = np.asarray(grads)
+        if g.dtype.kind != "f":
+            raise TypeError(f"{self.name}.{what}: gradients must be floating point; got dtype {g.dtype}")
+        if g.shape != keys.shape + (self.dim,):
+            raise ValueError(
+                f"{self.name}.{what}: gradients of shape {g.shape} do not match keys of shape "
+                f"{keys.shape}: expected {keys.shape + (self.dim,)}"
+            )
+        return g.reshape(-1, self.dim).astype(self.dtype, copy=False)
+
+    # ------------------------------------------------------------------ public API
+
+    def pull(self, keys: Any) -> np.ndarray:
+        """The rows of ``keys`` (any shape of ints): an array ``keys.shape + (dim,)``."""
+        return self.pull_async(keys).wait()
+
+    def push(self, keys: Any, grads: Any, clock: bool = True) -> None:
+        """Apply the gradient rows ``grads`` (``keys.shape + (dim,)``) through the server-side optimizer.
+
+        Duplicate keys are summed first. ``clock`` ends this worker's step (SSP/ASP).
+        """
+        self.push_async(keys, grads, clock).wait()
+
+    def push_pull(self, keys: Any, grads: Any) -> np.ndarray:
+        """Push ``grads`` of ``keys``, then return the updated rows of the same keys (one key exchange)."""
+        return self.push_pull_async(keys, grads).wait()
+
+    def pull_async(self, keys: Any) -> Handle:
+        return self._submit("pull", self._pull, keys)
+
+    def push_async(self, keys: Any, grads: Any, clock: bool = True) -> Handle:
+        return self._submit("push", self._push, keys, grads, clock)
+
+    def push_pull_async(self, keys: Any, grads: Any) -> Handle:
+        return self._submit("push_pull", self._push_pull, keys, grads)
+
+    def clock(self) -> None:
+        """End this worker's step by hand (after pushes given ``clock=False``)."""
+        self._submit("clock", self._advance).wait()
+
+    def wait(self) -> None:
+        """Wait for every operation submitted so far."""
+        self._submit("wait", lambda: None).wait()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this rank: operations, rows, bytes to/from other ranks, largest staleness."""
+        out = dict(self._stats)
+        out["clock"] = self._clock
+        out["requests_served"] = self._server.requests if self._server is not None else 0
+        return out
+
+    def reset_stats(self) -> None:
+        for key in self._stats:
+            self._stats[key] = 0.0 if key == "wait_seconds" else 0
+
+    def _submit(self, what: str, fn: Any, *args: Any) -> Handle:
+        self._check_open(what)
+        if not self.is_worker:
+            raise TableError(
+                f"rank {self.rank} is a dedicated server of table {self.name!r} (servers={self.servers}): "
+                f"it cannot {what}; call table.serve() there instead"
+            )
+        return Handle(self._executor.submit(fn, *args))
+
+    # ------------------------------------------------------------------ the operations
+
+    def _route(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Unique keys -> (storage indices grouped by server, rows per server, order into unique keys, inverse)."""
+        unique, inverse = np.unique(keys.reshape(-1), return_inverse=True)
+        storage = self.sharding.storage(unique)
+        order = np.argsort(storage, kind="stable") if self.sharding.kind == "hash" else np.arange(len(unique))
+        storage = storage[order]
+        counts = np.diff(np.searchsorted(storage, self.sharding.bounds()))
+        full = np.zeros(self.size, np.int64)
+        full[self.servers] = counts
+        return storage, full, order, inverse
+
+    def _pull(self, keys: Any) -> np.ndarray:
+        arr, problem = self._validate(keys, None, "pull")
+        rows = self._operate(ex.PULL, arr, None, problem, "pull")
+        self._stats["pulls"] += 1
+        return rows
+
+    def _push(self, keys: Any, grads: Any, clock: bool) -> None:
+        arr, problem = self._validate(keys, grads, "push")
+        self._operate(ex.PUSH, arr, grads, problem, "push")
+        self._stats["pushes"] += 1
+        if clock:
+            self._advance()
+
+    def _push_pull(self, keys: Any, grads: Any) -> np.ndarray:
+        arr, problem = self._validate(keys, grads, "push_pull")
+        rows = self._operate(ex.PUSH_PULL, arr, grads, problem, "push_pull")
+        self._stats["pushes"] += 1
+        self._stats["pulls"] += 1
+        self._advance()
+        return rows
+
+    def _validate(self, keys: Any, grads: Any, what: str) -> tuple[np.ndarray, str | None]:
+        try:
+            arr = self._keys(keys, what)
+            if grads is not None:
+                self._grads(grads, arr, what)
+            return arr, None
+        except (TypeError, ValueError) as exc:
+            if not self.consistency.collective:
+                raise TableError(str(exc)) from exc
+            return np.zeros(0, np.int64), str(exc)
+
+    def _operate(self, op: int, keys: np.ndarray, grads: Any, problem: str | None, what: str) -> Any:
+        storage, counts, order, inverse = self._route(keys)
+        g = None
+        if grads is not None and problem is None:
+            flat = self._grads(grads, keys, what)
+            summed = np.zeros((len(order), self.dim), self.dtype)
+            np.add.at(summed, inverse, flat)
+            g = summed[order]
+        self._stats["keys"] += int(keys.size)
+        if self.consistency.collective:
+            rows = self._bsp(op, storage, counts, g, problem, what)
+        else:
+            rows = self._async(op, storage, counts, g)
+        if rows is None:
+            return None
+        if op != ex.PUSH:
+            self._stats["rows_pulled"] += len(order)
+        unique_rows = np.empty_like(rows)
+        unique_rows[order] = rows
+        return unique_rows[inverse].reshape(keys.shape + (self.dim,))
+
+    def _advance(self) -> None:
+        self._clock += 1
+        if self.consistency.collective:
+            return
+        if self.shard is not None:
+            self.shard.advance(self.workers.index(self.rank), self._clock)
+        for r in self.servers:
+            if r != self.rank:
+                self._send(r, sv.pack(sv.CLOCK, 0, self._clock, np.zeros(0, np.int64)))
+
+    # BSP ----------------------------------------------------------------
+
+    def _bsp(
+        self,
+        op: int,
+        storage: np.ndarray,
+        counts: np.ndarray,
+        grads: np.ndarray | None,
+        problem: str | None,
+        what: str,
+    ) -> np.ndarray | None:
+        if self.comm is None:
+            if problem is not None:
+                raise TableError(problem)
+            return self._serve_local(op, storage, grads)
+        rnd = ex.Round(self.comm, self.mpi, self.rank)
+        head = rnd.header(ex.ERROR if problem is not None else op, counts)
+        self._settle(head, problem, op)
+        rows = self._bsp_body(rnd, op, storage, counts, grads, head[:, 1])
+        self._stats["bytes_sent"] += rnd.sent
+        self._stats["bytes_received"] += rnd.received
+        remote = int(counts.sum() - counts[self.rank])
+        if op != ex.PUSH:
+            self._stats["remote_rows_pulled"] += remote
+        if op != ex.PULL:
+            self._stats["remote_rows_pushed"] += remote
+        return rows
+
+    def _settle(self, head: np.ndarray, problem: str | None, op: int) -> None:
+        """Raise on every rank when a rank reported bad input or the workers asked for different operations."""
+        ops = head[:, 0]
+        if (ops == ex.ERROR).any():
+            problems = self.comm.allgather(problem)  # type: ignore[union-attr]
+            bad = [r for r, p in enumerate(problems) if p is not None]
+            raise TableError(f"rank {bad[0]}: {problems[bad[0]]}" + (f" (ranks {bad[1:]} too)" if bad[1:] else ""))
+        asked = {int(ops[r]) for r in self.workers}
+        if len(asked) > 1:
+            names = {r: ex.OP_NAMES[int(ops[r])] for r in self.workers}
+            raise TableError(
+                f"table {self.name!r}: the workers called different operations at the same step "
+                f"({names}); under BSP every worker must pull, push, save and close in the same order"
+            )
+
+    def _bsp_body(
+        self,
+        rnd: ex.Round,
+        op: int,
+        storage: np.ndarray,
+        counts: np.ndarray,
+        grads: np.ndarray | None,
+        incoming: np.ndarray,
+    ) -> np.ndarray | None:
+        got = rnd.alltoallv(storage, counts, incoming, (), np.dtype(np.int64))
+        if op in (ex.PUSH, ex.PUSH_PULL):
+            g = grads if grads is not None else np.zeros((0, self.dim), self.dtype)
+            got_grads = rnd.alltoallv(g, counts, incoming, (self.dim,), self.dtype)
+            if self.shard is not None:
+                self.shard.apply(got, got_grads)
+        if op == ex.PUSH:
+            return None
+        out = self.shard.read(got) if self.shard is not None else np.zeros((0, self.dim), self.dtype)
+        return rnd.alltoallv(out, incoming, counts, (self.dim,), self.dtype)
+
+    def _serve_local(self, op: int, storage: np.ndarray, grads: np.ndarray | None) -> np.ndarray | None:
+        if self.shard is None:  # one process holds the only shard
+            raise TableError(f"table {self.name!r}: no shard on this rank")
+        if op in (ex.PUSH, ex.PUSH_PULL) and grads is not None:
+            self.shard.apply(storage, grads)
+        return None if op == ex.PUSH else self.shard.read(storage)
+
+    # SSP / ASP ----------------------------------------------------------
+
+    def _send(self, dest: int, buf: np.ndarray) -> None:
+        self._sends.append((self.comm.Isend([buf, self.mpi.BYTE], dest, 0), buf))  # type: ignore[union-attr]
+        self._stats["bytes_sent"] += buf.nbytes
+        if len(self._sends) > 64:
+            self._sends = [(r, b) for r, b in self._sends if not r.Test()]
+
+    def _async(
+        self, op: int, storage: np.ndarray, counts: np.ndarray, grads: np.ndarray | None
+    ) -> np.ndarray | None:
+        if self.comm is None:
+            return self._serve_local(op, storage, grads)
+        bound = self.consistency.bound()
+        need = sv.NO_WAIT if bound is None else self._clock - bound
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        if op in (ex.PUSH, ex.PUSH_PULL) and grads is not None:
+            for r in self.servers:
+                part = slice(starts[r], starts[r + 1])
+                if starts[r] == starts[r + 1]:
+                    continue
+                if r == self.rank:
+                    self.shard.apply(storage[part], grads[part])  # type: ignore[union-attr]
+                else:
+                    self._send(r, sv.pack(sv.PUSH, 0, 0, storage[part], grads[part]))
+                    self._stats["remote_rows_pushed"] += int(counts[r])
+        if op == ex.PUSH:
+            return None
+        return self._async_pull(storage, counts, starts, need)
+
+    def _async_pull(self, storage: np.ndarray, counts: np.ndarray, starts: np.ndarray, need: int) -> np.ndarray:
+        rows = np.empty((len(storage), self.dim), self.dtype)
+        waits, replies = [], []
+        t0 = time.perf_counter()
+        for r in self.servers:
+            if r == self.rank or counts[r] == 0:
+                continue
+            self._request = self._request % 30000 + 1
+            reply = np.empty(8 + int(counts[r]) * self.dim * self.dtype.itemsize, np.uint8)
+            waits.append(self._rep.Irecv([reply, self.mpi.BYTE], r, self._request))  # type: ignore[union-attr]
+            replies.append((r, reply))
+            self._send(r, sv.pack(sv.PULL, self._request, need, storage[starts[r] : starts[r + 1]]))
+            self._stats["remote_rows_pulled"] += int(counts[r])
+        slowest = []
+        if self.shard is not None and counts[self.rank]:
+            part = slice(starts[self.rank], starts[self.rank + 1])
+            slowest.append(
+                self.shard.wait_ready(need, self._check_server)
+                if need != sv.NO_WAIT
+                else int(self.shard.clocks.min())
+            )
+            rows[part] = self.shard.read(storage[part])
+        self.mpi.Request.Waitall(waits)
+        for r, reply in replies:
+            slowest.append(int(reply[:8].view(np.int64)[0]))
+            rows[starts[r] : starts[r + 1]] = reply[8:].view(self.dtype).reshape(-1, self.dim)
+            self._stats["bytes_received"] += reply.nbytes
+        self._stats["wait_seconds"] += time.perf_counter() - t0
+        if slowest and need != sv.NO_WAIT:
+            self._stats["max_staleness"] = max(self._stats["max_staleness"], self._clock - min(slowest))
+        return rows
+
+    def _check_server(self) -> None:
+        if self._server is not None and self._server.error is not None:
+            raise TableError(f"table {self.name!r}: the server thread failed: {self._server.error!r}")
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, path: Any, metadata: dict[str, Any] | None = None) -> Any:
+        """Save every shard and the optimizer state to the folder ``path`` with a manifest. Collective.
+
+        Every push issued before the call (on any worker) is in the checkpoint. The folder loads
+        on any number of ranks (:meth:`load`). Returns the committed manifest.
+        """
+        return self._submit("save", self._checkpoint, ex.SAVE, path, metadata).wait()
+
+    def load(self, path: Any) -> dict[str, Any]:
+        """Replace the rows and optimizer state with the checkpoint at ``path`` (any rank count). Collective.
+
+        Returns the metadata given to :meth:`save`.
+        """
+        return self._submit("load", self._checkpoint, ex.LOAD, path, None).wait()
+
+    def _checkpoint(self, op: int, path: Any, metadata: dict[str, Any] | None) -> Any:
+        from unison.common.ps import checkpoint
+
+        dedicated = len(self.workers) < self.size
+        if self.comm is not None and self.consistency.collective and dedicated:
+            rnd = ex.Round(self.comm, self.mpi, self.rank)
+            self._settle(rnd.header(op, np.zeros(self.size, np.int64)), None, op)
+            self.comm.bcast(str(path) if self.rank == self.workers[0] else None, root=self.workers[0])
+        elif self.comm is not None and not self.consistency.collective:
+            if dedicated:
+                raise TableError(
+                    f"table {self.name!r}: save() and load() under {self.consistency!r} need every rank "
+                    "to be a worker (no dedicated servers); use BSP() for a PS-style table you save"
+                )
+            self._quiesce()
+            self.comm.Barrier()
+        if op == ex.SAVE:
+            return checkpoint.save(self, path, metadata)
+        return checkpoint.load(self, path)
+
+    def barrier(self) -> None:
+        """Collective over the workers: returns once every push any worker issued before it is applied.
+
+        Under BSP every operation is already applied when it returns; under SSP/ASP each worker
+        marks every server, and a server acknowledges once all workers' marks (which follow
+        their pushes) have arrived.
+        """
+        self._submit("barrier", self._quiesce).wait()
+
+    def _quiesce(self) -> None:
+        if self.comm is None or self.consistency.collective:
+            return
+        self._mark = getattr(self, "_mark", 0) + 1
+        acks = [np.zeros(1, np.int64) for _ in self.servers]
+        waits = [
+            self._rep.Irecv([a, self.mpi.INT64_T], r, sv.ACK_TAG)  # type: ignore[union-attr]
+            for a, r in zip(acks, self.servers, strict=True)
+        ]
+        for r in self.servers:
+            self._send(r, sv.pack(sv.MARK, 0, self._mark, np.zeros(0, np.int64)))
+        self.mpi.Request.Waitall(waits)
+        self.mpi.Request.Waitall([r for r, _ in self._sends])
+        self._sends = []
+
+    def to_numpy(self) -> np.ndarray:
+        """The whole table in key order (a pull of every key: for small tables and tests)."""
+        return self.pull(np.arange(self.num_rows, dtype=np.int64))
+
+    # ------------------------------------------------------------------ dedicated servers, closing
+
+    def serve(self) -> None:
+        """On a dedicated server rank: answer the workers until they close the table."""
+        if not self.is_server or self.is_worker:
+            raise TableError(
+                f"table {self.name!r}: serve() is for dedicated server ranks (servers={self.servers}); "
+                f"rank {self.rank} is a worker"
+            )
+        if self.comm is None:
+            return
+        if self._server is not None:
+            self._server.serve()
+        else:
+            while True:
+                rnd = ex.Round(self.comm, self.mpi, self.rank)
+                head = rnd.header(ex.SERVE, np.zeros(self.size, np.int64))
+                ops = {int(head[w, 0]) for w in self.workers}
+                op = int(head[self.workers[0], 0])
+                if ex.ERROR in ops:
+                    self.comm.allgather(None)
+                    continue
+                if len(ops) > 1:  # the workers raise the mismatch; nothing else is exchanged this round
+                    continue
+                if op == ex.CLOSE:
+                    break
+                if op == ex.SAVE or op == ex.LOAD:
+                    path = self.comm.bcast(None, root=self.workers[0])
+                    from unison.common.ps import checkpoint
+
+                    (checkpoint.save if op == ex.SAVE else checkpoint.load)(self, path)
+                    continue
+                self._bsp_body(
+                    rnd,
+                    op,
+                    np.zeros(0, np.int64),
+                    np.zeros(self.size, np.int64),
+                    np.zeros((0, self.dim), self.dtype),
+                    head[:, 1],
+                )
+        self._finish()
+
+    def close(self) -> None:
+        """Collective: finish every operation, stop the server thread, free the communicators."""
+        if self.closed:
+            return
+        if not self.is_worker:
+            raise TableError(f"table {self.name!r}: rank {self.rank} is a dedicated server; serve() closes it")
+        self._executor.submit(self._close_worker).result()
+        self._finish()
+
+    def _close_worker(self) -> None:
+        if self.comm is None:
+            return
+        if self.consistency.collective:
+            rnd = ex.Round(self.comm, self.mpi, self.rank)
+            self._settle(rnd.header(ex.CLOSE, np.zeros(self.size, np.int64)), None, ex.CLOSE)
+            return
+        if self.shard is not None:
+            self.shard.advance(self.workers.index(self.rank), sv.DONE)
+        for r in self.servers:
+            if r != self.rank:
+                self._send(r, sv.pack(sv.FIN, 0, 0, np.zeros(0, np.int64)))
+        self.mpi.Request.Waitall([r for r, _ in self._sends])
+        self._sends = []
+
+    def _finish(self) -> None:
+        if self._server is not None:
+            self._server.join()
+        if self.comm is not None:
+            self.comm.Barrier()
+            self.comm.Free()
+            if self._rep is not None:
+                self._rep.Free()
+        self._executor.shutdown(wait=True)
+        self.closed = True
+        with _registry_lock:
+            _registry.pop(self.name, None)
+
+    def __enter__(self) -> ShardedTable:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.is_worker:
+            self.close()
+        else:
+            self.serve()
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedTable({self.name!r}, {self.num_rows} x {self.dim} {self.dtype}, {self.sharding.kind}, "
+            f"{self.consistency!r}, {len(self.servers)} servers, {len(self.workers)} workers)"
+        )
