@@ -48,6 +48,7 @@ from unison.torch_backend.basics import (
     start_timeline,
     stop_timeline,
 )
+from unison.torch_backend.embedding import ShardedEmbedding
 from unison.torch_backend.functions import (
     allgather_object,
     broadcast_object,
@@ -142,7 +143,7 @@ __all__ = [
     "Pipeline", "PipelineGrid", "pipeline_grid", "balance_by_params", "balance_by_time", "PipelineError",
     "save_sharded", "load_sharded", "shard_module", "full_state_dict", "load_full_state_dict", "clip_grad_norm_",
     "clip_sharded_grad_norm_", "zero3_memory", "GradScaler", "elastic", "UnisonInternalError",
-    "HorovodInternalError", "HostsUpdatedInterrupt",
+    "HorovodInternalError", "HostsUpdatedInterrupt", "ShardedEmbedding",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
     "ParallelMLP", "ParallelSelfAttention", "ParallelTransformerBlock", "parallelize",
     "scatter_to_sequence", "gather_from_sequence", "reduce_scatter_to_sequence", "get_rng_tracker",

@@ -160,7 +160,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------- public
     def synchronize(self) -> None:
-        """Wait for every gradient's reduction; parameters without a gradient contribute zeros."""
+        """Wait for every gradient's reduction; parameters without a gradient contribute zeros.
+
+        Also waits for the pushes of every ShardedEmbedding (their tables apply them).
+        """
+        from unison.torch_backend.embedding import synchronize_embeddings
+
+        synchronize_embeddings()
         if runtime.size() > 1 and not self._adasum:
             for p in self._params:
                 if p not in self._pending:  # no gradient this step, or passes not yet complete

@@ -1,0 +1,115 @@
+"""unison.torch_backend.ShardedEmbedding under mpirun, against one process training nn.Embedding.
+
+The reference trains the same model in one process on the global batches: nn.Embedding with the
+same initial rows and torch's own optimizer for it. With equal per-rank batches, the average of
+the ranks' local-mean gradients is the global-mean gradient, so BSP must match to float tolerance.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import unison.ps as ps
+import unison.torch_backend as hvd
+
+hvd.init()
+N, R = hvd.size(), hvd.rank()
+ROWS, DIM, SEQ, PER_RANK = 60, 4, 3, 5
+torch.set_num_threads(1)
+
+
+def init_rows(keys: np.ndarray) -> np.ndarray:
+    return np.cos(keys[:, None] * 0.61 + np.arange(DIM)[None, :] * 0.3) * 0.4
+
+
+class Model(torch.nn.Module):
+    def __init__(self, embedding: torch.nn.Module) -> None:
+        super().__init__()
+        self.embedding = embedding
+        torch.manual_seed(0)
+        self.head = torch.nn.Linear(DIM, 1, dtype=torch.float64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embedding(ids).mean(dim=1)).squeeze(-1)
+
+
+def data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = np.random.default_rng(5)
+    out = []
+    for _ in range(steps):
+        ids = np.minimum(g.zipf(1.4, (PER_RANK * N, SEQ)) - 1, ROWS - 1)
+        out.append((torch.from_numpy(ids), torch.from_numpy(g.normal(size=PER_RANK * N))))
+    return out
+
+
+def reference(steps, table_opt, lr_head):
+    emb = torch.nn.Embedding(ROWS, DIM, dtype=torch.float64)
+    with torch.no_grad():
+        emb.weight.copy_(torch.from_numpy(init_rows(np.arange(ROWS))))
+    model = Model(emb)
+    opts = [table_opt(emb.parameters()), torch.optim.SGD(model.head.parameters(), lr=lr_head)]
+    for ids, y in steps:
+        loss = torch.nn.functional.mse_loss(model(ids), y)
+        for o in opts:
+            o.zero_grad()
+        loss.backward()
+        for o in opts:
+            o.step()
+    return emb.weight.detach().numpy(), model.head
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adagrad"])
+def test_bsp_training_equals_one_process(kind):
+    lr = 0.4 if kind == "sgd" else 0.2
+    table_opt = ps.SGD(lr) if kind == "sgd" else ps.Adagrad(lr)
+    emb = hvd.ShardedEmbedding(ROWS, DIM, table_opt, dtype=torch.float64, initializer=init_rows, name=f"t-{kind}")
+    model = Model(emb)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    steps = data(5)
+    for ids, y in steps:
+        part = slice(R * PER_RANK, (R + 1) * PER_RANK)
+        loss = torch.nn.functional.mse_loss(model(ids[part]), y[part])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    got = emb.table.to_numpy()
+    ref_table, ref_head = reference(steps, (lambda p: torch.optim.SGD(p, lr=lr)) if kind == "sgd"
+                                    else (lambda p: torch.optim.Adagrad(p, lr=lr)), 0.1)
+    np.testing.assert_allclose(got, ref_table, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(model.head.weight.detach().numpy(), ref_head.weight.detach().numpy(), rtol=1e-9)
+    assert not np.allclose(got, init_rows(np.arange(ROWS)))
+    emb.table.close()
+
+
+def test_eval_and_no_grad_only_pull():
+    emb = hvd.ShardedEmbedding(ROWS, DIM, ps.SGD(1.0), name="frozen")
+    before = emb.table.to_numpy()
+    ids = torch.tensor([[1, 1, 2]])
+    emb.eval()
+    assert not emb(ids).requires_grad  # nothing to push
+    emb.train()
+    with torch.no_grad():
+        out = emb(ids)
+    assert out.shape == (1, 3, DIM) and not out.requires_grad
+    np.testing.assert_array_equal(out[0, 0].numpy(), before[1])
+    np.testing.assert_array_equal(emb.table.to_numpy(), before)
+    with pytest.raises(TypeError, match="ids must be integers; got torch.float32"):
+        emb(torch.tensor([1.0]))
+    emb.table.close()
+
+
+def test_duplicates_sum_and_ssp_trains():
+    emb = hvd.ShardedEmbedding(ROWS, 2, ps.SGD(1.0), consistency=ps.SSP(1), initializer="zeros", name="ssp",
+                               average=False)
+    for _ in range(3):
+        emb(torch.tensor([7, 7, 9])).sum().backward()  # d/drow7 = 2, d/drow9 = 1 per rank and step
+    emb.synchronize()
+    emb.table.barrier()
+    rows = emb.table.pull([7, 9])
+    np.testing.assert_allclose(rows[:, 0], [-6.0 * N, -3.0 * N])
+    assert emb.table.stats()["max_staleness"] <= 1
+    emb.table.close()

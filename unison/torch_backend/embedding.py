@@ -1,0 +1,97 @@
+"""``ShardedEmbedding``: an ``nn.Module`` whose table lives sharded over the ranks (unison.ps).
+
+The forward pulls the rows of the batch's unique ids from the table and gathers them into the
+output; autograd sums the gradient of duplicate ids into those unique rows, and a hook pushes
+it to the table during ``backward()`` (asynchronously: the dense gradients' all-reduces and the
+push overlap). The table's own optimizer applies it on the server side, so the table is never a
+parameter of the model: ``unison.torch_backend.DistributedOptimizer`` all-reduces the dense
+parameters and its ``synchronize()``/``step()`` also waits for the pushes. See docs/embeddings.md.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+
+from unison.common.ps import Handle, ShardedTable
+
+__all__ = ["ShardedEmbedding", "synchronize_embeddings"]
+
+_live: weakref.WeakSet[ShardedEmbedding] = weakref.WeakSet()
+
+_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
+
+
+class ShardedEmbedding(torch.nn.Module):
+    """An embedding lookup into a :class:`unison.ps.ShardedTable` of ``num_rows x embedding_dim``.
+
+    Collective to create (every rank of the table, the same arguments). ``forward(ids)`` takes an
+    integer tensor of any shape and returns ``ids.shape + (embedding_dim,)``. In training mode
+    (and with grad enabled) the rows' gradient is pushed in ``backward()``; in ``eval()`` or under
+    ``torch.no_grad()`` the forward only pulls. Under BSP (the default) every rank must run the
+    same number of training forwards and backwards (the pushes are collective).
+
+    Args:
+        num_rows, embedding_dim: the table's shape.
+        optimizer: the table's server-side optimizer (``unison.ps.SGD``/``Adagrad``/``Adam``).
+        consistency: ``"bsp"`` (default), ``unison.ps.SSP(s)`` or ``"asp"``.
+        dtype: ``torch.float32`` (default) or ``torch.float64``.
+        table: an existing table to look into (then the other table arguments are ignored).
+        **table_kwargs: ``sharding``, ``initializer``, ``seed``, ``name``, ``servers``,
+            ``average``, ``process_set`` of :class:`unison.ps.ShardedTable`.
+    """
+
+    def __init__(self, num_rows: int, embedding_dim: int, optimizer: Any = None, consistency: Any = "bsp",
+                 dtype: torch.dtype = torch.float32, table: ShardedTable | None = None,
+                 **table_kwargs: Any) -> None:
+        super().__init__()
+        if dtype not in _DTYPES:
+            raise TypeError(f"ShardedEmbedding(dtype={dtype}): rows are torch.float32 or torch.float64")
+        self.table = table if table is not None else ShardedTable(
+            num_rows, embedding_dim, _DTYPES[dtype], optimizer=optimizer, consistency=consistency, **table_kwargs)
+        self.num_rows, self.embedding_dim = self.table.num_rows, self.table.dim
+        self._pending: list[Handle] = []
+        _live.add(self)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise TypeError(f"ShardedEmbedding: ids must be integers; got {ids.dtype}. Cast with ids.long()")
+        flat = ids.detach().cpu().reshape(-1).numpy().astype(np.int64, copy=False)
+        unique, inverse = np.unique(flat, return_inverse=True)
+        rows = torch.from_numpy(self.table.pull(unique))
+        if self.training and torch.is_grad_enabled():
+            rows.requires_grad_(True)
+            rows.register_hook(lambda grad, keys=unique: self._push(keys, grad))
+        out = rows[torch.from_numpy(inverse.reshape(-1))]
+        return out.reshape(*ids.shape, self.embedding_dim).to(ids.device)
+
+    def _push(self, keys: np.ndarray, grad: torch.Tensor) -> None:
+        self._pending.append(self.table.push_async(keys, grad.detach().cpu().numpy()))
+
+    def synchronize(self) -> None:
+        """Wait until this module's pushes so far are done (raises a push's error)."""
+        pending, self._pending = self._pending, []
+        for handle in pending:
+            handle.wait()
+
+    def save(self, path: Any, metadata: dict[str, Any] | None = None) -> Any:
+        """Save the table (rows and optimizer state) to the folder ``path``. Collective."""
+        self.synchronize()
+        return self.table.save(path, metadata)
+
+    def load(self, path: Any) -> dict[str, Any]:
+        """Load the table from ``path`` (saved on any number of ranks). Collective."""
+        self.synchronize()
+        return self.table.load(path)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_rows}, {self.embedding_dim}, table={self.table!r}"
+
+
+def synchronize_embeddings() -> None:
+    """Wait for every live ShardedEmbedding's pushes (``DistributedOptimizer.synchronize()`` calls this)."""
+    for module in list(_live):
+        module.synchronize()
