@@ -1,0 +1,124 @@
+"""unison.tf_backend.ShardedEmbedding under mpirun: model.fit under UnisonStrategy matches one process.
+
+Launched by tests/test_tf_embedding_mpi.py at 2 ranks. The reference is a plain
+``keras.layers.Embedding`` with the same initial rows, trained in this process on the global batches.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import unison.ps as ps  # noqa: E402
+from unison.tf_backend import ShardedEmbedding, UnisonStrategy  # noqa: E402
+
+WORLD = MPI.COMM_WORLD
+N, R = WORLD.Get_size(), WORLD.Get_rank()
+ROWS, DIM, SEQ, LR = 50, 4, 3, 0.2
+GLOBAL_BATCH, STEPS = 8 * N, 4
+rs = np.random.RandomState(0)
+# Zipf-ish ids: many duplicates inside every batch (and inside rows)
+IDS = np.minimum(rs.zipf(1.5, (GLOBAL_BATCH * STEPS, SEQ)) - 1, ROWS - 1).astype("int32")
+Y = rs.randn(GLOBAL_BATCH * STEPS, 1).astype("float32")
+
+
+def init_rows(keys: np.ndarray) -> np.ndarray:
+    keys = np.asarray(keys)
+    return (np.sin(keys[:, None] * 0.37 + np.arange(DIM)[None, :]) * 0.5).astype("float32")
+
+
+def data() -> tf.data.Dataset:
+    return tf.data.Dataset.from_tensor_slices((IDS, Y)).batch(GLOBAL_BATCH)
+
+
+def make_model(embedding: keras.layers.Layer) -> keras.Model:
+    return keras.Sequential([keras.Input((SEQ,), dtype="int32"), embedding,
+                             keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
+
+
+def same_everywhere(a: np.ndarray) -> bool:
+    return all(np.array_equal(a, other) for other in WORLD.allgather(np.asarray(a)))
+
+
+@pytest.fixture(scope="module")
+def strategy():
+    return UnisonStrategy()
+
+
+def test_fit_matches_one_process_dense_embedding(strategy):
+    keras.utils.set_random_seed(10 + R)  # the Dense layer starts differently: the strategy broadcasts rank 0's
+    with strategy.scope():
+        layer = ShardedEmbedding(ROWS, DIM, optimizer=ps.SGD(LR), initializer=init_rows)
+        model = make_model(layer)
+        model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+    np.testing.assert_array_equal(layer.table.to_numpy(), init_rows(np.arange(ROWS)))
+    dense_init = model.layers[-1].get_weights()
+    assert same_everywhere(np.concatenate([w.ravel() for w in dense_init]))
+
+    ref_emb = keras.layers.Embedding(ROWS, DIM, embeddings_initializer=keras.initializers.Constant(
+        init_rows(np.arange(ROWS))))
+    ref = make_model(ref_emb)
+    ref.layers[-1].set_weights(dense_init)
+    ref.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+
+    hist = model.fit(data(), epochs=2, verbose=0, shuffle=False)
+    ref_hist = ref.fit(data(), epochs=2, verbose=0, shuffle=False)
+
+    rows = layer.table.to_numpy()
+    assert not np.allclose(rows, init_rows(np.arange(ROWS)), atol=1e-4)  # it did train
+    np.testing.assert_allclose(rows, ref_emb.get_weights()[0], rtol=1e-5, atol=1e-6)
+    for w, v in zip(model.layers[-1].get_weights(), ref.layers[-1].get_weights(), strict=True):
+        np.testing.assert_allclose(w, v, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-5)
+    assert layer.push_anchor.numpy() == 0.0
+    assert same_everywhere(rows)
+    assert layer.table.stats()["pushes"] == 2 * STEPS  # one push per training step on every rank
+
+    # (2) predict and evaluate pull without pushing: the rows stay as they are
+    pushes = layer.table.stats()["pushes"]
+    pred = model.predict(data(), verbose=0)
+    ev = model.evaluate(data(), verbose=0, return_dict=True)
+    np.testing.assert_array_equal(layer.table.to_numpy(), rows)
+    assert layer.table.stats()["pushes"] == pushes
+    np.testing.assert_allclose(pred, ref.predict(data(), verbose=0), rtol=1e-5, atol=1e-6)
+    assert ev["loss"] == pytest.approx(ref.evaluate(data(), verbose=0, return_dict=True)["loss"], rel=1e-5)
+    config = layer.get_config()
+    assert (config["num_rows"], config["dim"], config["optimizer"]["name"]) == (ROWS, DIM, "SGD")
+    layer.table.close()
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_duplicate_ids_sum_and_average_without_strategy(graph):
+    """A custom loop (no strategy): duplicates' gradients are summed, then averaged over the ranks."""
+    lr = 0.5
+    layer = ShardedEmbedding(ROWS, DIM, optimizer=ps.SGD(lr), initializer=init_rows)
+    layer.build((None, SEQ))  # its anchor weight is made eagerly, not inside the tf.function
+    every = [np.array([[1, 1, 2], [1, 7, 7]]), np.array([[3, 3, 3], [1, 2, 9]]), np.array([[5, 1, 1], [5, 5, 2]])]
+    ids = tf.constant(every[R % len(every)], tf.int32)
+    c = tf.constant([1.0, -2.0, 0.5, 3.0])
+
+    def step() -> tf.Tensor:
+        with tf.GradientTape() as tape:
+            out = layer(ids)
+            loss = tf.reduce_sum(out * c)
+        grads = tape.gradient(loss, layer.trainable_variables)
+        return out, grads[0]
+
+    out, anchor_grad = (tf.function(step) if graph else step)()
+    before = init_rows(np.arange(ROWS))
+    np.testing.assert_array_equal(out.numpy(), before[ids.numpy()])
+    assert float(anchor_grad) == 0.0
+    layer.synchronize()
+    counts = np.zeros(ROWS)
+    for r in range(N):
+        np.add.at(counts, every[r % len(every)].ravel(), 1.0)
+    expected = before - lr * (counts / N)[:, None] * c.numpy()[None, :]
+    np.testing.assert_allclose(layer.table.to_numpy(), expected, rtol=1e-6, atol=1e-6)
+    layer.table.close()

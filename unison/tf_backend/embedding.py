@@ -1,0 +1,195 @@
+"""``ShardedEmbedding``: a Keras 3 layer whose table lives sharded over the ranks (unison.ps).
+
+[Note: the TensorFlow sharded embedding]
+The table is a :class:`unison.ps.ShardedTable`, never a Keras weight. ``call(ids)`` dedups the
+ids (``tf.unique``), pulls the unique rows through a stateful ``tf.numpy_function`` and gathers
+them back into ``ids.shape + (dim,)``. A ``tf.custom_gradient`` around the pull turns the
+gradient of the unique rows (duplicate ids summed by the gather's gradient) into a push: a
+stateful ``tf.numpy_function`` in the backward pass, which the table's server-side optimizer
+applies. Both work eagerly and inside ``tf.function`` (so in ``model.fit``).
+
+Keras only differentiates with respect to trainable weights, and the embedding is usually the
+first layer: nothing trainable lies before it. So the layer has one scalar weight,
+``push_anchor``, fed to the custom gradient as an input that the forward ignores; its gradient
+is zero but computed from the push's output, so asking for the anchor's gradient (which
+``model.fit`` does, as for every trainable weight) runs the push. The anchor never changes
+under SGD or Adam (its gradient is always zero) and is not part of the table.
+
+Gradient scale: under a ``tf.distribute`` strategy with N replicas in sync (``UnisonStrategy``
+at N ranks), Keras scales each replica's loss by 1/N and the strategy sums the dense
+gradients. The layer follows the same convention: it multiplies the rows' gradient by N before
+the push, and the table (``average=True``) divides by its N workers, so the table gets the
+average of the ranks' local-mean gradients, exactly as the dense weights do. Without a
+strategy (a custom loop with ``DistributedOptimizer`` or ``DistributedGradientTape``, which
+average), the gradient is pushed as is and the table averages it.
+
+Under BSP (the default) pulls and pushes are collective: every rank must make the same
+sequence of them. ``model.fit``/``evaluate``/``predict`` under ``UnisonStrategy`` give every
+rank the same number of steps (each global batch is split over the ranks), so each training
+step makes one pull and one push per layer on every rank, and each evaluation or prediction
+step one pull. Datasets fed per rank (``distribute_datasets_from_function``, or a custom loop)
+must give every rank the same number of batches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from unison.common.ps import ASP, SSP, Handle, ShardedTable
+from unison.common.ps.consistency import consistency_from_name
+from unison.common.ps.optimizers import Optimizer, optimizer_from_config
+
+__all__ = ["ShardedEmbedding"]
+
+
+def _consistency_config(consistency: Any) -> Any:
+    c = consistency_from_name(consistency)
+    if isinstance(c, SSP):
+        return {"name": "ssp", "staleness": c.staleness}
+    return "asp" if isinstance(c, ASP) else "bsp"
+
+
+def _consistency_from_config(config: Any) -> Any:
+    if isinstance(config, dict):
+        return SSP(int(config.get("staleness", 2)))
+    return config
+
+
+class ShardedEmbedding(keras.layers.Layer):
+    """An embedding lookup into a :class:`unison.ps.ShardedTable` of ``num_rows x dim`` (Keras 3, TF backend).
+
+    Collective to create (every rank of the table, the same arguments: the table checks). ``call(ids)``
+    takes integer ids of any shape and returns ``ids.shape + (dim,)``. When a gradient is taken
+    through the output (``model.fit``, or a ``tf.GradientTape`` asking for the layer's
+    ``push_anchor`` weight, i.e. for ``model.trainable_variables``), the rows' gradient is pushed
+    to the table, whose own optimizer updates them; a forward without a gradient (``predict``,
+    ``evaluate``) only pulls. See [Note: the TensorFlow sharded embedding] for the gradient
+    scale and the BSP rule (every rank the same number of steps).
+
+    Args:
+        num_rows, dim: the table's shape.
+        optimizer: the table's server-side optimizer (``unison.ps.SGD``/``Adagrad``/``Adam``;
+            default ``SGD(lr=0.01)``). The model's Keras optimizer does not touch the table.
+        consistency: ``"bsp"`` (default), ``unison.ps.SSP(s)`` or ``"asp"``.
+        sharding: ``"hash"`` (default) or ``"row"``.
+        initializer: ``"uniform"`` (default), ``"normal"``, ``"zeros"`` or ``keys -> rows``.
+        seed: the initial rows' seed (the same table on any number of ranks).
+        name: the layer's name (also the table's, when the layer creates it).
+        table: an existing :class:`ShardedTable` to look into; the table arguments above are then
+            ignored (its shape is used).
+        **kwargs: other ``keras.layers.Layer`` arguments (``dtype``: float32 or float64 rows).
+
+    Attributes:
+        table: the :class:`ShardedTable`. Its rows are not Keras weights: save them with
+            ``layer.table.save(path)`` (``model.save`` stores only the layer's configuration).
+    """
+
+    def __init__(self, num_rows: int, dim: int, optimizer: Optimizer | None = None, consistency: Any = "bsp",
+                 sharding: str = "hash", initializer: Any = "uniform", seed: int = 0, name: str | None = None,
+                 table: ShardedTable | None = None, **kwargs: Any) -> None:
+        if isinstance(optimizer, dict):  # from get_config
+            optimizer = optimizer_from_config(optimizer)
+        consistency = _consistency_from_config(consistency)
+        super().__init__(name=name, **kwargs)
+        self.supports_masking = False
+        variable_dtype = tf.as_dtype(self.dtype_policy.variable_dtype)
+        rows_dtype = "float64" if variable_dtype == tf.float64 else "float32"
+        if table is None:
+            table = ShardedTable(num_rows, dim, rows_dtype, sharding=sharding, optimizer=optimizer,
+                                 consistency=consistency, name=self.name, initializer=initializer, seed=seed)
+        elif not isinstance(table, ShardedTable):
+            raise TypeError(f"ShardedEmbedding(table={table!r}): give a unison.ps.ShardedTable")
+        self.table = table
+        self.num_rows, self.dim = table.num_rows, table.dim
+        self._rows_dtype = tf.as_dtype(table.dtype)
+        self._config = {
+            "num_rows": self.num_rows,
+            "dim": self.dim,
+            "optimizer": table.optimizer.config(),
+            "consistency": _consistency_config(table.consistency),
+            "sharding": table.sharding.kind,
+            "initializer": initializer if isinstance(initializer, str) else "uniform",
+            "seed": seed,
+        }
+        self._pending: list[Handle] = []
+
+    def build(self, input_shape: Any = None) -> None:
+        self.push_anchor = self.add_weight(name="push_anchor", shape=(), initializer="zeros", trainable=True,
+                                           dtype=self._rows_dtype.name)
+        self.built = True
+
+    def compute_output_shape(self, input_shape: Any) -> tuple:
+        return tuple(input_shape) + (self.dim,)
+
+    # host callbacks ----------------------------------------------------------------------------------
+    def _pull(self, keys: np.ndarray) -> np.ndarray:
+        self.synchronize()  # raise an earlier push's error here (the table orders the pull after it anyway)
+        return np.asarray(self.table.pull(np.asarray(keys, np.int64)), self.table.dtype)
+
+    def _push(self, keys: np.ndarray, grads: np.ndarray, scale: np.ndarray) -> np.ndarray:
+        g = np.array(grads, self.table.dtype) * np.asarray(scale, self.table.dtype)  # a copy: pushed later
+        self._pending.append(self.table.push_async(np.array(keys, np.int64), g))
+        return np.zeros((), self.table.dtype)
+
+    def synchronize(self) -> None:
+        """Wait until this layer's pushes so far are applied (raises a push's error)."""
+        pending, self._pending = self._pending, []
+        for handle in pending:
+            handle.wait()
+
+    # the lookup ----------------------------------------------------------------------------------------
+    def call(self, ids: Any) -> tf.Tensor:
+        ids = tf.convert_to_tensor(ids)
+        if not ids.dtype.is_integer:
+            if ids.dtype.is_floating:  # Keras may hand ids as floats (e.g. from numpy arrays)
+                ids = tf.cast(tf.round(ids), tf.int64)
+            else:
+                raise TypeError(f"ShardedEmbedding: ids must be integers; got {ids.dtype}")
+        ids = tf.cast(ids, tf.int64)
+        unique, inverse = tf.unique(tf.reshape(ids, [-1]))
+        rows = self._lookup(unique, tf.convert_to_tensor(self.push_anchor))
+        out = tf.gather(rows, inverse)
+        out = tf.reshape(out, tf.concat([tf.shape(ids), [self.dim]], axis=0))
+        return tf.cast(out, self.compute_dtype)
+
+    def _lookup(self, unique: tf.Tensor, anchor: tf.Tensor) -> tf.Tensor:
+        dim, dtype = self.dim, self._rows_dtype
+
+        @tf.custom_gradient
+        def lookup(keys: tf.Tensor, anchor_value: tf.Tensor) -> Any:
+            rows = tf.numpy_function(self._pull, [keys], dtype, stateful=True, name="unison_ps_pull")
+            rows.set_shape([None, dim])
+
+            def grad(dy: Any) -> tuple[None, tf.Tensor]:
+                dy = tf.convert_to_tensor(dy, dtype)  # IndexedSlices from the gather: duplicates summed
+                # Keras scales each replica's loss by 1/N under a strategy of N replicas (which sums the
+                # dense gradients); the table averages over its workers, so undo the 1/N here
+                scale = tf.constant(tf.distribute.get_strategy().num_replicas_in_sync, dtype)
+                done = tf.numpy_function(self._push, [keys, dy, scale], dtype, stateful=True,
+                                         name="unison_ps_push")
+                done.set_shape([])
+                return None, tf.zeros_like(anchor_value) + done  # the anchor's gradient needs the push
+
+            return rows, grad
+
+        return lookup(unique, anchor)
+
+    # configuration, checkpoints --------------------------------------------------------------------------
+    def get_config(self) -> dict[str, Any]:
+        config = super().get_config()
+        config.update(self._config)
+        return config
+
+    def save_table(self, path: Any, metadata: dict[str, Any] | None = None) -> Any:
+        """Save the table (rows and optimizer state) to the folder ``path``. Collective."""
+        self.synchronize()
+        return self.table.save(path, metadata)
+
+    def load_table(self, path: Any) -> dict[str, Any]:
+        """Load the table from ``path`` (saved on any number of ranks). Collective."""
+        self.synchronize()
+        return self.table.load(path)
