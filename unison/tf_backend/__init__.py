@@ -54,6 +54,7 @@ from unison.tf_backend.basics import (
     start_timeline,
 )
 from unison.tf_backend.compression import Compression
+from unison.tf_backend.embedding import ShardedEmbedding
 from unison.tf_backend.functions import (
     DistributedGradientTape,
     PartialDistributedGradientTape,
@@ -118,6 +119,7 @@ __all__ = [
     "ParallelMLP", "ParallelSelfAttention", "ParallelTransformerBlock", "scatter_to_sequence",
     "gather_from_sequence", "reduce_scatter_to_sequence", "model_parallel_manual_seed", "save_tensor_parallel",
     "load_tensor_parallel", "parallelize",
+    "ShardedEmbedding",
 ]
 
 # Keras 3 tensor-parallel layers, loaded on first use (they import Keras): name -> module
