@@ -38,6 +38,7 @@ bench: venv
 	$(PY) benchmarks/keras_backends.py --json out/keras_backends.json --png out/keras_backends.png
 	$(PY) benchmarks/pipeline.py --json out/pipeline.json --png-dir out/pipeline
 	$(PY) benchmarks/hosts.py --json out/hosts.json
+	$(PY) benchmarks/embeddings.py --json out/embeddings.json --png out/embeddings.png
 	$(PY) benchmarks/zero.py --json out/zero.json --png out/zero_bytes.png
 	$(PY) benchmarks/elastic.py --json out/elastic.json --png out/elastic_timeline.png
 	$(PY) benchmarks/tensor_parallel.py --json out/tensor_parallel.json --png out/tensor_parallel.png --grid-png out/tp_grid.png

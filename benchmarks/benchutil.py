@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 __all__ = ["human_bytes", "human_time", "atomic_write", "write_json", "list_choices", "selected",
-           "ratio_target"]
+           "ratio_target", "kill_group"]
 
 
 def human_bytes(n: int) -> str:
@@ -68,3 +70,14 @@ def ratio_target(what: str, mine: float | None, theirs: float | None, minimum: f
         return f"  {what} = n/a   not measured"
     verdict = "PASS" if mine / theirs >= minimum else "MISS"
     return f"  {what} = {mine / theirs:.2f}  (target >= {minimum})  {verdict}{note}"
+
+
+def kill_group(proc: subprocess.Popen[str]) -> None:
+    """End a job started in its own process group: SIGTERM, then SIGKILL, 10 s each."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=10)
+            return
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            continue

@@ -85,7 +85,6 @@ import itertools
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -97,7 +96,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchutil import atomic_write, list_choices, ratio_target, selected, write_json
+from benchutil import atomic_write, kill_group, list_choices, ratio_target, selected, write_json
 from keras_training import (
     CLASSES,
     CNN_IMAGE,
@@ -395,16 +394,6 @@ def run_group(cmds: Sequence[Launch], timeout: float) -> tuple[int, str]:
     status = status or max((abs(p.returncode or 0) for p in procs), default=0)
     tail = "\n".join("\n".join(o.splitlines()[-25:]) for o in outputs if o.strip())
     return status, tail
-
-
-def kill_group(proc: subprocess.Popen[str]) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=10)
-            return
-        except (subprocess.TimeoutExpired, ProcessLookupError):
-            continue
 
 
 def launches(backend: str, impl: str, tmp: Path, args: argparse.Namespace) -> list[Launch]:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from unison.common.ps import SSP, Adagrad, Adam, consistency
-from unison.common.ps.shard import combine, initial_rows
+from unison.common.ps.shard import initial_rows, merge
 from unison.common.ps.sharding import Sharding, block_bounds
 
 
@@ -49,11 +49,16 @@ def test_callable_initializer_gets_keys_and_must_return_rows():
         initial_rows(lambda k: k, sh, lo, hi, 3, np.dtype("float64"), 0)
 
 
-def test_combine_sums_duplicates():
-    s, g = combine(np.array([5, 2, 5, 5, 9]), np.arange(10.0).reshape(5, 2))
-    np.testing.assert_array_equal(s, [2, 5, 9])
-    np.testing.assert_array_equal(g, [[2, 3], [0 + 4 + 6, 1 + 5 + 7], [8, 9]])
-    s, g = combine(np.zeros(0, np.int64), np.zeros((0, 2)))
+def test_merge_sums_what_sources_sent_for_the_same_row():
+    # three sources, each with unique indices: [2, 5], [5, 9], [1, 2, 5]
+    storage = np.array([2, 5, 5, 9, 1, 2, 5])
+    grads = np.arange(14.0).reshape(7, 2)
+    s, g = merge(storage, grads, np.array([2, 2, 3]))
+    np.testing.assert_array_equal(s, [1, 2, 5, 9])
+    np.testing.assert_array_equal(g, [[8, 9], [0 + 10, 1 + 11], [2 + 4 + 12, 3 + 5 + 13], [6, 7]])
+    s, g = merge(np.array([3, 1]), np.ones((2, 2)), np.array([1, 1]))  # disjoint: passed through
+    np.testing.assert_array_equal(s, [3, 1])
+    s, g = merge(np.zeros(0, np.int64), np.zeros((0, 2)), np.array([0, 0]))
     assert s.shape == (0,) and g.shape == (0, 2)
 
 

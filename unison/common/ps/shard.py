@@ -15,21 +15,32 @@ import numpy as np
 from unison.common.ps.optimizers import Optimizer
 from unison.common.ps.sharding import Sharding
 
-__all__ = ["Shard", "combine", "initial_rows"]
+__all__ = ["Shard", "merge", "initial_rows"]
 
 _CHUNK = 1 << 16  # rows per random-number block: the initial table is the same on any number of ranks
 
 
-def combine(storage: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Sum the gradient rows of equal storage indices: ``(unique sorted indices, summed rows)``."""
-    if len(storage) == 0:
-        return storage.astype(np.int64), grads.reshape(0, grads.shape[-1] if grads.ndim > 1 else 0)
-    order = np.argsort(storage, kind="stable")
-    s = storage[order]
-    starts = np.flatnonzero(np.r_[True, s[1:] != s[:-1]])
-    if len(starts) == len(s):
-        return s, grads[order]
-    return s[starts], np.add.reduceat(grads[order], starts, axis=0)
+def merge(storage: np.ndarray, grads: np.ndarray,
+          counts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Sum the gradient rows that several sources sent for the same storage index.
+
+    ``counts``: rows per source, in order; each source's indices are unique (a worker combines its
+    duplicates before sending). Returns unique indices and their summed rows. Rows are added source
+    by source into the union of the indices (a fancy-indexed add per source: no duplicates within
+    one), several times faster than a sort and ``np.add.reduceat`` over many small groups.
+    """
+    if counts is None or np.count_nonzero(counts) <= 1:
+        return storage, grads
+    union = np.unique(storage)
+    if len(union) == len(storage):  # disjoint sources
+        return storage, grads
+    out = np.zeros((len(union),) + grads.shape[1:], grads.dtype)
+    start = 0
+    for n in counts:
+        part = slice(start, start + int(n))
+        out[np.searchsorted(union, storage[part])] += grads[part]
+        start += int(n)
+    return union, out
 
 
 def initial_rows(
@@ -101,9 +112,14 @@ class Shard:
         with self.cond:
             return self.weights[storage - self.lo]
 
-    def apply(self, storage: np.ndarray, grads: np.ndarray, scale: float | None = None) -> None:
-        """Apply gradient rows (``storage`` may repeat: summed first), times ``scale`` (default: the shard's)."""
-        s, g = combine(storage, grads)
+    def apply(self, storage: np.ndarray, grads: np.ndarray, counts: np.ndarray | None = None,
+              scale: float | None = None) -> None:
+        """Apply gradient rows, times ``scale`` (default: the shard's).
+
+        ``counts``: rows per source when several sources' rows are concatenated (see :func:`merge`);
+        None: one source, whose indices are unique.
+        """
+        s, g = merge(storage, grads, counts)
         factor = self.scale if scale is None else scale
         if factor != 1.0:
             g = g * np.asarray(factor, g.dtype)
