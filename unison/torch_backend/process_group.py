@@ -20,7 +20,8 @@ PyTorch's own handler.
 This first slice covers the default group with all-reduce (SUM, AVG, PRODUCT, MIN, MAX),
 coalesced all-reduce, broadcast, all-gather (lists and into one tensor), reduce-scatter
 (lists and from one tensor), all-to-all (lists and with split sizes) and barrier, on CPU
-tensors. ``dist.new_group`` on this backend raises ``NotImplementedError`` (docs/torch_distributed.md).
+tensors. ``dist.new_group`` and ``DeviceMesh`` sub-groups run on the members' own MPI communicator
+(process_group_sub.py, [Note: sub-groups on MPI communicators]).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import torch.distributed as dist
 from unison.common import runtime
 from unison.common.engine import frontend
 from unison.common.ops import Average, Max, Min, Product, Sum
+from unison.torch_backend.process_group_sub import CommOps, create_sub_communicator
 from unison.torch_backend.process_group_work import P2PWork, collective_work, copy_into, host
 
 __all__ = ["UnisonProcessGroup", "BACKEND"]
@@ -73,15 +75,42 @@ def _into(targets: list[torch.Tensor], keep: bool = True) -> Callable[[list[Any]
 
 
 class UnisonProcessGroup(dist.ProcessGroup):
-    """The default process group of ``init_process_group("unison")`` (all ranks of the job)."""
+    """A process group of ``init_process_group("unison")``: the default group (every rank: the engine) or,
+    given ``ops``, a sub-group whose collectives are MPI calls on its own communicator (process_group_sub.py)."""
 
-    def __init__(self, rank: int, size: int) -> None:
+    def __init__(self, rank: int, size: int, ops: Any = None, comm: Any = None) -> None:
         super().__init__(rank, size)
         self._rank, self._size = rank, size
+        self._ops = frontend if ops is None else ops
+        self._comm = comm  # a sub-group's communicator (None: the job's)
         self._p2p_comm: Any = None
 
     def getBackendName(self) -> str:  # noqa: N802 - PyTorch's name
         return BACKEND
+
+    # PyTorch names a group through its C++ backend, which a Python group has none of; DeviceMesh
+    # reads ``group_name`` (from Python) to find its dimensions' groups, so keep the name here.
+    def _set_group_name(self, name: str) -> None:
+        self._unison_group_name = name
+        try:
+            super()._set_group_name(name)
+        except RuntimeError:  # no C++ backend to hold it
+            pass
+
+    @property
+    def group_name(self) -> str:
+        return getattr(self, "_unison_group_name", "")
+
+    @property
+    def group_desc(self) -> str:
+        return getattr(self, "_unison_group_desc", "")
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._unison_group_desc = desc
+        try:
+            super()._set_group_desc(desc)
+        except RuntimeError:
+            pass
 
     def __repr__(self) -> str:
         return f"UnisonProcessGroup(rank={self._rank}, size={self._size})"
@@ -89,7 +118,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
     # ----------------------------------------------------------- reductions
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        handles = [frontend.allreduce_async(host(t, "allreduce"), op) for t in tensors]
+        handles = [self._ops.allreduce_async(host(t, "allreduce"), op) for t in tensors]
 
         return collective_work(handles, _into(tensors))
 
@@ -103,7 +132,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
         for out, pieces in zip(outputs, inputs, strict=True):
             self._check_pieces(pieces, out, "reduce_scatter")
             stacked = np.stack([host(p, "reduce_scatter") for p in pieces])
-            handles.append(frontend.reducescatter_async(stacked, op))
+            handles.append(self._ops.reducescatter_async(stacked, op))
 
         return collective_work(handles, _into(outputs))
 
@@ -114,7 +143,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
     # ----------------------------------------------------------- movement
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         root = opts.rootRank if opts is not None else 0
-        handles = [frontend.broadcast_async(host(t, "broadcast"), root) for t in tensors]
+        handles = [self._ops.broadcast_async(host(t, "broadcast"), root) for t in tensors]
 
         return collective_work(handles, _into(tensors, self._rank != root))
 
@@ -123,7 +152,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
         handles = []
         for outs, t in zip(outputs, inputs, strict=True):
             self._check_pieces(outs, t, "allgather")
-            handles.append(frontend.allgather_async(host(t, "allgather").reshape(1, -1)))
+            handles.append(self._ops.allgather_async(host(t, "allgather").reshape(1, -1)))
 
         def finish(results: list[Any]) -> list[list[torch.Tensor]]:
             for outs, r in zip(outputs, results, strict=True):
@@ -143,7 +172,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
                              f"{len(inputs)} inputs and {len(outputs)} outputs")
         flat = np.concatenate([host(t, "alltoall").reshape(-1) for t in inputs])
         splits = np.array([t.numel() for t in inputs], dtype=np.int32)
-        handle = frontend.alltoall_async(flat, splits)
+        handle = self._ops.alltoall_async(flat, splits)
 
         def finish(results: list[Any]) -> list[torch.Tensor]:
             received = np.asarray(results[0][0])
@@ -163,7 +192,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
         if sum(splits) != rows:
             raise ValueError(f"all_to_all_single: input_split_sizes {splits} do not add up to the input's "
                              f"{rows} rows")
-        handle = frontend.alltoall_async(host(input, "all_to_all_single"), np.asarray(splits, dtype=np.int32))
+        handle = self._ops.alltoall_async(host(input, "all_to_all_single"), np.asarray(splits, dtype=np.int32))
         return collective_work([handle], lambda results: (copy_into(output, results[0][0]), [output])[1])
 
     # ----------------------------------------------------------- rooted
@@ -171,7 +200,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
         """An all-reduce whose result only the root keeps (the engine fuses and pipelines it)."""
         root = opts.rootRank if opts is not None else 0
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        handles = [frontend.allreduce_async(host(t, "reduce"), op) for t in tensors]
+        handles = [self._ops.allreduce_async(host(t, "reduce"), op) for t in tensors]
 
         return collective_work(handles, _into(tensors, self._rank == root))
 
@@ -182,7 +211,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
         data = host(t, "gather").reshape(-1)
         splits = np.zeros(self._size, np.int32)
         splits[root] = data.size
-        handle = frontend.alltoall_async(data, splits)
+        handle = self._ops.alltoall_async(data, splits)
 
         def finish(results: list[Any]) -> Any:
             if self._rank == root:
@@ -206,7 +235,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
             splits[:] = out.numel()
         else:
             data = np.zeros(0, dtype=host(out, "scatter").dtype)
-        handle = frontend.alltoall_async(data, splits)
+        handle = self._ops.alltoall_async(data, splits)
         return collective_work([handle], lambda results: (copy_into(out, results[0][0]), outputs)[1])
 
     # ----------------------------------------------------------- point to point
@@ -231,11 +260,12 @@ class UnisonProcessGroup(dist.ProcessGroup):
     def _p2p(self) -> Any:
         """A communicator of this group's own for point-to-point messages (never the engine's)."""
         if self._p2p_comm is None:
-            self._p2p_comm = runtime.state("torch.distributed send/recv").comm.Dup()
+            base = self._comm if self._comm is not None else runtime.state("torch.distributed send/recv").comm
+            self._p2p_comm = base.Dup()
         return self._p2p_comm
 
     def barrier(self, opts: Any = None) -> dist.Work:
-        return collective_work([frontend.allreduce_async(np.zeros(1, np.int8), Sum)], lambda results: [])
+        return collective_work([self._ops.allreduce_async(np.zeros(1, np.int8), Sum)], lambda results: [])
 
     def _check_pieces(self, pieces: Sequence[torch.Tensor], like: torch.Tensor, what: str) -> None:
         if len(pieces) != self._size or any(p.shape != like.shape for p in pieces):
@@ -243,18 +273,25 @@ class UnisonProcessGroup(dist.ProcessGroup):
                              f"got {[tuple(p.shape) for p in pieces]}")
 
 
-def _create(store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> UnisonProcessGroup:
-    """PyTorch's creator hook: the group, after checking PyTorch's rank and size against MPI's."""
+def _create(opts: Any, backend_options: Any = None) -> UnisonProcessGroup:
+    """PyTorch's creator hook (extended API): the default group, after checking PyTorch's rank and size
+    against MPI's, or a sub-group on the members' own communicator (see process_group_sub.py)."""
     from unison.torch_backend import basics
 
+    rank, world_size = opts.group_rank, opts.group_size
+    members = list(opts.global_ranks_in_group)
     if not runtime.is_initialized():
         basics.init()
     mine, total = runtime.rank(), runtime.size()
+    if members and members != list(range(total)):
+        if members[rank] != mine:
+            raise ValueError(f"torch.distributed made this process rank {rank} of a group of ranks {members}, but "
+                             f"MPI says it is rank {mine}")
+        comm = create_sub_communicator(runtime.state("dist.new_group").comm, members)
+        return UnisonProcessGroup(rank, world_size, CommOps(comm, str(opts.group_id)), comm)
     if world_size != total:
-        raise NotImplementedError(
-            f"the unison backend serves the default group of all {total} ranks; this group has {world_size} "
-            "(dist.new_group / DeviceMesh sub-groups are not supported on it yet: create them with "
-            "backend='gloo', or use Unison process sets)")
+        raise ValueError(f"init_process_group('unison') got world_size={world_size} but MPI runs {total} ranks: "
+                         "drop rank=/world_size= (they come from MPI) or make them match")
     if rank != mine:
         raise ValueError(f"init_process_group('unison') got rank={rank} but MPI says this process is rank "
                          f"{mine}: drop rank=/world_size= (they come from MPI) or make them match")
@@ -310,5 +347,5 @@ def register() -> None:
     """Register the backend ``"unison"`` with ``torch.distributed`` (once; importing
     ``unison.torch_backend`` does it)."""
     if BACKEND.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
     _wrap_env_handler()

@@ -1,0 +1,138 @@
+"""Sub-groups of the torch.distributed backend "unison" at 4 ranks (tests/test_torch_process_group_mpi.py).
+
+``dist.new_group`` pairs and ``DeviceMesh`` dimensions: every op against numpy, on the members'
+own communicator, with non-members uninvolved; mismatched tensors raise on every member; DTensor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import unison.torch_backend as hvd  # noqa: F401 - registers the backend
+from unison.common.exceptions import MismatchError
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _group():
+    dist.init_process_group("unison")
+    yield
+    dist.destroy_process_group()
+
+
+def _values(r: int, n: int = 6) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.float64) * (r + 1) + r
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    """Every rank creates every group (PyTorch's rule); each rank belongs to one of the first two."""
+    assert dist.get_world_size() == 4
+    low, high = dist.new_group([0, 1]), dist.new_group([2, 3])
+    odd = dist.new_group([3, 1])  # PyTorch sorts the ranks: group rank 0 is global rank 1
+    return low, high, odd
+
+
+def _mine(pairs):
+    r = dist.get_rank()
+    return (pairs[0] if r < 2 else pairs[1]), ([0, 1] if r < 2 else [2, 3])
+
+
+def test_collectives_inside_pairs(pairs):
+    r = dist.get_rank()
+    group, members = _mine(pairs)
+    assert dist.get_world_size(group) == 2 and dist.get_rank(group) == members.index(r)
+    assert dist.get_backend(group) == "unison"
+    expected = {m: _values(m).numpy() for m in members}
+    t = _values(r)
+    dist.all_reduce(t, group=group)
+    np.testing.assert_allclose(t.numpy(), sum(expected.values()))
+    t = _values(r)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    np.testing.assert_allclose(t.numpy(), np.maximum(*expected.values()))
+    t = _values(r)
+    work = dist.all_reduce(t, op=dist.ReduceOp.AVG, group=group, async_op=True)
+    work.wait()
+    np.testing.assert_allclose(t.numpy(), sum(expected.values()) / 2)
+    t = _values(r)
+    dist.broadcast(t, src=members[1], group=group)  # src is a global rank
+    np.testing.assert_allclose(t.numpy(), expected[members[1]])
+    outs = [torch.empty(6, dtype=torch.float64) for _ in range(2)]
+    dist.all_gather(outs, _values(r), group=group)
+    for m, out in zip(members, outs, strict=True):
+        np.testing.assert_allclose(out.numpy(), expected[m])
+    flat = torch.empty(12, dtype=torch.float64)
+    dist.all_gather_into_tensor(flat, _values(r), group=group)
+    np.testing.assert_allclose(flat.numpy(), np.concatenate([expected[m] for m in members]))
+    out = torch.empty(3, dtype=torch.float64)
+    dist.reduce_scatter_tensor(out, _values(r), group=group)
+    total = sum(expected.values())
+    np.testing.assert_allclose(out.numpy(), total[3 * members.index(r):3 * members.index(r) + 3])
+    # uneven all-to-all: group rank g sends g+1 rows to the first member and 2 to the second
+    g = members.index(r)
+    send = torch.full((g + 3, 2), float(r), dtype=torch.float64)
+    recv_rows = [1, 2] if g == 0 else [2, 2]
+    got = torch.empty((sum(recv_rows), 2), dtype=torch.float64)
+    dist.all_to_all_single(got, send, output_split_sizes=recv_rows, input_split_sizes=[g + 1, 2], group=group)
+    np.testing.assert_allclose(got[:recv_rows[0]].numpy(), members[0])
+    np.testing.assert_allclose(got[recv_rows[0]:].numpy(), members[1])
+    dist.barrier(group=group)
+
+
+def test_rooted_and_point_to_point_in_an_ordered_group(pairs):
+    r = dist.get_rank()
+    odd = pairs[2]
+    if r not in (1, 3):
+        assert odd == dist.GroupMember.NON_GROUP_MEMBER
+        return
+    assert dist.get_rank(odd) == (0 if r == 1 else 1)
+    gathered = [torch.empty(6, dtype=torch.float64) for _ in range(2)] if r == 3 else None
+    dist.gather(_values(r), gather_list=gathered, dst=3, group=odd)
+    if r == 3:
+        np.testing.assert_allclose(gathered[0].numpy(), _values(1).numpy())
+        np.testing.assert_allclose(gathered[1].numpy(), _values(3).numpy())
+    piece = torch.empty(6, dtype=torch.float64)
+    dist.scatter(piece, [_values(10), _values(11)] if r == 1 else None, src=1, group=odd)
+    np.testing.assert_allclose(piece.numpy(), _values(10 if r == 1 else 11).numpy())
+    t = torch.empty(6, dtype=torch.float64)
+    if r == 1:
+        dist.send(_values(42), dst=3, group=odd)
+    else:
+        dist.recv(t, src=1, group=odd)
+        np.testing.assert_allclose(t.numpy(), _values(42).numpy())
+    red = _values(r)
+    dist.reduce(red, dst=1, group=odd)
+    if r == 1:
+        np.testing.assert_allclose(red.numpy(), (_values(1) + _values(3)).numpy())
+
+
+def test_mismatched_tensors_raise_on_every_member(pairs):
+    r = dist.get_rank()
+    group, members = _mine(pairs)
+    t = torch.zeros(3 + members.index(r))
+    with pytest.raises(MismatchError, match=r"rank 0: allreduce/Sum\(dtype=float32, shape=\(3,\)\); rank 1: .*"
+                                            r"shape=\(4,\)"):
+        dist.all_reduce(t, group=group, async_op=True).wait()
+    t = torch.ones(2)
+    dist.all_reduce(t, group=group)  # the group still works afterwards
+    assert t.tolist() == [2.0, 2.0]
+
+
+def test_device_mesh_2d():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    r = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp, dp = mesh.get_group("tp"), mesh.get_group("dp")
+    assert dist.get_backend(tp) == "unison" and tp.group_name != dp.group_name
+    t = torch.tensor([float(r)])
+    dist.all_reduce(t, group=tp)
+    assert t.item() == {0: 1.0, 1: 1.0, 2: 5.0, 3: 5.0}[r]  # rows of the mesh: [0, 1], [2, 3]
+    t = torch.tensor([float(r)])
+    dist.all_reduce(t, group=dp)
+    assert t.item() == {0: 2.0, 2: 2.0, 1: 4.0, 3: 4.0}[r]  # columns: [0, 2], [1, 3]
+    assert mesh["tp"].get_local_rank() == r % 2 and mesh["dp"].get_local_rank() == r // 2

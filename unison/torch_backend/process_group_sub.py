@@ -1,0 +1,159 @@
+"""Sub-groups of the ``torch.distributed`` backend: ``dist.new_group(ranks)`` and ``DeviceMesh`` dimensions.
+
+[Note: sub-groups on MPI communicators]
+PyTorch builds a sub-group's backend only on the group's members (the others get
+``NON_GROUP_MEMBER``), while Unison's engine process sets are registered by every rank. So a
+sub-group does not go through the engine: its members make an MPI communicator of their own with
+``MPI_Comm_create_group`` (collective over the members only; PyTorch hands the backend the
+group's global ranks), and each collective runs as MPI's native call on it, on one thread per
+group, in the order submitted (every member submits the same sequence, as PyTorch requires).
+Before each call the members all-gather a 16-byte signature (operation, dtype, shape, root), so
+tensors that differ across ranks raise the same error on every member instead of hanging or
+truncating. The ``Work`` objects are the engine's (``collective_work``): ``wait()`` and
+``get_future()`` complete when the call has. The methods mirror the engine's ``*_async``
+functions, so the group class is the default group's with these operations swapped in.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from unison.common.exceptions import MismatchError
+from unison.common.ops import Average, Max, Min, Product, Sum
+
+__all__ = ["CommOps", "create_sub_communicator"]
+
+_CREATE_TAG = 7311  # MPI_Comm_create_group's tag for torch sub-groups
+
+
+def create_sub_communicator(world: Any, global_ranks: Sequence[int]) -> Any:
+    """The members' own communicator, ranks in ``global_ranks`` order (collective over the members only)."""
+    group = world.Get_group().Incl(list(global_ranks))
+    try:
+        return world.Create_group(group, _CREATE_TAG)
+    finally:
+        group.Free()
+
+
+class _Pending:
+    """The engine ``Handle``'s interface (``wait``, ``add_done_callback``) over a future."""
+
+    def __init__(self, future: concurrent.futures.Future[Any]) -> None:
+        self._future = future
+
+    def wait(self, timeout: float | None = None) -> Any:
+        return self._future.result(timeout)
+
+    def add_done_callback(self, fn: Callable[[Any], Any]) -> None:
+        self._future.add_done_callback(lambda _f: fn(self))
+
+
+def _name(op: Any) -> str:
+    return {Sum: "Sum", Average: "Average", Product: "Product", Min: "Min", Max: "Max"}.get(op, str(op))
+
+
+def _wide(arr: np.ndarray) -> np.ndarray:
+    """float16/bfloat16 reduce as float32 (MPI has no half types)."""
+    return arr.astype(np.float32) if arr.dtype.itemsize == 2 and arr.dtype.kind in "fV" else arr
+
+
+class CommOps:
+    """``allreduce_async``, ``broadcast_async``, ``allgather_async``, ``reducescatter_async`` and
+    ``alltoall_async`` of one sub-group, run as MPI calls on its communicator (see the Note)."""
+
+    def __init__(self, comm: Any, name: str) -> None:
+        from mpi4py import MPI
+
+        self.comm, self.mpi = comm, MPI
+        self.size, self.rank = comm.Get_size(), comm.Get_rank()
+        self._ops = {Sum: MPI.SUM, Average: MPI.SUM, Product: MPI.PROD, Min: MPI.MIN, Max: MPI.MAX}
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"unison-pg-{name}")
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> _Pending:
+        return _Pending(self._thread.submit(fn, *args))
+
+    def _agree(self, what: str, arr: np.ndarray, shape: Sequence[int], extra: int = 0) -> None:
+        key = f"{what}|{arr.dtype.str}|{tuple(shape)}|{extra}".encode()
+        mine = np.frombuffer(hashlib.blake2b(key, digest_size=16).digest(), np.int64).copy()
+        every = np.empty((self.size, 2), np.int64)
+        self.comm.Allgather(mine, every)
+        if not (every == mine).all():
+            calls = self.comm.allgather(f"{what}(dtype={arr.dtype}, shape={tuple(arr.shape)}"
+                                        + (f", root={extra})" if what == "broadcast" else ")"))
+            listing = "; ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
+            raise MismatchError(f"the members of this torch.distributed sub-group called different collectives "
+                                f"at the same step ({listing}); every member must pass tensors of the same "
+                                "dtype and shape")
+
+    def allreduce_async(self, tensor: Any, op: Any = Sum) -> _Pending:
+        return self._submit(self._allreduce, np.asarray(tensor), op)
+
+    def _allreduce(self, arr: np.ndarray, op: Any) -> np.ndarray:
+        self._agree(f"allreduce/{_name(op)}", arr, arr.shape)
+        send = np.ascontiguousarray(_wide(arr))
+        out = np.empty_like(send)
+        self.comm.Allreduce(send, out, op=self._ops[op])
+        if op is Average:
+            out = out / self.size if out.dtype.kind == "f" else out // self.size
+        return out.astype(arr.dtype, copy=False)
+
+    def broadcast_async(self, tensor: Any, root_rank: int = 0) -> _Pending:
+        return self._submit(self._broadcast, np.asarray(tensor), root_rank)
+
+    def _broadcast(self, arr: np.ndarray, root: int) -> np.ndarray:
+        self._agree("broadcast", arr, arr.shape, root)
+        buf = np.ascontiguousarray(arr).copy()
+        self.comm.Bcast(buf.reshape(-1).view(np.uint8), root=root)
+        return buf
+
+    def allgather_async(self, tensor: Any) -> _Pending:
+        return self._submit(self._allgather, np.asarray(tensor))
+
+    def _allgather(self, arr: np.ndarray) -> np.ndarray:
+        self._agree("allgather", arr, arr.shape)
+        send = np.ascontiguousarray(arr)
+        out = np.empty((self.size * send.shape[0],) + send.shape[1:], send.dtype)
+        self.comm.Allgather(send.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8))
+        return out
+
+    def reducescatter_async(self, tensor: Any, op: Any = Sum) -> _Pending:
+        return self._submit(self._reducescatter, np.asarray(tensor), op)
+
+    def _reducescatter(self, stacked: np.ndarray, op: Any) -> np.ndarray:
+        """``stacked``: one piece per member along axis 0; returns this member's reduced piece."""
+        self._agree(f"reducescatter/{_name(op)}", stacked, stacked.shape)
+        send = np.ascontiguousarray(_wide(stacked))
+        out = np.empty(send.shape[1:], send.dtype)
+        self.comm.Reduce_scatter_block(send, out, op=self._ops[op])
+        if op is Average:
+            out = out / self.size if out.dtype.kind == "f" else out // self.size
+        return out.astype(stacked.dtype, copy=False)
+
+    def alltoall_async(self, tensor: Any, splits: Any = None) -> _Pending:
+        return self._submit(self._alltoall, np.asarray(tensor), splits)
+
+    def _alltoall(self, arr: np.ndarray, splits: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Rows ``splits[r]`` (of axis 0) to member r; returns (rows received, by source; rows per source)."""
+        self._agree("alltoall", arr, arr.shape[1:])
+        rows = arr.shape[0] if arr.ndim else 1
+        send_rows = (np.full(self.size, rows // self.size, np.int64) if splits is None
+                     else np.asarray(splits, np.int64))
+        recv_rows = np.empty(self.size, np.int64)
+        self.comm.Alltoall(send_rows, recv_rows)
+        width = int(np.prod(arr.shape[1:], dtype=np.int64)) * arr.dtype.itemsize
+        out = np.empty((int(recv_rows.sum()),) + arr.shape[1:], arr.dtype)
+        sc, rc = send_rows * width, recv_rows * width
+        sd = np.concatenate([[0], np.cumsum(sc)[:-1]])
+        rd = np.concatenate([[0], np.cumsum(rc)[:-1]])
+        self.comm.Alltoallv([np.ascontiguousarray(arr).reshape(-1).view(np.uint8), (sc.tolist(), sd.tolist())],
+                            [out.reshape(-1).view(np.uint8), (rc.tolist(), rd.tolist())])
+        return out, recv_rows
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+        self.comm.Free()
