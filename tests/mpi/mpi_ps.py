@@ -257,8 +257,11 @@ def test_bad_input_raises_on_every_rank():
         with pytest.raises(ps.TableError, match=r"gradients of shape \(2, 3\) do not match"):
             table.push(np.array([1, 2]), np.zeros((2, 3)))
         table.pull([1])  # still usable, every rank in step
+        with pytest.raises(ps.TableError, match="a sharded table named 'bad' is already open"):
+            ps.ShardedTable(ROWS, DIM, name="bad")
     with pytest.raises(ps.TableError, match="defined differently across ranks.*dim: rank 0 has 4"):
         ps.ShardedTable(ROWS, 4 + (R == N - 1), name="mismatch")
+    ps.ShardedTable(ROWS, 4, name="mismatch").close()  # a failed creation leaves the name free
     with pytest.raises(ValueError, match=r"SSP\(staleness=-1\)"):
         ps.SSP(-1)
     with pytest.raises(ps.TableError, match="no sharded table named 'nope'"):

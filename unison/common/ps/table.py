@@ -145,11 +145,26 @@ class ShardedTable:
         try:
             self._check_args(num_rows, dim, dtype, optimizer, servers)
             self.consistency = consistency_from_name(consistency)
+            with _registry_lock:
+                if self.name in _registry:
+                    raise ValueError(f"a sharded table named {self.name!r} is already open on this rank; close it "
+                                     "or pick another name")
+                _registry[self.name] = self  # reserved; released below if the creation fails
         except (TypeError, ValueError) as exc:
             problem = str(exc)
-        raise_together(base, problem, TableError)
-        self.num_rows, self.dim, self.dtype = int(num_rows), int(dim), np.dtype(dtype)
-        self.optimizer = optimizer if optimizer is not None else SGD()
+        try:
+            raise_together(base, problem, TableError)
+            self.num_rows, self.dim, self.dtype = int(num_rows), int(dim), np.dtype(dtype)
+            self.optimizer = optimizer if optimizer is not None else SGD()
+            self._build(base, sharding, initializer, seed, servers, average)
+        except BaseException:
+            with _registry_lock:
+                if _registry.get(self.name) is self:
+                    del _registry[self.name]
+            raise
+
+    def _build(self, base: Any, sharding: str, initializer: Any, seed: int, servers: Sequence[int] | None,
+               average: bool) -> None:
         self.servers = list(range(self.size)) if servers is None else sorted(int(r) for r in servers)
         self.workers = [r for r in range(self.size) if servers is None or r not in self.servers]
         self.is_server, self.is_worker = self.rank in self.servers, self.rank in self.workers
@@ -200,12 +215,6 @@ class ShardedTable:
                 self._server.start()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"unison-ps-{self.name}")
         self.closed = False
-        with _registry_lock:
-            if self.name in _registry:
-                raise TableError(
-                    f"a sharded table named {self.name!r} is already open; close it or pick another name"
-                )
-            _registry[self.name] = self
 
     # ------------------------------------------------------------------ checks
 
