@@ -147,6 +147,28 @@ def test_kill_one_of_three_recovers_in_place(tmp_path: Path) -> None:
     assert sorted(epoch0) == list(range(job.N))  # every sample once: none twice, none skipped
 
 
+def test_a_second_failure_during_the_reset_is_survived(tmp_path: Path) -> None:
+    """4 ranks: the last dies after step 5; rank 2 dies inside the reset callbacks (which all-reduce)."""
+    proc = mpirun(4, [*ELASTIC_MPI_ARGS, sys.executable, SCRIPT, str(tmp_path)], timeout=300,
+                  env=mpi_env(UNISON_ELASTIC="1", ELASTIC_SECOND_FAILURE="1"), linger_ok=True)
+    detail = (f"\nexit {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n"
+              f"--- stderr ---\n{proc.stderr[-4000:]}")
+    assert (tmp_path / "kill.json").exists() and (tmp_path / "kill2.json").exists(), detail
+    ranks = _outcomes(tmp_path)
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["size"] == 2 for r in ranks), detail
+    for r in ranks:
+        # the reset at 3 ranks failed in its callbacks; the one at 2 ranks completed, from the same commit
+        assert [(x["size"], x["step"]) for x in r["resets"]] == [(3, 4), (2, 4)], detail
+    steps = [(e, batch) for e, _, _, batch in ranks[0]["log"]]
+    assert steps == [(e, batch) for e, _, _, batch in ranks[1]["log"]]
+    assert [len(batch) for _, batch in steps[:4]] == [4] * 4 and all(len(b) == 2 for _, b in steps[4:])
+    for got, want in zip(ranks[0]["weights"], reference_weights(steps), strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-10)
+    assert ranks[0]["weights"] == ranks[1]["weights"]
+    epoch0 = [i for e, batch in steps if e == 0 for rank in batch for i in rank]
+    assert sorted(set(epoch0)) == list(range(job.N)) and len(epoch0) == job.N
+
+
 @pytest.mark.parametrize("flags, env, says", [
     ([], {}, "exited on"),
     (["--with-ft", "ulfm"], {}, "elastic mode is off"),

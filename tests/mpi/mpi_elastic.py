@@ -4,9 +4,13 @@
 
 Every rank trains the same MLP with ``hvd.elastic.run``, a ``DistributedOptimizer`` (SGD
 with momentum, float64) and an ``ElasticSampler``, committing every ``COMMIT_EVERY`` steps.
-After step ``KILL_AFTER`` the rank ``VICTIM`` SIGKILLs itself (writing the time first to
+After step ``KILL_AFTER`` the last rank SIGKILLs itself (writing the time first to
 ``OUT_DIR/kill.json``). Each survivor writes ``OUT_DIR/rank<r>.json`` at the end: final
 weights, the global batches of every step it kept, its resets and their timings.
+
+With ``ELASTIC_SECOND_FAILURE=1`` (launched on 4 ranks) the last rank dies after step
+``KILL_AFTER`` and then, while the 3 survivors run their reset callbacks (which all-reduce),
+rank 2 dies too: the 2 left must rebuild again and finish.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from unison.common import elastic as core
 from unison.torch_backend import elastic
 
 N, FEATURES, HIDDEN, BS, EPOCHS = 96, 8, 16, 4, 2
-COMMIT_EVERY, KILL_AFTER, VICTIM, SEED, LR, MOMENTUM = 2, 5, 2, 3, 0.05, 0.9
+COMMIT_EVERY, KILL_AFTER, SEED, LR, MOMENTUM = 2, 5, 3, 0.05, 0.9
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,14 +55,24 @@ def main(out: str) -> None:
     sampler = elastic.ElasticSampler(range(N), shuffle=True, seed=SEED)
     state = elastic.TorchState(net, opt, sampler=sampler, epoch=0, step=0, log=[])
     resets: list[dict] = []
+    second = os.environ.get("ELASTIC_SECOND_FAILURE") == "1"
+    start_size = hvd.size()
+
+    def die_in_reset() -> None:
+        if second and hvd.size() == start_size - 1 and hvd.rank() == 2:
+            with open(os.path.join(out, "kill2.json"), "w") as f:
+                json.dump({"time": time.time()}, f)
+            os.kill(os.getpid(), 9)
+        hvd.allreduce(torch.zeros(1), name=f"reset_check.{len(resets)}")  # a collective in a reset callback
+
     state.register_reset_callbacks([lambda: resets.append({"size": hvd.size(), "step": state.step,
-                                                           "first_step_at": None})])
+                                                           "first_step_at": None}), die_in_reset])
 
     @elastic.run
     def train(state: elastic.TorchState) -> None:
         while state.epoch < EPOCHS:
             for b in range(len(state.sampler) // BS):
-                if state.step == KILL_AFTER and hvd.size() == 3 and hvd.rank() == VICTIM:
+                if state.step == KILL_AFTER and hvd.size() == start_size and hvd.rank() == start_size - 1:
                     with open(os.path.join(out, "kill.json"), "w") as f:
                         json.dump({"time": time.time()}, f)
                     os.kill(os.getpid(), 9)

@@ -22,6 +22,14 @@ released too (engine [Note: process failure]). The elastic ``run`` wrapper then 
 
 Communicators of the old world are revoked, never freed: freeing one that a dead rank
 belonged to is not safe everywhere, and a few of them per failure cost nothing.
+
+[Note: a failure during recovery]
+Another rank can die while the survivors shrink, agree or rebuild. Shrink and agree are fault
+tolerant; agree, the rebuild's collectives (``init``'s agreement, the engine's first cycle) or
+the reset callbacks then fail with ``ERR_PROC_FAILED``/``ERR_REVOKED`` on the survivors. So
+:func:`recover` repeats: it revokes the communicator it got so far and shrinks *that* one again
+(the runtime may already be shut down), up to ``MAX_ATTEMPTS`` times; and the elastic ``run``
+loop repeats the whole reset (recovery and reset callbacks) when a rank fails during it.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from typing import Any
 from unison.common import runtime
 from unison.common.config import SETTINGS, Flag, IntRange, parse_env, register_env
 from unison.common.engine import frontend
+from unison.common.engine.errors import process_failure
 from unison.common.exceptions import UnisonError
 
 __all__ = ["Recovery", "enabled", "min_np", "recover", "last_recovery", "ENV_ELASTIC", "ENV_MIN_NP"]
@@ -114,20 +123,34 @@ def _agree_to_continue(shrunk: Any) -> None:
                           "it on more hosts, or lower --min-np")
 
 
-def _rebuild(st: runtime.State, shrunk: Any) -> None:
-    """Shut the old runtime and engine down and start them again on ``shrunk``."""
-    eng = st.cache.get("engine")
-    sets = eng.registered_sets()[1:] if eng is not None else []
-    st.owns_comm = False  # revoked, never freed (see [Note: in-place recovery])
-    runtime.shutdown()
+def _shrink_again(comm: Any, mpi: Any) -> Any:
+    """A recovery's own communicator lost a rank too: revoke it, shrink it."""
+    _revoke(comm)
+    shrunk = comm.Shrink()
+    shrunk.Set_errhandler(mpi.ERRORS_RETURN)
+    return shrunk
+
+
+def _rebuild(st: runtime.State, shrunk: Any, sets: list[Any]) -> None:
+    """Shut the old runtime and engine down (unless an earlier attempt did) and start them on ``shrunk``."""
+    if runtime.is_initialized():
+        runtime.state().owns_comm = False  # revoked, never freed (see [Note: in-place recovery])
+        runtime.shutdown()
     for ps in sets:  # their ranks named the old world: re-register them in a reset callback
         ps.process_set_id = None
     frontend.reset_auto_names()
     runtime.init(comm=shrunk, **_settings(st.config))
 
 
+#: how many times :func:`recover` shrinks again when more ranks fail during it
+MAX_ATTEMPTS = 5
+
+
 def recover() -> Recovery:
     """Rebuild Unison on the ranks that survived a failure (collective over the survivors).
+
+    A rank that fails during the recovery makes the survivors shrink again (see
+    [Note: a failure during recovery]).
 
     Returns:
         The old and new rank and size, and how long it took.
@@ -141,9 +164,20 @@ def recover() -> Recovery:
     if st.comm is None:
         raise UnisonError("elastic recovery needs MPI with ULFM: launch with unisonrun --elastic "
                           "(mpirun --with-ft ulfm)")
-    shrunk = _shrink(st)
-    _agree_to_continue(shrunk)
-    _rebuild(st, shrunk)
+    eng = st.cache.get("engine")
+    sets = eng.registered_sets()[1:] if eng is not None else []
+    comm = st.comm
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        shrunk = _shrink(st) if attempt == 1 else _shrink_again(comm, st.mpi)
+        try:
+            _agree_to_continue(shrunk)
+            _rebuild(st, shrunk, sets)
+            break
+        except Exception as exc:
+            if process_failure(exc, st.mpi) is None or attempt == MAX_ATTEMPTS:
+                raise
+            logger.warning("elastic: another rank failed during recovery (%s); shrinking again", exc)
+            comm = shrunk
     _last = Recovery(st.rank, st.size, runtime.rank(), runtime.size(), time.monotonic() - start)
     logger.warning("elastic: recovered after a failure in %.3f s: rank %d of %d is now rank %d of %d",
                    _last.seconds, _last.old_rank, _last.old_size, _last.rank, _last.size)

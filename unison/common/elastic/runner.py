@@ -6,6 +6,7 @@
         a rank failed (UnisonInternalError): restore the last commit
         the hosts changed (HostsUpdatedInterrupt): keep the live state
         rebuild Unison on the current world (reset), run the reset callbacks
+            (a rank failing meanwhile: restore and rebuild again)
 
 Without elastic mode (``UNISON_ELASTIC`` unset) a failure is raised as it is, and the job
 ends as it always did.
@@ -57,7 +58,28 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], Any]) -> Callable[..., 
                 logger.warning("elastic: %s; rolling back to the last commit", failure)
                 state.restore()
                 skip_sync = False
-            reset()
-            state.on_reset()
+            _reset(state, reset)
 
     return wrapper
+
+
+#: how many times a reset is repeated when ranks keep failing during it
+MAX_RESETS = 5
+
+
+def _reset(state: Any, reset: Callable[[], Any]) -> None:
+    """Rebuild on the current world and run the reset callbacks; again if a rank fails meanwhile.
+
+    A failure during the recovery's own steps is handled inside it; one in a reset callback
+    (a collective on the new world, say) lands here: restore the commit, rebuild again.
+    """
+    for attempt in range(1, MAX_RESETS + 1):
+        try:
+            reset()
+            state.on_reset()
+            return
+        except Exception as exc:
+            if _failure(exc) is None or not enabled() or attempt == MAX_RESETS:
+                raise
+            logger.warning("elastic: a rank failed during the reset (%s); rebuilding again", exc)
+            state.restore()
