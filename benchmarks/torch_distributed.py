@@ -15,8 +15,9 @@ made through MPI). Every rank runs the same cases in the same order.
   torch_training.py: same weights, synthetic batch, SGD) for ``DistributedDataParallel`` on the
   unison group, DDP on the gloo group, and Unison's own ``hvd.DistributedOptimizer``; samples/s
   over ``--steps`` timed steps, and the ranks' weights compared afterwards.
-* FSDP2 (``fully_shard``) needs sub-groups of the backend (a ``DeviceMesh``), which the backend
-  does not provide yet: its target line says so.
+* FSDP2: ``fully_shard`` on each child module with parameters and on the root, over a
+  ``DeviceMesh`` made from the unison group and from the gloo group (``DeviceMesh.from_group``);
+  its parameters are shards, so the in-sync check is DDP's and the optimizer's only.
 
 Targets, printed as lines: DDP on unison >= 1.3x DDP on gloo (mlp), >= 1.0x (cnn); DDP on unison
 >= 0.9x Unison's ``DistributedOptimizer``; FSDP2 on unison >= 1.3x FSDP2 on gloo (mlp).
@@ -136,18 +137,36 @@ def run_training(world: Any, hvd: Any, groups: dict[str, Any], models: list[str]
     for name in models:
         batch = DEFAULT_BATCH[name]
         x, y = synthetic_batch(name, batch, world.Get_rank())
-        for impl in ("ddp-unison", "ddp-gloo", "unison-optimizer"):
+        for impl in ("ddp-unison", "ddp-gloo", "unison-optimizer", "fsdp2-unison", "fsdp2-gloo"):
             if impl == "unison-optimizer":
                 model, opt = make_unison(name, hvd)
                 checked = model
+            elif impl.startswith("fsdp2-"):
+                model, checked = fsdp2_model(name, groups[impl.removeprefix("fsdp2-")]), None
+                opt = torch.optim.SGD(model.parameters(), lr=LR)
             else:
                 checked = build_model(name)
                 model = DistributedDataParallel(checked, process_group=groups[impl.removeprefix("ddp-")])
                 opt = torch.optim.SGD(model.parameters(), lr=LR)
             elapsed = time_steps(world, make_step(model, opt, x, y), args.warmup, args.steps)
-            check_in_sync(world, checked, f"{name} {impl}")
+            if checked is not None:
+                check_in_sync(world, checked, f"{name} {impl}")
             records.append(TrainRecord(name, impl, n, batch, n * batch * args.steps / elapsed))
     return records
+
+
+def fsdp2_model(name: str, group: Any) -> Any:
+    """The benchmark model sharded with FSDP2 over ``group``: each child with parameters, then the root."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = build_model(name)
+    mesh = DeviceMesh.from_group(group, "cpu")
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
 
 
 def print_tables(ops: list[OpRecord], train: list[TrainRecord]) -> None:
@@ -172,8 +191,8 @@ def target_lines(train: list[TrainRecord]) -> list[str]:
     for model in ("mlp", "cnn"):
         lines.append(ratio_target(f"{model} DDP on unison / Unison DistributedOptimizer samples/s",
                                   rate.get((model, "ddp-unison")), rate.get((model, "unison-optimizer")), 0.9))
-    lines.append("  mlp FSDP2 on unison / FSDP2 on gloo = n/a: FSDP2 needs sub-groups (a DeviceMesh) of the "
-                 "backend, not built yet  MISS")
+    lines.append(ratio_target("mlp FSDP2 on unison / FSDP2 on gloo samples/s", rate.get(("mlp", "fsdp2-unison")),
+                              rate.get(("mlp", "fsdp2-gloo")), 1.3))
     return lines
 
 
