@@ -6,6 +6,9 @@ process on the global batch.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -233,3 +236,67 @@ def test_fsdp2_training_equals_one_process_on_the_global_batch():
         chunks = torch.chunk(q.detach(), n, dim=0)  # FSDP2's split of dim 0; a short one leaves ranks empty
         mine = chunks[r] if r < len(chunks) else q.detach()[:0]
         np.testing.assert_allclose(p.to_local().detach().numpy(), mine.numpy(), rtol=1e-12, atol=1e-14)
+
+
+class _TwoHeads(torch.nn.Module):
+    """A trunk and two heads; ``forward(x, head)`` uses one head (the other gets no gradient), or both (-1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.trunk = torch.nn.Linear(6, 8).double()
+        self.heads = torch.nn.ModuleList([torch.nn.Linear(8, 2).double(), torch.nn.Linear(8, 2).double()])
+
+    def forward(self, x: torch.Tensor, head: int = -1) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        return self.heads[0](h) + self.heads[1](h) if head < 0 else self.heads[head](h)
+
+
+def _ddp_case(micro: int, hook: Any = None, unused: bool = False, steps: int = 2) -> tuple[list, list]:
+    """DDP at ``micro`` micro-batches per step (``no_sync`` for all but the last) against one process."""
+    r, n = _rank_size()
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(steps * micro * n * 4, 6, generator=gen, dtype=torch.float64)
+    y = torch.randn(steps * micro * n * 4, 2, generator=gen, dtype=torch.float64)
+    ref, model = _TwoHeads(), _TwoHeads()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=unused)
+    if hook is not None:
+        ddp.register_comm_hook(state=None, hook=hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for s in range(steps):
+        head = s % 2 if unused else -1  # with unused=True each step trains one head only
+        chunk = slice(s * micro * n * 4, (s + 1) * micro * n * 4)
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x[chunk], head), y[chunk]).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        for m in range(micro):
+            rows = slice(chunk.start + (m * n + r) * 4, chunk.start + (m * n + r + 1) * 4)
+            ctx = ddp.no_sync() if m < micro - 1 else contextlib.nullcontext()
+            with ctx:
+                (torch.nn.functional.mse_loss(ddp(x[rows], head), y[rows]) / micro).backward()
+        opt.step()
+    return list(model.parameters()), list(ref.parameters())
+
+
+def test_ddp_no_sync_accumulates_like_one_process():
+    got, want = _ddp_case(micro=3)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g.detach().numpy(), w.detach().numpy(), rtol=0, atol=1e-12)
+
+
+def test_ddp_find_unused_parameters():
+    got, want = _ddp_case(micro=1, unused=True, steps=3)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g.detach().numpy(), w.detach().numpy(), rtol=0, atol=1e-12)
+
+
+def test_ddp_fp16_compress_hook():
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    got, want = _ddp_case(micro=1, hook=default_hooks.fp16_compress_hook)
+    for g, w in zip(got, want, strict=True):  # gradients crossed the wire as float16
+        np.testing.assert_allclose(g.detach().numpy(), w.detach().numpy(), rtol=0, atol=2e-3)
+    differs = [not np.array_equal(g.detach().numpy(), w.detach().numpy()) for g, w in zip(got, want, strict=True)]
+    assert any(differs) or _rank_size()[1] == 1  # the hook did run (float16 rounding shows)
