@@ -208,6 +208,8 @@ def test_fsdp2_training_equals_one_process_on_the_global_batch():
     from torch.distributed.fsdp import fully_shard
 
     r, n = _rank_size()
+    if n == 1:
+        pytest.skip("sharding over one rank is the plain model (the suite's np 3 run covers FSDP2)")
 
     def build() -> torch.nn.Module:
         torch.manual_seed(4)
@@ -255,6 +257,8 @@ class _TwoHeads(torch.nn.Module):
 def _ddp_case(micro: int, hook: Any = None, unused: bool = False, steps: int = 2) -> tuple[list, list]:
     """DDP at ``micro`` micro-batches per step (``no_sync`` for all but the last) against one process."""
     r, n = _rank_size()
+    if n == 1:
+        pytest.skip("DDP over one rank reduces nothing (the suite's np 3 run covers it)")
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(steps * micro * n * 4, 6, generator=gen, dtype=torch.float64)
     y = torch.randn(steps * micro * n * 4, 2, generator=gen, dtype=torch.float64)
@@ -299,4 +303,4 @@ def test_ddp_fp16_compress_hook():
     for g, w in zip(got, want, strict=True):  # gradients crossed the wire as float16
         np.testing.assert_allclose(g.detach().numpy(), w.detach().numpy(), rtol=0, atol=2e-3)
     differs = [not np.array_equal(g.detach().numpy(), w.detach().numpy()) for g, w in zip(got, want, strict=True)]
-    assert any(differs) or _rank_size()[1] == 1  # the hook did run (float16 rounding shows)
+    assert any(differs)  # the hook did run (float16 rounding shows)
