@@ -304,3 +304,18 @@ def test_ddp_fp16_compress_hook():
         np.testing.assert_allclose(g.detach().numpy(), w.detach().numpy(), rtol=0, atol=2e-3)
     differs = [not np.array_equal(g.detach().numpy(), w.detach().numpy()) for g, w in zip(got, want, strict=True)]
     assert any(differs)  # the hook did run (float16 rounding shows)
+
+
+def test_batch_isend_irecv_around_a_ring():
+    """``dist.batch_isend_irecv`` (as torch's pipelining uses it): each op issued on its own, all in flight."""
+    r, n = _rank_size()
+    if n == 1:
+        pytest.skip("needs two ranks")
+    sends = [_values(r, (3,)), _values(r + 10, (2, 2))]
+    recvs = [torch.zeros(3, dtype=torch.float64), torch.zeros(2, 2, dtype=torch.float64)]
+    ops = [dist.P2POp(dist.isend, sends[0], (r + 1) % n), dist.P2POp(dist.isend, sends[1], (r - 1) % n),
+           dist.P2POp(dist.irecv, recvs[0], (r - 1) % n), dist.P2POp(dist.irecv, recvs[1], (r + 1) % n)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    np.testing.assert_array_equal(recvs[0].numpy(), _values((r - 1) % n, (3,)).numpy())
+    np.testing.assert_array_equal(recvs[1].numpy(), _values((r + 1) % n + 10, (2, 2)).numpy())
