@@ -319,3 +319,38 @@ def test_batch_isend_irecv_around_a_ring():
         work.wait()
     np.testing.assert_array_equal(recvs[0].numpy(), _values((r - 1) % n, (3,)).numpy())
     np.testing.assert_array_equal(recvs[1].numpy(), _values((r + 1) % n + 10, (2, 2)).numpy())
+
+
+def test_pipelining_gpipe_gradients_equal_one_process():
+    """torch.distributed.pipelining (GPipe, one stage per rank) over the backend's send/recv."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    r, n = _rank_size()
+    if n == 1:
+        pytest.skip("a pipeline needs two ranks")
+
+    def layers() -> torch.nn.Sequential:
+        torch.manual_seed(5)
+        pairs = [(torch.nn.Linear(6, 6), torch.nn.Tanh()) for _ in range(n)]
+        return torch.nn.Sequential(*[m for pair in pairs for m in pair]).double()
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((out - y) ** 2).mean()
+
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(8, 6, generator=gen, dtype=torch.float64)
+    y = torch.randn(8, 6, generator=gen, dtype=torch.float64)
+    ref = layers()
+    torch.stack([loss_fn(ref(xm), ym) for xm, ym in zip(x.chunk(4), y.chunk(4), strict=True)]).mean().backward()
+    mine = layers()[2 * r:2 * r + 2]
+    schedule = ScheduleGPipe(PipelineStage(mine, r, n, torch.device("cpu")), n_microbatches=4, loss_fn=loss_fn)
+    losses: list[torch.Tensor] = []
+    if r == 0:
+        schedule.step(x)
+    elif r == n - 1:
+        schedule.step(target=y, losses=losses)
+        assert len(losses) == 4
+    else:
+        schedule.step()
+    for p, q in zip(mine.parameters(), ref[2 * r:2 * r + 2].parameters(), strict=True):
+        np.testing.assert_allclose(p.grad.numpy(), q.grad.numpy(), rtol=1e-10, atol=1e-14)
