@@ -107,10 +107,7 @@ def _shrink(st: runtime.State) -> Any:
     eng = st.cache.get("engine")
     if eng is not None:
         eng.revoke()
-    _revoke(st.comm)
-    shrunk = st.comm.Shrink()
-    shrunk.Set_errhandler(st.mpi.ERRORS_RETURN)
-    return shrunk
+    return _shrink_again(st.comm, st.mpi)
 
 
 def _agree_to_continue(shrunk: Any) -> None:
@@ -124,7 +121,7 @@ def _agree_to_continue(shrunk: Any) -> None:
 
 
 def _shrink_again(comm: Any, mpi: Any) -> Any:
-    """A recovery's own communicator lost a rank too: revoke it, shrink it."""
+    """Revoke ``comm`` (the old world, or a recovery's own communicator that lost a rank too) and shrink it."""
     _revoke(comm)
     shrunk = comm.Shrink()
     shrunk.Set_errhandler(mpi.ERRORS_RETURN)

@@ -105,9 +105,6 @@ class Shard:
         self.clocks = np.zeros(workers, np.int64)
         self.cond = threading.Condition()
 
-    def local(self, storage: np.ndarray) -> np.ndarray:
-        return storage - self.lo
-
     def read(self, storage: np.ndarray) -> np.ndarray:
         with self.cond:
             return self.weights[storage - self.lo]

@@ -13,6 +13,7 @@ storage order loads on any number of ranks (block ranges of the same array).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -59,7 +60,8 @@ class Sharding:
                 "Use sharding='row' for larger tables"
             )
 
-    @property
+    # computed once: every table operation maps its keys through them
+    @functools.cached_property
     def multiplier(self) -> int:
         return _multiplier(self.num_rows) if self.kind == "hash" else 1
 
@@ -67,8 +69,16 @@ class Sharding:
     def offset(self) -> int:
         return self.num_rows // 3 if self.kind == "hash" else 0
 
-    def bounds(self) -> np.ndarray:
+    @functools.cached_property
+    def _inverse(self) -> int:
+        return pow(self.multiplier, -1, self.num_rows) if self.num_rows > 1 else 0
+
+    @functools.cached_property
+    def _bounds(self) -> np.ndarray:
         return block_bounds(self.num_rows, self.shards)
+
+    def bounds(self) -> np.ndarray:
+        return self._bounds
 
     def block(self, shard: int) -> tuple[int, int]:
         """Storage indices ``[lo, hi)`` that ``shard`` holds."""
@@ -88,9 +98,8 @@ class Sharding:
         """The keys stored at ``storage`` indices (the inverse of :meth:`storage`)."""
         if self.kind == "row":
             return storage.astype(np.int64, copy=False)
-        inverse = pow(self.multiplier, -1, self.num_rows) if self.num_rows > 1 else 0
         p = (storage.astype(np.int64) - self.offset) % self.num_rows
-        return ((p.astype(np.uint64) * np.uint64(inverse)) % np.uint64(self.num_rows)).astype(np.int64)
+        return ((p.astype(np.uint64) * np.uint64(self._inverse)) % np.uint64(self.num_rows)).astype(np.int64)
 
     def owners(self, storage: np.ndarray) -> np.ndarray:
         """The shard holding each storage index."""

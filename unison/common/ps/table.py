@@ -267,8 +267,7 @@ class ShardedTable:
     def _check_open(self, what: str) -> None:
         if self.closed:
             raise TableError(f"table {self.name!r} is closed; {what} needs an open table")
-        if self._server is not None and self._server.error is not None:
-            raise TableError(f"table {self.name!r}: the server thread failed: {self._server.error!r}")
+        self._check_server()
 
     def _keys(self, keys: Any, what: str) -> np.ndarray:
         arr = np.asarray(keys)
@@ -368,45 +367,43 @@ class ShardedTable:
         return storage, full, inverse.reshape(-1)
 
     def _pull(self, keys: Any) -> np.ndarray:
-        arr, problem = self._validate(keys, None, "pull")
-        rows = self._operate(ex.PULL, arr, None, problem, "pull")
+        arr, _, problem = self._validate(keys, None, "pull")
+        rows = self._operate(ex.PULL, arr, None, problem)
         self._stats["pulls"] += 1
         return rows
 
     def _push(self, keys: Any, grads: Any, clock: bool) -> None:
-        arr, problem = self._validate(keys, grads, "push")
-        self._operate(ex.PUSH, arr, grads, problem, "push")
+        arr, flat, problem = self._validate(keys, grads, "push")
+        self._operate(ex.PUSH, arr, flat, problem)
         self._stats["pushes"] += 1
         if clock:
             self._advance()
 
     def _push_pull(self, keys: Any, grads: Any) -> np.ndarray:
-        arr, problem = self._validate(keys, grads, "push_pull")
-        rows = self._operate(ex.PUSH_PULL, arr, grads, problem, "push_pull")
+        arr, flat, problem = self._validate(keys, grads, "push_pull")
+        rows = self._operate(ex.PUSH_PULL, arr, flat, problem)
         self._stats["pushes"] += 1
         self._stats["pulls"] += 1
         self._advance()
         return rows
 
-    def _validate(self, keys: Any, grads: Any, what: str) -> tuple[np.ndarray, str | None]:
+    def _validate(self, keys: Any, grads: Any, what: str) -> tuple[np.ndarray, np.ndarray | None, str | None]:
+        """(int64 keys, gradient rows flattened to (keys, dim) or None, None); under BSP bad input
+        gives (no keys, None, the problem), which the round then raises on every rank."""
         try:
             arr = self._keys(keys, what)
-            if grads is not None:
-                self._grads(grads, arr, what)
-            return arr, None
+            return arr, None if grads is None else self._grads(grads, arr, what), None
         except (TypeError, ValueError) as exc:
             if not self.consistency.collective:
                 raise TableError(str(exc)) from exc
-            return np.zeros(0, np.int64), str(exc)
+            return np.zeros(0, np.int64), None, str(exc)
 
-    def _operate(self, op: int, keys: np.ndarray, grads: Any, problem: str | None, what: str) -> Any:
+    def _operate(self, op: int, keys: np.ndarray, flat: np.ndarray | None, problem: str | None) -> Any:
         storage, counts, inverse = self._route(keys)
-        g = None
-        if grads is not None and problem is None:
-            g = _sum_by(inverse, self._grads(grads, keys, what), len(storage))
+        g = None if flat is None else _sum_by(inverse, flat, len(storage))
         self._stats["keys"] += int(keys.size)
         if self.consistency.collective:
-            rows = self._bsp(op, storage, counts, g, problem, what)
+            rows = self._bsp(op, storage, counts, g, problem)
         else:
             rows = self._async(op, storage, counts, g)
         if rows is None:
@@ -434,7 +431,6 @@ class ShardedTable:
         counts: np.ndarray,
         grads: np.ndarray | None,
         problem: str | None,
-        what: str,
     ) -> np.ndarray | None:
         if self.comm is None:
             if problem is not None:
