@@ -205,36 +205,13 @@ def test_fsdp2_training_equals_one_process_on_the_global_batch():
     """FSDP2 ``fully_shard`` on a 1-D DeviceMesh of the unison backend: its all-gathers and
     reduce-scatters through the engine; each rank's parameter shards match one process."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch_fsdp_case import train_fsdp_and_reference
 
     r, n = _rank_size()
     if n == 1:
         pytest.skip("sharding over one rank is the plain model (the suite's np 3 run covers FSDP2)")
-
-    def build() -> torch.nn.Module:
-        torch.manual_seed(4)
-        return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
-
-    g = torch.Generator().manual_seed(6)
-    batches = [(torch.randn(4 * n, 5, generator=g, dtype=torch.float64),
-                torch.randn(4 * n, 1, generator=g, dtype=torch.float64)) for _ in range(3)]
-    ref = build()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9)
-    for x, y in batches:
-        ref_opt.zero_grad()
-        torch.nn.functional.mse_loss(ref(x), y).backward()
-        ref_opt.step()
-    model = build()
-    mesh = init_device_mesh("cpu", (n,))
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
-    for x, y in batches:
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x[4 * r:4 * r + 4]), y[4 * r:4 * r + 4]).backward()
-        opt.step()
-    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+    got, want = train_fsdp_and_reference(init_device_mesh("cpu", (n,)), r, n, outputs=1)
+    for p, q in zip(got, want, strict=True):
         chunks = torch.chunk(q.detach(), n, dim=0)  # FSDP2's split of dim 0; a short one leaves ranks empty
         mine = chunks[r] if r < len(chunks) else q.detach()[:0]
         np.testing.assert_allclose(p.to_local().detach().numpy(), mine.numpy(), rtol=1e-12, atol=1e-14)

@@ -136,3 +136,131 @@ def test_device_mesh_2d():
     dist.all_reduce(t, group=dp)
     assert t.item() == {0: 2.0, 2: 2.0, 1: 4.0, 3: 4.0}[r]  # columns: [0, 2], [1, 3]
     assert mesh["tp"].get_local_rank() == r % 2 and mesh["dp"].get_local_rank() == r // 2
+
+
+# --- the dispatcher's collectives: DTensor, tensor parallelism, HSDP, torch.compile -------------------------
+
+
+def _dense(seed: int, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def test_functional_collectives_against_numpy():
+    """``torch.distributed._functional_collectives`` (what DTensor and torch.compile call) on the world,
+    on a mesh dimension and on a gloo group of the same job: unison's kernels for CPU tensors."""
+    import torch.distributed._functional_collectives as fc
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from unison.torch_backend import process_group_functional
+
+    assert process_group_functional.installed()
+    r, n = dist.get_rank(), dist.get_world_size()
+    every = np.stack([_values(k).numpy() for k in range(n)])
+    np.testing.assert_allclose(fc.all_reduce(_values(r), "sum", dist.group.WORLD).numpy(), every.sum(0))
+    np.testing.assert_allclose(fc.all_reduce(_values(r), "max", dist.group.WORLD).numpy(), every.max(0))
+    got = fc.all_gather_single(_values(r).reshape(2, 3), 0, dist.group.WORLD)
+    np.testing.assert_allclose(got.numpy(), every.reshape(n * 2, 3))
+    got = fc.reduce_scatter_single(_values(r, 8), "sum", 0, dist.group.WORLD)
+    summed = np.stack([_values(k, 8).numpy() for k in range(n)]).sum(0)
+    np.testing.assert_allclose(got.numpy(), summed[2 * r:2 * r + 2])
+    splits = [1, 2, 0, 3]  # rank r sends splits[d] rows to rank d; so it receives splits[r] from everyone
+    rows = torch.stack([torch.full((2,), 10.0 * r + d) for d in range(n) for _ in range(splits[d])])
+    got = fc.all_to_all_single(rows, [splits[r]] * n, splits, dist.group.WORLD)
+    want = np.stack([np.full(2, 10.0 * k + r) for k in range(n) for _ in range(splits[r])]) if splits[r] else None
+    if want is not None:
+        np.testing.assert_allclose(got.numpy(), want)
+    else:
+        assert fc.wait_tensor(got).numel() == 0
+    np.testing.assert_allclose(fc.broadcast(_values(r), 3, dist.group.WORLD).numpy(), _values(3).numpy())
+    outs = fc.all_reduce_coalesced([_values(r), _values(r, 3)], "sum", dist.group.WORLD)
+    np.testing.assert_allclose(outs[0].numpy(), every.sum(0))
+    np.testing.assert_allclose(outs[1].numpy(), every[:, :3].sum(0))
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    got = fc.all_reduce(_values(r), "sum", (mesh, 1))  # the tp dimension: rows [0, 1], [2, 3]
+    pair = [0, 1] if r < 2 else [2, 3]
+    np.testing.assert_allclose(got.numpy(), sum(_values(k).numpy() for k in pair))
+
+    gloo = dist.new_group(backend="gloo")  # another backend's group keeps working through the same kernels
+    np.testing.assert_allclose(fc.all_reduce(_values(r), "sum", gloo).numpy(), every.sum(0))
+    got = fc.all_gather_single(_values(r), 0, gloo)
+    np.testing.assert_allclose(got.numpy(), every.reshape(-1))
+
+
+def test_dtensor_matmuls_equal_the_dense_ones():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+
+    n = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (n,))
+    a, b = _dense(1, 8, 6), _dense(2, 6, 4)
+    d = distribute_tensor(a, mesh, [Shard(0)])
+    assert d.to_local().shape == (2, 6)
+    np.testing.assert_array_equal(d.redistribute(mesh, [Replicate()]).to_local().numpy(), a.numpy())
+    rowwise = distribute_tensor(a, mesh, [Shard(0)]) @ distribute_tensor(b, mesh, [Replicate()])
+    np.testing.assert_allclose(rowwise.full_tensor().numpy(), (a @ b).numpy(), rtol=1e-12)
+    partial = distribute_tensor(a, mesh, [Shard(1)]) @ distribute_tensor(b, mesh, [Shard(0)])
+    assert partial.placements == (Partial("sum"),)
+    np.testing.assert_allclose(partial.redistribute(mesh, [Shard(0)]).full_tensor().numpy(), (a @ b).numpy(),
+                               rtol=1e-12)  # a reduce-scatter
+    mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    c = distribute_tensor(a, mesh2, [Shard(0), Shard(1)]) @ distribute_tensor(b, mesh2, [Replicate(), Shard(0)])
+    np.testing.assert_allclose(c.full_tensor().numpy(), (a @ b).numpy(), rtol=1e-12)
+
+
+def test_tensor_parallel_mlp_equals_the_dense_one():
+    """``parallelize_module`` (column-wise then row-wise Linear) on the mesh's tp dimension: forward and
+    gradients equal the unsharded model's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(7)
+        return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)).double()
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x = _dense(3, 5, 6)
+    ref, model = build(), build()
+    ref(x).pow(2).sum().backward()
+    tp = parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    out = tp(x)
+    np.testing.assert_allclose(out.detach().numpy(), ref(x).detach().numpy(), rtol=1e-12)
+    out.pow(2).sum().backward()
+    for p, q in zip(tp.parameters(), ref.parameters(), strict=True):
+        np.testing.assert_allclose(p.grad.full_tensor().numpy(), q.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_hsdp_on_a_2d_mesh_equals_one_process():
+    """FSDP2 with a 2-D mesh (replicate over dp, shard over tp): an all-reduce and reduce-scatters per step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch_fsdp_case import train_fsdp_and_reference
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    got, want = train_fsdp_and_reference(mesh, r, n, outputs=2)
+    for p, q in zip(got, want, strict=True):
+        np.testing.assert_allclose(p.full_tensor().detach().numpy(), q.detach().numpy(), rtol=1e-11, atol=1e-13)
+
+
+def test_functional_collective_under_torch_compile():
+    """A compiled function (``aot_eager``: no C++ compiler needed) whose graph holds a functional all-reduce."""
+    import torch.distributed._functional_collectives as fc
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    world = dist.group.WORLD
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return fc.all_reduce(x * 2, "sum", world) + 1
+
+    got = step(_values(r))
+    np.testing.assert_allclose(got.numpy(), 2 * sum(_values(k).numpy() for k in range(n)) + 1)
+
+
+def test_functional_collective_mismatch_raises_on_every_rank():
+    import torch.distributed._functional_collectives as fc
+
+    r = dist.get_rank()
+    with pytest.raises(Exception, match="(?i)mismatch|shape"):
+        fc.all_reduce(torch.ones(3 if r == 0 else 4, dtype=torch.float64), "sum", dist.group.WORLD).wait()
+    np.testing.assert_allclose(fc.all_reduce(torch.ones(2), "sum", dist.group.WORLD).numpy(), [4.0, 4.0])

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import io
 import json
 import logging
 import os
@@ -405,8 +406,11 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException,
     """Print the traceback, then abort the MPI job so no other rank waits forever."""
     s = _state
     head = f"[unison] rank {s.rank} of {s.size} failed; aborting the job:\n" if s else ""
-    sys.stderr.write(head + "".join(traceback.format_exception(exc_type, exc, tb)))
-    sys.stderr.flush()
+    # torch.distributed's own hook captures stderr in a StringIO around ours and prints it after we
+    # return: we abort before that, so write such a capture's text to the process's stderr.
+    out = sys.__stderr__ if isinstance(sys.stderr, io.StringIO) and sys.__stderr__ is not None else sys.stderr
+    out.write(head + "".join(traceback.format_exception(exc_type, exc, tb)))
+    out.flush()
     mpi = _import_mpi()
     if mpi is not None and s is not None and s.size > 1 and not issubclass(exc_type, KeyboardInterrupt):
         mpi.COMM_WORLD.Abort(1)

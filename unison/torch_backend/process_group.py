@@ -41,6 +41,7 @@ import torch.distributed as dist
 from unison.common import runtime
 from unison.common.engine import frontend
 from unison.common.ops import Average, Max, Min, Product, Sum
+from unison.torch_backend import process_group_functional as functional
 from unison.torch_backend.process_group_sub import CommOps, create_sub_communicator
 from unison.torch_backend.process_group_work import P2PWork, collective_work, copy_into, host
 
@@ -278,6 +279,7 @@ def _create(opts: Any, backend_options: Any = None) -> UnisonProcessGroup:
     against MPI's, or a sub-group on the members' own communicator (see process_group_sub.py)."""
     from unison.torch_backend import basics
 
+    functional.install()  # DTensor & co. call the dispatcher's collectives (see process_group_functional.py)
     rank, world_size = opts.group_rank, opts.group_size
     members = list(opts.global_ranks_in_group)
     if not runtime.is_initialized():
