@@ -264,3 +264,36 @@ def test_functional_collective_mismatch_raises_on_every_rank():
     with pytest.raises(Exception, match="(?i)mismatch|shape"):
         fc.all_reduce(torch.ones(3 if r == 0 else 4, dtype=torch.float64), "sum", dist.group.WORLD).wait()
     np.testing.assert_allclose(fc.all_reduce(torch.ones(2), "sum", dist.group.WORLD).numpy(), [4.0, 4.0])
+
+
+def test_fsdp2_with_tensor_parallelism_on_a_2d_mesh_equals_one_process():
+    """2-D parallelism as PyTorch's tutorials build it: ``parallelize_module`` over tp, then ``fully_shard``
+    over dp; each dp group trains on its rows of the global batch; weights equal one process after 3 steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    r = dist.get_rank()
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(9)
+        return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+
+    batches = [(_dense(30 + s, 8, 6), _dense(40 + s, 8, 3)) for s in range(3)]
+    ref = build()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for x, y in batches:
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(build(), mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    rows = slice(4 * (r // 2), 4 * (r // 2) + 4)  # dp rank = r // 2 on a (dp, tp) mesh of 4
+    for x, y in batches:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        opt.step()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        np.testing.assert_allclose(p.full_tensor().detach().numpy(), q.detach().numpy(), rtol=1e-10, atol=1e-12)
