@@ -153,6 +153,40 @@ def test_broadcast_every_root(dtype, algorithm):
             check_close(got, want.astype(np.float64) if dtype != np.bool_ else want, dtype, exact=True)
 
 
+BITWISE = {unison.Band: (np.bitwise_and, np.logical_and), unison.Bor: (np.bitwise_or, np.logical_or),
+           unison.Bxor: (np.bitwise_xor, np.logical_xor)}
+
+
+@pytest.mark.parametrize("algorithm", ALGOS)
+@pytest.mark.parametrize("dtype", INTS + [np.dtype(np.uint16), np.dtype(np.bool_)], ids=str)
+@pytest.mark.parametrize("op", list(BITWISE), ids=repr)
+def test_allreduce_bitwise(op, dtype, algorithm):
+    """Band/Bor/Bxor (torch.distributed's BAND/BOR/BXOR) over every bit pattern of the dtype, every algorithm."""
+    def bits(rank: int, i: int, shape: tuple[int, ...]) -> np.ndarray:
+        rng = np.random.default_rng([77 + i, rank])
+        if dtype == np.bool_:
+            return rng.integers(0, 2, size=shape).astype(bool)
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True)
+
+    for i, shape in enumerate(SHAPES):
+        got = C.allreduce(bits(R, i, shape), op=op, algorithm=algorithm, name=f"b{i}")
+        fn = BITWISE[op][1 if dtype == np.bool_ else 0]
+        want = bits(0, i, shape)
+        for r in range(1, N):
+            want = fn(want, bits(r, i, shape))
+        assert got.dtype == dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+        assert_same_on_all_ranks(got)
+
+
+def test_bitwise_op_on_floats_refused_on_every_rank():
+    with pytest.raises(unison.CollectiveError, match="bitwise.*integer"):
+        C.allreduce(np.ones(4, np.float32), op=unison.Bxor)
+    with pytest.raises(unison.CollectiveError, match="cannot scale a bitwise"):
+        C.allreduce(np.ones(4, np.int32), op=unison.Band, prescale_factor=2.0)
+
+
 @pytest.mark.parametrize("algorithm", ["auto", "ring", "mpi"])
 @pytest.mark.parametrize("dtype", ALL, ids=str)
 @pytest.mark.parametrize("op", [unison.Sum, unison.Average, unison.Max], ids=repr)

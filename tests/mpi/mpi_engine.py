@@ -168,6 +168,24 @@ def test_join_with_uneven_step_counts():
     np.testing.assert_array_equal(unison.allreduce(np.ones(2), op=unison.Sum, name="after.join"), [N, N])
 
 
+def test_join_contributes_each_ops_identity():
+    """A joined rank adds the op's identity: Product 1, Min +max, Max -max, Band all bits, Bor/Bxor 0."""
+    ops = [unison.Sum, unison.Product, unison.Min, unison.Max, unison.Band, unison.Bor, unison.Bxor]
+    mine = np.array([0b0110 + R, -3 - R, 5 * R + 1], np.int64)
+    if R == N - 1:  # the last rank joins at once; the others reduce without it
+        assert 0 <= unison.join() < N
+        return
+    got = [unison.allreduce(mine, op=op, name=f"ident.{op.name}") for op in ops]
+    live = [np.array([0b0110 + r, -3 - r, 5 * r + 1], np.int64) for r in range(N - 1)]
+    fns = [np.add, np.multiply, np.minimum, np.maximum, np.bitwise_and, np.bitwise_or, np.bitwise_xor]
+    for op, fn, res in zip(ops, fns, got, strict=True):
+        want = live[0]
+        for arr in live[1:]:
+            want = fn(want, arr)
+        np.testing.assert_array_equal(res, want, err_msg=repr(op))
+    assert 0 <= unison.join() < N
+
+
 def _refused_while_rank0_joined(calls, caplog):
     """Rank 0 joins; every other rank makes ``calls``: each must raise JoinError, then join.
 

@@ -55,6 +55,41 @@ def test_all_reduce(op, reduce, async_op):
     np.testing.assert_allclose(t.numpy(), want, rtol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool], ids=str)
+def test_all_reduce_bitwise(dtype):
+    r, n = _rank_size()
+    rng = np.random.default_rng
+    if dtype == torch.bool:
+        mine = [rng([5, k]).integers(0, 2, 6).astype(bool) for k in range(n)]
+        fns = {dist.ReduceOp.BAND: np.logical_and, dist.ReduceOp.BOR: np.logical_or,
+               dist.ReduceOp.BXOR: np.logical_xor}
+    else:
+        info = np.iinfo(torch.empty(0, dtype=dtype).numpy().dtype)
+        mine = [rng([5, k]).integers(info.min, info.max, 6, endpoint=True).astype(info.dtype) for k in range(n)]
+        fns = {dist.ReduceOp.BAND: np.bitwise_and, dist.ReduceOp.BOR: np.bitwise_or,
+               dist.ReduceOp.BXOR: np.bitwise_xor}
+    for op, fn in fns.items():
+        t = torch.from_numpy(mine[r].copy())
+        dist.all_reduce(t, op=op)
+        want = mine[0]
+        for k in range(1, n):
+            want = fn(want, mine[k])
+        np.testing.assert_array_equal(t.numpy(), want)
+
+
+@pytest.mark.parametrize("factor", [0.5, torch.tensor(3.0, dtype=torch.float64)], ids=["float", "tensor"])
+def test_premul_sum_all_reduce_and_reduce_scatter(factor):
+    r, n = _rank_size()
+    scale = float(factor)
+    t = _values(r)
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(factor))
+    np.testing.assert_allclose(t.numpy(), scale * sum(_values(k).numpy() for k in range(n)), rtol=1e-12)
+    out = torch.empty(2, dtype=torch.float64)
+    dist.reduce_scatter_single(out, _values(r, (2 * n,)), op=dist._make_nccl_premul_sum(factor))
+    full = scale * sum(_values(k, (2 * n,)).numpy() for k in range(n))
+    np.testing.assert_allclose(out.numpy(), full[2 * r:2 * r + 2], rtol=1e-12)
+
+
 def test_all_reduce_integers_and_future():
     r, n = _rank_size()
     t = torch.full((4,), r + 1, dtype=torch.int64)
@@ -122,8 +157,10 @@ def test_barrier_and_many_async_ops_in_flight():
 
 def test_errors_reach_wait_on_every_rank():
     r, n = _rank_size()
-    with pytest.raises(NotImplementedError, match="no reduce op"):
-        dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.BAND)
+    with pytest.raises(Exception, match="bitwise operation on integers"):  # BAND of floats: on every rank
+        dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND, async_op=True).wait()
+    with pytest.raises(ValueError, match="PREMUL_SUM scales floating-point"):
+        dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist._make_nccl_premul_sum(2.0))
     if n > 1:
         work = dist.all_reduce(torch.ones(r + 2), async_op=True)  # shapes differ per rank
         with pytest.raises(Exception, match="(?i)shape|mismatch"):

@@ -110,6 +110,25 @@ def test_rooted_and_point_to_point_in_an_ordered_group(pairs):
         np.testing.assert_allclose(red.numpy(), (_values(1) + _values(3)).numpy())
 
 
+def test_bitwise_and_premul_sum_inside_pairs(pairs):
+    r = dist.get_rank()
+    group, members = _mine(pairs)
+    bits = {m: torch.tensor([0b1100 | m, 0b0101 ^ m, -1 - m], dtype=torch.int64) for m in members}
+    for op, fn in ((dist.ReduceOp.BAND, np.bitwise_and), (dist.ReduceOp.BOR, np.bitwise_or),
+                   (dist.ReduceOp.BXOR, np.bitwise_xor)):
+        t = bits[r].clone()
+        dist.all_reduce(t, op=op, group=group)
+        np.testing.assert_array_equal(t.numpy(), fn(*(bits[m].numpy() for m in members)))
+    t = torch.tensor([True, False, True]) if r == members[0] else torch.tensor([True, True, False])
+    dist.all_reduce(t, op=dist.ReduceOp.BXOR, group=group)
+    assert t.tolist() == [False, True, True]
+    t = _values(r)
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.25), group=group)
+    np.testing.assert_allclose(t.numpy(), 0.25 * sum(_values(m).numpy() for m in members))
+    with pytest.raises(Exception, match="bitwise operation on integers"):
+        dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BOR, group=group, async_op=True).wait()
+
+
 def test_mismatched_tensors_raise_on_every_member(pairs):
     r = dist.get_rank()
     group, members = _mine(pairs)

@@ -69,9 +69,12 @@ def mpi_op(mpi: Any, dtype: np.dtype, op: ReduceOp) -> Any:
     if dtype == np.float16 or dtype == bfloat16:
         return _half_op(mpi, np.dtype(dtype), op)
     if dtype == np.bool_:
-        return mpi.LOR if op in (ReduceOp.SUM, ReduceOp.MAX) else mpi.LAND
+        if op is ReduceOp.BXOR:
+            return mpi.LXOR
+        return mpi.LOR if op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.BOR) else mpi.LAND
     return {ReduceOp.AVERAGE: mpi.SUM, ReduceOp.SUM: mpi.SUM, ReduceOp.MIN: mpi.MIN,
-            ReduceOp.MAX: mpi.MAX, ReduceOp.PRODUCT: mpi.PROD}[op]
+            ReduceOp.MAX: mpi.MAX, ReduceOp.PRODUCT: mpi.PROD, ReduceOp.BAND: mpi.BAND,
+            ReduceOp.BOR: mpi.BOR, ReduceOp.BXOR: mpi.BXOR}[op]
 
 
 def allreduce(comm: Any, mpi: Any, inp: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 
 from unison.common.dtypes import is_bool, is_float
 from unison.common.exceptions import CollectiveError
-from unison.common.ops import ReduceOp
+from unison.common.ops import BITWISE, ReduceOp
 
 __all__ = ["reducer", "check_op", "prescale", "finalize", "accumulator", "reduce_stack"]
 
@@ -35,12 +35,18 @@ _FLOAT_UFUNCS = {
     ReduceOp.MIN: np.minimum,
     ReduceOp.MAX: np.maximum,
     ReduceOp.PRODUCT: np.multiply,
+    ReduceOp.BAND: np.bitwise_and,  # integers only (check_op)
+    ReduceOp.BOR: np.bitwise_or,
+    ReduceOp.BXOR: np.bitwise_xor,
 }
 _BOOL_UFUNCS = {
     ReduceOp.SUM: np.logical_or,
     ReduceOp.MAX: np.logical_or,
     ReduceOp.MIN: np.logical_and,
     ReduceOp.PRODUCT: np.logical_and,
+    ReduceOp.BAND: np.logical_and,
+    ReduceOp.BOR: np.logical_or,
+    ReduceOp.BXOR: np.logical_xor,
 }
 
 
@@ -53,6 +59,13 @@ def check_op(dtype: np.dtype, op: ReduceOp, prescale_factor: float, postscale_fa
     if op is ReduceOp.ADASUM and not is_float(dtype):
         raise CollectiveError(f"op=unison.Adasum combines floating-point gradients; got dtype {np.dtype(dtype)}. "
                               "Cast the array to float32, or use unison.Sum / unison.Average")
+    if op in BITWISE:
+        if is_float(dtype) or np.dtype(dtype).kind == "c":
+            raise CollectiveError(f"op={op!r} is a bitwise operation on integers or bools; got dtype "
+                                  f"{np.dtype(dtype)}. Cast the array to an integer type, or use another op")
+        if prescale_factor != 1.0 or postscale_factor != 1.0:
+            raise CollectiveError(f"prescale_factor={prescale_factor} / postscale_factor={postscale_factor} "
+                                  f"cannot scale a bitwise op={op!r}; leave both at 1.0")
     if is_bool(dtype):
         if op is ReduceOp.AVERAGE:
             raise CollectiveError(

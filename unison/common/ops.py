@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum", "parse_op", "resolve_op", "is_adasum"]
+__all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum", "Band", "Bor", "Bxor", "BITWISE",
+           "parse_op", "resolve_op", "is_adasum"]
 
 
 class ReduceOp(enum.IntEnum):
@@ -16,6 +17,9 @@ class ReduceOp(enum.IntEnum):
     MAX = 3
     PRODUCT = 4
     ADASUM = 5  # Horovod's scale-invariant combination (unison.collectives.adasum)
+    BAND = 6  # bitwise and/or/xor of integers (logical ones of bools), as torch.distributed's ReduceOp
+    BOR = 7
+    BXOR = 8
 
     def __repr__(self) -> str:
         return f"unison.{self.name.capitalize()}"
@@ -27,6 +31,12 @@ Min = ReduceOp.MIN
 Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
 Adasum = ReduceOp.ADASUM
+Band = ReduceOp.BAND
+Bor = ReduceOp.BOR
+Bxor = ReduceOp.BXOR
+
+#: The ops defined on integers and bools only.
+BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
 
 
 def parse_op(op: object) -> ReduceOp:

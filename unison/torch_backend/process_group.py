@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from unison.common import runtime
 from unison.common.engine import frontend
-from unison.common.ops import Average, Max, Min, Product, Sum
+from unison.common.ops import Average, Band, Bor, Bxor, Max, Min, Product, Sum
 from unison.torch_backend import process_group_functional as functional
 from unison.torch_backend.process_group_sub import CommOps, create_sub_communicator
 from unison.torch_backend.process_group_work import P2PWork, collective_work, copy_into, host
@@ -52,15 +52,30 @@ logger = logging.getLogger(__name__)
 BACKEND = "unison"
 
 _OPS = {dist.ReduceOp.SUM: Sum, dist.ReduceOp.AVG: Average, dist.ReduceOp.PRODUCT: Product,
-        dist.ReduceOp.MIN: Min, dist.ReduceOp.MAX: Max}
+        dist.ReduceOp.MIN: Min, dist.ReduceOp.MAX: Max, dist.ReduceOp.BAND: Band, dist.ReduceOp.BOR: Bor,
+        dist.ReduceOp.BXOR: Bxor}
 
 
-def _op(reduce_op: Any) -> Any:
+def _op(reduce_op: Any) -> tuple[Any, float | None]:
+    """(Unison's op, the PREMUL_SUM factor or None) of PyTorch's ``reduce_op``."""
+    if reduce_op == dist.ReduceOp.PREMUL_SUM:  # dist._make_nccl_premul_sum(factor): sum of factor * x
+        factor = reduce_op.__getstate__()[1]
+        return Sum, float(factor.item() if isinstance(factor, torch.Tensor) else factor)
     for theirs, ours in _OPS.items():
         if reduce_op == theirs:
-            return ours
+            return ours, None
     raise NotImplementedError(f"the unison backend has no reduce op {reduce_op}; it supports SUM, AVG, "
-                              "PRODUCT, MIN and MAX")
+                              "PRODUCT, MIN, MAX, PREMUL_SUM (floating point) and BAND, BOR, BXOR (integers)")
+
+
+def _premul(arr: np.ndarray, factor: float | None) -> np.ndarray:
+    """``arr`` times a PREMUL_SUM factor (a new array, same dtype), or ``arr`` itself."""
+    if factor is None:
+        return arr
+    if arr.dtype.kind not in "fV":
+        raise ValueError(f"PREMUL_SUM scales floating-point tensors; got dtype {arr.dtype}. Use SUM, or cast "
+                         "the tensor to a floating-point dtype")
+    return (arr.astype(np.float64) * factor).astype(arr.dtype)
 
 
 def _into(targets: list[torch.Tensor], keep: bool = True) -> Callable[[list[Any]], list[torch.Tensor]]:
@@ -118,8 +133,8 @@ class UnisonProcessGroup(dist.ProcessGroup):
 
     # ----------------------------------------------------------- reductions
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        handles = [self._ops.allreduce_async(host(t, "allreduce"), op) for t in tensors]
+        op, factor = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        handles = [self._ops.allreduce_async(_premul(host(t, "allreduce"), factor), op) for t in tensors]
 
         return collective_work(handles, _into(tensors))
 
@@ -128,11 +143,11 @@ class UnisonProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
                        opts: Any = None) -> dist.Work:
-        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        op, factor = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         handles = []
         for out, pieces in zip(outputs, inputs, strict=True):
             self._check_pieces(pieces, out, "reduce_scatter")
-            stacked = np.stack([host(p, "reduce_scatter") for p in pieces])
+            stacked = _premul(np.stack([host(p, "reduce_scatter") for p in pieces]), factor)
             handles.append(self._ops.reducescatter_async(stacked, op))
 
         return collective_work(handles, _into(outputs))
@@ -200,8 +215,8 @@ class UnisonProcessGroup(dist.ProcessGroup):
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """An all-reduce whose result only the root keeps (the engine fuses and pipelines it)."""
         root = opts.rootRank if opts is not None else 0
-        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        handles = [self._ops.allreduce_async(host(t, "reduce"), op) for t in tensors]
+        op, factor = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        handles = [self._ops.allreduce_async(_premul(host(t, "reduce"), factor), op) for t in tensors]
 
         return collective_work(handles, _into(tensors, self._rank == root))
 

@@ -23,8 +23,10 @@ from typing import Any
 
 import numpy as np
 
+from unison.collectives.native import mpi_op
+from unison.collectives.reduce import check_op
 from unison.common.exceptions import MismatchError
-from unison.common.ops import Average, Max, Min, Product, Sum
+from unison.common.ops import Average, ReduceOp, Sum
 
 __all__ = ["CommOps", "create_sub_communicator"]
 
@@ -54,7 +56,7 @@ class _Pending:
 
 
 def _name(op: Any) -> str:
-    return {Sum: "Sum", Average: "Average", Product: "Product", Min: "Min", Max: "Max"}.get(op, str(op))
+    return op.name.capitalize() if isinstance(op, ReduceOp) else str(op)
 
 
 def _wide(arr: np.ndarray) -> np.ndarray:
@@ -71,7 +73,6 @@ class CommOps:
 
         self.comm, self.mpi = comm, MPI
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
-        self._ops = {Sum: MPI.SUM, Average: MPI.SUM, Product: MPI.PROD, Min: MPI.MIN, Max: MPI.MAX}
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"unison-pg-{name}")
 
     def _submit(self, fn: Callable[..., Any], *args: Any) -> _Pending:
@@ -95,9 +96,10 @@ class CommOps:
 
     def _allreduce(self, arr: np.ndarray, op: Any) -> np.ndarray:
         self._agree(f"allreduce/{_name(op)}", arr, arr.shape)
+        check_op(arr.dtype, op, 1.0, 1.0)  # after the agreement: every member raises alike
         send = np.ascontiguousarray(_wide(arr))
         out = np.empty_like(send)
-        self.comm.Allreduce(send, out, op=self._ops[op])
+        self.comm.Allreduce(send, out, op=mpi_op(self.mpi, send.dtype, op))
         if op is Average:
             out = out / self.size if out.dtype.kind == "f" else out // self.size
         return out.astype(arr.dtype, copy=False)
@@ -127,9 +129,10 @@ class CommOps:
     def _reducescatter(self, stacked: np.ndarray, op: Any) -> np.ndarray:
         """``stacked``: one piece per member along axis 0; returns this member's reduced piece."""
         self._agree(f"reducescatter/{_name(op)}", stacked, stacked.shape)
+        check_op(stacked.dtype, op, 1.0, 1.0)
         send = np.ascontiguousarray(_wide(stacked))
         out = np.empty(send.shape[1:], send.dtype)
-        self.comm.Reduce_scatter_block(send, out, op=self._ops[op])
+        self.comm.Reduce_scatter_block(send, out, op=mpi_op(self.mpi, send.dtype, op))
         if op is Average:
             out = out / self.size if out.dtype.kind == "f" else out // self.size
         return out.astype(stacked.dtype, copy=False)

@@ -39,6 +39,8 @@ __all__ = [
 
 _counters: collections.Counter[str] = collections.Counter()
 #: dtypes whose every op is valid (bool refuses Average, so it takes the checked path)
+# ops the fast path may submit unchecked (Adasum and the bitwise ops have rules: checks() below)
+_FAST_OPS = frozenset({ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT})
 _FAST_DTYPES = frozenset(dt for dt in SUPPORTED_DTYPES if dt != np.bool_)
 
 
@@ -183,7 +185,7 @@ def allreduce_async(tensor: Any, op: Any = Average, name: str | None = None,
     if (st is not None and type(tensor) is np.ndarray and type(op) is ReduceOp and out is None
             and process_set is None and compression is Compression.none and algorithm == "auto"
             and prescale_factor == 1.0 and postscale_factor == 1.0 and tensor.flags.c_contiguous
-            and tensor.dtype in _FAST_DTYPES and op is not ReduceOp.ADASUM):  # the common case, kept cheap
+            and tensor.dtype in _FAST_DTYPES and op in _FAST_OPS):  # the common case, kept cheap
         eng = st.cache.get("engine")
         if eng is not None:
             name = _auto_name("allreduce", None) if name is None else str(name)  # global set here

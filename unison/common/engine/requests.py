@@ -116,8 +116,10 @@ def identity_like(sig: Signature) -> np.ndarray:
     dtype = dtype_from_code(sig.dtype)
     arr = np.zeros(sig.shape, dtype=dtype)
     op = sig.op
-    if op == ReduceOp.PRODUCT or (op == ReduceOp.MIN and dtype == np.bool_):
+    if op == ReduceOp.PRODUCT or (op in (ReduceOp.MIN, ReduceOp.BAND) and dtype == np.bool_):
         arr[...] = 1
+    elif op == ReduceOp.BAND:  # every bit set
+        arr[...] = -1 if np.issubdtype(dtype, np.signedinteger) else np.iinfo(dtype).max
     elif op == ReduceOp.MIN:
         arr[...] = np.inf if is_float(dtype) else np.iinfo(dtype).max
     elif op == ReduceOp.MAX and dtype != np.bool_:
