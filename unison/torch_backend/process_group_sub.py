@@ -91,10 +91,10 @@ class CommOps:
                                 f"at the same step ({listing}); every member must pass tensors of the same "
                                 "dtype and shape")
 
-    def allreduce_async(self, tensor: Any, op: Any = Sum) -> _Pending:
-        return self._submit(self._allreduce, np.asarray(tensor), op)
+    def allreduce_async(self, tensor: Any, op: Any = Sum, out: np.ndarray | None = None) -> _Pending:
+        return self._submit(self._allreduce, np.asarray(tensor), op, out)
 
-    def _allreduce(self, arr: np.ndarray, op: Any) -> np.ndarray:
+    def _allreduce(self, arr: np.ndarray, op: Any, into: np.ndarray | None = None) -> np.ndarray:
         self._agree(f"allreduce/{_name(op)}", arr, arr.shape)
         check_op(arr.dtype, op, 1.0, 1.0)  # after the agreement: every member raises alike
         send = np.ascontiguousarray(_wide(arr))
@@ -102,6 +102,9 @@ class CommOps:
         self.comm.Allreduce(send, out, op=mpi_op(self.mpi, send.dtype, op))
         if op is Average:
             out = out / self.size if out.dtype.kind == "f" else out // self.size
+        if into is not None:
+            np.copyto(into, out, casting="unsafe")
+            return into
         return out.astype(arr.dtype, copy=False)
 
     def broadcast_async(self, tensor: Any, root_rank: int = 0) -> _Pending:
