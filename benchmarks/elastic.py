@@ -1,8 +1,8 @@
-"""What losing a rank costs: Unison's in-place elastic recovery against torchrun's restart.
+"""What losing a rank costs: Unison's in-place recovery and its restart tier against torchrun's restart.
 
     python benchmarks/elastic.py --json elastic.json --png docs/benchmarks/elastic_timeline.png
 
-Runs ``benchmarks/elastic_worker.py`` twice on 3 local ranks, the same model (the torch
+Runs ``benchmarks/elastic_worker.py`` once per impl on 3 local ranks, the same model (the torch
 benchmark MLP, ~20M parameters), batch and schedule: a commit every ``--commit-every`` steps,
 rank 2 SIGKILLed before step ``--kill-at``.
 
@@ -11,8 +11,9 @@ rank 2 SIGKILLed before step ``--kill-at``.
 * ``torchrun`` (the anchor): ``torch.distributed.run --standalone --nproc-per-node=3
   --max-restarts=3 --monitor-interval=0.1``, gloo, DDP, a checkpoint file at every commit;
   torchrun stops the survivors and starts 3 new workers, which load the checkpoint.
-* ``unison-restart`` (a restart by ``unisonrun`` from the buddy copies): not built yet, so its
-  target line says MISS.
+* ``unison-restart``: ``unisonrun -np 3 --elastic-mode restart`` (no ULFM): every commit is also
+  written to each host's disk in the background; the kill ends the MPI job; ``unisonrun``'s
+  driver starts a new one on 3 ranks, which resumes from the newest commit on disk.
 
 Measured from the workers' event logs (wall-clock times of every step on every process):
 recovery = seconds from the kill to the next completed step; steps lost = the kill's step minus
@@ -136,9 +137,17 @@ def _worker_args(mode: str, out: Path, args: argparse.Namespace) -> list[str]:
             "--kill-at", str(args.kill_at), "--world", str(args.np), "--batch", str(args.batch)]
 
 
+IMPLS = ("unison-inplace", "unison-restart", "torchrun")
+
+
+def _mode(impl: str) -> str:
+    return "torchrun" if impl == "torchrun" else "unison"
+
+
 def command(impl: str, out: Path, args: argparse.Namespace) -> list[str]:
-    if impl == "unison-inplace":
-        return [sys.executable, "-m", "unison.run", "-np", str(args.np), "--elastic", sys.executable,
+    if impl.startswith("unison"):
+        tier = "--elastic-mode=inplace" if impl == "unison-inplace" else "--elastic-mode=restart"
+        return [sys.executable, "-m", "unison.run", "-np", str(args.np), tier, sys.executable,
                 *_worker_args("unison", out, args)]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.np}",
             "--max-restarts=3", "--monitor-interval=0.1", *_worker_args("torchrun", out, args)]
@@ -157,9 +166,8 @@ def run_impl(impl: str, args: argparse.Namespace, scratch: Path) -> Record | Non
     except subprocess.TimeoutExpired as exc:
         status, output = 124, f"timed out after {args.timeout} s: {exc}"
     wall = time.monotonic() - begin
-    mode = "unison" if impl == "unison-inplace" else "torchrun"
     try:
-        return analyse(impl, _events(out, mode), args, wall, status)
+        return analyse(impl, _events(out, _mode(impl)), args, wall, status)
     except RuntimeError as error:
         print(f"{impl} FAILED: {error}\n{output[-3000:]}", flush=True)
         return None
@@ -192,7 +200,18 @@ def target_lines(records: list[Record], args: argparse.Namespace) -> list[str]:
                      f"{_verdict(ratio <= RECOVERY_RATIO)}")
     else:
         lines.append("  in-place recovery / torchrun recovery = n/a (a run failed)  MISS")
-    lines.append("  restart-tier recovery / torchrun recovery = n/a: the restart tier is not built yet  MISS")
+    restart = by.get("unison-restart")
+    if restart and theirs:
+        ratio = restart.recovery_s / theirs.recovery_s
+        lines.append(f"  restart-tier recovery / torchrun recovery = {restart.recovery_s:.3f} s / "
+                     f"{theirs.recovery_s:.3f} s = {ratio:.3f}  (target <= 1.0)  {_verdict(ratio <= 1.0)}")
+        lines.append(f"  restart-tier work lost = {restart.steps_lost} steps  (target <= one commit interval, "
+                     f"{args.commit_every})  {_verdict(restart.steps_lost <= args.commit_every)}")
+        lines.append(f"  restart-tier commit overhead = {restart.commit_fraction * 100:.2f}% of step time "
+                     f"(commits also written to disk)  (target <= {COMMIT_FRACTION * 100:.0f}%)  "
+                     f"{_verdict(restart.commit_fraction <= COMMIT_FRACTION)}")
+    else:
+        lines.append("  restart-tier recovery / torchrun recovery = n/a (a run failed or was not asked for)  MISS")
     if mine:
         lines.append(f"  unison work lost = {mine.steps_lost} steps  (target <= one commit interval, "
                      f"{args.commit_every})  {_verdict(mine.steps_lost <= args.commit_every)}")
@@ -212,8 +231,7 @@ def write_png(path: Path, scratch: Path, records: list[Record]) -> None:
 
     fig, axes = plt.subplots(len(records), 1, figsize=(11, 2.2 + 1.1 * len(records)), squeeze=False)
     for ax, rec in zip(axes[:, 0], records, strict=True):
-        mode = "unison" if rec.impl == "unison-inplace" else "torchrun"
-        events = _events(scratch / rec.impl, mode)
+        events = _events(scratch / rec.impl, _mode(rec.impl))
         t0 = min(e["t"] for e in events)
         lanes: dict[int, list[dict[str, Any]]] = defaultdict(list)
         for e in events:
@@ -243,8 +261,8 @@ def write_png(path: Path, scratch: Path, records: list[Record]) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--impls", default="unison-inplace,torchrun",
-                        help="comma list of unison-inplace, torchrun (default: both)")
+    parser.add_argument("--impls", default=",".join(IMPLS),
+                        help=f"comma list of {', '.join(IMPLS)} (default: all)")
     parser.add_argument("--np", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--commit-every", type=int, default=10)
@@ -256,9 +274,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keep-logs", type=Path, help="copy the workers' event logs here")
     args = parser.parse_args(argv)
     impls = [s for s in args.impls.split(",") if s]
-    bad = [s for s in impls if s not in ("unison-inplace", "torchrun")]
+    bad = [s for s in impls if s not in IMPLS]
     if bad or not impls:
-        parser.error(f"--impls {args.impls!r}: choose from unison-inplace, torchrun")
+        parser.error(f"--impls {args.impls!r}: choose from {', '.join(IMPLS)}")
     if not 0 < args.kill_at < args.steps or args.commit_every < 1 or args.np < 2:
         parser.error(f"need 0 < --kill-at ({args.kill_at}) < --steps ({args.steps}), --commit-every >= 1 "
                      f"and --np >= 2 (got {args.commit_every}, {args.np})")

@@ -67,13 +67,15 @@ def run_unison(args: argparse.Namespace, log: Log) -> None:
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
                                    named_parameters=model.named_parameters())
     state = elastic.TorchState(model, opt, step=0)
-    log("start", rank=hvd.rank(), size=hvd.size())
+    attempt = int(os.environ.get("UNISON_ELASTIC_ATTEMPT", "0"))  # unisonrun's elastic driver: jobs started before
+    log("start", rank=hvd.rank(), size=hvd.size(), attempt=attempt)
 
     @elastic.run
     def train(state: elastic.TorchState) -> None:
         x, y = synthetic_batch("mlp", args.batch, hvd.rank())
         while state.step < args.steps:
-            if state.step == args.kill_at and hvd.size() == args.world and hvd.rank() == args.victim:
+            if (state.step == args.kill_at and attempt == 0 and hvd.size() == args.world
+                    and hvd.rank() == args.victim):
                 _die(log, state.step)
             _step(model, opt, x, y)
             state.step += 1

@@ -44,16 +44,19 @@ def deal(processed: set[int], epoch: int, world: int) -> list[list[int]]:
     return [padded[r::world] for r in range(world)]
 
 
-def schedule() -> list[tuple[int, list[list[int]]]]:
-    """(epoch, every rank's batch) of each step that the surviving job keeps."""
-    last_commit = (job.KILL_AFTER // job.COMMIT_EVERY) * job.COMMIT_EVERY
+LAST_COMMIT = (job.KILL_AFTER // job.COMMIT_EVERY) * job.COMMIT_EVERY  # the last commit before the kill
+
+
+def schedule(before: int = 3, after: int = 2, cut: int = LAST_COMMIT) -> list[tuple[int, list[list[int]]]]:
+    """(epoch, every rank's batch) of each step that the job keeps: ``before`` ranks up to the commit
+    after step ``cut`` (by default the last commit before the kill), then ``after`` ranks."""
     steps = []
-    parts = deal(set(), 0, 3)
-    for b in range(last_commit):
+    parts = deal(set(), 0, before)
+    for b in range(cut):
         steps.append((0, [p[b * job.BS:(b + 1) * job.BS] for p in parts]))
     done = {i for _, batch in steps for rank in batch for i in rank}
     for epoch, processed in ((0, done), (1, set())):
-        parts = deal(processed, epoch, 2)
+        parts = deal(processed, epoch, after)
         for b in range(len(parts[0]) // job.BS):
             steps.append((epoch, [p[b * job.BS:(b + 1) * job.BS] for p in parts]))
     return steps
@@ -188,6 +191,64 @@ def test_a_killed_rank_ends_the_job_unless_elastic_recovers(tmp_path: Path, flag
     assert says in output, output[-4000:]
     if not flags:  # without ULFM a dead rank ends mpirun non-zero; with it, the exit status after the
         assert proc.returncode != 0, output[-4000:]  # survivors' MPI_Abort is Open MPI's policy (seen 0, once)
+
+
+# ------------------------------------------------------------------ unisonrun's elastic driver
+def _unisonrun(args: list[str], timeout: int, **env: str):
+    import subprocess
+
+    return subprocess.run([sys.executable, "-m", "unison.run", *args], capture_output=True, text=True,
+                          timeout=timeout, env=mpi_env(**env), cwd=ROOT, check=False)
+
+
+def _check_replay(ranks: list[dict], steps: list, detail: str, exactly_once: bool = True) -> None:
+    expected = reference_weights(steps)
+    for r in ranks:
+        assert [(e, batch) for e, _, _, batch in r["log"]] == steps, detail  # same commits and batches
+        for got, want in zip(r["weights"], expected, strict=True):
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-10)
+    assert all(r["weights"] == ranks[0]["weights"] for r in ranks)
+    if exactly_once:  # (a deal over a world that does not divide the rest pads it, as Horovod's sampler does)
+        epoch0 = [i for e, batch in steps if e == 0 for rank in batch for i in rank]
+        assert sorted(set(epoch0)) == list(range(job.N)) and len(epoch0) == job.N, detail  # none twice or skipped
+
+
+def test_restart_tier_resumes_every_rank_from_the_spilled_commit(tmp_path: Path) -> None:
+    """``unisonrun --elastic-mode restart`` (no ULFM): rank 2's SIGKILL ends the first job; the driver starts
+    a second one on 3 ranks, which resumes from the commit after step 4 that each host spilled to disk."""
+    proc = _unisonrun(["-np", "3", "--elastic-mode", "restart", "--max-restarts", "2", sys.executable, SCRIPT,
+                       str(tmp_path)], timeout=400)
+    detail = f"\nexit {proc.returncode}\n--- stderr ---\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0, detail
+    assert (tmp_path / "kill.json").exists(), detail
+    assert "starting job 1: 3 rank(s)" in proc.stderr and "resumed from commit 2" in proc.stderr, detail
+    ranks = _outcomes(tmp_path)
+    assert [(r["rank"], r["size"], r["attempt"]) for r in ranks] == [(0, 3, 1), (1, 3, 1), (2, 3, 1)], detail
+    assert all(r["resets"] == [] for r in ranks)  # new processes: no in-place reset
+    _check_replay(ranks, schedule(3, 3), detail)
+
+
+def test_discovered_host_slot_grows_the_job_at_the_next_commit(tmp_path: Path) -> None:
+    """A discovery script whose output goes from localhost:2 to localhost:3 mid-epoch: the job stops at the
+    next commit (status 76 on every rank), the driver starts it on 3 ranks and it carries on from that commit."""
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("localhost:2\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = _unisonrun(["--host-discovery-script", str(script), "--discovery-interval", "0.2", "--min-np", "2",
+                       "--skip-host-check", sys.executable, SCRIPT, str(out)], timeout=400,
+                      ELASTIC_GROW_FILE=str(hosts))
+    detail = f"\nexit {proc.returncode}\n--- stderr ---\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0, detail
+    assert "starting job 0: 2 rank(s) on localhost:2" in proc.stderr, detail
+    assert "the hosts changed" in proc.stderr and "starting job 1: 3 rank(s) on localhost:3" in proc.stderr, detail
+    ranks = _outcomes(out)
+    assert [(r["rank"], r["size"], r["attempt"]) for r in ranks] == [(0, 3, 1), (1, 3, 1), (2, 3, 1)], detail
+    cut = (job.GROW_AT // job.COMMIT_EVERY + 1) * job.COMMIT_EVERY  # the first commit after the new slot
+    _check_replay(ranks, schedule(2, 3, cut), detail, exactly_once=False)
 
 
 # ------------------------------------------------------------------ the launcher

@@ -11,6 +11,11 @@ weights, the global batches of every step it kept, its resets and their timings.
 With ``ELASTIC_SECOND_FAILURE=1`` (launched on 4 ranks) the last rank dies after step
 ``KILL_AFTER`` and then, while the 3 survivors run their reset callbacks (which all-reduce),
 rank 2 dies too: the 2 left must rebuild again and finish.
+
+Under ``unisonrun``'s elastic driver (``UNISON_ELASTIC_ATTEMPT`` set) the kill happens in the
+first job only. With ``ELASTIC_GROW_FILE=PATH`` nobody is killed: after step ``GROW_AT`` rank 0
+writes ``localhost:3`` to PATH (what the test's discovery script prints) and waits, so the
+driver sees the new slot and the commit after ``GROW_AT`` stops the job for a restart on 3.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from unison.torch_backend import elastic
 
 N, FEATURES, HIDDEN, BS, EPOCHS = 96, 8, 16, 4, 2
 COMMIT_EVERY, KILL_AFTER, SEED, LR, MOMENTUM = 2, 5, 3, 0.05, 0.9
+GROW_AT = 3
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,6 +62,8 @@ def main(out: str) -> None:
     state = elastic.TorchState(net, opt, sampler=sampler, epoch=0, step=0, log=[])
     resets: list[dict] = []
     second = os.environ.get("ELASTIC_SECOND_FAILURE") == "1"
+    grow = os.environ.get("ELASTIC_GROW_FILE")
+    first_job = os.environ.get("UNISON_ELASTIC_ATTEMPT", "0") == "0"
     start_size = hvd.size()
 
     def die_in_reset() -> None:
@@ -72,7 +80,14 @@ def main(out: str) -> None:
     def train(state: elastic.TorchState) -> None:
         while state.epoch < EPOCHS:
             for b in range(len(state.sampler) // BS):
-                if state.step == KILL_AFTER and hvd.size() == start_size and hvd.rank() == start_size - 1:
+                if grow and state.step == GROW_AT and hvd.size() == 2 and hvd.rank() == 0:
+                    with open(grow, "w") as f:
+                        f.write("localhost:3\n")
+                    time.sleep(2.0)  # the driver polls every 0.2 s: the next commit sees its notice
+                if (not grow and first_job and state.step == KILL_AFTER and hvd.size() == start_size
+                        and hvd.rank() == start_size - 1):
+                    if "UNISON_ELASTIC_ATTEMPT" in os.environ:
+                        time.sleep(1.0)  # under the driver: let rank 0 finish writing the last commit to disk
                     with open(os.path.join(out, "kill.json"), "w") as f:
                         json.dump({"time": time.time()}, f)
                     os.kill(os.getpid(), 9)
@@ -96,6 +111,7 @@ def main(out: str) -> None:
     train(state)
     rec = core.last_recovery()
     result = {"rank": hvd.rank(), "size": hvd.size(), "step": state.step, "resets": resets,
+              "attempt": int(os.environ.get("UNISON_ELASTIC_ATTEMPT", "-1")), "commit_id": state.commit_id,
               "recovery_seconds": rec.seconds if rec else None, "log": state.log,
               "weights": [p.detach().numpy().ravel().tolist() for p in net.parameters()]}
     with open(os.path.join(out, f"rank{hvd.rank()}.json"), "w") as f:

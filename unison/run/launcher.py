@@ -47,6 +47,7 @@ Diagnostics go through ``logging``; only the command-line entry point prints.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import shlex
@@ -56,6 +57,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from unison.run.elastic_driver import ELASTIC_MPI_ARGS, RESTART_STATUS, Driver, ElasticOptions, has_ulfm
+from unison.run.hosts import Host
 from unison.run.placement import (
     LaunchConfig,
     forwarded_environment,
@@ -228,12 +231,35 @@ def _parser() -> argparse.ArgumentParser:
         "may then hang the job in MPI_Finalize)",
     )
     elastic = parser.add_argument_group(
-        "elastic training", "survive a rank's death in place (docs/elastic.md): mpirun --with-ft ulfm")
+        "elastic training", "survive lost ranks and hosts, grow onto new ones (docs/elastic.md); any of these "
+        "flags turns elastic mode on: unisonrun then drives a sequence of MPI jobs, each resuming from the last "
+        "commit")
     elastic.add_argument("--elastic", action="store_true",
-                         help="elastic mode: start mpirun with --with-ft ulfm and set UNISON_ELASTIC=1")
+                         help="elastic mode (sets UNISON_ELASTIC=1 on every rank)")
     elastic.add_argument("--min-np", type=int, metavar="N",
-                         help="implies --elastic; end the job when fewer than N ranks survive "
-                         "(UNISON_ELASTIC_MIN_NP)")
+                         help="fewest ranks to go on with: in place, fewer survivors end the job; before a "
+                         "(re)start, wait up to --elastic-timeout for N slots (UNISON_ELASTIC_MIN_NP)")
+    elastic.add_argument("--max-np", type=int, metavar="N",
+                         help="most ranks to start (default: every slot the hosts offer; -np without discovery)")
+    elastic.add_argument("--host-discovery-script", metavar="PATH",
+                         help="an executable printing the usable hosts as host:slots lines; polled while the "
+                         "job runs: a change stops the job at its next commit and starts it on the new hosts")
+    elastic.add_argument("--discovery-interval", type=float, default=2.0, metavar="S",
+                         help="seconds between runs of the discovery script (default 2)")
+    elastic.add_argument("--elastic-timeout", type=float, default=600.0, metavar="S",
+                         help="seconds to wait for --min-np slots before giving up (default 600)")
+    elastic.add_argument("--max-restarts", type=int, default=3, metavar="N",
+                         help="restarts after failed jobs before giving up (default 3)")
+    elastic.add_argument("--reset-limit", type=int, metavar="N",
+                         help="most restarts of any kind, host changes included (default: no limit)")
+    elastic.add_argument("--elastic-mode", choices=("auto", "inplace", "restart"), default=None,
+                         help="inplace: survive a rank's death inside the job (needs ULFM: mpirun --with-ft "
+                         "ulfm); restart: every failure restarts the job from the last commit; auto (default): "
+                         "inplace when the MPI has ULFM, else restart")
+    elastic.add_argument("--blacklist-after", type=int, default=2, metavar="N",
+                         help="leave out a host after N failed jobs named it (default 2)")
+    elastic.add_argument("--blacklist-cooldown", type=float, default=300.0, metavar="S",
+                         help="seconds a blacklisted host stays out (default 300; 0: for good)")
     engine = parser.add_argument_group(
         "engine settings", "shorthands for UNISON_* variables, set for every rank")
     engine.add_argument("--fusion-threshold-mb", type=float, metavar="MB",
@@ -277,19 +303,61 @@ def _config_from_args(args: argparse.Namespace) -> LaunchConfig:
         bind_to=args.bind_to,
         oversubscribe=args.oversubscribe,
         abort_on_exception=args.abort_on_exception,
-        mpi_args=(ELASTIC_MPI_ARGS if _elastic(args) else ()) + tuple(shlex.split(args.mpi_args)),
+        mpi_args=(ELASTIC_MPI_ARGS if _elastic(args) and _inplace(args) else ())
+        + tuple(shlex.split(args.mpi_args)),
     )
 
 
-#: mpirun arguments of elastic mode: ULFM, and no fence in ``MPI_Finalize`` (with a rank dead,
-#: Open MPI 5.0's fence at finalize hung in about 1 run of 20 after a recovery, also without
-#: Unison; none in 60 runs without it; see docs/elastic.md)
-ELASTIC_MPI_ARGS = ("--with-ft", "ulfm", "--mca", "async_mpi_finalize", "1")
-
-
 def _elastic(args: argparse.Namespace) -> bool:
-    """Whether the job runs in elastic mode (``--elastic``, or implied by ``--min-np``)."""
-    return bool(getattr(args, "elastic", False) or getattr(args, "min_np", None) is not None)
+    """Whether the job runs in elastic mode (``--elastic``, or implied by another elastic flag)."""
+    return bool(getattr(args, "elastic", False) or any(
+        getattr(args, name, None) is not None
+        for name in ("min_np", "max_np", "host_discovery_script", "elastic_mode")))
+
+
+def _inplace(args: argparse.Namespace) -> bool:
+    """Whether elastic mode survives a rank's death in place (ULFM), per --elastic-mode."""
+    mode = getattr(args, "elastic_mode", None) or "auto"
+    if mode != "auto":
+        return bool(mode == "inplace")
+    if not hasattr(args, "_ulfm"):
+        try:
+            args._ulfm = has_ulfm(find_mpirun(sys.executable))
+        except MpirunNotFoundError:
+            args._ulfm = False
+        logger.info("elastic: %s", "the MPI has ULFM: in-place recovery" if args._ulfm else
+                    "the MPI has no ULFM (ompi_info: no 'FT MPI support: yes'): every failure restarts the job")
+    return bool(args._ulfm)
+
+
+def _elastic_options(args: argparse.Namespace) -> ElasticOptions:
+    return ElasticOptions(np=args.np, min_np=args.min_np if args.min_np is not None else 1, max_np=args.max_np,
+                          discovery_script=args.host_discovery_script, elastic_timeout_s=args.elastic_timeout,
+                          max_restarts=args.max_restarts, reset_limit=args.reset_limit,
+                          mode="inplace" if _inplace(args) else "restart", blacklist_after=args.blacklist_after,
+                          blacklist_cooldown_s=args.blacklist_cooldown, poll_s=args.discovery_interval)
+
+
+def _run_elastic(args: argparse.Namespace, config: LaunchConfig, environ: Mapping[str, str]) -> int:
+    """Drive the elastic job (see [Note: the elastic driver] in elastic_driver.py)."""
+    options = _elastic_options(args)
+    placement = resolve_placement(config, environ)
+    static = None if placement.hosts is None else list(placement.hosts)
+
+    def start(np_: int, hosts: list[Host] | None, env: Mapping[str, str]) -> tuple[int, list[str], list[str]]:
+        cfg = dataclasses.replace(config, np=np_) if hosts is None or hosts == static else dataclasses.replace(
+            config, np=np_, hosts=",".join(f"{h.name}:{h.slots}" for h in hosts), hostfile=None)
+        command = build_command(cfg, environ=env, executable=sys.executable, cpu_count=os.cpu_count() or 1,
+                                euid=os.geteuid())
+        if args.verbose:
+            print(shlex.join(command), file=sys.stderr, flush=True)
+        result = run_command(command, env)
+        if result.status not in (0, RESTART_STATUS):
+            print(f"unisonrun: {result.report.summary(result.status)}", file=sys.stderr, flush=True)
+        failed = [f.node for f in result.report.failures if f.node]
+        return result.status, failed, [h.host for h in result.report.hosts_lost]
+
+    return Driver(options, static, start, environ).run()
 
 
 def engine_environment(args: argparse.Namespace) -> dict[str, str]:
@@ -316,9 +384,8 @@ def engine_environment(args: argparse.Namespace) -> dict[str, str]:
         env["UNISON_AUTOTUNE_LOG"] = os.path.abspath(args.autotune_log_file)
     if _elastic(args):
         env["UNISON_ELASTIC"] = "1"
+        _elastic_options(args).check()
     if getattr(args, "min_np", None) is not None:
-        if args.min_np < 1:
-            raise ValueError(f"--min-np {args.min_np} must be >= 1")
         env["UNISON_ELASTIC_MIN_NP"] = str(args.min_np)
     return env
 
@@ -377,6 +444,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.verbose:
         print(shlex.join(command), file=sys.stderr, flush=True)
     remove_stale_session_dirs(environ.get("TMPDIR") or None)
+    if _elastic(args):
+        return _run_elastic(args, config, environ)
     try:
         result = run_command(command, environ)
     except OSError as error:

@@ -137,6 +137,13 @@ class TensorFlowState(ObjectState):
         super().sync()
         self.save()
 
+    def commit_payload(self) -> dict[str, Any]:
+        return {**super().commit_payload(), "variables": self._saved_variables}
+
+    def load_commit(self, payload: dict[str, Any]) -> None:
+        super().load_commit(payload)
+        self._saved_variables = payload["variables"]
+
 
 class TensorFlowKerasState(ObjectState):
     """A Keras model, its optimizer and picklable values, committed in memory (Horovod's name).
@@ -199,6 +206,13 @@ class TensorFlowKerasState(ObjectState):
         _broadcast(self._optimizer_variables(), "optimizer")
         super().sync()
         self.save()
+
+    def commit_payload(self) -> dict[str, Any]:
+        return {**super().commit_payload(), "model": self._saved_model, "optimizer": self._saved_optimizer}
+
+    def load_commit(self, payload: dict[str, Any]) -> None:
+        super().load_commit(payload)
+        self._saved_model, self._saved_optimizer = payload["model"], payload["optimizer"]
 
     def reset(self) -> None:
         for name in ("train_function", "test_function", "predict_function"):

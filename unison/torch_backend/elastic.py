@@ -218,6 +218,14 @@ class TorchState(ObjectState):
         super().sync()
         self.save()
 
+    def commit_payload(self) -> dict[str, Any]:
+        return {**super().commit_payload(), "handlers": {name: h._saved for name, h in self._handlers.items()}}
+
+    def load_commit(self, payload: dict[str, Any]) -> None:
+        super().load_commit(payload)
+        for name, saved in payload["handlers"].items():
+            self._handlers[name]._saved = saved
+
     def reset(self) -> None:
         for handler in self._handlers.values():
             if isinstance(handler, _SamplerHandler):

@@ -21,10 +21,11 @@ from typing import Any
 
 from unison.common import runtime
 from unison.common.elastic.recovery import enabled
+from unison.common.elastic.store import mark_finished, resume
 from unison.common.engine.errors import process_failure
 from unison.common.exceptions import HostsUpdatedInterrupt
 
-__all__ = ["run_fn"]
+__all__ = ["run_fn", "RESTART_STATUS"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +41,19 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], Any]) -> Callable[..., 
     @functools.wraps(func)
     def wrapper(state: Any, *args: Any, **kwargs: Any) -> Any:
         skip_sync = False
+        if state.store is not None:  # under unisonrun's elastic driver: carry on from the last spilled commit
+            skip_sync = resume(state, state.store) >= 0  # every rank loaded the same commit: nothing to sync
         while True:
             try:
                 if not skip_sync:
                     state.sync()
-                return func(state, *args, **kwargs)
+                result = func(state, *args, **kwargs)
+                if state.store is not None:
+                    mark_finished(state.store)
+                return result
             except HostsUpdatedInterrupt as exc:
+                if state.store is not None:
+                    _restart_on_new_hosts(state)
                 skip_sync = exc.skip_sync
             except Exception as exc:
                 failure = _failure(exc)
@@ -61,6 +69,20 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], Any]) -> Callable[..., 
             _reset(state, reset)
 
     return wrapper
+
+
+#: the exit status of every rank that stops so the driver restarts the job on the new hosts
+RESTART_STATUS = 76
+
+
+def _restart_on_new_hosts(state: Any) -> None:
+    """The driver saw the hosts change: the commit just made is on disk; end this job so the
+    driver starts the next one on the new hosts (it resumes from that commit)."""
+    state.store.wait()
+    logger.warning("elastic: the hosts changed; commit %d is saved, ending this job so unisonrun starts it on "
+                   "the new hosts", state.commit_id)
+    runtime.shutdown()
+    raise SystemExit(RESTART_STATUS)
 
 
 #: how many times a reset is repeated when ranks keep failing during it

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import queue
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from unison.common import runtime
+from unison.common.config import env_value
+from unison.common.elastic.store import ENV_NOTICE, store_from_env
 from unison.common.engine.objects import broadcast_object
 from unison.common.exceptions import HostsUpdatedInterrupt
 
@@ -33,6 +37,9 @@ class State:
     def __init__(self) -> None:
         self._reset_callbacks: list[Callable[[], Any]] = []
         self._host_messages: queue.Queue[tuple[float, bool]] = queue.Queue()
+        self.commit_id = 0  # commits since the job's first start (restarts continue the count)
+        self._store: Any = None
+        self._store_read = False
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], Any]]) -> None:
         """Call each of ``callbacks`` (no arguments) after every reset, in order.
@@ -53,20 +60,45 @@ class State:
         """Note that the hosts changed (called by host discovery; a later slice)."""
         self._host_messages.put((timestamp, skip_sync))
 
+    @property
+    def store(self) -> Any:
+        """The commit store of a job run by ``unisonrun``'s elastic driver, else None (store.py)."""
+        if not self._store_read:
+            self._store, self._store_read = store_from_env(), True
+        return self._store
+
     def commit(self) -> None:
-        """Save the state in memory, then check for host changes (Horovod's ``commit``)."""
+        """Save the state in memory, then check for host changes (Horovod's ``commit``).
+
+        Under ``unisonrun``'s elastic driver the commit is also written to this host's disk in the
+        background ([Note: the restart tier's commits] in store.py).
+        """
         self.save()
+        self.commit_id += 1
+        if self.store is not None and self.store.writer:
+            self.store.write_async(self.commit_id, self.commit_payload())
         self.check_host_updates()
 
-    def check_host_updates(self) -> None:
-        """Raise :class:`HostsUpdatedInterrupt` when host discovery reported a change.
+    def commit_payload(self) -> dict[str, Any]:
+        """The last commit as picklable values (subclasses add theirs)."""
+        return {"commit_id": self.commit_id}
 
-        Without host discovery (this release) nothing is ever reported, so this makes
-        no collective call.
+    def load_commit(self, payload: dict[str, Any]) -> None:
+        """Make ``payload`` (from :meth:`commit_payload`) the last commit; :meth:`restore` applies it."""
+        self.commit_id = int(payload["commit_id"])
+
+    def check_host_updates(self) -> None:
+        """Raise :class:`HostsUpdatedInterrupt` on every rank when the hosts changed.
+
+        Under ``unisonrun``'s elastic driver, rank 0 looks for the driver's notice file and
+        broadcasts what it saw (one small collective: every rank commits at the same step);
+        without the driver this makes no collective call.
         """
         updates = []
         while not self._host_messages.empty():
             updates.append(self._host_messages.get())
+        if notice_posted():
+            updates.append((0.0, False))
         if updates:
             raise HostsUpdatedInterrupt(all(skip for _, skip in updates))
 
@@ -106,6 +138,13 @@ class ObjectState(State):
     def save(self) -> None:
         self._saved_state = {name: copy.deepcopy(getattr(self, name)) for name in self._saved_state}
 
+    def commit_payload(self) -> dict[str, Any]:
+        return {**super().commit_payload(), "values": self._saved_state}
+
+    def load_commit(self, payload: dict[str, Any]) -> None:
+        super().load_commit(payload)
+        self._saved_state = dict(payload["values"])
+
     def restore(self) -> None:
         self._set_attrs()
 
@@ -117,3 +156,20 @@ class ObjectState(State):
     def _set_attrs(self) -> None:
         for name, value in self._saved_state.items():
             setattr(self, name, copy.deepcopy(value))
+
+
+def notice_posted() -> bool:
+    """Whether ``unisonrun``'s elastic driver posted that the hosts changed.
+
+    Collective under the driver (``UNISON_ELASTIC_NOTICE`` names the file, written on the driver's
+    host): every rank looks, and an all-reduce tells all of them whether any rank saw it; False
+    without the driver.
+    """
+    found = env_value(ENV_NOTICE)
+    if found is None:
+        return False
+    seen = int(os.path.exists(found[1]))
+    st = runtime._state
+    if st is not None and st.comm is not None:
+        seen = st.comm.allreduce(seen, op=st.mpi.MAX)
+    return bool(seen)

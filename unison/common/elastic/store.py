@@ -1,0 +1,177 @@
+"""Commits spilled to each host's disk, so a job the driver restarts carries on from the last one.
+
+[Note: the restart tier's commits]
+In the restart tier (no ULFM, a lost host's daemon, a host added or removed) ``unisonrun``'s
+driver ends the MPI job and starts a new one; no process survives, so the last commit must
+outlive them without a shared disk and without a checkpoint the user wrote. Under the driver
+(``UNISON_ELASTIC_STATE_DIR`` set), every ``commit()`` therefore also writes the committed
+state to a folder of *this host* (``<dir>/<hostname>/commit-<id>.bin``), from a background
+thread (the copy ``commit()`` took is written; training goes on meanwhile; the next commit
+waits for the previous write), atomically and durably (``unison.common.files``: fsync, rename,
+fsync of the folder). Only each host's first local rank writes: in data-parallel training every
+rank's commit is the same state (``sync()`` makes every rank adopt rank 0's), so one copy per
+host gives as many copies as hosts, and the loss of any one host keeps every committed byte
+while another host lives. Each host keeps its last two commits.
+
+At the start of a restarted job, :func:`resume` finds the newest commit on any host (every
+rank looks in its host's folder; an all-gather of the ids): ranks on a host that holds it read
+it there, and when some host lacks it the lowest rank that holds it broadcasts it. Every rank
+then holds the same commit, so the ``run`` loop skips its first ``sync()``. When no host
+holds a commit although this is a restart (every host that held one was lost), it says so in
+a warning and the program starts from its own initial state or checkpoint.
+
+Commit ids count commits since the job's first start and travel with the state, so they keep
+increasing across restarts and "newest" is well defined.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import pickle
+import re
+import socket
+from pathlib import Path
+from typing import Any
+
+from unison.common import files, runtime
+from unison.common.config import IntRange, parse_env, register_env
+
+__all__ = ["CommitStore", "store_from_env", "resume", "mark_finished", "ENV_STATE_DIR", "ENV_ATTEMPT",
+           "ENV_NOTICE"]
+
+logger = logging.getLogger(__name__)
+
+#: ``UNISON_ELASTIC_STATE_DIR``: the folder (on every host) the driver gave this job for commits
+ENV_STATE_DIR = "ELASTIC_STATE_DIR"
+#: ``UNISON_ELASTIC_ATTEMPT``: how many times the driver started the job before this one
+ENV_ATTEMPT = "ELASTIC_ATTEMPT"
+#: ``UNISON_ELASTIC_NOTICE``: a file the driver writes when the hosts changed (see state.py)
+ENV_NOTICE = "ELASTIC_NOTICE"
+register_env(ENV_STATE_DIR, ENV_ATTEMPT, ENV_NOTICE)
+
+_NAME = re.compile(r"^commit-(\d{12})\.bin$")
+KEEP = 2
+
+
+class CommitStore:
+    """This host's folder of spilled commits; :meth:`write_async` writes one in the background."""
+
+    def __init__(self, root: str | os.PathLike[str], host: str | None = None, writer: bool | None = None) -> None:
+        self.root = Path(root)
+        self.folder = self.root / (host or socket.gethostname())
+        self._writer = writer
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: concurrent.futures.Future[Path] | None = None
+
+    @property
+    def writer(self) -> bool:
+        """Whether this rank writes its host's copies: the host's first local rank (asked again after a
+        reset, which renumbers the ranks), or what the constructor was told."""
+        if self._writer is not None:
+            return self._writer
+        st = runtime._state
+        return st is None or st.local_rank == 0
+
+    def path(self, commit_id: int) -> Path:
+        return self.folder / f"commit-{commit_id:012d}.bin"
+
+    def ids(self) -> list[int]:
+        """The complete commits on this host, oldest first."""
+        if not self.folder.is_dir():
+            return []
+        return sorted(int(m.group(1)) for p in self.folder.iterdir() if (m := _NAME.match(p.name)))
+
+    def newest(self) -> int:
+        found = self.ids()
+        return found[-1] if found else -1
+
+    def write(self, commit_id: int, payload: bytes) -> Path:
+        """Write one commit atomically and durably; drop all but the newest :data:`KEEP`."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        target = self.path(commit_id)
+        with files.atomic_path(target) as tmp, open(tmp, "wb") as f:
+            f.write(payload)
+        for old in self.ids()[:-KEEP]:
+            self.path(old).unlink(missing_ok=True)
+        return target
+
+    def write_async(self, commit_id: int, payload: Any) -> None:
+        """Pickle ``payload`` and write it in the background, after the previous write finished (whose
+        error is raised here). ``payload`` must not change afterwards: a state's commit copies are
+        replaced by the next commit, never changed in place."""
+        if not self.writer:
+            return
+        self.wait()
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="unison-commit-spill")
+        self._pending = self._pool.submit(lambda: self.write(commit_id, pickle.dumps(payload, protocol=5)))
+
+    def wait(self) -> None:
+        """Block until the last write is on disk."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def read(self, commit_id: int) -> bytes:
+        return self.path(commit_id).read_bytes()
+
+
+def mark_finished(store: CommitStore) -> None:
+    """Rank 0 tells the driver the training function returned (``<dir>/finished``): the job is done even if
+    mpirun's exit status counts ranks that died on the way."""
+    st = runtime._state
+    if st is None or st.rank == 0:
+        store.wait()
+        with files.atomic_path(store.root / "finished") as tmp, open(tmp, "w") as f:
+            f.write("finished\n")
+
+
+def store_from_env() -> CommitStore | None:
+    """The store of a job started by ``unisonrun``'s elastic driver, or None."""
+    from unison.common.config import env_value
+
+    found = env_value(ENV_STATE_DIR)
+    if found is None:
+        return None
+    return CommitStore(found[1])
+
+
+def attempt() -> int:
+    """How many times the driver started this job before (0: the first start)."""
+    return int(parse_env(ENV_ATTEMPT, IntRange(0, 1 << 30).parse, 0))
+
+
+def resume(state: Any, store: CommitStore) -> int:
+    """Load the newest commit any host holds into ``state`` (collective); returns its id, or -1.
+
+    See [Note: the restart tier's commits].
+    """
+    st = runtime.state("elastic resume")
+    mine = store.newest()
+    if st.comm is None:
+        ids, rank = [mine], 0
+    else:
+        ids, rank = st.comm.allgather(mine), st.rank
+    best = max(ids)
+    if best < 0:
+        if attempt() > 0:
+            logger.warning("elastic: this is restart %d of the job but no host holds a committed state (every "
+                           "host that held one was lost); starting from the program's initial state or its own "
+                           "checkpoint", attempt())
+        return -1
+    holder = ids.index(best)
+    # ranks on a host that holds the newest commit read it there; the rest get it from the holder
+    payload = store.read(best) if mine == best else None
+    if any(i != best for i in ids) and st.comm is not None:
+        sent = st.comm.bcast(payload if rank == holder else None, root=holder)
+        payload = payload if payload is not None else sent
+    if payload is None:
+        raise RuntimeError(f"elastic: rank {holder} held commit {best} but sent nothing")
+    state.load_commit(pickle.loads(payload))  # noqa: S301 - written by this job's own ranks
+    state.restore()
+    if rank == 0:
+        logger.warning("elastic: resumed from commit %d (held by rank %d's host; restart %d)", best, holder,
+                       attempt())
+    return best

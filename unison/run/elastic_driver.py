@@ -1,0 +1,303 @@
+"""``unisonrun``'s elastic driver: restart the job on the current hosts when it fails or the hosts change.
+
+[Note: the elastic driver]
+With ``--elastic`` (or ``--min-np``, ``--max-np``, ``--host-discovery-script``) ``unisonrun``
+supervises a sequence of MPI jobs instead of one::
+
+    loop
+        hosts  <- the discovery script's "host:slots" lines (or -H / the hostfile / this machine),
+                  minus blacklisted hosts; wait up to --elastic-timeout for >= --min-np slots
+        np     <- every available slot, at most --max-np (without discovery: -np)
+        start  mpirun (with --with-ft ulfm in the in-place tier) with
+                  UNISON_ELASTIC_STATE_DIR  the folder for each host's spilled commits
+                  UNISON_ELASTIC_ATTEMPT    how many jobs ran before this one
+                  UNISON_ELASTIC_NOTICE     a file this driver writes when the hosts change
+        while it runs: poll the discovery script; on a change write the notice: at their next
+                  commit every rank sees it, the commit is on disk, the ranks exit with status 76
+        it ended: the training finished (rank 0 wrote <dir>/finished)  -> done, status 0
+                  status 76 (the hosts changed)                        -> start again (a reset)
+                  anything else (a rank or host died, and the in-place tier could not carry on,
+                  or this is the restart tier)                         -> count a failure
+                  against each host mpirun named; a host that failed --blacklist-after times
+                  is left out for --blacklist-cooldown seconds; start again unless
+                  --max-restarts failures or --reset-limit resets were used up
+
+Each new job resumes from the newest commit any host still holds ([Note: the restart tier's
+commits] in unison/common/elastic/store.py). The tier: ``--elastic-mode inplace`` (ULFM: a rank's
+death is survived inside the job; the driver steps in only for host changes and jobs that end
+anyway), ``restart`` (no ULFM: every failure restarts), ``auto`` (inplace when ``ompi_info`` says
+"FT MPI support: yes", else restart, and the log says which).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from unison.run.hosts import Host, parse_hosts
+
+__all__ = ["ElasticOptions", "Driver", "discover", "has_ulfm", "RESTART_STATUS", "ELASTIC_MPI_ARGS"]
+
+logger = logging.getLogger("unison.run.elastic")
+
+#: the status every rank exits with when the hosts changed (unison.common.elastic.runner.RESTART_STATUS)
+RESTART_STATUS = 76
+#: mpirun arguments of the in-place tier: ULFM, and no fence in ``MPI_Finalize`` (with a rank dead,
+#: Open MPI 5.0's fence at finalize hung in about 1 run of 20 after a recovery, also without
+#: Unison; none in 60 runs without it; see docs/elastic.md)
+ELASTIC_MPI_ARGS = ("--with-ft", "ulfm", "--mca", "async_mpi_finalize", "1")
+FINISHED = "finished"
+_FT = re.compile(r"FT MPI support:\s*yes", re.IGNORECASE)
+
+
+@dataclasses.dataclass
+class ElasticOptions:
+    """What ``unisonrun``'s elastic flags asked for (see ``unisonrun --help``)."""
+
+    np: int | None = None
+    min_np: int = 1
+    max_np: int | None = None
+    discovery_script: str | None = None
+    elastic_timeout_s: float = 600.0
+    max_restarts: int = 3
+    reset_limit: int | None = None
+    mode: str = "auto"
+    blacklist_after: int = 2
+    blacklist_cooldown_s: float = 300.0
+    poll_s: float = 2.0
+
+    def check(self) -> None:
+        """Raises ValueError naming the flag when a value makes no sense."""
+        if self.min_np < 1:
+            raise ValueError(f"--min-np {self.min_np} must be >= 1")
+        if self.max_np is not None and self.max_np < self.min_np:
+            raise ValueError(f"--max-np {self.max_np} is below --min-np {self.min_np}")
+        if self.np is not None and self.np < self.min_np:
+            raise ValueError(f"-np {self.np} is below --min-np {self.min_np}")
+        if self.elastic_timeout_s < 0 or self.poll_s <= 0 or self.blacklist_cooldown_s < 0:
+            raise ValueError("--elastic-timeout and --blacklist-cooldown must be >= 0, --discovery-interval > 0")
+        if self.max_restarts < 0 or (self.reset_limit is not None and self.reset_limit < 0):
+            raise ValueError("--max-restarts and --reset-limit must be >= 0")
+        if self.blacklist_after < 1:
+            raise ValueError(f"--blacklist-after {self.blacklist_after} must be >= 1")
+        if self.mode not in ("auto", "inplace", "restart"):
+            raise ValueError(f"--elastic-mode {self.mode!r}: use auto, inplace or restart")
+
+
+def discover(script: str, timeout_s: float = 30.0) -> list[Host]:
+    """Run the host discovery script; its ``host:slots`` (or ``host``) lines, blank and ``#`` lines skipped.
+
+    Raises:
+        RuntimeError: the script failed, timed out or printed a malformed line.
+    """
+    try:
+        done = subprocess.run([script], capture_output=True, text=True, timeout=timeout_s, check=False)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise RuntimeError(f"host discovery script {script!r} could not run: {error}") from error
+    if done.returncode != 0:
+        raise RuntimeError(f"host discovery script {script!r} exited with status {done.returncode}: "
+                           f"{done.stderr.strip()[-300:]}")
+    entries = [line.strip() for line in done.stdout.splitlines() if line.strip() and not line.startswith("#")]
+    if not entries:
+        return []
+    try:
+        return parse_hosts(",".join(entries))
+    except ValueError as error:
+        raise RuntimeError(f"host discovery script {script!r} printed a bad line: {error}") from error
+
+
+def has_ulfm(mpirun: str) -> bool:
+    """Whether the Open MPI next to ``mpirun`` was built with ULFM (``ompi_info``: "FT MPI support: yes")."""
+    info = Path(mpirun).with_name("ompi_info")
+    program = str(info) if info.exists() else shutil.which("ompi_info")
+    if program is None:
+        return False
+    try:
+        out = subprocess.run([program], capture_output=True, text=True, timeout=60, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return bool(_FT.search(out))
+
+
+class Driver:
+    """Runs MPI jobs until the training finishes (see [Note: the elastic driver]).
+
+    Args:
+        options: the elastic flags.
+        static_hosts: the hosts of -H / the hostfile, or None for this machine alone.
+        start: ``start(np, hosts or None, environ) -> (status, hosts of failed ranks, hosts lost)`` runs
+            one job.
+        environ: the base environment of every job.
+        state_dir: the commits' folder (default: a new folder under the temporary directory).
+    """
+
+    def __init__(self, options: ElasticOptions, static_hosts: list[Host] | None,
+                 start: Callable[[int, list[Host] | None, Mapping[str, str]], tuple[int, list[str], list[str]]],
+                 environ: Mapping[str, str], state_dir: str | None = None,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                 discover_hosts: Callable[[str], list[Host]] = discover) -> None:
+        options.check()
+        self.options = options
+        self.static_hosts = static_hosts
+        self.start = start
+        self.environ = dict(environ)
+        self.state_dir = state_dir or tempfile.mkdtemp(prefix="unison-elastic-")
+        self._own_dir = state_dir is None
+        self.clock, self.sleep, self._discover = clock, sleep, discover_hosts
+        self.failures: dict[str, int] = {}
+        self.blacklist: dict[str, float] = {}  # host -> when it may return
+        self.attempts: list[dict[str, Any]] = []  # one record per job: np, hosts, status, why it ended
+
+    # ------------------------------------------------------------------ hosts
+    def _hosts(self, previous: list[Host] | None) -> list[Host] | None:
+        if self.options.discovery_script is None:
+            return self.static_hosts
+        try:
+            return self._discover(self.options.discovery_script)
+        except RuntimeError as error:
+            logger.warning("%s; keeping the last hosts", error)
+            return previous if previous is not None else []
+
+    def _usable(self, hosts: list[Host] | None) -> list[Host] | None:
+        if hosts is None:
+            return None
+        now = self.clock()
+        for name, until in list(self.blacklist.items()):
+            if self.options.blacklist_cooldown_s > 0 and now >= until:
+                logger.warning("host %s leaves the blacklist (cooldown over)", name)
+                del self.blacklist[name]
+                self.failures.pop(name, None)
+        return [h for h in hosts if h.name not in self.blacklist]
+
+    def _slots(self, hosts: list[Host] | None) -> int:
+        if hosts is None:  # this machine alone: -np ranks
+            return self.options.np or self.options.max_np or self.options.min_np
+        return sum(h.slots for h in hosts)
+
+    def _np(self, hosts: list[Host] | None) -> int:
+        available = self._slots(hosts)
+        if self.options.discovery_script is None and self.options.np is not None:
+            wanted = self.options.np if self.options.max_np is None else max(self.options.np, self.options.max_np)
+        else:
+            wanted = self.options.max_np if self.options.max_np is not None else available
+        return min(wanted, available)
+
+    def _wait_for_hosts(self, previous: list[Host] | None) -> list[Host] | None:
+        """Hosts with at least --min-np slots, polling up to --elastic-timeout; raises RuntimeError otherwise."""
+        deadline = self.clock() + self.options.elastic_timeout_s
+        while True:
+            hosts = self._usable(self._hosts(previous))
+            if self._slots(hosts) >= self.options.min_np:
+                return hosts
+            if self.clock() >= deadline:
+                listing = ", ".join(f"{h.name}:{h.slots}" for h in hosts or []) or "none"
+                black = f"; blacklisted: {', '.join(sorted(self.blacklist))}" if self.blacklist else ""
+                raise RuntimeError(f"only {self._slots(hosts)} slot(s) available (hosts: {listing}{black}) but "
+                                   f"--min-np is {self.options.min_np}; waited "
+                                   f"{self.options.elastic_timeout_s:g} s (--elastic-timeout)")
+            self.sleep(min(self.options.poll_s, max(0.0, deadline - self.clock())))
+
+    # ------------------------------------------------------------------ one job
+    def _watch(self, hosts: list[Host] | None, notice: str, stop: threading.Event) -> None:
+        """While a job runs: poll discovery; write ``notice`` once the usable hosts differ from ``hosts``."""
+        before = sorted((h.name, h.slots) for h in hosts or [])
+        while not stop.wait(self.options.poll_s):
+            now = self._usable(self._hosts(hosts))
+            if sorted((h.name, h.slots) for h in now or []) != before:
+                logger.warning("the hosts changed (%s -> %s): asking the job to stop at its next commit",
+                               _listing(hosts), _listing(now))
+                Path(notice).write_text(f"{time.time()}\n")
+                return
+
+    def _run_once(self, attempt: int, hosts: list[Host] | None) -> tuple[int, list[str], list[str]]:
+        np_ = self._np(hosts)
+        notice = os.path.join(self.state_dir, f"hosts-changed-{attempt}")
+        env = {**self.environ, "UNISON_ELASTIC": "1", "UNISON_ELASTIC_STATE_DIR": self.state_dir,
+               "UNISON_ELASTIC_ATTEMPT": str(attempt), "UNISON_ELASTIC_NOTICE": notice,
+               "UNISON_ELASTIC_MIN_NP": str(self.options.min_np)}
+        logger.warning("starting job %d: %d rank(s) on %s", attempt, np_, _listing(hosts))
+        stop = threading.Event()
+        watcher = None
+        if self.options.discovery_script is not None:
+            watcher = threading.Thread(target=self._watch, args=(hosts, notice, stop), daemon=True,
+                                       name="unisonrun-discovery")
+            watcher.start()
+        try:
+            status, failed, lost = self.start(np_, hosts, env)
+        finally:
+            stop.set()
+            if watcher is not None:
+                watcher.join(timeout=5)
+        self.attempts.append({"attempt": attempt, "np": np_, "hosts": _listing(hosts), "status": status,
+                              "failed_hosts": failed, "lost_hosts": lost})
+        return status, failed, lost
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> int:
+        """Run jobs until the training finishes; returns 0, or the last job's status when giving up."""
+        restarts = resets = attempt = 0
+        hosts = None
+        try:
+            while True:
+                try:
+                    hosts = self._wait_for_hosts(hosts)
+                except RuntimeError as error:
+                    logger.error("%s", error)
+                    return 1
+                status, failed, lost = self._run_once(attempt, hosts)
+                attempt += 1
+                if os.path.exists(os.path.join(self.state_dir, FINISHED)):
+                    if status != 0:
+                        logger.warning("the training finished (mpirun's status %d counts ranks that died on the "
+                                       "way)", status)
+                    return 0
+                if status == 0:
+                    return 0
+                resets += 1
+                if status == RESTART_STATUS:
+                    logger.warning("the job stopped at a commit because the hosts changed; starting it again")
+                else:
+                    restarts += 1
+                    self._count_failures(failed, lost)
+                    if restarts > self.options.max_restarts:
+                        logger.error("giving up: the job failed %d time(s) (--max-restarts %d)", restarts,
+                                     self.options.max_restarts)
+                        return status
+                    logger.warning("the job failed (status %d; hosts of failed ranks: %s; hosts lost: %s): "
+                                   "restart %d of at most %d", status, ", ".join(failed) or "not named",
+                                   ", ".join(lost) or "none", restarts, self.options.max_restarts)
+                if self.options.reset_limit is not None and resets > self.options.reset_limit:
+                    logger.error("giving up: %d reset(s) exceed --reset-limit %d", resets,
+                                 self.options.reset_limit)
+                    return status
+        finally:
+            if self._own_dir:
+                shutil.rmtree(self.state_dir, ignore_errors=True)
+
+    def _count_failures(self, failed: Sequence[str], lost: Sequence[str] = ()) -> None:
+        """A host that failed ``--blacklist-after`` jobs is left out; a host the job lost (its daemon or
+        its link gone, see report.py) at once: it would fail the next job's launch."""
+        for name in set(lost):
+            self.failures[name] = max(self.failures.get(name, 0) + 1, self.options.blacklist_after)
+        for name in set(failed) - set(lost):
+            self.failures[name] = self.failures.get(name, 0) + 1
+        for name in set(failed) | set(lost):
+            if self.failures[name] >= self.options.blacklist_after and name not in self.blacklist:
+                self.blacklist[name] = self.clock() + self.options.blacklist_cooldown_s
+                logger.warning("host %s failed %d time(s): blacklisted%s", name, self.failures[name],
+                               f" for {self.options.blacklist_cooldown_s:g} s" if self.options.blacklist_cooldown_s
+                               else "")
+
+
+def _listing(hosts: list[Host] | None) -> str:
+    return ", ".join(f"{h.name}:{h.slots}" for h in hosts) if hosts is not None else "this machine"
