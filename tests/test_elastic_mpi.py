@@ -228,11 +228,14 @@ def test_restart_tier_resumes_every_rank_from_the_spilled_commit(tmp_path: Path)
     _check_replay(ranks, schedule(3, 3), detail)
 
 
-def test_discovered_host_slot_grows_the_job_at_the_next_commit(tmp_path: Path) -> None:
-    """A discovery script whose output goes from localhost:2 to localhost:3 mid-epoch: the job stops at the
-    next commit (status 76 on every rank), the driver starts it on 3 ranks and it carries on from that commit."""
+@pytest.mark.parametrize("before, after", [(2, 3), (3, 2)], ids=["grow", "shrink"])
+def test_discovered_host_change_restarts_the_job_at_the_next_commit(tmp_path: Path, before: int,
+                                                                    after: int) -> None:
+    """A discovery script whose output goes from localhost:2 to localhost:3 mid-epoch (or 3 to 2): the job stops
+    at the next commit (status 76 on every rank), the driver starts it on the new slots and it carries on from
+    that commit."""
     hosts = tmp_path / "hosts.txt"
-    hosts.write_text("localhost:2\n")
+    hosts.write_text(f"localhost:{before}\n")
     script = tmp_path / "discover.sh"
     script.write_text(f"#!/bin/sh\ncat {hosts}\n")
     script.chmod(0o755)
@@ -240,15 +243,16 @@ def test_discovered_host_slot_grows_the_job_at_the_next_commit(tmp_path: Path) -
     out.mkdir()
     proc = _unisonrun(["--host-discovery-script", str(script), "--discovery-interval", "0.2", "--min-np", "2",
                        "--skip-host-check", sys.executable, SCRIPT, str(out)], timeout=400,
-                      ELASTIC_GROW_FILE=str(hosts))
+                      ELASTIC_GROW_FILE=str(hosts), ELASTIC_GROW_TO=str(after))
     detail = f"\nexit {proc.returncode}\n--- stderr ---\n{proc.stderr[-5000:]}"
     assert proc.returncode == 0, detail
-    assert "starting job 0: 2 rank(s) on localhost:2" in proc.stderr, detail
-    assert "the hosts changed" in proc.stderr and "starting job 1: 3 rank(s) on localhost:3" in proc.stderr, detail
+    assert f"starting job 0: {before} rank(s) on localhost:{before}" in proc.stderr, detail
+    assert "the hosts changed" in proc.stderr, detail
+    assert f"starting job 1: {after} rank(s) on localhost:{after}" in proc.stderr, detail
     ranks = _outcomes(out)
-    assert [(r["rank"], r["size"], r["attempt"]) for r in ranks] == [(0, 3, 1), (1, 3, 1), (2, 3, 1)], detail
-    cut = (job.GROW_AT // job.COMMIT_EVERY + 1) * job.COMMIT_EVERY  # the first commit after the new slot
-    _check_replay(ranks, schedule(2, 3, cut), detail, exactly_once=False)
+    assert [(r["rank"], r["size"], r["attempt"]) for r in ranks] == [(r, after, 1) for r in range(after)], detail
+    cut = (job.GROW_AT // job.COMMIT_EVERY + 1) * job.COMMIT_EVERY  # the first commit after the change
+    _check_replay(ranks, schedule(before, after, cut), detail, exactly_once=False)
 
 
 # ------------------------------------------------------------------ the launcher

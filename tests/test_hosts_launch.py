@@ -361,3 +361,53 @@ def test_a_host_dying_mid_job_ends_it_naming_the_host(hosts, script, fault):
             break
         time.sleep(0.2)
     assert not survivors, f"processes left on {hosts.hosts[0]}: {survivors}"
+
+
+def test_a_host_whose_link_goes_down_under_the_elastic_driver_costs_a_restart_not_the_run(hosts, tmp_path):
+    """4 ranks on 2 test hosts train elastically (restart tier); the second host's link goes down mid-epoch:
+    the heartbeat ends the job naming the host, the driver leaves that host out and starts the job on the
+    first host's 2 slots, which resumes from the commit on its disk and finishes like a replay."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_elastic_mpi import SCRIPT, job, reference_weights
+
+    victim = hosts.hosts[1]
+    out = tmp_path / "out"
+    out.mkdir()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "unison.run", "--hostfile", hosts.hostfile, "-np", "4", "--elastic-mode", "restart",
+         "--min-np", "2", sys.executable, SCRIPT, str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env=launch_env(ELASTIC_STEP_SLEEP="0.3", UNISON_HOST_TIMEOUT_SECONDS="6"), cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 180
+        progress = out / "progress0"
+        while time.monotonic() < deadline and not (progress.exists() and progress.read_text().strip()
+                                                   and int(progress.read_text()) >= 5):
+            assert process.poll() is None, f"the job ended before the fault: {process.stderr.read()[-3000:]}"
+            time.sleep(0.1)
+        assert progress.exists(), "the job did not start training in 180 s"
+        cut_link(victim)
+        try:
+            stdout, stderr = process.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the elastic run still ran 300 s after host {victim}'s link went down")
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        subprocess.run(["ip", "netns", "exec", victim, "ip", "link", "set", "eth0", "up"], timeout=30)
+        kill_host(victim)
+    detail = stderr[-5000:]
+    print("\n".join(line for line in stderr.splitlines() if line.startswith(("unisonrun:", "elastic:"))))
+    assert process.returncode == 0, detail
+    assert f"host {victim}" in stderr and "starting job 1: 2 rank(s) on " + hosts.hosts[0] in stderr, detail
+    outcomes = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    assert [(r["rank"], r["size"], r["attempt"]) for r in outcomes] == [(0, 2, 1), (1, 2, 1)], detail
+    steps = [(e, batch) for e, _, _, batch in outcomes[0]["log"]]
+    sizes = [len(batch) for _, batch in steps]
+    cut = sizes.index(2)
+    assert cut % job.COMMIT_EVERY == 0 and set(sizes[:cut]) == {4} and set(sizes[cut:]) == {2}, sizes
+    for got, want in zip(outcomes[0]["weights"], reference_weights(steps), strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-10)
+    assert outcomes[0]["weights"] == outcomes[1]["weights"]
+    epoch0 = [i for e, batch in steps if e == 0 for rank in batch for i in rank]
+    assert sorted(epoch0) == list(range(job.N)), "every sample of the interrupted epoch once"

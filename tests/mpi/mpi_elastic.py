@@ -13,9 +13,12 @@ With ``ELASTIC_SECOND_FAILURE=1`` (launched on 4 ranks) the last rank dies after
 rank 2 dies too: the 2 left must rebuild again and finish.
 
 Under ``unisonrun``'s elastic driver (``UNISON_ELASTIC_ATTEMPT`` set) the kill happens in the
-first job only. With ``ELASTIC_GROW_FILE=PATH`` nobody is killed: after step ``GROW_AT`` rank 0
-writes ``localhost:3`` to PATH (what the test's discovery script prints) and waits, so the
-driver sees the new slot and the commit after ``GROW_AT`` stops the job for a restart on 3.
+first job only. With ``ELASTIC_STEP_SLEEP=S`` nobody is killed: each step sleeps S seconds and
+rank 0 writes the step to ``OUT_DIR/progress<attempt>`` (a test takes a host down meanwhile).
+With ``ELASTIC_GROW_FILE=PATH`` nobody is killed: after step ``GROW_AT`` of the first job rank 0
+writes ``localhost:<ELASTIC_GROW_TO, default 3>`` to PATH (what the test's discovery script
+prints) and waits, so the driver sees the change and the commit after ``GROW_AT`` stops the job
+for a restart on the new slots.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ def main(out: str) -> None:
     second = os.environ.get("ELASTIC_SECOND_FAILURE") == "1"
     grow = os.environ.get("ELASTIC_GROW_FILE")
     first_job = os.environ.get("UNISON_ELASTIC_ATTEMPT", "0") == "0"
+    pace = float(os.environ.get("ELASTIC_STEP_SLEEP", "0"))  # a test that cuts a host's link needs time
     start_size = hvd.size()
 
     def die_in_reset() -> None:
@@ -80,11 +84,17 @@ def main(out: str) -> None:
     def train(state: elastic.TorchState) -> None:
         while state.epoch < EPOCHS:
             for b in range(len(state.sampler) // BS):
-                if grow and state.step == GROW_AT and hvd.size() == 2 and hvd.rank() == 0:
+                if grow and first_job and state.step == GROW_AT and hvd.rank() == 0:
                     with open(grow, "w") as f:
-                        f.write("localhost:3\n")
+                        f.write(f"localhost:{os.environ.get('ELASTIC_GROW_TO', '3')}\n")
                     time.sleep(2.0)  # the driver polls every 0.2 s: the next commit sees its notice
-                if (not grow and first_job and state.step == KILL_AFTER and hvd.size() == start_size
+                if pace:
+                    time.sleep(pace)
+                    if hvd.rank() == 0:
+                        attempt = os.environ.get("UNISON_ELASTIC_ATTEMPT")
+                        with open(os.path.join(out, f"progress{attempt}"), "w") as f:
+                            f.write(str(state.step))
+                if (not grow and not pace and first_job and state.step == KILL_AFTER and hvd.size() == start_size
                         and hvd.rank() == start_size - 1):
                     if "UNISON_ELASTIC_ATTEMPT" in os.environ:
                         time.sleep(1.0)  # under the driver: let rank 0 finish writing the last commit to disk

@@ -294,7 +294,8 @@ class Driver:
         for name in set(failed) | set(lost):
             if self.failures[name] >= self.options.blacklist_after and name not in self.blacklist:
                 self.blacklist[name] = self.clock() + self.options.blacklist_cooldown_s
-                logger.warning("host %s failed %d time(s): blacklisted%s", name, self.failures[name],
+                why = "was lost" if name in lost else f"failed {self.failures[name]} time(s)"
+                logger.warning("host %s %s: blacklisted%s", name, why,
                                f" for {self.options.blacklist_cooldown_s:g} s" if self.options.blacklist_cooldown_s
                                else "")
 

@@ -345,8 +345,14 @@ def _run_elastic(args: argparse.Namespace, config: LaunchConfig, environ: Mappin
     static = None if placement.hosts is None else list(placement.hosts)
 
     def start(np_: int, hosts: list[Host] | None, env: Mapping[str, str]) -> tuple[int, list[str], list[str]]:
-        cfg = dataclasses.replace(config, np=np_) if hosts is None or hosts == static else dataclasses.replace(
-            config, np=np_, hosts=",".join(f"{h.name}:{h.slots}" for h in hosts), hostfile=None)
+        if hosts is None or hosts == static:
+            cfg = dataclasses.replace(config, np=np_)
+        else:  # other hosts than the options gave: -H, keeping the hostfile's launch agent and TCP pinning
+            cfg = dataclasses.replace(config, np=np_, hosts=",".join(f"{h.name}:{h.slots}" for h in hosts),
+                                      hostfile=None, launch_agent=placement.launch_agent,
+                                      tcp_include=",".join(i for i in placement.tcp_include if "/" in i) or None,
+                                      network_interface=",".join(i for i in placement.tcp_include
+                                                                 if "/" not in i) or None)
         command = build_command(cfg, environ=env, executable=sys.executable, cpu_count=os.cpu_count() or 1,
                                 euid=os.geteuid())
         if args.verbose:
