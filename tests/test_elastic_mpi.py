@@ -309,3 +309,20 @@ def test_keras_fit_loses_a_rank_twice(tmp_path: Path) -> None:
             print(f"{phase} rank {r['rank']}: kill -> next completed step {recovery:.3f} s "
                   f"(includes tracing the step again), recover() {r['recovery_seconds']:.4f} s")
         assert all(r["weights"] == ranks[0]["weights"] for r in ranks), phase
+
+
+def test_keras_fit_under_the_restart_tier_resumes_from_the_spilled_commit(tmp_path: Path) -> None:
+    """``unisonrun -np 3 --elastic-mode restart``, model.fit under UnisonStrategy: the kill after step 5 ends the
+    job; the next job's KerasState loads the commit after step 4 (weights, optimizer slots, epoch, batch) from
+    disk and fit finishes the epoch on dataset.skip(4): the weights of one plain Keras process."""
+    proc = _unisonrun(["-np", "3", "--elastic-mode", "restart", sys.executable, KERAS_SCRIPT, str(tmp_path)],
+                      timeout=480, KERAS_ELASTIC_PHASES="strategy")
+    detail = f"\nexit {proc.returncode}\n--- stderr ---\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0, detail
+    assert (tmp_path / "strategy-kill.json").exists() and "resumed from commit 2" in proc.stderr, detail
+    ranks = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("strategy-rank*.json"))]
+    assert [(r["rank"], r["size"], r["attempt"]) for r in ranks] == [(0, 3, 1), (1, 3, 1), (2, 3, 1)], detail
+    for r in ranks:
+        assert r["epoch"] == 2 and r["step"] == 16 and r["resets"] == [], detail
+        for got, want in zip(r["weights"], ranks[0]["reference"], strict=True):
+            np.testing.assert_allclose(got, want, rtol=0, atol=KERAS_ATOL["strategy"])

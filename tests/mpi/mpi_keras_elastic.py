@@ -11,6 +11,8 @@ step ``KILL_AFTER`` the last rank kills itself again. Both phases resume mid-epo
 documented way (``fit`` on ``dataset.skip(state.batch)`` for the rest of the epoch), so each
 must end with the weights of one plain Keras process fitting the global batches in order.
 Each survivor writes ``OUT_DIR/<phase>-rank<r>.json``; each victim ``OUT_DIR/<phase>-kill.json``.
+``KERAS_ELASTIC_PHASES`` picks the phases (default ``strategy,optimizer``); under ``unisonrun``'s
+elastic driver the victim dies in the first job only.
 """
 
 from __future__ import annotations
@@ -75,7 +77,9 @@ class _Steps(keras.callbacks.Callback):
         if self.resets and self.resets[-1]["first_step_at"] is None:
             self.resets[-1]["first_step_at"] = time.time()
         if (self.state.step == KILL_AFTER and hvd.size() == self.victim_size
-                and hvd.rank() == self.victim_size - 1):
+                and hvd.rank() == self.victim_size - 1 and os.environ.get("UNISON_ELASTIC_ATTEMPT", "0") == "0"):
+            if "UNISON_ELASTIC_ATTEMPT" in os.environ:
+                time.sleep(1.0)  # under unisonrun's driver: let rank 0 finish writing the last commit to disk
             with open(os.path.join(self.out, f"{self.phase}-kill.json"), "w") as f:
                 json.dump({"time": time.time()}, f)
             os.kill(os.getpid(), 9)
@@ -124,6 +128,7 @@ def train_phase(phase: str, out: str) -> None:
     train(state)
     rec = core.last_recovery()
     result = {"rank": hvd.rank(), "size": hvd.size(), "step": state.step, "epoch": state.epoch,
+              "attempt": int(os.environ.get("UNISON_ELASTIC_ATTEMPT", "-1")),
               "resets": resets, "recovery_seconds": rec.seconds if rec else None,
               "weights": [w.ravel().tolist() for w in net.get_weights()]}
     if hvd.rank() == 0:
@@ -135,8 +140,8 @@ def train_phase(phase: str, out: str) -> None:
 def main(out: str) -> None:
     faulthandler.dump_traceback_later(400, exit=True)  # a hang shows every thread's stack, then ends
     hvd.init()
-    train_phase("strategy", out)
-    train_phase("optimizer", out)
+    for phase in os.environ.get("KERAS_ELASTIC_PHASES", "strategy,optimizer").split(","):
+        train_phase(phase, out)
     hvd.shutdown()
 
 
