@@ -259,6 +259,20 @@ def test_bad_input_raises_on_every_rank():
         table.pull([1])  # still usable, every rank in step
         with pytest.raises(ps.TableError, match="a sharded table named 'bad' is already open"):
             ps.ShardedTable(ROWS, DIM, name="bad")
+    for consistency in (ps.SSP(1), ps.ASP()):  # no collective per operation: the error travels to the others
+        with ps.ShardedTable(ROWS, DIM, name="bad-async", consistency=consistency) as table:
+            wanted = rf"rank {N - 1}: bad-async.push: key {ROWS + 5} is out of range \[0, {ROWS}\)"
+            if R == N - 1:
+                with pytest.raises(ps.TableError, match=wanted):
+                    table.push(np.array([ROWS + 5]), np.zeros((1, DIM)))
+            WORLD.Barrier()
+            if R != N - 1:  # the others raise it at a next operation, once the message arrived
+                with pytest.raises(ps.TableError, match=wanted + r".*\(raised on that rank"):
+                    for _ in range(200):
+                        table.pull([1])
+                        time.sleep(0.01)
+            table.push(np.array([1]), np.zeros((1, DIM)))  # still usable on every rank
+            assert agree(table.pull([1]).tolist())  # zero gradients: every rank reads the same row
     with pytest.raises(ps.TableError, match="defined differently across ranks.*dim: rank 0 has 4"):
         ps.ShardedTable(ROWS, 4 + (R == N - 1), name="mismatch")
     ps.ShardedTable(ROWS, 4, name="mismatch").close()  # a failed creation leaves the name free

@@ -185,6 +185,11 @@ class ShardedTable:
             )
         self.comm = None if base is None else base.Dup()
         self._rep = None if base is None or self.consistency.collective else base.Dup()
+        # SSP/ASP: bad input on one worker reaches the others on a communicator of its own
+        # ([Note: errors without collectives])
+        self._err = None if self._rep is None else base.Dup()
+        self._err_sends: list[tuple[Any, Any]] = []
+        self._peer_errors: list[str] = []
         self._clock = 0
         self._request = 0
         self._sends: list[tuple[Any, np.ndarray]] = []
@@ -389,16 +394,49 @@ class ShardedTable:
 
     def _validate(self, keys: Any, grads: Any, what: str) -> tuple[np.ndarray, np.ndarray | None, str | None]:
         """(int64 keys, gradient rows flattened to (keys, dim) or None, None); under BSP bad input
-        gives (no keys, None, the problem), which the round then raises on every rank."""
+        gives (no keys, None, the problem), which the round then raises on every rank; under
+        SSP/ASP it is raised here and sent to the other workers ([Note: errors without collectives])."""
         try:
             arr = self._keys(keys, what)
             return arr, None if grads is None else self._grads(grads, arr, what), None
         except (TypeError, ValueError) as exc:
             if not self.consistency.collective:
-                raise TableError(str(exc)) from exc
+                message = f"rank {self.rank}: {exc}"
+                self._post_error(message)
+                raise TableError(message) from exc
             return np.zeros(0, np.int64), None, str(exc)
 
+    # [Note: errors without collectives]
+    # Under SSP/ASP a worker's operation involves no other worker at the same moment, so bad input
+    # cannot be agreed on as BSP's rounds do. The worker that meets it raises at once and sends the
+    # message to every other worker on the table's error communicator; each of them raises the
+    # same text (naming that rank) at its next operation on the table, once the message arrived
+    # (each operation probes for one first, as does a wait for the staleness bound). The table stays
+    # usable on every rank afterwards, as under BSP.
+
+    def _post_error(self, message: str) -> None:
+        if self._err is None:
+            return
+        data = np.frombuffer(message.encode("utf-8"), np.uint8).copy()
+        for r in self.workers:
+            if r != self.rank:
+                self._err_sends.append((self._err.Isend([data, self.mpi.BYTE], r, 1), data))
+
+    def _check_peers(self) -> None:
+        """Raise a bad-input error another worker posted (see the Note)."""
+        if self._err is None:
+            return
+        status = self.mpi.Status()
+        while self._err.Iprobe(self.mpi.ANY_SOURCE, 1, status):
+            buf = np.empty(status.Get_count(self.mpi.BYTE), np.uint8)
+            self._err.Recv([buf, self.mpi.BYTE], status.Get_source(), 1)
+            self._peer_errors.append(buf.tobytes().decode("utf-8", "replace"))
+        if self._peer_errors:
+            raise TableError(f"{self._peer_errors.pop(0)} (raised on that rank; table {self.name!r} under "
+                             f"{self.consistency!r} raises it on every worker at its next operation)")
+
     def _operate(self, op: int, keys: np.ndarray, flat: np.ndarray | None, problem: str | None) -> Any:
+        self._check_peers()
         storage, counts, inverse = self._route(keys)
         g = None if flat is None else _sum_by(inverse, flat, len(storage))
         self._stats["keys"] += int(keys.size)
@@ -556,6 +594,7 @@ class ShardedTable:
     def _check_server(self) -> None:
         if self._server is not None and self._server.error is not None:
             raise TableError(f"table {self.name!r}: the server thread failed: {self._server.error!r}")
+        self._check_peers()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -693,6 +732,13 @@ class ShardedTable:
             self._server.join()
         if self.comm is not None:
             self.comm.Barrier()
+            if self._err is not None:  # errors no operation raised any more: receive them, then free
+                status = self.mpi.Status()
+                while self._err.Iprobe(self.mpi.ANY_SOURCE, 1, status):
+                    self._err.Recv([np.empty(status.Get_count(self.mpi.BYTE), np.uint8), self.mpi.BYTE],
+                                   status.Get_source(), 1)
+                self.mpi.Request.Waitall([r for r, _ in self._err_sends])
+                self._err.Free()
             self.comm.Free()
             if self._rep is not None:
                 self._rep.Free()
