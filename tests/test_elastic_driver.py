@@ -14,7 +14,7 @@ import pytest
 
 from unison.common.elastic.state import ObjectState
 from unison.common.elastic.store import KEEP, CommitStore
-from unison.run.elastic_driver import FINISHED, RESTART_STATUS, Driver, ElasticOptions, discover, has_ulfm
+from unison.run.elastic_driver import RESTART_STATUS, Driver, ElasticOptions, JobEnd, discover, has_ulfm
 from unison.run.hosts import Host
 
 
@@ -30,19 +30,20 @@ class FakeClock:
 
 
 class Jobs:
-    """Stand-in jobs: each call returns the next (status, failed hosts) and records what it was given."""
+    """Stand-in jobs: each call returns the next outcome (a JobEnd, or (status, failed[, lost])) and records
+    what it was given."""
 
-    def __init__(self, outcomes: list[tuple], finish_dir: Path | None = None) -> None:
+    def __init__(self, outcomes: list) -> None:
         self.outcomes = list(outcomes)
         self.calls: list[tuple[int, list[str] | None, dict[str, str]]] = []
-        self.finish_dir = finish_dir
 
-    def __call__(self, np_: int, hosts: list[Host] | None, env: dict[str, str]) -> tuple[int, list, list]:
+    def __call__(self, np_: int, hosts: list[Host] | None, env: dict[str, str]) -> JobEnd:
         self.calls.append((np_, None if hosts is None else [f"{h.name}:{h.slots}" for h in hosts], dict(env)))
-        status, failed, *lost = self.outcomes.pop(0)
-        if status == 0 and self.finish_dir is not None:
-            (Path(env["UNISON_ELASTIC_STATE_DIR"]) / FINISHED).write_text("finished\n")
-        return status, failed, lost[0] if lost else []
+        outcome = self.outcomes.pop(0)
+        if isinstance(outcome, JobEnd):
+            return outcome
+        status, failed, *lost = outcome
+        return JobEnd(status, tuple(failed), tuple(lost[0]) if lost else ())
 
 
 def driver(tmp_path: Path, jobs: Jobs, hosts: list[Host] | None = None, clock: FakeClock | None = None,
@@ -73,10 +74,24 @@ def test_giving_up_after_max_restarts_returns_the_last_status(tmp_path: Path, ca
 
 def test_the_finished_marker_wins_over_mpiruns_status(tmp_path: Path) -> None:
     """In place, a rank that died on the way can make mpirun exit non-zero after training finished."""
-    (tmp_path / "state").mkdir()
-    jobs = Jobs([(137, [])])
-    (tmp_path / "state" / FINISHED).write_text("finished\n")
+    jobs = Jobs([JobEnd(137, ("vm",), finished=True)])
     assert driver(tmp_path, jobs, np=3).run() == 0 and len(jobs.calls) == 1
+
+
+def test_a_stopped_unisonrun_does_not_restart_the_job(tmp_path: Path) -> None:
+    """Ctrl-C or the scheduler's SIGTERM: the job ends with 128 + the signal, and no new job starts."""
+    jobs = Jobs([JobEnd(143, ("vm",), stopped=True), (0, [])])
+    assert driver(tmp_path, jobs, np=3, max_restarts=5).run() == 143 and len(jobs.calls) == 1
+
+
+def test_the_finished_marker_line_is_recognised_in_mpiruns_output() -> None:
+    from unison.run.report import ELASTIC_FINISHED, MpirunReport
+
+    report = MpirunReport()
+    report.feed("rank output\n" + ELASTIC_FINISHED[:10], "stdout")
+    assert not report.elastic_finished
+    report.feed(ELASTIC_FINISHED[10:] + "\n", "stdout")
+    assert report.elastic_finished
 
 
 def test_hosts_changed_status_restarts_without_counting_a_failure(tmp_path: Path) -> None:
@@ -175,16 +190,19 @@ def test_this_open_mpi_has_ulfm() -> None:
 
 
 # ------------------------------------------------------------------ the commit store
-def test_commit_store_keeps_the_newest_complete_commits(tmp_path: Path) -> None:
+def test_commit_store_keeps_the_newest_complete_commits(tmp_path: Path, monkeypatch) -> None:
     store = CommitStore(tmp_path, host="h1", writer=True)
-    assert store.newest() == -1
+    assert store.newest() is None
     for i in range(1, 5):
         store.write_async(i, {"i": i})
     store.wait()
-    assert store.ids() == list(range(5 - KEEP, 5)) and store.newest() == 4
-    assert pickle.loads(store.read(4)) == {"i": 4}
+    assert store.ids() == [(0, i) for i in range(5 - KEEP, 5)] and store.newest() == (0, 4)
+    assert pickle.loads(store.read((0, 4))) == {"i": 4}
     assert not [p for p in store.folder.iterdir() if p.name.startswith(".unison-tmp")]  # no temporaries left
-    assert CommitStore(tmp_path, host="h2").newest() == -1  # another host's folder
+    assert CommitStore(tmp_path, host="h2").newest() is None  # another host's folder
+    monkeypatch.setenv("UNISON_ELASTIC_ATTEMPT", "3")  # a later job that started over from commit 0
+    store.write(1, pickle.dumps({"i": "new"}))
+    assert store.newest() == (3, 1)  # newer than the first job's commit 4
 
 
 def test_object_state_commit_payload_round_trip() -> None:
@@ -218,5 +236,9 @@ def test_resume_warns_when_no_host_holds_a_commit_after_a_restart(tmp_path: Path
         store.write(4, pickle.dumps(state.commit_payload()))
         fresh = ObjectState(bcast_object=lambda obj, root_rank=0: obj, epoch=0)
         assert resume(fresh, store) == 4 and fresh.epoch == 9 and fresh.commit_id == 4
+        store.path((2, 7)).mkdir()  # a newer "commit" that cannot be read: the next newest is used
+        with caplog.at_level(logging.WARNING):
+            assert resume(ObjectState(bcast_object=lambda obj, root_rank=0: obj, epoch=0), store) == 4
+        assert "commit (2, 7) on this host cannot be read" in caplog.text
     finally:
         unison.shutdown()

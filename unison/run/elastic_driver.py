@@ -14,7 +14,8 @@ supervises a sequence of MPI jobs instead of one::
                   UNISON_ELASTIC_NOTICE     a file this driver writes when the hosts change
         while it runs: poll the discovery script; on a change write the notice: at their next
                   commit every rank sees it, the commit is on disk, the ranks exit with status 76
-        it ended: the training finished (rank 0 wrote <dir>/finished)  -> done, status 0
+        it ended: the training finished (rank 0 printed report.ELASTIC_FINISHED) -> done, status 0
+                  unisonrun was stopped (Ctrl-C, SIGTERM)              -> stop, no restart
                   status 76 (the hosts changed)                        -> start again (a reset)
                   anything else (a rank or host died, and the in-place tier could not carry on,
                   or this is the restart tier)                         -> count a failure
@@ -36,17 +37,18 @@ import logging
 import os
 import re
 import shutil
+import socket
 import subprocess
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from unison.run.hosts import Host, parse_hosts
 
-__all__ = ["ElasticOptions", "Driver", "discover", "has_ulfm", "RESTART_STATUS", "ELASTIC_MPI_ARGS"]
+__all__ = ["ElasticOptions", "Driver", "JobEnd", "discover", "has_ulfm", "RESTART_STATUS", "ELASTIC_MPI_ARGS"]
 
 logger = logging.getLogger("unison.run.elastic")
 
@@ -56,8 +58,21 @@ RESTART_STATUS = 76
 #: Open MPI 5.0's fence at finalize hung in about 1 run of 20 after a recovery, also without
 #: Unison; none in 60 runs without it; see docs/elastic.md)
 ELASTIC_MPI_ARGS = ("--with-ft", "ulfm", "--mca", "async_mpi_finalize", "1")
-FINISHED = "finished"
 _FT = re.compile(r"FT MPI support:\s*yes", re.IGNORECASE)
+
+
+class JobEnd(NamedTuple):
+    """How one MPI job of the elastic run ended."""
+
+    status: int
+    #: hosts of the ranks mpirun named as failed
+    failed: tuple[str, ...] = ()
+    #: hosts the job lost (the heartbeat's or mpirun's report)
+    lost: tuple[str, ...] = ()
+    #: the training function returned (rank 0 printed report.ELASTIC_FINISHED)
+    finished: bool = False
+    #: unisonrun itself was stopped by a signal (Ctrl-C, the scheduler's SIGTERM): do not restart
+    stopped: bool = False
 
 
 @dataclasses.dataclass
@@ -135,14 +150,13 @@ class Driver:
     Args:
         options: the elastic flags.
         static_hosts: the hosts of -H / the hostfile, or None for this machine alone.
-        start: ``start(np, hosts or None, environ) -> (status, hosts of failed ranks, hosts lost)`` runs
-            one job.
+        start: ``start(np, hosts or None, environ) -> JobEnd`` runs one job.
         environ: the base environment of every job.
         state_dir: the commits' folder (default: a new folder under the temporary directory).
     """
 
     def __init__(self, options: ElasticOptions, static_hosts: list[Host] | None,
-                 start: Callable[[int, list[Host] | None, Mapping[str, str]], tuple[int, list[str], list[str]]],
+                 start: Callable[[int, list[Host] | None, Mapping[str, str]], JobEnd],
                  environ: Mapping[str, str], state_dir: str | None = None,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
                  discover_hosts: Callable[[str], list[Host]] = discover) -> None:
@@ -188,6 +202,11 @@ class Driver:
         available = self._slots(hosts)
         if self.options.discovery_script is None and self.options.np is not None:
             wanted = self.options.np if self.options.max_np is None else max(self.options.np, self.options.max_np)
+            if not self.blacklist:  # the hosts the user gave, all there: -np as asked (mpirun may oversubscribe)
+                return wanted
+            if wanted > available:
+                logger.warning("-np %d exceeds the %d slot(s) left without the blacklisted host(s) %s: "
+                               "starting %d", wanted, available, ", ".join(sorted(self.blacklist)), available)
         else:
             wanted = self.options.max_np if self.options.max_np is not None else available
         return min(wanted, available)
@@ -219,13 +238,19 @@ class Driver:
                 Path(notice).write_text(f"{time.time()}\n")
                 return
 
-    def _run_once(self, attempt: int, hosts: list[Host] | None) -> tuple[int, list[str], list[str]]:
+    def _run_once(self, attempt: int, hosts: list[Host] | None) -> JobEnd:
         np_ = self._np(hosts)
         notice = os.path.join(self.state_dir, f"hosts-changed-{attempt}")
         env = {**self.environ, "UNISON_ELASTIC": "1", "UNISON_ELASTIC_STATE_DIR": self.state_dir,
                "UNISON_ELASTIC_ATTEMPT": str(attempt), "UNISON_ELASTIC_NOTICE": notice,
                "UNISON_ELASTIC_MIN_NP": str(self.options.min_np)}
         logger.warning("starting job %d: %d rank(s) on %s", attempt, np_, _listing(hosts))
+        here = socket.gethostname()
+        if (self.options.discovery_script is not None and hosts is not None
+                and not any(h.name in (here, "localhost") or h.name.startswith(here + ".") for h in hosts)):
+            logger.warning("this host (%s) runs none of the job's ranks: host changes reach the job through a "
+                           "file here (%s), so only ranks on a host that shares this folder see them",
+                           here, notice)
         stop = threading.Event()
         watcher = None
         if self.options.discovery_script is not None:
@@ -233,14 +258,13 @@ class Driver:
                                        name="unisonrun-discovery")
             watcher.start()
         try:
-            status, failed, lost = self.start(np_, hosts, env)
+            end = self.start(np_, hosts, env)
         finally:
             stop.set()
             if watcher is not None:
                 watcher.join(timeout=5)
-        self.attempts.append({"attempt": attempt, "np": np_, "hosts": _listing(hosts), "status": status,
-                              "failed_hosts": failed, "lost_hosts": lost})
-        return status, failed, lost
+        self.attempts.append({"attempt": attempt, "np": np_, "hosts": _listing(hosts), **end._asdict()})
+        return end
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
@@ -254,9 +278,13 @@ class Driver:
                 except RuntimeError as error:
                     logger.error("%s", error)
                     return 1
-                status, failed, lost = self._run_once(attempt, hosts)
+                end = self._run_once(attempt, hosts)
+                status, failed, lost = end.status, end.failed, end.lost
                 attempt += 1
-                if os.path.exists(os.path.join(self.state_dir, FINISHED)):
+                if end.stopped:
+                    logger.warning("unisonrun was stopped (status %d): not starting the job again", status)
+                    return status
+                if end.finished:
                     if status != 0:
                         logger.warning("the training finished (mpirun's status %d counts ranks that died on the "
                                        "way)", status)

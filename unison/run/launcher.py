@@ -57,7 +57,14 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from unison.run.elastic_driver import ELASTIC_MPI_ARGS, RESTART_STATUS, Driver, ElasticOptions, has_ulfm
+from unison.run.elastic_driver import (
+    ELASTIC_MPI_ARGS,
+    RESTART_STATUS,
+    Driver,
+    ElasticOptions,
+    JobEnd,
+    has_ulfm,
+)
 from unison.run.hosts import Host
 from unison.run.placement import (
     LaunchConfig,
@@ -344,7 +351,7 @@ def _run_elastic(args: argparse.Namespace, config: LaunchConfig, environ: Mappin
     placement = resolve_placement(config, environ)
     static = None if placement.hosts is None else list(placement.hosts)
 
-    def start(np_: int, hosts: list[Host] | None, env: Mapping[str, str]) -> tuple[int, list[str], list[str]]:
+    def start(np_: int, hosts: list[Host] | None, env: Mapping[str, str]) -> JobEnd:
         if hosts is None or hosts == static:
             cfg = dataclasses.replace(config, np=np_)
         else:  # other hosts than the options gave: -H, keeping the hostfile's launch agent and TCP pinning
@@ -358,10 +365,12 @@ def _run_elastic(args: argparse.Namespace, config: LaunchConfig, environ: Mappin
         if args.verbose:
             print(shlex.join(command), file=sys.stderr, flush=True)
         result = run_command(command, env)
-        if result.status not in (0, RESTART_STATUS):
-            print(f"unisonrun: {result.report.summary(result.status)}", file=sys.stderr, flush=True)
-        failed = [f.node for f in result.report.failures if f.node]
-        return result.status, failed, [h.host for h in result.report.hosts_lost]
+        report = result.report
+        if result.status not in (0, RESTART_STATUS) and not report.elastic_finished:
+            print(f"unisonrun: {report.summary(result.status)}", file=sys.stderr, flush=True)
+        return JobEnd(result.status, tuple(f.node for f in report.failures if f.node),
+                      tuple(h.host for h in report.hosts_lost), report.elastic_finished,
+                      result.stop_signal is not None)
 
     return Driver(options, static, start, environ).run()
 

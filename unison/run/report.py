@@ -56,6 +56,11 @@ _MAX_BOX_LINES = 60  # a box longer than this is not one of the failure messages
 HOST_LOST_STATUS = 75
 
 
+#: the line rank 0 prints when an elastic job's training function returned (unison.common.elastic.runner):
+#: it reaches unisonrun through mpirun's output from any host
+ELASTIC_FINISHED = "[unison] elastic: the training function returned"
+
+
 class HostFailure(NamedTuple):
     """A host the job lost, as a rank's heartbeat or ``mpirun`` reported it."""
 
@@ -199,6 +204,8 @@ class MpirunReport:
         self.host_lost_at: float | None = None
         #: mpirun's time limit (``--timeout``, ``MPIEXEC_TIMEOUT``) when it ended the job, e.g. "60 seconds"
         self.time_limit: str | None = None
+        #: whether a rank printed :data:`ELASTIC_FINISHED` (the elastic training function returned)
+        self.elastic_finished = False
         self._streams = {"stderr": _Stream(), "stdout": _Stream()}
 
     def feed(self, text: str, stream: str = "stderr") -> None:
@@ -210,6 +217,8 @@ class MpirunReport:
             self._line(line, state)
 
     def _line(self, line: str, state: _Stream) -> None:
+        if ELASTIC_FINISHED in line:
+            self.elastic_finished = True
         self._add_host(parse_heartbeat(line))
         if _BOX_EDGE.fullmatch(line.strip()):
             if state.box:

@@ -70,15 +70,23 @@ def _completer() -> concurrent.futures.ThreadPoolExecutor:
     """The thread that completes the futures (see [Note: completing off the engine thread])."""
     with _lock:
         if not _pool:
-            _pool.append(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="unison-pg-complete"))
+            _pool.append(concurrent.futures.ThreadPoolExecutor(COMPLETERS,
+                                                               thread_name_prefix="unison-pg-complete"))
         return _pool[0]
+
+
+#: threads that complete futures: a callback may wait for another collective (PowerSGD's hook does),
+#: whose completion then runs on another of them; that nests this many deep
+COMPLETERS = 4
 
 
 def _complete(fut: Future, finish: Callable[[list[Any]], Any], results: list[Any]) -> None:
     """[Note: completing off the engine thread] A future's callbacks run inside ``set_result``: DDP's
     copy of each reduced bucket back into the gradients (25 MB by default), FSDP's unsharding. Run on
-    the engine thread they would hold up the next collective; on this one thread they overlap it, in
-    completion order (benchmarks/ddp_breakdown.py; docs/torch_distributed.md)."""
+    the engine thread they would hold up the next collective, and a callback that waits for another
+    collective would wait for ever; on these threads they overlap the engine's work
+    (benchmarks/ddp_breakdown.py; docs/torch_distributed.md). Futures are independent: no order among
+    completions is promised (an error is set at once, on the thread that saw it)."""
     try:
         fut.set_result(finish(results))
     except BaseException as error:  # noqa: BLE001 - handed to the future

@@ -79,6 +79,9 @@ def _restart_on_new_hosts(state: Any) -> None:
     """The driver saw the hosts change: the commit just made is on disk; end this job so the
     driver starts the next one on the new hosts (it resumes from that commit)."""
     state.store.wait()
+    st = runtime._state
+    if st is not None and st.comm is not None:
+        st.comm.Barrier()  # every host's writer has its copy on disk before any rank exits (and aborts the rest)
     logger.warning("elastic: the hosts changed; commit %d is saved, ending this job so unisonrun starts it on "
                    "the new hosts", state.commit_id)
     runtime.shutdown()

@@ -5,7 +5,7 @@ In the restart tier (no ULFM, a lost host's daemon, a host added or removed) ``u
 driver ends the MPI job and starts a new one; no process survives, so the last commit must
 outlive them without a shared disk and without a checkpoint the user wrote. Under the driver
 (``UNISON_ELASTIC_STATE_DIR`` set), every ``commit()`` therefore also writes the committed
-state to a folder of *this host* (``<dir>/<hostname>/commit-<id>.bin``), from a background
+state to a folder of *this host* (``<dir>/<hostname>/commit-<job>-<id>.bin``), from a background
 thread (the copy ``commit()`` took is written; training goes on meanwhile; the next commit
 waits for the previous write), atomically and durably (``unison.common.files``: fsync, rename,
 fsync of the folder). Only each host's first local rank writes: in data-parallel training every
@@ -21,7 +21,10 @@ holds a commit although this is a restart (every host that held one was lost), i
 a warning and the program starts from its own initial state or checkpoint.
 
 Commit ids count commits since the job's first start and travel with the state, so they keep
-increasing across restarts and "newest" is well defined.
+increasing across restarts; a commit is named by (the job attempt that wrote it, its id), compared
+in that order, so a job that had to start over from nothing (no host kept a commit) still outranks
+an older job's folder on a host that returns later. Before anything is sent, every rank learns which
+holders could read the newest commit; if none could, each holder offers its next newest.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ ENV_ATTEMPT = "ELASTIC_ATTEMPT"
 ENV_NOTICE = "ELASTIC_NOTICE"
 register_env(ENV_STATE_DIR, ENV_ATTEMPT, ENV_NOTICE)
 
-_NAME = re.compile(r"^commit-(\d{12})\.bin$")
+_NAME = re.compile(r"^commit-(\d{6})-(\d{12})\.bin$")
 KEEP = 2
 
 
@@ -74,23 +77,29 @@ class CommitStore:
         st = runtime._state
         return st is None or st.local_rank == 0
 
-    def path(self, commit_id: int) -> Path:
-        return self.folder / f"commit-{commit_id:012d}.bin"
+    def path(self, key: tuple[int, int]) -> Path:
+        """The file of commit ``key`` = (the job attempt that wrote it, the commit id)."""
+        return self.folder / f"commit-{key[0]:06d}-{key[1]:012d}.bin"
 
-    def ids(self) -> list[int]:
-        """The complete commits on this host, oldest first."""
+    def ids(self) -> list[tuple[int, int]]:
+        """The complete commits on this host as (attempt, commit id), oldest first.
+
+        The attempt comes first: when no host kept a commit, a restarted job counts commits from 0
+        again, and a host that returns later with an older job's folder must not win with a larger id.
+        """
         if not self.folder.is_dir():
             return []
-        return sorted(int(m.group(1)) for p in self.folder.iterdir() if (m := _NAME.match(p.name)))
+        return sorted((int(m.group(1)), int(m.group(2))) for p in self.folder.iterdir()
+                      if (m := _NAME.match(p.name)))
 
-    def newest(self) -> int:
+    def newest(self) -> tuple[int, int] | None:
         found = self.ids()
-        return found[-1] if found else -1
+        return found[-1] if found else None
 
-    def write(self, commit_id: int, payload: bytes) -> Path:
+    def write(self, commit_id: int, payload: bytes, job: int | None = None) -> Path:
         """Write one commit atomically and durably; drop all but the newest :data:`KEEP`."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        target = self.path(commit_id)
+        target = self.path((attempt() if job is None else job, commit_id))
         with files.atomic_path(target) as tmp, open(tmp, "wb") as f:
             f.write(payload)
         for old in self.ids()[:-KEEP]:
@@ -114,18 +123,19 @@ class CommitStore:
         if pending is not None:
             pending.result()
 
-    def read(self, commit_id: int) -> bytes:
-        return self.path(commit_id).read_bytes()
+    def read(self, key: tuple[int, int]) -> bytes:
+        return self.path(key).read_bytes()
 
 
 def mark_finished(store: CommitStore) -> None:
-    """Rank 0 tells the driver the training function returned (``<dir>/finished``): the job is done even if
-    mpirun's exit status counts ranks that died on the way."""
+    """Rank 0 tells the driver the training function returned (a line on stdout, which mpirun forwards from
+    any host): the job is done even if mpirun's exit status counts ranks that died on the way."""
+    from unison.run.report import ELASTIC_FINISHED
+
+    store.wait()
     st = runtime._state
     if st is None or st.rank == 0:
-        store.wait()
-        with files.atomic_path(store.root / "finished") as tmp, open(tmp, "w") as f:
-            f.write("finished\n")
+        print(ELASTIC_FINISHED, flush=True)
 
 
 def store_from_env() -> CommitStore | None:
@@ -146,32 +156,47 @@ def attempt() -> int:
 def resume(state: Any, store: CommitStore) -> int:
     """Load the newest commit any host holds into ``state`` (collective); returns its id, or -1.
 
-    See [Note: the restart tier's commits].
+    See [Note: the restart tier's commits]. The ranks that hold the newest commit read it and every
+    rank learns which of them could, before anything is sent; a copy no holder can read is skipped
+    on every rank alike, for the next newest.
     """
     st = runtime.state("elastic resume")
-    mine = store.newest()
-    if st.comm is None:
-        ids, rank = [mine], 0
-    else:
-        ids, rank = st.comm.allgather(mine), st.rank
-    best = max(ids)
-    if best < 0:
-        if attempt() > 0:
-            logger.warning("elastic: this is restart %d of the job but no host holds a committed state (every "
-                           "host that held one was lost); starting from the program's initial state or its own "
-                           "checkpoint", attempt())
-        return -1
-    holder = ids.index(best)
-    # ranks on a host that holds the newest commit read it there; the rest get it from the holder
-    payload = store.read(best) if mine == best else None
-    if any(i != best for i in ids) and st.comm is not None:
-        sent = st.comm.bcast(payload if rank == holder else None, root=holder)
+    comm = st.comm
+
+    def everyone(value: Any) -> list[Any]:
+        return [value] if comm is None else comm.allgather(value)
+
+    candidates = sorted(store.ids(), reverse=True)  # this host's commits, newest first
+    while True:
+        offers = everyone(candidates[0] if candidates else None)
+        held = [k for k in offers if k is not None]
+        if not held:
+            if attempt() > 0 and st.rank == 0:
+                logger.warning("elastic: this is restart %d of the job but no host holds a committed state (every "
+                               "host that held one was lost); starting from the program's initial state or its "
+                               "own checkpoint", attempt())
+            return -1
+        best = max(held)
+        payload = None
+        if offers[st.rank] == best:
+            try:
+                payload = store.read(best)
+            except OSError as exc:
+                logger.warning("elastic: commit %s on this host cannot be read: %s", best, exc)
+        readable = everyone(payload is not None)
+        if any(readable):
+            break
+        if candidates and candidates[0] == best:  # nobody could read it: each holder offers its next newest
+            candidates.pop(0)
+    holder = readable.index(True)
+    if comm is not None and not all(readable):  # some rank lacks it: the holder sends it
+        sent = comm.bcast(payload if st.rank == holder else None, root=holder)
         payload = payload if payload is not None else sent
     if payload is None:
-        raise RuntimeError(f"elastic: rank {holder} held commit {best} but sent nothing")
+        raise RuntimeError(f"elastic: rank {holder} could read commit {best} but sent nothing")
     state.load_commit(pickle.loads(payload))  # noqa: S301 - written by this job's own ranks
     state.restore()
-    if rank == 0:
-        logger.warning("elastic: resumed from commit %d (held by rank %d's host; restart %d)", best, holder,
-                       attempt())
-    return best
+    if st.rank == 0:
+        logger.warning("elastic: resumed from commit %d (written by job %d, held by rank %d's host; restart %d)",
+                       best[1], best[0], holder, attempt())
+    return int(best[1])

@@ -189,6 +189,7 @@ class ShardedTable:
         # ([Note: errors without collectives])
         self._err = None if self._rep is None else base.Dup()
         self._err_sends: list[tuple[Any, Any]] = []
+        self._err_count = np.zeros((2, self.size), np.int64)  # error messages sent to / received from each rank
         self._peer_errors: list[str] = []
         self._clock = 0
         self._request = 0
@@ -410,9 +411,10 @@ class ShardedTable:
     # Under SSP/ASP a worker's operation involves no other worker at the same moment, so bad input
     # cannot be agreed on as BSP's rounds do. The worker that meets it raises at once and sends the
     # message to every other worker on the table's error communicator; each of them raises the
-    # same text (naming that rank) at its next operation on the table, once the message arrived
-    # (each operation probes for one first, as does a wait for the staleness bound). The table stays
-    # usable on every rank afterwards, as under BSP.
+    # same text (naming that rank) at its next pull or push on the table, once the message arrived
+    # (each probes for one first, on the table's executor thread, before any side effect; collective
+    # calls such as barrier() and save() never raise it, so no rank skips one the others are in). The
+    # table stays usable on every rank afterwards, as under BSP.
 
     def _post_error(self, message: str) -> None:
         if self._err is None:
@@ -421,6 +423,7 @@ class ShardedTable:
         for r in self.workers:
             if r != self.rank:
                 self._err_sends.append((self._err.Isend([data, self.mpi.BYTE], r, 1), data))
+                self._err_count[0][r] += 1
 
     def _check_peers(self) -> None:
         """Raise a bad-input error another worker posted (see the Note)."""
@@ -430,6 +433,7 @@ class ShardedTable:
         while self._err.Iprobe(self.mpi.ANY_SOURCE, 1, status):
             buf = np.empty(status.Get_count(self.mpi.BYTE), np.uint8)
             self._err.Recv([buf, self.mpi.BYTE], status.Get_source(), 1)
+            self._err_count[1][status.Get_source()] += 1
             self._peer_errors.append(buf.tobytes().decode("utf-8", "replace"))
         if self._peer_errors:
             raise TableError(f"{self._peer_errors.pop(0)} (raised on that rank; table {self.name!r} under "
@@ -594,7 +598,6 @@ class ShardedTable:
     def _check_server(self) -> None:
         if self._server is not None and self._server.error is not None:
             raise TableError(f"table {self.name!r}: the server thread failed: {self._server.error!r}")
-        self._check_peers()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -732,9 +735,12 @@ class ShardedTable:
             self._server.join()
         if self.comm is not None:
             self.comm.Barrier()
-            if self._err is not None:  # errors no operation raised any more: receive them, then free
+            if self._err is not None:  # errors no operation raised any more: receive each one sent here, then free
+                sent_here = np.empty(self.size, np.int64)
+                self.comm.Alltoall([self._err_count[0], self.mpi.INT64_T], [sent_here, self.mpi.INT64_T])
                 status = self.mpi.Status()
-                while self._err.Iprobe(self.mpi.ANY_SOURCE, 1, status):
+                for _ in range(int((sent_here - self._err_count[1]).sum())):
+                    self._err.Probe(self.mpi.ANY_SOURCE, 1, status)
                     self._err.Recv([np.empty(status.Get_count(self.mpi.BYTE), np.uint8), self.mpi.BYTE],
                                    status.Get_source(), 1)
                 self.mpi.Request.Waitall([r for r, _ in self._err_sends])
