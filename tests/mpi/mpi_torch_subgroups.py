@@ -291,6 +291,7 @@ def test_fsdp2_with_tensor_parallelism_on_a_2d_mesh_equals_one_process():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch_fsdp_case import sgd_steps
 
     r = dist.get_rank()
 
@@ -300,19 +301,10 @@ def test_fsdp2_with_tensor_parallelism_on_a_2d_mesh_equals_one_process():
 
     batches = [(_dense(30 + s, 8, 6), _dense(40 + s, 8, 3)) for s in range(3)]
     ref = build()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    for x, y in batches:
-        ref_opt.zero_grad()
-        torch.nn.functional.mse_loss(ref(x), y).backward()
-        ref_opt.step()
+    sgd_steps(ref, batches, 0.1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = parallelize_module(build(), mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    rows = slice(4 * (r // 2), 4 * (r // 2) + 4)  # dp rank = r // 2 on a (dp, tp) mesh of 4
-    for x, y in batches:
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
-        opt.step()
+    sgd_steps(model, batches, 0.1, slice(4 * (r // 2), 4 * (r // 2) + 4))  # dp rank = r // 2 on a (dp, tp) mesh
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         np.testing.assert_allclose(p.full_tensor().detach().numpy(), q.detach().numpy(), rtol=1e-10, atol=1e-12)

@@ -7,6 +7,15 @@ from typing import Any
 import torch
 
 
+def sgd_steps(model: torch.nn.Module, batches: list, lr: float, rows: slice = slice(None)) -> None:
+    """SGD with momentum 0.9 on the mean squared error, one step per (x, y) batch, on ``rows`` of each."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    for x, y in batches:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        opt.step()
+
+
 def train_fsdp_and_reference(mesh: Any, rank: int, size: int, outputs: int) -> tuple[list, list]:
     """Three SGD-momentum steps of a small MLP under ``fully_shard`` (per layer and the root) on ``mesh``,
     each rank on its 4 rows of the global batch, and of the same MLP in one process on the global batch.
@@ -21,19 +30,10 @@ def train_fsdp_and_reference(mesh: Any, rank: int, size: int, outputs: int) -> t
     batches = [(torch.randn(4 * size, 5, generator=g, dtype=torch.float64),
                 torch.randn(4 * size, outputs, generator=g, dtype=torch.float64)) for _ in range(3)]
     ref = build()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9)
-    for x, y in batches:
-        ref_opt.zero_grad()
-        torch.nn.functional.mse_loss(ref(x), y).backward()
-        ref_opt.step()
+    sgd_steps(ref, batches, 0.2)
     model = build()
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
-    mine = slice(4 * rank, 4 * rank + 4)
-    for x, y in batches:
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
-        opt.step()
+    sgd_steps(model, batches, 0.2, slice(4 * rank, 4 * rank + 4))
     return list(model.parameters()), list(ref.parameters())

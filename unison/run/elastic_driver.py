@@ -44,7 +44,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from unison.run.hosts import Host, parse_hosts
 
@@ -170,7 +170,6 @@ class Driver:
         self.clock, self.sleep, self._discover = clock, sleep, discover_hosts
         self.failures: dict[str, int] = {}
         self.blacklist: dict[str, float] = {}  # host -> when it may return
-        self.attempts: list[dict[str, Any]] = []  # one record per job: np, hosts, status, why it ended
 
     # ------------------------------------------------------------------ hosts
     def _hosts(self, previous: list[Host] | None) -> list[Host] | None:
@@ -219,7 +218,7 @@ class Driver:
             if self._slots(hosts) >= self.options.min_np:
                 return hosts
             if self.clock() >= deadline:
-                listing = ", ".join(f"{h.name}:{h.slots}" for h in hosts or []) or "none"
+                listing = _listing(hosts) or "none"
                 black = f"; blacklisted: {', '.join(sorted(self.blacklist))}" if self.blacklist else ""
                 raise RuntimeError(f"only {self._slots(hosts)} slot(s) available (hosts: {listing}{black}) but "
                                    f"--min-np is {self.options.min_np}; waited "
@@ -263,7 +262,6 @@ class Driver:
             stop.set()
             if watcher is not None:
                 watcher.join(timeout=5)
-        self.attempts.append({"attempt": attempt, "np": np_, "hosts": _listing(hosts), **end._asdict()})
         return end
 
     # ------------------------------------------------------------------ the loop

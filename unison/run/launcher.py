@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import os
 import shlex
@@ -322,19 +323,22 @@ def _elastic(args: argparse.Namespace) -> bool:
         for name in ("min_np", "max_np", "host_discovery_script", "elastic_mode")))
 
 
+@functools.cache
+def _mpi_has_ulfm() -> bool:
+    """Whether the mpirun unisonrun starts has ULFM (asked once per process: ompi_info is slow)."""
+    try:
+        found = has_ulfm(find_mpirun(sys.executable))
+    except MpirunNotFoundError:
+        found = False
+    logger.info("elastic: %s", "the MPI has ULFM: in-place recovery" if found else
+                "the MPI has no ULFM (ompi_info: no 'FT MPI support: yes'): every failure restarts the job")
+    return found
+
+
 def _inplace(args: argparse.Namespace) -> bool:
     """Whether elastic mode survives a rank's death in place (ULFM), per --elastic-mode."""
     mode = getattr(args, "elastic_mode", None) or "auto"
-    if mode != "auto":
-        return bool(mode == "inplace")
-    if not hasattr(args, "_ulfm"):
-        try:
-            args._ulfm = has_ulfm(find_mpirun(sys.executable))
-        except MpirunNotFoundError:
-            args._ulfm = False
-        logger.info("elastic: %s", "the MPI has ULFM: in-place recovery" if args._ulfm else
-                    "the MPI has no ULFM (ompi_info: no 'FT MPI support: yes'): every failure restarts the job")
-    return bool(args._ulfm)
+    return _mpi_has_ulfm() if mode == "auto" else mode == "inplace"
 
 
 def _elastic_options(args: argparse.Namespace) -> ElasticOptions:

@@ -83,12 +83,14 @@ def _is_view(arr: np.ndarray, tensor: torch.Tensor) -> bool:
     return bool(arr.size) and arr.__array_interface__["data"][0] == tensor.data_ptr()
 
 
-def _into(targets: list[torch.Tensor], keep: bool = True) -> Callable[[list[Any]], list[torch.Tensor]]:
-    """A ``finish`` that copies each result into its target tensor (only when ``keep``)."""
+def _into(targets: list[torch.Tensor],
+          keep: bool | Sequence[bool] = True) -> Callable[[list[Any]], list[torch.Tensor]]:
+    """A ``finish`` that copies each result into its target tensor (when ``keep``, or its entry of ``keep``)."""
+    keeps = [keep] * len(targets) if isinstance(keep, bool) else list(keep)
 
     def finish(results: list[Any]) -> list[torch.Tensor]:
-        if keep:
-            for target, result in zip(targets, results, strict=True):
+        for target, result, needed in zip(targets, results, keeps, strict=True):
+            if needed:
                 copy_into(target, result)
         return targets
 
@@ -148,13 +150,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
                            else self._ops.allreduce_async(_premul(arr, factor), op))
             copy.append(not inplace)
 
-        def finish(results: list[Any]) -> list[torch.Tensor]:
-            for target, result, needed in zip(tensors, results, copy, strict=True):
-                if needed:
-                    copy_into(target, result)
-            return tensors
-
-        return collective_work(handles, finish)
+        return collective_work(handles, _into(tensors, copy))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         return self.allreduce(tensors, opts)

@@ -9,7 +9,6 @@ A point-to-point ``Work`` wraps an MPI request.
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -53,7 +52,7 @@ def collective_work(handles: Sequence[Handle], finish: Callable[[list[Any]], Any
             return
         left[0] -= 1
         if left[0] == 0 and not fut.done():
-            _completer().submit(_complete, fut, finish, results)
+            _COMPLETER.submit(_complete, fut, finish, results)
 
     if not handles:
         fut.set_result(finish([]))
@@ -62,22 +61,11 @@ def collective_work(handles: Sequence[Handle], finish: Callable[[list[Any]], Any
     return _Work(fut)
 
 
-_lock = threading.Lock()
-_pool: list[concurrent.futures.ThreadPoolExecutor] = []
-
-
-def _completer() -> concurrent.futures.ThreadPoolExecutor:
-    """The thread that completes the futures (see [Note: completing off the engine thread])."""
-    with _lock:
-        if not _pool:
-            _pool.append(concurrent.futures.ThreadPoolExecutor(COMPLETERS,
-                                                               thread_name_prefix="unison-pg-complete"))
-        return _pool[0]
-
-
 #: threads that complete futures: a callback may wait for another collective (PowerSGD's hook does),
 #: whose completion then runs on another of them; that nests this many deep
 COMPLETERS = 4
+#: started on the first completion (see [Note: completing off the engine thread])
+_COMPLETER = concurrent.futures.ThreadPoolExecutor(COMPLETERS, thread_name_prefix="unison-pg-complete")
 
 
 def _complete(fut: Future, finish: Callable[[list[Any]], Any], results: list[Any]) -> None:

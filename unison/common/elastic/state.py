@@ -38,8 +38,8 @@ class State:
         self._reset_callbacks: list[Callable[[], Any]] = []
         self._host_messages: queue.Queue[tuple[float, bool]] = queue.Queue()
         self.commit_id = 0  # commits since the job's first start (restarts continue the count)
-        self._store: Any = None
-        self._store_read = False
+        #: the commit store of a job run by ``unisonrun``'s elastic driver, else None (store.py)
+        self.store = store_from_env()
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], Any]]) -> None:
         """Call each of ``callbacks`` (no arguments) after every reset, in order.
@@ -57,15 +57,9 @@ class State:
             callback()
 
     def on_hosts_updated(self, timestamp: float, skip_sync: bool = False) -> None:
-        """Note that the hosts changed (called by host discovery; a later slice)."""
+        """Note that the hosts changed (a program's own discovery may call it; ``unisonrun``'s driver
+        posts its changes through a notice file instead, see :func:`notice_posted`)."""
         self._host_messages.put((timestamp, skip_sync))
-
-    @property
-    def store(self) -> Any:
-        """The commit store of a job run by ``unisonrun``'s elastic driver, else None (store.py)."""
-        if not self._store_read:
-            self._store, self._store_read = store_from_env(), True
-        return self._store
 
     def commit(self) -> None:
         """Save the state in memory, then check for host changes (Horovod's ``commit``).
@@ -90,8 +84,8 @@ class State:
     def check_host_updates(self) -> None:
         """Raise :class:`HostsUpdatedInterrupt` on every rank when the hosts changed.
 
-        Under ``unisonrun``'s elastic driver, rank 0 looks for the driver's notice file and
-        broadcasts what it saw (one small collective: every rank commits at the same step);
+        Under ``unisonrun``'s elastic driver every rank looks for the driver's notice file and an
+        all-reduce tells all of them (one small collective: every rank commits at the same step);
         without the driver this makes no collective call.
         """
         updates = []
