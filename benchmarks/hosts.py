@@ -366,7 +366,10 @@ def auto_choices(sizes: Sequence[int], n: int) -> dict[str, str]:
 
         st = runtime.state("benchmarks/hosts.py")
         topo = topology.of(st.comm, st.mpi)
-        return {human_bytes(b): str(choose_allreduce("auto", b, n, topo)) for b in sizes}
+        out = {human_bytes(b): str(choose_allreduce("auto", b, n, topo)) for b in sizes}
+        if topo.cross_rate is not None:
+            out["link measured"] = f"{topo.cross_rate / 1e6:.0f} MB/s"
+        return out
     except Exception as exc:  # the selector's signature may change; say so and go on
         return {"?": f"could not ask the selector: {type(exc).__name__}: {exc}"}
 
@@ -579,8 +582,12 @@ def print_training(train: Sequence[TrainRecord]) -> None:
         print(f"{t.link:<10}{t.model:<7}{t.impl:<10}{t.hosts:>6}{t.samples_per_s:>12.1f}")
 
 
+#: what unison-auto's choice is measured as, by name
+AUTO_AS = {"mpi": "mpi-native", "hierarchical": "unison-hierarchical", "ring": "unison-ring"}
+
+
 def print_targets(records: Sequence[CollRecord], train: Sequence[TrainRecord],
-                  rows: Sequence[Row]) -> None:
+                  rows: Sequence[Row], choices: dict[str, dict[str, str]]) -> None:
     by = {(r.link, r.impl, r.bytes): r.busbw_gbps for r in records}
     size = human_bytes(TARGET_BYTES)
     print(f"\ntargets ({HOSTS} hosts x {SLOTS} ranks)")
@@ -589,10 +596,13 @@ def print_targets(records: Sequence[CollRecord], train: Sequence[TrainRecord],
                        by.get((TARGET_LINK, "unison-ring", TARGET_BYTES)), 1.3))
     print(ratio_target(f"{TARGET_LINK} {size} busbw unison-auto / mpi-native", auto,
                        by.get((TARGET_LINK, "mpi-native", TARGET_BYTES)), 1.0))
-    same = by.get((TARGET_LINK, "unison-hierarchical", TARGET_BYTES))
+    chose = choices.get(TARGET_LINK, {}).get(size)  # its key: human_bytes(TARGET_BYTES)
+    twin = AUTO_AS.get(chose or "")
+    same = by.get((TARGET_LINK, twin, TARGET_BYTES)) if twin else None
     if auto is not None and same is not None:
-        print(f"  noise check: {TARGET_LINK} {size} busbw unison-auto / unison-hierarchical = {auto / same:.2f}  "
-              "(the same algorithm at this size: far from 1.00 means load, not code, set the ratios)")
+        print(f"  noise check: {TARGET_LINK} {size} busbw unison-auto / {twin} = {auto / same:.2f}  "
+              f"(auto runs {chose} here: the same algorithm, so far from 1.00 means load, not code, "
+              "set the ratios)")
     sps = {(t.link, t.impl): t.samples_per_s for t in train}
     for link in LINKS:
         if any(t.link == link for t in train):
@@ -663,7 +673,7 @@ def report(parts: Sequence[dict[str, Any]], args: argparse.Namespace) -> int:
     rows = model_rows(records, cals)
     print_model(rows)
     print_training(train)
-    print_targets(records, train, rows)
+    print_targets(records, train, rows, {p["link"]: p.get("auto_choice", {}) for p in parts if "link" in p})
     for f in failures:
         print(f"FAILED: {f}")
     if args.json is not None:

@@ -42,6 +42,7 @@ BAD_VALUES = {
     "HIERARCHICAL_ALLGATHER": (["auto"], "one of 1, true, yes, on, 0, false, no, off"),
     "DETERMINISTIC": (["strict", "-1"], "one of 1, true, yes, on, 0, false, no, off"),
     "HOST_TIMEOUT_SECONDS": (["inf", "-5", "30s"], "a finite number in [0, 2.592e+06]"),
+    "CROSS_PIECE_BYTES": (["-1", "64KiB", "1.5", str(2**31)], "an integer in [0, 2147483647]"),
 }
 # paths accept any text (empty: off); nothing to refuse but they must still be known
 NO_BAD_VALUES = {"TIMELINE", "AUTOTUNE_LOG"}

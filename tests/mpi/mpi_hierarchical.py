@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 
 import ml_dtypes
 import numpy as np
@@ -137,8 +138,9 @@ def test_topology_is_freed_with_its_communicator():
 # ------------------------------------------------------------------ selection (one process)
 
 class FakeTopo:
-    def __init__(self, hosts: int) -> None:
+    def __init__(self, hosts: int, rate: float | None = None) -> None:
         self.spans_hosts = hosts > 1
+        self.cross_rate = rate
 
 
 def test_auto_picks_by_topology_and_size():
@@ -148,6 +150,11 @@ def test_auto_picks_by_topology_and_size():
     assert select.choose_allreduce("auto", small, 4, one) == "mpi"
     assert select.choose_allreduce("auto", big, 4, two) == "hierarchical"
     assert select.choose_allreduce("auto", select.HIER_MIN_BYTES - 1, 4, two) == "mpi"
+    fast, slow = FakeTopo(2, 2 * select.SLOW_LINK_BYTES_PER_S), FakeTopo(2, select.SLOW_LINK_BYTES_PER_S / 4)
+    assert select.choose_allreduce("auto", big, 4, fast) == "hierarchical"
+    assert select.choose_allreduce("auto", big, 4, slow) == "mpi"  # the link, not the cores, is the limit
+    assert select.choose_allreduce("auto", small, 4, slow, force=True) == "hierarchical"
+    assert select.choose_allreduce("hierarchical", big, 4, slow) == "hierarchical"
     assert select.choose_allreduce("auto", small, 4, two, force=True) == "hierarchical"
     assert select.choose_allreduce("auto", small, 4, one, force=True) == "mpi"  # one host: no effect
     assert select.choose_allreduce("ring", big, 4, two, force=True) == "ring"  # a named algorithm wins
@@ -234,6 +241,88 @@ def test_non_homogeneous_layout_falls_back_to_the_ring_and_says_so(caplog):
     assert got.tobytes() == ring.tobytes() == again.tobytes()
     lines = [r.getMessage() for r in caplog.records if "same number of ranks" in r.getMessage()]
     assert len(lines) == 1 and "[2, 1] ranks per host" in lines[0], lines
+
+
+def test_piece_for_bandwidth_is_a_bounded_power_of_two():
+    assert hierarchical.piece_for_bandwidth(125e6) == hierarchical.PIECE_MIN_BYTES  # 1 Gbit/s: 31 KB -> 64 KiB
+    assert hierarchical.piece_for_bandwidth(1e9) == 256 << 10  # 250 KB -> 256 KiB
+    assert hierarchical.piece_for_bandwidth(3.125e9) == 1 << 20  # 25 Gbit/s: 781 KB -> 1 MiB
+    assert hierarchical.piece_for_bandwidth(1e12) == hierarchical.PIECE_MAX_BYTES
+    assert hierarchical.piece_for_bandwidth(float("inf")) == hierarchical.PIECE_MAX_BYTES
+    for bad in (0.0, -1.0, float("nan")):
+        assert hierarchical.piece_for_bandwidth(bad) == hierarchical.PIECE_MIN_BYTES
+
+
+def test_cross_piece_is_measured_once_agreed_and_overridable(comms, monkeypatch):
+    """The link is probed at the first hierarchical all-reduce of a communicator, every rank takes
+    the same piece size, later calls reuse it, and ``UNISON_CROSS_PIECE_BYTES`` cuts the pieces."""
+    from unison.collectives import ring
+
+    probes, pieces = [], []
+    real_probe, real_ring = hierarchical._probe, ring.allreduce
+    monkeypatch.setattr(hierarchical, "_probe", lambda *a: (probes.append(1), real_probe(*a))[1])
+    monkeypatch.setattr(ring, "allreduce", lambda comm, mpi, i, o, op, chunk, *a: (
+        pieces.append(chunk), real_ring(comm, mpi, i, o, op, chunk, *a)))
+    for layout in ("block", "roundrobin", "real"):
+        comm = WORLD.Dup()  # a fresh topology: nothing measured yet
+        if LAYOUTS[layout] is not None:
+            topology.attach(comm, MPI, topology.build(comm, MPI, LAYOUTS[layout]))
+        topo = topology.of(comm, MPI)
+        probes.clear(), pieces.clear()
+        inputs = [make(r, 50_001, np.dtype(np.float64), 4) for r in range(N)]
+        for _ in range(2):
+            got = run_allreduce(comm, inputs[R], ReduceOp.SUM, "hierarchical")
+            np.testing.assert_array_equal(got, reference(inputs, ReduceOp.SUM))
+        if not topo.spans_hosts:
+            assert topo.cross_rate is None and not probes, layout
+            comm.Free()
+            continue
+        assert len(set(WORLD.allgather(topo.cross_rate))) == 1 and 0 < topo.cross_rate < math.inf, layout
+        assert len(probes) == (1 if topo.cross_size > 1 else 0), layout  # every rank with a peer, once
+        piece = hierarchical.piece_for_bandwidth(topo.cross_rate)
+        assert hierarchical.PIECE_MIN_BYTES <= piece <= hierarchical.PIECE_MAX_BYTES and piece & (piece - 1) == 0
+        if topo.homogeneous:
+            assert pieces == [piece // 8] * 2, layout
+        else:  # the ring runs instead, in pieces no larger than the link's
+            assert pieces == [min(CHUNK, piece) // 8] * 2, layout
+        pieces.clear()
+        with reinit(cross_piece_bytes=1000):  # not a multiple of 8: 125 float64s a message
+            got = run_allreduce(comm, inputs[R], ReduceOp.SUM, "hierarchical")
+            np.testing.assert_array_equal(got, reference(inputs, ReduceOp.SUM))
+            assert pieces == [125] and len(probes) <= 1, layout
+            got = run_allreduce(comm, inputs[R], ReduceOp.SUM, "ring")  # the flat ring across hosts too
+            np.testing.assert_array_equal(got, reference(inputs, ReduceOp.SUM))
+            assert pieces == [125, 125], layout
+        comm.Free()
+
+
+def test_auto_across_hosts_measures_the_link_and_uses_mpi_on_a_slow_one(comms, monkeypatch):
+    calls = []
+    monkeypatch.setattr(hierarchical, "allreduce", lambda *a, **k: calls.append("hierarchical"))
+    real_native = kernels.native.allreduce
+    monkeypatch.setattr(kernels.native, "allreduce", lambda *a, **k: (calls.append("mpi"), real_native(*a, **k)))
+    x = make(R, (1 << 20) // 4, np.dtype(np.float32), 2)  # 1 MiB: above HIER_MIN_BYTES
+    for layout in ("block", "roundrobin"):
+        comm = WORLD.Dup()
+        topo = topology.build(comm, MPI, LAYOUTS[layout])
+        topology.attach(comm, MPI, topo)
+        if not (topo.spans_hosts and topo.homogeneous):
+            comm.Free()
+            continue
+        run_allreduce(comm, x, ReduceOp.SUM, "mpi")  # a named algorithm measures nothing
+        assert topo.cross_rate is None
+        calls.clear()
+        run_allreduce(comm, x, ReduceOp.SUM, "auto")
+        assert topo.cross_rate is not None  # measured, the same on every rank
+        assert len(set(WORLD.allgather(topo.cross_rate))) == 1
+        want = "mpi" if topo.cross_rate < select.SLOW_LINK_BYTES_PER_S else "hierarchical"
+        assert calls == [want], layout
+        topo.cross_rate = select.SLOW_LINK_BYTES_PER_S / 10  # as if the hosts were 1 Gbit/s apart
+        calls.clear()
+        got = run_allreduce(comm, x, ReduceOp.SUM, "auto")
+        assert calls == ["mpi"], layout
+        np.testing.assert_array_equal(got, sum(make(r, x.size, np.dtype(np.float32), 2) for r in range(N)))
+        comm.Free()
 
 
 def test_forced_hierarchical_only_when_the_job_spans_hosts(comms, monkeypatch):

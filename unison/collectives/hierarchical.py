@@ -16,14 +16,19 @@ ranks (so over L connections); a flat ring over all H*L ranks sends
 1.5 S. Every element of the result is computed by one rank (the owner of its
 cross segment) and then only copied, so all ranks get the same bits -- but the
 summation order (each host's ranks first, in local-rank order, then the hosts
-in host order) differs from the flat ring's.
+in ring order from the one after the segment's owner) differs from the flat ring's.
 
-The data moves through MPI's own ``Alltoallv`` and ``Allgatherv`` (the direct
-reduce-scatter of :mod:`.ordered`: each segment's owner receives every rank's
-piece and folds them), not through our Python-driven ring: on the test hosts,
-where the cores are shared and the ranks wait for CPU as much as for the link,
-that was faster (docs/collectives.md, "Many hosts"), and it keeps the sums in
-a fixed order.
+Step 2 is our ring (:mod:`.ring`) on the cross communicator, moved in pieces of
+a bounded size (:func:`cross_piece_bytes`): each piece is one ``Sendrecv``, so at
+most one piece per connection and direction is in flight. Large transfers in one
+go (MPI's ``Alltoallv`` in rounds of 16 MiB, our first version) overfilled the
+queue of a slow link and stalled on TCP retransmission timeouts: 64 MiB at
+1 Gbit/s took 0.9-1.0 s against 0.59 s in 64 KiB pieces (the link's floor is
+0.54 s); on a fast link small pieces cost per-message overhead instead (64 KiB:
+0.14 s, 256 KiB: 0.06 s unshaped). So the piece size follows the link: measured
+once per communicator (every rank's fastest of three 4 MiB exchanges with its
+cross-host peers, summed per host), agreed by all ranks;
+``UNISON_CROSS_PIECE_BYTES`` fixes it.
 
 All-gather: each rank's block goes first to the ranks of its local rank on the
 other hosts (cross all-gather, straight into its place in the output), then
@@ -38,30 +43,114 @@ to the host-ordered flat ring otherwise.
 
 from __future__ import annotations
 
+import logging
+import math
+import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from unison.collectives import ordered
-from unison.collectives.p2p import segments
+from unison.collectives import ordered, ring
+from unison.collectives.p2p import exchange, segments
 from unison.collectives.topology import Topology
 
-__all__ = ["allreduce", "allgatherv", "broadcast", "CROSS_ROUND_BYTES"]
+__all__ = ["allreduce", "allgatherv", "broadcast", "link_rate", "cross_piece_bytes", "piece_for_bandwidth",
+           "PIECE_MIN_BYTES", "PIECE_MAX_BYTES", "PIECE_SECONDS"]
 
-#: Each round of the cross-host phase receives up to this many bytes (from all hosts together;
-#: at least ``chunk`` from each): a round waits for the slowest connection, so across hosts
-#: fewer, larger rounds keep the link busier (64 MiB over 2 test hosts at 1 Gbit/s: 0.85 s
-#: with 8 MiB per host and round, 1.16 s with 1 MiB).
-CROSS_ROUND_BYTES = 16 << 20
+logger = logging.getLogger(__name__)
+
+#: Bounds of the cross-host piece size (bytes).
+PIECE_MIN_BYTES = 64 << 10
+PIECE_MAX_BYTES = 4 << 20
+#: A piece should take about this long on the link: long enough that the per-message cost
+#: (tens of microseconds) stays small, short enough that a slow link's queue never overflows.
+PIECE_SECONDS = 0.25e-3
+#: The probe: one warm-up piece (it also opens the connections), then PROBE_ROUNDS exchanges of
+#: PROBE_BYTES; the fastest counts (on shared cores a round is slowed by whoever else runs, never
+#: sped up).
+PROBE_BYTES = 4 << 20
+PROBE_PIECE_BYTES = 1 << 20
+PROBE_ROUNDS = 3
+TAG_PROBE = 19
+
+
+def piece_for_bandwidth(bytes_per_s: float) -> int:
+    """The cross-host piece size for a link of ``bytes_per_s``: a power of two near
+    ``bytes_per_s * PIECE_SECONDS`` within [``PIECE_MIN_BYTES``, ``PIECE_MAX_BYTES``]."""
+    if not math.isfinite(bytes_per_s) or bytes_per_s <= 0:
+        return PIECE_MAX_BYTES if bytes_per_s == math.inf else PIECE_MIN_BYTES
+    target = bytes_per_s * PIECE_SECONDS
+    piece = 1 << max(0, round(math.log2(max(target, 1.0))))
+    return min(PIECE_MAX_BYTES, max(PIECE_MIN_BYTES, piece))
+
+
+def _probe(cross: Any, mpi: Any) -> float:
+    """Bytes per second one rank sends to the next host while receiving from the previous one."""
+    n, r = cross.Get_size(), cross.Get_rank()
+    right, left = (r + 1) % n, (r - 1) % n
+    send = np.zeros(PROBE_BYTES, dtype=np.uint8)
+    recv = np.empty_like(send)
+    piece = PROBE_PIECE_BYTES
+    exchange(cross, mpi, send[:piece], right, recv[:piece], left, TAG_PROBE, piece)
+    best = math.inf
+    for _ in range(PROBE_ROUNDS):
+        cross.Barrier()
+        started = time.perf_counter()
+        exchange(cross, mpi, send, right, recv, left, TAG_PROBE, piece)
+        best = min(best, time.perf_counter() - started)
+    return PROBE_BYTES / max(best, 1e-9)
+
+
+def link_rate(topo: Topology, mpi: Any) -> float:
+    """The slowest host's rate to the next host (bytes/s) on ``topo``'s communicator, measured once.
+
+    Every rank times exchanges with its peers on its cross communicator
+    (:func:`_probe`), all at once, as the hierarchical all-reduce uses them (so
+    no rank spins idle while others measure); a host's rate is the sum over its
+    ranks, and every rank takes the slowest host's (also when hosts run
+    different numbers of ranks). Kept on ``topo``; ``inf`` on one host.
+    Collective over the communicator, like building the topology: every rank
+    enters its collectives in the same order and asks at the same point (see
+    [Note: topology is collective]).
+    """
+    if topo.cross_rate is None:
+        rate = math.inf
+        if topo.spans_hosts:
+            if topo.local_size > 1:
+                topo.local.Barrier()
+            mine = _probe(topo.cross, mpi) if topo.cross_size > 1 else 0.0
+            rate = topo.local.allreduce(mine, op=mpi.SUM) if topo.local_size > 1 else mine
+            if topo.local_rank == 0:
+                rate = topo.cross.allreduce(rate, op=mpi.MIN)
+            if topo.local_size > 1:
+                rate = topo.local.bcast(rate, root=0)
+        topo.cross_rate = rate
+        if topo.rank == 0 and topo.spans_hosts:
+            logger.info("cross-host link measured at %.0f MB/s: pieces of %d KiB across hosts", rate / 1e6,
+                        piece_for_bandwidth(rate) >> 10)
+    return topo.cross_rate
+
+
+def cross_piece_bytes(topo: Topology, mpi: Any, setting: int = 0) -> int:
+    """The piece size (bytes) of the steps that cross hosts on ``topo``'s communicator.
+
+    ``setting`` (``UNISON_CROSS_PIECE_BYTES``) > 0 is used as is; otherwise
+    :func:`piece_for_bandwidth` of :func:`link_rate` (collective on first use).
+    """
+    if setting > 0:
+        return setting
+    return piece_for_bandwidth(link_rate(topo, mpi))
 
 
 def allreduce(topo: Topology, mpi: Any, src: np.ndarray, out: np.ndarray, op: np.ufunc, chunk: int,
-              finish: Callable[[np.ndarray], None] | None = None) -> None:
+              finish: Callable[[np.ndarray], None] | None = None, piece_bytes: int = 0) -> None:
     """Hierarchical all-reduce of ``src`` into ``out`` (1-D; ``out`` may be ``src``).
 
     ``finish`` (average, postscale) runs once on every element, on the rank that
-    completes it. Needs ``topo.homogeneous``.
+    completes it. ``chunk`` (elements) cuts the steps within hosts; ``piece_bytes``
+    the step across them (0: measured, see :func:`cross_piece_bytes`). Needs
+    ``topo.homogeneous``.
     """
     local, cross = topo.local, topo.cross
     counts, offsets = segments(out.size, topo.local_size)
@@ -72,8 +161,8 @@ def allreduce(topo: Topology, mpi: Any, src: np.ndarray, out: np.ndarray, op: np
     elif out.ctypes.data != src.ctypes.data:
         np.copyto(out, src)
     if topo.cross_size > 1:
-        piece = max(chunk, CROSS_ROUND_BYTES // (topo.cross_size * out.itemsize))
-        ordered.allreduce(cross, mpi, seg, seg, op, piece, finish)
+        piece = max(1, cross_piece_bytes(topo, mpi, piece_bytes) // out.itemsize)
+        ring.allreduce(cross, mpi, seg, seg, op, piece, finish)
     elif finish is not None and seg.size:
         finish(seg)
     if topo.local_size > 1:

@@ -23,7 +23,7 @@ import numpy as np
 from unison.collectives import adasum, hierarchical, native, ordered, rhd, ring, topology, tree
 from unison.collectives.p2p import exchange
 from unison.collectives.reduce import accumulator, finalize, prescale, reducer
-from unison.collectives.select import choose_allreduce, choose_simple
+from unison.collectives.select import HIER_MIN_BYTES, choose_allreduce, choose_simple
 from unison.common import runtime
 from unison.common.dtypes import is_float
 from unison.common.ops import ReduceOp
@@ -46,6 +46,11 @@ def _setting(value: bool | None, field: str) -> bool:
     if value is not None:
         return value
     return bool(getattr(runtime.state().config, field)) if runtime.is_initialized() else False
+
+
+def _cross_piece_setting() -> int:
+    """``UNISON_CROSS_PIECE_BYTES`` (0 before ``init()``: measured)."""
+    return int(runtime.state().config.cross_piece_bytes) if runtime.is_initialized() else 0
 
 
 def _topology(comm: Any, mpi: Any, requested: str) -> topology.Topology | None:
@@ -108,8 +113,11 @@ def _allreduce_algorithm(comm: Any, mpi: Any, nbytes: int, dtype: np.dtype, algo
     if _setting(deterministic, "deterministic") and is_float(dtype):
         return "ordered", None
     topo = _topology(comm, mpi, algorithm)
-    algo = choose_allreduce(algorithm, nbytes, comm.Get_size(), topo,
-                            _setting(hierarchical_forced, "hierarchical_allreduce"))
+    force = _setting(hierarchical_forced, "hierarchical_allreduce")
+    if algorithm == "auto" and not force and topo is not None and topo.spans_hosts \
+            and nbytes >= HIER_MIN_BYTES:
+        hierarchical.link_rate(topo, mpi)  # the choice depends on it (collective on first use)
+    algo = choose_allreduce(algorithm, nbytes, comm.Get_size(), topo, force)
     if algo == "hierarchical" and not _hierarchical_ok(topo, "allreduce"):  # type: ignore[arg-type]
         algo = "ring"
     return algo, topo
@@ -173,8 +181,11 @@ def _allreduce_run(comm: Any, mpi: Any, src: np.ndarray, out: np.ndarray, op: Re
     if algo == "ordered":
         ordered.allreduce(comm, mpi, src, out, ufunc, chunk, finish)
     elif algo == "hierarchical" and topo is not None:
-        hierarchical.allreduce(topo, mpi, src, out, ufunc, chunk, finish)
+        hierarchical.allreduce(topo, mpi, src, out, ufunc, chunk, finish, _cross_piece_setting())
     elif algo == "ring" and topo is not None:
+        if topo.spans_hosts:  # pieces sized to the slowest link (see hierarchical's docstring)
+            chunk = min(chunk, max(1, hierarchical.cross_piece_bytes(topo, mpi, _cross_piece_setting())
+                                   // out.itemsize))
         ring.allreduce(topo.ring, mpi, src, out, ufunc, chunk, finish)
     else:
         native.allreduce(comm, mpi, src, out, op)

@@ -11,17 +11,21 @@ Messages of at most 256 bytes travel inline in the agreement exchange (see
   where it streams pieces through cache and writes each output segment once
   (1.2-1.5x ``MPI_Allreduce`` at 64-256 MiB).
 * Several hosts: the table comes from runs on 2 test hosts x 2 ranks
-  (``unison.run.testhosts``), with the links unshaped and limited to 1 Gbit/s
-  (docs/collectives.md, "Many hosts", has the numbers). There, Open MPI's own
-  all-reduce and broadcast across hosts were 3-25x slower than ours from
-  256 KiB on, so: the hierarchical all-reduce from :data:`HIER_MIN_BYTES`
-  (it sends each byte across the network once per host instead of once per
-  rank), MPI's call below; the hierarchical all-gather and broadcast from
-  :data:`HIER_SIMPLE_MIN_BYTES`; and for reduce-scatter the direct algorithm of
-  :mod:`.ordered` (each segment's owner receives every rank's piece through
-  ``MPI_Alltoallv``), which was fastest at 5 of 6 sizes on both links. A layout
-  with unequal hosts makes the hierarchical algorithms fall back (see
-  :mod:`.kernels`).
+  (``unison.run.testhosts``), with the links unshaped and limited to 1 and
+  3 Gbit/s (docs/collectives.md, "Many hosts", has the numbers). The
+  all-reduce depends on the link's speed, measured once per communicator
+  (:func:`~.hierarchical.link_rate`): below :data:`SLOW_LINK_BYTES_PER_S`
+  the link is the bottleneck and Open MPI's own all-reduce (HAN: a pipeline
+  of 64 KiB segments in C) ran within 1% of the link's floor, 4-8% ahead of
+  ours, so MPI's call is used at every size; on a faster link the cores are
+  the bottleneck and ours was up to 2x faster from :data:`HIER_MIN_BYTES`
+  on: the hierarchical all-reduce there (it sends each byte across the
+  network once per host instead of once per rank), MPI's call below. The
+  hierarchical all-gather and broadcast from :data:`HIER_SIMPLE_MIN_BYTES`;
+  and for reduce-scatter the direct algorithm of :mod:`.ordered` (each
+  segment's owner receives every rank's piece through ``MPI_Alltoallv``),
+  which was fastest at 5 of 6 sizes on both links. A layout with unequal
+  hosts makes the hierarchical algorithms fall back (see :mod:`.kernels`).
 * ``UNISON_HIERARCHICAL_ALLREDUCE=1`` / ``UNISON_HIERARCHICAL_ALLGATHER=1``
   (``force``) pick the hierarchical algorithms at every size whenever the
   communicator spans hosts.
@@ -35,7 +39,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["choose_allreduce", "choose_simple", "RING_MIN_BYTES", "RS_RING_MIN_BYTES", "HIER_MIN_BYTES",
-           "HIER_SIMPLE_MIN_BYTES"]
+           "HIER_SIMPLE_MIN_BYTES", "SLOW_LINK_BYTES_PER_S"]
 
 #: One host: all-reduce messages from this size up use the ring; smaller ones MPI's call.
 RING_MIN_BYTES = 1 << 20
@@ -46,6 +50,11 @@ HIER_MIN_BYTES = 256 << 10
 #: Several hosts: all-gathers (total bytes) and broadcasts from this size up use the hierarchical
 #: algorithms (smaller ones travel inline or through MPI's call).
 HIER_SIMPLE_MIN_BYTES = 16 << 10
+#: Several hosts: a measured host-to-host rate below this (bytes/s; 2 Gbit/s) makes ``auto`` use
+#: MPI's all-reduce at every size. Measured: 1 and 3 Gbit/s links -> MPI's call 4-8% faster;
+#: unshaped (0.4-1.3 GB/s, wherever the shared cores let the probe run) -> ours up to 2x. Set
+#: low because the errors cost unequally: 8% on a link just below it, 2x on a fast one.
+SLOW_LINK_BYTES_PER_S = 250e6
 
 
 def _multi_host(topo: Any) -> bool:
@@ -56,13 +65,18 @@ def choose_allreduce(requested: str, nbytes: int, size: int, topo: Any = None, f
     """Resolve ``requested`` ("auto", "ring", "rhd", "hierarchical", "mpi") for a message of ``nbytes``.
 
     Args:
-        topo: the communicator's :class:`~.topology.Topology`, when known.
+        topo: the communicator's :class:`~.topology.Topology`, when known; across hosts its
+            ``cross_rate`` (measured by the caller for messages from :data:`HIER_MIN_BYTES`)
+            picks between MPI's call and the hierarchical algorithm.
         force: ``UNISON_HIERARCHICAL_ALLREDUCE``: hierarchical whenever ``topo`` spans hosts.
     """
     if requested != "auto":
         return requested
     if _multi_host(topo):
-        if force or nbytes >= HIER_MIN_BYTES:
+        if force:
+            return "hierarchical"
+        rate = getattr(topo, "cross_rate", None)
+        if nbytes >= HIER_MIN_BYTES and (rate is None or rate >= SLOW_LINK_BYTES_PER_S):
             return "hierarchical"
         return "mpi"
     return "ring" if nbytes >= RING_MIN_BYTES else "mpi"

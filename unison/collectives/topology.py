@@ -74,6 +74,8 @@ class Topology:
         self.cross_rank, self.cross_size = cross.Get_rank(), cross.Get_size()
         #: communicators this object made and frees (not ``comm`` itself)
         self.owned = [c for c in (local, cross, ring) if c is not comm]
+        #: the slowest host-to-host rate in bytes/s, once measured (see hierarchical.link_rate)
+        self.cross_rate: float | None = None
         self._warned: set[str] = set()
 
     @property

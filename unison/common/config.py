@@ -70,6 +70,7 @@ ENV_HIERARCHICAL_ALLREDUCE = "HIERARCHICAL_ALLREDUCE"
 ENV_HIERARCHICAL_ALLGATHER = "HIERARCHICAL_ALLGATHER"
 ENV_DETERMINISTIC = "DETERMINISTIC"
 ENV_HOST_TIMEOUT = "HOST_TIMEOUT_SECONDS"
+ENV_CROSS_PIECE_BYTES = "CROSS_PIECE_BYTES"
 
 #: Bounds. One MPI message carries at most a C ``int`` count; integers travel as int64;
 #: waits longer than this many seconds are a mistake (0 is the way to say "never").
@@ -258,6 +259,9 @@ class Config:
     #: Reduce every element in rank order, whatever the fusion, autotune or timing, so that
     #: runs and restarts reproduce bit for bit (costs speed: no hierarchy, no MPI reductions).
     deterministic: bool = False
+    #: Bytes per message in the hierarchical all-reduce's step across hosts (0: chosen from the
+    #: link's speed, measured once per communicator).
+    cross_piece_bytes: int = 0
     #: A job spanning hosts ends, naming the host, when a host stops answering for this many
     #: seconds (a heartbeat between ranks; 0 turns it off).
     host_timeout_seconds: float = 30.0
@@ -314,6 +318,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("hierarchical_allgather", ENV_HIERARCHICAL_ALLGATHER, Flag(), True),
     Setting("deterministic", ENV_DETERMINISTIC, Flag(), True),
     Setting("host_timeout_seconds", ENV_HOST_TIMEOUT, FloatRange(0.0, MAX_SECONDS), True),
+    Setting("cross_piece_bytes", ENV_CROSS_PIECE_BYTES, IntRange(0, MPI_COUNT_MAX), True),
 )
 _BY_FIELD = {s.field: s for s in SETTINGS}
 

@@ -32,14 +32,14 @@ Hierarchical (``hierarchical``: local reduce-scatter, cross-host all-reduce amon
 equal local rank, local all-gather)::
 
     T_rs  = (k - 1) (msgs(m/k) a_l + (m/k) b_l + (m/k) gamma)
-    T_x   = 2 (H - 1) (msgs(m/p) a_x + (m/p) k b_x) + (H - 1) (m/p) gamma    (k flows per NIC)
+    T_x   = 2 (H - 1) (msgs_x(m/p) a_x + (m/p) k b_x) + (H - 1) (m/p) gamma  (k flows per NIC)
     T_ag  = (k - 1) (msgs(m/k) a_l + (m/k) b_l)
     T_hier = T_rs + T_x + T_ag
 
-As in ``unison.collectives.hierarchical``, a cross-host segment ``m/k`` of at most
-``cross_rhd_bytes`` (256 KiB) is all-reduced by recursive halving/doubling instead of the ring:
-the same bytes in ``2 ceil(log2 H)`` messages, ``T_x = 2 ceil(log2 H) a_x + 2 (H-1)/H m b_x +
-(H-1) (m/p) gamma``.
+As in ``unison.collectives.hierarchical``, the cross-host step's pieces are not ``c`` but
+``c_x``, sized to the link (``cross_piece_bytes``; by default a power of two near a quarter
+millisecond of the link's rate, 64 KiB .. 4 MiB): ``msgs_x(s) = ceil(s / c_x)`` replaces
+``msgs(m/p)`` in ``T_x``.
 
 Tree (``tree``: NCCL-style, a chain inside each host and a double binary tree across hosts,
 reduce then broadcast, pipelined in pieces of ``c`` bytes; each rank sends about ``2 m`` in all,
@@ -50,7 +50,7 @@ like the ring, but the path is only ``D = ceil(log2 H) + (k - 1)`` hops deep)::
 [Note: two-way transfers]
 In a ring of three or more, each rank sends to one neighbour and receives from the other, so each
 connection carries data one way. In a ring of two (the cross-host step at ``H = 2``, the local
-step at ``k = 2``) and in recursive halving/doubling, two ranks send to *each other* at once, and
+step at ``k = 2``), two ranks send to *each other* at once, and
 on a rate-limited TCP link each direction's acknowledgements queue behind the other's data: such
 a link is calibrated separately (``Link.beta_two_way_s_per_byte``) and used for those steps.
 
@@ -86,6 +86,8 @@ from typing import Any
 
 import numpy as np
 
+from unison.collectives.hierarchical import piece_for_bandwidth
+
 __all__ = ["Link", "Cluster", "Calibration", "ALGORITHMS", "allreduce_time", "busbw_gbps",
            "fuse", "StepPrediction", "predict_step", "fit_link", "parse_rate", "parse_seconds"]
 
@@ -94,7 +96,6 @@ CALIBRATION_VERSION = 1
 DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_FUSION_THRESHOLD = 128 << 20
 DEFAULT_CYCLE_S = 1e-3
-DEFAULT_CROSS_RHD_BYTES = 256 << 10
 DEFAULT_BACKWARD_SHARE = 2 / 3
 _RATE_UNITS = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8,
                "bps": 1.0, "kbps": 1e3, "mbps": 1e6, "gbps": 1e9, "tbps": 1e12}
@@ -106,7 +107,7 @@ class Link:
     """One kind of link: ``alpha_s`` seconds per message, ``beta_s_per_byte`` seconds per byte.
 
     ``beta_two_way_s_per_byte`` is ``beta`` when two ranks send to *each other* at once (a
-    ring of two, recursive halving/doubling): see [Note: two-way transfers]. ``None``: the same
+    ring of two): see [Note: two-way transfers]. ``None``: the same
     as ``beta``.
     """
 
@@ -145,8 +146,8 @@ class Cluster:
         gamma_s_per_byte: local reduction cost per byte of the buffer.
         chunk_bytes: Unison's piece size; each piece of a transfer is one message (``alpha``).
         overhead_s: fixed cost per all-reduce call (agreement, call path).
-        cross_rhd_bytes: hierarchical cross-host segments up to this size use recursive
-            halving/doubling, larger ones the ring (as ``unison.collectives.hierarchical``).
+        cross_piece_bytes: the hierarchical cross-host step's piece size; 0: chosen from the
+            inter link's rate as ``unison.collectives.hierarchical`` chooses it.
     """
 
     hosts: int
@@ -156,16 +157,25 @@ class Cluster:
     gamma_s_per_byte: float = 0.0
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     overhead_s: float = 0.0
-    cross_rhd_bytes: int = DEFAULT_CROSS_RHD_BYTES
+    cross_piece_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.hosts < 1 or self.ranks_per_host < 1:
             raise ValueError(f"a cluster needs at least 1 host and 1 rank per host; got hosts="
                              f"{self.hosts}, ranks_per_host={self.ranks_per_host}")
-        if self.chunk_bytes < 1 or self.gamma_s_per_byte < 0 or self.overhead_s < 0:
+        if self.chunk_bytes < 1 or self.gamma_s_per_byte < 0 or self.overhead_s < 0 \
+                or self.cross_piece_bytes < 0:
             raise ValueError(f"chunk_bytes must be >= 1 and gamma, overhead >= 0; got chunk_bytes="
                              f"{self.chunk_bytes}, gamma={self.gamma_s_per_byte}, "
-                             f"overhead={self.overhead_s}")
+                             f"overhead={self.overhead_s}, cross_piece_bytes={self.cross_piece_bytes}")
+
+    @property
+    def cross_piece(self) -> int:
+        """The hierarchical cross-host step's piece size in bytes."""
+        if self.cross_piece_bytes:
+            return self.cross_piece_bytes
+        rate = 1.0 / self.inter.beta_s_per_byte if self.inter.beta_s_per_byte > 0 else math.inf
+        return piece_for_bandwidth(rate)
 
     @property
     def size(self) -> int:
@@ -216,13 +226,9 @@ def hierarchical_time(m: float, c: Cluster) -> float:
     t_ag = (k - 1) * local_step
     s = m / c.size
     reduce = (h - 1) * s * c.gamma_s_per_byte
-    if local <= c.cross_rhd_bytes:  # recursive halving/doubling: log2 H steps each way
-        t_x = 2 * math.ceil(math.log2(h)) * c.inter.alpha_s + 2 * (h - 1) * s * k * c.inter.two_way
-    else:
-        beta = c.inter.two_way if h == 2 else c.inter.beta_s_per_byte
-        cross_step = _msgs(s, c.chunk_bytes) * c.inter.alpha_s + s * k * beta
-        t_x = 2 * (h - 1) * cross_step
-    return t_rs + t_x + reduce + t_ag
+    beta = c.inter.two_way if h == 2 else c.inter.beta_s_per_byte
+    cross_step = _msgs(s, c.cross_piece) * c.inter.alpha_s + s * k * beta
+    return t_rs + 2 * (h - 1) * cross_step + reduce + t_ag
 
 
 def tree_time(m: float, c: Cluster) -> float:
