@@ -293,6 +293,16 @@ def test_cross_piece_is_measured_once_agreed_and_overridable(comms, monkeypatch)
             got = run_allreduce(comm, inputs[R], ReduceOp.SUM, "ring")  # the flat ring across hosts too
             np.testing.assert_array_equal(got, reference(inputs, ReduceOp.SUM))
             assert pieces == [125, 125], layout
+            # the hierarchical all-gather and broadcast cross hosts in the same pieces: 1000-byte
+            # messages of blocks of unequal, odd sizes
+            blocks = [np.arange(2500 + 7 * q, dtype=np.uint8) + q for q in range(N)]
+            out = np.empty(sum(b.size for b in blocks), np.uint8)
+            kernels.allgatherv(comm, MPI, blocks[R], out, [b.size for b in blocks], "hierarchical", CHUNK)
+            np.testing.assert_array_equal(out, np.concatenate(blocks))
+            for root in range(N):
+                buf = blocks[root].copy() if R == root else np.zeros(blocks[root].size, np.uint8)
+                kernels.broadcast(comm, MPI, buf, root, "hierarchical", CHUNK)
+                np.testing.assert_array_equal(buf, blocks[root])
         comm.Free()
 
 

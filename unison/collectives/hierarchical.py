@@ -31,10 +31,11 @@ cross-host peers, summed per host), agreed by all ranks;
 ``UNISON_CROSS_PIECE_BYTES`` fixes it.
 
 All-gather: each rank's block goes first to the ranks of its local rank on the
-other hosts (cross all-gather, straight into its place in the output), then
+other hosts (cross all-gather: our ring in the same link-sized pieces, straight
+into its place in the output), then
 within each host every rank shares the blocks it received (local all-gather of
-packed blocks). Broadcast: the root's cross communicator first, then each host
-from the rank with the root's local rank.
+packed blocks). Broadcast: the root's cross communicator first (our tree, in the
+same pieces), then each host from the rank with the root's local rank.
 
 Steps 1 and 3 of the all-reduce, and the all-gather's local step, need the same
 number of ranks on every host (``Topology.homogeneous``); the kernels fall back
@@ -51,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from unison.collectives import ordered, ring
+from unison.collectives import ordered, ring, tree
 from unison.collectives.p2p import exchange, segments
 from unison.collectives.topology import Topology
 
@@ -172,16 +173,19 @@ def allreduce(topo: Topology, mpi: Any, src: np.ndarray, out: np.ndarray, op: np
 
 
 def allgatherv(topo: Topology, mpi: Any, ob: np.ndarray, byte_counts: list[int],
-               offsets: list[int]) -> None:
+               offsets: list[int], piece_bytes: int = 0) -> None:
     """Hierarchical all-gather in place: this rank's bytes are already at ``ob[offsets[rank]]``.
 
     ``byte_counts``/``offsets`` are indexed by rank of the communicator; blocks
-    land in rank order whatever the placement. Needs ``topo.homogeneous``.
+    land in rank order whatever the placement. The cross-host step is our ring
+    in link-sized pieces (``piece_bytes``, 0: measured; see :func:`cross_piece_bytes`).
+    Needs ``topo.homogeneous``.
     """
     peers = topo.members(topo.local_rank)  # my cross communicator's ranks, by cross rank
     if topo.cross_size > 1:
-        topo.cross.Allgatherv(mpi.IN_PLACE, [ob, [byte_counts[p] for p in peers],
-                                             [offsets[p] for p in peers], mpi.BYTE])
+        piece = cross_piece_bytes(topo, mpi, piece_bytes)
+        ring.allgatherv(topo.cross, mpi, ob, [byte_counts[p] for p in peers], [offsets[p] for p in peers],
+                        piece)
     if topo.local_size == 1:
         return
     packs = [topo.members(j) for j in range(topo.local_size)]  # what local rank j gathered
@@ -209,13 +213,17 @@ def _unpack(src: np.ndarray, ob: np.ndarray, ranks: list[int], counts: list[int]
         pos += counts[p]
 
 
-def broadcast(topo: Topology, mpi: Any, ob: np.ndarray, root: int) -> None:
+def broadcast(topo: Topology, mpi: Any, ob: np.ndarray, root: int, piece_bytes: int = 0) -> None:
     """Broadcast ``ob`` (bytes) from ``root``: across hosts among the root's local rank, then within hosts.
 
-    Needs every host to have a rank with the root's local rank (true when homogeneous).
+    The cross-host step is our binomial tree in link-sized pieces (``piece_bytes``,
+    0: measured; every rank takes part in the measurement). Needs every host to
+    have a rank with the root's local rank (true when homogeneous).
     """
     root_local = topo.local_ranks[root]
-    if topo.cross_size > 1 and topo.local_rank == root_local:
-        topo.cross.Bcast([ob, mpi.BYTE], root=topo.members(root_local).index(root))
+    if topo.cross_size > 1:
+        piece = cross_piece_bytes(topo, mpi, piece_bytes)  # collective: before only some ranks go on
+        if topo.local_rank == root_local:
+            tree.broadcast(topo.cross, ob, topo.members(root_local).index(root), piece)
     if topo.local_size > 1:
         topo.local.Bcast([ob, mpi.BYTE], root=root_local)

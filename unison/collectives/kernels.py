@@ -227,7 +227,7 @@ def allgatherv(comm: Any, mpi: Any, mine: np.ndarray, out: np.ndarray, byte_coun
         return
     ob[offsets[r]:offsets[r] + byte_counts[r]] = mine.reshape(-1).view(np.uint8)
     if algo == "hierarchical" and _hierarchical_ok(topo, "allgather"):
-        hierarchical.allgatherv(topo, mpi, ob, byte_counts, offsets)
+        hierarchical.allgatherv(topo, mpi, ob, byte_counts, offsets, _cross_piece_setting())
     else:
         ring.allgatherv(topo.ring, mpi, ob, _by_ring_order(topo, byte_counts),
                         _by_ring_order(topo, offsets), chunk_bytes)
@@ -260,7 +260,7 @@ def broadcast(comm: Any, mpi: Any, buf: np.ndarray, root: int, algorithm: str,
     if src is not None:
         native.copy_exact(ob, src)
     if algo == "hierarchical" and _hierarchical_ok(topo, "broadcast"):
-        hierarchical.broadcast(topo, mpi, ob, root)
+        hierarchical.broadcast(topo, mpi, ob, root, _cross_piece_setting())
     else:  # the tree (hierarchical falls back to it too), over the host-ordered communicator
         tree.broadcast(topo.ring, ob, topo.host_order.index(root), chunk_bytes)
 

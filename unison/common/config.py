@@ -259,8 +259,9 @@ class Config:
     #: Reduce every element in rank order, whatever the fusion, autotune or timing, so that
     #: runs and restarts reproduce bit for bit (costs speed: no hierarchy, no MPI reductions).
     deterministic: bool = False
-    #: Bytes per message in the hierarchical all-reduce's step across hosts (0: chosen from the
-    #: link's speed, measured once per communicator).
+    #: Bytes per message in the steps across hosts (hierarchical all-reduce, all-gather and
+    #: broadcast; the flat ring across hosts). 0: chosen from the link's speed, measured once
+    #: per communicator.
     cross_piece_bytes: int = 0
     #: A job spanning hosts ends, naming the host, when a host stops answering for this many
     #: seconds (a heartbeat between ranks; 0 turns it off).
