@@ -32,14 +32,18 @@ What it does, per link (``1gbit``: each host's link limited by ``tc tbf`` to 1 G
    ``GLOO_SOCKET_IFNAME=eth0``). Each case: one warm-up call, then timed calls between barriers
    (time = max over ranks, reported = median), result checked; an implementation that fails
    is reported, not measured further.
-4. Training: the ``mlp`` of ``benchmarks/torch_training.py`` (20M parameters, batch 64 per rank),
+4. All-gather and broadcast (no targets): ``unison-hierarchical`` against ``mpi-native``
+   (``MPI_Allgatherv``/``MPI_Bcast``) at 4 and 64 MiB in all (4 rounds after a warm-up; the
+   broadcast from rank 2, on the second host), results checked.
+5. Training: the ``mlp`` of ``benchmarks/torch_training.py`` (20M parameters, batch 64 per rank),
    ``unison`` (``DistributedOptimizer``, default settings) against ``ddp-gloo``.
 
 Outputs: tables, the model's predictions next to the measured ring and hierarchical times, the
 targets (lines ending PASS or MISS), ``--json`` records ``{op, impl, hosts, ranks_per_host, link,
 bytes, time_s, busbw_gbps}`` and ``{model, impl, hosts, link, samples_per_s}``, the calibration
 files, and a PNG of busbw against size per impl and link. busbw follows nccl-tests:
-``2 (n - 1) / n * bytes / time`` (GB/s of 1e9 bytes).
+``2 (n - 1) / n * bytes / time`` for the all-reduce, ``(n - 1) / n * bytes / time`` for the
+all-gather (bytes in all), ``bytes / time`` for the broadcast (GB/s of 1e9 bytes).
 """
 
 from __future__ import annotations
@@ -86,6 +90,11 @@ SIZES_FULL = tuple(4 << 10 << 2 * i for i in range(9))          # 4 KiB ... 256 
 #: the 1 Gbit/s link takes ~4 s per 256 MiB call, so it skips two of the small sizes
 SIZES_SLOW = tuple(b for b in SIZES_FULL if b not in (16 << 10, 256 << 10))
 SIZES_QUICK = (4 << 10, 1 << 20, 64 << 20)
+#: all-gather and broadcast: total bytes, implementations, rounds, the broadcast's root
+SIMPLE_SIZES, SIMPLE_SIZES_QUICK = (4 << 20, 64 << 20), (4 << 20,)
+SIMPLE_IMPLS = ("unison-hierarchical", "mpi-native")
+SIMPLE_ROUNDS = 4
+BCAST_ROOT = 2
 MPIRUN_TIMEOUT_S = {"full": 900, "quick": 300}
 TRAIN_MODEL = "mlp"
 
@@ -357,6 +366,50 @@ def run_size(world: Any, impls: Sequence[str], nbytes: int, mpi_comm: Any,
     return stats, errors
 
 
+def simple_busbw(op: str, nbytes: int, n: int, t: float) -> float:
+    """nccl-tests' bus bandwidth of an all-gather (``nbytes`` in all) or a broadcast, GB/s."""
+    return (nbytes * (n - 1) / n if op == "allgather" else nbytes) / t / 1e9 if t > 0 else math.inf
+
+
+def run_simple(world: Any, op: str, nbytes: int, link: str) -> tuple[list[CollRecord], list[str]]:
+    """``op`` ("allgather" or "broadcast") of ``nbytes`` in all, per impl: records and failures."""
+    from unison import collectives as coll
+
+    n, r = world.Get_size(), world.Get_rank()
+    per = nbytes // n
+    mine = np.full(per, r + 1, dtype=np.uint8)
+    want = np.repeat(np.arange(1, n + 1, dtype=np.uint8), per) if op == "allgather" \
+        else np.full(per * n, BCAST_ROOT + 1, dtype=np.uint8)
+    buf = np.empty(per * n, dtype=np.uint8)
+    records, failures = [], []
+    for impl in SIMPLE_IMPLS:
+        algo = "hierarchical" if impl == "unison-hierarchical" else "mpi"
+
+        def call(algo: str = algo) -> np.ndarray:
+            if op == "allgather":
+                return coll.allgather(mine, algorithm=algo)
+            buf.fill(BCAST_ROOT + 1 if r == BCAST_ROOT else 0)
+            return coll.broadcast(buf, root_rank=BCAST_ROOT, algorithm=algo)
+
+        times = []
+        for i in range(SIMPLE_ROUNDS + 1):  # the first is the warm-up
+            world.Barrier()
+            started = time.perf_counter()
+            out = call()
+            if i:
+                times.append(time.perf_counter() - started)
+        t = np.asarray(times, dtype=np.float64)
+        world.Allreduce(_mpi().IN_PLACE, t, op=_mpi().MAX)
+        good = world.allreduce(bool(np.array_equal(np.asarray(out).reshape(-1), want)), op=_mpi().LAND)
+        if not good:
+            failures.append(f"{op} {impl} {human_bytes(nbytes)}: wrong result")
+            continue
+        med = float(np.median(t))
+        records.append(CollRecord(op, impl, HOSTS, n // HOSTS, link, nbytes, med,
+                                  simple_busbw(op, nbytes, n, med), float(t.min()), float(t.max()), len(t)))
+    return records, failures
+
+
 def auto_choices(sizes: Sequence[int], n: int) -> dict[str, str]:
     """What ``algorithm="auto"`` resolves to per size on this job's topology (collective call)."""
     try:
@@ -425,6 +478,12 @@ def worker(args: argparse.Namespace) -> int:
             part["coll"].append(asdict(CollRecord("allreduce", impl, HOSTS, n // HOSTS, args.link,
                                                   nbytes, t, busbw(nbytes, n, t), lo, hi, rounds)))
     part["auto_choice"] = auto_choices(args.sizes, n)
+    for op in ("allgather", "broadcast"):
+        for nbytes in (SIMPLE_SIZES_QUICK if args.quick else SIMPLE_SIZES):
+            logger.info("%s %s: %s", op, human_bytes(nbytes), ", ".join(SIMPLE_IMPLS))
+            done, bad = run_simple(world, op, nbytes, args.link)
+            part["coll"] += [asdict(rec) for rec in done]
+            part["failures"] += bad
     part["notes"] += [f"{impl} not measured: {why}" for impl, why in missing.items()
                       if why and impl in args.impls]
     for impl in args.train_impls:
@@ -653,8 +712,18 @@ def write_png(path: Path, records: Sequence[CollRecord], rows: Sequence[Row]) ->
     plt.close(fig)
 
 
+def print_simple_table(records: Sequence[CollRecord]) -> None:
+    print(f"\nall-gather and broadcast (no targets; bytes in all, median of {SIMPLE_ROUNDS} rounds)")
+    print(f"{'link':<10}{'op':<11}{'impl':<21}{'bytes':>10}{'time':>12}{'busbw GB/s':>12}   min - max")
+    for r in sorted(records, key=lambda r: (LINKS.index(r.link), r.op, r.bytes, SIMPLE_IMPLS.index(r.impl))):
+        print(f"{r.link:<10}{r.op:<11}{r.impl:<21}{human_bytes(r.bytes):>10}{human_time(r.time_s):>12}"
+              f"{r.busbw_gbps:>12.3f}   {human_time(r.min_time_s)} - {human_time(r.max_time_s)}")
+
+
 def report(parts: Sequence[dict[str, Any]], args: argparse.Namespace) -> int:
-    records = [CollRecord(**r) for p in parts for r in p.get("coll", [])]
+    every = [CollRecord(**r) for p in parts for r in p.get("coll", [])]
+    records = [r for r in every if r.op == "allreduce"]
+    simple = [r for r in every if r.op != "allreduce"]
     train = [TrainRecord(**t) for p in parts for t in p.get("train", [])]
     failures = [f for p in parts for f in p.get("failures", [])]
     cals = fit_calibrations(parts, CHUNK_BYTES)
@@ -670,6 +739,8 @@ def report(parts: Sequence[dict[str, Any]], args: argparse.Namespace) -> int:
             print(f"note: {p['link']}: {note}")
     print_calibration(cals)
     print_coll_table(records)
+    if simple:
+        print_simple_table(simple)
     rows = model_rows(records, cals)
     print_model(rows)
     print_training(train)
@@ -677,7 +748,7 @@ def report(parts: Sequence[dict[str, Any]], args: argparse.Namespace) -> int:
     for f in failures:
         print(f"FAILED: {f}")
     if args.json is not None:
-        write_json(args.json, [*records, *train])
+        write_json(args.json, [*every, *train])
         print(f"wrote {args.json}")
         for link, cal in cals.items():
             cpath = args.json.with_name(f"{args.json.stem}.calibration-{link}.json")
