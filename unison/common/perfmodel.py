@@ -39,7 +39,8 @@ equal local rank, local all-gather)::
 As in ``unison.collectives.hierarchical``, the cross-host step's pieces are not ``c`` but
 ``c_x``, sized to the link (``cross_piece_bytes``; by default a power of two near a quarter
 millisecond of the link's rate, 64 KiB .. 4 MiB): ``msgs_x(s) = ceil(s / c_x)`` replaces
-``msgs(m/p)`` in ``T_x``.
+``msgs(m/p)`` in ``T_x``. The flat ring, when it spans hosts, goes in pieces of
+``min(c, c_x)`` for the same reason, and its ``msgs`` counts those.
 
 Tree (``tree``: NCCL-style, a chain inside each host and a double binary tree across hosts,
 reduce then broadcast, pipelined in pieces of ``c`` bytes; each rank sends about ``2 m`` in all,
@@ -89,7 +90,8 @@ import numpy as np
 from unison.collectives.hierarchical import piece_for_bandwidth
 
 __all__ = ["Link", "Cluster", "Calibration", "ALGORITHMS", "allreduce_time", "busbw_gbps",
-           "fuse", "StepPrediction", "predict_step", "fit_link", "parse_rate", "parse_seconds"]
+           "fuse", "StepPrediction", "predict_step", "fit_link", "parse_rate", "parse_seconds",
+           "SUSTAINED_SPAN"]
 
 ALGORITHMS = ("ring", "hierarchical", "tree")
 CALIBRATION_VERSION = 1
@@ -210,7 +212,8 @@ def ring_time(m: float, c: Cluster) -> float:
         return 0.0
     s, link = m / p, _slowest(c)
     beta = link.two_way if p == 2 else link.beta_s_per_byte  # a ring of two is an exchange
-    step = _msgs(s, c.chunk_bytes) * link.alpha_s + s * beta
+    piece = min(c.chunk_bytes, c.cross_piece) if c.hosts > 1 else c.chunk_bytes
+    step = _msgs(s, piece) * link.alpha_s + s * beta
     return 2 * (p - 1) * step + (p - 1) * s * c.gamma_s_per_byte
 
 
@@ -349,13 +352,23 @@ def predict_step(algorithm: str, tensor_bytes: Sequence[int], cluster: Cluster, 
 # --- calibration ------------------------------------------------------------------------------
 
 
+#: points within this factor of the largest transfer set the sustained rate (see fit_link)
+SUSTAINED_SPAN = 16
+
+
 def fit_link(points: Sequence[Sequence[float]]) -> Link:
     """Fits ``time = alpha * messages + beta * bytes`` to measured points.
 
     Each point is ``(bytes, seconds)`` (one message) or ``(bytes, seconds, messages)`` for a
-    transfer sent as several pieces. Least squares on *relative* error (each residual divided by
-    its time), so that a 4 KiB point counts as much as a 16 MiB one; ``alpha`` and ``beta`` are
-    kept non-negative.
+    transfer sent as several pieces. Two stages:
+
+    1. ``alpha``: least squares on *relative* error over all points (each residual divided by
+       its time, so that a 4 KiB point counts as much as a 16 MiB one), kept non-negative.
+    2. ``beta``: the sustained rate, fitted to absolute time (``alpha`` per message taken off)
+       over the transfers within :data:`SUSTAINED_SPAN` of the largest. Small transfers can run
+       ahead of it: a rate limiter's burst allowance (``tc``'s token bucket lets 64 KiB through
+       at 3-4x a 1 Gbit/s link's rate), a socket buffer that absorbs them; a relative fit then
+       promises large transfers a rate they never see. Without such effects both stages agree.
 
     Raises:
         ValueError: fewer than two distinct sizes, or a non-positive time or message count.
@@ -368,12 +381,13 @@ def fit_link(points: Sequence[Sequence[float]]) -> Link:
                          f"times > 0 and messages >= 1; got {pts.tolist()}")
     b, t, k = pts[:, 0], pts[:, 1], pts[:, 2]
     design = np.stack([k / t, b / t], axis=1)
-    (alpha, beta), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
-    if alpha < 0:
-        alpha, beta = 0.0, float(np.sum(b / t) / np.sum((b / t) ** 2))
-    elif beta < 0:
+    (alpha, _), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
+    alpha = max(0.0, float(alpha))
+    big = b * SUSTAINED_SPAN >= b.max()
+    beta = float(np.sum(b[big] * (t[big] - alpha * k[big])) / np.sum(b[big] ** 2))
+    if beta < 0:  # alpha alone over-explains the large transfers: a bandwidth-free link
         alpha, beta = float(np.sum(k / t) / np.sum((k / t) ** 2)), 0.0
-    return Link(float(alpha), float(beta))
+    return Link(alpha, beta)
 
 
 @dataclass
@@ -387,35 +401,40 @@ class Calibration:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     points: dict[str, list[list[float]]] = field(default_factory=dict)
     notes: str = ""
+    cross_piece_bytes: int = 0
 
     @classmethod
     def fit(cls, intra: Sequence[Sequence[float]], inter: Sequence[Sequence[float]],
             reduce: Sequence[Sequence[float]] = (), inter_two_way: Sequence[Sequence[float]] = (),
-            inter_flows: int = 1, **kwargs: Any) -> Calibration:
+            inter_flows: int = 1, two_way_flows: int | None = None, **kwargs: Any) -> Calibration:
         """Fits both links (points as :func:`fit_link` takes them) and ``gamma``.
 
         Args:
             intra, inter: transfer points within a host and across hosts (one-way connections).
             reduce: ``(bytes, seconds)`` of local reductions; ``gamma`` is their slope.
             inter_two_way: optional cross-host points of two ranks sending to each other.
-            inter_flows: how many flows shared each host's link while ``inter`` and
-                ``inter_two_way`` were measured; the link's own ``beta`` is the per-flow one
-                divided by this.
-            kwargs: the other fields (``overhead_s``, ``chunk_bytes``, ``notes``).
+            inter_flows: how many flows shared each host's link each way while ``inter`` was
+                measured; the link's own ``beta`` is the per-flow one divided by this.
+            two_way_flows: the same for ``inter_two_way`` (default: ``inter_flows``).
+            kwargs: the other fields (``overhead_s``, ``chunk_bytes``, ``notes``,
+                ``cross_piece_bytes``: the cross-host piece the collectives used, 0 = from the
+                fitted rate).
         """
-        if inter_flows < 1:
-            raise ValueError(f"inter_flows must be >= 1; got {inter_flows}")
+        two_way_flows = inter_flows if two_way_flows is None else two_way_flows
+        if inter_flows < 1 or two_way_flows < 1:
+            raise ValueError(f"inter_flows and two_way_flows must be >= 1; got {inter_flows} and "
+                             f"{two_way_flows}")
         gamma = fit_link(reduce).beta_s_per_byte if len(reduce) else 0.0
         pts = {"intra": [list(p) for p in intra], "inter": [list(p) for p in inter],
                "inter_two_way": [list(p) for p in inter_two_way], "reduce": [list(p) for p in reduce]}
         one = fit_link(inter)
-        two = fit_link(inter_two_way).beta_s_per_byte / inter_flows if len(inter_two_way) else None
+        two = fit_link(inter_two_way).beta_s_per_byte / two_way_flows if len(inter_two_way) else None
         link = Link(one.alpha_s, one.beta_s_per_byte / inter_flows, two)
         return cls(fit_link(intra), link, gamma, points=pts, **kwargs)
 
     def cluster(self, hosts: int, ranks_per_host: int) -> Cluster:
         return Cluster(hosts, ranks_per_host, self.intra, self.inter, self.gamma_s_per_byte,
-                       self.chunk_bytes, self.overhead_s)
+                       self.chunk_bytes, self.overhead_s, self.cross_piece_bytes)
 
     def save(self, path: str | Path) -> None:
         data = {"version": CALIBRATION_VERSION, **asdict(self)}
