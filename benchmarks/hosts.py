@@ -24,9 +24,11 @@ What it does, per link (``1gbit``: each host's link limited by ``tc tbf`` to 1 G
    and the hierarchical cross step's 0<->2 with 1<->3 in the cross-host pieces the collectives
    chose from the link they measured); the piecewise reduction
    ``out = a + b`` on all ranks at once; an
-   ``MPI_Allgather`` of the agreement block (the per-call overhead). See [Note: calibrating with
-   every rank busy]. :meth:`~unison.common.perfmodel.Calibration.fit` turns them into
-   ``alpha``/``beta`` per link kind and ``gamma``; none of the all-reduce times below is used.
+   ``MPI_Allgather`` of the agreement block (the per-call overhead); each point the fastest
+   round, and the whole calibration run again after the all-reduces, keeping each point's
+   faster time. See [Note: calibrating with every rank busy].
+   :meth:`~unison.common.perfmodel.Calibration.fit` turns them into ``alpha``/``beta`` per
+   link kind and ``gamma``; none of the all-reduce times below is used.
 3. All-reduce of float32 sums, each rank's input ``bytes`` long, for ``unison-hierarchical``,
    ``unison-ring``, ``unison-auto`` (``unison.collectives.allreduce(algorithm=...)``),
    ``mpi-native`` (mpi4py ``Allreduce``: Open MPI's tuned/HAN choice) and ``gloo``
