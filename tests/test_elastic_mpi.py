@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -126,7 +129,7 @@ def _outcomes(out: Path) -> list[dict]:
 
 
 def test_kill_one_of_three_recovers_in_place(tmp_path: Path) -> None:
-    proc = mpirun(3, [*ELASTIC_MPI_ARGS, sys.executable, SCRIPT, str(tmp_path)], timeout=300,
+    proc = mpirun(3, [*ELASTIC_MPI_ARGS, sys.executable, SCRIPT, str(tmp_path)], timeout=240,
                   env=mpi_env(UNISON_ELASTIC="1"))
     detail = (f"\nexit {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n"
               f"--- stderr ---\n{proc.stderr[-4000:]}")
@@ -152,7 +155,7 @@ def test_kill_one_of_three_recovers_in_place(tmp_path: Path) -> None:
 
 def test_a_second_failure_during_the_reset_is_survived(tmp_path: Path) -> None:
     """4 ranks: the last dies after step 5; rank 2 dies inside the reset callbacks (which all-reduce)."""
-    proc = mpirun(4, [*ELASTIC_MPI_ARGS, sys.executable, SCRIPT, str(tmp_path)], timeout=300,
+    proc = mpirun(4, [*ELASTIC_MPI_ARGS, sys.executable, SCRIPT, str(tmp_path)], timeout=240,
                   env=mpi_env(UNISON_ELASTIC="1", ELASTIC_SECOND_FAILURE="1"), linger_ok=True)
     detail = (f"\nexit {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n"
               f"--- stderr ---\n{proc.stderr[-4000:]}")
@@ -194,11 +197,20 @@ def test_a_killed_rank_ends_the_job_unless_elastic_recovers(tmp_path: Path, flag
 
 
 # ------------------------------------------------------------------ unisonrun's elastic driver
-def _unisonrun(args: list[str], timeout: int, **env: str):
-    import subprocess
-
-    return subprocess.run([sys.executable, "-m", "unison.run", *args], capture_output=True, text=True,
-                          timeout=timeout, env=mpi_env(**env), cwd=ROOT, check=False)
+def _unisonrun(args: list[str], timeout: int, **env: str) -> subprocess.CompletedProcess[str]:
+    """``unisonrun ARGS`` to its end; a hang fails the test with the output so far (before pytest's own
+    time limit, which would lose it) and leaves no process of the job behind."""
+    cmd = [sys.executable, "-m", "unison.run", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=mpi_env(**env),
+                            cwd=ROOT, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # unisonrun, mpirun and every rank share the new session's group
+        out, err = proc.communicate()
+        pytest.fail(f"unisonrun hung for {timeout} s\n--- stdout ---\n{out[-3000:]}\n"
+                    f"--- stderr ---\n{err[-5000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _check_replay(ranks: list[dict], steps: list, detail: str, exactly_once: bool = True) -> None:
@@ -217,7 +229,7 @@ def test_restart_tier_resumes_every_rank_from_the_spilled_commit(tmp_path: Path)
     """``unisonrun --elastic-mode restart`` (no ULFM): rank 2's SIGKILL ends the first job; the driver starts
     a second one on 3 ranks, which resumes from the commit after step 4 that each host spilled to disk."""
     proc = _unisonrun(["-np", "3", "--elastic-mode", "restart", "--max-restarts", "2", sys.executable, SCRIPT,
-                       str(tmp_path)], timeout=400)
+                       str(tmp_path)], timeout=240)
     detail = f"\nexit {proc.returncode}\n--- stderr ---\n{proc.stderr[-5000:]}"
     assert proc.returncode == 0, detail
     assert (tmp_path / "kill.json").exists(), detail
@@ -242,7 +254,7 @@ def test_discovered_host_change_restarts_the_job_at_the_next_commit(tmp_path: Pa
     out = tmp_path / "out"
     out.mkdir()
     proc = _unisonrun(["--host-discovery-script", str(script), "--discovery-interval", "0.2", "--min-np", "2",
-                       "--skip-host-check", sys.executable, SCRIPT, str(out)], timeout=400,
+                       "--skip-host-check", sys.executable, SCRIPT, str(out)], timeout=240,
                       ELASTIC_GROW_FILE=str(hosts), ELASTIC_GROW_TO=str(after))
     detail = f"\nexit {proc.returncode}\n--- stderr ---\n{proc.stderr[-5000:]}"
     assert proc.returncode == 0, detail
@@ -288,7 +300,7 @@ def test_keras_fit_loses_a_rank_twice(tmp_path: Path) -> None:
     """model.fit under UnisonStrategy (4 -> 3 ranks), then with hvd.DistributedOptimizer
     (3 -> 2): each phase resumes mid-epoch from its last commit and ends with the weights of
     one plain Keras process fitting the same global batches in order."""
-    proc = mpirun(4, [*ELASTIC_MPI_ARGS, sys.executable, KERAS_SCRIPT, str(tmp_path)], timeout=480,
+    proc = mpirun(4, [*ELASTIC_MPI_ARGS, sys.executable, KERAS_SCRIPT, str(tmp_path)], timeout=240,
                   env=mpi_env(UNISON_ELASTIC="1"))
     detail = (f"\nexit {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n"
               f"--- stderr ---\n{proc.stderr[-4000:]}")
@@ -316,7 +328,7 @@ def test_keras_fit_under_the_restart_tier_resumes_from_the_spilled_commit(tmp_pa
     job; the next job's KerasState loads the commit after step 4 (weights, optimizer slots, epoch, batch) from
     disk and fit finishes the epoch on dataset.skip(4): the weights of one plain Keras process."""
     proc = _unisonrun(["-np", "3", "--elastic-mode", "restart", sys.executable, KERAS_SCRIPT, str(tmp_path)],
-                      timeout=480, KERAS_ELASTIC_PHASES="strategy")
+                      timeout=240, KERAS_ELASTIC_PHASES="strategy")
     detail = f"\nexit {proc.returncode}\n--- stderr ---\n{proc.stderr[-5000:]}"
     assert proc.returncode == 0, detail
     assert (tmp_path / "strategy-kill.json").exists() and "resumed from commit 2" in proc.stderr, detail

@@ -917,6 +917,68 @@ def test_launcher_kills_an_mpirun_that_outlives_a_lost_host(tmp_path):
     assert not alive(child)
 
 
+OUTLIVES_ITS_RANKS = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    with open(sys.argv[1], "w") as f:
+        f.write(str(child.pid))
+    for line in sys.argv[2:]:
+        sys.stdout.write(line + "\\n")
+        sys.stdout.flush()
+        time.sleep(0.2)
+    time.sleep(120 if len(sys.argv) > 3 else 3)
+    sys.exit(3)
+    """
+)
+
+
+def test_report_counts_the_ranks_that_stop_for_new_hosts():
+    from unison.common.elastic.runner import RESTART_STATUS as RANKS_STATUS
+    from unison.run.report import ELASTIC_STOPPING, RESTART_STATUS, MpirunReport
+
+    assert RANKS_STATUS == RESTART_STATUS
+    report = MpirunReport()
+    report.feed(f"noise\n{ELASTIC_STOPPING} 2 of 3\n{ELASTIC_STOPPING} 0", "stdout")
+    assert report.stopping_ranks == {2} and report.all_stopped_at is None  # the second line is not ended yet
+    report.feed(f" of 3\n{ELASTIC_STOPPING} 2 of 3\n", "stdout")
+    assert report.stopping_ranks == {0, 2} and report.all_stopped_at is None  # a rank twice counts once
+    report.feed(f"[1,1]<stdout>: {ELASTIC_STOPPING} 1 of 3\n", "stdout")  # (mpirun's --tag-output prefix)
+    assert report.stopping_size == 3 and report.all_stopped_at is not None
+
+
+def test_launcher_ends_an_mpirun_that_outlives_every_rank_stopping_for_new_hosts(tmp_path):
+    """[Note: a prterun that outlives its ranks]: every rank said it stops: killed after the grace, status 76."""
+    from unison.run.report import ELASTIC_STOPPING
+    from unison.run.supervise import run_command
+
+    script, pid_file = tmp_path / "hangs.py", tmp_path / "pid"
+    script.write_text(OUTLIVES_ITS_RANKS)
+    start = time.monotonic()
+    result = run_command([sys.executable, str(script), str(pid_file), f"{ELASTIC_STOPPING} 1 of 2",
+                          f"{ELASTIC_STOPPING} 0 of 2"], stopped_grace_s=1.0)
+    assert result.status == 76 and result.stop_signal is None, result
+    assert time.monotonic() - start < 30
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(child)
+
+
+def test_launcher_waits_for_an_mpirun_while_a_rank_has_not_said_it_stops(tmp_path):
+    """One rank of two said it stops: no kill, mpirun's own status (3, after ~3 s) stands."""
+    from unison.run.report import ELASTIC_STOPPING
+    from unison.run.supervise import run_command
+
+    script, pid_file = tmp_path / "slow.py", tmp_path / "pid"
+    script.write_text(OUTLIVES_ITS_RANKS)
+    result = run_command([sys.executable, str(script), str(pid_file), f"{ELASTIC_STOPPING} 1 of 2"],
+                         stopped_grace_s=0.5)
+    assert result.status == 3 and not result.report.all_stopped_at
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
 def test_launcher_turns_a_lost_daemon_with_status_zero_into_a_failure(tmp_path, capsys):
     from unison.run.supervise import run_command
 

@@ -47,13 +47,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 from unison.run.hosts import Host, parse_hosts
+from unison.run.report import RESTART_STATUS
 
 __all__ = ["ElasticOptions", "Driver", "JobEnd", "discover", "has_ulfm", "RESTART_STATUS", "ELASTIC_MPI_ARGS"]
 
 logger = logging.getLogger("unison.run.elastic")
 
-#: the status every rank exits with when the hosts changed (unison.common.elastic.runner.RESTART_STATUS)
-RESTART_STATUS = 76
 #: mpirun arguments of the in-place tier: ULFM, and no fence in ``MPI_Finalize`` (with a rank dead,
 #: Open MPI 5.0's fence at finalize hung in about 1 run of 20 after a recovery, also without
 #: Unison; none in 60 runs without it; see docs/elastic.md)

@@ -60,6 +60,15 @@ HOST_LOST_STATUS = 75
 #: it reaches unisonrun through mpirun's output from any host
 ELASTIC_FINISHED = "[unison] elastic: the training function returned"
 
+#: the status every rank of an elastic job exits with when the hosts changed and the commit is on disk;
+#: ``unisonrun``'s driver then starts the job on the new hosts (unison.common.elastic.runner)
+RESTART_STATUS = 76
+
+#: the line each rank prints, followed by ``<rank> of <size>``, once its part of the commit is on disk and
+#: it is about to exit with :data:`RESTART_STATUS`; see [Note: a prterun that outlives its ranks] in supervise.py
+ELASTIC_STOPPING = "[unison] elastic: stopping for the new hosts, rank"
+_STOPPING = re.compile(re.escape(ELASTIC_STOPPING) + r" (?P<rank>\d+) of (?P<size>\d+)")
+
 
 class HostFailure(NamedTuple):
     """A host the job lost, as a rank's heartbeat or ``mpirun`` reported it."""
@@ -206,6 +215,11 @@ class MpirunReport:
         self.time_limit: str | None = None
         #: whether a rank printed :data:`ELASTIC_FINISHED` (the elastic training function returned)
         self.elastic_finished = False
+        #: ranks that printed :data:`ELASTIC_STOPPING`, and the job's size they gave
+        self.stopping_ranks: set[int] = set()
+        self.stopping_size: int | None = None
+        #: ``time.monotonic()`` when every rank had printed :data:`ELASTIC_STOPPING`, else ``None``
+        self.all_stopped_at: float | None = None
         self._streams = {"stderr": _Stream(), "stdout": _Stream()}
 
     def feed(self, text: str, stream: str = "stderr") -> None:
@@ -219,6 +233,12 @@ class MpirunReport:
     def _line(self, line: str, state: _Stream) -> None:
         if ELASTIC_FINISHED in line:
             self.elastic_finished = True
+        stopping = _STOPPING.search(line)
+        if stopping is not None:
+            self.stopping_ranks.add(int(stopping["rank"]))
+            self.stopping_size = int(stopping["size"])
+            if len(self.stopping_ranks) >= self.stopping_size and self.all_stopped_at is None:
+                self.all_stopped_at = time.monotonic()
         self._add_host(parse_heartbeat(line))
         if _BOX_EDGE.fullmatch(line.strip()):
             if state.box:

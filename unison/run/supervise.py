@@ -23,6 +23,18 @@ keep waiting for the lost host's daemon (over a downed link TCP gives no error f
 it has not exited ``HOST_LOST_GRACE_S`` seconds after the report, ``mpirun`` and every process
 below it (the launch agents and, through them, the daemons and ranks it reaches) get SIGKILL,
 and the job's status is ``HOST_LOST_STATUS``: a lost host never leaves the launcher waiting.
+
+[Note: a prterun that outlives its ranks]
+Open MPI 5.0's ``prterun`` was seen, now and then, to stay up after every rank of a ``--with-ft ulfm``
+job had exited non-zero, with no process left below it, and never exit (seen after a SIGKILLed
+rank, and in 2 of some 40 jobs whose ranks all exit with ``RESTART_STATUS`` because the hosts
+changed). Such a job would leave the elastic driver waiting forever. So each rank that ends for a
+host change prints ``report.ELASTIC_STOPPING`` with its rank and the job's size once its part of
+the commit is on disk, before the barrier after which ranks exit; once every rank of the job has
+said so and ``mpirun`` has not exited ``STOPPED_GRACE_S`` seconds later, ``mpirun`` and every
+process below it get SIGKILL and the job's status is ``RESTART_STATUS``, as the ranks gave it.
+Nothing is lost: every rank's commit was on disk when it spoke, and the ranks do nothing after
+the barrier but leave.
 """
 
 from __future__ import annotations
@@ -39,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from unison.run.report import HOST_LOST_STATUS, MpirunReport
+from unison.run.report import HOST_LOST_STATUS, RESTART_STATUS, MpirunReport
 
 __all__: list[str] = []
 
@@ -49,6 +61,7 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 FORCE_AFTER_S = 5.0
 KILL_AFTER_S = 10.0
 HOST_LOST_GRACE_S = 10.0
+STOPPED_GRACE_S = 10.0
 _READ_SIZE = 1 << 16
 
 
@@ -181,7 +194,8 @@ def _sink(stream: str) -> BinaryIO | None:
 
 def run_command(command: Sequence[str], env: Mapping[str, str] | None = None, *,
                 force_after_s: float = FORCE_AFTER_S, kill_after_s: float = KILL_AFTER_S,
-                host_lost_grace_s: float = HOST_LOST_GRACE_S) -> JobResult:
+                host_lost_grace_s: float = HOST_LOST_GRACE_S,
+                stopped_grace_s: float = STOPPED_GRACE_S) -> JobResult:
     """Runs ``mpirun`` (or any command) to its end; see [Note: stopping a job].
 
     Args:
@@ -192,6 +206,9 @@ def run_command(command: Sequence[str], env: Mapping[str, str] | None = None, *,
             process below it are killed.
         host_lost_grace_s: Seconds after a lost host is reported at which the command and
             every process below it are killed, if it is still running.
+        stopped_grace_s: Seconds after every rank said it stops for a host change at which the command
+            and every process below it are killed, if it is still running (see
+            [Note: a prterun that outlives its ranks]).
 
     Returns:
         How the job ended.
@@ -211,7 +228,7 @@ def run_command(command: Sequence[str], env: Mapping[str, str] | None = None, *,
                    for name, source in (("stdout", process.stdout), ("stderr", process.stderr))]
         for copier in copiers:
             copier.start()
-        status, killed = _wait(process, stopper, report, host_lost_grace_s)
+        status, killed = _wait(process, stopper, report, host_lost_grace_s, stopped_grace_s)
         deadline = time.monotonic() + 5.0  # a rank that outlived mpirun may hold a pipe open: don't wait for it
         for copier in copiers:
             copier.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -221,6 +238,8 @@ def run_command(command: Sequence[str], env: Mapping[str, str] | None = None, *,
     status = 128 - status if status < 0 else status
     if stopper.signum is not None and status != 0:
         status = 128 + stopper.signum
+    elif killed == "stopped":
+        status = RESTART_STATUS
     elif killed:
         status = HOST_LOST_STATUS
     else:
@@ -229,25 +248,34 @@ def run_command(command: Sequence[str], env: Mapping[str, str] | None = None, *,
 
 
 def _wait(process: subprocess.Popen[bytes], stopper: _Stopper, report: MpirunReport,
-          grace_s: float) -> tuple[int, bool]:
+          grace_s: float, stopped_grace_s: float) -> tuple[int, str]:
     """Waits for ``process``, running the stopper's escalations while a stop is pending.
 
     Returns:
-        The process's status, and whether it was killed because it outlived a lost host's grace.
+        The process's status, and why the launcher killed it: ``"host-lost"`` (it outlived a lost
+        host's grace), ``"stopped"`` (it outlived every rank's exit for a host change), or ``""``.
     """
-    killed = False
+    killed = ""
     while True:
         wakeup = stopper.next_wakeup()
-        lost_at = report.host_lost_at
-        if lost_at is not None and not killed:
-            wakeup = min(wakeup, max(0.05, lost_at + grace_s - time.monotonic()))
+        deadlines = [at + grace for at, grace in ((report.host_lost_at, grace_s),
+                                                  (report.all_stopped_at, stopped_grace_s)) if at is not None]
+        if deadlines and not killed:
+            wakeup = min(wakeup, max(0.05, min(deadlines) - time.monotonic()))
         try:
             return process.wait(timeout=wakeup), killed
         except subprocess.TimeoutExpired:
             stopper.escalate()
+        stopped_at = report.all_stopped_at
+        if stopped_at is not None and not killed and time.monotonic() >= stopped_at + stopped_grace_s:
+            count = kill_tree(process.pid)
+            killed = "stopped"
+            logger.warning("mpirun was still running %g s after all %d rank(s) exited for the host change: "
+                           "killed it and the %d process(es) below it", stopped_grace_s, report.stopping_size,
+                           count)
         lost_at = report.host_lost_at
         if lost_at is not None and not killed and time.monotonic() >= lost_at + grace_s:
             count = kill_tree(process.pid)
-            killed = True
+            killed = "host-lost"
             logger.warning("mpirun was still running %g s after host %s was lost: killed it and the %d "
                            "process(es) below it", grace_s, report.hosts_lost[0].host, count)
