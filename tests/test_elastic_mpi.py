@@ -238,6 +238,7 @@ def test_restart_tier_resumes_every_rank_from_the_spilled_commit(tmp_path: Path)
     assert [(r["rank"], r["size"], r["attempt"]) for r in ranks] == [(0, 3, 1), (1, 3, 1), (2, 3, 1)], detail
     assert all(r["resets"] == [] for r in ranks)  # new processes: no in-place reset
     _check_replay(ranks, schedule(3, 3), detail)
+    assert _exiting(proc.stdout) == [(0, r, 3) for r in range(3)], detail  # job 1's ranks at their exit
 
 
 @pytest.mark.parametrize("before, after", [(2, 3), (3, 2)], ids=["grow", "shrink"])
@@ -265,6 +266,16 @@ def test_discovered_host_change_restarts_the_job_at_the_next_commit(tmp_path: Pa
     assert [(r["rank"], r["size"], r["attempt"]) for r in ranks] == [(r, after, 1) for r in range(after)], detail
     cut = (job.GROW_AT // job.COMMIT_EVERY + 1) * job.COMMIT_EVERY  # the first commit after the change
     _check_replay(ranks, schedule(before, after, cut), detail, exactly_once=False)
+    # what the driver counts to end an mpirun that outlives its ranks (see supervise.py)
+    assert _exiting(proc.stdout) == sorted([(76, r, before) for r in range(before)]
+                                           + [(0, r, after) for r in range(after)]), detail
+
+
+def _exiting(stdout: str) -> list[tuple[int, int, int]]:
+    """(status, rank, size) of each ``report.ELASTIC_EXITING`` line, sorted."""
+    from unison.run.report import _EXITING
+
+    return sorted((int(m["status"]), int(m["rank"]), int(m["size"])) for m in _EXITING.finditer(stdout))
 
 
 # ------------------------------------------------------------------ the launcher

@@ -933,31 +933,36 @@ OUTLIVES_ITS_RANKS = textwrap.dedent(
 )
 
 
-def test_report_counts_the_ranks_that_stop_for_new_hosts():
+def test_report_counts_the_ranks_that_say_they_exit():
     from unison.common.elastic.runner import RESTART_STATUS as RANKS_STATUS
-    from unison.run.report import ELASTIC_STOPPING, RESTART_STATUS, MpirunReport
+    from unison.run.report import RESTART_STATUS, MpirunReport, exiting_line
 
     assert RANKS_STATUS == RESTART_STATUS
     report = MpirunReport()
-    report.feed(f"noise\n{ELASTIC_STOPPING} 2 of 3\n{ELASTIC_STOPPING} 0", "stdout")
-    assert report.stopping_ranks == {2} and report.all_stopped_at is None  # the second line is not ended yet
-    report.feed(f" of 3\n{ELASTIC_STOPPING} 2 of 3\n", "stdout")
-    assert report.stopping_ranks == {0, 2} and report.all_stopped_at is None  # a rank twice counts once
-    report.feed(f"[1,1]<stdout>: {ELASTIC_STOPPING} 1 of 3\n", "stdout")  # (mpirun's --tag-output prefix)
-    assert report.stopping_size == 3 and report.all_stopped_at is not None
+    report.feed(f"noise\n{exiting_line(76, 2, 3)}\n{exiting_line(76, 0, 3)[:-5]}", "stdout")
+    assert report.exiting == {2: 76} and report.all_exiting_at is None  # the second line is not ended yet
+    report.feed(f"{exiting_line(76, 0, 3)[-5:]}\n{exiting_line(76, 2, 3)}\n", "stdout")
+    assert report.exiting == {0: 76, 2: 76} and report.all_exiting_at is None  # a rank twice counts once
+    report.feed(f"[1,1]<stdout>: {exiting_line(76, 1, 3)}\n", "stdout")  # (mpirun's --tag-output prefix)
+    assert report.exiting_size == 3 and report.all_exiting_at is not None and report.exiting_status == 76
+    finished = MpirunReport()
+    finished.feed(f"{exiting_line(0, 1, 2)}\n{exiting_line(0, 0, 2)}\n", "stderr")
+    assert finished.all_exiting_at is not None and finished.exiting_status == 0
 
 
-def test_launcher_ends_an_mpirun_that_outlives_every_rank_stopping_for_new_hosts(tmp_path):
-    """[Note: a prterun that outlives its ranks]: every rank said it stops: killed after the grace, status 76."""
-    from unison.run.report import ELASTIC_STOPPING
+@pytest.mark.parametrize("status", [76, 0])
+def test_launcher_ends_an_mpirun_that_outlives_every_rank_that_said_it_exits(tmp_path, status):
+    """[Note: a prterun that outlives its ranks]: every rank said it exits: killed after the grace, with the
+    status the ranks gave (76: the hosts changed; 0: the training returned)."""
+    from unison.run.report import exiting_line
     from unison.run.supervise import run_command
 
     script, pid_file = tmp_path / "hangs.py", tmp_path / "pid"
     script.write_text(OUTLIVES_ITS_RANKS)
     start = time.monotonic()
-    result = run_command([sys.executable, str(script), str(pid_file), f"{ELASTIC_STOPPING} 1 of 2",
-                          f"{ELASTIC_STOPPING} 0 of 2"], stopped_grace_s=1.0)
-    assert result.status == 76 and result.stop_signal is None, result
+    result = run_command([sys.executable, str(script), str(pid_file), exiting_line(status, 1, 2),
+                          exiting_line(status, 0, 2)], exited_grace_s=1.0)
+    assert result.status == status and result.stop_signal is None, result
     assert time.monotonic() - start < 30
     child = int(pid_file.read_text())
     deadline = time.monotonic() + 5
@@ -966,16 +971,16 @@ def test_launcher_ends_an_mpirun_that_outlives_every_rank_stopping_for_new_hosts
     assert not alive(child)
 
 
-def test_launcher_waits_for_an_mpirun_while_a_rank_has_not_said_it_stops(tmp_path):
-    """One rank of two said it stops: no kill, mpirun's own status (3, after ~3 s) stands."""
-    from unison.run.report import ELASTIC_STOPPING
+def test_launcher_waits_for_an_mpirun_while_a_rank_has_not_said_it_exits(tmp_path):
+    """One rank of two said it exits: no kill, mpirun's own status (3, after ~3 s) stands."""
+    from unison.run.report import exiting_line
     from unison.run.supervise import run_command
 
     script, pid_file = tmp_path / "slow.py", tmp_path / "pid"
     script.write_text(OUTLIVES_ITS_RANKS)
-    result = run_command([sys.executable, str(script), str(pid_file), f"{ELASTIC_STOPPING} 1 of 2"],
-                         stopped_grace_s=0.5)
-    assert result.status == 3 and not result.report.all_stopped_at
+    result = run_command([sys.executable, str(script), str(pid_file), exiting_line(76, 1, 2)],
+                         exited_grace_s=0.5)
+    assert result.status == 3 and not result.report.all_exiting_at
     os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 

@@ -64,10 +64,17 @@ ELASTIC_FINISHED = "[unison] elastic: the training function returned"
 #: ``unisonrun``'s driver then starts the job on the new hosts (unison.common.elastic.runner)
 RESTART_STATUS = 76
 
-#: the line each rank prints, followed by ``<rank> of <size>``, once its part of the commit is on disk and
-#: it is about to exit with :data:`RESTART_STATUS`; see [Note: a prterun that outlives its ranks] in supervise.py
-ELASTIC_STOPPING = "[unison] elastic: stopping for the new hosts, rank"
-_STOPPING = re.compile(re.escape(ELASTIC_STOPPING) + r" (?P<rank>\d+) of (?P<size>\d+)")
+#: the line each rank of an elastic job prints when it is about to exit and has nothing left to save, followed
+#: by ``<status>, rank <rank> of <size>``: once its part of the commit is on disk before it exits with
+#: :data:`RESTART_STATUS`, or at its exit after the training function returned (status 0); see
+#: [Note: a prterun that outlives its ranks] in supervise.py
+ELASTIC_EXITING = "[unison] elastic: exiting with status"
+_EXITING = re.compile(re.escape(ELASTIC_EXITING) + r" (?P<status>\d+), rank (?P<rank>\d+) of (?P<size>\d+)")
+
+
+def exiting_line(status: int, rank: int, size: int) -> str:
+    """The :data:`ELASTIC_EXITING` line of ``rank`` of ``size`` that exits with ``status``."""
+    return f"{ELASTIC_EXITING} {status}, rank {rank} of {size}"
 
 
 class HostFailure(NamedTuple):
@@ -215,11 +222,11 @@ class MpirunReport:
         self.time_limit: str | None = None
         #: whether a rank printed :data:`ELASTIC_FINISHED` (the elastic training function returned)
         self.elastic_finished = False
-        #: ranks that printed :data:`ELASTIC_STOPPING`, and the job's size they gave
-        self.stopping_ranks: set[int] = set()
-        self.stopping_size: int | None = None
-        #: ``time.monotonic()`` when every rank had printed :data:`ELASTIC_STOPPING`, else ``None``
-        self.all_stopped_at: float | None = None
+        #: the status each rank gave in its :data:`ELASTIC_EXITING` line, and the job's size they gave
+        self.exiting: dict[int, int] = {}
+        self.exiting_size: int | None = None
+        #: ``time.monotonic()`` when every rank had printed :data:`ELASTIC_EXITING`, else ``None``
+        self.all_exiting_at: float | None = None
         self._streams = {"stderr": _Stream(), "stdout": _Stream()}
 
     def feed(self, text: str, stream: str = "stderr") -> None:
@@ -233,12 +240,12 @@ class MpirunReport:
     def _line(self, line: str, state: _Stream) -> None:
         if ELASTIC_FINISHED in line:
             self.elastic_finished = True
-        stopping = _STOPPING.search(line)
-        if stopping is not None:
-            self.stopping_ranks.add(int(stopping["rank"]))
-            self.stopping_size = int(stopping["size"])
-            if len(self.stopping_ranks) >= self.stopping_size and self.all_stopped_at is None:
-                self.all_stopped_at = time.monotonic()
+        exiting = _EXITING.search(line)
+        if exiting is not None:
+            self.exiting[int(exiting["rank"])] = int(exiting["status"])
+            self.exiting_size = int(exiting["size"])
+            if len(self.exiting) >= self.exiting_size and self.all_exiting_at is None:
+                self.all_exiting_at = time.monotonic()
         self._add_host(parse_heartbeat(line))
         if _BOX_EDGE.fullmatch(line.strip()):
             if state.box:
@@ -252,6 +259,11 @@ class MpirunReport:
             state.box.append(line)
             if len(state.box) > _MAX_BOX_LINES:
                 state.box = None
+
+    @property
+    def exiting_status(self) -> int:
+        """The status the ranks said they exit with (the largest, should they differ)."""
+        return max(self.exiting.values(), default=0)
 
     def _add_host(self, failure: HostFailure | None) -> None:
         if failure is None or any(known.host == failure.host for known in self.hosts_lost):

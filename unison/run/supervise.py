@@ -26,15 +26,15 @@ and the job's status is ``HOST_LOST_STATUS``: a lost host never leaves the launc
 
 [Note: a prterun that outlives its ranks]
 Open MPI 5.0's ``prterun`` was seen, now and then, to stay up after every rank of a ``--with-ft ulfm``
-job had exited non-zero, with no process left below it, and never exit (seen after a SIGKILLed
-rank, and in 2 of some 40 jobs whose ranks all exit with ``RESTART_STATUS`` because the hosts
-changed). Such a job would leave the elastic driver waiting forever. So each rank that ends for a
-host change prints ``report.ELASTIC_STOPPING`` with its rank and the job's size once its part of
-the commit is on disk, before the barrier after which ranks exit; once every rank of the job has
-said so and ``mpirun`` has not exited ``STOPPED_GRACE_S`` seconds later, ``mpirun`` and every
-process below it get SIGKILL and the job's status is ``RESTART_STATUS``, as the ranks gave it.
-Nothing is lost: every rank's commit was on disk when it spoke, and the ranks do nothing after
-the barrier but leave.
+job had exited, with no process left below it, and never exit (seen after a SIGKILLed rank, and
+in 2 of some 40 jobs whose ranks all exit with ``RESTART_STATUS`` because the hosts changed).
+Such a job would leave the elastic driver waiting forever. So each rank of an elastic job under
+the driver prints ``report.ELASTIC_EXITING`` with its exit status, its rank and the job's size
+when it has nothing left to save: before it exits for a host change, once its part of the commit
+is on disk (before the barrier after which ranks exit); after the training function returned, at
+its exit (an ``atexit`` handler, which runs after the program's own code). Once every rank of the
+job has said so and ``mpirun`` has not exited ``EXITED_GRACE_S`` seconds later, ``mpirun`` and
+every process below it get SIGKILL and the job's status is the one the ranks gave.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from unison.run.report import HOST_LOST_STATUS, RESTART_STATUS, MpirunReport
+from unison.run.report import HOST_LOST_STATUS, MpirunReport
 
 __all__: list[str] = []
 
@@ -61,7 +61,7 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 FORCE_AFTER_S = 5.0
 KILL_AFTER_S = 10.0
 HOST_LOST_GRACE_S = 10.0
-STOPPED_GRACE_S = 10.0
+EXITED_GRACE_S = 10.0
 _READ_SIZE = 1 << 16
 
 
@@ -195,7 +195,7 @@ def _sink(stream: str) -> BinaryIO | None:
 def run_command(command: Sequence[str], env: Mapping[str, str] | None = None, *,
                 force_after_s: float = FORCE_AFTER_S, kill_after_s: float = KILL_AFTER_S,
                 host_lost_grace_s: float = HOST_LOST_GRACE_S,
-                stopped_grace_s: float = STOPPED_GRACE_S) -> JobResult:
+                exited_grace_s: float = EXITED_GRACE_S) -> JobResult:
     """Runs ``mpirun`` (or any command) to its end; see [Note: stopping a job].
 
     Args:
@@ -206,7 +206,7 @@ def run_command(command: Sequence[str], env: Mapping[str, str] | None = None, *,
             process below it are killed.
         host_lost_grace_s: Seconds after a lost host is reported at which the command and
             every process below it are killed, if it is still running.
-        stopped_grace_s: Seconds after every rank said it stops for a host change at which the command
+        exited_grace_s: Seconds after every rank of an elastic job said it exits at which the command
             and every process below it are killed, if it is still running (see
             [Note: a prterun that outlives its ranks]).
 
@@ -228,7 +228,7 @@ def run_command(command: Sequence[str], env: Mapping[str, str] | None = None, *,
                    for name, source in (("stdout", process.stdout), ("stderr", process.stderr))]
         for copier in copiers:
             copier.start()
-        status, killed = _wait(process, stopper, report, host_lost_grace_s, stopped_grace_s)
+        status, killed = _wait(process, stopper, report, host_lost_grace_s, exited_grace_s)
         deadline = time.monotonic() + 5.0  # a rank that outlived mpirun may hold a pipe open: don't wait for it
         for copier in copiers:
             copier.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -238,8 +238,8 @@ def run_command(command: Sequence[str], env: Mapping[str, str] | None = None, *,
     status = 128 - status if status < 0 else status
     if stopper.signum is not None and status != 0:
         status = 128 + stopper.signum
-    elif killed == "stopped":
-        status = RESTART_STATUS
+    elif killed == "exited":
+        status = report.exiting_status
     elif killed:
         status = HOST_LOST_STATUS
     else:
@@ -248,31 +248,31 @@ def run_command(command: Sequence[str], env: Mapping[str, str] | None = None, *,
 
 
 def _wait(process: subprocess.Popen[bytes], stopper: _Stopper, report: MpirunReport,
-          grace_s: float, stopped_grace_s: float) -> tuple[int, str]:
+          grace_s: float, exited_grace_s: float) -> tuple[int, str]:
     """Waits for ``process``, running the stopper's escalations while a stop is pending.
 
     Returns:
         The process's status, and why the launcher killed it: ``"host-lost"`` (it outlived a lost
-        host's grace), ``"stopped"`` (it outlived every rank's exit for a host change), or ``""``.
+        host's grace), ``"exited"`` (it outlived every rank of an elastic job), or ``""``.
     """
     killed = ""
     while True:
         wakeup = stopper.next_wakeup()
         deadlines = [at + grace for at, grace in ((report.host_lost_at, grace_s),
-                                                  (report.all_stopped_at, stopped_grace_s)) if at is not None]
+                                                  (report.all_exiting_at, exited_grace_s)) if at is not None]
         if deadlines and not killed:
             wakeup = min(wakeup, max(0.05, min(deadlines) - time.monotonic()))
         try:
             return process.wait(timeout=wakeup), killed
         except subprocess.TimeoutExpired:
             stopper.escalate()
-        stopped_at = report.all_stopped_at
-        if stopped_at is not None and not killed and time.monotonic() >= stopped_at + stopped_grace_s:
+        exiting_at = report.all_exiting_at
+        if exiting_at is not None and not killed and time.monotonic() >= exiting_at + exited_grace_s:
             count = kill_tree(process.pid)
-            killed = "stopped"
-            logger.warning("mpirun was still running %g s after all %d rank(s) exited for the host change: "
-                           "killed it and the %d process(es) below it", stopped_grace_s, report.stopping_size,
-                           count)
+            killed = "exited"
+            logger.warning("mpirun was still running %g s after all %d rank(s) said they exit (status %d): killed "
+                           "it and the %d process(es) below it", exited_grace_s, report.exiting_size,
+                           report.exiting_status, count)
         lost_at = report.host_lost_at
         if lost_at is not None and not killed and time.monotonic() >= lost_at + grace_s:
             count = kill_tree(process.pid)

@@ -78,7 +78,7 @@ RESTART_STATUS = 76  # unison.run.report.RESTART_STATUS (a test checks)
 def _restart_on_new_hosts(state: Any) -> None:
     """The driver saw the hosts change: the commit just made is on disk; end this job so the
     driver starts the next one on the new hosts (it resumes from that commit)."""
-    from unison.run.report import ELASTIC_STOPPING
+    from unison.run.report import exiting_line
 
     state.store.wait()
     st = runtime._state
@@ -86,7 +86,7 @@ def _restart_on_new_hosts(state: Any) -> None:
     # mpirun that outlives them all (see supervise.py). Said before the barrier, so before any rank can exit
     # (through the mpi4py wrapper's MPI_Abort, which may take the others down before they could say it).
     rank, size = (st.rank, st.size) if st is not None else (0, 1)
-    print(f"{ELASTIC_STOPPING} {rank} of {size}", flush=True)
+    print(exiting_line(RESTART_STATUS, rank, size), flush=True)
     if st is not None and st.comm is not None:
         st.comm.Barrier()  # every host's writer has its copy on disk before any rank exits (and aborts the rest)
     logger.warning("elastic: the hosts changed; commit %d is saved, ending this job so unisonrun starts it on "

@@ -29,6 +29,7 @@ holders could read the newest commit; if none could, each holder offers its next
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import logging
 import os
@@ -129,13 +130,32 @@ class CommitStore:
 
 def mark_finished(store: CommitStore) -> None:
     """Rank 0 tells the driver the training function returned (a line on stdout, which mpirun forwards from
-    any host): the job is done even if mpirun's exit status counts ranks that died on the way."""
+    any host): the job is done even if mpirun's exit status counts ranks that died on the way. Every rank
+    also says so at its exit, with status 0 (the driver's verdict on a job whose training returned)."""
     from unison.run.report import ELASTIC_FINISHED
 
     store.wait()
     st = runtime._state
     if st is None or st.rank == 0:
         print(ELASTIC_FINISHED, flush=True)
+    global _exit_said
+    if not _exit_said:  # once, however often the training function returns
+        _exit_said = True
+        atexit.register(_say_exiting, *((st.rank, st.size) if st is not None else (0, 1)))
+
+
+_exit_said = False
+
+
+def _say_exiting(rank: int, size: int) -> None:
+    """At the exit of a rank whose training function returned (after the program's own code): the driver
+    ends an mpirun that outlives every rank that said it (see [Note: a prterun that outlives its ranks])."""
+    from unison.run.report import exiting_line
+
+    try:
+        print(exiting_line(0, rank, size), flush=True)
+    except (OSError, ValueError):  # stdout already closed: mpirun is left to end the job itself
+        pass
 
 
 def store_from_env() -> CommitStore | None:
