@@ -90,6 +90,8 @@ def mpirun(np_: int, args: list[str], timeout: float = 240, env: dict[str, str] 
         cmd.append("--allow-run-as-root")
     if hosts is not None:
         cmd += host_flags(hosts)
+    else:  # as unisonrun does on one host: [Note: the libfabric BTL on one host] in unison/run/launcher.py
+        cmd += ["--mca", "btl", "^ofi"]
     try:
         return subprocess.run(cmd + args, env=env or mpi_env(), cwd=cwd, capture_output=True,
                               text=True, timeout=timeout)

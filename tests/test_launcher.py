@@ -1168,3 +1168,21 @@ def test_unisonrun_removes_stale_session_dirs_before_launching(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "ran" in proc.stdout
     assert not stale.exists()
+
+
+# --- [Note: the libfabric BTL on one host] -------------------------------------------------------
+
+def btl_choice(command):
+    return [command[i + 2] for i, item in enumerate(command[:-2]) if item == "--mca" and command[i + 1] == "btl"]
+
+
+def test_one_host_leaves_the_libfabric_btl_out():
+    assert btl_choice(build(np=2)) == ["^ofi"]
+    assert btl_choice(build(np=3, hosts="localhost:3")) == ["^ofi"]  # (the elastic driver's -H for this machine)
+
+
+def test_the_users_btl_choice_and_other_hosts_keep_open_mpis_btls():
+    assert btl_choice(build(np=2, mpi_args=("--mca", "btl", "self,sm"))) == ["self,sm"]
+    assert btl_choice(build(np=2, environ={"PATH": "/usr/bin", "OMPI_MCA_btl": "self,tcp"})) == []
+    assert btl_choice(build(np=4, hosts="localhost:2,node7:2")) == []  # a libfabric network may carry it
+
