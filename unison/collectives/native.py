@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from unison.collectives.reduce import reducer
-from unison.common.dtypes import bfloat16
+from unison.common.dtypes import is_bfloat16
 from unison.common.ops import ReduceOp
 
 __all__ = ["allreduce", "allgatherv", "broadcast", "reduce_scatter", "alltoallv", "mpi_type", "mpi_op",
@@ -58,7 +58,7 @@ def _half_op(mpi: Any, dtype: np.dtype, op: ReduceOp) -> Any:
 
 def mpi_type(mpi: Any, dtype: np.dtype) -> Any:
     """The MPI datatype that carries one element of ``dtype``."""
-    if dtype == np.float16 or dtype == bfloat16:
+    if dtype == np.float16 or is_bfloat16(dtype):
         return _half_type(mpi)
     return _type_table(mpi)[np.dtype(dtype)]
 
@@ -66,7 +66,7 @@ def mpi_type(mpi: Any, dtype: np.dtype) -> Any:
 @functools.cache
 def mpi_op(mpi: Any, dtype: np.dtype, op: ReduceOp) -> Any:
     """The MPI op computing ``op`` (Average is a Sum; scaling happens afterwards)."""
-    if dtype == np.float16 or dtype == bfloat16:
+    if dtype == np.float16 or is_bfloat16(dtype):
         return _half_op(mpi, np.dtype(dtype), op)
     if dtype == np.bool_:
         if op is ReduceOp.BXOR:

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from unison.common.dtypes import bfloat16
+from unison.common.dtypes import bfloat16_dtype
 
 __all__ = [
     "Compression", "Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Caster",
@@ -52,13 +52,11 @@ class Caster(Protocol):
 class _NumpyCaster:
     """numpy arrays: float32 and float64 travel compressed (what the core always did)."""
 
-    _WIRE = {"float16": np.dtype(np.float16), "bfloat16": bfloat16}
-
     def compressible(self, tensor: Any) -> bool:
         return np.asarray(tensor).dtype in (np.float32, np.float64)
 
     def cast(self, tensor: Any, wire: str) -> Any:
-        return np.asarray(tensor).astype(self._WIRE[wire])
+        return np.asarray(tensor).astype(np.dtype(np.float16) if wire == "float16" else bfloat16_dtype())
 
     def dtype(self, tensor: Any) -> Any:
         return np.asarray(tensor).dtype

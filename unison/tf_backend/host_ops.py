@@ -67,7 +67,7 @@ import tensorflow as tf
 from tensorflow.python.framework import errors_impl
 from tensorflow.python.ops import control_flow_util
 
-from unison.common.dtypes import SUPPORTED_DTYPES
+from unison.common.dtypes import dtype_code
 from unison.common.engine import engine as _engine_errors
 from unison.common.engine.engine import DuplicateNameError, ShutdownError
 from unison.common.exceptions import CollectiveError, InvalidArgumentError, NotInitializedError
@@ -175,7 +175,7 @@ if errors_impl.UnknownError.__init__ is not _unknown_error_init and \
 
 
 # ----------------------------------------------------------------------------- dtypes
-_WIDE_UINT16 = np.dtype(np.uint16) not in SUPPORTED_DTYPES
+_WIDE_UINT16 = dtype_code(np.dtype(np.uint16)) < 0
 
 
 def to_wire(a: np.ndarray, arithmetic: bool) -> np.ndarray:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from unison.common.compression import register_caster
-from unison.common.dtypes import bfloat16
+from unison.common.dtypes import bfloat16_dtype, is_bfloat16
 
 __all__ = ["to_numpy", "from_numpy", "result_tensor", "TorchCaster"]
 
@@ -56,7 +56,7 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     if typestr is None or not tensor.is_contiguous() or tensor.numel() == 0:
         return _to_numpy_slow(tensor)
     arr = np.asarray(_Memory(tensor, typestr))
-    return arr.view(bfloat16) if tensor.dtype is torch.bfloat16 else arr
+    return arr.view(bfloat16_dtype()) if tensor.dtype is torch.bfloat16 else arr
 
 
 def _to_numpy_slow(tensor: torch.Tensor) -> np.ndarray:
@@ -64,7 +64,7 @@ def _to_numpy_slow(tensor: torch.Tensor) -> np.ndarray:
     if not t.is_contiguous():
         t = t.contiguous()
     if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(bfloat16)
+        return t.view(torch.int16).numpy().view(bfloat16_dtype())
     return t.numpy(force=True)
 
 
@@ -83,7 +83,7 @@ def result_tensor(array: np.ndarray, source: np.ndarray) -> torch.Tensor:
 def from_numpy(array: np.ndarray) -> torch.Tensor:
     """A torch tensor sharing ``array``'s memory."""
     arr = np.ascontiguousarray(array)
-    if arr.dtype == bfloat16:
+    if is_bfloat16(arr.dtype):
         return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(arr)
 

@@ -28,7 +28,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from unison.common.exceptions import UnisonError
@@ -183,6 +182,11 @@ def check_version(version: Any, where: str) -> None:
                               f"Unison reads (up to {VERSION}); upgrade Unison to load it")
 
 
+_NUMPY_NAMES = frozenset(np.dtype(t).name for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8,
+                                                     np.uint16, np.uint32, np.uint64, np.float16, np.float32,
+                                                     np.float64, np.complex64, np.complex128))
+
+
 def dtype_from_name(name: str) -> np.dtype:
     """The numpy dtype called ``name`` (``"bfloat16"`` and other ml_dtypes included).
 
@@ -190,7 +194,12 @@ def dtype_from_name(name: str) -> np.dtype:
         CheckpointError: no such fixed-size numeric dtype.
     """
     try:
-        dt = np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
+        if name in _NUMPY_NAMES:  # without importing ml_dtypes (see [Note: bfloat16 without importing ml_dtypes])
+            dt = np.dtype(name)
+        else:
+            import ml_dtypes
+
+            dt = np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
     except TypeError as exc:
         raise CheckpointError(f"dtype {name!r} is not a numpy or ml_dtypes dtype name") from exc
     if dt.hasobject or dt.fields is not None or dt.itemsize == 0 or dt.subdtype is not None:

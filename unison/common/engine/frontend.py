@@ -23,7 +23,6 @@ from unison.collectives.reduce import check_op
 from unison.collectives.validate import as_array, check_root, check_splits
 from unison.common import runtime
 from unison.common.compression import Compression, Compressor
-from unison.common.dtypes import SUPPORTED_DTYPES
 from unison.common.engine.engine import Engine, caller_waits
 from unison.common.engine.handles import Handle
 from unison.common.engine.process_sets import ProcessSet, global_process_set
@@ -41,7 +40,9 @@ _counters: collections.Counter[str] = collections.Counter()
 #: dtypes whose every op is valid (bool refuses Average, so it takes the checked path)
 # ops the fast path may submit unchecked (Adasum and the bitwise ops have rules: checks() below)
 _FAST_OPS = frozenset({ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT})
-_FAST_DTYPES = frozenset(dt for dt in SUPPORTED_DTYPES if dt != np.bool_)
+#: the supported dtypes but bool, which the fast path below takes; bfloat16 too, by name (see dtypes.py)
+_FAST_DTYPES = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int8, np.int16, np.int32,
+                                               np.int64, np.uint8, np.uint16))
 
 
 def engine(what: str = "this call") -> Engine | None:
@@ -185,7 +186,8 @@ def allreduce_async(tensor: Any, op: Any = Average, name: str | None = None,
     if (st is not None and type(tensor) is np.ndarray and type(op) is ReduceOp and out is None
             and process_set is None and compression is Compression.none and algorithm == "auto"
             and prescale_factor == 1.0 and postscale_factor == 1.0 and tensor.flags.c_contiguous
-            and tensor.dtype in _FAST_DTYPES and op in _FAST_OPS):  # the common case, kept cheap
+            and (tensor.dtype in _FAST_DTYPES or tensor.dtype.name == "bfloat16")
+            and op in _FAST_OPS):  # the common case, kept cheap
         eng = st.cache.get("engine")
         if eng is not None:
             name = _auto_name("allreduce", None) if name is None else str(name)  # global set here
