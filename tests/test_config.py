@@ -37,6 +37,7 @@ BAD_VALUES = {
     "AUTOTUNE_WARMUP_SAMPLES": (["-1", "1.5", "x"], "an integer in [0, 9223372036854775807]"),
     "AUTOTUNE_STEPS_PER_SAMPLE": (["0", "-3", "ten"], "an integer in [1, 9223372036854775807]"),
     "MALLOC_CACHE": (["enabled", "-1"], "one of 1, true, yes, on, 0, false, no, off"),
+    "GC_FREEZE": (["frozen", "2"], "one of 1, true, yes, on, 0, false, no, off"),
     "COLLECTIVE_TIMEOUT_SECONDS": (["inf", "nan", "-1", "1e12", "never"], "a finite number in [0, 2.592e+06]"),
     "HIERARCHICAL_ALLREDUCE": (["maybe", "2"], "one of 1, true, yes, on, 0, false, no, off"),
     "HIERARCHICAL_ALLGATHER": (["auto"], "one of 1, true, yes, on, 0, false, no, off"),

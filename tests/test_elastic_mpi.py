@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -110,6 +111,54 @@ def test_object_state_commit_and_restore_copy_values() -> None:
     state.epoch = 7
     state.restore()
     assert state.epoch == 1 and state.weights.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_torch_state_commits_into_the_last_commits_tensors_and_restores_exactly() -> None:
+    import torch
+
+    from unison.torch_backend.elastic import TorchState, _copy_into
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(8, 4)
+
+    def step() -> None:
+        opt.zero_grad()
+        net(x).square().mean().backward()
+        opt.step()
+
+    step()  # momentum buffers exist from here on
+    state = TorchState(net, opt, epoch=0)
+    saved = state._handlers["model"]._saved
+    first_ptrs = {k: v.data_ptr() for k, v in saved.items()}
+    step()
+    state.epoch = 1
+    state.commit()
+    committed = {k: v.clone() for k, v in net.state_dict().items()}
+    committed_opt = {i: s["momentum_buffer"].clone() for i, s in opt.state_dict()["state"].items()}
+    again = state._handlers["model"]._saved
+    assert {k: v.data_ptr() for k, v in again.items()} == first_ptrs  # copied into, not allocated anew
+    assert hasattr(again, "_metadata")  # load_state_dict's version info kept
+    for k, v in committed.items():
+        assert torch.equal(again[k], v) and again[k].data_ptr() != net.state_dict()[k].data_ptr()
+    for _ in range(3):
+        step()
+    state.epoch = 5
+    state.restore()
+    assert state.epoch == 1
+    for k, v in net.state_dict().items():
+        assert torch.equal(v, committed[k]), k
+    for i, s in opt.state_dict()["state"].items():
+        assert torch.equal(s["momentum_buffer"], committed_opt[i])
+    step()  # training after a restore leaves the commit alone
+    assert torch.equal(state._handlers["model"]._saved["0.weight"], committed["0.weight"])
+    # what cannot be reused is deep-copied: another shape, a non-tensor, a list of another length
+    old = {"a": torch.zeros(2), "b": [torch.zeros(1)], "c": 1}
+    new = {"a": torch.ones(3), "b": [torch.ones(1), torch.ones(1)], "c": [2]}
+    out = _copy_into(old, new)
+    assert out["a"].tolist() == [1.0] * 3 and out["a"] is not new["a"]
+    assert len(out["b"]) == 2 and out["b"][0] is not new["b"][0] and out["c"] == [2] and out["c"] is not new["c"]
 
 
 def test_elastic_mode_is_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -234,6 +283,8 @@ def test_restart_tier_resumes_every_rank_from_the_spilled_commit(tmp_path: Path)
     assert proc.returncode == 0, detail
     assert (tmp_path / "kill.json").exists(), detail
     assert "starting job 1: 3 rank(s)" in proc.stderr and "resumed from commit 2" in proc.stderr, detail
+    # the driver's watch saw rank 2 die with its file there and ended the job itself (rankwatch.py)
+    assert re.search(r"rank 2 \(PID \d+ on \S+\) died without exiting", proc.stderr), detail
     ranks = _outcomes(tmp_path)
     assert [(r["rank"], r["size"], r["attempt"]) for r in ranks] == [(0, 3, 1), (1, 3, 1), (2, 3, 1)], detail
     assert all(r["resets"] == [] for r in ranks)  # new processes: no in-place reset

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 
@@ -135,6 +137,36 @@ def test_keep_freed_memory_respects_user_malloc_settings(monkeypatch):
     assert load_config(malloc_cache=False).malloc_cache is False
     monkeypatch.setenv("UNISON_MALLOC_CACHE", "0")
     assert load_config().malloc_cache is False
+
+
+@pytest.mark.parametrize("env, at_import, at_init", [
+    ({}, True, True),
+    ({"UNISON_GC_FREEZE": "0"}, False, True),  # init(gc_freeze=True) below still freezes
+    ({"HOROVOD_GC_FREEZE": "off"}, False, True),
+])
+def test_gc_freeze_moves_the_objects_alive_at_import_and_init(env, at_import, at_init):
+    code = ("import gc, json, collections; before = gc.get_freeze_count(); import unison; imported = "
+            "gc.get_freeze_count(); keep = [collections.OrderedDict() for _ in range(1000)]; "
+            "unison.init(gc_freeze=True); inited = gc.get_freeze_count(); unison.shutdown(); "
+            "print(json.dumps([before, imported, inited]))")
+    environ = {k: v for k, v in os.environ.items() if not k.endswith("GC_FREEZE")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**environ, **env})
+    assert proc.returncode == 0, proc.stderr
+    before, imported, inited = json.loads(proc.stdout.splitlines()[-1])
+    assert before == 0
+    assert (imported > 1000) is at_import and (imported == 0) is not at_import
+    assert inited >= imported + 1000  # the objects made after the import, frozen by init
+
+
+def test_gc_freeze_off_at_init_leaves_the_collector_alone(monkeypatch):
+    code = ("import gc, unison; unison.init(gc_freeze=False); print(gc.get_freeze_count()); unison.shutdown()")
+    environ = {k: v for k, v in os.environ.items() if not k.endswith("GC_FREEZE")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**environ, "UNISON_GC_FREEZE": "no"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["0"]
+    assert load_config({"UNISON_GC_FREEZE": "0"}).gc_freeze is False and load_config({}).gc_freeze is True
 
 
 def test_collective_header_words_are_named_and_decoded():

@@ -11,6 +11,7 @@ engine (named, negotiated, fused; ``*_async`` variants return handles);
 """
 
 from unison.common import heartbeat as _heartbeat  # noqa: F401  (registers the host heartbeat's init hook)
+from unison.common import liveness as _liveness  # noqa: F401  (registers the rank's file for the elastic driver)
 from unison.common.compression import Compression
 from unison.common.engine.engine import DuplicateNameError, JoinError, ShutdownError, StallError
 from unison.common.engine.frontend import (

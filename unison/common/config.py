@@ -70,6 +70,7 @@ ENV_HIERARCHICAL_ALLREDUCE = "HIERARCHICAL_ALLREDUCE"
 ENV_HIERARCHICAL_ALLGATHER = "HIERARCHICAL_ALLGATHER"
 ENV_DETERMINISTIC = "DETERMINISTIC"
 ENV_HOST_TIMEOUT = "HOST_TIMEOUT_SECONDS"
+ENV_GC_FREEZE = "GC_FREEZE"
 ENV_CROSS_PIECE_BYTES = "CROSS_PIECE_BYTES"
 
 #: Bounds. One MPI message carries at most a C ``int`` count; integers travel as int64;
@@ -249,6 +250,10 @@ class Config:
     #: Keep freed large blocks in the process instead of returning them to the OS
     #: (glibc ``mallopt``), so a training step does not page-fault its buffers anew.
     malloc_cache: bool = True
+    #: Move the objects alive at ``import unison`` and at ``init()`` (the frameworks' modules:
+    #: some 170k objects under PyTorch, never garbage) to the garbage collector's permanent
+    #: generation, so its full passes skip them (see runtime.freeze_gc).
+    gc_freeze: bool = True
     #: Engine: a collective wait longer than this many seconds ends the job (0: no limit).
     collective_timeout_seconds: float = 0.0
     #: Force the hierarchical all-reduce (within hosts, then across) whenever the job spans
@@ -314,6 +319,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("autotune_warmup_samples", ENV_AUTOTUNE_WARMUP, IntRange(0, INT64_MAX), True),
     Setting("autotune_steps_per_sample", ENV_AUTOTUNE_STEPS, IntRange(1, INT64_MAX), True),
     Setting("malloc_cache", ENV_MALLOC_CACHE, Flag(), False),
+    Setting("gc_freeze", ENV_GC_FREEZE, Flag(), False),
     Setting("collective_timeout_seconds", ENV_COLLECTIVE_TIMEOUT, FloatRange(0.0, MAX_SECONDS), True),
     Setting("hierarchical_allreduce", ENV_HIERARCHICAL_ALLREDUCE, Flag(), True),
     Setting("hierarchical_allgather", ENV_HIERARCHICAL_ALLGATHER, Flag(), True),
@@ -454,3 +460,10 @@ def mismatch_report(per_rank: Sequence[Mapping[str, Any]],
             + ". Set each variable listed to one value for every rank (for example export it in the "
               "job script or pass it with unisonrun/mpirun -x), or pass the same init(...) "
               "arguments on every rank; see docs/settings.md.")
+
+
+def gc_freeze_wanted(environ: Mapping[str, str] | None = None) -> bool:
+    """``UNISON_GC_FREEZE`` as read before ``init()``: on unless set to a false value (a malformed value
+    counts as on here; ``init()`` then raises naming it)."""
+    found = env_value(ENV_GC_FREEZE, environ)
+    return found is None or found[1].strip().lower() not in _FALSE

@@ -66,9 +66,11 @@ import shlex
 import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from unison.run import rankwatch
 from unison.run.elastic_driver import (
     ELASTIC_MPI_ARGS,
     RESTART_STATUS,
@@ -88,6 +90,7 @@ from unison.run.placement import (
 )
 from unison.run.probe import DEFAULT_AGENT, HostUnreachableError, check_hosts, is_local
 from unison.run.pycommand import wrap_python_command
+from unison.run.rankwatch import RankWatch
 from unison.run.session_dirs import remove_stale_session_dirs
 from unison.run.supervise import run_command
 
@@ -375,6 +378,14 @@ def _elastic_options(args: argparse.Namespace) -> ElasticOptions:
                           blacklist_cooldown_s=args.blacklist_cooldown, poll_s=args.discovery_interval)
 
 
+def _rank_watch(options: ElasticOptions, env: Mapping[str, str]) -> RankWatch | None:
+    """The restart tier's watch over this host's ranks (see [Note: ending a job whose rank died])."""
+    if options.mode != "restart" or not rankwatch.available() or "UNISON_ELASTIC_STATE_DIR" not in env:
+        return None
+    folder = rankwatch.folder(env["UNISON_ELASTIC_STATE_DIR"], int(env.get("UNISON_ELASTIC_ATTEMPT", "0")))
+    return RankWatch(folder)
+
+
 def _run_elastic(args: argparse.Namespace, config: LaunchConfig, environ: Mapping[str, str]) -> int:
     """Drive the elastic job (see [Note: the elastic driver] in elastic_driver.py)."""
     options = _elastic_options(args)
@@ -394,12 +405,22 @@ def _run_elastic(args: argparse.Namespace, config: LaunchConfig, environ: Mappin
                                 euid=os.geteuid())
         if args.verbose:
             print(shlex.join(command), file=sys.stderr, flush=True)
-        result = run_command(command, env)
+        watch = _rank_watch(options, env)
+        try:
+            result = run_command(command, env, on_start=None if watch is None else watch.watch)
+        finally:
+            if watch is not None:
+                watch.stop()
+                shutil.rmtree(watch.folder, ignore_errors=True)
+                if watch.died is not None and watch.mpirun_pid is not None:  # killed: its session folder stays
+                    shutil.rmtree(Path(tempfile.gettempdir()) / f"ompi.{watch.mpirun_pid}", ignore_errors=True)
         report = result.report
-        if result.status not in (0, RESTART_STATUS) and not report.elastic_finished:
+        failed = tuple(f.node for f in report.failures if f.node)
+        if watch is not None and watch.died is not None:
+            failed = (*failed, watch.host)
+        elif result.status not in (0, RESTART_STATUS) and not report.elastic_finished:
             print(f"unisonrun: {report.summary(result.status)}", file=sys.stderr, flush=True)
-        return JobEnd(result.status, tuple(f.node for f in report.failures if f.node),
-                      tuple(h.host for h in report.hosts_lost), report.elastic_finished,
+        return JobEnd(result.status, failed, tuple(h.host for h in report.hosts_lost), report.elastic_finished,
                       result.stop_signal is not None)
 
     return Driver(options, static, start, environ).run()

@@ -46,7 +46,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -195,7 +195,8 @@ def _sink(stream: str) -> BinaryIO | None:
 def run_command(command: Sequence[str], env: Mapping[str, str] | None = None, *,
                 force_after_s: float = FORCE_AFTER_S, kill_after_s: float = KILL_AFTER_S,
                 host_lost_grace_s: float = HOST_LOST_GRACE_S,
-                exited_grace_s: float = EXITED_GRACE_S) -> JobResult:
+                exited_grace_s: float = EXITED_GRACE_S,
+                on_start: Callable[[subprocess.Popen[bytes]], None] | None = None) -> JobResult:
     """Runs ``mpirun`` (or any command) to its end; see [Note: stopping a job].
 
     Args:
@@ -209,6 +210,7 @@ def run_command(command: Sequence[str], env: Mapping[str, str] | None = None, *,
         exited_grace_s: Seconds after every rank of an elastic job said it exits at which the command
             and every process below it are killed, if it is still running (see
             [Note: a prterun that outlives its ranks]).
+        on_start: called with the started process (the restart tier's rank watch, see rankwatch.py).
 
     Returns:
         How the job ended.
@@ -223,6 +225,8 @@ def run_command(command: Sequence[str], env: Mapping[str, str] | None = None, *,
         process = subprocess.Popen(list(command), env=None if env is None else dict(env),
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         stopper.started(process)
+        if on_start is not None:
+            on_start(process)
         copiers = [threading.Thread(target=_copy_output, args=(source, _sink(name), report, name),
                                     name=f"unisonrun-{name}", daemon=True)
                    for name, source in (("stdout", process.stdout), ("stderr", process.stderr))]

@@ -110,21 +110,60 @@ class ElasticSampler(torch.utils.data.Sampler):
         return len(self._core)
 
 
+def _copy_into(saved: Any, current: Any) -> Any:
+    """A deep copy of ``current`` (a ``state_dict()``) that reuses ``saved``'s tensors where they match.
+
+    A commit copies the whole state every time; ``copy.deepcopy`` allocates it anew, and fresh
+    memory is paid in page faults: 33 ms for the 20M-parameter benchmark MLP here, against 4.5 ms
+    to copy into the previous commit's tensors. Tensors of another shape, dtype, device or layout,
+    and everything that is not a tensor, dict or list, are deep-copied as before. The caller makes
+    sure nothing still reads ``saved`` (the background spill of the last commit, see TorchState.save).
+    """
+    if isinstance(current, torch.Tensor):
+        if (isinstance(saved, torch.Tensor) and saved is not current and saved.shape == current.shape
+                and saved.dtype == current.dtype and saved.device == current.device
+                and saved.layout == current.layout == torch.strided and not current.requires_grad
+                and saved.is_contiguous()):
+            with torch.no_grad():
+                saved.copy_(current)
+            return saved
+        return copy.deepcopy(current)
+    if isinstance(current, dict) and isinstance(saved, dict):
+        out = copy.copy(current)  # the same mapping type, with its attributes (a state_dict's _metadata)
+        for key, value in current.items():
+            out[key] = _copy_into(saved.get(key), value)
+        if hasattr(current, "__dict__"):
+            out.__dict__.update(copy.deepcopy(current.__dict__))
+        return out
+    if type(current) is list and type(saved) is list and len(saved) == len(current):
+        return [_copy_into(old, new) for old, new in zip(saved, current, strict=True)]
+    return copy.deepcopy(current)
+
+
 class _Handler:
     """Save / restore / sync of one stateful object kept in a :class:`TorchState`."""
 
     def __init__(self, value: Any) -> None:
         self.value = value
+        self._saved: Any = None
         self.save()
 
     def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
+        self._saved = _copy_into(self._saved, self.value.state_dict())
 
     def restore(self) -> None:
         self.value.load_state_dict(copy.deepcopy(self._saved))
 
 
 class _ModelHandler(_Handler):
+    def restore(self) -> None:
+        # a module copies every tensor of the state_dict into its own (load_state_dict): no copy needed first,
+        # unless the module keeps extra state, which it may take by reference
+        if all(isinstance(v, torch.Tensor) for v in self._saved.values()):
+            self.value.load_state_dict(self._saved)
+        else:
+            super().restore()
+
     def sync(self) -> None:
         broadcast_parameters(self.value.state_dict(), root_rank=0, prefix="elastic.")
 
@@ -203,6 +242,9 @@ class TorchState(ObjectState):
         super().__init__(bcast_object=_bcast_values, **plain)
 
     def save(self) -> None:
+        store = getattr(self, "store", None)
+        if store is not None:
+            store.wait()  # the last commit's spill to disk reads the tensors this save copies into
         for handler in self._handlers.values():
             handler.save()
         super().save()
