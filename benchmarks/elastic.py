@@ -14,6 +14,12 @@ rank 2 SIGKILLed before step ``--kill-at``.
 * ``unison-restart``: ``unisonrun -np 3 --elastic-mode restart`` (no ULFM): every commit is also
   written to each host's disk in the background; the kill ends the MPI job; ``unisonrun``'s
   driver starts a new one on 3 ranks, which resumes from the newest commit on disk.
+* ``unison-grow`` (no one dies): ``unisonrun --host-discovery-script`` on a script that prints
+  ``localhost:2``; before step ``--kill-at`` rank 0 makes it print ``localhost:3``. The driver
+  sees the change (polled every 0.2 s), the next commit stops the job and the driver starts it
+  on 3 ranks from that commit: growth through a restart. Measured, with no target: the time from
+  the new host list to the first step on 3 ranks, and the restart inside it (the old job's last
+  step to the new job's first).
 
 Measured from the workers' event logs (wall-clock times of every step on every process):
 recovery = seconds from the kill to the next completed step; steps lost = the kill's step minus
@@ -62,6 +68,8 @@ class Record:
     commit_fraction: float
     wall_s: float
     exit_status: int
+    #: unison-grow: seconds from the old job's last step to the new job's first (the restart inside the growth)
+    restart_s: float = float("nan")
 
 
 def _events(out: Path, mode: str) -> list[dict[str, Any]]:
@@ -125,6 +133,41 @@ def analyse(impl: str, events: list[dict[str, Any]], args: argparse.Namespace, w
                   commit_s / (args.commit_every * step_before), wall, status)
 
 
+def analyse_grow(impl: str, events: list[dict[str, Any]], args: argparse.Namespace, wall: float,
+                 status: int) -> Record:
+    """The record of a growth: ``recovery_s`` is the time from the new host list to the first step on
+    the grown job; ``steps_lost`` the steps the grown job redid (0 when it resumes from the commit that
+    stopped the old one).
+
+    Raises:
+        RuntimeError: no rank logged the change, or no step ran on the grown job.
+    """
+    changes = [e for e in events if e["event"] == "grow"]
+    if not changes:
+        raise RuntimeError(f"{impl}: rank 0 logged no host change; see the run's output above")
+    t_change, change_step = changes[0]["t"], changes[0]["step"]
+    steps = [e for e in events if e["event"] == "step"]
+    restarted = {e["pid"] for e in events if e["event"] == "start" and e["t"] > t_change}
+    old = [e for e in steps if e["pid"] not in restarted]
+    new = [e for e in steps if e["pid"] in restarted]
+    if not new:
+        raise RuntimeError(f"{impl}: no step ran on the grown job (exit status {status})")
+    last_old = max(old, key=lambda e: e["t"])
+    first_new = min(new, key=lambda e: e["t"])
+    resumed_from = first_new["step"] - 1
+    done_before = _finish_times([e for e in old if e["t"] < t_change])
+    rate_before, step_before = _rate(done_before, WARMUP_STEPS, max(done_before), (args.np - 1) * args.batch)
+    done_after = _finish_times([e for e in new if e["step"] > first_new["step"]])
+    rate_after, _ = (_rate(done_after, min(done_after), max(done_after), first_new["size"] * args.batch)
+                     if done_after else (float("nan"), 0.0))
+    commits = [e["seconds"] for e in events if e["event"] == "commit" and e["t"] < t_change]
+    commit_s = sum(commits) / len(commits) if commits else float("nan")
+    return Record(impl, args.np - 1, first_new["size"], change_step, resumed_from,
+                  max(e["step"] for e in old) - resumed_from, first_new["t"] - t_change, rate_before, rate_after,
+                  step_before, commit_s, commit_s / (args.commit_every * step_before), wall, status,
+                  restart_s=first_new["t"] - last_old["t"])
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
@@ -132,12 +175,14 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _worker_args(mode: str, out: Path, args: argparse.Namespace) -> list[str]:
+def _worker_args(mode: str, out: Path, args: argparse.Namespace, grow: Path | None = None) -> list[str]:
+    world = args.np - 1 if grow is not None else args.np
+    extra = ["--grow-file", str(grow)] if grow is not None else []
     return [str(WORKER), mode, str(out), "--steps", str(args.steps), "--commit-every", str(args.commit_every),
-            "--kill-at", str(args.kill_at), "--world", str(args.np), "--batch", str(args.batch)]
+            "--kill-at", str(args.kill_at), "--world", str(world), "--batch", str(args.batch), *extra]
 
 
-IMPLS = ("unison-inplace", "unison-restart", "torchrun")
+IMPLS = ("unison-inplace", "unison-restart", "torchrun", "unison-grow")
 
 
 def _mode(impl: str) -> str:
@@ -145,6 +190,14 @@ def _mode(impl: str) -> str:
 
 
 def command(impl: str, out: Path, args: argparse.Namespace) -> list[str]:
+    if impl == "unison-grow":  # a discovery script whose output rank 0 changes from np - 1 slots to np
+        hosts, script = out / "hosts.txt", out / "discover.sh"
+        hosts.write_text(f"localhost:{args.np - 1}\n")
+        script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+        script.chmod(0o755)
+        return [sys.executable, "-m", "unison.run", "--host-discovery-script", str(script), "--discovery-interval",
+                "0.2", "--min-np", str(args.np - 1), "--skip-host-check", sys.executable,
+                *_worker_args("unison", out, args, grow=hosts)]
     if impl.startswith("unison"):
         tier = "--elastic-mode=inplace" if impl == "unison-inplace" else "--elastic-mode=restart"
         return [sys.executable, "-m", "unison.run", "-np", str(args.np), tier, sys.executable,
@@ -167,7 +220,8 @@ def run_impl(impl: str, args: argparse.Namespace, scratch: Path) -> Record | Non
         status, output = 124, f"timed out after {args.timeout} s: {exc}"
     wall = time.monotonic() - begin
     try:
-        return analyse(impl, _events(out, _mode(impl)), args, wall, status)
+        return (analyse_grow if impl == "unison-grow" else analyse)(impl, _events(out, _mode(impl)), args, wall,
+                                                                     status)
     except RuntimeError as error:
         print(f"{impl} FAILED: {error}\n{output[-3000:]}", flush=True)
         return None
@@ -218,6 +272,11 @@ def target_lines(records: list[Record], args: argparse.Namespace) -> list[str]:
         lines.append(f"  unison commit overhead = {mine.commit_fraction * 100:.2f}% of step time at one commit "
                      f"per {args.commit_every} steps  (target <= {COMMIT_FRACTION * 100:.0f}%)  "
                      f"{_verdict(mine.commit_fraction <= COMMIT_FRACTION)}")
+    grow = by.get("unison-grow")
+    if grow:
+        lines.append(f"measured (no target): growth {grow.np_start}->{grow.np_after} ranks: new host list -> "
+                     f"first step on {grow.np_after} ranks {grow.recovery_s:.3f} s, of which the old job's last "
+                     f"step -> the new job's first {grow.restart_s:.3f} s; {grow.steps_lost} steps redone")
     return lines
 
 
@@ -246,12 +305,13 @@ def write_png(path: Path, scratch: Path, records: list[Record]) -> None:
             ax.plot(xs, [lane] * len(xs), "|", ms=9, color="tab:blue")
             ax.plot([start["t"] - t0], [lane], ">", color="gray")
             ax.text(-0.01, lane, label, transform=ax.get_yaxis_transform(), ha="right", va="center", fontsize=8)
-        kill = next(e for e in events if e["event"] == "kill")
-        ax.axvline(kill["t"] - t0, color="red", lw=1.5)
+        kill = next(e for e in events if e["event"] in ("kill", "grow"))
+        ax.axvline(kill["t"] - t0, color="red" if kill["event"] == "kill" else "green", lw=1.5)
         ax.axvspan(kill["t"] - t0, kill["t"] - t0 + rec.recovery_s, color="orange", alpha=0.3)
         ax.set_yticks([])
         ax.set_ylim(-0.7, len(order) - 0.3)
-        ax.set_title(f"{rec.impl}: kill (red) -> next step {rec.recovery_s:.2f} s (shaded), "
+        what = "kill (red)" if kill["event"] == "kill" else "new host list (green)"
+        ax.set_title(f"{rec.impl}: {what} -> next step {rec.recovery_s:.2f} s (shaded), "
                      f"{rec.steps_lost} steps redone, {rec.np_start} -> {rec.np_after} ranks", fontsize=10)
     axes[-1, 0].set_xlabel("seconds since the first event (| = a completed step, > = process ready)")
     fig.tight_layout()

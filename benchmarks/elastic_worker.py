@@ -15,7 +15,8 @@ rank ``--victim`` SIGKILLs itself before step ``--kill-at`` of the first attempt
 
 Each process appends JSON lines to ``OUT/<mode>-<pid>.jsonl``: ``start`` (after imports and
 set-up), ``step`` (after each step: its index, the world size), ``commit`` (its seconds),
-``kill`` (the victim, just before dying) and ``done``.
+``kill`` (the victim, just before dying), ``grow`` (rank 0, when it wrote the new host list
+under ``--grow-file``) and ``done``.
 """
 
 from __future__ import annotations
@@ -74,7 +75,11 @@ def run_unison(args: argparse.Namespace, log: Log) -> None:
     def train(state: elastic.TorchState) -> None:
         x, y = synthetic_batch("mlp", args.batch, hvd.rank())
         while state.step < args.steps:
-            if (state.step == args.kill_at and attempt == 0 and hvd.size() == args.world
+            if args.grow_file is not None:
+                if state.step == args.kill_at and attempt == 0 and hvd.rank() == 0:
+                    args.grow_file.write_text(f"localhost:{args.world + 1}\n")  # the discovery script's output
+                    log("grow", step=state.step, size=hvd.size())
+            elif (state.step == args.kill_at and attempt == 0 and hvd.size() == args.world
                     and hvd.rank() == args.victim):
                 _die(log, state.step)
             _step(model, opt, x, y)
@@ -154,6 +159,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--victim", type=int, default=2)
     parser.add_argument("--world", type=int, default=3, help="ranks at the start")
     parser.add_argument("--batch", type=int, default=64, help="samples per rank and step")
+    parser.add_argument("--grow-file", type=Path, help="nobody dies: before step --kill-at rank 0 writes "
+                        "'localhost:<world + 1>' here (what the discovery script prints)")
     return parser.parse_args(argv)
 
 

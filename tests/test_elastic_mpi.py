@@ -202,18 +202,27 @@ def test_kill_one_of_three_recovers_in_place(tmp_path: Path) -> None:
     assert sorted(epoch0) == list(range(job.N))  # every sample once: none twice, none skipped
 
 
-def test_a_second_failure_during_the_reset_is_survived(tmp_path: Path) -> None:
-    """4 ranks: the last dies after step 5; rank 2 dies inside the reset callbacks (which all-reduce)."""
+@pytest.mark.parametrize("where, resets", [
+    # the reset at 3 ranks failed in its callbacks (which all-reduce); the one at 2 ranks completed, same commit
+    ("ELASTIC_SECOND_FAILURE", [(3, 4), (2, 4)]),
+    # rank 2 died inside recover(), as the runtime started on the shrunk world: recover() shrank again
+    # ([Note: a failure during recovery]), so the one reset ran at 2 ranks
+    ("ELASTIC_FAIL_IN_RECOVERY", [(2, 4)]),
+], ids=["in-the-reset-callbacks", "inside-recover"])
+def test_a_second_failure_during_the_recovery_is_survived(tmp_path: Path, where: str,
+                                                          resets: list[tuple[int, int]]) -> None:
+    """4 ranks: the last dies after step 5; rank 2 dies during the survivors' recovery. The 2 left finish with
+    the replay's weights, every sample of the interrupted epoch once."""
     proc = mpirun(4, [*ELASTIC_MPI_ARGS, sys.executable, SCRIPT, str(tmp_path)], timeout=240,
-                  env=mpi_env(UNISON_ELASTIC="1", ELASTIC_SECOND_FAILURE="1"), linger_ok=True)
+                  env=mpi_env(UNISON_ELASTIC="1", **{where: "1"}), linger_ok=True)
     detail = (f"\nexit {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n"
               f"--- stderr ---\n{proc.stderr[-4000:]}")
     assert (tmp_path / "kill.json").exists() and (tmp_path / "kill2.json").exists(), detail
+    assert ("another rank failed during recovery" in proc.stderr) is (where == "ELASTIC_FAIL_IN_RECOVERY"), detail
     ranks = _outcomes(tmp_path)
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["size"] == 2 for r in ranks), detail
     for r in ranks:
-        # the reset at 3 ranks failed in its callbacks; the one at 2 ranks completed, from the same commit
-        assert [(x["size"], x["step"]) for x in r["resets"]] == [(3, 4), (2, 4)], detail
+        assert [(x["size"], x["step"]) for x in r["resets"]] == resets, detail
     steps = [(e, batch) for e, _, _, batch in ranks[0]["log"]]
     assert steps == [(e, batch) for e, _, _, batch in ranks[1]["log"]]
     assert [len(batch) for _, batch in steps[:4]] == [4] * 4 and all(len(b) == 2 for _, b in steps[4:])
@@ -292,22 +301,27 @@ def test_restart_tier_resumes_every_rank_from_the_spilled_commit(tmp_path: Path)
     assert _exiting(proc.stdout) == [(0, r, 3) for r in range(3)], detail  # job 1's ranks at their exit
 
 
+def _run_discovered(hosts: Path, slots: int, script: str, out: Path,
+                    **env: str) -> subprocess.CompletedProcess[str]:
+    """``unisonrun`` with a discovery script printing ``hosts`` (``localhost:<slots>`` at first; the job's
+    rank 0 rewrites it), polled every 0.2 s; the job writes its outcome files to ``out``."""
+    hosts.write_text(f"localhost:{slots}\n")
+    discover = hosts.with_name("discover.sh")
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    out.mkdir()
+    return _unisonrun(["--host-discovery-script", str(discover), "--discovery-interval", "0.2", "--min-np", "2",
+                       "--skip-host-check", sys.executable, script, str(out)], timeout=240, **env)
+
+
 @pytest.mark.parametrize("before, after", [(2, 3), (3, 2)], ids=["grow", "shrink"])
 def test_discovered_host_change_restarts_the_job_at_the_next_commit(tmp_path: Path, before: int,
                                                                     after: int) -> None:
     """A discovery script whose output goes from localhost:2 to localhost:3 mid-epoch (or 3 to 2): the job stops
     at the next commit (status 76 on every rank), the driver starts it on the new slots and it carries on from
     that commit."""
-    hosts = tmp_path / "hosts.txt"
-    hosts.write_text(f"localhost:{before}\n")
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
-    script.chmod(0o755)
-    out = tmp_path / "out"
-    out.mkdir()
-    proc = _unisonrun(["--host-discovery-script", str(script), "--discovery-interval", "0.2", "--min-np", "2",
-                       "--skip-host-check", sys.executable, SCRIPT, str(out)], timeout=240,
-                      ELASTIC_GROW_FILE=str(hosts), ELASTIC_GROW_TO=str(after))
+    hosts, out = tmp_path / "hosts.txt", tmp_path / "out"
+    proc = _run_discovered(hosts, before, SCRIPT, out, ELASTIC_GROW_FILE=str(hosts), ELASTIC_GROW_TO=str(after))
     detail = f"\nexit {proc.returncode}\n--- stderr ---\n{proc.stderr[-5000:]}"
     assert proc.returncode == 0, detail
     assert f"starting job 0: {before} rank(s) on localhost:{before}" in proc.stderr, detail
@@ -400,3 +414,24 @@ def test_keras_fit_under_the_restart_tier_resumes_from_the_spilled_commit(tmp_pa
         assert r["epoch"] == 2 and r["step"] == 16 and r["resets"] == [], detail
         for got, want in zip(r["weights"], ranks[0]["reference"], strict=True):
             np.testing.assert_allclose(got, want, rtol=0, atol=KERAS_ATOL["strategy"])
+
+
+def test_keras_fit_grows_at_a_discovered_host_change(tmp_path: Path) -> None:
+    """model.fit under UnisonStrategy with a discovery script going from localhost:2 to localhost:3 after step 3:
+    the commit after step 4 stops the job (status 76), the driver starts it on 3 ranks, whose KerasState loads
+    that commit from disk; the weights are those of one plain Keras process."""
+    hosts, out = tmp_path / "hosts.txt", tmp_path / "out"
+    proc = _run_discovered(hosts, 2, KERAS_SCRIPT, out, KERAS_ELASTIC_PHASES="strategy",
+                           KERAS_GROW_FILE=str(hosts))
+    detail = f"\nexit {proc.returncode}\n--- stderr ---\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0, detail
+    assert "starting job 0: 2 rank(s) on localhost:2" in proc.stderr and "the hosts changed" in proc.stderr, detail
+    assert "starting job 1: 3 rank(s) on localhost:3" in proc.stderr, detail
+    assert "resumed from commit 2" in proc.stderr, detail
+    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("strategy-rank*.json"))]
+    assert [(r["rank"], r["size"], r["attempt"]) for r in ranks] == [(0, 3, 1), (1, 3, 1), (2, 3, 1)], detail
+    for r in ranks:
+        assert r["epoch"] == 2 and r["step"] == 16 and r["resets"] == [], detail
+        for got, want in zip(r["weights"], ranks[0]["reference"], strict=True):
+            np.testing.assert_allclose(got, want, rtol=0, atol=KERAS_ATOL["strategy"])
+    assert _exiting(proc.stdout) == sorted([(76, r, 2) for r in range(2)] + [(0, r, 3) for r in range(3)]), detail

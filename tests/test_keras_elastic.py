@@ -47,6 +47,24 @@ def test_commit_and_restore_cover_the_model_and_the_optimizer_slots() -> None:
         np.testing.assert_array_equal(var.numpy(), want)  # iterations and Adam's moments too
 
 
+def test_a_commit_copies_into_the_last_commits_arrays() -> None:
+    net = _model()
+    state = _state(net, epoch=0, batch=0)
+    first_model, first_opt = list(state._saved_model), list(state._saved_optimizer)
+    _fit(net, [], epochs=1)
+    state.commit()
+    assert all(a is b for a, b in zip(state._saved_model, first_model, strict=True))  # no fresh memory
+    assert all(a is b for a, b in zip(state._saved_optimizer, first_opt, strict=True))
+    committed = [w.copy() for w in net.get_weights()]
+    for got, want in zip(state._saved_model, committed, strict=True):
+        np.testing.assert_array_equal(got, want)
+    _fit(net, [], epochs=1)  # training after the commit leaves it alone
+    np.testing.assert_array_equal(state._saved_model[0], committed[0])
+    state.restore()
+    for got, want in zip(net.get_weights(), committed, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_callbacks_count_batches_and_epochs_and_commit() -> None:
     net = _model()
     state = _state(net, epoch=0, batch=0)

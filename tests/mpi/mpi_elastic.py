@@ -10,7 +10,9 @@ weights, the global batches of every step it kept, its resets and their timings.
 
 With ``ELASTIC_SECOND_FAILURE=1`` (launched on 4 ranks) the last rank dies after step
 ``KILL_AFTER`` and then, while the 3 survivors run their reset callbacks (which all-reduce),
-rank 2 dies too: the 2 left must rebuild again and finish.
+rank 2 dies too: the 2 left must rebuild again and finish. With ``ELASTIC_FAIL_IN_RECOVERY=1`` (on
+4 ranks) rank 2 dies instead inside ``recover()``, as the runtime starts on the 3 survivors' shrunk
+communicator and before the engine does: ``recover()`` itself must shrink again, to 2.
 
 Under ``unisonrun``'s elastic driver (``UNISON_ELASTIC_ATTEMPT`` set) the kill happens in the
 first job only. With ``ELASTIC_STEP_SLEEP=S`` nobody is killed: each step sleeps S seconds and
@@ -65,6 +67,21 @@ def main(out: str) -> None:
     state = elastic.TorchState(net, opt, sampler=sampler, epoch=0, step=0, log=[])
     resets: list[dict] = []
     second = os.environ.get("ELASTIC_SECOND_FAILURE") == "1"
+    in_recovery = os.environ.get("ELASTIC_FAIL_IN_RECOVERY") == "1"
+    world = hvd.size()
+
+    def die_in_rebuild(st: object, sets: object) -> None:
+        """Runs first among init's hooks, before the engine starts on the shrunk world: rank 2 dies there, so
+        the survivors' rebuild inside recover() fails and recover() must shrink again."""
+        if st.size == world - 1 and st.rank == 2:
+            with open(os.path.join(out, "kill2.json"), "w") as f:
+                json.dump({"time": time.time()}, f)
+            os.kill(os.getpid(), 9)
+
+    if in_recovery:
+        from unison.common import runtime
+
+        runtime._init_hooks.insert(0, die_in_rebuild)  # test only: ahead of the engine's and the others' hooks
     grow = os.environ.get("ELASTIC_GROW_FILE")
     first_job = os.environ.get("UNISON_ELASTIC_ATTEMPT", "0") == "0"
     pace = float(os.environ.get("ELASTIC_STEP_SLEEP", "0"))  # a test that cuts a host's link needs time

@@ -12,7 +12,10 @@ documented way (``fit`` on ``dataset.skip(state.batch)`` for the rest of the epo
 must end with the weights of one plain Keras process fitting the global batches in order.
 Each survivor writes ``OUT_DIR/<phase>-rank<r>.json``; each victim ``OUT_DIR/<phase>-kill.json``.
 ``KERAS_ELASTIC_PHASES`` picks the phases (default ``strategy,optimizer``); under ``unisonrun``'s
-elastic driver the victim dies in the first job only.
+elastic driver the victim dies in the first job only. With ``KERAS_GROW_FILE=PATH`` (under the driver,
+with a discovery script printing PATH) nobody dies: after step ``GROW_AT`` of the first job rank 0
+writes one slot more to PATH and waits, so the commit after step 4 stops the job for the driver to
+start it on the grown slots.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from unison.common import elastic as core  # noqa: E402
 
 N, FEATURES, HIDDEN, GB, EPOCHS = 96, 8, 16, 12, 2
 STEPS = N // GB
-COMMIT_EVERY, KILL_AFTER, LR, MOMENTUM = 2, 5, 0.05, 0.9
+COMMIT_EVERY, KILL_AFTER, GROW_AT, LR, MOMENTUM = 2, 5, 3, 0.05, 0.9
 
 
 def data() -> tuple[np.ndarray, np.ndarray]:
@@ -76,6 +79,13 @@ class _Steps(keras.callbacks.Callback):
         self.state.step += 1
         if self.resets and self.resets[-1]["first_step_at"] is None:
             self.resets[-1]["first_step_at"] = time.time()
+        grow = os.environ.get("KERAS_GROW_FILE")
+        if grow:  # nobody dies: the discovery script's output grows by a slot after step GROW_AT
+            if self.state.step == GROW_AT and hvd.rank() == 0 and os.environ.get("UNISON_ELASTIC_ATTEMPT") == "0":
+                with open(grow, "w") as f:
+                    f.write(f"localhost:{hvd.size() + 1}\n")
+                time.sleep(2.0)  # the driver polls every 0.2 s: the commit after the next step sees its notice
+            return
         if (self.state.step == KILL_AFTER and hvd.size() == self.victim_size
                 and hvd.rank() == self.victim_size - 1 and os.environ.get("UNISON_ELASTIC_ATTEMPT", "0") == "0"):
             if "UNISON_ELASTIC_ATTEMPT" in os.environ:

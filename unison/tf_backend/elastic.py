@@ -90,8 +90,31 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     return run_fn(_translated(func), recover)
 
 
-def _numpy(variables: Iterable[Any]) -> list[np.ndarray]:
-    return [np.array(v.numpy(), copy=True) for v in variables]
+def _numpy(variables: Iterable[Any], saved: list[np.ndarray] | None = None) -> list[np.ndarray]:
+    """Host copies of the variables' values, written into ``saved``'s arrays where shape and dtype match.
+
+    As the torch backend's commits (``_copy_into`` there): fresh memory for every commit is paid in
+    page faults; copying into the last commit's arrays is not. The caller makes sure nothing still
+    reads ``saved`` (the background spill of the last commit).
+    """
+    out = []
+    for i, var in enumerate(variables):
+        value = np.asarray(var.numpy())
+        old = saved[i] if saved is not None and i < len(saved) else None
+        if (isinstance(old, np.ndarray) and old.shape == value.shape and old.dtype == value.dtype
+                and old.flags.writeable and old.flags.c_contiguous and not np.shares_memory(old, value)):
+            np.copyto(old, value)
+            out.append(old)
+        else:
+            out.append(np.array(value, copy=True))
+    return out
+
+
+def _wait_for_spill(state: Any) -> None:
+    """The last commit's spill to disk reads the arrays the next save writes into: wait for it."""
+    store = getattr(state, "store", None)
+    if store is not None:
+        store.wait()
 
 
 def _assign(variables: list[Any], values: list[np.ndarray], what: str) -> None:
@@ -125,7 +148,8 @@ class TensorFlowState(ObjectState):
         super().__init__(**kwargs)
 
     def save(self) -> None:
-        self._saved_variables = _numpy(self.variables)
+        _wait_for_spill(self)
+        self._saved_variables = _numpy(self.variables, self._saved_variables)
         super().save()
 
     def restore(self) -> None:
@@ -192,8 +216,9 @@ class TensorFlowKerasState(ObjectState):
         return list(self.optimizer.variables) if self.optimizer is not None else []
 
     def save(self) -> None:
-        self._saved_model = _numpy(self.model.weights)
-        self._saved_optimizer = _numpy(self._optimizer_variables())
+        _wait_for_spill(self)
+        self._saved_model = _numpy(self.model.weights, self._saved_model)
+        self._saved_optimizer = _numpy(self._optimizer_variables(), self._saved_optimizer)
         super().save()
 
     def restore(self) -> None:
