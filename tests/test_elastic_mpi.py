@@ -161,6 +161,42 @@ def test_torch_state_commits_into_the_last_commits_tensors_and_restores_exactly(
     assert len(out["b"]) == 2 and out["b"][0] is not new["b"][0] and out["c"] == [2] and out["c"] is not new["c"]
 
 
+def test_torch_state_spills_tensors_as_numpy_and_loads_them_back() -> None:
+    import pickle
+
+    import torch
+
+    from unison.torch_backend.elastic import TorchState, _HostArray
+
+    torch.manual_seed(1)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    opt = torch.optim.Adam(net.parameters(), lr=0.1)
+    net(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    net.register_buffer("bf", torch.ones(2, dtype=torch.bfloat16))  # numpy has no bfloat16: pickled by torch
+    state = TorchState(net, opt, epoch=3)
+    payload = state.commit_payload()
+    model_part = payload["handlers"]["model"]
+    assert isinstance(model_part["0.weight"], _HostArray) and isinstance(model_part["bf"], torch.Tensor)
+    assert hasattr(model_part, "_metadata")
+    restored = pickle.loads(pickle.dumps(payload, protocol=5))
+    other = TorchState(copy_net := torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2)),
+                       torch.optim.Adam(copy_net.parameters(), lr=0.1), epoch=0)
+    copy_net.register_buffer("bf", torch.zeros(2, dtype=torch.bfloat16))
+    other.load_commit(restored)
+    other.restore()
+    assert other.epoch == 3
+    for k, v in net.state_dict().items():
+        assert torch.equal(copy_net.state_dict()[k], v), k
+    for (i, a), (j, b) in zip(opt.state_dict()["state"].items(), other.optimizer.state_dict()["state"].items(),
+                              strict=True):
+        assert i == j and all(torch.equal(a[n], b[n]) for n in a)
+    saved = other._handlers["model"]._saved["0.weight"]
+    saved_ptr = saved.data_ptr()
+    other.commit()  # the loaded arrays are writable: the next commit copies into them
+    assert other._handlers["model"]._saved["0.weight"].data_ptr() == saved_ptr
+
+
 def test_elastic_mode_is_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("UNISON_ELASTIC", raising=False)
     monkeypatch.delenv("HOROVOD_ELASTIC", raising=False)

@@ -140,6 +140,57 @@ def _copy_into(saved: Any, current: Any) -> Any:
     return copy.deepcopy(current)
 
 
+class _HostArray:
+    """A CPU tensor of a commit spilled to disk, pickled as the numpy array over its memory.
+
+    torch pickles a tensor through ``torch.save`` of its storage: 72 ms to pickle and 62 ms to
+    unpickle the 80 MB state of the benchmark MLP here, against 36 ms and 4.5 ms as numpy arrays
+    (protocol 5 keeps them writable). The spill runs beside training and the unpickling is on a
+    restarted job's way to its first step.
+    """
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: Any) -> None:
+        self.array = array
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        return _HostArray, (self.array,)
+
+
+def _to_host(value: Any) -> Any:
+    """``value`` (a state_dict) with its plain CPU tensors as :class:`_HostArray` (sharing their memory)."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "cpu" and value.layout == torch.strided and not value.requires_grad:
+            try:
+                return _HostArray(value.numpy())
+            except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16): torch pickles it
+                return value
+        return value
+    if isinstance(value, dict):
+        out = copy.copy(value)
+        for key, item in value.items():
+            out[key] = _to_host(item)
+        return out
+    if type(value) is list:
+        return [_to_host(item) for item in value]
+    return value
+
+
+def _from_host(value: Any) -> Any:
+    """The inverse of :func:`_to_host`: tensors over the unpickled arrays."""
+    if isinstance(value, _HostArray):
+        return torch.from_numpy(value.array)
+    if isinstance(value, dict):
+        out = copy.copy(value)
+        for key, item in value.items():
+            out[key] = _from_host(item)
+        return out
+    if type(value) is list:
+        return [_from_host(item) for item in value]
+    return value
+
+
 class _Handler:
     """Save / restore / sync of one stateful object kept in a :class:`TorchState`."""
 
@@ -261,12 +312,13 @@ class TorchState(ObjectState):
         self.save()
 
     def commit_payload(self) -> dict[str, Any]:
-        return {**super().commit_payload(), "handlers": {name: h._saved for name, h in self._handlers.items()}}
+        return {**super().commit_payload(),
+                "handlers": {name: _to_host(h._saved) for name, h in self._handlers.items()}}
 
     def load_commit(self, payload: dict[str, Any]) -> None:
         super().load_commit(payload)
         for name, saved in payload["handlers"].items():
-            self._handlers[name]._saved = saved
+            self._handlers[name]._saved = _from_host(saved)
 
     def reset(self) -> None:
         for handler in self._handlers.values():
