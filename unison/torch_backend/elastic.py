@@ -158,37 +158,37 @@ class _HostArray:
         return _HostArray, (self.array,)
 
 
-def _to_host(value: Any) -> Any:
-    """``value`` (a state_dict) with its plain CPU tensors as :class:`_HostArray` (sharing their memory)."""
-    if isinstance(value, torch.Tensor):
-        if value.device.type == "cpu" and value.layout == torch.strided and not value.requires_grad:
-            try:
-                return _HostArray(value.numpy())
-            except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16): torch pickles it
-                return value
-        return value
+def _map_leaves(value: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``value`` (a state_dict: dicts and lists of tensors and values) with ``leaf`` applied to everything
+    that is neither; mapping types and their attributes (a state_dict's ``_metadata``) are kept."""
     if isinstance(value, dict):
         out = copy.copy(value)
         for key, item in value.items():
-            out[key] = _to_host(item)
+            out[key] = _map_leaves(item, leaf)
         return out
     if type(value) is list:
-        return [_to_host(item) for item in value]
+        return [_map_leaves(item, leaf) for item in value]
+    return leaf(value)
+
+
+def _host_leaf(value: Any) -> Any:
+    if (isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.layout == torch.strided
+            and not value.requires_grad):
+        try:
+            return _HostArray(value.numpy())
+        except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16): torch pickles it
+            return value
     return value
+
+
+def _to_host(value: Any) -> Any:
+    """``value`` (a state_dict) with its plain CPU tensors as :class:`_HostArray` (sharing their memory)."""
+    return _map_leaves(value, _host_leaf)
 
 
 def _from_host(value: Any) -> Any:
     """The inverse of :func:`_to_host`: tensors over the unpickled arrays."""
-    if isinstance(value, _HostArray):
-        return torch.from_numpy(value.array)
-    if isinstance(value, dict):
-        out = copy.copy(value)
-        for key, item in value.items():
-            out[key] = _from_host(item)
-        return out
-    if type(value) is list:
-        return [_from_host(item) for item in value]
-    return value
+    return _map_leaves(value, lambda leaf: torch.from_numpy(leaf.array) if isinstance(leaf, _HostArray) else leaf)
 
 
 class _Handler:
