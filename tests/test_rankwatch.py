@@ -116,7 +116,10 @@ def test_watch_kills_the_job_it_watches(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("ending, stays", [("pass", False), ("raise SystemExit(76)", False),
                                            ("raise RuntimeError('boom')", False), ("os._exit(0)", True),
-                                           ("os.kill(os.getpid(), 9)", True)])
+                                           ("os.kill(os.getpid(), 9)", True),
+                                           # the training function returned: leaving by os._exit is no death
+                                           ("from unison.common import liveness; liveness.release(); os._exit(0)",
+                                            False)])
 def test_a_rank_leaves_its_file_from_init_to_a_normal_exit(tmp_path: Path, ending: str, stays: bool) -> None:
     code = ("import json, os, socket, unison; unison.init(); "
             "print(json.dumps(sorted(os.listdir(os.environ['UNISON_ELASTIC_STATE_DIR'] + '/ranks-000004'))), "

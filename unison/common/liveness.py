@@ -14,8 +14,10 @@ So at ``init()`` every rank of a job the driver started (``UNISON_ELASTIC_STATE_
 handler, which Python runs at every normal end of the interpreter: the program's end, ``sys.exit``
 with any status, an uncaught exception. The file is gone before the process is, so a rank whose
 file is still there when its pidfd says it ended died without exiting: a signal (SIGKILL, the
-OOM killer), a crash, ``os._exit``, ``MPI_Abort``. ``unison.run.rankwatch`` on the driver's side
-reads these files; see [Note: ending a job whose rank died] there.
+OOM killer), a crash, ``os._exit``, ``MPI_Abort``. Once a rank's training function has returned
+(``elastic.run``), its file goes too: what the program does after that, ``os._exit`` included, is
+left to mpirun. ``unison.run.rankwatch`` on the driver's side reads these files; see [Note: ending
+a job whose rank died] there.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from unison.common import runtime
 from unison.common.config import env_value, register_env
 from unison.run.rankwatch import folder, marker_name
 
-__all__: list[str] = []
+__all__ = ["release"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,12 @@ def _mark(state: Any, process_sets: Any) -> None:
         return
     _marker = path
     atexit.register(_unmark)
+
+
+def release() -> None:
+    """This rank's end no longer counts as a death: its training function returned (a program may
+    leave with ``os._exit`` after that, which must not end the others)."""
+    _unmark()
 
 
 def _unmark() -> None:

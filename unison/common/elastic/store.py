@@ -132,9 +132,11 @@ def mark_finished(store: CommitStore) -> None:
     """Rank 0 tells the driver the training function returned (a line on stdout, which mpirun forwards from
     any host): the job is done even if mpirun's exit status counts ranks that died on the way. Every rank
     also says so at its exit, with status 0 (the driver's verdict on a job whose training returned)."""
+    from unison.common import liveness
     from unison.run.report import ELASTIC_FINISHED
 
     store.wait()
+    liveness.release()  # from here this rank's end is not a failure for the restart tier's watch
     st = runtime._state
     if st is None or st.rank == 0:
         print(ELASTIC_FINISHED, flush=True)
