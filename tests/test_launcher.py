@@ -1186,3 +1186,27 @@ def test_the_users_btl_choice_and_other_hosts_keep_open_mpis_btls():
     assert btl_choice(build(np=2, environ={"PATH": "/usr/bin", "OMPI_MCA_btl": "self,tcp"})) == []
     assert btl_choice(build(np=4, hosts="localhost:2,node7:2")) == []  # a libfabric network may carry it
 
+
+
+# --- [Note: a lost host in the in-place tier] ----------------------------------------------------
+
+def detector_choice(command):
+    return [command[i + 2] for i, item in enumerate(command[:-2])
+            if item == "--mca" and command[i + 1] == "mpi_ft_detector"]
+
+
+def test_ulfm_across_hosts_turns_on_ulfms_failure_detector_with_its_thread():
+    from unison.run.elastic_driver import DETECTOR_MPI_ARGS, ELASTIC_MPI_ARGS
+
+    across = build(np=4, hosts="localhost:2,node7:2", mpi_args=ELASTIC_MPI_ARGS)
+    assert detector_choice(across) == ["true"]
+    start = across.index("mpi_ft_detector") - 1
+    assert tuple(across[start:start + len(DETECTOR_MPI_ARGS)]) == DETECTOR_MPI_ARGS
+    assert "mpi_ft_detector_thread" in across  # without its thread it beats only inside MPI calls
+    assert detector_choice(build(np=3, mpi_args=ELASTIC_MPI_ARGS)) == []  # one host: the daemon reports deaths
+    assert detector_choice(build(np=4, hosts="localhost:2,node7:2")) == []  # no ULFM: nothing to detect for
+    mine = ("--mca", "mpi_ft_detector", "false")
+    assert detector_choice(build(np=4, hosts="localhost:2,node7:2", mpi_args=ELASTIC_MPI_ARGS + mine)) == ["false"]
+    environ = {"PATH": "/usr/bin", "OMPI_MCA_mpi_ft_detector": "false"}
+    assert detector_choice(build(np=4, hosts="localhost:2,node7:2", mpi_args=ELASTIC_MPI_ARGS,
+                                 environ=environ)) == []

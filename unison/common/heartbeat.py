@@ -111,6 +111,8 @@ class Heartbeat:
         self._count = 0
         self._thread = threading.Thread(target=self._run, name="unison-heartbeat", daemon=True)
         self.lost: str | None = None
+        #: the MPI error that stopped the thread (a neighbour reported failed by ULFM), or None
+        self.failed: Exception | None = None
 
     def start(self) -> None:
         """Posts the receives and starts the thread."""
@@ -161,6 +163,16 @@ class Heartbeat:
         return None
 
     def _run(self) -> None:
+        try:
+            self._beat()
+        except Exception as exc:  # noqa: BLE001 - an MPI error: see below
+            # ULFM reported a neighbour failed (a dead rank, or the in-place tier's failure detector giving
+            # up on a lost host): the job's own collectives fail the same way, and the elastic recovery (or
+            # the job's end) takes it from here; this heartbeat has nothing left to watch
+            self.failed = exc
+            logger.info("heartbeat: stopped, MPI reports a failure: %s", exc)
+
+    def _beat(self) -> None:
         next_send = 0.0
         while not self._stop.wait(self.poll):
             now = time.monotonic()

@@ -49,7 +49,8 @@ from typing import NamedTuple
 from unison.run.hosts import Host, parse_hosts
 from unison.run.report import RESTART_STATUS
 
-__all__ = ["ElasticOptions", "Driver", "JobEnd", "discover", "has_ulfm", "RESTART_STATUS", "ELASTIC_MPI_ARGS"]
+__all__ = ["ElasticOptions", "Driver", "JobEnd", "discover", "has_ulfm", "RESTART_STATUS", "ELASTIC_MPI_ARGS",
+           "DETECTOR_MPI_ARGS"]
 
 logger = logging.getLogger("unison.run.elastic")
 
@@ -57,6 +58,12 @@ logger = logging.getLogger("unison.run.elastic")
 #: Open MPI 5.0's fence at finalize hung in about 1 run of 20 after a recovery, also without
 #: Unison; none in 60 runs without it; see docs/elastic.md)
 ELASTIC_MPI_ARGS = ("--with-ft", "ulfm", "--mca", "async_mpi_finalize", "1")
+#: ULFM's failure detector, added by ``unisonrun`` to an in-place job that spans hosts: see
+#: [Note: a lost host in the in-place tier] in launcher.py
+DETECTOR_PERIOD_S, DETECTOR_TIMEOUT_S = 0.5, 3.0
+DETECTOR_MPI_ARGS = ("--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_thread", "true",
+                     "--mca", "mpi_ft_detector_period", f"{DETECTOR_PERIOD_S:g}",
+                     "--mca", "mpi_ft_detector_timeout", f"{DETECTOR_TIMEOUT_S:g}")
 _FT = re.compile(r"FT MPI support:\s*yes", re.IGNORECASE)
 
 

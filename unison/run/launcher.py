@@ -53,6 +53,22 @@ leaves that BTL out, unless ``OMPI_MCA_btl`` or ``--mpi-args "--mca btl ..."`` c
 Across hosts it stays: there a libfabric network (EFA, Slingshot) may be what carries the job. A
 second saved by every job start matters most where jobs start often: the elastic driver's
 restarts (docs/elastic.md).
+
+[Note: a lost host in the in-place tier]
+A host whose link goes down reports nothing for minutes (TCP retransmits), and ULFM by default
+learns of a failure only from a rank's own host's daemon, which is on the lost host: the survivors
+would wait in their next collective until Unison's heartbeat ends the job. So for a ULFM job that
+spans hosts the launcher also turns on ULFM's failure detector (``DETECTOR_MPI_ARGS``): a thread
+per rank heartbeats a ring neighbour every 0.5 s and declares it failed after 3 s of silence; the
+survivors' collectives then fail, and they shrink and roll back in place (tested on 2 test hosts:
+link cut to the next step 9.4 s with 2 ranks on the lost host; the ring finds its ranks one after
+another, about 3 s each). Not on one host, where the daemon reports a dead rank at once: there the
+detector only costs, and Open MPI 5.0.11 with the detector's thread hangs in ``MPI_Finalize``
+(``ompi_comm_failure_detector_finalize``) in a job that lost a rank. Across hosts that hang is
+ended by the elastic driver 10 s after every rank said it exits ([Note: a prterun that outlives
+its ranks] in supervise.py). Without its own thread the detector beats only inside MPI calls, and
+a rank computing for 3 s between them would be declared dead. Set ``OMPI_MCA_mpi_ft_detector`` or
+pass ``--mpi-args "--mca mpi_ft_detector ..."`` to choose otherwise.
 """
 
 from __future__ import annotations
@@ -72,6 +88,7 @@ from pathlib import Path
 
 from unison.run import rankwatch
 from unison.run.elastic_driver import (
+    DETECTOR_MPI_ARGS,
     ELASTIC_MPI_ARGS,
     RESTART_STATUS,
     Driver,
@@ -187,12 +204,21 @@ def build_command(
         # [Note: the libfabric BTL on one host]
         command += ["--mca", "btl", "^ofi"]
     command += forwarded_environment(environ, executable, every=placement.hosts is not None)
+    if (_ulfm(config.mpi_args) and not _one_host(placement) and "OMPI_MCA_mpi_ft_detector" not in environ
+            and not _sets_mca(config.mpi_args, "mpi_ft_detector")):
+        command += DETECTOR_MPI_ARGS  # [Note: a lost host in the in-place tier]
     command += config.mpi_args
     if config.abort_on_exception:
         command += wrap_python_command(config.command)
     else:
         command += config.command
     return command
+
+
+def _ulfm(mpi_args: Sequence[str]) -> bool:
+    """Whether the mpirun arguments ask for ULFM (``--with-ft ulfm``)."""
+    pairs = zip(mpi_args, mpi_args[1:], strict=False)
+    return any(flag == "--with-ft" and value == "ulfm" for flag, value in pairs)
 
 
 def _one_host(placement: Placement) -> bool:
