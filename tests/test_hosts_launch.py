@@ -368,9 +368,10 @@ def test_a_host_whose_link_goes_down_under_the_elastic_driver_costs_a_restart_no
     """4 ranks on 2 test hosts train elastically; the second host's link goes down mid-epoch.
 
     Restart tier: the heartbeat ends the job naming the host, the driver leaves that host out and starts the
-    job on the first host's 2 slots, which resumes from the commit on its disk. In-place tier: ULFM's failure
-    detector (``ELASTIC_MPI_ARGS``) declares the silent host's ranks failed, the 2 survivors shrink and roll
-    back to their last commit in memory, no process restarts. Either way the run finishes like a replay."""
+    job on the first host's 2 slots, which resumes from the commit on its disk. In-place tier with
+    ``--detect-lost-hosts``: ULFM's failure detector declares the silent host's ranks failed, the 2 survivors
+    shrink and roll back to their last commit in memory, no process restarts.
+    Either way the run finishes like a replay."""
     sys.path.insert(0, str(ROOT / "tests"))
     from test_elastic_mpi import SCRIPT, job, reference_weights
 
@@ -381,7 +382,8 @@ def test_a_host_whose_link_goes_down_under_the_elastic_driver_costs_a_restart_no
     timeout_s = "6" if tier == "restart" else "30"
     process = subprocess.Popen(
         [sys.executable, "-m", "unison.run", "--hostfile", hosts.hostfile, "-np", "4", "--elastic-mode", tier,
-         "--min-np", "2", sys.executable, SCRIPT, str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+         "--min-np", "2", *(["--detect-lost-hosts"] if tier == "inplace" else []), sys.executable, SCRIPT,
+         str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, env=launch_env(ELASTIC_STEP_SLEEP="0.3", UNISON_HOST_TIMEOUT_SECONDS=timeout_s), cwd=ROOT)
     try:
         deadline = time.monotonic() + 180

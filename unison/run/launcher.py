@@ -57,18 +57,19 @@ restarts (docs/elastic.md).
 [Note: a lost host in the in-place tier]
 A host whose link goes down reports nothing for minutes (TCP retransmits), and ULFM by default
 learns of a failure only from a rank's own host's daemon, which is on the lost host: the survivors
-would wait in their next collective until Unison's heartbeat ends the job. So for a ULFM job that
-spans hosts the launcher also turns on ULFM's failure detector (``DETECTOR_MPI_ARGS``): a thread
-per rank heartbeats a ring neighbour every 0.5 s and declares it failed after 3 s of silence; the
-survivors' collectives then fail, and they shrink and roll back in place (tested on 2 test hosts:
-link cut to the next step 9.4 s with 2 ranks on the lost host; the ring finds its ranks one after
-another, about 3 s each). Not on one host, where the daemon reports a dead rank at once: there the
-detector only costs, and Open MPI 5.0.11 with the detector's thread hangs in ``MPI_Finalize``
-(``ompi_comm_failure_detector_finalize``) in a job that lost a rank. Across hosts that hang is
-ended by the elastic driver 10 s after every rank said it exits ([Note: a prterun that outlives
-its ranks] in supervise.py). Without its own thread the detector beats only inside MPI calls, and
-a rank computing for 3 s between them would be declared dead. Set ``OMPI_MCA_mpi_ft_detector`` or
-pass ``--mpi-args "--mca mpi_ft_detector ..."`` to choose otherwise.
+wait in their next collective until Unison's heartbeat ends the job (the driver then restarts it
+without that host). ``--detect-lost-hosts`` turns on ULFM's failure detector for a ULFM job that
+spans hosts (``DETECTOR_MPI_ARGS``): a thread per rank heartbeats a ring neighbour every 0.5 s and
+declares it failed after 3 s of silence; the survivors' collectives then fail, and they shrink and
+roll back in place (tested on 2 test hosts: link cut to the next step 9.4 s with 2 ranks on the
+lost host; the ring finds its ranks one after another, about 3 s each). It is not the default
+because Open MPI 5.0.11 with the detector's thread hangs in ``MPI_Finalize``
+(``ompi_comm_failure_detector_finalize``) in every job, failure or not: under the elastic driver
+a job whose ranks ran ``elastic.run`` is ended 10 s after every rank said it exits ([Note: a
+prterun that outlives its ranks] in supervise.py), a program without it would never end. Without
+its own thread the detector beats only inside MPI calls, and a rank that calls none for 3 s (a
+long computation holding the GIL, work after ``shutdown()``) is declared dead: measured, with an
+abort. The flag does nothing on one host, where the daemon reports a dead rank at once.
 """
 
 from __future__ import annotations
@@ -204,8 +205,8 @@ def build_command(
         # [Note: the libfabric BTL on one host]
         command += ["--mca", "btl", "^ofi"]
     command += forwarded_environment(environ, executable, every=placement.hosts is not None)
-    if (_ulfm(config.mpi_args) and not _one_host(placement) and "OMPI_MCA_mpi_ft_detector" not in environ
-            and not _sets_mca(config.mpi_args, "mpi_ft_detector")):
+    if (config.detect_lost_hosts and _ulfm(config.mpi_args) and not _one_host(placement)
+            and "OMPI_MCA_mpi_ft_detector" not in environ and not _sets_mca(config.mpi_args, "mpi_ft_detector")):
         command += DETECTOR_MPI_ARGS  # [Note: a lost host in the in-place tier]
     command += config.mpi_args
     if config.abort_on_exception:
@@ -319,6 +320,11 @@ def _parser() -> argparse.ArgumentParser:
                          help="inplace: survive a rank's death inside the job (needs ULFM: mpirun --with-ft "
                          "ulfm); restart: every failure restarts the job from the last commit; auto (default): "
                          "inplace when the MPI has ULFM, else restart")
+    elastic.add_argument("--detect-lost-hosts", action="store_true",
+                         help="in-place tier across hosts: turn on ULFM's failure detector, so a host whose "
+                         "link goes down is dropped in place (3 s per rank on it) instead of ending the job "
+                         "for a restart; each job's end then waits 10 s for a hung MPI_Finalize, which the "
+                         "driver ends (Open MPI 5.0's detector): use it with hvd.elastic.run (docs/elastic.md)")
     elastic.add_argument("--blacklist-after", type=int, default=2, metavar="N",
                          help="leave out a host after N failed jobs named it (default 2)")
     elastic.add_argument("--blacklist-cooldown", type=float, default=300.0, metavar="S",
@@ -366,6 +372,7 @@ def _config_from_args(args: argparse.Namespace) -> LaunchConfig:
         bind_to=args.bind_to,
         oversubscribe=args.oversubscribe,
         abort_on_exception=args.abort_on_exception,
+        detect_lost_hosts=getattr(args, "detect_lost_hosts", False),
         mpi_args=(ELASTIC_MPI_ARGS if _elastic(args) and _inplace(args) else ())
         + tuple(shlex.split(args.mpi_args)),
     )
@@ -373,7 +380,7 @@ def _config_from_args(args: argparse.Namespace) -> LaunchConfig:
 
 def _elastic(args: argparse.Namespace) -> bool:
     """Whether the job runs in elastic mode (``--elastic``, or implied by another elastic flag)."""
-    return bool(getattr(args, "elastic", False) or any(
+    return bool(getattr(args, "elastic", False) or getattr(args, "detect_lost_hosts", False) or any(
         getattr(args, name, None) is not None
         for name in ("min_np", "max_np", "host_discovery_script", "elastic_mode")))
 

@@ -77,6 +77,8 @@ class LaunchConfig:
             the slots.
         abort_on_exception: Run Python commands through ``python -m mpi4py``.
         mpi_args: Extra arguments for ``mpirun``, placed before the command.
+        detect_lost_hosts: With ULFM across hosts, turn on ULFM's failure detector (see
+            [Note: a lost host in the in-place tier] in launcher.py).
     """
 
     command: tuple[str, ...]
@@ -90,6 +92,7 @@ class LaunchConfig:
     oversubscribe: bool | None = None
     abort_on_exception: bool = True
     mpi_args: tuple[str, ...] = ()
+    detect_lost_hosts: bool = False
 
 
 @dataclass(frozen=True)
