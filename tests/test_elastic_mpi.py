@@ -435,6 +435,17 @@ def test_keras_fit_loses_a_rank_twice(tmp_path: Path) -> None:
         assert all(r["weights"] == ranks[0]["weights"] for r in ranks), phase
 
 
+def _check_keras_second_job(out: Path, detail: str) -> None:
+    """The strategy phase's outcome files: the second job's 3 ranks finished both epochs without an in-place
+    reset, with the weights of one plain Keras process."""
+    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("strategy-rank*.json"))]
+    assert [(r["rank"], r["size"], r["attempt"]) for r in ranks] == [(0, 3, 1), (1, 3, 1), (2, 3, 1)], detail
+    for r in ranks:
+        assert r["epoch"] == 2 and r["step"] == 16 and r["resets"] == [], detail
+        for got, want in zip(r["weights"], ranks[0]["reference"], strict=True):
+            np.testing.assert_allclose(got, want, rtol=0, atol=KERAS_ATOL["strategy"])
+
+
 def test_keras_fit_under_the_restart_tier_resumes_from_the_spilled_commit(tmp_path: Path) -> None:
     """``unisonrun -np 3 --elastic-mode restart``, model.fit under UnisonStrategy: the kill after step 5 ends the
     job; the next job's KerasState loads the commit after step 4 (weights, optimizer slots, epoch, batch) from
@@ -444,12 +455,7 @@ def test_keras_fit_under_the_restart_tier_resumes_from_the_spilled_commit(tmp_pa
     detail = f"\nexit {proc.returncode}\n--- stderr ---\n{proc.stderr[-5000:]}"
     assert proc.returncode == 0, detail
     assert (tmp_path / "strategy-kill.json").exists() and "resumed from commit 2" in proc.stderr, detail
-    ranks = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("strategy-rank*.json"))]
-    assert [(r["rank"], r["size"], r["attempt"]) for r in ranks] == [(0, 3, 1), (1, 3, 1), (2, 3, 1)], detail
-    for r in ranks:
-        assert r["epoch"] == 2 and r["step"] == 16 and r["resets"] == [], detail
-        for got, want in zip(r["weights"], ranks[0]["reference"], strict=True):
-            np.testing.assert_allclose(got, want, rtol=0, atol=KERAS_ATOL["strategy"])
+    _check_keras_second_job(tmp_path, detail)
 
 
 def test_keras_fit_grows_at_a_discovered_host_change(tmp_path: Path) -> None:
@@ -464,10 +470,5 @@ def test_keras_fit_grows_at_a_discovered_host_change(tmp_path: Path) -> None:
     assert "starting job 0: 2 rank(s) on localhost:2" in proc.stderr and "the hosts changed" in proc.stderr, detail
     assert "starting job 1: 3 rank(s) on localhost:3" in proc.stderr, detail
     assert "resumed from commit 2" in proc.stderr, detail
-    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("strategy-rank*.json"))]
-    assert [(r["rank"], r["size"], r["attempt"]) for r in ranks] == [(0, 3, 1), (1, 3, 1), (2, 3, 1)], detail
-    for r in ranks:
-        assert r["epoch"] == 2 and r["step"] == 16 and r["resets"] == [], detail
-        for got, want in zip(r["weights"], ranks[0]["reference"], strict=True):
-            np.testing.assert_allclose(got, want, rtol=0, atol=KERAS_ATOL["strategy"])
+    _check_keras_second_job(out, detail)
     assert _exiting(proc.stdout) == sorted([(76, r, 2) for r in range(2)] + [(0, r, 3) for r in range(3)]), detail

@@ -111,8 +111,6 @@ class Heartbeat:
         self._count = 0
         self._thread = threading.Thread(target=self._run, name="unison-heartbeat", daemon=True)
         self.lost: str | None = None
-        #: the MPI error that stopped the thread (a neighbour reported failed by ULFM), or None
-        self.failed: Exception | None = None
 
     def start(self) -> None:
         """Posts the receives and starts the thread."""
@@ -169,7 +167,6 @@ class Heartbeat:
             # ULFM reported a neighbour failed (a dead rank, or the in-place tier's failure detector giving
             # up on a lost host): the job's own collectives fail the same way, and the elastic recovery (or
             # the job's end) takes it from here; this heartbeat has nothing left to watch
-            self.failed = exc
             logger.info("heartbeat: stopped, MPI reports a failure: %s", exc)
 
     def _beat(self) -> None:

@@ -83,7 +83,6 @@ import shlex
 import shutil
 import signal
 import sys
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -109,7 +108,7 @@ from unison.run.placement import (
 from unison.run.probe import DEFAULT_AGENT, HostUnreachableError, check_hosts, is_local
 from unison.run.pycommand import wrap_python_command
 from unison.run.rankwatch import RankWatch
-from unison.run.session_dirs import remove_stale_session_dirs
+from unison.run.session_dirs import remove_session_dir, remove_stale_session_dirs
 from unison.run.supervise import run_command
 
 __all__ = ["LaunchConfig", "MpirunNotFoundError", "build_command", "find_mpirun", "main"]
@@ -446,7 +445,7 @@ def _run_elastic(args: argparse.Namespace, config: LaunchConfig, environ: Mappin
                 watch.stop()
                 shutil.rmtree(watch.folder, ignore_errors=True)
                 if watch.died is not None and watch.mpirun_pid is not None:  # killed: its session folder stays
-                    shutil.rmtree(Path(tempfile.gettempdir()) / f"ompi.{watch.mpirun_pid}", ignore_errors=True)
+                    remove_session_dir(watch.mpirun_pid)
         report = result.report
         failed = tuple(f.node for f in report.failures if f.node)
         if watch is not None and watch.died is not None:

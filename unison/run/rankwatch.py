@@ -78,6 +78,7 @@ class RankWatch:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._fds: dict[int, int] = {}  # pidfd -> pid
+        self._unwatchable: set[int] = set()  # pids pidfd_open refused: not tried again
 
     def watch(self, process: subprocess.Popen[bytes]) -> None:
         """Start watching the job of ``process`` (``mpirun``): a rank's death kills it and all below it."""
@@ -107,7 +108,7 @@ class RankWatch:
             names = os.listdir(self.folder)
         except OSError:
             return []
-        watched = set(self._fds.values())
+        watched = set(self._fds.values()) | self._unwatchable
         found = []
         for name in names:
             parsed = parse_marker_name(name)
@@ -142,7 +143,7 @@ class RankWatch:
                         continue
                     except OSError as exc:
                         logger.debug("cannot watch PID %d: %s", pid, exc)
-                        self._fds[-pid] = pid  # not again
+                        self._unwatchable.add(pid)
                         continue
                     self._fds[fd] = pid
                     poller.register(fd, select.POLLIN)
@@ -154,6 +155,5 @@ class RankWatch:
                         return
         finally:
             for fd in self._fds:
-                if fd >= 0:
-                    os.close(fd)
+                os.close(fd)
             self._fds.clear()

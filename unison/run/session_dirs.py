@@ -79,6 +79,13 @@ def stale_session_dirs(tmpdir: str | os.PathLike[str] | None = None, *,
     return sorted(stale)
 
 
+def remove_session_dir(pid: int, tmpdir: str | os.PathLike[str] | None = None) -> None:
+    """Removes the session folder of the ``mpirun`` with ``pid``, which the caller killed (and so knows
+    is gone); nothing when there is none."""
+    base = Path(tmpdir if tmpdir is not None else tempfile.gettempdir())
+    shutil.rmtree(base / f"ompi.{pid}", ignore_errors=True)
+
+
 def remove_stale_session_dirs(tmpdir: str | os.PathLike[str] | None = None, **kwargs: object) -> list[Path]:
     """Removes what ``stale_session_dirs`` finds; a folder that cannot be removed is logged
     and left. Returns the folders removed."""

@@ -110,13 +110,6 @@ def _numpy(variables: Iterable[Any], saved: list[np.ndarray] | None = None) -> l
     return out
 
 
-def _wait_for_spill(state: Any) -> None:
-    """The last commit's spill to disk reads the arrays the next save writes into: wait for it."""
-    store = getattr(state, "store", None)
-    if store is not None:
-        store.wait()
-
-
 def _assign(variables: list[Any], values: list[np.ndarray], what: str) -> None:
     if len(variables) != len(values):
         raise ValueError(f"elastic: the {what} has {len(variables)} variables but its commit holds "
@@ -148,7 +141,7 @@ class TensorFlowState(ObjectState):
         super().__init__(**kwargs)
 
     def save(self) -> None:
-        _wait_for_spill(self)
+        self.wait_for_spill()
         self._saved_variables = _numpy(self.variables, self._saved_variables)
         super().save()
 
@@ -216,7 +209,7 @@ class TensorFlowKerasState(ObjectState):
         return list(self.optimizer.variables) if self.optimizer is not None else []
 
     def save(self) -> None:
-        _wait_for_spill(self)
+        self.wait_for_spill()
         self._saved_model = _numpy(self.model.weights, self._saved_model)
         self._saved_optimizer = _numpy(self._optimizer_variables(), self._saved_optimizer)
         super().save()

@@ -293,9 +293,7 @@ class TorchState(ObjectState):
         super().__init__(bcast_object=_bcast_values, **plain)
 
     def save(self) -> None:
-        store = getattr(self, "store", None)
-        if store is not None:
-            store.wait()  # the last commit's spill to disk reads the tensors this save copies into
+        self.wait_for_spill()  # the spill reads the tensors this save copies into
         for handler in self._handlers.values():
             handler.save()
         super().save()

@@ -73,6 +73,13 @@ class State:
             self.store.write_async(self.commit_id, self.commit_payload())
         self.check_host_updates()
 
+    def wait_for_spill(self) -> None:
+        """Block until the last commit's spill to disk is written: it reads the copies that a save made
+        then, and the backends' next save copies into them (no fresh memory per commit)."""
+        store = getattr(self, "store", None)  # a subclass may save before State.__init__ ran
+        if store is not None:
+            store.wait()
+
     def commit_payload(self) -> dict[str, Any]:
         """The last commit as picklable values (subclasses add theirs)."""
         return {"commit_id": self.commit_id}
