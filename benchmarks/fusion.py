@@ -45,8 +45,9 @@ What is measured:
     tensors (sharing the numpy inputs' memory), then ``synchronize`` on every
     handle, which returns a new torch tensor per input (Horovod's contract).
   - ``tf-fused``: ``unison.tf_backend.grouped_allreduce`` of the whole set inside
-    one ``tf.function`` on TensorFlow tensors (the adapter's graph ops), the
-    results read back with ``.numpy()``.
+    one ``tf.function`` on TensorFlow tensors (the adapter's graph ops); the
+    step ends when the function has returned its output tensors (their values
+    are read only for the check: ``.numpy()`` copies, which a train step never does).
 
   For ``latency4B`` and ``latency4K``: ``engine`` (``unison.allreduce`` of the array
   under the name ``"lat"``), ``engine-unnamed`` (no name: the engine makes one per
@@ -261,7 +262,7 @@ def tf_step(tensors: Sequence[np.ndarray], name: str) -> Callable[[], list]:
     def reduce() -> list:
         return hvd.grouped_allreduce(xs, op=hvd.Sum, name=name)
 
-    return lambda: [y.numpy() for y in reduce()]
+    return lambda: list(reduce())  # EagerTensors, as a train step keeps them: ``.numpy()`` would copy
 
 
 def mpi_per_tensor_step(comm: Any, tensors: Sequence[np.ndarray]) -> Callable[[], list]:

@@ -93,6 +93,85 @@ def test_grouped_allreduce_fuses_and_matches():
         np.testing.assert_array_equal(got, sum(data(r, i, 10 * i + 1) for r in range(N)))
 
 
+def _group_members(rank: int) -> list[np.ndarray]:
+    """A group as a model's gradients come: mixed dtypes and shapes, 0-d, large (direct) and small
+    (packed) members, one non-contiguous."""
+    rng = np.random.default_rng([7, rank])
+    return [rng.integers(-9, 9, (3, 4)).astype(np.float32), np.float64(rank + 0.5),
+            rng.integers(-9, 9, 300_000).astype(np.float32),  # 1.2 MB: reduced on its own
+            rng.integers(-9, 9, 17).astype(np.int32), rng.integers(-9, 9, (5, 6)).astype(np.float32).T,
+            rng.integers(0, 9, 11).astype(np.uint8), rng.integers(-9, 9, 1).astype(np.float32)]
+
+
+@needs_engine
+@pytest.mark.parametrize("threshold", [None, 0, 64], ids=["default", "fusion-off", "64-byte-buffers"])
+def test_grouped_allreduce_is_one_request_with_every_dtype_and_shape(threshold):
+    eng = frontend.engine()
+    default = eng.fusion_threshold
+    eng.fusion_threshold = default if threshold is None else threshold
+    try:
+        for step in range(3):  # the first negotiates the layout in full, later ones hit the cache
+            h = unison.grouped_allreduce_async(_group_members(R), op=unison.Sum, name=f"grp.mixed.{threshold}")
+            out = unison.synchronize(h)
+            want = [sum(_group_members(r)[i] for r in range(N)) for i in range(7)]
+            assert len(out) == 7, step
+            for i, (got, ref) in enumerate(zip(out, want, strict=True)):
+                assert got.shape == np.shape(ref) and got.dtype == np.asarray(ref).dtype, (i, got.shape, got.dtype)
+                np.testing.assert_array_equal(got, ref, err_msg=f"member {i}")
+    finally:
+        eng.fusion_threshold = default
+    # one request: the group's name is in flight, not a name per member
+    h = unison.grouped_allreduce_async([np.ones(3)], op=unison.Sum, name="grp.inflight")
+    with pytest.raises(unison.DuplicateNameError, match="grp.inflight"):
+        unison.grouped_allreduce_async([np.ones(3)], op=unison.Sum, name="grp.inflight")
+    np.testing.assert_array_equal(unison.synchronize(h)[0], [N] * 3)
+
+
+@needs_engine
+def test_grouped_allreduce_packs_small_members_back_to_back():
+    from unison.common.engine.executor import GroupResult
+
+    out = unison.grouped_allreduce([np.full(4, 1.0 + R), np.full((2, 3), 2.0), np.full(5, 3.0)],
+                                   op=unison.Sum, name="grp.packed")
+    assert isinstance(out, GroupResult) and [idx for idx, _ in out.packed] == [(0, 1, 2)]
+    flat = out.packed[0][1]
+    np.testing.assert_array_equal(flat, np.concatenate([np.full(4, N * (N + 1) / 2), np.full(6, 2.0 * N),
+                                                        np.full(5, 3.0 * N)]))
+    assert all(np.shares_memory(flat, member) for member in out)
+
+
+@needs_engine
+def test_grouped_allreduce_member_that_differs_is_named_on_every_rank():
+    def members(shape_of_2: tuple, dtype_of_3: type, count: int = 4) -> list[np.ndarray]:
+        return [np.ones(3), np.ones((2, 2)), np.ones(shape_of_2), np.ones(5, dtype_of_3)][:count]
+
+    cases = [(members((4,) if R else (2, 2), np.float64), "grp.mm.2", "shape=\\(2, 2\\)"),
+             (members((3,), np.float32 if R else np.float64), "grp.mm.3", "dtype=float32"),
+             (members((3,), np.float64, count=3 if R else 4), "grp.mm.3", "holds 3 or 4 tensors")]
+    for i, (tensors, member, pattern) in enumerate(cases):
+        with pytest.raises(unison.MismatchError, match=pattern) as info:
+            unison.grouped_allreduce(tensors, op=unison.Sum, name="grp.mm")
+        assert f"{member!r}" in str(info.value) or f"'{member}'" in str(info.value), (i, info.value)
+        for r in range(N):
+            assert f"rank {r}:" in str(info.value)
+    # a bad member is refused on every rank, named
+    with pytest.raises(TypeError, match="grp.bad.1.*complex64"):
+        unison.grouped_allreduce([np.ones(2), np.ones(2, np.complex64 if R == 0 else np.float64)],
+                                 op=unison.Sum, name="grp.bad")
+    got = unison.grouped_allreduce(members((3,), np.float64), op=unison.Sum, name="grp.mm")
+    np.testing.assert_array_equal(got[3], [N] * 5)
+
+
+@needs_engine
+def test_grouped_allreduce_with_compression_and_scale_factors():
+    tensors = [np.full(6, R + 1.0, np.float32), np.full((2, 2), 2.0, np.float64)]
+    out = unison.grouped_allreduce(tensors, op=unison.Sum, name="grp.fp16", prescale_factor=0.5,
+                                   postscale_factor=4.0, compression=unison.Compression.fp16)
+    assert [o.dtype for o in out] == [np.float32, np.float64]
+    np.testing.assert_allclose(out[0], np.full(6, 2.0 * N * (N + 1) / 2))
+    np.testing.assert_allclose(out[1], np.full((2, 2), 4.0 * N))
+
+
 def test_other_collectives_through_the_engine():
     g = unison.allgather(np.full((R + 1, 2), R, np.int32), name="eng.ag")
     np.testing.assert_array_equal(g[:, 0], np.repeat(np.arange(N), np.arange(1, N + 1)))
@@ -176,6 +255,9 @@ def test_join_contributes_each_ops_identity():
         assert 0 <= unison.join() < N
         return
     got = [unison.allreduce(mine, op=op, name=f"ident.{op.name}") for op in ops]
+    # a grouped all-reduce too: every member gets the identity, packed and direct alike
+    grouped = unison.grouped_allreduce([mine, mine.astype(np.float32), np.full(300_000, 2.0 + R)],
+                                       op=unison.Min, name="ident.grouped")
     live = [np.array([0b0110 + r, -3 - r, 5 * r + 1], np.int64) for r in range(N - 1)]
     fns = [np.add, np.multiply, np.minimum, np.maximum, np.bitwise_and, np.bitwise_or, np.bitwise_xor]
     for op, fn, res in zip(ops, fns, got, strict=True):
@@ -183,6 +265,10 @@ def test_join_contributes_each_ops_identity():
         for arr in live[1:]:
             want = fn(want, arr)
         np.testing.assert_array_equal(res, want, err_msg=repr(op))
+    lowest = np.minimum.reduce(live)
+    np.testing.assert_array_equal(grouped[0], lowest)
+    np.testing.assert_array_equal(grouped[1], lowest.astype(np.float32))
+    np.testing.assert_array_equal(grouped[2], np.full(300_000, 2.0))
     assert 0 <= unison.join() < N
 
 

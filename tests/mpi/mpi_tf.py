@@ -172,3 +172,49 @@ def test_tape_gradients_none_on_some_ranks_match_one_process(graph):
             assert g is None, f"variable {i}: no rank has a gradient, so it must stay None"
         else:
             np.testing.assert_allclose(g.numpy(), w, rtol=1e-5, atol=1e-6, err_msg=f"variable {i}")
+
+
+def _mixed_group(rank: int) -> list[np.ndarray]:
+    rng = np.random.default_rng([11, rank])
+    return [rng.integers(-9, 9, (3, 4)).astype(np.float32), rng.integers(-9, 9, 7).astype(np.int32),
+            rng.integers(0, 9, 5).astype(np.uint16), rng.integers(-9, 9, 300_000).astype(np.float32),
+            rng.integers(-9, 9, (2, 2)).astype(np.float64), rng.integers(-9, 9, 6).astype(np.float32),
+            rng.integers(-9, 9, 9).astype(np.float32)]
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_grouped_allreduce_packs_members_and_matches_numpy(graph):
+    """Small members come back as one tensor per dtype, split in the graph; large ones (> 1 MiB),
+    ones of unknown shape and uint16 ones (int32 on the wire) alike give numpy's sums."""
+    xs = [tf.constant(a) for a in _mixed_group(R)]
+    dynamic = tf.TensorSpec([None], tf.float32)
+
+    def reduce(last: tf.Tensor) -> list[tf.Tensor]:
+        return hvd.grouped_allreduce(xs[:-1] + [last], op=hvd.Sum, name=f"tf.grp.mixed.{graph}")
+
+    fn = tf.function(reduce, input_signature=[dynamic]) if graph else reduce
+    for _ in range(2):
+        out = fn(xs[-1])
+        want = [sum(_mixed_group(r)[i] for r in range(N)) for i in range(len(xs))]
+        for i, (got, ref) in enumerate(zip(out, want, strict=True)):
+            assert got.dtype.as_numpy_dtype == ref.dtype and tuple(got.shape) == ref.shape, (i, got)
+            np.testing.assert_array_equal(got.numpy(), ref, err_msg=f"member {i}")
+    if graph:  # the plan: the float32 members of static shape but the large one travel as one output
+        graph_def = fn.get_concrete_function().graph
+        collect = [op for op in graph_def.get_operations() if op.name.endswith("_collect")]
+        assert len(collect) == 1
+        dtypes = [t.dtype for t in collect[0].outputs]
+        # packs (float32: members 0 and 5) first, then the single members in order
+        assert dtypes == [tf.float32, tf.int32, tf.uint16, tf.float32, tf.float64, tf.float32], dtypes
+
+
+def test_unison_code_is_left_to_run_as_written_under_autograph():
+    """Unison's functions are on AutoGraph's do-not-convert list: a host callback built inside a
+    user's tf.function runs as plain Python (converted, it paid AutoGraph per call per tensor)."""
+    from tensorflow.python.autograph.impl import conversion
+
+    from unison.tf_backend import host_ops, mpi_ops
+
+    assert host_ops.AUTOGRAPH_EXCLUDED
+    for fn in (host_ops.run_grouped, mpi_ops.grouped_allreduce, hvd.DistributedGradientTape.gradient):
+        assert conversion.is_allowlisted(fn), fn

@@ -257,8 +257,7 @@ def reduce_gradients(grads: list[Any], op: Any, pre: float, post: float, compres
             out[i] = _reduce_sparse(g, op, pre * post, f"{name}.sparse.{i}", process_set)
     if dense_idx:
         dense = [_dense(grads[i], variables, i, name) for i in dense_idx]
-        reduced = _grouped_by_name(dense, [f"{name}.{i}" for i in dense_idx], parse_op(op), pre, post,
-                                   compression, process_set)
+        reduced = _grouped_by_name(dense, f"{name}.dense", parse_op(op), pre, post, compression, process_set)
         for i, r in zip(dense_idx, reduced, strict=True):
             out[i] = r
     return out
@@ -366,30 +365,28 @@ def _reduce_sparse(g: tf.IndexedSlices, op: Any, scale: float, name: str,
     return tf.IndexedSlices(values, indices, dense_shape=g.dense_shape)
 
 
-def _grouped_by_name(tensors: list[tf.Tensor], names: list[str], op: ReduceOp, pre: float, post: float,
+def _grouped_by_name(tensors: list[tf.Tensor], name: str, op: ReduceOp, pre: float, post: float,
                      compression: Any, process_set: ProcessSet | None) -> list[tf.Tensor]:
-    """All-reduce ``tensors[i]`` under the engine name ``names[i]``, as one collective op."""
+    """All-reduce ``tensors`` as one grouped engine request named ``name``, as one collective op."""
     wires = [compression.compress(t) for t in tensors]
-    reduced = _reduce_named([w for w, _ in wires], names, op, pre, post, process_set)
+    reduced = _reduce_named([w for w, _ in wires], name, op, pre, post, process_set)
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, wires, strict=True)]
 
 
-def _reduce_named(xs: list[tf.Tensor], names: list[str], op: ReduceOp, pre: float, post: float,
+def _reduce_named(xs: list[tf.Tensor], name: str, op: ReduceOp, pre: float, post: float,
                   process_set: ProcessSet | None) -> list[tf.Tensor]:
     """One submit/collect pair (see ``host_ops``) for the whole group; differentiable."""
 
     @tf.custom_gradient
     def reduce(*ts: tf.Tensor) -> Any:
-        def start(*arrays: np.ndarray) -> Any:
-            handles = [frontend.allreduce_async(host_ops.to_wire(a, True), op, n, pre, post, process_set)
-                       for a, n in zip(arrays, names, strict=True)]
-            return host_ops.Many(handles), lambda rs: [host_ops.from_wire(r, a.dtype).reshape(a.shape)
-                                                       for r, a in zip(rs, arrays, strict=True)]
+        def submit(arrays: list[np.ndarray]) -> Any:
+            return frontend.grouped_allreduce_async([host_ops.to_wire(a, True) for a in arrays], op, name, pre,
+                                                    post, process_set)
 
-        ys = host_ops.run(start, list(ts), [t.dtype for t in ts], [t.shape for t in ts], names[0])
+        ys = host_ops.run_grouped(submit, ts, name)
 
         def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
-            return _reduce_named(list(dys), [n + ".grad" for n in names], op, pre, post, process_set)
+            return _reduce_named(list(dys), name + ".grad", op, pre, post, process_set)
 
         return list(ys), grad
 

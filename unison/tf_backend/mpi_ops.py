@@ -140,13 +140,11 @@ def _grouped_dense(xs: list[tf.Tensor], rop: Any, base: str, pre: float, post: f
                    ps: ProcessSet | None) -> list[tf.Tensor]:
     @tf.custom_gradient
     def reduce(*ts: tf.Tensor) -> Any:
-        def start(*arrays: np.ndarray) -> Any:
-            h = frontend.grouped_allreduce_async([host_ops.to_wire(a, True) for a in arrays], rop, base, pre,
-                                                 post, ps)
-            return h, lambda rs: [host_ops.from_wire(r, a.dtype).reshape(a.shape)
-                                  for r, a in zip(rs, arrays, strict=True)]
+        def submit(arrays: list[np.ndarray]) -> Any:
+            return frontend.grouped_allreduce_async([host_ops.to_wire(a, True) for a in arrays], rop, base, pre,
+                                                    post, ps)
 
-        ys = host_ops.run(start, list(ts), [t.dtype for t in ts], [t.shape for t in ts], base)
+        ys = host_ops.run_grouped(submit, ts, base)
 
         def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
             return _grouped_dense(list(dys), rop, _op_name("grouped_allreduce", base + "_grad", dys[0]), pre,

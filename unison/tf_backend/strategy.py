@@ -60,6 +60,7 @@ from unison.common import runtime
 from unison.common.engine import frontend
 from unison.common.files import atomic_keras_save
 from unison.common.ops import Sum
+from unison.tf_backend import host_ops
 from unison.tf_backend.host_ops import refuse_xla
 
 __all__ = ["UnisonStrategy", "split_global_batch"]
@@ -183,9 +184,11 @@ def grouped_sum(tensors: Sequence[Any], base: str, overlap: bool = False) -> lis
     name = _op_name(base)
     if overlap:
         submits = [(lambda a, i=i: _submit_sum(f"{name}.{i}", a), [t]) for i, t in enumerate(ts)]
-    else:
-        submits = [(lambda *a: _submit_sum(name, *a), ts)]
-    return _host_collective(submits, [(t.dtype, t.shape) for t in ts])
+        return _host_collective(submits, [(t.dtype, t.shape) for t in ts])
+    # one grouped request; its small members come back as one tensor per dtype (host_ops.run_grouped)
+    return host_ops.run_grouped(
+        lambda arrays: frontend.grouped_allreduce_async([np.ascontiguousarray(a) for a in arrays], Sum, name),
+        ts, name)
 
 
 def gather_rows(tensor: Any, base: str) -> tf.Tensor:

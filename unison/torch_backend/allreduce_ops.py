@@ -169,7 +169,7 @@ def _grouped_submit(tensors: Sequence[torch.Tensor], rop: Any, name: str | None,
         return ListHandle(base, [_adasum_now(t, f"{base}.{i}", pre, post, None) for i, t in enumerate(tensors)])
     sources = [_dense(t, "grouped_allreduce") for t in tensors]
     inner = frontend.grouped_allreduce_async(sources, rop, name, pre, post, ps)
-    for member in inner.members:
+    for member in getattr(inner, "members", [inner]):  # one request, or one per member (Adasum, size 1)
         raise_now(member)
     return TorchHandle(inner, lambda arrs: [result_tensor(a, src) for a, src in zip(arrs, sources, strict=True)])
 

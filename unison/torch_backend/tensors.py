@@ -33,6 +33,11 @@ _TYPESTR = {torch.float32: "<f4", torch.float64: "<f8", torch.float16: "<f2", to
             torch.bool: "|b1", torch.bfloat16: "<i2"}
 
 
+#: numpy dtypes torch.from_numpy takes as they are
+_NUMPY_NATIVE = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.float16, np.int64, np.int32, np.int16,
+                                                np.int8, np.uint8, np.bool_))
+
+
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     """A numpy view of ``tensor``'s data (a contiguous copy first if needed).
 
@@ -82,6 +87,8 @@ def result_tensor(array: np.ndarray, source: np.ndarray) -> torch.Tensor:
 
 def from_numpy(array: np.ndarray) -> torch.Tensor:
     """A torch tensor sharing ``array``'s memory."""
+    if type(array) is np.ndarray and array.dtype in _NUMPY_NATIVE and array.flags.c_contiguous:
+        return torch.from_numpy(array)  # the engine's results: the common case, a few calls short
     arr = np.ascontiguousarray(array)
     if is_bfloat16(arr.dtype):
         return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from unison.common.engine.errors import StallError
-from unison.common.engine.requests import ACTION, Kind, Request, Signature, describe
+from unison.common.engine.requests import ACTION, Kind, Request, Signature, describe, describe_member
 
 __all__ = ["Controller", "Response", "FLAG_ANNOUNCE", "FLAG_SHUTDOWN", "FLAG_STALL_CHECK",
            "FLAG_STALL_ABORT", "FLAG_TIMELINE", "FLAG_JOINED", "encode_announcement",
@@ -86,7 +86,7 @@ class Response:
 
 # ----------------------------------------------------------------- wire records
 #: one announced request: [name, dim0, kind, dtype, shape, op, root, prescale, postscale,
-#: error, algorithm]; the fields after dim0 are :class:`Signature`'s, in its order
+#: error, algorithm, layout]; the fields after dim0 are :class:`Signature`'s, in its order
 _RECORD_LEN = 2 + len(Signature._fields)
 _FIELD_TYPES = {"kind": int, "dtype": int, "op": int, "root": int, "prescale": float,
                 "postscale": float, "error": str, "algorithm": str}
@@ -130,7 +130,21 @@ def _decode_record(rec: Any) -> tuple[str, Signature, int]:
         if type(values[key]) is not typ:
             raise ValueError(f"field {key} must be {typ.__name__}")
     values["shape"] = tuple(shape)
+    values["layout"] = _decode_layout(values["layout"])
     return name, Signature(**values), dim0
+
+
+def _decode_layout(raw: Any) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """A grouped request's ``[[dtype code, [dim, ...]], ...]`` as the tuples its Signature holds."""
+    if type(raw) is not list:
+        raise ValueError("field layout must be a list")
+    out = []
+    for member in raw:
+        if type(member) is not list or len(member) != 2 or type(member[0]) is not int \
+                or type(member[1]) is not list or not all(type(d) is int for d in member[1]):
+            raise ValueError("a layout member must be [dtype code, [dims]]")
+        out.append((member[0], tuple(member[1])))
+    return tuple(out)
 
 
 def allgather_bytes(comm: Any, mpi: Any, payload: bytes) -> list[bytes]:
@@ -348,6 +362,9 @@ class Controller:
             return (f"collective {name!r} failed on {len(bad)} of {self.size} rank(s): "
                     + "; ".join(f"rank {r}: {entry[r][0].error[2:]}" for r in bad)), invalid
         ref = entry[ranks[0]][0]
+        if any(entry[r][0] != ref for r in ranks) and all(entry[r][0].layout for r in ranks) \
+                and len({entry[r][0]._replace(layout=(), shape=(), dtype=0) for r in ranks}) == 1:
+            return self._layout_error(name, entry, ranks), ""  # only the members differ: name the first
         if any(entry[r][0] != ref for r in ranks):
             per_rank = "; ".join(f"rank {r}: {describe(*entry[r])}" for r in ranks)
             return (f"tensor {name!r} was submitted with different arguments on different ranks: "
@@ -355,6 +372,19 @@ class Controller:
                     "shape (first dimension excepted for allgather/alltoall), op, root and "
                     "scale factors."), ""
         return None, ""
+
+    def _layout_error(self, name: str, entry: dict[int, tuple[Signature, int]], ranks: list[int]) -> str:
+        """The message for a grouped all-reduce whose members differ across ranks: the first one that does."""
+        layouts = [entry[r][0].layout for r in ranks]
+        longest = max(len(lay) for lay in layouts)
+        i = next(i for i in range(longest) if len({lay[i] if i < len(lay) else None for lay in layouts}) > 1)
+        per_rank = "; ".join(f"rank {r}: {describe_member(lay[i] if i < len(lay) else None)}"
+                             for r, lay in zip(ranks, layouts, strict=True))
+        counts = sorted({len(lay) for lay in layouts})
+        sizes = "" if len(counts) == 1 else f" (the group holds {' or '.join(map(str, counts))} tensors)"
+        return (f"tensor {name + '.' + str(i)!r} of grouped_allreduce {name!r} was submitted with different "
+                f"arguments on different ranks{sizes}: {per_rank}. Every rank must submit the same tensors, "
+                "in the same order, with the same shapes and dtypes.")
 
     def _refuse_with_join(self, responses: list[Response]) -> None:
         """Fail what a joined rank cannot take part in, on every rank (see [Note: join])."""

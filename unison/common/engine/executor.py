@@ -16,6 +16,19 @@ start-up) and would pay two extra copies, so a tensor of at least
 A joined rank contributes the op's identity to all-reduces it never submitted
 (the other collectives fail while a rank is joined: controller [Note: join]).
 
+[Note: grouped requests] ``grouped_allreduce`` submits its members as one request
+under one name, with a layout (each member's dtype and shape) in its signature: one
+negotiation, one response and one handle for the whole group, where a request per
+member cost each of them a few microseconds of Python in every step (1000 small
+tensors: a grouped call 7 ms, the same bytes as one array 1.6 ms). Ranks compare the
+layouts, so a member that differs in shape or dtype is still named in the mismatch
+error, on every rank. The executor runs a group as it would run its members alone in
+one cycle: per dtype, in order of first appearance, members under ``DIRECT_BYTES``
+(and the threshold) packed into fusion buffers of at most the threshold, the rest
+reduced straight into their results. The packed members' results are consecutive
+views of one pooled array, so an adapter can hand that array on whole (TensorFlow
+adopts it as one tensor and splits it in the graph: ``tf_backend.host_ops``).
+
 [Note: agreed bytes] ``agreed_bytes`` counts the bytes of executed responses from
 values every rank knows alike (signatures, gathered row counts), never from what
 only this rank received: the autotuner decides its sample boundaries from it, and
@@ -26,6 +39,7 @@ counts one row per call (how much each rank receives is known to it alone).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -34,18 +48,30 @@ from unison.collectives import kernels
 from unison.common.dtypes import dtype_from_code
 from unison.common.engine.controller import Response
 from unison.common.engine.errors import JoinError
-from unison.common.engine.requests import Kind, identity_like
+from unison.common.engine.requests import Kind, Signature, identity, identity_like
 from unison.common.engine.timeline import Timeline
 from unison.common.exceptions import CollectiveError, InvalidArgumentError, MismatchError
 from unison.common.ops import ReduceOp
 from unison.common.pool import ResultPool
 
-__all__ = ["Executor"]
+__all__ = ["Executor", "GroupResult"]
 
 #: Tensors at least this large skip the fusion buffer (see [Note: fusion buffer]).
 DIRECT_BYTES = 1 << 20
 #: Response.invalid -> the exception raised on every rank
 _ERRORS = {"type": CollectiveError, "value": InvalidArgumentError, "join": JoinError}
+
+
+class GroupResult(list):
+    """A grouped all-reduce's results, one per member, and where packed members lie back to back:
+    ``packed`` lists ``(member indices, flat array)``, each member's result a view of its flat
+    array (see [Note: grouped requests])."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, items: list[Any]) -> None:
+        super().__init__(items)
+        self.packed: list[tuple[tuple[int, ...], np.ndarray]] = []
 
 
 class Executor:
@@ -56,6 +82,8 @@ class Executor:
         self.chunk_bytes = chunk_bytes
         self.timeline = timeline
         self._buffer = np.empty(0, dtype=np.uint8)
+        #: the fusion threshold of the cycle being run (set by :meth:`run`)
+        self.threshold = 0
         #: bytes executed, counted alike on every rank (see [Note: agreed bytes])
         self.agreed_bytes = 0
         self.pool = ResultPool()
@@ -67,6 +95,7 @@ class Executor:
 
     def run(self, responses: list[Response], threshold: int) -> None:
         """Execute one cycle's responses in order, fusing compatible all-reduces."""
+        self.threshold = threshold
         groups: dict[tuple, list[Response]] = {}
         order: list[Any] = []
         for resp in responses:
@@ -77,7 +106,8 @@ class Executor:
             self._mark_ready(resp)
             sig = resp.sig
             nbytes = self._nbytes(resp)
-            if (sig.kind == Kind.ALLREDUCE and threshold > 0 and nbytes < min(DIRECT_BYTES, threshold)
+            if (sig.kind == Kind.ALLREDUCE and not sig.layout and threshold > 0
+                    and nbytes < min(DIRECT_BYTES, threshold)
                     and sig.op != ReduceOp.ADASUM):  # Adasum's coefficients are per tensor: never fused
                 key = (sig.dtype, sig.op, sig.prescale, sig.postscale, sig.algorithm)
                 if key not in groups:
@@ -95,8 +125,23 @@ class Executor:
     @staticmethod
     def _nbytes(resp: Response) -> int:
         if resp.nbytes < 0:
-            resp.nbytes = math.prod(resp.sig.shape) * dtype_from_code(resp.sig.dtype).itemsize
+            sig = resp.sig
+            members = sig.layout or ((sig.dtype, sig.shape),)
+            resp.nbytes = sum(math.prod(shape) * dtype_from_code(code).itemsize for code, shape in members)
         return resp.nbytes
+
+    @staticmethod
+    def _batches(sizes: list[int], threshold: int) -> list[tuple[int, int]]:
+        """``[start, end)`` runs of ``sizes`` of at most ``threshold`` bytes each (at least one item)."""
+        out, start = [], 0
+        while start < len(sizes):
+            total, end = 0, start
+            while end < len(sizes) and (end == start or total + sizes[end] <= threshold):
+                total += sizes[end]
+                end += 1
+            out.append((start, end))
+            start = end
+        return out
 
     def _mark_ready(self, resp: Response) -> None:
         tl = self.timeline
@@ -119,37 +164,40 @@ class Executor:
                 (self.timeline.begin if begin else self.timeline.end)(resp.name, phase)
 
     def _fused(self, resps: list[Response], threshold: int) -> None:
-        start = 0
-        while start < len(resps):  # split the group into buffers of at most `threshold` bytes
-            total, end = 0, start
-            while end < len(resps) and (end == start or total + self._nbytes(resps[end]) <= threshold):
-                total += self._nbytes(resps[end])
-                end += 1
+        # split the group into buffers of at most `threshold` bytes
+        sizes = [self._nbytes(resp) for resp in resps]
+        for start, end in self._batches(sizes, threshold):
             batch = resps[start:end]
             if len(batch) == 1:
                 self._single(batch[0])
             else:
-                self._fused_batch(batch, total)
-            start = end
+                self._fused_batch(batch, sum(sizes[start:end]))
 
-    def _fused_batch(self, batch: list[Response], total: int) -> None:
-        sig = batch[0].sig
-        dtype = dtype_from_code(sig.dtype)
-        buf = self._fusion_buffer(total).view(dtype)
-        self._phase(batch, "QUEUE", False)
-        self._phase(batch, "MEMCPY_IN_FUSION_BUFFER", True)
-        srcs = [self._input(resp) for resp in batch]
-        count = total // dtype.itemsize
-        np.concatenate(srcs, out=buf[:count])
-        self._phase(batch, "MEMCPY_IN_FUSION_BUFFER", False)
-        self._phase(batch, "ALLREDUCE", True)
+    def _packed(self, srcs: Sequence[np.ndarray], dtype: np.dtype, sig: Signature,
+                timed: list[Response]) -> np.ndarray:
+        """All-reduce the flat ``srcs`` of ``dtype`` through the fusion buffer; returns one new (pooled)
+        array holding every result back to back. ``timed``: the responses whose timeline phases these are."""
+        count = sum(src.size for src in srcs)
+        buf = self._fusion_buffer(count * dtype.itemsize).view(dtype)
+        self._phase(timed, "MEMCPY_IN_FUSION_BUFFER", True)
+        np.concatenate(srcs, axis=None, out=buf[:count])  # axis=None: each source flattened
+        self._phase(timed, "MEMCPY_IN_FUSION_BUFFER", False)
+        self._phase(timed, "ALLREDUCE", True)
         kernels.allreduce(self.comm, self.mpi, buf, buf, ReduceOp(sig.op), sig.prescale, sig.postscale,
                           sig.algorithm, self.chunk_bytes)
-        self._phase(batch, "ALLREDUCE", False)
-        self._phase(batch, "MEMCPY_OUT_FUSION_BUFFER", True)
+        self._phase(timed, "ALLREDUCE", False)
+        self._phase(timed, "MEMCPY_OUT_FUSION_BUFFER", True)
         # one copy out of the fusion buffer; each result is a view of it (or the caller's out=)
         results = self.pool.empty((count,), dtype)
         np.copyto(results, buf[:count])
+        self._phase(timed, "MEMCPY_OUT_FUSION_BUFFER", False)
+        return results
+
+    def _fused_batch(self, batch: list[Response], total: int) -> None:
+        sig = batch[0].sig
+        self._phase(batch, "QUEUE", False)
+        srcs = [self._input(resp) for resp in batch]
+        results = self._packed(srcs, dtype_from_code(sig.dtype), sig, batch)
         off = 0
         for resp, src in zip(batch, srcs, strict=True):
             req, n = resp.request, src.size
@@ -160,8 +208,47 @@ class Executor:
                 else:
                     req.handle.set_result(results[off:off + n].reshape(req.array.shape))
             off += n
-        self._phase(batch, "MEMCPY_OUT_FUSION_BUFFER", False)
         self.agreed_bytes += total
+
+    def _grouped(self, resp: Response) -> list[np.ndarray]:
+        """A grouped request's results, one per member (see [Note: grouped requests])."""
+        sig, req = resp.sig, resp.request
+        layout = sig.layout
+        if req is not None and req.members is not None:
+            members: Sequence[np.ndarray] = req.members
+        else:  # this rank joined: the op's identity for every member
+            members = [identity(dtype_from_code(code), shape, sig.op) for code, shape in layout]
+        limit = min(DIRECT_BYTES, self.threshold) if sig.op != ReduceOp.ADASUM else 0
+        results = GroupResult([None] * len(layout))
+        by_dtype: dict[int, list[int]] = {}
+        for i, (code, _) in enumerate(layout):
+            by_dtype.setdefault(code, []).append(i)
+        for code, idx in by_dtype.items():
+            dtype = dtype_from_code(code)
+            counts = [math.prod(layout[i][1]) for i in idx]
+            self.agreed_bytes += sum(counts) * dtype.itemsize
+            small, small_bytes = [], []
+            for i, n in zip(idx, counts, strict=True):
+                if n * dtype.itemsize < limit:
+                    small.append(i)
+                    small_bytes.append(n * dtype.itemsize)
+                    continue
+                out = self.pool.empty(layout[i][1], dtype)
+                kernels.allreduce(self.comm, self.mpi, members[i].reshape(-1), out.reshape(-1), ReduceOp(sig.op),
+                                  sig.prescale, sig.postscale, sig.algorithm, self.chunk_bytes)
+                results[i] = out
+            for start, end in self._batches(small_bytes, self.threshold):
+                batch = small[start:end]
+                flat = self._packed([members[i] for i in batch], dtype, sig, [])
+                results.packed.append((tuple(batch), flat))
+                off = 0
+                for i in batch:
+                    shape = layout[i][1]
+                    n = members[i].size
+                    view = flat[off:off + n]
+                    results[i] = view if len(shape) == 1 else view.reshape(shape)
+                    off += n
+        return results
 
     def _single(self, resp: Response) -> None:
         kind = Kind(resp.sig.kind)
@@ -174,7 +261,9 @@ class Executor:
         if resp.request is not None:
             resp.request.handle.set_result(result)
 
-    def _allreduce(self, resp: Response) -> np.ndarray:
+    def _allreduce(self, resp: Response) -> np.ndarray | list[np.ndarray]:
+        if resp.sig.layout:
+            return self._grouped(resp)
         sig, req = resp.sig, resp.request
         src = self._input(resp)
         out = req.out if (req is not None and req.out is not None) else self.pool.empty(

@@ -23,6 +23,7 @@ from unison.collectives.reduce import check_op
 from unison.collectives.validate import as_array, check_root, check_splits
 from unison.common import runtime
 from unison.common.compression import Compression, Compressor
+from unison.common.dtypes import dtype_code
 from unison.common.engine.engine import Engine, caller_waits
 from unison.common.engine.handles import Handle
 from unison.common.engine.process_sets import ProcessSet, global_process_set
@@ -310,11 +311,61 @@ def grouped_allreduce_async(tensors: Sequence[Any], op: Any = Average, name: str
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: ProcessSet | None = None,
                             compression: type[Compressor] = Compression.none) -> Handle:
-    """Submit all-reduces of several tensors at once, so they negotiate and fuse together."""
+    """Submit all-reduces of several tensors at once, as one request (one negotiation, fused).
+
+    ``synchronize(handle)`` returns the list of results, in order. The members travel as
+    one engine request named ``name`` (executor [Note: grouped requests]); a member that
+    differs across ranks is reported as ``<name>.<i>``. Adasum (its coefficients are per
+    tensor) and a job of size 1 take one request per member, named ``<name>.<i>``.
+    """
     base = _auto_name("grouped_allreduce", name, process_set)
-    handles = [allreduce_async(t, op, f"{base}.{i}", prescale_factor, postscale_factor, process_set,
-                               compression) for i, t in enumerate(tensors)]
-    return _GroupHandle(base, handles)
+    eng = engine("unison.grouped_allreduce_async()")
+    rop = _op(op)
+    if eng is None or rop is ReduceOp.ADASUM or not tensors:
+        handles = [allreduce_async(t, op, f"{base}.{i}", prescale_factor, postscale_factor, process_set,
+                                   compression) for i, t in enumerate(tensors)]
+        return _GroupHandle(base, handles)
+    sid, _ = _set_id(eng, process_set)
+    members: list[np.ndarray] = []
+    layout: list[tuple[int, tuple[int, ...]]] = []
+    contexts: list[Any] = []
+    codes: dict[np.dtype, int] = {}  # each dtype checked once: a group may hold a thousand tensors
+    plain = compression is Compression.none
+    error = ""
+    try:
+        parse_op(op)
+        for t in tensors:
+            if plain:
+                arr, ctx = (t if type(t) is np.ndarray else np.asarray(t)), None
+            else:
+                arr, ctx = compression.compress(np.asarray(t))
+                arr = np.asarray(arr)
+            code = codes.get(arr.dtype)
+            if code is None:
+                as_array(arr)
+                check_op(arr.dtype, rop, float(prescale_factor), float(postscale_factor))
+                code = codes[arr.dtype] = dtype_code(arr.dtype)
+            if not arr.flags.c_contiguous:
+                arr = np.ascontiguousarray(arr)
+            members.append(arr)
+            layout.append((code, arr.shape))
+            contexts.append(ctx)
+    except TypeError as exc:
+        error = f"T:tensor '{base}.{len(members)}': {exc}"
+    except ValueError as exc:
+        error = f"V:tensor '{base}.{len(members)}': {exc}"
+    post = None
+    if compression is not Compression.none:
+        def post(results: list[np.ndarray]) -> list[np.ndarray]:
+            return [compression.decompress(r, c) for r, c in zip(results, contexts, strict=True)]
+    req = Request(name=base, kind=Kind.ALLREDUCE, array=_NO_ARRAY, handle=Handle(base, post), op=int(rop),
+                  prescale=float(prescale_factor), postscale=float(postscale_factor), process_set=sid,
+                  error=error, members=None if error else tuple(members), layout=() if error else tuple(layout))
+    return eng.submit(req)
+
+
+#: ``Request.array`` of a grouped request (its arrays are its ``members``)
+_NO_ARRAY = np.empty(0, dtype=np.uint8)
 
 
 def poll(handle: Handle) -> bool:

@@ -15,7 +15,7 @@ from unison.common.engine.handles import Handle
 from unison.common.ops import ReduceOp
 
 __all__ = ["Kind", "Request", "Signature", "ACTION", "AUTO_NAME_MARK", "AUTO_NAME_SLOTS", "describe",
-           "identity_like"]
+           "describe_member", "identity", "identity_like"]
 
 #: In every name the frontend makes for an unnamed call (``<op>.noname.<k>``)
 AUTO_NAME_MARK = ".noname."
@@ -44,6 +44,9 @@ class Signature(NamedTuple):
     error: str
     #: the requested algorithm; :data:`ACTION` for a barrier that runs an engine action
     algorithm: str
+    #: a grouped all-reduce's members, ``((dtype code, shape), ...)`` in order; ``()`` for one
+    #: tensor (see [Note: grouped requests] in executor.py)
+    layout: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
 
 #: ``Signature.algorithm`` of a barrier whose engine action is itself collective on every
@@ -78,17 +81,25 @@ class Request:
     #: for BARRIER requests: run by the engine thread when every rank has submitted
     #: (at the same point of the same cycle on every rank)
     action: Callable[[], Any] | None = None
+    #: a grouped all-reduce's member arrays (``array`` is then empty); see [Note: grouped requests]
+    members: tuple[np.ndarray, ...] | None = None
+    #: their ``((dtype code, shape), ...)``, computed once by the frontend
+    layout: tuple[tuple[int, tuple[int, ...]], ...] = ()
     submitted: float = field(default_factory=time.monotonic)
 
     def signature(self) -> Signature:
         if self.error:
-            return _make_signature(Signature, (int(self.kind), -1, (), -1, -1, 1.0, 1.0, self.error, ""))
+            return _make_signature(Signature, (int(self.kind), -1, (), -1, -1, 1.0, 1.0, self.error, "", ()))
+        if self.layout:
+            return _make_signature(Signature, (int(self.kind), self.layout[0][0], (len(self.layout),), self.op,
+                                               self.root, self.prescale, self.postscale, "", self.algorithm,
+                                               self.layout))
         shape = self.array.shape
         if self.kind in _ROWS_MAY_DIFFER:
             shape = shape[1:]
         algorithm = self.algorithm if self.action is None else ACTION
         return _make_signature(Signature, (int(self.kind), dtype_code(self.array.dtype), shape, self.op,
-                                           self.root, self.prescale, self.postscale, "", algorithm))
+                                           self.root, self.prescale, self.postscale, "", algorithm, ()))
 
 
 def describe(sig: Signature, dim0: int | None = None) -> str:
@@ -100,6 +111,8 @@ def describe(sig: Signature, dim0: int | None = None) -> str:
         shape = (dim0, *shape)
     dtype = dtype_name(dtype_from_code(sig.dtype)) if sig.dtype >= 0 else "?"
     parts = [kind.name.lower(), f"shape={tuple(shape)}", f"dtype={dtype}"]
+    if sig.layout:
+        parts[1:] = [f"of a group of {len(sig.layout)} tensors"]
     if sig.op >= 0:
         parts.append(f"op={ReduceOp(sig.op)!r}")
     if sig.root >= 0:
@@ -111,11 +124,21 @@ def describe(sig: Signature, dim0: int | None = None) -> str:
     return " ".join(parts)
 
 
+def describe_member(member: tuple[int, tuple[int, ...]] | None) -> str:
+    """One member of a grouped request's layout, for error messages."""
+    if member is None:
+        return "no such member"
+    return f"shape={tuple(member[1])} dtype={dtype_name(dtype_from_code(member[0]))}"
+
+
 def identity_like(sig: Signature) -> np.ndarray:
     """What a joined rank contributes to an allreduce it never submitted: the op's identity."""
-    dtype = dtype_from_code(sig.dtype)
-    arr = np.zeros(sig.shape, dtype=dtype)
-    op = sig.op
+    return identity(dtype_from_code(sig.dtype), sig.shape, sig.op)
+
+
+def identity(dtype: np.dtype, shape: tuple[int, ...], op: int) -> np.ndarray:
+    """An array of ``shape`` filled with reduction ``op``'s identity element in ``dtype``."""
+    arr = np.zeros(shape, dtype=dtype)
     if op == ReduceOp.PRODUCT or (op in (ReduceOp.MIN, ReduceOp.BAND) and dtype == np.bool_):
         arr[...] = 1
     elif op == ReduceOp.BAND:  # every bit set
