@@ -45,7 +45,8 @@ What is measured:
     tensors (sharing the numpy inputs' memory), then ``synchronize`` on every
     handle, which returns a new torch tensor per input (Horovod's contract).
   - ``tf-fused``: ``unison.tf_backend.grouped_allreduce`` of the whole set inside
-    one ``tf.function`` on TensorFlow tensors (the adapter's graph ops); the
+    one ``tf.function`` on TensorFlow tensors (the adapter's graph ops; TensorFlow's
+    pools capped at 1 intra-op and 2 inter-op threads, as two ranks share two cores); the
     step ends when the function has returned its output tensors (their values
     are read only for the check: ``.numpy()`` copies, which a train step never does).
 
@@ -79,6 +80,7 @@ time_s}`` (``bytes`` is each rank's input: the sum over the set's tensors).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -256,6 +258,10 @@ def tf_step(tensors: Sequence[np.ndarray], name: str) -> Callable[[], list]:
 
     import unison.tf_backend as hvd
 
+    with contextlib.suppress(RuntimeError):  # (already set by an earlier case: TF allows it once)
+        # two ranks share two cores: TF's pools capped as in every multi-rank script here
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        tf.config.threading.set_inter_op_parallelism_threads(2)
     xs = [tf.constant(t) for t in tensors]
 
     @tf.function

@@ -30,6 +30,12 @@ script measures, per backend and model, three cases on the same model, data and 
 
 * ``one-process``: plain ``model.fit`` (no distribution) in one process on ONE rank's share of
   the data, i.e. a batch of ``--batch`` (half the global batch).
+* ``independent``: two such ``one-process`` fits started together, each in its own process, with
+  no communication at all: what this machine's cores give two processes of that work, so the
+  most any two-process data parallelism (Unison, MWMS, DDP) could reach here. Their runs are not
+  aligned by a barrier (they share nothing), so the bound is approximate. It has no target; the
+  ``bound`` lines print every two-process impl against it, which tells the cost of distribution
+  from the cost of sharing two cores (keras-dp, one process, is not bound by it).
 
 [Note: scaling efficiency is weak scaling] The per-rank batch is held constant, as data-parallel
 training is used: ``efficiency = samples/s at np=2 / (2 x samples/s of one process at the per-rank
@@ -116,7 +122,7 @@ logger = logging.getLogger("benchmarks.keras_backends")
 
 BACKENDS = ("tensorflow", "jax", "torch")
 MODELS = ("mlp", "cnn")
-IMPLS = ("one-process", "peer", "unison")
+IMPLS = ("one-process", "independent", "peer", "unison")
 NP = 2
 TARGET_RATIO = 1.2
 #: backend -> (peer impl name as recorded, what it is, as printed in the target lines)
@@ -262,7 +268,7 @@ def fit_cases(args: argparse.Namespace) -> tuple[dict[str, Timing], int]:
     for name in args.models:
         b = batch_of(args, name)
         timings[name] = time_fit(name, b, n * b, args, contextlib.nullcontext(), lambda: None)
-    return timings, 0
+    return timings, int(os.environ.get("BENCH_INDEX", "0"))
 
 
 def time_ddp(name: str, rank: int, args: argparse.Namespace) -> Timing:
@@ -401,6 +407,9 @@ def launches(backend: str, impl: str, tmp: Path, args: argparse.Namespace) -> li
     out, py = tmp / "case", sys.executable
     if impl == "one-process":
         return [([py, *worker_args("fit-one", out, args)], child_env(backend, args))]
+    if impl == "independent":  # NP one-process fits at once: what the cores give NP processes
+        return [([py, *worker_args("fit-one", out, args)], child_env(backend, args, BENCH_INDEX=str(r)))
+                for r in range(NP)]
     if impl == "unison":
         run = [py, "-m", "unison.run", "-np", str(NP), "--oversubscribe", py]
         return [(run + worker_args("fit-unison", out, args), child_env(backend, args))]
@@ -463,7 +472,7 @@ def merge(backend: str, model: str, impl: str, outcome: Outcome, args: argparse.
     name = PEERS[backend][0] if impl == "peer" else impl
     timings = outcome.timings.get(model, [])
     batch = batch_of(args, model)
-    procs = NP if impl == "unison" or (impl == "peer" and backend != "jax") else 1
+    procs = NP if impl in ("unison", "independent") or (impl == "peer" and backend != "jax") else 1
     devices = NP if impl != "one-process" else 1
     if any(t.local_batch != batch for t in timings):
         raise RuntimeError(f"{backend} {model} {name}: processes trained on batches "
@@ -521,6 +530,16 @@ def print_targets(records: Sequence[Record], args: argparse.Namespace) -> None:
         for model in args.models:
             mine, theirs = find(records, backend, model, "unison"), find(records, backend, model, peer)
             print(ratio_target(f"np {NP} {backend} {model} unison / {title}", mine, theirs, TARGET_RATIO))
+    print(f"\nbound (no target): {NP} independent one-process fits at once, no communication: what the "
+          f"cores give {NP} processes, the most any {NP}-process data parallelism could reach here")
+    for backend in args.backends:
+        peer, title = PEERS[backend]
+        for model in args.models:
+            bound = find(records, backend, model, "independent")
+            for impl, what in (("unison", "unison"), (peer, title)):
+                mine = find(records, backend, model, impl)
+                shown = "n/a  (not measured)" if mine is None or bound is None else f"{mine / bound:.2f}"
+                print(f"  np {NP} {backend} {model} {what} / {NP} independent processes = {shown}")
     print("\nscaling efficiency (np=2 samples/s / (2 x one process at the per-rank batch); no target):")
     for backend in args.backends:
         for model in args.models:

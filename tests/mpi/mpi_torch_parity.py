@@ -112,6 +112,23 @@ def test_allreduce_ops_against_numpy(op, fn):
     np.testing.assert_allclose(out.numpy(), 3.0 * fn([0.5 * x for x in inputs], axis=0), rtol=1e-12)
 
 
+def test_allreduce_builds_an_autograd_node_only_when_there_is_something_to_differentiate():
+    """A tensor that needs no gradient (or grad mode off) skips the autograd Function: same values,
+    no grad_fn; one that does gets a node whose gradient is the all-reduce of the output's."""
+    x = torch.full((3,), R + 1.0, requires_grad=True)
+    with torch.no_grad():
+        plain = hvd.allreduce(x, op=hvd.Sum, name="parity.nograd")
+    assert plain.grad_fn is None and not plain.requires_grad
+    plain2 = hvd.allreduce(torch.full((3,), R + 1.0), op=hvd.Sum, name="parity.nograd2")
+    total = float(sum(r + 1 for r in range(N)))
+    torch.testing.assert_close(plain, torch.full((3,), total))
+    torch.testing.assert_close(plain2, plain)
+    out = hvd.allreduce(x, op=hvd.Sum, name="parity.grad")
+    assert out.grad_fn is not None
+    (out * (R + 1)).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), total))
+
+
 def test_deprecated_average_flag():
     t = torch.full((2,), float(R))
     torch.testing.assert_close(hvd.allreduce(t, average=False), torch.full((2,), float(sum(range(N)))))

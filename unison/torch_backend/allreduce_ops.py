@@ -154,6 +154,10 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         op: ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product`` or ``Adasum``.
         compression: ``Compression.none`` or ``Compression.fp16`` (what travels on the wire).
     """
+    if compression is Compression.none and type(tensor) is torch.Tensor and not (
+            tensor.requires_grad and torch.is_grad_enabled()):  # nothing to differentiate: no autograd node
+        return frontend._now(allreduce_async, tensor, average, name, op, prescale_factor, postscale_factor,
+                             process_set)
     rop = reduce_op(average, op)
     compressed, cctx = compression.compress(tensor)
     out = _Allreduce.apply(compressed, name, rop, prescale_factor, postscale_factor, process_set)

@@ -126,8 +126,10 @@ class Executor:
     def _nbytes(resp: Response) -> int:
         if resp.nbytes < 0:
             sig = resp.sig
-            members = sig.layout or ((sig.dtype, sig.shape),)
-            resp.nbytes = sum(math.prod(shape) * dtype_from_code(code).itemsize for code, shape in members)
+            if sig.layout:
+                resp.nbytes = sum(math.prod(shape) * dtype_from_code(code).itemsize for code, shape in sig.layout)
+            else:
+                resp.nbytes = math.prod(sig.shape) * dtype_from_code(sig.dtype).itemsize
         return resp.nbytes
 
     @staticmethod
