@@ -457,6 +457,10 @@ def test_process_sets():
     np.testing.assert_allclose(avg, np.full(3, sum(members) / len(members)))
     g = unison.allgather(np.array([R]), name="ps.ag", process_set=mine)
     np.testing.assert_array_equal(g, members)
+    grouped = unison.grouped_allreduce([np.full(3, float(R)), np.full((2, 2), R, np.int32)], op=unison.Sum,
+                                       name="ps.grouped", process_set=mine)  # one request on the set
+    np.testing.assert_array_equal(grouped[0], np.full(3, float(sum(members))))
+    np.testing.assert_array_equal(grouped[1], np.full((2, 2), sum(members), np.int32))
     if N > 1:
         other = odds if R % 2 == 0 else evens
         with pytest.raises(ValueError, match="not a member"):
