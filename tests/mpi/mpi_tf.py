@@ -182,20 +182,32 @@ def _mixed_group(rank: int) -> list[np.ndarray]:
             rng.integers(-9, 9, 9).astype(np.float32)]
 
 
+@pytest.mark.parametrize("threshold", [None, 64], ids=["one-buffer", "64-byte-buffers"])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
-def test_grouped_allreduce_packs_members_and_matches_numpy(graph):
+def test_grouped_allreduce_packs_members_and_matches_numpy(graph, threshold):
     """Small members come back as one tensor per dtype, split in the graph; large ones (> 1 MiB),
-    ones of unknown shape and uint16 ones (int32 on the wire) alike give numpy's sums."""
+    ones of unknown shape and uint16 ones (int32 on the wire) alike give numpy's sums; with a
+    fusion threshold that splits the packed members over several buffers, they are joined."""
+    from unison.common.engine import frontend
+
     xs = [tf.constant(a) for a in _mixed_group(R)]
     dynamic = tf.TensorSpec([None], tf.float32)
 
     def reduce(last: tf.Tensor) -> list[tf.Tensor]:
-        return hvd.grouped_allreduce(xs[:-1] + [last], op=hvd.Sum, name=f"tf.grp.mixed.{graph}")
+        return hvd.grouped_allreduce(xs[:-1] + [last], op=hvd.Sum, name=f"tf.grp.mixed.{graph}.{threshold}")
 
     fn = tf.function(reduce, input_signature=[dynamic]) if graph else reduce
-    for _ in range(2):
-        out = fn(xs[-1])
-        want = [sum(_mixed_group(r)[i] for r in range(N)) for i in range(len(xs))]
+    eng = frontend.engine()
+    default = eng.fusion_threshold if eng is not None else None
+    if eng is not None and threshold is not None:
+        eng.fusion_threshold = threshold
+    try:
+        outs = [fn(xs[-1]) for _ in range(2)]
+    finally:
+        if eng is not None:
+            eng.fusion_threshold = default
+    want = [sum(_mixed_group(r)[i] for r in range(N)) for i in range(len(xs))]
+    for out in outs:
         for i, (got, ref) in enumerate(zip(out, want, strict=True)):
             assert got.dtype.as_numpy_dtype == ref.dtype and tuple(got.shape) == ref.shape, (i, got)
             np.testing.assert_array_equal(got.numpy(), ref, err_msg=f"member {i}")

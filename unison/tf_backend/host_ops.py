@@ -297,8 +297,8 @@ def run(start: Start, inputs: Sequence[tf.Tensor], touts: Sequence[tf.DType],
     return list(outs)
 
 
-def run_grouped(submit: Callable[[list[np.ndarray]], Any], inputs: Sequence[tf.Tensor], name: str,
-                packable: Callable[[tf.Tensor], bool] | None = None) -> list[tf.Tensor]:
+def run_grouped(submit: Callable[[list[np.ndarray]], Any], inputs: Sequence[tf.Tensor],
+                name: str) -> list[tf.Tensor]:
     """One grouped collective whose outputs have its inputs' dtypes and shapes (an all-reduce).
 
     ``submit(arrays)`` starts it on the inputs' arrays and returns a handle whose result
@@ -308,12 +308,10 @@ def run_grouped(submit: Callable[[list[np.ndarray]], Any], inputs: Sequence[tf.T
     dtype, split in the graph: the engine packs exactly those members back to back in
     one pooled, aligned array (executor [Note: grouped requests]), which TensorFlow
     adopts without a copy; were they split across fusion buffers, they are copied into one.
-    ``packable(t)``: an extra condition for packing a member (default: every member).
     """
     packs: dict[tf.DType, list[int]] = {}
     for i, t in enumerate(inputs):
-        if t.shape.is_fully_defined() and t.shape.num_elements() * t.dtype.size < DIRECT_BYTES \
-                and (packable is None or packable(t)):
+        if t.shape.is_fully_defined() and t.shape.num_elements() * t.dtype.size < DIRECT_BYTES:
             packs.setdefault(t.dtype, []).append(i)
     plan = [idx for idx in packs.values() if len(idx) > 1]
     packed = {i for idx in plan for i in idx}
@@ -324,10 +322,13 @@ def run_grouped(submit: Callable[[list[np.ndarray]], Any], inputs: Sequence[tf.T
 
     def start(*arrays: np.ndarray) -> Any:
         def finish(results: list[np.ndarray]) -> list[np.ndarray]:
-            flats = dict(getattr(results, "packed", ()))  # the engine's packed arrays, when they match
-            outs = [from_wire(flats.get(tuple(idx)) if tuple(idx) in flats else
-                              np.concatenate([results[i] for i in idx], axis=None), arrays[idx[0]].dtype)
-                    for idx in plan]
+            flats = dict(getattr(results, "packed", ()))  # the engine's packed arrays, by member indices
+            outs = []
+            for idx in plan:
+                flat = flats.get(tuple(idx))
+                if flat is None:  # packed otherwise (a smaller fusion threshold; a job of size 1)
+                    flat = np.concatenate([results[i] for i in idx], axis=None)
+                outs.append(from_wire(flat, arrays[idx[0]].dtype))
             return outs + [from_wire(results[i], arrays[i].dtype).reshape(arrays[i].shape) for i in singles]
         return submit(list(arrays)), finish
 
