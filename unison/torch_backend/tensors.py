@@ -33,9 +33,10 @@ _TYPESTR = {torch.float32: "<f4", torch.float64: "<f8", torch.float16: "<f2", to
             torch.bool: "|b1", torch.bfloat16: "<i2"}
 
 
-#: numpy dtypes torch.from_numpy takes as they are
-_NUMPY_NATIVE = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.float16, np.int64, np.int32, np.int16,
-                                                np.int8, np.uint8, np.bool_))
+
+
+#: numpy dtypes torch.from_numpy takes as they are: those of the tensors :func:`to_numpy` reads directly
+_NUMPY_NATIVE = frozenset(np.dtype(typestr) for typestr in _TYPESTR.values())
 
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:

@@ -105,9 +105,8 @@ class Executor:
                 continue
             self._mark_ready(resp)
             sig = resp.sig
-            nbytes = self._nbytes(resp)
-            if (sig.kind == Kind.ALLREDUCE and not sig.layout and threshold > 0
-                    and nbytes < min(DIRECT_BYTES, threshold)
+            if (sig.kind == Kind.ALLREDUCE and not sig.layout and threshold > 0  # (a group packs itself)
+                    and self._nbytes(resp) < min(DIRECT_BYTES, threshold)
                     and sig.op != ReduceOp.ADASUM):  # Adasum's coefficients are per tensor: never fused
                 key = (sig.dtype, sig.op, sig.prescale, sig.postscale, sig.algorithm)
                 if key not in groups:
@@ -220,20 +219,20 @@ class Executor:
             members: Sequence[np.ndarray] = req.members
         else:  # this rank joined: the op's identity for every member
             members = [identity(dtype_from_code(code), shape, sig.op) for code, shape in layout]
-        limit = min(DIRECT_BYTES, self.threshold) if sig.op != ReduceOp.ADASUM else 0
+        limit = min(DIRECT_BYTES, self.threshold)  # (Adasum never comes as a group: frontend)
         results = GroupResult([None] * len(layout))
         by_dtype: dict[int, list[int]] = {}
         for i, (code, _) in enumerate(layout):
             by_dtype.setdefault(code, []).append(i)
         for code, idx in by_dtype.items():
             dtype = dtype_from_code(code)
-            counts = [math.prod(layout[i][1]) for i in idx]
-            self.agreed_bytes += sum(counts) * dtype.itemsize
+            sizes = [math.prod(layout[i][1]) * dtype.itemsize for i in idx]
+            self.agreed_bytes += sum(sizes)
             small, small_bytes = [], []
-            for i, n in zip(idx, counts, strict=True):
-                if n * dtype.itemsize < limit:
+            for i, nbytes in zip(idx, sizes, strict=True):
+                if nbytes < limit:
                     small.append(i)
-                    small_bytes.append(n * dtype.itemsize)
+                    small_bytes.append(nbytes)
                     continue
                 out = self.pool.empty(layout[i][1], dtype)
                 kernels.allreduce(self.comm, self.mpi, members[i].reshape(-1), out.reshape(-1), ReduceOp(sig.op),

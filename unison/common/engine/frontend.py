@@ -331,29 +331,33 @@ def grouped_allreduce_async(tensors: Sequence[Any], op: Any = Average, name: str
     contexts: list[Any] = []
     codes: dict[np.dtype, int] = {}  # each dtype checked once: a group may hold a thousand tensors
     plain = compression is Compression.none
-    error = ""
     try:
         parse_op(op)
-        for t in tensors:
-            if plain:
-                arr, ctx = (t if type(t) is np.ndarray else np.asarray(t)), None
-            else:
-                arr, ctx = compression.compress(np.asarray(t))
-                arr = np.asarray(arr)
-            code = codes.get(arr.dtype)
-            if code is None:
-                as_array(arr)
-                check_op(arr.dtype, rop, float(prescale_factor), float(postscale_factor))
-                code = codes[arr.dtype] = dtype_code(arr.dtype)
-            if not arr.flags.c_contiguous:
-                arr = np.ascontiguousarray(arr)
-            members.append(arr)
-            layout.append((code, arr.shape))
-            contexts.append(ctx)
-    except TypeError as exc:
-        error = f"T:tensor '{base}.{len(members)}': {exc}"
-    except ValueError as exc:
-        error = f"V:tensor '{base}.{len(members)}': {exc}"
+        error = ""
+    except ValueError as exc:  # the op's error names no member, as a single call's does not
+        error = f"V:{exc}"
+    if not error:
+        try:
+            for t in tensors:
+                if plain:
+                    arr, ctx = (t if type(t) is np.ndarray else np.asarray(t)), None
+                else:
+                    arr, ctx = compression.compress(np.asarray(t))
+                    arr = np.asarray(arr)
+                code = codes.get(arr.dtype)
+                if code is None:
+                    as_array(arr)
+                    check_op(arr.dtype, rop, float(prescale_factor), float(postscale_factor))
+                    code = codes[arr.dtype] = dtype_code(arr.dtype)
+                if not arr.flags.c_contiguous:
+                    arr = np.ascontiguousarray(arr)
+                members.append(arr)
+                layout.append((code, arr.shape))
+                contexts.append(ctx)
+        except TypeError as exc:
+            error = f"T:tensor '{base}.{len(members)}': {exc}"
+        except ValueError as exc:
+            error = f"V:tensor '{base}.{len(members)}': {exc}"
     post = None
     if compression is not Compression.none:
         def post(results: list[np.ndarray]) -> list[np.ndarray]:
