@@ -131,14 +131,27 @@ def test_environment_forwarding_is_selected_and_sorted():
         "PATH=/venv/bin:/usr/bin:/bin",
         "PYTHONPATH",
         "TF_NUM_INTRAOP_THREADS",
+        "THP_MEM_ALLOC_ENABLE=1",
         "UNISON_X",
     ]
 
 
 def test_path_gets_venv_bin_once():
     command = build(environ={"PATH": "/venv/bin:/usr/bin"})
-    assert option_values(command, "-x") == ["PATH=/venv/bin:/usr/bin"]
-    assert option_values(build(environ={}), "-x") == ["PATH=/venv/bin"]
+    assert option_values(command, "-x") == ["PATH=/venv/bin:/usr/bin", "THP_MEM_ALLOC_ENABLE=1"]
+    assert option_values(build(environ={}), "-x") == ["PATH=/venv/bin", "THP_MEM_ALLOC_ENABLE=1"]
+
+
+# --- [Note: huge pages for PyTorch's tensors] ------------------------------------------------------
+
+def test_ranks_get_huge_pages_for_torch_unless_the_environment_says_otherwise():
+    assert "THP_MEM_ALLOC_ENABLE=1" in option_values(build(), "-x")
+    assert "THP_MEM_ALLOC_ENABLE=1" in option_values(build(hosts="a:1,b:1", np=2), "-x")
+    for users in ("0", "1"):  # the user's value goes by name, whatever it is, here and across hosts
+        for hosts in (None, "a:1,b:1"):
+            forwarded = option_values(build(hosts=hosts, np=2, environ={"THP_MEM_ALLOC_ENABLE": users}), "-x")
+            assert forwarded.count("THP_MEM_ALLOC_ENABLE") == 1
+            assert not any(item.startswith("THP_MEM_ALLOC_ENABLE=") for item in forwarded)
 
 
 def test_user_command_passes_through_after_mpirun_options():
@@ -513,6 +526,44 @@ def test_engine_flags_reach_the_ranks(tmp_path):
     assert proc.stdout.count(f"SEEN {1 << 20} 3.0") == 2
 
 
+
+def _transparent_huge_pages() -> str:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "absent"
+    return text[text.index("[") + 1:text.index("]")] if "[" in text else "absent"
+
+
+HUGE_PAGE_PROBE = """import os, re, torch
+t = torch.ones(64 << 20, dtype=torch.uint8)  # touched: its pages are faulted in
+where = t.data_ptr()
+huge = 0
+entries = re.split(r"\\n(?=[0-9a-f]+-[0-9a-f]+ )", open("/proc/self/smaps").read())
+for entry in entries:
+    lo, hi = (int(x, 16) for x in entry.split(None, 1)[0].split("-"))
+    if lo <= where < hi:
+        huge = int(re.search(r"AnonHugePages:\\s+(\\d+) kB", entry).group(1)) << 10
+print("SEEN", os.environ.get("THP_MEM_ALLOC_ENABLE"), huge >= 32 << 20)
+"""
+
+
+def test_torch_tensors_on_the_ranks_get_huge_pages_unless_the_user_says_no(tmp_path):
+    """[Note: huge pages for PyTorch's tensors], end to end: PyTorch on a rank backs a large tensor
+    with transparent huge pages under unisonrun, and keeps 4 KiB pages when the user sets 0."""
+    pytest.importorskip("torch")
+    if _transparent_huge_pages() not in ("always", "madvise"):
+        pytest.skip(f"this kernel's transparent huge pages are {_transparent_huge_pages()!r}")
+    script = tmp_path / "thp.py"
+    script.write_text(HUGE_PAGE_PROBE)
+    for environ, seen in (({}, "SEEN 1 True"), ({"THP_MEM_ALLOC_ENABLE": "0"}, "SEEN 0 False")):
+        env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"} | environ
+        proc = subprocess.run([sys.executable, "-m", "unison.run", "-np", "1", sys.executable, str(script)],
+                              capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode == 0, proc.stderr
+        assert seen in proc.stdout, (environ, proc.stdout)
+
+
 # --- naming the failed rank, from mpirun's own messages (Open MPI 5.0 / PRRTE 3.0) ------------
 
 EDGE = "-" * 74 + "\n"
@@ -693,9 +744,10 @@ def test_jobs_with_hosts_forward_the_whole_environment_but_host_specific_names()
                "XDG_RUNTIME_DIR": "/run/user/0", "OMPI_MCA_btl": "tcp,self", "PMIX_RANK": "0",
                "SLURM_PROCID": "0", "BASH_FUNC_f%%": "() { :; }", "_": "/usr/bin/unisonrun"}
     forwarded = option_values(build(hosts="a:1,b:1", np=2, environ=environ), "-x")
-    assert forwarded == ["HOME", "LD_LIBRARY_PATH", "MY_DATA", "PATH=/venv/bin:/usr/bin", "UNISON_X"]
+    assert forwarded == ["HOME", "LD_LIBRARY_PATH", "MY_DATA", "PATH=/venv/bin:/usr/bin",
+                         "THP_MEM_ALLOC_ENABLE=1", "UNISON_X"]
     local = option_values(build(np=2, environ=environ), "-x")
-    assert local == ["PATH=/venv/bin:/usr/bin", "UNISON_X"]  # ranks here inherit the rest
+    assert local == ["PATH=/venv/bin:/usr/bin", "THP_MEM_ALLOC_ENABLE=1", "UNISON_X"]  # ranks inherit the rest
 
 
 # --- Slurm -------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 ``unisonrun -np 4 python train.py --lr 0.1`` builds and runs::
 
     <venv>/bin/mpirun -np 4 --bind-to none [--allow-run-as-root] [--oversubscribe]
-        -x HOROVOD_... -x PATH=<venv>/bin:$PATH -x PYTHONPATH -x UNISON_...
+        -x HOROVOD_... -x PATH=<venv>/bin:$PATH -x PYTHONPATH -x THP_MEM_ALLOC_ENABLE=1 -x UNISON_...
         python -m mpi4py train.py --lr 0.1
 
 Why each piece is there:
@@ -19,7 +19,9 @@ Why each piece is there:
   Open MPI counts cores, not hardware threads, so on a machine with SMT pass ``--oversubscribe``.
 * ``-x``: ranks see only the environment variables ``mpirun`` is told to forward. Forwarded:
   ``UNISON_*``, ``HOROVOD_*``, ``PYTHONPATH``, the thread-count variables, and ``PATH`` with the
-  interpreter's directory first so that a bare ``python`` in the command is the same Python.
+  interpreter's directory first so that a bare ``python`` in the command is the same Python;
+  ``THP_MEM_ALLOC_ENABLE=1`` unless the environment sets it ([Note: huge pages for PyTorch's
+  tensors] in ``placement.py``).
 * ``python -m mpi4py``: see [Note: a raising rank hangs Open MPI 5] in ``pycommand.py``.
 * ``--mca btl ^ofi`` when every rank runs on this machine; see the note below.
 
