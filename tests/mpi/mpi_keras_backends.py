@@ -72,6 +72,45 @@ def test_fit_equals_one_process_on_the_global_batches(dp, optimizer):
     assert same_everywhere(model.get_weights())
 
 
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX's jitted step only")
+def test_jax_step_is_two_programs_without_a_host_callback_unless_the_class_has_its_own_step(dp, monkeypatch):
+    """[Note: the JAX step in two programs]: Keras's own train_step runs as two jitted programs with
+    the gradients' exchange between them (no io_callback in the step carries a gradient; the
+    metrics' small one stays) and trains as one process does, ragged last batch included; a class
+    with its own train_step keeps the one program with the callback and trains the same."""
+    import jax.experimental
+
+    from unison.keras import _jax_step
+
+    traced = []
+    real = jax.experimental.io_callback
+    def spy(callback, specs, *args, **kwargs):
+        traced.extend(tuple(a.shape) for a in args)
+        return real(callback, specs, *args, **kwargs)
+
+    monkeypatch.setattr(jax.experimental, "io_callback", spy)
+
+    class OwnStep(keras.Sequential):
+        def train_step(self, state, data):
+            return super().train_step(state, data)
+
+    for cls, callbacks in ((keras.Sequential, 0), (OwnStep, 1)):
+        keras.utils.set_random_seed(100 + R)
+        traced.clear()
+        with dp.scope():
+            model = cls(make_model().layers)
+            model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+        ref = cls(make_model().layers)
+        ref.set_weights(WORLD.bcast(model.get_weights()))
+        ref.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+        hist = model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+        want = ref.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+        assert _jax_step.applies(model) is (callbacks == 0)
+        assert ((4, 8) in traced) is (callbacks == 1), (cls.__name__, traced)  # the first kernel's gradient
+        np.testing.assert_allclose(hist.history["loss"], want.history["loss"], rtol=2e-5)
+        assert_weights_close(model, ref)
+        assert same_everywhere(model.get_weights())
+
 def test_torch_streams_gradients_during_backward(dp):
     if BACKEND != "torch":
         pytest.skip("torch only: the other backends reduce in the compiled step")

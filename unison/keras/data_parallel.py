@@ -19,8 +19,11 @@ A model compiled inside ``DataParallel().scope()`` is adapted on this instance o
 * only rank 0 shows the progress bar; ``save`` / ``save_weights`` (and so Keras's
   ``ModelCheckpoint``) write from rank 0 only, atomically and durably.
 
-Compiling: JAX keeps ``jax.jit`` (the exchange is an ordered ``io_callback`` inside
-it); TensorFlow and torch run with ``jit_compile=False`` (XLA cannot call the host).
+Compiling: JAX keeps ``jax.jit``: Keras's own train step runs as two jitted programs with
+the gradients' exchange on the host between them ([Note: the JAX step in two programs] in
+``_jax_step.py``), a model class with its own ``train_step`` as one program with the
+exchange as an ordered ``io_callback`` inside it; TensorFlow and torch run with
+``jit_compile=False`` (XLA cannot call the host).
 """
 
 from __future__ import annotations
@@ -149,6 +152,9 @@ class DataParallel:
             _set(model, name, make(self, model, getattr(type(model), name).__get__(model)))
         for name in ("save", "save_weights"):
             _set(model, name, _rank0_save(getattr(type(model), name).__get__(model)))
+        if _host.backend() == "jax":
+            original = type(model).make_train_function.__get__(model)
+            _set(model, "make_train_function", _jax_train_function(model, original))
         model.train_function = model.test_function = model.predict_function = None
 
     # --------------------------------------------------------------- helpers
@@ -235,6 +241,22 @@ def _rows_step(model: Any, step: Callable[..., Any], overlap: Any = None) -> Cal
             return overlap.step(rows, settings, lambda: step(*args))
 
     return train_step
+
+
+def _jax_train_function(model: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    """JAX's ``make_train_function``: the step as two jitted programs with the exchange between them
+    where it can (see [Note: the JAX step in two programs] in ``_jax_step.py``), else Keras's own."""
+
+    def make_train_function(force: bool = False) -> Any:
+        from unison.keras import _jax_step
+
+        if not _jax_step.applies(model):
+            return original(force)
+        if model.train_function is None or force:
+            model.train_function = model._make_function(_jax_step.make_train_step(model))
+        return model.train_function
+
+    return make_train_function
 
 
 def _global_metrics_result(model: Any) -> Callable[[], dict[str, Any]]:
