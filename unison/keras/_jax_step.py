@@ -15,7 +15,10 @@ compiles the step as Keras does, cut in two where the gradients are combined:
    the optimizer's own exchange does), and ``jax.device_put`` adopts the results' aligned
    memory (no copy on the CPU backend);
 3. ``apply``: the optimizer's update, which takes the combined gradients instead of exchanging
-   them again, and the metrics; it donates the state, as Keras's jitted step does.
+   them again, and the metrics' states; it donates the state, as Keras's jitted step does;
+4. with global metrics (the default), the metrics' states are summed over the ranks on the host
+   (one small grouped all-reduce) and a third jitted program computes the logs from the sums;
+   inside the step that sum was a second ``io_callback``, ~2 ms of a 10 ms step at one rank.
 
 A model whose class overrides ``train_step``, a model that runs eagerly or with
 ``jit_compile=False``, and non-CPU devices keep the single program with the callback.
@@ -50,7 +53,12 @@ def make_train_step(model: Any) -> Callable[[Any, Any], Any]:
     exchange between them."""
     import jax
 
+    from unison.common.data_parallel import sum_states
+    from unison.keras.data_parallel import local_metrics, metrics_results
+
     rop, compression, pre, post = model.optimizer._unison_settings
+    dp = getattr(model, "_unison_dp", None)
+    global_metrics = dp is not None and dp.global_metrics
 
     def grads_program(state: Any, data: Any) -> Any:
         trainable, non_trainable, optimizer_vars, metrics_vars = state
@@ -70,12 +78,17 @@ def make_train_step(model: Any) -> Callable[[Any, Any], Any]:
             trainable, optimizer_vars = optimizer.stateless_apply(optimizer_vars, grads, trainable)
         finally:
             optimizer.__dict__.pop("_unison_pending", None)
-        logs, metrics_vars = model._update_metrics_variables(metrics_vars, unscaled_loss, x, y, y_pred,
-                                                             sample_weight)
+        with local_metrics():  # the states are summed over the ranks after this program, not in it
+            logs, metrics_vars = model._update_metrics_variables(metrics_vars, unscaled_loss, x, y, y_pred,
+                                                                 sample_weight)
         return logs, (trainable, non_trainable, optimizer_vars, metrics_vars)
+
+    def logs_program(states: Any) -> Any:
+        return metrics_results(list(model.metrics), states)
 
     compute = jax.jit(grads_program)
     apply = jax.jit(apply_program, donate_argnums=0)
+    results = jax.jit(logs_program)
 
     def train_step(state: Any, data: Any) -> Any:
         grads, aux = compute(state, data)
@@ -83,6 +96,9 @@ def make_train_step(model: Any) -> Callable[[Any, Any], Any]:
         leaves = [t for t in keras.tree.flatten(x) if t is not None]
         rows = int(leaves[0].shape[0]) if leaves else None
         combined = average_gradients([np.asarray(g) for g in grads], rows, rop, compression, pre, post)
-        return apply(state, [jax.device_put(g) for g in combined], aux, data)
+        logs, state = apply(state, [jax.device_put(g) for g in combined], aux, data)
+        if global_metrics:
+            logs = results([jax.device_put(s) for s in sum_states([np.asarray(v) for v in state[3]])])
+        return logs, state
 
     return train_step

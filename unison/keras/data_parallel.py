@@ -260,25 +260,48 @@ def _jax_train_function(model: Any, original: Callable[..., Any]) -> Callable[..
 
 
 def _global_metrics_result(model: Any) -> Callable[[], dict[str, Any]]:
-    """``get_metrics_result`` computing each metric from its state summed over the ranks."""
+    """``get_metrics_result`` computing each metric from its state summed over the ranks.
+
+    Inside :func:`local_metrics` it is the class's own (this rank's states): JAX's two-program step
+    sums the states between its programs instead ([Note: the JAX step in two programs])."""
 
     def get_metrics_result() -> dict[str, Any]:
+        if _LOCAL_METRICS.get():
+            return type(model).get_metrics_result(model)
         metrics = list(model.metrics)
         variables = [v for m in metrics for v in m.variables]
         summed = _host.host_call(lambda arrays, _rows: sum_states(arrays), [v.value for v in variables])
-        results: dict[str, Any] = {}
-        start = 0
-        for metric in metrics:
-            count = len(metric.variables)
-            result = metric.stateless_result(summed[start:start + count])
-            start += count
-            if isinstance(result, dict):
-                results.update(result)
-            else:
-                results[metric.name] = result
-        return results
+        return metrics_results(metrics, summed)
 
     return get_metrics_result
+
+
+_LOCAL_METRICS: contextvars.ContextVar[bool] = contextvars.ContextVar("unison_keras_local_metrics", default=False)
+
+
+@contextlib.contextmanager
+def local_metrics() -> Iterator[None]:
+    """Within the block a data-parallel model's ``get_metrics_result`` reports this rank's own states."""
+    token = _LOCAL_METRICS.set(True)
+    try:
+        yield
+    finally:
+        _LOCAL_METRICS.reset(token)
+
+
+def metrics_results(metrics: list[Any], states: list[Any]) -> dict[str, Any]:
+    """Each metric's result from ``states`` (every metric's variables in turn, as ``model.metrics_variables``)."""
+    results: dict[str, Any] = {}
+    start = 0
+    for metric in metrics:
+        count = len(metric.variables)
+        result = metric.stateless_result(states[start:start + count])
+        start += count
+        if isinstance(result, dict):
+            results.update(result)
+        else:
+            results[metric.name] = result
+    return results
 
 
 class _Sync(keras.callbacks.Callback):
