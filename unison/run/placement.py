@@ -53,10 +53,10 @@ FORWARDED_NAMES = (
 #: not forwarded to other hosts: see [Note: the environment across hosts]
 HOST_SPECIFIC_NAMES = frozenset({"HOSTNAME", "HOST", "PWD", "OLDPWD", "SHLVL", "_", "DISPLAY", "XAUTHORITY",
                                  "TERMCAP", "PS1", "PS2", "PROMPT_COMMAND"})
+HOST_SPECIFIC_PREFIXES = ("SSH_", "XDG_", "OMPI_", "PMIX_", "PRTE_", "OPAL_", "SLURM_", "BASH_FUNC_")
 #: Variables the ranks get with these values unless the environment sets them (then its value goes):
 #: see [Note: huge pages for PyTorch's tensors]
 RANK_DEFAULTS = {"THP_MEM_ALLOC_ENABLE": "1"}
-HOST_SPECIFIC_PREFIXES = ("SSH_", "XDG_", "OMPI_", "PMIX_", "PRTE_", "OPAL_", "SLURM_", "BASH_FUNC_")
 _VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -234,15 +234,15 @@ def forwarded_environment(environ: Mapping[str, str], executable: str, every: bo
     [Note: huge pages for PyTorch's tensors]
     ``THP_MEM_ALLOC_ENABLE=1`` makes PyTorch's CPU allocator ask for transparent huge pages on
     its blocks of 2 MiB and more (``madvise(MADV_HUGEPAGE)``), as numpy does for its own large
-    arrays. Gradients, DDP's buckets and activations then take one TLB
-    entry per 2 MiB instead of 512, and every memory-bound pass over them is faster: a 29 MiB
-    all-reduce of a torch tensor at np 2 here took 4.8-6.6 ms on 4 KiB pages and 3.5-4.4 ms
-    on huge pages (numpy's own arrays: 3.2-4.9 ms). In whole training steps (benchmarks/
-    ddp_breakdown.py, three runs each way, alternated) the gain stayed inside this machine's
-    run-to-run spread, so none is claimed there. PyTorch reads the variable once, at its first allocation, so it
-    must be in the environment before the program starts: the launcher's job. A large block's
-    resident memory may round up to whole 2 MiB pages; set ``THP_MEM_ALLOC_ENABLE=0`` to keep
-    4 KiB pages. Programs that do not use PyTorch ignore it; a kernel with transparent huge pages
+    arrays. Gradients, DDP's buckets and activations then take one TLB entry per 2 MiB instead
+    of 512, which makes memory-bound passes over them faster: a 29 MiB all-reduce of a torch
+    tensor at np 2 here took 4.8-6.6 ms on 4 KiB pages and 3.5-4.4 ms on huge pages (numpy's
+    own arrays: 3.2-4.9 ms). In whole training steps (benchmarks/ddp_breakdown.py, three runs
+    each way, alternated) the gain stayed inside this machine's run-to-run spread, so none is
+    claimed there. PyTorch reads the variable once, at its first allocation, so it must be in
+    the environment before the program starts: the launcher's job. A large block's resident
+    memory may round up to whole 2 MiB pages; set ``THP_MEM_ALLOC_ENABLE=0`` to keep 4 KiB
+    pages. Programs that do not use PyTorch ignore it; a kernel with transparent huge pages
     set to ``never`` ignores the request.
     """
     names = {
