@@ -77,8 +77,8 @@ def test_jax_step_is_two_programs_without_a_host_callback_unless_the_class_has_i
     """[Note: the JAX step in two programs]: Keras's own train_step runs as two jitted programs with
     the exchanges between them (gradients and metrics' states are summed between the programs:
     no gradient goes through an io_callback) and trains as one process does, with global loss and metrics,
-    ragged last batch included; a class with its own train_step keeps the one program with the
-    callback and trains the same."""
+    ragged last batch included, also with steps_per_execution=2; a class with its own train_step
+    keeps the one program with the callback and trains the same."""
     import jax.experimental
 
     from unison.keras import _jax_step
@@ -95,15 +95,17 @@ def test_jax_step_is_two_programs_without_a_host_callback_unless_the_class_has_i
         def train_step(self, state, data):
             return super().train_step(state, data)
 
-    for cls, callbacks in ((keras.Sequential, 0), (OwnStep, 1)):
+    for cls, callbacks, per_call in ((keras.Sequential, 0, 1), (OwnStep, 1, 1), (keras.Sequential, 0, 2)):
         keras.utils.set_random_seed(100 + R)
         traced.clear()
         with dp.scope():
             model = cls(make_model().layers)
-            model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+            model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"],
+                          steps_per_execution=per_call)
         ref = cls(make_model().layers)
         ref.set_weights(WORLD.bcast(model.get_weights()))
-        ref.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+        ref.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"],
+                    steps_per_execution=per_call)
         hist = model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
         want = ref.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
         assert _jax_step.applies(model) is (callbacks == 0)
