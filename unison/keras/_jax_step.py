@@ -26,6 +26,7 @@ A model whose class overrides ``train_step``, a model that runs eagerly or with
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -37,13 +38,24 @@ from unison.common.data_parallel import average_gradients
 __all__ = ["applies", "make_train_step"]
 
 
-def applies(model: Any) -> bool:
-    """Whether ``model``'s jitted train step can run as two programs (see the Note)."""
-    import jax
-    from keras.src.backend.jax.trainer import JAXTrainer
+#: The arguments :func:`make_train_step` passes to ``compute_loss_and_updates`` (Keras 3.x's JAX trainer)
+_LOSS_ARGS = ("trainable_variables", "non_trainable_variables", "metrics_variables", "x", "y", "sample_weight",
+              "training", "optimizer_variables")
 
+
+def applies(model: Any) -> bool:
+    """Whether ``model``'s jitted train step can run as two programs (see the Note): Keras's own
+    ``train_step`` and ``compute_loss_and_updates`` as this module knows them, compiled, on the CPU."""
+    import jax
+
+    try:
+        from keras.src.backend.jax.trainer import JAXTrainer
+        params = tuple(inspect.signature(model.compute_loss_and_updates).parameters)
+    except (ImportError, TypeError, ValueError):  # another Keras layout: keep the one-program step
+        return False
     return (not model.run_eagerly and bool(model.jit_compile)
             and getattr(type(model).train_step, "__code__", None) is JAXTrainer.train_step.__code__
+            and params[:len(_LOSS_ARGS)] == _LOSS_ARGS
             and all(d.platform == "cpu" for d in jax.devices())
             and getattr(model.optimizer, "_unison_settings", None) is not None)
 
