@@ -78,7 +78,8 @@ def test_jax_step_is_two_programs_without_a_host_callback_unless_the_class_has_i
     the exchanges between them (gradients and metrics' states are summed between the programs:
     no gradient goes through an io_callback) and trains as one process does, with global loss and metrics,
     ragged last batch included, also with steps_per_execution=2; a class with its own train_step
-    keeps the one program with the callback and trains the same."""
+    keeps the one program with the callback and trains the same. ``evaluate`` traces no callback
+    either and reports the global loss and metrics."""
     import jax.experimental
 
     from unison.keras import _jax_step
@@ -117,6 +118,12 @@ def test_jax_step_is_two_programs_without_a_host_callback_unless_the_class_has_i
             np.testing.assert_allclose(hist.history[key], want.history[key], rtol=2e-5)
         assert_weights_close(model, ref)
         assert same_everywhere(model.get_weights())
+        traced.clear()  # evaluate: Keras's own test step with this rank's metrics, logs from the summed states
+        got = model.evaluate(X, Y, batch_size=GLOBAL_BATCH, verbose=0, return_dict=True)
+        expected = ref.evaluate(X, Y, batch_size=GLOBAL_BATCH, verbose=0, return_dict=True)
+        assert traced == [], traced
+        for key in ("loss", "mae"):
+            np.testing.assert_allclose(got[key], expected[key], rtol=2e-5)
 
 def test_local_metrics_report_each_ranks_own_rows_while_training_stays_global():
     """``global_metrics=False``: each rank's loss is its own rows' (they differ across ranks), the

@@ -22,6 +22,9 @@ compiles the step as Keras does, cut in two where the gradients are combined:
 
 A model whose class overrides ``train_step``, a model that runs eagerly or with
 ``jit_compile=False``, and non-CPU devices keep the single program with the callback.
+
+``evaluate`` gets step 4 alone (:func:`with_global_logs`): Keras's own jitted test step runs with
+this rank's metrics, and the logs are computed from the states summed over the ranks after it.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import numpy as np
 
 from unison.common.data_parallel import average_gradients
 
-__all__ = ["applies", "make_train_step"]
+__all__ = ["applies", "make_train_step", "keeps_test_step", "with_global_logs"]
 
 
 #: The arguments :func:`make_train_step` passes to ``compute_loss_and_updates`` (Keras 3.x's JAX trainer)
@@ -114,3 +117,31 @@ def make_train_step(model: Any) -> Callable[[Any, Any], Any]:
         return logs, state
 
     return train_step
+
+
+def keeps_test_step(model: Any) -> bool:
+    """Whether ``model``'s class keeps Keras's own JAX ``test_step`` (its logs are its metrics' results)."""
+    try:
+        from keras.src.backend.jax.trainer import JAXTrainer
+    except ImportError:
+        return False
+    return getattr(type(model).test_step, "__code__", None) is JAXTrainer.test_step.__code__
+
+
+def with_global_logs(model: Any, function: Callable[[Any, Any], Any], index: int) -> Callable[[Any, Any], Any]:
+    """``function`` (Keras's ``(state, data) -> (logs, state)``) run with this rank's metrics, its logs
+    then computed from the metrics' states (``state[index]``) summed over the ranks (see the Note)."""
+    import jax
+
+    from unison.common.data_parallel import sum_states
+    from unison.keras.data_parallel import local_metrics, metrics_results
+
+    results = jax.jit(lambda states: metrics_results(list(model.metrics), states))
+
+    def run(state: Any, data: Any) -> Any:
+        with local_metrics():
+            _, state = function(state, data)
+        summed = sum_states([np.asarray(v) for v in state[index]])
+        return results([jax.device_put(s) for s in summed]), state
+
+    return run

@@ -155,6 +155,8 @@ class DataParallel:
         if _host.backend() == "jax":
             original = type(model).make_train_function.__get__(model)
             _set(model, "make_train_function", _jax_train_function(model, original))
+            original = type(model).make_test_function.__get__(model)
+            _set(model, "make_test_function", _jax_test_function(model, original))
         model.train_function = model.test_function = model.predict_function = None
 
     # --------------------------------------------------------------- helpers
@@ -257,6 +259,24 @@ def _jax_train_function(model: Any, original: Callable[..., Any]) -> Callable[..
         return model.train_function
 
     return make_train_function
+
+
+def _jax_test_function(model: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    """JAX's ``make_test_function``: with global metrics, Keras's own jitted test step runs with this
+    rank's metrics and the logs come from the states summed after it (no host callback in the step)."""
+
+    def make_test_function(force: bool = False) -> Any:
+        from unison.keras import _jax_step
+
+        if model.test_function is not None and not force:
+            return model.test_function
+        original(force)
+        dp = getattr(model, "_unison_dp", None)
+        if dp is not None and dp.global_metrics and _jax_step.keeps_test_step(model):
+            model.test_function = _jax_step.with_global_logs(model, model.test_function, index=2)
+        return model.test_function
+
+    return make_test_function
 
 
 def _global_metrics_result(model: Any) -> Callable[[], dict[str, Any]]:
