@@ -52,15 +52,38 @@ def applies(model: Any) -> bool:
     import jax
 
     try:
-        from keras.src.backend.jax.trainer import JAXTrainer
         params = tuple(inspect.signature(model.compute_loss_and_updates).parameters)
-    except (ImportError, TypeError, ValueError):  # another Keras layout: keep the one-program step
+    except (TypeError, ValueError):  # another Keras layout: keep the one-program step
         return False
-    return (not model.run_eagerly and bool(model.jit_compile)
-            and getattr(type(model).train_step, "__code__", None) is JAXTrainer.train_step.__code__
+    return (not model.run_eagerly and bool(model.jit_compile) and _keras_own(model, "train_step")
             and params[:len(_LOSS_ARGS)] == _LOSS_ARGS
             and all(d.platform == "cpu" for d in jax.devices())
             and getattr(model.optimizer, "_unison_settings", None) is not None)
+
+
+def _keras_own(model: Any, step: str) -> bool:
+    """Whether ``model``'s class keeps Keras's own JAX ``step`` (``"train_step"``, ``"test_step"``)."""
+    try:
+        from keras.src.backend.jax.trainer import JAXTrainer
+    except ImportError:  # another Keras layout
+        return False
+    return getattr(getattr(type(model), step), "__code__", None) is getattr(JAXTrainer, step).__code__
+
+
+def _global_logs(model: Any) -> Callable[[Any], Any]:
+    """``states -> logs``: the metrics' states summed over the ranks on the host, then each metric's
+    result computed from the sums in a small jitted program (step 4 of the Note)."""
+    import jax
+
+    from unison.common.data_parallel import sum_states
+    from unison.keras.data_parallel import metrics_results
+
+    results = jax.jit(lambda states: metrics_results(list(model.metrics), states))
+
+    def logs_of(states: Any) -> Any:
+        return results([jax.device_put(s) for s in sum_states([np.asarray(v) for v in states])])
+
+    return logs_of
 
 
 def make_train_step(model: Any) -> Callable[[Any, Any], Any]:
@@ -68,12 +91,11 @@ def make_train_step(model: Any) -> Callable[[Any, Any], Any]:
     exchange between them."""
     import jax
 
-    from unison.common.data_parallel import sum_states
-    from unison.keras.data_parallel import local_metrics, metrics_results
+    from unison.keras.data_parallel import batch_rows_of, local_metrics
 
     rop, compression, pre, post = model.optimizer._unison_settings
     dp = getattr(model, "_unison_dp", None)
-    global_metrics = dp is not None and dp.global_metrics
+    logs_of = _global_logs(model) if dp is not None and dp.global_metrics else None
 
     def grads_program(state: Any, data: Any) -> Any:
         trainable, non_trainable, optimizer_vars, metrics_vars = state
@@ -98,50 +120,34 @@ def make_train_step(model: Any) -> Callable[[Any, Any], Any]:
                                                                  sample_weight)
         return logs, (trainable, non_trainable, optimizer_vars, metrics_vars)
 
-    def logs_program(states: Any) -> Any:
-        return metrics_results(list(model.metrics), states)
-
     compute = jax.jit(grads_program)
     apply = jax.jit(apply_program, donate_argnums=0)
-    results = jax.jit(logs_program)
 
     def train_step(state: Any, data: Any) -> Any:
         grads, aux = compute(state, data)
-        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        leaves = [t for t in keras.tree.flatten(x) if t is not None]
-        rows = int(leaves[0].shape[0]) if leaves else None
-        combined = average_gradients([np.asarray(g) for g in grads], rows, rop, compression, pre, post)
+        combined = average_gradients([np.asarray(g) for g in grads], batch_rows_of(data), rop, compression,
+                                     pre, post)
         logs, state = apply(state, [jax.device_put(g) for g in combined], aux, data)
-        if global_metrics:
-            logs = results([jax.device_put(s) for s in sum_states([np.asarray(v) for v in state[3]])])
-        return logs, state
+        return (logs if logs_of is None else logs_of(state[3])), state
 
     return train_step
 
 
 def keeps_test_step(model: Any) -> bool:
     """Whether ``model``'s class keeps Keras's own JAX ``test_step`` (its logs are its metrics' results)."""
-    try:
-        from keras.src.backend.jax.trainer import JAXTrainer
-    except ImportError:
-        return False
-    return getattr(type(model).test_step, "__code__", None) is JAXTrainer.test_step.__code__
+    return _keras_own(model, "test_step")
 
 
 def with_global_logs(model: Any, function: Callable[[Any, Any], Any], index: int) -> Callable[[Any, Any], Any]:
     """``function`` (Keras's ``(state, data) -> (logs, state)``) run with this rank's metrics, its logs
     then computed from the metrics' states (``state[index]``) summed over the ranks (see the Note)."""
-    import jax
+    from unison.keras.data_parallel import local_metrics
 
-    from unison.common.data_parallel import sum_states
-    from unison.keras.data_parallel import local_metrics, metrics_results
-
-    results = jax.jit(lambda states: metrics_results(list(model.metrics), states))
+    logs_of = _global_logs(model)
 
     def run(state: Any, data: Any) -> Any:
         with local_metrics():
             _, state = function(state, data)
-        summed = sum_states([np.asarray(v) for v in state[index]])
-        return results([jax.device_put(s) for s in summed]), state
+        return logs_of(state[index]), state
 
     return run

@@ -233,9 +233,7 @@ def _rows_step(model: Any, step: Callable[..., Any], overlap: Any = None) -> Cal
     """
 
     def train_step(*args: Any) -> Any:
-        x, _, _ = keras.utils.unpack_x_y_sample_weight(args[-1])
-        leaves = [t for t in keras.tree.flatten(x) if t is not None]
-        rows = _host.rows_of(leaves[0]) if leaves else None
+        rows = batch_rows_of(args[-1])
         with batch_rows(rows):
             settings = getattr(model.optimizer, "_unison_settings", None)
             if overlap is None or settings is None:
@@ -243,6 +241,13 @@ def _rows_step(model: Any, step: Callable[..., Any], overlap: Any = None) -> Cal
             return overlap.step(rows, settings, lambda: step(*args))
 
     return train_step
+
+
+def batch_rows_of(data: Any) -> Any:
+    """This rank's rows in a step's batch (``data`` as a train step gets it), or None without inputs."""
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+    leaves = [t for t in keras.tree.flatten(x) if t is not None]
+    return _host.rows_of(leaves[0]) if leaves else None
 
 
 def _jax_train_function(model: Any, original: Callable[..., Any]) -> Callable[..., Any]:

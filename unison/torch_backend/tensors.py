@@ -32,9 +32,6 @@ _TYPESTR = {torch.float32: "<f4", torch.float64: "<f8", torch.float16: "<f2", to
             torch.int32: "<i4", torch.int16: "<i2", torch.int8: "|i1", torch.uint8: "|u1",
             torch.bool: "|b1", torch.bfloat16: "<i2"}
 
-
-
-
 #: numpy dtypes torch.from_numpy takes as they are: those of the tensors :func:`to_numpy` reads directly
 _NUMPY_NATIVE = frozenset(np.dtype(typestr) for typestr in _TYPESTR.values())
 
