@@ -68,8 +68,11 @@ def ratio_target(what: str, mine: float | None, theirs: float | None, minimum: f
     """A target line ``  what = 1.23  (target >= minimum)  PASS``, or "n/a   not measured"."""
     if mine is None or theirs is None:
         return f"  {what} = n/a   not measured"
-    verdict = "PASS" if mine / theirs >= minimum else "MISS"
-    return f"  {what} = {mine / theirs:.2f}  (target >= {minimum})  {verdict}{note}"
+    ratio = mine / theirs
+    verdict = "PASS" if ratio >= minimum else "MISS"
+    # two decimals, unless rounding would print the threshold itself for a miss (0.998 as "1.00")
+    digits = 2 if verdict == "PASS" or round(ratio, 2) < minimum else 3
+    return f"  {what} = {ratio:.{digits}f}  (target >= {minimum})  {verdict}{note}"
 
 
 def kill_group(proc: subprocess.Popen[str]) -> None:

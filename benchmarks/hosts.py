@@ -40,7 +40,9 @@ What it does, per link (``1gbit``: each host's link limited by ``tc tbf`` to 1 G
    (``MPI_Allgatherv``/``MPI_Bcast``) at 4 and 64 MiB in all (4 rounds after a warm-up; the
    broadcast from rank 2, on the second host), results checked.
 5. Training: the ``mlp`` of ``benchmarks/torch_training.py`` (20M parameters, batch 64 per rank),
-   ``unison`` (``DistributedOptimizer``, default settings) against ``ddp-gloo``.
+   ``unison`` (``DistributedOptimizer``, default settings) against ``ddp-gloo``: both models
+   built and warmed up, then 4 rounds (quick: 2) in which they take turns for 4 steps (quick: 2);
+   samples/s is each one's median round, and every rank must end with the same weights.
 
 Outputs: tables, the model's predictions next to the measured ring and hierarchical times, the
 targets (lines ending PASS or MISS), ``--json`` records ``{op, impl, hosts, ranks_per_host, link,
@@ -125,7 +127,11 @@ class TrainRecord:
     impl: str
     hosts: int
     link: str
+    #: the median over the rounds; the slowest and fastest round's rate, and their count
     samples_per_s: float
+    min_samples_per_s: float = math.nan
+    max_samples_per_s: float = math.nan
+    rounds: int = 0
 
 
 def busbw(nbytes: int, n: int, t: float) -> float:
@@ -463,16 +469,44 @@ def _raise_if(err: str) -> None:
         raise ValueError(err)
 
 
-def run_training(world: Any, hvd: Any, impl: str, args: argparse.Namespace) -> float:
-    """samples/s of the torch benchmark's mlp with ``impl`` on all ranks."""
+def run_training(world: Any, hvd: Any, impls: Sequence[str], args: argparse.Namespace,
+                 ) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """samples/s of the torch benchmark's mlp per impl and round, and each impl's failure.
+
+    Every impl's model is built and warmed up first; then ``args.train_rounds`` rounds, in
+    each of which the impls take turns for ``args.train_steps`` steps, so that a swing in the
+    machine's load (four ranks share two cores here) hits them alike. Every rank ends each
+    impl with the same weights, or it fails.
+    """
     import torch_training as tt
 
     batch = tt.DEFAULT_BATCH[TRAIN_MODEL]
     x, y = tt.synthetic_batch(TRAIN_MODEL, batch, world.Get_rank())
-    model, opt = tt.make_unison(TRAIN_MODEL, hvd) if impl == "unison" else tt.make_ddp(TRAIN_MODEL)
-    elapsed = tt.time_steps(world, tt.make_step(model, opt, x, y), args.train_warmup, args.train_steps)
-    tt.check_in_sync(world, model, f"{TRAIN_MODEL} {impl}")
-    return world.Get_size() * batch * args.train_steps / elapsed
+    steps, models, errors = {}, {}, {}
+    for impl in impls:
+        made, err = _agreed(world, lambda impl=impl: tt.make_unison(TRAIN_MODEL, hvd) if impl == "unison"
+                            else tt.make_ddp(TRAIN_MODEL))
+        if not err:
+            models[impl] = made[0]
+            step = tt.make_step(*made, x, y)
+            _, err = _agreed(world, lambda step=step: [step() for _ in range(args.train_warmup)])
+            steps[impl] = step
+        if err:
+            errors[impl] = err
+            steps.pop(impl, None)
+            models.pop(impl, None)
+    rates: dict[str, list[float]] = {impl: [] for impl in steps}
+    for _ in range(args.train_rounds):
+        for impl, step in steps.items():
+            elapsed = tt.time_steps(world, step, 0, args.train_steps)
+            rates[impl].append(world.Get_size() * batch * args.train_steps / elapsed)
+    for impl, model in models.items():
+        _, err = _agreed(world, lambda model=model, impl=impl: tt.check_in_sync(world, model,
+                                                                                f"{TRAIN_MODEL} {impl}"))
+        if err:
+            errors[impl] = err
+            rates.pop(impl, None)
+    return rates, errors
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -519,13 +553,14 @@ def worker(args: argparse.Namespace) -> int:
             part["failures"] += bad
     part["notes"] += [f"{impl} not measured: {why}" for impl, why in missing.items()
                       if why and impl in args.impls]
-    for impl in args.train_impls:
-        logger.info("training %s", impl)
-        try:
-            sps = run_training(world, hvd, impl, args)
-            part["train"].append(asdict(TrainRecord(TRAIN_MODEL, impl, HOSTS, args.link, sps)))
-        except RuntimeError as exc:
-            part["failures"].append(f"training {impl}: {exc}")
+    if args.train_impls:
+        logger.info("training %s: %d rounds of %d steps each, taking turns", ", ".join(args.train_impls),
+                    args.train_rounds, args.train_steps)
+        rates, errors = run_training(world, hvd, args.train_impls, args)
+        for impl, sps in rates.items():
+            part["train"].append(asdict(TrainRecord(TRAIN_MODEL, impl, HOSTS, args.link, float(np.median(sps)),
+                                                    min(sps), max(sps), len(sps))))
+        part["failures"] += [f"training {impl}: {err}" for impl, err in errors.items()]
     part["load_end"] = os.getloadavg()[0]
     if rank == 0:
         atomic_write(Path(args.part), lambda f: json.dump(part, f, indent=1), "w")
@@ -569,6 +604,7 @@ def run_link(link: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
              "--sizes", ",".join(map(str, sizes)), "--budget-s", str(args.budget_s),
              "--min-repeats", str(args.min_repeats), "--max-repeats", str(args.max_repeats),
              "--train-steps", str(args.train_steps), "--train-warmup", str(args.train_warmup),
+             "--train-rounds", str(args.train_rounds),
              "--cal-repeats", str(args.cal_repeats)]
     cmd = mpirun_command(made, wargs)
     logger.info("%s: %s", link, " ".join(cmd))
@@ -674,9 +710,12 @@ def print_model(rows: Sequence[Row]) -> None:
 
 
 def print_training(train: Sequence[TrainRecord]) -> None:
-    print(f"\n{'link':<10}{'model':<7}{'impl':<10}{'hosts':>6}{'samples/s':>12}")
+    print("\ntraining (the impls take turns; samples/s = median round)")
+    print(f"{'link':<10}{'model':<7}{'impl':<10}{'hosts':>6}{'samples/s':>12}{'slowest':>10}{'fastest':>10}"
+          f"{'rounds':>8}")
     for t in train:
-        print(f"{t.link:<10}{t.model:<7}{t.impl:<10}{t.hosts:>6}{t.samples_per_s:>12.1f}")
+        print(f"{t.link:<10}{t.model:<7}{t.impl:<10}{t.hosts:>6}{t.samples_per_s:>12.1f}"
+              f"{t.min_samples_per_s:>10.1f}{t.max_samples_per_s:>10.1f}{t.rounds:>8}")
 
 
 #: what unison-auto's choice is measured as, by name
@@ -822,7 +861,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("--link", "--part", "--master-addr", "--sizes"):
         p.add_argument(name, help=argparse.SUPPRESS)
     for name, kind in (("--budget-s", float), ("--min-repeats", int), ("--max-repeats", int),
-                       ("--train-steps", int), ("--train-warmup", int), ("--cal-repeats", int)):
+                       ("--train-steps", int), ("--train-warmup", int), ("--train-rounds", int),
+                       ("--cal-repeats", int)):
         p.add_argument(name, type=kind, default=None, help=argparse.SUPPRESS)
     return p
 
@@ -839,7 +879,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.sizes = list(SIZES_QUICK if args.quick else SIZES_FULL)
     args.budget_s = 0.5 if args.quick else 2.0
     args.min_repeats, args.max_repeats = (1, 3) if args.quick else (3, 10)
-    args.train_steps, args.train_warmup = (3, 1) if args.quick else (10, 2)
+    args.train_rounds, args.train_steps, args.train_warmup = (2, 2, 1) if args.quick else (4, 4, 2)
     args.cal_repeats = 5 if args.quick else 20
     args.timeout_s = args.timeout_s or MPIRUN_TIMEOUT_S[mode]
     if args.png is None and args.json is not None:
