@@ -23,7 +23,7 @@ test: venv
 
 # The inner-loop tier: no TensorFlow/PyTorch jobs, a minute or two.
 FAST_TESTS := tests/test_layers.py tests/test_elastic_driver.py tests/test_rankwatch.py tests/test_config.py tests/test_files.py tests/test_engine_files.py tests/test_adasum.py tests/test_single_process.py \
-	tests/test_pipeline_schedules.py tests/test_launcher.py tests/test_perfmodel.py tests/test_sharded_checkpoint.py tests/test_zero_plan.py tests/test_tensor_parallel_grid.py tests/test_tensor_parallel_render.py tests/test_data_parallel_plan.py tests/test_ps.py tests/test_collectives_mpi.py tests/test_engine_mpi.py
+	tests/test_pipeline_schedules.py tests/test_launcher.py tests/test_perfmodel.py tests/test_sharded_checkpoint.py tests/test_zero_plan.py tests/test_tensor_parallel_grid.py tests/test_tensor_parallel_render.py tests/test_data_parallel_plan.py tests/test_benchmark_helpers.py tests/test_ps.py tests/test_collectives_mpi.py tests/test_engine_mpi.py
 
 test-fast: venv
 	$(PY) -m pytest -q -p no:cacheprovider $(wildcard $(FAST_TESTS))
