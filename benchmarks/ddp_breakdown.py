@@ -30,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchutil import write_json  # noqa: E402
-from torch_training import DEFAULT_BATCH, LR, build_model, make_step, synthetic_batch, time_steps  # noqa: E402
+from torch_training import DEFAULT_BATCH, LR, build_model, make_step, synthetic_batch, time_in_turns  # noqa: E402
 
 CASES = ("compute-only", "ddp-unison", "ddp-gloo", "ddp-unison-bucket-view", "ddp-gloo-bucket-view",
          "unison-optimizer")
@@ -88,12 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     batch = DEFAULT_BATCH[args.model]
     x, y = synthetic_batch(args.model, batch, world.Get_rank())
     steps = {case: make_step(*wrap(case, build_model(args.model), gloo, hvd), x, y) for case in CASES}
-    best: dict[str, float] = {}
-    for turn in range(args.rounds):  # the cases take turns: this machine's speed drifts over minutes
-        for case, step in steps.items():
-            seconds = time_steps(world, step, args.warmup if turn == 0 else 1, args.steps)
-            best[case] = min(best.get(case, seconds), seconds)
-    records = [Record(args.model, case, world.Get_size(), batch, args.steps, best[case] / args.steps * 1e3)
+    times = time_in_turns(world, steps, args.rounds, args.steps, warmups=(args.warmup, 1))  # [Note: rounds]
+    records = [Record(args.model, case, world.Get_size(), batch, args.steps, min(times[case]) / args.steps * 1e3)
                for case in CASES]
     if world.Get_rank() == 0:
         print(f"{'model':<7}{'case':<26}{'np':>4}{'batch':>7}{'ms/step':>10}")

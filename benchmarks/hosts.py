@@ -482,30 +482,27 @@ def run_training(world: Any, hvd: Any, impls: Sequence[str], args: argparse.Name
 
     batch = tt.DEFAULT_BATCH[TRAIN_MODEL]
     x, y = tt.synthetic_batch(TRAIN_MODEL, batch, world.Get_rank())
-    steps, models, errors = {}, {}, {}
+    cases: dict[str, tuple[Any, Callable[[], None]]] = {}
+    errors: dict[str, str] = {}
     for impl in impls:
         made, err = _agreed(world, lambda impl=impl: tt.make_unison(TRAIN_MODEL, hvd) if impl == "unison"
                             else tt.make_ddp(TRAIN_MODEL))
         if not err:
-            models[impl] = made[0]
             step = tt.make_step(*made, x, y)
             _, err = _agreed(world, lambda step=step: [step() for _ in range(args.train_warmup)])
-            steps[impl] = step
         if err:
             errors[impl] = err
-            steps.pop(impl, None)
-            models.pop(impl, None)
-    rates: dict[str, list[float]] = {impl: [] for impl in steps}
-    for _ in range(args.train_rounds):
-        for impl, step in steps.items():
-            elapsed = tt.time_steps(world, step, 0, args.train_steps)
-            rates[impl].append(world.Get_size() * batch * args.train_steps / elapsed)
-    for impl, model in models.items():
+        else:
+            cases[impl] = (made[0], step)
+    times = tt.time_in_turns(world, {impl: step for impl, (_, step) in cases.items()}, args.train_rounds,
+                             args.train_steps)
+    rates = {impl: [world.Get_size() * batch * args.train_steps / t for t in ts] for impl, ts in times.items()}
+    for impl, (model, _) in cases.items():
         _, err = _agreed(world, lambda model=model, impl=impl: tt.check_in_sync(world, model,
                                                                                 f"{TRAIN_MODEL} {impl}"))
         if err:
             errors[impl] = err
-            rates.pop(impl, None)
+            rates.pop(impl)
     return rates, errors
 
 

@@ -44,6 +44,7 @@ from torch_training import (  # noqa: E402
     make_step,
     make_unison,
     synthetic_batch,
+    time_in_turns,
     time_steps,
 )
 
@@ -154,17 +155,12 @@ def run_training(world: Any, hvd: Any, groups: dict[str, Any], models: list[str]
             step = make_step(model, opt, x, y)
             time_steps(world, step, args.warmup, 1)  # warm-up (and one step) before any timing
             cases.append((impl, step, checked))
-        # [Note: rounds] the impls take turns, --rounds times, and each keeps its fastest round: this
-        # machine's speed moves by tens of percent over minutes, and impls timed one after the other
-        # in one pass would each meet a different phase of it
-        best = {impl: float("inf") for impl in impls}
-        for _ in range(args.rounds):
-            for impl, step, _ in cases:
-                best[impl] = min(best[impl], time_steps(world, step, 0, args.steps))
+        # [Note: rounds] (torch_training.time_in_turns): each impl keeps its fastest round
+        times = time_in_turns(world, {impl: step for impl, step, _ in cases}, args.rounds, args.steps)
         for impl, _, checked in cases:
             if checked is not None:
                 check_in_sync(world, checked, f"{name} {impl}")
-            records.append(TrainRecord(name, impl, n, batch, n * batch * args.steps / best[impl]))
+            records.append(TrainRecord(name, impl, n, batch, n * batch * args.steps / min(times[impl])))
     return records
 
 

@@ -52,7 +52,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -190,6 +190,23 @@ def time_steps(world: Any, step: Callable[[], None], warmup: int, steps: int) ->
     elapsed = time.perf_counter() - t0
     world.Barrier()
     return float(world.allreduce(elapsed, op=MPI.MAX))
+
+
+
+def time_in_turns(world: Any, steps: Mapping[str, Callable[[], None]], rounds: int, n: int,
+                  warmups: tuple[int, int] = (0, 0)) -> dict[str, list[float]]:
+    """Seconds of each round of ``n`` steps per case, the cases taking turns ``rounds`` times.
+
+    [Note: rounds] This machine's speed moves by tens of percent over minutes: cases timed one
+    after the other in one pass would each meet a different phase of it, so each round runs
+    every case once. ``warmups``: untimed steps of each case before its first round, and before
+    each later one.
+    """
+    times: dict[str, list[float]] = {case: [] for case in steps}
+    for turn in range(rounds):
+        for case, step in steps.items():
+            times[case].append(time_steps(world, step, warmups[0] if turn == 0 else warmups[1], n))
+    return times
 
 
 def check_in_sync(world: Any, model: Any, case: str) -> None:
