@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from unison.common.ps import SSP, Adagrad, Adam, consistency
+from unison.common.ps import SGD, SSP, Adagrad, Adam, consistency
 from unison.common.ps.shard import initial_rows, merge
 from unison.common.ps.sharding import Sharding, block_bounds
 
@@ -60,6 +60,35 @@ def test_merge_sums_what_sources_sent_for_the_same_row():
     np.testing.assert_array_equal(s, [3, 1])
     s, g = merge(np.zeros(0, np.int64), np.zeros((0, 2)), np.array([0, 0]))
     assert s.shape == (0,) and g.shape == (0, 2)
+
+
+@pytest.mark.parametrize("sorted_sources", [True, False])
+def test_merge_matches_add_at_on_many_overlapping_sources(sorted_sources):
+    rng = np.random.default_rng(7)
+    parts = [rng.choice(200, size=int(n), replace=False) for n in rng.integers(0, 60, 5)]
+    if sorted_sources:  # as workers send them (np.unique's order); unsorted ones are only slower
+        parts = [np.sort(p) for p in parts]
+    storage = np.concatenate(parts).astype(np.int64)
+    grads = rng.normal(size=(len(storage), 3))
+    ref = np.zeros((200, 3))
+    np.add.at(ref, storage, grads)
+    s, g = merge(storage, grads, np.array([len(p) for p in parts]))
+    np.testing.assert_array_equal(s, np.unique(storage))
+    np.testing.assert_allclose(g, ref[s], rtol=1e-12)
+
+
+@pytest.mark.parametrize("opt", [SGD(lr=0.3), Adagrad(lr=0.3), Adam(lr=0.3)], ids=lambda o: type(o).__name__)
+def test_optimizer_scale_equals_scaled_gradients(opt):
+    rng = np.random.default_rng(1)
+    w0 = rng.normal(size=(5, 4)).astype(np.float32)
+    rows, g = np.array([0, 3, 4]), rng.normal(size=(3, 4)).astype(np.float32)
+    a, b = w0.copy(), w0.copy()
+    sa, sb = opt.init_state(5, 4, a.dtype), opt.init_state(5, 4, b.dtype)
+    for _ in range(3):
+        opt.apply(a, sa, rows, g, 0.25)
+        opt.apply(b, sb, rows, g * np.float32(0.25))
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+    assert not np.allclose(a, w0)
 
 
 def test_adagrad_matches_torch_dense_on_touched_rows():

@@ -18,6 +18,10 @@ import numpy as np
 __all__ = ["SGD", "Adagrad", "Adam", "Optimizer", "optimizer_from_config"]
 
 
+def _scaled(grads: np.ndarray, scale: float) -> np.ndarray:
+    return grads if scale == 1.0 else grads * np.asarray(scale, grads.dtype)
+
+
 @dataclass
 class Optimizer:
     """Base: ``state_names`` are per-row arrays of the shard's shape (``steps`` is per row, 1-D)."""
@@ -33,9 +37,10 @@ class Optimizer:
         return {}
 
     def apply(
-        self, weights: np.ndarray, state: dict[str, np.ndarray], local: np.ndarray, grads: np.ndarray
+        self, weights: np.ndarray, state: dict[str, np.ndarray], local: np.ndarray, grads: np.ndarray,
+        scale: float = 1.0,
     ) -> None:
-        """Update ``weights[local]`` (unique local rows) with ``grads`` in place."""
+        """Update ``weights[local]`` (unique local rows) with ``scale * grads`` in place."""
         raise NotImplementedError
 
     def config(self) -> dict[str, Any]:
@@ -49,9 +54,10 @@ class SGD(Optimizer):
     """``w -= lr * g`` on the pushed rows."""
 
     def apply(
-        self, weights: np.ndarray, state: dict[str, np.ndarray], local: np.ndarray, grads: np.ndarray
+        self, weights: np.ndarray, state: dict[str, np.ndarray], local: np.ndarray, grads: np.ndarray,
+        scale: float = 1.0,
     ) -> None:
-        weights[local] -= np.asarray(self.lr, weights.dtype) * grads
+        weights[local] -= np.asarray(self.lr * scale, weights.dtype) * grads  # one pass over the rows
 
 
 @dataclass
@@ -69,8 +75,10 @@ class Adagrad(Optimizer):
         return {"sum": np.full((rows, dim), self.initial_accumulator_value, dtype)}
 
     def apply(
-        self, weights: np.ndarray, state: dict[str, np.ndarray], local: np.ndarray, grads: np.ndarray
+        self, weights: np.ndarray, state: dict[str, np.ndarray], local: np.ndarray, grads: np.ndarray,
+        scale: float = 1.0,
     ) -> None:
+        grads = _scaled(grads, scale)
         acc = state["sum"][local] + grads * grads
         state["sum"][local] = acc
         weights[local] -= (
@@ -103,8 +111,10 @@ class Adam(Optimizer):
         }
 
     def apply(
-        self, weights: np.ndarray, state: dict[str, np.ndarray], local: np.ndarray, grads: np.ndarray
+        self, weights: np.ndarray, state: dict[str, np.ndarray], local: np.ndarray, grads: np.ndarray,
+        scale: float = 1.0,
     ) -> None:
+        grads = _scaled(grads, scale)
         t = state["steps"][local] + 1
         state["steps"][local] = t
         m = self.beta1 * state["m"][local] + (1.0 - self.beta1) * grads

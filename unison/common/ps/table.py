@@ -360,17 +360,26 @@ class ShardedTable:
 
     # ------------------------------------------------------------------ the operations
 
-    def _route(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _route(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """Keys -> (their unique storage indices, sorted: grouped by server; rows per server; each key's place).
 
         Storage order is a bijection of the keys, so the unique storage indices are the unique
-        keys, already in the order the servers hold them (one sort for both).
+        keys, already in the order the servers hold them (one sort for both). Keys that are
+        already unique and sorted under row sharding (``ShardedEmbedding`` pushes and pulls
+        ``np.unique``'s output) are their own storage order: the place is None (the identity), which
+        spares a sort, gathering the pulled rows into place and permuting the pushed ones.
         """
-        storage, inverse = np.unique(self.sharding.storage(keys.reshape(-1)), return_inverse=True)
+        flat = self.sharding.storage(keys.reshape(-1))
+        inverse: np.ndarray | None = None
+        if self.sharding.kind == "row" and bool(np.all(flat[1:] > flat[:-1])):
+            storage = flat
+        else:
+            storage, inverse = np.unique(flat, return_inverse=True)
+            inverse = inverse.reshape(-1)
         counts = np.diff(np.searchsorted(storage, self.sharding.bounds()))
         full = np.zeros(self.size, np.int64)
         full[self.servers] = counts
-        return storage, full, inverse.reshape(-1)
+        return storage, full, inverse
 
     def _pull(self, keys: Any) -> np.ndarray:
         arr, _, problem = self._validate(keys, None, "pull")
@@ -442,7 +451,7 @@ class ShardedTable:
     def _operate(self, op: int, keys: np.ndarray, flat: np.ndarray | None, problem: str | None) -> Any:
         self._check_peers()
         storage, counts, inverse = self._route(keys)
-        g = None if flat is None else _sum_by(inverse, flat, len(storage))
+        g = flat if flat is None or inverse is None else _sum_by(inverse, flat, len(storage))
         self._stats["keys"] += int(keys.size)
         if self.consistency.collective:
             rows = self._bsp(op, storage, counts, g, problem)
@@ -452,7 +461,7 @@ class ShardedTable:
             return None
         if op != ex.PUSH:
             self._stats["rows_pulled"] += len(storage)
-        return rows[inverse].reshape(keys.shape + (self.dim,))
+        return (rows if inverse is None else rows[inverse]).reshape(keys.shape + (self.dim,))
 
     def _advance(self) -> None:
         self._clock += 1
