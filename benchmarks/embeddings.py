@@ -44,7 +44,7 @@ What is measured (every case in the same MPI job, one after another, on every ra
 * ``dense-allreduce``: ``nn.Embedding(rows, dim)`` (dense gradient) + ``unison.torch_backend.
   DistributedOptimizer(SGD)``: the whole ``rows x dim`` gradient is all-reduced through the engine
   every step. Its bytes are the ring all-reduce estimate ``2 (n-1)/n x table bytes`` per rank.
-  It is slow, so it runs ``--dense-steps`` steps.
+  It is slow, so it runs ``--dense-steps`` steps (default 8: its step time varies by a third between runs).
 * ``torch-sparse``: ``nn.Embedding(rows, dim, sparse=True)`` + ``DistributedOptimizer(SGD)``, which
   all-gathers each rank's coalesced sparse gradient (indices int64 + values); bytes per rank =
   ``(n-1)/n x`` the sum over ranks of ``nnz x (8 + 4 dim)`` (each rank's part reaches n-1 others).
@@ -637,7 +637,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--impls", type=list_choices(IMPLS), nargs="+", default=[list(IMPLS)],
                    help=f"impls (default all: {','.join(IMPLS)})")
     p.add_argument("--steps", type=int, default=40, help="timed steps per case (default 40)")
-    p.add_argument("--dense-steps", type=int, default=3, help="timed steps of dense-allreduce (default 3)")
+    p.add_argument("--dense-steps", type=int, default=8, help="timed steps of dense-allreduce (default 8)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     p.add_argument("--batches", type=int, default=8, help="distinct batches per rank, cycled (default 8)")
     p.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of the keys (default 1.0)")

@@ -7,6 +7,7 @@ and at 2 (which loads what the 4 ranks saved). Every rank must agree on every ou
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import numpy as np
@@ -142,6 +143,38 @@ def test_async_handles_run_in_order():
         h2 = table.pull_async(k)
         h1.wait()
         np.testing.assert_allclose(h2.wait(), -1.0)  # the push is applied (averaged over N workers) first
+
+
+@pytest.mark.parametrize("consistency", ["bsp", "ssp"])
+def test_blocking_calls_run_inline_when_idle_and_behind_queued_ones(consistency):
+    """[Note: inline operations]: a blocking call runs on the caller's thread when nothing is
+    queued, and behind the queued operations (on the executor) when something is."""
+    cons = "bsp" if consistency == "bsp" else ps.SSP(1)
+    with ps.ShardedTable(ROWS, DIM, optimizer=ps.SGD(lr=1.0), initializer="zeros", name=f"inline-{consistency}",
+                         consistency=cons) as table:
+        threads = []
+        real_pull = table._pull
+
+        def pull(keys):
+            threads.append(threading.current_thread())
+            return real_pull(keys)
+
+        table._pull = pull
+        k = np.arange(12)
+        table.pull(k)  # nothing queued: inline
+        assert threads[-1] is threading.current_thread()
+        for step in range(1, 4):  # queued pushes, then a blocking pull that must see all of them
+            handles = [table.push_async(k, np.ones((12, DIM), np.float32)) for _ in range(2)]
+            rows = table.pull(k)
+            assert threads[-1] is not threading.current_thread()
+            if consistency == "bsp":
+                np.testing.assert_allclose(rows, -2.0 * step)
+            for h in handles:
+                h.wait()
+        table.barrier()
+        np.testing.assert_allclose(table.pull(k), -6.0)
+        assert threads[-1] is threading.current_thread()
+        assert table._queued == 0
 
 
 def test_adam_is_lazy_per_row():

@@ -220,6 +220,9 @@ class ShardedTable:
             if self.is_worker:
                 self._server.start()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"unison-ps-{self.name}")
+        self._op_lock = threading.Lock()  # held by the one operation running ([Note: inline operations])
+        self._queued = 0  # operations submitted to the executor and not finished
+        self._queued_lock = threading.Lock()
         self.closed = False
 
     # ------------------------------------------------------------------ checks
@@ -308,18 +311,18 @@ class ShardedTable:
 
     def pull(self, keys: Any) -> np.ndarray:
         """The rows of ``keys`` (any shape of ints): an array ``keys.shape + (dim,)``."""
-        return self.pull_async(keys).wait()
+        return self._call("pull", self._pull, keys)
 
     def push(self, keys: Any, grads: Any, clock: bool = True) -> None:
         """Apply the gradient rows ``grads`` (``keys.shape + (dim,)``) through the server-side optimizer.
 
         Duplicate keys are summed first. ``clock`` ends this worker's step (SSP/ASP).
         """
-        self.push_async(keys, grads, clock).wait()
+        self._call("push", self._push, keys, grads, clock)
 
     def push_pull(self, keys: Any, grads: Any) -> np.ndarray:
         """Push ``grads`` of ``keys``, then return the updated rows of the same keys (one key exchange)."""
-        return self.push_pull_async(keys, grads).wait()
+        return self._call("push_pull", self._push_pull, keys, grads)
 
     def pull_async(self, keys: Any) -> Handle:
         return self._submit("pull", self._pull, keys)
@@ -332,7 +335,7 @@ class ShardedTable:
 
     def clock(self) -> None:
         """End this worker's step by hand (after pushes given ``clock=False``)."""
-        self._submit("clock", self._advance).wait()
+        self._call("clock", self._advance)
 
     def wait(self) -> None:
         """Wait for every operation submitted so far."""
@@ -349,14 +352,51 @@ class ShardedTable:
         for key in self._stats:
             self._stats[key] = 0.0 if key == "wait_seconds" else 0
 
-    def _submit(self, what: str, fn: Any, *args: Any) -> Handle:
+    # [Note: inline operations]
+    # Operations run one at a time, in the order issued: the *_async calls queue them on the
+    # table's executor thread. A blocking call (pull, push, barrier, ...) made while nothing is
+    # queued runs on the caller's thread instead: handing it to the executor and waking the caller
+    # afterwards cost two thread switches per call, which with more ranks than cores (each switch
+    # waiting for a time slice) was ~3 ms of a 50 ms step (benchmarks/embeddings.py, 4 ranks on 2
+    # cores). _op_lock is held by whichever operation runs, so an inline one and a queued one never
+    # overlap; a blocking call made while operations are queued goes through the queue behind them.
+
+    def _check_worker(self, what: str) -> None:
         self._check_open(what)
         if not self.is_worker:
             raise TableError(
                 f"rank {self.rank} is a dedicated server of table {self.name!r} (servers={self.servers}): "
                 f"it cannot {what}; call table.serve() there instead"
             )
-        return Handle(self._executor.submit(fn, *args))
+
+    def _locked(self, fn: Any, *args: Any) -> Any:
+        with self._op_lock:
+            return fn(*args)
+
+    def _queued_op(self, fn: Any, *args: Any) -> Any:
+        try:
+            return self._locked(fn, *args)
+        finally:
+            with self._queued_lock:
+                self._queued -= 1
+
+    def _submit(self, what: str, fn: Any, *args: Any) -> Handle:
+        self._check_worker(what)
+        with self._queued_lock:
+            self._queued += 1
+        try:
+            return Handle(self._executor.submit(self._queued_op, fn, *args))
+        except BaseException:
+            with self._queued_lock:
+                self._queued -= 1
+            raise
+
+    def _call(self, what: str, fn: Any, *args: Any) -> Any:
+        """A blocking operation: inline when nothing is queued, else behind the queued ones (see the Note)."""
+        self._check_worker(what)
+        if self._queued:
+            return self._submit(what, fn, *args).wait()
+        return self._locked(fn, *args)
 
     # ------------------------------------------------------------------ the operations
 
@@ -421,7 +461,7 @@ class ShardedTable:
     # cannot be agreed on as BSP's rounds do. The worker that meets it raises at once and sends the
     # message to every other worker on the table's error communicator; each of them raises the
     # same text (naming that rank) at its next pull or push on the table, once the message arrived
-    # (each probes for one first, on the table's executor thread, before any side effect; collective
+    # (each probes for one first, on the thread that runs the operation, before any side effect; collective
     # calls such as barrier() and save() never raise it, so no rank skips one the others are in). The
     # table stays usable on every rank afterwards, as under BSP.
 
@@ -616,14 +656,14 @@ class ShardedTable:
         Every push issued before the call (on any worker) is in the checkpoint. The folder loads
         on any number of ranks (:meth:`load`). Returns the committed manifest.
         """
-        return self._submit("save", self._checkpoint, ex.SAVE, path, metadata).wait()
+        return self._call("save", self._checkpoint, ex.SAVE, path, metadata)
 
     def load(self, path: Any) -> dict[str, Any]:
         """Replace the rows and optimizer state with the checkpoint at ``path`` (any rank count). Collective.
 
         Returns the metadata given to :meth:`save`.
         """
-        return self._submit("load", self._checkpoint, ex.LOAD, path, None).wait()
+        return self._call("load", self._checkpoint, ex.LOAD, path, None)
 
     def _checkpoint(self, op: int, path: Any, metadata: dict[str, Any] | None) -> Any:
         from unison.common.ps import checkpoint
@@ -652,7 +692,7 @@ class ShardedTable:
         marks every server, and a server acknowledges once all workers' marks (which follow
         their pushes) have arrived.
         """
-        self._submit("barrier", self._quiesce).wait()
+        self._call("barrier", self._quiesce)
 
     def _quiesce(self) -> None:
         if self.comm is None or self.consistency.collective:
@@ -721,7 +761,7 @@ class ShardedTable:
             return
         if not self.is_worker:
             raise TableError(f"table {self.name!r}: rank {self.rank} is a dedicated server; serve() closes it")
-        self._executor.submit(self._close_worker).result()
+        self._executor.submit(self._locked, self._close_worker).result()
         self._finish()
 
     def _close_worker(self) -> None:
