@@ -200,11 +200,13 @@ class Model:
 
 
 def unique_lookup(keys: Any) -> tuple[Any, Any]:
-    """The batch's unique keys (numpy) and each lookup's place among them (a torch index)."""
+    """The batch's unique keys (numpy) and each lookup's place among them (a torch index), as
+    ``ShardedEmbedding.forward`` computes them (``np.unique``: 0.3 ms on 20k keys, torch.unique 0.9)."""
+    import numpy as np
     import torch
 
-    unique, inverse = torch.unique(torch.from_numpy(keys), return_inverse=True)
-    return unique.numpy(), inverse
+    unique, inverse = np.unique(keys, return_inverse=True)
+    return unique, torch.from_numpy(inverse.reshape(-1))
 
 
 def timed(world: Any, run: Callable[[int], None], warmup: int, steps: int,

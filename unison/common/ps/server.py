@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from unison.common.ps.optimizers import rows_of
 from unison.common.ps.shard import Shard
 
 __all__ = ["Server", "PULL", "PUSH", "CLOCK", "FIN", "MARK", "DONE", "ACK_TAG", "HEADER", "pack", "NO_WAIT"]
@@ -126,7 +127,7 @@ class Server:
                 if slowest < need:
                     keep.append((source, request, need, storage))
                     continue
-                rows = self.shard.weights[storage - self.shard.lo]
+                rows = rows_of(self.shard.weights, storage - self.shard.lo)
                 reply = np.concatenate(
                     [np.array([slowest], np.int64).view(np.uint8), rows.reshape(-1).view(np.uint8)]
                 )

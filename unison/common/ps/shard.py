@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from unison.common.ps.optimizers import Optimizer
+from unison.common.ps.optimizers import Optimizer, rows_of
 from unison.common.ps.sharding import Sharding
 
 __all__ = ["Shard", "merge", "initial_rows"]
@@ -116,7 +116,7 @@ class Shard:
 
     def read(self, storage: np.ndarray) -> np.ndarray:
         with self.cond:
-            return self.weights[storage - self.lo]
+            return rows_of(self.weights, storage - self.lo)
 
     def apply(self, storage: np.ndarray, grads: np.ndarray, counts: np.ndarray | None = None,
               scale: float | None = None) -> None:

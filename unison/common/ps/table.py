@@ -21,7 +21,7 @@ from unison.common.exceptions import UnisonError
 from unison.common.ps import exchange as ex
 from unison.common.ps import server as sv
 from unison.common.ps.consistency import Consistency, consistency_from_name
-from unison.common.ps.optimizers import SGD, Optimizer
+from unison.common.ps.optimizers import SGD, Optimizer, rows_of
 from unison.common.ps.shard import Shard
 from unison.common.ps.sharding import Sharding
 
@@ -74,7 +74,7 @@ def _sum_by(inverse: np.ndarray, rows: np.ndarray, groups: int) -> np.ndarray:
         return out
     order = np.argsort(inverse, kind="stable")
     starts = np.flatnonzero(np.r_[True, np.diff(inverse[order]) != 0])
-    return np.add.reduceat(rows[order], starts, axis=0)
+    return np.add.reduceat(rows_of(rows, order), starts, axis=0)
 
 
 def _resolve_comm(comm: Any, process_set: Any) -> tuple[Any, Any]:
@@ -501,7 +501,7 @@ class ShardedTable:
             return None
         if op != ex.PUSH:
             self._stats["rows_pulled"] += len(storage)
-        return (rows if inverse is None else rows[inverse]).reshape(keys.shape + (self.dim,))
+        return (rows if inverse is None else rows_of(rows, inverse)).reshape(keys.shape + (self.dim,))
 
     def _advance(self) -> None:
         self._clock += 1
