@@ -567,11 +567,21 @@ def write_png(path: Path, records: Sequence[Record]) -> None:
     ok = [r for r in records if not r.error and r.steps_per_s > 0]
     fig, ax = plt.subplots(figsize=(10, 4.5))
     labels = [f"np{r.np} {'all' if r.impl == 'dense-allreduce' else f'{r.touched:.1%}'}\n{r.name}" for r in ok]
-    ax.bar(range(len(ok)), [r.steps_per_s for r in ok])
+    colors = {"unison-bsp": "tab:blue", "unison-ssp2": "tab:green", "dense-allreduce": "tab:red",
+              "torch-sparse": "tab:orange", MODEL_ONLY: "lightgrey"}
+    bars = ax.bar(range(len(ok)), [r.steps_per_s for r in ok], color=[colors[r.impl] for r in ok],
+                  edgecolor="black", linewidth=0.3)
+    for bar, r in zip(bars, ok, strict=True):
+        if r.slowed:
+            bar.set_hatch("//")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    ax.legend(handles, [f"{k} (ceiling: no table)" if k == MODEL_ONLY else k for k in colors],
+              fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_xticks(range(len(ok)), labels, rotation=90, fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("steps/s (log)")
-    ax.set_title("Embedding training: unison.ps vs dense all-reduce vs torch sparse all-gather")
+    ax.set_title("Embedding training: unison.ps vs dense all-reduce vs torch sparse all-gather "
+                 "(hatched: last rank slowed)", fontsize=9)
     fig.tight_layout()
     atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110), "wb")
     plt.close(fig)
