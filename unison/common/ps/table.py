@@ -17,6 +17,7 @@ import numpy as np
 
 from unison.common import runtime
 from unison.common.agreement import raise_together
+from unison.common.engine.controller import wait as wait_request
 from unison.common.exceptions import UnisonError
 from unison.common.ps import exchange as ex
 from unison.common.ps import server as sv
@@ -634,7 +635,8 @@ class ShardedTable:
                 else int(self.shard.clocks.min())
             )
             rows[part] = self.shard.read(storage[part])
-        self.mpi.Request.Waitall(waits)
+        for w in waits:  # brief spin, then sleeps: MPI's Waitall would spin (sched_yield) beside the model
+            wait_request(w)
         for r, reply in replies:
             slowest.append(int(reply[:8].view(np.int64)[0]))
             rows[starts[r] : starts[r + 1]] = reply[8:].view(self.dtype).reshape(-1, self.dim)
