@@ -35,6 +35,7 @@ bench: venv
 	$(VENV)/bin/unisonrun -np $(NP) $(PY) benchmarks/fusion.py --json out/fusion.json
 	$(VENV)/bin/unisonrun -np $(NP) $(PY) benchmarks/torch_training.py --json out/torch.json
 	$(VENV)/bin/unisonrun -np $(NP) $(PY) benchmarks/keras_training.py --json out/keras.json
+	$(VENV)/bin/unisonrun -np $(NP) $(PY) benchmarks/torch_distributed.py --json out/torch_distributed.json
 	$(PY) benchmarks/keras_backends.py --json out/keras_backends.json --png out/keras_backends.png
 	$(PY) benchmarks/pipeline.py --json out/pipeline.json --png-dir out/pipeline
 	$(PY) benchmarks/hosts.py --json out/hosts.json
