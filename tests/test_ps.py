@@ -118,3 +118,37 @@ def test_bad_settings_name_the_value():
         Sharding("cyclic", 10, 2)
     with pytest.raises(ValueError, match="consistency='eventual'"):
         consistency.consistency_from_name("eventual")
+
+
+def test_an_inline_operation_holds_one_ctrl_c_until_it_ends():
+    """[Note: inline operations]: a SIGINT inside is raised when the block ends; a second at once."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from unison.common.ps.table import _HeldInterrupt
+
+    finished = False
+    with pytest.raises(KeyboardInterrupt):
+        with _HeldInterrupt():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler runs here, and only holds it
+            finished = True
+    assert finished
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    reached = False
+    with pytest.raises(KeyboardInterrupt):
+        with _HeldInterrupt():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            reached = True
+    assert not reached  # the second Ctrl-C interrupts the block
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append(_HeldInterrupt().__enter__().previous))
+    worker.start()
+    worker.join()
+    assert seen == [None]  # off the main thread it changes nothing

@@ -436,6 +436,12 @@ class Engine:
         if self._stopping or self._woken or threading.current_thread() is self._thread:
             return  # (woken: the engine thread is about to run the cycle; racing it costs more)
         if not self._cycle_lock.acquire(blocking=False):
+            # another waiter's cycle: it may end without running this handle's request, which
+            # was submitted without waking the engine thread; wake it, to run the next cycle
+            with self._cv:
+                if self._sleeping:
+                    self._cv.notify()
+                    self._woken = True
             return
         error: BaseException | None = None
         stop = False
@@ -457,9 +463,9 @@ class Engine:
             self._cycle_lock.release()
         if error is not None and not isinstance(error, Exception):
             raise error
-        if not (stop or error is not None or handle._done):  # the engine thread goes on with it
+        if not (stop or error is not None):  # the engine thread goes on with what is left
             with self._cv:
-                if self._sleeping:
+                if self._sleeping and (self._queue or not handle._done):
                     self._cv.notify()
 
     def _run_cycle(self) -> bool:

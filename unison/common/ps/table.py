@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import signal
 import threading
 import time
 from collections.abc import Sequence
@@ -76,6 +77,37 @@ def _sum_by(inverse: np.ndarray, rows: np.ndarray, groups: int) -> np.ndarray:
     order = np.argsort(inverse, kind="stable")
     starts = np.flatnonzero(np.r_[True, np.diff(inverse[order]) != 0])
     return np.add.reduceat(rows_of(rows, order), starts, axis=0)
+
+
+class _HeldInterrupt:
+    """On the main thread, hold a SIGINT that arrives inside the block and deliver it on exit;
+    a second one is delivered at once ([Note: inline operations]). Elsewhere, or when SIGINT's
+    handler is not a Python callable (ignored, default, or set outside Python), it does nothing."""
+
+    def __enter__(self) -> _HeldInterrupt:
+        self.previous: Any = None
+        self.held: tuple[int, Any] | None = None
+        if threading.current_thread() is threading.main_thread():
+            handler = signal.getsignal(signal.SIGINT)
+            if callable(handler):
+                self.previous = handler
+                signal.signal(signal.SIGINT, self._hold)
+        return self
+
+    def _hold(self, signum: int, frame: Any) -> None:
+        if self.held is not None:  # the second: now
+            signal.signal(signal.SIGINT, self.previous)
+            self.previous(signum, frame)
+            return
+        self.held = (signum, frame)
+        logger.warning("Ctrl-C: the sharded table finishes its operation first (press again to interrupt it)")
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.previous is None or signal.getsignal(signal.SIGINT) != self._hold:
+            return
+        signal.signal(signal.SIGINT, self.previous)
+        if self.held is not None:
+            self.previous(*self.held)
 
 
 def _resolve_comm(comm: Any, process_set: Any) -> tuple[Any, Any]:
@@ -361,6 +393,11 @@ class ShardedTable:
     # waiting for a time slice) was ~3 ms of a 50 ms step (benchmarks/embeddings.py, 4 ranks on 2
     # cores). _op_lock is held by whichever operation runs, so an inline one and a queued one never
     # overlap; a blocking call made while operations are queued goes through the queue behind them.
+    # On the main thread, where Python raises KeyboardInterrupt, an inline operation holds a
+    # Ctrl-C until it has finished (_HeldInterrupt), as it would have finished on the executor:
+    # cut off mid-round, this rank would leave its peers inside the round's collectives, and a
+    # `except KeyboardInterrupt: table.save(...)` would meet them there. A second Ctrl-C is
+    # raised at once (a round whose peers are gone never finishes).
 
     def _check_worker(self, what: str) -> None:
         self._check_open(what)
@@ -372,6 +409,10 @@ class ShardedTable:
 
     def _locked(self, fn: Any, *args: Any) -> Any:
         with self._op_lock:
+            return fn(*args)
+
+    def _inline(self, fn: Any, *args: Any) -> Any:
+        with self._op_lock, _HeldInterrupt():
             return fn(*args)
 
     def _queued_op(self, fn: Any, *args: Any) -> Any:
@@ -387,7 +428,7 @@ class ShardedTable:
             self._queued += 1
         try:
             return Handle(self._executor.submit(self._queued_op, fn, *args))
-        except BaseException:
+        except Exception:  # not queued (a KeyboardInterrupt may come after it was: leave the count)
             with self._queued_lock:
                 self._queued -= 1
             raise
@@ -397,7 +438,7 @@ class ShardedTable:
         self._check_worker(what)
         if self._queued:
             return self._submit(what, fn, *args).wait()
-        return self._locked(fn, *args)
+        return self._inline(fn, *args)
 
     # ------------------------------------------------------------------ the operations
 
