@@ -390,9 +390,10 @@ class ShardedTable:
     # table's executor thread. A blocking call (pull, push, barrier, ...) made while nothing is
     # queued runs on the caller's thread instead: handing it to the executor and waking the caller
     # afterwards cost two thread switches per call, which with more ranks than cores (each switch
-    # waiting for a time slice) was ~3 ms of a 50 ms step (benchmarks/embeddings.py, 4 ranks on 2
-    # cores). _op_lock is held by whichever operation runs, so an inline one and a queued one never
-    # overlap; a blocking call made while operations are queued goes through the queue behind them.
+    # waiting for a time slice) was ~3 ms of a 72 ms step at 4 ranks on 2 cores and 1.6 ms of 53 at
+    # 2 (benchmarks/embeddings.py, 1% touched). _op_lock is held by whichever operation runs, so
+    # an inline one and a queued one never overlap; a blocking call made while operations are
+    # queued goes through the queue behind them.
     # On the main thread, where Python raises KeyboardInterrupt, an inline operation holds a
     # Ctrl-C until it has finished (_HeldInterrupt), as it would have finished on the executor:
     # cut off mid-round, this rank would leave its peers inside the round's collectives, and a
