@@ -362,7 +362,7 @@ def worker(args: argparse.Namespace) -> int:
     world = MPI.COMM_WORLD
     rank, n = world.Get_rank(), world.Get_size()
     model = Model(args.dim, args.compute_ms / 1e3, args.compute == "spin")
-    slow_rank = n - 1
+    slowed_by = args.slow if rank == n - 1 else 0.0  # the last rank is the slowed one
     out: list[dict[str, Any]] = []
 
     def record(touched: float, impl: str, slowed: bool, batches: list[Any], steps: int,
@@ -411,13 +411,11 @@ def worker(args: argparse.Namespace) -> int:
                    world, batches, model, 0.0, args)
         for impl in SLOWED:
             if impl in args.impls and args.slow > 0:
-                slow = args.slow if rank == slow_rank else 0.0
                 record(touched, impl, True, batches, args.steps, unison_case,
-                       world, impl, batches, model, slow, args, f"{impl}-{touched}-slow")
+                       world, impl, batches, model, slowed_by, args, f"{impl}-{touched}-slow")
         if "unison-ssp2" in args.impls and args.slow > 0:  # the ceiling of SSP's gain
-            slow = args.slow if rank == slow_rank else 0.0
             record(touched, MODEL_ONLY, True, batches, args.steps, model_only_case,
-                   world, batches, model, slow, args)
+                   world, batches, model, slowed_by, args)
     if rank == 0:
         atomic_write(args.out, lambda f: json.dump(out, f, indent=1), "w")
     world.Barrier()

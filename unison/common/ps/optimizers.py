@@ -24,6 +24,13 @@ def rows_of(array: np.ndarray, index: np.ndarray) -> np.ndarray:
     return np.take(array, index, axis=0)
 
 
+def _descend(weights: np.ndarray, local: np.ndarray, step: np.ndarray) -> None:
+    """``weights[local] -= step``, gathering the rows with :func:`rows_of`."""
+    rows = rows_of(weights, local)
+    rows -= step
+    weights[local] = rows
+
+
 def _scaled(grads: np.ndarray, scale: float) -> np.ndarray:
     return grads if scale == 1.0 else grads * np.asarray(scale, grads.dtype)
 
@@ -63,9 +70,7 @@ class SGD(Optimizer):
         self, weights: np.ndarray, state: dict[str, np.ndarray], local: np.ndarray, grads: np.ndarray,
         scale: float = 1.0,
     ) -> None:
-        rows = rows_of(weights, local)
-        rows -= np.asarray(self.lr * scale, weights.dtype) * grads  # the scale folded in: one pass fewer
-        weights[local] = rows
+        _descend(weights, local, np.asarray(self.lr * scale, weights.dtype) * grads)  # the scale folded in
 
 
 @dataclass
@@ -89,9 +94,8 @@ class Adagrad(Optimizer):
         grads = _scaled(grads, scale)
         acc = rows_of(state["sum"], local) + grads * grads
         state["sum"][local] = acc
-        rows = rows_of(weights, local)
-        rows -= np.asarray(self.lr, weights.dtype) * grads / (np.sqrt(acc) + np.asarray(self.eps, acc.dtype))
-        weights[local] = rows
+        _descend(weights, local,
+                 np.asarray(self.lr, weights.dtype) * grads / (np.sqrt(acc) + np.asarray(self.eps, acc.dtype)))
 
 
 @dataclass
@@ -131,9 +135,7 @@ class Adam(Optimizer):
         c1 = (1.0 - self.beta1 ** t.astype(np.float64))[:, None]
         c2 = (1.0 - self.beta2 ** t.astype(np.float64))[:, None]
         step = self.lr * (m / c1) / (np.sqrt(v / c2) + self.eps)
-        rows = rows_of(weights, local)
-        rows -= step.astype(weights.dtype)
-        weights[local] = rows
+        _descend(weights, local, step.astype(weights.dtype))
 
 
 _KINDS: dict[str, type[Optimizer]] = {"SGD": SGD, "Adagrad": Adagrad, "Adam": Adam}
