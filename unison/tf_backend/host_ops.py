@@ -165,8 +165,11 @@ def _reported_class(code: int) -> type:
     exception as an UnknownError and insists it stays one."""
     if code not in _reported:
         base = errors_impl.exception_type_from_error_code(code)
-        _reported[code] = type(base.__name__, (base, errors_impl.UnknownError),
-                               {"__module__": base.__module__, "__doc__": base.__doc__})
+        if issubclass(base, errors_impl.UnknownError):  # (a shut-down engine reports UnknownError,
+            _reported[code] = base                       # as Horovod's SHUT_DOWN_ERROR: kept as it is)
+        else:
+            _reported[code] = type(base.__name__, (base, errors_impl.UnknownError),
+                                   {"__module__": base.__module__, "__doc__": base.__doc__})
     return _reported[code]
 
 
@@ -235,8 +238,41 @@ class Many:
         return [h.wait() for h in self.handles]
 
 
-def _submit(start: Start, *arrays: np.ndarray) -> np.int64:
-    """Start a collective without waiting; returns the key :func:`_collect` takes."""
+class _Slot:
+    """One graph submit op's last submission, while its collect has not taken it."""
+
+    __slots__ = ("key",)
+
+    def __init__(self) -> None:
+        self.key: int | None = None
+
+
+def _submit(start: Start, *arrays: np.ndarray, slot: _Slot | None = None) -> np.int64:
+    """Start a collective without waiting; returns the key :func:`_collect` takes.
+
+    [Note: submits a session runs without their collects]
+    In a TF1 graph a collect waits for every older submit, and older collects for
+    every newer submit they cannot depend on (the deadlock rule of the module
+    docstring), so ``Session.run`` of one collective also runs the submits of the
+    graph's other collectives, whose collects it does not run: their results are
+    never taken, and the next run submits the same names again. So a graph submit
+    op keeps its last submission in ``slot``; if no collect took it when the op runs
+    again, it is dropped (no entry is left behind, one per run) after waiting for it
+    to finish: every rank submitted it in the same run, so it finishes, and the
+    name is free again (submitted while still in flight, it was refused as a
+    duplicate name on some ranks and waited for on the others, which then failed
+    when those ranks shut down). The cost left is the traffic of those extra
+    collectives (docs/horovod.md, TF1 graphs).
+    """
+    if slot is not None and slot.key is not None:
+        with _lock:
+            old = _pending.pop(slot.key, None)
+        slot.key = None
+        if old is not None and old[0] is not None:
+            try:
+                old[0].wait()
+            except Exception:  # noqa: BLE001 - nobody asked for its result (see the Note)
+                pass
     try:
         handle, finish = start(*arrays)
         entry: tuple[Any, Any, BaseException | None] = (handle, finish, None)
@@ -245,6 +281,8 @@ def _submit(start: Start, *arrays: np.ndarray) -> np.int64:
     with _lock:
         key = next(_keys)
         _pending[key] = entry
+    if slot is not None:
+        slot.key = key
     return np.int64(key)
 
 
@@ -256,7 +294,11 @@ def _collect(key: Any, in_graph: bool = False) -> list[np.ndarray]:
         _GraphOpError: ``in_graph``, the same, marked for :func:`_status_to_exception`.
     """
     with _lock:
-        handle, finish, error = _pending.pop(int(key))
+        entry = _pending.pop(int(key), None)
+    handle, finish, error = entry if entry is not None else (None, None, None)
+    if entry is None:
+        error = RuntimeError(f"collective {int(key)} was submitted again before its result was read: "
+                             "run a graph's collectives from one thread at a time")
     if error is None and finish is not None:
         try:
             return finish(handle.wait() if handle is not None else None)
@@ -280,7 +322,9 @@ def run(start: Start, inputs: Sequence[tf.Tensor], touts: Sequence[tf.DType],
         return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outs, touts, strict=True)]
     refuse_xla(name)
     op_name = _op_name(name)
-    key = tf.numpy_function(lambda *a: _submit(start, *a), list(inputs), tf.int64, stateful=True,
+    tf1 = getattr(tf.compat.v1.get_default_graph(), "experimental_acd_manager", None) is None
+    slot = _Slot() if tf1 else None  # (a tf.function runs every collect it submits)
+    key = tf.numpy_function(lambda *a: _submit(start, *a, slot=slot), list(inputs), tf.int64, stateful=True,
                             name=f"{op_name}_submit")
     _mark_submit(key.op)
     outs = tf.numpy_function(lambda k: _collect(k, in_graph=True), [key], list(touts), stateful=True,
@@ -288,7 +332,7 @@ def run(start: Start, inputs: Sequence[tf.Tensor], touts: Sequence[tf.DType],
     outs = outs if isinstance(outs, (list, tuple)) else [outs]
     for o, s in zip(outs, shapes, strict=True):
         o.set_shape(s)
-    if getattr(key.graph, "experimental_acd_manager", None) is None:
+    if tf1:
         # no program-order chain (a TF1 graph): wait for every older submit too (they cannot depend on it)
         for name in _submits.get(key.graph, ()):
             if name != key.op.name:
