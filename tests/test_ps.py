@@ -129,26 +129,35 @@ def test_an_inline_operation_holds_one_ctrl_c_until_it_ends():
 
     from unison.common.ps.table import _HeldInterrupt
 
-    finished = False
-    with pytest.raises(KeyboardInterrupt):
-        with _HeldInterrupt():
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.05)  # the handler runs here, and only holds it
-            finished = True
-    assert finished
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    reached = False
-    with pytest.raises(KeyboardInterrupt):
-        with _HeldInterrupt():
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.05)
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.05)
-            reached = True
-    assert not reached  # the second Ctrl-C interrupts the block
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    seen = []
-    worker = threading.Thread(target=lambda: seen.append(_HeldInterrupt().__enter__().previous))
-    worker.start()
-    worker.join()
-    assert seen == [None]  # off the main thread it changes nothing
+    # Python installs its Ctrl-C handler only when SIGINT is not ignored at start (a job started
+    # in the background of a script has it ignored): install it for this test, as a terminal has it
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        finished = False
+        with pytest.raises(KeyboardInterrupt):
+            with _HeldInterrupt():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)  # the handler runs here, and only holds it
+                finished = True
+        assert finished
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        reached = False
+        with pytest.raises(KeyboardInterrupt):
+            with _HeldInterrupt():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)
+                reached = True
+        assert not reached  # the second Ctrl-C interrupts the block
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        seen = []
+        worker = threading.Thread(target=lambda: seen.append(_HeldInterrupt().__enter__().previous))
+        worker.start()
+        worker.join()
+        assert seen == [None]  # off the main thread it changes nothing
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with _HeldInterrupt() as held:  # an ignored Ctrl-C stays ignored
+            assert held.previous is None and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, outer)
