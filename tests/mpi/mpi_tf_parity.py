@@ -598,6 +598,17 @@ def test_sync_batch_norm_matches_one_process_on_the_concatenated_batch(graph):
     np.testing.assert_allclose(layer.moving_variance.numpy(), 0.5 + 0.5 * var, rtol=1e-3)
 
 
+def test_graph_error_marker_names_the_class_and_never_raises_itself():
+    """[Note: error classes from graphs]: the marker picks the class, is removed from the message, and a
+    code with no class of its own (UNKNOWN) or none at all leaves an UnknownError instead of failing."""
+    marked = tf.errors.UnknownError(None, None, "boom [unison-tf-error-code=9]")
+    assert isinstance(marked, tf.errors.FailedPreconditionError) and marked.error_code == 9
+    assert marked.message == "boom"
+    for code in (2, 999):
+        kept = tf.errors.UnknownError(None, None, f"boom [unison-tf-error-code={code}]")
+        assert type(kept) is tf.errors.UnknownError and kept.message == "boom"
+
+
 # ---------------------------------------------------------------- a peer's shutdown
 @MULTI
 @MODES

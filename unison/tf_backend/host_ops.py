@@ -153,8 +153,12 @@ def _unknown_error_init(self: Any, *args: Any, **kwargs: Any) -> None:
     if found:
         code = int(found.group(1))
         self._message = self._message.replace(found.group(0), "")  # noqa: SLF001
+        try:
+            cls = _reported_class(code)
+        except Exception:  # noqa: BLE001 - raised here it would replace the op's error: keep UnknownError
+            return
         self._error_code = code  # noqa: SLF001
-        self.__class__ = _reported_class(code)
+        self.__class__ = cls
 
 
 _reported: dict[int, type] = {}
