@@ -441,6 +441,31 @@ def test_objects_and_global_variables():
         hvd.broadcast_global_variables(0)
 
 
+def test_tf1_broadcast_global_variables_is_an_op_that_assigns_the_roots_values():
+    """In a TF1 graph Horovod returns the broadcast as an op to run (nothing runs otherwise); then
+    training steps run without broadcasting again, and nothing is left pending."""
+    from unison.tf_backend import host_ops
+
+    graph = tf.Graph()
+    with graph.as_default():
+        w = tf.compat.v1.get_variable("w", initializer=tf.fill([3], float(R + 1)))
+        k = tf.compat.v1.get_variable("k", initializer=tf.fill([2], R + 5), dtype=tf.int32)
+        grad = tf.gradients(tf.reduce_sum(w * w), [w])[0]
+        train = tf.compat.v1.assign_sub(w, 0.1 * hvd.allreduce(grad, name="tf1b.grad"))
+        bcast = hvd.broadcast_global_variables(N - 1)
+        assert isinstance(bcast, tf.Operation)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(bcast)
+            np.testing.assert_array_equal(sess.run(w), np.full(3, float(N)))
+            np.testing.assert_array_equal(sess.run(k), np.full(2, N + 4))
+            before = len(host_ops._pending)
+            for _ in range(3):
+                within(60, lambda: sess.run(train))
+            np.testing.assert_allclose(sess.run(w), np.full(3, float(N) * 0.8 ** 3), rtol=1e-6)
+            assert len(host_ops._pending) <= before + len(graph.get_collection("variables")) + 1
+
+
 # ------------------------------------------------------------------------ queries, ops, process sets
 def test_build_queries_and_scalar_ops():
     assert hvd.mpi_built() and hvd.mpi_enabled()

@@ -46,11 +46,19 @@ _agreed_in_graphs: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
 
 
 def broadcast_variables(variables: Iterable[tf.Variable], root_rank: int,
-                        process_set: ProcessSet | None = None) -> None:
-    """Assign ``root_rank``'s values to every rank's variables (eager or in a ``tf.function``)."""
-    for i, var in enumerate(variables):
-        var.assign(broadcast(var, root_rank, name=f"broadcast_variables.{i}.{var.name}",
-                             process_set=process_set))
+                        process_set: ProcessSet | None = None) -> Any:
+    """Assign ``root_rank``'s values to every rank's variables.
+
+    Eagerly and in a ``tf.function`` the assignments run as they are made (None is returned,
+    as Horovod does eagerly); in a TF1 graph nothing runs until the session runs it, so the
+    assignments come back as one op to run, as Horovod's.
+    """
+    assigns = [var.assign(broadcast(var, root_rank, name=f"broadcast_variables.{i}.{var.name}",
+                                    process_set=process_set))
+               for i, var in enumerate(variables)]
+    if tf.executing_eagerly() or tf.inside_function():
+        return None
+    return tf.group(*assigns, name="broadcast_variables")
 
 
 def source_key(source: Any) -> Any:
