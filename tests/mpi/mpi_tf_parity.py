@@ -149,6 +149,25 @@ def test_tf1_session_running_one_collective_of_several_leaves_nothing_behind():
             assert len(host_ops._pending) <= before + 2
 
 
+def test_tf1_a_run_needs_only_what_its_own_collectives_need():
+    """[Note: TF1 graphs: which submits a collect waits for]: a run of one collective neither asks for
+    another one's placeholder nor advances another one's iterator."""
+    graph = tf.Graph()
+    with graph.as_default():
+        a = hvd.allreduce(tf.constant([1.0]), op=hvd.Sum, name="need.a")
+        x = tf.compat.v1.placeholder(tf.float32, [2])
+        b = hvd.allreduce(x, op=hvd.Sum, name="need.b")
+        it = tf.compat.v1.data.make_one_shot_iterator(tf.data.Dataset.range(10))
+        c = hvd.allreduce(tf.cast(it.get_next(), tf.float32), op=hvd.Sum, name="need.c")
+        d = hvd.allreduce(tf.constant([2.0]), op=hvd.Sum, name="need.d")
+        with tf.compat.v1.Session(graph=graph) as sess:
+            for _ in range(3):
+                np.testing.assert_allclose(within(60, lambda: sess.run(d)), [2.0 * N])
+            np.testing.assert_allclose(within(60, lambda: sess.run(a)), [1.0 * N])
+            np.testing.assert_allclose(within(60, lambda: sess.run(b, {x: [1.0, R]})), [N, sum(range(N))])
+            np.testing.assert_allclose(within(60, lambda: sess.run(c)), 0.0)  # its first element
+
+
 # ------------------------------------------------------------------------ dtypes
 def _values(dtype, n=4):
     base = np.arange(n) % 3 + R + 1
@@ -448,9 +467,10 @@ def test_tf1_broadcast_global_variables_is_an_op_that_assigns_the_roots_values()
 
     graph = tf.Graph()
     with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [3])  # the batch: the broadcast must not ask for it
         w = tf.compat.v1.get_variable("w", initializer=tf.fill([3], float(R + 1)))
         k = tf.compat.v1.get_variable("k", initializer=tf.fill([2], R + 5), dtype=tf.int32)
-        grad = tf.gradients(tf.reduce_sum(w * w), [w])[0]
+        grad = tf.gradients(tf.reduce_sum(x * w * w), [w])[0]
         train = tf.compat.v1.assign_sub(w, 0.1 * hvd.allreduce(grad, name="tf1b.grad"))
         bcast = hvd.broadcast_global_variables(N - 1)
         assert isinstance(bcast, tf.Operation)
@@ -461,7 +481,7 @@ def test_tf1_broadcast_global_variables_is_an_op_that_assigns_the_roots_values()
             np.testing.assert_array_equal(sess.run(k), np.full(2, N + 4))
             before = len(host_ops._pending)
             for _ in range(3):
-                within(60, lambda: sess.run(train))
+                within(60, lambda: sess.run(train, {x: np.ones(3)}))
             np.testing.assert_allclose(sess.run(w), np.full(3, float(N) * 0.8 ** 3), rtol=1e-6)
             assert len(host_ops._pending) <= before + len(graph.get_collection("variables")) + 1
 

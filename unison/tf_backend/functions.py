@@ -53,9 +53,10 @@ def broadcast_variables(variables: Iterable[tf.Variable], root_rank: int,
     as Horovod does eagerly); in a TF1 graph nothing runs until the session runs it, so the
     assignments come back as one op to run, as Horovod's.
     """
-    assigns = [var.assign(broadcast(var, root_rank, name=f"broadcast_variables.{i}.{var.name}",
-                                    process_set=process_set))
-               for i, var in enumerate(variables)]
+    with host_ops.isolated():  # a TF1 training step's collectives do not run these (host_ops' Note)
+        assigns = [var.assign(broadcast(var, root_rank, name=f"broadcast_variables.{i}.{var.name}",
+                                        process_set=process_set))
+                   for i, var in enumerate(variables)]
     if tf.executing_eagerly() or tf.inside_function():
         return None
     return tf.group(*assigns, name="broadcast_variables")

@@ -22,7 +22,8 @@ that S cannot depend on gets a control input from S: no collect starts while a
 submit it could wait for has not run. (Older submits come first anyway: each
 submit's collect is built right after it, and collects run in program order; in
 a graph without that chain, a TF1 graph, each collect gets them as control
-inputs.)
+inputs, as far as a session's run allows: [Note: TF1 graphs: which submits a
+collect waits for].)
 
 "Cannot depend" must hold in the final graph, after tf.function's automatic
 control dependencies (ACD) add their edges, which do not exist yet when S is
@@ -55,11 +56,12 @@ marker names, without the marker. Other errors are untouched.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import re
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -81,9 +83,15 @@ Start = Callable[..., tuple[Any, Callable[[Any], list[np.ndarray]]]]
 _lock = threading.Lock()  # callbacks run on several TensorFlow threads
 _pending: dict[int, tuple[Any, Callable[[Any], list[np.ndarray]] | None, BaseException | None]] = {}
 _keys = itertools.count(1)
-_collects: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+_collects: weakref.WeakKeyDictionary[Any, list[str]] = weakref.WeakKeyDictionary()  # names: an op would keep
+# its graph alive (a value of a WeakKeyDictionary that refers to its key keeps the key)
 _taints: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
 _submits: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+_needs: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
+_bits: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
+_groups: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+_slots: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+_local = threading.local()
 
 
 # ----------------------------------------------------------------------------- errors
@@ -148,6 +156,9 @@ _unknown_init = errors_impl.UnknownError.__init__
 
 def _unknown_error_init(self: Any, *args: Any, **kwargs: Any) -> None:
     """``UnknownError.__init__``, turning a marked error into the class it names (see the Note)."""
+    if type(self) in _made:  # created again by its class (a Session re-raises ``type(e)(node_def, op,
+        errors_impl.OpError.__init__(self, *args, **kwargs)  # message)``): the class's own code is in args
+        return
     _unknown_init(self, *args, **kwargs)
     found = _MARK.search(self._message or "")  # noqa: SLF001
     if found:
@@ -162,6 +173,7 @@ def _unknown_error_init(self: Any, *args: Any, **kwargs: Any) -> None:
 
 
 _reported: dict[int, type] = {}
+_made: set[type] = set()  # the classes _reported_class made
 
 
 def _reported_class(code: int) -> type:
@@ -174,6 +186,7 @@ def _reported_class(code: int) -> type:
         else:
             _reported[code] = type(base.__name__, (base, errors_impl.UnknownError),
                                    {"__module__": base.__module__, "__doc__": base.__doc__})
+            _made.add(_reported[code])
     return _reported[code]
 
 
@@ -255,18 +268,20 @@ def _submit(start: Start, *arrays: np.ndarray, slot: _Slot | None = None) -> np.
     """Start a collective without waiting; returns the key :func:`_collect` takes.
 
     [Note: submits a session runs without their collects]
-    In a TF1 graph a collect waits for every older submit, and older collects for
-    every newer submit they cannot depend on (the deadlock rule of the module
-    docstring), so ``Session.run`` of one collective also runs the submits of the
-    graph's other collectives, whose collects it does not run: their results are
-    never taken, and the next run submits the same names again. So a graph submit
+    In a TF1 graph a collect waits for other submits (the deadlock rule of the module
+    docstring, within [Note: TF1 graphs: which submits a collect waits for]), so
+    ``Session.run`` of one collective may also run the submits of others, whose
+    collects it does not run: their results are never taken, and the next run
+    submits the same names again. So a graph submit
     op keeps its last submission in ``slot``; if no collect took it when the op runs
     again, it is dropped (no entry is left behind, one per run) after waiting for it
     to finish: every rank submitted it in the same run, so it finishes, and the
     name is free again (submitted while still in flight, it was refused as a
     duplicate name on some ranks and waited for on the others, which then failed
     when those ranks shut down). The cost left is the traffic of those extra
-    collectives (docs/horovod.md, TF1 graphs).
+    collectives (docs/horovod.md, TF1 graphs). What a slot holds when its graph is
+    freed is dropped with it (though TensorFlow's registry of ``tf.custom_gradient``
+    functions, which our differentiable ops use, keeps a TF1 graph alive for good).
     """
     if slot is not None and slot.key is not None:
         with _lock:
@@ -326,8 +341,11 @@ def run(start: Start, inputs: Sequence[tf.Tensor], touts: Sequence[tf.DType],
         return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outs, touts, strict=True)]
     refuse_xla(name)
     op_name = _op_name(name)
-    tf1 = getattr(tf.compat.v1.get_default_graph(), "experimental_acd_manager", None) is None
+    graph = tf.compat.v1.get_default_graph()
+    tf1 = getattr(graph, "experimental_acd_manager", None) is None
     slot = _Slot() if tf1 else None  # (a tf.function runs every collect it submits)
+    if slot is not None:
+        _graph_slots(graph).append(slot)
     key = tf.numpy_function(lambda *a: _submit(start, *a, slot=slot), list(inputs), tf.int64, stateful=True,
                             name=f"{op_name}_submit")
     _mark_submit(key.op)
@@ -337,11 +355,14 @@ def run(start: Start, inputs: Sequence[tf.Tensor], touts: Sequence[tf.DType],
     for o, s in zip(outs, shapes, strict=True):
         o.set_shape(s)
     if tf1:
-        # no program-order chain (a TF1 graph): wait for every older submit too (they cannot depend on it)
+        # no program-order chain (a TF1 graph): wait for the older submits too (they cannot depend on
+        # it), those a run of this op can run at no cost ([Note: TF1 graphs: which submits a collect waits for])
         for name in _submits.get(key.graph, ()):
             if name != key.op.name:
-                outs[0].op._add_control_input(key.graph.get_operation_by_name(name))  # noqa: SLF001
-    _collects.setdefault(key.graph, []).append(outs[0].op)
+                older = key.graph.get_operation_by_name(name)
+                if _tf1_may_wait(key.op, older):
+                    outs[0].op._add_control_input(older)  # noqa: SLF001
+    _collects.setdefault(key.graph, []).append(outs[0].op.name)
     return list(outs)
 
 
@@ -420,13 +441,103 @@ def _mark_submit(op: Any) -> None:
     if manager is not None:
         manager.run_independently(op)
     _submits.setdefault(graph, set()).add(op.name)
+    _groups.setdefault(graph, {})[op.name] = getattr(_local, "group", None)
     collects = _collects.get(graph)
     if not collects:
         return
     taint = max([_taint(t.op) for t in op.inputs] + [_taint(c) for c in op.control_inputs] + [-1])
-    for c in collects:
-        if c._id > taint:  # noqa: SLF001 - op ids grow with creation order
-            c._add_control_input(op)  # noqa: SLF001
+    for c in map(graph.get_operation_by_name, collects):
+        if c._id > taint and (manager is not None or _tf1_may_wait(c.inputs[0].op, op)):  # noqa: SLF001
+            c._add_control_input(op)  # noqa: SLF001 - (op ids grow with creation order)
+
+
+# [Note: TF1 graphs: which submits a collect waits for]
+# A TF1 session runs only what its fetches need, control inputs included. A collect made to
+# wait for every other submit of the graph (the deadlock rule above) made a run of one
+# collective run the others' submits and everything they need: a placeholder only they read
+# had to be fed, an iterator only they read advanced (its element lost), a variable broadcast
+# built beside the training op ran at every step, and edges into a v1 cond or while loop broke
+# the graph. So in a TF1 graph the collect of submit S waits for another submit T only when a
+# run of S already runs everything T needs that is not free: every placeholder and every
+# stateful op among T's ancestors is among S's (constants and arithmetic on them are free), both
+# are outside v1 control flow, and both were built in the same isolation group (the broadcasts
+# of one broadcast_variables call are one group: they wait for each other, not for the
+# training step's collectives, nor it for them). What such an edge still adds is a collective
+# whose result nobody reads in that run (a metric's all-reduce, built from the loss, runs with
+# the gradients'): traffic, nothing else ([Note: submits a session runs without their
+# collects]). Collectives that need different placeholders or stateful ops and are run
+# together no longer wait for each other: they are deadlock-free as long as the ranks build
+# them in the same order or the session has an inter-op thread per collective that blocks.
+
+
+@contextlib.contextmanager
+def isolated() -> Iterator[None]:
+    """Collectives built inside form their own group in a TF1 graph (see the Note)."""
+    previous = getattr(_local, "group", None)
+    _local.group = object()
+    try:
+        yield
+    finally:
+        _local.group = previous
+
+
+def _tf1_may_wait(submit: Any, other: Any) -> bool:
+    """Whether a collect whose submit is ``submit`` may wait for the submit ``other`` (see the Note)."""
+    groups = _groups.get(submit.graph, {})
+    if groups.get(submit.name) is not groups.get(other.name):
+        return False
+    if submit._get_control_flow_context() is not None or other._get_control_flow_context() is not None:  # noqa: SLF001
+        return False
+    return _input_needs(other) & ~_input_needs(submit) == 0
+
+
+def _input_needs(op: Any) -> int:
+    """The placeholders and stateful ops among ``op``'s ancestors, as a bit set over the graph."""
+    needs = 0
+    for parent in [t.op for t in op.inputs] + list(op.control_inputs):
+        needs |= _needs_of(parent)
+    return needs
+
+
+def _needs_of(op: Any) -> int:
+    """``op`` (when it is a placeholder or stateful) and the same of its ancestors, as a bit set."""
+    memo = _needs.setdefault(op.graph, {})
+    if op.name in memo:
+        return memo[op.name]
+    bits = _bits.setdefault(op.graph, {})
+    stack = [(op, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if node.name in memo:
+            continue
+        parents = [t.op for t in node.inputs] + list(node.control_inputs)
+        if not expanded:
+            stack.append((node, True))
+            stack.extend((p, False) for p in parents if p.name not in memo)
+            continue
+        own = 0
+        if node._is_stateful or node.type in ("Placeholder", "PlaceholderWithDefault", "PlaceholderV2"):  # noqa: SLF001
+            own = 1 << bits.setdefault(node.name, len(bits))
+        for p in parents:
+            own |= memo.get(p.name, 0)
+        memo[node.name] = own
+    return memo[op.name]
+
+
+def _graph_slots(graph: Any) -> list[Any]:
+    """The graph's submit slots; what they still hold is dropped when the graph is freed."""
+    slots = _slots.get(graph)
+    if slots is None:
+        slots = _slots[graph] = []
+        weakref.finalize(graph, _drop_slots, slots)
+    return slots
+
+
+def _drop_slots(slots: list[Any]) -> None:
+    with _lock:
+        for slot in slots:
+            if slot.key is not None:
+                _pending.pop(slot.key, None)
 
 
 def _chained(op: Any) -> bool:
