@@ -654,6 +654,19 @@ def test_graph_error_marker_names_the_class_and_never_raises_itself():
         assert type(kept) is tf.errors.UnknownError and kept.message == "boom"
 
 
+def test_query_ops_in_a_graph_are_read_when_it_runs():
+    """Horovod's size_op and the others run when their graph runs: one built before init() works."""
+    hvd.shutdown()
+    graph = tf.Graph()
+    with graph.as_default():
+        queries = [hvd.size_op(), hvd.rank_op(), hvd.local_size_op(), hvd.local_rank_op(),
+                   hvd.process_set_included_op(0)]
+    hvd.init()
+    with tf.compat.v1.Session(graph=graph) as sess:
+        assert [int(v) for v in sess.run(queries)] == [N, R, hvd.local_size(), hvd.local_rank(), 1]
+    assert int(tf.function(hvd.size_op)()) == N and int(tf.function(hvd.rank_op)()) == R
+
+
 # ---------------------------------------------------------------- a peer's shutdown
 @MULTI
 @MODES

@@ -23,7 +23,7 @@ Gradients are Horovod 0.28's (``horovod/tensorflow/mpi_ops.py``):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -309,38 +309,51 @@ def _set_of(process_set: Any) -> ProcessSet | None:
     return _ps(process_set_by_id(int(process_set or 0)))
 
 
+def _query_op(value: Callable[[], int], name: str | None) -> tf.Tensor:
+    """An int32 scalar read when it runs, as Horovod's query ops: eagerly at once; in a graph
+    each time the graph runs (a graph may be built before ``init()``, or run after a re-init)."""
+    if tf.executing_eagerly():
+        return tf.constant(value(), dtype=tf.int32, name=name)
+    out = tf.numpy_function(lambda: np.int32(value()), [], tf.int32, stateful=True, name=name or "unison_query")
+    out.set_shape([])
+    return out
+
+
 def size_op(process_set_id: Any = 0, name: str | None = None) -> tf.Tensor:
     """The number of ranks (of the process set with this id, or a ProcessSet), as an int32 tensor."""
-    return tf.constant(set_size(_set_of(process_set_id)), dtype=tf.int32, name=name)
+    return _query_op(lambda: set_size(_set_of(process_set_id)), name)
 
 
 def local_size_op(name: str | None = None) -> tf.Tensor:
     """The number of ranks on this host, as an int32 tensor."""
     from unison.common import runtime
 
-    return tf.constant(runtime.local_size(), dtype=tf.int32, name=name)
+    return _query_op(runtime.local_size, name)
 
 
 def rank_op(name: str | None = None) -> tf.Tensor:
     """This process's rank, as an int32 tensor (a ProcessSet as ``name``: its rank in that set)."""
     if isinstance(name, ProcessSet):
-        return tf.constant(set_rank(_ps(name)), dtype=tf.int32)
-    return tf.constant(set_rank(None), dtype=tf.int32, name=name)
+        ps = name
+        return _query_op(lambda: set_rank(_ps(ps)), None)
+    return _query_op(lambda: set_rank(None), name)
 
 
 def local_rank_op(name: str | None = None) -> tf.Tensor:
     """This process's rank on its host, as an int32 tensor (Horovod 0.28 returns the global rank: a bug)."""
     from unison.common import runtime
 
-    return tf.constant(runtime.local_rank(), dtype=tf.int32, name=name)
+    return _query_op(runtime.local_rank, name)
 
 
 def process_set_included_op(process_set_id: Any = 0, name: str | None = None) -> tf.Tensor:
     """1 if this process belongs to the process set, else 0 (an int32 tensor).
 
     Raises:
-        ValueError: no registered process set has this id.
+        ValueError: no registered process set has this id (eagerly at once; in a graph when it runs).
     """
-    ps = process_set_id if isinstance(process_set_id, ProcessSet) else process_set_by_id(int(process_set_id))
-    return tf.constant(int(ps.included()), dtype=tf.int32, name=name)
+    def included() -> int:
+        ps = process_set_id if isinstance(process_set_id, ProcessSet) else process_set_by_id(int(process_set_id))
+        return int(ps.included())
+    return _query_op(included, name)
 
