@@ -545,8 +545,37 @@ def test_distributed_optimizer_checks_and_delegates():
         hvd.DistributedOptimizer(object())
     with pytest.raises(ValueError):
         hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Adasum)
-    with pytest.raises(NotImplementedError):
-        hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1))
+    for refused in ({"backward_passes_per_step": 2}, {"op": hvd.Adasum}):
+        with pytest.raises(NotImplementedError, match="not supported for TF1 optimizers"):
+            hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), **refused)
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True], ids=["sparse", "sparse_as_dense"])
+def test_tf1_distributed_optimizer_trains_as_one_process_on_the_global_batch(sparse_as_dense):
+    """Horovod's TF1 DistributedOptimizer: each rank's mean-loss gradients, averaged (an embedding's
+    IndexedSlices gathered, or made dense), step as one process on the ranks' batches together."""
+    rng = np.random.default_rng(0)
+    xs, ids = rng.normal(size=(N, 4, 3)).astype(np.float32), rng.integers(0, 5, size=(N, 4))
+    ys = rng.normal(size=(N, 4)).astype(np.float32)
+    w0, e0 = rng.normal(size=3).astype(np.float32), rng.normal(size=5).astype(np.float32)
+
+    def train(x, i, y, wrap):
+        graph = tf.Graph()
+        with graph.as_default():
+            w, e = tf.compat.v1.get_variable("w", initializer=w0), tf.compat.v1.get_variable("e", initializer=e0)
+            loss = tf.reduce_mean((tf.linalg.matvec(x, w) + tf.gather(e, i) - y) ** 2)
+            step = wrap(tf.compat.v1.train.MomentumOptimizer(0.1, momentum=0.9)).minimize(loss)
+            with tf.compat.v1.Session(graph=graph) as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                for _ in range(3):
+                    within(60, lambda: sess.run(step))
+                return sess.run([w, e])
+
+    got = train(xs[R], ids[R], ys[R], lambda o: hvd.DistributedOptimizer(
+        o, sparse_as_dense=sparse_as_dense, gradient_predivide_factor=2.0))
+    want = train(xs.reshape(-1, 3), ids.reshape(-1), ys.reshape(-1), lambda o: o)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
 def test_public_names_exist():

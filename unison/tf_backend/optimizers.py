@@ -3,8 +3,9 @@
 Horovod's TensorFlow ``DistributedOptimizer`` wraps a TF1 ``tf.compat.v1.train.Optimizer``
 itself and hands Keras optimizers to ``horovod.tensorflow.keras.DistributedOptimizer``.
 TensorFlow 2.21 with Keras 3 trains with Keras optimizers, so ours validates the
-arguments as Horovod does and delegates to ``unison.tf_backend.keras``; TF1 optimizers
-(graph-and-session training) are refused with a clear error.
+arguments as Horovod does and delegates Keras optimizers to ``unison.tf_backend.keras``;
+a TF1 optimizer (graph-and-session training) is wrapped by :class:`_DistributedTF1Optimizer`,
+whose ``compute_gradients`` all-reduces the gradients as one group.
 """
 
 from __future__ import annotations
@@ -54,8 +55,14 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
         raise ValueError(f"groups should be a non-negative integer or a list of list of tf.Variable; "
                          f"got {groups!r}")
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
-        raise NotImplementedError("TF1 optimizers (tf.compat.v1.train.Optimizer) are not supported; use a "
-                                  "Keras optimizer (keras.optimizers.*) or hvd.DistributedGradientTape")
+        refused = {"backward_passes_per_step": backward_passes_per_step != 1, "op=Adasum": is_adasum(op),
+                   "zero_stage": zero_stage != 0, "average_aggregated_gradients": average_aggregated_gradients}
+        if any(refused.values()):
+            raise NotImplementedError(f"DistributedOptimizer options {[k for k, v in refused.items() if v]} are "
+                                      "not supported for TF1 optimizers; leave them at their defaults, or "
+                                      "train with a Keras optimizer")
+        return _DistributedTF1Optimizer(optimizer, name, use_locking, compression, sparse_as_dense, op,
+                                        gradient_predivide_factor, process_set)
     import keras
 
     if not isinstance(optimizer, keras.optimizers.Optimizer):
@@ -78,3 +85,63 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
         raise NotImplementedError(f"DistributedOptimizer options {unsupported} are not supported yet for "
                                   "Keras optimizers; leave them at their defaults")
     return keras_wrapper(optimizer, **{k: v for k, v in given.items() if k in accepted})
+
+
+class _DistributedTF1Optimizer(tf.compat.v1.train.Optimizer):
+    """A TF1 optimizer whose gradients are all-reduced over the ranks before it applies them.
+
+    ``compute_gradients`` hands every gradient (dense, or ``tf.IndexedSlices``, which are
+    all-gathered unless ``sparse_as_dense``) to one ``grouped_allreduce``: one request for the
+    whole step, so no order of the graph's ops can deadlock the ranks. Everything else is the
+    wrapped optimizer's.
+    """
+
+    def __init__(self, optimizer: Any, name: str | None, use_locking: bool, compression: Any,
+                 sparse_as_dense: bool, op: Any, predivide: float, process_set: ProcessSet | None) -> None:
+        super().__init__(name=name or f"Distributed{type(optimizer).__name__}", use_locking=use_locking)
+        self._optimizer = optimizer
+        self._compression = compression
+        self._sparse_as_dense = sparse_as_dense
+        self._op = op
+        self._predivide = predivide
+        self._process_set = process_set
+
+    def compute_gradients(self, *args: Any, **kwargs: Any) -> list[tuple[Any, Any]]:
+        from unison.tf_backend.mpi_ops import grouped_allreduce
+
+        pairs = self._optimizer.compute_gradients(*args, **kwargs)
+        present = [i for i, (g, _) in enumerate(pairs) if g is not None]
+        if not present:
+            return pairs
+        grads = [pairs[i][0] for i in present]
+        if self._sparse_as_dense:
+            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+        # the predivide factor scales dense gradients before the sum and back after it (the same
+        # average, a smaller range on the wire); IndexedSlices are gathered, so there is no sum to scale
+        sparse = [k for k, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
+        dense = [k for k in range(len(grads)) if k not in set(sparse)]
+        scale = {} if self._predivide == 1.0 else {"prescale_factor": 1.0 / self._predivide,
+                                                   "postscale_factor": self._predivide}
+        reduced: list[Any] = [None] * len(grads)
+        for members, kwargs, tag in ((dense, scale, "allreduce"), (sparse, {}, "allreduce_sparse")):
+            if members:
+                outs = grouped_allreduce([grads[k] for k in members], op=self._op, compression=self._compression,
+                                         process_set=self._process_set, name=f"{self._name}_{tag}", **kwargs)
+                for k, g in zip(members, outs, strict=True):
+                    reduced[k] = g
+        out = list(pairs)
+        for i, g in zip(present, reduced, strict=True):
+            out[i] = (g, pairs[i][1])
+        return out
+
+    def apply_gradients(self, *args: Any, **kwargs: Any) -> Any:
+        return self._optimizer.apply_gradients(*args, **kwargs)
+
+    def get_slot(self, *args: Any, **kwargs: Any) -> Any:
+        return self._optimizer.get_slot(*args, **kwargs)
+
+    def get_slot_names(self, *args: Any, **kwargs: Any) -> Any:
+        return self._optimizer.get_slot_names(*args, **kwargs)
+
+    def variables(self, *args: Any, **kwargs: Any) -> Any:
+        return self._optimizer.variables(*args, **kwargs)
