@@ -149,6 +149,18 @@ def test_tf1_session_running_one_collective_of_several_leaves_nothing_behind():
             assert len(host_ops._pending) <= before + 2
 
 
+def test_broadcast_global_variables_hook_in_a_monitored_session():
+    """Horovod's hook for MonitoredTrainingSession (Horovod lacks it under TF 2.16+; TF1's hook class
+    is still in tf.compat.v1): every rank starts from the root's variables."""
+    with tf.Graph().as_default():
+        w = tf.compat.v1.get_variable("w", initializer=tf.fill([2], float(R + 1)))
+        step = tf.compat.v1.assign_add(w, hvd.allreduce(tf.ones([2]), op=hvd.Sum, name="hook.step"))
+        hook = hvd.BroadcastGlobalVariablesHook(N - 1)
+        with tf.compat.v1.train.MonitoredTrainingSession(hooks=[hook]) as sess:
+            np.testing.assert_array_equal(sess.run(w), [float(N)] * 2)
+            np.testing.assert_array_equal(within(60, lambda: sess.run(step)), [2.0 * N] * 2)
+
+
 def test_tf1_a_run_needs_only_what_its_own_collectives_need():
     """[Note: TF1 graphs: which submits a collect waits for]: a run of one collective neither asks for
     another one's placeholder nor advances another one's iterator."""

@@ -88,6 +88,7 @@ from unison.tf_backend.pipeline import (
 )
 from unison.tf_backend.strategy import UnisonStrategy
 from unison.tf_backend.variables import (
+    BroadcastGlobalVariablesHook,
     allgather_object,
     broadcast_,
     broadcast_global_variables,
@@ -103,7 +104,8 @@ __all__ = [
     "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_",
     "alltoall", "reducescatter", "grouped_reducescatter", "join", "barrier", "size_op", "local_size_op",
     "rank_op", "local_rank_op", "process_set_included_op", "broadcast_variables",
-    "broadcast_global_variables", "broadcast_object", "broadcast_object_fn", "allgather_object",
+    "broadcast_global_variables", "BroadcastGlobalVariablesHook", "broadcast_object", "broadcast_object_fn",
+    "allgather_object",
     "DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer", "UnisonStrategy",
     "Compression", "ProcessSet",
     "global_process_set",

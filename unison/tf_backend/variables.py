@@ -20,8 +20,8 @@ from unison.common.engine import objects
 from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.tf_backend.mpi_ops import _ps, broadcast
 
-__all__ = ["broadcast_", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
-           "allgather_object"]
+__all__ = ["broadcast_", "broadcast_global_variables", "BroadcastGlobalVariablesHook", "broadcast_object",
+           "broadcast_object_fn", "allgather_object"]
 
 
 def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None,
@@ -62,6 +62,29 @@ def broadcast_global_variables(root_rank: int) -> Any:
     from unison.tf_backend.functions import broadcast_variables
 
     return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
+
+
+class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
+    """Broadcast ``root_rank``'s global variables once the session is made (or its model restored).
+
+    Horovod's hook for ``tf.compat.v1.train.MonitoredTrainingSession``. Horovod 0.28 defines it
+    only where ``tf.estimator`` or TF1's ``tf.train.SessionRunHook`` exists, neither of which
+    TensorFlow 2.16+ has; TF1's hook class still lives in ``tf.compat.v1``, so it is here.
+    ``device`` is accepted for Horovod's signature (this library reduces on the host).
+    """
+
+    def __init__(self, root_rank: int, device: str = "") -> None:
+        super().__init__()
+        self.root_rank = root_rank
+        self.device = device
+        self.bcast_op: Any = None
+
+    def begin(self) -> None:
+        if self.bcast_op is None or self.bcast_op.graph is not tf.compat.v1.get_default_graph():
+            self.bcast_op = broadcast_global_variables(self.root_rank)
+
+    def after_create_session(self, session: Any, coord: Any) -> None:
+        session.run(self.bcast_op)
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: str | None = None,
