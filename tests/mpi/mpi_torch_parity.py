@@ -492,6 +492,46 @@ def test_broadcast_parameters_and_state_with_frozen_and_gradless_parameters():
     assert all(np.array_equal(e, flat) for e in WORLD.allgather(flat))
 
 
+def test_broadcast_parameters_takes_bare_tensors_as_horovod():
+    """``model.parameters()`` as well as pairs; a parameter of exactly two rows is not a pair."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.Linear(2, 2))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float(R))
+    hvd.broadcast_parameters(list(model.parameters()), root_rank=N - 1)
+    assert all(torch.equal(p, torch.full_like(p, float(N - 1))) for p in model.parameters())
+
+
+def test_optimizer_accumulation_is_never_lost_silently():
+    """``zero_grad`` between accumulated passes raises (Horovod asserts); ``load_state_dict`` starts the
+    count afresh (Horovod's override does)."""
+    model = _linear(0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), backward_passes_per_step=2)
+    x, y = _batch(R, 0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="backward_passes_per_step=2"):
+        opt.zero_grad()
+    opt.load_state_dict(opt.state_dict())
+    for _ in range(2):  # two passes again count as one step, not three
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_sync_batch_norm_tolerates_instances_only_some_ranks_build():
+    """Names follow the training calls, not construction: an extra (eval or EMA) copy on one rank
+    does not shift them."""
+    if R == 0:
+        hvd.SyncBatchNorm(3)
+    layer = hvd.SyncBatchNorm(3)
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(R))
+    out = layer(x)
+    every = torch.cat([torch.randn(4, 3, generator=torch.Generator().manual_seed(r)) for r in range(N)])
+    want = torch.nn.functional.batch_norm(every, None, None, training=True)[4 * R:4 * R + 4]
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+
+
 # ----------------------------------------------------------------- deliberate differences; join (last)
 
 @multi

@@ -21,14 +21,17 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str
     """Overwrite every rank's tensors with ``root_rank``'s, in place.
 
     Args:
-        params: ``model.state_dict()`` or ``model.named_parameters()``.
+        params: ``model.state_dict()``, ``model.named_parameters()`` or ``model.parameters()``.
         root_rank: the rank whose values win.
         prefix: prepended to the names the broadcasts are negotiated under.
 
     Raises:
         ValueError: ``params`` holds something other than tensors.
     """
-    items = sorted(params.items()) if isinstance(params, Mapping) else list(params)
+    if isinstance(params, Mapping):
+        items = sorted(params.items())
+    else:  # pairs, or bare tensors (model.parameters()), which Horovod takes too: named by position
+        items = [(f"param.{i}", p) if isinstance(p, torch.Tensor) else p for i, p in enumerate(params)]
     handles = []
     for name, p in items:
         if not isinstance(p, torch.Tensor):

@@ -236,11 +236,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, *args: Any, **kwargs: Any) -> None:
-        if self._pending:
+        if self._pending or any(left != self._passes for left in self._delay.values()):
             raise RuntimeError("optimizer.zero_grad() was called after loss.backward() but before "
                                "optimizer.step() or optimizer.synchronize(): the gradients are still "
-                               "being reduced. Call step() (or synchronize()) first")
+                               "being reduced (or accumulated over backward_passes_per_step="
+                               f"{self._passes} passes, which zeroing would lose). Call step() (or "
+                               "synchronize()) first")
         return super(self.__class__, self).zero_grad(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The wrapped optimizer's, then a fresh start: reductions in flight are waited for and
+        forgotten, and the next backward pass counts from one (as Horovod's)."""
+        for pend in self._pending.values():
+            for handle in pend.handle if isinstance(pend.handle, tuple) else (pend.handle,):
+                with contextlib.suppress(Exception):
+                    handle.wait()
+        self.reset_pending()
+        self._should_synchronize = True
+        super(self.__class__, self).load_state_dict(state_dict)
 
 
 def _check_combination(op: Any, compression: Any, backward_passes_per_step: int, num_groups: int,

@@ -134,11 +134,11 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
                  process_set: ProcessSet | None = None) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats)
         self.process_set = process_set
-        # names must match across ranks: instances are numbered in construction order
-        self._sbn_id = next(SyncBatchNorm._instances)
-        self._calls = 0
 
-    _instances = itertools.count()
+    # names must match across ranks: the training-mode forward calls are numbered in the order they
+    # run on each process set (as every rank runs them), not by instance, so a rank may build
+    # instances the others do not (an eval or EMA copy) without shifting every later name
+    _sequence: dict[int, itertools.count] = {}
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -149,8 +149,8 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         if not self.training and self.track_running_stats:
             return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias,
                                 False, 0.0, self.eps)
-        self._calls += 1
-        name = f"sync_batch_norm.{self._sbn_id}.{self._calls}"
+        sid = getattr(self.process_set, "process_set_id", None) or 0
+        name = f"sync_batch_norm.{sid}.{next(SyncBatchNorm._sequence.setdefault(sid, itertools.count()))}"
         cdt = _compute_dtype(input.dtype)
         with torch.no_grad():
             n, mean, m2 = self._global_moments(input.detach().to(cdt), name)
