@@ -519,6 +519,28 @@ def test_optimizer_accumulation_is_never_lost_silently():
     opt.zero_grad()
 
 
+def test_a_dropped_optimizer_lets_go_of_its_parameters():
+    """A new DistributedOptimizer over the same parameters (a restart, a new schedule): the old one's
+    hooks go with it, so the next backward pass is reduced once, by the new one."""
+    import gc
+    import weakref
+
+    model = _linear(0)
+    old = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    gone = weakref.ref(old)
+    del old
+    gc.collect()
+    assert gone() is None
+    new = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    x, y = _batch(R, 0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    new.step()
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()]).numpy()
+    assert all(np.array_equal(e, flat) for e in WORLD.allgather(flat))
+
+
 def test_sync_batch_norm_tolerates_instances_only_some_ranks_build():
     """Names follow the training calls, not construction: an extra (eval or EMA) copy on one rank
     does not shift them."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -92,7 +93,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._adasum = op is Adasum
         self._hooks = []
         if runtime.size() > 1 and not self._adasum:
-            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
+            # the hooks hold the optimizer weakly and go with it (Horovod's hang on gradient
+            # accumulators the optimizer owns): a dropped optimizer neither stays alive through its
+            # parameters nor goes on reducing their gradients beside its successor's
+            this = weakref.ref(self)
+            self._hooks = [p.register_post_accumulate_grad_hook(_forward_to(this)) for p in self._params]
+            weakref.finalize(self, _remove_hooks, self._hooks)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Horovod's setter: accumulate ``passes`` backward passes locally per step from now on."""
@@ -254,6 +260,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.reset_pending()
         self._should_synchronize = True
         super(self.__class__, self).load_state_dict(state_dict)
+
+
+def _forward_to(optimizer: weakref.ref[Any]) -> Any:
+    def hook(p: torch.Tensor) -> None:
+        opt = optimizer()
+        if opt is not None:
+            opt._on_grad(p)  # noqa: SLF001
+    return hook
+
+
+def _remove_hooks(hooks: list[Any]) -> None:
+    for h in hooks:
+        h.remove()
 
 
 def _check_combination(op: Any, compression: Any, backward_passes_per_step: int, num_groups: int,
