@@ -434,13 +434,15 @@ def test_optimizer_with_torch_compile():
     _train_matches_global_batch(compiled, opt)
 
 
-def test_optimizer_sparse_gradients_with_sparse_adam():
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_optimizer_sparse_gradients_with_sparse_adam(sparse_as_dense):
+    """Gathered, or reduced dense and made sparse again (Horovod's sparse_as_dense): SparseAdam takes both."""
     torch.manual_seed(0)
     emb = torch.nn.Embedding(8, 3, sparse=True)
     ref = torch.nn.Embedding(8, 3, sparse=True)
     ref.load_state_dict(emb.state_dict())
     opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(list(emb.parameters()), lr=0.1),
-                                   named_parameters=emb.named_parameters())
+                                   named_parameters=emb.named_parameters(), sparse_as_dense=sparse_as_dense)
     ref_opt = torch.optim.SparseAdam(list(ref.parameters()), lr=0.1)
     ids = per_rank(lambda r: torch.tensor([r % 8, (r + 3) % 8]))
     for _ in range(2):

@@ -48,10 +48,12 @@ __all__ = ["DistributedOptimizer"]
 class _Pending:
     """One parameter's in-flight reduction and how to write its result back."""
 
-    __slots__ = ("handle", "target", "ctx", "sparse")
+    __slots__ = ("handle", "target", "ctx", "sparse", "resparse")
 
-    def __init__(self, handle: Any, target: np.ndarray | None, ctx: Any = None, sparse: Any = None) -> None:
+    def __init__(self, handle: Any, target: np.ndarray | None, ctx: Any = None, sparse: Any = None,
+                 resparse: bool = False) -> None:
         self.handle, self.target, self.ctx, self.sparse = handle, target, ctx, sparse
+        self.resparse = resparse  # a sparse gradient reduced dense (sparse_as_dense): sparse again after
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -133,7 +135,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         grad = p.grad
-        if grad.is_sparse:
+        resparse = grad.is_sparse
+        if resparse:
             if not self._sparse_as_dense:
                 return self._submit_sparse(p, name)
             grad = p.grad = grad.to_dense()
@@ -142,7 +145,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         in_place = compressed is arr and grad.is_contiguous()
         handle = frontend.allreduce_async(compressed, self._op, name, self._prescale, self._postscale,
                                           self._process_set, out=compressed if in_place else None)
-        return _Pending(handle, None if in_place else arr, ctx)
+        return _Pending(handle, None if in_place else arr, ctx, resparse=resparse)
 
     def _submit_sparse(self, p: torch.Tensor, name: str) -> _Pending:
         g = p.grad.coalesce()
@@ -163,6 +166,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if pend.target is not None:  # compressed or non-contiguous: copy back into the gradient
             with torch.no_grad():
                 p.grad.copy_(from_numpy(self._compression.decompress(result, pend.ctx)).view(p.grad.shape))
+        if pend.resparse:  # as Horovod: an optimizer that takes only sparse gradients still gets one
+            p.grad = p.grad.to_sparse()
 
     # ------------------------------------------------------------- public
     def synchronize(self) -> None:
