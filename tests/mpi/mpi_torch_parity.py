@@ -351,6 +351,26 @@ def test_non_member_gets_value_error():
     hvd.remove_process_set(ps)
 
 
+@multi
+def test_optimizer_on_a_process_set_steps_locally_outside_it():
+    """Horovod's rule: a rank outside the optimizer's process set takes plain local steps."""
+    ps = hvd.add_process_set(list(range(N - 1)))
+    model, ref = _linear(0), _linear(0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), process_set=ps)
+    x, y = _batch(R, 0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    if R == N - 1:
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p, q)
+    hvd.barrier()
+    hvd.remove_process_set(ps)
+
+
 def test_init_with_process_sets_and_dynamic():
     hvd.barrier()  # every rank is done with the previous tests' collectives before any shuts down
     hvd.shutdown()

@@ -93,8 +93,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set if process_set is not None else global_process_set
         self._adasum = op is Adasum
+        # a rank outside the process set steps on its own gradients (Horovod's rule)
+        self._reduces = runtime.size() > 1 and not self._adasum and (process_set is None or process_set.included())
         self._hooks = []
-        if runtime.size() > 1 and not self._adasum:
+        if self._reduces:
             # the hooks hold the optimizer weakly and go with it (Horovod's hang on gradient
             # accumulators the optimizer owns): a dropped optimizer neither stays alive through its
             # parameters nor goes on reducing their gradients beside its successor's
@@ -178,7 +180,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         from unison.torch_backend.embedding import synchronize_embeddings
 
         synchronize_embeddings()
-        if runtime.size() > 1 and not self._adasum:
+        if self._reduces:
             for p in self._params:
                 if p not in self._pending:  # no gradient this step, or passes not yet complete
                     self._pending[p] = self._submit(p)
@@ -431,7 +433,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
     if stage:
         return make_zero_optimizer(optimizer, named, stage, compression, backward_passes_per_step, rop,
                                    gradient_predivide_factor, process_set, zero_bucket_bytes)
-    agree_on_stage(0, None, process_set)
+    if process_set is None or process_set.included():  # (outside the set: local steps, nothing to agree)
+        agree_on_stage(0, None, process_set)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     wrapped = cls(optimizer.param_groups, named, compression, backward_passes_per_step, rop,
                   gradient_predivide_factor, _groups(optimizer, num_groups, groups), sparse_as_dense,
