@@ -492,11 +492,16 @@ def _tf1_may_wait(submit: Any, other: Any) -> bool:
 
 
 def _input_needs(op: Any) -> int:
-    """The placeholders and stateful ops among ``op``'s ancestors, as a bit set over the graph."""
-    needs = 0
-    for parent in [t.op for t in op.inputs] + list(op.control_inputs):
-        needs |= _needs_of(parent)
-    return needs
+    """The placeholders and stateful ops among ``op``'s ancestors, as a bit set over the graph
+    (kept: a submit's inputs and control inputs never change after it is built)."""
+    memo = _needs.setdefault(op.graph, {})
+    key = op.name + ":inputs"
+    if key not in memo:
+        needs = 0
+        for parent in [t.op for t in op.inputs] + list(op.control_inputs):
+            needs |= _needs_of(parent)
+        memo[key] = needs
+    return memo[key]
 
 
 def _needs_of(op: Any) -> int:

@@ -119,7 +119,7 @@ class _DistributedTF1Optimizer(tf.compat.v1.train.Optimizer):
         # the predivide factor scales dense gradients before the sum and back after it (the same
         # average, a smaller range on the wire); IndexedSlices are gathered, so there is no sum to scale
         sparse = [k for k, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
-        dense = [k for k in range(len(grads)) if k not in set(sparse)]
+        dense = [k for k, g in enumerate(grads) if not isinstance(g, tf.IndexedSlices)]
         scale = {} if self._predivide == 1.0 else {"prescale_factor": 1.0 / self._predivide,
                                                    "postscale_factor": self._predivide}
         reduced: list[Any] = [None] * len(grads)
