@@ -1,9 +1,10 @@
 """The PyTorch adapter's tensor <-> array conversion (single process, no MPI).
 
-``to_numpy`` reads common tensors through numpy's array interface instead of a torch op
-([Note: no torch op on the submit path] in unison/torch_backend/tensors.py); these tests
-hold it to what ``Tensor.numpy()`` gives: the same memory, values, shape and dtype, the
-storage kept alive, and a copy exactly where one is needed.
+``to_numpy`` views a common contiguous tensor with ``Tensor.numpy(force=True)`` ([Note: the
+submit path's tensor view] in unison/torch_backend/tensors.py) and copies otherwise; these
+tests hold it to the same memory, values, shape and dtype as the tensor, the storage kept
+alive, and a copy exactly where one is needed (a lazily negated tensor's values are its
+logical ones, and an in-place all-reduce refuses it rather than writing into a copy).
 """
 
 from __future__ import annotations
@@ -52,6 +53,20 @@ def test_to_numpy_of_grad_tensors_bfloat16_and_complex():
     np.testing.assert_array_equal(arr.astype(np.float32), [1.5, -2.0, 3.25])
     c = torch.tensor([1 + 2j, 3 - 1j]).conj()  # a lazily conjugated view
     np.testing.assert_array_equal(to_numpy(c), [1 - 2j, 3 + 1j])
+
+
+def test_to_numpy_of_a_lazily_negated_tensor_gives_its_values_and_in_place_ops_refuse_it():
+    base = torch.tensor([1.0, -2.0, 3.0])
+    neg = torch._neg_view(base)
+    assert neg.is_neg() and neg.is_contiguous()
+    np.testing.assert_array_equal(to_numpy(neg), [-1.0, 2.0, -3.0])
+    unison.init()
+    try:
+        np.testing.assert_array_equal(hvd.allreduce(neg, op=hvd.Sum).numpy(), [-1.0, 2.0, -3.0])
+        with pytest.raises(ValueError, match=r"lazy negation.*resolve_neg"):
+            hvd.allreduce_(neg, op=hvd.Sum)
+    finally:
+        unison.shutdown()
 
 
 def test_to_numpy_keeps_the_storage_alive():

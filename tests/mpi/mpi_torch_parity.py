@@ -541,21 +541,22 @@ def test_optimizer_accumulation_is_never_lost_silently():
     opt.zero_grad()
 
 
-def test_a_dropped_optimizer_lets_go_of_its_parameters():
+@pytest.mark.parametrize("zero_stage", [0, 1, 2])
+def test_a_dropped_optimizer_lets_go_of_its_parameters(zero_stage):
     """A new DistributedOptimizer over the same parameters (a restart, a new schedule): the old one's
-    hooks go with it, so the next backward pass is reduced once, by the new one."""
+    hooks go with it, so the next backward pass is reduced once, by the new one (ZeRO's too)."""
     import gc
     import weakref
 
     model = _linear(0)
     old = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())
+                                   named_parameters=model.named_parameters(), zero_stage=zero_stage)
     gone = weakref.ref(old)
     del old
     gc.collect()
     assert gone() is None
     new = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())
+                                   named_parameters=model.named_parameters(), zero_stage=zero_stage)
     x, y = _batch(R, 0)
     torch.nn.functional.mse_loss(model(x), y).backward()
     new.step()

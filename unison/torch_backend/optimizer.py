@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -36,6 +35,7 @@ from unison.common.engine import frontend
 from unison.common.engine.process_sets import ProcessSet, global_process_set, set_size
 from unison.common.ops import Average, ReduceOp, parse_op
 from unison.common.zero import DEFAULT_BUCKET_BYTES, check_stage
+from unison.torch_backend.grad_hooks import weak_grad_hooks
 from unison.torch_backend.handles import Adasum, is_adasum
 from unison.torch_backend.mpi_ops import grouped_allreduce
 from unison.torch_backend.tensors import from_numpy, to_numpy
@@ -100,9 +100,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # the hooks hold the optimizer weakly and go with it (Horovod's hang on gradient
             # accumulators the optimizer owns): a dropped optimizer neither stays alive through its
             # parameters nor goes on reducing their gradients beside its successor's
-            this = weakref.ref(self)
-            self._hooks = [p.register_post_accumulate_grad_hook(_forward_to(this)) for p in self._params]
-            weakref.finalize(self, _remove_hooks, self._hooks)
+            self._hooks = weak_grad_hooks(self, self._params)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Horovod's setter: accumulate ``passes`` backward passes locally per step from now on."""
@@ -144,7 +142,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             grad = p.grad = grad.to_dense()
         arr = to_numpy(grad)
         compressed, ctx = self._compression.compress(arr)
-        in_place = compressed is arr and grad.is_contiguous()
+        in_place = compressed is arr and grad.is_contiguous() and not grad.is_neg()
         handle = frontend.allreduce_async(compressed, self._op, name, self._prescale, self._postscale,
                                           self._process_set, out=compressed if in_place else None)
         return _Pending(handle, None if in_place else arr, ctx, resparse=resparse)
@@ -267,19 +265,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.reset_pending()
         self._should_synchronize = True
         super(self.__class__, self).load_state_dict(state_dict)
-
-
-def _forward_to(optimizer: weakref.ref[Any]) -> Any:
-    def hook(p: torch.Tensor) -> None:
-        opt = optimizer()
-        if opt is not None:
-            opt._on_grad(p)  # noqa: SLF001
-    return hook
-
-
-def _remove_hooks(hooks: list[Any]) -> None:
-    for h in hooks:
-        h.remove()
 
 
 def _check_combination(op: Any, compression: Any, backward_passes_per_step: int, num_groups: int,

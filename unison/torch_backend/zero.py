@@ -40,6 +40,7 @@ from unison.common.engine import frontend
 from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.common.ops import Average, ReduceOp, Sum
 from unison.common.zero import DEFAULT_BUCKET_BYTES, Bucket, ParamSpec, ShardPlan
+from unison.torch_backend.grad_hooks import weak_grad_hooks
 from unison.torch_backend.tensors import from_numpy, to_numpy
 from unison.torch_backend.zero_state import ZeroStateMixin, agree_on_stage, check_optimizer
 
@@ -103,7 +104,7 @@ class _ZeroOptimizer(ZeroStateMixin):
         self._rounds = {id(st): 0 for st in self._buckets}
         self._synchronized = False
         self._should_synchronize = True
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._bucket_of]
+        self._hooks = weak_grad_hooks(self, self._bucket_of)  # removed with the optimizer
 
     # ------------------------------------------------------------- layout
     def _flatten(self) -> list[_BucketState]:
