@@ -166,6 +166,25 @@ def test_mismatch_report_lists_every_rank_and_variable():
     assert mismatch_report(per_rank[:1] * 3) is None
 
 
+def test_elastic_variables_are_known_checked_at_load_and_compared(caplog):
+    """UNISON_ELASTIC and UNISON_ELASTIC_MIN_NP are read by elastic recovery, not init() arguments,
+    but init() knows them (no "not a Unison setting" warning), checks their values and has the
+    ranks compare them."""
+    with caplog.at_level("WARNING", logger="unison.common.config"):
+        load_config({"UNISON_ELASTIC": "1", "UNISON_ELASTIC_MIN_NP": "2"})
+    assert "not a Unison setting" not in caplog.text
+    with pytest.raises(ValueError, match=r"UNISON_ELASTIC_MIN_NP='abc' is not valid: expected an integer"):
+        load_config({"UNISON_ELASTIC_MIN_NP": "abc"})
+    with pytest.raises(ValueError, match=r"HOROVOD_ELASTIC='maybe' is not valid"):
+        load_config({"HOROVOD_ELASTIC": "maybe"})
+    base = load_config({})
+    on, off = must_match_values(base, {"UNISON_ELASTIC": "1"}), must_match_values(base, {})
+    assert on["UNISON_ELASTIC"] is True and off["UNISON_ELASTIC"] is False and off["UNISON_ELASTIC_MIN_NP"] == 1
+    report = mismatch_report([on, off])
+    assert report is not None and "UNISON_ELASTIC: rank 0: True, rank 1: False" in report
+    assert "UNISON_ELASTIC_MIN_NP" not in report
+
+
 def test_log_level_and_paths_need_not_match():
     a = load_config({"UNISON_LOG_LEVEL": "DEBUG", "UNISON_TIMELINE": "/tmp/a.json", "UNISON_MALLOC_CACHE": "0"})
     assert mismatch_report([must_match_values(a), must_match_values(load_config({}))]) is None

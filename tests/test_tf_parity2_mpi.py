@@ -1,4 +1,4 @@
-"""horovod.tensorflow(.keras) parity, part 2 (docs/horovod.md) under real mpirun at 2 and 3 ranks."""
+"""horovod.tensorflow(.keras) parity, part 2 (docs/horovod.md) under real mpirun at 3 ranks."""
 
 from __future__ import annotations
 

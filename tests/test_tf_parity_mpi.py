@@ -1,4 +1,4 @@
-"""horovod.tensorflow parity (docs/horovod.md) under real mpirun at 2 and 3 ranks."""
+"""horovod.tensorflow parity (docs/horovod.md) under real mpirun at 3 ranks (2 ranks: the Keras suites)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """horovod.tensorflow 0.28 parity under mpirun: each test asserts Horovod's behaviour against numpy.
 
-Every test body runs unchanged at any rank count (np 2 and 3 in
+Every test body runs unchanged at any rank count (np 3 in
 tests/test_tf_parity_mpi.py). Tests named after docs/horovod.md rows.
 """
 
@@ -644,9 +644,6 @@ def test_keras_module_exports_the_keras_flavours():
     import unison.tf_backend.keras as hvd_keras
     from unison.tf_backend import keras_api
 
-    if getattr(hvd_keras, "load_model", None) is not keras_api.load_model:
-        pytest.skip("pending: unison/tf_backend/keras/__init__.py must re-export keras_api "
-                    "(/work/patches/tf_keras_parity.diff)")
     for name in ("allreduce", "allgather", "broadcast", "reducescatter", "load_model"):
         assert getattr(hvd_keras, name) is getattr(keras_api, name)
 

@@ -72,6 +72,16 @@ def test_timeline_start_stop(tmp_path_factory):
     hvd.start_timeline(path, mark_cycles=True)
     hvd.allreduce(torch.ones(2), name="parity.timeline")
     hvd.stop_timeline()
+    if R == 0:  # rank 0 writes it: a Chrome trace (a JSON list of events) with the tensor's own row
+        import json
+
+        with open(path) as f:
+            events = json.load(f)
+        assert isinstance(events, list) and all("ph" in e for e in events)
+        rows = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+        assert "parity.timeline" in rows.values()
+        assert any(e["ph"] == "B" and rows.get(e.get("tid")) == "parity.timeline" for e in events)
+        assert not any("cycle" in e["name"].lower() for e in events)  # mark_cycles accepted, not marked
 
 
 # ----------------------------------------------------------------- return types
@@ -83,6 +93,7 @@ def test_return_types_match_horovod():
     assert hvd.allreduce_(u) is u
     h = hvd.allreduce_async(t)
     assert isinstance(hvd.poll(h), bool) and isinstance(hvd.synchronize(h), torch.Tensor)
+    assert torch.equal(hvd.synchronize(h), hvd.synchronize(h))  # synchronizing again gives the result again
     assert isinstance(hvd.grouped_allreduce([t, t]), list)
     assert isinstance(hvd.synchronize(hvd.grouped_allreduce_async([t, t])), list)
     assert isinstance(hvd.grouped_allgather([t, t]), list)
@@ -475,6 +486,90 @@ def test_optimizer_sparse_gradients_with_sparse_adam(sparse_as_dense):
     torch.testing.assert_close(emb.weight, ref.weight, rtol=1e-5, atol=1e-6)
 
 
+_COMBINE = {"average": (hvd.Average, lambda g: g.mean(0)), "sum": (hvd.Sum, lambda g: g.sum(0)),
+            "min": (hvd.Min, lambda g: g.min(0)), "max": (hvd.Max, lambda g: g.max(0)),
+            "product": (hvd.Product, lambda g: g.prod(0))}
+_OPTION = {"plain": {}, "compression": {"compression": hvd.Compression.fp16},
+           "passes": {"backward_passes_per_step": 2}, "groups": {"num_groups": 2},
+           "predivide": {"gradient_predivide_factor": 2.0}, "process_set": {}}
+
+
+@pytest.mark.parametrize("option", list(_OPTION))
+@pytest.mark.parametrize("op_name", list(_COMBINE))
+def test_optimizer_option_combinations_equal_one_process(op_name, option):
+    """docs/horovod.md, "Options of DistributedOptimizer that combine": every "yes" cell of the dense
+    columns, one SGD step against each rank's gradient (summed over its passes) combined with the op
+    in numpy; on a process set, its members combine theirs and the rank outside steps alone."""
+    if option == "predivide" and op_name != "average":
+        return  # raises: test_torch_optimizer_options.py
+    op, combine = _COMBINE[op_name]
+    kwargs = dict(_OPTION[option])
+    members = list(range(N))
+    if option == "process_set":
+        members = list(range(max(N - 1, 1)))
+        kwargs["process_set"] = ps = hvd.add_process_set(members)
+    passes = kwargs.get("backward_passes_per_step", 1)
+
+    def local_grads(r: int) -> list[np.ndarray]:
+        m = _linear(0)
+        for k in range(passes):
+            x, y = _batch(r, k)
+            torch.nn.functional.mse_loss(m(x), y).backward()
+        return [p.grad.numpy().copy() for p in m.parameters()]
+
+    model = _linear(0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=op,
+                                   named_parameters=[(f"combo.{op_name}.{option}.{n}", p)
+                                                     for n, p in model.named_parameters()], **kwargs)
+    for k in range(passes):
+        x, y = _batch(R, k)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    grads = [local_grads(r) for r in (members if R in members else [R])]
+    tol = 2e-3 if option == "compression" else 1e-5
+    for i, (p, p0) in enumerate(zip(model.parameters(), _linear(0).parameters(), strict=True)):
+        g = combine(np.stack([gr[i] for gr in grads]))
+        np.testing.assert_allclose(p.detach().numpy(), p0.detach().numpy() - 0.1 * g, rtol=tol,
+                                   atol=tol * 0.1 * (np.abs(g).max() + 1e-3))
+    if option == "process_set":
+        hvd.barrier()
+        hvd.remove_process_set(ps)
+
+
+@pytest.mark.parametrize("op_name", list(_COMBINE))
+def test_optimizer_sparse_gradients_with_each_op(op_name):
+    """Sparse gradients are all-gathered and summed where rows meet: right for Average and Sum; for
+    Min/Max/Product that would be a silent sum (Horovod's behaviour), so it raises, naming the fix,
+    and sparse_as_dense=True reduces them densely with the op."""
+    op, combine = _COMBINE[op_name]
+    ids = [torch.tensor([r % 5, (r + 2) % 5]) for r in range(N)]
+
+    def emb() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Embedding(5, 2, sparse=True)
+
+    def step(dense: bool) -> torch.nn.Module:
+        e = emb()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(e.parameters(), lr=0.1), op=op, sparse_as_dense=dense,
+                                       named_parameters=[(f"sparse.{op_name}.{dense}.weight", e.weight)])
+        (e(ids[R]) * (R + 2)).sum().backward()
+        opt.step()
+        return e
+
+    def local_grad(r: int) -> np.ndarray:
+        e = emb()
+        (e(ids[r]) * (r + 2)).sum().backward()
+        return e.weight.grad.to_dense().numpy()
+
+    expect = emb().weight.detach().numpy() - 0.1 * combine(np.stack([local_grad(r) for r in range(N)]))
+    if op_name in ("average", "sum"):
+        np.testing.assert_allclose(step(False).weight.detach().numpy(), expect, rtol=1e-6, atol=1e-6)
+    else:
+        with pytest.raises(ValueError, match=r"sparse gradient.*sparse_as_dense=True"):
+            step(False)
+    np.testing.assert_allclose(step(True).weight.detach().numpy(), expect, rtol=1e-6, atol=1e-6)
+
+
 def test_optimizer_adasum():
     model = _linear(0)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -505,12 +600,32 @@ def test_broadcast_parameters_and_state_with_frozen_and_gradless_parameters():
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_parameters(list(model.named_parameters()), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)  # fresh optimizer: no state, no gradients
+    assert not opt.state  # no hidden zero-gradient step (Horovod takes one: docs/horovod.md)
     dopt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     x, y = _batch(R, 0)
     torch.nn.functional.mse_loss(model(x), y).backward()
     dopt.step()
     hvd.broadcast_optimizer_state(dopt, root_rank=0)
     flat = torch.cat([p.detach().flatten() for p in model.parameters()]).numpy()
+    assert all(np.array_equal(e, flat) for e in WORLD.allgather(flat))
+
+
+def test_broadcast_optimizer_state_from_a_root_that_stepped_to_ranks_that_did_not():
+    """Only the root has stepped (a restored or warmed-up root): every rank gets its moments and step."""
+    model = _linear(0)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    if R == 0:
+        x, y = _batch(0, 0)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    else:
+        assert not opt.state
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    states = [opt.state[p] for p in model.parameters()]
+    assert all(s for s in states)
+    flat = torch.cat([torch.cat([s["exp_avg"].flatten(), s["exp_avg_sq"].flatten(), s["step"].reshape(1)])
+                      for s in states]).numpy()
+    assert float(states[0]["step"]) == 1.0
     assert all(np.array_equal(e, flat) for e in WORLD.allgather(flat))
 
 

@@ -329,9 +329,21 @@ SETTINGS: tuple[Setting, ...] = (
 )
 _BY_FIELD = {s.field: s for s in SETTINGS}
 
+#: ``UNISON_ELASTIC`` (``HOROVOD_ELASTIC``): 1 turns elastic mode on (``unisonrun --elastic``)
+ENV_ELASTIC = "ELASTIC"
+#: ``UNISON_ELASTIC_MIN_NP``: fewer surviving ranks than this end the job (``unisonrun --min-np``)
+ENV_ELASTIC_MIN_NP = "ELASTIC_MIN_NP"
+#: Variables read from the environment where they are used (elastic recovery,
+#: unison/common/elastic/recovery.py), not ``init()`` arguments. :func:`load_config` checks
+#: their values like the settings' and :func:`must_match_values` has the ranks compare them
+#: at ``init()``: some ranks recovering from a failure while others end would hang the rest.
+ENV_ONLY: dict[str, Flag | IntRange] = {ENV_ELASTIC: Flag(), ENV_ELASTIC_MIN_NP: IntRange(1, 1 << 30)}
+#: Their values when unset
+ENV_ONLY_DEFAULTS: dict[str, Any] = {ENV_ELASTIC: False, ENV_ELASTIC_MIN_NP: 1}
+
 #: Suffixes Unison reads itself plus those read by other parts (engine, backends)
 #: registered through :func:`register_env`.
-_KNOWN_SUFFIXES: set[str] = {s.suffix for s in SETTINGS}
+_KNOWN_SUFFIXES: set[str] = {s.suffix for s in SETTINGS} | set(ENV_ONLY)
 
 
 def register_env(*suffixes: str) -> None:
@@ -416,8 +428,19 @@ def load_config(environ: Mapping[str, str] | None = None, **overrides: Any) -> C
             sources[setting.field] = found[0]
         else:
             sources[setting.field] = "default"
+    for suffix in ENV_ONLY:
+        env_only_value(suffix, env)  # a malformed value raises here, at init(), not at the first failure
     _warn_unknown(env)
     return Config(**values, sources=sources)
+
+
+def env_only_value(suffix: str, environ: Mapping[str, str] | None = None) -> Any:
+    """The value of one of :data:`ENV_ONLY`'s variables (its default when unset).
+
+    Raises:
+        ValueError: the variable is malformed (its name, value and what is accepted).
+    """
+    return parse_env(suffix, ENV_ONLY[suffix].parse, ENV_ONLY_DEFAULTS[suffix], environ)
 
 
 def _warn_unknown(env: Mapping[str, str]) -> None:
@@ -429,9 +452,13 @@ def _warn_unknown(env: Mapping[str, str]) -> None:
 
 # ------------------------------------------------------------------ cross-rank agreement
 
-def must_match_values(config: Config) -> dict[str, Any]:
-    """The settings that must be equal on every rank, as plain JSON-able values."""
-    return {s.field: getattr(config, s.field) for s in SETTINGS if s.must_match}
+def must_match_values(config: Config, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The settings that must be equal on every rank, as plain JSON-able values: the
+    must-match fields of ``config`` and :data:`ENV_ONLY`'s variables (keyed by their names)."""
+    values = {s.field: getattr(config, s.field) for s in SETTINGS if s.must_match}
+    for suffix in ENV_ONLY:
+        values[PREFIXES[0] + suffix] = env_only_value(suffix, environ)
+    return values
 
 
 def mismatch_report(per_rank: Sequence[Mapping[str, Any]],
@@ -453,6 +480,10 @@ def mismatch_report(per_rank: Sequence[Mapping[str, Any]],
             f"rank {r}: {v!r}" + (f" (from {sources[r].get(setting.field, 'default')})" if sources else "")
             for r, v in enumerate(values))
         lines.append(f"{setting.variable} ({setting.field}): {ranks}")
+    for key in (PREFIXES[0] + suffix for suffix in ENV_ONLY):
+        values = [v.get(key) for v in per_rank]
+        if key in per_rank[0] and any(v != values[0] for v in values):
+            lines.append(f"{key}: " + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values)))
     if not lines:
         return None
     return ("settings that must be equal on every rank differ between ranks -- "

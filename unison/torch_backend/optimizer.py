@@ -148,6 +148,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return _Pending(handle, None if in_place else arr, ctx, resparse=resparse)
 
     def _submit_sparse(self, p: torch.Tensor, name: str) -> _Pending:
+        if self._op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+            # the ranks' rows are all-gathered and summed where they meet: Horovod does that for
+            # every op, so a Min/Max/Product of sparse gradients is silently a sum there
+            raise ValueError(f"DistributedOptimizer(op={self._op!r}) got a sparse gradient for {name!r}: sparse "
+                             "gradients are all-gathered and their rows summed, which is a sum, not "
+                             f"{self._op!r}. Pass sparse_as_dense=True to reduce them densely with that op, "
+                             "or use op=Average/Sum")
         g = p.grad.coalesce()
         indices = frontend.allgather_async(g.indices().t().contiguous().numpy(), f"{name}.indices",
                                            self._process_set)

@@ -40,7 +40,7 @@ import time
 from typing import Any
 
 from unison.common import runtime
-from unison.common.config import SETTINGS, Flag, IntRange, parse_env, register_env
+from unison.common.config import ENV_ELASTIC, ENV_ELASTIC_MIN_NP, SETTINGS, env_only_value
 from unison.common.engine import frontend
 from unison.common.engine.errors import process_failure
 from unison.common.exceptions import UnisonError
@@ -49,11 +49,8 @@ __all__ = ["Recovery", "enabled", "min_np", "recover", "last_recovery", "ENV_ELA
 
 logger = logging.getLogger(__name__)
 
-#: ``UNISON_ELASTIC`` (``HOROVOD_ELASTIC``): 1 turns elastic mode on (``unisonrun --elastic``)
-ENV_ELASTIC = "ELASTIC"
-#: ``UNISON_ELASTIC_MIN_NP``: fewer surviving ranks than this end the job (``unisonrun --min-np``)
-ENV_MIN_NP = "ELASTIC_MIN_NP"
-register_env(ENV_ELASTIC, ENV_MIN_NP)
+#: ``UNISON_ELASTIC_MIN_NP`` (defined, checked at init() and compared across ranks in the config)
+ENV_MIN_NP = ENV_ELASTIC_MIN_NP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,12 +74,12 @@ def enabled() -> bool:
     Raises:
         ValueError: the variable is set to something other than a boolean.
     """
-    return bool(parse_env(ENV_ELASTIC, Flag().parse, False))
+    return bool(env_only_value(ENV_ELASTIC))
 
 
 def min_np() -> int:
     """The fewest ranks the job may shrink to (``UNISON_ELASTIC_MIN_NP``, default 1)."""
-    return int(parse_env(ENV_MIN_NP, IntRange(1, 1 << 30).parse, 1))
+    return int(env_only_value(ENV_ELASTIC_MIN_NP))
 
 
 def last_recovery() -> Recovery | None:
