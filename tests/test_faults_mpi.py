@@ -164,7 +164,28 @@ def test_rank_returning_early_ends_the_job(tmp_path):
         assert_no_leftovers(job)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("kind,named", [
+    ("hard_exit", r"rank 1 \(PID \d+ on .*\) exited without calling MPI_Finalize"),
+    ("raise", r"rank 1 \(on .*\) called MPI_Abort with error code 1"),
+], ids=["os._exit(0)", "raises"])
+def test_rank_ending_abnormally_ends_the_job(kind, named, tmp_path):
+    """docs/run.md, "Failures": a rank that exits 0 without MPI_Finalize, or raises, ends the job."""
+    with Job(kind, tmp_path) as job:
+        status = job.wait()
+        ended = time.time()
+        returned = job.workdir / "returned"
+        assert returned.is_file(), f"rank 1 did not reach the fault{job.output()}"
+        assert ended - float(returned.read_text()) < LIMIT_S, "the job took too long to end"
+        assert status != 0, f"exit status 0{job.output()}"
+        failed = r"^unisonrun: the job failed \(exit status \d+\): "
+        assert re.search(failed + named, job.last_line()), job.output()
+        if kind == "raise":
+            assert "fault_job: rank 1 raises on purpose" in job.output()
+        assert_no_leftovers(job)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
+                         ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_stop_signal_to_unisonrun_ends_every_rank(signum, tmp_path):
     with Job("loop", tmp_path) as job:
         job.wait_for_ranks()

@@ -4,7 +4,8 @@ Usage: ``fault_job.py KIND WORKDIR MARKER``
 
 * ``KIND`` picks the job and the fault (see ``JOBS``): a rank ``kill -9``s itself at a known
   point (``allreduce``, ``optimizer``, ``pipeline``, ``checkpoint``), returns early without
-  ``join`` (``early_exit``), or nothing happens and the job runs until it is stopped
+  ``join`` (``early_exit``), ends with ``os._exit(0)`` (``hard_exit``), raises (``raise``), or
+  nothing happens and the job runs until it is stopped
   (``loop``, for the signal tests).
 * ``WORKDIR`` receives ``rank<R>.pid`` once rank ``R`` runs, ``killed.json`` (the rank, its
   pid and the time) just before the kill, and the checkpoints.
@@ -172,6 +173,24 @@ def job_early_exit(workdir: Path) -> None:
         unison.allreduce(np.ones(4), name="step")
 
 
+def job_hard_exit(workdir: Path) -> None:
+    """Rank 1 ends with ``os._exit(0)`` (no ``MPI_Finalize``) at ``FAULT_STEP``; rank 0 keeps all-reducing."""
+    for step in steps():
+        if unison.rank() == 1 and step == FAULT_STEP:
+            (workdir / "returned").write_text(str(time.time()))
+            os._exit(0)
+        unison.allreduce(np.ones(4), name="step")
+
+
+def job_raise(workdir: Path) -> None:
+    """Rank 1 raises (uncaught) at ``FAULT_STEP``, between collectives; rank 0 keeps all-reducing."""
+    for step in steps():
+        if unison.rank() == 1 and step == FAULT_STEP:
+            (workdir / "returned").write_text(str(time.time()))
+            raise RuntimeError("fault_job: rank 1 raises on purpose")
+        unison.allreduce(np.ones(4), name="step")
+
+
 def job_loop(workdir: Path) -> None:
     """No fault: small all-reduces until the job is stopped from outside."""
     for _ in steps():
@@ -185,6 +204,8 @@ JOBS = {
     "pipeline": job_pipeline,
     "checkpoint": job_checkpoint,
     "early_exit": job_early_exit,
+    "hard_exit": job_hard_exit,
+    "raise": job_raise,
     "loop": job_loop,
 }
 

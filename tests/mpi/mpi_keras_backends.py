@@ -286,6 +286,22 @@ def test_classification_metrics_and_class_weights_are_global(dp):
     assert_weights_close(model, ref)
 
 
+def test_sample_weights_are_split_with_their_rows(dp):
+    """``sample_weight`` travels with each rank's rows: loss and weights equal one process's fit."""
+    keras.utils.set_random_seed(11 + R)
+    with dp.scope():
+        model = make_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    ref = make_model()
+    ref.set_weights(WORLD.bcast(model.get_weights()))
+    ref.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    sw = (1.0 + np.arange(len(X)) % 4).astype("float32")  # rows weighted 1, 2, 3, 4, 1, ...
+    hist = model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0, sample_weight=sw)
+    want = ref.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0, sample_weight=sw)
+    np.testing.assert_allclose(hist.history["loss"], want.history["loss"], rtol=2e-5)
+    assert_weights_close(model, ref)
+
+
 def test_batchnorm_statistics_agree_across_ranks(dp):
     keras.utils.set_random_seed(5 + R)
     with dp.scope():
