@@ -16,6 +16,10 @@ made through MPI). Every rank runs the same cases in the same order.
   unison group, DDP on the gloo group, and Unison's own ``hvd.DistributedOptimizer``; all of them
   built first, then timed in turns, ``--rounds`` rounds of ``--steps`` steps each, every impl
   keeping its fastest round (samples/s from it), and the ranks' weights compared afterwards.
+* ``ddp-nocomm``, a ceiling rather than a peer: DDP over the unison group with a communication hook
+  that returns every bucket untouched, so its step is the model's compute plus DDP's own work
+  (copying the gradients into its buckets and back) and no all-reduce. ``ddp-nocomm / ddp-gloo``
+  is the most any backend's DDP can reach against gloo here; it is printed under the target lines.
 * FSDP2: ``fully_shard`` on each child module with parameters and on the root, over a
   ``DeviceMesh`` made from the unison group and from the gloo group (``DeviceMesh.from_group``);
   its parameters are shards, so the in-sync check is DDP's and the optimizer's only.
@@ -136,7 +140,7 @@ def run_training(world: Any, hvd: Any, groups: dict[str, Any], models: list[str]
 
     n = world.Get_size()
     records = []
-    impls = ("ddp-unison", "ddp-gloo", "unison-optimizer", "fsdp2-unison", "fsdp2-gloo")
+    impls = ("ddp-unison", "ddp-gloo", "unison-optimizer", "fsdp2-unison", "fsdp2-gloo", "ddp-nocomm")
     for name in models:
         batch = DEFAULT_BATCH[name]
         x, y = synthetic_batch(name, batch, world.Get_rank())
@@ -148,6 +152,10 @@ def run_training(world: Any, hvd: Any, groups: dict[str, Any], models: list[str]
             elif impl.startswith("fsdp2-"):
                 model, checked = fsdp2_model(name, groups[impl.removeprefix("fsdp2-")]), None
                 opt = torch.optim.SGD(model.parameters(), lr=LR)
+            elif impl == "ddp-nocomm":  # a ceiling, not a peer: DDP whose all-reduce costs nothing
+                model = DistributedDataParallel(build_model(name), process_group=groups["unison"])
+                model.register_comm_hook(None, _no_communication)
+                opt, checked = torch.optim.SGD(model.parameters(), lr=LR), None  # ranks drift apart
             else:
                 checked = build_model(name)
                 model = DistributedDataParallel(checked, process_group=groups[impl.removeprefix("ddp-")])
@@ -162,6 +170,18 @@ def run_training(world: Any, hvd: Any, groups: dict[str, Any], models: list[str]
                 check_in_sync(world, checked, f"{name} {impl}")
             records.append(TrainRecord(name, impl, n, batch, n * batch * args.steps / min(times[impl])))
     return records
+
+
+def _no_communication(state, bucket):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN201
+    """A DDP communication hook that hands each bucket back as it is: DDP's own work (copying the
+    gradients into its buckets and back, the hooks, the bookkeeping) with no all-reduce at all.
+    (No annotations: DDP checks them against its own types, which this module's postponed
+    annotations would turn into strings.)"""
+    import torch
+
+    fut: Any = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
 
 
 def fsdp2_model(name: str, group: Any) -> Any:
@@ -197,6 +217,10 @@ def target_lines(train: list[TrainRecord]) -> list[str]:
     for model, minimum in (("mlp", 1.3), ("cnn", 1.0)):
         lines.append(ratio_target(f"{model} DDP on unison / DDP on gloo samples/s",
                                   rate.get((model, "ddp-unison")), rate.get((model, "ddp-gloo")), minimum))
+        ceiling, gloo = rate.get((model, "ddp-nocomm")), rate.get((model, "ddp-gloo"))
+        if ceiling and gloo:
+            lines.append(f"    (ceiling: ddp-nocomm / DDP on gloo = {ceiling / gloo:.2f}: DDP whose all-reduce "
+                         "costs nothing, the most any backend can reach against gloo on this machine)")
     for model in ("mlp", "cnn"):
         lines.append(ratio_target(f"{model} DDP on unison / Unison DistributedOptimizer samples/s",
                                   rate.get((model, "ddp-unison")), rate.get((model, "unison-optimizer")), 0.9))
