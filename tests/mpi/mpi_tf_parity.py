@@ -726,6 +726,24 @@ def test_a_peers_shutdown_is_an_unknown_error(graph):
 
 
 # ---------------------------------------------------------------- join (last: it changes the engine's state)
+def test_zz_broadcast_and_allgather_while_a_rank_has_joined_raise_failed_precondition():
+    """Horovod's class for collectives that need every rank's data while one has joined (ours is
+    also the engine's JoinError); the joined rank's join() returns, and allreduce still works."""
+    from unison.common.engine.errors import JoinError
+
+    if R == 0:
+        assert 1 <= int(hvd.join()) < N
+        return
+    for what, call in (("broadcast", lambda: hvd.broadcast(tf.ones(3), 1, name="tfjoin.b")),
+                       ("allgather", lambda: hvd.allgather(tf.ones(2), name="tfjoin.g"))):
+        with pytest.raises(tf.errors.FailedPreconditionError, match="only allreduce and barrier") as info:
+            call()
+        assert isinstance(info.value, JoinError), what
+    got = hvd.allreduce(tf.ones(3), op=hvd.Sum, name="tfjoin.ar")  # rank 0 contributes zeros
+    np.testing.assert_array_equal(got.numpy(), np.full(3, N - 1.0))
+    assert 1 <= int(hvd.join()) < N
+
+
 def test_zz_join_returns_an_int32_tensor():
     last = hvd.join()
     assert isinstance(last, tf.Tensor) and last.dtype == tf.int32 and 0 <= int(last) < N

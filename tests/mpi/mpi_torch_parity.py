@@ -418,6 +418,20 @@ def test_adasum_against_the_numpy_tree():
 
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_adasum_of_narrow_float_tensors_keeps_their_dtype(dtype):
+    """docs/horovod.md's Adasum row: float16/32 and bfloat16 tensors too (float64 above), within
+    the dtype's rounding of the float64 tree."""
+    if N & (N - 1):
+        return  # np 3: the error is tested above
+    inputs = per_rank(lambda r: np.random.default_rng(10 + r).standard_normal((4, 5)))
+    out = hvd.allreduce(torch.from_numpy(inputs[R]).to(dtype), op=hvd.Adasum)
+    assert out.dtype == dtype
+    rounded = [torch.from_numpy(v).to(dtype).double().numpy() for v in inputs]
+    tol = {torch.float16: 5e-3, torch.bfloat16: 4e-2, torch.float32: 1e-5}[dtype]
+    np.testing.assert_allclose(out.double().numpy(), adasum.reference(rounded), rtol=tol, atol=tol)
+
+
 # ----------------------------------------------------------------- DistributedOptimizer and functions
 
 def _linear(seed: int) -> torch.nn.Module:
