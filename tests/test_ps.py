@@ -161,3 +161,28 @@ def test_an_inline_operation_holds_one_ctrl_c_until_it_ends():
             assert held.previous is None and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, outer)
+
+
+def test_a_checkpoint_loads_only_into_a_table_with_the_same_optimizer(tmp_path):
+    """An Adagrad table's checkpoint into an SGD (or Adam) table raises, naming both, instead of
+    dropping the accumulators; into Adagrad with another learning rate it loads (one process)."""
+    import unison
+    from unison.common import ps
+    from unison.common.checkpoints import CheckpointError
+
+    unison.init()
+    try:
+        with ps.ShardedTable(50, 3, "float64", optimizer=Adagrad(lr=0.5), name="ckopt") as table:
+            table.push(np.array([1, 7]), np.ones((2, 3)))
+            table.save(tmp_path / "t")
+            saved = table.to_numpy()
+        for other in (SGD(0.1), Adam(0.01)):
+            with ps.ShardedTable(50, 3, "float64", optimizer=other, name="ckopt2") as table, \
+                    pytest.raises(CheckpointError, match=r"saved with optimizer Adagrad, this table uses "
+                                  + type(other).__name__):
+                table.load(tmp_path / "t")
+        with ps.ShardedTable(50, 3, "float64", optimizer=Adagrad(lr=0.1), name="ckopt3") as table:
+            table.load(tmp_path / "t")
+            np.testing.assert_array_equal(table.to_numpy(), saved)
+    finally:
+        unison.shutdown()

@@ -52,3 +52,14 @@ def test_combinations_that_work_train_one_step(extra):
         model(torch.ones(4, 3)).sum().backward()
     opt.step()
     assert not torch.equal(before, model.weight.detach())
+
+
+def test_elastic_torch_state_refuses_a_zero_optimizer():
+    """docs/elastic.md: a ZeRO optimizer's shards are laid out for this number of ranks."""
+    from unison.torch_backend.elastic import TorchState
+
+    model = torch.nn.Linear(3, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), zero_stage=1)
+    with pytest.raises(NotImplementedError, match=r"ZeRO optimizer \(zero_stage=1\) is not supported"):
+        TorchState(model, opt)

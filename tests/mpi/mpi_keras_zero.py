@@ -45,6 +45,21 @@ OPTIMIZERS = {
 }
 
 
+#: the rest of docs/zero.md's "sharded" row, each with what makes it differ from plain SGD/Adam
+MORE_OPTIMIZERS = {
+    "sgd_nesterov_clipvalue": lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True, clipvalue=0.05),
+    "adam_amsgrad": lambda: keras.optimizers.Adam(0.02, amsgrad=True),
+    "adamax": lambda: keras.optimizers.Adamax(0.02),
+    "nadam": lambda: keras.optimizers.Nadam(0.02),
+    "rmsprop_centered": lambda: keras.optimizers.RMSprop(0.01, momentum=0.5, centered=True),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.1),
+    "adadelta": lambda: keras.optimizers.Adadelta(1.0),
+    "ftrl": lambda: keras.optimizers.Ftrl(0.1, l1_regularization_strength=0.01, l2_regularization_strength=0.01),
+    "lion": lambda: keras.optimizers.Lion(0.01),
+    "sgd_accumulated": lambda: keras.optimizers.SGD(0.1, gradient_accumulation_steps=2),
+}
+
+
 def reference(init: list[np.ndarray], make_opt, epochs: int, f64_head: bool = False) -> keras.Model:
     ref = make_model(f64_head)
     ref.set_weights(init)
@@ -79,6 +94,20 @@ def test_fit_matches_one_process(stage, kind):
     model.fit(tf.data.Dataset.from_tensor_slices((X, Y)).batch(GLOBAL_BATCH), epochs=2, verbose=0)
     assert model.optimizer.iterations.numpy() == 6
     assert_same_weights(model, reference(init, OPTIMIZERS[kind], 2, f64))
+
+
+@pytest.mark.parametrize("kind", sorted(MORE_OPTIMIZERS))
+def test_more_optimizers_fit_like_one_process_at_stage_2(kind):
+    """docs/zero.md: every optimizer the table calls elementwise gives one process's numbers sharded
+    (stage 2: sharded state and reduce-scattered gradients; the four above run at both stages)."""
+    strategy = UnisonStrategy(zero_stage=2)
+    keras.utils.set_random_seed(7 + R)
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer=MORE_OPTIMIZERS[kind](), loss="mse")
+    init = model.get_weights()
+    model.fit(tf.data.Dataset.from_tensor_slices((X, Y)).batch(GLOBAL_BATCH), epochs=2, verbose=0)
+    assert_same_weights(model, reference(init, MORE_OPTIMIZERS[kind], 2))
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -261,6 +290,43 @@ def test_optimizers_that_cannot_be_sharded_raise():
         hvd.DistributedOptimizer(keras.optimizers.Adafactor(), zero_stage=2)
     with pytest.raises(ValueError, match="does not support"):
         hvd.DistributedOptimizer(keras.optimizers.SGD(), zero_stage=1, backward_passes_per_step=2)
+    # the rest of docs/zero.md's refusals
+    with strategy.scope():
+        with pytest.raises(ValueError, match=r"Muon.*zero_stage=0"):
+            keras.optimizers.Muon()
+        with pytest.raises(ValueError, match=r"use_ema=True\) keeps a moving average"):
+            keras.optimizers.Adam(use_ema=True)
+    for option in ({"compression": hvd.Compression.fp16}, {"op": hvd.Sum}, {"gradient_predivide_factor": 2.0},
+                   {"process_set": hvd.add_process_set(list(range(N)))}):
+        with pytest.raises(ValueError, match=rf"does not support \{{'{next(iter(option))}'"):
+            hvd.DistributedOptimizer(keras.optimizers.SGD(), zero_stage=1, **option)
+
+
+def test_a_variable_without_a_gradient_is_named():
+    """docs/zero.md: every variable the sharded optimizer was built with needs a gradient."""
+    strategy = UnisonStrategy(zero_stage=1)
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        model.optimizer.build(model.trainable_variables)
+    unused = model.get_layer("head").kernel
+    grads = [tf.zeros_like(v) for v in model.trainable_variables if v is not unused]
+    used = [v for v in model.trainable_variables if v is not unused]
+    with pytest.raises(ValueError, match=r"needs a gradient for every variable.*head/kernel.*have none"):
+        strategy.run(lambda: model.optimizer.apply(grads, used))
+
+
+def test_elastic_keras_state_refuses_a_zero_optimizer():
+    """docs/elastic.md: a ZeRO optimizer's shards are laid out for this number of ranks."""
+    from unison.tf_backend import elastic
+
+    strategy = UnisonStrategy(zero_stage=1)
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    with pytest.raises(ValueError, match=r"ZeRO optimizer \(zero_stage=1\) is not supported"):
+        elastic.KerasState(model)
 
 
 # -------------------------------------------------------------------- sharded checkpoints

@@ -305,6 +305,13 @@ def test_bad_input_raises_on_every_rank():
         with pytest.raises(ps.TableError, match=r"gradients of shape \(2, 3\) do not match"):
             table.push(np.array([1, 2]), np.zeros((2, 3)))
         table.pull([1])  # still usable, every rank in step
+        if N > 1:  # BSP: one worker pushes while the others pull -> the same error on every rank
+            with pytest.raises(ps.TableError, match=r"workers called different operations at the same step"):
+                if R == 0:
+                    table.push(np.array([1]), np.zeros((1, DIM)))
+                else:
+                    table.pull([1])
+            table.pull([1])  # and the table goes on
         with pytest.raises(ps.TableError, match="a sharded table named 'bad' is already open"):
             ps.ShardedTable(ROWS, DIM, name="bad")
     for consistency in (ps.SSP(1), ps.ASP()):  # no collective per operation: the error travels to the others

@@ -253,6 +253,32 @@ def test_bad_stage_and_optimizer_raise_on_every_rank():
 
     with pytest.raises(ValueError, match="_unison_elementwise"):
         hvd.DistributedOptimizer(Custom(model.parameters()), zero_stage=1)
+    # docs/zero.md's other refusals
+    with pytest.raises(ValueError, match="op=Average or op=Sum"):
+        hvd.DistributedOptimizer(torch.optim.Adam(model.parameters()), zero_stage=1, op=hvd.Min)
+    sparse = torch.nn.Parameter(torch.zeros(4, 3).to_sparse())
+    with pytest.raises(ValueError, match="is sparse; ZeRO shards dense parameters only"):
+        hvd.DistributedOptimizer(torch.optim.SGD([sparse], lr=0.1), named_parameters=[("sparse", sparse)],
+                                 zero_stage=1)
+    sharded = hvd.shard_module(Mixed())
+    with pytest.raises(ValueError, match="shards made by shard_module"):
+        hvd.DistributedOptimizer(torch.optim.SGD(sharded.parameters(), lr=0.1),
+                                 named_parameters=sharded.named_parameters())
+    _, built = distributed("adam", 1, steps=1)
+    with pytest.raises(ValueError, match="does not take a closure"):
+        built.step(lambda: 0.0)
+    if N > 1:  # a rank outside the optimizer's process set cannot hold a shard of it
+        ps = hvd.add_process_set(list(range(N - 1)))
+        m = Mixed()
+        if R == N - 1:
+            with pytest.raises(ValueError, match=rf"this rank \({R}\) is not a member"):
+                hvd.DistributedOptimizer(torch.optim.Adam(m.parameters()), named_parameters=m.named_parameters(),
+                                         zero_stage=1, process_set=ps)
+        else:
+            hvd.DistributedOptimizer(torch.optim.Adam(m.parameters()), named_parameters=m.named_parameters(),
+                                     zero_stage=1, process_set=ps)
+        hvd.barrier()
+        hvd.remove_process_set(ps)
 
 
 @pytest.mark.skipif(N == 1, reason="a disagreement needs two ranks")

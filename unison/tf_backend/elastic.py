@@ -183,13 +183,16 @@ class TensorFlowKerasState(ObjectState):
     """
 
     def __init__(self, model: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        from unison.tf_backend import zero_optimizer
+
         if not model.built:
             raise ValueError(f"elastic: the model {model.name!r} is not built, so it has no weights to "
                              "commit; call model.build(input_shape) (or run it once) before the state")
         self.model = model
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
-        if getattr(self.optimizer, "zero_stage", 0):
-            raise ValueError(f"elastic training with a ZeRO optimizer (zero_stage={self.optimizer.zero_stage}) "
+        stage = zero_optimizer.stage_of(self.optimizer)
+        if stage:
+            raise ValueError(f"elastic training with a ZeRO optimizer (zero_stage={stage}) "
                              "is not supported: its shards are laid out for the old number of ranks. Use "
                              "zero_stage=0 with hvd.elastic, or resume from hvd.save_sharded checkpoints")
         self._build_optimizer()

@@ -101,6 +101,12 @@ def make_sharded(optimizer: Any, stage: int, op: Any, in_place: bool) -> Any:
     return optimizer
 
 
+def stage_of(optimizer: Any) -> int:
+    """The ZeRO stage ``optimizer`` was sharded for (0 for a plain one); a ``LossScaleOptimizer`` around a
+    sharded optimizer carries its stage too."""
+    return int(getattr(optimizer, "__dict__", {}).get("_unison_zero_stage", 0) or 0)
+
+
 def _sharded_loss_scale(optimizer: Any, stage: int, op: Any, in_place: bool) -> Any:
     """A ``LossScaleOptimizer`` whose skip decision every rank agrees on, around a sharded optimizer.
 

@@ -11,8 +11,8 @@ thread wakes a few times per limit and checks two things::
 
 Either way it logs what this rank knows (the pending names, the ranks that never
 submitted them where the negotiation table says so) and calls
-:data:`on_collective_timeout`, which ends the job with ``MPI_Abort`` on the world.
-Elastic mode replaces that hook to revoke the communicator instead. ``join()`` is not
+:data:`on_collective_timeout`, which ends the job with ``MPI_Abort`` on the world. The hook
+is a module attribute a program may replace (elastic mode does not replace it yet). ``join()`` is not
 timed: a joined rank legitimately waits while the others train on.
 """
 

@@ -78,6 +78,10 @@ def load(table: Any, path: str | os.PathLike[str]) -> dict[str, Any]:
                 f"{key}={mine[key]!r}; create the table with the saved definition to load it"
             )
             break
+    saved_opt, my_opt = saved.get("optimizer", {}).get("name"), mine["optimizer"]["name"]
+    if problem is None and saved_opt != my_opt:  # its per-row state would be dropped or made up
+        problem = (f"checkpoint {str(path)!r} was saved with optimizer {saved_opt}, this table uses {my_opt}; "
+                   f"create the table with {saved_opt} (its hyper-parameters may differ) to load it")
     names = ["rows"] + [f"state/{n}" for n in table.optimizer.state_names]
     if problem is None:
         missing = [n for n in names if n not in manifest.entries]
