@@ -302,13 +302,19 @@ def test_optimizers_that_cannot_be_sharded_raise():
             hvd.DistributedOptimizer(keras.optimizers.SGD(), zero_stage=1, **option)
 
 
-def test_a_variable_without_a_gradient_is_named():
-    """docs/zero.md: every variable the sharded optimizer was built with needs a gradient."""
+def sharded_sgd_model() -> tuple[UnisonStrategy, keras.Model]:
+    """A model compiled with SGD under UnisonStrategy(zero_stage=1), its optimizer built."""
     strategy = UnisonStrategy(zero_stage=1)
     with strategy.scope():
         model = make_model()
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
         model.optimizer.build(model.trainable_variables)
+    return strategy, model
+
+
+def test_a_variable_without_a_gradient_is_named():
+    """docs/zero.md: every variable the sharded optimizer was built with needs a gradient."""
+    strategy, model = sharded_sgd_model()
     unused = model.get_layer("head").kernel
     grads = [tf.zeros_like(v) for v in model.trainable_variables if v is not unused]
     used = [v for v in model.trainable_variables if v is not unused]
@@ -320,11 +326,7 @@ def test_elastic_keras_state_refuses_a_zero_optimizer():
     """docs/elastic.md: a ZeRO optimizer's shards are laid out for this number of ranks."""
     from unison.tf_backend import elastic
 
-    strategy = UnisonStrategy(zero_stage=1)
-    with strategy.scope():
-        model = make_model()
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    model.optimizer.build(model.trainable_variables)
+    _, model = sharded_sgd_model()
     with pytest.raises(ValueError, match=r"ZeRO optimizer \(zero_stage=1\) is not supported"):
         elastic.KerasState(model)
 
