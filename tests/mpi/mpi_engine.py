@@ -104,6 +104,18 @@ def _group_members(rank: int) -> list[np.ndarray]:
 
 
 @needs_engine
+def test_allgather_of_rows_with_no_elements():
+    """Rows of zero elements ((3, 0): the first dimension is in the shape only) are gathered like any
+    rows; the engine thread used to die on them (numpy cannot infer -1 from a size of 0)."""
+    shapes = [lambda r: (0,), lambda r: (3, 0), lambda r: (r + 1, 0), lambda r: (2, 0, 3), lambda r: (0, 2)]
+    for k, shape_of in enumerate(shapes):
+        out = unison.allgather(np.zeros(shape_of(R), np.float32), name=f"ag.empty.{k}")
+        rows = sum(shape_of(r)[0] for r in range(N))
+        assert out.shape == (rows, *shape_of(R)[1:]) and out.dtype == np.float32, (k, out.shape)
+    np.testing.assert_array_equal(unison.allreduce(np.ones(2), op=unison.Sum, name="ag.empty.after"), [N, N])
+
+
+@needs_engine
 @pytest.mark.parametrize("threshold", [None, 0, 64], ids=["default", "fusion-off", "64-byte-buffers"])
 def test_grouped_allreduce_is_one_request_with_every_dtype_and_shape(threshold):
     eng = frontend.engine()

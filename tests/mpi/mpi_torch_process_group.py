@@ -368,3 +368,135 @@ def test_pipelining_gpipe_gradients_equal_one_process():
         schedule.step()
     for p, q in zip(mine.parameters(), ref[2 * r:2 * r + 2].parameters(), strict=True):
         np.testing.assert_allclose(p.grad.numpy(), q.grad.numpy(), rtol=1e-10, atol=1e-14)
+
+
+# ---------------------------------------------------------------- edge cases found by an audit against gloo
+
+def test_zero_element_all_gather_and_the_group_goes_on():
+    r, n = _rank_size()
+    for shape in ((0,), (3, 0)):
+        outs = [torch.ones(shape) for _ in range(n)]
+        dist.all_gather(outs, torch.zeros(shape))
+        assert all(o.shape == shape for o in outs)
+    flat = torch.ones(0)
+    dist.all_gather_into_tensor(flat, torch.zeros(0))
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == n
+
+
+def test_gather_of_a_bigger_tensor_than_the_roots_raises_on_the_root():
+    """gloo aborts the root; the unison root raised nothing and dropped the extra elements."""
+    r, n = _rank_size()
+    if n == 1:
+        pytest.skip("needs two ranks")
+    t = torch.arange(2.0 + 2 * (r == n - 1))  # the last rank sends 4 elements, the others 2
+    outs = [torch.zeros(2) for _ in range(n)] if r == 0 else None
+    if r == 0:
+        wanted = rf"gather: the root's tensors hold 2 elements, but rank\(s\) \[{n - 1}\]"
+        with pytest.raises(ValueError, match=wanted):
+            dist.gather(t, outs, dst=0)
+    else:
+        dist.gather(t, None, dst=0)
+    dist.barrier()
+
+
+def test_all_to_all_output_sizes_that_do_not_match_what_arrives_raise_there():
+    r, n = _rank_size()
+    if n == 1:
+        pytest.skip("needs two ranks")
+    sent = torch.arange(float(n))  # one element to each rank
+    wrong = [n - 1, 1] + [0] * (n - 2)  # adds up to n, but rank 0 sent 1 row, not n - 1
+    if r == 1:
+        with pytest.raises(ValueError, match=r"output_split_sizes .* but the ranks sent \[1, 1"):
+            dist.all_to_all_single(torch.zeros(n), sent, output_split_sizes=wrong)
+    else:
+        dist.all_to_all_single(torch.zeros(n), sent)
+    outs = [torch.zeros(2 if (r == 1 and k == 0) else 1) for k in range(n)]
+    if r == 1:
+        with pytest.raises(ValueError, match=r"alltoall: this rank's output tensors hold \[2, 1"):
+            dist.all_to_all(outs, [sent[k:k + 1] for k in range(n)])
+    else:
+        dist.all_to_all(outs, [sent[k:k + 1] for k in range(n)])
+    dist.barrier()
+
+
+def test_wait_with_a_timeout_raises_and_the_collective_can_still_finish():
+    """gloo's contract: wait(timeout) raises when the others have not come; ours leaves the collective in
+    flight, so it completes once they do. A group's own timeout (new_group(timeout=...)) applies to
+    a plain synchronous call too."""
+    import time
+    from datetime import timedelta
+
+    r, n = _rank_size()
+    if n == 1:
+        pytest.skip("needs two ranks")
+    t = torch.ones(2)
+    if r == 0:
+        work = dist.all_reduce(t, async_op=True)
+        with pytest.raises(dist.DistBackendError, match=r"did not complete within 0.3 s"):
+            work.wait(timeout=timedelta(seconds=0.3))
+        dist.barrier()  # the others join the all-reduce before this barrier
+        work.wait()
+    else:
+        time.sleep(0.6)
+        dist.all_reduce(t)
+        dist.barrier()
+    assert t.tolist() == [n, n]
+    quick = dist.new_group(list(range(n)), timeout=timedelta(seconds=0.3))
+    u = torch.ones(1)
+    if r == 0:
+        with pytest.raises(dist.DistBackendError, match=r"within 0.3 s"):
+            dist.all_reduce(u, group=quick)
+        dist.barrier()
+    else:
+        time.sleep(0.6)
+        dist.all_reduce(u, group=quick)
+        dist.barrier()
+    dist.barrier()
+    got = torch.zeros(3)
+    if r == 1:  # a receive with no sender yet times out; the message still lands later
+        recv = dist.irecv(got, src=0, tag=21)
+        with pytest.raises(dist.DistBackendError, match=r"a send or receive did not complete within 0.2 s"):
+            recv.wait(timeout=timedelta(seconds=0.2))
+        dist.barrier()
+        recv.wait()
+        assert got.tolist() == [1.0, 2.0, 3.0]
+    else:
+        dist.barrier()
+        if r == 0:
+            dist.send(torch.tensor([1.0, 2.0, 3.0]), dst=1, tag=21)
+    dist.barrier()
+
+
+def test_point_to_point_futures_taken_before_waiting_complete():
+    """gloo raises 'not implemented'; ours completes them (a large send's future used to block until
+    the peer received, and both peers asked before posting their receives: a hang)."""
+    r, n = _rank_size()
+    if n == 1:
+        pytest.skip("needs two ranks")
+    peer = r ^ 1
+    if peer >= n:  # an odd rank count leaves the last rank out
+        dist.barrier()
+        return
+    big = torch.full((2_000_000,), float(r))
+    got = torch.zeros(2_000_000)
+    fs = dist.isend(big, peer).get_future()
+    fr = dist.irecv(got, peer).get_future()
+    torch.futures.wait_all([fs, fr])
+    assert got[0].item() == peer and got[-1].item() == peer
+    assert fr.value()[0] is got
+    dist.barrier()
+
+
+def test_work_result_exception_and_success():
+    r, n = _rank_size()
+    t = torch.ones(3)
+    work = dist.all_reduce(t, async_op=True)
+    assert work.result()[0] is t and work.is_success() and work.exception() is None
+    if n > 1:
+        bad = dist.all_reduce(torch.ones(r + 2), async_op=True)  # shapes differ per rank
+        with pytest.raises(Exception, match="(?i)shape|mismatch"):
+            bad.wait()
+        assert not bad.is_success() and bad.exception() is not None
+    dist.barrier()

@@ -43,7 +43,7 @@ from unison.common.engine import frontend
 from unison.common.ops import Average, Band, Bor, Bxor, Max, Min, Product, Sum
 from unison.torch_backend import process_group_functional as functional
 from unison.torch_backend.process_group_sub import CommOps, create_sub_communicator
-from unison.torch_backend.process_group_work import P2PWork, collective_work, copy_into, host
+from unison.torch_backend.process_group_work import P2PWork, collective_work, copy_into, host, seconds
 
 __all__ = ["UnisonProcessGroup", "BACKEND"]
 
@@ -101,12 +101,22 @@ class UnisonProcessGroup(dist.ProcessGroup):
     """A process group of ``init_process_group("unison")``: the default group (every rank: the engine) or,
     given ``ops``, a sub-group whose collectives are MPI calls on its own communicator (process_group_sub.py)."""
 
-    def __init__(self, rank: int, size: int, ops: Any = None, comm: Any = None) -> None:
+    def __init__(self, rank: int, size: int, ops: Any = None, comm: Any = None,
+                 timeout_s: float | None = None) -> None:
         super().__init__(rank, size)
         self._rank, self._size = rank, size
         self._ops = frontend if ops is None else ops
         self._comm = comm  # a sub-group's communicator (None: the job's)
-        self._p2p_comm: Any = None
+        # point-to-point messages go on a communicator of the group's own (never the engine's). It is
+        # made here, while every member is creating the group: made at the first send or receive
+        # instead (a collective), it waited for ranks that were not sending, e.g. in a barrier
+        base = comm if comm is not None else runtime.state("torch.distributed").comm
+        self._p2p_comm: Any = base.Dup()
+        #: init_process_group/new_group(timeout=...): how long wait() waits before DistBackendError
+        self._timeout_s = timeout_s
+
+    def _work(self, handles: Any, finish: Any) -> dist.Work:
+        return collective_work(handles, finish, self._timeout_s)
 
     def getBackendName(self) -> str:  # noqa: N802 - PyTorch's name
         return BACKEND
@@ -150,7 +160,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
                            else self._ops.allreduce_async(_premul(arr, factor), op))
             copy.append(not inplace)
 
-        return collective_work(handles, _into(tensors, copy))
+        return self._work(handles, _into(tensors, copy))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         return self.allreduce(tensors, opts)
@@ -164,7 +174,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
             stacked = _premul(np.stack([host(p, "reduce_scatter") for p in pieces]), factor)
             handles.append(self._ops.reducescatter_async(stacked, op))
 
-        return collective_work(handles, _into(outputs))
+        return self._work(handles, _into(outputs))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002 - PyTorch's
                               opts: Any = None) -> dist.Work:
@@ -175,7 +185,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
         root = opts.rootRank if opts is not None else 0
         handles = [self._ops.broadcast_async(host(t, "broadcast"), root) for t in tensors]
 
-        return collective_work(handles, _into(tensors, self._rank != root))
+        return self._work(handles, _into(tensors, self._rank != root))
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts: Any = None) -> dist.Work:
@@ -190,7 +200,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
                     copy_into(out, row)
             return outputs
 
-        return collective_work(handles, finish)
+        return self._work(handles, finish)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002 - PyTorch's
                           opts: Any = None) -> dist.Work:
@@ -205,14 +215,18 @@ class UnisonProcessGroup(dist.ProcessGroup):
         handle = self._ops.alltoall_async(flat, splits)
 
         def finish(results: list[Any]) -> list[torch.Tensor]:
-            received = np.asarray(results[0][0])
+            received, counts = np.asarray(results[0][0]), np.asarray(results[0][1])
+            sizes = [out.numel() for out in outputs]
+            if counts.tolist() != sizes:
+                raise ValueError(f"alltoall: this rank's output tensors hold {sizes} elements but the ranks sent "
+                                 f"{counts.tolist()}; size output k for what rank k sends")
             offset = 0
             for out in outputs:
-                copy_into(out, received[offset:offset + out.numel()])
+                copy_into(out, received[offset:offset + out.numel()], "alltoall")
                 offset += out.numel()
             return outputs
 
-        return collective_work([handle], finish)
+        return self._work([handle], finish)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002 - PyTorch's
                           output_split_sizes: list[int] | None, input_split_sizes: list[int] | None,
@@ -223,7 +237,16 @@ class UnisonProcessGroup(dist.ProcessGroup):
             raise ValueError(f"all_to_all_single: input_split_sizes {splits} do not add up to the input's "
                              f"{rows} rows")
         handle = self._ops.alltoall_async(host(input, "all_to_all_single"), np.asarray(splits, dtype=np.int32))
-        return collective_work([handle], lambda results: (copy_into(output, results[0][0]), [output])[1])
+
+        def finish(results: list[Any]) -> list[torch.Tensor]:
+            got = [int(c) for c in np.asarray(results[0][1])]
+            if output_split_sizes and list(output_split_sizes) != got:
+                raise ValueError(f"all_to_all_single: output_split_sizes {list(output_split_sizes)} on this rank, "
+                                 f"but the ranks sent {got} rows")
+            copy_into(output, results[0][0], "all_to_all_single")
+            return [output]
+
+        return self._work([handle], finish)
 
     # ----------------------------------------------------------- rooted
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
@@ -232,7 +255,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
         op, factor = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         handles = [self._ops.allreduce_async(_premul(host(t, "reduce"), factor), op) for t in tensors]
 
-        return collective_work(handles, _into(tensors, self._rank == root))
+        return self._work(handles, _into(tensors, self._rank == root))
 
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """Every rank's tensor to the root: an all-to-all in which only the root receives."""
@@ -246,12 +269,17 @@ class UnisonProcessGroup(dist.ProcessGroup):
         def finish(results: list[Any]) -> Any:
             if self._rank == root:
                 self._check_pieces(outputs[0], t, "gather")
-                received = np.asarray(results[0][0])
+                received, counts = np.asarray(results[0][0]), np.asarray(results[0][1])
+                bad = {k: int(c) for k, c in enumerate(counts) if c != data.size}
+                if bad:  # the root is the only rank that can tell: the others sent and are done
+                    raise ValueError(f"gather: the root's tensors hold {data.size} elements, but rank(s) "
+                                     f"{sorted(bad)} sent {sorted(set(bad.values()))}: every rank must pass a "
+                                     "tensor of the root's size")
                 for k, out in enumerate(outputs[0]):
-                    copy_into(out, received[k * data.size:(k + 1) * data.size])
+                    copy_into(out, received[k * data.size:(k + 1) * data.size], "gather")
             return outputs
 
-        return collective_work([handle], finish)
+        return self._work([handle], finish)
 
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
                 opts: Any = None) -> dist.Work:
@@ -266,13 +294,13 @@ class UnisonProcessGroup(dist.ProcessGroup):
         else:
             data = np.zeros(0, dtype=host(out, "scatter").dtype)
         handle = self._ops.alltoall_async(data, splits)
-        return collective_work([handle], lambda results: (copy_into(out, results[0][0]), outputs)[1])
+        return self._work([handle], lambda results: (copy_into(out, results[0][0], "scatter"), outputs)[1])
 
     # ----------------------------------------------------------- point to point
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
         (t,) = tensors
         data = np.ascontiguousarray(host(t, "send"))
-        return P2PWork(self._p2p().Isend(data, dest=dst, tag=tag), data)
+        return P2PWork(self._p2p().Isend(data, dest=dst, tag=tag), data, timeout_s=self._timeout_s)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
         return self._recv(tensors, src, tag)
@@ -285,17 +313,14 @@ class UnisonProcessGroup(dist.ProcessGroup):
     def _recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
         (t,) = tensors
         buf = np.empty(tuple(t.shape), dtype=host(t, "recv").dtype)
-        return P2PWork(self._p2p().Irecv(buf, source=src, tag=tag), buf, into=t)
+        return P2PWork(self._p2p().Irecv(buf, source=src, tag=tag), buf, into=t, timeout_s=self._timeout_s)
 
     def _p2p(self) -> Any:
-        """A communicator of this group's own for point-to-point messages (never the engine's)."""
-        if self._p2p_comm is None:
-            base = self._comm if self._comm is not None else runtime.state("torch.distributed send/recv").comm
-            self._p2p_comm = base.Dup()
+        """The group's communicator for point-to-point messages."""
         return self._p2p_comm
 
     def barrier(self, opts: Any = None) -> dist.Work:
-        return collective_work([self._ops.allreduce_async(np.zeros(1, np.int8), Sum)], lambda results: [])
+        return self._work([self._ops.allreduce_async(np.zeros(1, np.int8), Sum)], lambda results: [])
 
     def _check_pieces(self, pieces: Sequence[torch.Tensor], like: torch.Tensor, what: str) -> None:
         if len(pieces) != self._size or any(p.shape != like.shape for p in pieces):
@@ -311,6 +336,7 @@ def _create(opts: Any, backend_options: Any = None) -> UnisonProcessGroup:
     functional.install()  # DTensor & co. call the dispatcher's collectives (see process_group_functional.py)
     rank, world_size = opts.group_rank, opts.group_size
     members = list(opts.global_ranks_in_group)
+    timeout = seconds(getattr(opts, "timeout", None))
     if not runtime.is_initialized():
         basics.init()
     mine, total = runtime.rank(), runtime.size()
@@ -319,14 +345,14 @@ def _create(opts: Any, backend_options: Any = None) -> UnisonProcessGroup:
             raise ValueError(f"torch.distributed made this process rank {rank} of a group of ranks {members}, but "
                              f"MPI says it is rank {mine}")
         comm = create_sub_communicator(runtime.state("dist.new_group").comm, members)
-        return UnisonProcessGroup(rank, world_size, CommOps(comm, str(opts.group_id)), comm)
+        return UnisonProcessGroup(rank, world_size, CommOps(comm, str(opts.group_id)), comm, timeout)
     if world_size != total:
         raise ValueError(f"init_process_group('unison') got world_size={world_size} but MPI runs {total} ranks: "
                          "drop rank=/world_size= (they come from MPI) or make them match")
     if rank != mine:
         raise ValueError(f"init_process_group('unison') got rank={rank} but MPI says this process is rank "
                          f"{mine}: drop rank=/world_size= (they come from MPI) or make them match")
-    return UnisonProcessGroup(rank, world_size)
+    return UnisonProcessGroup(rank, world_size, timeout_s=timeout)
 
 
 def _mpi_launch() -> tuple[int, int] | None:

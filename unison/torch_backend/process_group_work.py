@@ -9,6 +9,8 @@ A point-to-point ``Work`` wraps an MPI request.
 from __future__ import annotations
 
 import concurrent.futures
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,7 +22,7 @@ from torch.futures import Future
 from unison.common.engine.handles import Handle
 from unison.torch_backend.tensors import from_numpy, to_numpy
 
-__all__ = ["host", "copy_into", "collective_work", "P2PWork"]
+__all__ = ["host", "copy_into", "collective_work", "P2PWork", "seconds"]
 
 
 def host(tensor: torch.Tensor, what: str) -> np.ndarray:
@@ -31,14 +33,40 @@ def host(tensor: torch.Tensor, what: str) -> np.ndarray:
     return to_numpy(tensor)
 
 
-def copy_into(target: torch.Tensor, values: Any) -> None:
+def copy_into(target: torch.Tensor, values: Any, what: str = "the collective") -> None:
+    """Write ``values`` into ``target`` (its shape).
+
+    Raises:
+        ValueError: ``target`` does not hold as many elements as arrived (this rank's output is the
+            wrong size for what the other ranks sent).
+    """
+    arr = np.asarray(values)
+    if arr.size != target.numel():
+        raise ValueError(f"{what}: this rank's output tensor of shape {tuple(target.shape)} ({target.numel()} "
+                         f"elements) does not fit the {arr.size} elements that arrived; size the output for "
+                         "what the other ranks send")
     with torch.no_grad():
-        target.copy_(from_numpy(np.asarray(values)).reshape(target.shape))
+        target.copy_(from_numpy(arr).reshape(target.shape))
 
 
-def collective_work(handles: Sequence[Handle], finish: Callable[[list[Any]], Any]) -> dist.Work:
+def seconds(timeout: Any) -> float | None:
+    """A ``timedelta`` (PyTorch's timeouts), a number of seconds or None, as seconds or None."""
+    if timeout is None:
+        return None
+    return float(timeout.total_seconds()) if hasattr(timeout, "total_seconds") else float(timeout)
+
+
+def _timed_out(what: str, limit: float) -> Exception:
+    return dist.DistBackendError(
+        f"unison: {what} did not complete within {limit:g} s (the timeout given to wait(), or the process "
+        "group's: init_process_group(timeout=...)); a rank may not have called it, or be much slower")
+
+
+def collective_work(handles: Sequence[Handle], finish: Callable[[list[Any]], Any],
+                    timeout_s: float | None = None) -> dist.Work:
     """A ``Work`` done when every handle is: ``finish(results)`` writes the outputs (on the
-    engine thread) and its value completes the future."""
+    engine thread) and its value completes the future. ``wait()`` without a timeout of its own
+    gives up after ``timeout_s`` (the process group's) with ``DistBackendError``."""
     fut: Future = Future()
     left = [len(handles)]
     results: list[Any] = [None] * len(handles)
@@ -58,7 +86,7 @@ def collective_work(handles: Sequence[Handle], finish: Callable[[list[Any]], Any
         fut.set_result(finish([]))
     for i, handle in enumerate(handles):
         handle.add_done_callback(lambda h, i=i: one_done(i, h))
-    return _Work(fut)
+    return _Work(fut, timeout_s)
 
 
 #: threads that complete futures: a callback may wait for another collective (PowerSGD's hook does),
@@ -91,11 +119,17 @@ class _Work(dist.Work):
     engine recorded (the same on every rank) is raised by ``wait()`` and ``get_future().wait()``.
     """
 
-    def __init__(self, fut: Future) -> None:
+    def __init__(self, fut: Future, timeout_s: float | None = None) -> None:
         super().__init__()
-        self._fut = fut
+        self._fut, self._timeout_s = fut, timeout_s
+        self._done = threading.Event()
+        fut.add_done_callback(lambda _: self._done.set())
 
     def wait(self, timeout: Any = None) -> bool:
+        limit = seconds(timeout)
+        limit = self._timeout_s if limit is None or limit <= 0 else limit
+        if limit is not None and not self._done.wait(limit):
+            raise _timed_out("a collective", limit)
         self._fut.wait()
         return True
 
@@ -105,21 +139,56 @@ class _Work(dist.Work):
     def is_completed(self) -> bool:
         return self._fut.done()
 
+    def result(self) -> Any:
+        """The output tensors (PyTorch's deprecated ``Work.result``), after waiting."""
+        self.wait()
+        return self._fut.value()
+
+    def exception(self) -> Any:
+        """The collective's error once it finished with one, else None."""
+        if not self._fut.done():
+            return None
+        try:
+            self._fut.value()
+        except BaseException as error:  # noqa: BLE001 - the error is the answer
+            return error
+        return None
+
+    def is_success(self) -> bool:
+        return self._fut.done() and self.exception() is None
+
 
 class P2PWork(dist.Work):
     """A send or receive in flight: ``wait()`` completes it (and fills the tensor received into)."""
 
-    def __init__(self, request: Any, buffer: np.ndarray, into: torch.Tensor | None = None) -> None:
+    def __init__(self, request: Any, buffer: np.ndarray, into: torch.Tensor | None = None,
+                 timeout_s: float | None = None) -> None:
         super().__init__()
         self._request, self._buffer, self._into = request, buffer, into
         self._source = -1
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()  # wait() and a get_future() thread may both complete it
 
     def wait(self, timeout: Any = None) -> bool:
-        if self._request is not None:
+        limit = seconds(timeout)
+        limit = self._timeout_s if limit is None or limit <= 0 else limit
+        with self._lock:
+            if self._request is None:
+                return True
             from mpi4py import MPI
 
             status = MPI.Status()
-            self._request.Wait(status)
+            if limit is None:
+                self._request.Wait(status)
+            else:  # MPI_Wait cannot give up: test, spinning briefly, then sleeping with backoff
+                deadline, delay, spins = time.monotonic() + limit, 2e-5, 0
+                while not self._request.Test(status):
+                    if time.monotonic() > deadline:
+                        raise _timed_out("a send or receive", limit)
+                    spins += 1
+                    if spins > 200:
+                        time.sleep(delay)
+                        delay = min(delay * 2, 1e-3)
             self._done(status)
         return True
 
@@ -143,7 +212,23 @@ class P2PWork(dist.Work):
         return self._source
 
     def get_future(self) -> Future:
-        self.wait()
+        """A future completed when the transfer is (by a thread that waits for it, so that getting
+        the futures of an ``isend`` and its peer's ``irecv`` before waiting on either cannot hang)."""
         fut: Future = Future()
-        fut.set_result([self._into] if self._into is not None else [])
+
+        def complete() -> None:
+            try:
+                self.wait()
+                fut.set_result([self._into] if self._into is not None else [])
+            except BaseException as error:  # noqa: BLE001 - handed to the future
+                fut.set_exception(error)
+
+        if self._request is None:
+            complete()
+        else:
+            _P2P_WAITERS.submit(complete)
         return fut
+
+
+#: threads that complete point-to-point futures (each waits for one transfer; MPI progresses all)
+_P2P_WAITERS = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="unison-pg-p2p")

@@ -277,7 +277,13 @@ class Executor:
     def _allgather(self, resp: Response) -> np.ndarray:
         sig = resp.sig
         dtype = dtype_from_code(sig.dtype)
-        mine: np.ndarray = self._input(resp).reshape((-1, *sig.shape))
+        inp, req = self._input(resp), resp.request
+        row_elems = int(np.prod(sig.shape, dtype=np.int64))
+        if row_elems:
+            first = inp.size // row_elems
+        else:  # rows of zero elements ((3, 0)): their count is in the shape only
+            first = (req.array.shape[0] if req.array.ndim else 1) if req is not None else 0
+        mine: np.ndarray = inp.reshape((first, *sig.shape))
         rows = np.empty(self.comm.Get_size(), dtype=np.int64)
         self.comm.Allgather(np.array([mine.shape[0]], dtype=np.int64), rows)
         row_bytes = int(np.prod(sig.shape, dtype=np.int64)) * dtype.itemsize
