@@ -237,13 +237,70 @@ def test_dataset_inputs_of_global_batches_train_like_one_process(dp, kind):
     if source is None:
         pytest.skip(f"no native dataset type on {BACKEND} beyond PyDataset")
     model, ref = distributed_and_reference(dp, lambda: keras.optimizers.SGD(0.05))
-    hist = model.fit(source, epochs=2, verbose=0)
+    hist = model.fit(source, epochs=2, verbose=0, shuffle=False)
     want = ref.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
     np.testing.assert_allclose(hist.history["loss"], want.history["loss"], rtol=2e-5)
     assert_weights_close(model, ref)
     got = model.evaluate(source, verbose=0, return_dict=True)
     want = ref.evaluate(X, Y, batch_size=GLOBAL_BATCH, verbose=0, return_dict=True)
     np.testing.assert_allclose([got["loss"], got["mae"]], [want["loss"], want["mae"]], rtol=1e-5)
+
+
+class LoggedBatches(GlobalBatches):
+    """GlobalBatches that records which batch each read asked for, by epoch (on_epoch_begin calls)."""
+
+    def __init__(self, order=None):
+        super().__init__()
+        self.reads, self.order = [[]], order
+
+    def __len__(self):
+        return super().__len__() if self.order is None else len(self.order)
+
+    def on_epoch_begin(self):
+        self.reads.append([])
+
+    def __getitem__(self, i):
+        index = i if self.order is None else self.order[i]
+        self.reads[-1].append(index)
+        return super().__getitem__(index)
+
+
+def test_pydataset_batches_are_shuffled_alike_on_every_rank_and_train_like_one_process(dp):
+    """fit's default shuffle=True reorders a PyDataset's batches each epoch, as Keras does (it was
+    dropped); every rank reads the same order, so each global batch is still split, not mixed."""
+    model, ref = distributed_and_reference(dp, lambda: keras.optimizers.SGD(0.05))
+    source = LoggedBatches()
+    model.fit(source, epochs=3, verbose=0)
+    n = len(source)
+    orders = source.reads[-3:]  # the three epochs' reads (Keras also peeks at batches before them)
+    assert all(sorted(o) == list(range(n)) for o in orders), source.reads
+    assert any(o != list(range(n)) for o in orders) and orders[0] != orders[1], source.reads
+    assert all(r == source.reads for r in WORLD.allgather(source.reads))  # every rank read alike
+    ref.fit(LoggedBatches(order=sum(orders, [])), epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(model, ref)
+
+
+def test_masked_outputs_and_on_batch_calls_are_refused_on_every_rank(dp):
+    """Keras averages a masked loss over each rank's unmasked entries, which averaged gradients do not
+    reproduce (a silent difference from one process), and *_on_batch neither splits nor broadcasts."""
+    tokens = np.random.default_rng(0).integers(1, 9, (2 * N, 5))
+    tokens[N:, 2:] = 0
+    with dp.scope():
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Embedding(10, 3, mask_zero=True),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    with pytest.raises(ValueError, match=r"output carries a mask.*sample_weight of 0"):
+        model.fit(tokens, np.ones((2 * N, 5, 1), "float32"), batch_size=2 * N, epochs=1, verbose=0)
+    with dp.scope():  # a mask consumed before the output is fine
+        pooled = keras.Sequential([keras.Input((5,)), keras.layers.Embedding(10, 3, mask_zero=True),
+                                   keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
+        pooled.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    pooled.fit(tokens, np.ones((2 * N, 1), "float32"), batch_size=2 * N, epochs=1, verbose=0)
+    assert same_everywhere(pooled.get_weights())
+    for call in (lambda: pooled.train_on_batch(tokens, np.ones((2 * N, 1))), lambda: pooled.test_on_batch(tokens),
+                 lambda: pooled.predict_on_batch(tokens)):
+        with pytest.raises(NotImplementedError, match=r"_on_batch is not distributed.*use fit"):
+            call()
 
 
 def test_evaluate_and_predict_are_global(dp):

@@ -100,11 +100,27 @@ class ShardedArrays(keras.utils.PyDataset):
 
 
 class ShardedPyDataset(keras.utils.PyDataset):
-    """This rank's rows of each global batch of a ``keras.utils.PyDataset``."""
+    """This rank's rows of each global batch of a ``keras.utils.PyDataset``.
 
-    def __init__(self, dataset: keras.utils.PyDataset, rank: int, size: int) -> None:
+    With ``shuffle`` (``fit``'s default, as in Keras, which reads a finite PyDataset's batches
+    in a new order each epoch) the order of the batches is a permutation drawn from ``seed``
+    (rank 0's) and the epoch, the same on every rank, so each global batch is still split, not
+    mixed with another. Epochs are counted by ``on_epoch_begin`` (Keras also ends an "epoch"
+    after peeking at the first batch, before training starts).
+    """
+
+    def __init__(self, dataset: keras.utils.PyDataset, rank: int, size: int, shuffle: bool = False,
+                 seed: int = 0) -> None:
         super().__init__()
         self.dataset, self.rank, self.size = dataset, rank, size
+        self.shuffle = shuffle and dataset.num_batches is not None
+        self.seed, self.epoch = seed, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray | None:
+        if not self.shuffle:
+            return None
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -114,7 +130,13 @@ class ShardedPyDataset(keras.utils.PyDataset):
         return self.dataset.num_batches
 
     def __getitem__(self, step: int) -> Any:
-        return cut(self.dataset[step], self.rank, self.size, f"batch {step} of the PyDataset")
+        index = step if self._order is None else int(self._order[step])
+        return cut(self.dataset[index], self.rank, self.size, f"batch {index} of the PyDataset")
+
+    def on_epoch_begin(self) -> None:
+        self._order = self._permutation(self.epoch)
+        self.epoch += 1
+        self.dataset.on_epoch_begin()
 
     def on_epoch_end(self) -> None:
         self.dataset.on_epoch_end()
@@ -184,7 +206,7 @@ def shard_input(x: Any, y: Any, sample_weight: Any, *, batch_size: int | None, r
         raise ValueError(f"{what}: y and sample_weight go with numpy arrays; a {type(x).__name__} yields them "
                          "in its batches")
     if isinstance(x, keras.utils.PyDataset):
-        return ShardedPyDataset(x, rank, size)
+        return ShardedPyDataset(x, rank, size, shuffle, seed)
     if _is_tf_dataset(x):
         from unison.tf_backend.strategy import split_global_batch
 

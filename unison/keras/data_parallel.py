@@ -152,6 +152,9 @@ class DataParallel:
             _set(model, name, make(self, model, getattr(type(model), name).__get__(model)))
         for name in ("save", "save_weights"):
             _set(model, name, _rank0_save(getattr(type(model), name).__get__(model)))
+        for name in ("train_on_batch", "test_on_batch", "predict_on_batch"):
+            _set(model, name, _not_distributed(name))
+        _set(model, "compute_loss", _unmasked_loss(type(model).compute_loss.__get__(model)))
         if _host.backend() == "jax":
             original = type(model).make_train_function.__get__(model)
             _set(model, "make_train_function", _jax_train_function(model, original))
@@ -430,6 +433,41 @@ def _predict(dp: DataParallel, model: Any, predict: Callable[..., Any]) -> Calla
         return keras.tree.map_structure(lambda g, t: np.concatenate([g, np.asarray(t)]), gathered, tail)
 
     return distributed_predict
+
+
+def _not_distributed(name: str) -> Callable[..., Any]:
+    """``model.<name>`` under DataParallel: refused (it would run each rank's whole batch on a model
+    that ``fit`` has not yet made the same on every rank: different models, silently)."""
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"model.{name} is not distributed by unison.keras.DataParallel (it neither splits the batch nor "
+            "starts every rank from rank 0's weights); use fit / evaluate / predict, e.g. "
+            "fit(x, y, batch_size=len(x), epochs=1) for one step on a global batch")
+    return refuse
+
+
+def _unmasked_loss(compute_loss: Callable[..., Any]) -> Callable[..., Any]:
+    """Keras's ``compute_loss``, refusing a masked prediction (``mask_zero``, ``Masking`` reaching an
+    output): Keras then averages each rank's loss over that rank's unmasked entries, whose counts
+    differ between ranks, while DataParallel weighs each rank's gradient by its rows, so the
+    global loss, gradients and weights would differ from one process's, silently."""
+    try:
+        from keras.src.backend import get_keras_mask
+    except ImportError:  # pragma: no cover - a Keras without it keeps masks as attributes
+        def get_keras_mask(x: Any) -> Any:
+            return getattr(x, "_keras_mask", None)
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        y_pred = kwargs["y_pred"] if "y_pred" in kwargs else (args[2] if len(args) > 2 else None)
+        if any(get_keras_mask(t) is not None for t in keras.tree.flatten(y_pred) if t is not None):
+            raise ValueError(
+                "unison.keras.DataParallel: the model's output carries a mask (Embedding(mask_zero=True) or "
+                "Masking reaching the output), so Keras averages each rank's loss over that rank's unmasked "
+                "entries, which the ranks' averaged gradients do not reproduce (not supported yet). Give "
+                "the padded positions a sample_weight of 0 instead of a mask, or consume the mask before "
+                "the output (an RNN, a pooling layer)")
+        return compute_loss(*args, **kwargs)
+    return checked
 
 
 def _rank0_save(save: Callable[..., Any]) -> Callable[..., Any]:
