@@ -110,8 +110,11 @@ for step in range(400):
         assert unison.synchronize(h)[0] == unison.size()
     if MPI.COMM_WORLD.allreduce(int(tuner.done), op=MPI.MIN):
         break
-histories = MPI.COMM_WORLD.allgather(tuner.history)
-assert all(h == histories[0] for h in histories), histories   # same values at the same cycles
+histories = MPI.COMM_WORLD.allgather(list(tuner.history))
+# the engine thread goes on cycling while each rank reads: a rank may hold one later entry (the final
+# setting again); every entry both hold must agree (same values at the same cycles)
+n = min(map(len, histories))
+assert n > 0 and all(h[:n] == histories[0][:n] for h in histories), histories
 settings = {(t, c) for _, t, c in tuner.history}
 print(f"rank {unison.rank()} done={tuner.done} settings={len(settings)} "
       f"final={(eng.fusion_threshold, eng.cycle_time)}", flush=True)
@@ -238,8 +241,9 @@ for step in range(150):
     assert rs.shape[0] == (3 if r == 0 else 2) and np.all(rs == n)
     if MPI.COMM_WORLD.allreduce(int(len(tuner.history) >= 6), op=MPI.MIN):
         break
-histories = MPI.COMM_WORLD.allgather(tuner.history)
-assert all(h == histories[0] for h in histories), histories
+histories = MPI.COMM_WORLD.allgather(list(tuner.history))
+n = min(map(len, histories))  # a rank may hold one later entry (see above)
+assert n > 0 and all(h[:n] == histories[0][:n] for h in histories), histories
 print(f"rank {r} changes={len(tuner.history)}", flush=True)
 """
 
