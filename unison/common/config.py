@@ -337,9 +337,9 @@ ENV_ELASTIC_MIN_NP = "ELASTIC_MIN_NP"
 #: unison/common/elastic/recovery.py), not ``init()`` arguments. :func:`load_config` checks
 #: their values like the settings' and :func:`must_match_values` has the ranks compare them
 #: at ``init()``: some ranks recovering from a failure while others end would hang the rest.
-ENV_ONLY: dict[str, Flag | IntRange] = {ENV_ELASTIC: Flag(), ENV_ELASTIC_MIN_NP: IntRange(1, 1 << 30)}
-#: Their values when unset
-ENV_ONLY_DEFAULTS: dict[str, Any] = {ENV_ELASTIC: False, ENV_ELASTIC_MIN_NP: 1}
+#: suffix -> (the value's type and range, its value when unset)
+ENV_ONLY: dict[str, tuple[Flag | IntRange, Any]] = {ENV_ELASTIC: (Flag(), False),
+                                                     ENV_ELASTIC_MIN_NP: (IntRange(1, 1 << 30), 1)}
 
 #: Suffixes Unison reads itself plus those read by other parts (engine, backends)
 #: registered through :func:`register_env`.
@@ -440,7 +440,8 @@ def env_only_value(suffix: str, environ: Mapping[str, str] | None = None) -> Any
     Raises:
         ValueError: the variable is malformed (its name, value and what is accepted).
     """
-    return parse_env(suffix, ENV_ONLY[suffix].parse, ENV_ONLY_DEFAULTS[suffix], environ)
+    spec, default = ENV_ONLY[suffix]
+    return parse_env(suffix, spec.parse, default, environ)
 
 
 def _warn_unknown(env: Mapping[str, str]) -> None:

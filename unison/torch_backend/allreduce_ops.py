@@ -29,7 +29,7 @@ from unison.torch_backend.handles import (
     set_or_none,
     synchronize,
 )
-from unison.torch_backend.tensors import NATIVE, from_numpy, result_tensor, to_numpy
+from unison.torch_backend.tensors import from_numpy, result_tensor, to_numpy
 
 __all__ = [
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
@@ -110,14 +110,9 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
         # the common case, with the fewest Python calls per tensor (a loop over 1000 small
         # tensors pays each microsecond here a millisecond: benchmarks/fusion.py's small1000)
         rop = ReduceOp.AVERAGE if op is None else op
-        if (rop is not ReduceOp.ADASUM and tensor.layout is torch.strided and tensor.is_cpu
-                and tensor.dtype in NATIVE and tensor.is_contiguous() and not tensor.is_neg()):
-            arr = tensor.numpy(force=True)  # [Note: the submit path's tensor view]
-            inner = frontend.allreduce_async(arr, rop, name)
-            if inner._engine is not None and not inner._done and inner._post is None:
-                inner._post = torch.from_numpy  # a new array of ``arr``'s dtype, never ``arr``
-                return inner
-            return _tensor_handle(raise_now(inner), arr)
+        if rop is not ReduceOp.ADASUM and tensor.layout is torch.strided:
+            arr = to_numpy(tensor)  # [Note: the submit path's tensor view]
+            return _tensor_handle(raise_now(frontend.allreduce_async(arr, rop, name)), arr)
     return _allreduce_submit(tensor, reduce_op(average, op), name, prescale_factor, postscale_factor,
                              process_set, in_place=False)
 

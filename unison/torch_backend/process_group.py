@@ -300,7 +300,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
         (t,) = tensors
         data = np.ascontiguousarray(host(t, "send"))
-        return P2PWork(self._p2p().Isend(data, dest=dst, tag=tag), data, timeout_s=self._timeout_s)
+        return P2PWork(self._p2p_comm.Isend(data, dest=dst, tag=tag), data, timeout_s=self._timeout_s)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
         return self._recv(tensors, src, tag)
@@ -313,11 +313,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
     def _recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
         (t,) = tensors
         buf = np.empty(tuple(t.shape), dtype=host(t, "recv").dtype)
-        return P2PWork(self._p2p().Irecv(buf, source=src, tag=tag), buf, into=t, timeout_s=self._timeout_s)
-
-    def _p2p(self) -> Any:
-        """The group's communicator for point-to-point messages."""
-        return self._p2p_comm
+        return P2PWork(self._p2p_comm.Irecv(buf, source=src, tag=tag), buf, into=t, timeout_s=self._timeout_s)
 
     def barrier(self, opts: Any = None) -> dist.Work:
         return self._work([self._ops.allreduce_async(np.zeros(1, np.int8), Sum)], lambda results: [])

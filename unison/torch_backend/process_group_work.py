@@ -56,6 +56,12 @@ def seconds(timeout: Any) -> float | None:
     return float(timeout.total_seconds()) if hasattr(timeout, "total_seconds") else float(timeout)
 
 
+def _limit(timeout: Any, default: float | None) -> float | None:
+    """The seconds a ``wait(timeout)`` may take: its own timeout, else the group's (None: no limit)."""
+    own = seconds(timeout)
+    return default if own is None or own <= 0 else own
+
+
 def _timed_out(what: str, limit: float) -> Exception:
     return dist.DistBackendError(
         f"unison: {what} did not complete within {limit:g} s (the timeout given to wait(), or the process "
@@ -126,8 +132,7 @@ class _Work(dist.Work):
         fut.add_done_callback(lambda _: self._done.set())
 
     def wait(self, timeout: Any = None) -> bool:
-        limit = seconds(timeout)
-        limit = self._timeout_s if limit is None or limit <= 0 else limit
+        limit = _limit(timeout, self._timeout_s)
         if limit is not None and not self._done.wait(limit):
             raise _timed_out("a collective", limit)
         self._fut.wait()
@@ -170,8 +175,7 @@ class P2PWork(dist.Work):
         self._lock = threading.Lock()  # wait() and a get_future() thread may both complete it
 
     def wait(self, timeout: Any = None) -> bool:
-        limit = seconds(timeout)
-        limit = self._timeout_s if limit is None or limit <= 0 else limit
+        limit = _limit(timeout, self._timeout_s)
         with self._lock:
             if self._request is None:
                 return True

@@ -16,13 +16,13 @@ __all__ = ["to_numpy", "from_numpy", "result_tensor", "TorchCaster"]
 
 
 #: torch dtype -> numpy's: the dtypes ``Tensor.numpy`` and ``torch.from_numpy`` convert as they are
-NATIVE = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64),
+_NATIVE = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64),
            torch.float16: np.dtype(np.float16), torch.int64: np.dtype(np.int64), torch.int32: np.dtype(np.int32),
            torch.int16: np.dtype(np.int16), torch.int8: np.dtype(np.int8), torch.uint8: np.dtype(np.uint8),
            torch.bool: np.dtype(np.bool_)}
 
-#: the numpy dtypes of :data:`NATIVE`: ``torch.from_numpy`` of a contiguous array of one is the tensor
-_NUMPY_NATIVE = frozenset(NATIVE.values())
+#: the numpy dtypes of :data:`_NATIVE`: ``torch.from_numpy`` of a contiguous array of one is the tensor
+_NUMPY_NATIVE = frozenset(_NATIVE.values())
 
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -48,7 +48,7 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     if not tensor.is_cpu:
         raise TypeError(f"unison.torch_backend handles CPU tensors; got a tensor on {tensor.device}. "
                         "Move it with .cpu() first")
-    if tensor.dtype in NATIVE and tensor.is_contiguous() and not tensor.is_neg():
+    if tensor.dtype in _NATIVE and tensor.is_contiguous() and not tensor.is_neg():
         return tensor.numpy(force=True)
     return _to_numpy_slow(tensor)
 
