@@ -194,6 +194,31 @@ def test_model_built_outside_scope_is_refused_inside_it(strategy):
         outside.fit(data(), epochs=1, verbose=0)
 
 
+def test_only_rank_0_prints_keras_progress_unless_asked(capsys):
+    """Keras's progress bar on rank 0 only; ``quiet_nonzero_ranks=False`` leaves every rank's."""
+    try:
+        keras.config.enable_interactive_logging()
+        strategy = UnisonStrategy()
+        assert keras.config.is_interactive_logging_enabled() == (R == 0)
+        with strategy.scope():
+            model = make_model()
+            model.compile(optimizer="sgd", loss="mse")
+        capsys.readouterr()
+        model.fit(data(), epochs=1, verbose=1, shuffle=False)
+        printed = capsys.readouterr().out
+        assert WORLD.allgather("5/5" in printed) == [r == 0 for r in range(N)]
+
+        keras.config.enable_interactive_logging()
+        UnisonStrategy(quiet_nonzero_ranks=False)
+        assert keras.config.is_interactive_logging_enabled()
+        model.fit(data(), epochs=1, verbose=1, shuffle=False)
+        assert all(WORLD.allgather("5/5" in capsys.readouterr().out))
+    finally:
+        keras.config.enable_interactive_logging()
+        if R != 0:  # as the module's other strategies left it
+            keras.config.disable_interactive_logging()
+
+
 def test_overlap_gradients_must_be_a_bool_or_none():
     with pytest.raises(TypeError, match="overlap_gradients must be True, False or None"):
         UnisonStrategy(overlap_gradients="yes")

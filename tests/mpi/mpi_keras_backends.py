@@ -370,6 +370,15 @@ def test_batchnorm_statistics_agree_across_ranks(dp):
     assert moving and float(np.abs(keras.ops.convert_to_numpy(moving[0].value)).sum()) > 0  # it was updated
 
 
+def test_only_rank_0_prints_keras_progress(dp, capsys):
+    model, _ = distributed_and_reference(dp, lambda: keras.optimizers.SGD(0.05))
+    capsys.readouterr()
+    model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=1)
+    model.evaluate(X, Y, batch_size=GLOBAL_BATCH, verbose=1)
+    printed = capsys.readouterr().out
+    assert WORLD.allgather("5/5" in printed) == [r == 0 for r in range(N)], printed
+
+
 def test_bad_batch_size_and_jit_compile_raise_on_every_rank(dp):
     with dp.scope():
         model = make_model()
