@@ -45,7 +45,7 @@ from unison.common.exceptions import (
     NotInitializedError,
     UnisonError,
 )
-from unison.common.ops import Average, Band, Bor, Bxor, Max, Min, Product, ReduceOp, Sum
+from unison.common.ops import Adasum, Average, Band, Bor, Bxor, Max, Min, Product, ReduceOp, Sum
 from unison.common.runtime import (
     cross_rank,
     cross_size,
@@ -69,7 +69,7 @@ __all__ = [
     "allreduce_async", "allgather_async", "broadcast_async", "reducescatter_async", "alltoall_async",
     "grouped_allreduce", "grouped_allreduce_async", "poll", "synchronize", "join", "Handle",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "start_timeline", "stop_timeline",
-    "Compression", "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Band", "Bor", "Bxor",
+    "Compression", "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum", "Band", "Bor", "Bxor",
     "UnisonError", "NotInitializedError", "MismatchError", "CollectiveError", "InvalidArgumentError",
     "StallError", "ShutdownError", "DuplicateNameError", "JoinError",
 ]

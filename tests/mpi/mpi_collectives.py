@@ -549,3 +549,88 @@ def test_engine_integer_average_fused_and_single(dtype):
     start = sum(counts[:R])
     np.testing.assert_array_equal(rs.astype(np.int64),
                                   int_average([inp[2] for inp in inputs])[start:start + counts[R]])
+
+
+NARROW_SUM = [np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.uint16)]
+
+
+@pytest.mark.parametrize("dtype", NARROW_SUM, ids=str)
+def test_narrow_integer_sums_wrap_whatever_the_size_or_algorithm(dtype):
+    """[Note: MPI's reductions that differ from numpy's]: Open MPI's vectorised SUM saturates 8- and
+    16-bit integers; every path here must wrap as numpy does (inline, MPI's call, ring, rhd, a cached
+    plan, reduce-scatter, the engine's fused buffer and single requests)."""
+    if N == 1:
+        pytest.skip("a sum over one rank cannot overflow")
+    info = np.iinfo(dtype)
+    value = dtype.type(info.max // 2 + 7)  # two copies already overflow
+
+    def want(size: int) -> np.ndarray:
+        return np.add.reduce(np.stack([np.full(size, value, dtype)] * N), axis=0, dtype=dtype)
+
+    for size in (16, 1000, 300_001):  # inline, MPI's call under auto, the ring under auto
+        x = np.full(size, value, dtype)
+        for algorithm in ALGOS:
+            for _ in range(2):  # the second call runs the cached plan
+                np.testing.assert_array_equal(C.allreduce(x, op=unison.Sum, algorithm=algorithm), want(size),
+                                              err_msg=f"{algorithm} at {size} elements")
+        counts = [size // N + (1 if i < size % N else 0) for i in range(N)]
+        start = sum(counts[:R])
+        for algorithm in ("auto", "ring", "mpi"):
+            got = C.reducescatter(x, op=unison.Sum, algorithm=algorithm)
+            np.testing.assert_array_equal(got, want(size)[start:start + counts[R]], err_msg=algorithm)
+        fused = unison.grouped_allreduce([x[:10], x[:size]], op=unison.Sum, name=f"wrap-{dtype}-{size}")
+        np.testing.assert_array_equal(fused[1], want(size))
+        np.testing.assert_array_equal(unison.allreduce(x, op=unison.Sum, name=f"wrap1-{dtype}-{size}"), want(size))
+
+
+@pytest.mark.parametrize("op", [unison.Min, unison.Max], ids=["min", "max"])
+def test_min_and_max_propagate_nan_whatever_the_size_or_algorithm(op):
+    """A rank whose values went NaN shows in Min/Max at every size and algorithm (numpy's rule;
+    MPI's own MIN/MAX would drop it depending on the operand order)."""
+    if N == 1:
+        pytest.skip("needs a peer holding the NaNs")
+    for dtype in (np.float32, np.float64):
+        for size in (16, 1000, 300_001):
+            x = np.full(size, 5.0 + R, dtype)
+            if R == 1:
+                x[::3] = np.nan
+            want = np.full(size, 5.0 if op == unison.Min else 4.0 + N, dtype)
+            want[::3] = np.nan
+            for algorithm in ALGOS:
+                got = C.allreduce(x, op=op, algorithm=algorithm)
+                np.testing.assert_array_equal(got, want, err_msg=f"{algorithm} at {size}")
+            engine = unison.allreduce(x, op=op, name=f"nan-{op}-{size}-{dtype.__name__}")
+            np.testing.assert_array_equal(engine, want)
+
+
+def test_adasum_is_refused_by_reducescatter_on_every_rank_and_runs_at_inline_sizes():
+    """Adasum is an all-reduce: reduce-scatter refuses it on every rank (the engine lives on), and
+    an all-reduce small enough to travel inline still runs Adasum (it used to fail with a KeyError)."""
+    x = np.arange(1.0, 13.0, dtype=np.float32) * (R + 1)
+    for call in (lambda: C.reducescatter(x, op=unison.Adasum),
+                 lambda: unison.reducescatter(x, op=unison.Adasum, name="rs-adasum")):
+        with pytest.raises(unison.CollectiveError, match="Adasum is an all-reduce"):
+            call()
+    np.testing.assert_array_equal(unison.allreduce(x, op=unison.Sum, name="after-rs-adasum"),
+                                  np.arange(1.0, 13.0, dtype=np.float32) * (N * (N + 1) // 2))
+    if N & (N - 1):
+        pytest.skip("Adasum needs a power-of-two number of ranks")
+    from unison.collectives import adasum
+
+    small = np.linspace(-1.0, 1.0, 64, dtype=np.float32) * (R + 1) + R  # 256 bytes: inline size
+    everyone = WORLD.allgather(small)
+    want = adasum.reference(everyone)
+    for _ in range(2):
+        np.testing.assert_allclose(C.allreduce(small, op=unison.Adasum), want, rtol=1e-5, atol=1e-6)
+
+
+def test_mismatch_error_names_each_differing_argument_once():
+    if N == 1:
+        pytest.skip("needs two ranks that disagree")
+    with pytest.raises(unison.MismatchError) as err:
+        if R == 0:
+            C.barrier()
+        else:
+            C.broadcast(np.zeros(3, np.float32), root_rank=0)
+    differing = str(err.value).split("differing: ")[1].split(")")[0].split(", ")
+    assert len(differing) == len(set(differing)), differing

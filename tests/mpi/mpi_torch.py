@@ -242,6 +242,21 @@ def test_collectives_values_and_inplace():
     hvd.barrier()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.uint16, torch.float32], ids=str)
+def test_zero_dimensional_tensors_keep_their_shape(dtype):
+    """A 0-d tensor comes back 0-d, also for dtypes numpy has no type of its own for (bfloat16,
+    uint16 went through a copy that made them (1,))."""
+    t = torch.tensor(3, dtype=dtype)
+    outs = [hvd.allreduce(t, op=hvd.Sum), hvd.synchronize(hvd.allreduce_async(t, op=hvd.Sum)),
+            hvd.broadcast(t, root_rank=0), hvd.grouped_allreduce([t, t], op=hvd.Sum)[1]]
+    for out in outs:
+        assert out.shape == () and out.dtype == dtype
+    assert [int(o.item()) for o in outs] == [3 * N, 3 * N, 3, 3 * N]
+    if dtype is not torch.uint16:  # Adasum: floating point only
+        a = hvd.allreduce(t.float(), op=hvd.Adasum) if N & (N - 1) == 0 else t.float()
+        assert a.shape == ()
+
+
 def test_autograd_gradients_across_ranks():
     w = torch.arange(3.0) + 10 * R  # rank-specific upstream gradients
     x = torch.ones(3, requires_grad=True)

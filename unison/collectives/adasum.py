@@ -171,7 +171,8 @@ def allreduce_direct(tensor: np.ndarray, prescale_factor: float = 1.0, postscale
         CollectiveError: not a floating-point dtype (on every rank).
         MismatchError: ranks disagree on shape, dtype or factors (on every rank).
     """
-    arr = np.ascontiguousarray(tensor)
+    arr = np.asarray(tensor)
+    arr = np.ascontiguousarray(arr).reshape(arr.shape)  # (ascontiguousarray alone makes 0-d 1-d)
     if comm is None:
         from unison.common import runtime
 

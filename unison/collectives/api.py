@@ -128,7 +128,8 @@ class _Prep:
         except (TypeError, ValueError) as exc:
             self.fail(exc)
             return ReduceOp.SUM
-        self.check(check_op, self.array.dtype, rop, self.call.prescale, self.call.postscale)
+        self.check(check_op, self.array.dtype, rop, self.call.prescale, self.call.postscale,
+                   self.call.coll.name.lower())
         return rop
 
     def raise_local(self) -> None:
@@ -191,7 +192,7 @@ def allreduce(tensor: Any, op: Any = Average, name: str | None = None,
     call, x = prep.call, prep.array
     rop = prep.reduction(op, prescale_factor, postscale_factor)
     n = st.size
-    small = call.algorithm == "auto" and x.nbytes <= INLINE_BYTES
+    small = call.algorithm == "auto" and x.nbytes <= INLINE_BYTES and rop is not ReduceOp.ADASUM
     flat = _flat(x) if call.error is None else x
     if small and call.error is None and n > 1:
         mine = _negotiator(st).inline_area()[:x.nbytes].view(x.dtype)

@@ -317,7 +317,7 @@ class Negotiator:
                       + "; ".join(t for _, t in errors))
         descs = [self._describe(r) for r in range(self.size)]
         keys = [k for k in descs[0] if any(d.get(k) != descs[0].get(k) for d in descs)]
-        keys += [k for d in descs for k in d if k not in keys and k not in descs[0]]
+        keys += list(dict.fromkeys(k for d in descs for k in d if k not in keys and k not in descs[0]))
         shown = ["collective", "shape", "dtype"] + [k for k in keys if k not in
                                                      ("collective", "shape", "dtype")]
         per_rank = "; ".join(

@@ -3,6 +3,18 @@
 Open MPI picks its own algorithm inside these calls. Data travels with its real
 MPI datatype so MPI can reduce it; float16 and bfloat16, which MPI has no
 standard type for, reduce through a user-defined op over a 2-byte type.
+
+[Note: MPI's reductions that differ from numpy's] Every algorithm must give one
+answer, whatever the size or the algorithm ``auto`` picks; ours reduce with numpy's
+ufuncs. Two of MPI's predefined ops differ from them, so those reductions also go
+through a user-defined op running the ufunc (:func:`_numpy_op`):
+
+* ``MPI_SUM`` of 8- and 16-bit integers: Open MPI 5's vectorised op component
+  (``op/avx``) saturates them (three int8 70s sum to 127), where numpy and our
+  algorithms wrap (-46), as int32 and int64 do in MPI too.
+* ``MPI_MIN``/``MPI_MAX`` of floats drop a NaN or keep it depending on which
+  operand it is, while ``np.minimum``/``np.maximum`` propagate it: a rank whose
+  values went NaN would show or hide depending on the tensor's size.
 """
 
 from __future__ import annotations
@@ -45,7 +57,8 @@ def _half_type(mpi: Any) -> Any:
 
 
 @functools.cache
-def _half_op(mpi: Any, dtype: np.dtype, op: ReduceOp) -> Any:
+def _numpy_op(mpi: Any, dtype: np.dtype, op: ReduceOp) -> Any:
+    """A user-defined MPI op applying ``op``'s numpy ufunc to elements of ``dtype``."""
     ufunc = reducer(dtype, op)
 
     def combine(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
@@ -65,9 +78,15 @@ def mpi_type(mpi: Any, dtype: np.dtype) -> Any:
 
 @functools.cache
 def mpi_op(mpi: Any, dtype: np.dtype, op: ReduceOp) -> Any:
-    """The MPI op computing ``op`` (Average is a Sum; scaling happens afterwards)."""
+    """The MPI op computing ``op`` (Average is a Sum; scaling happens afterwards) as numpy would
+    (see [Note: MPI's reductions that differ from numpy's])."""
+    dtype = np.dtype(dtype)
     if dtype == np.float16 or is_bfloat16(dtype):
-        return _half_op(mpi, np.dtype(dtype), op)
+        return _numpy_op(mpi, dtype, op)
+    if op in (ReduceOp.SUM, ReduceOp.AVERAGE) and dtype.kind in "iu" and dtype.itemsize <= 2:
+        return _numpy_op(mpi, dtype, op)
+    if op in (ReduceOp.MIN, ReduceOp.MAX) and dtype.kind == "f":
+        return _numpy_op(mpi, dtype, op)
     if dtype == np.bool_:
         if op is ReduceOp.BXOR:
             return mpi.LXOR

@@ -50,12 +50,17 @@ _BOOL_UFUNCS = {
 }
 
 
-def check_op(dtype: np.dtype, op: ReduceOp, prescale_factor: float, postscale_factor: float) -> None:
+def check_op(dtype: np.dtype, op: ReduceOp, prescale_factor: float, postscale_factor: float,
+             collective: str = "allreduce") -> None:
     """Refuse combinations with no meaning.
 
     Raises:
-        CollectiveError: Average or a scale factor on bool data.
+        CollectiveError: Average or a scale factor on bool data; Adasum on integers, or in a
+            collective other than an all-reduce (``collective`` names it).
     """
+    if op is ReduceOp.ADASUM and collective != "allreduce":
+        raise CollectiveError(f"op=unison.Adasum is an all-reduce (Horovod's too); {collective} cannot "
+                              "combine with it. Use unison.Sum or unison.Average")
     if op is ReduceOp.ADASUM and not is_float(dtype):
         raise CollectiveError(f"op=unison.Adasum combines floating-point gradients; got dtype {np.dtype(dtype)}. "
                               "Cast the array to float32, or use unison.Sum / unison.Average")

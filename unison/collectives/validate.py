@@ -24,10 +24,10 @@ def as_array(tensor: Any) -> np.ndarray:
     return arr
 
 
-def check_root(root: Any, size: int) -> None:
-    """Raises ValueError unless ``root`` is a rank of a job of ``size``."""
+def check_root(root: Any, size: int, within: str = "this job") -> None:
+    """Raises ValueError unless ``root`` is a rank of ``within`` (a job or process set of ``size``)."""
     if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < size:
-        raise ValueError(f"root_rank={root!r} is not a rank of this job; "
+        raise ValueError(f"root_rank={root!r} is not a rank of {within}; "
                          f"pass an integer in [0, {size})")
 
 

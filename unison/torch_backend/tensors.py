@@ -78,7 +78,7 @@ def from_numpy(array: np.ndarray) -> torch.Tensor:
     """A torch tensor sharing ``array``'s memory."""
     if type(array) is np.ndarray and array.dtype in _NUMPY_NATIVE and array.flags.c_contiguous:
         return torch.from_numpy(array)  # the engine's results: the common case, a few calls short
-    arr = np.ascontiguousarray(array)
+    arr = np.ascontiguousarray(array).reshape(array.shape)  # (ascontiguousarray makes a 0-d array 1-d)
     if is_bfloat16(arr.dtype):
         return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(arr)

@@ -244,7 +244,9 @@ def broadcast_async(tensor: Any, root_rank: int = 0, name: str | None = None,
         return _done(direct.broadcast(tensor, root_rank, name))
     sid, size = _set_id(eng, process_set)
     root = int(root_rank) if isinstance(root_rank, (int, np.integer)) else -1
-    return _submit(eng, Kind.BROADCAST, name, tensor, sid, lambda a: check_root(root_rank, size), root=root)
+    within = "this job" if sid == 0 else f"process set {sid} (roots are ranks within the set)"
+    return _submit(eng, Kind.BROADCAST, name, tensor, sid, lambda a: check_root(root_rank, size, within),
+                   root=root)
 
 
 def alltoall_async(tensor: Any, splits: Any = None, name: str | None = None,
@@ -279,7 +281,7 @@ def reducescatter_async(tensor: Any, op: Any = Average, name: str | None = None,
 
     def checks(arr: np.ndarray) -> None:
         parse_op(op)
-        check_op(arr.dtype, rop, float(prescale_factor), float(postscale_factor))
+        check_op(arr.dtype, rop, float(prescale_factor), float(postscale_factor), "reducescatter")
         if arr.ndim == 0:
             raise ValueError("reducescatter needs an array with at least one dimension to split; "
                              "got a 0-d array. Reshape it to (1,) or use allreduce")
