@@ -159,6 +159,12 @@ def test_vocab_parallel_embedding(tp):
         grad_par = tape.gradient(tf.reduce_sum(out * upstream), layer.embeddings)
     close(out, expected)
     close(grad_par, piece(grad, ps, 0))
+    vocab = layer.num_embeddings
+    bad_ids = np.array([[1, vocab]])  # no shard owns it: it used to come out as zeros; Embedding raises
+    with pytest.raises(tf.errors.InvalidArgumentError, match=rf"ids must be in \[0, {vocab}\)"):
+        layer(bad_ids)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=rf"ids must be in \[0, {vocab}\)"):
+        tf.function(layer)(tf.constant(bad_ids))
 
 
 def keras_cross_entropy(logits: tf.Tensor, target: np.ndarray, reduction: str) -> tf.Tensor:

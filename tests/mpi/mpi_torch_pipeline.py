@@ -261,3 +261,146 @@ def test_a_stage_output_changing_shape_raises_on_every_rank():
                       "make every microbatch the same size")
     pipe.train_step(x, y)
     pipe.close()
+
+
+# ------------------------------------------------------------------ found by an audit (2026-12-04)
+D64 = torch.float64
+
+
+def batch64(k, rows=8, width=6):
+    g = torch.Generator().manual_seed(k)
+    return torch.randn(rows, width, generator=g, dtype=D64), torch.randn(rows, width, generator=g, dtype=D64)
+
+
+@pytest.mark.skipif(N != 2, reason="two stages")
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1"])
+def test_a_module_used_twice_in_one_stage_trains_as_one_process(name):
+    """Tied weights inside a stage: zb-h1 splits backward per layer ([Note: splitting backward]),
+    which must not count the shared weight's earlier use twice (it failed on a freed graph)."""
+    torch.manual_seed(0)
+    shared = nn.Linear(6, 6, dtype=D64)
+    layers = [nn.Linear(6, 6, dtype=D64), nn.Tanh(), shared, nn.Tanh(), shared, nn.Linear(6, 6, dtype=D64)]
+    ref = copy.deepcopy(nn.Sequential(*layers))  # deepcopy keeps the tie
+    pipe = hvd.Pipeline(layers, balance=[2, 4], chunks=2, schedule=name, loss_fn=nn.functional.mse_loss,
+                        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for k in range(2):
+        x, y = batch64(k)
+        loss = pipe.train_step(x, y)
+        opt.zero_grad()
+        want = nn.functional.mse_loss(ref(x), y)
+        want.backward()
+        opt.step()
+        assert loss == pytest.approx(want.item(), rel=1e-12)
+    if 1 in pipe.stages:
+        torch.testing.assert_close(pipe.stages[1][0].weight, ref[2].weight, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(pipe.stages[1][3].weight, ref[5].weight, rtol=1e-12, atol=1e-12)
+    pipe.close()
+
+
+@pytest.mark.skipif(N != 2, reason="two stages")
+def test_a_stage_returning_a_tuple_raises_a_clear_error_on_every_rank():
+    class Pair(nn.Module):
+        def forward(self, x):
+            return x, x * 2
+
+    pipe = hvd.Pipeline([nn.Linear(6, 6), Pair(), nn.Identity(), nn.Linear(6, 6)], balance=[2, 2], chunks=2,
+                        loss_fn=nn.functional.mse_loss)
+    x, y = batch(0)
+    with pytest.raises(hvd.PipelineError, match="stage 0 returned a tuple; what crosses a stage boundary is one"):
+        pipe.train_step(x, torch.zeros(BATCH, 6))
+    pipe.close()
+
+
+@pytest.mark.skipif(N == 1, reason="data parallelism needs replicas")
+def test_frozen_parameters_stay_frozen_under_data_parallelism():
+    """Weight decay must not move a frozen parameter, nor one no replica produced a gradient for
+    (they used to get zero gradients for the gradient average)."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4, dtype=D64), nn.Tanh(), nn.Linear(4, 2, dtype=D64)]
+    layers[0].weight.requires_grad_(False)
+    ref = copy.deepcopy(nn.Sequential(*layers))
+    frozen = layers[0].weight.detach().clone()
+
+    def opt(ps):
+        return torch.optim.SGD(ps, lr=0.1, weight_decay=0.5, momentum=0.5)
+
+    pipe = hvd.Pipeline(layers, chunks=2, grid=hvd.pipeline_grid(pp=1, dp=N), loss_fn=nn.functional.mse_loss,
+                        optimizer=opt)
+    ref_opt = opt(ref.parameters())
+    for k in range(3):
+        x, y = batch64(k, rows=4 * N, width=4)
+        mine = slice(R * 4, R * 4 + 4)
+        loss = pipe.train_step(x[mine], y[mine, :2])
+        ref_opt.zero_grad()
+        want = nn.functional.mse_loss(ref(x), y[:, :2])
+        want.backward()
+        ref_opt.step()
+        assert loss == pytest.approx(want.item(), rel=1e-12)
+    stage = pipe.stages[0]
+    assert torch.equal(stage[0].weight, frozen) and stage[0].weight.grad is None
+    for mine_p, ref_p in zip(stage.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(mine_p, ref_p, rtol=1e-12, atol=1e-12)
+    pipe.close()
+
+
+def _tensor_parallel_block(sets, attention_dropout=0.5):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True, dtype=D64)
+    ln1, ln2 = nn.LayerNorm(8, dtype=D64), nn.LayerNorm(8, dtype=D64)
+    fc1, fc2 = nn.Linear(8, 16, dtype=D64), nn.Linear(16, 8, dtype=D64)
+    hvd.model_parallel_manual_seed(1234, sets.tp)
+    return hvd.ParallelTransformerBlock.from_modules(ln1, mha, ln2, fc1, fc2, causal=True, process_set=sets.tp,
+                                                     attention_dropout=attention_dropout, hidden_dropout=0.0)
+
+
+@pytest.mark.skipif(N % 2, reason="a tensor group of 2")
+def test_checkpointing_replays_the_tensor_parallel_dropout_stream():
+    """The recompute restores the tracker's per-shard stream too: the parallel attention's dropout
+    draws the same masks as the first forward, so checkpointing changes no number."""
+    from unison.common.tensor_parallel import Grid, grid_pipeline
+
+    grid = Grid(pp=1, tp=2)
+    sets = grid.register()
+    results = {}
+    for checkpoint in ("never", "always"):
+        block = _tensor_parallel_block(sets)
+        pipe = hvd.Pipeline([block, nn.Flatten()], chunks=2, grid=grid_pipeline(grid, sets),
+                            checkpoint=checkpoint, loss_fn=lambda o, t: ((o - t) ** 2).mean(),
+                            optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0))
+        g = torch.Generator().manual_seed(5)
+        x, y = torch.randn(4, 6, 8, generator=g, dtype=D64), torch.randn(4, 48, generator=g, dtype=D64)
+        losses = [pipe.train_step(x, y) for _ in range(2)]
+        results[checkpoint] = (losses, block.attn.qkv.weight.detach().clone())
+        pipe.close()
+    assert results["never"][0] == results["always"][0]
+    assert torch.equal(results["never"][1], results["always"][1])
+
+
+@pytest.mark.skipif(N % 2, reason="a tensor group of 2")
+def test_a_stage_failing_on_one_rank_of_its_tensor_group_raises_everywhere_without_a_hang():
+    """[Note: abandoned collectives]: the failing rank's peer waits in the tensor group's all-reduce,
+    which the failing rank never submits; the engine fails it on every member at once."""
+    from unison.common.tensor_parallel import Grid, grid_pipeline
+
+    grid = Grid(pp=1, tp=2)
+    sets = grid.register()
+    fail = {"on": False}
+
+    class FailOnShard0(nn.Module):
+        def forward(self, x):
+            if fail["on"] and sets.tp.rank() == 0:
+                raise RuntimeError("shard 0 failed")
+            return x
+
+    torch.manual_seed(0)
+    col = hvd.ColumnParallelLinear.from_linear(nn.Linear(8, 16, dtype=D64), process_set=sets.tp)
+    row = hvd.RowParallelLinear.from_linear(nn.Linear(16, 8, dtype=D64), process_set=sets.tp)
+    pipe = hvd.Pipeline([col, nn.GELU(), FailOnShard0(), row], chunks=2, grid=grid_pipeline(grid, sets),
+                        loss_fn=nn.functional.mse_loss)
+    x, y = batch64(0, rows=4, width=8)
+    assert isinstance(pipe.train_step(x, y), float)
+    fail["on"] = True
+    with pytest.raises(hvd.PipelineError, match="shard 0 failed"):
+        pipe.train_step(x, y)
+    pipe.close()

@@ -151,6 +151,9 @@ def test_vocab_parallel_embedding(tp):
     close(out, ref(ids))
     (out * upstream).sum().backward()
     close(layer.weight.grad, piece(ref.weight.grad, ps, 0))
+    for bad in (5 * tp, -1):  # no shard owns it: it used to come out as zeros; nn.Embedding raises
+        with pytest.raises(IndexError, match=rf"ids must be in \[0, {5 * tp}\).*received {bad}"):
+            layer(torch.tensor([[1, bad]]))
 
 
 @pytest.mark.parametrize("tp", TPS)
@@ -293,6 +296,21 @@ def test_parallel_transformer_block(tp):
     close(block.attn.qkv.weight.grad, heads_rows(ref.attn.in_proj_weight.grad, hidden, ps))
     close(block.mlp.fc1.weight.grad, piece(ref.fc1.weight.grad, ps, 0))
     close(block.mlp.fc2.weight.grad, piece(ref.fc2.weight.grad, ps, 1))
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_transformer_block_from_layer_norms_without_bias(tp):
+    hidden = 4 * tp
+    ref = Block(hidden, 2 * tp, 8 * tp, causal=True)
+    ref.ln1, ref.ln2 = nn.LayerNorm(hidden, bias=False, dtype=D), nn.LayerNorm(hidden, bias=False, dtype=D)
+    x = seeded(29, 2, 7, hidden)
+    ps = group(tp)
+    if ps is None:
+        return
+    block = hvd.ParallelTransformerBlock.from_modules(ref.ln1, ref.attn, ref.ln2, ref.fc1, ref.fc2, causal=True,
+                                                      process_set=ps)
+    assert block.ln1.bias is None and block.ln2.bias is None
+    close(block(x), ref(x))
 
 
 # ------------------------------------------------------------------ sequence parallelism, dropout

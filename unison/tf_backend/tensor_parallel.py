@@ -252,11 +252,25 @@ class VocabParallelEmbedding(keras.layers.Layer):
         return layer
 
     def call(self, inputs: Any) -> tf.Tensor:
-        ids = tf.cast(inputs, tf.int64)
+        ids = _check_ids(tf.cast(inputs, tf.int64), self.num_embeddings)
         mine = (ids >= self.start) & (ids < self.stop)
         local = tf.where(mine, ids - self.start, tf.zeros_like(ids))
         vectors = tf.gather(tf.convert_to_tensor(self.embeddings), local)
         return reduce_from_group(vectors * tf.expand_dims(tf.cast(mine, vectors.dtype), -1), self.process_set)
+
+
+def _check_ids(ids: tf.Tensor, vocab: int) -> tf.Tensor:
+    """``ids``, after refusing (eagerly) or failing the graph on one outside ``[0, vocab)``: no shard owns
+    it, so it would come out as zeros (every rank of the group holds the same ids and fails alike)."""
+    bad = (ids < 0) | (ids >= vocab)
+    message = f"VocabParallelEmbedding: ids must be in [0, {vocab}) (the whole vocabulary)"
+    if tf.executing_eagerly():
+        if bool(tf.reduce_any(bad)):
+            raise tf.errors.InvalidArgumentError(None, None, f"{message}; received "
+                                                 f"{int(tf.boolean_mask(ids, bad)[0])}")
+        return ids
+    with tf.control_dependencies([tf.debugging.Assert(tf.logical_not(tf.reduce_any(bad)), [message])]):
+        return tf.identity(ids)
 
 
 def _check_targets(target: tf.Tensor, vocab: int, ignore_index: int) -> tf.Tensor:

@@ -218,6 +218,12 @@ class VocabParallelEmbedding(nn.Module):
         return layer
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # an id no shard owns would come out as zeros (every shard masks it): refuse it as nn.Embedding
+        # does (every rank of the group holds the same ids, so all raise before the reduction)
+        bad = (ids < 0) | (ids >= self.num_embeddings)
+        if bool(bad.any()):
+            raise IndexError(f"VocabParallelEmbedding: ids must be in [0, {self.num_embeddings}) (the whole "
+                             f"vocabulary); received {int(ids[bad][0])}")
         mine = (ids >= self.start) & (ids < self.stop)
         local = torch.where(mine, ids - self.start, torch.zeros_like(ids))
         vectors = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)

@@ -233,6 +233,6 @@ class ParallelTransformerBlock(nn.Module):
 
 def _clone_norm(norm: nn.LayerNorm) -> nn.LayerNorm:
     copy = nn.LayerNorm(norm.normalized_shape, eps=norm.eps, elementwise_affine=norm.elementwise_affine,
-                        dtype=None if norm.weight is None else norm.weight.dtype)
+                        bias=norm.bias is not None, dtype=None if norm.weight is None else norm.weight.dtype)
     copy.load_state_dict(norm.state_dict())
     return copy

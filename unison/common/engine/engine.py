@@ -154,6 +154,8 @@ class Engine:
         self._handed_over: tuple[str, BaseException | None] | None = None
         #: a submission woke the sleeping engine thread, which is on its way to run the cycle
         self._woken = False
+        #: why this rank gave up on its collectives, while it does ([Note: abandoned collectives])
+        self._abandon: str | None = None
         self.autotuner = Autotuner(config, rank) if config.autotune else None
         gps = ProcessSet()
         gps.process_set_id = 0
@@ -394,6 +396,25 @@ class Engine:
                 self._watchdog.stop()
         wake_waiters()
 
+    def abandon(self, reason: str | None) -> None:
+        """Fail, on every member, the pending collectives of each process set this rank belongs to,
+        from the next cycle on and for as long as ``reason`` is set; ``None`` ends it.
+
+        [Note: abandoned collectives] A rank that gives up on a piece of work (a pipeline stage
+        that raised) will not submit the collectives its peers may already wait on (the tensor
+        group's all-reduces inside the stage): they would wait for ever, since stall shutdown is
+        off by default. While abandoning, each of this rank's cycles asks for a stall round
+        (``FLAG_STALL_ABORT``) in which every member fails its pending handles with a
+        ``StallError`` carrying ``reason``, and names that this rank never submitted are marked so
+        that its own later submission of them fails too instead of waiting for peers that have
+        moved on. The caller ends it once every rank has left the work (the pipeline driver: after
+        its end-of-step agreement).
+        """
+        with self._cv:
+            self._abandon = reason
+            if reason is not None and self._sleeping:
+                self._cv.notify()
+
     def _busy(self) -> bool:
         return any(st.controller.has_work() for st in self._sets.values()) or bool(self._join_handles)
 
@@ -477,6 +498,7 @@ class Engine:
             stopping = self._stopping
             toggle, self._timeline_toggle = self._timeline_toggle, False
             joins = bool(self._join_handles)
+            abandon = self._abandon
         for req in new:
             st = self._sets.get(req.process_set)
             if st is None:  # removed (by another thread's remove_process_set) after it was checked
@@ -496,11 +518,13 @@ class Engine:
             if toggle and self.rank == 0 and sid == 0:
                 flags |= FLAG_TIMELINE
             flags |= stall_flags(st.controller, self.config, st.last_stall_report)
+            if abandon is not None:
+                flags |= FLAG_STALL_ABORT
             if flags & FLAG_STALL_CHECK:
                 st.last_stall_report = time.monotonic()
             responses, any_flags, all_joined = st.controller.cycle(flags)
             if any_flags & (FLAG_STALL_CHECK | FLAG_STALL_ABORT):
-                self._stall_round(st)
+                self._stall_round(st, abandon)
             st.executor.run(responses, self.fusion_threshold)
             if responses:
                 self._forget([resp.request for resp in responses if resp.request is not None])
@@ -596,9 +620,9 @@ class Engine:
         return "submitted by every rank; its collective has not finished (some rank stopped taking part)"
 
     # ------------------------------------------------------------- stalls
-    def _stall_round(self, st: _SetState) -> None:
+    def _stall_round(self, st: _SetState, abandon: str | None = None) -> None:
         """Collective over the set (see :mod:`.stalls`); drop the handles it failed from ``_inflight``."""
-        if stall_round(st.controller, self.mpi, self.config) is not None:
+        if stall_round(st.controller, self.mpi, self.config, abandon) is not None:
             sid = st.controller.set_id
             with self._cv:
                 failed = [k for k, r in self._inflight.items() if k[0] == sid and r.handle.done()]

@@ -57,6 +57,13 @@ def engine(what: str = "this call") -> Engine | None:
     return eng
 
 
+def running_engine() -> Engine | None:
+    """The engine if this process started one (never starts it)."""
+    if not runtime.is_initialized():
+        return None
+    return runtime.state().cache.get("engine")
+
+
 def _stop_engine(st: runtime.State) -> None:
     eng = st.cache.pop("engine", None)
     if eng is not None:

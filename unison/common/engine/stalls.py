@@ -44,17 +44,21 @@ def stall_flags(ctl: Controller, cfg: Config, last_report: float) -> int:
     return 0
 
 
-def stall_round(ctl: Controller, mpi: Any, cfg: Config) -> str | None:
-    """Collective over the set: judge stalls alike on every rank; fail them past the shutdown time.
+def stall_round(ctl: Controller, mpi: Any, cfg: Config, abandon: str | None = None) -> str | None:
+    """Collective over the set: judge stalls alike on every rank; fail them past the shutdown time,
+    or at once when a rank abandons its collectives (``abandon``: its reason; see [Note: abandoned
+    collectives] in :mod:`.engine`).
 
     Returns:
         The failure message when the set's pending handles were failed, else None.
     """
     now = time.monotonic()
-    mine = [{name: now - req.submitted for name, req in ctl.pending.items()}, ctl.joined_ranks]
+    mine = [{name: now - req.submitted for name, req in ctl.pending.items()}, ctl.joined_ranks, abandon or ""]
     everyone = [_decode(raw, r) for r, raw in
                 enumerate(allgather_bytes(ctl.comm, mpi, json.dumps(mine).encode()))]
-    verdict = _judge(everyone, ctl.size, cfg, log=ctl.rank == 0)
+    gave_up = [(r, reason) for r, (_, _, reason) in enumerate(everyone) if reason]
+    verdict = _abandoned(everyone, gave_up, ctl.size) if gave_up else _judge(everyone, ctl.size, cfg,
+                                                                             log=ctl.rank == 0)
     if verdict is None:
         return None
     message, missing = verdict
@@ -65,24 +69,39 @@ def stall_round(ctl: Controller, mpi: Any, cfg: Config) -> str | None:
     return message
 
 
-def _decode(raw: bytes, rank: int) -> tuple[dict[str, float], list[int]]:
+def _decode(raw: bytes, rank: int) -> tuple[dict[str, float], list[int], str]:
     try:
-        pending, joined = json.loads(raw)
-        if not (isinstance(pending, dict) and isinstance(joined, list)):
-            raise ValueError("expected [pending, joined]")
-        return {str(k): float(v) for k, v in pending.items()}, [int(r) for r in joined]
+        pending, joined, abandon = json.loads(raw)
+        if not (isinstance(pending, dict) and isinstance(joined, list) and isinstance(abandon, str)):
+            raise ValueError("expected [pending, joined, abandon]")
+        return {str(k): float(v) for k, v in pending.items()}, [int(r) for r in joined], abandon
     except (ValueError, TypeError) as exc:
         raise ValueError(f"malformed stall report from rank {rank} ({exc}): every rank must run the "
                          "same Unison version") from None
 
 
-def _judge(everyone: list[tuple[dict[str, float], list[int]]], size: int, cfg: Config,
+def _abandoned(everyone: list[tuple[dict[str, float], list[int], str]], gave_up: list[tuple[int, str]],
+               size: int) -> tuple[str, dict[str, list[int]]] | None:
+    """(message, {pending name: ranks missing it}) when any rank has something pending, else None."""
+    have: dict[str, set[int]] = {}
+    for r, (pending, _, _) in enumerate(everyone):
+        for name in pending:
+            have.setdefault(name, set()).add(r)
+    if not have:
+        return None
+    missing = {name: [r for r in range(size) if r not in ranks] for name, ranks in have.items()}
+    reasons = "; ".join(f"rank {r}: {reason}" for r, reason in gave_up)
+    return (f"collective(s) {sorted(have)} failed on every rank of the process set: rank(s) "
+            f"{[r for r, _ in gave_up]} gave up on them and will not submit them ({reasons})"), missing
+
+
+def _judge(everyone: list[tuple[dict[str, float], list[int], str]], size: int, cfg: Config,
            log: bool) -> tuple[str, dict[str, list[int]]] | None:
     """(message, {stalled name: ranks missing it}) when past the shutdown time, else None."""
     ages: dict[str, float] = {}
     have: dict[str, set[int]] = {}
     joined = set(everyone[0][1])
-    for r, (pending, _) in enumerate(everyone):
+    for r, (pending, _, _) in enumerate(everyone):
         for name, age in pending.items():
             ages[name] = max(ages.get(name, 0.0), age)
             have.setdefault(name, set()).add(r)

@@ -190,7 +190,14 @@ class PipelineDriver:
         raise_together(self.world, check)
         run = _Step(self, worker)
         failure = run.walk()
-        self._agree_on_end(run, failure)
+        if failure is None:
+            self._agree_on_end(run, failure)
+        else:  # collectives a stage's peers wait on inside it (a tensor group's) would never come
+            _abandon_engine(failure.message)
+            try:
+                self._agree_on_end(run, failure)
+            finally:
+                _abandon_engine(None)
         return run.stats(perf_counter() - run.t0)
 
     def close(self) -> None:
@@ -240,6 +247,16 @@ def _peer(a: Action) -> int:
     if a.peer is None:
         raise PipelineError(f"{a} is a communication action without a peer rank")
     return a.peer
+
+
+def _abandon_engine(reason: str | None) -> None:
+    """Have the running engine fail the collectives peers wait on for this rank, or stop doing so
+    (see [Note: abandoned collectives] in unison/common/engine/engine.py)."""
+    from unison.common.engine import frontend
+
+    eng = frontend.running_engine()
+    if eng is not None:
+        eng.abandon(reason)
 
 
 class _Step:

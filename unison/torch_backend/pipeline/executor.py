@@ -206,16 +206,23 @@ class Pipeline(PipelineRunner):
                 t.copy_(out.to(t.device))
 
     def _average_gradients(self) -> None:
-        """Average each gradient over the ranks that hold the same stages (through host memory)."""
-        params = self.parameters()
+        """Average each gradient over the ranks that hold the same stages (through host memory).
+
+        Only trainable parameters take part (a frozen one keeps no gradient, so the optimizer
+        leaves it alone). A replica without a gradient for a parameter contributes zeros; a
+        parameter no replica produced a gradient for keeps none (as one process on the global
+        batch would), which the ranks learn from a flag per parameter reduced with the gradients.
+        """
+        params = [p for p in self.parameters() if p.requires_grad]
         if not params:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         host = [g.detach().cpu() if g.device.type != "cpu" else g for g in grads]
-        grouped_allreduce_(host, op=Average, name=f"{self._name}.grads.{self.grid.position}",
+        had = torch.tensor([float(p.grad is not None) for p in params], dtype=torch.float64)
+        grouped_allreduce_([*host, had], op=Average, name=f"{self._name}.grads.{self.grid.position}",
                            process_set=self.grid.data_set)
-        for p, g, h in zip(params, grads, host, strict=True):
-            p.grad = g if h is g else h.to(g.device)
+        for p, g, h, some in zip(params, grads, host, had.tolist(), strict=True):
+            p.grad = (g if h is g else h.to(g.device)) if some > 0 else None
 
 
 def _plan(module: Any, balance: Any, chunks: Any, schedule: Any, v: Any, checkpoint: Any, loss_fn: Any,

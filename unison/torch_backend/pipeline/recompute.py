@@ -12,7 +12,10 @@ ones, or the gradients belong to a different network than the loss. :func:`captu
 the generator state before the first forward; :func:`replay` restores it for the
 recomputation and then puts back the state it found, so the recomputation consumes no
 random numbers of the training run: later forwards see the same stream as without
-checkpointing.
+checkpointing. The state includes the tensor-parallel tracker's named streams
+(``get_rng_tracker()``): the parallel blocks draw attention dropout (and hidden dropout under
+sequence parallelism) from them inside ``fork()``, so a replay that restored only the default
+generator gave the recomputed forward other masks than the first.
 """
 
 from __future__ import annotations
@@ -20,31 +23,38 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from unison.torch_backend.tensor_parallel_random import get_rng_tracker
 
 __all__: list[str] = []
 
 
 @dataclass(frozen=True)
 class RngState:
-    """The CPU generator's state and, for a CUDA stage, that device's generator state."""
+    """The CPU generator's state, for a CUDA stage that device's generator state, and the
+    tensor-parallel tracker's streams."""
 
     cpu: torch.Tensor
     device: torch.device
     accelerator: torch.Tensor | None = None
+    streams: dict[str, Any] | None = None
 
 
 def capture(device: torch.device) -> RngState:
     """The generator state a forward on ``device`` is about to use."""
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return RngState(torch.get_rng_state(), device, cuda)
+    return RngState(torch.get_rng_state(), device, cuda, get_rng_tracker().get_states())
 
 
 def _restore(state: RngState) -> None:
     torch.set_rng_state(state.cpu)
     if state.accelerator is not None:
         torch.cuda.set_rng_state(state.accelerator, state.device)
+    if state.streams is not None:
+        get_rng_tracker().set_states(state.streams)
 
 
 @contextmanager

@@ -16,7 +16,11 @@ output would run the input-gradient chain of every layer again (measured: I + W 
 full B on a 4-layer MLP stage). I instead stops at each parameterised layer's output; W then
 runs only that layer's own nodes, which compute just the weight half (autograd masks the
 outputs nobody asked for). I + W then cost one B, plus keeping each such output's gradient
-until W.
+until W. A stage whose layers share a parameter (a module used twice, tied weights) cannot
+be split so: a later layer's output depends on the shared weight through the earlier layer
+too, so its own W would count the earlier use again (and walk a graph the earlier W freed).
+There I computes the input gradient alone and W asks for all the stage's parameters from its
+output at once (``shared_weights``), the unsplit cost for that stage only.
 
 The last stage applies the loss to its output and the microbatch's targets, scaled by
 ``1 / chunks`` so that a step's gradient is that of the mean loss over the whole batch.
@@ -76,6 +80,9 @@ class TorchStages:
         #: per stage, per layer: the layer's trainable parameters
         self.layer_params = {s: [[p for p in layer.parameters() if p.requires_grad] for layer in m]
                              for s, m in modules.items()}
+        #: stages whose layers share a parameter: W is not split per layer there ([Note: splitting backward])
+        self.shared_weights = {s for s, layers in self.layer_params.items()
+                               if len({id(p) for ps in layers for p in ps}) < sum(len(ps) for ps in layers)}
         self.begin(None, None, 1, train=True)
 
     def begin(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None, chunks: int,
@@ -96,7 +103,7 @@ class TorchStages:
         if not self.train:
             with torch.no_grad():
                 out = self._loss_or_output(stage, mb, self.modules[stage](inp))
-            return None if stage == self.last else _host(out)
+            return None if stage == self.last else _boundary(stage, out)
         if self.checkpoint == "always" or (self.checkpoint == "except_last" and mb < self.chunks - 1):
             rng = capture(self.device)
             with torch.no_grad():
@@ -106,7 +113,7 @@ class TorchStages:
             y, outs = self._layers(stage, inp)
             out = self._loss_or_output(stage, mb, y)
             self._keep(stage, mb, _Kept(inp, out, outs=outs))
-        return None if stage == self.last else _host(out)
+        return None if stage == self.last else _boundary(stage, out)
 
     def backward(self, stage: int, mb: int, grad: np.ndarray | None) -> np.ndarray | None:
         if not self.train:
@@ -124,6 +131,10 @@ class TorchStages:
         if kept.out is None or not kept.out.requires_grad:
             return self._input_grad(kept.x)
         # see [Note: splitting backward]
+        if stage in self.shared_weights:
+            (dx,) = torch.autograd.grad(kept.out, [kept.x], kept.grad, retain_graph=True, allow_unused=True)
+            kept.outs = None  # pending stays None: W takes every parameter from the stage's output
+            return _host(dx if dx is not None else torch.zeros_like(kept.x))
         layers = [(o, ps) for o, ps in zip(kept.outs or [], self.layer_params[stage], strict=True)
                   if ps and o.requires_grad]
         grads = torch.autograd.grad(kept.out, [kept.x, *[o for o, _ in layers]], kept.grad, retain_graph=True,
@@ -217,6 +228,19 @@ def _accumulate(params: list[nn.Parameter], grads: tuple[torch.Tensor | None, ..
             param.grad = g.detach()
         else:
             param.grad.add_(g)
+
+
+def _boundary(stage: int, out: Any) -> np.ndarray:
+    """Stage ``stage``'s output as it travels to the next stage: one tensor.
+
+    Raises:
+        TypeError: anything else (a tuple, a dict), naming the stage and the fix.
+    """
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"stage {stage} returned a {type(out).__name__}; what crosses a stage boundary is one "
+                        "tensor. Make the stage's last layer return a single tensor (concatenate the parts, or "
+                        "balance the stages so that the layers consuming the parts sit in the same stage)")
+    return _host(out)
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
