@@ -477,3 +477,86 @@ def test_a_parameter_without_a_gradient_this_step_contributes_nothing(stage, zer
         opt.step()
     for (name, got), want in zip(model.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(got, want, rtol=TOL, atol=TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# ------------------------------------------------------------------ found by an audit (2026-12-04)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_skipped_step_with_model_zero_grad_does_not_poison_the_next_ones(stage):
+    """GradScaler skips a step whose gradients overflowed; the user's ``model.zero_grad()`` cannot
+    clear the shards' reduced gradients, so the optimizer drops them itself (at stage 2 every later
+    step used to be skipped: the next reduction was added to the infinite one)."""
+    model = Mixed()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(groups_of(model), lr=0.01),
+                                   named_parameters=model.named_parameters(), zero_stage=stage,
+                                   zero_bucket_bytes=48)
+    scaler = hvd.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+    skipped = []
+    for step in range(4):
+        model.zero_grad()
+        x, y = local(step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if step == 0 and R == 0:
+            loss = loss * 1e36  # overflows once scaled: step 0 only, rank 0 only
+        scaler.scale(loss).backward()
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(scaler.get_scale() < before)
+    assert skipped == [True, False, False, False]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_half_precision_weights_set_after_wrapping_reach_the_masters(stage):
+    """The fp32 masters of bfloat16 weights take weights loaded into the model later (they used to
+    be overwritten by the masters' old values at the next step)."""
+    model = torch.nn.Linear(7, 5).bfloat16()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                   named_parameters=model.named_parameters(), zero_stage=stage,
+                                   zero_bucket_bytes=16)
+    model.load_state_dict({k: torch.full_like(v, 0.5) for k, v in model.state_dict().items()})
+    opt.zero_grad()
+    x, y = local(0)
+    torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y).backward()
+    opt.step()  # lr 0: nothing may move
+    assert all(torch.all(p == 0.5) for p in model.parameters())
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_parameters_added_or_unfrozen_after_wrapping_are_refused(stage):
+    model = Mixed()
+    model.l2.weight.requires_grad_(False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(groups_of(model), lr=0.01),
+                                   named_parameters=model.named_parameters(), zero_stage=stage)
+    with pytest.raises(ValueError, match="parameters are fixed when it is built"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    model.l2.weight.requires_grad_(True)
+    x, y = local(0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    with pytest.raises(ValueError, match="'l2.weight' has a gradient but was frozen"):
+        opt.step()
+
+
+def test_state_the_shards_cannot_hold_is_refused_on_every_rank_before_anything_changes():
+    """A plain Adam creates a parameter's state at its first gradient; a state dict saved before one
+    head ever had a gradient cannot be sharded where the heads share a bucket. Every rank raises
+    (only the owners of that slice did, and the others went on into the next step's collectives)."""
+    model, plain = Mixed(), Mixed()
+    ref = torch.optim.Adam(plain.parameters(), lr=0.01)
+    x, y = data(0)
+    plain.l1(x).sum().backward()  # only l1 gets gradients: l2 and scale have no state
+    ref.step()
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters(), zero_stage=1,
+                                   zero_bucket_bytes=1 << 20)  # one bucket: the heads share it
+    with pytest.raises(ValueError, match="is missing .* of the same ZeRO bucket has it"):
+        opt.load_state_dict(ref.state_dict())
+    assert opt.param_groups[0]["lr"] == 0.01 and all(not s for s in opt._inner.state.values())
+
+
+def test_eagerly_created_state_of_the_wrapped_class_is_not_kept_in_full():
+    model = Mixed()
+    opt = hvd.DistributedOptimizer(torch.optim.Adagrad(groups_of(model), lr=0.01),
+                                   named_parameters=model.named_parameters(), zero_stage=1)
+    assert len(opt.state) == 0  # Adagrad fills state['sum'] for every parameter in __init__
+    held = sum(t.numel() for s in opt._inner.state.values() for t in s.values() if torch.is_tensor(t))
+    assert held <= opt.plan.owned_numel(opt._rank) + 8 * len(opt._buckets)

@@ -85,6 +85,7 @@ class _ZeroOptimizer(ZeroStateMixin):
                  gradient_predivide_factor: float, process_set: ProcessSet | None, plan: ShardPlan,
                  inner_cls: type) -> None:
         inner_cls.__init__(self, param_groups)  # the user's class: its hyper-parameters and checks
+        self.state.clear()  # state some classes create eagerly (Adagrad's sums): the shards' own is in _inner
         self.zero_stage = zero_stage
         self._compression, self._op = compression, op
         self._prescale, self._postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
@@ -261,6 +262,39 @@ class _ZeroOptimizer(ZeroStateMixin):
         return extra
 
     # ------------------------------------------------------------- public
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused once built: the parameters are sharded into buckets when the optimizer is made.
+
+        Raises:
+            ValueError: always after construction (the class's own ``__init__`` adds its groups).
+        """
+        if hasattr(self, "plan"):
+            raise ValueError("a ZeRO DistributedOptimizer's parameters are fixed when it is built (they are "
+                             "sharded into buckets over the ranks); a group added later would never be "
+                             "trained. Build the plain optimizer over every parameter group first, then wrap it "
+                             "again with DistributedOptimizer(..., zero_stage=...)")
+        super().add_param_group(param_group)  # type: ignore[misc]
+
+    def discard_gradients(self) -> None:
+        """Forget the reduced gradients of a step that is not taken (``GradScaler`` skipped it): the next
+        backward pass starts afresh, as after ``zero_grad()``, which ``model.zero_grad()`` cannot do for
+        the shards' gradients."""
+        for st in self._buckets:
+            st.fresh = True
+            st.master.grad = None
+        self._synchronized = False
+
+    def _check_unsharded(self) -> None:
+        """Raise when a parameter the optimizer holds has a gradient but is in no bucket (it did not
+        require a gradient when the optimizer was built), instead of never training it."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p not in self._bucket_of:
+                    name = self._names.get(p, f"of shape {tuple(p.shape)}")
+                    raise ValueError(f"parameter {name!r} has a gradient but was frozen (requires_grad=False) "
+                                     "when this ZeRO DistributedOptimizer was built, so it is in no shard and "
+                                     "would never be trained. Build the optimizer again after unfreezing it")
+
     def synchronize(self) -> None:
         """Wait for every bucket's reduce-scatter; parameters without a gradient contribute zeros."""
         for st in self._buckets:
@@ -305,6 +339,7 @@ class _ZeroOptimizer(ZeroStateMixin):
         elif not self._synchronized:
             raise RuntimeError("optimizer.step() inside skip_synchronize() needs optimizer.synchronize() "
                                "first; the gradients have not been reduced yet")
+        self._check_unsharded()
         self._sync_hyperparameters()
         self._step_and_gather()
         for st in self._buckets:  # the next step's first reduction replaces the shard's gradient, whichever
@@ -336,10 +371,14 @@ class _ZeroOptimizer(ZeroStateMixin):
         window: list[_BucketState] = []
         try:
             for st in self._buckets:
+                half = st.master.data_ptr() != st.segment.data_ptr()  # an fp32 master of half weights
+                if half and not torch.equal(st.segment, st.master.detach().to(st.segment.dtype)):
+                    with torch.no_grad():  # the weights were set from outside since the last step
+                        st.master.copy_(st.segment)  # (load_state_dict, load_sharded, a broadcast): they win
                 self._inner.param_groups = [{**group_of[id(st.master)], "params": [st.master]}]
                 self._inner.step()
                 with torch.no_grad():
-                    if st.master.data_ptr() != st.segment.data_ptr():  # fp32 master of half weights
+                    if half:
                         st.segment.copy_(st.master.detach())
                 st.gather = frontend.allgather_async(to_numpy(st.segment), f"{self._base}.ag{st.bucket.index}",
                                                      self._pset)

@@ -52,6 +52,17 @@ class GradScaler(torch.amp.GradScaler):
             self._agree(optimizer, per_device, found_inf)
         return per_device
 
+    def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any,
+                        **kwargs: Any) -> Any:
+        """torch's step-or-skip; a skipped ZeRO step also drops its reduced gradients, which the
+        optimizer holds in its shards where the user's ``model.zero_grad()`` cannot clear them (the
+        next backward pass would add to the overflowed ones, and every later step be skipped)."""
+        skipped = bool(sum(v.item() for v in optimizer_state["found_inf_per_device"].values()))
+        result = super()._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
+        if skipped and getattr(optimizer, "zero_stage", 0) in (1, 2):
+            optimizer.discard_gradients()
+        return result
+
     @staticmethod
     def _agree(optimizer: Any, per_device: dict[torch.device, torch.Tensor], found_inf: torch.Tensor) -> None:
         """Every rank ends with the largest found-inf of any rank (for each device it checked)."""

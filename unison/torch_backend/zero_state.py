@@ -111,34 +111,55 @@ class ZeroStateMixin:
                              f"{[len(g['params']) for g in groups]} do not match this optimizer's "
                              f"{[len(g['params']) for g in self.param_groups]}; load a state dict saved from "
                              "an optimizer over the same parameters")
-        for mine, saved in zip(self.param_groups, groups, strict=True):
-            mine.update({k: v for k, v in saved.items() if k != "params"})
         params = self._all_params()
         saved_state = {int(k): v for k, v in state_dict["state"].items()}
         by_param = {id(params[i]): s for i, s in saved_state.items()}
-        for st in self._buckets:
+        # every bucket's slice first: a state dict this optimizer cannot hold raises before anything changes
+        segments = [self._segment_state(st, by_param) for st in self._buckets]
+        for mine, saved in zip(self.param_groups, groups, strict=True):
+            mine.update({k: v for k, v in saved.items() if k != "params"})
+        for st, state in zip(self._buckets, segments, strict=True):
             with torch.no_grad():
                 if st.master.data_ptr() != st.segment.data_ptr():  # fp32 master of half weights
                     st.master.copy_(st.segment.float())
-            self._inner.state[st.master] = self._segment_state(st, by_param)
+            self._inner.state[st.master] = state
         self._sync_hyperparameters()
 
     def _segment_state(self, st: Any, by_param: dict[int, dict[str, Any]]) -> dict[str, Any]:
-        """This rank's slice of the saved state of the bucket's parameters."""
-        have = [by_param[id(p)] for p in st.params if id(p) in by_param]
+        """This rank's slice of the saved state of the bucket's parameters.
+
+        A bucket's shard keeps one state (one ``step`` too) for all its parameters, so either every
+        parameter of the bucket has each per-element state or none has: a plain optimizer creates
+        a parameter's state at its first gradient, and one saved before every parameter had one
+        cannot be sharded. Checked over the whole bucket, not only this rank's pieces, so every
+        rank raises alike.
+
+        Raises:
+            ValueError: a parameter of the bucket without a state the others have (or of another shape).
+        """
+        have = [(p, by_param[id(p)]) for p in st.params if id(p) in by_param]
         if not have:
             return {}
+        names = {id(p): piece.name for piece, p in zip(st.bucket.pieces, st.params, strict=True)}
+        first, values = have[0]
         out: dict[str, Any] = {}
         owned = st.bucket.owned(self._rank)
-        for key, value in have[0].items():
-            if torch.is_tensor(value) and value.dim() > 0 and value.shape == st.params[0].shape:
+        for key, value in values.items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.shape == first.shape:
+                for p in st.params:
+                    src = by_param.get(id(p), {}).get(key)
+                    if src is None or tuple(src.shape) != tuple(p.shape):
+                        raise ValueError(
+                            f"the saved optimizer state {key!r} of parameter {names[id(p)]!r} is "
+                            f"{'missing' if src is None else 'of shape ' + str(tuple(src.shape))} (expected "
+                            f"{tuple(p.shape)}) while {names[id(first)]!r} of the same ZeRO bucket has it. "
+                            "A plain optimizer creates a parameter's state at its first gradient; a ZeRO "
+                            "shard keeps one state for the whole bucket. Save the state after a step in which "
+                            "every parameter had a gradient, or from the ZeRO optimizer itself")
                 seg = torch.zeros(st.master.shape, dtype=st.master.dtype)
                 for piece in owned:
                     p = st.params[[q.name for q in st.bucket.pieces].index(piece.name)]
-                    src = by_param.get(id(p), {}).get(key)
-                    if src is None or tuple(src.shape) != tuple(p.shape):
-                        raise ValueError(f"the saved state {key!r} of parameter {piece.name!r} has shape "
-                                         f"{None if src is None else tuple(src.shape)}; expected {tuple(p.shape)}")
+                    src = by_param[id(p)][key]
                     seg[piece.offset:piece.offset + piece.length] = src.reshape(-1)[
                         piece.param_offset:piece.param_offset + piece.length].to(seg.dtype)
                 out[key] = seg
