@@ -560,3 +560,29 @@ def test_eagerly_created_state_of_the_wrapped_class_is_not_kept_in_full():
     assert len(opt.state) == 0  # Adagrad fills state['sum'] for every parameter in __init__
     held = sum(t.numel() for s in opt._inner.state.values() for t in s.values() if torch.is_tensor(t))
     assert held <= opt.plan.owned_numel(opt._rank) + 8 * len(opt._buckets)
+
+
+def test_a_checkpoint_of_another_optimizer_class_is_refused_on_every_rank():
+    import shutil
+    import tempfile
+
+    where = WORLD.bcast(tempfile.mkdtemp(prefix="zero_cls_") if R == 0 else None)
+    try:
+        model = Mixed()
+        sgd = hvd.DistributedOptimizer(torch.optim.SGD(groups_of(model), lr=0.01, momentum=0.9),
+                                       named_parameters=model.named_parameters(), zero_stage=1)
+        x, y = local(0)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        sgd.step()
+        hvd.save_sharded(f"{where}/ck", model, sgd)
+        for stage in (0, 1):
+            other = Mixed()
+            adam = hvd.DistributedOptimizer(torch.optim.Adam(groups_of(other), lr=0.01),
+                                            named_parameters=other.named_parameters(), zero_stage=stage)
+            with pytest.raises(ValueError, match="holds the state of a SGD optimizer; this one is a Adam"):
+                hvd.load_sharded(f"{where}/ck", other, adam)
+        hvd.load_sharded(f"{where}/ck", Mixed(), None)  # the weights alone still load
+    finally:
+        WORLD.Barrier()
+        if R == 0:
+            shutil.rmtree(where, ignore_errors=True)

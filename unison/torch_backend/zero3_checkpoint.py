@@ -31,7 +31,7 @@ from unison.common.engine.process_sets import set_size
 from unison.torch_backend.tensors import from_numpy, to_numpy
 from unison.torch_backend.zero3_hooks import Sharded
 from unison.torch_backend.zero3_unit import Flat, Unit, dtype_name
-from unison.torch_backend.zero_checkpoint import _groups_metadata, _jsonable
+from unison.torch_backend.zero_checkpoint import _groups_metadata, _jsonable, check_optimizer_class
 
 __all__: list[str] = []
 
@@ -182,6 +182,8 @@ def load(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any) -
     saved_opt: dict[str, Any] = meta.get("optimizer") or {}
     if optimizer is not None and not saved_opt:
         raise ValueError(f"the checkpoint at {where!r} holds no optimizer state; pass optimizer=None")
+    if optimizer is not None:
+        check_optimizer_class(where, saved_opt, optimizer)
     if optimizer is not None and not saved_opt.get("zero"):
         raise ValueError(f"the checkpoint at {where!r} was saved from a plain optimizer, whose state is numbered, "
                          "not named; load it into the plain model and optimizer, then use load_full_state_dict, "

@@ -180,6 +180,8 @@ def load_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
     saved_opt = meta.get("optimizer")
     if optimizer is not None and saved_opt is None:
         raise ValueError(f"the checkpoint at {os.fspath(path)!r} holds no optimizer state; pass optimizer=None")
+    if optimizer is not None:
+        check_optimizer_class(os.fspath(path), saved_opt, optimizer)
     if optimizer is not None and _is_zero(optimizer):
         if not saved_opt.get("zero"):
             raise ValueError(f"the checkpoint at {os.fspath(path)!r} was saved from a plain optimizer; load it "
@@ -197,6 +199,19 @@ def load_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
                    if not k.startswith("optim.") or k[6:].rsplit(".", 1)[0] in names}
         _restore_optimizer(optimizer, saved_opt, got)
     return meta.get("user", {})
+
+
+def check_optimizer_class(where: str, saved_opt: dict[str, Any], optimizer: Any) -> None:
+    """Raise when the checkpoint's optimizer state was saved from another optimizer class (its state
+    keys differ: the load would succeed and the first ``step()`` fail on a missing key).
+
+    Raises:
+        ValueError: the classes differ, naming both (every rank reads the same manifest: all raise).
+    """
+    saved, mine = saved_opt.get("class"), type(optimizer).__name__
+    if saved is not None and saved != mine:
+        raise ValueError(f"the checkpoint at {where!r} holds the state of a {saved} optimizer; this one is a "
+                         f"{mine}. Load it into a {saved}, or pass optimizer=None to load the weights only")
 
 
 def _numbered(entry: str, names: dict[str, int]) -> str:
