@@ -404,3 +404,41 @@ def test_a_stage_failing_on_one_rank_of_its_tensor_group_raises_everywhere_witho
     with pytest.raises(hvd.PipelineError, match="shard 0 failed"):
         pipe.train_step(x, y)
     pipe.close()
+
+
+@pytest.mark.skipif(N != 2, reason="two stages")
+def test_a_pipeline_saves_its_stages_as_the_whole_model_and_stale_copies_are_refused():
+    """``save_tensor_parallel(path, pipe)``: each stage writes its own layers under their paths in
+    the whole model, which loads into the plain model in one process. Saving the user's full model
+    from every rank instead would keep rank 0's untrained copy of stage 1: refused on every rank."""
+    import shutil
+    import tempfile
+
+    from unison.common.checkpoints import CheckpointError
+
+    where = WORLD.bcast(tempfile.mkdtemp(prefix="pipe_ck_") if R == 0 else None)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4, dtype=D64), nn.Tanh(), nn.Linear(4, 2, dtype=D64))
+        pipe = hvd.Pipeline(model, balance=[2, 1], chunks=2, loss_fn=nn.functional.mse_loss,
+                            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5))
+        for k in range(2):
+            x, y = batch64(k, rows=4, width=4)
+            pipe.train_step(x, y[:, :2])
+        with pytest.raises(CheckpointError, match="replicated parameter.*differ between the ranks"):
+            hvd.save_tensor_parallel(f"{where}/full", model)
+        hvd.save_tensor_parallel(f"{where}/ck", pipe)
+        trained = {f"{span.start + i}.{k}": v for s, span in pipe.layer_ranges.items()
+                   for i, layer in enumerate(pipe.stages[s]) for k, v in layer.state_dict().items()}
+        everyone = {k: v for part in WORLD.allgather(trained) for k, v in part.items()}
+        plain = nn.Sequential(nn.Linear(4, 4, dtype=D64), nn.Tanh(), nn.Linear(4, 2, dtype=D64))
+        if R == 0:
+            hvd.load_tensor_parallel(f"{where}/ck", plain, local=True)
+            for key, value in plain.state_dict().items():
+                assert torch.equal(value, everyone[key]), key
+        hvd.load_tensor_parallel(f"{where}/ck", pipe)  # and back into the pipeline, collectively
+    finally:
+        WORLD.Barrier()
+        if R == 0:
+            shutil.rmtree(where, ignore_errors=True)
+    pipe.close()

@@ -111,7 +111,8 @@ def save_tensor_parallel(path: str | os.PathLike[str], model: nn.Module, metadat
 
     Args:
         path: a folder (or one file with ``consolidated=True``) every rank can see.
-        model: this rank's model: parallel layers, plain modules, or both.
+        model: this rank's model: parallel layers, plain modules, or both; or a ``Pipeline``
+            (each rank writes its own stages' layers under their indices in the whole model).
         metadata: JSON-serializable extras, returned by :func:`load_tensor_parallel`.
         data_process_set: this rank's data-parallel group (``Grid.register().dp``): only the
             ranks of data replica 0 write, the others hold copies. None: every rank writes
@@ -129,8 +130,17 @@ def save_tensor_parallel(path: str | os.PathLike[str], model: nn.Module, metadat
     """
     comm = _comm(local)
     writes = tpck.replica_writes(data_process_set, comm)
-    params = [p for p, _ in _describe(model, with_arrays=writes)]
-    return tpck.save(path, params, comm, writes, metadata, consolidated)
+    described = _describe(_as_module(model), with_arrays=writes)
+    same = {p.name for p, t in described if isinstance(t, nn.Parameter)}  # trained copies must agree
+    return tpck.save(path, [p for p, _ in described], comm, writes, metadata, consolidated, same)
+
+
+def _as_module(model: Any) -> nn.Module:
+    """``model``, or for a :class:`~unison.torch_backend.Pipeline` this rank's layers under their
+    paths in the whole model (``Pipeline.local_module()``)."""
+    from unison.torch_backend.pipeline import Pipeline
+
+    return model.local_module() if isinstance(model, Pipeline) else model
 
 
 def load_tensor_parallel(path: str | os.PathLike[str], model: nn.Module, local: bool = False,
@@ -152,7 +162,7 @@ def load_tensor_parallel(path: str | os.PathLike[str], model: nn.Module, local: 
             full shape, a parameter split differently from the saved one, or a missing,
             corrupt or mismatched checkpoint.
     """
-    described = _describe(model, with_arrays=False)
+    described = _describe(_as_module(model), with_arrays=False)
     pieces, user = tpck.load(path, [p for p, _ in described], _comm(local), verify)
     with torch.no_grad():
         for param, tensor in described:

@@ -50,7 +50,7 @@ import numpy as np
 
 from unison.common import checkpoints as ck
 from unison.common import runtime
-from unison.common.checkpoints import agree
+from unison.common.checkpoints import agree, storage
 from unison.common.engine.process_sets import ProcessSet, set_rank
 
 __all__ = ["ShardSpec", "REPLICATED", "TPParam", "to_canonical", "from_canonical", "canonical_range",
@@ -239,8 +239,27 @@ def _local_problem(params: Sequence[TPParam]) -> str | None:
     return None
 
 
+def _copies_problem(comm: Any, mine: Sequence[TPParam], same: set[str]) -> str | None:
+    """Where ranks hold different copies of a replicated entry in ``same`` (one rank writes it)."""
+    digests = {p.name: storage.crc32(np.ascontiguousarray(p.array).view(np.uint8))
+               for p in mine if p.name in same and p.spec.axis is None and p.array is not None}
+    seen: dict[str, dict[int, list[int]]] = {}
+    for r, table in enumerate(agree.allgather(comm, digests)):
+        for name, digest in table.items():
+            seen.setdefault(name, {}).setdefault(digest, []).append(r)
+    differ = {name: list(by.values()) for name, by in seen.items() if len(by) > 1}
+    if not differ:
+        return None
+    shown = "; ".join(f"{name!r}: ranks {groups}" for name, groups in sorted(differ.items())[:5])
+    return (f"{len(differ)} replicated parameter(s) differ between the ranks that hold them ({shown}), so the "
+            "checkpoint would keep one rank's copy and silently drop the others. A pipeline saves with the "
+            "Pipeline object itself (each stage writes only its own layers); data replicas pass "
+            "data_process_set; otherwise make the copies equal (broadcast) before saving")
+
+
 def save(path: str | os.PathLike[str], params: Sequence[TPParam], comm: Any = None, writes: bool = True,
-         metadata: dict[str, Any] | None = None, consolidated: bool = False) -> ck.Manifest:
+         metadata: dict[str, Any] | None = None, consolidated: bool = False,
+         same: set[str] | None = None) -> ck.Manifest:
     """Save the parameters collectively over ``comm``; split ones as one canonical run per shard.
 
     Args:
@@ -251,17 +270,22 @@ def save(path: str | os.PathLike[str], params: Sequence[TPParam], comm: Any = No
             replica 0 writes, so they declare nothing (but take part in the collective save).
         metadata: JSON-serializable user data, returned by :func:`load`.
         consolidated: one file written by rank 0 instead of a folder.
+        same: names of replicated entries whose copies must be equal on every rank declaring
+            them (trained parameters; buffers such as running statistics may differ): each is
+            compared by checksum, since only one rank's copy is written.
 
     Returns:
         The committed manifest, on every rank.
 
     Raises:
         CheckpointError: on every rank: ranks that disagree on an entry's split, a piece whose
-            shape does not match its layer, or anything the core save refuses (gaps, overlaps,
-            a folder not shared).
+            shape does not match its layer, copies in ``same`` that differ, or anything the core
+            save refuses (gaps, overlaps, a folder not shared).
     """
     mine = [p for p in params if writes]
     agree.raise_together(comm, _local_problem(mine))
+    if same and comm is not None:
+        agree.raise_together(comm, _copies_problem(comm, mine, same))
     specs, problem = _merge_specs(agree.allgather(comm, {p.name: _spec_json(p) for p in mine
                                                          if p.spec.axis is not None}))
     agree.raise_together(comm, problem)

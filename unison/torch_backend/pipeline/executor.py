@@ -109,6 +109,16 @@ class Pipeline(PipelineRunner):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def local_module(self) -> nn.Module:
+        """This rank's layers under their indices in the whole model (layer 2's weight is ``2.weight``,
+        as in ``nn.Sequential(*layers)``): ``save_tensor_parallel(path, pipe)`` writes these, so the
+        stages together write the whole model, and ``load_tensor_parallel(path, pipe)`` reads them."""
+        holder = nn.Module()
+        for s, span in sorted(self.layer_ranges.items()):
+            for i, layer in enumerate(self.stages[s]):
+                holder.add_module(str(span.start + i), layer)
+        return holder
+
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters, stage by stage."""
         return [p for s in sorted(self.stages) for p in self.stages[s].parameters()]
