@@ -242,3 +242,13 @@ def test_resume_warns_when_no_host_holds_a_commit_after_a_restart(tmp_path: Path
         assert "commit (2, 7) on this host cannot be read" in caplog.text
     finally:
         unison.shutdown()
+
+
+def test_status_0_with_a_failed_rank_and_no_finished_marker_is_a_failure(tmp_path: Path, caplog) -> None:
+    """ULFM's mpirun was seen to exit 0 after the survivors called MPI_Abort (fewer than --min-np): the
+    training never returned, so the job failed; a status-0 job with no failure is a script done."""
+    jobs = Jobs([JobEnd(0, (), rank_failed=True), JobEnd(0, (), rank_failed=True)])
+    with caplog.at_level(logging.WARNING):
+        assert driver(tmp_path, jobs, np=3, max_restarts=1).run() == 1
+    assert len(jobs.calls) == 2 and "did not return" in caplog.text
+    assert driver(tmp_path, Jobs([JobEnd(0, ())]), np=3).run() == 0

@@ -98,12 +98,28 @@ def test_hostfile_passed_and_its_slots_counted(tmp_path, np, expected):
     assert ("--oversubscribe" in command) is expected
 
 
-def test_hosts_and_hostfile_slots_add_up(tmp_path):
+def test_hosts_and_hostfile_together_are_refused(tmp_path):
+    """Open MPI uses -H only to pick among the hostfile's hosts, so their slots never added up (the
+    launcher counted both, left out --oversubscribe and mpirun failed on "not enough slots")."""
     hostfile = tmp_path / "hosts"
     hostfile.write_text("node1 slots=2\n")
-    common = {"cpu_count": 64, "hosts": "a:1", "hostfile": str(hostfile)}
-    assert "--oversubscribe" not in build(np=3, **common)
-    assert "--oversubscribe" in build(np=4, **common)
+    with pytest.raises(ValueError, match="-H and --hostfile were both given"):
+        build(np=3, cpu_count=64, hosts="a:1", hostfile=str(hostfile))
+
+
+def test_hosts_reach_mpirun_as_checked_and_hostfile_slots_may_have_spaces(tmp_path):
+    command = build(np=3, cpu_count=64, hosts="localhost:1, otherhost:2")  # " otherhost" is no host name
+    assert option_values(command, "-H") == ["localhost:1,otherhost:2"]
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node1 slots = 2\nnode2 slots= 3\n")  # Open MPI reads both
+    assert read_hostfile(str(hostfile)) == [("node1", 2), ("node2", 3)]
+
+
+def test_elastic_dry_run_shows_the_first_jobs_size():
+    require_mpirun()
+    result = unisonrun("--dry-run", "--min-np", "2", "python", "x.py")
+    assert result.returncode == 0, result.stderr
+    assert option_values(shlex.split(result.stdout), "-np") == ["2"]
 
 
 def test_bare_host_counts_one_slot():

@@ -15,6 +15,7 @@ supervises a sequence of MPI jobs instead of one::
         while it runs: poll the discovery script; on a change write the notice: at their next
                   commit every rank sees it, the commit is on disk, the ranks exit with status 76
         it ended: the training finished (rank 0 printed report.ELASTIC_FINISHED) -> done, status 0
+                  status 0 and no rank named failed (a script without elastic.run) -> done, status 0
                   unisonrun was stopped (Ctrl-C, SIGTERM)              -> stop, no restart
                   status 76 (the hosts changed)                        -> start again (a reset)
                   anything else (a rank or host died, and the in-place tier could not carry on,
@@ -42,7 +43,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -79,6 +80,8 @@ class JobEnd(NamedTuple):
     finished: bool = False
     #: unisonrun itself was stopped by a signal (Ctrl-C, the scheduler's SIGTERM): do not restart
     stopped: bool = False
+    #: mpirun reported a rank that failed (MPI_Abort, a signal), named host or not
+    rank_failed: bool = False
 
 
 @dataclasses.dataclass
@@ -113,6 +116,28 @@ class ElasticOptions:
             raise ValueError(f"--blacklist-after {self.blacklist_after} must be >= 1")
         if self.mode not in ("auto", "inplace", "restart"):
             raise ValueError(f"--elastic-mode {self.mode!r}: use auto, inplace or restart")
+
+
+def _slots(options: ElasticOptions, hosts: list[Host] | None) -> int:
+    if hosts is None:  # this machine alone: -np ranks
+        return options.np or options.max_np or options.min_np
+    return sum(h.slots for h in hosts)
+
+
+def planned_np(options: ElasticOptions, hosts: list[Host] | None,
+               blacklist: Collection[str] = ()) -> int:
+    """How many ranks a job of the elastic run starts on ``hosts`` (None: this machine alone)."""
+    available = _slots(options, hosts)
+    if options.discovery_script is None and options.np is not None:
+        wanted = options.np if options.max_np is None else max(options.np, options.max_np)
+        if not blacklist:  # the hosts the user gave, all there: -np as asked (mpirun may oversubscribe)
+            return wanted
+        if wanted > available:
+            logger.warning("-np %d exceeds the %d slot(s) left without the blacklisted host(s) %s: "
+                           "starting %d", wanted, available, ", ".join(sorted(blacklist)), available)
+    else:
+        wanted = options.max_np if options.max_np is not None else available
+    return min(wanted, available)
 
 
 def discover(script: str, timeout_s: float = 30.0) -> list[Host]:
@@ -198,35 +223,21 @@ class Driver:
                 self.failures.pop(name, None)
         return [h for h in hosts if h.name not in self.blacklist]
 
-    def _slots(self, hosts: list[Host] | None) -> int:
-        if hosts is None:  # this machine alone: -np ranks
-            return self.options.np or self.options.max_np or self.options.min_np
-        return sum(h.slots for h in hosts)
-
     def _np(self, hosts: list[Host] | None) -> int:
-        available = self._slots(hosts)
-        if self.options.discovery_script is None and self.options.np is not None:
-            wanted = self.options.np if self.options.max_np is None else max(self.options.np, self.options.max_np)
-            if not self.blacklist:  # the hosts the user gave, all there: -np as asked (mpirun may oversubscribe)
-                return wanted
-            if wanted > available:
-                logger.warning("-np %d exceeds the %d slot(s) left without the blacklisted host(s) %s: "
-                               "starting %d", wanted, available, ", ".join(sorted(self.blacklist)), available)
-        else:
-            wanted = self.options.max_np if self.options.max_np is not None else available
-        return min(wanted, available)
+        return planned_np(self.options, hosts, self.blacklist)
 
     def _wait_for_hosts(self, previous: list[Host] | None) -> list[Host] | None:
         """Hosts with at least --min-np slots, polling up to --elastic-timeout; raises RuntimeError otherwise."""
         deadline = self.clock() + self.options.elastic_timeout_s
         while True:
             hosts = self._usable(self._hosts(previous))
-            if self._slots(hosts) >= self.options.min_np:
+            if _slots(self.options, hosts) >= self.options.min_np:
                 return hosts
             if self.clock() >= deadline:
                 listing = _listing(hosts) or "none"
                 black = f"; blacklisted: {', '.join(sorted(self.blacklist))}" if self.blacklist else ""
-                raise RuntimeError(f"only {self._slots(hosts)} slot(s) available (hosts: {listing}{black}) but "
+                slots = _slots(self.options, hosts)
+                raise RuntimeError(f"only {slots} slot(s) available (hosts: {listing}{black}) but "
                                    f"--min-np is {self.options.min_np}; waited "
                                    f"{self.options.elastic_timeout_s:g} s (--elastic-timeout)")
             self.sleep(min(self.options.poll_s, max(0.0, deadline - self.clock())))
@@ -293,8 +304,12 @@ class Driver:
                         logger.warning("the training finished (mpirun's status %d counts ranks that died on the "
                                        "way)", status)
                     return 0
-                if status == 0:
+                if status == 0 and not (failed or lost or end.rank_failed):
                     return 0
+                if status == 0:  # ULFM's mpirun was seen to exit 0 after ranks called MPI_Abort
+                    logger.warning("mpirun exited with status 0, but the training function did not return and "
+                                   "mpirun reported failed rank(s): counting the job as failed")
+                    status = 1
                 resets += 1
                 if status == RESTART_STATUS:
                     logger.warning("the job stopped at a commit because the hosts changed; starting it again")

@@ -148,7 +148,7 @@ def read_hostfile(path: str | Path) -> list[Host]:
         )
     hosts = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
-        fields = line.split("#", 1)[0].split()
+        fields = re.sub(r"\s*=\s*", "=", line.split("#", 1)[0]).split()  # Open MPI takes "slots = 2" too
         if not fields:
             continue
         where = f"hostfile {str(path)!r} line {number}"

@@ -97,6 +97,7 @@ from unison.run.elastic_driver import (
     ElasticOptions,
     JobEnd,
     has_ulfm,
+    planned_np,
 )
 from unison.run.hosts import Host
 from unison.run.placement import (
@@ -187,8 +188,8 @@ def build_command(
         )
     placement = resolve_placement(config, environ)
     command = [mpirun or find_mpirun(executable), "-np", str(placement.np)]
-    if config.hosts is not None:
-        command += ["-H", config.hosts]
+    if config.hosts is not None:  # as checked: "a:1, b:2" would give mpirun a host named " b"
+        command += ["-H", ",".join(part.strip() for part in config.hosts.split(","))]
     if config.hostfile is not None:
         command += ["--hostfile", config.hostfile]
     if placement.slurm_hosts is not None:
@@ -450,12 +451,15 @@ def _run_elastic(args: argparse.Namespace, config: LaunchConfig, environ: Mappin
                     remove_session_dir(watch.mpirun_pid)
         report = result.report
         failed = tuple(f.node for f in report.failures if f.node)
-        if watch is not None and watch.died is not None:
+        if result.stop_signal is not None:  # unisonrun was stopped: no rank failed of its own accord
+            print(f"unisonrun: the job was stopped by {signal.Signals(result.stop_signal).name} "
+                  f"(exit status {result.status})", file=sys.stderr, flush=True)
+        elif watch is not None and watch.died is not None:
             failed = (*failed, watch.host)
         elif result.status not in (0, RESTART_STATUS) and not report.elastic_finished:
             print(f"unisonrun: {report.summary(result.status)}", file=sys.stderr, flush=True)
         return JobEnd(result.status, failed, tuple(h.host for h in report.hosts_lost), report.elastic_finished,
-                      result.stop_signal is not None)
+                      result.stop_signal is not None, bool(report.failures) or bool(failed))
 
     return Driver(options, static, start, environ).run()
 
@@ -523,6 +527,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = _config_from_args(args)
         environ = {**os.environ, **engine_environment(args)}
+        if _elastic(args):  # the first job's size, as the driver will start it (-np need not be given)
+            placement = resolve_placement(config, environ)
+            config = dataclasses.replace(config, np=planned_np(
+                _elastic_options(args), None if placement.hosts is None else list(placement.hosts)))
         command = build_command(
             config,
             environ=environ,

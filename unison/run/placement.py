@@ -167,6 +167,10 @@ def resolve_placement(config: LaunchConfig, environ: Mapping[str, str]) -> Place
     hosts: list[Host] | None = None
     slurm_hosts = None
     np = config.np
+    if config.hosts is not None and config.hostfile is not None:
+        raise ValueError("-H and --hostfile were both given; Open MPI then uses -H only to choose among the "
+                         "hostfile's hosts, so their slots do not add up. Give one of them: list every host "
+                         "and its slots in the hostfile, or on the command line with -H")
     if config.hosts is not None or config.hostfile is not None:
         hosts = (parse_hosts(config.hosts) if config.hosts is not None else []) + (
             read_hostfile(config.hostfile) if config.hostfile is not None else [])

@@ -112,6 +112,11 @@ def _agree_to_continue(shrunk: Any) -> None:
     need = min_np()
     ok = shrunk.Agree(1 if shrunk.Get_size() >= need else 0)
     if not ok:
+        from unison.run.report import exiting_line
+
+        # every survivor ends the job (MPI_Abort, through the excepthook): say so first, so that unisonrun
+        # ends an mpirun that outlives them (seen: [Note: a prterun that outlives its ranks] in supervise.py)
+        print(exiting_line(1, shrunk.Get_rank(), shrunk.Get_size()), flush=True)
         raise UnisonError(f"elastic: {shrunk.Get_size()} rank(s) survived, fewer than the minimum of "
                           f"{need} (UNISON_ELASTIC_MIN_NP / unisonrun --min-np); ending the job. Restart "
                           "it on more hosts, or lower --min-np")
