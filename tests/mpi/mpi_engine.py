@@ -284,6 +284,35 @@ def test_join_contributes_each_ops_identity():
     assert 0 <= unison.join() < N
 
 
+def test_join_covers_the_process_sets_of_the_joined_rank(caplog):
+    """A joined rank contributes the identity to allreduces on every process set it belongs to, and
+    refuses the others there too (an allreduce on a set with a joined member used to wait for ever)."""
+    if N == 1:
+        pytest.skip("needs a rank that joins and one that does not")
+    pair = unison.add_process_set(unison.ProcessSet([0, N - 1]))
+    rest = unison.add_process_set(unison.ProcessSet(list(range(1, N)))) if N > 2 else None
+    try:
+        if R == 0:  # out of data at once
+            with caplog.at_level(logging.WARNING, logger="unison"):
+                assert 0 < unison.join() < N  # the last rank to join: not this one
+            assert "allgather" in caplog.text and "pair.gather" in caplog.text
+            return
+        got = unison.allreduce(np.array([R + 1.0]), op=unison.Sum, name="pair.sum", process_set=pair) \
+            if R == N - 1 else None
+        if got is not None:
+            np.testing.assert_array_equal(got, [float(N)])  # rank 0 counted as 0
+            with pytest.raises(unison.JoinError):
+                unison.allgather(np.array([1.0]), name="pair.gather", process_set=pair)
+        if rest is not None:  # a set without the joined rank runs as usual
+            np.testing.assert_array_equal(unison.allreduce(np.array([1.0]), op=unison.Sum, name="rest.sum",
+                                                           process_set=rest), [float(N - 1)])
+        assert 0 < unison.join() < N
+    finally:
+        unison.remove_process_set(pair)
+        if rest is not None:
+            unison.remove_process_set(rest)
+
+
 def _refused_while_rank0_joined(calls, caplog):
     """Rank 0 joins; every other rank makes ``calls``: each must raise JoinError, then join.
 

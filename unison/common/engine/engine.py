@@ -507,8 +507,10 @@ class Engine:
                 self._forget([req])
             elif not st.controller.add(req):  # failed at once
                 self._forget([req])
-        if joins and not self._sets[0].controller.joined:
-            self._sets[0].controller.join()
+        if joins:  # joined in every set this rank belongs to: members' allreduces there get its identity
+            for st in self._sets.values():
+                if not st.controller.joined:
+                    st.controller.join()
         stop = False
         for sid in sorted(self._sets):
             st = self._sets.get(sid)
@@ -582,6 +584,9 @@ class Engine:
         returns normally from ``join()``, and scripts rely on it).
         """
         last, refused = st.controller.finish_join()
+        for other in self._sets.values():  # (every rank finishes in this same cycle: all are in set 0)
+            if other is not st and other.controller.joined:
+                refused += other.controller.finish_join()[1]
         with self._cv:
             handles, self._join_handles = self._join_handles, []
         if refused and handles:
