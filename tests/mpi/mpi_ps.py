@@ -6,7 +6,10 @@ and at 2 (which loads what the 4 ranks saved). Every rank must agree on every ou
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import tempfile
 import threading
 import time
 
@@ -338,3 +341,65 @@ def test_bad_input_raises_on_every_rank():
     with pytest.raises(ps.TableError, match=r"num_rows=0\): must be a positive int"):
         ps.ShardedTable(0, DIM, name="empty")
     assert agree(ps.tables())
+
+
+# ------------------------------------------------------------------ found by an audit (2026-12-04)
+@contextlib.contextmanager
+def shared_folder(prefix: str):
+    """A fresh folder every rank sees (made by rank 0), removed afterwards."""
+    where = WORLD.bcast(tempfile.mkdtemp(prefix=prefix) if R == 0 else None)
+    try:
+        yield where
+    finally:
+        WORLD.Barrier()
+        if R == 0:
+            shutil.rmtree(where, ignore_errors=True)
+
+
+def test_save_or_load_while_others_pull_raises_on_every_rank():
+    """BSP: save()/load() take part in the operation header round too (every rank-a-worker table used
+    to go straight into the checkpoint's collectives while the others waited in the pull's)."""
+    if N == 1:
+        pytest.skip("needs a rank that does something else")
+    with shared_folder("ps_mixed_") as folder, ps.ShardedTable(ROWS, DIM, name="mixed") as table:
+        table.save(folder)
+        for op in (table.save, table.load):
+            with pytest.raises(ps.TableError, match=r"workers called different operations .*'(save|load)'"):
+                if R == 0:
+                    op(folder)
+                else:
+                    table.pull([1])
+        table.pull([1])  # in step again
+
+
+def test_dedicated_server_checkpoint_keeps_the_metadata():
+    if N == 1:
+        pytest.skip("a dedicated server needs a worker")
+    with shared_folder("ps_ded_") as folder:
+        table = ps.ShardedTable(ROWS, DIM, "float64", name="ded-ck", initializer="zeros", servers=[0])
+        if R == 0:
+            table.serve()
+            return
+        assert table.save(folder, metadata={"epoch": 7}).metadata["user"] == {"epoch": 7}
+        assert table.load(folder) == {"epoch": 7}
+        table.close()
+
+
+def test_creation_failing_on_one_rank_raises_on_every_rank():
+    if N == 1:
+        pytest.skip("needs ranks that differ")
+    with pytest.raises(ps.TableError, match=rf"rank {N - 1}: sharding='bogus' is not one of"):
+        ps.ShardedTable(ROWS, DIM, sharding="hash" if R != N - 1 else "bogus", name="bad-sharding")
+
+    def init(keys: np.ndarray) -> np.ndarray:
+        if (keys == ROWS - 1).any():
+            raise ValueError(f"cannot initialise key {ROWS - 1}")
+        return np.zeros((len(keys), DIM))
+
+    with pytest.raises(ps.TableError, match=rf"ValueError: cannot initialise key {ROWS - 1}"):
+        ps.ShardedTable(ROWS, DIM, name="bad-init", initializer=init)  # only the shard holding that key fails
+    with ps.ShardedTable(ROWS, DIM, name="after-bad") as table:  # the names were released; all in step
+        table.pull([1])
+    with ps.ShardedTable(ROWS, DIM, name="u64") as table:
+        with pytest.raises(ps.TableError, match=r"key 18446744073709551615"):
+            table.pull(np.array([2 ** 64 - 1], np.uint64))

@@ -201,21 +201,32 @@ class ShardedTable:
         self.servers = list(range(self.size)) if servers is None else sorted(int(r) for r in servers)
         self.workers = [r for r in range(self.size) if servers is None or r not in self.servers]
         self.is_server, self.is_worker = self.rank in self.servers, self.rank in self.workers
-        self.sharding = Sharding(sharding, self.num_rows, len(self.servers))
+        # what can fail on one rank only (a bad sharding name there, an initializer a shard's keys make
+        # raise) fails on every rank, before the next collective, instead of leaving the others in it
+        problem, cause = None, None
+        try:
+            self.sharding = Sharding(sharding, self.num_rows, len(self.servers))
+        except (TypeError, ValueError) as exc:
+            problem, cause = str(exc), exc
+        raise_together(base, problem, TableError, cause)
         self._agree(base, initializer, seed, average)
         self.shard: Shard | None = None
-        if self.is_server:
-            self.shard = Shard(
-                self.sharding,
-                self.servers.index(self.rank),
-                self.dim,
-                self.dtype,
-                self.optimizer,
-                initializer,
-                seed,
-                len(self.workers),
-                1.0 / len(self.workers) if average else 1.0,
-            )
+        try:
+            if self.is_server:
+                self.shard = Shard(
+                    self.sharding,
+                    self.servers.index(self.rank),
+                    self.dim,
+                    self.dtype,
+                    self.optimizer,
+                    initializer,
+                    seed,
+                    len(self.workers),
+                    1.0 / len(self.workers) if average else 1.0,
+                )
+        except Exception as exc:  # noqa: BLE001 - a user's initializer may raise anything: every rank raises it
+            problem, cause = f"{type(exc).__name__}: {exc}", exc
+        raise_together(base, problem, TableError, cause)
         self.comm = None if base is None else base.Dup()
         self._rep = None if base is None or self.consistency.collective else base.Dup()
         # SSP/ASP: bad input on one worker reaches the others on a communicator of its own
@@ -318,6 +329,9 @@ class ShardedTable:
                 f"{self.name}.{what}: keys must be integers; got dtype {arr.dtype}. Cast them with "
                 ".astype('int64')"
             )
+        if arr.size and arr.dtype.kind == "u" and int(arr.max()) >= self.num_rows:  # before a cast could wrap it
+            raise ValueError(f"{self.name}.{what}: key {int(arr.max())} is out of range [0, {self.num_rows}); "
+                             f"the table has num_rows={self.num_rows}")
         arr = arr.astype(np.int64, copy=False)
         if arr.size:
             lo, hi = int(arr.min()), int(arr.max())
@@ -713,10 +727,14 @@ class ShardedTable:
         from unison.common.ps import checkpoint
 
         dedicated = len(self.workers) < self.size
-        if self.comm is not None and self.consistency.collective and dedicated:
+        if self.comm is not None and self.consistency.collective:
+            # the header round first, as every BSP operation does: a worker that pulls or pushes while
+            # another saves is told so on every rank instead of meeting the checkpoint's collectives
             rnd = ex.Round(self.comm, self.mpi, self.rank)
             self._settle(rnd.header(op, np.zeros(self.size, np.int64)), None, op)
-            self.comm.bcast(str(path) if self.rank == self.workers[0] else None, root=self.workers[0])
+            if dedicated:  # the servers learn the path and the metadata (the manifest takes rank 0's)
+                path, metadata = self.comm.bcast((str(path), metadata) if self.rank == self.workers[0] else None,
+                                                 root=self.workers[0])
         elif self.comm is not None and not self.consistency.collective:
             if dedicated:
                 raise TableError(
@@ -784,10 +802,13 @@ class ShardedTable:
                 if op == ex.CLOSE:
                     break
                 if op == ex.SAVE or op == ex.LOAD:
-                    path = self.comm.bcast(None, root=self.workers[0])
+                    path, metadata = self.comm.bcast(None, root=self.workers[0])
                     from unison.common.ps import checkpoint
 
-                    (checkpoint.save if op == ex.SAVE else checkpoint.load)(self, path)
+                    if op == ex.SAVE:
+                        checkpoint.save(self, path, metadata)
+                    else:
+                        checkpoint.load(self, path)
                     continue
                 self._bsp_body(
                     rnd,
