@@ -151,3 +151,13 @@ def test_duplicate_ids_sum_and_average_without_strategy(graph):
     expected = before - lr * (counts / N)[:, None] * c.numpy()[None, :]
     np.testing.assert_allclose(layer.table.to_numpy(), expected, rtol=1e-6, atol=1e-6)
     layer.table.close()
+
+
+def test_a_mixed_precision_policy_is_refused_when_built():
+    """It crashed in the first step (float16 anchor + float32 push) and would push loss-scaled gradients."""
+    layer = ShardedEmbedding(ROWS, DIM, optimizer=ps.SGD(0.1), initializer=init_rows, dtype="mixed_float16")
+    try:
+        with pytest.raises(ValueError, match="does not support the mixed-precision policy 'mixed_float16'"):
+            layer.build((None, SEQ))
+    finally:
+        layer.table.close()

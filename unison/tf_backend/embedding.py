@@ -118,6 +118,11 @@ class ShardedEmbedding(keras.layers.Layer):
         self._pending: list[Handle] = []
 
     def build(self, input_shape: Any = None) -> None:
+        policy = self.dtype_policy
+        if policy.compute_dtype != policy.variable_dtype:
+            raise ValueError(f"ShardedEmbedding does not support the mixed-precision policy {policy.name!r} "
+                             "(its pushes would carry loss-scaled gradients); give the layer "
+                             "dtype='float32' (the rest of the model may stay mixed)")
         self.push_anchor = self.add_weight(name="push_anchor", shape=(), initializer="zeros", trainable=True,
                                            dtype=self._rows_dtype.name)
         self.built = True
