@@ -279,6 +279,56 @@ def test_failed_write_raises_and_removes_its_file(tmp_path, monkeypatch):
     same_bits(ck.load(path, {"w": "full"})["w"], np.ones(4))
 
 
+def test_a_failure_after_the_manifest_is_in_place_keeps_the_committed_save(tmp_path, monkeypatch):
+    """The folder's fsync fails after the rename: the new manifest is the commit, so its data must stay
+    (the save used to delete them, leaving a manifest naming missing files: neither save loaded)."""
+    from unison.common import files
+
+    path = str(tmp_path / "ck")
+    ck.save_sharded(path, {"w": np.ones(4)})
+    real = files._fsync
+
+    def failing(target, directory):
+        if directory and os.path.exists(os.path.join(target, ck.MANIFEST_NAME)):
+            raise OSError(5, "Input/output error")
+        real(target, directory)
+
+    monkeypatch.setattr(files, "_fsync", failing)
+    with pytest.raises(ck.CheckpointError, match="this save is committed and loads"):
+        ck.save_sharded(path, {"w": np.zeros(4)})
+    monkeypatch.undo()
+    same_bits(ck.load(path, {"w": "full"})["w"], np.zeros(4))
+
+
+def test_an_empty_run_shares_its_start_with_a_real_one_in_either_order(tmp_path):
+    data = np.arange(6.0)
+    for runs in ([(0, data[:0]), (0, data)], [(0, data), (0, data[:0])]):
+        path = str(tmp_path / f"ck{len(runs[0][1])}")
+        ck.save_sharded(path, {"w": ck.LocalShard((6,), "float64", runs)})
+        same_bits(ck.load(path, {"w": "full"})["w"], data)
+
+
+def test_a_consolidated_file_replaced_during_a_load_is_never_read_as_the_old_one(tmp_path, monkeypatch):
+    """A save commits between the header read and the data read: the load used to take the new file's
+    bytes at the old header's offsets (values of no save at all); now it says what happened."""
+    from unison.common.checkpoints import reader
+
+    path = str(tmp_path / "one.ck")
+    ck.save_consolidated(path, {"w": np.arange(5.0)})
+    real = reader._open_manifest
+
+    def then_a_save_commits(target):
+        found = real(target)
+        ck.save_consolidated(path, {"w": np.arange(5.0) + 1000, "more": np.zeros(3)}, metadata={"k": "v" * 50})
+        return found
+
+    monkeypatch.setattr(reader, "_open_manifest", then_a_save_commits)
+    with pytest.raises(ck.CheckpointError, match="was replaced by another save while this load read it"):
+        ck.load(path, {"w": [(1, 3)]})
+    monkeypatch.undo()
+    same_bits(ck.load(path, {"w": "full"})["w"], np.arange(5.0) + 1000)
+
+
 def test_consolidated_replaces_atomically_and_fails_cleanly(tmp_path):
     path = str(tmp_path / "sub" / "one.ck")
     ck.save_consolidated(path, {"w": np.arange(5)})

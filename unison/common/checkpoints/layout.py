@@ -103,7 +103,7 @@ def _prepare_one(name: str, value: Any) -> LocalEntry:
         if start + len(arr) > total:
             raise CheckpointError(f"entry {name!r}: the run [{start}, {start + len(arr)}) ends past the entry's "
                                   f"{total} elements (shape {shape})")
-        if int(start) in pieces and len(arr):
+        if int(start) in pieces and len(arr) and len(pieces[int(start)]):  # (an empty run holds no place)
             raise CheckpointError(f"entry {name!r}: two runs start at {start} on this rank")
         if len(arr) or int(start) not in pieces:
             pieces[int(start)] = _flat(arr)

@@ -49,8 +49,9 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     return _open_manifest(os.fspath(path))[0]
 
 
-def _open_manifest(path: str) -> tuple[Manifest, int]:
-    """The manifest and, for a single file, where its data section starts (0 for a folder)."""
+def _open_manifest(path: str) -> tuple[Manifest, int, tuple[int, int] | None]:
+    """The manifest, for a single file where its data section starts (0 for a folder), and the file's
+    identity (device, inode; None for a folder), so that its data is read from the same file."""
     if os.path.isdir(path):
         where = os.path.join(path, MANIFEST_NAME)
         try:
@@ -62,10 +63,12 @@ def _open_manifest(path: str) -> tuple[Manifest, int]:
         except (OSError, UnicodeDecodeError, ValueError) as exc:
             raise CheckpointError(f"cannot read {where!r} ({type(exc).__name__}: {exc}); the manifest is "
                                   "damaged") from exc
-        return Manifest.from_json(doc, repr(where)), 0
+        return Manifest.from_json(doc, repr(where)), 0, None
     try:
         with open(path, "rb") as f:
-            return decode_header(f, repr(path))
+            manifest, base = decode_header(f, repr(path))
+            st = os.fstat(f.fileno())
+            return manifest, base, (st.st_dev, st.st_ino)
     except FileNotFoundError as exc:
         raise CheckpointError(f"no checkpoint at {path!r} (no such file or folder)") from exc
     except OSError as exc:
@@ -95,9 +98,9 @@ def load(path: str | os.PathLike[str], wanted: Mapping[str, Any], comm: Any = No
             truncated or corrupt file, an unknown entry, a range outside its entry.
     """
     target = os.fspath(path)
-    manifest, problem, base = None, None, 0
+    manifest, problem, base, identity = None, None, 0, None
     try:
-        manifest, base = _open_manifest(target)
+        manifest, base, identity = _open_manifest(target)
     except CheckpointError as exc:
         problem = str(exc)
     views = agree.allgather(comm, (None if manifest is None else manifest.save_id, problem, target))
@@ -110,7 +113,7 @@ def load(path: str | os.PathLike[str], wanted: Mapping[str, Any], comm: Any = No
                                   "check every run touched)")
         if manifest is None:  # unreachable: _check_same_save raised on every rank
             raise CheckpointError(f"no manifest read from {target!r}")
-        with _Files(target, manifest, base) as files:
+        with _Files(target, manifest, base, identity) as files:
             out = {name: _load_entry(files, manifest, name, spec, verify == "all")
                    for name, spec in _items(wanted)}
     except CheckpointError as exc:
@@ -201,8 +204,8 @@ def _native(arr: np.ndarray) -> np.ndarray:
 class _Files:
     """The data files of one checkpoint, opened on first use, sizes checked, closed at the end."""
 
-    def __init__(self, path: str, manifest: Manifest, base: int) -> None:
-        self.path, self.manifest, self.base = path, manifest, base
+    def __init__(self, path: str, manifest: Manifest, base: int, identity: tuple[int, int] | None = None) -> None:
+        self.path, self.manifest, self.base, self.identity = path, manifest, base, identity
         self.open: dict[str | None, BinaryIO] = {}
 
     def __enter__(self) -> _Files:
@@ -254,7 +257,13 @@ class _Files:
                                   f"{exc}); the checkpoint is incomplete: restore it, or load an earlier "
                                   "one") from exc
         expected = self.manifest.files.get(file) if file is not None else None
-        found = os.fstat(f.fileno()).st_size
+        st = os.fstat(f.fileno())
+        if file is None and self.identity is not None and (st.st_dev, st.st_ino) != self.identity:
+            f.close()  # a save replaced the file since its header was read: its data are another save's
+            raise CheckpointError(f"{where!r} was replaced by another save while this load read it; load it "
+                                  "again once that save is done (a single-file checkpoint is read by "
+                                  "opening it twice: its header, then its data)")
+        found = st.st_size
         if expected is not None and found != expected:
             f.close()
             state = "truncated" if found < expected else "longer than written"

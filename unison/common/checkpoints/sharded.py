@@ -81,17 +81,20 @@ def save_sharded(path: str | os.PathLike[str], entries: Mapping[str, Any], comm:
         problem = f"could not write its data file {os.path.join(start.path, name)!r}: {type(exc).__name__}: {exc}"
     _agree_or_clean(comm, problem, start)
     manifest = _manifest(start, agree.allgather(comm, crcs), agree.size(comm))
-    problem = _commit(start, manifest) if me == 0 else None
-    _agree_or_clean(comm, problem, start)
+    problem, committed = _commit(start, manifest) if me == 0 else (None, False)
+    committed = agree.bcast(comm, committed)  # every rank: whether its file belongs to a committed save
+    _agree_or_clean(comm, problem, start, clean=not committed)
     return manifest
 
 
-def _agree_or_clean(comm: Any, problem: str | None, start: Start) -> None:
-    """Agree on ``problem``; on failure every rank removes its own file of this save, then raises."""
+def _agree_or_clean(comm: Any, problem: str | None, start: Start, clean: bool = True) -> None:
+    """Agree on ``problem``; on failure every rank removes its own file of this save (unless the save
+    was committed after all: ``clean`` False), then raises."""
     try:
         agree.raise_together(comm, problem)
     except CheckpointError:
-        storage.remove_quietly(os.path.join(start.path, data_file(start.save_id, agree.rank(comm))))
+        if clean:
+            storage.remove_quietly(os.path.join(start.path, data_file(start.save_id, agree.rank(comm))))
         raise
 
 
@@ -111,8 +114,13 @@ def _manifest(start: Start, crcs: list[list[int]], world: int) -> Manifest:
     return Manifest(start.save_id, world, "sharded", entries, start.metadata, files)
 
 
-def _commit(start: Start, manifest: Manifest) -> str | None:
-    """Rank 0: check every data file is visible, write the manifest (the commit), clean up; a problem or None."""
+def _commit(start: Start, manifest: Manifest) -> tuple[str | None, bool]:
+    """Rank 0: check every data file is visible, write the manifest (the commit), clean up.
+
+    Returns:
+        A problem or None, and whether the manifest naming this save is in place: a failure after
+        the rename (the folder's fsync) leaves the save committed, so its data files must stay.
+    """
     blind, wrong = [], []
     for r, (name, size) in enumerate(manifest.files.items()):
         try:
@@ -124,16 +132,31 @@ def _commit(start: Start, manifest: Manifest) -> str | None:
             wrong.append(f"{name!r} has {found} bytes, rank {r} wrote {size}")
     if blind:
         return (f"the folder is not shared: rank 0 cannot see files written by {agree.ranks_text(blind)} in "
-                f"{start.path!r}; save to a shared filesystem or save consolidated (save_consolidated)")
+                f"{start.path!r}; save to a shared filesystem or save consolidated (save_consolidated)"), False
     if wrong:
         return (f"data files changed size after they were written ({'; '.join(wrong)}); is another job saving "
-                "there?")
+                "there?"), False
+    where = os.path.join(start.path, MANIFEST_NAME)
     try:
-        write_manifest(os.path.join(start.path, MANIFEST_NAME), manifest)
+        write_manifest(where, manifest)
     except Exception as exc:  # reported to every rank
-        return f"could not write {os.path.join(start.path, MANIFEST_NAME)!r}: {type(exc).__name__}: {exc}"
+        problem = f"could not write {where!r}: {type(exc).__name__}: {exc}"
+        if _names_save(where, start.save_id):
+            return (problem + "; the manifest was renamed into place before that, so this save is committed "
+                    "and loads, but it may not survive a crash of this machine: check the disk, then save "
+                    "again"), True
+        return problem, False
     remove_unreferenced(start.path, manifest)
-    return None
+    return None, True
+
+
+def _names_save(path: str, save_id: str) -> bool:
+    """Whether the manifest at ``path`` is the one of save ``save_id``."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f).get("save_id") == save_id
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def write_manifest(path: str, manifest: Manifest) -> None:

@@ -203,7 +203,8 @@ class ShardedTable:
         self.is_server, self.is_worker = self.rank in self.servers, self.rank in self.workers
         # what can fail on one rank only (a bad sharding name there, an initializer a shard's keys make
         # raise) fails on every rank, before the next collective, instead of leaving the others in it
-        problem, cause = None, None
+        problem: str | None = None
+        cause: Exception | None = None
         try:
             self.sharding = Sharding(sharding, self.num_rows, len(self.servers))
         except (TypeError, ValueError) as exc:
