@@ -76,6 +76,43 @@ def test_fit_matches_one_process_on_global_batches(overlap):
     assert all(v == reported[0] for v in reported)  # the same number on every rank
 
 
+@pytest.mark.parametrize("clip", [{"clipvalue": 0.05}, {"clipnorm": 0.5}, {"global_clipnorm": 0.5}],
+                         ids=["clipvalue", "clipnorm", "global_clipnorm"])
+def test_optimizer_clipping_clips_the_global_gradient(strategy, clip):
+    """[Note: clipping the global gradient]: one process clips the global batch's gradient; each rank
+    used to clip its own share before the sum (clipvalue let N x the value through)."""
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.1, **clip), loss="mse")
+    init = model.get_weights()
+    model.fit(data(), epochs=2, verbose=0)
+    ref = make_model()
+    ref.set_weights(init)
+    ref.compile(optimizer=keras.optimizers.SGD(0.1, **clip), loss="mse")
+    ref.fit(data(), epochs=2, verbose=0, shuffle=False)
+    for w, v in zip(model.get_weights(), ref.get_weights(), strict=True):
+        np.testing.assert_allclose(w, v, rtol=1e-5, atol=1e-6)
+    assert same_everywhere(model.get_weights())
+
+
+def test_load_model_restores_the_optimizer_under_the_strategy(strategy, tmp_path_factory):
+    """The strategy guards model.compile on Keras's own class: load_model then still compiles a loaded
+    model from its config (with a compile set on keras.Model it took it for the user's own and
+    restored no optimizer, so a resumed ModelCheckpoint file lost Adam's slots and step count)."""
+    folder = WORLD.bcast(str(tmp_path_factory.mktemp("load_model")) if R == 0 else None)
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        model.fit(data(), epochs=1, verbose=0)
+        model.save(f"{folder}/m.keras")  # rank 0 writes
+        WORLD.Barrier()
+        loaded = keras.models.load_model(f"{folder}/m.keras")
+    assert loaded.optimizer is not None
+    assert int(loaded.optimizer.iterations) == int(model.optimizer.iterations) == 5
+    for a, b in zip(loaded.optimizer.variables, model.optimizer.variables, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_fit_with_numpy_arrays(strategy):
     with strategy.scope():
         model = make_model()

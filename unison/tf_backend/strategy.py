@@ -266,7 +266,7 @@ class UnisonExtended(distribute_lib.StrategyExtendedV1):
                 var = _GlobalSumVariable(**kwargs)
             else:
                 var = next_creator(**kwargs)
-        if runtime.size() > 1:
+        if runtime.size() > 1 and not getattr(_rank0_only, "active", False):
             if not tf.executing_eagerly():
                 raise RuntimeError(f"variable {var.name} was created inside a tf.function under "
                                    "UnisonStrategy; build the model and optimizer before the first step "
@@ -458,6 +458,8 @@ def spare_cores() -> bool:
 
 
 _GUARDED = False
+#: set while rank 0 alone saves a model: variables created meanwhile are not broadcast
+_rank0_only = threading.local()
 
 
 def _unison_model(model: Any) -> bool:
@@ -528,7 +530,11 @@ def _guard_keras() -> None:
             return original(self, *args, **kwargs)
 
         guarded.__doc__ = original.__doc__
-        setattr(keras.Model, name, guarded)
+        # on the class that defines it: Keras's load_model compiles a loaded model from its config only
+        # while ``type(model).compile is Trainer.compile`` (a compile set on keras.Model would count as
+        # the user's own, and the optimizer and its state would not be restored)
+        owner = next(c for c in keras.Model.__mro__ if name in c.__dict__)
+        setattr(owner, name, guarded)
 
     def wrap_save(name: str) -> None:
         original = getattr(keras.Model, name)
@@ -538,7 +544,14 @@ def _guard_keras() -> None:
                 return original(self, filepath, *args, **kwargs)
             if runtime.rank() != 0:
                 return None
-            return _atomic_save(lambda path, *a, **k: original(self, path, *a, **k), filepath, *args, **kwargs)
+            # Keras's saving may create variables (a throw-away optimizer); in the strategy's scope that
+            # would be a collective that only rank 0 makes: those are this rank's alone
+            _rank0_only.active = True
+            try:
+                return _atomic_save(lambda path, *a, **k: original(self, path, *a, **k), filepath, *args,
+                                    **kwargs)
+            finally:
+                _rank0_only.active = False
 
         rank0_save.__doc__ = original.__doc__
         setattr(keras.Model, name, rank0_save)
@@ -607,11 +620,13 @@ def _guard_optimizers() -> None:
     import keras
     from keras.src import backend as keras_backend
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
 
     from unison.tf_backend.functions import fill_missing_gradients
 
     apply = keras.optimizers.Optimizer.apply
     all_reduce = TFOptimizer._all_reduce_sum_gradients
+    clip = BaseOptimizer._clip_gradients
 
     def agreeing_apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
         if _unison_optimizer(self) and len(grads):
@@ -627,8 +642,27 @@ def _guard_optimizers() -> None:
                 grads = fill_missing_gradients(list(grads), variables, f"unison.grads.{_optimizer_tag(self)}")
         return apply(self, grads, trainable_variables)
 
+    def reducing_clip(self: Any, grads: Any) -> Any:
+        # [Note: clipping the global gradient] Keras clips in apply, before _all_reduce_sum_gradients:
+        # each rank would clip its share of the gradient (clipvalue letting N x the value through,
+        # clipnorm/global_clipnorm measuring a share's norm). One process clips the global batch's
+        # gradient, so a clipping optimizer sums first and the later all-reduce passes them through.
+        if (_unison_optimizer(self) and not getattr(self, "_unison_zero_sharded", False)
+                and (self.clipnorm or self.global_clipnorm or self.clipvalue)
+                and tf.distribute.get_replica_context() is not None):
+            grads = list(grads)
+            present = [i for i, g in enumerate(grads) if g is not None]
+            reduced = grouped_sum([grads[i] for i in present], f"unison.clipgrads.{_optimizer_tag(self)}",
+                                  overlap=self._distribution_strategy.extended._overlap)
+            for i, r in zip(present, reduced, strict=True):
+                grads[i] = r
+            self.__dict__["_unison_summed"] = True
+        return clip(self, grads)
+
     def all_reduce_by_variable(self: Any, grads_and_vars: Any) -> Any:
         pairs = list(grads_and_vars)
+        if self.__dict__.pop("_unison_summed", False):  # summed before clipping (see reducing_clip)
+            return pairs
         if not _unison_optimizer(self) or tf.distribute.get_replica_context() is None:
             return all_reduce(self, pairs)
         present = [i for i, (g, _) in enumerate(pairs) if g is not None]
@@ -643,6 +677,7 @@ def _guard_optimizers() -> None:
     agreeing_apply.__doc__ = apply.__doc__
     keras.optimizers.Optimizer.apply = agreeing_apply
     TFOptimizer._all_reduce_sum_gradients = all_reduce_by_variable
+    BaseOptimizer._clip_gradients = reducing_clip
 
 
 def _guard_checkpoints() -> None:
