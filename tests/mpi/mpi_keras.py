@@ -175,6 +175,19 @@ def test_datasets_from_function_and_gather(strategy):
     assert len(local) == 1
 
 
+def test_reduce_of_shares_whose_shapes_differ_raises_on_every_rank(strategy):
+    """axis=None over per-replica values of different first dimensions (an uneven last batch): the
+    engine's mismatch error names the shapes on every rank (the shapes were in the collective's name,
+    so each rank waited under another name for ever)."""
+    if N == 1:
+        pytest.skip("needs ranks whose shares differ")
+    value = strategy.run(lambda: tf.ones([2 + R, 2]))
+    with pytest.raises(tf.errors.FailedPreconditionError, match=r"shape=\(2, 2\).*shape=\(3, 2\)"):
+        strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
+    total = strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=0)  # along the batch: fine
+    np.testing.assert_array_equal(total.numpy(), np.full([2], sum(2 + r for r in range(N)), np.float32))
+
+
 def test_unbatched_dataset_is_refused(strategy):
     with pytest.raises(ValueError, match="batched dataset"):
         strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices(np.arange(4.0)))

@@ -310,7 +310,10 @@ class UnisonExtended(distribute_lib.StrategyExtendedV1):
 
     def _batch_reduce_to(self, reduce_op: Any, value_destination_pairs: Any, options: Any) -> list:
         values = [self._local_results(v)[0] for v, _ in value_destination_pairs]
-        signature = "|".join(f"{v.dtype.name}{tf.TensorShape(v.shape).as_list()}" for v in values)
+        # the first dimension stays out of the name: a share that differs there (an uneven last batch)
+        # then meets the others' under one name, and the engine names the shapes on every rank
+        signature = "|".join(f"{v.dtype.name}{tf.TensorShape(v.shape).as_list()[1:]}/{v.shape.rank}"
+                             for v in values)
         base = f"unison.reduce.{len(values)}.{zlib.crc32(signature.encode()):08x}"
         out = grouped_sum(values, base, overlap=self._overlap)
         if reduce_op == reduce_util.ReduceOp.MEAN:
