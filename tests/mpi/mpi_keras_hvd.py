@@ -133,3 +133,31 @@ def test_default_jit_compile_trains_and_explicit_xla_is_refused_clearly():
     xla.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss="mse", jit_compile=True)
     with pytest.raises(ValueError, match="XLA-compiled function .*jit_compile=False"):
         xla.fit(shard(X), shard(Y), batch_size=B, epochs=1, verbose=0, shuffle=False)
+
+
+def test_mixed_precision_loss_scale_skips_are_agreed_by_every_rank():
+    """compile wraps a DistributedOptimizer in a LossScaleOptimizer under mixed_float16; a batch that
+    overflows on one rank only must make every rank skip that step (the rank skipped alone, and the
+    others then waited in an all-reduce it never joined)."""
+    if N == 1:
+        pytest.skip("needs a rank whose batch overflows alone")
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        rs = np.random.RandomState(0)
+        x = 1e-3 * rs.randn(32, 4).astype("float32")
+        y = x.sum(1, keepdims=True).astype("float32")
+        if R == N - 1:
+            x[:8] *= 3e7  # this rank's first batch overflows in float16 once the loss is scaled
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+        model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
+                  callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+        scales = WORLD.allgather(float(model.optimizer.dynamic_scale.numpy()))
+        steps = WORLD.allgather(int(model.optimizer.inner_optimizer.iterations.numpy()))
+        assert len(set(scales)) == 1 and scales[0] < 32768.0  # every rank halved its scale once
+        assert steps == [3] * N  # and every rank skipped the same step
+        weights = np.concatenate([w.ravel() for w in model.get_weights()])
+        assert all(np.array_equal(weights, w) for w in WORLD.allgather(weights))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")

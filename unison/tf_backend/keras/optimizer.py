@@ -111,11 +111,41 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
 
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                {"apply": apply, "build": build, "register_local_var": register_local_var,
-                "_unison_distributed": True})
+                "_unison_distributed": True, "_unison_process_set": process_set})
+    _agree_on_loss_scale_skips()
     config = optimizer.get_config()
     if backward_passes_per_step > 1:
         config["gradient_accumulation_steps"] = backward_passes_per_step
     return cls.from_config(config)
+
+
+_LOSS_SCALE_HOOKED = False
+
+
+def _agree_on_loss_scale_skips() -> None:
+    """A ``LossScaleOptimizer`` around a ``DistributedOptimizer`` (``compile`` adds one under a
+    ``mixed_float16`` policy) skips a step when every rank would (any rank's gradients overflowed).
+
+    Its check looks at this rank's own gradients, before the all-reduce inside the inner optimizer's
+    ``apply``: a rank whose batch overflowed skipped alone and halved its scale, and the others waited
+    in an all-reduce it never joined (or, later, paired its steps with their next ones). The
+    agreement is over every rank: an optimizer on a process set keeps Keras's own check (known).
+    """
+    global _LOSS_SCALE_HOOKED
+    if _LOSS_SCALE_HOOKED:
+        return
+    from unison.tf_backend import zero_optimizer
+
+    original = keras.optimizers.LossScaleOptimizer.__init__
+
+    def __init__(self: Any, inner_optimizer: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        original(self, inner_optimizer, *args, **kwargs)
+        if (getattr(inner_optimizer, "_unison_distributed", False)
+                and getattr(inner_optimizer, "_unison_process_set", None) is None):
+            self.__class__ = zero_optimizer._agreeing_loss_scale_class(type(self))
+
+    keras.optimizers.LossScaleOptimizer.__init__ = __init__
+    _LOSS_SCALE_HOOKED = True
 
 
 def _sharded(optimizer: Any, stage: int, **options: Any) -> keras.optimizers.Optimizer:
