@@ -78,22 +78,37 @@ def test_metric_average_and_learning_rate_callbacks():
     model.fit(shard(X) * (R + 1), shard(Y), batch_size=B, epochs=3, shuffle=False, verbose=0,
               callbacks=[hvd.callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=2, steps_per_epoch=steps),
                          hvd.callbacks.MetricAverageCallback(), Record()])
-    assert lrs[0] == pytest.approx(0.1 / N)
-    assert lrs[steps] == pytest.approx(0.1 * (1 * (N - 1) / 2 + 1) / N)
-    assert lrs[-1] == pytest.approx(lrs[2 * steps])  # warmup over after 2 epochs
+    def horovod_warmup(epoch: float) -> float:  # Horovod 0.28's rate at a fractional epoch
+        epoch += 1.0 / steps
+        return 0.1 * (epoch * (N - 1) / 2 + 1) / N
+
+    want = [horovod_warmup(e + b / steps) for e in range(2) for b in range(steps)]
+    np.testing.assert_allclose(lrs[:2 * steps], want, rtol=1e-6)
+    assert lrs[2 * steps - 1] == pytest.approx(0.1)  # the warmup ends on initial_lr
+    assert lrs[2 * steps:] == pytest.approx([0.1] * steps)  # and leaves it there
     everyone = WORLD.allgather(losses)
     assert all(np.allclose(e, everyone[0]) for e in everyone)  # averaged: the same on every rank
 
-    model.optimizer.learning_rate.assign(1.0)
-    sched = hvd.callbacks.LearningRateScheduleCallback(0.5, multiplier=lambda epoch: 0.1 ** epoch)
-    seen = []
+    for multiplier in (lambda epoch: 0.1 ** epoch, 0.1):  # a number m is m ** epoch, as Horovod's
+        model.optimizer.learning_rate.assign(1.0)
+        seen, logged = [], []
 
-    class Lr(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            seen.append(float(self.model.optimizer.learning_rate.numpy()))
+        class Lr(keras.callbacks.Callback):
+            def on_train_batch_begin(self, batch, logs=None, seen=seen):
+                if batch == 0:
+                    seen.append(float(self.model.optimizer.learning_rate.numpy()))
 
-    model.fit(shard(X), shard(Y), batch_size=B, epochs=2, verbose=0, callbacks=[sched, Lr()])
-    assert seen == pytest.approx([0.5, 0.05])
+            def on_epoch_end(self, epoch, logs=None, logged=logged):
+                logged.append(logs["lr"])
+
+        sched = hvd.callbacks.LearningRateScheduleCallback(0.5, multiplier=multiplier)
+        model.fit(shard(X), shard(Y), batch_size=B, epochs=3, verbose=0, callbacks=[sched, Lr()])
+        assert seen == pytest.approx([0.5, 0.05, 0.005]) and logged == pytest.approx(seen)
+
+    model.optimizer.learning_rate.assign(1.0)  # no steps_per_epoch: read from fit, still ends on initial_lr
+    warm, lrs = hvd.callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=1), []
+    model.fit(shard(X), shard(Y), batch_size=B, epochs=1, verbose=0, callbacks=[warm, Record()])
+    assert lrs[-1] == pytest.approx(0.1) and lrs[0] == pytest.approx(0.1 * ((N - 1) / steps + 1) / N)
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])

@@ -81,47 +81,71 @@ def _set_lr(model: Any, value: float) -> None:
 
 
 class LearningRateScheduleCallback(keras.callbacks.Callback):
-    """``lr = initial_lr * multiplier(epoch)`` between ``start_epoch`` and ``end_epoch``.
+    """Horovod 0.28's schedule: ``lr = initial_lr * multiplier(epoch)`` while ``start_epoch <= epoch <
+    end_epoch`` (outside that range the rate is left as it is).
 
-    ``multiplier`` is a number or a function of the (fractional, unless
-    ``staircase``) epoch; ``steps_per_epoch`` enables per-batch updates.
+    A number ``multiplier`` m means ``m ** epoch`` (exponential decay); a function gets the epoch.
+    With ``staircase`` the rate is set at the first batch of each epoch; otherwise at every batch,
+    from the fractional epoch ``epoch + batch / steps_per_epoch`` (``steps_per_epoch`` read from
+    ``fit``'s parameters when not given). At each epoch's end ``logs["lr"]`` holds the rate.
+    ``momentum_correction`` is accepted for Horovod's signature and not applied: a Keras 3
+    optimizer compiles its momentum into the training step as a constant.
     """
 
     def __init__(self, initial_lr: float, multiplier: float | Callable[[float], float], start_epoch: int = 0,
                  end_epoch: int | None = None, staircase: bool = True, momentum_correction: bool = True,
                  steps_per_epoch: int | None = None) -> None:
         super().__init__()
+        if initial_lr is None:
+            raise ValueError("LearningRateScheduleCallback needs initial_lr (the rate the multiplier scales)")
         self.initial_lr = initial_lr
-        self.multiplier = multiplier if callable(multiplier) else (lambda epoch: multiplier)
+        self.multiplier = multiplier if callable(multiplier) else (lambda epoch: multiplier ** epoch)
         self.start_epoch, self.end_epoch = start_epoch, end_epoch
         self.staircase = staircase
+        self.momentum_correction = momentum_correction
         self.steps_per_epoch = steps_per_epoch
         self._epoch = 0
 
-    def _active(self, epoch: float) -> bool:
-        return epoch >= self.start_epoch and (self.end_epoch is None or epoch < self.end_epoch)
+    def on_train_begin(self, logs: Any = None) -> None:
+        if not self.staircase and not self.steps_per_epoch:
+            steps = (self.params or {}).get("steps")
+            if not steps:
+                raise ValueError(f"{type(self).__name__}: fit() did not say how many steps an epoch has; pass "
+                                 "steps_per_epoch=")
+            self.steps_per_epoch = steps
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         self._epoch = epoch
-        if self._active(epoch):
-            _set_lr(self.model, self.initial_lr * self.multiplier(epoch))
 
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-        if self.staircase or not self.steps_per_epoch:
+        epoch = self._epoch
+        if epoch < self.start_epoch or (self.end_epoch is not None and epoch >= self.end_epoch):
             return
-        epoch = self._epoch + batch / self.steps_per_epoch
-        if self._active(epoch):
-            _set_lr(self.model, self.initial_lr * self.multiplier(epoch))
+        if self.staircase:
+            if batch == 0:
+                _set_lr(self.model, self.initial_lr * self.multiplier(epoch))
+        else:
+            _set_lr(self.model, self.initial_lr * self.multiplier(epoch + batch / self.steps_per_epoch))
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        if logs is not None:
+            logs["lr"] = float(np.asarray(self.model.optimizer.learning_rate))
 
 
 class LearningRateWarmupCallback(LearningRateScheduleCallback):
-    """Ramp the LR from ``initial_lr / size`` to ``initial_lr`` over ``warmup_epochs`` (Goyal et al.)."""
+    """Horovod 0.28's warmup (Goyal et al.): the rate climbs batch by batch from about
+    ``initial_lr / size`` and reaches ``initial_lr`` at the last batch of epoch ``warmup_epochs - 1``.
+
+    At fractional epoch e (plus one step, so that epochs end on round numbers) the rate is
+    ``initial_lr * ((e + 1 / steps_per_epoch) * (size - 1) / warmup_epochs + 1) / size``.
+    """
 
     def __init__(self, initial_lr: float, warmup_epochs: int = 5, momentum_correction: bool = True,
                  steps_per_epoch: int | None = None, verbose: int = 0) -> None:
         size = runtime.size()
 
         def multiplier(epoch: float) -> float:
+            epoch += 1.0 / self.steps_per_epoch
             return (epoch * (size - 1) / warmup_epochs + 1) / size
 
         super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs, staircase=False,
@@ -129,8 +153,10 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         self.verbose = verbose
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        super().on_epoch_end(epoch, logs)
         if epoch == self.end_epoch - 1 and self.verbose and runtime.rank() == 0:
-            print(f"\nEpoch {epoch + 1}: finished learning-rate warmup to {self.initial_lr:g}.")
+            print(f"\nEpoch {epoch + 1}: finished learning-rate warmup to "
+                  f"{float(np.asarray(self.model.optimizer.learning_rate)):g}.")
 
 
 class BackupAndRestore(keras.callbacks.BackupAndRestore):
