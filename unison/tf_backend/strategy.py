@@ -632,6 +632,7 @@ def _guard_optimizers() -> None:
     clip = BaseOptimizer._clip_gradients
 
     def agreeing_apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
+        self.__dict__.pop("_unison_summed", None)  # (a flag an interrupted apply might have left)
         if _unison_optimizer(self) and len(grads):
             if trainable_variables is not None:
                 trainable_variables = list(trainable_variables)
