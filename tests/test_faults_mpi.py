@@ -167,7 +167,8 @@ def test_rank_returning_early_ends_the_job(tmp_path):
 @pytest.mark.parametrize("kind,named", [
     ("hard_exit", r"rank 1 \(PID \d+ on .*\) exited without calling MPI_Finalize"),
     ("raise", r"rank 1 \(on .*\) called MPI_Abort with error code 1"),
-], ids=["os._exit(0)", "raises"])
+    ("exit3", r"rank 1 \(on .*\) called MPI_Abort with error code 3"),  # [Note: a rank that exits with a status]
+], ids=["os._exit(0)", "raises", "sys.exit(3)"])
 def test_rank_ending_abnormally_ends_the_job(kind, named, tmp_path):
     """docs/run.md, "Failures": a rank that exits 0 without MPI_Finalize, or raises, ends the job."""
     with Job(kind, tmp_path) as job:
@@ -181,6 +182,8 @@ def test_rank_ending_abnormally_ends_the_job(kind, named, tmp_path):
         assert re.search(failed + named, job.last_line()), job.output()
         if kind == "raise":
             assert "fault_job: rank 1 raises on purpose" in job.output()
+        if kind == "exit3":
+            assert status == 3, f"exit status {status}{job.output()}"
         assert_no_leftovers(job)
 
 

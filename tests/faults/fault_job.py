@@ -191,6 +191,15 @@ def job_raise(workdir: Path) -> None:
         unison.allreduce(np.ones(4), name="step")
 
 
+def job_exit3(workdir: Path) -> None:
+    """Rank 1 calls ``sys.exit(3)`` at ``FAULT_STEP``; rank 0 keeps all-reducing."""
+    for step in steps():
+        if unison.rank() == 1 and step == FAULT_STEP:
+            (workdir / "returned").write_text(str(time.time()))
+            sys.exit(3)
+        unison.allreduce(np.ones(4), name="step")
+
+
 def job_loop(workdir: Path) -> None:
     """No fault: small all-reduces until the job is stopped from outside."""
     for _ in steps():
@@ -206,6 +215,7 @@ JOBS = {
     "early_exit": job_early_exit,
     "hard_exit": job_hard_exit,
     "raise": job_raise,
+    "exit3": job_exit3,
     "loop": job_loop,
 }
 

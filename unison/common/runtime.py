@@ -239,10 +239,60 @@ def _world_state(mpi: Any, comm: Any, config: Config, config_error: str) -> Stat
     _start(config)
     if state.size > 1 and config.abort_on_error:
         _install_excepthook()
+        _watch_exit_status()
     if not _atexit_registered:
-        atexit.register(shutdown)  # runs before mpi4py finalizes MPI
+        atexit.register(_shutdown_at_exit)  # runs before mpi4py finalizes MPI
         _atexit_registered = True
     return state
+
+
+#: the status this process exits with, when mpi4py's runner (``python -m mpi4py``, as unisonrun
+#: starts Python) saw the program end on ``SystemExit`` or ``KeyboardInterrupt``; see
+#: [Note: a rank that exits with a status]
+_exit_status = 0
+
+
+def _watch_exit_status() -> None:
+    """Record the status mpi4py's runner will abort with (its ``set_abort_status``), once per process.
+
+    [Note: a rank that exits with a status] ``sys.exit(E)`` (or Ctrl-C) in one rank after
+    ``init()`` reaches mpi4py's runner, which aborts the job with E, but only when MPI is
+    finalized, after the ``atexit`` handlers. Unison's own handler used to run first and tell the
+    other ranks that this one shut down: they failed with ``ShutdownError`` and aborted with 1
+    before this rank could, so the job ended with status 1 naming another rank. Now the handler
+    aborts with E itself when the runner recorded one.
+    """
+    run = sys.modules.get("mpi4py.run")
+    original = getattr(run, "set_abort_status", None)
+    if original is None or getattr(original, "_unison", False):
+        return
+
+    def set_abort_status(status: Any) -> None:
+        global _exit_status
+        code = status
+        if isinstance(status, SystemExit):
+            code = status.code
+        elif isinstance(status, KeyboardInterrupt):
+            code = 128 + 2  # SIGINT, as mpi4py counts it
+        if not isinstance(code, int):
+            code = 0 if code is None else 1
+        _exit_status = code
+        original(status)
+
+    set_abort_status._unison = True  # type: ignore[attr-defined]
+    run.set_abort_status = set_abort_status  # type: ignore[union-attr]
+
+
+def _shutdown_at_exit() -> None:
+    """At the interpreter's exit: abort with the program's failing status first (see [Note: a rank that
+    exits with a status]), else shut down as usual."""
+    s = _state
+    if s is not None and s.size > 1 and _exit_status and s.config.abort_on_error:
+        mpi = _import_mpi()
+        if mpi is not None:
+            sys.stderr.flush()
+            mpi.COMM_WORLD.Abort(_exit_status)
+    shutdown()
 
 
 def _start(config: Config) -> None:
