@@ -81,11 +81,9 @@ def mpi_op(mpi: Any, dtype: np.dtype, op: ReduceOp) -> Any:
     """The MPI op computing ``op`` (Average is a Sum; scaling happens afterwards) as numpy would
     (see [Note: MPI's reductions that differ from numpy's])."""
     dtype = np.dtype(dtype)
-    if dtype == np.float16 or is_bfloat16(dtype):
-        return _numpy_op(mpi, dtype, op)
-    if op in (ReduceOp.SUM, ReduceOp.AVERAGE) and dtype.kind in "iu" and dtype.itemsize <= 2:
-        return _numpy_op(mpi, dtype, op)
-    if op in (ReduceOp.MIN, ReduceOp.MAX) and dtype.kind == "f":
+    if (dtype == np.float16 or is_bfloat16(dtype)  # no MPI type of their own
+            or (op in (ReduceOp.SUM, ReduceOp.AVERAGE) and dtype.kind in "iu" and dtype.itemsize <= 2)
+            or (op in (ReduceOp.MIN, ReduceOp.MAX) and dtype.kind == "f")):
         return _numpy_op(mpi, dtype, op)
     if dtype == np.bool_:
         if op is ReduceOp.BXOR:

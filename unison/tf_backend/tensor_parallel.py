@@ -20,6 +20,7 @@ same on every rank of the group.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -259,32 +260,32 @@ class VocabParallelEmbedding(keras.layers.Layer):
         return reduce_from_group(vectors * tf.expand_dims(tf.cast(mine, vectors.dtype), -1), self.process_set)
 
 
-def _check_ids(ids: tf.Tensor, vocab: int) -> tf.Tensor:
-    """``ids``, after refusing (eagerly) or failing the graph on one outside ``[0, vocab)``: no shard owns
-    it, so it would come out as zeros (every rank of the group holds the same ids and fails alike)."""
-    bad = (ids < 0) | (ids >= vocab)
-    message = f"VocabParallelEmbedding: ids must be in [0, {vocab}) (the whole vocabulary)"
+def _refusing(result: tf.Tensor, bad: tf.Tensor, values: tf.Tensor, message: str,
+              error: Callable[[str], Exception]) -> tf.Tensor:
+    """``result``, after raising ``error`` (eagerly, naming the first bad value) or failing the graph
+    (inside a ``tf.function``) where ``bad`` holds anywhere."""
     if tf.executing_eagerly():
         if bool(tf.reduce_any(bad)):
-            raise tf.errors.InvalidArgumentError(None, None, f"{message}; received "
-                                                 f"{int(tf.boolean_mask(ids, bad)[0])}")
-        return ids
+            raise error(f"{message}; received {int(tf.boolean_mask(values, bad)[0])}")
+        return result
     with tf.control_dependencies([tf.debugging.Assert(tf.logical_not(tf.reduce_any(bad)), [message])]):
-        return tf.identity(ids)
+        return tf.identity(result)
+
+
+def _check_ids(ids: tf.Tensor, vocab: int) -> tf.Tensor:
+    """``ids``, refusing one outside ``[0, vocab)``: no shard owns it, so it would come out as zeros
+    (every rank of the group holds the same ids and fails alike)."""
+    return _refusing(ids, (ids < 0) | (ids >= vocab), ids,
+                     f"VocabParallelEmbedding: ids must be in [0, {vocab}) (the whole vocabulary)",
+                     lambda text: tf.errors.InvalidArgumentError(None, None, text))
 
 
 def _check_targets(target: tf.Tensor, vocab: int, ignore_index: int) -> tf.Tensor:
     """``target != ignore_index``; raises (eagerly) or fails the graph for an id outside the vocabulary."""
     valid = tf.not_equal(target, ignore_index)
-    bad = valid & ((target < 0) | (target >= vocab))
-    message = (f"vocab_parallel_cross_entropy: targets must be in [0, {vocab}) (the whole vocabulary: logits' "
-               f"last dimension x tensor group size) or ignore_index={ignore_index}")
-    if tf.executing_eagerly():
-        if bool(tf.reduce_any(bad)):
-            raise ValueError(f"{message}; received {int(tf.boolean_mask(target, bad)[0])}")
-        return valid
-    with tf.control_dependencies([tf.debugging.Assert(tf.logical_not(tf.reduce_any(bad)), [message])]):
-        return tf.identity(valid)
+    return _refusing(valid, valid & ((target < 0) | (target >= vocab)), target,
+                     f"vocab_parallel_cross_entropy: targets must be in [0, {vocab}) (the whole vocabulary: "
+                     f"logits' last dimension x tensor group size) or ignore_index={ignore_index}", ValueError)
 
 
 def _reduce(loss: tf.Tensor, valid: tf.Tensor, reduction: str) -> tf.Tensor:

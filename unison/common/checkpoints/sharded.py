@@ -35,6 +35,7 @@ from typing import Any
 
 from unison.common.checkpoints import agree, storage
 from unison.common.checkpoints.format import MANIFEST_NAME, CheckpointError, Entry, Manifest, Run
+from unison.common.checkpoints.reader import read_manifest
 from unison.common.checkpoints.start import Start, begin
 from unison.common.files import atomic_path
 
@@ -141,7 +142,7 @@ def _commit(start: Start, manifest: Manifest) -> tuple[str | None, bool]:
         write_manifest(where, manifest)
     except Exception as exc:  # reported to every rank
         problem = f"could not write {where!r}: {type(exc).__name__}: {exc}"
-        if _names_save(where, start.save_id):
+        if _names_save(start.path, start.save_id):
             return (problem + "; the manifest was renamed into place before that, so this save is committed "
                     "and loads, but it may not survive a crash of this machine: check the disk, then save "
                     "again"), True
@@ -150,12 +151,11 @@ def _commit(start: Start, manifest: Manifest) -> tuple[str | None, bool]:
     return None, True
 
 
-def _names_save(path: str, save_id: str) -> bool:
-    """Whether the manifest at ``path`` is the one of save ``save_id``."""
+def _names_save(folder: str, save_id: str) -> bool:
+    """Whether the manifest in ``folder`` is the one of save ``save_id``."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f).get("save_id") == save_id
-    except (OSError, ValueError, AttributeError):
+        return read_manifest(folder).save_id == save_id
+    except CheckpointError:
         return False
 
 

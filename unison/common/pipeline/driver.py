@@ -190,13 +190,12 @@ class PipelineDriver:
         raise_together(self.world, check)
         run = _Step(self, worker)
         failure = run.walk()
-        if failure is None:
-            self._agree_on_end(run, failure)
-        else:  # collectives a stage's peers wait on inside it (a tensor group's) would never come
+        if failure is not None:  # collectives a stage's peers wait on inside it (a tensor group's) never come
             _abandon_engine(failure.message)
-            try:
-                self._agree_on_end(run, failure)
-            finally:
+        try:
+            self._agree_on_end(run, failure)
+        finally:
+            if failure is not None:
                 _abandon_engine(None)
         return run.stats(perf_counter() - run.t0)
 

@@ -80,6 +80,10 @@ def _set_lr(model: Any, value: float) -> None:
     model.optimizer.learning_rate.assign(value)
 
 
+def _lr(model: Any) -> float:
+    return float(np.asarray(model.optimizer.learning_rate))
+
+
 class LearningRateScheduleCallback(keras.callbacks.Callback):
     """Horovod 0.28's schedule: ``lr = initial_lr * multiplier(epoch)`` while ``start_epoch <= epoch <
     end_epoch`` (outside that range the rate is left as it is).
@@ -129,7 +133,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         if logs is not None:
-            logs["lr"] = float(np.asarray(self.model.optimizer.learning_rate))
+            logs["lr"] = _lr(self.model)
 
 
 class LearningRateWarmupCallback(LearningRateScheduleCallback):
@@ -155,8 +159,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         super().on_epoch_end(epoch, logs)
         if epoch == self.end_epoch - 1 and self.verbose and runtime.rank() == 0:
-            print(f"\nEpoch {epoch + 1}: finished learning-rate warmup to "
-                  f"{float(np.asarray(self.model.optimizer.learning_rate)):g}.")
+            print(f"\nEpoch {epoch + 1}: finished learning-rate warmup to {_lr(self.model):g}.")
 
 
 class BackupAndRestore(keras.callbacks.BackupAndRestore):

@@ -131,17 +131,16 @@ class TorchStages:
         if kept.out is None or not kept.out.requires_grad:
             return self._input_grad(kept.x)
         # see [Note: splitting backward]
-        if stage in self.shared_weights:
+        if stage in self.shared_weights:  # pending stays None: W takes every parameter from the stage's output
             (dx,) = torch.autograd.grad(kept.out, [kept.x], kept.grad, retain_graph=True, allow_unused=True)
-            kept.outs = None  # pending stays None: W takes every parameter from the stage's output
-            return _host(dx if dx is not None else torch.zeros_like(kept.x))
-        layers = [(o, ps) for o, ps in zip(kept.outs or [], self.layer_params[stage], strict=True)
-                  if ps and o.requires_grad]
-        grads = torch.autograd.grad(kept.out, [kept.x, *[o for o, _ in layers]], kept.grad, retain_graph=True,
-                                    allow_unused=True)
-        kept.pending = [(o, g, ps) for (o, ps), g in zip(layers, grads[1:], strict=True) if g is not None]
+        else:
+            layers = [(o, ps) for o, ps in zip(kept.outs or [], self.layer_params[stage], strict=True)
+                      if ps and o.requires_grad]
+            grads = torch.autograd.grad(kept.out, [kept.x, *[o for o, _ in layers]], kept.grad,
+                                        retain_graph=True, allow_unused=True)
+            kept.pending = [(o, g, ps) for (o, ps), g in zip(layers, grads[1:], strict=True) if g is not None]
+            dx = grads[0]
         kept.outs = None
-        dx = grads[0]
         return _host(dx if dx is not None else torch.zeros_like(kept.x))
 
     def backward_weight(self, stage: int, mb: int) -> None:
