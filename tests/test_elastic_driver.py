@@ -143,7 +143,7 @@ def test_too_few_slots_waits_for_the_elastic_timeout_then_fails(tmp_path: Path, 
 
 def test_discovery_grows_np_up_to_max_np(tmp_path: Path) -> None:
     script = tmp_path / "hosts.sh"
-    script.write_text("#!/bin/sh\necho a:2\necho b:4\n")
+    script.write_text("#!/bin/sh\necho a:2\necho '  # an indented comment'\necho b:4\n")
     script.chmod(0o755)
     assert [(h.name, h.slots) for h in discover(str(script))] == [("a", 2), ("b", 4)]
     jobs = Jobs([(0, [])])

@@ -197,10 +197,25 @@ def test_up_is_idempotent_and_writes_a_hostfile_unisonrun_reads():
         assert f"{first.addresses[0]} {first.hosts[0]}" in hosts_file
         bigger = testhosts.up(3, slots=1, instance=9)  # another request replaces the set
         assert len(bigger.hosts) == 3 and testhosts.current(9) == bigger
+        # a set with a piece gone is not up: the same request makes it whole again (it said "already up")
+        names = testhosts.Names(9)
+        subprocess.run(["ip", "link", "del", names.bridge], check=True)
+        assert testhosts.current(9) is None
+        assert testhosts.up(3, slots=1, instance=9) == bigger
+        assert testhosts.current(9) == bigger
+        hosts_file = Path("/etc/hosts").read_text()
+        Path("/etc/hosts").write_text("".join(ln + "\n" for ln in hosts_file.splitlines()
+                                              if not ln.startswith(bigger.addresses[1] + " ")))
+        assert testhosts.current(9) is None
+        assert testhosts.up(3, slots=1, instance=9) == bigger
+        assert f"{bigger.addresses[1]} {bigger.hosts[1]}" in Path("/etc/hosts").read_text()
     finally:
         testhosts.down(9)
     assert testhosts.current(9) is None
     assert "unison-testhosts-9" not in Path("/etc/hosts").read_text()
+    state_root = testhosts.STATE_ROOT  # nothing of the instance is left, its folder's parent neither when empty
+    assert not testhosts.Names(9).state_dir.exists()
+    assert not state_root.exists() or any(state_root.iterdir())
 
 
 @pytest.mark.parametrize("args, message", [

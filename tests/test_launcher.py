@@ -276,9 +276,21 @@ def test_unsafe_hostfile_names_are_rejected(tmp_path, line):
         build(hostfile=str(hostfile))
 
 
-@pytest.mark.parametrize("hosts", ["localhost:2", "node-7.cluster.org:4,gpu_01:1", "10.0.0.7:2", "user@node1"])
-def test_ordinary_host_names_are_accepted(hosts):
-    assert option_values(build(hosts=hosts, cpu_count=64), "-H") == [hosts]
+@pytest.mark.parametrize(("hosts", "passed"), [
+    ("localhost:2", "localhost:2"), ("node-7.cluster.org:4,gpu_01:1", "node-7.cluster.org:4,gpu_01:1"),
+    ("10.0.0.7:2", "10.0.0.7:2"), ("user@node1", "user@node1:1"), (" a:2 , b ", "a:2,b:1")])
+def test_ordinary_host_names_are_accepted(hosts, passed):
+    # mpirun gets -H as it was parsed (the slot counts Unison plans with), never the user's text
+    assert option_values(build(hosts=hosts, cpu_count=64), "-H") == [passed]
+
+
+@pytest.mark.parametrize("hosts", ["a:1_0", "a:\uff12", "a:+2", "a: 2x", "a:2:3"])
+def test_slot_counts_mpirun_would_read_otherwise_are_refused(hosts):
+    # int() takes "1_0" (10) and full-width digits, which Open MPI reads as 1 or refuses; "a:2:3"
+    # would be a host named "a:2"
+    hosts = hosts.encode().decode("unicode_escape")
+    with pytest.raises(ValueError, match="-H entry"):
+        build(hosts=hosts, cpu_count=64)
 
 
 def test_missing_hostfile_is_rejected(tmp_path):
@@ -697,6 +709,13 @@ def test_hostfile_options_need_no_other_flag(tmp_path):
     assert command[command.index("btl_tcp_if_include") + 1] == "198.18.1.0/24"
     assert command[command.index("oob_tcp_if_include") + 1] == "198.18.1.0/24"
     assert "--oversubscribe" not in command  # 4 ranks on 2 x 2 slots
+
+
+def test_an_indented_option_line_counts(tmp_path):
+    # (it was skipped silently: the job then ran without the agent and the pinning)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("h1 slots=2\n  # unison: tcp-include=198.18.1.0/24\n")
+    assert build(np=2, hostfile=str(hostfile)).count("198.18.1.0/24") == 2
 
 
 def test_a_plain_hostfile_adds_no_agent_and_no_pinning(tmp_path):

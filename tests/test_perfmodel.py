@@ -165,6 +165,8 @@ def test_with_ranks_fills_hosts_or_refuses() -> None:
 def test_bad_links_and_clusters_are_refused() -> None:
     with pytest.raises(ValueError, match="alpha >= 0 and beta >= 0; got alpha=-1"):
         pm.Link(-1.0, 0.0)
+    with pytest.raises(ValueError, match="finite alpha >= 0 and beta >= 0; got alpha=0.0, beta=inf"):
+        pm.Link(0.0, float("inf"))
     with pytest.raises(ValueError, match="at least 1 host and 1 rank per host; got hosts=0"):
         pm.Cluster(0, 8, pm.Link(0, 0), pm.Link(0, 0))
     with pytest.raises(ValueError, match="'fast' is not a link rate"):
@@ -327,10 +329,24 @@ def test_cli_takes_a_calibration_file(tmp_path, capsys) -> None:
     assert "calibration" in capsys.readouterr().out
 
 
-def test_cli_refuses_bad_input() -> None:
+@pytest.mark.parametrize("args", [["--link", "fast"], ["--link", "infgbit"], ["--intra-link", "infgbit"],
+                                  ["--link", "1e-320gbit"], ["--latency", "1e400s"], ["--latency", "nans"],
+                                  ["--overhead-us", "inf"], ["--overhead-us", "nan"], ["--compute-ms", "inf"],
+                                  ["--compute-ms", "nan"], ["--cycle-ms", "-5"], ["--cycle-ms", "inf"],
+                                  ["--fusion-threshold", "-1"], ["--backward-share", "nan"]])
+def test_cli_refuses_bad_input(args, capsys) -> None:
+    # each ended in a traceback, or printed nan, or was taken silently as something else
     with pytest.raises(SystemExit) as exc:
-        cli.main(["--link", "fast"])
+        cli.main(args)
     assert exc.value.code == 2
+    assert args[0] in capsys.readouterr().err
+
+
+def test_cli_prints_a_free_link_from_a_calibration(tmp_path, capsys) -> None:
+    path = tmp_path / "cal.json"
+    pm.Calibration(pm.Link(1e-6, 0.0), pm.Link(1e-4, 1 / 118e6), 1e-10).save(path)  # a fit may give beta 0
+    assert cli.main(["--calibration", str(path), "--ranks-per-host", "2", "--ranks", "4"]) == 0
+    assert "intra-host inf GB/s" in capsys.readouterr().out
 
 
 def test_cli_runs_as_a_module() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -41,6 +42,11 @@ class Reference:
 #: RoCE 25 Gbit/s, ~90% scaling efficiency for Inception V3 and ResNet-101 (68% for VGG-16).
 HOROVOD_REFERENCE = Reference(512, 0.90, "resnet101", 4, "25gbit",
                               "Horovod published: ~90% at 512 GPUs\n(ResNet-101/Inception V3, 4/host, 25 Gbit/s)")
+
+
+def _gbytes_per_s(beta_s_per_byte: float) -> str:
+    """A link's rate in GB/s for the header, ``inf`` for a free one (a calibration may fit beta = 0)."""
+    return f"{1 / beta_s_per_byte / 1e9:.3g}" if beta_s_per_byte > 0 else "inf"
 
 
 def _positive_int(text: str) -> int:
@@ -151,8 +157,8 @@ def _describe(args: argparse.Namespace, cluster: pm.Cluster) -> list[str]:
     return [
         f"{args.model}: {len(sizes)} gradient tensors, {sum(sizes) // args.dtype_bytes:,} parameters "
         f"({sum(sizes) / 2**20:.1f} MiB at {args.dtype_bytes} bytes); compute {compute:g} ms per step",
-        f"links ({source}): inter-host {1 / cluster.inter.beta_s_per_byte / 1e9:.3g} GB/s, "
-        f"{cluster.inter.alpha_s * 1e6:.3g} us; intra-host {1 / cluster.intra.beta_s_per_byte / 1e9:.3g} "
+        f"links ({source}): inter-host {_gbytes_per_s(cluster.inter.beta_s_per_byte)} GB/s, "
+        f"{cluster.inter.alpha_s * 1e6:.3g} us; intra-host {_gbytes_per_s(cluster.intra.beta_s_per_byte)} "
         f"GB/s, {cluster.intra.alpha_s * 1e6:.3g} us; reduction {gamma}; pieces of "
         f"{cluster.chunk_bytes} bytes; per-call overhead {cluster.overhead_s * 1e6:.3g} us",
         f"engine: fusion {args.fusion_threshold / 2**20:g} MiB, cycle {args.cycle_ms:g} ms, "
@@ -225,10 +231,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit status (2 for bad input)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not 0 < args.backward_share <= 1 or (args.compute_ms is not None and args.compute_ms <= 0) \
-            or args.overhead_us < 0:
-        parser.error(f"--backward-share must be in (0, 1], --compute-ms > 0 and --overhead-us >= 0 "
-                     f"(got {args.backward_share}, {args.compute_ms}, {args.overhead_us})")
+    if not 0 < args.backward_share <= 1 or (args.compute_ms is not None and not 0 < args.compute_ms < math.inf) \
+            or not 0 <= args.overhead_us < math.inf or not 0 <= args.cycle_ms < math.inf \
+            or args.fusion_threshold < 0:
+        parser.error(f"--backward-share must be in (0, 1], --compute-ms finite and > 0, --overhead-us and "
+                     f"--cycle-ms finite and >= 0, --fusion-threshold >= 0 (got {args.backward_share}, "
+                     f"{args.compute_ms}, {args.overhead_us}, {args.cycle_ms}, {args.fusion_threshold})")
     try:
         preds = predict(args)
         cluster = _cluster(args)
@@ -248,8 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.png is not None:
         bounds = [] if args.no_overlap else predict(argparse.Namespace(**{**vars(args), "no_overlap": True}))
         title = (f"{args.model}, {args.ranks_per_host} ranks/host, inter-host "
-                 f"{1 / cluster.inter.beta_s_per_byte / 1e9:.3g} GB/s + {cluster.inter.alpha_s * 1e6:.3g} us, "
-                 f"intra {1 / cluster.intra.beta_s_per_byte / 1e9:.3g} GB/s; compute "
+                 f"{_gbytes_per_s(cluster.inter.beta_s_per_byte)} GB/s + {cluster.inter.alpha_s * 1e6:.3g} us, "
+                 f"intra {_gbytes_per_s(cluster.intra.beta_s_per_byte)} GB/s; compute "
                  f"{(args.compute_ms or DEFAULT_COMPUTE_S[args.model] * 1e3):g} ms/step")
         write_png(args.png, preds, title, bounds)
         if not args.json:

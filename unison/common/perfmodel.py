@@ -119,8 +119,9 @@ class Link:
 
     def __post_init__(self) -> None:
         two_way = self.beta_two_way_s_per_byte
-        if not (self.alpha_s >= 0 and self.beta_s_per_byte >= 0 and (two_way is None or two_way >= 0)):
-            raise ValueError(f"a link needs alpha >= 0 and beta >= 0; got alpha={self.alpha_s}, "
+        if not (0 <= self.alpha_s < math.inf and 0 <= self.beta_s_per_byte < math.inf
+                and (two_way is None or 0 <= two_way < math.inf)):
+            raise ValueError(f"a link needs finite alpha >= 0 and beta >= 0; got alpha={self.alpha_s}, "
                              f"beta={self.beta_s_per_byte}, two-way beta={two_way}")
 
     @property
@@ -473,10 +474,12 @@ def parse_rate(text: str) -> float:
                 value = float(s[:-len(unit)])
             except ValueError:
                 break
-            if value > 0:
-                return value * _RATE_UNITS[unit]
+            rate = value * _RATE_UNITS[unit]
+            if 0 < rate < math.inf and 1 / rate < math.inf:  # (a model works with 1 / rate)
+                return rate
             break
-    raise ValueError(f"{text!r} is not a link rate; give e.g. 100gbit, 25gbit or 12.5gbps (bytes)")
+    raise ValueError(f"{text!r} is not a link rate; give a finite positive one, e.g. 100gbit, 25gbit or "
+                     "12.5gbps (bytes)")
 
 
 def parse_seconds(text: str) -> float:
@@ -492,7 +495,7 @@ def parse_seconds(text: str) -> float:
                 value = float(s[:-len(unit)])
             except ValueError:
                 break
-            if value >= 0:
+            if 0 <= value * _TIME_UNITS[unit] < math.inf:
                 return value * _TIME_UNITS[unit]
             break
-    raise ValueError(f"{text!r} is not a duration; give e.g. 5us, 1.5ms or 0s")
+    raise ValueError(f"{text!r} is not a duration; give a finite one >= 0, e.g. 5us, 1.5ms or 0s")

@@ -153,7 +153,8 @@ def discover(script: str, timeout_s: float = 30.0) -> list[Host]:
     if done.returncode != 0:
         raise RuntimeError(f"host discovery script {script!r} exited with status {done.returncode}: "
                            f"{done.stderr.strip()[-300:]}")
-    entries = [line.strip() for line in done.stdout.splitlines() if line.strip() and not line.startswith("#")]
+    entries = [line.strip() for line in done.stdout.splitlines()
+               if line.strip() and not line.strip().startswith("#")]  # (an indented comment too)
     if not entries:
         return []
     try:

@@ -64,12 +64,10 @@ def _parse_slots(text: str, where: str, form: str) -> int:
         The slot count.
 
     Raises:
-        ValueError: ``text`` is not a positive integer.
+        ValueError: ``text`` is not a positive integer in ASCII digits (``int`` would also take
+            ``1_0`` or full-width digits, which Open MPI reads differently or not at all).
     """
-    try:
-        slots = int(text)
-    except ValueError:
-        slots = 0
+    slots = int(text) if re.fullmatch(r"[0-9]+", text) else 0
     if slots < 1:
         raise ValueError(
             f"slots must be a positive integer; received {text!r} in {where}; expected {form}"
@@ -119,7 +117,7 @@ def parse_hosts(value: str) -> list[Host]:
         name, sep, slots_text = entry.strip().rpartition(":")
         if not sep:
             name, slots_text = slots_text, "1"
-        if not name:
+        if not name or ":" in name:
             raise ValueError(f"malformed -H entry {entry!r} in {value!r}: expected {_HOST_FORM}")
         where = f"-H entry {entry!r}"
         check_host_name(name, where)

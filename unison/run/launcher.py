@@ -99,7 +99,7 @@ from unison.run.elastic_driver import (
     has_ulfm,
     planned_np,
 )
-from unison.run.hosts import Host
+from unison.run.hosts import Host, parse_hosts
 from unison.run.placement import (
     LaunchConfig,
     Placement,
@@ -188,8 +188,8 @@ def build_command(
         )
     placement = resolve_placement(config, environ)
     command = [mpirun or find_mpirun(executable), "-np", str(placement.np)]
-    if config.hosts is not None:  # as checked: "a:1, b:2" would give mpirun a host named " b"
-        command += ["-H", ",".join(part.strip() for part in config.hosts.split(","))]
+    if config.hosts is not None:  # rewritten as parsed: "a:1, b:2" would give mpirun a host named " b"
+        command += ["-H", ",".join(f"{host.name}:{host.slots}" for host in parse_hosts(config.hosts))]
     if config.hostfile is not None:
         command += ["--hostfile", config.hostfile]
     if placement.slurm_hosts is not None:

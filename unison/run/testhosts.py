@@ -175,7 +175,7 @@ def available() -> str | None:
 
 
 def _check_rate(rate: str | None) -> None:
-    if rate is not None and not re.fullmatch(r"\d+(\.\d+)?([kmg]?bit|[kmg]?bps)", rate):
+    if rate is not None and not re.fullmatch(r"\d+(\.\d+)?([kmg]?bit|[kmg]?bps)", rate, re.IGNORECASE):
         raise ValueError(f"--rate {rate!r} is not a tc rate; give e.g. 1gbit, 500mbit or 100mbit")
 
 
@@ -234,6 +234,7 @@ def hostfile_options(hostfile: str | Path) -> dict[str, str]:
     """
     options = {}
     for line in Path(hostfile).read_text().splitlines():
+        line = line.strip()  # (an indented option line is still one)
         if line.startswith(OPTION_PREFIX):
             key, _, value = line[len(OPTION_PREFIX):].strip().partition("=")
             options[key.strip()] = value.strip()
@@ -252,7 +253,7 @@ def mpirun_arguments(made: TestHosts) -> list[str]:
     return ["--hostfile", made.hostfile] + network_arguments(made.agent, [made.subnet])
 
 
-def _write_files(n: Names, made: TestHosts) -> None:
+def _write_files(n: Names, made: TestHosts, netem: bool) -> None:
     n.state_dir.mkdir(parents=True, exist_ok=True)
     agent = Path(made.agent)
     with atomic_path(agent) as tmp:
@@ -263,21 +264,34 @@ def _write_files(n: Names, made: TestHosts) -> None:
     with atomic_path(made.hostfile) as tmp:
         Path(tmp).write_text("\n".join(lines) + "\n")
     with atomic_path(n.state_dir / "state.json") as tmp:
-        Path(tmp).write_text(json.dumps(asdict(made), indent=1))
+        Path(tmp).write_text(json.dumps({**asdict(made), "netem": netem}, indent=1))
 
 
 def current(instance: int = 0) -> TestHosts | None:
-    """The test hosts of ``instance`` that are up (from its state file), or ``None``."""
+    """The test hosts of ``instance`` that are up (from its state file), or ``None``.
+
+    Up means whole: every host's namespace, its link and the bridge, its ``/etc/hosts``
+    line and the files, and nothing else of the instance's (a set with a piece removed
+    by hand, or left half made, is not up: ``up`` makes it again). A set made with
+    netem's ``--delay``/``--loss`` is never taken for a plain request.
+    """
+    n = Names(instance)
     try:
-        data = json.loads((Names(instance).state_dir / "state.json").read_text())
+        data = json.loads((n.state_dir / "state.json").read_text())
         made = TestHosts(hosts=tuple(data["hosts"]), addresses=tuple(data["addresses"]),
                          slots=int(data["slots"]), rate=data["rate"], hostfile=str(data["hostfile"]),
                          agent=str(data["agent"]), subnet=str(data["subnet"]),
                          instance=int(data["instance"]))
     except (OSError, ValueError, TypeError, KeyError):
         return None
-    listed = _run(["ip", "netns", "list"], check=False).stdout
-    return made if all(re.search(rf"^{h}\b", listed, re.M) for h in made.hosts) else None
+    spaces, links = _leftovers(n)
+    tagged = [ln for ln in Path("/etc/hosts").read_text().splitlines() if ln.endswith(n.tag)]
+    whole = (set(spaces) == set(made.hosts)
+             and set(links) == {n.bridge} | {f"{n.veth_prefix}{i}" for i in range(1, len(made.hosts) + 1)}
+             and sorted(tagged) == sorted(f"{a} {h} {n.tag}" for a, h in zip(made.addresses, made.hosts,
+                                                                                strict=True))
+             and Path(made.hostfile).is_file() and Path(made.agent).is_file())
+    return made if whole and not data.get("netem") else None
 
 
 def up(hosts: int, slots: int = 2, rate: str | None = None, delay: str | None = None,
@@ -330,7 +344,7 @@ def up(hosts: int, slots: int = 2, rate: str | None = None, delay: str | None = 
                 _run(["ip", "netns", "exec", n.host(i), "tc", "qdisc", "replace", "dev", "eth0",
                       "root"] + netem)
         _edit_etc_hosts(n.tag, [f"{a} {h}" for a, h in zip(wanted.addresses, names, strict=True)])
-        _write_files(n, wanted)
+        _write_files(n, wanted, netem=bool(delay or loss))
     except BaseException:
         down(instance)
         raise
@@ -383,9 +397,9 @@ def down(instance: int = 0) -> list[str]:
         if (n.state_dir / name).exists():
             (n.state_dir / name).unlink()
             removed.append(str(n.state_dir / name))
-    if n.state_dir != STATE_ROOT:
-        with contextlib.suppress(OSError):  # absent, or holding something not ours
-            n.state_dir.rmdir()
+    for folder in ([n.state_dir] if n.state_dir != STATE_ROOT else []) + [STATE_ROOT]:
+        with contextlib.suppress(OSError):  # absent, or holding something not ours (another instance's)
+            folder.rmdir()
     return removed
 
 
