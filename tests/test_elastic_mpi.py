@@ -161,6 +161,45 @@ def test_torch_state_commits_into_the_last_commits_tensors_and_restores_exactly(
     assert len(out["b"]) == 2 and out["b"][0] is not new["b"][0] and out["c"] == [2] and out["c"] is not new["c"]
 
 
+def test_torch_state_tracks_a_scheduler_and_a_replaced_object_and_drops_stale_gradients() -> None:
+    import torch
+
+    from unison.torch_backend.elastic import TorchState
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    state = TorchState(net, opt, scheduler=sched, epoch=0)
+    assert state.scheduler is sched  # (it was a deep copy with an optimizer of its own)
+    opt.step()  # (no gradients: nothing moves; torch warns of a scheduler stepped first)
+    state.scheduler.step()
+    assert opt.param_groups[0]["lr"] == 0.5
+    state.commit()
+    sched.step()
+    sched.step()
+    state.restore()
+    assert sched.last_epoch == 1 and opt.param_groups[0]["lr"] == 0.5  # (last_epoch stayed 3)
+    sched.step()
+    assert opt.param_groups[0]["lr"] == 0.25
+    # a failed step's gradients belong to no commit: a loop zeroing after step() would add them
+    net(torch.ones(1, 2)).sum().backward()
+    state.restore()
+    assert all(p.grad is None for p in net.parameters())
+    # another object under a tracked name is tracked, and committed, from then on (Horovod's rule)
+    other = torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        other.weight.fill_(7.0)
+    state.model = other
+    state.commit()
+    with torch.no_grad():
+        other.weight.fill_(-1.0)
+    state.restore()
+    assert other.weight.tolist() == [[7.0, 7.0]]
+    with pytest.raises(TypeError, match="TorchState.model tracks a Linear; assign one of the same kind"):
+        state.model = opt
+
+
 def test_torch_state_spills_tensors_as_numpy_and_loads_them_back() -> None:
     import pickle
 

@@ -106,6 +106,29 @@ def test_reset_drops_the_traced_step_functions() -> None:
     assert net.train_function is None and net.predict_function is None
 
 
+def test_a_state_made_before_compile_commits_the_optimizer_compile_gives() -> None:
+    # it kept model.optimizer as it was when made (None): no optimizer variable was ever committed,
+    # so a restore left Adam's moments and step count where the failed steps took them
+    keras.utils.set_random_seed(1)
+    net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    state = _state(net, epoch=0)
+    net.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse")
+    _fit(net, [], epochs=1)
+    state.commit()
+    committed = [v.numpy().copy() for v in net.optimizer.variables]
+    assert int(net.optimizer.iterations.numpy()) == 4
+    _fit(net, [], epochs=1)
+    state.restore()
+    assert int(net.optimizer.iterations.numpy()) == 4
+    for var, want in zip(net.optimizer.variables, committed, strict=True):
+        np.testing.assert_array_equal(var.numpy(), want)
+    net.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")  # another optimizer after the commit
+    with pytest.raises(ValueError, match="compiled with another optimizer after the last commit"):
+        state.restore()
+    state.commit()
+    state.restore()
+
+
 def test_bad_input() -> None:
     with pytest.raises(ValueError, match="batches_per_commit must be a positive int; got 0"):
         elastic.CommitStateCallback(elastic.ObjectState(), batches_per_commit=0)

@@ -706,6 +706,48 @@ def test_sync_batch_norm_tolerates_instances_only_some_ranks_build():
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
 
 
+# ----------------------------------------------------------------- elastic state
+
+@multi
+def test_elastic_host_update_seen_by_one_rank_interrupts_every_rank_alike():
+    # a rank that raised alone went into the reset while the others trained on; one that skipped
+    # the sync while another synced left both waiting in it
+    from unison.common.exceptions import HostsUpdatedInterrupt
+    from unison.torch_backend import elastic
+
+    state = elastic.ObjectState(step=0)
+    state.commit()  # nothing posted anywhere: no interrupt
+    if R == 0:
+        state.on_hosts_updated(100.0, True)
+    with pytest.raises(HostsUpdatedInterrupt) as exc:
+        state.commit()
+    assert exc.value.skip_sync is True
+    state.on_hosts_updated(200.0, R != N - 1)  # one rank's update asks for a sync: every rank syncs
+    with pytest.raises(HostsUpdatedInterrupt) as exc:
+        state.commit()
+    assert exc.value.skip_sync is False
+    if R == 0:
+        state.on_hosts_updated(150.0, False)  # older than the last one taken: ignored, as in Horovod
+    state.commit()
+
+
+@multi
+def test_elastic_sampler_sync_keeps_every_ranks_recorded_indices():
+    from unison.torch_backend import elastic
+
+    sampler = elastic.ElasticSampler(range(20), shuffle=True, seed=0)
+    state = elastic.TorchState(sampler=sampler, epoch=0)
+    state.sync()
+    every = {i for r in range(N) for i in sampler._core.batch_indices(0, 3, r)}
+    sampler.record_indices(sampler.get_indices(0, 3))  # this rank's own only
+    state.commit()
+    state.restore()
+    state.on_reset()
+    state.sync()  # what run() does after a failure
+    assert state.sampler.processed_indices == every  # (rank 0's alone before: the rest dealt again)
+    assert not set(state.sampler).intersection(every)
+
+
 # ----------------------------------------------------------------- deliberate differences; join (last)
 
 @multi

@@ -174,7 +174,8 @@ class TensorFlowKerasState(ObjectState):
 
     Args:
         model: a built Keras model.
-        optimizer: its optimizer (``model.optimizer`` when None; may be absent).
+        optimizer: its optimizer; when None, ``model.optimizer`` as it is at each commit, restore
+            and sync (so a state made before ``compile`` commits the optimizer compile gives).
         **kwargs: picklable values, kept as attributes (``epoch=0, batch=0``).
 
     Raises:
@@ -183,22 +184,37 @@ class TensorFlowKerasState(ObjectState):
     """
 
     def __init__(self, model: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        from unison.tf_backend import zero_optimizer
-
         if not model.built:
             raise ValueError(f"elastic: the model {model.name!r} is not built, so it has no weights to "
                              "commit; call model.build(input_shape) (or run it once) before the state")
         self.model = model
+        #: no optimizer given: the model's, looked up at every commit (a compile after the state was
+        #: made, or a new one, gives it another; the commit then holds the new one's variables)
+        self._follows_model = optimizer is None
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        self._check_optimizer()
+        self._saved_model = _numpy(model.weights)
+        self._saved_optimizer = _numpy(self._optimizer_variables())
+        self._saved_for = self.optimizer  # the optimizer whose variables _saved_optimizer holds
+        super().__init__(**kwargs)
+
+    def _check_optimizer(self) -> None:
+        from unison.tf_backend import zero_optimizer
+
         stage = zero_optimizer.stage_of(self.optimizer)
         if stage:
             raise ValueError(f"elastic training with a ZeRO optimizer (zero_stage={stage}) "
                              "is not supported: its shards are laid out for the old number of ranks. Use "
                              "zero_stage=0 with hvd.elastic, or resume from hvd.save_sharded checkpoints")
         self._build_optimizer()
-        self._saved_model = _numpy(model.weights)
-        self._saved_optimizer = _numpy(self._optimizer_variables())
-        super().__init__(**kwargs)
+
+    def _follow(self) -> None:
+        """Take up the model's optimizer when it is another one than the state knows (see __init__)."""
+        if self._follows_model:
+            current = getattr(self.model, "optimizer", None)
+            if current is not self.optimizer:
+                self.optimizer = current
+                self._check_optimizer()
 
     def _build_optimizer(self) -> None:
         opt = self.optimizer
@@ -213,16 +229,24 @@ class TensorFlowKerasState(ObjectState):
 
     def save(self) -> None:
         self.wait_for_spill()
+        self._follow()
         self._saved_model = _numpy(self.model.weights, self._saved_model)
-        self._saved_optimizer = _numpy(self._optimizer_variables(), self._saved_optimizer)
+        self._saved_optimizer = _numpy(self._optimizer_variables(),
+                                       self._saved_optimizer if self._saved_for is self.optimizer else None)
+        self._saved_for = self.optimizer
         super().save()
 
     def restore(self) -> None:
+        self._follow()
+        if self._saved_for is not self.optimizer:
+            raise ValueError("elastic: the model was compiled with another optimizer after the last commit, "
+                             "so the commit holds none of its variables; commit after compiling")
         _assign(list(self.model.weights), self._saved_model, "model")
         _assign(self._optimizer_variables(), self._saved_optimizer, "optimizer")
         super().restore()
 
     def sync(self) -> None:
+        self._follow()
         _broadcast(list(self.model.weights), "model")
         _broadcast(self._optimizer_variables(), "optimizer")
         super().sync()
@@ -233,7 +257,9 @@ class TensorFlowKerasState(ObjectState):
 
     def load_commit(self, payload: dict[str, Any]) -> None:
         super().load_commit(payload)
+        self._follow()
         self._saved_model, self._saved_optimizer = payload["model"], payload["optimizer"]
+        self._saved_for = self.optimizer
 
     def reset(self) -> None:
         for name in ("train_function", "test_function", "predict_function"):

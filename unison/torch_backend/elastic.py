@@ -33,7 +33,12 @@ from unison.common import runtime
 from unison.common.elastic import ObjectState, SamplerCore, recover, run_fn
 from unison.common.elastic import State as _State
 from unison.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt, UnisonInternalError
-from unison.torch_backend.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from unison.torch_backend.functions import (
+    allgather_object,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
 
 __all__ = ["run", "TorchState", "ObjectState", "State", "ElasticSampler", "UnisonInternalError",
            "HorovodInternalError", "HostsUpdatedInterrupt"]
@@ -214,6 +219,9 @@ class _ModelHandler(_Handler):
             self.value.load_state_dict(self._saved)
         else:
             super().restore()
+        # the gradients of the step cut short belong to no commit: a loop that zeroes them after
+        # step() would add them to the next step's (one local step of the failed batch, silently)
+        self.value.zero_grad(set_to_none=True)
 
     def sync(self) -> None:
         broadcast_parameters(self.value.state_dict(), root_rank=0, prefix="elastic.")
@@ -231,15 +239,29 @@ class _OptimizerHandler(_Handler):
     def restore(self) -> None:
         _drop_pending_reductions(self.value)
         super().restore()
+        self.value.zero_grad(set_to_none=True)  # (as the model's: also its parameters outside any model)
 
     def sync(self) -> None:
         broadcast_optimizer_state(self.value, root_rank=0, prefix="elastic.")
 
 
-class _SamplerHandler(_Handler):
+class _SchedulerHandler(_Handler):
+    """A learning-rate scheduler: its ``state_dict`` committed, restored and broadcast (Horovod's
+    ``LRSchedulerStateHandler``); the rates in the optimizer travel with the optimizer's state."""
+
     def sync(self) -> None:
         self.value.load_state_dict(broadcast_object(self.value.state_dict(), root_rank=0,
-                                                    name="elastic.sampler"))
+                                                    name="elastic.scheduler"))
+
+
+class _SamplerHandler(_Handler):
+    def sync(self) -> None:
+        # record_batch marks every rank's samples alike, record_indices only this rank's own: the
+        # job's progress is the union of every rank's (Horovod's sampler handler does the same)
+        state = self.value.state_dict()
+        seen = allgather_object(state["processed_indices"], name="elastic.sampler.processed")
+        state["processed_indices"] = sorted(set().union(*seen))
+        self.value.load_state_dict(broadcast_object(state, root_rank=0, name="elastic.sampler"))
 
 
 def _drop_pending_reductions(optimizer: Any) -> None:
@@ -249,14 +271,21 @@ def _drop_pending_reductions(optimizer: Any) -> None:
         optimizer.reset_pending()
 
 
-def _handler(value: Any) -> _Handler | None:
+def _handler_class(value: Any) -> type[_Handler] | None:
     if isinstance(value, torch.nn.Module):
-        return _ModelHandler(value)
+        return _ModelHandler
     if isinstance(value, torch.optim.Optimizer):
-        return _OptimizerHandler(value)
+        return _OptimizerHandler
     if isinstance(value, ElasticSampler):
-        return _SamplerHandler(value)
+        return _SamplerHandler
+    if isinstance(value, torch.optim.lr_scheduler.LRScheduler):  # ReduceLROnPlateau too
+        return _SchedulerHandler
     return None
+
+
+def _handler(value: Any) -> _Handler | None:
+    cls = _handler_class(value)
+    return None if cls is None else cls(value)
 
 
 class TorchState(ObjectState):
@@ -268,10 +297,16 @@ class TorchState(ObjectState):
     rank (``broadcast_parameters``, ``broadcast_optimizer_state``, ``broadcast_object``) and
     commits the result, so every rank's commit is the same afterwards.
 
+    ``restore()`` also drops the gradients (``zero_grad(set_to_none=True)`` on each model and
+    optimizer): those of the step a failure cut short belong to no commit. Assigning another
+    object to a tracked name (``state.model = other``) tracks it from then on and commits its
+    state at once, as Horovod does.
+
     Args:
         model: a ``torch.nn.Module`` (or None).
         optimizer: a ``torch.optim.Optimizer``, a ``DistributedOptimizer`` too (or None).
-        **kwargs: more modules, optimizers, :class:`ElasticSampler` s, or picklable values.
+        **kwargs: more modules, optimizers, learning-rate schedulers, :class:`ElasticSampler` s,
+            or picklable values.
     """
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
@@ -291,6 +326,17 @@ class TorchState(ObjectState):
                 self._handlers[name] = handler
                 setattr(self, name, value)
         super().__init__(bcast_object=_bcast_values, **plain)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        handler = self.__dict__.get("_handlers", {}).get(name)
+        if handler is not None and value is not handler.value:
+            cls = _handler_class(value)
+            if cls is not type(handler):
+                raise TypeError(f"TorchState.{name} tracks a {type(handler.value).__name__}; assign one of the "
+                                f"same kind (got {type(value).__name__}), or make a new TorchState")
+            self.wait_for_spill()
+            self._handlers[name] = cls(value)  # (its checks, and a commit of its state)
+        super().__setattr__(name, value)
 
     def save(self) -> None:
         self.wait_for_spill()  # the spill reads the tensors this save copies into

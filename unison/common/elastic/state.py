@@ -2,8 +2,10 @@
 
 ``commit()`` keeps a copy of the state in this process's memory; after a failure the
 ``run`` wrapper calls ``restore()`` (back to that copy) and, once Unison is rebuilt on the
-survivors, ``sync()`` (rank 0's copy to every rank). A commit is local: it costs one copy
-and no communication, so committing every few steps is cheap. Because ``sync()`` makes
+survivors, ``sync()`` (rank 0's copy to every rank). A commit costs one copy and, on more
+than one rank, one all-reduce of two numbers (every rank learns whether any rank was told
+the hosts changed: :meth:`State.check_host_updates`), so committing every few steps is cheap;
+as in Horovod, every rank commits at the same steps. Because ``sync()`` makes
 every rank adopt the new rank 0's commit, ranks whose last commits differ (one committed a
 step that another never finished) still continue from the same state.
 """
@@ -37,6 +39,7 @@ class State:
     def __init__(self) -> None:
         self._reset_callbacks: list[Callable[[], Any]] = []
         self._host_messages: queue.Queue[tuple[float, bool]] = queue.Queue()
+        self._last_host_update = float("-inf")  # the newest update's timestamp taken so far
         self.commit_id = 0  # commits since the job's first start (restarts continue the count)
         #: the commit store of a job run by ``unisonrun``'s elastic driver, else None (store.py)
         self.store = store_from_env()
@@ -58,7 +61,7 @@ class State:
 
     def on_hosts_updated(self, timestamp: float, skip_sync: bool = False) -> None:
         """Note that the hosts changed (a program's own discovery may call it; ``unisonrun``'s driver
-        posts its changes through a notice file instead, see :func:`notice_posted`)."""
+        posts its changes through a notice file instead, see :func:`notice_file_exists`)."""
         self._host_messages.put((timestamp, skip_sync))
 
     def commit(self) -> None:
@@ -89,19 +92,30 @@ class State:
         self.commit_id = int(payload["commit_id"])
 
     def check_host_updates(self) -> None:
-        """Raise :class:`HostsUpdatedInterrupt` on every rank when the hosts changed.
+        """Raise :class:`HostsUpdatedInterrupt` on every rank alike when any rank learnt that the hosts
+        changed: an update given to :meth:`on_hosts_updated` newer than the last one taken (as in
+        Horovod), or the notice file of ``unisonrun``'s elastic driver.
 
-        Under ``unisonrun``'s elastic driver every rank looks for the driver's notice file and an
-        all-reduce tells all of them (one small collective: every rank commits at the same step);
-        without the driver this makes no collective call.
+        Collective on more than one rank: an all-reduce of (changed, needs a sync) tells every rank
+        what any rank saw, so all of them raise at the same commit with the same ``skip_sync`` (it
+        is True only when no rank's update asked for a sync). A rank that raised alone went into
+        the reset while the others trained on, and one that skipped the sync while another synced
+        left both waiting in it.
         """
-        updates = []
+        changed = need_sync = False
         while not self._host_messages.empty():
-            updates.append(self._host_messages.get())
-        if notice_posted():
-            updates.append((0.0, False))
-        if updates:
-            raise HostsUpdatedInterrupt(all(skip for _, skip in updates))
+            timestamp, skip = self._host_messages.get()
+            if timestamp > self._last_host_update:
+                self._last_host_update = timestamp
+                changed, need_sync = True, need_sync or not skip
+        if notice_file_exists():
+            changed = need_sync = True
+        level = 2 if need_sync else int(changed)  # (a sync is only ever needed for a change)
+        st = runtime._state
+        if st is not None and st.comm is not None and st.size > 1:
+            level = st.comm.allreduce(level, op=st.mpi.MAX)
+        if level:
+            raise HostsUpdatedInterrupt(level < 2)
 
     def save(self) -> None:
         raise NotImplementedError
@@ -159,18 +173,8 @@ class ObjectState(State):
             setattr(self, name, copy.deepcopy(value))
 
 
-def notice_posted() -> bool:
-    """Whether ``unisonrun``'s elastic driver posted that the hosts changed.
-
-    Collective under the driver (``UNISON_ELASTIC_NOTICE`` names the file, written on the driver's
-    host): every rank looks, and an all-reduce tells all of them whether any rank saw it; False
-    without the driver.
-    """
+def notice_file_exists() -> bool:
+    """Whether ``unisonrun``'s elastic driver posted that the hosts changed, as this rank sees it
+    (``UNISON_ELASTIC_NOTICE`` names the file, written on the driver's host); False without the driver."""
     found = env_value(ENV_NOTICE)
-    if found is None:
-        return False
-    seen = int(os.path.exists(found[1]))
-    st = runtime._state
-    if st is not None and st.comm is not None:
-        seen = st.comm.allreduce(seen, op=st.mpi.MAX)
-    return bool(seen)
+    return found is not None and os.path.exists(found[1])
