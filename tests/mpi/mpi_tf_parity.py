@@ -79,6 +79,30 @@ def test_independent_ops_in_one_graph_do_not_hang():
     np.testing.assert_allclose(res[k + 1].numpy(), np.full(3, float(N)))
 
 
+def test_a_nested_function_and_its_caller_name_their_ops_apart():
+    """A tf.function called inside another has a graph of its own: the unnamed allreduces of both were
+    ``HorovodAllreduce_x_0``, two collectives in flight under one name (a duplicate-name error on every
+    rank, every step). Gradients through the nested function too."""
+    @tf.function
+    def helper(x):
+        return hvd.allreduce(x, op=hvd.Sum)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            tape.watch(y)
+            b = helper(y)
+            loss = tf.reduce_sum(b)
+        a = hvd.allreduce(x, op=hvd.Sum)
+        return a, b, tape.gradient(loss, y)
+
+    for _ in range(2):
+        a, b, g = within(150, lambda: step(tf.constant([1.0]), tf.constant([10.0 * (R + 1)])))
+        assert a.numpy().tolist() == [float(N)]
+        assert b.numpy().tolist() == [10.0 * sum(range(1, N + 1))]
+        assert g.numpy().tolist() == [float(N)]  # the allreduce's gradient: the Sum of ones
+
+
 def test_dependent_and_variable_ops_in_one_graph():
     """Chains (allreduce of an allreduce), variable writes then reads, and independent ops together."""
     v = tf.Variable(tf.zeros([2]))

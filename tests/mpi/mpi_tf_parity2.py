@@ -233,6 +233,56 @@ HVD_KERAS_ELASTIC = ("run KerasState CommitStateCallback UpdateBatchStateCallbac
                      "UpdateEpochStateCallback").split()
 
 
+_GATHERED_OPS = {
+    "allreduce": lambda x: hvd.allreduce(x, op=hvd.Sum), "allgather": hvd.allgather,
+    "broadcast": lambda x: hvd.broadcast(x, 0), "reducescatter": hvd.reducescatter, "alltoall": hvd.alltoall,
+    "grouped_allreduce": lambda x: hvd.grouped_allreduce([x], op=hvd.Sum)[0],
+    "grouped_allgather": lambda x: hvd.grouped_allgather([x])[0],
+}
+
+
+@MODES
+@pytest.mark.parametrize("kind", sorted(_GATHERED_OPS))
+def test_a_gathered_output_sends_back_the_dense_gradient(graph, kind):
+    # tf.gather of an op's output gives its gradient function a tf.IndexedSlices, which it handed
+    # on to a collective or a nested custom gradient (AttributeError eagerly, TypeError in a graph)
+    op = _GATHERED_OPS[kind]
+    x = tf.reshape(tf.range(2 * N * 2, dtype=tf.float32), (2 * N, 2)) + R
+
+    def grads(x):
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            y = op(x)
+            sparse = tf.reduce_sum(tf.gather(y, [0]))  # -> IndexedSlices
+            dense = tf.reduce_sum(y * tf.one_hot([0], tf.shape(y)[0], axis=0)[:, :1])  # the same loss
+        return tape.gradient(sparse, x), tape.gradient(dense, x)
+
+    got, want = (tf.function(grads) if graph else grads)(x)
+    np.testing.assert_allclose(tf.convert_to_tensor(got).numpy(), want.numpy())
+
+
+@MODES
+def test_broadcast_in_place_takes_keras_variables(graph):
+    # in a tf.function it called read_value(), which Keras 3 variables lack (eagerly it worked)
+    root = N - 1
+    v = keras.Variable(np.full((2,), float(R), np.float32))
+    run = tf.function(lambda: hvd.broadcast_([v], root)) if graph else (lambda: hvd.broadcast_([v], root))
+    out = run()
+    assert [t.numpy().tolist() for t in out] == [[float(root)] * 2]  # the value after the assignment
+    assert v.numpy().tolist() == [float(root)] * 2
+
+
+@MODES
+@pytest.mark.parametrize("kind", ["allgather", "reducescatter"])
+def test_grouped_ops_with_groups_of_different_lengths_raise_on_every_rank(graph, kind):
+    # one request per member: the rank with more members waited for ever on the extra one
+    tensors = [tf.ones([N * 2]) for _ in range(1 if R == 0 else 2)]
+    call = {"allgather": hvd.grouped_allgather, "reducescatter": hvd.grouped_reducescatter}[kind]
+    run = tf.function(lambda: call(tensors)) if graph else (lambda: call(tensors))
+    with pytest.raises((ValueError, tf.errors.OpError), match="groups of 1 to 2 tensors"):
+        run()
+
+
 def test_keras_module_has_every_horovod_keras_name():
     """horovod.tensorflow.keras and horovod.keras 0.28 in unison.tf_backend.keras, ``elastic`` included."""
     assert [n for n in HVD_TF_KERAS if not hasattr(hvd_keras, n)] == []

@@ -706,6 +706,70 @@ def test_sync_batch_norm_tolerates_instances_only_some_ranks_build():
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
 
 
+# ----------------------------------------------------------------- from the ops audit of 2026-12-04
+
+@multi
+def test_a_numpy_integer_root_on_a_process_set_is_a_global_rank():
+    # it reached the engine untranslated: read as a rank within the set, another rank's data
+    ps = hvd.add_process_set([1, N - 1]) if N > 2 else hvd.add_process_set([0, 1])
+    try:
+        if ps.included():
+            root = ps.ranks[0]
+            x = torch.tensor([float(R)])
+            assert hvd.broadcast(x, np.int64(root), process_set=ps).item() == float(root)
+            y = x.clone()
+            hvd.broadcast_(y, np.int32(root), process_set=ps)
+            assert y.item() == float(root)
+    finally:
+        hvd.remove_process_set(ps)
+
+
+@multi
+def test_in_place_allreduce_is_an_in_place_change_to_autograd():
+    # written through a numpy view, it left the version alone: backward used the reduced values
+    x = torch.full((3,), 1.0 + R, requires_grad=True)
+    y = x * 1.0
+    z = (y * y).sum()
+    hvd.allreduce_(y, op=hvd.Sum, name="parity.inplace.version")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.backward()
+    y2 = x * 1.0
+    z2 = (y2 * y2).sum()
+    hvd.grouped_allreduce_([y2], op=hvd.Sum, name="parity.inplace.version.grouped")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z2.backward()
+    np.testing.assert_allclose(y2.detach().numpy(), np.full(3, sum(1.0 + r for r in range(N))))
+
+
+@multi
+@pytest.mark.parametrize("kind", ["allgather", "reducescatter", "allreduce_"])
+def test_grouped_ops_with_groups_of_different_lengths_raise_on_every_rank(kind):
+    # one request per member: the rank with more members waited for ever on the extra one
+    tensors = [torch.ones(N * 2) for _ in range(1 if R == 0 else 2)]
+    call = {"allgather": hvd.grouped_allgather, "reducescatter": hvd.grouped_reducescatter,
+            "allreduce_": hvd.grouped_allreduce_}[kind]
+    with pytest.raises(ValueError, match="1 to 2 tensors|1 or 2 tensors|differ"):
+        call(tensors, name=f"parity.grouped.len.{kind}")
+    hvd.barrier()
+    ok = call([torch.full((N * 2,), float(R))], name=f"parity.grouped.ok.{kind}")
+    assert len(ok) == 1
+
+
+@multi
+def test_broadcast_object_pickles_on_the_root_only_and_returns_its_own_object():
+    import threading
+
+    mine = {"v": 42}
+    out = hvd.broadcast_object(mine if R == 0 else threading.Lock(), 0)  # a non-root's object is not read
+    assert out == {"v": 42} and (out is mine) == (R == 0)  # Horovod returns the root's object itself
+    assert hvd.broadcast_object((lambda v: v + 1) if R == 0 else None, 0)(1) == 2  # cloudpickle, as Horovod
+    with pytest.raises(TypeError, match="the root, rank 0, could not pickle"):
+        hvd.broadcast_object(threading.Lock() if R == 0 else 1, 0)  # (the others waited for ever)
+    with pytest.raises(TypeError, match=r"ranks \[1\] \(in the process set\) could not be pickled"):
+        hvd.allgather_object(threading.Lock() if R == 1 else 1)
+    assert hvd.allgather_object(R) == list(range(N))
+
+
 # ----------------------------------------------------------------- elastic state
 
 @multi

@@ -35,6 +35,7 @@ from unison.common.engine.process_sets import ProcessSet, set_size
 from unison.common.ops import Average, ReduceOp, Sum, parse_op
 from unison.tf_backend import host_ops
 from unison.tf_backend.mpi_ops import _name, allgather, broadcast
+from unison.tf_backend.op_base import dense_gradient
 
 __all__ = ["broadcast_variables", "DistributedGradientTape", "PartialDistributedGradientTape", "reduce_gradients",
            "reduce_partial", "fill_missing_gradients", "check_groups", "local_layer_variables", "source_key"]
@@ -386,7 +387,7 @@ def _reduce_named(xs: list[tf.Tensor], name: str, op: ReduceOp, pre: float, post
                   process_set: ProcessSet | None) -> list[tf.Tensor]:
     """One submit/collect pair (see ``host_ops``) for the whole group; differentiable."""
 
-    @tf.custom_gradient
+    @dense_gradient
     def reduce(*ts: tf.Tensor) -> Any:
         def submit(arrays: list[np.ndarray]) -> Any:
             return frontend.grouped_allreduce_async([host_ops.to_wire(a, True) for a in arrays], op, name, pre,

@@ -18,7 +18,16 @@ from unison.common.engine import frontend
 from unison.common.engine.process_sets import ProcessSet, global_process_set, set_rank, set_size
 from unison.common.ops import Average
 from unison.tf_backend import host_ops
-from unison.tf_backend.op_base import _MOVABLE, _allreduce, _check_dtype, _op_name, _ps, _rows_shape, _tensor
+from unison.tf_backend.op_base import (
+    _MOVABLE,
+    _allreduce,
+    _check_dtype,
+    _op_name,
+    _ps,
+    _rows_shape,
+    _tensor,
+    dense_gradient,
+)
 
 __all__ = ["allgather", "grouped_allgather", "broadcast", "alltoall"]
 
@@ -38,7 +47,7 @@ def _allgather(x: tf.Tensor, name: str, ps: ProcessSet | None, differentiable: b
     if not differentiable:
         return host_ops.run(start, [x], [x.dtype], [_rows_shape(x)], name)[0]
 
-    @tf.custom_gradient
+    @dense_gradient
     def gather(t: tf.Tensor) -> Any:
         y = host_ops.run(start, [t], [t.dtype], [_rows_shape(t)], name)[0]
 
@@ -73,13 +82,14 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None, ignore_na
     ps = _ps(process_set)
     base = _op_name("grouped_allgather", name, xs[0], ignore_name_scope, ps)
 
-    @tf.custom_gradient
+    @dense_gradient
     def gather(*ts: tf.Tensor) -> Any:
         def start(*arrays: np.ndarray) -> Any:
-            hs = [frontend.allgather_async(host_ops.to_wire(a, False), f"{base}.{i}", ps)
-                  for i, a in enumerate(arrays)]
+            hs = [frontend.group_size_agreement(base, len(arrays), ps)]  # (waited first: ranks' counts differ)
+            hs += [frontend.allgather_async(host_ops.to_wire(a, False), f"{base}.{i}", ps)
+                   for i, a in enumerate(arrays)]
             return host_ops.Many(hs), lambda rs: [host_ops.from_wire(r, a.dtype).reshape((-1, *a.shape[1:]))
-                                          for r, a in zip(rs, arrays, strict=True)]
+                                          for r, a in zip(rs[1:], arrays, strict=True)]
 
         ys = host_ops.run(start, list(ts), [t.dtype for t in ts], [_rows_shape(t) for t in ts], base)
 
@@ -109,7 +119,7 @@ def _root_in_set(root_rank: Any, ps: ProcessSet | None) -> int:
 def _broadcast(x: tf.Tensor, root_rank: int, name: str, ps: ProcessSet | None) -> tf.Tensor:
     root = _root_in_set(root_rank, ps)
 
-    @tf.custom_gradient
+    @dense_gradient
     def bcast(t: tf.Tensor) -> Any:
         def start(a: np.ndarray) -> Any:
             h = frontend.broadcast_async(host_ops.to_wire(a, False), root, name, ps)
@@ -139,7 +149,7 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_
 def _alltoall(x: tf.Tensor, splits: tf.Tensor, name: str, ps: ProcessSet | None) -> tuple[tf.Tensor, tf.Tensor]:
     n = set_size(ps)
 
-    @tf.custom_gradient
+    @dense_gradient
     def exchange(t: tf.Tensor) -> Any:
         def start(a: np.ndarray, sp: np.ndarray) -> Any:
             h = frontend.alltoall_async(host_ops.to_wire(a, False), sp if sp.size else None, name, ps)

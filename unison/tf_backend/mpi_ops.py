@@ -10,7 +10,8 @@ Names (how ranks match their ops): eagerly, ``name`` or ``tf.<op>.noname.<n>``
 ``name`` or ``Horovod<Op>_<input tensor name>``, inside the current name scope
 (unless ``ignore_name_scope``) and made unique within the graph, so the names
 agree on every rank that builds the same graph, whatever the build order of
-explicitly named ops.
+explicitly named ops. A ``tf.function`` traced inside another prefixes its ops'
+names with the path of function names (op_base [Note: names in nested functions]).
 
 Gradients are Horovod 0.28's (``horovod/tensorflow/mpi_ops.py``):
 
@@ -54,6 +55,7 @@ from unison.tf_backend.op_base import (  # noqa: F401 - _name, _op_name, _ps are
     _ps,
     _rows_shape,
     _tensor,
+    dense_gradient,
 )
 
 __all__ = ["allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "alltoall",
@@ -138,7 +140,7 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "", 
 
 def _grouped_dense(xs: list[tf.Tensor], rop: Any, base: str, pre: float, post: float,
                    ps: ProcessSet | None) -> list[tf.Tensor]:
-    @tf.custom_gradient
+    @dense_gradient
     def reduce(*ts: tf.Tensor) -> Any:
         def submit(arrays: list[np.ndarray]) -> Any:
             return frontend.grouped_allreduce_async([host_ops.to_wire(a, True) for a in arrays], rop, base, pre,
@@ -216,7 +218,7 @@ def _grouped_sparse(slices: list[tf.IndexedSlices], rop: Any, pre: float, post: 
 # ------------------------------------------------------------------------------- reducescatter
 def _reducescatter(x: tf.Tensor, rop: Any, name: str, pre: float, post: float,
                    ps: ProcessSet | None) -> tf.Tensor:
-    @tf.custom_gradient
+    @dense_gradient
     def scatter(t: tf.Tensor) -> Any:
         def start(a: np.ndarray) -> Any:
             h = frontend.reducescatter_async(host_ops.to_wire(a, True), rop, name, pre, post, ps)
@@ -269,13 +271,14 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compre
     base = _op_name("grouped_reducescatter", None, xs[0], process_set=ps)
     pre, post = prescale_factor, postscale_factor
 
-    @tf.custom_gradient
+    @dense_gradient
     def scatter(*ts: tf.Tensor) -> Any:
         def start(*arrays: np.ndarray) -> Any:
-            hs = [frontend.reducescatter_async(host_ops.to_wire(a, True), rop, f"{base}.{i}", pre, post, ps)
-                  for i, a in enumerate(arrays)]
+            hs = [frontend.group_size_agreement(base, len(arrays), ps)]  # (waited first: ranks' counts differ)
+            hs += [frontend.reducescatter_async(host_ops.to_wire(a, True), rop, f"{base}.{i}", pre, post, ps)
+                   for i, a in enumerate(arrays)]
             return host_ops.Many(hs), lambda rs: [host_ops.from_wire(r, a.dtype).reshape((-1, *a.shape[1:]))
-                                          for r, a in zip(rs, arrays, strict=True)]
+                                          for r, a in zip(rs[1:], arrays, strict=True)]
 
         ys = host_ops.run(start, list(ts), [t.dtype for t in ts], [_rows_shape(t) for t in ts], base)
 

@@ -6,10 +6,13 @@ gradients the ops have.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.framework.func_graph import FuncGraph
 
 from unison.common.engine import frontend
 from unison.common.engine.process_sets import ProcessSet, global_process_set
@@ -37,8 +40,28 @@ def _op_name(kind: str, name: str | None, tensor: Any, ignore_name_scope: bool =
     if name is None:
         base = getattr(tensor, "name", None) or kind
         name = f"Horovod{kind.capitalize()}_{host_ops._op_name(base)}"
-    unique = tf.compat.v1.get_default_graph().unique_name(str(name))
-    return unique.rsplit("/", 1)[-1] if ignore_name_scope else unique
+    graph = tf.compat.v1.get_default_graph()
+    unique = graph.unique_name(str(name))
+    return _function_path(graph) + (unique.rsplit("/", 1)[-1] if ignore_name_scope else unique)
+
+
+def _function_path(graph: Any) -> str:
+    """``"outer_fn/inner_fn/"`` for a function traced inside another; empty otherwise.
+
+    [Note: names in nested functions] Names are made unique per graph, and a ``tf.function``
+    called inside another has a graph of its own: ``HorovodAllreduce_x_0`` in both, two independent
+    collectives in flight at once under one name (a duplicate-name error on every rank). So
+    a nested function's ops carry the path of function names from the outermost one (left out, so
+    that a single function's names stay Horovod's). The names are the Python functions'; the
+    number TensorFlow appends to the graphs it makes itself (``__backward_helper_263``) counts
+    functions made by this process and could differ between ranks, so it is dropped.
+    """
+    parts = []
+    while isinstance(graph, FuncGraph) and isinstance(getattr(graph, "outer_graph", None), FuncGraph):
+        name = str(graph.name)
+        parts.append(host_ops._op_name(re.sub(r"_\d+$", "", name) if name.startswith("__") else name))
+        graph = graph.outer_graph
+    return "".join(f"{part}/" for part in reversed(parts))
 
 
 def _ps(process_set: ProcessSet | None) -> ProcessSet | None:
@@ -50,6 +73,26 @@ def _check_dtype(kind: str, t: tf.Tensor, allowed: frozenset) -> None:
         names = ", ".join(sorted(d.name for d in allowed))
         raise TypeError(f"hvd.{kind} does not take {t.dtype.name} tensors; supported dtypes: {names}. "
                         "Cast the tensor first")
+
+
+def dense_gradient(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``tf.custom_gradient``, with the incoming gradients made dense before ``f``'s gradient function
+    sees them.
+
+    A ``tf.gather`` (an embedding lookup) of an op's output sends back a ``tf.IndexedSlices``, which
+    the gradient functions would hand on to a collective or to a nested ``tf.custom_gradient``, and
+    both take tensors only (eagerly an ``AttributeError``, in a graph a ``TypeError``). Horovod's
+    kernels take the dense form as well.
+    """
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        out, grad = f(*args, **kwargs)
+
+        def dense_grad(*dys: Any) -> Any:
+            return grad(*(tf.convert_to_tensor(dy) if isinstance(dy, tf.IndexedSlices) else dy for dy in dys))
+        return out, dense_grad
+
+    forward.__name__ = forward.__qualname__ = getattr(f, "__name__", "forward")
+    return tf.custom_gradient(forward)
 
 
 def _tensor(value: Any) -> tf.Tensor:
@@ -64,7 +107,7 @@ def _rows_shape(t: tf.Tensor) -> tf.TensorShape:
 # ------------------------------------------------------------------------------- allreduce
 def _allreduce(x: tf.Tensor, rop: Any, name: str, pre: float, post: float,
                ps: ProcessSet | None) -> tf.Tensor:
-    @tf.custom_gradient
+    @dense_gradient
     def reduce(t: tf.Tensor) -> Any:
         def start(a: np.ndarray) -> Any:
             h = frontend.allreduce_async(host_ops.to_wire(a, True), rop, name, pre, post, ps)

@@ -35,7 +35,7 @@ from unison.common.ops import Max, Sum
 from unison.common.tensor_parallel.sequence import sequence_problem
 from unison.tf_backend.gather_ops import allgather
 from unison.tf_backend.mpi_ops import allreduce, reducescatter
-from unison.tf_backend.op_base import _name
+from unison.tf_backend.op_base import _name, dense_gradient
 
 __all__ = ["copy_to_group", "reduce_from_group", "gather_from_group", "scatter_to_group",
            "allreduce_max_no_grad", "scatter_to_sequence", "gather_from_sequence", "reduce_scatter_to_sequence"]
@@ -92,7 +92,7 @@ def _my_slice(tensor: tf.Tensor, group: ProcessSet) -> tf.Tensor:
 
 def copy_to_group(tensor: Any, group: ProcessSet) -> tf.Tensor:
     """``f``: identity forward, gradient summed over ``group`` backward (enter a parallel region)."""
-    @tf.custom_gradient
+    @dense_gradient
     def f(x: tf.Tensor) -> Any:
         return tf.identity(x), lambda dy: _sum(dy, group)
 
@@ -101,7 +101,7 @@ def copy_to_group(tensor: Any, group: ProcessSet) -> tf.Tensor:
 
 def reduce_from_group(tensor: Any, group: ProcessSet) -> tf.Tensor:
     """``g``: sum over ``group`` forward, identity backward (leave a parallel region)."""
-    @tf.custom_gradient
+    @dense_gradient
     def g(x: tf.Tensor) -> Any:
         return tf.identity(_sum(x, group)), tf.identity
 
@@ -110,7 +110,7 @@ def reduce_from_group(tensor: Any, group: ProcessSet) -> tf.Tensor:
 
 def gather_from_group(tensor: Any, group: ProcessSet) -> tf.Tensor:
     """Concatenate the shards' last dimensions forward; keep this shard's slice of the gradient backward."""
-    @tf.custom_gradient
+    @dense_gradient
     def gather(x: tf.Tensor) -> Any:
         return tf.identity(_gather_last(x, group)), lambda dy: _my_slice(dy, group)
 
@@ -119,7 +119,7 @@ def gather_from_group(tensor: Any, group: ProcessSet) -> tf.Tensor:
 
 def scatter_to_group(tensor: Any, group: ProcessSet) -> tf.Tensor:
     """Keep this shard's slice of the last dimension forward; all-gather the gradient backward."""
-    @tf.custom_gradient
+    @dense_gradient
     def scatter(x: tf.Tensor) -> Any:
         return tf.identity(_my_slice(x, group)), lambda dy: _gather_last(dy, group)
 
@@ -192,7 +192,7 @@ def scatter_to_sequence(tensor: Any, group: ProcessSet) -> tf.Tensor:
     x = tf.convert_to_tensor(tensor)
     check_sequence(x, group, "scatter_to_sequence", whole=True)
 
-    @tf.custom_gradient
+    @dense_gradient
     def scatter(t: tf.Tensor) -> Any:
         return tf.identity(_seq_slice(t, group)), lambda dy: _gather_seq(dy, group)
 
@@ -213,7 +213,7 @@ def gather_from_sequence(tensor: Any, group: ProcessSet, to_parallel: bool = Tru
     def back(dy: tf.Tensor) -> tf.Tensor:
         return _reduce_scatter_seq(dy, group) if to_parallel else _seq_slice(dy, group)
 
-    @tf.custom_gradient
+    @dense_gradient
     def gather(t: tf.Tensor) -> Any:
         return tf.identity(_gather_seq(t, group)), back
 
@@ -228,7 +228,7 @@ def reduce_scatter_to_sequence(tensor: Any, group: ProcessSet) -> tf.Tensor:
     x = tf.convert_to_tensor(tensor)
     check_sequence(x, group, "reduce_scatter_to_sequence", whole=True)
 
-    @tf.custom_gradient
+    @dense_gradient
     def reduce_scatter(t: tf.Tensor) -> Any:
         return tf.identity(_reduce_scatter_seq(t, group)), lambda dy: _gather_seq(dy, group)
 

@@ -47,7 +47,11 @@ def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None
 
 def _assigned(var: Any, value: tf.Tensor) -> tf.Tensor:
     with tf.control_dependencies([var.assign(value)]):
-        return var.read_value()
+        if hasattr(var, "read_value"):
+            return var.read_value()
+        # a Keras 3 variable has no read_value (its assign returns the value given, not an op: in a
+        # tf.function the automatic control dependencies order the read after the assign)
+        return tf.identity(tf.convert_to_tensor(var))
 
 
 def broadcast_global_variables(root_rank: int) -> Any:

@@ -92,6 +92,9 @@ def _allreduce_submit(tensor: torch.Tensor, rop: Any, name: str | None, pre: flo
             raise ValueError("allreduce_ needs a contiguous tensor without a lazy negation (it writes the result "
                              "in place); call .contiguous() (or .resolve_neg()) first, or use allreduce")
         inner = raise_now(frontend.allreduce_async(arr, rop, name, pre, post, ps, out=arr))
+        # the engine writes through a numpy view, unseen by autograd: bump the version as an in-place
+        # torch op would, so a backward that saved the old values raises (not gradients of the sum)
+        torch.autograd.graph.increment_version(tensor)
         return TorchHandle(inner, lambda _: tensor)
     return _tensor_handle(raise_now(frontend.allreduce_async(arr, rop, name, pre, post, ps)), arr)
 
@@ -191,11 +194,28 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                              name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
                              postscale_factor: float = 1.0,
                              process_set: ProcessSet | None = None) -> Handle:
-    """Start in-place all-reduces of several tensors; ``synchronize`` returns the same tensors."""
-    base = frontend._auto_name("grouped_allreduce", name, process_set)
-    handles = [allreduce_async_(t, average, f"{base}.{i}", op, prescale_factor, postscale_factor,
-                                process_set) for i, t in enumerate(tensors)]
-    return ListHandle(base, handles)
+    """Start in-place all-reduces of several tensors; ``synchronize`` returns the same tensors.
+
+    One grouped request, as ``grouped_allreduce_async`` (ranks whose groups differ in length or
+    layout get a mismatch error alike; one request per member left the longer group waiting for
+    ever), whose results are copied into the tensors at ``synchronize`` (``copy_``: autograd sees
+    an in-place change).
+    """
+    tensors = list(tensors)
+    for t in tensors:
+        if not t.is_contiguous() or t.is_neg():
+            raise ValueError("grouped_allreduce_ needs contiguous tensors without a lazy negation (it writes the "
+                             "results in place); call .contiguous() (or .resolve_neg()) first, or use "
+                             "grouped_allreduce")
+    inner = _grouped_submit(tensors, reduce_op(average, op), name, prescale_factor, postscale_factor, process_set)
+
+    def into(results: list[torch.Tensor]) -> list[torch.Tensor]:
+        with torch.no_grad():
+            for t, result in zip(tensors, results, strict=True):
+                if result.data_ptr() != t.data_ptr():
+                    t.copy_(result.view(t.shape))
+        return tensors
+    return TorchHandle(inner, into)
 
 
 class _GroupedAllreduce(torch.autograd.Function):

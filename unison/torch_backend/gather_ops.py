@@ -104,7 +104,9 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
                             process_set: ProcessSet | None = None) -> Handle:
     """Start all-gathers of several tensors at once; ``synchronize`` returns a list."""
     base = frontend._auto_name("grouped_allgather", name, process_set)
-    return ListHandle(base, [allgather_async(t, f"{base}.{i}", process_set) for i, t in enumerate(tensors)])
+    count = frontend.group_size_agreement(base, len(tensors), set_or_none(process_set))  # waited first
+    return ListHandle(base, [count] + [allgather_async(t, f"{base}.{i}", process_set)
+                                       for i, t in enumerate(tensors)], _members)
 
 
 class _GroupedAllgather(torch.autograd.Function):
@@ -262,8 +264,15 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """Start reduce-scatters of several tensors at once; ``synchronize`` returns a list."""
     base = frontend._auto_name("grouped_reducescatter", name, process_set)
-    return ListHandle(base, [reducescatter_async(t, f"{base}.{i}", op, process_set, prescale_factor,
-                                                 postscale_factor) for i, t in enumerate(tensors)])
+    count = frontend.group_size_agreement(base, len(tensors), set_or_none(process_set))  # waited first
+    return ListHandle(base, [count] + [reducescatter_async(t, f"{base}.{i}", op, process_set, prescale_factor,
+                                                           postscale_factor) for i, t in enumerate(tensors)],
+                      _members)
+
+
+def _members(results: list) -> list:
+    """A grouped op's results without its count agreement's (``frontend.group_size_agreement``)."""
+    return results[1:]
 
 
 class _GroupedReducescatter(torch.autograd.Function):

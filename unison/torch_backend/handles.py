@@ -12,6 +12,7 @@ here to the rank within the set that the engine works with.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -57,8 +58,12 @@ def root_in_set(root_rank: Any, process_set: ProcessSet | None) -> Any:
     Raises:
         ValueError: ``root_rank`` is not a member of the set.
     """
-    if process_set is None or process_set.ranks is None or not isinstance(root_rank, int):
+    if process_set is None or process_set.ranks is None:
         return root_rank
+    try:  # any integer type (numpy's too: it reached the engine untranslated, a rank within the set)
+        root_rank = operator.index(root_rank)
+    except TypeError:
+        return root_rank  # (refused by the op's own check)
     if root_rank not in process_set.ranks:
         raise ValueError(f"root_rank={root_rank} is not a member of {process_set!r}; as in Horovod, "
                          "root_rank is a global rank (hvd.rank()) of a member of the process set")

@@ -28,6 +28,7 @@ from unison.common.engine.engine import Engine, caller_waits
 from unison.common.engine.handles import Handle
 from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.common.engine.requests import AUTO_NAME_MARK, AUTO_NAME_SLOTS, Kind, Request
+from unison.common.exceptions import MismatchError
 from unison.common.ops import Average, ReduceOp, parse_op
 
 __all__ = [
@@ -226,6 +227,31 @@ def allreduce_async(tensor: Any, op: Any = Average, name: str | None = None,
                    prescale=float(prescale_factor), postscale=float(postscale_factor),
                    out=out if isinstance(out, np.ndarray) and out.flags.c_contiguous else None,
                    algorithm=str(algorithm))
+
+
+def group_size_agreement(base: str, count: int, process_set: ProcessSet | None = None) -> Handle:
+    """Submit the agreement on a group's member count that a grouped op of one request per member
+    needs (``grouped_allgather``, ``grouped_reducescatter``); its ``wait`` raises
+    :class:`MismatchError` on every rank when ranks passed groups of different lengths.
+
+    Wait on it before the members: on a rank with more members than another, the extra ones
+    never complete (they stay pending on that rank; the job cannot use them anyway). Without it
+    that rank waited on them for ever while the others had their results.
+    """
+    handle = allreduce_async(np.array([count, -count], np.int64), ReduceOp.MAX, f"{base}.count",
+                             process_set=process_set)
+    post = handle._post
+
+    def check(result: Any) -> int:
+        result = result if post is None else post(result)
+        most, least = int(result[0]), -int(result[1])
+        if most != least:
+            raise MismatchError(f"grouped collective {base!r}: the ranks passed groups of {least} to {most} "
+                                f"tensors (this rank {count}); every rank must pass the same number")
+        return count
+
+    handle._post = check
+    return handle
 
 
 def allgather_async(tensor: Any, name: str | None = None, process_set: ProcessSet | None = None) -> Handle:

@@ -51,24 +51,53 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
         ValueError: ``root_rank`` is not a member of ``process_set``.
     """
     name = name or frontend._auto_name("broadcast_object", None, process_set)
-    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
     root = _set_root(int(root_rank), process_set)
-    size = frontend.broadcast(np.array([payload.size], dtype=np.int64), root, f"{name}.size", process_set)
-    buf = np.zeros(int(size[0]), dtype=np.uint8)
-    if runtime.rank() == int(root_rank):
-        buf[:] = payload
+    is_root = runtime.rank() == int(root_rank)
+    payload, error = _pickled(obj) if is_root else (None, None)  # (as Horovod: only the root pickles)
+    size = frontend.broadcast(np.array([-1 if payload is None else payload.size], dtype=np.int64), root,
+                              f"{name}.size", process_set)
+    if int(size[0]) < 0:  # the root could not pickle it: every rank raises, none waits for the data
+        raise TypeError(f"broadcast_object: the root, rank {int(root_rank)}, could not pickle its object"
+                        f"{f' ({error})' if error is not None else ''}; send something picklable") from error
+    buf = payload if is_root else np.zeros(int(size[0]), dtype=np.uint8)
     data = frontend.broadcast(buf, root, f"{name}.data", process_set)
-    return pickle.loads(data.tobytes())
+    return obj if is_root else pickle.loads(data.tobytes())  # the root's own object, as Horovod's
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet | None = None) -> list:
-    """Return the list of every rank's ``obj`` (pickled), in rank order."""
+    """Return the list of every rank's ``obj`` (pickled), in rank order.
+
+    Raises:
+        TypeError: on every rank, when a rank could not pickle its object (the others waited for
+            it for ever before).
+    """
     name = name or frontend._auto_name("allgather_object", None, process_set)
-    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
-    sizes = frontend.allgather(np.array([payload.size], dtype=np.int64), f"{name}.sizes", process_set)
+    payload, error = _pickled(obj)
+    sizes = frontend.allgather(np.array([-1 if payload is None else payload.size], dtype=np.int64),
+                               f"{name}.sizes", process_set)
+    failed = [i for i, size in enumerate(sizes.tolist()) if size < 0]
+    if failed:
+        raise TypeError(f"allgather_object: the objects of ranks {failed} (in the process set) could not be "
+                        f"pickled{f' (here: {error})' if error is not None else ''}; send something picklable")
     data = frontend.allgather(payload, f"{name}.data", process_set)
     out, start = [], 0
     for size in sizes.tolist():
         out.append(pickle.loads(data[start:start + size].tobytes()))
         start += size
     return out
+
+
+def _pickled(obj: Any) -> tuple[np.ndarray | None, Exception | None]:
+    """``obj`` pickled as bytes, or the error that stopped it. cloudpickle when it is installed (Horovod's
+    choice: lambdas and locally defined functions travel too), the standard pickle otherwise; both
+    unpickle with ``pickle.loads`` (cloudpickle's output needs cloudpickle on the receiving rank)."""
+    try:
+        return np.frombuffer(_dumps(obj), dtype=np.uint8), None
+    except Exception as exc:  # noqa: BLE001 - handed to every rank as a TypeError
+        return None, exc
+
+
+try:
+    from cloudpickle import dumps as _dumps
+except ImportError:  # pragma: no cover - cloudpickle comes with the dev dependencies (joblib)
+    _dumps = pickle.dumps
