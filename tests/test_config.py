@@ -121,6 +121,8 @@ def test_empty_boolean_is_the_default_not_off():
     ("UNISON_AUTOTUNE", "Yes", "autotune", True),
     ("UNISON_STALL_CHECK_DISABLE", "ON", "stall_check_disable", True),
     ("UNISON_LOG_LEVEL", "debug", "log_level", "DEBUG"),
+    ("HOROVOD_LOG_LEVEL", "fatal", "log_level", "CRITICAL"),  # Horovod's names (init() refused them)
+    ("HOROVOD_LOG_LEVEL", "warn", "log_level", "WARNING"),
     ("UNISON_TIMELINE", " /tmp/t.json ", "timeline", "/tmp/t.json"),
     ("UNISON_COLLECTIVE_TIMEOUT_SECONDS", "30", "collective_timeout_seconds", 30.0),
     ("HOROVOD_COLLECTIVE_TIMEOUT_SECONDS", "2.5", "collective_timeout_seconds", 2.5),
@@ -172,6 +174,7 @@ def test_elastic_variables_are_known_checked_at_load_and_compared(caplog):
     ranks compare them."""
     with caplog.at_level("WARNING", logger="unison.common.config"):
         load_config({"UNISON_ELASTIC": "1", "UNISON_ELASTIC_MIN_NP": "2"})
+        load_config({"UNISON_ELASTIC_NOTICE": "/tmp/notice"})  # (the driver's; warned of before)
     assert "not a Unison setting" not in caplog.text
     with pytest.raises(ValueError, match=r"UNISON_ELASTIC_MIN_NP='abc' is not valid: expected an integer"):
         load_config({"UNISON_ELASTIC_MIN_NP": "abc"})

@@ -59,6 +59,67 @@ def test_stall_warning_names_tensor_and_missing_rank(tmp_path):
     assert float(told[0].split("after ")[1].split("s:")[0]) < 1.0, told
 
 
+SETS = """
+import numpy as np, unison
+from mpi4py import MPI
+r = unison.rank
+# 1. a set's id from an engine before a shutdown is not reused: it named another set of the new engine
+pair = unison.ProcessSet([0, 1])
+unison.init(process_sets=[pair])
+unison.shutdown()
+trio = unison.ProcessSet([0, 1, 2])
+unison.init(process_sets=[trio, pair])
+if r() < 2:
+    out = unison.allreduce(np.full(2, 10.0 ** r()), op=unison.Sum, name="x", process_set=pair)
+    print(f"rank {r()} pair sum {out.tolist()}", flush=True)
+out = unison.allreduce(np.full(2, 10.0 ** r()), op=unison.Sum, name="y", process_set=trio)
+print(f"rank {r()} trio sum {out.tolist()}", flush=True)
+# 2. lists of one length with other ranks: every rank is told (members hung in the group's creation)
+try:
+    unison.add_process_set([0, 1] if r() == 0 else [0, 2])
+    print(f"rank {r()} added a set it disagrees on", flush=True)
+except unison.MismatchError as e:
+    print(f"rank {r()} MismatchError: {e}", flush=True)
+# 3. a stall on an added set: reported with the job's ranks, its failed request no longer in flight
+late = unison.add_process_set([1, 2])
+if r() == 1:
+    try:
+        unison.allreduce(np.ones(3), name="stuck.ps", process_set=late)
+    except unison.StallError as e:
+        print(f"rank 1 StallError: {e}", flush=True)
+    MPI.COMM_WORLD.send("failed", dest=2)
+    h = unison.allreduce_async(np.ones(3), name="stuck.ps", process_set=late)  # (DuplicateNameError before)
+    print(f"rank 1 again {unison.synchronize(h).tolist()}", flush=True)
+elif r() == 2:
+    MPI.COMM_WORLD.recv(source=1)
+    try:
+        unison.allreduce(np.ones(3), name="stuck.ps", process_set=late)
+    except unison.StallError:
+        print("rank 2 told of the stall", flush=True)
+    unison.allreduce(np.ones(3), name="stuck.ps", process_set=late)
+MPI.COMM_WORLD.Barrier()  # (rank 0 waits outside the engine: an engine call would stall meanwhile)
+unison.allreduce(np.ones(1), name="after")
+print(f"rank {r()} finished", flush=True)
+"""
+
+
+def test_process_sets_agree_on_ranks_and_ids_and_their_stalls_name_job_ranks(tmp_path):
+    script = tmp_path / "sets.py"
+    script.write_text(SETS)
+    env = mpi_env(UNISON_STALL_CHECK_TIME_SECONDS="1", UNISON_STALL_SHUTDOWN_TIME_SECONDS="2")
+    proc = mpirun(3, [sys.executable, str(script)], timeout=120, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "rank 0 pair sum [11.0, 11.0]" in out and "rank 1 pair sum [11.0, 11.0]" in out, out  # (111 before)
+    assert all(f"rank {i} trio sum [111.0, 111.0]" in out for i in range(3)), out
+    assert out.count("MismatchError: unison.add_process_set: the ranks passed different rank lists") == 3, out
+    assert "added a set it disagrees on" not in out
+    stall = next(line for line in out.splitlines() if line.startswith("rank 1 StallError"))
+    assert "'stuck.ps'" in stall and "missing on rank(s) [2]" in stall, out  # (the set's rank 1 before)
+    assert "rank 2 told of the stall" in out and "rank 1 again [1.0, 1.0, 1.0]" in out, out
+    assert all(f"rank {i} finished" in out for i in range(3)), out
+
+
 SHUTDOWN = """
 import time, numpy as np, unison
 unison.init()

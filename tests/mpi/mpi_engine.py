@@ -487,6 +487,20 @@ def test_uint16_reductions_gather_and_broadcast(algorithm):
     np.testing.assert_array_equal(b, mine(N - 1))
 
 
+def test_process_set_from_a_communicator_and_ranks_that_are_not_integers():
+    # Horovod takes a communicator (it raised "not iterable"); 1.7 became rank 1 and '2' was taken
+    with pytest.raises(ValueError, match="must be integers"):
+        unison.ProcessSet([0, 1.7])
+    with pytest.raises(ValueError, match="must be integers"):
+        unison.ProcessSet(["2", 0])
+    assert unison.ProcessSet([np.int64(0)]).ranks == [0]
+    comm = WORLD.Split(R % 2, R)
+    try:
+        assert unison.ProcessSet(comm).ranks == [r for r in range(N) if r % 2 == R % 2]
+    finally:
+        comm.Free()
+
+
 def test_process_sets():
     evens = unison.add_process_set([r for r in range(N) if r % 2 == 0])
     odds = unison.add_process_set([r for r in range(N) if r % 2 == 1]) if N > 1 else None

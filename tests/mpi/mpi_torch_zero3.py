@@ -591,6 +591,20 @@ def test_ranks_with_different_models_raise_on_every_rank():
         shard_module(model)
 
 
+def test_a_double_backward_is_refused_on_every_rank_and_training_goes_on():
+    # its graph kept views of gathered weights that the end of the backward frees: the second backward
+    # read freed storage (an out-of-bounds error, or garbage)
+    model = shard_module(make("mlp", seed=1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(3, 6, requires_grad=True)
+    out = model(x)
+    with pytest.raises(NotImplementedError, match="create_graph=True"):
+        torch.autograd.grad(out.sum(), x, create_graph=True)
+    opt.zero_grad()
+    model(x.detach()).square().mean().backward()  # an ordinary step afterwards still works
+    opt.step()
+
+
 def test_helpers_refuse_an_unsharded_model():
     with pytest.raises(TypeError, match="shard_module"):
         full_state_dict(make("mlp", seed=1))

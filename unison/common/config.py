@@ -104,13 +104,16 @@ class Choice:
     """One of a fixed set of names (case-insensitive)."""
 
     choices: tuple[str, ...]
+    #: other names taken for a choice: (alias, choice) pairs
+    aliases: tuple[tuple[str, str], ...] = ()
 
     def describe(self) -> str:
         return "one of " + ", ".join(self.choices)
 
     def parse(self, raw: str) -> str:
         value = raw.strip()
-        return self.check(value.upper() if self.choices[0].isupper() else value.lower())
+        value = value.upper() if self.choices[0].isupper() else value.lower()
+        return self.check(dict(self.aliases).get(value, value))
 
     def check(self, value: Any) -> str:
         if not isinstance(value, str) or value not in self.choices:
@@ -305,7 +308,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("reducescatter_algorithm", ENV_REDUCESCATTER_ALGORITHM, Choice(REDUCESCATTER_ALGORITHMS), True),
     Setting("alltoall_algorithm", ENV_ALLTOALL_ALGORITHM, Choice(ALLTOALL_ALGORITHMS), True),
     Setting("chunk_bytes", ENV_CHUNK_BYTES, IntRange(1, MPI_COUNT_MAX), True),
-    Setting("log_level", ENV_LOG_LEVEL, Choice(LOG_LEVELS), False),
+    Setting("log_level", ENV_LOG_LEVEL, Choice(LOG_LEVELS, (("FATAL", "CRITICAL"), ("WARN", "WARNING"))), False),
     Setting("abort_on_error", ENV_ABORT_ON_ERROR, Flag(), True),
     Setting("fusion_threshold", ENV_FUSION_THRESHOLD, IntRange(0, INT64_MAX), True),
     Setting("cycle_time", ENV_CYCLE_TIME, FloatRange(0.0, MAX_CYCLE_MS, open_low=True), True),
@@ -343,7 +346,8 @@ ENV_ONLY: dict[str, tuple[Flag | IntRange, Any]] = {ENV_ELASTIC: (Flag(), False)
 
 #: Suffixes Unison reads itself plus those read by other parts (engine, backends)
 #: registered through :func:`register_env`.
-_KNOWN_SUFFIXES: set[str] = {s.suffix for s in SETTINGS} | set(ENV_ONLY)
+_KNOWN_SUFFIXES: set[str] = {s.suffix for s in SETTINGS} | set(ENV_ONLY) | {
+    "ELASTIC_NOTICE"}  # (set by unisonrun's elastic driver; read by unison.common.elastic, imported later)
 
 
 def register_env(*suffixes: str) -> None:

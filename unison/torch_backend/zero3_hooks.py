@@ -143,6 +143,13 @@ class Sharded:
     def _unpack(self, saved: Any) -> torch.Tensor:
         if not isinstance(saved, _Saved):
             return saved
+        if torch.is_grad_enabled():  # only a backward with create_graph=True differentiates with grad on
+            # its graph would keep views of the gathered weights that end_of_backward frees (resizes to 0):
+            # the second backward read freed storage (an out-of-bounds error, or garbage)
+            raise NotImplementedError(
+                "a backward with create_graph=True (a double backward, e.g. a gradient penalty) through a "
+                "module sharded by shard_module (ZeRO stage 3) is not supported: its graph would hold "
+                "weights the shards free after the backward. Use zero_stage=1 or 2 for such a loss")
         unit = saved.unit
         if not unit.is_gathered():
             self._queue_callback()

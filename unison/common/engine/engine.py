@@ -27,6 +27,7 @@ So no handle can be queued after the last cycle and never completed; and a
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import threading
 import time
@@ -54,6 +55,8 @@ from unison.common.engine.requests import AUTO_NAME_MARK, Kind, Request
 from unison.common.engine.stalls import stall_flags, stall_round
 from unison.common.engine.timeline import Timeline
 from unison.common.engine.watchdog import Watchdog
+from unison.common.exceptions import MismatchError
+from unison.common.ops import ReduceOp
 
 __all__ = ["Engine", "StallError", "ShutdownError", "DuplicateNameError", "JoinError"]
 
@@ -95,10 +98,12 @@ def shutdown_message(stopping: list[int], me: int) -> str:
 
 
 class _SetState:
-    def __init__(self, ps: ProcessSet, comm: Any, mpi: Any, config: Config, timeline: Timeline) -> None:
+    def __init__(self, ps: ProcessSet, comm: Any, mpi: Any, config: Config, timeline: Timeline, sid: int) -> None:
         self.ps = ps
         self.comm = comm
-        self.controller = Controller(comm, mpi, config.cache_capacity, ps.process_set_id or 0)
+        # (sid passed in: a set is activated before its id is handed back to ps; its controller had id 0,
+        # so a stall round on it left its failed requests in flight, under the global set's id)
+        self.controller = Controller(comm, mpi, config.cache_capacity, sid)
         self.executor = Executor(comm, mpi, config.chunk_bytes, timeline)
         self.last_stall_report = 0.0
 
@@ -160,7 +165,7 @@ class Engine:
         gps = ProcessSet()
         gps.process_set_id = 0
         self._set_objs.append(gps)
-        self._sets[0] = _SetState(gps, comm, mpi, config, self.timeline)
+        self._sets[0] = _SetState(gps, comm, mpi, config, self.timeline, 0)
         self._world = comm
         if config.timeline and rank == 0:
             self.timeline.start(config.timeline)
@@ -181,23 +186,30 @@ class Engine:
         communicator, and ranks could start cycling the new set at different
         cycles, each waiting inside a different set's round for the other.)
         """
-        if ps.process_set_id is not None:
+        if self._registered(ps):
             return ps
         ranks = ps.ranks or []
         size = self._world.Get_size()
-        bad = [r for r in ranks if not 0 <= r < size]
-        if bad or not ranks:
-            raise ValueError(f"ProcessSet ranks {ranks} must be non-empty and within [0, {size})")
         with self._cv:
             sid = len(self._set_objs)
             self._set_objs.append(ps)
+        try:
+            self._agree_on_ranks(ranks, sid)
+            bad = [r for r in ranks if not 0 <= r < size]
+            if bad or not ranks:  # (the same list on every rank by now: raised on every rank)
+                raise ValueError(f"ProcessSet ranks {ranks} must be non-empty and within [0, {size})")
+        except BaseException:
+            with self._cv:
+                if self._set_objs[-1] is ps:
+                    self._set_objs.pop()
+            raise
 
         def activate() -> None:
             group = self._world.Get_group().Incl(ranks)
             comm = self._world.Create_group(group)
             group.Free()
             if comm != self.mpi.COMM_NULL:
-                self._sets[sid] = _SetState(ps, comm, self.mpi, self.config, self.timeline)
+                self._sets[sid] = _SetState(ps, comm, self.mpi, self.config, self.timeline, sid)
 
         name = f"unison.add_process_set.{sid}"
         req = Request(name=name, kind=Kind.BARRIER, array=np.asarray(ranks, dtype=np.int64),
@@ -211,6 +223,28 @@ class Engine:
             raise
         ps.process_set_id = sid
         return ps
+
+    def _registered(self, ps: ProcessSet) -> bool:
+        """Whether ``ps`` is registered with this engine (an id from an engine before a shutdown is not)."""
+        sid = ps.process_set_id
+        return sid is not None and sid < len(self._set_objs) and self._set_objs[sid] is ps
+
+    def _agree_on_ranks(self, ranks: list[int], sid: int) -> None:
+        """Raise MismatchError on every rank when the ranks passed different rank lists for set ``sid``:
+        one all-reduce (MAX) of a digest and its negation, so it also runs while a rank has joined
+        (which then refuses the registration itself, as before). The registering barrier compared
+        only the lists' lengths: lists of one length with other members created the group with
+        different ranks, and they hung in it."""
+        digest = hashlib.sha256(np.asarray(ranks, dtype=np.int64).tobytes()).digest()
+        mine = np.array([len(ranks), int.from_bytes(digest[:7], "little")], dtype=np.int64)
+        name = f"unison.add_process_set.{sid}.ranks"
+        both = np.asarray(self.submit(Request(name=name, kind=Kind.ALLREDUCE, array=np.concatenate([mine, -mine]),
+                                              handle=Handle(name), op=int(ReduceOp.MAX))).wait())
+        if (both[:2] == -both[2:]).all():
+            return
+        raise MismatchError(f"unison.add_process_set: the ranks passed different rank lists (this rank, "
+                            f"{self.rank}, passed {ranks}); pass the same ProcessSet on every rank, in the "
+                            "same order")
 
     def remove_process_set(self, ps: ProcessSet) -> bool:
         """Unregister ``ps`` (collective: every rank, same order); False for the global or an unknown set.
@@ -242,7 +276,7 @@ class Engine:
 
     def process_set(self, ps: ProcessSet | None) -> _SetState:
         sid = 0 if ps is None else ps.process_set_id
-        if sid is None:
+        if sid is None or (ps is not None and ps.ranks is not None and not self._registered(ps)):
             raise ValueError(f"{ps!r} is not registered; pass it to unison.init(process_sets=[...]) or "
                              "unison.add_process_set() on every rank first")
         state = self._sets.get(sid)
@@ -386,6 +420,9 @@ class Engine:
             self._held.clear()
             self._queue.clear()
             joins, self._join_handles = self._join_handles, []
+            for sid, obj in enumerate(self._set_objs):  # unregistered with this engine: a later init()'s
+                if sid and obj.process_set_id == sid:   # engine gives them ids afresh (they kept theirs,
+                    obj.process_set_id = None           # another set's there: its data, silently)
         for req in requests:
             req.handle.set_error(error)
         for handle in joins:
@@ -627,7 +664,7 @@ class Engine:
     # ------------------------------------------------------------- stalls
     def _stall_round(self, st: _SetState, abandon: str | None = None) -> None:
         """Collective over the set (see :mod:`.stalls`); drop the handles it failed from ``_inflight``."""
-        if stall_round(st.controller, self.mpi, self.config, abandon) is not None:
+        if stall_round(st.controller, self.mpi, self.config, abandon, st.world_ranks, self.rank) is not None:
             sid = st.controller.set_id
             with self._cv:
                 failed = [k for k, r in self._inflight.items() if k[0] == sid and r.handle.done()]

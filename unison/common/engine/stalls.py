@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from unison.common.config import Config
@@ -44,10 +45,15 @@ def stall_flags(ctl: Controller, cfg: Config, last_report: float) -> int:
     return 0
 
 
-def stall_round(ctl: Controller, mpi: Any, cfg: Config, abandon: str | None = None) -> str | None:
+def stall_round(ctl: Controller, mpi: Any, cfg: Config, abandon: str | None = None,
+                job_ranks: Callable[[list[int]], list[int]] | None = None,
+                job_rank: int | None = None) -> str | None:
     """Collective over the set: judge stalls alike on every rank; fail them past the shutdown time,
     or at once when a rank abandons its collectives (``abandon``: its reason; see [Note: abandoned
     collectives] in :mod:`.engine`).
+
+    ``job_ranks`` turns ranks of the set into ranks of the job and ``job_rank`` is this rank's: the
+    reports name those (the set's own numbering named another process than the one stalled).
 
     Returns:
         The failure message when the set's pending handles were failed, else None.
@@ -57,15 +63,17 @@ def stall_round(ctl: Controller, mpi: Any, cfg: Config, abandon: str | None = No
     everyone = [_decode(raw, r) for r, raw in
                 enumerate(allgather_bytes(ctl.comm, mpi, json.dumps(mine).encode()))]
     gave_up = [(r, reason) for r, (_, _, reason) in enumerate(everyone) if reason]
-    verdict = _abandoned(everyone, gave_up, ctl.size) if gave_up else _judge(everyone, ctl.size, cfg,
-                                                                             log=ctl.rank == 0)
+    to_job = job_ranks or (lambda ranks: ranks)
+    me = ctl.rank if job_rank is None else job_rank
+    verdict = _abandoned(everyone, gave_up, ctl.size, to_job) if gave_up else _judge(
+        everyone, ctl.size, cfg, log=ctl.rank == 0, to_job=to_job, me=me)
     if verdict is None:
         return None
     message, missing = verdict
     ctl.fail_all(StallError(message))
     ctl.mark_stalled({name: message for name, ranks in missing.items() if ctl.rank in ranks})
     logger.error("[unison rank %d] the stall inspector failed the pending collectives of every rank "
-                 "(process set %d): %s", ctl.rank, ctl.set_id, message)
+                 "(process set %d): %s", me, ctl.set_id, message)
     return message
 
 
@@ -81,7 +89,7 @@ def _decode(raw: bytes, rank: int) -> tuple[dict[str, float], list[int], str]:
 
 
 def _abandoned(everyone: list[tuple[dict[str, float], list[int], str]], gave_up: list[tuple[int, str]],
-               size: int) -> tuple[str, dict[str, list[int]]] | None:
+               size: int, to_job: Callable[[list[int]], list[int]]) -> tuple[str, dict[str, list[int]]] | None:
     """(message, {pending name: ranks missing it}) when any rank has something pending, else None."""
     have: dict[str, set[int]] = {}
     for r, (pending, _, _) in enumerate(everyone):
@@ -90,13 +98,13 @@ def _abandoned(everyone: list[tuple[dict[str, float], list[int], str]], gave_up:
     if not have:
         return None
     missing = {name: [r for r in range(size) if r not in ranks] for name, ranks in have.items()}
-    reasons = "; ".join(f"rank {r}: {reason}" for r, reason in gave_up)
+    reasons = "; ".join(f"rank {to_job([r])[0]}: {reason}" for r, reason in gave_up)
     return (f"collective(s) {sorted(have)} failed on every rank of the process set: rank(s) "
-            f"{[r for r, _ in gave_up]} gave up on them and will not submit them ({reasons})"), missing
+            f"{to_job([r for r, _ in gave_up])} gave up on them and will not submit them ({reasons})"), missing
 
 
-def _judge(everyone: list[tuple[dict[str, float], list[int], str]], size: int, cfg: Config,
-           log: bool) -> tuple[str, dict[str, list[int]]] | None:
+def _judge(everyone: list[tuple[dict[str, float], list[int], str]], size: int, cfg: Config, log: bool,
+           to_job: Callable[[list[int]], list[int]], me: int) -> tuple[str, dict[str, list[int]]] | None:
     """(message, {stalled name: ranks missing it}) when past the shutdown time, else None."""
     ages: dict[str, float] = {}
     have: dict[str, set[int]] = {}
@@ -110,15 +118,15 @@ def _judge(everyone: list[tuple[dict[str, float], list[int], str]], size: int, c
     for name in sorted(have, key=lambda k: (-ages[k], k)):
         absent = [r for r in range(size) if r not in have[name] and r not in joined]
         if absent and ages[name] >= (cfg.stall_check_time_seconds or ages[name]):
-            lines.append(f"{name!r} (waiting {ages[name]:.1f} s) missing on rank(s) {absent}")
+            lines.append(f"{name!r} (waiting {ages[name]:.1f} s) missing on rank(s) {to_job(absent)}")
             missing[name] = absent
             worst = max(worst, ages[name])
     if not lines:
         return None
     report = "; ".join(lines)
     if log:
-        logger.warning("[unison rank 0] stalled collectives: %s. Some ranks submitted these tensors and "
-                       "others have not: check that every rank runs the same collectives.", report)
+        logger.warning("[unison rank %d] stalled collectives: %s. Some ranks submitted these tensors and "
+                       "others have not: check that every rank runs the same collectives.", me, report)
     if cfg.stall_shutdown_time_seconds and worst >= cfg.stall_shutdown_time_seconds:
         return (f"stalled for more than UNISON_STALL_SHUTDOWN_TIME_SECONDS="
                 f"{cfg.stall_shutdown_time_seconds:g} s: {report}"), missing
