@@ -63,6 +63,11 @@ SETS = """
 import numpy as np, unison
 from mpi4py import MPI
 r = unison.rank
+# 0. an init() whose sets cannot be registered leaves Unison stopped (a corrected init() ignored its sets)
+try:
+    unison.init(process_sets=[unison.ProcessSet([0, 5])])
+except ValueError:
+    print(f"rank {MPI.COMM_WORLD.Get_rank()} bad set refused, initialized: {unison.is_initialized()}", flush=True)
 # 1. a set's id from an engine before a shutdown is not reused: it named another set of the new engine
 pair = unison.ProcessSet([0, 1])
 unison.init(process_sets=[pair])
@@ -74,6 +79,10 @@ if r() < 2:
     print(f"rank {r()} pair sum {out.tolist()}", flush=True)
 out = unison.allreduce(np.full(2, 10.0 ** r()), op=unison.Sum, name="y", process_set=trio)
 print(f"rank {r()} trio sum {out.tolist()}", flush=True)
+try:
+    unison.init(process_sets=[unison.ProcessSet([1, 2])])  # initialized already: the set was ignored
+except ValueError as e:
+    print(f"rank {r()} second init: {e}", flush=True)
 # 2. lists of one length with other ranks: every rank is told (members hung in the group's creation)
 try:
     unison.add_process_set([0, 1] if r() == 0 else [0, 2])
@@ -112,12 +121,37 @@ def test_process_sets_agree_on_ranks_and_ids_and_their_stalls_name_job_ranks(tmp
     assert proc.returncode == 0, out
     assert "rank 0 pair sum [11.0, 11.0]" in out and "rank 1 pair sum [11.0, 11.0]" in out, out  # (111 before)
     assert all(f"rank {i} trio sum [111.0, 111.0]" in out for i in range(3)), out
+    assert all(f"rank {i} bad set refused, initialized: False" in out for i in range(3)), out
+    assert out.count("second init: init(process_sets=") == 3 and "already initialized" in out, out
     assert out.count("MismatchError: unison.add_process_set: the ranks passed different rank lists") == 3, out
     assert "added a set it disagrees on" not in out
     stall = next(line for line in out.splitlines() if line.startswith("rank 1 StallError"))
     assert "'stuck.ps'" in stall and "missing on rank(s) [2]" in stall, out  # (the set's rank 1 before)
     assert "rank 2 told of the stall" in out and "rank 1 again [1.0, 1.0, 1.0]" in out, out
     assert all(f"rank {i} finished" in out for i in range(3)), out
+
+
+BAD_TIMELINE = """
+import unison
+try:
+    unison.init()
+    print(f"rank {unison.rank()} init ok", flush=True)
+except unison.InvalidArgumentError as e:
+    print("init refused:", e, flush=True)
+"""
+
+
+def test_a_timeline_path_rank_0_cannot_write_fails_init_on_every_rank(tmp_path):
+    # it failed in rank 0's engine alone (a FileExistsError naming no variable); the others waited
+    (tmp_path / "afile").write_text("")
+    script = tmp_path / "bad_timeline.py"
+    script.write_text(BAD_TIMELINE)
+    env = mpi_env(UNISON_TIMELINE=str(tmp_path / "afile" / "tl.json"), UNISON_ABORT_ON_ERROR="0")
+    proc = mpirun(2, [sys.executable, str(script)], timeout=60, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert out.count("init refused:") == 2 and "init ok" not in out, out
+    assert "UNISON_TIMELINE=" in out and "cannot be written on rank 0" in out, out
 
 
 SHUTDOWN = """

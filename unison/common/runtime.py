@@ -195,6 +195,11 @@ def init(comm: Any = None, process_sets: Any = None, **settings: Any) -> None:
         process_sets = None
     with _lock:
         if _state is not None:
+            unregistered = [ps for ps in process_sets or () if getattr(ps, "process_set_id", None) is None]
+            if unregistered:  # (they were ignored: the sets then said "not registered" when used)
+                raise ValueError(f"init(process_sets={unregistered!r}): Unison is already initialized, so "
+                                 "these sets are not registered; register them with add_process_set() on "
+                                 "every rank")
             return
         try:
             config, config_error = load_config(**settings), ""
@@ -207,8 +212,34 @@ def init(comm: Any = None, process_sets: Any = None, **settings: Any) -> None:
                  _state.local_rank, _state.local_size)
     # Layers above this one (the engine) start here through hooks they registered at import,
     # so this module never imports upward (see docs/architecture.md).
-    for hook in list(_init_hooks):
-        hook(_state, list(process_sets or ()))
+    try:
+        for hook in list(_init_hooks):
+            hook(_state, list(process_sets or ()))
+    except BaseException:
+        # (a set that cannot be registered, refused on every rank alike: it stayed initialized, and a
+        # corrected init() then returned at once, without the sets)
+        shutdown()
+        raise
+
+
+def _unwritable_outputs(config: Config) -> str:
+    """The error for a timeline or autotune log file that cannot be written where its variable says
+    (made by the engine on rank 0 only: it failed there alone, and the others waited in their first
+    collective), else ""."""
+    import tempfile
+
+    for variable, path in (("UNISON_TIMELINE", config.timeline), ("UNISON_AUTOTUNE_LOG", config.autotune_log)):
+        if not path:
+            continue
+        try:
+            folder = os.path.dirname(os.path.abspath(os.fspath(path)))
+            os.makedirs(folder, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".unison-check."):
+                pass
+        except OSError as exc:
+            return (f"{variable}={path!r} cannot be written on rank 0 ({exc}); give a path in a folder "
+                    "rank 0 can create files in")
+    return ""
 
 
 def _local_state(config: Config, config_error: str, comm: Any) -> State:
@@ -231,6 +262,8 @@ def _world_state(mpi: Any, comm: Any, config: Config, config_error: str) -> Stat
     if not mpi.Is_initialized():  # mpi4py.rc.initialize = False: start it as mpi4py would
         mpi.Init_thread(mpi.THREAD_MULTIPLE)
     state = _mpi_state(mpi, comm, config)
+    if not config_error and state.rank == 0:  # (rank 0 writes them: its failure is every rank's error)
+        config_error = _unwritable_outputs(config)
     try:
         _agree(state, config_error)
     except Exception:
