@@ -608,6 +608,32 @@ def test_timeline_parses_and_holds_phases(tmp_path_factory):
 
 
 @needs_engine
+def test_a_restarted_timeline_marks_every_step_and_ends_failed_slices(tmp_path_factory):
+    # the marks were a toggle: a second start_timeline turned them off (and UNISON_TIMELINE never
+    # on); a failed collective's NEGOTIATE slice stayed open for ever
+    folder = WORLD.bcast(str(tmp_path_factory.mktemp("tl2")) if R == 0 else None)
+    unison.start_timeline(folder + "/a.json")
+    unison.allreduce(np.ones(3), name="tl2.warm")
+    unison.start_timeline(folder + "/b.json")
+    unison.allreduce(np.ones(3), name="tl2.warm2")
+    for _ in range(3):
+        unison.allreduce(np.ones(3), name="tl2.x")  # cached after the first
+    with pytest.raises(unison.MismatchError):
+        unison.allreduce(np.ones(3 + R), name="tl2.mismatch")
+    unison.stop_timeline()
+    unison.barrier()
+    if R == 0:
+        events = json.load(open(folder + "/b.json"))
+        tid = {e["args"]["name"]: e["tid"] for e in events if e["name"] == "thread_name"}
+        marks = [e for e in events if e["ph"] == "i" and e["tid"] == tid["tl2.x"]]
+        assert len(marks) == 3 * N, marks
+        for name, t in tid.items():
+            begun = sum(e["ph"] == "B" for e in events if e.get("tid") == t)
+            ended = sum(e["ph"] == "E" for e in events if e.get("tid") == t)
+            assert begun == ended, (name, begun, ended)
+
+
+@needs_engine
 def test_response_cache_evicts_least_recently_used_consistently():
     ctl = frontend.engine()._sets[0].controller
     old = ctl.capacity

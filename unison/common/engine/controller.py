@@ -292,8 +292,9 @@ class Controller:
             responses += self._announce_round()
         if any_flags & FLAG_JOINED:
             self._refuse_with_join(responses)
-        if any_flags & FLAG_TIMELINE:
-            self.timeline_mode = not self.timeline_mode
+        # every rank gathers the ready times from the next cycle on while rank 0's timeline records
+        # (agreed through this cycle's flags, so every rank picks the same collective next time)
+        self.timeline_mode = bool(any_flags & FLAG_TIMELINE)
         return responses, any_flags, all_joined
 
     def _note_ready_times(self, per_rank: np.ndarray) -> None:

@@ -425,6 +425,7 @@ class Engine:
                     obj.process_set_id = None           # another set's there: its data, silently)
         for req in requests:
             req.handle.set_error(error)
+            self.timeline.close_open(req.name)
         for handle in joins:
             handle.set_error(error)
         if thread_ended:
@@ -533,7 +534,7 @@ class Engine:
             new = list(self._queue)
             self._queue.clear()
             stopping = self._stopping
-            toggle, self._timeline_toggle = self._timeline_toggle, False
+            self._timeline_toggle = False  # (it only woke the thread: the flag below is a level)
             joins = bool(self._join_handles)
             abandon = self._abandon
         for req in new:
@@ -554,8 +555,8 @@ class Engine:
             if st is None:  # removed by this cycle's remove_process_set (on every member alike)
                 continue
             flags = FLAG_SHUTDOWN if stopping else 0
-            if toggle and self.rank == 0 and sid == 0:
-                flags |= FLAG_TIMELINE
+            if self.rank == 0 and self.timeline.active:  # a level, raised every cycle while rank 0 records:
+                flags |= FLAG_TIMELINE  # (a toggle missed the env-started timeline and a restarted one)
             flags |= stall_flags(st.controller, self.config, st.last_stall_report)
             if abandon is not None:
                 flags |= FLAG_STALL_ABORT
@@ -598,6 +599,10 @@ class Engine:
                     del inflight[key]
                     if self._held:
                         self._release(key)
+        if self.timeline.active:
+            for req in done:
+                if req.handle._error is not None:
+                    self.timeline.close_open(req.name)
         wake_waiters()
 
     def _release(self, key: tuple[int, str]) -> None:
@@ -671,6 +676,8 @@ class Engine:
                 for k in failed:
                     del self._inflight[k]
                     self._release(k)
+            for k in failed:
+                self.timeline.close_open(k[1])
             wake_waiters()
 
     def _apply_tuning(self, params: tuple[int, float] | None) -> None:

@@ -51,6 +51,8 @@ class Timeline:
         self._path = ""
         self._tmp = ""
         self._tids: dict[str, int] = {}
+        #: the phases begun and not ended, per name (a failed collective's are ended by close_open)
+        self._open: dict[str, list[str]] = {}
         self._lock = threading.Lock()
         self._t0 = time.monotonic()
         self._first = True
@@ -67,6 +69,7 @@ class Timeline:
             self._file, self._tmp = open_fresh(self._path)
             self._file.write("[\n")
             self._tids.clear()
+            self._open.clear()
             self._first = True
             self._emit({"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "unison engine"}})
 
@@ -108,6 +111,7 @@ class Timeline:
                 if args:
                     ev["args"] = args
                 self._emit(ev)
+                self._open.setdefault(name, []).append(phase)
 
     def end(self, name: str, phase: str, t: float | None = None) -> None:
         if self._file is None:
@@ -115,6 +119,23 @@ class Timeline:
         with self._lock:
             if self._file is not None:
                 self._emit({"name": phase, "ph": "E", "pid": 0, "tid": self._tid(name), "ts": self._us(t)})
+                phases = self._open.get(name)
+                if phases and phase in phases:
+                    phases.reverse()
+                    phases.remove(phase)  # (the latest one of that phase)
+                    phases.reverse()
+                if not phases:
+                    self._open.pop(name, None)
+
+    def close_open(self, name: str) -> None:
+        """End every phase of ``name`` still open, latest first: its collective failed (a mismatch, a
+        stall, a removed set, a shutdown), and its slices would otherwise stay open in the trace."""
+        if self._file is None:
+            return
+        with self._lock:
+            for phase in reversed(self._open.pop(name, [])):
+                if self._file is not None:
+                    self._emit({"name": phase, "ph": "E", "pid": 0, "tid": self._tid(name), "ts": self._us(None)})
 
     def mark(self, name: str, label: str, t: float | None = None) -> None:
         if self._file is None:
