@@ -78,6 +78,20 @@ def test_callbacks_count_batches_and_epochs_and_commit() -> None:
     assert commits == [(0, 3), (1, 0), (1, 3), (2, 0)]
 
 
+def test_commits_count_batches_with_several_steps_per_execution() -> None:
+    # Keras calls the batch callbacks once per execution: counting calls committed every
+    # steps_per_execution * batches_per_commit batches
+    net = _model()
+    net.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse", steps_per_execution=2)
+    state = _state(net, epoch=0, batch=0)
+    commits = []
+    state.save = (lambda save: lambda: (commits.append((state.epoch, state.batch)), save())[1])(state.save)
+    callbacks = [elastic.UpdateBatchStateCallback(state), elastic.UpdateEpochStateCallback(state),
+                 elastic.CommitStateCallback(state, batches_per_commit=2)]
+    _fit(net, callbacks, epochs=1)  # 4 batches, in 2 executions
+    assert commits == [(0, 2), (0, 4), (1, 0)]
+
+
 @pytest.mark.parametrize("style", ["relative", "initial_epoch"])
 def test_a_resumed_fit_continues_the_counts(style: str) -> None:
     """After a reset at epoch 1, batch 2: the rest of the epoch, then the last epoch, either way

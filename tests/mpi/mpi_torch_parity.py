@@ -793,6 +793,11 @@ def test_elastic_host_update_seen_by_one_rank_interrupts_every_rank_alike():
     if R == 0:
         state.on_hosts_updated(150.0, False)  # older than the last one taken: ignored, as in Horovod
     state.commit()
+    if R == N - 1:
+        state.save()  # one more local commit (a step the others never finished), then the sync of a reset
+        state.commit_id += 1
+    state.sync()
+    assert hvd.allgather_object(state.commit_id) == [state.commit_id] * N  # (they kept their own counts)
 
 
 @multi

@@ -284,20 +284,23 @@ class CommitStateCallback(keras.callbacks.Callback):
             raise ValueError(f"batches_per_commit must be a positive int; got {batches_per_commit!r}")
         self.state = state
         self.batches_per_commit = batches_per_commit
-        self._left = batches_per_commit
+        self._committed_at = 0  # batches of this epoch (in this fit) done at the last commit
 
     def on_train_begin(self, logs: Any = None) -> None:
-        self._left = self.batches_per_commit  # every rank counts from the same point after a reset
+        self._committed_at = 0  # every rank counts from the same point after a reset
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        self._left -= 1
-        if self._left == 0:
+        # counted from the batch index Keras reports, not from the calls: with steps_per_execution=k
+        # Keras calls once per k batches (reporting the last one), and a count of calls committed
+        # every k * batches_per_commit batches
+        done = batch + 1
+        if done - self._committed_at >= self.batches_per_commit:
             self.state.commit()
-            self._left = self.batches_per_commit
+            self._committed_at = done
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         self.state.commit()
-        self._left = self.batches_per_commit  # the next commit is batches_per_commit after this one
+        self._committed_at = 0  # the next commit is batches_per_commit after this one
 
 
 class UpdateBatchStateCallback(keras.callbacks.Callback):

@@ -164,9 +164,12 @@ class ObjectState(State):
         self._set_attrs()
 
     def sync(self) -> None:
-        if self._saved_state:
-            self._saved_state = self._bcast_object(self._saved_state, root_rank=0)
-            self._set_attrs()
+        # the commit count travels too: ranks that committed a different number of times before a
+        # failure would number their next commits apart (the restart tier's files of one commit id
+        # holding different states on different hosts)
+        synced = self._bcast_object({"values": self._saved_state, "commit_id": self.commit_id}, root_rank=0)
+        self._saved_state, self.commit_id = synced["values"], int(synced["commit_id"])
+        self._set_attrs()
 
     def _set_attrs(self) -> None:
         for name, value in self._saved_state.items():
