@@ -253,7 +253,7 @@ def target_lines(records: list[Record], args: argparse.Namespace) -> list[str]:
                      f"{theirs.recovery_s:.3f} s = {ratio:.3f}  (target <= {RECOVERY_RATIO})  "
                      f"{_verdict(ratio <= RECOVERY_RATIO)}")
     else:
-        lines.append("  in-place recovery / torchrun recovery = n/a (a run failed)  MISS")
+        lines.append("  in-place recovery / torchrun recovery = n/a (a run failed or was not asked for)  MISS")
     restart = by.get("unison-restart")
     if restart and theirs:
         ratio = restart.recovery_s / theirs.recovery_s

@@ -96,9 +96,11 @@ def _op_call(op: str, t: Any, group: Any, n: int) -> Any:
         return lambda: dist.broadcast(t, src=0, group=group)
     if op == "all_gather":
         out = torch.empty(t.numel() * n, dtype=t.dtype)
-        return lambda: dist.all_gather_into_tensor(out, t, group=group)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (torch < 2.13)
+        return lambda: gather(out, t, group=group)
     out = torch.empty(t.numel() // n, dtype=t.dtype)
-    return lambda: dist.reduce_scatter_tensor(out, t, group=group)
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return lambda: scatter(out, t, group=group)
 
 
 def time_op(world: Any, call: Any, reps: int) -> float:

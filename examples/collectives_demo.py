@@ -1,6 +1,6 @@
 """Collectives demo: every collective on a few ranks, checked against numpy.
 
-Run with ``unisonrun -np 2 python examples/collectives_demo.py`` (``make demo``).
+Run with ``unisonrun -np 2 python examples/collectives_demo.py``.
 Each rank builds its own data; rank 0 prints what every collective returned and
 whether it matches the numpy result computed from all ranks' inputs.
 """

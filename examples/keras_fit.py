@@ -75,7 +75,8 @@ def main() -> None:
     if rank == 0:
         log.info("%d rank(s), global batch %d (%d per rank)", size, args.global_batch,
                  args.global_batch // size)
-    history = model.fit(train, validation_data=val, epochs=args.epochs, verbose=2 if rank == 0 else 0)
+    history = model.fit(train, validation_data=val, epochs=args.epochs, verbose=2 if rank == 0 else 0,
+                        shuffle=False)  # (the dataset is shuffled already: Keras warns otherwise)
     accuracy = history.history["val_accuracy"][-1]
     if rank == 0:
         target = args.save or Path(tempfile.gettempdir()) / "unison_keras_fit.keras"

@@ -51,6 +51,30 @@ def test_size_one_semantics(fresh):
     assert unison.allreduce(np.ones(3, np.int64) * 7).tolist() == [7, 7, 7]
 
 
+def test_a_job_of_size_one_writes_its_timeline(fresh, tmp_path, monkeypatch):
+    # no engine runs at size 1: start_timeline and UNISON_TIMELINE wrote nothing (Horovod writes one)
+    unison.init()
+    path = tmp_path / "tl.json"
+    unison.start_timeline(str(path))
+    unison.allreduce(np.ones(3), name="tl.a")
+    unison.allgather(np.ones((2, 1)), name="tl.b")
+    unison.stop_timeline()
+    events = json.loads(path.read_text())
+    rows = {e["args"]["name"]: e["tid"] for e in events if e["name"] == "thread_name"}
+    assert {"tl.a", "tl.b"} <= set(rows)
+    phases = [(e["name"], e["ph"], e["tid"]) for e in events if e["ph"] in "BE"]
+    assert phases == [("ALLREDUCE", "B", rows["tl.a"]), ("ALLREDUCE", "E", rows["tl.a"]),
+                      ("ALLGATHER", "B", rows["tl.b"]), ("ALLGATHER", "E", rows["tl.b"])]
+    unison.shutdown()
+    env_path = tmp_path / "env.json"
+    monkeypatch.setenv("UNISON_TIMELINE", str(env_path))
+    unison.init()
+    unison.broadcast(np.ones(2), 0, name="tl.c")
+    unison.shutdown()
+    events = json.loads(env_path.read_text())
+    assert any(e["name"] == "BROADCAST" for e in events)
+
+
 def test_init_is_idempotent_and_shutdown_allows_reinit(fresh):
     unison.init()
     unison.init()

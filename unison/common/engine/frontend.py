@@ -28,6 +28,7 @@ from unison.common.engine.engine import Engine, caller_waits
 from unison.common.engine.handles import Handle
 from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.common.engine.requests import AUTO_NAME_MARK, AUTO_NAME_SLOTS, Kind, Request
+from unison.common.engine.timeline import Timeline
 from unison.common.exceptions import MismatchError
 from unison.common.ops import Average, ReduceOp, parse_op
 
@@ -69,12 +70,41 @@ def _stop_engine(st: runtime.State) -> None:
     eng = st.cache.pop("engine", None)
     if eng is not None:
         eng.stop()
+    local = st.cache.pop("local_timeline", None)
+    if local is not None:
+        local.stop()
 
 
 def _start_engine(st: runtime.State, process_sets: list[Any]) -> None:
-    engine("unison.init()")  # collective (it duplicates the communicator): start it now
+    if engine("unison.init()") is None and st.config.timeline:  # (collective: it duplicates the communicator)
+        _local_timeline(st).start(st.config.timeline)
     for ps in process_sets:
         add_process_set(ps)
+
+
+def _local_timeline(st: runtime.State) -> Timeline:
+    """The timeline of a job of size 1, which runs no engine.
+
+    [Note: a timeline at size 1] Its collectives are local copies made on the caller's thread; each
+    is one slice named after its kind (``ALLREDUCE``...) in its name's row. Without it the file was
+    never written (Horovod writes one at size 1 too).
+    """
+    tl = st.cache.get("local_timeline")
+    if tl is None:
+        tl = st.cache["local_timeline"] = Timeline()
+    return tl
+
+
+def _local(kind: str, name: str, run: Callable[[], Any], post: Callable[[Any], Any] | None = None) -> Handle:
+    """A collective of a job of size 1: ``run()`` now, as one slice of the timeline when one records."""
+    tl = runtime.state().cache.get("local_timeline")
+    if tl is None or not tl.active:
+        return _done(run(), post)
+    tl.begin(name, kind)
+    try:
+        return _done(run(), post)
+    finally:
+        tl.end(name, kind)
 
 
 runtime.add_shutdown_hook(_stop_engine)
@@ -207,8 +237,8 @@ def allreduce_async(tensor: Any, op: Any = Average, name: str | None = None,
     post = None if compression is Compression.none else (lambda r: compression.decompress(r, ctx))
     if eng is None:
         _check_local(process_set)
-        res = direct.allreduce(compressed, op, name, prescale_factor, postscale_factor, out=out)
-        return _done(res, post)
+        return _local("ALLREDUCE", name, lambda: direct.allreduce(compressed, op, name, prescale_factor,
+                                                                  postscale_factor, out=out), post)
     rop = _op(op)
     sid, set_size = _set_id(eng, process_set)
     if rop is ReduceOp.ADASUM:  # Horovod's rules, raised on every rank alike (NotImplementedError)
@@ -262,7 +292,7 @@ def allgather_async(tensor: Any, name: str | None = None, process_set: ProcessSe
     arr = arr.reshape(1) if arr.ndim == 0 else arr
     if eng is None:
         _check_local(process_set)
-        return _done(direct.allgather(arr, name))
+        return _local("ALLGATHER", name, lambda: direct.allgather(arr, name))
     sid, _ = _set_id(eng, process_set)
     return _submit(eng, Kind.ALLGATHER, name, arr, sid, lambda a: None)
 
@@ -274,7 +304,7 @@ def broadcast_async(tensor: Any, root_rank: int = 0, name: str | None = None,
     name = _auto_name("broadcast", name, process_set)
     if eng is None:
         _check_local(process_set)
-        return _done(direct.broadcast(tensor, root_rank, name))
+        return _local("BROADCAST", name, lambda: direct.broadcast(tensor, root_rank, name))
     sid, size = _set_id(eng, process_set)
     root = int(root_rank) if isinstance(root_rank, (int, np.integer)) else -1
     within = "this job" if sid == 0 else f"process set {sid} (roots are ranks within the set)"
@@ -289,7 +319,7 @@ def alltoall_async(tensor: Any, splits: Any = None, name: str | None = None,
     name = _auto_name("alltoall", name, process_set)
     if eng is None:
         _check_local(process_set)
-        return _done(direct.alltoall(tensor, splits, name))
+        return _local("ALLTOALL", name, lambda: direct.alltoall(tensor, splits, name))
     sid, size = _set_id(eng, process_set)
 
     def checks(arr: np.ndarray) -> dict:
@@ -308,7 +338,8 @@ def reducescatter_async(tensor: Any, op: Any = Average, name: str | None = None,
     name = _auto_name("reducescatter", name, process_set)
     if eng is None:
         _check_local(process_set)
-        return _done(direct.reducescatter(tensor, op, name, prescale_factor, postscale_factor))
+        return _local("REDUCESCATTER", name, lambda: direct.reducescatter(tensor, op, name, prescale_factor,
+                                                                          postscale_factor))
     rop = _op(op)
     sid, _ = _set_id(eng, process_set)
 
@@ -542,6 +573,8 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     eng = engine("unison.start_timeline()")
     if eng is not None:
         eng.start_timeline(file_path)
+    else:  # a job of size 1 ([Note: a timeline at size 1])
+        _local_timeline(runtime.state()).start(file_path)
 
 
 def stop_timeline() -> None:
@@ -549,3 +582,5 @@ def stop_timeline() -> None:
     eng = engine("unison.stop_timeline()")
     if eng is not None:
         eng.stop_timeline()
+    else:
+        _local_timeline(runtime.state()).stop()
