@@ -141,6 +141,79 @@ def test_mismatched_tensors_raise_on_every_member(pairs):
     assert t.tolist() == [2.0, 2.0]
 
 
+def test_two_groups_of_every_rank_keep_their_calls_apart():
+    # both ran on the engine's global set and drew names from one counter: one group's calls met the
+    # other's and summed its data (every result wrong, no error)
+    import threading
+
+    ga, gb = dist.new_group(), dist.new_group()
+    n, bad = dist.get_world_size(), []
+
+    def loop(group, value):
+        for _ in range(10):
+            t = torch.full((4,), float(value))
+            dist.all_reduce(t, group=group)
+            if not torch.equal(t, torch.full((4,), float(value * n))):
+                bad.append((value, t[0].item()))
+
+    threads = [threading.Thread(target=loop, args=(ga, 1)), threading.Thread(target=loop, args=(gb, 100))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert bad == []
+    # in one thread, in different orders on different ranks
+    first, second = (ga, gb) if dist.get_rank() % 2 else (gb, ga)
+    works = [dist.all_reduce(t, group=g, async_op=True)
+             for t, g in ((torch.full((2,), 1.0 if first is ga else 100.0), first),
+                          (torch.full((2,), 100.0 if first is ga else 1.0), second))]
+    for w in works:
+        w.wait()
+
+
+def test_point_to_point_in_bfloat16_and_into_a_longer_tensor(pairs):
+    r = dist.get_rank()
+    group, members = _mine(pairs)
+    peer = members[1 - members.index(r)]
+    if r == members[0]:
+        dist.send(torch.arange(4.0).bfloat16(), peer)  # (a BufferError: mpi4py takes no bfloat16)
+        dist.send(torch.arange(4.0), peer)
+    else:
+        got = torch.zeros(4, dtype=torch.bfloat16)
+        dist.recv(got, peer)
+        assert got.tolist() == [0.0, 1.0, 2.0, 3.0] and got.dtype == torch.bfloat16
+        longer = torch.full((6,), -1.0)
+        dist.recv(longer, peer)
+        assert longer.tolist() == [0.0, 1.0, 2.0, 3.0, -1.0, -1.0]  # (the tail was uninitialised memory)
+
+
+def test_integer_average_in_a_sub_group_truncates_after_a_wide_sum(pairs):
+    # it floored (-3 // 2 = -2) and summed in the input's dtype (uint8 200 + 200 wrapped)
+    r = dist.get_rank()
+    group, members = _mine(pairs)
+    first = r == members[0]
+    t = torch.tensor([-3, 100, -7] if first else [0, 100, 0], dtype=torch.int8)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG, group=group)
+    assert t.tolist() == [-1, 100, -3]
+    u = torch.tensor([200, 200], dtype=torch.uint8)
+    dist.all_reduce(u, op=dist.ReduceOp.AVG, group=group)
+    assert u.tolist() == [200, 200]
+    out = torch.empty(1, dtype=torch.int64)
+    dist.reduce_scatter_tensor(out, torch.tensor([-3, 5]) if first else torch.tensor([0, 0]),
+                               op=dist.ReduceOp.AVG, group=group)
+    assert out.tolist() == ([-1] if first else [2])
+
+
+def test_outputs_of_another_dtype_are_refused_and_an_all_gather_future_is_flat(pairs):
+    group, _ = _mine(pairs)
+    with pytest.raises(TypeError, match="one dtype"):  # (cast silently before; gloo refuses)
+        dist.all_gather_into_tensor(torch.empty(4, dtype=torch.float64), torch.arange(2.0), group=group)
+    outs = [torch.empty(2), torch.empty(2)]
+    work = dist.all_gather(outs, torch.full((2,), float(dist.get_rank())), group=group, async_op=True)
+    value = work.get_future().wait()
+    assert isinstance(value, list) and all(isinstance(v, torch.Tensor) for v in value) and len(value) == 2
+
+
 def test_device_mesh_2d():
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -194,11 +194,11 @@ class UnisonProcessGroup(dist.ProcessGroup):
             self._check_pieces(outs, t, "allgather")
             handles.append(self._ops.allgather_async(host(t, "allgather").reshape(1, -1)))
 
-        def finish(results: list[Any]) -> list[list[torch.Tensor]]:
+        def finish(results: list[Any]) -> list[torch.Tensor]:
             for outs, r in zip(outputs, results, strict=True):
                 for out, row in zip(outs, np.asarray(r), strict=True):
                     copy_into(out, row)
-            return outputs
+            return [t for outs in outputs for t in outs]  # (gloo's future value: one flat list)
 
         return self._work(handles, finish)
 
@@ -299,7 +299,8 @@ class UnisonProcessGroup(dist.ProcessGroup):
     # ----------------------------------------------------------- point to point
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
         (t,) = tensors
-        data = np.ascontiguousarray(host(t, "send"))
+        # as bytes: mpi4py takes no bfloat16 array (a BufferError where gloo sends it)
+        data = _bytes(np.ascontiguousarray(host(t, "send")))
         return P2PWork(self._p2p_comm.Isend(data, dest=dst, tag=tag), data, timeout_s=self._timeout_s)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
@@ -312,8 +313,11 @@ class UnisonProcessGroup(dist.ProcessGroup):
 
     def _recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
         (t,) = tensors
-        buf = np.empty(tuple(t.shape), dtype=host(t, "recv").dtype)
-        return P2PWork(self._p2p_comm.Irecv(buf, source=src, tag=tag), buf, into=t, timeout_s=self._timeout_s)
+        # the tensor's own values first: a shorter message leaves the rest of it as it was (as gloo),
+        # where an empty buffer copied uninitialised memory into it
+        buf = np.array(host(t, "recv"), copy=True, order="C")
+        return P2PWork(self._p2p_comm.Irecv(_bytes(buf), source=src, tag=tag), buf, into=t,
+                       timeout_s=self._timeout_s)
 
     def barrier(self, opts: Any = None) -> dist.Work:
         return self._work([self._ops.allreduce_async(np.zeros(1, np.int8), Sum)], lambda results: [])
@@ -322,6 +326,14 @@ class UnisonProcessGroup(dist.ProcessGroup):
         if len(pieces) != self._size or any(p.shape != like.shape for p in pieces):
             raise ValueError(f"{what} needs {self._size} tensors (one per rank) shaped like {tuple(like.shape)}; "
                              f"got {[tuple(p.shape) for p in pieces]}")
+        if any(p.dtype != like.dtype for p in pieces):  # (they were cast silently: 0.5 became 0; gloo refuses)
+            raise TypeError(f"{what} needs tensors of one dtype, {like.dtype}; got "
+                            f"{sorted({str(p.dtype) for p in pieces})}")
+
+
+def _bytes(arr: np.ndarray) -> np.ndarray:
+    """A contiguous array's memory as bytes (a view: what MPI moves for any dtype, bfloat16 included)."""
+    return arr.reshape(-1).view(np.uint8)
 
 
 def _create(opts: Any, backend_options: Any = None) -> UnisonProcessGroup:
@@ -348,7 +360,36 @@ def _create(opts: Any, backend_options: Any = None) -> UnisonProcessGroup:
     if rank != mine:
         raise ValueError(f"init_process_group('unison') got rank={rank} but MPI says this process is rank "
                          f"{mine}: drop rank=/world_size= (they come from MPI) or make them match")
+    if dist.is_initialized():  # another group of every rank (new_group(), a mesh dimension over the world)
+        # [Note: groups of every rank] each gets an engine process set of its own (a communicator and
+        # a negotiation of its own): on the engine's global set, two such groups drew their names
+        # from one counter, so calls of one group met the other's and summed its data
+        return UnisonProcessGroup(rank, world_size, _SetOps(frontend.add_process_set(list(range(total)))),
+                                  timeout_s=timeout)
     return UnisonProcessGroup(rank, world_size, timeout_s=timeout)
+
+
+class _SetOps:
+    """The engine's operations on one process set: what a group of every rank other than the default
+    one runs its collectives through ([Note: groups of every rank])."""
+
+    def __init__(self, process_set: Any) -> None:
+        self.process_set = process_set
+
+    def allreduce_async(self, arr: Any, op: Any, out: Any = None) -> Any:
+        return frontend.allreduce_async(arr, op, process_set=self.process_set, out=out)
+
+    def reducescatter_async(self, arr: Any, op: Any) -> Any:
+        return frontend.reducescatter_async(arr, op, process_set=self.process_set)
+
+    def broadcast_async(self, arr: Any, root: int) -> Any:
+        return frontend.broadcast_async(arr, root, process_set=self.process_set)
+
+    def allgather_async(self, arr: Any) -> Any:
+        return frontend.allgather_async(arr, process_set=self.process_set)
+
+    def alltoall_async(self, arr: Any, splits: Any) -> Any:
+        return frontend.alltoall_async(arr, splits, process_set=self.process_set)
 
 
 def _mpi_launch() -> tuple[int, int] | None:

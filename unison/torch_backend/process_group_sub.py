@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from unison.collectives.native import mpi_op
-from unison.collectives.reduce import check_op
+from unison.collectives.reduce import accumulator, check_op, finalize
 from unison.common.exceptions import MismatchError
 from unison.common.ops import Average, ReduceOp, Sum
 
@@ -59,9 +59,22 @@ def _name(op: Any) -> str:
     return op.name.capitalize() if isinstance(op, ReduceOp) else str(op)
 
 
-def _wide(arr: np.ndarray) -> np.ndarray:
-    """float16/bfloat16 reduce as float32 (MPI has no half types)."""
-    return arr.astype(np.float32) if arr.dtype.itemsize == 2 and arr.dtype.kind in "fV" else arr
+def _wide(arr: np.ndarray, op: Any = None) -> np.ndarray:
+    """float16/bfloat16 reduce as float32 (MPI has no half types); an integer average sums in int64
+    (core [Note: integer average]: int8 200 + 200 wrapped, and the division floored)."""
+    if arr.dtype.itemsize == 2 and arr.dtype.kind in "fV":
+        return arr.astype(np.float32)
+    wide = accumulator(arr.dtype, op) if op is Average else None
+    return arr if wide is None else arr.astype(wide)
+
+
+def _average(out: np.ndarray, size: int) -> np.ndarray:
+    """The sum ``out`` divided by ``size``: integers truncated toward zero (C's and the engine's rule,
+    where ``//`` floored: -3 // 2 was -2)."""
+    if out.dtype.kind == "f":
+        return out / size
+    finalize(out, Average, size, 1.0)
+    return out
 
 
 class CommOps:
@@ -97,11 +110,11 @@ class CommOps:
     def _allreduce(self, arr: np.ndarray, op: Any, into: np.ndarray | None = None) -> np.ndarray:
         self._agree(f"allreduce/{_name(op)}", arr, arr.shape)
         check_op(arr.dtype, op, 1.0, 1.0)  # after the agreement: every member raises alike
-        send = np.ascontiguousarray(_wide(arr))
+        send = np.ascontiguousarray(_wide(arr, op))
         out = np.empty_like(send)
         self.comm.Allreduce(send, out, op=mpi_op(self.mpi, send.dtype, op))
         if op is Average:
-            out = out / self.size if out.dtype.kind == "f" else out // self.size
+            out = _average(out, self.size)
         if into is not None:
             np.copyto(into, out, casting="unsafe")
             return into
@@ -133,11 +146,11 @@ class CommOps:
         """``stacked``: one piece per member along axis 0; returns this member's reduced piece."""
         self._agree(f"reducescatter/{_name(op)}", stacked, stacked.shape)
         check_op(stacked.dtype, op, 1.0, 1.0)
-        send = np.ascontiguousarray(_wide(stacked))
+        send = np.ascontiguousarray(_wide(stacked, op))
         out = np.empty(send.shape[1:], send.dtype)
         self.comm.Reduce_scatter_block(send, out, op=mpi_op(self.mpi, send.dtype, op))
         if op is Average:
-            out = out / self.size if out.dtype.kind == "f" else out // self.size
+            out = _average(out, self.size)
         return out.astype(stacked.dtype, copy=False)
 
     def alltoall_async(self, tensor: Any, splits: Any = None) -> _Pending:
