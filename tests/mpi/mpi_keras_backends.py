@@ -55,6 +55,11 @@ def distributed_and_reference(dp, optimizer, **model_kwargs):
     return model, ref
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _init():
+    uk.init()  # (DataParallel() also does it: a run of only the Horovod-style tests needs it here)
+
+
 @pytest.fixture(scope="module")
 def dp():
     return uk.DataParallel()
@@ -450,9 +455,10 @@ def test_learning_rate_warmup_ramps_from_lr_over_size():
     record = keras.callbacks.LambdaCallback(on_train_batch_begin=lr)
     warm = uk.callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=2, steps_per_epoch=4)
     model.fit(X[:32], Y[:32], batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[warm, record])
-    expect = [warm.rate(e + b / 4) for e in range(3) for b in range(4)]
+    expect = [warm.rate(e + (b + 1) / 4) for e in range(3) for b in range(4)]  # Horovod's: one step ahead
     np.testing.assert_allclose(seen, expect, rtol=1e-6)
-    assert seen[0] == pytest.approx(0.1 / N) and seen[-1] == pytest.approx(0.1)
+    assert seen[0] == pytest.approx(0.1 * (0.125 * (N - 1) + 1) / N)
+    assert seen[7] == pytest.approx(0.1) and seen[-1] == pytest.approx(0.1)  # the warmup's last batch: initial_lr
 
 
 def test_collectives_on_backend_tensors_and_their_gradients():
@@ -501,6 +507,89 @@ def grad_of(f, x):
     t = x.clone().requires_grad_(True)
     f(t).backward()
     return t.grad.numpy()
+
+
+def test_mixed_precision_skips_the_steps_any_rank_overflowed_on_every_rank():
+    # the LossScaleOptimizer around DistributedOptimizer checked each rank's own gradients before the
+    # all-reduce: a rank that overflowed skipped alone and the others hung in the all-reduce (every backend)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
+                                  keras.layers.Dense(2, dtype="float32")])
+        model.compile(optimizer=uk.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse",
+                      **({} if BACKEND == "jax" else {"jit_compile": False}))
+        x = np.array(X[:12], copy=True)
+        if R == 0:
+            x[:4] *= 3e4  # only rank 0's first batch overflows in float16
+        model.fit(x, Y[:12, :2], batch_size=4, epochs=1, shuffle=False, verbose=0)
+        flat = np.concatenate([w.ravel() for w in model.get_weights()]).astype("float32")
+        every = keras.ops.convert_to_numpy(uk.allgather(keras.ops.convert_to_tensor(flat[None])))
+        assert all(np.array_equal(every[0], row) for row in every)  # the ranks skipped alike
+        steps = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
+        assert steps < 3 and WORLD.allgather(steps) == [steps] * N  # a step skipped, by every rank
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.skipif(BACKEND == "jax", reason="a data-dependent branch is traced once under jax.jit")
+def test_a_gradient_missing_on_some_ranks_is_reduced_by_its_variable():
+    # only the present gradients were reduced, by position: a's gradient on one rank met b's on another
+    class Branch(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = keras.layers.Dense(2, name="a"), keras.layers.Dense(2, name="b")
+
+        def call(self, x):
+            return self.a(x) if float(keras.ops.convert_to_numpy(keras.ops.mean(x))) > 0 else self.b(x)
+
+    def build():
+        keras.utils.set_random_seed(3)
+        model = Branch()
+        model.a.build((None, 4))
+        model.b.build((None, 4))
+        model.build((None, 4))
+        return model
+
+    data = [np.abs(X[:4]) + 0.1, -np.abs(X[4:8]) - 0.1]  # rank 0's rows take a, the others' b
+    mine = data[0] if R == 0 else data[1]
+    model = build()
+    model.compile(optimizer=uk.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse", run_eagerly=True)
+    model.fit(mine, Y[:4, :2], batch_size=4, epochs=1, shuffle=False, verbose=0)
+    # one process: the average over ranks of each rank's gradient, zeros where a rank had none
+    ref = build()
+    grads = {}
+    for r in range(N):
+        rows = data[0] if r == 0 else data[1]
+        layer = ref.a if r == 0 else ref.b
+        out = rows @ keras.ops.convert_to_numpy(layer.kernel) + keras.ops.convert_to_numpy(layer.bias)
+        d_out = 2 * (out - Y[:4, :2]) / out.size
+        for name, g in ((f"{layer.name}/k", rows.T @ d_out), (f"{layer.name}/b", d_out.sum(0))):
+            grads[name] = grads.get(name, 0) + g / N
+    for layer in (model.a, model.b):
+        ref_layer = ref.a if layer.name == "a" else ref.b
+        want_k = keras.ops.convert_to_numpy(ref_layer.kernel) - 0.1 * grads.get(f"{layer.name}/k", 0)
+        np.testing.assert_allclose(keras.ops.convert_to_numpy(layer.kernel), want_k, rtol=1e-5, atol=1e-6)
+
+
+def test_ops_keep_bfloat16_and_scalars():
+    # torch: bfloat16 crashed (Tensor.numpy), and 0-d tensors came back with shape (1,)
+    x = keras.ops.cast(keras.ops.convert_to_tensor(np.full((3,), float(R + 1), "float32")), "bfloat16")
+    out = uk.allreduce(x, op=uk.Sum)
+    assert keras.backend.standardize_dtype(out.dtype) == "bfloat16"
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(keras.ops.cast(out, "float32")), float(N * (N + 1) / 2))
+    scalar = uk.allreduce(keras.ops.convert_to_tensor(np.float32(R + 1)), op=uk.Sum)
+    assert tuple(scalar.shape) == ()
+    assert tuple(uk.broadcast(keras.ops.convert_to_tensor(np.float32(R)), root_rank=0).shape) == ()
+
+
+def test_metric_average_callback_averages_array_metrics():
+    logs = {"loss": float(R), "f1": np.array([R, 2.0 * R]), "name": "x"}
+    uk.callbacks.MetricAverageCallback().on_epoch_end(0, logs)
+    mean = (N - 1) / 2
+    assert logs["loss"] == pytest.approx(mean) and isinstance(logs["loss"], float)
+    np.testing.assert_allclose(logs["f1"], [mean, 2 * mean])  # (left per rank before)
+    assert logs["name"] == "x"
 
 
 def test_broadcast_variables_sets_root_values():

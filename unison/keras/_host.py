@@ -24,6 +24,8 @@ from typing import Any
 import keras
 import numpy as np
 
+from unison.common.dtypes import bfloat16_dtype, is_bfloat16
+
 __all__: list[str] = []
 
 HostFn = Callable[[list[np.ndarray], "int | None"], list[np.ndarray]]
@@ -96,11 +98,44 @@ def _tf_call(fn: HostFn, tensors: list[Any], rows: Any) -> list[Any]:
 
 
 def _torch_call(fn: HostFn, tensors: list[Any], rows: Any) -> list[Any]:
+    arrays = [torch_to_numpy(t) for t in tensors]
+    outs = _cast_like(fn(arrays, None if rows is None else int(rows)), arrays)
+    return [torch_from_numpy(o).to(t.device) for o, t in zip(outs, tensors, strict=True)]
+
+
+def torch_to_numpy(tensor: Any) -> np.ndarray:
+    """A CPU torch tensor's values as numpy (bfloat16, which ``Tensor.numpy`` refuses, as the core's)."""
     import torch
 
-    arrays = [t.detach().cpu().numpy() for t in tensors]
-    outs = _cast_like(fn(arrays, None if rows is None else int(rows)), arrays)
-    return [torch.from_numpy(o).to(t.device) for o, t in zip(outs, tensors, strict=True)]
+    t = tensor.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(bfloat16_dtype())
+    return t.numpy()
+
+
+def torch_from_numpy(array: np.ndarray) -> Any:
+    """The inverse of :func:`torch_to_numpy` (0-d arrays stay 0-d)."""
+    import torch
+
+    arr = np.require(array, requirements="C")
+    if is_bfloat16(arr.dtype):
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
+
+
+def traced(tensors: Sequence[Any]) -> bool:
+    """Whether ``tensors`` belong to a program being traced (``jax.jit``, a ``tf.function``), where values
+    are not known yet and Python runs once per trace; False when they are concrete (eager)."""
+    name = backend()
+    if name == "jax":
+        import jax
+
+        return any(isinstance(t, jax.core.Tracer) for t in tensors)
+    if name == "tensorflow":
+        import tensorflow as tf
+
+        return not tf.executing_eagerly()
+    return False
 
 
 def rows_of(tensor: Any) -> Any:
@@ -113,5 +148,5 @@ def to_numpy(value: Any) -> np.ndarray:
     if isinstance(value, keras.Variable):
         value = value.value
     if backend() == "torch":
-        return value.detach().cpu().numpy()
+        return torch_to_numpy(value)
     return np.asarray(keras.ops.convert_to_numpy(value))

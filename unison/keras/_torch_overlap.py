@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from unison.common.data_parallel import GradientStream
+from unison.keras import _host
 
 __all__: list[str] = []
 
@@ -34,7 +35,7 @@ class Overlap:
     def _hook(self, param: torch.Tensor) -> None:
         key = self.keys.get(id(param))
         if self.stream is not None and key is not None and param.grad is not None:
-            self.stream.submit(key, param.grad.detach().cpu().numpy())
+            self.stream.submit(key, _host.torch_to_numpy(param.grad))
             self.streamed += 1
 
     def step(self, rows: int | None, settings: tuple[Any, Any, float, float], run: Callable[[], Any]) -> Any:

@@ -79,24 +79,50 @@ class MetricAverageCallback(keras.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         if not logs:
             return
-        keys = sorted(k for k, v in logs.items() if isinstance(v, (int, float, np.floating, np.integer)))
-        values = frontend.allreduce(np.array([float(logs[k]) for k in keys], np.float64), Average)
-        for key, value in zip(keys, np.asarray(values).tolist(), strict=True):
-            logs[key] = value
+        # every numeric value, arrays too (F1Score(average=None) logs one per class: they were left
+        # per rank), in one all-reduce
+        values = {k: _numeric(v) for k, v in logs.items()}
+        keys = sorted(k for k, v in values.items() if v is not None)
+        if not keys:
+            return
+        flat = np.concatenate([values[k].reshape(-1) for k in keys]).astype(np.float64)
+        averaged = np.asarray(frontend.allreduce(flat, Average))
+        start = 0
+        for key in keys:
+            shape, size = values[key].shape, values[key].size
+            part = averaged[start:start + size].reshape(shape)
+            logs[key] = float(part) if not shape and isinstance(logs[key], (int, float, np.number)) else part
+            start += size
+
+
+def _numeric(value: Any) -> np.ndarray | None:
+    """A logged value as a float array (a number, a numpy array or a backend tensor); None otherwise."""
+    if isinstance(value, (bool, str, bytes)) or value is None:
+        return None
+    try:
+        arr = np.asarray(value if isinstance(value, (int, float, np.generic, np.ndarray))
+                         else keras.ops.convert_to_numpy(value))
+    except (TypeError, ValueError):
+        return None
+    return arr if arr.dtype.kind in "fiu" else None
 
 
 class LearningRateWarmupCallback(keras.callbacks.Callback):
-    """Ramp the learning rate from ``initial_lr / size`` to ``initial_lr`` over ``warmup_epochs``.
+    """Ramp the learning rate from about ``initial_lr / size`` to ``initial_lr`` over ``warmup_epochs``.
 
-    ``lr(e) = initial_lr * (e * (size - 1) / warmup_epochs + 1) / size`` for the
-    (fractional, with ``steps_per_epoch``) epoch ``e < warmup_epochs``; then ``initial_lr``.
+    ``lr(e) = initial_lr * (e * (size - 1) / warmup_epochs + 1) / size`` for the fractional epoch
+    ``e < warmup_epochs``, then ``initial_lr``. As Horovod's: with ``steps_per_epoch`` (given, or read
+    from ``fit``'s parameters) the rate is set before every batch ``b`` of epoch ``E`` at
+    ``e = E + (b + 1) / steps_per_epoch``, so the last batch of epoch ``warmup_epochs - 1`` runs at
+    ``initial_lr`` (the formula without the step reached it one step late: a checkpoint at the end of
+    the warmup held a lower rate); without it, at every epoch's start at ``e = E + 1``.
 
     Args:
         initial_lr: the learning rate after the warmup (usually size x one process's).
         warmup_epochs: epochs the ramp lasts.
         momentum_correction: accepted for Horovod's signature. Keras 3 optimizers compile
             their momentum into the step as a constant, so it is not rescaled.
-        steps_per_epoch: update every step (else at the start of each epoch).
+        steps_per_epoch: batches per epoch (default: ``fit``'s, when it knows them).
         verbose: print (rank 0) when the warmup ends.
     """
 
@@ -109,6 +135,7 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         self.momentum_correction, self.steps_per_epoch = momentum_correction, steps_per_epoch
         self.verbose = verbose
         self._epoch = 0
+        self._steps: int | None = steps_per_epoch
 
     def rate(self, epoch: float) -> float:
         """The learning rate at (fractional) ``epoch``."""
@@ -121,14 +148,19 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         _sync_jax(self.model)
         self.model.optimizer.learning_rate.assign(self.rate(epoch))
 
+    def on_train_begin(self, logs: Any = None) -> None:
+        self._steps = self.steps_per_epoch or (self.params or {}).get("steps") or None
+
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         self._epoch = epoch
-        if epoch <= self.warmup_epochs:
-            self._set(epoch)
+        if epoch >= self.warmup_epochs:
+            self._set(epoch)  # (initial_lr: also for a fit resumed after the warmup)
+        elif not self._steps:
+            self._set(epoch + 1)
 
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-        if self.steps_per_epoch and batch and self._epoch < self.warmup_epochs:
-            self._set(self._epoch + batch / self.steps_per_epoch)
+        if self._steps and self._epoch < self.warmup_epochs:
+            self._set(self._epoch + (batch + 1) / self._steps)
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         if epoch == self.warmup_epochs - 1 and self.verbose and runtime.rank() == 0:

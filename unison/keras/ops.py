@@ -60,12 +60,12 @@ def _differentiable(forward: Fn, backward: Fn, out_like: Shape | None = None,
 
     class _Fn(torch.autograd.Function):
         @staticmethod
-        def forward(ctx: Any, x: Any) -> Any:
-            return torch.from_numpy(np.ascontiguousarray(forward(x.detach().cpu().numpy())))
+        def forward(ctx: Any, x: Any) -> Any:  # (bfloat16 and 0-d tensors kept: _host's conversions)
+            return _host.torch_from_numpy(forward(_host.torch_to_numpy(x)))
 
         @staticmethod
         def backward(ctx: Any, dy: Any) -> Any:
-            return torch.from_numpy(np.ascontiguousarray(backward(dy.detach().cpu().numpy())))
+            return _host.torch_from_numpy(backward(_host.torch_to_numpy(dy)))
 
     return _Fn.apply
 

@@ -26,7 +26,8 @@ import numpy as np
 
 from unison.common.compression import Compression
 from unison.common.data_parallel import average_gradients
-from unison.common.ops import Average, parse_op
+from unison.common.engine import frontend
+from unison.common.ops import Average, Max, Sum, parse_op
 from unison.keras import _host
 
 __all__ = ["DistributedOptimizer"]
@@ -87,16 +88,90 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
         grads = list(grads)
         present = [i for i, g in enumerate(grads) if g is not None]
         pending = self.__dict__.pop("_unison_pending", None)  # started during backward (torch hooks)
-        if pending is not None:
-            reduced = pending(present)
-        else:
-            reduced = _host.host_call(combine, [grads[i] for i in present], _ROWS.get())
+        if pending is None:
+            return super(cls, self).apply(_agreed(self, grads, trainable_variables), trainable_variables)
+        reduced = pending(present)
         for i, g in zip(present, reduced, strict=True):
             grads[i] = g
         return super(cls, self).apply(grads, trainable_variables)
 
-    cls = type(base.__name__, (base,), {"apply": apply, "_unison_distributed": True,
-                                        "__module__": base.__module__, "__qualname__": base.__qualname__,
-                                        "_unison_settings": (rop, compression, 1.0 / gradient_predivide_factor,
-                                                             gradient_predivide_factor)})
+    def _agreed(self: Any, grads: list[Any], trainable_variables: Any) -> list[Any]:
+        """[Note: gradients missing on some ranks] A gradient None on some ranks only (a branch taken by
+        some ranks' data) is reduced by the variable's position, zeros from the ranks without one (one
+        process's answer); reducing only the present ones paired other variables' gradients across
+        ranks (wrong weights, silently). In a traced step (which gradients exist is fixed per trace)
+        the ranks agree on it at trace time with one small all-reduce; eagerly the presence vector
+        travels in the reduction itself, and gradients absent on every rank stay None."""
+        variables = list(trainable_variables if trainable_variables is not None else self._trainable_variables)
+        local = np.array([g is not None for g in grads], dtype=np.float32)
+        filled = [g if g is not None else keras.ops.zeros(v.shape, dtype=v.dtype)
+                  for g, v in zip(grads, variables, strict=True)]
+        if _host.traced([g for g in grads if g is not None]):
+            anywhere = frontend.allreduce(local, op=Max, name=None) > 0  # (at trace time, on every rank)
+            keep = [i for i in range(len(grads)) if anywhere[i]]
+            reduced = _host.host_call(combine, [filled[i] for i in keep], _ROWS.get())
+            out: list[Any] = [None] * len(grads)
+            for i, g in zip(keep, reduced, strict=True):
+                out[i] = g
+            return out
+        reduced = _host.host_call(combine, filled + [keras.ops.convert_to_tensor(local)], _ROWS.get())
+        presence = _host.to_numpy(reduced[-1])
+        return [g if presence[i] > 0 else None for i, g in enumerate(reduced[:-1])]
+
+    def stateless_apply(self: Any, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
+        # JAX's trainer calls this; a LossScaleOptimizer's goes to its inner optimizer's without calling
+        # apply (so nothing was reduced: the ranks drifted apart). Reduce here, then Keras checks and applies
+        reduced = _agreed(self, list(grads), trainable_variables)
+        return super(cls, self).stateless_apply(optimizer_variables, reduced, trainable_variables)
+
+    members: dict[str, Any] = {"apply": apply, "_unison_distributed": True, "_unison_keras_distributed": True,
+                               "__module__": base.__module__, "__qualname__": base.__qualname__,
+                               "_unison_settings": (rop, compression, 1.0 / gradient_predivide_factor,
+                                                    gradient_predivide_factor)}
+    if issubclass(base, keras.optimizers.LossScaleOptimizer):
+        members["stateless_apply"] = stateless_apply
+    cls = type(base.__name__, (base,), members)
+    _agree_on_loss_scale_skips()
     return cls.from_config(optimizer.get_config())
+
+
+_LOSS_SCALE_HOOKED = False
+_agreeing: dict[type, type] = {}
+
+
+def _agree_on_loss_scale_skips() -> None:
+    """[Note: agreed loss-scale skips on every backend] A ``LossScaleOptimizer`` around a
+    ``DistributedOptimizer`` (``compile`` adds one under a ``mixed_float16`` policy) checks this
+    rank's own gradients, before the all-reduce inside the inner optimizer: a rank whose gradients
+    overflowed skipped the step alone, and the others waited in the all-reduce it never joined (a
+    hang on every backend). Its check becomes every rank's: any rank's overflow skips the step
+    everywhere (as ``unison.tf_backend.keras`` does for TensorFlow)."""
+    global _LOSS_SCALE_HOOKED
+    if _LOSS_SCALE_HOOKED:
+        return
+    original = keras.optimizers.LossScaleOptimizer.__init__
+
+    def __init__(self: Any, inner_optimizer: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        original(self, inner_optimizer, *args, **kwargs)
+        if getattr(inner_optimizer, "_unison_keras_distributed", False):
+            self.__class__ = _agreeing_class(type(self))
+
+    keras.optimizers.LossScaleOptimizer.__init__ = __init__
+    _LOSS_SCALE_HOOKED = True
+
+
+def _agreeing_class(base: type) -> type:
+    if base in _agreeing or getattr(base, "_unison_agrees_on_skips", False):
+        return _agreeing.get(base, base)
+
+    def check_finite(self: Any, grads: Any) -> Any:
+        """Keras's check on this rank's gradients, then true only where every rank's was."""
+        finite = base.check_finite(self, grads)
+        overflowed = keras.ops.reshape(keras.ops.cast(keras.ops.logical_not(finite), "float32"), (1,))
+        total = _host.host_call(lambda arrays, rows: [frontend.allreduce(arrays[0], op=Sum)], [overflowed])[0]
+        return keras.ops.equal(keras.ops.sum(total), 0.0)
+
+    cls = type(base.__name__, (base,), {"check_finite": check_finite, "_unison_agrees_on_skips": True,
+                                        "__module__": base.__module__, "__qualname__": base.__qualname__})
+    _agreeing[base] = cls
+    return cls
