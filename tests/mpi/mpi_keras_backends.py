@@ -442,6 +442,25 @@ def test_horovod_style_optimizer_and_callbacks_equal_one_process(tmp_path_factor
     assert sorted(os.listdir(folder)) == ["m-1.keras", "m-2.keras"]
 
 
+def test_horovod_optimizer_keywords_and_backward_passes_per_step():
+    # Horovod's keywords raised TypeError; backward_passes_per_step is Keras's gradient accumulation
+    keras.utils.set_random_seed(300)
+    model = make_model()
+    model.compile(optimizer=uk.DistributedOptimizer(keras.optimizers.SGD(0.05), backward_passes_per_step=2,
+                                                    sparse_as_dense=True, device_dense="", device_sparse=""),
+                  loss="mse", jit_compile=False)
+    ref = make_model()
+    ref.set_weights(model.get_weights())
+    ref.compile(optimizer=keras.optimizers.SGD(0.05, gradient_accumulation_steps=2), loss="mse")
+    rows = GLOBAL_BATCH * 4
+    mine = np.concatenate([np.arange(b + R * 8, b + (R + 1) * 8) for b in range(0, rows, GLOBAL_BATCH)])
+    model.fit(X[mine], Y[mine], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    ref.fit(X[:rows], Y[:rows], batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(model, ref)
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        uk.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=0)
+
+
 def test_learning_rate_warmup_ramps_from_lr_over_size():
     model = make_model()
     model.compile(optimizer=uk.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse", jit_compile=False)

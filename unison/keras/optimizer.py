@@ -47,7 +47,9 @@ def batch_rows(rows: Any) -> Iterator[None]:
 
 def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None = None,  # noqa: N802
                          compression: Any = Compression.none, op: Any = Average,
-                         gradient_predivide_factor: float = 1.0) -> keras.optimizers.Optimizer:
+                         gradient_predivide_factor: float = 1.0, backward_passes_per_step: int = 1,
+                         sparse_as_dense: bool = False, device_dense: str = "", device_sparse: str = "",
+                         process_set: Any = None) -> keras.optimizers.Optimizer:
     """Wrap a Keras 3 optimizer so each step's gradients are combined over the ranks before the update.
 
     Horovod's ``DistributedOptimizer`` on every Keras backend.
@@ -59,15 +61,28 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
         op: ``Average`` (default) or ``Sum``.
         gradient_predivide_factor: divide by this before the sum and multiply after
             (``Average`` only).
+        backward_passes_per_step: apply the update every this many steps, on the mean of their
+            gradients (Keras's ``gradient_accumulation_steps``; each step's gradients are still
+            reduced as they come).
+        sparse_as_dense, device_dense, device_sparse: accepted for Horovod's signature (gradients
+            are reduced densely, on the host; see docs/keras_backends.md).
+        process_set: the global set only (None or ``global_process_set``).
 
     Returns:
         The wrapped optimizer (a new object; the original is left as it was).
 
     Raises:
         TypeError: ``optimizer`` is not a Keras optimizer.
-        ValueError: already wrapped, or a predivide factor with an op other than Average.
+        ValueError: already wrapped, or a predivide factor with an op other than Average, or
+            ``backward_passes_per_step`` below 1.
+        NotImplementedError: a process set other than the global one.
     """
-    del name
+    del name, sparse_as_dense, device_dense, device_sparse
+    if process_set is not None and getattr(process_set, "ranks", None) is not None:
+        raise NotImplementedError(f"unison.keras.DistributedOptimizer(process_set={process_set!r}): only the "
+                                  "global set; use unison.tf_backend.keras.DistributedOptimizer on TensorFlow")
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} must be an int >= 1")
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer needs a keras.optimizers.Optimizer; got "
                         f"{type(optimizer).__name__}. Pass e.g. keras.optimizers.SGD(0.01)")
@@ -132,7 +147,10 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
         members["stateless_apply"] = stateless_apply
     cls = type(base.__name__, (base,), members)
     _agree_on_loss_scale_skips()
-    return cls.from_config(optimizer.get_config())
+    config = optimizer.get_config()
+    if backward_passes_per_step > 1:
+        config["gradient_accumulation_steps"] = backward_passes_per_step
+    return cls.from_config(config)
 
 
 _LOSS_SCALE_HOOKED = False
