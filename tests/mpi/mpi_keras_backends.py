@@ -461,6 +461,42 @@ def test_horovod_optimizer_keywords_and_backward_passes_per_step():
         uk.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=0)
 
 
+def test_a_rank_that_retraces_alone_does_not_hang():
+    # a collective at trace time (to agree which gradients exist) waited for ranks that did not retrace:
+    # here only the last rank's last batch is ragged, so it alone traces the step again
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=uk.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse",
+                  **({} if BACKEND == "jax" else {"jit_compile": False}))
+    n = 48 if R < N - 1 else 47
+    model.fit(X[:n], Y[:n, :1], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert same_everywhere(model.get_weights())
+
+
+def test_warmup_leaves_the_rate_to_other_callbacks_after_it():
+    model = make_model()
+    model.compile(optimizer=uk.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse", jit_compile=False)
+    seen = []
+
+    def halve(epoch, logs):
+        if BACKEND == "jax":
+            model.jax_state_sync()
+            model._jax_state_synced = True
+        if epoch >= 1:
+            rate = float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
+            model.optimizer.learning_rate.assign(rate / 2)
+
+    def record(epoch, logs):
+        if BACKEND == "jax":
+            model.jax_state_sync()
+        seen.append(float(keras.ops.convert_to_numpy(model.optimizer.learning_rate)))
+
+    callbacks = [uk.callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=1),
+                 keras.callbacks.LambdaCallback(on_epoch_begin=record, on_epoch_end=halve)]
+    model.fit(X[:16], Y[:16], batch_size=8, epochs=4, shuffle=False, verbose=0, callbacks=callbacks)
+    assert seen[1:] == pytest.approx([0.1, 0.05, 0.025])  # (reset to 0.1 at every epoch's start before)
+
+
 def test_learning_rate_warmup_ramps_from_lr_over_size():
     model = make_model()
     model.compile(optimizer=uk.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse", jit_compile=False)

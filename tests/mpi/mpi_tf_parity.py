@@ -103,6 +103,24 @@ def test_a_nested_function_and_its_caller_name_their_ops_apart():
         assert g.numpy().tolist() == [float(N)]  # the allreduce's gradient: the Sum of ones
 
 
+def test_an_op_in_a_cond_agrees_on_its_name_after_one_rank_traced_more():
+    # a tf.cond body's graph is named by a process-wide counter (cond_true_12): in the name of the op
+    # inside it, ranks that had traced other code (rank 0's logging) disagreed, and waited for ever
+    if R == 0:
+        tf.function(lambda x: tf.cond(x > 0, lambda: x, lambda: -x))(tf.constant(1.0))
+
+    @tf.function
+    def inner(x):
+        return tf.cond(x[0] > 0, lambda: hvd.allreduce(x, op=hvd.Sum), lambda: x)
+
+    @tf.function
+    def step(x):
+        return inner(x)
+
+    out = within(150, lambda: step(tf.ones(2)))
+    assert out.numpy().tolist() == [float(N)] * 2
+
+
 def test_dependent_and_variable_ops_in_one_graph():
     """Chains (allreduce of an allreduce), variable writes then reads, and independent ops together."""
     v = tf.Variable(tf.zeros([2]))

@@ -115,7 +115,8 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
     from ``fit``'s parameters) the rate is set before every batch ``b`` of epoch ``E`` at
     ``e = E + (b + 1) / steps_per_epoch``, so the last batch of epoch ``warmup_epochs - 1`` runs at
     ``initial_lr`` (the formula without the step reached it one step late: a checkpoint at the end of
-    the warmup held a lower rate); without it, at every epoch's start at ``e = E + 1``.
+    the warmup held a lower rate); without it, at every epoch's start at ``e = E + 1``. Epoch
+    ``warmup_epochs`` starts at ``initial_lr``; later epochs are left to other callbacks.
 
     Args:
         initial_lr: the learning rate after the warmup (usually size x one process's).
@@ -153,9 +154,9 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         self._epoch = epoch
-        if epoch >= self.warmup_epochs:
-            self._set(epoch)  # (initial_lr: also for a fit resumed after the warmup)
-        elif not self._steps:
+        if epoch == self.warmup_epochs:
+            self._set(epoch)  # initial_lr, once: later changes (a decay, ReduceLROnPlateau) are the user's
+        elif epoch < self.warmup_epochs and not self._steps:
             self._set(epoch + 1)
 
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:

@@ -27,7 +27,7 @@ import numpy as np
 from unison.common.compression import Compression
 from unison.common.data_parallel import average_gradients
 from unison.common.engine import frontend
-from unison.common.ops import Average, Max, Sum, parse_op
+from unison.common.ops import Average, Sum, parse_op
 from unison.keras import _host
 
 __all__ = ["DistributedOptimizer"]
@@ -112,32 +112,49 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
 
     def _agreed(self: Any, grads: list[Any], trainable_variables: Any) -> list[Any]:
         """[Note: gradients missing on some ranks] A gradient None on some ranks only (a branch taken by
-        some ranks' data) is reduced by the variable's position, zeros from the ranks without one (one
-        process's answer); reducing only the present ones paired other variables' gradients across
-        ranks (wrong weights, silently). In a traced step (which gradients exist is fixed per trace)
-        the ranks agree on it at trace time with one small all-reduce; eagerly the presence vector
-        travels in the reduction itself, and gradients absent on every rank stay None."""
+        some ranks' data) was left out of the reduction, which then paired the other variables'
+        gradients by position across ranks (wrong weights, silently). Eagerly, every variable's
+        gradient is reduced (zeros from the ranks without one: one process's answer) with a presence
+        vector in the same reduction; the ones absent on every rank stay None. In a traced step (which
+        gradients exist is fixed by the trace, and ranks may retrace at different steps, so no
+        collective can run at trace time) the present ones are reduced with the presence vector and
+        its complement beside them, and the step fails on every rank when the ranks' patterns differ
+        (a group of another length is refused by the reduction itself)."""
         variables = list(trainable_variables if trainable_variables is not None else self._trainable_variables)
         local = np.array([g is not None for g in grads], dtype=np.float32)
-        filled = [g if g is not None else keras.ops.zeros(v.shape, dtype=v.dtype)
-                  for g, v in zip(grads, variables, strict=True)]
         if _host.traced([g for g in grads if g is not None]):
-            anywhere = frontend.allreduce(local, op=Max, name=None) > 0  # (at trace time, on every rank)
-            keep = [i for i in range(len(grads)) if anywhere[i]]
-            reduced = _host.host_call(combine, [filled[i] for i in keep], _ROWS.get())
+            keep = [i for i in range(len(grads)) if local[i]]
+            marks = [keras.ops.convert_to_tensor(local), keras.ops.convert_to_tensor(1.0 - local)]
+            reduced = _host.host_call(checked, [grads[i] for i in keep] + marks, _ROWS.get())[:-2]
             out: list[Any] = [None] * len(grads)
             for i, g in zip(keep, reduced, strict=True):
                 out[i] = g
             return out
+        filled = [g if g is not None else keras.ops.zeros(v.shape, dtype=v.dtype)
+                  for g, v in zip(grads, variables, strict=True)]
         reduced = _host.host_call(combine, filled + [keras.ops.convert_to_tensor(local)], _ROWS.get())
         presence = _host.to_numpy(reduced[-1])
         return [g if presence[i] > 0 else None for i, g in enumerate(reduced[:-1])]
 
+    def checked(arrays: list[np.ndarray], rows: int | None) -> list[np.ndarray]:
+        out = combine(arrays, rows)
+        have, lack = out[-2], out[-1]
+        mixed = np.flatnonzero((have > 0) & (lack > 0))
+        if mixed.size:
+            raise ValueError(f"the gradients of the trainable variables at positions {mixed.tolist()} exist on "
+                             "some ranks and not on others in this traced step; make every rank's step use the "
+                             "same variables (run_eagerly=True reduces them with zeros from the ranks without)")
+        return out
+
     def stateless_apply(self: Any, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
         # JAX's trainer calls this; a LossScaleOptimizer's goes to its inner optimizer's without calling
-        # apply (so nothing was reduced: the ranks drifted apart). Reduce here, then Keras checks and applies
-        reduced = _agreed(self, list(grads), trainable_variables)
-        return super(cls, self).stateless_apply(optimizer_variables, reduced, trainable_variables)
+        # apply (so nothing was reduced: the ranks drifted apart). Reduce here (unless DataParallel's step
+        # combined them already), then Keras checks and applies
+        pending = self.__dict__.pop("_unison_pending", None)
+        grads = list(grads)
+        if pending is None:
+            grads = _agreed(self, grads, trainable_variables)
+        return super(cls, self).stateless_apply(optimizer_variables, grads, trainable_variables)
 
     members: dict[str, Any] = {"apply": apply, "_unison_distributed": True, "_unison_keras_distributed": True,
                                "__module__": base.__module__, "__qualname__": base.__qualname__,

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework.func_graph import FuncGraph
+from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
 
 from unison.common.engine import frontend
 from unison.common.engine.process_sets import ProcessSet, global_process_set
@@ -54,12 +55,14 @@ def _function_path(graph: Any) -> str:
     a nested function's ops carry the path of function names from the outermost one (left out, so
     that a single function's names stay Horovod's). The names are the Python functions'; the
     number TensorFlow appends to the graphs it makes itself (``__backward_helper_263``) counts
-    functions made by this process and could differ between ranks, so it is dropped.
+    functions made by this process and could differ between ranks, so it is dropped (from every
+    name); a ``tf.cond`` or loop body, whose graph is named by such a counter alone, adds nothing.
     """
     parts = []
     while isinstance(graph, FuncGraph) and isinstance(getattr(graph, "outer_graph", None), FuncGraph):
-        name = str(graph.name)
-        parts.append(host_ops._op_name(re.sub(r"_\d+$", "", name) if name.startswith("__") else name))
+        if not isinstance(graph, ControlFlowFuncGraph):  # (a tf.cond or while body: named by a process
+            # counter, ``cond_true_12``, which differs between ranks that traced other code before)
+            parts.append(host_ops._op_name(re.sub(r"_\d+$", "", str(graph.name))))
         graph = graph.outer_graph
     return "".join(f"{part}/" for part in reversed(parts))
 
