@@ -194,8 +194,9 @@ def init(comm: Any = None, process_sets: Any = None, **settings: Any) -> None:
                              "(or rank lists), or 'dynamic'")
         process_sets = None
     with _lock:
-        if _state is not None:
-            unregistered = [ps for ps in process_sets or () if getattr(ps, "process_set_id", None) is None]
+        if _state is not None:  # (rank lists are taken as Horovod does: ignored, as they may be registered)
+            unregistered = [ps for ps in process_sets or ()
+                            if hasattr(ps, "process_set_id") and ps.process_set_id is None]
             if unregistered:  # (they were ignored: the sets then said "not registered" when used)
                 raise ValueError(f"init(process_sets={unregistered!r}): Unison is already initialized, so "
                                  "these sets are not registered; register them with add_process_set() on "
