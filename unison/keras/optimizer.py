@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
@@ -170,7 +170,9 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
     return cls.from_config(config)
 
 
-_LOSS_SCALE_HOOKED = False
+#: (which inner optimizers, the agreeing LossScaleOptimizer class for a class): registered by
+#: :func:`agree_on_loss_scale_skips`; the first whose test takes the inner optimizer applies
+_LOSS_SCALE_AGREEMENTS: list[tuple[Callable[[Any], bool], Callable[[type], type]]] = []
 _agreeing: dict[type, type] = {}
 
 
@@ -180,19 +182,28 @@ def _agree_on_loss_scale_skips() -> None:
     rank's own gradients, before the all-reduce inside the inner optimizer: a rank whose gradients
     overflowed skipped the step alone, and the others waited in the all-reduce it never joined (a
     hang on every backend). Its check becomes every rank's: any rank's overflow skips the step
-    everywhere (as ``unison.tf_backend.keras`` does for TensorFlow)."""
-    global _LOSS_SCALE_HOOKED
-    if _LOSS_SCALE_HOOKED:
+    everywhere."""
+    agree_on_loss_scale_skips(lambda inner: getattr(inner, "_unison_keras_distributed", False), _agreeing_class)
+
+
+def agree_on_loss_scale_skips(takes: Callable[[Any], bool], agreeing: Callable[[type], type]) -> None:
+    """Make every ``LossScaleOptimizer`` whose inner optimizer ``takes`` accepts an instance of
+    ``agreeing(its class)`` from then on (one hook on its ``__init__``, shared by ``unison.keras`` and
+    ``unison.tf_backend.keras``; registering the same pair again does nothing)."""
+    if any(a is agreeing for _, a in _LOSS_SCALE_AGREEMENTS):
         return
-    original = keras.optimizers.LossScaleOptimizer.__init__
+    if not _LOSS_SCALE_AGREEMENTS:
+        original = keras.optimizers.LossScaleOptimizer.__init__
 
-    def __init__(self: Any, inner_optimizer: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
-        original(self, inner_optimizer, *args, **kwargs)
-        if getattr(inner_optimizer, "_unison_keras_distributed", False):
-            self.__class__ = _agreeing_class(type(self))
+        def __init__(self: Any, inner_optimizer: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+            original(self, inner_optimizer, *args, **kwargs)
+            for test, make in _LOSS_SCALE_AGREEMENTS:
+                if test(inner_optimizer):
+                    self.__class__ = make(type(self))
+                    return
 
-    keras.optimizers.LossScaleOptimizer.__init__ = __init__
-    _LOSS_SCALE_HOOKED = True
+        keras.optimizers.LossScaleOptimizer.__init__ = __init__
+    _LOSS_SCALE_AGREEMENTS.append((takes, agreeing))
 
 
 def _agreeing_class(base: type) -> type:

@@ -119,9 +119,6 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
     return cls.from_config(config)
 
 
-_LOSS_SCALE_HOOKED = False
-
-
 def _agree_on_loss_scale_skips() -> None:
     """A ``LossScaleOptimizer`` around a ``DistributedOptimizer`` (``compile`` adds one under a
     ``mixed_float16`` policy) skips a step when every rank would (any rank's gradients overflowed).
@@ -130,22 +127,17 @@ def _agree_on_loss_scale_skips() -> None:
     ``apply``: a rank whose batch overflowed skipped alone and halved its scale, and the others waited
     in an all-reduce it never joined (or, later, paired its steps with their next ones). The
     agreement is over every rank: an optimizer on a process set keeps Keras's own check (known).
+    The hook is ``unison.keras``'s (one for both; that module's optimizers have their own class).
     """
-    global _LOSS_SCALE_HOOKED
-    if _LOSS_SCALE_HOOKED:
-        return
+    from unison.keras.optimizer import agree_on_loss_scale_skips
     from unison.tf_backend import zero_optimizer
 
-    original = keras.optimizers.LossScaleOptimizer.__init__
+    agree_on_loss_scale_skips(_takes, zero_optimizer._agreeing_loss_scale_class)
 
-    def __init__(self: Any, inner_optimizer: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
-        original(self, inner_optimizer, *args, **kwargs)
-        if (getattr(inner_optimizer, "_unison_distributed", False)
-                and getattr(inner_optimizer, "_unison_process_set", None) is None):
-            self.__class__ = zero_optimizer._agreeing_loss_scale_class(type(self))
 
-    keras.optimizers.LossScaleOptimizer.__init__ = __init__
-    _LOSS_SCALE_HOOKED = True
+def _takes(inner: Any) -> bool:
+    return (getattr(inner, "_unison_distributed", False) and not getattr(inner, "_unison_keras_distributed", False)
+            and getattr(inner, "_unison_process_set", None) is None)
 
 
 def _sharded(optimizer: Any, stage: int, **options: Any) -> keras.optimizers.Optimizer:
