@@ -318,3 +318,41 @@ def test_balance_by_time_is_the_same_on_every_rank():
         layers[0] = keras.Sequential([keras.Input((6,)), *[keras.layers.Dense(6) for _ in range(100)], layers[0]])
     balance = hvd.balance_by_time(layers, np.ones((4, 6), "float32"), N)
     assert WORLD.allgather(balance) == [balance] * N and sum(balance) == 8
+
+
+def test_balance_by_time_changes_nothing_it_measures():
+    """Measuring trains each layer's forward: BatchNormalization's moving statistics and the
+    Dropout's seed generator are put back (before: the statistics moved)."""
+    keras.utils.set_random_seed(2)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), keras.layers.BatchNormalization(),
+                              keras.layers.Dropout(0.5, seed=3), keras.layers.Dense(1)])
+    before = [v.numpy().copy() for v in model.non_trainable_variables]
+    assert len(before) >= 3  # the two statistics and the seed generator's state
+    balance = hvd.balance_by_time(model, np.random.default_rng(1).standard_normal((4, 6)).astype("float32"),
+                                  min(N, 4))
+    assert sum(balance) == 4
+    for a, v in zip(before, model.non_trainable_variables, strict=True):
+        np.testing.assert_array_equal(a, v.numpy(), err_msg=v.path)
+
+
+def test_fit_refuses_x_and_y_of_different_lengths_on_every_rank():
+    """A y shorter than x hung the job (the last stage indexed past y's end while rank 0 waited);
+    a longer one was cut silently."""
+    rs = np.random.default_rng(3)
+    x, y = rs.standard_normal((40, 6)).astype("float32"), rs.standard_normal((30, 1)).astype("float32")
+    pipe = Pipeline(make_model(), chunks=2, loss=keras.losses.MeanSquaredError(), optimizer=sgd)
+    for short in (y, np.concatenate([y, y])):
+        msg = raised_everywhere(lambda short=short: pipe.fit(x, short, batch_size=BATCH, verbose=0))
+        assert f"x and y must have the same number of rows on every rank that passes them; rows passed: " \
+               f"rank 0: x 40, y {len(short)}" in msg, msg
+    assert len(pipe.fit(x, y[:10].repeat(4, axis=0), batch_size=BATCH, epochs=1, verbose=0)) == 1
+    pipe.close()
+
+
+def test_a_loss_scale_optimizer_is_refused_on_every_rank():
+    """The stages never multiply the loss by the scale, so a LossScaleOptimizer divided every update
+    by it (32768): refused, naming what to use instead."""
+    msg = raised_everywhere(lambda: Pipeline(make_model(), chunks=2, loss="mse",
+                                             optimizer=lambda: keras.optimizers.LossScaleOptimizer(sgd())))
+    assert "returned a LossScaleOptimizer, which the pipeline does not support" in msg
+    assert "'mixed_bfloat16'" in msg

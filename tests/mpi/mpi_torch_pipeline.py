@@ -442,3 +442,123 @@ def test_a_pipeline_saves_its_stages_as_the_whole_model_and_stale_copies_are_ref
         if R == 0:
             shutil.rmtree(where, ignore_errors=True)
     pipe.close()
+
+
+def spread(layers: int) -> list[int]:
+    """``layers`` layers over the N stages, the first ones taking the extra."""
+    base, extra = divmod(layers, N)
+    return [base + (1 if s < extra else 0) for s in range(N)]
+
+
+@pytest.mark.parametrize("name, checkpoint", [("1f1b", "always"), ("1f1b", "except_last"), ("zb-h1", "always"),
+                                              ("gpipe", "never")])
+def test_checkpointing_moves_batchnorm_statistics_once_per_microbatch(name, checkpoint):
+    """The recomputed forward of a checkpointed microbatch sees the running statistics its first
+    forward saw and leaves them as it found them: buffers and weights as one process training
+    microbatch by microbatch (before: every statistic moved twice per microbatch)."""
+    torch.manual_seed(5)
+    layers = [nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh(),
+              nn.Linear(8, 4), nn.Linear(4, 1)]
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    pipe = hvd.Pipeline(layers, balance=spread(8), chunks=CHUNKS, schedule=name, checkpoint=checkpoint,
+                        loss_fn=nn.functional.mse_loss, optimizer=sgd)
+    batches = [batch(k) for k in range(STEPS)]
+    losses = [pipe.train_step(x, y) for x, y in batches]
+    assert_same_as_reference(pipe, ref, losses, reference_losses(ref, batches, CHUNKS))
+    every = list(ref)
+    for s, span in pipe.layer_ranges.items():
+        theirs = dict(nn.Sequential(*every[span.start:span.stop]).named_buffers())
+        mine = dict(pipe.stages[s].named_buffers())
+        assert mine.keys() == theirs.keys()
+        for key in mine:
+            torch.testing.assert_close(mine[key], theirs[key], rtol=1e-5, atol=1e-6, msg=f"stage {s} {key}")
+    pipe.close()
+
+
+@pytest.mark.parametrize("name, checkpoint", [("1f1b", "never"), ("zb-h1", "never"), ("1f1b", "always"),
+                                              ("zb-h1", "always")])
+def test_a_stage_starting_with_an_in_place_layer_trains_as_one_process(name, checkpoint):
+    """The received input is an autograd leaf; a stage whose first layer writes its input in place
+    (``ReLU(inplace=True)``, also inside a Sequential) gets a copy. Before: a RuntimeError on every
+    rank, with the default balance of such a model too."""
+    torch.manual_seed(2)
+    layers = [nn.Linear(6, 16), nn.Sequential(nn.ReLU(inplace=True), nn.Linear(16, 16)), nn.Linear(16, 8),
+              nn.ReLU(inplace=True), nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 4), nn.Linear(4, 1)]
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    balance = [1, 2, 2, 3][:N] if N == 4 else [1, 7] if N == 2 else [8]
+    pipe = hvd.Pipeline(layers, balance=balance, chunks=CHUNKS, schedule=name, checkpoint=checkpoint,
+                        loss_fn=nn.functional.mse_loss, optimizer=sgd)
+    batches = [batch(k) for k in range(STEPS)]
+    losses = [pipe.train_step(x, y) for x, y in batches]
+    assert_same_as_reference(pipe, ref, losses, reference_losses(ref, batches, CHUNKS))
+    pipe.close()
+
+
+class ClipIds(nn.Module):
+    """A parameterless stage that passes integer ids on (no gradient flows back through it)."""
+
+    def forward(self, ids):
+        return ids.clamp(0, 9)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
+def test_integer_stage_inputs_train_under_every_backward(name):
+    """A stage whose input is integer ids (an Embedding after a stage boundary): zb-h1's split
+    backward asked autograd for the ids' gradient and failed on every rank."""
+    torch.manual_seed(4)
+
+    class Mean(nn.Module):
+        def forward(self, x):
+            return x.mean(dim=1)
+
+    layers = [ClipIds(), nn.Embedding(10, 6), Mean(), nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 1)]
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    balance = [1, 1, 2, 2] if N == 4 else [1, 5] if N == 2 else [6]
+    pipe = hvd.Pipeline(layers, balance=balance, chunks=CHUNKS, schedule=name, loss_fn=nn.functional.mse_loss,
+                        optimizer=sgd)
+    g = torch.Generator().manual_seed(9)
+    batches = [(torch.randint(-2, 12, (BATCH, 3), generator=g), torch.randn(BATCH, 1, generator=g))
+               for _ in range(STEPS)]
+    losses = [pipe.train_step(x, y) for x, y in batches]
+    assert_same_as_reference(pipe, ref, losses, reference_losses(ref, batches, CHUNKS))
+    pipe.close()
+
+
+def test_balance_by_time_changes_nothing_it_measures():
+    """Measuring runs each layer's forward in training mode: the running statistics, the batch
+    counter and the random stream are put back (before: BatchNorm's statistics moved)."""
+    torch.manual_seed(1)
+    layers = [nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.ReLU(inplace=True), nn.Linear(8, 1)]
+    before = [b.clone() for layer in layers for b in layer.buffers()]
+    sample = torch.randn(4, 6)
+    torch.manual_seed(77)
+    expected_next = torch.rand(3)
+    torch.manual_seed(77)
+    balance = hvd.balance_by_time(layers, sample, min(N, 5))
+    assert sum(balance) == 5
+    after = [b for layer in layers for b in layer.buffers()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert torch.equal(torch.rand(3), expected_next)
+    assert all(p.grad is None for layer in layers for p in layer.parameters())
+
+
+@pytest.mark.skipif(N != 2, reason="two stages")
+def test_a_last_stage_returning_a_tuple_reaches_a_loss_that_takes_it():
+    class Pair(nn.Module):
+        def forward(self, x):
+            return x, 2 * x
+
+    def loss(out, t):
+        return nn.functional.mse_loss(out[0], t) + nn.functional.mse_loss(out[1], t)
+
+    torch.manual_seed(3)
+    layers = [nn.Linear(6, 4), nn.Linear(4, 4), Pair()]
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    pipe = hvd.Pipeline(layers, balance=[1, 2], chunks=2, loss_fn=loss, optimizer=sgd)
+    x, t = batch(0)[0], torch.randn(BATCH, 4)
+    got = pipe.train_step(x, t)
+    want = sum(loss(ref(xs), ts).item() / 2 for xs, ts in zip(x.chunk(2), t.chunk(2), strict=True))
+    assert got == pytest.approx(want, rel=1e-6)
+    raised_everywhere(lambda: pipe.train_step(x[:0], t[:0]), "inputs has a batch of 0 rows",
+                      "skip empty batches")
+    pipe.close()

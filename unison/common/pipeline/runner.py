@@ -160,6 +160,9 @@ class PipelineRunner:
                 what = "None" if value is None else f"{type(value).__name__} without a batch dimension"
                 return f"{name} must be a batch (an array or tensor) on the rank holding {stage}; received {what}"
             rows[name] = n = int(shape[0])
+            if n == 0:
+                return (f"{name} has a batch of 0 rows on the rank holding {stage}; a step needs at least "
+                        f"chunks={self.chunks} rows (one per microbatch): skip empty batches")
             if n % self.chunks:
                 k = self.chunks
                 near = sorted({max(k, n // k * k), n // k * k + k})

@@ -68,6 +68,19 @@ def balance_by_time(model: keras.Sequential | Sequence[keras.Layer], sample: Any
         raise ScheduleError(f"repeats must be a positive integer; received {repeats!r}")
     x = tf.convert_to_tensor(sample)
     layers = _as_layers(model, tuple(x.shape[1:]), x.dtype.name)
+    # the measurement trains each layer's forward: put its state (BatchNormalization's moving
+    # statistics, Dropout's seed generator) back afterwards, so measuring changes nothing
+    state = [v for layer in layers for v in layer.non_trainable_variables]
+    saved = [v.numpy() for v in state]
+    try:
+        times = _time_layers(layers, x, repeats)
+    finally:
+        for v, value in zip(state, saved, strict=True):
+            v.assign(value)
+    return balance_by_cost(rank0_decides(times), p)
+
+
+def _time_layers(layers: list[keras.Layer], x: Any, repeats: int) -> list[float]:
     times = []
     for layer in layers:
         step = tf.function(_forward_backward(layer))
@@ -79,7 +92,7 @@ def balance_by_time(model: keras.Sequential | Sequence[keras.Layer], sample: Any
             best = min(best, perf_counter() - start)
         times.append(best)
         x = layer(x, training=False)
-    return balance_by_cost(rank0_decides(times), p)
+    return times
 
 
 def _forward_backward(layer: keras.Layer) -> Callable[[Any], Any]:
@@ -297,6 +310,13 @@ def _make_optimizer(optimizer: Any) -> keras.optimizers.Optimizer:
     opt = keras.optimizers.get(optimizer) if isinstance(optimizer, str) else optimizer()
     if not isinstance(opt, keras.optimizers.Optimizer):
         raise TypeError(f"optimizer() must return a keras.optimizers.Optimizer; it returned {type(opt).__name__}")
+    if isinstance(opt, keras.optimizers.LossScaleOptimizer):
+        # its apply() divides the gradients by the loss scale, but the stages never multiply the
+        # loss by it (nor agree across stages on skipping a step): every update would be 1/scale
+        raise TypeError("optimizer() returned a LossScaleOptimizer, which the pipeline does not support: its "
+                        "stages do not scale the loss, so each update would shrink by the loss scale. Return "
+                        "the inner optimizer, and train in float32 or under the 'mixed_bfloat16' policy (no "
+                        "loss scaling needed)")
     return opt
 
 

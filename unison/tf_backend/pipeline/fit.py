@@ -26,10 +26,9 @@ def fit(pipe: Pipeline, x: Any, y: Any, batch_size: int, epochs: int = 1, verbos
         shuffle: bool = True, seed: int = 0) -> list[float]:
     """Train ``pipe`` on ``(x, y)``; see :meth:`Pipeline.fit`."""
     world = pipe._world
-    rows = _rows(x, y)
-    everyone = world.allgather(rows)
-    known = sorted({r for r in everyone if r is not None})
-    raise_together(world, _problem(known, batch_size, epochs, pipe.grid.dp * pipe.chunks))
+    everyone = world.allgather((_rows(x), _rows(y)))
+    known = sorted({r for pair in everyone for r in pair if r is not None})
+    raise_together(world, _problem(everyone, known, batch_size, epochs, pipe.grid.dp * pipe.chunks))
     n = known[0]
     steps = n // batch_size
     share = batch_size // pipe.grid.dp
@@ -52,10 +51,9 @@ def fit(pipe: Pipeline, x: Any, y: Any, batch_size: int, epochs: int = 1, verbos
     return history
 
 
-def _rows(x: Any, y: Any) -> int | None:
-    for a in (x, y):
-        if a is not None and getattr(a, "shape", None):
-            return int(a.shape[0])
+def _rows(a: Any) -> int | None:
+    if a is not None and getattr(a, "shape", None):
+        return int(a.shape[0])
     return None
 
 
@@ -63,13 +61,16 @@ def _take(a: Any, rows: np.ndarray, needed: bool) -> Any:
     return np.asarray(a)[rows] if needed and a is not None else None
 
 
-def _problem(known: list[int], batch_size: Any, epochs: Any, split: int) -> str | None:
+def _problem(everyone: list[tuple[int | None, int | None]], known: list[int], batch_size: Any, epochs: Any,
+             split: int) -> str | None:
     if not known:
         return ("fit needs x (on the ranks holding stage 0) and y (on the ranks holding the last stage); "
                 "no rank passed either")
     if len(known) > 1:
-        return (f"the ranks passed arrays of different lengths {known}; pass the same x and y (or None) on "
-                "every rank")
+        seen = "; ".join(f"rank {r}: x {xr if xr is not None else '-'}, y {yr if yr is not None else '-'}"
+                         for r, (xr, yr) in enumerate(everyone))
+        return (f"fit: x and y must have the same number of rows on every rank that passes them; rows passed: "
+                f"{seen}. Pass the same x and y (or None) on every rank")
     for name, value in (("batch_size", batch_size), ("epochs", epochs)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             return f"fit: {name} must be a positive integer; received {name}={value!r}"

@@ -15,6 +15,7 @@ from torch import nn
 
 from unison.common.pipeline import ScheduleError, balance_by_cost
 from unison.common.pipeline.grid import rank0_decides
+from unison.torch_backend.pipeline.recompute import capture, restore, starts_in_place
 
 __all__ = ["balance_by_params", "balance_by_time", "as_layers"]
 
@@ -68,17 +69,30 @@ def balance_by_time(module: nn.Sequential | Sequence[nn.Module], sample: torch.T
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ScheduleError(f"repeats must be a positive integer; received {repeats!r}")
     dev = torch.device(device) if device is not None else sample.device
-    times = [math.inf] * len(layers)
-    for _ in range(repeats):
-        x = sample.to(dev)
-        for i, layer in enumerate(layers):
-            layer.to(dev)
-            times[i] = min(times[i], _time_layer(layer, x))
-            with torch.no_grad():
-                x = layer(x)
     for layer in layers:
-        for param in layer.parameters():
-            param.grad = None
+        layer.to(dev)
+    # the measurement trains each layer's forward: put the buffers (BatchNorm's running
+    # statistics) and the random generators back afterwards, so measuring changes nothing
+    buffers = [b for layer in layers for b in layer.buffers()]
+    with torch.no_grad():
+        saved = [b.clone() for b in buffers]
+    rng = capture(dev)
+    try:
+        times = [math.inf] * len(layers)
+        for _ in range(repeats):
+            x = sample.to(dev)
+            for i, layer in enumerate(layers):
+                times[i] = min(times[i], _time_layer(layer, x))
+                with torch.no_grad():
+                    x = layer(x)
+    finally:
+        with torch.no_grad():
+            for b, value in zip(buffers, saved, strict=True):
+                b.copy_(value)
+        restore(rng)
+        for layer in layers:
+            for param in layer.parameters():
+                param.grad = None
     return balance_by_cost(rank0_decides(times), p)
 
 
@@ -87,7 +101,7 @@ def _time_layer(layer: nn.Module, x: torch.Tensor) -> float:
     x = x.detach().requires_grad_(x.is_floating_point())
     _sync(x.device)
     start = perf_counter()
-    y = layer(x)
+    y = layer(x.clone() if starts_in_place(layer) and x.requires_grad else x)
     if y.requires_grad:
         torch.autograd.backward(y, torch.ones_like(y))
     _sync(x.device)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from unison.torch_backend.tensor_parallel_random import get_rng_tracker
 
@@ -49,7 +50,8 @@ def capture(device: torch.device) -> RngState:
     return RngState(torch.get_rng_state(), device, cuda, get_rng_tracker().get_states())
 
 
-def _restore(state: RngState) -> None:
+def restore(state: RngState) -> None:
+    """Put the generators back as ``state`` had them."""
     torch.set_rng_state(state.cpu)
     if state.accelerator is not None:
         torch.cuda.set_rng_state(state.accelerator, state.device)
@@ -61,8 +63,20 @@ def _restore(state: RngState) -> None:
 def replay(state: RngState) -> Iterator[None]:
     """Run the block with the generators as ``state`` had them, then as they were before."""
     now = capture(state.device)
-    _restore(state)
+    restore(state)
     try:
         yield
     finally:
-        _restore(now)
+        restore(now)
+
+
+def starts_in_place(module: nn.Module) -> bool:
+    """Whether ``module``'s first operation writes its input in place (``ReLU(inplace=True)``,
+    also first in a nested ``nn.Sequential``).
+
+    A stage's received input is an autograd leaf (its gradient goes upstream), and autograd
+    refuses an in-place write to a leaf: such a stage is fed a copy.
+    """
+    while isinstance(module, nn.Sequential) and len(module):
+        module = module[0]
+    return bool(getattr(module, "inplace", False))

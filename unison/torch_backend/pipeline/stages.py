@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from unison.common.pipeline import PipelineError
-from unison.torch_backend.pipeline.recompute import RngState, capture, replay
+from unison.torch_backend.pipeline.recompute import RngState, capture, replay, starts_in_place
 from unison.torch_backend.tensors import from_numpy, to_numpy
 
 __all__: list[str] = []
@@ -52,6 +52,8 @@ class _Kept:
     x: torch.Tensor
     out: torch.Tensor | None = None  # the output (the scaled loss on the last stage)
     rng: RngState | None = None  # set when the forward is to be recomputed
+    # the stage's buffers as a checkpointed forward found them: (module, name, a copy)
+    buffers: list[tuple[nn.Module, str, torch.Tensor]] | None = None
     grad: torch.Tensor | None = None  # the output gradient
     outs: list[torch.Tensor] | None = None  # each layer's output (for the split backward)
     # split backward, after I: (output of a layer with parameters, its gradient, the parameters)
@@ -107,10 +109,12 @@ class TorchStages:
         if self.checkpoint == "always" or (self.checkpoint == "except_last" and mb < self.chunks - 1):
             rng = capture(self.device)
             with torch.no_grad():
-                out = self._loss_or_output(stage, mb, self.modules[stage](inp))
-            self._keep(stage, mb, _Kept(inp, rng=rng))
+                buffers = [(m, name, b.clone()) for m in self.modules[stage].modules()
+                           for name, b in m._buffers.items() if b is not None]
+                out = self._loss_or_output(stage, mb, self.modules[stage](self._enter(stage, inp)))
+            self._keep(stage, mb, _Kept(inp, rng=rng, buffers=buffers))
         else:
-            y, outs = self._layers(stage, inp)
+            y, outs = self._layers(stage, self._enter(stage, inp))
             out = self._loss_or_output(stage, mb, y)
             self._keep(stage, mb, _Kept(inp, out, outs=outs))
         return None if stage == self.last else _boundary(stage, out)
@@ -131,15 +135,19 @@ class TorchStages:
         if kept.out is None or not kept.out.requires_grad:
             return self._input_grad(kept.x)
         # see [Note: splitting backward]
+        # an input that takes no gradient (integer ids) sends zeros upstream, as backward does
+        wrt = [kept.x] if kept.x.requires_grad else []
         if stage in self.shared_weights:  # pending stays None: W takes every parameter from the stage's output
-            (dx,) = torch.autograd.grad(kept.out, [kept.x], kept.grad, retain_graph=True, allow_unused=True)
+            grads = torch.autograd.grad(kept.out, wrt, kept.grad, retain_graph=True, allow_unused=True) \
+                if wrt else ()
         else:
             layers = [(o, ps) for o, ps in zip(kept.outs or [], self.layer_params[stage], strict=True)
                       if ps and o.requires_grad]
-            grads = torch.autograd.grad(kept.out, [kept.x, *[o for o, _ in layers]], kept.grad,
+            grads = torch.autograd.grad(kept.out, [*wrt, *[o for o, _ in layers]], kept.grad,
                                         retain_graph=True, allow_unused=True)
-            kept.pending = [(o, g, ps) for (o, ps), g in zip(layers, grads[1:], strict=True) if g is not None]
-            dx = grads[0]
+            kept.pending = [(o, g, ps) for (o, ps), g in zip(layers, grads[len(wrt):], strict=True)
+                            if g is not None]
+        dx = grads[0] if wrt else None
         kept.outs = None
         return _host(dx if dx is not None else torch.zeros_like(kept.x))
 
@@ -159,6 +167,10 @@ class TorchStages:
         self.kept[(stage, mb)] = kept
         live = sum(1 for s, _ in self.kept if s == stage)
         self.live_peak[stage] = max(self.live_peak[stage], live)
+
+    def _enter(self, stage: int, x: torch.Tensor) -> torch.Tensor:
+        """What the stage's layers receive: a copy of the input leaf when they write it in place."""
+        return x.clone() if x.requires_grad and starts_in_place(self.modules[stage]) else x
 
     def _layers(self, stage: int, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The stage's output and each of its layers' outputs."""
@@ -190,7 +202,7 @@ class TorchStages:
                                     "train_step on the rank holding the last stage")
             return out
         target = self.targets[mb]
-        if target.shape[:1] != out.shape[:1]:
+        if isinstance(out, torch.Tensor) and target.shape[:1] != out.shape[:1]:  # loss_fn may take a tuple
             raise ValueError(f"microbatch {mb} reaches the last stage with {out.shape[0]} rows but its targets "
                              f"have {target.shape[0]} rows ({target.shape[0] * self.chunks} target rows in all): "
                              "pass targets with as many rows as the inputs on the rank holding stage 0")
@@ -208,10 +220,24 @@ class TorchStages:
         """The microbatch's graph (recomputed when checkpointed) and output gradient."""
         kept = self.kept[(stage, mb)]
         if kept.rng is not None:
-            with replay(kept.rng):
-                y, kept.outs = self._layers(stage, kept.x)
-                kept.out = self._loss_or_output(stage, mb, y, count=False)
-            kept.rng = None
+            # [Note: recompute leaves the buffers alone] The recomputed forward runs on the copies
+            # of the buffers (BatchNorm's running statistics) taken before the first forward, so
+            # it sees what that one saw, and its own updates land in the copies: each microbatch
+            # moves the real buffers once, as without checkpointing. The real ones are swapped
+            # out and back, never written (a write would bump their autograd version, which a
+            # graph that saved them checks).
+            swapped = kept.buffers or []
+            real = [m._buffers[name] for m, name, _ in swapped]
+            for m, name, copy in swapped:
+                m._buffers[name] = copy
+            try:
+                with replay(kept.rng):
+                    y, kept.outs = self._layers(stage, self._enter(stage, kept.x))
+                    kept.out = self._loss_or_output(stage, mb, y, count=False)
+            finally:
+                for (m, name, _), tensor in zip(swapped, real, strict=True):
+                    m._buffers[name] = tensor
+            kept.rng = kept.buffers = None
         kept.grad = None if grad is None else from_numpy(grad).to(self.device)
         return kept
 
