@@ -562,3 +562,38 @@ def test_a_last_stage_returning_a_tuple_reaches_a_loss_that_takes_it():
     raised_everywhere(lambda: pipe.train_step(x[:0], t[:0]), "inputs has a batch of 0 rows",
                       "skip empty batches")
     pipe.close()
+
+
+class Tripwire(nn.Module):
+    """An identity that raises on a microbatch whose first value is above 50."""
+
+    def forward(self, x):
+        if float(x[0, 0]) > 50:
+            raise ValueError("tripwire: an input above 50")
+        return x
+
+
+@pytest.mark.skipif(N % 2, reason="a grid of 2 pipelines needs an even number of ranks")
+def test_a_step_failing_in_one_pipeline_of_a_grid_raises_everywhere_and_the_next_step_trains():
+    """At 2 ranks each pipeline is one rank: the failing rank's engine abandons its collectives
+    while the step ends, and the next step's gradient all-reduce failed with that reason on
+    every rank (the engine read the abandon when a cycle began, not when its stall round ran)."""
+    grid = hvd.pipeline_grid(dp=2)
+    layers = [Tripwire(), *make_layers()]
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    pipe = hvd.Pipeline(layers, balance=[5, 4] if grid.pp == 2 else None, chunks=2, grid=grid,
+                        loss_fn=nn.functional.mse_loss, optimizer=sgd)
+    x, y = batch(0, grid.pipeline)
+    if grid.pipeline == 1:
+        x = x.clone()
+        x[BATCH // 2, 0] = 100.0  # pipeline 1's microbatch 1 trips its stage 0
+    culprit = WORLD.allgather((grid.pipeline, grid.position)).index((1, 0))
+    raised_everywhere(lambda: pipe.train_step(x, y), f"pipeline step failed on rank {culprit} at F1@s0",
+                      "tripwire: an input above 50")
+    for k in range(2):  # nothing of the failed step is left behind
+        parts = [batch(k, replica) for replica in range(2)]
+        loss = pipe.train_step(*parts[grid.pipeline])
+        ref_loss = reference_losses(ref, [(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))],
+                                    None)
+        assert loss == pytest.approx(ref_loss[0], rel=1e-5)
+    pipe.close()

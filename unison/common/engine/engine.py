@@ -669,6 +669,12 @@ class Engine:
     # ------------------------------------------------------------- stalls
     def _stall_round(self, st: _SetState, abandon: str | None = None) -> None:
         """Collective over the set (see :mod:`.stalls`); drop the handles it failed from ``_inflight``."""
+        if abandon is not None:
+            # Read again: the cycle's negotiation may have waited for peers that started new work
+            # after the caller ended the abandon (a pipeline's next step, its gradient all-reduce
+            # already pending): the reason read when the cycle began would fail that work.
+            with self._cv:
+                abandon = self._abandon
         if stall_round(st.controller, self.mpi, self.config, abandon, st.world_ranks, self.rank) is not None:
             sid = st.controller.set_id
             with self._cv:
