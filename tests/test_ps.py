@@ -40,6 +40,38 @@ def test_initial_table_does_not_depend_on_the_shard_count(init):
         assert np.abs(whole).max() <= 0.5 and whole.std() > 0.2
 
 
+@pytest.mark.parametrize("init", ["uniform", "normal"])
+def test_initial_rows_are_drawn_in_bounded_pieces_with_the_values_of_whole_blocks(init):
+    """Each block of 65536 rows is one random stream; drawing it in pieces (and only up to the
+    shard's last row) gives the values of drawing the whole block, in a bounded amount of
+    memory (10 rows of 2048 floats took 1 GiB and 3 s when every shard drew whole blocks)."""
+    import tracemalloc
+
+    from unison.common.ps import shard as shard_module
+
+    block = shard_module._CHUNK
+
+    def whole_blocks(lo, hi, dim, seed):
+        out, scale = np.empty((hi - lo, dim)), 1 / np.sqrt(dim)
+        for chunk in range(lo // block, (hi + block - 1) // block):
+            rng = np.random.Generator(np.random.Philox(key=seed, counter=chunk))
+            draw = rng.uniform if init == "uniform" else rng.normal
+            rows = draw(-scale, scale, (block, dim)) if init == "uniform" else draw(0, scale, (block, dim))
+            a, b = max(lo, chunk * block), min(hi, (chunk + 1) * block)
+            out[a - lo:b - lo] = rows[a - chunk * block:b - chunk * block]
+        return out
+
+    sh = Sharding("row", 3 * block, 1)
+    for lo, hi, dim in [(0, 10, 3), (block - 5, block + 700, 40), (3, 2 * block + 9, 2)]:
+        got = initial_rows(init, sh, lo, hi, dim, np.dtype("float64"), seed=11)
+        np.testing.assert_array_equal(got, whole_blocks(lo, hi, dim, 11), err_msg=f"{lo}:{hi} x {dim}")
+    tracemalloc.start()
+    initial_rows(init, sh, 0, 10, 2048, np.dtype("float32"), seed=3)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 1 << 20, peak  # a whole block: 65536 x 2048 x 8 bytes = 1 GiB
+
+
 def test_callable_initializer_gets_keys_and_must_return_rows():
     sh = Sharding("hash", 50, 2)
     lo, hi = sh.block(1)
@@ -186,3 +218,20 @@ def test_a_checkpoint_loads_only_into_a_table_with_the_same_optimizer(tmp_path):
             np.testing.assert_array_equal(table.to_numpy(), saved)
     finally:
         unison.shutdown()
+
+
+def test_optimizer_arguments_take_any_real_number_and_refuse_what_torch_refuses():
+    """numpy scalars are numbers (``SGD(np.float32(0.1))`` was refused as "not finite"); a
+    negative Adagrad accumulator or eps turned rows into NaN (torch refuses them)."""
+    assert SGD(np.float32(0.5)).lr == 0.5 and isinstance(SGD(np.int64(1)).lr, float)
+    assert Adam(lr=np.float64(0.01), beta1=np.float32(0.5)).beta1 == 0.5
+    for bad, match in [(lambda: SGD(True), r"SGD\(lr=True\): the learning rate must be a finite real number"),
+                       (lambda: SGD(float("nan")), "must be a finite real number"),
+                       (lambda: SGD("0.1"), "must be a finite real number"),
+                       (lambda: Adagrad(initial_accumulator_value=-1.0),
+                        r"Adagrad\(initial_accumulator_value=-1.0\) must not be negative"),
+                       (lambda: Adagrad(eps=-1e-10), "must not be negative"),
+                       (lambda: Adam(eps=-1.0), r"Adam\(eps=-1.0\) must not be negative"),
+                       (lambda: Adam(beta2=1.0), r"Adam\(beta2=1.0\) must be in \[0, 1\)")]:
+        with pytest.raises(ValueError, match=match):
+            bad()

@@ -19,6 +19,7 @@ from mpi4py import MPI
 
 import unison.ps as ps
 from unison.common import runtime
+from unison.common.checkpoints import CheckpointError
 
 WORLD = MPI.COMM_WORLD
 N, R = WORLD.Get_size(), WORLD.Get_rank()
@@ -403,3 +404,39 @@ def test_creation_failing_on_one_rank_raises_on_every_rank():
     with ps.ShardedTable(ROWS, DIM, name="u64") as table:
         with pytest.raises(ps.TableError, match=r"key 18446744073709551615"):
             table.pull(np.array([2 ** 64 - 1], np.uint64))
+
+
+def test_a_failed_load_on_a_dedicated_server_table_keeps_it_serving():
+    """A checkpoint of another shape raises on every rank; the server rank went on to leave its
+    loop with the error, and the workers' next operation waited for it forever."""
+    if N == 1:
+        pytest.skip("a dedicated server needs a worker")
+    with shared_folder("ps_ded_bad_") as folder:
+        other = ps.ShardedTable(ROWS, DIM + 1, "float64", name="ded-bad-src", initializer="zeros")
+        other.save(folder)
+        other.close()
+        table = ps.ShardedTable(ROWS, DIM, "float64", name="ded-bad", initializer=init_rows, servers=[0])
+        if R == 0:
+            table.serve()
+            return
+        with pytest.raises(CheckpointError, match="dim"):
+            table.load(folder)
+        np.testing.assert_array_equal(table.pull([1, 5]), init_rows(np.array([1, 5])))  # still served
+        table.close()
+
+
+def test_default_names_agree_after_a_table_on_a_process_set():
+    """Unnamed tables are counted per group of ranks: a table on a process set gave its members a
+    later default name for the next world table than the other ranks (a mismatch on every rank)."""
+    if N == 1:
+        pytest.skip("a process set smaller than the job needs 2 ranks")
+    from unison.common.engine.process_sets import ProcessSet
+
+    first = ps.ShardedTable(ROWS, DIM, "float64", initializer="zeros")
+    if R == 0:
+        solo = ps.ShardedTable(ROWS, DIM, "float64", initializer="zeros", process_set=ProcessSet([0]))
+        assert solo.name.endswith("@[0]"), solo.name
+        solo.close()
+    second = ps.ShardedTable(ROWS, DIM, "float64", initializer="zeros")
+    assert len(set(WORLD.allgather((first.name, second.name)))) == 1 and first.name != second.name
+    first.close(), second.close()

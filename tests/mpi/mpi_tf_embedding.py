@@ -161,3 +161,16 @@ def test_a_mixed_precision_policy_is_refused_when_built():
             layer.build((None, SEQ))
     finally:
         layer.table.close()
+
+
+def test_float_ids_are_truncated_as_keras_embedding_does(strategy):  # (the strategy initialises Unison)
+    """Keras hands ids over as floats; they pick the rows keras.layers.Embedding picks (truncated:
+    2.7 -> 2), where they were rounded (2.7 -> 3)."""
+    layer = ShardedEmbedding(ROWS, DIM, optimizer=ps.SGD(0.1), initializer=init_rows)
+    ids = np.array([[2.7, 3.5, 4.5]], "float32")
+    keras_layer = keras.layers.Embedding(ROWS, DIM)
+    keras_layer.build((None, 3))
+    keras_layer.set_weights([init_rows(np.arange(ROWS))])
+    np.testing.assert_array_equal(layer(ids).numpy(), keras_layer(ids).numpy())
+    np.testing.assert_array_equal(layer(ids).numpy()[0], init_rows(np.array([2, 3, 4])))
+    layer.table.close()

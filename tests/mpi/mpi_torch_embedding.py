@@ -113,3 +113,16 @@ def test_duplicates_sum_and_ssp_trains():
     np.testing.assert_allclose(rows[:, 0], [-6.0 * N, -3.0 * N])
     assert emb.table.stats()["max_staleness"] <= 1
     emb.table.close()
+
+
+def test_two_backward_passes_through_one_forward_push_their_own_gradients():
+    """Each backward pushes the rows' gradient of that pass. The push read the gradient buffer
+    later, after the second backward had added into it in place: -14 instead of -8 at 2 ranks."""
+    emb = hvd.ShardedEmbedding(6, 2, ps.SGD(1.0), dtype=torch.float64, initializer="zeros", name="twice",
+                               average=False, sharding="row")
+    out = emb(torch.tensor([1, 2]))
+    out.sum().backward(retain_graph=True)  # 1 per element -> push 1
+    (3 * out.sum()).backward()  # 3 per element -> push 2
+    emb.synchronize()
+    np.testing.assert_array_equal(emb.table.pull([1, 2]), np.full((2, 2), -4.0 * N))
+    emb.table.close()

@@ -150,8 +150,8 @@ class ShardedEmbedding(keras.layers.Layer):
     def call(self, ids: Any) -> tf.Tensor:
         ids = tf.convert_to_tensor(ids)
         if not ids.dtype.is_integer:
-            if ids.dtype.is_floating:  # Keras may hand ids as floats (e.g. from numpy arrays)
-                ids = tf.cast(tf.round(ids), tf.int64)
+            if ids.dtype.is_floating:  # Keras may hand ids as floats (e.g. from numpy arrays):
+                ids = tf.cast(ids, tf.int64)  # truncated, as keras.layers.Embedding does (2.7 -> row 2)
             else:
                 raise TypeError(f"ShardedEmbedding: ids must be integers; got {ids.dtype}")
         ids = tf.cast(ids, tf.int64)

@@ -69,7 +69,10 @@ class ShardedEmbedding(torch.nn.Module):
         return out.reshape(*ids.shape, self.embedding_dim).to(ids.device)
 
     def _push(self, keys: np.ndarray, grad: torch.Tensor) -> None:
-        self._pending.append(self.table.push_async(keys, grad.detach().cpu().numpy()))
+        # a copy: the push reads it later, and autograd may add into this very buffer meanwhile
+        # (a second backward through the same forward accumulates into the rows' .grad in place)
+        rows = grad.detach().cpu().numpy()
+        self._pending.append(self.table.push_async(keys, rows.copy() if grad.device.type == "cpu" else rows))
 
     def synchronize(self) -> None:
         """Wait until this module's pushes so far are done (raises a push's error)."""

@@ -10,6 +10,8 @@ of times that row was updated), as lazy/sparse Adam variants do; it is not dense
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,8 +45,15 @@ class Optimizer:
     state_names: tuple[str, ...] = field(default=(), init=False)
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.lr, (int, float)) and np.isfinite(self.lr)):
-            raise ValueError(f"{type(self).__name__}(lr={self.lr!r}): the learning rate must be a finite number")
+        self.lr = _real(self, "lr", self.lr, "the learning rate")
+
+    def _non_negative(self, *names: str) -> None:
+        """Check the named fields as :func:`_real` does, and that they are not negative (torch's rules)."""
+        for name in names:
+            value = _real(self, name, getattr(self, name), name)
+            if value < 0:
+                raise ValueError(f"{type(self).__name__}({name}={value!r}) must not be negative")
+            setattr(self, name, value)
 
     def init_state(self, rows: int, dim: int, dtype: np.dtype) -> dict[str, np.ndarray]:
         return {}
@@ -60,6 +69,13 @@ class Optimizer:
         out = {k: v for k, v in self.__dict__.items() if k != "state_names"}
         out["name"] = type(self).__name__
         return out
+
+
+def _real(opt: Optimizer, name: str, value: Any, what: str) -> float:
+    """``value`` as a Python float: any finite real number, numpy's scalars included (not a bool)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{type(opt).__name__}({name}={value!r}): {what} must be a finite real number")
+    return float(value)
 
 
 @dataclass
@@ -82,6 +98,7 @@ class Adagrad(Optimizer):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self._non_negative("initial_accumulator_value", "eps")  # a negative sum's root is NaN
         self.state_names = ("sum",)
 
     def init_state(self, rows: int, dim: int, dtype: np.dtype) -> dict[str, np.ndarray]:
@@ -109,10 +126,12 @@ class Adam(Optimizer):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self._non_negative("eps")
         for name in ("beta1", "beta2"):
-            value = getattr(self, name)
+            value = _real(self, name, getattr(self, name), name)
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"Adam({name}={value!r}) must be in [0, 1)")
+            setattr(self, name, value)
         self.state_names = ("m", "v", "steps")
 
     def init_state(self, rows: int, dim: int, dtype: np.dtype) -> dict[str, np.ndarray]:

@@ -17,6 +17,8 @@ from unison.common.ps.sharding import Sharding
 
 __all__ = ["Shard", "merge", "initial_rows"]
 
+#: Most bytes of float64 random numbers drawn at once by the initializers.
+_DRAW_BYTES = 4 << 20
 _CHUNK = 1 << 16  # rows per random-number block: the initial table is the same on any number of ranks
 
 
@@ -77,16 +79,26 @@ def initial_rows(
         )
     out = np.empty((n, dim), dtype)
     scale = 1.0 / np.sqrt(dim)
+    # Each chunk of _CHUNK rows is one stream, drawn row after row from its first row; drawing it
+    # in pieces of at most _DRAW_BYTES and stopping at the shard's last row gives the same values
+    # as drawing the whole chunk at once (numpy's uniform and ziggurat normal keep no state
+    # between calls), without a whole chunk in memory (10 rows of 2048 took 1 GiB).
+    per_draw = max(1, _DRAW_BYTES // (8 * dim))
     for chunk in range(lo // _CHUNK, (hi + _CHUNK - 1) // _CHUNK):
         c0 = chunk * _CHUNK
         rng = np.random.Generator(np.random.Philox(key=seed, counter=chunk))
-        block = (
-            rng.uniform(-scale, scale, (_CHUNK, dim))
-            if initializer == "uniform"
-            else rng.normal(0.0, scale, (_CHUNK, dim))
-        )
         a, b = max(lo, c0), min(hi, c0 + _CHUNK)
-        out[a - lo : b - lo] = block[a - c0 : b - c0]
+        row = c0
+        while row < b:
+            k = min(per_draw, b - row)
+            if initializer == "uniform":
+                block = rng.uniform(-scale, scale, (k, dim))
+            else:
+                block = rng.normal(0.0, scale, (k, dim))
+            s0, s1 = max(a, row), row + k
+            if s1 > s0:
+                out[s0 - lo : s1 - lo] = block[s0 - row : s1 - row]
+            row += k
     return out
 
 

@@ -127,6 +127,25 @@ def _resolve_comm(comm: Any, process_set: Any) -> tuple[Any, Any]:
     return st.comm.Create_group(group), st.mpi
 
 
+def _default_name(comm: Any, mpi: Any) -> str:
+    """``table<k>`` for the k-th unnamed table over all ranks, ``table<k>@<ranks>`` over a subset.
+
+    Counted per group of ranks (world ranks of ``comm``), so every member of a table's group
+    gives it the same name: one counter for all tables let a table on a process set advance it
+    on its members only, and the next world table got different names on different ranks.
+    """
+    if comm is None:
+        members: tuple[int, ...] = (0,)
+        everyone = True
+    else:
+        world = mpi.COMM_WORLD
+        members = tuple(mpi.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())),
+                                                  world.Get_group()))
+        everyone = len(members) == world.Get_size()
+    k = ShardedTable._counts[members] = ShardedTable._counts.get(members, 0) + 1
+    return f"table{k}" if everyone else f"table{k}@{list(members)}"
+
+
 class ShardedTable:
     """A ``num_rows x dim`` table spread over the ranks, read with :meth:`pull` and trained with :meth:`push`.
 
@@ -151,7 +170,8 @@ class ShardedTable:
         comm, process_set: the ranks of the table (default: every rank of ``unison.init``).
     """
 
-    _count = 0
+    #: default names already given, per group of world ranks (see :func:`_default_name`)
+    _counts: dict[tuple[int, ...], int] = {}
 
     def __init__(
         self,
@@ -172,8 +192,7 @@ class ShardedTable:
         base, self.mpi = _resolve_comm(comm, process_set)
         self.size = 1 if base is None else base.Get_size()
         self.rank = 0 if base is None else base.Get_rank()
-        ShardedTable._count += 1
-        self.name = name if name is not None else f"table{ShardedTable._count}"
+        self.name = name if name is not None else _default_name(base, self.mpi)
         problem = None
         try:
             self._check_args(num_rows, dim, dtype, optimizer, servers)
@@ -806,10 +825,16 @@ class ShardedTable:
                     path, metadata = self.comm.bcast(None, root=self.workers[0])
                     from unison.common.ps import checkpoint
 
-                    if op == ex.SAVE:
-                        checkpoint.save(self, path, metadata)
-                    else:
-                        checkpoint.load(self, path)
+                    try:
+                        if op == ex.SAVE:
+                            checkpoint.save(self, path, metadata)
+                        else:
+                            checkpoint.load(self, path)
+                    except checkpoint.ck.CheckpointError as exc:
+                        # raised on every rank: the workers report it; the server keeps serving
+                        # (it stopped, and the workers' next operation waited for it forever)
+                        logger.info("table %r: %s failed on every rank: %s", self.name,
+                                    "save" if op == ex.SAVE else "load", exc)
                     continue
                 self._bsp_body(
                     rnd,
