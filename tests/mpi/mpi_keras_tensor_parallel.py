@@ -573,3 +573,88 @@ def test_grid_registers_its_tensor_groups():
     layer = hvd.ColumnParallelLinear.from_dense(ref, gather_output=True, process_set=sets.tp)
     x = seeded(30, 2, 3)
     close(layer(x), ref(x))
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_cross_entropy_with_masked_logits_at_minus_infinity(tp):
+    """Padded vocabulary entries masked with -inf: the loss and gradient of Keras's (the target's
+    logit was picked by a one-hot product, and -inf * 0 made every loss NaN)."""
+    vocab = 4 * tp
+    logits = np.array(seeded(30, 3, vocab))
+    logits[:, 1::2] = -np.inf  # every odd entry masked
+    target = np.array([0, 2, vocab - 2])
+    expected, grad, _ = run(lambda t: keras_cross_entropy(t, target, "none"), logits, np.ones(3))
+    assert np.all(np.isfinite(expected))
+    ps = group(tp)
+    if ps is None:
+        return
+    loss, grad_par, _ = run(lambda t: hvd.vocab_parallel_cross_entropy(t, target, process_set=ps,
+                                                                       reduction="none"),
+                            piece(logits, ps), np.ones(3))
+    close(loss, expected)
+    close(grad_par, piece(grad, ps))
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_an_activation_over_all_units_runs_on_the_gathered_output(tp):
+    """softmax mixes the units: with gather_output it runs after the gather (each shard's own
+    softmax summed to tp per row), without it the layer is refused on construction."""
+    ref = dense(31, 5, 3 * tp, activation="softmax")
+    x, upstream = seeded(32, 4, 5), seeded(33, 4, 3 * tp)
+    expected, dx, (dk, db) = run(ref, x, upstream, [ref.kernel, ref.bias])
+    ps = group(tp)
+    if ps is None:
+        return
+    layer = hvd.ColumnParallelLinear.from_dense(ref, gather_output=True, process_set=ps)
+    out, dx_par, (dk_par, db_par) = run(layer, x, upstream, [layer.kernel, layer.bias])
+    close(out, expected)
+    close(dx_par, dx)
+    close(dk_par, piece(dk, ps, 1))
+    close(db_par, piece(db, ps, 0))
+    with pytest.raises(ValueError, match="activation 'softmax' mixes the output units"):
+        hvd.ColumnParallelLinear.from_dense(ref, gather_output=False, process_set=ps)
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_from_dense_keeps_the_regularizers_and_constraints_that_split(tp):
+    """L2 on the kernels and a max-norm on a column kernel: the whole layer's penalty on every rank
+    (each shard's summed over the group) and the same weights after a step as the unsplit model.
+    They were dropped; a constraint that does not split is refused."""
+    keras.utils.set_random_seed(34)
+    col = keras.layers.Dense(4 * tp, activation="tanh", dtype=D, kernel_regularizer=keras.regularizers.L2(0.3),
+                             bias_regularizer=keras.regularizers.L1(0.2),
+                             kernel_constraint=keras.constraints.MaxNorm(0.8))
+    row = keras.layers.Dense(3, dtype=D, kernel_regularizer=keras.regularizers.L1L2(0.1, 0.2),
+                             bias_regularizer=keras.regularizers.L2(0.5),
+                             bias_constraint=keras.constraints.NonNeg())
+    ref = keras.Sequential([keras.Input((5,), dtype=D), col, row])
+    randomize(col, 35), randomize(row, 36)
+    x = seeded(37, 6, 5)
+    ps = group(tp)
+    if ps is not None:
+        a = hvd.ColumnParallelLinear.from_dense(col, process_set=ps)
+        b = hvd.RowParallelLinear.from_dense(row, process_set=ps)
+    def step(layers, model_losses):
+        opt = keras.optimizers.SGD(0.1)
+        with tf.GradientTape() as tape:
+            y = x
+            for layer in layers:
+                y = layer(y)
+            loss = tf.reduce_mean(y * y) + tf.add_n(model_losses())
+        weights = [w for layer in layers for w in layer.trainable_weights]
+        opt.apply(tape.gradient(loss, weights), weights)
+        return float(loss)
+
+    expected = step([col, row], lambda: ref.losses)
+    if ps is None:
+        return
+    got = step([a, b], lambda: a.losses + b.losses)
+    assert got == pytest.approx(expected, rel=1e-12)
+    close(a.kernel, piece(col.kernel, ps, 1))
+    close(a.bias, piece(col.bias, ps, 0))
+    close(b.kernel, piece(row.kernel, ps, 0))
+    close(b.bias, row.bias)
+    bad = keras.layers.Dense(3, dtype=D, kernel_constraint=keras.constraints.UnitNorm())
+    bad.build((None, 2 * tp))
+    with pytest.raises(ValueError, match="kernel_constraint UnitNorm, which does not split over the shards here"):
+        hvd.RowParallelLinear.from_dense(bad, process_set=ps)

@@ -57,6 +57,55 @@ def _check_dense(dense: Any, owner: str) -> None:
                          f"dense.build(input_shape) first: {dense.name!r} is not built")
 
 
+#: activations over all of a layer's units, not element by element
+_ACROSS_UNITS = (keras.activations.softmax, keras.activations.log_softmax)
+
+
+class _GroupPenalty:
+    """A shard's regularizer summed over the tensor group (forward: all-reduce; backward: each
+    shard's own gradient), so the loss counts the whole layer's penalty on every rank."""
+
+    def __init__(self, regularizer: Any, process_set: ProcessSet) -> None:
+        self.regularizer, self.process_set = regularizer, process_set
+
+    def __call__(self, weight: Any) -> tf.Tensor:
+        return reduce_from_group(self.regularizer(weight), self.process_set)
+
+
+def _copy_penalties(dense: keras.layers.Dense, layer: Any, owner: str) -> None:
+    """Give the shard ``dense``'s regularizers and constraints where they split over the shards:
+    L1, L2 and L1L2 (sums over elements: each shard's penalty, summed over the group), NonNeg
+    (element-wise), and on a column layer's kernel the norm constraints over its input axis
+    (each shard holds whole columns). The others are refused (a norm over a split axis)."""
+    separable = (keras.regularizers.L1, keras.regularizers.L2, keras.regularizers.L1L2)
+    norms = (keras.constraints.MaxNorm, keras.constraints.MinMaxNorm, keras.constraints.UnitNorm)
+    column = owner == "ColumnParallelLinear"
+    for what, weight in (("kernel", layer.kernel), ("bias", layer.bias)):
+        regularizer = getattr(dense, f"{what}_regularizer", None)
+        constraint = getattr(dense, f"{what}_constraint", None)
+        if regularizer is not None and not isinstance(regularizer, separable):
+            raise ValueError(f"{owner}.from_dense: {dense.name!r} has {what}_regularizer "
+                             f"{type(regularizer).__name__}, which does not split over the shards; only L1, L2 "
+                             "and L1L2 do. Remove it, or add its penalty to the loss yourself")
+        whole_columns = column and what == "kernel" and isinstance(constraint, norms) \
+            and getattr(constraint, "axis", None) in (0, -2)
+        if constraint is not None and not (isinstance(constraint, keras.constraints.NonNeg) or whole_columns):
+            raise ValueError(f"{owner}.from_dense: {dense.name!r} has {what}_constraint "
+                             f"{type(constraint).__name__}, which does not split over the shards here; only "
+                             "NonNeg does (and a norm over the input axis of a column layer's kernel). Remove "
+                             "it, or apply it to the gathered weights yourself")
+        if weight is None:
+            continue
+        if regularizer is not None:
+            replicated = what == "bias" and not column  # a row layer's bias: the whole of it on every rank
+            weight.regularizer = regularizer if replicated else _GroupPenalty(regularizer, layer.process_set)
+        if constraint is not None:
+            weight.constraint = constraint
+    if getattr(dense, "activity_regularizer", None) is not None:
+        raise ValueError(f"{owner}.from_dense: {dense.name!r} has an activity_regularizer, which the parallel "
+                         "layers do not apply; remove it, or add its penalty to the loss yourself")
+
+
 def _in_out(dense: keras.layers.Dense) -> tuple[int, int]:
     fan_in, fan_out = dense.kernel.shape
     return int(fan_in), int(fan_out)
@@ -127,6 +176,13 @@ class ColumnParallelLinear(_ParallelDense):
         check_column_options(gather_output, sequence_parallel)
         super().__init__(in_features, out_features, bias, activation, process_set, **kwargs)
         self.gather_output, self.sequence_parallel = gather_output, bool(sequence_parallel)
+        #: an activation over all the units (softmax) runs on the gathered output
+        self._after_gather = self.activation in _ACROSS_UNITS
+        if self._after_gather and not gather_output:
+            raise ValueError(f"ColumnParallelLinear: activation {self.activation.__name__!r} mixes the output "
+                             "units, which are split over the tensor group, so no rank can apply it to its shard; "
+                             "pass gather_output=True (it then runs on the gathered output), or apply it after "
+                             "the layer that combines the shards")
 
     def _split(self) -> tuple[int, int]:
         return divisible_shard("ColumnParallelLinear out_features", self.out_features, self.tp, self.shard)
@@ -148,6 +204,7 @@ class ColumnParallelLinear(_ParallelDense):
                     sequence_parallel, dtype=dense.dtype_policy)
         layer._load(dense.kernel[:, layer.start:layer.stop],
                     None if dense.bias is None else dense.bias[layer.start:layer.stop])
+        _copy_penalties(dense, layer, cls._owner)
         return layer
 
     def call(self, inputs: Any) -> tf.Tensor:
@@ -155,6 +212,10 @@ class ColumnParallelLinear(_ParallelDense):
             x = gather_from_sequence(inputs, self.process_set, to_parallel=True)
         else:
             x = copy_to_group(inputs, self.process_set)
+        if self._after_gather:
+            y = keras.ops.matmul(x, self.kernel)
+            y = gather_from_group(y if self.bias is None else y + self.bias, self.process_set)
+            return self.activation(y)
         y = self._finish(keras.ops.matmul(x, self.kernel))
         return gather_from_group(y, self.process_set) if self.gather_output else y
 
@@ -206,6 +267,7 @@ class RowParallelLinear(_ParallelDense):
         layer = cls(fan_in, fan_out, dense.bias is not None, input_is_parallel, process_set, dense.activation,
                     sequence_parallel, dtype=dense.dtype_policy)
         layer._load(dense.kernel[layer.start:layer.stop], dense.bias)
+        _copy_penalties(dense, layer, cls._owner)
         return layer
 
     def call(self, inputs: Any) -> tf.Tensor:
@@ -336,7 +398,8 @@ def vocab_parallel_cross_entropy(logits: Any, target: Any, process_set: ProcessS
     sum_exp = reduce_from_group(tf.reduce_sum(tf.exp(shifted), axis=-1), process_set)
     mine = valid & (target >= start) & (target < start + piece)
     local = tf.where(mine, target - start, tf.zeros_like(target))
-    hot = tf.one_hot(local, piece, dtype=logits.dtype) * tf.expand_dims(tf.cast(mine, logits.dtype), -1)
-    picked = reduce_from_group(tf.reduce_sum(shifted * hot, axis=-1), process_set)
+    # the target's logit, gathered (a one-hot product made -inf * 0 = NaN of masked logits)
+    at = tf.squeeze(tf.gather(shifted, tf.expand_dims(local, -1), batch_dims=len(target.shape)), -1)
+    picked = reduce_from_group(tf.where(mine, at, tf.zeros_like(at)), process_set)
     loss = tf.where(valid, tf.math.log(sum_exp) - picked, tf.zeros_like(picked))
     return _reduce(loss, valid, reduction)
