@@ -658,3 +658,20 @@ def test_from_dense_keeps_the_regularizers_and_constraints_that_split(tp):
     bad.build((None, 2 * tp))
     with pytest.raises(ValueError, match="kernel_constraint UnitNorm, which does not split over the shards here"):
         hvd.RowParallelLinear.from_dense(bad, process_set=ps)
+
+
+@pytest.mark.parametrize("tp", [t for t in TPS if t > 1])
+def test_a_blocks_dropout_streams_never_share_a_seed(tp):
+    """Under sequence parallelism each shard draws hidden dropout from its own stream and attention
+    dropout from another: with an explicit seed S the attention got S + 1, so shard s's attention
+    stream was shard s+1's hidden stream (the same masks)."""
+    ps = group(tp)
+    mine: list[int] = []
+    if ps is not None:  # (idle ranks still take part in the allgather below)
+        block = hvd.ParallelTransformerBlock(4 * tp, tp, 4 * tp, process_set=ps, hidden_dropout=0.1,
+                                             attention_dropout=0.1, seed=100, sequence_parallel=True, dtype=D)
+        mine = [block._hidden_generator._initial_seed, block.attn._own_generator._initial_seed]
+    everyone = WORLD.allgather(mine)
+    if ps is not None:
+        seeds = [s for r in ps.ranks for s in everyone[r]]
+        assert len(seeds) == 2 * tp and len(set(seeds)) == 2 * tp, seeds

@@ -396,3 +396,17 @@ def test_keras_missing_entry_refused_on_every_rank():
     with pytest.raises(CheckpointError) as excinfo:
         kck.load_tensor_parallel(keras_dp_tp_save(), twin)
     same_error_everywhere(excinfo, "rank 3", "no entry 'extra/kernel'")
+
+
+def test_keras_replicated_copies_that_differ_are_refused_on_every_rank():
+    """A replicated trained variable (a row layer's bias, a norm's gamma) that differs within a
+    tensor group would be kept from one rank only: refused, as the torch adapter refuses it (the
+    Keras save kept rank 0's copy silently)."""
+    twin = keras_twin(1, SETS[2])
+    if R % 2 == 1:
+        twin.proj.bias.assign(twin.proj.bias.numpy() + 1.0)
+    with pytest.raises(CheckpointError) as excinfo:
+        kck.save_tensor_parallel(shared("keras-diverged"), twin)
+    same_error_everywhere(excinfo, "replicated parameter(s) differ between the ranks", "'proj/bias'")
+    with pytest.raises(CheckpointError):  # nothing was committed
+        read_manifest(shared("keras-diverged"))

@@ -36,7 +36,7 @@ from unison.common.tensor_parallel.rng import check_probability
 from unison.common.tensor_parallel.sharding import check_divisible
 from unison.tf_backend.tensor_parallel import ColumnParallelLinear, RowParallelLinear, group_position
 from unison.tf_backend.tensor_parallel_comm import check_sequence, copy_to_group
-from unison.tf_backend.tensor_parallel_random import dropout_generators
+from unison.tf_backend.tensor_parallel_random import LAYER_SEED_STRIDE, dropout_generators
 
 __all__ = ["ParallelMLP", "ParallelSelfAttention", "ParallelTransformerBlock"]
 
@@ -247,7 +247,9 @@ class ParallelTransformerBlock(keras.layers.Layer):
         self.ln1 = _norm(hidden_size, eps, dtype)
         self.attn = ParallelSelfAttention(hidden_size, num_heads, causal, process_set=process_set,
                                           attention_dropout=attention_dropout,
-                                          seed=None if seed is None else seed + 1,
+                                          # a layer's stride apart: seed + 1 made the attention's own
+                                          # stream of shard s that of the block's hidden dropout on s + 1
+                                          seed=None if seed is None else seed + LAYER_SEED_STRIDE,
                                           sequence_parallel=sequence_parallel, dtype=dtype)
         self.ln2 = _norm(hidden_size, eps, dtype)
         self.mlp = ParallelMLP(hidden_size, ffn_hidden_size, activation=activation, process_set=process_set,

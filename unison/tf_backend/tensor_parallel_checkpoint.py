@@ -57,6 +57,7 @@ class _Slot(NamedTuple):
     get: Callable[[], np.ndarray]
     set: Callable[[np.ndarray], None]
     dtype: str
+    trainable: bool = True  # a trained variable: its replicated copies must agree when saved
 
 
 def _join(prefix: str, name: str) -> str:
@@ -93,7 +94,7 @@ def _layers(root: Any) -> Iterator[tuple[str, Any]]:
 
 def _variable_slot(name: str, owner: Any, variable: Any) -> _Slot:
     return _Slot(name, owner, lambda: np.asarray(variable.numpy()), lambda a: variable.assign(a),
-                 str(variable.dtype))
+                 str(variable.dtype), bool(variable.trainable))
 
 
 def _plain_mha(mha: keras.layers.MultiHeadAttention) -> bool:
@@ -211,8 +212,9 @@ def save_tensor_parallel(path: str | os.PathLike[str], model: Any, metadata: dic
     """
     comm = _comm(local)
     writes = tpck.replica_writes(data_process_set, comm)
-    params = [p for p, _ in _describe(model, with_arrays=writes)]
-    return tpck.save(path, params, comm, writes, metadata, consolidated)
+    described = _describe(model, with_arrays=writes)
+    same = {p.name for p, slot in described if slot.trainable}  # trained copies must agree (as torch's)
+    return tpck.save(path, [p for p, _ in described], comm, writes, metadata, consolidated, same)
 
 
 def load_tensor_parallel(path: str | os.PathLike[str], model: Any, local: bool = False,
