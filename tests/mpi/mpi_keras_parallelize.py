@@ -257,3 +257,37 @@ def test_a_subclassed_or_unbuilt_model_is_refused():
     unbuilt = keras.Sequential([keras.layers.Dense(4, name="dense_a")])
     with pytest.raises(ValueError, match=r"is not built; give it a keras.Input or call it on a batch first"):
         parallelize(unbuilt, {"dense_a": "colwise"}, hvd.global_process_set)
+
+
+def test_a_split_model_broadcasts_within_its_data_group_and_refuses_a_rank_0_backup(tmp_path):
+    """On a dp 2 x tp 2 grid each rank holds other shards than its tensor group's: the broadcast
+    callbacks overwrote every rank's shards with rank 0's (kernels 2.5 off). They now take the
+    data-parallel group, and without it refuse on every rank; BackupAndRestore (rank 0's weights
+    only) refuses such a model."""
+    if N != 4:
+        pytest.skip("the dp 2 x tp 2 grid needs 4 ranks")
+    import unison.keras as ukeras
+    import unison.tf_backend.keras as hvdk
+    from unison.common.tensor_parallel import Grid
+
+    grid = Grid(dp=2, tp=2)
+    sets = grid.register()
+    replica = grid.coords(R).dp
+    x, y = seeded(47, 4, 8), seeded(48, 4, 8)
+    for callback in (ukeras.callbacks.BroadcastGlobalVariablesCallback,
+                     hvdk.callbacks.BroadcastGlobalVariablesCallback):
+        model = parallelize(mlp(46 + replica), MLP_PLAN, sets.tp)  # replica 1 starts elsewhere
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+        with pytest.raises(ValueError, match=r"layers \['dense_a', 'dense_b'\] are split over a tensor group") \
+                as info:
+            model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[callback(0)])
+        assert len(set(WORLD.allgather(str(info.value)))) == 1
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0,
+                  callbacks=[callback(sets.dp.ranks[0], process_set=sets.dp)])
+        want = mlp(46)  # replica 0's weights, each rank's own shard of them
+        close(model.layers[0].kernel, piece(want.layers[0].kernel, sets.tp, 1))
+        close(model.layers[1].kernel, piece(want.layers[1].kernel, sets.tp, 0))
+        close(model.layers[1].bias, want.layers[1].bias)
+    folder = WORLD.bcast(str(tmp_path) if R == 0 else None)
+    with pytest.raises(ValueError, match="save and restore it with save_tensor_parallel"):
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[hvdk.callbacks.BackupAndRestore(folder)])

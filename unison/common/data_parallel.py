@@ -223,9 +223,23 @@ def sum_states(states: Sequence[np.ndarray]) -> list[np.ndarray]:
     return _restore(frontend.grouped_allreduce(arrays, op=Sum), arrays)
 
 
-def broadcast_arrays(arrays: Sequence[np.ndarray], root_rank: int = 0) -> list[np.ndarray]:
-    """Every rank gets ``root_rank``'s arrays (all submitted at once, then waited for)."""
-    handles = [frontend.broadcast_async(a, root_rank) for a in _as_list(arrays)]
+def broadcast_arrays(arrays: Sequence[np.ndarray], root_rank: int = 0,
+                     process_set: Any = None) -> list[np.ndarray]:
+    """Every rank (of ``process_set``) gets ``root_rank``'s arrays (all submitted at once, then waited for).
+
+    ``root_rank`` is a rank of the job that belongs to ``process_set`` (Horovod's rule).
+
+    Raises:
+        ValueError: ``root_rank`` is not in ``process_set``.
+    """
+    root = root_rank
+    ranks = getattr(process_set, "ranks", None)
+    if ranks is not None:
+        if root_rank not in ranks:
+            raise ValueError(f"root_rank={root_rank} is not a member of {process_set!r}: as in Horovod, root_rank "
+                             "is a rank of the job (unison.rank()) that belongs to the process set")
+        root = list(ranks).index(root_rank)
+    handles = [frontend.broadcast_async(a, root, process_set=process_set) for a in _as_list(arrays)]
     return [np.asarray(h.wait()).reshape(np.shape(a)) for h, a in zip(handles, arrays, strict=True)]
 
 

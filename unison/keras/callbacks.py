@@ -46,23 +46,47 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """Every rank starts training from ``root_rank``'s model and optimizer variables.
 
     Args:
-        root_rank: the rank whose values everyone takes.
+        root_rank: the rank whose values everyone takes (a rank of the job, in ``process_set``).
         device: accepted for Horovod's signature; the broadcast runs on host memory.
+        process_set: broadcast within this set only: a model with tensor-parallel layers (each
+            rank of a tensor group holds other shards) passes its data-parallel group, so each
+            rank takes the values of its own shard's replica.
+
+    Raises:
+        ValueError: at ``fit``, on every rank, when the model holds layers split over a tensor
+            group of several ranks and no ``process_set`` is given (rank 0's shards would
+            overwrite every other rank's).
     """
 
-    def __init__(self, root_rank: int = 0, device: str = "") -> None:
+    def __init__(self, root_rank: int = 0, device: str = "", process_set: Any = None) -> None:
         super().__init__()
         if not isinstance(root_rank, int) or not 0 <= root_rank < runtime.size():
             raise ValueError(f"BroadcastGlobalVariablesCallback(root_rank={root_rank!r}): pick a rank in "
                              f"[0, {runtime.size()})")
-        self.root_rank, self.device = root_rank, device
+        self.root_rank, self.device, self.process_set = root_rank, device, process_set
 
     def on_train_begin(self, logs: Any = None) -> None:
+        split = split_layers(self.model)
+        if split and self.process_set is None:
+            raise ValueError(f"BroadcastGlobalVariablesCallback: the model's layers {split[:3]} are split over "
+                             "a tensor group, so each rank holds other shards and rank "
+                             f"{self.root_rank}'s would overwrite them; pass process_set= the data-parallel "
+                             "group (e.g. Grid(...).register().dp), whose ranks hold the same shards")
         variables = list(self.model.variables)
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None and optimizer.built:  # Keras builds it before training starts
             variables += list(optimizer.variables)
-        broadcast_variables(variables, self.root_rank)
+        broadcast_variables(variables, self.root_rank, self.process_set)
+
+
+def split_layers(model: Any) -> list[str]:
+    """Names of ``model``'s layers that hold one shard of a layer split over several ranks (the
+    tensor-parallel layers: a ``process_set`` and a group size ``tp`` above 1). The same list on
+    every rank (the model is built alike everywhere)."""
+    flatten = getattr(model, "_flatten_layers", None)
+    layers = list(flatten(include_self=False)) if flatten is not None else []
+    return [layer.name for layer in layers
+            if getattr(layer, "process_set", None) is not None and int(getattr(layer, "tp", 1) or 1) > 1]
 
 
 class MetricAverageCallback(keras.callbacks.Callback):

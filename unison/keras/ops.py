@@ -147,9 +147,10 @@ def broadcast(x: Any, root_rank: int = 0) -> Any:
     return _differentiable(forward, backward)(_tensor(x))
 
 
-def broadcast_variables(variables: Sequence[Any], root_rank: int = 0) -> None:
-    """Assign ``root_rank``'s values to Keras ``variables`` on every rank (one call per variable, all at once)."""
+def broadcast_variables(variables: Sequence[Any], root_rank: int = 0, process_set: Any = None) -> None:
+    """Assign ``root_rank``'s values to Keras ``variables`` on every rank (of ``process_set``; one call
+    per variable, all at once). ``root_rank`` is a rank of the job, in the set (Horovod's rule)."""
     variables = list(variables)
-    for var, value in zip(variables, broadcast_arrays([_host.to_numpy(v) for v in variables], root_rank),
-                          strict=True):
+    for var, value in zip(variables, broadcast_arrays([_host.to_numpy(v) for v in variables], root_rank,
+                                                      process_set), strict=True):
         var.assign(value)

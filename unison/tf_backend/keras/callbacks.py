@@ -21,6 +21,7 @@ from unison.common.engine import frontend, objects
 from unison.common.exceptions import UnisonError
 from unison.common.files import atomic_path, remove_leftovers
 from unison.common.ops import Average
+from unison.keras.callbacks import split_layers
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback",
            "LearningRateScheduleCallback", "BackupAndRestore", "ModelCheckpoint", "BestModelCheckpoint"]
@@ -28,9 +29,14 @@ __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "Learnin
 logger = logging.getLogger(__name__)
 
 
-def _broadcast_all(variables: list[Any], root_rank: int, tag: str) -> None:
+def _broadcast_all(variables: list[Any], root_rank: int, tag: str, process_set: Any = None) -> None:
+    ranks = getattr(process_set, "ranks", None)
+    if ranks is not None and root_rank not in ranks:
+        raise ValueError(f"root_rank={root_rank} is not a member of {process_set!r}: as in Horovod, root_rank is "
+                         "a rank of the job (unison.rank()) that belongs to the process set")
+    root = root_rank if ranks is None else list(ranks).index(root_rank)  # the engine's root is a rank of the set
     for i, var in enumerate(variables):
-        value = frontend.broadcast(np.asarray(var.numpy()), root_rank, f"{tag}.{i}")
+        value = frontend.broadcast(np.asarray(var.numpy()), root, f"{tag}.{i}", process_set=process_set)
         var.assign(np.asarray(value).reshape(var.shape))
 
 
@@ -38,21 +44,33 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """Make every rank start from ``root_rank``'s model (and optimizer) variables.
 
     ``device`` is accepted for Horovod's signature and ignored: the broadcast runs on host memory.
+    ``process_set`` broadcasts within that set only: a model with tensor-parallel layers passes
+    its data-parallel group (each rank of a tensor group holds other shards); without it such a
+    model raises a ``ValueError`` on every rank at ``fit`` (see
+    :class:`unison.keras.BroadcastGlobalVariablesCallback`).
     """
 
-    def __init__(self, root_rank: int = 0, device: str = "") -> None:
+    def __init__(self, root_rank: int = 0, device: str = "", process_set: Any = None) -> None:
         super().__init__()
         self.root_rank = root_rank
         self.device = device
+        self.process_set = process_set
         self._done = False
 
     def on_train_begin(self, logs: Any = None) -> None:
-        _broadcast_all(list(self.model.variables), self.root_rank, "BroadcastGlobalVariables.model")
+        split = split_layers(self.model)
+        if split and self.process_set is None:
+            raise ValueError(f"BroadcastGlobalVariablesCallback: the model's layers {split[:3]} are split over "
+                             "a tensor group, so each rank holds other shards and rank "
+                             f"{self.root_rank}'s would overwrite them; pass process_set= the data-parallel "
+                             "group (e.g. Grid(...).register().dp), whose ranks hold the same shards")
+        _broadcast_all(list(self.model.variables), self.root_rank, "BroadcastGlobalVariables.model",
+                       self.process_set)
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         if not self._done:  # the optimizer builds its slots at the first step
             _broadcast_all(list(self.model.optimizer.variables), self.root_rank,
-                           "BroadcastGlobalVariables.optimizer")
+                           "BroadcastGlobalVariables.optimizer", self.process_set)
             self._done = True
 
 
@@ -205,6 +223,11 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         if not self.model.built:
             raise ValueError(f"BackupAndRestore needs a built model before fit(); model {self.model.name} is "
                              "not built. Build it first (model.build(input_shape) or call it on a batch)")
+        split = split_layers(self.model)
+        if split:  # rank 0 writes its weights only: they would come back as every rank's shards
+            raise ValueError(f"BackupAndRestore saves rank 0's weights, but the model's layers {split[:3]} are "
+                             "split over a tensor group (each rank holds other shards): save and restore it "
+                             "with save_tensor_parallel / load_tensor_parallel instead")
         frontend.barrier()  # rank 0's last save or deletion is complete before anyone reads
         manifest = self._agreed_manifest()
         if manifest is None:
