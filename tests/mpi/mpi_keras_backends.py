@@ -375,6 +375,46 @@ def test_batchnorm_statistics_agree_across_ranks(dp):
     assert moving and float(np.abs(keras.ops.convert_to_numpy(moving[0].value)).sum()) > 0  # it was updated
 
 
+def test_validation_during_fit_uses_the_averaged_statistics(dp):
+    """fit validates before each epoch ends: the moving statistics are averaged first, so the last
+    epoch's val_loss is the loss evaluate() gives the trained model (each rank validated with its
+    own statistics, and the summed val_loss was no model's: 1.21 against 0.11 on JAX)."""
+    keras.utils.set_random_seed(6 + R)
+    with dp.scope():
+        model = make_model(batchnorm=True)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    history = model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=2, verbose=0, validation_data=(X[:24], Y[:24]))
+    assert history.history["val_loss"][-1] == pytest.approx(model.evaluate(X[:24], Y[:24], verbose=0), rel=1e-5)
+
+
+def test_dropout_trains_with_each_ranks_own_masks_and_frozen_weights_stay_put(dp):
+    """A model with Dropout: its seed generator's state is each rank's own (on JAX it is uint32,
+    and broadcasting it failed every fit, evaluate and predict; elsewhere every rank drew rank 0's
+    masks). A frozen layer's weights stay bit for bit through the averaging of the statistics."""
+    keras.utils.set_random_seed(7 + R)
+    with dp.scope():
+        frozen = keras.layers.Dense(4, name="frozen")
+        model = keras.Sequential([keras.Input((4,)), frozen, keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dropout(0.5), keras.layers.Dense(1)])
+        frozen.trainable = False
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    before = None
+    for _ in range(3):
+        model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0)
+        if before is None:
+            before = [keras.ops.convert_to_numpy(w).copy() for w in frozen.weights]
+    for w, b in zip(frozen.weights, before, strict=True):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(w), b)
+    assert same_everywhere(model.get_weights())
+    out = model.predict(X[:8], verbose=0)
+    assert out.shape == (8, 1) and np.isfinite(model.evaluate(X, Y, verbose=0))
+    layer = model.layers[-2]
+    ones = np.ones((64, 16), "float32")
+    mask = keras.ops.convert_to_numpy(layer(ones, training=True)) == 0
+    masks = WORLD.allgather(mask)
+    assert not all(np.array_equal(masks[0], m) for m in masks[1:])  # each rank its own stream
+
+
 def test_only_rank_0_prints_keras_progress(dp, capsys):
     model, _ = distributed_and_reference(dp, lambda: keras.optimizers.SGD(0.05))
     capsys.readouterr()
@@ -660,3 +700,18 @@ def test_keras_pipeline_says_it_is_tensorflow_only():
 
     with pytest.raises(PipelineError, match=f"TensorFlow backend only \\(KERAS_BACKEND is '{BACKEND}'\\)"):
         Pipeline(make_model(), loss="mse", optimizer="sgd")
+
+
+def test_class_weights_are_derived_as_keras_derives_them():
+    """Soft or smoothed labels are rounded (a 0.9 truncated to class 0 took class 0's weight), a
+    class the dict lacks weighs 1.0, and class_weight with sample_weight is refused, all as Keras."""
+    from keras.src.trainers.data_adapters.data_adapter_utils import class_weight_to_sample_weights
+
+    weights = {0: 1.0, 1: 5.0}
+    for labels in (np.array([0.1, 0.9, 0.4, 1.6, 2.2]), np.array([[0.0, 1.0], [0.8, 0.2]]),
+                   np.array([[0], [1], [3]])):
+        np.testing.assert_allclose(ukdata._class_weights(labels, weights),
+                                   np.asarray(class_weight_to_sample_weights(labels, weights)))
+    with pytest.raises(ValueError, match="class_weight and sample_weight cannot both be given"):
+        ukdata.ShardedArrays(X, LABELS, np.ones(len(X)), batch_size=GLOBAL_BATCH, rank=R, size=N,
+                             class_weight=weights)

@@ -29,6 +29,7 @@ from unison.common import runtime
 from unison.common.engine import frontend
 from unison.common.files import atomic_keras_save
 from unison.common.ops import Average
+from unison.keras.data_parallel import without_seed_states
 from unison.keras.ops import broadcast_variables
 
 __all__ = ["BroadcastGlobalVariablesCallback", "LearningRateWarmupCallback", "MetricAverageCallback",
@@ -72,7 +73,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
                              "a tensor group, so each rank holds other shards and rank "
                              f"{self.root_rank}'s would overwrite them; pass process_set= the data-parallel "
                              "group (e.g. Grid(...).register().dp), whose ranks hold the same shards")
-        variables = list(self.model.variables)
+        variables = without_seed_states(self.model, list(self.model.variables))  # random state stays each rank's
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None and optimizer.built:  # Keras builds it before training starts
             variables += list(optimizer.variables)

@@ -40,17 +40,14 @@ def _rows(structure: Any) -> int:
 
 
 def _class_weights(y: Any, class_weight: dict[int, float]) -> np.ndarray:
+    """Each row's weight, as Keras derives it: the class is the argmax of one-hot targets, else
+    the target rounded (a smoothed 0.9 is class 1); a class the dict lacks weighs 1.0."""
     labels = np.asarray(y)
     if labels.ndim > 1 and labels.shape[-1] > 1:
         labels = labels.argmax(axis=-1)
-    labels = labels.reshape(len(labels)).astype(np.int64)
-    missing = sorted(set(np.unique(labels).tolist()) - set(int(k) for k in class_weight))
-    if missing:
-        raise ValueError(f"class_weight has no weight for class(es) {missing}; give every class a weight")
-    table = np.zeros(max(int(k) for k in class_weight) + 1, np.float32)
-    for k, w in class_weight.items():
-        table[int(k)] = w
-    return table[labels]
+    labels = np.round(labels.reshape(len(labels))).astype(np.int64)
+    weights = {int(k): float(w) for k, w in class_weight.items()}
+    return np.array([weights.get(int(c), 1.0) for c in labels], np.float32)
 
 
 class ShardedArrays(keras.utils.PyDataset):
@@ -72,8 +69,10 @@ class ShardedArrays(keras.utils.PyDataset):
         if class_weight is not None:
             if y is None:
                 raise ValueError("class_weight needs targets y")
-            weights = _class_weights(y, class_weight)
-            sample_weight = weights if sample_weight is None else np.asarray(sample_weight) * weights
+            if sample_weight is not None:  # as Keras refuses them together
+                raise ValueError("class_weight and sample_weight cannot both be given; fold the class weights "
+                                 "into sample_weight")
+            sample_weight = _class_weights(y, class_weight)
         self.parts = tuple(p for p in (x, y, sample_weight) if p is not None) if y is not None else (x,)
         self.samples = _rows(self.parts)
         self.plan = BatchPlan(self.samples, int(batch_size), size)

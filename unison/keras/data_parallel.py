@@ -173,19 +173,31 @@ class DataParallel:
                                 what=what)
 
     def broadcast_state(self, model: Any) -> None:
-        """Rank 0's model and optimizer variables, on every rank."""
-        variables = list(model.variables)
+        """Rank 0's model and optimizer variables, on every rank; each rank keeps its own random
+        state (seed generators), so Dropout draws other masks on each rank's rows."""
+        variables = without_seed_states(model, list(model.variables))
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and optimizer.built:
             variables += list(optimizer.variables)
         _assign(variables, broadcast_arrays([_host.to_numpy(v) for v in variables]))
 
     def average_state(self, model: Any) -> None:
-        """Average the non-trainable float variables over the ranks."""
+        """Average the non-trainable float variables over the ranks (summed in float64: equal
+        values, such as frozen weights, come back bit for bit)."""
         variables = [v for v in model.non_trainable_variables if np.dtype(v.dtype).kind == "f"]
         values = [_host.to_numpy(v) for v in variables]
-        summed = sum_states(values)
+        summed = sum_states([v.astype(np.float64) for v in values])
         _assign(variables, [(s / self.size).astype(v.dtype) for s, v in zip(summed, values, strict=True)])
+
+
+def without_seed_states(model: Any, variables: list[Any]) -> list[Any]:
+    """``variables`` less the states of the seed generators of ``model``'s layers (Dropout's,
+    GaussianNoise's): random state stays each rank's own (on JAX it is uint32, which the
+    collectives do not carry)."""
+    layers = model._flatten_layers(include_self=True) if hasattr(model, "_flatten_layers") else []
+    seeds = {id(gen.state) for layer in layers for gen in getattr(layer, "_seed_generators", [])
+             if getattr(gen, "state", None) is not None}
+    return [v for v in variables if id(v) not in seeds]
 
 
 def _set(model: Any, name: str, value: Any) -> None:
@@ -341,6 +353,12 @@ class _Sync(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: Any = None) -> None:
         self._dp.broadcast_state(self._target)
+
+    def on_test_begin(self, logs: Any = None) -> None:
+        # fit validates before on_epoch_end: every rank validates the averaged statistics (it
+        # validated with its own moving statistics, and the summed val_loss was no model's)
+        if self._dp.average_non_trainable:
+            self._dp.average_state(self._target)
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         if self._dp.average_non_trainable:
