@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from unison.common.files import atomic_path
+from unison.common.files import atomic_path, makedirs_durable
 
 
 @pytest.fixture
@@ -120,3 +120,17 @@ def test_a_folder_without_directory_fsync_still_saves(tmp_path, monkeypatch):
     with atomic_path(tmp_path / "a.txt") as tmp, open(tmp, "w") as f:
         f.write("x")
     assert (tmp_path / "a.txt").read_text() == "x"
+
+
+def test_new_folders_are_made_durable_in_their_parents(tmp_path, calls):
+    """A checkpoint saved into folders that did not exist: each new folder's parent is flushed
+    (before, only the checkpoint folder's own entries were, and a power loss could drop the new
+    folders with the committed checkpoint in them)."""
+    target = tmp_path / "run1" / "step_100"
+    makedirs_durable(target)
+    assert target.is_dir()
+    synced = [e[1] for e in calls if e[0] == "fsync"]
+    assert synced == [tmp_path.stat().st_ino, (tmp_path / "run1").stat().st_ino], calls
+    calls.clear()
+    makedirs_durable(target)  # nothing new: nothing to flush
+    assert not calls

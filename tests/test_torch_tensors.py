@@ -102,3 +102,22 @@ def test_size_one_results_are_new_tensors():
         np.testing.assert_array_equal(t.numpy(), [0, 1, 2, 3])
     finally:
         unison.shutdown()
+
+
+def test_a_tensor_parallel_checkpoint_of_0_d_tensors_round_trips(tmp_path):
+    """BatchNorm's num_batches_tracked and any 0-d parameter: saved as shape (1,) (a contiguous
+    copy of a 0-d array is 1-d), so no model with BatchNorm could load its own checkpoint."""
+    from torch import nn
+
+    from unison.torch_backend.tensor_parallel_checkpoint import load_tensor_parallel, save_tensor_parallel
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    model.register_parameter("scale", nn.Parameter(torch.tensor(0.5)))
+    model(torch.randn(8, 4))  # num_batches_tracked becomes 1
+    save_tensor_parallel(tmp_path / "tp", model, local=True)
+    other = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    other.register_parameter("scale", nn.Parameter(torch.tensor(0.0)))
+    load_tensor_parallel(tmp_path / "tp", other, local=True)
+    for (name, a), (_, b) in zip(model.state_dict().items(), other.state_dict().items(), strict=True):
+        assert a.shape == b.shape and torch.equal(a, b), name

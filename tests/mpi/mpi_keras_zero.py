@@ -521,3 +521,16 @@ def test_each_shard_variable_is_one_bucket_segment():
     slots = [int(np.prod(v.shape)) for v in opt.variables if len(v.shape)]
     assert slots and max(slots) <= -(-biggest // N), slots
     assert sum(slots) >= 2 * (-(-43 // N)), slots
+
+
+def test_a_checkpoint_of_other_shapes_is_refused_on_every_rank(tmp_path_factory):
+    """A (4, 6) kernel loaded into a (6, 4) one: the same element count, so a reshape took it in,
+    scrambled, with no error (Keras's own set_weights refuses it)."""
+    folder = WORLD.bcast(str(tmp_path_factory.mktemp("shapes")) if R == 0 else None)
+    saved = keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, name="a")])
+    save_sharded(os.path.join(folder, "ck"), saved)
+    other = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4, name="a")])
+    with pytest.raises(ck.CheckpointError) as info:
+        load_sharded(os.path.join(folder, "ck"), other)
+    assert "'a/kernel' saved (4, 6), this model's (6, 4)" in str(info.value)
+    assert len(set(WORLD.allgather(str(info.value)))) == 1

@@ -586,3 +586,51 @@ def test_a_checkpoint_of_another_optimizer_class_is_refused_on_every_rank():
         WORLD.Barrier()
         if R == 0:
             shutil.rmtree(where, ignore_errors=True)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_sharded_checkpoints_keep_scalar_state_dtypes_and_load_into_another_precision(stage):
+    """NAdam's float32 mu_product came back float64 (stored via .item()): a resumed run drifted
+    from the uninterrupted one. A float32 checkpoint loaded into a float64 model gave its state
+    the checkpoint's dtype, and the next step failed on every rank."""
+    import shutil
+    import tempfile
+
+    where = WORLD.bcast(tempfile.mkdtemp(prefix="zero_dtype_") if R == 0 else None)
+    try:
+        def build(dtype=torch.float32):
+            model = Mixed().to(dtype)
+            opt = hvd.DistributedOptimizer(torch.optim.NAdam(groups_of(model), lr=0.01),
+                                           named_parameters=model.named_parameters(), zero_stage=stage)
+            return model, opt
+
+        def train(model, opt, steps):
+            for step in steps:
+                opt.zero_grad()
+                x, y = local(step)
+                torch.nn.functional.mse_loss(model(x.to(next(model.parameters()).dtype)),
+                                             y.to(next(model.parameters()).dtype)).backward()
+                opt.step()
+
+        torch.manual_seed(0)
+        model, opt = build()
+        train(model, opt, range(2))
+        hvd.save_sharded(f"{where}/ck", model, opt)
+        train(model, opt, range(2, 4))  # the uninterrupted run
+        torch.manual_seed(1)
+        resumed, ropt = build()
+        hvd.load_sharded(f"{where}/ck", resumed, ropt)
+        dtypes = {str(v.dtype) for s in ropt.state_dict()["state"].values() for k, v in s.items()
+                  if k == "mu_product" and torch.is_tensor(v)}
+        assert dtypes <= {"torch.float32"}, dtypes
+        train(resumed, ropt, range(2, 4))
+        for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
+            assert torch.equal(a, b)
+        wide, wopt = build(torch.float64)
+        hvd.load_sharded(f"{where}/ck", wide, wopt)
+        train(wide, wopt, range(2, 3))  # failed: expected dtype float for 'end' but got dtype double
+        assert all(p.dtype == torch.float64 for p in wide.parameters())
+    finally:
+        WORLD.Barrier()
+        if R == 0:
+            shutil.rmtree(where, ignore_errors=True)

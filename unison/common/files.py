@@ -36,7 +36,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["atomic_path", "remove_leftovers"]
+__all__ = ["atomic_path", "remove_leftovers", "makedirs_durable"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +105,28 @@ def _sync_tree(path: str) -> None:
             if not os.path.islink(p):
                 _fsync(p, directory=False)
         _fsync(root, directory=True)
+
+
+def makedirs_durable(path: str | os.PathLike[str]) -> None:
+    """``os.makedirs(path, exist_ok=True)``, with each folder it creates made durable: the parent's
+    entry for it is flushed (fsync of the parent), so a power loss cannot take a new folder, and
+    the files committed into it, away after the save returned."""
+    path = os.path.abspath(os.fspath(path))
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder)
+        except FileExistsError:  # made meanwhile (another rank): its creator flushes the parent
+            if not os.path.isdir(folder):
+                raise
+            continue
+        _fsync(os.path.dirname(folder), directory=True)
 
 
 def _fsync(path: str, directory: bool) -> None:

@@ -346,6 +346,11 @@ def _open(path: Any, model: Any, optimizer: Any) -> tuple[ck.Manifest, dict[str,
     model_keys = _keys(model)
     _missing([f"model.{k}" for k in model_keys], manifest, path, "load it into the model it was saved from "
              "(the same layer names)")
+    wrong = [f"{k!r} saved {tuple(manifest.entries[f'model.{k}'].shape)}, this model's {tuple(v.shape)}"
+             for k, v in model_keys.items() if tuple(manifest.entries[f"model.{k}"].shape) != tuple(v.shape)]
+    if wrong:  # (a reshape took a (4, 6) kernel into a (6, 4) one, scrambled, when the sizes matched)
+        raise ck.CheckpointError(f"the checkpoint at {os.fspath(path)!r} does not fit this model: "
+                                 f"{'; '.join(wrong[:4])}; load it into the model it was saved from")
     if optimizer is not None and (manifest.metadata or {}).get("optimizer") is None:
         raise ValueError(f"the checkpoint at {os.fspath(path)!r} holds no optimizer state; pass optimizer=None")
     return manifest, model_keys

@@ -166,5 +166,6 @@ def load_tensor_parallel(path: str | os.PathLike[str], model: nn.Module, local: 
     pieces, user = tpck.load(path, [p for p, _ in described], _comm(local), verify)
     with torch.no_grad():
         for param, tensor in described:
-            tensor.copy_(from_numpy(np.ascontiguousarray(pieces[param.name])).to(tensor.dtype))
+            piece = np.asarray(pieces[param.name])
+            tensor.copy_(from_numpy(np.ascontiguousarray(piece).reshape(piece.shape)).to(tensor.dtype))  # (0-d)
     return user

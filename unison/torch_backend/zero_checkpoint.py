@@ -89,6 +89,9 @@ def _zero_optimizer_entries(optimizer: Any) -> dict[str, Any]:
                 if torch.is_tensor(value) and value.shape == st.master.shape:
                     runs = [(pc.param_offset, to_numpy(value[pc.offset:pc.offset + pc.length])) for pc in mine]
                     entries[f"optim.{name}.{key}"] = ck.LocalShard(tuple(p.shape), _dtype(value), runs)
+                elif torch.is_tensor(value):  # a scalar such as NAdam's mu_product: its own dtype, exactly
+                    entries[f"optim.{name}.{key}"] = ck.Replicated(to_numpy(value.detach().cpu()).reshape(
+                        tuple(value.shape)))
                 else:
                     entries[f"optim.{name}.{key}"] = ck.Replicated(np.asarray(_jsonable(value)))
             if halves:
@@ -289,7 +292,9 @@ def _bucket_state(optimizer: Any, st: Any, got: dict[str, Any]) -> dict[str, Any
             key = entry[len(f"optim.{name}."):]
             if isinstance(value, list):
                 for pc, part in zip(runs, value, strict=True):
-                    seg = state.setdefault(key, torch.zeros(st.master.shape, dtype=from_numpy(part[:0]).dtype))
+                    saved = from_numpy(part[:0]).dtype  # floats take the masters' dtype (a float32 save
+                    kind = st.master.dtype if saved.is_floating_point else saved  # into a float64 model)
+                    seg = state.setdefault(key, torch.zeros(st.master.shape, dtype=kind))
                     seg[pc.offset:pc.offset + pc.length] = from_numpy(np.array(part))
             else:
                 state.setdefault(key, torch.as_tensor(np.array(value)))

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from unison.common import files
 from unison.common.checkpoints import agree, storage
 from unison.common.checkpoints.format import ALIGN, Entry, Manifest, Run, dtype_from_name, encode_header, little
 from unison.common.checkpoints.layout import Slot
@@ -126,7 +127,7 @@ def write_file(path: str, manifest: Manifest, full: dict[str, np.ndarray]) -> No
     Raises:
         OSError: the folder cannot be created or the file written.
     """
-    os.makedirs(os.path.dirname(path) or os.curdir, exist_ok=True)
+    files.makedirs_durable(os.path.dirname(path) or os.curdir)
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         f.write(encode_header(manifest))
         for name in manifest.entries:

@@ -33,6 +33,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from unison.common import files
 from unison.common.checkpoints import agree, storage
 from unison.common.checkpoints.format import MANIFEST_NAME, CheckpointError, Entry, Manifest, Run
 from unison.common.checkpoints.reader import read_manifest
@@ -76,7 +77,7 @@ def save_sharded(path: str | os.PathLike[str], entries: Mapping[str, Any], comm:
     name = data_file(start.save_id, me)
     problem, crcs = None, []
     try:
-        os.makedirs(start.path, exist_ok=True)
+        files.makedirs_durable(start.path)
         crcs = storage.write_data_file(os.path.join(start.path, name), start.layout.writes[me], start.local)
     except Exception as exc:  # reported to every rank (disk full, permissions, out of memory)
         problem = f"could not write its data file {os.path.join(start.path, name)!r}: {type(exc).__name__}: {exc}"

@@ -177,7 +177,7 @@ def _entry(param: TPParam) -> Any:
     """This rank's part of ``param`` (its piece checked by :func:`_local_problem`)."""
     array = np.asarray(param.array)
     if param.spec.axis is None:
-        return ck.Replicated(np.ascontiguousarray(array))
+        return ck.Replicated(np.ascontiguousarray(array).reshape(array.shape))  # (0-d stays 0-d)
     start, _ = canonical_range(param.shape, param.spec, param.tp, param.shard)
     return ck.LocalShard(param.shape, param.dtype, [(start, np.ascontiguousarray(to_canonical(array, param.spec))
                                                      .reshape(-1))])
