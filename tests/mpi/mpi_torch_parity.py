@@ -840,3 +840,56 @@ def test_join_then_allgather_or_broadcast_raises(kind):
                 t, 1, name=f"parity.join.{kind}")
         last = hvd.join()
     assert isinstance(last, int) and 0 <= last < N
+
+
+def test_step_with_a_closure_reduces_what_the_closure_computed():
+    """step(closure): the closure's backward starts the reductions; the optimizer read the gradients
+    while they were still being written (the ranks drifted apart: 0.23 after three steps)."""
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(3, 2)
+    model = torch.nn.Linear(3, 2)
+    model.load_state_dict(ref.state_dict())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(4 * N, 3, generator=g), torch.randn(4 * N, 2, generator=g)
+
+        def closure(m=model, o=opt, x=x[4 * R:4 * R + 4], y=y[4 * R:4 * R + 4]):
+            o.zero_grad()
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            loss.backward()
+            return loss
+
+        def ref_closure(x=x, y=y):
+            ref_opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(ref(x), y)
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        ref_opt.step(ref_closure)
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(N == 1, reason="needs ranks that differ")
+def test_ranks_wrapping_different_parameters_raise_on_every_rank():
+    """A rank with an extra layer (or other names): each waited for gradients the other never sends."""
+    layers = [torch.nn.Linear(3, 3)] + ([torch.nn.Linear(3, 3)] if R == 1 else [])
+    model = torch.nn.Sequential(*layers)
+    with pytest.raises(ValueError, match="ranks disagree on the DistributedOptimizer") as info:
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=model.named_parameters())
+    assert len(set(WORLD.allgather(str(info.value)))) == 1
+
+
+@pytest.mark.skipif(N == 1, reason="needs ranks that differ")
+def test_broadcast_optimizer_state_that_a_rank_cannot_load_raises_on_every_rank():
+    """The root returned and went on alone while the others raised (different parameter groups)."""
+    model = torch.nn.Linear(3, 2)
+    groups = [{"params": [model.weight]}, {"params": [model.bias]}] if R == 0 else [{"params": model.parameters()}]
+    opt = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match="broadcast_optimizer_state: rank 1 could not load root rank 0's state"):
+        hvd.broadcast_optimizer_state(opt, root_rank=0)

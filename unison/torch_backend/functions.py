@@ -58,7 +58,20 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     buf = io.BytesIO()
     torch.save(opt.state_dict(), buf)
     state = broadcast_object(buf.getvalue(), root_rank, name=f"broadcast_optimizer_state.{prefix or ''}")
-    if frontend.engine() is None or root_rank != runtime.rank():
+    if frontend.engine() is None:
         opt.load_state_dict(torch.load(io.BytesIO(state), weights_only=False))
+        return
+    problem = None
+    if root_rank != runtime.rank():
+        try:
+            opt.load_state_dict(torch.load(io.BytesIO(state), weights_only=False))
+        except Exception as exc:  # (different parameter groups): the root must not carry on alone
+            problem = f"{type(exc).__name__}: {exc}"
+    everyone = allgather_object(problem, name=f"broadcast_optimizer_state.{prefix or ''}.agree")
+    failed = [(r, p) for r, p in enumerate(everyone) if p]
+    if failed:
+        raise ValueError(f"broadcast_optimizer_state: rank {failed[0][0]} could not load root rank {root_rank}'s "
+                         f"state: {failed[0][1]} (ranks {[r for r, _ in failed]} failed). Build the same "
+                         "optimizer (the same parameter groups) on every rank")
 
 

@@ -241,6 +241,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:
         if self._adasum:
             return self._adasum_step(closure)
+        if closure is not None and self._should_synchronize and not self._pending:
+            # the closure's backward starts the reductions: each evaluation is reduced before the
+            # optimizer reads the gradients (step() reduced first and read them while the
+            # closure's reductions were still writing them: the ranks drifted apart)
+            def reduced() -> Any:
+                loss = closure()
+                self.synchronize()
+                return loss
+
+            try:
+                return super(self.__class__, self).step(reduced)
+            finally:
+                self._synchronized = False
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called after optimizer.synchronize() without the "
@@ -310,6 +323,15 @@ def _check_zero(stage: int, op: Any, num_groups: int, groups: Any) -> None:
                          "parameter changes); use op=Average")
     if stage and (num_groups or groups):
         raise ValueError(f"zero_stage={stage} fuses gradients into its own buckets; drop num_groups/groups")
+
+
+def parameters_signature(named: list[tuple[str, torch.Tensor]]) -> str:
+    """A short digest of the wrapped parameters' names, shapes and dtypes: ranks that wrapped
+    different parameter sets would wait for each other's gradients for ever."""
+    import hashlib
+
+    text = repr(sorted((n, tuple(p.shape), str(p.dtype)) for n, p in named))
+    return f"{len(named)} parameters, digest {hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 
 def _named(optimizer: torch.optim.Optimizer,
@@ -426,7 +448,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
         return make_zero_optimizer(optimizer, named, stage, compression, backward_passes_per_step, rop,
                                    gradient_predivide_factor, process_set, zero_bucket_bytes)
     if process_set is None or process_set.included():  # (outside the set: local steps, nothing to agree)
-        agree_on_stage(0, None, process_set)
+        agree_on_stage(0, parameters_signature(named), process_set)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     wrapped = cls(optimizer.param_groups, named, compression, backward_passes_per_step, rop,
                   gradient_predivide_factor, _groups(optimizer, num_groups, groups), sparse_as_dense,
