@@ -715,3 +715,23 @@ def test_class_weights_are_derived_as_keras_derives_them():
     with pytest.raises(ValueError, match="class_weight and sample_weight cannot both be given"):
         ukdata.ShardedArrays(X, LABELS, np.ones(len(X)), batch_size=GLOBAL_BATCH, rank=R, size=N,
                              class_weight=weights)
+
+
+def test_ranks_passing_different_data_raise_on_every_rank(dp):
+    """Different batch sizes or rows per rank hung fit (each rank waited in a step the others never
+    took), and predict returned some rows only: the ranks compare what they passed first."""
+    with dp.scope():
+        model = make_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    rows = len(X) - (R % 2) * 8
+    for call in (lambda: model.fit(X, Y, batch_size=GLOBAL_BATCH * (1 + R % 2), epochs=1, verbose=0),
+                 lambda: model.fit(X[:rows], Y[:rows], batch_size=GLOBAL_BATCH, epochs=1, verbose=0),
+                 lambda: model.evaluate(X[:rows], Y[:rows], batch_size=GLOBAL_BATCH, verbose=0),
+                 lambda: model.predict(X[:rows], batch_size=GLOBAL_BATCH, verbose=0)):
+        if N == 1:
+            call()
+            continue
+        with pytest.raises(ValueError, match="the ranks passed different inputs") as info:
+            call()
+        assert len(set(WORLD.allgather(str(info.value)))) == 1
+    model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0)  # and the next call works

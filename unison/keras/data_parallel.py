@@ -168,6 +168,8 @@ class DataParallel:
               what: str) -> Any:
         if _already_sharded(x):
             return x
+        if self.size > 1:
+            _agree_on_inputs(what, x, y, sample_weight, batch_size)
         return data.shard_input(x, y, sample_weight, batch_size=batch_size, rank=self.rank, size=self.size,
                                 shuffle=shuffle, seed=self.seed() if shuffle else 0, class_weight=class_weight,
                                 what=what)
@@ -188,6 +190,32 @@ class DataParallel:
         values = [_host.to_numpy(v) for v in variables]
         summed = sum_states([v.astype(np.float64) for v in values])
         _assign(variables, [(s / self.size).astype(v.dtype) for s, v in zip(summed, values, strict=True)])
+
+
+def _describe_input(x: Any, y: Any, sample_weight: Any, batch_size: Any) -> str:
+    """What a rank passed, as far as the ranks must agree on it (rows, shapes, dtypes, batch)."""
+    if data._is_arrays(x):
+        leaves = [a for part in (x, y, sample_weight) if part is not None
+                  for a in (keras.tree.flatten(part) if isinstance(part, (dict, list, tuple)) else [part])]
+        shapes = ", ".join(f"{tuple(np.shape(a))} {np.asarray(a[:0]).dtype.name}" for a in leaves)
+        return f"arrays {shapes}, batch_size={batch_size}"
+    length = len(x) if hasattr(x, "__len__") else None
+    return f"{type(x).__name__} of {length} batches" if length is not None else type(x).__name__
+
+
+def _agree_on_inputs(what: str, x: Any, y: Any, sample_weight: Any, batch_size: Any) -> None:
+    """Every rank must pass the same global data: the ranks compare what they passed (one small
+    allgather per call) and raise on every rank if it differs. Different rows or batch sizes hung
+    the job (each rank waited in a step the others never took) or returned predictions of some
+    rows only."""
+    from unison.common.engine.objects import allgather_object
+
+    mine = _describe_input(x, y, sample_weight, batch_size)
+    everyone = allgather_object(mine, name=f"unison.keras.DataParallel.{what}.inputs")
+    if any(other != everyone[0] for other in everyone):
+        shown = "; ".join(f"rank {r}: {d}" for r, d in enumerate(everyone))
+        raise ValueError(f"{what}: the ranks passed different inputs ({shown}). DataParallel splits the global "
+                         "data itself: pass the same x, y, sample_weight and batch_size on every rank")
 
 
 def without_seed_states(model: Any, variables: list[Any]) -> list[Any]:
