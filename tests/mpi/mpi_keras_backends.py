@@ -735,3 +735,39 @@ def test_ranks_passing_different_data_raise_on_every_rank(dp):
             call()
         assert len(set(WORLD.allgather(str(info.value)))) == 1
     model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0)  # and the next call works
+
+
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def test_an_unbuilt_model_evaluates_and_predicts_with_rank_0s_weights_before_fit(dp):
+    """A subclassed model is built inside its first call: with each rank's own random weights, so
+    evaluate and predict before any fit mixed several models. It is built on one row and takes
+    rank 0's weights first."""
+    keras.utils.set_random_seed(11 + R)
+    with dp.scope():
+        model = Subclassed()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    rows = GLOBAL_BATCH * 2
+    loss = model.evaluate(X[:rows], Y[:rows], batch_size=GLOBAL_BATCH, verbose=0)
+    assert same_everywhere(model.get_weights())
+    ref = Subclassed()
+    ref(X[:1])
+    ref.set_weights(model.get_weights())
+    ref.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    assert loss == pytest.approx(ref.evaluate(X[:rows], Y[:rows], batch_size=GLOBAL_BATCH, verbose=0), rel=1e-5)
+    other = None
+    with dp.scope():
+        other = Subclassed()
+        other.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    got = other.predict(X[:rows], batch_size=GLOBAL_BATCH, verbose=0)
+    assert same_everywhere(other.get_weights())
+    want = keras.ops.convert_to_numpy(other(X[:rows]))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

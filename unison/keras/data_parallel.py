@@ -432,10 +432,11 @@ def _evaluate(dp: DataParallel, model: Any, evaluate: Callable[..., Any]) -> Cal
         x = a.pop("x", None)
         if extra.get("_use_cached_eval_dataset") or _already_sharded(x):  # fit's validation
             return evaluate(x, verbose=a.pop("verbose", "auto"), **a, **extra)
-        if not getattr(model, "_unison_synced", False):
-            _sync_once(dp, model)
+        raw = x
         x = dp.shard(x, a.pop("y", None), a.pop("sample_weight", None), a.pop("batch_size", None), False, None,
                      "model.evaluate")
+        if not getattr(model, "_unison_synced", False):
+            _sync_once(dp, model, raw)
         x = _unwrap(x, a, "steps")
         return evaluate(x, verbose=_quiet(a.pop("verbose", "auto"), dp.rank), **a, **extra)
 
@@ -451,7 +452,12 @@ def _unwrap(sharded: Any, args: dict[str, Any], steps: str) -> Any:
     return sharded.dataset
 
 
-def _sync_once(dp: DataParallel, model: Any) -> None:
+def _sync_once(dp: DataParallel, model: Any, x: Any = None) -> None:
+    """Rank 0's weights everywhere before a first evaluate/predict. An unbuilt model (a subclassed
+    one) is built first on one row of the (agreed) global data, in inference mode: Keras would
+    build it inside the call with each rank's own random weights."""
+    if not model.built and x is not None and data._is_arrays(x):
+        model(keras.tree.map_structure(lambda a: np.asarray(a)[:1], x), training=False)
     if model.built:
         dp.broadcast_state(model)
         _set(model, "_unison_synced", True)
@@ -462,12 +468,12 @@ def _predict(dp: DataParallel, model: Any, predict: Callable[..., Any]) -> Calla
         a = _PREDICT.bind(model, *args, **kwargs).arguments
         a.pop("self")
         x, batch = a.pop("x"), a.pop("batch_size", None)
-        _sync_once(dp, model)
         if not data._is_arrays(x):
             raise ValueError(f"DataParallel's predict splits numpy arrays (the global data); got "
                              f"{type(x).__name__}. Predict arrays, or call predict on each rank's own data "
                              f"outside the data-parallel model")
         sharded = dp.shard(x, None, None, batch, False, None, "model.predict")
+        _sync_once(dp, model, x)
         outputs = predict(sharded, verbose=_quiet(a.pop("verbose", "auto"), dp.rank), **a)
         plan: BatchPlan = sharded.plan
         gathered = keras.tree.map_structure(lambda o: gather_rows(np.asarray(o), plan, dp.rank), outputs)
