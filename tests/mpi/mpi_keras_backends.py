@@ -771,3 +771,15 @@ def test_an_unbuilt_model_evaluates_and_predicts_with_rank_0s_weights_before_fit
     assert same_everywhere(other.get_weights())
     want = keras.ops.convert_to_numpy(other(X[:rows]))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_keras_backup_and_restore_is_refused_on_every_rank(dp, tmp_path_factory):
+    """Keras's BackupAndRestore writes and deletes its folder from every rank: rank 0's save failed
+    5 times in 6 when another rank deleted the folder first."""
+    folder = WORLD.bcast(str(tmp_path_factory.mktemp("bak")) if R == 0 else None)
+    with dp.scope():
+        model = make_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    with pytest.raises(ValueError, match="keras.callbacks.BackupAndRestore writes and deletes its backup folder"):
+        model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0,
+                  callbacks=[keras.callbacks.BackupAndRestore(folder)])

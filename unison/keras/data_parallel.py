@@ -417,6 +417,7 @@ def _fit(dp: DataParallel, model: Any, fit: Callable[..., Any]) -> Callable[...,
                            "validation_data")
         train, val = _unwrap(train, a, "steps_per_epoch"), _unwrap(val, a, "validation_steps")
         callbacks = list(a.pop("callbacks", None) or [])
+        _refuse_unsafe_callbacks(callbacks)
         callbacks.insert(0, _Sync(dp, model))
         return fit(train, validation_data=val, shuffle=False, callbacks=callbacks,
                    verbose=_quiet(a.pop("verbose", "auto"), dp.rank), **a)
@@ -450,6 +451,19 @@ def _unwrap(sharded: Any, args: dict[str, Any], steps: str) -> Any:
     if sharded.endless and args.get(steps) is None:
         args[steps] = sharded.plan.steps
     return sharded.dataset
+
+
+def _refuse_unsafe_callbacks(callbacks: list[Any]) -> None:
+    """Keras's own BackupAndRestore writes its metadata, copies and deletes its folder from every
+    rank (rank 0's save raced the others' deletion): refused, on every rank alike (every rank
+    passes the same callbacks), unless it is a rank-aware subclass."""
+    for cb in callbacks:
+        if type(cb) is keras.callbacks.BackupAndRestore:
+            raise ValueError("keras.callbacks.BackupAndRestore writes and deletes its backup folder from every "
+                             "rank, which races under DataParallel. Save with unison.keras.callbacks."
+                             "ModelCheckpoint (rank 0 writes, atomically) and resume with load_weights and "
+                             "initial_epoch; on the TensorFlow backend unison.tf_backend.keras.callbacks."
+                             "BackupAndRestore is rank-aware")
 
 
 def _sync_once(dp: DataParallel, model: Any, x: Any = None) -> None:
