@@ -288,6 +288,8 @@ def test_a_split_model_broadcasts_within_its_data_group_and_refuses_a_rank_0_bac
         close(model.layers[0].kernel, piece(want.layers[0].kernel, sets.tp, 1))
         close(model.layers[1].kernel, piece(want.layers[1].kernel, sets.tp, 0))
         close(model.layers[1].bias, want.layers[1].bias)
+    with pytest.raises(ValueError, match="root_rank=0 is not a member of its"):  # ranks 1 and 3's set lacks 0
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[callback(0, process_set=sets.dp)])
     folder = WORLD.bcast(str(tmp_path) if R == 0 else None)
     with pytest.raises(ValueError, match="save and restore it with save_tensor_parallel"):
         model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[hvdk.callbacks.BackupAndRestore(folder)])

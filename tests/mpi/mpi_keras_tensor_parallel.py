@@ -613,6 +613,10 @@ def test_an_activation_over_all_units_runs_on_the_gathered_output(tp):
     close(db_par, piece(db, ps, 0))
     with pytest.raises(ValueError, match="activation 'softmax' mixes the output units"):
         hvd.ColumnParallelLinear.from_dense(ref, gather_output=False, process_set=ps)
+    for other in (keras.ops.softmax, tf.nn.softmax):  # other objects, the same maths
+        layer = hvd.ColumnParallelLinear(5, 3 * tp, gather_output=True, process_set=ps, activation=other, dtype=D)
+        out = layer(x)
+        close(tf.reduce_sum(out, axis=-1), np.ones(4))
 
 
 @pytest.mark.parametrize("tp", TPS)
@@ -658,6 +662,9 @@ def test_from_dense_keeps_the_regularizers_and_constraints_that_split(tp):
     bad.build((None, 2 * tp))
     with pytest.raises(ValueError, match="kernel_constraint UnitNorm, which does not split over the shards here"):
         hvd.RowParallelLinear.from_dense(bad, process_set=ps)
+    rows = keras.layers.Dense(3, dtype=D, kernel_constraint=keras.constraints.MaxNorm(1.0, axis=1))
+    rows.build((None, 2 * tp))  # a row shard holds whole kernel rows: a norm over axis 1 splits
+    assert hvd.RowParallelLinear.from_dense(rows, process_set=ps).kernel.constraint is not None
 
 
 @pytest.mark.parametrize("tp", [t for t in TPS if t > 1])
@@ -668,10 +675,12 @@ def test_a_blocks_dropout_streams_never_share_a_seed(tp):
     ps = group(tp)
     mine: list[int] = []
     if ps is not None:  # (idle ranks still take part in the allgather below)
-        block = hvd.ParallelTransformerBlock(4 * tp, tp, 4 * tp, process_set=ps, hidden_dropout=0.1,
-                                             attention_dropout=0.1, seed=100, sequence_parallel=True, dtype=D)
-        mine = [block._hidden_generator._initial_seed, block.attn._own_generator._initial_seed]
+        hvd.model_parallel_manual_seed(100, ps)  # the next automatic seed is 100 + LAYER_SEED_STRIDE
+        for seed in (100, None):  # an explicit seed, then an automatic one
+            block = hvd.ParallelTransformerBlock(4 * tp, tp, 4 * tp, process_set=ps, hidden_dropout=0.1,
+                                                 attention_dropout=0.1, seed=seed, sequence_parallel=True, dtype=D)
+            mine += [block._hidden_generator._initial_seed, block.attn._own_generator._initial_seed]
     everyone = WORLD.allgather(mine)
     if ps is not None:
         seeds = [s for r in ps.ranks for s in everyone[r]]
-        assert len(seeds) == 2 * tp and len(set(seeds)) == 2 * tp, seeds
+        assert len(seeds) == 4 * tp and len(set(seeds)) == 4 * tp, seeds

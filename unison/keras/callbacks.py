@@ -73,11 +73,29 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
                              "a tensor group, so each rank holds other shards and rank "
                              f"{self.root_rank}'s would overwrite them; pass process_set= the data-parallel "
                              "group (e.g. Grid(...).register().dp), whose ranks hold the same shards")
+        if self.process_set is not None:
+            check_root_everywhere(self.root_rank, self.process_set, "BroadcastGlobalVariablesCallback")
         variables = without_seed_states(self.model, list(self.model.variables))  # random state stays each rank's
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None and optimizer.built:  # Keras builds it before training starts
             variables += list(optimizer.variables)
         broadcast_variables(variables, self.root_rank, self.process_set)
+
+
+def check_root_everywhere(root_rank: int, process_set: Any, what: str) -> None:
+    """Raise on every rank when ``root_rank`` is not in some rank's ``process_set`` (each rank may
+    pass its own set: the ranks whose set holds the root would go on and wait for the others)."""
+    from unison.common.engine.objects import allgather_object
+
+    ranks = getattr(process_set, "ranks", None)
+    mine = None if ranks is None or root_rank in ranks else (
+        f"root_rank={root_rank} is not a member of its {process_set!r}")
+    everyone = allgather_object(mine, name=f"unison.keras.{what}.root")
+    bad = [(r, p) for r, p in enumerate(everyone) if p]
+    if bad:
+        raise ValueError(f"{what}: rank {bad[0][0]}: {bad[0][1]} (ranks {[r for r, _ in bad]}); as in Horovod, "
+                         "root_rank is a rank of the job that belongs to the process set each rank passes, "
+                         "e.g. sets.dp.ranks[0]")
 
 
 def split_layers(model: Any) -> list[str]:

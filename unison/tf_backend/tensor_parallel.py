@@ -57,8 +57,9 @@ def _check_dense(dense: Any, owner: str) -> None:
                          f"dense.build(input_shape) first: {dense.name!r} is not built")
 
 
-#: activations over all of a layer's units, not element by element
-_ACROSS_UNITS = (keras.activations.softmax, keras.activations.log_softmax)
+#: activations over all of a layer's units, not element by element (by function name: Keras's,
+#: keras.ops' and tf.nn's are different objects)
+_ACROSS_UNITS = frozenset({"softmax", "log_softmax", "sparsemax", "softmax_v2", "log_softmax_v2"})
 
 
 class _GroupPenalty:
@@ -75,7 +76,8 @@ class _GroupPenalty:
 def _copy_penalties(dense: keras.layers.Dense, layer: Any, owner: str) -> None:
     """Give the shard ``dense``'s regularizers and constraints where they split over the shards:
     L1, L2 and L1L2 (sums over elements: each shard's penalty, summed over the group), NonNeg
-    (element-wise), and on a column layer's kernel the norm constraints over its input axis
+    (element-wise), and the kernel's norm constraints over the axis a shard holds whole (axis 0
+    on a column layer, axis 1 on a row layer)
     (each shard holds whole columns). The others are refused (a norm over a split axis)."""
     separable = (keras.regularizers.L1, keras.regularizers.L2, keras.regularizers.L1L2)
     norms = (keras.constraints.MaxNorm, keras.constraints.MinMaxNorm, keras.constraints.UnitNorm)
@@ -87,12 +89,13 @@ def _copy_penalties(dense: keras.layers.Dense, layer: Any, owner: str) -> None:
             raise ValueError(f"{owner}.from_dense: {dense.name!r} has {what}_regularizer "
                              f"{type(regularizer).__name__}, which does not split over the shards; only L1, L2 "
                              "and L1L2 do. Remove it, or add its penalty to the loss yourself")
-        whole_columns = column and what == "kernel" and isinstance(constraint, norms) \
-            and getattr(constraint, "axis", None) in (0, -2)
-        if constraint is not None and not (isinstance(constraint, keras.constraints.NonNeg) or whole_columns):
+        # a column shard holds whole kernel columns (norms over axis 0), a row shard whole rows (axis 1)
+        whole = what == "kernel" and isinstance(constraint, norms) \
+            and getattr(constraint, "axis", None) in ((0, -2) if column else (1, -1))
+        if constraint is not None and not (isinstance(constraint, keras.constraints.NonNeg) or whole):
             raise ValueError(f"{owner}.from_dense: {dense.name!r} has {what}_constraint "
                              f"{type(constraint).__name__}, which does not split over the shards here; only "
-                             "NonNeg does (and a norm over the input axis of a column layer's kernel). Remove "
+                             "NonNeg does (and a norm over the axis a shard holds whole). Remove "
                              "it, or apply it to the gathered weights yourself")
         if weight is None:
             continue
@@ -177,7 +180,7 @@ class ColumnParallelLinear(_ParallelDense):
         super().__init__(in_features, out_features, bias, activation, process_set, **kwargs)
         self.gather_output, self.sequence_parallel = gather_output, bool(sequence_parallel)
         #: an activation over all the units (softmax) runs on the gathered output
-        self._after_gather = self.activation in _ACROSS_UNITS
+        self._after_gather = getattr(self.activation, "__name__", "") in _ACROSS_UNITS
         if self._after_gather and not gather_output:
             raise ValueError(f"ColumnParallelLinear: activation {self.activation.__name__!r} mixes the output "
                              "units, which are split over the tensor group, so no rank can apply it to its shard; "

@@ -247,9 +247,10 @@ class ParallelTransformerBlock(keras.layers.Layer):
         self.ln1 = _norm(hidden_size, eps, dtype)
         self.attn = ParallelSelfAttention(hidden_size, num_heads, causal, process_set=process_set,
                                           attention_dropout=attention_dropout,
-                                          # a layer's stride apart: seed + 1 made the attention's own
-                                          # stream of shard s that of the block's hidden dropout on s + 1
-                                          seed=None if seed is None else seed + LAYER_SEED_STRIDE,
+                                          # half a layer's stride apart: seed + 1 made the attention's
+                                          # own stream of shard s the block's hidden one on s + 1, and a
+                                          # whole stride is the next automatic layer seed
+                                          seed=None if seed is None else seed + LAYER_SEED_STRIDE // 2,
                                           sequence_parallel=sequence_parallel, dtype=dtype)
         self.ln2 = _norm(hidden_size, eps, dtype)
         self.mlp = ParallelMLP(hidden_size, ffn_hidden_size, activation=activation, process_set=process_set,

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 
 from unison.common.pipeline import PipelineError
 from unison.torch_backend.pipeline.recompute import RngState, capture, replay, starts_in_place
@@ -52,8 +53,8 @@ class _Kept:
     x: torch.Tensor
     out: torch.Tensor | None = None  # the output (the scaled loss on the last stage)
     rng: RngState | None = None  # set when the forward is to be recomputed
-    # the stage's buffers as a checkpointed forward found them: (module, name, a copy)
-    buffers: list[tuple[nn.Module, str, torch.Tensor]] | None = None
+    # the buffers a checkpointed forward wrote (BatchNorm's statistics): (module, name)
+    buffers: list[tuple[nn.Module, str]] | None = None
     grad: torch.Tensor | None = None  # the output gradient
     outs: list[torch.Tensor] | None = None  # each layer's output (for the split backward)
     # split backward, after I: (output of a layer with parameters, its gradient, the parameters)
@@ -109,10 +110,14 @@ class TorchStages:
         if self.checkpoint == "always" or (self.checkpoint == "except_last" and mb < self.chunks - 1):
             rng = capture(self.device)
             with torch.no_grad():
-                buffers = [(m, name, b.clone()) for m in self.modules[stage].modules()
-                           for name, b in m._buffers.items() if b is not None]
+                versions = [(m, name, b._version) for m in self.modules[stage].modules()
+                            for name, b in m._buffers.items() if b is not None]
                 out = self._loss_or_output(stage, mb, self.modules[stage](self._enter(stage, inp)))
-            self._keep(stage, mb, _Kept(inp, rng=rng, buffers=buffers))
+            # (a normalisation's native kernel updates its running statistics without bumping
+            # their version counters: such modules' buffers count as written when training)
+            written = [(m, name) for m, name, v in versions
+                       if m._buffers[name]._version != v or (m.training and isinstance(m, _NormBase))]
+            self._keep(stage, mb, _Kept(inp, rng=rng, buffers=written))
         else:
             y, outs = self._layers(stage, self._enter(stage, inp))
             out = self._loss_or_output(stage, mb, y)
@@ -220,22 +225,23 @@ class TorchStages:
         """The microbatch's graph (recomputed when checkpointed) and output gradient."""
         kept = self.kept[(stage, mb)]
         if kept.rng is not None:
-            # [Note: recompute leaves the buffers alone] The recomputed forward runs on the copies
-            # of the buffers (BatchNorm's running statistics) taken before the first forward, so
-            # it sees what that one saw, and its own updates land in the copies: each microbatch
-            # moves the real buffers once, as without checkpointing. The real ones are swapped
-            # out and back, never written (a write would bump their autograd version, which a
-            # graph that saved them checks).
+            # [Note: recompute leaves the buffers alone] The buffers the first forward wrote
+            # (BatchNorm's running statistics; found by their version counters and by module type,
+            # so static buffers such as masks are never copied) are swapped for throwaway copies during the
+            # recompute: its updates land in the copies, and each microbatch moves the real
+            # buffers once, as without checkpointing. The real ones are swapped out and back,
+            # never written (a write would bump their autograd version, which a graph that saved
+            # them checks). (A training-mode BatchNorm's output does not read the statistics.)
             swapped = kept.buffers or []
-            real = [m._buffers[name] for m, name, _ in swapped]
-            for m, name, copy in swapped:
-                m._buffers[name] = copy
+            real = [m._buffers[name] for m, name in swapped]
+            for (m, name), tensor in zip(swapped, real, strict=True):
+                m._buffers[name] = tensor.detach().clone()
             try:
                 with replay(kept.rng):
                     y, kept.outs = self._layers(stage, self._enter(stage, kept.x))
                     kept.out = self._loss_or_output(stage, mb, y, count=False)
             finally:
-                for (m, name, _), tensor in zip(swapped, real, strict=True):
+                for (m, name), tensor in zip(swapped, real, strict=True):
                     m._buffers[name] = tensor
             kept.rng = kept.buffers = None
         kept.grad = None if grad is None else from_numpy(grad).to(self.device)
