@@ -257,6 +257,10 @@ def test_a_subclassed_or_unbuilt_model_is_refused():
     unbuilt = keras.Sequential([keras.layers.Dense(4, name="dense_a")])
     with pytest.raises(ValueError, match=r"is not built; give it a keras.Input or call it on a batch first"):
         parallelize(unbuilt, {"dense_a": "colwise"}, hvd.global_process_set)
+    compiled = mlp(3)  # Keras recompiles the clone from a config that names a class Unison made on the fly
+    compiled.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    with pytest.raises(ValueError, match=r"compiled with Unison's SGD wrapper.*Parallelize the model before "):
+        parallelize(compiled, MLP_PLAN, hvd.global_process_set)
 
 
 def test_a_split_model_broadcasts_within_its_data_group_and_refuses_a_rank_0_backup(tmp_path):

@@ -124,7 +124,8 @@ def parallelize(model: keras.Model, plan: Mapping[str, Any],
             model and plan.
 
     Returns:
-        The new model (uncompiled unless ``model`` was compiled; then compiled from its config).
+        The new model (uncompiled unless ``model`` was compiled; then compiled from its config,
+        except with Unison's ``DistributedOptimizer``, which is refused: parallelize first).
 
     Raises:
         TypeError: ``model`` is not a Sequential or functional Keras model (a subclassed model).
@@ -133,6 +134,14 @@ def parallelize(model: keras.Model, plan: Mapping[str, Any],
             divide, an ``Embedding`` with ``mask_zero``, or this rank not in ``process_set``.
     """
     _check_model(model)
+    optimizer = getattr(model, "optimizer", None) if getattr(model, "compiled", False) else None
+    if optimizer is not None and type(optimizer).__module__.startswith("unison."):
+        # Keras recompiles the clone from the config, which cannot rebuild a class Unison made on
+        # the fly (it raised "Could not locate class" on every rank); the group matters too
+        raise ValueError(f"parallelize: the model is compiled with Unison's {type(optimizer).__name__} "
+                         "wrapper, which Keras cannot rebuild from its config for the new model. Parallelize "
+                         "the model before compiling it, then compile the result with DistributedOptimizer"
+                         "(..., process_set=sets.dp) (the data-parallel group, not the whole job)")
     layers = _layers(model)
     placements = resolve_plan([(path, _kind(layer)) for path, layer in layers.items()], plan, _KIND_NAMES)
     built = {id(layers[path]): _build(layers[path], placement, process_set)
