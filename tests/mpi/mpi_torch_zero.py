@@ -634,3 +634,39 @@ def test_sharded_checkpoints_keep_scalar_state_dtypes_and_load_into_another_prec
         WORLD.Barrier()
         if R == 0:
             shutil.rmtree(where, ignore_errors=True)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_bucket_of_0_d_parameters_takes_a_plain_optimizers_state(stage):
+    """A learned 0-d parameter in its own group (a temperature): its exp_avg is 0-d like step, so
+    the whole bucket got one scalar state and its next step failed on every rank. Per-element
+    keys are learned from the wrapped class itself."""
+    def build():
+        torch.manual_seed(0)
+        lin, scale = torch.nn.Linear(3, 2), torch.nn.Parameter(torch.tensor(2.0))
+        groups = [{"params": lin.parameters()}, {"params": [scale], "weight_decay": 0.0}]
+        return lin, scale, groups
+
+    def loss(lin, scale):
+        x = torch.arange(12.0).reshape(4, 3) / 10  # the same rows on every rank: the average is the gradient
+        return (lin(x) * scale.exp()).pow(2).mean()
+
+    lin, scale, groups = build()
+    plain = torch.optim.AdamW(groups, lr=0.01, weight_decay=0.1)
+    loss(lin, scale).backward()
+    plain.step()
+    zlin, zscale, zgroups = build()
+    zlin.load_state_dict(lin.state_dict())
+    with torch.no_grad():
+        zscale.copy_(scale)
+    named = [("lin." + n, p) for n, p in zlin.named_parameters()] + [("scale", zscale)]
+    zopt = hvd.DistributedOptimizer(torch.optim.AdamW(zgroups, lr=0.01, weight_decay=0.1),
+                                    named_parameters=named, zero_stage=stage)
+    zopt.load_state_dict(plain.state_dict())
+    for opt, (a, b) in ((plain, (lin, scale)), (zopt, (zlin, zscale))):
+        opt.zero_grad()
+        loss(a, b).backward()
+        opt.step()
+    torch.testing.assert_close(zscale, scale, rtol=1e-6, atol=1e-7)
+    for p, q in zip(zlin.parameters(), lin.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)

@@ -125,6 +125,25 @@ class ZeroStateMixin:
             self._inner.state[st.master] = state
         self._sync_hyperparameters()
 
+    def _per_element_keys(self, st: Any) -> frozenset[str] | None:
+        """The state keys the wrapped class keeps per element (``exp_avg``) rather than per
+        parameter (``step``), learned from one step of a fresh instance on a 2-element probe
+        with the bucket's group's hyper-parameters; None when the probe cannot step.
+
+        The shape alone cannot tell them apart for a 0-d parameter (a learned temperature): its
+        ``exp_avg`` is 0-d like ``step``, and a bucket of such parameters got one scalar state
+        for all of them (its next step failed on every rank).
+        """
+        hyper = {k: v for k, v in self.param_groups[st.bucket.group].items() if k != "params"}
+        try:
+            probe = torch.nn.Parameter(torch.zeros(2, dtype=st.master.dtype))
+            opt = type(self._inner)([{**hyper, "params": [probe]}])
+            probe.grad = torch.ones_like(probe)
+            opt.step()
+            return frozenset(k for k, v in opt.state[probe].items() if torch.is_tensor(v) and v.shape == (2,))
+        except Exception:  # (a class that needs a closure or sparse gradients): judge by shape
+            return None
+
     def _segment_state(self, st: Any, by_param: dict[int, dict[str, Any]]) -> dict[str, Any]:
         """This rank's slice of the saved state of the bucket's parameters.
 
@@ -144,8 +163,15 @@ class ZeroStateMixin:
         first, values = have[0]
         out: dict[str, Any] = {}
         owned = st.bucket.owned(self._rank)
+        element_keys = self._per_element_keys(st)
         for key, value in values.items():
-            if torch.is_tensor(value) and value.dim() > 0 and value.shape == first.shape:
+            if not torch.is_tensor(value):
+                per_element = False
+            elif element_keys is not None:
+                per_element = key in element_keys
+            else:
+                per_element = value.dim() > 0
+            if per_element and value.shape == first.shape:
                 for p in st.params:
                     src = by_param.get(id(p), {}).get(key)
                     if src is None or tuple(src.shape) != tuple(p.shape):
