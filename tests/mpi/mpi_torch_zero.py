@@ -15,6 +15,7 @@ import torch
 from mpi4py import MPI
 
 import unison.torch_backend as hvd
+from unison.common import checkpoints as ck
 
 WORLD = MPI.COMM_WORLD
 N, R = WORLD.Get_size(), WORLD.Get_rank()
@@ -626,6 +627,9 @@ def test_sharded_checkpoints_keep_scalar_state_dtypes_and_load_into_another_prec
         train(resumed, ropt, range(2, 4))
         for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
             assert torch.equal(a, b)
+        with pytest.raises(ck.CheckpointError, match="verify='every' must be 'read'"):  # passed to the reader
+            hvd.load_sharded(f"{where}/ck", resumed, ropt, verify="every")
+        hvd.load_sharded(f"{where}/ck", resumed, ropt, verify="all")  # runs read in part are checked too
         wide, wopt = build(torch.float64)
         hvd.load_sharded(f"{where}/ck", wide, wopt)
         train(wide, wopt, range(2, 3))  # failed: expected dtype float for 'end' but got dtype double

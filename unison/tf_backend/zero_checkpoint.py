@@ -307,14 +307,17 @@ def _missing(wanted: Iterable[str], manifest: ck.Manifest, path: Any, fix: str) 
                          f"{' ...' if len(missing) > 6 else ''}; {fix}")
 
 
-def load_sharded(path: str | os.PathLike[str], model: Any, optimizer: Any = None) -> dict[str, Any]:
+def load_sharded(path: str | os.PathLike[str], model: Any, optimizer: Any = None,
+                 verify: str = "read") -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_sharded` on any number of ranks; returns the user metadata.
 
     Collective when the job has several ranks (every rank calls it). The model gets full
     weights; a ZeRO optimizer reads only its own ranges of the state (under its own plan,
     whatever rank count saved it); a plain optimizer gets whole tensors. An optimizer that is
     not built yet is built on ``model.trainable_variables`` first (as ``model.fit`` would), so
-    a freshly compiled model can be loaded before its first step.
+    a freshly compiled model can be loaded before its first step. ``verify`` is
+    :func:`unison.common.checkpoints.load`'s (``"all"`` also checks runs read in part, as
+    ranges of a checkpoint saved at another rank count are).
 
     Raises:
         unison.common.checkpoints.CheckpointError: (a ``ValueError``) on every rank: a missing,
@@ -330,7 +333,7 @@ def load_sharded(path: str | os.PathLike[str], model: Any, optimizer: Any = None
         _build(model, optimizer)  # collective under a strategy or ZeRO: after the ranks agreed above
         plan = _agreed(comm, lambda: _checked_plan(path, manifest, wrapper, inner, model_keys))
         wanted.update({name: spec for name, (spec, _, _) in plan.items()})
-    got = ck.load(path, wanted, comm)
+    got = ck.load(path, wanted, comm, verify)
     for key, v in model_keys.items():
         v.assign(np.asarray(got[f"model.{key}"]).reshape(tuple(v.shape)))
     for name, (_, target, assemble) in plan.items():

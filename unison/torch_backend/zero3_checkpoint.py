@@ -172,7 +172,8 @@ def _optimizer_wanted(state: Sharded, optimizer: torch.optim.Optimizer, manifest
     return wanted
 
 
-def load(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+def load(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any,
+         verify: str = "read") -> dict[str, Any]:
     """:func:`unison.torch_backend.load_sharded` into a sharded model; returns the user metadata."""
     state = _state(model)
     comm, where = _comm(state), os.fspath(path)
@@ -192,7 +193,7 @@ def load(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any) -
     wanted = _model_wanted(state, manifest)
     if optimizer is not None:
         wanted.update(_optimizer_wanted(state, optimizer, manifest, sharded))
-    got = ck.load(path, wanted, comm)
+    got = ck.load(path, wanted, comm, verify)
     _restore_model(state, got)
     if optimizer is not None:
         _restore_optimizer(state, optimizer, manifest, saved_opt, sharded, got)

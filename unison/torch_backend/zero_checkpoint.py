@@ -154,13 +154,18 @@ def save_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
     return save(path, entries, comm, metadata=meta)
 
 
-def load_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None) -> dict[str, Any]:
+def load_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None,
+                 verify: str = "read") -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_sharded` on any number of ranks; returns the user metadata.
 
     The model gets full weights; a ZeRO optimizer reads only its own segments of the state
     (under its own plan, whatever the saving run's rank count); a plain optimizer gets the
     whole state. A model sharded by ``shard_module`` (and a plain optimizer over its shards)
     reads only the ranges of its own shards.
+
+    ``verify`` is :func:`unison.common.checkpoints.load`'s: ``"read"`` checks the CRC of every
+    run read whole; after a change of rank count a shard reads parts of runs, which only
+    ``"all"`` (every run a read touches is read whole and checked) verifies.
 
     Raises:
         unison.common.checkpoints.CheckpointError: a missing, corrupt or mismatched checkpoint.
@@ -170,7 +175,7 @@ def load_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
     if _stage3(model):
         from unison.torch_backend import zero3_checkpoint  # imports this module's helpers
 
-        return zero3_checkpoint.load(path, model, optimizer)
+        return zero3_checkpoint.load(path, model, optimizer, verify)
     comm = _comm(optimizer)
     manifest = ck.read_manifest(path)
     keys = list(model.state_dict().keys())
@@ -192,7 +197,7 @@ def load_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
         wanted.update(_zero_wanted(optimizer, manifest, set(saved_opt.get("sharded_keys", []))))
     elif optimizer is not None:
         wanted.update({name: "full" for name in manifest.entries if name.startswith("optim.")})
-    got = ck.load(path, wanted, comm)
+    got = ck.load(path, wanted, comm, verify)
     with torch.no_grad():
         model.load_state_dict({k: from_numpy(np.array(got[f"model.{k}"])) for k in keys})
     if optimizer is not None:
