@@ -414,3 +414,24 @@ def test_gradients_of_branches_unused_on_some_ranks_pair_by_variable(how):
     for w, v in zip(model.get_weights(), ref.get_weights(), strict=True):
         np.testing.assert_allclose(w, v, rtol=1e-5, atol=1e-6)
     assert same_everywhere(model.get_weights())
+
+
+def test_ranks_feeding_different_data_raise_on_every_rank(strategy):
+    """A rank with fewer global batches (or another batch size) finished fit silently, its steps
+    paired with other ranks' rows, and the others failed or hung in the next call."""
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x = np.random.default_rng(0).standard_normal((48, 4)).astype("float32")
+    y = x[:, :1].copy()
+    rows = 48 if R == 0 else 32
+    for call in (lambda: model.fit(x[:rows], y[:rows], batch_size=8, epochs=1, verbose=0),
+                 lambda: model.fit(x, y, batch_size=8 if R == 0 else 12, epochs=1, verbose=0),
+                 lambda: model.evaluate(x[:rows], y[:rows], batch_size=8, verbose=0)):
+        if N == 1:
+            call()
+            continue
+        with pytest.raises(ValueError, match="UnisonStrategy: the ranks' datasets differ") as info:
+            call()
+        assert len(set(WORLD.allgather(str(info.value)))) == 1
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)  # the next call works

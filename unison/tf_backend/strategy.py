@@ -41,6 +41,7 @@ identical on every rank because every rank traces the same program.
 from __future__ import annotations
 
 import collections
+import inspect
 import itertools
 import os
 import threading
@@ -244,6 +245,56 @@ def split_global_batch(dataset: tf.data.Dataset, rank: int, size: int) -> tf.dat
     return dataset.map(take)
 
 
+def _describe_dataset(dataset: Any) -> str:
+    """What the ranks must agree on: the number of global batches (when tf.data knows it), the
+    batch size (when the dataset was batched with a constant one) and the elements' specs."""
+    try:
+        batches = int(dataset.cardinality())
+    except Exception:  # (not a tf.data.Dataset)
+        batches = -2
+    size = getattr(dataset, "_batch_size", None)
+    try:
+        size = int(size) if size is not None else None
+    except Exception:
+        size = None
+    known = f"{batches} global batches" if batches >= 0 else "an unknown number of global batches"
+    return f"{known}, batch_size {size if size is not None else '?'}, elements {dataset.element_spec}"
+
+
+def _agree_on_arrays(what: str, arguments: dict[str, Any]) -> None:
+    """For in-memory inputs (a dataset is compared when it is distributed): every rank must pass
+    the same rows and batch size; compared in one small all-gather, raised on every rank."""
+    from unison.common.engine.objects import allgather_object
+
+    x = arguments.get("x")
+    leaves = nest.flatten(x) if x is not None else []
+    if not leaves or not all(isinstance(a, np.ndarray) or (hasattr(a, "shape") and hasattr(a, "dtype")
+                                                        and not isinstance(a, tf.data.Dataset)) for a in leaves):
+        return
+    parts = [p for p in (x, arguments.get("y"), arguments.get("sample_weight")) if p is not None]
+    shapes = [f"{tuple(a.shape)} {getattr(a.dtype, 'name', a.dtype)}" for p in parts for a in nest.flatten(p)]
+    mine = f"arrays {', '.join(shapes)}, batch_size={arguments.get('batch_size')}"
+    everyone = allgather_object(mine, name=f"unison.UnisonStrategy.{what}.inputs")
+    if any(other != everyone[0] for other in everyone):
+        shown = "; ".join(f"rank {r}: {d}" for r, d in enumerate(everyone))
+        raise ValueError(f"UnisonStrategy: the ranks' datasets differ ({shown}). Every rank feeds the same global "
+                         "batches (the strategy splits each one): pass the same data and batch_size on every rank")
+
+
+def _agree_on_dataset(dataset: Any) -> None:
+    """Every rank must feed the same global batches: the ranks compare what they can see of their
+    datasets (one small all-gather each time Keras distributes one) and raise on every rank when
+    it differs. A rank with fewer batches finished fit silently, paired with other rows, and the
+    other ranks failed or hung in the next call."""
+    from unison.common.engine.objects import allgather_object
+
+    everyone = allgather_object(_describe_dataset(dataset), name="unison.UnisonStrategy.dataset")
+    if any(other != everyone[0] for other in everyone):
+        shown = "; ".join(f"rank {r}: {d}" for r, d in enumerate(everyone))
+        raise ValueError(f"UnisonStrategy: the ranks' datasets differ ({shown}). Every rank feeds the same global "
+                         "batches (the strategy splits each one): pass the same data and batch_size on every rank")
+
+
 class UnisonExtended(distribute_lib.StrategyExtendedV1):
     """The strategy's machinery: one local CPU replica, collectives through Unison's engine."""
 
@@ -286,6 +337,8 @@ class UnisonExtended(distribute_lib.StrategyExtendedV1):
         return self._input_workers_obj
 
     def _experimental_distribute_dataset(self, dataset: Any, options: Any) -> Any:
+        if runtime.size() > 1:
+            _agree_on_dataset(dataset)
         dataset = split_global_batch(dataset, runtime.rank(), runtime.size())
         return input_util.get_distributed_dataset(dataset, self._input_workers, self._container_strategy(),
                                                   options=options)
@@ -526,10 +579,14 @@ def _guard_keras() -> None:
     def wrap(name: str, before: Callable[[Any], None] | None = None) -> None:
         original = getattr(keras.Model, name)
 
+        signature = inspect.signature(original)
+
         def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
             check(self, f"model.{name}()")
             if before is not None and _unison_model(self):
                 before(self)
+            if name in ("fit", "evaluate", "predict") and _unison_model(self) and runtime.size() > 1:
+                _agree_on_arrays(f"model.{name}", signature.bind(self, *args, **kwargs).arguments)
             return original(self, *args, **kwargs)
 
         guarded.__doc__ = original.__doc__
