@@ -435,3 +435,19 @@ def test_ranks_feeding_different_data_raise_on_every_rank(strategy):
             call()
         assert len(set(WORLD.allgather(str(info.value)))) == 1
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)  # the next call works
+
+
+def test_predict_on_batch_returns_the_batchs_predictions_before_and_after_predict(strategy):
+    """predict_on_batch after predict returned each rank's whole batch concatenated (every row
+    size times): it now predicts this rank's share and gathers, as predict does."""
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x = np.random.default_rng(3).standard_normal((5, 4)).astype("float32")
+    want = keras.ops.convert_to_numpy(model(x))
+    first = np.asarray(model.predict_on_batch(x))
+    model.predict(x, batch_size=5, verbose=0)
+    again = np.asarray(model.predict_on_batch(x))
+    for got in (first, again):
+        assert got.shape == (5, 1)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

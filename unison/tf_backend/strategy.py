@@ -628,6 +628,25 @@ def _guard_keras() -> None:
     wrap("predict", _gather_predictions)
     wrap_save("save")
     wrap_save("save_weights")
+    original_pob = keras.Model.predict_on_batch
+
+    def predict_on_batch(self: Any, x: Any) -> Any:
+        """Every rank predicts its share of the (global) batch and gets the whole batch's
+        predictions, as ``predict``: after ``predict`` had installed its gather, each rank's whole
+        batch came back concatenated (every row ``size`` times)."""
+        if not _unison_model(self) or runtime.size() == 1:
+            return original_pob(self, x)
+        _gather_predictions(self)
+        r, n = runtime.rank(), runtime.size()
+
+        def share(a: Any) -> Any:
+            rows = int(a.shape[0])
+            return a[(r * rows) // n:((r + 1) * rows) // n]
+
+        return original_pob(self, nest.map_structure(share, x))
+
+    predict_on_batch.__doc__ = original_pob.__doc__
+    keras.Model.predict_on_batch = predict_on_batch
     _guard_optimizers()
     _guard_checkpoints()
     _GUARDED = True
