@@ -67,19 +67,26 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.root_rank, self.device, self.process_set = root_rank, device, process_set
 
     def on_train_begin(self, logs: Any = None) -> None:
-        split = split_layers(self.model)
-        if split and self.process_set is None:
-            raise ValueError(f"BroadcastGlobalVariablesCallback: the model's layers {split[:3]} are split over "
-                             "a tensor group, so each rank holds other shards and rank "
-                             f"{self.root_rank}'s would overwrite them; pass process_set= the data-parallel "
-                             "group (e.g. Grid(...).register().dp), whose ranks hold the same shards")
-        if self.process_set is not None:
-            check_root_everywhere(self.root_rank, self.process_set, "BroadcastGlobalVariablesCallback")
+        check_broadcast_target(self.model, self.root_rank, self.process_set)
         variables = without_seed_states(self.model, list(self.model.variables))  # random state stays each rank's
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None and optimizer.built:  # Keras builds it before training starts
             variables += list(optimizer.variables)
         broadcast_variables(variables, self.root_rank, self.process_set)
+
+
+def check_broadcast_target(model: Any, root_rank: int, process_set: Any) -> None:
+    """What both broadcast callbacks check before broadcasting ``model``'s variables: a model
+    with tensor-parallel layers needs a ``process_set`` (its data-parallel group), and the root
+    must be in every rank's set; raised on every rank."""
+    split = split_layers(model)
+    if split and process_set is None:
+        raise ValueError(f"BroadcastGlobalVariablesCallback: the model's layers {split[:3]} are split over "
+                         f"a tensor group, so each rank holds other shards and rank {root_rank}'s would "
+                         "overwrite them; pass process_set= the data-parallel group (e.g. "
+                         "Grid(...).register().dp), whose ranks hold the same shards")
+    if process_set is not None:
+        check_root_everywhere(root_rank, process_set, "BroadcastGlobalVariablesCallback")
 
 
 def check_root_everywhere(root_rank: int, process_set: Any, what: str) -> None:

@@ -21,7 +21,7 @@ from unison.common.engine import frontend, objects
 from unison.common.exceptions import UnisonError
 from unison.common.files import atomic_path, remove_leftovers
 from unison.common.ops import Average
-from unison.keras.callbacks import check_root_everywhere, split_layers
+from unison.keras.callbacks import check_broadcast_target, split_layers
 from unison.keras.data_parallel import without_seed_states
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback",
@@ -59,14 +59,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self._done = False
 
     def on_train_begin(self, logs: Any = None) -> None:
-        split = split_layers(self.model)
-        if split and self.process_set is None:
-            raise ValueError(f"BroadcastGlobalVariablesCallback: the model's layers {split[:3]} are split over "
-                             "a tensor group, so each rank holds other shards and rank "
-                             f"{self.root_rank}'s would overwrite them; pass process_set= the data-parallel "
-                             "group (e.g. Grid(...).register().dp), whose ranks hold the same shards")
-        if self.process_set is not None:
-            check_root_everywhere(self.root_rank, self.process_set, "BroadcastGlobalVariablesCallback")
+        check_broadcast_target(self.model, self.root_rank, self.process_set)
         _broadcast_all(without_seed_states(self.model, list(self.model.variables)), self.root_rank,
                        "BroadcastGlobalVariables.model", self.process_set)  # random state stays each rank's
 
