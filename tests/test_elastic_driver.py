@@ -252,3 +252,47 @@ def test_status_0_with_a_failed_rank_and_no_finished_marker_is_a_failure(tmp_pat
         assert driver(tmp_path, jobs, np=3, max_restarts=1).run() == 1
     assert len(jobs.calls) == 2 and "did not return" in caplog.text
     assert driver(tmp_path, Jobs([JobEnd(0, ())]), np=3).run() == 0
+
+
+def test_ranks_that_left_a_split_job_make_a_status_0_job_a_failure_unless_the_training_finished(
+        tmp_path: Path, caplog) -> None:
+    """[Note: a partitioned job]: the losing side of a split leaves with status 0 and says so. When nobody else
+    finished (the other side had really died), the job failed and restarts; when the other side's rank 0 said
+    the training returned, it is done."""
+    from unison.run.report import ELASTIC_LEFT, MpirunReport
+
+    report = MpirunReport()
+    for rank in (2, 3):
+        report.feed(f"{ELASTIC_LEFT}: rank {rank} of 4 is with only 2 of the 4 ranks ...\n", "stderr")
+    assert report.elastic_left == 2 and not report.failures
+    jobs = Jobs([JobEnd(0, (), left=2), JobEnd(0, (), left=2)])
+    with caplog.at_level(logging.WARNING):
+        assert driver(tmp_path, jobs, np=3, max_restarts=1).run() == 1
+    assert len(jobs.calls) == 2 and "2 rank(s) left the job" in caplog.text
+    assert driver(tmp_path, Jobs([JobEnd(0, (), finished=True, left=2)]), np=3).run() == 0
+
+
+@pytest.mark.parametrize("old_size, survivors, ok", [
+    (4, [0, 1, 2], True), (4, [1, 2, 3], True),  # a majority, with or without rank 0
+    (4, [0, 1], True), (4, [2, 3], False),        # exactly half: the half holding rank 0
+    (4, [0], False), (4, [3], False), (3, [0], False), (3, [1, 2], True),
+    (2, [0], True), (2, [1], False), (1, [0], True), (5, [0, 1], False), (5, [2, 3, 4], True),
+])
+def test_quorum_is_a_majority_or_the_half_holding_rank_0(old_size: int, survivors: list[int], ok: bool) -> None:
+    from unison.common.elastic.recovery import has_quorum
+
+    assert has_quorum(old_size, survivors) is ok
+    # the complement (the other side of a split) never has it too
+    other = sorted(set(range(old_size)) - set(survivors))
+    assert not (has_quorum(old_size, survivors) and has_quorum(old_size, other))
+
+
+def test_the_quorum_setting_is_checked(monkeypatch) -> None:
+    from unison.common.elastic.recovery import quorum_mode
+
+    assert quorum_mode() == "auto"
+    monkeypatch.setenv("UNISON_ELASTIC_QUORUM", "OFF")
+    assert quorum_mode() == "off"
+    monkeypatch.setenv("UNISON_ELASTIC_QUORUM", "sometimes")
+    with pytest.raises(ValueError, match="UNISON_ELASTIC_QUORUM.*sometimes|sometimes.*UNISON_ELASTIC_QUORUM"):
+        quorum_mode()

@@ -308,6 +308,36 @@ def test_a_second_failure_during_the_recovery_is_survived(tmp_path: Path, where:
     assert sorted(set(epoch0)) == list(range(job.N)) and len(epoch0) == job.N
 
 
+@pytest.mark.parametrize("quorum", ["auto", "on"])
+def test_when_half_the_ranks_die_with_rank_0_the_rest_go_on_only_without_a_quorum_rule(tmp_path: Path,
+                                                                                      quorum: str) -> None:
+    """4 ranks on one host; ranks 0 and 1 die after step 5. On one host nothing can split the job, so by default
+    (``auto``) the 2 left go on and finish with the replay's weights. With ``UNISON_ELASTIC_QUORUM=on`` they
+    are half of the world without its rank 0, which a split job's losing side cannot tell from this: both
+    leave the job, saying so, and nobody trains on ([Note: a partitioned job])."""
+    proc = mpirun(4, [*ELASTIC_MPI_ARGS, sys.executable, SCRIPT, str(tmp_path)], timeout=240,
+                  env=mpi_env(UNISON_ELASTIC="1", ELASTIC_KILL_RANKS="0,1", UNISON_ELASTIC_QUORUM=quorum),
+                  linger_ok=True)
+    detail = (f"\nexit {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n"
+              f"--- stderr ---\n{proc.stderr[-4000:]}")
+    assert (tmp_path / "kill.json").exists(), detail
+    ranks = _outcomes(tmp_path)
+    if quorum == "on":
+        assert ranks == [] and not list(tmp_path.glob("reset.*")), detail
+        left = re.findall(r"leaving the job: rank (\d) of 4 is with only 2 of the 4 ranks \(ranks 2, 3\)",
+                          proc.stderr)
+        assert sorted(left) == ["2", "3"], detail
+        return
+    assert "leaving the job" not in proc.stderr, detail
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["size"] == 2 for r in ranks), detail
+    steps = [(e, batch) for e, _, _, batch in ranks[0]["log"]]
+    assert steps == schedule(before=4), detail
+    for r in ranks:
+        assert [(x["size"], x["step"]) for x in r["resets"]] == [(2, 4)], detail
+        for got, want in zip(r["weights"], reference_weights(steps), strict=True):
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-10)
+
+
 @pytest.mark.parametrize("flags, env, says", [
     ([], {}, "exited on"),
     (["--with-ft", "ulfm"], {}, "elastic mode is off"),

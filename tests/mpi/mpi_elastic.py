@@ -15,8 +15,11 @@ rank 2 dies too: the 2 left must rebuild again and finish. With ``ELASTIC_FAIL_I
 communicator and before the engine does: ``recover()`` itself must shrink again, to 2.
 
 Under ``unisonrun``'s elastic driver (``UNISON_ELASTIC_ATTEMPT`` set) the kill happens in the
-first job only. With ``ELASTIC_STEP_SLEEP=S`` nobody is killed: each step sleeps S seconds and
-rank 0 writes the step to ``OUT_DIR/progress<attempt>`` (a test takes a host down meanwhile).
+first job only. ``ELASTIC_KILL_RANKS=0,1`` names the ranks that kill themselves after step
+``KILL_AFTER`` instead of the last. Each process that completes a reset writes an empty
+``OUT_DIR/reset.<hostname>.<pid>`` (a test checks which hosts went on). With ``ELASTIC_STEP_SLEEP=S``
+nobody is killed: each step sleeps S seconds and rank 0 writes the step to
+``OUT_DIR/progress<attempt>`` (a test takes a host down meanwhile).
 With ``ELASTIC_GROW_FILE=PATH`` nobody is killed: after step ``GROW_AT`` of the first job rank 0
 writes ``localhost:<ELASTIC_GROW_TO, default 3>`` to PATH (what the test's discovery script
 prints) and waits, so the driver sees the change and the commit after ``GROW_AT`` stops the job
@@ -28,6 +31,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import socket
 import sys
 import time
 
@@ -86,6 +90,7 @@ def main(out: str) -> None:
     first_job = os.environ.get("UNISON_ELASTIC_ATTEMPT", "0") == "0"
     pace = float(os.environ.get("ELASTIC_STEP_SLEEP", "0"))  # a test that cuts a host's link needs time
     start_size = hvd.size()
+    kill_ranks = [int(r) for r in os.environ.get("ELASTIC_KILL_RANKS", str(start_size - 1)).split(",")]
 
     def die_in_reset() -> None:
         if second and hvd.size() == start_size - 1 and hvd.rank() == 2:
@@ -94,8 +99,11 @@ def main(out: str) -> None:
             os.kill(os.getpid(), 9)
         hvd.allreduce(torch.zeros(1), name=f"reset_check.{len(resets)}")  # a collective in a reset callback
 
+    def mark_reset() -> None:
+        open(os.path.join(out, f"reset.{socket.gethostname()}.{os.getpid()}"), "w").close()
+
     state.register_reset_callbacks([lambda: resets.append({"size": hvd.size(), "step": state.step,
-                                                           "first_step_at": None}), die_in_reset])
+                                                           "first_step_at": None}), die_in_reset, mark_reset])
 
     @elastic.run
     def train(state: elastic.TorchState) -> None:
@@ -112,7 +120,7 @@ def main(out: str) -> None:
                         with open(os.path.join(out, f"progress{attempt}"), "w") as f:
                             f.write(str(state.step))
                 if (not grow and not pace and first_job and state.step == KILL_AFTER and hvd.size() == start_size
-                        and hvd.rank() == start_size - 1):
+                        and hvd.rank() in kill_ranks):
                     if "UNISON_ELASTIC_ATTEMPT" in os.environ:
                         time.sleep(1.0)  # under the driver: let rank 0 finish writing the last commit to disk
                     with open(os.path.join(out, "kill.json"), "w") as f:

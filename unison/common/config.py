@@ -336,13 +336,17 @@ _BY_FIELD = {s.field: s for s in SETTINGS}
 ENV_ELASTIC = "ELASTIC"
 #: ``UNISON_ELASTIC_MIN_NP``: fewer surviving ranks than this end the job (``unisonrun --min-np``)
 ENV_ELASTIC_MIN_NP = "ELASTIC_MIN_NP"
+#: ``UNISON_ELASTIC_QUORUM``: when the survivors of a failure must be a majority of the world to go on
+#: (auto: when the job spans hosts; see [Note: a partitioned job] in unison/common/elastic/recovery.py)
+ENV_ELASTIC_QUORUM = "ELASTIC_QUORUM"
 #: Variables read from the environment where they are used (elastic recovery,
 #: unison/common/elastic/recovery.py), not ``init()`` arguments. :func:`load_config` checks
 #: their values like the settings' and :func:`must_match_values` has the ranks compare them
 #: at ``init()``: some ranks recovering from a failure while others end would hang the rest.
 #: suffix -> (the value's type and range, its value when unset)
-ENV_ONLY: dict[str, tuple[Flag | IntRange, Any]] = {ENV_ELASTIC: (Flag(), False),
-                                                     ENV_ELASTIC_MIN_NP: (IntRange(1, 1 << 30), 1)}
+ENV_ONLY: dict[str, tuple[Flag | IntRange | Choice, Any]] = {ENV_ELASTIC: (Flag(), False),
+                                                     ENV_ELASTIC_MIN_NP: (IntRange(1, 1 << 30), 1),
+                                                     ENV_ELASTIC_QUORUM: (Choice(("auto", "on", "off")), "auto")}
 
 #: Suffixes Unison reads itself plus those read by other parts (engine, backends)
 #: registered through :func:`register_env`.

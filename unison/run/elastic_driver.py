@@ -82,6 +82,8 @@ class JobEnd(NamedTuple):
     stopped: bool = False
     #: mpirun reported a rank that failed (MPI_Abort, a signal), named host or not
     rank_failed: bool = False
+    #: how many ranks left the job on the losing side of a split (report.ELASTIC_LEFT)
+    left: int = 0
 
 
 @dataclasses.dataclass
@@ -305,11 +307,13 @@ class Driver:
                         logger.warning("the training finished (mpirun's status %d counts ranks that died on the "
                                        "way)", status)
                     return 0
-                if status == 0 and not (failed or lost or end.rank_failed):
+                if status == 0 and not (failed or lost or end.rank_failed or end.left):
                     return 0
-                if status == 0:  # ULFM's mpirun was seen to exit 0 after ranks called MPI_Abort
-                    logger.warning("mpirun exited with status 0, but the training function did not return and "
-                                   "mpirun reported failed rank(s): counting the job as failed")
+                if status == 0:  # ULFM's mpirun exits 0 after ranks called MPI_Abort, or left a split job
+                    logger.warning("mpirun exited with status 0, but the training function did not return and %s: "
+                                   "counting the job as failed", f"{end.left} rank(s) left the job on the losing "
+                                   "side of a split (or the rest died)" if end.left else
+                                   "mpirun reported failed rank(s)")
                     status = 1
                 resets += 1
                 if status == RESTART_STATUS:

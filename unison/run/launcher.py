@@ -459,7 +459,7 @@ def _run_elastic(args: argparse.Namespace, config: LaunchConfig, environ: Mappin
         elif result.status not in (0, RESTART_STATUS) and not report.elastic_finished:
             print(f"unisonrun: {report.summary(result.status)}", file=sys.stderr, flush=True)
         return JobEnd(result.status, failed, tuple(h.host for h in report.hosts_lost), report.elastic_finished,
-                      result.stop_signal is not None, bool(report.failures) or bool(failed))
+                      result.stop_signal is not None, bool(report.failures) or bool(failed), report.elastic_left)
 
     return Driver(options, static, start, environ).run()
 

@@ -60,6 +60,11 @@ HOST_LOST_STATUS = 75
 #: it reaches unisonrun through mpirun's output from any host
 ELASTIC_FINISHED = "[unison] elastic: the training function returned"
 
+#: the start of the line each rank of an in-place elastic job prints when it leaves the job because it is on the
+#: side of a split that may not go on ([Note: a partitioned job] in unison/common/elastic/recovery.py): the job
+#: did not finish unless another side's rank 0 says :data:`ELASTIC_FINISHED`
+ELASTIC_LEFT = "[unison] elastic: leaving the job"
+
 #: the status every rank of an elastic job exits with when the hosts changed and the commit is on disk;
 #: ``unisonrun``'s driver then starts the job on the new hosts (unison.common.elastic.runner)
 RESTART_STATUS = 76
@@ -222,6 +227,8 @@ class MpirunReport:
         self.time_limit: str | None = None
         #: whether a rank printed :data:`ELASTIC_FINISHED` (the elastic training function returned)
         self.elastic_finished = False
+        #: how many ranks printed :data:`ELASTIC_LEFT` (left the job on the losing side of a split)
+        self.elastic_left = 0
         #: the status each rank gave in its :data:`ELASTIC_EXITING` line, and the job's size they gave
         self.exiting: dict[int, int] = {}
         self.exiting_size: int | None = None
@@ -240,6 +247,8 @@ class MpirunReport:
     def _line(self, line: str, state: _Stream) -> None:
         if ELASTIC_FINISHED in line:
             self.elastic_finished = True
+        if ELASTIC_LEFT in line:
+            self.elastic_left += 1
         exiting = _EXITING.search(line)
         if exiting is not None:
             self.exiting[int(exiting["rank"])] = int(exiting["status"])

@@ -12,6 +12,8 @@ released too (engine [Note: process failure]). The elastic ``run`` wrapper then 
              later operations on them fail: nobody keeps waiting on the old world)
     shrink   MPI_Comm_shrink of the runtime's communicator: a new one of the survivors,
              ranks renumbered in the old order (fault-tolerant, collective)
+    quorum   across hosts, survivors that are not a majority of the old world leave the job
+             (see [Note: a partitioned job])
     agree    MPI_Comm_agree on "I can go on" (this rank's count >= UNISON_ELASTIC_MIN_NP):
              every survivor raises, or none does
     rebuild  runtime.shutdown() (stops the engine thread, drops ``State.cache``: the
@@ -22,6 +24,29 @@ released too (engine [Note: process failure]). The elastic ``run`` wrapper then 
 
 Communicators of the old world are revoked, never freed: freeing one that a dead rank
 belonged to is not safe everywhere, and a few of them per failure cost nothing.
+
+[Note: a partitioned job]
+When a link between hosts goes down and nothing has died, each side's failure detector
+(``unisonrun --detect-lost-hosts``) declares the other side's ranks failed, and both sides
+shrink: two jobs would go on, each with its own rank 0, writing the same checkpoints and logs
+(seen on test hosts: both halves of a 2 x 2 job finished and wrote the same outcome file). So
+the survivors go on only when they are a *quorum* of the world they shrank from: more than
+half of its ranks, or exactly half holding its rank 0. Two disjoint sides cannot both be one,
+so at most one side goes on. A side that is not one leaves the job: each of its ranks prints
+:data:`unison.run.report.ELASTIC_LEFT` and ends its process at once with status 0. Not an
+exception, which user code could catch and go on with; not ``MPI_Abort``, which would end the
+other side's job wherever ``mpirun`` still reaches both; not a non-zero status, which ends a
+ULFM job too (measured: ``mpirun --with-ft ulfm`` killed the other ranks 0.5 s after two
+exited with status 3, and let them go on after status 0). Should the side that went away have
+really died, nobody is left: under ``unisonrun``'s elastic driver the line makes the job count
+as failed (the training function never returned) and it restarts from the commit on disk.
+
+Each side can only count: it cannot tell a partition from a death. So when more than half
+of the ranks die at once (or exactly half, rank 0 among them), the survivors leave too. A
+partition can only cut a job that spans hosts: on one host a rank's death is reported by the
+host's own daemon and nothing can split the ranks, so there the rule is off.
+``UNISON_ELASTIC_QUORUM``: ``auto`` (the default; on when the job spans hosts), ``on``,
+``off`` (any count of survivors >= ``UNISON_ELASTIC_MIN_NP`` goes on, as before).
 
 [Note: a failure during recovery]
 Another rank can die while the survivors shrink, agree or rebuild. Shrink and agree are fault
@@ -36,21 +61,27 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import sys
 import time
+from collections.abc import Collection
 from typing import Any
 
 from unison.common import runtime
-from unison.common.config import ENV_ELASTIC, ENV_ELASTIC_MIN_NP, SETTINGS, env_only_value
+from unison.common.config import ENV_ELASTIC, ENV_ELASTIC_MIN_NP, ENV_ELASTIC_QUORUM, SETTINGS, env_only_value
 from unison.common.engine import frontend
 from unison.common.engine.errors import process_failure
 from unison.common.exceptions import UnisonError
 
-__all__ = ["Recovery", "enabled", "min_np", "recover", "last_recovery", "ENV_ELASTIC", "ENV_MIN_NP"]
+__all__ = ["Recovery", "enabled", "min_np", "quorum_mode", "has_quorum", "recover", "last_recovery", "ENV_ELASTIC",
+           "ENV_MIN_NP", "ENV_QUORUM"]
 
 logger = logging.getLogger(__name__)
 
 #: ``UNISON_ELASTIC_MIN_NP`` (defined, checked at init() and compared across ranks in the config)
 ENV_MIN_NP = ENV_ELASTIC_MIN_NP
+#: ``UNISON_ELASTIC_QUORUM`` (auto, on, off; see [Note: a partitioned job])
+ENV_QUORUM = ENV_ELASTIC_QUORUM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +113,19 @@ def min_np() -> int:
     return int(env_only_value(ENV_ELASTIC_MIN_NP))
 
 
+def quorum_mode() -> str:
+    """``UNISON_ELASTIC_QUORUM``: ``auto`` (default), ``on`` or ``off`` (see [Note: a partitioned job])."""
+    return str(env_only_value(ENV_ELASTIC_QUORUM))
+
+
+def has_quorum(old_size: int, survivors: Collection[int]) -> bool:
+    """Whether ``survivors`` (their ranks in the world of ``old_size`` ranks they shrank from) may go on:
+    more than half of that world, or exactly half holding its rank 0. Two disjoint sets of ranks of
+    one world cannot both have it (see [Note: a partitioned job])."""
+    count = len(survivors)
+    return 2 * count > old_size or (2 * count == old_size and 0 in survivors)
+
+
 def last_recovery() -> Recovery | None:
     """The most recent recovery of this process (None before the first)."""
     return _last
@@ -107,8 +151,45 @@ def _shrink(st: runtime.State) -> Any:
     return _shrink_again(st.comm, st.mpi)
 
 
-def _agree_to_continue(shrunk: Any) -> None:
-    """Every survivor raises, or none does (``MPI_Comm_agree`` is fault tolerant)."""
+def _survivors(shrunk: Any, world: Any, mpi: Any) -> list[int]:
+    """The ranks in ``world`` (the communicator before the failure) of ``shrunk``'s members."""
+    group, old = shrunk.Get_group(), world.Get_group()
+    try:
+        return [r for r in mpi.Group.Translate_ranks(group, list(range(group.Get_size())), old)
+                if r != mpi.UNDEFINED]
+    finally:
+        group.Free()
+        old.Free()
+
+
+def _leave_the_job(old_rank: int, old_size: int, survivors: list[int]) -> None:
+    """This rank is on the side of a split (or of a mass death) that may not go on: say so, end the process."""
+    from unison.run.report import ELASTIC_LEFT
+
+    sys.stderr.write(
+        f"{ELASTIC_LEFT}: rank {old_rank} of {old_size} is with only {len(survivors)} of the {old_size} ranks "
+        f"(ranks {', '.join(map(str, survivors))}), not more than half of them nor half holding rank 0. The "
+        f"others may still be alive behind a cut link and go on without these ranks, so these ranks end their "
+        f"processes now (status 0, so that mpirun does not end the others' job) instead of training as a second "
+        f"job beside them. If the others died, restart the job from its last checkpoint (unisonrun --elastic "
+        f"does that itself). UNISON_{ENV_ELASTIC_QUORUM}=off lets any number of survivors go on.\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(0)  # [Note: a partitioned job]: not an exception, not MPI_Abort, not a non-zero status
+
+
+def _needs_quorum(st: runtime.State) -> bool:
+    mode = quorum_mode()
+    return mode == "on" or (mode == "auto" and st.local_size < st.size)
+
+
+def _agree_to_continue(shrunk: Any, st: runtime.State) -> None:
+    """A side without a quorum of the world before the failure (``st``) leaves the job; then every survivor
+    raises, or none does (``MPI_Comm_agree`` is fault tolerant)."""
+    if _needs_quorum(st):
+        survivors = _survivors(shrunk, st.comm, st.mpi)
+        if not shrunk.Agree(1 if has_quorum(st.size, survivors) else 0):
+            _leave_the_job(st.rank, st.size, survivors)
     need = min_np()
     ok = shrunk.Agree(1 if shrunk.Get_size() >= need else 0)
     if not ok:
@@ -169,7 +250,7 @@ def recover() -> Recovery:
     for attempt in range(1, MAX_ATTEMPTS + 1):
         shrunk = _shrink(st) if attempt == 1 else _shrink_again(comm, st.mpi)
         try:
-            _agree_to_continue(shrunk)
+            _agree_to_continue(shrunk, st)
             _rebuild(st, shrunk, sets)
             break
         except Exception as exc:
