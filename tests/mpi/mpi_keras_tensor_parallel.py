@@ -356,6 +356,25 @@ def test_sequence_parallel_refuses_a_sequence_the_group_does_not_divide(tp):
         hvd.RowParallelLinear(2 * tp, 4, input_is_parallel=False, process_set=ps, sequence_parallel=True)
 
 
+@pytest.mark.parametrize("tp", [tp for tp in TPS if tp > 1])
+def test_a_sequence_gathered_from_uneven_pieces_raises_eagerly_and_in_a_tf_function(tp):
+    """Before: ranks holding 3 and 1 positions got a gathered tensor whose static shape claimed 6 and 2."""
+    ps = group(tp)
+    if ps is None:
+        return
+    mine = np.zeros((2, 3 if ps.rank() == 0 else 1, 4))
+    with pytest.raises(ValueError, match="every rank of the group must hold the same number"):
+        hvd.gather_from_sequence(mine, ps)
+
+    @tf.function(input_signature=[tf.TensorSpec((2, None, 4), tf.float64)])
+    def traced(x: tf.Tensor) -> tf.Tensor:
+        x = tf.ensure_shape(x, (2, mine.shape[1], 4))
+        return hvd.gather_from_sequence(x, ps)
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match="hold different numbers of sequence positions"):
+        traced(tf.constant(mine))
+
+
 @pytest.mark.parametrize("tp", TPS)
 def test_seed_generators_shared_outside_and_per_shard_inside_a_region(tp):
     from unison.tf_backend.tensor_parallel_random import dropout_generators

@@ -656,3 +656,176 @@ def test_grid_registers_its_tensor_groups():
     close(layer(x), ref(x))
     total = hvd.allreduce(torch.tensor([float(R)]), op=hvd.Sum, process_set=sets.dp)
     assert total.item() == sum(grid.dp_group_ranks(R))
+
+
+# ------------------------------------------------------------------ what a split must not lose (audit 2026-12-04)
+
+
+class TiedLM(nn.Module):
+    """A language model whose output head is its input embedding (one tensor, as GPT-2's)."""
+
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__()
+        torch.manual_seed(60)
+        self.embed = nn.Embedding(vocab, dim, dtype=D)
+        self.head = nn.Linear(dim, vocab, bias=False, dtype=D)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(ids)))
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_parallelize_keeps_a_tied_embedding_and_head_tied_and_trains_like_the_unsplit_model(tp):
+    """Before: each split layer got its own copy, so the tie was lost and 3 SGD steps ended elsewhere."""
+    vocab, steps = 12, 3
+    ref = TiedLM(vocab, 4)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    def ids(seed: int) -> torch.Tensor:
+        return torch.randint(0, vocab, (3, 5), generator=torch.Generator().manual_seed(seed))
+
+    batches = [(ids(61 + s), ids(71 + s)) for s in range(steps)]
+    for tokens, target in batches:
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(tokens).reshape(-1, vocab), target.reshape(-1)).backward()
+        ref_opt.step()
+    ps = group(tp)
+    if ps is None:
+        return
+    model = hvd.parallelize(TiedLM(vocab, 4), {"embed": "vocab", "head": "colwise"}, ps)
+    assert model.head.weight is model.embed.weight and len(list(model.parameters())) == 1
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for tokens, target in batches:
+        opt.zero_grad()
+        hvd.vocab_parallel_cross_entropy(model(tokens), target, process_set=ps).backward()
+        opt.step()
+    close(model.embed.weight, piece(ref.embed.weight, ps, 0))
+
+
+def test_parallelize_refuses_to_untie_a_shared_weight_and_leaves_the_model():
+    model = TiedLM(4 * N, 4)
+    with pytest.raises(ValueError, match=r"\['embed.weight', 'head.weight'\] are one shared tensor, and the plan "
+                                         r"would split it in some places and not in others"):
+        hvd.parallelize(model, {"embed": "vocab"}, hvd.global_process_set)
+    assert type(model.embed) is nn.Embedding and model.head.weight is model.embed.weight
+    shared = nn.Sequential(nn.Linear(4, 4, dtype=D), nn.Linear(4, 4, dtype=D))
+    shared[1].weight = shared[0].weight
+    with pytest.raises(ValueError, match="split it differently in each place"):
+        hvd.parallelize(shared, {"0": "colwise", "1": "rowwise"}, hvd.global_process_set)
+
+
+def test_parallelize_keeps_frozen_weights_frozen_and_refuses_what_a_split_would_drop():
+    model = mlp(62)
+    model[0].weight.requires_grad_(False)
+    hvd.parallelize(model, MLP_PLAN, hvd.global_process_set)
+    assert [p.requires_grad for p in (model[0].weight, model[0].bias, model[2].weight, model[2].bias)] == [
+        False, True, True, True]
+    normed = mlp(63)
+    torch.nn.utils.parametrizations.weight_norm(normed[0])
+    with pytest.raises(ValueError, match="is parametrized"):
+        hvd.parallelize(normed, MLP_PLAN, hvd.global_process_set)
+    hooked = mlp(64)
+    hooked[2].register_forward_hook(lambda *a: None)
+    with pytest.raises(ValueError, match="has forward hooks"):
+        hvd.parallelize(hooked, MLP_PLAN, hvd.global_process_set)
+    assert type(hooked[0]) is nn.Linear  # nothing swapped
+
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(4, 2, dtype=D)
+
+    with pytest.raises(ValueError, match=r"'attn.out_proj' belongs to an nn.MultiheadAttention"):
+        hvd.parallelize(Attn(), {"attn.out_proj": "rowwise"}, hvd.global_process_set)
+
+    class Scaled(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * super().forward(x)
+
+    with pytest.raises(ValueError, match="a subclass of Linear with its own forward"):
+        hvd.parallelize(nn.Sequential(Scaled(4, 4 * N)), {"0": "colwise"}, hvd.global_process_set)
+    with pytest.raises(ValueError, match="scale_grad_by_freq"):
+        hvd.VocabParallelEmbedding.from_embedding(nn.Embedding(4 * N, 2, scale_grad_by_freq=True))
+
+
+def test_activation_checkpoint_replays_the_tracker_so_attention_dropout_gets_the_forward_masks():
+    """torch.utils.checkpoint alone redraws the attention-dropout mask in the recompute: wrong gradients."""
+    ps = group(2) if N >= 2 else group(1)
+    if ps is None:
+        return
+    tp = ps.size()
+    ref = Block(4 * tp, 2 * tp, 8 * tp, causal=False, seq=SEQ)
+    block = hvd.ParallelTransformerBlock.from_modules(ref.ln1, ref.attn, ref.ln2, ref.fc1, ref.fc2, process_set=ps,
+                                                      attention_dropout=0.5)
+    x = seeded(65, 2, SEQ, 4 * tp)
+
+    def grads(wrap) -> list[torch.Tensor]:
+        block.zero_grad()
+        hvd.model_parallel_manual_seed(9, ps)
+        inp = leaf(x)
+        (wrap(inp) * x).sum().backward()
+        return [inp.grad] + [p.grad.clone() for p in block.parameters()]
+
+    plain = grads(block)
+    for got, want in zip(grads(lambda t: hvd.activation_checkpoint(block, t)), plain, strict=True):
+        close(got, want)
+    redrawn = grads(lambda t: torch.utils.checkpoint.checkpoint(block, t, use_reentrant=False))
+    assert not torch.allclose(redrawn[0], plain[0])  # what the wrapper is for (the test can fail)
+    with pytest.raises(ValueError, match="use_reentrant=True is not supported"):
+        hvd.activation_checkpoint(block, x, use_reentrant=True)
+
+
+def test_a_distributed_optimizer_or_broadcast_over_ranks_holding_different_shards_is_refused():
+    """Before: averaging or broadcasting over the whole job silently mixed the shards of a tp group."""
+    if N < 2:
+        pytest.skip("needs a tensor group of 2")
+    grid = Grid(dp=N // 2, tp=2) if N % 2 == 0 else None
+    if grid is None:
+        pytest.skip("the grid needs an even job")
+    sets = grid.register()
+    model = hvd.parallelize(mlp(66), MLP_PLAN, sets.tp)
+    with pytest.raises(ValueError, match=r"'0.weight' is one shard of a tensor-parallel layer split over ranks "
+                                         r".*Pass process_set= the data-parallel group"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=model.named_parameters())
+    with pytest.raises(ValueError, match="is one shard of a tensor-parallel layer"):
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match="is one shard of a tensor-parallel layer"):
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+    # over the data group (the ranks holding the same shard) both are fine
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    root = sets.dp.ranks[0]
+    if R != root:
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=root, process_set=sets.dp)
+    for k, v in model.state_dict().items():
+        close(v, before[k])
+    hvd.broadcast_optimizer_state(opt, root_rank=root, process_set=sets.dp)
+
+
+@pytest.mark.parametrize("tp", [tp for tp in TPS if tp > 1])
+def test_a_sequence_gathered_from_uneven_pieces_raises(tp):
+    """Before: ranks holding 3 and 1 positions were re-split 2 and 2, silently, and backward diverged."""
+    ps = group(tp)
+    if ps is None:
+        return
+    mine = 3 if ps.rank() == 0 else 1
+    with pytest.raises(ValueError, match="every rank of the group must hold the same number"):
+        hvd.gather_from_sequence(seeded(67, 2, mine, 4), ps)
+
+
+def test_attention_from_a_sequence_first_multihead_attention_reads_its_layout():
+    """nn.MultiheadAttention's default is batch_first=False: the split layer now reads (seq, batch, hidden) too."""
+    ps = group(2) if N >= 2 else group(1)
+    if ps is None:
+        return
+    tp = ps.size()
+    torch.manual_seed(68)
+    ref = nn.MultiheadAttention(4 * tp, 2 * tp, dtype=D)  # batch_first=False
+    x = seeded(69, 5, 3, 4 * tp)  # (seq, batch, hidden)
+    attn = hvd.ParallelSelfAttention.from_multihead_attention(ref, process_set=ps)
+    close(attn(x), ref(x, x, x, need_weights=False)[0])
+    with pytest.raises(ValueError, match="needs batch_first=True"):
+        hvd.ParallelSelfAttention.from_multihead_attention(ref, process_set=ps, sequence_parallel=True)

@@ -32,7 +32,7 @@ import tensorflow as tf
 
 from unison.common.engine.process_sets import ProcessSet, set_rank, set_size
 from unison.common.ops import Max, Sum
-from unison.common.tensor_parallel.sequence import sequence_problem
+from unison.common.tensor_parallel.sequence import check_gathered_sequence, sequence_problem
 from unison.tf_backend.gather_ops import allgather
 from unison.tf_backend.mpi_ops import allreduce, reducescatter
 from unison.tf_backend.op_base import _name, dense_gradient
@@ -156,12 +156,23 @@ def _with_seq(out: tf.Tensor, given: tf.Tensor, times: int, divide: int) -> tf.T
     return out
 
 
-def _gather_seq(tensor: tf.Tensor, group: ProcessSet) -> tf.Tensor:
-    """Every shard's positions concatenated along the sequence, in shard order."""
+def _gather_seq(tensor: tf.Tensor, group: ProcessSet, check: bool = False) -> tf.Tensor:
+    """Every shard's positions concatenated along the sequence, in shard order; with ``check``, raise
+    when the ranks held different numbers of positions (see ``check_gathered_sequence``)."""
     parts = set_size(group)
     if parts == 1:
         return tensor
-    return _with_seq(_to_front(allgather(_to_front(tensor), **_named("allgather", group))), tensor, parts, 1)
+    out = _to_front(allgather(_to_front(tensor), **_named("allgather", group)))
+    if check and tf.executing_eagerly():
+        check_gathered_sequence(int(out.shape[1]), int(tensor.shape[1]), parts, "gather_from_sequence")
+    elif check:  # traced: the gathered length is known only when the step runs
+        ok = tf.debugging.assert_equal(
+            tf.shape(out)[1], tf.shape(tensor)[1] * parts,
+            message=f"gather_from_sequence: the {parts} ranks of the tensor group hold different numbers of "
+                    "sequence positions; every rank of the group must hold the same number")
+        with tf.control_dependencies([ok]):
+            out = tf.identity(out)
+    return _with_seq(out, tensor, parts, 1)
 
 
 def _seq_slice(tensor: tf.Tensor, group: ProcessSet) -> tf.Tensor:
@@ -215,7 +226,7 @@ def gather_from_sequence(tensor: Any, group: ProcessSet, to_parallel: bool = Tru
 
     @dense_gradient
     def gather(t: tf.Tensor) -> Any:
-        return tf.identity(_gather_seq(t, group)), back
+        return tf.identity(_gather_seq(t, group, check=True)), back
 
     return gather(x)
 

@@ -113,7 +113,11 @@ from unison.torch_backend.tensor_parallel_comm import (
     scatter_to_sequence,
 )
 from unison.torch_backend.tensor_parallel_plan import parallelize
-from unison.torch_backend.tensor_parallel_random import get_rng_tracker, model_parallel_manual_seed
+from unison.torch_backend.tensor_parallel_random import (
+    activation_checkpoint,
+    get_rng_tracker,
+    model_parallel_manual_seed,
+)
 from unison.torch_backend.zero3 import (
     clip_sharded_grad_norm_,
     full_state_dict,
@@ -147,7 +151,7 @@ __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
     "ParallelMLP", "ParallelSelfAttention", "ParallelTransformerBlock", "parallelize",
     "scatter_to_sequence", "gather_from_sequence", "reduce_scatter_to_sequence", "get_rng_tracker",
-    "model_parallel_manual_seed", "save_tensor_parallel", "load_tensor_parallel",
+    "model_parallel_manual_seed", "activation_checkpoint", "save_tensor_parallel", "load_tensor_parallel",
 ]
 
 _process_group.register()  # dist.init_process_group("unison") (unison/torch_backend/process_group.py)

@@ -11,27 +11,35 @@ import torch
 from unison.common import runtime
 from unison.common.engine import frontend
 from unison.common.engine.objects import allgather_object, broadcast_object
+from unison.common.engine.process_sets import ProcessSet
 from unison.torch_backend.mpi_ops import broadcast_async_, synchronize
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object"]
 
 
 def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                         root_rank: int, prefix: str | None = None) -> None:
+                         root_rank: int, prefix: str | None = None, process_set: ProcessSet | None = None) -> None:
     """Overwrite every rank's tensors with ``root_rank``'s, in place.
 
     Args:
         params: ``model.state_dict()``, ``model.named_parameters()`` or ``model.parameters()``.
-        root_rank: the rank whose values win.
+        root_rank: the rank whose values win (a rank of the job, in ``process_set`` if given).
         prefix: prepended to the names the broadcasts are negotiated under.
+        process_set: broadcast within these ranks only (every rank when None). A model with
+            tensor-parallel layers needs its data-parallel group here: the ranks of one tensor
+            group hold different shards.
 
     Raises:
-        ValueError: ``params`` holds something other than tensors.
+        ValueError: ``params`` holds something other than tensors, or shards of a tensor-parallel
+            layer that ``process_set`` would overwrite with another rank's shard.
     """
+    from unison.torch_backend.tensor_parallel import shards_across
+
     if isinstance(params, Mapping):
         items = sorted(params.items())
     else:  # pairs, or bare tensors (model.parameters()), which Horovod takes too: named by position
         items = [(f"param.{i}", p) if isinstance(p, torch.Tensor) else p for i, p in enumerate(params)]
+    shards_across([(n, p) for n, p in items if isinstance(p, torch.Tensor)], process_set, "broadcast_parameters")
     handles = []
     for name, p in items:
         if not isinstance(p, torch.Tensor):
@@ -42,22 +50,34 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str
                              "broadcasting rank 0's would corrupt the others. shard_module already started every "
                              "rank from rank 0's weights; use load_full_state_dict(model, ...) to load weights")
         target = p.data if isinstance(p, torch.nn.Parameter) else p
-        handles.append(broadcast_async_(target, root_rank, f"broadcast.{prefix or ''}{name}"))
+        handles.append(broadcast_async_(target, root_rank, f"broadcast.{prefix or ''}{name}", process_set))
     for h in handles:
         synchronize(h)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
-                              prefix: str | None = None, model: Any = None) -> None:
+                              prefix: str | None = None, model: Any = None,
+                              process_set: ProcessSet | None = None) -> None:
     """Make every rank's optimizer state (moments, step counts, hyperparameters) ``root_rank``'s.
 
     Works whether or not the other ranks' optimizers have taken a step yet: the
-    root's ``state_dict()`` travels whole and is loaded everywhere.
+    root's ``state_dict()`` travels whole and is loaded everywhere (every rank of
+    ``process_set``, when given: the data-parallel group of a tensor-parallel model).
+
+    Raises:
+        ValueError: a rank could not load the root's state (on every rank), or the optimizer
+            steps shards of a tensor-parallel layer that ``process_set`` would overwrite with
+            another rank's.
     """
+    from unison.torch_backend.tensor_parallel import shards_across
+
     opt = optimizer  # a DistributedOptimizer is an instance of the original class: same state_dict
+    shards_across([(f"param_groups[{g}]['params'][{i}]", p) for g, group in enumerate(opt.param_groups)
+                   for i, p in enumerate(group["params"])], process_set, "broadcast_optimizer_state")
     buf = io.BytesIO()
     torch.save(opt.state_dict(), buf)
-    state = broadcast_object(buf.getvalue(), root_rank, name=f"broadcast_optimizer_state.{prefix or ''}")
+    state = broadcast_object(buf.getvalue(), root_rank, name=f"broadcast_optimizer_state.{prefix or ''}",
+                             process_set=process_set)
     if frontend.engine() is None:
         opt.load_state_dict(torch.load(io.BytesIO(state), weights_only=False))
         return
@@ -67,8 +87,11 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
             opt.load_state_dict(torch.load(io.BytesIO(state), weights_only=False))
         except Exception as exc:  # (different parameter groups): the root must not carry on alone
             problem = f"{type(exc).__name__}: {exc}"
-    everyone = allgather_object(problem, name=f"broadcast_optimizer_state.{prefix or ''}.agree")
-    failed = [(r, p) for r, p in enumerate(everyone) if p]
+    everyone = allgather_object(problem, name=f"broadcast_optimizer_state.{prefix or ''}.agree",
+                                process_set=process_set)
+    members = list(range(len(everyone))) if process_set is None or process_set.ranks is None else list(
+        process_set.ranks)
+    failed = [(members[i], p) for i, p in enumerate(everyone) if p]
     if failed:
         raise ValueError(f"broadcast_optimizer_state: rank {failed[0][0]} could not load root rank {root_rank}'s "
                          f"state: {failed[0][1]} (ranks {[r for r, _ in failed]} failed). Build the same "

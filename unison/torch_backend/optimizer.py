@@ -439,6 +439,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
     _check_combination(rop, compression, backward_passes_per_step, num_groups, groups, process_set)
     _check_zero(stage, rop, num_groups, groups)
     named = _named(optimizer, named_parameters)
+    from unison.torch_backend.tensor_parallel import shards_across
+
+    shards_across(named, process_set, "DistributedOptimizer")
     sharded = [n for n, p in named if getattr(p, "_unison_zero3_shard", False)]
     if sharded:
         raise ValueError(f"parameters {sharded[:3]} are shards made by shard_module, which reduce-scatters their "

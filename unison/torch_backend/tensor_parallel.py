@@ -20,6 +20,7 @@ that it is the same on every rank of the group.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -41,7 +42,7 @@ from unison.torch_backend.tensor_parallel_comm import (
 )
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "vocab_parallel_cross_entropy", "group_position"]
+           "vocab_parallel_cross_entropy", "group_position", "shards_across", "TENSOR_GROUP_ATTR"]
 
 
 def _uniform(shape: tuple[int, ...], fan_in: int, dtype: Any, device: Any) -> nn.Parameter:
@@ -50,15 +51,82 @@ def _uniform(shape: tuple[int, ...], fan_in: int, dtype: Any, device: Any) -> nn
 
 
 def _copy(param: nn.Parameter | None, source: torch.Tensor | None) -> None:
+    """This shard's values of ``source``, and whether it trains (a frozen layer stays frozen)."""
     if param is None or source is None:
         return
     with torch.no_grad():
         param.copy_(source)
+    param.requires_grad_(source.requires_grad)
+
+
+#: the attribute a parameter that holds one shard of a split layer carries: the layer's tensor group
+TENSOR_GROUP_ATTR = "_unison_tensor_group"
+
+
+#: every live shard parameter: ``state_dict()`` hands out detached tensors (without the attribute) that
+#: share a shard's memory, and :func:`shards_across` recognises them by it
+_SHARDS: weakref.WeakSet[nn.Parameter] = weakref.WeakSet()
+
+
+def _mark(param: nn.Parameter | None, process_set: ProcessSet, tp: int) -> None:
+    """Record that ``param`` is this rank's shard of a tensor split over ``process_set`` (tp > 1)."""
+    if param is not None and tp > 1:
+        setattr(param, TENSOR_GROUP_ATTR, process_set)
+        _SHARDS.add(param)
+
+
+def _tensor_group(tensor: torch.Tensor, by_memory: dict[int, ProcessSet]) -> ProcessSet | None:
+    group = getattr(tensor, TENSOR_GROUP_ATTR, None)
+    if group is None and tensor.numel():
+        group = by_memory.get(tensor.data_ptr())
+    return group
+
+
+def shards_across(named: Any, process_set: ProcessSet | None, what: str) -> None:
+    """Raise when ``process_set`` (None: every rank) holds two ranks of the tensor group of one of
+    ``named``'s ``(name, tensor)`` shards: those ranks hold different pieces, so averaging or broadcasting
+    over them mixes the pieces. The same verdict on every rank (the model is built alike everywhere)."""
+    from unison.common import runtime
+
+    over = set(range(runtime.size())) if process_set is None or process_set.ranks is None else set(
+        process_set.ranks)
+    by_memory = {p.data_ptr(): getattr(p, TENSOR_GROUP_ATTR) for p in list(_SHARDS) if p.numel()}
+    for name, tensor in named:
+        group = _tensor_group(tensor, by_memory)
+        if group is None:
+            continue
+        tensor_ranks = set(range(runtime.size())) if group.ranks is None else set(group.ranks)
+        if len(tensor_ranks & over) > 1:
+            used = "every rank" if process_set is None else repr(process_set)
+            raise ValueError(
+                f"{what}: {name!r} is one shard of a tensor-parallel layer split over ranks "
+                f"{sorted(tensor_ranks)}, and the process set it would use ({used}) "
+                f"holds {sorted(tensor_ranks & over)} of them, which hold different shards: averaging or "
+                "broadcasting across them mixes the shards. Pass process_set= the data-parallel group (e.g. "
+                "Grid(...).register().dp), whose ranks hold the same shard")
+
+
+def _check_source(module: nn.Module, owner: str, method: str, kind: type) -> None:
+    """``module`` is a plain ``kind`` whose weights ``from_*`` can copy without losing behaviour."""
+    if not isinstance(module, kind):
+        raise TypeError(f"{owner}.{method} needs a torch.nn.{kind.__name__}; received {type(module).__name__}")
+    from torch.nn.utils import parametrize
+
+    if parametrize.is_parametrized(module) or hasattr(module, "weight_g"):
+        raise ValueError(f"{owner}.{method}: the {type(module).__name__} is parametrized (weight_norm, "
+                         "spectral_norm, a registered parametrization): the split layer would hold plain copies "
+                         "of the computed weights and lose it. Remove the parametrization first "
+                         "(torch.nn.utils.parametrize.remove_parametrizations) or leave this layer unsplit")
+    hooks = [kind for kind, held in (("forward pre-hooks", module._forward_pre_hooks),
+                                     ("forward hooks", module._forward_hooks),
+                                     ("backward hooks", module._backward_hooks)) if held]
+    if hooks:
+        raise ValueError(f"{owner}.{method}: the {type(module).__name__} has {' and '.join(hooks)}, which the "
+                         "split layer would not carry; register them on the split layer after splitting")
 
 
 def _check_linear(linear: nn.Linear, owner: str) -> None:
-    if not isinstance(linear, nn.Linear):
-        raise TypeError(f"{owner}.from_linear needs a torch.nn.Linear; received {type(linear).__name__}")
+    _check_source(linear, owner, "from_linear", nn.Linear)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -93,6 +161,8 @@ class ColumnParallelLinear(nn.Module):
         local = self.stop - self.start
         self.weight = _uniform((local, in_features), in_features, dtype, device)
         self.bias = _uniform((local,), in_features, dtype, device) if bias else None
+        _mark(self.weight, process_set, self.tp)
+        _mark(self.bias, process_set, self.tp)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, gather_output: bool = False,
@@ -153,6 +223,7 @@ class RowParallelLinear(nn.Module):
         self.weight = _uniform((out_features, self.stop - self.start), in_features, dtype, device)
         zeros = torch.zeros(out_features, dtype=self.weight.dtype, device=device)
         self.bias = nn.Parameter(zeros) if bias else None
+        _mark(self.weight, process_set, self.tp)  # (the bias is replicated: every rank holds all of it)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, input_is_parallel: bool = True,
@@ -200,18 +271,19 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim, self.process_set = num_embeddings, embedding_dim, process_set
         rows = torch.empty(self.stop - self.start, embedding_dim, dtype=dtype, device=device)
         self.weight = nn.Parameter(rows.normal_())
+        _mark(self.weight, process_set, self.tp)
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding,
                        process_set: ProcessSet = global_process_set) -> VocabParallelEmbedding:
         """This rank's rows ``start:stop`` of an unsplit ``embedding`` (no padding_idx, max_norm)."""
-        if not isinstance(embedding, nn.Embedding):
-            raise TypeError(f"VocabParallelEmbedding.from_embedding needs a torch.nn.Embedding; received "
-                            f"{type(embedding).__name__}")
-        if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
-            raise ValueError("VocabParallelEmbedding.from_embedding: padding_idx, max_norm and sparse are not "
-                             f"supported; received padding_idx={embedding.padding_idx}, "
-                             f"max_norm={embedding.max_norm}, sparse={embedding.sparse}")
+        _check_source(embedding, "VocabParallelEmbedding", "from_embedding", nn.Embedding)
+        if (embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse
+                or embedding.scale_grad_by_freq):
+            raise ValueError("VocabParallelEmbedding.from_embedding: padding_idx, max_norm, sparse and "
+                             "scale_grad_by_freq are not supported; received "
+                             f"padding_idx={embedding.padding_idx}, max_norm={embedding.max_norm}, "
+                             f"sparse={embedding.sparse}, scale_grad_by_freq={embedding.scale_grad_by_freq}")
         layer = cls(embedding.num_embeddings, embedding.embedding_dim, process_set, embedding.weight.dtype,
                     embedding.weight.device)
         _copy(layer.weight, embedding.weight[layer.start:layer.stop])

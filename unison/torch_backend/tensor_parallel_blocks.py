@@ -96,18 +96,27 @@ class ParallelSelfAttention(nn.Module):
         attention_dropout: dropout on the attention probabilities in training, drawn from this
             shard's stream (``model_parallel_manual_seed`` first).
         sequence_parallel: input and output are this rank's positions along the sequence.
+        batch_first: the input and output are ``(batch, seq, hidden)`` (default); False:
+            ``(seq, batch, hidden)``, as ``nn.MultiheadAttention``'s default (not with
+            ``sequence_parallel``).
 
     Raises:
         ValueError: ``hidden_size`` not divisible by ``num_heads``, ``num_heads`` not
-            divisible by the group size, or a dropout probability outside [0, 1).
+            divisible by the group size, a dropout probability outside [0, 1), or
+            ``batch_first=False`` with ``sequence_parallel``.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, causal: bool = False, bias: bool = True,
                  process_set: ProcessSet = global_process_set, dtype: torch.dtype | None = None,
-                 attention_dropout: float = 0.0, sequence_parallel: bool = False) -> None:
+                 attention_dropout: float = 0.0, sequence_parallel: bool = False,
+                 batch_first: bool = True) -> None:
         super().__init__()
         self.attention_dropout = check_probability("ParallelSelfAttention attention_dropout", attention_dropout)
         self.sequence_parallel = bool(sequence_parallel)
+        self.batch_first = bool(batch_first)
+        if sequence_parallel and not self.batch_first:
+            raise ValueError("ParallelSelfAttention: sequence_parallel splits dimension 1 of (batch, seq, hidden) "
+                             "inputs; it needs batch_first=True (transpose (seq, batch, hidden) inputs first)")
         tp, _ = group_position(process_set, "ParallelSelfAttention")
         if hidden_size % num_heads:
             raise ValueError(f"ParallelSelfAttention: hidden_size ({hidden_size}) must be divisible by num_heads "
@@ -126,6 +135,10 @@ class ParallelSelfAttention(nn.Module):
                                  sequence_parallel: bool = False) -> ParallelSelfAttention:
         """This rank's heads of an unsplit ``nn.MultiheadAttention`` (self-attention, no dropout).
 
+        The result reads the layout ``mha`` read (its ``batch_first``), but takes one input
+        ``x`` (self-attention) and returns the attention's output alone, not ``(output,
+        weights)``.
+
         Raises:
             ValueError: separate q/k/v sizes, ``add_bias_kv``, ``add_zero_attn`` or dropout.
         """
@@ -136,12 +149,14 @@ class ParallelSelfAttention(nn.Module):
                              f"add_zero_attn={mha.add_zero_attn}, dropout={mha.dropout}")
         weight = mha.in_proj_weight
         attn = cls(mha.embed_dim, mha.num_heads, causal, mha.in_proj_bias is not None, process_set, weight.dtype,
-                   attention_dropout, sequence_parallel)
+                   attention_dropout, sequence_parallel, batch_first=mha.batch_first)
         start, stop = attn.out.start, attn.out.stop
         with torch.no_grad():
             attn.qkv.weight.copy_(_head_rows(weight, mha.embed_dim, start, stop))
             if attn.qkv.bias is not None and mha.in_proj_bias is not None:
                 attn.qkv.bias.copy_(_head_rows(mha.in_proj_bias, mha.embed_dim, start, stop))
+                attn.qkv.bias.requires_grad_(mha.in_proj_bias.requires_grad)
+        attn.qkv.weight.requires_grad_(weight.requires_grad)
         attn.out = RowParallelLinear.from_linear(mha.out_proj, process_set=process_set,
                                                  sequence_parallel=sequence_parallel)
         return attn
@@ -152,8 +167,14 @@ class ParallelSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
-            raise ValueError(f"ParallelSelfAttention expects (batch, seq, {self.hidden_size}); received "
+            layout = "batch, seq" if self.batch_first else "seq, batch"
+            raise ValueError(f"ParallelSelfAttention expects ({layout}, {self.hidden_size}); received "
                              f"{tuple(x.shape)}")
+        if not self.batch_first:
+            return self._attend(x.transpose(0, 1)).transpose(0, 1)
+        return self._attend(x)
+
+    def _attend(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = (self._heads(t) for t in self.qkv(x).chunk(3, dim=-1))
         if self.training and self.attention_dropout > 0:
             with get_rng_tracker().fork():

@@ -46,7 +46,7 @@ import torch
 
 from unison.common.engine.process_sets import ProcessSet, set_rank, set_size
 from unison.common.ops import Max, Sum
-from unison.common.tensor_parallel.sequence import sequence_problem
+from unison.common.tensor_parallel.sequence import check_gathered_sequence, sequence_problem
 from unison.torch_backend.allreduce_ops import allreduce_async
 from unison.torch_backend.gather_ops import allgather_async, reducescatter_async
 from unison.torch_backend.handles import synchronize
@@ -211,7 +211,10 @@ class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, group: ProcessSet, to_parallel: bool) -> torch.Tensor:
         ctx.group, ctx.to_parallel = group, to_parallel
-        return _fresh(_gather_seq(tensor, group), tensor)
+        whole = _gather_seq(tensor, group)
+        check_gathered_sequence(whole.shape[SEQ_DIM], tensor.shape[SEQ_DIM], set_size(group),
+                                "gather_from_sequence")
+        return _fresh(whole, tensor)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:

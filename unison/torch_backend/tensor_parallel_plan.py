@@ -43,6 +43,57 @@ def _build(module: nn.Module, placement: Placement, process_set: ProcessSet) -> 
     return VocabParallelEmbedding.from_embedding(module, process_set=process_set, **options)
 
 
+def _check_matched(model: nn.Module, paths: list[str]) -> None:
+    """Refuse a matched layer that a swap would break: one whose parent reads its weights directly
+    (``nn.MultiheadAttention.out_proj``), or a subclass with its own ``forward``."""
+    for path in paths:
+        module = model.get_submodule(path)
+        parent_path = path.rpartition(".")[0]
+        if isinstance(model.get_submodule(parent_path), nn.MultiheadAttention):
+            raise ValueError(f"parallelize: {path!r} belongs to an nn.MultiheadAttention, which reads its weights "
+                             "directly and would not call a split layer; split the whole attention with "
+                             "ParallelSelfAttention.from_multihead_attention, or leave it out of the plan")
+        base = nn.Linear if isinstance(module, nn.Linear) else nn.Embedding
+        if type(module).forward is not base.forward:
+            raise ValueError(f"parallelize: {path!r} is a {type(module).__name__}, a subclass of {base.__name__} "
+                             f"with its own forward, which the split layer would not run; leave it out of the "
+                             "plan or split it by hand")
+
+
+def _ties(model: nn.Module, placements: Mapping[str, Placement]) -> dict[str, str]:
+    """``{path: first path}`` for matched layers whose weight is the same tensor as an earlier matched
+    layer's, where both shards are the same rows of it (a ``"vocab"`` embedding and ``"colwise"`` linears
+    of the same shape: the tied input embedding and output head of a language model), so the split layers
+    can share one shard. Any other sharing (a split tensor also used unsplit, or split two different
+    ways) raises: untying it would train two copies where the model has one."""
+    users: dict[int, list[tuple[str, str]]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for attr, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            users.setdefault(id(param), []).append((path, attr))
+    ties: dict[str, str] = {}
+    for path in placements:
+        module = model.get_submodule(path)
+        for attr, param in module.named_parameters(recurse=False):
+            holders = sorted({(p, a) for p, a in users[id(param)]})
+            if len(holders) < 2:
+                continue
+            names = [f"{p or '<model>'}.{a}" for p, a in holders]
+            how = ("differently in each place" if all(p in placements for p, _ in holders)
+                   else "in some places and not in others")
+            tied_ok = attr == "weight" and all(
+                a == "weight" and p in placements and placements[p].style in ("vocab", "colwise")
+                for p, a in holders)
+            if not tied_ok:
+                raise ValueError(f"parallelize: {names} are one shared tensor, and the plan would split it {how}, "
+                                 "untying it (each copy would train on its own). Split every user of it as "
+                                 "'vocab' (embedding) or 'colwise' (linear): those take the same rows; or leave "
+                                 "all of them out of the plan")
+            first = holders[0][0]
+            if first != path:
+                ties[path] = first
+    return ties
+
+
 def _swap(model: nn.Module, path: str, layer: nn.Module) -> None:
     parent_path, _, name = path.rpartition(".")
     setattr(model.get_submodule(parent_path), name, layer)
@@ -62,15 +113,26 @@ def parallelize(model: nn.Module, plan: Mapping[str, Any],
         process_set: the tensor group; every rank of it calls ``parallelize`` with the same
             model and plan.
 
+    Tied weights (one tensor used by several layers, as a language model's input embedding and
+    output head) stay tied when every user is split the same way: ``"vocab"`` embeddings and
+    ``"colwise"`` linears of that tensor share one shard. The split layers keep each weight's
+    ``requires_grad``.
+
     Raises:
         ValueError: a bad plan (see :func:`~unison.common.tensor_parallel.resolve_plan`), a size
-            the group does not divide, or this rank not in ``process_set``; the model is then
-            unchanged.
+            the group does not divide, this rank not in ``process_set``, a tensor the plan would
+            untie, a layer that a split would break (``nn.MultiheadAttention``'s ``out_proj``, a
+            subclass with its own ``forward``, a parametrized layer or one with hooks); the model
+            is then unchanged.
     """
     layers = [(path, _kind(module)) for path, module in model.named_modules() if path]
     placements = resolve_plan(layers, plan, _KIND_NAMES)
+    _check_matched(model, list(placements))
+    ties = _ties(model, placements)
     built = {path: _build(model.get_submodule(path), placement, process_set)
              for path, placement in placements.items()}
+    for path, first in ties.items():  # one shard, shared as the unsplit model shared one tensor
+        built[path].weight = built[first].weight
     for path, layer in built.items():
         _swap(model, path, layer)
     logger.debug("parallelize: %s", {path: p.style for path, p in placements.items()})

@@ -5,17 +5,31 @@
 mask everywhere) and the tracker's model-parallel stream with ``seed + 2718 + shard``;
 ``get_rng_tracker().fork()`` draws from the latter inside a region. The parallel blocks call it
 themselves for attention dropout (and for hidden dropout under sequence parallelism).
+
+[Note: recomputing a block that drew from the tracker]
+``torch.utils.checkpoint`` replays torch's default generator for the recompute, but not the
+tracker's streams: a block whose forward drew attention dropout inside ``fork()`` would draw
+another mask when it is recomputed in backward, and its gradients would belong to a forward that
+never ran (the output matches, so nothing fails). :func:`activation_checkpoint` is
+``torch.utils.checkpoint`` (non-reentrant) that also puts the tracker's streams back to where
+the forward found them for the recompute, and afterwards to where they were before it. The
+pipeline executors' own recompute does the same (``unison/torch_backend/pipeline/recompute.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import torch
+import torch.utils.checkpoint
 
 from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.common.tensor_parallel.groups import group_position
 from unison.common.tensor_parallel.rng import MODEL_PARALLEL, RNGStatesTracker, model_parallel_seed
 
-__all__ = ["get_rng_tracker", "model_parallel_manual_seed"]
+__all__ = ["get_rng_tracker", "model_parallel_manual_seed", "activation_checkpoint"]
 
 
 def _new_state(seed: int) -> torch.Tensor:
@@ -41,3 +55,39 @@ def model_parallel_manual_seed(seed: int, process_set: ProcessSet = global_proce
     torch.manual_seed(seed)
     _TRACKER.reset()
     _TRACKER.add(MODEL_PARALLEL, mine)
+
+
+def activation_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)`` whose
+    recompute also replays the tensor-parallel tracker's streams, so dropout drawn inside
+    ``get_rng_tracker().fork()`` (the parallel blocks' attention dropout) draws the forward's masks
+    again (see [Note: recomputing a block that drew from the tracker]).
+
+    Raises:
+        ValueError: ``use_reentrant=True`` or a ``context_fn`` of the caller's (this function needs
+            the non-reentrant checkpoint's ``context_fn`` for itself).
+    """
+    if kwargs.pop("use_reentrant", False):
+        raise ValueError("activation_checkpoint: use_reentrant=True is not supported (the tracker's streams are "
+                         "replayed through the non-reentrant checkpoint's context_fn); leave it out")
+    if "context_fn" in kwargs:
+        raise ValueError("activation_checkpoint: context_fn is taken (it replays the tracker's streams); wrap "
+                         "your own context inside the function instead")
+    at_forward: dict[str, Any] = {}
+
+    @contextlib.contextmanager
+    def forward() -> Iterator[None]:
+        at_forward.update(_TRACKER.get_states())
+        yield
+
+    @contextlib.contextmanager
+    def recompute() -> Iterator[None]:
+        now = _TRACKER.get_states()
+        _TRACKER.set_states(dict(at_forward))
+        try:
+            yield
+        finally:
+            _TRACKER.set_states(now)
+
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
+                                             context_fn=lambda: (forward(), recompute()), **kwargs)

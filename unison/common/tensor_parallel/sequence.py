@@ -45,3 +45,15 @@ def sequence_problem(shape: Sequence[int | None] | None, parts: int, what: str, 
         return (f"{what}: the sequence length ({seq}) is not divisible by the tensor group size ({parts}); "
                 f"pad the sequence to a multiple of {parts} ({-(-seq // parts) * parts})")
     return None
+
+
+def check_gathered_sequence(gathered: int, mine: int, parts: int, what: str) -> None:
+    """Raise when the positions all-gathered along the sequence are not ``parts`` times this rank's own:
+    the ranks of the group held different numbers of positions, and an uneven gather would be split
+    back evenly (each rank getting others' positions). A rank holding the average alone cannot see it,
+    but at least one rank of such a group raises (it ends the job: no rank goes on with wrong pieces)."""
+    if gathered != mine * parts:
+        raise ValueError(f"{what}: this rank holds {mine} sequence positions, but the tensor group's {parts} "
+                         f"ranks hold {gathered} together: every rank of the group must hold the same number "
+                         "(split the sequence with scatter_to_sequence, or pad it to a multiple of the group "
+                         "size before splitting)")
