@@ -531,8 +531,18 @@ def test_engine_flags_become_unison_variables(tmp_path):
 
 
 @pytest.mark.parametrize("flag, value, message", [
-    ("--fusion-threshold-mb", "-1", "--fusion-threshold-mb -1 must be >= 0"),
-    ("--cycle-time-ms", "0", "--cycle-time-ms 0 must be > 0"),
+    ("--fusion-threshold-mb", "-1", "--fusion-threshold-mb -1 must be a finite number of MiB >= 0"),
+    # before: inf was an OverflowError traceback, nan an error not naming the flag, and 1e30 / 100000 passed the
+    # launcher only to fail in every rank's init()
+    ("--fusion-threshold-mb", "inf", "--fusion-threshold-mb inf must be a finite number of MiB >= 0"),
+    ("--fusion-threshold-mb", "nan", "--fusion-threshold-mb nan must be a finite number"),
+    ("--fusion-threshold-mb", "1e30", "at most 8796093022207"),
+    ("--cycle-time-ms", "0", "--cycle-time-ms 0 must be a finite number of milliseconds in (0, 60000]"),
+    ("--cycle-time-ms", "nan", "--cycle-time-ms nan must be a finite number"),
+    ("--cycle-time-ms", "100000", "--cycle-time-ms 100000 must be a finite number of milliseconds in (0, 60000]"),
+    # every elastic flag turns elastic mode on (as --help says), so its value is checked (before: ignored)
+    ("--max-restarts", "-1", "--max-restarts and --reset-limit must be >= 0"),
+    ("--blacklist-after", "0", "--blacklist-after 0 must be >= 1"),
 ])
 def test_engine_flags_reject_bad_values(flag, value, message, capsys):
     from unison.run.launcher import main
@@ -629,6 +639,16 @@ def test_report_names_the_failed_rank(stderr, expected):
         report.feed(stderr[start:start + 7])
     summary = report.summary(137)
     assert summary.startswith("the job failed (exit status 137)") and expected in summary, summary
+
+
+def test_a_rank_that_aborted_never_leaves_status_0():
+    """MPI_Abort(256): mpirun exits with the code modulo 256, 0; the report saw the abort, so the job failed."""
+    from unison.run.report import MpirunReport
+
+    report = MpirunReport()
+    report.feed(ABORTED)
+    assert report.failures and report.status(0) == 1 and report.status(5) == 5
+    assert MpirunReport().status(0) == 0
 
 
 def test_report_ignores_other_boxes_and_keeps_the_first_failure():
@@ -969,7 +989,8 @@ def test_report_without_lost_host_keeps_status_zero():
 
     report = MpirunReport()
     report.feed(ABORTED)
-    assert report.status(0) == 0 and not report.hosts_lost and report.host_lost_at is None
+    assert not report.hosts_lost and report.host_lost_at is None
+    assert report.status(0) == 1  # not the lost host's status; not 0 either (test_a_rank_that_aborted_...)
 
 
 HANGS_AFTER_LOST_HOST = textwrap.dedent(
@@ -1304,3 +1325,20 @@ def test_detect_lost_hosts_turns_on_ulfms_failure_detector_with_its_thread_acros
     environ = {"PATH": "/usr/bin", "OMPI_MCA_mpi_ft_detector": "false"}
     assert detector_choice(build(np=4, hosts="localhost:2,node7:2", mpi_args=ELASTIC_MPI_ARGS,
                                  environ=environ, detect_lost_hosts=True)) == []
+
+
+@pytest.mark.parametrize("content, message", [
+    ("# only a comment\n\n", "lists no hosts (only blank lines or comments)"),
+    ("localhost:2\n", "'localhost:2' is -H's host:slots form; a hostfile line is 'localhost slots=2'"),
+    (b"n\xe9ud slots=2\n", "is not UTF-8 text"),
+])
+def test_a_hostfile_without_usable_lines_is_refused_naming_it(tmp_path, content, message):
+    """Before: no hosts reached mpirun ("No nodes are available", status 213), 'localhost:2' was a host name the
+    probe could not resolve, and a Latin-1 file's error did not name the file."""
+    from unison.run.hosts import read_hostfile
+
+    path = tmp_path / "hosts"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        read_hostfile(path)
+    assert str(path) in str(info.value)

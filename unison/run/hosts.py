@@ -136,20 +136,30 @@ def read_hostfile(path: str | Path) -> list[Host]:
 
     Raises:
         FileNotFoundError: ``path`` does not exist or is not a file.
-        ValueError: A host name is unsafe (see ``check_host_name``) or a ``slots=`` value is
-            not a positive integer.
+        ValueError: A host name is unsafe (see ``check_host_name``), a ``slots=`` value is
+            not a positive integer, a line uses ``-H``'s ``host:slots`` form, the file lists no
+            host or is not UTF-8 text.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
             f"hostfile not found: {str(path)!r}; pass the path of an existing file to --hostfile"
         )
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as error:
+        raise ValueError(f"hostfile {str(path)!r} is not UTF-8 text ({error}); write it as plain text, "
+                         f"one host per line ({_HOSTFILE_FORM})") from None
     hosts = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         fields = re.sub(r"\s*=\s*", "=", line.split("#", 1)[0]).split()  # Open MPI takes "slots = 2" too
         if not fields:
             continue
         where = f"hostfile {str(path)!r} line {number}"
+        if re.fullmatch(r"[^:]+:\d+", fields[0]):  # -H's form; a hostfile gives slots with slots=N
+            name, _, count = fields[0].partition(":")
+            raise ValueError(f"{where}: {fields[0]!r} is -H's host:slots form; a hostfile line is "
+                             f"'{name} slots={count}' ({_HOSTFILE_FORM})")
         check_host_name(fields[0], where)
         slots = 1
         for field in fields[1:]:
@@ -157,6 +167,9 @@ def read_hostfile(path: str | Path) -> list[Host]:
             if key == "slots":
                 slots = _parse_slots(text, where, _HOSTFILE_FORM)
         hosts.append(Host(fields[0], slots))
+    if not hosts:
+        raise ValueError(f"hostfile {str(path)!r} lists no hosts (only blank lines or comments); give one host "
+                         f"per line ({_HOSTFILE_FORM})")
     logger.debug("hostfile %s lists %d host(s)", path, len(hosts))
     return hosts
 

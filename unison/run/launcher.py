@@ -80,6 +80,7 @@ import argparse
 import dataclasses
 import functools
 import logging
+import math
 import os
 import shlex
 import shutil
@@ -87,7 +88,9 @@ import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
+from unison.common.config import INT64_MAX, MAX_CYCLE_MS
 from unison.run import rankwatch
 from unison.run.elastic_driver import (
     DETECTOR_MPI_ARGS,
@@ -310,11 +313,11 @@ def _parser() -> argparse.ArgumentParser:
     elastic.add_argument("--host-discovery-script", metavar="PATH",
                          help="an executable printing the usable hosts as host:slots lines; polled while the "
                          "job runs: a change stops the job at its next commit and starts it on the new hosts")
-    elastic.add_argument("--discovery-interval", type=float, default=2.0, metavar="S",
+    elastic.add_argument("--discovery-interval", type=float, metavar="S",
                          help="seconds between runs of the discovery script (default 2)")
-    elastic.add_argument("--elastic-timeout", type=float, default=600.0, metavar="S",
+    elastic.add_argument("--elastic-timeout", type=float, metavar="S",
                          help="seconds to wait for --min-np slots before giving up (default 600)")
-    elastic.add_argument("--max-restarts", type=int, default=3, metavar="N",
+    elastic.add_argument("--max-restarts", type=int, metavar="N",
                          help="restarts after failed jobs before giving up (default 3)")
     elastic.add_argument("--reset-limit", type=int, metavar="N",
                          help="most restarts of any kind, host changes included (default: no limit)")
@@ -327,9 +330,9 @@ def _parser() -> argparse.ArgumentParser:
                          "link goes down is dropped in place (3 s per rank on it) instead of ending the job "
                          "for a restart; each job's end then waits 10 s for a hung MPI_Finalize, which the "
                          "driver ends (Open MPI 5.0's detector): use it with hvd.elastic.run (docs/elastic.md)")
-    elastic.add_argument("--blacklist-after", type=int, default=2, metavar="N",
+    elastic.add_argument("--blacklist-after", type=int, metavar="N",
                          help="leave out a host after N failed jobs named it (default 2)")
-    elastic.add_argument("--blacklist-cooldown", type=float, default=300.0, metavar="S",
+    elastic.add_argument("--blacklist-cooldown", type=float, metavar="S",
                          help="seconds a blacklisted host stays out (default 300; 0: for good)")
     engine = parser.add_argument_group(
         "engine settings", "shorthands for UNISON_* variables, set for every rank")
@@ -383,8 +386,17 @@ def _config_from_args(args: argparse.Namespace) -> LaunchConfig:
 def _elastic(args: argparse.Namespace) -> bool:
     """Whether the job runs in elastic mode (``--elastic``, or implied by another elastic flag)."""
     return bool(getattr(args, "elastic", False) or getattr(args, "detect_lost_hosts", False) or any(
-        getattr(args, name, None) is not None
-        for name in ("min_np", "max_np", "host_discovery_script", "elastic_mode")))
+        getattr(args, name, None) is not None for name in ELASTIC_VALUE_FLAGS))
+
+
+#: the elastic flags with values (their defaults are applied in :func:`_elastic_options`): giving any of them
+#: turns elastic mode on, as the help says
+ELASTIC_VALUE_FLAGS = ("min_np", "max_np", "host_discovery_script", "elastic_mode", "discovery_interval",
+                       "elastic_timeout", "max_restarts", "reset_limit", "blacklist_after", "blacklist_cooldown")
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 
 @functools.cache
@@ -406,11 +418,14 @@ def _inplace(args: argparse.Namespace) -> bool:
 
 
 def _elastic_options(args: argparse.Namespace) -> ElasticOptions:
-    return ElasticOptions(np=args.np, min_np=args.min_np if args.min_np is not None else 1, max_np=args.max_np,
-                          discovery_script=args.host_discovery_script, elastic_timeout_s=args.elastic_timeout,
-                          max_restarts=args.max_restarts, reset_limit=args.reset_limit,
-                          mode="inplace" if _inplace(args) else "restart", blacklist_after=args.blacklist_after,
-                          blacklist_cooldown_s=args.blacklist_cooldown, poll_s=args.discovery_interval)
+    return ElasticOptions(np=args.np, min_np=_or(args.min_np, 1), max_np=args.max_np,
+                          discovery_script=args.host_discovery_script,
+                          elastic_timeout_s=_or(args.elastic_timeout, 600.0),
+                          max_restarts=_or(args.max_restarts, 3),
+                          reset_limit=args.reset_limit, mode="inplace" if _inplace(args) else "restart",
+                          blacklist_after=_or(args.blacklist_after, 2),
+                          blacklist_cooldown_s=_or(args.blacklist_cooldown, 300.0),
+                          poll_s=_or(args.discovery_interval, 2.0))
 
 
 def _rank_watch(options: ElasticOptions, env: Mapping[str, str]) -> RankWatch | None:
@@ -472,13 +487,15 @@ def engine_environment(args: argparse.Namespace) -> dict[str, str]:
     """
     env: dict[str, str] = {}
     if args.fusion_threshold_mb is not None:
-        if args.fusion_threshold_mb < 0:
-            raise ValueError(f"--fusion-threshold-mb {args.fusion_threshold_mb:g} must be >= 0 "
-                             "(0 disables fusion)")
-        env["UNISON_FUSION_THRESHOLD"] = str(int(args.fusion_threshold_mb * (1 << 20)))
+        mb = args.fusion_threshold_mb
+        if not (math.isfinite(mb) and 0 <= mb * (1 << 20) <= INT64_MAX):
+            raise ValueError(f"--fusion-threshold-mb {mb:g} must be a finite number of MiB >= 0 (0 disables "
+                             f"fusion), at most {INT64_MAX >> 20}")
+        env["UNISON_FUSION_THRESHOLD"] = str(int(mb * (1 << 20)))
     if args.cycle_time_ms is not None:
-        if args.cycle_time_ms <= 0:
-            raise ValueError(f"--cycle-time-ms {args.cycle_time_ms:g} must be > 0")
+        if not (math.isfinite(args.cycle_time_ms) and 0 < args.cycle_time_ms <= MAX_CYCLE_MS):
+            raise ValueError(f"--cycle-time-ms {args.cycle_time_ms:g} must be a finite number of milliseconds in "
+                             f"(0, {MAX_CYCLE_MS:g}]")
         env["UNISON_CYCLE_TIME"] = repr(args.cycle_time_ms)
     if args.timeline_filename:
         env["UNISON_TIMELINE"] = os.path.abspath(args.timeline_filename)

@@ -298,9 +298,12 @@ class MpirunReport:
         return bool(self._streams["stderr"].tail)
 
     def status(self, mpirun_status: int) -> int:
-        """``unisonrun``'s exit status for ``mpirun``'s: never 0 once a host was lost."""
+        """``unisonrun``'s exit status for ``mpirun``'s: never 0 once a host was lost or a rank failed
+        (``mpirun`` exits with an ``MPI_Abort`` error code modulo 256: ``Abort(256)`` gave 0)."""
         if self.hosts_lost and mpirun_status == 0:
             return HOST_LOST_STATUS
+        if self.failures and mpirun_status == 0:
+            return 1
         return mpirun_status
 
     def summary(self, status: int) -> str:
