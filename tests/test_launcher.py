@@ -98,6 +98,23 @@ def test_hostfile_passed_and_its_slots_counted(tmp_path, np, expected):
     assert ("--oversubscribe" in command) is expected
 
 
+def test_np_defaults_to_every_slot_of_the_hosts_given(tmp_path):
+    """As mpirun (before: 1 rank, whatever the hosts offered)."""
+    assert option_values(build(cpu_count=64, hosts="a:2,b:4"), "-np") == ["6"]
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node1 slots=2\nnode2\n")
+    assert option_values(build(cpu_count=64, hostfile=str(hostfile)), "-np") == ["3"]
+    assert option_values(build(np=2, cpu_count=64, hosts="a:2,b:4"), "-np") == ["2"]
+
+
+def test_mpi_args_that_do_not_parse_name_the_flag(capsys):
+    from unison.run.launcher import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--dry-run", "--mpi-args", "--mca 'btl", "python", "x.py"])
+    assert info.value.code == 2 and "--mpi-args \"--mca 'btl\": No closing quotation" in capsys.readouterr().err
+
+
 def test_hosts_and_hostfile_together_are_refused(tmp_path):
     """Open MPI uses -H only to pick among the hostfile's hosts, so their slots never added up (the
     launcher counted both, left out --oversubscribe and mpirun failed on "not enough slots")."""
@@ -888,7 +905,8 @@ def test_slurm_ntasks_unset_means_every_slot_and_explicit_np_wins():
 
 def test_explicit_hosts_win_over_slurm(tmp_path):
     command = build(environ=SLURM, hosts="x:2")
-    assert option_values(command, "-H") == ["x:2"] and option_values(command, "-np") == ["1"]
+    assert option_values(command, "-H") == ["x:2"]
+    assert option_values(command, "-np") == ["2"]  # its slots, not Slurm's
     command = build(environ=SLURM, hostfile=write_hostfile(tmp_path), np=2)
     assert "-H" not in command
 

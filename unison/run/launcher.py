@@ -253,7 +253,8 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="number of processes (default: SLURM_NTASKS inside a Slurm allocation, else 1)",
+        help="number of processes (default: every slot of -H or --hostfile, as mpirun; SLURM_NTASKS inside a "
+        "Slurm allocation; else 1)",
     )
     parser.add_argument(
         "-H",
@@ -290,7 +291,8 @@ def _parser() -> argparse.ArgumentParser:
         "--mpi-args",
         default="",
         metavar="ARGS",
-        help='extra mpirun arguments as one shell-quoted string, e.g. "--mca btl ^openib"',
+        help='extra mpirun arguments as one shell-quoted string, e.g. "--mca btl ^openib"; write '
+        '--mpi-args="-H a:2" when the string starts with a single-dash option (argparse would take it for one)',
     )
     parser.add_argument(
         "--no-abort-on-exception",
@@ -379,8 +381,16 @@ def _config_from_args(args: argparse.Namespace) -> LaunchConfig:
         abort_on_exception=args.abort_on_exception,
         detect_lost_hosts=getattr(args, "detect_lost_hosts", False),
         mpi_args=(ELASTIC_MPI_ARGS if _elastic(args) and _inplace(args) else ())
-        + tuple(shlex.split(args.mpi_args)),
+        + tuple(_split_mpi_args(args.mpi_args)),
     )
+
+
+def _split_mpi_args(text: str) -> list[str]:
+    try:
+        return shlex.split(text)
+    except ValueError as error:  # "No closing quotation", which named nothing
+        raise ValueError(f"--mpi-args {text!r}: {error}; give the mpirun arguments as one shell-quoted "
+                         "string") from None
 
 
 def _elastic(args: argparse.Namespace) -> bool:

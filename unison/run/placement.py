@@ -179,7 +179,8 @@ def resolve_placement(config: LaunchConfig, environ: Mapping[str, str]) -> Place
         hosts = allocation.hosts
         slurm_hosts = ",".join(f"{h.name}:{h.slots}" for h in hosts)
         np = allocation.ntasks if np is None else np
-    np = 1 if np is None else np
+    if np is None:  # every slot of the hosts given, as mpirun itself (before: 1 rank on a 2 x 4-slot -H)
+        np = total_slots(hosts) if hosts and slurm_hosts is None else 1
     if np < 1:
         raise ValueError(f"-np must be at least 1; received {np}; pass e.g. -np 2")
     agent, include = _hostfile_network(config)
