@@ -291,3 +291,83 @@ def test_keras_module_has_every_horovod_keras_name():
     assert [n for n in HVD_CALLBACKS if not hasattr(hvd_keras.callbacks, n)] == []
     assert len(hvd_keras.__all__) == len(set(hvd_keras.__all__))
     assert all(hasattr(hvd_keras, n) for n in hvd_keras.__all__)
+
+
+# ---------------------------------------------------------------- several reductions in one tf.function (audit)
+def test_a_persistent_tape_reduces_each_gradient_call_apart_in_one_function():
+    """Before: every gradient() call of one tape reduced under one name; in one graph the ranks paired the calls
+    the wrong way (a rank's first call averaged with another's second: [5.5, 5.5, 100] for [1, 10, 100])."""
+    v = tf.Variable(1.0, dtype=tf.float64)
+    scales = tf.constant([1.0, 10.0, 100.0], tf.float64) * (R + 1)
+
+    @tf.function
+    def step() -> tf.Tensor:
+        with tf.GradientTape(persistent=True) as t:
+            losses = [scales[i] * v for i in range(3)]
+        tape = hvd.DistributedGradientTape(t)
+        return tf.stack([tape.gradient(losses[i], v) for i in range(3)])
+
+    want = np.array([1.0, 10.0, 100.0]) * (N + 1) / 2
+    for _ in range(20):
+        np.testing.assert_allclose(step().numpy(), want)
+
+
+def test_two_apply_gradients_of_one_keras_optimizer_in_one_function():
+    """Before: both applies reduced under the optimizer's one name: v and w got each other's gradients."""
+    opt = hvd_keras.DistributedOptimizer(keras.optimizers.SGD(1.0))
+    v, w = tf.Variable([0.0, 0.0], dtype=tf.float32), tf.Variable([0.0, 0.0], dtype=tf.float32)
+    opt.build([v, w])
+
+    @tf.function
+    def step() -> None:
+        opt.apply_gradients([(tf.ones(2) * (R + 1), v)])
+        opt.apply_gradients([(tf.ones(2) * 10 * (R + 1), w)])
+
+    for _ in range(5):
+        step()
+    mean = (N + 1) / 2
+    np.testing.assert_allclose(v.numpy(), [-5 * mean] * 2)
+    np.testing.assert_allclose(w.numpy(), [-50 * mean] * 2)
+
+
+def test_a_tape_built_in_a_function_that_one_rank_retraces_does_not_hang():
+    """Horovod's TF2 pattern with a short last batch on rank 0 only: rank 0 retraces. Before, its tape took the
+    next unnamed-call name while the others kept the first: both waited for ever on different names."""
+    v = tf.Variable([[1.0], [2.0]])
+
+    @tf.function
+    def step(x: tf.Tensor) -> tf.Tensor:
+        with tf.GradientTape() as t:
+            loss = tf.reduce_sum(tf.matmul(x, v))
+        return hvd.DistributedGradientTape(t).gradient(loss, [v])[0]
+
+    rows = [4, 3 if R == 0 else 4, 4]
+    got = [step(tf.ones([r, 2])).numpy().ravel() for r in rows]
+    np.testing.assert_allclose(got[0], [4.0, 4.0])
+    np.testing.assert_allclose(got[1], [(3.0 + 4.0 * (N - 1)) / N] * 2)
+    np.testing.assert_allclose(got[2], [4.0, 4.0])
+
+
+def test_allgather_gradient_with_a_rank_unknown_while_tracing():
+    """Before: an input of unknown rank was taken for a scalar (1 row per rank): the gradient's reshape failed."""
+
+    @tf.function(input_signature=[tf.TensorSpec(None, tf.float64)])
+    def grad(x: tf.Tensor) -> tf.Tensor:
+        with tf.GradientTape() as t:
+            t.watch(x)
+            y = hvd.allgather(x, name="unknown_rank_gather")
+            loss = tf.reduce_sum(y * tf.cast(tf.range(tf.shape(y)[0]), tf.float64)[:, None])
+        return t.gradient(loss, x)
+
+    rows = R + 2
+    start = sum(r + 2 for r in range(R))
+    got = grad(tf.ones([rows, 3], tf.float64)).numpy()
+    np.testing.assert_allclose(got, np.repeat(np.arange(start, start + rows, dtype=float)[:, None], 3, axis=1))
+
+
+def test_sparse_gradients_with_an_op_other_than_sum_or_average_raise_not_implemented():
+    emb = tf.Variable(tf.ones([4, 2]))
+    with tf.GradientTape() as t:
+        loss = tf.reduce_sum(tf.gather(emb, [0, 2]))
+    with pytest.raises(NotImplementedError, match="op=Sum or Average only"):
+        hvd.DistributedGradientTape(t, op=hvd.Max).gradient(loss, [emb])

@@ -35,7 +35,7 @@ from unison.common.engine.process_sets import ProcessSet, set_size
 from unison.common.ops import Average, ReduceOp, Sum, parse_op
 from unison.tf_backend import host_ops
 from unison.tf_backend.mpi_ops import _name, allgather, broadcast
-from unison.tf_backend.op_base import dense_gradient
+from unison.tf_backend.op_base import call_name, dense_gradient
 
 __all__ = ["broadcast_variables", "DistributedGradientTape", "PartialDistributedGradientTape", "reduce_gradients",
            "reduce_partial", "fill_missing_gradients", "check_groups", "local_layer_variables", "source_key"]
@@ -154,7 +154,9 @@ class DistributedGradientTape:
         self._process_set = process_set
         self._scale_local = bool(scale_local_gradients)
         self._local_sources: set[Any] = set()
-        self._name = _name("DistributedGradientTape", None)
+        # eager tapes take the next unnamed-call name; one built while tracing takes none, so that a rank that
+        # retraces alone does not move its counter ahead of the others' (see call_name)
+        self._name = _name("DistributedGradientTape", None) if tf.executing_eagerly() else None
 
     def __getattr__(self, item: str) -> Any:
         return getattr(self._tape, item)
@@ -174,8 +176,13 @@ class DistributedGradientTape:
         grads = self._tape.gradient(target, sources, output_gradients, **kwargs)
         flat = tf.nest.flatten(grads)
         variables = tf.nest.flatten(sources)
+        if tf.executing_eagerly():
+            self._name = self._name or _name("DistributedGradientTape", None)
+            name = self._name
+        else:
+            name = call_name("DistributedGradientTape")
         reduced = reduce_partial(flat, variables, self._local_sources, self._scale_local, self._op, self._pre,
-                                 self._post, self._compression, self._sparse_as_dense, self._name,
+                                 self._post, self._compression, self._sparse_as_dense, name,
                                  self._process_set)
         return tf.nest.pack_sequence_as(grads, reduced)
 
@@ -364,8 +371,9 @@ def _reduce_sparse(g: tf.IndexedSlices, op: Any, scale: float, name: str,
                    process_set: ProcessSet | None) -> tf.IndexedSlices:
     """Horovod's reduction of ``IndexedSlices``: gather every rank's rows (and indices, as int64)."""
     if parse_op(op) not in (Sum, Average):
-        raise ValueError(f"IndexedSlices gradients reduce with op=Sum or Average only; got {op!r}. Pass "
-                         "sparse_as_dense=True to reduce them densely")
+        raise NotImplementedError(f"IndexedSlices gradients reduce with op=Sum or Average only (as Horovod's: "
+                                  f"NotImplementedError); got {op!r}. Pass sparse_as_dense=True to reduce them "
+                                  "densely")
     values = allgather(g.values, name=f"{name}.values", process_set=process_set)
     indices = allgather(tf.cast(g.indices, tf.int64), name=f"{name}.indices", process_set=process_set)
     if parse_op(op) == Average:

@@ -35,7 +35,9 @@ __all__ = ["allgather", "grouped_allgather", "broadcast", "alltoall"]
 # ------------------------------------------------------------------------------- allgather
 def _gathered_rows(x: tf.Tensor, ps: ProcessSet | None, name: str) -> tf.Tensor:
     """Every rank's first dimension of ``x``, in rank order (an allgather of one int32)."""
-    rows = tf.reshape(tf.shape(x)[0] if x.shape.rank else tf.constant(1), [1])
+    # a 0-d tensor is one row; tf.shape(x)[:1] is empty for it, so this holds when the rank is known only
+    # when the step runs too (before: an unknown rank was taken for a scalar: every rank "held" 1 row)
+    rows = tf.reshape(tf.reduce_prod(tf.shape(x)[:1]), [1])
     return _allgather(rows, _op_name("allgather", name + "_rows", rows), ps, differentiable=False)
 
 

@@ -46,6 +46,20 @@ def _op_name(kind: str, name: str | None, tensor: Any, ignore_name_scope: bool =
     return _function_path(graph) + (unique.rsplit("/", 1)[-1] if ignore_name_scope else unique)
 
 
+def call_name(base: str) -> str:
+    """The engine name of one reduction built now under the fixed name ``base``: ``base`` itself when
+    eager (each call completes before the next starts), and ``base`` made unique in the graph being
+    traced otherwise, so that two calls in one ``tf.function`` (a persistent tape's second
+    ``gradient()``, a second ``apply_gradients``) are two collectives and not one name in flight
+    twice, which the ranks could pair the wrong way (seen: each rank averaged one call's gradients
+    with another's). The names depend only on the graph, so a rank that retraces alone gets the
+    same ones as the others."""
+    if tf.executing_eagerly():
+        return base
+    graph = tf.compat.v1.get_default_graph()
+    return _function_path(graph) + graph.unique_name(base)
+
+
 def _function_path(graph: Any) -> str:
     """``"outer_fn/inner_fn/"`` for a function traced inside another; empty otherwise.
 

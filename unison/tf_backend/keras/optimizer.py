@@ -29,6 +29,7 @@ from unison.common.compression import Compression
 from unison.common.engine import frontend
 from unison.common.ops import Average, parse_op
 from unison.tf_backend.functions import check_groups, local_layer_variables, reduce_partial, source_key
+from unison.tf_backend.op_base import call_name
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
 
@@ -96,7 +97,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
             trainable_variables = list(trainable_variables)
         variables = trainable_variables or getattr(self, "_trainable_variables", None)
         reduced = reduce_partial(list(grads), variables, _local_vars(self), scale_local_gradients, rop,
-                                 pre, post * factor, compression, sparse_as_dense, base, process_set,
+                                 pre, post * factor, compression, sparse_as_dense, call_name(base), process_set,
                                  local_factor=factor)
         return super(cls, self).apply(reduced, trainable_variables)
 
