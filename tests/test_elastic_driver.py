@@ -240,6 +240,26 @@ def test_resume_warns_when_no_host_holds_a_commit_after_a_restart(tmp_path: Path
         with caplog.at_level(logging.WARNING):
             assert resume(ObjectState(bcast_object=lambda obj, root_rank=0: obj, epoch=0), store) == 4
         assert "commit (2, 7) on this host cannot be read" in caplog.text
+        # a torn newest commit (cut short), and one with a flipped bit: both unreadable, the older one is used
+        store.path((2, 7)).rmdir()  # (the store keeps two commits: 4 and the damaged one)
+        state.epoch = 11
+        state.save()
+        state.commit_id = 5
+        for damage in ("truncate", "flip"):
+            path = store.write(5, pickle.dumps(state.commit_payload()))
+            data = bytearray(path.read_bytes())
+            if damage == "truncate":
+                data = data[:len(data) // 2]
+            else:
+                data[-3] ^= 0x10  # inside the pickled state: before, it loaded a changed value silently
+            path.write_bytes(bytes(data))
+            caplog.clear()
+            with caplog.at_level(logging.WARNING):
+                resumed = ObjectState(bcast_object=lambda obj, root_rank=0: obj, epoch=0)
+                assert resume(resumed, store) == 4 and resumed.epoch == 9, damage
+            assert "commit (2, 5) on this host cannot be read" in caplog.text, damage
+            assert "SHA-256 differs" in caplog.text, damage
+            path.unlink()
     finally:
         unison.shutdown()
 

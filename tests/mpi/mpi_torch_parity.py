@@ -817,6 +817,42 @@ def test_elastic_sampler_sync_keeps_every_ranks_recorded_indices():
     assert not set(state.sampler).intersection(every)
 
 
+@multi
+def test_elastic_sampler_sync_takes_rank_0s_commit_not_a_rank_that_committed_once_more():
+    """The last rank committed one step more than the others before a failure (its all-reduce never finished
+    elsewhere). Before, sync merged every rank's processed samples: rank 0's model had not trained on that
+    last step's samples, yet they were marked done and skipped for the rest of the epoch."""
+    from unison.torch_backend import elastic
+
+    sampler = elastic.ElasticSampler(range(24), shuffle=True, seed=1)
+    state = elastic.TorchState(sampler=sampler, epoch=0)
+    state.sync()
+    sampler.record_batch(0, 2)
+    state.commit()
+    first = set(sampler.processed_indices)
+    if R == N - 1:  # one step further, committed on this rank only
+        sampler.record_batch(1, 2)
+        state.save()
+        state.commit_id += 1
+    state.restore()
+    state.on_reset()
+    state.sync()
+    assert state.sampler.processed_indices == first
+    assert len(state.sampler) * N >= 24 - len(first)  # the step rank 0 never trained on is dealt again
+
+
+def test_elastic_state_refuses_values_named_as_its_own_attributes():
+    from unison.common.elastic import ObjectState
+
+    for name in ("store", "commit_id", "commit", "sync"):
+        with pytest.raises(ValueError, match="name what the state itself uses"):
+            ObjectState(**{name: 1})
+    from unison.torch_backend import elastic
+
+    sampler = elastic.ElasticSampler(range(8), shuffle=True, seed=-1)  # Horovod's generator takes it
+    assert sorted(sampler) == sorted(set(sampler)) and len(sampler) > 0
+
+
 # ----------------------------------------------------------------- deliberate differences; join (last)
 
 @multi

@@ -294,6 +294,10 @@ class CommitStateCallback(keras.callbacks.Callback):
         # Keras calls once per k batches (reporting the last one), and a count of calls committed
         # every k * batches_per_commit batches
         done = batch + 1
+        if done == (self.params or {}).get("steps"):
+            # the epoch's end commits next, with the epoch counted; a commit here held a finished epoch as
+            # "state.batch = every batch", and a resume then ran an empty fit (which Keras still counts as a step)
+            return
         if done - self._committed_at >= self.batches_per_commit:
             self.state.commit()
             self._committed_at = done

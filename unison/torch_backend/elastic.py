@@ -255,13 +255,20 @@ class _SchedulerHandler(_Handler):
 
 
 class _SamplerHandler(_Handler):
-    def sync(self) -> None:
-        # record_batch marks every rank's samples alike, record_indices only this rank's own: the
-        # job's progress is the union of every rank's (Horovod's sampler handler does the same)
+    def sync(self, commit_id: int = 0) -> None:
+        """Rank 0's progress, with the samples the ranks recorded at that same commit.
+
+        record_batch marks every rank's samples alike, record_indices only this rank's own: the job's
+        progress is the union of the ranks' (as Horovod's handler), but only of the ranks whose last
+        commit (``commit_id``) and epoch are rank 0's. A rank that committed once more before the
+        failure recorded samples that rank 0's model never trained on: in the union they were skipped
+        for the rest of the epoch (and a rank already in the next epoch marked the next epoch's)."""
         state = self.value.state_dict()
-        seen = allgather_object(state["processed_indices"], name="elastic.sampler.processed")
-        state["processed_indices"] = sorted(set().union(*seen))
-        self.value.load_state_dict(broadcast_object(state, root_rank=0, name="elastic.sampler"))
+        every = allgather_object((commit_id, state["epoch"], state["processed_indices"]),
+                                 name="elastic.sampler.processed")
+        root_commit, root_epoch, _ = every[0]
+        merged = set().union(*(seen for c, e, seen in every if c == root_commit and e == root_epoch))
+        self.value.load_state_dict({"epoch": root_epoch, "processed_indices": sorted(merged)})
 
 
 def _drop_pending_reductions(optimizer: Any) -> None:
@@ -351,7 +358,10 @@ class TorchState(ObjectState):
 
     def sync(self) -> None:
         for handler in self._handlers.values():
-            handler.sync()
+            if isinstance(handler, _SamplerHandler):
+                handler.sync(self.commit_id)
+            else:
+                handler.sync()
         super().sync()
         self.save()
 

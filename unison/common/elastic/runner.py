@@ -43,6 +43,8 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], Any]) -> Callable[..., 
         skip_sync = False
         if state.store is not None:  # under unisonrun's elastic driver: carry on from the last spilled commit
             skip_sync = resume(state, state.store) >= 0  # every rank loaded the same commit: nothing to sync
+            if skip_sync:  # a new world for that commit: what depends on the size (the learning rate the commit
+                _reset(state, lambda: None)  # brought back was the old world's) is set again, as after a reset
         while True:
             try:
                 if not skip_sync:

@@ -45,7 +45,8 @@ class SamplerCore:
         self.rank, self.num_replicas = rank, num_replicas
         remaining = np.array(sorted(set(range(self.num_samples_total)) - self.processed_indices), dtype=np.int64)
         if self.shuffle:
-            remaining = remaining[np.random.default_rng(self.seed + self.epoch).permutation(remaining.size)]
+            rng = np.random.default_rng((self.seed + self.epoch) % (1 << 64))  # (a negative seed too)
+            remaining = remaining[rng.permutation(remaining.size)]
         order = remaining.tolist()
         per_rank = math.ceil(len(order) / num_replicas) if order else 0
         pad = per_rank * num_replicas - len(order)

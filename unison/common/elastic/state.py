@@ -130,6 +130,10 @@ class State:
         """Adjust to a new world (subclasses; nothing by default)."""
 
 
+#: attributes every state sets itself (a value of the user's under one of these names was overwritten)
+_RESERVED = ("commit_id", "store")
+
+
 class ObjectState(State):
     """Picklable values, kept as attributes: ``ObjectState(epoch=0, batch=0)``.
 
@@ -145,6 +149,10 @@ class ObjectState(State):
     """
 
     def __init__(self, bcast_object: Callable[..., Any] | None = None, **kwargs: Any) -> None:
+        taken = sorted(name for name in kwargs if name in _RESERVED or callable(getattr(type(self), name, None)))
+        if taken:
+            raise ValueError(f"elastic state: {taken} name what the state itself uses ({', '.join(_RESERVED)} and "
+                             f"its methods), so the value would be overwritten or hide them; use other names")
         self._bcast_object = bcast_object or broadcast_object
         self._saved_state = copy.deepcopy(kwargs)
         self._set_attrs()

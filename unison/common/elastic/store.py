@@ -25,12 +25,21 @@ increasing across restarts; a commit is named by (the job attempt that wrote it,
 in that order, so a job that had to start over from nothing (no host kept a commit) still outranks
 an older job's folder on a host that returns later. Before anything is sent, every rank learns which
 holders could read the newest commit; if none could, each holder offers its next newest.
+
+A commit file starts with a magic string and the SHA-256 of the pickled state. A holder reads
+the file, checks both and unpickles it before it says it could read it, so a torn file (a host
+that lost power mid-write on a file system without ordered writes), a flipped bit or a file
+this version cannot unpickle counts as unreadable on every rank alike, and the ranks fall back
+to another holder's copy or the next newest commit (before, the check was only that the file
+opened: a truncated file raised on the rank that read it while the others went on, and a
+flipped bit loaded silently).
 """
 
 from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import hashlib
 import logging
 import os
 import pickle
@@ -102,6 +111,8 @@ class CommitStore:
         self.folder.mkdir(parents=True, exist_ok=True)
         target = self.path((attempt() if job is None else job, commit_id))
         with files.atomic_path(target) as tmp, open(tmp, "wb") as f:
+            f.write(_MAGIC)
+            f.write(hashlib.sha256(payload).digest())
             f.write(payload)
         for old in self.ids()[:-KEEP]:
             self.path(old).unlink(missing_ok=True)
@@ -125,7 +136,31 @@ class CommitStore:
             pending.result()
 
     def read(self, key: tuple[int, int]) -> bytes:
-        return self.path(key).read_bytes()
+        """The pickled state of commit ``key``, checked against the digest written with it.
+
+        Raises:
+            OSError: the file cannot be read.
+            CorruptCommitError: the file is not a whole commit (torn, changed, or not one of ours).
+        """
+        data = self.path(key).read_bytes()
+        head = len(_MAGIC) + _DIGEST_BYTES
+        if len(data) < head or not data.startswith(_MAGIC):
+            raise CorruptCommitError(f"{self.path(key)} is not a Unison commit file (it does not start with "
+                                     f"{_MAGIC!r}), or it was cut short ({len(data)} bytes)")
+        payload = data[head:]
+        if hashlib.sha256(payload).digest() != data[len(_MAGIC):head]:
+            raise CorruptCommitError(f"{self.path(key)}: the state's SHA-256 differs from the one written with "
+                                     "it (a torn or changed file)")
+        return payload
+
+
+class CorruptCommitError(ValueError):
+    """A commit file that is not a whole commit written by :meth:`CommitStore.write`."""
+
+
+#: the start of every commit file, then the SHA-256 of the pickled state that follows
+_MAGIC = b"UNISON-COMMIT-1\n"
+_DIGEST_BYTES = 32
 
 
 def mark_finished(store: CommitStore) -> None:
@@ -199,12 +234,14 @@ def resume(state: Any, store: CommitStore) -> int:
                                "own checkpoint", attempt())
             return -1
         best = max(held)
-        payload = None
+        payload = loaded = None
         if offers[st.rank] == best:
             try:
                 payload = store.read(best)
-            except OSError as exc:
+                loaded = pickle.loads(payload)  # noqa: S301 - written by this job's own ranks, digest checked
+            except Exception as exc:  # noqa: BLE001 - unreadable for any reason: every rank must learn it
                 logger.warning("elastic: commit %s on this host cannot be read: %s", best, exc)
+                payload = loaded = None
         readable = everyone(payload is not None)
         if any(readable):
             break
@@ -213,10 +250,11 @@ def resume(state: Any, store: CommitStore) -> int:
     holder = readable.index(True)
     if comm is not None and not all(readable):  # some rank lacks it: the holder sends it
         sent = comm.bcast(payload if st.rank == holder else None, root=holder)
-        payload = payload if payload is not None else sent
-    if payload is None:
+        if loaded is None:
+            payload, loaded = sent, pickle.loads(sent)  # noqa: S301 - checked by the holder
+    if loaded is None:
         raise RuntimeError(f"elastic: rank {holder} could read commit {best} but sent nothing")
-    state.load_commit(pickle.loads(payload))  # noqa: S301 - written by this job's own ranks
+    state.load_commit(loaded)
     state.restore()
     if st.rank == 0:
         logger.warning("elastic: resumed from commit %d (written by job %d, held by rank %d's host; restart %d)",
