@@ -605,6 +605,57 @@ def test_a_double_backward_is_refused_on_every_rank_and_training_goes_on():
     opt.step()
 
 
+class _FailOnce(torch.autograd.Function):
+    """Identity whose backward raises when ``armed`` (a NaN check, a failing custom Function)."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        if _FailOnce.armed:
+            raise FloatingPointError("a NaN in the gradient")
+        return grad
+
+
+def test_training_goes_on_after_a_backward_pass_that_raised():
+    """Before: the raised pass left its end-of-backward flag set, no later pass landed a gradient in any shard,
+    and the optimizer stepped nothing from then on, silently."""
+    model, ref = make("mlp", seed=120 + R), make("mlp", seed=120)
+    shard_module(model)
+    opt, ref_opt = make_opt("sgd", model.parameters()), make_opt("sgd", ref.parameters())
+    for step in range(4):
+        opt.zero_grad()
+        x, y = global_batch("mlp", step, 3)
+        _FailOnce.armed = step == 1
+        try:  # the later units' gradients reduce before the failure, between units 2 and 0, stops the pass
+            hidden = _FailOnce.apply(model[1](model[0](mine(x, 3))))
+            nn.functional.mse_loss(model[4](model[3](model[2](hidden))), mine(y, 3)).backward()
+        except FloatingPointError:
+            assert step == 1
+            continue  # the step is skipped, as a training loop does after a bad batch
+        finally:
+            _FailOnce.armed = False
+        opt.step()
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    assert_same_as_reference(model, ref)
+
+
+def test_unfreezing_a_sharded_parameter_raises_on_every_rank():
+    """Before: the frozen shard said requires_grad=True and never got a gradient (nothing trained, no error)."""
+    model = make("mlp", seed=121)
+    model[0].bias.requires_grad_(False)
+    shard_module(model)
+    model[0].requires_grad_(True)
+    with pytest.raises(ValueError, match="cannot be frozen or unfrozen after shard_module"):
+        model(torch.randn(2, 6))
+
+
 def test_helpers_refuse_an_unsharded_model():
     with pytest.raises(TypeError, match="shard_module"):
         full_state_dict(make("mlp", seed=1))

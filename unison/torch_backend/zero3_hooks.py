@@ -35,6 +35,8 @@ __all__: list[str] = []
 log = logging.getLogger(__name__)
 
 
+logger = logging.getLogger(__name__)
+
 class _Saved:
     """A saved tensor that lives in ``unit``'s full buffer (see [Note: ZeRO-3 re-gather in backward])."""
 
@@ -76,8 +78,40 @@ class Sharded:
                     self._handles.append(v.register_post_accumulate_grad_hook(self._grad_hook(unit)))
         self._handles.append(self.model.register_forward_hook(self._model_post_hook, always_call=True))
 
+    def _check_between_passes(self, unit: Unit) -> None:
+        """Run by ``unit``'s forward pre-hook outside a backward pass (a forward recomputed by
+        activation checkpointing runs inside one, where the flag below is rightly set).
+
+        A backward pass that raised (a NaN check, a failing custom Function) never ran
+        :meth:`end_of_backward`: torch drops its queued callback. Its flag stayed set, so no later pass
+        queued one again, and no shard got a gradient again (training stopped, silently). The next
+        forward drops that pass's partial reductions and starts clean, as torch does after a failed
+        backward. A unit whose parameters were frozen or unfrozen after sharding is refused here too."""
+        if torch._C._current_graph_task_id() != -1:
+            return
+        for key, flat in unit.flats.items():
+            if flat.shard.requires_grad == key.endswith("_frozen"):
+                raise ValueError(
+                    f"shard_module: unit {unit.name or '(the model)'!r}'s shard {key!r} was made "
+                    f"{'frozen' if key.endswith('_frozen') else 'trainable'} and now has requires_grad="
+                    f"{flat.shard.requires_grad}: a sharded module's parameters cannot be frozen or unfrozen "
+                    "after shard_module (the gradient hooks and buckets were laid out for the old state, and "
+                    "it would train nothing). Set requires_grad before shard_module, or shard the model "
+                    "again from load_full_state_dict")
+        if not self.callback_queued:
+            return
+        logger.warning("shard_module: the last backward pass did not finish (it raised); its partial "
+                       "gradients are dropped")
+        self.callback_queued = False
+        self.needed_in_backward.clear()
+        for other in self.units:
+            other.discard_reduce()
+            if other.active == 0:
+                self.free(other)
+
     def _pre_hook(self, unit: Unit) -> Any:
         def hook(module: torch.nn.Module, args: Any) -> None:
+            self._check_between_passes(unit)
             if all(u is not unit for u in self.order):
                 self.order.append(unit)
             self.gather(unit)

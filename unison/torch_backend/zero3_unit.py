@@ -213,6 +213,17 @@ class Unit:
         self.grads_seen = 0
         self.needs_reduce = False
 
+    def discard_reduce(self) -> None:
+        """Forget a backward pass that raised: wait for its reduce-scatters (every rank submitted them, so
+        none is left in flight to pair with the next pass's) and drop their results and the full gradients."""
+        pending, self.reduces = self.reduces, []
+        for _, _, h in pending:
+            frontend.synchronize(h)
+        for v in self.views:
+            v.grad = None
+        self.grads_seen = 0
+        self.needs_reduce = False
+
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatters; add each result into the shard's ``.grad`` (float32 for masters)."""
         pending, self.reduces = self.reduces, []
