@@ -339,7 +339,7 @@ def test_allreduce_out_and_in_place(algorithm):
         inplace = mine.copy()
         assert C.allreduce(inplace, op=unison.Sum, algorithm=algorithm, out=inplace) is inplace
         check_close(inplace, want, np.dtype(np.float32), exact=True)
-    with pytest.raises(ValueError, match="out= must be a C-contiguous"):
+    with pytest.raises(ValueError, match="out= must be a writeable C-contiguous"):
         C.allreduce(np.ones(4, np.float32), out=np.empty(4, np.float64), algorithm=algorithm)
 
 

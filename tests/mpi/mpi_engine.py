@@ -284,6 +284,60 @@ def test_join_contributes_each_ops_identity():
     assert 0 <= unison.join() < N
 
 
+def test_join_with_a_prescale_factor_keeps_the_identity_an_identity():
+    """Before: the joined rank's identity was prescaled with the real inputs: Product gained the factor, and
+    Min/Max with a negative factor returned -inf/+inf (Min of -3, -4 times -1 read -inf)."""
+    if N == 1:
+        pytest.skip("needs a rank that joins and one that reduces")
+    if R == N - 1:
+        assert 0 <= unison.join() < N
+        return
+    live = [np.array([3.0 + r, -1.0 - r]) for r in range(N - 1)]
+    mine = live[R]
+    cases = [(unison.Product, 2.0, np.multiply), (unison.Min, -1.0, np.minimum), (unison.Max, -1.0, np.maximum),
+             (unison.Max, 2.0, np.maximum)]
+    for op, pre, fn in cases:
+        want = fn.reduce([a * pre for a in live])
+        got = unison.allreduce(mine, op=op, prescale_factor=pre, name=f"joinpre.{op.name}.{pre}")
+        np.testing.assert_array_equal(got, want, err_msg=f"{op!r} prescale {pre}")
+        grouped = unison.grouped_allreduce([mine, mine.astype(np.float32)], op=op, prescale_factor=pre,
+                                           name=f"joinpre.g.{op.name}.{pre}")
+        np.testing.assert_array_equal(grouped[1], want.astype(np.float32), err_msg=f"grouped {op!r} {pre}")
+    ints = unison.allreduce(np.array([-3 - R], np.int8), op=unison.Max, prescale_factor=2.0, name="joinpre.i8")
+    assert ints.tolist() == [max(2 * (-3 - r) for r in range(N - 1))]
+    assert 0 <= unison.join() < N
+
+
+def test_read_only_out_and_unconvertible_inputs_raise_on_every_rank():
+    """Before: a read-only out= killed the engine thread (a rank that passed it alone hung the others); a ragged
+    list on one rank raised there before submitting, and the others waited for ever."""
+    if N == 1:
+        pytest.skip("one rank raises ValueError at once (no engine)")
+    frozen = np.zeros(3)
+    frozen.setflags(write=False)
+    with pytest.raises(unison.InvalidArgumentError, match="writeable=False"):
+        unison.allreduce(np.ones(3), op=unison.Sum, name="ro.out", out=frozen if R == 0 else np.zeros(3))
+    for call in (lambda x: unison.allreduce(x, op=unison.Sum, name="ragged.ar"),
+                 lambda x: unison.allgather(x, name="ragged.ag")):
+        with pytest.raises(unison.InvalidArgumentError, match="failed on 1 of"):
+            call([[1.0, 2.0], [3.0]] if R == 0 else np.ones(2))
+    np.testing.assert_array_equal(unison.allreduce(np.ones(2), op=unison.Sum, name="after.bad"), [N, N])
+
+
+def test_broadcast_object_with_a_root_outside_one_ranks_set_raises_on_every_rank():
+    from unison.common.engine.objects import broadcast_object
+
+    if N < 3:
+        pytest.skip("needs a set of two ranks and another rank naming a root outside it")
+    ps = unison.add_process_set([1, 2])
+    try:
+        if R in (1, 2):
+            with pytest.raises((ValueError, unison.InvalidArgumentError), match="not a"):
+                broadcast_object(R, root_rank=0 if R == 1 else 2, process_set=ps)
+    finally:
+        unison.remove_process_set(ps)
+
+
 def test_join_covers_the_process_sets_of_the_joined_rank(caplog):
     """A joined rank contributes the identity to allreduces on every process set it belongs to, and
     refuses the others there too (an allreduce on a set with a joined member used to wait for ever)."""

@@ -223,10 +223,10 @@ def allreduce(tensor: Any, op: Any = Average, name: str | None = None,
 
 def _check_out(out: Any, x: np.ndarray) -> None:
     if not isinstance(out, np.ndarray) or out.shape != x.shape or out.dtype != x.dtype \
-            or not out.flags.c_contiguous:
-        got = (f"shape={out.shape}, dtype={out.dtype}, contiguous={out.flags.c_contiguous}"
-               if isinstance(out, np.ndarray) else type(out).__name__)
-        raise ValueError(f"out= must be a C-contiguous numpy array with the input's shape {x.shape} "
+            or not out.flags.c_contiguous or not out.flags.writeable:
+        got = (f"shape={out.shape}, dtype={out.dtype}, contiguous={out.flags.c_contiguous}, "
+               f"writeable={out.flags.writeable}" if isinstance(out, np.ndarray) else type(out).__name__)
+        raise ValueError(f"out= must be a writeable C-contiguous numpy array with the input's shape {x.shape} "
                          f"and dtype {x.dtype}; got {got}")
 
 

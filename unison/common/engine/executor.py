@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from unison.collectives import kernels
+from unison.collectives.reduce import prescale
 from unison.common.dtypes import dtype_from_code
 from unison.common.engine.controller import Response
 from unison.common.engine.errors import JoinError
@@ -159,6 +160,26 @@ class Executor:
             return resp.request.array.reshape(-1)
         return identity_like(resp.sig).reshape(-1)
 
+    @staticmethod
+    def _kernel_prescale(sig: Signature) -> float:
+        """The prescale factor the all-reduce kernels apply: none, because :meth:`_scaled` applied it
+        (Adasum keeps its own; its identity, zeros, scales to zeros)."""
+        return sig.prescale if ReduceOp(sig.op) is ReduceOp.ADASUM else 1.0
+
+    @staticmethod
+    def _scaled(src: np.ndarray, sig: Signature, joined: bool) -> np.ndarray:
+        """``src`` times the prescale factor, in its dtype, as the kernels scale; an identity (the
+        contribution of a rank that joined) is left as it is. [Note: a joined rank's identity is not
+        scaled] Scaled in the kernel with the real inputs, the identity of Product became the factor
+        and Min's and Max's flipped sign with a negative one (a joined rank turned Min's -4 into
+        -inf). Every rank scales here and passes 1.0 to the kernel alike, so the kernels choose the
+        same algorithm on every rank."""
+        if joined or sig.prescale == 1.0 or ReduceOp(sig.op) is ReduceOp.ADASUM:
+            return src
+        out = np.empty_like(src)
+        prescale(src, sig.prescale, out)
+        return out
+
     def _phase(self, resps: list[Response], phase: str, begin: bool) -> None:
         if self.timeline.active:
             for resp in resps:
@@ -184,8 +205,8 @@ class Executor:
         np.concatenate(srcs, axis=None, out=buf[:count])  # axis=None: each source flattened
         self._phase(timed, "MEMCPY_IN_FUSION_BUFFER", False)
         self._phase(timed, "ALLREDUCE", True)
-        kernels.allreduce(self.comm, self.mpi, buf, buf, ReduceOp(sig.op), sig.prescale, sig.postscale,
-                          sig.algorithm, self.chunk_bytes)
+        kernels.allreduce(self.comm, self.mpi, buf, buf, ReduceOp(sig.op), self._kernel_prescale(sig),
+                          sig.postscale, sig.algorithm, self.chunk_bytes)
         self._phase(timed, "ALLREDUCE", False)
         self._phase(timed, "MEMCPY_OUT_FUSION_BUFFER", True)
         # one copy out of the fusion buffer; each result is a view of it (or the caller's out=)
@@ -198,7 +219,8 @@ class Executor:
         sig = batch[0].sig
         self._phase(batch, "QUEUE", False)
         srcs = [self._input(resp) for resp in batch]
-        results = self._packed(srcs, dtype_from_code(sig.dtype), sig, batch)
+        scaled = [self._scaled(src, sig, resp.request is None) for resp, src in zip(batch, srcs, strict=True)]
+        results = self._packed(scaled, dtype_from_code(sig.dtype), sig, batch)
         off = 0
         for resp, src in zip(batch, srcs, strict=True):
             req, n = resp.request, src.size
@@ -216,7 +238,7 @@ class Executor:
         sig, req = resp.sig, resp.request
         layout = sig.layout
         if req is not None and req.members is not None:
-            members: Sequence[np.ndarray] = req.members
+            members: Sequence[np.ndarray] = [self._scaled(m, sig, False) for m in req.members]
         else:  # this rank joined: the op's identity for every member
             members = [identity(dtype_from_code(code), shape, sig.op) for code, shape in layout]
         limit = min(DIRECT_BYTES, self.threshold)  # (Adasum never comes as a group: frontend)
@@ -236,7 +258,7 @@ class Executor:
                     continue
                 out = self.pool.empty(layout[i][1], dtype)
                 kernels.allreduce(self.comm, self.mpi, members[i].reshape(-1), out.reshape(-1), ReduceOp(sig.op),
-                                  sig.prescale, sig.postscale, sig.algorithm, self.chunk_bytes)
+                                  self._kernel_prescale(sig), sig.postscale, sig.algorithm, self.chunk_bytes)
                 results[i] = out
             for start, end in self._batches(small_bytes, self.threshold):
                 batch = small[start:end]
@@ -266,10 +288,10 @@ class Executor:
         if resp.sig.layout:
             return self._grouped(resp)
         sig, req = resp.sig, resp.request
-        src = self._input(resp)
+        src = self._scaled(self._input(resp), sig, req is None)
         out = req.out if (req is not None and req.out is not None) else self.pool.empty(
             sig.shape, dtype_from_code(sig.dtype))
-        kernels.allreduce(self.comm, self.mpi, src, out.reshape(-1), ReduceOp(sig.op), sig.prescale,
+        kernels.allreduce(self.comm, self.mpi, src, out.reshape(-1), ReduceOp(sig.op), self._kernel_prescale(sig),
                           sig.postscale, sig.algorithm, self.chunk_bytes)
         self.agreed_bytes += out.nbytes
         return out

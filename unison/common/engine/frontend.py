@@ -233,7 +233,13 @@ def allreduce_async(tensor: Any, op: Any = Average, name: str | None = None,
             return eng.submit(Request(name, Kind.ALLREDUCE, tensor, Handle(name), op=int(op)))
     eng = engine("unison.allreduce_async()")
     name = _auto_name("allreduce", name, process_set)
-    compressed, ctx = compression.compress(np.asarray(tensor))
+    unusable: Exception | None = None
+    try:
+        compressed, ctx = compression.compress(np.asarray(tensor))
+    except (TypeError, ValueError) as exc:  # (a ragged list): raised on every rank through the request
+        if eng is None:
+            raise
+        unusable, compressed, ctx = exc, np.empty(0, np.float32), None
     post = None if compression is Compression.none else (lambda r: compression.decompress(r, ctx))
     if eng is None:
         _check_local(process_set)
@@ -247,16 +253,18 @@ def allreduce_async(tensor: Any, op: Any = Average, name: str | None = None,
         adasum.check_size(set_size)
 
     def checks(arr: np.ndarray) -> None:
+        if unusable is not None:
+            raise unusable
         parse_op(op)
         check_op(arr.dtype, rop, float(prescale_factor), float(postscale_factor))
         direct.validate_algorithm("allreduce_algorithm", algorithm)
         if out is not None:
             direct._check_out(out, arr)
 
+    usable_out = isinstance(out, np.ndarray) and out.flags.c_contiguous and out.flags.writeable
     return _submit(eng, Kind.ALLREDUCE, name, compressed, sid, checks, post, op=int(rop),
                    prescale=float(prescale_factor), postscale=float(postscale_factor),
-                   out=out if isinstance(out, np.ndarray) and out.flags.c_contiguous else None,
-                   algorithm=str(algorithm))
+                   out=out if usable_out else None, algorithm=str(algorithm))
 
 
 def group_size_agreement(base: str, count: int, process_set: ProcessSet | None = None) -> Handle:
@@ -288,13 +296,24 @@ def allgather_async(tensor: Any, name: str | None = None, process_set: ProcessSe
     """Submit an all-gather along the first dimension (which may differ per rank)."""
     eng = engine("unison.allgather_async()")
     name = _auto_name("allgather", name, process_set)
-    arr = np.asarray(tensor)
+    unusable: Exception | None = None
+    try:
+        arr = np.asarray(tensor)
+    except (TypeError, ValueError) as exc:  # (a ragged list): raised on every rank through the request
+        if eng is None:
+            raise
+        unusable, arr = exc, np.empty(0, np.float32)
     arr = arr.reshape(1) if arr.ndim == 0 else arr
     if eng is None:
         _check_local(process_set)
         return _local("ALLGATHER", name, lambda: direct.allgather(arr, name))
     sid, _ = _set_id(eng, process_set)
-    return _submit(eng, Kind.ALLGATHER, name, arr, sid, lambda a: None)
+
+    def checks(a: np.ndarray) -> None:
+        if unusable is not None:
+            raise unusable
+
+    return _submit(eng, Kind.ALLGATHER, name, arr, sid, checks)
 
 
 def broadcast_async(tensor: Any, root_rank: int = 0, name: str | None = None,

@@ -51,11 +51,20 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
         ValueError: ``root_rank`` is not a member of ``process_set``.
     """
     name = name or frontend._auto_name("broadcast_object", None, process_set)
-    root = _set_root(int(root_rank), process_set)
-    is_root = runtime.rank() == int(root_rank)
+    try:
+        root = _set_root(int(root_rank), process_set)
+        outside = None
+    except ValueError as exc:  # still take part (with a root no set has): every rank raises, none waits
+        outside, root = exc, len(process_set.ranks or ())  # type: ignore[union-attr]
+    is_root = runtime.rank() == int(root_rank) and outside is None
     payload, error = _pickled(obj) if is_root else (None, None)  # (as Horovod: only the root pickles)
-    size = frontend.broadcast(np.array([-1 if payload is None else payload.size], dtype=np.int64), root,
-                              f"{name}.size", process_set)
+    try:
+        size = frontend.broadcast(np.array([-1 if payload is None else payload.size], dtype=np.int64), root,
+                                  f"{name}.size", process_set)
+    except Exception:
+        if outside is not None:
+            raise outside from None
+        raise
     if int(size[0]) < 0:  # the root could not pickle it: every rank raises, none waits for the data
         raise TypeError(f"broadcast_object: the root, rank {int(root_rank)}, could not pickle its object"
                         f"{f' ({error})' if error is not None else ''}; send something picklable") from error
