@@ -712,6 +712,11 @@ def test_parallelize_refuses_to_untie_a_shared_weight_and_leaves_the_model():
     shared[1].weight = shared[0].weight
     with pytest.raises(ValueError, match="split it differently in each place"):
         hvd.parallelize(shared, {"0": "colwise", "1": "rowwise"}, hvd.global_process_set)
+    aliased = nn.Module()  # one module at two paths is not a tie: replaced at its first path, as documented
+    aliased.a = nn.Linear(4, 4 * N, dtype=D)
+    aliased.b = aliased.a
+    hvd.parallelize(aliased, {"a": "colwise"}, hvd.global_process_set)
+    assert isinstance(aliased.a, hvd.ColumnParallelLinear)
 
 
 def test_parallelize_keeps_frozen_weights_frozen_and_refuses_what_a_split_would_drop():
@@ -793,6 +798,15 @@ def test_a_distributed_optimizer_or_broadcast_over_ranks_holding_different_shard
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with pytest.raises(ValueError, match="is one shard of a tensor-parallel layer"):
         hvd.broadcast_optimizer_state(opt, root_rank=0)
+    import copy
+
+    clone = copy.deepcopy(model)  # new parameters, without the attribute: known by the layers that hold them
+    with pytest.raises(ValueError, match="is one shard of a tensor-parallel layer"):
+        hvd.DistributedOptimizer(torch.optim.SGD(clone.parameters(), lr=0.1),
+                                 named_parameters=clone.named_parameters())
+    clone.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    with pytest.raises(ValueError, match="is one shard of a tensor-parallel layer"):
+        hvd.broadcast_parameters(clone.state_dict(), root_rank=0)
     # over the data group (the ranks holding the same shard) both are fine
     before = {k: v.clone() for k, v in model.state_dict().items()}
     root = sets.dp.ranks[0]
@@ -829,3 +843,13 @@ def test_attention_from_a_sequence_first_multihead_attention_reads_its_layout():
     close(attn(x), ref(x, x, x, need_weights=False)[0])
     with pytest.raises(ValueError, match="needs batch_first=True"):
         hvd.ParallelSelfAttention.from_multihead_attention(ref, process_set=ps, sequence_parallel=True)
+    # a block made from a sequence-first attention still reads (batch, seq, hidden), as documented
+    block_ref = Block(4 * tp, 2 * tp, 8 * tp, causal=False, seq=SEQ)
+    seq_first = nn.MultiheadAttention(4 * tp, 2 * tp, dtype=D)
+    seq_first.load_state_dict(block_ref.attn.state_dict())
+    for sp in (False, True):
+        block = hvd.ParallelTransformerBlock.from_modules(block_ref.ln1, seq_first, block_ref.ln2, block_ref.fc1,
+                                                          block_ref.fc2, process_set=ps, sequence_parallel=sp)
+        xb = seeded(70, 2, SEQ, 4 * tp)
+        out = block(hvd.scatter_to_sequence(xb, ps)) if sp else block(xb)
+        close(hvd.gather_from_sequence(out, ps, to_parallel=False) if sp else out, block_ref(xb))

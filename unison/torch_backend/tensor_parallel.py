@@ -63,23 +63,50 @@ def _copy(param: nn.Parameter | None, source: torch.Tensor | None) -> None:
 TENSOR_GROUP_ATTR = "_unison_tensor_group"
 
 
-#: every live shard parameter: ``state_dict()`` hands out detached tensors (without the attribute) that
-#: share a shard's memory, and :func:`shards_across` recognises them by it
-_SHARDS: weakref.WeakSet[nn.Parameter] = weakref.WeakSet()
+#: every live parallel layer: :func:`shards_across` reads their split tensors when it runs, so shards held
+#: anywhere are recognised by the memory they use: ``state_dict()``'s detached tensors, parameters that
+#: ``load_state_dict(assign=True)`` or ``.to()`` put in the layer, and layers made by ``copy.deepcopy``
+#: (which registers the copies: ``__setstate__``), none of which carry the attribute
+_LAYERS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def _mark(param: nn.Parameter | None, process_set: ProcessSet, tp: int) -> None:
     """Record that ``param`` is this rank's shard of a tensor split over ``process_set`` (tp > 1)."""
     if param is not None and tp > 1:
         setattr(param, TENSOR_GROUP_ATTR, process_set)
-        _SHARDS.add(param)
+
+
+class _SplitLayer(nn.Module):
+    """What the parallel layers share: registered in :data:`_LAYERS`, copies too."""
+
+    #: the attributes holding this rank's piece of a split tensor (a replicated bias is not one)
+    _split: tuple[str, ...] = ("weight",)
+
+    def _register(self) -> None:
+        _LAYERS.add(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        _LAYERS.add(self)
+
+    def split_tensors(self) -> list[torch.Tensor]:
+        """This rank's pieces of the layer's split tensors (none when the group is one rank)."""
+        if self.tp <= 1:
+            return []
+        return [t for t in (getattr(self, name, None) for name in self._split) if t is not None]
+
+
+def _memory(tensor: torch.Tensor) -> int | None:
+    """Where a dense tensor's elements start (None for a sparse or empty one, which holds no shard)."""
+    if tensor.layout != torch.strided or not tensor.numel():
+        return None
+    return tensor.data_ptr()
 
 
 def _tensor_group(tensor: torch.Tensor, by_memory: dict[int, ProcessSet]) -> ProcessSet | None:
     group = getattr(tensor, TENSOR_GROUP_ATTR, None)
-    if group is None and tensor.numel():
-        group = by_memory.get(tensor.data_ptr())
-    return group
+    where = None if group is not None else _memory(tensor)
+    return group if where is None else by_memory.get(where)
 
 
 def shards_across(named: Any, process_set: ProcessSet | None, what: str) -> None:
@@ -90,7 +117,8 @@ def shards_across(named: Any, process_set: ProcessSet | None, what: str) -> None
 
     over = set(range(runtime.size())) if process_set is None or process_set.ranks is None else set(
         process_set.ranks)
-    by_memory = {p.data_ptr(): getattr(p, TENSOR_GROUP_ATTR) for p in list(_SHARDS) if p.numel()}
+    by_memory = {where: layer.process_set for layer in list(_LAYERS) for t in layer.split_tensors()
+                 if (where := _memory(t)) is not None}
     for name, tensor in named:
         group = _tensor_group(tensor, by_memory)
         if group is None:
@@ -129,7 +157,7 @@ def _check_linear(linear: nn.Linear, owner: str) -> None:
     _check_source(linear, owner, "from_linear", nn.Linear)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_SplitLayer):
     """``nn.Linear(in_features, out_features)`` with the output features split over the tensor group.
 
     The input is replicated over the group; each rank computes its ``out_features / tp`` outputs.
@@ -147,6 +175,8 @@ class ColumnParallelLinear(nn.Module):
             with ``sequence_parallel``.
     """
 
+    _split = ("weight", "bias")
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
                  process_set: ProcessSet = global_process_set, dtype: Any = None, device: Any = None,
                  sequence_parallel: bool = False) -> None:
@@ -163,6 +193,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _uniform((local,), in_features, dtype, device) if bias else None
         _mark(self.weight, process_set, self.tp)
         _mark(self.bias, process_set, self.tp)
+        self._register()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, gather_output: bool = False,
@@ -190,7 +221,7 @@ class ColumnParallelLinear(nn.Module):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_SplitLayer):
     """``nn.Linear(in_features, out_features)`` with the input features split over the tensor group.
 
     Each rank multiplies its ``in_features / tp`` input columns; the partial outputs are summed
@@ -224,6 +255,7 @@ class RowParallelLinear(nn.Module):
         zeros = torch.zeros(out_features, dtype=self.weight.dtype, device=device)
         self.bias = nn.Parameter(zeros) if bias else None
         _mark(self.weight, process_set, self.tp)  # (the bias is replicated: every rank holds all of it)
+        self._register()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, input_is_parallel: bool = True,
@@ -252,7 +284,7 @@ class RowParallelLinear(nn.Module):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(_SplitLayer):
     """``nn.Embedding(num_embeddings, embedding_dim)`` with the vocabulary rows split over the group.
 
     Each rank looks up the ids it owns (zeros for the others); one all-reduce sums the pieces,
@@ -272,6 +304,7 @@ class VocabParallelEmbedding(nn.Module):
         rows = torch.empty(self.stop - self.start, embedding_dim, dtype=dtype, device=device)
         self.weight = nn.Parameter(rows.normal_())
         _mark(self.weight, process_set, self.tp)
+        self._register()
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding,

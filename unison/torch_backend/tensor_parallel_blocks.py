@@ -132,12 +132,13 @@ class ParallelSelfAttention(nn.Module):
     @classmethod
     def from_multihead_attention(cls, mha: nn.MultiheadAttention, causal: bool = False,
                                  process_set: ProcessSet = global_process_set, attention_dropout: float = 0.0,
-                                 sequence_parallel: bool = False) -> ParallelSelfAttention:
+                                 sequence_parallel: bool = False,
+                                 batch_first: bool | None = None) -> ParallelSelfAttention:
         """This rank's heads of an unsplit ``nn.MultiheadAttention`` (self-attention, no dropout).
 
-        The result reads the layout ``mha`` read (its ``batch_first``), but takes one input
-        ``x`` (self-attention) and returns the attention's output alone, not ``(output,
-        weights)``.
+        The result reads the layout ``mha`` read (its ``batch_first``) unless ``batch_first`` says
+        otherwise, takes one input ``x`` (self-attention) and returns the attention's output
+        alone, not ``(output, weights)``.
 
         Raises:
             ValueError: separate q/k/v sizes, ``add_bias_kv``, ``add_zero_attn`` or dropout.
@@ -149,7 +150,8 @@ class ParallelSelfAttention(nn.Module):
                              f"add_zero_attn={mha.add_zero_attn}, dropout={mha.dropout}")
         weight = mha.in_proj_weight
         attn = cls(mha.embed_dim, mha.num_heads, causal, mha.in_proj_bias is not None, process_set, weight.dtype,
-                   attention_dropout, sequence_parallel, batch_first=mha.batch_first)
+                   attention_dropout, sequence_parallel,
+                   batch_first=mha.batch_first if batch_first is None else batch_first)
         start, stop = attn.out.start, attn.out.stop
         with torch.no_grad():
             attn.qkv.weight.copy_(_head_rows(weight, mha.embed_dim, start, stop))
@@ -224,8 +226,9 @@ class ParallelTransformerBlock(nn.Module):
         block = cls(attn.embed_dim, attn.num_heads, fc1.out_features, causal, ln1.eps, activation, process_set,
                     fc1.weight.dtype, hidden_dropout, attention_dropout, sequence_parallel)
         block.ln1, block.ln2 = _clone_norm(ln1), _clone_norm(ln2)
+        # the block reads (batch, seq, hidden) whatever layout the source attention read
         block.attn = ParallelSelfAttention.from_multihead_attention(attn, causal, process_set, attention_dropout,
-                                                                    sequence_parallel)
+                                                                    sequence_parallel, batch_first=True)
         block.mlp = ParallelMLP.from_linears(fc1, fc2, activation, process_set, sequence_parallel)
         return block
 

@@ -67,9 +67,12 @@ def _ties(model: nn.Module, placements: Mapping[str, Placement]) -> dict[str, st
     can share one shard. Any other sharing (a split tensor also used unsplit, or split two different
     ways) raises: untying it would train two copies where the model has one."""
     users: dict[int, list[tuple[str, str]]] = {}
+    seen: set[tuple[int, str]] = set()  # (module, attribute): a module reached by two paths is one user
     for path, module in model.named_modules(remove_duplicate=False):
         for attr, param in module.named_parameters(recurse=False, remove_duplicate=False):
-            users.setdefault(id(param), []).append((path, attr))
+            if (id(module), attr) not in seen:
+                seen.add((id(module), attr))
+                users.setdefault(id(param), []).append((path, attr))
     ties: dict[str, str] = {}
     for path in placements:
         module = model.get_submodule(path)
