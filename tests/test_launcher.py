@@ -548,15 +548,18 @@ def test_engine_flags_become_unison_variables(tmp_path):
 
 
 @pytest.mark.parametrize("flag, value, message", [
-    ("--fusion-threshold-mb", "-1", "--fusion-threshold-mb -1 must be a finite number of MiB >= 0"),
+    ("--fusion-threshold-mb", "-1", "--fusion-threshold-mb -1.0 must be a finite number of MiB >= 0"),
     # before: inf was an OverflowError traceback, nan an error not naming the flag, and 1e30 / 100000 passed the
     # launcher only to fail in every rank's init()
     ("--fusion-threshold-mb", "inf", "--fusion-threshold-mb inf must be a finite number of MiB >= 0"),
     ("--fusion-threshold-mb", "nan", "--fusion-threshold-mb nan must be a finite number"),
     ("--fusion-threshold-mb", "1e30", "at most 8796093022207"),
-    ("--cycle-time-ms", "0", "--cycle-time-ms 0 must be a finite number of milliseconds in (0, 60000]"),
+    ("--cycle-time-ms", "0", "--cycle-time-ms 0.0 must be a finite number of milliseconds in (0, 60000]"),
+    ("--cycle-time-ms", "60000.0001", "--cycle-time-ms 60000.0001 must be"),  # (:g printed 60000)
     ("--cycle-time-ms", "nan", "--cycle-time-ms nan must be a finite number"),
-    ("--cycle-time-ms", "100000", "--cycle-time-ms 100000 must be a finite number of milliseconds in (0, 60000]"),
+    ("--cycle-time-ms", "100000", "--cycle-time-ms 100000.0 must be a finite number of milliseconds in (0, 6"),
+    ("--elastic-timeout", "nan", "--elastic-timeout nan and --blacklist-cooldown 300.0 must be finite numbers"),
+    ("--discovery-interval", "inf", "--discovery-interval inf a finite number > 0"),
     # every elastic flag turns elastic mode on (as --help says), so its value is checked (before: ignored)
     ("--max-restarts", "-1", "--max-restarts and --reset-limit must be >= 0"),
     ("--blacklist-after", "0", "--blacklist-after 0 must be >= 1"),

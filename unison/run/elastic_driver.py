@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import re
 import shutil
@@ -110,8 +111,12 @@ class ElasticOptions:
             raise ValueError(f"--max-np {self.max_np} is below --min-np {self.min_np}")
         if self.np is not None and self.np < self.min_np:
             raise ValueError(f"-np {self.np} is below --min-np {self.min_np}")
-        if self.elastic_timeout_s < 0 or self.poll_s <= 0 or self.blacklist_cooldown_s < 0:
-            raise ValueError("--elastic-timeout and --blacklist-cooldown must be >= 0, --discovery-interval > 0")
+        seconds = (self.elastic_timeout_s, self.poll_s, self.blacklist_cooldown_s)
+        if not all(math.isfinite(x) for x in seconds) or self.elastic_timeout_s < 0 or self.poll_s <= 0 \
+                or self.blacklist_cooldown_s < 0:  # (nan polled in a busy loop; inf killed the watcher thread)
+            raise ValueError(f"--elastic-timeout {self.elastic_timeout_s!r} and --blacklist-cooldown "
+                             f"{self.blacklist_cooldown_s!r} must be finite numbers >= 0, --discovery-interval "
+                             f"{self.poll_s!r} a finite number > 0")
         if self.max_restarts < 0 or (self.reset_limit is not None and self.reset_limit < 0):
             raise ValueError("--max-restarts and --reset-limit must be >= 0")
         if self.blacklist_after < 1:

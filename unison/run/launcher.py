@@ -499,12 +499,12 @@ def engine_environment(args: argparse.Namespace) -> dict[str, str]:
     if args.fusion_threshold_mb is not None:
         mb = args.fusion_threshold_mb
         if not (math.isfinite(mb) and 0 <= mb * (1 << 20) <= INT64_MAX):
-            raise ValueError(f"--fusion-threshold-mb {mb:g} must be a finite number of MiB >= 0 (0 disables "
+            raise ValueError(f"--fusion-threshold-mb {mb!r} must be a finite number of MiB >= 0 (0 disables "
                              f"fusion), at most {INT64_MAX >> 20}")
         env["UNISON_FUSION_THRESHOLD"] = str(int(mb * (1 << 20)))
     if args.cycle_time_ms is not None:
         if not (math.isfinite(args.cycle_time_ms) and 0 < args.cycle_time_ms <= MAX_CYCLE_MS):
-            raise ValueError(f"--cycle-time-ms {args.cycle_time_ms:g} must be a finite number of milliseconds in "
+            raise ValueError(f"--cycle-time-ms {args.cycle_time_ms!r} must be a finite number of milliseconds in "
                              f"(0, {MAX_CYCLE_MS:g}]")
         env["UNISON_CYCLE_TIME"] = repr(args.cycle_time_ms)
     if args.timeline_filename:

@@ -144,9 +144,11 @@ class CommitStore:
         """
         data = self.path(key).read_bytes()
         head = len(_MAGIC) + _DIGEST_BYTES
+        if not data.startswith(_MAGIC[:8]):  # written before the digest (2026-12-04): the pickle alone, which
+            return data  # the caller unpickles; a torn one fails there and counts as unreadable all the same
         if len(data) < head or not data.startswith(_MAGIC):
-            raise CorruptCommitError(f"{self.path(key)} is not a Unison commit file (it does not start with "
-                                     f"{_MAGIC!r}), or it was cut short ({len(data)} bytes)")
+            raise CorruptCommitError(f"{self.path(key)} was cut short ({len(data)} bytes, not even its "
+                                     "header)")
         payload = data[head:]
         if hashlib.sha256(payload).digest() != data[len(_MAGIC):head]:
             raise CorruptCommitError(f"{self.path(key)}: the state's SHA-256 differs from the one written with "
@@ -224,14 +226,17 @@ def resume(state: Any, store: CommitStore) -> int:
         return [value] if comm is None else comm.allgather(value)
 
     candidates = sorted(store.ids(), reverse=True)  # this host's commits, newest first
+    unreadable = 0  # commits that some host held and none could read
     while True:
         offers = everyone(candidates[0] if candidates else None)
         held = [k for k in offers if k is not None]
         if not held:
             if attempt() > 0 and st.rank == 0:
-                logger.warning("elastic: this is restart %d of the job but no host holds a committed state (every "
-                               "host that held one was lost); starting from the program's initial state or its "
-                               "own checkpoint", attempt())
+                why = (f"the hosts held {unreadable} commit(s) but none could be read (see the warnings "
+                       "above)" if unreadable else "every host that held one was lost")
+                logger.warning("elastic: this is restart %d of the job but no host holds a readable committed "
+                               "state (%s); starting from the program's initial state or its own checkpoint",
+                               attempt(), why)
             return -1
         best = max(held)
         payload = loaded = None
@@ -245,6 +250,7 @@ def resume(state: Any, store: CommitStore) -> int:
         readable = everyone(payload is not None)
         if any(readable):
             break
+        unreadable += 1
         if candidates and candidates[0] == best:  # nobody could read it: each holder offers its next newest
             candidates.pop(0)
     holder = readable.index(True)
