@@ -90,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.schedule}, {args.chunks} microbatches of {args.batch_size // args.chunks}")
     order = torch.Generator().manual_seed(args.seed)  # the same shuffle on every rank
     steps = len(x_train) // args.batch_size  # the last partial batch is dropped
+    if steps < 1:
+        pipe.close()
+        raise SystemExit(f"--batch-size {args.batch_size} is larger than the {len(x_train)} training rows: "
+                         "not one batch an epoch; use a smaller batch size")
     for epoch in range(args.epochs):
         perm = torch.randperm(len(x_train), generator=order)
         bar = tqdm(range(steps), desc=f"epoch {epoch + 1}/{args.epochs}", disable=hvd.rank() != 0,

@@ -369,6 +369,17 @@ def unisonrun(*args, timeout=120, **kwargs):
     )
 
 
+def test_dry_run_prints_the_values_the_engine_flags_stand_for(capsys):
+    """mpirun's -x forwards a variable by name: a printed command pasted in a shell dropped the flags' values."""
+    from unison.run.launcher import main
+
+    assert main(["--dry-run", "-np", "2", "--fusion-threshold-mb", "1.5", "--cycle-time-ms", "2", "python",
+                 "x.py"]) == 0
+    printed = capsys.readouterr().out.split()
+    assert printed[:3] == ["env", "UNISON_FUSION_THRESHOLD=1572864", "UNISON_CYCLE_TIME=2.0"], printed[:4]
+    assert printed[3].endswith("mpirun") and "UNISON_FUSION_THRESHOLD" in printed
+
+
 def test_cli_dry_run_prints_the_command():
     require_mpirun()
     result = unisonrun("--dry-run", "-np", "2", "python", "x.py", "--lr", "0.1")

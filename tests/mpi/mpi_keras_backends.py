@@ -183,6 +183,18 @@ def test_shuffled_fit_reads_the_same_global_batches_as_one_process(dp):
     assert same_everywhere(model.get_weights())
 
 
+def test_the_shuffling_seed_follows_keras_set_random_seed():
+    """Before: a seeded script drew fresh entropy for DataParallel's shuffle, so no two runs agreed."""
+    keras.utils.set_random_seed(1234 + R)  # (rank 0's wins, as for any seed)
+    try:
+        assert uk.DataParallel().seed() == 1234
+        assert uk.DataParallel(seed=7).seed() == 7
+    finally:  # (no global seed again, as before this test)
+        from keras.src.backend.common import global_state
+
+        global_state.set_global_attribute("global_random_seed", None)
+
+
 def test_tensorflow_shuffled_rows_are_disjoint_and_complete_each_epoch(dp):
     if BACKEND != "tensorflow":
         pytest.skip("the tf.data path of arrays")

@@ -109,9 +109,14 @@ class DataParallel:
             _ACTIVE.reset(token)
 
     def seed(self) -> int:
-        """The shuffling seed, rank 0's (one broadcast, on every rank, the first time)."""
+        """The shuffling seed, rank 0's (one broadcast, on every rank, the first time): ``seed=`` if given,
+        else the one ``keras.utils.set_random_seed`` set (so a seeded script shuffles alike in every run,
+        as plain Keras does; before 2026-12-04 it drew fresh entropy), else fresh entropy."""
         if self._seed is None:
-            mine = np.array([np.random.SeedSequence().entropy % (2**31)], np.int64)
+            chosen = _keras_global_seed()
+            if chosen is None:
+                chosen = np.random.SeedSequence().entropy
+            mine = np.array([int(chosen) % (2**31)], np.int64)
             self._seed = int(broadcast_arrays([mine])[0][0])
         return self._seed
 
@@ -543,3 +548,14 @@ def _rank0_save(save: Callable[..., Any]) -> Callable[..., Any]:
         return None if runtime.rank() != 0 else atomic_keras_save(save, filepath, *args, **kwargs)
 
     return rank0_save
+
+
+def _keras_global_seed() -> int | None:
+    """The seed of ``keras.utils.set_random_seed``, or None when it was not called (Keras keeps it in its
+    global state; read where Keras 3.15 keeps it, and None if a later Keras moved it)."""
+    try:
+        from keras.src.backend.common import global_state
+    except ImportError:
+        return None
+    found = global_state.get_global_attribute("global_random_seed")
+    return None if found is None else int(found)

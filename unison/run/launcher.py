@@ -567,8 +567,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except (ValueError, OSError, MpirunNotFoundError) as error:
         parser.error(str(error))
-    if args.dry_run:
-        print(shlex.join(command))
+    if args.dry_run:  # the variables the flags stand for go first (mpirun's -x forwards them by name only)
+        own = engine_environment(args)
+        print(shlex.join(["env", *(f"{k}={v}" for k, v in own.items()), *command] if own else command))
         return 0
     if not args.skip_host_check:
         try:
