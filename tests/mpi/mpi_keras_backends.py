@@ -195,6 +195,72 @@ def test_the_shuffling_seed_follows_keras_set_random_seed():
         global_state.set_global_attribute("global_random_seed", None)
 
 
+def test_a_stop_decided_on_one_rank_stops_every_rank(dp):
+    """Before: a callback stopping training on rank 0 only (EarlyStopping on local metrics, TerminateOnNaN on a
+    rank's own loss) left the other ranks waiting in the next step's exchange for ever."""
+
+    class StopOnRank0(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if R == 0 and epoch == 1:
+                self.model.stop_training = True
+
+    model, _ = distributed_and_reference(dp, lambda: keras.optimizers.SGD(0.05))
+    history = model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=5, shuffle=False, verbose=0,
+                        callbacks=[StopOnRank0()])
+    assert len(history.history["loss"]) == 2
+    assert same_everywhere(model.get_weights())
+
+
+def test_predict_with_steps_predicts_those_batches_as_one_process(dp):
+    """Before: the gather expected every batch's rows and raised."""
+    model, ref = distributed_and_reference(dp, lambda: keras.optimizers.SGD(0.05))
+    got = model.predict(X, batch_size=GLOBAL_BATCH, steps=2, verbose=0)
+    want = ref.predict(X, batch_size=GLOBAL_BATCH, steps=2, verbose=0)
+    assert got.shape == want.shape == (2 * GLOBAL_BATCH, *want.shape[1:])
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="the streamed exchange (gradients sent during backward) is torch's")
+def test_streamed_gradients_that_exist_on_some_ranks_only_reduce_like_one_process():
+    """Before: with overlap_gradients (the default on torch) each rank waited for its own branch's reductions
+    and the job hung. Rank r's rows take branch a when their mean is positive, else branch b."""
+
+    class Branch(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = keras.layers.Dense(2, name="a"), keras.layers.Dense(2, name="b")
+
+        def call(self, x):
+            positive = float(keras.ops.convert_to_numpy(keras.ops.mean(x))) > 0
+            return self.a(x) if positive else self.b(x)
+
+    rs = np.random.RandomState(0)
+    xs = np.concatenate([np.abs(rs.randn(4, 4)) + 0.1, -np.abs(rs.randn(4 * (N - 1), 4)) - 0.1]).astype("float32")
+    ys = rs.randn(4 * N, 2).astype("float32")
+    results = []
+    for overlap in (True, False):
+        keras.utils.set_random_seed(3)
+        with uk.DataParallel(overlap_gradients=overlap).scope():
+            m = Branch()
+            m.a.build((None, 4))
+            m.b.build((None, 4))
+            m.build((None, 4))
+            m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", run_eagerly=True)
+        m.fit(xs, ys, batch_size=4 * N, epochs=2, shuffle=False, verbose=0)
+        results.append(m.get_weights())
+    from keras.src.backend.common import global_state
+
+    global_state.set_global_attribute("global_random_seed", None)
+    for streamed, gathered in zip(*results, strict=True):  # the unstreamed path reduces with zeros (tested)
+        np.testing.assert_allclose(streamed, gathered, rtol=1e-6, atol=1e-7)
+    assert same_everywhere(results[0])
+
+
+def test_class_weight_on_a_model_with_several_outputs_is_refused_as_keras():
+    with pytest.raises(ValueError, match="only supported for Models with a single output"):
+        ukdata._class_weights({"a": np.zeros(3), "b": np.ones(3)}, {0: 1.0})
+
+
 def test_tensorflow_shuffled_rows_are_disjoint_and_complete_each_epoch(dp):
     if BACKEND != "tensorflow":
         pytest.skip("the tf.data path of arrays")

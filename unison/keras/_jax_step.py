@@ -110,7 +110,11 @@ def make_train_step(model: Any) -> Callable[[Any, Any], Any]:
         unscaled_loss, y_pred, non_trainable, metrics_vars = aux
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         optimizer = model.optimizer
-        optimizer._unison_pending = lambda present: [grads[i] for i in present]  # already combined
+        def pending(given: list[Any]) -> tuple[list[int], list[Any]]:  # already combined (every rank alike)
+            keys = [i for i, g in enumerate(given) if g is not None]
+            return keys, [grads[i] for i in keys]
+
+        optimizer._unison_pending = pending
         try:
             trainable, optimizer_vars = optimizer.stateless_apply(optimizer_vars, grads, trainable)
         finally:

@@ -14,9 +14,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
+from unison.common import runtime
 from unison.common.data_parallel import GradientStream
+from unison.common.engine import frontend
+from unison.common.ops import Max
 from unison.keras import _host
 
 __all__: list[str] = []
@@ -50,8 +54,22 @@ class Overlap:
         optimizer = self.model.optimizer
         self.stream = stream = GradientStream(rows, op, compression, pre, post, prefix=self.prefix)
 
-        def pending(present: list[int]) -> list[torch.Tensor]:
-            return [torch.from_numpy(a) for a in stream.results(present)]
+        def pending(grads: list[Any]) -> tuple[list[int], list[torch.Tensor]]:
+            """The reduced gradients of every variable some rank has one for, and their positions.
+
+            [Note: streamed gradients missing on some ranks] A rank waits only for what it submitted,
+            and a gradient that exists on some ranks only (a branch taken by some ranks' data) left
+            each rank waiting for a reduction the others never started: a hang. So the ranks agree on
+            which gradients exist anywhere (one all-reduce of a flag per variable), and a rank without
+            one submits zeros under its name (one process's answer, as ``_agreed`` gives unstreamed)."""
+            flags = np.array([g is not None for g in grads], np.int32)
+            anywhere = frontend.allreduce(flags, Max, f"{self.prefix}.present") if runtime.size() > 1 else flags
+            keys = [i for i in range(len(grads)) if anywhere[i]]
+            for i in keys:
+                if i not in stream.pending:  # none here (or not streamed): zeros, or the gradient itself
+                    value = grads[i] if grads[i] is not None else torch.zeros_like(params[i])
+                    stream.submit(i, _host.torch_to_numpy(value))
+            return keys, [torch.from_numpy(a) for a in stream.results(keys)]
 
         optimizer.__dict__["_unison_pending"] = pending
         try:

@@ -41,7 +41,14 @@ def _rows(structure: Any) -> int:
 
 def _class_weights(y: Any, class_weight: dict[int, float]) -> np.ndarray:
     """Each row's weight, as Keras derives it: the class is the argmax of one-hot targets, else
-    the target rounded (a smoothed 0.9 is class 1); a class the dict lacks weighs 1.0."""
+    the target rounded (a smoothed 0.9 is class 1); a class the dict lacks weighs 1.0.
+
+    Raises:
+        ValueError: ``y`` holds several outputs (Keras's own refusal; a bare ``TypeError`` before).
+    """
+    if isinstance(y, (dict, list, tuple)):
+        raise ValueError("class_weight is only supported for Models with a single output (as in Keras); "
+                         "pass sample_weight per output instead")
     labels = np.asarray(y)
     if labels.ndim > 1 and labels.shape[-1] > 1:
         labels = labels.argmax(axis=-1)

@@ -398,6 +398,34 @@ class _Sync(keras.callbacks.Callback):
             self._dp.average_state(self._target)
 
 
+class _AgreeToStop(keras.callbacks.Callback):
+    """Runs after the user's callbacks: ``model.stop_training`` set on any rank is set on every rank.
+
+    A stop decided on one rank (``global_metrics=False`` with ``EarlyStopping``, ``TerminateOnNaN`` on
+    a rank's own loss, a time limit) left that rank out of training while the others waited in the
+    next step's gradient exchange for ever. One all-reduce of a flag per batch and per epoch."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self._target = model
+
+    def _agree(self, name: str) -> None:
+        from unison.common.engine import frontend
+        from unison.common.ops import Max
+
+        if runtime.size() == 1:
+            return
+        mine = np.array([1 if getattr(self._target, "stop_training", False) else 0], np.int32)
+        if frontend.allreduce(mine, Max, f"unison.keras.stop_training.{name}")[0]:
+            self._target.stop_training = True
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self._agree("batch")
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self._agree("epoch")
+
+
 def _quiet(verbose: Any, rank: int) -> Any:
     return verbose if rank == 0 else 0
 
@@ -424,6 +452,7 @@ def _fit(dp: DataParallel, model: Any, fit: Callable[..., Any]) -> Callable[...,
         callbacks = list(a.pop("callbacks", None) or [])
         _refuse_unsafe_callbacks(callbacks)
         callbacks.insert(0, _Sync(dp, model))
+        callbacks.append(_AgreeToStop(model))
         return fit(train, validation_data=val, shuffle=False, callbacks=callbacks,
                    verbose=_quiet(a.pop("verbose", "auto"), dp.rank), **a)
 
@@ -491,6 +520,12 @@ def _predict(dp: DataParallel, model: Any, predict: Callable[..., Any]) -> Calla
             raise ValueError(f"DataParallel's predict splits numpy arrays (the global data); got "
                              f"{type(x).__name__}. Predict arrays, or call predict on each rank's own data "
                              f"outside the data-parallel model")
+        steps = a.pop("steps", None)
+        if steps is not None:  # Keras predicts the first `steps` batches: the plan must cover those rows only
+            if not isinstance(steps, int) or steps < 1:
+                raise ValueError(f"predict: steps={steps!r} must be a positive int")
+            rows = steps * (batch or 32)
+            x = keras.tree.map_structure(lambda arr: np.asarray(arr)[:rows], x)
         sharded = dp.shard(x, None, None, batch, False, None, "model.predict")
         _sync_once(dp, model, x)
         outputs = predict(sharded, verbose=_quiet(a.pop("verbose", "auto"), dp.rank), **a)

@@ -101,12 +101,11 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
 
     def apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
         grads = list(grads)
-        present = [i for i, g in enumerate(grads) if g is not None]
         pending = self.__dict__.pop("_unison_pending", None)  # started during backward (torch hooks)
         if pending is None:
             return super(cls, self).apply(_agreed(self, grads, trainable_variables), trainable_variables)
-        reduced = pending(present)
-        for i, g in zip(present, reduced, strict=True):
+        keys, reduced = pending(grads)  # (every variable with a gradient on some rank: see _torch_overlap.py)
+        for i, g in zip(keys, reduced, strict=True):
             grads[i] = g
         return super(cls, self).apply(grads, trainable_variables)
 
