@@ -65,13 +65,24 @@ def test_a_commit_copies_into_the_last_commits_arrays() -> None:
         np.testing.assert_array_equal(got, want)
 
 
+def _record_commits(state) -> list[tuple[int, int]]:
+    """The (epoch, batch) of every commit ``state`` makes from now on."""
+    commits: list[tuple[int, int]] = []
+    save = state.save
+    state.save = lambda: (commits.append((state.epoch, state.batch)), save())[1]
+    return commits
+
+
+def _commit_callbacks(state, batches_per_commit: int) -> list:
+    return [elastic.UpdateBatchStateCallback(state), elastic.UpdateEpochStateCallback(state),
+            elastic.CommitStateCallback(state, batches_per_commit=batches_per_commit)]
+
+
 def test_callbacks_count_batches_and_epochs_and_commit() -> None:
     net = _model()
     state = _state(net, epoch=0, batch=0)
-    commits = []
-    state.save = (lambda save: lambda: (commits.append((state.epoch, state.batch)), save())[1])(state.save)
-    callbacks = [elastic.UpdateBatchStateCallback(state), elastic.UpdateEpochStateCallback(state),
-                 elastic.CommitStateCallback(state, batches_per_commit=3)]
+    commits = _record_commits(state)
+    callbacks = _commit_callbacks(state, 3)
     _fit(net, callbacks, epochs=2)  # 4 batches an epoch
     assert (state.epoch, state.batch) == (2, 0)
     # at epoch ends, and 3 batches after the last commit
@@ -84,10 +95,8 @@ def test_commits_count_batches_with_several_steps_per_execution() -> None:
     net = _model()
     net.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse", steps_per_execution=2)
     state = _state(net, epoch=0, batch=0)
-    commits = []
-    state.save = (lambda save: lambda: (commits.append((state.epoch, state.batch)), save())[1])(state.save)
-    callbacks = [elastic.UpdateBatchStateCallback(state), elastic.UpdateEpochStateCallback(state),
-                 elastic.CommitStateCallback(state, batches_per_commit=2)]
+    commits = _record_commits(state)
+    callbacks = _commit_callbacks(state, 2)
     _fit(net, callbacks, epochs=1)  # 4 batches, in 2 executions
     assert commits == [(0, 2), (1, 0)]  # (none at the epoch's last batch: see the next test)
 
@@ -97,10 +106,8 @@ def test_no_commit_at_an_epochs_last_batch_only_at_its_end() -> None:
     the epoch's end resumed into an empty fit of the epoch's rest, which Keras counts as one more step."""
     net = _model()
     state = _state(net, epoch=0, batch=0)
-    commits = []
-    state.save = (lambda save: lambda: (commits.append((state.epoch, state.batch)), save())[1])(state.save)
-    callbacks = [elastic.UpdateBatchStateCallback(state), elastic.UpdateEpochStateCallback(state),
-                 elastic.CommitStateCallback(state, batches_per_commit=2)]
+    commits = _record_commits(state)
+    callbacks = _commit_callbacks(state, 2)
     _fit(net, callbacks, epochs=2)  # 4 batches an epoch
     assert commits == [(0, 2), (1, 0), (1, 2), (2, 0)]
 

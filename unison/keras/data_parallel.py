@@ -40,7 +40,9 @@ import numpy as np
 
 from unison.common import runtime
 from unison.common.data_parallel import BatchPlan, broadcast_arrays, gather_rows, sum_states
+from unison.common.engine import frontend
 from unison.common.files import atomic_keras_save
+from unison.common.ops import Max
 from unison.keras import _host, data
 from unison.keras.optimizer import DistributedOptimizer, batch_rows
 
@@ -410,9 +412,6 @@ class _AgreeToStop(keras.callbacks.Callback):
         self._target = model
 
     def _agree(self, name: str) -> None:
-        from unison.common.engine import frontend
-        from unison.common.ops import Max
-
         if runtime.size() == 1:
             return
         mine = np.array([1 if getattr(self._target, "stop_training", False) else 0], np.int32)

@@ -553,7 +553,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="unisonrun: %(message)s")
     try:
         config = _config_from_args(args)
-        environ = {**os.environ, **engine_environment(args)}
+        own = engine_environment(args)  # (the variables the flags stand for)
+        environ = {**os.environ, **own}
         if _elastic(args):  # the first job's size, as the driver will start it (-np need not be given)
             placement = resolve_placement(config, environ)
             config = dataclasses.replace(config, np=planned_np(
@@ -568,7 +569,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError, MpirunNotFoundError) as error:
         parser.error(str(error))
     if args.dry_run:  # the variables the flags stand for go first (mpirun's -x forwards them by name only)
-        own = engine_environment(args)
         print(shlex.join(["env", *(f"{k}={v}" for k, v in own.items()), *command] if own else command))
         return 0
     if not args.skip_host_check:

@@ -42,7 +42,7 @@ from unison.torch_backend.tensor_parallel_comm import (
 )
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "vocab_parallel_cross_entropy", "group_position", "shards_across", "TENSOR_GROUP_ATTR"]
+           "vocab_parallel_cross_entropy", "group_position", "shards_across"]
 
 
 def _uniform(shape: tuple[int, ...], fan_in: int, dtype: Any, device: Any) -> nn.Parameter:
@@ -59,21 +59,11 @@ def _copy(param: nn.Parameter | None, source: torch.Tensor | None) -> None:
     param.requires_grad_(source.requires_grad)
 
 
-#: the attribute a parameter that holds one shard of a split layer carries: the layer's tensor group
-TENSOR_GROUP_ATTR = "_unison_tensor_group"
-
-
-#: every live parallel layer: :func:`shards_across` reads their split tensors when it runs, so shards held
-#: anywhere are recognised by the memory they use: ``state_dict()``'s detached tensors, parameters that
-#: ``load_state_dict(assign=True)`` or ``.to()`` put in the layer, and layers made by ``copy.deepcopy``
-#: (which registers the copies: ``__setstate__``), none of which carry the attribute
+#: every live parallel layer: :func:`shards_across` asks them for their split tensors when it runs and
+#: recognises a shard by the memory it uses, wherever it is held: the layer's parameter itself,
+#: ``state_dict()``'s detached tensors, parameters that ``load_state_dict(assign=True)`` or ``.to()`` put
+#: in the layer, and layers made by ``copy.deepcopy`` (which registers the copies: ``__setstate__``)
 _LAYERS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-
-def _mark(param: nn.Parameter | None, process_set: ProcessSet, tp: int) -> None:
-    """Record that ``param`` is this rank's shard of a tensor split over ``process_set`` (tp > 1)."""
-    if param is not None and tp > 1:
-        setattr(param, TENSOR_GROUP_ATTR, process_set)
 
 
 class _SplitLayer(nn.Module):
@@ -82,7 +72,8 @@ class _SplitLayer(nn.Module):
     #: the attributes holding this rank's piece of a split tensor (a replicated bias is not one)
     _split: tuple[str, ...] = ("weight",)
 
-    def _register(self) -> None:
+    def __init__(self) -> None:
+        super().__init__()
         _LAYERS.add(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -90,8 +81,9 @@ class _SplitLayer(nn.Module):
         _LAYERS.add(self)
 
     def split_tensors(self) -> list[torch.Tensor]:
-        """This rank's pieces of the layer's split tensors (none when the group is one rank)."""
-        if self.tp <= 1:
+        """This rank's pieces of the layer's split tensors (none when the group is one rank, or the layer
+        was never finished: its constructor raised)."""
+        if getattr(self, "tp", 1) <= 1:
             return []
         return [t for t in (getattr(self, name, None) for name in self._split) if t is not None]
 
@@ -101,12 +93,6 @@ def _memory(tensor: torch.Tensor) -> int | None:
     if tensor.layout != torch.strided or not tensor.numel():
         return None
     return tensor.data_ptr()
-
-
-def _tensor_group(tensor: torch.Tensor, by_memory: dict[int, ProcessSet]) -> ProcessSet | None:
-    group = getattr(tensor, TENSOR_GROUP_ATTR, None)
-    where = None if group is not None else _memory(tensor)
-    return group if where is None else by_memory.get(where)
 
 
 def shards_across(named: Any, process_set: ProcessSet | None, what: str) -> None:
@@ -120,7 +106,8 @@ def shards_across(named: Any, process_set: ProcessSet | None, what: str) -> None
     by_memory = {where: layer.process_set for layer in list(_LAYERS) for t in layer.split_tensors()
                  if (where := _memory(t)) is not None}
     for name, tensor in named:
-        group = _tensor_group(tensor, by_memory)
+        where = _memory(tensor)
+        group = None if where is None else by_memory.get(where)
         if group is None:
             continue
         tensor_ranks = set(range(runtime.size())) if group.ranks is None else set(group.ranks)
@@ -191,9 +178,6 @@ class ColumnParallelLinear(_SplitLayer):
         local = self.stop - self.start
         self.weight = _uniform((local, in_features), in_features, dtype, device)
         self.bias = _uniform((local,), in_features, dtype, device) if bias else None
-        _mark(self.weight, process_set, self.tp)
-        _mark(self.bias, process_set, self.tp)
-        self._register()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, gather_output: bool = False,
@@ -254,8 +238,6 @@ class RowParallelLinear(_SplitLayer):
         self.weight = _uniform((out_features, self.stop - self.start), in_features, dtype, device)
         zeros = torch.zeros(out_features, dtype=self.weight.dtype, device=device)
         self.bias = nn.Parameter(zeros) if bias else None
-        _mark(self.weight, process_set, self.tp)  # (the bias is replicated: every rank holds all of it)
-        self._register()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, input_is_parallel: bool = True,
@@ -303,8 +285,6 @@ class VocabParallelEmbedding(_SplitLayer):
         self.num_embeddings, self.embedding_dim, self.process_set = num_embeddings, embedding_dim, process_set
         rows = torch.empty(self.stop - self.start, embedding_dim, dtype=dtype, device=device)
         self.weight = nn.Parameter(rows.normal_())
-        _mark(self.weight, process_set, self.tp)
-        self._register()
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding,

@@ -204,6 +204,18 @@ def _submit(eng: Engine, kind: Kind, name: str, tensor: Any, sid: int,
     return eng.submit(req)
 
 
+def _array_or_error(tensor: Any, eng: Engine | None) -> tuple[np.ndarray, Exception | None]:
+    """``np.asarray(tensor)``, and no error; with an engine, an input numpy cannot convert (a ragged list)
+    gives an empty array and the error, for the request's ``checks`` to raise, so that it travels in the
+    request and every rank raises (raised here at once, it left the other ranks waiting for ever)."""
+    try:
+        return np.asarray(tensor), None
+    except (TypeError, ValueError) as exc:
+        if eng is None:
+            raise
+        return np.empty(0, np.float32), exc
+
+
 def _op(op: Any) -> ReduceOp:
     try:
         return parse_op(op)
@@ -233,13 +245,8 @@ def allreduce_async(tensor: Any, op: Any = Average, name: str | None = None,
             return eng.submit(Request(name, Kind.ALLREDUCE, tensor, Handle(name), op=int(op)))
     eng = engine("unison.allreduce_async()")
     name = _auto_name("allreduce", name, process_set)
-    unusable: Exception | None = None
-    try:
-        compressed, ctx = compression.compress(np.asarray(tensor))
-    except (TypeError, ValueError) as exc:  # (a ragged list): raised on every rank through the request
-        if eng is None:
-            raise
-        unusable, compressed, ctx = exc, np.empty(0, np.float32), None
+    array, unusable = _array_or_error(tensor, eng)
+    compressed, ctx = compression.compress(array)
     post = None if compression is Compression.none else (lambda r: compression.decompress(r, ctx))
     if eng is None:
         _check_local(process_set)
@@ -296,13 +303,7 @@ def allgather_async(tensor: Any, name: str | None = None, process_set: ProcessSe
     """Submit an all-gather along the first dimension (which may differ per rank)."""
     eng = engine("unison.allgather_async()")
     name = _auto_name("allgather", name, process_set)
-    unusable: Exception | None = None
-    try:
-        arr = np.asarray(tensor)
-    except (TypeError, ValueError) as exc:  # (a ragged list): raised on every rank through the request
-        if eng is None:
-            raise
-        unusable, arr = exc, np.empty(0, np.float32)
+    arr, unusable = _array_or_error(tensor, eng)
     arr = arr.reshape(1) if arr.ndim == 0 else arr
     if eng is None:
         _check_local(process_set)
