@@ -183,6 +183,51 @@ def test_shuffled_fit_reads_the_same_global_batches_as_one_process(dp):
     assert same_everywhere(model.get_weights())
 
 
+def _rows_read_by_fit(data, steps_per_epoch: int, epochs: int) -> list[list[int]]:
+    """The rows each epoch of ``fit`` reads, on every rank together: Keras's own epoch iterator driven as
+    its fit drives it (a peek at the first batch, a reset, then each epoch's steps)."""
+    from keras.src.trainers.epoch_iterator import EpochIterator
+
+    it = EpochIterator(data, steps_per_epoch=steps_per_epoch)
+    for _ in it.enumerate_epoch():
+        break
+    it.reset()
+    epochs_read = []
+    for _ in range(epochs):
+        mine = []
+        with it.catch_stop_iteration():
+            for _, _, batches in it:
+                mine += [int(v) for b in batches for v in np.asarray(b[0] if isinstance(b, tuple) else b).ravel()]
+        epochs_read.append(sorted(sum(WORLD.allgather(mine), [])))
+    return epochs_read
+
+
+def test_shuffle_with_short_epochs_reads_every_row_once_per_pass():
+    """Before: with steps_per_epoch below a pass's batches, Keras kept reading the pass where the last epoch
+    stopped while Unison drew a new permutation every epoch, so some rows were read twice in a pass and others
+    never (one process permutes once per pass)."""
+    rows = GLOBAL_BATCH * 6  # 6 batches per pass; epochs of 4 steps read 4, 2 (the pass ends), 4, 2 batches
+    ids = np.arange(rows, dtype="float32").reshape(-1, 1)
+    data = ukdata.ShardedArrays(ids, ids, batch_size=GLOBAL_BATCH, rank=R, size=N, shuffle=True, seed=11)
+    read = _rows_read_by_fit(data, steps_per_epoch=4, epochs=4)
+    assert [len(e) for e in read] == [4 * GLOBAL_BATCH, 2 * GLOBAL_BATCH] * 2
+    first, second = read[0] + read[1], read[2] + read[3]
+    assert sorted(first) == list(range(rows)) and sorted(second) == list(range(rows))
+    order = WORLD.allgather(data.order.tolist())
+    assert all(o == order[0] for o in order) and order[0] != sorted(order[0])  # shuffled, alike everywhere
+
+    class Batches(keras.utils.PyDataset):  # a PyDataset of global batches: the batches, once per pass
+        def __len__(self):
+            return 6
+
+        def __getitem__(self, i):
+            block = ids[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH]
+            return block, block
+
+    read = _rows_read_by_fit(ukdata.ShardedPyDataset(Batches(), R, N, shuffle=True, seed=11), 4, 4)
+    assert sorted(read[0] + read[1]) == list(range(rows)) and sorted(read[2] + read[3]) == list(range(rows))
+
+
 def test_the_shuffling_seed_follows_keras_set_random_seed():
     """Before: a seeded script drew fresh entropy for DataParallel's shuffle, so no two runs agreed."""
     keras.utils.set_random_seed(1234 + R)  # (rank 0's wins, as for any seed)

@@ -7,7 +7,7 @@ process would, and all run the same number of steps.
 
 * numpy arrays (and dicts / lists / tuples of them): :class:`ShardedArrays`, a
   ``keras.utils.PyDataset`` that also shuffles (the same permutation on every rank,
-  from a seed rank 0 draws, a new one each epoch) and turns ``class_weight`` into
+  from a seed rank 0 draws, a new one each pass over the rows) and turns ``class_weight`` into
   sample weights.
 * a ``keras.utils.PyDataset`` whose items are global batches: :class:`ShardedPyDataset`.
 * a torch ``DataLoader`` (torch backend): :class:`ShardedLoader`, reading the loader's
@@ -64,7 +64,8 @@ class ShardedArrays(keras.utils.PyDataset):
         x, y, sample_weight: the global data (``y`` and ``sample_weight`` may be None).
         batch_size: the global batch.
         rank, size: this rank and the number of ranks.
-        shuffle: a new permutation of the rows each epoch, the same on every rank.
+        shuffle: a new permutation of the rows for each pass over them (each epoch, unless
+            ``fit``'s ``steps_per_epoch`` cuts passes into several epochs), the same on every rank.
         seed: the permutation's seed (the same on every rank).
         class_weight: ``{class: weight}``, folded into the sample weights.
     """
@@ -83,36 +84,41 @@ class ShardedArrays(keras.utils.PyDataset):
         self.parts = tuple(p for p in (x, y, sample_weight) if p is not None) if y is not None else (x,)
         self.samples = _rows(self.parts)
         self.plan = BatchPlan(self.samples, int(batch_size), size)
-        self.rank, self.shuffle, self.seed, self.epoch = rank, shuffle, int(seed), 0
-        self.order = self._permutation()
+        self.rank, self.shuffle, self.seed = rank, shuffle, int(seed)
+        self.passes = 0  # passes begun (a pass begins when batch 0 is read)
+        self.order: np.ndarray | None = None
 
     def _permutation(self) -> np.ndarray | None:
         if not self.shuffle:
             return None
-        return np.random.default_rng([self.seed, self.epoch]).permutation(self.samples)
+        return np.random.default_rng([self.seed, self.passes]).permutation(self.samples)
 
     def __len__(self) -> int:
         return self.plan.steps
 
     def __getitem__(self, step: int) -> Any:
+        # [Note: one permutation per pass] Keras keeps its iterator across epochs when fit is given
+        # a steps_per_epoch below the batches of a pass, and starts a new one (reading batch 0
+        # first) only when a pass is used up; one process permutes its arrays once per such
+        # iterator. So a permutation is drawn when batch 0 is read, not at each Keras epoch: a
+        # new one per epoch (before) repeated some rows and skipped others within a pass.
+        if self.shuffle and (step == 0 or self.order is None):
+            self.order = self._permutation()
+            self.passes += 1
         lo, hi = self.plan.rank_rows(step, self.rank)
         take: Any = slice(lo, hi) if self.order is None else self.order[lo:hi]
         batch = keras.tree.map_structure(lambda a: np.asarray(a)[take], self.parts)
         return batch if len(batch) > 1 else batch[0]
-
-    def on_epoch_end(self) -> None:
-        self.epoch += 1
-        self.order = self._permutation()
 
 
 class ShardedPyDataset(keras.utils.PyDataset):
     """This rank's rows of each global batch of a ``keras.utils.PyDataset``.
 
     With ``shuffle`` (``fit``'s default, as in Keras, which reads a finite PyDataset's batches
-    in a new order each epoch) the order of the batches is a permutation drawn from ``seed``
-    (rank 0's) and the epoch, the same on every rank, so each global batch is still split, not
-    mixed with another. Epochs are counted by ``on_epoch_begin`` (Keras also ends an "epoch"
-    after peeking at the first batch, before training starts).
+    in a new order each pass) the order of the batches is a permutation drawn from ``seed``
+    (rank 0's) and the number of passes begun, the same on every rank, so each global batch is
+    still split, not mixed with another. A pass begins when batch 0 is read ([Note: one
+    permutation per pass]).
     """
 
     def __init__(self, dataset: keras.utils.PyDataset, rank: int, size: int, shuffle: bool = False,
@@ -120,13 +126,13 @@ class ShardedPyDataset(keras.utils.PyDataset):
         super().__init__()
         self.dataset, self.rank, self.size = dataset, rank, size
         self.shuffle = shuffle and dataset.num_batches is not None
-        self.seed, self.epoch = seed, 0
-        self._order = self._permutation(0)
+        self.seed, self.passes = seed, 0  # passes begun (a pass begins when batch 0 is read)
+        self._order: np.ndarray | None = None
 
-    def _permutation(self, epoch: int) -> np.ndarray | None:
+    def _permutation(self) -> np.ndarray | None:
         if not self.shuffle:
             return None
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
+        return np.random.default_rng([self.seed, self.passes]).permutation(len(self.dataset))
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -136,12 +142,13 @@ class ShardedPyDataset(keras.utils.PyDataset):
         return self.dataset.num_batches
 
     def __getitem__(self, step: int) -> Any:
+        if self.shuffle and (step == 0 or self._order is None):  # [Note: one permutation per pass]
+            self._order = self._permutation()
+            self.passes += 1
         index = step if self._order is None else int(self._order[step])
         return cut(self.dataset[index], self.rank, self.size, f"batch {index} of the PyDataset")
 
     def on_epoch_begin(self) -> None:
-        self._order = self._permutation(self.epoch)
-        self.epoch += 1
         self.dataset.on_epoch_begin()
 
     def on_epoch_end(self) -> None:
