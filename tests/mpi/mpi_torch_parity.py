@@ -500,6 +500,57 @@ def test_optimizer_sparse_gradients_with_sparse_adam(sparse_as_dense):
     torch.testing.assert_close(emb.weight, ref.weight, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_a_sparse_gradient_missing_on_some_ranks_is_reduced_as_zeros(sparse_as_dense):
+    """Before: a rank whose step did not touch a sparse embedding sent its zeros dense (an all-reduce) while
+    the others all-gathered their rows under other names, and every rank waited for ever. Here rank 0 skips
+    the embedding in the first step (no rank knows its kind yet there, rank 0 least) and the last rank in the
+    third; SGD against one process's average of the ranks' gradients."""
+    torch.manual_seed(0)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(8, 3, sparse=True)
+            self.head = torch.nn.Linear(3, 1)
+
+        def forward(self, ids, use_emb):
+            h = self.emb(ids) if use_emb else torch.ones(len(ids), 3)
+            return self.head(h).sum()
+
+    net, ref = Net(), Net()
+    ref.load_state_dict(net.state_dict())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                   named_parameters=net.named_parameters(), sparse_as_dense=sparse_as_dense)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ids = per_rank(lambda r: torch.tensor([r % 8, (r + 3) % 8]))
+    skips = {0: 0, 2: N - 1}  # step -> the rank that leaves the embedding out
+    for step in range(4):
+        uses = [skips.get(step) != r for r in range(N)]
+        opt.zero_grad()
+        net(ids[R], uses[R]).backward()
+        opt.step()
+        assert net.emb.weight.grad is not None and net.emb.weight.grad.is_sparse
+        ref_opt.zero_grad()
+        (sum(ref(ids[r], uses[r]) for r in range(N)) / N).backward()
+        ref_opt.step()
+        torch.testing.assert_close(net.emb.weight, ref.emb.weight, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(net.head.weight, ref.head.weight, rtol=1e-5, atol=1e-6)
+    assert opt._kinds_settled
+
+
+def test_a_gradient_dense_on_one_rank_and_sparse_on_another_raises_everywhere():
+    emb = torch.nn.Embedding(4, 2, sparse=True)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1),
+                                   named_parameters=emb.named_parameters())
+    opt.zero_grad()
+    # set by hand, so no hook submits them: what a rank whose model differs would hold at synchronize()
+    sparse = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.ones(1, 2), (4, 2))
+    emb.weight.grad = torch.ones(4, 2) if R == 0 else sparse
+    with pytest.raises(ValueError, match="dense on some ranks and sparse on others"):
+        opt.synchronize()
+
+
 _COMBINE = {"average": (hvd.Average, lambda g: g.mean(0)), "sum": (hvd.Sum, lambda g: g.sum(0)),
             "min": (hvd.Min, lambda g: g.min(0)), "max": (hvd.Max, lambda g: g.max(0)),
             "product": (hvd.Product, lambda g: g.prod(0))}

@@ -33,7 +33,7 @@ from unison.common import runtime
 from unison.common.compression import Compression
 from unison.common.engine import frontend
 from unison.common.engine.process_sets import ProcessSet, global_process_set, set_size
-from unison.common.ops import Average, ReduceOp, parse_op
+from unison.common.ops import Average, Max, ReduceOp, parse_op
 from unison.common.zero import DEFAULT_BUCKET_BYTES, check_stage
 from unison.torch_backend.grad_hooks import weak_grad_hooks
 from unison.torch_backend.handles import Adasum, is_adasum
@@ -83,6 +83,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for p in group:
                 self._group_of[p] = gid
         self._group_ready: dict[int, list[torch.Tensor]] = {}
+        # each parameter's gradient kind once some rank has seen one: 1 dense, 2 + k sparse with k sparse
+        # dimensions ([Note: a sparse gradient missing on some ranks])
+        self._kinds: dict[torch.Tensor, int] = {}
+        self._kinds_settled = False
         self._synchronized = False
         self._should_synchronize = True
         # Horovod's attributes, which user code reads
@@ -133,7 +137,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _submit(self, p: torch.Tensor) -> _Pending:
         name = self._names[p]
         if p.grad is None:
-            p.grad = torch.zeros_like(p)
+            p.grad = self._missing_gradient(p)
+        else:
+            self._note_kind(p)
         grad = p.grad
         resparse = grad.is_sparse
         if resparse:
@@ -146,6 +152,49 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         handle = frontend.allreduce_async(compressed, self._op, name, self._prescale, self._postscale,
                                           self._process_set, out=compressed if in_place else None)
         return _Pending(handle, None if in_place else arr, ctx, resparse=resparse)
+
+    # [Note: a sparse gradient missing on some ranks]
+    # A rank whose step gave a parameter no gradient contributes zeros. For a dense gradient
+    # that is a zero tensor reduced with the rest; a sparse one (nn.Embedding(sparse=True)) is
+    # all-gathered under other names (indices and values), so zeros sent dense waited for ever
+    # for the other ranks' all-reduce (a hang). A rank cannot tell the kind from a parameter
+    # that has no gradient, so while some parameter's kind is unknown to some rank,
+    # synchronize() all-reduces (Max) each rank's kinds (1 dense, 2 + k sparse with k sparse
+    # dimensions, 0 not seen) before it submits the missing gradients; a rank then sends an
+    # empty sparse gradient (no rows) where the others send sparse ones. Once every parameter
+    # has had a gradient on some rank the agreement stops (usually after the first step), so a
+    # dense model pays one small all-reduce in its first step.
+    def _note_kind(self, p: torch.Tensor) -> None:
+        g = p.grad
+        self._kinds.setdefault(p, 2 + g.sparse_dim() if g is not None and g.is_sparse else 1)
+
+    def _missing_gradient(self, p: torch.Tensor) -> torch.Tensor:
+        kind = self._kinds.get(p, 1)
+        if kind == 1:
+            return torch.zeros_like(p)
+        k = kind - 2
+        return torch.sparse_coo_tensor(torch.zeros((k, 0), dtype=torch.int64),
+                                       torch.zeros((0, *p.shape[k:]), dtype=p.dtype), p.shape)
+
+    def _agree_on_kinds(self) -> None:
+        """Every rank's gradient kinds, combined (see the Note); a parameter dense on one rank and
+        sparse on another raises on every rank."""
+        for p in self._params:
+            if p.grad is not None:
+                self._note_kind(p)
+        seen = np.array([self._kinds.get(p, 0) for p in self._params], np.int64)
+        both = np.concatenate([seen, np.where(seen > 0, -seen, -(2**40))])  # max, and -(min of the seen)
+        agreed = frontend.allreduce_async(both, Max, "DistributedOptimizer.gradient_kinds", 1.0, 1.0,
+                                          self._process_set).wait()
+        n = len(self._params)
+        for p, most, least in zip(self._params, agreed[:n], -agreed[n:], strict=True):
+            if most and least != most:
+                raise ValueError(f"the gradient of {self._names[p]!r} is dense on some ranks and sparse on others "
+                                 f"(or sparse with different sparse dimensions): every rank must compute it the "
+                                 f"same way (the same module with the same sparse= flag)")
+            if most:
+                self._kinds[p] = int(most)
+        self._kinds_settled = all(agreed[:n] > 0)
 
     def _submit_sparse(self, p: torch.Tensor, name: str) -> _Pending:
         if self._op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
@@ -186,6 +235,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         synchronize_embeddings()
         if self._reduces:
+            if not self._kinds_settled:
+                self._agree_on_kinds()
             for p in self._params:
                 if p not in self._pending:  # no gradient this step, or passes not yet complete
                     self._pending[p] = self._submit(p)
