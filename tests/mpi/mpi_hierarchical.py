@@ -514,6 +514,40 @@ def test_engine_fused_buffers_take_the_hierarchical_algorithm(monkeypatch):
     helper.Free()
 
 
+@pytest.mark.skipif(N == 1, reason="a size-1 job computes locally, without the engine")
+def test_the_engine_runs_the_algorithm_settings_of_the_job(monkeypatch):
+    """Before: UNISON_<OP>_ALGORITHM (and HOROVOD_*) reached unison.collectives only; the engine (unison.allreduce,
+    hvd.*) ran ``auto`` whatever was set, and ``algorithm=None`` raised."""
+    seen = []
+    for op in ("allreduce", "allgatherv", "broadcast", "reducescatter", "alltoallv"):
+        real = getattr(kernels, op)
+
+        def record(*a, _op=op, _real=real, **k):
+            seen.append((_op, next(v for v in a if isinstance(v, str) and v in {"ring", "tree", "pairwise", "auto",
+                                                                                 "mpi", "rhd", "hierarchical"})))
+            return _real(*a, **k)
+
+        monkeypatch.setattr(kernels, op, record)
+    x = np.arange(6 * N, dtype=np.float32) + R
+    settings = dict(allreduce_algorithm="rhd", allgather_algorithm="ring", broadcast_algorithm="tree",
+                    reducescatter_algorithm="ring", alltoall_algorithm="pairwise")
+    with reinit(**settings):
+        np.testing.assert_allclose(unison.allreduce(x, op=unison.Sum, name="setting.ar"),
+                                   sum(np.arange(6 * N, dtype=np.float32) + r for r in range(N)))
+        np.testing.assert_allclose(unison.allreduce(x, op=unison.Sum, name="setting.ar.none", algorithm=None),
+                                   sum(np.arange(6 * N, dtype=np.float32) + r for r in range(N)))
+        unison.allreduce(x, op=unison.Sum, name="setting.ar.auto", algorithm="auto")  # an explicit choice wins
+        unison.allgather(x, name="setting.ag")
+        unison.broadcast(x, root_rank=0, name="setting.bc")
+        unison.reducescatter(x, name="setting.rs")
+        unison.alltoall(x, name="setting.a2a")
+    assert seen == [("allreduce", "rhd"), ("allreduce", "rhd"), ("allreduce", "auto"), ("allgatherv", "ring"),
+                    ("broadcast", "tree"), ("reducescatter", "ring"), ("alltoallv", "pairwise")], seen
+    seen.clear()
+    unison.allreduce(x, name="setting.default")  # back to the default settings
+    assert seen == [("allreduce", "auto")]
+
+
 def test_direct_api_takes_the_hierarchical_algorithm_by_name():
     """``algorithm="hierarchical"`` through the agreeing API (one host: the degenerate hierarchy)."""
     xs = [np.random.default_rng([7, r]).standard_normal(5000).astype(np.float32) for r in range(N)]

@@ -129,6 +129,12 @@ class Engine:
         self.timeline = Timeline()
         self.fusion_threshold = config.fusion_threshold
         self.cycle_time = config.cycle_time / 1000.0
+        #: a request's algorithm when its caller named none: the job's setting for the op (each
+        #: rank's own, carried in the signature, so ranks set differently raise a mismatch)
+        self._algorithms = {Kind.ALLREDUCE: config.allreduce_algorithm, Kind.ALLGATHER: config.allgather_algorithm,
+                            Kind.BROADCAST: config.broadcast_algorithm,
+                            Kind.REDUCESCATTER: config.reducescatter_algorithm,
+                            Kind.ALLTOALL: config.alltoall_algorithm}
         self._cv = threading.Condition()
         self._queue: deque[Request] = deque()
         #: (process set, name) -> request, from submit until its handle completes
@@ -310,6 +316,8 @@ class Engine:
         timeline = self.timeline.active
         if timeline:
             self.timeline.begin(req.name, "NEGOTIATE_" + req.kind.name, req.submitted)
+        if not req.algorithm:
+            req.algorithm = self._algorithms.get(req.kind, "auto")
         key = (req.process_set, req.name)
         with self._cv:
             if not self._stopping and key in self._inflight and AUTO_NAME_MARK in req.name:

@@ -227,15 +227,17 @@ def allreduce_async(tensor: Any, op: Any = Average, name: str | None = None,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet | None = None,
                     compression: type[Compressor] = Compression.none,
-                    out: np.ndarray | None = None, algorithm: str = "auto") -> Handle:
+                    out: np.ndarray | None = None, algorithm: str | None = None) -> Handle:
     """Submit an all-reduce of ``tensor`` (see :func:`unison.allreduce`); returns a handle.
+
+    ``algorithm`` None is the job's ``UNISON_ALLREDUCE_ALGORITHM`` (``auto`` unless set).
 
     ``synchronize(handle)`` returns the reduced array (``out`` when given). The
     engine reads ``tensor`` later, in its thread: do not modify it until then.
     """
     st = runtime._state
     if (st is not None and type(tensor) is np.ndarray and type(op) is ReduceOp and out is None
-            and process_set is None and compression is Compression.none and algorithm == "auto"
+            and process_set is None and compression is Compression.none and algorithm is None
             and prescale_factor == 1.0 and postscale_factor == 1.0 and tensor.flags.c_contiguous
             and (tensor.dtype in _FAST_DTYPES or tensor.dtype.name == "bfloat16")
             and op in _FAST_OPS):  # the common case, kept cheap
@@ -264,14 +266,15 @@ def allreduce_async(tensor: Any, op: Any = Average, name: str | None = None,
             raise unusable
         parse_op(op)
         check_op(arr.dtype, rop, float(prescale_factor), float(postscale_factor))
-        direct.validate_algorithm("allreduce_algorithm", algorithm)
+        if algorithm is not None:
+            direct.validate_algorithm("allreduce_algorithm", algorithm)
         if out is not None:
             direct._check_out(out, arr)
 
     usable_out = isinstance(out, np.ndarray) and out.flags.c_contiguous and out.flags.writeable
     return _submit(eng, Kind.ALLREDUCE, name, compressed, sid, checks, post, op=int(rop),
                    prescale=float(prescale_factor), postscale=float(postscale_factor),
-                   out=out if usable_out else None, algorithm=str(algorithm))
+                   out=out if usable_out else None, algorithm="" if algorithm is None else str(algorithm))
 
 
 def group_size_agreement(base: str, count: int, process_set: ProcessSet | None = None) -> Handle:
@@ -481,7 +484,7 @@ def _now(submit: Callable[..., Handle], *args: Any) -> Any:
 def allreduce(tensor: Any, op: Any = Average, name: str | None = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, process_set: ProcessSet | None = None,
               compression: type[Compressor] = Compression.none, out: np.ndarray | None = None,
-              algorithm: str = "auto") -> np.ndarray:
+              algorithm: str | None = None) -> np.ndarray:
     """Reduce ``tensor`` over all ranks (of ``process_set``); see docs/engine.md."""
     return _now(allreduce_async, tensor, op, name, prescale_factor, postscale_factor, process_set,
                 compression, out, algorithm)

@@ -77,7 +77,8 @@ class Request:
     #: a local argument error to report on every rank: "T:<message>" for a TypeError
     #: (bad dtype or op), "V:<message>" for a ValueError (bad root, splits, shape)
     error: str = ""
-    algorithm: str = "auto"
+    #: "" until :meth:`Engine.submit` sets the job's setting for the op (``UNISON_<OP>_ALGORITHM``)
+    algorithm: str = ""
     #: for BARRIER requests: run by the engine thread when every rank has submitted
     #: (at the same point of the same cycle on every rank)
     action: Callable[[], Any] | None = None
