@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 import unison
 from unison import collectives as C
-from unison.collectives import hierarchical, kernels, ordered, select, topology
+from unison.collectives import hierarchical, kernels, native, ordered, ring, select, topology
 from unison.common.engine import frontend
 from unison.common.ops import ReduceOp
 from unison.common.runtime import state
@@ -546,6 +546,75 @@ def test_the_engine_runs_the_algorithm_settings_of_the_job(monkeypatch):
     seen.clear()
     unison.allreduce(x, name="setting.default")  # back to the default settings
     assert seen == [("allreduce", "auto")]
+
+
+@pytest.mark.skipif(N == 1, reason="one rank sends nothing")
+def test_messages_over_the_mpi_count_limit_take_pieces_or_our_algorithms(monkeypatch):
+    """Before: a count or byte displacement over 2**31 - 1 made MPI's calls (and the steps within a host of the
+    hierarchical and deterministic algorithms) fail with MPI_ERR_ARG; through the engine its thread died. The
+    limit is lowered to 4 KiB here so that small arrays take the paths a 2 GiB one takes (checked at 2 GiB + 4
+    MiB by hand: docs/collectives.md); every result against numpy, the algorithms spied on."""
+    monkeypatch.setattr(select, "MAX_MPI_BYTES", 4096)
+    ran = []
+    for mod, fn in ((ring, "allreduce"), (ring, "allgatherv"), (ring, "reduce_scatter"), (native, "allreduce"),
+                    (native, "allgatherv"), (native, "alltoallv"), (native, "reduce_scatter")):
+        real, label = getattr(mod, fn), f"{mod.__name__.split('.')[-1]}.{fn}"
+        monkeypatch.setattr(mod, fn, lambda *a, _r=real, _n=label, **k: (ran.append(_n), _r(*a, **k))[1])
+    small = 100  # float32: 400 bytes, under the limit (3000: 12 KiB, over it)
+    xs = [make(r, 3000, np.dtype(np.float32), 5) for r in range(N)]
+    for algorithm in ("mpi", "hierarchical", "auto"):
+        ran.clear()
+        np.testing.assert_array_equal(C.allreduce(xs[R], op=unison.Sum, name=f"big.ar.{algorithm}",
+                                                  algorithm=algorithm), sum(xs))
+        assert "ring.allreduce" in ran and "native.allreduce" not in ran, (algorithm, ran)
+    ran.clear()
+    np.testing.assert_array_equal(C.allreduce(xs[R][:small], op=unison.Sum, name="big.ar.small", algorithm="mpi"),
+                                  sum(x[:small] for x in xs))
+    assert ran == ["native.allreduce"]
+    # deterministic (rank-order folds): its pieces packed, its gather by the ring
+    floats = [make(r, 5000, np.dtype(np.float32), 6, exact=False) for r in range(N)]
+    out = np.empty(5000, np.float32)
+    kernels.allreduce(WORLD, MPI, floats[R], out, ReduceOp.SUM, 1.0, 1.0, "auto", 1024, deterministic=True)
+    assert out.tobytes() == fold(floats, ReduceOp.SUM).tobytes()
+    counts = [5000 // N + (1 if i < 5000 % N else 0) for i in range(N)]
+    mine = np.empty(counts[R], np.float32)
+    kernels.reducescatter(WORLD, MPI, floats[R], mine, counts, ReduceOp.SUM, 1.0, 1.0, "auto", 1024,
+                          deterministic=True)
+    lo = sum(counts[:R])
+    assert mine.tobytes() == fold(floats, ReduceOp.SUM)[lo:lo + counts[R]].tobytes()
+    # all-gather of uneven rows, broadcast, reduce-scatter and all-to-all by MPI's name
+    rows = [np.full((400 + 50 * r, 3), r, np.float32) for r in range(N)]
+    ran.clear()
+    np.testing.assert_array_equal(C.allgather(rows[R], name="big.ag", algorithm="mpi"), np.concatenate(rows))
+    assert "ring.allgatherv" in ran and "native.allgatherv" not in ran, ran
+    sent = np.arange(3000 * N, dtype=np.float32)
+    for root in range(N):
+        got = C.broadcast(sent + R if R == root else np.zeros_like(sent), root_rank=root, name=f"big.bc.{root}",
+                          algorithm="mpi")
+        np.testing.assert_array_equal(got, sent + root)
+    ran.clear()
+    scattered = C.reducescatter(np.tile(xs[R], 2), op=unison.Sum, name="big.rs", algorithm="mpi")
+    whole = np.tile(sum(xs), 2)
+    rs_counts = [len(whole) // N + (1 if i < len(whole) % N else 0) for i in range(N)]
+    start = sum(rs_counts[:R])
+    np.testing.assert_array_equal(scattered, whole[start:start + rs_counts[R]])
+    assert "ring.reduce_scatter" in ran and "native.reduce_scatter" not in ran, ran
+    # all-to-all: only the last rank sends more than the limit, and every rank leaves MPI's call alike
+    splits = [[(1200 if r == N - 1 else 10) for _ in range(N)] for r in range(N)]
+    payload = np.repeat(np.arange(sum(splits[R]), dtype=np.float32)[:, None] + 1000 * R, 2, axis=1)
+    for path in ("direct", "engine"):
+        ran.clear()
+        if path == "direct":
+            got, received = C.alltoall(payload, splits=splits[R], name="big.a2a", algorithm="mpi")
+        else:
+            got, received = unison.alltoall(payload, splits=splits[R], name="big.a2a.engine")
+        want = np.concatenate([np.repeat(np.arange(sum(splits[r]), dtype=np.float32)[:, None] + 1000 * r, 2,
+                                         axis=1)[sum(splits[r][:R]):sum(splits[r][:R + 1])] for r in range(N)])
+        np.testing.assert_array_equal(got, want)
+        assert list(received) == [splits[r][R] for r in range(N)]
+        assert "native.alltoallv" not in ran, (path, ran)
+    ok = WORLD.allreduce(1, op=MPI.SUM)
+    assert ok == N
 
 
 def test_direct_api_takes_the_hierarchical_algorithm_by_name():

@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from unison.collectives import ordered, ring, tree
+from unison.collectives import native, ordered, ring, tree
 from unison.collectives.p2p import exchange, segments
 from unison.collectives.topology import Topology
 
@@ -226,4 +226,4 @@ def broadcast(topo: Topology, mpi: Any, ob: np.ndarray, root: int, piece_bytes: 
         if topo.local_rank == root_local:
             tree.broadcast(topo.cross, ob, topo.members(root_local).index(root), piece)
     if topo.local_size > 1:
-        topo.local.Bcast([ob, mpi.BYTE], root=root_local)
+        native.bcast_bytes(topo.local, mpi, ob, root_local)  # (pieces under 2 GiB)

@@ -182,11 +182,11 @@ def _allreduce_run(comm: Any, mpi: Any, src: np.ndarray, out: np.ndarray, op: Re
         ordered.allreduce(comm, mpi, src, out, ufunc, chunk, finish)
     elif algo == "hierarchical" and topo is not None:
         hierarchical.allreduce(topo, mpi, src, out, ufunc, chunk, finish, _cross_piece_setting())
-    elif algo == "ring" and topo is not None:
-        if topo.spans_hosts:  # pieces sized to the slowest link (see hierarchical's docstring)
+    elif algo == "ring":  # (without a topology: MPI's call asked for by name, over 2 GiB; see select)
+        if topo is not None and topo.spans_hosts:  # pieces sized to the slowest link (see hierarchical)
             chunk = min(chunk, max(1, hierarchical.cross_piece_bytes(topo, mpi, _cross_piece_setting())
                                    // out.itemsize))
-        ring.allreduce(topo.ring, mpi, src, out, ufunc, chunk, finish)
+        ring.allreduce(comm if topo is None else topo.ring, mpi, src, out, ufunc, chunk, finish)
     else:
         native.allreduce(comm, mpi, src, out, op)
         finish(out)
@@ -222,11 +222,13 @@ def allgatherv(comm: Any, mpi: Any, mine: np.ndarray, out: np.ndarray, byte_coun
     topo = _topology(comm, mpi, algorithm) if n > 1 else None
     algo = choose_simple("allgather", algorithm, sum(byte_counts), n, topo,
                          _setting(hierarchical_forced, "hierarchical_allgather"))
-    if algo == "mpi" or topo is None:
+    if algo == "mpi" or n == 1:
         native.allgatherv(comm, mine, out, byte_counts, offsets, mpi)
         return
     ob[offsets[r]:offsets[r] + byte_counts[r]] = mine.reshape(-1).view(np.uint8)
-    if algo == "hierarchical" and _hierarchical_ok(topo, "allgather"):
+    if topo is None:  # MPI's call asked for by name, over 2 GiB ([Note: messages over 2 GiB] in select)
+        ring.allgatherv(comm, mpi, ob, byte_counts, offsets, chunk_bytes)
+    elif algo == "hierarchical" and _hierarchical_ok(topo, "allgather"):
         hierarchical.allgatherv(topo, mpi, ob, byte_counts, offsets, _cross_piece_setting())
     else:
         ring.allgatherv(topo.ring, mpi, ob, _by_ring_order(topo, byte_counts),
@@ -300,21 +302,28 @@ def reducescatter(comm: Any, mpi: Any, src: np.ndarray, out: np.ndarray, counts:
     chunk = _elems(chunk_bytes, src.itemsize)
     if algo == "ordered":
         ordered.reduce_scatter(comm, mpi, src, out, counts, offsets, reducer(src.dtype, op), chunk)
-    elif algo == "mpi" or topo is None:
+    elif algo == "mpi":
         native.reduce_scatter(comm, mpi, src, out, counts, op)
-    else:  # ring, over the host-ordered communicator: its rank i owns its own segment
+    else:  # ring, over the host-ordered communicator (or comm: see select's 2 GiB Note): rank i owns its segment
         work = np.empty_like(src)
-        ring.reduce_scatter(topo.ring, mpi, src, work, _by_ring_order(topo, counts),
-                            _by_ring_order(topo, offsets), reducer(src.dtype, op), chunk, shift=0)
+        ring.reduce_scatter(comm if topo is None else topo.ring, mpi, src, work,
+                            counts if topo is None else _by_ring_order(topo, counts),
+                            offsets if topo is None else _by_ring_order(topo, offsets), reducer(src.dtype, op),
+                            chunk, shift=0)
         out[:] = work[offsets[r]:offsets[r] + counts[r]]
     finalize(out, op, n, postscale_factor)
 
 
 def alltoallv(comm: Any, mpi: Any, send: np.ndarray, send_counts: list[int], out: np.ndarray,
-              recv_counts: list[int], algorithm: str, chunk_bytes: int, *, uniform: bool = False) -> None:
+              recv_counts: list[int], algorithm: str, chunk_bytes: int, *, uniform: bool = False,
+              largest: int | None = None) -> None:
     """Send ``send_counts[i]`` bytes to rank i, receive ``recv_counts[i]`` from it, in rank order.
 
     Args:
+        largest: the largest total any rank sends or receives, in bytes (the same on every
+            rank: from every rank's counts); it decides, alike everywhere, whether MPI's call
+            can take the call ([Note: messages over 2 GiB] in :mod:`.select`). None: this
+            rank's own totals, for callers whose ranks all stay below 2 GiB.
         uniform: every rank sends every rank the same number of bytes (true of all
             ranks' counts, so every rank passes the same value); MPI's algorithm is
             then ``MPI_Alltoall``, several times faster than ``MPI_Alltoallv`` at
@@ -324,7 +333,8 @@ def alltoallv(comm: Any, mpi: Any, send: np.ndarray, send_counts: list[int], out
     xb, ob = send.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8)
     soffs = [sum(send_counts[:i]) for i in range(n)]
     roffs = [sum(recv_counts[:i]) for i in range(n)]
-    if choose_simple("alltoall", algorithm, xb.size, n) == "mpi":
+    agreed = max(xb.size, ob.size) if largest is None else largest
+    if choose_simple("alltoall", algorithm, agreed, n) == "mpi":
         if uniform:
             comm.Alltoall([xb, send_counts[0], mpi.BYTE], [ob, recv_counts[0], mpi.BYTE])
         else:

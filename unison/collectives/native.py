@@ -24,12 +24,13 @@ from typing import Any
 
 import numpy as np
 
+from unison.collectives import select
 from unison.collectives.reduce import reducer
 from unison.common.dtypes import is_bfloat16
 from unison.common.ops import ReduceOp
 
 __all__ = ["allreduce", "allgatherv", "broadcast", "reduce_scatter", "alltoallv", "mpi_type", "mpi_op",
-           "copy_exact", "OVERLAP_BYTES"]
+           "copy_exact", "bcast_bytes", "OVERLAP_BYTES"]
 
 #: Broadcasts from this size up are posted with ``MPI_Ibcast``, so that the root copies its input
 #: into its result while the data travels (see :func:`broadcast`).
@@ -133,6 +134,11 @@ def broadcast(comm: Any, buf: np.ndarray, root: int, mpi: Any, source: np.ndarra
     is the same on every rank, so all make the same call), and the root copies
     ``source`` while the data travels. ``source`` has ``buf``'s shape and dtype.
     """
+    if buf.nbytes > select.MAX_MPI_BYTES:  # in pieces MPI takes ([Note: messages over 2 GiB] in .select)
+        if source is not None:
+            copy_exact(buf, source)
+        bcast_bytes(comm, mpi, buf.view(np.uint8), root)
+        return
     overlap = buf.nbytes >= OVERLAP_BYTES
     if source is None:
         if overlap:
@@ -147,6 +153,13 @@ def broadcast(comm: Any, buf: np.ndarray, root: int, mpi: Any, source: np.ndarra
     else:
         copy_exact(buf, source)
         comm.Bcast([buf.view(np.uint8), mpi.BYTE], root=root)
+
+
+def bcast_bytes(comm: Any, mpi: Any, ob: np.ndarray, root: int) -> None:
+    """``MPI_Bcast`` of the bytes ``ob`` in pieces of at most 1 GiB (one piece below it)."""
+    piece = min(1 << 30, select.MAX_MPI_BYTES)
+    for lo in range(0, max(ob.size, 1), piece):
+        comm.Bcast([ob[lo:lo + piece], mpi.BYTE], root=root)
 
 
 def alltoallv(comm: Any, mpi: Any, send: np.ndarray, send_counts: list[int], send_offsets: list[int],

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from unison.collectives import ring, select
 from unison.collectives.p2p import segments
 from unison.collectives.reduce import accumulator, finalize, reducer
 from unison.common.ops import ReduceOp
@@ -92,13 +93,24 @@ def reduce_scatter(comm: Any, mpi: Any, src: np.ndarray, mine: np.ndarray, count
     chunk = max(1, chunk)
     stack = np.empty((n, min(chunk, counts[r])), dtype=src.dtype)
     rounds = -(-max(counts) // chunk)
+    # byte displacements into src over 2 GiB fail in MPI ([Note: messages over 2 GiB] in .select):
+    # then each round's pieces are packed into one buffer first (the same on every rank: sizes agree)
+    big = src.nbytes > select.MAX_MPI_BYTES
+    packed = np.empty(n * min(chunk, max(counts)), dtype=src.dtype) if big else None
     for k in range(rounds):
         lo = k * chunk
         send = [max(0, min(chunk, c - lo)) for c in counts]
         width = send[r]
         sdispl = [(offsets[q] + lo) * item if send[q] else 0 for q in range(n)]
+        origin = src
+        if packed is not None:
+            at = 0
+            for q in range(n):
+                packed[at:at + send[q]] = src[offsets[q] + lo:offsets[q] + lo + send[q]]
+                sdispl[q], at = at * item, at + send[q]
+            origin = packed
         rows = stack[:, :width]
-        comm.Alltoallv([_bytes(src), [s * item for s in send], sdispl, mpi.BYTE],
+        comm.Alltoallv([_bytes(origin), [s * item for s in send], sdispl, mpi.BYTE],
                        [_bytes(stack), [width * item] * n, [q * stack.shape[1] * item for q in range(n)],
                         mpi.BYTE])
         if width:
@@ -118,5 +130,11 @@ def allreduce(comm: Any, mpi: Any, src: np.ndarray, out: np.ndarray, op: np.ufun
     if finish is not None:
         finish(mine)
     item = out.itemsize
+    if out.nbytes > select.MAX_MPI_BYTES:  # the displacements would not fit: our ring, in pieces
+        ob = _bytes(out)
+        ob[offsets[r] * item:(offsets[r] + counts[r]) * item] = _bytes(mine)
+        ring.allgatherv(comm, mpi, ob, [c * item for c in counts], [o * item for o in offsets],
+                        max(1, chunk) * item)
+        return
     comm.Allgatherv(_bytes(mine), [_bytes(out), [c * item for c in counts],
                                    [o * item for o in offsets], mpi.BYTE])

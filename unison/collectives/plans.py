@@ -243,7 +243,8 @@ class AlltoallPlan(Plan):
         self.soffs, self.roffs = _offsets(self.scounts), _offsets(self.rcounts)
         self.uniform = bool((all_splits == all_splits[0, 0]).all())  # every rank's, so equal everywhere
         self.chunk_bytes = chunk_bytes
-        self.direct = kernels.simple_is_native(neg.comm, neg.mpi, "alltoall", call.nbytes, call.algorithm)
+        self.largest = int(max(all_splits.sum(axis=1).max(), all_splits.sum(axis=0).max())) * row_bytes
+        self.direct = kernels.simple_is_native(neg.comm, neg.mpi, "alltoall", self.largest, call.algorithm)
         self.empty = _allocator(self.out_shape, self.dtype)
 
     def run(self, x: np.ndarray, name: str | None) -> tuple[np.ndarray, np.ndarray] | None:
@@ -258,5 +259,5 @@ class AlltoallPlan(Plan):
             native.alltoallv(neg.comm, neg.mpi, x, self.scounts, self.soffs, out, self.rcounts, self.roffs)
         else:
             kernels.alltoallv(neg.comm, neg.mpi, x.reshape(-1), self.scounts, out, self.rcounts,
-                              self.call.algorithm, self.chunk_bytes, uniform=self.uniform)
+                              self.call.algorithm, self.chunk_bytes, uniform=self.uniform, largest=self.largest)
         return out, self.recv_splits.copy()

@@ -32,14 +32,23 @@ Messages of at most 256 bytes travel inline in the agreement exchange (see
 
 Every rank derives the same choice from the same inputs (the topology is built
 collectively and identical everywhere), so no agreement is needed.
+
+[Note: messages over 2 GiB] A count or displacement above 2**31 - 1 bytes fails in Open MPI
+5.0's calls (``MPI_ERR_ARG``: its large-count entry points exist but refuse such values), and
+MPI's all-gather, all-to-all and reduce-scatter and the hierarchical algorithms' steps within a
+host pass byte displacements into the whole buffer. So from :data:`MAX_MPI_BYTES` on, whether
+asked for by name or by ``auto``, those run our point-to-point algorithms instead (ring
+all-reduce, all-gather and reduce-scatter, pairwise all-to-all), which send pieces of at most
+the chunk size; broadcasts stay with MPI, in pieces (:func:`.native.broadcast`), and the
+deterministic algorithm (:mod:`.ordered`) packs its pieces.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["choose_allreduce", "choose_simple", "RING_MIN_BYTES", "RS_RING_MIN_BYTES", "HIER_MIN_BYTES",
-           "HIER_SIMPLE_MIN_BYTES", "SLOW_LINK_BYTES_PER_S"]
+__all__ = ["choose_allreduce", "choose_simple", "MAX_MPI_BYTES", "RING_MIN_BYTES", "RS_RING_MIN_BYTES",
+           "HIER_MIN_BYTES", "HIER_SIMPLE_MIN_BYTES", "SLOW_LINK_BYTES_PER_S"]
 
 #: One host: all-reduce messages from this size up use the ring; smaller ones MPI's call.
 RING_MIN_BYTES = 1 << 20
@@ -55,6 +64,10 @@ HIER_SIMPLE_MIN_BYTES = 16 << 10
 #: unshaped (0.4-1.3 GB/s, wherever the shared cores let the probe run) -> ours up to 2x. Set
 #: low because the errors cost unequally: 8% on a link just below it, 2x on a fast one.
 SLOW_LINK_BYTES_PER_S = 250e6
+#: The largest count or displacement, in bytes, that one MPI call takes here ([Note: messages over 2 GiB]).
+MAX_MPI_BYTES = 2**31 - 1
+#: What a message over :data:`MAX_MPI_BYTES` runs instead of MPI's call or a hierarchical algorithm.
+_POINT_TO_POINT = {"allreduce": "ring", "allgather": "ring", "reducescatter": "ring", "alltoall": "pairwise"}
 
 
 def _multi_host(topo: Any) -> bool:
@@ -70,6 +83,13 @@ def choose_allreduce(requested: str, nbytes: int, size: int, topo: Any = None, f
             picks between MPI's call and the hierarchical algorithm.
         force: ``UNISON_HIERARCHICAL_ALLREDUCE``: hierarchical whenever ``topo`` spans hosts.
     """
+    algo = _choose_allreduce(requested, nbytes, topo, force)
+    if nbytes > MAX_MPI_BYTES and algo in ("mpi", "hierarchical"):
+        return "ring"
+    return algo
+
+
+def _choose_allreduce(requested: str, nbytes: int, topo: Any, force: bool) -> str:
     if requested != "auto":
         return requested
     if _multi_host(topo):
@@ -93,6 +113,13 @@ def choose_simple(collective: str, requested: str, nbytes: int, size: int, topo:
     (``UNISON_HIERARCHICAL_ALLGATHER``) picks the hierarchical all-gather and
     broadcast whenever ``topo`` spans hosts.
     """
+    algo = _choose_simple(collective, requested, nbytes, topo, force)
+    if nbytes > MAX_MPI_BYTES and collective in _POINT_TO_POINT and algo in ("mpi", "hierarchical"):
+        return _POINT_TO_POINT[collective]
+    return algo
+
+
+def _choose_simple(collective: str, requested: str, nbytes: int, topo: Any, force: bool) -> str:
     if requested != "auto":
         return requested
     if _multi_host(topo):

@@ -344,12 +344,15 @@ class Executor:
         dtype = dtype_from_code(sig.dtype)
         n = self.comm.Get_size()
         splits = np.asarray(req.splits, dtype=np.int64)
-        recv = np.empty(n, dtype=np.int64)
-        self.comm.Alltoall(splits, recv)
+        every = np.empty((n, n), dtype=np.int64)  # every rank's splits: the algorithm's choice is agreed
+        self.comm.Allgather(splits, every)
+        recv = every[:, self.comm.Get_rank()].copy()
         row_bytes = int(np.prod(sig.shape, dtype=np.int64)) * dtype.itemsize
         out = np.empty((int(recv.sum()), *sig.shape), dtype=dtype)
+        largest = int(max(every.sum(axis=1).max(), every.sum(axis=0).max())) * row_bytes
         kernels.alltoallv(self.comm, self.mpi, self._input(resp), [int(v) * row_bytes for v in splits],
-                          out, [int(v) * row_bytes for v in recv], sig.algorithm, self.chunk_bytes)
+                          out, [int(v) * row_bytes for v in recv], sig.algorithm, self.chunk_bytes,
+                          largest=largest)
         self.agreed_bytes += row_bytes  # one row: the received volume differs per rank
         return out, recv
 
