@@ -534,3 +534,134 @@ def test_a_checkpoint_of_other_shapes_is_refused_on_every_rank(tmp_path_factory)
         load_sharded(os.path.join(folder, "ck"), other)
     assert "'a/kernel' saved (4, 6), this model's (6, 4)" in str(info.value)
     assert len(set(WORLD.allgather(str(info.value)))) == 1
+
+
+# ---------------------------------------------------------------- audit of 2026-12-05 (each failed or hung before)
+def rank_rows(b: int) -> np.ndarray:
+    return np.arange(b * GLOBAL_BATCH + R * 6, b * GLOBAL_BATCH + (R + 1) * 6)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_distributed_optimizer_under_mixed_float16_skips_on_every_rank(stage):
+    """Before: only zero_stage=0 agreed on the LossScaleOptimizer's skips; a rank that overflowed alone skipped
+    alone and the others waited in the reduce-scatter (a hang)."""
+    from keras.src.optimizers import loss_scale_optimizer as lso
+
+    from unison.keras import optimizer as uko
+
+    hooks, hooked = list(uko._LOSS_SCALE_AGREEMENTS), lso.LossScaleOptimizer.__init__
+    uko._LOSS_SCALE_AGREEMENTS.clear()  # as in a fresh process that never wrapped at stage 0 (the hook idle)
+    hvd.init()
+    x = X.copy()
+    x[GLOBAL_BATCH - 1] *= 1e6  # the last rank's rows of batch 0 overflow in float16
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    try:
+        keras.utils.set_random_seed(13)
+        model = make_model()
+        init = model.get_weights()
+        model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.02), zero_stage=stage),
+                      loss="mse")
+        rows = np.concatenate([rank_rows(b) for b in range(3)])
+        model.fit(x[rows], Y[rows], batch_size=6, epochs=2, shuffle=False, verbose=0)
+        ref = make_model()
+        ref.set_weights(init)
+        ref.compile(optimizer=keras.optimizers.Adam(0.02), loss="mse")
+        ref.fit(x, Y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+        uko._LOSS_SCALE_AGREEMENTS[:] = hooks
+        lso.LossScaleOptimizer.__init__ = hooked
+    assert model.optimizer.iterations.numpy() == ref.optimizer.iterations.numpy()
+    for w, v in zip(model.get_weights(), ref.get_weights(), strict=True):
+        np.testing.assert_allclose(w, v, rtol=1e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_broadcasting_the_optimizer_variables_leaves_each_ranks_shards(stage):
+    """Horovod's recipe broadcasts optimizer.variables after the first step: the shards' slots have the same
+    shapes on every rank, so before, every rank got rank 0's segment of Adam's moments (wrong steps after)."""
+    hvd.init()
+    keras.utils.set_random_seed(5)
+    model = make_model()
+    init = model.get_weights()
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.05), zero_stage=stage)
+    for b in range(3):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(X[rank_rows(b)]) - Y[rank_rows(b)]) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        if b == 0:
+            hvd.broadcast_variables(model.variables, root_rank=0)
+            hvd.broadcast_variables(opt.variables, root_rank=0)
+    assert_same_weights(model, reference(init, lambda: keras.optimizers.Adam(0.05), 1))
+    # and through the callback, in fit
+    keras.utils.set_random_seed(5)
+    model = make_model()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.05), zero_stage=stage), loss="mse")
+    rows = np.concatenate([rank_rows(b) for b in range(3)])
+    model.fit(X[rows], Y[rows], batch_size=6, epochs=2, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    assert_same_weights(model, reference(init, lambda: keras.optimizers.Adam(0.05), 2))
+
+
+@pytest.mark.skipif(N == 1, reason="needs a rank without the gradient")
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_gradient_on_some_ranks_only_is_reduced_with_zeros(stage):
+    """Before: the ranks without it raised alone and the others waited in the reduction."""
+    def build():
+        keras.utils.set_random_seed(8)
+        inp = keras.Input((4,))
+        h = keras.layers.Dense(5, name="hidden")(inp)
+        return keras.Model(inp, [keras.layers.Dense(3, name="a")(h), keras.layers.Dense(3, name="b")(h)])
+
+    def loss_of(model, x, y, uses_b):
+        oa, ob = model(x)
+        return tf.reduce_mean((oa - y) ** 2) + (tf.reduce_mean((ob - y) ** 2) if uses_b else 0.0)
+
+    model, ref = build(), build()
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.5), zero_stage=stage)
+    ref_opt = keras.optimizers.SGD(0.1, momentum=0.5)
+    for b in range(2):
+        with tf.GradientTape() as tape:
+            loss = loss_of(model, X[rank_rows(b)], Y[rank_rows(b)], R == 0)  # only rank 0's data takes head b
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        with tf.GradientTape() as tape:  # one process: the average over the ranks' losses
+            loss = sum(loss_of(ref, X[b * GLOBAL_BATCH + r * 6:b * GLOBAL_BATCH + (r + 1) * 6],
+                               Y[b * GLOBAL_BATCH + r * 6:b * GLOBAL_BATCH + (r + 1) * 6], r == 0)
+                       for r in range(N)) / N
+        grads = tape.gradient(loss, ref.trainable_variables)
+        ref_opt.apply_gradients(zip(grads, ref.trainable_variables, strict=True))
+    assert_same_weights(model, ref)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_exclude_from_weight_decay_set_before_wrapping_is_kept(stage):
+    """Keras's config leaves the exclusions out: before, wrapping dropped them and the biases were decayed."""
+    hvd.init()
+    keras.utils.set_random_seed(5)
+    model = make_model()
+    init = model.get_weights()
+    inner = keras.optimizers.AdamW(0.02, weight_decay=0.2)
+    inner.exclude_from_weight_decay(var_names=["bias"])
+    model.compile(optimizer=hvd.DistributedOptimizer(inner, zero_stage=stage), loss="mse")
+    rows = np.concatenate([rank_rows(b) for b in range(3)])
+    model.fit(X[rows], Y[rows], batch_size=6, epochs=2, shuffle=False, verbose=0)
+    assert_same_weights(model, reference(init, lambda: keras.optimizers.AdamW(0.02, weight_decay=0.2), 2))
+
+
+@pytest.mark.skipif(N == 1, reason="needs two ranks to disagree")
+def test_models_that_differ_in_layer_names_only_are_told_so():
+    if R == 0:
+        keras.layers.Dense(1)  # one more unnamed layer on rank 0: its dense layers are numbered on from there
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)])
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(), zero_stage=1)
+    with pytest.raises(ValueError, match="same variable shapes and dtypes but different variable names"):
+        opt.build(model.trainable_variables)
+
+
+@pytest.mark.skipif(N == 1, reason="needs two ranks to disagree")
+def test_an_invalid_stage_on_one_rank_raises_on_every_rank():
+    """Before: the rank with the bad value raised at once and the others waited in the agreement."""
+    with pytest.raises(ValueError, match="PyTorch-only" if R == N - 1 else "same zero_stage"):
+        UnisonStrategy(zero_stage=3 if R == N - 1 else 1)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -166,7 +167,18 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
     config = optimizer.get_config()
     if backward_passes_per_step > 1:
         config["gradient_accumulation_steps"] = backward_passes_per_step
-    return cls.from_config(config)
+    return rebuilt(cls, optimizer, config)
+
+
+def rebuilt(cls: type, optimizer: Any, config: dict[str, Any]) -> Any:
+    """``cls.from_config(config)``, with what Keras's config leaves out of ``optimizer``: the variables
+    and name patterns of ``exclude_from_weight_decay`` (dropped before 2026-12-05, so biases and norms
+    excluded before wrapping were decayed)."""
+    new = cls.from_config(config)
+    for attr in ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern"):
+        if attr in optimizer.__dict__:
+            setattr(new, attr, copy.copy(optimizer.__dict__[attr]))
+    return new
 
 
 #: (which inner optimizers, the agreeing LossScaleOptimizer class for a class): registered by

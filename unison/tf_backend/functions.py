@@ -22,6 +22,7 @@ again.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -53,7 +54,12 @@ def broadcast_variables(variables: Iterable[tf.Variable], root_rank: int,
     Eagerly and in a ``tf.function`` the assignments run as they are made (None is returned,
     as Horovod does eagerly); in a TF1 graph nothing runs until the session runs it, so the
     assignments come back as one op to run, as Horovod's.
+
+    A sharded optimizer's shards and their slots (``zero_stage`` 1/2: each rank's own segment)
+    are left out ([Note: a sharded optimizer's state is not broadcast] in
+    ``unison/tf_backend/zero_optimizer.py``).
     """
+    variables = without_rank_local(variables)
     with host_ops.isolated():  # a TF1 training step's collectives do not run these (host_ops' Note)
         assigns = [var.assign(broadcast(var, root_rank, name=f"broadcast_variables.{i}.{var.name}",
                                         process_set=process_set))
@@ -61,6 +67,15 @@ def broadcast_variables(variables: Iterable[tf.Variable], root_rank: int,
     if tf.executing_eagerly() or tf.inside_function():
         return None
     return tf.group(*assigns, name="broadcast_variables")
+
+
+def without_rank_local(variables: Iterable[Any]) -> list[Any]:
+    """``variables`` less the live sharded optimizers' per-rank shards and slots, which a broadcast
+    must not overwrite ([Note: a sharded optimizer's state is not broadcast] in ``zero_optimizer.py``)."""
+    variables = list(variables)
+    sharded = sys.modules.get("unison.tf_backend.zero_optimizer")  # (none before it is imported)
+    own = sharded.rank_local_keys() if sharded is not None else set()
+    return [v for v in variables if source_key(v) not in own] if own else variables
 
 
 def source_key(source: Any) -> Any:

@@ -494,8 +494,13 @@ class UnisonStrategy(distribute_lib.Strategy):
         elif not isinstance(overlap_gradients, bool):
             raise TypeError(f"overlap_gradients must be True, False or None (pick per host), "
                             f"got {overlap_gradients!r}")
-        zero_stage = zero.check_keras_stage(zero_stage)
+        try:
+            zero_stage, refused = zero.check_keras_stage(zero_stage), None
+        except (TypeError, ValueError) as exc:  # raised after the agreement, on every rank (it hung the others)
+            zero_stage, refused = -1, exc
         zero.agree(zero_stage, "", "UnisonStrategy(zero_stage=...)")
+        if refused is not None:
+            raise refused
         super().__init__(UnisonExtended(self, overlap_gradients, zero_stage))
         if quiet_nonzero_ranks and runtime.rank() != 0:
             import keras

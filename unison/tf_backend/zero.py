@@ -94,11 +94,14 @@ def check_keras_stage(zero_stage: object) -> int:
 
 
 # -------------------------------------------------------------------- agreement across ranks
-def agree(stage: int, signature: str, what: str) -> None:
+def agree(stage: int, signature: str, what: str, layout: str = "", names: Sequence[str] = ()) -> None:
     """Raise on every rank unless every rank has the same ``stage`` and plan ``signature``.
 
     A blocking all-gather of one fixed-size record; every rank must reach it (at strategy
     construction, or at optimizer build).
+
+    ``layout`` (:meth:`ShardPlan.layout_signature`) and ``names`` (this rank's variable names)
+    make the message say so when the plans differ in the variables' names only.
 
     Raises:
         ValueError: the ranks disagree; the message lists every rank's values.
@@ -106,13 +109,23 @@ def agree(stage: int, signature: str, what: str) -> None:
     if runtime.size() == 1:
         return
     record = np.zeros(40, np.uint8)
-    text = f"{stage}:{signature}".encode()[:40]
+    text = f"{stage}:{signature}:{layout}".encode()[:40]
     record[:len(text)] = np.frombuffer(text, np.uint8)
     name = f"unison.zero.agree.{next(_agreements)}"
     everyone = np.asarray(frontend.allgather(record, name=name)).reshape(-1, 40)
     seen = [bytes(r).rstrip(b"\0").decode() for r in everyone]
+    if any(s != seen[0] for s in seen) and layout and all(s.split(":")[0] == seen[0].split(":")[0] and
+                                                          s.split(":")[2] == layout for s in seen):
+        shown = ", ".join(repr(n) for n in list(names)[:6]) + (", ..." if len(names) > 6 else "")
+        raise ValueError(f"{what}: the ranks' models have the same variable shapes and dtypes but different "
+                         f"variable names (this rank's: {shown}). The sharded optimizer's collectives and "
+                         "checkpoints are keyed by name: Keras numbers unnamed layers per process, so create the "
+                         "same layers in the same order on every rank (or give them names)")
     if any(s != seen[0] for s in seen):
-        listing = ", ".join(f"rank {i}: stage {s.split(':')[0]} plan {s.split(':')[1] or '-'}"
+        def stage_of(s: str) -> str:
+            return "invalid" if s.split(":")[0] == "-1" else s.split(":")[0]
+
+        listing = ", ".join(f"rank {i}: stage {stage_of(s)} plan {s.split(':')[1] or '-'}"
                             for i, s in enumerate(seen))
         raise ValueError(f"{what}: every rank must use the same zero_stage and the same model variables "
                          f"(ShardPlan signature); got {listing}. Pass the same zero_stage on every rank "
@@ -191,7 +204,8 @@ class ShardLayout:
         bucket_bytes = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
         kwargs = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
         plan = ShardPlan.build(specs, self.world, **kwargs)
-        agree(stage, plan.signature(), what)  # first: see [Note: agree before naming]
+        agree(stage, plan.signature(), what, plan.layout_signature(),  # first: see [Note: agree before naming]
+              [_path(v) for v in self.variables])
         self.tag = f"{next(_names)}.{plan.signature()}"
         self.plan = one_key_per_bucket(plan)  # see [Note: one shard variable per bucket]
         self.keys = self.plan.keys()  # keys[i] is buckets[i]'s: shards[i] is this rank's segment of it

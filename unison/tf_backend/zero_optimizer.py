@@ -20,6 +20,7 @@ place (:func:`install`); the Keras ``DistributedOptimizer`` makes a new instance
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import keras
@@ -28,7 +29,9 @@ from keras.src.optimizers import base_optimizer
 
 from unison.common import runtime
 from unison.common.ops import Average, Sum
+from unison.keras.optimizer import rebuilt
 from unison.tf_backend import zero
+from unison.tf_backend.functions import fill_missing_gradients, source_key
 from unison.tf_backend.strategy import UnisonStrategy, grouped_sum
 
 __all__: list[str] = []
@@ -37,6 +40,8 @@ log = logging.getLogger(__name__)
 
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Ftrl", "Lion")
 _classes: dict[type, type] = {}
+#: the sharded optimizers alive, whose shard variables and slots are each rank's own (see rank_local_keys)
+_live: weakref.WeakSet[Any] = weakref.WeakSet()
 _agreeing: dict[type, type] = {}  # LossScaleOptimizer classes with agreed skips, for zero_stage=0
 
 
@@ -95,7 +100,7 @@ def make_sharded(optimizer: Any, stage: int, op: Any, in_place: bool) -> Any:
     if in_place:
         optimizer.__class__ = cls
     else:
-        optimizer = cls.from_config(optimizer.get_config())
+        optimizer = rebuilt(cls, optimizer, optimizer.get_config())
     optimizer.__dict__["_unison_zero_stage"] = stage
     optimizer.__dict__["_unison_zero_op"] = Sum if op is Sum else Average
     return optimizer
@@ -231,7 +236,28 @@ def _build(self: Any, variables: Any) -> None:
     self.__dict__["_unison_zero"] = layout
     self.__dict__["_unison_zero_masks"] = None
     log.debug("zero stage %d: %s", stage, layout.plan.describe())
+    before = {id(v) for v in self.variables}
     super(type(self), self).build(layout.shards)
+    own = [v for v in self.variables if id(v) not in before] + list(layout.shards)
+    self.__dict__["_unison_rank_local"] = {source_key(v) for v in own}
+    _live.add(self)
+
+
+def rank_local_keys() -> set[Any]:
+    """The keys (``source_key``) of every live sharded optimizer's per-rank variables: its shards and
+    their slots (Adam's moments), which hold a different segment on each rank.
+
+    [Note: a sharded optimizer's state is not broadcast] Horovod's recipe broadcasts
+    ``optimizer.variables`` from rank 0 (``BroadcastGlobalVariablesCallback``,
+    ``broadcast_variables``); the shards' shapes are alike on every rank, so the broadcast went
+    through and put rank 0's segment of the moments into every rank's (silently wrong steps
+    after it). :func:`unison.tf_backend.broadcast_variables` leaves these out: each rank's
+    segment is its own, and the weights themselves agree after every step's all-gather.
+    """
+    keys: set[Any] = set()
+    for optimizer in list(_live):
+        keys |= optimizer.__dict__.get("_unison_rank_local", set())
+    return keys
 
 
 def _apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
@@ -244,7 +270,7 @@ def _apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
                              "optimizer.build(model.trainable_variables) first")
         self.build(list(trainable_variables))
     layout = self.__dict__["_unison_zero"]
-    grads = _in_plan_order(layout, grads, trainable_variables)
+    grads = _in_plan_order(layout, grads, trainable_variables, f"unison.zero.presence.{layout.tag}")
     layout.load_shards()
     shard_grads = layout.shard_gradients(grads)
     base_optimizer.BaseOptimizer.apply(self, shard_grads, layout.shards)
@@ -252,8 +278,15 @@ def _apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
     return None
 
 
-def _in_plan_order(layout: Any, grads: list[Any], variables: Any) -> list[Any]:
-    """The gradients in the order the layout was built with; dense; every variable must have one."""
+def _in_plan_order(layout: Any, grads: list[Any], variables: Any, name: str) -> list[Any]:
+    """The gradients in the order the layout was built with, dense; zeros where only other ranks have one.
+
+    A variable that has a gradient on some ranks only (a branch some ranks' data takes) is reduced
+    with zeros from the others, as one process averages it (the ranks agree which exist: one small
+    all-gather, eagerly each step, in a ``tf.function`` once at trace time); before 2026-12-05 the
+    ranks without one raised alone and the others waited in the reduction. A variable with a
+    gradient on no rank raises on every rank: its segment cannot be left out of the flat step.
+    """
     if variables is None:
         variables = layout.variables
     variables = list(variables)
@@ -267,11 +300,13 @@ def _in_plan_order(layout: Any, grads: list[Any], variables: Any) -> list[Any]:
             raise ValueError(f"variable {zero._path(v)} is not among the {len(layout.variables)} variables this "
                              "sharded optimizer was built with; build it on model.trainable_variables")
         out[i] = g
+    out = fill_missing_gradients(out, layout.variables, name)
     missing = [zero._path(layout.variables[i]) for i, g in enumerate(out) if g is None]
     if missing:
         raise ValueError(f"zero_stage 1/2 needs a gradient for every variable the optimizer was built with; "
-                         f"{missing} have none. Make them non-trainable (layer.trainable = False) before "
-                         "building, or use zero_stage=0")
+                         f"{missing} have none on any rank. A sharded optimizer lays out its variables when it "
+                         "is built: after freezing a layer (layer.trainable = False) compile again with a new "
+                         "optimizer (or freeze before the first step); else use zero_stage=0")
     return [tf.convert_to_tensor(g) for g in out]
 
 

@@ -228,6 +228,11 @@ class ShardPlan:
         desc = [self.world, self.bucket_bytes, [(p.name, list(p.shape), p.dtype, p.group) for p in self.params]]
         return hashlib.sha256(json.dumps(desc).encode()).hexdigest()[:16]
 
+    def layout_signature(self) -> str:
+        """:meth:`signature` without the parameters' names: equal on ranks whose plans differ in names only."""
+        desc = [self.world, self.bucket_bytes, [(list(p.shape), p.dtype, p.group) for p in self.params]]
+        return hashlib.sha256(json.dumps(desc).encode()).hexdigest()[:16]
+
     def describe(self) -> str:
         """One line per bucket: index, group, dtype, parameters, elements and padding."""
         lines = [f"ShardPlan: {len(self.params)} parameters, {len(self.buckets)} buckets, {self.world} ranks"]

@@ -23,6 +23,7 @@ from unison.common.files import atomic_path, remove_leftovers
 from unison.common.ops import Average
 from unison.keras.callbacks import check_broadcast_target, split_layers
 from unison.keras.data_parallel import without_seed_states
+from unison.tf_backend.functions import without_rank_local
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback",
            "LearningRateScheduleCallback", "BackupAndRestore", "ModelCheckpoint", "BestModelCheckpoint"]
@@ -36,7 +37,7 @@ def _broadcast_all(variables: list[Any], root_rank: int, tag: str, process_set: 
         raise ValueError(f"root_rank={root_rank} is not a member of {process_set!r}: as in Horovod, root_rank is "
                          "a rank of the job (unison.rank()) that belongs to the process set")
     root = root_rank if ranks is None else list(ranks).index(root_rank)  # the engine's root is a rank of the set
-    for i, var in enumerate(variables):
+    for i, var in enumerate(without_rank_local(variables)):  # (a sharded optimizer's segments are each rank's)
         value = frontend.broadcast(np.asarray(var.numpy()), root, f"{tag}.{i}", process_set=process_set)
         var.assign(np.asarray(value).reshape(var.shape))
 

@@ -28,6 +28,7 @@ import keras
 from unison.common.compression import Compression
 from unison.common.engine import frontend
 from unison.common.ops import Average, parse_op
+from unison.keras.optimizer import rebuilt
 from unison.tf_backend.functions import check_groups, local_layer_variables, reduce_partial, source_key
 from unison.tf_backend.op_base import call_name
 
@@ -117,7 +118,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
     config = optimizer.get_config()
     if backward_passes_per_step > 1:
         config["gradient_accumulation_steps"] = backward_passes_per_step
-    return cls.from_config(config)
+    return rebuilt(cls, optimizer, config)
 
 
 def _agree_on_loss_scale_skips() -> None:
@@ -160,6 +161,10 @@ def _sharded(optimizer: Any, stage: int, **options: Any) -> keras.optimizers.Opt
                          "their defaults or use zero_stage=0")
     wrapped = zero_optimizer.make_sharded(optimizer, stage, Average, in_place=False)
     wrapped.__dict__["_unison_distributed"] = True
+    # the LossScaleOptimizer compile adds under mixed_float16 skips when any rank overflowed (before
+    # 2026-12-05 only stage 0 installed the agreement: a rank that overflowed alone skipped alone and
+    # the others waited in the reduce-scatter)
+    _agree_on_loss_scale_skips()
     return wrapped
 
 
