@@ -174,3 +174,23 @@ def test_float_ids_are_truncated_as_keras_embedding_does(strategy):  # (the stra
     np.testing.assert_array_equal(layer(ids).numpy(), keras_layer(ids).numpy())
     np.testing.assert_array_equal(layer(ids).numpy()[0], init_rows(np.array([2, 3, 4])))
     layer.table.close()
+
+
+def test_compile_on_a_gpu_host_does_not_pick_xla_for_the_table(monkeypatch):
+    """Before: the layer did not say it cannot be compiled by XLA (its lookups are host calls), so compile's
+    jit_compile="auto" picked XLA on a GPU host and fit failed in the PyFunc. A GPU is faked here."""
+    real = tf.config.list_physical_devices
+
+    class FakeGPU:
+        name, device_type = "/physical_device:GPU:0", "GPU"
+
+    monkeypatch.setattr(tf.config, "list_physical_devices",
+                        lambda kind=None: real(kind) + ([FakeGPU()] if kind in (None, "GPU") else []))
+    layer = ShardedEmbedding(10, 4, name="no-xla")
+    model = keras.Sequential([keras.Input((3,), dtype="int32"), layer, keras.layers.Flatten(),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    assert layer.supports_jit is False and model.jit_compile is False
+    plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    plain.compile(optimizer="sgd", loss="mse")
+    assert plain.jit_compile is True  # (the fake GPU is seen: a model without the table gets XLA)

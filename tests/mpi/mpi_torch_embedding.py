@@ -126,3 +126,15 @@ def test_two_backward_passes_through_one_forward_push_their_own_gradients():
     emb.synchronize()
     np.testing.assert_array_equal(emb.table.pull([1, 2]), np.full((2, 2), -4.0 * N))
     emb.table.close()
+
+
+def test_an_empty_float_batch_on_one_rank_and_float_ids_raise_on_every_rank():
+    """Before: torch.tensor([]) (float32: "no samples this step") was refused on that rank alone, and any
+    float ids raised there before the round: the other ranks waited in the pull for ever."""
+    emb = hvd.ShardedEmbedding(ROWS, DIM, ps.SGD(1.0), name="float-ids")
+    ids = torch.tensor([]) if R == N - 1 else torch.tensor([1, 2, 2])
+    out = emb(ids)
+    assert out.shape == (len(ids), DIM)
+    with pytest.raises(ps.TableError, match="keys must be integers"):
+        emb(torch.tensor([1.0, 2.0]) if R == 0 else torch.tensor([3]))
+    np.testing.assert_array_equal(emb(torch.tensor([4])).detach().numpy().shape, (1, DIM))  # still usable

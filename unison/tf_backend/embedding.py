@@ -96,6 +96,9 @@ class ShardedEmbedding(keras.layers.Layer):
         consistency = _consistency_from_config(consistency)
         super().__init__(name=name, **kwargs)
         self.supports_masking = False
+        # its lookups and pushes are host calls (tf.py_function), which XLA cannot compile: Keras then
+        # falls back from jit_compile="auto" (on a GPU host it picked XLA and fit failed in the PyFunc)
+        self.supports_jit = False
         variable_dtype = tf.as_dtype(self.dtype_policy.variable_dtype)
         rows_dtype = "float64" if variable_dtype == tf.float64 else "float32"
         if table is None:

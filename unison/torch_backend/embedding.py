@@ -57,9 +57,15 @@ class ShardedEmbedding(torch.nn.Module):
         _live.add(self)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        keys = ids.detach().cpu().reshape(-1)
+        keys_np = (keys.float() if keys.dtype == torch.bfloat16 else keys).numpy()
+        if keys_np.dtype.kind not in "iu" and keys_np.size:
+            # the table's own check raises it on every rank (BSP: in the round the others are in; SSP/ASP:
+            # posted to them); raised here alone (before 2026-12-05) it left the other ranks in the round
+            self.table.pull(keys_np)
             raise TypeError(f"ShardedEmbedding: ids must be integers; got {ids.dtype}. Cast with ids.long()")
-        flat = ids.detach().cpu().reshape(-1).numpy().astype(np.int64, copy=False)
+        # an empty batch is accepted whatever its dtype (torch.tensor([]) is float32: no samples this step)
+        flat = keys_np.astype(np.int64, copy=False)
         unique, inverse = np.unique(flat, return_inverse=True)
         rows = torch.from_numpy(self.table.pull(unique))
         if self.training and torch.is_grad_enabled():

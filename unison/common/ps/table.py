@@ -765,7 +765,12 @@ class ShardedTable:
             self.comm.Barrier()
         if op == ex.SAVE:
             return checkpoint.save(self, path, metadata)
-        return checkpoint.load(self, path)
+        loaded = checkpoint.load(self, path)
+        if self.comm is not None and not self.consistency.collective:
+            # every shard holds the loaded rows before any worker goes on: a worker that returned first
+            # could pull a peer's old rows, or push into a shard the load then overwrote (before 2026-12-05)
+            self.comm.Barrier()
+        return loaded
 
     def barrier(self) -> None:
         """Collective over the workers: returns once every push any worker issued before it is applied.
@@ -780,12 +785,15 @@ class ShardedTable:
         if self.comm is None or self.consistency.collective:
             return
         self._mark = getattr(self, "_mark", 0) + 1
-        acks = [np.zeros(1, np.int64) for _ in self.servers]
+        # a lone worker's pushes to its own shard are applied inline, and its server thread serves no one
+        # (it ended at once): it is not marked (before 2026-12-05 the mark waited for ever for its ACK)
+        servers = [r for r in self.servers if not (r == self.rank and len(self.workers) == 1)]
+        acks = [np.zeros(1, np.int64) for _ in servers]
         waits = [
             self._rep.Irecv([a, self.mpi.INT64_T], r, sv.ACK_TAG)  # type: ignore[union-attr]
-            for a, r in zip(acks, self.servers, strict=True)
+            for a, r in zip(acks, servers, strict=True)
         ]
-        for r in self.servers:
+        for r in servers:
             self._send(r, sv.pack(sv.MARK, 0, self._mark, np.zeros(0, np.int64)))
         self.mpi.Request.Waitall(waits)
         self.mpi.Request.Waitall([r for r, _ in self._sends])
