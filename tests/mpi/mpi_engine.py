@@ -706,6 +706,40 @@ def test_response_cache_evicts_least_recently_used_consistently():
 
 # keep last: it kills this rank's engine thread on purpose
 @needs_engine
+def test_row_weighted_averages_stay_in_fp16_range():
+    """Before: with uneven rows each rank multiplied its gradient by its rows before the fp16 cast and the sum
+    was divided after it, so gradients whose mean fits fp16 came back inf (an uneven last batch under
+    unison.keras with compression=fp16)."""
+    from unison.common.data_parallel import GradientStream, average_gradients
+
+    rows = 100 + 37 * R
+    mine = np.full(3, 400.0 * (R + 1), np.float32)
+    want = sum((100 + 37 * r) * 400.0 * (r + 1) for r in range(N)) / sum(100 + 37 * r for r in range(N))
+    (got,) = average_gradients([mine], rows=rows, compression=unison.Compression.fp16)
+    np.testing.assert_allclose(got, np.full(3, want), rtol=2e-3)
+    stream = GradientStream(rows, compression=unison.Compression.fp16, prefix="fp16.rows")
+    stream.submit(0, mine)
+    np.testing.assert_allclose(stream.results([0])[0], np.full(3, want), rtol=2e-3)
+
+
+@needs_engine
+def test_allreduce_with_compression_writes_into_out():
+    """Before: out= was checked against the float16 wire array (a float32 out= was refused on every rank) and a
+    float16 one was left out of the result."""
+    x = np.arange(6, dtype=np.float32).reshape(2, 3) + R
+    want = sum(np.arange(6, dtype=np.float32).reshape(2, 3) + r for r in range(N))
+    out = np.zeros((2, 3), np.float32)
+    got = unison.allreduce(x, op=unison.Sum, name="comp.out", compression=unison.Compression.fp16, out=out)
+    assert got is out
+    np.testing.assert_array_equal(out, want)
+    got = unison.allreduce(x, op=unison.Sum, name="comp.inplace", compression=unison.Compression.bf16, out=x)
+    assert got is x
+    np.testing.assert_array_equal(x, want)
+    with pytest.raises(unison.InvalidArgumentError, match="out="):
+        unison.allreduce(x, name="comp.bad", compression=unison.Compression.fp16, out=np.zeros(4, np.float32))
+
+
+@needs_engine
 def test_engine_thread_error_reaches_caller(monkeypatch):
     from unison.collectives import kernels
 

@@ -637,15 +637,16 @@ def test_optimizer_sparse_gradients_with_each_op(op_name):
 
 def test_optimizer_adasum():
     model = _linear(0)
+    if N & (N - 1):  # refused when built, on every rank (step() raised after the local step: ranks apart)
+        with pytest.raises(NotImplementedError, match="non-power of 2"):
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters(), op=hvd.Adasum)
+        return
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters(), op=hvd.Adasum)
     start = [p.detach().clone() for p in model.parameters()]
     x, y = _batch(R, 0)
     torch.nn.functional.mse_loss(model(x), y).backward()
-    if N & (N - 1):
-        with pytest.raises(NotImplementedError, match="non-power of 2"):
-            opt.step()
-        return
     opt.step()
     deltas = []
     for r in range(N):  # every rank's local SGD change, rebuilt here
@@ -742,6 +743,15 @@ def test_a_dropped_optimizer_lets_go_of_its_parameters(zero_stage):
     new.step()
     flat = torch.cat([p.detach().flatten() for p in model.parameters()]).numpy()
     assert all(np.array_equal(e, flat) for e in WORLD.allgather(flat))
+
+
+def test_sync_batch_norm_double_backward_gets_torchs_own_error():
+    """A gradient penalty (create_graph=True): before, a bare "Can't call numpy() on Tensor that requires grad"."""
+    bn = hvd.SyncBatchNorm(3)
+    x = torch.randn(4, 3, requires_grad=True)
+    (grad,) = torch.autograd.grad(bn(x).pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="does not support double backward|once_differentiable"):
+        grad.pow(2).sum().backward()
 
 
 def test_sync_batch_norm_tolerates_instances_only_some_ranks_build():

@@ -114,8 +114,10 @@ def _weighting(rows: int | None, op: ReduceOp, prescale: float,
     rank alike whether the rows are equal (``size * sum(r**2) == sum(r)**2``, the usual
     case): then the plain average is the row-weighted one, and the engine's scale factors
     do all the work while copying. Else (a last batch split unevenly) each rank multiplies
-    its gradients by its rows (the returned weight: the engine's factors must agree over
-    the ranks) and the sum is divided by the total rows.
+    its gradients by its share of the rows, ``rows / total`` (the returned weight: the
+    engine's factors must agree over the ranks), and they are summed. The weighted values
+    stay the size of the mean: multiplied by the rows and divided after the sum (before
+    2026-12-05) they overflowed fp16 compression's range where the mean fits it.
     """
     if rows is None or op is not Average:
         return op, prescale, postscale, 1.0
@@ -125,7 +127,7 @@ def _weighting(rows: int | None, op: ReduceOp, prescale: float,
         raise ValueError(f"average_gradients: the ranks' rows sum to {total}; every step needs at least one row")
     if runtime.size() * squares == total * total:
         return Average, prescale, postscale, 1.0
-    return Sum, prescale, postscale / total, float(rows)
+    return Sum, prescale, postscale, float(rows) / total
 
 
 def _weighed(array: np.ndarray, weight: float) -> np.ndarray:

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from unison.collectives import adasum
 from unison.common import runtime
 from unison.common.compression import Compression
 from unison.common.engine import frontend
@@ -97,6 +98,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set if process_set is not None else global_process_set
         self._adasum = op is Adasum
+        if self._adasum and runtime.size() > 1:  # at construction, on every rank: a failing step() left each
+            adasum.check_size(runtime.size())  # rank at its own local step (before 2026-12-05)
         # a rank outside the process set steps on its own gradients (Horovod's rule)
         self._reduces = runtime.size() > 1 and not self._adasum and (process_set is None or process_set.included())
         self._hooks = []

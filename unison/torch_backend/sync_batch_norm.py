@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812
+from torch.autograd.function import once_differentiable
 
 from unison.common.engine import frontend
 from unison.common.engine.process_sets import ProcessSet
@@ -86,6 +87,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         return out.to(x.dtype)
 
     @staticmethod
+    @once_differentiable  # (a gradient penalty's double backward gets torch's own clear error)
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
         x, weight, mean, invstd = ctx.saved_tensors
         dims, shape = _layout(x)

@@ -249,11 +249,23 @@ def allreduce_async(tensor: Any, op: Any = Average, name: str | None = None,
     name = _auto_name("allreduce", name, process_set)
     array, unusable = _array_or_error(tensor, eng)
     compressed, ctx = compression.compress(array)
-    post = None if compression is Compression.none else (lambda r: compression.decompress(r, ctx))
+    post: Callable[[Any], Any] | None = None
+    wire_out = out  # with compression the wire array has another dtype: out= gets the decompressed result
+    if compression is not Compression.none:
+        wire_out = None
+
+        def post(result: Any) -> Any:
+            value = compression.decompress(result, ctx)
+            if out is None:
+                return value
+            np.copyto(out, np.asarray(value).reshape(out.shape), casting="unsafe")
+            return out
     if eng is None:
         _check_local(process_set)
+        if out is not None and wire_out is None:
+            direct._check_out(out, array)
         return _local("ALLREDUCE", name, lambda: direct.allreduce(compressed, op, name, prescale_factor,
-                                                                  postscale_factor, out=out), post)
+                                                                  postscale_factor, out=wire_out), post)
     rop = _op(op)
     sid, set_size = _set_id(eng, process_set)
     if rop is ReduceOp.ADASUM:  # Horovod's rules, raised on every rank alike (NotImplementedError)
@@ -268,13 +280,13 @@ def allreduce_async(tensor: Any, op: Any = Average, name: str | None = None,
         check_op(arr.dtype, rop, float(prescale_factor), float(postscale_factor))
         if algorithm is not None:
             direct.validate_algorithm("allreduce_algorithm", algorithm)
-        if out is not None:
-            direct._check_out(out, arr)
+        if out is not None:  # against the caller's array (with compression, not the wire's)
+            direct._check_out(out, arr if wire_out is not None else array)
 
-    usable_out = isinstance(out, np.ndarray) and out.flags.c_contiguous and out.flags.writeable
+    usable_out = isinstance(wire_out, np.ndarray) and wire_out.flags.c_contiguous and wire_out.flags.writeable
     return _submit(eng, Kind.ALLREDUCE, name, compressed, sid, checks, post, op=int(rop),
                    prescale=float(prescale_factor), postscale=float(postscale_factor),
-                   out=out if usable_out else None, algorithm="" if algorithm is None else str(algorithm))
+                   out=wire_out if usable_out else None, algorithm="" if algorithm is None else str(algorithm))
 
 
 def group_size_agreement(base: str, count: int, process_set: ProcessSet | None = None) -> Handle:
