@@ -451,3 +451,117 @@ def test_predict_on_batch_returns_the_batchs_predictions_before_and_after_predic
     for got in (first, again):
         assert got.shape == (5, 1)
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------- audit of 2026-12-05 (each failed or hung before)
+class RowRecorder(keras.Sequential):
+    """Records the first feature (a row id) of every row each rank trains on."""
+
+    seen: list[np.ndarray] = []
+
+    def train_step(self, data):
+        x = data[0]
+        tf.numpy_function(lambda a: RowRecorder.seen.append(a.copy()) or np.int64(0), [x[:, 0]], tf.int64)
+        return super().train_step(data)
+
+
+def test_fit_on_arrays_shuffles_alike_on_every_rank(strategy):
+    """Before: fit's default shuffle=True permuted the arrays with each rank's own random state, and each rank
+    took its share of its own permutation's batch: 24 distinct rows of 32 in an epoch at 2 ranks."""
+    keras.utils.set_random_seed(300 + R)  # the ranks' random states differ, as in any job
+    ids = np.zeros((GLOBAL_BATCH * 4, 4), "float32")
+    ids[:, 0] = np.arange(len(ids))
+    with strategy.scope():
+        model = RowRecorder([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.001), loss="mse", run_eagerly=True)
+    RowRecorder.seen = []
+    model.fit(ids, np.zeros((len(ids), 1), "float32"), batch_size=GLOBAL_BATCH, epochs=2, verbose=0)
+    mine = np.concatenate(RowRecorder.seen).astype(int)
+    every = np.stack(WORLD.allgather(mine.reshape(2, -1)))  # (rank, epoch, rows)
+    for epoch in range(2):
+        assert sorted(every[:, epoch].ravel().tolist()) == list(range(len(ids))), epoch  # each row once
+    assert every[:, 0].ravel().tolist() != every[:, 1].ravel().tolist()  # a new order each epoch
+    assert same_everywhere(model.get_weights())
+    # validation_split still takes the last rows (before shuffling), class weights still weigh
+    RowRecorder.seen = []
+    hist = model.fit(ids, np.zeros((len(ids), 1), "float32"), batch_size=GLOBAL_BATCH, epochs=1, verbose=0,
+                     validation_split=0.25)
+    trained = np.concatenate(WORLD.allgather(np.concatenate(RowRecorder.seen).astype(int)))
+    assert sorted(trained.tolist()) == list(range(GLOBAL_BATCH * 3)) and "val_loss" in hist.history
+
+
+def test_an_unseeded_dataset_shuffle_raises_on_every_rank(strategy):
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    tf.random.set_seed(7 + R)  # an op seed derived from each rank's own global seed: compared, and refused
+    shuffled = tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(len(X)).batch(GLOBAL_BATCH)
+    with pytest.raises(ValueError, match=r"datasets differ .*shuffled with seeds" if N > 1 else "^$"):
+        model.fit(shuffled, epochs=1, verbose=0)
+    tf.random.set_seed(None)  # no seed at all: each rank shuffles from its own entropy
+    shuffled = tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(len(X)).batch(GLOBAL_BATCH)
+    with pytest.raises(ValueError, match="shuffled without a seed"):
+        model.fit(shuffled, epochs=1, verbose=0)
+    seeded = tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(len(X), seed=4).batch(GLOBAL_BATCH)
+    model.fit(seeded, epochs=1, verbose=0)
+    assert same_everywhere(model.get_weights())
+
+
+def test_metric_objects_made_outside_the_scope_and_per_rank_loss_reductions_are_refused(strategy):
+    """Before: an AUC built before the scope reported each rank's own share (EarlyStopping on it stopped some
+    ranks only: a hang), and reduction='mean_with_sample_weight' divided by each rank's own weights."""
+    auc = keras.metrics.AUC(name="outside_auc")
+    with strategy.scope():
+        model = make_model()
+        with pytest.raises(ValueError, match="created outside `with strategy.scope"):
+            model.compile(optimizer="sgd", loss="mse", metrics=[auc])
+        with pytest.raises(ValueError, match="mean_with_sample_weight"):
+            model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"))
+        model.compile(optimizer="sgd", loss="mse", metrics=[keras.metrics.AUC(name="inside_auc")])  # fine
+
+
+def test_broadcast_callback_syncs_a_model_built_in_the_first_step():
+    """Before: a model without an Input has no variables at on_train_begin, so nothing was broadcast and the
+    ranks trained apart (Horovod broadcasts the model after the first batch)."""
+    import unison.tf_backend.keras as hvd
+
+    hvd.init()
+    keras.utils.set_random_seed(40 + R)  # different initial weights on each rank
+    model = keras.Sequential([keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(1)])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss="mse")
+    rows = np.arange(R * 8, (R + 1) * 8)
+    model.fit(X[rows], Y[rows], batch_size=8, epochs=2, verbose=0, shuffle=False,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    assert same_everywhere(model.get_weights())
+
+
+def test_model_checkpoint_keeps_the_last_good_file_when_a_save_fails(tmp_path_factory):
+    """Before: outside a strategy, rank 0 let Keras write the file in place, so a save that failed part-way
+    destroyed the previous checkpoint."""
+    import unison.tf_backend.keras as hvd
+
+    hvd.init()
+
+    class Flaky(keras.layers.Dense):
+        saves = 0
+
+        def save_own_variables(self, store):
+            Flaky.saves += 1
+            if Flaky.saves == 2:
+                raise OSError("simulated: the disk filled during the save")
+            super().save_own_variables(store)
+
+    folder = WORLD.bcast(str(tmp_path_factory.mktemp("atomic_ckpt")) if R == 0 else None)
+    path = os.path.join(folder, "model.keras")
+    model = keras.Sequential([keras.Input((4,)), Flaky(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    failed = False
+    try:
+        model.fit(X[:32], Y[:32], epochs=2, verbose=0, callbacks=[hvd.callbacks.ModelCheckpoint(path)])
+    except OSError:
+        failed = True
+    assert failed == (R == 0)  # (only rank 0 saves)
+    WORLD.Barrier()
+    if R == 0:
+        keras.models.load_model(path, custom_objects={"Flaky": Flaky})  # the epoch-1 file, whole
+        assert os.listdir(folder) == ["model.keras"]

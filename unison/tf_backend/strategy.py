@@ -258,7 +258,22 @@ def _describe_dataset(dataset: Any) -> str:
     except Exception:
         size = None
     known = f"{batches} global batches" if batches >= 0 else "an unknown number of global batches"
-    return f"{known}, batch_size {size if size is not None else '?'}, elements {dataset.element_spec}"
+    seeds = _shuffle_seeds(dataset)
+    shuffled = f", shuffled with seeds {seeds}" if seeds else ""
+    return f"{known}, batch_size {size if size is not None else '?'}, elements {dataset.element_spec}{shuffled}"
+
+
+def _shuffle_seeds(dataset: Any) -> list[tuple[int, int]]:
+    """The (seed, seed2) of each ``shuffle`` in ``dataset``'s chain of inputs (``(0, 0)``: no seed at all)."""
+    seeds = []
+    while dataset is not None:
+        if type(dataset).__name__ == "_ShuffleDataset":
+            try:
+                seeds.append((int(dataset._seed), int(dataset._seed2)))
+            except Exception:  # (another TensorFlow layout: not compared)
+                pass
+        dataset = getattr(dataset, "_input_dataset", None)
+    return seeds
 
 
 def _agree_on_arrays(what: str, arguments: dict[str, Any]) -> None:
@@ -267,9 +282,7 @@ def _agree_on_arrays(what: str, arguments: dict[str, Any]) -> None:
     from unison.common.engine.objects import allgather_object
 
     x = arguments.get("x")
-    leaves = nest.flatten(x) if x is not None else []
-    if not leaves or not all(isinstance(a, np.ndarray) or (hasattr(a, "shape") and hasattr(a, "dtype")
-                                                        and not isinstance(a, tf.data.Dataset)) for a in leaves):
+    if not _in_memory(x):
         return
     parts = [p for p in (x, arguments.get("y"), arguments.get("sample_weight")) if p is not None]
     shapes = [f"{tuple(a.shape)} {getattr(a.dtype, 'name', a.dtype)}" for p in parts for a in nest.flatten(p)]
@@ -281,6 +294,108 @@ def _agree_on_arrays(what: str, arguments: dict[str, Any]) -> None:
                          "batches (the strategy splits each one): pass the same data and batch_size on every rank")
 
 
+def _check_metrics(metrics: Sequence[Any], what: str) -> None:
+    """Refuse, on every rank alike, metric state created outside the strategy's scope.
+
+    A metric object built before ``with strategy.scope():`` and handed to ``compile`` keeps plain
+    variables: each rank reported its own share's value while the loss was global, and a callback
+    deciding on it (``EarlyStopping(monitor="auc")``) stopped some ranks only, and the others waited
+    for ever. Every rank builds its metrics the same way, so every rank raises.
+    """
+    for metric in metrics:
+        for v in getattr(metric, "variables", []):
+            inner = getattr(v, "value", v)
+            if getattr(v, "aggregation", None) == "sum" and isinstance(inner, tf.Variable) \
+                    and not isinstance(inner, _GlobalSumVariable):
+                raise ValueError(f"{what}: the metric variable {v.path!r} was created outside `with strategy."
+                                 "scope():` (a metric object built before the scope), so each rank would report "
+                                 "its own share and callbacks would decide differently on each rank. Create the "
+                                 "metric objects inside the UnisonStrategy scope too, or pass metric names")
+
+
+def _check_losses(losses: Sequence[Any]) -> None:
+    """Refuse a loss whose reduction divides by each rank's own sum of sample weights.
+
+    Keras divides a ``"mean_with_sample_weight"`` loss by this replica's sum of weights and then by
+    the number of replicas, which is one process's answer only when every rank's weights sum alike:
+    with sample weights, losses and weights differed from one process (measured: 3% in the weights
+    after one epoch). Every rank compiles the same loss, so every rank raises.
+    """
+    for loss in losses:
+        if getattr(loss, "reduction", None) == "mean_with_sample_weight":
+            raise ValueError(f"UnisonStrategy: the loss {getattr(loss, 'name', loss)!r} uses "
+                             "reduction='mean_with_sample_weight', which Keras computes per rank (each rank's "
+                             "own sum of sample weights), so with sample weights the result is not one "
+                             "process's. Use the default reduction 'sum_over_batch_size' (or scale the sample "
+                             "weights so that they average 1)")
+
+
+_shuffles = itertools.count()
+_shuffle_base: list[int] = []
+
+
+def _agreed_shuffle(arguments: dict[str, Any]) -> dict[str, Any] | None:
+    """``fit``'s arguments with in-memory arrays and ``shuffle=True`` (Keras's default) as a dataset of
+    global batches whose order every rank agrees on; None when there is nothing to rewrite.
+
+    [Note: one shuffle for every rank] Keras shuffles arrays with ``tf.random.shuffle`` on each rank's
+    own random state, and the strategy then takes each rank's share of *its* global batch: the
+    ranks' shares came from different permutations, so in an epoch some rows were trained twice
+    and others not at all (24 distinct rows of 32 measured at 2 ranks). Now the rows go through
+    ``unison.keras``'s pipeline (:func:`unison.keras._tf_data.arrays_dataset`, one process's view:
+    global batches), permuted each pass by a stateless shuffle keyed by a seed rank 0 chose (the one
+    ``keras.utils.set_random_seed`` set, else fresh) and the number of ``fit`` calls so far;
+    ``validation_split`` takes the last rows first and ``class_weight`` becomes sample weights, as
+    Keras does. A ``tf.data`` pipeline's own ``shuffle`` needs a seed that is the same on every rank.
+    """
+    x = arguments.get("x")
+    shuffle = arguments.get("shuffle", True)
+    if not shuffle or not _in_memory(x):
+        return None
+    if shuffle == "batch":
+        raise ValueError("UnisonStrategy: fit(shuffle='batch') shuffles within each rank's own batches; use "
+                         "shuffle=True (one permutation every rank agrees on) or False")
+    from unison.keras import data as ukdata
+    from unison.keras._tf_data import arrays_dataset
+
+    a = {k: v for k, v in arguments.items() if k != "self"}
+    y, sample_weight = a.pop("y", None), a.pop("sample_weight", None)
+    split = a.pop("validation_split", 0.0) or 0.0
+    if split and a.get("validation_data") is None:
+        (x, y, sample_weight), held = ukdata.split_validation((x, y, sample_weight), split)
+        a["validation_data"] = tuple(v for v in held if v is not None)
+    batch = a.pop("batch_size", None) or 32
+    if a.get("validation_data") is not None and a.get("validation_batch_size") is None:
+        a["validation_batch_size"] = batch
+    seed = _shuffle_seed() + next(_shuffles)
+    data = ukdata.ShardedArrays(x, y, sample_weight, batch_size=batch, rank=0, size=1, shuffle=True, seed=seed,
+                                class_weight=a.pop("class_weight", None))
+    pipeline = arrays_dataset(data.parts, data.plan, 0, True, seed)
+    a["x"], a["shuffle"] = pipeline.dataset, False
+    if a.get("steps_per_epoch") is None:
+        a["steps_per_epoch"] = data.plan.steps  # (the pipeline runs one pass after another)
+    return a
+
+
+def _in_memory(x: Any) -> bool:
+    """Whether ``x`` is in-memory arrays (numpy, tensors), not a dataset or generator."""
+    leaves = nest.flatten(x) if x is not None else []
+    return bool(leaves) and all(isinstance(a, np.ndarray) or (hasattr(a, "shape") and hasattr(a, "dtype")
+                                                             and not isinstance(a, tf.data.Dataset))
+                                for a in leaves)
+
+
+def _shuffle_seed() -> int:
+    """Rank 0's shuffling seed (one broadcast, the first time): ``keras.utils.set_random_seed``'s, else fresh."""
+    if not _shuffle_base:
+        from unison.keras.data_parallel import _keras_global_seed
+
+        chosen = _keras_global_seed()
+        mine = np.array([(np.random.SeedSequence().entropy if chosen is None else chosen) % (2**31)], np.int64)
+        _shuffle_base.append(int(np.asarray(frontend.broadcast(mine, 0, "unison.UnisonStrategy.shuffle_seed"))[0]))
+    return _shuffle_base[0]
+
+
 def _agree_on_dataset(dataset: Any) -> None:
     """Every rank must feed the same global batches: the ranks compare what they can see of their
     datasets (one small all-gather each time Keras distributes one) and raise on every rank when
@@ -289,6 +404,11 @@ def _agree_on_dataset(dataset: Any) -> None:
     from unison.common.engine.objects import allgather_object
 
     everyone = allgather_object(_describe_dataset(dataset), name="unison.UnisonStrategy.dataset")
+    if (0, 0) in _shuffle_seeds(dataset):  # (the same on every rank: they all describe the same chain)
+        raise ValueError("UnisonStrategy: the dataset is shuffled without a seed, so each rank shuffles its own "
+                         "way and the ranks' shares of a global batch come from different rows (some trained "
+                         "twice, others never). Pass dataset.shuffle(buffer, seed=...) the same seed on every "
+                         "rank")
     if any(other != everyone[0] for other in everyone):
         shown = "; ".join(f"rank {r}: {d}" for r, d in enumerate(everyone))
         raise ValueError(f"UnisonStrategy: the ranks' datasets differ ({shown}). Every rank feeds the same global "
@@ -590,8 +710,20 @@ def _guard_keras() -> None:
             check(self, f"model.{name}()")
             if before is not None and _unison_model(self):
                 before(self)
+            if name == "compile" and _unison_model(self) and runtime.size() > 1:
+                given = signature.bind(self, *args, **kwargs).arguments
+                _check_metrics([m for key in ("metrics", "weighted_metrics") for m in nest.flatten(given.get(key))
+                                if isinstance(m, keras.metrics.Metric)], "model.compile()")
+                _check_losses(nest.flatten(given.get("loss")))
             if name in ("fit", "evaluate", "predict") and _unison_model(self) and runtime.size() > 1:
-                _agree_on_arrays(f"model.{name}", signature.bind(self, *args, **kwargs).arguments)
+                if name != "predict":
+                    _check_metrics(self.metrics, f"model.{name}()")
+                arguments = signature.bind(self, *args, **kwargs).arguments
+                _agree_on_arrays(f"model.{name}", arguments)
+                if name == "fit":
+                    agreed = _agreed_shuffle(arguments)
+                    if agreed is not None:
+                        return original(self, **agreed)
             return original(self, *args, **kwargs)
 
         guarded.__doc__ = original.__doc__

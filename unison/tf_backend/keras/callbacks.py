@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import itertools
 import json
 import logging
@@ -19,7 +20,7 @@ import numpy as np
 from unison.common import runtime
 from unison.common.engine import frontend, objects
 from unison.common.exceptions import UnisonError
-from unison.common.files import atomic_path, remove_leftovers
+from unison.common.files import atomic_keras_save, atomic_path, remove_leftovers
 from unison.common.ops import Average
 from unison.keras.callbacks import check_broadcast_target, split_layers
 from unison.keras.data_parallel import without_seed_states
@@ -58,14 +59,20 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.device = device
         self.process_set = process_set
         self._done = False
+        self._model_done = False
 
     def on_train_begin(self, logs: Any = None) -> None:
         check_broadcast_target(self.model, self.root_rank, self.process_set)
-        _broadcast_all(without_seed_states(self.model, list(self.model.variables)), self.root_rank,
-                       "BroadcastGlobalVariables.model", self.process_set)  # random state stays each rank's
+        variables = without_seed_states(self.model, list(self.model.variables))  # random state stays each rank's
+        self._model_done = bool(variables)
+        _broadcast_all(variables, self.root_rank, "BroadcastGlobalVariables.model", self.process_set)
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         if not self._done:  # the optimizer builds its slots at the first step
+            if not self._model_done:  # a model Keras built in the first step (no Input): Horovod's moment
+                _broadcast_all(without_seed_states(self.model, list(self.model.variables)), self.root_rank,
+                               "BroadcastGlobalVariables.model.built", self.process_set)
+                self._model_done = True
             _broadcast_all(list(self.model.optimizer.variables), self.root_rank,
                            "BroadcastGlobalVariables.optimizer", self.process_set)
             self._done = True
@@ -393,12 +400,32 @@ def _remove_unnamed(folder: str, manifest: dict) -> None:
 _WEIGHTS_PATTERN = "backup-*.weights.h5"
 
 
+def _strategy_model(model: Any) -> bool:
+    from unison.tf_backend.strategy import _unison_model
+
+    return _unison_model(model)
+
+
 class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     """Keras's ``ModelCheckpoint`` that writes from rank 0 only (the others hold the same model)."""
 
     def _save_model(self, epoch: int, batch: Any, logs: Any) -> None:
-        if runtime.rank() == 0:
+        if runtime.rank() != 0:
+            return
+        model = self.model
+        if _strategy_model(model):
+            super()._save_model(epoch, batch, logs)  # (the strategy's save is atomic already)
+            return
+        # Keras writes the file in place: a save that failed part-way destroyed the last good checkpoint
+        # (before 2026-12-05, for models outside a UnisonStrategy); through a temporary file and a rename
+        saves = {name: getattr(model, name) for name in ("save", "save_weights")}
+        for name, save in saves.items():
+            model.__dict__[name] = functools.partial(atomic_keras_save, save)
+        try:
             super()._save_model(epoch, batch, logs)
+        finally:
+            for name in saves:
+                model.__dict__.pop(name, None)
 
 
 class BestModelCheckpoint(ModelCheckpoint):
