@@ -501,11 +501,14 @@ def test_optimizer_sparse_gradients_with_sparse_adam(sparse_as_dense):
 
 
 @pytest.mark.parametrize("sparse_as_dense", [False, True])
-def test_a_sparse_gradient_missing_on_some_ranks_is_reduced_as_zeros(sparse_as_dense):
+@pytest.mark.parametrize("scenario", ["skips", "unused_at_first"])
+def test_a_sparse_gradient_missing_on_some_ranks_is_reduced_as_zeros(scenario, sparse_as_dense):
     """Before: a rank whose step did not touch a sparse embedding sent its zeros dense (an all-reduce) while
-    the others all-gathered their rows under other names, and every rank waited for ever. Here rank 0 skips
-    the embedding in the first step (no rank knows its kind yet there, rank 0 least) and the last rank in the
-    third; SGD against one process's average of the ranks' gradients."""
+    the others all-gathered their rows under other names, and every rank waited for ever. "skips": rank 0
+    skips the embedding in the first step (no rank knows its kind yet there, rank 0 least) and the last rank
+    in the third. "unused_at_first": no rank uses it in the first step (it is settled dense), then rank 0
+    only. SGD against one process's average of the ranks' gradients; the kinds are agreed once, though a
+    parameter is never used (a spare head)."""
     torch.manual_seed(0)
 
     class Net(torch.nn.Module):
@@ -513,6 +516,7 @@ def test_a_sparse_gradient_missing_on_some_ranks_is_reduced_as_zeros(sparse_as_d
             super().__init__()
             self.emb = torch.nn.Embedding(8, 3, sparse=True)
             self.head = torch.nn.Linear(3, 1)
+            self.spare = torch.nn.Linear(3, 1)  # never used: no gradient on any rank, ever
 
         def forward(self, ids, use_emb):
             h = self.emb(ids) if use_emb else torch.ones(len(ids), 3)
@@ -522,33 +526,47 @@ def test_a_sparse_gradient_missing_on_some_ranks_is_reduced_as_zeros(sparse_as_d
     ref.load_state_dict(net.state_dict())
     opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
                                    named_parameters=net.named_parameters(), sparse_as_dense=sparse_as_dense)
+    agreements = []
+    agree = opt._agree_on_kinds
+    opt._agree_on_kinds = lambda: (agreements.append(1), agree())[1]
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     ids = per_rank(lambda r: torch.tensor([r % 8, (r + 3) % 8]))
-    skips = {0: 0, 2: N - 1}  # step -> the rank that leaves the embedding out
     for step in range(4):
-        uses = [skips.get(step) != r for r in range(N)]
+        if scenario == "skips":
+            uses = [{0: 0, 2: N - 1}.get(step) != r for r in range(N)]
+        else:
+            uses = [step > 1 or (step == 1 and r == 0) for r in range(N)]
         opt.zero_grad()
         net(ids[R], uses[R]).backward()
         opt.step()
-        assert net.emb.weight.grad is not None and net.emb.weight.grad.is_sparse
+        assert net.emb.weight.grad is not None
+        if scenario == "skips":
+            assert net.emb.weight.grad.is_sparse
         ref_opt.zero_grad()
         (sum(ref(ids[r], uses[r]) for r in range(N)) / N).backward()
         ref_opt.step()
         torch.testing.assert_close(net.emb.weight, ref.emb.weight, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(net.head.weight, ref.head.weight, rtol=1e-5, atol=1e-6)
-    assert opt._kinds_settled
+    assert opt._kinds_settled and len(agreements) == 1
 
 
-def test_a_gradient_dense_on_one_rank_and_sparse_on_another_raises_everywhere():
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_a_gradient_dense_on_one_rank_and_sparse_on_another_raises_everywhere(sparse_as_dense):
+    """...unless sparse_as_dense reduces both densely (it did before the kinds were agreed, and still does)."""
     emb = torch.nn.Embedding(4, 2, sparse=True)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1),
-                                   named_parameters=emb.named_parameters())
+                                   named_parameters=emb.named_parameters(), sparse_as_dense=sparse_as_dense)
     opt.zero_grad()
     # set by hand, so no hook submits them: what a rank whose model differs would hold at synchronize()
     sparse = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.ones(1, 2), (4, 2))
     emb.weight.grad = torch.ones(4, 2) if R == 0 else sparse
-    with pytest.raises(ValueError, match="dense on some ranks and sparse on others"):
-        opt.synchronize()
+    if not sparse_as_dense:
+        with pytest.raises(ValueError, match="dense on some ranks and sparse on others"):
+            opt.synchronize()
+        return
+    opt.synchronize()
+    want = (torch.ones(4, 2) + (N - 1) * sparse.to_dense()) / N
+    torch.testing.assert_close(emb.weight.grad.to_dense(), want)
 
 
 _COMBINE = {"average": (hvd.Average, lambda g: g.mean(0)), "sum": (hvd.Sum, lambda g: g.sum(0)),

@@ -131,7 +131,12 @@ def _weighting(rows: int | None, op: ReduceOp, prescale: float,
 
 
 def _weighed(array: np.ndarray, weight: float) -> np.ndarray:
-    return array if weight == 1.0 else array * np.asarray(weight, dtype=array.dtype)
+    """``array * weight``, computed in float32 at least (a share of the rows in bfloat16 kept 8 bits)."""
+    if weight == 1.0:
+        return array
+    if array.dtype in (np.float32, np.float64):
+        return array * np.asarray(weight, dtype=array.dtype)
+    return (array.astype(np.float32) * np.float32(weight)).astype(array.dtype)
 
 
 def _restore(out: Sequence[object], arrays: Sequence[np.ndarray]) -> list[np.ndarray]:

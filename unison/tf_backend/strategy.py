@@ -618,7 +618,12 @@ class UnisonStrategy(distribute_lib.Strategy):
             zero_stage, refused = zero.check_keras_stage(zero_stage), None
         except (TypeError, ValueError) as exc:  # raised after the agreement, on every rank (it hung the others)
             zero_stage, refused = -1, exc
-        zero.agree(zero_stage, "", "UnisonStrategy(zero_stage=...)")
+        try:
+            zero.agree(zero_stage, "", "UnisonStrategy(zero_stage=...)")
+        except ValueError:
+            if refused is not None:  # this rank's own error, the others' the disagreement
+                raise refused from None
+            raise
         if refused is not None:
             raise refused
         super().__init__(UnisonExtended(self, overlap_gradients, zero_stage))
@@ -716,8 +721,6 @@ def _guard_keras() -> None:
                                 if isinstance(m, keras.metrics.Metric)], "model.compile()")
                 _check_losses(nest.flatten(given.get("loss")))
             if name in ("fit", "evaluate", "predict") and _unison_model(self) and runtime.size() > 1:
-                if name != "predict":
-                    _check_metrics(self.metrics, f"model.{name}()")
                 arguments = signature.bind(self, *args, **kwargs).arguments
                 _agree_on_arrays(f"model.{name}", arguments)
                 if name == "fit":

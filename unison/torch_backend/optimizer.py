@@ -145,10 +145,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._note_kind(p)
         grad = p.grad
         resparse = grad.is_sparse
+        kind = self._kinds.get(p, 1)
         if resparse:
-            if not self._sparse_as_dense:
+            if not self._sparse_as_dense and kind != 1:
                 return self._submit_sparse(p, name)
-            grad = p.grad = grad.to_dense()
+            grad = p.grad = grad.to_dense()  # (agreed dense: see [Note: a sparse gradient missing on some ranks])
+        elif kind != 1 and not self._sparse_as_dense:  # dense here, agreed sparse: gathered as the others are
+            p.grad = grad.to_sparse(kind - 2)
+            return self._submit_sparse(p, name)
         arr = to_numpy(grad)
         compressed, ctx = self._compression.compress(arr)
         in_place = compressed is arr and grad.is_contiguous() and not grad.is_neg()
@@ -161,12 +165,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # that is a zero tensor reduced with the rest; a sparse one (nn.Embedding(sparse=True)) is
     # all-gathered under other names (indices and values), so zeros sent dense waited for ever
     # for the other ranks' all-reduce (a hang). A rank cannot tell the kind from a parameter
-    # that has no gradient, so while some parameter's kind is unknown to some rank,
-    # synchronize() all-reduces (Max) each rank's kinds (1 dense, 2 + k sparse with k sparse
-    # dimensions, 0 not seen) before it submits the missing gradients; a rank then sends an
-    # empty sparse gradient (no rows) where the others send sparse ones. Once every parameter
-    # has had a gradient on some rank the agreement stops (usually after the first step), so a
-    # dense model pays one small all-reduce in its first step.
+    # that has no gradient, so the first synchronize() all-reduces (Max) each rank's kinds (1
+    # dense, 2 + k sparse with k sparse dimensions, 0 not seen) before it submits the missing
+    # gradients; a rank then sends an empty sparse gradient (no rows) where the others send
+    # sparse ones. That is the only agreement (a dense model pays one small all-reduce, in its
+    # first step): a parameter no rank saw then is settled as dense, and a sparse gradient it
+    # gets later, on any rank, is reduced dense and made sparse again (as sparse_as_dense does),
+    # which every rank does alike without asking (a rank that had none keeps a dense zero
+    # gradient then). With sparse_as_dense every gradient is reduced dense; the agreement only
+    # tells a rank without one whether to make its result sparse again, as the others do.
     def _note_kind(self, p: torch.Tensor) -> None:
         g = p.grad
         self._kinds.setdefault(p, 2 + g.sparse_dim() if g is not None and g.is_sparse else 1)
@@ -181,7 +188,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _agree_on_kinds(self) -> None:
         """Every rank's gradient kinds, combined (see the Note); a parameter dense on one rank and
-        sparse on another raises on every rank."""
+        sparse on another in the first step raises on every rank (their reductions already differ),
+        unless sparse_as_dense reduces both densely."""
+        self._kinds_settled = True
         for p in self._params:
             if p.grad is not None:
                 self._note_kind(p)
@@ -191,13 +200,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                           self._process_set).wait()
         n = len(self._params)
         for p, most, least in zip(self._params, agreed[:n], -agreed[n:], strict=True):
-            if most and least != most:
+            if most and least != most and not self._sparse_as_dense:
                 raise ValueError(f"the gradient of {self._names[p]!r} is dense on some ranks and sparse on others "
                                  f"(or sparse with different sparse dimensions): every rank must compute it the "
                                  f"same way (the same module with the same sparse= flag)")
-            if most:
-                self._kinds[p] = int(most)
-        self._kinds_settled = all(agreed[:n] > 0)
+            self._kinds[p] = int(most) if most else 1
 
     def _submit_sparse(self, p: torch.Tensor, name: str) -> _Pending:
         if self._op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
