@@ -228,6 +228,18 @@ def test_shuffle_with_short_epochs_reads_every_row_once_per_pass():
     assert sorted(read[0] + read[1]) == list(range(rows)) and sorted(read[2] + read[3]) == list(range(rows))
 
 
+def test_broadcast_callback_syncs_a_model_built_in_the_first_step():
+    """Before: on the TensorFlow backend a model without an Input is unbuilt at on_train_begin, so nothing was
+    broadcast and the ranks trained apart (Horovod broadcasts after the first batch)."""
+    keras.utils.set_random_seed(40 + R)  # different initial weights on each rank
+    model = keras.Sequential([keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(1)])
+    model.compile(optimizer=uk.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss="mse")
+    rows = slice(R * 8, (R + 1) * 8)
+    model.fit(X[rows], Y[rows], batch_size=8, epochs=2, verbose=0, shuffle=False,
+              callbacks=[uk.callbacks.BroadcastGlobalVariablesCallback(0)])
+    assert same_everywhere(model.get_weights())
+
+
 def test_the_shuffling_seed_follows_keras_set_random_seed():
     """Before: a seeded script drew fresh entropy for DataParallel's shuffle, so no two runs agreed."""
     keras.utils.set_random_seed(1234 + R)  # (rank 0's wins, as for any seed)

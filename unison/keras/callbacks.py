@@ -65,9 +65,23 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             raise ValueError(f"BroadcastGlobalVariablesCallback(root_rank={root_rank!r}): pick a rank in "
                              f"[0, {runtime.size()})")
         self.root_rank, self.device, self.process_set = root_rank, device, process_set
+        self._pending = False
 
     def on_train_begin(self, logs: Any = None) -> None:
         check_broadcast_target(self.model, self.root_rank, self.process_set)
+        # a model without an Input is still unbuilt here on the TensorFlow backend (Keras builds it in the
+        # first step there): it is broadcast after that step, as Horovod does (before 2026-12-05 nothing
+        # was broadcast and the ranks trained apart)
+        self._pending = not self.model.variables
+        if not self._pending:
+            self._broadcast()
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        if self._pending:
+            self._pending = False
+            self._broadcast()
+
+    def _broadcast(self) -> None:
         variables = without_seed_states(self.model, list(self.model.variables))  # random state stays each rank's
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None and optimizer.built:  # Keras builds it before training starts
