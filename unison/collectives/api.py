@@ -465,15 +465,10 @@ def _alltoall_rest(neg: Negotiator, x: np.ndarray, call: Call, st: runtime.State
     scounts = [int(v) * row_bytes for v in all_splits[r]]
     kernels.alltoallv(neg.comm, neg.mpi, _flat(x), scounts, out, rcounts, call.algorithm,
                       st.config.chunk_bytes, uniform=bool((all_splits == all_splits[0, 0]).all()),
-                      largest=_largest_total(all_splits, row_bytes))
+                      largest=kernels.alltoall_largest(all_splits, row_bytes))
     if key is not None and not call.inline and split_bytes <= INLINE_BYTES:
         _keep(neg, key, AlltoallPlan(neg, call, all_splits, st.config.chunk_bytes))
     return out, recv_splits
-
-
-def _largest_total(all_splits: np.ndarray, row_bytes: int) -> int:
-    """The largest number of bytes any rank sends or receives in an all-to-all of ``all_splits``."""
-    return int(max(all_splits.sum(axis=1).max(), all_splits.sum(axis=0).max())) * row_bytes
 
 
 def barrier() -> None:

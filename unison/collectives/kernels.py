@@ -306,12 +306,19 @@ def reducescatter(comm: Any, mpi: Any, src: np.ndarray, out: np.ndarray, counts:
         native.reduce_scatter(comm, mpi, src, out, counts, op)
     else:  # ring, over the host-ordered communicator (or comm: see select's 2 GiB Note): rank i owns its segment
         work = np.empty_like(src)
-        ring.reduce_scatter(comm if topo is None else topo.ring, mpi, src, work,
-                            counts if topo is None else _by_ring_order(topo, counts),
-                            offsets if topo is None else _by_ring_order(topo, offsets), reducer(src.dtype, op),
-                            chunk, shift=0)
+        if topo is not None:
+            comm, counts_r, offsets_r = topo.ring, _by_ring_order(topo, counts), _by_ring_order(topo, offsets)
+        else:
+            counts_r, offsets_r = counts, offsets
+        ring.reduce_scatter(comm, mpi, src, work, counts_r, offsets_r, reducer(src.dtype, op), chunk, shift=0)
         out[:] = work[offsets[r]:offsets[r] + counts[r]]
     finalize(out, op, n, postscale_factor)
+
+
+def alltoall_largest(all_splits: np.ndarray, row_bytes: int) -> int:
+    """The most bytes any rank sends or receives in an all-to-all of ``all_splits`` (rows, sender by
+    receiver): what :func:`alltoallv`'s ``largest`` is, the same on every rank."""
+    return int(max(all_splits.sum(axis=1).max(), all_splits.sum(axis=0).max())) * row_bytes
 
 
 def alltoallv(comm: Any, mpi: Any, send: np.ndarray, send_counts: list[int], out: np.ndarray,

@@ -243,7 +243,7 @@ class AlltoallPlan(Plan):
         self.soffs, self.roffs = _offsets(self.scounts), _offsets(self.rcounts)
         self.uniform = bool((all_splits == all_splits[0, 0]).all())  # every rank's, so equal everywhere
         self.chunk_bytes = chunk_bytes
-        self.largest = int(max(all_splits.sum(axis=1).max(), all_splits.sum(axis=0).max())) * row_bytes
+        self.largest = kernels.alltoall_largest(all_splits, row_bytes)
         self.direct = kernels.simple_is_native(neg.comm, neg.mpi, "alltoall", self.largest, call.algorithm)
         self.empty = _allocator(self.out_shape, self.dtype)
 

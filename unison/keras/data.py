@@ -57,6 +57,30 @@ def _class_weights(y: Any, class_weight: dict[int, float]) -> np.ndarray:
     return np.array([weights.get(int(c), 1.0) for c in labels], np.float32)
 
 
+class _PassOrder:
+    """The order of ``n`` items in the pass being read, the same on every rank (None: no shuffling).
+
+    [Note: one permutation per pass] Keras keeps its iterator across epochs when fit is given a
+    steps_per_epoch below the batches of a pass, and starts a new one (reading batch 0 first)
+    only when a pass is used up; one process permutes its data once per such iterator. So a
+    permutation (from the seed and the number of passes begun) is drawn when batch 0 is read, not
+    at each Keras epoch: a new one per epoch (before 2026-12-05) repeated some rows and skipped
+    others within a pass.
+    """
+
+    def __init__(self, n: int, shuffle: bool, seed: int) -> None:
+        self.n, self.shuffle, self.seed = n, shuffle, int(seed)
+        self.passes = 0  # passes begun
+        self.order: np.ndarray | None = None
+
+    def at(self, step: int) -> np.ndarray | None:
+        """The order for reading ``step`` (a new pass begins at step 0)."""
+        if self.shuffle and (step == 0 or self.order is None):
+            self.order = np.random.default_rng([self.seed, self.passes]).permutation(self.n)
+            self.passes += 1
+        return self.order
+
+
 class ShardedArrays(keras.utils.PyDataset):
     """This rank's rows of each global batch of in-memory arrays.
 
@@ -84,29 +108,21 @@ class ShardedArrays(keras.utils.PyDataset):
         self.parts = tuple(p for p in (x, y, sample_weight) if p is not None) if y is not None else (x,)
         self.samples = _rows(self.parts)
         self.plan = BatchPlan(self.samples, int(batch_size), size)
-        self.rank, self.shuffle, self.seed = rank, shuffle, int(seed)
-        self.passes = 0  # passes begun (a pass begins when batch 0 is read)
-        self.order: np.ndarray | None = None
+        self.rank, self.shuffle = rank, shuffle
+        self._pass = _PassOrder(self.samples, shuffle, seed)
 
-    def _permutation(self) -> np.ndarray | None:
-        if not self.shuffle:
-            return None
-        return np.random.default_rng([self.seed, self.passes]).permutation(self.samples)
+    @property
+    def order(self) -> np.ndarray | None:
+        """The permutation of the rows in the pass being read (None without shuffling)."""
+        return self._pass.order
 
     def __len__(self) -> int:
         return self.plan.steps
 
     def __getitem__(self, step: int) -> Any:
-        # [Note: one permutation per pass] Keras keeps its iterator across epochs when fit is given
-        # a steps_per_epoch below the batches of a pass, and starts a new one (reading batch 0
-        # first) only when a pass is used up; one process permutes its arrays once per such
-        # iterator. So a permutation is drawn when batch 0 is read, not at each Keras epoch: a
-        # new one per epoch (before) repeated some rows and skipped others within a pass.
-        if self.shuffle and (step == 0 or self.order is None):
-            self.order = self._permutation()
-            self.passes += 1
+        order = self._pass.at(step)  # [Note: one permutation per pass]
         lo, hi = self.plan.rank_rows(step, self.rank)
-        take: Any = slice(lo, hi) if self.order is None else self.order[lo:hi]
+        take: Any = slice(lo, hi) if order is None else order[lo:hi]
         batch = keras.tree.map_structure(lambda a: np.asarray(a)[take], self.parts)
         return batch if len(batch) > 1 else batch[0]
 
@@ -126,13 +142,7 @@ class ShardedPyDataset(keras.utils.PyDataset):
         super().__init__()
         self.dataset, self.rank, self.size = dataset, rank, size
         self.shuffle = shuffle and dataset.num_batches is not None
-        self.seed, self.passes = seed, 0  # passes begun (a pass begins when batch 0 is read)
-        self._order: np.ndarray | None = None
-
-    def _permutation(self) -> np.ndarray | None:
-        if not self.shuffle:
-            return None
-        return np.random.default_rng([self.seed, self.passes]).permutation(len(self.dataset))
+        self._pass = _PassOrder(len(dataset) if self.shuffle else 0, self.shuffle, seed)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -142,10 +152,8 @@ class ShardedPyDataset(keras.utils.PyDataset):
         return self.dataset.num_batches
 
     def __getitem__(self, step: int) -> Any:
-        if self.shuffle and (step == 0 or self._order is None):  # [Note: one permutation per pass]
-            self._order = self._permutation()
-            self.passes += 1
-        index = step if self._order is None else int(self._order[step])
+        order = self._pass.at(step)  # [Note: one permutation per pass]
+        index = step if order is None else int(order[step])
         return cut(self.dataset[index], self.rank, self.size, f"batch {index} of the PyDataset")
 
     def on_epoch_begin(self) -> None:

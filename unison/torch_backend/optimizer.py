@@ -141,7 +141,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         name = self._names[p]
         if p.grad is None:
             p.grad = self._missing_gradient(p)
-        else:
+        elif not self._kinds_settled:
             self._note_kind(p)
         grad = p.grad
         resparse = grad.is_sparse

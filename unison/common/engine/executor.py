@@ -349,10 +349,9 @@ class Executor:
         recv = every[:, self.comm.Get_rank()].copy()
         row_bytes = int(np.prod(sig.shape, dtype=np.int64)) * dtype.itemsize
         out = np.empty((int(recv.sum()), *sig.shape), dtype=dtype)
-        largest = int(max(every.sum(axis=1).max(), every.sum(axis=0).max())) * row_bytes
         kernels.alltoallv(self.comm, self.mpi, self._input(resp), [int(v) * row_bytes for v in splits],
                           out, [int(v) * row_bytes for v in recv], sig.algorithm, self.chunk_bytes,
-                          largest=largest)
+                          largest=kernels.alltoall_largest(every, row_bytes))
         self.agreed_bytes += row_bytes  # one row: the received volume differs per rank
         return out, recv
 

@@ -281,7 +281,7 @@ def allreduce_async(tensor: Any, op: Any = Average, name: str | None = None,
         if algorithm is not None:
             direct.validate_algorithm("allreduce_algorithm", algorithm)
         if out is not None:  # against the caller's array (with compression, not the wire's)
-            direct._check_out(out, arr if wire_out is not None else array)
+            direct._check_out(out, array)
 
     usable_out = isinstance(wire_out, np.ndarray) and wire_out.flags.c_contiguous and wire_out.flags.writeable
     return _submit(eng, Kind.ALLREDUCE, name, compressed, sid, checks, post, op=int(rop),

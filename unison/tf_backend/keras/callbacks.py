@@ -63,19 +63,22 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: Any = None) -> None:
         check_broadcast_target(self.model, self.root_rank, self.process_set)
-        variables = without_seed_states(self.model, list(self.model.variables))  # random state stays each rank's
-        self._model_done = bool(variables)
-        _broadcast_all(variables, self.root_rank, "BroadcastGlobalVariables.model", self.process_set)
+        self._model_done = bool(self.model.variables)
+        self._broadcast_model("BroadcastGlobalVariables.model")
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         if not self._done:  # the optimizer builds its slots at the first step
             if not self._model_done:  # a model Keras built in the first step (no Input): Horovod's moment
-                _broadcast_all(without_seed_states(self.model, list(self.model.variables)), self.root_rank,
-                               "BroadcastGlobalVariables.model.built", self.process_set)
+                self._broadcast_model("BroadcastGlobalVariables.model.built")
                 self._model_done = True
             _broadcast_all(list(self.model.optimizer.variables), self.root_rank,
                            "BroadcastGlobalVariables.optimizer", self.process_set)
             self._done = True
+
+
+    def _broadcast_model(self, tag: str) -> None:
+        variables = without_seed_states(self.model, list(self.model.variables))  # random state stays each rank's
+        _broadcast_all(variables, self.root_rank, tag, self.process_set)
 
 
 class MetricAverageCallback(keras.callbacks.Callback):
