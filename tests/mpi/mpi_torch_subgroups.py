@@ -129,6 +129,51 @@ def test_bitwise_and_premul_sum_inside_pairs(pairs):
         dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BOR, group=group, async_op=True).wait()
 
 
+def test_messages_over_the_mpi_count_limit_take_pieces_or_our_algorithms(pairs, monkeypatch):
+    """Before: a sub-group called MPI's collectives directly, and Open MPI refuses a count or byte displacement
+    over 2**31 - 1 (a 2 GiB + 16 MiB broadcast in a pair of 3 ranks failed with MPI_ERR_ARG, checked by hand).
+    Now its calls take the engine's kernels: the limit lowered to 4 KiB here, so that small tensors take the
+    paths a 2 GiB one takes, MPI's calls are spied on; every result against numpy."""
+    from unison.collectives import native, select
+
+    monkeypatch.setattr(select, "MAX_MPI_BYTES", 4096)
+    direct = []
+    for fn in ("allreduce", "allgatherv", "alltoallv", "reduce_scatter", "bcast_bytes"):
+        real = getattr(native, fn)
+        monkeypatch.setattr(native, fn, lambda *a, _r=real, _n=fn, **k: (direct.append(_n), _r(*a, **k))[1])
+    r = dist.get_rank()
+    group, members = _mine(pairs)
+    g = members.index(r)
+    big = {m: torch.arange(3000, dtype=torch.float32) * (m + 1) for m in members}  # 12 KiB each
+    t = big[r].clone()
+    dist.all_reduce(t, group=group)
+    np.testing.assert_array_equal(t.numpy(), sum(v.numpy() for v in big.values()))
+    t = big[r].clone()
+    dist.broadcast(t, src=members[1], group=group)
+    np.testing.assert_array_equal(t.numpy(), big[members[1]].numpy())
+    flat = torch.empty(6000, dtype=torch.float32)
+    dist.all_gather_into_tensor(flat, big[r], group=group)
+    np.testing.assert_array_equal(flat.numpy(), np.concatenate([big[m].numpy() for m in members]))
+    out = torch.empty(1500, dtype=torch.float32)
+    dist.reduce_scatter_tensor(out, big[r], group=group)
+    np.testing.assert_array_equal(out.numpy(), sum(v.numpy() for v in big.values())[1500 * g:1500 * (g + 1)])
+    assert direct == ["bcast_bytes"], direct  # the broadcast in pieces; the others by our ring
+    # all-to-all: only the second member sends more than the limit, and both leave MPI's call alike
+    direct.clear()
+    sizes = [[10, 10], [1200, 1200]]
+    send = torch.arange(sum(sizes[g]) * 2, dtype=torch.float32).reshape(-1, 2) + 10000 * r
+    got = torch.empty((sizes[0][g] + sizes[1][g], 2), dtype=torch.float32)
+    dist.all_to_all_single(got, send, output_split_sizes=[sizes[0][g], sizes[1][g]],
+                           input_split_sizes=sizes[g], group=group)
+    want = [(torch.arange(sum(sizes[s]) * 2, dtype=torch.float32).reshape(-1, 2) + 10000 * members[s])
+            [sum(sizes[s][:g]):sum(sizes[s][:g + 1])] for s in range(2)]
+    np.testing.assert_array_equal(got.numpy(), torch.cat(want).numpy())
+    assert direct == [], direct
+    small = torch.ones(8)
+    dist.all_reduce(small, group=group)  # under the limit: MPI's own call
+    assert small.tolist() == [2.0] * 8 and direct == ["allreduce"], direct
+
+
 def test_mismatched_tensors_raise_on_every_member(pairs):
     r = dist.get_rank()
     group, members = _mine(pairs)

@@ -5,8 +5,13 @@ PyTorch builds a sub-group's backend only on the group's members (the others get
 ``NON_GROUP_MEMBER``), while Unison's engine process sets are registered by every rank. So a
 sub-group does not go through the engine: its members make an MPI communicator of their own with
 ``MPI_Comm_create_group`` (collective over the members only; PyTorch hands the backend the
-group's global ranks), and each collective runs as MPI's native call on it, on one thread per
-group, in the order submitted (every member submits the same sequence, as PyTorch requires).
+group's global ranks), and each collective runs on it, on one thread per group, in the order
+submitted (every member submits the same sequence, as PyTorch requires), through the same kernels
+as the engine's (:mod:`unison.collectives.kernels`): the job's algorithm settings and chunk size
+apply, ``auto`` picks MPI's call or our algorithms by size, and messages over 2 GiB, which MPI's
+calls refuse here (``MPI_ERR_ARG``: before 2026-12-05 a sub-group's broadcast of a 2 GiB tensor
+failed so), take pieces or our point-to-point algorithms ([Note: messages over 2 GiB] in
+:mod:`unison.collectives.select`).
 Before each call the members all-gather a 16-byte signature (operation, dtype, shape, root), so
 tensors that differ across ranks raise the same error on every member instead of hanging or
 truncating. The ``Work`` objects are the engine's (``collective_work``): ``wait()`` and
@@ -23,10 +28,11 @@ from typing import Any
 
 import numpy as np
 
-from unison.collectives.native import mpi_op
-from unison.collectives.reduce import accumulator, check_op, finalize
+from unison.collectives import kernels
+from unison.collectives.reduce import check_op
+from unison.common import runtime
 from unison.common.exceptions import MismatchError
-from unison.common.ops import Average, ReduceOp, Sum
+from unison.common.ops import ReduceOp, Sum
 
 __all__ = ["CommOps", "create_sub_communicator"]
 
@@ -59,22 +65,17 @@ def _name(op: Any) -> str:
     return op.name.capitalize() if isinstance(op, ReduceOp) else str(op)
 
 
-def _wide(arr: np.ndarray, op: Any = None) -> np.ndarray:
-    """float16/bfloat16 reduce as float32 (MPI has no half types); an integer average sums in int64
-    (core [Note: integer average]: int8 200 + 200 wrapped, and the division floored)."""
+def _wide(arr: np.ndarray) -> np.ndarray:
+    """float16/bfloat16 reduce as float32 (summed wide, rounded once); the kernels widen an integer
+    average themselves (core [Note: integer average])."""
     if arr.dtype.itemsize == 2 and arr.dtype.kind in "fV":
         return arr.astype(np.float32)
-    wide = accumulator(arr.dtype, op) if op is Average else None
-    return arr if wide is None else arr.astype(wide)
+    return np.ascontiguousarray(arr)
 
 
-def _average(out: np.ndarray, size: int) -> np.ndarray:
-    """The sum ``out`` divided by ``size``: integers truncated toward zero (C's and the engine's rule,
-    where ``//`` floored: -3 // 2 was -2)."""
-    if out.dtype.kind == "f":
-        return out / size
-    finalize(out, Average, size, 1.0)
-    return out
+def _setting(field: str, default: Any) -> Any:
+    """The job's setting ``field`` (the engine's, so a sub-group runs as the world group does)."""
+    return getattr(runtime.state().config, field) if runtime.is_initialized() else default
 
 
 class CommOps:
@@ -87,6 +88,10 @@ class CommOps:
         self.comm, self.mpi = comm, MPI
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"unison-pg-{name}")
+
+    @staticmethod
+    def _chunk() -> int:
+        return int(_setting("chunk_bytes", 1 << 20))
 
     def _submit(self, fn: Callable[..., Any], *args: Any) -> _Pending:
         return _Pending(self._thread.submit(fn, *args))
@@ -110,11 +115,10 @@ class CommOps:
     def _allreduce(self, arr: np.ndarray, op: Any, into: np.ndarray | None = None) -> np.ndarray:
         self._agree(f"allreduce/{_name(op)}", arr, arr.shape)
         check_op(arr.dtype, op, 1.0, 1.0)  # after the agreement: every member raises alike
-        send = np.ascontiguousarray(_wide(arr, op))
+        send = _wide(arr)
         out = np.empty_like(send)
-        self.comm.Allreduce(send, out, op=mpi_op(self.mpi, send.dtype, op))
-        if op is Average:
-            out = _average(out, self.size)
+        kernels.allreduce(self.comm, self.mpi, send.reshape(-1), out.reshape(-1), op, 1.0, 1.0,
+                          _setting("allreduce_algorithm", "auto"), self._chunk())
         if into is not None:
             np.copyto(into, out, casting="unsafe")
             return into
@@ -125,8 +129,9 @@ class CommOps:
 
     def _broadcast(self, arr: np.ndarray, root: int) -> np.ndarray:
         self._agree("broadcast", arr, arr.shape, root)
-        buf = np.ascontiguousarray(arr).copy()
-        self.comm.Bcast(buf.reshape(-1).view(np.uint8), root=root)
+        buf = np.empty(arr.shape, arr.dtype)
+        kernels.broadcast(self.comm, self.mpi, buf, root, _setting("broadcast_algorithm", "auto"), self._chunk(),
+                          source=np.ascontiguousarray(arr) if self.rank == root else None)
         return buf
 
     def allgather_async(self, tensor: Any) -> _Pending:
@@ -136,7 +141,8 @@ class CommOps:
         self._agree("allgather", arr, arr.shape)
         send = np.ascontiguousarray(arr)
         out = np.empty((self.size * send.shape[0],) + send.shape[1:], send.dtype)
-        self.comm.Allgather(send.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8))
+        kernels.allgatherv(self.comm, self.mpi, send, out, [send.nbytes] * self.size,
+                           _setting("allgather_algorithm", "auto"), self._chunk())
         return out
 
     def reducescatter_async(self, tensor: Any, op: Any = Sum) -> _Pending:
@@ -146,11 +152,10 @@ class CommOps:
         """``stacked``: one piece per member along axis 0; returns this member's reduced piece."""
         self._agree(f"reducescatter/{_name(op)}", stacked, stacked.shape)
         check_op(stacked.dtype, op, 1.0, 1.0)
-        send = np.ascontiguousarray(_wide(stacked, op))
+        send = _wide(stacked)
         out = np.empty(send.shape[1:], send.dtype)
-        self.comm.Reduce_scatter_block(send, out, op=mpi_op(self.mpi, send.dtype, op))
-        if op is Average:
-            out = _average(out, self.size)
+        kernels.reducescatter(self.comm, self.mpi, send.reshape(-1), out.reshape(-1), [out.size] * self.size,
+                              op, 1.0, 1.0, _setting("reducescatter_algorithm", "auto"), self._chunk())
         return out.astype(stacked.dtype, copy=False)
 
     def alltoall_async(self, tensor: Any, splits: Any = None) -> _Pending:
@@ -162,15 +167,14 @@ class CommOps:
         rows = arr.shape[0] if arr.ndim else 1
         send_rows = (np.full(self.size, rows // self.size, np.int64) if splits is None
                      else np.asarray(splits, np.int64))
-        recv_rows = np.empty(self.size, np.int64)
-        self.comm.Alltoall(send_rows, recv_rows)
-        width = int(np.prod(arr.shape[1:], dtype=np.int64)) * arr.dtype.itemsize
+        row_bytes = int(np.prod(arr.shape[1:], dtype=np.int64)) * arr.dtype.itemsize
+        every = np.empty((self.size, self.size), np.int64)  # rows, sender by receiver: the same everywhere
+        self.comm.Allgather(send_rows, every)
+        recv_rows = every[:, self.rank].copy()
         out = np.empty((int(recv_rows.sum()),) + arr.shape[1:], arr.dtype)
-        sc, rc = send_rows * width, recv_rows * width
-        sd = np.concatenate([[0], np.cumsum(sc)[:-1]])
-        rd = np.concatenate([[0], np.cumsum(rc)[:-1]])
-        self.comm.Alltoallv([np.ascontiguousarray(arr).reshape(-1).view(np.uint8), (sc.tolist(), sd.tolist())],
-                            [out.reshape(-1).view(np.uint8), (rc.tolist(), rd.tolist())])
+        kernels.alltoallv(self.comm, self.mpi, np.ascontiguousarray(arr), [int(v) * row_bytes for v in send_rows],
+                          out, [int(v) * row_bytes for v in recv_rows], _setting("alltoall_algorithm", "auto"),
+                          self._chunk(), largest=kernels.alltoall_largest(every, row_bytes))
         return out, recv_rows
 
     def close(self) -> None:
