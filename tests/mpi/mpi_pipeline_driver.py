@@ -176,6 +176,19 @@ def test_a_failing_worker_raises_the_same_error_on_every_rank_and_the_next_step_
     driver.close()
 
 
+@pytest.mark.parametrize("name", ["1f1b", "interleaved"])
+def test_payloads_in_pieces_arrive_whole_and_a_failure_drains_every_piece(name, monkeypatch):
+    """Before: a boundary's payload went as one MPI message, and Open MPI refuses one over 2**31 - 1 bytes
+    (MPI_ERR_ARG: a 2 GiB activation failed; now checked by hand at 2 GiB + 8 MiB). The piece size is lowered
+    here so that a microbatch (3 x 6 float64, 144 bytes) takes 4 pieces: exact gradients, and after failures
+    that leave pieces unread the ledger drains them all (the next step is exact)."""
+    from unison.common.pipeline import messages
+
+    monkeypatch.setattr(messages, "PIECE_BYTES", 40)
+    test_gradients_and_peaks_match_one_process_and_the_simulator(name)
+    test_a_failing_worker_raises_the_same_error_on_every_rank_and_the_next_step_works(name)
+
+
 @pytest.mark.parametrize("name", ["1f1b", "interleaved", "zb-h1"])
 def test_a_microbatch_of_another_shape_raises_on_every_rank(name):
     m, v = (2 * N, 2) if name == "interleaved" else (N + 2, 1)

@@ -217,13 +217,13 @@ class PipelineDriver:
         if not status[0]:
             run.mailbox.wait_all()
             return
-        ledger = [(self._world_of[dest], tag, had) for dest, tag, had in run.mailbox.sent]
+        ledger = [(self._world_of[dest], tag, pieces) for dest, tag, pieces in run.mailbox.sent]
         mine = None if failure is None else (failure.level, failure.message, failure.trace)
         records = self.world.allgather((mine, self.rank, ledger))
         for _, source, sent in records:
-            for dest, tag, had in sent:
+            for dest, tag, pieces in sent:
                 if dest == self.world_rank:
-                    run.mailbox.discard(source, tag, had)
+                    run.mailbox.discard(source, tag, pieces)
         run.mailbox.wait_all()
         origin = min((r for r, (info, _, _) in enumerate(records) if info and info[0] == ORIGIN))
         _, message, trace = records[origin][0]
