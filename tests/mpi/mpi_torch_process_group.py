@@ -320,6 +320,52 @@ def test_ddp_fp16_compress_hook():
     assert any(differs)  # the hook did run (float16 rounding shows)
 
 
+def test_point_to_point_messages_in_pieces(monkeypatch):
+    """Before: a send or receive was one MPI message, and Open MPI refuses a count of 2**31 bytes or more
+    (dist.send of a 2 GiB + 4 KiB tensor failed with MPI_ERR_ARG; now checked by hand both ways). The piece
+    size is lowered to 16 bytes here: messages of many pieces, of an exact number of pieces (an empty piece
+    ends them), shorter than the tensor received into, two in flight from one sender with one tag (waited in
+    reverse order: the later receive must not take the earlier one's pieces), from any source, bfloat16."""
+    from unison.torch_backend import process_group_work
+
+    monkeypatch.setattr(process_group_work, "P2P_PIECE_BYTES", 16)
+    r, n = _rank_size()
+    if n == 1:
+        pytest.skip("needs two ranks")
+    ahead, behind = (r + 1) % n, (r - 1) % n
+    longer = torch.full((50,), -1.0, dtype=torch.float64)
+    exact = torch.zeros(2, dtype=torch.float64)
+    first, second = torch.zeros(40, dtype=torch.float64), torch.zeros(40, dtype=torch.float64)
+    half = torch.zeros(30, dtype=torch.bfloat16)
+    recvs = [dist.irecv(longer, src=behind, tag=3), dist.irecv(exact, src=behind, tag=4),
+             dist.irecv(first, src=behind, tag=5), dist.irecv(second, src=behind, tag=5),
+             dist.irecv(half, src=behind, tag=6)]
+    sends = [dist.isend(t, dst=ahead, tag=tag) for t, tag in (
+        (_values(r, (40,)), 3), (_values(r, (2,)), 4), (_values(r, (40,)), 5), (_values(r + 100, (40,)), 5),
+        (_values(r, (30,), torch.bfloat16), 6))]
+    for work in reversed(recvs):
+        work.wait()
+    for work in sends:
+        work.wait()
+    np.testing.assert_array_equal(longer[:40].numpy(), _values(behind, (40,)).numpy())
+    np.testing.assert_array_equal(longer[40:].numpy(), -1.0)  # a shorter message leaves the rest
+    np.testing.assert_array_equal(exact.numpy(), _values(behind, (2,)).numpy())
+    np.testing.assert_array_equal(first.numpy(), _values(behind, (40,)).numpy())
+    np.testing.assert_array_equal(second.numpy(), _values(behind + 100, (40,)).numpy())
+    assert torch.equal(half, _values(behind, (30,), torch.bfloat16))
+    if r == 0:
+        seen = set()
+        for _ in range(n - 1):
+            t = torch.zeros(9, dtype=torch.int64)
+            src = dist.recv(t, tag=9)  # any source: the rest of the pieces from the same sender
+            assert t.tolist() == [src * 10 + k for k in range(9)]
+            seen.add(src)
+        assert seen == set(range(1, n))
+    else:
+        dist.send(torch.arange(9) + r * 10, dst=0, tag=9)
+    dist.barrier()
+
+
 def test_batch_isend_irecv_around_a_ring():
     """``dist.batch_isend_irecv`` (as torch's pipelining uses it): each op issued on its own, all in flight."""
     r, n = _rank_size()

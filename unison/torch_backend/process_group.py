@@ -43,7 +43,15 @@ from unison.common.engine import frontend
 from unison.common.ops import Average, Band, Bor, Bxor, Max, Min, Product, Sum
 from unison.torch_backend import process_group_functional as functional
 from unison.torch_backend.process_group_sub import CommOps, create_sub_communicator
-from unison.torch_backend.process_group_work import P2PWork, collective_work, copy_into, host, seconds
+from unison.torch_backend.process_group_work import (
+    P2PWork,
+    PiecedRecv,
+    PiecedSend,
+    collective_work,
+    copy_into,
+    host,
+    seconds,
+)
 
 __all__ = ["UnisonProcessGroup", "BACKEND"]
 
@@ -99,7 +107,7 @@ def _into(targets: list[torch.Tensor],
 
 class UnisonProcessGroup(dist.ProcessGroup):
     """A process group of ``init_process_group("unison")``: the default group (every rank: the engine) or,
-    given ``ops``, a sub-group whose collectives are MPI calls on its own communicator (process_group_sub.py)."""
+    given ``ops``, a sub-group whose collectives run on its own communicator (process_group_sub.py)."""
 
     def __init__(self, rank: int, size: int, ops: Any = None, comm: Any = None,
                  timeout_s: float | None = None) -> None:
@@ -112,6 +120,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
         # instead (a collective), it waited for ranks that were not sending, e.g. in a barrier
         base = comm if comm is not None else runtime.state("torch.distributed").comm
         self._p2p_comm: Any = base.Dup()
+        self._big_receives: list[PiecedRecv] = []  # ([Note: point-to-point messages in pieces])
         #: init_process_group/new_group(timeout=...): how long wait() waits before DistBackendError
         self._timeout_s = timeout_s
 
@@ -301,7 +310,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
         (t,) = tensors
         # as bytes: mpi4py takes no bfloat16 array (a BufferError where gloo sends it)
         data = _bytes(np.ascontiguousarray(host(t, "send")))
-        return P2PWork(self._p2p_comm.Isend(data, dest=dst, tag=tag), data, timeout_s=self._timeout_s)
+        return P2PWork(PiecedSend(self._p2p_comm, data, dst, tag), data, timeout_s=self._timeout_s)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
         return self._recv(tensors, src, tag)
@@ -316,7 +325,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
         # the tensor's own values first: a shorter message leaves the rest of it as it was (as gloo),
         # where an empty buffer copied uninitialised memory into it
         buf = np.array(host(t, "recv"), copy=True, order="C")
-        return P2PWork(self._p2p_comm.Irecv(_bytes(buf), source=src, tag=tag), buf, into=t,
+        return P2PWork(PiecedRecv(self._p2p_comm, _bytes(buf), src, tag, self._big_receives), buf, into=t,
                        timeout_s=self._timeout_s)
 
     def barrier(self, opts: Any = None) -> dist.Work:
