@@ -115,3 +115,39 @@ def test_wait_raises_when_its_engine_thread_is_gone(monkeypatch):
     handle._engine = _GoneEngine()  # as Engine.submit records it
     with pytest.raises(ShutdownError, match="has ended"):
         handle.wait(timeout=5)
+
+
+def test_timeline_streams_to_its_path_and_stop_ends_open_slices(tmp_path, monkeypatch):
+    """Before 2026-12-05: the trace was renamed into place only at stop() (a job that died left a hidden
+    temporary file), a relative path was resolved again at stop() (a chdir moved it, or stop() raised),
+    and slices open at stop() stayed open while an end for a slice begun before start() was written."""
+    monkeypatch.chdir(tmp_path)
+    tl = Timeline()
+    tl.end("before", "ALLREDUCE")  # inactive: nothing
+    tl.start("tl.json")
+    tl.begin("t", "NEGOTIATE_ALLREDUCE")
+    tl.flush()
+    during = (tmp_path / "tl.json").read_text()  # at the path while recording, as Chrome reads it unclosed
+    assert {e["name"] for e in json.loads(during + "]")} >= {"NEGOTIATE_ALLREDUCE", "thread_name"}
+    tl.end("u", "QUEUE")  # never begun in this file: no end event
+    tl.begin("t", "ALLREDUCE")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    tl.stop()
+    events = json.loads((tmp_path / "tl.json").read_text())
+    assert [(e["name"], e["ph"]) for e in events if e["ph"] in "BE"] == [
+        ("NEGOTIATE_ALLREDUCE", "B"), ("ALLREDUCE", "B"), ("ALLREDUCE", "E"), ("NEGOTIATE_ALLREDUCE", "E")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "tl.json"]
+    assert not list((tmp_path / "elsewhere").iterdir())
+
+
+def test_timeline_abandon_marks_the_abort_and_closes_the_trace(tmp_path):
+    tl = Timeline()
+    tl.start(str(tmp_path / "tl.json"))
+    tl.begin("grad", "ALLREDUCE")
+    tl.abandon("the collective timeout")
+    assert not tl.active
+    events = json.loads((tmp_path / "tl.json").read_text())
+    assert [e["name"] for e in events if e["ph"] == "i"] == ["job aborted: the collective timeout"]
+    assert [e["ph"] for e in events if e["name"] == "ALLREDUCE"] == ["B", "E"]
+    tl.abandon("again")  # closed: nothing more

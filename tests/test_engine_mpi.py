@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 
@@ -21,12 +22,13 @@ import time, numpy as np, unison
 from mpi4py import MPI
 unison.init()
 if unison.rank() == 1:
+    t0 = time.monotonic()
     h = unison.allreduce_async(np.ones(3), name="grad/stuck")
     try:
         unison.synchronize(h)
         print("NO ERROR")
     except unison.StallError as e:
-        print("rank 1 got StallError:", e, flush=True)
+        print(f"rank 1 got StallError after {time.monotonic() - t0:.1f}s:", e, flush=True)
     MPI.COMM_WORLD.send("failed", dest=0)
 else:
     MPI.COMM_WORLD.recv(source=1)   # (instead of a sleep: the same order at any machine load)
@@ -42,15 +44,20 @@ print(f"rank {unison.rank()} finished", flush=True)
 """
 
 
-def test_stall_warning_names_tensor_and_missing_rank(tmp_path):
+@pytest.mark.parametrize("check", ["1", "60"])
+def test_stall_warning_names_tensor_and_missing_rank(tmp_path, check):
+    """check 60: a shutdown time below the check time still fails the stalled collective at the shutdown
+    time (before 2026-12-05 nothing happened until the check time)."""
     script = tmp_path / "stall.py"
     script.write_text(STALL)
-    env = mpi_env(UNISON_STALL_CHECK_TIME_SECONDS="1", UNISON_STALL_SHUTDOWN_TIME_SECONDS="3")
-    proc = mpirun(2, [sys.executable, str(script)], timeout=90, env=env)
+    env = mpi_env(UNISON_STALL_CHECK_TIME_SECONDS=check, UNISON_STALL_SHUTDOWN_TIME_SECONDS="3")
+    proc = mpirun(2, [sys.executable, str(script)], timeout=120, env=env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "stalled collectives: 'grad/stuck'" in out and "missing on rank(s) [0]" in out, out
-    assert "rank 1 got StallError: stalled for more than UNISON_STALL_SHUTDOWN_TIME_SECONDS=3" in out
+    failed = next(line for line in out.splitlines() if line.startswith("rank 1 got StallError after"))
+    assert "stalled for more than UNISON_STALL_SHUTDOWN_TIME_SECONDS=3" in failed, out
+    assert float(failed.split("after ")[1].split("s:")[0]) < 30, failed
     assert "NO ERROR" not in out
     assert "rank 0 finished" in out and "rank 1 finished" in out
     # the stall inspector's decision reaches the rank that never submitted the name
@@ -238,6 +245,44 @@ def test_autotune_moves_parameters_and_keeps_ranks_consistent(tmp_path):
     assert all(float(r["bytes_per_s"]) > 0 for r in rows)
 
 
+AUTOTUNE_SET = """
+import time, numpy as np, unison
+from mpi4py import MPI
+from unison.common.engine import frontend
+unison.init()
+eng = frontend.engine()
+tuner = eng.autotuner
+default = eng.fusion_threshold
+time.sleep(0.3)  # idle cycles with no warm-up sample: nothing applied before bytes flow
+assert eng.fusion_threshold == default and not tuner.history, (eng.fusion_threshold, tuner.history)
+every = unison.add_process_set(list(range(unison.size())))  # every gradient through a set of all ranks
+for step in range(400):
+    hs = [unison.allreduce_async(np.ones(16384, np.float32), op=unison.Sum, name=f"w{i}", process_set=every)
+          for i in range(8)]
+    for h in hs:
+        assert unison.synchronize(h)[0] == unison.size()
+    if MPI.COMM_WORLD.allreduce(int(tuner.done), op=MPI.MIN):
+        break
+settings = {(t, c) for _, t, c in tuner.history}
+print(f"rank {unison.rank()} done={tuner.done} settings={len(settings)}", flush=True)
+"""
+
+
+def test_autotune_counts_a_process_set_of_every_rank_and_waits_for_bytes(tmp_path):
+    """Before: only the global set's bytes counted, so a job reducing through a set of all ranks never
+    tuned; and with no warm-up sample the first candidate (fusion threshold 0) was applied at the first
+    cycle and kept for good."""
+    script = tmp_path / "tune_set.py"
+    script.write_text(AUTOTUNE_SET)
+    env = mpi_env(UNISON_AUTOTUNE="1", UNISON_AUTOTUNE_STEPS_PER_SAMPLE="3", UNISON_AUTOTUNE_WARMUP_SAMPLES="0")
+    proc = mpirun(2, [sys.executable, str(script)], timeout=240, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert out.count("done=True") == 2, out
+    settings = {line.split("settings=")[1].split()[0] for line in out.splitlines() if "settings=" in line}
+    assert all(int(s) >= 5 for s in settings), out
+
+
 SHUTDOWN_RACE = """
 import collections, sys, time, numpy as np, unison
 from mpi4py import MPI
@@ -389,7 +434,8 @@ print("NOT ABORTED", flush=True)
 def test_collective_timeout_ends_the_job_with_a_report(case, tmp_path):
     script = tmp_path / "timeout.py"
     script.write_text(COLLECTIVE_TIMEOUT)
-    env = mpi_env(UNISON_COLLECTIVE_TIMEOUT_SECONDS="3")
+    trace = tmp_path / "traces" / "tl.json"
+    env = mpi_env(UNISON_COLLECTIVE_TIMEOUT_SECONDS="3", UNISON_TIMELINE=str(trace))
     start = time.monotonic()
     proc = mpirun(2, [sys.executable, str(script), case], timeout=90, env=env)
     out = proc.stdout + proc.stderr
@@ -399,6 +445,14 @@ def test_collective_timeout_ends_the_job_with_a_report(case, tmp_path):
     assert "UNISON_COLLECTIVE_TIMEOUT_SECONDS=3" in out and "'grad/a'" in out, out
     if case == "missing":
         assert "not submitted by rank(s) [1]" in out, out
+        # the timeline is closed before the abort, its open slice ended (before 2026-12-05: no file at the
+        # path, only an empty hidden temporary one beside it)
+        events = json.loads(trace.read_text())
+        assert [e["name"] for e in events if e["name"].startswith("job aborted")] == [
+            "job aborted: the collective timeout (UNISON_COLLECTIVE_TIMEOUT_SECONDS)"], events
+        slices = [e["ph"] for e in events if e.get("name") == "NEGOTIATE_ALLREDUCE"]
+        assert slices == ["B", "E"], events
+        assert sorted(p.name for p in trace.parent.iterdir()) == ["tl.json"]
     if case == "engine-failure":
         assert "rank 1 caught: injected failure" in out, out
         assert "submitted by every rank" in out, out

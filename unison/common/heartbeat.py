@@ -215,6 +215,7 @@ class Heartbeat:
     def _abort(self, line: str) -> None:
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
+        runtime.before_abort("a rank stopped answering (the heartbeat)")
         self.mpi.COMM_WORLD.Abort(ABORT_CODE)
 
 

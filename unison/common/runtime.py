@@ -325,6 +325,7 @@ def _shutdown_at_exit() -> None:
         mpi = _import_mpi()
         if mpi is not None:
             sys.stderr.flush()
+            before_abort(f"the program exited with status {_exit_status}")
             mpi.COMM_WORLD.Abort(_exit_status)
     shutdown()
 
@@ -434,6 +435,27 @@ def shutdown() -> None:
 
 _shutdown_hooks: list[Any] = []
 _init_hooks: list[Any] = []
+_abort_hooks: list[Any] = []
+
+
+def add_abort_hook(hook: Any) -> None:
+    """Run ``hook(state, reason)`` before Unison ends the job with ``MPI_Abort`` (used by the engine: its
+    timeline is closed first). A hook must be quick and must not communicate."""
+    if hook not in _abort_hooks:
+        _abort_hooks.append(hook)
+
+
+def before_abort(reason: str) -> None:
+    """Run the abort hooks (each at most once per failure; errors in them are logged, never raised):
+    every path of Unison that calls ``MPI_Abort`` calls this first."""
+    s = _state
+    if s is None:
+        return
+    for hook in list(_abort_hooks):
+        try:
+            hook(s, reason)
+        except Exception:  # noqa: BLE001 - the job is being ended: nothing may stop that
+            logger.debug("an abort hook failed", exc_info=True)
 
 
 def add_shutdown_hook(hook: Any) -> None:
@@ -527,6 +549,7 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException,
     out.flush()
     mpi = _import_mpi()
     if mpi is not None and s is not None and s.size > 1 and not issubclass(exc_type, KeyboardInterrupt):
+        before_abort(f"uncaught {exc_type.__name__}")
         mpi.COMM_WORLD.Abort(1)
     if _previous_excepthook not in (None, sys.__excepthook__):
         _previous_excepthook(exc_type, exc, tb)

@@ -4,13 +4,17 @@ With ``UNISON_AUTOTUNE=1`` the engine runs trials: each candidate setting is
 kept for a sample of at least ``UNISON_AUTOTUNE_STEPS_PER_SAMPLE`` cycles and
 ``SAMPLE_BYTES`` executed (after ``UNISON_AUTOTUNE_WARMUP_SAMPLES`` discarded
 ones), and scored by bytes per second. Trial boundaries depend only on counters
-that are identical on every rank: the global set's cycle count and the executor's
-``agreed_bytes`` (executor [Note: agreed bytes]), never on bytes only this rank
-received (an uneven alltoall or reducescatter), so all ranks reach them in the same
+that are identical on every rank: the global set's cycle count and the executors'
+``agreed_bytes`` (executor [Note: agreed bytes]) summed over the process sets of every
+rank (the global set, and any registered set of all ranks: a job that reduces through
+one tuned nothing before 2026-12-05), never on bytes only this rank received (an
+uneven alltoall or reducescatter) or a smaller set's, so all ranks reach them in the same
 cycle and enter the decision's broadcast together; rank 0 scores the trial and
 broadcasts the next setting, so every rank always uses the same values. The search
 is coordinate-wise: fusion thresholds at the default cycle time, then cycle times
-at the best threshold; the best setting found is kept for the rest of the job.
+at the best threshold; the best setting found is kept for the rest of the job. The
+first candidate is applied only once bytes flow (before that, with no warm-up sample,
+it was applied at the first cycle and kept for good when none came: fusion off).
 Each trial is a row of ``UNISON_AUTOTUNE_LOG`` (CSV, written by rank 0 into a file
 it creates afresh: see :func:`~unison.common.engine.timeline.open_fresh`).
 """
@@ -79,28 +83,31 @@ class Autotuner:
             self._log.close()
             self._log = None
 
-    def step(self, st: Any) -> tuple[int, float] | None:
-        """Called once per cycle on every rank; returns new (threshold, cycle ms) or None."""
-        change = self._step(st)
+    def step(self, st: Any, agreed_bytes: int) -> tuple[int, float] | None:
+        """Called once per cycle on every rank, with the global set's state ``st`` and the bytes reduced
+        so far as every rank counts them alike; returns new (threshold, cycle ms) or None."""
+        change = self._step(st, agreed_bytes)
         if change is not None:
             self.history.append((st.controller.cycles, int(change[0]), float(change[1])))
         return change
 
-    def _step(self, st: Any) -> tuple[int, float] | None:
+    def _step(self, st: Any, agreed: int) -> tuple[int, float] | None:
         if self.done:
             return None
-        ctl, ex = st.controller, st.executor
+        ctl = st.controller
         now = time.monotonic()
         if self._start is None:
-            self._start = (now, ctl.cycles, ex.agreed_bytes)
+            if not agreed:  # nothing reduced yet (alike on every rank): keep the configured values
+                return None
+            self._start = (now, ctl.cycles, agreed)
             return self._enter()
         t0, c0, b0 = self._start
-        nbytes = ex.agreed_bytes - b0
+        nbytes = agreed - b0
         if ctl.cycles - c0 < self.steps or nbytes < SAMPLE_BYTES:  # alike on every rank
             return None
         best = self._agree(st, self._score(nbytes / max(now - t0, 1e-9), nbytes, now - t0)
                            if self.rank == 0 else None)
-        self._start = (time.monotonic(), ctl.cycles, ex.agreed_bytes)
+        self._start = (time.monotonic(), ctl.cycles, agreed)
         return self._advance(best)
 
     @staticmethod

@@ -285,7 +285,9 @@ class Controller:
             b = low.bit_length() - 1
             name = names[b]
             if name is not None:
-                times = self.bit_seen.pop(b, None) if per_rank is not None else None
+                times = self.bit_seen.pop(b, None)
+                if per_rank is None:  # recorded while an earlier timeline ran: not this one's
+                    times = None
                 responses.append(Response(name, sigs[name], pending.pop(name, None), ready_times=times))
                 self.cache_bit[name] = self.cache_bit.pop(name)  # most recently used
         if any_flags & FLAG_ANNOUNCE:
@@ -295,6 +297,8 @@ class Controller:
         # every rank gathers the ready times from the next cycle on while rank 0's timeline records
         # (agreed through this cycle's flags, so every rank picks the same collective next time)
         self.timeline_mode = bool(any_flags & FLAG_TIMELINE)
+        if not self.timeline_mode:
+            self.bit_seen.clear()  # ready times of a timeline that stopped: a later one must not show them
         return responses, any_flags, all_joined
 
     def _note_ready_times(self, per_rank: np.ndarray) -> None:
@@ -443,3 +447,4 @@ class Controller:
         self.to_announce.clear()
         self.table.clear()
         self.seen_at.clear()
+        self.bit_seen.clear()

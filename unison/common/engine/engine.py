@@ -568,9 +568,10 @@ class Engine:
             flags |= stall_flags(st.controller, self.config, st.last_stall_report)
             if abandon is not None:
                 flags |= FLAG_STALL_ABORT
-            if flags & FLAG_STALL_CHECK:
-                st.last_stall_report = time.monotonic()
+            self.timeline.flush()  # what was recorded is on disk before a collective that may hang
             responses, any_flags, all_joined = st.controller.cycle(flags)
+            if any_flags & FLAG_STALL_CHECK:  # on every member: one check a period, not one per rank's clock
+                st.last_stall_report = time.monotonic()
             if any_flags & (FLAG_STALL_CHECK | FLAG_STALL_ABORT):
                 self._stall_round(st, abandon)
             st.executor.run(responses, self.fusion_threshold)
@@ -582,8 +583,11 @@ class Engine:
                 if sid == 0:
                     self._who_shut_down(st, stopping)
                 stop = True
+        self.timeline.flush()  # a job that then sleeps, or is killed, keeps this cycle's events
         if self.autotuner is not None:
-            self._apply_tuning(self.autotuner.step(self._sets[0]))
+            every = self._sets[0].controller.size  # sets of every rank count alike on every rank
+            agreed = sum(s.executor.agreed_bytes for s in self._sets.values() if s.controller.size == every)
+            self._apply_tuning(self.autotuner.step(self._sets[0], agreed))
         return stop
 
     def _who_shut_down(self, st: _SetState, stopping: bool) -> None:

@@ -184,6 +184,8 @@ class Executor:
         if self.timeline.active:
             for resp in resps:
                 (self.timeline.begin if begin else self.timeline.end)(resp.name, phase)
+            if begin:
+                self.timeline.flush()  # on disk before a collective that may hang
 
     def _fused(self, resps: list[Response], threshold: int) -> None:
         # split the group into buffers of at most `threshold` bytes

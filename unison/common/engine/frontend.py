@@ -107,8 +107,16 @@ def _local(kind: str, name: str, run: Callable[[], Any], post: Callable[[Any], A
         tl.end(name, kind)
 
 
+def _close_timelines(st: runtime.State, reason: str) -> None:
+    """Before the job is aborted: close the trace ([Note: a timeline survives the job] in .timeline)."""
+    for tl in (getattr(st.cache.get("engine"), "timeline", None), st.cache.get("local_timeline")):
+        if tl is not None:
+            tl.abandon(reason)
+
+
 runtime.add_shutdown_hook(_stop_engine)
 runtime.add_init_hook(_start_engine)
+runtime.add_abort_hook(_close_timelines)
 
 
 def _auto_name(kind: str, name: str | None, process_set: ProcessSet | None = None) -> str:

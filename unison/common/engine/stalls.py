@@ -29,13 +29,19 @@ __all__ = ["stall_flags", "stall_round"]
 logger = logging.getLogger(__name__)
 
 
+def _first_limit(cfg: Config) -> float:
+    """The age at which a pending request is first judged: the check time, or the shutdown time
+    when that is shorter (0: neither is set). Judged at the check time alone, a shutdown time
+    below it did nothing until the check time."""
+    limits = [t for t in (cfg.stall_check_time_seconds, cfg.stall_shutdown_time_seconds) if t]
+    return min(limits) if limits else 0.0
+
+
 def stall_flags(ctl: Controller, cfg: Config, last_report: float) -> int:
     """``FLAG_STALL_CHECK`` when this rank's oldest pending request is due a check, else 0."""
     if cfg.stall_check_disable or not ctl.pending:
         return 0
-    limit = cfg.stall_check_time_seconds
-    if cfg.stall_shutdown_time_seconds:
-        limit = min(limit, cfg.stall_shutdown_time_seconds) if limit else cfg.stall_shutdown_time_seconds
+    limit = _first_limit(cfg)
     if not limit:
         return 0
     now = time.monotonic()
@@ -117,7 +123,7 @@ def _judge(everyone: list[tuple[dict[str, float], list[int], str]], size: int, c
     worst = 0.0
     for name in sorted(have, key=lambda k: (-ages[k], k)):
         absent = [r for r in range(size) if r not in have[name] and r not in joined]
-        if absent and ages[name] >= (cfg.stall_check_time_seconds or ages[name]):
+        if absent and ages[name] >= (_first_limit(cfg) or ages[name]):
             lines.append(f"{name!r} (waiting {ages[name]:.1f} s) missing on rank(s) {to_job(absent)}")
             missing[name] = absent
             worst = max(worst, ages[name])

@@ -9,11 +9,19 @@ Each tensor is one row (a trace "thread") with nested phases::
     ALLREDUCE                                                     |-----|
     MEMCPY_OUT_FUSION_BUFFER                                             |-|
 
-Open it in https://ui.perfetto.dev or chrome://tracing. Events stream to a
-fresh temporary file next to ``path`` while recording (:func:`open_fresh`: never
-a predictable name that a planted symlink could redirect); ``stop()`` closes the
-JSON array and renames the file into place, so a reader never sees a half-written
-trace.
+Open it in https://ui.perfetto.dev or chrome://tracing.
+
+[Note: a timeline survives the job] The file is created fresh under a random name
+beside ``path`` (:func:`open_fresh`: never a predictable name that a planted
+symlink could redirect) and renamed over ``path`` at once, at ``start()``; events
+then stream into it, flushed before every negotiation and every collective, and
+``stop()`` ends the phases still open and closes the JSON array. A job that stalls,
+aborts or is killed therefore leaves its trace up to the collective it was in, at
+``path`` (Chrome and Perfetto read an array without its closing bracket), which is
+when a timeline is wanted most; an abort through Unison (the collective timeout's
+``MPI_Abort``, an uncaught exception) closes it first (:meth:`Timeline.abandon`).
+Before 2026-12-05 the file was renamed into place only at ``stop()``, so such a job
+left a hidden, often empty, temporary file and no trace.
 """
 
 from __future__ import annotations
@@ -56,6 +64,9 @@ class Timeline:
         self._lock = threading.Lock()
         self._t0 = time.monotonic()
         self._first = True
+        #: events not yet written: whole events only reach the file, so a killed job never leaves half of one
+        self._buf: list[str] = []
+        self._buf_chars = 0
 
     @property
     def active(self) -> bool:
@@ -65,32 +76,71 @@ class Timeline:
         with self._lock:
             if self._file is not None:
                 self._close()
-            self._path = os.fspath(path)
+            self._path = os.path.abspath(os.fspath(path))  # (a later chdir must not move it)
             self._file, self._tmp = open_fresh(self._path)
-            self._file.write("[\n")
+            self._buf, self._buf_chars = ["[\n"], 0
             self._tids.clear()
             self._open.clear()
             self._first = True
             self._emit({"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "unison engine"}})
+            self._write_out()
+            os.replace(self._tmp, self._path)  # published now: see [Note: a timeline survives the job]
 
     def stop(self) -> None:
         with self._lock:
             self._close()
 
+    def abandon(self, reason: str) -> None:
+        """Close the trace before the job is ended (``MPI_Abort``): the open phases end now, with an
+        instant event naming ``reason``. Waits at most a second for the lock (another thread may hold
+        it); a trace left open still reads up to its last flush."""
+        if self._file is None or not self._lock.acquire(timeout=1.0):
+            return
+        try:
+            if self._file is not None:
+                self._emit({"name": f"job aborted: {reason}"[:200], "ph": "i", "s": "g", "pid": 0,
+                            "ts": self._us(None)})
+                self._close()
+        finally:
+            self._lock.release()
+
+    def flush(self) -> None:
+        """Hand what was recorded to the OS (cheap when nothing was): the engine calls it before each
+        collective and after each cycle, so a job that hangs or is killed keeps it."""
+        if self._buf and self._file is not None:
+            with self._lock:
+                if self._file is not None:
+                    self._write_out()
+
+    def _write_out(self) -> None:
+        assert self._file is not None  # noqa: S101 - callers hold the lock and checked
+        self._file.write("".join(self._buf))
+        self._file.flush()
+        self._buf.clear()
+        self._buf_chars = 0
+
     def _close(self) -> None:
         if self._file is None:
             return
-        self._file.write("\n]\n")
-        self._file.flush()
+        now = self._us(None)
+        for name, phases in self._open.items():  # a slice begun and not ended stays open in a viewer
+            for phase in reversed(phases):
+                self._emit({"name": phase, "ph": "E", "pid": 0, "tid": self._tid(name), "ts": now})
+        self._open.clear()
+        self._buf.append("\n]\n")
+        self._write_out()
         os.fsync(self._file.fileno())
         self._file.close()
         self._file = None
-        os.replace(self._tmp, self._path)
 
     def _emit(self, event: dict) -> None:
         assert self._file is not None  # noqa: S101 - callers hold the lock and checked
-        self._file.write(("" if self._first else ",\n") + json.dumps(event))
+        text = ("" if self._first else ",\n") + json.dumps(event)
+        self._buf.append(text)
+        self._buf_chars += len(text)
         self._first = False
+        if self._buf_chars > 1 << 18:
+            self._write_out()
 
     def _tid(self, name: str) -> int:
         tid = self._tids.get(name)
@@ -117,13 +167,12 @@ class Timeline:
         if self._file is None:
             return
         with self._lock:
-            if self._file is not None:
+            phases = self._open.get(name)
+            if self._file is not None and phases and phase in phases:  # (not begun in this file: no end)
                 self._emit({"name": phase, "ph": "E", "pid": 0, "tid": self._tid(name), "ts": self._us(t)})
-                phases = self._open.get(name)
-                if phases and phase in phases:
-                    phases.reverse()
-                    phases.remove(phase)  # (the latest one of that phase)
-                    phases.reverse()
+                phases.reverse()
+                phases.remove(phase)  # (the latest one of that phase)
+                phases.reverse()
                 if not phases:
                     self._open.pop(name, None)
 

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from unison.common import runtime
 from unison.common.engine.requests import Kind
 
 __all__ = ["Watchdog", "abort_job", "on_collective_timeout", "overdue_report"]
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 def abort_job(engine: Any, report: str) -> None:
     """The default :data:`on_collective_timeout`: end every rank of the job (``MPI_Abort``)."""
+    runtime.before_abort("the collective timeout (UNISON_COLLECTIVE_TIMEOUT_SECONDS)")
     engine.mpi.COMM_WORLD.Abort(1)
 
 
