@@ -366,6 +366,27 @@ def test_point_to_point_messages_in_pieces(monkeypatch):
     dist.barrier()
 
 
+def test_complex_reductions_and_the_stack_forms():
+    """Before: complex reduce-scatter and reduce raised ("dtype complex128 is not supported"), and the
+    documented stack forms of all_gather_into_tensor and reduce_scatter_tensor raised on every rank."""
+    r, n = _rank_size()
+    z = [torch.arange(2.0 * n, dtype=torch.float64) * (k + 1) + 1j * (k - 0.5) for k in range(n)]
+    total = sum(v.numpy() for v in z)
+    out = torch.zeros(2, dtype=torch.complex128)
+    dist.reduce_scatter_tensor(out, z[r], op=dist.ReduceOp.AVG)
+    np.testing.assert_allclose(out.numpy(), total[2 * r:2 * r + 2] / n)
+    red = z[r].clone()
+    dist.reduce(red, dst=0)
+    if r == 0:
+        np.testing.assert_allclose(red.numpy(), total)
+    stacked = torch.zeros(n, 3)
+    dist.all_gather_into_tensor(stacked, torch.full((3,), float(r)))
+    np.testing.assert_array_equal(stacked.numpy(), np.repeat(np.arange(n, dtype=np.float32)[:, None], 3, axis=1))
+    piece = torch.zeros(3)
+    dist.reduce_scatter_tensor(piece, torch.arange(3.0 * n).reshape(n, 3) + r)
+    np.testing.assert_array_equal(piece.numpy(), n * np.arange(3.0 * n).reshape(n, 3)[r] + sum(range(n)))
+
+
 def test_batch_isend_irecv_around_a_ring():
     """``dist.batch_isend_irecv`` (as torch's pipelining uses it): each op issued on its own, all in flight."""
     r, n = _rank_size()

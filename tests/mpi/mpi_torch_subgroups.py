@@ -174,6 +174,35 @@ def test_messages_over_the_mpi_count_limit_take_pieces_or_our_algorithms(pairs, 
     assert small.tolist() == [2.0] * 8 and direct == ["allreduce"], direct
 
 
+def test_complex_reductions_and_the_stack_forms_inside_pairs(pairs):
+    """Before: complex reduce-scatter and reduce raised a bare KeyError in a sub-group (and AVG once
+    returned (6+0j) for (6.5+2.25j)); the documented stack forms of all_gather_into_tensor and
+    reduce_scatter_tensor raised on every rank."""
+    r = dist.get_rank()
+    group, members = _mine(pairs)
+    g = members.index(r)
+    z = {m: torch.arange(4, dtype=torch.float64).to(torch.complex128) * (m + 1) + 1j * (m - 0.5) for m in members}
+    total = sum(v.numpy() for v in z.values())
+    out = torch.zeros(2, dtype=torch.complex128)
+    dist.reduce_scatter_tensor(out, z[r], group=group)
+    np.testing.assert_allclose(out.numpy(), total[2 * g:2 * g + 2])
+    out64 = torch.zeros(2, dtype=torch.complex64)
+    dist.reduce_scatter_tensor(out64, z[r].to(torch.complex64), op=dist.ReduceOp.AVG, group=group)
+    np.testing.assert_allclose(out64.numpy(), total[2 * g:2 * g + 2] / 2, rtol=1e-6)
+    red = z[r].clone()
+    dist.reduce(red, dst=members[0], op=dist.ReduceOp.AVG, group=group)
+    if r == members[0]:
+        np.testing.assert_allclose(red.numpy(), total / 2)
+    with pytest.raises(TypeError, match="complex tensors takes SUM, AVG or PREMUL_SUM"):
+        dist.reduce_scatter_tensor(out, z[r], op=dist.ReduceOp.MAX, group=group)
+    stacked = torch.zeros(2, 3)
+    dist.all_gather_into_tensor(stacked, torch.full((3,), float(r)), group=group)
+    np.testing.assert_array_equal(stacked.numpy(), np.repeat(np.array(members, np.float32)[:, None], 3, axis=1))
+    piece = torch.zeros(3)
+    dist.reduce_scatter_tensor(piece, torch.arange(6.0).reshape(2, 3) + r, group=group)
+    np.testing.assert_array_equal(piece.numpy(), 2 * np.arange(6.0).reshape(2, 3)[g] + sum(members))
+
+
 def test_mismatched_tensors_raise_on_every_member(pairs):
     r = dist.get_rank()
     group, members = _mine(pairs)

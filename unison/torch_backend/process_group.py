@@ -86,6 +86,27 @@ def _premul(arr: np.ndarray, factor: float | None) -> np.ndarray:
     return (arr.astype(np.float64) * factor).astype(arr.dtype)
 
 
+def _real(tensors: list[torch.Tensor], op: Any, what: str, written: bool = False) -> list[torch.Tensor]:
+    """Complex tensors as their real views (sums and averages add the parts alike; ``allreduce`` gets
+    them so from PyTorch itself). ``written``: results land in them, so a lazily conjugated one is
+    refused (by ``view_as_real``) rather than resolved into a copy. Before 2026-12-05 a complex
+    ``reduce_scatter`` or ``reduce`` raised (in a sub-group, a bare ``KeyError``)."""
+    if not any(t.is_complex() for t in tensors):
+        return tensors
+    if op is not Sum and op is not Average:
+        raise TypeError(f"{what} of complex tensors takes SUM, AVG or PREMUL_SUM (as gloo); got {op}. Reduce "
+                        "the real and imaginary parts (torch.view_as_real) yourself for another op")
+    return [torch.view_as_real(t if written else t.resolve_conj()) if t.is_complex() else t for t in tensors]
+
+
+def _pieces_of(whole: torch.Tensor, like: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """``whole`` as one piece per rank shaped like ``like``: PyTorch's concatenation (``size`` times the
+    rows) or its stack (a new first axis of ``size``), which raised before 2026-12-05."""
+    if whole.dim() == like.dim() + 1 and whole.shape[0] == size and whole.shape[1:] == like.shape:
+        return list(whole.unbind(0))
+    return list(torch.chunk(whole, size))
+
+
 def _is_view(arr: np.ndarray, tensor: torch.Tensor) -> bool:
     """Whether ``arr`` is ``tensor``'s own memory (a contiguous CPU tensor's view), not a copy."""
     return bool(arr.size) and arr.__array_interface__["data"][0] == tensor.data_ptr()
@@ -177,17 +198,20 @@ class UnisonProcessGroup(dist.ProcessGroup):
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
                        opts: Any = None) -> dist.Work:
         op, factor = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        given = outputs
+        outputs = _real(outputs, op, "reduce_scatter", written=True)
+        inputs = [_real(pieces, op, "reduce_scatter") for pieces in inputs]
         handles = []
         for out, pieces in zip(outputs, inputs, strict=True):
             self._check_pieces(pieces, out, "reduce_scatter")
             stacked = _premul(np.stack([host(p, "reduce_scatter") for p in pieces]), factor)
             handles.append(self._ops.reducescatter_async(stacked, op))
 
-        return self._work(handles, _into(outputs))
+        return self._work(handles, lambda results: (_into(outputs)(results), given)[1])
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002 - PyTorch's
                               opts: Any = None) -> dist.Work:
-        return self.reduce_scatter([output], [list(torch.chunk(input, self._size))], opts)
+        return self.reduce_scatter([output], [_pieces_of(input, output, self._size)], opts)
 
     # ----------------------------------------------------------- movement
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
@@ -213,7 +237,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002 - PyTorch's
                           opts: Any = None) -> dist.Work:
-        return self.allgather([list(torch.chunk(output, self._size))], [input], opts)
+        return self.allgather([_pieces_of(output, input, self._size)], [input], opts)
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
         if len(inputs) != self._size or len(outputs) != self._size:
@@ -262,9 +286,10 @@ class UnisonProcessGroup(dist.ProcessGroup):
         """An all-reduce whose result only the root keeps (the engine fuses and pipelines it)."""
         root = opts.rootRank if opts is not None else 0
         op, factor = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        given, tensors = tensors, _real(tensors, op, "reduce", written=True)
         handles = [self._ops.allreduce_async(_premul(host(t, "reduce"), factor), op) for t in tensors]
 
-        return self._work(handles, _into(tensors, self._rank == root))
+        return self._work(handles, lambda results: (_into(tensors, self._rank == root)(results), given)[1])
 
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """Every rank's tensor to the root: an all-to-all in which only the root receives."""
