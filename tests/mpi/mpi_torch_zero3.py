@@ -449,6 +449,16 @@ def test_sharded_checkpoint_saved_at_4_loads_at_any_size():
     model = shard_module(make("mlp", seed=7))
     opt = make_opt("adam", model.parameters())
     assert hvd.load_sharded(path, model, opt) == {"step": 2}
+    # another number of parameter groups is refused on every rank, before anything loads (before 2026-12-05
+    # the groups were zipped: a one-group checkpoint's lr went to the first group, silently)
+    grouped = shard_module(make("mlp", seed=13))
+    gp = list(grouped.parameters())
+    with pytest.raises(ValueError, match="holds 1 parameter group.*this optimizer has 2"):
+        hvd.load_sharded(path, grouped, torch.optim.Adam([{"params": gp[:1]}, {"params": gp[1:], "lr": 0.5}]))
+    two = make("mlp", seed=14)
+    tp = list(two.parameters())
+    with pytest.raises(ValueError, match="holds 1 parameter group.*this optimizer has 2"):
+        hvd.load_sharded(path, two, torch.optim.Adam([{"params": tp[:1]}, {"params": tp[1:], "lr": 0.5}]))
     plain = make("mlp", seed=8)
     plain_opt = make_opt("adam", plain.parameters())
     hvd.load_sharded(path, plain, plain_opt)  # a plain model and optimizer, on every rank
@@ -574,6 +584,71 @@ def test_sharding_twice_raises():
 def test_tied_weights_across_units_raise():
     with pytest.raises(ValueError, match="tied weights.*unit_classes"):
         shard_module(make("tied", seed=1))
+
+
+def test_pre_hooks_registered_before_sharding_see_the_gathered_weights():
+    """Before: the gathering pre-hook ran after the module's existing ones, which read empty placeholders
+    (weight_norm's divided by zero and killed the process; spectral_norm's raised)."""
+    def build(seed):
+        torch.manual_seed(seed)
+        net = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+        net[0] = torch.nn.utils.weight_norm(net[0])
+        seen = []
+        net[2].register_forward_pre_hook(lambda m, a: seen.append(tuple(m.weight.shape)))
+        return net, seen
+
+    ref, _ = build(3)
+    model, seen = build(3)
+    shard_module(model)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(2):
+        x, y = global_batch("mlp", step, 3)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(mine(x, 3)), mine(y, 3)).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    assert seen == [(3, 5), (3, 5)], seen
+    assert_same_as_reference(model, ref)
+
+
+def test_refused_at_sharding_and_at_the_first_step():
+    """Before: a sparse embedding failed in backward ('reshape is not implemented for sparse tensors'), a
+    max_norm embedding lost its in-place renormalisation silently, a module shared by two units read the
+    other unit's placeholders, a deep copy served the original's shards (all cryptic errors or wrong numbers),
+    and a non-elementwise optimizer (Adafactor) over flat shards gave rank-count-dependent numbers."""
+    import copy
+
+    with pytest.raises(ValueError, match="sparse=True"):
+        shard_module(nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2)))
+    with pytest.raises(ValueError, match="max_norm=1.0"):
+        shard_module(nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 2)))
+    shared = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="same module.*different ZeRO-3 units"):
+        shard_module(nn.Sequential(nn.Sequential(shared, nn.Linear(4, 4)), nn.Sequential(shared, nn.Linear(4, 2))),
+                     unit_classes=(nn.Sequential,))
+    model = shard_module(make("mlp", seed=1))
+    with pytest.raises(TypeError, match="cannot be deep-copied"):
+        copy.deepcopy(model)
+    opt = torch.optim.Adafactor(model.parameters(), lr=0.01)
+    model(torch.randn(3, 6)).sum().backward()
+    with pytest.raises(ValueError, match="Adafactor"):
+        opt.step()
+    plain = nn.Linear(2, 2)  # an optimizer of an unsharded model is not checked
+    torch.optim.Adafactor(plain.parameters(), lr=0.01).step()
+
+
+def test_float16_gradients_average_without_overflow():
+    """Before: the average was summed in float16 first: two ranks' gradients of 40000 gave inf."""
+    torch.manual_seed(0)
+    model = shard_module(nn.Sequential(nn.Linear(1, 1, bias=False).half()))
+    x = torch.full((1, 1), 40000.0, dtype=torch.float16)
+    model(x).sum().backward()  # the weight's gradient is x on every rank
+    (shard,) = [p for p in model.parameters() if p.grad is not None]
+    assert shard.dtype == torch.float32 and torch.isfinite(shard.grad).all(), shard.grad
+    if R == 0:  # the weight's single element lives in the first rank's segment
+        assert shard.grad[0].item() == 40000.0
 
 
 def test_bad_unit_classes_raise():

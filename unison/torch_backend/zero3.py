@@ -74,6 +74,7 @@ from unison.torch_backend.handles import set_or_none
 from unison.torch_backend.tensors import to_numpy
 from unison.torch_backend.zero3_hooks import Sharded
 from unison.torch_backend.zero3_unit import ParamRef, build_unit, install, param_specs
+from unison.torch_backend.zero_state import check_optimizer
 
 __all__ = ["shard_module", "full_state_dict", "load_full_state_dict", "clip_sharded_grad_norm_",
            "zero3_memory"]
@@ -151,8 +152,44 @@ def shard_module(model: torch.nn.Module, process_set: ProcessSet | None = None,
     state = Sharded(model, units, keys, prefetch, ps, tag)
     state.install_hooks()
     model.__dict__["_unison_zero3"] = state
+    model.__dict__["__deepcopy__"] = _refuse_deepcopy
+    _check_optimizers_at_step()
     log.info("zero3: %d units, %d parameters sharded over %d ranks", len(units), mine[2], world)
     return model
+
+
+def _refuse_deepcopy(memo: Any) -> Any:
+    """``copy.deepcopy`` of a sharded model (an EMA or teacher copy): its hooks would gather the original's
+    units and leave the copy's placeholders in place (a cryptic shape error at forward, before 2026-12-05)."""
+    raise TypeError("a model sharded by shard_module (ZeRO stage 3) cannot be deep-copied: the copy's hooks "
+                    "would still serve the original's shards. Build a second model, load "
+                    "full_state_dict(model) into it (load_state_dict), and shard_module it if needed")
+
+
+_STEP_HOOK: list[Any] = []
+
+
+def _check_optimizers_at_step() -> None:
+    """Refuse, at its first ``step()``, an optimizer over ZeRO-3 shards whose update is not elementwise.
+
+    A shard is a flat slice of several parameters, so only an elementwise optimizer's numbers equal the
+    unsharded model's (Adafactor factored 1-D slices: rank-count-dependent results, before 2026-12-05).
+    The optimizer is built by the user after ``shard_module``, so the check is one global step pre-hook
+    (each optimizer checked once; the others pay an attribute read).
+    """
+    if _STEP_HOOK:
+        return
+
+    def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if optimizer.__dict__.get("_unison_zero3_checked"):
+            return
+        if any(getattr(p, "_unison_zero3_shard", False) for g in optimizer.param_groups for p in g["params"]):
+            check_optimizer(optimizer)  # raises on every rank alike: they build the same optimizer
+        optimizer.__dict__["_unison_zero3_checked"] = True
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    _STEP_HOOK.append(register_optimizer_step_pre_hook(hook))
 
 
 def _discover(model: Any, unit_classes: tuple[type, ...] | None, prefetch: Any) -> list[_Found]:
@@ -174,6 +211,17 @@ def _discover(model: Any, unit_classes: tuple[type, ...] | None, prefetch: Any) 
     found = [u for u in units.values() if u.params]
     if not found:
         raise ValueError(f"{type(model).__name__} has no parameters to shard")
+    for name, m in model.named_modules():
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse:
+            raise ValueError(f"{name or type(model).__name__!r} is an {type(m).__name__} with sparse=True; ZeRO "
+                             "stage 3 reduce-scatters dense gradients (a sparse one failed in backward with "
+                             "'reshape is not implemented for sparse tensors'). Use sparse=False, or zero_stage=0")
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.max_norm is not None:
+            raise ValueError(f"{name or type(model).__name__!r} is an {type(m).__name__} with max_norm="
+                             f"{m.max_norm}, which renormalises rows of its weight in place during forward; "
+                             "ZeRO stage 3 gathers a copy of the weight for the forward and frees it, so the "
+                             "renormalised rows were silently lost. Renormalise outside forward (torch.renorm "
+                             "on the shards' owner, e.g. after load_full_state_dict), or use zero_stage=0")
     bad = [(n, p.device) for f in found for n, p in zip(f.names, f.params, strict=True) if p.device.type != "cpu"]
     if bad:
         raise TypeError(f"ZeRO stage 3 handles CPU parameters; {bad[:3]} are not. Call model.cpu() first")
@@ -196,6 +244,18 @@ def _visit(mod: torch.nn.Module, prefix: str, current: _Found | None, model: tor
            owner: dict[int, tuple[_Found, str]], seen: set[int]) -> None:
     """Assign every parameter under ``mod`` to a unit (depth first, like ``named_modules``)."""
     if id(mod) in seen:
+        # met again under another parent: fine when it is a unit of its own (its hooks gather it) or
+        # when its parameters are in this same unit; a module inside two units would read the other
+        # unit's placeholders (a cryptic shape error at forward, before 2026-12-05)
+        if id(mod) not in units:
+            for pname, p in mod.named_parameters():
+                if id(p) in owner and owner[id(p)][0] is not current:
+                    raise ValueError(
+                        f"module {prefix.rstrip('.')!r} is the same module as the one holding "
+                        f"{owner[id(p)][1]!r}, but the two places belong to different ZeRO-3 units, which "
+                        "shard separately (its parameter "
+                        f"{pname!r} would be gathered by one only). Put both in one unit: shard_module(model, "
+                        "unit_classes=(TheirCommonParentClass,)), or make the shared module a unit class itself")
         return
     seen.add(id(mod))
     direct = [(a, p) for a, p in mod._parameters.items() if p is not None]

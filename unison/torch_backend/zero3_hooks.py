@@ -71,7 +71,9 @@ class Sharded:
     def install_hooks(self) -> None:
         """Register every hook (see the module docstring)."""
         for unit in self.units:
-            self._handles.append(unit.module.register_forward_pre_hook(self._pre_hook(unit)))
+            # first of the module's pre-hooks: one registered earlier (weight_norm's, spectral_norm's, a
+            # user's) read the empty placeholders (weight_norm's then divided by zero: the process died)
+            self._handles.append(unit.module.register_forward_pre_hook(self._pre_hook(unit), prepend=True))
             self._handles.append(unit.module.register_forward_hook(self._post_hook(unit), always_call=True))
             for v in unit.views:
                 if v.requires_grad:

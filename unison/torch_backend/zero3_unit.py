@@ -16,9 +16,11 @@ For trainable float16/bfloat16 parameters (``masters=True``, the default) the sh
 the fp32 master copy of this rank's segment, which the optimizer steps and keeps state for,
 while ``full`` and the views stay in the parameter's dtype. A gather rounds the segment to the
 half dtype before the all-gather (half the bytes on the wire, and every rank rounds its own
-segment the same way); a reduce-scatter runs in the half dtype and its result is added into the
-float32 ``shard.grad``. So an update smaller than the half dtype's resolution is kept in the
-master and reaches the gathered weights once the sum of such updates is large enough.
+segment the same way); a reduce-scatter runs in the half dtype, each rank's gradient divided by
+N before the sum (an average summed first overflowed: two float16 gradients of 40000 gave inf
+before 2026-12-05), and its result is added into the float32 ``shard.grad``. So an update
+smaller than the half dtype's resolution is kept in the master and reaches the gathered weights
+once the sum of such updates is large enough.
 
 The views are leaf tensors that require grad and share ``full``'s storage, so gathering is
 "resize the storage back and copy the all-gathered buckets in" and freeing is
@@ -42,7 +44,7 @@ import torch
 
 from unison.common.engine import frontend
 from unison.common.engine.process_sets import ProcessSet
-from unison.common.ops import Average
+from unison.common.ops import Average, Sum
 from unison.common.zero.plan import Bucket, ParamSpec, ShardPlan
 from unison.torch_backend.tensors import from_numpy, to_numpy
 
@@ -205,8 +207,13 @@ class Unit:
                     g = self.views[self.index[piece.name]].grad
                     if g is not None:
                         buf[piece.offset:piece.offset + piece.length].copy_(g.reshape(-1))
-                h = frontend.reducescatter_async(to_numpy(buf), Average, f"{self.tag}.{key}.b{b.index}.rs",
-                                                 process_set=self.process_set)
+                # half precision: each rank's share divided before the sum ([Note: ZeRO-3 master weights]),
+                # which cannot overflow where the sum of N float16 gradients can (2 x 40000 was inf)
+                h = (frontend.reducescatter_async(to_numpy(buf), Sum, f"{self.tag}.{key}.b{b.index}.rs",
+                                                  1.0 / self.plan.world, process_set=self.process_set)
+                     if flat.dtype in HALF else
+                     frontend.reducescatter_async(to_numpy(buf), Average, f"{self.tag}.{key}.b{b.index}.rs",
+                                                  process_set=self.process_set))
                 self.reduces.append((flat, b, h))
         for v in self.views:
             v.grad = None

@@ -211,15 +211,24 @@ def load_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
 
 def check_optimizer_class(where: str, saved_opt: dict[str, Any], optimizer: Any) -> None:
     """Raise when the checkpoint's optimizer state was saved from another optimizer class (its state
-    keys differ: the load would succeed and the first ``step()`` fail on a missing key).
+    keys differ: the load would succeed and the first ``step()`` fail on a missing key), or with
+    another number of parameter groups.
 
     Raises:
-        ValueError: the classes differ, naming both (every rank reads the same manifest: all raise).
+        ValueError: the classes or group counts differ, naming both (every rank reads the same
+            manifest: all raise, before anything is loaded).
     """
     saved, mine = saved_opt.get("class"), type(optimizer).__name__
     if saved is not None and saved != mine:
         raise ValueError(f"the checkpoint at {where!r} holds the state of a {saved} optimizer; this one is a "
                          f"{mine}. Load it into a {saved}, or pass optimizer=None to load the weights only")
+    groups = saved_opt.get("groups")
+    if groups is not None and len(groups) != len(optimizer.param_groups):  # (they were zipped: lr=0.5 from
+        # the first saved group landed in a one-group optimizer built with lr=0.001, and the rest was dropped)
+        raise ValueError(f"the checkpoint at {where!r} holds {len(groups)} parameter group(s); this optimizer has "
+                         f"{len(optimizer.param_groups)} (torch's load_state_dict refuses that too). Build the "
+                         "optimizer with the groups it was saved with, or pass optimizer=None to load the weights "
+                         "only")
 
 
 def _numbered(entry: str, names: dict[str, int]) -> str:
