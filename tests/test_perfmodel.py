@@ -102,6 +102,31 @@ def test_tree_time_by_hand() -> None:
     assert pm.tree_time(m, c) == pytest.approx(expected, rel=1e-12)
 
 
+def test_rhd_time_by_hand() -> None:
+    """Recursive halving and doubling (unison.collectives.rhd): added 2026-12-05 (the model had no rhd, which
+    Unison runs, and offered NCCL's tree, which it does not)."""
+    # one host of 8 (intra, two-way = one-way here): 3 halving steps of m/2, m/4, m/8, 3 doubling steps back
+    one = cluster(hosts=1, k=8, gamma_s_per_byte=1e-10)
+    m = 4 * MiB
+    steps = sum(pm._msgs(m / 2 ** i, MiB) * 1e-6 + m / 2 ** i * 1e-10 for i in (1, 2, 3))
+    assert pm.rhd_time(m, one) == pytest.approx(2 * steps + 7 / 8 * m * 1e-10, rel=1e-12)
+    # the textbook form when every message is one piece: 2 log2(p) a + 2 (p-1)/p m b + (p-1)/p m gamma
+    small = 64 << 10
+    assert pm.rhd_time(small, one) == pytest.approx(6 * 1e-6 + 2 * 7 / 8 * small * 1e-10 + 7 / 8 * small * 1e-10,
+                                                    rel=1e-12)
+    # 2 hosts x 2: the first halving step (distance 2) crosses hosts with 2 flows per NIC, two-way
+    inter = pm.Link(1e-5, 1e-9, beta_two_way_s_per_byte=3e-9)
+    two = cluster(hosts=2, k=2, inter=inter, cross_piece_bytes=MiB)
+    m = 2 * MiB
+    expected = 2 * ((1e-5 + MiB * 2 * 3e-9) + (1e-6 + (MiB / 2) * 1e-10))
+    assert pm.rhd_time(m, two) == pytest.approx(expected, rel=1e-12)
+    # 3 ranks on one host: the fold (m there and back) then a pair's exchange
+    three = cluster(hosts=1, k=3)
+    assert pm.rhd_time(MiB, three) == pytest.approx(2 * (1e-6 + MiB * 1e-10) + 2 * (1e-6 + MiB / 2 * 1e-10),
+                                                    rel=1e-12)
+    assert "rhd" in pm.ALGORITHMS and pm.allreduce_time("rhd", 0, three) == 0.0
+
+
 def test_allreduce_time_adds_overhead_and_handles_trivial_cases() -> None:
     c = cluster(overhead_s=1e-3)
     assert pm.allreduce_time("ring", 4 * MiB, c) == pytest.approx(1e-3 + pm.ring_time(4 * MiB, c))
@@ -305,7 +330,8 @@ def test_cli_prints_the_table_for_every_rank_count(capsys) -> None:
     out = capsys.readouterr().out
     assert "resnet50: 161 gradient tensors, 25,557,032 parameters" in out
     for algo in pm.ALGORITHMS:
-        assert algo in out
+        assert cli.LABELS.get(algo, algo) in out
+    assert "tree (NCCL, not Unison)" in out  # (offered before 2026-12-05 as if Unison ran it)
     rows = [ln.split() for ln in out.splitlines() if ln.strip()[:1].isdigit() and "|" in ln]
     assert [int(r[0]) for r in rows] == [8, 16, 32, 64, 128, 256, 512]
     assert "Horovod" in out
@@ -340,6 +366,25 @@ def test_cli_refuses_bad_input(args, capsys) -> None:
         cli.main(args)
     assert exc.value.code == 2
     assert args[0] in capsys.readouterr().err
+
+
+def test_cli_options_given_with_a_calibration_replace_its_values(tmp_path, capsys) -> None:
+    """Before 2026-12-05 --chunk-bytes and --overhead-us were ignored beside --calibration (the header said
+    so), and a file without a link raised a KeyError traceback."""
+    path = tmp_path / "cal.json"
+    pm.Calibration(pm.Link(1e-6, 1e-10), pm.Link(1e-4, 1 / 118e6), 1e-10, chunk_bytes=1 << 16).save(path)
+    assert cli.main(["--calibration", str(path), "--ranks-per-host", "2", "--ranks", "4"]) == 0
+    assert "pieces of 65536 bytes; per-call overhead 0 us" in capsys.readouterr().out
+    assert cli.main(["--calibration", str(path), "--ranks-per-host", "2", "--ranks", "4", "--chunk-bytes", "4096",
+                     "--overhead-us", "30"]) == 0
+    assert "pieces of 4096 bytes; per-call overhead 30 us" in capsys.readouterr().out
+    data = json.loads(path.read_text())
+    del data["inter"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="malformed calibration.*'inter'"):
+        pm.Calibration.load(path)
+    assert cli.main(["--calibration", str(path)]) == 2
+    assert "malformed calibration" in capsys.readouterr().err
 
 
 def test_cli_prints_a_free_link_from_a_calibration(tmp_path, capsys) -> None:

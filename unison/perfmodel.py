@@ -2,8 +2,9 @@
 
 Prints, for one workload's gradients on a cluster of hosts x ranks per host, the predicted
 communication time per step, the part of it the backward pass does not hide, and the scaling
-efficiency of the flat ring, hierarchical and tree all-reduce; optionally a PNG and JSON. The
-model and its assumptions are in :mod:`unison.common.perfmodel` and docs/perfmodel.md. Example::
+efficiency of the flat ring, hierarchical, halving-doubling and (NCCL's, for comparison) tree
+all-reduce; optionally a PNG and JSON. The model and its assumptions are in
+:mod:`unison.common.perfmodel` and docs/perfmodel.md. Example::
 
     python -m unison.perfmodel --model resnet50 --ranks-per-host 8 --link 100gbit --latency 5us
 """
@@ -11,6 +12,7 @@ model and its assumptions are in :mod:`unison.common.perfmodel` and docs/perfmod
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -22,6 +24,9 @@ from unison.common import perfmodel as pm
 from unison.common.perfmodel_workloads import COMPUTE_NOTES, DEFAULT_COMPUTE_S, WORKLOADS, tensor_bytes
 
 __all__ = ["main", "HOROVOD_REFERENCE", "Reference"]
+
+#: How tables and plots name the algorithms: the tree is NCCL's, not one Unison runs.
+LABELS = {"rhd": "halving-doubling", "tree": "tree (NCCL, not Unison)"}
 
 DEFAULT_RANKS = (8, 16, 32, 64, 128, 256, 512)
 
@@ -84,9 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m unison.perfmodel",
         description="Predict all-reduce time per training step and scaling efficiency of flat ring, "
-                    "hierarchical and tree all-reduce with an alpha-beta model (docs/perfmodel.md).",
+                    "hierarchical, halving-doubling and (NCCL's) tree all-reduce with an alpha-beta model "
+                    "(docs/perfmodel.md).",
         epilog="Rates: 100gbit, 25gbit, 12.5gbps (bytes). Times: 5us, 1.5ms. A --calibration file "
-               "(from benchmarks/hosts.py) replaces the link, latency and reduction options.")
+               "(from benchmarks/hosts.py) replaces the link, latency and reduction options; "
+               "--chunk-bytes and --overhead-us given with it replace the file's. 'tree' is NCCL's "
+               "algorithm, not one Unison runs: shown for comparison.")
     p.add_argument("--model", choices=sorted(WORKLOADS), default="resnet50",
                    help="gradient sizes of this workload (default resnet50)")
     p.add_argument("--ranks-per-host", type=_positive_int, default=8, help="ranks per host (default 8)")
@@ -101,10 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="latency between ranks of one host (default 2us)")
     p.add_argument("--reduce-rate", type=_rate, default=None,
                    help="local reduction speed in buffer bytes/s (default: free, as on a GPU)")
-    p.add_argument("--overhead-us", type=float, default=0.0,
-                   help="fixed cost per fused all-reduce in us: agreement, call path (default 0)")
-    p.add_argument("--chunk-bytes", type=_positive_int, default=pm.DEFAULT_CHUNK_BYTES,
-                   help="piece size; each piece is one message (default 1 MiB, Unison's chunk_bytes)")
+    p.add_argument("--overhead-us", type=float, default=None,
+                   help="fixed cost per fused all-reduce in us: agreement, call path (default 0, or the "
+                        "calibration's)")
+    p.add_argument("--chunk-bytes", type=_positive_int, default=None,
+                   help="piece size; each piece is one message (default 1 MiB, Unison's chunk_bytes, or the "
+                        "calibration's)")
     p.add_argument("--compute-ms", type=float, default=None,
                    help="forward + backward ms per step of one rank (default per model: "
                         + "; ".join(f"{m} {DEFAULT_COMPUTE_S[m] * 1e3:g} ({COMPUTE_NOTES[m]})"
@@ -127,12 +137,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _cluster(args: argparse.Namespace) -> pm.Cluster:
     if args.calibration is not None:
-        cal = pm.Calibration.load(args.calibration)
-        return cal.cluster(1, args.ranks_per_host)
+        cluster = pm.Calibration.load(args.calibration).cluster(1, args.ranks_per_host)
+        if args.chunk_bytes is not None:  # (given ones were ignored before 2026-12-05)
+            cluster = dataclasses.replace(cluster, chunk_bytes=args.chunk_bytes)
+        if args.overhead_us is not None:
+            cluster = dataclasses.replace(cluster, overhead_s=args.overhead_us * 1e-6)
+        return cluster
     gamma = 0.0 if args.reduce_rate is None else 1.0 / args.reduce_rate
     return pm.Cluster(1, args.ranks_per_host, pm.Link.from_rate(args.intra_link, args.intra_latency),
-                      pm.Link.from_rate(args.link, args.latency), gamma, args.chunk_bytes,
-                      args.overhead_us * 1e-6)
+                      pm.Link.from_rate(args.link, args.latency), gamma,
+                      pm.DEFAULT_CHUNK_BYTES if args.chunk_bytes is None else args.chunk_bytes,
+                      (args.overhead_us or 0.0) * 1e-6)
 
 
 def predict(args: argparse.Namespace) -> list[pm.StepPrediction]:
@@ -173,7 +188,7 @@ def format_table(preds: Sequence[pm.StepPrediction]) -> list[str]:
     head = f"{'ranks':>6}{'hosts':>6}"
     sub = " " * 12
     for algo in pm.ALGORITHMS:
-        head += f" | {algo:^26}"
+        head += f" | {LABELS.get(algo, algo):^26}"
         sub += f" | {'comm ms':>9}{'exposed':>9}{'eff':>8}"
     lines = [head, sub]
     by = {(p.ranks, p.algorithm): p for p in preds}
@@ -202,12 +217,13 @@ def write_png(path: Path, preds: Sequence[pm.StepPrediction], title: str,
     for i, algo in enumerate(pm.ALGORITHMS):
         pts = sorted((p.ranks, p.comm_s * 1e3, p.efficiency) for p in preds if p.algorithm == algo)
         ranks = [r for r, _, _ in pts]
-        left.plot(ranks, [c for _, c, _ in pts], marker="o", color=f"C{i}", label=algo)
-        right.plot(ranks, [e * 100 for _, _, e in pts], marker="o", color=f"C{i}", label=algo)
+        label = LABELS.get(algo, algo)
+        left.plot(ranks, [c for _, c, _ in pts], marker="o", color=f"C{i}", label=label)
+        right.plot(ranks, [e * 100 for _, _, e in pts], marker="o", color=f"C{i}", label=label)
         low = sorted((p.ranks, p.efficiency) for p in bounds if p.algorithm == algo)
         if low:
             right.plot([r for r, _ in low], [e * 100 for _, e in low], linestyle="--", color=f"C{i}",
-                       alpha=0.7, label=f"{algo}, no overlap")
+                       alpha=0.7, label=f"{label}, no overlap")
     ref = HOROVOD_REFERENCE
     right.plot([ref.ranks], [ref.efficiency * 100], marker="*", markersize=16, color="black",
                linestyle="none", label=ref.label)
@@ -232,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not 0 < args.backward_share <= 1 or (args.compute_ms is not None and not 0 < args.compute_ms < math.inf) \
-            or not 0 <= args.overhead_us < math.inf or not 0 <= args.cycle_ms < math.inf \
+            or not 0 <= (args.overhead_us or 0.0) < math.inf or not 0 <= args.cycle_ms < math.inf \
             or args.fusion_threshold < 0:
         parser.error(f"--backward-share must be in (0, 1], --compute-ms finite and > 0, --overhead-us and "
                      f"--cycle-ms finite and >= 0, --fusion-threshold >= 0 (got {args.backward_share}, "

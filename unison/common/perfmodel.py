@@ -42,9 +42,25 @@ millisecond of the link's rate, 64 KiB .. 4 MiB): ``msgs_x(s) = ceil(s / c_x)`` 
 ``msgs(m/p)`` in ``T_x``. The flat ring, when it spans hosts, goes in pieces of
 ``min(c, c_x)`` for the same reason, and its ``msgs`` counts those.
 
-Tree (``tree``: NCCL-style, a chain inside each host and a double binary tree across hosts,
-reduce then broadcast, pipelined in pieces of ``c`` bytes; each rank sends about ``2 m`` in all,
-like the ring, but the path is only ``D = ceil(log2 H) + (k - 1)`` hops deep)::
+Recursive halving and doubling (``rhd``: Rabenseifner's algorithm, ``unison.collectives.rhd``;
+``p' = 2^floor(log2 p)``): the halving steps exchange half of the current window with the
+partner at distance ``p'/2, p'/4, ..., 1`` and reduce the half kept, the doubling steps send the
+windows back. Every step is a pairwise exchange (two-way), and a step whose distance is at least
+``k`` pairs ranks of different hosts, ``k`` flows per NIC (exact when ``k`` is a power of two;
+ranks in host order)::
+
+    s_i = m / 2^i, i = 1 .. log2 p';   x_i = (distance p'/2^i >= k and H > 1)
+    step_i = x_i ? msgs_x(s_i) a_x + s_i k b_x : msgs(s_i) a_l + s_i b_l
+    T_rhd = fold + 2 sum_i step_i + (1 - 1/p') m gamma
+    fold  = (p > p') ? 2 (msgs(m) a + m b) + m gamma : 0   (pairs of neighbours, intra when k >= 2)
+
+so ``2 log2 p`` latencies against the ring's ``2 (p - 1)``, and the textbook
+``2 log2(p) a + 2 (p-1)/p m b + (p-1)/p m gamma`` on one link kind.
+
+Tree (``tree``: **not an algorithm Unison runs**; NCCL's, shown for comparison: a chain inside
+each host and a double binary tree across hosts, reduce then broadcast, pipelined in pieces of
+``c`` bytes; each rank sends about ``2 m`` in all, like the ring, but the path is only
+``D = ceil(log2 H) + (k - 1)`` hops deep)::
 
     T_tree = 2 (ceil(log2 H) a_x + (k - 1) a_l) + msgs(m) a + 2 m b + m gamma
 
@@ -88,12 +104,14 @@ from typing import Any
 import numpy as np
 
 from unison.collectives.hierarchical import piece_for_bandwidth
+from unison.common.files import atomic_path
 
 __all__ = ["Link", "Cluster", "Calibration", "ALGORITHMS", "allreduce_time", "busbw_gbps",
            "fuse", "StepPrediction", "predict_step", "fit_link", "parse_rate", "parse_seconds",
            "SUSTAINED_SPAN"]
 
-ALGORITHMS = ("ring", "hierarchical", "tree")
+#: The modelled all-reduce algorithms; the last, ``tree``, is NCCL's, not one Unison runs (for comparison).
+ALGORITHMS = ("ring", "hierarchical", "rhd", "tree")
 CALIBRATION_VERSION = 1
 DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_FUSION_THRESHOLD = 128 << 20
@@ -235,6 +253,28 @@ def hierarchical_time(m: float, c: Cluster) -> float:
     return t_rs + 2 * (h - 1) * cross_step + reduce + t_ag
 
 
+def rhd_time(m: float, c: Cluster) -> float:
+    """Recursive halving and doubling, with the fold of a non-power-of-two count (module docstring)."""
+    n = c.size
+    if n == 1:
+        return 0.0
+    p = 1 << (n.bit_length() - 1)
+    h, k = c.hosts, c.ranks_per_host
+    t = 0.0
+    if n > p:  # the first 2 (n - p) ranks hand their data to a neighbour and get the result back
+        link = c.intra if k >= 2 or h == 1 else c.inter
+        t += 2 * (_msgs(m, c.chunk_bytes) * link.alpha_s + m * link.beta_s_per_byte) + m * c.gamma_s_per_byte
+    s, distance, steps = float(m), p // 2, 0.0
+    while distance >= 1:
+        s /= 2
+        if h > 1 and distance >= k:
+            steps += _msgs(s, c.cross_piece) * c.inter.alpha_s + s * k * c.inter.two_way
+        else:
+            steps += _msgs(s, c.chunk_bytes) * c.intra.alpha_s + s * c.intra.two_way
+        distance //= 2
+    return t + 2 * steps + (1 - 1 / p) * m * c.gamma_s_per_byte
+
+
 def tree_time(m: float, c: Cluster) -> float:
     """Chain within hosts, double binary tree across them, pipelined (module docstring)."""
     if c.size == 1:
@@ -247,7 +287,7 @@ def tree_time(m: float, c: Cluster) -> float:
 
 
 _TIMES: dict[str, Callable[[float, Cluster], float]] = {
-    "ring": ring_time, "hierarchical": hierarchical_time, "tree": tree_time}
+    "ring": ring_time, "hierarchical": hierarchical_time, "rhd": rhd_time, "tree": tree_time}
 
 
 def allreduce_time(algorithm: str, nbytes: float, cluster: Cluster) -> float:
@@ -439,7 +479,8 @@ class Calibration:
 
     def save(self, path: str | Path) -> None:
         data = {"version": CALIBRATION_VERSION, **asdict(self)}
-        Path(path).write_text(json.dumps(data, indent=1) + "\n")
+        with atomic_path(path) as tmp:  # a reader never sees half a file
+            Path(tmp).write_text(json.dumps(data, indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
@@ -457,8 +498,9 @@ class Calibration:
         data.pop("version")
         try:
             return cls(intra=Link(**data.pop("intra")), inter=Link(**data.pop("inter")), **data)
-        except TypeError as exc:
-            raise ValueError(f"{path}: malformed calibration ({exc})") from None
+        except (TypeError, KeyError) as exc:  # (a missing link was a KeyError traceback)
+            raise ValueError(f"{path}: malformed calibration (missing or unexpected {exc}); write it with "
+                             "Calibration.save or benchmarks/hosts.py --calibration-out") from None
 
 
 def parse_rate(text: str) -> float:
