@@ -101,6 +101,7 @@ def _local(kind: str, name: str, run: Callable[[], Any], post: Callable[[Any], A
     if tl is None or not tl.active:
         return _done(run(), post)
     tl.begin(name, kind)
+    tl.flush()  # as the engine does before each collective ([Note: a timeline survives the job])
     try:
         return _done(run(), post)
     finally:
