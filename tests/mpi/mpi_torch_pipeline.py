@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import bisect
 import copy
+import itertools
 
 import pytest
 import torch
@@ -561,6 +563,9 @@ def test_a_last_stage_returning_a_tuple_reaches_a_loss_that_takes_it():
     assert got == pytest.approx(want, rel=1e-6)
     raised_everywhere(lambda: pipe.train_step(x[:0], t[:0]), "inputs has a batch of 0 rows",
                       "skip empty batches")
+    # predict returns one tensor: it raised on the last rank only, the others returned None
+    raised_everywhere(lambda: pipe.predict(x), "predict returns the last stage's output as one tensor, but "
+                      "stage 1 returned a tuple")
     pipe.close()
 
 
@@ -596,4 +601,287 @@ def test_a_step_failing_in_one_pipeline_of_a_grid_raises_everywhere_and_the_next
         ref_loss = reference_losses(ref, [(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))],
                                     None)
         assert loss == pytest.approx(ref_loss[0], rel=1e-5)
+    pipe.close()
+
+
+# ------------------------------------------------------------------ found by an audit (2026-12-05)
+def first_rank_layers(first):
+    """``first`` then seven layers of the model (8 in all, enough for 8 stages)."""
+    torch.manual_seed(6)
+    return [first, nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh(),
+            nn.Linear(8, 1)]
+
+
+@pytest.mark.parametrize("first", ["leaky_relu", "dropout"])
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_a_model_starting_with_an_in_place_layer_trains_as_one_process(first, checkpoint):
+    """Stage 0's microbatches are views of the user's batch: an in-place first layer wrote them,
+    so the recompute ran on its own output (wrong gradients) and, without checkpointing, the
+    next microbatch's write broke the previous one's graph (an autograd error)."""
+    layer = nn.LeakyReLU(0.1, inplace=True) if first == "leaky_relu" else nn.Dropout(0.3, inplace=True)
+    layers = first_rank_layers(layer)
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    pipe = hvd.Pipeline(layers, chunks=CHUNKS, checkpoint=checkpoint, loss_fn=nn.functional.mse_loss,
+                        optimizer=sgd)
+    batches = [batch(k) for k in range(STEPS)]
+    torch.manual_seed(123)
+    losses = [pipe.train_step(x, y) for x, y in batches]
+    assert all(torch.equal(x, batch(k)[0]) for k, (x, _) in enumerate(batches))  # the user's batch is left alone
+    torch.manual_seed(123)
+    ref_losses = reference_losses(ref, [(x.clone(), y) for x, y in batches], CHUNKS)
+    assert_same_as_reference(pipe, ref, losses, ref_losses)
+    pipe.close()
+
+
+def tied_layers():
+    """Eight float64 layers of width 6; layers 0 and 4 are one module (tied weights)."""
+    torch.manual_seed(7)
+    shared = nn.Linear(6, 6, dtype=D64)
+    return [shared, nn.Tanh(), nn.Linear(6, 6, dtype=D64), nn.Tanh(), shared, nn.Tanh(),
+            nn.Linear(6, 6, dtype=D64), nn.Linear(6, 6, dtype=D64)]
+
+
+@pytest.mark.skipif(N > 4, reason="eight layers in 2 x 4 stages at most")
+def test_a_module_in_two_stages_of_one_rank_is_stepped_once():
+    """Interleaved: stages 0 and p of rank 0 hold layers 0 and 4, one module. ``parameters()``
+    listed its tensors twice and the optimizer stepped them twice."""
+    layers = tied_layers()
+    ref = copy.deepcopy(nn.Sequential(*layers))
+    half = [4 // N + (1 if s < 4 % N else 0) for s in range(N)]  # layers 0-3 in stages 0..N-1, 4-7 in N..2N-1
+    pipe = hvd.Pipeline(layers, balance=half * 2, chunks=2 * N, schedule="interleaved",
+                        virtual_stages=2, loss_fn=nn.functional.mse_loss, optimizer=sgd)
+    params = pipe.parameters()
+    assert len({id(p) for p in params}) == len(params)
+    opt = sgd(ref.parameters())
+    for k in range(2):
+        x, y = batch64(k, rows=24)
+        loss = pipe.train_step(x, y)
+        opt.zero_grad()
+        want = nn.functional.mse_loss(ref(x), y)
+        want.backward()
+        opt.step()
+        assert loss == pytest.approx(want.item(), rel=1e-12)
+    if R == 0:
+        torch.testing.assert_close(layers[0].weight, ref[0].weight, rtol=1e-12, atol=1e-12)
+    pipe.close()
+
+
+@pytest.mark.skipif(N == 1 or N > 8, reason="needs stages on two ranks")
+def test_a_module_in_stages_on_two_ranks_is_refused_on_every_rank():
+    """Each rank trained its own copy of a tied weight with its part of the gradient."""
+    stage = bisect.bisect_right(list(itertools.accumulate(spread(8))), 4)  # layer 4's
+    raised_everywhere(lambda: hvd.Pipeline(tied_layers(), balance=spread(8), chunks=CHUNKS,
+                                           loss_fn=nn.functional.mse_loss),
+                      "layers 0 and 4 share a parameter (0.weight is 4.weight: tied weights) but sit in stages 0 "
+                      f"and {stage}, on pipeline ranks 0 and {stage}", "untie the weights")
+
+
+class ReadThenTrack(nn.Module):
+    """Adds 0.1 x a running mean of its input, then moves the mean by assigning a new tensor."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(n))
+
+    def forward(self, x):
+        out = x + 0.1 * self.ema
+        if self.training:
+            self.ema = 0.5 * self.ema + 0.5 * x.detach().mean(0)
+        return out
+
+
+@pytest.mark.parametrize("name, checkpoint", [("1f1b", "always"), ("zb-h1", "except_last")])
+def test_checkpointing_a_module_that_assigns_its_buffer_moves_it_once(name, checkpoint):
+    """A buffer written by assignment (a new tensor) was not seen as written: the recompute moved
+    it a second time and read the moved value."""
+    torch.manual_seed(8)
+    layers = [nn.Linear(6, 8), ReadThenTrack(8), nn.Tanh(), nn.Linear(8, 8), ReadThenTrack(8), nn.Tanh(),
+              nn.Linear(8, 4), nn.Linear(4, 1)]
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    pipe = hvd.Pipeline(layers, balance=spread(8), chunks=CHUNKS, schedule=name, checkpoint=checkpoint,
+                        loss_fn=nn.functional.mse_loss, optimizer=sgd)
+    batches = [batch(k) for k in range(STEPS)]
+    losses = [pipe.train_step(x, y) for x, y in batches]
+    assert_same_as_reference(pipe, ref, losses, reference_losses(ref, batches, CHUNKS))
+    for s, span in pipe.layer_ranges.items():
+        for i, layer in zip(span, pipe.stages[s], strict=True):
+            if isinstance(layer, ReadThenTrack):
+                torch.testing.assert_close(layer.ema, ref[i].ema, rtol=1e-5, atol=1e-6)
+    pipe.close()
+
+
+@pytest.mark.skipif(N % 2, reason="a grid of 2 pipelines needs an even number of ranks")
+def test_replicas_with_different_batch_sizes_train_on_the_mean_over_every_row():
+    """Replica 0 gets 8 rows, replica 1 gets 4: each replica's mean counted alike (mean of means)."""
+    grid = hvd.pipeline_grid(dp=2)
+    layers = make_layers()
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    pipe = hvd.Pipeline(layers, chunks=2, grid=grid, loss_fn=nn.functional.mse_loss, optimizer=sgd)
+    opt = sgd(ref.parameters())
+    for k in range(2):
+        x, y = batch(k)
+        x, y = torch.cat([x, x[:4] * 2]), torch.cat([y, y[:4] - 1])  # 12 rows: 8 for replica 0, 4 for replica 1
+        part = slice(0, 8) if grid.pipeline == 0 else slice(8, 12)
+        loss = pipe.train_step(x[part], y[part])
+        opt.zero_grad()
+        want = nn.functional.mse_loss(ref(x), y)
+        want.backward()
+        opt.step()
+        assert loss == pytest.approx(want.item(), rel=1e-5)
+        with torch.no_grad():
+            assert pipe.evaluate(x[part], y[part]) == pytest.approx(nn.functional.mse_loss(ref(x), y).item(),
+                                                                   rel=1e-5)
+    every = list(ref)
+    for s, span in pipe.layer_ranges.items():
+        theirs_all = nn.Sequential(*every[span.start:span.stop]).parameters()
+        for mine, theirs in zip(pipe.stages[s].parameters(), theirs_all, strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+    pipe.close()
+
+
+def test_training_and_evaluating_keep_each_modules_mode():
+    """A BatchNorm frozen with ``eval()`` (fine-tuning) was put back in training mode by every
+    step and every evaluation, and its statistics moved."""
+    torch.manual_seed(9)
+    bn = nn.BatchNorm1d(6)
+    bn.eval()
+    layers = [bn, nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Dropout(0.3), nn.Linear(16, 8), nn.Tanh(),
+              nn.Linear(8, 1)]
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    pipe = hvd.Pipeline(layers, balance=spread(8), chunks=CHUNKS, loss_fn=nn.functional.mse_loss, optimizer=sgd)
+    batches = [(3 * x + 1, y) for x, y in (batch(k) for k in range(STEPS))]
+    torch.manual_seed(123)
+    losses = []
+    for x, y in batches:
+        losses.append(pipe.train_step(x, y))
+        pipe.evaluate(x, y)  # draws no random numbers
+    torch.manual_seed(123)
+    assert_same_as_reference(pipe, ref, losses, reference_losses(ref, batches, CHUNKS))
+    held = [m for s in pipe.stages.values() for m in s.modules()]
+    assert [m.training for m in held] == [not isinstance(m, nn.BatchNorm1d) for m in held]
+    if 0 in pipe.stages:
+        assert torch.equal(pipe.stages[0][0].running_mean, torch.zeros(6))
+    pipe.close()
+
+
+class LayerScale(nn.Module):
+    """timm's LayerScale with ``inplace=True``: scales its input in place by a learned vector."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((n,), 0.5))
+        self.inplace = True  # as timm's: a stage that starts with it is fed a copy
+
+    def forward(self, x):
+        return x.mul_(self.gamma)
+
+
+class LastOutput(nn.Module):
+    """The output sequence of an ``nn.LSTM`` (it returns ``(output, (h, c))``)."""
+
+    def forward(self, out):
+        return out[0]
+
+
+@pytest.mark.skipif(N > 4, reason="eight layers in 2 x 4 stages at most")
+@pytest.mark.parametrize("name", ["zb-h1", "1f1b"])
+def test_split_backward_takes_tuple_outputs_and_in_place_layers_with_parameters(name):
+    """zb-h1's per-layer W stopped at each parameterised layer's output: an ``nn.LSTM``'s tuple
+    has none ('tuple' object has no attribute 'requires_grad'), and an in-place LayerScale's is
+    the Linear's before it (backward through the graph a second time)."""
+    torch.manual_seed(10)
+    layers = [nn.Linear(6, 8), LayerScale(8), nn.LSTM(8, 8), LastOutput(), nn.Linear(8, 8), LayerScale(8),
+              nn.Tanh(), nn.Linear(8, 1)]
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    balance = {1: [8], 2: [4, 4], 3: [2, 3, 3], 4: [2, 2, 2, 2]}[N]  # the LSTM and LastOutput in one stage
+    pipe = hvd.Pipeline(layers, balance=balance, chunks=CHUNKS, schedule=name, loss_fn=nn.functional.mse_loss,
+                        optimizer=sgd)
+    batches = [batch(k) for k in range(STEPS)]
+    losses = [pipe.train_step(x, y) for x, y in batches]
+    assert_same_as_reference(pipe, ref, losses, reference_losses(ref, batches, CHUNKS))
+    pipe.close()
+
+
+class Unmovable(nn.Module):
+    """A layer that cannot move to the device (out of memory there), on the rank that holds it."""
+
+    def _apply(self, fn, *args, **kwargs):
+        raise RuntimeError("simulated: out of memory")
+
+    def forward(self, x):
+        return x
+
+
+class FailingSGD(torch.optim.SGD):
+    def step(self, closure=None):
+        raise RuntimeError("simulated: no step")
+
+
+def test_a_failure_on_one_rank_outside_the_schedule_raises_on_every_rank():
+    """Moving a stage to its device, the optimizer's step and balance_by_time's measurement
+    failing on one rank left the other ranks waiting forever."""
+    raised_everywhere(lambda: hvd.Pipeline([*make_layers(), Unmovable()], balance=[1] * (N - 1) + [10 - N],
+                                           chunks=CHUNKS, loss_fn=nn.functional.mse_loss),
+                      f"rank {N - 1}: moving stages [{N - 1}] to cpu failed: RuntimeError: simulated: out of "
+                      "memory")
+    pipe = hvd.Pipeline(make_layers(), chunks=CHUNKS, loss_fn=nn.functional.mse_loss,
+                        optimizer=lambda ps: FailingSGD(ps, lr=0.1) if R == 0 else sgd(ps))
+    raised_everywhere(lambda: pipe.train_step(*batch(0)),
+                      "rank 0: optimizer.step() for stages [0] failed: RuntimeError: simulated: no step")
+    pipe.close()
+    if N > 1:
+        sample = torch.randn(4, 5 if R == 0 else 6)  # rank 0's does not fit the first layer
+        raised_everywhere(lambda: hvd.balance_by_time(make_layers(), sample, N),
+                          "rank 0: balance_by_time's measurement failed: RuntimeError: mat1 and mat2 shapes")
+
+
+class StopGradient(nn.Module):
+    def forward(self, x):
+        return x.detach()
+
+
+@pytest.mark.parametrize("name, checkpoint", [("1f1b", "never"), ("zb-h1", "always"), ("gpipe", "always")])
+def test_stages_above_a_stop_gradient_keep_no_gradient(name, checkpoint):
+    """The last stage starts with ``x.detach()``: the stages before it got zero gradients (and
+    weight decay moved their parameters) where one process gives them none."""
+    sizes = spread(8)
+    start = sum(sizes[:-1])
+    layers = make_layers()
+    layers.insert(start, StopGradient())
+    ref = nn.Sequential(*copy.deepcopy(layers))
+
+    def decaying(params):
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.1)
+
+    pipe = hvd.Pipeline(layers, balance=[*sizes[:-1], sizes[-1] + 1], chunks=CHUNKS, schedule=name,
+                        checkpoint=checkpoint, loss_fn=nn.functional.mse_loss, optimizer=decaying)
+    opt = decaying(ref.parameters())
+    for k in range(2):
+        x, y = batch(k)
+        loss = pipe.train_step(x, y)
+        opt.zero_grad(set_to_none=True)
+        want = sum(nn.functional.mse_loss(ref(xs), ys) / CHUNKS for xs, ys in zip(x.chunk(CHUNKS), y.chunk(CHUNKS),
+                                                                                  strict=True))
+        want.backward()
+        opt.step()
+        assert loss == pytest.approx(want.item(), rel=1e-5)
+    for s, span in pipe.layer_ranges.items():
+        for i, layer in zip(span, pipe.stages[s], strict=True):
+            for (key, mine), theirs in zip(layer.named_parameters(), ref[i].parameters(), strict=True):
+                assert (mine.grad is None) == (theirs.grad is None), f"{i}.{key}"
+                torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+    pipe.close()
+
+
+def test_train_step_with_gradients_off_raises_on_every_rank():
+    """Under ``torch.no_grad()`` one process raises at backward; the pipeline returned a loss and
+    trained nothing."""
+    pipe = hvd.Pipeline(make_layers(), chunks=CHUNKS, loss_fn=nn.functional.mse_loss, optimizer=sgd)
+    x, y = batch(0)
+    with torch.no_grad():
+        raised_everywhere(lambda: pipe.train_step(x, y), "train_step was called with gradients disabled",
+                          "use evaluate()")
+    before = [p.detach().clone() for p in pipe.parameters()]
+    pipe.train_step(x, y)
+    assert all(not torch.equal(a, b) for a, b in zip(before, pipe.parameters(), strict=True))
     pipe.close()

@@ -13,8 +13,10 @@ from time import perf_counter
 import torch
 from torch import nn
 
+from unison.common import runtime
 from unison.common.pipeline import ScheduleError, balance_by_cost
 from unison.common.pipeline.grid import rank0_decides
+from unison.common.pipeline.runner import agreed
 from unison.torch_backend.pipeline.recompute import capture, restore, starts_in_place
 
 __all__ = ["balance_by_params", "balance_by_time", "as_layers"]
@@ -64,10 +66,23 @@ def balance_by_time(module: nn.Sequential | Sequence[nn.Module], sample: torch.T
 
     Raises:
         ScheduleError: fewer layers than stages, or ``repeats`` below 1.
+        PipelineError: on every rank, when the measurement fails on any rank (a sample that
+            does not fit the first layer, a device out of memory); before 2026-12-05 the other
+            ranks waited for the failed one forever, or went on with rank 0's balance.
     """
     layers = as_layers(module)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ScheduleError(f"repeats must be a positive integer; received {repeats!r}")
+    if runtime.is_initialized() and runtime.size() > 1:
+        times = agreed(lambda: _measure(layers, sample, device, repeats), failed="balance_by_time's measurement")
+    else:
+        times = _measure(layers, sample, device, repeats)
+    return balance_by_cost(rank0_decides(times), p)
+
+
+def _measure(layers: list[nn.Module], sample: torch.Tensor, device: torch.device | str | None,
+             repeats: int) -> list[float]:
+    """Each layer's fastest forward and backward of ``repeats``, changing nothing it measures."""
     dev = torch.device(device) if device is not None else sample.device
     for layer in layers:
         layer.to(dev)
@@ -93,7 +108,7 @@ def balance_by_time(module: nn.Sequential | Sequence[nn.Module], sample: torch.T
         for layer in layers:
             for param in layer.parameters():
                 param.grad = None
-    return balance_by_cost(rank0_decides(times), p)
+    return times
 
 
 def _time_layer(layer: nn.Module, x: torch.Tensor) -> float:

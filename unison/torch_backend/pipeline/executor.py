@@ -15,6 +15,7 @@ layers mix rows of a batch, such as BatchNorm, differ by their microbatch statis
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -87,8 +88,11 @@ class Pipeline(PipelineRunner):
             self.balance, self.device = plan.balance, plan.device
             #: stage -> the indices of its layers in the model
             self.layer_ranges = layer_ranges(plan.balance, self.schedule.stages_of(grid.position))
-            self.stages = {s: nn.Sequential(*plan.layers[r.start:r.stop]).to(plan.device)
-                           for s, r in self.layer_ranges.items()}
+            # agreed: a stage that cannot move to this rank's device (no CUDA, out of memory) raises
+            # on every rank (before 2026-12-05 the other ranks waited for this one forever)
+            self.stages = agreed(lambda: {s: nn.Sequential(*plan.layers[r.start:r.stop]).to(plan.device)
+                                          for s, r in self.layer_ranges.items()},
+                                 failed=f"moving stages {sorted(self.layer_ranges)} to {plan.device}")
             self._worker = TorchStages(self.stages, self.schedule.num_stages, loss_fn,  # type: ignore[arg-type]
                                        plan.checkpoint, plan.device)
             self._name = f"pipeline.{next(_instances)}"
@@ -120,8 +124,10 @@ class Pipeline(PipelineRunner):
         return holder
 
     def parameters(self) -> list[nn.Parameter]:
-        """This rank's parameters, stage by stage."""
-        return [p for s in sorted(self.stages) for p in self.stages[s].parameters()]
+        """This rank's parameters, stage by stage, each once (a module used in two of this rank's
+        stages, tied weights, lists its parameters once: before 2026-12-05 twice, and the
+        optimizer stepped them twice)."""
+        return list({id(p): p for s in sorted(self.stages) for p in self.stages[s].parameters()}.values())
 
     def train_step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> float:
         """One step on a batch: forward, backward, gradient averaging over ``dp``, optimizer step.
@@ -135,9 +141,14 @@ class Pipeline(PipelineRunner):
 
         Raises:
             PipelineError: on every rank, when a batch does not split into ``chunks``, a rank
-                lacks its inputs or targets, or any stage fails.
+                lacks its inputs or targets, gradients are off (``torch.no_grad()``), any stage
+                fails, or the optimizer's step fails on any rank.
         """
         inputs, targets, problem = self._batch(inputs, targets, need_targets=True)
+        if problem is None and not torch.is_grad_enabled():
+            # one process raises at loss.backward(); before 2026-12-05 the step returned a loss and trained nothing
+            problem = ("train_step was called with gradients disabled (inside torch.no_grad() or "
+                       "torch.inference_mode()); call it outside, or use evaluate() for a loss without training")
         self._begin(inputs, targets, problem, train=True)
         for p in self.parameters():
             p.grad = None
@@ -146,16 +157,19 @@ class Pipeline(PipelineRunner):
         finally:
             self.live_peak_per_stage = dict(self._worker.live_peak)
             self._worker.kept.clear()  # a failed step leaves graphs behind
+        share = self._replica_share(inputs)
         if self.grid.dp > 1:
-            self._average_gradients()
-        if self.optimizer is not None:
-            self.optimizer.step()
-        return self.global_loss(self._worker.loss)
+            self._average_gradients(share)
+        # agreed on every rank (one without an optimizer too): the ranks go on to global_loss, a
+        # collective, together (before 2026-12-05 a failed step left the others waiting there)
+        agreed(self.optimizer.step if self.optimizer is not None else lambda: None,
+               failed=f"optimizer.step() for stages {sorted(self.stages)}")
+        return self.global_loss(self._worker.loss * share)
 
     def evaluate(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> float:
         """The mean loss over a batch without training (dropout off), on every rank."""
         self._forward_only(inputs, targets, need_targets=True)
-        return self.global_loss(self._worker.loss)
+        return self.global_loss(self._worker.loss * self._replica_share(inputs))
 
     def predict(self, inputs: torch.Tensor | None = None) -> torch.Tensor | None:
         """The model's output for a batch, on the rank holding the last stage (None elsewhere)."""
@@ -171,14 +185,44 @@ class Pipeline(PipelineRunner):
                       failed=f"optimizer(params) for stages {sorted(self.stages)}")
 
     def _forward_only(self, inputs: Any, targets: Any, need_targets: bool) -> None:
-        """Every stage's forward in evaluation mode; backward sends only empty arrays."""
+        """Every stage's forward in evaluation mode; backward sends only empty arrays.
+
+        Each submodule's mode is put back afterwards as it was (before 2026-12-05 every
+        submodule was left in training mode, a BatchNorm frozen with ``eval()`` included).
+        """
         inputs, targets, problem = self._batch(inputs, targets, need_targets)
         self._begin(inputs, targets, problem, train=False)
+        modes = [(m, m.training) for stage in self.stages.values() for m in stage.modules()]
+        for stage in self.stages.values():
+            stage.eval()
         try:
             self.run(self._worker, problem, train=False)
         finally:
-            for module in self.stages.values():
-                module.train(True)
+            for m, training in modes:
+                m.training = training
+
+    def _replica_share(self, inputs: Any) -> float:
+        """``dp * rows / global rows``: the weight of this pipeline's mean loss and gradient among the
+        replicas (1.0 when they all had the same batch size); collective on a grid (``dp > 1``).
+
+        Each replica's loss and gradients are means over its own batch; weighted by this share,
+        the average over the replicas is the mean over every row of the global batch (before
+        2026-12-05 replicas with different batch sizes counted alike). The rows come from the
+        ranks holding stage 0.
+        """
+        if self.grid.dp == 1:
+            return 1.0
+        shape = getattr(inputs, "shape", None)  # a tensor or a numpy array (checked by the step before)
+        rows = int(shape[0]) if self.holds_first and shape else -1
+        replica = self.grid.pipeline // self.grid.tp  # a tensor group's shards run one replica's batch
+        per_replica: dict[int, int] = {}
+        for theirs, n in self._world.allgather((replica, rows)):
+            if n >= 0:
+                per_replica[theirs] = n
+        total = sum(per_replica.values())
+        if len(set(per_replica.values())) <= 1 or total == 0 or replica not in per_replica:
+            return 1.0
+        return self.grid.dp * per_replica[replica] / total
 
     def _batch(self, inputs: Any, targets: Any, need_targets: bool) -> tuple[Any, Any, str | None]:
         """This rank's batches as tensors (numpy arrays are wrapped), and why a step cannot run."""
@@ -204,8 +248,8 @@ class Pipeline(PipelineRunner):
 
     def _broadcast_state(self) -> None:
         """Every replica of a stage starts from pipeline 0's parameters and buffers (one data-parallel group)."""
-        tensors = [t for s in sorted(self.stages)
-                   for t in [*self.stages[s].parameters(), *self.stages[s].buffers()]]
+        tensors = list({id(t): t for s in sorted(self.stages)
+                        for t in [*self.stages[s].parameters(), *self.stages[s].buffers()]}.values())
         ranks = self.grid.data_set.ranks if self.grid.data_set is not None else None
         root = ranks[0] if ranks else 0  # Horovod's rule: root_rank is a global rank, also with a process set
         for i, t in enumerate(tensors):
@@ -215,8 +259,9 @@ class Pipeline(PipelineRunner):
             with torch.no_grad():
                 t.copy_(out.to(t.device))
 
-    def _average_gradients(self) -> None:
-        """Average each gradient over the ranks that hold the same stages (through host memory).
+    def _average_gradients(self, share: float = 1.0) -> None:
+        """Average each gradient over the ranks that hold the same stages (through host memory),
+        each replica's weighted by its ``share`` of the global batch (see :meth:`_replica_share`).
 
         Only trainable parameters take part (a frozen one keeps no gradient, so the optimizer
         leaves it alone). A replica without a gradient for a parameter contributes zeros; a
@@ -227,6 +272,8 @@ class Pipeline(PipelineRunner):
         if not params:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        if share != 1.0:
+            grads = [g * share for g in grads]
         host = [g.detach().cpu() if g.device.type != "cpu" else g for g in grads]
         had = torch.tensor([float(p.grad is not None) for p in params], dtype=torch.float64)
         grouped_allreduce_([*host, had], op=Average, name=f"{self._name}.grads.{self.grid.position}",
@@ -247,4 +294,29 @@ def _plan(module: Any, balance: Any, chunks: Any, schedule: Any, v: Any, checkpo
                         f"lambda params: torch.optim.SGD(params, lr=0.1); received {type(optimizer).__name__}")
     built, sizes = plan_stages(len(layers), balance, lambda stages: balance_by_params(layers, stages), chunks,
                                schedule, v, checkpoint, grid.pp)
+    _check_ties(layers, sizes, built)
     return _Plan(layers, sizes, built, checkpoint, torch.device(device if device is not None else "cpu"))
+
+
+def _check_ties(layers: list[nn.Module], balance: list[int], schedule: Schedule) -> None:
+    """Refuse a parameter shared by layers whose stages sit on different ranks (tied weights).
+
+    Each rank would train its own copy with only its stages' part of the gradient, and the
+    copies would drift apart silently (before 2026-12-05 they did). Layers on the same rank
+    share the tensor, which gets the sum of both uses' gradients, as in one process.
+
+    Raises:
+        ValueError: naming the layers, their stages and ranks, and the fix.
+    """
+    starts = list(itertools.accumulate(balance))
+    first: dict[int, tuple[int, str]] = {}  # id(parameter) -> (its first layer, its name there)
+    for i, layer in enumerate(layers):
+        for name, p in layer.named_parameters():
+            j, first_name = first.setdefault(id(p), (i, name))
+            sj, si = (bisect.bisect_right(starts, k) for k in (j, i))
+            rj, ri = schedule.stage_rank(sj), schedule.stage_rank(si)
+            if rj != ri:
+                raise ValueError(
+                    f"layers {j} and {i} share a parameter ({j}.{first_name} is {i}.{name}: tied weights) but sit "
+                    f"in stages {sj} and {si}, on pipeline ranks {rj} and {ri}; each rank would train its own "
+                    "copy. Choose a balance that puts both layers on one rank, or untie the weights")

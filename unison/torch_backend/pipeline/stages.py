@@ -53,8 +53,9 @@ class _Kept:
     x: torch.Tensor
     out: torch.Tensor | None = None  # the output (the scaled loss on the last stage)
     rng: RngState | None = None  # set when the forward is to be recomputed
-    # the buffers a checkpointed forward wrote (BatchNorm's statistics): (module, name)
-    buffers: list[tuple[nn.Module, str]] | None = None
+    # the buffers a checkpointed forward wrote (BatchNorm's statistics): (module, name, the tensor
+    # the forward found there when it assigned a new one, else None)
+    buffers: list[tuple[nn.Module, str, torch.Tensor | None]] | None = None
     grad: torch.Tensor | None = None  # the output gradient
     outs: list[torch.Tensor] | None = None  # each layer's output (for the split backward)
     # split backward, after I: (output of a layer with parameters, its gradient, the parameters)
@@ -90,33 +91,40 @@ class TorchStages:
 
     def begin(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None, chunks: int,
               train: bool) -> None:
-        """Start a step: the microbatches of this rank's inputs and targets (None where not held)."""
+        """Start a step: the microbatches of this rank's inputs and targets (None where not held).
+
+        The modules' train/eval modes are the caller's: before 2026-12-05 a training step put every
+        submodule into training mode, which retrained a BatchNorm the user had frozen with ``eval()``.
+        """
         self.inputs, self.targets, self.chunks, self.train = inputs, targets, chunks, train
         self.kept: dict[tuple[int, int], _Kept] = {}
         #: per stage, the most microbatches whose activations this worker held at once
         self.live_peak: dict[int, int] = dict.fromkeys(self.modules, 0)
         self.loss = 0.0
         self.outputs: dict[int, torch.Tensor] = {}
-        for module in self.modules.values():
-            module.train(train)
+        #: stages that sent a real input gradient upstream in this step (see _gradient_upstream)
+        self.sent_gradient: set[int] = set()
 
     # ------------------------------------------------------------------ the StageWorker calls
     def forward(self, stage: int, mb: int, x: np.ndarray | None) -> np.ndarray | None:
         inp = self._input(stage, mb, x)
         if not self.train:
             with torch.no_grad():
-                out = self._loss_or_output(stage, mb, self.modules[stage](inp))
+                out = self._loss_or_output(stage, mb, self.modules[stage](self._enter(stage, inp)))
             return None if stage == self.last else _boundary(stage, out)
         if self.checkpoint == "always" or (self.checkpoint == "except_last" and mb < self.chunks - 1):
             rng = capture(self.device)
             with torch.no_grad():
-                versions = [(m, name, b._version) for m in self.modules[stage].modules()
+                versions = [(m, name, b, b._version) for m in self.modules[stage].modules()
                             for name, b in m._buffers.items() if b is not None]
                 out = self._loss_or_output(stage, mb, self.modules[stage](self._enter(stage, inp)))
             # (a normalisation's native kernel updates its running statistics without bumping
-            # their version counters: such modules' buffers count as written when training)
-            written = [(m, name) for m, name, v in versions
-                       if m._buffers[name]._version != v or (m.training and isinstance(m, _NormBase))]
+            # their version counters: such modules' buffers count as written when training; a module
+            # that assigns a new tensor (``self.ema = 0.5 * self.ema + ...``) wrote its buffer too,
+            # and the old tensor still holds what the forward read: the recompute reads it again)
+            written = [(m, name, b if m._buffers[name] is not b else None) for m, name, b, v in versions
+                       if m._buffers[name] is not b or m._buffers[name]._version != v
+                       or (m.training and isinstance(m, _NormBase))]
             self._keep(stage, mb, _Kept(inp, rng=rng, buffers=written))
         else:
             y, outs = self._layers(stage, self._enter(stage, inp))
@@ -131,18 +139,19 @@ class TorchStages:
         self.kept.pop((stage, mb))
         if kept.out is not None and kept.out.requires_grad:
             torch.autograd.backward(kept.out, kept.grad)
-        return None if stage == 0 else self._input_grad(kept.x)
+        return None if stage == 0 else self._gradient_upstream(stage, kept.x.grad, kept.x)
 
     def backward_input(self, stage: int, mb: int, grad: np.ndarray | None) -> np.ndarray | None:
         kept = self._graph(stage, mb, grad)
         if stage == 0:
             return None  # nobody needs stage 0's input gradient; W does all its work
         if kept.out is None or not kept.out.requires_grad:
-            return self._input_grad(kept.x)
+            return self._gradient_upstream(stage, None, kept.x)
         # see [Note: splitting backward]
-        # an input that takes no gradient (integer ids) sends zeros upstream, as backward does
+        # an input that takes no gradient (integer ids) sends no gradient upstream, as backward does
         wrt = [kept.x] if kept.x.requires_grad else []
-        if stage in self.shared_weights:  # pending stays None: W takes every parameter from the stage's output
+        if stage in self.shared_weights or not _splittable(kept.outs or [], self.layer_params[stage]):
+            # pending stays None: W takes every parameter from the stage's output
             grads = torch.autograd.grad(kept.out, wrt, kept.grad, retain_graph=True, allow_unused=True) \
                 if wrt else ()
         else:
@@ -152,9 +161,8 @@ class TorchStages:
                                         retain_graph=True, allow_unused=True)
             kept.pending = [(o, g, ps) for (o, ps), g in zip(layers, grads[len(wrt):], strict=True)
                             if g is not None]
-        dx = grads[0] if wrt else None
         kept.outs = None
-        return _host(dx if dx is not None else torch.zeros_like(kept.x))
+        return self._gradient_upstream(stage, grads[0] if wrt else None, kept.x)
 
     def backward_weight(self, stage: int, mb: int) -> None:
         kept = self.kept.pop((stage, mb))
@@ -174,8 +182,14 @@ class TorchStages:
         self.live_peak[stage] = max(self.live_peak[stage], live)
 
     def _enter(self, stage: int, x: torch.Tensor) -> torch.Tensor:
-        """What the stage's layers receive: a copy of the input leaf when they write it in place."""
-        return x.clone() if x.requires_grad and starts_in_place(self.modules[stage]) else x
+        """What the stage's layers receive: a copy of the input when they write it in place.
+
+        A received input is an autograd leaf; stage 0's microbatch is a view of the user's batch,
+        which the layers must not change: the recompute of a checkpointed microbatch reads it
+        again, and the other microbatches are views of the same storage (before 2026-12-05 stage 0
+        was not copied: wrong gradients with checkpointing, an autograd error without).
+        """
+        return x.clone() if (x.requires_grad or stage == 0) and starts_in_place(self.modules[stage]) else x
 
     def _layers(self, stage: int, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The stage's output and each of its layers' outputs."""
@@ -205,6 +219,10 @@ class TorchStages:
             if self.train:
                 raise PipelineError(f"stage {stage} is the last stage but has no targets; pass targets to "
                                     "train_step on the rank holding the last stage")
+            if not isinstance(out, torch.Tensor):  # raised in the step: on every rank (before 2026-12-05 on one)
+                raise TypeError(f"predict returns the last stage's output as one tensor, but stage {stage} "
+                                f"returned a {type(out).__name__}; make the model's last layer return a single "
+                                "tensor, or use evaluate() with a loss_fn that takes it")
             return out
         target = self.targets[mb]
         if isinstance(out, torch.Tensor) and target.shape[:1] != out.shape[:1]:  # loss_fn may take a tuple
@@ -222,8 +240,15 @@ class TorchStages:
         return loss
 
     def _graph(self, stage: int, mb: int, grad: np.ndarray | None) -> _Kept:
-        """The microbatch's graph (recomputed when checkpointed) and output gradient."""
+        """The microbatch's graph (recomputed when checkpointed) and output gradient.
+
+        When the empty :data:`_NO_GRADIENT` arrives (nothing downstream depends on this stage's
+        output), ``out`` is None: there is nothing to back-propagate or recompute.
+        """
         kept = self.kept[(stage, mb)]
+        if grad is not None and grad.size == 0:
+            kept.out = kept.outs = kept.rng = kept.buffers = kept.grad = None
+            return kept
         if kept.rng is not None:
             # [Note: recompute leaves the buffers alone] The buffers the first forward wrote
             # (BatchNorm's running statistics; found by their version counters and by module type,
@@ -232,23 +257,38 @@ class TorchStages:
             # buffers once, as without checkpointing. The real ones are swapped out and back,
             # never written (a write would bump their autograd version, which a graph that saved
             # them checks). (A training-mode BatchNorm's output does not read the statistics.)
+            # A buffer the first forward replaced by a new tensor (before 2026-12-05 only version
+            # counters were compared, so the recompute updated such a buffer a second time) is
+            # swapped for a copy of the tensor that forward read.
             swapped = kept.buffers or []
-            real = [m._buffers[name] for m, name in swapped]
-            for (m, name), tensor in zip(swapped, real, strict=True):
-                m._buffers[name] = tensor.detach().clone()
+            real = [m._buffers[name] for m, name, _ in swapped]
+            for (m, name, before), tensor in zip(swapped, real, strict=True):
+                m._buffers[name] = (before if before is not None else tensor).detach().clone()
             try:
                 with replay(kept.rng):
                     y, kept.outs = self._layers(stage, self._enter(stage, kept.x))
                     kept.out = self._loss_or_output(stage, mb, y, count=False)
             finally:
-                for (m, name), tensor in zip(swapped, real, strict=True):
+                for (m, name, _), tensor in zip(swapped, real, strict=True):
                     m._buffers[name] = tensor
             kept.rng = kept.buffers = None
         kept.grad = None if grad is None else from_numpy(grad).to(self.device)
         return kept
 
-    def _input_grad(self, x: torch.Tensor) -> np.ndarray:
-        return _host(x.grad if x.grad is not None else torch.zeros_like(x))
+    def _gradient_upstream(self, stage: int, dx: torch.Tensor | None, x: torch.Tensor) -> np.ndarray:
+        """What stage ``stage`` sends upstream for its input gradient ``dx``.
+
+        An input that got no gradient (integer ids, a stop-gradient in the stage, a loss that
+        does not depend on it) sends the empty :data:`_NO_GRADIENT`, and the stage upstream skips
+        its backward: its parameters keep no gradient, as in one process (before 2026-12-05 it
+        sent zeros, and the upstream parameters got zero gradients that weight decay and momentum
+        acted on). Once a stage has sent a real gradient in a step, it sends zeros instead of the
+        marker (exact: the upstream gradients exist already), as a step carries one shape per boundary.
+        """
+        if dx is not None:
+            self.sent_gradient.add(stage)
+            return _host(dx)
+        return _host(torch.zeros_like(x)) if stage in self.sent_gradient else _NO_GRADIENT
 
 
 def _accumulate(params: list[nn.Parameter], grads: tuple[torch.Tensor | None, ...]) -> None:
@@ -259,6 +299,16 @@ def _accumulate(params: list[nn.Parameter], grads: tuple[torch.Tensor | None, ..
             param.grad = g.detach()
         else:
             param.grad.add_(g)
+
+
+def _splittable(outs: list[Any], layer_params: list[list[nn.Parameter]]) -> bool:
+    """Whether W can run layer by layer ([Note: splitting backward]): every layer with parameters
+    returned a tensor of its own. A tuple (``nn.LSTM``) has no single output to stop at, and a
+    layer with parameters that writes its input in place (``LayerScale(inplace=True)``) returns the
+    tensor the layer before returned, whose W would walk (and free) the later layer's nodes too.
+    Such a stage's W takes all its parameters at once (before 2026-12-05 zb-h1 failed on them)."""
+    mine = [o for o, ps in zip(outs, layer_params, strict=True) if ps]
+    return all(isinstance(o, torch.Tensor) for o in mine) and len({id(o) for o in mine}) == len(mine)
 
 
 def _boundary(stage: int, out: Any) -> np.ndarray:
