@@ -1008,3 +1008,35 @@ def test_broadcast_optimizer_state_that_a_rank_cannot_load_raises_on_every_rank(
     opt = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
     with pytest.raises(ValueError, match="broadcast_optimizer_state: rank 1 could not load root rank 0's state"):
         hvd.broadcast_optimizer_state(opt, root_rank=0)
+
+
+def test_in_place_async_ops_land_when_they_complete():
+    """Horovod's in-place ops write their output when the collective completes. Before 2026-12-05
+    broadcast_async_ and grouped_allreduce_async_ copied only in synchronize(): after poll() the tensor
+    held its old values, and a change made between completion and synchronize() was overwritten."""
+    import time
+
+    def finished(h):
+        deadline = time.monotonic() + 60
+        while not hvd.poll(h):
+            assert time.monotonic() < deadline, "never completed"
+            time.sleep(0.001)
+
+    t = torch.full((3,), float(R))
+    h = hvd.broadcast_async_(t, N - 1, name="parity.inplace.bcast")
+    finished(h)
+    assert t.tolist() == [float(N - 1)] * 3  # landed by the time poll() says done
+    t.add_(100.0)
+    assert hvd.synchronize(h) is t and t.tolist() == [N - 1 + 100.0] * 3  # not overwritten
+    ts = [torch.full((2,), float(R)), torch.full((1, 2), 2.0 * R)]
+    h = hvd.grouped_allreduce_async_(ts, op=hvd.Sum, name="parity.inplace.grouped")
+    finished(h)
+    total = float(sum(range(N)))
+    assert ts[0].tolist() == [total] * 2 and ts[1].tolist() == [[2 * total] * 2]
+    got = hvd.synchronize(h)
+    assert len(got) == 2 and all(a is b for a, b in zip(got, ts, strict=True))
+    # an error still reaches synchronize, on every rank
+    if N > 1:
+        h = hvd.grouped_allreduce_async_([torch.zeros(2 + (R == 0))], name="parity.inplace.bad")
+        with pytest.raises(Exception, match="parity.inplace.bad"):
+            hvd.synchronize(h)

@@ -22,6 +22,7 @@ from unison.common.engine.process_sets import ProcessSet, set_size
 from unison.common.ops import ReduceOp
 from unison.torch_backend.handles import (
     Adasum,
+    InPlaceHandle,
     ListHandle,
     TorchHandle,
     raise_now,
@@ -198,8 +199,8 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
 
     One grouped request, as ``grouped_allreduce_async`` (ranks whose groups differ in length or
     layout get a mismatch error alike; one request per member left the longer group waiting for
-    ever), whose results are copied into the tensors at ``synchronize`` (``copy_``: autograd sees
-    an in-place change).
+    ever), whose results are copied into the tensors when it completes (``copy_``: autograd sees
+    an in-place change; see :class:`~unison.torch_backend.handles.InPlaceHandle`).
     """
     tensors = list(tensors)
     for t in tensors:
@@ -209,13 +210,12 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                              "grouped_allreduce")
     inner = _grouped_submit(tensors, reduce_op(average, op), name, prescale_factor, postscale_factor, process_set)
 
-    def into(results: list[torch.Tensor]) -> list[torch.Tensor]:
+    def into(results: list[torch.Tensor]) -> None:
         with torch.no_grad():
             for t, result in zip(tensors, results, strict=True):
                 if result.data_ptr() != t.data_ptr():
                     t.copy_(result.view(t.shape))
-        return tensors
-    return TorchHandle(inner, into)
+    return InPlaceHandle(inner, into, tensors)
 
 
 class _GroupedAllreduce(torch.autograd.Function):

@@ -19,6 +19,7 @@ from unison.common.ops import Average, ReduceOp, Sum, parse_op
 from unison.common.runtime import rank
 from unison.torch_backend.allreduce_ops import _Allreduce, _dense, _GroupedAllreduce
 from unison.torch_backend.handles import (
+    InPlaceHandle,
     ListHandle,
     SparseHandle,
     TorchHandle,
@@ -140,15 +141,14 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: ProcessSet | None = None) -> Handle:
-    """Start an in-place broadcast: ``tensor`` receives the root's values."""
+    """Start an in-place broadcast: ``tensor`` receives the root's values when it completes."""
     inner = broadcast_async(tensor, root_rank, name, process_set)
 
-    def copy_in(result: torch.Tensor) -> torch.Tensor:
+    def copy_in(result: torch.Tensor) -> None:
         with torch.no_grad():
             tensor.copy_(result)
-        return tensor
 
-    return TorchHandle(inner, copy_in)
+    return InPlaceHandle(inner, copy_in, tensor)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,

@@ -13,6 +13,7 @@ here to the rank within the set that the engine works with.
 from __future__ import annotations
 
 import operator
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +21,7 @@ from unison.common.engine.handles import Handle
 from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.common.ops import Adasum, is_adasum, resolve_op
 
-__all__ = ["TorchHandle", "SparseHandle", "ListHandle", "raise_now", "set_or_none", "root_in_set",
+__all__ = ["TorchHandle", "InPlaceHandle", "SparseHandle", "ListHandle", "raise_now", "set_or_none", "root_in_set",
            "Adasum", "is_adasum", "reduce_op", "poll", "synchronize"]
 
 
@@ -86,6 +87,68 @@ class TorchHandle(Handle):
         if not self._done:
             self._result, self._done = self.convert(self.inner.wait(timeout)), True
         return self._result
+
+
+class InPlaceHandle(Handle):
+    """An in-place op whose result is copied into its tensors: the copy runs when the collective
+    completes, on the thread that completes it, so ``poll()`` True means the tensors hold the result
+    (Horovod's op writes its output then). Before 2026-12-05 ``broadcast_async_`` and
+    ``grouped_allreduce_async_`` copied only in ``synchronize``: after ``poll()`` the tensor held its
+    old values, a change made before ``synchronize`` was overwritten, and a handle never
+    synchronized never landed.
+    """
+
+    __slots__ = ("inner", "write", "target", "_lock", "_landed", "_left", "_write_error")
+
+    def __init__(self, inner: Handle, write: Callable[[Any], None], target: Any) -> None:
+        super().__init__(inner.name)
+        self.inner, self.write, self.target = inner, write, target
+        self._lock = threading.Lock()
+        self._landed = False
+        self._write_error: BaseException | None = None
+        leaves = _leaves(inner)
+        self._left = len(leaves)
+        for leaf in leaves:
+            leaf.add_done_callback(self._leaf_done)
+
+    def _leaf_done(self, leaf: Handle) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._land()
+
+    def _land(self) -> None:
+        with self._lock:
+            if self._landed:
+                return
+            try:
+                self.write(self.inner.wait())
+            except BaseException as exc:  # noqa: BLE001 - the collective's error, or the copy's: wait() raises it
+                self._write_error = exc
+            self._landed = True
+
+    def done(self) -> bool:
+        return self._landed
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if not self._landed:
+            self.inner.wait(timeout)  # (raises its error, or TimeoutError)
+            self._land()
+        if self._write_error is not None:
+            raise self._write_error
+        return self.target
+
+
+def _leaves(handle: Handle) -> list[Handle]:
+    """The engine handles whose completion completes ``handle`` (through wrappers and groups)."""
+    inner = getattr(handle, "inner", None)
+    if isinstance(handle, (TorchHandle, InPlaceHandle)) and inner is not None:
+        return _leaves(inner)
+    members = getattr(handle, "members", None)
+    if members is not None:
+        return [leaf for m in members for leaf in _leaves(m)]
+    return [handle]
 
 
 class ListHandle(Handle):
