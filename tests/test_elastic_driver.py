@@ -324,3 +324,182 @@ def test_the_quorum_setting_is_checked(monkeypatch) -> None:
     monkeypatch.setenv("UNISON_ELASTIC_QUORUM", "sometimes")
     with pytest.raises(ValueError, match="UNISON_ELASTIC_QUORUM.*sometimes|sometimes.*UNISON_ELASTIC_QUORUM"):
         quorum_mode()
+
+
+# ------------------------------------------------------------------ the verdict, by the ranks' records
+def _with_records(jobs: Jobs, records: list[dict[int, str]]) -> object:
+    """``jobs`` whose n-th job leaves the records ``{rank: phase}`` of ranks on host "vm" (as the ranks would,
+    unison/common/liveness.py) in that job's folder."""
+    from unison.run.rankwatch import marker_name, records_folder
+
+    def start(np_, hosts, env):
+        attempt = int(env["UNISON_ELASTIC_ATTEMPT"])
+        folder = records_folder(env["UNISON_ELASTIC_STATE_DIR"], attempt)
+        folder.mkdir(parents=True, exist_ok=True)
+        for rank, phase in records[attempt].items():
+            (folder / marker_name("vm", 1000 + rank)).write_text(f"{phase} {rank}\n")
+        return jobs(np_, hosts, env)
+
+    return start
+
+
+@pytest.mark.parametrize("outcomes, records, status, jobs_run, says", [
+    # ULFM's mpirun exits 0 when every rank was killed: the records show them dead in their training
+    ([JobEnd(0), JobEnd(0, finished=True)], [{0: "training", 1: "started"}, {0: "exited", 1: "exited"}], 0, 2,
+     "rank(s) 0, 1 of this host died"),
+    # a rank died in its training after an earlier call returned (the restart tier's watch ended the job)
+    ([JobEnd(137, ("vm",), rank_failed=True), JobEnd(0, finished=True)],
+     [{0: "training", 1: "training"}, {0: "exited", 1: "exited"}], 0, 2, "restart 1 of at most 3"),
+    # in place: rank 1 died on the way, rank 0 finished: mpirun's status counts the death, and is forgiven
+    ([JobEnd(137, ("vm",), finished=True, rank_failed=True)], [{0: "exited", 1: "training"}], 0, 1,
+     "counts ranks that died on the way"),
+    # rank 0 failed after its training returned (an uncaught exception's MPI_Abort): no restart, its status
+    ([JobEnd(1, ("vm",), rank_failed=True)], [{0: "returned", 1: "exited"}], 1, 1,
+     "rank(s) 0 ended without a normal exit after their training function returned"),
+    ([JobEnd(1, ("vm",), finished=True, rank_failed=True)], [{0: "exited", 1: "returned"}], 1, 1,
+     "the training finished, but then rank(s) 1 ended without a normal exit"),
+    # sys.exit(3) after the training: every rank exited normally, and nothing died on the way
+    ([JobEnd(3, ("vm",), finished=True, rank_failed=True)], [{0: "exited", 1: "exited"}], 3, 1,
+     "the training finished, but then a rank failed"),
+    # os._exit(0) after the training: done
+    ([JobEnd(0)], [{0: "returned", 1: "returned"}], 0, 1, ""),
+])
+def test_the_driver_judges_a_job_by_how_its_ranks_ended(tmp_path: Path, caplog, outcomes, records, status,
+                                                       jobs_run, says) -> None:
+    """[Note: the driver's verdict]. Before 2026-12-05 the first four ended with status 0 after one job, the
+    fifth too, and the sixth likewise."""
+    jobs = Jobs(outcomes)
+    d = driver(tmp_path, jobs, np=2)
+    d.start = _with_records(jobs, records)
+    with caplog.at_level(logging.WARNING):
+        assert d.run() == status, caplog.text
+    assert len(jobs.calls) == jobs_run and says in caplog.text
+    assert not list((tmp_path / "state").glob("ends-*"))  # each job's records are removed once read
+
+
+# ------------------------------------------------------------------ -np and --max-np, the watch, discovery
+def test_np_above_max_np_is_refused_and_max_np_never_raises_np() -> None:
+    """Before 2026-12-05 -np 4 --max-np 3 started 4 ranks, and -np 2 --max-np 3 started 3."""
+    from unison.run.elastic_driver import planned_np
+
+    with pytest.raises(ValueError, match="-np 4 is above --max-np 3: give -np at most 3, or raise --max-np"):
+        ElasticOptions(np=4, max_np=3).check()
+    options = ElasticOptions(np=2, max_np=3)
+    options.check()
+    assert planned_np(options, None) == 2 and planned_np(options, [Host("a", 2), Host("b", 2)]) == 2
+
+
+def test_a_host_change_that_keeps_the_jobs_ranks_in_place_does_not_stop_the_job(tmp_path: Path) -> None:
+    """--max-np 2: a slot added beyond it changes nothing the job runs on, a lost host of the job does. Before
+    2026-12-05 any change of the discovered hosts stopped the job at its next commit."""
+    import threading
+
+    offers = [[Host("a", 3)], [Host("a", 4)], [Host("a", 4), Host("b", 2)], [Host("b", 2)]]
+    d = Driver(ElasticOptions(discovery_script="hosts.sh", max_np=2, poll_s=0.01), None, Jobs([]), {},
+               state_dir=str(tmp_path), discover_hosts=lambda script: offers[0])
+    notice, stop = tmp_path / "notice", threading.Event()
+    watcher = threading.Thread(target=d._watch, args=([Host("a", 3)], str(notice), stop))  # job 0 on a:3
+    watcher.start()
+    try:
+        for _ in range(2):  # a: 3 -> 4 slots, then host b added: the job's 2 ranks stay on a
+            offers.pop(0)
+            watcher.join(timeout=0.2)
+            assert not notice.exists() and watcher.is_alive()
+        offers.pop(0)  # now a, which runs the job's ranks, is gone
+        watcher.join(timeout=10)
+        assert notice.exists()
+    finally:
+        stop.set()
+        watcher.join()
+
+
+def test_a_discovery_script_that_fails_before_the_first_job_fails_at_once(tmp_path: Path, caplog) -> None:
+    """Before 2026-12-05 a missing, non-executable or malformed script waited out --elastic-timeout (600 s by
+    default) with no hosts, and the error said only that too few slots were found."""
+    clock = FakeClock()
+    script = tmp_path / "hosts.sh"
+    script.write_text("#!/bin/sh\necho 'localhost slots=2'\n")  # a hostfile's line, not host:slots
+    script.chmod(0o755)
+    for path in (str(tmp_path / "missing.sh"), str(script)):
+        with caplog.at_level(logging.ERROR):
+            assert driver(tmp_path, Jobs([]), clock=clock, discovery_script=path).run() == 1
+        assert f"host discovery script {path!r}" in caplog.text and clock.now == 0.0
+        caplog.clear()
+
+
+def test_the_timeout_names_the_discovery_scripts_last_error(tmp_path: Path, caplog) -> None:
+    """Once a job ran, a failing script keeps the last hosts (a passing hiccup), and the --elastic-timeout
+    error after a failed job says why no hosts came."""
+    clock = FakeClock()
+    script = tmp_path / "hosts.sh"
+    script.write_text(f"#!/bin/sh\nif [ -e {tmp_path}/broken ]; then exit 5; fi\necho a:2\n")
+    script.chmod(0o755)
+    jobs = Jobs([(1, ["a"], ["a"])])  # host a lost: blacklisted, and the script then fails
+    d = driver(tmp_path, jobs, clock=clock, discovery_script=str(script), elastic_timeout_s=10.0, poll_s=5.0,
+               blacklist_cooldown_s=1000.0)
+    original = d.start
+
+    def start(np_, hosts, env):
+        (tmp_path / "broken").touch()
+        return original(np_, hosts, env)
+
+    d.start = start
+    with caplog.at_level(logging.ERROR):
+        assert d.run() == 1
+    assert "waited 10 s (--elastic-timeout); the last discovery failed: host discovery script" in caplog.text
+    assert "exited with status 5" in caplog.text
+
+
+def test_a_commit_of_another_state_is_refused() -> None:
+    """Before 2026-12-05 a state loaded another state's commit and from then on committed its names."""
+    one = ObjectState(bcast_object=lambda obj, root_rank=0: obj, epoch=0, step=0)
+    two = ObjectState(bcast_object=lambda obj, root_rank=0: obj, b=100)
+    with pytest.raises(ValueError, match=r"holds the values \['epoch', 'step'\], but this state has \['b'\]"):
+        two.load_commit(one.commit_payload())
+    assert two.b == 100
+
+    class Other(ObjectState):
+        pass
+
+    with pytest.raises(ValueError, match="is a ObjectState's, not this .*Other's"):
+        Other(bcast_object=lambda obj, root_rank=0: obj, b=0).load_commit(two.commit_payload())
+
+
+@pytest.mark.parametrize("ending, phase, finished", [
+    ("pass", "exited", True),
+    ("os._exit(0)", "returned", False),  # (mpirun's status judges it; see [Note: the driver's verdict])
+    ("f(s, die=True)", "training", False),  # killed in the second call: its watch file is back too
+])
+def test_a_rank_records_each_call_and_says_the_training_finished_once_at_its_exit(
+        tmp_path: Path, ending: str, phase: str, finished: bool) -> None:
+    """[Note: how a rank's job ended]. Before 2026-12-05 the finished line came at every return, and the
+    watch's file stayed gone after the first one."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from unison.run.rankwatch import folder, marker_name, read_records, records_folder
+    from unison.run.report import ELASTIC_FINISHED
+
+    code = ("import os, unison\n"
+            "from unison.common.elastic import ObjectState, run_fn\n"
+            "unison.init()\n"
+            "def train(s, die=False):\n"
+            "    s.x += 1; s.commit()\n"
+            "    if die: os.kill(os.getpid(), 9)\n"
+            "f = run_fn(train, lambda: None)\n"
+            "s = ObjectState(x=0)\n"
+            "f(s); f(s)\n"
+            "print('PROGRAM END', s.x, flush=True)\n" + ending + "\n")
+    env = {**os.environ, "UNISON_ELASTIC_STATE_DIR": str(tmp_path), "UNISON_ELASTIC_ATTEMPT": "0"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "PROGRAM END 2", proc.stdout + proc.stderr  # nothing said before the program's end
+    assert lines.count(ELASTIC_FINISHED) == int(finished) and (lines[1:2] == [ELASTIC_FINISHED]) is finished
+    records = read_records(records_folder(tmp_path, 0))
+    assert list(records.values()) == [(phase, 0)], json.dumps([proc.stdout, proc.stderr])
+    (host, pid), = records
+    assert host == socket.gethostname()
+    assert (folder(tmp_path, 0) / marker_name(host, pid)).exists() is (phase == "training")

@@ -14,8 +14,12 @@ supervises a sequence of MPI jobs instead of one::
                   UNISON_ELASTIC_NOTICE     a file this driver writes when the hosts change
         while it runs: poll the discovery script; on a change write the notice: at their next
                   commit every rank sees it, the commit is on disk, the ranks exit with status 76
-        it ended: the training finished (rank 0 printed report.ELASTIC_FINISHED) -> done, status 0
-                  status 0 and no rank named failed (a script without elastic.run) -> done, status 0
+        it ended: the training finished (rank 0 printed report.ELASTIC_FINISHED at its exit) and
+                  mpirun's status is 0, or only ranks that died on the way failed  -> done, status 0
+                  a rank failed after its training function returned  -> done, that status
+                  status 0, no rank named failed and none of this host's ranks died in its
+                  training (a script without elastic.run)            -> done, status 0
+                  (see [Note: the driver's verdict])
                   unisonrun was stopped (Ctrl-C, SIGTERM)              -> stop, no restart
                   status 76 (the hosts changed)                        -> start again (a reset)
                   anything else (a rank or host died, and the in-place tier could not carry on,
@@ -49,6 +53,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from unison.run.hosts import Host, parse_hosts
+from unison.run.rankwatch import read_records, records_folder
 from unison.run.report import RESTART_STATUS
 
 __all__ = ["ElasticOptions", "Driver", "JobEnd", "discover", "has_ulfm", "RESTART_STATUS", "ELASTIC_MPI_ARGS",
@@ -111,6 +116,9 @@ class ElasticOptions:
             raise ValueError(f"--max-np {self.max_np} is below --min-np {self.min_np}")
         if self.np is not None and self.np < self.min_np:
             raise ValueError(f"-np {self.np} is below --min-np {self.min_np}")
+        if self.np is not None and self.max_np is not None and self.np > self.max_np:  # (before 2026-12-05 -np
+            raise ValueError(f"-np {self.np} is above --max-np {self.max_np}: give -np at most "  # was ignored)
+                             f"{self.max_np}, or raise --max-np")
         seconds = (self.elastic_timeout_s, self.poll_s, self.blacklist_cooldown_s)
         if not all(math.isfinite(x) for x in seconds) or self.elastic_timeout_s < 0 or self.poll_s <= 0 \
                 or self.blacklist_cooldown_s < 0:  # (nan polled in a busy loop; inf killed the watcher thread)
@@ -136,7 +144,7 @@ def planned_np(options: ElasticOptions, hosts: list[Host] | None,
     """How many ranks a job of the elastic run starts on ``hosts`` (None: this machine alone)."""
     available = _slots(options, hosts)
     if options.discovery_script is None and options.np is not None:
-        wanted = options.np if options.max_np is None else max(options.np, options.max_np)
+        wanted = options.np  # (at most --max-np, see check(); before 2026-12-05 --max-np raised it)
         if not blacklist:  # the hosts the user gave, all there: -np as asked (mpirun may oversubscribe)
             return wanted
         if wanted > available:
@@ -209,16 +217,23 @@ class Driver:
         self.clock, self.sleep, self._discover = clock, sleep, discover_hosts
         self.failures: dict[str, int] = {}
         self.blacklist: dict[str, float] = {}  # host -> when it may return
+        self._started = False  # whether a job was started
+        self._discovery_error: str | None = None  # the discovery script's last error, while it fails
 
     # ------------------------------------------------------------------ hosts
     def _hosts(self, previous: list[Host] | None) -> list[Host] | None:
         if self.options.discovery_script is None:
             return self.static_hosts
         try:
-            return self._discover(self.options.discovery_script)
+            found = self._discover(self.options.discovery_script)
         except RuntimeError as error:
+            if not self._started:  # a script that cannot work (missing, not executable, bad output): say so at
+                raise  # once (before 2026-12-05 the driver waited out --elastic-timeout with no hosts)
+            self._discovery_error = str(error)
             logger.warning("%s; keeping the last hosts", error)
             return previous if previous is not None else []
+        self._discovery_error = None
+        return found
 
     def _usable(self, hosts: list[Host] | None) -> list[Host] | None:
         if hosts is None:
@@ -245,18 +260,33 @@ class Driver:
                 listing = _listing(hosts) or "none"
                 black = f"; blacklisted: {', '.join(sorted(self.blacklist))}" if self.blacklist else ""
                 slots = _slots(self.options, hosts)
+                why = f"; the last discovery failed: {self._discovery_error}" if self._discovery_error else ""
                 raise RuntimeError(f"only {slots} slot(s) available (hosts: {listing}{black}) but "
                                    f"--min-np is {self.options.min_np}; waited "
-                                   f"{self.options.elastic_timeout_s:g} s (--elastic-timeout)")
+                                   f"{self.options.elastic_timeout_s:g} s (--elastic-timeout){why}")
             self.sleep(min(self.options.poll_s, max(0.0, deadline - self.clock())))
 
     # ------------------------------------------------------------------ one job
+    def _placement(self, hosts: list[Host] | None) -> tuple[int, list[tuple[str, int]]]:
+        """The planned number of ranks on ``hosts`` and how many of them each host runs (mpirun fills the
+        hosts in order)."""
+        np_ = self._np(hosts)
+        left, placed = np_, []
+        for h in hosts or []:
+            if left <= 0:
+                break
+            placed.append((h.name, min(h.slots, left)))
+            left -= h.slots
+        return np_, placed
+
     def _watch(self, hosts: list[Host] | None, notice: str, stop: threading.Event) -> None:
-        """While a job runs: poll discovery; write ``notice`` once the usable hosts differ from ``hosts``."""
-        before = sorted((h.name, h.slots) for h in hosts or [])
+        """While a job runs: poll discovery; write ``notice`` once the job's planned ranks or their placement
+        differ from those on ``hosts`` (before 2026-12-05 any change of the hosts did, even one that starts
+        the same ranks in the same places, such as a slot added beyond --max-np)."""
+        before = self._placement(hosts)
         while not stop.wait(self.options.poll_s):
             now = self._usable(self._hosts(hosts))
-            if sorted((h.name, h.slots) for h in now or []) != before:
+            if self._placement(now) != before:
                 logger.warning("the hosts changed (%s -> %s): asking the job to stop at its next commit",
                                _listing(hosts), _listing(now))
                 Path(notice).write_text(f"{time.time()}\n")
@@ -275,6 +305,7 @@ class Driver:
             logger.warning("this host (%s) runs none of the job's ranks: host changes reach the job through a "
                            "file here (%s), so only ranks on a host that shares this folder see them",
                            here, notice)
+        self._started = True
         stop = threading.Event()
         watcher = None
         if self.options.discovery_script is not None:
@@ -302,23 +333,21 @@ class Driver:
                     logger.error("%s", error)
                     return 1
                 end = self._run_once(attempt, hosts)
+                ranks = self._ranks_ended(attempt)
                 status, failed, lost = end.status, end.failed, end.lost
                 attempt += 1
                 if end.stopped:
                     logger.warning("unisonrun was stopped (status %d): not starting the job again", status)
                     return status
-                if end.finished:
-                    if status != 0:
-                        logger.warning("the training finished (mpirun's status %d counts ranks that died on the "
-                                       "way)", status)
-                    return 0
-                if status == 0 and not (failed or lost or end.rank_failed or end.left):
-                    return 0
-                if status == 0:  # ULFM's mpirun exits 0 after ranks called MPI_Abort, or left a split job
+                final = _final_status(end, ranks)
+                if final is not None:
+                    return final
+                if status == 0:  # ULFM's mpirun exits 0 after ranks called MPI_Abort, left a split job, all died
                     logger.warning("mpirun exited with status 0, but the training function did not return and %s: "
                                    "counting the job as failed", f"{end.left} rank(s) left the job on the losing "
                                    "side of a split (or the rest died)" if end.left else
-                                   "mpirun reported failed rank(s)")
+                                   "mpirun reported failed rank(s)" if failed or lost or end.rank_failed else
+                                   f"rank(s) {_ranks(ranks.died)} of this host died")
                     status = 1
                 resets += 1
                 if status == RESTART_STATUS:
@@ -341,6 +370,13 @@ class Driver:
             if self._own_dir:
                 shutil.rmtree(self.state_dir, ignore_errors=True)
 
+    def _ranks_ended(self, attempt: int) -> RanksEnded:
+        """How the ranks of job ``attempt`` on this host ended, by their records (then removed)."""
+        path = records_folder(self.state_dir, attempt)
+        records = read_records(path)
+        shutil.rmtree(path, ignore_errors=True)
+        return RanksEnded.of(records)
+
     def _count_failures(self, failed: Sequence[str], lost: Sequence[str] = ()) -> None:
         """A host that failed ``--blacklist-after`` jobs is left out; a host the job lost (its daemon or
         its link gone, see report.py) at once: it would fail the next job's launch."""
@@ -355,6 +391,80 @@ class Driver:
                 logger.warning("host %s %s: blacklisted%s", name, why,
                                f" for {self.options.blacklist_cooldown_s:g} s" if self.options.blacklist_cooldown_s
                                else "")
+
+
+class RanksEnded(NamedTuple):
+    """How the ranks of a job that ran on the driver's host ended, by their records (see [Note: how a rank's
+    job ended] in unison/common/liveness.py)."""
+
+    #: ranks that died before their training was done (a record left at "started" or "training")
+    died: tuple[int, ...] = ()
+    #: ranks that ended without a normal exit after their training function returned
+    after: tuple[int, ...] = ()
+    #: the hosts of the records (this host, as the ranks name it), empty when no rank ran here
+    hosts: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, records: Mapping[tuple[str, int], tuple[str, int]]) -> RanksEnded:
+        died = sorted(rank for phase, rank in records.values() if phase in ("started", "training"))
+        after = sorted(rank for phase, rank in records.values() if phase == "returned")
+        return cls(tuple(died), tuple(after), frozenset(host for host, _ in records))
+
+
+def _final_status(end: JobEnd, ranks: RanksEnded) -> int | None:
+    """unisonrun's status when ``end`` ends the elastic run; None when the job is to start again.
+
+    [Note: the driver's verdict]
+    The training finished (rank 0 said so at its exit, see store.py) and mpirun's status is 0: done.
+    With another status, the status is forgiven only for ranks that died on the way (in the in-place
+    tier the job carried on without them): a rank of this host whose record shows it died in its
+    training, or, where the records cannot tell (mpirun named only other hosts' ranks, or no rank ran
+    here), as before. A rank that ended without a normal exit after its training function returned
+    (a crash in the program's last steps, an uncaught exception's ``MPI_Abort``), or a status no death
+    on the way explains (``sys.exit(3)`` after the training), is a failure: unisonrun exits with the
+    status and does not start the job again, which would only repeat those steps. Before 2026-12-05
+    every job with the finished line ended with status 0.
+
+    Without the finished line: a job in which a rank of this host died in its training failed, even
+    when mpirun's status is 0 (ULFM's mpirun exits 0 when every rank was killed; before 2026-12-05
+    unisonrun then exited 0 without a restart); one in which ranks failed only after their training
+    function returned ends with that failure; status 0 with nothing reported is done (a script
+    without ``elastic.run``, or one that leaves by ``os._exit(0)`` after its training).
+    """
+    status = end.status
+    if status == RESTART_STATUS:
+        return None
+    if end.finished:
+        if status == 0:
+            return 0
+        if not ranks.after and (ranks.died or not _ours(end, ranks)):
+            logger.warning("the training finished (mpirun's status %d counts ranks that died on the way)", status)
+            return 0
+        logger.error("the training finished, but then %s (mpirun's status %d): not starting the job again",
+                     f"rank(s) {_ranks(ranks.after)} ended without a normal exit" if ranks.after else
+                     "a rank failed", status)
+        return status
+    reported = bool(end.failed or end.lost or end.rank_failed or end.left)
+    if ranks.after and not ranks.died and (status != 0 or reported):
+        logger.error("rank(s) %s ended without a normal exit after their training function returned (mpirun's "
+                     "status %d): a failure of the program's last steps; not starting the job again",
+                     _ranks(ranks.after), status)
+        return status or 1
+    if status == 0 and not reported and not ranks.died:
+        return 0
+    return None
+
+
+def _ours(end: JobEnd, ranks: RanksEnded) -> bool:
+    """Whether the failures of ``end`` are all of ranks whose records the driver read."""
+    if not ranks.hosts:
+        return False
+    short = {h.split(".")[0] for h in ranks.hosts}
+    return all(h.split(".")[0] in short for h in end.failed)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(map(str, ranks))
 
 
 def _listing(hosts: list[Host] | None) -> str:

@@ -29,7 +29,8 @@ from pathlib import Path
 
 from unison.run.supervise import kill_tree
 
-__all__ = ["RankWatch", "available", "folder", "marker_name", "parse_marker_name"]
+__all__ = ["RankWatch", "available", "folder", "records_folder", "read_records", "marker_name",
+           "parse_marker_name"]
 
 logger = logging.getLogger("unison.run.elastic")
 
@@ -37,6 +38,32 @@ logger = logging.getLogger("unison.run.elastic")
 def folder(state_dir: str | os.PathLike[str], attempt: int) -> Path:
     """Where the ranks of the driver's job ``attempt`` leave their files."""
     return Path(state_dir) / f"ranks-{attempt:06d}"
+
+
+def records_folder(state_dir: str | os.PathLike[str], attempt: int) -> Path:
+    """Where the ranks of the driver's job ``attempt`` keep their records for the driver's verdict (see
+    [Note: how a rank's job ended] in ``unison/common/liveness.py``); apart from :func:`folder`, which the
+    launcher removes when the job's watch ends."""
+    return Path(state_dir) / f"ends-{attempt:06d}"
+
+
+def read_records(path: Path) -> dict[tuple[str, int], tuple[str, int]]:
+    """``(host, pid) -> (phase, rank)`` of every record in ``path`` (an unreadable one: phase "started")."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return {}
+    found = {}
+    for name in names:
+        parsed = parse_marker_name(name)
+        if parsed is None:
+            continue
+        try:
+            phase, rank = (path / name).read_text().split()[:2]
+            found[parsed] = (phase, int(rank))
+        except (OSError, ValueError):  # cut short by a death mid-write: it never got past its start
+            found[parsed] = ("started", -1)
+    return found
 
 
 def marker_name(host: str, pid: int) -> str:

@@ -10,6 +10,14 @@
 
 Without elastic mode (``UNISON_ELASTIC`` unset) a failure is raised as it is, and the job
 ends as it always did.
+
+[Note: resuming once]
+Under ``unisonrun``'s elastic driver a state resumes from the spilled commits at its first call of
+an ``elastic.run`` function, and only in a restarted job (``UNISON_ELASTIC_ATTEMPT`` above 0): the
+first job has nothing to resume, and a later call of the same function (a program that calls it
+once per epoch) carries on from the live state. Before 2026-12-05 every call resumed, in the first
+job too, and loaded the newest commit of any state: a second state (a program's second phase)
+took the first one's values.
 """
 
 from __future__ import annotations
@@ -21,7 +29,8 @@ from typing import Any
 
 from unison.common import runtime
 from unison.common.elastic.recovery import enabled
-from unison.common.elastic.store import mark_finished, resume
+from unison.common.elastic.store import attempt as job_attempt
+from unison.common.elastic.store import mark_entered, mark_finished, resume
 from unison.common.engine.errors import process_failure
 from unison.common.exceptions import HostsUpdatedInterrupt
 
@@ -41,8 +50,11 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], Any]) -> Callable[..., 
     @functools.wraps(func)
     def wrapper(state: Any, *args: Any, **kwargs: Any) -> Any:
         skip_sync = False
-        if state.store is not None:  # under unisonrun's elastic driver: carry on from the last spilled commit
-            skip_sync = resume(state, state.store) >= 0  # every rank loaded the same commit: nothing to sync
+        if state.store is not None:
+            mark_entered()
+            if not getattr(state, "_resumed", False):  # the state's first call under unisonrun's elastic driver
+                state._resumed = True
+                skip_sync = job_attempt() > 0 and resume(state, state.store) >= 0  # see [Note: resuming once]
             if skip_sync:  # a new world for that commit: what depends on the size (the learning rate the commit
                 _reset(state, lambda: None)  # brought back was the old world's) is set again, as after a reset
         while True:

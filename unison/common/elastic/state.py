@@ -13,6 +13,7 @@ step that another never finished) still continue from the same state.
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import os
 import queue
@@ -41,8 +42,10 @@ class State:
         self._host_messages: queue.Queue[tuple[float, bool]] = queue.Queue()
         self._last_host_update = float("-inf")  # the newest update's timestamp taken so far
         self.commit_id = 0  # commits since the job's first start (restarts continue the count)
-        #: the commit store of a job run by ``unisonrun``'s elastic driver, else None (store.py)
-        self.store = store_from_env()
+        #: the commit store of a job run by ``unisonrun``'s elastic driver, else None (store.py): one folder per
+        #: state, named by the order in which the program made its states (the same in every job it starts)
+        self.store = store_from_env(f"state-{next(_made)}")
+        self._resumed = False  # whether the run wrapper has resumed this state (see [Note: resuming once])
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], Any]]) -> None:
         """Call each of ``callbacks`` (no arguments) after every reset, in order.
@@ -85,10 +88,19 @@ class State:
 
     def commit_payload(self) -> dict[str, Any]:
         """The last commit as picklable values (subclasses add theirs)."""
-        return {"commit_id": self.commit_id}
+        return {"commit_id": self.commit_id, "kind": type(self).__qualname__}
 
     def load_commit(self, payload: dict[str, Any]) -> None:
-        """Make ``payload`` (from :meth:`commit_payload`) the last commit; :meth:`restore` applies it."""
+        """Make ``payload`` (from :meth:`commit_payload`) the last commit; :meth:`restore` applies it.
+
+        Raises:
+            ValueError: ``payload`` is another kind of state's commit.
+        """
+        kind = payload.get("kind", type(self).__qualname__)  # (commits written before 2026-12-05 have none)
+        if kind != type(self).__qualname__:
+            raise ValueError(f"elastic: the commit to resume from is a {kind}'s, not this "
+                             f"{type(self).__qualname__}'s: did the program make its elastic states in another "
+                             "order than in the job that wrote it? Make them in the same order in every run")
         self.commit_id = int(payload["commit_id"])
 
     def check_host_updates(self) -> None:
@@ -130,6 +142,8 @@ class State:
         """Adjust to a new world (subclasses; nothing by default)."""
 
 
+_made = itertools.count()  # the states this process made, in order
+
 #: attributes every state sets itself (a value of the user's under one of these names was overwritten)
 _RESERVED = ("commit_id", "store")
 
@@ -165,6 +179,12 @@ class ObjectState(State):
         return {**super().commit_payload(), "values": self._saved_state}
 
     def load_commit(self, payload: dict[str, Any]) -> None:
+        """Raises ValueError when ``payload`` names other values than this state's."""
+        names, mine = sorted(payload["values"]), sorted(self._saved_state)
+        if names != mine:
+            raise ValueError(f"elastic: the commit to resume from holds the values {names}, but this state has "
+                             f"{mine}: it is another state's commit (make the program's elastic states in the "
+                             "same order, with the same names, in every run)")
         super().load_commit(payload)
         self._saved_state = dict(payload["values"])
 

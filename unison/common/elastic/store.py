@@ -51,8 +51,8 @@ from typing import Any
 from unison.common import files, runtime
 from unison.common.config import IntRange, parse_env, register_env
 
-__all__ = ["CommitStore", "store_from_env", "resume", "mark_finished", "ENV_STATE_DIR", "ENV_ATTEMPT",
-           "ENV_NOTICE"]
+__all__ = ["CommitStore", "store_from_env", "resume", "mark_finished", "mark_entered", "ENV_STATE_DIR",
+           "ENV_ATTEMPT", "ENV_NOTICE"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +71,12 @@ KEEP = 2
 class CommitStore:
     """This host's folder of spilled commits; :meth:`write_async` writes one in the background."""
 
-    def __init__(self, root: str | os.PathLike[str], host: str | None = None, writer: bool | None = None) -> None:
+    def __init__(self, root: str | os.PathLike[str], host: str | None = None, writer: bool | None = None,
+                 name: str | None = None) -> None:
         self.root = Path(root)
         self.folder = self.root / (host or socket.gethostname())
+        if name is not None:  # one state's commits (a program with two states keeps them apart)
+            self.folder = self.folder / name
         self._writer = writer
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future[Path] | None = None
@@ -166,45 +169,63 @@ _DIGEST_BYTES = 32
 
 
 def mark_finished(store: CommitStore) -> None:
-    """Rank 0 tells the driver the training function returned (a line on stdout, which mpirun forwards from
-    any host): the job is done even if mpirun's exit status counts ranks that died on the way. Every rank
-    also says so at its exit, with status 0 (the driver's verdict on a job whose training returned)."""
+    """A call of the training function returned: once its commit is on disk, this rank's record says so
+    (unison/common/liveness.py). The driver learns that the training finished at the program's exit,
+    not here: rank 0 prints :data:`~unison.run.report.ELASTIC_FINISHED` in an ``atexit`` handler, so a
+    program that calls its training function more than once (once per epoch, or in two phases) is not
+    done after the first call. Before 2026-12-05 the line came at every return, and a rank that died in
+    a later call ended the job with status 0 and no restart."""
     from unison.common import liveness
-    from unison.run.report import ELASTIC_FINISHED
 
     store.wait()
-    liveness.release()  # from here this rank's end is not a failure for the restart tier's watch
     st = runtime._state
-    if st is None or st.rank == 0:
-        print(ELASTIC_FINISHED, flush=True)
-    global _exit_said
+    liveness.returned(st.rank if st is not None else 0)
+    global _exit_said, _size
+    _size = st.size if st is not None else 1  # (the world at the last return: a reset in place may shrink it)
     if not _exit_said:  # once, however often the training function returns
         _exit_said = True
-        atexit.register(_say_exiting, *((st.rank, st.size) if st is not None else (0, 1)))
+        atexit.register(_say_exiting)
+
+
+def mark_entered() -> None:
+    """A call of the training function begins: a death from here is one inside the training again."""
+    from unison.common import liveness
+
+    st = runtime._state
+    liveness.entered(st.rank if st is not None else 0)
 
 
 _exit_said = False
+_size = 1
 
 
-def _say_exiting(rank: int, size: int) -> None:
-    """At the exit of a rank whose training function returned (after the program's own code): the driver
-    ends an mpirun that outlives every rank that said it (see [Note: a prterun that outlives its ranks])."""
-    from unison.run.report import exiting_line
+def _say_exiting() -> None:
+    """At the exit of a rank whose last call of the training function returned (after the program's own
+    code): rank 0 (as it was numbered then) says the training finished, and every rank that it exits (the
+    driver ends an mpirun that outlives every rank that said it, see [Note: a prterun that outlives its
+    ranks]). A rank that leaves from inside a call (``SystemExit`` for a host change) says nothing here."""
+    from unison.common import liveness
+    from unison.run.report import ELASTIC_FINISHED, exiting_line
 
+    if liveness.phase() not in (liveness.RETURNED, None):
+        return
+    rank = liveness.last_rank()
     try:
-        print(exiting_line(0, rank, size), flush=True)
+        if rank == 0:
+            print(ELASTIC_FINISHED, flush=True)
+        print(exiting_line(0, rank, _size), flush=True)
     except (OSError, ValueError):  # stdout already closed: mpirun is left to end the job itself
         pass
 
 
-def store_from_env() -> CommitStore | None:
-    """The store of a job started by ``unisonrun``'s elastic driver, or None."""
+def store_from_env(name: str | None = None) -> CommitStore | None:
+    """The store of a job started by ``unisonrun``'s elastic driver, or None; ``name``: the state's folder."""
     from unison.common.config import env_value
 
     found = env_value(ENV_STATE_DIR)
     if found is None:
         return None
-    return CommitStore(found[1])
+    return CommitStore(found[1], name=name)
 
 
 def attempt() -> int:
@@ -233,7 +254,8 @@ def resume(state: Any, store: CommitStore) -> int:
         if not held:
             if attempt() > 0 and st.rank == 0:
                 why = (f"the hosts held {unreadable} commit(s) but none could be read (see the warnings "
-                       "above)" if unreadable else "every host that held one was lost")
+                       "above)" if unreadable else "every host that held one was lost, or the last job failed "
+                       "before this state's first commit")
                 logger.warning("elastic: this is restart %d of the job but no host holds a readable committed "
                                "state (%s); starting from the program's initial state or its own checkpoint",
                                attempt(), why)
