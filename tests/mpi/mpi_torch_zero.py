@@ -481,7 +481,31 @@ def test_a_parameter_without_a_gradient_this_step_contributes_nothing(stage, zer
 
 
 # ------------------------------------------------------------------ found by an audit (2026-12-04)
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_grad_scaler_with_a_plain_distributed_optimizer_trains_as_one_process(clip):
+    """Stage 0: before 2026-12-05 GradScaler unscaled the gradients while their reductions were still writing
+    them (weights far off, different on each rank, in some runs). Several steps, each checked, with and
+    without unscale_ + clipping between."""
+    ref, _ = reference("adam", clip=clip)
+    model = Mixed()
+    opt = hvd.DistributedOptimizer(OPTIMIZERS["adam"](groups_of(model)), named_parameters=model.named_parameters())
+    scaler = hvd.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1000)
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = local(step)
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        if clip is not None:
+            scaler.unscale_(opt)  # the reduced gradients, unscaled: clip them as one process does
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        scaler.step(opt)
+        scaler.update()
+    assert_same_weights(model, ref, tol=1e-5)
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    everyone = WORLD.allgather(weights.numpy())
+    assert all((w == everyone[0]).all() for w in everyone)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
 def test_a_skipped_step_with_model_zero_grad_does_not_poison_the_next_ones(stage):
     """GradScaler skips a step whose gradients overflowed; the user's ``model.zero_grad()`` cannot
     clear the shards' reduced gradients, so the optimizer drops them itself (at stage 2 every later
@@ -489,11 +513,11 @@ def test_a_skipped_step_with_model_zero_grad_does_not_poison_the_next_ones(stage
     model = Mixed()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(groups_of(model), lr=0.01),
                                    named_parameters=model.named_parameters(), zero_stage=stage,
-                                   zero_bucket_bytes=48)
+                                   **({"zero_bucket_bytes": 48} if stage else {}))
     scaler = hvd.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
     skipped = []
     for step in range(4):
-        model.zero_grad()
+        (opt if stage == 0 else model).zero_grad()  # (stage 0: the optimizer's, which checks nothing is pending)
         x, y = local(step)
         loss = torch.nn.functional.mse_loss(model(x), y)
         if step == 0 and R == 0:

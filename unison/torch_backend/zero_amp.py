@@ -6,7 +6,11 @@ would skip the step and lower its scale while the others step: the replicas drif
 silently. This subclass (i) unscales and checks the *shards* of a ZeRO optimizer (stage 1/2;
 the model's ``.grad`` hold local or no gradients there) after waiting for their reduction, and
 (ii) all-reduces the found-inf flag (maximum) across the ranks for every optimizer, so every
-rank skips the same steps and keeps the same scale. Use it exactly like ``torch.amp.GradScaler``::
+rank skips the same steps and keeps the same scale. A plain (stage 0) ``DistributedOptimizer``'s
+gradients are reduced (``synchronize()``) before they are unscaled, and its step then runs without
+reducing again (before 2026-12-05 they were unscaled while their reductions were still writing them:
+weights far off and different on every rank in some runs; and a skipped step left its reductions
+pending, so the next ``zero_grad()`` raised). Use it exactly like ``torch.amp.GradScaler``::
 
     scaler = hvd.GradScaler("cpu")
     scaler.scale(loss).backward()
@@ -36,12 +40,20 @@ class _Shards:
         self.param_groups = optimizer._inner.param_groups
 
 
+def _plain_distributed(optimizer: Any) -> bool:
+    """A stage-0 ``DistributedOptimizer`` (it reduces whole gradients at ``synchronize()``)."""
+    return (getattr(optimizer, "zero_stage", 0) == 0 and hasattr(optimizer, "skip_synchronize")
+            and hasattr(optimizer, "_synchronized"))
+
+
 class GradScaler(torch.amp.GradScaler):
     """``torch.amp.GradScaler`` with the skip decision agreed across ranks (see the module docstring)."""
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
                         allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
         target: Any = optimizer
+        if _plain_distributed(optimizer) and not optimizer._synchronized:
+            optimizer.synchronize()  # the reduced gradients are what is unscaled and checked
         if getattr(optimizer, "zero_stage", 0) in (1, 2):
             if not optimizer._synchronized:
                 optimizer.synchronize()
@@ -58,6 +70,12 @@ class GradScaler(torch.amp.GradScaler):
         optimizer holds in its shards where the user's ``model.zero_grad()`` cannot clear them (the
         next backward pass would add to the overflowed ones, and every later step be skipped)."""
         skipped = bool(sum(v.item() for v in optimizer_state["found_inf_per_device"].values()))
+        if _plain_distributed(optimizer) and optimizer._synchronized:
+            if skipped:  # no step() to end the synchronized state: the next step reduces afresh
+                optimizer._synchronized = False
+                return None
+            with optimizer.skip_synchronize():  # reduced in _unscale_grads_: not twice
+                return super()._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
         result = super()._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
         if skipped and getattr(optimizer, "zero_stage", 0) in (1, 2):
             optimizer.discard_gradients()
