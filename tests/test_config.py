@@ -169,8 +169,8 @@ def test_mismatch_report_lists_every_rank_and_variable():
 
 
 def test_elastic_variables_are_known_checked_at_load_and_compared(caplog):
-    """UNISON_ELASTIC and UNISON_ELASTIC_MIN_NP are read by elastic recovery, not init() arguments,
-    but init() knows them (no "not a Unison setting" warning), checks their values and has the
+    """UNISON_ELASTIC, UNISON_ELASTIC_MIN_NP and UNISON_ELASTIC_QUORUM are read by elastic recovery, not
+    init() arguments, but init() knows them (no "not a Unison setting" warning), checks their values and has the
     ranks compare them."""
     with caplog.at_level("WARNING", logger="unison.common.config"):
         load_config({"UNISON_ELASTIC": "1", "UNISON_ELASTIC_MIN_NP": "2"})
@@ -180,6 +180,11 @@ def test_elastic_variables_are_known_checked_at_load_and_compared(caplog):
         load_config({"UNISON_ELASTIC_MIN_NP": "abc"})
     with pytest.raises(ValueError, match=r"HOROVOD_ELASTIC='maybe' is not valid"):
         load_config({"HOROVOD_ELASTIC": "maybe"})
+    with pytest.raises(ValueError, match=r"UNISON_ELASTIC_QUORUM='sometimes' is not valid"):
+        load_config({"UNISON_ELASTIC_QUORUM": "sometimes"})
+    quorum = mismatch_report([must_match_values(load_config({}), {"UNISON_ELASTIC_QUORUM": "on"}),
+                              must_match_values(load_config({}), {"UNISON_ELASTIC_QUORUM": "off"})])
+    assert quorum is not None and "UNISON_ELASTIC_QUORUM" in quorum
     base = load_config({})
     on, off = must_match_values(base, {"UNISON_ELASTIC": "1"}), must_match_values(base, {})
     assert on["UNISON_ELASTIC"] is True and off["UNISON_ELASTIC"] is False and off["UNISON_ELASTIC_MIN_NP"] == 1

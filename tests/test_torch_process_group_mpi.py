@@ -32,3 +32,36 @@ def test_dcp_saved_on_4_ranks_loads_on_2(tmp_path):
         assert proc.returncode == 0, out[-4000:]
         assert sorted(line for line in proc.stdout.splitlines() if line.endswith(": ok")) == \
             [f"rank {r}: ok" for r in range(np_)], out[-4000:]
+
+
+MISMATCHED = """
+import os, sys
+import torch.distributed as dist
+import unison.torch_backend  # noqa: F401
+r, n = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
+for kwargs in (dict(rank=(r + 1) % n, world_size=n), dict(rank=r, world_size=n + 1)):
+    try:
+        dist.init_process_group("unison", **kwargs)
+        print(f"rank {r}: accepted {kwargs}", flush=True)
+        dist.destroy_process_group()
+    except ValueError as e:
+        print(f"rank {r}: refused: {e}", flush=True)
+"""
+
+
+def test_a_rank_or_world_size_that_disagrees_with_mpi_is_refused(tmp_path):
+    """Before 2026-12-05 the MPI launch's rendezvous dropped them silently (rank=5, world_size=7 at 2 ranks ran
+    as 0 and 1 of 2), though the docs said they raise."""
+    import sys
+
+    from harness import mpirun
+
+    script = tmp_path / "mismatch.py"
+    script.write_text(MISMATCHED)
+    proc = mpirun(2, [sys.executable, str(script)], timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    refused = [line for line in proc.stdout.splitlines() if ": refused: " in line]
+    assert len(refused) == 4 and "accepted" not in proc.stdout, out[-4000:]
+    assert any("got rank=1 but MPI says this process's rank is 0" in line for line in refused), refused
+    assert any("got world_size=3 but MPI says this process's world_size is 2" in line for line in refused), refused

@@ -31,6 +31,7 @@ import importlib
 import logging
 import os
 import socket
+import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -452,6 +453,22 @@ def _mpi_store(rank: int, size: int, timeout: datetime.timedelta) -> Any:
     return store
 
 
+def _check_url(url: str, rank: int, size: int) -> None:
+    """Refuse a ``rank=`` or ``world_size=`` (which PyTorch puts in the URL's query) that differs from MPI's.
+
+    The MPI launch's rendezvous hands PyTorch MPI's rank and size, so before 2026-12-05 such values were
+    dropped silently (``rank=5, world_size=7`` at 2 ranks ran as ranks 0 and 1 of 2: code sharding its data
+    by its own ``rank`` then disagreed with ``dist``), and the backend's own check compared MPI with itself.
+    """
+    query = urllib.parse.parse_qs(urllib.parse.urlparse(url).query)
+    for key, mpi_value in (("rank", rank), ("world_size", size)):
+        given = query.get(key)
+        if given and given[0].lstrip("-").isdigit() and int(given[0]) not in (-1, mpi_value):
+            raise ValueError(f"init_process_group('unison') got {key}={int(given[0])} but MPI says this "
+                             f"process's {key} is {mpi_value}: drop rank=/world_size= (they come from MPI) or "
+                             "make them match")
+
+
 def _wrap_env_handler() -> None:
     rdzv = importlib.import_module("torch.distributed.rendezvous")  # the module, not its function
     original = rdzv._rendezvous_handlers.get("env")
@@ -464,6 +481,7 @@ def _wrap_env_handler() -> None:
             yield from original(url, timeout=timeout, **kwargs)
             return
         rank, size = launch
+        _check_url(url, rank, size)
         yield _mpi_store(rank, size, timeout), rank, size
         raise RuntimeError("the MPI launch's store cannot rendezvous again")
 
