@@ -320,49 +320,64 @@ def test_ddp_fp16_compress_hook():
     assert any(differs)  # the hook did run (float16 rounding shows)
 
 
-def test_point_to_point_messages_in_pieces(monkeypatch):
-    """Before: a send or receive was one MPI message, and Open MPI refuses a count of 2**31 bytes or more
-    (dist.send of a 2 GiB + 4 KiB tensor failed with MPI_ERR_ARG; now checked by hand both ways). The piece
-    size is lowered to 16 bytes here: messages of many pieces, of an exact number of pieces (an empty piece
-    ends them), shorter than the tensor received into, two in flight from one sender with one tag (waited in
-    reverse order: the later receive must not take the earlier one's pieces), from any source, bfloat16."""
+def test_point_to_point_messages_over_the_count_limit(monkeypatch):
+    """Before: a send or receive was one MPI message counted in bytes, and Open MPI refuses a count of 2**31
+    bytes or more (dist.send of a 2 GiB + 4 KiB tensor failed with MPI_ERR_ARG; now checked by hand both
+    ways). Such buffers now travel as one element of a derived datatype: the limit is lowered to 16 bytes
+    here (blocks of 16) so that small tensors take that path: messages of many blocks, of an exact number
+    of blocks, shorter than the tensor received into, three in flight from one sender with one tag (waited
+    in reverse order: each must get its own message), from any source, bfloat16, and a message longer than
+    the tensor (an error there, and the next receive is not disturbed)."""
     from unison.torch_backend import process_group_work
 
-    monkeypatch.setattr(process_group_work, "P2P_PIECE_BYTES", 16)
+    monkeypatch.setattr(process_group_work, "P2P_TYPED_BYTES", 16)
+    monkeypatch.setattr(process_group_work, "P2P_BLOCK_BYTES", 16)
     r, n = _rank_size()
     if n == 1:
         pytest.skip("needs two ranks")
     ahead, behind = (r + 1) % n, (r - 1) % n
     longer = torch.full((50,), -1.0, dtype=torch.float64)
-    exact = torch.zeros(2, dtype=torch.float64)
-    first, second = torch.zeros(40, dtype=torch.float64), torch.zeros(40, dtype=torch.float64)
+    exact = torch.zeros(4, dtype=torch.float64)
+    first, second, third = (torch.zeros(40, dtype=torch.float64) for _ in range(3))
     half = torch.zeros(30, dtype=torch.bfloat16)
     recvs = [dist.irecv(longer, src=behind, tag=3), dist.irecv(exact, src=behind, tag=4),
              dist.irecv(first, src=behind, tag=5), dist.irecv(second, src=behind, tag=5),
-             dist.irecv(half, src=behind, tag=6)]
+             dist.irecv(third, src=behind, tag=5), dist.irecv(half, src=behind, tag=6)]
     sends = [dist.isend(t, dst=ahead, tag=tag) for t, tag in (
-        (_values(r, (40,)), 3), (_values(r, (2,)), 4), (_values(r, (40,)), 5), (_values(r + 100, (40,)), 5),
-        (_values(r, (30,), torch.bfloat16), 6))]
+        (_values(r, (40,)), 3), (_values(r, (4,)), 4), (_values(r, (40,)), 5), (_values(r + 100, (40,)), 5),
+        (_values(r + 200, (40,)), 5), (_values(r, (30,), torch.bfloat16), 6))]
     for work in reversed(recvs):
         work.wait()
     for work in sends:
         work.wait()
     np.testing.assert_array_equal(longer[:40].numpy(), _values(behind, (40,)).numpy())
     np.testing.assert_array_equal(longer[40:].numpy(), -1.0)  # a shorter message leaves the rest
-    np.testing.assert_array_equal(exact.numpy(), _values(behind, (2,)).numpy())
+    np.testing.assert_array_equal(exact.numpy(), _values(behind, (4,)).numpy())
     np.testing.assert_array_equal(first.numpy(), _values(behind, (40,)).numpy())
     np.testing.assert_array_equal(second.numpy(), _values(behind + 100, (40,)).numpy())
+    np.testing.assert_array_equal(third.numpy(), _values(behind + 200, (40,)).numpy())
     assert torch.equal(half, _values(behind, (30,), torch.bfloat16))
     if r == 0:
         seen = set()
         for _ in range(n - 1):
             t = torch.zeros(9, dtype=torch.int64)
-            src = dist.recv(t, tag=9)  # any source: the rest of the pieces from the same sender
+            src = dist.recv(t, tag=9)  # any source
             assert t.tolist() == [src * 10 + k for k in range(9)]
             seen.add(src)
         assert seen == set(range(1, n))
     else:
         dist.send(torch.arange(9) + r * 10, dst=0, tag=9)
+    short = torch.zeros(5, dtype=torch.float64)
+    after = torch.zeros(5, dtype=torch.float64)
+    too_long = dist.irecv(short, src=behind, tag=8)
+    then = dist.irecv(after, src=behind, tag=8)
+    sent = [dist.isend(_values(r, (40,)), dst=ahead, tag=8), dist.isend(_values(r + 7, (5,)), dst=ahead, tag=8)]
+    with pytest.raises(Exception, match="TRUNCATE|truncat"):
+        too_long.wait()
+    then.wait()
+    for work in sent:
+        work.wait()
+    np.testing.assert_array_equal(after.numpy(), _values(behind + 7, (5,)).numpy())
     dist.barrier()
 
 

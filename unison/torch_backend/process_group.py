@@ -46,11 +46,11 @@ from unison.torch_backend import process_group_functional as functional
 from unison.torch_backend.process_group_sub import CommOps, create_sub_communicator
 from unison.torch_backend.process_group_work import (
     P2PWork,
-    PiecedRecv,
-    PiecedSend,
     collective_work,
     copy_into,
     host,
+    irecv_bytes,
+    isend_bytes,
     seconds,
 )
 
@@ -142,7 +142,6 @@ class UnisonProcessGroup(dist.ProcessGroup):
         # instead (a collective), it waited for ranks that were not sending, e.g. in a barrier
         base = comm if comm is not None else runtime.state("torch.distributed").comm
         self._p2p_comm: Any = base.Dup()
-        self._big_receives: list[PiecedRecv] = []  # ([Note: point-to-point messages in pieces])
         #: init_process_group/new_group(timeout=...): how long wait() waits before DistBackendError
         self._timeout_s = timeout_s
 
@@ -336,7 +335,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
         (t,) = tensors
         # as bytes: mpi4py takes no bfloat16 array (a BufferError where gloo sends it)
         data = _bytes(np.ascontiguousarray(host(t, "send")))
-        return P2PWork(PiecedSend(self._p2p_comm, data, dst, tag), data, timeout_s=self._timeout_s)
+        return P2PWork(isend_bytes(self._p2p_comm, data, dst, tag), data, timeout_s=self._timeout_s)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
         return self._recv(tensors, src, tag)
@@ -351,7 +350,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
         # the tensor's own values first: a shorter message leaves the rest of it as it was (as gloo),
         # where an empty buffer copied uninitialised memory into it
         buf = np.array(host(t, "recv"), copy=True, order="C")
-        return P2PWork(PiecedRecv(self._p2p_comm, _bytes(buf), src, tag, self._big_receives), buf, into=t,
+        return P2PWork(irecv_bytes(self._p2p_comm, _bytes(buf), src, tag), buf, into=t,
                        timeout_s=self._timeout_s)
 
     def barrier(self, opts: Any = None) -> dist.Work:

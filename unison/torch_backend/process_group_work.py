@@ -5,13 +5,15 @@ A collective's ``Work`` completes through the engine's handles: each handle's do
 PyTorch's output tensors and completes the future ([Note: completing off the engine thread]).
 A point-to-point ``Work`` wraps the MPI requests of one send or receive.
 
-[Note: point-to-point messages in pieces] Open MPI refuses a count of 2**31 bytes or more
-(``MPI_ERR_ARG``: before 2026-12-05 ``dist.send`` of a 2 GiB tensor failed so). A send goes as
-pieces of :data:`P2P_PIECE_BYTES`, then one shorter piece (perhaps empty) that ends it; a message
-under the piece size is one message, as before. The receiver cannot know the length in advance
-(PyTorch lets a message be shorter than the tensor received into), so it posts one piece at a
-time, from the first piece's sender: a full piece means more follow, a shorter one is the end.
-Messages of one sender, tag and communicator arrive in the order sent, so pieces never mix.
+[Note: point-to-point messages over 2 GiB] Open MPI refuses a count of 2**31 bytes or more
+(``MPI_ERR_ARG``: before 2026-12-05 ``dist.send`` of a 2 GiB tensor failed so). A send or receive
+buffer larger than :data:`P2P_TYPED_BYTES` therefore travels as ONE message of one element of a
+derived datatype (blocks of :data:`P2P_BLOCK_BYTES` bytes, then the rest), whose count MPI takes.
+Both sides' datatypes are sequences of bytes, so a message may still be shorter than the tensor
+received into (PyTorch allows it; ``Get_elements`` counts its bytes), and, being one message, it
+matches receives exactly as a small one does: concurrent receives from one sender with one tag,
+from any source, a truncated receive. (A first version sent pieces as separate messages: the
+receiver had to post them one at a time, and concurrent receives could take each other's pieces.)
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ from torch.futures import Future
 from unison.common.engine.handles import Handle
 from unison.torch_backend.tensors import from_numpy, to_numpy
 
-__all__ = ["host", "copy_into", "collective_work", "P2PWork", "PiecedSend", "PiecedRecv", "seconds"]
+__all__ = ["host", "copy_into", "collective_work", "P2PWork", "isend_bytes", "irecv_bytes", "seconds"]
 
-#: The most bytes one point-to-point MPI message carries (see the Note).
-P2P_PIECE_BYTES = 1 << 30
+#: Point-to-point buffers larger than this travel as one element of a derived datatype (see the Note).
+P2P_TYPED_BYTES = (1 << 31) - 1
+#: The block of that datatype.
+P2P_BLOCK_BYTES = 1 << 30
 
 
 def host(tensor: torch.Tensor, what: str) -> np.ndarray:
@@ -174,95 +178,43 @@ class _Work(dist.Work):
         return self._fut.done() and self.exception() is None
 
 
-class PiecedSend:
-    """The ``Test``/``Wait`` of an MPI request over the pieces of one send of ``data`` (bytes; see the Note)."""
-
-    def __init__(self, comm: Any, data: np.ndarray, dest: int, tag: int) -> None:
-        step = P2P_PIECE_BYTES  # full pieces, then a shorter one (perhaps empty): range's stop is size + 1
-        self._requests = [comm.Isend(data[lo:lo + step], dest=dest, tag=tag)
-                          for lo in range(0, data.size + 1, step)]
-
-    def Test(self, status: Any = None) -> bool:  # noqa: N802 - MPI's name
-        from mpi4py import MPI
-
-        return bool(MPI.Request.Testall(self._requests))
-
-    def Wait(self, status: Any = None) -> None:  # noqa: N802 - MPI's name
-        from mpi4py import MPI
-
-        MPI.Request.Waitall(self._requests)
+def _bytes_type(mpi: Any, nbytes: int) -> Any:
+    """A committed datatype of ``nbytes`` bytes: blocks of :data:`P2P_BLOCK_BYTES`, then the rest."""
+    blocks, rest = divmod(nbytes, P2P_BLOCK_BYTES)
+    if not blocks:
+        return mpi.BYTE.Create_contiguous(rest).Commit()
+    block = mpi.BYTE.Create_contiguous(P2P_BLOCK_BYTES)
+    try:
+        return mpi.Datatype.Create_struct([blocks, rest], [0, blocks * P2P_BLOCK_BYTES],
+                                          [block, mpi.BYTE]).Commit()
+    finally:
+        block.Free()
 
 
-class PiecedRecv:
-    """The ``Test``/``Wait`` of an MPI request over the pieces of one receive into ``buf`` (see the Note).
+def isend_bytes(comm: Any, data: np.ndarray, dest: int, tag: int) -> Any:
+    """``Isend`` of the bytes ``data`` (uint8, contiguous), of any size (see the Note)."""
+    if data.size <= P2P_TYPED_BYTES:
+        return comm.Isend(data, dest=dest, tag=tag)
+    from mpi4py import MPI
 
-    A receive into a buffer of a piece or more may get a full piece and then post the next: an
-    unfinished one of those (in ``pending``, the communicator's list) holds back a later receive
-    that could match its pieces (same tag; same source, or either from any source), whose first
-    piece is posted only after it: otherwise that receive would match the continuation.
-    """
+    kind = _bytes_type(MPI, data.size)
+    try:
+        return comm.Isend([data, 1, kind], dest=dest, tag=tag)
+    finally:
+        kind.Free()  # (MPI keeps it until the send completes)
 
-    def __init__(self, comm: Any, buf: np.ndarray, source: int, tag: int, pending: list[PiecedRecv]) -> None:
-        from mpi4py import MPI
 
-        self._comm, self._buf, self._source, self._tag = comm, buf, source, tag
-        self._step, self._any = P2P_PIECE_BYTES, MPI.ANY_SOURCE
-        self._offset, self._pending = 0, pending
-        self._lock = threading.Lock()  # a later receive may drive this one from another thread
-        self._done = False
-        self._before = [r for r in pending if r._matches(source, tag)]
-        self._request = None if self._before else self._post(source)
-        if buf.size >= self._step:
-            pending.append(self)
+def irecv_bytes(comm: Any, buf: np.ndarray, source: int, tag: int) -> Any:
+    """``Irecv`` into the bytes ``buf`` (uint8, contiguous), of any size (see the Note)."""
+    if buf.size <= P2P_TYPED_BYTES:
+        return comm.Irecv(buf, source=source, tag=tag)
+    from mpi4py import MPI
 
-    def _matches(self, source: int, tag: int) -> bool:
-        return tag == self._tag and (source == self._source or self._any in (source, self._source))
-
-    def _post(self, source: int) -> Any:
-        return self._comm.Irecv(self._buf[self._offset:self._offset + self._step], source=source, tag=self._tag)
-
-    def _last(self, status: Any) -> bool:
-        """Whether the piece just received ended the message; if not, the next one is posted."""
-        from mpi4py import MPI
-
-        got = status.Get_count(MPI.BYTE)
-        if got < self._step:
-            self._done = True
-            if self in self._pending:
-                self._pending.remove(self)
-            return True
-        self._offset += got
-        self._request = self._post(status.Get_source())  # the rest from the same sender
-        return False
-
-    def Test(self, status: Any) -> bool:  # noqa: N802 - MPI's name
-        from mpi4py import MPI
-
-        with self._lock:
-            if self._done:
-                return True
-            if self._request is None:
-                if not all(r.Test(MPI.Status()) for r in self._before):
-                    return False
-                self._request = self._post(self._source)
-            while self._request.Test(status):
-                if self._last(status):
-                    return True
-            return False
-
-    def Wait(self, status: Any) -> None:  # noqa: N802 - MPI's name
-        from mpi4py import MPI
-
-        with self._lock:
-            if self._done:
-                return
-            if self._request is None:
-                for r in self._before:
-                    r.Wait(MPI.Status())
-                self._request = self._post(self._source)
-            self._request.Wait(status)
-            while not self._last(status):
-                self._request.Wait(status)
+    kind = _bytes_type(MPI, buf.size)
+    try:
+        return comm.Irecv([buf, 1, kind], source=source, tag=tag)
+    finally:
+        kind.Free()
 
 
 class P2PWork(dist.Work):
