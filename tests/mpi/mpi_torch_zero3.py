@@ -649,6 +649,10 @@ def test_float16_gradients_average_without_overflow():
     assert shard.dtype == torch.float32 and torch.isfinite(shard.grad).all(), shard.grad
     if R == 0:  # the weight's single element lives in the first rank's segment
         assert shard.grad[0].item() == 40000.0
+    shard.grad = None  # and the smallest float16 gradient keeps its value (dividing first rounded it to 0)
+    model(torch.full((1, 1), 2.0 ** -24, dtype=torch.float16)).sum().backward()
+    if R == 0:
+        assert shard.grad[0].item() == 2.0 ** -24
 
 
 def test_bad_unit_classes_raise():

@@ -12,6 +12,7 @@ here to the rank within the set that the engine works with.
 
 from __future__ import annotations
 
+import concurrent.futures
 import operator
 import threading
 from collections.abc import Callable
@@ -91,11 +92,11 @@ class TorchHandle(Handle):
 
 class InPlaceHandle(Handle):
     """An in-place op whose result is copied into its tensors: the copy runs when the collective
-    completes, on the thread that completes it, so ``poll()`` True means the tensors hold the result
-    (Horovod's op writes its output then). Before 2026-12-05 ``broadcast_async_`` and
-    ``grouped_allreduce_async_`` copied only in ``synchronize``: after ``poll()`` the tensor held its
-    old values, a change made before ``synchronize`` was overwritten, and a handle never
-    synchronized never landed.
+    completes, on a worker thread (not the engine's: its next cycle would wait for the copy), and
+    ``poll()`` is True only once the tensors hold the result (Horovod's op writes its output then).
+    Before 2026-12-05 ``broadcast_async_`` and ``grouped_allreduce_async_`` copied only in
+    ``synchronize``: after ``poll()`` the tensor held its old values, a change made before
+    ``synchronize`` was overwritten, and a handle never synchronized never landed.
     """
 
     __slots__ = ("inner", "write", "target", "_lock", "_landed", "_left", "_write_error")
@@ -108,6 +109,8 @@ class InPlaceHandle(Handle):
         self._write_error: BaseException | None = None
         leaves = _leaves(inner)
         self._left = len(leaves)
+        if not leaves:  # an empty group: nothing to wait for
+            self._land()
         for leaf in leaves:
             leaf.add_done_callback(self._leaf_done)
 
@@ -116,7 +119,7 @@ class InPlaceHandle(Handle):
             self._left -= 1
             last = self._left == 0
         if last:
-            self._land()
+            _LANDERS.submit(self._land)
 
     def _land(self) -> None:
         with self._lock:
@@ -138,6 +141,10 @@ class InPlaceHandle(Handle):
         if self._write_error is not None:
             raise self._write_error
         return self.target
+
+
+#: the thread that copies completed in-place results into their tensors (see InPlaceHandle)
+_LANDERS = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="unison-inplace")
 
 
 def _leaves(handle: Handle) -> list[Handle]:

@@ -16,9 +16,10 @@ For trainable float16/bfloat16 parameters (``masters=True``, the default) the sh
 the fp32 master copy of this rank's segment, which the optimizer steps and keeps state for,
 while ``full`` and the views stay in the parameter's dtype. A gather rounds the segment to the
 half dtype before the all-gather (half the bytes on the wire, and every rank rounds its own
-segment the same way); a reduce-scatter runs in the half dtype, each rank's gradient divided by
-N before the sum (an average summed first overflowed: two float16 gradients of 40000 gave inf
-before 2026-12-05), and its result is added into the float32 ``shard.grad``. So an update
+segment the same way); a reduce-scatter runs in bfloat16 for bfloat16 weights and in float32 for
+float16 ones (a float16 sum overflows: two gradients of 40000 gave inf before 2026-12-05; dividing
+each by N first would lose a small gradient's bits instead), and its result is added into the
+float32 ``shard.grad``. So an update
 smaller than the half dtype's resolution is kept in the master and reaches the gathered weights
 once the sum of such updates is large enough.
 
@@ -44,7 +45,7 @@ import torch
 
 from unison.common.engine import frontend
 from unison.common.engine.process_sets import ProcessSet
-from unison.common.ops import Average, Sum
+from unison.common.ops import Average
 from unison.common.zero.plan import Bucket, ParamSpec, ShardPlan
 from unison.torch_backend.tensors import from_numpy, to_numpy
 
@@ -201,19 +202,17 @@ class Unit:
         for key, flat in self.flats.items():
             if not flat.shard.requires_grad:
                 continue
+            # float16 with a float32 master: reduced in float32 (a float16 sum overflowed: two gradients of
+            # 40000 gave inf; dividing first, the fix of that morning, lost a small gradient's bits)
+            wire = torch.float32 if flat.master and flat.dtype == torch.float16 else flat.dtype
             for b, _ in flat.buckets:
-                buf = torch.zeros(b.padded, dtype=flat.dtype)
+                buf = torch.zeros(b.padded, dtype=wire)
                 for piece in b.pieces:
                     g = self.views[self.index[piece.name]].grad
                     if g is not None:
                         buf[piece.offset:piece.offset + piece.length].copy_(g.reshape(-1))
-                # half precision: each rank's share divided before the sum ([Note: ZeRO-3 master weights]),
-                # which cannot overflow where the sum of N float16 gradients can (2 x 40000 was inf)
-                h = (frontend.reducescatter_async(to_numpy(buf), Sum, f"{self.tag}.{key}.b{b.index}.rs",
-                                                  1.0 / self.plan.world, process_set=self.process_set)
-                     if flat.dtype in HALF else
-                     frontend.reducescatter_async(to_numpy(buf), Average, f"{self.tag}.{key}.b{b.index}.rs",
-                                                  process_set=self.process_set))
+                h = frontend.reducescatter_async(to_numpy(buf), Average, f"{self.tag}.{key}.b{b.index}.rs",
+                                                 process_set=self.process_set)
                 self.reduces.append((flat, b, h))
         for v in self.views:
             v.grad = None
