@@ -13,6 +13,8 @@ of every weight's gradient. Eager throughout, except the transformer block, whic
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
@@ -32,7 +34,9 @@ from tensor_parallel_groups import (  # noqa: E402
 )
 
 import unison.tf_backend as hvd  # noqa: E402
+from unison.common.checkpoints import CheckpointError, read_manifest  # noqa: E402
 from unison.common.tensor_parallel import Grid  # noqa: E402
+from unison.tf_backend import tensor_parallel_checkpoint as kck  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 N, R = WORLD.Get_size(), WORLD.Get_rank()
@@ -47,6 +51,8 @@ def _session():
     yield
     hvd.barrier()  # a rank that shuts down stops the engine for all: wait for every group's last call
     hvd.shutdown()
+    if CKPT and R == 0:
+        shutil.rmtree(CKPT[0], ignore_errors=True)
 
 
 def group(tp: int) -> hvd.ProcessSet | None:
@@ -62,8 +68,8 @@ def randomize(layer: keras.layers.Layer, seed: int, scale: float = 0.5) -> keras
     return layer
 
 
-def dense(seed: int, fan_in: int, units: int, bias: bool = True, activation=None) -> keras.layers.Dense:
-    layer = keras.layers.Dense(units, use_bias=bias, activation=activation, dtype=D)
+def dense(seed: int, fan_in: int, units: int, bias: bool = True, activation=None, **kwargs) -> keras.layers.Dense:
+    layer = keras.layers.Dense(units, use_bias=bias, activation=activation, dtype=D, **kwargs)
     layer.build((None, fan_in))
     return randomize(layer, seed)
 
@@ -207,8 +213,8 @@ def test_cross_entropy_refuses_a_target_outside_the_vocabulary(tp):
 # ------------------------------------------------------------------ blocks
 
 
-def mha(seed: int, hidden: int, heads: int) -> keras.layers.MultiHeadAttention:
-    attn = keras.layers.MultiHeadAttention(heads, hidden // heads, dtype=D)
+def mha(seed: int, hidden: int, heads: int, **kwargs) -> keras.layers.MultiHeadAttention:
+    attn = keras.layers.MultiHeadAttention(heads, hidden // heads, dtype=D, **kwargs)
     x = np.zeros((1, 2, hidden))
     attn(x, x)  # builds it
     return randomize(attn, seed)
@@ -268,14 +274,19 @@ def test_parallel_self_attention(tp, causal):
 class Block:
     """The unsplit pre-norm block that ParallelTransformerBlock splits, from Keras layers."""
 
-    def __init__(self, hidden: int, heads: int, ffn: int, causal: bool = True) -> None:
+    def __init__(self, hidden: int, heads: int, ffn: int, causal: bool = True, bias: bool = True,
+                 mlp_bias: bool = True, fc2_activation=None, penalties: dict | None = None) -> None:
         self.causal = causal
-        self.ln1, self.ln2 = (keras.layers.LayerNormalization(dtype=D) for _ in range(2))
+        extra = penalties or {}  # layer name -> its regularizer / constraint arguments
+        self.ln1, self.ln2 = (keras.layers.LayerNormalization(dtype=D, **extra.get(name, {}))
+                              for name in ("ln1", "ln2"))
         for seed, norm in enumerate((self.ln1, self.ln2)):
             norm.build((None, None, hidden))
             randomize(norm, 30 + seed)
-        self.attn = mha(24, hidden, heads)
-        self.fc1, self.fc2 = dense(25, hidden, ffn, activation="gelu"), dense(26, ffn, hidden)
+        self.attn = mha(24, hidden, heads, use_bias=bias, **extra.get("attn", {}))
+        self.fc1 = dense(25, hidden, ffn, mlp_bias, "gelu", **extra.get("fc1", {}))
+        self.fc2 = dense(26, ffn, hidden, mlp_bias, fc2_activation, **extra.get("fc2", {}))
+        self.layers = (self.ln1, self.attn, self.ln2, self.fc1, self.fc2)
 
     def __call__(self, x: tf.Tensor) -> tf.Tensor:
         h = self.ln1(x)
@@ -703,3 +714,254 @@ def test_a_blocks_dropout_streams_never_share_a_seed(tp):
     if ps is not None:
         seeds = [s for r in ps.ranks for s in everyone[r]]
         assert len(seeds) == 4 * tp and len(set(seeds)) == 4 * tp, seeds
+
+
+# ------------------------------------------------------------------ what the builders keep (2026-12-05)
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("bias,mlp_bias", [(True, True), (False, False), (False, True), (True, False)])
+def test_block_from_layers_keeps_biases_or_their_absence_and_fc2s_activation(tp, bias, mlp_bias):
+    """A bias-free attention and/or MLP, and fc2 with an activation: the block equals the unsplit
+    one. from_layers raised "biases must be all present or all absent" for bias-free layers and
+    dropped fc2's activation (max |block - unsplit| 3.9 with relu)."""
+    hidden = 4 * tp
+    ref = Block(hidden, 2 * tp, 8 * tp, bias=bias, mlp_bias=mlp_bias, fc2_activation="tanh")
+    x, upstream = seeded(40, 2, 5, hidden), seeded(41, 2, 5, hidden)
+    expected, dx, (dk2,) = run(ref, x, upstream, [ref.fc2.kernel])
+    ps = group(tp)
+    if ps is None:
+        return
+    block = hvd.ParallelTransformerBlock.from_layers(*ref.layers, causal=True, process_set=ps)
+    assert (block.attn.qkv.bias is None, block.attn.out.bias is None) == (not bias, not bias)
+    assert (block.mlp.fc1.bias is None, block.mlp.fc2.bias is None) == (not mlp_bias, not mlp_bias)
+    out, dx_par, (dk2_par,) = run(block, x, upstream, [block.mlp.fc2.kernel])
+    close(out, expected)
+    close(dx_par, dx)
+    close(dk2_par, piece(dk2, ps, 0))
+
+
+def test_mlp_with_a_bias_on_one_layer_only_is_refused_clearly():
+    fc1, fc2 = dense(42, 4, 8, bias=True), dense(43, 8, 4, bias=False)
+    with pytest.raises(ValueError, match="biases on both layers or on neither; received fc1 use_bias=True, "
+                                         "fc2 use_bias=False"):
+        hvd.ParallelMLP.from_dense_pair(fc1, fc2)
+
+
+def total(losses: list) -> tf.Tensor:
+    return tf.add_n([tf.constant(0.0, D), *losses])
+
+
+def sgd_step(layers, losses, x):
+    """One SGD step on ``mean(f(x)^2) + penalties`` (constraints applied by the optimizer); the loss."""
+    opt = keras.optimizers.SGD(0.1)
+    weights = [w for layer in layers for w in layer.trainable_weights]
+    with tf.GradientTape() as tape:
+        y = x
+        for layer in layers:
+            y = layer(y)
+        loss = tf.reduce_mean(y * y) + total(losses())
+    opt.apply(tape.gradient(loss, weights), weights)
+    return float(loss)
+
+
+PENALTIES = {
+    "ln1": {"gamma_regularizer": keras.regularizers.L2(0.1), "beta_constraint": keras.constraints.NonNeg()},
+    "ln2": {"beta_regularizer": keras.regularizers.L1(0.05)},
+    "attn": {"kernel_regularizer": keras.regularizers.L2(0.2), "bias_regularizer": keras.regularizers.L1(0.1),
+             "kernel_constraint": keras.constraints.NonNeg()},
+    "fc1": {"kernel_regularizer": keras.regularizers.L1L2(0.05, 0.1),
+            "bias_constraint": keras.constraints.NonNeg()},
+    "fc2": {"kernel_regularizer": keras.regularizers.L2(0.3), "bias_regularizer": keras.regularizers.L2(0.4)},
+}
+
+
+class Unsplit(keras.layers.Layer):
+    """The unsplit block as one Keras layer (its ``losses`` are every part's penalties)."""
+
+    def __init__(self, ref: Block, **kwargs) -> None:
+        super().__init__(dtype=D, **kwargs)
+        self.ref, self.parts = ref, list(ref.layers)
+
+    def call(self, x):
+        return self.ref(x)
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_block_and_mlp_builders_keep_the_penalties_of_the_unsplit_layers(tp):
+    """Regularizers on every kind of weight (norms, attention, MLP) and NonNeg constraints: the
+    block's and the MLP's losses equal the unsplit layers', and so do one training step's loss and
+    the outputs after it. from_dense_pair, from_layers and from_multi_head_attention copied weight
+    values only (no penalty, no constraint)."""
+    hidden = 4 * tp
+    ref = Block(hidden, 2 * tp, 8 * tp, penalties=PENALTIES)
+    x = seeded(44, 2, 5, hidden)
+    ps = group(tp)
+    if ps is not None:
+        block = hvd.ParallelTransformerBlock.from_layers(*ref.layers, causal=True, process_set=ps)
+        mlp = hvd.ParallelMLP.from_dense_pair(ref.fc1, ref.fc2, process_set=ps)
+        block(x)
+        close(total(block.losses), total(Unsplit(ref).losses))  # 0 before 2026-12-05
+        close(total(mlp.losses), total(ref.fc1.losses + ref.fc2.losses))
+        assert isinstance(block.attn.qkv.kernel.constraint, keras.constraints.NonNeg)
+    unsplit = Unsplit(ref)
+    expected = sgd_step([unsplit], lambda: unsplit.losses, x)
+    after = ref(seeded(45, 2, 5, hidden))
+    if ps is None:
+        return
+    got = sgd_step([block], lambda: block.losses, x)
+    assert got == pytest.approx(expected, rel=1e-12)
+    close(block(seeded(45, 2, 5, hidden)), after)
+    close(block.mlp.fc1.bias, piece(ref.fc1.bias, ps, 0))  # NonNeg applied alike
+    close(block.ln1.beta, ref.ln1.beta)
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_vocab_parallel_embedding_keeps_its_regularizer_and_row_norm(tp):
+    """An L2 penalty and a max-norm over each vector (axis 1, whole on every shard): the same loss
+    and rows after a step as the unsplit Embedding (from_embedding dropped both); a norm over the
+    vocabulary axis and an activity regularizer are refused."""
+    ref = keras.layers.Embedding(3 * tp, 4, dtype=D, embeddings_regularizer=keras.regularizers.L2(0.3),
+                                 embeddings_constraint=keras.constraints.MaxNorm(0.7, axis=1))
+    ref.build((None,))
+    randomize(ref, 46)
+    ids = np.array([[0, 3 * tp - 1, 1]])
+    ps = group(tp)
+    if ps is not None:
+        layer = hvd.VocabParallelEmbedding.from_embedding(ref, process_set=ps)
+    expected = sgd_step([ref], lambda: ref.losses, ids)
+    if ps is None:
+        return
+    got = sgd_step([layer], lambda: layer.losses, ids)
+    assert got == pytest.approx(expected, rel=1e-12)
+    close(layer.embeddings, piece(ref.embeddings, ps, 0))
+    for bad, fragment in ((dict(embeddings_constraint=keras.constraints.MaxNorm(1.0)), "embeddings_constraint "
+                                                                                       "MaxNorm"),
+                          (dict(activity_regularizer=keras.regularizers.L2(0.1)), "activity_regularizer")):
+        other = keras.layers.Embedding(3 * tp, 4, dtype=D, **bad)
+        other.build((None,))
+        with pytest.raises(ValueError, match=fragment):
+            hvd.VocabParallelEmbedding.from_embedding(other, process_set=ps)
+
+
+def test_builders_refuse_penalties_they_cannot_split_and_quantized_layers():
+    """Refused when built, naming the cause (a quantized layer failed at its first call, inside Keras)."""
+    ps = group(1)
+    attn = mha(47, 4, 2, kernel_constraint=keras.constraints.MaxNorm(1.0))
+    with pytest.raises(ValueError, match="kernel_constraint MaxNorm, which does not split"):
+        hvd.ParallelSelfAttention.from_multi_head_attention(attn, process_set=ps)
+    attn = mha(47, 4, 2, activity_regularizer=keras.regularizers.L2(0.1))
+    with pytest.raises(ValueError, match="has an activity_regularizer"):
+        hvd.ParallelSelfAttention.from_multi_head_attention(attn, process_set=ps)
+    fc = dense(48, 4, 4)
+    fc.quantize("int8")
+    with pytest.raises(ValueError, match=r"is quantized \('int8'\).*split the float layer"):
+        hvd.ColumnParallelLinear.from_dense(fc, process_set=ps)
+    emb = keras.layers.Embedding(4, 2, dtype=D)
+    emb.build((None,))
+    emb.quantize("int8")
+    with pytest.raises(ValueError, match=r"is quantized \('int8'\)"):
+        hvd.VocabParallelEmbedding.from_embedding(emb, process_set=ps)
+
+
+# ------------------------------------------------------------------ checkpoints (2026-12-05)
+
+CKPT: list[str] = []
+
+
+def shared_dir(name: str) -> str:
+    """A folder every rank sees (collective on its first call: the job's ranks share one machine)."""
+    if not CKPT:
+        CKPT.append(WORLD.bcast(tempfile.mkdtemp(prefix="keras-tp-") if R == 0 else None))
+    return os.path.join(CKPT[0], name)
+
+
+def on_rank_zero(fn) -> None:
+    """``fn()`` on rank 0 alone (one process, ``local=True``); its failure fails every rank, so
+    none waits in a later collective for it."""
+    problem = None
+    if R == 0:
+        try:
+            fn()
+        except Exception as error:  # noqa: BLE001 - re-raised below, on every rank
+            problem = f"{type(error).__name__}: {error}"
+    problem = WORLD.bcast(problem)
+    assert problem is None, f"rank 0: {problem}"
+
+
+class Heads(keras.layers.Layer):
+    """A body and two heads held in a dict (Keras tracks it as a TrackedDict)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(dtype=D)
+        self.body = dense(seed, 4, 2 * N)
+        self.heads = {"cls": dense(seed + 1, 2 * N, 3), "reg": [dense(seed + 2, 2 * N, 1)]}
+
+
+def test_checkpoint_names_layers_held_in_dicts():
+    """A tp = N twin with its heads in a dict saves every head; one process loads it into the plain
+    model (the dict's layers were skipped: left at their random values without a word)."""
+    src, twin = Heads(50), Heads(50)
+    twin.body = hvd.ColumnParallelLinear.from_dense(src.body)  # the plain body stays tracked: not saved
+    twin.heads["cls"] = hvd.RowParallelLinear.from_dense(src.heads["cls"])
+    path = shared_dir("heads")
+    kck.save_tensor_parallel(path, twin)
+    entries = read_manifest(path).metadata["tensor_parallel"]["entries"]
+    assert {"body/kernel", "heads/cls/kernel"} <= set(entries), entries
+
+    def load_plain() -> None:
+        plain = Heads(60)
+        kck.load_tensor_parallel(path, plain, local=True)
+        for got, want in zip(plain.weights, src.weights, strict=True):
+            np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=want.path)
+
+    on_rank_zero(load_plain)
+
+
+class Hidden(keras.layers.Layer):
+    def __init__(self, private: bool) -> None:
+        super().__init__(dtype=D)
+        self.body = dense(51, 4, 4)
+        if private:
+            self._extra = dense(52, 4, 4)
+
+
+def test_checkpoint_refuses_a_layer_it_cannot_name_on_every_rank():
+    """A layer in a private attribute on the last rank only: save and load raise the same error on
+    every rank (it was skipped)."""
+    model = Hidden(private=R == N - 1)
+    path = shared_dir("hidden")
+    for call in (lambda: kck.save_tensor_parallel(path, model), lambda: kck.load_tensor_parallel(path, model)):
+        with pytest.raises(CheckpointError) as excinfo:
+            call()
+        message = str(excinfo.value)
+        assert "held by attribute '_extra' of 'the model'" in message, message
+        assert N == 1 or message.startswith(f"rank {N - 1}: layer "), message
+        assert len(set(WORLD.allgather(message))) == 1, message
+
+
+def test_bias_free_attention_checkpoint_loads_into_its_plain_source():
+    """A tp = N bias-free ParallelSelfAttention saves entries its plain MultiHeadAttention(use_bias=False)
+    loads in one process, and back (CheckpointError: no entry 'attn/query/kernel')."""
+    hidden = 4 * N
+    src = mha(53, hidden, 2 * N, use_bias=False)
+    holder = Hidden(private=False)
+    holder.body = hvd.ParallelSelfAttention.from_multi_head_attention(src)
+    path = shared_dir("attn")
+    kck.save_tensor_parallel(path, holder)
+    entries = read_manifest(path).metadata["tensor_parallel"]["entries"]
+    assert set(entries) >= {"body/qkv/kernel", "body/out/kernel"} and "body/qkv/bias" not in entries, entries
+    x = seeded(54, 2, 3, hidden)
+
+    def round_trip() -> None:
+        plain = Hidden(private=False)
+        plain.body = mha(55, hidden, 2 * N, use_bias=False)
+        kck.load_tensor_parallel(path, plain, local=True)
+        close(plain.body(x, x), src(x, x))
+        kck.save_tensor_parallel(shared_dir("attn-plain"), plain, local=True)
+
+    on_rank_zero(round_trip)
+    back = Hidden(private=False)
+    back.body = hvd.ParallelSelfAttention.from_multi_head_attention(mha(56, hidden, 2 * N, use_bias=False))
+    kck.load_tensor_parallel(shared_dir("attn-plain"), back)
+    close(back.body(x), src(x, x))

@@ -52,6 +52,7 @@ def _glorot(fan_in: int, fan_out: int) -> keras.initializers.Initializer:
 def _check_dense(dense: Any, owner: str) -> None:
     if not isinstance(dense, keras.layers.Dense):
         raise TypeError(f"{owner}.from_dense needs a keras.layers.Dense; received {type(dense).__name__}")
+    refuse_quantized(dense, f"{owner}.from_dense")
     if not dense.built:
         raise ValueError(f"{owner}.from_dense needs a built Dense (its kernel exists); call it on an input or "
                          f"dense.build(input_shape) first: {dense.name!r} is not built")
@@ -73,40 +74,62 @@ class _GroupPenalty:
         return reduce_from_group(self.regularizer(weight), self.process_set)
 
 
+_SEPARABLE = (keras.regularizers.L1, keras.regularizers.L2, keras.regularizers.L1L2)
+_NORMS = (keras.constraints.MaxNorm, keras.constraints.MinMaxNorm, keras.constraints.UnitNorm)
+
+
+def copy_penalty(owner: str, source: str, what: str, weight: Any, regularizer: Any, constraint: Any,
+                 process_set: ProcessSet | None, split: bool, whole_axes: tuple[int, ...] = ()) -> None:
+    """Give ``weight`` (a shard, or with ``split=False`` a whole replicated copy) ``regularizer``
+    and ``constraint``, where they split over the shards: L1, L2 and L1L2 (sums over elements:
+    each shard's penalty, summed over the group), NonNeg (element-wise), and norm constraints
+    over an axis a shard holds whole (``whole_axes``). A replicated copy keeps any (before
+    2026-12-05 a row layer's bias refused all but these). The others raise, naming ``source``'s
+    ``what`` (``"kernel"``): a norm over a split axis, say, would differ on every shard."""
+    if regularizer is not None and split and not isinstance(regularizer, _SEPARABLE):
+        raise ValueError(f"{owner}: {source!r} has {what}_regularizer {type(regularizer).__name__}, which does "
+                         "not split over the shards; only L1, L2 and L1L2 do. Remove it, or add its penalty to "
+                         "the loss yourself")
+    whole = isinstance(constraint, _NORMS) and getattr(constraint, "axis", None) in whole_axes
+    if constraint is not None and not (isinstance(constraint, keras.constraints.NonNeg) or whole or not split):
+        raise ValueError(f"{owner}: {source!r} has {what}_constraint {type(constraint).__name__}, which does not "
+                         "split over the shards here; only NonNeg does (and a norm over the axis a shard holds "
+                         "whole). Remove it, or apply it to the gathered weights yourself")
+    if weight is None:
+        return
+    if regularizer is not None:
+        weight.regularizer = _GroupPenalty(regularizer, process_set) if split else regularizer
+    if constraint is not None:
+        weight.constraint = constraint
+
+
+def refuse_activity_regularizer(layer: Any, owner: str) -> None:
+    """The parallel layers apply no ``activity_regularizer`` (the output of a shard is not the layer's)."""
+    if getattr(layer, "activity_regularizer", None) is not None:
+        raise ValueError(f"{owner}: {layer.name!r} has an activity_regularizer, which the parallel layers do not "
+                         "apply; remove it, or add its penalty to the loss yourself")
+
+
+def refuse_quantized(layer: Any, owner: str) -> None:
+    """A quantized layer's weights are integers and scales that the shards cannot slice."""
+    mode = getattr(layer, "quantization_mode", None)
+    if mode is not None:
+        raise ValueError(f"{owner}: {layer.name!r} is quantized ({mode!r}), and its integer weights and scales "
+                         "do not split over the shards; split the float layer, then quantize the model if you "
+                         "need to")
+
+
 def _copy_penalties(dense: keras.layers.Dense, layer: Any, owner: str) -> None:
-    """Give the shard ``dense``'s regularizers and constraints where they split over the shards:
-    L1, L2 and L1L2 (sums over elements: each shard's penalty, summed over the group), NonNeg
-    (element-wise), and the kernel's norm constraints over the axis a shard holds whole (axis 0
-    on a column layer, axis 1 on a row layer)
-    (each shard holds whole columns). The others are refused (a norm over a split axis)."""
-    separable = (keras.regularizers.L1, keras.regularizers.L2, keras.regularizers.L1L2)
-    norms = (keras.constraints.MaxNorm, keras.constraints.MinMaxNorm, keras.constraints.UnitNorm)
+    """Give the shard ``dense``'s regularizers and constraints where they split (:func:`copy_penalty`):
+    a column shard holds whole kernel columns (norms over axis 0) and a bias piece, a row shard
+    whole kernel rows (axis 1) and the whole bias (replicated: its penalty counted once)."""
     column = owner == "ColumnParallelLinear"
     for what, weight in (("kernel", layer.kernel), ("bias", layer.bias)):
-        regularizer = getattr(dense, f"{what}_regularizer", None)
-        constraint = getattr(dense, f"{what}_constraint", None)
-        if regularizer is not None and not isinstance(regularizer, separable):
-            raise ValueError(f"{owner}.from_dense: {dense.name!r} has {what}_regularizer "
-                             f"{type(regularizer).__name__}, which does not split over the shards; only L1, L2 "
-                             "and L1L2 do. Remove it, or add its penalty to the loss yourself")
-        # a column shard holds whole kernel columns (norms over axis 0), a row shard whole rows (axis 1)
-        whole = what == "kernel" and isinstance(constraint, norms) \
-            and getattr(constraint, "axis", None) in ((0, -2) if column else (1, -1))
-        if constraint is not None and not (isinstance(constraint, keras.constraints.NonNeg) or whole):
-            raise ValueError(f"{owner}.from_dense: {dense.name!r} has {what}_constraint "
-                             f"{type(constraint).__name__}, which does not split over the shards here; only "
-                             "NonNeg does (and a norm over the axis a shard holds whole). Remove "
-                             "it, or apply it to the gathered weights yourself")
-        if weight is None:
-            continue
-        if regularizer is not None:
-            replicated = what == "bias" and not column  # a row layer's bias: the whole of it on every rank
-            weight.regularizer = regularizer if replicated else _GroupPenalty(regularizer, layer.process_set)
-        if constraint is not None:
-            weight.constraint = constraint
-    if getattr(dense, "activity_regularizer", None) is not None:
-        raise ValueError(f"{owner}.from_dense: {dense.name!r} has an activity_regularizer, which the parallel "
-                         "layers do not apply; remove it, or add its penalty to the loss yourself")
+        whole_axes = ((0, -2) if column else (1, -1)) if what == "kernel" else ()
+        copy_penalty(f"{owner}.from_dense", dense.name, what, weight, getattr(dense, f"{what}_regularizer", None),
+                     getattr(dense, f"{what}_constraint", None), layer.process_set,
+                     split=not (what == "bias" and not column), whole_axes=whole_axes)
+    refuse_activity_regularizer(dense, f"{owner}.from_dense")
 
 
 def _in_out(dense: keras.layers.Dense) -> tuple[int, int]:
@@ -306,15 +329,29 @@ class VocabParallelEmbedding(keras.layers.Layer):
     @classmethod
     def from_embedding(cls, embedding: keras.layers.Embedding,
                        process_set: ProcessSet = global_process_set) -> VocabParallelEmbedding:
-        """This rank's rows ``start:stop`` of a built ``embedding`` (no ``mask_zero``, not quantized)."""
+        """This rank's rows ``start:stop`` of a built ``embedding`` (no ``mask_zero``, not quantized),
+        with its regularizer and constraint where they split (:func:`copy_penalty`; dropped before
+        2026-12-05).
+
+        Raises:
+            TypeError: not a ``keras.layers.Embedding``.
+            ValueError: not built, ``mask_zero``, quantized, an ``activity_regularizer``, or a
+                regularizer or constraint that does not split over the vocabulary.
+        """
         if not isinstance(embedding, keras.layers.Embedding):
             raise TypeError("VocabParallelEmbedding.from_embedding needs a keras.layers.Embedding; received "
                             f"{type(embedding).__name__}")
         if not embedding.built or embedding.mask_zero:
             raise ValueError("VocabParallelEmbedding.from_embedding needs a built Embedding without mask_zero; "
                              f"received built={embedding.built}, mask_zero={embedding.mask_zero}")
+        owner = "VocabParallelEmbedding.from_embedding"
+        refuse_quantized(embedding, owner)
+        refuse_activity_regularizer(embedding, owner)
         layer = cls(embedding.input_dim, embedding.output_dim, process_set, dtype=embedding.dtype_policy)
         layer.embeddings.assign(embedding.embeddings[layer.start:layer.stop])
+        # a shard holds whole vectors (rows): a norm over axis 1 is whole on it, one over axis 0 is not
+        copy_penalty(owner, embedding.name, "embeddings", layer.embeddings, embedding.embeddings_regularizer,
+                     embedding.embeddings_constraint, process_set, split=True, whole_axes=(1, -1))
         return layer
 
     def call(self, inputs: Any) -> tf.Tensor:

@@ -14,7 +14,12 @@ take this rank's shard out of unsplit Keras layers: ``ParallelMLP.from_dense_pai
 ``Dense``, activations kept), ``ParallelSelfAttention.from_multi_head_attention`` (a
 ``keras.layers.MultiHeadAttention`` used as self-attention: its q/k/v ``EinsumDense`` kernels
 ``(hidden, heads, key_dim)`` become the fused column shard, its output kernel
-``(heads, key_dim, hidden)`` the row shard) and ``ParallelTransformerBlock.from_layers``.
+``(heads, key_dim, hidden)`` the row shard) and ``ParallelTransformerBlock.from_layers``. Each
+keeps its source's activations, biases (or their absence), and the regularizers and constraints
+that split over the shards (``tensor_parallel.copy_penalty``); the rest are refused. Before
+2026-12-05 the builders copied weight values only: the block dropped ``fc2``'s activation, every
+builder but ``from_dense`` dropped the penalties, and bias-free sources were refused with a
+misleading message.
 
 Dropout and sequence parallelism as in the PyTorch blocks: ``attention_dropout`` draws from the
 shard's own seed generator, ``hidden_dropout`` from the shared one (the shard's own under
@@ -34,7 +39,13 @@ import tensorflow as tf
 from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.common.tensor_parallel.rng import check_probability
 from unison.common.tensor_parallel.sharding import check_divisible
-from unison.tf_backend.tensor_parallel import ColumnParallelLinear, RowParallelLinear, group_position
+from unison.tf_backend.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_penalty,
+    group_position,
+    refuse_activity_regularizer,
+)
 from unison.tf_backend.tensor_parallel_comm import check_sequence, copy_to_group
 from unison.tf_backend.tensor_parallel_random import LAYER_SEED_STRIDE, dropout_generators
 
@@ -75,10 +86,17 @@ class ParallelMLP(keras.layers.Layer):
     def from_dense_pair(cls, fc1: keras.layers.Dense, fc2: keras.layers.Dense,
                         process_set: ProcessSet = global_process_set,
                         sequence_parallel: bool = False) -> ParallelMLP:
-        """This rank's shard of the unsplit ``fc2(fc1(x))`` (both built; their activations kept)."""
+        """This rank's shard of the unsplit ``fc2(fc1(x))`` (both built, both with biases or neither).
+
+        Their activations, and the regularizers and constraints ``from_dense`` keeps, are kept.
+
+        Raises:
+            ValueError: layers that do not chain, one with a bias and one without, or what
+                ``ColumnParallelLinear.from_dense`` / ``RowParallelLinear.from_dense`` refuse.
+        """
         hidden, ffn = _check_pair(fc1, fc2)
-        mlp = cls(hidden, ffn, fc1.bias is not None and fc2.bias is not None, fc1.activation,
-                  process_set, fc2.activation, sequence_parallel, dtype=fc1.dtype_policy)
+        mlp = cls(hidden, ffn, fc1.use_bias, fc1.activation, process_set, fc2.activation, sequence_parallel,
+                  dtype=fc1.dtype_policy)
         _load(mlp.fc1, ColumnParallelLinear.from_dense(fc1, process_set=process_set))
         _load(mlp.fc2, RowParallelLinear.from_dense(fc2, process_set=process_set))
         return mlp
@@ -97,17 +115,24 @@ def _check_pair(fc1: Any, fc2: Any) -> tuple[int, int]:
     if ffn != ffn2 or out != hidden:
         raise ValueError(f"ParallelMLP.from_dense_pair: fc1 maps {hidden} -> {ffn} features, fc2 {ffn2} -> "
                          f"{out}; fc2 must take fc1's {ffn} outputs and return its {hidden} inputs")
+    if fc1.use_bias != fc2.use_bias:
+        raise ValueError(f"ParallelMLP.from_dense_pair: the parallel MLP has biases on both layers or on neither; "
+                         f"received fc1 use_bias={fc1.use_bias}, fc2 use_bias={fc2.use_bias}. Build both Dense "
+                         "layers with the same use_bias")
     return int(hidden), int(ffn)
 
 
 def _load(target: keras.layers.Layer, source: keras.layers.Layer) -> None:
-    """Copy ``source``'s trainable weights into the same-shaped ``target`` (seed generators' states stay)."""
+    """Copy ``source``'s trainable weights into the same-shaped ``target``, values and the
+    regularizers and constraints the builders attached (seed generators' states stay)."""
     mine, theirs = target.trainable_weights, source.trainable_weights
-    if len(mine) != len(theirs):
-        raise ValueError(f"{target.name}: the unsplit layers' biases must be all present or all absent; "
-                         f"received {len(theirs)} weights for {len(mine)}")
+    if [tuple(v.shape) for v in mine] != [tuple(v.shape) for v in theirs]:  # an internal invariant, kept loud
+        raise RuntimeError(f"{target.name}: weights of shapes {[tuple(v.shape) for v in theirs]} cannot load into "
+                           f"{[tuple(v.shape) for v in mine]}")
     for variable, value in zip(mine, theirs, strict=True):
         variable.assign(value)
+        variable.regularizer = getattr(value, "regularizer", None)
+        variable.constraint = getattr(value, "constraint", None)
 
 
 def _check_mha(mha: Any) -> tuple[int, int]:
@@ -127,6 +152,40 @@ def _check_mha(mha: Any) -> tuple[int, int]:
                          f"num_heads={mha.num_heads}, key_dim={mha.key_dim}, value_dim={mha.value_dim}, "
                          f"output size={out}, dropout={mha.dropout}, attention_axes={mha.attention_axes}")
     return hidden, mha.num_heads
+
+
+def _same(obj: Any) -> Any:
+    """What makes two regularizers (constraints) the same: their class and config."""
+    if obj is None or not hasattr(obj, "get_config"):
+        return id(obj)
+    return type(obj), repr(sorted(obj.get_config().items()))
+
+
+def _penalty(variables: list[Any], owner: str, what: str) -> tuple[Any, Any]:
+    """The one regularizer and constraint of ``variables`` (q, k and v's, fused into one weight)."""
+    pairs = [(getattr(v, "regularizer", None), getattr(v, "constraint", None)) for v in variables]
+    if len({(_same(r), _same(c)) for r, c in pairs}) > 1:
+        raise ValueError(f"{owner}: the query, key and value {what}s have different regularizers or constraints "
+                         f"({pairs}); the parallel layer fuses them into one weight. Give them the same, or none")
+    return pairs[0]
+
+
+def _copy_mha_penalties(mha: Any, attn: ParallelSelfAttention, process_set: ProcessSet) -> None:
+    """``mha``'s regularizers and constraints on the parallel layer's weights, where they split:
+    q/k/v and the output kernel are split (a penalty summed over the group), the output bias is
+    replicated. A norm constraint is refused: the kernels are 3-D in the source, 2-D here."""
+    owner = "ParallelSelfAttention.from_multi_head_attention"
+    parts = (mha.query_dense, mha.key_dense, mha.value_dense, mha.output_dense)
+    for layer in (mha, *parts):
+        refuse_activity_regularizer(layer, owner)
+    slots = [("kernel", attn.qkv.kernel, [p.kernel for p in parts[:3]], True),
+             ("kernel", attn.out.kernel, [parts[3].kernel], True)]
+    if mha.use_bias:
+        slots += [("bias", attn.qkv.bias, [p.bias for p in parts[:3]], True),
+                  ("bias", attn.out.bias, [parts[3].bias], False)]
+    for what, weight, variables, split in slots:
+        regularizer, constraint = _penalty(variables, owner, what)
+        copy_penalty(owner, mha.name, what, weight, regularizer, constraint, process_set, split)
 
 
 class ParallelSelfAttention(keras.layers.Layer):
@@ -178,12 +237,18 @@ class ParallelSelfAttention(keras.layers.Layer):
                                   sequence_parallel: bool = False) -> ParallelSelfAttention:
         """This rank's heads of a built ``keras.layers.MultiHeadAttention`` used as ``mha(x, x)``.
 
+        Its biases (or their absence) and its L1 / L2 / L1L2 regularizers and NonNeg constraints
+        are kept (each split weight's penalty summed over the group).
+
         Raises:
-            ValueError: an attention the layer cannot reproduce (see :func:`_check_mha`).
+            ValueError: an attention the layer cannot reproduce (see :func:`_check_mha`), an
+                ``activity_regularizer``, another regularizer or constraint, or q, k and v with
+                different ones (they become one fused weight).
         """
         hidden, heads = _check_mha(mha)
         attn = cls(hidden, heads, causal, mha.use_bias, process_set, attention_dropout, seed, sequence_parallel,
                    dtype=mha.dtype_policy)
+        _copy_mha_penalties(mha, attn, process_set)
         start, stop = attn.out.start, attn.out.stop  # this rank's heads, as columns of (heads * key_dim)
         parts = (mha.query_dense, mha.key_dense, mha.value_dense)
         kernels = [tf.reshape(p.kernel, (hidden, hidden))[:, start:stop] for p in parts]
@@ -230,12 +295,16 @@ class ParallelTransformerBlock(keras.layers.Layer):
         seed: the block's seed (the same on every rank of the group); default: the next of
             ``model_parallel_manual_seed``'s sequence. Only used with dropout.
         sequence_parallel: input and output are this rank's ``seq / tp`` positions.
+        bias: the attention's projections have biases (``MultiHeadAttention(use_bias=)``).
+        mlp_bias: the MLP's layers have biases (``Dense(use_bias=)``); None: as ``bias``.
+        fc2_activation: the MLP's second layer's, applied after the sum (default none).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, causal: bool = False,
                  eps: float = 1e-5, activation: Any = _gelu, process_set: ProcessSet = global_process_set,
                  hidden_dropout: float = 0.0, attention_dropout: float = 0.0, seed: int | None = None,
-                 sequence_parallel: bool = False, **kwargs: Any) -> None:
+                 sequence_parallel: bool = False, bias: bool = True, mlp_bias: bool | None = None,
+                 fc2_activation: Any = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.supports_jit = False  # collectives run outside XLA: compile(jit_compile="auto") must not pick it
         dtype = kwargs.get("dtype")
@@ -245,7 +314,7 @@ class ParallelTransformerBlock(keras.layers.Layer):
             shared, own = dropout_generators("ParallelTransformerBlock", seed, process_set)
             self._hidden_generator = own if self.sequence_parallel else shared
         self.ln1 = _norm(hidden_size, eps, dtype)
-        self.attn = ParallelSelfAttention(hidden_size, num_heads, causal, process_set=process_set,
+        self.attn = ParallelSelfAttention(hidden_size, num_heads, causal, bias, process_set=process_set,
                                           attention_dropout=attention_dropout,
                                           # half a layer's stride apart: seed + 1 made the attention's
                                           # own stream of shard s the block's hidden one on s + 1, and a
@@ -253,8 +322,8 @@ class ParallelTransformerBlock(keras.layers.Layer):
                                           seed=None if seed is None else seed + LAYER_SEED_STRIDE // 2,
                                           sequence_parallel=sequence_parallel, dtype=dtype)
         self.ln2 = _norm(hidden_size, eps, dtype)
-        self.mlp = ParallelMLP(hidden_size, ffn_hidden_size, activation=activation, process_set=process_set,
-                               sequence_parallel=sequence_parallel, dtype=dtype)
+        self.mlp = ParallelMLP(hidden_size, ffn_hidden_size, bias if mlp_bias is None else mlp_bias, activation,
+                               process_set, fc2_activation, sequence_parallel, dtype=dtype)
         self.built = True
 
     @classmethod
@@ -263,16 +332,26 @@ class ParallelTransformerBlock(keras.layers.Layer):
                     causal: bool = False, process_set: ProcessSet = global_process_set,
                     hidden_dropout: float = 0.0, attention_dropout: float = 0.0, seed: int | None = None,
                     sequence_parallel: bool = False) -> ParallelTransformerBlock:
-        """This rank's shard of the unsplit block made of these built layers (norms copied whole)."""
+        """This rank's shard of the unsplit block made of these built layers (norms copied whole).
+
+        The attention's and the MLP's biases (or their absence), both MLP activations, and the
+        regularizers and constraints that split (the norms' whole: they are replicated) are
+        kept, as the builders of the parts keep them.
+
+        Raises:
+            ValueError: what :func:`_check_norm`, ``ParallelSelfAttention.from_multi_head_attention``
+                or ``ParallelMLP.from_dense_pair`` refuse.
+        """
         for norm in (ln1, ln2):
             _check_norm(norm)
         hidden, heads = _check_mha(attn)
         _, ffn = _check_pair(fc1, fc2)
         block = cls(hidden, heads, ffn, causal, ln1.epsilon, fc1.activation, process_set, hidden_dropout,
-                    attention_dropout, seed, sequence_parallel, dtype=fc1.dtype_policy)
+                    attention_dropout, seed, sequence_parallel, attn.use_bias, fc1.use_bias, fc2.activation,
+                    dtype=fc1.dtype_policy)
         block.ln2.epsilon = ln2.epsilon
         for mine, theirs in ((block.ln1, ln1), (block.ln2, ln2)):
-            mine.set_weights(theirs.get_weights())
+            _copy_norm(mine, theirs)
         _load(block.attn, ParallelSelfAttention.from_multi_head_attention(attn, causal, process_set))
         _load(block.mlp, ParallelMLP.from_dense_pair(fc1, fc2, process_set))
         return block
@@ -300,6 +379,18 @@ def _norm(hidden: int, eps: float, dtype: Any) -> keras.layers.LayerNormalizatio
     norm = keras.layers.LayerNormalization(epsilon=eps, dtype=dtype)
     norm.build((None, None, hidden))
     return norm
+
+
+def _copy_norm(mine: keras.layers.LayerNormalization, theirs: keras.layers.LayerNormalization) -> None:
+    """``theirs``'s weights, regularizers and constraints on the replicated ``mine`` (each rank
+    holds the whole norm, so its penalty counts once and any constraint applies as it is)."""
+    owner = "ParallelTransformerBlock.from_layers"
+    refuse_activity_regularizer(theirs, owner)
+    for what in ("gamma", "beta"):
+        variable = getattr(theirs, what)
+        getattr(mine, what).assign(variable)
+        copy_penalty(owner, theirs.name, what, getattr(mine, what), getattr(variable, "regularizer", None),
+                     getattr(variable, "constraint", None), None, split=False)  # replicated: no group sum
 
 
 def _check_norm(norm: Any) -> None:

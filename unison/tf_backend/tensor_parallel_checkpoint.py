@@ -8,15 +8,19 @@ spec carries the axis, the layout follows.
 
 [Note: Keras entry names are attribute paths]
 Entries are named ``<attribute path>/<variable name>`` (``block/attn/qkv/kernel``), found by
-walking the model's public attributes that are layers (and lists of layers; a ``Sequential`` or
-functional model's layers by their names). Keras's own ``variable.path`` does not serve: a layer
+walking the model's public attributes that are layers, and the lists, tuples and dicts that
+hold layers (``heads/cls/kernel`` for ``self.heads = {"cls": Dense(...)}``), at any depth; a
+``Sequential`` or functional model's layers by their names. A layer Keras tracks but the walk
+cannot name (one in a private attribute or a set) is refused on every rank, not skipped: before
+2026-12-05 the layers of a dict attribute were left out of the checkpoint, and a load left them
+at their random initial values without a word. Keras's own ``variable.path`` does not serve: a layer
 made in its parent's ``__init__`` gets no parent prefix, and an auto-generated layer name
 (``column_parallel_linear_3``) counts the layers this process made before, so it differs between
 a parallel model and its plain source. A plain ``keras.layers.MultiHeadAttention`` (self-attention
 as :class:`ParallelSelfAttention` accepts it) is named like the parallel layer: ``qkv/kernel`` is
 its q, k and v kernels reshaped to ``(hidden, hidden)`` and concatenated along the output axis,
 ``out/kernel`` its output kernel as ``(hidden, hidden)``, so a block built by
-``from_multi_head_attention`` and its plain source share a checkpoint.
+``from_multi_head_attention`` and its plain source share a checkpoint (with or without biases).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import keras
 import numpy as np
 
 from unison.common import runtime
-from unison.common.checkpoints import Manifest
+from unison.common.checkpoints import Manifest, agree
 from unison.common.engine.process_sets import ProcessSet
 from unison.common.tensor_parallel import checkpoint as tpck
 from unison.common.tensor_parallel.checkpoint import REPLICATED, ShardSpec, TPParam
@@ -64,18 +68,69 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}/{name}" if prefix else name
 
 
+def _contained(name: str, value: Any) -> list[tuple[str, Any]]:
+    """The layers in ``value`` (a layer, or lists, tuples and dicts of them), named ``name/index``
+    and ``name/key`` (Keras tracks a dict attribute as a ``TrackedDict``: its layers' variables
+    are the model's)."""
+    if isinstance(value, keras.layers.Layer):
+        return [(name, value)]
+    if isinstance(value, (list, tuple)):
+        items: Any = enumerate(value)
+    elif isinstance(value, dict):
+        items = value.items()
+    else:
+        return []
+    return [found for key, item in items for found in _contained(f"{name}/{key}", item)]
+
+
 def _children(layer: Any) -> list[tuple[str, Any]]:
     found: list[tuple[str, Any]] = []
     for attr, value in vars(layer).items():
-        if attr.startswith("_"):
-            continue
-        if isinstance(value, keras.layers.Layer):
-            found.append((attr, value))
-        elif isinstance(value, (list, tuple)):
-            found += [(f"{attr}/{i}", v) for i, v in enumerate(value) if isinstance(v, keras.layers.Layer)]
+        if not attr.startswith("_"):
+            found += _contained(attr, value)
     if not found and isinstance(layer, keras.Model):  # Sequential / functional: layers by name
         found = [(child.name, child) for child in layer.layers]
     return found
+
+
+#: Keras's own bookkeeping attributes, which list every layer ever assigned (replaced ones too),
+#: and TensorFlow's (``_self_*``: a Keras layer on the TensorFlow backend is a ``tf.Module``)
+_KERAS_BOOKKEEPING = frozenset({"_layers", "_tracker"})
+
+
+def _bookkeeping(attr: str) -> bool:
+    return attr in _KERAS_BOOKKEEPING or attr.startswith("_self_")
+
+
+def _holds(value: Any, layer: Any, depth: int = 0) -> bool:
+    if value is layer:
+        return True
+    if depth > 8 or not isinstance(value, (list, tuple, dict, set, frozenset)):
+        return False
+    items = value.values() if isinstance(value, dict) else value
+    return any(_holds(item, layer, depth + 1) for item in items)
+
+
+def _unnamed(layers: list[tuple[str, Any]]) -> str | None:
+    """A problem for a layer with variables that Keras tracks under a visited layer (so they are
+    among ``model.weights``) and that is still held by one of its attributes, yet has no name in
+    the walk (a private attribute, a set): saved without it, a load would leave it as it was.
+    A layer Keras tracks but no attribute holds any more (replaced) is not the model's."""
+    named = {id(layer) for _, layer in layers}
+    for path, layer in layers:
+        if isinstance(layer, keras.layers.MultiHeadAttention):
+            continue
+        for child in getattr(layer, "_layers", []):
+            if id(child) in named or not child.weights:
+                continue
+            held = [attr for attr, value in vars(layer).items()
+                    if not _bookkeeping(attr) and _holds(value, child)]
+            if held:
+                return (f"layer {child.name!r}, held by attribute {held[0]!r} of {path or 'the model'!r}, has "
+                        f"variables ({', '.join(v.path for v in child.weights)}) that no checkpoint entry names: "
+                        "entries are named by public attributes that hold layers, or lists, tuples and dicts of "
+                        "them. Hold it in one of those, or the checkpoint would skip it")
+    return None
 
 
 def _layers(root: Any) -> Iterator[tuple[str, Any]]:
@@ -98,7 +153,7 @@ def _variable_slot(name: str, owner: Any, variable: Any) -> _Slot:
 
 
 def _plain_mha(mha: keras.layers.MultiHeadAttention) -> bool:
-    if not mha.built or not mha.use_bias:
+    if not mha.built:
         return False
     hidden = int(mha.query_dense.kernel.shape[0])
     return (mha.num_heads * mha.key_dim == hidden and mha.value_dim == mha.key_dim
@@ -107,7 +162,8 @@ def _plain_mha(mha: keras.layers.MultiHeadAttention) -> bool:
 
 
 def _mha_slots(path: str, mha: keras.layers.MultiHeadAttention) -> list[_Slot]:
-    """A plain MultiHeadAttention as ParallelSelfAttention's four entries (see the module's note)."""
+    """A plain MultiHeadAttention as ParallelSelfAttention's four entries, two without biases
+    (see the module's note)."""
     parts = (mha.query_dense, mha.key_dense, mha.value_dense)
     hidden = int(mha.query_dense.kernel.shape[0])
     out = mha.output_dense
@@ -117,15 +173,19 @@ def _mha_slots(path: str, mha: keras.layers.MultiHeadAttention) -> list[_Slot]:
             variable.assign(piece.reshape(tuple(variable.shape)))
 
     dtype = str(out.kernel.dtype)
-    return [
+    kernels = [
         _Slot(_join(path, "qkv/kernel"), mha,
               lambda: np.concatenate([np.reshape(p.kernel.numpy(), (hidden, hidden)) for p in parts], 1),
               lambda a: put([p.kernel for p in parts], a, 1), dtype),
+        _Slot(_join(path, "out/kernel"), mha, lambda: np.reshape(out.kernel.numpy(), (hidden, hidden)),
+              lambda a: out.kernel.assign(a.reshape(tuple(out.kernel.shape))), dtype),
+    ]
+    if not mha.use_bias:
+        return kernels
+    return kernels + [
         _Slot(_join(path, "qkv/bias"), mha,
               lambda: np.concatenate([np.reshape(p.bias.numpy(), -1) for p in parts]),
               lambda a: put([p.bias for p in parts], a, 0), dtype),
-        _Slot(_join(path, "out/kernel"), mha, lambda: np.reshape(out.kernel.numpy(), (hidden, hidden)),
-              lambda a: out.kernel.assign(a.reshape(tuple(out.kernel.shape))), dtype),
         _variable_slot(_join(path, "out/bias"), mha, out.bias),
     ]
 
@@ -144,11 +204,10 @@ def _own_variables(layer: Any, children: list[tuple[str, Any]]) -> list[Any]:
     return [v for v in layer.weights if id(v) not in theirs]
 
 
-def _slots(model: Any) -> tuple[list[_Slot], dict[str, ShardSpec]]:
-    """Every variable of ``model`` as a named slot, and entry name -> spec for the split ones."""
+def _slots(layers: list[tuple[str, Any]]) -> tuple[list[_Slot], dict[str, ShardSpec]]:
+    """Every variable of a model's ``layers`` as a named slot, and entry name -> spec for the split ones."""
     slots: list[_Slot] = []
     specs: dict[str, ShardSpec] = {}
-    layers = list(_layers(model))
     for path, layer in layers:
         if isinstance(layer, keras.layers.MultiHeadAttention):
             slots += _mha_slots(path, layer) if _plain_mha(layer) else [
@@ -162,8 +221,8 @@ def _slots(model: Any) -> tuple[list[_Slot], dict[str, ShardSpec]]:
     return slots, specs
 
 
-def _describe(model: Any, with_arrays: bool) -> list[tuple[TPParam, _Slot]]:
-    slots, specs = _slots(model)
+def _describe(layers: list[tuple[str, Any]], with_arrays: bool) -> list[tuple[TPParam, _Slot]]:
+    slots, specs = _slots(layers)
     owners = {slot.name: slot.owner for slot in slots}
     out = []
     for slot in slots:
@@ -208,11 +267,14 @@ def save_tensor_parallel(path: str | os.PathLike[str], model: Any, metadata: dic
         The committed manifest, on every rank.
 
     Raises:
-        unison.common.checkpoints.CheckpointError: on every rank, naming what failed.
+        unison.common.checkpoints.CheckpointError: on every rank, naming what failed (a layer
+            with variables that no entry names among them).
     """
     comm = _comm(local)
+    layers = list(_layers(model))
+    agree.raise_together(comm, _unnamed(layers))
     writes = tpck.replica_writes(data_process_set, comm)
-    described = _describe(model, with_arrays=writes)
+    described = _describe(layers, with_arrays=writes)
     same = {p.name for p, slot in described if slot.trainable}  # trained copies must agree (as torch's)
     return tpck.save(path, [p for p, _ in described], comm, writes, metadata, consolidated, same)
 
@@ -235,11 +297,14 @@ def load_tensor_parallel(path: str | os.PathLike[str], model: Any, local: bool =
 
     Raises:
         unison.common.checkpoints.CheckpointError: on every rank: a missing entry, a different
-            full shape, a variable split differently from the saved one, or a missing, corrupt
-            or mismatched checkpoint.
+            full shape, a variable split differently from the saved one, a layer with variables
+            that no entry names, or a missing, corrupt or mismatched checkpoint.
     """
-    described = _describe(model, with_arrays=False)
-    pieces, user = tpck.load(path, [p for p, _ in described], _comm(local), verify)
+    comm = _comm(local)
+    layers = list(_layers(model))
+    agree.raise_together(comm, _unnamed(layers))
+    described = _describe(layers, with_arrays=False)
+    pieces, user = tpck.load(path, [p for p, _ in described], comm, verify)
     for param, slot in described:
         slot.set(pieces[param.name].astype(param.dtype, copy=False))
     return user
