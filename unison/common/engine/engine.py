@@ -168,6 +168,7 @@ class Engine:
         #: why this rank gave up on its collectives, while it does ([Note: abandoned collectives])
         self._abandon: str | None = None
         self.autotuner = Autotuner(config, rank) if config.autotune else None
+        self._removed_bytes = 0  # agreed bytes of removed sets of every rank (autotune's running count)
         gps = ProcessSet()
         gps.process_set_id = 0
         self._set_objs.append(gps)
@@ -268,6 +269,8 @@ class Engine:
 
         def deactivate() -> None:
             st = self._sets.pop(sid, None)
+            if st is not None and st.controller.size == self._sets[0].controller.size:
+                self._removed_bytes += st.executor.agreed_bytes  # autotune's count must not fall back
             if st is not None:
                 self._forget(st.close(ValueError(
                     f"{ps!r} was removed (unison.remove_process_set) while this collective on it was "
@@ -586,7 +589,8 @@ class Engine:
         self.timeline.flush()  # a job that then sleeps, or is killed, keeps this cycle's events
         if self.autotuner is not None:
             every = self._sets[0].controller.size  # sets of every rank count alike on every rank
-            agreed = sum(s.executor.agreed_bytes for s in self._sets.values() if s.controller.size == every)
+            agreed = self._removed_bytes + sum(s.executor.agreed_bytes for s in self._sets.values()
+                                               if s.controller.size == every)
             self._apply_tuning(self.autotuner.step(self._sets[0], agreed))
         return stop
 
