@@ -356,3 +356,46 @@ def test_a_loss_scale_optimizer_is_refused_on_every_rank():
                                              optimizer=lambda: keras.optimizers.LossScaleOptimizer(sgd())))
     assert "returned a LossScaleOptimizer, which the pipeline does not support" in msg
     assert "'mixed_bfloat16'" in msg
+
+
+@pytest.mark.skipif(N % 2, reason="a grid of 2 pipelines needs an even number of ranks")
+def test_replicas_with_different_batch_sizes_train_on_the_mean_over_every_row():
+    """Before 2026-12-05 each replica's mean counted alike (a mean of means), whatever its rows."""
+    grid = pipeline_grid(dp=2)
+    pipe = Pipeline(make_model(), chunks=2, loss="mse", optimizer=sgd, grid=grid)
+    rows = 8 if grid.pipeline == 0 else 4
+    mine = [tuple(a[:rows] for a in batch(k, grid.pipeline)) for k in range(2)]
+    losses = [pipe.train_step(x, y) for x, y in mine]
+    whole = [tuple(np.concatenate([a[:8], b[:4]]) for a, b in zip(batch(k, 0), batch(k, 1), strict=True))
+             for k in range(2)]
+    ref = make_model()
+    assert_same(pipe, ref, losses, reference(ref, whole))
+    pipe.close()
+
+
+def test_what_the_pipeline_cannot_train_exactly_is_refused_on_every_rank():
+    """Before 2026-12-05: a regularizer's penalty was left out of the loss and the gradients, a layer in
+    stages on two ranks was trained as two copies, and an optimizer failing on one rank left the others
+    waiting for ever."""
+    keras.utils.set_random_seed(0)
+    regularized = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, kernel_regularizer="l2"),
+                                    *[keras.layers.Dense(8) for _ in range(6)], keras.layers.Dense(1)])
+    msg = raised_everywhere(lambda: Pipeline(regularized, chunks=2, loss="mse", optimizer=sgd))
+    assert "kernel_regularizer" in msg and "loss=" in msg
+    if N > 1:
+        shared = keras.layers.Dense(6, activation="tanh")
+        tied = keras.Sequential([keras.Input((6,)), shared, *[keras.layers.Dense(6) for _ in range(6)], shared,
+                                 keras.layers.Dense(1)])
+        msg = raised_everywhere(lambda: Pipeline(tied, chunks=2, loss="mse", optimizer=sgd))
+        assert "share the variable" in msg and "tied weights" in msg
+
+    class Picky(keras.optimizers.SGD):
+        def update_step(self, gradient, variable, learning_rate):
+            if R == N - 1:
+                raise ValueError("picky optimizer")
+            return super().update_step(gradient, variable, learning_rate)
+
+    pipe = Pipeline(make_model(), chunks=2, loss="mse", optimizer=lambda: Picky(0.1))
+    msg = raised_everywhere(lambda: pipe.train_step(*batch(0)))
+    assert "apply()" in msg and "picky optimizer" in msg
+    pipe.close()

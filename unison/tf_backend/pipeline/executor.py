@@ -17,6 +17,7 @@ layers draw per microbatch).
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -72,8 +73,8 @@ def balance_by_time(model: keras.Sequential | Sequence[keras.Layer], sample: Any
     # statistics, Dropout's seed generator) back afterwards, so measuring changes nothing
     state = [v for layer in layers for v in layer.non_trainable_variables]
     saved = [v.numpy() for v in state]
-    try:
-        times = _time_layers(layers, x, repeats)
+    try:  # agreed: a measurement that fails on one rank raises on every rank (it left rank 0 going on alone)
+        times = agreed(lambda: _time_layers(layers, x, repeats), failed="balance_by_time's measurement")
     finally:
         for v, value in zip(state, saved, strict=True):
             v.assign(value)
@@ -202,10 +203,17 @@ class Pipeline(PipelineRunner):
         """
         problem = self._begin(x, y, need_targets=True, train=True)
         self.run(self._worker, problem, train=True)
-        grads = self._reduce_gradients(self._worker.grads)
-        for s, stage in self.stages.items():
-            self.optimizers[s].apply(grads[s], stage.weights)
-        return self.global_loss(self._worker.loss, self._is_mean)
+        share = self._replica_share(x)
+        grads = self._reduce_gradients(self._worker.grads, share)
+
+        def apply() -> None:
+            for s, stage in self.stages.items():
+                self.optimizers[s].apply(grads[s], stage.weights)
+
+        # agreed: an optimizer that fails on one rank raises on every rank (before 2026-12-05 the others
+        # waited in global_loss's collective for ever)
+        agreed(apply, failed=f"the optimizers' apply() for stages {sorted(self.stages)}")
+        return self.global_loss(self._worker.loss * share, self._is_mean)
 
     def fit(self, x: Any, y: Any, batch_size: int, epochs: int = 1, verbose: int = 1, shuffle: bool = True,
             seed: int = 0) -> list[float]:
@@ -233,7 +241,7 @@ class Pipeline(PipelineRunner):
     def evaluate(self, x: Any = None, y: Any = None) -> float:
         """The loss over a batch without training (dropout off), on every rank."""
         self._forward_only(x, y, need_targets=True)
-        return self.global_loss(self._worker.loss, self._is_mean)
+        return self.global_loss(self._worker.loss * self._replica_share(x), self._is_mean)
 
     def predict(self, x: Any = None) -> np.ndarray | None:
         """The model's output for a batch, on the rank holding the last stage (None elsewhere)."""
@@ -247,8 +255,12 @@ class Pipeline(PipelineRunner):
         Collective. Pipeline 0's ranks contribute their stages; on a grid the replicas are equal.
         """
         mine = {}
+        first = {}  # a layer used twice (tied inside a stage) is listed once, as keras.Sequential does
+        for i, layer in enumerate(self._layers):
+            first.setdefault(id(layer), i)
         if self.grid.pipeline == 0:
-            mine = {i: self._layers[i].get_weights() for r in self.layer_ranges.values() for i in r}
+            mine = {i: self._layers[i].get_weights() for r in self.layer_ranges.values() for i in r
+                    if first[id(self._layers[i])] == i}
         held: dict[int, list[np.ndarray]] = {}
         for part in self._world.allgather(mine):
             held.update(part)
@@ -290,14 +302,38 @@ class Pipeline(PipelineRunner):
         self._worker.begin(inputs, targets, self.chunks, train)
         return problem
 
-    def _reduce_gradients(self, grads: dict[int, list[Any]]) -> dict[int, list[Any]]:
-        """Each stage's gradient sums, averaged (summed for a ``"sum"`` loss) over its data group."""
+    def _replica_share(self, x: Any) -> float:
+        """``dp * rows / global rows`` for a mean loss on a grid (``dp > 1``; collective there), else 1.0.
+
+        Each replica's loss and gradients are means over its own batch; weighted by this share, their
+        average is the mean over every row of the global batch (before 2026-12-05 replicas with
+        different batch sizes counted alike, a mean of means). The rows come from the ranks holding
+        stage 0. A ``"sum"`` loss is summed over the replicas already.
+        """
+        if self.grid.dp == 1 or not self._is_mean:
+            return 1.0
+        shape = getattr(x, "shape", None)
+        rows = int(shape[0]) if self.holds_first and shape is not None and len(shape) else -1
+        replica = self.grid.pipeline // self.grid.tp  # a tensor group's shards run one replica's batch
+        per_replica: dict[int, int] = {}
+        for theirs, n in self._world.allgather((replica, rows)):
+            if n >= 0:
+                per_replica[theirs] = n
+        total = sum(per_replica.values())
+        if len(set(per_replica.values())) <= 1 or total == 0 or replica not in per_replica:
+            return 1.0
+        return self.grid.dp * per_replica[replica] / total
+
+    def _reduce_gradients(self, grads: dict[int, list[Any]], share: float = 1.0) -> dict[int, list[Any]]:
+        """Each stage's gradient sums, averaged (summed for a ``"sum"`` loss) over its data group, each
+        replica's weighted by its ``share`` (see :meth:`_replica_share`)."""
         out = {s: grads.get(s) or [np.zeros(v.shape, v.dtype) for v in st.weights]
                for s, st in self.stages.items()}
         order = [(s, i) for s in sorted(out) for i in range(len(out[s]))]
         if self.grid.dp == 1 or not order:
             return out
-        reduced = frontend.grouped_allreduce([np.asarray(out[s][i]) for s, i in order],
+        values = [np.asarray(out[s][i]) for s, i in order]
+        reduced = frontend.grouped_allreduce([v * share for v in values] if share != 1.0 else values,
                                              Average if self._is_mean else Sum,
                                              f"{self._name}.grads.{self.grid.position}",
                                              process_set=self.grid.data_set)
@@ -368,7 +404,48 @@ def _plan(model: Any, balance: Any, chunks: Any, schedule: Any, v: Any, checkpoi
         raise TypeError("optimizer must be a factory returning a Keras optimizer, one per stage, e.g. "
                         f"lambda: keras.optimizers.SGD(0.1), or a name ('adam'); received {optimizer!r}")
     layers = _as_layers(model, input_shape, input_dtype)
+    _refuse_penalties(layers)
     built, sizes = plan_stages(len(layers), balance, lambda stages: balance_by_params(layers, stages), chunks,
                                schedule, v, checkpoint, grid.pp)
+    _check_ties(layers, sizes, built)
     fn, is_mean = scaled_loss(loss, chunks)
     return _Plan(layers, sizes, built, fn, is_mean)
+
+
+def _refuse_penalties(layers: list[keras.Layer]) -> None:
+    """Refuse layers with regularizers: the stages differentiate their outputs and loss only, so the
+    penalties were left out of the loss and the gradients, silently (before 2026-12-05).
+
+    Raises:
+        ValueError: naming the layer and the regularizer.
+    """
+    for i, layer in enumerate(layers):
+        for sub in [layer, *getattr(layer, "_flatten_layers", lambda: [])()]:
+            found = [k for k, value in vars(sub).items() if k.endswith("_regularizer") and value is not None]
+            if found or getattr(sub, "losses", None):
+                what = ", ".join(found) or "losses (add_loss)"
+                raise ValueError(f"layer {i} ({layer.name}) has {what}: a Keras "
+                                 "pipeline does not add layers' losses to the training loss, so training would "
+                                 "ignore them. Remove the regularizers (or put the penalty in loss=), or train "
+                                 "without a pipeline")
+
+
+def _check_ties(layers: list[keras.Layer], balance: list[int], schedule: Schedule) -> None:
+    """Refuse a variable shared by layers whose stages sit on different ranks (tied weights): each
+    rank would train its own copy (before 2026-12-05 they drifted apart silently). Layers on one
+    rank share the variable and train it as one process does.
+
+    Raises:
+        ValueError: naming the layers, their stages and ranks, and the fix.
+    """
+    starts = list(itertools.accumulate(balance))
+    first: dict[int, int] = {}  # id(variable) -> the first layer holding it
+    for i, layer in enumerate(layers):
+        for var in layer.weights:
+            j = first.setdefault(id(var), i)
+            sj, si = (bisect.bisect_right(starts, k) for k in (j, i))
+            rj, ri = schedule.stage_rank(sj), schedule.stage_rank(si)
+            if rj != ri:
+                raise ValueError(f"layers {j} and {i} share the variable {var.path!r} (tied weights) but sit in "
+                                 f"stages {sj} and {si}, on pipeline ranks {rj} and {ri}; each rank would train "
+                                 "its own copy. Choose a balance that puts both layers on one rank, or untie them")
