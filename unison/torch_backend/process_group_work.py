@@ -191,30 +191,29 @@ def _bytes_type(mpi: Any, nbytes: int) -> Any:
         block.Free()
 
 
-def isend_bytes(comm: Any, data: np.ndarray, dest: int, tag: int) -> Any:
-    """``Isend`` of the bytes ``data`` (uint8, contiguous), of any size (see the Note)."""
-    if data.size <= P2P_TYPED_BYTES:
-        return comm.Isend(data, dest=dest, tag=tag)
-    from mpi4py import MPI
-
-    kind = _bytes_type(MPI, data.size)
-    try:
-        return comm.Isend([data, 1, kind], dest=dest, tag=tag)
-    finally:
-        kind.Free()  # (MPI keeps it until the send completes)
-
-
-def irecv_bytes(comm: Any, buf: np.ndarray, source: int, tag: int) -> Any:
-    """``Irecv`` into the bytes ``buf`` (uint8, contiguous), of any size (see the Note)."""
+def _post(post: Callable[..., Any], buf: np.ndarray, **where: int) -> Any:
+    """``post(buffer, **where)`` (``comm.Isend`` or ``comm.Irecv``) for the bytes ``buf`` (uint8,
+    contiguous) of any size: ``buf`` itself, or over 2 GiB one element of a derived datatype (see
+    the Note), freed once posted (MPI keeps it until the transfer completes)."""
     if buf.size <= P2P_TYPED_BYTES:
-        return comm.Irecv(buf, source=source, tag=tag)
+        return post(buf, **where)
     from mpi4py import MPI
 
     kind = _bytes_type(MPI, buf.size)
     try:
-        return comm.Irecv([buf, 1, kind], source=source, tag=tag)
+        return post([buf, 1, kind], **where)
     finally:
         kind.Free()
+
+
+def isend_bytes(comm: Any, data: np.ndarray, dest: int, tag: int) -> Any:
+    """``Isend`` of the bytes ``data`` (uint8, contiguous), of any size (see the Note)."""
+    return _post(comm.Isend, data, dest=dest, tag=tag)
+
+
+def irecv_bytes(comm: Any, buf: np.ndarray, source: int, tag: int) -> Any:
+    """``Irecv`` into the bytes ``buf`` (uint8, contiguous), of any size (see the Note)."""
+    return _post(comm.Irecv, buf, source=source, tag=tag)
 
 
 class P2PWork(dist.Work):

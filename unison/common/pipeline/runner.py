@@ -12,6 +12,7 @@ check of a batch, and the loss every rank returns::
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -24,7 +25,8 @@ from unison.common.pipeline.grid import PipelineGrid, fill_drain, world_comm
 from unison.common.pipeline.partition import check_balance
 from unison.common.pipeline.schedule import Schedule
 
-__all__ = ["PipelineRunner", "CHECKPOINTS", "plan_stages", "agreed", "layer_ranges", "same_on_every_rank"]
+__all__ = ["PipelineRunner", "CHECKPOINTS", "plan_stages", "agreed", "layer_ranges", "same_on_every_rank",
+           "check_ties"]
 
 #: activation checkpointing: never, every microbatch, or every microbatch but the last
 CHECKPOINTS = ("never", "always", "except_last")
@@ -187,6 +189,29 @@ class PipelineRunner:
         self.stats = driver.step(worker, check=problem)
         return self.stats
 
+    def replica_share(self, batch: Any) -> float:
+        """``dp * rows / global rows``: the weight of this pipeline's mean loss and gradients among the
+        replicas (1.0 when they all had the same batch size); collective on a grid (``dp > 1``).
+
+        Each replica's loss and gradients are means over its own batch; weighted by this share, the
+        average over the replicas is the mean over every row of the global batch (before 2026-12-05
+        replicas with different batch sizes counted alike). The rows come from the ranks holding
+        stage 0 (``batch``: this rank's inputs, anything with a ``shape``).
+        """
+        if self.grid.dp == 1:
+            return 1.0
+        shape = getattr(batch, "shape", None)
+        rows = int(shape[0]) if self.holds_first and shape is not None and len(shape) else -1
+        replica = self.grid.pipeline // self.grid.tp  # a tensor group's shards run one replica's batch
+        per_replica: dict[int, int] = {}
+        for theirs, n in self._world.allgather((replica, rows)):
+            if n >= 0:
+                per_replica[theirs] = n
+        total = sum(per_replica.values())
+        if len(set(per_replica.values())) <= 1 or total == 0 or replica not in per_replica:
+            return 1.0
+        return self.grid.dp * per_replica[replica] / total
+
     def global_loss(self, local: float, mean: bool = True) -> float:
         """The last stage's ``local`` loss on every rank; averaged over the replicas when ``mean``."""
         from mpi4py import MPI
@@ -203,3 +228,32 @@ class PipelineRunner:
             driver.close()
         self._world.Free()
         self._world = None
+
+
+def check_ties(held: Sequence[Sequence[tuple[int, str]]], balance: Sequence[int], schedule: Schedule,
+               what: str = "a parameter") -> None:
+    """Refuse a tensor shared by layers whose stages sit on different ranks (tied weights).
+
+    Each rank would train its own copy with only its stages' part of the gradient, and the copies
+    drifted apart silently (before 2026-12-05). Layers on one rank share the tensor, which gets
+    both uses' gradients, as in one process.
+
+    Args:
+        held: per layer, ``(id(tensor), its name there)`` of each of its weights.
+        what: how the message names such a tensor (``"a parameter"``, ``"the variable"``).
+
+    Raises:
+        ValueError: naming the layers, their stages and ranks, and the fix.
+    """
+    starts = list(itertools.accumulate(balance))
+    first: dict[int, tuple[int, str]] = {}  # id(tensor) -> (its first layer, its name there)
+    for i, weights in enumerate(held):
+        for key, name in weights:
+            j, first_name = first.setdefault(key, (i, name))
+            sj, si = (bisect.bisect_right(starts, k) for k in (j, i))
+            rj, ri = schedule.stage_rank(sj), schedule.stage_rank(si)
+            if rj != ri:
+                raise ValueError(
+                    f"layers {j} and {i} share {what} ({j}.{first_name} is {i}.{name}: tied weights) but sit in "
+                    f"stages {sj} and {si}, on pipeline ranks {rj} and {ri}; each rank would train its own copy. "
+                    "Choose a balance that puts both layers on one rank, or untie the weights")

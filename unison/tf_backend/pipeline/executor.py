@@ -17,7 +17,6 @@ layers draw per microbatch).
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -33,7 +32,7 @@ from unison.common.engine import frontend
 from unison.common.ops import Average, Sum
 from unison.common.pipeline import PipelineError, Schedule, ScheduleError, balance_by_cost
 from unison.common.pipeline.grid import PipelineGrid, pipeline_grid, rank0_decides
-from unison.common.pipeline.runner import PipelineRunner, agreed, layer_ranges, plan_stages
+from unison.common.pipeline.runner import PipelineRunner, agreed, check_ties, layer_ranges, plan_stages
 from unison.tf_backend.functions import broadcast_variables
 from unison.tf_backend.pipeline.fit import fit
 from unison.tf_backend.pipeline.stages import KerasStage, KerasStages, scaled_loss
@@ -203,7 +202,7 @@ class Pipeline(PipelineRunner):
         """
         problem = self._begin(x, y, need_targets=True, train=True)
         self.run(self._worker, problem, train=True)
-        share = self._replica_share(x)
+        share = self.replica_share(x) if self._is_mean else 1.0  # (a "sum" loss sums already)
         grads = self._reduce_gradients(self._worker.grads, share)
 
         def apply() -> None:
@@ -241,7 +240,8 @@ class Pipeline(PipelineRunner):
     def evaluate(self, x: Any = None, y: Any = None) -> float:
         """The loss over a batch without training (dropout off), on every rank."""
         self._forward_only(x, y, need_targets=True)
-        return self.global_loss(self._worker.loss * self._replica_share(x), self._is_mean)
+        share = self.replica_share(x) if self._is_mean else 1.0
+        return self.global_loss(self._worker.loss * share, self._is_mean)
 
     def predict(self, x: Any = None) -> np.ndarray | None:
         """The model's output for a batch, on the rank holding the last stage (None elsewhere)."""
@@ -302,31 +302,9 @@ class Pipeline(PipelineRunner):
         self._worker.begin(inputs, targets, self.chunks, train)
         return problem
 
-    def _replica_share(self, x: Any) -> float:
-        """``dp * rows / global rows`` for a mean loss on a grid (``dp > 1``; collective there), else 1.0.
-
-        Each replica's loss and gradients are means over its own batch; weighted by this share, their
-        average is the mean over every row of the global batch (before 2026-12-05 replicas with
-        different batch sizes counted alike, a mean of means). The rows come from the ranks holding
-        stage 0. A ``"sum"`` loss is summed over the replicas already.
-        """
-        if self.grid.dp == 1 or not self._is_mean:
-            return 1.0
-        shape = getattr(x, "shape", None)
-        rows = int(shape[0]) if self.holds_first and shape is not None and len(shape) else -1
-        replica = self.grid.pipeline // self.grid.tp  # a tensor group's shards run one replica's batch
-        per_replica: dict[int, int] = {}
-        for theirs, n in self._world.allgather((replica, rows)):
-            if n >= 0:
-                per_replica[theirs] = n
-        total = sum(per_replica.values())
-        if len(set(per_replica.values())) <= 1 or total == 0 or replica not in per_replica:
-            return 1.0
-        return self.grid.dp * per_replica[replica] / total
-
     def _reduce_gradients(self, grads: dict[int, list[Any]], share: float = 1.0) -> dict[int, list[Any]]:
         """Each stage's gradient sums, averaged (summed for a ``"sum"`` loss) over its data group, each
-        replica's weighted by its ``share`` (see :meth:`_replica_share`)."""
+        replica's weighted by its ``share`` (see :meth:`replica_share`)."""
         out = {s: grads.get(s) or [np.zeros(v.shape, v.dtype) for v in st.weights]
                for s, st in self.stages.items()}
         order = [(s, i) for s in sorted(out) for i in range(len(out[s]))]
@@ -407,7 +385,7 @@ def _plan(model: Any, balance: Any, chunks: Any, schedule: Any, v: Any, checkpoi
     _refuse_penalties(layers)
     built, sizes = plan_stages(len(layers), balance, lambda stages: balance_by_params(layers, stages), chunks,
                                schedule, v, checkpoint, grid.pp)
-    _check_ties(layers, sizes, built)
+    check_ties([[(id(v), v.path) for v in layer.weights] for layer in layers], sizes, built, "the variable")
     fn, is_mean = scaled_loss(loss, chunks)
     return _Plan(layers, sizes, built, fn, is_mean)
 
@@ -428,24 +406,3 @@ def _refuse_penalties(layers: list[keras.Layer]) -> None:
                                  "pipeline does not add layers' losses to the training loss, so training would "
                                  "ignore them. Remove the regularizers (or put the penalty in loss=), or train "
                                  "without a pipeline")
-
-
-def _check_ties(layers: list[keras.Layer], balance: list[int], schedule: Schedule) -> None:
-    """Refuse a variable shared by layers whose stages sit on different ranks (tied weights): each
-    rank would train its own copy (before 2026-12-05 they drifted apart silently). Layers on one
-    rank share the variable and train it as one process does.
-
-    Raises:
-        ValueError: naming the layers, their stages and ranks, and the fix.
-    """
-    starts = list(itertools.accumulate(balance))
-    first: dict[int, int] = {}  # id(variable) -> the first layer holding it
-    for i, layer in enumerate(layers):
-        for var in layer.weights:
-            j = first.setdefault(id(var), i)
-            sj, si = (bisect.bisect_right(starts, k) for k in (j, i))
-            rj, ri = schedule.stage_rank(sj), schedule.stage_rank(si)
-            if rj != ri:
-                raise ValueError(f"layers {j} and {i} share the variable {var.path!r} (tied weights) but sit in "
-                                 f"stages {sj} and {si}, on pipeline ranks {rj} and {ri}; each rank would train "
-                                 "its own copy. Choose a balance that puts both layers on one rank, or untie them")

@@ -15,7 +15,6 @@ layers mix rows of a batch, such as BatchNorm, differ by their microbatch statis
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from torch import nn
 from unison.common.ops import Average
 from unison.common.pipeline import Schedule
 from unison.common.pipeline.grid import PipelineGrid, pipeline_grid
-from unison.common.pipeline.runner import PipelineRunner, agreed, layer_ranges, plan_stages
+from unison.common.pipeline.runner import PipelineRunner, agreed, check_ties, layer_ranges, plan_stages
 from unison.torch_backend.mpi_ops import broadcast, grouped_allreduce_
 from unison.torch_backend.pipeline.balance import as_layers, balance_by_params
 from unison.torch_backend.pipeline.stages import TorchStages
@@ -157,7 +156,7 @@ class Pipeline(PipelineRunner):
         finally:
             self.live_peak_per_stage = dict(self._worker.live_peak)
             self._worker.kept.clear()  # a failed step leaves graphs behind
-        share = self._replica_share(inputs)
+        share = self.replica_share(inputs)
         if self.grid.dp > 1:
             self._average_gradients(share)
         # agreed on every rank (one without an optimizer too): the ranks go on to global_loss, a
@@ -169,7 +168,7 @@ class Pipeline(PipelineRunner):
     def evaluate(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> float:
         """The mean loss over a batch without training (dropout off), on every rank."""
         self._forward_only(inputs, targets, need_targets=True)
-        return self.global_loss(self._worker.loss * self._replica_share(inputs))
+        return self.global_loss(self._worker.loss * self.replica_share(inputs))
 
     def predict(self, inputs: torch.Tensor | None = None) -> torch.Tensor | None:
         """The model's output for a batch, on the rank holding the last stage (None elsewhere)."""
@@ -200,29 +199,6 @@ class Pipeline(PipelineRunner):
         finally:
             for m, training in modes:
                 m.training = training
-
-    def _replica_share(self, inputs: Any) -> float:
-        """``dp * rows / global rows``: the weight of this pipeline's mean loss and gradient among the
-        replicas (1.0 when they all had the same batch size); collective on a grid (``dp > 1``).
-
-        Each replica's loss and gradients are means over its own batch; weighted by this share,
-        the average over the replicas is the mean over every row of the global batch (before
-        2026-12-05 replicas with different batch sizes counted alike). The rows come from the
-        ranks holding stage 0.
-        """
-        if self.grid.dp == 1:
-            return 1.0
-        shape = getattr(inputs, "shape", None)  # a tensor or a numpy array (checked by the step before)
-        rows = int(shape[0]) if self.holds_first and shape else -1
-        replica = self.grid.pipeline // self.grid.tp  # a tensor group's shards run one replica's batch
-        per_replica: dict[int, int] = {}
-        for theirs, n in self._world.allgather((replica, rows)):
-            if n >= 0:
-                per_replica[theirs] = n
-        total = sum(per_replica.values())
-        if len(set(per_replica.values())) <= 1 or total == 0 or replica not in per_replica:
-            return 1.0
-        return self.grid.dp * per_replica[replica] / total
 
     def _batch(self, inputs: Any, targets: Any, need_targets: bool) -> tuple[Any, Any, str | None]:
         """This rank's batches as tensors (numpy arrays are wrapped), and why a step cannot run."""
@@ -261,7 +237,7 @@ class Pipeline(PipelineRunner):
 
     def _average_gradients(self, share: float = 1.0) -> None:
         """Average each gradient over the ranks that hold the same stages (through host memory),
-        each replica's weighted by its ``share`` of the global batch (see :meth:`_replica_share`).
+        each replica's weighted by its ``share`` of the global batch (see :meth:`replica_share`).
 
         Only trainable parameters take part (a frozen one keeps no gradient, so the optimizer
         leaves it alone). A replica without a gradient for a parameter contributes zeros; a
@@ -294,29 +270,5 @@ def _plan(module: Any, balance: Any, chunks: Any, schedule: Any, v: Any, checkpo
                         f"lambda params: torch.optim.SGD(params, lr=0.1); received {type(optimizer).__name__}")
     built, sizes = plan_stages(len(layers), balance, lambda stages: balance_by_params(layers, stages), chunks,
                                schedule, v, checkpoint, grid.pp)
-    _check_ties(layers, sizes, built)
+    check_ties([[(id(p), n) for n, p in layer.named_parameters()] for layer in layers], sizes, built)
     return _Plan(layers, sizes, built, checkpoint, torch.device(device if device is not None else "cpu"))
-
-
-def _check_ties(layers: list[nn.Module], balance: list[int], schedule: Schedule) -> None:
-    """Refuse a parameter shared by layers whose stages sit on different ranks (tied weights).
-
-    Each rank would train its own copy with only its stages' part of the gradient, and the
-    copies would drift apart silently (before 2026-12-05 they did). Layers on the same rank
-    share the tensor, which gets the sum of both uses' gradients, as in one process.
-
-    Raises:
-        ValueError: naming the layers, their stages and ranks, and the fix.
-    """
-    starts = list(itertools.accumulate(balance))
-    first: dict[int, tuple[int, str]] = {}  # id(parameter) -> (its first layer, its name there)
-    for i, layer in enumerate(layers):
-        for name, p in layer.named_parameters():
-            j, first_name = first.setdefault(id(p), (i, name))
-            sj, si = (bisect.bisect_right(starts, k) for k in (j, i))
-            rj, ri = schedule.stage_rank(sj), schedule.stage_rank(si)
-            if rj != ri:
-                raise ValueError(
-                    f"layers {j} and {i} share a parameter ({j}.{first_name} is {i}.{name}: tied weights) but sit "
-                    f"in stages {sj} and {si}, on pipeline ranks {rj} and {ri}; each rank would train its own "
-                    "copy. Choose a balance that puts both layers on one rank, or untie the weights")
