@@ -54,7 +54,7 @@ def test_initial_rows_are_drawn_in_bounded_pieces_with_the_values_of_whole_block
     def whole_blocks(lo, hi, dim, seed):
         out, scale = np.empty((hi - lo, dim)), 1 / np.sqrt(dim)
         for chunk in range(lo // block, (hi + block - 1) // block):
-            rng = np.random.Generator(np.random.Philox(key=seed, counter=chunk))
+            rng = np.random.Generator(np.random.Philox(key=seed, counter=[0, 0, chunk, 0]))
             draw = rng.uniform if init == "uniform" else rng.normal
             rows = draw(-scale, scale, (block, dim)) if init == "uniform" else draw(0, scale, (block, dim))
             a, b = max(lo, chunk * block), min(hi, (chunk + 1) * block)
@@ -70,6 +70,23 @@ def test_initial_rows_are_drawn_in_bounded_pieces_with_the_values_of_whole_block
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < 1 << 20, peak  # a whole block: 65536 x 2048 x 8 bytes = 1 GiB
+
+
+@pytest.mark.parametrize("init,dim", [("uniform", 4), ("normal", 16), ("uniform", 64)])
+def test_initial_rows_of_different_blocks_are_independent(init, dim):
+    """No two keys start with the same row, and no block repeats another's numbers shifted: each
+    block's stream starting 4 numbers after the previous one's (the chunk in Philox's low counter
+    word, before 2026-12-05) gave a 196608 x 4 table 65538 distinct rows."""
+    from unison.common.ps import shard as shard_module
+
+    block = shard_module._CHUNK
+    n = 3 * block
+    rows = initial_rows(init, Sharding("row", n, 1), 0, n, dim, np.dtype("float64"), seed=5)
+    assert len(np.unique(rows, axis=0)) == n
+    flat = rows.reshape(3, -1)
+    for shift in range(0, 4 * 16 + 1, 4):  # chunk c's numbers were chunk 0's from 4c on
+        assert not np.isin(flat[1][:1000], flat[0][shift:shift + 1000]).all(), shift
+    assert abs(rows.std() * np.sqrt(dim) - (1 / np.sqrt(3) if init == "uniform" else 1.0)) < 0.02
 
 
 def test_callable_initializer_gets_keys_and_must_return_rows():
@@ -235,3 +252,25 @@ def test_optimizer_arguments_take_any_real_number_and_refuse_what_torch_refuses(
                        (lambda: Adam(beta2=1.0), r"Adam\(beta2=1.0\) must be in \[0, 1\)")]:
         with pytest.raises(ValueError, match=match):
             bad()
+
+
+def test_the_base_optimizer_class_is_refused_at_creation():
+    """``ps.Optimizer()`` (no update rule) was accepted, then every push raised a bare
+    ``NotImplementedError`` (under SSP it ended the server thread); a subclass with apply() is taken."""
+    import unison
+    from unison.common import ps
+    from unison.common.ps.optimizers import Optimizer
+
+    class Halve(Optimizer):
+        def apply(self, weights, state, local, grads, scale=1.0):
+            weights[local] -= 0.5 * scale * grads
+
+    unison.init()
+    try:
+        with pytest.raises(ps.TableError, match=r"optimizer=Optimizer\(lr=0.01.*defines apply"):
+            ps.ShardedTable(10, 2, "float64", optimizer=Optimizer(), name="base-opt")
+        with ps.ShardedTable(10, 2, "float64", optimizer=Halve(), initializer="zeros", name="sub-opt") as table:
+            table.push(np.array([3]), np.ones((1, 2)))
+            np.testing.assert_array_equal(table.pull(np.array([3])), [[-0.5, -0.5]])
+    finally:
+        unison.shutdown()

@@ -83,10 +83,16 @@ def initial_rows(
     # in pieces of at most _DRAW_BYTES and stopping at the shard's last row gives the same values
     # as drawing the whole chunk at once (numpy's uniform and ziggurat normal keep no state
     # between calls), without a whole chunk in memory (10 rows of 2048 took 1 GiB).
+    # [Note: one random stream per chunk] Philox's 256-bit counter moves up by one for every four
+    # numbers drawn, so the chunk number goes in its third word: chunk c's stream starts 2^128
+    # steps after chunk c - 1's and no two overlap. Before 2026-12-05 the chunk was the counter's
+    # low word, so chunk c's numbers were chunk 0's shifted by 4c: with dim 4 row i of chunk 1
+    # equalled row i + 1 of chunk 0, and a 10M x 64 table started with about 90% of its keys
+    # sharing their row with another key.
     per_draw = max(1, _DRAW_BYTES // (8 * dim))
     for chunk in range(lo // _CHUNK, (hi + _CHUNK - 1) // _CHUNK):
         c0 = chunk * _CHUNK
-        rng = np.random.Generator(np.random.Philox(key=seed, counter=chunk))
+        rng = np.random.Generator(np.random.Philox(key=seed, counter=[0, 0, chunk, 0]))
         a, b = max(lo, c0), min(hi, c0 + _CHUNK)
         row = c0
         while row < b:

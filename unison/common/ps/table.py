@@ -297,8 +297,12 @@ class ShardedTable:
                 raise ValueError(f"ShardedTable({label}={value!r}): must be a positive int")
         if np.dtype(dtype) not in (np.dtype(np.float32), np.dtype(np.float64)):
             raise TypeError(f"ShardedTable(dtype={dtype!r}): rows must be float32 or float64")
-        if optimizer is not None and not isinstance(optimizer, Optimizer):
-            raise TypeError(f"ShardedTable(optimizer={optimizer!r}): give unison.ps.SGD, Adagrad or Adam")
+        if optimizer is not None and (not isinstance(optimizer, Optimizer)
+                                      or type(optimizer).apply is Optimizer.apply):
+            # (the base class's apply() raised a bare NotImplementedError at every push, and killed
+            # the server thread of an SSP table; refused here, on every rank, before 2026-12-05 not)
+            raise TypeError(f"ShardedTable(optimizer={optimizer!r}): give unison.ps.SGD, Adagrad or Adam "
+                            "(or a subclass of unison.ps.Optimizer that defines apply())")
         if servers is not None:
             bad = [r for r in servers if not 0 <= int(r) < self.size]
             if bad or not servers or len(set(servers)) != len(list(servers)) or len(set(servers)) == self.size:
