@@ -54,6 +54,7 @@ import numpy as np
 
 from unison.collectives import native, ordered, ring, tree
 from unison.collectives.p2p import exchange, segments
+from unison.collectives.reduce import same_start
 from unison.collectives.topology import Topology
 
 __all__ = ["allreduce", "allgatherv", "broadcast", "link_rate", "cross_piece_bytes", "piece_for_bandwidth",
@@ -159,7 +160,7 @@ def allreduce(topo: Topology, mpi: Any, src: np.ndarray, out: np.ndarray, op: np
     seg = out[offsets[j]:offsets[j] + counts[j]]
     if topo.local_size > 1:
         ordered.reduce_scatter(local, mpi, src, seg, counts, offsets, op, chunk)
-    elif out.ctypes.data != src.ctypes.data:
+    elif not same_start(out, src):
         np.copyto(out, src)
     if topo.cross_size > 1:
         piece = max(1, cross_piece_bytes(topo, mpi, piece_bytes) // out.itemsize)

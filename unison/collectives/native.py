@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from unison.collectives import select
-from unison.collectives.reduce import reducer
+from unison.collectives.reduce import reducer, same_start
 from unison.common.dtypes import is_bfloat16
 from unison.common.ops import ReduceOp
 
@@ -97,7 +97,7 @@ def mpi_op(mpi: Any, dtype: np.dtype, op: ReduceOp) -> Any:
 
 def allreduce(comm: Any, mpi: Any, inp: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
     t = mpi_type(mpi, inp.dtype)
-    send = mpi.IN_PLACE if inp.ctypes.data == out.ctypes.data else [inp, inp.size, t]
+    send = mpi.IN_PLACE if same_start(inp, out) else [inp, inp.size, t]
     comm.Allreduce(send, [out, out.size, t], op=mpi_op(mpi, inp.dtype, op))
 
 

@@ -30,7 +30,7 @@ import numpy as np
 from unison.collectives import kernels, native
 from unison.collectives.header import HEADER_BYTES, MATCH_BYTES, Call, Negotiator
 from unison.collectives.native import mpi_op, mpi_type
-from unison.collectives.reduce import accumulator, finalize, prescale, reduce_stack
+from unison.collectives.reduce import accumulator, finalize, prescale, reduce_stack, same_start
 from unison.common import pool
 from unison.common.dtypes import dtype_from_code
 from unison.common.ops import ReduceOp
@@ -141,7 +141,7 @@ class AllreducePlan(Plan):
                               call.postscale, call.algorithm, self.chunk_bytes)
             return result
         mpi, t = neg.mpi, self.mtype
-        same = out is not None and (out is x or out.ctypes.data == x.ctypes.data)
+        same = out is not None and same_start(out, x)
         send = mpi.IN_PLACE if same else [x, self.count, t]
         neg.comm.Allreduce(send, [result, self.count, t], op=self.mop)
         if self.finish:

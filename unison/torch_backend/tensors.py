@@ -48,8 +48,8 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     if not tensor.is_cpu:
         raise TypeError(f"unison.torch_backend handles CPU tensors; got a tensor on {tensor.device}. "
                         "Move it with .cpu() first")
-    if tensor.dtype in _NATIVE and tensor.is_contiguous() and not tensor.is_neg():
-        return tensor.numpy(force=True)
+    if tensor.dtype in _NATIVE and tensor.is_contiguous():
+        return tensor.numpy(force=True)  # (a lazily negated tensor comes back resolved: a copy)
     return _to_numpy_slow(tensor)
 
 
