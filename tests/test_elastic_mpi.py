@@ -236,6 +236,63 @@ def test_torch_state_spills_tensors_as_numpy_and_loads_them_back() -> None:
     assert other._handlers["model"]._saved["0.weight"].data_ptr() == saved_ptr
 
 
+def test_torch_state_spills_dtypes_torch_cannot_unpickle_as_bytes_and_reads_them_back(tmp_path: Path) -> None:
+    """[Note: dtypes torch pickles but cannot unpickle]: a float8 or complex32 buffer made every spilled commit
+    unreadable before 2026-12-05 (a restarted job started from scratch)."""
+    import pickle
+    import warnings
+
+    import torch
+
+    from unison.common.elastic.store import CommitStore
+    from unison.torch_backend.elastic import TorchState
+
+    def net() -> torch.nn.Module:
+        torch.manual_seed(2)
+        m = torch.nn.Linear(2, 2)
+        m.register_buffer("f8", torch.tensor([0.5, -2.0, 448.0, 0.0]).to(torch.float8_e4m3fn))
+        m.register_buffer("f8_scalar", torch.tensor(3.0).to(torch.float8_e5m2))  # 0-d
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # ComplexHalf support is experimental
+            m.register_buffer("c32", torch.tensor([[1 + 2j, -0.5j], [3.0, 0]], dtype=torch.complex32).t())
+        m.register_buffer("bf", torch.tensor([1.5, 2.5], dtype=torch.bfloat16))  # torch unpickles it: kept
+        return m
+
+    model = net()
+    state = TorchState(model, torch.optim.SGD(model.parameters(), lr=0.1), epoch=3)
+    assert isinstance(state.commit_payload()["handlers"]["model"]["bf"], torch.Tensor)
+    store = CommitStore(str(tmp_path), host="h", writer=True)
+    store.write_async(1, state.commit_payload())
+    store.wait()
+    payload = pickle.loads(store.read(store.newest()))  # raised AttributeError ('UntypedStorage' ... 'dtype')
+    other_model = net()
+    for buf in other_model.buffers():
+        buf.copy_(torch.zeros(buf.shape, dtype=buf.dtype))
+    other = TorchState(other_model, torch.optim.SGD(other_model.parameters(), lr=0.1), epoch=0)
+    other.load_commit(payload)
+    other.restore()
+    assert other.epoch == 3
+    for name, want in model.state_dict().items():
+        got = other_model.state_dict()[name]
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("name", ["save", "restore", "reset", "sync", "commit", "commit_id", "store"])
+def test_torch_state_refuses_a_tracked_object_under_a_reserved_name(name: str) -> None:
+    """``TorchState(m, o, save=Module)`` hid the method before 2026-12-05 (plain values were refused already)."""
+    import torch
+
+    from unison.torch_backend.elastic import TorchState
+
+    m = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)
+    for value in (torch.nn.Linear(1, 1), torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1.0), 1):
+        with pytest.raises(ValueError, match=rf"\['{name}'\] name what the state itself uses"):
+            TorchState(m, opt, **{name: value})
+    TorchState(m, opt, saver=torch.nn.Linear(1, 1))  # other names are fine
+
+
 def test_elastic_mode_is_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("UNISON_ELASTIC", raising=False)
     monkeypatch.delenv("HOROVOD_ELASTIC", raising=False)
@@ -357,6 +414,37 @@ def test_a_killed_rank_ends_the_job_unless_elastic_recovers(tmp_path: Path, flag
     assert says in output, output[-4000:]
     if not flags:  # without ULFM a dead rank ends mpirun non-zero; with it, the exit status after the
         assert proc.returncode != 0, output[-4000:]  # survivors' MPI_Abort is Open MPI's policy (seen 0, once)
+
+
+@pytest.mark.parametrize("flags, env", [
+    ([], {}),
+    ([*ELASTIC_MPI_ARGS], {"UNISON_ELASTIC": "1"}),
+    ([], {"ELASTIC_EXTRA_STATE": "1"}),
+], ids=["no-ulfm", "ulfm", "no-ulfm-extra-state"])
+def test_one_host_update_resets_the_same_ranks_once_with_or_without_ulfm(tmp_path: Path, flags: list[str],
+                                                                       env: dict[str, str]) -> None:
+    """2 ranks, nobody dies: rank 0 is told the hosts changed (timestamp 100) before the commit after
+    step 2, rank 1 is told the same before the commit after step 4. Every rank resets once, at step 2, on
+    the same 2 ranks (no Shrink: [Note: a host update without a failure]), and ends with the replay's
+    weights. Before 2026-12-05 the reset shrank the world, which without ULFM hung both ranks, and with it
+    the job reset again at step 4 ([Note: one host update, one reset]). ``no-ulfm-extra-state``: a tracked
+    module with extra state (not tensors) is synced too; before, ``sync()`` refused it and the job could
+    not start."""
+    environ = mpi_env(ELASTIC_HOST_UPDATE="1", **env)
+    if "UNISON_ELASTIC" not in env:
+        environ.pop("UNISON_ELASTIC", None)
+    proc = mpirun(2, [*flags, sys.executable, SCRIPT, str(tmp_path)], timeout=120, env=environ)
+    detail = (f"\nexit {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n"
+              f"--- stderr ---\n{proc.stderr[-6000:]}")
+    assert proc.returncode == 0, detail
+    ranks = _outcomes(tmp_path)
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["size"] == 2 for r in ranks), detail
+    for r in ranks:
+        assert [(x["size"], x["step"]) for x in r["resets"]] == [(2, job.UPDATE_AT)], detail
+        assert r["recovery_seconds"] is None, detail  # nothing failed: no recovery ran
+        assert r["calib"] == ({"amax": 10.0} if env.get("ELASTIC_EXTRA_STATE") else None), detail
+    assert proc.stderr.count("rebuilt on the same 2 rank(s)") == 2, detail
+    _check_replay(ranks, schedule(before=2, after=2, cut=job.UPDATE_AT), detail)
 
 
 # ------------------------------------------------------------------ unisonrun's elastic driver

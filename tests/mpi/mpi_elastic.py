@@ -24,6 +24,11 @@ With ``ELASTIC_GROW_FILE=PATH`` nobody is killed: after step ``GROW_AT`` of the 
 writes ``localhost:<ELASTIC_GROW_TO, default 3>`` to PATH (what the test's discovery script
 prints) and waits, so the driver sees the change and the commit after ``GROW_AT`` stops the job
 for a restart on the new slots.
+With ``ELASTIC_HOST_UPDATE=1`` nobody is killed: rank 0 posts ``on_hosts_updated(100.0)`` before the commit
+after step ``UPDATE_AT``, the last rank posts the same update before the next commit (as notices arrive at
+different times): the job must reset once, at the first of them, on the same ranks. With
+``ELASTIC_EXTRA_STATE=1`` the state also tracks a module with extra state (``get_extra_state``), rank-dependent
+before each sync; each rank writes what it holds at the end.
 """
 
 from __future__ import annotations
@@ -45,6 +50,21 @@ from unison.torch_backend import elastic
 N, FEATURES, HIDDEN, BS, EPOCHS = 96, 8, 16, 4, 2
 COMMIT_EVERY, KILL_AFTER, SEED, LR, MOMENTUM = 2, 5, 3, 0.05, 0.9
 GROW_AT = 3
+UPDATE_AT = 2
+
+
+class Calibration(torch.nn.Module):
+    """No parameters, only extra state (a dict), as quantization observers keep."""
+
+    def __init__(self, amax: float) -> None:
+        super().__init__()
+        self.calib = {"amax": amax}
+
+    def get_extra_state(self) -> dict:
+        return dict(self.calib)
+
+    def set_extra_state(self, state: dict) -> None:
+        self.calib = dict(state)
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,14 +81,17 @@ def model() -> torch.nn.Module:
 
 
 def main(out: str) -> None:
-    faulthandler.dump_traceback_later(150, exit=True)  # a hang shows every thread's stack, then ends
+    # a hang shows every thread's stack, then ends (sooner in the short host-update job)
+    faulthandler.dump_traceback_later(60 if os.environ.get("ELASTIC_HOST_UPDATE") == "1" else 150, exit=True)
     hvd.init()
     x, y = data()
     net = model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM),
                                    named_parameters=net.named_parameters())
     sampler = elastic.ElasticSampler(range(N), shuffle=True, seed=SEED)
-    state = elastic.TorchState(net, opt, sampler=sampler, epoch=0, step=0, log=[])
+    update = os.environ.get("ELASTIC_HOST_UPDATE") == "1"
+    extra = {"calib": Calibration(float(hvd.rank()))} if os.environ.get("ELASTIC_EXTRA_STATE") == "1" else {}
+    state = elastic.TorchState(net, opt, sampler=sampler, epoch=0, step=0, log=[], **extra)
     resets: list[dict] = []
     second = os.environ.get("ELASTIC_SECOND_FAILURE") == "1"
     in_recovery = os.environ.get("ELASTIC_FAIL_IN_RECOVERY") == "1"
@@ -119,8 +142,8 @@ def main(out: str) -> None:
                         attempt = os.environ.get("UNISON_ELASTIC_ATTEMPT")
                         with open(os.path.join(out, f"progress{attempt}"), "w") as f:
                             f.write(str(state.step))
-                if (not grow and not pace and first_job and state.step == KILL_AFTER and hvd.size() == start_size
-                        and hvd.rank() in kill_ranks):
+                if (not grow and not pace and not update and first_job and state.step == KILL_AFTER
+                        and hvd.size() == start_size and hvd.rank() in kill_ranks):
                     if "UNISON_ELASTIC_ATTEMPT" in os.environ:
                         time.sleep(1.0)  # under the driver: let rank 0 finish writing the last commit to disk
                     with open(os.path.join(out, "kill.json"), "w") as f:
@@ -137,6 +160,11 @@ def main(out: str) -> None:
                 every = [state.sampler._core.batch_indices(b, BS, r) for r in range(hvd.size())]
                 state.log.append([state.epoch, state.step, hvd.size(), every])
                 state.sampler.record_batch(b, BS)
+                if update and state.step in (UPDATE_AT, UPDATE_AT + COMMIT_EVERY):
+                    if extra and state.step == UPDATE_AT:  # the sync after the update gives every rank rank 0's
+                        extra["calib"].calib = {"amax": 10.0 + hvd.rank()}
+                    if hvd.rank() == (0 if state.step == UPDATE_AT else hvd.size() - 1):
+                        state.on_hosts_updated(100.0, skip_sync=False)
                 if state.step % COMMIT_EVERY == 0:
                     state.commit()
             state.epoch += 1
@@ -148,7 +176,8 @@ def main(out: str) -> None:
     result = {"rank": hvd.rank(), "size": hvd.size(), "step": state.step, "resets": resets,
               "attempt": int(os.environ.get("UNISON_ELASTIC_ATTEMPT", "-1")), "commit_id": state.commit_id,
               "recovery_seconds": rec.seconds if rec else None, "log": state.log,
-              "weights": [p.detach().numpy().ravel().tolist() for p in net.parameters()]}
+              "weights": [p.detach().numpy().ravel().tolist() for p in net.parameters()],
+              "calib": extra["calib"].calib if extra else None}
     with open(os.path.join(out, f"rank{hvd.rank()}.json"), "w") as f:
         json.dump(result, f)
     hvd.shutdown()

@@ -163,6 +163,40 @@ class _HostArray:
         return _HostArray, (self.array,)
 
 
+class _HostBytes:
+    """A CPU tensor of a dtype that numpy lacks and that torch cannot unpickle, spilled as its bytes.
+
+    [Note: dtypes torch pickles but cannot unpickle]
+    torch 2.13 pickles a float8 (``float8_e4m3fn`` ...), ``complex32``, ``bits*`` or sub-byte integer
+    tensor, but unpickling it fails (AttributeError: 'UntypedStorage' object has no attribute 'dtype',
+    or a KeyError): one such buffer made every commit spilled to disk unreadable, and a restarted job
+    warned that no host held a commit and started from scratch (before 2026-12-05). Such a tensor is
+    spilled as the numpy ``uint8`` array over its bytes, with its dtype's name and shape, and viewed
+    back on load. ``bfloat16``, which torch unpickles, is still pickled by torch.
+    """
+
+    __slots__ = ("array", "dtype", "shape")
+
+    def __init__(self, array: Any, dtype: str, shape: tuple[int, ...]) -> None:
+        self.array, self.dtype, self.shape = array, dtype, shape
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, str, tuple[int, ...]]]:
+        return _HostBytes, (self.array, self.dtype, self.shape)
+
+    @classmethod
+    def of(cls, value: torch.Tensor) -> _HostBytes:
+        flat = value.contiguous().reshape(-1)  # (a view of a contiguous tensor; 0-d ones too)
+        return cls(flat.view(torch.uint8).numpy(), str(value.dtype).removeprefix("torch."), tuple(value.shape))
+
+    def tensor(self) -> torch.Tensor:
+        return torch.from_numpy(self.array).view(getattr(torch, self.dtype)).reshape(self.shape)
+
+
+#: dtypes numpy lacks that torch unpickles: left to torch's pickling (see [Note: dtypes torch pickles but
+#: cannot unpickle])
+_TORCH_PICKLED = (torch.bfloat16,)
+
+
 def _map_leaves(value: Any, leaf: Callable[[Any], Any]) -> Any:
     """``value`` (a state_dict: dicts and lists of tensors and values) with ``leaf`` applied to everything
     that is neither; mapping types and their attributes (a state_dict's ``_metadata``) are kept."""
@@ -181,9 +215,17 @@ def _host_leaf(value: Any) -> Any:
             and not value.requires_grad):
         try:
             return _HostArray(value.numpy())
-        except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16): torch pickles it
-            return value
+        except (TypeError, RuntimeError):  # a dtype numpy lacks: bfloat16 torch pickles, the others as bytes
+            if value.dtype in _TORCH_PICKLED:
+                return value
+            return _HostBytes.of(value)
     return value
+
+
+def _from_host_leaf(leaf: Any) -> Any:
+    if isinstance(leaf, _HostArray):
+        return torch.from_numpy(leaf.array)
+    return leaf.tensor() if isinstance(leaf, _HostBytes) else leaf
 
 
 def _to_host(value: Any) -> Any:
@@ -193,7 +235,7 @@ def _to_host(value: Any) -> Any:
 
 def _from_host(value: Any) -> Any:
     """The inverse of :func:`_to_host`: tensors over the unpickled arrays."""
-    return _map_leaves(value, lambda leaf: torch.from_numpy(leaf.array) if isinstance(leaf, _HostArray) else leaf)
+    return _map_leaves(value, _from_host_leaf)
 
 
 class _Handler:
@@ -224,7 +266,17 @@ class _ModelHandler(_Handler):
         self.value.zero_grad(set_to_none=True)
 
     def sync(self) -> None:
-        broadcast_parameters(self.value.state_dict(), root_rank=0, prefix="elastic.")
+        """Rank 0's tensors (broadcast in place) and extra state (``get_extra_state()``: any object, sent
+        with ``broadcast_object`` and loaded with ``load_state_dict``). Before 2026-12-05 the extra state
+        went to ``broadcast_parameters`` too, which refused it: such a model could not start ``run``."""
+        current = self.value.state_dict()
+        tensors = {k: v for k, v in current.items() if isinstance(v, torch.Tensor)}
+        broadcast_parameters(tensors, root_rank=0, prefix="elastic.")
+        others = {k: v for k, v in current.items() if k not in tensors}
+        # (on every rank, even with nothing to send: a rank that skipped it would leave the others waiting)
+        others = broadcast_object(others, root_rank=0, name="elastic.model.extra_state")
+        if others and runtime.rank() != 0:
+            self.value.load_state_dict({**tensors, **others})
 
 
 class _OptimizerHandler(_Handler):
@@ -318,6 +370,7 @@ class TorchState(ObjectState):
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  **kwargs: Any) -> None:
+        self._refuse_taken_names(kwargs)  # (tracked objects too: save=Module hid the method, before 2026-12-05)
         named = dict(kwargs)
         if model is not None:
             named["model"] = model

@@ -73,8 +73,8 @@ from unison.common.engine import frontend
 from unison.common.engine.errors import process_failure
 from unison.common.exceptions import UnisonError
 
-__all__ = ["Recovery", "enabled", "min_np", "quorum_mode", "has_quorum", "recover", "last_recovery", "ENV_ELASTIC",
-           "ENV_MIN_NP", "ENV_QUORUM"]
+__all__ = ["Recovery", "enabled", "min_np", "quorum_mode", "has_quorum", "recover", "rebuild", "last_recovery",
+           "ENV_ELASTIC", "ENV_MIN_NP", "ENV_QUORUM"]
 
 logger = logging.getLogger(__name__)
 
@@ -220,6 +220,34 @@ def _rebuild(st: runtime.State, shrunk: Any, sets: list[Any]) -> None:
         ps.process_set_id = None
     frontend.reset_auto_names()
     runtime.init(comm=shrunk, **_settings(st.config))
+
+
+def rebuild() -> None:
+    """Rebuild Unison on the same ranks after a host update (collective over every rank; no rank failed).
+
+    [Note: a host update without a failure]
+    A ``HostsUpdatedInterrupt`` comes from a commit at which every rank agreed that the hosts
+    changed ([Note: one host update, one reset] in state.py), so every rank is alive and here. The
+    world itself cannot grow in place (under ``unisonrun``'s elastic driver a host change restarts
+    the job instead), so this rebuild keeps the ranks: ``runtime.shutdown()`` and ``runtime.init()``
+    on a duplicate of the current communicator, with the same settings, every registered process set
+    forgetting its id, as after a recovery. No Revoke and no Shrink: they need ULFM, and without it
+    (plain ``mpirun``) ``MPI_Comm_shrink`` never returned on any rank; before 2026-12-05 a host update
+    went through :func:`recover` and hung every rank of a job without ULFM. A rank that fails during
+    the rebuild is met like any failure: the ``run`` loop restores the commit and calls :func:`recover`.
+    """
+    st = runtime.state("elastic reset")
+    eng = st.cache.get("engine")
+    sets = eng.registered_sets()[1:] if eng is not None else []
+    base = st.comm.Dup() if st.comm is not None else None  # (shutdown frees the runtime's own)
+    runtime.shutdown()
+    for ps in sets:  # as in _rebuild: a reset callback registers them again
+        ps.process_set_id = None
+    frontend.reset_auto_names()
+    runtime.init(comm=base, **_settings(st.config))
+    if base is not None:
+        base.Free()  # (init works on a duplicate of it)
+    logger.warning("elastic: the hosts changed; rebuilt on the same %d rank(s), no rank failed", runtime.size())
 
 
 #: how many times :func:`recover` shrinks again when more ranks fail during it

@@ -3,10 +3,12 @@
     while True:
         sync the state from rank 0 (unless a host update said there is no need)
         call the training function -> its return value ends the loop
-        a rank failed (UnisonInternalError): restore the last commit
-        the hosts changed (HostsUpdatedInterrupt): keep the live state
-        rebuild Unison on the current world (reset), run the reset callbacks
-            (a rank failing meanwhile: restore and rebuild again)
+        a rank failed (UnisonInternalError): restore the last commit, rebuild Unison on the
+            survivors (reset: recover(), which shrinks the world; needs ULFM)
+        the hosts changed (HostsUpdatedInterrupt): keep the live state, rebuild Unison on the
+            same ranks (rebuild(): every rank lives, so no shrink; see [Note: a host update
+            without a failure] in recovery.py)
+        run the reset callbacks (a rank failing meanwhile: restore and recover again)
 
 Without elastic mode (``UNISON_ELASTIC`` unset) a failure is raised as it is, and the job
 ends as it always did.
@@ -28,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from unison.common import runtime
-from unison.common.elastic.recovery import enabled
+from unison.common.elastic.recovery import enabled, rebuild
 from unison.common.elastic.store import attempt as job_attempt
 from unison.common.elastic.store import mark_entered, mark_finished, resume
 from unison.common.engine.errors import process_failure
@@ -44,8 +46,13 @@ def _failure(exc: BaseException) -> BaseException | None:
     return process_failure(exc, st.mpi if st is not None else None)
 
 
-def run_fn(func: Callable[..., Any], reset: Callable[[], Any]) -> Callable[..., Any]:
-    """Wrap ``func(state, *args, **kwargs)`` in the elastic retry loop; ``reset()`` rebuilds."""
+def run_fn(func: Callable[..., Any], reset: Callable[[], Any],
+           rebuild_on_update: Callable[[], Any] = rebuild) -> Callable[..., Any]:
+    """Wrap ``func(state, *args, **kwargs)`` in the elastic retry loop.
+
+    ``reset()`` rebuilds after a rank failed (the backends pass :func:`recover`); ``rebuild_on_update()``
+    after a host update, when every rank lives (:func:`rebuild`).
+    """
 
     @functools.wraps(func)
     def wrapper(state: Any, *args: Any, **kwargs: Any) -> Any:
@@ -58,6 +65,7 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], Any]) -> Callable[..., 
             if skip_sync:  # a new world for that commit: what depends on the size (the learning rate the commit
                 _reset(state, lambda: None)  # brought back was the old world's) is set again, as after a reset
         while True:
+            rebuilder = reset
             try:
                 if not skip_sync:
                     state.sync()
@@ -69,6 +77,7 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], Any]) -> Callable[..., 
                 if state.store is not None:
                     _restart_on_new_hosts(state)
                 skip_sync = exc.skip_sync
+                rebuilder = rebuild_on_update  # every rank is alive and here: no shrink (it needs ULFM)
             except Exception as exc:
                 failure = _failure(exc)
                 if failure is None:
@@ -80,7 +89,7 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], Any]) -> Callable[..., 
                 logger.warning("elastic: %s; rolling back to the last commit", failure)
                 state.restore()
                 skip_sync = False
-            _reset(state, reset)
+            _reset(state, rebuilder, reset)
 
     return wrapper
 
@@ -113,15 +122,16 @@ def _restart_on_new_hosts(state: Any) -> None:
 MAX_RESETS = 5
 
 
-def _reset(state: Any, reset: Callable[[], Any]) -> None:
-    """Rebuild on the current world and run the reset callbacks; again if a rank fails meanwhile.
+def _reset(state: Any, reset: Callable[[], Any], again: Callable[[], Any] | None = None) -> None:
+    """Rebuild with ``reset()`` and run the reset callbacks; if a rank fails meanwhile, restore the commit
+    and rebuild with ``again()`` (a recovery; ``reset`` by default).
 
     A failure during the recovery's own steps is handled inside it; one in a reset callback
-    (a collective on the new world, say) lands here: restore the commit, rebuild again.
+    (a collective on the new world, say) or in a rebuild after a host update lands here.
     """
     for attempt in range(1, MAX_RESETS + 1):
         try:
-            reset()
+            (reset if attempt == 1 or again is None else again)()
             state.on_reset()
             return
         except Exception as exc:

@@ -20,6 +20,8 @@ import queue
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
+
 from unison.common import runtime
 from unison.common.config import env_value
 from unison.common.elastic.store import ENV_NOTICE, store_from_env
@@ -108,24 +110,35 @@ class State:
         changed: an update given to :meth:`on_hosts_updated` newer than the last one taken (as in
         Horovod), or the notice file of ``unisonrun``'s elastic driver.
 
-        Collective on more than one rank: an all-reduce of (changed, needs a sync) tells every rank
-        what any rank saw, so all of them raise at the same commit with the same ``skip_sync`` (it
-        is True only when no rank's update asked for a sync). A rank that raised alone went into
-        the reset while the others trained on, and one that skipped the sync while another synced
-        left both waiting in it.
+        Collective on more than one rank: an all-reduce of (changed, needs a sync, the newest update's
+        timestamp) tells every rank what any rank saw, so all of them raise at the same commit with the
+        same ``skip_sync`` (it is True only when no rank's update asked for a sync). A rank that raised
+        alone went into the reset while the others trained on, and one that skipped the sync while
+        another synced left both waiting in it.
+
+        [Note: one host update, one reset]
+        Every rank takes the newest timestamp any rank was given as its last one taken (as Horovod shares
+        it), so one update that the ranks learn at different commits resets the job once: the first rank
+        to learn it interrupts every rank, and the same timestamp reaching another rank later is no longer
+        newer there. Before 2026-12-05 the last timestamp was each rank's own, and such an update reset the
+        job again at each rank's later commit.
         """
         changed = need_sync = False
+        newest = self._last_host_update
         while not self._host_messages.empty():
             timestamp, skip = self._host_messages.get()
             if timestamp > self._last_host_update:
-                self._last_host_update = timestamp
+                newest = max(newest, timestamp)
                 changed, need_sync = True, need_sync or not skip
         if notice_file_exists():
             changed = need_sync = True
         level = 2 if need_sync else int(changed)  # (a sync is only ever needed for a change)
         st = runtime._state
         if st is not None and st.comm is not None and st.size > 1:
-            level = st.comm.allreduce(level, op=st.mpi.MAX)
+            agreed = np.array([level, newest], dtype=np.float64)  # (-inf: no update taken yet)
+            st.comm.Allreduce(st.mpi.IN_PLACE, agreed, op=st.mpi.MAX)
+            level, newest = int(agreed[0]), float(agreed[1])
+        self._last_host_update = newest
         if level:
             raise HostsUpdatedInterrupt(level < 2)
 
@@ -163,14 +176,20 @@ class ObjectState(State):
     """
 
     def __init__(self, bcast_object: Callable[..., Any] | None = None, **kwargs: Any) -> None:
-        taken = sorted(name for name in kwargs if name in _RESERVED or callable(getattr(type(self), name, None)))
-        if taken:
-            raise ValueError(f"elastic state: {taken} name what the state itself uses ({', '.join(_RESERVED)} and "
-                             f"its methods), so the value would be overwritten or hide them; use other names")
+        self._refuse_taken_names(kwargs)
         self._bcast_object = bcast_object or broadcast_object
         self._saved_state = copy.deepcopy(kwargs)
         self._set_attrs()
         super().__init__()
+
+    @classmethod
+    def _refuse_taken_names(cls, names: Iterable[str]) -> None:
+        """Raise ValueError when one of ``names`` (the keywords of a state) is reserved or names a method:
+        the value would be overwritten, or hide the method (``save=...`` made ``commit()`` call it)."""
+        taken = sorted(name for name in names if name in _RESERVED or callable(getattr(cls, name, None)))
+        if taken:
+            raise ValueError(f"elastic state: {taken} name what the state itself uses ({', '.join(_RESERVED)} and "
+                             f"its methods), so the value would be overwritten or hide them; use other names")
 
     def save(self) -> None:
         self._saved_state = {name: copy.deepcopy(getattr(self, name)) for name in self._saved_state}
