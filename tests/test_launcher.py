@@ -1233,7 +1233,8 @@ def test_cli_refuses_to_launch_when_a_host_fails_the_probe(tmp_path, capsys, mon
     from unison.run.supervise import JobResult
 
     launched = []
-    monkeypatch.setattr(launcher, "run_command", lambda command, env: launched.append(command) or JobResult(0))
+    monkeypatch.setattr(launcher, "run_command", lambda command, env, **options: launched.append(command)
+                        or JobResult(0))
     agent = agent_script(tmp_path, 'echo "ssh: connect to host $host port 22: Connection timed out" >&2; exit 255')
     hostfile = write_hostfile(tmp_path, f"launch-agent={agent[0]}", hosts=("node-a slots=1", "localhost slots=1"))
     start = time.monotonic()
@@ -1374,3 +1375,232 @@ def test_a_hostfile_without_usable_lines_is_refused_naming_it(tmp_path, content,
     with pytest.raises(ValueError, match=re.escape(message)) as info:
         read_hostfile(path)
     assert str(path) in str(info.value)
+
+
+# --- launch-layer audit, 2026-12-05 ------------------------------------------------------------------------------
+
+RECORDING_AGENT = "#!/bin/sh\n# records the arguments it is given, one a line, then fails as ssh would\n" \
+    "printf '%s\\n' \"$@\" >> {log}\nexit 1\n"
+
+
+def recorded_runs(log):
+    """The argument lists the recording agent was run with (the first three words of each run)."""
+    lines = log.read_text().splitlines() if log.is_file() else []
+    return [lines[i:i + 3] for i, line in enumerate(lines) if line == "-o"]
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("folder_name", ["agents", "dir with space"])
+def test_a_launch_agent_with_a_colon_or_a_quoted_path_runs_the_same_in_the_probe_and_in_mpirun(tmp_path,
+                                                                                               folder_name):
+    """Before: Open MPI split plm_ssh_agent at ':' (ssh -o ProxyJump=jump:2222 ran as -o ProxyJump=jump) and
+    at spaces (a quoted path with a space: mpirun exit 250), while the probe ran the shell words."""
+    venv_mpirun()
+    folder = tmp_path / folder_name
+    folder.mkdir()
+    log, agent = tmp_path / "argv.log", folder / "agent.sh"
+    agent.write_text(RECORDING_AGENT.format(log=shlex.quote(str(log))))
+    agent.chmod(0o755)
+    given = f"{shlex.quote(str(agent))} -o ProxyJump=jump:2222"
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(private_tmp))
+    base = [sys.executable, "-m", "unison.run", "-np", "1", "-H", "fakehost1:1", "--launch-agent", given]
+    probe = subprocess.run([*base, "hostname"], capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
+    assert probe.returncode == 69, output(probe)
+    assert recorded_runs(log) == [["-o", "ProxyJump=jump:2222", "fakehost1"]]
+    log.unlink()
+    launched = subprocess.run([*base, "--skip-host-check", "hostname"], capture_output=True, text=True, timeout=90,
+                              env=env, cwd=REPO)
+    assert launched.returncode != 0, output(launched)
+    assert recorded_runs(log) and all(run == ["-o", "ProxyJump=jump:2222", "fakehost1"]
+                                      for run in recorded_runs(log)), (recorded_runs(log), output(launched))
+    assert not list(private_tmp.glob("unisonrun-agent-*")), "the wrapper's folder outlived unisonrun"
+
+
+def test_dry_run_shows_the_wrapper_of_an_agent_open_mpi_would_split(capsys):
+    from unison.run.placement import agent_needs_wrapper
+
+    assert not agent_needs_wrapper("ssh -p 2222") and not agent_needs_wrapper("/opt/agent.sh")
+    assert agent_needs_wrapper("ssh -o ProxyJump=jump:2222") and agent_needs_wrapper("'/my dir/agent' x")
+    assert main(["--dry-run", "-np", "2", "-H", "a:1,b:1", "--launch-agent", "ssh -o ProxyJump=j:2222",
+                 "python", "x.py"]) == 0
+    captured = capsys.readouterr()
+    command = shlex.split(captured.out)
+    wrapper = command[command.index("plm_ssh_agent") + 1]
+    assert Path(wrapper).name == "unisonrun-launch-agent" and not Path(wrapper).exists()
+    assert command[command.index("plm_ssh_no_tree_spawn") + 1] == "1"
+    assert "'ssh -o ProxyJump=j:2222' is given to mpirun as the wrapper script" in captured.err
+    assert main(["--dry-run", "-np", "2", "-H", "a:1,b:1", "--launch-agent", "ssh -p 2222", "python", "x.py"]) == 0
+    command = shlex.split(capsys.readouterr().out)
+    assert command[command.index("plm_ssh_agent") + 1] == "ssh -p 2222" and "plm_ssh_no_tree_spawn" not in command
+
+
+HANGING_AGENT = "#!/bin/sh\n# a host that never answers: records its pid, then hangs\necho $$ >> {pids}\n" \
+    "exec sleep 60\n"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_during_the_probe_ends_its_agents_and_unisonrun_at_once(tmp_path, signum):
+    """Before: SIGTERM left both agents running; SIGINT waited for them (17 s) and ended with a traceback."""
+    require_mpirun()
+    pids_file, agent = tmp_path / "pids", tmp_path / "agent.sh"
+    agent.write_text(HANGING_AGENT.format(pids=shlex.quote(str(pids_file))))
+    agent.chmod(0o755)
+    process = subprocess.Popen([sys.executable, "-m", "unison.run", "-np", "2", "-H", "fakehost1:1,fakehost2:1",
+                                "--launch-agent", str(agent), "python", "x.py"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, cwd=REPO)
+    pids = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(pids) < 2 and time.monotonic() < deadline:
+            pids = [int(p) for p in pids_file.read_text().split()] if pids_file.is_file() else []
+            time.sleep(0.05)
+        assert len(pids) == 2, "the probe did not start both agents"
+        start = time.monotonic()
+        process.send_signal(signum)
+        _, err = process.communicate(timeout=30)
+        elapsed = time.monotonic() - start
+        assert process.returncode == 128 + signum, err
+        assert elapsed < 5, elapsed
+        assert "Traceback" not in err
+        assert err.strip().splitlines()[-1] == (f"unisonrun: the job was stopped by {signal.Signals(signum).name} "
+                                               f"(exit status {128 + signum})")
+        deadline = time.monotonic() + 5
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(alive(p) for p in pids), "a launch agent outlived unisonrun"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+HANGS_AFTER_FAILED_RANK = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    with open(sys.argv[1], "w") as f:
+        f.write(str(child.pid))
+    sys.stderr.write(sys.argv[2])
+    sys.stderr.flush()
+    time.sleep(120)
+    """
+)
+
+
+@pytest.mark.parametrize(("box", "status"), [(ABORTED, 1), (KILLED, 137), (NONZERO, 3)])
+def test_launcher_ends_an_mpirun_that_outlives_a_failed_rank(tmp_path, box, status):
+    """[Note: a failed job whose output stays open]: killed after the grace, with the failed rank's status."""
+    from unison.run.supervise import run_command
+
+    script, pid_file = tmp_path / "hangs.py", tmp_path / "pid"
+    script.write_text(HANGS_AFTER_FAILED_RANK)
+    start = time.monotonic()
+    result = run_command([sys.executable, str(script), str(pid_file), box], rank_failed_grace_s=1.0)
+    assert result.status == status and result.stop_signal is None, result
+    assert time.monotonic() - start < 30
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(child)
+
+
+def test_the_failed_rank_grace_applies_unless_ulfm_keeps_the_job_going(monkeypatch, capsys):
+    require_mpirun()
+    from unison.run import launcher
+    from unison.run.supervise import RANK_FAILED_GRACE_S, JobResult
+
+    given = []
+    monkeypatch.setattr(launcher, "run_command", lambda command, env, **options: given.append(options)
+                        or JobResult(0))
+    assert main(["-np", "1", "python", "-c", "pass"]) == 0
+    assert main(["-np", "1", "--mpi-args=--with-ft ulfm", "python", "-c", "pass"]) == 0
+    assert [g.get("rank_failed_grace_s", "absent") for g in given] == [RANK_FAILED_GRACE_S, None]
+
+
+DETACHED_HELPER = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    from mpi4py import MPI
+    rank = MPI.COMM_WORLD.Get_rank()
+    helper = subprocess.Popen(["sleep", "300"], start_new_session=True)  # a daemonised helper: holds our output
+    with open(f"{sys.argv[1]}.{rank}", "w") as f:
+        f.write(str(helper.pid))
+    time.sleep(1.5)
+    if rank == 1:
+        raise RuntimeError("boom-rank1")
+    time.sleep(100)
+    """
+)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+def test_a_failed_job_ends_while_a_ranks_detached_helper_holds_its_output(tmp_path):
+    """Before: MPI_Abort killed the ranks, and prterun waited for the helper's end (here 300 s) to exit."""
+    venv_mpirun()
+    script, pids = tmp_path / "helper.py", tmp_path / "helper"
+    script.write_text(DETACHED_HELPER)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
+    process = subprocess.Popen([sys.executable, "-m", "unison.run", "-np", "2", "python", str(script), str(pids)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
+                               start_new_session=True)
+    start = time.monotonic()
+    try:
+        try:
+            _, err = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the failed job did not end within 60 s")
+        assert time.monotonic() - start < 30
+        assert process.returncode == 1, err
+        assert err.strip().splitlines()[-1].startswith("unisonrun: the job failed (exit status 1): rank 1 ")
+        assert "(sleep)" in err and "not killed" in err  # the warning names the helpers that hold the output
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        for pid_file in tmp_path.glob("helper.*"):
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except (ValueError, ProcessLookupError):
+                pass
+
+
+def test_testhosts_keeps_the_mode_of_etc_hosts(tmp_path, monkeypatch):
+    """Before: the rewritten /etc/hosts got its mode from the umask (0600 under umask 077)."""
+    import stat
+
+    from unison.run import testhosts
+
+    fake = tmp_path / "hosts"
+    fake.write_text("127.0.0.1 localhost\n198.18.0.11 unison-h1 # unison-testhosts-0\n")
+    fake.chmod(0o644)
+    real = testhosts.Path
+    monkeypatch.setattr(testhosts, "Path", lambda p, *a: fake if str(p) == "/etc/hosts" else real(p, *a))
+    old_umask = os.umask(0o077)
+    try:
+        testhosts._edit_etc_hosts("# unison-testhosts-0", ["198.18.0.12 unison-h2"])
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE(fake.stat().st_mode) == 0o644
+    assert fake.read_text() == "127.0.0.1 localhost\n198.18.0.12 unison-h2 # unison-testhosts-0\n"
+
+
+def test_mpi_args_with_one_double_dash_flag_says_to_write_it_with_equals():
+    require_mpirun()
+    result = unisonrun("--dry-run", "-np", "2", "--mpi-args", "--tag-output", "python", "x.py")
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert "expected one argument" in last and "--mpi-args=--tag-output" in last, last
+    result = unisonrun("--dry-run", "-np", "2", "--mpi-args=--tag-output", "python", "x.py")
+    assert result.returncode == 0 and "--tag-output python" in result.stdout
+    assert "--mpi-args=--tag-output" in "".join(unisonrun("--help").stdout.split())  # (in any line wrapping)

@@ -77,6 +77,7 @@ abort. The flag does nothing on one host, where the daemon reports a dead rank a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -86,9 +87,10 @@ import shlex
 import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from unison.common.config import INT64_MAX, MAX_CYCLE_MS
 from unison.run import rankwatch
@@ -106,16 +108,19 @@ from unison.run.hosts import Host, parse_hosts
 from unison.run.placement import (
     LaunchConfig,
     Placement,
+    agent_needs_wrapper,
+    agent_words,
     forwarded_environment,
     needs_oversubscribe,
     network_arguments,
     resolve_placement,
+    write_agent_wrapper,
 )
-from unison.run.probe import DEFAULT_AGENT, HostUnreachableError, check_hosts, is_local
+from unison.run.probe import DEFAULT_AGENT, Agents, HostUnreachableError, check_hosts, is_local
 from unison.run.pycommand import wrap_python_command
 from unison.run.rankwatch import RankWatch
 from unison.run.session_dirs import remove_session_dir, remove_stale_session_dirs
-from unison.run.supervise import run_command
+from unison.run.supervise import FORWARDED_SIGNALS, RANK_FAILED_GRACE_S, run_command
 
 __all__ = ["LaunchConfig", "MpirunNotFoundError", "build_command", "find_mpirun", "main"]
 
@@ -240,7 +245,7 @@ def _sets_mca(mpi_args: Sequence[str], name: str) -> bool:
 
 def _parser() -> argparse.ArgumentParser:
     """Builds the ``unisonrun`` argument parser."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="unisonrun",
         description="Run a Unison job on N processes with Open MPI's mpirun.",
         epilog="Example: unisonrun -np 4 python train.py --lr 0.1",
@@ -291,8 +296,9 @@ def _parser() -> argparse.ArgumentParser:
         "--mpi-args",
         default="",
         metavar="ARGS",
-        help='extra mpirun arguments as one shell-quoted string, e.g. "--mca btl ^openib"; write '
-        '--mpi-args="-H a:2" when the string starts with a single-dash option (argparse would take it for one)',
+        help='extra mpirun arguments as one shell-quoted string, e.g. "--mca btl ^openib"; write it with '
+        '"=" when it starts with "-" (argparse would take it for an option of its own): '
+        '--mpi-args=--tag-output, --mpi-args="-H a:2"',
     )
     parser.add_argument(
         "--no-abort-on-exception",
@@ -521,8 +527,14 @@ def engine_environment(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
-def _check_hosts(config: LaunchConfig, environ: Mapping[str, str]) -> None:
+def _check_hosts(config: LaunchConfig, environ: Mapping[str, str], agents: Agents | None = None,
+                 label: str | None = None) -> None:
     """Probes the hosts ``mpirun`` will start daemons on through ssh or the agent (see ``probe.py``).
+
+    Args:
+        agents: Where the probe keeps its running agents, for a stop signal (see [Note: a signal
+            during the probe] in ``probe.py``).
+        label: How messages name the agent when it is given through its wrapper.
 
     Raises:
         HostUnreachableError: a host cannot be reached, or cannot reach back.
@@ -530,9 +542,61 @@ def _check_hosts(config: LaunchConfig, environ: Mapping[str, str]) -> None:
     placement = resolve_placement(config, environ)
     if placement.hosts is None or not placement.uses_ssh:
         return  # this machine alone, or a batch system starts the daemons
-    agent = shlex.split(placement.launch_agent) if placement.launch_agent else list(DEFAULT_AGENT)
+    agent = agent_words(placement.launch_agent) if placement.launch_agent else list(DEFAULT_AGENT)
     check_hosts([h.name for h in placement.hosts], agent=agent, python=sys.executable,
-                include=placement.tcp_include)
+                include=placement.tcp_include, agents=agents, label=label)
+
+
+def _wrap_agent(config: LaunchConfig, environ: Mapping[str, str], cleanup: contextlib.ExitStack) -> LaunchConfig:
+    """``config`` with its launch agent (the option's or the hostfile's) given through a wrapper script
+    where Open MPI would split it (see [Note: a launch agent Open MPI would split] in ``placement.py``);
+    the script's private folder is removed when ``cleanup`` closes.
+
+    Raises:
+        ValueError: the agent does not parse as shell words.
+    """
+    agent = resolve_placement(config, environ).launch_agent
+    if agent is None or not agent_needs_wrapper(agent):
+        return config
+    folder = tempfile.mkdtemp(prefix="unisonrun-agent-")  # (mode 0700)
+    cleanup.callback(shutil.rmtree, folder, ignore_errors=True)
+    wrapper = write_agent_wrapper(agent, folder)
+    logger.info("launch agent %r goes to mpirun and the probe as %s (Open MPI would split it at ':' "
+                "and spaces)", agent, wrapper)
+    return dataclasses.replace(config, launch_agent=wrapper)
+
+
+class _EarlyStop:
+    """Stop signals before ``mpirun`` runs: ends the probe's agents, and ``mpirun`` never starts
+    (see [Note: a signal during the probe] in ``probe.py``)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.agents = Agents()
+
+    def handle(self, signum: int, frame: object) -> None:
+        if self.signum is None:
+            self.signum = signum
+        self.agents.stop()
+
+
+def _stopped_line(signum: int, status: int, newline: str = "") -> None:
+    print(f"{newline}unisonrun: the job was stopped by {signal.Signals(signum).name} (exit status {status})",
+          file=sys.stderr, flush=True)
+
+
+def _mpi_args_error(message: str) -> str:
+    """argparse's error, with the fix when ``--mpi-args`` was given a string that starts with ``--``."""
+    if "--mpi-args" in message and "expected one argument" in message:
+        message += "; a value that starts with '-' needs '=': write e.g. --mpi-args=--tag-output"
+    return message
+
+
+class _Parser(argparse.ArgumentParser):
+    """``unisonrun``'s parser: its errors say how to give ``--mpi-args`` a flag."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(_mpi_args_error(message))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -542,57 +606,85 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: The arguments after the program name; ``sys.argv[1:]`` when ``None``.
 
     Returns:
-        ``mpirun``'s exit status; ``128 + N`` when signal ``N`` stopped the job; 0 for
-        ``--dry-run``; 75 when a host was lost mid-job; 69 when a host could not be reached
-        before launching. Bad input exits with status 2 and a one-line ``unisonrun: error: ...``
-        on stderr. A failed job ends with one ``unisonrun: the job failed ...`` line naming
-        the failed rank (see docs/run.md).
+        ``mpirun``'s exit status; ``128 + N`` when signal ``N`` stopped the job (also while the
+        hosts were probed); 0 for ``--dry-run``; 75 when a host was lost mid-job; 69 when a host
+        could not be reached before launching. Bad input exits with status 2 and a one-line
+        ``unisonrun: error: ...`` on stderr. A failed job ends with one ``unisonrun: the job
+        failed ...`` line naming the failed rank (see docs/run.md).
     """
     parser = _parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="unisonrun: %(message)s")
-    try:
-        config = _config_from_args(args)
-        own = engine_environment(args)  # (the variables the flags stand for)
-        environ = {**os.environ, **own}
-        if _elastic(args):  # the first job's size, as the driver will start it (-np need not be given)
-            placement = resolve_placement(config, environ)
-            config = dataclasses.replace(config, np=planned_np(
-                _elastic_options(args), None if placement.hosts is None else list(placement.hosts)))
-        command = build_command(
-            config,
-            environ=environ,
-            executable=sys.executable,
-            cpu_count=os.cpu_count() or 1,
-            euid=os.geteuid(),
-        )
-    except (ValueError, OSError, MpirunNotFoundError) as error:
-        parser.error(str(error))
-    if args.dry_run:  # the variables the flags stand for go first (mpirun's -x forwards them by name only)
-        print(shlex.join(["env", *(f"{k}={v}" for k, v in own.items()), *command] if own else command))
-        return 0
-    if not args.skip_host_check:
+    with contextlib.ExitStack() as cleanup:
         try:
-            _check_hosts(config, environ)
-        except HostUnreachableError as error:
-            print(f"unisonrun: error: {error}", file=sys.stderr, flush=True)
-            return HOST_UNREACHABLE_STATUS
-    if args.verbose:
-        print(shlex.join(command), file=sys.stderr, flush=True)
-    remove_stale_session_dirs(environ.get("TMPDIR") or None)
-    if _elastic(args):
-        return _run_elastic(args, config, environ)
+            config = _config_from_args(args)
+            own = engine_environment(args)  # (the variables the flags stand for)
+            environ = {**os.environ, **own}
+            if _elastic(args):  # the first job's size, as the driver will start it (-np need not be given)
+                placement = resolve_placement(config, environ)
+                config = dataclasses.replace(config, np=planned_np(
+                    _elastic_options(args), None if placement.hosts is None else list(placement.hosts)))
+            label = resolve_placement(config, environ).launch_agent
+            config = _wrap_agent(config, environ, cleanup)
+            command = build_command(
+                config,
+                environ=environ,
+                executable=sys.executable,
+                cpu_count=os.cpu_count() or 1,
+                euid=os.geteuid(),
+            )
+        except (ValueError, OSError, MpirunNotFoundError) as error:
+            parser.error(str(error))
+        if args.dry_run:  # the variables the flags stand for go first (mpirun's -x forwards them by name only)
+            if config.launch_agent != label:
+                print(f"unisonrun: note: the launch agent {label!r} is given to mpirun as the wrapper script "
+                      f"{config.launch_agent} (Open MPI would split it at ':' and spaces), which exists only "
+                      "while unisonrun runs", file=sys.stderr)
+            print(shlex.join(["env", *(f"{k}={v}" for k, v in own.items()), *command] if own else command))
+            return 0
+        return _launch(args, parser, config, environ, command, label)
+    raise AssertionError("unreachable")  # (for mypy: ExitStack may swallow exceptions)
+
+
+def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser, config: LaunchConfig,
+            environ: Mapping[str, str], command: list[str], label: str | None) -> int:
+    """Probes the hosts and runs the job; a stop signal from the probe on ends it (``128 + N``)."""
+    early = _EarlyStop()  # before the probe: [Note: a signal during the probe] in probe.py
+    previous = {sig: signal.signal(sig, early.handle) for sig in FORWARDED_SIGNALS}
     try:
-        result = run_command(command, environ)
-    except OSError as error:
-        parser.error(f"cannot start {command[0]!r}: {error}")
+        if not args.skip_host_check:
+            try:
+                _check_hosts(config, environ, early.agents, label)
+            except HostUnreachableError as error:
+                if early.signum is None:
+                    print(f"unisonrun: error: {error}", file=sys.stderr, flush=True)
+                    return HOST_UNREACHABLE_STATUS
+        if early.signum is not None:
+            _stopped_line(early.signum, 128 + early.signum)
+            return 128 + early.signum
+        if args.verbose:
+            print(shlex.join(command), file=sys.stderr, flush=True)
+        remove_stale_session_dirs(environ.get("TMPDIR") or None)
+        if _elastic(args):
+            for sig, handler in previous.items():  # the driver's jobs install their own, as before
+                signal.signal(sig, handler)
+            if early.signum is not None:
+                _stopped_line(early.signum, 128 + early.signum)
+                return 128 + early.signum
+            return _run_elastic(args, config, environ)
+        try:
+            result = run_command(command, environ, stopped_before=lambda: early.signum,
+                                 rank_failed_grace_s=None if _ulfm(config.mpi_args) else RANK_FAILED_GRACE_S)
+        except OSError as error:
+            parser.error(f"cannot start {command[0]!r}: {error}")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if result.status == 0:
         return 0
     newline = "\n" if result.report.mid_line else ""
     if result.stop_signal is not None:
-        name = signal.Signals(result.stop_signal).name
-        print(f"{newline}unisonrun: the job was stopped by {name} (exit status {result.status})",
-              file=sys.stderr, flush=True)
+        _stopped_line(result.stop_signal, result.status, newline)
     else:
         print(f"{newline}unisonrun: {result.report.summary(result.status)}", file=sys.stderr, flush=True)
     return result.status

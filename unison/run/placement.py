@@ -16,6 +16,18 @@ describe this machine or session (``HOSTNAME``, ``PWD``, ``SSH_*``, ``XDG_*``...
 Slurm set themselves on each host (``OMPI_*``, ``PMIX_*``, ``PRTE_*``, ``SLURM_*``; ``mpirun``
 carries the user's ``OMPI_MCA_*`` itself), shell functions, and names that are not identifiers.
 A job on this machine alone forwards Unison's selection only: the rest arrives anyway.
+
+[Note: a launch agent Open MPI would split]
+Open MPI (PRRTE 3) reads ``plm_ssh_agent`` as a list of alternatives separated by ``:`` and
+splits each at spaces, with no shell quoting: ``ssh -o ProxyJump=jump:2222`` ran as ``ssh -o
+ProxyJump=jump`` (the rest silently dropped), and a quoted path with spaces was looked up in
+pieces (``mpirun`` exit status 250), while the probe (``probe.py``) ran the agent as the shell
+words it is. So an agent with a ``:`` in it, or whose shell words differ from its pieces between
+spaces, is given to both as the path of a wrapper script, ``exec WORDS "$@"``
+(:func:`write_agent_wrapper`), in a private folder that ``unisonrun`` removes at its exit; the
+agent then gets the same arguments from both. The wrapper exists on this machine only, so such a
+job also passes ``plm_ssh_no_tree_spawn 1``: with tree spawn (Open MPI's default) a daemon may
+start the daemons of other hosts, through the agent, on its own host (beyond 64 hosts).
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,8 +50,8 @@ from unison.run.hosts import (
 )
 from unison.run.slurm import in_allocation, read_allocation
 
-__all__ = ["LaunchConfig", "Placement", "forwarded_environment", "needs_oversubscribe", "network_arguments",
-           "resolve_placement"]
+__all__ = ["LaunchConfig", "Placement", "agent_needs_wrapper", "forwarded_environment", "needs_oversubscribe",
+           "network_arguments", "resolve_placement", "write_agent_wrapper"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +71,8 @@ HOST_SPECIFIC_PREFIXES = ("SSH_", "XDG_", "OMPI_", "PMIX_", "PRTE_", "OPAL_", "S
 #: see [Note: huge pages for PyTorch's tensors]
 RANK_DEFAULTS = {"THP_MEM_ALLOC_ENABLE": "1"}
 _VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+#: the file name of the launch agent wrapper: see [Note: a launch agent Open MPI would split]
+AGENT_WRAPPER_NAME = "unisonrun-launch-agent"
 
 
 @dataclass(frozen=True)
@@ -209,10 +224,55 @@ def network_arguments(launch_agent: str | None, tcp_include: Sequence[str]) -> l
     arguments = []
     if launch_agent is not None:
         arguments += ["--prtemca", "plm", "ssh", "--prtemca", "plm_ssh_agent", launch_agent]
+        if Path(launch_agent).name == AGENT_WRAPPER_NAME:  # [Note: a launch agent Open MPI would split]
+            arguments += ["--prtemca", "plm_ssh_no_tree_spawn", "1"]
     if tcp_include:
         include = ",".join(tcp_include)
         arguments += ["--mca", "btl_tcp_if_include", include, "--prtemca", "oob_tcp_if_include", include]
     return arguments
+
+
+def agent_words(agent: str) -> list[str]:
+    """The launch agent's shell words (``shlex.split``), as the probe runs it.
+
+    Raises:
+        ValueError: ``agent`` does not parse as shell words (an unclosed quote).
+    """
+    try:
+        return shlex.split(agent)
+    except ValueError as error:
+        raise ValueError(f"launch agent {agent!r}: {error}; give it as shell words, e.g. "
+                         "--launch-agent 'ssh -p 2222'") from None
+
+
+def agent_needs_wrapper(agent: str) -> bool:
+    """Whether Open MPI would run ``agent`` other than as its shell words (a ``:`` in it, or quoting);
+    see [Note: a launch agent Open MPI would split].
+
+    Raises:
+        ValueError: ``agent`` does not parse as shell words.
+    """
+    return ":" in agent or agent_words(agent) != [piece for piece in agent.split(" ") if piece]
+
+
+def write_agent_wrapper(agent: str, folder: str | os.PathLike[str]) -> str:
+    """Writes the script that runs ``agent``'s shell words with the arguments it is given.
+
+    Args:
+        agent: The launch agent, as given (shell words).
+        folder: A private folder (the caller creates it, mode 0700, and removes it).
+
+    Returns:
+        The script's path (mode 0700), to give Open MPI and the probe instead of ``agent``.
+
+    Raises:
+        ValueError: ``agent`` does not parse as shell words.
+    """
+    script = Path(folder, AGENT_WRAPPER_NAME)
+    script.write_text(f"#!/bin/sh\n# unisonrun's launch agent: {agent!r} (see docs/run.md)\n"
+                      f"exec {shlex.join(agent_words(agent))} \"$@\"\n")
+    script.chmod(0o700)
+    return str(script)
 
 
 def _forwarded_across_hosts(name: str) -> bool:

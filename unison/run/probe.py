@@ -19,6 +19,15 @@ A host that fails is named with the reason (no answer within the deadline, the a
 error such as "Could not resolve hostname", or the connection back that failed) and nothing is
 launched. ``--skip-host-check`` turns the probe off. Hosts that are this machine
 (``localhost``, its hostname) are not probed.
+
+[Note: a signal during the probe]
+Each agent runs in its own session, so that a deadline kills everything it started (``ssh``, a
+``ProxyCommand``); a Ctrl-C typed in a terminal therefore does not reach them, and before
+2026-12-05 a SIGTERM to ``unisonrun`` while it probed left them running, and a SIGINT waited
+for them (17 s) and ended with a traceback. The launcher now installs its stop handlers before
+the probe and passes an :class:`Agents`; a signal calls :meth:`Agents.stop`, which kills the
+session of every agent running and keeps new ones from starting, so the probe ends at once and
+the launcher exits with ``128 + N`` (see [Note: stopping a job] in ``supervise.py``).
 """
 
 from __future__ import annotations
@@ -180,41 +189,81 @@ class _Listener:
         self._sock.close()
 
 
+class Agents:
+    """The probe's running launch agents, so that a stop signal can end them; see
+    [Note: a signal during the probe]."""
+
+    def __init__(self) -> None:
+        self._running: set[subprocess.Popen[bytes]] = set()
+        self.stopped = False
+
+    def stop(self) -> None:
+        """Kills the session of every agent running, and of every agent started from now on.
+
+        Safe in a signal handler: it takes no lock (an agent registers itself, then checks
+        ``stopped``; this sets ``stopped``, then kills what is registered: none is missed).
+        """
+        self.stopped = True
+        for process in list(self._running):
+            _kill_session(process)
+
+    def start(self, argv: list[str]) -> subprocess.Popen[bytes]:
+        """Starts ``argv`` in its own session, unless the probe was stopped (then killed at once)."""
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+        self._running.add(process)
+        if self.stopped:
+            _kill_session(process)
+        return process
+
+    def done(self, process: subprocess.Popen[bytes]) -> None:
+        self._running.discard(process)
+
+
+def _kill_session(process: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # (its session's id is its pid: start_new_session)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def _last_line(text: str) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[-1] if lines else ""
 
 
-def _run_agent(argv: list[str], timeout: float) -> tuple[int | None, str]:
+def _run_agent(argv: list[str], timeout: float, agents: Agents) -> tuple[int | None, str]:
     """Runs ``argv`` in its own session; kills the whole session when ``timeout`` passes."""
-    process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, start_new_session=True)
+    if agents.stopped:
+        return None, ""
+    process = agents.start(argv)
     try:
         output, _ = process.communicate(timeout=timeout)
         return process.returncode, output.decode(errors="replace")
     except subprocess.TimeoutExpired:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_session(process)
         process.wait()
         return None, ""
+    finally:
+        agents.done(process)
 
 
 def _probe_one(host: str, agent: Sequence[str], python: str, addresses: list[str], listener: _Listener,
-               timeout: float) -> ProbeResult:
+               timeout: float, agents: Agents, label: str | None) -> ProbeResult:
     """Probes ``host``; see [Note: probing the hosts]."""
     start = time.monotonic()
     wait = max(1.0, min(5.0, CONNECT_BUDGET_S / max(1, len(addresses))))
     remote = shlex.join([python, "-I", "-S", "-c", _REMOTE_CODE, ",".join(addresses), str(listener.port),
                          f"{listener.secret}:{host}", f"{wait:g}"])
-    agent_name = shlex.join(agent)
+    agent_name = label or shlex.join(agent)
     try:
-        status, output = _run_agent([*agent, host, remote], timeout)
+        status, output = _run_agent([*agent, host, remote], timeout, agents)
     except OSError as error:
         return ProbeResult(host, f"cannot start the launch agent {agent_name!r}: {error.strerror or error}; "
                            "install it, or give one with --launch-agent", time.monotonic() - start)
     seconds = time.monotonic() - start
+    if agents.stopped:
+        return ProbeResult(host, "the probe was stopped by a signal", seconds)
     if status is None:
         return ProbeResult(host, f"no answer through {agent_name!r} within {timeout:g} s (the host is down, "
                            "or its network does not answer)", seconds)
@@ -234,7 +283,8 @@ def _probe_one(host: str, agent: Sequence[str], python: str, addresses: list[str
 
 
 def probe_hosts(hosts: Sequence[str], *, agent: Sequence[str], python: str, include: Sequence[str] = (),
-                timeout: float = PROBE_TIMEOUT_S, addresses: dict[str, str] | None = None) -> list[ProbeResult]:
+                timeout: float = PROBE_TIMEOUT_S, addresses: dict[str, str] | None = None,
+                agents: Agents | None = None, label: str | None = None) -> list[ProbeResult]:
     """Probes every host that is not this machine, in parallel; see [Note: probing the hosts].
 
     Args:
@@ -244,6 +294,11 @@ def probe_hosts(hosts: Sequence[str], *, agent: Sequence[str], python: str, incl
         include: The TCP include list (subnets or interface names) the job will use.
         timeout: Seconds each host has to answer.
         addresses: This machine's addresses by interface; :func:`local_addresses` when ``None``.
+        agents: Where the running agents are kept, so that a signal handler can stop them
+            (:meth:`Agents.stop`); a private one when ``None``.
+        label: How messages name the agent (the user's agent when ``agent`` is its wrapper,
+            see [Note: a launch agent Open MPI would split] in ``placement.py``); ``agent``'s
+            words when ``None``.
 
     Returns:
         One result per probed host, in the order given.
@@ -257,9 +312,11 @@ def probe_hosts(hosts: Sequence[str], *, agent: Sequence[str], python: str, incl
         return []
     back = reach_back_addresses(include, addresses)
     listener = _Listener(secrets.token_hex(8))
+    running = Agents() if agents is None else agents
     try:
         with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL, len(names))) as pool:
-            results = list(pool.map(lambda h: _probe_one(h, agent, python, back, listener, timeout), names))
+            results = list(pool.map(
+                lambda h: _probe_one(h, agent, python, back, listener, timeout, running, label), names))
     finally:
         listener.close()
     for result in results:
@@ -268,14 +325,15 @@ def probe_hosts(hosts: Sequence[str], *, agent: Sequence[str], python: str, incl
 
 
 def check_hosts(hosts: Sequence[str], *, agent: Sequence[str], python: str, include: Sequence[str] = (),
-                timeout: float = PROBE_TIMEOUT_S, addresses: dict[str, str] | None = None) -> None:
+                timeout: float = PROBE_TIMEOUT_S, addresses: dict[str, str] | None = None,
+                agents: Agents | None = None, label: str | None = None) -> None:
     """Raises, naming each host and why, unless every host passes :func:`probe_hosts` (same arguments).
 
     Raises:
         HostUnreachableError: a host failed the probe, or ``include`` matches no address here.
     """
     results = probe_hosts(hosts, agent=agent, python=python, include=include, timeout=timeout,
-                          addresses=addresses)
+                          addresses=addresses, agents=agents, label=label)
     failed = [r for r in results if r.reason is not None]
     if failed:
         details = "; ".join(f"host {r.host}: {r.reason}" for r in failed)

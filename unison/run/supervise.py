@@ -24,6 +24,20 @@ it has not exited ``HOST_LOST_GRACE_S`` seconds after the report, ``mpirun`` and
 below it (the launch agents and, through them, the daemons and ranks it reaches) get SIGKILL,
 and the job's status is ``HOST_LOST_STATUS``: a lost host never leaves the launcher waiting.
 
+[Note: a failed job whose output stays open]
+When a rank fails, ``mpirun`` kills the others, then waits until every rank's stdout and stderr
+are closed. A helper that a rank started in its own session (``subprocess`` with
+``start_new_session=True``, a daemonised tool) inherits them, is not killed with the ranks (it
+is outside the job's process tree and its process group), and keeps ``mpirun`` waiting for as
+long as it lives: measured, ``prterun`` stayed up after ``MPI_Abort`` killed both ranks, plain
+``mpirun`` as well. So once the report names a failed rank (:class:`~unison.run.report.RankFailure`)
+and ``mpirun`` has not exited ``RANK_FAILED_GRACE_S`` seconds later, ``mpirun`` and every process
+below it get SIGKILL and the job's status is the failed rank's (``MPI_Abort``'s error code, 128 + the
+signal that killed it, its exit status; else 1). The helper itself is not reached: it is no
+longer below ``mpirun``; the warning names the processes that still hold the ranks' output. The
+launcher does this only where a failed rank ends the job: not under ULFM (``--with-ft ulfm``),
+whose survivors go on.
+
 [Note: a prterun that outlives its ranks]
 Open MPI 5.0's ``prterun`` was seen, now and then, to stay up after every rank of a ``--with-ft ulfm``
 job had exited, with no process left below it, and never exit (seen after a SIGKILLed rank, and
@@ -41,6 +55,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -51,7 +66,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from unison.run.report import HOST_LOST_STATUS, MpirunReport
+from unison.run.report import HOST_LOST_STATUS, MpirunReport, RankFailure
 
 __all__: list[str] = []
 
@@ -62,6 +77,7 @@ FORCE_AFTER_S = 5.0
 KILL_AFTER_S = 10.0
 HOST_LOST_GRACE_S = 10.0
 EXITED_GRACE_S = 10.0
+RANK_FAILED_GRACE_S = 10.0
 _READ_SIZE = 1 << 16
 
 
@@ -173,6 +189,49 @@ def kill_tree(pid: int) -> int:
     return len(below)
 
 
+#: the status a failed rank gives ``mpirun`` (its ``how``, see ``report.py``): [Note: a failed job whose output
+#: stays open]; ``mpirun`` exits with an ``MPI_Abort`` code or exit status modulo 256, and never 0 for a failure
+_FAILURE_STATUS = (
+    (re.compile(r"error code (-?\d+)"), lambda n: n % 256 or 1),
+    (re.compile(r"by signal (\d+)"), lambda n: 128 + n),
+    (re.compile(r"exited with status (-?\d+)"), lambda n: n % 256 or 1),
+)
+
+
+def failure_status(failure: RankFailure) -> int:
+    """The exit status ``mpirun`` gives for ``failure`` (1 where its message gives none)."""
+    for pattern, status in _FAILURE_STATUS:
+        found = pattern.search(failure.how)
+        if found:
+            return status(int(found[1]))
+    return 1
+
+
+def _pipes(pid: int) -> set[str]:
+    """The pipes process ``pid`` has open (``pipe:[INODE]``), read from ``/proc``; empty without it."""
+    found = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("pipe:"):
+                found.add(link)
+    except OSError:
+        pass
+    return found
+
+
+def _holders(pipes: set[str]) -> list[str]:
+    """``PID (NAME)`` of the processes but this one that hold one of ``pipes`` open."""
+    found = []
+    for entry in os.listdir("/proc") if pipes and os.path.isdir("/proc") else []:
+        if entry.isdigit() and int(entry) != os.getpid() and _pipes(int(entry)) & pipes:
+            try:
+                found.append(f"{entry} ({Path(f'/proc/{entry}/comm').read_text().strip()})")
+            except OSError:
+                continue
+    return found
+
+
 def _copy_output(source: BinaryIO, sink: BinaryIO | None, report: MpirunReport, stream: str) -> None:
     """Copies ``mpirun``'s ``stream`` to ``sink`` as it arrives and feeds it to ``report``."""
     fd = source.fileno()
@@ -196,7 +255,9 @@ def run_command(command: Sequence[str], env: Mapping[str, str] | None = None, *,
                 force_after_s: float = FORCE_AFTER_S, kill_after_s: float = KILL_AFTER_S,
                 host_lost_grace_s: float = HOST_LOST_GRACE_S,
                 exited_grace_s: float = EXITED_GRACE_S,
-                on_start: Callable[[subprocess.Popen[bytes]], None] | None = None) -> JobResult:
+                rank_failed_grace_s: float | None = None,
+                on_start: Callable[[subprocess.Popen[bytes]], None] | None = None,
+                stopped_before: Callable[[], int | None] | None = None) -> JobResult:
     """Runs ``mpirun`` (or any command) to its end; see [Note: stopping a job].
 
     Args:
@@ -210,7 +271,14 @@ def run_command(command: Sequence[str], env: Mapping[str, str] | None = None, *,
         exited_grace_s: Seconds after every rank of an elastic job said it exits at which the command
             and every process below it are killed, if it is still running (see
             [Note: a prterun that outlives its ranks]).
+        rank_failed_grace_s: Seconds after the report named a failed rank at which the command and
+            every process below it are killed, if it is still running (see [Note: a failed job whose
+            output stays open]); ``None``: never (a ULFM job's survivors go on).
         on_start: called with the started process (the restart tier's rank watch, see rankwatch.py).
+        stopped_before: Gives the stop signal that came before this call (the probe's, see
+            [Note: a signal during the probe] in ``probe.py``), or ``None``; asked once the
+            forwarding handlers are installed, so that no signal is lost in between. With one,
+            nothing is started.
 
     Returns:
         How the job ended.
@@ -222,6 +290,9 @@ def run_command(command: Sequence[str], env: Mapping[str, str] | None = None, *,
     report = MpirunReport()
     previous = {sig: signal.signal(sig, stopper.handle) for sig in FORWARDED_SIGNALS}
     try:
+        early = None if stopped_before is None else stopped_before()
+        if early is not None:
+            return JobResult(128 + early, early, report)
         process = subprocess.Popen(list(command), env=None if env is None else dict(env),
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         stopper.started(process)
@@ -232,7 +303,7 @@ def run_command(command: Sequence[str], env: Mapping[str, str] | None = None, *,
                    for name, source in (("stdout", process.stdout), ("stderr", process.stderr))]
         for copier in copiers:
             copier.start()
-        status, killed = _wait(process, stopper, report, host_lost_grace_s, exited_grace_s)
+        status, killed = _wait(process, stopper, report, host_lost_grace_s, exited_grace_s, rank_failed_grace_s)
         deadline = time.monotonic() + 5.0  # a rank that outlived mpirun may hold a pipe open: don't wait for it
         for copier in copiers:
             copier.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -244,6 +315,8 @@ def run_command(command: Sequence[str], env: Mapping[str, str] | None = None, *,
         status = 128 + stopper.signum
     elif killed == "exited":
         status = report.exiting_status
+    elif killed == "rank-failed":
+        status = failure_status(report.failures[0])
     elif killed:
         status = HOST_LOST_STATUS
     else:
@@ -252,18 +325,24 @@ def run_command(command: Sequence[str], env: Mapping[str, str] | None = None, *,
 
 
 def _wait(process: subprocess.Popen[bytes], stopper: _Stopper, report: MpirunReport,
-          grace_s: float, exited_grace_s: float) -> tuple[int, str]:
+          grace_s: float, exited_grace_s: float, failed_grace_s: float | None = None) -> tuple[int, str]:
     """Waits for ``process``, running the stopper's escalations while a stop is pending.
 
     Returns:
         The process's status, and why the launcher killed it: ``"host-lost"`` (it outlived a lost
-        host's grace), ``"exited"`` (it outlived every rank of an elastic job), or ``""``.
+        host's grace), ``"exited"`` (it outlived every rank of an elastic job), ``"rank-failed"`` (it
+        outlived a failed rank's grace), or ``""``.
     """
     killed = ""
+    failed_at: float | None = None  # when this loop first saw a failed rank in the report
     while True:
+        if failed_at is None and failed_grace_s is not None and report.failures:
+            failed_at = time.monotonic()
         wakeup = stopper.next_wakeup()
         deadlines = [at + grace for at, grace in ((report.host_lost_at, grace_s),
-                                                  (report.all_exiting_at, exited_grace_s)) if at is not None]
+                                                  (report.all_exiting_at, exited_grace_s),
+                                                  (failed_at, failed_grace_s))
+                     if at is not None and grace is not None]
         if deadlines and not killed:
             wakeup = min(wakeup, max(0.05, min(deadlines) - time.monotonic()))
         try:
@@ -283,3 +362,22 @@ def _wait(process: subprocess.Popen[bytes], stopper: _Stopper, report: MpirunRep
             killed = "host-lost"
             logger.warning("mpirun was still running %g s after host %s was lost: killed it and the %d "
                            "process(es) below it", grace_s, report.hosts_lost[0].host, count)
+        if (failed_at is not None and failed_grace_s is not None and not killed
+                and time.monotonic() >= failed_at + failed_grace_s):
+            _end_failed(process, report, failed_grace_s)
+            killed = "rank-failed"
+
+
+def _end_failed(process: subprocess.Popen[bytes], report: MpirunReport, grace_s: float) -> None:
+    """Kills an ``mpirun`` that outlived a failed rank; see [Note: a failed job whose output stays open]."""
+    pipes = _pipes(process.pid)  # the ranks' output reaches mpirun through these
+    count = kill_tree(process.pid)
+    try:
+        process.wait(timeout=1.0)  # (its pipes close as it exits)
+    except subprocess.TimeoutExpired:
+        pass
+    holders = _holders(pipes)
+    logger.warning("mpirun was still running %g s after %s: killed it and the %d process(es) below it%s", grace_s,
+                   report.failures[0].describe(), count,
+                   f"; the ranks' output is still held open by process(es) outside the job, e.g. a helper a rank "
+                   f"started in its own session, not killed: {', '.join(holders[:8])}" if holders else "")

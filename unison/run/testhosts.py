@@ -41,6 +41,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -213,13 +214,21 @@ def _add_host(n: Names, i: int, slots: int, rate: str | None) -> None:
 
 
 def _edit_etc_hosts(tag: str, lines: list[str]) -> None:
-    """Replaces the lines tagged ``tag`` in ``/etc/hosts`` by ``lines`` (each tagged), atomically."""
+    """Replaces the lines tagged ``tag`` in ``/etc/hosts`` by ``lines`` (each tagged), atomically.
+
+    The new file keeps the old one's mode and owner: before 2026-12-05 it got its mode from the
+    umask (0600 under ``umask 077``), and then no one but root could resolve a name.
+    """
     path = Path("/etc/hosts")
     kept = [ln for ln in path.read_text().splitlines() if not ln.endswith(tag)]
     text = "\n".join(kept + [f"{ln} {tag}" for ln in lines]) + "\n"
+    old = path.stat()
     try:
         with atomic_path(path) as tmp:
             Path(tmp).write_text(text)
+            os.chmod(tmp, stat.S_IMODE(old.st_mode))
+            if (old.st_uid, old.st_gid) != (os.geteuid(), os.getegid()):
+                os.chown(tmp, old.st_uid, old.st_gid)
     except OSError:  # /etc/hosts may be a bind mount that cannot be replaced: write in place
         path.write_text(text)
 
