@@ -386,6 +386,123 @@ def test_dataset_inputs_of_global_batches_train_like_one_process(dp, kind):
     np.testing.assert_allclose([got["loss"], got["mae"]], [want["loss"], want["mae"]], rtol=1e-5)
 
 
+class _Recorder(keras.layers.Layer):
+    """Passes its input through, recording the first column's values while ``recording`` is set."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seen, self.recording = [], False
+
+    def call(self, x):
+        if self.recording:
+            self.seen.append(keras.ops.convert_to_numpy(x)[:, 0].round().astype(int).tolist())
+        return x
+
+
+def _ids_loader(n, batch, **kwargs):
+    import torch
+
+    ids = torch.arange(n, dtype=torch.float32)[:, None].repeat(1, 4)
+    pairs = torch.utils.data.TensorDataset(ids, torch.zeros(n, 1))
+    return torch.utils.data.DataLoader(pairs, batch_size=batch, **kwargs)
+
+
+def _recording_model(dp):
+    recorder = _Recorder()
+    with dp.scope():
+        model = keras.Sequential([keras.Input((4,)), recorder, keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            recorder.recording = True
+
+        def on_train_batch_end(self, batch, logs=None):
+            recorder.recording = False
+
+    return model, recorder, Record()
+
+
+def test_a_shuffling_dataloader_gives_every_rank_the_same_global_batches(dp):
+    """Each rank read its own copy of a shuffle=True loader with its own permutation, so rank r cut its rows
+    from another global batch than the others: rows trained twice or never in a pass, silently."""
+    if BACKEND != "torch":
+        pytest.skip("a torch DataLoader is the torch backend's input")
+    n, epochs = 6 * GLOBAL_BATCH, 2
+    model, recorder, record = _recording_model(dp)
+    model.fit(_ids_loader(n, GLOBAL_BATCH, shuffle=True), epochs=epochs, verbose=0, callbacks=[record])
+    steps = n // GLOBAL_BATCH
+    assert len(recorder.seen) == steps * epochs
+    everyone = WORLD.allgather([list(step) for step in recorder.seen])
+    passes = []
+    for e in range(epochs):
+        rows = [v for step in range(e * steps, (e + 1) * steps) for r in range(N) for v in everyone[r][step]]
+        assert sorted(rows) == list(range(n)), (e, sorted(rows))  # every row once per pass
+        passes.append(rows)
+    assert passes[0] != passes[1] and passes[0] != sorted(passes[0])  # shuffled, anew each pass
+
+
+def test_a_dataloader_whose_order_unison_cannot_seed_is_checked_across_ranks(dp):
+    if BACKEND != "torch":
+        pytest.skip("a torch DataLoader is the torch backend's input")
+    import torch
+
+    class _RankOrder(torch.utils.data.Sampler):
+        """A custom sampler (Unison cannot seed it): the rows in a rank-dependent order, or in one order."""
+
+        def __init__(self, n, per_rank):
+            self.n, self.per_rank = n, per_rank
+
+        def __len__(self):
+            return self.n
+
+        def __iter__(self):
+            return iter(np.random.default_rng(R if self.per_rank else 0).permutation(self.n).tolist())
+
+    n = 4 * GLOBAL_BATCH
+    model, recorder, record = _recording_model(dp)
+    model.fit(_ids_loader(n, GLOBAL_BATCH, sampler=_RankOrder(n, per_rank=False)), epochs=1, verbose=0,
+              callbacks=[record])
+    everyone = WORLD.allgather([list(step) for step in recorder.seen])
+    assert sorted(v for r in range(N) for step in everyone[r] for v in step) == list(range(n))
+    if N > 1:  # a different first global batch on some rank: refused on every rank
+        with pytest.raises(ValueError, match=r"different first global batches.*seed"):
+            model.fit(_ids_loader(n, GLOBAL_BATCH, sampler=_RankOrder(n, per_rank=True)), epochs=1, verbose=0)
+
+
+def _two_inputs_model():
+    a, b = keras.Input((3,)), keras.Input((2,))
+    h = keras.layers.Concatenate()([a, b])
+    return keras.Model([a, b], [keras.layers.Dense(1, name="o1")(h), keras.layers.Dense(1, name="o2")(h)])
+
+
+@pytest.mark.parametrize("container", [list, tuple])
+def test_several_inputs_and_targets_as_lists_or_tuples_work_as_in_one_process(dp, container):
+    """predict of a model with several inputs read [A, B] as (x=A, y=B) and failed (every backend);
+    on TensorFlow fit and evaluate failed with lists of inputs or targets (tf.data stacked them)."""
+    a_in, b_in = X[:, :3], X[:, 2:] * 2.0
+    xs, ys = container([a_in, b_in]), container([Y, -Y])
+    keras.utils.set_random_seed(100 + R)
+    with dp.scope():
+        model = _two_inputs_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss=["mse", "mse"])
+    ref = _two_inputs_model()
+    ref.set_weights(WORLD.bcast(model.get_weights()))
+    ref.compile(optimizer=keras.optimizers.SGD(0.05), loss=["mse", "mse"])
+    want = ref.predict(xs, batch_size=GLOBAL_BATCH, verbose=0)
+    got = model.predict(xs, batch_size=GLOBAL_BATCH, verbose=0)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    got, want = (m.evaluate(xs, ys, batch_size=GLOBAL_BATCH, verbose=0) for m in (model, ref))
+    kept = 1 if BACKEND == "tensorflow" else len(want)  # TF's per-output losses: docs/keras_backends.md, Known
+    np.testing.assert_allclose(got[:kept], want[:kept], rtol=1e-5)
+    hist = model.fit(xs, ys, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    want_hist = ref.fit(xs, ys, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(hist.history["loss"], want_hist.history["loss"], rtol=2e-5)
+    assert_weights_close(model, ref)
+    assert same_everywhere(model.get_weights())
+
+
 class LoggedBatches(GlobalBatches):
     """GlobalBatches that records which batch each read asked for, by epoch (on_epoch_begin calls)."""
 

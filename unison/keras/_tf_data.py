@@ -20,6 +20,7 @@ import keras
 import tensorflow as tf
 
 from unison.common.data_parallel import BatchPlan
+from unison.keras.data import one_batch
 
 __all__: list[str] = []
 
@@ -35,14 +36,13 @@ class TFArrays:
 
 def arrays_dataset(parts: tuple[Any, ...], plan: BatchPlan, rank: int, shuffle: bool, seed: int) -> TFArrays:
     """This rank's rows of each global batch of ``parts`` (x, y, sample weights), gathered in ``tf.data``."""
-    data = keras.tree.map_structure(tf.convert_to_tensor, parts)
+    data = keras.tree.map_structure(tf.convert_to_tensor, parts)  # (lists made tuples: see ShardedArrays)
     kept, batch, size = plan.samples - plan.dropped, plan.batch, plan.size
 
     def mine(ids: tf.Tensor) -> Any:
         m = tf.shape(ids, out_type=tf.int64)[0]
         rows = ids[(rank * m) // size:((rank + 1) * m) // size]
-        out = keras.tree.map_structure(lambda t: tf.gather(t, rows), data)
-        return out if len(out) > 1 else out[0]
+        return one_batch(keras.tree.map_structure(lambda t: tf.gather(t, rows), data))
 
     if shuffle:
         def epoch(e: tf.Tensor) -> tf.data.Dataset:

@@ -11,7 +11,7 @@ process would, and all run the same number of steps.
   sample weights.
 * a ``keras.utils.PyDataset`` whose items are global batches: :class:`ShardedPyDataset`.
 * a torch ``DataLoader`` (torch backend): :class:`ShardedLoader`, reading the loader's
-  global batches in order.
+  global batches in order (a shuffling loader's sampler seeded alike on every rank).
 * a ``tf.data.Dataset`` of global batches (TensorFlow backend): each element is cut to
   this rank's rows (``unison.tf_backend.split_global_batch``).
 """
@@ -105,7 +105,11 @@ class ShardedArrays(keras.utils.PyDataset):
                 raise ValueError("class_weight and sample_weight cannot both be given; fold the class weights "
                                  "into sample_weight")
             sample_weight = _class_weights(y, class_weight)
-        self.parts = tuple(p for p in (x, y, sample_weight) if p is not None) if y is not None else (x,)
+        parts = tuple(p for p in (x, y, sample_weight) if p is not None) if y is not None else (x,)
+        # tf.data (TensorFlow's input, from this PyDataset or from arrays_dataset) reads a Python list as one
+        # tensor to stack: lists of inputs or targets become tuples, as Keras's own array adapter makes them
+        # (before 2026-12-05 fit([a, b], ...) and y=[y1, y2] failed on TensorFlow)
+        self.parts = keras.tree.lists_to_tuples(parts)
         self.samples = _rows(self.parts)
         self.plan = BatchPlan(self.samples, int(batch_size), size)
         self.rank, self.shuffle = rank, shuffle
@@ -124,7 +128,16 @@ class ShardedArrays(keras.utils.PyDataset):
         lo, hi = self.plan.rank_rows(step, self.rank)
         take: Any = slice(lo, hi) if order is None else order[lo:hi]
         batch = keras.tree.map_structure(lambda a: np.asarray(a)[take], self.parts)
-        return batch if len(batch) > 1 else batch[0]
+        return one_batch(batch)
+
+
+def one_batch(parts: tuple[Any, ...]) -> Any:
+    """A batch as Keras reads it from ``(x,)`` or ``(x, y[, sample_weight])``: x alone unless it is a list or
+    tuple (several inputs), which Keras would read as ``(x, y)``: then a 1-tuple (before 2026-12-05
+    ``predict`` of a model with several inputs fed the second input as targets and failed)."""
+    if len(parts) > 1:
+        return parts
+    return parts if isinstance(parts[0], (list, tuple)) else parts[0]
 
 
 class ShardedPyDataset(keras.utils.PyDataset):
@@ -168,26 +181,95 @@ class ShardedLoader(keras.utils.PyDataset):
 
     Keras reads a ``PyDataset`` in order, from one thread (``workers=1``); each epoch
     reads the loader once from the start.
+
+    [Note: one loader order on every rank] Each rank reads its own copy of the loader, so a
+    shuffling loader (``shuffle=True``: a ``RandomSampler`` drawing from torch's global random
+    state, which differs between ranks) gave each rank another permutation, and rank r cut its
+    rows from another global batch than rank r+1: some rows trained twice per pass, others never,
+    silently (before 2026-12-05). Before each pass the sampler's generator is replaced by one
+    seeded from ``seed`` (rank 0's) and the number of passes begun, so every rank draws the same
+    permutation, a new one each pass. A sampler Unison cannot seed (a custom sampler or batch
+    sampler, an ``IterableDataset``) has the first global batch of each pass compared over the
+    ranks instead (its shapes and a few values: one small all-gather), and a difference raises
+    on every rank.
     """
 
-    def __init__(self, loader: Any, rank: int, size: int) -> None:
+    def __init__(self, loader: Any, rank: int, size: int, seed: int = 0) -> None:
         super().__init__()
-        self.loader, self.rank, self.size = loader, rank, size
+        self.loader, self.rank, self.size, self.seed = loader, rank, size, int(seed)
         self._it: Iterator[Any] | None = None
         self._next = 0
+        self.passes = 0  # passes begun
+        self.known, self.sampler = _order_of(loader)
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __getitem__(self, step: int) -> Any:
-        if step == 0 or self._it is None:
+        first = step == 0 or self._it is None
+        if first:
+            if self.sampler is not None:  # [Note: one loader order on every rank]
+                import torch
+
+                key = int(np.random.SeedSequence([self.seed, self.passes]).generate_state(1, np.uint64)[0] >> 1)
+                self.sampler.generator = torch.Generator().manual_seed(key)
+            self.passes += 1
             self._it, self._next = iter(self.loader), 0
         if step != self._next:
             raise RuntimeError(f"ShardedLoader is read in order; asked for batch {step} after {self._next - 1}")
         self._next += 1
         batch = next(self._it)
         batch = tuple(batch) if isinstance(batch, list) else batch
-        return cut(keras.tree.map_structure(_numpy, batch), self.rank, self.size, f"batch {step} of the loader")
+        batch = keras.tree.map_structure(_numpy, batch)
+        if first and not self.known and self.size > 1:
+            _agree_on_first_batch(batch, self.passes)
+        return cut(batch, self.rank, self.size, f"batch {step} of the loader")
+
+
+def _order_of(loader: Any) -> tuple[bool, Any]:
+    """(whether Unison knows ``loader``'s order, the sampler whose ``generator`` to seed or None).
+
+    Known: a sequential sampler (nothing to seed) or one drawing from its ``generator`` (``RandomSampler``,
+    ``SubsetRandomSampler``, ``WeightedRandomSampler``) under torch's own ``BatchSampler``. Unknown: a
+    custom sampler or batch sampler, an ``IterableDataset`` (its order is its own)."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    if batch_sampler is not None and type(batch_sampler).__name__ != "BatchSampler":
+        return False, None
+    sampler = getattr(batch_sampler, "sampler", None) if batch_sampler is not None else getattr(loader, "sampler",
+                                                                                                None)
+    if type(sampler).__name__ == "SequentialSampler":
+        return True, None
+    if sampler is not None and hasattr(sampler, "generator"):
+        return True, sampler
+    return False, None
+
+
+def _fingerprint(batch: Any) -> str:
+    """A global batch's shapes and a few of its values (the first, middle and last of each array)."""
+    parts = []
+    for a in keras.tree.flatten(batch):
+        if a is None:
+            continue
+        flat = np.asarray(a).reshape(-1)
+        picks = flat[[0, flat.size // 2, flat.size - 1]].tolist() if flat.size else []
+        parts.append(f"{tuple(np.shape(a))}:{picks}")
+    return ";".join(parts)
+
+
+def _agree_on_first_batch(batch: Any, passes: int) -> None:
+    """Raise on every rank when the ranks' loaders began pass ``passes`` with different global batches."""
+    from unison.common.engine.objects import allgather_object
+
+    everyone = allgather_object(_fingerprint(batch), name=f"unison.keras.ShardedLoader.first_batch.{passes}")
+    if any(other != everyone[0] for other in everyone):
+        differ = [r for r, f in enumerate(everyone) if f != everyone[0]]
+        raise ValueError(f"the ranks' DataLoaders gave different first global batches in pass {passes} (ranks "
+                         f"{differ} differ from rank 0), so each rank would cut its rows from another batch. "
+                         "Every rank must read the same global batches: give the loader a sampler Unison can "
+                         "seed (shuffle=True, a RandomSampler or SubsetRandomSampler), or seed your sampler "
+                         "alike on every rank (e.g. from DataParallel(seed=...).seed() and the epoch); random "
+                         "augmentation in the loader must draw alike on every rank too "
+                         "(keras.utils.set_random_seed)")
 
 
 def _numpy(value: Any) -> Any:
@@ -233,7 +315,7 @@ def shard_input(x: Any, y: Any, sample_weight: Any, *, batch_size: int | None, r
 
         return split_global_batch(x, rank, size)
     if hasattr(x, "__iter__") and hasattr(x, "__len__") and hasattr(x, "dataset"):  # a torch DataLoader
-        return ShardedLoader(x, rank, size)
+        return ShardedLoader(x, rank, size, seed)
     raise ValueError(f"{what}: unison.keras.DataParallel splits numpy arrays, keras.utils.PyDataset, "
                      f"tf.data.Dataset (TensorFlow backend) and torch DataLoader (of global batches); "
                      f"got {type(x).__name__}")
