@@ -667,3 +667,83 @@ def test_an_invalid_stage_on_one_rank_raises_on_every_rank():
     """Before: the rank with the bad value raised at once and the others waited in the agreement."""
     with pytest.raises(ValueError, match="PyTorch-only" if R == N - 1 else "same zero_stage"):
         UnisonStrategy(zero_stage=3 if R == N - 1 else 1)
+
+
+def test_a_checkpoint_of_another_optimizer_class_is_refused_on_every_rank(tmp_path_factory):
+    """Before 2026-12-05 entries matched by slot name only: Adam's first moment went into SGD's momentum
+    and the saved learning rate replaced SGD's (0.1 became 0.01), with no error."""
+    folder = WORLD.bcast(str(tmp_path_factory.mktemp("ckclass")) if R == 0 else None)
+    strategy = UnisonStrategy(zero_stage=1)
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.fit(tf.data.Dataset.from_tensor_slices((X, Y)).batch(GLOBAL_BATCH), epochs=1, verbose=0)
+    save_sharded(os.path.join(folder, "adam"), model, model.optimizer)
+    with strategy.scope():
+        other = make_model()
+        other.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+    with pytest.raises(ck.CheckpointError, match=r"state of a Adam optimizer; this one is a SGD") as info:
+        load_sharded(os.path.join(folder, "adam"), other, other.optimizer)
+    assert len(set(WORLD.allgather(str(info.value)))) == 1
+    assert float(other.optimizer.learning_rate.numpy()) == pytest.approx(0.1)  # nothing was loaded
+    plain = make_model()  # one process's optimizer (no strategy), and the loss-scale wrapper
+    plain.compile(optimizer=ck_optimizer(), loss="mse")
+    with pytest.raises(ck.CheckpointError, match=r"state of a Adam optimizer; this one is a LossScaleOptimizer"):
+        load_sharded(os.path.join(folder, "adam"), plain, plain.optimizer)
+    load_sharded(os.path.join(folder, "adam"), plain)  # the weights alone still load
+    np.testing.assert_array_equal(plain.get_weights()[0], model.get_weights()[0])
+
+
+@pytest.mark.skipif(N == 1, reason="needs a rank without the optimizer")
+def test_a_checkpoint_load_with_the_optimizer_on_some_ranks_only_raises_on_every_rank(tmp_path_factory):
+    """Before 2026-12-05 the ranks with an optimizer built it and agreed on its plan while the others went on
+    to read the weights: the job hung. save_sharded already raised."""
+    folder = WORLD.bcast(str(tmp_path_factory.mktemp("ckmissing")) if R == 0 else None)
+    strategy = UnisonStrategy(zero_stage=1)
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.fit(tf.data.Dataset.from_tensor_slices((X, Y)).batch(GLOBAL_BATCH), epochs=1, verbose=0)
+    save_sharded(os.path.join(folder, "ck"), model, model.optimizer)
+    with pytest.raises(ck.CheckpointError, match=r"different optimizers \(rank 0: Adam, sharded; rank 1: None"):
+        load_sharded(os.path.join(folder, "ck"), model, model.optimizer if R == 0 else None)
+    plain = keras.optimizers.Adam(0.01)  # the same class, not sharded on the last rank
+    with pytest.raises(ck.CheckpointError, match=f"rank {N - 1}: Adam, plain"):
+        load_sharded(os.path.join(folder, "ck"), model, plain if R == N - 1 else model.optimizer)
+    assert load_sharded(os.path.join(folder, "ck"), model, model.optimizer) == {}  # and then it loads
+
+
+EV = np.random.RandomState(4).randint(0, 3, size=(GLOBAL_BATCH * 3, 2)).astype("int32")  # rows repeat
+
+
+def make_embedding_model() -> keras.Model:
+    return keras.Sequential([keras.Input((2,), dtype="int32"), keras.layers.Embedding(3, 2, name="emb"),
+                             keras.layers.Flatten(), keras.layers.Dense(3, name="head")])
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_sparse_gradient_is_summed_densely_and_warned_about_once(stage, caplog):
+    """[Note: sparse gradients at ZeRO stages 1/2]: an Embedding's rows are summed densely, exact for SGD
+    (its update is linear in the gradient: the weights equal one process's) and logged once on rank 0 for
+    Adam, whose sparse update in one process differs when rows repeat (before 2026-12-05: silently)."""
+    def fit(make_opt):
+        keras.utils.set_random_seed(9)
+        with UnisonStrategy(zero_stage=stage).scope():
+            model = make_embedding_model()
+            model.compile(optimizer=make_opt(), loss="mse")
+        init = model.get_weights()
+        with caplog.at_level("WARNING", logger="unison.tf_backend.zero_optimizer"):
+            caplog.clear()
+            model.fit(tf.data.Dataset.from_tensor_slices((EV, Y)).batch(GLOBAL_BATCH), epochs=2, verbose=0)
+        return model, init, [r.getMessage() for r in caplog.records if "IndexedSlices" in r.getMessage()]
+
+    model, init, warned = fit(lambda: keras.optimizers.SGD(0.1, momentum=0.9))
+    assert warned == []
+    ref = make_embedding_model()
+    ref.set_weights(init)
+    ref.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+    ref.fit(EV, Y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    assert_same_weights(model, ref)
+    _, _, warned = fit(lambda: keras.optimizers.Adam(0.05))
+    assert len(warned) == (1 if R == 0 else 0), warned
+    assert all(f"zero_stage {stage}: Adam gets a sparse" in w for w in warned), warned

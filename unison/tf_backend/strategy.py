@@ -192,6 +192,33 @@ def grouped_sum(tensors: Sequence[Any], base: str, overlap: bool = False) -> lis
         ts, name)
 
 
+def sum_gradients(grads: Sequence[Any], base: str, overlap: bool = False) -> list[Any]:
+    """Sum a step's gradients over the ranks: dense ones with :func:`grouped_sum`, ``tf.IndexedSlices``
+    by gathering every rank's rows and indices.
+
+    [Note: sparse gradients under the strategy]
+    An ``Embedding``'s gradient is ``tf.IndexedSlices``: one row per lookup, a row looked up twice
+    listed twice. Keras's optimizers apply slices row by row (Adam squares each row, then
+    scatter-adds), which is not what they do with the dense sum when rows repeat; one process on the
+    global batch gets every rank's rows, in rank order. So the slices are all-gathered (the reduction
+    ``hvd.DistributedOptimizer`` uses, :func:`unison.tf_backend.functions._reduce_sparse`) and the
+    optimizer gets what one process would. Each rank's rows already carry Keras's 1/replicas loss
+    scale, so gathering them is the sum the dense path computes. Before 2026-12-05 they were summed
+    densely: with Adam the weights drifted from one process (0.10 after 3 steps, tests/mpi/mpi_keras.py).
+    """
+    from unison.tf_backend.functions import _reduce_sparse
+
+    out: list[Any] = list(grads)
+    dense = [k for k, g in enumerate(grads) if not isinstance(g, tf.IndexedSlices)]
+    for k, r in zip(dense, grouped_sum([grads[k] for k in dense], base, overlap=overlap), strict=True):
+        out[k] = r
+    if runtime.size() > 1:
+        for k, g in enumerate(grads):
+            if isinstance(g, tf.IndexedSlices):
+                out[k] = _reduce_sparse(g, Sum, 1.0, f"{base}.sparse.{k}", None)
+    return out
+
+
 def gather_rows(tensor: Any, base: str) -> tf.Tensor:
     """All ranks' rows of ``tensor`` (axis 0, counts may differ), in rank order."""
     t = tf.convert_to_tensor(tensor)
@@ -872,8 +899,8 @@ def _guard_optimizers() -> None:
                 and tf.distribute.get_replica_context() is not None):
             grads = list(grads)
             present = [i for i, g in enumerate(grads) if g is not None]
-            reduced = grouped_sum([grads[i] for i in present], f"unison.clipgrads.{_optimizer_tag(self)}",
-                                  overlap=self._distribution_strategy.extended._overlap)
+            reduced = sum_gradients([grads[i] for i in present], f"unison.clipgrads.{_optimizer_tag(self)}",
+                                    overlap=self._distribution_strategy.extended._overlap)
             for i, r in zip(present, reduced, strict=True):
                 grads[i] = r
             self.__dict__["_unison_summed"] = True
@@ -888,8 +915,9 @@ def _guard_optimizers() -> None:
         present = [i for i, (g, _) in enumerate(pairs) if g is not None]
         positions = ",".join(str(self._get_variable_index(pairs[i][1])) for i in present)
         base = f"unison.grads.{_optimizer_tag(self)}.{zlib.crc32(positions.encode()):08x}"
-        reduced = grouped_sum([pairs[i][0] for i in present], base,
-                              overlap=self._distribution_strategy.extended._overlap)
+        # dense gradients summed, IndexedSlices gathered: [Note: sparse gradients under the strategy]
+        reduced = sum_gradients([pairs[i][0] for i in present], base,
+                                overlap=self._distribution_strategy.extended._overlap)
         for i, r in zip(present, reduced, strict=True):
             pairs[i] = (r, pairs[i][1])
         return pairs

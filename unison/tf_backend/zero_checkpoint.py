@@ -322,10 +322,13 @@ def load_sharded(path: str | os.PathLike[str], model: Any, optimizer: Any = None
     Raises:
         unison.common.checkpoints.CheckpointError: (a ``ValueError``) on every rank: a missing,
             corrupt or mismatched checkpoint; weights or optimizer state of the model missing from
-            it (the message names them); ``optimizer`` given for a checkpoint without one.
+            it (the message names them); ``optimizer`` given for a checkpoint without one, or of
+            another class than the one saved (``Adam``'s state into ``SGD``, a ``LossScaleOptimizer``'s
+            into a bare optimizer: both named); an optimizer on some ranks and None (or another
+            kind) on others.
     """
     comm = _comm()
-    manifest, model_keys = _agreed(comm, lambda: _open(path, model, optimizer))
+    manifest, model_keys = _agreed(comm, lambda: _open(path, model, optimizer, comm))
     wanted: dict[str, Any] = {f"model.{k}": "full" for k in model_keys}
     wrapper, inner = _split(optimizer)
     plan: dict[str, Any] = {}
@@ -343,8 +346,10 @@ def load_sharded(path: str | os.PathLike[str], model: Any, optimizer: Any = None
     return (manifest.metadata or {}).get("user", {})
 
 
-def _open(path: Any, model: Any, optimizer: Any) -> tuple[ck.Manifest, dict[str, Any]]:
-    """The manifest and the model's entry keys, checked: every weight there, optimizer state if wanted."""
+def _open(path: Any, model: Any, optimizer: Any, comm: Any) -> tuple[ck.Manifest, dict[str, Any]]:
+    """The manifest and the model's entry keys, checked: the same kind of optimizer on every rank,
+    every weight there, optimizer state if wanted, saved from an optimizer of this one's class."""
+    _same_kind_everywhere(comm, optimizer)  # first: a collective every rank reaches
     manifest = ck.read_manifest(path)
     model_keys = _keys(model)
     _missing([f"model.{k}" for k in model_keys], manifest, path, "load it into the model it was saved from "
@@ -356,7 +361,63 @@ def _open(path: Any, model: Any, optimizer: Any) -> tuple[ck.Manifest, dict[str,
                                  f"{'; '.join(wrong[:4])}; load it into the model it was saved from")
     if optimizer is not None and (manifest.metadata or {}).get("optimizer") is None:
         raise ValueError(f"the checkpoint at {os.fspath(path)!r} holds no optimizer state; pass optimizer=None")
+    if optimizer is not None:
+        _check_class(os.fspath(path), manifest.metadata["optimizer"], optimizer)
     return manifest, model_keys
+
+
+def _kind(optimizer: Any) -> str:
+    """``"LossScaleOptimizer(Adam)"`` or ``"Adam"``: the classes a checkpoint's optimizer state belongs to."""
+    wrapper, inner = _split(optimizer)
+    return f"{type(wrapper).__name__}({type(inner).__name__})" if wrapper is not None else type(inner).__name__
+
+
+def _same_kind_everywhere(comm: Any, optimizer: Any) -> None:
+    """Raise (on every rank alike) unless every rank passed an optimizer, of the same classes and all
+    sharded or all plain, or every rank None.
+
+    [Note: load_sharded's optimizer on every rank] The ranks with an optimizer build it (a
+    collective under ZeRO or a strategy) and agree on its plan; a rank with ``optimizer=None``
+    went straight to the reads' collectives: before 2026-12-05 the job hung. One small all-gather.
+    """
+    if comm is None:
+        return
+    mine = "None" if optimizer is None else \
+        f"{_kind(optimizer)}, {'sharded' if _is_sharded(optimizer) else 'plain'}"
+    everyone = comm.allgather(mine)
+    if any(other != everyone[0] for other in everyone):
+        shown = "; ".join(f"rank {r}: {d}" for r, d in enumerate(everyone))
+        raise ValueError(f"load_sharded: the ranks passed different optimizers ({shown}); pass the same "
+                         "optimizer on every rank (created alike, in the same strategy scope), or "
+                         "optimizer=None on every rank")
+
+
+def _is_sharded(optimizer: Any) -> bool:
+    """Whether ``optimizer`` (or a loss-scale optimizer around a sharded one) is a sharded optimizer."""
+    return bool(getattr(type(optimizer), "_unison_zero_sharded", False))
+
+
+def _check_class(where: str, saved: dict[str, Any], optimizer: Any) -> None:
+    """Raise when the checkpoint's optimizer state was saved from other optimizer classes.
+
+    Entries are matched by slot name only: Adam's first moment (``optim.<path>.momentum``) went
+    into SGD's momentum and the saved ``learning_rate`` replaced this optimizer's, with no error,
+    before 2026-12-05. The classes compared are the one that keeps the slots and whether a
+    ``LossScaleOptimizer`` is around it (as torch's ``check_optimizer_class``: every rank reads
+    the same manifest, so all raise, before anything is loaded).
+
+    Raises:
+        ValueError: the classes differ, naming both.
+    """
+    inner = saved.get("inner") or saved.get("class")
+    if inner is None:
+        return
+    outer = saved.get("class") or inner
+    saved_kind = f"{outer}({inner})" if outer != inner else inner
+    mine = _kind(optimizer)
+    if saved_kind != mine:
+        raise ValueError(f"the checkpoint at {where!r} holds the state of a {saved_kind} optimizer; this one is "
+                         f"a {mine}. Load it into a {saved_kind}, or pass optimizer=None to load the weights only")
 
 
 def _checked_plan(path: Any, manifest: ck.Manifest, wrapper: Any, inner: Any,
