@@ -1524,7 +1524,12 @@ def test_the_failed_rank_grace_applies_unless_ulfm_keeps_the_job_going(monkeypat
                         or JobResult(0))
     assert main(["-np", "1", "python", "-c", "pass"]) == 0
     assert main(["-np", "1", "--mpi-args=--with-ft ulfm", "python", "-c", "pass"]) == 0
-    assert [g.get("rank_failed_grace_s", "absent") for g in given] == [RANK_FAILED_GRACE_S, None]
+    # ULFM asked for in the other ways Open MPI takes (the first version knew "--with-ft ulfm" alone)
+    for other in ("--with-ft=ulfm", "--mca mpi_ft_enable 1", "--enable-recovery"):
+        assert main(["-np", "1", f"--mpi-args={other}", "python", "-c", "pass"]) == 0
+    monkeypatch.setenv("OMPI_MCA_mpi_ft_enable", "true")
+    assert main(["-np", "1", "python", "-c", "pass"]) == 0
+    assert [g.get("rank_failed_grace_s", "absent") for g in given] == [RANK_FAILED_GRACE_S] + [None] * 5
 
 
 DETACHED_HELPER = textwrap.dedent(

@@ -442,6 +442,30 @@ def test_a_shuffling_dataloader_gives_every_rank_the_same_global_batches(dp):
     assert passes[0] != passes[1] and passes[0] != sorted(passes[0])  # shuffled, anew each pass
 
 
+def test_a_dataloader_keeps_its_own_generator_and_unison_leaves_none_behind(dp):
+    """A generator the user gave is theirs, with their seed's order (the first version replaced it), checked
+    across ranks; a loader without one has none again after fit (it kept Unison's)."""
+    if BACKEND != "torch":
+        pytest.skip("a torch DataLoader is the torch backend's input")
+    import torch
+
+    n = 4 * GLOBAL_BATCH
+    mine = torch.Generator().manual_seed(42)
+    loader = _ids_loader(n, GLOBAL_BATCH, shuffle=True, generator=mine)
+    model, recorder, record = _recording_model(dp)
+    model.fit(loader, epochs=1, verbose=0, callbacks=[record])
+    everyone = WORLD.allgather([list(step) for step in recorder.seen])
+    assert sorted(v for r in range(N) for step in everyone[r] for v in step) == list(range(n))  # each row once
+    assert loader.sampler.generator is mine
+    plain = _ids_loader(n, GLOBAL_BATCH, shuffle=True)
+    model.fit(plain, epochs=1, verbose=0)
+    assert plain.sampler.generator is None
+    if N > 1:  # seeded per rank: refused on every rank
+        with pytest.raises(ValueError, match=r"different first global batches.*seed"):
+            model.fit(_ids_loader(n, GLOBAL_BATCH, shuffle=True, generator=torch.Generator().manual_seed(R)),
+                      epochs=1, verbose=0)
+
+
 def test_a_dataloader_whose_order_unison_cannot_seed_is_checked_across_ranks(dp):
     if BACKEND != "torch":
         pytest.skip("a torch DataLoader is the torch backend's input")

@@ -186,12 +186,13 @@ class ShardedLoader(keras.utils.PyDataset):
     shuffling loader (``shuffle=True``: a ``RandomSampler`` drawing from torch's global random
     state, which differs between ranks) gave each rank another permutation, and rank r cut its
     rows from another global batch than rank r+1: some rows trained twice per pass, others never,
-    silently (before 2026-12-05). Before each pass the sampler's generator is replaced by one
+    silently (before 2026-12-05). For each pass a sampler without a generator of its own gets one
     seeded from ``seed`` (rank 0's) and the number of passes begun, so every rank draws the same
-    permutation, a new one each pass. A sampler Unison cannot seed (a custom sampler or batch
-    sampler, an ``IterableDataset``) has the first global batch of each pass compared over the
-    ranks instead (its shapes and a few values: one small all-gather), and a difference raises
-    on every rank.
+    permutation, a new one each pass; once the sampler has taken it (at the pass's first index)
+    the loader has no generator again. A generator the user gave is left alone (their seed, their
+    order), and like a sampler Unison cannot seed (a custom sampler or batch sampler, an
+    ``IterableDataset``) has the first global batch of each pass compared over the ranks instead
+    (its shapes and a few values: one small all-gather): a difference raises on every rank.
     """
 
     def __init__(self, loader: Any, rank: int, size: int, seed: int = 0) -> None:
@@ -207,8 +208,9 @@ class ShardedLoader(keras.utils.PyDataset):
 
     def __getitem__(self, step: int) -> Any:
         first = step == 0 or self._it is None
+        ours = first and self.sampler is not None and self.sampler.generator is None
         if first:
-            if self.sampler is not None:  # [Note: one loader order on every rank]
+            if ours:  # [Note: one loader order on every rank]
                 import torch
 
                 key = int(np.random.SeedSequence([self.seed, self.passes]).generate_state(1, np.uint64)[0] >> 1)
@@ -218,11 +220,15 @@ class ShardedLoader(keras.utils.PyDataset):
         if step != self._next:
             raise RuntimeError(f"ShardedLoader is read in order; asked for batch {step} after {self._next - 1}")
         self._next += 1
-        batch = next(self._it)
+        try:
+            batch = next(self._it)
+        finally:
+            if ours:  # the pass's sampler drew its generator (at its first index): the loader is the user's again
+                self.sampler.generator = None
         batch = tuple(batch) if isinstance(batch, list) else batch
         batch = keras.tree.map_structure(_numpy, batch)
-        if first and not self.known and self.size > 1:
-            _agree_on_first_batch(batch, self.passes)
+        if first and self.size > 1 and not (self.known and (ours or self.sampler is None)):
+            _agree_on_first_batch(batch, self.passes)  # (a generator of the user's own: is it seeded alike?)
         return cut(batch, self.rank, self.size, f"batch {step} of the loader")
 
 

@@ -226,10 +226,23 @@ def build_command(
     return command
 
 
-def _ulfm(mpi_args: Sequence[str]) -> bool:
-    """Whether the mpirun arguments ask for ULFM (``--with-ft ulfm``)."""
-    pairs = zip(mpi_args, mpi_args[1:], strict=False)
-    return any(flag == "--with-ft" and value == "ulfm" for flag, value in pairs)
+_TRUE = ("1", "true", "yes", "on", "enabled")
+
+
+def _ulfm(mpi_args: Sequence[str], environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the mpirun arguments (or ``OMPI_MCA_mpi_ft_enable`` in ``environ``) ask for ULFM: ``--with-ft
+    ulfm`` or ``--with-ft=ulfm``, ``--mca mpi_ft_enable 1``, PRRTE's ``--enable-recovery``. (Only the first
+    form was known before 2026-12-05's failed-rank grace, which must never end a job whose survivors go on.)
+    """
+    pairs = list(zip(mpi_args, mpi_args[1:], strict=False))
+    if any(flag == "--with-ft" and value == "ulfm" for flag, value in pairs):
+        return True
+    if "--with-ft=ulfm" in mpi_args or "--enable-recovery" in mpi_args:
+        return True
+    if any(a in ("--mca", "-mca", "--omca") and b == "mpi_ft_enable" and c.lower() in _TRUE
+           for a, b, c in zip(mpi_args, mpi_args[1:], mpi_args[2:], strict=False)):
+        return True
+    return environ is not None and environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in _TRUE
 
 
 def _one_host(placement: Placement) -> bool:
@@ -558,7 +571,9 @@ def _wrap_agent(config: LaunchConfig, environ: Mapping[str, str], cleanup: conte
     agent = resolve_placement(config, environ).launch_agent
     if agent is None or not agent_needs_wrapper(agent):
         return config
-    folder = tempfile.mkdtemp(prefix="unisonrun-agent-")  # (mode 0700)
+    # (mode 0700; not under a TMPDIR whose path Open MPI would split in turn)
+    base = tempfile.gettempdir()
+    folder = tempfile.mkdtemp(prefix="unisonrun-agent-", dir=None if agent_needs_wrapper(base) else "/tmp")
     cleanup.callback(shutil.rmtree, folder, ignore_errors=True)
     wrapper = write_agent_wrapper(agent, folder)
     logger.info("launch agent %r goes to mpirun and the probe as %s (Open MPI would split it at ':' "
@@ -673,8 +688,8 @@ def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser, config: L
                 return 128 + early.signum
             return _run_elastic(args, config, environ)
         try:
-            result = run_command(command, environ, stopped_before=lambda: early.signum,
-                                 rank_failed_grace_s=None if _ulfm(config.mpi_args) else RANK_FAILED_GRACE_S)
+            grace = None if _ulfm(config.mpi_args, environ) else RANK_FAILED_GRACE_S  # (ULFM's survivors go on)
+            result = run_command(command, environ, stopped_before=lambda: early.signum, rank_failed_grace_s=grace)
         except OSError as error:
             parser.error(f"cannot start {command[0]!r}: {error}")
     finally:

@@ -192,9 +192,12 @@ class _HostBytes:
         return torch.from_numpy(self.array).view(getattr(torch, self.dtype)).reshape(self.shape)
 
 
-#: dtypes numpy lacks that torch unpickles: left to torch's pickling (see [Note: dtypes torch pickles but
-#: cannot unpickle])
-_TORCH_PICKLED = (torch.bfloat16,)
+#: the dtypes torch pickles but cannot unpickle, spilled as bytes (see [Note: dtypes torch pickles but cannot
+#: unpickle]); every other tensor numpy cannot view (bfloat16, a lazily negated or conjugated one, a quantized
+#: one with its scale and zero point) is left to torch's pickling, which reads it back
+_AS_BYTES = frozenset(getattr(torch, name) for name in dir(torch)
+                      if name.startswith(("float8_", "bits")) or name in ("complex32",)
+                      or name in {f"{u}int{k}" for u in ("", "u") for k in range(1, 8)})
 
 
 def _map_leaves(value: Any, leaf: Callable[[Any], Any]) -> Any:
@@ -215,10 +218,10 @@ def _host_leaf(value: Any) -> Any:
             and not value.requires_grad):
         try:
             return _HostArray(value.numpy())
-        except (TypeError, RuntimeError):  # a dtype numpy lacks: bfloat16 torch pickles, the others as bytes
-            if value.dtype in _TORCH_PICKLED:
-                return value
-            return _HostBytes.of(value)
+        except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16), a lazy negation...: torch pickles it
+            if value.dtype in _AS_BYTES:
+                return _HostBytes.of(value.resolve_conj().resolve_neg())
+            return value
     return value
 
 

@@ -244,9 +244,11 @@ def rebuild() -> None:
     for ps in sets:  # as in _rebuild: a reset callback registers them again
         ps.process_set_id = None
     frontend.reset_auto_names()
-    runtime.init(comm=base, **_settings(st.config))
-    if base is not None:
-        base.Free()  # (init works on a duplicate of it)
+    try:
+        runtime.init(comm=base, **_settings(st.config))
+    finally:
+        if base is not None:
+            base.Free()  # (init works on a duplicate of it; freed when init fails too)
     logger.warning("elastic: the hosts changed; rebuilt on the same %d rank(s), no rank failed", runtime.size())
 
 

@@ -66,8 +66,13 @@ class State:
 
     def on_hosts_updated(self, timestamp: float, skip_sync: bool = False) -> None:
         """Note that the hosts changed (a program's own discovery may call it; ``unisonrun``'s driver
-        posts its changes through a notice file instead, see :func:`notice_file_exists`)."""
-        self._host_messages.put((timestamp, skip_sync))
+        posts its changes through a notice file instead, see :func:`notice_file_exists`).
+
+        ``timestamp`` is kept as a float, on one rank as on several (where the ranks agree on it as a
+        float64): an integer past 2^53 (``time.time_ns()``) rounds alike on every path, so the same
+        update never compares as newer on another rank ([Note: one host update, one reset]).
+        """
+        self._host_messages.put((float(timestamp), skip_sync))
 
     def commit(self) -> None:
         """Save the state in memory, then check for host changes (Horovod's ``commit``).
