@@ -305,6 +305,10 @@ def test_bad_root_and_splits_raise_value_error_everywhere():
         C.alltoall(np.zeros(4), splits=[5] + [0] * (N - 1) if R == 0 else [4] + [0] * (N - 1))
     with pytest.raises(ValueError, match="0-d"):
         C.reducescatter(np.float32(1.0))
+    # fractional counts on one rank only (2.5 was truncated to 2, the sum then matched: accepted silently)
+    if N > 1:
+        with pytest.raises(ValueError, match="whole row counts"):
+            C.alltoall(np.zeros(2 * N), splits=[2.5, 2.5] + [2] * (N - 2) if R == 0 else [2] * N)
 
 
 def test_unknown_algorithm_and_op():
@@ -496,6 +500,17 @@ def test_integer_average_truncates_toward_zero(algorithm):
             mine = np.full(shape, -3 if R == 0 else 0, dtype)
             got = C.allreduce(mine, algorithm=algorithm)
             np.testing.assert_array_equal(got, np.full(shape, int(-3 / N), dtype))
+
+
+@pytest.mark.parametrize("algorithm", ALGOS)
+def test_int64_average_of_an_exact_sum_of_int64_min(algorithm):
+    """An exact int64 sum of -2^63 averaged to +2^63/N: abs() of INT64_MIN overflowed to itself and the
+    sign flipped (before 2026-12-05)."""
+    share = -(2**63) // N  # every rank's; the last one takes what is left, so the sum is exactly -2^63
+    for shape in [(3,), (3001,)]:
+        mine = np.full(shape, share if R < N - 1 else -(2**63) - share * (N - 1), np.int64)
+        got = C.allreduce(mine, algorithm=algorithm)
+        np.testing.assert_array_equal(got, np.full(shape, -((2**63) // N), np.int64))  # toward zero
 
 
 def test_uint8_average_of_200():

@@ -127,9 +127,15 @@ def finalize(buf: np.ndarray, op: ReduceOp, size: int, postscale_factor: float) 
     if op is ReduceOp.AVERAGE:
         if is_float(buf.dtype):
             factor = postscale_factor / size
+        elif buf.dtype.kind == "u":
+            np.floor_divide(buf, size, out=buf)
         else:
+            # truncation toward zero without abs(): abs(INT64_MIN) overflows to itself, and an exact
+            # sum of -2^63 averaged to +2^62 at 2 ranks (sign flipped; before 2026-12-05)
             wide = buf.astype(np.int64)
-            buf[...] = (np.sign(wide) * (np.abs(wide) // size)).astype(buf.dtype)
+            quotient = wide // size
+            quotient += (wide % size != 0) & (wide < 0)
+            buf[...] = quotient.astype(buf.dtype)
     if factor != 1.0:
         _scale(buf, factor, buf)
 

@@ -50,7 +50,11 @@ def check_splits(splits: Any, dim0: int, size: int) -> list[int]:
                              f"divisible by the number of ranks ({size}); pass splits=[...] "
                              "with one row count per rank")
         return [dim0 // size] * size
-    s = [int(v) for v in np.asarray(splits).reshape(-1).tolist()]
+    given = np.asarray(splits).reshape(-1).tolist()
+    if any(isinstance(v, bool) or not isinstance(v, int) and not (isinstance(v, float) and v.is_integer())
+           for v in given):  # (2.9 was truncated to 2: rows sent that nobody asked for, before 2026-12-05)
+        raise ValueError(f"splits={given!r} must hold whole row counts (integers), one per rank")
+    s = [int(v) for v in given]
     if len(s) != size or any(v < 0 for v in s) or sum(s) != dim0:
         raise ValueError(f"splits={s!r} must hold {size} non-negative row counts (one per rank) "
                          f"summing to the first dimension ({dim0})")
