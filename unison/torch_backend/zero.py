@@ -21,14 +21,15 @@ reduce-scatter plus an all-gather) in both stages.
 
 Half-precision parameters (float16, bfloat16) get fp32 master copies of their segments: the
 optimizer steps those and the result is cast back into the model. After ``step()`` every rank
-holds the same full weights; the model's ``.grad`` of stage 1 holds the *local* gradient outside
-this rank's segments, so clip with :meth:`clip_grad_norm_` (global norm over every shard), not
-``torch.nn.utils.clip_grad_norm_`` on the model.
+holds the same full weights; the model's ``.grad`` of stage 1 holds the *local* gradient (stage 2:
+a zero placeholder, [Note: unzeroed gradients]), so clip with :meth:`clip_grad_norm_` (global norm
+over every shard), not ``torch.nn.utils.clip_grad_norm_`` on the model.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -105,7 +106,10 @@ class _ZeroOptimizer(ZeroStateMixin):
         self._rounds = {id(st): 0 for st in self._buckets}
         self._synchronized = False
         self._should_synchronize = True
+        self._backward_pending = False  # a gradient arrived since the last synchronize(): zero_grad() refuses
+        self._placeholders: dict[int, tuple[torch.Tensor, int]] = {}  # stage 2: see [Note: unzeroed gradients]
         self._hooks = weak_grad_hooks(self, self._bucket_of)  # removed with the optimizer
+        self._pre_hooks = _weak_pre_hooks(self, list(self._bucket_of)) if zero_stage == 2 else []
 
     # ------------------------------------------------------------- layout
     def _flatten(self) -> list[_BucketState]:
@@ -152,6 +156,7 @@ class _ZeroOptimizer(ZeroStateMixin):
     # ------------------------------------------------------------- gradients
     def _on_grad(self, p: torch.Tensor) -> None:
         self._synchronized = False  # a backward pass after synchronize(): those gradients need reducing too
+        self._backward_pending = True  # (every rank runs the backward pass: zero_grad() refuses on each)
         st = self._bucket_of[p]
         if self.zero_stage == 1:
             self._stage1_grad(p, st)
@@ -238,14 +243,12 @@ class _ZeroOptimizer(ZeroStateMixin):
         result = self._compression.decompress(st.handle.wait(), st.ctx)
         st.handle = None
         seg = from_numpy(result)
-        if self.zero_stage == 1 and st.master.dtype == st.grad_flat.dtype:
-            # into the bucket's own gradient buffer: the segment's gradient costs no extra memory
-            lo, hi = st.bucket.segment(self._rank)
-            own = st.grad_flat[lo:hi]
-            with torch.no_grad():
-                own.copy_(seg)
-            st.master.grad = own
-        elif st.master.grad is None or self.zero_stage == 1 or st.fresh:
+        # [Note: stage 1 keeps local gradients] The averaged segment is the shard's own gradient,
+        # not written into grad_flat: the model's .grad keeps the local gradients, so a backward
+        # pass without zero_grad() adds to them and the next reduction averages the sum, as stage 0
+        # (and one process) accumulate. Before 2026-12-05 this rank's segment of grad_flat held the
+        # average, and the next pass added local gradients to it (silently wrong numbers).
+        if st.master.grad is None or self.zero_stage == 1 or st.fresh:
             st.master.grad = seg.to(st.master.dtype)
         else:
             st.master.grad.add_(seg.to(st.master.dtype))
@@ -253,12 +256,15 @@ class _ZeroOptimizer(ZeroStateMixin):
 
     def zero_working_bytes(self) -> int:
         """Bytes held now beyond ZeRO's formula (docs/zero.md): the fp32 gradients of half-precision
-        weights' master segments (the formula counts gradients in the weights' dtype)."""
+        weights' master segments (the formula counts gradients in the weights' dtype), and at stage 1
+        the shards' averaged gradients between the reduction and ``step()``."""
         extra = 0
         for st in self._buckets:
             g = st.master.grad
-            if g is not None and g.dtype != st.flat.dtype:
-                extra += g.numel() * (g.element_size() - (st.flat.element_size() if self.zero_stage == 2 else 0))
+            if g is not None and self.zero_stage == 1:  # (freed at step(): [Note: stage 1 keeps local gradients])
+                extra += g.numel() * g.element_size()
+            elif g is not None and g.dtype != st.flat.dtype:
+                extra += g.numel() * (g.element_size() - st.flat.element_size())
         return extra
 
     # ------------------------------------------------------------- public
@@ -283,6 +289,7 @@ class _ZeroOptimizer(ZeroStateMixin):
             st.fresh = True
             st.master.grad = None
         self._synchronized = False
+        self._backward_pending = False
 
     def _check_unsharded(self) -> None:
         """Raise when a parameter the optimizer holds has a gradient but is in no bucket (it did not
@@ -297,6 +304,7 @@ class _ZeroOptimizer(ZeroStateMixin):
 
     def synchronize(self) -> None:
         """Wait for every bucket's reduce-scatter; parameters without a gradient contribute zeros."""
+        self._settle_placeholders()  # (no backward pass since step(): nothing else settled them)
         for st in self._buckets:
             if self.zero_stage == 1:
                 if st.handle is None:
@@ -313,6 +321,7 @@ class _ZeroOptimizer(ZeroStateMixin):
         self._delay = {p: self._passes for p in self._bucket_of}
         self._rounds = {id(st): 0 for st in self._buckets}
         self._synchronized = True
+        self._backward_pending = False
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -342,10 +351,63 @@ class _ZeroOptimizer(ZeroStateMixin):
         self._check_unsharded()
         self._sync_hyperparameters()
         self._step_and_gather()
-        for st in self._buckets:  # the next step's first reduction replaces the shard's gradient, whichever
-            st.fresh = True        # zero_grad the user calls (model.zero_grad() never sees these shards)
+        for st in self._buckets:
+            if self.zero_stage == 1:
+                st.master.grad = None  # stepped: [Note: stage 1 keeps local gradients]
+            st.fresh = True  # stage 2: replaced next unless not zeroed ([Note: unzeroed gradients])
+        if self.zero_stage == 2:
+            self._place_placeholders()
         self._synchronized = False
         return None
+
+    def _place_placeholders(self) -> None:
+        """Stage 2, after ``step()``: every parameter's ``.grad`` becomes a zero placeholder.
+
+        [Note: unzeroed gradients] Stage 2 frees each full gradient, so ``model.zero_grad()`` had
+        nothing to clear and a loop without any zero_grad() looked the same: the next step's
+        reduction replaced the shard's gradient, where torch (and stages 0 and 1) add the new
+        gradients to the old (before 2026-12-05: silently wrong numbers without zero_grad()). A
+        stride-0 zero tensor (one element of memory) as ``.grad`` tells them apart: either
+        zero_grad() sets it to None, or zeroes it in place (its version counter moves). At the
+        next backward pass (a tensor pre-hook, before autograd adds into it) or ``synchronize()``,
+        placeholders all left untouched mean the shards' gradients accumulate; all cleared, that
+        they are replaced. Every rank runs the same zero_grad() calls, so every rank decides alike.
+        """
+        self._placeholders = {}
+        for p in self._bucket_of:
+            grad = torch.zeros((), dtype=p.dtype).expand(p.shape)
+            p.grad = grad
+            self._placeholders[id(p)] = (grad, grad._version)
+
+    def _before_grad(self) -> None:
+        """Stage 2 tensor pre-hook: settle the placeholders before autograd adds into one."""
+        self._settle_placeholders()
+
+    def _settle_placeholders(self) -> None:
+        """Drop the placeholders; none cleared since ``step()``: the shards' gradients accumulate.
+
+        Raises:
+            RuntimeError: some placeholders were cleared and others not (on every rank alike).
+        """
+        if not self._placeholders:
+            return
+        kept, cleared = [], []
+        for p in self._bucket_of:
+            grad, version = self._placeholders[id(p)]
+            g = p.grad
+            untouched = g is not None and g.data_ptr() == grad.data_ptr() and g._version == version
+            (kept if untouched else cleared).append(p)
+            if g is not None and g.data_ptr() == grad.data_ptr():
+                p.grad = None
+        self._placeholders = {}
+        if kept and cleared:
+            raise RuntimeError(
+                f"the gradient of {self._names[cleared[0]]!r} was zeroed since the last step() but not that of "
+                f"{self._names[kept[0]]!r}; a zero_stage=2 shard holds the reduced gradients of several "
+                "parameters together, so zero them all (optimizer.zero_grad() or model.zero_grad()) or none")
+        if kept:
+            for st in self._buckets:
+                st.fresh = False  # no zero_grad(): the next reductions add to the last step's gradients
 
     def _sync_hyperparameters(self) -> None:
         """Schedulers change ``self.param_groups``; the inner optimizer's groups follow them."""
@@ -399,7 +461,14 @@ class _ZeroOptimizer(ZeroStateMixin):
             st.flat[hi:].copy_(full[hi:])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if any(st.handle is not None for st in self._buckets):
+        """Clear the gradients (the model's and the shards').
+
+        Raises:
+            RuntimeError: between ``loss.backward()`` and ``step()``/``synchronize()``, on every rank
+                (before 2026-12-05 only where a bucket's reduction had started: a rank on which a
+                parameter was unused dropped its gradients and went on).
+        """
+        if self._backward_pending or any(st.handle is not None for st in self._buckets):
             raise RuntimeError("optimizer.zero_grad() was called after loss.backward() but before "
                                "optimizer.step() or optimizer.synchronize(): the gradients are still being "
                                "reduced. Call step() (or synchronize()) first")
@@ -416,11 +485,33 @@ class _ZeroOptimizer(ZeroStateMixin):
                 for p in st.params:
                     p.grad = None
             st.fired = set()
+            st.fresh = True
             if st.master is not None:
                 st.master.grad = None
+        self._placeholders = {}
         self._delay = {p: self._passes for p in self._bucket_of}
         self._rounds = {id(st): 0 for st in self._buckets}
         self._synchronized = False
+
+
+def _weak_pre_hooks(owner: _ZeroOptimizer, params: list[torch.Tensor]) -> list[Any]:
+    """Stage 2: a tensor hook on each parameter (before autograd accumulates its gradient) that calls
+    ``owner._before_grad()`` while ``owner`` lives, held weakly as ``weak_grad_hooks`` holds its hooks."""
+    this = weakref.ref(owner)
+
+    def hook(grad: torch.Tensor) -> None:
+        target = this()
+        if target is not None:
+            target._before_grad()  # noqa: SLF001
+
+    hooks = [p.register_hook(hook) for p in params]
+    weakref.finalize(owner, _remove_hooks, hooks)
+    return hooks
+
+
+def _remove_hooks(hooks: list[Any]) -> None:
+    for h in hooks:
+        h.remove()
 
 
 def _specs(optimizer: torch.optim.Optimizer, named: list[tuple[str, torch.Tensor]]) -> list[ParamSpec]:

@@ -64,6 +64,26 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
                      f"`{cls.__name__}._unison_elementwise = True`; otherwise use zero_stage=0")
 
 
+_MISSING = object()
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Equal per-parameter state values (tensors: same dtype, shape and elements)."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return (torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape
+                and bool(torch.equal(a.cpu(), b.cpu())))
+    try:
+        return bool(a == b)
+    except Exception:  # (values whose == is not a truth value)
+        return a is b
+
+
+def _show(value: Any) -> str:
+    if torch.is_tensor(value) and value.numel() == 1:
+        return repr(value.item())
+    return repr(value)
+
+
 class ZeroStateMixin:
     """State dictionaries and gradient clipping for ``_ZeroOptimizer`` (uses its buckets and plan)."""
 
@@ -191,7 +211,35 @@ class ZeroStateMixin:
                 out[key] = seg
             else:
                 out[key] = value.clone() if torch.is_tensor(value) else value
+        for key in sorted(out.keys() - (element_keys or set())):  # after the per-element checks: theirs says more
+            if not (torch.is_tensor(out[key]) and out[key].shape == st.master.shape):
+                self._check_same_scalar(st, key, first, values[key], by_param, names)
         return out
+
+    @staticmethod
+    def _check_same_scalar(st: Any, key: str, first: torch.Tensor, value: Any, by_param: dict[int, dict[str, Any]],
+                           names: dict[int, str]) -> None:
+        """Raise unless every parameter of the bucket has ``value`` as its per-parameter ``key``.
+
+        A shard keeps one ``step`` for its whole bucket; a plain optimizer's parameters that
+        stepped a different number of times (a head trained on some steps only) cannot share it
+        (before 2026-12-05 the first parameter's count was given to all, silently: Adam's bias
+        correction then differed from one process's). Checked over the whole bucket, on every rank.
+
+        Raises:
+            ValueError: a parameter of the bucket whose value differs or is missing.
+        """
+        for p in st.params:
+            other = by_param.get(id(p), {}).get(key, _MISSING)
+            if _same_value(other, value):
+                continue
+            shown = "missing" if other is _MISSING else _show(other)
+            raise ValueError(
+                f"the saved optimizer state {key!r} of parameter {names[id(p)]!r} is {shown} while "
+                f"{names[id(first)]!r} of the same ZeRO bucket has {_show(value)}. A ZeRO shard keeps one "
+                f"{key!r} for the whole bucket. Load this state dict with zero_stage=0, or train the parameters "
+                "that step at different rates in separate parameter groups (each group has its own buckets) "
+                "and save again")
 
     # ------------------------------------------------------------- clipping
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
