@@ -176,3 +176,39 @@ def test_mixed_precision_loss_scale_skips_are_agreed_by_every_rank():
         assert all(np.array_equal(weights, w) for w in WORLD.allgather(weights))
     finally:
         keras.mixed_precision.set_global_policy("float32")
+
+
+# ---------------------------------------------------------------------------------------------- audit 2026-12-05
+@pytest.mark.parametrize("op", ["Adasum", "Min", "Max", "Product"])
+def test_distributed_optimizer_takes_only_average_and_sum_as_horovod(op):
+    """Horovod's Keras DistributedOptimizer: ValueError('op currently only supports Average and Sum'). Before,
+    these were taken: Adasum with backward_passes_per_step=2 applied the sum of per-step Adasums."""
+    for options in ({}, {"backward_passes_per_step": 2}, {"average_aggregated_gradients": True}):
+        with pytest.raises(ValueError, match="op currently only supports Average and Sum"):
+            hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=getattr(hvd, op), **options)
+        with pytest.raises(ValueError, match="op currently only supports Average and Sum"):
+            hvd.PartialDistributedOptimizer(keras.optimizers.SGD(0.1), op=getattr(hvd, op), **options)
+    for fine in (hvd.Average, hvd.Sum):
+        assert isinstance(hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=fine), keras.optimizers.SGD)
+
+
+def test_metric_average_refuses_ranks_with_different_metric_names():
+    """Before: the values were averaged by position, so rank 0's 'mae' and rank 1's 'mse' (as many metrics)
+    were averaged together silently. Now every rank raises, naming each rank's metrics."""
+    model = make_model(5)
+    metric = "mae" if R == 0 else "mse"
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse", metrics=[metric])
+    logged = []
+
+    class Record(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            logged.append(dict(logs))
+
+    callbacks = [hvd.callbacks.MetricAverageCallback(), Record()]
+    if N == 1:  # one rank: nothing to disagree with; its own numbers
+        model.fit(shard(X), shard(Y), batch_size=B, epochs=1, verbose=0, callbacks=callbacks)
+        assert set(logged[0]) == {"loss", "mae"}
+        return
+    with pytest.raises(ValueError, match=r"rank 0: \['loss', 'mae'\]; rank 1: \['loss', 'mse'\]"):
+        model.fit(shard(X), shard(Y), batch_size=B, epochs=1, verbose=0, callbacks=callbacks)
+    assert logged == []

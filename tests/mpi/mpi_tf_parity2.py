@@ -371,3 +371,60 @@ def test_sparse_gradients_with_an_op_other_than_sum_or_average_raise_not_impleme
         loss = tf.reduce_sum(tf.gather(emb, [0, 2]))
     with pytest.raises(NotImplementedError, match="op=Sum or Average only"):
         hvd.DistributedGradientTape(t, op=hvd.Max).gradient(loss, [emb])
+
+
+# ------------------------------------------------------------ audit 2026-12-05: cached agreements, loss scaling
+def test_tapes_in_two_functions_agree_apart_on_none_gradients():
+    """Before: the agreed None pattern was cached by (name, local pattern), and the first tape of every function
+    is named ``DistributedGradientTape``: ``second`` found ``first``'s entry on the ranks whose pattern matched
+    it (all but rank 0) and skipped the exchange rank 0 waited in (a hang)."""
+    a, b = tf.Variable([1.0, 2.0]), tf.Variable([3.0, 4.0])
+
+    @tf.function
+    def first() -> list:  # b is used on rank 0 only (a trace-time branch): agreed (dense, dense)
+        with tf.GradientTape() as t:
+            loss = tf.reduce_sum(a * a) + (tf.reduce_sum(b * b) if R == 0 else 0.0)
+        return hvd.DistributedGradientTape(t).gradient(loss, [a, b])
+
+    @tf.function
+    def second() -> list:  # b is used by no rank: its gradient is None everywhere
+        with tf.GradientTape() as t:
+            loss = tf.reduce_sum(a * 3.0)
+        return hvd.DistributedGradientTape(t).gradient(loss, [a, b])
+
+    ga, gb = first()
+    np.testing.assert_allclose(ga.numpy(), [2.0, 4.0])
+    np.testing.assert_allclose(gb.numpy(), np.array([6.0, 8.0]) / N)
+    for _ in range(2):  # a retrace-free second call, then the cached agreement
+        ga, gb = second()
+        np.testing.assert_allclose(ga.numpy(), [3.0, 3.0])
+        assert gb is None
+
+
+@pytest.mark.parametrize("wrapper", ["horovod.tensorflow", "keras_global_process_set"])
+def test_loss_scale_skips_agree_with_the_global_process_set(wrapper):
+    """Before: only an optimizer with process_set=None agreed on the LossScaleOptimizer's skips, and
+    horovod.tensorflow's DistributedOptimizer passes the global process set: under mixed_float16 the rank
+    whose batch overflowed skipped alone while the others waited in its all-reduce (a hang)."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        rs = np.random.RandomState(0)
+        x = 1e-3 * rs.randn(32, 4).astype("float32")
+        y = x.sum(1, keepdims=True).astype("float32")
+        if R == N - 1:
+            x[:8] *= 3e7  # this rank's first batch overflows in float16
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+        if wrapper == "horovod.tensorflow":
+            opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.01))
+        else:
+            opt = hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.01), process_set=hvd.global_process_set)
+        model.compile(optimizer=opt, loss="mse")
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
+                  callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0)])
+        # every rank skipped the first step (one rank overflowed) and applied the other three
+        assert int(model.optimizer.inner_optimizer.iterations.numpy()) == 3
+        assert float(model.optimizer.dynamic_scale.numpy()) == 2.0 ** 15 / 2
+        assert same_everywhere(np.concatenate([w.ravel() for w in model.get_weights()]))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")

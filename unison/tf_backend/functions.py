@@ -15,9 +15,16 @@ optimizer, which reduces zeros for parameters without a gradient.
 
 The agreement is one small all-reduce of per-variable flags. Eagerly it runs on
 every call. Inside a ``tf.function`` the None pattern is fixed when the function
-is traced, so it runs while tracing and is remembered per (name, local pattern):
-a rank that retraces for another reason (a new batch shape) does not exchange
-again.
+is traced, so it runs while tracing and is remembered per (traced function,
+name, variables, local pattern): a rank that retraces for another reason (a new
+batch shape) does not exchange again. The traced function is part of the key
+since 2026-12-05: before, the first tape of every function had the same name,
+so a second function could find the first one's entry on the ranks whose local
+pattern matched it and skip the exchange the others waited in (a hang). A
+function whose pattern changes between its traces on some ranks only (a Python
+argument read on one rank) still finds its old entry on the others: the
+exchange can run only while tracing, when a rank cannot know what the others
+trace, so keep each rank's None pattern a function of what every rank traces.
 """
 
 from __future__ import annotations
@@ -36,15 +43,15 @@ from unison.common.engine.process_sets import ProcessSet, set_size
 from unison.common.ops import Average, ReduceOp, Sum, parse_op
 from unison.tf_backend import host_ops
 from unison.tf_backend.mpi_ops import _name, allgather, broadcast
-from unison.tf_backend.op_base import call_name, dense_gradient
+from unison.tf_backend.op_base import call_name, dense_gradient, traced_function_path
 
 __all__ = ["broadcast_variables", "DistributedGradientTape", "PartialDistributedGradientTape", "reduce_gradients",
            "reduce_partial", "fill_missing_gradients", "check_groups", "local_layer_variables", "source_key"]
 
 #: per-variable kinds exchanged before a reduction
 _NONE, _DENSE, _SPARSE = 0, 1, 2
-#: agreed kinds of traced (graph-mode) reductions, by (name, this rank's kinds)
-_agreed_in_graphs: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
+#: agreed kinds of traced (graph-mode) reductions, by (traced function, name, variables, this rank's kinds)
+_agreed_in_graphs: dict[tuple[Any, ...], tuple[int, ...]] = {}
 
 
 def broadcast_variables(variables: Iterable[tf.Variable], root_rank: int,
@@ -280,7 +287,7 @@ def reduce_gradients(grads: list[Any], op: Any, pre: float, post: float, compres
                          "pass one variable per gradient, in the same order")
     grads = [tf.convert_to_tensor(g) if sparse_as_dense and isinstance(g, tf.IndexedSlices) else g
              for g in grads]
-    kinds = _agree_kinds(grads, name, process_set)
+    kinds = _agree_kinds(grads, name, process_set, variables)
     out: list[Any] = [None] * len(grads)
     dense_idx = [i for i, k in enumerate(kinds) if k == _DENSE]
     for i, k in enumerate(kinds):
@@ -321,7 +328,7 @@ def fill_missing_gradients(grads: Sequence[Any], variables: Sequence[Any], name:
     if len(variables) != len(grads):
         raise ValueError(f"fill_missing_gradients got {len(grads)} gradients but {len(variables)} variables; "
                          "pass one variable per gradient, in the same order")
-    kinds = _agree_kinds(grads, name, process_set)
+    kinds = _agree_kinds(grads, name, process_set, variables)
     out = list(grads)
     for i, (g, k) in enumerate(zip(grads, kinds, strict=True)):
         if g is None and k == _DENSE:
@@ -337,17 +344,29 @@ def _local_kind(g: Any) -> int:
     return _SPARSE if isinstance(g, tf.IndexedSlices) else _DENSE
 
 
-def _agree_kinds(grads: list[Any], name: str, process_set: ProcessSet | None) -> tuple[int, ...]:
+def _agree_kinds(grads: list[Any], name: str, process_set: ProcessSet | None,
+                 variables: Sequence[Any] | None = None) -> tuple[int, ...]:
     """Every rank's view of each variable: None nowhere-else, dense anywhere, or only sparse."""
     local = tuple(_local_kind(g) for g in grads)
     if set_size(process_set) == 1:
         return local
     if tf.executing_eagerly():
         return _exchange_kinds(local, name, process_set)
-    key = (name, local)
+    # [Note: gradients that are None on some ranks]: ``name`` alone is the same in every function
+    # (``DistributedGradientTape``), so the function being traced and the variables are in the key too
+    function = traced_function_path(tf.compat.v1.get_default_graph())
+    key = (function, name, _variable_keys(variables), local)
     if key not in _agreed_in_graphs:
         _agreed_in_graphs[key] = _exchange_kinds(local, name, process_set)
     return _agreed_in_graphs[key]
+
+
+def _variable_keys(variables: Sequence[Any] | None) -> tuple[Any, ...]:
+    """What tells the variables of one reduction from another's: their ``source_key`` (a watched
+    tensor, new at every trace, counts only by its place, so that a retrace still finds the entry)."""
+    if variables is None:
+        return ()
+    return tuple(source_key(v) if _is_variable(v) else None for v in variables)
 
 
 @tf.autograph.experimental.do_not_convert  # runs while tracing: plain Python, not graph code

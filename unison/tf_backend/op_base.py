@@ -81,6 +81,23 @@ def _function_path(graph: Any) -> str:
     return "".join(f"{part}/" for part in reversed(parts))
 
 
+def traced_function_path(graph: Any) -> str:
+    """``"outermost_fn/inner_fn"``: every function being traced into ``graph``, the outermost included
+    (``_function_path`` leaves it out of names); empty outside functions (eager, a TF1 graph).
+
+    It tells one traced function from another where the names made by :func:`call_name` do not (the
+    first tape of every function is ``DistributedGradientTape``), and is the same for a retrace of the
+    same function. Only the counter of a graph TensorFlow makes itself (``__backward_f_263``, which a
+    retrace moves on) is dropped: a Python function's name stays whole (``step_1`` is not ``step_2``)."""
+    parts = []
+    while isinstance(graph, FuncGraph):
+        if not isinstance(graph, ControlFlowFuncGraph):  # (a tf.cond or loop body: see _function_path)
+            name = str(graph.name)
+            parts.append(re.sub(r"_\d+$", "", name) if name.startswith("__") else name)
+        graph = getattr(graph, "outer_graph", None)
+    return "/".join(reversed(parts))
+
+
 def _ps(process_set: ProcessSet | None) -> ProcessSet | None:
     return None if process_set is None or process_set is global_process_set else process_set
 

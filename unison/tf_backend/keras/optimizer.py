@@ -27,7 +27,7 @@ import keras
 
 from unison.common.compression import Compression
 from unison.common.engine import frontend
-from unison.common.ops import Average, parse_op
+from unison.common.ops import Average, Sum, parse_op
 from unison.keras.optimizer import rebuilt
 from unison.tf_backend.functions import check_groups, local_layer_variables, reduce_partial, source_key
 from unison.tf_backend.op_base import call_name
@@ -68,7 +68,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
             must pass the same value: the ranks compare it when the optimizer is built.
 
     Raises:
-        ValueError: already wrapped, a predivide factor with an op other than Average,
+        ValueError: already wrapped, an op other than Average or Sum (Horovod's error), a predivide
+            factor with an op other than Average,
             ``backward_passes_per_step`` < 1, bad ``groups``, ``zero_stage`` outside 0-2, an
             optimizer ZeRO cannot shard, or an option ZeRO does not support.
     """
@@ -76,6 +77,11 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
 
     if getattr(optimizer, "_unison_distributed", False):
         raise ValueError("this optimizer is already a DistributedOptimizer; wrap the original once")
+    if parse_op(op) not in (Average, Sum):
+        # Horovod's check (since 2026-12-05; before, Adasum/Min/Max/Product were taken: with Adasum and
+        # backward_passes_per_step > 1 the update was the sum of per-step Adasums, not Horovod's number)
+        raise ValueError(f"op currently only supports Average and Sum; got op={op!r}. Pass op=hvd.Average "
+                         "or op=hvd.Sum, as horovod.tensorflow.keras requires")
     zero_stage = zero.check_keras_stage(zero_stage)
     if zero_stage:
         return _sharded(optimizer, zero_stage, name=name, compression=compression, op=op,
@@ -138,8 +144,13 @@ def _agree_on_loss_scale_skips() -> None:
 
 
 def _takes(inner: Any) -> bool:
+    # the global process set is every rank, as None is (before 2026-12-05 it was taken for a subset: the
+    # horovod.tensorflow-style wrapper passes it by default, so under mixed_float16 a rank that overflowed
+    # skipped alone and the others waited for it)
+    from unison.common.engine.process_sets import global_process_set
+
     return (getattr(inner, "_unison_distributed", False) and not getattr(inner, "_unison_keras_distributed", False)
-            and getattr(inner, "_unison_process_set", None) is None)
+            and getattr(inner, "_unison_process_set", None) in (None, global_process_set))
 
 
 def _sharded(optimizer: Any, stage: int, **options: Any) -> keras.optimizers.Optimizer:
