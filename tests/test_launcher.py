@@ -1437,6 +1437,24 @@ def test_dry_run_shows_the_wrapper_of_an_agent_open_mpi_would_split(capsys):
     assert command[command.index("plm_ssh_agent") + 1] == "ssh -p 2222" and "plm_ssh_no_tree_spawn" not in command
 
 
+def test_the_agent_wrapper_avoids_a_tmpdir_open_mpi_would_split(tmp_path, monkeypatch, capsys):
+    """The wrapper's own path must survive Open MPI's split: a TMPDIR with a ':' is passed over for /tmp
+    (the first version had the test backwards: such a TMPDIR was used, a plain one passed over)."""
+    import tempfile
+
+    from unison.run.placement import agent_needs_wrapper
+
+    for tmpdir, under in ((tmp_path / "a:b", "/tmp/"), (tmp_path / "plain", str(tmp_path / "plain") + "/")):
+        tmpdir.mkdir()
+        monkeypatch.setenv("TMPDIR", str(tmpdir))
+        monkeypatch.setattr(tempfile, "tempdir", None)  # (it caches TMPDIR)
+        assert main(["--dry-run", "-np", "2", "-H", "a:1,b:1", "--launch-agent", "ssh -o ProxyJump=j:2222",
+                     "python", "x.py"]) == 0
+        command = shlex.split(capsys.readouterr().out)
+        wrapper = command[command.index("plm_ssh_agent") + 1]
+        assert wrapper.startswith(under) and not agent_needs_wrapper(wrapper), wrapper
+
+
 HANGING_AGENT = "#!/bin/sh\n# a host that never answers: records its pid, then hangs\necho $$ >> {pids}\n" \
     "exec sleep 60\n"
 

@@ -228,3 +228,25 @@ def test_integer_average_helpers_widen_and_truncate_toward_zero():
     got = np.empty(3, np.int8)
     reduce_stack(signed, ReduceOp.AVERAGE, got, 3, 1.0)
     assert got.tolist() == [-1, -127, 126]  # truncation toward zero, not floor
+
+
+def test_the_tapes_agreement_cache_keys_hold_no_variable():
+    """The None-gradient agreement cached while tracing keyed variables by ``ref()``, which kept every
+    traced model's variables alive for good (a k-fold loop leaked each fold's model)."""
+    import gc
+    import weakref
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import keras
+    import tensorflow as tf
+
+    from unison.tf_backend.functions import _variable_keys
+
+    v, k = tf.Variable(np.zeros(4)), keras.Variable(np.zeros(3))
+    keys = _variable_keys([v, k, tf.constant(1.0)])
+    assert all(isinstance(key, str) for key in keys[:2]) and keys[2] is None and keys[0] != keys[1]
+    assert _variable_keys([v, k]) == keys[:2]  # the same variables, the same key (a retrace hits)
+    alive = weakref.ref(v)
+    del v
+    gc.collect()
+    assert alive() is None

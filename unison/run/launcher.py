@@ -573,7 +573,7 @@ def _wrap_agent(config: LaunchConfig, environ: Mapping[str, str], cleanup: conte
         return config
     # (mode 0700; not under a TMPDIR whose path Open MPI would split in turn)
     base = tempfile.gettempdir()
-    folder = tempfile.mkdtemp(prefix="unisonrun-agent-", dir=None if agent_needs_wrapper(base) else "/tmp")
+    folder = tempfile.mkdtemp(prefix="unisonrun-agent-", dir="/tmp" if agent_needs_wrapper(base) else None)
     cleanup.callback(shutil.rmtree, folder, ignore_errors=True)
     wrapper = write_agent_wrapper(agent, folder)
     logger.info("launch agent %r goes to mpirun and the probe as %s (Open MPI would split it at ':' "

@@ -362,11 +362,21 @@ def _agree_kinds(grads: list[Any], name: str, process_set: ProcessSet | None,
 
 
 def _variable_keys(variables: Sequence[Any] | None) -> tuple[Any, ...]:
-    """What tells the variables of one reduction from another's: their ``source_key`` (a watched
-    tensor, new at every trace, counts only by its place, so that a retrace still finds the entry)."""
+    """What tells the variables of one reduction from another's: each TensorFlow variable's unique id
+    (a string, unique in the process: the cache holds no variable, where ``source_key``'s ``ref()``
+    kept every traced model's variables alive for good), a watched tensor (new at every trace) only
+    by its place, so that a retrace still finds the entry."""
     if variables is None:
         return ()
-    return tuple(source_key(v) if _is_variable(v) else None for v in variables)
+    return tuple(_variable_id(v) if _is_variable(v) else None for v in variables)
+
+
+def _variable_id(variable: Any) -> Any:
+    inner = getattr(variable, "value", None)
+    if isinstance(inner, tf.Variable):  # a Keras variable keeps its TensorFlow variable in ``value``
+        variable = inner
+    unique = getattr(variable, "_unique_id", None)
+    return unique if isinstance(unique, str) else source_key(variable)
 
 
 @tf.autograph.experimental.do_not_convert  # runs while tracing: plain Python, not graph code

@@ -88,7 +88,10 @@ def traced_function_path(graph: Any) -> str:
     It tells one traced function from another where the names made by :func:`call_name` do not (the
     first tape of every function is ``DistributedGradientTape``), and is the same for a retrace of the
     same function. Only the counter of a graph TensorFlow makes itself (``__backward_f_263``, which a
-    retrace moves on) is dropped: a Python function's name stays whole (``step_1`` is not ``step_2``)."""
+    retrace moves on) is dropped: a Python function's name stays whole (``step_1`` is not ``step_2``).
+    Two ``tf.function`` objects whose Python functions share a name (``step`` from a factory) share a
+    path: the graph does not say which object it belongs to (known, 2026-12-05; give them names of
+    their own where their tapes' None gradients differ between ranks)."""
     parts = []
     while isinstance(graph, FuncGraph):
         if not isinstance(graph, ControlFlowFuncGraph):  # (a tf.cond or loop body: see _function_path)

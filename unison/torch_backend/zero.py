@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -375,7 +375,7 @@ class _ZeroOptimizer(ZeroStateMixin):
         """
         self._placeholders = {}
         for p in self._bucket_of:
-            grad = torch.zeros((), dtype=p.dtype).expand(p.shape)
+            grad = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
             p.grad = grad
             self._placeholders[id(p)] = (grad, grad._version)
 
@@ -499,14 +499,33 @@ def _weak_pre_hooks(owner: _ZeroOptimizer, params: list[torch.Tensor]) -> list[A
     ``owner._before_grad()`` while ``owner`` lives, held weakly as ``weak_grad_hooks`` holds its hooks."""
     this = weakref.ref(owner)
 
-    def hook(grad: torch.Tensor) -> None:
-        target = this()
-        if target is not None:
-            target._before_grad()  # noqa: SLF001
+    def hook_of(p: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        node = p.view_as(p).grad_fn.next_functions[0][0]  # p's AccumulateGrad (kept alive by the hook)
 
-    hooks = [p.register_hook(hook) for p in params]
+        def hook(grad: torch.Tensor) -> None:
+            target = this()
+            if target is not None and _accumulates(node):
+                target._before_grad()  # noqa: SLF001
+        return hook
+
+    hooks = [p.register_hook(hook_of(p)) for p in params]
     weakref.finalize(owner, _remove_hooks, hooks)
     return hooks
+
+
+def _accumulates(node: Any) -> bool:
+    """Whether the running backward pass will add into the ``.grad`` of the parameter whose
+    AccumulateGrad ``node`` this is: ``loss.backward()`` does, ``torch.autograd.grad(...)`` does not
+    (its gradients are returned). A tensor hook runs for both; before 2026-12-05 an
+    ``autograd.grad`` between ``step()`` and ``zero_grad()`` settled the placeholders as "not
+    zeroed" ([Note: unzeroed gradients]), and the next step added the old gradients, silently."""
+    check = getattr(torch._C, "_will_engine_execute_node", None)
+    if check is None:  # (an older torch: every hook counts, as before)
+        return True
+    try:
+        return bool(check(node))
+    except RuntimeError:  # "... currently running autograd.grad()": nothing lands in .grad
+        return False
 
 
 def _remove_hooks(hooks: list[Any]) -> None:
