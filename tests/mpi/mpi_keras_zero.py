@@ -669,16 +669,23 @@ def test_an_invalid_stage_on_one_rank_raises_on_every_rank():
         UnisonStrategy(zero_stage=3 if R == N - 1 else 1)
 
 
-def test_a_checkpoint_of_another_optimizer_class_is_refused_on_every_rank(tmp_path_factory):
-    """Before 2026-12-05 entries matched by slot name only: Adam's first moment went into SGD's momentum
-    and the saved learning rate replaced SGD's (0.1 became 0.01), with no error."""
-    folder = WORLD.bcast(str(tmp_path_factory.mktemp("ckclass")) if R == 0 else None)
+def _saved_sharded_adam(tmp_path_factory, tag, leaf):
+    """A zero_stage=1 strategy, its Adam model after one epoch, and the folder its sharded checkpoint went
+    to (``<shared tmp>/<leaf>``)."""
+    folder = WORLD.bcast(str(tmp_path_factory.mktemp(tag)) if R == 0 else None)
     strategy = UnisonStrategy(zero_stage=1)
     with strategy.scope():
         model = make_model()
         model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     model.fit(tf.data.Dataset.from_tensor_slices((X, Y)).batch(GLOBAL_BATCH), epochs=1, verbose=0)
-    save_sharded(os.path.join(folder, "adam"), model, model.optimizer)
+    save_sharded(os.path.join(folder, leaf), model, model.optimizer)
+    return strategy, model, folder
+
+
+def test_a_checkpoint_of_another_optimizer_class_is_refused_on_every_rank(tmp_path_factory):
+    """Before 2026-12-05 entries matched by slot name only: Adam's first moment went into SGD's momentum
+    and the saved learning rate replaced SGD's (0.1 became 0.01), with no error."""
+    strategy, model, folder = _saved_sharded_adam(tmp_path_factory, "ckclass", "adam")
     with strategy.scope():
         other = make_model()
         other.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
@@ -698,13 +705,7 @@ def test_a_checkpoint_of_another_optimizer_class_is_refused_on_every_rank(tmp_pa
 def test_a_checkpoint_load_with_the_optimizer_on_some_ranks_only_raises_on_every_rank(tmp_path_factory):
     """Before 2026-12-05 the ranks with an optimizer built it and agreed on its plan while the others went on
     to read the weights: the job hung. save_sharded already raised."""
-    folder = WORLD.bcast(str(tmp_path_factory.mktemp("ckmissing")) if R == 0 else None)
-    strategy = UnisonStrategy(zero_stage=1)
-    with strategy.scope():
-        model = make_model()
-        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-    model.fit(tf.data.Dataset.from_tensor_slices((X, Y)).batch(GLOBAL_BATCH), epochs=1, verbose=0)
-    save_sharded(os.path.join(folder, "ck"), model, model.optimizer)
+    _, model, folder = _saved_sharded_adam(tmp_path_factory, "ckmissing", "ck")
     with pytest.raises(ck.CheckpointError, match=r"different optimizers \(rank 0: Adam, sharded; rank 1: None"):
         load_sharded(os.path.join(folder, "ck"), model, model.optimizer if R == 0 else None)
     plain = keras.optimizers.Adam(0.01)  # the same class, not sharded on the last rank
