@@ -233,6 +233,22 @@ def test_torch_missing_entry_refused_on_every_rank():
     same_error_everywhere(excinfo, "rank 3", "no entry 'extra.weight'")
 
 
+def test_torch_entries_no_rank_loads_refused_unless_not_strict():
+    """A model without a saved layer would drop its saved weights silently: refused on every rank, as
+    ``load_state_dict`` refuses unexpected keys; ``strict=False`` loads the layers the model has."""
+    path = torch_dp_tp_save()
+    twin = torch_twin(99, SETS[2])
+    del twin.proj
+    with pytest.raises(CheckpointError) as excinfo:
+        tck.load_tensor_parallel(path, twin)
+    same_error_everywhere(excinfo, "2 entries that no loading rank's model has", "['proj.bias', 'proj.weight']",
+                          "strict=False")
+    assert tck.load_tensor_parallel(path, twin, strict=False) == {"step": 7}
+    expected = torch_twin(1, SETS[2])
+    del expected.proj
+    torch_equal(twin, expected)
+
+
 # ------------------------------------------------------------------------------------------- Keras
 
 class KerasMLP(keras.layers.Layer):
@@ -396,6 +412,24 @@ def test_keras_missing_entry_refused_on_every_rank():
     with pytest.raises(CheckpointError) as excinfo:
         kck.load_tensor_parallel(keras_dp_tp_save(), twin)
     same_error_everywhere(excinfo, "rank 3", "no entry 'extra/kernel'")
+
+
+class KerasHead(keras.layers.Layer):
+    def __init__(self, layer: keras.layers.Layer) -> None:
+        super().__init__(dtype=KD)
+        self.head = layer
+
+
+def test_keras_entries_no_rank_loads_refused_unless_not_strict():
+    path = keras_dp_tp_save()
+    served = KerasHead(keras_twin(99, SETS[2]).head)  # every saved entry but the head's has no variable here
+    with pytest.raises(CheckpointError) as excinfo:
+        kck.load_tensor_parallel(path, served)
+    same_error_everywhere(excinfo, "that no loading rank's model has", "'block/attn/qkv/kernel'", "strict=False")
+    assert kck.load_tensor_parallel(path, served, strict=False) == {"step": 8}
+    expected = keras_twin(1, SETS[2]).head
+    for actual, want in zip(served.head.weights, expected.weights, strict=True):
+        np.testing.assert_array_equal(actual.numpy(), want.numpy())
 
 
 def test_keras_replicated_copies_that_differ_are_refused_on_every_rank():

@@ -280,7 +280,7 @@ def save_tensor_parallel(path: str | os.PathLike[str], model: Any, metadata: dic
 
 
 def load_tensor_parallel(path: str | os.PathLike[str], model: Any, local: bool = False,
-                         verify: str = "read") -> dict[str, Any]:
+                         verify: str = "read", strict: bool = True) -> dict[str, Any]:
     """Load a checkpoint of :func:`save_tensor_parallel` into a built Keras model at any tp / pp.
 
     Each rank reads only its own shards when its layers split them as the saving layers did; a
@@ -291,6 +291,8 @@ def load_tensor_parallel(path: str | os.PathLike[str], model: Any, local: bool =
         model: this rank's built model (its variables exist).
         local: this process loads alone; no other rank calls.
         verify: ``"read"`` or ``"all"``, as ``unison.common.checkpoints.load``.
+        strict: refuse a checkpoint holding entries that no loading rank's model has (as
+            ``load_state_dict`` refuses unexpected keys); False loads the entries the model has.
 
     Returns:
         The user metadata given to :func:`save_tensor_parallel`.
@@ -298,13 +300,14 @@ def load_tensor_parallel(path: str | os.PathLike[str], model: Any, local: bool =
     Raises:
         unison.common.checkpoints.CheckpointError: on every rank: a missing entry, a different
             full shape, a variable split differently from the saved one, a layer with variables
-            that no entry names, or a missing, corrupt or mismatched checkpoint.
+            that no entry names, an entry no rank loads (``strict``), or a missing, corrupt or
+            mismatched checkpoint.
     """
     comm = _comm(local)
     layers = list(_layers(model))
     agree.raise_together(comm, _unnamed(layers))
     described = _describe(layers, with_arrays=False)
-    pieces, user = tpck.load(path, [p for p, _ in described], comm, verify)
+    pieces, user = tpck.load(path, [p for p, _ in described], comm, verify, strict)
     for param, slot in described:
         slot.set(pieces[param.name].astype(param.dtype, copy=False))
     return user

@@ -144,7 +144,7 @@ def _as_module(model: Any) -> nn.Module:
 
 
 def load_tensor_parallel(path: str | os.PathLike[str], model: nn.Module, local: bool = False,
-                         verify: str = "read") -> dict[str, Any]:
+                         verify: str = "read", strict: bool = True) -> dict[str, Any]:
     """Load a checkpoint of :func:`save_tensor_parallel` into ``model`` at any tp / pp; returns the metadata.
 
     Each rank reads only its own shards (one range per split parameter) when its layers split
@@ -156,14 +156,16 @@ def load_tensor_parallel(path: str | os.PathLike[str], model: nn.Module, local: 
         model: this rank's model; its ``state_dict`` keys name the entries it reads.
         local: this process loads alone (serving on one machine); no other rank calls.
         verify: ``"read"`` or ``"all"``, as ``unison.common.checkpoints.load``.
+        strict: refuse a checkpoint holding entries that no loading rank's model has (as
+            ``load_state_dict`` refuses unexpected keys); False loads the entries the model has.
 
     Raises:
         unison.common.checkpoints.CheckpointError: on every rank: a missing entry, a different
-            full shape, a parameter split differently from the saved one, or a missing,
-            corrupt or mismatched checkpoint.
+            full shape, a parameter split differently from the saved one, an entry no rank
+            loads (``strict``), or a missing, corrupt or mismatched checkpoint.
     """
     described = _describe(_as_module(model), with_arrays=False)
-    pieces, user = tpck.load(path, [p for p, _ in described], _comm(local), verify)
+    pieces, user = tpck.load(path, [p for p, _ in described], _comm(local), verify, strict)
     with torch.no_grad():
         for param, tensor in described:
             piece = np.asarray(pieces[param.name])

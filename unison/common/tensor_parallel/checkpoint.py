@@ -335,8 +335,20 @@ def _place(param: TPParam, got: Any, saved: ShardSpec) -> np.ndarray:
     return shard_of_full(full, param.spec, param.tp, param.shard)
 
 
+def _unloaded(manifest: ck.Manifest, comm: Any, names: set[str], where: str) -> str | None:
+    """Entries of ``manifest`` that no loading rank asked for (a strict load refuses them)."""
+    every = set().union(*agree.allgather(comm, sorted(names)))
+    extra = sorted(set(manifest.entries) - every)
+    if not extra:
+        return None
+    return (f"the checkpoint at {where!r} holds {len(extra)} entr{'y' if len(extra) == 1 else 'ies'} that no "
+            f"loading rank's model has ({extra[:8]}{' ...' if len(extra) > 8 else ''}), so their saved values "
+            "would be dropped silently; load it into the model it was saved from (every pipeline stage "
+            "together), or pass strict=False to load a part of it on purpose")
+
+
 def load(path: str | os.PathLike[str], params: Sequence[TPParam], comm: Any = None,
-         verify: str = "read") -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+         verify: str = "read", strict: bool = True) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Read each parameter's piece for this rank's layout, whatever the tp (or pp) it was saved at.
 
     Args:
@@ -345,13 +357,16 @@ def load(path: str | os.PathLike[str], params: Sequence[TPParam], comm: Any = No
         params: this rank's parameters (``array`` unused), each with its own spec and tp.
         comm: an mpi4py communicator over every loading rank, or None (this process alone).
         verify: passed to ``unison.common.checkpoints.load``.
+        strict: refuse a checkpoint with entries that no rank of ``comm`` loads (as
+            ``torch.nn.Module.load_state_dict`` refuses unexpected keys); False loads a part.
 
     Returns:
         ``(name -> this rank's piece, laid out as its layer holds it; the user metadata)``.
 
     Raises:
         CheckpointError: on every rank: a missing entry, a full shape or split that differs from
-            the saved one, or a missing, corrupt or mismatched checkpoint.
+            the saved one, an entry no rank loads (``strict``), or a missing, corrupt or
+            mismatched checkpoint.
     """
     where = os.fspath(path)
     manifest, wanted, problem = None, {}, None
@@ -362,6 +377,8 @@ def load(path: str | os.PathLike[str], params: Sequence[TPParam], comm: Any = No
     except ck.CheckpointError as exc:
         problem = str(exc)
     agree.raise_together(comm, problem)
+    if strict:  # (every rank read the manifest: none had a problem)
+        agree.raise_together(comm, _unloaded(manifest, comm, set(wanted), where))  # type: ignore[arg-type]
     got = ck.load(path, wanted, comm, verify=verify)
     saved = manifest if manifest is not None else ck.read_manifest(path)  # read above: no rank had a problem
     pieces = {p.name: _place(p, got[p.name], _saved_spec(saved, p.name)) for p in params}
