@@ -35,7 +35,7 @@ from unison.common.pipeline.grid import PipelineGrid, pipeline_grid, rank0_decid
 from unison.common.pipeline.runner import PipelineRunner, agreed, check_ties, layer_ranges, plan_stages
 from unison.tf_backend.functions import broadcast_variables
 from unison.tf_backend.pipeline.fit import fit
-from unison.tf_backend.pipeline.stages import KerasStage, KerasStages, scaled_loss
+from unison.tf_backend.pipeline.stages import KerasStage, KerasStages, _unique, scaled_loss
 
 __all__ = ["Pipeline", "balance_by_params"]
 
@@ -170,7 +170,7 @@ class Pipeline(PipelineRunner):
                        for s, r in self.layer_ranges.items()}
         self._worker = KerasStages(self.stages, self.schedule.num_stages, checkpoint)
         try:
-            self.optimizers = self._make_optimizers(optimizer)
+            self.optimizer = self._make_rank_optimizer(optimizer)
         except PipelineError:  # raised on every rank: free the communicators together
             self.close()
             raise
@@ -182,8 +182,8 @@ class Pipeline(PipelineRunner):
 
     @property
     def trainable_variables(self) -> list[Any]:
-        """This rank's trainable variables, stage by stage."""
-        return [v for s in sorted(self.stages) for v in self.stages[s].weights]
+        """This rank's trainable variables, stage by stage, each once (a layer in two of its stages)."""
+        return _unique(v for s in sorted(self.stages) for v in self.stages[s].weights)
 
     def train_step(self, x: Any = None, y: Any = None) -> float:
         """One step on a batch: forward, backward, gradient averaging over ``dp``, optimizer steps.
@@ -206,8 +206,15 @@ class Pipeline(PipelineRunner):
         grads = self._reduce_gradients(self._worker.grads, share)
 
         def apply() -> None:
-            for s, stage in self.stages.items():
-                self.optimizers[s].apply(grads[s], stage.weights)
+            # One optimizer over the rank's variables, each once: a layer in two of its stages (interleaved)
+            # gets both stages' gradients summed and one update, as in one process (before 2026-12-05 each
+            # stage's optimizer stepped it with its part: Adam's moments and weight decay went wrong, silently)
+            summed: dict[int, Any] = {}
+            for s in sorted(self.stages):
+                for v, g in zip(self.stages[s].weights, grads[s], strict=True):
+                    summed[id(v)] = g if id(v) not in summed else summed[id(v)] + g
+            variables = self.trainable_variables
+            self.optimizer.apply([summed[id(v)] for v in variables], variables)
 
         # agreed: an optimizer that fails on one rank raises on every rank (before 2026-12-05 the others
         # waited in global_loss's collective for ever)
@@ -267,13 +274,19 @@ class Pipeline(PipelineRunner):
         return [w for i in sorted(held) for w in held[i]]
 
     # ------------------------------------------------------------------ helpers
-    def _make_optimizers(self, factory: Any) -> dict[int, keras.optimizers.Optimizer]:
-        """One optimizer per stage, built for its variables; a failure anywhere raises everywhere."""
-        def make() -> dict[int, keras.optimizers.Optimizer]:
-            made = {s: _make_optimizer(factory) for s in self.stages}
-            for s, stage in self.stages.items():
-                made[s].build(stage.weights)
-            return made
+    def _make_rank_optimizer(self, factory: Any) -> keras.optimizers.Optimizer:
+        """One optimizer for every stage this rank holds, built for their variables (each once); a
+        failure anywhere raises everywhere."""
+        def make() -> keras.optimizers.Optimizer:
+            opt = _make_optimizer(factory)
+            if opt.global_clipnorm is not None and (self.grid.pp > 1 or self.grid.tp > 1):
+                raise ValueError(
+                    f"optimizer() returned an optimizer with global_clipnorm={opt.global_clipnorm}: it would "
+                    "clip by the norm of this rank's gradients only, not the whole model's (each rank holds "
+                    "some stages), so ranks would scale their updates differently from one process. Use "
+                    "clipnorm= (per variable) or clipvalue=, or train without a pipeline")
+            opt.build(self.trainable_variables)
+            return opt
 
         return agreed(make, failed=f"optimizer() for stages {sorted(self.stages)}")
 
