@@ -483,6 +483,32 @@ def test_gather_of_a_bigger_tensor_than_the_roots_raises_on_the_root():
     dist.barrier()
 
 
+def test_arguments_one_rank_refuses_raise_on_every_rank_and_the_next_call_pairs():
+    """Refused on one rank before it submitted anything, the others' call was left unpaired, so the
+    next call paired with it: stale data on that rank and a hang on the others (before 2026-12-05).
+    A reduce whose ranks named different roots kept or dropped the sum as each thought, silently."""
+    r, n = _rank_size()
+    if n == 1:
+        pytest.skip("needs two ranks")
+    bad = r == 1
+    with pytest.raises(ValueError, match=r"failed on 1 of \d rank\(s\): rank 1: allgather needs"):
+        dist.all_gather_into_tensor(torch.zeros(2 * n + bad), torch.full((2,), float(r)))
+    out = torch.zeros(2 * n)
+    dist.all_gather_into_tensor(out, torch.full((2,), 10.0 * r))
+    assert out.tolist() == [10.0 * k for k in range(n) for _ in range(2)]
+    splits = [2 if bad and k == 0 else 1 for k in range(n)]
+    with pytest.raises(ValueError, match=r"rank 1: all_to_all_single: input_split_sizes \[2, 1"):
+        dist.all_to_all_single(torch.zeros(n), torch.arange(float(n)), input_split_sizes=splits)
+    pieces = [torch.ones(2 + (bad and k == 0)) for k in range(n)]
+    with pytest.raises(ValueError, match=r"rank 1: reduce_scatter needs"):
+        dist.reduce_scatter(torch.zeros(2), pieces)
+    t = torch.full((3,), float(r + 1))
+    with pytest.raises(ValueError, match=r"root_rank=0.*root_rank=1|root_rank=1.*root_rank=0"):
+        dist.reduce(t, dst=1 if bad else 0)
+    dist.reduce(t, dst=1)
+    assert t.tolist() == ([n * (n + 1) / 2] * 3 if bad else [r + 1.0] * 3)
+
+
 def test_all_to_all_output_sizes_that_do_not_match_what_arrives_raise_there():
     r, n = _rank_size()
     if n == 1:

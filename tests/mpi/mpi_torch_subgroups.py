@@ -215,6 +215,25 @@ def test_mismatched_tensors_raise_on_every_member(pairs):
     assert t.tolist() == [2.0, 2.0]
 
 
+def test_arguments_one_member_refuses_raise_on_every_member_and_the_next_call_pairs(pairs):
+    """A member that refused its own arguments raised alone, and the next call paired with the others' old
+    one (before 2026-12-05); a reduce's root differing between members was not compared."""
+    r = dist.get_rank()
+    group, members = _mine(pairs)
+    bad = members.index(r) == 1
+    with pytest.raises(ValueError, match=r"refused on 1 of 2 member\(s\): rank 1: allgather needs"):
+        dist.all_gather_into_tensor(torch.zeros(4 + bad), torch.full((2,), float(r)), group=group)
+    out = torch.zeros(4)
+    dist.all_gather_into_tensor(out, torch.full((2,), float(r)), group=group)
+    assert out.tolist() == [float(members[0])] * 2 + [float(members[1])] * 2
+    t = torch.full((2,), float(r))
+    with pytest.raises(MismatchError, match=r"reduce/Sum\(dtype=float32, shape=\(2,\), root=0\); rank 1: "
+                                            r"reduce/Sum\(dtype=float32, shape=\(2,\), root=1\)"):
+        dist.reduce(t, dst=members[1] if bad else members[0], group=group)
+    dist.reduce(t, dst=members[0], group=group)
+    assert t.tolist() == ([float(r)] * 2 if bad else [float(sum(members))] * 2)
+
+
 def test_two_groups_of_every_rank_keep_their_calls_apart():
     # both ran on the engine's global set and drew names from one counter: one group's calls met the
     # other's and summed its data (every result wrong, no error)

@@ -203,8 +203,11 @@ class UnisonProcessGroup(dist.ProcessGroup):
         inputs = [_real(pieces, op, "reduce_scatter") for pieces in inputs]
         handles = []
         for out, pieces in zip(outputs, inputs, strict=True):
-            self._check_pieces(pieces, out, "reduce_scatter")
-            stacked = _premul(np.stack([host(p, "reduce_scatter") for p in pieces]), factor)
+            try:
+                self._check_pieces(pieces, out, "reduce_scatter")
+                stacked: Any = _premul(np.stack([host(p, "reduce_scatter") for p in pieces]), factor)
+            except (TypeError, ValueError) as exc:
+                stacked = _Refused(exc)
             handles.append(self._ops.reducescatter_async(stacked, op))
 
         return self._work(handles, lambda results: (_into(outputs)(results), given)[1])
@@ -224,8 +227,12 @@ class UnisonProcessGroup(dist.ProcessGroup):
                   opts: Any = None) -> dist.Work:
         handles = []
         for outs, t in zip(outputs, inputs, strict=True):
-            self._check_pieces(outs, t, "allgather")
-            handles.append(self._ops.allgather_async(host(t, "allgather").reshape(1, -1)))
+            try:
+                self._check_pieces(outs, t, "allgather")
+                row: Any = host(t, "allgather").reshape(1, -1)
+            except (TypeError, ValueError) as exc:
+                row = _Refused(exc)
+            handles.append(self._ops.allgather_async(row))
 
         def finish(results: list[Any]) -> list[torch.Tensor]:
             for outs, r in zip(outputs, results, strict=True):
@@ -240,11 +247,16 @@ class UnisonProcessGroup(dist.ProcessGroup):
         return self.allgather([_pieces_of(output, input, self._size)], [input], opts)
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        if len(inputs) != self._size or len(outputs) != self._size:
-            raise ValueError(f"alltoall takes one input and one output tensor per rank ({self._size}); got "
-                             f"{len(inputs)} inputs and {len(outputs)} outputs")
-        flat = np.concatenate([host(t, "alltoall").reshape(-1) for t in inputs])
-        splits = np.array([t.numel() for t in inputs], dtype=np.int32)
+        flat: Any
+        splits: Any = None
+        try:
+            if len(inputs) != self._size or len(outputs) != self._size:
+                raise ValueError(f"alltoall takes one input and one output tensor per rank ({self._size}); got "
+                                 f"{len(inputs)} inputs and {len(outputs)} outputs")
+            flat = np.concatenate([host(t, "alltoall").reshape(-1) for t in inputs])
+            splits = np.array([t.numel() for t in inputs], dtype=np.int32)
+        except (TypeError, ValueError) as exc:
+            flat = _Refused(exc)
         handle = self._ops.alltoall_async(flat, splits)
 
         def finish(results: list[Any]) -> list[torch.Tensor]:
@@ -266,10 +278,11 @@ class UnisonProcessGroup(dist.ProcessGroup):
                           opts: Any = None) -> dist.Work:
         rows = input.shape[0] if input.dim() else 1
         splits = list(input_split_sizes) if input_split_sizes else [rows // self._size] * self._size
+        data: Any = host(input, "all_to_all_single")
         if sum(splits) != rows:
-            raise ValueError(f"all_to_all_single: input_split_sizes {splits} do not add up to the input's "
-                             f"{rows} rows")
-        handle = self._ops.alltoall_async(host(input, "all_to_all_single"), np.asarray(splits, dtype=np.int32))
+            data = _Refused(ValueError(f"all_to_all_single: input_split_sizes {splits} do not add up to the "
+                                       f"input's {rows} rows"))
+        handle = self._ops.alltoall_async(data, np.asarray(splits, dtype=np.int32))
 
         def finish(results: list[Any]) -> list[torch.Tensor]:
             got = [int(c) for c in np.asarray(results[0][1])]
@@ -287,7 +300,14 @@ class UnisonProcessGroup(dist.ProcessGroup):
         root = opts.rootRank if opts is not None else 0
         op, factor = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         given, tensors = tensors, _real(tensors, op, "reduce", written=True)
-        handles = [self._ops.allreduce_async(_premul(host(t, "reduce"), factor), op) for t in tensors]
+        handles = []
+        for t in tensors:
+            try:
+                data: Any = _premul(host(t, "reduce"), factor)
+            except (TypeError, ValueError) as exc:
+                data = _Refused(exc)
+            # the root is compared across ranks (ranks naming different ones kept or dropped the sum silently)
+            handles.append(self._ops.rooted_allreduce_async(data, op, root))
 
         return self._work(handles, lambda results: (_into(tensors, self._rank == root)(results), given)[1])
 
@@ -321,9 +341,13 @@ class UnisonProcessGroup(dist.ProcessGroup):
         root = opts.rootRank if opts is not None else 0
         (out,) = outputs
         splits = np.zeros(self._size, np.int32)
+        data: Any
         if self._rank == root:
-            self._check_pieces(inputs[0], out, "scatter")
-            data = np.concatenate([host(p, "scatter").reshape(-1) for p in inputs[0]])
+            try:
+                self._check_pieces(inputs[0], out, "scatter")
+                data = np.concatenate([host(p, "scatter").reshape(-1) for p in inputs[0]])
+            except (TypeError, ValueError) as exc:
+                data = _Refused(exc)
             splits[:] = out.numel()
         else:
             data = np.zeros(0, dtype=host(out, "scatter").dtype)
@@ -363,6 +387,19 @@ class UnisonProcessGroup(dist.ProcessGroup):
         if any(p.dtype != like.dtype for p in pieces):  # (they were cast silently: 0.5 became 0; gloo refuses)
             raise TypeError(f"{what} needs tensors of one dtype, {like.dtype}; got "
                             f"{sorted({str(p.dtype) for p in pieces})}")
+
+
+class _Refused:
+    """An input that a local check of this rank refused, submitted anyway: converting it raises the check's
+    error, which the engine (or a sub-group's agreement) then raises on every rank of the collective.
+    Raised here alone, it left the other ranks' call unpaired, so the next collective paired with it:
+    stale data on this rank and a hang on the others (before 2026-12-05)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        raise self.error
 
 
 def _bytes(arr: np.ndarray) -> np.ndarray:

@@ -31,7 +31,7 @@ import numpy as np
 from unison.collectives import kernels
 from unison.collectives.reduce import check_op
 from unison.common import runtime
-from unison.common.exceptions import MismatchError
+from unison.common.exceptions import CollectiveError, InvalidArgumentError, MismatchError
 from unison.common.ops import ReduceOp, Sum
 
 __all__ = ["CommOps", "create_sub_communicator"]
@@ -59,6 +59,15 @@ class _Pending:
 
     def add_done_callback(self, fn: Callable[[Any], Any]) -> None:
         self._future.add_done_callback(lambda _f: fn(self))
+
+
+def _array_or_error(tensor: Any) -> tuple[np.ndarray, Exception | None]:
+    """``np.asarray(tensor)`` and no error, or an empty array and the error converting it raised (a local
+    check the process group refused: see :meth:`CommOps._agree`)."""
+    try:
+        return np.asarray(tensor), None
+    except (TypeError, ValueError) as exc:
+        return np.empty(0, np.float32), exc
 
 
 def _name(op: Any) -> str:
@@ -96,24 +105,42 @@ class CommOps:
     def _submit(self, fn: Callable[..., Any], *args: Any) -> _Pending:
         return _Pending(self._thread.submit(fn, *args))
 
-    def _agree(self, what: str, arr: np.ndarray, shape: Sequence[int], extra: int = 0) -> None:
-        key = f"{what}|{arr.dtype.str}|{tuple(shape)}|{extra}".encode()
+    def _agree(self, what: str, arr: np.ndarray, shape: Sequence[int], extra: int = 0,
+               error: Exception | None = None) -> None:
+        """Every member's call compared (a 16-byte digest each); raises on every member when they differ or a
+        member's own checks refused its arguments (``error``: it takes part in this exchange instead of raising
+        alone, which left the others' call unpaired and the next one paired with the wrong call)."""
+        key = (f"refused|{error}" if error is not None
+               else f"{what}|{arr.dtype.str}|{tuple(shape)}|{extra}").encode()
         mine = np.frombuffer(hashlib.blake2b(key, digest_size=16).digest(), np.int64).copy()
         every = np.empty((self.size, 2), np.int64)
         self.comm.Allgather(mine, every)
-        if not (every == mine).all():
-            calls = self.comm.allgather(f"{what}(dtype={arr.dtype}, shape={tuple(arr.shape)}"
-                                        + (f", root={extra})" if what == "broadcast" else ")"))
-            listing = "; ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
-            raise MismatchError(f"the members of this torch.distributed sub-group called different collectives "
-                                f"at the same step ({listing}); every member must pass tensors of the same "
-                                "dtype and shape")
+        if error is None and (every == mine).all():
+            return
+        rooted = what == "broadcast" or what.startswith("reduce/")
+        call = f"{what}(dtype={arr.dtype}, shape={tuple(arr.shape)}" + (f", root={extra})" if rooted else ")")
+        calls = self.comm.allgather((type(error).__name__, str(error)) if error is not None else ("", call))
+        refused = [(r, kind, text) for r, (kind, text) in enumerate(calls) if kind]
+        if refused:
+            cls = CollectiveError if refused[0][1] == "TypeError" else InvalidArgumentError
+            raise cls(f"a torch.distributed sub-group collective was refused on {len(refused)} of {self.size} "
+                      "member(s): " + "; ".join(f"rank {r}: {text}" for r, _, text in refused))
+        listing = "; ".join(f"rank {r}: {text}" for r, (_, text) in enumerate(calls))
+        raise MismatchError(f"the members of this torch.distributed sub-group called different collectives "
+                            f"at the same step ({listing}); every member must pass tensors of the same "
+                            "dtype and shape" + (" and the same root" if rooted else ""))
 
     def allreduce_async(self, tensor: Any, op: Any = Sum, out: np.ndarray | None = None) -> _Pending:
-        return self._submit(self._allreduce, np.asarray(tensor), op, out)
+        return self._submit(self._allreduce, *_array_or_error(tensor), op, out)
 
-    def _allreduce(self, arr: np.ndarray, op: Any, into: np.ndarray | None = None) -> np.ndarray:
-        self._agree(f"allreduce/{_name(op)}", arr, arr.shape)
+    def rooted_allreduce_async(self, tensor: Any, op: Any, root_rank: int) -> _Pending:
+        """An all-reduce whose result only ``root_rank`` keeps, the root compared like a broadcast's."""
+        return self._submit(self._allreduce, *_array_or_error(tensor), op, None, root_rank)
+
+    def _allreduce(self, arr: np.ndarray, error: Exception | None, op: Any, into: np.ndarray | None = None,
+                   root: int = -1) -> np.ndarray:
+        what = f"allreduce/{_name(op)}" if root < 0 else f"reduce/{_name(op)}"
+        self._agree(what, arr, arr.shape, root, error)
         check_op(arr.dtype, op, 1.0, 1.0)  # after the agreement: every member raises alike
         send = _wide(arr)
         out = np.empty_like(send)
@@ -125,20 +152,20 @@ class CommOps:
         return out.astype(arr.dtype, copy=False)
 
     def broadcast_async(self, tensor: Any, root_rank: int = 0) -> _Pending:
-        return self._submit(self._broadcast, np.asarray(tensor), root_rank)
+        return self._submit(self._broadcast, *_array_or_error(tensor), root_rank)
 
-    def _broadcast(self, arr: np.ndarray, root: int) -> np.ndarray:
-        self._agree("broadcast", arr, arr.shape, root)
+    def _broadcast(self, arr: np.ndarray, error: Exception | None, root: int) -> np.ndarray:
+        self._agree("broadcast", arr, arr.shape, root, error)
         buf = np.empty(arr.shape, arr.dtype)
         kernels.broadcast(self.comm, self.mpi, buf, root, _setting("broadcast_algorithm", "auto"), self._chunk(),
                           source=np.ascontiguousarray(arr) if self.rank == root else None)
         return buf
 
     def allgather_async(self, tensor: Any) -> _Pending:
-        return self._submit(self._allgather, np.asarray(tensor))
+        return self._submit(self._allgather, *_array_or_error(tensor))
 
-    def _allgather(self, arr: np.ndarray) -> np.ndarray:
-        self._agree("allgather", arr, arr.shape)
+    def _allgather(self, arr: np.ndarray, error: Exception | None) -> np.ndarray:
+        self._agree("allgather", arr, arr.shape, error=error)
         send = np.ascontiguousarray(arr)
         out = np.empty((self.size * send.shape[0],) + send.shape[1:], send.dtype)
         kernels.allgatherv(self.comm, self.mpi, send, out, [send.nbytes] * self.size,
@@ -146,11 +173,11 @@ class CommOps:
         return out
 
     def reducescatter_async(self, tensor: Any, op: Any = Sum) -> _Pending:
-        return self._submit(self._reducescatter, np.asarray(tensor), op)
+        return self._submit(self._reducescatter, *_array_or_error(tensor), op)
 
-    def _reducescatter(self, stacked: np.ndarray, op: Any) -> np.ndarray:
+    def _reducescatter(self, stacked: np.ndarray, error: Exception | None, op: Any) -> np.ndarray:
         """``stacked``: one piece per member along axis 0; returns this member's reduced piece."""
-        self._agree(f"reducescatter/{_name(op)}", stacked, stacked.shape)
+        self._agree(f"reducescatter/{_name(op)}", stacked, stacked.shape, error=error)
         check_op(stacked.dtype, op, 1.0, 1.0)
         send = _wide(stacked)
         out = np.empty(send.shape[1:], send.dtype)
@@ -159,11 +186,11 @@ class CommOps:
         return out.astype(stacked.dtype, copy=False)
 
     def alltoall_async(self, tensor: Any, splits: Any = None) -> _Pending:
-        return self._submit(self._alltoall, np.asarray(tensor), splits)
+        return self._submit(self._alltoall, *_array_or_error(tensor), splits)
 
-    def _alltoall(self, arr: np.ndarray, splits: Any) -> tuple[np.ndarray, np.ndarray]:
+    def _alltoall(self, arr: np.ndarray, error: Exception | None, splits: Any) -> tuple[np.ndarray, np.ndarray]:
         """Rows ``splits[r]`` (of axis 0) to member r; returns (rows received, by source; rows per source)."""
-        self._agree("alltoall", arr, arr.shape[1:])
+        self._agree("alltoall", arr, arr.shape[1:], error=error)
         rows = arr.shape[0] if arr.ndim else 1
         send_rows = (np.full(self.size, rows // self.size, np.int64) if splits is None
                      else np.asarray(splits, np.int64))

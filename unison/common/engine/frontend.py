@@ -341,6 +341,32 @@ def allgather_async(tensor: Any, name: str | None = None, process_set: ProcessSe
     return _submit(eng, Kind.ALLGATHER, name, arr, sid, checks)
 
 
+def rooted_allreduce_async(tensor: Any, op: Any, root_rank: int, process_set: ProcessSet | None = None) -> Handle:
+    """An all-reduce whose result only ``root_rank`` keeps (``torch.distributed.reduce``), unnamed.
+
+    The root travels in the request's signature, as a broadcast's does, so ranks that name
+    different roots raise :class:`MismatchError` on every rank instead of each keeping or
+    dropping the sum as it thinks (not exported: Horovod has no reduce).
+    """
+    eng = engine("reduce")
+    name = _auto_name("allreduce", None, process_set)
+    if eng is None:
+        return allreduce_async(tensor, op, name=name, process_set=process_set)
+    arr, unusable = _array_or_error(tensor, eng)
+    rop = _op(op)
+    sid, size = _set_id(eng, process_set)
+    root = int(root_rank) if isinstance(root_rank, (int, np.integer)) else -1
+
+    def checks(a: np.ndarray) -> None:
+        if unusable is not None:
+            raise unusable
+        parse_op(op)
+        check_op(a.dtype, rop, 1.0, 1.0)
+        check_root(root_rank, size, "this job" if sid == 0 else f"process set {sid}")
+
+    return _submit(eng, Kind.ALLREDUCE, name, arr, sid, checks, op=int(rop), root=root)
+
+
 def broadcast_async(tensor: Any, root_rank: int = 0, name: str | None = None,
                     process_set: ProcessSet | None = None) -> Handle:
     """Submit a broadcast from ``root_rank`` (a rank of ``process_set``)."""
