@@ -723,6 +723,44 @@ def test_sync_batch_norm_matches_one_process_on_the_concatenated_batch(graph):
     np.testing.assert_allclose(layer.moving_variance.numpy(), 0.5 + 0.5 * var, rtol=1e-3)
 
 
+@MULTI
+def test_sync_batch_norm_in_a_graph_when_one_rank_built_another_layer():
+    """Keras names layers by a count per process: rank 0's extra layer made this one
+    ``sync_batch_normalization_1`` there only, the traced collectives were named after it, and every rank
+    waited for ever (before 2026-12-05)."""
+    if R == 0:
+        hvd.SyncBatchNormalization()
+    batches = [np.random.default_rng(r).normal(size=(4, 3)).astype(np.float32) for r in range(N)]
+    layer = hvd.SyncBatchNormalization(epsilon=1e-3)
+    layer.build((None, 3))
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True)
+            loss = tf.reduce_sum(y * tf.range(1.0, 4.0))
+        return y, tape.gradient(loss, [x, layer.gamma])
+
+    out, (dx, dgamma) = step(tf.constant(batches[R]))
+    full = np.concatenate(batches).astype(np.float64)
+    np.testing.assert_allclose(out.numpy(), (batches[R] - full.mean(0)) / np.sqrt(full.var(0) + 1e-3), rtol=2e-3,
+                               atol=2e-3)
+    assert np.isfinite(dx.numpy()).all() and dgamma.shape == (3,)
+
+
+@pytest.mark.skipif(N < 3, reason="a set that leaves a rank out")
+def test_a_broadcast_root_outside_its_set_names_the_root_and_the_set_on_every_member():
+    ps = hvd.add_process_set([0, 2])
+    try:
+        if ps.included():
+            with pytest.raises(ValueError) as info:
+                hvd.broadcast(tf.ones([2]), root_rank=1, process_set=ps)
+            assert "root_rank=1 is not a rank of process set" in str(info.value) and "[0, 2]" in str(info.value)
+    finally:
+        hvd.remove_process_set(ps)
+
+
 def test_graph_error_marker_names_the_class_and_never_raises_itself():
     """[Note: error classes from graphs]: the marker picks the class, is removed from the message, and a
     code with no class of its own (UNKNOWN) or none at all leaves an UnknownError instead of failing."""

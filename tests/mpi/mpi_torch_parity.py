@@ -397,6 +397,32 @@ def test_init_with_process_sets_and_dynamic():
                                torch.full((2,), float(N)))
 
 
+@pytest.mark.skipif(N < 3, reason="two sets of two ranks, one shared")
+def test_sync_batch_norm_on_a_set_whose_id_a_new_init_gives_again():
+    """Its calls were numbered per set id in a count kept across init(): the new set [1, 2] got the old
+    set [0, 1]'s id, rank 1 went on from its count and rank 2 started at 0, and both waited for ever
+    (before 2026-12-05)."""
+    def stats(members, seed):
+        x = [torch.randn(4, 3, generator=torch.Generator().manual_seed(seed + r)) for r in range(N)]
+        ps = hvd.add_process_set(members)
+        if ps.included():
+            out = hvd.SyncBatchNorm(3, process_set=ps)(x[R])
+            every = torch.cat([x[r] for r in members])
+            k = members.index(R)
+            want = torch.nn.functional.batch_norm(every, None, None, training=True)[4 * k:4 * k + 4]
+            torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+        return ps.process_set_id
+
+    hvd.barrier()
+    hvd.shutdown()
+    hvd.init(process_sets="dynamic")
+    first = stats([0, 1], 10)
+    hvd.barrier()
+    hvd.shutdown()
+    hvd.init(process_sets="dynamic")
+    assert stats([1, 2], 20) == first
+
+
 # ----------------------------------------------------------------- Adasum
 
 def test_adasum_against_the_numpy_tree():
@@ -783,6 +809,18 @@ def test_sync_batch_norm_tolerates_instances_only_some_ranks_build():
     every = torch.cat([torch.randn(4, 3, generator=torch.Generator().manual_seed(r)) for r in range(N)])
     want = torch.nn.functional.batch_norm(every, None, None, training=True)[4 * R:4 * R + 4]
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+
+
+@multi
+def test_sync_batch_norm_in_eval_mode_never_synchronizes():
+    """torch.nn.SyncBatchNorm's and Horovod's rule: eval() uses this rank's batch when there are no
+    running statistics. Before 2026-12-05 it used the ranks' (2.6 off), and one rank evaluating alone hung."""
+    layer = hvd.SyncBatchNorm(3, track_running_stats=False).eval()
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(R)) * (R + 1) + R
+    want = torch.nn.functional.batch_norm(x, None, None, training=True)
+    if R == 0:  # alone: the others do not call it
+        torch.testing.assert_close(layer(x), want)
+    torch.testing.assert_close(layer(x), want)
 
 
 # ----------------------------------------------------------------- from the ops audit of 2026-12-04

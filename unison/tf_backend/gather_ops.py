@@ -124,7 +124,12 @@ def _broadcast(x: tf.Tensor, root_rank: int, name: str, ps: ProcessSet | None) -
     @dense_gradient
     def bcast(t: tf.Tensor) -> Any:
         def start(a: np.ndarray) -> Any:
-            h = frontend.broadcast_async(host_ops.to_wire(a, False), root, name, ps)
+            data: Any = host_ops.to_wire(a, False)
+            if root == -1 and ps is not None:  # every rank raises this, naming the global root and the set
+                data = frontend.Refused(ValueError(
+                    f"root_rank={root_rank} is not a rank of process set {ps.process_set_id} (ranks {ps.ranks}); "
+                    "root_rank is a rank of the job, as in Horovod: pass one of the set's ranks"))
+            h = frontend.broadcast_async(data, root, name, ps)
             return h, lambda r: [host_ops.from_wire(r, a.dtype).reshape(a.shape)]
 
         y = host_ops.run(start, [t], [t.dtype], [t.shape], name)[0]

@@ -45,9 +45,24 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         axes = list(self._reduction_axes)
         count, total = grouped_allreduce([tf.reduce_sum(weights, axes, keepdims=True),
                                           tf.reduce_sum(x * weights, axes, keepdims=True)],
-                                         op=Sum, process_set=self._process_set)
+                                         op=Sum, process_set=self._process_set, name=_name("sync_batch_norm"),
+                                         ignore_name_scope=True)
         mean = total / tf.maximum(count, 1.0)
         squares = allreduce(tf.reduce_sum(tf.square(x - mean) * weights, axes, keepdims=True), op=Sum,
-                            process_set=self._process_set)
+                            process_set=self._process_set, name=_name("sync_batch_norm_squares"),
+                            ignore_name_scope=True)
         variance = squares / tf.maximum(count, 1.0)
         return tf.squeeze(mean, axes), tf.squeeze(variance, axes)
+
+
+def _name(base: str) -> str | None:
+    """The engine name of a statistics collective built now: None eagerly (the calls are numbered as they
+    run), else ``base`` made unique in the graph being traced outside every name scope. Named after the
+    input tensors, as unnamed ops are in a graph, the names held the layer's Keras name, which counts the
+    layers this process made: a rank that built one more layer (an evaluation copy) traced other names,
+    and every rank waited for ever (before 2026-12-05)."""
+    if tf.executing_eagerly():
+        return None
+    graph = tf.compat.v1.get_default_graph()
+    with graph.name_scope(None):  # type: ignore[arg-type]
+        return graph.unique_name(base)  # (the ops add the function path, ignoring the layer's name scope)

@@ -207,7 +207,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
                 self._check_pieces(pieces, out, "reduce_scatter")
                 stacked: Any = _premul(np.stack([host(p, "reduce_scatter") for p in pieces]), factor)
             except (TypeError, ValueError) as exc:
-                stacked = _Refused(exc)
+                stacked = frontend.Refused(exc)
             handles.append(self._ops.reducescatter_async(stacked, op))
 
         return self._work(handles, lambda results: (_into(outputs)(results), given)[1])
@@ -231,7 +231,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
                 self._check_pieces(outs, t, "allgather")
                 row: Any = host(t, "allgather").reshape(1, -1)
             except (TypeError, ValueError) as exc:
-                row = _Refused(exc)
+                row = frontend.Refused(exc)
             handles.append(self._ops.allgather_async(row))
 
         def finish(results: list[Any]) -> list[torch.Tensor]:
@@ -256,7 +256,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
             flat = np.concatenate([host(t, "alltoall").reshape(-1) for t in inputs])
             splits = np.array([t.numel() for t in inputs], dtype=np.int32)
         except (TypeError, ValueError) as exc:
-            flat = _Refused(exc)
+            flat = frontend.Refused(exc)
         handle = self._ops.alltoall_async(flat, splits)
 
         def finish(results: list[Any]) -> list[torch.Tensor]:
@@ -280,8 +280,8 @@ class UnisonProcessGroup(dist.ProcessGroup):
         splits = list(input_split_sizes) if input_split_sizes else [rows // self._size] * self._size
         data: Any = host(input, "all_to_all_single")
         if sum(splits) != rows:
-            data = _Refused(ValueError(f"all_to_all_single: input_split_sizes {splits} do not add up to the "
-                                       f"input's {rows} rows"))
+            data = frontend.Refused(ValueError(f"all_to_all_single: input_split_sizes {splits} do not add up to "
+                                               f"the input's {rows} rows"))
         handle = self._ops.alltoall_async(data, np.asarray(splits, dtype=np.int32))
 
         def finish(results: list[Any]) -> list[torch.Tensor]:
@@ -305,7 +305,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
             try:
                 data: Any = _premul(host(t, "reduce"), factor)
             except (TypeError, ValueError) as exc:
-                data = _Refused(exc)
+                data = frontend.Refused(exc)
             # the root is compared across ranks (ranks naming different ones kept or dropped the sum silently)
             handles.append(self._ops.rooted_allreduce_async(data, op, root))
 
@@ -347,7 +347,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
                 self._check_pieces(inputs[0], out, "scatter")
                 data = np.concatenate([host(p, "scatter").reshape(-1) for p in inputs[0]])
             except (TypeError, ValueError) as exc:
-                data = _Refused(exc)
+                data = frontend.Refused(exc)
             splits[:] = out.numel()
         else:
             data = np.zeros(0, dtype=host(out, "scatter").dtype)
@@ -387,19 +387,6 @@ class UnisonProcessGroup(dist.ProcessGroup):
         if any(p.dtype != like.dtype for p in pieces):  # (they were cast silently: 0.5 became 0; gloo refuses)
             raise TypeError(f"{what} needs tensors of one dtype, {like.dtype}; got "
                             f"{sorted({str(p.dtype) for p in pieces})}")
-
-
-class _Refused:
-    """An input that a local check of this rank refused, submitted anyway: converting it raises the check's
-    error, which the engine (or a sub-group's agreement) then raises on every rank of the collective.
-    Raised here alone, it left the other ranks' call unpaired, so the next collective paired with it:
-    stale data on this rank and a hang on the others (before 2026-12-05)."""
-
-    def __init__(self, error: Exception) -> None:
-        self.error = error
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        raise self.error
 
 
 def _bytes(arr: np.ndarray) -> np.ndarray:

@@ -25,7 +25,6 @@ bias gradients stay local sums, as for any parameter under data parallelism.
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import numpy as np
@@ -139,8 +138,10 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
 
     # names must match across ranks: the training-mode forward calls are numbered in the order they
     # run on each process set (as every rank runs them), not by instance, so a rank may build
-    # instances the others do not (an eval or EMA copy) without shifting every later name
-    _sequence: dict[int, itertools.count] = {}
+    # instances the others do not (an eval or EMA copy) without shifting every later name. The
+    # numbers are the engine's unnamed-call counters ([Note: a counter per process set]): a set's
+    # restart when its id is reused after a new init() (a class-level count per id went on from the
+    # old set's calls on its members only: a hang, before 2026-12-05), and an elastic reset restarts them
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -148,11 +149,12 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
-        if not self.training and self.track_running_stats:
+        if not self.training:  # never synchronized, as torch.nn.SyncBatchNorm and Horovod: without running
+            # statistics, this rank's own batch statistics (before 2026-12-05 they were the ranks', and
+            # one rank evaluating alone waited for the others for ever)
             return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias,
-                                False, 0.0, self.eps)
-        sid = getattr(self.process_set, "process_set_id", None) or 0
-        name = f"sync_batch_norm.{sid}.{next(SyncBatchNorm._sequence.setdefault(sid, itertools.count()))}"
+                                not self.track_running_stats, 0.0, self.eps)
+        name = frontend._auto_name("sync_batch_norm", None, self.process_set)
         cdt = _compute_dtype(input.dtype)
         with torch.no_grad():
             n, mean, m2 = self._global_moments(input.detach().to(cdt), name)

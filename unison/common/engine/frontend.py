@@ -213,6 +213,19 @@ def _submit(eng: Engine, kind: Kind, name: str, tensor: Any, sid: int,
     return eng.submit(req)
 
 
+class Refused:
+    """An input an adapter's own check refused on this rank, submitted anyway in its place: converting it
+    raises ``error``, which the request carries, so every rank of the collective raises it (naming this
+    rank) and the ranks' next calls pair as before. Raised at once on this rank alone, it left the others'
+    call unpaired, and their next collective paired with it: stale data here, a hang there."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        raise self.error
+
+
 def _array_or_error(tensor: Any, eng: Engine | None) -> tuple[np.ndarray, Exception | None]:
     """``np.asarray(tensor)``, and no error; with an engine, an input numpy cannot convert (a ragged list)
     gives an empty array and the error, for the request's ``checks`` to raise, so that it travels in the
