@@ -749,6 +749,23 @@ def test_sync_batch_norm_in_a_graph_when_one_rank_built_another_layer():
     assert np.isfinite(dx.numpy()).all() and dgamma.shape == (3,)
 
 
+def test_a_saved_model_with_sync_batch_norm_loads_without_custom_objects(tmp_path):
+    """Keras's load_model raised "could not be deserialized" without custom_objects before 2026-12-05."""
+    import keras
+
+    from unison.tf_backend import keras_api as k
+
+    model = keras.Sequential([keras.Input((3,)), hvd.SyncBatchNormalization(momentum=0.7), keras.layers.Dense(2)])
+    model(np.ones((4, 3), np.float32), training=True)
+    path = str(tmp_path / f"sbn-{R}.keras")
+    model.save(path)
+    for load in (keras.models.load_model, k.load_model):
+        back = load(path)
+        assert type(back.layers[0]) is hvd.SyncBatchNormalization and back.layers[0].momentum == 0.7
+        for a, b in zip(back.get_weights(), model.get_weights(), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.skipif(N < 3, reason="a set that leaves a rank out")
 def test_a_broadcast_root_outside_its_set_names_the_root_and_the_set_on_every_member():
     ps = hvd.add_process_set([0, 2])

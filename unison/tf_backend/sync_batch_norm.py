@@ -12,6 +12,7 @@ through the global statistics to every rank's inputs.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import keras
@@ -23,9 +24,16 @@ from unison.tf_backend.mpi_ops import allreduce, grouped_allreduce
 
 __all__ = ["SyncBatchNormalization"]
 
+logger = logging.getLogger(__name__)
 
+
+@keras.saving.register_keras_serializable(package="unison")
 class SyncBatchNormalization(keras.layers.BatchNormalization):
     """``keras.layers.BatchNormalization`` whose training statistics cover the batches of all ranks.
+
+    Registered with Keras's serialization, so ``keras.models.load_model`` reloads a saved model
+    holding it without ``custom_objects``. Its process set is not saved: a reloaded layer
+    synchronizes over every rank (a warning says so when a layer on a smaller set is saved).
 
     Args:
         process_set: the ranks whose batches are normalized together (default: all).
@@ -35,6 +43,13 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     def __init__(self, *args: Any, process_set: ProcessSet | None = global_process_set, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._process_set = process_set
+
+    def get_config(self) -> dict[str, Any]:
+        if self._process_set is not global_process_set and self._process_set is not None:
+            logger.warning("SyncBatchNormalization %r synchronizes over process set %s, which is not saved: "
+                           "loaded again, the layer synchronizes over every rank", self.name,
+                           getattr(self._process_set, "ranks", None))
+        return super().get_config()
 
     def _moments(self, inputs: Any, mask: Any) -> Any:
         if set_size(None if self._process_set is global_process_set else self._process_set) == 1:
