@@ -66,6 +66,80 @@ def test_stall_warning_names_tensor_and_missing_rank(tmp_path, check):
     assert float(told[0].split("after ")[1].split("s:")[0]) < 1.0, told
 
 
+LATE = """
+import time, numpy as np, unison
+from mpi4py import MPI
+unison.init()
+r = unison.rank()
+if r == 1:
+    MPI.COMM_WORLD.recv(source=0)  # late: after rank 0's step 1 failed
+for step in (1, 2):
+    handles = {}
+    for n in ("x", "y"):
+        if r == 0 and step == 1 and n == "y":
+            time.sleep(1.5)  # 'y' is younger than the limit when the stall round fails the step
+        handles[n] = unison.allreduce_async(np.full(2, 10.0 ** step), op=unison.Sum, name=n)
+    for n, h in handles.items():
+        try:
+            print(f"rank {r} step {step} {n} {unison.synchronize(h).tolist()}", flush=True)
+        except unison.StallError:
+            print(f"rank {r} step {step} {n} StallError", flush=True)
+    if r == 0 and step == 1:
+        MPI.COMM_WORLD.send("failed", dest=1)
+print(f"rank {r} finished", flush=True)
+"""
+
+
+def test_a_stall_shutdown_leaves_no_late_call_to_pair_with_the_next_step(tmp_path):
+    """Past the shutdown time every pending handle fails; a late rank's own calls of every one of those
+    names fail at once, the young ones too. Before 2026-12-05 only names older than the limit were
+    remembered: the late rank's step-1 'y' paired with rank 0's step-2 'y' (110 for 200), silently."""
+    script = tmp_path / "late.py"
+    script.write_text(LATE)
+    env = mpi_env(UNISON_STALL_CHECK_TIME_SECONDS="60", UNISON_STALL_SHUTDOWN_TIME_SECONDS="3")
+    proc = mpirun(2, [sys.executable, str(script)], timeout=120, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    for r in (0, 1):
+        assert f"rank {r} step 1 x StallError" in out and f"rank {r} step 1 y StallError" in out, out
+        assert f"rank {r} step 2 x [200.0, 200.0]" in out and f"rank {r} step 2 y [200.0, 200.0]" in out, out
+        assert f"rank {r} finished" in out, out
+
+
+ABANDON = """
+import numpy as np, unison
+from mpi4py import MPI
+from unison.common.engine import frontend
+unison.init()
+r = unison.rank()
+eng = frontend.running_engine()
+if r == 0:  # gives up on step 1: never submits 'g'
+    eng.abandon("stage 0 raised ValueError")
+else:
+    try:
+        unison.allreduce(np.ones(3), op=unison.Sum, name="g")
+    except unison.StallError:
+        print(f"rank {r} step 1 g StallError", flush=True)
+MPI.COMM_WORLD.Barrier()  # the end-of-step agreement
+if r == 0:
+    eng.abandon(None)
+print(f"rank {r} step 2 g {unison.allreduce(np.ones(3), op=unison.Sum, name='g').tolist()}", flush=True)
+"""
+
+
+def test_an_abandoned_step_leaves_the_next_steps_names_usable(tmp_path):
+    """Before 2026-12-05 the abandoning rank remembered 'g' (pending on its peer) as stalled, so its
+    step-2 'g' failed at once and the peer's waited: a deadlock, ended here by the collective timeout."""
+    script = tmp_path / "abandon.py"
+    script.write_text(ABANDON)
+    env = mpi_env(UNISON_COLLECTIVE_TIMEOUT_SECONDS="20")
+    proc = mpirun(2, [sys.executable, str(script)], timeout=120, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "rank 1 step 1 g StallError" in out, out
+    assert "rank 0 step 2 g [2.0, 2.0, 2.0]" in out and "rank 1 step 2 g [2.0, 2.0, 2.0]" in out, out
+
+
 SETS = """
 import numpy as np, unison
 from mpi4py import MPI
@@ -458,3 +532,46 @@ def test_collective_timeout_ends_the_job_with_a_report(case, tmp_path):
         assert "submitted by every rank" in out, out
     if case == "hook":
         assert "HOOK CALLED:" in out, out
+
+
+IDLE_BUSY_PEER = """
+import sys, time, numpy as np, unison
+unison.init()
+if unison.rank() == 1:
+    sys.setswitchinterval(100.0)  # this loop keeps the GIL: the engine thread here cannot answer a cycle
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 5:
+        pass
+    sys.setswitchinterval(0.005)
+else:
+    time.sleep(5)  # nothing submitted: the engine's idle cycle waits on rank 1 meanwhile
+print(unison.rank(), unison.allreduce(np.ones(2), op=unison.Sum, name="after").tolist(), "NOT ABORTED", flush=True)
+"""
+
+
+def test_collective_timeout_leaves_an_idle_rank_alone(tmp_path):
+    """Nothing waits on anything: before 2026-12-05 rank 0's idle cycle, held up by a peer that kept its
+    GIL, counted as a collective past the limit and ended the job."""
+    script = tmp_path / "idle.py"
+    script.write_text(IDLE_BUSY_PEER)
+    proc = mpirun(2, [sys.executable, str(script)], timeout=90, env=mpi_env(UNISON_COLLECTIVE_TIMEOUT_SECONDS="2"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert out.count("[2.0, 2.0] NOT ABORTED") == 2, out
+
+
+def test_a_stall_round_is_due_at_the_shutdown_time_between_two_checks():
+    """Check 2 s, shutdown 3 s: the rounds came every 2 s from the last one, so the handles failed at 4 s
+    (check 60, shutdown 90: at 120 s) before 2026-12-05."""
+    from types import SimpleNamespace
+
+    from unison.common.engine.controller import FLAG_STALL_CHECK
+    from unison.common.engine.stalls import stall_flags
+
+    cfg = SimpleNamespace(stall_check_disable=False, stall_check_time_seconds=2.0, stall_shutdown_time_seconds=3.0)
+    now = time.monotonic()
+    ctl = SimpleNamespace(pending={"x": SimpleNamespace(submitted=now - 3.05)})
+    assert stall_flags(ctl, cfg, last_report=now - 1.0) == FLAG_STALL_CHECK  # round at 2 s; 3 s passed since
+    assert stall_flags(ctl, cfg, last_report=now - 0.01) == 0  # that round came after 3 s: judged already
+    young = SimpleNamespace(pending={"x": SimpleNamespace(submitted=now - 2.5)})
+    assert stall_flags(young, cfg, last_report=now - 0.5) == 0

@@ -507,6 +507,12 @@ def test_arguments_one_rank_refuses_raise_on_every_rank_and_the_next_call_pairs(
         dist.reduce(t, dst=1 if bad else 0)
     dist.reduce(t, dst=1)
     assert t.tolist() == ([n * (n + 1) / 2] * 3 if bad else [r + 1.0] * 3)
+    world = dist.new_group()  # another group of every rank: its own engine process set
+    t = torch.full((3,), float(r + 1))
+    with pytest.raises(ValueError, match=r"root_rank=0.*root_rank=1|root_rank=1.*root_rank=0"):
+        dist.reduce(t, dst=1 if bad else 0, group=world)
+    dist.reduce(t, dst=1, group=world)
+    assert t.tolist() == ([n * (n + 1) / 2] * 3 if bad else [r + 1.0] * 3)
 
 
 def test_all_to_all_output_sizes_that_do_not_match_what_arrives_raise_there():

@@ -17,6 +17,7 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
 
 from unison.common.engine.process_sets import ProcessSet, global_process_set, set_size
 from unison.common.ops import Sum
@@ -79,5 +80,9 @@ def _name(base: str) -> str | None:
     if tf.executing_eagerly():
         return None
     graph = tf.compat.v1.get_default_graph()
+    # a tf.cond or loop body counts its names on its own, and the function path leaves it out: numbered
+    # in the function graph around it, a layer inside and one outside it cannot share a name
+    while isinstance(graph, ControlFlowFuncGraph) and getattr(graph, "outer_graph", None) is not None:
+        graph = graph.outer_graph
     with graph.name_scope(None):  # type: ignore[arg-type]
         return graph.unique_name(base)  # (the ops add the function path, ignoring the layer's name scope)

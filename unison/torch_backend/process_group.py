@@ -449,6 +449,9 @@ class _SetOps:
     def alltoall_async(self, arr: Any, splits: Any) -> Any:
         return frontend.alltoall_async(arr, splits, process_set=self.process_set)
 
+    def rooted_allreduce_async(self, arr: Any, op: Any, root: int) -> Any:
+        return frontend.rooted_allreduce_async(arr, op, root, self.process_set)  # (set ranks are job ranks)
+
 
 def _mpi_launch() -> tuple[int, int] | None:
     """(rank, size) of an MPI launch that set no torch rendezvous variables; else None."""

@@ -454,9 +454,11 @@ class Engine:
         group's all-reduces inside the stage): they would wait for ever, since stall shutdown is
         off by default. While abandoning, each of this rank's cycles asks for a stall round
         (``FLAG_STALL_ABORT``) in which every member fails its pending handles with a
-        ``StallError`` carrying ``reason``, and names that this rank never submitted are marked so
-        that its own later submission of them fails too instead of waiting for peers that have
-        moved on. The caller ends it once every rank has left the work (the pipeline driver: after
+        ``StallError`` carrying ``reason``: a member's late submission fails in the next of those
+        rounds (this rank's engine runs an idle cycle at least every ``IDLE_CYCLE_S``). Nothing is
+        remembered past the abandon: before 2026-12-05 the names this rank never submitted were
+        marked, so its next step's call of such a name failed at once while its peers' waited (a
+        deadlock). The caller ends it once every rank has left the work (the pipeline driver: after
         its end-of-step agreement).
         """
         with self._cv:
@@ -661,7 +663,10 @@ class Engine:
         """(requests submitted more than ``limit`` s ago, oldest first; seconds in the current cycle)."""
         with self._cv:
             old = [req for req in self._inflight.values() if now - req.submitted > limit]
-            busy_for = now - self._cycle_since if self._cycle_lock.locked() else 0.0
+            # only while this rank waits on something: an idle cycle held up by a busy peer (one long call
+            # holding its GIL) ended the job with nothing pending anywhere (before 2026-12-05); a stuck
+            # cycle is still caught once a request is submitted and goes overdue
+            busy_for = now - self._cycle_since if (self._cycle_lock.locked() and self._inflight) else 0.0
         return sorted(old, key=lambda req: req.submitted), busy_for
 
     def arrival(self, req: Request) -> str:
@@ -676,6 +681,9 @@ class Engine:
             missing = [r for r in range(ctl.size) if r not in entry and r not in joined]
             return f"not submitted by rank(s) {st.world_ranks(missing)}"
         if ctl.pending.get(req.name) is req:
+            if req.name in ctl.to_announce:  # (it was called a cached name, which it is not)
+                return ("waiting in negotiation: not yet announced to the other ranks (the engine thread "
+                        "is held up in an earlier negotiation or collective)")
             return ("waiting in negotiation (a cached name: which ranks have not submitted it is not "
                     "known here; UNISON_STALL_CHECK_TIME_SECONDS names them)")
         if req in self._queue:

@@ -157,17 +157,25 @@ def _set_counters(process_set: ProcessSet, sid: int) -> collections.Counter[str]
     and started afresh whenever the set is registered under a new id (ids are reused after a
     removal or a new ``init()``; a count left from an earlier set of that id would differ
     between ranks that did and did not belong to it)."""
+    key = (sid, _generation[0])
     held = getattr(process_set, "_unison_auto_names", None)
-    if held is None or held[0] != sid:
-        held = (sid, collections.Counter())
+    if held is None or held[0] != key:
+        held = (key, collections.Counter())
         process_set._unison_auto_names = held  # type: ignore[attr-defined]
     return held[1]
 
 
+#: bumped by :func:`reset_auto_names`: every set's counters start again at their next call
+_generation = [0]
+
+
 def reset_auto_names() -> None:
-    """Start the ``<op>.noname.<n>`` counters again (after an elastic reset, so that ranks
-    that had reached different counts before a failure name their next calls alike)."""
+    """Start the ``<op>.noname.<n>`` counters again, the global set's and every process set's (after an
+    elastic reset, so that ranks that had reached different counts before a failure name their next
+    calls alike; a set's counters kept counting before 2026-12-05, since recovery registers the same
+    set objects under the same ids)."""
     _counters.clear()
+    _generation[0] += 1
 
 
 def _check_local(process_set: ProcessSet | None) -> None:

@@ -48,6 +48,11 @@ def stall_flags(ctl: Controller, cfg: Config, last_report: float) -> int:
     oldest = min(req.submitted for req in ctl.pending.values())
     if now - oldest >= limit and now - last_report >= limit:
         return FLAG_STALL_CHECK
+    shutdown = cfg.stall_shutdown_time_seconds
+    if shutdown and now - oldest >= shutdown and last_report < oldest + shutdown:
+        # due now, not at the next check: spaced by the check time alone, the rounds let a shutdown
+        # time between two of them wait for the later one (check 60 s, shutdown 90 s: failed at 120 s)
+        return FLAG_STALL_CHECK
     return 0
 
 
@@ -77,7 +82,11 @@ def stall_round(ctl: Controller, mpi: Any, cfg: Config, abandon: str | None = No
         return None
     message, missing = verdict
     ctl.fail_all(StallError(message))
-    ctl.mark_stalled({name: message for name, ranks in missing.items() if ctl.rank in ranks})
+    if not gave_up:
+        # (an abandon fails every member's pending handles in each of its cycles while it lasts, late ones
+        # too; remembered past it, a name the giving-up rank never submitted failed its next step's call at
+        # once while its peers' waited: a deadlock, before 2026-12-05)
+        ctl.mark_stalled({name: message for name, ranks in missing.items() if ctl.rank in ranks})
     logger.error("[unison rank %d] the stall inspector failed the pending collectives of every rank "
                  "(process set %d): %s", me, ctl.set_id, message)
     return message
@@ -123,9 +132,11 @@ def _judge(everyone: list[tuple[dict[str, float], list[int], str]], size: int, c
     worst = 0.0
     for name in sorted(have, key=lambda k: (-ages[k], k)):
         absent = [r for r in range(size) if r not in have[name] and r not in joined]
-        if absent and ages[name] >= (_first_limit(cfg) or ages[name]):
+        if not absent:
+            continue
+        missing[name] = absent
+        if ages[name] >= (_first_limit(cfg) or ages[name]):
             lines.append(f"{name!r} (waiting {ages[name]:.1f} s) missing on rank(s) {to_job(absent)}")
-            missing[name] = absent
             worst = max(worst, ages[name])
     if not lines:
         return None
@@ -134,6 +145,9 @@ def _judge(everyone: list[tuple[dict[str, float], list[int], str]], size: int, c
         logger.warning("[unison rank %d] stalled collectives: %s. Some ranks submitted these tensors and "
                        "others have not: check that every rank runs the same collectives.", me, report)
     if cfg.stall_shutdown_time_seconds and worst >= cfg.stall_shutdown_time_seconds:
+        # every pending handle fails, so every name some rank has not submitted is remembered there, the
+        # young ones too: a late rank's call of a name submitted after the oldest stalled one paired with
+        # its peers' next-step call, silently (110 for 200, before 2026-12-05)
         return (f"stalled for more than UNISON_STALL_SHUTDOWN_TIME_SECONDS="
                 f"{cfg.stall_shutdown_time_seconds:g} s: {report}"), missing
     return None

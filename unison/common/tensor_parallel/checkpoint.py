@@ -335,9 +335,17 @@ def _place(param: TPParam, got: Any, saved: ShardSpec) -> np.ndarray:
     return shard_of_full(full, param.spec, param.tp, param.shard)
 
 
-def _unloaded(manifest: ck.Manifest, comm: Any, names: set[str], where: str) -> str | None:
-    """Entries of ``manifest`` that no loading rank asked for (a strict load refuses them)."""
-    every = set().union(*agree.allgather(comm, sorted(names)))
+def _unloaded(manifest: ck.Manifest, comm: Any, names: set[str], where: str, strict: bool) -> str | None:
+    """Entries of ``manifest`` that no loading rank asked for, when ``strict``; or ranks passing different
+    ``strict`` (every rank takes part in the same exchange whatever it passed)."""
+    told = agree.allgather(comm, (bool(strict), sorted(names)))
+    stricts = [s for s, _ in told]
+    if len(set(stricts)) > 1:
+        return (f"ranks passed different strict= values to the load ({stricts}, by rank); pass the same on "
+                "every rank")
+    if not strict:
+        return None
+    every = set().union(*(got for _, got in told))
     extra = sorted(set(manifest.entries) - every)
     if not extra:
         return None
@@ -377,8 +385,8 @@ def load(path: str | os.PathLike[str], params: Sequence[TPParam], comm: Any = No
     except ck.CheckpointError as exc:
         problem = str(exc)
     agree.raise_together(comm, problem)
-    if strict:  # (every rank read the manifest: none had a problem)
-        agree.raise_together(comm, _unloaded(manifest, comm, set(wanted), where))  # type: ignore[arg-type]
+    # (every rank read the manifest: none had a problem)
+    agree.raise_together(comm, _unloaded(manifest, comm, set(wanted), where, strict))  # type: ignore[arg-type]
     got = ck.load(path, wanted, comm, verify=verify)
     saved = manifest if manifest is not None else ck.read_manifest(path)  # read above: no rank had a problem
     pieces = {p.name: _place(p, got[p.name], _saved_spec(saved, p.name)) for p in params}

@@ -131,8 +131,8 @@ class Pipeline(PipelineRunner):
             numbers, before backward.
         loss: a Keras loss, a loss name (``"mse"``) or ``loss(y_true, y_pred)`` returning a
             scalar or per-example values (averaged), applied on the last stage.
-        optimizer: a factory, called once per stage this rank holds (each stage steps its own
-            variables): ``lambda: keras.optimizers.SGD(0.1)``, or an optimizer name (``"adam"``).
+        optimizer: a factory, called once on each rank for the variables of every stage it holds
+            (each once): ``lambda: keras.optimizers.SGD(0.1)``, or an optimizer name (``"adam"``).
         grid: a :func:`pipeline_grid` for data x pipeline; default: one pipeline of all ranks. With
             ``dp > 1`` every replica of a stage starts from pipeline 0's weights (broadcast).
         input_shape: one example's shape (without the batch dimension), needed only when the
@@ -218,7 +218,7 @@ class Pipeline(PipelineRunner):
 
         # agreed: an optimizer that fails on one rank raises on every rank (before 2026-12-05 the others
         # waited in global_loss's collective for ever)
-        agreed(apply, failed=f"the optimizers' apply() for stages {sorted(self.stages)}")
+        agreed(apply, failed=f"the optimizer's apply() for stages {sorted(self.stages)}")
         return self.global_loss(self._worker.loss * share, self._is_mean)
 
     def fit(self, x: Any, y: Any, batch_size: int, epochs: int = 1, verbose: int = 1, shuffle: bool = True,
@@ -282,9 +282,15 @@ class Pipeline(PipelineRunner):
             if opt.global_clipnorm is not None and (self.grid.pp > 1 or self.grid.tp > 1):
                 raise ValueError(
                     f"optimizer() returned an optimizer with global_clipnorm={opt.global_clipnorm}: it would "
-                    "clip by the norm of this rank's gradients only, not the whole model's (each rank holds "
-                    "some stages), so ranks would scale their updates differently from one process. Use "
-                    "clipnorm= (per variable) or clipvalue=, or train without a pipeline")
+                    "clip by the norm of this rank's gradients only (some stages, or shards of them), not the "
+                    "whole model's, so ranks would scale their updates differently from one process. Use "
+                    "clipvalue= (or clipnorm=, per variable, without tensor parallelism), or train without "
+                    "a pipeline")
+            if opt.clipnorm is not None and self.grid.tp > 1:
+                raise ValueError(
+                    f"optimizer() returned an optimizer with clipnorm={opt.clipnorm}: with tensor parallelism "
+                    "(tp > 1) a rank holds shards of split variables, and each shard would be clipped by its "
+                    "own norm, not the variable's. Use clipvalue=, or train without clipping by norm")
             opt.build(self.trainable_variables)
             return opt
 
