@@ -415,6 +415,47 @@ def assert_runs_equal(model: nn.Module, opt: torch.optim.Optimizer, key: str,
                 assert torch.equal(got, want), (key, name, pc)
 
 
+class Heads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.ha, self.hb = nn.Linear(5, 5), nn.Linear(5, 3), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # hb is not used: its unit never steps
+        return self.ha(torch.tanh(self.body(x)))
+
+
+@pytest.mark.skipif(not CKPT, reason="the checkpoint test runs from tests/test_torch_zero3_mpi.py")
+def test_a_checkpoint_whose_parameters_stepped_differently_is_refused_where_they_share_a_segment():
+    """hb's unit never stepped: no state for it. Loaded into one merged unit, or into a ZeRO 2 bucket, hb got
+    its neighbours' step count and zero moments (5.8e-3 off after two steps, silently) before 2026-12-05.
+    Ranks passing an optimizer on some ranks only each loaded what they had (states out of step)."""
+    path = os.path.join(CKPT, f"zero3_mixed_{N}")
+    torch.manual_seed(1)
+    model = shard_module(Heads())
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(torch.randn(4, 5, generator=g)), torch.randn(4, 3, generator=g)).backward()
+        opt.step()
+    hvd.save_sharded(path, model, opt)
+    merged = shard_module(Heads(), unit_classes=(Heads,))
+    with pytest.raises(ValueError, match="saved different optimizer state for parameters that share one"):
+        hvd.load_sharded(path, merged, torch.optim.Adam(merged.parameters(), lr=0.01))
+    plain = Heads()
+    staged = hvd.DistributedOptimizer(torch.optim.Adam(plain.parameters(), lr=0.01),
+                                      named_parameters=plain.named_parameters(), zero_stage=2)
+    with pytest.raises(ValueError, match="saved different optimizer state for parameters that share one"):
+        hvd.load_sharded(path, plain, staged)
+    same = shard_module(Heads())
+    same_opt = torch.optim.Adam(same.parameters(), lr=0.01)
+    hvd.load_sharded(path, same, same_opt)  # the layout it was saved with
+    assert all(torch.equal(v, full_state_dict(model)[k]) for k, v in full_state_dict(same).items())
+    if N > 1:
+        with pytest.raises(ValueError, match="ranks passed different optimizers"):
+            hvd.load_sharded(path, same, same_opt if R == 0 else None)
+
+
 @pytest.mark.skipif(not CKPT, reason="the checkpoint test runs from tests/test_torch_zero3_mpi.py")
 def test_sharded_checkpoint_saved_at_4_loads_at_any_size():
     """Stage 3 + Adam saved at 4 ranks (each rank its runs) resumes at N ranks into stage 3, a plain model +
@@ -653,6 +694,34 @@ def test_float16_gradients_average_without_overflow():
     model(torch.full((1, 1), 2.0 ** -24, dtype=torch.float16)).sum().backward()
     if R == 0:
         assert shard.grad[0].item() == 2.0 ** -24
+
+
+def test_float16_gradients_average_without_overflow_without_masters():
+    """master_weights=False: the float16 average was still summed in float16 (inf) before 2026-12-05."""
+    torch.manual_seed(0)
+    model = shard_module(nn.Sequential(nn.Linear(1, 1, bias=False).half()), master_weights=False)
+    model(torch.full((1, 1), 40000.0, dtype=torch.float16)).sum().backward()
+    (shard,) = [p for p in model.parameters() if p.grad is not None]
+    assert shard.dtype == torch.float16 and torch.isfinite(shard.grad).all(), shard.grad
+    if R == 0:
+        assert shard.grad[0].item() == 40000.0
+
+
+def test_broadcast_optimizer_state_refuses_the_shards_optimizer():
+    """Every rank's state is its own part's: rank 0's moments landed on the others' parts (2.7e-2 off after
+    two steps, silently) before 2026-12-05."""
+    model = shard_module(make("mlp", seed=1))
+    opt = make_opt("adam", model.parameters())
+    with pytest.raises(ValueError, match="steps shards made by shard_module"):
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+
+
+def test_ranks_with_different_sync_module_states_raise_on_every_rank():
+    """Only the ranks with it broadcast: the others hung before 2026-12-05."""
+    if N == 1:
+        pytest.skip("needs two ranks")
+    with pytest.raises(ValueError, match="sync_module_states"):
+        shard_module(make("mlp", seed=1), sync_module_states=R == 0)
 
 
 def test_bad_unit_classes_raise():

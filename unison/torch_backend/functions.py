@@ -72,6 +72,14 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     from unison.torch_backend.tensor_parallel import shards_across
 
     opt = optimizer  # a DistributedOptimizer is an instance of the original class: same state_dict
+    shards = [f"param_groups[{g}]['params'][{i}]" for g, group in enumerate(opt.param_groups)
+              for i, p in enumerate(group["params"]) if getattr(p, "_unison_zero3_shard", False)]
+    if shards:  # (the same on every rank: each holds a shard of every unit)
+        raise ValueError(f"broadcast_optimizer_state: the optimizer steps shards made by shard_module "
+                         f"({shards[:3]}{' ...' if len(shards) > 3 else ''}): every rank's state belongs to a "
+                         "different part of the model, so loading rank 0's would corrupt the others (silently, "
+                         "before 2026-12-05). Each rank keeps its own; to resume, use load_sharded(path, model, "
+                         "optimizer)")
     shards_across([(f"param_groups[{g}]['params'][{i}]", p) for g, group in enumerate(opt.param_groups)
                    for i, p in enumerate(group["params"])], process_set, "broadcast_optimizer_state")
     buf = io.BytesIO()

@@ -137,7 +137,8 @@ def shard_module(model: torch.nn.Module, process_set: ProcessSet | None = None,
         found = _discover(model, unit_classes, prefetch)
         if not isinstance(master_weights, bool):
             raise TypeError(f"master_weights={master_weights!r} must be True or False")
-        mine = ("ok", _signature(found, world, bucket_bytes, master_weights), sum(len(f.params) for f in found))
+        mine = ("ok", _signature(found, world, bucket_bytes, master_weights, bool(sync_module_states)),
+                sum(len(f.params) for f in found))
     except (TypeError, ValueError, RuntimeError) as exc:
         error, mine = exc, ("error", type(exc).__name__, str(exc))
     _agree(allgather_object(mine, f"{tag}.agree", ps), error, rank)
@@ -285,9 +286,11 @@ def _visit(mod: torch.nn.Module, prefix: str, current: _Found | None, model: tor
             _visit(child, f"{prefix}{cname}.", current, model, classes, units, owner, seen)
 
 
-def _signature(found: list[_Found], world: int, bucket_bytes: int, master_weights: bool) -> str:
-    """A digest of every unit's plan: equal on ranks that will shard identically."""
-    desc: list[Any] = [["master_weights", master_weights]]
+def _signature(found: list[_Found], world: int, bucket_bytes: int, master_weights: bool,
+               sync_module_states: bool = False) -> str:
+    """A digest of every unit's plan and the settings every rank must share (only the ranks with
+    ``sync_module_states`` broadcast: a rank without it hung the others, before 2026-12-05)."""
+    desc: list[Any] = [["master_weights", master_weights], ["sync_module_states", sync_module_states]]
     for f in found:
         desc.append([f.name, ShardPlan.build(param_specs(f.names, f.params), world, bucket_bytes).signature()])
     return hashlib.sha256(json.dumps(desc).encode()).hexdigest()[:16]
@@ -305,7 +308,7 @@ def _agree(everyone: list[tuple], error: Exception | None, rank: int) -> None:
         detail = ", ".join(f"rank {r}: {e[1]} ({e[2]} parameters)" for r, e in enumerate(everyone))
         raise ValueError(f"ranks would shard different models (plan signatures {detail}; this is rank {rank}). "
                          "Every rank must build the same model (parameter names, shapes, dtypes) and pass "
-                         "the same bucket_bytes, unit_classes and master_weights")
+                         "the same bucket_bytes, unit_classes, master_weights and sync_module_states")
 
 
 def _broadcast_from_first(model: torch.nn.Module, tag: str, ps: ProcessSet | None) -> None:

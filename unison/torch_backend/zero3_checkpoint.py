@@ -25,13 +25,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from unison.common import agreement, runtime
 from unison.common import checkpoints as ck
-from unison.common import runtime
+from unison.common.checkpoints import agree
 from unison.common.engine.process_sets import set_size
 from unison.torch_backend.tensors import from_numpy, to_numpy
 from unison.torch_backend.zero3_hooks import Sharded
 from unison.torch_backend.zero3_unit import Flat, Unit, dtype_name
-from unison.torch_backend.zero_checkpoint import _groups_metadata, _jsonable, check_optimizer_class
+from unison.torch_backend.zero_checkpoint import (
+    _groups_metadata,
+    _jsonable,
+    check_optimizer_class,
+    mixed_state_problem,
+)
 
 __all__: list[str] = []
 
@@ -177,6 +183,10 @@ def load(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any,
     """:func:`unison.torch_backend.load_sharded` into a sharded model; returns the user metadata."""
     state = _state(model)
     comm, where = _comm(state), os.fspath(path)
+    passed = agree.allgather(comm, None if optimizer is None else type(optimizer).__name__)
+    if len(set(passed)) > 1:  # (each rank loaded what it was given, silently: states out of step)
+        raise ValueError(f"load_sharded: the ranks passed different optimizers ({passed}, by rank); pass the "
+                         "same optimizer class on every rank, or optimizer=None on every rank")
     manifest = ck.read_manifest(path)
     _check_model(state, manifest, where)
     meta = manifest.metadata or {}
@@ -194,6 +204,10 @@ def load(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any,
     if optimizer is not None:
         wanted.update(_optimizer_wanted(state, optimizer, manifest, sharded))
     got = ck.load(path, wanted, comm, verify)
+    if optimizer is not None:
+        groups = [_names_in(unit, key) for _, unit, key in _where(state, optimizer)]
+        problem = mixed_state_problem(where, groups, manifest.entries, sharded, got)
+        agreement.raise_together(comm, problem, ValueError)
     _restore_model(state, got)
     if optimizer is not None:
         _restore_optimizer(state, optimizer, manifest, saved_opt, sharded, got)

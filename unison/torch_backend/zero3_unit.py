@@ -202,9 +202,10 @@ class Unit:
         for key, flat in self.flats.items():
             if not flat.shard.requires_grad:
                 continue
-            # float16 with a float32 master: reduced in float32 (a float16 sum overflowed: two gradients of
-            # 40000 gave inf; dividing first, the fix of that morning, lost a small gradient's bits)
-            wire = torch.float32 if flat.master and flat.dtype == torch.float16 else flat.dtype
+            # float16: reduced in float32, with or without a float32 master (a float16 sum overflowed: two
+            # gradients of 40000 gave inf; dividing first lost a small gradient's bits); the result is added
+            # into the shard's own .grad, rounded once. Before 2026-12-05 only the master path did so
+            wire = torch.float32 if flat.dtype == torch.float16 else flat.dtype
             for b, _ in flat.buckets:
                 buf = torch.zeros(b.padded, dtype=wire)
                 for piece in b.pieces:

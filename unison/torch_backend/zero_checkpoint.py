@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from unison.common import agreement, runtime
 from unison.common import checkpoints as ck
-from unison.common import runtime
 from unison.torch_backend.tensors import from_numpy, to_numpy
 
 __all__ = ["save_sharded", "load_sharded"]
@@ -198,6 +198,11 @@ def load_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
     elif optimizer is not None:
         wanted.update({name: "full" for name in manifest.entries if name.startswith("optim.")})
     got = ck.load(path, wanted, comm, verify)
+    if optimizer is not None and _is_zero(optimizer):
+        groups = [[optimizer._names[p] for p in st.params] for st in optimizer._buckets]
+        problem = mixed_state_problem(os.fspath(path), groups, manifest.entries,
+                                      set(saved_opt.get("sharded_keys", [])), got)
+        agreement.raise_together(comm, problem, ValueError)
     with torch.no_grad():
         model.load_state_dict({k: from_numpy(np.array(got[f"model.{k}"])) for k in keys})
     if optimizer is not None:
@@ -207,6 +212,37 @@ def load_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
                    if not k.startswith("optim.") or k[6:].rsplit(".", 1)[0] in names}
         _restore_optimizer(optimizer, saved_opt, got)
     return meta.get("user", {})
+
+
+def mixed_state_problem(where: str, groups: list[list[str]], entries: Any, sharded: set[str],
+                        got: dict[str, Any]) -> str | None:
+    """Why a load cannot give each group of parameter names (one optimizer segment here: a bucket, or
+    a sharded unit's flat) its saved optimizer state, or None.
+
+    A segment has one state: one step count for all its parameters, moments for all or none. A
+    checkpoint whose parameters in one such group stepped differently (a stage-3 unit that never
+    ran, loaded with its neighbour into one merged unit, or into a ZeRO 1/2 bucket) got the first
+    one's count and zero moments for the others, silently, before 2026-12-05 (Adam 5.8e-3 off).
+    The same on every rank: every rank reads the whole scalars and the manifest's names.
+    """
+    for names in groups:
+        keys = {n: tuple(sorted(e[len(f"optim.{n}."):] for e in entries if e.startswith(f"optim.{n}.")
+                                and "." not in e[len(f"optim.{n}."):])) for n in names}
+        differ = len(set(keys.values())) > 1
+        if not differ:
+            for k in [k for k in keys[names[0]] if k not in sharded] if names else []:
+                values = {n: np.asarray(got[f"optim.{n}.{k}"]).tolist() for n in names if f"optim.{n}.{k}" in got}
+                differ = differ or len({repr(v) for v in values.values()}) > 1
+        if differ:
+            shown = {n: {k: (np.asarray(got[f"optim.{n}.{k}"]).tolist() if k not in sharded and
+                             f"optim.{n}.{k}" in got else "...") for k in keys[n]} or "no state"
+                     for n in names[:4]}
+            return (f"the checkpoint at {where!r} saved different optimizer state for parameters that share "
+                    f"one optimizer segment here ({shown}{' ...' if len(names) > 4 else ''}): a segment has one "
+                    "state (one step count), so they would all get the first one's, silently. Load it with the "
+                    "layout it was saved with (the same unit_classes, or zero stage), or into the plain model "
+                    "and optimizer")
+    return None
 
 
 def check_optimizer_class(where: str, saved_opt: dict[str, Any], optimizer: Any) -> None:
