@@ -537,6 +537,7 @@ def test_collective_timeout_ends_the_job_with_a_report(case, tmp_path):
 IDLE_BUSY_PEER = """
 import sys, time, numpy as np, unison
 unison.init()
+submit_after = float(sys.argv[1])
 if unison.rank() == 1:
     sys.setswitchinterval(100.0)  # this loop keeps the GIL: the engine thread here cannot answer a cycle
     t0 = time.monotonic()
@@ -544,17 +545,20 @@ if unison.rank() == 1:
         pass
     sys.setswitchinterval(0.005)
 else:
-    time.sleep(5)  # nothing submitted: the engine's idle cycle waits on rank 1 meanwhile
+    time.sleep(submit_after)  # nothing submitted meanwhile: the engine's idle cycle waits on rank 1
 print(unison.rank(), unison.allreduce(np.ones(2), op=unison.Sum, name="after").tolist(), "NOT ABORTED", flush=True)
 """
 
 
-def test_collective_timeout_leaves_an_idle_rank_alone(tmp_path):
-    """Nothing waits on anything: before 2026-12-05 rank 0's idle cycle, held up by a peer that kept its
-    GIL, counted as a collective past the limit and ended the job."""
+@pytest.mark.parametrize("submit_after", ["5", "2.5"])
+def test_collective_timeout_times_a_wait_from_its_request(tmp_path, submit_after):
+    """Limit 4 s; rank 1 keeps its GIL for 5 s, so rank 0's idle cycle cannot end. Before 2026-12-05 that
+    idle cycle counted as a collective past the limit and ended the job, with nothing pending (5), and
+    when rank 0 then submitted at 2.5 s its request was timed from the cycle's start (4 s, not 2.5)."""
     script = tmp_path / "idle.py"
     script.write_text(IDLE_BUSY_PEER)
-    proc = mpirun(2, [sys.executable, str(script)], timeout=90, env=mpi_env(UNISON_COLLECTIVE_TIMEOUT_SECONDS="2"))
+    env = mpi_env(UNISON_COLLECTIVE_TIMEOUT_SECONDS="4")
+    proc = mpirun(2, [sys.executable, str(script), submit_after], timeout=90, env=env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert out.count("[2.0, 2.0] NOT ABORTED") == 2, out

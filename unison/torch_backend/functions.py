@@ -11,7 +11,7 @@ import torch
 from unison.common import runtime
 from unison.common.engine import frontend
 from unison.common.engine.objects import allgather_object, broadcast_object
-from unison.common.engine.process_sets import ProcessSet
+from unison.common.engine.process_sets import ProcessSet, set_size
 from unison.torch_backend.mpi_ops import broadcast_async_, synchronize
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object"]
@@ -65,16 +65,16 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     ``process_set``, when given: the data-parallel group of a tensor-parallel model).
 
     Raises:
-        ValueError: a rank could not load the root's state (on every rank), or the optimizer
+        ValueError: a rank could not load the root's state (on every rank), the optimizer
             steps shards of a tensor-parallel layer that ``process_set`` would overwrite with
-            another rank's.
+            another rank's, or it steps ``shard_module``'s shards (on more than one rank).
     """
     from unison.torch_backend.tensor_parallel import shards_across
 
     opt = optimizer  # a DistributedOptimizer is an instance of the original class: same state_dict
     shards = [f"param_groups[{g}]['params'][{i}]" for g, group in enumerate(opt.param_groups)
               for i, p in enumerate(group["params"]) if getattr(p, "_unison_zero3_shard", False)]
-    if shards:  # (the same on every rank: each holds a shard of every unit)
+    if shards and set_size(process_set) > 1:  # (the same on every rank: each holds a shard of every unit)
         raise ValueError(f"broadcast_optimizer_state: the optimizer steps shards made by shard_module "
                          f"({shards[:3]}{' ...' if len(shards) > 3 else ''}): every rank's state belongs to a "
                          "different part of the model, so loading rank 0's would corrupt the others (silently, "

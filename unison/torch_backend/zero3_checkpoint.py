@@ -27,7 +27,6 @@ import torch
 
 from unison.common import agreement, runtime
 from unison.common import checkpoints as ck
-from unison.common.checkpoints import agree
 from unison.common.engine.process_sets import set_size
 from unison.torch_backend.tensors import from_numpy, to_numpy
 from unison.torch_backend.zero3_hooks import Sharded
@@ -35,6 +34,7 @@ from unison.torch_backend.zero3_unit import Flat, Unit, dtype_name
 from unison.torch_backend.zero_checkpoint import (
     _groups_metadata,
     _jsonable,
+    agree_optimizers,
     check_optimizer_class,
     mixed_state_problem,
 )
@@ -183,10 +183,7 @@ def load(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any,
     """:func:`unison.torch_backend.load_sharded` into a sharded model; returns the user metadata."""
     state = _state(model)
     comm, where = _comm(state), os.fspath(path)
-    passed = agree.allgather(comm, None if optimizer is None else type(optimizer).__name__)
-    if len(set(passed)) > 1:  # (each rank loaded what it was given, silently: states out of step)
-        raise ValueError(f"load_sharded: the ranks passed different optimizers ({passed}, by rank); pass the "
-                         "same optimizer class on every rank, or optimizer=None on every rank")
+    agree_optimizers(comm, optimizer)
     manifest = ck.read_manifest(path)
     _check_model(state, manifest, where)
     meta = manifest.metadata or {}

@@ -21,6 +21,7 @@ import torch
 
 from unison.common import agreement, runtime
 from unison.common import checkpoints as ck
+from unison.common.checkpoints import agree
 from unison.torch_backend.tensors import from_numpy, to_numpy
 
 __all__ = ["save_sharded", "load_sharded"]
@@ -177,6 +178,7 @@ def load_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
 
         return zero3_checkpoint.load(path, model, optimizer, verify)
     comm = _comm(optimizer)
+    agree_optimizers(comm, optimizer)
     manifest = ck.read_manifest(path)
     keys = list(model.state_dict().keys())
     missing = [k for k in keys if f"model.{k}" not in manifest.entries]
@@ -212,6 +214,17 @@ def load_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
                    if not k.startswith("optim.") or k[6:].rsplit(".", 1)[0] in names}
         _restore_optimizer(optimizer, saved_opt, got)
     return meta.get("user", {})
+
+
+def agree_optimizers(comm: Any, optimizer: Any) -> list[str | None]:
+    """Every rank's optimizer class name (None where it passed none); raises ``ValueError`` on every rank
+    when they differ: each rank loaded what it was given (states out of step), and a rank with a ZeRO
+    optimizer waited in a collective the others skipped (a hang), before 2026-12-05."""
+    passed = agree.allgather(comm, None if optimizer is None else type(optimizer).__name__)
+    if len(set(passed)) > 1:
+        raise ValueError(f"load_sharded: the ranks passed different optimizers ({passed}, by rank); pass the "
+                         "same optimizer class on every rank, or optimizer=None on every rank")
+    return passed
 
 
 def mixed_state_problem(where: str, groups: list[list[str]], entries: Any, sharded: set[str],

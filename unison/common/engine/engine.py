@@ -666,7 +666,10 @@ class Engine:
             # only while this rank waits on something: an idle cycle held up by a busy peer (one long call
             # holding its GIL) ended the job with nothing pending anywhere (before 2026-12-05); a stuck
             # cycle is still caught once a request is submitted and goes overdue
-            busy_for = now - self._cycle_since if (self._cycle_lock.locked() and self._inflight) else 0.0
+            busy_for = 0.0
+            if self._cycle_lock.locked() and self._inflight:  # (from the first request: the wait it caused)
+                since = max(self._cycle_since, min(req.submitted for req in self._inflight.values()))
+                busy_for = now - since
         return sorted(old, key=lambda req: req.submitted), busy_for
 
     def arrival(self, req: Request) -> str:
