@@ -290,6 +290,24 @@ def test_predict_returns_the_global_predictions_on_every_rank(strategy):
     assert same_everywhere([out])
 
 
+@pytest.mark.parametrize("how", ["arrays", "dataset", "on_batch"])
+def test_predict_builds_an_unbuilt_model_as_keras_does(strategy, how):
+    """Keras builds an unbuilt model in predict; under the strategy that happened inside the traced step,
+    which refuses new variables (a RuntimeError on every rank, before 2026-12-05)."""
+    keras.utils.set_random_seed(5 + R)
+    with strategy.scope():
+        model = keras.Sequential([keras.layers.Dense(2)])
+    x = X[:8]
+    if how == "arrays":
+        out = model.predict(x, verbose=0)
+    elif how == "dataset":
+        out = model.predict(tf.data.Dataset.from_tensor_slices((x, Y[:8])).batch(4), verbose=0)
+    else:
+        out = model.predict_on_batch(x)
+    assert out.shape == (8, 2) and same_everywhere([out] + model.get_weights())
+    np.testing.assert_allclose(out, x @ model.get_weights()[0] + model.get_weights()[1], rtol=1e-5, atol=1e-5)
+
+
 def shared_dir(tmp_path_factory, name):
     return WORLD.bcast(str(tmp_path_factory.mktemp(name)) if R == 0 else None)
 

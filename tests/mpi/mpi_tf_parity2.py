@@ -182,9 +182,11 @@ def test_partial_distributed_optimizer_in_fit():
 def test_metric_average_callback_takes_device():
     cb = hvd_keras.callbacks.MetricAverageCallback(device="")
     assert cb.device == ""
-    logs = {"loss": float(R), "acc": 2.0 * R}
+    logs = {"loss": float(R), "acc": 2.0 * R, "f1": np.array([R, 2.0 * R])}
     cb.on_epoch_end(0, logs)
-    assert logs == pytest.approx({"loss": (N - 1) / 2, "acc": float(N - 1)})
+    assert logs["loss"] == pytest.approx((N - 1) / 2) and logs["acc"] == pytest.approx(float(N - 1))
+    # an array metric (F1Score(average=None)) is averaged too: it was left per rank before 2026-12-05
+    np.testing.assert_allclose(logs["f1"], [(N - 1) / 2, float(N - 1)])
     assert hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0, device="/cpu:0").device == "/cpu:0"
 
 

@@ -26,7 +26,8 @@ import keras
 import numpy as np
 
 from unison.common import runtime
-from unison.common.engine import frontend
+from unison.common.engine import frontend, objects
+from unison.common.exceptions import MismatchError
 from unison.common.files import atomic_keras_save
 from unison.common.ops import Average
 from unison.keras.data_parallel import without_seed_states
@@ -141,22 +142,39 @@ class MetricAverageCallback(keras.callbacks.Callback):
         self.device = device
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        if not logs:
-            return
+        logs = logs if logs is not None else {}
         # every numeric value, arrays too (F1Score(average=None) logs one per class: they were left
-        # per rank), in one all-reduce
+        # per rank), in one all-reduce, after every rank has checked that all log the same ones
         values = {k: _numeric(v) for k, v in logs.items()}
         keys = sorted(k for k, v in values.items() if v is not None)
+        check_same_metrics({k: list(values[k].shape) for k in keys}, epoch)
         if not keys:
             return
         flat = np.concatenate([values[k].reshape(-1) for k in keys]).astype(np.float64)
-        averaged = np.asarray(frontend.allreduce(flat, Average))
+        averaged = np.asarray(frontend.allreduce(flat, Average, f"MetricAverage.{epoch}"))
         start = 0
         for key in keys:
             shape, size = values[key].shape, values[key].size
             part = averaged[start:start + size].reshape(shape)
             logs[key] = float(part) if not shape and isinstance(logs[key], (int, float, np.number)) else part
             start += size
+
+
+def check_same_metrics(shapes: dict[str, list[int]], epoch: int) -> None:
+    """Raise on every rank unless every rank logs the metrics ``shapes`` names, each of that shape.
+
+    The values are averaged as one vector, by position: before 2026-12-05 ranks with as many metrics
+    but different names (``mae`` here, ``mse`` there) averaged different metrics together silently.
+
+    Raises:
+        MismatchError: the ranks' metric names or shapes differ (each rank's are named).
+    """
+    every = objects.allgather_object(shapes, f"MetricAverage.{epoch}.keys")
+    if any(other != shapes for other in every):
+        views = "; ".join(f"rank {r}: {sorted(k)}" for r, k in enumerate(every))
+        raise MismatchError(f"MetricAverageCallback averages the same metrics on every rank, but the ranks "
+                            f"logged different ones at epoch {epoch} ({views}; shapes {every}); compile every "
+                            "rank's model with the same metrics")
 
 
 def _numeric(value: Any) -> np.ndarray | None:

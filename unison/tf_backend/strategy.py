@@ -707,6 +707,23 @@ def _gather_predictions(model: Any) -> None:
     model.predict_function = None  # trace again, with the gather
 
 
+def _build_for_predict(model: Any, x: Any) -> None:
+    """Build an unbuilt model on one row of ``x`` (arrays, tensors or a dataset), eagerly in its
+    strategy's scope, as ``fit`` and ``evaluate`` have Keras do: ``predict`` first built it inside
+    its traced step, where the strategy refuses to create variables (a RuntimeError on every rank
+    where Keras without a strategy predicts, before 2026-12-05)."""
+    import keras
+
+    if model.built or x is None:
+        return
+    if isinstance(x, tf.data.Dataset):
+        first = next(iter(x.take(1)))
+        x = keras.utils.unpack_x_y_sample_weight(first)[0] if isinstance(first, tuple) else first
+    row = nest.map_structure(lambda a: a[:1] if isinstance(a, tf.Tensor) else np.asarray(a)[:1], x)
+    with model.distribute_strategy.scope():
+        model(row, training=False)
+
+
 def _guard_keras() -> None:
     """Adapt ``keras.Model`` methods for models created under a UnisonStrategy.
 
@@ -747,6 +764,8 @@ def _guard_keras() -> None:
                 _check_metrics([m for key in ("metrics", "weighted_metrics") for m in nest.flatten(given.get(key))
                                 if isinstance(m, keras.metrics.Metric)], "model.compile()")
                 _check_losses(nest.flatten(given.get("loss")))
+            if name == "predict" and _unison_model(self):
+                _build_for_predict(self, signature.bind(self, *args, **kwargs).arguments.get("x"))
             if name in ("fit", "evaluate", "predict") and _unison_model(self) and runtime.size() > 1:
                 arguments = signature.bind(self, *args, **kwargs).arguments
                 _agree_on_arrays(f"model.{name}", arguments)
@@ -803,6 +822,7 @@ def _guard_keras() -> None:
         batch came back concatenated (every row ``size`` times)."""
         if not _unison_model(self) or runtime.size() == 1:
             return original_pob(self, x)
+        _build_for_predict(self, x)
         _gather_predictions(self)
         r, n = runtime.rank(), runtime.size()
 

@@ -19,10 +19,9 @@ import numpy as np
 
 from unison.common import runtime
 from unison.common.engine import frontend, objects
-from unison.common.exceptions import MismatchError, UnisonError
+from unison.common.exceptions import UnisonError
 from unison.common.files import atomic_keras_save, atomic_path, remove_leftovers
-from unison.common.ops import Average
-from unison.keras.callbacks import check_broadcast_target, split_layers
+from unison.keras.callbacks import MetricAverageCallback, check_broadcast_target, split_layers
 from unison.keras.data_parallel import without_seed_states
 from unison.tf_backend.functions import without_rank_local
 
@@ -79,44 +78,6 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     def _broadcast_model(self, tag: str) -> None:
         variables = without_seed_states(self.model, list(self.model.variables))  # random state stays each rank's
         _broadcast_all(variables, self.root_rank, tag, self.process_set)
-
-
-class MetricAverageCallback(keras.callbacks.Callback):
-    """Average the epoch's metrics over the ranks, so every rank logs the same numbers.
-
-    ``device`` is accepted for Horovod's signature and ignored: the average runs on host memory.
-    """
-
-    def __init__(self, device: str = "") -> None:
-        super().__init__()
-        self.device = device
-
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        if not logs:
-            return
-        keys = sorted(k for k, v in logs.items() if isinstance(v, (int, float, np.floating)))
-        _check_same_metrics(keys, epoch)
-        values = frontend.allreduce(np.array([float(logs[k]) for k in keys]), Average,
-                                    f"MetricAverage.{epoch}")
-        for k, v in zip(keys, values.tolist(), strict=True):
-            logs[k] = v
-
-
-def _check_same_metrics(keys: list[str], epoch: int) -> None:
-    """Raise on every rank unless every rank logs the metrics ``keys``.
-
-    The values are averaged as one vector, by position: before 2026-12-05 ranks with as many metrics
-    but different names (``mae`` here, ``mse`` there) averaged different metrics together silently.
-
-    Raises:
-        MismatchError: the ranks' metric names differ (each rank's are named).
-    """
-    every = objects.allgather_object(keys, f"MetricAverage.{epoch}.keys")
-    if any(other != keys for other in every):
-        views = "; ".join(f"rank {r}: {k}" for r, k in enumerate(every))
-        raise MismatchError(f"MetricAverageCallback averages the same metrics on every rank, but the ranks "
-                            f"logged different ones at epoch {epoch} ({views}); compile every rank's model "
-                            "with the same metrics")
 
 
 def _set_lr(model: Any, value: float) -> None:
