@@ -749,6 +749,35 @@ def test_broadcast_parameters_takes_bare_tensors_as_horovod():
     assert all(torch.equal(p, torch.full_like(p, float(N - 1))) for p in model.parameters())
 
 
+def test_optimizer_keeps_the_users_defaults_and_refuses_what_it_cannot_wrap():
+    """Before 2026-12-05: a group added after wrapping got torch's defaults (lr 0.001, no momentum), a
+    parameter listed twice failed at the first backward blaming backward_passes_per_step, ranks with
+    different sparse_as_dense hung, and a class with a required argument failed with a bare TypeError."""
+    model = torch.nn.Linear(3, 2)
+    extra = torch.nn.Parameter(torch.zeros(2))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4),
+                                   named_parameters=model.named_parameters())
+    assert {k: opt.defaults[k] for k in ("lr", "momentum", "weight_decay")} == {
+        "lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4}
+    opt.add_param_group({"params": [extra]})
+    assert (opt.param_groups[-1]["lr"], opt.param_groups[-1]["momentum"]) == (0.1, 0.9)
+    w = model.weight
+    with pytest.raises(ValueError, match="lists one parameter twice"):
+        hvd.DistributedOptimizer(torch.optim.SGD([w, w], lr=0.1))
+
+    class NeedsLr(torch.optim.SGD):
+        def __init__(self, params, lr):
+            super().__init__(params, lr=lr)
+
+    with pytest.raises(TypeError, match="give its other arguments defaults"):
+        hvd.DistributedOptimizer(NeedsLr(model.parameters(), 0.1), named_parameters=model.named_parameters())
+    if N > 1:
+        with pytest.raises(ValueError, match="sparse_as_dense=True.*sparse_as_dense=False|sparse_as_dense=False.*"
+                                             "sparse_as_dense=True"):
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters(), sparse_as_dense=R == 0)
+
+
 def test_optimizer_accumulation_is_never_lost_silently():
     """``zero_grad`` between accumulated passes raises (Horovod asserts); ``load_state_dict`` starts the
     count afresh (Horovod's override does)."""

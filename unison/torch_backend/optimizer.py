@@ -398,6 +398,13 @@ def parameters_signature(named: list[tuple[str, torch.Tensor]]) -> str:
 def _named(optimizer: torch.optim.Optimizer,
            named_parameters: Iterable[tuple[str, torch.Tensor]] | None) -> list[tuple[str, torch.Tensor]]:
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    seen: dict[int, int] = {}
+    for i, p in enumerate(params):
+        if id(p) in seen:  # (two hooks on one parameter: a misleading backward_passes_per_step error)
+            raise ValueError(f"the optimizer lists one parameter twice (positions {seen[id(p)]} and {i} of its "
+                             "parameter groups); list each parameter once (torch warns that it will refuse "
+                             "duplicates)")
+        seen[id(p)] = i
     if named_parameters is None:
         return _default_names(optimizer)
     named = list(named_parameters)
@@ -512,11 +519,24 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
         return make_zero_optimizer(optimizer, named, stage, compression, backward_passes_per_step, rop,
                                    gradient_predivide_factor, process_set, zero_bucket_bytes)
     if process_set is None or process_set.included():  # (outside the set: local steps, nothing to agree)
-        agree_on_stage(0, parameters_signature(named), process_set)
+        # the options too: ranks with different sparse_as_dense made different collectives for one gradient
+        # (a hang), and different backward_passes_per_step stepped on the wrong reduction
+        options = (f"op={rop!r} compression={getattr(compression, '__name__', type(compression).__name__)} "
+                   f"backward_passes_per_step={backward_passes_per_step} sparse_as_dense={bool(sparse_as_dense)} "
+                   f"gradient_predivide_factor={float(gradient_predivide_factor)}")
+        agree_on_stage(0, f"{parameters_signature(named)}; {options}", process_set)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
-    wrapped = cls(optimizer.param_groups, named, compression, backward_passes_per_step, rop,
-                  gradient_predivide_factor, _groups(optimizer, num_groups, groups), sparse_as_dense,
-                  process_set)
+    try:
+        wrapped = cls(optimizer.param_groups, named, compression, backward_passes_per_step, rop,
+                      gradient_predivide_factor, _groups(optimizer, num_groups, groups), sparse_as_dense,
+                      process_set)
+    except TypeError as exc:
+        raise TypeError(f"DistributedOptimizer makes a {optimizer.__class__.__name__} again from the parameter "
+                        f"groups alone (as Horovod does), and its __init__ refused that ({exc}); give its other "
+                        "arguments defaults (the groups keep the values you passed)") from exc
+    # the user's defaults, not the class's: a group added later (add_param_group) takes its missing settings
+    # from them (it got torch's lr=0.001, momentum=0 before 2026-12-05)
+    wrapped.defaults = dict(optimizer.defaults)
     if optimizer.state:
         wrapped.load_state_dict(optimizer.state_dict())
     return wrapped

@@ -283,7 +283,7 @@ def agree_on_stage(zero_stage: int, signature: str | None, process_set: ProcessS
         table = ", ".join(f"rank {r}: zero_stage={s}" + (f" plan {sig}" if sig else "")
                           for r, (s, sig) in enumerate(everyone))
         raise ValueError(f"ranks disagree on the DistributedOptimizer's sharding ({table}); every rank must "
-                         "wrap the same model's parameters with the same zero_stage")
+                         "wrap the same model's parameters with the same zero_stage and options")
 
 def clip_grad_norm_(target: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip sharded gradients by their global norm (every rank's shards together); return the norm.
