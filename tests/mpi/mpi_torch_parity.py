@@ -776,6 +776,13 @@ def test_optimizer_keeps_the_users_defaults_and_refuses_what_it_cannot_wrap():
                                              "sparse_as_dense=True"):
             hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                      named_parameters=model.named_parameters(), sparse_as_dense=R == 0)
+        with pytest.raises(ValueError, match="backward_passes_per_step=2"):  # ZeRO too: reduce-scatters on
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),  # different passes
+                                     named_parameters=model.named_parameters(), zero_stage=2,
+                                     backward_passes_per_step=2 if R == 0 else 1)
+    zero = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                    named_parameters=model.named_parameters(), zero_stage=1)
+    assert (zero.defaults["lr"], zero.defaults["momentum"]) == (0.1, 0.9)
 
 
 def test_optimizer_accumulation_is_never_lost_silently():

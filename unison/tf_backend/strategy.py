@@ -708,18 +708,26 @@ def _gather_predictions(model: Any) -> None:
 
 
 def _build_for_predict(model: Any, x: Any) -> None:
-    """Build an unbuilt model on one row of ``x`` (arrays, tensors or a dataset), eagerly in its
-    strategy's scope, as ``fit`` and ``evaluate`` have Keras do: ``predict`` first built it inside
-    its traced step, where the strategy refuses to create variables (a RuntimeError on every rank
-    where Keras without a strategy predicts, before 2026-12-05)."""
-    import keras
-
+    """Build an unbuilt model on one row of ``x`` (arrays or tensors, nested or not; zeros shaped like a
+    dataset's elements), eagerly in its strategy's scope, as ``fit`` and ``evaluate`` have Keras do:
+    ``predict`` first built it inside its traced step, where the strategy refuses to create variables
+    (a RuntimeError on every rank where Keras without a strategy predicts, before 2026-12-05). Other
+    inputs (a generator, a PyDataset, sparse or ragged tensors) are left to Keras, as before."""
     if model.built or x is None:
         return
-    if isinstance(x, tf.data.Dataset):
-        first = next(iter(x.take(1)))
-        x = keras.utils.unpack_x_y_sample_weight(first)[0] if isinstance(first, tuple) else first
-    row = nest.map_structure(lambda a: a[:1] if isinstance(a, tf.Tensor) else np.asarray(a)[:1], x)
+    if isinstance(x, tf.data.Dataset):  # zeros of its elements' spec: a row taken from it would be lost to
+        spec = x.element_spec           # a dataset over a shared iterator
+        spec = spec[0] if isinstance(spec, tuple) and len(spec) in (1, 2, 3) else spec  # (x, y, weights)
+        specs = nest.flatten(spec)
+        if not specs or not all(isinstance(t, tf.TensorSpec) and t.shape.rank and
+                                t.shape[1:].is_fully_defined() for t in specs):
+            return
+        x = nest.map_structure(lambda t: tf.zeros([1, *t.shape[1:]], t.dtype), spec)
+    leaves = nest.flatten(x)
+    if not leaves or not all(isinstance(a, (np.ndarray, tf.Tensor)) and not isinstance(a, tf.SparseTensor)
+                             and len(a.shape) > 0 for a in leaves):
+        return  # (a generator, a PyDataset, sparse or ragged input: left to Keras, as before)
+    row = nest.map_structure(lambda a: a[:1], x)
     with model.distribute_strategy.scope():
         model(row, training=False)
 
@@ -764,8 +772,6 @@ def _guard_keras() -> None:
                 _check_metrics([m for key in ("metrics", "weighted_metrics") for m in nest.flatten(given.get(key))
                                 if isinstance(m, keras.metrics.Metric)], "model.compile()")
                 _check_losses(nest.flatten(given.get("loss")))
-            if name == "predict" and _unison_model(self):
-                _build_for_predict(self, signature.bind(self, *args, **kwargs).arguments.get("x"))
             if name in ("fit", "evaluate", "predict") and _unison_model(self) and runtime.size() > 1:
                 arguments = signature.bind(self, *args, **kwargs).arguments
                 _agree_on_arrays(f"model.{name}", arguments)
@@ -773,6 +779,8 @@ def _guard_keras() -> None:
                     agreed = _agreed_shuffle(arguments)
                     if agreed is not None:
                         return original(self, **agreed)
+            if name == "predict" and _unison_model(self):  # (after the agreement: building broadcasts)
+                _build_for_predict(self, signature.bind(self, *args, **kwargs).arguments.get("x"))
             return original(self, *args, **kwargs)
 
         guarded.__doc__ = original.__doc__

@@ -386,6 +386,19 @@ def _check_zero(stage: int, op: Any, num_groups: int, groups: Any) -> None:
         raise ValueError(f"zero_stage={stage} fuses gradients into its own buckets; drop num_groups/groups")
 
 
+def _init_refuses_params_alone(cls: type) -> str | None:
+    """Why ``cls(param_groups)`` cannot be called (an ``__init__`` with another required argument), or None."""
+    import inspect
+
+    try:
+        inspect.signature(cls.__init__).bind(None, [])
+    except TypeError as exc:
+        return str(exc)
+    except ValueError:  # no signature to read (a C-implemented __init__): let it try
+        return None
+    return None
+
+
 def parameters_signature(named: list[tuple[str, torch.Tensor]]) -> str:
     """A short digest of the wrapped parameters' names, shapes and dtypes: ranks that wrapped
     different parameter sets would wait for each other's gradients for ever."""
@@ -515,25 +528,27 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
         raise ValueError(f"parameters {sharded[:3]} are shards made by shard_module, which reduce-scatters their "
                          "gradients itself; step them with a plain torch.optim optimizer, not "
                          "DistributedOptimizer")
+    refused = _init_refuses_params_alone(optimizer.__class__)
+    if refused is not None:  # (the same on every rank: the same class)
+        raise TypeError(f"DistributedOptimizer makes a {optimizer.__class__.__name__} again from the parameter "
+                        f"groups alone (as Horovod does), and its __init__ needs more ({refused}); give its other "
+                        "arguments defaults (the groups keep the values you passed)")
+    # the options too: ranks with different sparse_as_dense made different collectives for one gradient (a
+    # hang), and different backward_passes_per_step stepped on the wrong reduction
+    options = (f"op={rop!r} compression={getattr(compression, '__name__', type(compression).__name__)} "
+               f"backward_passes_per_step={backward_passes_per_step} sparse_as_dense={bool(sparse_as_dense)} "
+               f"gradient_predivide_factor={float(gradient_predivide_factor)}")
     if stage:
-        return make_zero_optimizer(optimizer, named, stage, compression, backward_passes_per_step, rop,
-                                   gradient_predivide_factor, process_set, zero_bucket_bytes)
+        wrapped = make_zero_optimizer(optimizer, named, stage, compression, backward_passes_per_step, rop,
+                                      gradient_predivide_factor, process_set, zero_bucket_bytes, options)
+        wrapped.defaults = dict(optimizer.defaults)  # (see below)
+        return wrapped
     if process_set is None or process_set.included():  # (outside the set: local steps, nothing to agree)
-        # the options too: ranks with different sparse_as_dense made different collectives for one gradient
-        # (a hang), and different backward_passes_per_step stepped on the wrong reduction
-        options = (f"op={rop!r} compression={getattr(compression, '__name__', type(compression).__name__)} "
-                   f"backward_passes_per_step={backward_passes_per_step} sparse_as_dense={bool(sparse_as_dense)} "
-                   f"gradient_predivide_factor={float(gradient_predivide_factor)}")
         agree_on_stage(0, f"{parameters_signature(named)}; {options}", process_set)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
-    try:
-        wrapped = cls(optimizer.param_groups, named, compression, backward_passes_per_step, rop,
-                      gradient_predivide_factor, _groups(optimizer, num_groups, groups), sparse_as_dense,
-                      process_set)
-    except TypeError as exc:
-        raise TypeError(f"DistributedOptimizer makes a {optimizer.__class__.__name__} again from the parameter "
-                        f"groups alone (as Horovod does), and its __init__ refused that ({exc}); give its other "
-                        "arguments defaults (the groups keep the values you passed)") from exc
+    chosen = _groups(optimizer, num_groups, groups)
+    wrapped = cls(optimizer.param_groups, named, compression, backward_passes_per_step, rop,
+                  gradient_predivide_factor, chosen, sparse_as_dense, process_set)
     # the user's defaults, not the class's: a group added later (add_param_group) takes its missing settings
     # from them (it got torch's lr=0.001, momentum=0 before 2026-12-05)
     wrapped.defaults = dict(optimizer.defaults)

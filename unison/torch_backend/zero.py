@@ -553,8 +553,9 @@ def make_zero_optimizer(optimizer: torch.optim.Optimizer, named: list[tuple[str,
                         zero_stage: int, compression: Any = Compression.none,
                         backward_passes_per_step: int = 1, op: ReduceOp = Average,
                         gradient_predivide_factor: float = 1.0, process_set: ProcessSet | None = None,
-                        bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> torch.optim.Optimizer:
-    """Build the stage 1/2 optimizer (called by ``DistributedOptimizer(..., zero_stage=1|2)``).
+                        bucket_bytes: int = DEFAULT_BUCKET_BYTES, options: str = "") -> torch.optim.Optimizer:
+    """Build the stage 1/2 optimizer (called by ``DistributedOptimizer(..., zero_stage=1|2)``);
+    ``options`` (the wrapper's settings as text) are agreed with the plan.
 
     Raises:
         ValueError: an optimizer whose update is not elementwise, an op other than Average/Sum,
@@ -570,7 +571,9 @@ def make_zero_optimizer(optimizer: torch.optim.Optimizer, named: list[tuple[str,
                          "shards over the ranks of its process set, so only members may build it")
     set_ = process_set if process_set is not None else global_process_set
     plan = ShardPlan.build(_specs(optimizer, named), set_.size(), bucket_bytes)
-    agree_on_stage(zero_stage, plan.signature(), process_set)  # before anything changes
+    agree_on_stage(zero_stage, plan.signature() + (f"; {options}" if options else ""), process_set)  # before
+    # anything changes (the options too: ranks with different backward_passes_per_step reduce-scattered on
+    # different passes, before 2026-12-05)
     cls = type(optimizer.__class__.__name__, (_ZeroOptimizer, optimizer.__class__), {})
     wrapped = cls(optimizer.param_groups, named, zero_stage, compression, backward_passes_per_step, op,
                   gradient_predivide_factor, process_set, plan, optimizer.__class__)

@@ -27,11 +27,18 @@ from unison.torch_backend.tensors import from_numpy, to_numpy
 __all__ = ["save_sharded", "load_sharded"]
 
 
-def _comm(optimizer: Any) -> Any:
+def _subset_problem(optimizer: Any) -> str | None:
     pset = getattr(optimizer, "process_set", None)
     if pset is not None and pset.ranks is not None and len(pset.ranks) != runtime.size():
-        raise ValueError(f"save_sharded/load_sharded run over every rank; this optimizer's process set "
-                         f"{pset!r} is a subset. Save with the global process set")
+        return (f"save_sharded/load_sharded run over every rank; this optimizer's process set {pset!r} is a "
+                "subset. Save with the global process set")
+    return None
+
+
+def _comm(optimizer: Any, check: bool = True) -> Any:
+    problem = _subset_problem(optimizer) if check else None
+    if problem is not None:
+        raise ValueError(problem)
     st = runtime.state("unison.torch_backend.save_sharded()")
     return st.comm if st.size > 1 else None
 
@@ -177,8 +184,8 @@ def load_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
         from unison.torch_backend import zero3_checkpoint  # imports this module's helpers
 
         return zero3_checkpoint.load(path, model, optimizer, verify)
-    comm = _comm(optimizer)
-    agree_optimizers(comm, optimizer)
+    comm = _comm(optimizer, check=False)
+    agree_optimizers(comm, optimizer)  # (before any rank can raise alone: the subset check included)
     manifest = ck.read_manifest(path)
     keys = list(model.state_dict().keys())
     missing = [k for k in keys if f"model.{k}" not in manifest.entries]
@@ -220,11 +227,17 @@ def agree_optimizers(comm: Any, optimizer: Any) -> list[str | None]:
     """Every rank's optimizer class name (None where it passed none); raises ``ValueError`` on every rank
     when they differ: each rank loaded what it was given (states out of step), and a rank with a ZeRO
     optimizer waited in a collective the others skipped (a hang), before 2026-12-05."""
-    passed = agree.allgather(comm, None if optimizer is None else type(optimizer).__name__)
-    if len(set(passed)) > 1:
-        raise ValueError(f"load_sharded: the ranks passed different optimizers ({passed}, by rank); pass the "
-                         "same optimizer class on every rank, or optimizer=None on every rank")
-    return passed
+    mine = None if optimizer is None else (f"{type(optimizer).__name__} (zero_stage "
+                                           f"{getattr(optimizer, 'zero_stage', 0)})")
+    passed = agree.allgather(comm, (mine, _subset_problem(optimizer)))
+    subset = next((problem for _, problem in passed if problem), None)
+    if subset is not None:
+        raise ValueError(subset)
+    kinds = [kind for kind, _ in passed]
+    if len(set(kinds)) > 1:
+        raise ValueError(f"load_sharded: the ranks passed different optimizers ({kinds}, by rank); pass the "
+                         "same optimizer (class and zero_stage) on every rank, or optimizer=None on every rank")
+    return kinds
 
 
 def mixed_state_problem(where: str, groups: list[list[str]], entries: Any, sharded: set[str],
