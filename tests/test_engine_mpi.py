@@ -579,3 +579,47 @@ def test_a_stall_round_is_due_at_the_shutdown_time_between_two_checks():
     assert stall_flags(ctl, cfg, last_report=now - 0.01) == 0  # that round came after 3 s: judged already
     young = SimpleNamespace(pending={"x": SimpleNamespace(submitted=now - 2.5)})
     assert stall_flags(young, cfg, last_report=now - 0.5) == 0
+
+
+BAD_OUTPUTS = """
+import os, sys, numpy as np, unison
+from unison.common.engine import frontend
+folder = sys.argv[1]
+os.environ["UNISON_TIMELINE"] = folder  # an existing folder: the rename onto it failed on rank 0 alone
+try:
+    unison.init()
+    print(f"rank {unison.rank()} init ok", flush=True)
+except ValueError as e:
+    print(f"rank init refused: {e}", flush=True)
+del os.environ["UNISON_TIMELINE"]
+unison.init()
+r = unison.rank()
+try:
+    unison.start_timeline(folder)
+    print(f"rank {r} start ok", flush=True)
+except OSError as e:
+    print(f"rank {r} start refused: {e}", flush=True)
+eng = frontend.running_engine()
+print(f"rank {r} recording {eng.timeline.active}", flush=True)
+print(f"rank {r} after {unison.allreduce(np.ones(1), op=unison.Sum, name='after').tolist()}", flush=True)
+unison.shutdown()
+print(f"rank {r} leftovers {sorted(n for n in os.listdir(os.path.dirname(folder)) if n.startswith('.'))}")
+"""
+
+
+def test_a_timeline_path_that_cannot_be_written_is_refused_on_every_rank(tmp_path):
+    """A folder as UNISON_TIMELINE passed init's check and failed on rank 0 alone (the others hung in their
+    first collective); start_timeline raised on rank 0 only and kept recording into a hidden file."""
+    folder = tmp_path / "out" / "trace"
+    folder.mkdir(parents=True)
+    script = tmp_path / "bad.py"
+    script.write_text(BAD_OUTPUTS)
+    proc = mpirun(2, [sys.executable, str(script), str(folder)], timeout=120, env=mpi_env())
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert out.count("rank init refused: unison.init(): settings are not valid") == 2 and "is a folder" in out, out
+    assert "init ok" not in out, out
+    for r in (0, 1):
+        assert f"rank {r} start refused: rank 0 could not start the timeline" in out, out
+        assert f"rank {r} recording False" in out and f"rank {r} after [2.0]" in out, out
+        assert f"rank {r} leftovers []" in out, out

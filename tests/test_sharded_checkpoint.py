@@ -286,14 +286,15 @@ def test_a_failure_after_the_manifest_is_in_place_keeps_the_committed_save(tmp_p
 
     path = str(tmp_path / "ck")
     ck.save_sharded(path, {"w": np.ones(4)})
-    real = files._fsync
+    real, first = files.fsync, ck.read_manifest(path).save_id
 
-    def failing(target, directory):
-        if directory and os.path.exists(os.path.join(target, ck.MANIFEST_NAME)):
+    def failing(target, directory):  # once the new manifest is in place (the data files' folder flush is earlier)
+        manifest = os.path.join(target, ck.MANIFEST_NAME)
+        if directory and os.path.exists(manifest) and ck.read_manifest(target).save_id != first:
             raise OSError(5, "Input/output error")
         real(target, directory)
 
-    monkeypatch.setattr(files, "_fsync", failing)
+    monkeypatch.setattr(files, "fsync", failing)
     with pytest.raises(ck.CheckpointError, match="this save is committed and loads"):
         ck.save_sharded(path, {"w": np.zeros(4)})
     monkeypatch.undo()
@@ -350,3 +351,72 @@ def test_chunked_gather_path_is_exercised_in_one_process(tmp_path, monkeypatch):
     assert consolidated._chunks(Slot("w", 3, 7), 4) == [(0, 2), (2, 2), (4, 2), (6, 1)]
     assert consolidated._chunks(Slot("w", 0, 3), 16) == [(0, 1), (1, 1), (2, 1)]
     assert consolidated._chunks(Slot("w", 0, 0), 4) == []
+
+
+# ----------------------------------------------------------------- damage and durability (audit, 2026-12-05)
+def test_a_manifest_whose_shape_does_not_match_its_runs_is_refused(tmp_path):
+    """One damaged digit ([3, 4] read as [2, 4]) loaded the first 8 of 12 elements as the whole entry:
+    a partial read checks no CRC."""
+    path = str(tmp_path / "ck")
+    ck.save_sharded(path, {"w": np.arange(12.0).reshape(3, 4)})
+    manifest = os.path.join(path, ck.MANIFEST_NAME)
+    with open(manifest) as f:
+        doc = json.load(f)
+    doc["entries"]["w"]["shape"] = [2, 4]
+    with open(manifest, "w") as f:
+        json.dump(doc, f)
+    with pytest.raises(ck.CheckpointError, match="malformed.*cover 12 elements but its shape"):
+        ck.load(path, {"w": "full"})
+
+
+def test_a_consolidated_header_length_beyond_the_file_is_refused_naming_it(tmp_path):
+    """A damaged length of 2**62 raised a bare MemoryError."""
+    path = str(tmp_path / "one.ck")
+    ck.save_consolidated(path, {"w": np.ones(3)})
+    with open(path, "r+b") as f:
+        magic, version, _ = PREFIX.unpack(f.read(PREFIX.size))
+        f.seek(0)
+        f.write(PREFIX.pack(magic, version, 2 ** 62))
+    with pytest.raises(ck.CheckpointError, match="one.ck' is truncated: its header needs"):
+        ck.read_manifest(path)
+
+
+def test_an_io_error_flushing_the_data_files_folder_fails_the_save(tmp_path, monkeypatch):
+    """It was logged at debug level and dropped: the save committed as durable. A filesystem that cannot
+    flush folders (EINVAL) is still skipped."""
+    import errno
+    import stat
+
+    from unison.common.checkpoints import storage
+
+    real, code = os.fsync, [errno.EIO]
+
+    def failing(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(code[0], os.strerror(code[0]))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        storage.fsync_folder(str(tmp_path))
+    with pytest.raises((ck.CheckpointError, OSError), match="Input/output error"):
+        ck.save_sharded(str(tmp_path / "ck"), {"w": np.ones(4)})
+    code[0] = errno.EINVAL
+    storage.fsync_folder(str(tmp_path))
+    ck.save_sharded(str(tmp_path / "ck2"), {"w": np.ones(4)})
+
+
+def test_temporary_names_stay_within_the_filesystems_byte_limit(tmp_path, caplog):
+    """180 characters of emoji made a temporary name over NAME_MAX (255 bytes); removing a file that is
+    not there warned."""
+    from unison.common import files
+    from unison.common.checkpoints import storage
+
+    name = "e" * 10 + "\N{SLIGHTLY SMILING FACE}" * 55 + ".u"  # 232 bytes: a valid name
+    with files.atomic_path(tmp_path / name) as tmp:
+        with open(tmp, "w") as f:
+            f.write("x")
+    assert (tmp_path / name).read_text() == "x"
+    with caplog.at_level("WARNING"):
+        storage.remove_quietly(str(tmp_path / "not-there"))
+    assert not caplog.records

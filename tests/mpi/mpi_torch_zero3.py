@@ -457,6 +457,10 @@ def test_a_checkpoint_whose_parameters_stepped_differently_is_refused_where_they
     if N > 1:
         with pytest.raises(ValueError, match="ranks passed different optimizers"):
             hvd.load_sharded(path, same, same_opt if R == 0 else None)
+        # a checkpoint one rank cannot read: raised there alone, the others waited in the load (a hang)
+        for target, target_opt in ((same, same_opt), (plain, staged)):
+            with pytest.raises(ValueError, match="rank 1: no checkpoint"):
+                hvd.load_sharded(path + ".missing" if R == 1 else path, target, target_opt)
 
 
 @pytest.mark.skipif(not CKPT, reason="the checkpoint test runs from tests/test_torch_zero3_mpi.py")

@@ -47,7 +47,9 @@ _MAX_TAG = 180  # keeps <prefix><pid>-<random>-<tag> within NAME_MAX (255)
 
 
 def _tag(name: str) -> str:
-    return name[-_MAX_TAG:]
+    """The last ``_MAX_TAG`` bytes of ``name`` (bytes: NAME_MAX counts them; 180 characters of emoji made a
+    name the filesystem refused, before 2026-12-05)."""
+    return os.fsdecode(os.fsencode(name)[-_MAX_TAG:])
 
 
 @contextlib.contextmanager
@@ -91,20 +93,20 @@ def _commit(tmp: str, target: str, folder: str) -> None:
                                 "at its temporary path); write to the path atomic_path yields", tmp)
     _sync_tree(tmp)
     os.replace(tmp, target)
-    _fsync(folder, directory=True)
+    fsync(folder, directory=True)
 
 
 def _sync_tree(path: str) -> None:
     """fsync a file, or every file and folder under a folder (deepest first) and the folder itself."""
     if os.path.islink(path) or not os.path.isdir(path):
-        _fsync(path, directory=False)
+        fsync(path, directory=False)
         return
     for root, _dirs, names in os.walk(path, topdown=False):
         for n in names:
             p = os.path.join(root, n)
             if not os.path.islink(p):
-                _fsync(p, directory=False)
-        _fsync(root, directory=True)
+                fsync(p, directory=False)
+        fsync(root, directory=True)
 
 
 def makedirs_durable(path: str | os.PathLike[str]) -> None:
@@ -126,10 +128,10 @@ def makedirs_durable(path: str | os.PathLike[str]) -> None:
             if not os.path.isdir(folder):
                 raise
             continue
-        _fsync(os.path.dirname(folder), directory=True)
+        fsync(os.path.dirname(folder), directory=True)
 
 
-def _fsync(path: str, directory: bool) -> None:
+def fsync(path: str, directory: bool) -> None:
     """Flush ``path``'s data (a folder: its entries) to the disk; skip where the filesystem cannot.
 
     Raises:

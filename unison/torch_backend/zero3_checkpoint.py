@@ -35,6 +35,7 @@ from unison.torch_backend.zero_checkpoint import (
     _groups_metadata,
     _jsonable,
     agree_optimizers,
+    agreed,
     check_optimizer_class,
     mixed_state_problem,
 )
@@ -184,22 +185,27 @@ def load(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any,
     state = _state(model)
     comm, where = _comm(state), os.fspath(path)
     agree_optimizers(comm, optimizer)
-    manifest = ck.read_manifest(path)
-    _check_model(state, manifest, where)
+
+    def prepare() -> tuple[ck.Manifest, dict[str, Any], set[str], dict[str, Any]]:
+        manifest = ck.read_manifest(path)
+        _check_model(state, manifest, where)
+        saved_opt: dict[str, Any] = (manifest.metadata or {}).get("optimizer") or {}
+        if optimizer is not None and not saved_opt:
+            raise ValueError(f"the checkpoint at {where!r} holds no optimizer state; pass optimizer=None")
+        if optimizer is not None:
+            check_optimizer_class(where, saved_opt, optimizer)
+        if optimizer is not None and not saved_opt.get("zero"):
+            raise ValueError(f"the checkpoint at {where!r} was saved from a plain optimizer, whose state is "
+                             "numbered, not named; load it into the plain model and optimizer, then use "
+                             "load_full_state_dict, or save it from a ZeRO optimizer or a sharded model")
+        sharded = set(saved_opt.get("sharded_keys", [])) if optimizer is not None else set()
+        wanted = _model_wanted(state, manifest)
+        if optimizer is not None:
+            wanted.update(_optimizer_wanted(state, optimizer, manifest, sharded))
+        return manifest, saved_opt, sharded, wanted
+
+    manifest, saved_opt, sharded, wanted = agreed(comm, prepare)
     meta = manifest.metadata or {}
-    saved_opt: dict[str, Any] = meta.get("optimizer") or {}
-    if optimizer is not None and not saved_opt:
-        raise ValueError(f"the checkpoint at {where!r} holds no optimizer state; pass optimizer=None")
-    if optimizer is not None:
-        check_optimizer_class(where, saved_opt, optimizer)
-    if optimizer is not None and not saved_opt.get("zero"):
-        raise ValueError(f"the checkpoint at {where!r} was saved from a plain optimizer, whose state is numbered, "
-                         "not named; load it into the plain model and optimizer, then use load_full_state_dict, "
-                         "or save it from a ZeRO optimizer or a sharded model")
-    sharded = set(saved_opt.get("sharded_keys", [])) if optimizer is not None else set()
-    wanted = _model_wanted(state, manifest)
-    if optimizer is not None:
-        wanted.update(_optimizer_wanted(state, optimizer, manifest, sharded))
     got = ck.load(path, wanted, comm, verify)
     if optimizer is not None:
         groups = [_names_in(unit, key) for _, unit, key in _where(state, optimizer)]

@@ -14,7 +14,8 @@ by ``shard_module`` (stage 3) is handled by ``zero3_checkpoint.py`` with the sam
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -23,6 +24,8 @@ from unison.common import agreement, runtime
 from unison.common import checkpoints as ck
 from unison.common.checkpoints import agree
 from unison.torch_backend.tensors import from_numpy, to_numpy
+
+T = TypeVar("T")
 
 __all__ = ["save_sharded", "load_sharded"]
 
@@ -186,26 +189,32 @@ def load_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
         return zero3_checkpoint.load(path, model, optimizer, verify)
     comm = _comm(optimizer, check=False)
     agree_optimizers(comm, optimizer)  # (before any rank can raise alone: the subset check included)
-    manifest = ck.read_manifest(path)
-    keys = list(model.state_dict().keys())
-    missing = [k for k in keys if f"model.{k}" not in manifest.entries]
-    if missing:
-        raise ValueError(f"the checkpoint at {os.fspath(path)!r} has no weights for {missing[:5]}; load it into "
-                         "the model it was saved from")
-    wanted: dict[str, Any] = {f"model.{k}": "full" for k in keys}
+
+    def prepare() -> tuple[ck.Manifest, list[str], Any, dict[str, Any]]:
+        manifest = ck.read_manifest(path)
+        keys = list(model.state_dict().keys())
+        missing = [k for k in keys if f"model.{k}" not in manifest.entries]
+        if missing:
+            raise ValueError(f"the checkpoint at {os.fspath(path)!r} has no weights for {missing[:5]}; load it "
+                             "into the model it was saved from")
+        wanted: dict[str, Any] = {f"model.{k}": "full" for k in keys}
+        saved_opt = (manifest.metadata or {}).get("optimizer")
+        if optimizer is not None and saved_opt is None:
+            raise ValueError(f"the checkpoint at {os.fspath(path)!r} holds no optimizer state; pass "
+                             "optimizer=None")
+        if optimizer is not None:
+            check_optimizer_class(os.fspath(path), saved_opt, optimizer)
+        if optimizer is not None and _is_zero(optimizer):
+            if not saved_opt.get("zero"):
+                raise ValueError(f"the checkpoint at {os.fspath(path)!r} was saved from a plain optimizer; load "
+                                 "it into one (zero_stage=0), or save from a ZeRO optimizer")
+            wanted.update(_zero_wanted(optimizer, manifest, set(saved_opt.get("sharded_keys", []))))
+        elif optimizer is not None:
+            wanted.update({name: "full" for name in manifest.entries if name.startswith("optim.")})
+        return manifest, keys, saved_opt, wanted
+
+    manifest, keys, saved_opt, wanted = agreed(comm, prepare)
     meta = manifest.metadata or {}
-    saved_opt = meta.get("optimizer")
-    if optimizer is not None and saved_opt is None:
-        raise ValueError(f"the checkpoint at {os.fspath(path)!r} holds no optimizer state; pass optimizer=None")
-    if optimizer is not None:
-        check_optimizer_class(os.fspath(path), saved_opt, optimizer)
-    if optimizer is not None and _is_zero(optimizer):
-        if not saved_opt.get("zero"):
-            raise ValueError(f"the checkpoint at {os.fspath(path)!r} was saved from a plain optimizer; load it "
-                             "into one (zero_stage=0), or save from a ZeRO optimizer")
-        wanted.update(_zero_wanted(optimizer, manifest, set(saved_opt.get("sharded_keys", []))))
-    elif optimizer is not None:
-        wanted.update({name: "full" for name in manifest.entries if name.startswith("optim.")})
     got = ck.load(path, wanted, comm, verify)
     if optimizer is not None and _is_zero(optimizer):
         groups = [[optimizer._names[p] for p in st.params] for st in optimizer._buckets]
@@ -221,6 +230,19 @@ def load_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
                    if not k.startswith("optim.") or k[6:].rsplit(".", 1)[0] in names}
         _restore_optimizer(optimizer, saved_opt, got)
     return meta.get("user", {})
+
+
+def agreed(comm: Any, step: Callable[[], T]) -> T:
+    """``step()``, whose ``ValueError`` or ``TypeError`` (an unreadable manifest, a mismatched model or
+    optimizer) is raised on every rank as a :class:`CheckpointError` (a ``ValueError``) naming the rank.
+    Raised on that rank alone, the others waited in the load's collectives for ever (before 2026-12-05)."""
+    result, problem, cause = None, None, None
+    try:
+        result = step()
+    except (ValueError, TypeError) as exc:
+        problem, cause = str(exc), exc
+    agreement.raise_together(comm, problem, ck.CheckpointError, cause)
+    return result  # type: ignore[return-value]  # (set: raise_together raised otherwise)
 
 
 def agree_optimizers(comm: Any, optimizer: Any) -> list[str | None]:

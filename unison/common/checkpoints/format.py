@@ -23,6 +23,7 @@ the fields mean, and guessing would load wrong numbers without an error.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -169,7 +170,19 @@ def _entry_from_json(e: dict[str, Any]) -> Entry:
     runs = tuple(Run(r["file"], int(r["start"]), int(r["length"]), int(r["offset"]), int(r["crc32"]))
                  for r in e["runs"])
     dtype_from_name(str(e["dtype"]))
-    return Entry(tuple(int(d) for d in e["shape"]), str(e["dtype"]), runs)
+    shape = tuple(int(d) for d in e["shape"])
+    # the runs must tile the entry exactly: one damaged digit of the shape ([3, 4] read as [2, 4]) loaded the
+    # first 8 of 12 elements as the whole entry, silently (a partial read checks no CRC; before 2026-12-05)
+    numel, end = int(np.prod(shape, dtype=np.int64)), 0
+    if any(d < 0 for d in shape) or any(r.length < 0 or r.offset < 0 for r in runs):
+        raise ValueError(f"negative sizes in shape {list(shape)} or runs")
+    for r in sorted(runs, key=lambda r: (r.start, r.length)):
+        if r.length and r.start != end:
+            raise ValueError(f"its runs leave a gap or overlap at element {min(r.start, end)} of {numel}")
+        end = r.start + r.length if r.length else end
+    if end != numel:
+        raise ValueError(f"its runs cover {end} elements but its shape {list(shape)} has {numel}")
+    return Entry(shape, str(e["dtype"]), runs)
 
 
 def check_version(version: Any, where: str) -> None:
@@ -249,6 +262,13 @@ def decode_header(f: Any, where: str) -> tuple[Manifest, int]:
                               "a file written by save_consolidated or a folder written by save_sharded")
     _, version, size = PREFIX.unpack(prefix)
     check_version(version, where)
+    try:
+        available = os.fstat(f.fileno()).st_size - PREFIX.size
+    except (AttributeError, OSError, ValueError):  # (not a real file: read and see)
+        available = size
+    if size > available:  # (a damaged length: reading 2**62 bytes raised a bare MemoryError)
+        raise CheckpointError(f"{where} is truncated: its header needs {size} bytes, the file holds "
+                              f"{max(available, 0)} after its prefix (or its length is damaged)")
     raw = f.read(size)
     if len(raw) < size:
         raise CheckpointError(f"{where} is truncated: its header needs {size} bytes, found {len(raw)}")

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import zlib
 
 import numpy as np
 
+from unison.common import files
 from unison.common.checkpoints.format import dtype_from_name
 from unison.common.checkpoints.layout import LocalEntry, Slot
 
@@ -57,24 +57,21 @@ def write_data_file(path: str, slots: list[Slot], local: dict[str, LocalEntry]) 
 
 
 def fsync_folder(folder: str) -> None:
-    """Make a new entry of ``folder`` durable; skipped where folders cannot be opened or flushed."""
-    try:
-        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError as exc:
-        logger.debug("cannot open folder %s to fsync it: %s", folder, exc)
-        return
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        logger.debug("filesystem refuses fsync of %s: %s", folder, exc)
-    finally:
-        os.close(fd)
+    """Make a new entry of ``folder`` durable; skipped where folders cannot be opened or the filesystem
+    refuses to flush one.
+
+    Raises:
+        OSError: the flush failed (an I/O error: the save is not durable). Before 2026-12-05 every error
+            was dropped here, so a save whose folder entry failed to reach the disk committed anyway.
+    """
+    files.fsync(folder, directory=True)
 
 
 def remove_quietly(path: str) -> None:
     """Remove the file at ``path`` if it is there (best effort: cleanup never hides the real error)."""
-    with contextlib.suppress(FileNotFoundError):
-        try:
-            os.remove(path)
-        except OSError as exc:
-            logger.warning("could not remove %s: %s", path, exc)
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        logger.warning("could not remove %s: %s", path, exc)

@@ -21,6 +21,7 @@ it creates afresh: see :func:`~unison.common.engine.timeline.open_fresh`).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import logging
 import os
@@ -68,9 +69,16 @@ class Autotuner:
         """Rank 0 writes the CSV header into a fresh file and keeps it open to append rows."""
         self._log, tmp = open_fresh(self.log_path)
         self._writer = csv.writer(self._log)
-        self._write_row(["trial", "fusion_threshold_bytes", "cycle_time_ms", "bytes", "seconds",
-                         "bytes_per_s", "phase"])
-        os.replace(tmp, self.log_path)
+        try:
+            self._write_row(["trial", "fusion_threshold_bytes", "cycle_time_ms", "bytes", "seconds",
+                             "bytes_per_s", "phase"])
+            os.replace(tmp, self.log_path)
+        except BaseException:  # (no hidden temporary file left behind, no log written into it)
+            log, self._log = self._log, None
+            log.close()
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
 
     def _write_row(self, row: list[Any]) -> None:
         if self._log is not None:

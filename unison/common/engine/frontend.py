@@ -663,7 +663,16 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """
     eng = engine("unison.start_timeline()")
     if eng is not None:
-        eng.start_timeline(file_path)
+        # rank 0 opens the file; every rank learns whether it could (it raised there alone before 2026-12-05)
+        problem = None
+        try:
+            eng.start_timeline(file_path)
+        except OSError as exc:
+            problem = f"rank 0 could not start the timeline at {file_path!r} ({type(exc).__name__}: {exc})"
+        told = np.asarray(allgather(np.frombuffer((problem or "").encode(), dtype=np.uint8),
+                                    name="unison.start_timeline.agree"))
+        if told.size:  # (only rank 0 has something to say)
+            raise OSError(told.tobytes().decode(errors="replace"))
     else:  # a job of size 1 ([Note: a timeline at size 1])
         _local_timeline(runtime.state()).start(file_path)
 

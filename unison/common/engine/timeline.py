@@ -26,6 +26,7 @@ left a hidden, often empty, temporary file and no trace.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -82,9 +83,16 @@ class Timeline:
             self._tids.clear()
             self._open.clear()
             self._first = True
-            self._emit({"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "unison engine"}})
-            self._write_out()
-            os.replace(self._tmp, self._path)  # published now: see [Note: a timeline survives the job]
+            try:
+                self._emit({"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "unison engine"}})
+                self._write_out()
+                os.replace(self._tmp, self._path)  # published now: see [Note: a timeline survives the job]
+            except BaseException:  # not recording: a failed start went on into a hidden temporary file
+                file, self._file = self._file, None
+                file.close()
+                with contextlib.suppress(OSError):
+                    os.remove(self._tmp)
+                raise
 
     def stop(self) -> None:
         with self._lock:
