@@ -420,3 +420,10 @@ def test_temporary_names_stay_within_the_filesystems_byte_limit(tmp_path, caplog
     with caplog.at_level("WARNING"):
         storage.remove_quietly(str(tmp_path / "not-there"))
     assert not caplog.records
+
+
+def test_a_temporary_name_never_starts_inside_a_character():
+    from unison.common import files
+
+    tag = files._tag("\N{CJK UNIFIED IDEOGRAPH-6A21}" * 61 + ".weights.h5")
+    assert len(os.fsencode(tag)) <= 180 and tag.encode("utf-8")  # (a cut character left a lone surrogate)

@@ -49,7 +49,10 @@ _MAX_TAG = 180  # keeps <prefix><pid>-<random>-<tag> within NAME_MAX (255)
 def _tag(name: str) -> str:
     """The last ``_MAX_TAG`` bytes of ``name`` (bytes: NAME_MAX counts them; 180 characters of emoji made a
     name the filesystem refused, before 2026-12-05)."""
-    return os.fsdecode(os.fsencode(name)[-_MAX_TAG:])
+    raw = os.fsencode(name)[-_MAX_TAG:]
+    while raw and raw[0] & 0xC0 == 0x80:  # (not from the middle of a UTF-8 character)
+        raw = raw[1:]
+    return os.fsdecode(raw)
 
 
 @contextlib.contextmanager

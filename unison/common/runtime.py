@@ -233,7 +233,7 @@ def _unwritable_outputs(config: Config) -> str:
         if not path:
             continue
         try:
-            if os.path.isdir(os.fspath(path)):  # (the folder check passed, then the rename onto it failed)
+            if os.path.isdir(os.fspath(path)) and not os.path.islink(os.fspath(path)):  # (a link is replaced)
                 raise IsADirectoryError(f"{os.fspath(path)!r} is a folder; name a file")
             folder = os.path.dirname(os.path.abspath(os.fspath(path)))
             os.makedirs(folder, exist_ok=True)

@@ -723,10 +723,17 @@ def _build_for_predict(model: Any, x: Any) -> None:
                                 t.shape[1:].is_fully_defined() for t in specs):
             return
         x = nest.map_structure(lambda t: tf.zeros([1, *t.shape[1:]], t.dtype), spec)
+    def usable(a: Any) -> bool:  # arrays, tensors, variables, anything numpy reads (a DataFrame)
+        if isinstance(a, (tf.SparseTensor, tf.RaggedTensor)):
+            return False
+        return isinstance(a, (np.ndarray, tf.Tensor, tf.Variable)) or hasattr(a, "__array__")
+
     leaves = nest.flatten(x)
-    if not leaves or not all(isinstance(a, (np.ndarray, tf.Tensor)) and not isinstance(a, tf.SparseTensor)
-                             and len(a.shape) > 0 for a in leaves):
+    if not leaves or not all(usable(a) for a in leaves):
         return  # (a generator, a PyDataset, sparse or ragged input: left to Keras, as before)
+    x = nest.map_structure(lambda a: a if isinstance(a, (tf.Tensor, tf.Variable)) else np.asarray(a), x)
+    if not all(len(a.shape) > 0 for a in nest.flatten(x)):
+        return
     row = nest.map_structure(lambda a: a[:1], x)
     with model.distribute_strategy.scope():
         model(row, training=False)

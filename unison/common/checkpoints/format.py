@@ -23,6 +23,7 @@ the fields mean, and guessing would load wrong numbers without an error.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Sequence
@@ -173,7 +174,7 @@ def _entry_from_json(e: dict[str, Any]) -> Entry:
     shape = tuple(int(d) for d in e["shape"])
     # the runs must tile the entry exactly: one damaged digit of the shape ([3, 4] read as [2, 4]) loaded the
     # first 8 of 12 elements as the whole entry, silently (a partial read checks no CRC; before 2026-12-05)
-    numel, end = int(np.prod(shape, dtype=np.int64)), 0
+    numel, end = math.prod(shape), 0  # (Python ints: a damaged huge dimension must not wrap around)
     if any(d < 0 for d in shape) or any(r.length < 0 or r.offset < 0 for r in runs):
         raise ValueError(f"negative sizes in shape {list(shape)} or runs")
     for r in sorted(runs, key=lambda r: (r.start, r.length)):

@@ -75,7 +75,8 @@ class Autotuner:
             os.replace(tmp, self.log_path)
         except BaseException:  # (no hidden temporary file left behind, no log written into it)
             log, self._log = self._log, None
-            log.close()
+            with contextlib.suppress(OSError):  # (a full disk fails the close's flush as well)
+                log.close()
             with contextlib.suppress(OSError):
                 os.remove(tmp)
             raise

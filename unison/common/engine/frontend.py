@@ -657,7 +657,8 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Start recording a Chrome-trace timeline to ``file_path`` (written by rank 0).
+    """Start recording a Chrome-trace timeline to ``file_path`` (written by rank 0). Collective: call
+    it on every rank; each raises when rank 0 cannot start it.
 
     Horovod's signature; ``mark_cycles`` is accepted, engine cycles are not marked.
     """
@@ -667,7 +668,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
         problem = None
         try:
             eng.start_timeline(file_path)
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure (a bad path's TypeError too) reaches every rank
             problem = f"rank 0 could not start the timeline at {file_path!r} ({type(exc).__name__}: {exc})"
         told = np.asarray(allgather(np.frombuffer((problem or "").encode(), dtype=np.uint8),
                                     name="unison.start_timeline.agree"))

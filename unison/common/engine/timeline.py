@@ -89,7 +89,8 @@ class Timeline:
                 os.replace(self._tmp, self._path)  # published now: see [Note: a timeline survives the job]
             except BaseException:  # not recording: a failed start went on into a hidden temporary file
                 file, self._file = self._file, None
-                file.close()
+                with contextlib.suppress(OSError):  # (a full disk fails the close's flush as well)
+                    file.close()
                 with contextlib.suppress(OSError):
                     os.remove(self._tmp)
                 raise
