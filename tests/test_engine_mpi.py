@@ -12,6 +12,17 @@ from harness import mpi_env, mpirun, run_rank_suite
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600)]
 
 
+def run_script(tmp_path, text: str, np_: int = 2, args: tuple = (), timeout: int = 120, **env: str) -> str:
+    """Run ``text`` as a script under mpirun with the ``UNISON_*`` settings ``env``; return its output,
+    having checked that the job exited 0."""
+    script = tmp_path / "script.py"
+    script.write_text(text)
+    proc = mpirun(np_, [sys.executable, str(script), *args], timeout=timeout, env=mpi_env(**env))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    return out
+
+
 @pytest.mark.parametrize("np_", [1, 2, 3, 4])
 def test_engine(np_, tmp_path):
     run_rank_suite(np_, "mpi_engine.py", tmp_path)
@@ -94,12 +105,7 @@ def test_a_stall_shutdown_leaves_no_late_call_to_pair_with_the_next_step(tmp_pat
     """Past the shutdown time every pending handle fails; a late rank's own calls of every one of those
     names fail at once, the young ones too. Before 2026-12-05 only names older than the limit were
     remembered: the late rank's step-1 'y' paired with rank 0's step-2 'y' (110 for 200), silently."""
-    script = tmp_path / "late.py"
-    script.write_text(LATE)
-    env = mpi_env(UNISON_STALL_CHECK_TIME_SECONDS="60", UNISON_STALL_SHUTDOWN_TIME_SECONDS="3")
-    proc = mpirun(2, [sys.executable, str(script)], timeout=120, env=env)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
+    out = run_script(tmp_path, LATE, UNISON_STALL_CHECK_TIME_SECONDS="60", UNISON_STALL_SHUTDOWN_TIME_SECONDS="3")
     for r in (0, 1):
         assert f"rank {r} step 1 x StallError" in out and f"rank {r} step 1 y StallError" in out, out
         assert f"rank {r} step 2 x [200.0, 200.0]" in out and f"rank {r} step 2 y [200.0, 200.0]" in out, out
@@ -130,12 +136,7 @@ print(f"rank {r} step 2 g {unison.allreduce(np.ones(3), op=unison.Sum, name='g')
 def test_an_abandoned_step_leaves_the_next_steps_names_usable(tmp_path):
     """Before 2026-12-05 the abandoning rank remembered 'g' (pending on its peer) as stalled, so its
     step-2 'g' failed at once and the peer's waited: a deadlock, ended here by the collective timeout."""
-    script = tmp_path / "abandon.py"
-    script.write_text(ABANDON)
-    env = mpi_env(UNISON_COLLECTIVE_TIMEOUT_SECONDS="20")
-    proc = mpirun(2, [sys.executable, str(script)], timeout=120, env=env)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
+    out = run_script(tmp_path, ABANDON, UNISON_COLLECTIVE_TIMEOUT_SECONDS="20")
     assert "rank 1 step 1 g StallError" in out, out
     assert "rank 0 step 2 g [2.0, 2.0, 2.0]" in out and "rank 1 step 2 g [2.0, 2.0, 2.0]" in out, out
 
@@ -194,12 +195,8 @@ print(f"rank {r()} finished", flush=True)
 
 
 def test_process_sets_agree_on_ranks_and_ids_and_their_stalls_name_job_ranks(tmp_path):
-    script = tmp_path / "sets.py"
-    script.write_text(SETS)
-    env = mpi_env(UNISON_STALL_CHECK_TIME_SECONDS="1", UNISON_STALL_SHUTDOWN_TIME_SECONDS="2")
-    proc = mpirun(3, [sys.executable, str(script)], timeout=120, env=env)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
+    out = run_script(tmp_path, SETS, 3, UNISON_STALL_CHECK_TIME_SECONDS="1",
+                     UNISON_STALL_SHUTDOWN_TIME_SECONDS="2")
     assert "rank 0 pair sum [11.0, 11.0]" in out and "rank 1 pair sum [11.0, 11.0]" in out, out  # (111 before)
     assert all(f"rank {i} trio sum [111.0, 111.0]" in out for i in range(3)), out
     assert all(f"rank {i} bad set refused, initialized: False" in out for i in range(3)), out
@@ -555,12 +552,8 @@ def test_collective_timeout_times_a_wait_from_its_request(tmp_path, submit_after
     """Limit 4 s; rank 1 keeps its GIL for 5 s, so rank 0's idle cycle cannot end. Before 2026-12-05 that
     idle cycle counted as a collective past the limit and ended the job, with nothing pending (5), and
     when rank 0 then submitted at 2.5 s its request was timed from the cycle's start (4 s, not 2.5)."""
-    script = tmp_path / "idle.py"
-    script.write_text(IDLE_BUSY_PEER)
-    env = mpi_env(UNISON_COLLECTIVE_TIMEOUT_SECONDS="4")
-    proc = mpirun(2, [sys.executable, str(script), submit_after], timeout=90, env=env)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
+    out = run_script(tmp_path, IDLE_BUSY_PEER, args=(submit_after,), timeout=90,
+                     UNISON_COLLECTIVE_TIMEOUT_SECONDS="4")
     assert out.count("[2.0, 2.0] NOT ABORTED") == 2, out
 
 
@@ -612,11 +605,7 @@ def test_a_timeline_path_that_cannot_be_written_is_refused_on_every_rank(tmp_pat
     first collective); start_timeline raised on rank 0 only and kept recording into a hidden file."""
     folder = tmp_path / "out" / "trace"
     folder.mkdir(parents=True)
-    script = tmp_path / "bad.py"
-    script.write_text(BAD_OUTPUTS)
-    proc = mpirun(2, [sys.executable, str(script), str(folder)], timeout=120, env=mpi_env())
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
+    out = run_script(tmp_path, BAD_OUTPUTS, args=(str(folder),))
     assert out.count("rank init refused: unison.init(): settings are not valid") == 2 and "is a folder" in out, out
     assert "init ok" not in out, out
     for r in (0, 1):
