@@ -32,14 +32,15 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-from unison.common import agreement, runtime
 from unison.common import checkpoints as ck
+from unison.common import runtime
+from unison.common.checkpoints import agree
 
 __all__ = ["save_sharded", "load_sharded"]
 
@@ -247,7 +248,7 @@ def save_sharded(path: str | os.PathLike[str], model: Any, optimizer: Any = None
             save itself failed.
     """
     comm = _comm()
-    entries, meta = _agreed(comm, lambda: _save_entries(model, optimizer, metadata))
+    entries, meta = agree.agreed(comm, lambda: _save_entries(model, optimizer, metadata))
     save = ck.save_consolidated if consolidated else ck.save_sharded
     return save(path, entries, comm, metadata=meta)
 
@@ -270,22 +271,6 @@ def _save_entries(model: Any, optimizer: Any, metadata: dict[str, Any] | None) -
         meta["optimizer"] = {"class": type(optimizer).__name__, "inner": type(inner).__name__,
                              "zero_stage": stage, "config": _config(optimizer)}
     return entries, meta
-
-
-def _agreed(comm: Any, step: Callable[[], Any]) -> Any:
-    """``step()``, whose ``ValueError`` (bad input, an unreadable manifest) is raised on every rank.
-
-    Raises:
-        unison.common.checkpoints.CheckpointError: some rank's ``step`` raised; the same message on
-            every rank, naming that rank.
-    """
-    result, problem, cause = None, None, None
-    try:
-        result = step()
-    except ValueError as exc:
-        problem, cause = str(exc), exc
-    agreement.raise_together(comm, problem, ck.CheckpointError, cause)
-    return result
 
 
 # -------------------------------------------------------------------- load
@@ -328,13 +313,13 @@ def load_sharded(path: str | os.PathLike[str], model: Any, optimizer: Any = None
             kind) on others.
     """
     comm = _comm()
-    manifest, model_keys = _agreed(comm, lambda: _open(path, model, optimizer, comm))
+    manifest, model_keys = agree.agreed(comm, lambda: _open(path, model, optimizer, comm))
     wanted: dict[str, Any] = {f"model.{k}": "full" for k in model_keys}
     wrapper, inner = _split(optimizer)
     plan: dict[str, Any] = {}
     if inner is not None:
         _build(model, optimizer)  # collective under a strategy or ZeRO: after the ranks agreed above
-        plan = _agreed(comm, lambda: _checked_plan(path, manifest, wrapper, inner, model_keys))
+        plan = agree.agreed(comm, lambda: _checked_plan(path, manifest, wrapper, inner, model_keys))
         wanted.update({name: spec for name, (spec, _, _) in plan.items()})
     got = ck.load(path, wanted, comm, verify)
     for key, v in model_keys.items():

@@ -27,6 +27,7 @@ import torch
 
 from unison.common import agreement, runtime
 from unison.common import checkpoints as ck
+from unison.common.checkpoints import agree
 from unison.common.engine.process_sets import set_size
 from unison.torch_backend.tensors import from_numpy, to_numpy
 from unison.torch_backend.zero3_hooks import Sharded
@@ -35,7 +36,6 @@ from unison.torch_backend.zero_checkpoint import (
     _groups_metadata,
     _jsonable,
     agree_optimizers,
-    agreed,
     check_optimizer_class,
     mixed_state_problem,
 )
@@ -204,7 +204,7 @@ def load(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any,
             wanted.update(_optimizer_wanted(state, optimizer, manifest, sharded))
         return manifest, saved_opt, sharded, wanted
 
-    manifest, saved_opt, sharded, wanted = agreed(comm, prepare)
+    manifest, saved_opt, sharded, wanted = agree.agreed(comm, prepare, (ValueError, TypeError))
     meta = manifest.metadata or {}
     got = ck.load(path, wanted, comm, verify)
     if optimizer is not None:

@@ -14,8 +14,7 @@ by ``shard_module`` (stage 3) is handled by ``zero3_checkpoint.py`` with the sam
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,8 +23,6 @@ from unison.common import agreement, runtime
 from unison.common import checkpoints as ck
 from unison.common.checkpoints import agree
 from unison.torch_backend.tensors import from_numpy, to_numpy
-
-T = TypeVar("T")
 
 __all__ = ["save_sharded", "load_sharded"]
 
@@ -213,7 +210,7 @@ def load_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
             wanted.update({name: "full" for name in manifest.entries if name.startswith("optim.")})
         return manifest, keys, saved_opt, wanted
 
-    manifest, keys, saved_opt, wanted = agreed(comm, prepare)
+    manifest, keys, saved_opt, wanted = agree.agreed(comm, prepare, (ValueError, TypeError))
     meta = manifest.metadata or {}
     got = ck.load(path, wanted, comm, verify)
     if optimizer is not None and _is_zero(optimizer):
@@ -230,19 +227,6 @@ def load_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
                    if not k.startswith("optim.") or k[6:].rsplit(".", 1)[0] in names}
         _restore_optimizer(optimizer, saved_opt, got)
     return meta.get("user", {})
-
-
-def agreed(comm: Any, step: Callable[[], T]) -> T:
-    """``step()``, whose ``ValueError`` or ``TypeError`` (an unreadable manifest, a mismatched model or
-    optimizer) is raised on every rank as a :class:`CheckpointError` (a ``ValueError``) naming the rank.
-    Raised on that rank alone, the others waited in the load's collectives for ever (before 2026-12-05)."""
-    result, problem, cause = None, None, None
-    try:
-        result = step()
-    except (ValueError, TypeError) as exc:
-        problem, cause = str(exc), exc
-    agreement.raise_together(comm, problem, ck.CheckpointError, cause)
-    return result  # type: ignore[return-value]  # (set: raise_together raised otherwise)
 
 
 def agree_optimizers(comm: Any, optimizer: Any) -> list[str | None]:
