@@ -710,6 +710,73 @@ def test_response_cache_evicts_least_recently_used_consistently():
         ctl.capacity = old
 
 
+_REFERENCE = {unison.Sum: lambda s: s.sum(axis=0), unison.Average: lambda s: s.mean(axis=0),
+              unison.Min: lambda s: s.min(axis=0), unison.Max: lambda s: s.max(axis=0),
+              unison.Product: lambda s: s.prod(axis=0)}
+
+
+@needs_engine
+def test_a_names_repeated_allreduces_run_each_calls_own_signature():
+    """A name's single all-reduce that MPI's own call runs is looked up once, after its first run
+    (executor._NativeAllreduce); a later call of that name with another shape, dtype, op or scale
+    factor is announced anew and must run as itself, never with the lookup kept for the old one,
+    and the lookup must give the same numbers as the full path (Average and postscale finish after
+    MPI's sum; int8 sums in a wider type and float16 in numpy's op, so neither is looked up)."""
+    cases = [((5,), np.float32, unison.Sum, 1.0), ((3, 2), np.float32, unison.Sum, 1.0),
+             ((5,), np.float64, unison.Average, 1.0), ((5,), np.int32, unison.Max, 1.0),
+             ((5,), np.float32, unison.Sum, 0.5), ((), np.float64, unison.Min, 1.0),
+             ((5,), np.int8, unison.Average, 1.0), ((5,), np.float16, unison.Sum, 1.0),
+             ((2, 2), np.int64, unison.Product, 1.0), ((5,), np.float32, unison.Sum, 1.0)]
+    eng = frontend.engine()
+    for rep in range(3):  # the first round runs each signature in full, the later ones reuse it
+        for i, (shape, dtype, op, post) in enumerate(cases):
+            stack = np.stack([(np.arange(int(np.prod(shape))).reshape(shape) % 3 + r + i - rep).astype(dtype)
+                              for r in range(N)])
+            for name in ("sig.same", f"sig.{i}"):  # one name for every signature, and a name each
+                got = unison.allreduce(stack[R], op=op, name=name, postscale_factor=post)
+                want = _REFERENCE[op](stack.astype(np.float64)) * post
+                assert got.shape == shape and got.dtype == dtype, (name, got.shape, got.dtype)
+                if np.issubdtype(dtype, np.integer):
+                    want = np.trunc(want)
+                rtol = 1e-3 if dtype == np.float16 else 1e-12
+                np.testing.assert_allclose(got.astype(np.float64), want, rtol=rtol,
+                                           err_msg=f"{name} {shape} {np.dtype(dtype)} {op} {post}")
+    plans = eng._sets[0].executor._plans
+    assert plans["sig.0"].direct and plans["sig.same"].sig.dtype == plans["sig.0"].sig.dtype
+    assert not plans["sig.6"].direct  # int8 average: a wider sum, the kernels' own path
+
+
+@needs_engine
+def test_threads_blocked_on_handles_wake_when_another_threads_cycle_completes_them():
+    """A thread blocked in ``synchronize`` wakes as soon as another thread's cycle completes its
+    handle; the completing side takes no lock when no thread is blocked, so a wake-up lost to that
+    shortcut would leave the waiter asleep until its liveness check, a second later."""
+    import threading
+
+    times: list[float] = []
+    errors: list[BaseException] = []
+
+    def worker(k: int) -> None:
+        try:
+            for i in range(15):
+                t0 = time.perf_counter()
+                got = unison.allreduce(np.full(3, float(R + k)), op=unison.Sum, name=f"wake.{k}.{i}")
+                times.append(time.perf_counter() - t0)
+                np.testing.assert_array_equal(got, np.full(3, float(sum(range(N)) + N * k)))
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert len(times) == 45
+    slow = WORLD.allgather(sorted(times)[-3:])
+    assert all(t < 0.9 for worst in slow for t in worst), slow
+
+
 # keep last: it kills this rank's engine thread on purpose
 @needs_engine
 def test_row_weighted_averages_stay_in_fp16_range():

@@ -197,6 +197,9 @@ class Controller:
         self.comm, self.mpi, self.set_id = comm, mpi, set_id
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
         self.capacity = capacity
+        #: the cycle's buffers (see :meth:`_buffers`) and the shape they were made for
+        self._bufs: tuple[np.ndarray, np.ndarray, memoryview] = (np.zeros(0, np.uint64),) * 2 + (memoryview(b""),)
+        self._bufs_key: tuple[int, bool] | None = None
         self.pending: dict[str, Request] = {}
         self.to_announce: list[str] = []
         self.cache_bit: dict[str, int] = {}  # in least- to most-recently-used order
@@ -247,14 +250,12 @@ class Controller:
                 if name is not None:
                     bits |= 1 << b
         else:
-            waiting = set(self.to_announce)
+            waiting = set(self.to_announce) if self.to_announce else ()
             cache_bit = self.cache_bit
             for name in self.pending:
                 bit = cache_bit.get(name)
                 if bit is not None and name not in waiting:
                     bits |= 1 << bit
-        vec = np.empty(words + 1, dtype=np.uint64)
-        vec[:words] = np.frombuffer(bits.to_bytes(words * 8, "little"), dtype=np.uint64)
         flags = local_flags
         if self.joined:
             flags |= FLAG_JOINED
@@ -262,22 +263,23 @@ class Controller:
                 flags |= FLAG_ANNOUNCE
         if self.to_announce:
             flags |= FLAG_ANNOUNCE
-        vec[words] = np.uint64((~flags & _ANY_MASK) | (ALL_JOINED if self.joined else 0))
-        per_rank = None
-        if self.timeline_mode:
-            per_rank = np.empty((self.size, words + 1), dtype=np.uint64)
-            wait(self.comm.Iallgather(vec, per_rank))
-            result = np.bitwise_and.reduce(per_rank, axis=0)
+        last_word = (~flags & _ANY_MASK) | (ALL_JOINED if self.joined else 0)
+        timeline = self.timeline_mode
+        vec, out, vec_bytes = self._buffers(words, timeline)
+        # the row as one little-endian integer: the bit words, then the flags word
+        vec_bytes[:] = (bits | last_word << (64 * words)).to_bytes(vec.nbytes, "little")
+        if timeline:
+            wait(self.comm.Iallgather(vec, out))
+            anded = int.from_bytes(np.bitwise_and.reduce(out, axis=0).tobytes(), "little")
+            self._note_ready_times(out[:, :words])
         else:
-            result = np.empty_like(vec)
-            wait(self.comm.Iallreduce(vec, result, op=self.mpi.BAND))
-        last = int(result[words])
+            wait(self.comm.Iallreduce(vec, out, op=self.mpi.BAND))
+            anded = int.from_bytes(out.data.cast("B"), "little")
+        last = anded >> (64 * words)
         any_flags = ~last & _ANY_MASK
         all_joined = bool(last & ALL_JOINED)
         responses: list[Response] = []
-        if per_rank is not None:
-            self._note_ready_times(per_rank[:, :words])
-        ready = 0 if all_joined else int.from_bytes(result[:words].tobytes(), "little")
+        ready = 0 if all_joined else anded & ((1 << (64 * words)) - 1)
         pending, names, sigs = self.pending, self.bit_names, self.cache_sig
         while ready:
             low = ready & -ready
@@ -286,7 +288,7 @@ class Controller:
             name = names[b]
             if name is not None:
                 times = self.bit_seen.pop(b, None)
-                if per_rank is None:  # recorded while an earlier timeline ran: not this one's
+                if not timeline:  # recorded while an earlier timeline ran: not this one's
                     times = None
                 responses.append(Response(name, sigs[name], pending.pop(name, None), ready_times=times))
                 self.cache_bit[name] = self.cache_bit.pop(name)  # most recently used
@@ -300,6 +302,17 @@ class Controller:
         if not self.timeline_mode:
             self.bit_seen.clear()  # ready times of a timeline that stopped: a later one must not show them
         return responses, any_flags, all_joined
+
+    def _buffers(self, words: int, timeline: bool) -> tuple[np.ndarray, np.ndarray, memoryview]:
+        """This cycle's row, what its collective fills (the BAND of every row, or every row in a
+        timeline's cycles) and the row's bytes; kept while their shape stays, since each cycle's
+        collective completes within it (an allocation and two conversions less per cycle)."""
+        key = (words, timeline)
+        if self._bufs_key != key:
+            vec = np.zeros(words + 1, dtype=np.uint64)
+            out = np.zeros((self.size, vec.size) if timeline else vec.size, dtype=np.uint64)
+            self._bufs, self._bufs_key = (vec, out, vec.data.cast("B")), key
+        return self._bufs
 
     def _note_ready_times(self, per_rank: np.ndarray) -> None:
         now = time.monotonic()

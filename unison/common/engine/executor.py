@@ -39,13 +39,14 @@ counts one row per call (how much each rank receives is known to it alone).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from unison.collectives import kernels
-from unison.collectives.reduce import prescale
+from unison.collectives.native import mpi_op, mpi_type
+from unison.collectives.reduce import finalize, prescale, same_start
 from unison.common.dtypes import dtype_from_code
 from unison.common.engine.controller import Response
 from unison.common.engine.errors import JoinError
@@ -75,6 +76,43 @@ class GroupResult(list):
         self.packed: list[tuple[tuple[int, ...], np.ndarray]] = []
 
 
+#: the most :class:`_NativeAllreduce` plans an executor keeps (past it they are made anew)
+_PLANS = 4096
+
+
+class _NativeAllreduce:
+    """A single all-reduce the kernels hand to ``MPI_Allreduce`` untouched, with that call's datatype
+    and op looked up once: a name's later cycles skip the kernels' choice of algorithm (a lone small
+    all-reduce spent about 10 us of Python there on this project's machine before it reached MPI).
+    Made only after the kernels ran the call once (their topology is built collectively on first
+    use), for one signature: a name submitted with another gets a new plan."""
+
+    __slots__ = ("sig", "direct", "executor", "comm", "count", "dtype", "shape", "mtype", "mop", "op", "finish",
+                 "size", "pool", "mpi")
+
+    def __init__(self, executor: Executor, sig: Signature, nbytes: int) -> None:
+        self.sig, self.executor, self.comm, self.mpi = sig, executor, executor.comm, executor.mpi
+        self.shape, self.dtype, self.op = sig.shape, dtype_from_code(sig.dtype), ReduceOp(sig.op)
+        #: False: the kernels run it otherwise (an algorithm of ours, a wider sum): no plan
+        self.direct = kernels.allreduce_is_native(self.comm, self.mpi, nbytes, self.dtype, self.op, 1.0,
+                                                  sig.algorithm)
+        self.count = math.prod(sig.shape)
+        if self.direct:
+            self.mtype, self.mop = mpi_type(self.mpi, self.dtype), mpi_op(self.mpi, self.dtype, self.op)
+        self.finish = self.op is ReduceOp.AVERAGE or sig.postscale != 1.0
+        self.size = executor.comm.Get_size()
+        self.pool = executor.pool
+
+    def run(self, src: np.ndarray) -> np.ndarray:
+        out = self.pool.empty(self.shape, self.dtype)
+        send = self.mpi.IN_PLACE if same_start(out, src) else [src, self.count, self.mtype]
+        self.comm.Allreduce(send, [out, self.count, self.mtype], op=self.mop)
+        if self.finish:
+            finalize(out, self.op, self.size, self.sig.postscale)
+        self.executor.agreed_bytes += out.nbytes
+        return out
+
+
 class Executor:
     """Executes responses on one process set's communicator."""
 
@@ -88,6 +126,12 @@ class Executor:
         #: bytes executed, counted alike on every rank (see [Note: agreed bytes])
         self.agreed_bytes = 0
         self.pool = ResultPool()
+        #: name -> how its cached signature's single all-reduce runs (see :class:`_NativeAllreduce`)
+        self._plans: dict[str, _NativeAllreduce] = {}
+        #: Signature.kind -> the method that runs one such response
+        self._runs: dict[int, Callable[[Response], Any]] = {
+            Kind.ALLREDUCE: self._allreduce, Kind.ALLGATHER: self._allgather, Kind.BROADCAST: self._broadcast,
+            Kind.REDUCESCATTER: self._reducescatter, Kind.ALLTOALL: self._alltoall, Kind.BARRIER: self._barrier}
 
     def _fusion_buffer(self, nbytes: int) -> np.ndarray:
         if self._buffer.size < nbytes:
@@ -97,6 +141,11 @@ class Executor:
     def run(self, responses: list[Response], threshold: int) -> None:
         """Execute one cycle's responses in order, fusing compatible all-reduces."""
         self.threshold = threshold
+        if len(responses) == 1 and responses[0].error is None:  # nothing to fuse it with
+            resp = responses[0]
+            self._mark_ready(resp)
+            self._single(resp)
+            return
         groups: dict[tuple, list[Response]] = {}
         order: list[Any] = []
         for resp in responses:
@@ -276,13 +325,17 @@ class Executor:
         return results
 
     def _single(self, resp: Response) -> None:
-        kind = Kind(resp.sig.kind)
-        self._phase([resp], "QUEUE", False)
-        self._phase([resp], kind.name, True)
-        try:
-            result = getattr(self, "_" + kind.name.lower())(resp)
-        finally:
-            self._phase([resp], kind.name, False)
+        run = self._runs[resp.sig.kind]
+        if not self.timeline.active:
+            result = run(resp)
+        else:
+            kind = Kind(resp.sig.kind).name
+            self._phase([resp], "QUEUE", False)
+            self._phase([resp], kind, True)
+            try:
+                result = run(resp)
+            finally:
+                self._phase([resp], kind, False)
         if resp.request is not None:
             resp.request.handle.set_result(result)
 
@@ -290,12 +343,22 @@ class Executor:
         if resp.sig.layout:
             return self._grouped(resp)
         sig, req = resp.sig, resp.request
+        if req is not None and req.out is None:
+            plan = self._plans.get(resp.name)
+            if plan is not None and plan.direct and (plan.sig is sig or plan.sig == sig):
+                return plan.run(req.array)
         src = self._scaled(self._input(resp), sig, req is None)
         out = req.out if (req is not None and req.out is not None) else self.pool.empty(
             sig.shape, dtype_from_code(sig.dtype))
         kernels.allreduce(self.comm, self.mpi, src, out.reshape(-1), ReduceOp(sig.op), self._kernel_prescale(sig),
                           sig.postscale, sig.algorithm, self.chunk_bytes)
         self.agreed_bytes += out.nbytes
+        if req is not None and req.out is None and sig.prescale == 1.0:  # (asked after the kernel's first run)
+            plan = self._plans.get(resp.name)
+            if plan is None or plan.sig != sig:
+                if len(self._plans) >= _PLANS:
+                    self._plans.clear()
+                self._plans[resp.name] = _NativeAllreduce(self, sig, out.nbytes)
         return out
 
     def _allgather(self, resp: Response) -> np.ndarray:

@@ -46,10 +46,20 @@ def _call(fn: Callable[[Handle], Any], handle: Handle) -> None:
         logger.exception("a done-callback of %r failed", handle)
 
 
+#: threads inside :meth:`Handle.wait`'s blocking part (changed under ``_completion``)
+_blocked = 0
+
+
 def wake_waiters() -> None:
-    """Wake every thread blocked in :meth:`Handle.wait` to re-check its handle."""
-    with _completion:
-        _completion.notify_all()
+    """Wake every thread blocked in :meth:`Handle.wait` to re-check its handle.
+
+    No lock is taken when no thread is blocked (a lone blocking call completes its own handle in
+    its own cycle). That read is safe: a waiter counts itself in before it first checks its flag,
+    and the flag was set before this read, so a waiter this read missed sees the flag set and
+    does not block."""
+    if _blocked:
+        with _completion:
+            _completion.notify_all()
 
 
 class Handle:
@@ -116,14 +126,20 @@ class Handle:
             engine = self._engine
             if engine is not None and timeout is None:  # run the cycle here when no other thread
                 engine.progress(self)  # is in one (engine [Note: a waiter runs the cycle])
+        if not self._done:
             deadline = None if timeout is None else time.monotonic() + timeout
+            global _blocked
             with _completion:
-                while not self._done:
-                    left = LIVENESS_S if deadline is None else min(deadline - time.monotonic(), LIVENESS_S)
-                    if deadline is not None and left <= 0:
-                        raise TimeoutError(f"collective {self.name!r} did not finish within {timeout} s")
-                    if not _completion.wait(left) and not self._done:
-                        self._check_engine()
+                _blocked += 1  # before the flag's check: see wake_waiters
+                try:
+                    while not self._done:
+                        left = LIVENESS_S if deadline is None else min(deadline - time.monotonic(), LIVENESS_S)
+                        if deadline is not None and left <= 0:
+                            raise TimeoutError(f"collective {self.name!r} did not finish within {timeout} s")
+                        if not _completion.wait(left) and not self._done:
+                            self._check_engine()
+                finally:
+                    _blocked -= 1
         if self._error is not None:
             raise self._error
         if self._post is not None:

@@ -29,6 +29,9 @@ __all__ = ["stall_flags", "stall_round"]
 logger = logging.getLogger(__name__)
 
 
+_limit_of: tuple[Config | None, float] = (None, 0.0)  # the last config asked about, and its limit
+
+
 def _first_limit(cfg: Config) -> float:
     """The age at which a pending request is first judged: the check time, or the shutdown time
     when that is shorter (0: neither is set). Judged at the check time alone, a shutdown time
@@ -39,9 +42,12 @@ def _first_limit(cfg: Config) -> float:
 
 def stall_flags(ctl: Controller, cfg: Config, last_report: float) -> int:
     """``FLAG_STALL_CHECK`` when this rank's oldest pending request is due a check, else 0."""
+    global _limit_of
     if cfg.stall_check_disable or not ctl.pending:
         return 0
-    limit = _first_limit(cfg)
+    if _limit_of[0] is not cfg:  # (asked every cycle; a config never changes)
+        _limit_of = (cfg, _first_limit(cfg))
+    limit = _limit_of[1]
     if not limit:
         return 0
     now = time.monotonic()
