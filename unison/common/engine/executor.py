@@ -76,7 +76,8 @@ class GroupResult(list):
         self.packed: list[tuple[tuple[int, ...], np.ndarray]] = []
 
 
-#: the most :class:`_NativeAllreduce` plans an executor keeps (past it they are made anew)
+#: the most :class:`_NativeAllreduce` plans an executor keeps, and the most names it remembers
+#: having run once (past either, that dict starts again empty)
 _PLANS = 4096
 
 
@@ -84,8 +85,9 @@ class _NativeAllreduce:
     """A single all-reduce the kernels hand to ``MPI_Allreduce`` untouched, with that call's datatype
     and op looked up once: a name's later cycles skip the kernels' choice of algorithm (a lone small
     all-reduce spent about 10 us of Python there on this project's machine before it reached MPI).
-    Made only after the kernels ran the call once (their topology is built collectively on first
-    use), for one signature: a name submitted with another gets a new plan."""
+    Made on a name's second run with one signature, after the kernels ran it (their topology is
+    built collectively on first use), so a name used once costs no lookup; a name submitted with
+    another signature runs in full, and gets its own plan on its second run."""
 
     __slots__ = ("sig", "direct", "executor", "comm", "count", "dtype", "shape", "mtype", "mop", "op", "finish",
                  "size", "pool", "mpi")
@@ -128,6 +130,8 @@ class Executor:
         self.pool = ResultPool()
         #: name -> how its cached signature's single all-reduce runs (see :class:`_NativeAllreduce`)
         self._plans: dict[str, _NativeAllreduce] = {}
+        #: name -> the signature it ran with once, without a plan yet
+        self._once: dict[str, Signature] = {}
         #: Signature.kind -> the method that runs one such response
         self._runs: dict[int, Callable[[Response], Any]] = {
             Kind.ALLREDUCE: self._allreduce, Kind.ALLGATHER: self._allgather, Kind.BROADCAST: self._broadcast,
@@ -356,9 +360,14 @@ class Executor:
         if req is not None and req.out is None and sig.prescale == 1.0:  # (asked after the kernel's first run)
             plan = self._plans.get(resp.name)
             if plan is None or plan.sig != sig:
-                if len(self._plans) >= _PLANS:
-                    self._plans.clear()
-                self._plans[resp.name] = _NativeAllreduce(self, sig, out.nbytes)
+                if self._once.pop(resp.name, None) == sig:  # its second run with this signature
+                    if len(self._plans) >= _PLANS:
+                        self._plans.clear()
+                    self._plans[resp.name] = _NativeAllreduce(self, sig, out.nbytes)
+                else:
+                    if len(self._once) >= _PLANS:
+                        self._once.clear()
+                    self._once[resp.name] = sig
         return out
 
     def _allgather(self, resp: Response) -> np.ndarray:
