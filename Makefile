@@ -21,7 +21,7 @@ demo: venv
 test: venv
 	$(PY) -m pytest -q -p no:cacheprovider --durations=40 tests
 
-# The inner-loop tier: no TensorFlow/PyTorch jobs, a minute or two.
+# The inner-loop tier: no TensorFlow/PyTorch suites under MPI (a few single-process checks of them), about four minutes.
 FAST_TESTS := tests/test_layers.py tests/test_elastic_driver.py tests/test_rankwatch.py tests/test_config.py tests/test_files.py tests/test_engine_files.py tests/test_adasum.py tests/test_single_process.py \
 	tests/test_pipeline_schedules.py tests/test_launcher.py tests/test_perfmodel.py tests/test_sharded_checkpoint.py tests/test_zero_plan.py tests/test_tensor_parallel_grid.py tests/test_tensor_parallel_render.py tests/test_data_parallel_plan.py tests/test_benchmark_helpers.py tests/test_ps.py tests/test_collectives_mpi.py tests/test_engine_mpi.py
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+import textwrap
+
 import pytest
-from harness import run_rank_suite
+from harness import mpirun, run_rank_suite
 
 
 @pytest.mark.mpi
@@ -17,3 +20,37 @@ def test_sharded_tables(tmp_path):
         run_rank_suite(
             np_, "mpi_ps.py", run, timeout=240, extra_env={"PS_SHARED": str(shared) if np_ != 3 else ""}
         )
+
+
+_RUN_AHEAD_AND_EXIT = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    import unison.ps as ps
+    from unison.common import runtime
+    runtime.init()
+    rank = runtime.rank()
+    table = ps.ShardedTable(50, 4, optimizer=ps.Adagrad(0.1), consistency=ps.SSP(1), name="ahead")
+    for step in range(5):
+        if rank == 1:
+            time.sleep(0.2)  # behind: rank 0 ends its loop first, and exits
+        table.push(np.arange(50), np.ones((50, 4), np.float32))
+        rows = table.pull(np.arange(50))
+    print(f"rank {rank} done", rows.shape, flush=True)
+    if len(sys.argv) > 1:
+        table.close()
+""")
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("close", [False, True], ids=["exit-without-close", "close"])
+def test_an_ssp_worker_that_exits_ahead_of_the_others_lets_them_finish(tmp_path, close):
+    """Under SSP rank 0 finishes its loop steps ahead of rank 1 and exits without close(): its server thread
+    died with it, and rank 1's pull of the rows it held waited for ever (before 2026-12-05). Shutting Unison
+    down (at the interpreter's exit too) now closes such a table, serving until every worker is done."""
+    script = tmp_path / "ahead.py"
+    script.write_text(_RUN_AHEAD_AND_EXIT)
+    proc = mpirun(2, [sys.executable, str(script)] + (["close"] if close else []), timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "rank 0 done" in out and "rank 1 done" in out, out[-4000:]

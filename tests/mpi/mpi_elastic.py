@@ -16,7 +16,8 @@ communicator and before the engine does: ``recover()`` itself must shrink again,
 
 Under ``unisonrun``'s elastic driver (``UNISON_ELASTIC_ATTEMPT`` set) the kill happens in the
 first job only. ``ELASTIC_KILL_RANKS=0,1`` names the ranks that kill themselves after step
-``KILL_AFTER`` instead of the last. Each process that completes a reset writes an empty
+``KILL_AFTER`` instead of the last; with ``ELASTIC_RAISE=1`` they raise ``HorovodInternalError``
+instead of dying. Each process that completes a reset writes an empty
 ``OUT_DIR/reset.<hostname>.<pid>`` (a test checks which hosts went on). With ``ELASTIC_STEP_SLEEP=S``
 nobody is killed: each step sleeps S seconds and rank 0 writes the step to
 ``OUT_DIR/progress<attempt>`` (a test takes a host down meanwhile).
@@ -148,6 +149,8 @@ def main(out: str) -> None:
                         time.sleep(1.0)  # under the driver: let rank 0 finish writing the last commit to disk
                     with open(os.path.join(out, "kill.json"), "w") as f:
                         json.dump({"time": time.time()}, f)
+                    if os.environ.get("ELASTIC_RAISE") == "1":  # Horovod's way to ask for a restore and reset
+                        raise hvd.HorovodInternalError("raised by the training loop")
                     os.kill(os.getpid(), 9)
                 idx = state.sampler.get_indices(b, BS)
                 opt.zero_grad()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -342,6 +343,40 @@ def test_bad_input_raises_on_every_rank():
     with pytest.raises(ps.TableError, match=r"num_rows=0\): must be a positive int"):
         ps.ShardedTable(0, DIM, name="empty")
     assert agree(ps.tables())
+
+
+# ------------------------------------------------------------------ found by an audit (2026-12-05)
+@pytest.mark.skipif(N == 1, reason="needs a worker waiting on the one that fails")
+@pytest.mark.parametrize("after", ["barrier", "save"])
+def test_ssp_workers_waiting_on_a_failed_worker_raise_its_error_and_meet_it_in_the_collective(after):
+    """SSP(0): the last rank, behind, pushes a bad key at step 2, catches the error and calls barrier() or
+    save(). The others' pulls of step 3 wait for its clock, which no longer moves: before, they went on
+    waiting while it waited for them in the collective (a hang). Now each of them raises its error there
+    (it probes while it waits), and every rank's collective returns; the pulls they left are answered
+    when the table closes."""
+    wanted = rf"rank {N - 1}: ssp-fail.push: key {ROWS + 5} is out of range"
+    keys = np.array([1, 2, ROWS - 1])
+    with shared_folder("ssp-fail") as where:
+        with ps.ShardedTable(ROWS, DIM, name="ssp-fail", consistency=ps.SSP(0), optimizer=ps.SGD(0.1)) as table:
+            raised = None
+            for step in range(6):
+                try:
+                    rows = table.pull(keys)
+                    if R == N - 1 and step == 2:
+                        time.sleep(0.3)  # behind the others
+                        table.push(np.array([1, 2, ROWS + 5]), np.ones_like(rows))
+                    else:
+                        table.push(keys, np.ones_like(rows))
+                except ps.TableError as exc:
+                    raised = (step, str(exc))
+                    if after == "barrier":
+                        table.barrier()
+                    else:
+                        table.save(os.path.join(where, "ckpt"))
+                    break
+            assert raised is not None and re.search(wanted, raised[1]), raised
+            assert raised[0] == (2 if R == N - 1 else 3), raised
+        # (closed: the pulls the others left are answered once every worker is done, or the close hangs)
 
 
 # ------------------------------------------------------------------ found by an audit (2026-12-04)

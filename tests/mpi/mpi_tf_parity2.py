@@ -285,6 +285,26 @@ def test_grouped_ops_with_groups_of_different_lengths_raise_on_every_rank(graph,
         run()
 
 
+def test_elastic_keras_state_of_models_that_differ_across_ranks_raises_on_every_rank():
+    """A Keras model with a Dense layer more on one rank: the sync broadcast its variables by position
+    and the ranks waited for ever on the broadcast only one of them made. Now every rank raises."""
+    from unison.common.exceptions import MismatchError
+    from unison.tf_backend import elastic
+
+    if N == 1:
+        pytest.skip("needs two ranks")
+    units = [4, 2, 1] if R == N - 1 else [4, 1]
+    model = keras.Sequential([keras.Input((3,))] + [keras.layers.Dense(u) for u in units])
+    state = elastic.TensorFlowKerasState(model, keras.optimizers.SGD(0.1), epoch=0)
+    with pytest.raises(MismatchError, match=rf"elastic sync of the model: rank\(s\) \[{N - 1}\]"):
+        state.sync()
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    good = elastic.TensorFlowKerasState(model, keras.optimizers.SGD(0.1), epoch=0)
+    good.sync()
+    w = hvd.allgather_object(model.weights[0].numpy().tolist())
+    assert all(x == w[0] for x in w)
+
+
 def test_keras_module_has_every_horovod_keras_name():
     """horovod.tensorflow.keras and horovod.keras 0.28 in unison.tf_backend.keras, ``elastic`` included."""
     assert [n for n in HVD_TF_KERAS if not hasattr(hvd_keras, n)] == []

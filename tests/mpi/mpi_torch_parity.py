@@ -994,6 +994,28 @@ def test_elastic_sampler_sync_takes_rank_0s_commit_not_a_rank_that_committed_onc
     assert len(state.sampler) * N >= 24 - len(first)  # the step rank 0 never trained on is dealt again
 
 
+@multi
+def test_elastic_sync_of_models_that_differ_across_ranks_raises_on_every_rank():
+    """A model with a layer more on one rank: the sync broadcast rank 0's tensors by name and the
+    rank with the extra one waited for ever on its lone broadcast (a shape that differed under one
+    name raised). Now every rank raises, naming the tensors."""
+    from unison.common.exceptions import MismatchError
+    from unison.torch_backend import elastic
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(3, 3) for _ in range(3 if R == N - 1 else 2)]
+    state = elastic.TorchState(torch.nn.Sequential(*layers), step=0)
+    with pytest.raises(MismatchError, match=rf"rank\(s\) \[{N - 1}\].*has \['2.weight', '2.bias'\]"):
+        state.sync()
+    same = elastic.TorchState(torch.nn.Sequential(torch.nn.Linear(3, 3 + (R == N - 1))))
+    with pytest.raises(MismatchError, match=r"0.weight: \(\(3, 3\), 'torch.float32'\) on rank 0"):
+        same.sync()
+    ok = elastic.TorchState(torch.nn.Sequential(torch.nn.Linear(3, 3)))
+    ok.sync()  # the engine goes on: an agreeing model syncs
+    w = hvd.allgather_object(ok.model[0].weight.detach().numpy().tolist())
+    assert all(x == w[0] for x in w)
+
+
 def test_elastic_state_refuses_values_named_as_its_own_attributes():
     from unison.common.elastic import ObjectState
 

@@ -35,7 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 from unison.common import runtime
-from unison.common.elastic import ObjectState, recover, run_fn
+from unison.common.elastic import ObjectState, agree_structure, recover, run_fn
 from unison.common.elastic import State as _State
 from unison.common.engine import frontend
 from unison.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt, UnisonInternalError
@@ -120,7 +120,10 @@ def _assign(variables: list[Any], values: list[np.ndarray], what: str) -> None:
 
 
 def _broadcast(variables: list[Any], tag: str) -> None:
-    """Rank 0's values to every rank, one named broadcast per variable."""
+    """Rank 0's values to every rank, one named broadcast per variable, once every rank has been seen
+    to hold as many variables of the same shapes and dtypes (by position: Keras's generated names
+    may differ between processes)."""
+    agree_structure(tag, [(i, tuple(var.shape), str(var.dtype)) for i, var in enumerate(variables)])
     for i, var in enumerate(variables):
         value = frontend.broadcast(np.asarray(var.numpy()), 0, f"elastic.{tag}.{i}")
         var.assign(np.asarray(value).reshape(var.shape))

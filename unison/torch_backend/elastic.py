@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from unison.common import runtime
-from unison.common.elastic import ObjectState, SamplerCore, recover, run_fn
+from unison.common.elastic import ObjectState, SamplerCore, agree_structure, recover, run_fn
 from unison.common.elastic import State as _State
 from unison.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt, UnisonInternalError
 from unison.torch_backend.functions import (
@@ -274,6 +274,7 @@ class _ModelHandler(_Handler):
         went to ``broadcast_parameters`` too, which refused it: such a model could not start ``run``."""
         current = self.value.state_dict()
         tensors = {k: v for k, v in current.items() if isinstance(v, torch.Tensor)}
+        agree_structure("model", [(k, tuple(v.shape), str(v.dtype)) for k, v in tensors.items()])
         broadcast_parameters(tensors, root_rank=0, prefix="elastic.")
         others = {k: v for k, v in current.items() if k not in tensors}
         # (on every rank, even with nothing to send: a rank that skipped it would leave the others waiting)

@@ -10,7 +10,7 @@ partition of an epoch's remaining samples.
 from unison.common.elastic.recovery import Recovery, enabled, last_recovery, min_np, recover
 from unison.common.elastic.runner import run_fn
 from unison.common.elastic.sampler import SamplerCore
-from unison.common.elastic.state import ObjectState, State
+from unison.common.elastic.state import ObjectState, State, agree_structure
 
-__all__ = ["Recovery", "enabled", "last_recovery", "min_np", "recover", "run_fn", "SamplerCore",
+__all__ = ["agree_structure", "Recovery", "enabled", "last_recovery", "min_np", "recover", "run_fn", "SamplerCore",
            "ObjectState", "State"]

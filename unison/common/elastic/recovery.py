@@ -99,6 +99,13 @@ class Recovery:
 _last: Recovery | None = None
 
 
+def ulfm_enabled() -> bool:
+    """Whether this job's MPI runs with ULFM, so survivors of a failure can go on in place: Open MPI
+    reads ``OMPI_MCA_mpi_ft_enable``, which ``mpirun --with-ft ulfm`` (``unisonrun --elastic``'s in-place
+    tier) and ``--mca mpi_ft_enable 1`` set in every rank's environment."""
+    return os.environ.get("OMPI_MCA_mpi_ft_enable", "").strip().lower() in ("1", "true", "yes", "on", "enabled")
+
+
 def enabled() -> bool:
     """Whether elastic mode is on (``UNISON_ELASTIC=1``; ``unisonrun --elastic`` sets it).
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from unison.common import runtime
-from unison.common.elastic.recovery import enabled, rebuild
+from unison.common.elastic.recovery import enabled, rebuild, ulfm_enabled
 from unison.common.elastic.store import attempt as job_attempt
 from unison.common.elastic.store import mark_entered, mark_finished, resume
 from unison.common.engine.errors import process_failure
@@ -85,6 +85,12 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], Any],
                 if not enabled():
                     logger.error("a rank failed and elastic mode is off (set UNISON_ELASTIC=1 or use "
                                  "unisonrun --elastic to recover in place); ending the job")
+                    raise
+                if not ulfm_enabled():  # a shrink would never return on any rank (before 2026-12-05: a hang)
+                    logger.error("elastic: %s, and this job's MPI runs without ULFM (mpirun --with-ft ulfm, as "
+                                 "unisonrun --elastic's in-place tier starts it), so the ranks cannot go on in "
+                                 "place; ending the job (under unisonrun --elastic's restart tier it starts again "
+                                 "from the last commit)", failure)
                     raise
                 logger.warning("elastic: %s; rolling back to the last commit", failure)
                 state.restore()

@@ -25,12 +25,40 @@ import numpy as np
 from unison.common import runtime
 from unison.common.config import env_value
 from unison.common.elastic.store import ENV_NOTICE, store_from_env
-from unison.common.engine.objects import broadcast_object
-from unison.common.exceptions import HostsUpdatedInterrupt
+from unison.common.engine.objects import allgather_object, broadcast_object
+from unison.common.exceptions import HostsUpdatedInterrupt, MismatchError
 
-__all__ = ["State", "ObjectState"]
+__all__ = ["State", "ObjectState", "agree_structure"]
 
 logger = logging.getLogger(__name__)
+
+
+def agree_structure(what: str, entries: list[tuple[Any, tuple[int, ...], str]]) -> None:
+    """Collective: raise :class:`MismatchError` on every rank unless every rank holds the same
+    ``entries`` ((name or index, shape, dtype) of each tensor ``sync()`` broadcasts from rank 0).
+
+    A sync broadcasts rank 0's tensors one by one under their names; before 2026-12-05 a rank whose
+    model held a tensor the others lacked (a layer more, a buffer less) left every rank waiting for
+    ever on the broadcast it alone made (only a shape that differed under one name raised).
+    """
+    every = allgather_object(entries, name=f"elastic.structure.{what}")
+    ref = every[0]
+    bad = [r for r, mine in enumerate(every) if mine != ref]
+    if not bad:
+        return
+    theirs = every[bad[0]]
+    ref_by, their_by = {e[0]: e[1:] for e in ref}, {e[0]: e[1:] for e in theirs}
+    lacks = [k for k in ref_by if k not in their_by]
+    extra = [k for k in their_by if k not in ref_by]
+    differ = [f"{k}: {ref_by[k]} on rank 0, {their_by[k]} there" for k in ref_by
+              if k in their_by and their_by[k] != ref_by[k]]
+    parts = [f"it lacks {lacks[:5]}" if lacks else "", f"it has {extra[:5]}, which rank 0 lacks" if extra else "",
+             f"{'; '.join(differ[:3])}" if differ else ""]
+    detail = "; ".join(p for p in parts if p) or "the same tensors in another order"
+    raise MismatchError(
+        f"elastic sync of the {what}: rank(s) {bad} hold other tensors than rank 0 ({len(theirs)} against "
+        f"{len(ref)}); on rank {bad[0]} {detail}. Every rank must build the same {what} before the state "
+        "syncs (rank 0's values are then broadcast to every rank)")
 
 
 class State:

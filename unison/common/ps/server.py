@@ -91,6 +91,12 @@ class Server:
             self._reap()
             time.sleep(idle)
             idle = min(1e-3, idle * 2 + 2e-5)
+        # pulls still deferred (a worker stopped waiting for them when a peer's error reached it: table
+        # [Note: errors without collectives]) are answered once the local worker, closing, is done too
+        while self.deferred and not self.stop.is_set():
+            self._answer_ready()
+            self._reap()
+            time.sleep(1e-3)
         self._reap(wait=True)
 
     def _handle(self, source: int, buf: np.ndarray) -> None:

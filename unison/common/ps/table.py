@@ -18,7 +18,6 @@ import numpy as np
 
 from unison.common import runtime
 from unison.common.agreement import raise_together
-from unison.common.engine.controller import wait as wait_request
 from unison.common.exceptions import UnisonError
 from unison.common.ps import exchange as ex
 from unison.common.ps import server as sv
@@ -53,6 +52,34 @@ def get_table(name: str) -> ShardedTable:
 def tables() -> list[str]:
     with _registry_lock:
         return sorted(_registry)
+
+
+def _close_at_shutdown(state: Any) -> None:
+    """``unison.shutdown()`` (and so the interpreter's exit) closes every SSP/ASP table this rank
+    still has open as a worker, in the order they were created (the same on every rank).
+
+    Under SSP/ASP a worker may finish its loop steps ahead of the others and exit; its server thread
+    (a daemon) then died with it, and a slower worker's pull of rows that lived there waited for ever
+    (before 2026-12-05). Closing sends this worker's FIN and keeps its server answering until every
+    worker has closed. BSP tables are left alone: their operations pair across ranks, so a rank can
+    not run ahead of the others out of the table."""
+    with _registry_lock:
+        open_tables = list(_registry.values())
+    for table in open_tables:
+        if table.closed or not table.is_worker or table.consistency.collective:
+            continue
+        logger.info("table %r: closing it at shutdown (call close() on every rank to choose when)", table.name)
+        try:
+            if table._queued:  # operations still queued: close behind them, as close() does
+                table.close()
+            else:  # (at the interpreter's exit the executors take no more work: close on this thread)
+                table._locked(table._close_worker)
+                table._finish()
+        except Exception:  # noqa: BLE001 - the other tables, and the rest of the shutdown, still run
+            logger.exception("table %r: closing it at shutdown failed", table.name)
+
+
+runtime.add_shutdown_hook(_close_at_shutdown)
 
 
 class Handle:
@@ -258,6 +285,8 @@ class ShardedTable:
         self._clock = 0
         self._request = 0
         self._sends: list[tuple[Any, np.ndarray]] = []
+        #: replies of pulls a peer's error cut short: (request, buffer, server, tag), received when they come
+        self._orphans: list[tuple[Any, np.ndarray, int, int]] = []
         self._stats = {
             "pulls": 0,
             "pushes": 0,
@@ -544,7 +573,12 @@ class ShardedTable:
     # same text (naming that rank) at its next pull or push on the table, once the message arrived
     # (each probes for one first, on the thread that runs the operation, before any side effect; collective
     # calls such as barrier() and save() never raise it, so no rank skips one the others are in). The
-    # table stays usable on every rank afterwards, as under BSP.
+    # table stays usable on every rank afterwards, as under BSP. A worker already waiting in a pull when
+    # the message arrives raises it there (it probes while it waits: the pull may wait on the very worker
+    # that failed, whose clock no longer moves); its push of that call (push_pull) was sent already, and
+    # the replies it no longer waits for are received when they come, at the latest when the table
+    # closes. Before 2026-12-05 it went on waiting, and a failing worker that caught its error and then
+    # called barrier() or save() waited for it in turn: a hang.
 
     def _post_error(self, message: str) -> None:
         if self._err is None:
@@ -697,27 +731,37 @@ class ShardedTable:
         rows = np.empty((len(storage), self.dim), self.dtype)
         waits, replies = [], []
         t0 = time.perf_counter()
+        if self._orphans:
+            self._orphans = [o for o in self._orphans if not o[0].Test()]
         for r in self.servers:
             if r == self.rank or counts[r] == 0:
                 continue
             self._request = self._request % 30000 + 1
+            while any(o[2] == r and o[3] == self._request for o in self._orphans):  # (its tag is still posted)
+                self._request = self._request % 30000 + 1
             reply = np.empty(8 + int(counts[r]) * self.dim * self.dtype.itemsize, np.uint8)
             waits.append(self._rep.Irecv([reply, self.mpi.BYTE], r, self._request))  # type: ignore[union-attr]
-            replies.append((r, reply))
+            replies.append((r, reply, self._request))
             self._send(r, sv.pack(sv.PULL, self._request, need, storage[starts[r] : starts[r + 1]]))
             self._stats["remote_rows_pulled"] += int(counts[r])
         slowest = []
-        if self.shard is not None and counts[self.rank]:
-            part = slice(starts[self.rank], starts[self.rank + 1])
-            slowest.append(
-                self.shard.wait_ready(need, self._check_server)
-                if need != sv.NO_WAIT
-                else int(self.shard.clocks.min())
-            )
-            rows[part] = self.shard.read(storage[part])
-        for w in waits:  # brief spin, then sleeps: MPI's Waitall would spin (sched_yield) beside the model
-            wait_request(w)
-        for r, reply in replies:
+        try:
+            if self.shard is not None and counts[self.rank]:
+                part = slice(starts[self.rank], starts[self.rank + 1])
+                slowest.append(
+                    self.shard.wait_ready(need, self._check_waiting)
+                    if need != sv.NO_WAIT
+                    else int(self.shard.clocks.min())
+                )
+                rows[part] = self.shard.read(storage[part])
+            for w in waits:  # brief spin, then sleeps: MPI's Waitall would spin (sched_yield) beside the model
+                self._wait_reply(w)
+        except BaseException:
+            # a peer's error (or this rank's server's) cut the wait short: the replies still come (every
+            # server answers its deferred pulls by the time every worker closes); receive them then
+            self._orphans += [(w, reply, r, tag) for w, (r, reply, tag) in zip(waits, replies, strict=True)]
+            raise
+        for r, reply, _ in replies:
             slowest.append(int(reply[:8].view(np.int64)[0]))
             rows[starts[r] : starts[r + 1]] = reply[8:].view(self.dtype).reshape(-1, self.dim)
             self._stats["bytes_received"] += reply.nbytes
@@ -725,6 +769,25 @@ class ShardedTable:
         if slowest and need != sv.NO_WAIT:
             self._stats["max_staleness"] = max(self._stats["max_staleness"], self._clock - min(slowest))
         return rows
+
+    def _wait_reply(self, req: Any) -> None:
+        """Wait for a pull's reply as :func:`wait_request` does (a brief spin, then sleeps), checking
+        meanwhile for an error a peer posted (see [Note: errors without collectives]) and for this
+        rank's server thread: a reply that waits on a worker that met bad input never comes while
+        that worker, having caught it, waits in a barrier for this one (before 2026-12-05 a hang)."""
+        for _ in range(200):
+            if req.Test():
+                return
+        delay = 2e-5
+        while not req.Test():
+            self._check_waiting()
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+
+    def _check_waiting(self) -> None:
+        """While an SSP/ASP pull waits: raise this rank's server thread's failure or a peer's error."""
+        self._check_server()
+        self._check_peers()
 
     def _check_server(self) -> None:
         if self._server is not None and self._server.error is not None:
@@ -897,6 +960,9 @@ class ShardedTable:
                                    status.Get_source(), 1)
                 self.mpi.Request.Waitall([r for r, _ in self._err_sends])
                 self._err.Free()
+            if self._orphans:  # every server answered its deferred pulls before the barrier (see the Note)
+                self.mpi.Request.Waitall([o[0] for o in self._orphans])
+                self._orphans = []
             self.comm.Free()
             if self._rep is not None:
                 self._rep.Free()
