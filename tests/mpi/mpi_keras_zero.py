@@ -304,6 +304,35 @@ def test_optimizers_that_cannot_be_sharded_raise():
             hvd.DistributedOptimizer(keras.optimizers.SGD(), zero_stage=1, **option)
 
 
+def test_what_a_shard_cannot_honour_is_refused_when_set_late_or_through_other_doors(tmp_path_factory):
+    """Found by an audit (2026-12-05): clipnorm set on the optimizer after construction (Keras reads it at
+    every apply) clipped each flat shard by its own norm, silently (2.6e-3 off one process after an
+    epoch); BackupAndRestore resumed a sharded optimizer with fresh moments and step count (its weights
+    file holds no optimizer state), silently; DistributedOptimizer(zero_stage=1) took groups=-5, and
+    register_local_var was missing. Each is now a ValueError on every rank."""
+    ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(GLOBAL_BATCH)
+    strategy = UnisonStrategy(zero_stage=1)
+    with strategy.scope():
+        model = make_model()
+        opt = keras.optimizers.SGD(0.1)
+        opt.clipnorm = 0.01
+        model.compile(optimizer=opt, loss="mse")
+    with pytest.raises(ValueError, match=r"SGD\(clipnorm=0.01\) clips each variable by its own norm"):
+        model.fit(ds, epochs=1, verbose=0)
+    folder = WORLD.bcast(str(tmp_path_factory.mktemp("backup")) if R == 0 else None)
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    with pytest.raises(ValueError, match="BackupAndRestore saves the weights file.*save_sharded"):
+        model.fit(ds, epochs=1, verbose=0, callbacks=[hvd.callbacks.BackupAndRestore(folder)])
+    for bad in ({"groups": -5}, {"num_groups": -1}):
+        with pytest.raises(ValueError, match="groups should be a non-negative integer"):
+            hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), zero_stage=1, **bad)
+    sharded = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), zero_stage=1)
+    with pytest.raises(ValueError, match="register_local_var.*sharded"):
+        sharded.register_local_var(model.trainable_variables[0])
+
+
 def sharded_sgd_model() -> tuple[UnisonStrategy, keras.Model]:
     """A model compiled with SGD under UnisonStrategy(zero_stage=1), its optimizer built."""
     strategy = UnisonStrategy(zero_stage=1)

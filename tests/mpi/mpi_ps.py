@@ -379,6 +379,26 @@ def test_ssp_workers_waiting_on_a_failed_worker_raise_its_error_and_meet_it_in_t
         # (closed: the pulls the others left are answered once every worker is done, or the close hangs)
 
 
+def test_an_elastic_rebuild_keeps_async_tables_open_and_a_shutdown_closes_them():
+    """unison.shutdown() closes the SSP/ASP tables a worker left open (see the test in test_ps_mpi.py); an
+    elastic reset stops and starts Unison too (runtime.shutdown(rebuild=True)), and a table must live on
+    through that, with its own communicators, as before (a review of the change found it closed)."""
+    table = ps.ShardedTable(ROWS, DIM, "float64", name="rebuild", consistency=ps.SSP(1), optimizer=ps.SGD(1.0),
+                            initializer="zeros", average=False)
+    table.push(np.array([1]), np.ones((1, DIM)))
+    table.barrier()
+    runtime.shutdown(rebuild=True)  # what an elastic reset does on every rank
+    runtime.init()
+    assert not table.closed
+    np.testing.assert_array_equal(table.pull(np.array([1])), np.full((1, DIM), -float(N)))
+    table.barrier()
+    runtime.shutdown()
+    runtime.init()
+    assert table.closed
+    with pytest.raises(ps.TableError, match="closed"):
+        table.pull(np.array([1]))
+
+
 # ------------------------------------------------------------------ found by an audit (2026-12-04)
 @contextlib.contextmanager
 def shared_folder(prefix: str):

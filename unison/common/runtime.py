@@ -418,13 +418,24 @@ def _mpi_state(mpi: Any, comm: Any, config: Config) -> State:
     return state
 
 
-def shutdown() -> None:
-    """Stop Unison in this process; ``init()`` may be called again afterwards."""
+def shutdown(rebuild: bool = False) -> None:
+    """Stop Unison in this process; ``init()`` may be called again afterwards.
+
+    ``rebuild``: elastic recovery stops Unison only to start it again on the survivors (or the same
+    ranks); the exit hooks (:func:`add_exit_hook`: what must end with the job, not with one world)
+    do not run then.
+    """
     global _state
     with _lock:
         state, _state = _state, None
     if state is None:
         return
+    if not rebuild:
+        for hook in list(_exit_hooks):
+            try:
+                hook(state)
+            except Exception:  # noqa: BLE001 - the rest of the shutdown (the engine's) must still run
+                logger.exception("an exit hook failed")
     for hook in list(_shutdown_hooks):
         hook(state)
     if state.owns_comm and state.comm is not None:
@@ -436,6 +447,7 @@ def shutdown() -> None:
 
 
 _shutdown_hooks: list[Any] = []
+_exit_hooks: list[Any] = []
 _init_hooks: list[Any] = []
 _abort_hooks: list[Any] = []
 
@@ -464,6 +476,14 @@ def add_shutdown_hook(hook: Any) -> None:
     """Run ``hook(state)`` at the start of :func:`shutdown` (used by the engine)."""
     if hook not in _shutdown_hooks:
         _shutdown_hooks.append(hook)
+
+
+def add_exit_hook(hook: Any) -> None:
+    """Run ``hook(state)`` at the start of a :func:`shutdown` that ends Unison in this process (the
+    user's, or the interpreter's exit), before the shutdown hooks; not when elastic recovery
+    rebuilds it. A hook's exception is logged and the shutdown goes on."""
+    if hook not in _exit_hooks:
+        _exit_hooks.append(hook)
 
 
 def add_init_hook(hook: Any) -> None:

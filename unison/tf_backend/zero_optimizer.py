@@ -63,11 +63,25 @@ def check_shardable(optimizer: Any) -> None:
                          f"elementwise updates; {name}'s update is not one of {list(ELEMENTWISE)} (e.g. "
                          "Adafactor factors its moments, Lamb and Muon use whole-variable norms/matrices). "
                          f"Use zero_stage=0 for {name}")
+    _refuse_whole_variable_options(optimizer)
+
+
+def _refuse_whole_variable_options(optimizer: Any) -> None:
+    """Raise for the options a shard cannot honour: at construction and, since Keras reads them at every
+    apply, at each apply too (set after construction, ``clipnorm`` clipped each flat shard by its own
+    norm: silently other numbers, before 2026-12-05)."""
+    name = type(optimizer).__name__
     for attr, why in (("clipnorm", "clips each variable by its own norm"),
                       ("use_ema", "keeps a moving average of the full weights")):
         if getattr(optimizer, attr, None):
             raise ValueError(f"{name}({attr}={getattr(optimizer, attr)!r}) {why}, which a shard cannot compute "
                              f"alone; remove {attr} (clipvalue and global_clipnorm work) or use zero_stage=0")
+
+
+def _refuse_local_var(self: Any, var: Any) -> None:
+    raise ValueError(f"register_local_var: {type(self).__name__} is sharded (zero_stage "
+                     f"{self.__dict__.get('_unison_zero_stage')}): every gradient is reduced into its rank's "
+                     "shard, so a variable cannot stay local; use zero_stage=0 to keep local variables")
 
 
 def sharded_class(base: type) -> type:
@@ -78,7 +92,7 @@ def sharded_class(base: type) -> type:
         return base
     cls = type(base.__name__, (base,), {
         "build": _build, "apply": _apply, "_apply_weight_decay": _apply_weight_decay,
-        "_clip_gradients": _clip_gradients,
+        "_clip_gradients": _clip_gradients, "register_local_var": _refuse_local_var,
         "_all_reduce_sum_gradients": lambda self, pairs: list(pairs),
         "save_own_variables": lambda self, store: None, "load_own_variables": _load_own_variables,
         "_trackable_children": _refuse_tf_checkpoint,
@@ -261,6 +275,7 @@ def rank_local_keys() -> set[Any]:
 
 
 def _apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
+    _refuse_whole_variable_options(self)
     grads = list(grads)
     if not len(grads):
         return None

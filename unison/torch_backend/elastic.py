@@ -274,7 +274,8 @@ class _ModelHandler(_Handler):
         went to ``broadcast_parameters`` too, which refused it: such a model could not start ``run``."""
         current = self.value.state_dict()
         tensors = {k: v for k, v in current.items() if isinstance(v, torch.Tensor)}
-        agree_structure("model", [(k, tuple(v.shape), str(v.dtype)) for k, v in tensors.items()])
+        # (by name: broadcast_parameters sends them sorted, so their order may differ between ranks)
+        agree_structure("model", sorted((k, tuple(v.shape), str(v.dtype)) for k, v in tensors.items()))
         broadcast_parameters(tensors, root_rank=0, prefix="elastic.")
         others = {k: v for k, v in current.items() if k not in tensors}
         # (on every rank, even with nothing to send: a rank that skipped it would leave the others waiting)

@@ -222,7 +222,7 @@ def _rebuild(st: runtime.State, shrunk: Any, sets: list[Any]) -> None:
     """Shut the old runtime and engine down (unless an earlier attempt did) and start them on ``shrunk``."""
     if runtime.is_initialized():
         runtime.state().owns_comm = False  # revoked, never freed (see [Note: in-place recovery])
-        runtime.shutdown()
+        runtime.shutdown(rebuild=True)
     for ps in sets:  # their ranks named the old world: re-register them in a reset callback
         ps.process_set_id = None
     frontend.reset_auto_names()
@@ -247,7 +247,7 @@ def rebuild() -> None:
     eng = st.cache.get("engine")
     sets = eng.registered_sets()[1:] if eng is not None else []
     base = st.comm.Dup() if st.comm is not None else None  # (shutdown frees the runtime's own)
-    runtime.shutdown()
+    runtime.shutdown(rebuild=True)
     for ps in sets:  # as in _rebuild: a reset callback registers them again
         ps.process_set_id = None
     frontend.reset_auto_names()

@@ -143,5 +143,9 @@ def _reset(state: Any, reset: Callable[[], Any], again: Callable[[], Any] | None
         except Exception as exc:
             if _failure(exc) is None or not enabled() or attempt == MAX_RESETS:
                 raise
+            if again is not None and not ulfm_enabled():  # recovering needs ULFM (see run_fn)
+                logger.error("elastic: %s during the reset, and this job's MPI runs without ULFM, so the "
+                             "ranks cannot go on in place; ending the job", exc)
+                raise
             logger.warning("elastic: a rank failed during the reset (%s); rebuilding again", exc)
             state.restore()

@@ -56,7 +56,8 @@ def tables() -> list[str]:
 
 def _close_at_shutdown(state: Any) -> None:
     """``unison.shutdown()`` (and so the interpreter's exit) closes every SSP/ASP table this rank
-    still has open as a worker, in the order they were created (the same on every rank).
+    still has open as a worker, in the order they were created (the same on every rank); an
+    elastic reset's rebuild does not (the tables keep their own communicators, as before).
 
     Under SSP/ASP a worker may finish its loop steps ahead of the others and exit; its server thread
     (a daemon) then died with it, and a slower worker's pull of rows that lived there waited for ever
@@ -79,7 +80,7 @@ def _close_at_shutdown(state: Any) -> None:
             logger.exception("table %r: closing it at shutdown failed", table.name)
 
 
-runtime.add_shutdown_hook(_close_at_shutdown)
+runtime.add_exit_hook(_close_at_shutdown)
 
 
 class Handle:

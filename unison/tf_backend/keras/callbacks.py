@@ -209,6 +209,11 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         if not self.model.built:
             raise ValueError(f"BackupAndRestore needs a built model before fit(); model {self.model.name} is "
                              "not built. Build it first (model.build(input_shape) or call it on a batch)")
+        if _sharded_optimizer(self.model.optimizer):  # (its save writes no optimizer variable: see below)
+            raise ValueError(f"BackupAndRestore saves the weights file Keras writes, where a sharded optimizer "
+                             f"(zero_stage 1/2) keeps no state: {type(self.model.optimizer).__name__}'s moments "
+                             "and step count would start fresh on resume. Save and resume it with "
+                             "unison.tf_backend.save_sharded / load_sharded (docs/zero.md), or use zero_stage=0")
         split = split_layers(self.model)
         if split:  # rank 0 writes its weights only: they would come back as every rank's shards
             raise ValueError(f"BackupAndRestore saves rank 0's weights, but the model's layers {split[:3]} are "
@@ -334,6 +339,14 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
 MANIFEST = "unison-backup.json"
 _NONE = "no backup"
+
+
+def _sharded_optimizer(optimizer: Any) -> bool:
+    """Whether ``optimizer`` (or the optimizer a ``LossScaleOptimizer`` wraps) keeps ZeRO shards."""
+    from unison.tf_backend.zero_optimizer import is_sharded
+
+    inner = getattr(optimizer, "inner_optimizer", None)
+    return optimizer is not None and (is_sharded(optimizer) or is_sharded(inner))
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -84,6 +84,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
                          "or op=hvd.Sum, as horovod.tensorflow.keras requires")
     zero_stage = zero.check_keras_stage(zero_stage)
     if zero_stage:
+        check_groups(num_groups, groups)  # (validated as at stage 0: the shards' buckets ignore them)
         return _sharded(optimizer, zero_stage, name=name, compression=compression, op=op,
                         gradient_predivide_factor=gradient_predivide_factor,
                         backward_passes_per_step=backward_passes_per_step, process_set=process_set)
