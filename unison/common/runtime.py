@@ -218,8 +218,9 @@ def init(comm: Any = None, process_sets: Any = None, **settings: Any) -> None:
             hook(_state, list(process_sets or ()))
     except BaseException:
         # (a set that cannot be registered, refused on every rank alike: it stayed initialized, and a
-        # corrected init() then returned at once, without the sets)
-        shutdown()
+        # corrected init() then returned at once, without the sets). rebuild=True: what the exit hooks
+        # end (open tables) belongs to an earlier init, which an elastic rebuild's failed init must keep
+        shutdown(rebuild=True)
         raise
 
 
@@ -430,14 +431,14 @@ def shutdown(rebuild: bool = False) -> None:
         state, _state = _state, None
     if state is None:
         return
-    if not rebuild:
+    for hook in list(_shutdown_hooks):
+        hook(state)
+    if not rebuild:  # after the engine stopped: a rank waiting in a collective for this one is told so
         for hook in list(_exit_hooks):
             try:
                 hook(state)
-            except Exception:  # noqa: BLE001 - the rest of the shutdown (the engine's) must still run
+            except Exception:  # noqa: BLE001 - the rest of the shutdown must still run
                 logger.exception("an exit hook failed")
-    for hook in list(_shutdown_hooks):
-        hook(state)
     if state.owns_comm and state.comm is not None:
         try:
             state.comm.Free()
@@ -479,9 +480,10 @@ def add_shutdown_hook(hook: Any) -> None:
 
 
 def add_exit_hook(hook: Any) -> None:
-    """Run ``hook(state)`` at the start of a :func:`shutdown` that ends Unison in this process (the
-    user's, or the interpreter's exit), before the shutdown hooks; not when elastic recovery
-    rebuilds it. A hook's exception is logged and the shutdown goes on."""
+    """Run ``hook(state)`` in a :func:`shutdown` that ends Unison in this process (the user's, or the
+    interpreter's exit), after the shutdown hooks (the engine has stopped); not when elastic
+    recovery rebuilds it, nor when a failed ``init()`` undoes itself. A hook's exception is logged
+    and the shutdown goes on."""
     if hook not in _exit_hooks:
         _exit_hooks.append(hook)
 
