@@ -4,8 +4,10 @@ A training step submits hundreds of tensors, so a handle must be cheap: it is a
 slotted object with a flag, not a ``threading.Event`` (which allocates a
 condition and a lock). Waiters sleep on one condition shared by all handles;
 the engine sets results without locking and wakes the waiters once per batch
-(:func:`wake_waiters`). The flag is set before the wake-up takes the lock, and
-a waiter checks it under that lock, so no wake-up is lost.
+(:func:`wake_waiters`), taking the lock only when some thread is blocked (a
+count waiters keep under it). The flag is set before the wake-up reads the
+count, and a waiter counts itself in before it checks the flag under the lock,
+so no wake-up is lost.
 
 A waiter also re-checks every ``LIVENESS_S`` that the engine that took its request
 still runs: should a handle ever outlive its engine thread without being
@@ -122,13 +124,13 @@ class Handle:
         Raises:
             TimeoutError: not done within ``timeout`` seconds.
         """
+        global _blocked
         if not self._done:
             engine = self._engine
             if engine is not None and timeout is None:  # run the cycle here when no other thread
                 engine.progress(self)  # is in one (engine [Note: a waiter runs the cycle])
         if not self._done:
             deadline = None if timeout is None else time.monotonic() + timeout
-            global _blocked
             with _completion:
                 _blocked += 1  # before the flag's check: see wake_waiters
                 try:
