@@ -503,3 +503,40 @@ def test_a_rank_records_each_call_and_says_the_training_finished_once_at_its_exi
     (host, pid), = records
     assert host == socket.gethostname()
     assert (folder(tmp_path, 0) / marker_name(host, pid)).exists() is (phase == "training")
+
+
+@pytest.mark.parametrize("ulfm", [True, False], ids=["ulfm", "no-ulfm"])
+def test_a_failure_in_a_reset_callback_while_resuming_is_recovered_from_like_any_other(monkeypatch, ulfm) -> None:
+    """A job the restart tier started resumes from a commit and runs the reset callbacks; a rank that fails
+    in one (a HorovodInternalError) used to make the others run the callbacks again on the same world (under
+    ULFM it never shrank; found by a review on 2026-12-05). Now it recovers as after any failure, and
+    without ULFM it ends the job (the driver starts the next one)."""
+    from types import SimpleNamespace
+
+    from unison.common.elastic import runner
+    from unison.common.exceptions import HorovodInternalError
+
+    monkeypatch.setattr(runner, "mark_entered", lambda: None)
+    monkeypatch.setattr(runner, "mark_finished", lambda store: None)
+    monkeypatch.setattr(runner, "job_attempt", lambda: 1)  # a restarted job
+    monkeypatch.setattr(runner, "resume", lambda state, store: 3)  # that found commit 3
+    monkeypatch.setattr(runner, "enabled", lambda: True)
+    monkeypatch.setattr(runner, "ulfm_enabled", lambda: ulfm)
+    state = ObjectState(step=0)
+    state.store = SimpleNamespace(writer=False)
+    failures = [HorovodInternalError("a rank died during the reset")]
+
+    def callback() -> None:
+        if failures:
+            raise failures.pop()
+
+    state.register_reset_callbacks([callback])
+    recovered: list[int] = []
+    wrapped = runner.run_fn(lambda st: "trained", lambda: recovered.append(1))
+    if not ulfm:
+        with pytest.raises(HorovodInternalError, match="during the reset"):
+            wrapped(state)
+        assert recovered == []
+        return
+    assert wrapped(state) == "trained"
+    assert recovered == [1]  # (before: [] -- the callbacks ran again, no recovery)

@@ -63,7 +63,10 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], Any],
                 state._resumed = True
                 skip_sync = job_attempt() > 0 and resume(state, state.store) >= 0  # see [Note: resuming once]
             if skip_sync:  # a new world for that commit: what depends on the size (the learning rate the commit
-                _reset(state, lambda: None)  # brought back was the old world's) is set again, as after a reset
+                # brought back was the old world's) is set again, as after a reset; a rank failing meanwhile
+                # is recovered from like any other failure (before 2026-12-05 the callbacks ran again on
+                # the same world: under ULFM it never shrank)
+                _reset(state, lambda: None, reset)
         while True:
             rebuilder = reset
             try:
