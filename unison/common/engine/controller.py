@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,17 +176,21 @@ def join_error(name: str, sig: Signature, joined: list[int]) -> str:
             "Run it before join() on every rank, or after every rank's join() returned")
 
 
-def wait(req: Any) -> None:
+def wait(req: Any, check: Callable[[], None] | None = None) -> None:
     """Complete a non-blocking MPI request, spinning briefly, then sleeping with backoff.
 
     A rank waiting for slower peers thus costs almost no CPU, which matters when
-    the waiting thread shares cores with the training computation.
+    the waiting thread shares cores with the training computation. ``check``, if
+    given, runs before each sleep and may raise to stop waiting (the request is
+    then still pending: the caller owns it).
     """
     for _ in range(200):
         if req.Test():
             return
     delay = 2e-5
     while not req.Test():
+        if check is not None:
+            check()
         time.sleep(delay)
         delay = min(delay * 2, 1e-3)
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from unison.common import runtime
 from unison.common.agreement import raise_together
+from unison.common.engine.controller import wait as wait_request
 from unison.common.exceptions import UnisonError
 from unison.common.ps import exchange as ex
 from unison.common.ps import server as sv
@@ -71,11 +72,7 @@ def _close_at_shutdown(state: Any) -> None:
             continue
         logger.info("table %r: closing it at shutdown (call close() on every rank to choose when)", table.name)
         try:
-            if table._queued:  # operations still queued: close behind them, as close() does
-                table.close()
-            else:  # (at the interpreter's exit the executors take no more work: close on this thread)
-                table._locked(table._close_worker)
-                table._finish()
+            table.close()
         except Exception:  # noqa: BLE001 - the other tables, and the rest of the shutdown, still run
             logger.exception("table %r: closing it at shutdown failed", table.name)
 
@@ -755,8 +752,11 @@ class ShardedTable:
                     else int(self.shard.clocks.min())
                 )
                 rows[part] = self.shard.read(storage[part])
-            for w in waits:  # brief spin, then sleeps: MPI's Waitall would spin (sched_yield) beside the model
-                self._wait_reply(w)
+            # brief spin, then sleeps (MPI's Waitall would spin, sched_yield, beside the model), checking for a
+            # peer's error: a reply that waits on a worker that met bad input never comes while that worker,
+            # having caught it, waits in a barrier for this one (before 2026-12-05 a hang)
+            for w in waits:
+                wait_request(w, self._check_waiting)
         except BaseException:
             # a peer's error (or this rank's server's) cut the wait short: the replies still come (every
             # server answers its deferred pulls by the time every worker closes); receive them then
@@ -770,20 +770,6 @@ class ShardedTable:
         if slowest and need != sv.NO_WAIT:
             self._stats["max_staleness"] = max(self._stats["max_staleness"], self._clock - min(slowest))
         return rows
-
-    def _wait_reply(self, req: Any) -> None:
-        """Wait for a pull's reply as :func:`wait_request` does (a brief spin, then sleeps), checking
-        meanwhile for an error a peer posted (see [Note: errors without collectives]) and for this
-        rank's server thread: a reply that waits on a worker that met bad input never comes while
-        that worker, having caught it, waits in a barrier for this one (before 2026-12-05 a hang)."""
-        for _ in range(200):
-            if req.Test():
-                return
-        delay = 2e-5
-        while not req.Test():
-            self._check_waiting()
-            time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
 
     def _check_waiting(self) -> None:
         """While an SSP/ASP pull waits: raise this rank's server thread's failure or a peer's error."""
@@ -928,7 +914,10 @@ class ShardedTable:
             return
         if not self.is_worker:
             raise TableError(f"table {self.name!r}: rank {self.rank} is a dedicated server; serve() closes it")
-        self._executor.submit(self._locked, self._close_worker).result()
+        if self._queued:  # behind the queued operations
+            self._executor.submit(self._locked, self._close_worker).result()
+        else:  # on this thread (at the interpreter's exit the executors take no more work)
+            self._inline(self._close_worker)
         self._finish()
 
     def _close_worker(self) -> None:
