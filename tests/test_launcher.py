@@ -102,7 +102,7 @@ def test_np_defaults_to_every_slot_of_the_hosts_given(tmp_path):
     """As mpirun (before: 1 rank, whatever the hosts offered)."""
     assert option_values(build(cpu_count=64, hosts="a:2,b:4"), "-np") == ["6"]
     hostfile = tmp_path / "hosts"
-    hostfile.write_text("node1 slots=2\nnode2\n")
+    hostfile.write_text("node1 slots=2\nnode2 count=1\n")  # (a host with no count needs -np: see below)
     assert option_values(build(cpu_count=64, hostfile=str(hostfile)), "-np") == ["3"]
     assert option_values(build(np=2, cpu_count=64, hosts="a:2,b:4"), "-np") == ["2"]
 
@@ -647,6 +647,9 @@ NONZERO = (EDGE + "prterun detected that one or more processes exited with non-z
            "[prterun-vm-10701@1,1]\n   Exit code:    3\n" + EDGE)
 IMPROPER = (EDGE + "prterun has exited due to process rank 1 with PID 6882 on node vm exiting\nimproperly. "
             "There are three reasons this could occur:\n" + EDGE)
+NO_EXECUTABLE = (EDGE + "prterun was unable to launch the specified application as it could not\naccess an "
+                 "executable:\n\n   Executable: /nonexistent_prog\n   Node: vm\n\nwhile attempting to start "
+                 "process rank 0.\n" + EDGE)
 
 
 @pytest.mark.parametrize(
@@ -656,6 +659,7 @@ IMPROPER = (EDGE + "prterun has exited due to process rank 1 with PID 6882 on no
         (ABORTED, "rank 0 (on vm) called MPI_Abort with error code 1"),
         (NONZERO, "rank 1 exited with status 3"),
         (IMPROPER, "rank 1 (PID 6882 on vm) exited without calling MPI_Finalize"),
+        (NO_EXECUTABLE, "rank 0 (on vm) could not start /nonexistent_prog: not found, or not executable"),
         ("Traceback...\nsome rank output\n", "mpirun named no failed rank"),
         (EDGE + "The user-provided time limit for job execution has been reached:\n\n  Timeout: 5 seconds\n\n"
          "The job will now be aborted.\n" + EDGE,
@@ -1627,3 +1631,56 @@ def test_mpi_args_with_one_double_dash_flag_says_to_write_it_with_equals():
     result = unisonrun("--dry-run", "-np", "2", "--mpi-args=--tag-output", "python", "x.py")
     assert result.returncode == 0 and "--tag-output python" in result.stdout
     assert "--mpi-args=--tag-output" in "".join(unisonrun("--help").stdout.split())  # (in any line wrapping)
+
+
+# --- hostfiles as Open MPI reads them (launcher audit, 2026-12-05) ---------------------------------------------
+
+@pytest.mark.parametrize("content, message", [
+    ("node1 slot=2\n", "'slot=2' is not a hostfile field Open MPI reads"),
+    ("node1 user=me slots=2\n", "'user=me' is not a hostfile field"),
+    ("node1 2\n", "'2' is not a hostfile field"),
+    ("node1 slots=2 slots=3\n", "gives slots a second time on the line"),
+    ("node1 count=1 slots=1\n", "gives slots a second time on the line"),
+    ("node1 slots=2\nnode1 slots=1\n", "line 2: host 'node1' has its slots given on line 1 already"),
+    ("node1 slots=3 max_slots=2\n", "max_slots=2 is below slots=3"),
+    ("node1 slots=2 port=ssh\n", "port='ssh' is not a port number"),
+])
+def test_a_hostfile_open_mpi_would_refuse_late_is_refused_first(tmp_path, content, message):
+    """Before: each went to mpirun (the last value of a repeated slots= planned -np; slot=2 counted one slot),
+    which refused the file after starting: exit status 250 and "mpirun named no failed rank"."""
+    path = tmp_path / "hosts"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        read_hostfile(path)
+    assert str(path) in str(info.value)
+
+
+def test_hostfile_counts_take_open_mpis_other_keys_and_a_host_without_one_needs_np(tmp_path):
+    """count=/cpu= are slots=; a host no line counts gets one rank per core from Open MPI, so without -np the
+    launcher cannot plan the job (before: one rank where mpirun ran one per core, silently)."""
+    path = tmp_path / "hosts"
+    path.write_text("a count=2\nb cpu=3 max-slots=4 username=me port=2222\nc slots=1\nc\n")
+    assert read_hostfile(path, counted=True) == [("a", 2), ("b", 3), ("c", 1), ("c", 1)]
+    assert option_values(build(hostfile=str(path), cpu_count=1), "-np") == ["7"]
+    path.write_text("a slots=2\nb\nb max_slots=2\n")
+    assert read_hostfile(path) == [("a", 2), ("b", 1), ("b", 1)]  # with -np: a lower bound, for --oversubscribe
+    with pytest.raises(ValueError, match=re.escape("gives no slot count for 'b' (line 2)") + ".*Give -np N"):
+        read_hostfile(path, counted=True)
+    with pytest.raises(ValueError, match="gives no slot count"):
+        build(hostfile=str(path))
+    assert option_values(build(hostfile=str(path), np=3, cpu_count=1), "-np") == ["3"]
+
+
+def test_unisonrun_refuses_a_hostfile_without_counts_unless_np_is_given_and_names_a_missing_program(tmp_path):
+    require_mpirun()
+    path = tmp_path / "hosts"
+    path.write_text("localhost\n")
+    refused = unisonrun("--hostfile", str(path), sys.executable, "-c", "pass")
+    assert refused.returncode == 2 and "gives no slot count for 'localhost' (line 1)" in refused.stderr, refused
+    ran = unisonrun("--hostfile", str(path), "-np", "1", sys.executable, "-c", "print('ran')")
+    assert ran.returncode == 0 and ran.stdout.count("ran") == 1, ran.stderr
+    missing = unisonrun("-np", "1", str(tmp_path / "no_such_program"))
+    assert missing.returncode != 0
+    last = missing.stderr.strip().splitlines()[-1]
+    program = re.escape(str(tmp_path / "no_such_program"))
+    assert re.search(r"rank 0 \(on \S+\) could not start " + program, last), last

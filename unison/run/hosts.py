@@ -9,10 +9,16 @@ Accepted forms, following Open MPI:
 
 * ``-H``: comma-separated ``host:slots`` entries, e.g. ``localhost:2,node7:4``. A bare ``host``
   means one slot, as it does for ``mpirun -H``.
-* ``--hostfile``: one host per line, ``host [slots=N] [max_slots=M]``; ``#`` starts a comment.
-  A line without ``slots=`` is counted as one slot here. Open MPI itself gives such a host as many
-  slots as it has cores, so the count is a lower bound and at worst ``unisonrun`` adds an
-  unneeded ``--oversubscribe``.
+* ``--hostfile``: one host per line, ``host [slots=N] [max_slots=M] [username=U] [port=P]``;
+  ``#`` starts a comment. These are the keys Open MPI reads (``count=`` and ``cpu=`` are
+  ``slots=`` by other names, ``max-slots``/``slots_max``/``slots-max`` are ``max_slots``), and
+  what it refuses is refused here, before anything starts: an unknown key (``slot=2``), a slot
+  count given twice on one line or on two lines for one host, ``max_slots`` below ``slots``.
+  Open MPI gives a host whose lines give no count as many slots as it has cores, which
+  ``unisonrun`` cannot see before the launch: without ``-np`` such a file is refused (give
+  ``-np`` or ``slots=N``); with ``-np`` each such line counts one slot, a lower bound, so at worst
+  ``unisonrun`` adds an unneeded ``--oversubscribe``. (Until 2026-12-05 such a line counted one
+  slot without ``-np`` too: ``localhost`` alone ran one rank where ``mpirun`` ran one per core.)
 
 A hostfile may end with ``# unison: key=value`` lines (Open MPI skips them as comments) that
 stand for ``unisonrun`` flags: ``launch-agent``, ``tcp-include`` and ``network-interface``;
@@ -125,20 +131,31 @@ def parse_hosts(value: str) -> list[Host]:
     return hosts
 
 
-def read_hostfile(path: str | Path) -> list[Host]:
+#: the keys of a hostfile line that Open MPI (PRRTE) reads, each with the key it stands for
+_HOSTFILE_KEYS = {"slots": "slots", "count": "slots", "cpu": "slots", "max_slots": "max_slots",
+                  "max-slots": "max_slots", "slots_max": "max_slots", "slots-max": "max_slots",
+                  "username": "username", "port": "port"}
+
+
+def read_hostfile(path: str | Path, counted: bool = False) -> list[Host]:
     """Reads an Open MPI hostfile.
 
     Args:
         path: The hostfile; lines look like ``node7 slots=4``, ``#`` starts a comment.
+        counted: The caller needs every host's slot count (``unisonrun`` without ``-np``): a
+            host none of whose lines gives one is refused (Open MPI would count its cores).
 
     Returns:
-        The hosts listed, with one slot for a line that gives no ``slots=``.
+        The hosts listed, a line each, with one slot for a line that gives no count (the least
+        Open MPI gives it).
 
     Raises:
         FileNotFoundError: ``path`` does not exist or is not a file.
-        ValueError: A host name is unsafe (see ``check_host_name``), a ``slots=`` value is
-            not a positive integer, a line uses ``-H``'s ``host:slots`` form, the file lists no
-            host or is not UTF-8 text.
+        ValueError: A host name is unsafe (see ``check_host_name``), a slot count is not a
+            positive integer, a line uses ``-H``'s ``host:slots`` form, a field is not one of
+            the keys Open MPI reads or repeats one, a host's count is given on two lines,
+            ``max_slots`` is below ``slots``, the file lists no host or is not UTF-8 text; with
+            ``counted``, a host has no count.
     """
     path = Path(path)
     if not path.is_file():
@@ -151,6 +168,8 @@ def read_hostfile(path: str | Path) -> list[Host]:
         raise ValueError(f"hostfile {str(path)!r} is not UTF-8 text ({error}); write it as plain text, "
                          f"one host per line ({_HOSTFILE_FORM})") from None
     hosts = []
+    sized: dict[str, int] = {}  # host -> the line that gave its slot count
+    unsized: dict[str, int] = {}  # host -> its first line without one
     for number, line in enumerate(text.splitlines(), start=1):
         fields = re.sub(r"\s*=\s*", "=", line.split("#", 1)[0]).split()  # Open MPI takes "slots = 2" too
         if not fields:
@@ -160,16 +179,43 @@ def read_hostfile(path: str | Path) -> list[Host]:
             name, _, count = fields[0].partition(":")
             raise ValueError(f"{where}: {fields[0]!r} is -H's host:slots form; a hostfile line is "
                              f"'{name} slots={count}' ({_HOSTFILE_FORM})")
-        check_host_name(fields[0], where)
-        slots = 1
+        name = check_host_name(fields[0], where)
+        given: dict[str, str] = {}
         for field in fields[1:]:
-            key, _, text = field.partition("=")
-            if key == "slots":
-                slots = _parse_slots(text, where, _HOSTFILE_FORM)
-        hosts.append(Host(fields[0], slots))
+            key, eq, value = field.partition("=")
+            if not eq or key not in _HOSTFILE_KEYS:
+                raise ValueError(f"{where}: {field!r} is not a hostfile field Open MPI reads; give key=value "
+                                 f"with a key of {', '.join(_HOSTFILE_KEYS)} ({_HOSTFILE_FORM})")
+            meaning = _HOSTFILE_KEYS[key]
+            if meaning in given:
+                raise ValueError(f"{where}: {field!r} gives {meaning} a second time on the line (Open MPI "
+                                 f"refuses it); keep one of them ({_HOSTFILE_FORM})")
+            given[meaning] = value
+        if "port" in given and not re.fullmatch(r"[0-9]{1,5}", given["port"]):
+            raise ValueError(f"{where}: port={given['port']!r} is not a port number; give e.g. port=22")
+        slots = _parse_slots(given["slots"], where, _HOSTFILE_FORM) if "slots" in given else None
+        if "max_slots" in given:
+            most = _parse_slots(given["max_slots"], where, _HOSTFILE_FORM)
+            if slots is not None and most < slots:
+                raise ValueError(f"{where}: max_slots={most} is below slots={slots} (Open MPI refuses it); "
+                                 f"raise max_slots or lower slots")
+        if slots is None:
+            unsized.setdefault(name, number)
+        elif name in sized:
+            raise ValueError(f"{where}: host {name!r} has its slots given on line {sized[name]} already (Open "
+                             f"MPI refuses a second count); list it once with the total, e.g. "
+                             f"'{name} slots=N'")
+        else:
+            sized[name] = number
+        hosts.append(Host(name, 1 if slots is None else slots))
     if not hosts:
         raise ValueError(f"hostfile {str(path)!r} lists no hosts (only blank lines or comments); give one host "
                          f"per line ({_HOSTFILE_FORM})")
+    bare = [f"{name!r} (line {number})" for name, number in unsized.items() if name not in sized]
+    if counted and bare:
+        raise ValueError(f"hostfile {str(path)!r} gives no slot count for {', '.join(bare)}: Open MPI then "
+                         "starts one rank per core of the host, which unisonrun cannot count before the launch. "
+                         "Give -np N, or slots=N on the host's line")
     logger.debug("hostfile %s lists %d host(s)", path, len(hosts))
     return hosts
 

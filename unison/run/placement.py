@@ -188,7 +188,7 @@ def resolve_placement(config: LaunchConfig, environ: Mapping[str, str]) -> Place
                          "and its slots in the hostfile, or on the command line with -H")
     if config.hosts is not None or config.hostfile is not None:
         hosts = (parse_hosts(config.hosts) if config.hosts is not None else []) + (
-            read_hostfile(config.hostfile) if config.hostfile is not None else [])
+            read_hostfile(config.hostfile, counted=np is None) if config.hostfile is not None else [])
     elif in_allocation(environ):
         allocation = read_allocation(environ)
         hosts = allocation.hosts

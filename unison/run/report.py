@@ -139,6 +139,11 @@ def _nonzero(m: re.Match[str]) -> RankFailure:
     return RankFailure(int(m["rank"]), f"exited with status {m['code']}")
 
 
+def _no_executable(m: re.Match[str]) -> RankFailure:
+    return RankFailure(int(m["rank"]), f"could not start {m['exe']}: not found, or not executable there "
+                       "(give its full path, or chmod +x it)", node=m["node"])
+
+
 _PROC = r"process rank (?P<rank>\d+) with PID (?P<pid>\d+) on node (?P<node>\S+)"
 _PATTERNS = (
     (re.compile(_PROC + r" exited on signal (?P<sig>\d+)"), _killed),
@@ -147,6 +152,9 @@ _PATTERNS = (
     (re.compile(r"MPI_ABORT was invoked on rank (?P<rank>\d+) .*?Errorcode: (?P<code>-?\d+)"), _abort_code),
     (re.compile(r"non-zero status.*?Process name: \[\S*?,(?P<rank>\d+)\]\s*Exit code: (?P<code>-?\d+)"),
      _nonzero),
+    (re.compile(r"unable to launch the specified application as it could not access an executable: "
+                r"Executable: (?P<exe>\S+) Node: (?P<node>\S+) while attempting to start process rank "
+                r"(?P<rank>\d+)"), _no_executable),
 )
 
 
