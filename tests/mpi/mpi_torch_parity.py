@@ -918,7 +918,7 @@ def test_broadcast_object_pickles_on_the_root_only_and_returns_its_own_object():
     assert hvd.broadcast_object((lambda v: v + 1) if R == 0 else None, 0)(1) == 2  # cloudpickle, as Horovod
     with pytest.raises(TypeError, match="the root, rank 0, could not pickle"):
         hvd.broadcast_object(threading.Lock() if R == 0 else 1, 0)  # (the others waited for ever)
-    with pytest.raises(TypeError, match=r"ranks \[1\] \(in the process set\) could not be pickled"):
+    with pytest.raises(TypeError, match=r"ranks \[1\] could not be pickled"):
         hvd.allgather_object(threading.Lock() if R == 1 else 1)
     assert hvd.allgather_object(R) == list(range(N))
 
@@ -1136,3 +1136,29 @@ def test_in_place_async_ops_land_when_they_complete():
         h = hvd.grouped_allreduce_async_([torch.zeros(2 + (R == 0))], name="parity.inplace.bad")
         with pytest.raises(Exception, match="parity.inplace.bad"):
             hvd.synchronize(h)
+
+
+@multi
+@pytest.mark.parametrize("case", ["sparse-allreduce", "sparse-allgather", "strided-allreduce_", "root-outside"])
+def test_an_argument_refused_on_one_rank_raises_on_every_rank_and_the_next_call_pairs(case):
+    """The adapter's own checks (a sparse tensor, allreduce_ on a non-contiguous tensor, a root outside the
+    process set) run on one rank only here: the request still travels, so every rank raises. Before: that rank
+    raised alone, and the peers' call paired with its next one (another step's data, then a hang)."""
+    odd = R == N - 1  # the rank whose argument is refused
+    dense = torch.full((2, 2), float(R + 1))
+    pair = hvd.add_process_set([0, N - 1]) if case == "root-outside" else None
+    try:
+        with pytest.raises(ValueError, match=f"rank {N - 1}: "):
+            if case == "sparse-allreduce":
+                hvd.allreduce(dense.to_sparse() if odd else dense, name="refused.ar")
+            elif case == "sparse-allgather":
+                hvd.allgather(dense.to_sparse() if odd else dense, name="refused.ag")
+            elif case == "strided-allreduce_":
+                hvd.allreduce_(torch.ones(2, 4)[:, ::2] if odd else torch.ones(2, 2), name="refused.inplace")
+            else:  # root_rank=N+5 is no rank of the set; unnamed, so the names must stay paired too
+                hvd.broadcast(dense, N + 5 if odd else 0, process_set=pair)
+        after = hvd.broadcast(torch.full((2,), float(R + 1)), 0, process_set=pair)  # unnamed: the next call
+        torch.testing.assert_close(after, torch.full((2,), 1.0))
+    finally:
+        if pair is not None:
+            hvd.remove_process_set(pair)

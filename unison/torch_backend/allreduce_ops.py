@@ -53,11 +53,19 @@ def _tensor_handle(inner: Handle, source: np.ndarray) -> Handle:
     return TorchHandle(inner, _copy_out(source))
 
 
-def _dense(tensor: torch.Tensor, what: str) -> np.ndarray:
+def _dense(tensor: torch.Tensor, what: str) -> Any:
+    """``tensor``'s numpy view; a tensor refused here (sparse, not on the CPU) comes back as a
+    :class:`frontend.Refused`, submitted in its place, so that every rank of the collective raises the
+    error (raised on this rank alone, the others' call paired with this rank's next one: another
+    step's data there, or a hang)."""
     if tensor.is_sparse:
-        raise ValueError(f"{what} takes dense tensors; got a sparse {tensor.dtype} tensor (Horovod refuses it "
-                         "too). Use hvd.sparse_allreduce_async, or tensor.to_dense()")
-    return to_numpy(tensor)
+        return frontend.Refused(ValueError(
+            f"{what} takes dense tensors; got a sparse {tensor.dtype} tensor (Horovod refuses it too). Use "
+            "hvd.sparse_allreduce_async, or tensor.to_dense()"))
+    try:
+        return to_numpy(tensor)
+    except TypeError as exc:
+        return frontend.Refused(exc)
 
 def _check_adasum(process_set: ProcessSet | None) -> None:
     """Horovod's rules (and error types) for op=Adasum on CPU tensors."""
@@ -89,10 +97,12 @@ def _allreduce_submit(tensor: torch.Tensor, rop: Any, name: str | None, pre: flo
         if not _ENGINE_ADASUM:
             return _adasum_now(tensor, name, pre, post, tensor if in_place else None)
     if in_place:
-        if not tensor.is_contiguous() or tensor.is_neg():
-            raise ValueError("allreduce_ needs a contiguous tensor without a lazy negation (it writes the result "
-                             "in place); call .contiguous() (or .resolve_neg()) first, or use allreduce")
-        inner = raise_now(frontend.allreduce_async(arr, rop, name, pre, post, ps, out=arr))
+        if not isinstance(arr, frontend.Refused) and (not tensor.is_contiguous() or tensor.is_neg()):
+            arr = frontend.Refused(ValueError(
+                "allreduce_ needs a contiguous tensor without a lazy negation (it writes the result in place); "
+                "call .contiguous() (or .resolve_neg()) first, or use allreduce"))
+        inner = raise_now(frontend.allreduce_async(arr, rop, name, pre, post, ps,
+                                                   out=None if isinstance(arr, frontend.Refused) else arr))
         # the engine writes through a numpy view, unseen by autograd: bump the version as an in-place
         # torch op would, so a backward that saved the old values raises (not gradients of the sum)
         torch.autograd.graph.increment_version(tensor)
@@ -115,7 +125,10 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
         # tensors pays each microsecond here a millisecond: benchmarks/fusion.py's small1000)
         rop = ReduceOp.AVERAGE if op is None else op
         if rop is not ReduceOp.ADASUM and tensor.layout is torch.strided:
-            arr = to_numpy(tensor)  # [Note: the submit path's tensor view]
+            try:
+                arr = to_numpy(tensor)  # [Note: the submit path's tensor view]
+            except TypeError as exc:  # (not on the CPU) every rank raises it, as _dense says
+                arr = frontend.Refused(exc)
             return _tensor_handle(raise_now(frontend.allreduce_async(arr, rop, name)), arr)
     return _allreduce_submit(tensor, reduce_op(average, op), name, prescale_factor, postscale_factor,
                              process_set, in_place=False)

@@ -135,7 +135,11 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
     """Start a broadcast from ``root_rank`` (a global rank, as in Horovod)."""
     ps = set_or_none(process_set)
     src = _dense(tensor, "broadcast")
-    inner = frontend.broadcast_async(src, root_in_set(root_rank, ps), name, ps)
+    try:
+        root = root_in_set(root_rank, ps)
+    except ValueError as exc:  # submitted with the error in place of the data: every rank raises it
+        src, root = frontend.Refused(exc), 0  # (a placeholder root no peer sees: the error comes first)
+    inner = frontend.broadcast_async(src, root, name, ps)
     return TorchHandle(raise_now(inner), lambda arr: result_tensor(arr.reshape(src.shape), src))
 
 

@@ -12,6 +12,7 @@ A job of size 1 (no mpirun) computes immediately and returns a finished handle.
 from __future__ import annotations
 
 import collections
+import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -76,6 +77,7 @@ def _stop_engine(st: runtime.State) -> None:
 
 
 def _start_engine(st: runtime.State, process_sets: list[Any]) -> None:
+    reset_auto_names()  # a new world names its unnamed calls from 0 (ranks reach init() with any counts)
     if engine("unison.init()") is None and st.config.timeline:  # (collective: it duplicates the communicator)
         _local_timeline(st).start(st.config.timeline)
     for ps in process_sets:
@@ -614,7 +616,40 @@ def join() -> int:
     eng = engine("unison.join()")
     if eng is None:
         return 0
-    return eng.join().wait()
+    last = eng.join().wait()
+    _agree_auto_names(eng)
+    return last
+
+
+def _agree_auto_names(eng: Engine) -> None:
+    """After a join, every rank takes the highest count of each unnamed-call counter.
+
+    [Note: unnamed calls after a join] A joined rank makes no calls while the others run
+    their extra batches, so its ``<op>.noname.<n>`` counters fall behind theirs, and after the
+    join the same call carried a different name on each rank: the ranks paired the wrong
+    calls (one rank's loss averaged with another's accuracy), then hung (found by an audit,
+    2026-12-05; Horovod's per-process handle counter drifts the same way). The ranks that
+    never joined made every call, so the highest count is the one all ranks had reached with
+    the same data. Two all-gathers under fixed names, once per ``join()``; each rank takes the
+    counters of the sets it belongs to.
+    """
+    mine: dict[str, dict[str, int]] = {"": dict(_counters)}
+    sets = {str(ps.process_set_id): ps for ps in eng.registered_sets() if ps.process_set_id}
+    for sid, ps in sets.items():
+        mine[sid] = dict(_set_counters(ps, int(sid)))
+    data = np.frombuffer(json.dumps(mine).encode(), np.uint8)
+    sizes = allgather(np.array([data.size], np.int64), "unison.join.auto_names.sizes")
+    rows = allgather(data, "unison.join.auto_names")
+    start = 0
+    for size in np.asarray(sizes).tolist():
+        theirs = json.loads(np.asarray(rows)[start:start + size].tobytes())
+        start += size
+        for sid, counts in theirs.items():
+            if sid and sid not in sets:
+                continue  # a set this rank is not in
+            held = _counters if not sid else _set_counters(sets[sid], int(sid))
+            for key, n in counts.items():
+                held[key] = max(held[key], n)
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:

@@ -54,17 +54,13 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     try:
         root = _set_root(int(root_rank), process_set)
         outside = None
-    except ValueError as exc:  # still take part (with a root no set has): every rank raises, none waits
-        outside, root = exc, len(process_set.ranks or ())  # type: ignore[union-attr]
+    except ValueError as exc:  # still take part, the error in place of the data: every rank raises it
+        outside, root = exc, 0  # (a placeholder root no peer sees: the request's error comes first)
     is_root = runtime.rank() == int(root_rank) and outside is None
     payload, error = _pickled(obj) if is_root else (None, None)  # (as Horovod: only the root pickles)
-    try:
-        size = frontend.broadcast(np.array([-1 if payload is None else payload.size], dtype=np.int64), root,
-                                  f"{name}.size", process_set)
-    except Exception:
-        if outside is not None:
-            raise outside from None
-        raise
+    count: Any = np.array([-1 if payload is None else payload.size], dtype=np.int64)
+    size = frontend.broadcast(count if outside is None else frontend.Refused(outside), root, f"{name}.size",
+                              process_set)
     if int(size[0]) < 0:  # the root could not pickle it: every rank raises, none waits for the data
         raise TypeError(f"broadcast_object: the root, rank {int(root_rank)}, could not pickle its object"
                         f"{f' ({error})' if error is not None else ''}; send something picklable") from error
@@ -84,9 +80,10 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
     payload, error = _pickled(obj)
     sizes = frontend.allgather(np.array([-1 if payload is None else payload.size], dtype=np.int64),
                                f"{name}.sizes", process_set)
-    failed = [i for i, size in enumerate(sizes.tolist()) if size < 0]
+    members = list(range(len(sizes))) if process_set is None or process_set.ranks is None else process_set.ranks
+    failed = [members[i] for i, size in enumerate(sizes.tolist()) if size < 0]  # ranks of the job
     if failed:
-        raise TypeError(f"allgather_object: the objects of ranks {failed} (in the process set) could not be "
+        raise TypeError(f"allgather_object: the objects of ranks {failed} could not be "
                         f"pickled{f' (here: {error})' if error is not None else ''}; send something picklable")
     data = frontend.allgather(payload, f"{name}.data", process_set)
     out, start = [], 0
