@@ -844,3 +844,31 @@ def test_zz_broadcast_and_allgather_while_a_rank_has_joined_raise_failed_precond
 def test_zz_join_returns_an_int32_tensor():
     last = hvd.join()
     assert isinstance(last, tf.Tensor) and last.dtype == tf.int32 and 0 <= int(last) < N
+
+
+@pytest.mark.skipif(N == 1, reason="needs two ranks")
+def test_zz_barrier_in_a_tf_function_waits_at_every_call_and_a_retrace_pairs_nothing():
+    """Before: the barrier ran once, while tracing, and the graph held no op: later calls did not wait, and a
+    rank that retraced alone (a new shape) paired its trace's barrier with a peer's real one (a hang after)."""
+    import time
+
+    @tf.function
+    def step(x):
+        hvd.barrier()
+        return x + 1
+
+    step(tf.constant(1.0))
+    assert any(op.type == "PyFunc" for op in step.get_concrete_function(tf.constant(1.0)).graph.get_operations())
+    if R == 0:
+        time.sleep(1.5)
+    start = time.perf_counter()
+    step(tf.constant(1.0))
+    waited = time.perf_counter() - start
+    if R != 0:
+        assert waited > 1.0, waited  # it waited for rank 0
+    if R == 0:
+        step(tf.constant([1.0, 2.0]))  # a new shape: this rank alone traces again, and the traced barrier runs
+    else:
+        hvd.barrier()  # pairs with rank 0's call above
+    hvd.barrier()  # eagerly, on every rank: pairs
+    np.testing.assert_array_equal(hvd.allreduce(tf.constant([float(R)]), op=hvd.Sum).numpy(), [sum(range(N))])

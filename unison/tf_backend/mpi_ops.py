@@ -301,9 +301,25 @@ def join() -> tf.Tensor:
     return tf.reshape(tf.numpy_function(lambda: np.int32(frontend.join()), [], tf.int32, stateful=True), [])
 
 
-def barrier(process_set: ProcessSet | None = global_process_set) -> None:
-    """Wait until every rank of the set arrives (not in ``horovod.tensorflow``: Unison's addition)."""
-    frontend.barrier(_ps(process_set))
+def barrier(process_set: ProcessSet | None = global_process_set) -> tf.Tensor | None:
+    """Wait until every rank of the set arrives (not in ``horovod.tensorflow``: Unison's addition).
+
+    Eagerly it waits and returns None. In a graph (``tf.function``, TF1) it is an op that waits each time
+    it runs, returned as an int32 scalar (0) for a TF1 session to run; a ``tf.function`` runs it in
+    program order as any stateful op. (Before 2026-12-05 it waited once, while tracing, and the graph held
+    nothing: later calls did not wait, and a rank that retraced alone paired its trace's barrier with a
+    peer's real one.)
+    """
+    ps = _ps(process_set)
+    if tf.executing_eagerly():
+        frontend.barrier(ps)
+        return None
+
+    def wait() -> np.int32:
+        frontend.barrier(ps)
+        return np.int32(0)
+
+    return tf.reshape(tf.numpy_function(wait, [], tf.int32, stateful=True, name="UnisonBarrier"), [])
 
 
 def _set_of(process_set: Any) -> ProcessSet | None:
