@@ -10,6 +10,7 @@ engine (named, negotiated, fused; ``*_async`` variants return handles);
 ``unison.collectives`` holds the direct, algorithm-level calls.
 """
 
+from unison.common import capabilities as _capabilities  # noqa: F401  (registers is_homogeneous's init hook)
 from unison.common import heartbeat as _heartbeat  # noqa: F401  (registers the host heartbeat's init hook)
 from unison.common import liveness as _liveness  # noqa: F401  (registers the rank's file for the elastic driver)
 from unison.common.compression import Compression

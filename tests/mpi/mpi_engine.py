@@ -842,6 +842,17 @@ def test_allreduce_with_compression_writes_into_out():
         unison.allreduce(x, name="comp.bad", compression=unison.Compression.fp16, out=np.zeros(4, np.float32))
 
 
+def test_is_homogeneous_asked_on_one_rank_after_init_is_local():
+    """Before: the query's init hook was registered only when a backend was imported, so a backend imported after
+    init() made its first call a collective on the job's communicator: one rank asking alone hung the job or
+    garbled the next collective (MPI_ERR_TRUNCATE). `import unison` now registers the hook."""
+    from unison.common import capabilities
+
+    if R == 0:
+        assert capabilities.is_homogeneous() is True  # (one host here)
+    np.testing.assert_array_equal(unison.allreduce(np.full(3, 1.0), op=unison.Sum, name="after.homogeneous"),
+                                  np.full(3, float(N)))
+
 @needs_engine
 def test_engine_thread_error_reaches_caller(monkeypatch):
     from unison.collectives import kernels

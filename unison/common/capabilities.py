@@ -92,6 +92,7 @@ def is_homogeneous() -> bool:
         NotInitializedError: ``init()`` was not called.
     """
     st = runtime.state("is_homogeneous()")
-    if "homogeneous" not in st.cache:  # this module was imported after init(): collective
-        _exchange_local_sizes(st)
+    if "homogeneous" not in st.cache:  # (importing unison registers the hook: every init() ran it)
+        raise RuntimeError("is_homogeneous(): unison.init() did not record the hosts' rank counts (its init hook "
+                           "was not registered); import unison before calling unison.init()")
     return bool(st.cache["homogeneous"])
