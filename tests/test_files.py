@@ -134,3 +134,22 @@ def test_new_folders_are_made_durable_in_their_parents(tmp_path, calls):
     calls.clear()
     makedirs_durable(target)  # nothing new: nothing to flush
     assert not calls
+
+
+def test_a_missing_folder_is_named_and_keras_legacy_h5_gets_its_folder_made(tmp_path):
+    """Before: mkdtemp's error named the private temporary path, not the missing folder; Keras's own legacy .h5
+    save makes the folder, which the temporary beside the target came before."""
+    from unison.common.files import atomic_keras_save
+
+    with pytest.raises(FileNotFoundError, match=f"its folder '{tmp_path / 'nope'}' does not exist"):
+        with atomic_path(tmp_path / "nope" / "model.keras"):
+            pass
+
+    def save(path, overwrite=True):
+        with open(path, "w") as f:
+            f.write("h5")
+
+    atomic_keras_save(save, str(tmp_path / "made" / "model.h5"))
+    assert (tmp_path / "made" / "model.h5").read_text() == "h5"
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        atomic_keras_save(save, str(tmp_path / "missing" / "w.weights.h5"))

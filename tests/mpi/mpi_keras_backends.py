@@ -174,7 +174,7 @@ def test_shuffled_fit_reads_the_same_global_batches_as_one_process(dp):
     # one process reading the same input with the same seed (the permutations: numpy's on JAX and torch,
     # a stateless TensorFlow shuffle on TensorFlow)
     batches = ukdata.shard_input(X, Y, None, batch_size=GLOBAL_BATCH, rank=0, size=1, shuffle=True,
-                                 seed=dp.seed(), class_weight=None, what="the reference")
+                                 seed=dp.last_fit_seed, class_weight=None, what="the reference")
     if BACKEND == "tensorflow":
         ref.fit(batches.dataset, steps_per_epoch=batches.plan.steps, epochs=2, verbose=0)
     else:
@@ -1059,3 +1059,102 @@ def test_keras_backup_and_restore_is_refused_on_every_rank(dp, tmp_path_factory)
     with pytest.raises(ValueError, match="keras.callbacks.BackupAndRestore writes and deletes its backup folder"):
         model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0,
                   callbacks=[keras.callbacks.BackupAndRestore(folder)])
+
+
+# --- unison.keras audit, 2026-12-05 ------------------------------------------------------------------------------
+
+def test_compiled_again_outside_the_scope_the_model_stays_data_parallel_with_the_users_optimizer(dp):
+    """Fine-tuning: compile again after the scope, with a new optimizer. Before: a plain compile kept Unison's
+    fit (each rank on its rows) with an optimizer that exchanged nothing, so the ranks trained apart (0.03-0.1);
+    and the optimizer compiled was a copy, so assigning the user's learning rate did nothing."""
+    model, ref = distributed_and_reference(dp, lambda: keras.optimizers.SGD(0.05))
+    model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    ref.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    tuned = keras.optimizers.Adam(0.02)
+    model.compile(optimizer=tuned, loss="mse")  # outside the scope
+    ref.compile(optimizer=keras.optimizers.Adam(0.02), loss="mse")
+    assert model.optimizer is tuned
+    model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    ref.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(model, ref)
+    assert same_everywhere(model.get_weights()) and int(tuned.iterations.numpy()) == 2 * 5
+    tuned.learning_rate.assign(0.0)  # the user's handle is the model's optimizer
+    before = model.get_weights()
+    model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    for w, v in zip(model.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(w, v)
+
+
+class _GlobalBatches(keras.utils.PyDataset):
+    """Global batches of (X, LABELS) as a PyDataset."""
+
+    def __len__(self):
+        return 5
+
+    def __getitem__(self, i):
+        return X[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH], LABELS[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH]
+
+
+def test_class_weight_with_a_pydataset_and_a_first_evaluate_on_an_unbuilt_model(dp):
+    """Before: class_weight was dropped for a PyDataset (each rank trained unweighted); an unbuilt model's first
+    evaluate on a PyDataset ran each rank's own random weights (and left them apart)."""
+    class Net(keras.Model):  # subclassed: built on its first call
+        def __init__(self):
+            super().__init__()
+            self.hidden, self.out = keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3, "softmax")
+
+        def call(self, x):
+            return self.out(self.hidden(x))
+
+    keras.utils.set_random_seed(300 + R)
+    with dp.scope():
+        model = Net()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    got = model.evaluate(_GlobalBatches(), verbose=0)
+    assert same_everywhere(model.get_weights())
+    ref = Net()
+    ref(X[:1])
+    ref.set_weights(model.get_weights())
+    ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    np.testing.assert_allclose(got, ref.evaluate(_GlobalBatches(), verbose=0), rtol=2e-5)
+    weights = {0: 1.0, 1: 4.0, 2: 0.5}
+    hist = model.fit(_GlobalBatches(), epochs=2, shuffle=False, class_weight=weights, verbose=0)
+    want = ref.fit(_GlobalBatches(), epochs=2, shuffle=False, class_weight=weights, verbose=0)
+    np.testing.assert_allclose(hist.history["loss"], want.history["loss"], rtol=2e-5)
+    assert_weights_close(model, ref)
+
+
+def test_ranks_passing_different_data_or_settings_raise_on_every_rank(dp):
+    """Before: each rank's own shard of the same shape trained silently on part of each rank's rows;
+    validation_data on rank 0 only hung; shuffle on some ranks only split different permutations."""
+    model, _ = distributed_and_reference(dp, lambda: keras.optimizers.SGD(0.05))
+    mine = X[R * 8:(R + 1) * 8]  # each rank's own rows (Horovod's habit): the same shape everywhere
+    with pytest.raises(ValueError, match="the ranks passed different inputs or settings"):
+        model.fit(mine, Y[R * 8:(R + 1) * 8], batch_size=GLOBAL_BATCH, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="validation=given.*validation=none"):
+        model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0,
+                  validation_data=(X[:GLOBAL_BATCH], Y[:GLOBAL_BATCH]) if R == 0 else None)
+    with pytest.raises(ValueError, match="shuffle=True.*shuffle=False"):
+        model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0, shuffle=R == 0)
+    model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0)  # and the next call pairs
+    assert same_everywhere(model.get_weights())
+
+
+def test_each_fit_call_shuffles_anew_and_fewer_rows_than_ranks(dp):
+    """Before: every fit call (a loop of fit(epochs=1), a resumed run) replayed the first call's permutation;
+    predict of fewer rows than ranks failed inside Keras, and evaluate raised a bare StopIteration."""
+    model, ref = distributed_and_reference(dp, lambda: keras.optimizers.SGD(0.05))
+    seeds = []
+    for _ in range(2):
+        model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0)
+        seeds.append(dp.last_fit_seed)
+    assert seeds[0] != seeds[1] and WORLD.allgather(seeds) == [seeds] * N
+    orders = [ukdata.ShardedArrays(X, batch_size=GLOBAL_BATCH, rank=0, size=1, shuffle=True, seed=s)[0][:, 0]
+              for s in seeds]
+    assert not np.array_equal(orders[0], orders[1])
+    few = X[:N - 1] if N > 1 else X[:1]
+    ref.set_weights(model.get_weights())
+    np.testing.assert_allclose(model.predict(few, verbose=0), ref.predict(few, verbose=0), rtol=1e-6)
+    if N > 1:
+        with pytest.raises(ValueError, match=rf"{N - 1} row\(s\) for {N} ranks"):
+            model.evaluate(few, Y[:N - 1], verbose=0)

@@ -79,6 +79,9 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[str]:
         raise ValueError(f"atomic_path needs a file path, got {target!r} (it ends with a separator); "
                          "name the file to write")
     folder = folder or os.curdir
+    if not os.path.isdir(folder):  # (mkdtemp's error named the temporary path, not this folder)
+        raise FileNotFoundError(errno.ENOENT, f"cannot write {target!r}: its folder {folder!r} does not exist; "
+                                "create it first (os.makedirs)", folder)
     remove_leftovers(folder, _escape(name))
     private = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", suffix=f"-{_tag(name)}", dir=folder)
     tmp = os.path.join(private, name)
@@ -217,5 +220,8 @@ def atomic_keras_save(save: Any, filepath: Any, *args: Any, **kwargs: Any) -> An
     overwrite = kwargs.get("overwrite", args[0] if args else True)
     if not overwrite and os.path.exists(filepath):
         return save(filepath, *args, **kwargs)
+    name = os.fspath(filepath)
+    if name.endswith((".h5", ".hdf5")) and not name.endswith(".weights.h5"):  # Keras's legacy saver makes
+        os.makedirs(os.path.dirname(name) or os.curdir, exist_ok=True)  # the folder: so do we, before the temp
     with atomic_path(filepath) as tmp:
         return save(tmp, *args, **kwargs)

@@ -8,12 +8,14 @@ The same script trains across ranks with ``KERAS_BACKEND=tensorflow``, ``jax`` o
 * Horovod-style pieces: :func:`DistributedOptimizer`, :mod:`~unison.keras.callbacks`
   (``BroadcastGlobalVariablesCallback``, ``MetricAverageCallback``,
   ``LearningRateWarmupCallback``, rank-0 ``ModelCheckpoint``), :func:`broadcast_variables`,
-  and :func:`allreduce` / :func:`allgather` / :func:`broadcast` on the backend's tensors.
+  and :func:`allreduce` / :func:`allgather` / :func:`broadcast` on the backend's tensors;
+  :func:`barrier` (e.g. after rank 0's ``model.save``, before every rank reads the file).
 * The process's place in the job: :func:`init`, :func:`rank`, :func:`size`,
   :func:`local_rank`, :func:`local_size`, :func:`shutdown`.
 """
 
 from unison.common.compression import Compression
+from unison.common.engine.frontend import barrier
 from unison.common.ops import Average, Sum
 from unison.common.runtime import init, is_initialized, local_rank, local_size, rank, shutdown, size
 from unison.keras import callbacks
@@ -22,5 +24,5 @@ from unison.keras.ops import allgather, allreduce, broadcast, broadcast_variable
 from unison.keras.optimizer import DistributedOptimizer
 
 __all__ = ["Average", "Compression", "DataParallel", "DistributedOptimizer", "Sum", "allgather", "allreduce",
-           "broadcast", "broadcast_variables", "callbacks", "init", "is_initialized", "local_rank",
+           "barrier", "broadcast", "broadcast_variables", "callbacks", "init", "is_initialized", "local_rank",
            "local_size", "rank", "shutdown", "size"]

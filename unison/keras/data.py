@@ -305,6 +305,9 @@ def shard_input(x: Any, y: Any, sample_weight: Any, *, batch_size: int | None, r
         data = ShardedArrays(x, y, sample_weight, batch_size=plan_batch, rank=rank, size=size,
                              shuffle=shuffle, seed=seed, class_weight=class_weight)
         if what != "model.predict":  # predict keeps a too-small last batch (see DataParallel)
+            if data.plan.steps == 0:
+                raise ValueError(f"{what}: {data.samples} row(s) for {size} ranks, so some rank would get none; "
+                                 f"give it at least {size} rows, or run it in one process")
             data.plan.warn_if_dropping(rank, what)
             if keras.backend.backend() == "tensorflow":  # gathered in tf.data: no Python call per step
                 from unison.keras._tf_data import arrays_dataset
@@ -320,11 +323,33 @@ def shard_input(x: Any, y: Any, sample_weight: Any, *, batch_size: int | None, r
         from unison.tf_backend.strategy import split_global_batch
 
         return split_global_batch(x, rank, size)
-    if hasattr(x, "__iter__") and hasattr(x, "__len__") and hasattr(x, "dataset"):  # a torch DataLoader
+    if is_loader(x):
         return ShardedLoader(x, rank, size, seed)
     raise ValueError(f"{what}: unison.keras.DataParallel splits numpy arrays, keras.utils.PyDataset, "
                      f"tf.data.Dataset (TensorFlow backend) and torch DataLoader (of global batches); "
                      f"got {type(x).__name__}")
+
+
+def is_loader(x: Any) -> bool:
+    """Whether ``x`` is read as a torch ``DataLoader`` (an iterable with a length and a ``dataset``)."""
+    return hasattr(x, "__iter__") and hasattr(x, "__len__") and hasattr(x, "dataset")
+
+
+def first_inputs(x: Any) -> Any:
+    """The model inputs of the first global batch of ``x`` (arrays, a PyDataset, a torch DataLoader, a
+    tf.data dataset), to build an unbuilt model on; None for another input or an empty one."""
+    if _is_arrays(x):
+        return x
+    batch = None
+    if isinstance(x, keras.utils.PyDataset) and (x.num_batches or 0) > 0:
+        batch = x[0]
+    elif is_loader(x) or _is_tf_dataset(x):
+        batch = next(iter(x), None)  # (a fresh iterator: what training reads later starts again)
+    if batch is None:
+        return None
+    batch = keras.tree.map_structure(_numpy, tuple(batch) if isinstance(batch, list) else batch)
+    inputs, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
+    return inputs
 
 
 def _is_arrays(x: Any) -> bool:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
 import inspect
 import itertools
 from collections.abc import Callable, Iterator
@@ -54,6 +55,9 @@ _models = itertools.count()
 _FIT = inspect.signature(keras.Model.fit)
 _EVALUATE = inspect.signature(keras.Model.evaluate)
 _PREDICT = inspect.signature(keras.Model.predict)
+#: fit's arguments the ranks must agree on beside the data (one rank's other epochs or steps hung the job)
+_FIT_SETTINGS = ("epochs", "initial_epoch", "steps_per_epoch", "validation_steps", "validation_batch_size",
+                 "validation_freq")
 
 
 class DataParallel:
@@ -91,6 +95,10 @@ class DataParallel:
         self.average_non_trainable = average_non_trainable
         self.overlap_gradients = overlap_gradients
         self._seed = seed
+        self._fits = 0  # fit calls: each shuffles in a new order, as plain Keras does
+        #: the seed the latest ``fit`` shuffled with (from :meth:`seed`, the number of fit calls and
+        #: ``initial_epoch``: each call, and a resumed run, draws new orders), to reproduce its batches
+        self.last_fit_seed: int | None = None
 
     @property
     def rank(self) -> int:
@@ -129,7 +137,9 @@ class DataParallel:
         kwargs = dict(kwargs)
         optimizer = keras.optimizers.get(kwargs.get("optimizer", "rmsprop"))
         if not getattr(optimizer, "_unison_distributed", False):
-            optimizer = DistributedOptimizer(optimizer)
+            # in place: model.optimizer is the object passed, so the user's handle on it (learning_rate,
+            # iterations) is the model's (a copy before 2026-12-05: assigning its learning rate did nothing)
+            optimizer = DistributedOptimizer(optimizer, _in_place=True)
         kwargs["optimizer"] = optimizer
         if _host.backend() != "jax":
             if kwargs.get("jit_compile") is True:
@@ -172,14 +182,18 @@ class DataParallel:
     # --------------------------------------------------------------- helpers
 
     def shard(self, x: Any, y: Any, sample_weight: Any, batch_size: Any, shuffle: bool, class_weight: Any,
-              what: str) -> Any:
+              what: str, settings: str = "", call: int = 0) -> Any:
+        """This rank's input; ``settings`` (the call's other arguments, as text) and the data are compared over
+        the ranks first. ``call`` keys the shuffling: a new order for each ``fit`` call."""
         if _already_sharded(x):
             return x
         if self.size > 1:
-            _agree_on_inputs(what, x, y, sample_weight, batch_size)
+            _agree_on_inputs(what, x, y, sample_weight, batch_size, settings)
+        seed = int(np.random.SeedSequence([self.seed(), call]).generate_state(1)[0]) if shuffle else 0
+        if what == "model.fit":
+            self.last_fit_seed = seed
         return data.shard_input(x, y, sample_weight, batch_size=batch_size, rank=self.rank, size=self.size,
-                                shuffle=shuffle, seed=self.seed() if shuffle else 0, class_weight=class_weight,
-                                what=what)
+                                shuffle=shuffle, seed=seed, class_weight=class_weight, what=what)
 
     def broadcast_state(self, model: Any) -> None:
         """Rank 0's model and optimizer variables, on every rank; each rank keeps its own random
@@ -200,29 +214,44 @@ class DataParallel:
 
 
 def _describe_input(x: Any, y: Any, sample_weight: Any, batch_size: Any) -> str:
-    """What a rank passed, as far as the ranks must agree on it (rows, shapes, dtypes, batch)."""
+    """What a rank passed, as far as the ranks must agree on it (rows, shapes, dtypes, batch, and a digest
+    of three rows of each array: the first, middle and last)."""
     if data._is_arrays(x):
         leaves = [a for part in (x, y, sample_weight) if part is not None
                   for a in (keras.tree.flatten(part) if isinstance(part, (dict, list, tuple)) else [part])]
-        shapes = ", ".join(f"{tuple(np.shape(a))} {np.asarray(a[:0]).dtype.name}" for a in leaves)
+        shapes = ", ".join(f"{tuple(np.shape(a))} {np.asarray(a[:0]).dtype.name} {_rows_digest(a)}"
+                           for a in leaves)
         return f"arrays {shapes}, batch_size={batch_size}"
     length = len(x) if hasattr(x, "__len__") else None
     return f"{type(x).__name__} of {length} batches" if length is not None else type(x).__name__
 
 
-def _agree_on_inputs(what: str, x: Any, y: Any, sample_weight: Any, batch_size: Any) -> None:
-    """Every rank must pass the same global data: the ranks compare what they passed (one small
-    allgather per call) and raise on every rank if it differs. Different rows or batch sizes hung
-    the job (each rank waited in a step the others never took) or returned predictions of some
-    rows only."""
+def _rows_digest(a: Any) -> str:
+    """A digest of rows 0, n // 2 and n - 1 of ``a`` (their bytes: equal data gives equal digests on any
+    rank, where a sum might round differently)."""
+    n = int(np.shape(a)[0]) if np.ndim(a) else 0
+    digest = hashlib.blake2b(digest_size=6)
+    for i in sorted({0, n // 2, n - 1} if n else ()):
+        digest.update(np.ascontiguousarray(np.asarray(a[i:i + 1])).tobytes())  # (a slice: rows of a DataFrame too)
+    return digest.hexdigest()
+
+
+def _agree_on_inputs(what: str, x: Any, y: Any, sample_weight: Any, batch_size: Any, settings: str = "") -> None:
+    """Every rank must pass the same global data and settings: the ranks compare what they passed (one
+    small allgather per call) and raise on every rank if it differs. Different rows or batch sizes hung
+    the job (each rank waited in a step the others never took) or returned predictions of some rows
+    only; each rank's own shard of the same shape (Horovod's habit) trained on a part of each rank's
+    rows, silently; ``validation_data`` on some ranks only hung, and ``shuffle`` on some only split
+    different permutations (before 2026-12-05)."""
     from unison.common.engine.objects import allgather_object
 
-    mine = _describe_input(x, y, sample_weight, batch_size)
+    mine = _describe_input(x, y, sample_weight, batch_size) + (f"; {settings}" if settings else "")
     everyone = allgather_object(mine, name=f"unison.keras.DataParallel.{what}.inputs")
     if any(other != everyone[0] for other in everyone):
         shown = "; ".join(f"rank {r}: {d}" for r, d in enumerate(everyone))
-        raise ValueError(f"{what}: the ranks passed different inputs ({shown}). DataParallel splits the global "
-                         "data itself: pass the same x, y, sample_weight and batch_size on every rank")
+        raise ValueError(f"{what}: the ranks passed different inputs or settings ({shown}). DataParallel "
+                         "splits the global data itself: pass the same x, y, sample_weight, batch_size and other "
+                         "arguments on every rank (the whole data, not each rank's own part)")
 
 
 def without_seed_states(model: Any, variables: list[Any]) -> list[Any]:
@@ -260,7 +289,10 @@ def _install() -> None:
     original = Trainer.compile
 
     def compile(self: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: A001 - Keras's name
-        dp = _ACTIVE.get()
+        # a model adapted before stays data-parallel when compiled again outside the scope (fine-tuning with
+        # a new optimizer): plain compile left it Unison's fit, each rank on its own rows, and a new optimizer
+        # that exchanged nothing, so the ranks trained apart with global-looking metrics (before 2026-12-05)
+        dp = _ACTIVE.get() or self.__dict__.get("_unison_dp")
         if dp is None:
             return original(self, *args, **kwargs)
         bound = inspect.signature(original).bind(self, *args, **kwargs)
@@ -442,7 +474,18 @@ def _fit(dp: DataParallel, model: Any, fit: Callable[..., Any]) -> Callable[...,
             val = (vx, vy, vsw)
         elif split:
             raise ValueError("validation_split needs numpy arrays as x; pass validation_data instead")
-        train = dp.shard(x, y, sw, batch, a.pop("shuffle", True), a.pop("class_weight", None), "model.fit")
+        shuffle, class_weight = a.pop("shuffle", True), a.pop("class_weight", None)
+        settings = f"shuffle={shuffle!r}, class_weight={_sorted(class_weight)}, validation=" + (
+            f"{'given' if val is not None else 'none'}, split={split!r}, " + ", ".join(
+                f"{k}={a.get(k, _FIT.parameters[k].default)!r}" for k in _FIT_SETTINGS))
+        dp._fits += 1
+        train = dp.shard(x, y, sw, batch, shuffle, class_weight, "model.fit", settings,
+                         call=dp._fits * 1_000_003 + int(a.get("initial_epoch") or 0))
+        if class_weight is not None and not data._is_arrays(x):
+            if data.is_loader(x):  # as Keras refuses it for a DataLoader
+                raise ValueError("class_weight is not supported for a torch DataLoader (as in Keras); fold the "
+                                 "class weights into each batch's sample weights")
+            a["class_weight"] = class_weight  # Keras weighs the rows of each batch of ours (a PyDataset, tf.data)
         if val is not None:
             vx, vy, vsw = (tuple(val) + (None, None))[:3] if isinstance(val, (tuple, list)) else (val, None, None)
             val = dp.shard(vx, vy, vsw, a.pop("validation_batch_size", None) or batch, False, None,
@@ -503,8 +546,10 @@ def _sync_once(dp: DataParallel, model: Any, x: Any = None) -> None:
     """Rank 0's weights everywhere before a first evaluate/predict. An unbuilt model (a subclassed
     one) is built first on one row of the (agreed) global data, in inference mode: Keras would
     build it inside the call with each rank's own random weights."""
-    if not model.built and x is not None and data._is_arrays(x):
-        model(keras.tree.map_structure(lambda a: np.asarray(a)[:1], x), training=False)
+    if not model.built and x is not None:
+        first = data.first_inputs(x)  # (a PyDataset's, a loader's or a tf.data dataset's first batch too: before
+        if first is not None:  # 2026-12-05 those left each rank evaluating its own random weights)
+            model(keras.tree.map_structure(lambda a: np.asarray(a)[:1], first), training=False)
     if model.built:
         dp.broadcast_state(model)
         _set(model, "_unison_synced", True)
@@ -527,6 +572,8 @@ def _predict(dp: DataParallel, model: Any, predict: Callable[..., Any]) -> Calla
             x = keras.tree.map_structure(lambda arr: np.asarray(arr)[:rows], x)
         sharded = dp.shard(x, None, None, batch, False, None, "model.predict")
         _sync_once(dp, model, x)
+        if sharded.plan.steps == 0:  # fewer rows than ranks: every rank predicts them all (no collective here)
+            return predict(x, batch_size=batch, verbose=_quiet(a.pop("verbose", "auto"), dp.rank), **a)
         outputs = predict(sharded, verbose=_quiet(a.pop("verbose", "auto"), dp.rank), **a)
         plan: BatchPlan = sharded.plan
         gathered = keras.tree.map_structure(lambda o: gather_rows(np.asarray(o), plan, dp.rank), outputs)
@@ -573,6 +620,12 @@ def _unmasked_loss(compute_loss: Callable[..., Any]) -> Callable[..., Any]:
                 "the output (an RNN, a pooling layer)")
         return compute_loss(*args, **kwargs)
     return checked
+
+
+def _sorted(class_weight: Any) -> str:
+    if class_weight is None:
+        return "none"
+    return repr(sorted((int(k), float(w)) for k, w in dict(class_weight).items()))
 
 
 def _rank0_save(save: Callable[..., Any]) -> Callable[..., Any]:

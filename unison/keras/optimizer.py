@@ -50,7 +50,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
                          compression: Any = Compression.none, op: Any = Average,
                          gradient_predivide_factor: float = 1.0, backward_passes_per_step: int = 1,
                          sparse_as_dense: bool = False, device_dense: str = "", device_sparse: str = "",
-                         process_set: Any = None) -> keras.optimizers.Optimizer:
+                         process_set: Any = None, *, _in_place: bool = False) -> keras.optimizers.Optimizer:
     """Wrap a Keras 3 optimizer so each step's gradients are combined over the ranks before the update.
 
     Horovod's ``DistributedOptimizer`` on every Keras backend.
@@ -70,7 +70,9 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
         process_set: the global set only (None or ``global_process_set``).
 
     Returns:
-        The wrapped optimizer (a new object; the original is left as it was).
+        The wrapped optimizer: a new object, the original left as it was (Horovod's way). (``DataParallel``'s
+        ``compile`` passes ``_in_place``: the object given becomes the distributed one, so the model's
+        optimizer is the user's.)
 
     Raises:
         TypeError: ``optimizer`` is not a Keras optimizer.
@@ -164,6 +166,9 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
         members["stateless_apply"] = stateless_apply
     cls = type(base.__name__, (base,), members)
     _agree_on_loss_scale_skips()
+    if _in_place and backward_passes_per_step == 1:
+        optimizer.__class__ = cls
+        return optimizer
     config = optimizer.get_config()
     if backward_passes_per_step > 1:
         config["gradient_accumulation_steps"] = backward_passes_per_step
