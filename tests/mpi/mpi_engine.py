@@ -853,6 +853,31 @@ def test_is_homogeneous_asked_on_one_rank_after_init_is_local():
     np.testing.assert_array_equal(unison.allreduce(np.full(3, 1.0), op=unison.Sum, name="after.homogeneous"),
                                   np.full(3, float(N)))
 
+@pytest.mark.skipif(N < 3, reason="a set whose positions differ from its job ranks")
+def test_errors_on_a_process_set_name_job_ranks(caplog):
+    """On the set [1, 2], positions 0 and 1 are job ranks 1 and 2. Before: mismatch, argument and join errors
+    named positions ("rank 0" for job rank 1, a rank not even in the set)."""
+    tail = unison.add_process_set(unison.ProcessSet([1, 2]))
+    try:
+        if R in (1, 2):
+            with pytest.raises(unison.MismatchError, match=r"rank 1: [^;]*\(2,\)[^;]*; rank 2: [^;]*\(3,\)"):
+                unison.allreduce(np.ones(R + 1), name="jobranks.shape", process_set=tail)
+            with pytest.raises(unison.CollectiveError, match=r"failed on 1 of 2 rank\(s\): rank 2: "):
+                unison.allreduce(np.ones(2, np.float32), op=unison.Band if R == 2 else unison.Sum,
+                                 name="jobranks.op", process_set=tail)
+        if R == 1:
+            with caplog.at_level(logging.WARNING, logger="unison"):
+                unison.join()
+            assert "submitted by rank(s) [2]" in caplog.text, caplog.text
+        elif R == 2:
+            with pytest.raises(JoinError, match=r"rank\(s\) \[1\] had joined"):
+                unison.allgather(np.ones(1), name="jobranks.gather", process_set=tail)
+            unison.join()
+        else:
+            unison.join()
+    finally:
+        unison.remove_process_set(tail)
+
 @needs_engine
 def test_engine_thread_error_reaches_caller(monkeypatch):
     from unison.collectives import kernels

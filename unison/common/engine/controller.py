@@ -43,7 +43,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,9 +198,13 @@ def wait(req: Any, check: Callable[[], None] | None = None) -> None:
 class Controller:
     """The negotiation state of one process set on this rank."""
 
-    def __init__(self, comm: Any, mpi: Any, capacity: int, set_id: int = 0) -> None:
+    def __init__(self, comm: Any, mpi: Any, capacity: int, set_id: int = 0,
+                 job_ranks: Sequence[int] | None = None) -> None:
         self.comm, self.mpi, self.set_id = comm, mpi, set_id
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
+        #: the job rank of each of this set's ranks, for messages (None: the job's own set). Errors named a
+        #: rank's position in the set (on [1, 2], "rank 0" for job rank 1) before 2026-12-05
+        self.job_ranks = None if job_ranks is None else list(job_ranks)
         self.capacity = capacity
         #: the cycle's buffers (see :meth:`_buffers`) and the shape they were made for
         self._bufs: tuple[np.ndarray, np.ndarray, memoryview] = (np.zeros(0, np.uint64),) * 2 + (memoryview(b""),)
@@ -383,13 +387,13 @@ class Controller:
         if bad:  # error texts are "T:<message>" (TypeError) or "V:<message>" (ValueError)
             invalid = "type" if any(entry[r][0].error.startswith("T:") for r in bad) else "value"
             return (f"collective {name!r} failed on {len(bad)} of {self.size} rank(s): "
-                    + "; ".join(f"rank {r}: {entry[r][0].error[2:]}" for r in bad)), invalid
+                    + "; ".join(f"rank {self.job(r)}: {entry[r][0].error[2:]}" for r in bad)), invalid
         ref = entry[ranks[0]][0]
         if any(entry[r][0] != ref for r in ranks) and all(entry[r][0].layout for r in ranks) \
                 and len({entry[r][0]._replace(layout=(), shape=(), dtype=0) for r in ranks}) == 1:
             return self._layout_error(name, entry, ranks), ""  # only the members differ: name the first
         if any(entry[r][0] != ref for r in ranks):
-            per_rank = "; ".join(f"rank {r}: {describe(*entry[r])}" for r in ranks)
+            per_rank = "; ".join(f"rank {self.job(r)}: {describe(*entry[r])}" for r in ranks)
             return (f"tensor {name!r} was submitted with different arguments on different ranks: "
                     f"{per_rank}. Every rank must submit a name with the same collective, dtype, "
                     "shape (first dimension excepted for allgather/alltoall), op, root and "
@@ -401,7 +405,7 @@ class Controller:
         layouts = [entry[r][0].layout for r in ranks]
         longest = max(len(lay) for lay in layouts)
         i = next(i for i in range(longest) if len({lay[i] if i < len(lay) else None for lay in layouts}) > 1)
-        per_rank = "; ".join(f"rank {r}: {describe_member(lay[i] if i < len(lay) else None)}"
+        per_rank = "; ".join(f"rank {self.job(r)}: {describe_member(lay[i] if i < len(lay) else None)}"
                              for r, lay in zip(ranks, layouts, strict=True))
         counts = sorted({len(lay) for lay in layouts})
         sizes = "" if len(counts) == 1 else f" (the group holds {' or '.join(map(str, counts))} tensors)"
@@ -413,10 +417,16 @@ class Controller:
         """Fail what a joined rank cannot take part in, on every rank (see [Note: join])."""
         for resp in responses:
             if resp.error is None and not works_with_join(resp.sig):
-                resp.error, resp.invalid = join_error(resp.name, resp.sig, self.joined_ranks), "join"
+                resp.error, resp.invalid = join_error(resp.name, resp.sig,
+                                                      [self.job(r) for r in self.joined_ranks]), "join"
                 if self.joined:
                     self.refused_while_joined.append(
-                        f"{kind_name(resp.sig)} {resp.name!r} submitted by rank(s) {self._submitters(resp)}")
+                        f"{kind_name(resp.sig)} {resp.name!r} submitted by rank(s) "
+                        f"{[self.job(r) for r in self._submitters(resp)]}")
+
+    def job(self, rank: int) -> int:
+        """``rank`` of this set as a rank of the job."""
+        return rank if self.job_ranks is None else self.job_ranks[rank]
 
     def _submitters(self, resp: Response) -> list[int]:
         """Ranks (of this set) that submitted ``resp``: announced ones per the table, cached ones

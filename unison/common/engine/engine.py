@@ -112,7 +112,7 @@ class _SetState:
         self.comm = comm
         # (sid passed in: a set is activated before its id is handed back to ps; its controller had id 0,
         # so a stall round on it left its failed requests in flight, under the global set's id)
-        self.controller = Controller(comm, mpi, config.cache_capacity, sid)
+        self.controller = Controller(comm, mpi, config.cache_capacity, sid, ps.ranks)
         self.executor = Executor(comm, mpi, config.chunk_bytes, timeline)
         self.last_stall_report = 0.0
 
