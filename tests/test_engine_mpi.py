@@ -232,6 +232,31 @@ def test_a_timeline_path_rank_0_cannot_write_fails_init_on_every_rank(tmp_path):
     assert "UNISON_TIMELINE=" in out and "cannot be written on rank 0" in out, out
 
 
+BAD_ELASTIC_ON_ONE_RANK = """
+import os
+from mpi4py import MPI
+if MPI.COMM_WORLD.Get_rank() == 1:
+    os.environ["UNISON_ELASTIC_MIN_NP"] = "0"
+import unison
+try:
+    unison.init()
+    print("init ok", flush=True)
+except unison.InvalidArgumentError as e:
+    print(f"rank {MPI.COMM_WORLD.Get_rank()} init refused:", e, flush=True)
+"""
+
+
+def test_a_bad_elastic_variable_on_one_rank_fails_init_on_every_rank(tmp_path):
+    """The elastic variables were parsed again for the ranks' comparison, raising a bare ValueError on that rank
+    alone while the others waited in the exchange for ever (found by an audit, 2026-12-05)."""
+    script = tmp_path / "bad_elastic.py"
+    script.write_text(BAD_ELASTIC_ON_ONE_RANK)
+    proc = mpirun(2, [sys.executable, str(script)], timeout=60, env=mpi_env(UNISON_ABORT_ON_ERROR="0"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert all(f"rank {r} init refused: unison.init(): settings are not valid on 1 of 2 rank(s): rank 1: "
+               "UNISON_ELASTIC_MIN_NP='0'" in out for r in (0, 1)), out
+
 SHUTDOWN = """
 import time, numpy as np, unison
 unison.init()

@@ -1638,12 +1638,12 @@ def test_mpi_args_with_one_double_dash_flag_says_to_write_it_with_equals():
 @pytest.mark.parametrize("content, message", [
     ("node1 slot=2\n", "'slot=2' is not a hostfile field Open MPI reads"),
     ("node1 user=me slots=2\n", "'user=me' is not a hostfile field"),
-    ("node1 2\n", "'2' is not a hostfile field"),
-    ("node1 slots=2 slots=3\n", "gives slots a second time on the line"),
-    ("node1 count=1 slots=1\n", "gives slots a second time on the line"),
-    ("node1 slots=2\nnode1 slots=1\n", "line 2: host 'node1' has its slots given on line 1 already"),
-    ("node1 slots=3 max_slots=2\n", "max_slots=2 is below slots=3"),
-    ("node1 slots=2 port=ssh\n", "port='ssh' is not a port number"),
+    ("node1 slots=2 slots=3\n", "gives the slot count a second time on the line"),
+    ("node1 count=1 slots=1\n", "gives the slot count a second time on the line"),
+    ("node1 slots=2\nnode1 slots=1\n", "line 2: host 'node1' is counted on line 1 already"),
+    ("node1\nnode1 slots=2\n", "line 2: host 'node1' is counted on line 1 already"),
+    ("node1 slots=3 max_slots=2\n", "'max_slots=2' is below slots=3"),
+    ("node1 slots=2 port=ssh\n", "'port=ssh' is not a port number"),
 ])
 def test_a_hostfile_open_mpi_would_refuse_late_is_refused_first(tmp_path, content, message):
     """Before: each went to mpirun (the last value of a repeated slots= planned -np; slot=2 counted one slot),
@@ -1655,15 +1655,20 @@ def test_a_hostfile_open_mpi_would_refuse_late_is_refused_first(tmp_path, conten
     assert str(path) in str(info.value)
 
 
-def test_hostfile_counts_take_open_mpis_other_keys_and_a_host_without_one_needs_np(tmp_path):
-    """count=/cpu= are slots=; a host no line counts gets one rank per core from Open MPI, so without -np the
-    launcher cannot plan the job (before: one rank where mpirun ran one per core, silently)."""
+def test_hostfile_counts_are_read_as_open_mpi_reads_them_and_a_host_without_one_needs_np(tmp_path, caplog):
+    """count=/cpu= are slots=, max_slots alone is the count, a host on several bare lines has a slot per line, bare
+    words are ignored (each checked against this machine's mpirun, 2026-12-05); a host named on one bare line gets
+    one rank per core from Open MPI, so without -np the launcher cannot plan the job (before: one rank)."""
     path = tmp_path / "hosts"
-    path.write_text("a count=2\nb cpu=3 max-slots=4 username=me port=2222\nc slots=1\nc\n")
-    assert read_hostfile(path, counted=True) == [("a", 2), ("b", 3), ("c", 1), ("c", 1)]
-    assert option_values(build(hostfile=str(path), cpu_count=1), "-np") == ["7"]
-    path.write_text("a slots=2\nb\nb max_slots=2\n")
-    assert read_hostfile(path) == [("a", 2), ("b", 1), ("b", 1)]  # with -np: a lower bound, for --oversubscribe
+    path.write_text("a count=2\nb cpu=3 cpu_max=4 user_name=me port=2222\nc slots=1\nc\nd max_slots=2\n"
+                    "e max-count=5 slots=4 extra\nf\nf\nf\n")
+    with caplog.at_level("WARNING", logger="unison.run.hosts"):
+        hosts = read_hostfile(path, counted=True)
+    assert hosts == [("a", 2), ("b", 3), ("c", 1), ("c", 1), ("d", 2), ("e", 4), ("f", 1), ("f", 1), ("f", 1)]
+    assert "'extra' is ignored" in caplog.text
+    assert option_values(build(hostfile=str(path), cpu_count=1), "-np") == ["16"]
+    path.write_text("a slots=2\nb\n")
+    assert read_hostfile(path) == [("a", 2), ("b", 1)]  # with -np: a lower bound, for --oversubscribe
     with pytest.raises(ValueError, match=re.escape("gives no slot count for 'b' (line 2)") + ".*Give -np N"):
         read_hostfile(path, counted=True)
     with pytest.raises(ValueError, match="gives no slot count"):

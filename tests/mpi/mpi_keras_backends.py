@@ -1158,3 +1158,15 @@ def test_each_fit_call_shuffles_anew_and_fewer_rows_than_ranks(dp):
     if N > 1:
         with pytest.raises(ValueError, match=rf"{N - 1} row\(s\) for {N} ranks"):
             model.evaluate(few, Y[:N - 1], verbose=0)
+
+
+def test_equal_text_in_object_arrays_agrees_across_ranks():
+    """Strings held in an object array (df["text"].values for a StringLookup) are compared by value: the digest
+    of their bytes (pointers, another on each rank) refused equal data on every rank (found by a review)."""
+    from unison.keras.data_parallel import _agree_on_inputs
+
+    text = np.array(["a", "bb", "ccc"] * 5, dtype=object)
+    _agree_on_inputs("model.fit", text, Y[:15], None, GLOBAL_BATCH)
+    if N > 1:
+        with pytest.raises(ValueError, match="the ranks passed different inputs"):
+            _agree_on_inputs("model.fit", np.array([f"rank{R}"] * 15, dtype=object), Y[:15], None, GLOBAL_BATCH)

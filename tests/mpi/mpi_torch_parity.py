@@ -1139,7 +1139,8 @@ def test_in_place_async_ops_land_when_they_complete():
 
 
 @multi
-@pytest.mark.parametrize("case", ["sparse-allreduce", "sparse-allgather", "strided-allreduce_", "root-outside"])
+@pytest.mark.parametrize("case", ["sparse-allreduce", "sparse-allgather", "strided-allreduce_", "root-outside",
+                                  "strided-grouped_allreduce_"])
 def test_an_argument_refused_on_one_rank_raises_on_every_rank_and_the_next_call_pairs(case):
     """The adapter's own checks (a sparse tensor, allreduce_ on a non-contiguous tensor, a root outside the
     process set) run on one rank only here: the request still travels, so every rank raises. Before: that rank
@@ -1155,6 +1156,9 @@ def test_an_argument_refused_on_one_rank_raises_on_every_rank_and_the_next_call_
                 hvd.allgather(dense.to_sparse() if odd else dense, name="refused.ag")
             elif case == "strided-allreduce_":
                 hvd.allreduce_(torch.ones(2, 4)[:, ::2] if odd else torch.ones(2, 2), name="refused.inplace")
+            elif case == "strided-grouped_allreduce_":
+                hvd.grouped_allreduce_([torch.ones(3), torch.ones(2, 4)[:, ::2] if odd else torch.ones(2, 2)],
+                                       name="refused.grouped")
             else:  # root_rank=N+5 is no rank of the set; unnamed, so the names must stay paired too
                 hvd.broadcast(dense, N + 5 if odd else 0, process_set=pair)
         after = hvd.broadcast(torch.full((2,), float(R + 1)), 0, process_set=pair)  # unnamed: the next call

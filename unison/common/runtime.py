@@ -362,8 +362,12 @@ def _agree(st: State, config_error: str) -> None:
         MismatchError: a setting that must match differs between ranks.
     """
     mpi = st.mpi
+    try:  # (it parses the elastic variables again: a bad one raised here, on this rank alone, and the
+        values = must_match_values(st.config)  # others waited in the exchange for ever, before 2026-12-05)
+    except ValueError as exc:
+        config_error, values = config_error or str(exc), {}
     mine = {"error": config_error, "thread_level": mpi.Query_thread(),
-            "values": must_match_values(st.config), "sources": dict(st.config.sources)}
+            "values": values, "sources": dict(st.config.sources)}
     ranks = _allgather_json(st.comm, mpi, mine)
     errors = [f"rank {r}: {d['error']}" for r, d in enumerate(ranks) if d["error"]]
     if errors:

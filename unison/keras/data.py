@@ -336,14 +336,15 @@ def is_loader(x: Any) -> bool:
 
 
 def first_inputs(x: Any) -> Any:
-    """The model inputs of the first global batch of ``x`` (arrays, a PyDataset, a torch DataLoader, a
-    tf.data dataset), to build an unbuilt model on; None for another input or an empty one."""
+    """The model inputs of the first global batch of ``x`` (arrays, a PyDataset, a torch DataLoader over a
+    map-style dataset, a tf.data dataset), to build an unbuilt model on; None for another input, an empty
+    one or a stream read once (an ``IterableDataset``'s loader: reading ahead would lose its first batch)."""
     if _is_arrays(x):
         return x
     batch = None
     if isinstance(x, keras.utils.PyDataset) and (x.num_batches or 0) > 0:
         batch = x[0]
-    elif is_loader(x) or _is_tf_dataset(x):
+    elif (is_loader(x) and hasattr(x.dataset, "__getitem__")) or _is_tf_dataset(x):
         batch = next(iter(x), None)  # (a fresh iterator: what training reads later starts again)
     if batch is None:
         return None

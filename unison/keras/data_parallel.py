@@ -135,17 +135,17 @@ class DataParallel:
     def compile_args(self, model: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         """``compile``'s arguments for a data-parallel ``model``: a distributed optimizer, host-callable steps."""
         kwargs = dict(kwargs)
+        if _host.backend() != "jax":
+            if kwargs.get("jit_compile") is True:
+                raise ValueError(f"DataParallel on the {_host.backend()} backend: jit_compile=True cannot "
+                                 "call the host for the gradient exchange; leave jit_compile unset (or False)")
+            kwargs["jit_compile"] = False
         optimizer = keras.optimizers.get(kwargs.get("optimizer", "rmsprop"))
         if not getattr(optimizer, "_unison_distributed", False):
             # in place: model.optimizer is the object passed, so the user's handle on it (learning_rate,
             # iterations) is the model's (a copy before 2026-12-05: assigning its learning rate did nothing)
             optimizer = DistributedOptimizer(optimizer, _in_place=True)
         kwargs["optimizer"] = optimizer
-        if _host.backend() != "jax":
-            if kwargs.get("jit_compile") is True:
-                raise ValueError(f"DataParallel on the {_host.backend()} backend: jit_compile=True cannot "
-                                 "call the host for the gradient exchange; leave jit_compile unset (or False)")
-            kwargs["jit_compile"] = False
         return kwargs
 
     def adapt(self, model: Any) -> None:
@@ -232,7 +232,9 @@ def _rows_digest(a: Any) -> str:
     n = int(np.shape(a)[0]) if np.ndim(a) else 0
     digest = hashlib.blake2b(digest_size=6)
     for i in sorted({0, n // 2, n - 1} if n else ()):
-        digest.update(np.ascontiguousarray(np.asarray(a[i:i + 1])).tobytes())  # (a slice: rows of a DataFrame too)
+        row = np.asarray(a[i:i + 1])  # (a slice: rows of a DataFrame too)
+        # an object array's bytes are pointers, another on each rank: its values' text instead (strings)
+        digest.update(repr(row.tolist()).encode() if row.dtype.hasobject else np.ascontiguousarray(row).tobytes())
     return digest.hexdigest()
 
 
@@ -548,8 +550,11 @@ def _sync_once(dp: DataParallel, model: Any, x: Any = None) -> None:
     build it inside the call with each rank's own random weights."""
     if not model.built and x is not None:
         first = data.first_inputs(x)  # (a PyDataset's, a loader's or a tf.data dataset's first batch too: before
-        if first is not None:  # 2026-12-05 those left each rank evaluating its own random weights)
-            model(keras.tree.map_structure(lambda a: np.asarray(a)[:1], first), training=False)
+        if first is None:  # 2026-12-05 those left each rank evaluating its own random weights)
+            raise ValueError(f"DataParallel: the model is not built and its inputs cannot be read ahead from a "
+                             f"{type(x).__name__} (a stream read once) to build it; build it first (model.build("
+                             "input_shape), or call it on one batch), or fit before evaluating")
+        model(keras.tree.map_structure(lambda a: np.asarray(a)[:1], first), training=False)
     if model.built:
         dp.broadcast_state(model)
         _set(model, "_unison_synced", True)

@@ -10,15 +10,14 @@ Accepted forms, following Open MPI:
 * ``-H``: comma-separated ``host:slots`` entries, e.g. ``localhost:2,node7:4``. A bare ``host``
   means one slot, as it does for ``mpirun -H``.
 * ``--hostfile``: one host per line, ``host [slots=N] [max_slots=M] [username=U] [port=P]``;
-  ``#`` starts a comment. These are the keys Open MPI reads (``count=`` and ``cpu=`` are
-  ``slots=`` by other names, ``max-slots``/``slots_max``/``slots-max`` are ``max_slots``), and
-  what it refuses is refused here, before anything starts: an unknown key (``slot=2``), a slot
-  count given twice on one line or on two lines for one host, ``max_slots`` below ``slots``.
-  Open MPI gives a host whose lines give no count as many slots as it has cores, which
-  ``unisonrun`` cannot see before the launch: without ``-np`` such a file is refused (give
-  ``-np`` or ``slots=N``); with ``-np`` each such line counts one slot, a lower bound, so at worst
-  ``unisonrun`` adds an unneeded ``--oversubscribe``. (Until 2026-12-05 such a line counted one
-  slot without ``-np`` too: ``localhost`` alone ran one rank where ``mpirun`` ran one per core.)
+  ``#`` starts a comment. The keys and counts are read as Open MPI reads them (see [Note: a
+  hostfile's slot counts] at :func:`read_hostfile`), and what it refuses is refused here, before
+  anything starts. A host named on a single line without a count gets one rank per core from
+  Open MPI, which ``unisonrun`` cannot see before the launch: without ``-np`` such a file is
+  refused (give ``-np`` or ``slots=N``); with ``-np`` the line counts one slot, a lower bound, so
+  at worst ``unisonrun`` adds an unneeded ``--oversubscribe``. (Until 2026-12-05 such a line
+  counted one slot without ``-np`` too: ``localhost`` alone ran one rank where ``mpirun`` ran one
+  per core.)
 
 A hostfile may end with ``# unison: key=value`` lines (Open MPI skips them as comments) that
 stand for ``unisonrun`` flags: ``launch-agent``, ``tcp-include`` and ``network-interface``;
@@ -131,19 +130,30 @@ def parse_hosts(value: str) -> list[Host]:
     return hosts
 
 
-#: the keys of a hostfile line that Open MPI (PRRTE) reads, each with the key it stands for
-_HOSTFILE_KEYS = {"slots": "slots", "count": "slots", "cpu": "slots", "max_slots": "max_slots",
-                  "max-slots": "max_slots", "slots_max": "max_slots", "slots-max": "max_slots",
-                  "username": "username", "port": "port"}
+#: the keys of a hostfile line that Open MPI (PRRTE's hostfile lexer) reads, each with what it gives
+_HOSTFILE_KEYS = {
+    **dict.fromkeys(("slots", "count", "cpu"), "slots"),
+    **dict.fromkeys(("max_slots", "max-slots", "slots_max", "slots-max", "cpu_max", "cpu-max", "max_cpu",
+                     "max-cpu", "count_max", "count-max", "max_count", "max-count"), "max_slots"),
+    **dict.fromkeys(("username", "user_name", "user-name"), "username"),
+    "port": "port",
+}
 
 
 def read_hostfile(path: str | Path, counted: bool = False) -> list[Host]:
-    """Reads an Open MPI hostfile.
+    """Reads an Open MPI hostfile as Open MPI (PRRTE) does.
+
+    [Note: a hostfile's slot counts] A line's count is ``slots=`` (or ``count=``/``cpu=``), else
+    ``max_slots=`` (and its spellings); a host named on several lines without a count gets one slot
+    per line, and one named on a single bare line as many as it has cores, which only Open MPI sees
+    (it then starts one rank per core). A count given twice for a host (on a line, on two lines, or
+    after a bare line) is refused, as Open MPI refuses it after starting; bare words are ignored, as
+    Open MPI ignores them (with a warning here: ``node1 2`` was surely meant as ``slots=2``).
 
     Args:
         path: The hostfile; lines look like ``node7 slots=4``, ``#`` starts a comment.
         counted: The caller needs every host's slot count (``unisonrun`` without ``-np``): a
-            host none of whose lines gives one is refused (Open MPI would count its cores).
+            host named on one bare line only is refused (Open MPI would count its cores).
 
     Returns:
         The hosts listed, a line each, with one slot for a line that gives no count (the least
@@ -151,11 +161,11 @@ def read_hostfile(path: str | Path, counted: bool = False) -> list[Host]:
 
     Raises:
         FileNotFoundError: ``path`` does not exist or is not a file.
-        ValueError: A host name is unsafe (see ``check_host_name``), a slot count is not a
-            positive integer, a line uses ``-H``'s ``host:slots`` form, a field is not one of
-            the keys Open MPI reads or repeats one, a host's count is given on two lines,
-            ``max_slots`` is below ``slots``, the file lists no host or is not UTF-8 text; with
-            ``counted``, a host has no count.
+        ValueError: A host name is unsafe (see ``check_host_name``), a count is not a positive
+            integer, a line uses ``-H``'s ``host:slots`` form, a ``key=value`` field's key is not
+            one Open MPI reads, a host's count is given twice, ``max_slots`` after ``slots`` is
+            below it, the file lists no host or is not UTF-8 text; with ``counted``, a host has
+            no count.
     """
     path = Path(path)
     if not path.is_file():
@@ -169,7 +179,7 @@ def read_hostfile(path: str | Path, counted: bool = False) -> list[Host]:
                          f"one host per line ({_HOSTFILE_FORM})") from None
     hosts = []
     sized: dict[str, int] = {}  # host -> the line that gave its slot count
-    unsized: dict[str, int] = {}  # host -> its first line without one
+    bare: dict[str, list[int]] = {}  # host -> its lines without one
     for number, line in enumerate(text.splitlines(), start=1):
         fields = re.sub(r"\s*=\s*", "=", line.split("#", 1)[0]).split()  # Open MPI takes "slots = 2" too
         if not fields:
@@ -180,40 +190,46 @@ def read_hostfile(path: str | Path, counted: bool = False) -> list[Host]:
             raise ValueError(f"{where}: {fields[0]!r} is -H's host:slots form; a hostfile line is "
                              f"'{name} slots={count}' ({_HOSTFILE_FORM})")
         name = check_host_name(fields[0], where)
-        given: dict[str, str] = {}
+        slots = most = None
         for field in fields[1:]:
             key, eq, value = field.partition("=")
-            if not eq or key not in _HOSTFILE_KEYS:
+            if not eq:
+                logger.warning("%s: %r is ignored (Open MPI ignores a word without '='); give slots=N for a "
+                               "slot count", where, field)
+                continue
+            meaning = _HOSTFILE_KEYS.get(key)
+            if meaning is None:
                 raise ValueError(f"{where}: {field!r} is not a hostfile field Open MPI reads; give key=value "
                                  f"with a key of {', '.join(_HOSTFILE_KEYS)} ({_HOSTFILE_FORM})")
-            meaning = _HOSTFILE_KEYS[key]
-            if meaning in given:
-                raise ValueError(f"{where}: {field!r} gives {meaning} a second time on the line (Open MPI "
-                                 f"refuses it); keep one of them ({_HOSTFILE_FORM})")
-            given[meaning] = value
-        if "port" in given and not re.fullmatch(r"[0-9]{1,5}", given["port"]):
-            raise ValueError(f"{where}: port={given['port']!r} is not a port number; give e.g. port=22")
-        slots = _parse_slots(given["slots"], where, _HOSTFILE_FORM) if "slots" in given else None
-        if "max_slots" in given:
-            most = _parse_slots(given["max_slots"], where, _HOSTFILE_FORM)
-            if slots is not None and most < slots:
-                raise ValueError(f"{where}: max_slots={most} is below slots={slots} (Open MPI refuses it); "
-                                 f"raise max_slots or lower slots")
-        if slots is None:
-            unsized.setdefault(name, number)
-        elif name in sized:
-            raise ValueError(f"{where}: host {name!r} has its slots given on line {sized[name]} already (Open "
-                             f"MPI refuses a second count); list it once with the total, e.g. "
-                             f"'{name} slots=N'")
+            if meaning == "slots":
+                if slots is not None:
+                    raise ValueError(f"{where}: {field!r} gives the slot count a second time on the line (Open "
+                                     f"MPI refuses it); keep one of them ({_HOSTFILE_FORM})")
+                slots = _parse_slots(value, where, _HOSTFILE_FORM)
+            elif meaning == "max_slots":
+                most = _parse_slots(value, where, _HOSTFILE_FORM)
+                if slots is not None and most < slots:  # (before slots=, Open MPI raises max_slots instead)
+                    raise ValueError(f"{where}: {field!r} is below slots={slots} (Open MPI refuses it); raise "
+                                     "max_slots or lower slots")
+            elif meaning == "port" and not re.fullmatch(r"[0-9]{1,5}", value):
+                raise ValueError(f"{where}: {field!r} is not a port number; give e.g. port=22")
+        given = slots if slots is not None else most  # (max_slots alone is the count, as Open MPI takes it)
+        if given is None:
+            bare.setdefault(name, []).append(number)
+        elif name in sized or name in bare:
+            first = sized.get(name) or bare[name][0]
+            raise ValueError(f"{where}: host {name!r} is counted on line {first} already (Open MPI refuses a "
+                             f"second count for a host); list it once with its total, e.g. '{name} slots=N'")
         else:
             sized[name] = number
-        hosts.append(Host(name, 1 if slots is None else slots))
+        hosts.append(Host(name, 1 if given is None else given))
     if not hosts:
         raise ValueError(f"hostfile {str(path)!r} lists no hosts (only blank lines or comments); give one host "
                          f"per line ({_HOSTFILE_FORM})")
-    bare = [f"{name!r} (line {number})" for name, number in unsized.items() if name not in sized]
-    if counted and bare:
-        raise ValueError(f"hostfile {str(path)!r} gives no slot count for {', '.join(bare)}: Open MPI then "
+    uncounted = [f"{name!r} (line {lines[0]})" for name, lines in bare.items()
+                 if name not in sized and len(lines) == 1]  # (named on several bare lines: a slot per line)
+    if counted and uncounted:
+        raise ValueError(f"hostfile {str(path)!r} gives no slot count for {', '.join(uncounted)}: Open MPI then "
                          "starts one rank per core of the host, which unisonrun cannot count before the launch. "
                          "Give -np N, or slots=N on the host's line")
     logger.debug("hostfile %s lists %d host(s)", path, len(hosts))

@@ -183,13 +183,17 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
 
 
 def _grouped_submit(tensors: Sequence[torch.Tensor], rop: Any, name: str | None, pre: float, post: float,
-                    process_set: ProcessSet | None) -> Handle:
+                    process_set: ProcessSet | None, refused: tuple[int, Exception] | None = None) -> Handle:
+    """One grouped request; ``refused`` (a member's index and the error an in-place check raised for it) puts
+    that error in the member's place, so that every rank raises it (see :func:`_dense`)."""
     ps = set_or_none(process_set)
     if rop is Adasum and not _ENGINE_ADASUM:
         _check_adasum(ps)
         base = frontend._auto_name("grouped_allreduce", name, process_set)
         return ListHandle(base, [_adasum_now(t, f"{base}.{i}", pre, post, None) for i, t in enumerate(tensors)])
     sources = [_dense(t, "grouped_allreduce") for t in tensors]
+    if refused is not None:
+        sources[refused[0]] = frontend.Refused(refused[1])
     inner = frontend.grouped_allreduce_async(sources, rop, name, pre, post, ps)
     for member in getattr(inner, "members", [inner]):  # one request, or one per member (Adasum, size 1)
         raise_now(member)
@@ -216,12 +220,12 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
     an in-place change; see :class:`~unison.torch_backend.handles.InPlaceHandle`).
     """
     tensors = list(tensors)
-    for t in tensors:
-        if not t.is_contiguous() or t.is_neg():
-            raise ValueError("grouped_allreduce_ needs contiguous tensors without a lazy negation (it writes the "
-                             "results in place); call .contiguous() (or .resolve_neg()) first, or use "
-                             "grouped_allreduce")
-    inner = _grouped_submit(tensors, reduce_op(average, op), name, prescale_factor, postscale_factor, process_set)
+    bad = next((i for i, t in enumerate(tensors) if not t.is_contiguous() or t.is_neg()), None)
+    refused = None if bad is None else (bad, ValueError(
+        "grouped_allreduce_ needs contiguous tensors without a lazy negation (it writes the results in place); "
+        "call .contiguous() (or .resolve_neg()) first, or use grouped_allreduce"))  # (raised on every rank)
+    inner = _grouped_submit(tensors, reduce_op(average, op), name, prescale_factor, postscale_factor, process_set,
+                            refused)
 
     def into(results: list[torch.Tensor]) -> None:
         with torch.no_grad():
