@@ -872,3 +872,48 @@ def test_zz_barrier_in_a_tf_function_waits_at_every_call_and_a_retrace_pairs_not
         hvd.barrier()  # pairs with rank 0's call above
     hvd.barrier()  # eagerly, on every rank: pairs
     np.testing.assert_array_equal(hvd.allreduce(tf.constant([float(R)]), op=hvd.Sum).numpy(), [sum(range(N))])
+
+
+@pytest.mark.skipif(N == 1, reason="needs two ranks")
+@pytest.mark.parametrize("case", ["allreduce-dtype", "allreduce-bool-average", "reducescatter-scalar",
+                                  "allgather-dtype", "broadcast-dtype", "alltoall-float-splits",
+                                  "sparse-max", "grouped-allreduce-dtype", "grouped-allgather-empty",
+                                  "grouped-allreduce-empty"])
+def test_zz_an_argument_refused_on_one_rank_raises_on_every_rank_and_the_next_unnamed_call_pairs(case):
+    """[Note: a refusal travels] Only the last rank passes the bad argument. Before: that rank raised alone, before
+    submitting, so the others' call paired with its next unnamed one (another step's data) or hung."""
+    odd = R == N - 1
+    good = tf.ones([4])
+    with pytest.raises(Exception) as info:
+        if case == "allreduce-dtype":
+            hvd.allreduce(tf.ones([4], tf.complex64) if odd else good)
+        elif case == "allreduce-bool-average":
+            hvd.allreduce(tf.ones([4], tf.bool) if odd else good, op=hvd.Average if odd else hvd.Sum)
+        elif case == "reducescatter-scalar":
+            hvd.reducescatter(tf.constant(1.0) if odd else tf.ones([N]))
+        elif case == "allgather-dtype":
+            hvd.allgather(tf.ones([4], tf.complex64) if odd else good)
+        elif case == "broadcast-dtype":
+            hvd.broadcast(tf.ones([4], tf.complex64) if odd else good, 0)
+        elif case == "alltoall-float-splits":
+            hvd.alltoall(tf.ones([N]), splits=tf.constant([1.0] * N) if odd else tf.constant([1] * N))
+        elif case == "sparse-max":
+            hvd.allreduce(tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0]), tf.constant([3, 2])),
+                          op=hvd.Max if odd else hvd.Sum)
+        elif case == "grouped-allreduce-dtype":
+            hvd.grouped_allreduce([good, tf.ones([2], tf.complex64) if odd else tf.ones([2])])
+        elif case == "grouped-allgather-empty":
+            hvd.grouped_allgather([] if odd else [good])
+        else:
+            hvd.grouped_allreduce([] if odd else [good])
+        if not odd:  # (an empty group returns at once on that rank: the error is the others')
+            pytest.fail("no error on this rank")
+        raise RuntimeError("the empty group's rank")  # (the others' MismatchError names it)
+    if odd and "empty" not in case:
+        assert "hvd." in str(info.value) or "IndexedSlices" in str(info.value) or "splits" in str(info.value) or \
+            "scalar" in str(info.value), info.value
+    if not odd:
+        text = str(info.value)
+        assert f"rank {N - 1}" in text or "different" in text or "tensors" in text, text
+    np.testing.assert_array_equal(hvd.allreduce(tf.constant([float(R)]), op=hvd.Sum).numpy(), [sum(range(N))])
+    np.testing.assert_array_equal(hvd.allgather(tf.constant([float(R)])).numpy(), np.arange(N, dtype=np.float32))

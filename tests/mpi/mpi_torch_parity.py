@@ -1166,3 +1166,51 @@ def test_an_argument_refused_on_one_rank_raises_on_every_rank_and_the_next_call_
     finally:
         if pair is not None:
             hvd.remove_process_set(pair)
+
+
+@multi
+@pytest.mark.parametrize("case", ["sparse_allreduce-dense", "reducescatter-op", "syncbn-1d",
+                                  "broadcast_object-none", "grouped_allreduce-empty", "numpy-grouped-empty"])
+def test_more_arguments_refused_on_one_rank_raise_on_every_rank_and_the_next_unnamed_call_pairs(case):
+    """Found by a sweep of the pattern (2026-12-05): each raised on the odd rank alone; the others hung, or their
+    unnamed call paired with the odd rank's next one (another step's data)."""
+    import unison
+
+    odd = R == N - 1
+    with pytest.raises(Exception) as info:
+        if case == "sparse_allreduce-dense":
+            t = torch.ones(3, 2)
+            hvd.sparse_allreduce_async(t if odd else t.to_sparse(), "refused.sparse", hvd.Sum)()
+        elif case == "reducescatter-op":
+            hvd.reducescatter(torch.ones(N * 2), op="no such op" if odd else hvd.Sum)
+        elif case == "syncbn-1d":
+            bn = hvd.SyncBatchNorm(3)
+            bn(torch.ones(3) if odd else torch.randn(4, 3))
+        elif case == "broadcast_object-none":
+            hvd.broadcast_object("x", None if odd else 0)
+        elif case == "grouped_allreduce-empty":
+            hvd.grouped_allreduce([] if odd else [torch.ones(2)])
+        else:
+            unison.grouped_allreduce([] if odd else [np.ones(2)])
+    assert f"rank {N - 1}" in str(info.value) or "different arguments" in str(info.value), info.value
+    bn = hvd.SyncBatchNorm(1)  # the next unnamed calls pair: a batch norm of constant 20 on every rank
+    torch.testing.assert_close(hvd.allreduce(torch.tensor([float(R)]), op=hvd.Sum),
+                               torch.tensor([float(sum(range(N)))]))
+    out = bn(torch.full((4, 1), 20.0) + torch.arange(4.0).reshape(4, 1))
+    torch.testing.assert_close(out.mean(), torch.tensor(0.0), atol=1e-5, rtol=0)
+    assert hvd.broadcast_object(("next", R), 0) == ("next", 0)
+
+
+@multi
+def test_a_sparse_gradient_with_op_min_on_one_rank_raises_on_every_rank():
+    """DistributedOptimizer(op=Min): a sparse gradient is refused (rows are summed). Raised in one rank's backward
+    hook alone, the others waited in step() for ever; now it travels, and the ranks' dense/sparse disagreement
+    raises on every rank at step()."""
+    emb = torch.nn.Embedding(5, 2, sparse=R == N - 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1),
+                                   named_parameters=emb.named_parameters(), op=hvd.Min)
+    with pytest.raises(ValueError):
+        emb(torch.tensor([1, 2])).sum().backward()
+        opt.step()
+    torch.testing.assert_close(hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum, name="after.sparse.min"),
+                               torch.tensor([float(N)]))

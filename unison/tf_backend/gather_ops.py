@@ -16,14 +16,16 @@ import tensorflow as tf
 
 from unison.common.engine import frontend
 from unison.common.engine.process_sets import ProcessSet, global_process_set, set_rank, set_size
-from unison.common.ops import Average
+from unison.common.ops import Average, Max
 from unison.tf_backend import host_ops
 from unison.tf_backend.op_base import (
     _MOVABLE,
     _allreduce,
     _check_dtype,
+    _empty_group,
     _op_name,
     _ps,
+    _refused,
     _rows_shape,
     _tensor,
     dense_gradient,
@@ -69,19 +71,30 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
               process_set: ProcessSet | None = global_process_set) -> tf.Tensor:
     """Concatenate every rank's tensor along dimension 0 (which may differ per rank); differentiable."""
     x = _tensor(tensor)
-    _check_dtype("allgather", x, _MOVABLE)
-    return _allgather(x, _op_name("allgather", name, x, ignore_name_scope, _ps(process_set)), _ps(process_set))
+    ps = _ps(process_set)
+    _refused(lambda: _check_dtype("allgather", x, _MOVABLE),  # [Note: a refusal travels]
+             lambda data: frontend.allgather_async(data, _op_name("allgather", name, x, ignore_name_scope, ps),
+                                                   ps))
+    return _allgather(x, _op_name("allgather", name, x, ignore_name_scope, ps), ps)
 
 
 def grouped_allgather(tensors: Sequence[Any], name: str | None = None, ignore_name_scope: bool = False,
                       process_set: ProcessSet | None = global_process_set) -> list[tf.Tensor]:
     """All-gather several tensors as one group; differentiable (per tensor, as Horovod)."""
     if not tensors:
+        ps = _ps(process_set)
+        _empty_group(lambda: frontend.group_size_agreement(
+            _op_name("grouped_allgather", name, None, ignore_name_scope, ps), 0, ps))
         return list(tensors)
     xs = [_tensor(t) for t in tensors]
-    for x in xs:
-        _check_dtype("grouped_allgather", x, _MOVABLE)
     ps = _ps(process_set)
+
+    def check() -> None:
+        for x in xs:
+            _check_dtype("grouped_allgather", x, _MOVABLE)
+
+    _refused(check, lambda data: frontend.allreduce_async(  # the group's count agreement, the others' first call
+        data, Max, f"{_op_name('grouped_allgather', name, xs[0], ignore_name_scope, ps)}.count", process_set=ps))
     base = _op_name("grouped_allgather", name, xs[0], ignore_name_scope, ps)
 
     @dense_gradient
@@ -147,8 +160,10 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_
               process_set: ProcessSet | None = global_process_set) -> tf.Tensor:
     """``root_rank``'s tensor (a global rank, as in Horovod) on every rank of the set; differentiable."""
     x = _tensor(tensor)
-    _check_dtype("broadcast", x, _MOVABLE)
     ps = _ps(process_set)
+    _refused(lambda: _check_dtype("broadcast", x, _MOVABLE),  # [Note: a refusal travels]
+             lambda data: frontend.broadcast_async(data, 0, _op_name("broadcast", name, x, ignore_name_scope, ps),
+                                                   ps))
     return _broadcast(x, root_rank, _op_name("broadcast", name, x, ignore_name_scope, ps), ps)
 
 
@@ -186,14 +201,16 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_na
         TypeError: a dtype alltoall does not take, or non-integer splits.
     """
     x = _tensor(tensor)
-    _check_dtype("alltoall", x, _MOVABLE)
-    if splits is None:
-        sp = tf.constant([], dtype=tf.int32)
-    else:
-        sp = _tensor(splits)
+    ps = _ps(process_set)
+    sp = tf.constant([], dtype=tf.int32) if splits is None else _tensor(splits)
+
+    def check() -> None:
+        _check_dtype("alltoall", x, _MOVABLE)
         if not sp.dtype.is_integer:
             raise TypeError(f"alltoall splits must be integers (int32, as in Horovod); got {sp.dtype.name}")
-        sp = tf.cast(sp, tf.int32)
-    ps = _ps(process_set)
+
+    _refused(check, lambda data: frontend.alltoall_async(  # [Note: a refusal travels]
+        data, None, _op_name("alltoall", name, x, ignore_name_scope, ps), ps))
+    sp = tf.cast(sp, tf.int32)
     out, recv = _alltoall(x, sp, _op_name("alltoall", name, x, ignore_name_scope, ps), ps)
     return (out, recv) if splits is not None else out

@@ -32,7 +32,7 @@ import tensorflow as tf
 
 from unison.common.engine import frontend
 from unison.common.engine.process_sets import ProcessSet, global_process_set, set_rank, set_size
-from unison.common.ops import Average, ReduceOp, Sum, parse_op
+from unison.common.ops import Average, Max, ReduceOp, Sum, parse_op
 from unison.tf_backend import host_ops
 from unison.tf_backend.basics import is_adasum, process_set_by_id, reduce_op
 from unison.tf_backend.compression import Compression
@@ -50,9 +50,11 @@ from unison.tf_backend.op_base import (  # noqa: F401 - _name, _op_name, _ps are
     _check_bool_op,
     _check_dtype,
     _check_not_scalar,
+    _empty_group,
     _name,
     _op_name,
     _ps,
+    _refused,
     _rows_shape,
     _tensor,
     dense_gradient,
@@ -94,11 +96,18 @@ def _adasum_eager(x: tf.Tensor, pre: float, post: float, ps: ProcessSet | None) 
 def _allreduce_sparse(t: tf.IndexedSlices, rop: Any, pre: float, post: float, ps: ProcessSet | None,
                       ignore_name_scope: bool) -> tf.IndexedSlices:
     """Horovod's IndexedSlices allreduce: two allgathers; Average divides the values by the size."""
-    if is_adasum(rop):
-        raise NotImplementedError("The Adasum reduction does not currently support sparse tensors; pass "
-                                  "sparse_as_dense=True or reduce a dense tensor")
-    if rop not in (Sum, Average):
-        raise NotImplementedError(f"Only Sum and Average ops are supported with tf.IndexedSlices; got {rop!r}")
+    def check() -> None:
+        if is_adasum(rop):
+            raise NotImplementedError("The Adasum reduction does not currently support sparse tensors; pass "
+                                      "sparse_as_dense=True or reduce a dense tensor")
+        if rop not in (Sum, Average):
+            raise NotImplementedError(f"Only Sum and Average ops are supported with tf.IndexedSlices; got {rop!r}")
+
+    def refuse(data: Any) -> Any:  # the others' first all-gather (of the values): it raises there, so they
+        return frontend.allgather_async(  # make no second one
+            data, _op_name("allgather", None, t.values, ignore_name_scope, ps), ps)
+
+    _refused(check, refuse)  # [Note: a refusal travels]
     values = allgather(t.values, process_set=ps or global_process_set, ignore_name_scope=ignore_name_scope)
     indices = allgather(t.indices, process_set=ps or global_process_set, ignore_name_scope=ignore_name_scope)
     if pre != 1.0 or post != 1.0:  # after the gathers, as Horovod, so no peer is left waiting
@@ -127,8 +136,9 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "", 
         return _allreduce_sparse(tensor, rop, prescale_factor, postscale_factor, ps, ignore_name_scope)
     compression = compression or Compression.none
     x = _tensor(tensor)
-    _check_dtype("allreduce", x, _REDUCIBLE)
-    _check_bool_op("allreduce", x, rop)
+    _refused(lambda: (_check_dtype("allreduce", x, _REDUCIBLE), _check_bool_op("allreduce", x, rop)),
+             lambda data: frontend.allreduce_async(
+                 data, Sum, _op_name("allreduce", name, x, ignore_name_scope, ps), process_set=ps))
     wire, ctx = compression.compress(x)
     if is_adasum(rop) and not _engine_adasum(rop):
         return compression.decompress(_adasum_eager(wire, prescale_factor, postscale_factor, ps), ctx)
@@ -166,10 +176,12 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
 
     Returns ``tensors`` itself when it is empty, as Horovod.
     """
-    if not tensors:
-        return tensors
     rop = reduce_op(average, op)
     ps = _ps(process_set)
+    if not tensors:
+        _empty_group(lambda: frontend.grouped_allreduce_async(
+            [], Sum, _op_name("grouped_allreduce", name, None, ignore_name_scope, ps), process_set=ps))
+        return tensors
     out: list[Any] = [None] * len(tensors)
     sparse = [(i, t) for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
     dense = [(i, _tensor(t)) for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
@@ -179,9 +191,15 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
             out[i] = r
     if dense:
         compression = compression or Compression.none
-        for _, x in dense:
-            _check_dtype("grouped_allreduce", x, _REDUCIBLE)
-            _check_bool_op("grouped_allreduce", x, rop)
+
+        def check() -> None:
+            for _, x in dense:
+                _check_dtype("grouped_allreduce", x, _REDUCIBLE)
+                _check_bool_op("grouped_allreduce", x, rop)
+
+        _refused(check, lambda data: frontend.grouped_allreduce_async(
+            [data], Sum, _op_name("grouped_allreduce", name, dense[0][1], ignore_name_scope, ps),
+            process_set=ps))  # [Note: a refusal travels]
         wires = [compression.compress(x) for _, x in dense]
         if is_adasum(rop) and not _engine_adasum(rop):
             reduced = [_adasum_eager(w, prescale_factor, postscale_factor, ps) for w, _ in wires]
@@ -243,9 +261,12 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
     """Reduce over the ranks, then keep this rank's rows of dimension 0 (Horovod's split); differentiable."""
     rop = parse_op(op)
     x = _tensor(tensor)
-    _check_dtype("reducescatter", x, _REDUCIBLE)
-    _check_bool_op("reducescatter", x, rop)
-    _check_not_scalar("Reducescatter", x)
+    ps = _ps(process_set)
+    _refused(lambda: (_check_dtype("reducescatter", x, _REDUCIBLE), _check_bool_op("reducescatter", x, rop),
+                      _check_not_scalar("Reducescatter", x)),
+             lambda data: frontend.reducescatter_async(data, Sum, _op_name("reducescatter", name, x,
+                                                                           ignore_name_scope, ps),
+                                                       process_set=ps))  # [Note: a refusal travels]
     compression = compression or Compression.none
     wire, ctx = compression.compress(x)
     name = _op_name("reducescatter", name, x, ignore_name_scope, _ps(process_set))
@@ -258,13 +279,21 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compre
                           prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
     """Reduce-scatter several tensors as one group; differentiable. Empty input is returned as is."""
     if not tensors:
+        _empty_group(lambda: frontend.group_size_agreement(
+            _op_name("grouped_reducescatter", None, None, process_set=_ps(process_set)), 0, _ps(process_set)))
         return tensors
     rop = parse_op(op)
     xs = [_tensor(t) for t in tensors]
-    for x in xs:
-        _check_dtype("grouped_reducescatter", x, _REDUCIBLE)
-        _check_bool_op("grouped_reducescatter", x, rop)
-        _check_not_scalar("GroupedReducescatter", x)
+
+    def check() -> None:
+        for x in xs:
+            _check_dtype("grouped_reducescatter", x, _REDUCIBLE)
+            _check_bool_op("grouped_reducescatter", x, rop)
+            _check_not_scalar("GroupedReducescatter", x)
+
+    _refused(check, lambda data: frontend.allreduce_async(  # the group's count agreement, the others' first call
+        data, Max, f"{_op_name('grouped_reducescatter', None, xs[0], process_set=_ps(process_set))}.count",
+        process_set=_ps(process_set)))  # [Note: a refusal travels]
     compression = compression or Compression.none
     wires = [compression.compress(x) for x in xs]
     ps = _ps(process_set)

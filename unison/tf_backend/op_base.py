@@ -160,6 +160,37 @@ def _allreduce(x: tf.Tensor, rop: Any, name: str, pre: float, post: float,
     return reduce(x)
 
 
+def _refused(check: Callable[[], None], submit: Callable[[Any], Any]) -> None:
+    """Run ``check``; when it raises, submit the error in place of this rank's data and raise it.
+
+    [Note: a refusal travels] An argument check of one rank (a dtype, a scalar, an op, splits) that
+    raised before anything was submitted left the other ranks' matching call unpaired: they waited for
+    ever, or their unnamed call paired with this rank's next one and returned another step's data.
+    ``submit(frontend.Refused(error))`` submits the call under the name the other ranks use, so their
+    call raises the engine's error naming this rank, and this rank raises its own (in a graph, when the
+    function is traced: the others' traced op meets it at its run). A job of size 1 just raises.
+    """
+    try:
+        check()
+    except (TypeError, ValueError, NotImplementedError, tf.errors.OpError) as exc:
+        if frontend.running_engine() is not None:
+            refusal = exc if isinstance(exc, (TypeError, ValueError)) else ValueError(str(exc))
+            try:
+                submit(frontend.Refused(refusal)).wait()
+            except Exception:  # noqa: BLE001,S110 - the same refusal in the engine's words; this rank raises its own
+                pass
+        raise
+
+
+def _empty_group(submit: Callable[[], Any]) -> None:
+    """An empty group, eagerly: ``submit()`` the call the other ranks make first (it pairs with theirs: a
+    mismatch error on every rank when theirs is not empty). Returned at once on one rank, it left the others'
+    call unpaired, a hang, or their next unnamed call paired with it (found by an audit, 2026-12-05). In a
+    graph an empty group builds nothing, as before."""
+    if tf.executing_eagerly() and frontend.running_engine() is not None:
+        submit().wait()
+
+
 def _check_bool_op(kind: str, x: tf.Tensor, rop: Any) -> None:
     if x.dtype == tf.bool and rop == Average:
         raise TypeError(f"hvd.{kind} of a bool tensor needs op=hvd.Sum/Max (logical or) or hvd.Min/Product "

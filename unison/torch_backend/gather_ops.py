@@ -49,11 +49,14 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: Any,
     Raises:
         ValueError: ``tensor`` is not sparse.
     """
-    if not tensor.is_sparse:
-        raise ValueError(f"sparse_allreduce_async takes a sparse COO tensor; got a dense {tensor.dtype} "
-                         "tensor. Use allreduce_async for dense tensors")
     ps = set_or_none(process_set)
     average = reduce_op(None, op) == Average
+    if not tensor.is_sparse:  # submitted with the error in place of the rows: every rank raises it
+        error = ValueError(f"sparse_allreduce_async takes a sparse COO tensor; got a dense {tensor.dtype} tensor. "
+                           "Use allreduce_async for dense tensors")
+        refused = SparseHandle(str(name), [frontend.allgather_async(frontend.Refused(error), f"{name}.{part}", ps)
+                                           for part in ("indices", "values")])
+        return refused.wait()  # raises here, as Horovod's does, once the others' calls have met it
     indices = allgather_async(tensor._indices().t().contiguous(), f"{name}.indices", ps)
     values = allgather_async(tensor._values().contiguous(), f"{name}.values", ps)
 
@@ -230,7 +233,9 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
                         postscale_factor: float = 1.0) -> Handle:
     """Start a reduce-scatter: this rank's rows (dim 0 split as evenly as possible) of the reduction."""
     src = _dense(tensor, "reducescatter")
-    inner = frontend.reducescatter_async(src, parse_op(op), name, prescale_factor, postscale_factor,
+    # (op unparsed: the frontend carries a bad one in the request, so every rank raises it; parsed here, it
+    # raised on this rank alone and the others' call paired with this rank's next one)
+    inner = frontend.reducescatter_async(src, op, name, prescale_factor, postscale_factor,
                                          set_or_none(process_set))
     return TorchHandle(raise_now(inner), lambda arr: result_tensor(arr, src))
 
@@ -254,12 +259,22 @@ class _Reducescatter(torch.autograd.Function):
         return (allgather(_scatter_grads([grad], op, ps, pre, post)[0], process_set=ps),) + (None,) * 5
 
 
+def _op_or_as_given(op: Any) -> Any:
+    """``op`` parsed; a bad one as given, for the frontend to carry in the request so that every rank raises it
+    (raised here, on one rank alone, the others' call paired with its next one)."""
+    try:
+        return parse_op(op)
+    except ValueError:
+        return op
+
+
 def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Any = Compression.none,
                   op: Any = Average, process_set: ProcessSet | None = None, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce over ranks and keep this rank's rows of dim 0; differentiable."""
     compressed, cctx = compression.compress(tensor)
-    out = _Reducescatter.apply(compressed, name, parse_op(op), process_set, prescale_factor, postscale_factor)
+    out = _Reducescatter.apply(compressed, name, _op_or_as_given(op), process_set, prescale_factor,
+                               postscale_factor)
     return compression.decompress(out, cctx)
 
 
@@ -298,6 +313,6 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:
     """Reduce-scatter a list of tensors together; differentiable. Returns a list."""
     pairs = [compression.compress(t) for t in tensors]
-    outs = _GroupedReducescatter.apply(name, parse_op(op), process_set, prescale_factor, postscale_factor,
+    outs = _GroupedReducescatter.apply(name, _op_or_as_given(op), process_set, prescale_factor, postscale_factor,
                                        *[p[0] for p in pairs])
     return [compression.decompress(o, p[1]) for o, p in zip(outs, pairs, strict=True)]

@@ -209,11 +209,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _submit_sparse(self, p: torch.Tensor, name: str) -> _Pending:
         if self._op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             # the ranks' rows are all-gathered and summed where they meet: Horovod does that for
-            # every op, so a Min/Max/Product of sparse gradients is silently a sum there
-            raise ValueError(f"DistributedOptimizer(op={self._op!r}) got a sparse gradient for {name!r}: sparse "
-                             "gradients are all-gathered and their rows summed, which is a sum, not "
-                             f"{self._op!r}. Pass sparse_as_dense=True to reduce them densely with that op, "
-                             "or use op=Average/Sum")
+            # every op, so a Min/Max/Product of sparse gradients is silently a sum there. Submitted with
+            # the error in place of the rows, so every rank raises it (raised here, in this rank's backward
+            # alone, the others waited in step() for ever: found by an audit, 2026-12-05)
+            error = ValueError(f"DistributedOptimizer(op={self._op!r}) got a sparse gradient for {name!r}: sparse "
+                               "gradients are all-gathered and their rows summed, which is a sum, not "
+                               f"{self._op!r}. Pass sparse_as_dense=True to reduce them densely with that op, "
+                               "or use op=Average/Sum")
+            refused = tuple(frontend.allgather_async(frontend.Refused(error), f"{name}.{part}", self._process_set)
+                            for part in ("indices", "values"))
+            return _Pending(refused, None, sparse=p.grad.shape)
         g = p.grad.coalesce()
         indices = frontend.allgather_async(g.indices().t().contiguous().numpy(), f"{name}.indices",
                                            self._process_set)

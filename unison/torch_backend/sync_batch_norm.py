@@ -148,13 +148,18 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
             raise ValueError(f"SyncBatchNorm expects at least 2-D input (N, C, ...); got {input.dim()}-D")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        self._check_input_dim(input)
         if not self.training:  # never synchronized, as torch.nn.SyncBatchNorm and Horovod: without running
             # statistics, this rank's own batch statistics (before 2026-12-05 they were the ranks', and
             # one rank evaluating alone waited for the others for ever)
+            self._check_input_dim(input)
             return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias,
                                 not self.track_running_stats, 0.0, self.eps)
         name = frontend._auto_name("sync_batch_norm", None, self.process_set)
+        try:
+            self._check_input_dim(input)
+        except ValueError as exc:  # submitted in place of the moments, so every rank raises it (raised here
+            frontend.allgather(frontend.Refused(exc), name, self.process_set)  # alone, the others' statistics
+            raise  # paired with this rank's next batch's; a job of size 1 raises it above)
         cdt = _compute_dtype(input.dtype)
         with torch.no_grad():
             n, mean, m2 = self._global_moments(input.detach().to(cdt), name)

@@ -480,10 +480,12 @@ def grouped_allreduce_async(tensors: Sequence[Any], op: Any = Average, name: str
     base = _auto_name("grouped_allreduce", name, process_set)
     eng = engine("unison.grouped_allreduce_async()")
     rop = _op(op)
-    if eng is None or rop is ReduceOp.ADASUM or not tensors:
+    if eng is None or rop is ReduceOp.ADASUM:
         handles = [allreduce_async(t, op, f"{base}.{i}", prescale_factor, postscale_factor, process_set,
                                    compression) for i, t in enumerate(tensors)]
         return _GroupHandle(base, handles)
+    # (an empty group is submitted too: it pairs with the other ranks' call, a mismatch when theirs is not
+    # empty; returned at once on this rank alone, it left their call unpaired, a hang, before 2026-12-05)
     sid, _ = _set_id(eng, process_set)
     members: list[np.ndarray] = []
     layout: list[tuple[int, tuple[int, ...]]] = []

@@ -9,6 +9,7 @@ functions only among ranks of the same trusted job (as with Horovod's
 
 from __future__ import annotations
 
+import operator
 import pickle
 from typing import Any
 
@@ -52,11 +53,18 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     """
     name = name or frontend._auto_name("broadcast_object", None, process_set)
     try:
-        root = _set_root(int(root_rank), process_set)
+        given = operator.index(root_rank)
+    except TypeError:
+        given = None
+    try:
+        if given is None:
+            raise ValueError(f"broadcast_object: root_rank={root_rank!r} is not an integer; pass the root's rank "
+                             "(unison.rank() on it)")
+        root = _set_root(given, process_set)
         outside = None
     except ValueError as exc:  # still take part, the error in place of the data: every rank raises it
         outside, root = exc, 0  # (a placeholder root no peer sees: the request's error comes first)
-    is_root = runtime.rank() == int(root_rank) and outside is None
+    is_root = outside is None and runtime.rank() == given
     payload, error = _pickled(obj) if is_root else (None, None)  # (as Horovod: only the root pickles)
     count: Any = np.array([-1 if payload is None else payload.size], dtype=np.int64)
     size = frontend.broadcast(count if outside is None else frontend.Refused(outside), root, f"{name}.size",
