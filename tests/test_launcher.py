@@ -1644,6 +1644,7 @@ def test_mpi_args_with_one_double_dash_flag_says_to_write_it_with_equals():
     ("node1\nnode1 slots=2\n", "line 2: host 'node1' is counted on line 1 already"),
     ("node1 slots=3 max_slots=2\n", "'max_slots=2' is below slots=3"),
     ("node1 slots=2 port=ssh\n", "'port=ssh' is not a port number"),
+    ("node1 slots\n", "'slots' has no value"),
 ])
 def test_a_hostfile_open_mpi_would_refuse_late_is_refused_first(tmp_path, content, message):
     """Before: each went to mpirun (the last value of a repeated slots= planned -np; slot=2 counted one slot),
@@ -1661,12 +1662,13 @@ def test_hostfile_counts_are_read_as_open_mpi_reads_them_and_a_host_without_one_
     one rank per core from Open MPI, so without -np the launcher cannot plan the job (before: one rank)."""
     path = tmp_path / "hosts"
     path.write_text("a count=2\nb cpu=3 cpu_max=4 user_name=me port=2222\nc slots=1\nc\nd max_slots=2\n"
-                    "e max-count=5 slots=4 extra\nf\nf\nf\n")
+                    "e max-count=5 slots=4 extra\nf\nf\nf\ng\ng max_slots=5\nh slots=2\nh max_slots=4\n")
     with caplog.at_level("WARNING", logger="unison.run.hosts"):
         hosts = read_hostfile(path, counted=True)
-    assert hosts == [("a", 2), ("b", 3), ("c", 1), ("c", 1), ("d", 2), ("e", 4), ("f", 1), ("f", 1), ("f", 1)]
+    assert hosts == [("a", 2), ("b", 3), ("c", 1), ("c", 1), ("d", 2), ("e", 4), ("f", 1), ("f", 1), ("f", 1),
+                     ("g", 1), ("g", 1), ("h", 2), ("h", 1)]  # (a later max_slots is no second count)
     assert "'extra' is ignored" in caplog.text
-    assert option_values(build(hostfile=str(path), cpu_count=1), "-np") == ["16"]
+    assert option_values(build(hostfile=str(path), cpu_count=1), "-np") == ["21"]
     path.write_text("a slots=2\nb\n")
     assert read_hostfile(path) == [("a", 2), ("b", 1)]  # with -np: a lower bound, for --oversubscribe
     with pytest.raises(ValueError, match=re.escape("gives no slot count for 'b' (line 2)") + ".*Give -np N"):

@@ -878,7 +878,7 @@ def test_zz_barrier_in_a_tf_function_waits_at_every_call_and_a_retrace_pairs_not
 @pytest.mark.parametrize("case", ["allreduce-dtype", "allreduce-bool-average", "reducescatter-scalar",
                                   "allgather-dtype", "broadcast-dtype", "alltoall-float-splits",
                                   "sparse-max", "grouped-allreduce-dtype", "grouped-allgather-empty",
-                                  "grouped-allreduce-empty"])
+                                  "grouped-allreduce-empty", "reducescatter-op", "grouped-allgather-dtype"])
 def test_zz_an_argument_refused_on_one_rank_raises_on_every_rank_and_the_next_unnamed_call_pairs(case):
     """[Note: a refusal travels] Only the last rank passes the bad argument. Before: that rank raised alone, before
     submitting, so the others' call paired with its next unnamed one (another step's data) or hung."""
@@ -902,6 +902,10 @@ def test_zz_an_argument_refused_on_one_rank_raises_on_every_rank_and_the_next_un
                           op=hvd.Max if odd else hvd.Sum)
         elif case == "grouped-allreduce-dtype":
             hvd.grouped_allreduce([good, tf.ones([2], tf.complex64) if odd else tf.ones([2])])
+        elif case == "reducescatter-op":
+            hvd.reducescatter(tf.ones([N]), op="no such op" if odd else hvd.Sum)
+        elif case == "grouped-allgather-dtype":
+            hvd.grouped_allgather([good, tf.ones([2], tf.complex64) if odd else tf.ones([2])])
         elif case == "grouped-allgather-empty":
             hvd.grouped_allgather([] if odd else [good])
         else:
@@ -910,10 +914,12 @@ def test_zz_an_argument_refused_on_one_rank_raises_on_every_rank_and_the_next_un
             pytest.fail("no error on this rank")
         raise RuntimeError("the empty group's rank")  # (the others' MismatchError names it)
     if odd and "empty" not in case:
-        assert "hvd." in str(info.value) or "IndexedSlices" in str(info.value) or "splits" in str(info.value) or \
-            "scalar" in str(info.value), info.value
+        assert any(word in str(info.value) for word in ("hvd.", "IndexedSlices", "splits", "scalar", "op")), \
+            info.value
     if not odd:
         text = str(info.value)
         assert f"rank {N - 1}" in text or "different" in text or "tensors" in text, text
     np.testing.assert_array_equal(hvd.allreduce(tf.constant([float(R)]), op=hvd.Sum).numpy(), [sum(range(N))])
     np.testing.assert_array_equal(hvd.allgather(tf.constant([float(R)])).numpy(), np.arange(N, dtype=np.float32))
+    got = hvd.grouped_allgather([tf.constant([float(R)]), tf.constant([[float(R)]])])  # a group pairs too
+    np.testing.assert_array_equal(got[0].numpy(), np.arange(N, dtype=np.float32))

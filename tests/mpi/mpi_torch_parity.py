@@ -1192,7 +1192,8 @@ def test_more_arguments_refused_on_one_rank_raise_on_every_rank_and_the_next_unn
             hvd.grouped_allreduce([] if odd else [torch.ones(2)])
         else:
             unison.grouped_allreduce([] if odd else [np.ones(2)])
-    assert f"rank {N - 1}" in str(info.value) or "different arguments" in str(info.value), info.value
+    text = str(info.value)  # (the odd rank's SyncBatchNorm raises its own error; the others the engine's)
+    assert f"rank {N - 1}" in text or "different arguments" in text or (odd and "SyncBatchNorm" in text), text
     bn = hvd.SyncBatchNorm(1)  # the next unnamed calls pair: a batch norm of constant 20 on every rank
     torch.testing.assert_close(hvd.allreduce(torch.tensor([float(R)]), op=hvd.Sum),
                                torch.tensor([float(sum(range(N)))]))

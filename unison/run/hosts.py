@@ -193,6 +193,8 @@ def read_hostfile(path: str | Path, counted: bool = False) -> list[Host]:
         slots = most = None
         for field in fields[1:]:
             key, eq, value = field.partition("=")
+            if not eq and key in _HOSTFILE_KEYS:
+                raise ValueError(f"{where}: {field!r} has no value (Open MPI refuses it); give {key}=N")
             if not eq:
                 logger.warning("%s: %r is ignored (Open MPI ignores a word without '='); give slots=N for a "
                                "slot count", where, field)
@@ -213,10 +215,13 @@ def read_hostfile(path: str | Path, counted: bool = False) -> list[Host]:
                                      "max_slots or lower slots")
             elif meaning == "port" and not re.fullmatch(r"[0-9]{1,5}", value):
                 raise ValueError(f"{where}: {field!r} is not a port number; give e.g. port=22")
-        given = slots if slots is not None else most  # (max_slots alone is the count, as Open MPI takes it)
+        # max_slots alone counts for a host's first line, as Open MPI takes it; on a later line it only sets
+        # the most (not a second count)
+        seen = name in sized or name in bare
+        given = slots if slots is not None else (most if not seen else None)
         if given is None:
             bare.setdefault(name, []).append(number)
-        elif name in sized or name in bare:
+        elif seen:
             first = sized.get(name) or bare[name][0]
             raise ValueError(f"{where}: host {name!r} is counted on line {first} already (Open MPI refuses a "
                              f"second count for a host); list it once with its total, e.g. '{name} slots=N'")

@@ -93,8 +93,12 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None, ignore_na
         for x in xs:
             _check_dtype("grouped_allgather", x, _MOVABLE)
 
-    _refused(check, lambda data: frontend.allreduce_async(  # the group's count agreement, the others' first call
-        data, Max, f"{_op_name('grouped_allgather', name, xs[0], ignore_name_scope, ps)}.count", process_set=ps))
+    def refuse(data: Any) -> Any:  # the others' calls: the group's count agreement, then each member's
+        base = _op_name("grouped_allgather", name, xs[0], ignore_name_scope, ps)
+        return host_ops.Many([frontend.allreduce_async(data, Max, f"{base}.count", process_set=ps)]
+                             + [frontend.allgather_async(data, f"{base}.{i}", ps) for i in range(len(xs))])
+
+    _refused(check, refuse)  # [Note: a refusal travels]
     base = _op_name("grouped_allgather", name, xs[0], ignore_name_scope, ps)
 
     @dense_gradient

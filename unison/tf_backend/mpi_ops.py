@@ -64,6 +64,20 @@ __all__ = ["allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "
            "reducescatter", "grouped_reducescatter", "join", "barrier", "size_op", "local_size_op",
            "rank_op", "local_rank_op", "process_set_included_op"]
 
+def _parsed_op(parse: Callable[[], Any]) -> tuple[Any, Exception | None]:
+    """``parse()``'s op and None; for a bad op, Sum (a stand-in) and the error, which the call's check raises
+    so that it travels ([Note: a refusal travels]: raised here, on one rank, the others' call went unpaired)."""
+    try:
+        return parse(), None
+    except ValueError as exc:
+        return Sum, exc
+
+
+def _raise(error: Exception | None) -> None:
+    if error is not None:
+        raise error
+
+
 def _check_adasum(ps: ProcessSet | None) -> None:
     """Horovod's rules for op=Adasum on CPU: the global set, a power-of-two number of ranks.
 
@@ -94,9 +108,10 @@ def _adasum_eager(x: tf.Tensor, pre: float, post: float, ps: ProcessSet | None) 
 
 
 def _allreduce_sparse(t: tf.IndexedSlices, rop: Any, pre: float, post: float, ps: ProcessSet | None,
-                      ignore_name_scope: bool) -> tf.IndexedSlices:
+                      ignore_name_scope: bool, bad_op: Exception | None = None) -> tf.IndexedSlices:
     """Horovod's IndexedSlices allreduce: two allgathers; Average divides the values by the size."""
     def check() -> None:
+        _raise(bad_op)
         if is_adasum(rop):
             raise NotImplementedError("The Adasum reduction does not currently support sparse tensors; pass "
                                       "sparse_as_dense=True or reduce a dense tensor")
@@ -130,13 +145,14 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "", 
         TypeError: a dtype the op does not take (bool with Average).
         NotImplementedError: IndexedSlices with an op other than Sum/Average or with scale factors.
     """
-    rop = reduce_op(average, op)
+    rop, bad_op = _parsed_op(lambda: reduce_op(average, op))
     ps = _ps(process_set)
     if isinstance(tensor, tf.IndexedSlices):
-        return _allreduce_sparse(tensor, rop, prescale_factor, postscale_factor, ps, ignore_name_scope)
+        return _allreduce_sparse(tensor, rop, prescale_factor, postscale_factor, ps, ignore_name_scope, bad_op)
     compression = compression or Compression.none
     x = _tensor(tensor)
-    _refused(lambda: (_check_dtype("allreduce", x, _REDUCIBLE), _check_bool_op("allreduce", x, rop)),
+    _refused(lambda: (_raise(bad_op), _check_dtype("allreduce", x, _REDUCIBLE),
+                      _check_bool_op("allreduce", x, rop)),
              lambda data: frontend.allreduce_async(
                  data, Sum, _op_name("allreduce", name, x, ignore_name_scope, ps), process_set=ps))
     wire, ctx = compression.compress(x)
@@ -176,7 +192,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
 
     Returns ``tensors`` itself when it is empty, as Horovod.
     """
-    rop = reduce_op(average, op)
+    rop, bad_op = _parsed_op(lambda: reduce_op(average, op))
     ps = _ps(process_set)
     if not tensors:
         _empty_group(lambda: frontend.grouped_allreduce_async(
@@ -186,6 +202,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
     sparse = [(i, t) for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
     dense = [(i, _tensor(t)) for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
     if sparse:
+        _raise(bad_op)  # (with IndexedSlices in the group a bad op is raised here, as before)
         for (i, _), r in zip(sparse, _grouped_sparse([t for _, t in sparse], rop, prescale_factor,
                                                      postscale_factor, ps, ignore_name_scope), strict=True):
             out[i] = r
@@ -193,6 +210,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
         compression = compression or Compression.none
 
         def check() -> None:
+            _raise(bad_op)
             for _, x in dense:
                 _check_dtype("grouped_allreduce", x, _REDUCIBLE)
                 _check_bool_op("grouped_allreduce", x, rop)
@@ -259,11 +277,11 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
                   ignore_name_scope: bool = False, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> tf.Tensor:
     """Reduce over the ranks, then keep this rank's rows of dimension 0 (Horovod's split); differentiable."""
-    rop = parse_op(op)
+    rop, bad_op = _parsed_op(lambda: parse_op(op))
     x = _tensor(tensor)
     ps = _ps(process_set)
-    _refused(lambda: (_check_dtype("reducescatter", x, _REDUCIBLE), _check_bool_op("reducescatter", x, rop),
-                      _check_not_scalar("Reducescatter", x)),
+    _refused(lambda: (_raise(bad_op), _check_dtype("reducescatter", x, _REDUCIBLE),
+                      _check_bool_op("reducescatter", x, rop), _check_not_scalar("Reducescatter", x)),
              lambda data: frontend.reducescatter_async(data, Sum, _op_name("reducescatter", name, x,
                                                                            ignore_name_scope, ps),
                                                        process_set=ps))  # [Note: a refusal travels]
@@ -282,18 +300,24 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compre
         _empty_group(lambda: frontend.group_size_agreement(
             _op_name("grouped_reducescatter", None, None, process_set=_ps(process_set)), 0, _ps(process_set)))
         return tensors
-    rop = parse_op(op)
+    rop, bad_op = _parsed_op(lambda: parse_op(op))
     xs = [_tensor(t) for t in tensors]
 
     def check() -> None:
+        _raise(bad_op)
         for x in xs:
             _check_dtype("grouped_reducescatter", x, _REDUCIBLE)
             _check_bool_op("grouped_reducescatter", x, rop)
             _check_not_scalar("GroupedReducescatter", x)
 
-    _refused(check, lambda data: frontend.allreduce_async(  # the group's count agreement, the others' first call
-        data, Max, f"{_op_name('grouped_reducescatter', None, xs[0], process_set=_ps(process_set))}.count",
-        process_set=_ps(process_set)))  # [Note: a refusal travels]
+    def refuse(data: Any) -> Any:  # the others' calls: the group's count agreement, then each member's
+        ps = _ps(process_set)
+        base = _op_name("grouped_reducescatter", None, xs[0], process_set=ps)
+        return host_ops.Many([frontend.allreduce_async(data, Max, f"{base}.count", process_set=ps)]
+                             + [frontend.reducescatter_async(data, Sum, f"{base}.{i}", process_set=ps)
+                                for i in range(len(xs))])
+
+    _refused(check, refuse)  # [Note: a refusal travels]
     compression = compression or Compression.none
     wires = [compression.compress(x) for x in xs]
     ps = _ps(process_set)

@@ -167,13 +167,17 @@ def _refused(check: Callable[[], None], submit: Callable[[Any], Any]) -> None:
     raised before anything was submitted left the other ranks' matching call unpaired: they waited for
     ever, or their unnamed call paired with this rank's next one and returned another step's data.
     ``submit(frontend.Refused(error))`` submits the call under the name the other ranks use, so their
-    call raises the engine's error naming this rank, and this rank raises its own (in a graph, when the
-    function is traced: the others' traced op meets it at its run). A job of size 1 just raises.
+    call raises the engine's error naming this rank, and this rank raises its own. Eagerly only: while a
+    ``tf.function`` is traced the error is raised at once, as before (the trace fails, and the uncaught
+    error ends the job): a collective at trace time can meet no run of the others' graph whose op was
+    named after another input, waits for ever when the op's input comes from an earlier collective of
+    the same function, and for ever again for a trace that never runs (found by a review, 2026-12-05).
+    A job of size 1 just raises.
     """
     try:
         check()
     except (TypeError, ValueError, NotImplementedError, tf.errors.OpError) as exc:
-        if frontend.running_engine() is not None:
+        if tf.executing_eagerly() and frontend.running_engine() is not None:
             refusal = exc if isinstance(exc, (TypeError, ValueError)) else ValueError(str(exc))
             try:
                 submit(frontend.Refused(refusal)).wait()

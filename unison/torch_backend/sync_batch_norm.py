@@ -158,8 +158,12 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         try:
             self._check_input_dim(input)
         except ValueError as exc:  # submitted in place of the moments, so every rank raises it (raised here
-            frontend.allgather(frontend.Refused(exc), name, self.process_set)  # alone, the others' statistics
-            raise  # paired with this rank's next batch's; a job of size 1 raises it above)
+            if frontend.running_engine() is not None:  # alone, the others' statistics paired with this rank's
+                try:  # next batch's); this rank raises its own error, as before
+                    frontend.allgather(frontend.Refused(exc), name, self.process_set)
+                except ValueError:
+                    pass
+            raise
         cdt = _compute_dtype(input.dtype)
         with torch.no_grad():
             n, mean, m2 = self._global_moments(input.detach().to(cdt), name)
