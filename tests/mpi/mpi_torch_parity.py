@@ -15,6 +15,7 @@ from mpi4py import MPI
 
 import unison.torch_backend as hvd
 from unison.collectives import adasum
+from unison.common.engine.requests import AUTO_NAME_SLOTS
 
 WORLD = MPI.COMM_WORLD
 N, R = WORLD.Get_size(), WORLD.Get_rank()
@@ -906,6 +907,29 @@ def test_grouped_ops_with_groups_of_different_lengths_raise_on_every_rank(kind):
     hvd.barrier()
     ok = call([torch.full((N * 2,), float(R))], name=f"parity.grouped.ok.{kind}")
     assert len(ok) == 1
+
+    def group(k):  # members whose values say which call, member and rank they are
+        return [torch.full((N * 2,), 100.0 * k + 10 * j + R) for j in range(2)]
+
+    def check(k, got):
+        for j, out in enumerate(got):
+            if kind == "allgather":  # every rank's rows, in rank order
+                want = np.repeat([100.0 * k + 10 * j + r for r in range(N)], N * 2)
+            elif kind == "reducescatter":  # this rank's 2 rows of the average
+                want = np.full(2, 100.0 * k + 10 * j + (N - 1) / 2)
+            else:
+                want = np.full(N * 2, 100.0 * k + 10 * j + (N - 1) / 2)
+            np.testing.assert_allclose(out.numpy(), want, err_msg=f"call {k} member {j}")
+
+    # [Note: a longer group's extra members] the same name again: the longer group's extra member had stayed
+    # pending (DuplicateNameError on those ranks alone, the others waiting for ever)
+    check(0, call(group(0), name=f"parity.grouped.len.{kind}"))
+    # unnamed: the names come back every AUTO_NAME_SLOTS calls, where the stale member paired with a later
+    # group's (its data in the other ranks' results: a silent wrong answer)
+    with pytest.raises(ValueError, match="1 to 2 tensors|1 or 2 tensors|differ"):
+        call(tensors)
+    for k in range(1, AUTO_NAME_SLOTS + 2):
+        check(k, call(group(k)))
 
 
 @multi

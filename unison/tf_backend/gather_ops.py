@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from unison.common.engine import frontend
 from unison.common.engine.process_sets import ProcessSet, global_process_set, set_rank, set_size
-from unison.common.ops import Average, Max
+from unison.common.ops import Average
 from unison.tf_backend import host_ops
 from unison.tf_backend.op_base import (
     _MOVABLE,
@@ -95,7 +95,9 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None, ignore_na
 
     def refuse(data: Any) -> Any:  # the others' calls: the group's count agreement, then each member's
         base = _op_name("grouped_allgather", name, xs[0], ignore_name_scope, ps)
-        return host_ops.Many([frontend.allreduce_async(data, Max, f"{base}.count", process_set=ps)]
+        # (the count is this rank's real one, so that a count mismatch too settles every member: frontend
+        # [Note: a longer group's extra members])
+        return host_ops.Many([frontend.group_size_agreement(base, len(xs), ps)]
                              + [frontend.allgather_async(data, f"{base}.{i}", ps) for i in range(len(xs))])
 
     _refused(check, refuse)  # [Note: a refusal travels]

@@ -73,6 +73,7 @@ from unison.common.dtypes import dtype_code
 from unison.common.engine import engine as _engine_errors
 from unison.common.engine.engine import DuplicateNameError, ShutdownError
 from unison.common.engine.executor import DIRECT_BYTES
+from unison.common.engine.handles import wait_all
 from unison.common.exceptions import CollectiveError, InvalidArgumentError, NotInitializedError
 
 __all__ = ["refuse_xla", "run", "run_grouped", "Many", "to_tf_error", "to_wire", "from_wire"]
@@ -252,7 +253,7 @@ class Many:
         self.handles = handles
 
     def wait(self) -> list[Any]:
-        return [h.wait() for h in self.handles]
+        return wait_all(self.handles)  # [Note: a group waits for all its members]
 
 
 class _Slot:

@@ -32,7 +32,7 @@ import tensorflow as tf
 
 from unison.common.engine import frontend
 from unison.common.engine.process_sets import ProcessSet, global_process_set, set_rank, set_size
-from unison.common.ops import Average, Max, ReduceOp, Sum, parse_op
+from unison.common.ops import Average, ReduceOp, Sum, parse_op
 from unison.tf_backend import host_ops
 from unison.tf_backend.basics import is_adasum, process_set_by_id, reduce_op
 from unison.tf_backend.compression import Compression
@@ -298,7 +298,8 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compre
     """Reduce-scatter several tensors as one group; differentiable. Empty input is returned as is."""
     if not tensors:
         _empty_group(lambda: frontend.group_size_agreement(
-            _op_name("grouped_reducescatter", None, None, process_set=_ps(process_set)), 0, _ps(process_set)))
+            _op_name("grouped_reducescatter", None, None, process_set=_ps(process_set)), 0, _ps(process_set),
+            "reducescatter"))
         return tensors
     rop, bad_op = _parsed_op(lambda: parse_op(op))
     xs = [_tensor(t) for t in tensors]
@@ -313,7 +314,9 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compre
     def refuse(data: Any) -> Any:  # the others' calls: the group's count agreement, then each member's
         ps = _ps(process_set)
         base = _op_name("grouped_reducescatter", None, xs[0], process_set=ps)
-        return host_ops.Many([frontend.allreduce_async(data, Max, f"{base}.count", process_set=ps)]
+        # (the count is this rank's real one, so that a count mismatch too settles every member: frontend
+        # [Note: a longer group's extra members])
+        return host_ops.Many([frontend.group_size_agreement(base, len(xs), ps, "reducescatter")]
                              + [frontend.reducescatter_async(data, Sum, f"{base}.{i}", process_set=ps)
                                 for i in range(len(xs))])
 
@@ -327,7 +330,7 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compre
     @dense_gradient
     def scatter(*ts: tf.Tensor) -> Any:
         def start(*arrays: np.ndarray) -> Any:
-            hs = [frontend.group_size_agreement(base, len(arrays), ps)]  # (waited first: ranks' counts differ)
+            hs = [frontend.group_size_agreement(base, len(arrays), ps, "reducescatter")]  # (waited first)
             hs += [frontend.reducescatter_async(host_ops.to_wire(a, True), rop, f"{base}.{i}", pre, post, ps)
                    for i, a in enumerate(arrays)]
             return host_ops.Many(hs), lambda rs: [host_ops.from_wire(r, a.dtype).reshape((-1, *a.shape[1:]))

@@ -283,7 +283,8 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """Start reduce-scatters of several tensors at once; ``synchronize`` returns a list."""
     base = frontend._auto_name("grouped_reducescatter", name, process_set)
-    count = frontend.group_size_agreement(base, len(tensors), set_or_none(process_set))  # waited first
+    count = frontend.group_size_agreement(base, len(tensors), set_or_none(process_set),  # waited first
+                                          "reducescatter")
     return ListHandle(base, [count] + [reducescatter_async(t, f"{base}.{i}", op, process_set, prescale_factor,
                                                            postscale_factor) for i, t in enumerate(tensors)],
                       _members)

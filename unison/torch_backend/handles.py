@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from unison.common.engine.handles import Handle
+from unison.common.engine.handles import Handle, wait_all
 from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.common.ops import Adasum, is_adasum, resolve_op
 
@@ -172,7 +172,8 @@ class ListHandle(Handle):
 
     def wait(self, timeout: float | None = None) -> Any:
         if not self._done:
-            self._result, self._done = self.convert([h.wait(timeout) for h in self.members]), True
+            # every member done before an error is raised: [Note: a group waits for all its members]
+            self._result, self._done = self.convert(wait_all(self.members, timeout)), True
         return self._result
 
 

@@ -26,7 +26,7 @@ from unison.common import runtime
 from unison.common.compression import Compression, Compressor
 from unison.common.dtypes import dtype_code
 from unison.common.engine.engine import Engine, caller_waits
-from unison.common.engine.handles import Handle
+from unison.common.engine.handles import Handle, wait_all
 from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.common.engine.requests import AUTO_NAME_MARK, AUTO_NAME_SLOTS, Kind, Request
 from unison.common.engine.timeline import Timeline
@@ -321,28 +321,55 @@ def allreduce_async(tensor: Any, op: Any = Average, name: str | None = None,
                    out=wire_out if usable_out else None, algorithm="" if algorithm is None else str(algorithm))
 
 
-def group_size_agreement(base: str, count: int, process_set: ProcessSet | None = None) -> Handle:
+def group_size_agreement(base: str, count: int, process_set: ProcessSet | None = None,
+                         members: str = "allgather") -> Handle:
     """Submit the agreement on a group's member count that a grouped op of one request per member
-    needs (``grouped_allgather``, ``grouped_reducescatter``); its ``wait`` raises
-    :class:`MismatchError` on every rank when ranks passed groups of different lengths.
+    needs (``grouped_allgather``, ``grouped_reducescatter``: ``members`` names the kind); its ``wait``
+    raises :class:`MismatchError` on every rank when ranks passed groups of different lengths.
 
-    Wait on it before the members: on a rank with more members than another, the extra ones
-    never complete (they stay pending on that rank; the job cannot use them anyway). Without it
-    that rank waited on them for ever while the others had their results.
+    Wait on it before the members. [Note: a longer group's extra members] When the counts differ,
+    a rank with fewer members submits, as soon as the agreement completes (on the thread that
+    completes it, waited on or not), a refusal (:class:`Refused`) under the name of each member
+    it lacks, ``<base>.<i>`` up to the largest count: a longer group's extra members pair with
+    those and fail, so nothing is left pending. Left pending (before 2026-12-05), such a member
+    met the same name's next use: a rank waited on it for ever, or, with unnamed calls (whose
+    names come back every ``AUTO_NAME_SLOTS`` calls), a later group's member was paired with
+    this one's stale data, a silent wrong result.
     """
+    if members not in ("allgather", "reducescatter"):
+        raise ValueError(f"members={members!r}: a grouped op of one request per member is an 'allgather' "
+                         "or a 'reducescatter'")
     handle = allreduce_async(np.array([count, -count], np.int64), ReduceOp.MAX, f"{base}.count",
                              process_set=process_set)
     post = handle._post
 
-    def check(result: Any) -> int:
+    def counts(result: Any) -> tuple[int, int]:
         result = result if post is None else post(result)
-        most, least = int(result[0]), -int(result[1])
+        return int(result[0]), -int(result[1])
+
+    def message(most: int, least: int) -> str:
+        return (f"grouped collective {base!r}: the ranks passed groups of {least} to {most} tensors (this "
+                f"rank {count}); every rank must pass the same number")
+
+    def check(result: Any) -> int:
+        most, least = counts(result)
         if most != least:
-            raise MismatchError(f"grouped collective {base!r}: the ranks passed groups of {least} to {most} "
-                                f"tensors (this rank {count}); every rank must pass the same number")
+            raise MismatchError(message(most, least))
         return count
 
+    def settle(done: Handle) -> None:
+        if done._error is not None:  # (the job failed or stopped: the members fail with it)
+            return
+        most, least = counts(done._result)
+        for i in range(count, most):
+            refused = Refused(MismatchError(message(most, least)))
+            if members == "reducescatter":
+                reducescatter_async(refused, Average, f"{base}.{i}", process_set=process_set)
+            else:
+                allgather_async(refused, f"{base}.{i}", process_set)
+
     handle._post = check
+    handle.add_done_callback(settle)
     return handle
 
 
@@ -463,7 +490,7 @@ class _GroupHandle(Handle):
         raise TypeError("a group handle completes through its members")
 
     def wait(self, timeout: float | None = None) -> Any:
-        return [h.wait(timeout) for h in self.members]
+        return wait_all(self.members, timeout)  # [Note: a group waits for all its members]
 
 
 def grouped_allreduce_async(tensors: Sequence[Any], op: Any = Average, name: str | None = None,

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Handle", "wake_waiters"]
+__all__ = ["Handle", "wake_waiters", "wait_all"]
 
 logger = logging.getLogger(__name__)
 
@@ -156,3 +156,31 @@ class Handle:
     def __repr__(self) -> str:
         state = "done" if self._done else "pending"
         return f"<unison.Handle {self.name!r} {state}>"
+
+
+def wait_all(handles: Any, timeout: float | None = None) -> list[Any]:
+    """The results of ``handles``, in order, once every one of them is done; the first error (in
+    order) is raised only after the rest completed too.
+
+    [Note: a group waits for all its members] A group's members are separate requests: raising at
+    the first failed member (a refusal, a count mismatch) left the later ones in flight on this
+    rank, and the same names submitted again at once (a graph run again, a retry) raised
+    ``DuplicateNameError`` on this rank alone while the others waited. Every member of a group
+    completes (each pairs with the other ranks' member, or with the refusal a rank with fewer
+    members submits in its place: frontend [Note: a longer group's extra members]), so waiting
+    for all cannot hang where waiting for the first did not. A timeout is raised at once.
+    """
+    results: list[Any] = []
+    first: Exception | None = None
+    for h in handles:
+        try:
+            results.append(h.wait(timeout))
+        except TimeoutError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - kept, raised once every member is done
+            if first is None:
+                first = exc
+            results.append(None)
+    if first is not None:
+        raise first
+    return results
