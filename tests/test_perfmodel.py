@@ -127,6 +127,28 @@ def test_rhd_time_by_hand() -> None:
     assert "rhd" in pm.ALGORITHMS and pm.allreduce_time("rhd", 0, three) == 0.0
 
 
+def test_rhd_crosses_hosts_as_the_kernel_pairs_ranks_when_the_count_is_not_a_power_of_two() -> None:
+    """2 hosts x 3 ranks (rhd.py: ranks 0-1 and 2-3 fold, virtual ranks 0..3 are real 1, 3, 4, 5): the fold
+    pair (2, 3) and both halving steps' pairs (1, 4), then (1, 3), cross hosts, one flow per NIC. Before
+    2026-12-05 a step crossed when its distance was >= k, so none did here: 2.0 ms at 64 MiB on 100 Gbit/s,
+    less than the 5.4 ms the NIC needs for the 64 MiB that must leave each host."""
+    inter = pm.Link(1e-5, 1e-9, beta_two_way_s_per_byte=3e-9)
+    c = cluster(hosts=2, k=3, inter=inter, gamma_s_per_byte=1e-11)
+    m = 8 * MiB
+    fold = 2 * (8 * 1e-5 + m * 1e-9) + m * 1e-11  # one-way there and back, in 1 MiB pieces
+    steps = 2 * ((4 * 1e-5 + m / 2 * 3e-9) + (2 * 1e-5 + m / 4 * 3e-9))  # exchanges, halving and doubling
+    assert pm.rhd_time(m, c) == pytest.approx(fold + steps + 3 / 4 * m * 1e-11, rel=1e-12)
+    # at 100 Gbit/s no all-reduce over 2 hosts beats the NIC's time for m bytes each way
+    fast = cluster(hosts=2, k=3, intra=pm.Link(2e-6, 1 / 150e9), inter=pm.Link(5e-6, 1 / 12.5e9))
+    assert pm.rhd_time(64 * MiB, fast) > 64 * MiB / 12.5e9
+    # power-of-two counts keep the distance rule: 4 hosts x 2, the first step's 2 flows per NIC
+    assert pm._rhd_plan(8, 2) == (0, (2, 2, 0))
+    assert pm._rhd_plan(6, 3) == (1, (1, 1))
+    # 3 hosts x 8: virtual 0-7 are real 1, 3, .., 15 (hosts 0 and 1), 8-15 are 16-23 (host 2); the first step
+    # pairs each of host 2's 8 ranks with one elsewhere, the second pairs host 0's 4 with host 1's
+    assert pm._rhd_plan(24, 8) == (0, (8, 4, 0, 0))
+
+
 def test_allreduce_time_adds_overhead_and_handles_trivial_cases() -> None:
     c = cluster(overhead_s=1e-3)
     assert pm.allreduce_time("ring", 4 * MiB, c) == pytest.approx(1e-3 + pm.ring_time(4 * MiB, c))
@@ -211,6 +233,19 @@ def test_fuse_groups_ready_tensors_up_to_threshold() -> None:
     assert done == pytest.approx(max(2 + 1 + 3, 5) + 0.5)
 
 
+def test_fuse_sends_large_tensors_alone_as_the_executor_does() -> None:
+    """Executor [Note: fusion buffer]: a tensor of at least min(DIRECT_BYTES, threshold) bytes goes alone,
+    the smaller ones of a cycle are packed, the packed run in its first member's place. Before 2026-12-05
+    the model packed everything up to the threshold (ResNet-50 as 1 buffer where the engine sends 30)."""
+    KiB = 1 << 10
+    sizes = [2 * MiB, 100 * KiB, 100 * KiB, 3 * MiB, 50 * KiB]
+    buffers, done = pm.fuse(sizes, [0.0] * 5, threshold=128 * MiB, cycle_s=0.0, run=lambda b: 1.0)
+    assert buffers == [2 * MiB, 250 * KiB, 3 * MiB] and done == 3.0
+    buffers, _ = pm.fuse(sizes, [0.0] * 5, threshold=200 * KiB, cycle_s=0.0, run=lambda b: 1.0)
+    assert buffers == [2 * MiB, 200 * KiB, 50 * KiB, 3 * MiB]
+    assert pm.fuse(sizes, [0.0] * 5, threshold=0, cycle_s=0.0, run=lambda b: 1.0)[0] == sizes
+
+
 def test_step_overlap_hides_communication_and_no_overlap_exposes_it() -> None:
     sizes = tensor_bytes("resnet50")
     c = cluster(8, 8, pm.Link(2e-6, 1 / 150e9), pm.Link(5e-6, 1 / 12.5e9))
@@ -219,7 +254,8 @@ def test_step_overlap_hides_communication_and_no_overlap_exposes_it() -> None:
     assert exposed.exposed_s == pytest.approx(exposed.comm_s, rel=0.05)
     assert hidden.exposed_s < exposed.exposed_s
     assert 0 < exposed.efficiency < hidden.efficiency <= 1
-    assert exposed.buffers == 1  # 97.5 MiB < 128 MiB: one fused buffer after the backward
+    # as the engine sends them: the 29 tensors of 1 MiB or more alone, the other 132 (6.2 MiB) packed in one
+    assert exposed.buffers == 1 + sum(b >= MiB for b in sizes) == 30
     assert pm.predict_step("tree", sizes, c.with_ranks(1), 0.2).efficiency == 1.0
 
 
@@ -359,7 +395,8 @@ def test_cli_takes_a_calibration_file(tmp_path, capsys) -> None:
                                   ["--link", "1e-320gbit"], ["--latency", "1e400s"], ["--latency", "nans"],
                                   ["--overhead-us", "inf"], ["--overhead-us", "nan"], ["--compute-ms", "inf"],
                                   ["--compute-ms", "nan"], ["--cycle-ms", "-5"], ["--cycle-ms", "inf"],
-                                  ["--fusion-threshold", "-1"], ["--backward-share", "nan"]])
+                                  ["--fusion-threshold", "-1"], ["--backward-share", "nan"],
+                                  ["--ranks-per-host", "abc"], ["--png", "/tmp"], ["--png", "out.txt"]])
 def test_cli_refuses_bad_input(args, capsys) -> None:
     # each ended in a traceback, or printed nan, or was taken silently as something else
     with pytest.raises(SystemExit) as exc:
@@ -385,6 +422,29 @@ def test_cli_options_given_with_a_calibration_replace_its_values(tmp_path, capsy
         pm.Calibration.load(path)
     assert cli.main(["--calibration", str(path)]) == 2
     assert "malformed calibration" in capsys.readouterr().err
+
+
+def test_cli_names_the_file_and_field_of_a_bad_calibration_and_an_unwritable_png(tmp_path, capsys) -> None:
+    """Before 2026-12-05: a string where a number goes was a TypeError traceback, a file that is not JSON an
+    error naming no file, an unwritable --png a matplotlib traceback after the table (and --png /tmp wrote
+    /tmp.png while saying 'wrote /tmp')."""
+    path = tmp_path / "cal.json"
+    pm.Calibration(pm.Link(1e-6, 1e-10), pm.Link(1e-4, 1 / 118e6), 1e-10).save(path)
+    data = json.loads(path.read_text())
+    data["intra"]["alpha_s"] = "fast"
+    path.write_text(json.dumps(data))
+    assert cli.main(["--calibration", str(path)]) == 2
+    assert f"{path}: intra.alpha_s must be a number; got 'fast'" in capsys.readouterr().err
+    data["intra"]["alpha_s"], data["chunk_bytes"] = 1e-6, 1.5
+    path.write_text(json.dumps(data))
+    assert cli.main(["--calibration", str(path)]) == 2
+    assert "chunk_bytes must be an integer" in capsys.readouterr().err
+    path.write_text("not json")
+    assert cli.main(["--calibration", str(path)]) == 2
+    assert f"{path} is not JSON" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert cli.main(["--ranks", "8", "--png", str(tmp_path / "file" / "x.png")]) == 2
+    assert f"could not write {tmp_path / 'file' / 'x.png'}" in capsys.readouterr().err
 
 
 def test_cli_prints_a_free_link_from_a_calibration(tmp_path, capsys) -> None:

@@ -55,10 +55,21 @@ def _gbytes_per_s(beta_s_per_byte: float) -> str:
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: must be a positive integer")
     return value
+
+
+def _png(text: str) -> Path:
+    path = Path(text)
+    if path.suffix.lower() != ".png" or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: give a file name ending in .png (matplotlib would add "
+                                         "'.png' to a name without it, and refuses other suffixes)")
+    return path
 
 
 def _rate(text: str) -> float:
@@ -130,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype-bytes", type=_positive_int, default=4, help="bytes per gradient element (default 4)")
     p.add_argument("--calibration", type=Path, default=None,
                    help="a calibration JSON (unison.common.perfmodel.Calibration) to take links from")
-    p.add_argument("--png", type=Path, default=None, help="write the plot here")
+    p.add_argument("--png", type=_png, default=None, help="write the plot to this .png file")
     p.add_argument("--json", action="store_true", help="print the predictions as JSON instead of a table")
     return p
 
@@ -247,12 +258,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit status (2 for bad input)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not 0 < args.backward_share <= 1 or (args.compute_ms is not None and not 0 < args.compute_ms < math.inf) \
-            or not 0 <= (args.overhead_us or 0.0) < math.inf or not 0 <= args.cycle_ms < math.inf \
-            or args.fusion_threshold < 0:
-        parser.error(f"--backward-share must be in (0, 1], --compute-ms finite and > 0, --overhead-us and "
-                     f"--cycle-ms finite and >= 0, --fusion-threshold >= 0 (got {args.backward_share}, "
-                     f"{args.compute_ms}, {args.overhead_us}, {args.cycle_ms}, {args.fusion_threshold})")
+    if not 0 < args.backward_share <= 1:
+        parser.error(f"--backward-share {args.backward_share}: must be in (0, 1] (the backward's share)")
+    if args.compute_ms is not None and not 0 < args.compute_ms < math.inf:
+        parser.error(f"--compute-ms {args.compute_ms}: must be finite and > 0")
+    if not 0 <= (args.overhead_us or 0.0) < math.inf:
+        parser.error(f"--overhead-us {args.overhead_us}: must be finite and >= 0")
+    if not 0 <= args.cycle_ms < math.inf:
+        parser.error(f"--cycle-ms {args.cycle_ms}: must be finite and >= 0")
+    if args.fusion_threshold < 0:
+        parser.error(f"--fusion-threshold {args.fusion_threshold}: must be >= 0 (0: no fusion)")
     try:
         preds = predict(args)
         cluster = _cluster(args)
@@ -275,7 +290,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                  f"{_gbytes_per_s(cluster.inter.beta_s_per_byte)} GB/s + {cluster.inter.alpha_s * 1e6:.3g} us, "
                  f"intra {_gbytes_per_s(cluster.intra.beta_s_per_byte)} GB/s; compute "
                  f"{(args.compute_ms or DEFAULT_COMPUTE_S[args.model] * 1e3):g} ms/step")
-        write_png(args.png, preds, title, bounds)
+        try:
+            write_png(args.png, preds, title, bounds)
+        except OSError as exc:
+            print(f"perfmodel: error: could not write {args.png}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
         if not args.json:
             print(f"wrote {args.png}")
     return 0

@@ -45,14 +45,17 @@ millisecond of the link's rate, 64 KiB .. 4 MiB): ``msgs_x(s) = ceil(s / c_x)`` 
 Recursive halving and doubling (``rhd``: Rabenseifner's algorithm, ``unison.collectives.rhd``;
 ``p' = 2^floor(log2 p)``): the halving steps exchange half of the current window with the
 partner at distance ``p'/2, p'/4, ..., 1`` and reduce the half kept, the doubling steps send the
-windows back. Every step is a pairwise exchange (two-way), and a step whose distance is at least
-``k`` pairs ranks of different hosts, ``k`` flows per NIC (exact when ``k`` is a power of two;
-ranks in host order)::
+windows back. Every step is a pairwise exchange (two-way). Which steps pair ranks of different
+hosts, and ``f_i``, the most ranks of one host whose partners are elsewhere (the flows sharing
+its NIC), come from the kernel's own partner map (:func:`_rhd_plan`; ranks in host order: for a
+power-of-two count a step at distance ``>= k`` crosses with ``k`` flows). The kernel sends pieces
+of ``c`` at every step::
 
-    s_i = m / 2^i, i = 1 .. log2 p';   x_i = (distance p'/2^i >= k and H > 1)
-    step_i = x_i ? msgs_x(s_i) a_x + s_i k b_x : msgs(s_i) a_l + s_i b_l
+    s_i = m / 2^i, i = 1 .. log2 p'
+    step_i = f_i > 0 ? msgs(s_i) a_x + s_i f_i b_x : msgs(s_i) a_l + s_i b_l
     T_rhd = fold + 2 sum_i step_i + (1 - 1/p') m gamma
-    fold  = (p > p') ? 2 (msgs(m) a + m b) + m gamma : 0   (pairs of neighbours, intra when k >= 2)
+    fold  = (p > p') ? 2 (msgs(m) a + m f b) + m gamma : 0   (pairs (2i, 2i+1), one way there and
+            back; the inter link with f flows when a pair spans two hosts)
 
 so ``2 log2 p`` latencies against the ring's ``2 (p - 1)``, and the textbook
 ``2 log2(p) a + 2 (p-1)/p m b + (p-1)/p m gamma`` on one link kind.
@@ -81,9 +84,10 @@ it tends to ``1 / b_x``, and the hierarchical algorithm's can exceed it, since o
 [Note: fusion and overlap in the step model]
 A step is ``compute`` seconds of forward and backward; the backward is the last
 ``backward_share`` of it (default 2/3) and its gradients become ready in reverse order, evenly
-spaced by tensor. Like the engine, every ``cycle`` the ready, unsent gradients are fused into
-buffers of at most ``fusion_threshold`` bytes (a larger tensor travels alone) and all-reduced one
-buffer at a time. Communication overlaps the backward; what is left after it is *exposed*::
+spaced by tensor. Like the engine, every ``cycle`` the ready, unsent gradients go out one buffer
+at a time: a tensor of at least ``min(DIRECT_BYTES, fusion_threshold)`` (1 MiB) alone, the smaller
+ones packed into buffers of at most ``fusion_threshold`` bytes (:func:`fuse`). Communication
+overlaps the backward; what is left after it is *exposed*::
 
     step = compute + exposed;    scaling efficiency = compute / step
 
@@ -94,6 +98,7 @@ input loading, stragglers, congestion beyond the NIC share, and contention for t
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -104,6 +109,7 @@ from typing import Any
 import numpy as np
 
 from unison.collectives.hierarchical import piece_for_bandwidth
+from unison.common.engine.executor import DIRECT_BYTES, Executor
 from unison.common.files import atomic_path
 
 __all__ = ["Link", "Cluster", "Calibration", "ALGORITHMS", "allreduce_time", "busbw_gbps",
@@ -253,25 +259,63 @@ def hierarchical_time(m: float, c: Cluster) -> float:
     return t_rs + 2 * (h - 1) * cross_step + reduce + t_ag
 
 
+@functools.lru_cache(maxsize=256)
+def _rhd_plan(n: int, k: int) -> tuple[int, tuple[int, ...]]:
+    """For :func:`rhd_time`: the most ranks of one host whose partner is on another host (0: the step
+    stays inside hosts), for the fold and for each halving step (largest mask first), from the kernel's
+    own partner map (``unison.collectives.rhd``: the first ``2 (n - p)`` ranks fold in pairs
+    ``(2i, 2i+1)``, virtual rank ``v`` is real rank ``2v+1`` below ``n - p``, ``v + n - p`` above)."""
+    p = 1 << (n.bit_length() - 1)
+    rem = n - p
+
+    def real(v: int) -> int:
+        return 2 * v + 1 if v < rem else v + rem
+
+    def busiest(pairs: list[tuple[int, int]]) -> int:
+        out: dict[int, int] = {}
+        for a, b in pairs:
+            if a // k != b // k:
+                out[a // k] = out.get(a // k, 0) + 1
+        return max(out.values(), default=0)
+
+    fold = busiest([(2 * i, 2 * i + 1) for i in range(rem)])
+    steps = []
+    mask = p >> 1
+    while mask:
+        steps.append(busiest([(real(v), real(v ^ mask)) for v in range(p)]))
+        mask >>= 1
+    return fold, tuple(steps)
+
+
 def rhd_time(m: float, c: Cluster) -> float:
-    """Recursive halving and doubling, with the fold of a non-power-of-two count (module docstring)."""
+    """Recursive halving and doubling, with the fold of a non-power-of-two count (module docstring).
+
+    Which steps cross hosts, and how many flows share a NIC, come from the kernel's partner map
+    (:func:`_rhd_plan`); before 2026-12-05 a step crossed when its distance was at least ``k``,
+    which held only for power-of-two counts (2 hosts x 3 ranks came out 10x too fast, below what
+    the link can carry). Every message is one of the kernel's pieces (``chunk_bytes``: it does not
+    size them to the link as the ring and the hierarchical step do).
+    """
     n = c.size
     if n == 1:
         return 0.0
     p = 1 << (n.bit_length() - 1)
-    h, k = c.hosts, c.ranks_per_host
+    fold_flows, step_flows = _rhd_plan(n, c.ranks_per_host)
+    chunk = c.chunk_bytes
     t = 0.0
-    if n > p:  # the first 2 (n - p) ranks hand their data to a neighbour and get the result back
-        link = c.intra if k >= 2 or h == 1 else c.inter
-        t += 2 * (_msgs(m, c.chunk_bytes) * link.alpha_s + m * link.beta_s_per_byte) + m * c.gamma_s_per_byte
-    s, distance, steps = float(m), p // 2, 0.0
-    while distance >= 1:
-        s /= 2
-        if h > 1 and distance >= k:
-            steps += _msgs(s, c.cross_piece) * c.inter.alpha_s + s * k * c.inter.two_way
+    if n > p:  # the first 2 (n - p) ranks hand their data to a neighbour and get the result back (one-way)
+        if fold_flows:
+            one = _msgs(m, chunk) * c.inter.alpha_s + m * fold_flows * c.inter.beta_s_per_byte
         else:
-            steps += _msgs(s, c.chunk_bytes) * c.intra.alpha_s + s * c.intra.two_way
-        distance //= 2
+            one = _msgs(m, chunk) * c.intra.alpha_s + m * c.intra.beta_s_per_byte
+        t += 2 * one + m * c.gamma_s_per_byte
+    s, steps = float(m), 0.0
+    for flows in step_flows:  # each an exchange: both directions at once (two-way)
+        s /= 2
+        if flows:
+            steps += _msgs(s, chunk) * c.inter.alpha_s + s * flows * c.inter.two_way
+        else:
+            steps += _msgs(s, chunk) * c.intra.alpha_s + s * c.intra.two_way
     return t + 2 * steps + (1 - 1 / p) * m * c.gamma_s_per_byte
 
 
@@ -314,32 +358,53 @@ def busbw_gbps(nbytes: float, ranks: int, seconds: float) -> float:
 
 
 def fuse(sizes: Sequence[int], ready: Sequence[float], threshold: int, cycle_s: float,
-         run: Callable[[int], float]) -> tuple[list[int], float]:
-    """Simulates the engine: fuse ready tensors into buffers, all-reduce them one at a time.
+         run: Callable[[int], float], direct_bytes: int = DIRECT_BYTES) -> tuple[list[int], float]:
+    """Simulates the engine: each cycle, the tensors ready by then go as the executor sends them,
+    one buffer at a time.
+
+    As in ``Executor`` ([Note: fusion buffer] in unison/common/engine/executor.py), a tensor of at
+    least ``min(direct_bytes, threshold)`` bytes is all-reduced alone, straight into its result, and
+    the smaller ones are packed into buffers of at most ``threshold`` bytes (``Executor._batches``),
+    the packed run taking the place of its first member. Before 2026-12-05 this packed every tensor
+    (ResNet-50 as one buffer where the engine sends 30: 29 of its tensors are 1 MiB or more), which
+    put each buffer's latency, 2 (p - 1) alphas on the ring, into the step once instead of 30 times.
 
     Args:
         sizes: bytes of each tensor, in the order they become ready.
         ready: when each is ready (seconds, non-decreasing).
         threshold: most bytes per fused buffer (0: no fusion, one tensor per buffer).
-        cycle_s: the engine's cycle; a buffer starts at a cycle boundary.
+        cycle_s: the engine's cycle; a cycle's buffers start at a cycle boundary.
         run: seconds to all-reduce one buffer of the given size.
+        direct_bytes: the executor's ``DIRECT_BYTES``.
 
     Returns:
         The buffer sizes, and when the last one finishes.
     """
+    alone = min(direct_bytes, threshold)
     buffers: list[int] = []
     free, i, n = 0.0, 0, len(sizes)
     while i < n:
         start = max(free, ready[i])
         if cycle_s > 0:
             start = math.ceil(start / cycle_s - 1e-9) * cycle_s
-        size = sizes[i]
-        i += 1
-        while i < n and ready[i] <= start and size + sizes[i] <= threshold:
-            size += sizes[i]
-            i += 1
-        buffers.append(size)
-        free = start + run(size)
+        j = i + 1
+        while j < n and ready[j] <= start:
+            j += 1
+        cycle: list[int | None] = []  # None: where the packed run goes (its first member's place)
+        small: list[int] = []
+        for size in sizes[i:j]:
+            if size < alone:
+                if not small:
+                    cycle.append(None)
+                small.append(size)
+            else:
+                cycle.append(size)
+        packed = [sum(small[a:b]) for a, b in Executor._batches(small, threshold)] if small else []
+        for item in cycle:
+            for size in (packed if item is None else [item]):
+                buffers.append(size)
+                start += run(size)
+        free, i = start, j
     return buffers, free
 
 
@@ -489,18 +554,45 @@ class Calibration:
         Raises:
             ValueError: the file is not a calibration of this version.
         """
-        data = json.loads(Path(path).read_text())
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not JSON ({exc}); write it with Calibration.save or "
+                             "benchmarks/hosts.py --calibration-out") from None
         if not isinstance(data, dict) or data.get("version") != CALIBRATION_VERSION:
             got = data.get("version") if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"{path} is not a Unison calibration file of version "
                              f"{CALIBRATION_VERSION} (found version {got!r}); write it with "
                              "Calibration.save or benchmarks/hosts.py --calibration-out")
         data.pop("version")
+        _check_numbers(path, data)
         try:
             return cls(intra=Link(**data.pop("intra")), inter=Link(**data.pop("inter")), **data)
         except (TypeError, KeyError) as exc:  # (a missing link was a KeyError traceback)
             raise ValueError(f"{path}: malformed calibration (missing or unexpected {exc}); write it with "
                              "Calibration.save or benchmarks/hosts.py --calibration-out") from None
+
+
+def _check_numbers(path: str | Path, data: dict[str, Any]) -> None:
+    """A calibration file's numeric fields are numbers (a string there was a TypeError traceback)."""
+    def number(where: str, value: Any, integer: bool = False) -> None:
+        kinds = (int,) if integer else (int, float)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
+            raise ValueError(f"{path}: {where} must be {'an integer' if integer else 'a number'}; got "
+                             f"{value!r}; write the file with Calibration.save or benchmarks/hosts.py "
+                             "--calibration-out")
+
+    for kind in ("intra", "inter"):
+        link = data.get(kind)
+        if isinstance(link, dict):
+            for key, value in link.items():
+                number(f"{kind}.{key}", value)
+    for key in ("gamma_s_per_byte", "overhead_s"):
+        if key in data:
+            number(key, data[key])
+    for key in ("chunk_bytes", "cross_piece_bytes"):
+        if key in data:
+            number(key, data[key], integer=True)
 
 
 def parse_rate(text: str) -> float:
