@@ -175,6 +175,37 @@ def test_grouped_allreduce_member_that_differs_is_named_on_every_rank():
 
 
 @needs_engine
+def test_an_adasum_group_of_another_length_raises_on_every_rank_and_leaves_nothing_pending():
+    # Adasum groups go one request per member: the longer group's extra member waited for ever (before
+    # 2026-12-05); now a count agreement goes first, and the shorter rank refuses the members it lacks
+    if N & (N - 1):
+        pytest.skip("Adasum needs a power-of-two job")
+    mine = [np.full(4, 1.0), np.full(4, 2.0)][:1 if R else 2]
+    with pytest.raises(unison.MismatchError, match="groups of 1 to 2 tensors"):
+        unison.grouped_allreduce(mine, op=unison.Adasum, name="grp.adasum")
+    # the same name again: nothing of the first call is left in flight (Adasum of equal vectors is the vector)
+    got = unison.grouped_allreduce([np.full(4, 3.0), np.arange(4.0)], op=unison.Adasum, name="grp.adasum")
+    np.testing.assert_allclose(got[0], np.full(4, 3.0))
+    np.testing.assert_allclose(got[1], np.arange(4.0))
+
+
+@needs_engine
+def test_broadcasts_of_lists_of_different_lengths_raise_on_every_rank_and_the_next_pairs():
+    # one broadcast per array: rank 0's extra array paired with the others' next broadcast (its value there),
+    # then a hang (before 2026-12-05); now the ranks agree on the arrays first
+    from unison.common.data_parallel import broadcast_arrays
+
+    mine = [np.full(3, 1.0 + R), np.full(3, 7.0)][:2 if R == 0 else 1]
+    with pytest.raises(unison.MismatchError, match=r"broadcast_arrays: .*rank 1: 1 item\(s\), 1 fewer \(1: f"):
+        broadcast_arrays(mine)
+    got = broadcast_arrays([np.full(3, 5.0 + R)])
+    np.testing.assert_array_equal(got[0], [5.0] * 3)
+    with pytest.raises(unison.MismatchError, match=r"other: .*in another order"):
+        objects.agree_on_names("other", ["a", "b"] if R == 0 else ["b", "a"], name="names.order")
+    objects.agree_on_names("same", ["a", "b"], name="names.order")
+
+
+@needs_engine
 def test_grouped_allreduce_with_compression_and_scale_factors():
     tensors = [np.full(6, R + 1.0, np.float32), np.full((2, 2), 2.0, np.float64)]
     out = unison.grouped_allreduce(tensors, op=unison.Sum, name="grp.fp16", prescale_factor=0.5,

@@ -855,6 +855,15 @@ def test_collectives_on_backend_tensors_and_their_gradients():
     np.testing.assert_allclose(grad_of(weighted(uk.allgather), x), np.full((2, 3), total))
     np.testing.assert_allclose(grad_of(weighted(lambda t: uk.broadcast(t, 0)), x),
                                np.full((2, 3), total if R == 0 else 0.0))
+    # an op refused on one rank raises on every rank, and the next call pairs (before 2026-12-05 it raised
+    # there alone: the others' call paired with its next one, another call's values on both, then a hang)
+    if N > 1:
+        from unison.common.ops import Max
+
+        with pytest.raises(Exception, match=r"supports Average and Sum"):
+            uk.allreduce(x, op=Max if R == 0 else uk.Sum)
+        np.testing.assert_allclose(keras.ops.convert_to_numpy(uk.allreduce(x, op=uk.Sum)),
+                                   sum(np.arange(6, dtype="float32").reshape(2, 3) + r for r in range(N)))
 
 
 def grad_of(f, x):

@@ -309,6 +309,34 @@ def test_grouped_ops_with_groups_of_different_lengths_raise_on_every_rank(graph,
         check(k, call(group(k)))
 
 
+def test_a_sparse_group_whose_op_one_rank_refuses_raises_on_every_rank():
+    """grouped_allreduce with IndexedSlices and op=Min on one rank: that rank raised alone and the others
+    waited for ever in the values' all-gather (before 2026-12-05)."""
+    if N == 1:
+        pytest.skip("needs two ranks")
+    slices = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([R]), dense_shape=tf.constant([N, 2]))
+    with pytest.raises((NotImplementedError, ValueError, tf.errors.OpError), match="Only Sum and Average"):
+        hvd.grouped_allreduce([slices], op=hvd.Min if R == 0 else hvd.Sum)
+    out = hvd.grouped_allreduce([slices], op=hvd.Sum)[0]
+    assert sorted(out.indices.numpy().tolist()) == list(range(N))
+
+
+def test_broadcast_variables_of_different_models_raises_on_every_rank():
+    """A variable on one rank only was a named broadcast no other rank made: that rank waited for ever
+    (before 2026-12-05). Eagerly the ranks now agree on the variables first, and every rank raises."""
+    from unison.common.exceptions import MismatchError
+
+    if N == 1:
+        pytest.skip("needs two ranks")
+    mine = [tf.Variable(tf.zeros([3]), name="bv_a")] + ([tf.Variable(tf.zeros([2]), name="bv_extra")] if R == 0
+                                                        else [])
+    with pytest.raises(MismatchError, match=r"broadcast_variables: .* 1 fewer \(1\.bv_extra"):
+        hvd.broadcast_variables(mine, root_rank=0)
+    v = tf.Variable(tf.fill([3], float(R)), name="bv_b")
+    hvd.broadcast_variables([v], root_rank=N - 1)
+    assert v.numpy().tolist() == [float(N - 1)] * 3
+
+
 def test_elastic_keras_state_of_models_that_differ_across_ranks_raises_on_every_rank():
     """A Keras model with a Dense layer more on one rank: the sync broadcast its variables by position
     and the ranks waited for ever on the broadcast only one of them made. Now every rank raises."""

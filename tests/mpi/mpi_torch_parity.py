@@ -750,6 +750,18 @@ def test_broadcast_parameters_takes_bare_tensors_as_horovod():
     assert all(torch.equal(p, torch.full_like(p, float(N - 1))) for p in model.parameters())
 
 
+@multi
+def test_broadcast_parameters_of_different_models_raises_on_every_rank():
+    """A parameter on one rank only was a named broadcast no other rank made: that rank waited for ever
+    (before 2026-12-05). Now the ranks agree on the names first and every rank raises, naming it."""
+    params = {"a": torch.zeros(3), **({"extra": torch.zeros(2)} if R == 0 else {})}
+    with pytest.raises(hvd.MismatchError, match=r"broadcast_parameters: .* 1 fewer \(extra\)"):
+        hvd.broadcast_parameters(params, root_rank=0)
+    same = {"a": torch.full((3,), float(R))}
+    hvd.broadcast_parameters(same, root_rank=N - 1)
+    assert same["a"].tolist() == [float(N - 1)] * 3
+
+
 def test_optimizer_keeps_the_users_defaults_and_refuses_what_it_cannot_wrap():
     """Before 2026-12-05: a group added after wrapping got torch's defaults (lr 0.001, no momentum), a
     parameter listed twice failed at the first backward blaming backward_passes_per_step, ranks with

@@ -515,6 +515,35 @@ def test_arguments_one_rank_refuses_raise_on_every_rank_and_the_next_call_pairs(
     assert t.tolist() == ([n * (n + 1) / 2] * 3 if bad else [r + 1.0] * 3)
 
 
+def test_coalesced_lists_of_different_lengths_and_a_non_cpu_tensor_raise_on_every_rank():
+    """Before 2026-12-05: a longer list's extra tensor paired with the other ranks' next collective (rank 1
+    read 120 where 30 was right, then a hang), and a meta (or CUDA) tensor on one rank raised there alone,
+    the others' all_reduce pairing with its next one (wrong values on both, then a hang)."""
+    import torch.distributed._functional_collectives as funcol
+
+    r, n = _rank_size()
+    if n == 1:
+        pytest.skip("needs two ranks")
+    mine = [torch.ones(3), torch.full((3,), 100.0)][:1 if r else 2]
+    with pytest.warns(FutureWarning), pytest.raises(Exception, match="the ranks passed 1 to 2 tensors"):
+        dist.all_reduce_coalesced(mine)
+    with pytest.raises(Exception, match="the ranks passed 1 to 2 tensors"):
+        funcol.all_gather_into_tensor_coalesced(mine, dist.group.WORLD)
+    with pytest.raises(Exception, match="the ranks passed 1 to 2 tensors"):
+        funcol.reduce_scatter_tensor_coalesced([torch.ones(2 * n)] * len(mine), "sum", [0] * len(mine),
+                                               dist.group.WORLD)
+    c = torch.full((3,), 10.0 * (r + 1))
+    dist.all_reduce(c)
+    assert c.tolist() == [10.0 * n * (n + 1) / 2] * 3
+    with pytest.raises(Exception, match="rank 0: the unison backend takes CPU tensors only"):
+        dist.all_reduce(torch.ones(3, device="meta") if r == 0 else torch.ones(3))
+    with pytest.raises(Exception, match="rank 0: the unison backend takes CPU tensors only"):
+        dist.broadcast(torch.ones(3, device="meta") if r == 0 else torch.ones(3), src=0)
+    c = torch.full((3,), float(r + 1))
+    dist.all_reduce(c)
+    assert c.tolist() == [n * (n + 1) / 2] * 3
+
+
 def test_all_to_all_output_sizes_that_do_not_match_what_arrives_raise_there():
     r, n = _rank_size()
     if n == 1:

@@ -36,6 +36,8 @@ import numpy as np
 from unison.common import runtime
 from unison.common.compression import Compression, Compressor
 from unison.common.engine import frontend
+from unison.common.engine.handles import wait_all
+from unison.common.engine.objects import agree_on_names
 from unison.common.ops import Average, ReduceOp, Sum, parse_op
 
 __all__ = ["BatchPlan", "GradientStream", "average_gradients", "broadcast_arrays", "gather_rows", "sum_states"]
@@ -231,7 +233,7 @@ def sum_states(states: Sequence[np.ndarray]) -> list[np.ndarray]:
 
 
 def broadcast_arrays(arrays: Sequence[np.ndarray], root_rank: int = 0,
-                     process_set: Any = None) -> list[np.ndarray]:
+                     process_set: Any = None, what: str = "broadcast_arrays") -> list[np.ndarray]:
     """Every rank (of ``process_set``) gets ``root_rank``'s arrays (all submitted at once, then waited for).
 
     ``root_rank`` is a rank of the job that belongs to ``process_set`` (Horovod's rule).
@@ -246,8 +248,14 @@ def broadcast_arrays(arrays: Sequence[np.ndarray], root_rank: int = 0,
             raise ValueError(f"root_rank={root_rank} is not a member of {process_set!r}: as in Horovod, root_rank "
                              "is a rank of the job (unison.rank()) that belongs to the process set")
         root = list(ranks).index(root_rank)
-    handles = [frontend.broadcast_async(a, root, process_set=process_set) for a in _as_list(arrays)]
-    return [np.asarray(h.wait()).reshape(np.shape(a)) for h, a in zip(handles, arrays, strict=True)]
+    arrays = _as_list(arrays)
+    base = frontend._auto_name("broadcast_arrays", None, process_set)
+    # one broadcast per array: agree on them first (an array more on one rank paired with the others'
+    # next broadcast, another array's value there, then a hang: before 2026-12-05)
+    agree_on_names(what, [f"{i}: {np.asarray(a).dtype}{np.shape(a)}" for i, a in enumerate(arrays)],
+                   f"{base}.agree", process_set)
+    handles = [frontend.broadcast_async(a, root, f"{base}.{i}", process_set) for i, a in enumerate(arrays)]
+    return [np.asarray(r).reshape(np.shape(a)) for r, a in zip(wait_all(handles), arrays, strict=True)]
 
 
 def gather_rows(local: np.ndarray, plan: BatchPlan, rank: int) -> np.ndarray:

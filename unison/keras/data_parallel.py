@@ -202,7 +202,8 @@ class DataParallel:
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and optimizer.built:
             variables += list(optimizer.variables)
-        _assign(variables, broadcast_arrays([_host.to_numpy(v) for v in variables]))
+        _assign(variables, broadcast_arrays([_host.to_numpy(v) for v in variables],
+                                            what="the model's and optimizer's variables (rank 0's to every rank)"))
 
     def average_state(self, model: Any) -> None:
         """Average the non-trainable float variables over the ranks (summed in float64: equal

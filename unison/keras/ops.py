@@ -94,11 +94,38 @@ def _tensor(x: Any) -> Any:
     return keras.ops.convert_to_tensor(x) if isinstance(x, (np.ndarray, list, float, int)) else x
 
 
+def _traced(x: Any) -> bool:
+    """Whether ``x`` belongs to a program being traced (``jax.jit``, ``tf.function``): its collective runs
+    later, when the program does."""
+    if type(x).__module__.startswith("jax") and "Tracer" in type(x).__name__:
+        return True
+    if type(x).__module__.startswith("tensorflow"):
+        import tensorflow as tf
+
+        return not tf.executing_eagerly()
+    return False
+
+
+def _refuse_on_every_rank(error: Exception, submit: Callable[[Any], Any], x: Any) -> None:
+    """A check this rank alone failed: submit the refusal under the call the others make, so that theirs
+    raises too (raised here alone, the others' call paired with this rank's next one: another call's values
+    on both, then a hang; before 2026-12-05). Not while a program is traced: the others' call runs later."""
+    if frontend.running_engine() is not None and not _traced(x):
+        try:
+            submit(frontend.Refused(error))
+        except Exception:  # noqa: BLE001, S110 - the same refusal in the engine's words; this rank raises its own
+            pass
+
+
 def allreduce(x: Any, op: Any = Average) -> Any:
     """``x`` reduced over every rank (``Average`` or ``Sum``); differentiable."""
-    rop = parse_op(op)
-    if rop not in (Average, Sum):
-        raise ValueError(f"unison.keras.allreduce(op={op!r}) supports Average and Sum")
+    try:
+        rop = parse_op(op)
+        if rop not in (Average, Sum):
+            raise ValueError(f"unison.keras.allreduce(op={op!r}) supports Average and Sum")
+    except ValueError as exc:
+        _refuse_on_every_rank(exc, lambda refused: frontend.allreduce(refused), x)
+        raise
 
     def reduce(a: np.ndarray) -> np.ndarray:
         return np.asarray(frontend.allreduce(np.ascontiguousarray(a), op=rop), dtype=a.dtype).reshape(a.shape)
@@ -152,5 +179,5 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int = 0, process_se
     per variable, all at once). ``root_rank`` is a rank of the job, in the set (Horovod's rule)."""
     variables = list(variables)
     for var, value in zip(variables, broadcast_arrays([_host.to_numpy(v) for v in variables], root_rank,
-                                                      process_set), strict=True):
+                                                      process_set, "broadcast_variables"), strict=True):
         var.assign(value)

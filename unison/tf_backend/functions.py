@@ -38,8 +38,8 @@ import numpy as np
 import tensorflow as tf
 
 from unison.common.compression import Compression
-from unison.common.engine import frontend
-from unison.common.engine.process_sets import ProcessSet, set_size
+from unison.common.engine import frontend, objects
+from unison.common.engine.process_sets import ProcessSet, global_process_set, set_size
 from unison.common.ops import Average, ReduceOp, Sum, parse_op
 from unison.tf_backend import host_ops
 from unison.tf_backend.mpi_ops import _name, allgather, broadcast
@@ -67,6 +67,9 @@ def broadcast_variables(variables: Iterable[tf.Variable], root_rank: int,
     ``unison/tf_backend/zero_optimizer.py``).
     """
     variables = without_rank_local(variables)
+    if tf.executing_eagerly():  # (one named broadcast per variable: one more on a rank waited for ever there)
+        objects.agree_on_names("broadcast_variables", [f"{i}.{v.name}" for i, v in enumerate(variables)],
+                               process_set=None if process_set is global_process_set else process_set)
     with host_ops.isolated():  # a TF1 training step's collectives do not run these (host_ops' Note)
         assigns = [var.assign(broadcast(var, root_rank, name=f"broadcast_variables.{i}.{var.name}",
                                         process_set=process_set))

@@ -202,7 +202,19 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
     sparse = [(i, t) for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
     dense = [(i, _tensor(t)) for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
     if sparse:
-        _raise(bad_op)  # (with IndexedSlices in the group a bad op is raised here, as before)
+        def check_sparse() -> None:
+            _raise(bad_op)
+            _check_sparse(rop, prescale_factor, postscale_factor)
+
+        def refuse_sparse(data: Any) -> Any:  # the others' first call: the values' grouped_allgather
+            pset = _ps(ps or global_process_set)
+            base = _op_name("grouped_allgather", None, sparse[0][1].values, ignore_name_scope, pset)
+            members = [frontend.allgather_async(data, f"{base}.{i}", pset) for i in range(len(sparse))]
+            return host_ops.Many([frontend.group_size_agreement(base, len(sparse), pset)] + members)
+
+        # [Note: a refusal travels] (an op refused on one rank raised there alone: the others waited for ever in
+        # the values' all-gather, before 2026-12-05)
+        _refused(check_sparse, refuse_sparse)
         for (i, _), r in zip(sparse, _grouped_sparse([t for _, t in sparse], rop, prescale_factor,
                                                      postscale_factor, ps, ignore_name_scope), strict=True):
             out[i] = r
@@ -231,20 +243,25 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
     return out
 
 
-def _grouped_sparse(slices: list[tf.IndexedSlices], rop: Any, pre: float, post: float,
-                    ps: ProcessSet | None, ignore_name_scope: bool) -> list[tf.IndexedSlices]:
+def _check_sparse(rop: Any, pre: float, post: float) -> None:
+    """What a group with IndexedSlices refuses (as Horovod does), before anything is sent."""
     if is_adasum(rop):
         raise NotImplementedError("The Adasum reduction does not currently support sparse tensors; pass "
                                   "sparse_as_dense=True or reduce dense tensors")
     if rop not in (Sum, Average):
         raise NotImplementedError(f"Only Sum and Average ops are supported with tf.IndexedSlices; got {rop!r}")
+    if pre != 1.0 or post != 1.0:
+        raise NotImplementedError(f"prescale_factor={pre} / postscale_factor={post} are not supported with "
+                                  "tf.IndexedSlices (as in Horovod); scale the values yourself")
+
+
+def _grouped_sparse(slices: list[tf.IndexedSlices], rop: Any, pre: float, post: float,
+                    ps: ProcessSet | None, ignore_name_scope: bool) -> list[tf.IndexedSlices]:
+    _check_sparse(rop, pre, post)  # (checked before, by the caller: kept for a direct call)
     pset = ps or global_process_set
     values = grouped_allgather([s.values for s in slices], process_set=pset, ignore_name_scope=ignore_name_scope)
     indices = grouped_allgather([s.indices for s in slices], process_set=pset,
                                 ignore_name_scope=ignore_name_scope)
-    if pre != 1.0 or post != 1.0:
-        raise NotImplementedError(f"prescale_factor={pre} / postscale_factor={post} are not supported with "
-                                  "tf.IndexedSlices (as in Horovod); scale the values yourself")
     if rop == Average:
         values = [v / tf.cast(set_size(ps), v.dtype) for v in values]
     return [tf.IndexedSlices(v, i, dense_shape=s.dense_shape) for v, i, s in zip(values, indices, slices,

@@ -9,9 +9,10 @@ from typing import Any
 import torch
 
 from unison.common import runtime
-from unison.common.engine import frontend
+from unison.common.engine import frontend, objects
 from unison.common.engine.objects import allgather_object, broadcast_object
 from unison.common.engine.process_sets import ProcessSet, set_size
+from unison.torch_backend.handles import set_or_none
 from unison.torch_backend.mpi_ops import broadcast_async_, synchronize
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object"]
@@ -40,6 +41,9 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str
     else:  # pairs, or bare tensors (model.parameters()), which Horovod takes too: named by position
         items = [(f"param.{i}", p) if isinstance(p, torch.Tensor) else p for i, p in enumerate(params)]
     shards_across([(n, p) for n, p in items if isinstance(p, torch.Tensor)], process_set, "broadcast_parameters")
+    # one named broadcast per item: a name on one rank only waited for ever (before 2026-12-05)
+    objects.agree_on_names("broadcast_parameters", [name for name, _ in items], f"broadcast.{prefix or ''}.names",
+                           set_or_none(process_set))
     handles = []
     for name, p in items:
         if not isinstance(p, torch.Tensor):

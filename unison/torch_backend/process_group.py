@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from unison.common import runtime
 from unison.common.engine import frontend
+from unison.common.exceptions import MismatchError
 from unison.common.ops import Average, Band, Bor, Bxor, Max, Min, Product, Sum
 from unison.torch_backend import process_group_functional as functional
 from unison.torch_backend.process_group_sub import CommOps, create_sub_communicator
@@ -148,6 +149,16 @@ class UnisonProcessGroup(dist.ProcessGroup):
     def _work(self, handles: Any, finish: Any) -> dist.Work:
         return collective_work(handles, finish, self._timeout_s)
 
+    def _agree_count(self, what: str, count: int) -> None:
+        """Every rank passed ``count`` tensors to a coalesced call (one request per tensor follows), or every
+        rank raises. Before 2026-12-05 lists of different lengths paired a longer list's extra tensor with
+        the other ranks' next collective: wrong values there, then a hang."""
+        got = np.asarray(self._ops.allreduce_async(np.array([count, -count], np.int64), Max).wait())
+        most, least = int(got[0]), -int(got[1])
+        if most != least:
+            raise MismatchError(f"{what}: the ranks passed {least} to {most} tensors (this rank {count}); every "
+                                "rank must pass the same number")
+
     def getBackendName(self) -> str:  # noqa: N802 - PyTorch's name
         return BACKEND
 
@@ -183,7 +194,12 @@ class UnisonProcessGroup(dist.ProcessGroup):
         op, factor = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         handles, copy = [], []
         for t in tensors:
-            arr = host(t, "allreduce")
+            try:
+                arr = host(t, "allreduce")
+            except (TypeError, ValueError) as exc:  # (refused on this rank: every rank raises it)
+                handles.append(self._ops.allreduce_async(frontend.Refused(exc), op))
+                copy.append(False)
+                continue
             inplace = factor is None and _is_view(arr, t)
             # in place: the result lands in the tensor itself (DDP's buckets: no copy of 25 MB back)
             handles.append(self._ops.allreduce_async(arr, op, out=arr) if inplace
@@ -193,6 +209,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
         return self._work(handles, _into(tensors, copy))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        self._agree_count("all_reduce_coalesced", len(tensors))
         return self.allreduce(tensors, opts)
 
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
@@ -219,7 +236,13 @@ class UnisonProcessGroup(dist.ProcessGroup):
     # ----------------------------------------------------------- movement
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         root = opts.rootRank if opts is not None else 0
-        handles = [self._ops.broadcast_async(host(t, "broadcast"), root) for t in tensors]
+        handles = []
+        for t in tensors:
+            try:
+                data: Any = host(t, "broadcast")
+            except (TypeError, ValueError) as exc:  # (refused on this rank: every rank raises it)
+                data = frontend.Refused(exc)
+            handles.append(self._ops.broadcast_async(data, root))
 
         return self._work(handles, _into(tensors, self._rank != root))
 

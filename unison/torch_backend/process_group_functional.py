@@ -134,8 +134,19 @@ def all_gather_into_tensor(tensor: torch.Tensor, group_size: int, group_name: An
     return all_gather_into_tensor_out(tensor, group_size, group_name, out=out)
 
 
+def _agree_count(group_name: Any, what: str, count: int) -> None:
+    """A coalesced call's tensor count, agreed (one collective per tensor follows: see
+    ``UnisonProcessGroup._agree_count``)."""
+    group = _group(group_name)
+    agree = getattr(group, "_agree_count", None)
+    if agree is None:
+        agree = group._get_backend(torch.device("cpu"))._agree_count
+    agree(what, count)
+
+
 def all_gather_into_tensor_coalesced(tensors: list[torch.Tensor], group_size: int,
                                      group_name: Any) -> list[torch.Tensor]:
+    _agree_count(group_name, "all_gather_into_tensor_coalesced", len(tensors))
     return [all_gather_into_tensor(t, group_size, group_name) for t in tensors]
 
 
@@ -154,6 +165,7 @@ def reduce_scatter_tensor(tensor: torch.Tensor, reduce_op: str, group_size: int,
 
 def reduce_scatter_tensor_coalesced(tensors: list[torch.Tensor], reduce_op: str, group_size: int,
                                     group_name: Any) -> list[torch.Tensor]:
+    _agree_count(group_name, "reduce_scatter_tensor_coalesced", len(tensors))
     return [reduce_scatter_tensor(t, reduce_op, group_size, group_name) for t in tensors]
 
 

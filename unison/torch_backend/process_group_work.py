@@ -42,9 +42,9 @@ P2P_BLOCK_BYTES = 1 << 30
 
 def host(tensor: torch.Tensor, what: str) -> np.ndarray:
     """``tensor``'s memory as a numpy array (no copy for a contiguous CPU tensor)."""
-    if tensor.device.type != "cpu":
-        raise NotImplementedError(f"the unison backend takes CPU tensors only; {what} got one on "
-                                  f"{tensor.device}. Move it with .cpu(), or use the gloo backend")
+    if tensor.device.type != "cpu":  # (a TypeError, which the collectives submit in the data's place)
+        raise TypeError(f"the unison backend takes CPU tensors only; {what} got one on "
+                        f"{tensor.device}. Move it with .cpu(), or use the gloo backend")
     return to_numpy(tensor)
 
 
@@ -92,16 +92,19 @@ def collective_work(handles: Sequence[Handle], finish: Callable[[list[Any]], Any
     left = [len(handles)]
     results: list[Any] = [None] * len(handles)
 
+    first: list[BaseException] = []
+
     def one_done(index: int, handle: Handle) -> None:
         try:
             results[index] = handle.wait()
         except BaseException as error:  # noqa: BLE001 - handed to the future, raised by wait()
-            if not fut.done():
-                fut.set_exception(error)
-            return
+            first.append(error)
         left[0] -= 1
-        if left[0] == 0 and not fut.done():
-            _COMPLETER.submit(_complete, fut, finish, results)
+        if left[0] == 0 and not fut.done():  # (an error only once every handle is done: engine
+            if first:                        # [Note: a group waits for all its members])
+                fut.set_exception(first[0])
+            else:
+                _COMPLETER.submit(_complete, fut, finish, results)
 
     if not handles:
         fut.set_result(finish([]))

@@ -324,21 +324,23 @@ def allreduce_async(tensor: Any, op: Any = Average, name: str | None = None,
 def group_size_agreement(base: str, count: int, process_set: ProcessSet | None = None,
                          members: str = "allgather") -> Handle:
     """Submit the agreement on a group's member count that a grouped op of one request per member
-    needs (``grouped_allgather``, ``grouped_reducescatter``: ``members`` names the kind); its ``wait``
-    raises :class:`MismatchError` on every rank when ranks passed groups of different lengths.
+    needs (``grouped_allgather``, ``grouped_reducescatter``, an Adasum ``grouped_allreduce``:
+    ``members`` names the kind); its ``wait`` raises :class:`MismatchError` on every rank when ranks
+    passed groups of different lengths.
 
     Wait on it before the members. [Note: a longer group's extra members] When the counts differ,
     a rank with fewer members submits, as soon as the agreement completes (on the thread that
     completes it, waited on or not), a refusal (:class:`Refused`) under the name of each member
     it lacks, ``<base>.<i>`` up to the largest count: a longer group's extra members pair with
-    those and fail, so nothing is left pending. Left pending (before 2026-12-05), such a member
-    met the same name's next use: a rank waited on it for ever, or, with unnamed calls (whose
-    names come back every ``AUTO_NAME_SLOTS`` calls), a later group's member was paired with
-    this one's stale data, a silent wrong result.
+    those and fail, so nothing is left pending (and the agreement's ``wait`` raises only once this
+    rank's refusals are done, so the names are free for a retry at once). Left pending (before
+    2026-12-05), such a member met the same name's next use: a rank waited on it for ever, or,
+    with unnamed calls (whose names come back every ``AUTO_NAME_SLOTS`` calls), a later group's
+    member was paired with this one's stale data, a silent wrong result.
     """
-    if members not in ("allgather", "reducescatter"):
-        raise ValueError(f"members={members!r}: a grouped op of one request per member is an 'allgather' "
-                         "or a 'reducescatter'")
+    if members not in ("allgather", "reducescatter", "allreduce"):
+        raise ValueError(f"members={members!r}: a grouped op of one request per member is an 'allgather', "
+                         "a 'reducescatter' or an 'allreduce'")
     handle = allreduce_async(np.array([count, -count], np.int64), ReduceOp.MAX, f"{base}.count",
                              process_set=process_set)
     post = handle._post
@@ -351,22 +353,31 @@ def group_size_agreement(base: str, count: int, process_set: ProcessSet | None =
         return (f"grouped collective {base!r}: the ranks passed groups of {least} to {most} tensors (this "
                 f"rank {count}); every rank must pass the same number")
 
+    fillers: list[Handle] = []  # this rank's refusals of the members it lacks
+
     def check(result: Any) -> int:
         most, least = counts(result)
         if most != least:
+            for filler in fillers:  # done before the error is raised, so the names are free again for a retry
+                try:
+                    filler.wait()
+                except Exception:  # noqa: BLE001, S110 - a refusal fails, as it should
+                    pass
             raise MismatchError(message(most, least))
         return count
 
-    def settle(done: Handle) -> None:
+    def settle(done: Handle) -> None:  # (runs before any waiter sees the agreement done)
         if done._error is not None:  # (the job failed or stopped: the members fail with it)
             return
         most, least = counts(done._result)
         for i in range(count, most):
             refused = Refused(MismatchError(message(most, least)))
             if members == "reducescatter":
-                reducescatter_async(refused, Average, f"{base}.{i}", process_set=process_set)
+                fillers.append(reducescatter_async(refused, Average, f"{base}.{i}", process_set=process_set))
+            elif members == "allreduce":
+                fillers.append(allreduce_async(refused, Average, f"{base}.{i}", process_set=process_set))
             else:
-                allgather_async(refused, f"{base}.{i}", process_set)
+                fillers.append(allgather_async(refused, f"{base}.{i}", process_set))
 
     handle._post = check
     handle.add_done_callback(settle)
@@ -475,13 +486,14 @@ def reducescatter_async(tensor: Any, op: Any = Average, name: str | None = None,
 
 
 class _GroupHandle(Handle):
-    """Completes when every member does; its result is the list of results."""
+    """Completes when every member does; its result is the list of results (after the first ``first``:
+    a count agreement's)."""
 
-    __slots__ = ("members",)
+    __slots__ = ("members", "first")
 
-    def __init__(self, name: str, members: list[Handle]) -> None:
+    def __init__(self, name: str, members: list[Handle], first: int = 0) -> None:
         super().__init__(name)
-        self.members = members
+        self.members, self.first = members, first
 
     def done(self) -> bool:
         return all(h.done() for h in self.members)
@@ -490,7 +502,7 @@ class _GroupHandle(Handle):
         raise TypeError("a group handle completes through its members")
 
     def wait(self, timeout: float | None = None) -> Any:
-        return wait_all(self.members, timeout)  # [Note: a group waits for all its members]
+        return wait_all(self.members, timeout)[self.first:]  # [Note: a group waits for all its members]
 
 
 def grouped_allreduce_async(tensors: Sequence[Any], op: Any = Average, name: str | None = None,
@@ -508,9 +520,12 @@ def grouped_allreduce_async(tensors: Sequence[Any], op: Any = Average, name: str
     eng = engine("unison.grouped_allreduce_async()")
     rop = _op(op)
     if eng is None or rop is ReduceOp.ADASUM:
+        # one request per member: with an engine, a count agreement first (groups of different lengths
+        # left the longer one's extra members waiting for ever, before 2026-12-05)
+        count = [] if eng is None else [group_size_agreement(base, len(tensors), process_set, "allreduce")]
         handles = [allreduce_async(t, op, f"{base}.{i}", prescale_factor, postscale_factor, process_set,
                                    compression) for i, t in enumerate(tensors)]
-        return _GroupHandle(base, handles)
+        return _GroupHandle(base, count + handles, len(count))
     # (an empty group is submitted too: it pairs with the other ranks' call, a mismatch when theirs is not
     # empty; returned at once on this rank alone, it left their call unpaired, a hang, before 2026-12-05)
     sid, _ = _set_id(eng, process_set)

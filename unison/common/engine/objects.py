@@ -9,8 +9,10 @@ functions only among ranks of the same trusted job (as with Horovod's
 
 from __future__ import annotations
 
+import hashlib
 import operator
 import pickle
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -18,8 +20,9 @@ import numpy as np
 from unison.common import runtime
 from unison.common.engine import frontend
 from unison.common.engine.process_sets import ProcessSet
+from unison.common.exceptions import MismatchError
 
-__all__ = ["broadcast_object", "allgather_object"]
+__all__ = ["broadcast_object", "allgather_object", "agree_on_names"]
 
 
 def _set_root(root_rank: int, process_set: ProcessSet | None) -> int:
@@ -99,6 +102,42 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
         out.append(pickle.loads(data[start:start + size].tobytes()))
         start += size
     return out
+
+
+def agree_on_names(what: str, names: Sequence[str], name: str | None = None,
+                   process_set: ProcessSet | None = None) -> None:
+    """Return when every rank (of ``process_set``) passed the same ``names`` in the same order; else raise
+    :class:`MismatchError` on every rank, naming what each rank has that the first lacks and the reverse.
+
+    For calls that submit one collective per item (``broadcast_parameters``, ``broadcast_variables``):
+    a rank with an item more submitted a collective no other rank made, and waited for it for ever (a
+    named one), or its next unnamed call paired with the others' (another item's data: before
+    2026-12-05). One all-gather of a 16-byte digest when the names agree.
+    """
+    name = name or frontend._auto_name("agree_on_names", None, process_set)
+    names = [str(n) for n in names]
+    mine = np.frombuffer(hashlib.blake2b("\0".join(names).encode(), digest_size=16).digest(), np.uint8)
+    every = frontend.allgather(mine.reshape(1, -1), f"{name}.digest", process_set)
+    if (every == mine).all():
+        return
+    lists = allgather_object(names, f"{name}.names", process_set)
+    members = list(range(len(lists))) if process_set is None or process_set.ranks is None else process_set.ranks
+    first = lists[0]
+    parts = []
+    for r, theirs in zip(members, lists, strict=True):
+        if theirs == first:
+            continue
+        extra = [n for n in theirs if n not in first]
+        missing = [n for n in first if n not in theirs]
+        shown = []
+        if extra:
+            shown.append(f"{len(extra)} more ({', '.join(extra[:4])}{', ...' if len(extra) > 4 else ''})")
+        if missing:
+            shown.append(f"{len(missing)} fewer ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''})")
+        parts.append(f"rank {r}: {len(theirs)} item(s), " + (" and ".join(shown) if shown else "in another order"))
+    raise MismatchError(f"{what}: the ranks passed different items: rank {members[0]} passed {len(first)}; "
+                        + "; ".join(parts) + ". Every rank must pass the same ones (the same model), in the "
+                        "same order")
 
 
 def _pickled(obj: Any) -> tuple[np.ndarray | None, Exception | None]:
