@@ -544,6 +544,34 @@ def test_coalesced_lists_of_different_lengths_and_a_non_cpu_tensor_raise_on_ever
     assert c.tolist() == [n * (n + 1) / 2] * 3
 
 
+def test_ranks_and_tags_gloo_refuses_are_refused_and_gathers_future_is_a_flat_list():
+    """Found by a differential audit against gloo (2026-12-05): gather's future held [[t0, t1]] on the root
+    (gloo: [t0, t1]); on the default group a rank of -1 reached MPI as its wildcard: recv(src=-1) took any
+    sender's message, irecv(tag=-1) any tag, gather(dst=-1) sent everything to the last rank and wrote
+    nothing, silently."""
+    r, n = _rank_size()
+    outs = [torch.zeros(2) for _ in range(n)] if r == n - 1 else None
+    fut = dist.gather(torch.full((2,), float(r)), outs, dst=n - 1, async_op=True).get_future()
+    value = fut.wait()
+    if r == n - 1:
+        assert isinstance(value, list) and [v.tolist() for v in value] == [[float(k)] * 2 for k in range(n)]
+    else:
+        assert value == []
+    for call in (lambda: dist.gather(torch.zeros(1), None, dst=-1),
+                 lambda: dist.scatter(torch.zeros(1), None, src=-1)):
+        with pytest.raises(ValueError, match="is not a rank of this group"):
+            call()
+    with pytest.raises(ValueError, match="is not a rank of this group"):
+        dist.recv(torch.zeros(1), src=-1)
+    with pytest.raises(ValueError, match="is not a rank of this group"):
+        dist.send(torch.zeros(1), dst=n)
+    with pytest.raises(ValueError, match="Tag must be nonnegative"):
+        dist.irecv(torch.zeros(1), src=0, tag=-1)
+    with pytest.raises(ValueError, match="Tag must be nonnegative"):
+        dist.isend(torch.zeros(1), dst=0, tag=-1)
+    dist.barrier()
+
+
 def test_all_to_all_output_sizes_that_do_not_match_what_arrives_raise_there():
     r, n = _rank_size()
     if n == 1:

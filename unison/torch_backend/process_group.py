@@ -338,6 +338,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
         """Every rank's tensor to the root: an all-to-all in which only the root receives."""
         root = opts.rootRank if opts is not None else 0
         (t,) = inputs
+        self._check_rank(root, "gather", "dst")  # (-1 indexed the last rank: every rank sent there, silently)
         data = host(t, "gather").reshape(-1)
         splits = np.zeros(self._size, np.int32)
         splits[root] = data.size
@@ -354,7 +355,8 @@ class UnisonProcessGroup(dist.ProcessGroup):
                                      "tensor of the root's size")
                 for k, out in enumerate(outputs[0]):
                     copy_into(out, received[k * data.size:(k + 1) * data.size], "gather")
-            return outputs
+                return outputs[0]  # (gloo's future value: the list of gathered tensors)
+            return []
 
         return self._work([handle], finish)
 
@@ -362,6 +364,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
                 opts: Any = None) -> dist.Work:
         """The root's pieces, one to each rank: an all-to-all in which only the root sends."""
         root = opts.rootRank if opts is not None else 0
+        self._check_rank(root, "scatter", "src")
         (out,) = outputs
         splits = np.zeros(self._size, np.int32)
         data: Any
@@ -380,11 +383,14 @@ class UnisonProcessGroup(dist.ProcessGroup):
     # ----------------------------------------------------------- point to point
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
         (t,) = tensors
+        self._check_rank(dst, "send", "dst")
+        self._check_tag(tag)
         # as bytes: mpi4py takes no bfloat16 array (a BufferError where gloo sends it)
         data = _bytes(np.ascontiguousarray(host(t, "send")))
         return P2PWork(isend_bytes(self._p2p_comm, data, dst, tag), data, timeout_s=self._timeout_s)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
+        self._check_rank(src, "recv", "src")  # (-1 is MPI's any source: a receive from anyone, reported as -1)
         return self._recv(tensors, src, tag)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> dist.Work:
@@ -393,6 +399,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
         return self._recv(tensors, MPI.ANY_SOURCE, tag)
 
     def _recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
+        self._check_tag(tag)
         (t,) = tensors
         # the tensor's own values first: a shorter message leaves the rest of it as it was (as gloo),
         # where an empty buffer copied uninitialised memory into it
@@ -402,6 +409,21 @@ class UnisonProcessGroup(dist.ProcessGroup):
 
     def barrier(self, opts: Any = None) -> dist.Work:
         return self._work([self._ops.allreduce_async(np.zeros(1, np.int8), Sum)], lambda results: [])
+
+    def _check_rank(self, rank: Any, what: str, arg: str) -> None:
+        """A rank of this group (PyTorch checks them for other groups; the default one's reach us as given)."""
+        if not isinstance(rank, (int, np.integer)) or not 0 <= int(rank) < self._size:
+            raise ValueError(f"{what}: {arg}={rank} is not a rank of this group of {self._size} (0 .. "
+                             f"{self._size - 1})")
+
+    @staticmethod
+    def _check_tag(tag: Any) -> None:
+        """A tag MPI takes as given: -1 is its any-tag (a receive of any message) and gloo refuses it too."""
+        from mpi4py import MPI
+
+        if not 0 <= int(tag) <= MPI.COMM_WORLD.Get_attr(MPI.TAG_UB):
+            raise ValueError(f"Tag must be nonnegative and at most {MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)}; "
+                             f"got tag={tag}")
 
     def _check_pieces(self, pieces: Sequence[torch.Tensor], like: torch.Tensor, what: str) -> None:
         if len(pieces) != self._size or any(p.shape != like.shape for p in pieces):
