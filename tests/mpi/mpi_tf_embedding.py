@@ -153,6 +153,23 @@ def test_duplicate_ids_sum_and_average_without_strategy(graph):
     layer.table.close()
 
 
+@pytest.mark.parametrize("graph", [False, True])
+def test_ids_of_another_dtype_on_one_rank_raise_on_every_rank(strategy, graph):
+    """Bool (or string) ids on one rank raised there alone, before any table call: the others waited in the
+    pull's round for ever (before 2026-12-05). Now the table refuses them in that round, on every rank, as
+    the torch layer does; in a tf.function when the step runs."""
+    if N == 1:
+        pytest.skip("needs two ranks")
+    layer = ShardedEmbedding(ROWS, DIM, optimizer=ps.SGD(0.1), initializer=init_rows)
+    layer.build((None, SEQ))
+    ids = tf.constant([[True, False, True]]) if R == 0 else tf.constant([[1, 2, 3]])
+    call = tf.function(lambda: layer(ids)) if graph else (lambda: layer(ids))
+    with pytest.raises(Exception, match="rank 0: .*keys must be integers; got dtype bool"):
+        call()
+    np.testing.assert_array_equal(layer(tf.constant([[1, 2, 3]])).numpy()[0], init_rows(np.array([1, 2, 3])))
+    layer.table.close()
+
+
 def test_a_mixed_precision_policy_is_refused_when_built():
     """It crashed in the first step (float16 anchor + float32 push) and would push loss-scaled gradients."""
     layer = ShardedEmbedding(ROWS, DIM, optimizer=ps.SGD(0.1), initializer=init_rows, dtype="mixed_float16")

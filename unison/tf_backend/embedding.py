@@ -156,7 +156,19 @@ class ShardedEmbedding(keras.layers.Layer):
             if ids.dtype.is_floating:  # Keras may hand ids as floats (e.g. from numpy arrays):
                 ids = tf.cast(ids, tf.int64)  # truncated, as keras.layers.Embedding does (2.7 -> row 2)
             else:
-                raise TypeError(f"ShardedEmbedding: ids must be integers; got {ids.dtype}")
+                message = f"ShardedEmbedding: ids must be integers; got {ids.dtype}. Cast them with tf.cast"
+
+                def refuse() -> np.ndarray:
+                    # the table's own check raises it on every rank (BSP: in the round the others' pulls are
+                    # in; SSP/ASP: posted to them); raised here alone (before 2026-12-05) it left the others
+                    # waiting in that round for ever
+                    self.table.pull(np.zeros(1, np.bool_))
+                    raise TypeError(message)
+
+                if tf.executing_eagerly():
+                    refuse()
+                # in a graph: when the step runs, in place of its pull
+                ids = tf.numpy_function(refuse, [], tf.int64, stateful=True, name="unison_ps_refuse")
         ids = tf.cast(ids, tf.int64)
         unique, inverse = tf.unique(tf.reshape(ids, [-1]))
         rows = self._lookup(unique, tf.convert_to_tensor(self.push_anchor))
