@@ -857,6 +857,22 @@ def test_collectives_on_backend_tensors_and_their_gradients():
                                np.full((2, 3), total if R == 0 else 0.0))
     # an op refused on one rank raises on every rank, and the next call pairs (before 2026-12-05 it raised
     # there alone: the others' call paired with its next one, another call's values on both, then a hang)
+    # a refusal travels only when no program is being traced (the others' call runs when it does), decided
+    # from the backend's state: a numpy input inside a traced function counted as eager (a deadlock at trace)
+    from unison.keras import ops as ukops
+
+    seen = []
+    assert not ukops._traced(x)
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        tf.function(lambda: seen.append(ukops._traced(np.ones(2))) or tf.constant(0))()
+        assert seen == [True]
+    elif keras.backend.backend() == "jax":
+        import jax
+
+        jax.jit(lambda a: (seen.append(ukops._traced(np.ones(2))), a)[1])(np.ones(2))
+        assert seen == [True]
     if N > 1:
         from unison.common.ops import Max
 

@@ -561,6 +561,12 @@ def test_ranks_and_tags_gloo_refuses_are_refused_and_gathers_future_is_a_flat_li
                  lambda: dist.scatter(torch.zeros(1), None, src=-1)):
         with pytest.raises(ValueError, match="is not a rank of this group"):
             call()
+    if n > 1:  # a root refused on one rank only travels: every rank raises, and the next call pairs
+        with pytest.raises(ValueError, match="gather: dst=-1 is not a rank of this group"):
+            dist.gather(torch.zeros(1), [torch.zeros(1) for _ in range(n)] if r == n - 1 else None,
+                        dst=-1 if r == 0 else n - 1)
+        dist.all_reduce(c := torch.ones(1))
+        assert c.tolist() == [float(n)]
     with pytest.raises(ValueError, match="is not a rank of this group"):
         dist.recv(torch.zeros(1), src=-1)
     with pytest.raises(ValueError, match="is not a rank of this group"):

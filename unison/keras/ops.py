@@ -95,14 +95,22 @@ def _tensor(x: Any) -> Any:
 
 
 def _traced(x: Any) -> bool:
-    """Whether ``x`` belongs to a program being traced (``jax.jit``, ``tf.function``): its collective runs
-    later, when the program does."""
-    if type(x).__module__.startswith("jax") and "Tracer" in type(x).__name__:
-        return True
-    if type(x).__module__.startswith("tensorflow"):
+    """Whether a program is being traced now (``tf.function``, ``jax.jit``, ``torch.compile``): its
+    collectives run later, when the program does. Decided from the backend's own state, not from ``x``
+    (a Keras variable or a numpy array inside a traced function is no tracer)."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
         import tensorflow as tf
 
         return not tf.executing_eagerly()
+    if backend == "jax":
+        import jax
+
+        return isinstance(x, jax.core.Tracer) or isinstance(jax.numpy.zeros(()), jax.core.Tracer)
+    if backend == "torch":
+        import torch
+
+        return bool(torch.compiler.is_compiling())
     return False
 
 

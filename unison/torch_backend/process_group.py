@@ -26,6 +26,7 @@ tensors. ``dist.new_group`` and ``DeviceMesh`` sub-groups run on the members' ow
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import importlib
 import logging
@@ -53,6 +54,7 @@ from unison.torch_backend.process_group_work import (
     irecv_bytes,
     isend_bytes,
     seconds,
+    timed_out,
 )
 
 __all__ = ["UnisonProcessGroup", "BACKEND"]
@@ -153,7 +155,11 @@ class UnisonProcessGroup(dist.ProcessGroup):
         """Every rank passed ``count`` tensors to a coalesced call (one request per tensor follows), or every
         rank raises. Before 2026-12-05 lists of different lengths paired a longer list's extra tensor with
         the other ranks' next collective: wrong values there, then a hang."""
-        got = np.asarray(self._ops.allreduce_async(np.array([count, -count], np.int64), Max).wait())
+        handle = self._ops.allreduce_async(np.array([count, -count], np.int64), Max)
+        try:  # (blocking, so an async coalesced call waits here for the others: at most the group's timeout)
+            got = np.asarray(handle.wait(self._timeout_s))
+        except (TimeoutError, concurrent.futures.TimeoutError):
+            raise timed_out(f"{what}'s agreement on the tensor count", self._timeout_s or 0.0) from None
         most, least = int(got[0]), -int(got[1])
         if most != least:
             raise MismatchError(f"{what}: the ranks passed {least} to {most} tensors (this rank {count}); every "
@@ -338,7 +344,10 @@ class UnisonProcessGroup(dist.ProcessGroup):
         """Every rank's tensor to the root: an all-to-all in which only the root receives."""
         root = opts.rootRank if opts is not None else 0
         (t,) = inputs
-        self._check_rank(root, "gather", "dst")  # (-1 indexed the last rank: every rank sent there, silently)
+        try:  # (-1 indexed the last rank: every rank sent there, silently; refused, it travels to the others)
+            self._check_rank(root, "gather", "dst")
+        except ValueError as exc:
+            return self._work([self._ops.alltoall_async(frontend.Refused(exc), None)], lambda results: [])
         data = host(t, "gather").reshape(-1)
         splits = np.zeros(self._size, np.int32)
         splits[root] = data.size
@@ -364,7 +373,10 @@ class UnisonProcessGroup(dist.ProcessGroup):
                 opts: Any = None) -> dist.Work:
         """The root's pieces, one to each rank: an all-to-all in which only the root sends."""
         root = opts.rootRank if opts is not None else 0
-        self._check_rank(root, "scatter", "src")
+        try:
+            self._check_rank(root, "scatter", "src")
+        except ValueError as exc:  # (travels to the others, as gather's)
+            return self._work([self._ops.alltoall_async(frontend.Refused(exc), None)], lambda results: [])
         (out,) = outputs
         splits = np.zeros(self._size, np.int32)
         data: Any

@@ -32,7 +32,7 @@ from torch.futures import Future
 from unison.common.engine.handles import Handle
 from unison.torch_backend.tensors import from_numpy, to_numpy
 
-__all__ = ["host", "copy_into", "collective_work", "P2PWork", "isend_bytes", "irecv_bytes", "seconds"]
+__all__ = ["host", "copy_into", "collective_work", "P2PWork", "isend_bytes", "irecv_bytes", "seconds", "timed_out"]
 
 #: Point-to-point buffers larger than this travel as one element of a derived datatype (see the Note).
 P2P_TYPED_BYTES = (1 << 31) - 1
@@ -77,7 +77,7 @@ def _limit(timeout: Any, default: float | None) -> float | None:
     return default if own is None or own <= 0 else own
 
 
-def _timed_out(what: str, limit: float) -> Exception:
+def timed_out(what: str, limit: float) -> Exception:
     return dist.DistBackendError(
         f"unison: {what} did not complete within {limit:g} s (the timeout given to wait(), or the process "
         "group's: init_process_group(timeout=...)); a rank may not have called it, or be much slower")
@@ -152,7 +152,7 @@ class _Work(dist.Work):
     def wait(self, timeout: Any = None) -> bool:
         limit = _limit(timeout, self._timeout_s)
         if limit is not None and not self._done.wait(limit):
-            raise _timed_out("a collective", limit)
+            raise timed_out("a collective", limit)
         self._fut.wait()
         return True
 
@@ -244,7 +244,7 @@ class P2PWork(dist.Work):
                 deadline, delay, spins = time.monotonic() + limit, 2e-5, 0
                 while not self._request.Test(status):
                     if time.monotonic() > deadline:
-                        raise _timed_out("a send or receive", limit)
+                        raise timed_out("a send or receive", limit)
                     spins += 1
                     if spins > 200:  # a transfer then ends at most 0.2 ms before this notices
                         time.sleep(delay)

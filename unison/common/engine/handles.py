@@ -172,10 +172,12 @@ def wait_all(handles: Any, timeout: float | None = None) -> list[Any]:
     """
     results: list[Any] = []
     first: Exception | None = None
-    for h in handles:
+    for h in handles:  # (a timeout is raised at once: the first error instead, when a member failed)
         try:
             results.append(h.wait(timeout))
         except TimeoutError:
+            if first is not None:  # (the real cause, not the wait for the rest)
+                raise first from None
             raise
         except Exception as exc:  # noqa: BLE001 - kept, raised once every member is done
             if first is None:

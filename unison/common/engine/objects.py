@@ -123,12 +123,14 @@ def agree_on_names(what: str, names: Sequence[str], name: str | None = None,
     lists = allgather_object(names, f"{name}.names", process_set)
     members = list(range(len(lists))) if process_set is None or process_set.ranks is None else process_set.ranks
     first = lists[0]
+    first_set = set(first)
     parts = []
     for r, theirs in zip(members, lists, strict=True):
         if theirs == first:
             continue
-        extra = [n for n in theirs if n not in first]
-        missing = [n for n in first if n not in theirs]
+        theirs_set = set(theirs)
+        extra = [n for n in theirs if n not in first_set]
+        missing = [n for n in first if n not in theirs_set]
         shown = []
         if extra:
             shown.append(f"{len(extra)} more ({', '.join(extra[:4])}{', ...' if len(extra) > 4 else ''})")
