@@ -195,6 +195,8 @@ def test_bad_configurations_raise_on_every_rank():
                           f"interleaved needs num_microbatches (1) to be a multiple of the number of ranks ({N})")
     raised_everywhere(lambda: build(checkpoint="sometimes"),
                       "checkpoint must be one of never, always, except_last")
+    # a summed loss trained at 1/chunks of its step, silently (found by an audit, 2026-12-05)
+    raised_everywhere(lambda: build(loss_fn=nn.MSELoss(reduction="sum")), "has reduction='sum'")
 
 
 @pytest.mark.skipif(N == 1, reason="needs ranks that disagree")

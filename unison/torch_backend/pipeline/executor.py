@@ -265,6 +265,10 @@ def _plan(module: Any, balance: Any, chunks: Any, schedule: Any, v: Any, checkpo
     if not callable(loss_fn):
         raise TypeError("Pipeline needs loss_fn(output, target) -> scalar tensor, applied on the last stage; "
                         f"received {loss_fn!r}")
+    if getattr(loss_fn, "reduction", "mean") == "sum":  # (it trained at 1/chunks of the step, silently)
+        raise ValueError(f"Pipeline's loss_fn must be a mean over the microbatch (each microbatch's loss is "
+                         f"divided by chunks); {loss_fn!r} has reduction='sum'. Use reduction='mean' (and scale "
+                         "the learning rate by the global batch size for a summed loss's step)")
     if optimizer is not None and not callable(optimizer):
         raise TypeError("optimizer must be a factory: optimizer(params) -> torch.optim.Optimizer, e.g. "
                         f"lambda params: torch.optim.SGD(params, lr=0.1); received {type(optimizer).__name__}")
