@@ -311,6 +311,11 @@ def test_transformer_block_from_layer_norms_without_bias(tp):
                                                       process_set=ps)
     assert block.ln1.bias is None and block.ln2.bias is None
     close(block(x), ref(x))
+    # a frozen norm stays frozen (it trained after from_modules before 2026-12-05, found by an audit)
+    ref.ln1.weight.requires_grad_(False)
+    block = hvd.ParallelTransformerBlock.from_modules(ref.ln1, ref.attn, ref.ln2, ref.fc1, ref.fc2, causal=True,
+                                                      process_set=ps)
+    assert not block.ln1.weight.requires_grad and block.ln2.weight.requires_grad
 
 
 # ------------------------------------------------------------------ sequence parallelism, dropout
@@ -363,6 +368,35 @@ def test_sequence_parallel_refuses_a_sequence_the_group_does_not_divide(tp):
         hvd.scatter_to_sequence(torch.zeros(2, 2 * tp + 1, 4, dtype=D), ps)
     with pytest.raises(ValueError, match="sequence_parallel=True needs input_is_parallel=True"):
         hvd.RowParallelLinear(2 * tp, 4, input_is_parallel=False, process_set=ps, sequence_parallel=True)
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_layers_built_from_a_seed_hold_slices_of_one_weight(tp):
+    """[Note: shards drawn from the whole] Each rank drew its shard alone before 2026-12-05: ranks seeded
+    alike held identical shards (a weight of tp copies of one block, found by an audit). Now the shards are
+    the slices of the unsplit layer drawn under that seed, and the generators stay in step."""
+    ps = group(tp)
+    if ps is None:
+        return
+    hvd.model_parallel_manual_seed(5, ps)
+    col = hvd.ColumnParallelLinear(4, 4 * tp, process_set=ps, dtype=D)
+    row = hvd.RowParallelLinear(2 * tp, 3, process_set=ps, dtype=D)
+    emb = hvd.VocabParallelEmbedding(2 * tp, 3, process_set=ps, dtype=D)
+    after = torch.rand(3).tolist()
+    torch.manual_seed(5)
+    bound_c, bound_r = 1 / 4 ** 0.5, 1 / (2 * tp) ** 0.5
+    whole_cw = torch.empty(4 * tp, 4, dtype=D).uniform_(-bound_c, bound_c)
+    whole_cb = torch.empty(4 * tp, dtype=D).uniform_(-bound_c, bound_c)
+    whole_rw = torch.empty(3, 2 * tp, dtype=D).uniform_(-bound_r, bound_r)
+    whole_e = torch.empty(2 * tp, 3, dtype=D).normal_()
+    close(col.weight.detach(), piece(whole_cw, ps, 0))
+    close(col.bias.detach(), piece(whole_cb, ps, 0))
+    close(row.weight.detach(), piece(whole_rw, ps, 1))
+    close(emb.weight.detach(), piece(whole_e, ps, 0))
+    assert torch.rand(3).tolist() == after  # in step with the unsplit draws
+    shards = hvd.allgather_object(col.weight.detach().tolist(), process_set=ps)
+    assert len({str(s) for s in shards}) == tp  # every shard its own values
+    assert hvd.allgather_object(after, process_set=ps) == [after] * tp
 
 
 @pytest.mark.parametrize("tp", TPS)

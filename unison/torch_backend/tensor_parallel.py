@@ -45,9 +45,23 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"
            "vocab_parallel_cross_entropy", "group_position", "shards_across"]
 
 
-def _uniform(shape: tuple[int, ...], fan_in: int, dtype: Any, device: Any) -> nn.Parameter:
+def _uniform(shape: tuple[int, ...], fan_in: int, dtype: Any, device: Any,
+             part: tuple[int, int, int] | None = None) -> nn.Parameter:
+    """``nn.Linear``'s draw of the WHOLE ``shape`` (bound ``1/sqrt(fan_in)``), of which this rank keeps
+    ``part`` = (dimension, start, stop).
+
+    [Note: shards drawn from the whole] Every rank draws the whole weight from its default generator and
+    keeps its slice, so ranks seeded alike (``model_parallel_manual_seed``, or ``torch.manual_seed``)
+    hold the slices of ONE weight, the unsplit layer's under that seed, and their generators stay in
+    step. Drawn shard by shard (before 2026-12-05), ranks seeded alike held the same values in every
+    shard: the layer's weight was tp copies of one block, which got equal gradients and stayed copies.
+    """
     bound = 1.0 / math.sqrt(fan_in)
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device).uniform_(-bound, bound))
+    whole = torch.empty(shape, dtype=dtype, device=device).uniform_(-bound, bound)
+    if part is not None:
+        dim, start, stop = part
+        whole = whole.narrow(dim, start, stop - start).clone()
+    return nn.Parameter(whole)
 
 
 def _copy(param: nn.Parameter | None, source: torch.Tensor | None) -> None:
@@ -175,9 +189,9 @@ class ColumnParallelLinear(_SplitLayer):
                                                 self.shard)
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.process_set = gather_output, process_set
-        local = self.stop - self.start
-        self.weight = _uniform((local, in_features), in_features, dtype, device)
-        self.bias = _uniform((local,), in_features, dtype, device) if bias else None
+        part = (0, self.start, self.stop)  # [Note: shards drawn from the whole]
+        self.weight = _uniform((out_features, in_features), in_features, dtype, device, part)
+        self.bias = _uniform((out_features,), in_features, dtype, device, part) if bias else None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, gather_output: bool = False,
@@ -235,7 +249,8 @@ class RowParallelLinear(_SplitLayer):
         self.start, self.stop = divisible_shard("RowParallelLinear in_features", in_features, self.tp, self.shard)
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.process_set = input_is_parallel, process_set
-        self.weight = _uniform((out_features, self.stop - self.start), in_features, dtype, device)
+        self.weight = _uniform((out_features, in_features), in_features, dtype, device,
+                               (1, self.start, self.stop))  # [Note: shards drawn from the whole]
         zeros = torch.zeros(out_features, dtype=self.weight.dtype, device=device)
         self.bias = nn.Parameter(zeros) if bias else None
 
@@ -283,8 +298,8 @@ class VocabParallelEmbedding(_SplitLayer):
         self.start, self.stop = divisible_shard("VocabParallelEmbedding num_embeddings",
                                                 num_embeddings, self.tp, self.shard)
         self.num_embeddings, self.embedding_dim, self.process_set = num_embeddings, embedding_dim, process_set
-        rows = torch.empty(self.stop - self.start, embedding_dim, dtype=dtype, device=device)
-        self.weight = nn.Parameter(rows.normal_())
+        rows = torch.empty(num_embeddings, embedding_dim, dtype=dtype, device=device).normal_()
+        self.weight = nn.Parameter(rows[self.start:self.stop].clone())  # [Note: shards drawn from the whole]
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding,

@@ -256,7 +256,14 @@ class ParallelTransformerBlock(nn.Module):
 
 
 def _clone_norm(norm: nn.LayerNorm) -> nn.LayerNorm:
+    """A copy of ``norm`` on its device, each parameter training or frozen as in ``norm`` (a frozen norm
+    became trainable, and a meta or GPU one was copied onto the CPU, before 2026-12-05)."""
+    like = norm.weight if norm.weight is not None else None
     copy = nn.LayerNorm(norm.normalized_shape, eps=norm.eps, elementwise_affine=norm.elementwise_affine,
-                        bias=norm.bias is not None, dtype=None if norm.weight is None else norm.weight.dtype)
-    copy.load_state_dict(norm.state_dict())
+                        bias=norm.bias is not None, dtype=None if like is None else like.dtype,
+                        device=None if like is None else like.device)
+    if like is not None and like.device.type != "meta":
+        copy.load_state_dict(norm.state_dict())
+    for name, param in copy.named_parameters():
+        param.requires_grad_(getattr(norm, name).requires_grad)
     return copy
