@@ -208,6 +208,21 @@ def test_cross_entropy_refuses_a_target_outside_the_vocabulary(tp):
         return
     with pytest.raises(ValueError, match=rf"targets must be in \[0, {2 * tp}\)"):
         hvd.vocab_parallel_cross_entropy(np.zeros((3, 2)), np.array([0, 2 * tp, 1]), process_set=ps)
+    if tp == 1:
+        return
+    # found by an audit (2026-12-05): a target only one rank refused left the others in the all-reduce, and
+    # pieces of different widths gave a wrong loss silently; in a tf.function every rank's graph fails alike
+    first = ps.rank() == 0
+    with pytest.raises(ValueError, match=r"targets must be in .*(received 99|another rank of the group)"):
+        hvd.vocab_parallel_cross_entropy(np.zeros((3, 2)), np.array([0, 99 if first else 1, 1]), process_set=ps)
+    with pytest.raises(ValueError, match=r"pieces differ in width \(this rank [23]\).*: 2 to 3"):
+        hvd.vocab_parallel_cross_entropy(np.zeros((3, 3 if first else 2)), np.array([0, 1, 1]), process_set=ps)
+    graph = tf.function(lambda: hvd.vocab_parallel_cross_entropy(np.zeros((3, 3 if first else 2)),
+                                                                 np.array([0, 1, 1]), process_set=ps))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="pieces differ in width"):
+        graph()
+    loss = hvd.vocab_parallel_cross_entropy(np.zeros((3, 2)), np.array([0, 1, 1]), process_set=ps)
+    np.testing.assert_allclose(float(loss), np.log(2.0 * tp), rtol=1e-6)
 
 
 # ------------------------------------------------------------------ blocks

@@ -185,6 +185,19 @@ def test_cross_entropy_refuses_a_target_outside_the_vocabulary(tp):
         return
     with pytest.raises(ValueError, match=rf"targets must be in \[0, {2 * tp}\)"):
         hvd.vocab_parallel_cross_entropy(torch.zeros(3, 2, dtype=D), torch.tensor([0, 2 * tp, 1]), process_set=ps)
+    if tp == 1:
+        return
+    # found by an audit (2026-12-05): a target only one rank refused left the others in the all-reduce, and
+    # pieces of different widths (a vocabulary the group does not divide) gave a wrong loss silently
+    first = ps.rank() == 0
+    with pytest.raises(ValueError, match=r"targets must be in .*(received 99|another rank of the group)"):
+        hvd.vocab_parallel_cross_entropy(torch.zeros(3, 2, dtype=D), torch.tensor([0, 99 if first else 1, 1]),
+                                         process_set=ps)
+    with pytest.raises(ValueError, match=r"logits pieces are 2 to 3 wide"):
+        hvd.vocab_parallel_cross_entropy(torch.zeros(3, 3 if first else 2, dtype=D), torch.tensor([0, 1, 1]),
+                                         process_set=ps)
+    loss = hvd.vocab_parallel_cross_entropy(torch.zeros(3, 2, dtype=D), torch.tensor([0, 1, 1]), process_set=ps)
+    close(loss, torch.log(torch.tensor(2.0 * tp, dtype=D)))
 
 
 # ------------------------------------------------------------------ blocks

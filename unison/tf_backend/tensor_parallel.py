@@ -382,12 +382,36 @@ def _check_ids(ids: tf.Tensor, vocab: int) -> tf.Tensor:
                      lambda text: tf.errors.InvalidArgumentError(None, None, text))
 
 
-def _check_targets(target: tf.Tensor, vocab: int, ignore_index: int) -> tf.Tensor:
-    """``target != ignore_index``; raises (eagerly) or fails the graph for an id outside the vocabulary."""
+def _check_targets(target: tf.Tensor, piece: int, tp: int, ignore_index: int,
+                   process_set: ProcessSet) -> tf.Tensor:
+    """``target != ignore_index``, once the group agreed that every rank holds a piece of one width and no
+    rank holds a target outside the vocabulary; else every rank raises (eagerly) or fails its graph. Checked
+    on each rank alone (before 2026-12-05), pieces of different widths gave a wrong loss silently, and a
+    target one rank refused left the others in the all-reduce (torch's ``_check_targets`` likewise)."""
+    vocab = piece * tp
     valid = tf.not_equal(target, ignore_index)
-    return _refusing(valid, valid & ((target < 0) | (target >= vocab)), target,
-                     f"vocab_parallel_cross_entropy: targets must be in [0, {vocab}) (the whole vocabulary: "
-                     f"logits' last dimension x tensor group size) or ignore_index={ignore_index}", ValueError)
+    bad = valid & ((target < 0) | (target >= vocab))
+    mine = tf.stack([tf.constant(piece, tf.int64), tf.constant(-piece, tf.int64),
+                     tf.cast(tf.reduce_any(bad), tf.int64)])
+    agreed = allreduce_max_no_grad(mine, process_set)
+    widths = (f"vocab_parallel_cross_entropy: the group's logits pieces differ in width (this rank {piece}); "
+              "every rank must hold vocabulary / tp columns: pad the vocabulary to a multiple of the tensor "
+              "group size")
+    targets = (f"vocab_parallel_cross_entropy: targets must be in [0, {vocab}) (the whole vocabulary: logits' "
+               f"last dimension x tensor group size) or ignore_index={ignore_index}")
+    if tf.executing_eagerly():
+        most, least, refused = int(agreed[0]), -int(agreed[1]), int(agreed[2])
+        if most != least:
+            raise ValueError(f"{widths}: {least} to {most}")
+        if refused:
+            got = (f"received {int(tf.boolean_mask(target, bad)[0])}" if bool(tf.reduce_any(bad))
+                   else "another rank of the group received one")
+            raise ValueError(f"{targets}; {got}")
+        return valid
+    checks = [tf.debugging.Assert(tf.equal(agreed[0], -agreed[1]), [widths]),
+              tf.debugging.Assert(tf.equal(agreed[2], 0), [targets])]
+    with tf.control_dependencies(checks):
+        return tf.identity(valid)
 
 
 def _reduce(loss: tf.Tensor, valid: tf.Tensor, reduction: str) -> tf.Tensor:
@@ -432,7 +456,7 @@ def vocab_parallel_cross_entropy(logits: Any, target: Any, process_set: ProcessS
     piece = _check_shapes(logits, target, reduction)
     tp, index = group_position(process_set, "vocab_parallel_cross_entropy")
     start = index * piece
-    valid = _check_targets(target, piece * tp, ignore_index)
+    valid = _check_targets(target, piece, tp, ignore_index, process_set)
     top = allreduce_max_no_grad(tf.reduce_max(logits, axis=-1), process_set)
     shifted = logits - tf.expand_dims(top, -1)
     sum_exp = reduce_from_group(tf.reduce_sum(tf.exp(shifted), axis=-1), process_set)

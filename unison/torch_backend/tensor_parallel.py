@@ -334,13 +334,25 @@ class VocabParallelEmbedding(_SplitLayer):
                 f"of tp={self.tp})")
 
 
-def _check_targets(target: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
+def _check_targets(target: torch.Tensor, piece: int, tp: int, ignore_index: int,
+                   process_set: ProcessSet) -> torch.Tensor:
+    """``target != ignore_index``, once the group agreed that every rank holds a piece of one width and no
+    rank holds a target outside the vocabulary; else every rank raises. Checked on each rank alone (before
+    2026-12-05), pieces of different widths gave a wrong loss silently (the vocabulary and each rank's
+    start are inferred from the width), and a target one rank refused left the others in the all-reduce."""
+    vocab = piece * tp
     valid = target != ignore_index
     bad = valid & ((target < 0) | (target >= vocab))
-    if bool(bad.any()):
+    mine = torch.tensor([piece, -piece, int(bool(bad.any()))], dtype=torch.int64)
+    most, least, refused = (int(v) for v in allreduce_max_no_grad(mine, process_set) * torch.tensor([1, -1, 1]))
+    if most != least:
+        raise ValueError(f"vocab_parallel_cross_entropy: the group's logits pieces are {least} to {most} wide "
+                         f"(this rank {piece}); every rank must hold vocabulary / tp columns: pad the vocabulary "
+                         "to a multiple of the tensor group size")
+    if refused:
+        got = f"received {int(target[bad][0])}" if bool(bad.any()) else "another rank of the group received one"
         raise ValueError(f"vocab_parallel_cross_entropy: targets must be in [0, {vocab}) (the whole vocabulary: "
-                         f"logits' last dimension x tensor group size) or ignore_index={ignore_index}; "
-                         f"received {int(target[bad][0])}")
+                         f"logits' last dimension x tensor group size) or ignore_index={ignore_index}; {got}")
     return valid
 
 
@@ -380,7 +392,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
     tp, index = group_position(process_set, "vocab_parallel_cross_entropy")
     piece = logits.shape[-1]
     start = index * piece
-    valid = _check_targets(target, piece * tp, ignore_index)
+    valid = _check_targets(target, piece, tp, ignore_index, process_set)
     shifted = logits - allreduce_max_no_grad(logits.max(dim=-1).values, process_set).unsqueeze(-1)
     sum_exp = reduce_from_group(shifted.exp().sum(dim=-1), process_set)
     mine = valid & (target >= start) & (target < start + piece)
