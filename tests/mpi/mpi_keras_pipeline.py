@@ -376,7 +376,9 @@ def test_replicas_with_different_batch_sizes_train_on_the_mean_over_every_row():
 def test_a_float64_model_trains_at_float64_precision():
     """The microbatch loss was cast to float32 before the 1/chunks scale: a float64 model's loss came out
     3.5e-8 off one process, its weights 1.9e-9 after 3 steps (found by an audit, 2026-12-05)."""
+    policy = keras.config.dtype_policy()  # (once a layer exists, Keras keeps its policy whatever floatx says)
     keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
     try:
         def model():
             keras.utils.set_random_seed(0)
@@ -398,6 +400,7 @@ def test_a_float64_model_trains_at_float64_precision():
         pipe.close()
     finally:
         keras.config.set_floatx("float32")
+        keras.config.set_dtype_policy(policy)
 
 
 def test_what_the_pipeline_cannot_train_exactly_is_refused_on_every_rank():
