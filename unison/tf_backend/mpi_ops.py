@@ -257,7 +257,6 @@ def _check_sparse(rop: Any, pre: float, post: float) -> None:
 
 def _grouped_sparse(slices: list[tf.IndexedSlices], rop: Any, pre: float, post: float,
                     ps: ProcessSet | None, ignore_name_scope: bool) -> list[tf.IndexedSlices]:
-    _check_sparse(rop, pre, post)  # (checked before, by the caller: kept for a direct call)
     pset = ps or global_process_set
     values = grouped_allgather([s.values for s in slices], process_set=pset, ignore_name_scope=ignore_name_scope)
     indices = grouped_allgather([s.indices for s in slices], process_set=pset,
