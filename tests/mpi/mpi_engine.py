@@ -206,6 +206,22 @@ def test_broadcasts_of_lists_of_different_lengths_raise_on_every_rank_and_the_ne
 
 
 @needs_engine
+def test_agree_on_values_names_each_field_that_differs_and_its_ranks():
+    objects.agree_on_values("same", {"width": "4", "bias": "True"}, name="values.same")
+    last = N - 1
+    mine = {"width": "8" if R == last else "4", "bias": "True"}
+    if R != last:
+        mine["dropout"] = "0.1"  # a field the last rank does not give
+    others = "rank 0" if N == 2 else f"ranks {list(range(N - 1))}"
+    with pytest.raises(unison.MismatchError) as caught:
+        objects.agree_on_values("layer", mine, name="values.differ", fix="Build it alike")
+    assert str(caught.value) == (f"layer: the ranks passed different values: dropout is 0.1 on {others}, "
+                                 f"(not given) on rank {last}; width is 4 on {others}, 8 on rank {last}. "
+                                 "Build it alike")
+    objects.agree_on_values("after", {"width": "4"}, name="values.after")  # nothing left over
+
+
+@needs_engine
 def test_grouped_allreduce_with_compression_and_scale_factors():
     tensors = [np.full(6, R + 1.0, np.float32), np.full((2, 2), 2.0, np.float64)]
     out = unison.grouped_allreduce(tensors, op=unison.Sum, name="grp.fp16", prescale_factor=0.5,

@@ -27,8 +27,11 @@ from mpi4py import MPI  # noqa: E402
 from tensor_parallel_groups import (  # noqa: E402
     BAD_SIZE_IDS,
     BAD_SIZES,
+    DIFFERENT_BUILD_IDS,
+    DIFFERENT_BUILDS,
     TPS,
     check_bad_size,
+    check_different_build,
     group_or_refusal,
     register_groups,
 )
@@ -584,6 +587,16 @@ def test_gpt_trains_through_the_keras_pipeline_on_the_grid_like_one_process(dp, 
 @pytest.mark.parametrize("build,what", BAD_SIZES, ids=BAD_SIZE_IDS)
 def test_sizes_not_divisible_by_the_group_raise(tp, build, what):
     check_bad_size(hvd, SETS, tp, build, what)
+
+
+@pytest.mark.parametrize("tp", [tp for tp in TPS if tp > 1])
+@pytest.mark.parametrize("build,what", DIFFERENT_BUILDS + [
+    (lambda hvd, tp, ps, odd: hvd.ColumnParallelLinear(4, 4 * tp, process_set=ps,
+                                                       dtype="float32" if odd else D), "dtype"),
+    (lambda hvd, tp, ps, odd: hvd.RowParallelLinear(4 * tp, 4, process_set=ps, activation="relu" if odd else None),
+     "activation")], ids=DIFFERENT_BUILD_IDS + ["dtype", "row-activation"])
+def test_a_layer_built_differently_on_one_rank_raises_on_every_rank(tp, build, what):
+    check_different_build(hvd, SETS, tp, build, what)
 
 
 def test_builders_refuse_what_they_cannot_split():

@@ -16,7 +16,17 @@ from __future__ import annotations
 import pytest
 import torch
 from mpi4py import MPI
-from tensor_parallel_groups import BAD_SIZE_IDS, BAD_SIZES, TPS, check_bad_size, group_or_refusal, register_groups
+from tensor_parallel_groups import (
+    BAD_SIZE_IDS,
+    BAD_SIZES,
+    DIFFERENT_BUILD_IDS,
+    DIFFERENT_BUILDS,
+    TPS,
+    check_bad_size,
+    check_different_build,
+    group_or_refusal,
+    register_groups,
+)
 from torch import nn
 from torch.nn import functional as F
 
@@ -686,6 +696,16 @@ def test_parallelize_refuses_sizes_the_group_does_not_divide_and_leaves_the_mode
 @pytest.mark.parametrize("build,what", BAD_SIZES, ids=BAD_SIZE_IDS)
 def test_sizes_not_divisible_by_the_group_raise(tp, build, what):
     check_bad_size(hvd, SETS, tp, build, what)
+
+
+@pytest.mark.parametrize("tp", [tp for tp in TPS if tp > 1])
+@pytest.mark.parametrize("build,what", DIFFERENT_BUILDS + [
+    (lambda hvd, tp, ps, odd: hvd.ColumnParallelLinear(4, 4 * tp, process_set=ps,
+                                                       dtype=torch.float32 if odd else D), "dtype"),
+    (lambda hvd, tp, ps, odd: hvd.ParallelMLP(4, 4 * tp, activation=F.relu if odd else F.gelu, process_set=ps),
+     "activation")], ids=DIFFERENT_BUILD_IDS + ["dtype", "mlp-activation"])
+def test_a_layer_built_differently_on_one_rank_raises_on_every_rank(tp, build, what):
+    check_different_build(hvd, SETS, tp, build, what)
 
 
 def test_grid_registers_its_tensor_groups():

@@ -56,3 +56,41 @@ def check_bad_size(hvd: Any, sets: dict[int, Any], tp: int, build: Any, what: st
     with pytest.raises(ValueError, match=rf"{what} \(\d+\) is not divisible by the tensor group size \({tp}\).*"
                                          rf"[Pp]ad .* to a multiple of {tp}"):
         build(hvd, tp, ps)
+
+
+#: (builder(hvd, tp, ps, odd), the field the error names): ``odd`` is True on the group's last rank only, which
+#: builds the layer with one argument different ([Note: a layer built alike on every rank]). Before 2026-12-05
+#: these ran: a vocabulary, width or head count that differed gave wrong values silently, and an option on one
+#: rank only left the others waiting in a collective it never made.
+DIFFERENT_BUILDS = [
+    (lambda hvd, tp, ps, odd: hvd.ColumnParallelLinear(4, (8 if odd else 4) * tp, process_set=ps), "out_features"),
+    (lambda hvd, tp, ps, odd: hvd.ColumnParallelLinear(4, 4 * tp, gather_output=odd, process_set=ps),
+     "gather_output"),
+    (lambda hvd, tp, ps, odd: hvd.ColumnParallelLinear(4, 4 * tp, process_set=ps, sequence_parallel=odd),
+     "sequence_parallel"),
+    (lambda hvd, tp, ps, odd: hvd.RowParallelLinear(4 * tp, 4, bias=not odd, process_set=ps), "bias"),
+    (lambda hvd, tp, ps, odd: hvd.RowParallelLinear(4 * tp, 4, input_is_parallel=not odd, process_set=ps),
+     "input_is_parallel"),
+    (lambda hvd, tp, ps, odd: hvd.VocabParallelEmbedding((6 if odd else 5) * tp, 4, process_set=ps),
+     "num_embeddings"),
+    (lambda hvd, tp, ps, odd: hvd.ParallelSelfAttention(4 * tp, (2 if odd else 1) * tp, process_set=ps),
+     "num_heads"),
+    (lambda hvd, tp, ps, odd: hvd.ParallelSelfAttention(4 * tp, tp, causal=odd, process_set=ps), "causal"),
+    (lambda hvd, tp, ps, odd: hvd.ParallelTransformerBlock(4 * tp, tp, 4 * tp, eps=1e-3 if odd else 1e-5,
+                                                           process_set=ps), "eps"),
+]
+DIFFERENT_BUILD_IDS = ["out-features", "gather-output", "sequence-parallel", "bias", "input-is-parallel",
+                       "vocab", "heads", "causal", "block-eps"]
+
+
+def check_different_build(hvd: Any, sets: dict[int, Any], tp: int, build: Any, what: str) -> None:
+    """A layer one rank of the group builds with other arguments raises MismatchError on every rank of the group,
+    naming the argument and each rank's value; the same layer built alike then works (nothing was left over)."""
+    ps = group_or_refusal(hvd, sets, tp)
+    if ps is None:
+        return
+    odd = ps.rank() == tp - 1
+    with pytest.raises(hvd.MismatchError, match=rf"the ranks passed different values: {what} is .* on rank \d.*"
+                                                r"Every rank of a tensor group must build each parallel layer"):
+        build(hvd, tp, ps, odd)
+    build(hvd, tp, ps, False)

@@ -27,7 +27,7 @@ import keras
 import tensorflow as tf
 
 from unison.common.engine.process_sets import ProcessSet, global_process_set
-from unison.common.tensor_parallel.groups import group_position
+from unison.common.tensor_parallel.groups import agree_on_layer, describe, group_position
 from unison.common.tensor_parallel.sequence import check_column_options, check_row_options
 from unison.common.tensor_parallel.sharding import divisible_shard
 from unison.tf_backend.tensor_parallel_comm import (
@@ -47,6 +47,11 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"
 def _glorot(fan_in: int, fan_out: int) -> keras.initializers.Initializer:
     limit = math.sqrt(6.0 / (fan_in + fan_out))
     return keras.initializers.RandomUniform(-limit, limit)
+
+
+def _activation_text(activation: Any) -> str:
+    """An activation as every rank names it alike (a name, ``None`` or a function: the function it means)."""
+    return describe(keras.activations.get(activation))
 
 
 def _check_dense(dense: Any, owner: str) -> None:
@@ -143,10 +148,14 @@ class _ParallelDense(keras.layers.Layer):
     _owner = ""
 
     def __init__(self, in_features: int, out_features: int, use_bias: bool, activation: Any,
-                 process_set: ProcessSet, **kwargs: Any) -> None:
+                 process_set: ProcessSet, options: dict[str, bool], **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.supports_jit = False  # collectives run outside XLA: compile(jit_compile="auto") must not pick it
         self.tp, self.shard = group_position(process_set, self._owner)
+        agree_on_layer(self._owner, process_set, in_features=in_features, out_features=out_features,
+                       bias=bool(use_bias), activation=_activation_text(activation), dtype=self.dtype_policy.name,
+                       **options)  # [Note: a layer built alike on every rank]
+        self._check_options(**options)
         self.in_features, self.out_features = in_features, out_features
         self.process_set = process_set
         self.activation = keras.activations.get(activation)
@@ -156,6 +165,9 @@ class _ParallelDense(keras.layers.Layer):
         self.bias = self.add_weight(shape=(self._bias_size(),), initializer="zeros",
                                     name="bias") if use_bias else None
         self.built = True
+
+    def _check_options(self, **options: bool) -> None:
+        raise NotImplementedError
 
     def _split(self) -> tuple[int, int]:
         raise NotImplementedError
@@ -199,8 +211,8 @@ class ColumnParallelLinear(_ParallelDense):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
                  process_set: ProcessSet = global_process_set, activation: Any = None,
                  sequence_parallel: bool = False, **kwargs: Any) -> None:
-        check_column_options(gather_output, sequence_parallel)
-        super().__init__(in_features, out_features, bias, activation, process_set, **kwargs)
+        super().__init__(in_features, out_features, bias, activation, process_set,
+                         {"gather_output": gather_output, "sequence_parallel": sequence_parallel}, **kwargs)
         self.gather_output, self.sequence_parallel = gather_output, bool(sequence_parallel)
         #: an activation over all the units (softmax) runs on the gathered output
         self._after_gather = getattr(self.activation, "__name__", "") in _ACROSS_UNITS
@@ -209,6 +221,9 @@ class ColumnParallelLinear(_ParallelDense):
                              "units, which are split over the tensor group, so no rank can apply it to its shard; "
                              "pass gather_output=True (it then runs on the gathered output), or apply it after "
                              "the layer that combines the shards")
+
+    def _check_options(self, gather_output: bool, sequence_parallel: bool) -> None:  # type: ignore[override]
+        check_column_options(gather_output, sequence_parallel)
 
     def _split(self) -> tuple[int, int]:
         return divisible_shard("ColumnParallelLinear out_features", self.out_features, self.tp, self.shard)
@@ -270,9 +285,12 @@ class RowParallelLinear(_ParallelDense):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
                  process_set: ProcessSet = global_process_set, activation: Any = None,
                  sequence_parallel: bool = False, **kwargs: Any) -> None:
-        check_row_options(input_is_parallel, sequence_parallel)
-        super().__init__(in_features, out_features, bias, activation, process_set, **kwargs)
+        options = {"input_is_parallel": input_is_parallel, "sequence_parallel": sequence_parallel}
+        super().__init__(in_features, out_features, bias, activation, process_set, options, **kwargs)
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, bool(sequence_parallel)
+
+    def _check_options(self, input_is_parallel: bool, sequence_parallel: bool) -> None:  # type: ignore[override]
+        check_row_options(input_is_parallel, sequence_parallel)
 
     def _split(self) -> tuple[int, int]:
         return divisible_shard("RowParallelLinear in_features", self.in_features, self.tp, self.shard)
@@ -319,6 +337,9 @@ class VocabParallelEmbedding(keras.layers.Layer):
         super().__init__(**kwargs)
         self.supports_jit = False  # collectives run outside XLA: compile(jit_compile="auto") must not pick it
         self.tp, self.shard = group_position(process_set, "VocabParallelEmbedding")
+        # [Note: a layer built alike on every rank]
+        agree_on_layer("VocabParallelEmbedding", process_set, num_embeddings=num_embeddings,
+                       embedding_dim=embedding_dim, dtype=self.dtype_policy.name)
         self.start, self.stop = divisible_shard("VocabParallelEmbedding num_embeddings", num_embeddings, self.tp,
                                                 self.shard)
         self.num_embeddings, self.embedding_dim, self.process_set = num_embeddings, embedding_dim, process_set

@@ -37,6 +37,7 @@ import keras
 import tensorflow as tf
 
 from unison.common.engine.process_sets import ProcessSet, global_process_set
+from unison.common.tensor_parallel.groups import agree_on_layer
 from unison.common.tensor_parallel.rng import check_probability
 from unison.common.tensor_parallel.sharding import check_divisible
 from unison.tf_backend.tensor_parallel import (
@@ -75,6 +76,9 @@ class ParallelMLP(keras.layers.Layer):
                  sequence_parallel: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.supports_jit = False  # collectives run outside XLA: compile(jit_compile="auto") must not pick it
+        group_position(process_set, "ParallelMLP")
+        # [Note: a layer built alike on every rank] (its two layers check theirs)
+        agree_on_layer("ParallelMLP", process_set, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
         dtype = kwargs.get("dtype")
         self.fc1 = ColumnParallelLinear(hidden_size, ffn_hidden_size, bias, process_set=process_set,
                                         activation=activation, sequence_parallel=sequence_parallel, dtype=dtype)
@@ -212,11 +216,14 @@ class ParallelSelfAttention(keras.layers.Layer):
                  seed: int | None = None, sequence_parallel: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.supports_jit = False  # collectives run outside XLA: compile(jit_compile="auto") must not pick it
+        tp, _ = group_position(process_set, "ParallelSelfAttention")
+        agree_on_layer("ParallelSelfAttention", process_set, hidden_size=hidden_size, num_heads=num_heads,
+                       causal=causal, attention_dropout=attention_dropout, seed=seed,
+                       sequence_parallel=sequence_parallel)  # [Note: a layer built alike on every rank]
         self.attention_dropout = check_probability("ParallelSelfAttention attention_dropout", attention_dropout)
         self.sequence_parallel = bool(sequence_parallel)
         if self.attention_dropout > 0:
             _, self._own_generator = dropout_generators("ParallelSelfAttention", seed, process_set)
-        tp, _ = group_position(process_set, "ParallelSelfAttention")
         if hidden_size % num_heads:
             raise ValueError(f"ParallelSelfAttention: hidden_size ({hidden_size}) must be divisible by num_heads "
                              f"({num_heads}); choose num_heads dividing {hidden_size}")
@@ -307,6 +314,9 @@ class ParallelTransformerBlock(keras.layers.Layer):
                  fc2_activation: Any = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.supports_jit = False  # collectives run outside XLA: compile(jit_compile="auto") must not pick it
+        group_position(process_set, "ParallelTransformerBlock")
+        # [Note: a layer built alike on every rank] (its attention and MLP check theirs)
+        agree_on_layer("ParallelTransformerBlock", process_set, eps=eps, hidden_dropout=hidden_dropout, seed=seed)
         dtype = kwargs.get("dtype")
         self.hidden_dropout = check_probability("ParallelTransformerBlock hidden_dropout", hidden_dropout)
         self.sequence_parallel, self.process_set = bool(sequence_parallel), process_set

@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from unison.common.engine.process_sets import ProcessSet, global_process_set
-from unison.common.tensor_parallel.groups import group_position
+from unison.common.tensor_parallel.groups import agree_on_layer, group_position
 from unison.common.tensor_parallel.sequence import check_column_options, check_row_options
 from unison.common.tensor_parallel.sharding import divisible_shard
 from unison.torch_backend.tensor_parallel_comm import (
@@ -62,6 +62,11 @@ def _uniform(shape: tuple[int, ...], fan_in: int, dtype: Any, device: Any,
         dim, start, stop = part
         whole = whole.narrow(dim, start, stop - start).clone()
     return nn.Parameter(whole)
+
+
+def _dtype(dtype: Any) -> torch.dtype:
+    """The dtype a layer's parameters get: ``dtype``, or torch's default (which each process sets itself)."""
+    return torch.get_default_dtype() if dtype is None else dtype
 
 
 def _copy(param: nn.Parameter | None, source: torch.Tensor | None) -> None:
@@ -182,9 +187,12 @@ class ColumnParallelLinear(_SplitLayer):
                  process_set: ProcessSet = global_process_set, dtype: Any = None, device: Any = None,
                  sequence_parallel: bool = False) -> None:
         super().__init__()
+        self.tp, self.shard = group_position(process_set, "ColumnParallelLinear")
+        agree_on_layer("ColumnParallelLinear", process_set, in_features=in_features, out_features=out_features,
+                       bias=bool(bias), gather_output=gather_output, sequence_parallel=sequence_parallel,
+                       dtype=_dtype(dtype))  # [Note: a layer built alike on every rank]
         check_column_options(gather_output, sequence_parallel)
         self.sequence_parallel = bool(sequence_parallel)
-        self.tp, self.shard = group_position(process_set, "ColumnParallelLinear")
         self.start, self.stop = divisible_shard("ColumnParallelLinear out_features", out_features, self.tp,
                                                 self.shard)
         self.in_features, self.out_features = in_features, out_features
@@ -243,9 +251,12 @@ class RowParallelLinear(_SplitLayer):
                  process_set: ProcessSet = global_process_set, dtype: Any = None, device: Any = None,
                  sequence_parallel: bool = False) -> None:
         super().__init__()
+        self.tp, self.shard = group_position(process_set, "RowParallelLinear")
+        agree_on_layer("RowParallelLinear", process_set, in_features=in_features, out_features=out_features,
+                       bias=bool(bias), input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel,
+                       dtype=_dtype(dtype))  # [Note: a layer built alike on every rank]
         check_row_options(input_is_parallel, sequence_parallel)
         self.sequence_parallel = bool(sequence_parallel)
-        self.tp, self.shard = group_position(process_set, "RowParallelLinear")
         self.start, self.stop = divisible_shard("RowParallelLinear in_features", in_features, self.tp, self.shard)
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.process_set = input_is_parallel, process_set
@@ -295,6 +306,9 @@ class VocabParallelEmbedding(_SplitLayer):
                  dtype: Any = None, device: Any = None) -> None:
         super().__init__()
         self.tp, self.shard = group_position(process_set, "VocabParallelEmbedding")
+        # [Note: a layer built alike on every rank]
+        agree_on_layer("VocabParallelEmbedding", process_set, num_embeddings=num_embeddings,
+                       embedding_dim=embedding_dim, dtype=_dtype(dtype))
         self.start, self.stop = divisible_shard("VocabParallelEmbedding num_embeddings",
                                                 num_embeddings, self.tp, self.shard)
         self.num_embeddings, self.embedding_dim, self.process_set = num_embeddings, embedding_dim, process_set

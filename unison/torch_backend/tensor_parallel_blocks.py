@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from unison.common.engine.process_sets import ProcessSet, global_process_set
+from unison.common.tensor_parallel.groups import agree_on_layer
 from unison.common.tensor_parallel.rng import check_probability
 from unison.common.tensor_parallel.sharding import check_divisible
 from unison.torch_backend.tensor_parallel import ColumnParallelLinear, RowParallelLinear, group_position
@@ -56,6 +57,9 @@ class ParallelMLP(nn.Module):
                  activation: Activation = F.gelu, process_set: ProcessSet = global_process_set,
                  dtype: torch.dtype | None = None, sequence_parallel: bool = False) -> None:
         super().__init__()
+        group_position(process_set, "ParallelMLP")
+        agree_on_layer("ParallelMLP", process_set, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size,
+                       activation=activation)  # [Note: a layer built alike on every rank] (its linears: theirs)
         self.fc1 = ColumnParallelLinear(hidden_size, ffn_hidden_size, bias, process_set=process_set, dtype=dtype,
                                         sequence_parallel=sequence_parallel)
         self.fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, bias, process_set=process_set, dtype=dtype,
@@ -111,13 +115,16 @@ class ParallelSelfAttention(nn.Module):
                  attention_dropout: float = 0.0, sequence_parallel: bool = False,
                  batch_first: bool = True) -> None:
         super().__init__()
+        tp, _ = group_position(process_set, "ParallelSelfAttention")
+        agree_on_layer("ParallelSelfAttention", process_set, hidden_size=hidden_size, num_heads=num_heads,
+                       causal=causal, attention_dropout=attention_dropout, sequence_parallel=sequence_parallel,
+                       batch_first=batch_first)  # [Note: a layer built alike on every rank]
         self.attention_dropout = check_probability("ParallelSelfAttention attention_dropout", attention_dropout)
         self.sequence_parallel = bool(sequence_parallel)
         self.batch_first = bool(batch_first)
         if sequence_parallel and not self.batch_first:
             raise ValueError("ParallelSelfAttention: sequence_parallel splits dimension 1 of (batch, seq, hidden) "
                              "inputs; it needs batch_first=True (transpose (seq, batch, hidden) inputs first)")
-        tp, _ = group_position(process_set, "ParallelSelfAttention")
         if hidden_size % num_heads:
             raise ValueError(f"ParallelSelfAttention: hidden_size ({hidden_size}) must be divisible by num_heads "
                              f"({num_heads}); choose num_heads dividing {hidden_size}")
@@ -208,6 +215,9 @@ class ParallelTransformerBlock(nn.Module):
                  dtype: torch.dtype | None = None, hidden_dropout: float = 0.0, attention_dropout: float = 0.0,
                  sequence_parallel: bool = False) -> None:
         super().__init__()
+        group_position(process_set, "ParallelTransformerBlock")
+        # [Note: a layer built alike on every rank] (its attention and MLP check theirs)
+        agree_on_layer("ParallelTransformerBlock", process_set, eps=eps, hidden_dropout=hidden_dropout)
         self.hidden_dropout = check_probability("ParallelTransformerBlock hidden_dropout", hidden_dropout)
         self.sequence_parallel, self.process_set = bool(sequence_parallel), process_set
         self.ln1 = nn.LayerNorm(hidden_size, eps=eps, dtype=dtype)

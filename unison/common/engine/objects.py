@@ -12,17 +12,18 @@ from __future__ import annotations
 import hashlib
 import operator
 import pickle
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from unison.common import runtime
+from unison.common.agreement import ranks_text
 from unison.common.engine import frontend
 from unison.common.engine.process_sets import ProcessSet
 from unison.common.exceptions import MismatchError
 
-__all__ = ["broadcast_object", "allgather_object", "agree_on_names"]
+__all__ = ["broadcast_object", "allgather_object", "agree_on_names", "agree_on_values"]
 
 
 def _set_root(root_rank: int, process_set: ProcessSet | None) -> int:
@@ -140,6 +141,36 @@ def agree_on_names(what: str, names: Sequence[str], name: str | None = None,
     raise MismatchError(f"{what}: the ranks passed different items: rank {members[0]} passed {len(first)}; "
                         + "; ".join(parts) + ". Every rank must pass the same ones (the same model), in the "
                         "same order")
+
+
+def agree_on_values(what: str, values: Mapping[str, str], name: str | None = None,
+                    process_set: ProcessSet | None = None, fix: str = "") -> None:
+    """Return when every rank (of ``process_set``) passed the same ``values`` (a field's name to its text);
+    else raise :class:`MismatchError` on every rank, naming each field that differs and the ranks holding
+    each of its values.
+
+    For what every rank must build alike, where a difference runs without an error: a tensor-parallel layer
+    built with other sizes on one rank of its group computed a wrong result or waited for ever. One
+    all-gather of a 16-byte digest when the values agree; ``fix`` ends the message.
+    """
+    name = name or frontend._auto_name("agree_on_values", None, process_set)
+    mine_values = {str(k): str(v) for k, v in values.items()}
+    text = "\0".join(f"{k}={v}" for k, v in sorted(mine_values.items()))
+    mine = np.frombuffer(hashlib.blake2b(text.encode(), digest_size=16).digest(), np.uint8)
+    every = frontend.allgather(mine.reshape(1, -1), f"{name}.digest", process_set)
+    if (every == mine).all():
+        return
+    dicts = allgather_object(mine_values, f"{name}.values", process_set)
+    members = list(range(len(dicts))) if process_set is None or process_set.ranks is None else process_set.ranks
+    parts = []
+    for key in sorted({k for d in dicts for k in d}):
+        holders: dict[str, list[int]] = {}
+        for r, theirs in zip(members, dicts, strict=True):
+            holders.setdefault(theirs.get(key, "(not given)"), []).append(r)
+        if len(holders) > 1:
+            parts.append(f"{key} is " + ", ".join(f"{v} on {ranks_text(rs)}" for v, rs in holders.items()))
+    raise MismatchError(f"{what}: the ranks passed different values: " + "; ".join(parts)
+                        + (f". {fix}" if fix else ""))
 
 
 def _pickled(obj: Any) -> tuple[np.ndarray | None, Exception | None]:
