@@ -455,6 +455,55 @@ def test_ranks_feeding_different_data_raise_on_every_rank(strategy):
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)  # the next call works
 
 
+def test_each_ranks_own_shard_of_one_shape_is_refused_on_every_rank(strategy):
+    """Horovod's habit, each rank passing its own part of the data: the shapes agree, so only shapes compared
+    (before 2026-12-05), each rank trained silently on its share of its own batches (half of every part)."""
+    if N == 1:
+        pytest.skip("one rank's data is the whole data")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x = np.random.default_rng(0).standard_normal((16 * N, 4)).astype("float32")
+    mine = x[16 * R:16 * (R + 1)]
+    for call in (lambda: model.fit(mine, mine[:, :1], batch_size=8, epochs=1, verbose=0),
+                 lambda: model.evaluate(mine, mine[:, :1], batch_size=8, verbose=0)):
+        with pytest.raises(ValueError, match="UnisonStrategy: the ranks' datasets differ") as info:
+            call()
+        assert len(set(WORLD.allgather(str(info.value)))) == 1
+    model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0)  # the whole data on every rank works
+
+
+class _StopOnOneRank(keras.callbacks.Callback):
+    def __init__(self, when: str) -> None:
+        super().__init__()
+        self.when = when
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.when == "batch" and R == N - 1 and batch == 1:
+            self.model.stop_training = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.when == "epoch" and R == N - 1 and epoch == 0:
+            self.model.stop_training = True
+
+
+@pytest.mark.parametrize("when", ["batch", "epoch"])
+def test_a_stop_set_on_one_rank_stops_every_rank_at_the_same_step(strategy, when):
+    """A callback stopping training on one rank (a time limit, a rule on its own values) let that rank return
+    from fit while the others waited in the next step's gradient exchange for ever (before 2026-12-05)."""
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    stop = _StopOnOneRank(when)  # (alone, not in a list, at epoch ends: Keras takes both)
+    history = model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=3, verbose=0, shuffle=False,
+                        callbacks=[stop] if when == "batch" else stop)
+    steps = int(model.optimizer.iterations.numpy())
+    expected = (2, 1) if when == "batch" else (5, 1)  # (steps, epochs) on every rank
+    assert (steps, len(history.history["loss"])) == expected
+    assert WORLD.allgather((steps, len(history.history["loss"]))) == [expected] * N
+    assert same_everywhere(model.get_weights())
+
+
 def test_predict_on_batch_returns_the_batchs_predictions_before_and_after_predict(strategy):
     """predict_on_batch after predict returned each rank's whole batch concatenated (every row
     size times): it now predicts this rank's share and gathers, as predict does."""

@@ -386,6 +386,36 @@ def test_dataset_inputs_of_global_batches_train_like_one_process(dp, kind):
     np.testing.assert_allclose([got["loss"], got["mae"]], [want["loss"], want["mae"]], rtol=1e-5)
 
 
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.data is the TensorFlow backend's")
+@pytest.mark.parametrize("kind", ["repeated", "filtered"])
+def test_tf_data_of_unknown_or_infinite_length_trains_like_one_process(dp, kind):
+    """len() of such a dataset raises, and DataParallel's comparison of the ranks' inputs called it: TypeError
+    on every rank at np > 1 (before 2026-12-05), where plain Keras takes both."""
+    import tensorflow as tf
+
+    def source():
+        batches = tf.data.Dataset.from_tensor_slices((X, Y)).batch(GLOBAL_BATCH)
+        return batches.repeat() if kind == "repeated" else batches.filter(lambda x, y: True)
+
+    steps = {"steps_per_epoch": 3} if kind == "repeated" else {}  # (an epoch goes on where the last stopped)
+    assert int(source().cardinality()) == (-1 if kind == "repeated" else -2)
+    model, ref = distributed_and_reference(dp, lambda: keras.optimizers.SGD(0.05))
+    hist = model.fit(source(), epochs=2, verbose=0, shuffle=False, **steps)
+    want = ref.fit(source(), epochs=2, shuffle=False, verbose=0, **steps)  # one process, the same global batches
+    np.testing.assert_allclose(hist.history["loss"], want.history["loss"], rtol=2e-5)
+    assert_weights_close(model, ref)
+
+
+def test_losses_that_do_not_average_over_the_batch_are_refused_on_every_rank(dp):
+    """DataParallel weighs each rank's gradient by its rows: a 'sum' loss trained with 1/N of one process's
+    gradient, a 'mean_with_sample_weight' one divided by each rank's own sum of weights (before 2026-12-05)."""
+    for reduction in ("sum", "mean_with_sample_weight"):
+        with dp.scope(), pytest.raises(ValueError, match=f"uses reduction='{reduction}'; DataParallel averages"):
+            make_model().compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction=reduction))
+    with dp.scope():  # the default, by object or name, is fine
+        make_model().compile(optimizer="sgd", loss=[keras.losses.MeanSquaredError()])
+
+
 class _Recorder(keras.layers.Layer):
     """Passes its input through, recording the first column's values while ``recording`` is set."""
 

@@ -140,6 +140,8 @@ class DataParallel:
                 raise ValueError(f"DataParallel on the {_host.backend()} backend: jit_compile=True cannot "
                                  "call the host for the gradient exchange; leave jit_compile unset (or False)")
             kwargs["jit_compile"] = False
+        if self.size > 1:  # (one process's gradient is its own)
+            _refuse_per_rank_reductions(kwargs.get("loss"))
         optimizer = keras.optimizers.get(kwargs.get("optimizer", "rmsprop"))
         if not getattr(optimizer, "_unison_distributed", False):
             # in place: model.optimizer is the object passed, so the user's handle on it (learning_rate,
@@ -214,6 +216,26 @@ class DataParallel:
         _assign(variables, [(s / self.size).astype(v.dtype) for s, v in zip(summed, values, strict=True)])
 
 
+def _refuse_per_rank_reductions(loss: Any) -> None:
+    """Refuse a loss object whose reduction is not a mean over the batch's rows.
+
+    DataParallel weighs each rank's gradient by its rows (the split of a global batch), which is one
+    process's gradient for a loss that averages over the batch (Keras's default,
+    ``"sum_over_batch_size"``). ``"sum"`` gave 1/N of one process's gradient and loss, and
+    ``"mean_with_sample_weight"`` divides by each rank's own sum of sample weights: both trained
+    silently wrong before 2026-12-05 (weights 0.04-0.2 off one process's after three epochs).
+    ``UnisonStrategy`` refuses the second too. Every rank compiles the same loss, so every rank raises.
+    """
+    for item in keras.tree.flatten(loss) if loss is not None else []:
+        reduction = getattr(item, "reduction", None)
+        if isinstance(item, keras.losses.Loss) and reduction in ("sum", "mean_with_sample_weight"):
+            raise ValueError(f"DataParallel: the loss {getattr(item, 'name', item)!r} uses "
+                             f"reduction={reduction!r}; DataParallel averages each rank's gradient by its rows, "
+                             "which is one process's gradient only for a loss that averages over the batch. Use "
+                             "the default reduction 'sum_over_batch_size' (with sample weights scaled to average "
+                             "1 where 'mean_with_sample_weight' was meant)")
+
+
 def _describe_input(x: Any, y: Any, sample_weight: Any, batch_size: Any) -> str:
     """What a rank passed, as far as the ranks must agree on it (rows, shapes, dtypes, batch, and a digest
     of three rows of each array: the first, middle and last)."""
@@ -223,6 +245,12 @@ def _describe_input(x: Any, y: Any, sample_weight: Any, batch_size: Any) -> str:
         shapes = ", ".join(f"{tuple(np.shape(a))} {np.asarray(a[:0]).dtype.name} {_rows_digest(a)}"
                            for a in leaves)
         return f"arrays {shapes}, batch_size={batch_size}"
+    if data._is_tf_dataset(x):
+        # (len() raises for an infinite dataset or one tf.data cannot count, a filtered one: such input
+        # raised TypeError on every rank before 2026-12-05, where plain Keras takes it)
+        count = int(x.cardinality())
+        length = {-1: "infinitely many", -2: "an unknown number of"}.get(count, str(count))
+        return f"{type(x).__name__} of {length} batches, elements {x.element_spec}"
     length = len(x) if hasattr(x, "__len__") else None
     return f"{type(x).__name__} of {length} batches" if length is not None else type(x).__name__
 

@@ -303,16 +303,38 @@ def _shuffle_seeds(dataset: Any) -> list[tuple[int, int]]:
     return seeds
 
 
+def _with_agreement_to_stop(model: Any, callbacks: Any) -> Any:
+    """``fit``'s callbacks and, last, the agreement that a stop set on one rank stops every rank
+    (``unison.keras``'s: one all-reduce of a flag per batch and per epoch). Without it (before
+    2026-12-05) a callback that stopped one rank's training (a time limit, a rule on the rank's own
+    values) let that rank return from ``fit`` while the others waited in the next step for ever."""
+    import keras
+
+    from unison.keras.data_parallel import _AgreeToStop
+
+    agree = _AgreeToStop(model)
+    if isinstance(callbacks, keras.callbacks.CallbackList):  # (already built: the agreement joins its list)
+        agree.set_model(model)
+        callbacks.callbacks.append(agree)
+        return callbacks
+    return [*nest.flatten(callbacks or []), agree]  # (Keras takes one callback alone too)
+
+
 def _agree_on_arrays(what: str, arguments: dict[str, Any]) -> None:
     """For in-memory inputs (a dataset is compared when it is distributed): every rank must pass
-    the same rows and batch size; compared in one small all-gather, raised on every rank."""
+    the same rows and batch size; compared in one small all-gather, raised on every rank. The rows
+    are compared by a digest of three of them (the first, middle and last, as ``unison.keras``
+    does): each rank's own shard of one shape (Horovod's habit) trained silently on half of every
+    rank's rows before 2026-12-05, when only shapes were compared."""
     from unison.common.engine.objects import allgather_object
+    from unison.keras.data_parallel import _rows_digest
 
     x = arguments.get("x")
     if not _in_memory(x):
         return
     parts = [p for p in (x, arguments.get("y"), arguments.get("sample_weight")) if p is not None]
-    shapes = [f"{tuple(a.shape)} {getattr(a.dtype, 'name', a.dtype)}" for p in parts for a in nest.flatten(p)]
+    shapes = [f"{tuple(a.shape)} {getattr(a.dtype, 'name', a.dtype)} {_rows_digest(a)}"
+              for p in parts for a in nest.flatten(p)]
     mine = f"arrays {', '.join(shapes)}, batch_size={arguments.get('batch_size')}"
     everyone = allgather_object(mine, name=f"unison.UnisonStrategy.{what}.inputs")
     if any(other != everyone[0] for other in everyone):
@@ -784,13 +806,15 @@ def _guard_keras() -> None:
                 _agree_on_arrays(f"model.{name}", arguments)
                 if name == "fit":
                     agreed = _agreed_shuffle(arguments)
-                    if agreed is not None:
-                        return original(self, **agreed)
+                    call = agreed if agreed is not None else {k: v for k, v in arguments.items() if k != "self"}
+                    call["callbacks"] = _with_agreement_to_stop(self, call.get("callbacks"))
+                    return original(self, **call)
             if name == "predict" and _unison_model(self):  # (after the agreement: building broadcasts)
                 _build_for_predict(self, signature.bind(self, *args, **kwargs).arguments.get("x"))
             return original(self, *args, **kwargs)
 
         guarded.__doc__ = original.__doc__
+        guarded.__wrapped__ = original  # type: ignore[attr-defined]  # (inspect.signature reads Keras's through it)
         # on the class that defines it: Keras's load_model compiles a loaded model from its config only
         # while ``type(model).compile is Trainer.compile`` (a compile set on keras.Model would count as
         # the user's own, and the optimizer and its state would not be restored)
