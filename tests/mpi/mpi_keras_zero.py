@@ -197,6 +197,19 @@ def count(variables) -> int:
 
 
 @pytest.mark.parametrize("stage", [1, 2])
+def test_float16_gradients_average_without_overflowing_where_one_process_does_not(stage):
+    """Every rank's gradient is about 40000 (float16 holds it, and the average): a float16 sum overflowed to inf
+    before 2026-12-05; the buckets now reduce in float32 and round once."""
+    hvd.init()
+    v, ref = (keras.Variable(np.zeros(2 * N + 1, "float16"), dtype="float16", name=f"w16{i}") for i in (0, 1))
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1e-6), zero_stage=stage)
+    opt.apply_gradients([(tf.constant(np.full(2 * N + 1, 40000 + 512 * R, "float16")), v)])
+    mean = 40000 + 256 * (N - 1)  # (a float16 value: the gradients are multiples of its spacing there, 32)
+    keras.optimizers.SGD(1e-6).apply_gradients([(tf.constant(np.full(2 * N + 1, mean, "float16")), ref)])
+    np.testing.assert_array_equal(v.numpy(), ref.numpy())  # one process's float16 step, bit for bit
+
+
+@pytest.mark.parametrize("stage", [1, 2])
 def test_optimizer_state_is_one_nth(stage):
     """Measured: Adam's variables on each rank hold ~1/N of the unsharded optimizer's elements."""
     saved, zero.BUCKET_BYTES = zero.BUCKET_BYTES, None  # one bucket per dtype: padding < N

@@ -237,6 +237,48 @@ def test_bfloat16_parameters_step_fp32_masters():
         f"the fp32 masters keep updates bfloat16 rounds away ({master_moved}/{owned})"
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_float16_gradients_average_without_overflowing_where_one_process_does_not(stage):
+    """Every rank's gradient is 40000 (float16 holds it; the average is 40000): a float16 sum overflowed to inf
+    before 2026-12-05 ([Note: float16 gradients reduce in float32]); the step is one process's, to float16."""
+    w = torch.nn.Parameter(torch.zeros(2 * N + 1, dtype=torch.float16))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1e-6), named_parameters=[("w", w)], zero_stage=stage)
+    (w.float() * (40000.0 + 500.0 * R)).sum().backward()
+    opt.step()
+    mean = 40000.0 + 500.0 * (N - 1) / 2
+    torch.testing.assert_close(w.detach().float(), torch.full_like(w, -1e-6 * mean, dtype=torch.float32),
+                               rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_horovods_resume_recipe_is_refused_on_every_rank_instead_of_hanging(stage):
+    """load_state_dict on the root alone, then broadcast_optimizer_state: each rank of a ZeRO optimizer keeps
+    only its segment of what it loads, and the state_dict's gathers differed per rank (a hang before
+    2026-12-05). Now every rank raises; loading on every rank works."""
+    torch.manual_seed(0)
+    source = torch.nn.Linear(5, 3)
+    plain = torch.optim.Adam(source.parameters(), lr=0.01)
+    source(torch.randn(4, 5)).sum().backward()
+    plain.step()
+    saved = plain.state_dict()
+    model = torch.nn.Linear(5, 3)
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters(), zero_stage=stage)
+    if R == 0:
+        opt.load_state_dict(saved)
+    if N > 1:
+        with pytest.raises(hvd.MismatchError, match=r"state_dict\(\): .*bucket 0 is exp_avg, exp_avg_sq, step on "
+                                                    r"rank 0, \(none\) on rank.*load_state_dict\(...\) with the "
+                                                    "whole state dict on every rank"):
+            hvd.broadcast_optimizer_state(opt, root_rank=0)
+    opt.load_state_dict(saved)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    got = opt.state_dict()["state"]
+    for i, p in saved["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(got[i][key], p[key])
+
+
 def test_bad_stage_and_optimizer_raise_on_every_rank():
     model = Mixed()
     for stage in (5, -1, "1", True):

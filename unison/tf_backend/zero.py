@@ -246,15 +246,20 @@ class ShardLayout:
         return tf.concat(parts, 0) if len(parts) > 1 else parts[0]
 
     def _reduce(self, flats: list[tf.Tensor]) -> list[tf.Tensor]:
+        """Each bucket reduced over the ranks; float16 ones in float32, rounded once at the end (the torch
+        adapter's [Note: float16 gradients reduce in float32]: a float16 sum of two gradients of 40000 made
+        the average inf before 2026-12-05)."""
         if self.world == 1:
             return flats
         scatter = self.stage == 2
         base = _op_name(f"unison.zero{self.stage}.{self.tag}")
-        submits = [(lambda a, i=i: _submit_reduce(f"{base}.b{i}", self.op, a, scatter), [f])
-                   for i, f in enumerate(flats)]
-        outputs = [(f.dtype, [b.segment_size if scatter else b.padded])
-                   for f, b in zip(flats, self.plan.buckets, strict=True)]
-        return _host_collective(submits, outputs)
+        wire = [tf.cast(f, tf.float32) if f.dtype == tf.float16 else f for f in flats]
+        submits = [(lambda a, i=i: _submit_reduce(f"{base}.b{i}", self.op, a, scatter), [w])
+                   for i, w in enumerate(wire)]
+        outputs = [(w.dtype, [b.segment_size if scatter else b.padded])
+                   for w, b in zip(wire, self.plan.buckets, strict=True)]
+        reduced = _host_collective(submits, outputs)
+        return [r if r.dtype == f.dtype else tf.cast(r, f.dtype) for r, f in zip(reduced, flats, strict=True)]
 
     # ---------------------------------------------------------- model variables <-> shard
     def load_shards(self) -> None:

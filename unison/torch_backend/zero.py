@@ -233,6 +233,13 @@ class _ZeroOptimizer(ZeroStateMixin):
         self._submit(st, staging)
 
     def _submit(self, st: _BucketState, flat_grad: torch.Tensor) -> None:
+        if flat_grad.dtype == torch.float16:
+            # [Note: float16 gradients reduce in float32] A float16 sum overflows where the average does not
+            # (two ranks' gradients of 40000 averaged to inf before 2026-12-05, and dividing each by N first
+            # loses a small gradient's bits), so a bucket is reduce-scattered in float32, as ZeRO-3's: twice
+            # the bytes; the segment then feeds the float32 master without a rounding. (Compression.fp16 still
+            # sends float16, as asked.) bfloat16 has float32's range and goes as it is.
+            flat_grad = flat_grad.float()
         arr, st.ctx = self._compression.compress(to_numpy(flat_grad))
         st.handle = frontend.reducescatter_async(arr, self._op, f"{self._base}.rs{st.bucket.index}",
                                                  self._prescale, self._postscale, self._pset)

@@ -21,7 +21,7 @@ import torch
 
 from unison.common import runtime
 from unison.common.engine import frontend
-from unison.common.engine.objects import allgather_object
+from unison.common.engine.objects import agree_on_values, allgather_object
 from unison.common.engine.process_sets import ProcessSet
 from unison.common.ops import Max, Sum
 from unison.torch_backend.tensors import from_numpy, to_numpy
@@ -94,6 +94,7 @@ class ZeroStateMixin:
     def state_dict(self) -> dict[str, Any]:
         """Torch's format, full shapes, on every rank (collective; see the module docstring)."""
         self._sync_hyperparameters()
+        self._agree_on_state_keys()
         index = {id(p): i for i, p in enumerate(self._all_params())}
         state: dict[int, dict[str, Any]] = {}
         for st in self._buckets:
@@ -117,6 +118,22 @@ class ZeroStateMixin:
             groups.append({**hyper, "params": list(range(start, start + n))})
             start += n
         return {"state": state, "param_groups": groups}
+
+    def _agree_on_state_keys(self) -> None:
+        """Raise :class:`MismatchError` on every rank unless every rank holds the same state keys for each bucket.
+
+        ``state_dict`` gathers one collective per bucket and key, so a rank holding other keys waited for
+        ever: Horovod's resume recipe (``load_state_dict`` on rank 0 alone, then ``broadcast_optimizer_state``)
+        hung here before 2026-12-05. A ZeRO optimizer cannot follow that recipe anyway: each rank keeps only its
+        segment of what it loads, so rank 0 no longer holds the others' state to send.
+        """
+        keys = {f"bucket {st.bucket.index}": ", ".join(sorted(self._inner.state.get(st.master, {}))) or "(none)"
+                for st in self._buckets}
+        agree_on_values("a ZeRO optimizer's state_dict()", keys, f"{self._base}.sd.keys", self._pset,
+                        fix="The ranks' optimizer states differ: each rank of a ZeRO optimizer holds its own "
+                            "segment of the state, so call load_state_dict(...) with the whole state dict on "
+                            "every rank (each keeps its segment), not on one rank before "
+                            "broadcast_optimizer_state, and take a step on every rank alike")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's format (from this or a plain optimizer, saved on any number of ranks).
