@@ -41,6 +41,37 @@ _RUN_AHEAD_AND_EXIT = textwrap.dedent("""
 """)
 
 
+_ONE_MORE_PULL_AND_EXIT = textwrap.dedent("""
+    import numpy as np
+    import unison.ps as ps
+    from unison.common import runtime
+
+    runtime.init()
+    rank = runtime.rank()
+    table = ps.ShardedTable(10, 2, name="printed")
+    table.push([1], np.ones((1, 2)))
+    if rank == 0:  # a common slip: rank 0 alone reads the table, the others exit without close()
+        try:
+            table.to_numpy()
+        except ps.TableError as exc:
+            print("rank 0 raised:", exc, flush=True)
+    print(f"rank {rank} done", flush=True)
+""")
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(200)
+def test_a_bsp_operation_one_rank_makes_after_the_others_exited_raises_instead_of_hanging(tmp_path):
+    """The others' exit closes their BSP table (shutdown), which meets rank 0's pull: before 2026-12-05 BSP
+    tables were left open at shutdown and rank 0 waited in its pull for ever."""
+    script = tmp_path / "one_more.py"
+    script.write_text(_ONE_MORE_PULL_AND_EXIT)
+    proc = mpirun(2, [sys.executable, str(script)], timeout=120)
+    out = proc.stdout + proc.stderr
+    assert "rank 0 raised:" in out and "different operations" in out, out[-4000:]
+    assert "rank 0 done" in out and "rank 1 done" in out, out[-4000:]
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("close", [False, True], ids=["exit-without-close", "close"])

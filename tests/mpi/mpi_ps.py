@@ -196,6 +196,31 @@ def test_adam_is_lazy_per_row():
     np.testing.assert_allclose(rows[0], -0.3, rtol=1e-5)  # a constant gradient: three steps of lr each
 
 
+@pytest.mark.parametrize("consistency", [ps.SSP(0), ps.ASP()], ids=["ssp0", "asp"])
+def test_an_async_step_of_every_worker_moves_sgd_rows_as_bsp_and_adaptive_ones_further(consistency):
+    """What docs/embeddings.md says of average=True under SSP/ASP: each push is its own optimizer step, scaled
+    by 1/workers, so a step of every worker equals one BSP step for SGD, while Adam (which ignores the scale
+    and counts a step per push) moves a row N times as far, and Adagrad (which adds each push's squared
+    gradient) further than BSP too. (Before 2026-12-05 the docs said every optimizer moved as under BSP.)"""
+    n = WORLD.Get_size()
+    moved = {}
+    for label, make in (("sgd", lambda: ps.SGD(0.1)), ("adagrad", lambda: ps.Adagrad(0.1)),
+                        ("adam", lambda: ps.Adam(0.1))):
+        for mode in ("bsp", consistency):
+            with ps.ShardedTable(4, 1, "float64", "row", make(), mode, name=f"step-{label}-{mode}",
+                                 initializer="zeros") as table:
+                table.pull([0])
+                table.push([0], np.ones((1, 1)))
+                table.barrier()
+                moved[label, mode == "bsp"] = float(table.pull([0])[0, 0])
+    for label in ("sgd", "adagrad", "adam"):
+        np.testing.assert_allclose(moved[label, True], -0.1, rtol=1e-6)  # BSP: one step of the average (eps aside)
+    np.testing.assert_allclose(moved["sgd", False], -0.1, rtol=1e-12)
+    np.testing.assert_allclose(moved["adam", False], -0.1 * n, rtol=1e-6)
+    # Adagrad: push k (of n, each 1/n) moves lr * (1/n) / sqrt(k / n^2) = lr / sqrt(k)
+    np.testing.assert_allclose(moved["adagrad", False], -0.1 * sum(k ** -0.5 for k in range(1, n + 1)), rtol=1e-6)
+
+
 @pytest.mark.parametrize("staleness", [0, 2])
 def test_ssp_never_exceeds_its_bound(staleness):
     """Each worker adds 1 to row 0 per step; a pull at clock c must see every worker's steps < c - s."""
@@ -296,6 +321,12 @@ def test_checkpoint_round_trip_across_rank_counts(tmp_path):
         np.testing.assert_array_equal(table.to_numpy(), np.load(os.path.join(SHARED, "before.npy")))
         train(table, steps[3:])  # needs the Adagrad sums saved by 4 ranks
         np.testing.assert_allclose(table.to_numpy(), np.load(os.path.join(SHARED, "after.npy")), rtol=1e-12)
+    # a float32 table takes the float64 checkpoint's rows, rounded (docs/embeddings.md, "Checkpoints")
+    with ps.ShardedTable(ROWS, DIM, "float32", "hash", ps.Adagrad(lr=0.3), name="ck32") as table:
+        assert table.load(folder) == {"step": 3}
+        rows = table.to_numpy()
+        assert rows.dtype == np.float32
+        np.testing.assert_array_equal(rows, np.load(os.path.join(SHARED, "before.npy")).astype(np.float32))
 
 
 def test_bad_input_raises_on_every_rank():

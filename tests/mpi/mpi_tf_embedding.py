@@ -170,14 +170,17 @@ def test_ids_of_another_dtype_on_one_rank_raise_on_every_rank(strategy, graph):
     layer.table.close()
 
 
-def test_a_mixed_precision_policy_is_refused_when_built():
-    """It crashed in the first step (float16 anchor + float32 push) and would push loss-scaled gradients."""
-    layer = ShardedEmbedding(ROWS, DIM, optimizer=ps.SGD(0.1), initializer=init_rows, dtype="mixed_float16")
-    try:
-        with pytest.raises(ValueError, match="does not support the mixed-precision policy 'mixed_float16'"):
-            layer.build((None, SEQ))
-    finally:
-        layer.table.close()
+def test_a_mixed_precision_policy_is_refused_on_every_rank_even_when_one_rank_has_it():
+    """It crashed in the first step (float16 anchor + float32 push) and would push loss-scaled gradients. Refused
+    in build() on the rank that had it, after the table's collective creation, it left the others waiting in
+    their first pull (before 2026-12-05); now every rank raises at construction."""
+    odd = R == N - 1
+    with pytest.raises(ValueError, match=rf"rank {N - 1}: ShardedEmbedding does not support the "
+                                         "mixed-precision policy 'mixed_float16'"):
+        ShardedEmbedding(ROWS, DIM, optimizer=ps.SGD(0.1), initializer=init_rows,
+                         dtype="mixed_float16" if odd else "float32")
+    layer = ShardedEmbedding(ROWS, DIM, optimizer=ps.SGD(0.1), initializer=init_rows)  # the next table works
+    layer.table.close()
 
 
 def test_float_ids_are_truncated_as_keras_embedding_does(strategy):  # (the strategy initialises Unison)

@@ -128,6 +128,14 @@ def test_two_backward_passes_through_one_forward_push_their_own_gradients():
     emb.table.close()
 
 
+def test_a_bad_dtype_on_one_rank_is_refused_on_every_rank():
+    """Refused by the layer on that rank alone (before 2026-12-05), the others waited in the table's creation."""
+    with pytest.raises(ps.TableError, match=rf"rank {N - 1}: ShardedEmbedding\(dtype=torch.float16\): rows are "
+                                            "torch.float32 or torch.float64"):
+        hvd.ShardedEmbedding(ROWS, DIM, ps.SGD(1.0), dtype=torch.float16 if R == N - 1 else torch.float32)
+    hvd.ShardedEmbedding(ROWS, DIM, ps.SGD(1.0), name="after-bad-dtype").table.close()  # the next table works
+
+
 def test_an_empty_float_batch_on_one_rank_and_float_ids_raise_on_every_rank():
     """Before: torch.tensor([]) (float32: "no samples this step") was refused on that rank alone, and any
     float ids raised there before the round: the other ranks waited in the pull for ever."""

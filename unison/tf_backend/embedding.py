@@ -59,6 +59,14 @@ def _consistency_from_config(config: Any) -> Any:
     return config
 
 
+def _policy_problem(policy: Any) -> str | None:
+    """Why the layer cannot run under the dtype ``policy``, or None."""
+    if policy.compute_dtype == policy.variable_dtype:
+        return None
+    return (f"ShardedEmbedding does not support the mixed-precision policy {policy.name!r} (its pushes would "
+            "carry loss-scaled gradients); give the layer dtype='float32' (the rest of the model may stay mixed)")
+
+
 class ShardedEmbedding(keras.layers.Layer):
     """An embedding lookup into a :class:`unison.ps.ShardedTable` of ``num_rows x dim`` (Keras 3, TF backend).
 
@@ -101,9 +109,11 @@ class ShardedEmbedding(keras.layers.Layer):
         self.supports_jit = False
         variable_dtype = tf.as_dtype(self.dtype_policy.variable_dtype)
         rows_dtype = "float64" if variable_dtype == tf.float64 else "float32"
-        if table is None:
+        if table is None:  # a mixed policy on one rank is refused on every rank, with the table's checks (it was
+            # refused in build() alone, after the collective creation, and the others waited in their first pull)
             table = ShardedTable(num_rows, dim, rows_dtype, sharding=sharding, optimizer=optimizer,
-                                 consistency=consistency, name=self.name, initializer=initializer, seed=seed)
+                                 consistency=consistency, name=self.name, initializer=initializer, seed=seed,
+                                 refuse=_policy_problem(self.dtype_policy))
         elif not isinstance(table, ShardedTable):
             raise TypeError(f"ShardedEmbedding(table={table!r}): give a unison.ps.ShardedTable")
         self.table = table
@@ -121,11 +131,9 @@ class ShardedEmbedding(keras.layers.Layer):
         self._pending: list[Handle] = []
 
     def build(self, input_shape: Any = None) -> None:
-        policy = self.dtype_policy
-        if policy.compute_dtype != policy.variable_dtype:
-            raise ValueError(f"ShardedEmbedding does not support the mixed-precision policy {policy.name!r} "
-                             "(its pushes would carry loss-scaled gradients); give the layer "
-                             "dtype='float32' (the rest of the model may stay mixed)")
+        problem = _policy_problem(self.dtype_policy)  # (a layer given its table: checked here)
+        if problem is not None:
+            raise ValueError(problem)
         self.push_anchor = self.add_weight(name="push_anchor", shape=(), initializer="zeros", trainable=True,
                                            dtype=self._rows_dtype.name)
         self.built = True

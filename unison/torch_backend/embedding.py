@@ -48,10 +48,14 @@ class ShardedEmbedding(torch.nn.Module):
                  dtype: torch.dtype = torch.float32, table: ShardedTable | None = None,
                  **table_kwargs: Any) -> None:
         super().__init__()
-        if dtype not in _DTYPES:
-            raise TypeError(f"ShardedEmbedding(dtype={dtype}): rows are torch.float32 or torch.float64")
-        self.table = table if table is not None else ShardedTable(
-            num_rows, embedding_dim, _DTYPES[dtype], optimizer=optimizer, consistency=consistency, **table_kwargs)
+        problem = None if dtype in _DTYPES else f"ShardedEmbedding(dtype={dtype}): rows are torch.float32 or " \
+                                                "torch.float64"
+        if table is None:  # (raised on every rank with the table's checks: refused here alone, it hung the others)
+            table = ShardedTable(num_rows, embedding_dim, _DTYPES.get(dtype, "float32"), optimizer=optimizer,
+                                 consistency=consistency, refuse=problem, **table_kwargs)
+        elif problem is not None:
+            raise TypeError(problem)
+        self.table = table
         self.num_rows, self.embedding_dim = self.table.num_rows, self.table.dim
         self._pending: list[Handle] = []
         _live.add(self)

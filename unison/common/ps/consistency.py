@@ -16,7 +16,17 @@ is given ``clock=False``; :meth:`ShardedTable.clock` ends one by hand).
 * ``ASP()`` (asynchronous): no waiting; a pull sees whatever has arrived.
 
 Under SSP and ASP each worker's push is applied on arrival, scaled by ``1/workers`` when the
-table averages (the default), so a step moves the rows as far as a BSP step would.
+table averages (the default), as its own optimizer step. For SGD a step of every worker then moves
+the rows as far as a BSP step would. Adagrad and Adam are not linear in the gradient: Adagrad adds
+each worker's squared (scaled) gradient to a row's sum, and Adam ignores the scale and counts a
+step per push, so the same gradient from N workers moves a row about N times as far as under BSP
+(measured: Adam 2x at 2 workers, 3x at 3; Adagrad 1.7x and 2.3x). Lower their learning rate, or
+use BSP where one update per step is wanted. (Before 2026-12-05 this said every optimizer moved as
+under BSP.)
+
+SSP bounds what a *pull* may miss: a worker waits before a pull that touches a shard whose
+clocks are too far behind, so a worker whose pulls touch no rows (an empty batch) or that only
+pushes is not held back.
 """
 
 from __future__ import annotations
@@ -51,7 +61,8 @@ class BSP(Consistency):
 
 @dataclass(frozen=True)
 class SSP(Consistency):
-    """Stale synchronous with staleness ``s``: a worker runs at most ``s`` clocks ahead of the slowest."""
+    """Stale synchronous with staleness ``s``: a worker's pulls wait until they see every push at least ``s``
+    clocks old (so a worker that pulls rows runs at most ``s`` clocks ahead of the slowest)."""
 
     staleness: int = 2
 

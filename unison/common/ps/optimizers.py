@@ -5,7 +5,8 @@ squares, Adam's moments and step count). For SGD and Adagrad that is exactly wha
 optimizer does with a gradient that is zero on untouched rows (PyTorch's ``torch.optim.SGD`` and
 ``torch.optim.Adagrad`` formulas, defaults included), so a table trained with BSP matches dense
 data-parallel training. Adam counts steps per row (each row's bias correction uses the number
-of times that row was updated), as TensorFlow's LazyAdam does; it is not dense Adam's update, nor
+of times that row was updated) with torch's formula; it is not dense Adam's update, nor TF-Addons'
+``LazyAdam``'s (which uses the optimizer's global step and places epsilon otherwise), nor
 ``torch.optim.SparseAdam``'s (which counts steps per tensor: a row first updated at the optimizer's
 fourth step moves by less there than a row's first update here).
 """

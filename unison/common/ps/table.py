@@ -56,19 +56,23 @@ def tables() -> list[str]:
 
 
 def _close_at_shutdown(state: Any) -> None:
-    """``unison.shutdown()`` (and so the interpreter's exit) closes every SSP/ASP table this rank
-    still has open as a worker, in the order they were created (the same on every rank); an
-    elastic reset's rebuild does not (the tables keep their own communicators, as before).
+    """``unison.shutdown()`` (and so the interpreter's exit) closes every table this rank still has
+    open as a worker, in the order they were created (the same on every rank); an elastic reset's
+    rebuild does not (the tables keep their own communicators, as before).
 
     Under SSP/ASP a worker may finish its loop steps ahead of the others and exit; its server thread
     (a daemon) then died with it, and a slower worker's pull of rows that lived there waited for ever
     (before 2026-12-05). Closing sends this worker's FIN and keeps its server answering until every
-    worker has closed. BSP tables are left alone: their operations pair across ranks, so a rank can
-    not run ahead of the others out of the table."""
+    worker has closed. Under BSP every operation pairs across the ranks, and a rank that made one
+    more (rank 0 alone printing the table with ``to_numpy()``) waited for ever in it once the others
+    had exited (before 2026-12-05): their closing operation now meets it, and it raises the table's
+    "different operations" error instead. That holds for the earliest-created table still open: the
+    closing ranks wait in its close until every rank closes it, so an extra operation on a later
+    table still waits (close BSP tables on every rank in one order to choose when)."""
     with _registry_lock:
         open_tables = list(_registry.values())
     for table in open_tables:
-        if table.closed or not table.is_worker or table.consistency.collective:
+        if table.closed or not table.is_worker:
             continue
         logger.info("table %r: closing it at shutdown (call close() on every rank to choose when)", table.name)
         try:
@@ -193,6 +197,9 @@ class ShardedTable:
             they call :meth:`serve`. Default: every rank is a server and a worker.
         average: scale pushes by ``1/workers`` (default True: the data-parallel average).
         comm, process_set: the ranks of the table (default: every rank of ``unison.init``).
+        refuse: a problem an adapter found with its own arguments on this rank (a layer's dtype): raised
+            on every rank, as a :class:`TableError`, with the table's own first check, so that a rank
+            refusing alone does not leave the others waiting in the creation (they did before 2026-12-05).
     """
 
     #: default names already given, per group of world ranks (see :func:`_default_name`)
@@ -213,12 +220,13 @@ class ShardedTable:
         average: bool = True,
         comm: Any = None,
         process_set: Any = None,
+        refuse: str | None = None,
     ) -> None:
         base, self.mpi = _resolve_comm(comm, process_set)
         self.size = 1 if base is None else base.Get_size()
         self.rank = 0 if base is None else base.Get_rank()
         self.name = name if name is not None else _default_name(base, self.mpi)
-        problem = None
+        problem = refuse
         try:
             self._check_args(num_rows, dim, dtype, optimizer, servers)
             self.consistency = consistency_from_name(consistency)
@@ -228,7 +236,7 @@ class ShardedTable:
                                      "or pick another name")
                 _registry[self.name] = self  # reserved; released below if the creation fails
         except (TypeError, ValueError) as exc:
-            problem = str(exc)
+            problem = problem or str(exc)
         try:
             raise_together(base, problem, TableError)
             self.num_rows, self.dim, self.dtype = int(num_rows), int(dim), np.dtype(dtype)
@@ -315,6 +323,9 @@ class ShardedTable:
         self._queued = 0  # operations submitted to the executor and not finished
         self._queued_lock = threading.Lock()
         self.closed = False
+        #: BSP: the workers that closed the table in a round where others asked for another operation
+        #: ([Note: a close that meets another operation]); then no round is run again
+        self._closed_by: list[int] = []
 
     # ------------------------------------------------------------------ checks
 
@@ -601,7 +612,13 @@ class ShardedTable:
             raise TableError(f"{self._peer_errors.pop(0)} (raised on that rank; table {self.name!r} under "
                              f"{self.consistency!r} raises it on every worker at its next operation)")
 
+    def _check_not_closed_by_peers(self) -> None:
+        if self._closed_by:
+            raise TableError(f"table {self.name!r}: rank(s) {self._closed_by} closed it while this rank asked for "
+                             "another operation; it is closed on every rank (close() frees it)")
+
     def _operate(self, op: int, keys: np.ndarray, flat: np.ndarray | None, problem: str | None) -> Any:
+        self._check_not_closed_by_peers()
         self._check_peers()
         storage, counts, inverse = self._route(keys)
         g = flat if flat is None or inverse is None else _sum_by(inverse, flat, len(storage))
@@ -663,9 +680,18 @@ class ShardedTable:
         asked = {int(ops[r]) for r in self.workers}
         if len(asked) > 1:
             names = {r: ex.OP_NAMES[int(ops[r])] for r in self.workers}
+            # [Note: a close that meets another operation] A worker closing (it is done, or exiting: the
+            # shutdown closes its tables) while another asks for one more operation (rank 0 alone printing
+            # the table) leaves no round that could pair again: the closer goes on to exit. Every rank then
+            # takes the table as closed: the closer finishes its close, the others' later operations raise at
+            # once, and their close() only frees it (before 2026-12-05 the extra operation, or a later
+            # close, waited for ever).
+            self._closed_by = [r for r in self.workers if int(ops[r]) == ex.CLOSE]
+            closed = (f"; rank(s) {self._closed_by} closed it, so it is closed on every rank now (close() frees "
+                      "it)") if self._closed_by else ""
             raise TableError(
                 f"table {self.name!r}: the workers called different operations at the same step "
-                f"({names}); under BSP every worker must pull, push, save and close in the same order"
+                f"({names}); under BSP every worker must pull, push, save and close in the same order{closed}"
             )
 
     def _bsp_body(
@@ -802,6 +828,7 @@ class ShardedTable:
 
         dedicated = len(self.workers) < self.size
         if self.comm is not None and self.consistency.collective:
+            self._check_not_closed_by_peers()
             # the header round first, as every BSP operation does: a worker that pulls or pushes while
             # another saves is told so on every rank instead of meeting the checkpoint's collectives
             rnd = ex.Round(self.comm, self.mpi, self.rank)
@@ -879,9 +906,9 @@ class ShardedTable:
                 if ex.ERROR in ops:
                     self.comm.allgather(None)
                     continue
-                if len(ops) > 1:  # the workers raise the mismatch; nothing else is exchanged this round
-                    continue
-                if op == ex.CLOSE:
+                if len(ops) > 1 and ex.CLOSE not in ops:  # the workers raise the mismatch; nothing else is
+                    continue  # exchanged this round
+                if ex.CLOSE in ops:  # (a close met another operation: closed on every rank, see the Note)
                     break
                 if op == ex.SAVE or op == ex.LOAD:
                     path, metadata = self.comm.bcast(None, root=self.workers[0])
@@ -914,16 +941,23 @@ class ShardedTable:
             return
         if not self.is_worker:
             raise TableError(f"table {self.name!r}: rank {self.rank} is a dedicated server; serve() closes it")
-        if self._queued:  # behind the queued operations
-            self._executor.submit(self._locked, self._close_worker).result()
-        else:  # on this thread (at the interpreter's exit the executors take no more work)
-            self._inline(self._close_worker)
+        try:
+            if self._queued:  # behind the queued operations
+                self._executor.submit(self._locked, self._close_worker).result()
+            else:  # on this thread (at the interpreter's exit the executors take no more work)
+                self._inline(self._close_worker)
+        except TableError:
+            if self._closed_by:  # [Note: a close that meets another operation]: this rank closes all the same
+                self._finish()
+            raise
         self._finish()
 
     def _close_worker(self) -> None:
         if self.comm is None:
             return
         if self.consistency.collective:
+            if self._closed_by:  # [Note: a close that meets another operation]: no round pairs with one now
+                return
             rnd = ex.Round(self.comm, self.mpi, self.rank)
             self._settle(rnd.header(ex.CLOSE, np.zeros(self.size, np.int64)), None, ex.CLOSE)
             return
