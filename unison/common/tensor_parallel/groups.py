@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import numpy as np
+
 from unison.common import runtime
 from unison.common.engine.objects import agree_on_values
 from unison.common.engine.process_sets import ProcessSet, set_rank, set_size
@@ -28,15 +30,27 @@ def group_position(process_set: ProcessSet, owner: str) -> tuple[int, int]:
 
 def describe(value: Any) -> str:
     """A text for ``value`` that is the same on every rank when the ranks passed the same thing: a function by
-    its module and name (its ``repr`` holds an address), a partial by its function and arguments, other
-    objects by their ``repr`` when it holds no address, else by their class."""
+    its module and name (its ``repr`` holds an address), a partial by its function and arguments, a numpy
+    scalar as the Python number it holds, an object with a configuration (a Keras layer or activation) by its
+    class and configuration without its name (a per-process counter), other objects by their ``repr`` when it
+    holds no address, else by their class."""
+    if isinstance(value, np.generic):
+        value = value.item()
     if isinstance(value, functools.partial):
         return f"partial({describe(value.func)}, {value.args!r}, {sorted(value.keywords.items())!r})"
     if callable(value) and hasattr(value, "__qualname__"):
         return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    if callable(getattr(value, "get_config", None)):
+        try:
+            config = {k: v for k, v in value.get_config().items() if k != "name"}
+        except Exception:  # noqa: BLE001 - no usable configuration: described as other objects are
+            pass
+        else:
+            return f"{kind}({sorted((k, describe(v)) for k, v in config.items())})"
     text = repr(value)
     if " at 0x" in text:
-        return f"a {type(value).__module__}.{type(value).__qualname__}"
+        return f"a {kind}"
     return text
 
 
@@ -51,7 +65,7 @@ def agree_on_layer(owner: str, process_set: ProcessSet, **fields: Any) -> None:
     its own sizes), and ``gather_output`` or ``sequence_parallel`` on one rank only left the others waiting in
     a collective it never made. The check runs when the layer is built, which is eager in both frameworks (a
     first forward may be traced or compiled); building one is thus collective over its group, as its forward
-    is. One 16-byte all-gather per layer; none for a group of one rank.
+    is. One 16-byte all-gather per layer or block (a block's layers check theirs too); none for a group of one.
     """
     if set_size(process_set) <= 1:
         return
