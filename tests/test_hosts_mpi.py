@@ -179,6 +179,24 @@ def test_down_removes_everything_even_after_a_crash():
     assert testhosts.down(9) == []
 
 
+def _tcp_round_trip(server_host: str, address: str, client_host: str) -> None:
+    """A TCP connection from ``client_host`` to ``address`` on ``server_host`` carries a byte each way."""
+    server = subprocess.Popen(
+        ["ip", "netns", "exec", server_host, sys.executable, "-c",
+         "import socket; s = socket.create_server(('0.0.0.0', 47011)); print('ready', flush=True); "
+         "c, _ = s.accept(); c.sendall(c.recv(1))"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        client = subprocess.run(
+            ["ip", "netns", "exec", client_host, sys.executable, "-c",
+             f"import socket; c = socket.create_connection(({address!r}, 47011), timeout=5); c.sendall(b'x'); "
+             "assert c.recv(1) == b'x'"], capture_output=True, text=True, timeout=30)
+        assert client.returncode == 0, client.stderr
+    finally:
+        server.kill()
+        server.wait()
+
+
 def test_up_is_idempotent_and_writes_a_hostfile_unisonrun_reads():
     reason = _skip_reason()
     if reason is not None:
@@ -209,6 +227,15 @@ def test_up_is_idempotent_and_writes_a_hostfile_unisonrun_reads():
         assert testhosts.current(9) is None
         assert testhosts.up(3, slots=1, instance=9) == bigger
         assert f"{bigger.addresses[1]} {bigger.hosts[1]}" in Path("/etc/hosts").read_text()
+        # a host link a killed test run left down (tests/test_hosts_launch.py's link_down), or an address
+        # lost: not up (before 2026-12-05 "already up", and the next launch could not reach the host)
+        inside = ["ip", "netns", "exec", bigger.hosts[1], "ip"]
+        for breaking in ([*inside, "link", "set", "eth0", "down"],
+                         [*inside, "addr", "del", f"{bigger.addresses[2 - 1]}/24", "dev", "eth0"]):
+            subprocess.run(breaking, check=True)
+            assert testhosts.current(9) is None
+            assert testhosts.up(3, slots=1, instance=9) == bigger and testhosts.current(9) == bigger
+            _tcp_round_trip(bigger.hosts[1], bigger.addresses[1], bigger.hosts[0])
     finally:
         testhosts.down(9)
     assert testhosts.current(9) is None

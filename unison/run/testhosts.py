@@ -281,8 +281,11 @@ def current(instance: int = 0) -> TestHosts | None:
 
     Up means whole: every host's namespace, its link and the bridge, its ``/etc/hosts``
     line and the files, and nothing else of the instance's (a set with a piece removed
-    by hand, or left half made, is not up: ``up`` makes it again). A set made with
-    netem's ``--delay``/``--loss`` is never taken for a plain request.
+    by hand, or left half made, is not up: ``up`` makes it again), and every link up with
+    its address (a host whose link a killed test run left down, or that lost its address, is not
+    up either: before 2026-12-05 ``up`` called such a set "already up" and the next launch could
+    not reach the host). A set made with netem's ``--delay``/``--loss`` is never taken for a
+    plain request.
     """
     n = Names(instance)
     try:
@@ -300,7 +303,28 @@ def current(instance: int = 0) -> TestHosts | None:
              and sorted(tagged) == sorted(f"{a} {h} {n.tag}" for a, h in zip(made.addresses, made.hosts,
                                                                                 strict=True))
              and Path(made.hostfile).is_file() and Path(made.agent).is_file())
-    return made if whole and not data.get("netem") else None
+    return made if whole and not data.get("netem") and _links_up(n, made) else None
+
+
+def _link_up(device: str, address: str | None = None, namespace: str | None = None) -> bool:
+    """Whether ``device`` (inside ``namespace``) is administratively up, holding ``address`` when given."""
+    inside = [] if namespace is None else ["ip", "netns", "exec", namespace]
+    flags = re.search(r"<([^>]*)>", _run([*inside, "ip", "-o", "link", "show", "dev", device], check=False).stdout)
+    if flags is None or "UP" not in flags.group(1).split(","):
+        return False
+    if address is None:
+        return True
+    shown = _run([*inside, "ip", "-o", "addr", "show", "dev", device], check=False).stdout
+    return re.search(rf"\binet {re.escape(address)}/", shown) is not None
+
+
+def _links_up(n: Names, made: TestHosts) -> bool:
+    """Every link of the set is up: the bridge with the subnet's first address, each host's outer end, and
+    inside each host ``eth0`` with the host's address."""
+    return (_link_up(n.bridge, str(n.subnet.network_address + 1))
+            and all(_link_up(f"{n.veth_prefix}{i}") for i in range(1, len(made.hosts) + 1))
+            and all(_link_up("eth0", address, host) for host, address in zip(made.hosts, made.addresses,
+                                                                            strict=True)))
 
 
 def up(hosts: int, slots: int = 2, rate: str | None = None, delay: str | None = None,
