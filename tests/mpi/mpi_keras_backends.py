@@ -1068,6 +1068,21 @@ def test_ranks_passing_different_data_raise_on_every_rank(dp):
     model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0)  # and the next call works
 
 
+def test_data_differing_in_one_row_that_is_neither_first_middle_nor_last_raises_on_every_rank(dp):
+    """Three rows were digested before 2026-12-05: data differing elsewhere trained silently (each rank took its
+    rows of a different global batch); a numpy array is now digested whole."""
+    with dp.scope():
+        model = make_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    x = X.copy()
+    if R == N - 1:
+        x[5] += 1.0
+    if N > 1:
+        with pytest.raises(ValueError, match="the ranks passed different inputs"):
+            model.fit(x, Y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0)
+    model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0)
+
+
 class Subclassed(keras.Model):
     def __init__(self):
         super().__init__()

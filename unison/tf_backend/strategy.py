@@ -323,8 +323,8 @@ def _with_agreement_to_stop(model: Any, callbacks: Any) -> Any:
 def _agree_on_arrays(what: str, arguments: dict[str, Any]) -> None:
     """For in-memory inputs (a dataset is compared when it is distributed): every rank must pass
     the same rows and batch size; compared in one small all-gather, raised on every rank. The rows
-    are compared by a digest of three of them (the first, middle and last, as ``unison.keras``
-    does): each rank's own shard of one shape (Horovod's habit) trained silently on half of every
+    are compared by a digest (``unison.keras``'s: a numpy array up to 64 MiB whole, else 64 rows
+    spread evenly): each rank's own shard of one shape (Horovod's habit) trained silently on half of every
     rank's rows before 2026-12-05, when only shapes were compared."""
     from unison.common.engine.objects import allgather_object
     from unison.keras.data_parallel import _rows_digest
