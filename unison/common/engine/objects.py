@@ -92,7 +92,7 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
     payload, error = _pickled(obj)
     sizes = frontend.allgather(np.array([-1 if payload is None else payload.size], dtype=np.int64),
                                f"{name}.sizes", process_set)
-    members = list(range(len(sizes))) if process_set is None or process_set.ranks is None else process_set.ranks
+    members = _members(len(sizes), process_set)
     failed = [members[i] for i, size in enumerate(sizes.tolist()) if size < 0]  # ranks of the job
     if failed:
         raise TypeError(f"allgather_object: the objects of ranks {failed} could not be "
@@ -103,6 +103,17 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
         out.append(pickle.loads(data[start:start + size].tobytes()))
         start += size
     return out
+
+
+def _digests_agree(text: str, name: str, process_set: ProcessSet | None) -> bool:
+    """Whether every rank (of ``process_set``) has the same ``text``: one all-gather of its 16-byte digest."""
+    mine = np.frombuffer(hashlib.blake2b(text.encode(), digest_size=16).digest(), np.uint8)
+    return bool((frontend.allgather(mine.reshape(1, -1), f"{name}.digest", process_set) == mine).all())
+
+
+def _members(count: int, process_set: ProcessSet | None) -> list[int]:
+    """The job ranks of ``process_set``'s ``count`` members, in order."""
+    return list(range(count)) if process_set is None or process_set.ranks is None else list(process_set.ranks)
 
 
 def agree_on_names(what: str, names: Sequence[str], name: str | None = None,
@@ -117,12 +128,10 @@ def agree_on_names(what: str, names: Sequence[str], name: str | None = None,
     """
     name = name or frontend._auto_name("agree_on_names", None, process_set)
     names = [str(n) for n in names]
-    mine = np.frombuffer(hashlib.blake2b("\0".join(names).encode(), digest_size=16).digest(), np.uint8)
-    every = frontend.allgather(mine.reshape(1, -1), f"{name}.digest", process_set)
-    if (every == mine).all():
+    if _digests_agree("\0".join(names), name, process_set):
         return
     lists = allgather_object(names, f"{name}.names", process_set)
-    members = list(range(len(lists))) if process_set is None or process_set.ranks is None else process_set.ranks
+    members = _members(len(lists), process_set)
     first = lists[0]
     first_set = set(first)
     parts = []
@@ -155,13 +164,10 @@ def agree_on_values(what: str, values: Mapping[str, str], name: str | None = Non
     """
     name = name or frontend._auto_name("agree_on_values", None, process_set)
     mine_values = {str(k): str(v) for k, v in values.items()}
-    text = "\0".join(f"{k}={v}" for k, v in sorted(mine_values.items()))
-    mine = np.frombuffer(hashlib.blake2b(text.encode(), digest_size=16).digest(), np.uint8)
-    every = frontend.allgather(mine.reshape(1, -1), f"{name}.digest", process_set)
-    if (every == mine).all():
+    if _digests_agree("\0".join(f"{k}={v}" for k, v in sorted(mine_values.items())), name, process_set):
         return
     dicts = allgather_object(mine_values, f"{name}.values", process_set)
-    members = list(range(len(dicts))) if process_set is None or process_set.ranks is None else process_set.ranks
+    members = _members(len(dicts), process_set)
     parts = []
     for key in sorted({k for d in dicts for k in d}):
         holders: dict[str, list[int]] = {}
