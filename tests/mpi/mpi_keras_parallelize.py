@@ -227,6 +227,7 @@ def test_sizes_the_group_does_not_divide_raise_and_leave_the_model():
     """The column layer is built, then the row layer's in_features (2N+1) raises: nothing returned."""
     if N == 1:
         pytest.skip("every size divides a group of one")
+    keras.utils.set_random_seed(7)  # one model on every rank ([Note: one unsplit source on every rank])
     model = keras.Sequential([keras.Input((8,), dtype=D), keras.layers.Dense(4 * N, name="dense_a", dtype=D),
                               keras.layers.Dense(2 * N + 1, name="dense_c", dtype=D),
                               keras.layers.Dense(8, name="dense_b", dtype=D)])
@@ -244,6 +245,32 @@ class Subclassed(keras.Model):
 
     def call(self, x):
         return self.dense_a(x)
+
+
+@pytest.mark.parametrize("case", ["rest", "plan"])
+def test_splitting_models_that_differ_between_ranks_raises_on_every_rank(case):
+    """[Note: one unsplit source on every rank]: a layer the plan leaves whole that differs on one rank (a
+    model built without a common seed: before 2026-12-05 the ranks trained different replicated weights
+    silently), or a plan that differs on one rank, raise MismatchError on every rank of the group."""
+    ps = group(2)
+    if ps is None:
+        return
+    odd = ps.rank() == 1
+    ref = mlp(31)
+    plan = dict(MLP_PLAN)
+    if case == "rest":
+        ref = randomize(keras.Sequential([keras.Input((8,), dtype=D), *ref.layers,
+                                          keras.layers.Dense(3, name="dense_c", dtype=D)]), 31)
+        if odd:  # a layer the plan leaves whole, different on one rank
+            ref.layers[2].kernel.assign(ref.layers[2].kernel + 1.0)
+    elif odd:
+        plan.pop("dense_b")
+    with pytest.raises(hvd.MismatchError, match=r"parallelize: the ranks passed different values: .* on rank "
+                                                r"\d.*Every rank of a tensor group must split the same unsplit"):
+        parallelize(ref, plan, ps)
+    model = parallelize(mlp(31), MLP_PLAN, ps)  # made alike, it works
+    x = seeded(34, 4, 8)
+    close(model(x), mlp(31)(x))
 
 
 def test_a_subclassed_or_unbuilt_model_is_refused():

@@ -469,6 +469,32 @@ def test_dropout_without_a_seed_is_refused():
         tensor_parallel_random._SEQUENCE.update(saved)
 
 
+@pytest.mark.parametrize("tp", [tp for tp in TPS if tp > 1])
+def test_dropout_seeds_that_differ_are_refused(tp):
+    """A seed that differs on one rank of the group raises MismatchError on every rank of it, and so does a
+    layer whose seed from model_parallel_manual_seed's sequence differs because one rank built another layer
+    with dropout since the seeding; before 2026-12-05 both ran, and the block's replicated output differed
+    between the ranks by up to 6.8 (the audit's measurement)."""
+    ps = group(tp)
+    if ps is None:
+        return
+    odd = ps.rank() == tp - 1
+    with pytest.raises(hvd.MismatchError, match=r"model_parallel_manual_seed: the ranks passed different values: "
+                                                r"seed is 3 on ranks? .*Every rank of a tensor group must use"):
+        hvd.model_parallel_manual_seed(3 + odd, ps)
+    hvd.model_parallel_manual_seed(3, ps)
+    if odd:  # one more layer with dropout on this rank alone (its own group of one)
+        hvd.ParallelSelfAttention(8, 2, attention_dropout=0.1, process_set=hvd.ProcessSet([R]))
+    with pytest.raises(hvd.MismatchError, match=r"ParallelTransformerBlock \(its dropout seed from "
+                                                r"model_parallel_manual_seed's sequence\).*seed is"):
+        hvd.ParallelTransformerBlock(4 * tp, tp, 4 * tp, process_set=ps, hidden_dropout=0.3, dtype=D)
+    hvd.model_parallel_manual_seed(3, ps)
+    block = hvd.ParallelTransformerBlock(4 * tp, tp, 4 * tp, process_set=ps, hidden_dropout=0.3, dtype=D)
+    out = block(seeded(47, 2, SEQ, 4 * tp), training=True)
+    outs = hvd.allgather_object(np.asarray(out).tolist(), process_set=ps)
+    assert all(o == outs[0] for o in outs)  # one mask on the replicated activations
+
+
 # ------------------------------------------------------------------ a GPT through the Keras pipeline on the grid
 
 VOCAB, GPT_SEQ, GPT_HIDDEN, GPT_HEADS, GPT_FFN = 16, 6, 8, 4, 16
@@ -597,6 +623,52 @@ def test_sizes_not_divisible_by_the_group_raise(tp, build, what):
      "activation")], ids=DIFFERENT_BUILD_IDS + ["dtype", "row-activation"])
 def test_a_layer_built_differently_on_one_rank_raises_on_every_rank(tp, build, what):
     check_different_build(hvd, SETS, tp, build, what)
+
+
+SOURCE_MISMATCH = (r"the ranks passed different values: .*{what} is .* on rank \d.*"
+                   r"Every rank of a tensor group must split the same unsplit model")
+
+
+def layer_norm(hidden: int, seed: int) -> keras.layers.LayerNormalization:
+    norm = keras.layers.LayerNormalization(dtype=D)
+    norm.build((None, 2, hidden))
+    return randomize(norm, seed)
+
+
+@pytest.mark.parametrize("tp", [tp for tp in TPS if tp > 1])
+@pytest.mark.parametrize("case", ["weights", "config", "unbuilt-on-one-rank", "norm", "attention"])
+def test_splitting_different_sources_raises_on_every_rank(tp, case):
+    """[Note: one unsplit source on every rank]: from_* refuse, on every rank of the group, a source whose
+    weights or configuration differ between the ranks (before 2026-12-05 the shards came from different
+    matrices and the replicated bias differed per rank, silently) or that one rank refuses (that rank raised
+    alone and the others waited); then the same split made alike works."""
+    ps = group(tp)
+    if ps is None:
+        return
+    odd = ps.rank() == tp - 1
+    weights = SOURCE_MISMATCH.format(what=r"source weights \(digest\)")
+    if case == "weights":
+        with pytest.raises(hvd.MismatchError, match=weights):
+            hvd.RowParallelLinear.from_dense(dense(40 + odd, 4 * tp, 4), process_set=ps)
+    elif case == "config":
+        source = dense(40, 4, 4 * tp, kernel_regularizer=keras.regularizers.L2(0.1 if odd else 0.2))
+        with pytest.raises(hvd.MismatchError, match=weights):
+            hvd.ColumnParallelLinear.from_dense(source, process_set=ps)
+    elif case == "unbuilt-on-one-rank":
+        source = keras.layers.Dense(4 * tp, dtype=D) if odd else dense(40, 4, 4 * tp)
+        with pytest.raises(hvd.MismatchError, match="refusal is none on .*ValueError: .*needs a built Dense"):
+            hvd.ColumnParallelLinear.from_dense(source, process_set=ps)
+    elif case == "norm":
+        ref = [layer_norm(4 * tp, 41), mha(42, 4 * tp, tp), layer_norm(4 * tp, 43 + odd),
+               dense(44, 4 * tp, 4 * tp), dense(45, 4 * tp, 4 * tp)]
+        with pytest.raises(hvd.MismatchError, match=weights):
+            hvd.ParallelTransformerBlock.from_layers(*ref, process_set=ps)
+    else:
+        with pytest.raises(hvd.MismatchError, match=weights):
+            hvd.ParallelSelfAttention.from_multi_head_attention(mha(42 + odd, 4 * tp, tp), process_set=ps)
+    layer = hvd.ColumnParallelLinear.from_dense(dense(40, 4, 4 * tp), gather_output=True, process_set=ps)
+    x = seeded(46, 2, 4)
+    close(layer(x), dense(40, 4, 4 * tp)(x))
 
 
 def test_builders_refuse_what_they_cannot_split():
@@ -868,6 +940,7 @@ def test_vocab_parallel_embedding_keeps_its_regularizer_and_row_norm(tp):
                           (dict(activity_regularizer=keras.regularizers.L2(0.1)), "activity_regularizer")):
         other = keras.layers.Embedding(3 * tp, 4, dtype=D, **bad)
         other.build((None,))
+        randomize(other, 46)  # one source on every rank of the group
         with pytest.raises(ValueError, match=fragment):
             hvd.VocabParallelEmbedding.from_embedding(other, process_set=ps)
 

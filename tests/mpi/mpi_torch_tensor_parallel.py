@@ -484,6 +484,28 @@ def test_block_dropout_is_reproducible_and_the_group_agrees(tp, sequence_paralle
         hvd.ParallelTransformerBlock(hidden, 2 * tp, 8 * tp, process_set=ps, hidden_dropout=1.0)
 
 
+@pytest.mark.parametrize("tp", [tp for tp in TPS if tp > 1])
+def test_dropout_seeds_that_differ_are_refused(tp):
+    """A seed that differs on one rank of the group (seed + rank) raises MismatchError on every rank of it, and
+    hidden dropout without model_parallel_manual_seed is refused; before 2026-12-05 both ran, and the block's
+    replicated output differed between the ranks by up to 4.8 (the audit's measurement)."""
+    ps = group(tp)
+    if ps is None:
+        return
+    with pytest.raises(hvd.MismatchError, match=r"model_parallel_manual_seed: the ranks passed different values: "
+                                                r"seed is 3 on ranks? .*Every rank of a tensor group must use"):
+        hvd.model_parallel_manual_seed(3 + (ps.rank() == tp - 1), ps)
+    block = hvd.ParallelTransformerBlock(4 * tp, tp, 4 * tp, process_set=ps, dtype=D, hidden_dropout=0.3)
+    hvd.get_rng_tracker().reset()
+    torch.manual_seed(100 + R)  # each rank its own default generator
+    with pytest.raises(ValueError, match="hidden dropout in training needs .*model_parallel_manual_seed"):
+        block(seeded(47, 2, SEQ, 4 * tp))
+    hvd.model_parallel_manual_seed(3, ps)
+    out = block(seeded(47, 2, SEQ, 4 * tp))
+    outs = hvd.allgather_object(out.tolist(), process_set=ps)
+    assert all(o == outs[0] for o in outs)  # one mask on the replicated activations
+
+
 # ------------------------------------------------------------------ a GPT on the data x pipeline x tensor grid
 
 VOCAB, GPT_SEQ, GPT_HIDDEN, GPT_HEADS, GPT_FFN = 16, 6, 8, 4, 16
@@ -706,6 +728,55 @@ def test_sizes_not_divisible_by_the_group_raise(tp, build, what):
      "activation")], ids=DIFFERENT_BUILD_IDS + ["dtype", "mlp-activation"])
 def test_a_layer_built_differently_on_one_rank_raises_on_every_rank(tp, build, what):
     check_different_build(hvd, SETS, tp, build, what)
+
+
+SOURCE_MISMATCH = (r"the ranks passed different values: .*{what} is .* on rank \d.*"
+                   r"Every rank of a tensor group must split the same unsplit model")
+
+
+@pytest.mark.parametrize("tp", [tp for tp in TPS if tp > 1])
+@pytest.mark.parametrize("case", ["weights", "hook-on-one-rank", "hook-everywhere", "norm", "parallelize-rest",
+                                  "parallelize-plan"])
+def test_splitting_different_sources_raises_on_every_rank(tp, case):
+    """[Note: one unsplit source on every rank]: from_* and parallelize refuse, on every rank of the group, a
+    source that differs between the ranks (before 2026-12-05 the shards came from different matrices and the
+    replicated parts differed per rank, silently) or that one rank refuses (that rank raised alone and the
+    others waited in the layer's collectives); then the same split made alike works."""
+    ps = group(tp)
+    if ps is None:
+        return
+    odd = ps.rank() == tp - 1
+    if case == "weights":
+        with pytest.raises(hvd.MismatchError, match=SOURCE_MISMATCH.format(what=r"source weights \(digest\)")):
+            hvd.ColumnParallelLinear.from_linear(linear(40 + odd, 4, 4 * tp), process_set=ps)
+    elif case in ("hook-on-one-rank", "hook-everywhere"):
+        source = linear(40, 4 * tp, 4)
+        if odd or case == "hook-everywhere":
+            source.register_forward_hook(lambda *args: None)
+        error = hvd.MismatchError if case == "hook-on-one-rank" else ValueError
+        with pytest.raises(error, match="forward hooks") as info:
+            hvd.RowParallelLinear.from_linear(source, process_set=ps)
+        assert (type(info.value) is ValueError) == (case == "hook-everywhere")
+    elif case == "norm":
+        ln1, attn, ln2 = nn.LayerNorm(4 * tp, dtype=D), mha(41, 4 * tp, tp), nn.LayerNorm(4 * tp, dtype=D)
+        with torch.no_grad():
+            ln2.weight.fill_(2.0 if odd else 1.0)
+        with pytest.raises(hvd.MismatchError, match=SOURCE_MISMATCH.format(what=r"source weights \(digest\)")):
+            hvd.ParallelTransformerBlock.from_modules(ln1, attn, ln2, linear(42, 4 * tp, 4 * tp),
+                                                      linear(43, 4 * tp, 4 * tp), process_set=ps)
+    else:
+        model = mlp(31)
+        plan = dict(MLP_PLAN)
+        if case == "parallelize-rest":
+            model.append(linear(44 + odd, 8, 8))  # a layer the plan leaves whole, different on one rank
+        elif odd:
+            plan.pop("2")
+        with pytest.raises(hvd.MismatchError, match=SOURCE_MISMATCH.format(what="")):
+            hvd.parallelize(model, plan, ps)
+        assert isinstance(model[0], nn.Linear)  # unchanged
+    layer = hvd.ColumnParallelLinear.from_linear(linear(40, 4, 4 * tp), gather_output=True, process_set=ps)
+    x = seeded(45, 2, 4)
+    close(layer(x), linear(40, 4, 4 * tp)(x))
 
 
 def test_grid_registers_its_tensor_groups():

@@ -27,7 +27,7 @@ import keras
 import tensorflow as tf
 
 from unison.common.engine.process_sets import ProcessSet, global_process_set
-from unison.common.tensor_parallel.groups import agree_on_layer, describe, group_position
+from unison.common.tensor_parallel.groups import agree_on_layer, agree_on_source, describe, group_position
 from unison.common.tensor_parallel.sequence import check_column_options, check_row_options
 from unison.common.tensor_parallel.sharding import divisible_shard
 from unison.tf_backend.tensor_parallel_comm import (
@@ -61,6 +61,27 @@ def _check_dense(dense: Any, owner: str) -> None:
     if not dense.built:
         raise ValueError(f"{owner}.from_dense needs a built Dense (its kernel exists); call it on an input or "
                          f"dense.build(input_shape) first: {dense.name!r} is not built")
+
+
+def source_arrays(*layers: Any) -> list:
+    """Built Keras layers as ``agree_on_source`` compares them: each one's class and configuration (without
+    its per-process name: activation, regularizers, constraints) and its weights' values."""
+    out: list = []
+    for layer in layers:
+        out.append(describe(layer))
+        out.extend(keras.ops.convert_to_numpy(weight) for weight in layer.weights)
+    return out
+
+
+def _agree_on_dense(dense: Any, owner: str, process_set: ProcessSet) -> None:
+    """``from_dense``'s check of ``dense``, and the group's agreement that every rank holds the same one."""
+
+    def source() -> list:
+        _check_dense(dense, owner)
+        return source_arrays(dense)
+
+    group_position(process_set, owner)
+    agree_on_source(f"{owner}.from_dense", process_set, source)  # [Note: one unsplit source on every rank]
 
 
 #: activations over all of a layer's units, not element by element (by function name: Keras's,
@@ -238,8 +259,12 @@ class ColumnParallelLinear(_ParallelDense):
     def from_dense(cls, dense: keras.layers.Dense, gather_output: bool = False,
                    process_set: ProcessSet = global_process_set,
                    sequence_parallel: bool = False) -> ColumnParallelLinear:
-        """This rank's shard (kernel columns and bias ``start:stop``, the activation) of a built ``dense``."""
-        _check_dense(dense, cls._owner)
+        """This rank's shard (kernel columns and bias ``start:stop``, the activation) of a built ``dense``.
+
+        Collective over the group: the ranks first agree that they hold the same ``dense`` (configuration and
+        weights: [Note: one unsplit source on every rank]; ``MismatchError`` on every rank when they do not).
+        """
+        _agree_on_dense(dense, cls._owner, process_set)
         fan_in, fan_out = _in_out(dense)
         layer = cls(fan_in, fan_out, dense.bias is not None, gather_output, process_set, dense.activation,
                     sequence_parallel, dtype=dense.dtype_policy)
@@ -305,8 +330,12 @@ class RowParallelLinear(_ParallelDense):
     def from_dense(cls, dense: keras.layers.Dense, input_is_parallel: bool = True,
                    process_set: ProcessSet = global_process_set,
                    sequence_parallel: bool = False) -> RowParallelLinear:
-        """This rank's shard (kernel rows ``start:stop``, the whole bias, the activation) of a built ``dense``."""
-        _check_dense(dense, cls._owner)
+        """This rank's shard (kernel rows ``start:stop``, the whole bias, the activation) of a built ``dense``.
+
+        Collective over the group: the ranks first agree that they hold the same ``dense`` (configuration and
+        weights: [Note: one unsplit source on every rank]; ``MismatchError`` on every rank when they do not).
+        """
+        _agree_on_dense(dense, cls._owner, process_set)
         fan_in, fan_out = _in_out(dense)
         layer = cls(fan_in, fan_out, dense.bias is not None, input_is_parallel, process_set, dense.activation,
                     sequence_parallel, dtype=dense.dtype_policy)
@@ -359,15 +388,21 @@ class VocabParallelEmbedding(keras.layers.Layer):
             ValueError: not built, ``mask_zero``, quantized, an ``activity_regularizer``, or a
                 regularizer or constraint that does not split over the vocabulary.
         """
-        if not isinstance(embedding, keras.layers.Embedding):
-            raise TypeError("VocabParallelEmbedding.from_embedding needs a keras.layers.Embedding; received "
-                            f"{type(embedding).__name__}")
-        if not embedding.built or embedding.mask_zero:
-            raise ValueError("VocabParallelEmbedding.from_embedding needs a built Embedding without mask_zero; "
-                             f"received built={embedding.built}, mask_zero={embedding.mask_zero}")
         owner = "VocabParallelEmbedding.from_embedding"
-        refuse_quantized(embedding, owner)
-        refuse_activity_regularizer(embedding, owner)
+
+        def source() -> list:
+            if not isinstance(embedding, keras.layers.Embedding):
+                raise TypeError("VocabParallelEmbedding.from_embedding needs a keras.layers.Embedding; received "
+                                f"{type(embedding).__name__}")
+            if not embedding.built or embedding.mask_zero:
+                raise ValueError("VocabParallelEmbedding.from_embedding needs a built Embedding without "
+                                 f"mask_zero; received built={embedding.built}, mask_zero={embedding.mask_zero}")
+            refuse_quantized(embedding, owner)
+            refuse_activity_regularizer(embedding, owner)
+            return source_arrays(embedding)
+
+        group_position(process_set, "VocabParallelEmbedding")
+        agree_on_source(owner, process_set, source)  # [Note: one unsplit source on every rank]
         layer = cls(embedding.input_dim, embedding.output_dim, process_set, dtype=embedding.dtype_policy)
         layer.embeddings.assign(embedding.embeddings[layer.start:layer.stop])
         # a shard holds whole vectors (rows): a norm over axis 1 is whole on it, one over axis 0 is not

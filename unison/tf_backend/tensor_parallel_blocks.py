@@ -37,7 +37,7 @@ import keras
 import tensorflow as tf
 
 from unison.common.engine.process_sets import ProcessSet, global_process_set
-from unison.common.tensor_parallel.groups import agree_on_layer
+from unison.common.tensor_parallel.groups import agree_on_layer, agree_on_source
 from unison.common.tensor_parallel.rng import check_probability
 from unison.common.tensor_parallel.sharding import check_divisible
 from unison.tf_backend.tensor_parallel import (
@@ -46,6 +46,7 @@ from unison.tf_backend.tensor_parallel import (
     copy_penalty,
     group_position,
     refuse_activity_regularizer,
+    source_arrays,
 )
 from unison.tf_backend.tensor_parallel_comm import check_sequence, copy_to_group
 from unison.tf_backend.tensor_parallel_random import LAYER_SEED_STRIDE, dropout_generators
@@ -98,7 +99,15 @@ class ParallelMLP(keras.layers.Layer):
             ValueError: layers that do not chain, one with a bias and one without, or what
                 ``ColumnParallelLinear.from_dense`` / ``RowParallelLinear.from_dense`` refuse.
         """
-        hidden, ffn = _check_pair(fc1, fc2)
+        found: dict[str, tuple[int, int]] = {}
+
+        def source() -> list:
+            found["sizes"] = _check_pair(fc1, fc2)
+            return []  # (each from_dense compares its layer)
+
+        group_position(process_set, "ParallelMLP")
+        agree_on_source("ParallelMLP.from_dense_pair", process_set, source)  # [Note: one unsplit source ...]
+        hidden, ffn = found["sizes"]
         mlp = cls(hidden, ffn, fc1.use_bias, fc1.activation, process_set, fc2.activation, sequence_parallel,
                   dtype=fc1.dtype_policy)
         _load(mlp.fc1, ColumnParallelLinear.from_dense(fc1, process_set=process_set))
@@ -252,7 +261,16 @@ class ParallelSelfAttention(keras.layers.Layer):
                 ``activity_regularizer``, another regularizer or constraint, or q, k and v with
                 different ones (they become one fused weight).
         """
-        hidden, heads = _check_mha(mha)
+        found: dict[str, tuple[int, int]] = {}
+
+        def source() -> list:
+            found["sizes"] = _check_mha(mha)
+            return source_arrays(mha)
+
+        group_position(process_set, "ParallelSelfAttention")
+        # [Note: one unsplit source on every rank]
+        agree_on_source("ParallelSelfAttention.from_multi_head_attention", process_set, source)
+        hidden, heads = found["sizes"]
         attn = cls(hidden, heads, causal, mha.use_bias, process_set, attention_dropout, seed, sequence_parallel,
                    dtype=mha.dtype_policy)
         _copy_mha_penalties(mha, attn, process_set)
@@ -352,10 +370,19 @@ class ParallelTransformerBlock(keras.layers.Layer):
             ValueError: what :func:`_check_norm`, ``ParallelSelfAttention.from_multi_head_attention``
                 or ``ParallelMLP.from_dense_pair`` refuse.
         """
-        for norm in (ln1, ln2):
-            _check_norm(norm)
-        hidden, heads = _check_mha(attn)
-        _, ffn = _check_pair(fc1, fc2)
+        found: dict[str, int] = {}
+
+        def source() -> list:
+            for norm in (ln1, ln2):
+                _check_norm(norm)
+            found["hidden"], found["heads"] = _check_mha(attn)
+            found["ffn"] = _check_pair(fc1, fc2)[1]
+            return source_arrays(ln1, ln2)  # (the attention and the MLP: their from_* compare them)
+
+        group_position(process_set, "ParallelTransformerBlock")
+        # [Note: one unsplit source on every rank]
+        agree_on_source("ParallelTransformerBlock.from_layers", process_set, source)
+        hidden, heads, ffn = found["hidden"], found["heads"], found["ffn"]
         block = cls(hidden, heads, ffn, causal, ln1.epsilon, fc1.activation, process_set, hidden_dropout,
                     attention_dropout, seed, sequence_parallel, attn.use_bias, fc1.use_bias, fc2.activation,
                     dtype=fc1.dtype_policy)

@@ -32,6 +32,7 @@ import keras
 from keras.src.models.functional import Functional  # clone_model's own test for a functional model
 
 from unison.common.engine.process_sets import ProcessSet, global_process_set
+from unison.common.tensor_parallel.groups import agree_on_source, group_position
 from unison.common.tensor_parallel.plan import Placement, resolve_plan
 from unison.tf_backend.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
@@ -143,7 +144,22 @@ def parallelize(model: keras.Model, plan: Mapping[str, Any],
                          "the model before compiling it, then compile the result with DistributedOptimizer"
                          "(..., process_set=sets.dp) (the data-parallel group, not the whole job)")
     layers = _layers(model)
-    placements = resolve_plan([(path, _kind(layer)) for path, layer in layers.items()], plan, _KIND_NAMES)
+    found: dict[str, dict[str, Placement]] = {}
+
+    def source() -> list:
+        placements = resolve_plan([(path, _kind(layer)) for path, layer in layers.items()], plan, _KIND_NAMES)
+        found["placements"] = placements
+        order = {path: index for index, path in enumerate(layers)}  # (auto names may differ between ranks)
+        split = {id(w) for path in placements for w in layers[path].weights}
+        return ([f"layer {order[path]}: {placement.style} {sorted(placement.options.items())}"
+                 for path, placement in placements.items()]
+                + [keras.ops.convert_to_numpy(w) for w in model.weights if id(w) not in split])
+
+    group_position(process_set, "parallelize")
+    # [Note: one unsplit source on every rank]: the same plan and, outside the split layers (each from_* compares
+    # its own), the same weights on every rank of the group
+    agree_on_source("parallelize", process_set, source)
+    placements = found["placements"]
     built = {id(layers[path]): _build(layers[path], placement, process_set)
              for path, placement in placements.items()}
     new = keras.models.clone_model(model, clone_function=lambda layer: built.get(id(layer), layer), recursive=True)

@@ -17,7 +17,7 @@ from typing import Any
 import keras
 
 from unison.common.engine.process_sets import ProcessSet, global_process_set
-from unison.common.tensor_parallel.groups import group_position
+from unison.common.tensor_parallel.groups import agree_on_seed, group_position
 from unison.common.tensor_parallel.rng import model_parallel_seed
 
 __all__ = ["model_parallel_manual_seed", "dropout_generators"]
@@ -29,11 +29,17 @@ _SEQUENCE: dict[str, int | None] = {"seed": None, "count": 0}
 def model_parallel_manual_seed(seed: int, process_set: ProcessSet = global_process_set) -> None:
     """Seed Keras (``keras.utils.set_random_seed``) and the layer seeds that follow; every rank of the group.
 
+    Collective over the group: the ranks agree on ``seed`` (one 16-byte all-gather). Before 2026-12-05 a
+    seed that differed between them (``seed + rank``, a common habit) was taken, and the copies that dropout
+    must leave identical on every rank of the group drifted apart, with no error.
+
     Raises:
         ValueError: ``seed`` not a non-negative integer, or this rank not in ``process_set``.
+        MismatchError: the ranks of the group passed different seeds (on every rank of it).
     """
     _, shard = group_position(process_set, "model_parallel_manual_seed")
     model_parallel_seed(seed, shard)  # checks the seed
+    agree_on_seed("model_parallel_manual_seed", process_set, seed)
     keras.utils.set_random_seed(seed)
     _SEQUENCE.update(seed=seed, count=0)
 
@@ -53,5 +59,9 @@ def dropout_generators(owner: str, seed: int | None, process_set: ProcessSet) ->
                              "process_set) before building the layers")
         _SEQUENCE["count"] = int(_SEQUENCE["count"] or 0) + 1
         seed = base + LAYER_SEED_STRIDE * _SEQUENCE["count"]
+        # the layer's arguments were compared with seed=None on every rank; the seed the sequence gives is its
+        # count of layers with dropout built since the seeding, which drifts when one rank built another
+        # (before 2026-12-05 the ranks then drew different masks on replicated activations, silently)
+        agree_on_seed(f"{owner} (its dropout seed from model_parallel_manual_seed's sequence)", process_set, seed)
     own = model_parallel_seed(seed, shard)
     return keras.random.SeedGenerator(seed), keras.random.SeedGenerator(own)

@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from unison.common.engine.process_sets import ProcessSet, global_process_set
-from unison.common.tensor_parallel.groups import agree_on_layer, group_position
+from unison.common.tensor_parallel.groups import agree_on_layer, agree_on_source, group_position
 from unison.common.tensor_parallel.sequence import check_column_options, check_row_options
 from unison.common.tensor_parallel.sharding import divisible_shard
 from unison.torch_backend.tensor_parallel_comm import (
@@ -163,6 +163,26 @@ def _check_linear(linear: nn.Linear, owner: str) -> None:
     _check_source(linear, owner, "from_linear", nn.Linear)
 
 
+def source_arrays(*tensors: torch.Tensor | None) -> list:
+    """The tensors as ``agree_on_source`` compares them: each one's bytes (any dtype: bfloat16 too), shape
+    and dtype; a missing one (None) and a meta tensor (no data) by what they are."""
+    out: list = []
+    for tensor in tensors:
+        if tensor is None:
+            out.append("none")
+        elif tensor.is_meta:
+            out.append(f"meta {tuple(tensor.shape)} {tensor.dtype}")
+        else:
+            out.append(f"{tuple(tensor.shape)} {tensor.dtype}")
+            out.append(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return out
+
+
+def _linear_source(linear: nn.Linear, owner: str) -> list:
+    _check_linear(linear, owner)
+    return source_arrays(linear.weight, linear.bias)
+
+
 class ColumnParallelLinear(_SplitLayer):
     """``nn.Linear(in_features, out_features)`` with the output features split over the tensor group.
 
@@ -205,8 +225,14 @@ class ColumnParallelLinear(_SplitLayer):
     def from_linear(cls, linear: nn.Linear, gather_output: bool = False,
                     process_set: ProcessSet = global_process_set,
                     sequence_parallel: bool = False) -> ColumnParallelLinear:
-        """This rank's shard (rows ``start:stop`` of weight and bias) of an unsplit ``linear``."""
-        _check_linear(linear, "ColumnParallelLinear")
+        """This rank's shard (rows ``start:stop`` of weight and bias) of an unsplit ``linear``.
+
+        Collective over the group: the ranks first agree that they hold the same ``linear`` ([Note: one
+        unsplit source on every rank]; ``MismatchError`` on every rank when they do not).
+        """
+        group_position(process_set, "ColumnParallelLinear")
+        agree_on_source("ColumnParallelLinear.from_linear", process_set,
+                        lambda: _linear_source(linear, "ColumnParallelLinear"))
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, gather_output,
                     process_set, linear.weight.dtype, linear.weight.device, sequence_parallel)
         _copy(layer.weight, linear.weight[layer.start:layer.stop])
@@ -269,8 +295,14 @@ class RowParallelLinear(_SplitLayer):
     def from_linear(cls, linear: nn.Linear, input_is_parallel: bool = True,
                     process_set: ProcessSet = global_process_set,
                     sequence_parallel: bool = False) -> RowParallelLinear:
-        """This rank's shard (weight columns ``start:stop``, the whole bias) of an unsplit ``linear``."""
-        _check_linear(linear, "RowParallelLinear")
+        """This rank's shard (weight columns ``start:stop``, the whole bias) of an unsplit ``linear``.
+
+        Collective over the group: the ranks first agree that they hold the same ``linear`` ([Note: one
+        unsplit source on every rank]).
+        """
+        group_position(process_set, "RowParallelLinear")
+        agree_on_source("RowParallelLinear.from_linear", process_set,
+                        lambda: _linear_source(linear, "RowParallelLinear"))
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, input_is_parallel,
                     process_set, linear.weight.dtype, linear.weight.device, sequence_parallel)
         _copy(layer.weight, linear.weight[:, layer.start:layer.stop])
@@ -318,14 +350,24 @@ class VocabParallelEmbedding(_SplitLayer):
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding,
                        process_set: ProcessSet = global_process_set) -> VocabParallelEmbedding:
-        """This rank's rows ``start:stop`` of an unsplit ``embedding`` (no padding_idx, max_norm)."""
-        _check_source(embedding, "VocabParallelEmbedding", "from_embedding", nn.Embedding)
-        if (embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse
-                or embedding.scale_grad_by_freq):
-            raise ValueError("VocabParallelEmbedding.from_embedding: padding_idx, max_norm, sparse and "
-                             "scale_grad_by_freq are not supported; received "
-                             f"padding_idx={embedding.padding_idx}, max_norm={embedding.max_norm}, "
-                             f"sparse={embedding.sparse}, scale_grad_by_freq={embedding.scale_grad_by_freq}")
+        """This rank's rows ``start:stop`` of an unsplit ``embedding`` (no padding_idx, max_norm).
+
+        Collective over the group: the ranks first agree that they hold the same ``embedding`` ([Note: one
+        unsplit source on every rank]).
+        """
+
+        def source() -> list:
+            _check_source(embedding, "VocabParallelEmbedding", "from_embedding", nn.Embedding)
+            if (embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse
+                    or embedding.scale_grad_by_freq):
+                raise ValueError("VocabParallelEmbedding.from_embedding: padding_idx, max_norm, sparse and "
+                                 "scale_grad_by_freq are not supported; received "
+                                 f"padding_idx={embedding.padding_idx}, max_norm={embedding.max_norm}, "
+                                 f"sparse={embedding.sparse}, scale_grad_by_freq={embedding.scale_grad_by_freq}")
+            return source_arrays(embedding.weight)
+
+        group_position(process_set, "VocabParallelEmbedding")
+        agree_on_source("VocabParallelEmbedding.from_embedding", process_set, source)
         layer = cls(embedding.num_embeddings, embedding.embedding_dim, process_set, embedding.weight.dtype,
                     embedding.weight.device)
         _copy(layer.weight, embedding.weight[layer.start:layer.stop])

@@ -30,10 +30,15 @@ from torch import nn
 from torch.nn import functional as F
 
 from unison.common.engine.process_sets import ProcessSet, global_process_set
-from unison.common.tensor_parallel.groups import agree_on_layer
+from unison.common.tensor_parallel.groups import agree_on_layer, agree_on_source
 from unison.common.tensor_parallel.rng import check_probability
 from unison.common.tensor_parallel.sharding import check_divisible
-from unison.torch_backend.tensor_parallel import ColumnParallelLinear, RowParallelLinear, group_position
+from unison.torch_backend.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    group_position,
+    source_arrays,
+)
 from unison.torch_backend.tensor_parallel_comm import check_sequence, copy_to_group
 from unison.torch_backend.tensor_parallel_random import get_rng_tracker
 
@@ -69,10 +74,23 @@ class ParallelMLP(nn.Module):
     @classmethod
     def from_linears(cls, fc1: nn.Linear, fc2: nn.Linear, activation: Activation = F.gelu,
                      process_set: ProcessSet = global_process_set, sequence_parallel: bool = False) -> ParallelMLP:
-        """This rank's shard of the unsplit ``fc2(activation(fc1(x)))``."""
-        if fc1.out_features != fc2.in_features:
-            raise ValueError(f"ParallelMLP.from_linears: fc1's out_features ({fc1.out_features}) must equal fc2's "
-                             f"in_features ({fc2.in_features})")
+        """This rank's shard of the unsplit ``fc2(activation(fc1(x)))``.
+
+        Collective over the group: the ranks first agree that they hold the same linears ([Note: one unsplit
+        source on every rank]; each ``from_linear`` compares the weights).
+        """
+
+        def source() -> list:
+            if not (isinstance(fc1, nn.Linear) and isinstance(fc2, nn.Linear)):
+                raise TypeError("ParallelMLP.from_linears needs two torch.nn.Linear; received "
+                                f"{type(fc1).__name__} and {type(fc2).__name__}")
+            if fc1.out_features != fc2.in_features:
+                raise ValueError(f"ParallelMLP.from_linears: fc1's out_features ({fc1.out_features}) must equal "
+                                 f"fc2's in_features ({fc2.in_features})")
+            return []
+
+        group_position(process_set, "ParallelMLP")
+        agree_on_source("ParallelMLP.from_linears", process_set, source)
         mlp = cls(fc1.in_features, fc1.out_features, activation=activation, process_set=process_set,
                   dtype=fc1.weight.dtype, sequence_parallel=sequence_parallel)
         mlp.fc1 = ColumnParallelLinear.from_linear(fc1, process_set=process_set,
@@ -150,11 +168,21 @@ class ParallelSelfAttention(nn.Module):
         Raises:
             ValueError: separate q/k/v sizes, ``add_bias_kv``, ``add_zero_attn`` or dropout.
         """
-        if not mha._qkv_same_embed_dim or mha.bias_k is not None or mha.add_zero_attn or mha.dropout:
-            raise ValueError("ParallelSelfAttention.from_multihead_attention needs plain self-attention: "
-                             "kdim == vdim == embed_dim, no add_bias_kv, no add_zero_attn, dropout=0; received "
-                             f"kdim={mha.kdim}, vdim={mha.vdim}, add_bias_kv={mha.bias_k is not None}, "
-                             f"add_zero_attn={mha.add_zero_attn}, dropout={mha.dropout}")
+
+        def source() -> list:
+            if not isinstance(mha, nn.MultiheadAttention):
+                raise TypeError("ParallelSelfAttention.from_multihead_attention needs a "
+                                f"torch.nn.MultiheadAttention; received {type(mha).__name__}")
+            if not mha._qkv_same_embed_dim or mha.bias_k is not None or mha.add_zero_attn or mha.dropout:
+                raise ValueError("ParallelSelfAttention.from_multihead_attention needs plain self-attention: "
+                                 "kdim == vdim == embed_dim, no add_bias_kv, no add_zero_attn, dropout=0; "
+                                 f"received kdim={mha.kdim}, vdim={mha.vdim}, "
+                                 f"add_bias_kv={mha.bias_k is not None}, add_zero_attn={mha.add_zero_attn}, "
+                                 f"dropout={mha.dropout}")
+            return source_arrays(mha.in_proj_weight, mha.in_proj_bias)  # (out_proj: from_linear compares it)
+
+        group_position(process_set, "ParallelSelfAttention")
+        agree_on_source("ParallelSelfAttention.from_multihead_attention", process_set, source)
         weight = mha.in_proj_weight
         attn = cls(mha.embed_dim, mha.num_heads, causal, mha.in_proj_bias is not None, process_set, weight.dtype,
                    attention_dropout, sequence_parallel,
@@ -232,7 +260,23 @@ class ParallelTransformerBlock(nn.Module):
                      fc2: nn.Linear, causal: bool = False, activation: Activation = F.gelu,
                      process_set: ProcessSet = global_process_set, hidden_dropout: float = 0.0,
                      attention_dropout: float = 0.0, sequence_parallel: bool = False) -> ParallelTransformerBlock:
-        """This rank's shard of the unsplit block made of these modules (norms copied whole)."""
+        """This rank's shard of the unsplit block made of these modules (norms copied whole).
+
+        Collective over the group: the ranks first agree that they hold the same modules ([Note: one unsplit
+        source on every rank]).
+        """
+
+        def source() -> list:
+            for module, kind in ((ln1, nn.LayerNorm), (attn, nn.MultiheadAttention), (ln2, nn.LayerNorm),
+                                 (fc1, nn.Linear), (fc2, nn.Linear)):
+                if not isinstance(module, kind):
+                    raise TypeError("ParallelTransformerBlock.from_modules needs (LayerNorm, MultiheadAttention, "
+                                    f"LayerNorm, Linear, Linear); received a {type(module).__name__} where a "
+                                    f"torch.nn.{kind.__name__} belongs")
+            return source_arrays(ln1.weight, ln1.bias, ln2.weight, ln2.bias) + [f"eps {ln1.eps} {ln2.eps}"]
+
+        group_position(process_set, "ParallelTransformerBlock")
+        agree_on_source("ParallelTransformerBlock.from_modules", process_set, source)
         block = cls(attn.embed_dim, attn.num_heads, fc1.out_features, causal, ln1.eps, activation, process_set,
                     fc1.weight.dtype, hidden_dropout, attention_dropout, sequence_parallel)
         block.ln1, block.ln2 = _clone_norm(ln1), _clone_norm(ln2)
@@ -256,6 +300,14 @@ class ParallelTransformerBlock(nn.Module):
         if self.sequence_parallel:
             with get_rng_tracker().fork():
                 return F.dropout(h, self.hidden_dropout)
+        if not get_rng_tracker().has():
+            # the replicated activations need one mask on every rank of the group: torch's default generator
+            # seeded alike, which model_parallel_manual_seed does (and agrees on). Before 2026-12-05 this drew
+            # from whatever each rank had seeded (torch.manual_seed(seed + rank), say), and the copies drifted
+            # apart silently; the attention's dropout and this one under sequence parallelism refused it
+            raise ValueError("ParallelTransformerBlock: hidden dropout in training needs the ranks of the tensor "
+                             "group to draw one mask: call model_parallel_manual_seed(seed, process_set) on "
+                             "every rank of the group first (the same seed)")
         return F.dropout(h, self.hidden_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,14 @@ from typing import Any
 from torch import nn
 
 from unison.common.engine.process_sets import ProcessSet, global_process_set
+from unison.common.tensor_parallel.groups import agree_on_source, group_position
 from unison.common.tensor_parallel.plan import Placement, resolve_plan
-from unison.torch_backend.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from unison.torch_backend.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    source_arrays,
+)
 
 __all__ = ["parallelize"]
 
@@ -128,10 +134,24 @@ def parallelize(model: nn.Module, plan: Mapping[str, Any],
             subclass with its own ``forward``, a parametrized layer or one with hooks); the model
             is then unchanged.
     """
-    layers = [(path, _kind(module)) for path, module in model.named_modules() if path]
-    placements = resolve_plan(layers, plan, _KIND_NAMES)
-    _check_matched(model, list(placements))
-    ties = _ties(model, placements)
+    found: dict[str, Any] = {}
+
+    def source() -> list:
+        layers = [(path, _kind(module)) for path, module in model.named_modules() if path]
+        placements = resolve_plan(layers, plan, _KIND_NAMES)
+        _check_matched(model, list(placements))
+        found["placements"], found["ties"] = placements, _ties(model, placements)
+        split = {id(p) for path in placements for p in model.get_submodule(path).parameters()}
+        rest = [(name, p) for name, p in model.named_parameters() if id(p) not in split]
+        return ([f"{path}: {placement.style} {sorted(placement.options.items())}"
+                 for path, placement in placements.items()]
+                + [name for name, _ in rest] + source_arrays(*(p for _, p in rest)))
+
+    group_position(process_set, "parallelize")
+    # [Note: one unsplit source on every rank]: the same plan and, outside the split layers (each from_* compares
+    # its own), the same weights on every rank of the group
+    agree_on_source("parallelize", process_set, source)
+    placements, ties = found["placements"], found["ties"]
     built = {path: _build(model.get_submodule(path), placement, process_set)
              for path, placement in placements.items()}
     for path, first in ties.items():  # one shard, shared as the unsplit model shared one tensor

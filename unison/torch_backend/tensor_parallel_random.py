@@ -26,7 +26,7 @@ import torch
 import torch.utils.checkpoint
 
 from unison.common.engine.process_sets import ProcessSet, global_process_set
-from unison.common.tensor_parallel.groups import group_position
+from unison.common.tensor_parallel.groups import agree_on_seed, group_position
 from unison.common.tensor_parallel.rng import MODEL_PARALLEL, RNGStatesTracker, model_parallel_seed
 
 __all__ = ["get_rng_tracker", "model_parallel_manual_seed", "activation_checkpoint"]
@@ -47,11 +47,17 @@ def get_rng_tracker() -> RNGStatesTracker:
 def model_parallel_manual_seed(seed: int, process_set: ProcessSet = global_process_set) -> None:
     """Seed the shared stream with ``seed`` and this shard's stream from it; call on every rank of the group.
 
+    Collective over the group: the ranks agree on ``seed`` (one 16-byte all-gather). Before 2026-12-05 a
+    seed that differed between them (``seed + rank``, a common habit) was taken, and the copies that dropout
+    must leave identical on every rank of the group drifted apart, with no error.
+
     Raises:
         ValueError: ``seed`` not a non-negative integer, or this rank not in ``process_set``.
+        MismatchError: the ranks of the group passed different seeds (on every rank of it).
     """
     _, shard = group_position(process_set, "model_parallel_manual_seed")
     mine = model_parallel_seed(seed, shard)
+    agree_on_seed("model_parallel_manual_seed", process_set, seed)
     torch.manual_seed(seed)
     _TRACKER.reset()
     _TRACKER.add(MODEL_PARALLEL, mine)
