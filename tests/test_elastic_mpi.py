@@ -576,6 +576,25 @@ def test_unisonrun_without_elastic_adds_nothing() -> None:
 
 
 # ------------------------------------------------------------------ Keras model.fit
+TF_SPARSE_SCRIPT = str(ROOT / "tests" / "mpi" / "mpi_tf_elastic_sparse.py")
+
+
+def test_a_traced_step_averages_sparse_gradients_over_the_ranks_left_after_a_shrink(tmp_path: Path) -> None:
+    """A user's tf.function (traced at 3 ranks) averages IndexedSlices over 2 after the shrink: every
+    average stays 1.0 (before 2026-12-05 the size was a constant of the trace: 0.667)."""
+    proc = mpirun(3, [*ELASTIC_MPI_ARGS, sys.executable, TF_SPARSE_SCRIPT, str(tmp_path)], timeout=240,
+                  env=mpi_env(UNISON_ELASTIC="1"))
+    detail = (f"\nexit {proc.returncode}\n--- stdout ---\n{proc.stdout[-3000:]}\n"
+              f"--- stderr ---\n{proc.stderr[-3000:]}")
+    ranks = _outcomes(tmp_path)  # see [Note: why not mpirun's exit status]
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["size"] == 2 for r in ranks), detail
+    for r in ranks:
+        assert [s[0] for s in r["seen"]] == [3, 3, 3, 2, 2, 2], detail
+        assert all(s[5] for s in r["seen"]), "the embedding's gradient was not IndexedSlices: nothing tested"
+        for size, *values, _ in r["seen"]:
+            assert values == [1.0, 1.0, 1.0, 1.0], f"averages at {size} ranks: {values}" + detail
+
+
 KERAS_SCRIPT = str(ROOT / "tests" / "mpi" / "mpi_keras_elastic.py")
 #: [Note: Keras's float32 replica scale] Under a tf.distribute strategy Keras multiplies each
 #: replica's loss by tf.cast(1.0 / replicas, dtype), which goes through float32: with 3 replicas

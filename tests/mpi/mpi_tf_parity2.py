@@ -357,6 +357,26 @@ def test_elastic_keras_state_of_models_that_differ_across_ranks_raises_on_every_
     assert all(x == w[0] for x in w)
 
 
+def test_elastic_sync_of_states_with_different_values_raises_on_every_rank():
+    """[Note: a sync agrees on what it syncs]: a value on one rank only was dropped from that rank's commits
+    (rank 0's names replaced its own), silently; now every rank raises MismatchError naming it."""
+    from unison.common.exceptions import MismatchError
+    from unison.tf_backend import elastic
+
+    if N == 1:
+        pytest.skip("needs two ranks")
+    v = tf.Variable([1.0, 2.0])
+    extra = {"best": 1.0} if R == N - 1 else {}
+    state = elastic.TensorFlowState([v], epoch=0, **extra)
+    with pytest.raises(MismatchError, match=r"elastic sync of a TensorFlowState .*value 'best'"):
+        state.sync()
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    keras_state = elastic.TensorFlowKerasState(model, keras.optimizers.SGD(0.1), epoch=0, **extra)
+    with pytest.raises(MismatchError, match=r"elastic sync of a TensorFlowKerasState .*value 'best'"):
+        keras_state.sync()
+    elastic.TensorFlowState([v], epoch=0).sync()
+
+
 def test_keras_module_has_every_horovod_keras_name():
     """horovod.tensorflow.keras and horovod.keras 0.28 in unison.tf_backend.keras, ``elastic`` included."""
     assert [n for n in HVD_TF_KERAS if not hasattr(hvd_keras, n)] == []

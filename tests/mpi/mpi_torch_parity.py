@@ -1052,6 +1052,38 @@ def test_elastic_sync_of_models_that_differ_across_ranks_raises_on_every_rank():
     assert all(x == w[0] for x in w)
 
 
+@multi
+@pytest.mark.parametrize("case", ["scheduler-on-one-rank", "sampler-seed", "value-on-one-rank"])
+def test_elastic_sync_of_states_tracking_different_things_raises_on_every_rank(case):
+    """[Note: a sync agrees on what it syncs]: a scheduler tracked on one rank only hung the first sync
+    (each rank waited in another broadcast); samplers seeded differently dealt overlapping samples (6 of
+    10 seen) and a value on one rank only was dropped from its commits, silently. Now every rank raises
+    MismatchError naming the difference, and a state made alike right after syncs."""
+    from unison.common.exceptions import MismatchError
+    from unison.torch_backend import elastic
+
+    odd = R == N - 1
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    extra: dict = {}
+    if case == "scheduler-on-one-rank" and odd:
+        extra["scheduler"] = torch.optim.lr_scheduler.StepLR(opt, 1)
+    elif case == "sampler-seed":
+        extra["sampler"] = elastic.ElasticSampler(list(range(10)), seed=int(odd))
+    elif case == "value-on-one-rank" and odd:
+        extra["best"] = 1.0
+    state = elastic.TorchState(model, opt, epoch=0, **extra)
+    shown = {"scheduler-on-one-rank": "scheduler: StepLR", "sampler-seed": r"sampler: ElasticSampler \(seed 1",
+             "value-on-one-rank": "value 'best'"}[case]
+    with pytest.raises(MismatchError, match=r"elastic sync of a TorchState \(its values and tracked objects\): "
+                                            rf"the ranks passed different items: .*{shown}"):
+        state.sync()
+    good = elastic.TorchState(model, opt, epoch=0, sampler=elastic.ElasticSampler(list(range(10)), seed=0))
+    good.sync()
+    w = hvd.allgather_object(model.weight.detach().numpy().tolist())
+    assert all(x == w[0] for x in w)
+
+
 def test_elastic_state_refuses_values_named_as_its_own_attributes():
     from unison.common.elastic import ObjectState
 

@@ -153,8 +153,9 @@ class TensorFlowState(ObjectState):
         super().restore()
 
     def sync(self) -> None:
+        self.agree_before_sync()
         _broadcast(self.variables, "variables")
-        super().sync()
+        self._sync_values()
         self.save()
 
     def commit_payload(self) -> dict[str, Any]:
@@ -250,9 +251,10 @@ class TensorFlowKerasState(ObjectState):
 
     def sync(self) -> None:
         self._follow()
+        self.agree_before_sync()
         _broadcast(list(self.model.weights), "model")
         _broadcast(self._optimizer_variables(), "optimizer")
-        super().sync()
+        self._sync_values()
         self.save()
 
     def commit_payload(self) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from unison.common.engine import frontend, objects
 from unison.common.engine.process_sets import ProcessSet, global_process_set, set_size
 from unison.common.ops import Average, ReduceOp, Sum, parse_op
 from unison.tf_backend import host_ops
-from unison.tf_backend.mpi_ops import _name, allgather, broadcast
+from unison.tf_backend.mpi_ops import _name, allgather, broadcast, size_now
 from unison.tf_backend.op_base import call_name, dense_gradient, traced_function_path
 
 __all__ = ["broadcast_variables", "DistributedGradientTape", "PartialDistributedGradientTape", "reduce_gradients",
@@ -250,15 +250,20 @@ def reduce_partial(grads: list[Any], variables: Sequence[Any], local: set[Any], 
     is_local = [source_key(v) in local for v in variables]
     masked = [None if loc else g for g, loc in zip(grads, is_local, strict=True)]
     out = reduce_gradients(masked, op, pre, post, compression, sparse_as_dense, name, process_set, variables)
-    factor = local_factor / set_size(process_set) if scale_local else local_factor
     for i, loc in enumerate(is_local):
         if loc:
-            out[i] = _scaled(grads[i], factor)
+            out[i] = _scaled(grads[i], local_factor)
+            if scale_local and out[i] is not None:  # (the size read when it runs: see size_now)
+                out[i] = _scaled(out[i], 1.0 / size_now(process_set, _dtype_of(out[i])))
     return out
 
 
-def _scaled(g: Any, factor: float) -> Any:
-    if g is None or factor == 1.0:
+def _dtype_of(g: Any) -> Any:
+    return g.values.dtype if isinstance(g, tf.IndexedSlices) else tf.convert_to_tensor(g).dtype
+
+
+def _scaled(g: Any, factor: Any) -> Any:
+    if g is None or (isinstance(factor, float) and factor == 1.0):
         return g
     if isinstance(g, tf.IndexedSlices):
         return tf.IndexedSlices(g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape)
@@ -424,7 +429,7 @@ def _reduce_sparse(g: tf.IndexedSlices, op: Any, scale: float, name: str,
     values = allgather(g.values, name=f"{name}.values", process_set=process_set)
     indices = allgather(tf.cast(g.indices, tf.int64), name=f"{name}.indices", process_set=process_set)
     if parse_op(op) == Average:
-        values = values / tf.cast(set_size(process_set), values.dtype)
+        values = values / size_now(process_set, values.dtype)
     if scale != 1.0:
         values = values * tf.cast(scale, values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=g.dense_shape)

@@ -129,7 +129,7 @@ def _allreduce_sparse(t: tf.IndexedSlices, rop: Any, pre: float, post: float, ps
         raise NotImplementedError(f"prescale_factor={pre} / postscale_factor={post} are not supported with "
                                   "tf.IndexedSlices (as in Horovod); scale the values yourself")
     if rop == Average:
-        values = values / tf.cast(set_size(ps), values.dtype)
+        values = values / size_now(ps, values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=t.dense_shape)
 
 
@@ -262,7 +262,7 @@ def _grouped_sparse(slices: list[tf.IndexedSlices], rop: Any, pre: float, post: 
     indices = grouped_allgather([s.indices for s in slices], process_set=pset,
                                 ignore_name_scope=ignore_name_scope)
     if rop == Average:
-        values = [v / tf.cast(set_size(ps), v.dtype) for v in values]
+        values = [v / size_now(ps, v.dtype) for v in values]
     return [tf.IndexedSlices(v, i, dense_shape=s.dense_shape) for v, i, s in zip(values, indices, slices,
                                                                                  strict=True)]
 
@@ -280,7 +280,7 @@ def _reducescatter(x: tf.Tensor, rop: Any, name: str, pre: float, post: float,
 
         def grad(dy: tf.Tensor) -> tf.Tensor:
             if rop == Sum:
-                dy = dy * tf.cast(set_size(ps), dy.dtype)
+                dy = dy * size_now(ps, dy.dtype)
             return _allgather(dy, _op_name("allgather", name + "_grad", dy), ps, differentiable=False)
 
         return y, grad
@@ -355,9 +355,9 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compre
         ys = host_ops.run(start, list(ts), [t.dtype for t in ts], [_rows_shape(t) for t in ts], base)
 
         def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
-            scale = set_size(ps) if rop == Sum else 1
-            return [_allgather(dy * tf.cast(scale, dy.dtype), _op_name("allgather", f"{base}.{i}_grad", dy),
-                               ps, differentiable=False) for i, dy in enumerate(dys)]
+            return [_allgather(dy * size_now(ps, dy.dtype) if rop == Sum else dy,
+                               _op_name("allgather", f"{base}.{i}_grad", dy), ps, differentiable=False)
+                    for i, dy in enumerate(dys)]
 
         return ys, grad
 
@@ -413,6 +413,18 @@ def _query_op(value: Callable[[], int], name: str | None) -> tf.Tensor:
 def size_op(process_set_id: Any = 0, name: str | None = None) -> tf.Tensor:
     """The number of ranks (of the process set with this id, or a ProcessSet), as an int32 tensor."""
     return _query_op(lambda: set_size(_set_of(process_set_id)), name)
+
+
+def size_now(process_set: ProcessSet | None, dtype: Any) -> tf.Tensor:
+    """The size of ``process_set`` (None: every rank) as a ``dtype`` scalar read when the op runs: at once
+    eagerly, at each run of a traced function.
+
+    For the averages and scalings computed outside the engine (gathered ``IndexedSlices``, a reduce-scatter's
+    gradient): a size read while tracing was a constant of the function, so after an elastic reset changed the
+    number of ranks a user's ``tf.function`` step kept dividing by the old one (3 -> 2 ranks: sparse gradients
+    scaled by 2/3, silently, before 2026-12-05), where Horovod reads ``size_op()`` at run time.
+    """
+    return tf.cast(size_op(process_set if process_set is not None else 0), dtype)
 
 
 def local_size_op(name: str | None = None) -> tf.Tensor:

@@ -391,6 +391,7 @@ class TorchState(ObjectState):
                 self._handlers[name] = handler
                 setattr(self, name, value)
         super().__init__(bcast_object=_bcast_values, **plain)
+        self._agrees_before_sync = True  # (_bcast_values is Unison's broadcast)
 
     def __setattr__(self, name: str, value: Any) -> None:
         handler = self.__dict__.get("_handlers", {}).get(name)
@@ -414,13 +415,26 @@ class TorchState(ObjectState):
             handler.restore()
         super().restore()
 
+    def sync_structure(self) -> list[str]:
+        """The values' names, and each tracked object's name and kind (a sampler's seed, shuffle and
+        length too): [Note: a sync agrees on what it syncs]."""
+        tracked = []
+        for name, handler in self._handlers.items():
+            entry = f"{name}: {type(handler.value).__name__}"
+            if isinstance(handler, _SamplerHandler):
+                core = handler.value._core
+                entry += f" (seed {core.seed}, shuffle {core.shuffle}, {core.num_samples_total} samples)"
+            tracked.append(entry)
+        return [*super().sync_structure(), *sorted(tracked)]
+
     def sync(self) -> None:
-        for handler in self._handlers.values():
+        self.agree_before_sync()  # before the first broadcast: one a rank alone made hung the others
+        for _, handler in sorted(self._handlers.items()):  # (by name: each waits for its broadcast)
             if isinstance(handler, _SamplerHandler):
                 handler.sync(self.commit_id)
             else:
                 handler.sync()
-        super().sync()
+        self._sync_values()
         self.save()
 
     def commit_payload(self) -> dict[str, Any]:

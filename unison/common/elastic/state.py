@@ -25,7 +25,7 @@ import numpy as np
 from unison.common import runtime
 from unison.common.config import env_value
 from unison.common.elastic.store import ENV_NOTICE, store_from_env
-from unison.common.engine.objects import allgather_object, broadcast_object
+from unison.common.engine.objects import agree_on_names, allgather_object, broadcast_object
 from unison.common.exceptions import HostsUpdatedInterrupt, MismatchError
 
 __all__ = ["State", "ObjectState", "agree_structure"]
@@ -211,6 +211,9 @@ class ObjectState(State):
     def __init__(self, bcast_object: Callable[..., Any] | None = None, **kwargs: Any) -> None:
         self._refuse_taken_names(kwargs)
         self._bcast_object = bcast_object or broadcast_object
+        # a sync through Unison's own broadcast first agrees on what it syncs (a user's bcast_object may not
+        # be collective over Unison's engine: a test's identity, another framework's)
+        self._agrees_before_sync = bcast_object is None
         self._saved_state = copy.deepcopy(kwargs)
         self._set_attrs()
         super().__init__()
@@ -243,7 +246,31 @@ class ObjectState(State):
     def restore(self) -> None:
         self._set_attrs()
 
+    def sync_structure(self) -> list[str]:
+        """What every rank must hold alike for a sync: the committed values' names (subclasses add what they
+        track: objects and their kinds, a sampler's settings)."""
+        return [f"value {name!r}" for name in sorted(self._saved_state)]
+
+    def agree_before_sync(self) -> None:
+        """Collective: raise :class:`MismatchError` on every rank unless every rank's :meth:`sync_structure`
+        is the same (one 16-byte all-gather when it is).
+
+        [Note: a sync agrees on what it syncs] A sync broadcasts rank 0's values and objects one by one. Before
+        2026-12-05 a rank tracking an object the others did not (a scheduler on rank 0 only) waited in a
+        broadcast nobody else made, while the others waited in the next one: the first ``sync()`` of
+        ``run`` hung. A value only some ranks had was dropped silently from their commits (rank 0's names
+        replaced theirs), and samplers with different seeds dealt overlapping samples (6 of 10 seen, 3 twice,
+        with no error).
+        """
+        if self._agrees_before_sync:
+            agree_on_names(f"elastic sync of a {type(self).__name__} (its values and tracked objects)",
+                           self.sync_structure(), name="elastic.state.structure")
+
     def sync(self) -> None:
+        self.agree_before_sync()
+        self._sync_values()
+
+    def _sync_values(self) -> None:
         # the commit count travels too: ranks that committed a different number of times before a
         # failure would number their next commits apart (the restart tier's files of one commit id
         # holding different states on different hosts)
