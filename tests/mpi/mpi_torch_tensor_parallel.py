@@ -506,6 +506,20 @@ def test_dropout_seeds_that_differ_are_refused(tp):
     assert all(o == outs[0] for o in outs)  # one mask on the replicated activations
 
 
+def test_dropout_in_a_region_off_the_cpu_is_refused():
+    """The tracker's streams are CPU generator states, so dropout inside fork() on a CUDA tensor would draw
+    the CUDA generator's one mask on every shard: refused until per-device streams exist (meta tensors stand
+    in for CUDA ones here, on a group of one)."""
+    ps = group(1)
+    hvd.model_parallel_manual_seed(1, ps)
+    attn = hvd.ParallelSelfAttention(8, 2, attention_dropout=0.1, process_set=ps).to("meta")
+    with pytest.raises(NotImplementedError, match="ParallelSelfAttention: dropout inside a tensor-parallel "
+                                                  "region on meta tensors is not supported yet"):
+        attn(torch.empty(2, 4, 8, device="meta"))
+    attn.eval()
+    assert attn(torch.empty(2, 4, 8, device="meta")).shape == (2, 4, 8)  # no dropout: runs
+
+
 # ------------------------------------------------------------------ a GPT on the data x pipeline x tensor grid
 
 VOCAB, GPT_SEQ, GPT_HIDDEN, GPT_HEADS, GPT_FFN = 16, 6, 8, 4, 16

@@ -40,7 +40,7 @@ from unison.torch_backend.tensor_parallel import (
     source_arrays,
 )
 from unison.torch_backend.tensor_parallel_comm import check_sequence, copy_to_group
-from unison.torch_backend.tensor_parallel_random import get_rng_tracker
+from unison.torch_backend.tensor_parallel_random import get_rng_tracker, refuse_forked_off_cpu
 
 __all__ = ["ParallelMLP", "ParallelSelfAttention", "ParallelTransformerBlock"]
 
@@ -214,6 +214,7 @@ class ParallelSelfAttention(nn.Module):
     def _attend(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = (self._heads(t) for t in self.qkv(x).chunk(3, dim=-1))
         if self.training and self.attention_dropout > 0:
+            refuse_forked_off_cpu(q, "ParallelSelfAttention")
             with get_rng_tracker().fork():
                 context = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attention_dropout,
                                                          is_causal=self.causal)
@@ -298,6 +299,7 @@ class ParallelTransformerBlock(nn.Module):
         if not self.training or self.hidden_dropout == 0:
             return h
         if self.sequence_parallel:
+            refuse_forked_off_cpu(h, "ParallelTransformerBlock")
             with get_rng_tracker().fork():
                 return F.dropout(h, self.hidden_dropout)
         if not get_rng_tracker().has():

@@ -29,7 +29,7 @@ from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.common.tensor_parallel.groups import agree_on_seed, group_position
 from unison.common.tensor_parallel.rng import MODEL_PARALLEL, RNGStatesTracker, model_parallel_seed
 
-__all__ = ["get_rng_tracker", "model_parallel_manual_seed", "activation_checkpoint"]
+__all__ = ["get_rng_tracker", "model_parallel_manual_seed", "activation_checkpoint", "refuse_forked_off_cpu"]
 
 
 def _new_state(seed: int) -> torch.Tensor:
@@ -42,6 +42,25 @@ _TRACKER = RNGStatesTracker(_new_state, torch.get_rng_state, torch.set_rng_state
 def get_rng_tracker() -> RNGStatesTracker:
     """The process's tracker of named random states (``fork()`` enters the per-shard stream)."""
     return _TRACKER
+
+
+def refuse_forked_off_cpu(tensor: torch.Tensor, owner: str) -> None:
+    """Refuse dropout drawn inside ``fork()`` on a tensor that is not on the CPU.
+
+    The tracker's streams are states of torch's CPU generator: ``fork()`` switches that one only, so dropout on a
+    CUDA tensor would draw from the CUDA generator, which ``model_parallel_manual_seed`` seeds alike on every
+    rank: one mask on every shard, where each needs its own (Megatron keeps per-device streams; not built yet,
+    and not testable without a GPU).
+
+    Raises:
+        NotImplementedError: ``tensor`` is not on the CPU.
+    """
+    if tensor.device.type != "cpu":
+        raise NotImplementedError(
+            f"{owner}: dropout inside a tensor-parallel region on {tensor.device.type} tensors is not supported "
+            f"yet: the per-shard random streams are CPU generator states, and the {tensor.device.type} generator "
+            "would draw the same mask on every rank of the group. Use attention_dropout=0 (and hidden_dropout=0 "
+            "with sequence_parallel) on this device for now")
 
 
 def model_parallel_manual_seed(seed: int, process_set: ProcessSet = global_process_set) -> None:
