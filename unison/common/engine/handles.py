@@ -50,6 +50,16 @@ def _call(fn: Callable[[Handle], Any], handle: Handle) -> None:
 
 #: threads inside :meth:`Handle.wait`'s blocking part (changed under ``_completion``)
 _blocked = 0
+#: waits that found their handle done only when the liveness timeout woke them (changed under ``_completion``)
+_lost_wakeups = 0
+
+
+def lost_wakeups() -> int:
+    """How many blocked waits in this process found their handle done when the liveness timeout (not the
+    completion's wake-up) woke them: a wake-up lost to :func:`wake_waiters`'s lock-free shortcut, or a
+    completion that landed in the instant the timeout fired. A test's exact check where a latency bound
+    would be a guess (a slow network's tail reaches a second too)."""
+    return _lost_wakeups
 
 
 def wake_waiters() -> None:
@@ -124,7 +134,7 @@ class Handle:
         Raises:
             TimeoutError: not done within ``timeout`` seconds.
         """
-        global _blocked
+        global _blocked, _lost_wakeups
         if not self._done:
             engine = self._engine
             if engine is not None and timeout is None:  # run the cycle here when no other thread
@@ -138,8 +148,11 @@ class Handle:
                         left = LIVENESS_S if deadline is None else min(deadline - time.monotonic(), LIVENESS_S)
                         if deadline is not None and left <= 0:
                             raise TimeoutError(f"collective {self.name!r} did not finish within {timeout} s")
-                        if not _completion.wait(left) and not self._done:
-                            self._check_engine()
+                        if not _completion.wait(left):
+                            if self._done:
+                                _lost_wakeups += 1
+                            else:
+                                self._check_engine()
                 finally:
                     _blocked -= 1
         if self._error is not None:
