@@ -48,8 +48,10 @@ _ONE_MORE_PULL_AND_EXIT = textwrap.dedent("""
 
     runtime.init()
     rank = runtime.rank()
+    first = ps.ShardedTable(10, 2, name="first")
     table = ps.ShardedTable(10, 2, name="printed")
     table.push([1], np.ones((1, 2)))
+    first.push([2], np.ones((1, 2)))
     if rank == 0:  # a common slip: rank 0 alone reads the table, the others exit without close()
         try:
             table.to_numpy()
@@ -62,8 +64,10 @@ _ONE_MORE_PULL_AND_EXIT = textwrap.dedent("""
 @pytest.mark.mpi
 @pytest.mark.timeout(200)
 def test_a_bsp_operation_one_rank_makes_after_the_others_exited_raises_instead_of_hanging(tmp_path):
-    """The others' exit closes their BSP table (shutdown), which meets rank 0's pull: before 2026-12-05 BSP
-    tables were left open at shutdown and rank 0 waited in its pull for ever."""
+    """The others' exit closes their BSP tables (shutdown), which meets rank 0's pull: before 2026-12-05 BSP
+    tables were left open at shutdown and rank 0 waited in its pull for ever. The pull is on the later of two
+    open tables: closed one after another, the others waited in the first table's close while rank 0 waited
+    in its pull of the second (until 2026-12-05); they close together now."""
     script = tmp_path / "one_more.py"
     script.write_text(_ONE_MORE_PULL_AND_EXIT)
     proc = mpirun(2, [sys.executable, str(script)], timeout=120)

@@ -66,19 +66,29 @@ def _close_at_shutdown(state: Any) -> None:
     worker has closed. Under BSP every operation pairs across the ranks, and a rank that made one
     more (rank 0 alone printing the table with ``to_numpy()``) waited for ever in it once the others
     had exited (before 2026-12-05): their closing operation now meets it, and it raises the table's
-    "different operations" error instead. That holds for the earliest-created table still open: the
-    closing ranks wait in its close until every rank closes it, so an extra operation on a later
-    table still waits (close BSP tables on every rank in one order to choose when)."""
+    "different operations" error instead. The BSP tables close at once, each on a thread of its own
+    (each table has its own communicator): closed one after another, the closing ranks waited in the
+    first table's close for the rank whose extra operation was on a later table, which waited in that
+    operation for them (until 2026-12-05)."""
     with _registry_lock:
-        open_tables = list(_registry.values())
-    for table in open_tables:
-        if table.closed or not table.is_worker:
-            continue
-        logger.info("table %r: closing it at shutdown (call close() on every rank to choose when)", table.name)
-        try:
-            table.close()
-        except Exception:  # noqa: BLE001 - the other tables, and the rest of the shutdown, still run
-            logger.exception("table %r: closing it at shutdown failed", table.name)
+        open_tables = [t for t in _registry.values() if not t.closed and t.is_worker]
+    together = [t for t in open_tables if t.consistency.collective]
+    threads = [threading.Thread(target=_close_logged, args=(t,), name=f"unison-ps-close-{t.name}", daemon=True)
+               for t in together[1:]]
+    for thread in threads:
+        thread.start()
+    for table in together[:1] + [t for t in open_tables if not t.consistency.collective]:
+        _close_logged(table)
+    for thread in threads:
+        thread.join()
+
+
+def _close_logged(table: ShardedTable) -> None:
+    logger.info("table %r: closing it at shutdown (call close() on every rank to choose when)", table.name)
+    try:
+        table.close()
+    except Exception:  # noqa: BLE001 - the other tables, and the rest of the shutdown, still run
+        logger.exception("table %r: closing it at shutdown failed", table.name)
 
 
 runtime.add_exit_hook(_close_at_shutdown)
