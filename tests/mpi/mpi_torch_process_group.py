@@ -55,6 +55,19 @@ def test_all_reduce(op, reduce, async_op):
     np.testing.assert_allclose(t.numpy(), want, rtol=1e-12)
 
 
+def test_float16_sums_in_float16_on_the_default_group():
+    """As NCCL and gloo: the default group sums float16 in float16, so an average whose sum overflows is inf
+    (60000 each: the sum passes float16's 65504 from 2 ranks), and values that fit come out right."""
+    r, n = _rank_size()
+    t = torch.full((3,), 60000.0, dtype=torch.float16)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    assert torch.isinf(t).all() if n > 1 else t.tolist() == [60000.0] * 3
+    small = torch.tensor([0.5, -1.25, 3.0], dtype=torch.float16) * (r + 1)
+    dist.all_reduce(small, op=dist.ReduceOp.SUM)
+    assert small.dtype == torch.float16
+    np.testing.assert_array_equal(small.numpy(), np.array([0.5, -1.25, 3.0], np.float16) * sum(range(1, n + 1)))
+
+
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool], ids=str)
 def test_all_reduce_bitwise(dtype):
     r, n = _rank_size()

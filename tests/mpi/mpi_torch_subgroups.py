@@ -297,6 +297,29 @@ def test_integer_average_in_a_sub_group_truncates_after_a_wide_sum(pairs):
     assert out.tolist() == ([-1] if first else [2])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_precision_reduces_in_float32_in_a_sub_group(pairs, dtype):
+    """Sub-groups sum float16/bfloat16 in float32 and round once: two members' 60000.0 average to 60000 in
+    all_reduce and reduce_scatter_tensor, where a float16 sum (float16's largest finite value is 65504) is
+    inf; other values equal their float32 sum rounded to the dtype."""
+    group, members = _mine(pairs)
+    first = dist.get_rank() == members[0]
+    t = torch.full((2,), 60000.0, dtype=dtype)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG, group=group)
+    want_big = torch.tensor([60000.0], dtype=dtype).item()  # (bfloat16 holds 59904 or 60160: its own rounding)
+    assert t.tolist() == [want_big] * 2
+    scattered = torch.empty(1, dtype=dtype)
+    dist.reduce_scatter_tensor(scattered, torch.full((2,), 60000.0, dtype=dtype), op=dist.ReduceOp.AVG,
+                               group=group)
+    assert scattered.tolist() == [want_big]
+    mine = [1.0, 0.1, -3.3] if first else [2.0**-8, 0.2, 1.1]
+    out = torch.tensor(mine, dtype=dtype)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    a = torch.tensor([1.0, 0.1, -3.3], dtype=dtype).float()
+    b = torch.tensor([2.0**-8, 0.2, 1.1], dtype=dtype).float()
+    assert out.dtype == dtype and out.tolist() == (a + b).to(dtype).tolist()
+
+
 def test_outputs_of_another_dtype_are_refused_and_an_all_gather_future_is_flat(pairs):
     group, _ = _mine(pairs)
     with pytest.raises(TypeError, match="one dtype"):  # (cast silently before; gloo refuses)
