@@ -201,6 +201,32 @@ def test_hierarchical_allreduce_every_op(comms, layout, dtype):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", [np.dtype(np.int64), np.dtype(np.uint8), np.dtype(np.int8), np.dtype(np.bool_)],
+                         ids=str)
+def test_hierarchical_allreduce_bitwise(comms, layout, dtype):
+    """Band/Bor/Bxor through the hierarchical algorithm (its local reduce-scatter, cross-host all-reduce and
+    local all-gather) over every bit pattern of the dtype, against numpy, the same bits on every rank."""
+    comm = comms[layout]
+    ops = {ReduceOp.BAND: (np.bitwise_and, np.logical_and), ReduceOp.BOR: (np.bitwise_or, np.logical_or),
+           ReduceOp.BXOR: (np.bitwise_xor, np.logical_xor)}
+    for op, fns in ops.items():
+        for i, n in enumerate(SIZES):
+            rngs = [np.random.default_rng([88 + i, r]) for r in range(N)]
+            if dtype == np.bool_:
+                inputs = [g.integers(0, 2, size=n).astype(bool) for g in rngs]
+            else:
+                info = np.iinfo(dtype)
+                inputs = [g.integers(info.min, info.max, size=n, dtype=dtype, endpoint=True) for g in rngs]
+            got = run_allreduce(comm, inputs[R], op, "hierarchical")
+            digest_everywhere(got)
+            want = inputs[0]
+            for other in inputs[1:]:
+                want = fns[1 if dtype == np.bool_ else 0](want, other)
+            assert got.dtype == dtype
+            np.testing.assert_array_equal(got, want, err_msg=f"{op} n={n}")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_hierarchical_allreduce_inexact_floats_and_scaling(comms, layout):
     comm = comms[layout]
     for dtype, rtol in [(np.dtype(np.float32), 1e-5), (np.dtype(np.float64), 1e-12), (BF16, 2e-2)]:
