@@ -1083,6 +1083,27 @@ def test_data_differing_in_one_row_that_is_neither_first_middle_nor_last_raises_
     model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0)
 
 
+def test_a_large_array_is_digested_by_sampled_rows_and_a_difference_in_one_raises_on_every_rank(dp):
+    """An array over 64 MiB is digested by 64 rows spread evenly, the first and the last among them: data
+    differing in the last row raises on every rank, before any training (the rows are compared, not fitted)."""
+    from unison.keras import data_parallel
+
+    rows = data_parallel._WHOLE_BYTES // (4 * 4) + 8  # float32 (rows, 4): just over 64 MiB
+    big = np.zeros((rows, 4), np.float32)
+    assert big.nbytes > data_parallel._WHOLE_BYTES
+    same = data_parallel._rows_digest(big)
+    if R == N - 1:
+        big[-1, 0] = 1.0
+    assert (data_parallel._rows_digest(big) == same) == (R != N - 1)
+    with dp.scope():
+        model = make_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    if N > 1:
+        with pytest.raises(ValueError, match="the ranks passed different inputs") as info:
+            model.fit(big, np.zeros((rows, 1), np.float32), batch_size=GLOBAL_BATCH, epochs=1, verbose=0)
+        assert len(set(WORLD.allgather(str(info.value)))) == 1
+
+
 class Subclassed(keras.Model):
     def __init__(self):
         super().__init__()
