@@ -1104,6 +1104,28 @@ def test_a_large_array_is_digested_by_sampled_rows_and_a_difference_in_one_raise
         assert len(set(WORLD.allgather(str(info.value)))) == 1
 
 
+def test_models_computing_different_functions_raise_on_every_rank(dp):
+    """[Note: one function on every rank]: a model with another activation on one rank (the weights, broadcast
+    from rank 0, agree) trained each rank's rows through another function, silently (before 2026-12-05); fit,
+    evaluate and predict now raise on every rank, and the same model on every rank then trains."""
+    if N == 1:
+        pytest.skip("needs two ranks")
+    with dp.scope():
+        model = keras.Sequential([keras.Input((4,)),
+                                  keras.layers.Dense(8, activation="relu" if R == N - 1 else "tanh"),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    for call in (lambda: model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0),
+                 lambda: model.evaluate(X, Y, batch_size=GLOBAL_BATCH, verbose=0)):
+        with pytest.raises(ValueError, match=rf"the ranks' models compute different functions.*rank {N - 1} "
+                                             r"\(largest difference"):
+            call()
+    with dp.scope():
+        model = make_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0)
+
+
 class Subclassed(keras.Model):
     def __init__(self):
         super().__init__()

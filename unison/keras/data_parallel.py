@@ -206,6 +206,8 @@ class DataParallel:
             variables += list(optimizer.variables)
         _assign(variables, broadcast_arrays([_host.to_numpy(v) for v in variables],
                                             what="the model's and optimizer's variables (rank 0's to every rank)"))
+        if self.size > 1:
+            _agree_on_function(model)
 
     def average_state(self, model: Any) -> None:
         """Average the non-trainable float variables over the ranks (summed in float64: equal
@@ -276,6 +278,85 @@ def _rows_digest(a: Any) -> str:
         # an object array's bytes are pointers, another on each rank: its values' text instead (strings)
         digest.update(repr(row.tolist()).encode() if row.dtype.hasobject else np.ascontiguousarray(row).tobytes())
     return digest.hexdigest()
+
+
+#: rows of the probe :func:`_agree_on_function` runs, and its tolerance (hosts of other CPUs round apart)
+_PROBE_ROWS, _PROBE_RTOL, _PROBE_ATOL = 2, 1e-4, 1e-5
+
+
+def _probe_inputs(model: Any) -> Any:
+    """Inputs for ``model`` drawn from one seed (the same on every rank), or None where they cannot be made:
+    no known input shapes (a subclassed model), a non-numeric input, or a stateful layer (the call would
+    move its state)."""
+    if any(getattr(layer, "stateful", False) for layer in model._flatten_layers()):
+        return None
+    try:
+        inputs = list(model.inputs)
+    except (AttributeError, ValueError):
+        return None
+    rng = np.random.default_rng(20261205)
+    made = []
+    for spec in inputs:
+        shape = (_PROBE_ROWS, *[d if d is not None else 3 for d in tuple(spec.shape)[1:]])
+        dtype = np.dtype(keras.backend.standardize_dtype(spec.dtype))
+        if dtype.kind == "f":
+            made.append(rng.standard_normal(shape).astype(dtype))
+        elif dtype.kind in "iu":
+            made.append(rng.integers(0, 2, size=shape).astype(dtype))  # (valid ids for any embedding of 2+ rows)
+        elif dtype.kind == "b":
+            made.append(rng.integers(0, 2, size=shape).astype(bool))
+        else:
+            return None
+    return made[0] if len(made) == 1 else made
+
+
+def _largest_gap(first: list[np.ndarray] | None, theirs: list[np.ndarray] | None) -> float:
+    """0 when two probes' outputs agree (to the probe's tolerance, or neither rank could run it); else the
+    largest difference between them (inf where their structures differ)."""
+    if first is None and theirs is None:
+        return 0.0
+    if first is None or theirs is None or len(first) != len(theirs):
+        return float("inf")
+    gaps = []
+    for a, b in zip(first, theirs, strict=True):
+        if a.shape != b.shape:
+            return float("inf")
+        if not np.allclose(a, b, rtol=_PROBE_RTOL, atol=_PROBE_ATOL, equal_nan=True):
+            gaps.append(float(np.nanmax(np.abs(a - b))))
+    return max(gaps, default=0.0)
+
+
+def _agree_on_function(model: Any) -> None:
+    """Raise ``ValueError`` on every rank unless every rank's model, holding rank 0's weights, gives the same
+    outputs on the same probe inputs (two rows from one seed, inference mode; to 1e-4, as other hosts' CPUs
+    may round apart).
+
+    [Note: one function on every rank] Rank 0's weights are broadcast, so weights and their shapes agree;
+    what the weights do is each rank's own code. A model built with another activation, another layer
+    option, or another layer without weights on one rank trained each rank's rows through another function,
+    and the averaged gradients belonged to no model, with no error (before 2026-12-05). One forward pass of
+    two rows and one small all-gather, at each fit's start and the first evaluate or predict; models whose
+    inputs cannot be drawn (no known shapes, strings) or with a stateful layer are not probed.
+    """
+    from unison.common.engine.objects import allgather_object
+
+    probe = _probe_inputs(model)
+    outputs = None
+    if probe is not None:
+        try:
+            got = model(probe, training=False)
+            outputs = [np.asarray(_host.to_numpy(o), np.float64) for o in keras.tree.flatten(got)]
+        except Exception:  # noqa: BLE001 - a model that cannot run the probe is not compared (every rank alike,
+            outputs = None  # or its outputs differ: None against arrays below)
+    everyone = allgather_object(outputs, name="unison.keras.DataParallel.function")
+    bad = [f"rank {r} (largest difference {gap:.3g})" for r, theirs in enumerate(everyone[1:], start=1)
+           if (gap := _largest_gap(everyone[0], theirs)) > 0]
+    if bad:
+        raise ValueError(
+            f"DataParallel: the ranks' models compute different functions: holding rank 0's weights, they give "
+            f"other outputs than rank 0's on the same two inputs on {', '.join(bad)}. Build the same model on "
+            "every rank (the same layers, activations and options); rank 0's weights are broadcast, its code is "
+            "not")
 
 
 def _agree_on_inputs(what: str, x: Any, y: Any, sample_weight: Any, batch_size: Any, settings: str = "") -> None:
