@@ -347,6 +347,26 @@ def test_allreduce_out_and_in_place(algorithm):
         C.allreduce(np.ones(4, np.float32), out=np.empty(4, np.float64), algorithm=algorithm)
 
 
+@pytest.mark.parametrize("size,algorithm", [(6, "auto"), (16368, "auto"), (300_000, "ring")],
+                         ids=["inline", "mpi-call", "ring"])
+def test_a_read_only_out_after_a_planned_call_raises_on_every_rank(size, algorithm):
+    """The first call of a shape plans the next ones; a planned call took a read-only out= on one rank before
+    2026-12-05 (its fit test skipped the flag): that rank failed alone in the data phase while the others
+    returned (inline) or waited for ever. It now raises InvalidArgumentError on every rank, as a first call does,
+    and the next call works."""
+    x = np.ones(size, np.float32)
+    for _ in range(2):  # plan it, and run the plan once
+        np.testing.assert_array_equal(C.allreduce(x, op=unison.Sum, algorithm=algorithm), np.full(size, N))
+    out = np.empty(size, np.float32)
+    if R == 0:
+        out.flags.writeable = False
+    with pytest.raises(unison.InvalidArgumentError, match="writeable"):
+        C.allreduce(x, op=unison.Sum, algorithm=algorithm, out=out)
+    got = np.empty(size, np.float32)
+    assert C.allreduce(x, op=unison.Sum, algorithm=algorithm, out=got) is got
+    np.testing.assert_array_equal(got, np.full(size, N))
+
+
 def test_cached_small_call_still_detects_mismatch():
     """The second identical small call takes the cached plan; a changed call must still be checked."""
     for _ in range(3):

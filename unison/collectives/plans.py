@@ -88,8 +88,10 @@ class InlineAllreduce(Plan):
         self.widened = accumulator(self.dtype, op) is not None
 
     def fits(self, out: np.ndarray) -> bool:
+        # (writeable too: a read-only out= goes the full path, whose check raises on every rank; a plan took it
+        # before 2026-12-05, and that rank failed alone in the data phase while the others hung or returned)
         return (type(out) is np.ndarray and out.shape == self.call.shape and out.dtype == self.dtype
-                and out.flags.c_contiguous)
+                and out.flags.c_contiguous and out.flags.writeable)
 
     def run(self, x: np.ndarray, name: str | None, result: np.ndarray | None) -> np.ndarray:
         call = self.call
@@ -128,8 +130,10 @@ class AllreducePlan(Plan):
         self.empty = _allocator(call.shape, self.dtype)
 
     def fits(self, out: np.ndarray) -> bool:
+        # (writeable too: a read-only out= goes the full path, whose check raises on every rank; a plan took it
+        # before 2026-12-05, and that rank failed alone in the data phase while the others hung or returned)
         return (type(out) is np.ndarray and out.shape == self.call.shape and out.dtype == self.dtype
-                and out.flags.c_contiguous)
+                and out.flags.c_contiguous and out.flags.writeable)
 
     def run(self, x: np.ndarray, name: str | None, out: np.ndarray | None) -> np.ndarray:
         """``x`` is C-contiguous with the plan's shape and dtype; ``out`` passed :meth:`fits`."""
