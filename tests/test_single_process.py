@@ -250,3 +250,15 @@ def test_the_tapes_agreement_cache_keys_hold_no_variable():
     del v
     gc.collect()
     assert alive() is None
+
+
+def test_reduce_ops_parse_from_their_names_and_integer_values():
+    """Python and numpy integers (an op read back from an array) name the same op; bools, unknown values and
+    names are refused, naming the valid ops (np.int64(1) was refused before 2026-12-05)."""
+    from unison.common.ops import ReduceOp, parse_op
+
+    for value in (ReduceOp.SUM, int(ReduceOp.SUM), np.int64(ReduceOp.SUM), np.uint8(ReduceOp.SUM), "sum", " Sum "):
+        assert parse_op(value) is ReduceOp.SUM
+    for bad in (True, np.bool_(True), 99, np.int32(99), "total", 1.0):
+        with pytest.raises(ValueError, match="unknown reduce op .*valid ops are unison.Average"):
+            parse_op(bad)

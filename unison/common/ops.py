@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 
+import numpy as np
+
 __all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum", "Band", "Bor", "Bxor", "BITWISE",
            "parse_op", "resolve_op", "is_adasum"]
 
@@ -42,7 +44,8 @@ BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
 def parse_op(op: object) -> ReduceOp:
     """Return ``op`` as a :class:`ReduceOp`.
 
-    Accepts the constants, their integer values, or names such as ``"sum"``.
+    Accepts the constants, their integer values (numpy's integers too: an op read back from an array or a
+    config), or names such as ``"sum"``.
 
     Raises:
         ValueError: ``op`` names no reduction.
@@ -53,9 +56,9 @@ def parse_op(op: object) -> ReduceOp:
         key = op.strip().upper()
         if key in ReduceOp.__members__:
             return ReduceOp[key]
-    elif isinstance(op, int) and not isinstance(op, bool):
+    elif not isinstance(op, (bool, np.bool_)) and isinstance(op, (int, np.integer)):
         try:
-            return ReduceOp(op)
+            return ReduceOp(int(op))
         except ValueError:
             pass
     valid = ", ".join(f"unison.{m.capitalize()}" for m in ReduceOp.__members__)
