@@ -251,10 +251,9 @@ def reduce_partial(grads: list[Any], variables: Sequence[Any], local: set[Any], 
     masked = [None if loc else g for g, loc in zip(grads, is_local, strict=True)]
     out = reduce_gradients(masked, op, pre, post, compression, sparse_as_dense, name, process_set, variables)
     for i, loc in enumerate(is_local):
-        if loc:
-            out[i] = _scaled(grads[i], local_factor)
-            if scale_local and out[i] is not None:  # (the size read when it runs: see size_now)
-                out[i] = _scaled(out[i], 1.0 / size_now(process_set, _dtype_of(out[i])))
+        if loc and grads[i] is not None:  # (the size read when it runs: see size_now)
+            factor = local_factor / size_now(process_set, _dtype_of(grads[i])) if scale_local else local_factor
+            out[i] = _scaled(grads[i], factor)
     return out
 
 

@@ -70,12 +70,16 @@ def agree_on_layer(owner: str, process_set: ProcessSet, **fields: Any) -> None:
     first forward may be traced or compiled); building one is thus collective over its group, as its forward
     is. One 16-byte all-gather per layer or block (a block's layers check theirs too); none for a group of one.
     """
-    if set_size(process_set) <= 1:
-        return
-    values = {"layer": owner, **{key: describe(value) for key, value in fields.items()}}
-    agree_on_values(owner, values, process_set=process_set,
-                    fix="Every rank of a tensor group must build each parallel layer with the same arguments "
-                        "(each holds one shard of one layer)")
+    _group_agrees(owner, process_set, lambda: {"layer": owner, **{k: describe(v) for k, v in fields.items()}},
+                  "Every rank of a tensor group must build each parallel layer with the same arguments (each "
+                  "holds one shard of one layer)")
+
+
+def _group_agrees(owner: str, process_set: ProcessSet, values: Callable[[], dict[str, str]], fix: str) -> None:
+    """``agree_on_values`` of ``values()`` over the tensor group, its message ending with ``fix``; nothing (not
+    even ``values()``) for a group of one."""
+    if set_size(process_set) > 1:
+        agree_on_values(owner, values(), process_set=process_set, fix=fix)
 
 
 def agree_on_seed(owner: str, process_set: ProcessSet, seed: int) -> None:
@@ -83,11 +87,9 @@ def agree_on_seed(owner: str, process_set: ProcessSet, seed: int) -> None:
     :class:`~unison.common.exceptions.MismatchError` on every rank of the group (one 16-byte all-gather;
     none for a group of one). The masks on replicated activations are drawn from it, so a seed that differs
     between the ranks (``seed + rank``) lets the copies drift apart with no error."""
-    if set_size(process_set) <= 1:
-        return
-    agree_on_values(owner, {"seed": str(int(seed))}, process_set=process_set,
-                    fix="Every rank of a tensor group must use one seed (seeds may differ between groups, e.g. "
-                        "by pipeline stage or data-parallel rank, never within one)")
+    _group_agrees(owner, process_set, lambda: {"seed": str(int(seed))},
+                  "Every rank of a tensor group must use one seed (seeds may differ between groups, e.g. by "
+                  "pipeline stage or data-parallel rank, never within one)")
 
 
 def _source_digest(items: Iterable[Any]) -> str:
@@ -128,21 +130,19 @@ def agree_on_source(owner: str, process_set: ProcessSet, check: Callable[[], Ite
     """
     problem: TypeError | ValueError | None = None
     try:
-        digest = _source_digest(check())
+        items = check()  # (its refusal counts in a group of one too; the digest only where there is a peer)
+        digest = _source_digest(items) if set_size(process_set) > 1 else ""
     except (TypeError, ValueError) as exc:
         problem, digest = exc, "(refused)"
-    if set_size(process_set) > 1:
-        refusal = "none" if problem is None else f"{type(problem).__name__}: {problem}"
-        try:
-            agree_on_values(owner, {"refusal": refusal, "source weights (digest)": digest[:12]},
-                            process_set=process_set,
-                            fix="Every rank of a tensor group must split the same unsplit model: build it from "
-                                "one seed on every rank (torch.manual_seed / keras.utils.set_random_seed before "
-                                "building it), load the same checkpoint, or broadcast rank 0's weights over the "
-                                "group before splitting it")
-        except MismatchError as exc:
-            if problem is not None:
-                raise exc from problem
-            raise
+    refusal = "none" if problem is None else f"{type(problem).__name__}: {problem}"
+    try:
+        _group_agrees(owner, process_set, lambda: {"refusal": refusal, "source weights (digest)": digest[:12]},
+                      "Every rank of a tensor group must split the same unsplit model: build it from one seed on "
+                      "every rank (torch.manual_seed / keras.utils.set_random_seed before building it), load the "
+                      "same checkpoint, or broadcast rank 0's weights over the group before splitting it")
+    except MismatchError as exc:
+        if problem is not None:
+            raise exc from problem
+        raise
     if problem is not None:
         raise problem
