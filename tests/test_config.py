@@ -33,6 +33,7 @@ BAD_VALUES = {
     "STALL_CHECK_TIME_SECONDS": (["inf", "nan", "-1", "1e9", "soon"], "a finite number in [0, 2.592e+06]"),
     "STALL_SHUTDOWN_TIME_SECONDS": (["inf", "nan", "-0.5"], "a finite number in [0, 2.592e+06]"),
     "STALL_CHECK_DISABLE": (["disable", "10"], "one of 1, true, yes, on, 0, false, no, off"),
+    "DEADLOCK_TIME_SECONDS": (["-1", "nan", "a minute"], "a finite number in [0, 2.592e+06]"),
     "AUTOTUNE": (["2", "auto"], "one of 1, true, yes, on, 0, false, no, off"),
     "AUTOTUNE_WARMUP_SAMPLES": (["-1", "1.5", "x"], "an integer in [0, 9223372036854775807]"),
     "AUTOTUNE_STEPS_PER_SAMPLE": (["0", "-3", "ten"], "an integer in [1, 9223372036854775807]"),

@@ -590,13 +590,102 @@ def test_a_stall_round_is_due_at_the_shutdown_time_between_two_checks():
     from unison.common.engine.controller import FLAG_STALL_CHECK
     from unison.common.engine.stalls import stall_flags
 
-    cfg = SimpleNamespace(stall_check_disable=False, stall_check_time_seconds=2.0, stall_shutdown_time_seconds=3.0)
+    cfg = SimpleNamespace(stall_check_disable=False, stall_check_time_seconds=2.0, stall_shutdown_time_seconds=3.0,
+                          deadlock_time_seconds=0.0)
     now = time.monotonic()
     ctl = SimpleNamespace(pending={"x": SimpleNamespace(submitted=now - 3.05)})
     assert stall_flags(ctl, cfg, last_report=now - 1.0) == FLAG_STALL_CHECK  # round at 2 s; 3 s passed since
     assert stall_flags(ctl, cfg, last_report=now - 0.01) == 0  # that round came after 3 s: judged already
     young = SimpleNamespace(pending={"x": SimpleNamespace(submitted=now - 2.5)})
     assert stall_flags(young, cfg, last_report=now - 0.5) == 0
+
+
+def test_a_deadlock_round_is_due_once_a_thread_has_been_blocked_that_long():
+    """The deadlock check raises a round only for a thread blocked on one of the set's pending requests,
+    that long, with nothing submitted meanwhile, and once per such spell."""
+    from types import SimpleNamespace
+
+    from unison.common.engine import handles
+    from unison.common.engine.controller import FLAG_STALL_CHECK
+    from unison.common.engine.stalls import stall_flags
+
+    cfg = SimpleNamespace(stall_check_disable=False, stall_check_time_seconds=60.0,
+                          stall_shutdown_time_seconds=0.0, deadlock_time_seconds=2.0)
+    now = time.monotonic()
+    h = handles.Handle("x")
+    ctl = SimpleNamespace(pending={"x": SimpleNamespace(submitted=now - 3.0, handle=h)}, last_add=now - 3.0)
+    assert stall_flags(ctl, cfg, last_report=0.0) == 0  # nobody waits on it: a slow rank, not a deadlock
+    with handles._completion:
+        handles._waiting[-1] = (handles.Handle("other"), now - 2.5)  # blocked, on another request
+    try:
+        assert stall_flags(ctl, cfg, last_report=0.0) == 0
+        with handles._completion:
+            handles._waiting[-1] = (h, now - 2.5)
+        assert stall_flags(ctl, cfg, last_report=0.0) == FLAG_STALL_CHECK
+        assert stall_flags(ctl, cfg, last_report=now - 0.1) == 0  # judged in this spell already
+        ctl.last_add = now - 1.0  # something submitted a second ago: not quiet
+        assert stall_flags(ctl, cfg, last_report=0.0) == 0
+        ctl.last_add = now - 3.0
+        with handles._completion:
+            handles._waiting[-1] = (h, now - 1.5)  # blocked, but not for long enough
+        assert stall_flags(ctl, cfg, last_report=0.0) == 0
+        off = SimpleNamespace(**{**vars(cfg), "deadlock_time_seconds": 0.0})
+        with handles._completion:
+            handles._waiting[-1] = (h, now - 2.5)
+        assert stall_flags(ctl, off, last_report=0.0) == 0
+    finally:
+        with handles._completion:
+            del handles._waiting[-1]
+
+
+DEADLOCK = """
+import sys, time, numpy as np, unison
+unison.init()
+r = unison.rank()
+mine = "b" if r == 2 else "a"
+t0 = time.monotonic()
+try:
+    out = unison.allreduce(np.ones(3), name=mine)
+    print(f"rank {r} NO ERROR {out}", flush=True)
+except unison.StallError as e:
+    print(f"rank {r} StallError after {time.monotonic() - t0:.1f}s: {e}", flush=True)
+# the name this rank never submitted, late: it fails at once instead of pairing with a later call
+t0 = time.monotonic()
+try:
+    unison.allreduce(np.ones(3), name="a" if r == 2 else "b")
+    print(f"rank {r} late NO ERROR", flush=True)
+except unison.StallError:
+    print(f"rank {r} late StallError after {time.monotonic() - t0:.2f}s", flush=True)
+# a rank that is busy (not waiting on a collective) for longer than the limit is not deadlocked
+if r == 1:
+    time.sleep(float(sys.argv[1]) * 2)
+print(f"rank {r} slow {unison.allreduce(np.ones(2), op=unison.Sum, name='slow').tolist()}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("limit", ["2", "0"])
+def test_ranks_that_wait_on_collectives_nobody_else_submits_fail_instead_of_hanging(tmp_path, limit):
+    """Ranks 0 and 1 wait for 'a', rank 2 for 'b': no rank can make progress. Before 2026-12-06 they waited
+    for ever (the stall inspector only warned, unless a stall shutdown time was set); now every rank raises a
+    StallError naming what each waits for after UNISON_DEADLOCK_TIME_SECONDS. 0 turns that off: here the
+    stall shutdown (6 s) ends it instead."""
+    out = run_script(tmp_path, DEADLOCK, np_=3, args=(limit if limit != "0" else "1",), timeout=120,
+                     UNISON_DEADLOCK_TIME_SECONDS=limit, UNISON_STALL_SHUTDOWN_TIME_SECONDS="6")
+    failed = {r: next(line for line in out.splitlines() if line.startswith(f"rank {r} StallError after"))
+              for r in range(3)}
+    for r, line in failed.items():
+        took = float(line.split("after ")[1].split("s:")[0])
+        if limit == "2":
+            assert "deadlock: every rank of the process set has waited at least 2 s" in line, out
+            assert "rank 0 waits for 'a'" in line and "rank 1 waits for 'a'" in line, out
+            assert "which rank(s) [2] never submitted" in line and "rank 2 waits for 'b'" in line, out
+            assert "which rank(s) [0, 1] never submitted" in line, out
+            assert 1.9 < took < 5.9, line  # (before the stall shutdown could have ended it)
+        else:
+            assert "stalled for more than UNISON_STALL_SHUTDOWN_TIME_SECONDS=6" in line and took >= 5.9, line
+        assert f"rank {r} late StallError after 0.0" in out, out
+        assert f"rank {r} slow [3.0, 3.0]" in out, out
+    assert "NO ERROR" not in out, out
 
 
 BAD_OUTPUTS = """

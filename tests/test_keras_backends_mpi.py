@@ -32,3 +32,55 @@ def test_any_backend_example_learns_digits_on_jax(tmp_path):
     assert float(found[0]) > 0.93, out
     assert target.exists() and not list(tmp_path.glob(".*tmp*"))
     assert proc.stdout.count("Epoch 1/6") == 1  # one progress log, from rank 0
+
+
+FEWER_BATCHES = """
+import sys, time
+import numpy as np, keras, tensorflow as tf
+from mpi4py import MPI
+R = MPI.COMM_WORLD.Get_rank()
+if sys.argv[1] == "strategy":
+    from unison.tf_backend import UnisonStrategy
+    dist = UnisonStrategy()
+else:
+    import unison.keras as uk
+    dist = uk.DataParallel()
+X = np.random.RandomState(0).randn(64, 4).astype("float32")
+with dist.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+def keep(i, xy):  # rank 0 keeps 4 global batches, the others 3: a length tf.data cannot count
+    return tf.logical_or(i < 3, R == 0)
+data = tf.data.Dataset.from_tensor_slices((X, X[:, :1] * 2)).batch(16).enumerate().filter(keep)
+t0 = time.monotonic()
+try:
+    model.fit(data.map(lambda i, xy: xy), epochs=1, verbose=0)
+    print(f"rank {R} NO ERROR", flush=True)
+except Exception as e:
+    named = "deadlock: every rank" in str(e)
+    print(f"rank {R} raised after {time.monotonic() - t0:.1f} s, deadlock named: {named}", flush=True)
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("api", ["strategy", "dataparallel"])
+def test_a_rank_with_fewer_batches_of_a_filtered_dataset_raises_instead_of_hanging(api, tmp_path):
+    """A `filter` left rank 0 with one batch more than rank 1: its step waited for rank 1's gradients while
+    rank 1 waited in the end of the epoch. Before 2026-12-06 both waited for ever; now every rank raises
+    (the engine's deadlock check, UNISON_DEADLOCK_TIME_SECONDS, lowered to 3 s here)."""
+    import sys
+
+    from harness import mpi_env, mpirun
+
+    script = tmp_path / "fewer.py"
+    script.write_text(FEWER_BATCHES)
+    proc = mpirun(2, [sys.executable, str(script), api], timeout=200,
+                  env=mpi_env(KERAS_BACKEND="tensorflow", UNISON_DEADLOCK_TIME_SECONDS="3"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    for r in (0, 1):
+        line = next((x for x in out.splitlines() if x.startswith(f"rank {r} raised after")), None)
+        assert line is not None and line.endswith("deadlock named: True"), out
+        assert float(line.split("after ")[1].split(" s")[0]) < 30, line
+    assert "NO ERROR" not in out, out

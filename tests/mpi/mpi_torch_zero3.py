@@ -804,6 +804,71 @@ def test_training_goes_on_after_a_backward_pass_that_raised():
     assert_same_as_reference(model, ref)
 
 
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+
+def test_ranks_running_different_units_raise_instead_of_hanging():
+    """Rank 0 runs one head, the others the other: each rank waits in its unit's gather for ranks that
+    never submit it. Before 2026-12-06 that hung (stall warnings every 60 s); now the engine's deadlock
+    check fails both gathers on every rank, naming what each rank waits for (the limit is lowered to 2 s
+    here; UNISON_DEADLOCK_TIME_SECONDS, default 60)."""
+    import dataclasses
+
+    from unison.common.engine import frontend
+
+    if N < 2:
+        pytest.skip("needs two ranks")
+    torch.manual_seed(0)
+    model = shard_module(_TwoHeads(), unit_classes=(nn.Linear,))
+    eng = frontend.running_engine()
+    kept = eng.config
+    eng.config = dataclasses.replace(kept, deadlock_time_seconds=2.0)
+    try:
+        with pytest.raises(hvd.StallError) as info:
+            (model.a if R == 0 else model.b)(torch.ones(2, 4)).sum().backward()
+    finally:
+        eng.config = kept
+    message = str(info.value)
+    assert message.startswith("deadlock: every rank of the process set has waited at least 2 s"), message
+    for r in range(N):
+        unit = "u0" if r == 0 else "u1"
+        missing = list(range(1, N)) if r == 0 else [0]
+        assert f"rank {r} waits for 'zero3.m" in message and f".{unit}.float32.b0.gather'" in message, message
+        assert f"which rank(s) {missing} never submitted" in message, message
+    WORLD.Barrier()
+
+
+def test_a_rank_that_skips_a_backward_pass_raises_with_the_others_instead_of_hanging():
+    """Rank 1 skips one backward pass (a guard against a bad loss) and steps: the others wait in that pass's
+    gathers, rank 1 in the next forward's. Before 2026-12-06 a hang; now a StallError on every rank."""
+    import dataclasses
+
+    from unison.common.engine import frontend
+
+    if N < 2:
+        pytest.skip("needs two ranks")
+    torch.manual_seed(0)
+    model = shard_module(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eng = frontend.running_engine()
+    kept = eng.config
+    eng.config = dataclasses.replace(kept, deadlock_time_seconds=2.0)
+    try:
+        with pytest.raises(hvd.StallError, match="deadlock: every rank of the process set"):
+            for step in range(3):
+                opt.zero_grad()
+                loss = model(torch.ones(2, 4)).sum()
+                if not (R == 1 and step == 1):
+                    loss.backward()
+                opt.step()
+    finally:
+        eng.config = kept
+    WORLD.Barrier()
+
+
 def test_unfreezing_a_sharded_parameter_raises_on_every_rank():
     """Before: the frozen shard said requires_grad=True and never got a gradient (nothing trained, no error)."""
     model = make("mlp", seed=121)

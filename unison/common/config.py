@@ -59,6 +59,7 @@ ENV_CACHE_CAPACITY = "CACHE_CAPACITY"
 ENV_STALL_CHECK_TIME = "STALL_CHECK_TIME_SECONDS"
 ENV_STALL_SHUTDOWN_TIME = "STALL_SHUTDOWN_TIME_SECONDS"
 ENV_STALL_CHECK_DISABLE = "STALL_CHECK_DISABLE"
+ENV_DEADLOCK_TIME = "DEADLOCK_TIME_SECONDS"
 ENV_TIMELINE = "TIMELINE"
 ENV_AUTOTUNE = "AUTOTUNE"
 ENV_AUTOTUNE_LOG = "AUTOTUNE_LOG"
@@ -240,6 +241,10 @@ class Config:
     #: Engine: fail such tensors' handles on every rank after this many seconds (0: never).
     stall_shutdown_time_seconds: float = 0.0
     stall_check_disable: bool = False
+    #: Engine: fail the pending handles of a process set on every rank once every rank has been
+    #: blocked this many seconds waiting on a collective another rank has not submitted, and none
+    #: submitted anything meanwhile (a deadlock; 0: never). See docs/engine.md "Deadlocks".
+    deadlock_time_seconds: float = 60.0
     #: Engine: rank 0 writes a Chrome-trace timeline to this path ("" = off).
     timeline: str = ""
     #: Engine: tune fusion threshold and cycle time online.
@@ -316,6 +321,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("stall_check_time_seconds", ENV_STALL_CHECK_TIME, FloatRange(0.0, MAX_SECONDS), True),
     Setting("stall_shutdown_time_seconds", ENV_STALL_SHUTDOWN_TIME, FloatRange(0.0, MAX_SECONDS), True),
     Setting("stall_check_disable", ENV_STALL_CHECK_DISABLE, Flag(), True),
+    Setting("deadlock_time_seconds", ENV_DEADLOCK_TIME, FloatRange(0.0, MAX_SECONDS), True),
     Setting("timeline", ENV_TIMELINE, FilePath(), False),
     Setting("autotune", ENV_AUTOTUNE, Flag(), True),
     Setting("autotune_log", ENV_AUTOTUNE_LOG, FilePath(), False),

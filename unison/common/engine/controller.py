@@ -230,6 +230,8 @@ class Controller:
         #: collectives refused while this rank was joined, with their submitters: its join() warns
         #: of them (see [Note: join])
         self.refused_while_joined: list[str] = []
+        #: when this rank last took a request into this set's negotiation (the deadlock check's "quiet")
+        self.last_add = time.monotonic()
 
     # ------------------------------------------------------------- requests
     def add(self, req: Request) -> bool:
@@ -238,6 +240,7 @@ class Controller:
             req.handle.set_error(StallError(self.stalled_names.pop(req.name)))
             return False
         self.pending[req.name] = req
+        self.last_add = req.submitted
         if self.cache_sig.get(req.name) != req.signature():
             self.to_announce.append(req.name)
         return True

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Handle", "wake_waiters", "wait_all"]
+__all__ = ["Handle", "wake_waiters", "wait_all", "blocked_waits"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,18 @@ def _call(fn: Callable[[Handle], Any], handle: Handle) -> None:
 _blocked = 0
 #: waits that found their handle done only when the liveness timeout woke them (changed under ``_completion``)
 _lost_wakeups = 0
+#: thread id -> (the handle it is blocked on, since when): what the deadlock check reads (under ``_completion``)
+_waiting: dict[int, tuple[Handle, float]] = {}
+
+
+def blocked_waits() -> list[tuple[Handle, float]]:
+    """The handles threads of this process are blocked on in :meth:`Handle.wait`, each with the
+    ``time.monotonic()`` its wait blocked at (the stall inspector's deadlock check, engine
+    [Note: a deadlock is a stall nobody can end])."""
+    if not _waiting:  # (read without the lock: a wait that begins meanwhile is seen next time)
+        return []
+    with _completion:
+        return list(_waiting.values())
 
 
 def lost_wakeups() -> int:
@@ -143,6 +155,8 @@ class Handle:
             deadline = None if timeout is None else time.monotonic() + timeout
             with _completion:
                 _blocked += 1  # before the flag's check: see wake_waiters
+                me = threading.get_ident()
+                _waiting[me] = (self, time.monotonic())
                 try:
                     while not self._done:
                         left = LIVENESS_S if deadline is None else min(deadline - time.monotonic(), LIVENESS_S)
@@ -155,6 +169,7 @@ class Handle:
                                 self._check_engine()
                 finally:
                     _blocked -= 1
+                    del _waiting[me]
         if self._error is not None:
             raise self._error
         if self._post is not None:
