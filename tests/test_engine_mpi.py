@@ -613,7 +613,8 @@ def test_a_deadlock_round_is_due_once_a_thread_has_been_blocked_that_long():
                           stall_shutdown_time_seconds=0.0, deadlock_time_seconds=2.0)
     now = time.monotonic()
     h = handles.Handle("x")
-    ctl = SimpleNamespace(pending={"x": SimpleNamespace(submitted=now - 3.0, handle=h)}, last_add=now - 3.0)
+    ctl = SimpleNamespace(pending={"x": SimpleNamespace(submitted=now - 3.0, handle=h)}, last_add=now - 3.0,
+                          set_id=0)
     assert stall_flags(ctl, cfg, last_report=0.0) == 0  # nobody waits on it: a slow rank, not a deadlock
     with handles._completion:
         handles._waiting[-1] = (handles.Handle("other"), now - 2.5)  # blocked, on another request
@@ -676,7 +677,7 @@ def test_ranks_that_wait_on_collectives_nobody_else_submits_fail_instead_of_hang
     for r, line in failed.items():
         took = float(line.split("after ")[1].split("s:")[0])
         if limit == "2":
-            assert "deadlock: every rank of the process set has waited at least 2 s" in line, out
+            assert "deadlock: every rank of the job has waited at least 2 s" in line, out
             assert "rank 0 waits for 'a'" in line and "rank 1 waits for 'a'" in line, out
             assert "which rank(s) [2] never submitted" in line and "rank 2 waits for 'b'" in line, out
             assert "which rank(s) [0, 1] never submitted" in line, out
@@ -685,6 +686,57 @@ def test_ranks_that_wait_on_collectives_nobody_else_submits_fail_instead_of_hang
             assert "stalled for more than UNISON_STALL_SHUTDOWN_TIME_SECONDS=6" in line and took >= 5.9, line
         assert f"rank {r} late StallError after 0.0" in out, out
         assert f"rank {r} slow [3.0, 3.0]" in out, out
+    assert "NO ERROR" not in out, out
+
+
+ACROSS_SETS = """
+import time, numpy as np, unison
+from mpi4py import MPI
+unison.init()
+r = unison.rank()
+pair, low = unison.add_process_set([2, 3]), unison.add_process_set([0, 1])
+def attempt(label, fn):
+    t0 = time.monotonic()
+    try:
+        fn()
+        print(f"rank {r} {label} NO ERROR", flush=True)
+    except unison.StallError as e:
+        print(f"rank {r} {label} StallError after {time.monotonic() - t0:.1f}s: {e}", flush=True)
+# 1. across sets: ranks 0, 1, 3 wait in the job's set for rank 2, which waits in [2, 3] for rank 3
+if r == 2:
+    attempt("across", lambda: unison.allreduce(np.ones(2), name="b", process_set=pair))
+else:
+    attempt("across", lambda: unison.allreduce(np.ones(2), name="g"))
+if r == 3:  # 'b' was pending on its set when the round failed it: rank 3's late call fails at once
+    attempt("late b", lambda: unison.allreduce(np.ones(2), name="b", process_set=pair))
+MPI.COMM_WORLD.Barrier()
+# 2. one set stuck while the other ranks are elsewhere (an MPI barrier of their own)
+if r < 2:
+    attempt("pair", lambda: unison.allreduce(np.ones(2), name="x" if r == 0 else "y", process_set=low))
+MPI.COMM_WORLD.Barrier()
+print(f"rank {r} after {unison.allreduce(np.ones(2), op=unison.Sum, name='after').tolist()}", flush=True)
+"""
+
+
+def test_a_deadlock_across_process_sets_and_one_inside_a_set_fail_on_their_ranks(tmp_path):
+    """No set sees all of its ranks blocked on its own collectives when rank 2 waits in [2, 3] and the others
+    in the job's set: the job-wide check fails both sets' pending handles. A set whose ranks are all blocked
+    ends on its own while the other ranks are elsewhere."""
+    out = run_script(tmp_path, ACROSS_SETS, np_=4, timeout=120, UNISON_DEADLOCK_TIME_SECONDS="2")
+    lines = {r: next(x for x in out.splitlines() if x.startswith(f"rank {r} across StallError")) for r in range(4)}
+    for line in lines.values():
+        assert "rank 0 waits for 'g' (" in line and "rank 1 waits for 'g' (" in line, out
+        assert "rank 3 waits for 'g' (" in line and "which rank(s) [2] never submitted" in line, out
+        assert "rank 2 waits for 'b' on process set" in line and "(ranks [2, 3])" in line, out
+        assert "which rank(s) [3] never submitted" in line, out
+        assert float(line.split("after ")[1].split("s:")[0]) < 15, line
+    assert "rank 3 late b StallError after 0.0" in out, out
+    for r in (0, 1):
+        line = next(x for x in out.splitlines() if x.startswith(f"rank {r} pair StallError"))
+        assert "rank 0 waits for 'x'" in line and "rank 1 waits for 'y'" in line, out
+        assert "deadlock: every rank of process set 2 (ranks [0, 1]) has waited" in line, out
+    for r in range(4):
+        assert f"rank {r} after [4.0, 4.0]" in out, out
     assert "NO ERROR" not in out, out
 
 

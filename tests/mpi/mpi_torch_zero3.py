@@ -832,7 +832,7 @@ def test_ranks_running_different_units_raise_instead_of_hanging():
     finally:
         eng.config = kept
     message = str(info.value)
-    assert message.startswith("deadlock: every rank of the process set has waited at least 2 s"), message
+    assert message.startswith("deadlock: every rank of the job has waited at least 2 s"), message
     for r in range(N):
         unit = "u0" if r == 0 else "u1"
         missing = list(range(1, N)) if r == 0 else [0]
@@ -857,7 +857,7 @@ def test_a_rank_that_skips_a_backward_pass_raises_with_the_others_instead_of_han
     kept = eng.config
     eng.config = dataclasses.replace(kept, deadlock_time_seconds=2.0)
     try:
-        with pytest.raises(hvd.StallError, match="deadlock: every rank of the process set"):
+        with pytest.raises(hvd.StallError, match="deadlock: every rank of the job"):
             for step in range(3):
                 opt.zero_grad()
                 loss = model(torch.ones(2, 4)).sum()

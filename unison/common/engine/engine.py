@@ -579,7 +579,8 @@ class Engine:
             flags = FLAG_SHUTDOWN if stopping else 0
             if self.rank == 0 and self.timeline.active:  # a level, raised every cycle while rank 0 records:
                 flags |= FLAG_TIMELINE  # (a toggle missed the env-started timeline and a restarted one)
-            flags |= stall_flags(st.controller, self.config, st.last_stall_report)
+            others = self._other_controllers(sid)
+            flags |= stall_flags(st.controller, self.config, st.last_stall_report, others)
             if abandon is not None:
                 flags |= FLAG_STALL_ABORT
             self.timeline.flush()  # what was recorded is on disk before a collective that may hang
@@ -587,7 +588,7 @@ class Engine:
             if any_flags & FLAG_STALL_CHECK:  # on every member: one check a period, not one per rank's clock
                 st.last_stall_report = time.monotonic()
             if any_flags & (FLAG_STALL_CHECK | FLAG_STALL_ABORT):
-                self._stall_round(st, abandon)
+                self._stall_round(st, abandon, others)
             st.executor.run(responses, self.fusion_threshold)
             if responses:
                 self._forget([resp.request for resp in responses if resp.request is not None])
@@ -703,18 +704,29 @@ class Engine:
         return "submitted by every rank; its collective has not finished (some rank stopped taking part)"
 
     # ------------------------------------------------------------- stalls
-    def _stall_round(self, st: _SetState, abandon: str | None = None) -> None:
-        """Collective over the set (see :mod:`.stalls`); drop the handles it failed from ``_inflight``."""
+    def _other_controllers(self, sid: int) -> list[Controller]:
+        """For the job's own set (0), this rank's other sets' controllers: the job-wide deadlock check
+        judges them with it ([Note: a deadlock is a stall nobody can end]); none for any other set."""
+        if sid != 0 or len(self._sets) == 1:
+            return []
+        return [other.controller for k, other in sorted(self._sets.items()) if k != 0]
+
+    def _stall_round(self, st: _SetState, abandon: str | None = None,
+                     others: list[Controller] | None = None) -> None:
+        """Collective over the set (see :mod:`.stalls`); drop the handles it failed from ``_inflight``
+        (the ``others`` sets' too: a job-wide deadlock fails theirs)."""
         if abandon is not None:
             # Read again: the cycle's negotiation may have waited for peers that started new work
             # after the caller ended the abandon (a pipeline's next step, its gradient all-reduce
             # already pending): the reason read when the cycle began would fail that work.
             with self._cv:
                 abandon = self._abandon
-        if stall_round(st.controller, self.mpi, self.config, abandon, st.world_ranks, self.rank) is not None:
-            sid = st.controller.set_id
+        others = others or []
+        if stall_round(st.controller, self.mpi, self.config, abandon, st.world_ranks, self.rank,
+                       others) is not None:
+            sids = {st.controller.set_id, *(c.set_id for c in others)}
             with self._cv:
-                failed = [k for k, r in self._inflight.items() if k[0] == sid and r.handle.done()]
+                failed = [k for k, r in self._inflight.items() if k[0] in sids and r.handle.done()]
                 for k in failed:
                     del self._inflight[k]
                     self._release(k)
