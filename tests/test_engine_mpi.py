@@ -617,22 +617,22 @@ def test_a_deadlock_round_is_due_once_a_thread_has_been_blocked_that_long():
                           set_id=0)
     assert stall_flags(ctl, cfg, last_report=0.0) == 0  # nobody waits on it: a slow rank, not a deadlock
     with handles._completion:
-        handles._waiting[-1] = (handles.Handle("other"), now - 2.5)  # blocked, on another request
+        handles._waiting[-1] = ((handles.Handle("other"),), now - 2.5)  # blocked, on another request
     try:
         assert stall_flags(ctl, cfg, last_report=0.0) == 0
         with handles._completion:
-            handles._waiting[-1] = (h, now - 2.5)
+            handles._waiting[-1] = ((h,), now - 2.5)
         assert stall_flags(ctl, cfg, last_report=0.0) == FLAG_STALL_CHECK
         assert stall_flags(ctl, cfg, last_report=now - 0.1) == 0  # judged in this spell already
         ctl.last_add = now - 1.0  # something submitted a second ago: not quiet
         assert stall_flags(ctl, cfg, last_report=0.0) == 0
         ctl.last_add = now - 3.0
         with handles._completion:
-            handles._waiting[-1] = (h, now - 1.5)  # blocked, but not for long enough
+            handles._waiting[-1] = ((h,), now - 1.5)  # blocked, but not for long enough
         assert stall_flags(ctl, cfg, last_report=0.0) == 0
         off = SimpleNamespace(**{**vars(cfg), "deadlock_time_seconds": 0.0})
         with handles._completion:
-            handles._waiting[-1] = (h, now - 2.5)
+            handles._waiting[-1] = ((h,), now - 2.5)
         assert stall_flags(ctl, off, last_report=0.0) == 0
     finally:
         with handles._completion:
@@ -714,6 +714,25 @@ MPI.COMM_WORLD.Barrier()
 if r < 2:
     attempt("pair", lambda: unison.allreduce(np.ones(2), name="x" if r == 0 else "y", process_set=low))
 MPI.COMM_WORLD.Barrier()
+# 2b. a wait with a timeout returns to other work: rank 0 is not blocked while the others wait for 'tb'
+if r == 0:
+    h = unison.allreduce_async(np.ones(2), op=unison.Sum, name="ta")
+    try:
+        h.wait(timeout=4.0)
+    except TimeoutError:
+        unison.allreduce(np.ones(2), name="tb")
+    print(f"rank 0 timed {unison.synchronize(h).tolist()}", flush=True)
+else:
+    attempt("timed", lambda: unison.allreduce(np.ones(2), name="tb"))
+    unison.allreduce(np.ones(2), op=unison.Sum, name="ta")
+MPI.COMM_WORLD.Barrier()
+# 3. rank 3 joined (it waits in join() for the others): the others' deadlock is judged without it
+if r == 3:
+    print(f"rank 3 join returned {unison.join()}", flush=True)
+else:
+    attempt("joined", lambda: unison.allreduce(np.ones(2), name="q" if r == 1 else "p"))
+    unison.join()
+MPI.COMM_WORLD.Barrier()
 print(f"rank {r} after {unison.allreduce(np.ones(2), op=unison.Sum, name='after').tolist()}", flush=True)
 """
 
@@ -721,7 +740,9 @@ print(f"rank {r} after {unison.allreduce(np.ones(2), op=unison.Sum, name='after'
 def test_a_deadlock_across_process_sets_and_one_inside_a_set_fail_on_their_ranks(tmp_path):
     """No set sees all of its ranks blocked on its own collectives when rank 2 waits in [2, 3] and the others
     in the job's set: the job-wide check fails both sets' pending handles. A set whose ranks are all blocked
-    ends on its own while the other ranks are elsewhere."""
+    ends on its own while the other ranks are elsewhere. A joined rank waits in join(): the others' deadlock
+    is judged without it, and a wait with a timeout does not count as blocked (its thread returns to other
+    work: the first version failed this program; both found by an audit of it)."""
     out = run_script(tmp_path, ACROSS_SETS, np_=4, timeout=120, UNISON_DEADLOCK_TIME_SECONDS="2")
     lines = {r: next(x for x in out.splitlines() if x.startswith(f"rank {r} across StallError")) for r in range(4)}
     for line in lines.values():
@@ -735,9 +756,19 @@ def test_a_deadlock_across_process_sets_and_one_inside_a_set_fail_on_their_ranks
         line = next(x for x in out.splitlines() if x.startswith(f"rank {r} pair StallError"))
         assert "rank 0 waits for 'x'" in line and "rank 1 waits for 'y'" in line, out
         assert "deadlock: every rank of process set 2 (ranks [0, 1]) has waited" in line, out
+    for r in range(3):
+        line = next(x for x in out.splitlines() if x.startswith(f"rank {r} joined StallError"))
+        assert "rank 0 waits for 'p'" in line and "rank 2 waits for 'p'" in line, out
+        assert "rank(s) [1] never" in line, out
+        assert "rank 1 waits for 'q'" in line and "rank(s) [0, 2] never" in line, out
+        assert line.endswith("rank(s) [3] joined. Every rank must run the same collectives (names, and the order "
+                             "it waits on them); a rank that runs out of batches before the others calls join(). "
+                             "UNISON_DEADLOCK_TIME_SECONDS sets this limit (0: never fail, only warn)"), line
+    assert "rank 3 join returned" in out, out
+    assert "rank 0 timed [4.0, 4.0]" in out and all(f"rank {r} timed NO ERROR" in out for r in (1, 2, 3)), out
     for r in range(4):
         assert f"rank {r} after [4.0, 4.0]" in out, out
-    assert "NO ERROR" not in out, out
+    assert out.count("NO ERROR") == 3, out  # (the timed case's)
 
 
 BAD_OUTPUTS = """

@@ -65,3 +65,41 @@ def test_a_rank_or_world_size_that_disagrees_with_mpi_is_refused(tmp_path):
     assert len(refused) == 4 and "accepted" not in proc.stdout, out[-4000:]
     assert any("got rank=1 but MPI says this process's rank is 0" in line for line in refused), refused
     assert any("got world_size=3 but MPI says this process's world_size is 2" in line for line in refused), refused
+
+
+DIFFERENT_COLLECTIVES = """
+import time, torch, torch.distributed as dist
+import unison.torch_backend  # noqa: F401
+dist.init_process_group("unison")
+r = dist.get_rank()
+t0 = time.monotonic()
+try:
+    if r == 0:
+        dist.all_reduce(torch.ones(3))
+    else:
+        dist.broadcast(torch.ones(3), src=0)
+    print(f"rank {r} NO ERROR", flush=True)
+except Exception as e:
+    print(f"rank {r} {type(e).__name__} after {time.monotonic() - t0:.1f} s: {e}", flush=True)
+"""
+
+
+def test_ranks_running_different_collectives_raise_instead_of_waiting_out_the_timeout(tmp_path):
+    """Rank 0 all-reduces while the others broadcast: each waits in ``Work.wait`` (on an event, not on the
+    engine's handle), which the engine's deadlock check did not see when it was added; they waited out the
+    group's timeout (30 minutes by default). Now every rank raises once all have waited
+    UNISON_DEADLOCK_TIME_SECONDS (2 s here)."""
+    import sys
+
+    from harness import mpi_env, mpirun
+
+    script = tmp_path / "different.py"
+    script.write_text(DIFFERENT_COLLECTIVES)
+    proc = mpirun(3, [sys.executable, str(script)], timeout=120, env=mpi_env(UNISON_DEADLOCK_TIME_SECONDS="2"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    for r in range(3):
+        line = next(x for x in out.splitlines() if x.startswith(f"rank {r} "))
+        assert line.startswith(f"rank {r} StallError after"), out
+        assert float(line.split("after ")[1].split(" s:")[0]) < 20, line
+        assert "rank 0 waits for 'allreduce.noname.0'" in line and "rank 1 waits for 'broadcast.noname.0'" in line

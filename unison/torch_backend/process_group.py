@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from unison.common import runtime
 from unison.common.engine import frontend
+from unison.common.engine.handles import waiting_on
 from unison.common.exceptions import MismatchError
 from unison.common.ops import Average, Band, Bor, Bxor, Max, Min, Product, Sum
 from unison.torch_backend import process_group_functional as functional
@@ -157,7 +158,8 @@ class UnisonProcessGroup(dist.ProcessGroup):
         the other ranks' next collective: wrong values there, then a hang."""
         handle = self._ops.allreduce_async(np.array([count, -count], np.int64), Max)
         try:  # (blocking, so an async coalesced call waits here for the others: at most the group's timeout)
-            got = np.asarray(handle.wait(self._timeout_s))
+            with waiting_on((handle,)):  # (its timeout is an error's deadline: engine [Note: a deadlock is ...])
+                got = np.asarray(handle.wait(self._timeout_s))
         except (TimeoutError, concurrent.futures.TimeoutError):
             raise timed_out(f"{what}'s agreement on the tensor count", self._timeout_s or 0.0) from None
         most, least = int(got[0]), -int(got[1])

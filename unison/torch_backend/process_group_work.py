@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from unison.common.engine.handles import Handle
+from unison.common.engine.handles import Handle, waiting_on
 from unison.torch_backend.tensors import from_numpy, to_numpy
 
 __all__ = ["host", "copy_into", "collective_work", "P2PWork", "isend_bytes", "irecv_bytes", "seconds", "timed_out"]
@@ -110,7 +110,7 @@ def collective_work(handles: Sequence[Handle], finish: Callable[[list[Any]], Any
         fut.set_result(finish([]))
     for i, handle in enumerate(handles):
         handle.add_done_callback(lambda h, i=i: one_done(i, h))
-    return _Work(fut, timeout_s)
+    return _Work(fut, timeout_s, handles)
 
 
 #: threads that complete futures: a callback may wait for another collective (PowerSGD's hook does),
@@ -143,16 +143,22 @@ class _Work(dist.Work):
     engine recorded (the same on every rank) is raised by ``wait()`` and ``get_future().wait()``.
     """
 
-    def __init__(self, fut: Future, timeout_s: float | None = None) -> None:
+    def __init__(self, fut: Future, timeout_s: float | None = None, handles: Sequence[Handle] = ()) -> None:
         super().__init__()
         self._fut, self._timeout_s = fut, timeout_s
+        #: the engine's requests behind it: a blocked wait() counts for the deadlock check (engine
+        #: stalls [Note: a deadlock is a stall nobody can end]; its timeout ends it with an error)
+        self._handles = tuple(handles)
         self._done = threading.Event()
         fut.add_done_callback(lambda _: self._done.set())
 
     def wait(self, timeout: Any = None) -> bool:
         limit = _limit(timeout, self._timeout_s)
-        if limit is not None and not self._done.wait(limit):
-            raise timed_out("a collective", limit)
+        if not self._done.is_set():
+            with waiting_on(self._handles):
+                if limit is not None and not self._done.wait(limit):
+                    raise timed_out("a collective", limit)
+                self._done.wait()
         self._fut.wait()
         return True
 

@@ -240,7 +240,7 @@ class Controller:
             req.handle.set_error(StallError(self.stalled_names.pop(req.name)))
             return False
         self.pending[req.name] = req
-        self.last_add = req.submitted
+        self.last_add = max(self.last_add, req.submitted)  # (a held unnamed request comes later, older)
         if self.cache_sig.get(req.name) != req.signature():
             self.to_announce.append(req.name)
         return True

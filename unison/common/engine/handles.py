@@ -23,13 +23,14 @@ callback is neither lost nor run twice.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-__all__ = ["Handle", "wake_waiters", "wait_all", "blocked_waits"]
+__all__ = ["Handle", "wake_waiters", "wait_all", "blocked_waits", "waiting_on"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,18 +53,34 @@ def _call(fn: Callable[[Handle], Any], handle: Handle) -> None:
 _blocked = 0
 #: waits that found their handle done only when the liveness timeout woke them (changed under ``_completion``)
 _lost_wakeups = 0
-#: thread id -> (the handle it is blocked on, since when): what the deadlock check reads (under ``_completion``)
-_waiting: dict[int, tuple[Handle, float]] = {}
+#: thread id -> (the handles it is blocked on, since when): what the deadlock check reads (under ``_completion``)
+_waiting: dict[int, tuple[tuple[Handle, ...], float]] = {}
 
 
 def blocked_waits() -> list[tuple[Handle, float]]:
-    """The handles threads of this process are blocked on in :meth:`Handle.wait`, each with the
-    ``time.monotonic()`` its wait blocked at (the stall inspector's deadlock check, engine
-    [Note: a deadlock is a stall nobody can end])."""
+    """The handles threads of this process are blocked on for good (an untimed :meth:`Handle.wait`, or
+    :func:`waiting_on`), each with the ``time.monotonic()`` the wait blocked at (the stall inspector's
+    deadlock check, stalls [Note: a deadlock is a stall nobody can end]). A wait with a timeout is left
+    out: its thread comes back at the timeout and may submit what the others wait for."""
     if not _waiting:  # (read without the lock: a wait that begins meanwhile is seen next time)
         return []
     with _completion:
-        return list(_waiting.values())
+        return [(h, since) for handles, since in _waiting.values() for h in handles]
+
+
+@contextlib.contextmanager
+def waiting_on(handles: Iterable[Handle]) -> Iterator[None]:
+    """Count the calling thread as blocked on ``handles`` while the block runs: for a wait that is not
+    :meth:`Handle.wait`'s (a ``torch.distributed`` work's, on an event the handles' callbacks set) and whose
+    timeout, if any, is an error's deadline rather than a return to other work."""
+    me = threading.get_ident()
+    with _completion:
+        _waiting[me] = (tuple(handles), time.monotonic())
+    try:
+        yield
+    finally:
+        with _completion:
+            _waiting.pop(me, None)
 
 
 def lost_wakeups() -> int:
@@ -156,7 +173,8 @@ class Handle:
             with _completion:
                 _blocked += 1  # before the flag's check: see wake_waiters
                 me = threading.get_ident()
-                _waiting[me] = (self, time.monotonic())
+                if deadline is None:  # (a timed wait returns at its timeout: see blocked_waits)
+                    _waiting[me] = ((self,), time.monotonic())
                 try:
                     while not self._done:
                         left = LIVENESS_S if deadline is None else min(deadline - time.monotonic(), LIVENESS_S)
@@ -169,7 +187,8 @@ class Handle:
                                 self._check_engine()
                 finally:
                     _blocked -= 1
-                    del _waiting[me]
+                    if deadline is None:
+                        del _waiting[me]
         if self._error is not None:
             raise self._error
         if self._post is not None:

@@ -209,17 +209,20 @@ def _deadlocked(everyone: list[_Report], set_id: int, size: int, limit: float,
     same holds for the whole job with each rank blocked on a pending request of *any* of its sets
     (rank 0 waiting in the job's set for a rank that waits in a data-parallel set for another that
     waits in the job's set: no single set sees every rank blocked). A rank that is elsewhere
-    (computing, in an MPI call of its own, joined) does not count as blocked, so the inspector only
-    warns about it as before. What this cannot see is another thread of a blocked process that
-    would submit the missing collective after more than ``limit`` seconds of work of its own:
-    ``UNISON_DEADLOCK_TIME_SECONDS`` above that, or 0, for such a program.
+    (computing, in an MPI call of its own, in a wait with a timeout, which returns to other work) does
+    not count as blocked, so the inspector only warns about it as before; a joined rank is left out
+    (it submits nothing more, and the others' collectives do not need it). What this cannot see is
+    another thread of a blocked process that would submit the missing collective after more than
+    ``limit`` seconds of work of its own: ``UNISON_DEADLOCK_TIME_SECONDS`` above that, or 0, for such
+    a program (docs/engine.md, "Deadlocks").
     """
-    if not limit or size < 2 or any(report[1] for report in everyone):
+    joined = set(everyone[0][1])  # (a joined rank submits nothing more: it waits in join() for the others)
+    if not limit or size - len(joined) < 2:
         return None
     members = {set_id: to_job(list(range(size)))}
     holders: dict[tuple[int, str], set[int]] = {}
     for r, (pending, _, _, waits, quiet, sets) in enumerate(everyone):
-        if quiet < limit or not waits or max(age for _, _, age in waits) < limit:
+        if r not in joined and (quiet < limit or not waits or max(age for _, _, age in waits) < limit):
             return None
         job_rank = to_job([r])[0]
         for name in pending:
@@ -228,16 +231,22 @@ def _deadlocked(everyone: list[_Report], set_id: int, size: int, limit: float,
             members[sid] = ranks
             for name in names:
                 holders.setdefault((sid, name), set()).add(job_rank)
-    absent = {key: [r for r in members[key[0]] if r not in have] for key, have in holders.items()}
+    gone = set(to_job(sorted(joined)))  # (joined in every set it belongs to)
+    absent = {key: [r for r in members[key[0]] if r not in have and r not in gone]
+              for key, have in holders.items()}
     absent = {key: ranks for key, ranks in absent.items() if ranks}
     lines = []
     for r, (_, _, _, waits, _, _) in enumerate(everyone):
+        if r in joined:
+            continue
         sid, name, age = max(waits, key=lambda w: (w[2], w[0], w[1]))
         if (sid, name) not in absent:
             return None  # (every rank of its set submitted it: it runs in the next cycle)
         where = "" if sid == set_id else f" on process set {sid} (ranks {members[sid]})"
         lines.append(f"rank {to_job([r])[0]} waits for {name!r}{where} ({age:.1f} s), which rank(s) "
                      f"{absent[(sid, name)]} never submitted")
+    if gone:
+        lines.append(f"rank(s) {sorted(gone)} joined")
     scope = "the job" if set_id == 0 else f"process set {set_id} (ranks {members[set_id]})"
     return (f"deadlock: every rank of {scope} has waited at least {limit:g} s for a collective that "
             f"another rank has not submitted, and none has submitted anything since: {'; '.join(lines)}. "
