@@ -506,6 +506,34 @@ def test_dropout_seeds_that_differ_are_refused(tp):
     assert all(o == outs[0] for o in outs)  # one mask on the replicated activations
 
 
+@pytest.mark.parametrize("tp", [tp for tp in TPS if tp > 1])
+def test_inputs_that_differ_across_the_group_are_refused_at_the_first_call(tp):
+    """Each rank of a group fed its own batch (a loader sharded by the job's rank instead of the data-parallel
+    rank): the column layer multiplied different inputs by each rank's columns and the embedding looked up
+    different ids, with no error, before 2026-12-06. Now each layer's first call compares its replicated input
+    over the group; last-bit differences (replicated activations) pass, a later call is not checked."""
+    ps = group(tp)
+    if ps is None:
+        return
+    mine = ps.rank()
+    col = hvd.ColumnParallelLinear.from_linear(linear(5, 6, 2 * tp), process_set=ps)
+    with pytest.raises(hvd.MismatchError, match=r"ColumnParallelLinear: the tensor group \(ranks? .*\) "
+                                                r"was given different inputs \(rank .* differs .* at 12 of 12 "
+                                                r"sampled elements.*shard the data by the data-parallel rank"):
+        col(seeded(60 + mine, 2, 6))
+    col(seeded(61, 2, 6) + mine * 1e-13)  # checked once: a later call is not compared
+    row = hvd.RowParallelLinear.from_linear(linear(6, 2 * tp, 3), input_is_parallel=False, process_set=ps)
+    row(seeded(62, 300, 2 * tp) * (1 + mine * 1e-9))  # last bits: the same input (256 of 600 sampled)
+    emb = hvd.VocabParallelEmbedding(4 * tp, 3, process_set=ps, dtype=D)
+    ids = torch.tensor([[0, 1, 2], [3, 0, 1]])
+    with pytest.raises(hvd.MismatchError, match=r"VocabParallelEmbedding: .* at 1 of 6 sampled elements \(the "
+                                                r"first: .*"):
+        emb(torch.where(ids == 2, ids + (mine == tp - 1), ids))
+    other = hvd.ColumnParallelLinear.from_linear(linear(5, 6, 2 * tp), process_set=ps)
+    with pytest.raises(hvd.MismatchError, match=r"rank .*'s is \[2, 6\] float64, rank .*'s \[3, 6\] float64"):
+        other(seeded(63, 2 if mine else 3, 6))
+
+
 def test_dropout_in_a_region_off_the_cpu_is_refused():
     """The tracker's streams are CPU generator states, so dropout inside fork() on a CUDA tensor would draw
     the CUDA generator's one mask on every shard: refused until per-device streams exist (meta tensors stand

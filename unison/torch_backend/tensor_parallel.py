@@ -28,7 +28,13 @@ from torch import nn
 from torch.nn import functional as F
 
 from unison.common.engine.process_sets import ProcessSet, global_process_set
-from unison.common.tensor_parallel.groups import agree_on_layer, agree_on_source, group_position
+from unison.common.tensor_parallel.groups import (
+    agree_on_input,
+    agree_on_layer,
+    agree_on_source,
+    group_position,
+    input_sample_positions,
+)
 from unison.common.tensor_parallel.sequence import check_column_options, check_row_options
 from unison.common.tensor_parallel.sharding import divisible_shard
 from unison.torch_backend.tensor_parallel_comm import (
@@ -105,6 +111,29 @@ class _SplitLayer(nn.Module):
         if getattr(self, "tp", 1) <= 1:
             return []
         return [t for t in (getattr(self, name, None) for name in self._split) if t is not None]
+
+
+def input_sample(x: torch.Tensor) -> Any:
+    """The values :func:`~unison.common.tensor_parallel.groups.agree_on_input` compares, as a numpy array
+    (float64, complex128 or int64): a few hundred elements, whatever ``x``'s size or device."""
+    flat = x.detach().reshape(-1)
+    pos = torch.from_numpy(input_sample_positions(flat.numel())).to(flat.device)
+    values = flat[pos]
+    if values.is_complex():
+        return values.to(torch.complex128).cpu().numpy()
+    return values.to(torch.float64 if values.is_floating_point() else torch.int64).cpu().numpy()
+
+
+def agree_on_input_once(holder: Any, x: torch.Tensor, owner: str, process_set: ProcessSet) -> None:
+    """At ``holder``'s first call, check that every rank of the group was given the same ``x`` ([Note: one input
+    per tensor group] in ``unison/common/tensor_parallel/groups.py``): a ``MismatchError`` on every rank of the
+    group otherwise. Not checked: inputs on the meta device (no values) or while torch compiles a graph."""
+    if holder.__dict__.get("_unison_input_agreed"):
+        return
+    holder.__dict__["_unison_input_agreed"] = True  # (a plain attribute: not a parameter, buffer or module)
+    if x.device.type == "meta" or torch.compiler.is_compiling():
+        return
+    agree_on_input(owner, process_set, tuple(x.shape), str(x.dtype).removeprefix("torch."), input_sample(x))
 
 
 def _memory(tensor: torch.Tensor) -> int | None:
@@ -243,6 +272,8 @@ class ColumnParallelLinear(_SplitLayer):
         if self.sequence_parallel:
             x = gather_from_sequence(x, self.process_set, to_parallel=True)
         else:
+            if self.tp > 1:
+                agree_on_input_once(self, x, "ColumnParallelLinear", self.process_set)
             x = copy_to_group(x, self.process_set)
         y = F.linear(x, self.weight, self.bias)
         return gather_from_group(y, self.process_set) if self.gather_output else y
@@ -311,6 +342,8 @@ class RowParallelLinear(_SplitLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
+            if self.tp > 1:
+                agree_on_input_once(self, x, "RowParallelLinear", self.process_set)
             x = scatter_to_group(x, self.process_set)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(F.linear(x, self.weight), self.process_set)
@@ -380,6 +413,8 @@ class VocabParallelEmbedding(_SplitLayer):
         if bool(bad.any()):
             raise IndexError(f"VocabParallelEmbedding: ids must be in [0, {self.num_embeddings}) (the whole "
                              f"vocabulary); received {int(ids[bad][0])}")
+        if self.tp > 1:
+            agree_on_input_once(self, ids, "VocabParallelEmbedding", self.process_set)
         mine = (ids >= self.start) & (ids < self.stop)
         local = torch.where(mine, ids - self.start, torch.zeros_like(ids))
         vectors = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)

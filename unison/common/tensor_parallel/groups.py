@@ -11,11 +11,19 @@ from typing import Any
 import numpy as np
 
 from unison.common import runtime
-from unison.common.engine.objects import agree_on_values
+from unison.common.agreement import ranks_text
+from unison.common.engine import frontend
+from unison.common.engine.objects import agree_on_values, allgather_object
 from unison.common.engine.process_sets import ProcessSet, set_rank, set_size
 from unison.common.exceptions import MismatchError
 
-__all__ = ["group_position", "agree_on_layer", "agree_on_seed", "agree_on_source", "describe"]
+__all__ = ["group_position", "agree_on_layer", "agree_on_seed", "agree_on_source", "agree_on_input", "describe",
+           "INPUT_SAMPLES", "input_sample_positions"]
+
+#: how many evenly spaced elements of a replicated input the group compares (see :func:`agree_on_input`)
+INPUT_SAMPLES = 256
+#: a float sample agrees when every element is within this fraction of the sample's largest magnitude
+INPUT_RTOL = 1e-3
 
 
 def group_position(process_set: ProcessSet, owner: str) -> tuple[int, int]:
@@ -146,3 +154,77 @@ def agree_on_source(owner: str, process_set: ProcessSet, check: Callable[[], Ite
         raise
     if problem is not None:
         raise problem
+
+
+def input_sample_positions(count: int) -> np.ndarray:
+    """The flat positions :func:`agree_on_input` compares in an input of ``count`` elements: at most
+    :data:`INPUT_SAMPLES`, evenly spaced, first and last included."""
+    if count <= INPUT_SAMPLES:
+        return np.arange(count, dtype=np.int64)
+    return np.linspace(0, count - 1, INPUT_SAMPLES).round().astype(np.int64)
+
+
+def agree_on_input(owner: str, process_set: ProcessSet, shape: tuple[int, ...], dtype: str,
+                   sample: np.ndarray) -> None:
+    """Return when every rank of the tensor group was given the same input (by shape, dtype and the values at
+    :func:`input_sample_positions`); else raise :class:`MismatchError` on every rank of the group. Nothing for
+    a group of one.
+
+    [Note: one input per tensor group] The ranks of a tensor group compute ONE layer between them: a column
+    layer multiplies the same input by each rank's columns, an embedding looks up the same ids in each rank's
+    rows, a cross-entropy reads the same targets. Given different inputs (a data loader sharded by the job's
+    rank where it should be by the data-parallel rank, the commonest mistake in a data x tensor grid), each
+    rank computes its piece of a different layer's output and the sums and gathers mix them: the model trains
+    on garbage with no error. The parallel layers compare their replicated input at their first call: the
+    values at up to 256 evenly spaced positions, integers exactly, floats within 1e-3 of the sample's largest
+    magnitude (replicated activations computed on each rank may differ in their last bits; another batch
+    differs everywhere). One all-gather of a few KiB per layer, once. A sample can miss a difference that
+    touches none of its positions; the first call is the one checked (a mistake in the data differs from the
+    first batch on).
+    """
+    if set_size(process_set) <= 1:
+        return
+    mine = (tuple(int(d) for d in shape), str(dtype), np.asarray(sample))
+    name = frontend._auto_name("agree_on_input", None, process_set)
+    everyone = allgather_object(mine, name, process_set)
+    ranks = list(range(len(everyone))) if process_set.ranks is None else list(process_set.ranks)
+    ref_shape, ref_dtype, ref = everyone[0]
+    problems = []
+    for r, (shp, dt, smp) in zip(ranks[1:], everyone[1:], strict=True):
+        if (shp, dt) != (ref_shape, ref_dtype):
+            problems.append(f"rank {r}'s is {list(shp)} {dt}, rank {ranks[0]}'s {list(ref_shape)} {ref_dtype}")
+            continue
+        differ = _differ(ref, smp)
+        if differ:
+            problems.append(f"rank {r}'s differs from rank {ranks[0]}'s {differ}")
+    if problems:
+        raise MismatchError(
+            f"{owner}: the tensor group ({ranks_text(ranks)}) was given different inputs ("
+            + "; ".join(problems) + "). Every rank of a tensor group must see the same batch: shard the data by "
+            "the data-parallel rank (Grid.coords(rank).dp, over Grid.dp ranks), not by the job's rank, and keep "
+            "anything random before the layer (dropout, augmentation) on one seed across the group")
+
+
+def _differ(ref: np.ndarray, other: np.ndarray) -> str:
+    """How ``other`` differs from ``ref`` (samples at the same positions), or "" when they agree."""
+    if ref.shape != other.shape:
+        return f"in its sample's size ({other.size} against {ref.size})"
+    if ref.dtype.kind in "fc" or other.dtype.kind in "fc":
+        a, b = ref.astype(np.complex128 if ref.dtype.kind == "c" else np.float64), other.astype(
+            np.complex128 if other.dtype.kind == "c" else np.float64)
+        finite = np.isfinite(a) & np.isfinite(b)
+        scale = max(float(np.abs(a[finite]).max(initial=0.0)), float(np.abs(b[finite]).max(initial=0.0)))
+        close = np.abs(a - b) <= INPUT_RTOL * scale
+        same_special = ~finite & ((np.isnan(a) & np.isnan(b)) | (a == b))
+        bad = ~(np.where(finite, close, same_special))
+        if not bad.any():
+            return ""
+        worst = float(np.abs(a - b)[bad & finite].max(initial=0.0))
+        return (f"at {int(bad.sum())} of {a.size} sampled elements (largest difference {worst:.3g}, "
+                f"largest magnitude {scale:.3g})")
+    bad = ref != other
+    if not bad.any():
+        return ""
+    i = int(np.flatnonzero(bad)[0])
+    return (f"at {int(bad.sum())} of {ref.size} sampled elements (the first: {other.flat[i]!r} against "
+            f"{ref.flat[i]!r})")
