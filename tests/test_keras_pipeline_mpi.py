@@ -21,7 +21,7 @@ from unison.tf_backend.pipeline.stages import KerasStage, scaled_loss  # noqa: E
 
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("np_", [4])  # 2 stages: test_pipeline_driver_mpi, the torch pipeline suite (budget)
+@pytest.mark.parametrize("np_", [2, 4])  # every schedule at 2 ranks (25 s); the interleaved 8 stages at 4
 def test_keras_pipeline(np_, tmp_path):
     run_rank_suite(np_, "mpi_keras_pipeline.py", tmp_path, timeout=250,
                    extra_env={"TEST_HANG_DUMP_S": "220"})

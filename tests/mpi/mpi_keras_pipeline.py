@@ -346,6 +346,9 @@ def test_fit_refuses_x_and_y_of_different_lengths_on_every_rank():
         assert f"x and y must have the same number of rows on every rank that passes them; rows passed: " \
                f"rank 0: x 40, y {len(short)}" in msg, msg
     assert len(pipe.fit(x, y[:10].repeat(4, axis=0), batch_size=BATCH, epochs=1, verbose=0)) == 1
+    # a list's rows were not counted (read by shape alone): a shorter list x raised on one rank, the others hung
+    msg = raised_everywhere(lambda: pipe.fit(x[:24].tolist(), y, batch_size=BATCH, verbose=0))
+    assert "rows passed: rank 0: x 24" in msg, msg
     pipe.close()
 
 
@@ -467,3 +470,63 @@ def test_a_layer_in_two_stages_of_one_rank_is_stepped_once_by_adam():
         msg = raised_everywhere(lambda: Pipeline(make_model(), chunks=2, loss="mse",
                                                  optimizer=lambda: keras.optimizers.Adam(global_clipnorm=1.0)))
         assert "global_clipnorm=1.0" in msg and "clipnorm=" in msg
+
+
+def _classifier():
+    keras.utils.set_random_seed(4)
+    return keras.Sequential([keras.Input((6,)), *[keras.layers.Dense(16, activation="tanh") for _ in range(7)],
+                             keras.layers.Dense(3)])
+
+
+@pytest.mark.parametrize("schedule, checkpoint", [("1f1b", "never"), ("zb-h1", "always")])
+def test_a_cross_entropy_with_an_ignored_class_trains_like_one_process(schedule, checkpoint):
+    """Keras's mean over the targets other than ``ignore_class`` divides by their count, which differs between
+    microbatches: scaled by 1/chunks the gradients were up to 62% off one process's (an audit, 2026-12-06).
+    Microbatch 1 here is all padding."""
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=-1)
+    pipe = Pipeline(_classifier(), chunks=CHUNKS, schedule=schedule, checkpoint=checkpoint, loss=loss,
+                    optimizer=sgd)
+    ref, opt = _classifier(), sgd()
+    losses, ref_losses = [], []
+    for k in range(2):
+        g = np.random.default_rng(300 + k)
+        x, t = g.standard_normal((BATCH, 6)).astype("float32"), g.integers(0, 3, BATCH)
+        t[[0, 2, 3, 7]] = -1
+        losses.append(pipe.train_step(x, t))
+        with tf.GradientTape() as tape:
+            want = loss(t, ref(x, training=True))
+        opt.apply(tape.gradient(want, ref.trainable_variables), ref.trainable_variables)
+        ref_losses.append(float(want))
+        assert pipe.evaluate(x, t) == pytest.approx(float(loss(t, ref(x))), rel=1e-5)
+    assert_same(pipe, ref, losses, ref_losses)
+    pipe.close()
+
+
+@pytest.mark.skipif(N % 2, reason="a tensor group of 2 needs an even number of ranks")
+def test_fit_on_a_grid_with_tensor_groups_gives_a_groups_shards_the_same_rows():
+    """The rows of a replica were cut by the pipeline's number (replica * tp + shard): a tensor group's second
+    shard read the next replica's rows, silently (found by an audit, 2026-12-06)."""
+    from unison.common.tensor_parallel import Grid, grid_pipeline
+
+    grid = Grid(dp=N // 2, pp=1, tp=2)
+    layout = grid_pipeline(grid)
+    pipe = Pipeline(make_model(), chunks=2, loss="mse", optimizer=sgd, grid=layout)
+    seen = []
+    step = pipe.train_step
+
+    def spy(x, y):
+        seen.append(None if x is None else x[:, 0].tolist())
+        return step(x, y)
+
+    pipe.train_step = spy
+    rs = np.random.default_rng(8)
+    x, y = rs.standard_normal((4 * N, 6)).astype("float32"), rs.standard_normal((4 * N, 1)).astype("float32")
+    pipe.fit(x, y, batch_size=2 * N, epochs=1, shuffle=False, verbose=0)
+    everyone = WORLD.allgather((grid.coords(R).dp, seen))
+    by_replica = {}
+    for replica, rows in everyone:
+        assert by_replica.setdefault(replica, rows) == rows  # a group's shards read the same rows
+    steps = list(zip(*(by_replica[d] for d in sorted(by_replica)), strict=True))
+    for k, parts in enumerate(steps):  # the replicas' rows make the step's global batch, each row once
+        assert sorted(v for part in parts for v in part) == sorted(x[2 * N * k:2 * N * (k + 1), 0].tolist())
+    pipe.close()

@@ -887,3 +887,110 @@ def test_train_step_with_gradients_off_raises_on_every_rank():
     pipe.train_step(x, y)
     assert all(not torch.equal(a, b) for a, b in zip(before, pipe.parameters(), strict=True))
     pipe.close()
+
+
+def _classifier():
+    torch.manual_seed(5)
+    return [nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh(),
+            nn.Linear(8, 4), nn.Linear(4, 3)]
+
+
+def _labels(step, ignored):
+    g = torch.Generator().manual_seed(200 + step)
+    x, t = torch.randn(BATCH, 6, generator=g), torch.randint(0, 3, (BATCH,), generator=g)
+    t[list(ignored)] = -100
+    return x, t
+
+
+LOSSES = {"ignored rows": (lambda: nn.CrossEntropyLoss(), (1, 6)),
+          "a microbatch of padding alone": (lambda: nn.CrossEntropyLoss(), (0, 1, 5)),
+          "class weights, smoothing, ignored": (
+              lambda: nn.CrossEntropyLoss(weight=torch.tensor([0.2, 1.0, 3.0]), label_smoothing=0.1), (3,)),
+          "nll with class weights": (lambda: nn.NLLLoss(weight=torch.tensor([2.0, 0.5, 1.0])), ())}
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("case", list(LOSSES))
+def test_a_cross_entropy_with_ignored_or_weighted_targets_trains_like_one_process(case, name):
+    """Each microbatch's mean was scaled by 1/chunks, which adds up to the batch's mean only when every target
+    counts alike: with ignored or class-weighted targets the gradients were up to 45% off one process's, and a
+    microbatch of padding alone made the loss NaN (an audit, 2026-12-06). Now each microbatch counts by the
+    weight of its targets."""
+    make, ignored = LOSSES[case]
+    layers = _classifier()
+    if case.startswith("nll"):
+        layers.append(nn.LogSoftmax(dim=1))
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    pipe = hvd.Pipeline(layers, chunks=CHUNKS, schedule=name, loss_fn=make(), optimizer=sgd)
+    opt = sgd(ref.parameters())
+    for k in range(2):
+        x, t = _labels(k, ignored)
+        loss = pipe.train_step(x, t)
+        opt.zero_grad()
+        want = make()(ref(x), t)
+        want.backward()
+        opt.step()
+        assert loss == pytest.approx(want.item(), rel=1e-5), case
+        with torch.no_grad():
+            assert pipe.evaluate(x, t) == pytest.approx(make()(ref(x), t).item(), rel=1e-5)
+    assert_same_as_reference(pipe, ref, [0.0], [0.0])
+    pipe.close()
+
+
+def test_replicas_with_differently_ignored_targets_train_on_the_mean_over_every_counted_target():
+    """Replica 0's batch has one ignored target, replica 1's five: the replicas count by their targets' weight,
+    not by their rows."""
+    grid = hvd.pipeline_grid(dp=2)
+    layers = _classifier()
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    pipe = hvd.Pipeline(layers, chunks=2, grid=grid, loss_fn=nn.CrossEntropyLoss(), optimizer=sgd)
+    opt = sgd(ref.parameters())
+    for k in range(2):
+        (x0, t0), (x1, t1) = _labels(k, (2,)), _labels(10 + k, (0, 1, 3, 4, 6))
+        x, t = torch.cat([x0, x1]), torch.cat([t0, t1])
+        loss = pipe.train_step(*((x0, t0) if grid.pipeline == 0 else (x1, t1)))
+        opt.zero_grad()
+        want = nn.functional.cross_entropy(ref(x), t)
+        want.backward()
+        opt.step()
+        assert loss == pytest.approx(want.item(), rel=1e-5)
+    assert_same_as_reference(pipe, ref, [0.0], [0.0])
+    pipe.close()
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
+def test_a_layer_unfrozen_after_the_pipeline_was_built_trains(name):
+    """zb-h1 read each layer's trainable parameters once, when the pipeline was built: a layer unfrozen later
+    (fine-tuning) got no gradient and never trained, silently, before 2026-12-06."""
+    layers = make_layers()
+    for p in layers[0].parameters():
+        p.requires_grad_(False)
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    pipe = hvd.Pipeline(layers, chunks=CHUNKS, schedule=name, loss_fn=nn.functional.mse_loss, optimizer=sgd)
+    for p in [*layers[0].parameters(), *ref[0].parameters()]:
+        p.requires_grad_(True)
+    opt = sgd(ref.parameters())
+    batches = [batch(k) for k in range(2)]
+    losses = [pipe.train_step(x, y) for x, y in batches]
+    ref_losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(ref(x), y)
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.item())
+    assert_same_as_reference(pipe, ref, losses, ref_losses)
+    pipe.close()
+
+
+def test_a_numpy_batch_torch_cannot_take_raises_on_every_rank():
+    """torch.from_numpy refuses a negative stride or a big-endian array: raised on the rank holding stage 0
+    alone while the others waited in the step (a hang) before 2026-12-06."""
+    pipe = hvd.Pipeline(make_layers(), chunks=CHUNKS, loss_fn=nn.functional.mse_loss, optimizer=sgd)
+    x, y = batch(0)
+    flipped = x.numpy()[::-1]
+    raised_everywhere(lambda: pipe.train_step(flipped, y), "inputs is a numpy array torch cannot take")
+    swapped = x.numpy().astype(">f4")
+    raised_everywhere(lambda: pipe.train_step(swapped, y), "np.ascontiguousarray(inputs, dtype=np.float32)")
+    pipe.train_step(x.numpy().copy(), y)  # the next step works
+    pipe.close()

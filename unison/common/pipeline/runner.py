@@ -26,7 +26,7 @@ from unison.common.pipeline.partition import check_balance
 from unison.common.pipeline.schedule import Schedule
 
 __all__ = ["PipelineRunner", "CHECKPOINTS", "plan_stages", "agreed", "layer_ranges", "same_on_every_rank",
-           "check_ties"]
+           "check_ties", "microbatch_shares"]
 
 #: activation checkpointing: never, every microbatch, or every microbatch but the last
 CHECKPOINTS = ("never", "always", "except_last")
@@ -189,24 +189,33 @@ class PipelineRunner:
         self.stats = driver.step(worker, check=problem)
         return self.stats
 
-    def replica_share(self, batch: Any) -> float:
+    def replica_share(self, batch: Any, weight: float | None = None) -> float:
         """``dp * rows / global rows``: the weight of this pipeline's mean loss and gradients among the
         replicas (1.0 when they all had the same batch size); collective on a grid (``dp > 1``).
 
         Each replica's loss and gradients are means over its own batch; weighted by this share, the
         average over the replicas is the mean over every row of the global batch (before 2026-12-05
         replicas with different batch sizes counted alike). The rows come from the ranks holding
-        stage 0 (``batch``: this rank's inputs, anything with a ``shape``).
+        stage 0 (``batch``: this rank's inputs, anything with a ``shape``). A loss whose mean counts
+        its targets unequally (ignored or class-weighted targets: [Note: weighted microbatches]) passes
+        ``weight``, the total weight of this replica's targets, on the ranks holding the last stage:
+        when every replica has one, the shares are ``dp * weight / global weight`` instead.
         """
         if self.grid.dp == 1:
             return 1.0
         shape = getattr(batch, "shape", None)
         rows = int(shape[0]) if self.holds_first and shape is not None and len(shape) else -1
+        counted = float(weight) if self.holds_last and weight is not None else -1.0
         replica = self.grid.pipeline // self.grid.tp  # a tensor group's shards run one replica's batch
-        per_replica: dict[int, int] = {}
-        for theirs, n in self._world.allgather((replica, rows)):
+        per_replica: dict[int, float] = {}
+        weights: dict[int, float] = {}
+        for theirs, n, w in self._world.allgather((replica, rows, counted)):
             if n >= 0:
                 per_replica[theirs] = n
+            if w >= 0:
+                weights[theirs] = w
+        if weights and set(weights) == set(per_replica):  # (every replica's loss is a weighted mean)
+            per_replica = weights
         total = sum(per_replica.values())
         if len(set(per_replica.values())) <= 1 or total == 0 or replica not in per_replica:
             return 1.0
@@ -257,3 +266,25 @@ def check_ties(held: Sequence[Sequence[tuple[int, str]]], balance: Sequence[int]
                     f"layers {j} and {i} share {what} ({j}.{first_name} is {i}.{name}: tied weights) but sit in "
                     f"stages {sj} and {si}, on pipeline ranks {rj} and {ri}; each rank would train its own copy. "
                     "Choose a balance that puts both layers on one rank, or untie the weights")
+
+
+def microbatch_shares(weights: Sequence[float] | None, chunks: int) -> tuple[list[float], float | None]:
+    """Each microbatch's factor in its replica's mean loss, and the replica's total weight (None: plain).
+
+    [Note: weighted microbatches] A step's loss is the mean over the whole batch, and each
+    microbatch's loss is a mean over its own targets. Scaled by ``1 / chunks`` they add up to the
+    batch's mean only when every target counts alike. A cross-entropy with ``ignore_index`` (the
+    padding of a language model's sequences) or class weights divides by the weight of the targets
+    it counted, which differs between microbatches: scaled by ``1 / chunks``, the gradients were
+    up to 45% off one process's and a microbatch of padding alone made the loss NaN (found by an
+    audit, 2026-12-06). Each backend reads such a loss's weights from the targets (``weights``, one
+    per microbatch: the denominator of its mean) and scales each microbatch by ``weight / total``;
+    across the replicas of a grid :meth:`PipelineRunner.replica_share` uses the totals. A
+    microbatch that counts nothing adds nothing (its factor is 0, and the backends skip its NaN).
+    """
+    if weights is None:
+        return [1.0 / chunks] * chunks, None
+    total = float(sum(weights))
+    if total <= 0:
+        return [0.0] * len(weights), 0.0
+    return [float(w) / total for w in weights], total

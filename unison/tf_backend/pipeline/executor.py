@@ -202,7 +202,8 @@ class Pipeline(PipelineRunner):
         """
         problem = self._begin(x, y, need_targets=True, train=True)
         self.run(self._worker, problem, train=True)
-        share = self.replica_share(x) if self._is_mean else 1.0  # (a "sum" loss sums already)
+        # (a "sum" loss sums already)
+        share = self.replica_share(x, self._worker.weight_total) if self._is_mean else 1.0
         grads = self._reduce_gradients(self._worker.grads, share)
 
         def apply() -> None:
@@ -247,7 +248,7 @@ class Pipeline(PipelineRunner):
     def evaluate(self, x: Any = None, y: Any = None) -> float:
         """The loss over a batch without training (dropout off), on every rank."""
         self._forward_only(x, y, need_targets=True)
-        share = self.replica_share(x) if self._is_mean else 1.0
+        share = self.replica_share(x, self._worker.weight_total) if self._is_mean else 1.0
         return self.global_loss(self._worker.loss * share, self._is_mean)
 
     def predict(self, x: Any = None) -> np.ndarray | None:

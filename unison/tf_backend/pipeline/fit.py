@@ -32,7 +32,9 @@ def fit(pipe: Pipeline, x: Any, y: Any, batch_size: int, epochs: int = 1, verbos
     n = known[0]
     steps = n // batch_size
     share = batch_size // pipe.grid.dp
-    lo = pipe.grid.pipeline * share
+    # a replica's rows: the tp pipelines of one tensor group run its shards on the same rows (pipeline =
+    # replica * tp + shard; each shard read the next replica's rows, silently, before 2026-12-06)
+    lo = (pipe.grid.pipeline // pipe.grid.tp) * share
     show = verbose and world.Get_rank() == 0
     history = []
     for epoch in range(epochs):
@@ -52,9 +54,17 @@ def fit(pipe: Pipeline, x: Any, y: Any, batch_size: int, epochs: int = 1, verbos
 
 
 def _rows(a: Any) -> int | None:
-    if a is not None and getattr(a, "shape", None):
-        return int(a.shape[0])
-    return None
+    """The rows of ``a`` (None: not passed). A list counts by its length: read by shape alone, a list was
+    not compared, and a shorter one raised in one rank's ``_take`` while the others waited (a hang)."""
+    if a is None:
+        return None
+    shape = getattr(a, "shape", None)
+    if shape:
+        return int(shape[0])
+    try:
+        return len(a)
+    except TypeError:
+        return None
 
 
 def _take(a: Any, rows: np.ndarray, needed: bool) -> Any:

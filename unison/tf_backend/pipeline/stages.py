@@ -63,6 +63,7 @@ import numpy as np
 import tensorflow as tf
 
 from unison.common.pipeline import PipelineError
+from unison.common.pipeline.runner import microbatch_shares
 
 __all__: list[str] = []
 
@@ -92,7 +93,23 @@ def scaled_loss(loss: Any, chunks: int) -> tuple[Callable[[Any, Any], tf.Tensor]
             value = tf.cast(value, tf.float32)       # was cut to float32, 3.5e-8 off one process)
         return tf.reduce_mean(value) * scale  # a no-op mean for a reduced (scalar) loss
 
+    share.unison_loss = fn  # type: ignore[attr-defined]  # (read by counted_weights)
     return share, is_mean
+
+
+def counted_weights(loss: Any, targets: Sequence[Any] | None) -> list[float] | None:
+    """The number of each microbatch's counted targets where ``loss``'s mean divides by it: a
+    ``SparseCategoricalCrossentropy`` with ``ignore_class`` (reduction ``"sum_over_batch_size"``), whose mean is
+    over the targets other than that class; None for any other loss or targets this rank does not hold
+    (runner [Note: weighted microbatches])."""
+    fn = getattr(loss, "unison_loss", loss)
+    if targets is None or not isinstance(fn, keras.losses.SparseCategoricalCrossentropy):
+        return None
+    config = fn.get_config()
+    ignored = config.get("ignore_class")
+    if ignored is None or config.get("reduction") != "sum_over_batch_size":
+        return None
+    return [float(np.count_nonzero(np.asarray(t) != ignored)) for t in targets]
 
 
 class KerasStage:
@@ -209,6 +226,13 @@ class KerasStages:
               train: bool) -> None:
         """Start a step: this rank's microbatches of inputs and targets (None where not held)."""
         self.inputs, self.targets, self.chunks, self.train = inputs, targets, chunks, train
+        last = self.stages.get(self.last)
+        weights = counted_weights(last.loss, targets) if last is not None else None
+        factors, self.weight_total = microbatch_shares(weights, chunks)
+        #: per microbatch, its factor over the ``1 / chunks`` the compiled loss applies (runner [Note: weighted
+        #: microbatches]); None: every microbatch counts alike
+        self.ratios = None if weights is None else [f * chunks for f in factors]
+        self._loss_dtype = tf.float32
         self.kept: dict[tuple[int, int], _Kept] = {}
         self.grads: dict[int, list[tf.Tensor]] = {}
         self.loss = 0.0
@@ -225,7 +249,7 @@ class KerasStages:
                 return out.numpy()
             self.outputs[mb] = out.numpy()
             if y_true is not None:
-                self.loss += float(st.loss(y_true, out))  # type: ignore[misc]  # the last stage has a loss
+                self.loss += float(st.loss(y_true, out)) * self._ratio(mb)  # type: ignore[misc]  # (it has one)
             return None
         if self.checkpoint == "always" or (self.checkpoint == "except_last" and mb < self.chunks - 1):
             kept = _Kept(inp, state=st.snapshot())
@@ -235,7 +259,8 @@ class KerasStages:
             kept = _Kept(inp, tape, out)
         self.kept[(stage, mb)] = kept
         if stage == self.last:
-            self.loss += float(out)
+            self.loss += float(out) * self._ratio(mb)
+            self._loss_dtype = out.dtype  # (what _loss_gradient's scale must be)
             return None
         return out.numpy()
 
@@ -243,7 +268,7 @@ class KerasStages:
         if not self.train:
             return None if stage == 0 else _NO_GRADIENT
         st, kept = self.stages[stage], self.kept.pop((stage, mb))
-        dy = _tensor(grad)
+        dy = self._loss_gradient(mb) if stage == self.last else _tensor(grad)
         if kept.state is not None:
             with st.replayed(kept.state):
                 grads = st.recompute_gradients(kept.x, dy, self._target(stage, mb))
@@ -256,7 +281,7 @@ class KerasStages:
         st, kept = self.stages[stage], self.kept[(stage, mb)]
         if kept.state is None:  # [Note: splitting a Keras backward]: the whole backward, now
             return self.backward(stage, mb, grad)
-        kept.dy = _tensor(grad)
+        kept.dy = self._loss_gradient(mb) if stage == self.last else _tensor(grad)
         if stage == 0:
             return None  # nobody needs stage 0's input gradient; W does all its work
         with st.replayed(kept.state):
@@ -272,6 +297,14 @@ class KerasStages:
             self._add(stage, st.recompute_gradients(kept.x, kept.dy, self._target(stage, mb), inputs=False))
 
     # ------------------------------------------------------------------ helpers
+    def _ratio(self, mb: int) -> float:
+        return 1.0 if self.ratios is None else self.ratios[mb]
+
+    def _loss_gradient(self, mb: int) -> tf.Tensor | None:
+        """The last stage's output gradient: None (the compiled loss's own scale), or the microbatch's ratio
+        to it when the microbatches count unequally (the gradients are linear in it)."""
+        return None if self.ratios is None else tf.constant(self.ratios[mb], self._loss_dtype)
+
     def _input(self, stage: int, mb: int, x: np.ndarray | None) -> tf.Tensor:
         if stage > 0:
             return tf.convert_to_tensor(x)

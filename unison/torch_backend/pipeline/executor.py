@@ -156,7 +156,7 @@ class Pipeline(PipelineRunner):
         finally:
             self.live_peak_per_stage = dict(self._worker.live_peak)
             self._worker.kept.clear()  # a failed step leaves graphs behind
-        share = self.replica_share(inputs)
+        share = self.replica_share(inputs, self._worker.weight_total)
         if self.grid.dp > 1:
             self._average_gradients(share)
         # agreed on every rank (one without an optimizer too): the ranks go on to global_loss, a
@@ -168,7 +168,7 @@ class Pipeline(PipelineRunner):
     def evaluate(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> float:
         """The mean loss over a batch without training (dropout off), on every rank."""
         self._forward_only(inputs, targets, need_targets=True)
-        return self.global_loss(self._worker.loss * self.replica_share(inputs))
+        return self.global_loss(self._worker.loss * self.replica_share(inputs, self._worker.weight_total))
 
     def predict(self, inputs: torch.Tensor | None = None) -> torch.Tensor | None:
         """The model's output for a batch, on the rank holding the last stage (None elsewhere)."""
@@ -206,8 +206,13 @@ class Pipeline(PipelineRunner):
             if not held or batch is None or isinstance(batch, torch.Tensor):
                 return batch, None
             if isinstance(batch, np.ndarray):
-                return torch.from_numpy(batch), None
-            return batch, (f"rank {self.grid.position}: {name} must be a torch.Tensor or a numpy array; received "
+                try:  # (refused on this rank alone, it raised here while the others waited in the step: a hang)
+                    return torch.from_numpy(batch), None
+                except (TypeError, ValueError) as exc:
+                    return batch, (f"{name} is a numpy array torch cannot take "
+                                   f"({exc}); pass a copy of a numeric dtype in native byte order, e.g. "
+                                   f"np.ascontiguousarray({name}, dtype=np.float32)")
+            return batch, (f"{name} must be a torch.Tensor or a numpy array; received "
                            f"{type(batch).__name__}")
 
         inputs, bad_inputs = tensor(inputs, self.holds_first, "inputs")

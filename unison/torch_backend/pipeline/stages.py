@@ -23,7 +23,9 @@ There I computes the input gradient alone and W asks for all the stage's paramet
 output at once (``shared_weights``), the unsplit cost for that stage only.
 
 The last stage applies the loss to its output and the microbatch's targets, scaled by
-``1 / chunks`` so that a step's gradient is that of the mean loss over the whole batch.
+``1 / chunks`` so that a step's gradient is that of the mean loss over the whole batch; a
+cross-entropy with ignored or class-weighted targets by each microbatch's share of the counted
+weight instead (runner [Note: weighted microbatches]).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from unison.common.pipeline import PipelineError
+from unison.common.pipeline.runner import microbatch_shares
 from unison.torch_backend.pipeline.recompute import RngState, capture, replay, starts_in_place
 from unison.torch_backend.tensors import from_numpy, to_numpy
 
@@ -80,13 +83,6 @@ class TorchStages:
         self.loss_fn = loss_fn
         self.checkpoint = checkpoint
         self.device = device
-        self.params = {s: [p for p in m.parameters() if p.requires_grad] for s, m in modules.items()}
-        #: per stage, per layer: the layer's trainable parameters
-        self.layer_params = {s: [[p for p in layer.parameters() if p.requires_grad] for layer in m]
-                             for s, m in modules.items()}
-        #: stages whose layers share a parameter: W is not split per layer there ([Note: splitting backward])
-        self.shared_weights = {s for s, layers in self.layer_params.items()
-                               if len({id(p) for ps in layers for p in ps}) < sum(len(ps) for ps in layers)}
         self.begin(None, None, 1, train=True)
 
     def begin(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None, chunks: int,
@@ -97,6 +93,19 @@ class TorchStages:
         submodule into training mode, which retrained a BatchNorm the user had frozen with ``eval()``.
         """
         self.inputs, self.targets, self.chunks, self.train = inputs, targets, chunks, train
+        # (read per step: a layer frozen or unfrozen after the pipeline was built is seen; the lists made
+        # once at build left an unfrozen layer without gradients under zb-h1, silently, before 2026-12-06)
+        self.params = {s: [p for p in m.parameters() if p.requires_grad] for s, m in self.modules.items()}
+        #: per stage, per layer: the layer's trainable parameters
+        self.layer_params = {s: [[p for p in layer.parameters() if p.requires_grad] for layer in m]
+                             for s, m in self.modules.items()}
+        #: stages whose layers share a parameter: W is not split per layer there ([Note: splitting backward])
+        self.shared_weights = {s for s, layers in self.layer_params.items()
+                               if len({id(p) for ps in layers for p in ps}) < sum(len(ps) for ps in layers)}
+        #: each microbatch's factor in this replica's loss, and the replica's total target weight (None: every
+        #: target counts alike) (runner [Note: weighted microbatches])
+        self.weights = counted_weights(self.loss_fn, targets)
+        self.factors, self.weight_total = microbatch_shares(self.weights, chunks)
         self.kept: dict[tuple[int, int], _Kept] = {}
         #: per stage, the most microbatches whose activations this worker held at once
         self.live_peak: dict[int, int] = dict.fromkeys(self.modules, 0)
@@ -234,7 +243,10 @@ class TorchStages:
             got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise PipelineError(f"loss_fn must return a scalar tensor (a mean over the microbatch); it "
                                 f"returned {got}. Use reduction='mean'")
-        loss = loss.reshape(()) / self.chunks
+        if self.weights is not None and self.weights[mb] == 0:
+            loss = _nothing_from(out)  # (its mean is 0/0: NaN, and its gradient too)
+        else:
+            loss = loss.reshape(()) * self.factors[mb]
         if count:
             self.loss += float(loss.detach())
         return loss
@@ -309,6 +321,53 @@ def _splittable(outs: list[Any], layer_params: list[list[nn.Parameter]]) -> bool
     Such a stage's W takes all its parameters at once (before 2026-12-05 zb-h1 failed on them)."""
     mine = [o for o, ps in zip(outs, layer_params, strict=True) if ps]
     return all(isinstance(o, torch.Tensor) for o in mine) and len({id(o) for o in mine}) == len(mine)
+
+
+def counted_weights(loss_fn: Any, targets: list[torch.Tensor] | None) -> list[float] | None:
+    """The weight of each microbatch's counted targets, where ``loss_fn``'s mean divides by it: an
+    ``nn.CrossEntropyLoss`` or ``nn.NLLLoss`` (reduction ``"mean"``) on class indices, whose mean divides by
+    the class weights of the targets other than ``ignore_index`` (their count without weights); None for
+    any other loss, or probability targets (a plain mean over the rows), or targets this rank does not hold
+    (runner [Note: weighted microbatches]). A callable computing the same from ``F.cross_entropy`` is
+    not recognised: it is taken as a plain mean."""
+    if (targets is None or not isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss))
+            or loss_fn.reduction != "mean"):
+        return None
+    weight = loss_fn.weight
+    out = []
+    for target in targets:
+        if target.is_floating_point() or target.is_complex():
+            return None
+        counted = target != loss_fn.ignore_index
+        if weight is None:
+            out.append(float(counted.sum()))
+            continue
+        classes = torch.where(counted, target, torch.zeros_like(target))
+        if bool(((classes < 0) | (classes >= weight.numel())).any()):
+            return None  # (the loss refuses such a target itself, naming it)
+        out.append(float((weight.detach().to(target.device)[classes] * counted).sum()))
+    return out
+
+
+def _nothing_from(out: Any) -> torch.Tensor:
+    """A zero loss whose gradient is exactly zero for every floating tensor of ``out`` (even where ``out``
+    holds inf or NaN): a microbatch whose targets the loss does not count."""
+    total = torch.zeros(())
+    for t in _tensors(out):
+        if t.is_floating_point() and t.requires_grad:
+            zero = torch.zeros((), dtype=t.dtype, device=t.device)
+            total = total.to(t.device) + torch.where(zero.bool(), t, zero).sum()
+    return total
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
 
 
 def _boundary(stage: int, out: Any) -> np.ndarray:
