@@ -406,6 +406,31 @@ def test_tf_data_of_unknown_or_infinite_length_trains_like_one_process(dp, kind)
     assert_weights_close(model, ref)
 
 
+def test_an_ignored_class_weighs_each_rank_by_its_counted_targets(dp):
+    """A SparseCategoricalCrossentropy with ignore_class averages over the targets it counts, which differ
+    between the ranks' shares: weighted by rows, the weights were 0.12 off one process's after one step at 2
+    ranks (before 2026-12-06). The reported loss is the mean over every counted target."""
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=-1)
+    labels = LABELS.copy()
+    labels[[0, 1, 2, 3, 4, 9, 20, 21, 22, 30]] = -1  # the first global batch's first shard: mostly ignored
+
+    def build():
+        keras.utils.set_random_seed(7)
+        return make_model(classes=3)
+
+    with dp.scope():
+        model = build()
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss)
+    ref = build()
+    ref.set_weights(WORLD.bcast(model.get_weights()))
+    ref.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss)
+    model.fit(X, labels, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    ref.fit(X, labels, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(model, ref)
+    got = model.evaluate(X, labels, batch_size=GLOBAL_BATCH, verbose=0)
+    np.testing.assert_allclose(got, float(loss(labels, ref(X))), rtol=2e-5)
+
+
 def test_losses_that_do_not_average_over_the_batch_are_refused_on_every_rank(dp):
     """DataParallel weighs each rank's gradient by its rows: a 'sum' loss trained with 1/N of one process's
     gradient, a 'mean_with_sample_weight' one divided by each rank's own sum of weights (before 2026-12-05)."""

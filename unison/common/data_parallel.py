@@ -125,8 +125,10 @@ def _weighting(rows: int | None, op: ReduceOp, prescale: float,
         return op, prescale, postscale, 1.0
     total, squares = (float(v) for v in np.asarray(
         frontend.allreduce(np.array([rows, rows * rows], np.float64), Sum)).reshape(-1))
-    if total <= 0:
-        raise ValueError(f"average_gradients: the ranks' rows sum to {total}; every step needs at least one row")
+    if total < 0:
+        raise ValueError(f"average_gradients: the ranks' rows sum to {total}; a rank's rows cannot be negative")
+    if total == 0:  # (no rank counts a target: a masked loss's gradients are zeros, which any weighting keeps)
+        return op, prescale, postscale, 1.0
     if runtime.size() * squares == total * total:
         return Average, prescale, postscale, 1.0
     return Sum, prescale, postscale, float(rows) / total
@@ -152,8 +154,9 @@ def average_gradients(grads: Sequence[np.ndarray], rows: int | None = None, op: 
 
     Args:
         grads: this rank's gradients (any float dtype), in the same order on every rank.
-        rows: this rank's rows in the step's batch. When given (and ``op`` is Average) the
-            result weighs each rank by its rows: the global batch's mean-loss gradient.
+        rows: this rank's rows in the step's batch (or the targets its loss counts, for a loss that
+            averages over those: ``unison.keras`` passes them for an ``ignore_class``). When given (and
+            ``op`` is Average) the result weighs each rank by them: the global batch's mean-loss gradient.
             None: the plain mean over ranks (Horovod's ``DistributedOptimizer``).
         op: ``Average`` or ``Sum``.
         compression: the wire format (``Compression.fp16`` halves the bytes).

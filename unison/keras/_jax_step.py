@@ -91,7 +91,7 @@ def make_train_step(model: Any) -> Callable[[Any, Any], Any]:
     exchange between them."""
     import jax
 
-    from unison.keras.data_parallel import batch_rows_of, local_metrics
+    from unison.keras.data_parallel import batch_weight_of, local_metrics, loss_weighted_by
 
     rop, compression, pre, post = model.optimizer._unison_settings
     dp = getattr(model, "_unison_dp", None)
@@ -119,7 +119,7 @@ def make_train_step(model: Any) -> Callable[[Any, Any], Any]:
             trainable, optimizer_vars = optimizer.stateless_apply(optimizer_vars, grads, trainable)
         finally:
             optimizer.__dict__.pop("_unison_pending", None)
-        with local_metrics():  # the states are summed over the ranks after this program, not in it
+        with local_metrics(), loss_weighted_by(model, data):  # (summed over the ranks after this program)
             logs, metrics_vars = model._update_metrics_variables(metrics_vars, unscaled_loss, x, y, y_pred,
                                                                  sample_weight)
         return logs, (trainable, non_trainable, optimizer_vars, metrics_vars)
@@ -129,8 +129,9 @@ def make_train_step(model: Any) -> Callable[[Any, Any], Any]:
 
     def train_step(state: Any, data: Any) -> Any:
         grads, aux = compute(state, data)
-        combined = average_gradients([np.asarray(g) for g in grads], batch_rows_of(data), rop, compression,
-                                     pre, post)
+        weight = batch_weight_of(model, data)  # (rows, or counted targets: [Note: targets a loss does not count])
+        combined = average_gradients([np.asarray(g) for g in grads], None if weight is None else int(weight), rop,
+                                     compression, pre, post)
         logs, state = apply(state, [jax.device_put(g) for g in combined], aux, data)
         return (logs if logs_of is None else logs_of(state[3])), state
 

@@ -163,6 +163,7 @@ class DataParallel:
         _set(model, "_unison_overlap", overlap)
         # the class's methods, not this instance's (already wrapped when the model is compiled again)
         _set(model, "train_step", _rows_step(model, type(model).train_step.__get__(model), overlap))
+        _set(model, "test_step", _counted_test_step(model, type(model).test_step.__get__(model)))
         if self.global_metrics:
             _set(model, "get_metrics_result", _global_metrics_result(model))
         elif "get_metrics_result" in model.__dict__:
@@ -438,14 +439,89 @@ def _rows_step(model: Any, step: Callable[..., Any], overlap: Any = None) -> Cal
     """
 
     def train_step(*args: Any) -> Any:
-        rows = batch_rows_of(args[-1])
-        with batch_rows(rows):
+        rows = batch_weight_of(model, args[-1])
+        if overlap is not None and rows is not None and not isinstance(rows, int):
+            rows = int(rows)  # (torch: the streamed exchange settles its weighting when it starts)
+        with batch_rows(rows), loss_weighted_by(model, args[-1]):
             settings = getattr(model.optimizer, "_unison_settings", None)
             if overlap is None or settings is None:
                 return step(*args)
             return overlap.step(rows, settings, lambda: step(*args))
 
     return train_step
+
+
+def _counted_test_step(model: Any, step: Callable[..., Any]) -> Callable[..., Any]:
+    """``test_step`` whose loss tracker weighs by the targets the loss counts ([Note: targets a loss does not
+    count]; the last argument is the batch on every backend)."""
+
+    def test_step(*args: Any) -> Any:
+        with loss_weighted_by(model, args[-1]):
+            return step(*args)
+
+    return test_step
+
+
+def _ignored_class(model: Any) -> Any:
+    """The class ``model``'s loss leaves out of its mean (a ``SparseCategoricalCrossentropy`` with
+    ``ignore_class``, Keras's default reduction), or None."""
+    loss = getattr(model, "loss", None)
+    if not isinstance(loss, keras.losses.SparseCategoricalCrossentropy):
+        return None
+    config = loss.get_config()
+    return config.get("ignore_class") if config.get("reduction") == "sum_over_batch_size" else None
+
+
+def counted_targets(model: Any, data: Any) -> Any:
+    """How many of this rank's targets ``model``'s loss counts, where its mean divides by that count (an
+    ``ignore_class``): an int or a scalar tensor; None for any other loss.
+
+    [Note: targets a loss does not count] DataParallel weighs each rank's gradient by its share of the
+    global batch, which is one process's gradient when the loss is a mean over the batch's rows. A
+    ``SparseCategoricalCrossentropy(ignore_class=...)`` (padding in a sequence model) averages over the
+    targets it does not ignore, whose count differs between the ranks' shares: weighted by rows, the
+    weights were 0.12 off one process's after one step at 2 ranks (found on 2026-12-06). Such a loss weighs
+    each rank by its counted targets instead, its gradients and its reported loss alike.
+    """
+    ignored = _ignored_class(model)
+    if ignored is None:
+        return None
+    _, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+    if y is None or isinstance(y, (list, tuple, dict)):
+        return None
+    return keras.ops.sum(keras.ops.cast(keras.ops.not_equal(y, ignored), "int32"))
+
+
+def batch_weight_of(model: Any, data: Any) -> Any:
+    """This rank's weight among the ranks in a step: its counted targets (:func:`counted_targets`) for a
+    loss that averages over those, else its rows (:func:`batch_rows_of`)."""
+    counted = counted_targets(model, data)
+    return batch_rows_of(data) if counted is None else counted
+
+
+@contextlib.contextmanager
+def loss_weighted_by(model: Any, data: Any) -> Iterator[None]:
+    """Within the block, Keras's loss tracker weighs the step's loss by its counted targets instead of its
+    rows (see [Note: targets a loss does not count]); nothing for other losses."""
+    counted = counted_targets(model, data)
+    tracker = getattr(model, "_loss_tracker", None)
+    if counted is None or tracker is None:
+        yield
+        return
+    original = tracker.update_state
+    own = tracker.__dict__.get("update_state")  # (an instance attribute of Keras's own, put back after)
+
+    def update_state(values: Any, sample_weight: Any = None) -> Any:
+        return original(values, sample_weight=counted)
+
+    tracker.update_state = update_state
+    try:
+        yield
+    finally:
+        if own is None:
+            del tracker.update_state
+        else:
+            tracker.update_state = own
 
 
 def batch_rows_of(data: Any) -> Any:
