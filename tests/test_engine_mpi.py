@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 
 import pytest
@@ -687,6 +688,33 @@ def test_ranks_that_wait_on_collectives_nobody_else_submits_fail_instead_of_hang
         assert f"rank {r} late StallError after 0.0" in out, out
         assert f"rank {r} slow [3.0, 3.0]" in out, out
     assert "NO ERROR" not in out, out
+
+
+def test_a_wait_nested_on_one_thread_keeps_the_outer_waits_entry():
+    """A collective run inside a wait on the same thread (a signal handler's checkpoint) replaced the outer
+    wait's entry and deleted it on the way out: the outer wait was no longer counted, and its own exit raised
+    KeyError in place of the collective's result (found by a review, 2026-12-06)."""
+    from unison.common.engine import handles
+
+    outer, inner = handles.Handle("outer"), handles.Handle("inner")
+    me = threading.get_ident()
+    seen = []
+
+    def finish_inner():
+        while handles._waiting.get(me, ((),))[0][:1] != (inner,):
+            time.sleep(0.01)
+        seen.append([h.name for h, _ in handles.blocked_waits()])
+        inner.set_result("i")
+        handles.wake_waiters()
+
+    helper = threading.Thread(target=finish_inner)
+    helper.start()
+    with handles.waiting_on([outer]):  # (the outer wait, as a torch.distributed Work waits)
+        assert inner.wait() == "i"  # (raised KeyError before)
+        assert [h.name for h, _ in handles.blocked_waits()] == ["outer"]  # (empty before)
+    helper.join()
+    assert seen == [["inner", "outer"]]
+    assert me not in handles._waiting
 
 
 ACROSS_SETS = """

@@ -177,3 +177,22 @@ def test_a_regex_that_matches_nothing_lists_some_paths():
     listed = r"'fc' matches no layer path .* \['layers.0', .*'layers.7' and 2 more\]$"
     with pytest.raises(ValueError, match=listed):
         resolve_plan(layers, {"fc": "colwise"})
+
+
+def test_the_input_agreement_takes_last_bit_differences_of_each_dtype_and_refuses_another_batch():
+    """Replicated activations may differ in their last bits across a group; a bfloat16 step is 1/128 of the
+    value, which a dtype-blind 1e-3 refused (found by a review, 2026-12-06)."""
+    import numpy as np
+
+    from unison.common.tensor_parallel.groups import _differ, _tolerance
+
+    a = np.linspace(-3.0, 3.0, 256)
+    bf16_step = a.copy()
+    bf16_step[-1] += 2 * 3.0 * 2.0 ** -8  # two bfloat16 steps at the largest value
+    assert _differ(a, bf16_step, _tolerance("bfloat16")) == ""
+    assert "at 1 of 256 sampled elements" in _differ(a, bf16_step, _tolerance("float32"))
+    other = np.random.default_rng(0).standard_normal(256)
+    assert "sampled elements" in _differ(a, other, _tolerance("bfloat16"))  # another batch: refused in any dtype
+    ids = np.arange(6)
+    assert _differ(ids, ids, _tolerance("int64")) == ""
+    assert "the first: " in _differ(ids, ids + (ids == 5), _tolerance("int64"))

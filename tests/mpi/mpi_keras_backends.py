@@ -406,21 +406,31 @@ def test_tf_data_of_unknown_or_infinite_length_trains_like_one_process(dp, kind)
     assert_weights_close(model, ref)
 
 
-def test_an_ignored_class_weighs_each_rank_by_its_counted_targets(dp):
+class OwnStepModel(keras.Sequential):
+    """A model class with its own train_step (on JAX: Keras's one jitted program, not Unison's two)."""
+
+    def train_step(self, *args):
+        return super().train_step(*args)
+
+
+@pytest.mark.parametrize("variant", ["plain", "listed loss", "own train_step"])
+def test_an_ignored_class_weighs_each_rank_by_its_counted_targets(dp, variant):
     """A SparseCategoricalCrossentropy with ignore_class averages over the targets it counts, which differ
     between the ranks' shares: weighted by rows, the weights were 0.12 off one process's after one step at 2
-    ranks (before 2026-12-06). The reported loss is the mean over every counted target."""
+    ranks (before 2026-12-06). The reported loss is the mean over every counted target. A loss in a list of
+    one was weighed by rows still, and on JAX a model with its own train_step failed in jit (a review)."""
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=-1)
     labels = LABELS.copy()
     labels[[0, 1, 2, 3, 4, 9, 20, 21, 22, 30]] = -1  # the first global batch's first shard: mostly ignored
 
     def build():
         keras.utils.set_random_seed(7)
-        return make_model(classes=3)
+        model = make_model(classes=3)
+        return OwnStepModel(model.layers) if variant == "own train_step" else model
 
     with dp.scope():
         model = build()
-        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss)
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=[loss] if variant == "listed loss" else loss)
     ref = build()
     ref.set_weights(WORLD.bcast(model.get_weights()))
     ref.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss)
@@ -429,6 +439,16 @@ def test_an_ignored_class_weighs_each_rank_by_its_counted_targets(dp):
     assert_weights_close(model, ref)
     got = model.evaluate(X, labels, batch_size=GLOBAL_BATCH, verbose=0)
     np.testing.assert_allclose(got, float(loss(labels, ref(X))), rtol=2e-5)
+
+
+def test_an_ignored_class_among_several_losses_is_refused():
+    """DataParallel cannot weigh one loss among several by its counted targets: refused at compile."""
+    dp = uk.DataParallel()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=-1)
+    inp = keras.Input((4,))
+    two = keras.Model(inp, [keras.layers.Dense(3)(inp), keras.layers.Dense(1)(inp)])
+    with dp.scope(), pytest.raises(ValueError, match="ignores a class, in a model with 2 losses"):
+        two.compile(optimizer="sgd", loss=[loss, "mse"])
 
 
 def test_losses_that_do_not_average_over_the_batch_are_refused_on_every_rank(dp):

@@ -906,7 +906,8 @@ LOSSES = {"ignored rows": (lambda: nn.CrossEntropyLoss(), (1, 6)),
           "a microbatch of padding alone": (lambda: nn.CrossEntropyLoss(), (0, 1, 5)),
           "class weights, smoothing, ignored": (
               lambda: nn.CrossEntropyLoss(weight=torch.tensor([0.2, 1.0, 3.0]), label_smoothing=0.1), (3,)),
-          "nll with class weights": (lambda: nn.NLLLoss(weight=torch.tensor([2.0, 0.5, 1.0])), ())}
+          "nll with class weights": (lambda: nn.NLLLoss(weight=torch.tensor([2.0, 0.5, 1.0])), ()),
+          "class weights, uint8 targets": (lambda: nn.CrossEntropyLoss(weight=torch.tensor([0.2, 1.0, 3.0])), ())}
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
@@ -925,6 +926,8 @@ def test_a_cross_entropy_with_ignored_or_weighted_targets_trains_like_one_proces
     opt = sgd(ref.parameters())
     for k in range(2):
         x, t = _labels(k, ignored)
+        if "uint8" in case:  # (indexed the class weights as a mask, on one rank, and hung the others)
+            t = t.to(torch.uint8)
         loss = pipe.train_step(x, t)
         opt.zero_grad()
         want = make()(ref(x), t)
@@ -980,6 +983,18 @@ def test_a_layer_unfrozen_after_the_pipeline_was_built_trains(name):
         opt.step()
         ref_losses.append(loss.item())
     assert_same_as_reference(pipe, ref, losses, ref_losses)
+    pipe.close()
+
+
+def test_a_target_outside_the_class_weights_raises_on_every_rank():
+    """Reading a microbatch's counted weight, the rank holding the last stage found the target there and raised
+    alone; now every rank raises it before the step."""
+    pipe = hvd.Pipeline(_classifier(), chunks=CHUNKS, loss_fn=nn.CrossEntropyLoss(weight=torch.ones(3)),
+                        optimizer=sgd)
+    x, t = _labels(0, ())
+    raised_everywhere(lambda: pipe.train_step(x, torch.where(t == 2, 7, t)), "a target is outside the loss's 3 "
+                      "class weights")
+    pipe.train_step(x, t)  # the next step trains
     pipe.close()
 
 

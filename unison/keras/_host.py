@@ -67,6 +67,13 @@ def _jax_call(fn: HostFn, tensors: list[Any], rows: Any) -> list[Any]:
         arrays = [np.asarray(t) for t in tensors]
         return [jnp.asarray(o) for o in _cast_like(fn(arrays, None if rows is None else int(rows)), arrays)]
     specs = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in tensors]
+    if isinstance(rows, jax.core.Tracer):
+        # a count computed in the step (the targets an ignore_class loss counts: data_parallel [Note: targets a
+        # loss does not count]) reaches the host as one more operand; int() of it failed inside jit
+        def counted(*arrays: Any) -> list[np.ndarray]:
+            return _cast_like(fn([np.asarray(a) for a in arrays[:-1]], int(np.asarray(arrays[-1]))), specs)
+
+        return list(io_callback(counted, specs, *tensors, jnp.asarray(rows), ordered=True))
     static_rows = None if rows is None else int(rows)  # jax shapes are static: rows is a Python int
 
     def callback(*arrays: Any) -> list[np.ndarray]:

@@ -229,7 +229,16 @@ def _refuse_per_rank_reductions(loss: Any) -> None:
     silently wrong before 2026-12-05 (weights 0.04-0.2 off one process's after three epochs).
     ``UnisonStrategy`` refuses the second too. Every rank compiles the same loss, so every rank raises.
     """
-    for item in keras.tree.flatten(loss) if loss is not None else []:
+    items = keras.tree.flatten(loss) if loss is not None else []
+    ignoring = [item for item in items if isinstance(item, keras.losses.SparseCategoricalCrossentropy)
+                and item.get_config().get("ignore_class") is not None]
+    if ignoring and len(items) > 1:
+        name = getattr(ignoring[0], "name", ignoring[0])
+        raise ValueError(f"DataParallel: the loss {name!r} ignores a class, in a model with {len(items)} losses: "
+                         "DataParallel weighs each rank by the targets such a loss counts, which it cannot do for "
+                         "one loss among several. Compile one loss, or drop ignore_class and weigh the padding "
+                         "out with sample weights")
+    for item in items:
         reduction = getattr(item, "reduction", None)
         if isinstance(item, keras.losses.Loss) and reduction in ("sum", "mean_with_sample_weight"):
             raise ValueError(f"DataParallel: the loss {getattr(item, 'name', item)!r} uses "
@@ -465,7 +474,7 @@ def _counted_test_step(model: Any, step: Callable[..., Any]) -> Callable[..., An
 def _ignored_class(model: Any) -> Any:
     """The class ``model``'s loss leaves out of its mean (a ``SparseCategoricalCrossentropy`` with
     ``ignore_class``, Keras's default reduction), or None."""
-    loss = getattr(model, "loss", None)
+    loss = _only(getattr(model, "loss", None))
     if not isinstance(loss, keras.losses.SparseCategoricalCrossentropy):
         return None
     config = loss.get_config()
@@ -487,9 +496,20 @@ def counted_targets(model: Any, data: Any) -> Any:
     if ignored is None:
         return None
     _, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+    y = _only(y)
     if y is None or isinstance(y, (list, tuple, dict)):
         return None
     return keras.ops.sum(keras.ops.cast(keras.ops.not_equal(y, ignored), "int32"))
+
+
+def _only(value: Any) -> Any:
+    """The one item of a one-element list, tuple or dict (``compile(loss=[...])`` on a one-output model), else
+    ``value``: wrapped so, an ignore_class loss was weighed by rows again (found by a review, 2026-12-06)."""
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        return value[0]
+    if isinstance(value, dict) and len(value) == 1:
+        return next(iter(value.values()))
+    return value
 
 
 def batch_weight_of(model: Any, data: Any) -> Any:

@@ -75,12 +75,16 @@ def waiting_on(handles: Iterable[Handle]) -> Iterator[None]:
     timeout, if any, is an error's deadline rather than a return to other work."""
     me = threading.get_ident()
     with _completion:
-        _waiting[me] = (tuple(handles), time.monotonic())
+        outer = _waiting.get(me)
+        _waiting[me] = (tuple(handles) + (outer[0] if outer else ()), time.monotonic())
     try:
         yield
     finally:
         with _completion:
-            _waiting.pop(me, None)
+            if outer is None:
+                _waiting.pop(me, None)
+            else:
+                _waiting[me] = outer
 
 
 def lost_wakeups() -> int:
@@ -173,8 +177,9 @@ class Handle:
             with _completion:
                 _blocked += 1  # before the flag's check: see wake_waiters
                 me = threading.get_ident()
+                outer = _waiting.get(me)  # (a wait nested on this thread: a signal handler's collective)
                 if deadline is None:  # (a timed wait returns at its timeout: see blocked_waits)
-                    _waiting[me] = ((self,), time.monotonic())
+                    _waiting[me] = ((self,) + (outer[0] if outer else ()), time.monotonic())
                 try:
                     while not self._done:
                         left = LIVENESS_S if deadline is None else min(deadline - time.monotonic(), LIVENESS_S)
@@ -188,7 +193,10 @@ class Handle:
                 finally:
                     _blocked -= 1
                     if deadline is None:
-                        del _waiting[me]
+                        if outer is None:
+                            _waiting.pop(me, None)
+                        else:
+                            _waiting[me] = outer
         if self._error is not None:
             raise self._error
         if self._post is not None:

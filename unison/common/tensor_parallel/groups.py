@@ -177,10 +177,10 @@ def agree_on_input(owner: str, process_set: ProcessSet, shape: tuple[int, ...], 
     rank computes its piece of a different layer's output and the sums and gathers mix them: the model trains
     on garbage with no error. The parallel layers compare their replicated input at their first call: the
     values at up to 256 evenly spaced positions, integers exactly, floats within 1e-3 of the sample's largest
-    magnitude (replicated activations computed on each rank may differ in their last bits; another batch
-    differs everywhere). One all-gather of a few KiB per layer, once. A sample can miss a difference that
-    touches none of its positions; the first call is the one checked (a mistake in the data differs from the
-    first batch on).
+    magnitude, or four steps of a half precision's spacing (replicated activations computed on each rank may
+    differ in their last bits; another batch differs everywhere). One all-gather of a few KiB per layer,
+    once. A sample can miss a difference that touches none of its positions; the first call is the one
+    checked (a mistake in the data differs from the first batch on).
     """
     if set_size(process_set) <= 1:
         return
@@ -194,7 +194,7 @@ def agree_on_input(owner: str, process_set: ProcessSet, shape: tuple[int, ...], 
         if (shp, dt) != (ref_shape, ref_dtype):
             problems.append(f"rank {r}'s is {list(shp)} {dt}, rank {ranks[0]}'s {list(ref_shape)} {ref_dtype}")
             continue
-        differ = _differ(ref, smp)
+        differ = _differ(ref, smp, _tolerance(ref_dtype))
         if differ:
             problems.append(f"rank {r}'s differs from rank {ranks[0]}'s {differ}")
     if problems:
@@ -205,7 +205,18 @@ def agree_on_input(owner: str, process_set: ProcessSet, shape: tuple[int, ...], 
             "anything random before the layer (dropout, augmentation) on one seed across the group")
 
 
-def _differ(ref: np.ndarray, other: np.ndarray) -> str:
+#: the spacing of 1.0 in the half precisions (the input's dtype by name: the samples travel as float64)
+_EPS = {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}
+
+
+def _tolerance(dtype: str) -> float:
+    """:data:`INPUT_RTOL`, or four steps of a half precision's spacing where that is larger: one bfloat16 step
+    is 1/128 of its value, so activations rounded apart in their last bit differed by more than 1e-3 of the
+    largest (found by a review, 2026-12-06)."""
+    return max(INPUT_RTOL, 4 * _EPS.get(dtype, 0.0))
+
+
+def _differ(ref: np.ndarray, other: np.ndarray, rtol: float = INPUT_RTOL) -> str:
     """How ``other`` differs from ``ref`` (samples at the same positions), or "" when they agree."""
     if ref.shape != other.shape:
         return f"in its sample's size ({other.size} against {ref.size})"
@@ -214,7 +225,7 @@ def _differ(ref: np.ndarray, other: np.ndarray) -> str:
             np.complex128 if other.dtype.kind == "c" else np.float64)
         finite = np.isfinite(a) & np.isfinite(b)
         scale = max(float(np.abs(a[finite]).max(initial=0.0)), float(np.abs(b[finite]).max(initial=0.0)))
-        close = np.abs(a - b) <= INPUT_RTOL * scale
+        close = np.abs(a - b) <= rtol * scale
         same_special = ~finite & ((np.isnan(a) & np.isnan(b)) | (a == b))
         bad = ~(np.where(finite, close, same_special))
         if not bad.any():

@@ -148,7 +148,7 @@ class Pipeline(PipelineRunner):
             # one process raises at loss.backward(); before 2026-12-05 the step returned a loss and trained nothing
             problem = ("train_step was called with gradients disabled (inside torch.no_grad() or "
                        "torch.inference_mode()); call it outside, or use evaluate() for a loss without training")
-        self._begin(inputs, targets, problem, train=True)
+        problem = self._begin(inputs, targets, problem, train=True)
         for p in self.parameters():
             p.grad = None
         try:
@@ -190,7 +190,7 @@ class Pipeline(PipelineRunner):
         submodule was left in training mode, a BatchNorm frozen with ``eval()`` included).
         """
         inputs, targets, problem = self._batch(inputs, targets, need_targets)
-        self._begin(inputs, targets, problem, train=False)
+        problem = self._begin(inputs, targets, problem, train=False)
         modes = [(m, m.training) for stage in self.stages.values() for m in stage.modules()]
         for stage in self.stages.values():
             stage.eval()
@@ -219,13 +219,15 @@ class Pipeline(PipelineRunner):
         targets, bad_targets = tensor(targets, self.holds_last, "targets")
         return inputs, targets, bad_inputs or bad_targets or self.batch_problem(inputs, targets, need_targets)
 
-    def _begin(self, inputs: Any, targets: Any, problem: str | None, train: bool) -> None:
-        """Hand this rank's microbatches to the worker (none when the step will not run)."""
+    def _begin(self, inputs: Any, targets: Any, problem: str | None, train: bool) -> str | None:
+        """Hand this rank's microbatches to the worker (none when the step will not run); return why the step
+        cannot run (``problem``, or one the worker found in the batch)."""
         def split(batch: Any, held: bool) -> list[torch.Tensor] | None:
             ok = held and problem is None and batch is not None
             return list(batch.split(batch.shape[0] // self.chunks)) if ok else None
 
         self._worker.begin(split(inputs, self.holds_first), split(targets, self.holds_last), self.chunks, train)
+        return problem or self._worker.problem
 
     def _broadcast_state(self) -> None:
         """Every replica of a stage starts from pipeline 0's parameters and buffers (one data-parallel group)."""

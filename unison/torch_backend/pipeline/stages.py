@@ -104,7 +104,12 @@ class TorchStages:
                                if len({id(p) for ps in layers for p in ps}) < sum(len(ps) for ps in layers)}
         #: each microbatch's factor in this replica's loss, and the replica's total target weight (None: every
         #: target counts alike) (runner [Note: weighted microbatches])
-        self.weights = counted_weights(self.loss_fn, targets)
+        #: why this rank cannot run the step, found here (agreed over the ranks before the step runs)
+        self.problem: str | None = None
+        try:
+            self.weights = counted_weights(self.loss_fn, targets)
+        except (ValueError, RuntimeError, IndexError) as exc:  # (raised here alone, the others waited: a hang)
+            self.weights, self.problem = None, f"the loss's targets: {exc}"
         self.factors, self.weight_total = microbatch_shares(self.weights, chunks)
         self.kept: dict[tuple[int, int], _Kept] = {}
         #: per stage, the most microbatches whose activations this worker held at once
@@ -329,24 +334,29 @@ def counted_weights(loss_fn: Any, targets: list[torch.Tensor] | None) -> list[fl
     the class weights of the targets other than ``ignore_index`` (their count without weights); None for
     any other loss, or probability targets (a plain mean over the rows), or targets this rank does not hold
     (runner [Note: weighted microbatches]). A callable computing the same from ``F.cross_entropy`` is
-    not recognised: it is taken as a plain mean."""
-    if (targets is None or not isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss))
+    not recognised: it is taken as a plain mean. One host sync for all the microbatches.
+
+    Raises:
+        ValueError: a target outside the class weights (the loss would refuse it too).
+    """
+    if (not targets or not isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss))
             or loss_fn.reduction != "mean"):
         return None
+    if any(t.is_floating_point() or t.is_complex() or t.dtype == torch.bool for t in targets):
+        return None
     weight = loss_fn.weight
-    out = []
+    sums = []
     for target in targets:
-        if target.is_floating_point() or target.is_complex():
-            return None
         counted = target != loss_fn.ignore_index
         if weight is None:
-            out.append(float(counted.sum()))
+            sums.append(counted.sum().to(torch.float64))
             continue
-        classes = torch.where(counted, target, torch.zeros_like(target))
+        classes = torch.where(counted, target, torch.zeros_like(target)).long()  # (uint8 would index as a mask)
         if bool(((classes < 0) | (classes >= weight.numel())).any()):
-            return None  # (the loss refuses such a target itself, naming it)
-        out.append(float((weight.detach().to(target.device)[classes] * counted).sum()))
-    return out
+            raise ValueError(f"a target is outside the loss's {weight.numel()} class weights (and is not its "
+                             f"ignore_index={loss_fn.ignore_index})")
+        sums.append((weight.detach().to(target.device, torch.float64)[classes] * counted).sum())
+    return [float(v) for v in torch.stack(sums).cpu().tolist()]
 
 
 def _nothing_from(out: Any) -> torch.Tensor:
