@@ -190,6 +190,22 @@ def test_this_open_mpi_has_ulfm() -> None:
 
 
 # ------------------------------------------------------------------ the commit store
+def test_a_commit_write_killed_mid_way_leaves_no_temporary_behind(tmp_path: Path) -> None:
+    """Every commit has a new name, and the atomic write cleaned only its own name's leftovers: a killed
+    write's temporary, the size of the whole state, stayed for good (found by an audit, 2026-12-06)."""
+    import os
+
+    store = CommitStore(tmp_path, host="h1", writer=True)
+    store.write(1, b"first")
+    dead = store.folder / ".unison-tmp-4242-abcd1234-commit-000000-000000000002.bin"  # a killed writer's
+    dead.mkdir()
+    (dead / "commit-000000-000000000002.bin").write_bytes(b"x" * 1000)
+    os.utime(dead, (1.0, 1.0))  # (older than this process: not a writer still running)
+    store.write(3, b"third")
+    assert not dead.exists()
+    assert store.newest() == (0, 3)
+
+
 def test_commit_store_keeps_the_newest_complete_commits(tmp_path: Path, monkeypatch) -> None:
     store = CommitStore(tmp_path, host="h1", writer=True)
     assert store.newest() is None

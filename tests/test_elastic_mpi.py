@@ -685,3 +685,51 @@ def test_a_host_update_timestamp_past_2_to_the_53_is_one_update_on_every_path() 
     state.on_hosts_updated(t + 2**10)
     with pytest.raises(HostsUpdatedInterrupt):
         state.check_host_updates()
+
+
+SPILL_FAILS = """
+import os, sys, torch
+os.environ["UNISON_ELASTIC_STATE_DIR"] = sys.argv[1]
+import unison.torch_backend as hvd
+from unison.common.elastic import store
+hvd.init()
+r = hvd.rank()
+if r == 0:  # the rank that writes this host's commits finds the disk full
+    def full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device (injected)")
+    store.CommitStore.write = full
+model = torch.nn.Linear(4, 1)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters())
+state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
+
+@hvd.elastic.run
+def train(state):
+    while state.step < 6:
+        opt.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        state.step += 1
+        state.commit()
+
+try:
+    train(state)
+    print(f"rank {r} NO ERROR", flush=True)
+except hvd.UnisonError as e:
+    print(f"rank {r} stopped at step {state.step}: {e}", flush=True)
+"""
+
+
+def test_a_commit_that_cannot_reach_the_disk_stops_every_rank(tmp_path: Path) -> None:
+    """One rank per host writes the commits; its full disk was raised on it alone, at its next commit, while the
+    others waited in that commit's collective for ever (found by an audit, 2026-12-06)."""
+    script = tmp_path / "spill.py"
+    script.write_text(SPILL_FAILS)
+    proc = mpirun(2, [sys.executable, str(script), str(tmp_path / "state")], timeout=120,
+                  env=mpi_env(UNISON_ELASTIC_STATE_DIR=str(tmp_path / "state")))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    for r in (0, 1):
+        line = next((x for x in proc.stdout.splitlines() if x.startswith(f"rank {r} stopped at step 2:")), None)
+        assert line is not None and "could not write the last commit to its host's disk" in line, out[-4000:]
+    assert "No space left on device (injected)" in proc.stdout and "NO ERROR" not in proc.stdout

@@ -473,6 +473,22 @@ def test_checkpoint_save_holds_the_full_state(tmp_path_factory):
     assert_state(saved_state(path), want, f"saved at np {N} stage {stage}")
 
 
+def test_a_checkpoint_with_weights_the_model_lacks_is_refused(tmp_path_factory):
+    """The layers a model lacks were skipped without a word: a checkpoint of a larger model loaded (found by an
+    audit, 2026-12-06)."""
+    hvd.init()  # (the job's ranks save together: run alone, no earlier test initialized Unison)
+    root = ck_root(tmp_path_factory)
+    path = os.path.join(root, f"larger_np{N}")
+    keras.utils.set_random_seed(5)
+    larger = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="a"),
+                               keras.layers.Dense(2, name="b")])
+    save_sharded(path, larger, None)
+    smaller = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="a")])
+    with pytest.raises(ck.CheckpointError, match="holds weights this model does not have"):
+        load_sharded(path, smaller, None)
+    load_sharded(path, larger, None)  # its own model: fine
+
+
 def _saved_checkpoints(root: str) -> list[str]:
     """What test_checkpoint_save_holds_the_full_state wrote in ``root`` at other rank counts (at this one
     when run alone)."""

@@ -205,6 +205,35 @@ def test_different_paths_raise_on_every_rank(scratch):
 
 
 @multi
+def test_ranks_running_different_kinds_of_save_raise_on_every_rank(scratch):
+    """consolidated= on some ranks only: each rank waited in its own kind's next collective (a hang, before
+    2026-12-06; found by an audit)."""
+    save = ck.save_consolidated if R == 0 else ck.save_sharded
+    with pytest.raises(ck.CheckpointError, match="the ranks ran different kinds of save on one") as info:
+        save(os.path.join(scratch, "mixed"), {"step": REF["step"]}, WORLD)
+    assert "rank 0: save_consolidated" in str(info.value) and "save_sharded" in str(info.value)
+    same_on_every_rank(str(info.value))
+
+
+@multi
+def test_a_failure_tidying_up_after_the_commit_does_not_fail_the_save(scratch, monkeypatch):
+    """Removing older data files once the manifest is in place is tidying up: it raised on rank 0 alone and
+    left the others waiting for it (before 2026-12-06; found by an audit). Now the save returns everywhere."""
+    from unison.common.checkpoints import sharded
+
+    path = os.path.join(scratch, "tidy")
+    ck.save_sharded(path, {"step": REF["step"]}, WORLD)
+    if R == 0:
+        def broken(folder, manifest):
+            raise OSError(5, "Input/output error (injected)")
+
+        monkeypatch.setattr(sharded, "remove_unreferenced", broken)
+    manifest = ck.save_sharded(path, {"step": REF["step"]}, WORLD)
+    assert ck.read_manifest(path).save_id == manifest.save_id
+    same_on_every_rank(manifest.save_id)
+
+
+@multi
 def test_different_declarations_and_gaps_raise_on_every_rank(scratch):
     path = os.path.join(scratch, "ck")
     shape = (4, 5) if R == 1 else (4, 4)

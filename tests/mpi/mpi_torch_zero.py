@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 from mpi4py import MPI
@@ -650,6 +651,43 @@ def test_a_checkpoint_of_another_optimizer_class_is_refused_on_every_rank():
             with pytest.raises(ValueError, match="holds the state of a SGD optimizer; this one is a Adam"):
                 hvd.load_sharded(f"{where}/ck", other, adam)
         hvd.load_sharded(f"{where}/ck", Mixed(), None)  # the weights alone still load
+    finally:
+        WORLD.Barrier()
+        if R == 0:
+            shutil.rmtree(where, ignore_errors=True)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_half_precision_checkpoint_loads_its_float32_masters_into_a_float32_model(stage):
+    """A bfloat16 model's checkpoint holds its float32 masters; a float32 model loading it got the rounded
+    bfloat16 copy instead, up to an Adam step away from the masters, silently (found by an audit,
+    2026-12-06). And a checkpoint with weights the model lacks is refused, as load_state_dict refuses them
+    (it loaded without a word)."""
+    import shutil
+    import tempfile
+
+    where = WORLD.bcast(tempfile.mkdtemp(prefix="zero_masters_") if R == 0 else None)
+    try:
+        torch.manual_seed(0)
+        half = torch.nn.Linear(16, 16).to(torch.bfloat16)
+        opt = hvd.DistributedOptimizer(torch.optim.Adam(half.parameters(), lr=1e-3),
+                                       named_parameters=half.named_parameters(), zero_stage=stage)
+        for step in range(3):
+            opt.zero_grad()
+            half(torch.full((4, 16), 0.1 * (step + 1), dtype=torch.bfloat16)).float().pow(2).mean().backward()
+            opt.step()
+        hvd.save_sharded(f"{where}/ck", half, opt)
+        masters = ck.load(f"{where}/ck", {"master.weight": "full"}, WORLD)["master.weight"]
+        assert not np.array_equal(masters, half.weight.detach().float().numpy())  # (rounding shows)
+        for zero in (stage, 0):
+            wide = torch.nn.Linear(16, 16)
+            wopt = hvd.DistributedOptimizer(torch.optim.Adam(wide.parameters(), lr=1e-3),
+                                            named_parameters=wide.named_parameters(), zero_stage=zero)
+            hvd.load_sharded(f"{where}/ck", wide, wopt)
+            np.testing.assert_array_equal(wide.weight.detach().numpy(), masters)
+        hvd.load_sharded(f"{where}/ck", torch.nn.Linear(16, 16).to(torch.bfloat16), None)  # the half copy: fine
+        with pytest.raises(ck.CheckpointError, match=r"holds weights this model does not have: \['model.bias'\]"):
+            hvd.load_sharded(f"{where}/ck", torch.nn.Linear(16, 16, bias=False), None)
     finally:
         WORLD.Barrier()
         if R == 0:

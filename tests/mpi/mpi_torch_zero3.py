@@ -425,6 +425,30 @@ class Heads(nn.Module):
 
 
 @pytest.mark.skipif(not CKPT, reason="the checkpoint test runs from tests/test_torch_zero3_mpi.py")
+def test_a_bfloat16_checkpoint_loads_its_float32_masters_into_a_float32_model():
+    """The float32 shards took the bfloat16 copy of the weights, not the saved masters (found by an audit,
+    2026-12-06); weights the model lacks are refused (they loaded without a word)."""
+    path = os.path.join(CKPT, f"zero3_masters_{N}")
+    torch.manual_seed(4)
+    model = shard_module(half_mlp())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for step in range(3):
+        x, y = half_data(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(mine(x, 3).to(torch.bfloat16)).float(), mine(y, 3)).backward()
+        opt.step()
+    hvd.save_sharded(path, model, opt)
+    masters = ck.load(path, {"master.0.weight": "full", "master.2.weight": "full"}, WORLD)
+    wide = shard_module(nn.Sequential(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3)))
+    hvd.load_sharded(path, wide, None)
+    got = full_state_dict(wide)
+    for key in ("0.weight", "2.weight"):
+        np.testing.assert_array_equal(got[key].numpy(), masters[f"master.{key}"])
+    smaller = shard_module(nn.Sequential(nn.Linear(7, 5)))
+    with pytest.raises(ck.CheckpointError, match="holds weights this model does not have"):
+        hvd.load_sharded(path, smaller, None)
+
+
 def test_a_checkpoint_whose_parameters_stepped_differently_is_refused_where_they_share_a_segment():
     """hb's unit never stepped: no state for it. Loaded into one merged unit, or into a ZeRO 2 bucket, hb got
     its neighbours' step count and zero moments (5.8e-3 off after two steps, silently) before 2026-12-05.

@@ -27,7 +27,7 @@ import numpy as np
 
 from unison.common import runtime
 from unison.common.engine import frontend, objects
-from unison.common.exceptions import MismatchError
+from unison.common.exceptions import MismatchError, UnisonError
 from unison.common.files import atomic_keras_save
 from unison.common.ops import Average
 from unison.keras.data_parallel import without_seed_states
@@ -281,7 +281,27 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     """
 
     def _save_model(self, *args: Any, **kwargs: Any) -> Any:
-        if runtime.rank() != 0:
-            return None
-        with _atomic_saves(self.model):
-            return super()._save_model(*args, **kwargs)
+        def save() -> Any:
+            with _atomic_saves(self.model):
+                return super(ModelCheckpoint, self)._save_model(*args, **kwargs)
+
+        return rank0_saves("ModelCheckpoint", save)
+
+
+def rank0_saves(what: str, save: Callable[[], Any]) -> Any:
+    """``save()`` on rank 0, its outcome shared with every rank (collective: every rank calls it at the same
+    point): a failure raises a ``UnisonError`` on every rank. Rank 0 alone raising (a full disk) left the
+    others training on into a collective it never joined, or ending with the engine's "rank 0 shut down"
+    instead of the reason (before 2026-12-06; found by an audit)."""
+    result, error, cause = None, None, None
+    if runtime.rank() == 0:
+        try:
+            result = save()
+        except Exception as exc:  # shared with every rank below, then raised
+            error, cause = f"{type(exc).__name__}: {exc}", exc
+    if runtime.size() > 1:
+        error = objects.broadcast_object(error, 0)
+    if error is not None:
+        raise UnisonError(f"{what}: rank 0 could not save ({error}); every rank stops so that none goes on "
+                          "without the checkpoint: give it a path rank 0 can write, with free space") from cause
+    return result

@@ -49,8 +49,9 @@ LOSS_SCALE = "loss_scale"
 
 # -------------------------------------------------------------------- naming
 def _comm() -> Any:
-    if not runtime.is_initialized():
-        return None
+    """The job's communicator (None in a job of one). Unison must be initialized, as for the PyTorch
+    ``save_sharded``: without it every process of a job saved to the path alone, and the last one's save
+    removed the others' data files (found in this repository's own test, 2026-12-06)."""
     st = runtime.state("unison.tf_backend.save_sharded()")
     return st.comm if st.size > 1 else None
 
@@ -339,6 +340,8 @@ def _open(path: Any, model: Any, optimizer: Any, comm: Any) -> tuple[ck.Manifest
     model_keys = _keys(model)
     _missing([f"model.{k}" for k in model_keys], manifest, path, "load it into the model it was saved from "
              "(the same layer names)")
+    manifest.refuse_unexpected(path, "model.", model_keys, "load it into the model it was saved from (the same "
+                               "layers)")
     wrong = [f"{k!r} saved {tuple(manifest.entries[f'model.{k}'].shape)}, this model's {tuple(v.shape)}"
              for k, v in model_keys.items() if tuple(manifest.entries[f"model.{k}"].shape) != tuple(v.shape)]
     if wrong:  # (a reshape took a (4, 6) kernel into a (6, 4) one, scrambled, when the sizes matched)

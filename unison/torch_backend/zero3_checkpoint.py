@@ -148,6 +148,7 @@ def _check_model(state: Sharded, manifest: ck.Manifest, path: str) -> None:
     if missing:
         raise ValueError(f"the checkpoint at {path!r} has no weights for {missing[:5]}; load it into the model it "
                          "was saved from")
+    manifest.refuse_unexpected(path, "model.", state.keys, "load it into the model it was saved from")
     for key, unit, b, _ in _params(state):
         saved, mine = tuple(manifest.entries[f"model.{key}"].shape), tuple(unit.views[b].shape)
         if saved != mine:
@@ -156,8 +157,10 @@ def _check_model(state: Sharded, manifest: ck.Manifest, path: str) -> None:
 
 def _model_wanted(state: Sharded, manifest: ck.Manifest) -> dict[str, Any]:
     wanted: dict[str, Any] = {f"model.{k}": "full" for k, v in state.keys.items() if v[0] == "buffer"}
-    for key, unit, _, flat in _params(state):
-        entry = f"master.{key}" if flat.master and f"master.{key}" in manifest.entries else f"model.{key}"
+    for key, unit, _, _ in _params(state):
+        # the float32 masters where saved, into any model: a float32 one loaded the half-precision copy, the
+        # rounded weights, silently (before 2026-12-06; found by an audit); a half one rounds them itself
+        entry = f"master.{key}" if f"master.{key}" in manifest.entries else f"model.{key}"
         if _ranges(unit, key):
             wanted[entry] = _ranges(unit, key)
     return wanted

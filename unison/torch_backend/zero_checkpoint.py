@@ -187,14 +187,16 @@ def load_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
     comm = _comm(optimizer, check=False)
     agree_optimizers(comm, optimizer)  # (before any rank can raise alone: the subset check included)
 
-    def prepare() -> tuple[ck.Manifest, list[str], Any, dict[str, Any]]:
+    def prepare() -> tuple[ck.Manifest, list[str], Any, dict[str, Any], dict[str, str]]:
         manifest = ck.read_manifest(path)
         keys = list(model.state_dict().keys())
         missing = [k for k in keys if f"model.{k}" not in manifest.entries]
         if missing:
             raise ValueError(f"the checkpoint at {os.fspath(path)!r} has no weights for {missing[:5]}; load it "
                              "into the model it was saved from")
-        wanted: dict[str, Any] = {f"model.{k}": "full" for k in keys}
+        manifest.refuse_unexpected(path, "model.", keys, "load it into the model it was saved from")
+        source = _weight_sources(model, manifest, keys)
+        wanted: dict[str, Any] = {source[k]: "full" for k in keys}
         saved_opt = (manifest.metadata or {}).get("optimizer")
         if optimizer is not None and saved_opt is None:
             raise ValueError(f"the checkpoint at {os.fspath(path)!r} holds no optimizer state; pass "
@@ -205,12 +207,14 @@ def load_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
             if not saved_opt.get("zero"):
                 raise ValueError(f"the checkpoint at {os.fspath(path)!r} was saved from a plain optimizer; load "
                                  "it into one (zero_stage=0), or save from a ZeRO optimizer")
-            wanted.update(_zero_wanted(optimizer, manifest, set(saved_opt.get("sharded_keys", []))))
+            ranges = _zero_wanted(optimizer, manifest, set(saved_opt.get("sharded_keys", [])))
+            # (a master a float32 model reads whole: its optimizer keeps no masters, so needs no ranges of it)
+            wanted.update({k: v for k, v in ranges.items() if wanted.get(k) != "full"})
         elif optimizer is not None:
             wanted.update({name: "full" for name in manifest.entries if name.startswith("optim.")})
-        return manifest, keys, saved_opt, wanted
+        return manifest, keys, saved_opt, wanted, source
 
-    manifest, keys, saved_opt, wanted = agree.agreed(comm, prepare, (ValueError, TypeError))
+    manifest, keys, saved_opt, wanted, source = agree.agreed(comm, prepare, (ValueError, TypeError))
     meta = manifest.metadata or {}
     got = ck.load(path, wanted, comm, verify)
     if optimizer is not None and _is_zero(optimizer):
@@ -219,7 +223,7 @@ def load_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
                                       set(saved_opt.get("sharded_keys", [])), got)
         agreement.raise_together(comm, problem, ValueError)
     with torch.no_grad():
-        model.load_state_dict({k: from_numpy(np.array(got[f"model.{k}"])) for k in keys})
+        model.load_state_dict({k: from_numpy(np.array(got[source[k]])) for k in keys})
     if optimizer is not None:
         if saved_opt.get("zero") and not _is_zero(optimizer):  # ZeRO's entries are named; a plain one's numbered
             names = {n: i for i, n in enumerate(_plain_names(model, optimizer))}
@@ -227,6 +231,21 @@ def load_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
                    if not k.startswith("optim.") or k[6:].rsplit(".", 1)[0] in names}
         _restore_optimizer(optimizer, saved_opt, got)
     return meta.get("user", {})
+
+
+def _weight_sources(model: torch.nn.Module, manifest: ck.Manifest, keys: list[str]) -> dict[str, str]:
+    """Per state-dict key, the entry its weights load from: ``model.<key>``, or ``master.<key>`` (the float32
+    masters of a half-precision save) where this model holds the key in float32 or wider. Loaded from the
+    half-precision copy, such a model got the rounded weights, up to one Adam step of the last updates
+    away from the masters, silently (before 2026-12-06; found by an audit)."""
+    state = model.state_dict()
+    out = {}
+    for k in keys:
+        saved, master = manifest.entries.get(f"model.{k}"), f"master.{k}"
+        wide = state[k].is_floating_point() and state[k].element_size() >= 4
+        half = saved is not None and saved.dtype in ("float16", "bfloat16")
+        out[k] = master if wide and half and master in manifest.entries else f"model.{k}"
+    return out
 
 
 def agree_optimizers(comm: Any, optimizer: Any) -> list[str | None]:

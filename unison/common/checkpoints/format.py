@@ -138,6 +138,17 @@ class Manifest:
     files: dict[str, int]
     version: int = VERSION
 
+    def refuse_unexpected(self, path: Any, prefix: str, keys: Any, fix: str) -> None:
+        """Raise :class:`CheckpointError` when an entry named ``<prefix><key>`` has a key not in ``keys``:
+        weights the model loading it does not have (a checkpoint of another, larger model). Loaders
+        refused only missing keys before 2026-12-06, so such a checkpoint loaded without a word, as
+        ``load_state_dict(strict=True)`` would not (found by an audit)."""
+        known = {f"{prefix}{k}" for k in keys}
+        extra = sorted(e for e in self.entries if e.startswith(prefix) and e not in known)
+        if extra:
+            raise CheckpointError(f"the checkpoint at {os.fspath(path)!r} holds weights this model does not have: "
+                                  f"{extra[:5]}{' and more' if len(extra) > 5 else ''}; {fix}")
+
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT_NAME, "version": self.version, "save_id": self.save_id, "world": self.world,
                 "layout": self.layout, "files": self.files, "metadata": self.metadata,

@@ -148,7 +148,11 @@ def _commit(start: Start, manifest: Manifest) -> tuple[str | None, bool]:
                     "and loads, but it may not survive a crash of this machine: check the disk, then save "
                     "again"), True
         return problem, False
-    remove_unreferenced(start.path, manifest)
+    try:  # (the save is committed: tidying up must not fail it, nor leave the others waiting for this rank)
+        remove_unreferenced(start.path, manifest)
+    except OSError as exc:
+        logger.warning("the save to %s is committed, but removing older data files failed (%s); the next save "
+                       "tries again", start.path, exc)
     return None, True
 
 

@@ -53,8 +53,9 @@ def begin(path: Any, entries: Mapping[str, Any], comm: Any, metadata: Any, what:
         target, meta, problem = str(path), None, f"{what}: {detail}"
     mine = {name: e.describe() for name, e in local.items()}
     save_id = uuid.uuid4().hex[:16] if agree.rank(comm) == 0 else None
-    views = agree.allgather(comm, (target, problem, mine, save_id, meta))
+    views = agree.allgather(comm, (target, problem, mine, save_id, meta, what))
     _raise_first_problem(views)
+    _check_same_kind([v[5] for v in views])
     _check_same_path([v[0] for v in views], what)
     plan = layout.plan([v[2] for v in views])
     return Start(local, plan, views[0][3], views[0][4], target)
@@ -79,12 +80,26 @@ def _raise_first_problem(views: list[tuple[Any, ...]]) -> None:
         raise CheckpointError(f"rank {bad[0]}: {views[bad[0]][1]}{also}" if len(views) > 1 else views[0][1])
 
 
+def _check_same_kind(kinds: list[str]) -> None:
+    """Every rank runs the same kind of save (a consolidated file or a sharded folder): ranks that passed
+    ``consolidated=`` differently each waited in their own kind's next collective, for ever (before
+    2026-12-06; found by an audit)."""
+    if len(set(kinds)) == 1:
+        return
+    raise CheckpointError(f"the ranks ran different kinds of save on one checkpoint ({_by_value(kinds, str)}); "
+                          "every rank must make the same call (pass the same consolidated= on every rank)")
+
+
+def _by_value(values: list[str], show: Any = repr) -> str:
+    """``"rank 0: 'a'; ranks [1, 2]: 'b'"``: which ranks passed each value."""
+    groups: dict[str, list[int]] = {}
+    for r, v in enumerate(values):
+        groups.setdefault(v, []).append(r)
+    return "; ".join(f"{agree.ranks_text(rs)}: {show(v)}" for v, rs in groups.items())
+
+
 def _check_same_path(paths: list[str], what: str) -> None:
     if len(set(paths)) == 1:
         return
-    groups: dict[str, list[int]] = {}
-    for r, p in enumerate(paths):
-        groups.setdefault(p, []).append(r)
-    found = "; ".join(f"{agree.ranks_text(rs)}: {p!r}" for p, rs in groups.items())
-    raise CheckpointError(f"{what}: the ranks passed different paths ({found}); every rank must pass the same "
-                          "path (a folder on a filesystem every rank sees)")
+    raise CheckpointError(f"{what}: the ranks passed different paths ({_by_value(paths)}); every rank must pass "
+                          "the same path (a folder on a filesystem every rank sees)")

@@ -26,7 +26,7 @@ from unison.common import runtime
 from unison.common.config import env_value
 from unison.common.elastic.store import ENV_NOTICE, store_from_env
 from unison.common.engine.objects import agree_on_names, allgather_object, broadcast_object
-from unison.common.exceptions import HostsUpdatedInterrupt, MismatchError
+from unison.common.exceptions import HostsUpdatedInterrupt, MismatchError, UnisonError
 
 __all__ = ["State", "ObjectState", "agree_structure"]
 
@@ -110,16 +110,20 @@ class State:
         """
         self.save()
         self.commit_id += 1
-        if self.store is not None and self.store.writer:
-            self.store.write_async(self.commit_id, self.commit_payload())
-        self.check_host_updates()
+        store = self.store
+        if store is not None and store.writer:
+            store.write_async(self.commit_id, self.commit_payload())  # (after the last spill: see settle)
+        spill = None if store is None else store.failed
+        if store is not None:
+            store.failed = None
+        self.check_host_updates(spill)
 
     def wait_for_spill(self) -> None:
         """Block until the last commit's spill to disk is written: it reads the copies that a save made
         then, and the backends' next save copies into them (no fresh memory per commit)."""
         store = getattr(self, "store", None)  # a subclass may save before State.__init__ ran
         if store is not None:
-            store.wait()
+            store.settle()  # (a failed write is raised at the commit, on every rank alike)
 
     def commit_payload(self) -> dict[str, Any]:
         """The last commit as picklable values (subclasses add theirs)."""
@@ -138,7 +142,7 @@ class State:
                              "order than in the job that wrote it? Make them in the same order in every run")
         self.commit_id = int(payload["commit_id"])
 
-    def check_host_updates(self) -> None:
+    def check_host_updates(self, spill: OSError | None = None) -> None:
         """Raise :class:`HostsUpdatedInterrupt` on every rank alike when any rank learnt that the hosts
         changed: an update given to :meth:`on_hosts_updated` newer than the last one taken (as in
         Horovod), or the notice file of ``unisonrun``'s elastic driver.
@@ -167,10 +171,19 @@ class State:
             changed = need_sync = True
         level = 2 if need_sync else int(changed)  # (a sync is only ever needed for a change)
         st = runtime._state
+        failed = spill is not None
         if st is not None and st.comm is not None and st.size > 1:
-            agreed = np.array([level, newest], dtype=np.float64)  # (-inf: no update taken yet)
+            agreed = np.array([level, newest, failed], dtype=np.float64)  # (-inf: no update taken yet)
             st.comm.Allreduce(st.mpi.IN_PLACE, agreed, op=st.mpi.MAX)
-            level, newest = int(agreed[0]), float(agreed[1])
+            level, newest, failed = int(agreed[0]), float(agreed[1]), bool(agreed[2])
+        if failed:
+            # [Note: a failed spill stops every rank] one rank per host writes the commits to disk; its error
+            # (a full disk) was raised on it alone, and the others waited in their next commit's collective
+            # for ever (before 2026-12-06; found by an audit)
+            mine = f" (this rank: {spill})" if spill is not None else ""
+            raise UnisonError(f"elastic: a rank could not write the last commit to its host's disk{mine}; every "
+                              "rank stops, so that none trains on without a commit to restart from. Free space "
+                              "under UNISON_ELASTIC_STATE_DIR (or point it at a larger disk)") from spill
         self._last_host_update = newest
         if level:
             raise HostsUpdatedInterrupt(level < 2)

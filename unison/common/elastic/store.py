@@ -80,6 +80,8 @@ class CommitStore:
         self._writer = writer
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future[Path] | None = None
+        #: a background write's error, until a commit takes it (see :meth:`settle`)
+        self.failed: OSError | None = None
 
     @property
     def writer(self) -> bool:
@@ -111,7 +113,9 @@ class CommitStore:
 
     def write(self, commit_id: int, payload: bytes, job: int | None = None) -> Path:
         """Write one commit atomically and durably; drop all but the newest :data:`KEEP`."""
-        self.folder.mkdir(parents=True, exist_ok=True)
+        files.makedirs_durable(self.folder)  # (a new folder's entry flushed too: a power loss kept no commit)
+        # every commit has a new name: a write killed mid-way left its temporary (the whole state) for good
+        files.remove_leftovers(self.folder, "commit-*.bin")
         target = self.path((attempt() if job is None else job, commit_id))
         with files.atomic_path(target) as tmp, open(tmp, "wb") as f:
             f.write(_MAGIC)
@@ -127,7 +131,9 @@ class CommitStore:
         replaced by the next commit, never changed in place."""
         if not self.writer:
             return
-        self.wait()
+        self.settle()
+        if self.failed is not None:
+            return  # (the commit that called this raises it on every rank)
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="unison-commit-spill")
         self._pending = self._pool.submit(lambda: self.write(commit_id, pickle.dumps(payload, protocol=5)))
@@ -137,6 +143,14 @@ class CommitStore:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
+
+    def settle(self) -> None:
+        """:meth:`wait`, keeping a failed write's ``OSError`` in :attr:`failed` instead of raising it here:
+        the next commit raises it on every rank ([Note: a failed spill stops every rank] in state.py)."""
+        try:
+            self.wait()
+        except OSError as exc:
+            self.failed = exc
 
     def read(self, key: tuple[int, int]) -> bytes:
         """The pickled state of commit ``key``, checked against the digest written with it.

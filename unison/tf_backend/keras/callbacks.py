@@ -20,8 +20,8 @@ import numpy as np
 from unison.common import runtime
 from unison.common.engine import frontend, objects
 from unison.common.exceptions import UnisonError
-from unison.common.files import atomic_keras_save, atomic_path, remove_leftovers
-from unison.keras.callbacks import MetricAverageCallback, check_broadcast_target, split_layers
+from unison.common.files import atomic_keras_save, atomic_path, makedirs_durable, remove_leftovers
+from unison.keras.callbacks import MetricAverageCallback, check_broadcast_target, rank0_saves, split_layers
 from unison.keras.data_parallel import without_seed_states
 from unison.tf_backend.functions import without_rank_local
 
@@ -296,7 +296,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
     def _write_backup(self) -> str:
         """Rank 0: write the weights under a new name, then the manifest naming them; return the name."""
-        os.makedirs(self.backup_dir, exist_ok=True)
+        makedirs_durable(self.backup_dir)  # (a new folder's entry flushed too)
         name = f"backup-e{self._current_epoch}-b{self._last_batch_seen}-{uuid.uuid4().hex[:12]}.weights.h5"
         path = os.path.join(self.backup_dir, name)
         _write_weights(self.model, path)
@@ -405,8 +405,9 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     """Keras's ``ModelCheckpoint`` that writes from rank 0 only (the others hold the same model)."""
 
     def _save_model(self, epoch: int, batch: Any, logs: Any) -> None:
-        if runtime.rank() != 0:
-            return
+        rank0_saves("ModelCheckpoint", lambda: self._save_on_rank0(epoch, batch, logs))
+
+    def _save_on_rank0(self, epoch: int, batch: Any, logs: Any) -> None:
         model = self.model
         if _strategy_model(model):
             super()._save_model(epoch, batch, logs)  # (the strategy's save is atomic already)
