@@ -131,8 +131,8 @@ def makedirs_durable(path: str | os.PathLike[str]) -> None:
         try:
             os.mkdir(folder)
         except FileExistsError:  # made meanwhile (another rank): its creator flushes the parent
-            if not os.path.isdir(folder):
-                raise
+            if not os.path.isdir(folder):  # (a file where a folder should be: os.makedirs's own error)
+                raise NotADirectoryError(errno.ENOTDIR, "a file is in the way of a folder", folder) from None
             continue
         fsync(os.path.dirname(folder), directory=True)
 

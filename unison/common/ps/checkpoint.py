@@ -27,14 +27,19 @@ def entries_of(table: Any) -> dict[str, Any]:
             shapes[f"state/{name}"] = ((table.num_rows,), np.dtype(np.int64))
         else:
             shapes[f"state/{name}"] = ((table.num_rows, table.dim), table.dtype)
+    copies: dict[str, np.ndarray] = {}
+    if shard is not None:
+        # one snapshot of the rows and their optimizer state together: the server thread applies pushes
+        # meanwhile (SSP/ASP), and copied under a lock each, rows and moments could come from different
+        # steps (found by an audit, 2026-12-06, by reading)
+        with shard.cond:
+            for name in shapes:
+                array = shard.weights if name == "rows" else shard.state[name.split("/", 1)[1]]
+                copies[name] = array.reshape(-1).copy()
     out = {}
     for name, (shape, dtype) in shapes.items():
-        runs = []
-        if shard is not None:
-            with shard.cond:  # a snapshot: the server thread may apply pushes meanwhile (SSP/ASP)
-                array = shard.weights if name == "rows" else shard.state[name.split("/", 1)[1]]
-                width = int(np.prod(shape[1:], dtype=np.int64))
-                runs = [(shard.lo * width, array.reshape(-1).copy())]
+        width = int(np.prod(shape[1:], dtype=np.int64))
+        runs = [(shard.lo * width, copies[name])] if shard is not None else []
         out[name] = ck.LocalShard(shape, dtype, runs)
     return out
 
