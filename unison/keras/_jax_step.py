@@ -91,7 +91,7 @@ def make_train_step(model: Any) -> Callable[[Any, Any], Any]:
     exchange between them."""
     import jax
 
-    from unison.keras.data_parallel import batch_weight_of, local_metrics, loss_weighted_by
+    from unison.keras.data_parallel import batch_weight_of, counted_targets, local_metrics, loss_weighted_by
 
     rop, compression, pre, post = model.optimizer._unison_settings
     dp = getattr(model, "_unison_dp", None)
@@ -119,7 +119,8 @@ def make_train_step(model: Any) -> Callable[[Any, Any], Any]:
             trainable, optimizer_vars = optimizer.stateless_apply(optimizer_vars, grads, trainable)
         finally:
             optimizer.__dict__.pop("_unison_pending", None)
-        with local_metrics(), loss_weighted_by(model, data):  # (summed over the ranks after this program)
+        # (the metrics' states are summed over the ranks after this program)
+        with local_metrics(), loss_weighted_by(model, counted_targets(model, data)):
             logs, metrics_vars = model._update_metrics_variables(metrics_vars, unscaled_loss, x, y, y_pred,
                                                                  sample_weight)
         return logs, (trainable, non_trainable, optimizer_vars, metrics_vars)

@@ -448,10 +448,11 @@ def _rows_step(model: Any, step: Callable[..., Any], overlap: Any = None) -> Cal
     """
 
     def train_step(*args: Any) -> Any:
-        rows = batch_weight_of(model, args[-1])
+        counted = counted_targets(model, args[-1])  # (once: the rows' weight and the loss tracker's)
+        rows = batch_rows_of(args[-1]) if counted is None else counted
         if overlap is not None and rows is not None and not isinstance(rows, int):
             rows = int(rows)  # (torch: the streamed exchange settles its weighting when it starts)
-        with batch_rows(rows), loss_weighted_by(model, args[-1]):
+        with batch_rows(rows), loss_weighted_by(model, counted):
             settings = getattr(model.optimizer, "_unison_settings", None)
             if overlap is None or settings is None:
                 return step(*args)
@@ -465,7 +466,7 @@ def _counted_test_step(model: Any, step: Callable[..., Any]) -> Callable[..., An
     count]; the last argument is the batch on every backend)."""
 
     def test_step(*args: Any) -> Any:
-        with loss_weighted_by(model, args[-1]):
+        with loss_weighted_by(model, counted_targets(model, args[-1])):
             return step(*args)
 
     return test_step
@@ -520,10 +521,9 @@ def batch_weight_of(model: Any, data: Any) -> Any:
 
 
 @contextlib.contextmanager
-def loss_weighted_by(model: Any, data: Any) -> Iterator[None]:
-    """Within the block, Keras's loss tracker weighs the step's loss by its counted targets instead of its
-    rows (see [Note: targets a loss does not count]); nothing for other losses."""
-    counted = counted_targets(model, data)
+def loss_weighted_by(model: Any, counted: Any) -> Iterator[None]:
+    """Within the block, Keras's loss tracker weighs the step's loss by ``counted`` (:func:`counted_targets`)
+    instead of its rows (see [Note: targets a loss does not count]); nothing when it is None."""
     tracker = getattr(model, "_loss_tracker", None)
     if counted is None or tracker is None:
         yield

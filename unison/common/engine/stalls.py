@@ -128,7 +128,9 @@ def stall_round(ctl: Controller, mpi: Any, cfg: Config, abandon: str | None = No
                 enumerate(allgather_bytes(ctl.comm, mpi, json.dumps(mine).encode()))]
     gave_up = [(r, report[2]) for r, report in enumerate(everyone) if report[2]]
     reports = [(report[0], report[1], report[2]) for report in everyone]
-    if not gave_up:
+    if gave_up:
+        verdict = _abandoned(reports, gave_up, ctl.size, to_job)
+    else:
         stuck = _deadlocked(everyone, ctl.set_id, ctl.size, cfg.deadlock_time_seconds, to_job)
         if stuck is not None:
             message, absent = stuck
@@ -140,9 +142,6 @@ def stall_round(ctl: Controller, mpi: Any, cfg: Config, abandon: str | None = No
                          "(process set %d%s): %s", me, ctl.set_id, " and this rank's other sets" if others else "",
                          message)
             return message
-    if gave_up:
-        verdict = _abandoned(reports, gave_up, ctl.size, to_job)
-    else:
         verdict = _judge(reports, ctl.size, cfg, log=ctl.rank == 0, to_job=to_job, me=me)
     if verdict is None:
         return None
