@@ -457,6 +457,57 @@ def test_block_dropout_is_reproducible_and_the_group_agrees(tp, sequence_paralle
         hvd.ParallelTransformerBlock(hidden, 2 * tp, 8 * tp, process_set=ps, hidden_dropout=1.5)
 
 
+@pytest.mark.parametrize("tp", [tp for tp in TPS if tp > 1])
+def test_inputs_that_differ_across_the_group_are_refused_at_the_first_run(tp):
+    """Each rank of a group fed its own batch (a loader sharded by the job's rank instead of the data-parallel
+    rank): the column layer multiplied different inputs by each rank's columns and the embedding looked up
+    different ids, with no error, before 2026-12-06 (the PyTorch layers checked, these did not). Now each
+    layer's first run compares its replicated input over the group, eagerly and inside a tf.function (where
+    the check is traced once and runs at the first call); last-bit differences pass, a later run is not
+    checked; a traced step whose check fails raises FailedPreconditionError on every rank, as Horovod's ops do."""
+    ps = group(tp)
+    if ps is None:
+        return
+    mine = ps.rank()
+    differ = (r"ColumnParallelLinear: the tensor group \(ranks? .*\) was given different inputs \(rank .* differs "
+              r".* at 12 of 12 sampled elements.*shard the data by the data-parallel rank")
+    col = hvd.ColumnParallelLinear.from_dense(dense(60, 6, 2 * tp), process_set=ps)
+    with pytest.raises(hvd.MismatchError, match=differ):
+        col(seeded(60 + mine, 2, 6))
+    col(seeded(61, 2, 6) + mine * 1e-13)  # checked once: a later call is not compared
+    row = hvd.RowParallelLinear.from_dense(dense(62, 2 * tp, 3), input_is_parallel=False, process_set=ps)
+    row(seeded(62, 300, 2 * tp) * (1 + mine * 1e-9))  # last bits: the same input (256 of 600 sampled)
+    emb = hvd.VocabParallelEmbedding(4 * tp, 3, process_set=ps, dtype=D)
+    ids = np.array([[0, 1, 2], [3, 0, 1]])
+    with pytest.raises(hvd.MismatchError, match=r"VocabParallelEmbedding: .* at 1 of 6 sampled elements \(the "
+                                                r"first: .*"):
+        emb(np.where(ids == 2, ids + (mine == tp - 1), ids))
+    other = hvd.ColumnParallelLinear.from_dense(dense(63, 6, 2 * tp), process_set=ps)
+    with pytest.raises(hvd.MismatchError, match=r"rank .*'s is \[2, 6\] float64, rank .*'s \[3, 6\] float64"):
+        other(seeded(63, 2 if mine else 3, 6))
+
+    # inside a tf.function: the check is traced in and runs at the first call only
+    traced = hvd.ColumnParallelLinear.from_dense(dense(64, 6, 2 * tp), process_set=ps)
+    step = tf.function(lambda x: traced(x))
+    with pytest.raises(tf.errors.FailedPreconditionError, match=differ):  # (a graph's error: the tf class alone)
+        step(tf.constant(seeded(64 + mine, 2, 6)))
+    fine = hvd.ColumnParallelLinear.from_dense(dense(65, 6, 2 * tp), process_set=ps)
+    fine_step = tf.function(lambda x: fine(x))
+    x = seeded(65, 2, 6)
+    close(fine_step(tf.constant(x)), piece(dense(65, 6, 2 * tp)(x), ps))
+    assert bool(fine.__dict__["_unison_input_agreed"].numpy())
+    other_x = seeded(66 + mine, 2, 6)
+    close(fine_step(tf.constant(other_x)), piece(dense(65, 6, 2 * tp)(other_x), ps))
+    assert not any(v.name.startswith("unison_input_agreed") for v in fine.weights)  # not a weight, not saved
+
+
+def test_a_group_of_one_checks_no_input():
+    """A group of one compares nothing and keeps no flag."""
+    layer = hvd.ColumnParallelLinear.from_dense(dense(70, 4, 2), process_set=group(1))
+    assert "_unison_input_agreed" not in layer.__dict__
+    close(layer(seeded(71, 2, 4)), dense(70, 4, 2)(seeded(71, 2, 4)))
+
+
 def test_dropout_without_a_seed_is_refused():
     from unison.tf_backend import tensor_parallel_random
 

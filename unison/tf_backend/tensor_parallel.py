@@ -24,12 +24,22 @@ from collections.abc import Callable
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
-from unison.common.engine.process_sets import ProcessSet, global_process_set
-from unison.common.tensor_parallel.groups import agree_on_layer, agree_on_source, describe, group_position
+from unison.common.engine.process_sets import ProcessSet, global_process_set, set_size
+from unison.common.tensor_parallel.groups import (
+    agree_on_layer,
+    agree_on_source,
+    describe,
+    group_position,
+    input_sample,
+    start_input_agreement,
+)
 from unison.common.tensor_parallel.sequence import check_column_options, check_row_options
 from unison.common.tensor_parallel.sharding import divisible_shard
+from unison.tf_backend import host_ops
+from unison.tf_backend.op_base import _name
 from unison.tf_backend.tensor_parallel_comm import (
     allreduce_max_no_grad,
     copy_to_group,
@@ -158,6 +168,65 @@ def _copy_penalties(dense: keras.layers.Dense, layer: Any, owner: str) -> None:
     refuse_activity_regularizer(dense, f"{owner}.from_dense")
 
 
+def input_check(layer: Any, process_set: ProcessSet) -> None:
+    """Give ``layer`` the flag :func:`agree_on_input_once` keeps: a boolean variable that Keras does not track
+    (not a weight, not saved), made only where the group has more than one rank."""
+    if set_size(process_set) > 1:
+        with tf.init_scope():
+            layer.__dict__["_unison_input_agreed"] = tf.Variable(False, trainable=False,
+                                                                 name="unison_input_agreed")
+
+
+def agree_on_input_once(layer: Any, inputs: Any, owner: str, process_set: ProcessSet) -> tf.Tensor:
+    """``inputs`` as a tensor, after checking at ``layer``'s first run that every rank of the group was given the
+    same one ([Note: one input per tensor group] in ``unison/common/tensor_parallel/groups.py``): a
+    ``MismatchError`` (also a ``tf.errors.FailedPreconditionError``) on every rank of the group otherwise.
+
+    [Note: the Keras layers check their input once, inside the graph too] A Keras step is usually traced once
+    and run many times, and a trace has no values, so the check is part of the graph: a ``tf.cond`` on the
+    layer's flag runs it (one all-gather, as ``host_ops`` submits and collects, so it cannot deadlock a graph)
+    and sets the flag; later runs only read the flag. The all-gather's name is taken when the layer is traced,
+    from the group's counter as the layer's other collectives are, so the ranks match their checks even when
+    the graph runs two layers' checks at once. Eagerly the check runs at the first call.
+    """
+    x = tf.convert_to_tensor(inputs)
+    flag = layer.__dict__.get("_unison_input_agreed")
+    if flag is None:  # a group of one, or a layer restored without its constructor: nothing to compare
+        return x
+    name = _name("agree_on_input", None, process_set)
+    dtype = x.dtype.name
+
+    def start(values: Any) -> Any:
+        return start_input_agreement(owner, process_set, values.shape, dtype, input_sample(values), name)
+
+    def check() -> tf.Tensor:
+        done = host_ops.run(lambda values: _judged(start(values)), [x], [tf.bool], [tf.TensorShape([])],
+                            name="agree_on_input")[0]
+        with tf.control_dependencies([done]):
+            marked = flag.assign(True, read_value=False)
+        with tf.control_dependencies([marked]):
+            return tf.identity(done)
+
+    if tf.executing_eagerly():
+        if not bool(flag.numpy()):
+            check()
+        return x
+    with tf.control_dependencies([tf.cond(flag.read_value(), lambda: tf.constant(True), check)]):
+        return tf.identity(x)
+
+
+def _judged(started: tuple[Any, Callable[[Any], None]]) -> tuple[Any, Callable[[Any], list]]:
+    """A ``host_ops`` start's ``(handle, finish)`` from :func:`start_input_agreement`'s: the finish judges the
+    all-gathered records, then returns the op's one output."""
+    handle, judge = started
+
+    def finish(data: Any) -> list:
+        judge(data)
+        return [np.bool_(True)]
+
+    return handle, finish
+
+
 def _in_out(dense: keras.layers.Dense) -> tuple[int, int]:
     fan_in, fan_out = dense.kernel.shape
     return int(fan_in), int(fan_out)
@@ -235,6 +304,8 @@ class ColumnParallelLinear(_ParallelDense):
         super().__init__(in_features, out_features, bias, activation, process_set,
                          {"gather_output": gather_output, "sequence_parallel": sequence_parallel}, **kwargs)
         self.gather_output, self.sequence_parallel = gather_output, bool(sequence_parallel)
+        if not self.sequence_parallel:
+            input_check(self, process_set)
         #: an activation over all the units (softmax) runs on the gathered output
         self._after_gather = getattr(self.activation, "__name__", "") in _ACROSS_UNITS
         if self._after_gather and not gather_output:
@@ -277,7 +348,7 @@ class ColumnParallelLinear(_ParallelDense):
         if self.sequence_parallel:
             x = gather_from_sequence(inputs, self.process_set, to_parallel=True)
         else:
-            x = copy_to_group(inputs, self.process_set)
+            x = copy_to_group(agree_on_input_once(self, inputs, self._owner, self.process_set), self.process_set)
         if self._after_gather:
             y = keras.ops.matmul(x, self.kernel)
             y = gather_from_group(y if self.bias is None else y + self.bias, self.process_set)
@@ -313,6 +384,8 @@ class RowParallelLinear(_ParallelDense):
         options = {"input_is_parallel": input_is_parallel, "sequence_parallel": sequence_parallel}
         super().__init__(in_features, out_features, bias, activation, process_set, options, **kwargs)
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, bool(sequence_parallel)
+        if not input_is_parallel:
+            input_check(self, process_set)
 
     def _check_options(self, input_is_parallel: bool, sequence_parallel: bool) -> None:  # type: ignore[override]
         check_row_options(input_is_parallel, sequence_parallel)
@@ -344,7 +417,8 @@ class RowParallelLinear(_ParallelDense):
         return layer
 
     def call(self, inputs: Any) -> tf.Tensor:
-        x = inputs if self.input_is_parallel else scatter_to_group(inputs, self.process_set)
+        x = inputs if self.input_is_parallel else scatter_to_group(
+            agree_on_input_once(self, inputs, self._owner, self.process_set), self.process_set)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(keras.ops.matmul(x, self.kernel), self.process_set)
             return self.activation(y if self.bias is None else y + copy_to_group(self.bias, self.process_set))
@@ -374,6 +448,7 @@ class VocabParallelEmbedding(keras.layers.Layer):
         self.num_embeddings, self.embedding_dim, self.process_set = num_embeddings, embedding_dim, process_set
         self.embeddings = self.add_weight(shape=(self.stop - self.start, embedding_dim), initializer="uniform",
                                           name="embeddings")
+        input_check(self, process_set)
         self.built = True
 
     @classmethod
@@ -411,6 +486,7 @@ class VocabParallelEmbedding(keras.layers.Layer):
         return layer
 
     def call(self, inputs: Any) -> tf.Tensor:
+        inputs = agree_on_input_once(self, inputs, "VocabParallelEmbedding", self.process_set)
         ids = _check_ids(tf.cast(inputs, tf.int64), self.num_embeddings)
         mine = (ids >= self.start) & (ids < self.stop)
         local = tf.where(mine, ids - self.start, tf.zeros_like(ids))

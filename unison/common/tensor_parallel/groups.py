@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import pickle
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -18,7 +19,7 @@ from unison.common.engine.process_sets import ProcessSet, set_rank, set_size
 from unison.common.exceptions import MismatchError
 
 __all__ = ["group_position", "agree_on_layer", "agree_on_seed", "agree_on_source", "agree_on_input", "describe",
-           "INPUT_SAMPLES", "input_sample_positions"]
+           "INPUT_SAMPLES", "input_sample_positions", "input_sample", "start_input_agreement", "judge_inputs"]
 
 #: how many evenly spaced elements of a replicated input the group compares (see :func:`agree_on_input`)
 INPUT_SAMPLES = 256
@@ -165,7 +166,7 @@ def input_sample_positions(count: int) -> np.ndarray:
 
 
 def agree_on_input(owner: str, process_set: ProcessSet, shape: tuple[int, ...], dtype: str,
-                   sample: np.ndarray) -> None:
+                   sample: np.ndarray, name: str | None = None) -> None:
     """Return when every rank of the tensor group was given the same input (by shape, dtype and the values at
     :func:`input_sample_positions`); else raise :class:`MismatchError` on every rank of the group. Nothing for
     a group of one.
@@ -184,9 +185,45 @@ def agree_on_input(owner: str, process_set: ProcessSet, shape: tuple[int, ...], 
     """
     if set_size(process_set) <= 1:
         return
-    mine = (tuple(int(d) for d in shape), str(dtype), np.asarray(sample))
-    name = frontend._auto_name("agree_on_input", None, process_set)
-    everyone = allgather_object(mine, name, process_set)
+    name = name or frontend._auto_name("agree_on_input", None, process_set)
+    everyone = allgather_object((tuple(int(d) for d in shape), str(dtype), np.asarray(sample)), name, process_set)
+    judge_inputs(owner, process_set, everyone)
+
+
+def input_sample(values: np.ndarray) -> np.ndarray:
+    """The values :func:`agree_on_input` compares of a whole input on the host: the elements at
+    :func:`input_sample_positions`, as float64, complex128 or int64 (the same as the PyTorch backend's
+    ``input_sample`` reads on the input's own device)."""
+    flat = np.asarray(values).reshape(-1)
+    picked = flat[input_sample_positions(flat.size)]
+    kind = picked.dtype.kind
+    return picked.astype(np.complex128 if kind == "c" else np.float64 if kind not in "biu" else np.int64)
+
+
+def start_input_agreement(owner: str, process_set: ProcessSet, shape: tuple[int, ...], dtype: str,
+                          sample: np.ndarray, name: str) -> tuple[Any, Callable[[Any], None]]:
+    """:func:`agree_on_input` in two halves, for callers that must not block while submitting (a TensorFlow
+    graph: ``host_ops`` [Note: collects wait for every submit they can]): the engine's handle of one
+    all-gather, and the function that judges its result (raising :class:`MismatchError` as
+    :func:`agree_on_input` does). Each rank sends one record, an 8-byte length then the pickled
+    ``(shape, dtype, sample)``, so the records of every rank can be read back from the concatenation."""
+    body = pickle.dumps((tuple(int(d) for d in shape), str(dtype), np.asarray(sample)))
+    record = np.frombuffer(len(body).to_bytes(8, "little") + body, dtype=np.uint8)
+    handle = frontend.allgather_async(record, name, process_set)
+
+    def finish(data: Any) -> None:
+        raw, everyone, at = np.asarray(data, dtype=np.uint8).tobytes(), [], 0
+        while at < len(raw):
+            size = int.from_bytes(raw[at:at + 8], "little")
+            everyone.append(pickle.loads(raw[at + 8:at + 8 + size]))
+            at += 8 + size
+        judge_inputs(owner, process_set, everyone)
+
+    return handle, finish
+
+
+def judge_inputs(owner: str, process_set: ProcessSet, everyone: list) -> None:
+    """Raise :class:`MismatchError` unless every rank's ``(shape, dtype, sample)`` matches the group's first."""
     ranks = list(range(len(everyone))) if process_set.ranks is None else list(process_set.ranks)
     ref_shape, ref_dtype, ref = everyone[0]
     problems = []
