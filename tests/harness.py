@@ -20,6 +20,20 @@ ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 MPIRUN = str(VENV_BIN / "mpirun") if (VENV_BIN / "mpirun").exists() else "mpirun"
 
+#: prepended to a rank script that expects deadlocks: ``attempt(label, fn)`` prints how ``fn`` ended on rank
+#: ``r`` (a global of the script): "NO ERROR", or the engine's StallError and how long it took
+ATTEMPT = """
+import time as _time
+from unison.common.engine.errors import StallError as _StallError
+def attempt(label, fn):
+    t0 = _time.monotonic()
+    try:
+        fn()
+        print(f"rank {r} {label} NO ERROR", flush=True)
+    except _StallError as e:
+        print(f"rank {r} {label} StallError after {_time.monotonic() - t0:.1f}s: {e}", flush=True)
+"""
+
 # [Note: a temporary folder per launch]
 # Open MPI keeps each launch's session folder, with PMIx's rendezvous files, in
 # $TMPDIR/ompi.<mpirun's pid>; a launch that is killed leaves it behind. Over a long test run

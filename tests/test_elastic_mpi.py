@@ -733,3 +733,44 @@ def test_a_commit_that_cannot_reach_the_disk_stops_every_rank(tmp_path: Path) ->
         line = next((x for x in proc.stdout.splitlines() if x.startswith(f"rank {r} stopped at step 2:")), None)
         assert line is not None and "could not write the last commit to its host's disk" in line, out[-4000:]
     assert "No space left on device (injected)" in proc.stdout and "NO ERROR" not in proc.stdout
+
+
+COMMIT_ON_ONE_RANK = """
+import time, numpy as np
+import unison
+from unison.common.elastic import ObjectState
+unison.init()
+r = unison.rank()
+state = ObjectState(step=0)
+state.sync()
+state.commit()  # every rank: the usual path
+t0 = time.monotonic()
+try:
+    if r == 0:
+        state.commit()  # a commit only rank 0 makes (as under `if rank == 0:`)
+    else:
+        unison.allreduce(np.ones(2), name="grad")  # the others went on to the next step's gradients
+    print(f"rank {r} NO ERROR", flush=True)
+except unison.StallError as e:
+    print(f"rank {r} StallError after {time.monotonic() - t0:.1f}s: {e}", flush=True)
+print(f"rank {r} after {unison.allreduce(np.ones(1), op=unison.Sum, name='after').tolist()}", flush=True)
+"""
+
+
+def test_a_commit_only_some_ranks_make_fails_on_every_rank(tmp_path: Path) -> None:
+    """The commit's agreement was MPI's own all-reduce: a commit that rank 0 alone made left it blocked in MPI
+    while the others waited for its gradients, for ever (a hang with stall warnings only, known since
+    2026-12-06). It is an engine collective now, so the deadlock check fails both sides, naming the commit."""
+    script = tmp_path / "commit.py"
+    script.write_text(COMMIT_ON_ONE_RANK)
+    proc = mpirun(3, [sys.executable, str(script)], timeout=120, env=mpi_env(UNISON_DEADLOCK_TIME_SECONDS="2"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    for r in range(3):
+        line = next((x for x in proc.stdout.splitlines() if x.startswith(f"rank {r} StallError")), None)
+        assert line is not None, out[-4000:]
+        assert "rank 0 waits for 'elastic.commit'" in line and "which rank(s) [1, 2] never submitted" in line, line
+        assert "rank 1 waits for 'grad'" in line and "rank 2 waits for 'grad'" in line, line
+        assert float(line.split("after ")[1].split("s:")[0]) < 15, line
+        assert f"rank {r} after [3.0]" in proc.stdout, out[-4000:]
+    assert "NO ERROR" not in proc.stdout, out[-4000:]

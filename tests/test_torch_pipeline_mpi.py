@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from harness import ROOT, mpirun, run_rank_suite
+from harness import ATTEMPT, ROOT, mpi_env, mpirun, run_rank_suite
 from torch import nn
 
 from unison.common.pipeline import validate
@@ -89,3 +89,51 @@ def test_partitioning_by_parameters_and_by_time():
 @pytest.mark.parametrize("p, m, v", [(1, 1, 1), (2, 3, 1), (3, 4, 2), (4, 8, 3)])
 def test_the_forward_only_schedule_is_valid(p, m, v):
     validate(fill_drain(p, m, v))
+
+
+STEP_ON_SOME_RANKS = ATTEMPT + """
+import torch
+from torch import nn
+import unison.torch_backend as hvd
+hvd.init()
+r = hvd.rank()
+torch.manual_seed(0)
+pipe = hvd.Pipeline(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)), chunks=2,
+                    loss_fn=nn.functional.mse_loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+x, y = torch.ones(4, 4), torch.zeros(4, 1)
+print(f"rank {r} loss {pipe.train_step(x, y):.6f}", flush=True)  # every rank: the usual path
+# rank 0 evaluates alone while rank 1 trains: two kinds of step, never paired
+attempt("kinds", lambda: pipe.evaluate(x, y) if r == 0 else pipe.train_step(x, y))
+# rank 1 broke out of the loop a step early and all-reduces its metrics while rank 0 trains on (a new
+# executor: rank 0's late call of a step name the verdict failed on rank 1 would fail at once)
+pipe = hvd.Pipeline(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)), chunks=2,
+                    loss_fn=nn.functional.mse_loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+attempt("skipped", lambda: pipe.train_step(x, y) if r == 0 else hvd.allreduce(torch.ones(1), name="metric"))
+print(f"rank {r} after {hvd.allreduce(torch.ones(1), op=hvd.Sum, name='after').tolist()}", flush=True)
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(200)
+def test_a_step_that_some_ranks_skip_or_run_as_another_kind_fails_on_every_rank(tmp_path):
+    """A step's messages are MPI's own receives, which the engine does not see: rank 0 evaluating while rank 1
+    trained, or training while rank 1 had left the loop, blocked both for ever (before 2026-12-06). Each step
+    now enters through an engine all-reduce named after the executor and the kind of step, so the engine's
+    deadlock check fails both sides on every rank, naming the steps."""
+    script = tmp_path / "steps.py"
+    script.write_text(STEP_ON_SOME_RANKS)
+    proc = mpirun(2, [sys.executable, str(script)], timeout=150, env=mpi_env(UNISON_DEADLOCK_TIME_SECONDS="2"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    for r in range(2):
+        kinds = next((x for x in proc.stdout.splitlines() if x.startswith(f"rank {r} kinds StallError")), None)
+        assert kinds is not None, out[-4000:]
+        assert re.search(r"rank 0 waits for 'pipeline\.\d+\.forward\.2'", kinds), kinds
+        assert re.search(r"rank 1 waits for 'pipeline\.\d+\.train'", kinds), kinds
+        skipped = next((x for x in proc.stdout.splitlines() if x.startswith(f"rank {r} skipped StallError")), None)
+        assert skipped is not None and "rank 1 waits for 'metric'" in skipped, out[-4000:]
+        assert re.search(r"rank 0 waits for 'pipeline\.\d+\.train'", skipped), skipped
+        for line in (kinds, skipped):
+            assert float(line.split("after ")[1].split("s:")[0]) < 15, line
+        assert f"rank {r} after [2.0]" in proc.stdout, out[-4000:]
+    assert "NO ERROR" not in proc.stdout, out[-4000:]

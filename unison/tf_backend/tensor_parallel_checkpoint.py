@@ -271,6 +271,7 @@ def save_tensor_parallel(path: str | os.PathLike[str], model: Any, metadata: dic
             with variables that no entry names among them).
     """
     comm = _comm(local)
+    agree.enter(comm, "save_tensor_parallel")  # [Note: a collective save is entered through the engine]
     layers = list(_layers(model))
     agree.raise_together(comm, _unnamed(layers))
     writes = tpck.replica_writes(data_process_set, comm)
@@ -304,6 +305,7 @@ def load_tensor_parallel(path: str | os.PathLike[str], model: Any, local: bool =
             mismatched checkpoint.
     """
     comm = _comm(local)
+    agree.enter(comm, "load_tensor_parallel")  # [Note: a collective save is entered through the engine]
     layers = list(_layers(model))
     agree.raise_together(comm, _unnamed(layers))
     described = _describe(layers, with_arrays=False)

@@ -249,6 +249,7 @@ def save_sharded(path: str | os.PathLike[str], model: Any, optimizer: Any = None
             save itself failed.
     """
     comm = _comm()
+    agree.enter(comm, "save_sharded")  # [Note: a collective save is entered through the engine]
     entries, meta = agree.agreed(comm, lambda: _save_entries(model, optimizer, metadata))
     save = ck.save_consolidated if consolidated else ck.save_sharded
     return save(path, entries, comm, metadata=meta)
@@ -314,6 +315,7 @@ def load_sharded(path: str | os.PathLike[str], model: Any, optimizer: Any = None
             kind) on others.
     """
     comm = _comm()
+    agree.enter(comm, "load_sharded")  # [Note: a collective save is entered through the engine]
     manifest, model_keys = agree.agreed(comm, lambda: _open(path, model, optimizer, comm))
     wanted: dict[str, Any] = {f"model.{k}": "full" for k in model_keys}
     wrapper, inner = _split(optimizer)

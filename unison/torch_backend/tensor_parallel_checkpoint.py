@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from unison.common import runtime
-from unison.common.checkpoints import Manifest
+from unison.common.checkpoints import Manifest, agree
 from unison.common.engine.process_sets import ProcessSet
 from unison.common.tensor_parallel import checkpoint as tpck
 from unison.common.tensor_parallel.checkpoint import REPLICATED, ShardSpec, TPParam
@@ -129,6 +129,7 @@ def save_tensor_parallel(path: str | os.PathLike[str], model: nn.Module, metadat
             outside its ``data_process_set`` included).
     """
     comm = _comm(local)
+    agree.enter(comm, "save_tensor_parallel")  # [Note: a collective save is entered through the engine]
     writes = tpck.replica_writes(data_process_set, comm)
     described = _describe(_as_module(model), with_arrays=writes)
     same = {p.name for p, t in described if isinstance(t, nn.Parameter)}  # trained copies must agree
@@ -164,8 +165,10 @@ def load_tensor_parallel(path: str | os.PathLike[str], model: nn.Module, local: 
             full shape, a parameter split differently from the saved one, an entry no rank
             loads (``strict``), or a missing, corrupt or mismatched checkpoint.
     """
+    comm = _comm(local)
+    agree.enter(comm, "load_tensor_parallel")  # [Note: a collective save is entered through the engine]
     described = _describe(_as_module(model), with_arrays=False)
-    pieces, user = tpck.load(path, [p for p, _ in described], _comm(local), verify, strict)
+    pieces, user = tpck.load(path, [p for p, _ in described], comm, verify, strict)
     with torch.no_grad():
         for param, tensor in described:
             piece = np.asarray(pieces[param.name])

@@ -132,6 +132,7 @@ def save(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any, m
     """:func:`unison.torch_backend.save_sharded` for a sharded model (see the module docstring)."""
     state = _state(model)
     comm = _comm(state)
+    agree.enter(comm, "save_sharded")  # [Note: a collective save is entered through the engine]
     entries = _model_entries(state)
     meta: dict[str, Any] = {"user": metadata or {}, "optimizer": None}
     if optimizer is not None:
@@ -187,6 +188,7 @@ def load(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any,
     """:func:`unison.torch_backend.load_sharded` into a sharded model; returns the user metadata."""
     state = _state(model)
     comm, where = _comm(state), os.fspath(path)
+    agree.enter(comm, "load_sharded")  # [Note: a collective save is entered through the engine]
     agree_optimizers(comm, optimizer)
 
     def prepare() -> tuple[ck.Manifest, dict[str, Any], set[str], dict[str, Any]]:

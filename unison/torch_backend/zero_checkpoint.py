@@ -148,6 +148,7 @@ def save_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
 
         return zero3_checkpoint.save(path, model, optimizer, metadata, consolidated)
     comm = _comm(optimizer)
+    agree.enter(comm, "save_sharded")  # [Note: a collective save is entered through the engine]
     entries = _model_entries(model, optimizer)
     meta: dict[str, Any] = {"user": metadata or {}, "optimizer": None}
     if optimizer is not None:
@@ -185,6 +186,7 @@ def load_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
 
         return zero3_checkpoint.load(path, model, optimizer, verify)
     comm = _comm(optimizer, check=False)
+    agree.enter(comm, "load_sharded")  # [Note: a collective save is entered through the engine]
     agree_optimizers(comm, optimizer)  # (before any rank can raise alone: the subset check included)
 
     def prepare() -> tuple[ck.Manifest, list[str], Any, dict[str, Any], dict[str, str]]:

@@ -25,8 +25,10 @@ import numpy as np
 from unison.common import runtime
 from unison.common.config import env_value
 from unison.common.elastic.store import ENV_NOTICE, store_from_env
+from unison.common.engine import frontend
 from unison.common.engine.objects import agree_on_names, allgather_object, broadcast_object
 from unison.common.exceptions import HostsUpdatedInterrupt, MismatchError, UnisonError
+from unison.common.ops import Max
 
 __all__ = ["State", "ObjectState", "agree_structure"]
 
@@ -173,8 +175,13 @@ class State:
         st = runtime._state
         failed = spill is not None
         if st is not None and st.comm is not None and st.size > 1:
-            agreed = np.array([level, newest, failed], dtype=np.float64)  # (-inf: no update taken yet)
-            st.comm.Allreduce(st.mpi.IN_PLACE, agreed, op=st.mpi.MAX)
+            # [Note: the commit's agreement goes through the engine] a named all-reduce, not MPI's own call on
+            # the job's communicator: a commit that some ranks skip (a commit under `if rank == 0:`, a loop that
+            # commits every k steps of a count that differs) left those that did blocked in MPI for ever while
+            # the others waited in their next step's collectives (before 2026-12-06). Through the engine both
+            # sides are waits it knows, so its deadlock check fails them on every rank, naming the commit.
+            agreed = frontend.allreduce(np.array([level, newest, failed], dtype=np.float64),  # (-inf: none yet)
+                                        op=Max, name=COMMIT_AGREEMENT)
             level, newest, failed = int(agreed[0]), float(agreed[1]), bool(agreed[2])
         if failed:
             # [Note: a failed spill stops every rank] one rank per host writes the commits to disk; its error
@@ -200,6 +207,9 @@ class State:
     def reset(self) -> None:
         """Adjust to a new world (subclasses; nothing by default)."""
 
+
+#: the engine name of every commit's agreement ([Note: the commit's agreement goes through the engine])
+COMMIT_AGREEMENT = "elastic.commit"
 
 _made = itertools.count()  # the states this process made, in order
 

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from unison.common import agreement
+from unison.common import agreement, runtime
 from unison.common.exceptions import UnisonError
 from unison.common.pipeline.messages import Mailbox, check_sendable, describe
 from unison.common.pipeline.schedule import Action, Schedule
@@ -173,13 +173,15 @@ class PipelineDriver:
         # received arrays; a step's shapes repeat, so a small pool covers them
         self._pool = ResultPool(max_bytes=POOL_BYTES)
 
-    def step(self, worker: StageWorker, check: str | None = None) -> StepStats:
+    def step(self, worker: StageWorker, check: str | None = None, flagged: bool | None = None) -> StepStats:
         """Run one step of the schedule with ``worker``; see [Note: pipeline failures].
 
         Args:
             worker: this rank's stages.
             check: this rank's pre-flight problem, if any (a sentence with the values and the
                 fix); agreed over ``world`` before any message, so every rank raises.
+            flagged: whether any rank has a ``check``, when the caller agreed on that already
+                (:func:`enter_step`); None: the step agrees on it over ``world``.
 
         Returns:
             This rank's timings and peak activations.
@@ -187,7 +189,8 @@ class PipelineDriver:
         Raises:
             PipelineError: on every rank, when any rank's ``check`` is set or its step failed.
         """
-        raise_together(self.world, check)
+        if flagged is None or flagged:
+            raise_together(self.world, check)
         run = _Step(self, worker)
         failure = run.walk()
         if failure is not None:  # collectives a stage's peers wait on inside it (a tensor group's) never come
@@ -240,6 +243,33 @@ def raise_together(comm: Any, problem: str | None) -> None:
         PipelineError: ``"rank r: <problem>"`` for the lowest rank with a problem, on every rank.
     """
     agreement.raise_together(comm, problem, PipelineError)
+
+
+def enter_step(world: Any, entry: str, check: str | None) -> bool | None:
+    """Whether any rank of ``world`` has a pre-flight ``check``, agreed by one engine all-reduce named ``entry``
+    when ``world`` is the whole job (else None: :meth:`PipelineDriver.step` agrees over ``world`` itself).
+
+    [Note: a pipeline step is entered through the engine] A step's messages are MPI's own point-to-point
+    calls, and its setup (a forward-only driver made at the first ``evaluate``) MPI's own collectives, which
+    the engine does not see: a step that some ranks skip (``evaluate`` on rank 0 alone, a rank that left the
+    loop a step early and all-reduces its metrics) left the others blocked in MPI for ever (before
+    2026-12-06). The executors enter each step, before anything else collective, with one engine all-reduce
+    named after the executor and the kind of step, carrying the check, so the engine's deadlock check sees
+    both sides (every rank then raises a ``StallError`` naming the step; engine.md, "Deadlocks"), and ranks
+    running different kinds of step (one trains, one evaluates) wait under different names instead of
+    pairing their messages.
+    """
+    if not _engine_covers(world):
+        return None
+    from unison.common.engine import frontend
+    from unison.common.ops import Max
+
+    return bool(frontend.allreduce(np.array([check is not None], dtype=np.int32), op=Max, name=entry)[0])
+
+
+def _engine_covers(comm: Any) -> bool:
+    """Whether ``comm`` holds the whole job of more than one rank, so the engine's job-wide set spans it."""
+    return runtime.is_initialized() and runtime.size() > 1 and comm.Get_size() == runtime.size()
 
 
 def _peer(a: Action) -> int:

@@ -20,7 +20,14 @@ from typing import Any, TypeVar
 import numpy as np
 
 from unison.common.pipeline.builders import build_schedule
-from unison.common.pipeline.driver import PipelineDriver, PipelineError, StageWorker, StepStats, raise_together
+from unison.common.pipeline.driver import (
+    PipelineDriver,
+    PipelineError,
+    StageWorker,
+    StepStats,
+    enter_step,
+    raise_together,
+)
 from unison.common.pipeline.grid import PipelineGrid, fill_drain, world_comm
 from unison.common.pipeline.partition import check_balance
 from unison.common.pipeline.schedule import Schedule
@@ -30,6 +37,9 @@ __all__ = ["PipelineRunner", "CHECKPOINTS", "plan_stages", "agreed", "layer_rang
 
 #: activation checkpointing: never, every microbatch, or every microbatch but the last
 CHECKPOINTS = ("never", "always", "except_last")
+
+#: numbers the runners a process builds; built collectively, so each has one number on every rank
+_RUNNERS = itertools.count()
 
 T = TypeVar("T")
 
@@ -132,6 +142,8 @@ class PipelineRunner:
         self.schedule, self.chunks, self.grid, self.names = schedule, chunks, grid, names
         self._world = world_comm().Dup()
         pipe = self._world.Split(color=grid.pipeline, key=grid.position)
+        #: the executors this process built, in order (collectively: the same index on every rank)
+        self.index = next(_RUNNERS)
         self.driver = PipelineDriver(schedule, pipe, world=self._world)
         pipe.Free()
         self._eval: dict[int, PipelineDriver] = {}
@@ -178,6 +190,9 @@ class PipelineRunner:
 
     def run(self, worker: StageWorker, problem: str | None, train: bool) -> StepStats:
         """One step of the training schedule, or (``train=False``) a forward-only pass."""
+        # [Note: a pipeline step is entered through the engine] (before the first evaluate's setup, collective)
+        kind = "train" if train else f"forward.{self.chunks}"
+        flagged = enter_step(self._world, f"pipeline.{self.index}.{kind}", problem)
         if train:
             driver = self.driver
         else:
@@ -186,7 +201,7 @@ class PipelineRunner:
                 s = self.schedule
                 driver = self._eval[self.chunks] = PipelineDriver(fill_drain(s.p, self.chunks, s.v),
                                                                   self.driver.comm, world=self._world)
-        self.stats = driver.step(worker, check=problem)
+        self.stats = driver.step(worker, check=problem, flagged=flagged)
         return self.stats
 
     def replica_share(self, batch: Any, weight: float | None = None) -> float:
