@@ -145,6 +145,68 @@ def test_a_rank_that_says_goodbye_is_not_a_lost_host():
     assert not lost[0], lost[0]
 
 
+def test_a_watcher_that_stalls_blames_no_healthy_neighbour_and_a_stopping_one_reports_nobody():
+    """[Note: only a neighbour's silence counts] Rank 0's look stalls for 1 s (an MPI_Test held up on a loaded
+    host) while rank 1 keeps beating, and rank 0 is stopped during the stall. Silence was measured to the end of
+    the look, so rank 0 reported rank 1's host lost after the job had finished (an audit's reproduction of
+    the hosts test's exit 75, 2026-12-06)."""
+    net, beats, lost = fake_ring(2, timeout=0.6)
+    stall = threading.Event()
+    receive = beats[0].comm.Irecv
+
+    def slow_irecv(buffer, source, tag):
+        request = receive(buffer, source, tag)
+        arrived = request._done
+
+        def done():
+            if stall.is_set():
+                stall.clear()
+                time.sleep(1.0)
+            return arrived()
+
+        request._done = done
+        return request
+
+    beats[0].comm.Irecv = slow_irecv
+    for beat in beats:
+        beat.start()
+    time.sleep(0.3)
+    stall.set()
+    time.sleep(0.2)
+    assert beats[0].stop()  # (asked while stalled)
+    beats[1].stop()
+    # rank 0 blames nobody; rank 1 may rightly report rank 0, which sent nothing for longer than the limit
+    assert not lost[0], dict(lost)
+
+
+def test_a_goodbye_goes_out_behind_a_heartbeat_still_on_its_way():
+    """A goodbye was skipped when the last heartbeat to that neighbour had not completed within the stop's wait,
+    so the neighbour watched a rank that had finished and reported its host lost."""
+    net, beats, lost = fake_ring(2, timeout=0.5)
+    send, holding = beats[1].comm.Isend, threading.Event()
+
+    def held_isend(buffer, dest, tag):
+        request = send(buffer, dest, tag)  # (delivered, but not complete on the sender while held)
+        return FakeRequest(lambda: not holding.is_set()) if holding.is_set() and buffer[0] != heartbeat.BYE \
+            else request
+
+    beats[1].comm.Isend = held_isend
+    for beat in beats:
+        beat.start()
+    time.sleep(0.2)
+    holding.set()
+    time.sleep(0.3)
+    stop_wait, heartbeat.STOP_WAIT_S = heartbeat.STOP_WAIT_S, 0.2
+    try:
+        beats[1].stop()
+    finally:
+        heartbeat.STOP_WAIT_S = stop_wait
+    holding.clear()
+    time.sleep(1.5)  # three timeouts: rank 0 would report rank 1 had its goodbye been dropped
+    assert beats[0].stop()
+    assert not lost[0], lost[0]
+
+
 def test_the_heartbeat_thread_sleeps_between_looks():
     net, beats, lost = fake_ring(2, timeout=2.0)
     before = resource.getrusage(resource.RUSAGE_SELF)

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import random
+import threading
 import time
 
 import numpy as np
@@ -676,6 +677,44 @@ def test_unnamed_calls_on_a_subset_leave_the_global_names_aligned():
 
 
 @needs_engine
+def test_unnamed_calls_from_two_live_threads_warn_once_and_each_call_takes_its_own_name(caplog):
+    """Unnamed calls pair across ranks by their order, which two threads interleave differently on each rank: a
+    loader thread's metric was summed with another rank's gradient, silently (an audit, 2026-12-06). Each
+    rank now warns once per kind while both threads live. Eight threads taking names at once each get their
+    own (a read-then-bump without a lock could give two calls one name)."""
+    from unison.common.engine import frontend
+
+    frontend._auto_warned.discard("broadcast")
+    with caplog.at_level(logging.WARNING, logger="unison"):
+        first = unison.broadcast(np.full(2, float(R)), root_rank=0)  # the main thread's
+        got = []
+        side = threading.Thread(target=lambda: got.append(unison.broadcast(np.full(2, R + 10.0), root_rank=0)),
+                                name="loader")
+        side.start()
+        side.join()  # (kept in order here, so the results are right)
+        unison.broadcast(np.ones(2), root_rank=0)  # again from the main thread: warned already
+    np.testing.assert_array_equal(first, [0.0, 0.0])
+    np.testing.assert_array_equal(got[0], [10.0, 10.0])
+    warned = [m for m in caplog.messages if "come from two live threads" in m]
+    assert len(warned) == 1 and "'loader'" in warned[0] and "'MainThread'" in warned[0], caplog.messages
+    assert "Give the calls of every thread but one a name" in warned[0]
+    names: list[str] = []
+    barrier = threading.Barrier(8)
+
+    def take():
+        barrier.wait()
+        names.extend(frontend._auto_name("thread.names.test", None) for _ in range(50))
+
+    threads = [threading.Thread(target=take) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(names) == 400
+    assert sorted(int(n.rsplit(".", 1)[1]) for n in names) == sorted(i % 128 for i in range(400))
+
+
+@needs_engine
 def test_unnamed_calls_reuse_names_and_more_in_flight_than_names_still_run_in_order():
     """Frontend [Note: unnamed calls reuse names]: the n-th unnamed call is named by slot
     n % AUTO_NAME_SLOTS (so a repeated lone call hits the negotiation cache), and a call whose
@@ -946,6 +985,31 @@ def test_engine_thread_error_reaches_caller(monkeypatch):
     assert any("boom" in str(tb.name) for tb in info.traceback)  # the original traceback
     with pytest.raises(RuntimeError, match="injected failure"):
         unison.allreduce(np.ones(2), name="after.boom")
+
+
+def test_zz_a_shutdown_frees_the_engines_communicators_and_a_removed_set_is_let_go():
+    """A leak audit (2026-12-06): every init()/shutdown() kept the engine's communicators (three, six with a
+    process set; Open MPI keeps about 65,000), and every added and removed set stayed in the engine's table
+    with its counters. Now a clean stop frees them, and a removed set's slot is emptied (ids not reused)."""
+    from mpi4py import MPI
+
+    from unison.common.engine import frontend
+
+    unison.shutdown()  # (a test before failed this engine on purpose: a failed engine keeps its communicators)
+    unison.init()
+    ps = unison.add_process_set(list(range(N)))
+    sid = ps.process_set_id
+    eng = frontend.running_engine()
+    np.testing.assert_array_equal(unison.allreduce(np.ones(2), op=unison.Sum, process_set=ps), [N, N])
+    assert unison.remove_process_set(ps) and eng._set_objs[sid] is None and ps not in eng.registered_sets()
+    kept = unison.add_process_set(list(range(N)))
+    assert kept.process_set_id == sid + 1  # (ids are never reused)
+    comms = [st.comm for st in eng._sets.values()]
+    assert len(comms) == 2
+    unison.shutdown()
+    assert all(c == MPI.COMM_NULL for c in comms)  # (mpi4py nulls a freed handle)
+    unison.init()
+    np.testing.assert_array_equal(unison.allreduce(np.ones(2), op=unison.Sum, name="after.free"), [N, N])
 
 
 def test_zz_a_new_init_names_unnamed_calls_alike_whatever_each_rank_counted_before():

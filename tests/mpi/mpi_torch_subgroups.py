@@ -264,6 +264,40 @@ def test_two_groups_of_every_rank_keep_their_calls_apart():
         w.wait()
 
 
+def test_destroyed_groups_free_their_communicators_and_process_sets():
+    """[Note: a destroyed group frees its communicators] A leak audit (2026-12-06): every destroyed sub-group kept
+    its communicators (Open MPI ran out after about 16,000 groups) and every destroyed group of every rank its
+    engine process set, negotiated by each later cycle (the default group's all-reduce 20x slower after 1,000
+    groups). Thirty of each are made, used and destroyed; nothing is left, and the job's groups still work."""
+    from mpi4py import MPI
+
+    from unison.common.engine import frontend
+
+    engine = frontend.running_engine()
+    sets_before = len(engine._sets)
+    r = dist.get_rank()
+    for i in range(30):
+        sub = dist.new_group([0, 1])
+        whole = dist.new_group()
+        if r < 2:
+            t = torch.full((2,), float(r + i))
+            dist.all_reduce(t, group=sub)
+            assert t.tolist() == [float(1 + 2 * i)] * 2
+        t = torch.ones(2)
+        dist.all_reduce(t, group=whole)
+        assert t.tolist() == [4.0, 4.0]
+        backends = [sub, whole] if r < 2 else [whole]  # (our process groups themselves)
+        held = [b._p2p_comm for b in backends] + ([backends[0]._ops.comm] if r < 2 else [])
+        dist.destroy_process_group(sub)
+        dist.destroy_process_group(whole)
+        assert all(b._p2p_comm is None for b in backends)
+        assert all(c == MPI.COMM_NULL for c in held)  # (mpi4py nulls a freed handle)
+    assert len(engine._sets) == sets_before
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    assert t.tolist() == [4.0, 4.0]
+
+
 def test_point_to_point_in_bfloat16_and_into_a_longer_tensor(pairs):
     r = dist.get_rank()
     group, members = _mine(pairs)

@@ -107,6 +107,8 @@ class Heartbeat:
         self._inbox = {peer: np.zeros(1, dtype=np.int64) for peer in self.peers}
         self._receives: dict[int, Any] = {}
         self._sends: dict[int, tuple[Any, np.ndarray]] = {}
+        #: heartbeats still on their way when a goodbye went out behind them (kept alive until they complete)
+        self._behind: list[tuple[Any, np.ndarray]] = []
         self._heard: dict[int, float] = {}
         self._count = 0
         self._thread = threading.Thread(target=self._run, name="unison-heartbeat", daemon=True)
@@ -128,7 +130,7 @@ class Heartbeat:
         """
         self._stop.set()
         self._thread.join(STOP_WAIT_S + 2.0)
-        return not self._thread.is_alive() and not self._receives and not self._sends
+        return not self._thread.is_alive() and not self._receives and not self._sends and not self._behind
 
     def _post(self, peer: int) -> None:
         self._receives[peer] = self.comm.Irecv(self._inbox[peer], source=peer, tag=_TAG)
@@ -139,7 +141,11 @@ class Heartbeat:
                 continue  # it said goodbye: nothing listens any more
             pending = self._sends.get(peer)
             if pending is not None and not pending[0].Test():
-                continue  # the last one is still on its way: never queue more behind it
+                if value != BYE:
+                    continue  # the last one is still on its way: never queue more behind it
+                # a goodbye is never skipped: the neighbour would watch a rank that finished and report its
+                # host lost (MPI delivers the two in order)
+                self._behind.append(pending)
             buffer = np.array([value], dtype=np.int64)
             self._sends[peer] = (self.comm.Isend(buffer, dest=peer, tag=_TAG), buffer)
 
@@ -170,16 +176,28 @@ class Heartbeat:
             logger.info("heartbeat: stopped, MPI reports a failure: %s", exc)
 
     def _beat(self) -> None:
+        """[Note: only a neighbour's silence counts] A look reads what arrived up to its start, so silence is
+        measured to that start: this thread's own stall (a loaded host, a slow ``MPI_Test``) happened after
+        it and is nobody's silence (measured to the end of the look, a stalled watcher blamed a healthy
+        neighbour: under load, with the limit at 3 s, 4 runs in 4). A neighbour is reported only when two
+        looks in a row, the thread running normally between them, find it silent, and never once this rank
+        is stopping (a watcher stalled across ``shutdown()`` woke after a finished job and aborted it)."""
         next_send = 0.0
+        suspect = None  # the neighbour the last look found silent
+        looked = time.monotonic()
         while not self._stop.wait(self.poll):
             now = time.monotonic()
+            awake = now - looked <= self.poll + MAX_POLL_S  # this thread ran since its last look
             self._receive(now)
             if now >= next_send:
                 self._count += 1
                 self._send(self._count)
                 next_send = now + self.interval
-            silent = self._silent(time.monotonic())
-            if silent is not None:
+            looked = time.monotonic()
+            silent = self._silent(now)
+            confirmed = silent is not None and awake and suspect == silent[0]
+            suspect = None if silent is None else silent[0]
+            if confirmed and silent is not None and not self._stop.is_set():
                 self.lost = self.describe(*silent)
                 self._on_lost(self.lost)
                 return
@@ -205,10 +223,12 @@ class Heartbeat:
     def _settle(self, deadline: float, receives: bool) -> None:
         """Waits until the sends (and the cancelled receives) complete, or ``deadline`` passes."""
         while True:
+            self._behind = [s for s in self._behind if not s[0].Test()]
             self._sends = {p: s for p, s in self._sends.items() if not s[0].Test()}
             if receives:
                 self._receives = {p: r for p, r in self._receives.items() if not r.Test()}
-            if not self._sends and not (receives and self._receives) or time.monotonic() >= deadline:
+            if not self._sends and not self._behind and not (receives and self._receives) \
+                    or time.monotonic() >= deadline:
                 return
             time.sleep(0.01)
 

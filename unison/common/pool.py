@@ -19,11 +19,10 @@ from __future__ import annotations
 import math
 import sys
 import threading
-import typing
 
 import numpy as np
 
-__all__ = ["ResultPool", "results"]
+__all__ = ["ResultPool", "results", "size_class"]
 
 #: Smaller arrays come from malloc's free lists anyway.
 MIN_BYTES = 256 << 10
@@ -42,13 +41,28 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = ALIGN) -
     return _typed(np.empty(math.prod(shape) * dt.itemsize + align, dtype=np.uint8), shape, dt, align)
 
 
+def size_class(nbytes: int) -> int:
+    """The bytes of the buffer that holds an array of ``nbytes``: rounded up to one of eight steps per power of
+    two (at most 12.5% more), so arrays whose shapes change from step to step share buffers."""
+    step = 1 << max(nbytes.bit_length() - 4, 0)
+    return -(-nbytes // step) * step
+
+
 class ResultPool:
-    """Hands out arrays by (shape, dtype), reusing ones nobody references any more."""
+    """Hands out arrays of any shape and dtype, reusing buffers nobody references any more.
+
+    [Note: the pool's buffers] Buffers are kept by size class (:func:`size_class`), not by shape, and at most
+    ``max_bytes`` of them: when a new buffer would pass that, every buffer that is free at that moment is let
+    go first. Before 2026-12-06 (a leak audit) they were kept by exact shape and never let go: a job whose
+    result shapes changed each step (all-reduces of 256 KiB and more, of varying shapes) filled its pools
+    with buffers it never used again, to 1 GiB per process set (2 GB of memory for 0.5 MB in use), and
+    added a table entry per shape forever.
+    """
 
     def __init__(self, max_bytes: int = 1 << 30) -> None:
         self.max_bytes = max_bytes
         self.held = 0
-        self._arrays: dict[tuple, list[np.ndarray]] = {}
+        self._arrays: dict[int, list[np.ndarray]] = {}
         self._lock = threading.Lock()
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -57,19 +71,31 @@ class ResultPool:
         nbytes = math.prod(shape) * dt.itemsize
         if nbytes < MIN_BYTES:
             return np.empty(shape, dtype=dt)
-        key = (tuple(shape), dt)
+        size = size_class(nbytes)
         with self._lock:
             # the pool keeps each array's raw buffer: every view handed out (and every
             # view of those) refers to it, so only the pool's reference left means free
-            buffers = self._arrays.setdefault(key, [])
+            buffers = self._arrays.get(size, ())
             for i in range(len(buffers)):
                 if sys.getrefcount(buffers[i]) == 2:  # the list's reference and the argument's
                     return _typed(buffers[i], shape, dt)
-            arr = aligned_empty(shape, dt)
-            if self.held + nbytes <= self.max_bytes:
-                buffers.append(typing.cast(np.ndarray, arr.base))  # a view of its raw buffer
-                self.held += nbytes
-            return arr
+            raw = np.empty(size + ALIGN, dtype=np.uint8)
+            if self.held + size > self.max_bytes:
+                self._drop_free()
+            if self.held + size <= self.max_bytes:
+                self._arrays.setdefault(size, []).append(raw)
+                self.held += size
+            return _typed(raw, shape, dt)
+
+    def _drop_free(self) -> None:
+        """Let go of every buffer nobody references (the caller holds the lock)."""
+        for size in list(self._arrays):
+            kept = [raw for raw in self._arrays[size] if sys.getrefcount(raw) > 3]  # list, loop variable, call
+            self.held -= size * (len(self._arrays[size]) - len(kept))
+            if kept:
+                self._arrays[size] = kept
+            else:
+                del self._arrays[size]
 
     def clear(self) -> None:
         """Forget every array (the ones still in use stay valid; their memory is freed with them)."""

@@ -288,6 +288,28 @@ def _world_state(mpi: Any, comm: Any, config: Config, config_error: str) -> Stat
 #: [Note: a rank that exits with a status]
 _exit_status = 0
 
+#: ``(status, reason)`` when this rank's engine ended inside a cycle that its peers take part in, so they
+#: cannot be told ([Note: an engine that ends inside a cycle aborts the job at exit])
+_broken: tuple[int, str] | None = None
+
+
+def abort_at_exit(status: int, reason: str) -> None:
+    """End the whole job with ``MPI_Abort(status)`` when this process exits (the first call's reason counts).
+
+    [Note: an engine that ends inside a cycle aborts the job at exit] A rank's engine cycle pairs with every
+    other rank's: a negotiation posted, then the data collectives it agreed on. When the cycle stops half
+    way, most often a Ctrl-C or a SIGTERM handler's ``sys.exit`` landing while the main thread ran the cycle
+    of a blocking call ([Note: a waiter runs the cycle] in ``engine/engine.py``), the engine ends and can
+    never run the shutdown cycle that tells the others; they wait in their half of it for ever (found by an
+    audit, 2026-12-06: under mpirun an uncaught Ctrl-C on one rank, and under either launcher a program that
+    caught the interrupt to save and exited 0, hung the other ranks). Such a rank therefore aborts the job
+    when it exits, after its own handlers ran (a local save still works; a collective cannot, its engine is
+    gone), with a message that says why. ``UNISON_ABORT_ON_ERROR=0`` keeps it off.
+    """
+    global _broken
+    if _broken is None:
+        _broken = (int(status), reason)
+
 
 def _watch_exit_status() -> None:
     """Record the status mpi4py's runner will abort with (its ``set_abort_status``), once per process.
@@ -330,7 +352,24 @@ def _shutdown_at_exit() -> None:
             sys.stderr.flush()
             before_abort(f"the program exited with status {_exit_status}")
             mpi.COMM_WORLD.Abort(_exit_status)
+    if _broken is not None:
+        _abort_broken(_broken)
     shutdown()
+
+
+def _abort_broken(broken: tuple[int, str]) -> None:
+    """[Note: an engine that ends inside a cycle aborts the job at exit]"""
+    mpi = _import_mpi()
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized() or mpi.COMM_WORLD.Get_size() <= 1:
+        return
+    status, reason = broken
+    sys.stdout.flush()
+    sys.stderr.write(f"[unison] rank {mpi.COMM_WORLD.Get_rank()}: {reason}; the other ranks wait in that "
+                     f"cycle and cannot be told, so the job is aborted (status {status}) instead of leaving them "
+                     "waiting\n")
+    sys.stderr.flush()
+    before_abort(reason)
+    mpi.COMM_WORLD.Abort(status)
 
 
 def _start(config: Config) -> None:
@@ -569,14 +608,16 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException,
                 tb: TracebackType | None) -> None:
     """Print the traceback, then abort the MPI job so no other rank waits forever."""
     s = _state
-    head = f"[unison] rank {s.rank} of {s.size} failed; aborting the job:\n" if s else ""
+    interrupted = issubclass(exc_type, KeyboardInterrupt)
+    head = "" if s is None else (f"[unison] rank {s.rank} of {s.size} was interrupted:\n" if interrupted else
+                                 f"[unison] rank {s.rank} of {s.size} failed; aborting the job:\n")
     # torch.distributed's own hook captures stderr in a StringIO around ours and prints it after we
     # return: we abort before that, so write such a capture's text to the process's stderr.
     out = sys.__stderr__ if isinstance(sys.stderr, io.StringIO) and sys.__stderr__ is not None else sys.stderr
     out.write(head + "".join(traceback.format_exception(exc_type, exc, tb)))
     out.flush()
     mpi = _import_mpi()
-    if mpi is not None and s is not None and s.size > 1 and not issubclass(exc_type, KeyboardInterrupt):
+    if mpi is not None and s is not None and s.size > 1 and not interrupted:
         before_abort(f"uncaught {exc_type.__name__}")
         mpi.COMM_WORLD.Abort(1)
     if _previous_excepthook not in (None, sys.__excepthook__):

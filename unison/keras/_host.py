@@ -95,13 +95,22 @@ def _tf_call(fn: HostFn, tensors: list[Any], rows: Any) -> list[Any]:
 
     def callback(*arrays: Any) -> list[np.ndarray]:
         values = list(arrays[:-1]) if has_rows else list(arrays)
-        return _cast_like(fn(values, int(arrays[-1]) if has_rows else None), values)
+        outs = _cast_like(fn(values, int(arrays[-1]) if has_rows else None), values)
+        # a 0-d result leaves as one element, reshaped in the graph: TensorFlow leaks about 32 bytes for each
+        # 0-d value a callback returns (unison.tf_backend.host_ops [Note: a callback's key is not 0-d])
+        return [o.reshape(1) if o.ndim == 0 else o for o in outs]
 
     outs = tf.numpy_function(callback, inputs, [t.dtype for t in tensors], stateful=True)
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    shaped = []
     for out, t in zip(outs, tensors, strict=True):
+        if t.shape.rank == 0:
+            out = tf.reshape(out, [])
+        elif t.shape.rank is None:  # (a 0-d one came back as one element)
+            out = tf.reshape(out, tf.shape(t))
         out.set_shape(t.shape)
-    return outs
+        shaped.append(out)
+    return shaped
 
 
 def _torch_call(fn: HostFn, tensors: list[Any], rows: Any) -> list[Any]:

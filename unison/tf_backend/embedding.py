@@ -149,7 +149,7 @@ class ShardedEmbedding(keras.layers.Layer):
     def _push(self, keys: np.ndarray, grads: np.ndarray, scale: np.ndarray) -> np.ndarray:
         g = np.array(grads, self.table.dtype) * np.asarray(scale, self.table.dtype)  # a copy: pushed later
         self._pending.append(self.table.push_async(np.array(keys, np.int64), g))
-        return np.zeros((), self.table.dtype)
+        return np.zeros(1, self.table.dtype)  # (not 0-d: host_ops [Note: a callback's key is not 0-d])
 
     def synchronize(self) -> None:
         """Wait until this layer's pushes so far are applied (raises a push's error)."""
@@ -197,9 +197,8 @@ class ShardedEmbedding(keras.layers.Layer):
                 # Keras scales each replica's loss by 1/N under a strategy of N replicas (which sums the
                 # dense gradients); the table averages over its workers, so undo the 1/N here
                 scale = tf.constant(tf.distribute.get_strategy().num_replicas_in_sync, dtype)
-                done = tf.numpy_function(self._push, [keys, dy, scale], dtype, stateful=True,
-                                         name="unison_ps_push")
-                done.set_shape([])
+                done = tf.reshape(tf.numpy_function(self._push, [keys, dy, scale], dtype, stateful=True,
+                                                    name="unison_ps_push"), [])
                 return None, tf.zeros_like(anchor_value) + done  # the anchor's gradient needs the push
 
             return rows, grad

@@ -265,7 +265,23 @@ class _Slot:
         self.key: int | None = None
 
 
-def _submit(start: Start, *arrays: np.ndarray, slot: _Slot | None = None) -> np.int64:
+def key_array(key: int) -> np.ndarray:
+    """A submit callback's key as its output: an array of one element.
+
+    [Note: a callback's key is not 0-d] TensorFlow 2.21 leaks about 32 bytes for every 0-d value a
+    ``tf.numpy_function`` returns (an ``np.int64``, a 0-d array, a float: measured by an audit,
+    2026-12-06, without Unison; an array of shape [1] stays flat), and every collective in a graph
+    returned its key that way: 160 bytes a step for five collectives, for as long as the job ran.
+    """
+    return np.array([key], dtype=np.int64)
+
+
+def key_of(key: Any) -> int:
+    """The key a submit returned (:func:`key_array`; also a plain integer)."""
+    return int(np.asarray(key).reshape(-1)[0])
+
+
+def _submit(start: Start, *arrays: np.ndarray, slot: _Slot | None = None) -> np.ndarray:
     """Start a collective without waiting; returns the key :func:`_collect` takes.
 
     [Note: submits a session runs without their collects]
@@ -303,7 +319,7 @@ def _submit(start: Start, *arrays: np.ndarray, slot: _Slot | None = None) -> np.
         _pending[key] = entry
     if slot is not None:
         slot.key = key
-    return np.int64(key)
+    return key_array(key)
 
 
 def _collect(key: Any, in_graph: bool = False) -> list[np.ndarray]:
@@ -313,11 +329,12 @@ def _collect(key: Any, in_graph: bool = False) -> list[np.ndarray]:
         tf.errors.OpError: eagerly, the class Horovod reports (:func:`to_tf_error`).
         _GraphOpError: ``in_graph``, the same, marked for :func:`_status_to_exception`.
     """
+    key = key_of(key)
     with _lock:
-        entry = _pending.pop(int(key), None)
+        entry = _pending.pop(key, None)
     handle, finish, error = entry if entry is not None else (None, None, None)
     if entry is None:
-        error = RuntimeError(f"collective {int(key)} was submitted again before its result was read: "
+        error = RuntimeError(f"collective {key} was submitted again before its result was read: "
                              "run a graph's collectives from one thread at a time")
     if error is None and finish is not None:
         try:

@@ -370,7 +370,9 @@ def join() -> tf.Tensor:
     """Contribute identity values until every rank joins; the last rank to join (an int32 scalar tensor)."""
     if tf.executing_eagerly():
         return tf.constant(frontend.join(), dtype=tf.int32)
-    return tf.reshape(tf.numpy_function(lambda: np.int32(frontend.join()), [], tf.int32, stateful=True), [])
+    # (one element, reshaped in the graph: host_ops [Note: a callback's key is not 0-d])
+    last = tf.numpy_function(lambda: np.array([frontend.join()], np.int32), [], tf.int32, stateful=True)
+    return tf.reshape(last, [])
 
 
 def barrier(process_set: ProcessSet | None = global_process_set) -> tf.Tensor | None:
@@ -387,9 +389,9 @@ def barrier(process_set: ProcessSet | None = global_process_set) -> tf.Tensor | 
         frontend.barrier(ps)
         return None
 
-    def wait() -> np.int32:
+    def wait() -> np.ndarray:
         frontend.barrier(ps)
-        return np.int32(0)
+        return np.zeros(1, np.int32)  # (not 0-d: host_ops [Note: a callback's key is not 0-d])
 
     return tf.reshape(tf.numpy_function(wait, [], tf.int32, stateful=True, name="UnisonBarrier"), [])
 
@@ -405,9 +407,9 @@ def _query_op(value: Callable[[], int], name: str | None) -> tf.Tensor:
     each time the graph runs (a graph may be built before ``init()``, or run after a re-init)."""
     if tf.executing_eagerly():
         return tf.constant(value(), dtype=tf.int32, name=name)
-    out = tf.numpy_function(lambda: np.int32(value()), [], tf.int32, stateful=True, name=name or "unison_query")
-    out.set_shape([])
-    return out
+    out = tf.numpy_function(lambda: np.array([value()], np.int32), [], tf.int32, stateful=True,
+                            name=name or "unison_query")
+    return tf.reshape(out, [])  # (one element from the callback: host_ops [Note: a callback's key is not 0-d])
 
 
 def size_op(process_set_id: Any = 0, name: str | None = None) -> tf.Tensor:

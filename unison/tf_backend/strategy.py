@@ -106,14 +106,14 @@ def _op_name(base: str) -> str:
     return f"{base}.t{k}"
 
 
-def _enqueue(handle: Any, shapes: list[tuple[np.dtype, tuple[int, ...]]]) -> np.int64:
+def _enqueue(handle: Any, shapes: list[tuple[np.dtype, tuple[int, ...]]]) -> np.ndarray:
     with _lock:
         key = next(_ids)
         _pending[key] = (handle, shapes)
-    return np.int64(key)
+    return host_ops.key_array(key)
 
 
-def _submit_sum(name: str, *arrays: np.ndarray) -> np.int64:
+def _submit_sum(name: str, *arrays: np.ndarray) -> np.ndarray:
     """Hand ``arrays`` to the engine for one grouped sum over the ranks; returns a key for :func:`_collect`.
 
     Never blocks. TensorFlow's array for a callback input keeps the tensor's
@@ -123,7 +123,7 @@ def _submit_sum(name: str, *arrays: np.ndarray) -> np.int64:
     return _enqueue(handle, [(a.dtype, a.shape) for a in arrays])
 
 
-def _submit_gather(name: str, a: np.ndarray) -> np.int64:
+def _submit_gather(name: str, a: np.ndarray) -> np.ndarray:
     """Hand ``a`` to the engine for an all-gather along axis 0; returns a key for :func:`_collect`."""
     return _enqueue(frontend.allgather_async(np.ascontiguousarray(a), name), [(a.dtype, (-1, *a.shape[1:]))])
 
@@ -131,7 +131,7 @@ def _submit_gather(name: str, a: np.ndarray) -> np.int64:
 def _collect(*keys: np.ndarray) -> list[np.ndarray]:
     """Wait for the collectives submitted under ``keys``; their results, in order."""
     with _lock:
-        entries = [_pending.pop(int(k)) for k in keys]
+        entries = [_pending.pop(host_ops.key_of(k)) for k in keys]
     out = []
     for handle, shapes in entries:
         results = handle.wait()

@@ -149,6 +149,31 @@ class UnisonProcessGroup(dist.ProcessGroup):
         #: init_process_group/new_group(timeout=...): how long wait() waits before DistBackendError
         self._timeout_s = timeout_s
 
+    def shutdown(self) -> None:
+        """Free what the group holds; ``torch.distributed.destroy_process_group`` calls it on every member.
+
+        [Note: a destroyed group frees its communicators] Before 2026-12-06 nothing was freed (found by a
+        leak audit): each ``new_group``/``destroy_process_group`` of a sub-group kept its communicators (about
+        four, 35 KB) until Open MPI ran out of them after about 16,000 groups (``MPI_ERR_INTERN``), and each
+        group of every rank kept an engine process set, which every later cycle negotiates (the default
+        group's all-reduce went from 330 us to 6.9 ms after 1,000 such groups). Now the point-to-point
+        communicator is freed, a sub-group's own communicator and thread with it, and a group of every rank
+        other than the default one removes its process set (collective, as the destroy is). The default
+        group's collectives are the engine's, which lives on until ``unison.shutdown()``.
+        """
+        if self.__dict__.get("_shut"):
+            return
+        self._shut = True
+        close = getattr(self._ops, "close", None)
+        if close is not None:
+            close()
+        comm, self._p2p_comm = self._p2p_comm, None
+        if comm is not None:
+            try:
+                comm.Free()
+            except Exception:  # noqa: BLE001 - MPI already finalized (a destroy at interpreter exit)
+                logger.debug("the group's point-to-point communicator was already freed", exc_info=True)
+
     def _work(self, handles: Any, finish: Any) -> dist.Work:
         return collective_work(handles, finish, self._timeout_s)
 
@@ -498,6 +523,12 @@ class _SetOps:
 
     def reducescatter_async(self, arr: Any, op: Any) -> Any:
         return frontend.reducescatter_async(arr, op, process_set=self.process_set)
+
+    def close(self) -> None:
+        """Unregister the group's process set (every member destroys the group: [Note: a destroyed group frees
+        its communicators]); nothing when Unison has already shut down."""
+        if runtime.is_initialized() and self.process_set.process_set_id is not None:
+            frontend.remove_process_set(self.process_set)
 
     def broadcast_async(self, arr: Any, root: int) -> Any:
         return frontend.broadcast_async(arr, root, process_set=self.process_set)

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from unison.common import runtime
 from unison.common.config import Config
 from unison.common.engine.autotune import Autotuner
 from unison.common.engine.controller import (
@@ -152,7 +153,7 @@ class Engine:
         #: ([Note: unnamed calls reuse names] in frontend.py)
         self._held: dict[tuple[int, str], deque[Request]] = {}
         self._sets: dict[int, _SetState] = {}
-        self._set_objs: list[ProcessSet] = []
+        self._set_objs: list[ProcessSet | None] = []  # by id; None once removed (ids are never reused)
         self._error: BaseException | None = None
         #: set by stop() (this rank asks every rank to stop) and by _close(); read under the lock
         self._stopping = False
@@ -290,6 +291,8 @@ class Engine:
                       handle=Handle(name), action=deactivate)
         self.submit(req).wait()
         ps.process_set_id = None
+        with self._cv:  # the id stays taken; the object (and its unnamed-call counters) is let go (a leak audit:
+            self._set_objs[sid] = None  # 2 KB per added and removed set, kept for the engine's life)
         return True
 
     def process_set(self, ps: ProcessSet | None) -> _SetState:
@@ -388,10 +391,28 @@ class Engine:
                          timeout)
             self._close(ShutdownError(f"the Unison engine did not stop within {timeout:g} s at "
                                       "unison.shutdown(): some rank stopped taking part"), thread_ended=False)
+        elif self._error is None:
+            self._free_communicators()
         if self.rank == 0:
             self.timeline.stop()
         if self.autotuner is not None:
             self.autotuner.close()
+
+    def _free_communicators(self) -> None:
+        """Free the communicators of every set (the job's duplicate included) once the thread has ended.
+
+        Before 2026-12-06 they were never freed (a leak audit): each ``init()``/``shutdown()`` kept three
+        communicators (six with a process set), and Open MPI keeps about 65,000, so a job that re-initialises
+        (the elastic reset, a test suite) would run out. Only after a clean stop: after a failure (a dead
+        rank under ULFM) the communicators are revoked, and the recovery that follows owns what is left.
+        """
+        with self._cv:
+            sets, self._sets = list(self._sets.values()), {}
+        for st in sets:
+            try:
+                st.comm.Free()
+            except Exception:  # noqa: BLE001 - MPI already finalized (a stop at interpreter exit)
+                logger.debug("a process set's communicator was already freed", exc_info=True)
 
     # ------------------------------------------------------------- the thread
     def _run(self) -> None:
@@ -405,10 +426,25 @@ class Engine:
             if failure is not None:  # a peer died (ULFM): release the survivors, see [Note: process failure]
                 self.revoke()
                 exc = failure
+            elif not isinstance(exc, Exception):  # an interrupt mid-cycle: the peers wait in it (runtime's Note)
+                self._broken(exc)
             logger.error("[unison rank %d] engine thread failed: %r", self.rank, exc)
             self._error = error = exc
         finally:
             self._close(error)
+
+    def _broken(self, exc: BaseException) -> None:
+        """Have the job aborted when this process exits: ``exc`` (a ``KeyboardInterrupt``, a ``SystemExit``)
+        ended the engine inside a cycle its peers take part in ([Note: an engine that ends inside a cycle
+        aborts the job at exit] in runtime.py). An ordinary exception reaches the callers, and an uncaught one
+        aborts the job already (the runtime's excepthook)."""
+        if not self.config.abort_on_error:
+            return
+        status = 130 if isinstance(exc, KeyboardInterrupt) else 1
+        if isinstance(exc, SystemExit) and isinstance(exc.code, int) and exc.code:
+            status = exc.code
+        runtime.abort_at_exit(status, f"its Unison engine stopped inside a collective cycle ({type(exc).__name__}"
+                                      f"{f': {exc}' if str(exc) else ''})")
 
     def revoke(self) -> None:
         """Revoke every communicator of this engine (ULFM; a no-op without it).
@@ -426,9 +462,9 @@ class Engine:
                 logger.debug("revoke failed", exc_info=True)
 
     def registered_sets(self) -> list[ProcessSet]:
-        """Every process set registered with this engine (the global one first)."""
+        """Every process set registered with this engine (the global one first; removed ones are not)."""
         with self._cv:
-            return list(self._set_objs)
+            return [ps for ps in self._set_objs if ps is not None]
 
     def _close(self, error: BaseException, thread_ended: bool = True) -> None:
         """Refuse new work and fail every handle still pending (see [Note: no handle left behind])."""
@@ -440,9 +476,11 @@ class Engine:
             self._held.clear()
             self._queue.clear()
             joins, self._join_handles = self._join_handles, []
-            for sid, obj in enumerate(self._set_objs):  # unregistered with this engine: a later init()'s
-                if sid and obj.process_set_id == sid:   # engine gives them ids afresh (they kept theirs,
-                    obj.process_set_id = None           # another set's there: its data, silently)
+            # unregistered with this engine: a later init()'s engine gives them ids afresh (they kept theirs,
+            # another set's there: its data, silently)
+            for sid, obj in enumerate(self._set_objs):
+                if sid and obj is not None and obj.process_set_id == sid:
+                    obj.process_set_id = None
         for req in requests:
             req.handle.set_error(error)
             self.timeline.close_open(req.name)
@@ -535,6 +573,8 @@ class Engine:
                     break
         except BaseException as exc:  # noqa: BLE001 - handed to the engine thread, below
             error = exc
+            if not isinstance(exc, Exception):  # (marked here, before it reaches the program and its exit)
+                self._broken(exc)
         finally:
             if stop or error is not None:  # set before the lock is free: no cycle may follow it
                 with self._cv:

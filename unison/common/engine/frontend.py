@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,6 +43,7 @@ __all__ = [
 ]
 
 _counters: collections.Counter[str] = collections.Counter()
+logger = logging.getLogger(__name__)
 #: dtypes whose every op is valid (bool refuses Average, so it takes the checked path)
 # ops the fast path may submit unchecked (Adasum and the bitwise ops have rules: checks() below)
 _FAST_OPS = frozenset({ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT})
@@ -149,9 +152,36 @@ def _auto_name(kind: str, name: str | None, process_set: ProcessSet | None = Non
         counters, key = _counters, kind
     else:
         counters, key = _set_counters(process_set, sid), f"{kind}.set{sid}"
-    n = counters[key]
-    counters[key] += 1
+    me = threading.current_thread()
+    with _auto_lock:  # (two threads read-then-bumped one count: both calls took one name)
+        n = counters[key]
+        counters[key] = n + 1
+        last = _auto_callers.get(key)
+        _auto_callers[key] = me
+    if last is not None and last is not me and key not in _auto_warned and last.is_alive():
+        _warn_threads(key, last, me)
     return f"{key}{AUTO_NAME_MARK}{n % AUTO_NAME_SLOTS}"
+
+
+_auto_lock = threading.Lock()
+#: the thread that made each counter's last unnamed call, and the counters already warned about
+_auto_callers: dict[str, threading.Thread] = {}
+_auto_warned: set[str] = set()
+
+
+def _warn_threads(key: str, last: threading.Thread, me: threading.Thread) -> None:
+    """[Note: unnamed calls from several threads] Unnamed calls are paired across ranks by their order, and two
+    threads of one process interleave their calls differently on each rank: a loader thread's unnamed
+    all-reduce of a metric was summed with another rank's main-thread all-reduce of a gradient of the same
+    shape, silently (found by an audit, 2026-12-06: 16 of 300 results wrong; Horovod pairs them the same way).
+    Which thread a rank's call came from is not known to the others, so it cannot be told apart; a warning
+    once per kind of call, while both threads live, says what to do."""
+    _auto_warned.add(key)
+    logger.warning("[unison rank %d] unnamed %r calls come from two live threads (%r and %r): unnamed calls "
+                   "are paired across ranks by their order, which differs between ranks when threads interleave, "
+                   "so one thread's tensor can be reduced with another's without an error. Give the calls of "
+                   "every thread but one a name (name=...)", runtime.rank() if runtime.is_initialized() else -1,
+                   key, last.name, me.name)
 
 
 def _set_counters(process_set: ProcessSet, sid: int) -> collections.Counter[str]:
@@ -177,6 +207,7 @@ def reset_auto_names() -> None:
     calls alike; a set's counters kept counting before 2026-12-05, since recovery registers the same
     set objects under the same ids)."""
     _counters.clear()
+    _auto_callers.clear()
     _generation[0] += 1
 
 
