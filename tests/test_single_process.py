@@ -175,6 +175,16 @@ def test_result_pool_shares_buffers_across_shapes_and_lets_free_ones_go_when_ful
         pool.empty((900, 1024), np.uint8)
     assert any(raw is live[0].base for bufs in pool._arrays.values() for raw in bufs)
     assert live[0].shape == (310, 256)
+    from unison.common.pool import SCAN_AFTER
+
+    full = ResultPool(max_bytes=2 << 20)
+    held = [full.empty((1 << 20,), np.uint8) for _ in range(2)]  # the pool is full of live results
+    extra = full.empty((1 << 20,), np.uint8)  # nothing free: not pooled, and the next ones do not scan
+    assert full.held == 2 << 20 and full._skip == SCAN_AFTER and extra.base is not held[0].base
+    del held[0]
+    again = full.empty((1 << 20,), np.uint8)  # its own class's free buffer is found without a scan
+    assert full._skip == SCAN_AFTER and full.held == 2 << 20
+    assert any(raw is again.base for bufs in full._arrays.values() for raw in bufs)
 
 
 def test_keep_freed_memory_respects_user_malloc_settings(monkeypatch):
@@ -319,10 +329,16 @@ def test_host_callbacks_return_no_0d_values_which_tensorflow_leaks():
             return outs
         return real(watched, inp, tout, **kwargs)
 
+    def tripled(a):  # a host_ops collective's start: no engine, the result at once
+        return None, lambda _: [a * 3]
+
     tf.numpy_function = spy
     try:
         out = tf.function(lambda s, v: _host._tf_call(double, [s, v], None))(tf.constant(3.0), tf.ones(4))
+        ran = tf.function(lambda s: host_ops.run(tripled, [s], [tf.float32], [tf.TensorShape([])]))(
+            tf.constant(2.0))
     finally:
         tf.numpy_function = real
-    assert returned == [(1,), (4,)]
+    assert returned == [(1,), (4,), (1,), (1,)]  # (_host's two results; host_ops's key and its scalar result)
     assert out[0].shape == () and float(out[0]) == 6.0 and out[1].shape == (4,)
+    assert ran[0].shape == () and float(ran[0]) == 6.0

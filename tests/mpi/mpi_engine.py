@@ -987,6 +987,7 @@ def test_engine_thread_error_reaches_caller(monkeypatch):
         unison.allreduce(np.ones(2), name="after.boom")
 
 
+@needs_engine
 def test_zz_a_shutdown_frees_the_engines_communicators_and_a_removed_set_is_let_go():
     """A leak audit (2026-12-06): every init()/shutdown() kept the engine's communicators (three, six with a
     process set; Open MPI keeps about 65,000), and every added and removed set stayed in the engine's table

@@ -458,12 +458,12 @@ def test_block_dropout_is_reproducible_and_the_group_agrees(tp, sequence_paralle
 
 
 @pytest.mark.parametrize("tp", [tp for tp in TPS if tp > 1])
-def test_inputs_that_differ_across_the_group_are_refused_at_the_first_run(tp):
+def test_inputs_that_differ_across_the_group_are_refused_eagerly_and_in_a_traced_step(tp):
     """Each rank of a group fed its own batch (a loader sharded by the job's rank instead of the data-parallel
     rank): the column layer multiplied different inputs by each rank's columns and the embedding looked up
     different ids, with no error, before 2026-12-06 (the PyTorch layers checked, these did not). Now each
-    layer's first run compares its replicated input over the group, eagerly and inside a tf.function (where
-    the check is traced once and runs at the first call); last-bit differences pass, a later run is not
+    layer compares its replicated input over the group once, eagerly at the first call and inside a
+    tf.function at the second run (the first sends the sample); last-bit differences pass, later runs are not
     checked; a traced step whose check fails raises FailedPreconditionError on every rank, as Horovod's ops do."""
     ps = group(tp)
     if ps is None:
@@ -486,19 +486,44 @@ def test_inputs_that_differ_across_the_group_are_refused_at_the_first_run(tp):
     with pytest.raises(hvd.MismatchError, match=r"rank .*'s is \[2, 6\] float64, rank .*'s \[3, 6\] float64"):
         other(seeded(63, 2 if mine else 3, 6))
 
-    # inside a tf.function: the check is traced in and runs at the first call only
+    # inside a tf.function: the check is traced in; its first run sends the sample, the second judges it
     traced = hvd.ColumnParallelLinear.from_dense(dense(64, 6, 2 * tp), process_set=ps)
     step = tf.function(lambda x: traced(x))
+    step(tf.constant(seeded(64 + mine, 2, 6)))  # (sent, not waited for)
     with pytest.raises(tf.errors.FailedPreconditionError, match=differ):  # (a graph's error: the tf class alone)
         step(tf.constant(seeded(64 + mine, 2, 6)))
     fine = hvd.ColumnParallelLinear.from_dense(dense(65, 6, 2 * tp), process_set=ps)
     fine_step = tf.function(lambda x: fine(x))
     x = seeded(65, 2, 6)
-    close(fine_step(tf.constant(x)), piece(dense(65, 6, 2 * tp)(x), ps))
-    assert bool(fine.__dict__["_unison_input_agreed"].numpy())
+    for _ in range(2):
+        close(fine_step(tf.constant(x)), piece(dense(65, 6, 2 * tp)(x), ps))
+    assert int(fine.__dict__["_unison_input_agreed"].numpy()) == 2  # (agreed)
     other_x = seeded(66 + mine, 2, 6)
-    close(fine_step(tf.constant(other_x)), piece(dense(65, 6, 2 * tp)(other_x), ps))
+    close(fine_step(tf.constant(other_x)), piece(dense(65, 6, 2 * tp)(other_x), ps))  # not checked again
     assert not any(v.name.startswith("unison_input_agreed") for v in fine.weights)  # not a weight, not saved
+
+
+@pytest.mark.parametrize("tp", [tp for tp in TPS if tp > 1])
+def test_layers_fed_one_input_check_it_in_one_traced_step(tp):
+    """Three column layers fed the same input (separate query, key and value projections) and a row layer fed
+    another, all first run in one traced step: their checks are branches of the graph that TensorFlow runs
+    in any order. Waiting for each check's all-gather in the first run deadlocked (rank 0 in one check, rank
+    1 in another: found by a review, 2026-12-06); the first run sends, the second judges."""
+    ps = group(tp)
+    if ps is None:
+        return
+    refs = [dense(80 + i, 6, 2 * tp) for i in range(3)]
+    cols = [hvd.ColumnParallelLinear.from_dense(ref, process_set=ps) for ref in refs]
+    row_ref = dense(84, 2 * tp, 3)
+    row = hvd.RowParallelLinear.from_dense(row_ref, input_is_parallel=False, process_set=ps)
+    step = tf.function(lambda x, z: [c(x) for c in cols] + [row(z)])
+    x, z = seeded(85, 4, 6), seeded(86, 4, 2 * tp)
+    for _ in range(3):
+        outs = step(tf.constant(x), tf.constant(z))
+        for out, ref in zip(outs[:3], refs, strict=True):
+            close(out, piece(ref(x), ps))
+        close(outs[3], row_ref(z))
+    assert all(int(layer.__dict__["_unison_input_agreed"].numpy()) == 2 for layer in [*cols, row])
 
 
 def test_a_group_of_one_checks_no_input():

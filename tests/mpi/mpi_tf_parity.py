@@ -557,6 +557,7 @@ def test_build_queries_and_scalar_ops():
 @MULTI
 def test_process_sets():
     ps = hvd.add_process_set([0, N - 1])
+    ps_id = ps.process_set_id
     member = R in (0, N - 1)
     if member:
         s = hvd.allreduce(tf.fill([2], float(R)), op=hvd.Sum, process_set=ps, name="ps.sum")
@@ -571,6 +572,17 @@ def test_process_sets():
         assert int(hvd.process_set_included_op(ps.process_set_id)) == 0
     assert hvd.remove_process_set(ps) is True
     assert hvd.remove_process_set(hvd.global_process_set) is False
+    # a set's id after another set was removed (the removed one's slot is emptied: the lookup by id raised
+    # AttributeError on it, found by a review, 2026-12-06)
+    from unison.tf_backend.basics import process_set_by_id
+
+    later = hvd.add_process_set(list(range(N)))
+    assert process_set_by_id(later.process_set_id) is later
+    assert int(hvd.size_op(later.process_set_id)) == N
+    assert int(hvd.process_set_included_op(later.process_set_id)) == 1
+    with pytest.raises(ValueError, match=f"process_set_id={ps_id} names no registered process set"):
+        process_set_by_id(ps_id)
+    assert hvd.remove_process_set(later) is True
 
 
 # ------------------------------------------------------------------------ public names

@@ -73,7 +73,8 @@ def timings(timeout: float) -> tuple[float, float]:
     Returns:
         ``(interval, poll)``: a heartbeat goes out every ``interval`` seconds (six per timeout,
         at most every 5 s) and the thread wakes every ``poll`` seconds (twenty per timeout, at
-        most every second), so a lost host is named at most ``poll`` after ``timeout``.
+        most every second), so a lost host is named at most two polls after ``timeout`` (a silence is
+        confirmed by a second look: [Note: only a neighbour's silence counts]).
     """
     return min(timeout / 6.0, MAX_INTERVAL_S), min(timeout / 20.0, MAX_POLL_S)
 

@@ -28,6 +28,8 @@ __all__ = ["ResultPool", "results", "size_class"]
 MIN_BYTES = 256 << 10
 #: Start of every pooled array: TensorFlow's (Eigen's) alignment for zero-copy adoption.
 ALIGN = 64
+#: After a full pool's scan found nothing free, the buffers that do not fit without a scan
+SCAN_AFTER = 64
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = ALIGN) -> np.ndarray:
@@ -52,8 +54,10 @@ class ResultPool:
     """Hands out arrays of any shape and dtype, reusing buffers nobody references any more.
 
     [Note: the pool's buffers] Buffers are kept by size class (:func:`size_class`), not by shape, and at most
-    ``max_bytes`` of them: when a new buffer would pass that, every buffer that is free at that moment is let
-    go first. Before 2026-12-06 (a leak audit) they were kept by exact shape and never let go: a job whose
+    ``max_bytes`` of them: when a new buffer would pass that, free buffers are let go, those of the size
+    classes used least recently first, until it fits (a scan that finds none free is not repeated for the
+    next :data:`SCAN_AFTER` buffers that do not fit: a job whose live results exceed the limit pays no scan
+    per result). Before 2026-12-06 (a leak audit) they were kept by exact shape and never let go: a job whose
     result shapes changed each step (all-reduces of 256 KiB and more, of varying shapes) filled its pools
     with buffers it never used again, to 1 GiB per process set (2 GB of memory for 0.5 MB in use), and
     added a table entry per shape forever.
@@ -62,7 +66,8 @@ class ResultPool:
     def __init__(self, max_bytes: int = 1 << 30) -> None:
         self.max_bytes = max_bytes
         self.held = 0
-        self._arrays: dict[int, list[np.ndarray]] = {}
+        self._arrays: dict[int, list[np.ndarray]] = {}  # by size class, the least recently used first
+        self._skip = 0  # buffers not to scan for (see the class's docstring)
         self._lock = threading.Lock()
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -75,27 +80,40 @@ class ResultPool:
         with self._lock:
             # the pool keeps each array's raw buffer: every view handed out (and every
             # view of those) refers to it, so only the pool's reference left means free
-            buffers = self._arrays.get(size, ())
-            for i in range(len(buffers)):
-                if sys.getrefcount(buffers[i]) == 2:  # the list's reference and the argument's
-                    return _typed(buffers[i], shape, dt)
+            buffers = self._arrays.pop(size, None)
+            if buffers is not None:
+                self._arrays[size] = buffers  # (now the most recently used class)
+                for i in range(len(buffers)):
+                    if sys.getrefcount(buffers[i]) == 2:  # the list's reference and the argument's
+                        return _typed(buffers[i], shape, dt)
             raw = np.empty(size + ALIGN, dtype=np.uint8)
             if self.held + size > self.max_bytes:
-                self._drop_free()
+                self._make_room(size)
             if self.held + size <= self.max_bytes:
                 self._arrays.setdefault(size, []).append(raw)
                 self.held += size
             return _typed(raw, shape, dt)
 
-    def _drop_free(self) -> None:
-        """Let go of every buffer nobody references (the caller holds the lock)."""
-        for size in list(self._arrays):
-            kept = [raw for raw in self._arrays[size] if sys.getrefcount(raw) > 3]  # list, loop variable, call
-            self.held -= size * (len(self._arrays[size]) - len(kept))
-            if kept:
-                self._arrays[size] = kept
-            else:
-                del self._arrays[size]
+    def _make_room(self, size: int) -> None:
+        """Let go of free buffers, the least recently used classes first, until ``size`` more bytes fit (the
+        caller holds the lock)."""
+        if self._skip:
+            self._skip -= 1
+            return
+        for key in list(self._arrays):
+            buffers = self._arrays[key]
+            i = 0
+            while i < len(buffers) and self.held + size > self.max_bytes:
+                if sys.getrefcount(buffers[i]) == 2:  # the list's reference and the argument's: free
+                    del buffers[i]
+                    self.held -= key
+                else:
+                    i += 1
+            if not buffers:
+                del self._arrays[key]
+            if self.held + size <= self.max_bytes:
+                return
+        self._skip = SCAN_AFTER
 
     def clear(self) -> None:
         """Forget every array (the ones still in use stay valid; their memory is freed with them)."""

@@ -85,9 +85,19 @@ def _tf_shaped(fn: Fn, x: Any, out_like: Callable[[Any], Any] | None) -> Any:
 
     if tf.executing_eagerly():
         return tf.convert_to_tensor(fn(x.numpy()))
-    out = tf.numpy_function(lambda a: np.asarray(fn(a), dtype=a.dtype), [x], x.dtype, stateful=True)
-    out.set_shape(x.shape if out_like is None else tf.TensorShape(out_like(tuple(x.shape))))
+    shape = x.shape if out_like is None else tf.TensorShape(out_like(tuple(x.shape)))
+    # a 0-d result leaves the callback as one element: TensorFlow leaks about 32 bytes for each 0-d value a
+    # callback returns (unison.tf_backend.host_ops [Note: a callback's key is not 0-d])
+    scalar = shape.rank == 0
+    out = tf.numpy_function(lambda a: _one_if_scalar(np.asarray(fn(a), dtype=a.dtype), scalar), [x], x.dtype,
+                            stateful=True)
+    out = tf.reshape(out, []) if scalar else out
+    out.set_shape(shape)
     return out
+
+
+def _one_if_scalar(a: np.ndarray, scalar: bool) -> np.ndarray:
+    return a.reshape(1) if scalar else a
 
 
 def _tensor(x: Any) -> Any:

@@ -49,7 +49,7 @@ def process_set_by_id(process_set_id: int) -> ProcessSet:
     if int(process_set_id) == 0:
         return global_process_set
     eng = frontend.engine("process_set_by_id()")
-    for ps in getattr(eng, "_set_objs", []) if eng is not None else []:
+    for ps in eng.registered_sets() if eng is not None else []:
         if ps.process_set_id == int(process_set_id):
             return ps
     raise ValueError(f"process_set_id={process_set_id} names no registered process set; register it "

@@ -276,6 +276,23 @@ def key_array(key: int) -> np.ndarray:
     return np.array([key], dtype=np.int64)
 
 
+def scalars_as_one(shapes: Sequence[Any]) -> tuple[Callable[[list[np.ndarray]], list[np.ndarray]],
+                                                    Callable[[list[tf.Tensor]], list[tf.Tensor]]]:
+    """For a graph callback whose outputs have static ``shapes``: what the callback applies to its results
+    (each output of static rank 0 leaves as one element) and what the graph applies to the callback's
+    outputs (those reshaped back to 0-d), as [Note: a callback's key is not 0-d] asks of every value a
+    callback returns each step (a scalar loss all-reduced in every step leaked 32 bytes a step)."""
+    scalar = [tf.TensorShape(s).rank == 0 for s in shapes]
+
+    def out(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        return [np.reshape(a, (1,)) if zero else a for a, zero in zip(arrays, scalar, strict=True)]
+
+    def back(tensors: list[tf.Tensor]) -> list[tf.Tensor]:
+        return [tf.reshape(t, []) if zero else t for t, zero in zip(tensors, scalar, strict=True)]
+
+    return out, back
+
+
 def key_of(key: Any) -> int:
     """The key a submit returned (:func:`key_array`; also a plain integer)."""
     return int(np.asarray(key).reshape(-1)[0])
@@ -367,9 +384,10 @@ def run(start: Start, inputs: Sequence[tf.Tensor], touts: Sequence[tf.DType],
     key = tf.numpy_function(lambda *a: _submit(start, *a, slot=slot), list(inputs), tf.int64, stateful=True,
                             name=f"{op_name}_submit")
     _mark_submit(key.op)
-    outs = tf.numpy_function(lambda k: _collect(k, in_graph=True), [key], list(touts), stateful=True,
+    one, back = scalars_as_one(shapes)
+    outs = tf.numpy_function(lambda k: one(_collect(k, in_graph=True)), [key], list(touts), stateful=True,
                              name=f"{op_name}_collect")
-    outs = outs if isinstance(outs, (list, tuple)) else [outs]
+    outs = back(list(outs) if isinstance(outs, (list, tuple)) else [outs])
     for o, s in zip(outs, shapes, strict=True):
         o.set_shape(s)
     if tf1:

@@ -167,10 +167,13 @@ def _host_collective(submits: list[tuple[Callable[..., np.int64], list[tf.Tensor
         if manager is not None:
             manager.run_independently(key.op)
         keys.append(key)
-    out = tf.numpy_function(_collect, keys, [dt for dt, _ in outputs], stateful=True, name="unison_collect")
+    one, back = host_ops.scalars_as_one([shape for _, shape in outputs])
+    out = tf.numpy_function(lambda *k: one(_collect(*k)), keys, [dt for dt, _ in outputs], stateful=True,
+                            name="unison_collect")
+    out = back(list(out))
     for o, (_, shape) in zip(out, outputs, strict=True):
         o.set_shape(shape)
-    return list(out)
+    return out
 
 
 def grouped_sum(tensors: Sequence[Any], base: str, overlap: bool = False) -> list[tf.Tensor]:

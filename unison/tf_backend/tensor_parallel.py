@@ -26,6 +26,7 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
 
 from unison.common.engine.process_sets import ProcessSet, global_process_set, set_size
 from unison.common.tensor_parallel.groups import (
@@ -168,63 +169,78 @@ def _copy_penalties(dense: keras.layers.Dense, layer: Any, owner: str) -> None:
     refuse_activity_regularizer(dense, f"{owner}.from_dense")
 
 
+#: the states of a layer's input check: not started, its all-gather sent (graph), agreed
+_UNCHECKED, _SENT, _AGREED = 0, 1, 2
+
+
 def input_check(layer: Any, process_set: ProcessSet) -> None:
-    """Give ``layer`` the flag :func:`agree_on_input_once` keeps: a boolean variable that Keras does not track
+    """Give ``layer`` the state :func:`agree_on_input_once` keeps: an int32 variable that Keras does not track
     (not a weight, not saved), made only where the group has more than one rank."""
     if set_size(process_set) > 1:
-        with tf.init_scope():
-            layer.__dict__["_unison_input_agreed"] = tf.Variable(False, trainable=False,
-                                                                 name="unison_input_agreed")
+        # a plain resource variable on the CPU, made outside any tf.distribute strategy's variable creators (a
+        # mirrored one refuses assign() in a replica context) and read on the host (no device copy per step)
+        with tf.init_scope(), tf.device("/CPU:0"):
+            layer.__dict__["_unison_input_agreed"] = resource_variable_ops.ResourceVariable(
+                _UNCHECKED, dtype=tf.int32, trainable=False, name="unison_input_agreed")
+        layer.__dict__["_unison_input_sent"] = []  # the sent all-gather: (handle, judge)
 
 
 def agree_on_input_once(layer: Any, inputs: Any, owner: str, process_set: ProcessSet) -> tf.Tensor:
-    """``inputs`` as a tensor, after checking at ``layer``'s first run that every rank of the group was given the
-    same one ([Note: one input per tensor group] in ``unison/common/tensor_parallel/groups.py``): a
-    ``MismatchError`` (also a ``tf.errors.FailedPreconditionError``) on every rank of the group otherwise.
+    """``inputs`` as a tensor, after checking once that every rank of the group was given the same one ([Note:
+    one input per tensor group] in ``unison/common/tensor_parallel/groups.py``): a ``MismatchError`` on every
+    rank of the group otherwise (inside a graph TensorFlow's ``FailedPreconditionError``).
 
-    [Note: the Keras layers check their input once, inside the graph too] A Keras step is usually traced once
-    and run many times, and a trace has no values, so the check is part of the graph: a ``tf.cond`` on the
-    layer's flag runs it (one all-gather, as ``host_ops`` submits and collects, so it cannot deadlock a graph)
-    and sets the flag; later runs only read the flag. The all-gather's name is taken when the layer is traced,
-    from the group's counter as the layer's other collectives are, so the ranks match their checks even when
-    the graph runs two layers' checks at once. Eagerly the check runs at the first call.
+    [Note: the Keras layers check their input in two runs inside a graph] A Keras step is traced once and run
+    many times, and a trace has no values, so the check is part of the graph: a ``tf.cond`` on the layer's
+    state runs a host callback while the check is not done, and later runs only read the state. The first
+    run's callback sends the input's sample (an all-gather, named when the layer was traced, from the
+    group's counter as the layer's other collectives are) and returns without waiting; the second run's
+    waits for it, by then sent by every rank in its first run, and judges it. Waiting in the first run was
+    a deadlock: the checks of layers fed one input (query, key and value projections) are branches of the
+    graph that TensorFlow runs in any order, and a callback waiting for its collective holds a thread that
+    another rank's check needs (rank 0 waited in one check while rank 1 waited in another: found by a
+    review, 2026-12-06). So inside a graph the mismatch is raised at the second run (the first step has
+    trained on the mixed inputs by then); eagerly at the first call.
     """
     x = tf.convert_to_tensor(inputs)
-    flag = layer.__dict__.get("_unison_input_agreed")
-    if flag is None:  # a group of one, or a layer restored without its constructor: nothing to compare
+    state = layer.__dict__.get("_unison_input_agreed")
+    if state is None or (tf.executing_eagerly() and int(state.numpy()) == _AGREED):  # (a group of one, or done)
         return x
     name = _name("agree_on_input", None, process_set)
-    dtype = x.dtype.name
+    dtype, sent = x.dtype.name, layer.__dict__["_unison_input_sent"]
 
-    def start(values: Any) -> Any:
-        return start_input_agreement(owner, process_set, values.shape, dtype, input_sample(values), name)
-
-    def check() -> tf.Tensor:
-        done = host_ops.run(lambda values: _judged(start(values)), [x], [tf.bool], [tf.TensorShape([])],
-                            name="agree_on_input")[0]
-        with tf.control_dependencies([done]):
-            marked = flag.assign(True, read_value=False)
-        with tf.control_dependencies([marked]):
-            return tf.identity(done)
+    def advance(values: np.ndarray, now: Any, in_graph: bool = True) -> np.ndarray:
+        try:
+            if int(np.asarray(now).reshape(-1)[0]) == _UNCHECKED:
+                if not sent:  # (another call of this layer in the same run sent it already)
+                    sent.append(start_input_agreement(owner, process_set, values.shape, dtype,
+                                                      input_sample(values), name))
+                return np.array([_SENT], np.int32)
+            if sent:
+                handle, judge = sent.pop()
+                judge(handle.wait())
+            return np.array([_AGREED], np.int32)
+        except Exception as exc:  # noqa: BLE001 - reported as TensorFlow reports a collective's errors
+            if not in_graph:
+                raise
+            raise host_ops._GraphOpError(host_ops.to_tf_error(exc)) from exc  # noqa: SLF001
 
     if tf.executing_eagerly():
-        if not bool(flag.numpy()):
-            check()
+        values = x.numpy()
+        advance(values, advance(values, [_UNCHECKED], in_graph=False), in_graph=False)  # (sent, then judged)
+        state.assign(_AGREED)
         return x
-    with tf.control_dependencies([tf.cond(flag.read_value(), lambda: tf.constant(True), check)]):
+
+    def check() -> tf.Tensor:
+        now = state.read_value()
+        after = tf.reshape(tf.numpy_function(advance, [x, now], tf.int32, stateful=True,
+                                             name="unison_agree_on_input"), [])
+        with tf.control_dependencies([state.assign(after, read_value=False)]):
+            return tf.identity(after)
+
+    ran = tf.cond(state.read_value() < _AGREED, check, lambda: tf.constant(_AGREED, tf.int32))
+    with tf.control_dependencies([ran]):
         return tf.identity(x)
-
-
-def _judged(started: tuple[Any, Callable[[Any], None]]) -> tuple[Any, Callable[[Any], list]]:
-    """A ``host_ops`` start's ``(handle, finish)`` from :func:`start_input_agreement`'s: the finish judges the
-    all-gathered records, then returns the op's one output."""
-    handle, judge = started
-
-    def finish(data: Any) -> list:
-        judge(data)
-        return [np.bool_(True)]
-
-    return handle, finish
 
 
 def _in_out(dense: keras.layers.Dense) -> tuple[int, int]:

@@ -164,15 +164,17 @@ class UnisonProcessGroup(dist.ProcessGroup):
         if self.__dict__.get("_shut"):
             return
         self._shut = True
-        close = getattr(self._ops, "close", None)
-        if close is not None:
-            close()
-        comm, self._p2p_comm = self._p2p_comm, None
-        if comm is not None:
-            try:
-                comm.Free()
-            except Exception:  # noqa: BLE001 - MPI already finalized (a destroy at interpreter exit)
-                logger.debug("the group's point-to-point communicator was already freed", exc_info=True)
+        try:
+            close = getattr(self._ops, "close", None)
+            if close is not None:
+                close()
+        finally:  # (a failed removal must not keep the communicator, nor stop a whole-world destroy half way)
+            comm, self._p2p_comm = self._p2p_comm, None
+            if comm is not None:
+                try:
+                    comm.Free()
+                except Exception:  # noqa: BLE001 - MPI already finalized (a destroy at interpreter exit)
+                    logger.debug("the group's point-to-point communicator was already freed", exc_info=True)
 
     def _work(self, handles: Any, finish: Any) -> dist.Work:
         return collective_work(handles, finish, self._timeout_s)
@@ -527,8 +529,14 @@ class _SetOps:
     def close(self) -> None:
         """Unregister the group's process set (every member destroys the group: [Note: a destroyed group frees
         its communicators]); nothing when Unison has already shut down."""
-        if runtime.is_initialized() and self.process_set.process_set_id is not None:
+        eng = frontend.running_engine()
+        if eng is None or not eng.alive() or self.process_set.process_set_id is None:
+            return  # (Unison shut down, or its engine stopped: the set went with it)
+        try:
             frontend.remove_process_set(self.process_set)
+        except Exception as exc:  # noqa: BLE001 - a destroy must finish; the set is then left registered
+            logger.warning("destroy_process_group: could not remove the group's process set (%s); a group of "
+                           "every rank is destroyed on every rank, as it was made", exc)
 
     def broadcast_async(self, arr: Any, root: int) -> Any:
         return frontend.broadcast_async(arr, root, process_set=self.process_set)

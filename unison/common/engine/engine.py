@@ -408,6 +408,8 @@ class Engine:
         """
         with self._cv:
             sets, self._sets = list(self._sets.values()), {}
+        if self.mpi.Is_finalized():  # (the program finalized MPI itself: freeing now would abort)
+            return
         for st in sets:
             try:
                 st.comm.Free()
@@ -554,6 +556,8 @@ class Engine:
         """
         if self._stopping or self._woken or threading.current_thread() is self._thread:
             return  # (woken: the engine thread is about to run the cycle; racing it costs more)
+        error: BaseException | None = None  # (set before the lock is taken: an interrupt between the two
+        stop = False                         # would leave it held; Python checks for signals at calls and jumps)
         if not self._cycle_lock.acquire(blocking=False):
             # another waiter's cycle: it may end without running this handle's request, which
             # was submitted without waking the engine thread; wake it, to run the next cycle
@@ -562,8 +566,6 @@ class Engine:
                     self._cv.notify()
                     self._woken = True
             return
-        error: BaseException | None = None
-        stop = False
         try:
             for _ in range(INLINE_CYCLES):
                 if handle._done or self._stopping or self._handed_over is not None:
@@ -576,12 +578,14 @@ class Engine:
             if not isinstance(exc, Exception):  # (marked here, before it reaches the program and its exit)
                 self._broken(exc)
         finally:
-            if stop or error is not None:  # set before the lock is free: no cycle may follow it
-                with self._cv:
-                    if self._handed_over is None:
-                        self._handed_over = ("error", error) if error is not None else ("stop", None)
-                    self._cv.notify()
-            self._cycle_lock.release()
+            try:
+                if stop or error is not None:  # set before the lock is free: no cycle may follow it
+                    with self._cv:
+                        if self._handed_over is None:
+                            self._handed_over = ("error", error) if error is not None else ("stop", None)
+                        self._cv.notify()
+            finally:  # (released even when an interrupt lands here)
+                self._cycle_lock.release()
         if error is not None and not isinstance(error, Exception):
             raise error
         if not (stop or error is not None):  # the engine thread goes on with what is left

@@ -158,7 +158,8 @@ def _auto_name(kind: str, name: str | None, process_set: ProcessSet | None = Non
         counters[key] = n + 1
         last = _auto_callers.get(key)
         _auto_callers[key] = me
-    if last is not None and last is not me and key not in _auto_warned and last.is_alive():
+    if last is not None and last is not me and key not in _auto_warned and _both_python(last, me) \
+            and last.is_alive():
         _warn_threads(key, last, me)
     return f"{key}{AUTO_NAME_MARK}{n % AUTO_NAME_SLOTS}"
 
@@ -167,6 +168,14 @@ _auto_lock = threading.Lock()
 #: the thread that made each counter's last unnamed call, and the counters already warned about
 _auto_callers: dict[str, threading.Thread] = {}
 _auto_warned: set[str] = set()
+
+
+def _both_python(a: threading.Thread, b: threading.Thread) -> bool:
+    """Whether both threads were started by Python's ``threading``: a framework's own threads (TensorFlow's
+    inter-op pool running a ``numpy_function``, JAX's callback threads) appear as dummy threads, and the
+    framework keeps their callbacks in program order (the Keras ops' unnamed calls: found by a review)."""
+    dummy = threading._DummyThread  # noqa: SLF001 - how threading marks threads it did not start
+    return not isinstance(a, dummy) and not isinstance(b, dummy)
 
 
 def _warn_threads(key: str, last: threading.Thread, me: threading.Thread) -> None:
