@@ -342,3 +342,14 @@ def test_host_callbacks_return_no_0d_values_which_tensorflow_leaks():
     assert returned == [(1,), (4,), (1,), (1,)]  # (_host's two results; host_ops's key and its scalar result)
     assert out[0].shape == () and float(out[0]) == 6.0 and out[1].shape == (4,)
     assert ran[0].shape == () and float(ran[0]) == 6.0
+
+
+def test_unison_strategy_on_another_keras_backend_says_which_backend_and_what_to_use():
+    """Run with KERAS_BACKEND=jax, UnisonStrategy accepted itself and then refused the model as made outside its
+    scope (it was made in it: Keras on JAX builds no TensorFlow variables), which sent users to the wrong fix."""
+    code = ("import unison.tf_backend as hvd\n"
+            "try:\n    hvd.UnisonStrategy()\nexcept ValueError as e:\n    print('REFUSED', e)\n")
+    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "REFUSED UnisonStrategy is a tf.distribute strategy" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert "runs Keras on 'jax' (KERAS_BACKEND)" in out.stdout and "unison.keras.DataParallel" in out.stdout

@@ -658,8 +658,16 @@ class UnisonStrategy(distribute_lib.Strategy):
 
     def __init__(self, quiet_nonzero_ranks: bool = True, overlap_gradients: bool | None = None,
                  zero_stage: int = 0) -> None:
+        import keras
+
         from unison.tf_backend import zero
 
+        if keras.backend.backend() != "tensorflow":  # (each rank alike, before any collective)
+            raise ValueError(
+                "UnisonStrategy is a tf.distribute strategy, so Keras must run on its TensorFlow backend, but "
+                f"this process runs Keras on {keras.backend.backend()!r} (KERAS_BACKEND). Set "
+                "KERAS_BACKEND=tensorflow, or use unison.keras.DataParallel, which trains on every backend "
+                "(examples/keras_any_backend.py)")
         runtime.init()
         if overlap_gradients is None:
             overlap_gradients = spare_cores()
@@ -680,8 +688,6 @@ class UnisonStrategy(distribute_lib.Strategy):
             raise refused
         super().__init__(UnisonExtended(self, overlap_gradients, zero_stage))
         if quiet_nonzero_ranks and runtime.rank() != 0:
-            import keras
-
             keras.config.disable_interactive_logging()
         _guard_keras()
 
