@@ -32,17 +32,6 @@ ALIGN = 64
 SCAN_AFTER = 64
 
 
-def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = ALIGN) -> np.ndarray:
-    """``np.empty(shape, dtype)`` whose data starts on an ``align``-byte boundary.
-
-    The result is a view of a raw byte buffer; NumPy makes every further view of
-    it refer to that same buffer (``.base``), which is what :class:`ResultPool`
-    counts references on.
-    """
-    dt = np.dtype(dtype)
-    return _typed(np.empty(math.prod(shape) * dt.itemsize + align, dtype=np.uint8), shape, dt, align)
-
-
 def size_class(nbytes: int) -> int:
     """The bytes of the buffer that holds an array of ``nbytes``: rounded up to one of eight steps per power of
     two (at most 12.5% more), so arrays whose shapes change from step to step share buffers."""

@@ -8,13 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import numpy as np
-
 from unison.common import agreement, runtime
 from unison.common.agreement import ranks_text
 from unison.common.checkpoints.format import CheckpointError
 from unison.common.engine import frontend
-from unison.common.ops import Sum
 
 __all__ = ["ranks_text"]
 
@@ -49,15 +46,13 @@ def enter(comm: Any, what: str) -> None:
     the job's communicator, which the engine does not see. A save that some ranks skip (Horovod's habit,
     ``if hvd.rank() == 0: save(...)``, applied to a sharded save, which every rank must make) left those in it
     blocked in MPI for ever while the others waited in their next step's collectives (before 2026-12-06).
-    Entering through a named engine collective makes that a deadlock the engine sees: after
-    ``UNISON_DEADLOCK_TIME_SECONDS`` every rank raises a ``StallError`` naming ``checkpoint.<what>`` and the
-    ranks that never called it (engine.md, "Deadlocks"). Once every rank is in, the MPI calls that follow
-    pair up. The cost is one small collective per save or load.
+    Now it is entered through the engine (frontend [Note: entered through the engine]); once every rank is
+    in, the MPI calls that follow pair up. The cost is one small collective per save or load.
     """
     st = runtime._state
     if comm is None or st is None or st.size <= 1 or comm is not st.comm:
         return
-    frontend.allreduce(np.zeros(1, dtype=np.int32), op=Sum, name=f"checkpoint.{what}")
+    frontend.enter(f"checkpoint.{what}")
 
 
 def raise_together(comm: Any, problem: str | None, cause: BaseException | None = None) -> None:

@@ -681,6 +681,18 @@ def barrier(process_set: ProcessSet | None = None) -> None:
     _now(_submit, eng, Kind.BARRIER, name, np.empty(0, np.uint8), sid, lambda a: None)
 
 
+def enter(name: str, flagged: bool = False) -> bool:
+    """Whether any rank raised ``flagged``: one all-reduce of the job named ``name``, which every rank must call.
+
+    [Note: entered through the engine] Work that talks over MPI's own calls (a sharded save's agreements, a
+    pipeline step's messages) is invisible to the engine: a rank that skipped it left the others blocked in
+    MPI for ever. Entering it first through this named engine collective makes the skip a deadlock the
+    engine sees (engine.md, "Deadlocks"): every rank raises a ``StallError`` naming ``name``. The flag
+    carries a pre-flight problem for free.
+    """
+    return bool(allreduce(np.array([flagged], dtype=np.int32), op=ReduceOp.MAX, name=name)[0])
+
+
 def join() -> int:
     """Take part in the other ranks' allreduces with identity values until all ranks join.
 

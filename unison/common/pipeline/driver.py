@@ -253,18 +253,16 @@ def enter_step(world: Any, entry: str, check: str | None) -> bool | None:
     calls, and its setup (a forward-only driver made at the first ``evaluate``) MPI's own collectives, which
     the engine does not see: a step that some ranks skip (``evaluate`` on rank 0 alone, a rank that left the
     loop a step early and all-reduces its metrics) left the others blocked in MPI for ever (before
-    2026-12-06). The executors enter each step, before anything else collective, with one engine all-reduce
-    named after the executor and the kind of step, carrying the check, so the engine's deadlock check sees
-    both sides (every rank then raises a ``StallError`` naming the step; engine.md, "Deadlocks"), and ranks
-    running different kinds of step (one trains, one evaluates) wait under different names instead of
-    pairing their messages.
+    2026-12-06). The executors enter each step, before anything else collective, through the engine (frontend
+    [Note: entered through the engine]) under a name of the executor and the kind of step, carrying the
+    check, so ranks running different kinds of step (one trains, one evaluates) wait under different names
+    instead of pairing their messages.
     """
     if not _engine_covers(world):
         return None
     from unison.common.engine import frontend
-    from unison.common.ops import Max
 
-    return bool(frontend.allreduce(np.array([check is not None], dtype=np.int32), op=Max, name=entry)[0])
+    return frontend.enter(entry, check is not None)
 
 
 def _engine_covers(comm: Any) -> bool:
