@@ -141,6 +141,30 @@ def test_duplicate_and_empty_key_sets():
     assert stats["pushes"] == 2 and stats["pulls"] == 4
 
 
+@pytest.mark.skipif(N == 1, reason="nothing is sent at one rank")
+@pytest.mark.parametrize("consistency", ["bsp", "ssp1"])
+def test_duplicate_keys_are_sent_once(consistency):
+    """A push of keys with duplicates sends each key's summed row once: the rows and bytes this rank sends
+    are those of the unique keys (the counters the benchmark reads, checked here against the batch)."""
+    owner = (R + 1) % N  # every key this rank pushes lives on the next rank's shard ("row" sharding)
+    lo = owner * ROWS // N
+    keys = np.array([lo, lo, lo, lo + 1, lo, lo + 1], np.int64)
+    model = "bsp" if consistency == "bsp" else ps.SSP(1)
+    with ps.ShardedTable(ROWS, DIM, "float64", "row", ps.SGD(lr=-1.0), model, name=f"dups-sent-{consistency}",
+                         initializer="zeros", average=False) as table:
+        table.barrier()
+        table.reset_stats()
+        table.push(keys, np.ones((len(keys), DIM)))
+        stats = table.stats()
+        table.barrier()
+        got = table.pull(np.array([lo, lo + 1]))
+    assert stats["remote_rows_pushed"] == 2, stats
+    unique_bytes = 2 * 8 + 2 * DIM * 8  # two keys and their two rows, float64 (six of each if duplicates went)
+    # SSP: the push's 4-word header, and the clock (4 words) sent to each other server
+    assert stats["bytes_sent"] == unique_bytes + (0 if consistency == "bsp" else 32 * N), stats
+    np.testing.assert_array_equal(got[:, 0], [4.0, 2.0])  # the duplicates were summed, once (one pusher per shard)
+
+
 def test_async_handles_run_in_order():
     with ps.ShardedTable(ROWS, DIM, optimizer=ps.SGD(lr=1.0), initializer="zeros", name="handles") as table:
         k = np.arange(10)
@@ -254,6 +278,40 @@ def test_ssp_never_exceeds_its_bound(staleness):
         assert worst >= 1  # the fast ranks did run ahead of the straggler: the bound was exercised
 
 
+@pytest.mark.parametrize("dedicated", [False, True])
+def test_ssp_holds_back_a_worker_that_only_pushes(dedicated):
+    """SSP(s): no worker starts a step more than s steps ahead of the slowest, pulls or not. The fast
+    workers only push; the last worker is slow. Before 2026-12-06 only pulls waited, and a push-only
+    worker finished all its steps while the straggler had done one."""
+    if dedicated and N < 3:
+        pytest.skip("needs a dedicated server rank and two workers")
+    staleness, steps, pause = 1, 8, 0.05
+    servers = [N - 1] if dedicated else None
+    workers = list(range(N - 1)) if dedicated else list(range(N))
+    with ps.ShardedTable(8, 1, "float64", "row", ps.SGD(lr=-1.0), ps.SSP(staleness), name=f"ssp-push-{dedicated}",
+                         initializer="zeros", servers=servers, average=False) as table:
+        begun, ended = [], []  # this worker's times at the start of each push and once it returned
+        if R in workers:
+            for _ in range(steps):
+                if R == workers[-1]:
+                    time.sleep(pause)  # the straggler's step
+                begun.append(time.monotonic())
+                table.push([R % 8], np.ones((1, 1)))
+                ended.append(time.monotonic())
+            table.barrier()
+            assert table.stats()["clock"] == steps
+        else:
+            table.serve()
+    every = WORLD.allgather((begun, ended))
+    for w in workers:
+        for v in workers:
+            for c in range(staleness + 1, steps + 1):
+                # w's push reaching clock c returned only after v had begun its push to clock c - s
+                assert every[w][1][c - 1] >= every[v][0][c - 1 - staleness], (w, v, c)
+    straggler_start = every[workers[-1]][0][steps - 1 - staleness]
+    assert every[0][1][-1] >= straggler_start  # the fastest worker really waited
+
+
 def test_asp_runs_and_loses_no_push():
     with ps.ShardedTable(
         ROWS, 2, optimizer=ps.SGD(lr=-1.0), consistency=ps.ASP(), name="asp", initializer="zeros", average=False
@@ -340,6 +398,9 @@ def test_bad_input_raises_on_every_rank():
             table.pull(np.array([1.5]))
         with pytest.raises(ps.TableError, match=r"gradients of shape \(2, 3\) do not match"):
             table.push(np.array([1, 2]), np.zeros((2, 3)))
+        wanted = rf"rank {N - 1}: bad.push: gradients must be floating point; got dtype int64"
+        with pytest.raises(ps.TableError, match=wanted):  # one rank's integer gradients: every rank raises
+            table.push(np.array([1, 2]), np.ones((2, DIM), np.int64 if R == N - 1 else np.float32))
         table.pull([1])  # still usable, every rank in step
         if N > 1:  # BSP: one worker pushes while the others pull -> the same error on every rank
             with pytest.raises(ps.TableError, match=r"workers called different operations at the same step"):
@@ -381,10 +442,11 @@ def test_bad_input_raises_on_every_rank():
 @pytest.mark.parametrize("after", ["barrier", "save"])
 def test_ssp_workers_waiting_on_a_failed_worker_raise_its_error_and_meet_it_in_the_collective(after):
     """SSP(0): the last rank, behind, pushes a bad key at step 2, catches the error and calls barrier() or
-    save(). The others' pulls of step 3 wait for its clock, which no longer moves: before, they went on
-    waiting while it waited for them in the collective (a hang). Now each of them raises its error there
-    (it probes while it waits), and every rank's collective returns; the pulls they left are answered
-    when the table closes."""
+    save(). The others' pushes of step 2 end by waiting for its clock (SSP holds back the step; before
+    2026-12-06 their pulls of step 3 waited instead), which no longer moves: before, they went on waiting
+    while it waited for them in the collective (a hang). Now each of them raises its error there (it
+    probes while it waits), and every rank's collective returns; the pulls they left are answered when
+    the table closes."""
     wanted = rf"rank {N - 1}: ssp-fail.push: key {ROWS + 5} is out of range"
     keys = np.array([1, 2, ROWS - 1])
     with shared_folder("ssp-fail") as where:
@@ -406,7 +468,7 @@ def test_ssp_workers_waiting_on_a_failed_worker_raise_its_error_and_meet_it_in_t
                         table.save(os.path.join(where, "ckpt"))
                     break
             assert raised is not None and re.search(wanted, raised[1]), raised
-            assert raised[0] == (2 if R == N - 1 else 3), raised
+            assert raised[0] == 2, raised
         # (closed: the pulls the others left are answered once every worker is done, or the close hangs)
 
 
@@ -526,6 +588,30 @@ def test_default_names_agree_after_a_table_on_a_process_set():
     second = ps.ShardedTable(ROWS, DIM, "float64", initializer="zeros")
     assert len(set(WORLD.allgather((first.name, second.name)))) == 1 and first.name != second.name
     first.close(), second.close()
+
+
+@pytest.mark.skipif(N < 3, reason="needs two process sets of at least one rank, one of two")
+@pytest.mark.parametrize("consistency", ["bsp", "ssp1"])
+def test_tables_on_process_sets_spread_over_their_own_ranks_only(consistency):
+    """A table on a process set of 2 ranks in a job of 3-4 holds one shard on each member, trains from both,
+    and runs beside a table of the other ranks' set at the same time (each set's own communicator)."""
+    from unison.common.engine.process_sets import ProcessSet
+
+    model = "bsp" if consistency == "bsp" else ps.SSP(1)
+    mine = [0, 1] if R < 2 else list(range(2, N))
+    with ps.ShardedTable(ROWS, DIM, "float64", "row", ps.SGD(lr=-1.0), model, initializer="zeros",
+                         average=False, process_set=ProcessSet(mine), name=f"set-{consistency}") as table:
+        assert (table.size, table.rank) == (len(mine), mine.index(R))
+        assert table.servers == list(range(len(mine))) and table.workers == table.servers
+        keys = np.arange(ROWS)
+        for _ in range(3):
+            table.push(keys, np.full((ROWS, DIM), float(R + 1)))
+        table.barrier()
+        stats = table.stats()
+        got = table.pull(keys)
+    np.testing.assert_array_equal(got, 3.0 * sum(r + 1 for r in mine))  # every member's pushes, no one else's
+    own = (table.rank + 1) * ROWS // len(mine) - table.rank * ROWS // len(mine)  # rows of this rank's shard
+    assert stats["remote_rows_pushed"] == 3 * (ROWS - own), stats  # the rest went to the other members' shards
 
 
 @pytest.mark.parametrize("consistency", [ps.SSP(1), ps.ASP()], ids=["ssp", "asp"])

@@ -24,9 +24,11 @@ step per push, so the same gradient from N workers moves a row about N times as 
 use BSP where one update per step is wanted. (Before 2026-12-05 this said every optimizer moved as
 under BSP.)
 
-SSP bounds what a *pull* may miss: a worker waits before a pull that touches a shard whose
-clocks are too far behind, so a worker whose pulls touch no rows (an empty batch) or that only
-pushes is not held back.
+SSP bounds both how far a worker runs ahead and what a pull may miss: the step that brings a
+worker to clock ``c`` ends by waiting until every worker has clock ``>= c - s`` (so a worker that
+only pushes, or whose pulls touch no rows, is held back too: before 2026-12-06 it was not), and the
+shard that answers a pull defers it until the clocks it has received reach ``c - s`` (table
+[Note: SSP holds back the step, not only the pull]).
 """
 
 from __future__ import annotations

@@ -299,6 +299,8 @@ class ShardedTable:
         self._err_count = np.zeros((2, self.size), np.int64)  # error messages sent to / received from each rank
         self._peer_errors: list[str] = []
         self._clock = 0
+        #: the slowest worker's clock as some shard last reported it (a lower bound: clocks only grow)
+        self._slowest_seen = 0
         self._request = 0
         self._sends: list[tuple[Any, np.ndarray]] = []
         #: replies of pulls a peer's error cut short: (request, buffer, server, tag), received when they come
@@ -652,6 +654,45 @@ class ShardedTable:
         for r in self.servers:
             if r != self.rank:
                 self._send(r, sv.pack(sv.CLOCK, 0, self._clock, np.zeros(0, np.int64)))
+        bound = self.consistency.bound()
+        if bound is not None:
+            self._hold_back(self._clock - bound)
+
+    def _hold_back(self, need: int) -> None:
+        """SSP: return once every worker's clock is at least ``need``.
+
+        [Note: SSP holds back the step, not only the pull]
+        SSP(s) lets no worker run more than ``s`` steps ahead of the slowest. Its pulls already wait
+        (the shard that answers defers them, so the bound holds per row), but a worker that only
+        pushes, or whose pulls touch no rows, never waited: at 2 ranks under SSP(1) a push-only rank
+        finished 10 steps while its peer had done one (an audit, 2026-12-06). So the step that
+        brings a worker to clock ``c`` also ends by waiting for the slowest to reach ``c - s``. A
+        worker holding a shard reads the clocks its own server has received; a worker without one
+        (dedicated servers) asks the first server with a pull of no rows, which that server defers
+        like any pull. Every pull reply reports the slowest clock its shard has seen, a lower bound
+        of the true one, so a worker that pulls every step rarely needs that extra request. A pull
+        at clock ``c`` needs the same ``c - s``, so it then no longer waits.
+        """
+        if need <= self._slowest_seen:
+            return
+        t0 = time.perf_counter()
+        if self.shard is not None:
+            self._slowest_seen = self.shard.wait_ready(need, self._check_waiting)
+        else:
+            server = self.servers[0]
+            self._request = self._request % 30000 + 1
+            while any(o[2] == server and o[3] == self._request for o in self._orphans):
+                self._request = self._request % 30000 + 1
+            reply = np.empty(8, np.uint8)
+            wait = self._rep.Irecv([reply, self.mpi.BYTE], server, self._request)  # type: ignore[union-attr]
+            self._send(server, sv.pack(sv.PULL, self._request, need, np.zeros(0, np.int64)))
+            try:
+                wait_request(wait, self._check_waiting)
+            except BaseException:  # (as in _async_pull: the reply still comes, received later)
+                self._orphans.append((wait, reply, server, self._request))
+                raise
+            self._slowest_seen = max(self._slowest_seen, int(reply.view(np.int64)[0]))
+        self._stats["wait_seconds"] += time.perf_counter() - t0
 
     # BSP ----------------------------------------------------------------
 
@@ -805,6 +846,7 @@ class ShardedTable:
         self._stats["wait_seconds"] += time.perf_counter() - t0
         if slowest and need != sv.NO_WAIT:
             self._stats["max_staleness"] = max(self._stats["max_staleness"], self._clock - min(slowest))
+            self._slowest_seen = max(self._slowest_seen, max(slowest))  # (each shard's view is a lower bound)
         return rows
 
     def _check_waiting(self) -> None:
@@ -897,13 +939,14 @@ class ShardedTable:
     # ------------------------------------------------------------------ dedicated servers, closing
 
     def serve(self) -> None:
-        """On a dedicated server rank: answer the workers until they close the table."""
+        """On a dedicated server rank: answer the workers until they close the table (then it is closed here
+        too; serving a closed table returns at once, as ``with table: table.serve()`` does on exit)."""
         if not self.is_server or self.is_worker:
             raise TableError(
                 f"table {self.name!r}: serve() is for dedicated server ranks (servers={self.servers}); "
                 f"rank {self.rank} is a worker"
             )
-        if self.comm is None:
+        if self.comm is None or self.closed:  # (before 2026-12-06 a second serve() failed in MPI: freed comm)
             return
         if self._server is not None:
             self._server.serve()
