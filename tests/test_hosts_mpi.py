@@ -202,7 +202,12 @@ def test_up_is_idempotent_and_writes_a_hostfile_unisonrun_reads():
     if reason is not None:
         pytest.skip(reason)
     try:
-        first = testhosts.up(2, slots=3, instance=9)
+        # the command line, as a user runs it: the hostfile's path is the last line printed
+        cli = subprocess.run([sys.executable, "-m", "unison.run.testhosts", "up", "--hosts", "2", "--slots", "3",
+                              "--instance", "9"], capture_output=True, text=True, timeout=120, env=mpi_env())
+        assert cli.returncode == 0, cli.stderr
+        first = testhosts.current(9)
+        assert first is not None and cli.stdout.splitlines()[-1] == first.hostfile, cli.stdout
         started = time.perf_counter()
         again = testhosts.up(2, slots=3, instance=9)
         assert again == first and time.perf_counter() - started < 5
@@ -237,12 +242,60 @@ def test_up_is_idempotent_and_writes_a_hostfile_unisonrun_reads():
             assert testhosts.up(3, slots=1, instance=9) == bigger and testhosts.current(9) == bigger
             _tcp_round_trip(bigger.hosts[1], bigger.addresses[1], bigger.hosts[0])
     finally:
-        testhosts.down(9)
+        cli = subprocess.run([sys.executable, "-m", "unison.run.testhosts", "down", "--instance", "9"],
+                             capture_output=True, text=True, timeout=120, env=mpi_env())
+        testhosts.down(9)  # (whatever the command left, so that a failure here leaves nothing behind)
+    assert cli.returncode == 0 and "removed namespace" in cli.stdout, (cli.stdout, cli.stderr)
     assert testhosts.current(9) is None
     assert "unison-testhosts-9" not in Path("/etc/hosts").read_text()
     state_root = testhosts.STATE_ROOT  # nothing of the instance is left, its folder's parent neither when empty
     assert not testhosts.Names(9).state_dir.exists()
     assert not state_root.exists() or any(state_root.iterdir())
+
+
+def test_delay_and_loss_sit_under_the_rate_limit_and_need_netem():
+    """``--delay``/``--loss`` go under a host's ``tbf`` (before 2026-12-06 netem replaced it, and the host's
+    sending was no longer limited); where the kernel has no netem (this machine's), ``up`` refuses them
+    naming it, and its probe leaves nothing behind (it ran on the machine's own ``lo`` before)."""
+    reason = _skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    assert testhosts.netem_command("1gbit", "5ms", "1%") == [
+        "tc", "qdisc", "replace", "dev", "eth0", "parent", "1:1", "handle", "10:", "netem", "delay", "5ms",
+        "loss", "1%"]
+    assert testhosts.netem_command(None, "5ms", None)[5:] == ["root", "netem", "delay", "5ms"]
+    # that place in the tree takes a child under the host's tbf (pfifo standing in for netem, which
+    # this kernel may lack), and the tbf stays at the root
+    space = "unison-test-tbf"
+    subprocess.run(["ip", "netns", "add", space], check=True)
+    try:
+        inside = ["ip", "netns", "exec", space]
+        subprocess.run([*inside, "ip", "link", "add", "d0", "type", "veth", "peer", "name", "d1"], check=True)
+        subprocess.run([*inside, "ip", "link", "set", "d0", "up"], check=True)
+        testhosts._shape("d0", "1gbit", space)
+        child = testhosts.netem_command("1gbit", "5ms", None)
+        child = child[:child.index("netem")] + ["pfifo"]
+        subprocess.run([*inside, *[("d0" if a == "eth0" else a) for a in child]], check=True)
+        shown = subprocess.run([*inside, "tc", "qdisc", "show", "dev", "d0"], capture_output=True, text=True,
+                               check=True).stdout
+        assert "qdisc tbf 1: root" in shown and "qdisc pfifo 10: parent 1:1" in shown, shown
+    finally:
+        subprocess.run(["ip", "netns", "del", space], check=False)
+    if testhosts._netem_available():
+        return
+    with pytest.raises(testhosts.TestHostsError, match="--delay/--loss need the netem queueing discipline"):
+        testhosts.up(2, delay="5ms", instance=9)
+    assert testhosts.current(9) is None
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "unison-netem-probe" not in listed and "netem" not in subprocess.run(
+        ["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
+
+
+def test_a_machine_that_cannot_make_test_hosts_gets_exit_2_and_the_reason(monkeypatch, capsys):
+    monkeypatch.setattr(testhosts.os, "geteuid", lambda: 1000)
+    assert testhosts.available() is not None and "root" in testhosts.available()
+    assert testhosts.main(["up", "--hosts", "2"]) == 2
+    assert "testhosts: error: test hosts need root" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, message", [

@@ -29,6 +29,8 @@ test suite proves it: a cross-host transfer on a link limited to R takes at leas
 
 Needs root, ``ip`` (iproute2), ``unshare`` and, for ``--rate``, ``tc``. ``--delay``/``--loss``
 need the ``netem`` queueing discipline, which some kernels lack; the command then exits naming it.
+The hostname is set for what the agent starts (``mpirun``'s daemons and their ranks): a process
+started with ``ip netns exec unison-h1 ...`` alone has the host's network but the machine's name.
 """
 
 from __future__ import annotations
@@ -181,17 +183,31 @@ def _check_rate(rate: str | None) -> None:
 
 
 def _netem_available() -> bool:
-    probe = _run(["tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "0ms"], check=False)
-    if probe.returncode == 0:
-        _run(["tc", "qdisc", "del", "dev", "lo", "root"], check=False)
-        return True
-    return False
+    """Whether this kernel has netem, probed on the loopback of a namespace of its own (before
+    2026-12-06 on the machine's own ``lo``, whose traffic the probe briefly passed through netem)."""
+    probe = f"unison-netem-probe-{os.getpid()}"
+    if _run(["ip", "netns", "add", probe], check=False).returncode != 0:
+        return False
+    try:
+        return _run(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay",
+                     "0ms"], check=False).returncode == 0
+    finally:
+        _run(["ip", "netns", "del", probe], check=False)
 
 
 def _shape(device: str, rate: str, namespace: str | None) -> None:
     prefix = ["ip", "netns", "exec", namespace] if namespace else []
-    _run(prefix + ["tc", "qdisc", "replace", "dev", device, "root", "tbf", "rate", rate,
+    _run(prefix + ["tc", "qdisc", "replace", "dev", device, "root", "handle", "1:", "tbf", "rate", rate,
                    "burst", "256kb", "latency", "10ms"])
+
+
+def netem_command(rate: str | None, delay: str | None, loss: str | None) -> list[str]:
+    """The ``tc`` arguments that add ``--delay``/``--loss`` to a host's ``eth0``: under the host's ``tbf``
+    (its one class, ``1:1``) when it has a ``--rate``, so both apply, else at the root. (Before
+    2026-12-06 netem replaced the root ``tbf``, and the host sent at the link's full speed.)"""
+    where = ["parent", "1:1", "handle", "10:"] if rate else ["root"]
+    return (["tc", "qdisc", "replace", "dev", "eth0"] + where + ["netem"]
+            + (["delay", delay] if delay else []) + (["loss", loss] if loss else []))
 
 
 def _add_host(n: Names, i: int, slots: int, rate: str | None) -> None:
@@ -373,9 +389,7 @@ def up(hosts: int, slots: int = 2, rate: str | None = None, delay: str | None = 
         for i in range(1, hosts + 1):
             _add_host(n, i, slots, rate)
             if delay or loss:
-                netem = ["netem"] + (["delay", delay] if delay else []) + (["loss", loss] if loss else [])
-                _run(["ip", "netns", "exec", n.host(i), "tc", "qdisc", "replace", "dev", "eth0",
-                      "root"] + netem)
+                _run(["ip", "netns", "exec", n.host(i)] + netem_command(rate, delay, loss))
         _edit_etc_hosts(n.tag, [f"{a} {h}" for a, h in zip(wanted.addresses, names, strict=True)])
         _write_files(n, wanted, netem=bool(delay or loss))
     except BaseException:
