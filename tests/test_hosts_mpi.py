@@ -128,7 +128,8 @@ def _bitwise_equal(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def test_results_across_hosts_match_one_host(hosts, tmp_path):
-    """A forced algorithm gives the same bits on 2 hosts as on one; ``auto`` agrees to tolerance
+    """A forced algorithm gives the same bits on 2 hosts as on one, directly and through the engine one
+    tensor at a time; ``auto`` agrees to tolerance
     (across hosts it may switch to the hierarchical all-reduce, another summation order); with
     ``UNISON_DETERMINISTIC=1`` everything, fused or not, one host or two, gives the same bits."""
     one = _results(tmp_path, "one-host")
@@ -137,7 +138,7 @@ def test_results_across_hosts_match_one_host(hosts, tmp_path):
         for key, value in one[r].items():
             other = two[r][key]
             assert _bitwise_equal(other, two[0][key]), f"rank {r} and 0 differ on {key} (two hosts)"
-            if key.startswith(("direct.ring", "direct.rhd")):
+            if key.startswith(("direct.ring", "direct.rhd", "engine.ring", "engine.rhd")):
                 assert _bitwise_equal(value, other), f"{key}: one host vs two hosts differ"
             else:
                 np.testing.assert_allclose(other, value, rtol=1e-5, atol=1e-4, err_msg=key)

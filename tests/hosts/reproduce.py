@@ -37,6 +37,10 @@ def main(out: str) -> None:
     for i, x in enumerate(xs):
         results[f"engine.single.{i}"] = unison.synchronize(
             unison.allreduce_async(x, op=unison.Sum, name=f"single.{i}"))
+    for algorithm in ("ring", "rhd"):  # one at a time (no fusion), the algorithm forced: the same bits anywhere
+        for i, x in enumerate(xs):
+            results[f"engine.{algorithm}.{i}"] = unison.synchronize(
+                unison.allreduce_async(x, op=unison.Sum, name=f"{algorithm}.{i}", algorithm=algorithm))
     np.savez(f"{out}/rank-{rank}.npz", **results)
     unison.shutdown()
 
