@@ -13,6 +13,12 @@ def test_torch_process_group(np_, tmp_path):
     run_rank_suite(np_, "mpi_torch_process_group.py", tmp_path, timeout=400)
 
 
+def test_torch_process_group_agreement(tmp_path):
+    """Coalesced calls, and counts, shapes and dtypes that differ across ranks, on the default group and a
+    sub-group of 2 of the 3 ranks: tests/mpi/mpi_torch_process_group_agreement.py."""
+    run_rank_suite(3, "mpi_torch_process_group_agreement.py", tmp_path, timeout=300)
+
+
 def test_torch_sub_groups(tmp_path):
     """dist.new_group pairs, an ordered group, a 2-D DeviceMesh: tests/mpi/mpi_torch_subgroups.py at 4 ranks."""
     run_rank_suite(4, "mpi_torch_subgroups.py", tmp_path, timeout=400)

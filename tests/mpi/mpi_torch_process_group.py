@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 import unison.torch_backend as hvd  # noqa: F401 - registers the backend
+from unison.common.exceptions import MismatchError
+from unison.torch_backend.process_group_work import UnsupportedError
 
 torch.set_num_threads(1)
 
@@ -32,6 +34,22 @@ def _rank_size() -> tuple[int, int]:
 
 def _values(r: int, shape: tuple[int, ...] = (5,), dtype: torch.dtype = torch.float64) -> torch.Tensor:
     return (torch.arange(int(np.prod(shape)), dtype=torch.float64).reshape(shape) * (r + 1) + r).to(dtype)
+
+
+@contextlib.contextmanager
+def _raises_exactly(cls: type[BaseException], match: str) -> Any:
+    """``pytest.raises(cls, match=...)`` that also refuses a subclass of ``cls``."""
+    with pytest.raises(cls, match=match) as info:
+        yield info
+    assert info.type is cls, f"{info.type.__name__} raised where {cls.__name__} was expected: {info.value}"
+
+
+def _finish(work: Any, async_op: bool) -> None:
+    """A call's return value: None when synchronous; a ``Work`` to wait for with ``async_op=True``."""
+    if async_op:
+        assert work.wait()
+    else:
+        assert work is None
 
 
 def test_the_group_is_ours_and_knows_mpis_rank():
@@ -111,48 +129,53 @@ def test_all_reduce_integers_and_future():
     assert t.tolist() == [n * (n + 1) // 2] * 4 and got[0] is t
 
 
-def test_broadcast_from_the_last_rank():
+@pytest.mark.parametrize("async_op", [False, True])
+def test_broadcast_from_the_last_rank(async_op):
     r, n = _rank_size()
     t = _values(r, (2, 3))
-    dist.broadcast(t, src=n - 1)
+    _finish(dist.broadcast(t, src=n - 1, async_op=async_op), async_op)
     np.testing.assert_array_equal(t.numpy(), _values(n - 1, (2, 3)).numpy())
 
 
-def test_all_gather_list_and_into_tensor():
+@pytest.mark.parametrize("async_op", [False, True])
+def test_all_gather_list_and_into_tensor(async_op):
     r, n = _rank_size()
     outs = [torch.zeros(2, 3, dtype=torch.float64) for _ in range(n)]
-    dist.all_gather(outs, _values(r, (2, 3)))
+    _finish(dist.all_gather(outs, _values(r, (2, 3)), async_op=async_op), async_op)
     for k, out in enumerate(outs):
         np.testing.assert_array_equal(out.numpy(), _values(k, (2, 3)).numpy())
     flat = torch.zeros(n * 2, 3, dtype=torch.float64)
-    dist.all_gather_into_tensor(flat, _values(r, (2, 3)))
+    _finish(dist.all_gather_into_tensor(flat, _values(r, (2, 3)), async_op=async_op), async_op)
     np.testing.assert_array_equal(flat.numpy(), np.concatenate([_values(k, (2, 3)).numpy() for k in range(n)]))
 
 
-def test_reduce_scatter_list_and_tensor():
+@pytest.mark.parametrize("async_op", [False, True])
+def test_reduce_scatter_list_and_tensor(async_op):
     r, n = _rank_size()
     pieces = [_values(r * 10 + k, (3,)) for k in range(n)]
     out = torch.zeros(3, dtype=torch.float64)
-    dist.reduce_scatter(out, pieces)
+    _finish(dist.reduce_scatter(out, pieces, async_op=async_op), async_op)
     np.testing.assert_allclose(out.numpy(), sum(_values(q * 10 + r, (3,)).numpy() for q in range(n)))
     whole = torch.cat(pieces)
     out2 = torch.zeros(3, dtype=torch.float64)
-    dist.reduce_scatter_tensor(out2, whole, op=dist.ReduceOp.MAX)
+    _finish(dist.reduce_scatter_tensor(out2, whole, op=dist.ReduceOp.MAX, async_op=async_op), async_op)
     np.testing.assert_array_equal(out2.numpy(), np.max([_values(q * 10 + r, (3,)).numpy() for q in range(n)], 0))
 
 
-def test_all_to_all_even_and_with_split_sizes():
+@pytest.mark.parametrize("async_op", [False, True])
+def test_all_to_all_even_and_with_split_sizes(async_op):
     r, n = _rank_size()
     ins = [torch.full((2,), float(r * 100 + k)) for k in range(n)]
     outs = [torch.zeros(2) for _ in range(n)]
-    dist.all_to_all(outs, ins)
+    _finish(dist.all_to_all(outs, ins, async_op=async_op), async_op)
     assert [o.tolist() for o in outs] == [[float(k * 100 + r)] * 2 for k in range(n)]
     # rank q sends (q + k + 1) rows to rank k
     sends = [r + k + 1 for k in range(n)]
     src = torch.cat([torch.full((s, 2), float(r * 100 + k)) for k, s in enumerate(sends)])
     recv = [q + r + 1 for q in range(n)]
     dst = torch.zeros(sum(recv), 2)
-    dist.all_to_all_single(dst, src, output_split_sizes=recv, input_split_sizes=sends)
+    _finish(dist.all_to_all_single(dst, src, output_split_sizes=recv, input_split_sizes=sends, async_op=async_op),
+            async_op)
     want = torch.cat([torch.full((recv[q], 2), float(q * 100 + r)) for q in range(n)])
     assert torch.equal(dst, want)
 
@@ -169,14 +192,24 @@ def test_barrier_and_many_async_ops_in_flight():
 
 
 def test_errors_reach_wait_on_every_rank():
+    """What the backend does not support is an ``UnsupportedError`` on every rank: a NotImplementedError (so
+    a RuntimeError, as gloo's "Cannot use ReduceOp.BAND with non-integral dtype") and Unison's CollectiveError
+    (a TypeError). Before 2026-12-06 BAND of floats raised a plain CollectiveError, and PREMUL_SUM of integers
+    a ValueError on its own rank only (another rank's float call then waited)."""
     r, n = _rank_size()
-    with pytest.raises(Exception, match="bitwise operation on integers"):  # BAND of floats: on every rank
+    with _raises_exactly(UnsupportedError, r"ReduceOp.BAND of float32 tensors: .*bitwise operation on integers") \
+            as info:  # BAND of floats: on every rank
         dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND, async_op=True).wait()
-    with pytest.raises(ValueError, match="PREMUL_SUM scales floating-point"):
-        dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist._make_nccl_premul_sum(2.0))
+    assert isinstance(info.value, (NotImplementedError, RuntimeError, TypeError, hvd.CollectiveError))
+    with _raises_exactly(UnsupportedError, "PREMUL_SUM of int64 tensors: PREMUL_SUM scales floating-point"):
+        dist.all_reduce(torch.ones(2, dtype=torch.int64 if r == 0 else torch.float64),
+                        op=dist._make_nccl_premul_sum(2.0))
+    with _raises_exactly(UnsupportedError, "AVG of bool tensors"):
+        dist.reduce_scatter_tensor(torch.zeros(1, dtype=torch.bool), torch.ones(n, dtype=torch.bool),
+                                   op=dist.ReduceOp.AVG)
     if n > 1:
         work = dist.all_reduce(torch.ones(r + 2), async_op=True)  # shapes differ per rank
-        with pytest.raises(Exception, match="(?i)shape|mismatch"):
+        with _raises_exactly(MismatchError, "was submitted with different arguments on different ranks"):
             work.wait()
     dist.barrier()  # the group still works afterwards
 
@@ -207,23 +240,24 @@ def test_ddp_training_equals_one_process_on_the_global_batch():
         np.testing.assert_allclose(got.detach().numpy(), want.detach().numpy(), rtol=0, atol=1e-12)
 
 
-def test_reduce_gather_scatter_to_and_from_a_root():
+@pytest.mark.parametrize("async_op", [False, True])
+def test_reduce_gather_scatter_to_and_from_a_root(async_op):
     r, n = _rank_size()
     root = n - 1
     t = _values(r)
-    dist.reduce(t, dst=root, op=dist.ReduceOp.SUM)
+    _finish(dist.reduce(t, dst=root, op=dist.ReduceOp.SUM, async_op=async_op), async_op)
     if r == root:
         np.testing.assert_allclose(t.numpy(), sum(_values(k).numpy() for k in range(n)))
     else:
         np.testing.assert_array_equal(t.numpy(), _values(r).numpy())  # untouched off the root
     gathered = [torch.zeros(5, dtype=torch.float64) for _ in range(n)] if r == root else None
-    dist.gather(_values(r), gather_list=gathered, dst=root)
+    _finish(dist.gather(_values(r), gather_list=gathered, dst=root, async_op=async_op), async_op)
     if r == root:
         for k, g in enumerate(gathered):
             np.testing.assert_array_equal(g.numpy(), _values(k).numpy())
     out = torch.zeros(2, 3, dtype=torch.float64)
     pieces = [_values(k, (2, 3)) for k in range(n)] if r == root else None
-    dist.scatter(out, scatter_list=pieces, src=root)
+    _finish(dist.scatter(out, scatter_list=pieces, src=root, async_op=async_op), async_op)
     np.testing.assert_array_equal(out.numpy(), _values(r, (2, 3)).numpy())
 
 
@@ -385,7 +419,9 @@ def test_point_to_point_messages_over_the_count_limit(monkeypatch):
     too_long = dist.irecv(short, src=behind, tag=8)
     then = dist.irecv(after, src=behind, tag=8)
     sent = [dist.isend(_values(r, (40,)), dst=ahead, tag=8), dist.isend(_values(r + 7, (5,)), dst=ahead, tag=8)]
-    with pytest.raises(Exception, match="TRUNCATE|truncat"):
+    from mpi4py import MPI
+
+    with _raises_exactly(MPI.Exception, "TRUNCATE|truncat"):
         too_long.wait()
     then.wait()
     for work in sent:
@@ -430,17 +466,21 @@ def test_batch_isend_irecv_around_a_ring():
     np.testing.assert_array_equal(recvs[1].numpy(), _values((r + 1) % n + 10, (2, 2)).numpy())
 
 
-def test_pipelining_gpipe_gradients_equal_one_process():
-    """torch.distributed.pipelining (GPipe, one stage per rank) over the backend's send/recv."""
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+@pytest.mark.parametrize("schedule_name", ["GPipe", "1F1B", "Interleaved1F1B"])
+def test_pipelining_gradients_equal_one_process(schedule_name):
+    """torch.distributed.pipelining over the backend's send/recv: GPipe and 1F1B with one stage per rank,
+    interleaved 1F1B with two (stages r and r + n on rank r)."""
+    from torch.distributed import pipelining
 
     r, n = _rank_size()
     if n == 1:
         pytest.skip("a pipeline needs two ranks")
+    per_rank = 2 if schedule_name == "Interleaved1F1B" else 1
+    stages = n * per_rank
 
     def layers() -> torch.nn.Sequential:
         torch.manual_seed(5)
-        pairs = [(torch.nn.Linear(6, 6), torch.nn.Tanh()) for _ in range(n)]
+        pairs = [(torch.nn.Linear(6, 6), torch.nn.Tanh()) for _ in range(stages)]
         return torch.nn.Sequential(*[m for pair in pairs for m in pair]).double()
 
     def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -451,8 +491,13 @@ def test_pipelining_gpipe_gradients_equal_one_process():
     y = torch.randn(8, 6, generator=gen, dtype=torch.float64)
     ref = layers()
     torch.stack([loss_fn(ref(xm), ym) for xm, ym in zip(x.chunk(4), y.chunk(4), strict=True)]).mean().backward()
-    mine = layers()[2 * r:2 * r + 2]
-    schedule = ScheduleGPipe(PipelineStage(mine, r, n, torch.device("cpu")), n_microbatches=4, loss_fn=loss_fn)
+    full = layers()
+    mine = [r + k * n for k in range(per_rank)]  # this rank's stages
+    parts = [full[2 * s:2 * s + 2] for s in mine]
+    built = [pipelining.PipelineStage(part, s, stages, torch.device("cpu")) for part, s in zip(parts, mine,
+                                                                                                strict=True)]
+    schedule_class = getattr(pipelining, f"Schedule{schedule_name}")
+    schedule = schedule_class(built if per_rank > 1 else built[0], n_microbatches=4, loss_fn=loss_fn)
     losses: list[torch.Tensor] = []
     if r == 0:
         schedule.step(x)
@@ -461,8 +506,9 @@ def test_pipelining_gpipe_gradients_equal_one_process():
         assert len(losses) == 4
     else:
         schedule.step()
-    for p, q in zip(mine.parameters(), ref[2 * r:2 * r + 2].parameters(), strict=True):
-        np.testing.assert_allclose(p.grad.numpy(), q.grad.numpy(), rtol=1e-10, atol=1e-14)
+    for part, s in zip(parts, mine, strict=True):
+        for p, q in zip(part.parameters(), ref[2 * s:2 * s + 2].parameters(), strict=True):
+            np.testing.assert_allclose(p.grad.numpy(), q.grad.numpy(), rtol=1e-10, atol=1e-14)
 
 
 # ---------------------------------------------------------------- edge cases found by an audit against gloo
@@ -538,20 +584,30 @@ def test_coalesced_lists_of_different_lengths_and_a_non_cpu_tensor_raise_on_ever
     if n == 1:
         pytest.skip("needs two ranks")
     mine = [torch.ones(3), torch.full((3,), 100.0)][:1 if r else 2]
-    with pytest.warns(FutureWarning), pytest.raises(Exception, match="the ranks passed 1 to 2 tensors"):
+    with pytest.warns(FutureWarning), _raises_exactly(MismatchError, "the ranks passed 1 to 2 tensors"):
         dist.all_reduce_coalesced(mine)
-    with pytest.raises(Exception, match="the ranks passed 1 to 2 tensors"):
+    with _raises_exactly(MismatchError, "the ranks passed 1 to 2 tensors"):
         funcol.all_gather_into_tensor_coalesced(mine, dist.group.WORLD)
-    with pytest.raises(Exception, match="the ranks passed 1 to 2 tensors"):
+    with _raises_exactly(MismatchError, "the ranks passed 1 to 2 tensors"):
         funcol.reduce_scatter_tensor_coalesced([torch.ones(2 * n)] * len(mine), "sum", [0] * len(mine),
                                                dist.group.WORLD)
     c = torch.full((3,), 10.0 * (r + 1))
     dist.all_reduce(c)
     assert c.tolist() == [10.0 * n * (n + 1) / 2] * 3
-    with pytest.raises(Exception, match="rank 0: the unison backend takes CPU tensors only"):
+    on_cpu_only = "rank 0: unsupported by the unison backend: a tensor on meta: it takes CPU tensors only"
+    with _raises_exactly(UnsupportedError, on_cpu_only):
         dist.all_reduce(torch.ones(3, device="meta") if r == 0 else torch.ones(3))
-    with pytest.raises(Exception, match="rank 0: the unison backend takes CPU tensors only"):
+    with _raises_exactly(UnsupportedError, on_cpu_only):
         dist.broadcast(torch.ones(3, device="meta") if r == 0 else torch.ones(3), src=0)
+    # before 2026-12-06 these refused the meta tensor on rank 0 alone: the others' call was left unpaired
+    with _raises_exactly(UnsupportedError, on_cpu_only):
+        dist.gather(torch.ones(3, device="meta") if r == 0 else torch.ones(3),
+                    [torch.zeros(3) for _ in range(n)] if r == n - 1 else None, dst=n - 1)
+    with _raises_exactly(UnsupportedError, on_cpu_only):
+        dist.scatter(torch.zeros(3, device="meta") if r == 0 else torch.zeros(3),
+                     [torch.ones(3) for _ in range(n)] if r == n - 1 else None, src=n - 1)
+    with _raises_exactly(UnsupportedError, on_cpu_only):
+        dist.all_to_all_single(torch.zeros(n), torch.ones(n, device="meta") if r == 0 else torch.ones(n))
     c = torch.full((3,), float(r + 1))
     dist.all_reduce(c)
     assert c.tolist() == [n * (n + 1) / 2] * 3
@@ -686,7 +742,7 @@ def test_work_result_exception_and_success():
     assert work.result()[0] is t and work.is_success() and work.exception() is None
     if n > 1:
         bad = dist.all_reduce(torch.ones(r + 2), async_op=True)  # shapes differ per rank
-        with pytest.raises(Exception, match="(?i)shape|mismatch"):
+        with _raises_exactly(MismatchError, "was submitted with different arguments on different ranks"):
             bad.wait()
         assert not bad.is_success() and bad.exception() is not None
     dist.barrier()

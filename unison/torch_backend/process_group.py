@@ -17,11 +17,16 @@ opens a ``TCPStore`` on a free port and MPI broadcasts its address, so PyTorch c
 the store (barriers, ``new_group`` bookkeeping) has a real one. Everything else is left to
 PyTorch's own handler.
 
-This first slice covers the default group with all-reduce (SUM, AVG, PRODUCT, MIN, MAX),
-coalesced all-reduce, broadcast, all-gather (lists and into one tensor), reduce-scatter
-(lists and from one tensor), all-to-all (lists and with split sizes) and barrier, on CPU
-tensors. ``dist.new_group`` and ``DeviceMesh`` sub-groups run on the members' own MPI communicator
-(process_group_sub.py, [Note: sub-groups on MPI communicators]).
+The group runs, on CPU tensors: all-reduce (SUM, AVG, PRODUCT, MIN, MAX, PREMUL_SUM; BAND, BOR, BXOR
+on integers and bools), reduce, broadcast, all-gather (lists and into one tensor), reduce-scatter
+(lists and from one tensor), their coalesced forms (``all_reduce_coalesced``, ``all_gather_coalesced``,
+and ``_coalescing_manager``'s all-gathers and reduce-scatters into one tensor), all-to-all (lists and
+with split sizes), gather, scatter, barrier and point-to-point sends and receives. What it does not
+support raises ``UnsupportedError`` (a ``NotImplementedError``) on every rank
+(process_group_work.py, [Note: what the backend does not support]); docs/torch_distributed.md has
+the table. ``dist.new_group`` and ``DeviceMesh`` sub-groups run on the members' own MPI communicator
+(process_group_sub.py, [Note: sub-groups on MPI communicators]); PyTorch's functional collectives
+(DTensor) reach these methods through process_group_functional.py.
 """
 
 from __future__ import annotations
@@ -41,14 +46,16 @@ import torch
 import torch.distributed as dist
 
 from unison.common import runtime
+from unison.common.dtypes import dtype_name, is_bool, is_float
 from unison.common.engine import frontend
 from unison.common.engine.handles import waiting_on
 from unison.common.exceptions import MismatchError
-from unison.common.ops import Average, Band, Bor, Bxor, Max, Min, Product, Sum
+from unison.common.ops import BITWISE, Average, Band, Bor, Bxor, Max, Min, Product, Sum
 from unison.torch_backend import process_group_functional as functional
 from unison.torch_backend.process_group_sub import CommOps, create_sub_communicator
 from unison.torch_backend.process_group_work import (
     P2PWork,
+    TranslatingOps,
     collective_work,
     copy_into,
     host,
@@ -56,6 +63,7 @@ from unison.torch_backend.process_group_work import (
     isend_bytes,
     seconds,
     timed_out,
+    unsupported,
 )
 
 __all__ = ["UnisonProcessGroup", "BACKEND"]
@@ -77,31 +85,45 @@ def _op(reduce_op: Any) -> tuple[Any, float | None]:
     for theirs, ours in _OPS.items():
         if reduce_op == theirs:
             return ours, None
-    raise NotImplementedError(f"the unison backend has no reduce op {reduce_op}; it supports SUM, AVG, "
-                              "PRODUCT, MIN, MAX, PREMUL_SUM (floating point) and BAND, BOR, BXOR (integers)")
+    raise unsupported(f"reduce op {reduce_op}; it supports SUM, AVG, PRODUCT, MIN, MAX, PREMUL_SUM (floating "
+                      "point) and BAND, BOR, BXOR (integers and bools)")
+
+
+def _check_op(dtype: np.dtype, op: Any, factor: float | None, what: str) -> None:
+    """Refuse an op with no meaning for ``dtype`` ([Note: what the backend does not support]); the caller
+    submits the error, so every rank raises it. Before 2026-12-06 PREMUL_SUM of integers raised ValueError
+    on its own rank only, and bitwise ops of floats the engine's CollectiveError."""
+    name = dtype_name(dtype)
+    if op in BITWISE and (is_float(dtype) or np.dtype(dtype).kind == "c"):
+        raise unsupported(f"{what} with ReduceOp.{op.name} of {name} tensors: BAND, BOR and BXOR are a bitwise "
+                          "operation on integers or bools. Cast the tensor to an integer dtype, or use another op")
+    if factor is not None and not is_float(dtype):
+        raise unsupported(f"{what} with PREMUL_SUM of {name} tensors: PREMUL_SUM scales floating-point "
+                          "tensors. Use SUM, or cast the tensor to a floating-point dtype")
+    if op is Average and is_bool(dtype):
+        raise unsupported(f"{what} with AVG of bool tensors, which has no meaning: use SUM or MAX (logical or), "
+                          "MIN or PRODUCT (logical and)")
 
 
 def _premul(arr: np.ndarray, factor: float | None) -> np.ndarray:
-    """``arr`` times a PREMUL_SUM factor (a new array, same dtype), or ``arr`` itself."""
+    """``arr`` times a PREMUL_SUM factor (a new array, same dtype; floating point: see ``_check_op``), or
+    ``arr`` itself."""
     if factor is None:
         return arr
-    if arr.dtype.kind not in "fV":
-        raise ValueError(f"PREMUL_SUM scales floating-point tensors; got dtype {arr.dtype}. Use SUM, or cast "
-                         "the tensor to a floating-point dtype")
     return (arr.astype(np.float64) * factor).astype(arr.dtype)
 
 
-def _real(tensors: list[torch.Tensor], op: Any, what: str, written: bool = False) -> list[torch.Tensor]:
-    """Complex tensors as their real views (sums and averages add the parts alike; ``allreduce`` gets
-    them so from PyTorch itself). ``written``: results land in them, so a lazily conjugated one is
-    refused (by ``view_as_real``) rather than resolved into a copy. Before 2026-12-05 a complex
+def _real(t: torch.Tensor, op: Any, what: str, written: bool = False) -> torch.Tensor:
+    """A complex tensor as its real view (sums and averages add the parts alike; ``allreduce`` gets them so
+    from PyTorch itself), any other as it is. ``written``: results land in it, so a lazily conjugated one
+    is refused (by ``view_as_real``) rather than resolved into a copy. Before 2026-12-05 a complex
     ``reduce_scatter`` or ``reduce`` raised (in a sub-group, a bare ``KeyError``)."""
-    if not any(t.is_complex() for t in tensors):
-        return tensors
+    if not t.is_complex():
+        return t
     if op is not Sum and op is not Average:
-        raise TypeError(f"{what} of complex tensors takes SUM, AVG or PREMUL_SUM (as gloo); got {op}. Reduce "
-                        "the real and imaginary parts (torch.view_as_real) yourself for another op")
-    return [torch.view_as_real(t if written else t.resolve_conj()) if t.is_complex() else t for t in tensors]
+        raise unsupported(f"{what} of complex tensors takes SUM, AVG or PREMUL_SUM (as gloo); got {op}. Reduce "
+                          "the real and imaginary parts (torch.view_as_real) yourself for another op")
+    return torch.view_as_real(t if written else t.resolve_conj())
 
 
 def _pieces_of(whole: torch.Tensor, like: torch.Tensor, size: int) -> list[torch.Tensor]:
@@ -139,7 +161,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
                  timeout_s: float | None = None) -> None:
         super().__init__(rank, size)
         self._rank, self._size = rank, size
-        self._ops = frontend if ops is None else ops
+        self._ops = TranslatingOps(frontend if ops is None else ops)
         self._comm = comm  # a sub-group's communicator (None: the job's)
         # point-to-point messages go on a communicator of the group's own (never the engine's). It is
         # made here, while every member is creating the group: made at the first send or receive
@@ -231,6 +253,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
         for t in tensors:
             try:
                 arr = host(t, "allreduce")
+                _check_op(arr.dtype, op, factor, "allreduce")
             except (TypeError, ValueError) as exc:  # (refused on this rank: every rank raises it)
                 handles.append(self._ops.allreduce_async(frontend.Refused(exc), op))
                 copy.append(False)
@@ -250,23 +273,39 @@ class UnisonProcessGroup(dist.ProcessGroup):
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
                        opts: Any = None) -> dist.Work:
         op, factor = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        given = outputs
-        outputs = _real(outputs, op, "reduce_scatter", written=True)
-        inputs = [_real(pieces, op, "reduce_scatter") for pieces in inputs]
-        handles = []
+        handles, targets = [], []
         for out, pieces in zip(outputs, inputs, strict=True):
+            target = out
             try:
-                self._check_pieces(pieces, out, "reduce_scatter")
-                stacked: Any = _premul(np.stack([host(p, "reduce_scatter") for p in pieces]), factor)
+                target = _real(out, op, "reduce_scatter", written=True)
+                reals = [_real(p, op, "reduce_scatter") for p in pieces]
+                self._check_pieces(reals, target, "reduce_scatter")
+                stacked: Any = np.stack([host(p, "reduce_scatter") for p in reals])
+                _check_op(stacked.dtype, op, factor, "reduce_scatter")
+                stacked = _premul(stacked, factor)
             except (TypeError, ValueError) as exc:
                 stacked = frontend.Refused(exc)
+            targets.append(target)
             handles.append(self._ops.reducescatter_async(stacked, op))
 
-        return self._work(handles, lambda results: (_into(outputs)(results), given)[1])
+        return self._work(handles, lambda results: (_into(targets)(results), outputs)[1])
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002 - PyTorch's
                               opts: Any = None) -> dist.Work:
         return self.reduce_scatter([output], [_pieces_of(input, output, self._size)], opts)
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> dist.Work:
+        """``dist.reduce_scatter_tensor`` calls inside ``dist._coalescing_manager()``: one reduce-scatter per
+        pair, after the ranks agreed on their number (as ``allreduce_coalesced``)."""
+        self._check_pairs("reduce_scatter_tensor_coalesced", outputs, inputs)
+        self._agree_count("reduce_scatter_tensor_coalesced", len(inputs))
+        pieces = [_pieces_of(i, o, self._size) for o, i in zip(outputs, inputs, strict=True)]
+        return self.reduce_scatter(outputs, pieces, opts)
+
+    # PyTorch's older names, which its C++ group still binds (with parameters named differently)
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
 
     # ----------------------------------------------------------- movement
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
@@ -283,6 +322,36 @@ class UnisonProcessGroup(dist.ProcessGroup):
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts: Any = None) -> dist.Work:
+        """``outputs[i][k]`` receives rank k's ``inputs[i]``; the future holds them as one flat list (as gloo)."""
+        return self._allgather(outputs, inputs, lambda: [t for outs in outputs for t in outs])
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                            opts: Any = None) -> dist.Work:
+        """``dist.all_gather_coalesced``: ``output_lists[k][i]`` receives rank k's ``inputs[i]`` (gloo's layout,
+        and the future's value), one all-gather per input after the ranks agreed on their number."""
+        self._agree_count("all_gather_coalesced", len(inputs))
+        if len(output_lists) != self._size or any(len(outs) != len(inputs) for outs in output_lists):
+            error = ValueError(f"all_gather_coalesced needs one output list per rank ({self._size}), each of one "
+                               f"tensor per input ({len(inputs)}); got lists of {[len(o) for o in output_lists]}")
+            return self._work([self._ops.allgather_async(frontend.Refused(error)) for _ in inputs],
+                              lambda results: output_lists)
+        per_input = [[outs[i] for outs in output_lists] for i in range(len(inputs))]
+        return self._allgather(per_input, inputs, lambda: output_lists)
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                    opts: Any = None) -> dist.Work:
+        """``dist.all_gather_into_tensor`` calls inside ``dist._coalescing_manager()``: one all-gather per
+        pair, after the ranks agreed on their number (as ``allreduce_coalesced``)."""
+        self._check_pairs("all_gather_into_tensor_coalesced", outputs, inputs)
+        self._agree_count("all_gather_into_tensor_coalesced", len(inputs))
+        pieces = [_pieces_of(o, i, self._size) for o, i in zip(outputs, inputs, strict=True)]
+        return self._allgather(pieces, inputs, lambda: outputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]  # (as above)
+
+    def _allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                   value: Callable[[], Any]) -> dist.Work:
+        """One all-gather per input into its list of per-rank outputs; ``value()`` completes the future."""
         handles = []
         for outs, t in zip(outputs, inputs, strict=True):
             try:
@@ -296,13 +365,15 @@ class UnisonProcessGroup(dist.ProcessGroup):
             for outs, r in zip(outputs, results, strict=True):
                 for out, row in zip(outs, np.asarray(r), strict=True):
                     copy_into(out, row)
-            return [t for outs in outputs for t in outs]  # (gloo's future value: one flat list)
+            return value()
 
         return self._work(handles, finish)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002 - PyTorch's
                           opts: Any = None) -> dist.Work:
         return self.allgather([_pieces_of(output, input, self._size)], [input], opts)
+
+    _allgather_base = all_gather_single  # (PyTorch's older name, as above)
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
         flat: Any
@@ -336,10 +407,15 @@ class UnisonProcessGroup(dist.ProcessGroup):
                           opts: Any = None) -> dist.Work:
         rows = input.shape[0] if input.dim() else 1
         splits = list(input_split_sizes) if input_split_sizes else [rows // self._size] * self._size
-        data: Any = host(input, "all_to_all_single")
-        if sum(splits) != rows:
-            data = frontend.Refused(ValueError(f"all_to_all_single: input_split_sizes {splits} do not add up to "
-                                               f"the input's {rows} rows"))
+        data: Any
+        try:  # (a refusal travels, as the others')
+            host(output, "all_to_all_single")
+            data = host(input, "all_to_all_single")
+            if sum(splits) != rows:
+                raise ValueError(f"all_to_all_single: input_split_sizes {splits} do not add up to the input's "
+                                 f"{rows} rows")
+        except (TypeError, ValueError) as exc:
+            data = frontend.Refused(exc)
         handle = self._ops.alltoall_async(data, np.asarray(splits, dtype=np.int32))
 
         def finish(results: list[Any]) -> list[torch.Tensor]:
@@ -357,17 +433,21 @@ class UnisonProcessGroup(dist.ProcessGroup):
         """An all-reduce whose result only the root keeps (the engine fuses and pipelines it)."""
         root = opts.rootRank if opts is not None else 0
         op, factor = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        given, tensors = tensors, _real(tensors, op, "reduce", written=True)
-        handles = []
+        handles, targets = [], []
         for t in tensors:
+            target = t
             try:
-                data: Any = _premul(host(t, "reduce"), factor)
+                target = _real(t, op, "reduce", written=True)
+                data: Any = host(target, "reduce")
+                _check_op(data.dtype, op, factor, "reduce")
+                data = _premul(data, factor)
             except (TypeError, ValueError) as exc:
                 data = frontend.Refused(exc)
+            targets.append(target)
             # the root is compared across ranks (ranks naming different ones kept or dropped the sum silently)
             handles.append(self._ops.rooted_allreduce_async(data, op, root))
 
-        return self._work(handles, lambda results: (_into(tensors, self._rank == root)(results), given)[1])
+        return self._work(handles, lambda results: (_into(targets, self._rank == root)(results), tensors)[1])
 
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """Every rank's tensor to the root: an all-to-all in which only the root receives."""
@@ -375,9 +455,9 @@ class UnisonProcessGroup(dist.ProcessGroup):
         (t,) = inputs
         try:  # (-1 indexed the last rank: every rank sent there, silently; refused, it travels to the others)
             self._check_rank(root, "gather", "dst")
-        except ValueError as exc:
+            data = host(t, "gather").reshape(-1)
+        except (TypeError, ValueError) as exc:
             return self._work([self._ops.alltoall_async(frontend.Refused(exc), None)], lambda results: [])
-        data = host(t, "gather").reshape(-1)
         splits = np.zeros(self._size, np.int32)
         splits[root] = data.size
         handle = self._ops.alltoall_async(data, splits)
@@ -402,11 +482,12 @@ class UnisonProcessGroup(dist.ProcessGroup):
                 opts: Any = None) -> dist.Work:
         """The root's pieces, one to each rank: an all-to-all in which only the root sends."""
         root = opts.rootRank if opts is not None else 0
+        (out,) = outputs
         try:
             self._check_rank(root, "scatter", "src")
-        except ValueError as exc:  # (travels to the others, as gather's)
+            mine = host(out, "scatter")
+        except (TypeError, ValueError) as exc:  # (travels to the others, as gather's)
             return self._work([self._ops.alltoall_async(frontend.Refused(exc), None)], lambda results: [])
-        (out,) = outputs
         splits = np.zeros(self._size, np.int32)
         data: Any
         if self._rank == root:
@@ -417,7 +498,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
                 data = frontend.Refused(exc)
             splits[:] = out.numel()
         else:
-            data = np.zeros(0, dtype=host(out, "scatter").dtype)
+            data = np.zeros(0, dtype=mine.dtype)
         handle = self._ops.alltoall_async(data, splits)
         return self._work([handle], lambda results: (copy_into(out, results[0][0], "scatter"), outputs)[1])
 
@@ -465,6 +546,13 @@ class UnisonProcessGroup(dist.ProcessGroup):
         if not 0 <= int(tag) <= MPI.COMM_WORLD.Get_attr(MPI.TAG_UB):
             raise ValueError(f"Tag must be nonnegative and at most {MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)}; "
                              f"got tag={tag}")
+
+    @staticmethod
+    def _check_pairs(what: str, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
+        """One output per input (PyTorch's ``_coalescing_manager`` pairs them; a direct call might not)."""
+        if len(outputs) != len(inputs):
+            raise ValueError(f"{what} takes one output tensor per input; got {len(outputs)} outputs and "
+                             f"{len(inputs)} inputs")
 
     def _check_pieces(self, pieces: Sequence[torch.Tensor], like: torch.Tensor, what: str) -> None:
         if len(pieces) != self._size or any(p.shape != like.shape for p in pieces):

@@ -119,10 +119,13 @@ class CommOps:
             return
         rooted = what == "broadcast" or what.startswith("reduce/")
         call = f"{what}(dtype={arr.dtype}, shape={tuple(arr.shape)}" + (f", root={extra})" if rooted else ")")
-        calls = self.comm.allgather((type(error).__name__, str(error)) if error is not None else ("", call))
+        # a refusal's kind as the engine's ("T" TypeError, "V" ValueError: any T gives CollectiveError); by
+        # its class name before 2026-12-06, so a TypeError's subclass (UnsupportedError) arrived as a ValueError
+        kind = "" if error is None else "T" if isinstance(error, TypeError) else "V"
+        calls = self.comm.allgather((kind, str(error)) if error is not None else ("", call))
         refused = [(r, kind, text) for r, (kind, text) in enumerate(calls) if kind]
         if refused:
-            cls = CollectiveError if refused[0][1] == "TypeError" else InvalidArgumentError
+            cls = CollectiveError if any(kind == "T" for _, kind, _ in refused) else InvalidArgumentError
             raise cls(f"a torch.distributed sub-group collective was refused on {len(refused)} of {self.size} "
                       "member(s): " + "; ".join(f"rank {r}: {text}" for r, _, text in refused))
         listing = "; ".join(f"rank {r}: {text}" for r, (_, text) in enumerate(calls))

@@ -5,6 +5,17 @@ A collective's ``Work`` completes through the engine's handles: each handle's do
 PyTorch's output tensors and completes the future ([Note: completing off the engine thread]).
 A point-to-point ``Work`` wraps the MPI requests of one send or receive.
 
+[Note: what the backend does not support] A tensor that is not on the CPU, a bitwise op of
+floating-point or complex tensors, PREMUL_SUM of integers or bools, AVG of bools: each raises
+:class:`UnsupportedError` on every rank of the call, a ``NotImplementedError`` (so a
+``RuntimeError``, which gloo raises for the same calls: "Cannot use ReduceOp.BAND with non-integral
+dtype") that is also Unison's ``CollectiveError`` (a ``TypeError``, what these calls raised before
+2026-12-06, and what docs/torch_distributed.md had promised otherwise). The refusing rank submits
+the call carrying the error (``frontend.Refused``); the engine, and a sub-group's agreement, hand
+the others only its text and a kind (``TypeError``: ``CollectiveError``), so the text starts with
+:data:`UNSUPPORTED` and ``wait()`` raises a ``CollectiveError`` that carries it as
+``UnsupportedError`` (:func:`as_unsupported`), on every rank alike.
+
 [Note: point-to-point messages over 2 GiB] Open MPI refuses a count of 2**31 bytes or more
 (``MPI_ERR_ARG``: before 2026-12-05 ``dist.send`` of a 2 GiB tensor failed so). A send or receive
 buffer larger than :data:`P2P_TYPED_BYTES` therefore travels as ONE message of one element of a
@@ -30,9 +41,11 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from unison.common.engine.handles import Handle, waiting_on
+from unison.common.exceptions import CollectiveError
 from unison.torch_backend.tensors import from_numpy, to_numpy
 
-__all__ = ["host", "copy_into", "collective_work", "P2PWork", "isend_bytes", "irecv_bytes", "seconds", "timed_out"]
+__all__ = ["host", "copy_into", "collective_work", "P2PWork", "isend_bytes", "irecv_bytes", "seconds", "timed_out",
+           "UnsupportedError", "UNSUPPORTED", "unsupported", "as_unsupported", "TranslatingOps"]
 
 #: Point-to-point buffers larger than this travel as one element of a derived datatype (see the Note).
 P2P_TYPED_BYTES = (1 << 31) - 1
@@ -40,11 +53,67 @@ P2P_TYPED_BYTES = (1 << 31) - 1
 P2P_BLOCK_BYTES = 1 << 30
 
 
+#: How the message of every :class:`UnsupportedError` starts (see [Note: what the backend does not support]).
+UNSUPPORTED = "unsupported by the unison backend: "
+
+
+class UnsupportedError(CollectiveError, NotImplementedError):
+    """A call the unison backend does not implement (a device, or an op for a dtype), raised on every rank
+    of the call: a ``NotImplementedError`` and a ``RuntimeError`` (as gloo's refusals), and Unison's
+    ``CollectiveError`` (a ``TypeError``). See [Note: what the backend does not support]."""
+
+
+def unsupported(text: str) -> UnsupportedError:
+    """An :class:`UnsupportedError` whose message is :data:`UNSUPPORTED` and ``text``."""
+    return UnsupportedError(UNSUPPORTED + text)
+
+
+def as_unsupported(error: BaseException) -> BaseException:
+    """``error``, or, when it is a ``CollectiveError`` carrying a rank's :class:`UnsupportedError` (the
+    engine's "failed on 1 of 3 rank(s): rank 0: unsupported by ..."), that error on this rank too."""
+    if isinstance(error, CollectiveError) and not isinstance(error, UnsupportedError) \
+            and UNSUPPORTED in str(error):
+        converted = UnsupportedError(str(error))
+        converted.__cause__ = error
+        return converted
+    return error
+
+
+class TranslatingOps:
+    """The collectives of a group (the engine's ``frontend``, a process set's, a sub-group's ``CommOps``)
+    whose refusals raised at submission come as :class:`UnsupportedError` too (:func:`as_unsupported`): a
+    job of size 1 runs each call at once on the caller's thread, so its error comes from the call itself,
+    not from ``wait()``."""
+
+    def __init__(self, ops: Any) -> None:
+        self._inner = ops
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return attr(*args, **kwargs)
+            except CollectiveError as error:
+                converted = as_unsupported(error)
+                if converted is error:
+                    raise
+                raise converted from error
+
+        return call
+
+
 def host(tensor: torch.Tensor, what: str) -> np.ndarray:
-    """``tensor``'s memory as a numpy array (no copy for a contiguous CPU tensor)."""
-    if tensor.device.type != "cpu":  # (a TypeError, which the collectives submit in the data's place)
-        raise TypeError(f"the unison backend takes CPU tensors only; {what} got one on "
-                        f"{tensor.device}. Move it with .cpu(), or use the gloo backend")
+    """``tensor``'s memory as a numpy array (no copy for a contiguous CPU tensor).
+
+    Raises:
+        UnsupportedError: ``tensor`` is not on the CPU (the collectives submit it in the data's place).
+    """
+    if tensor.device.type != "cpu":
+        raise unsupported(f"a tensor on {tensor.device}: it takes CPU tensors only ({what} got one on "
+                          f"{tensor.device}). Move it with .cpu(), or use the gloo backend")
     return to_numpy(tensor)
 
 
@@ -98,7 +167,7 @@ def collective_work(handles: Sequence[Handle], finish: Callable[[list[Any]], Any
         try:
             results[index] = handle.wait()
         except BaseException as error:  # noqa: BLE001 - handed to the future, raised by wait()
-            first.append(error)
+            first.append(as_unsupported(error))
         left[0] -= 1
         if left[0] == 0 and not fut.done():  # (an error only once every handle is done: engine
             if first:                        # [Note: a group waits for all its members])
