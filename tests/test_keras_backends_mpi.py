@@ -5,18 +5,28 @@ from __future__ import annotations
 import pytest
 from harness import run_rank_suite
 
+#: at np 1 (one process: nothing exchanged, nothing refused for the ranks' sake) a subset, 25-38 s on JAX;
+#: the whole suite passed there on 2026-12-06 in 63 s (by hand: its tests are written for any rank count)
+ONE_RANK = "equals_one_process or rank_0s_weights or are_global or refused or dataset_inputs"
+
 
 @pytest.mark.mpi
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("backend,np_", [("jax", 2), ("torch", 3), ("tensorflow", 2)])
-def test_keras_backends(backend, np_, tmp_path):
-    run_rank_suite(np_, "mpi_keras_backends.py", tmp_path, timeout=600, extra_env={"KERAS_BACKEND": backend})
+@pytest.mark.parametrize("backend,np_,only", [pytest.param("jax", 2, None, id="jax-2"),
+                                              pytest.param("torch", 3, None, id="torch-3"),
+                                              pytest.param("tensorflow", 2, None, id="tensorflow-2"),
+                                              pytest.param("jax", 1, ONE_RANK, id="jax-1-subset")])
+def test_keras_backends(backend, np_, only, tmp_path):
+    run_rank_suite(np_, "mpi_keras_backends.py", tmp_path, timeout=600, extra_env={"KERAS_BACKEND": backend},
+                   pytest_args=["-k", only] if only else None)
 
 
 @pytest.mark.mpi
 @pytest.mark.timeout(600)
-def test_any_backend_example_learns_digits_on_jax(tmp_path):
-    """The example on the backend no other multi-process Keras option covers (the rest: the suite above)."""
+@pytest.mark.parametrize("backend", ["jax", "torch", "tensorflow"])
+def test_any_backend_example_learns_digits(backend, tmp_path):
+    """examples/keras_any_backend.py at np 2 on each backend (12-19 s each by hand on 2026-12-06; validation
+    accuracy 0.961 jax, 0.967 torch, 0.967 tensorflow after 6 epochs)."""
     import re
     import sys
 
@@ -24,10 +34,10 @@ def test_any_backend_example_learns_digits_on_jax(tmp_path):
 
     target = tmp_path / "model.keras"
     proc = mpirun(2, [sys.executable, str(ROOT / "examples" / "keras_any_backend.py"), "--epochs", "6",
-                      "--save", str(target)], timeout=400, env=mpi_env(KERAS_BACKEND="jax"))
+                      "--save", str(target)], timeout=400, env=mpi_env(KERAS_BACKEND=backend))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    found = re.findall(r"final validation accuracy: ([0-9.]+) \(jax\)", proc.stdout)
+    found = re.findall(rf"final validation accuracy: ([0-9.]+) \({backend}\)", proc.stdout)
     assert len(found) == 1, out  # rank 0 only
     assert float(found[0]) > 0.93, out
     assert target.exists() and not list(tmp_path.glob(".*tmp*"))
