@@ -436,6 +436,26 @@ def test_dataset_inputs_of_global_batches_train_like_one_process(dp, kind):
     np.testing.assert_allclose([got["loss"], got["mae"]], [want["loss"], want["mae"]], rtol=1e-5)
 
 
+def test_a_tf_data_shuffle_needs_one_seed_on_every_rank(dp):
+    """An unseeded tf.data shuffle gave each rank its rows of another order's global batch, silently (50
+    distinct rows of 64 in one pass at 2 ranks: found 2026-12-06); now every rank raises, as under
+    UnisonStrategy. A seeded one trains like one process reading the same dataset."""
+    import tensorflow as tf
+
+    def source(seed):
+        return tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(len(X), seed=seed).batch(GLOBAL_BATCH)
+
+    model, ref = distributed_and_reference(dp, lambda: keras.optimizers.SGD(0.05))
+    if N > 1:
+        tf.random.set_seed(None)  # (no global seed: the op's own seeds are (0, 0))
+        with pytest.raises(ValueError, match="shuffled without a seed"):
+            model.fit(source(None), epochs=1, verbose=0)
+    hist = model.fit(source(7), epochs=2, verbose=0)
+    want = ref.fit(source(7), epochs=2, verbose=0)
+    np.testing.assert_allclose(hist.history["loss"], want.history["loss"], rtol=2e-5)
+    assert_weights_close(model, ref)
+
+
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.data is the TensorFlow backend's")
 @pytest.mark.parametrize("kind", ["repeated", "filtered"])
 def test_tf_data_of_unknown_or_infinite_length_trains_like_one_process(dp, kind):

@@ -248,6 +248,10 @@ def _refuse_per_rank_reductions(loss: Any) -> None:
                              "1 where 'mean_with_sample_weight' was meant)")
 
 
+#: how :func:`_describe_input` shows a ``shuffle`` without a seed in a tf.data chain
+_UNSEEDED = "one shuffled without a seed"
+
+
 def _describe_input(x: Any, y: Any, sample_weight: Any, batch_size: Any) -> str:
     """What a rank passed, as far as the ranks must agree on it (rows, shapes, dtypes, batch, and a digest
     of each array: :func:`_rows_digest`)."""
@@ -260,9 +264,15 @@ def _describe_input(x: Any, y: Any, sample_weight: Any, batch_size: Any) -> str:
     if data._is_tf_dataset(x):
         # (len() raises for an infinite dataset or one tf.data cannot count, a filtered one: such input
         # raised TypeError on every rank before 2026-12-05, where plain Keras takes it)
+        from unison.tf_backend.strategy import shuffle_seeds
+
         count = int(x.cardinality())
         length = {-1: "infinitely many", -2: "an unknown number of"}.get(count, str(count))
-        return f"{type(x).__name__} of {length} batches, elements {x.element_spec}"
+        seeds = shuffle_seeds(x)
+        shuffled = f", shuffled with seeds {seeds}" if seeds else ""
+        if (0, 0) in seeds:
+            shuffled += ", " + _UNSEEDED
+        return f"{type(x).__name__} of {length} batches, elements {x.element_spec}{shuffled}"
     length = len(x) if hasattr(x, "__len__") else None
     return f"{type(x).__name__} of {length} batches" if length is not None else type(x).__name__
 
@@ -380,6 +390,15 @@ def _agree_on_inputs(what: str, x: Any, y: Any, sample_weight: Any, batch_size: 
 
     mine = _describe_input(x, y, sample_weight, batch_size) + (f"; {settings}" if settings else "")
     everyone = allgather_object(mine, name=f"unison.keras.DataParallel.{what}.inputs")
+    if len(everyone) > 1 and any(_UNSEEDED in d for d in everyone):
+        # [Note: an unseeded tf.data shuffle] each rank shuffles its own way, and its share of a global
+        # batch comes from another order than its peers': some rows trained twice a pass, others never,
+        # silently (an audit measured 50 distinct rows of 64 in one pass at 2 ranks, before 2026-12-06).
+        # UnisonStrategy refused it already; the chain of inputs tells (seed 0, 0: no seed at all)
+        raise ValueError(f"{what}: the tf.data dataset is shuffled without a seed, so each rank shuffles its own "
+                         "way and the ranks' shares of a global batch come from different rows (some trained "
+                         "twice, others never). Pass dataset.shuffle(buffer, seed=...) the same seed on every "
+                         "rank, or keras.utils.set_random_seed(...) before building the dataset")
     if any(other != everyone[0] for other in everyone):
         shown = "; ".join(f"rank {r}: {d}" for r, d in enumerate(everyone))
         raise ValueError(f"{what}: the ranks passed different inputs or settings ({shown}). DataParallel "

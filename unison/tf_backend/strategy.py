@@ -288,12 +288,12 @@ def _describe_dataset(dataset: Any) -> str:
     except Exception:
         size = None
     known = f"{batches} global batches" if batches >= 0 else "an unknown number of global batches"
-    seeds = _shuffle_seeds(dataset)
+    seeds = shuffle_seeds(dataset)
     shuffled = f", shuffled with seeds {seeds}" if seeds else ""
     return f"{known}, batch_size {size if size is not None else '?'}, elements {dataset.element_spec}{shuffled}"
 
 
-def _shuffle_seeds(dataset: Any) -> list[tuple[int, int]]:
+def shuffle_seeds(dataset: Any) -> list[tuple[int, int]]:
     """The (seed, seed2) of each ``shuffle`` in ``dataset``'s chain of inputs (``(0, 0)``: no seed at all)."""
     seeds = []
     while dataset is not None:
@@ -456,7 +456,7 @@ def _agree_on_dataset(dataset: Any) -> None:
     from unison.common.engine.objects import allgather_object
 
     everyone = allgather_object(_describe_dataset(dataset), name="unison.UnisonStrategy.dataset")
-    if (0, 0) in _shuffle_seeds(dataset):  # (the same on every rank: they all describe the same chain)
+    if (0, 0) in shuffle_seeds(dataset):  # (the same on every rank: they all describe the same chain)
         raise ValueError("UnisonStrategy: the dataset is shuffled without a seed, so each rank shuffles its own "
                          "way and the ranks' shares of a global batch come from different rows (some trained "
                          "twice, others never). Pass dataset.shuffle(buffer, seed=...) the same seed on every "
