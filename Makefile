@@ -15,8 +15,12 @@ $(STAMP): pyproject.toml constraints-dev.txt
 	$(PY) -m pip install -q -c constraints-dev.txt -e '.[all]'
 	touch $(STAMP)
 
+# The model goes to a fresh temporary folder per run. TF_CPP_MIN_LOG_LEVEL=3 (unless set) hides TensorFlow 2.21's
+# "failed call to cuInit" on a machine without a GPU (2 still shows it); its "Could not find cuda drivers" lines
+# come before TensorFlow reads the variable, and no value hides them.
 demo: venv
-	$(VENV)/bin/unisonrun -np $(NP) $(PY) examples/keras_fit.py
+	dir=$$(mktemp -d "$${TMPDIR:-/tmp}/unison_demo.XXXXXX") && \
+	TF_CPP_MIN_LOG_LEVEL=$${TF_CPP_MIN_LOG_LEVEL:-3} $(VENV)/bin/unisonrun -np $(NP) $(PY) examples/keras_fit.py --save "$$dir/keras_fit.keras"
 
 test: venv
 	$(PY) -m pytest -q -p no:cacheprovider --durations=40 tests

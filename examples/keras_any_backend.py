@@ -18,20 +18,29 @@ import logging
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-
-import keras  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
-from sklearn.model_selection import train_test_split  # noqa: E402
-
-import unison.keras as uk  # noqa: E402
+if TYPE_CHECKING:  # imported in main, after the arguments, so that --help needs no Keras
+    import keras
 
 log = logging.getLogger("keras_any_backend")
 
 
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=8, help="epochs (default 8)")
+    parser.add_argument("--global-batch", type=int, default=64, help="global batch size (default 64)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
+    parser.add_argument("--seed", type=int, default=0, help="data split and initial weights seed (default 0)")
+    parser.add_argument("--save", type=Path, default=None,
+                        help="rank 0 saves the model here (.keras; default: unison_keras_any_backend.keras in "
+                             "the temporary folder)")
+    return parser.parse_args()
+
+
 def build_model() -> keras.Model:
+    import keras
+
     return keras.Sequential([
         keras.Input((8, 8, 1)),
         keras.layers.Conv2D(16, 3, activation="relu", padding="same"),
@@ -44,13 +53,15 @@ def build_model() -> keras.Model:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=8, help="epochs (default 8)")
-    parser.add_argument("--global-batch", type=int, default=64, help="global batch size (default 64)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
-    parser.add_argument("--seed", type=int, default=0, help="data split and initial weights seed")
-    parser.add_argument("--save", type=Path, default=None, help="rank 0 saves the model here (.keras)")
-    args = parser.parse_args()
+    args = parse_args()
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import keras
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    import unison.keras as uk
+
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     digits = load_digits()
@@ -72,7 +83,7 @@ def main() -> None:
     model.save(target)  # rank 0 writes (atomically); the other ranks return
     if uk.rank() == 0:
         log.info("saved the model to %s", target)
-        print(f"final validation accuracy: {accuracy:.3f} ({keras.backend.backend()})")
+        print(f"final validation accuracy: {accuracy:.3f} ({keras.backend.backend()})", flush=True)
 
 
 if __name__ == "__main__":

@@ -14,24 +14,34 @@ import logging
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
-from sklearn.model_selection import train_test_split  # noqa: E402
-
-import unison  # noqa: E402
-from unison.tf_backend import UnisonStrategy  # noqa: E402
+if TYPE_CHECKING:  # imported in main, after the arguments, so that --help needs no TensorFlow
+    import keras
+    import tensorflow as tf
 
 log = logging.getLogger("keras_fit")
 
 
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=8, help="epochs (default 8)")
+    parser.add_argument("--global-batch", type=int, default=64, help="global batch size (default 64)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed for the data split, the shuffle and the initial weights (default 0)")
+    parser.add_argument("--save", type=Path, default=None,
+                        help="rank 0 saves the model here (.keras; default: unison_keras_fit.keras in the "
+                             "temporary folder)")
+    return parser.parse_args()
+
+
 def datasets(global_batch: int, seed: int) -> tuple[tf.data.Dataset, tf.data.Dataset]:
     """Digits as 8x8x1 images in [0, 1], split 80/20, batched by the global batch size."""
+    import tensorflow as tf
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
     digits = load_digits()
     x = (digits.images / 16.0).astype("float32")[..., None]
     x_train, x_val, y_train, y_val = train_test_split(x, digits.target.astype("int64"), test_size=0.2,
@@ -42,6 +52,8 @@ def datasets(global_batch: int, seed: int) -> tuple[tf.data.Dataset, tf.data.Dat
 
 
 def build_model() -> keras.Model:
+    import keras
+
     return keras.Sequential([
         keras.Input((8, 8, 1)),
         keras.layers.Conv2D(16, 3, activation="relu", padding="same"),
@@ -54,15 +66,19 @@ def build_model() -> keras.Model:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=8, help="epochs (default 8)")
-    parser.add_argument("--global-batch", type=int, default=64, help="global batch size (default 64)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
-    parser.add_argument("--seed", type=int, default=0, help="data split/shuffle seed (same on all ranks)")
-    parser.add_argument("--save", type=Path, default=None, help="rank 0 saves the model here (.keras)")
-    args = parser.parse_args()
+    args = parse_args()
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import unison
+    from unison.tf_backend import UnisonStrategy
+
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     tf.config.threading.set_intra_op_parallelism_threads(1)
+    keras.utils.set_random_seed(args.seed)  # the initial weights: the same accuracy from run to run
 
     strategy = UnisonStrategy()
     rank, size = unison.rank(), unison.size()
@@ -84,7 +100,7 @@ def main() -> None:
         model.save(tmp)
         os.replace(tmp, target)
         log.info("saved the model to %s", target)
-        print(f"final validation accuracy: {accuracy:.3f}")
+        print(f"final validation accuracy: {accuracy:.3f}", flush=True)
     reported = unison.allgather(np.array([accuracy]), name="keras_fit.accuracy")
     if rank == 0 and not np.all(reported == reported[0]):
         log.warning("ranks report different accuracies: %s", reported)

@@ -19,31 +19,34 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from tqdm import tqdm
 
-import unison.ps as ps
-import unison.torch_backend as hvd
+if TYPE_CHECKING:  # imported where used, so that --help works without PyTorch
+    import torch
+
+    import unison.torch_backend as hvd
 
 log = logging.getLogger("recommender")
 
 
 def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--users", type=int, default=20000)
-    p.add_argument("--items", type=int, default=500000, help="rows of the item table")
-    p.add_argument("--dim", type=int, default=32)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--users", type=int, default=20000, help="users (rows of the user table)")
+    p.add_argument("--items", type=int, default=500000, help="items (rows of the item table)")
+    p.add_argument("--dim", type=int, default=32, help="embedding width of both tables")
     p.add_argument("--groups", type=int, default=50, help="taste groups of users")
-    p.add_argument("--per-user", type=int, default=20, help="interactions per user")
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--per-user", type=int, default=20, help="training interactions per user")
+    p.add_argument("--epochs", type=int, default=3, help="passes over the interactions")
     p.add_argument("--batch", type=int, default=2048, help="global batch of (user, item) pairs")
     p.add_argument("--lr", type=float, default=0.1, help="the tables' Adagrad learning rate")
-    p.add_argument("--consistency", default="bsp", choices=["bsp", "ssp", "asp"])
+    p.add_argument("--consistency", default="bsp", choices=["bsp", "ssp", "asp"],
+                   help="tables' consistency: bulk synchronous, stale synchronous (staleness 2), asynchronous")
     p.add_argument("--memory-cap-mb", type=float, default=None,
-                   help="table memory per rank (default: 75%% of the whole item table with its state)")
-    p.add_argument("--seed", type=int, default=0)
+                   help="table memory per rank, MiB (unset: 75%% of the whole item table with its Adagrad state)")
+    p.add_argument("--seed", type=int, default=0, help="seed for the data, the sampling and the torch RNG")
     return p.parse_args()
 
 
@@ -79,6 +82,8 @@ def candidates_for(users: np.ndarray, held_out: np.ndarray, pairs: np.ndarray, a
 
 
 def bpr_loss(u: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+    import torch
+
     return -torch.nn.functional.logsigmoid((u * pos).sum(-1) - (u * neg).sum(-1)).mean()
 
 
@@ -90,6 +95,10 @@ def recall_at_10(users_t: hvd.ShardedEmbedding, items_t: hvd.ShardedEmbedding, h
     Raises:
         FloatingPointError: a score is not finite (a diverged model scored every user a hit before).
     """
+    import torch
+
+    import unison.torch_backend as hvd
+
     g = np.random.default_rng(args.seed + 1)
     users = g.choice(args.users, min(2000, args.users), replace=False)
     candidates = candidates_for(users, held_out, pairs, args, g)
@@ -120,6 +129,12 @@ def popularity_recall_at_10(held_out: np.ndarray, pairs: np.ndarray, args: argpa
 
 def main() -> None:
     args = parse()
+    import torch
+    from tqdm import tqdm
+
+    import unison.ps as ps
+    import unison.torch_backend as hvd
+
     hvd.init()
     logging.basicConfig(level=logging.INFO if hvd.rank() == 0 else logging.WARNING, format="%(message)s")
     torch.manual_seed(args.seed)

@@ -64,9 +64,10 @@ def draw(trace: Path, png: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("timeline.json"), help="trace path (rank 0)")
+    parser.add_argument("--out", type=Path, default=Path("timeline.json"),
+                        help="trace path, written by rank 0 (default: timeline.json in the current folder)")
     parser.add_argument("--png", type=Path, default=None, help="picture path (default: OUT with .png)")
-    parser.add_argument("--steps", type=int, default=3, help="training-like steps to record")
+    parser.add_argument("--steps", type=int, default=3, help="training-like steps to record (default 3)")
     args = parser.parse_args()
     unison.init()
     rank = unison.rank()

@@ -7,7 +7,8 @@ travel between them point to point, ``--chunks`` microbatches per batch, in the 
 ``--schedule``. Every rank loads the same data and shuffles it with the same seed, so the
 first and last stages see matching images and labels without sending them.
 
-Only rank 0 prints; the last line is ``final validation accuracy: 0.xxx``.
+Only rank 0 prints: progress (bars and per-epoch lines) on stderr, where they stay in order, and
+the result on stdout, one line: ``final validation accuracy: 0.xxx``.
 """
 
 from __future__ import annotations
@@ -79,7 +80,11 @@ def main(argv: list[str] | None = None) -> int:
 
     hvd.init()
     torch.set_num_threads(1)  # ranks share the host's cores
-    say = print if hvd.rank() == 0 else (lambda *a, **k: None)
+
+    def say(line: str) -> None:  # progress, rank 0 only: on stderr, through tqdm, in order with its bars
+        if hvd.rank() == 0:
+            tqdm.write(line, file=sys.stderr)
+
     torch.manual_seed(args.seed)
     x_train, y_train, x_val, y_val = load_digits_split(args.seed)
     v = 2 if args.schedule == "interleaved" else 1
@@ -103,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             idx = perm[step * args.batch_size:(step + 1) * args.batch_size]
             loss = pipe.train_step(x_train[idx], y_train[idx])
             total += loss
-            bar.set_postfix(loss=f"{loss:.4f}")
+            bar.set_postfix(loss=f"{loss:.4f}", refresh=False)  # shown at the next update
         bar.close()
         bubble = pipe.stats.bubble  # of the last training step, on this rank
         val = accuracy(hvd, pipe, x_val, y_val, args.chunks)
@@ -111,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             f"idle share of rank 0 in the last step {bubble:.2f}")
     final = accuracy(hvd, pipe, x_val, y_val, args.chunks)
     pipe.close()
-    say(f"final validation accuracy: {final:.4f}")
+    if hvd.rank() == 0:
+        print(f"final validation accuracy: {final:.4f}", flush=True)
     return 0
 
 

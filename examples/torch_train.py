@@ -22,7 +22,9 @@ it would be for ``horovod.torch``, only the import differs:
   rank 0 only and broadcasts the epoch, parameters and optimizer state, so every
   rank continues from the same point even when only rank 0 can read the file.
 
-Only rank 0 prints; the last line is ``final validation accuracy: 0.xxx``.
+Only rank 0 prints: the progress bar and the log on stderr, the per-epoch results on stdout, each
+line flushed as it is written (a pipe, as under mpirun, would otherwise hold stdout back until the
+end, behind everything on stderr); the last line is ``final validation accuracy: 0.xxx``.
 """
 
 from __future__ import annotations
@@ -176,7 +178,7 @@ def train_epoch(hvd: Any, model: Any, optimizer: Any, loader: Any, desc: str) ->
         loss.backward()
         optimizer.step()
         sums += torch.tensor([loss.item() * len(y), len(y)], dtype=torch.float64)
-        bar.set_postfix(loss=f"{loss.item():.4f}")
+        bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)  # shown at the next update
     bar.close()
     sums = hvd.allreduce(sums, name="train_loss", op=hvd.Average)
     return float(sums[0] / sums[1])
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # ranks share the host's cores
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stderr,
                         format=f"[torch_train rank {rank}] %(levelname)s %(message)s")
-    say = print if rank == 0 else (lambda *a, **k: None)
+    say = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
 
     torch.manual_seed(args.seed)
     x_train, y_train, x_val, y_val = load_digits_split(args.seed)

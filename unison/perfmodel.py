@@ -22,6 +22,7 @@ from pathlib import Path
 
 from unison.common import perfmodel as pm
 from unison.common.perfmodel_workloads import COMPUTE_NOTES, DEFAULT_COMPUTE_S, WORKLOADS, tensor_bytes
+from unison.common.pipeline.render import require_matplotlib
 
 __all__ = ["main", "HOROVOD_REFERENCE", "Reference"]
 
@@ -219,6 +220,7 @@ def write_png(path: Path, preds: Sequence[pm.StepPrediction], title: str,
 
     ``bounds`` (predictions without overlap) are drawn dashed on the efficiency panel.
     """
+    require_matplotlib("perfmodel --png")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -269,9 +271,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.fusion_threshold < 0:
         parser.error(f"--fusion-threshold {args.fusion_threshold}: must be >= 0 (0: no fusion)")
     try:
+        if args.png is not None:
+            require_matplotlib("--png")  # before the table, not after it
         preds = predict(args)
         cluster = _cluster(args)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, ImportError) as exc:
         print(f"perfmodel: error: {exc}", file=sys.stderr)
         return 2
     header = _describe(args, cluster)

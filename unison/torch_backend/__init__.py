@@ -4,6 +4,14 @@ A Horovod training script runs unchanged after replacing ``import horovod.torch
 as hvd`` with this import. CPU tensors; collectives go through Unison's engine.
 """
 
+from importlib import import_module as _import_module
+
+try:  # first, so that a missing PyTorch names the fix instead of failing deep inside a submodule
+    _import_module("torch")
+except ImportError as _exc:
+    raise ImportError(f"unison.torch_backend needs PyTorch, which failed to import ({_exc}): "
+                      "pip install torch (or the checkout's [torch] extra: pip install '.[torch]')") from _exc
+
 from unison.common.compression import Compression
 from unison.common.engine.engine import DuplicateNameError, JoinError, ShutdownError, StallError
 from unison.common.engine.process_sets import ProcessSet, global_process_set

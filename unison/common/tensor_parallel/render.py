@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from unison.common.files import atomic_path
+from unison.common.pipeline.render import require_matplotlib
 
 if TYPE_CHECKING:
     from unison.common.tensor_parallel.grid import Grid
@@ -118,12 +119,14 @@ def render_png(grid: Grid, path: str | os.PathLike[str], title: str | None = Non
             more than ``MAX_RANKS`` ranks.
         FileNotFoundError: ``path``'s folder does not exist.
         IsADirectoryError: ``path`` is a folder.
+        ImportError: matplotlib cannot be imported (the message says what to install).
     """
     target = _check_target(path)
     labels = _check_labels(grid, stage_labels)
     if grid.size > MAX_RANKS:
         raise ValueError(f"Grid.render_png draws one box per rank, at most {MAX_RANKS}; {grid!r} has {grid.size} "
                          "ranks. Use Grid.describe() for the text table instead")
+    require_matplotlib("Grid.render_png")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
