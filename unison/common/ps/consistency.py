@@ -24,11 +24,12 @@ step per push, so the same gradient from N workers moves a row about N times as 
 use BSP where one update per step is wanted. (Before 2026-12-05 this said every optimizer moved as
 under BSP.)
 
-SSP bounds both how far a worker runs ahead and what a pull may miss: the step that brings a
-worker to clock ``c`` ends by waiting until every worker has clock ``>= c - s`` (so a worker that
-only pushes, or whose pulls touch no rows, is held back too: before 2026-12-06 it was not), and the
-shard that answers a pull defers it until the clocks it has received reach ``c - s`` (table
-[Note: SSP holds back the step, not only the pull]).
+SSP bounds both how far a worker runs ahead and what a pull may miss: every operation of a
+worker at clock ``c`` (a push, a pull, ``clock()``) waits until every worker has clock ``>= c - s``
+(so a worker that only pushes, or whose pulls touch no rows, is held back too: before 2026-12-06 it
+was not), and the shard that answers a pull defers it until the clocks it has received reach
+``c - s`` (table [Note: SSP holds back every operation]). ``barrier()``, ``save()``, ``load()`` and
+``close()`` do not wait.
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ class BSP(Consistency):
 
 @dataclass(frozen=True)
 class SSP(Consistency):
-    """Stale synchronous with staleness ``s``: a worker's pulls wait until they see every push at least ``s``
-    clocks old (so a worker that pulls rows runs at most ``s`` clocks ahead of the slowest)."""
+    """Stale synchronous with staleness ``s``: a worker's operations wait until every worker is at most ``s``
+    clocks behind it, and its pulls see every push at least ``s`` clocks old (see the module's Note)."""
 
     staleness: int = 2
 

@@ -456,7 +456,7 @@ class ShardedTable:
 
     def clock(self) -> None:
         """End this worker's step by hand (after pushes given ``clock=False``)."""
-        self._call("clock", self._advance)
+        self._call("clock", self._clock_by_hand)
 
     def wait(self) -> None:
         """Wait for every operation submitted so far."""
@@ -654,24 +654,34 @@ class ShardedTable:
         for r in self.servers:
             if r != self.rank:
                 self._send(r, sv.pack(sv.CLOCK, 0, self._clock, np.zeros(0, np.int64)))
+
+    def _clock_by_hand(self) -> None:
+        """``clock()``: held back first, as any operation of a step ([Note: SSP holds back every operation])."""
         bound = self.consistency.bound()
-        if bound is not None:
+        if self.comm is not None and not self.consistency.collective and bound is not None:
             self._hold_back(self._clock - bound)
+        self._advance()
 
     def _hold_back(self, need: int) -> None:
         """SSP: return once every worker's clock is at least ``need``.
 
-        [Note: SSP holds back the step, not only the pull]
-        SSP(s) lets no worker run more than ``s`` steps ahead of the slowest. Its pulls already wait
-        (the shard that answers defers them, so the bound holds per row), but a worker that only
-        pushes, or whose pulls touch no rows, never waited: at 2 ranks under SSP(1) a push-only rank
-        finished 10 steps while its peer had done one (an audit, 2026-12-06). So the step that
-        brings a worker to clock ``c`` also ends by waiting for the slowest to reach ``c - s``. A
+        [Note: SSP holds back every operation]
+        SSP(s) lets no worker run more than ``s`` steps ahead of the slowest. Its pulls always
+        waited (the shard that answers defers them until the clocks it has received reach ``c - s``,
+        so the bound holds per row), but a worker that only pushed, or whose pulls touched no rows,
+        never waited: at 2 ranks under SSP(1) a push-only rank finished 10 steps while its peer had
+        done one (an audit, 2026-12-06). So every operation of a worker at clock ``c`` (a push, a
+        push-pull, ``clock()``) first waits for the slowest worker to reach ``c - s``, as a pull
+        does; a pull of rows waits in its own requests. The wait comes before the operation does
+        anything, so a peer's error raised there leaves this worker's push unapplied (raised after
+        it, a retry would apply it twice), and ``barrier()``, ``save()``, ``load()`` and ``close()``
+        never wait: workers that end with different numbers of steps still meet there (a first
+        version waited at the end of each step, and such workers waited for ever: a review). A
         worker holding a shard reads the clocks its own server has received; a worker without one
-        (dedicated servers) asks the first server with a pull of no rows, which that server defers
-        like any pull. Every pull reply reports the slowest clock its shard has seen, a lower bound
-        of the true one, so a worker that pulls every step rarely needs that extra request. A pull
-        at clock ``c`` needs the same ``c - s``, so it then no longer waits.
+        (dedicated servers) asks a server with a pull of no rows (the servers in turn), which that
+        server defers like any pull. Every pull reply reports the slowest clock its shard has seen,
+        a lower bound of the true one, so a worker that pulls at the start of each step never needs
+        that extra request.
         """
         if need <= self._slowest_seen:
             return
@@ -679,7 +689,7 @@ class ShardedTable:
         if self.shard is not None:
             self._slowest_seen = self.shard.wait_ready(need, self._check_waiting)
         else:
-            server = self.servers[0]
+            server = self.servers[need % len(self.servers)]
             self._request = self._request % 30000 + 1
             while any(o[2] == server and o[3] == self._request for o in self._orphans):
                 self._request = self._request % 30000 + 1
@@ -787,6 +797,8 @@ class ShardedTable:
             return self._serve_local(op, storage, grads)
         bound = self.consistency.bound()
         need = sv.NO_WAIT if bound is None else self._clock - bound
+        if bound is not None and not (op == ex.PULL and len(storage)):  # (a pull of rows waits in its requests)
+            self._hold_back(need)  # [Note: SSP holds back every operation]
         starts = np.concatenate([[0], np.cumsum(counts)])
         if op in (ex.PUSH, ex.PUSH_PULL) and grads is not None:
             for r in self.servers:
