@@ -229,8 +229,13 @@ def _link_points(world: Any, cycle: Sequence[Any], repeats: int, piece: int) -> 
 
 
 def _groups(cycle: Sequence[Any]) -> list[list[int]]:
-    """``[0, 2, 1, 3]`` is one cycle; ``[[0, 1], [2, 3]]`` two pairs."""
-    return [list(g) for g in cycle] if isinstance(cycle[0], (list, tuple)) else [list(cycle)]
+    """``[0, 2, 1, 3]`` is one cycle; ``[[0, 1], [2, 3]]`` two pairs. The patterns are written for 2 hosts x 2
+    ranks; with ``--hosts`` 3 or 4 each pair of hosts runs its own copy at once (ranks shifted by 4), and the
+    ranks of a host left over (the third of 3) exchange with themselves, so every rank takes part."""
+    base = [list(g) for g in cycle] if isinstance(cycle[0], (list, tuple)) else [list(cycle)]
+    tiles = [[r + offset for r in g] for offset in range(0, RANKS - 3, 4) for g in base]
+    covered = {r for g in tiles for r in g}
+    return tiles + [[r] for r in range(RANKS) if r not in covered]
 
 
 def _reduce_points(world: Any) -> list[list[float]]:

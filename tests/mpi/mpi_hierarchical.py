@@ -139,7 +139,7 @@ def test_topology_is_freed_with_its_communicator():
 
 class FakeTopo:
     def __init__(self, hosts: int, rate: float | None = None) -> None:
-        self.spans_hosts = hosts > 1
+        self.spans_hosts, self.num_hosts = hosts > 1, hosts
         self.cross_rate = rate
 
 
@@ -153,6 +153,10 @@ def test_auto_picks_by_topology_and_size():
     fast, slow = FakeTopo(2, 2 * select.SLOW_LINK_BYTES_PER_S), FakeTopo(2, select.SLOW_LINK_BYTES_PER_S / 4)
     assert select.choose_allreduce("auto", big, 4, fast) == "hierarchical"
     assert select.choose_allreduce("auto", big, 4, slow) == "mpi"  # the link, not the cores, is the limit
+    # from 3 hosts on MPI's call took 1.8-3.1x the ring's time on a slow link (docs/collectives.md, "Many hosts")
+    slow3 = FakeTopo(3, select.SLOW_LINK_BYTES_PER_S / 4)
+    assert select.choose_allreduce("auto", big, 6, slow3) == "ring"
+    assert select.choose_allreduce("auto", select.HIER_MIN_BYTES - 1, 6, slow3) == "mpi"
     assert select.choose_allreduce("auto", small, 4, slow, force=True) == "hierarchical"
     assert select.choose_allreduce("hierarchical", big, 4, slow) == "hierarchical"
     assert select.choose_allreduce("auto", small, 4, two, force=True) == "hierarchical"

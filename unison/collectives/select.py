@@ -15,9 +15,17 @@ Messages of at most 256 bytes travel inline in the agreement exchange (see
   3 Gbit/s (docs/collectives.md, "Many hosts", has the numbers). The
   all-reduce depends on the link's speed, measured once per communicator
   (:func:`~.hierarchical.link_rate`): below :data:`SLOW_LINK_BYTES_PER_S`
-  the link is the bottleneck and Open MPI's own all-reduce (HAN: a pipeline
-  of 64 KiB segments in C) ran within 1% of the link's floor, 4-8% ahead of
-  ours, so MPI's call is used at every size; on a faster link the cores are
+  the link is the bottleneck and, between 2 hosts, Open MPI's own all-reduce
+  (HAN: a pipeline of 64 KiB segments in C) ran within 1% of the link's
+  floor, 4-8% ahead of ours, so MPI's call is used at every size there. From
+  3 hosts on it is not: at 64 MiB on 1 Gbit/s links MPI's call took 1.8x
+  (3 hosts x 2 ranks) and 2.5-3.1x (4 x 2) the time of our ring, whose
+  cross-host traffic stays at the link's floor (942 ms at 3 hosts, 992 and
+  1050 ms in two runs at 4, within 4% of the model's prediction; 2026-12-06,
+  ``benchmarks/hosts.py --hosts 3|4``). So above 2 hosts a slow link takes
+  the ring from :data:`HIER_MIN_BYTES` on (host-ordered: each link carries one
+  flow each way). Our hierarchical all-reduce was 11% faster than the ring at
+  3 hosts but erratic at 4 (1289 and 3008 ms in two runs). On a faster link the cores are
   the bottleneck and ours was up to 2x faster from :data:`HIER_MIN_BYTES`
   on: the hierarchical all-reduce there (it sends each byte across the
   network once per host instead of once per rank), MPI's call below. The
@@ -96,9 +104,11 @@ def _choose_allreduce(requested: str, nbytes: int, topo: Any, force: bool) -> st
         if force:
             return "hierarchical"
         rate = getattr(topo, "cross_rate", None)
-        if nbytes >= HIER_MIN_BYTES and (rate is None or rate >= SLOW_LINK_BYTES_PER_S):
+        if nbytes < HIER_MIN_BYTES:
+            return "mpi"
+        if rate is None or rate >= SLOW_LINK_BYTES_PER_S:
             return "hierarchical"
-        return "mpi"
+        return "ring" if getattr(topo, "num_hosts", 2) > 2 else "mpi"
     return "ring" if nbytes >= RING_MIN_BYTES else "mpi"
 
 
