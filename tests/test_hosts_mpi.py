@@ -268,6 +268,7 @@ def test_delay_and_loss_sit_under_the_rate_limit_and_need_netem():
     # that place in the tree takes a child under the host's tbf (pfifo standing in for netem, which
     # this kernel may lack), and the tbf stays at the root
     space = "unison-test-tbf"
+    subprocess.run(["ip", "netns", "del", space], capture_output=True)  # (a killed run's leftover)
     subprocess.run(["ip", "netns", "add", space], check=True)
     try:
         inside = ["ip", "netns", "exec", space]
@@ -288,7 +289,7 @@ def test_delay_and_loss_sit_under_the_rate_limit_and_need_netem():
         testhosts.up(2, delay="5ms", instance=9)
     assert testhosts.current(9) is None
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert "unison-netem-probe" not in listed and "netem" not in subprocess.run(
+    assert "unison-test-tbf" not in listed and "netem" not in subprocess.run(
         ["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
 
 

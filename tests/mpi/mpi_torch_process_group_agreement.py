@@ -1,5 +1,5 @@
 """What the ranks of a call on the ``torch.distributed`` backend "unison" must agree on (run at 3 ranks by
-tests/test_torch_process_group_mpi.py; the same body runs at any size).
+tests/test_torch_process_group_mpi.py; the same body passed at 1 rank too, by hand on 2026-12-06).
 
 The coalesced calls (``dist.all_gather_coalesced``; all-gathers and reduce-scatters into one tensor inside
 ``dist._coalescing_manager``) against numpy, synchronous and async, on the default group and on a group of
@@ -244,3 +244,26 @@ def test_the_older_method_names_pytorch_still_binds():
     assert piece.tolist() == [n * (2.0 * r), n * (2.0 * r + 1)]
     world._reduce_scatter_base(piece, torch.ones(2 * n)).wait()
     assert piece.tolist() == [float(n)] * 2
+
+
+def test_a_direct_coalesced_call_with_unpaired_lists_raises_on_every_rank():
+    """Outputs and inputs of different lengths on rank 0 only (a direct call: PyTorch pairs them itself):
+    every rank raises, and the group goes on. Before (a review, 2026-12-06) that rank raised before the
+    count agreement and the others waited in it until the group's timeout."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    world = dist.group.WORLD
+    outputs = [torch.zeros(2 * n)] * (2 if r == 0 else 1)
+    with pytest.raises(ValueError, match="takes one output tensor per input|another rank's arguments"):
+        world.allgather_into_tensor_coalesced(outputs, [torch.ones(2)]).wait()
+    _goes_on(None)
+
+
+def test_a_lazily_conjugated_complex_output_raises_on_every_rank():
+    """``reduce`` into a ``.conj()`` view on rank 0: a clear ValueError there and on every rank (before,
+    ``view_as_real``'s RuntimeError on that rank alone, the others' call left unpaired)."""
+    r = dist.get_rank()
+    t = torch.ones(3, dtype=torch.complex128)
+    target = t.conj() if r == 0 else t
+    with pytest.raises(ValueError, match="lazily conjugated"):
+        dist.reduce(target, dst=0)
+    _goes_on(None)

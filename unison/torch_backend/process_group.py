@@ -93,6 +93,8 @@ def _check_op(dtype: np.dtype, op: Any, factor: float | None, what: str) -> None
     """Refuse an op with no meaning for ``dtype`` ([Note: what the backend does not support]); the caller
     submits the error, so every rank raises it. Before 2026-12-06 PREMUL_SUM of integers raised ValueError
     on its own rank only, and bitwise ops of floats the engine's CollectiveError."""
+    if factor is None and op is not Average and op not in BITWISE:  # (the common case: nothing to refuse)
+        return
     name = dtype_name(dtype)
     if op in BITWISE and (is_float(dtype) or np.dtype(dtype).kind == "c"):
         raise unsupported(f"{what} with ReduceOp.{op.name} of {name} tensors: BAND, BOR and BXOR are a bitwise "
@@ -123,6 +125,9 @@ def _real(t: torch.Tensor, op: Any, what: str, written: bool = False) -> torch.T
     if op is not Sum and op is not Average:
         raise unsupported(f"{what} of complex tensors takes SUM, AVG or PREMUL_SUM (as gloo); got {op}. Reduce "
                           "the real and imaginary parts (torch.view_as_real) yourself for another op")
+    if written and t.is_conj():  # (view_as_real's own RuntimeError was raised on this rank alone: a review)
+        raise ValueError(f"{what} cannot write into a lazily conjugated complex tensor (a .conj() view); "
+                         "pass t.resolve_conj(), or a tensor of its own")
     return torch.view_as_real(t if written else t.resolve_conj())
 
 
@@ -201,17 +206,21 @@ class UnisonProcessGroup(dist.ProcessGroup):
     def _work(self, handles: Any, finish: Any) -> dist.Work:
         return collective_work(handles, finish, self._timeout_s)
 
-    def _agree_count(self, what: str, count: int) -> None:
+    def _agree_count(self, what: str, count: int, refused: str | None = None) -> None:
         """Every rank passed ``count`` tensors to a coalesced call (one request per tensor follows), or every
         rank raises. Before 2026-12-05 lists of different lengths paired a longer list's extra tensor with
-        the other ranks' next collective: wrong values there, then a hang."""
-        handle = self._ops.allreduce_async(np.array([count, -count], np.int64), Max)
+        the other ranks' next collective: wrong values there, then a hang. ``refused``: this rank's own
+        objection to its arguments, raised on every rank (raised before the agreement, it left the others
+        waiting in it: a review, 2026-12-06)."""
+        handle = self._ops.allreduce_async(np.array([count, -count, refused is not None], np.int64), Max)
         try:  # (blocking, so an async coalesced call waits here for the others: at most the group's timeout)
             with waiting_on((handle,)):  # (its timeout is an error's deadline: engine [Note: a deadlock is ...])
                 got = np.asarray(handle.wait(self._timeout_s))
         except (TimeoutError, concurrent.futures.TimeoutError):
             raise timed_out(f"{what}'s agreement on the tensor count", self._timeout_s or 0.0) from None
         most, least = int(got[0]), -int(got[1])
+        if got[2]:
+            raise ValueError(refused or f"{what}: another rank's arguments were refused (it raises why)")
         if most != least:
             raise MismatchError(f"{what}: the ranks passed {least} to {most} tensors (this rank {count}); every "
                                 "rank must pass the same number")
@@ -298,8 +307,8 @@ class UnisonProcessGroup(dist.ProcessGroup):
                                         opts: Any = None) -> dist.Work:
         """``dist.reduce_scatter_tensor`` calls inside ``dist._coalescing_manager()``: one reduce-scatter per
         pair, after the ranks agreed on their number (as ``allreduce_coalesced``)."""
-        self._check_pairs("reduce_scatter_tensor_coalesced", outputs, inputs)
-        self._agree_count("reduce_scatter_tensor_coalesced", len(inputs))
+        what = "reduce_scatter_tensor_coalesced"
+        self._agree_count(what, len(inputs), self._check_pairs(what, outputs, inputs))
         pieces = [_pieces_of(i, o, self._size) for o, i in zip(outputs, inputs, strict=True)]
         return self.reduce_scatter(outputs, pieces, opts)
 
@@ -342,8 +351,8 @@ class UnisonProcessGroup(dist.ProcessGroup):
                                     opts: Any = None) -> dist.Work:
         """``dist.all_gather_into_tensor`` calls inside ``dist._coalescing_manager()``: one all-gather per
         pair, after the ranks agreed on their number (as ``allreduce_coalesced``)."""
-        self._check_pairs("all_gather_into_tensor_coalesced", outputs, inputs)
-        self._agree_count("all_gather_into_tensor_coalesced", len(inputs))
+        what = "all_gather_into_tensor_coalesced"
+        self._agree_count(what, len(inputs), self._check_pairs(what, outputs, inputs))
         pieces = [_pieces_of(o, i, self._size) for o, i in zip(outputs, inputs, strict=True)]
         return self._allgather(pieces, inputs, lambda: outputs)
 
@@ -548,11 +557,13 @@ class UnisonProcessGroup(dist.ProcessGroup):
                              f"got tag={tag}")
 
     @staticmethod
-    def _check_pairs(what: str, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
-        """One output per input (PyTorch's ``_coalescing_manager`` pairs them; a direct call might not)."""
+    def _check_pairs(what: str, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> str | None:
+        """Why the lists do not pair (PyTorch's ``_coalescing_manager`` pairs them; a direct call might not), for
+        :meth:`_agree_count` to raise on every rank; None when they pair."""
         if len(outputs) != len(inputs):
-            raise ValueError(f"{what} takes one output tensor per input; got {len(outputs)} outputs and "
-                             f"{len(inputs)} inputs")
+            return (f"{what} takes one output tensor per input; got {len(outputs)} outputs and {len(inputs)} "
+                    "inputs")
+        return None
 
     def _check_pieces(self, pieces: Sequence[torch.Tensor], like: torch.Tensor, what: str) -> None:
         if len(pieces) != self._size or any(p.shape != like.shape for p in pieces):

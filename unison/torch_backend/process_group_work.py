@@ -89,6 +89,8 @@ class TranslatingOps:
         self._inner = ops
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "_inner":  # (a copy or unpickling looks these up before __init__)
+            raise AttributeError(name)
         attr = getattr(self._inner, name)
         if not callable(attr):
             return attr
@@ -102,6 +104,7 @@ class TranslatingOps:
                     raise
                 raise converted from error
 
+        self.__dict__[name] = call  # made once per name: later calls find it without __getattr__
         return call
 
 
