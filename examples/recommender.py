@@ -127,6 +127,13 @@ def popularity_recall_at_10(held_out: np.ndarray, pairs: np.ndarray, args: argpa
     return float(((counts[:, 1:] >= counts[:, :1]).sum(1) < 10).mean())
 
 
+def _peak_rss() -> int:
+    """This process's peak resident memory so far, in bytes (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def main() -> None:
     args = parse()
     import torch
@@ -152,12 +159,13 @@ def main() -> None:
     log.info("item table %d x %d: %.1f MiB with its Adagrad state, cap %.1f MiB per rank (%s), shard %.1f MiB",
              args.items, args.dim, whole / 2**20, cap / 2**20, "cannot replicate" if whole > cap else "fits",
              shard / 2**20)
+    pairs, held_out, _ = generate(args)
+    rss_before = _peak_rss()  # (the data is made: what grows from here is the tables and the training)
     init = "normal"
     users_t = hvd.ShardedEmbedding(args.users, args.dim, ps.Adagrad(args.lr), consistency, name="users",
                                    initializer=init, seed=1)
     items_t = hvd.ShardedEmbedding(args.items, args.dim, ps.Adagrad(args.lr), consistency, name="items",
                                    initializer=init, seed=2)
-    pairs, held_out, _ = generate(args)
     before = recall_at_10(users_t, items_t, held_out, pairs, args)
     log.info("sampled recall@10 before training: %.3f (chance: 0.100)", before)
     local = args.batch // hvd.size()
@@ -180,6 +188,14 @@ def main() -> None:
         log.info("epoch %d: BPR loss %.4f, %.0f steps/s", epoch + 1, mean, steps / (time.perf_counter() - start))
     log.info("sampled recall@10 after training: %.3f (ranking by popularity: %.3f)",
              recall_at_10(users_t, items_t, held_out, pairs, args), popularity_recall_at_10(held_out, pairs, args))
+    shard_obj = items_t.table.shard
+    held = shard_obj.weights.nbytes + sum(a.nbytes for a in shard_obj.state.values())
+    grown = _peak_rss() - rss_before
+    log.info("memory, rank 0: the item shard holds %.1f MiB (rows and Adagrad state; the whole table %.1f MiB, "
+             "cap %.1f MiB); peak RSS grew %.1f MiB from before the tables to the end of training", held / 2**20,
+             whole / 2**20, cap / 2**20, grown / 2**20)
+    if held > cap:
+        raise SystemExit(f"the item shard holds {held / 2**20:.1f} MiB, over the cap of {cap / 2**20:.1f} MiB")
     stats = items_t.table.stats()
     log.info("item table, rank 0: %d pulls, %.1f MiB sent, %.1f MiB received, largest staleness %d",
              stats["pulls"], stats["bytes_sent"] / 2**20, stats["bytes_received"] / 2**20, stats["max_staleness"])

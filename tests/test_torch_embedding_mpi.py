@@ -30,5 +30,7 @@ def test_recommender_example_learns_under_ssp():
     assert len(losses) == 2 and losses[1] < losses[0], out[-4000:]  # rank 0 logs, once per epoch
     assert len(recall) == 1 and float(recall[0]) > 0.5, out[-4000:]
     assert "cannot replicate" in out
+    held = re.findall(r"item shard holds ([0-9.]+) MiB \(rows and Adagrad state; the whole table ([0-9.]+)", out)
+    assert held and float(held[0][0]) <= float(held[0][1]) / 2 + 0.1, out[-4000:]  # its arrays: half the table
     staleness = re.findall(r"largest staleness (\d+)", out)
     assert staleness and int(staleness[0]) <= 2
