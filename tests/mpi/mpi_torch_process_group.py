@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import unison.torch_backend as hvd  # noqa: F401 - registers the backend
 from unison.common.exceptions import MismatchError
-from unison.torch_backend.process_group_work import UnsupportedError
+from unison.torch_backend import UnsupportedError
 
 torch.set_num_threads(1)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "UnisonError", "NotInitializedError", "MismatchError", "CollectiveError", "InvalidArgumentError",
-    "UnisonInternalError", "HorovodInternalError", "HostsUpdatedInterrupt",
+    "UnsupportedError", "UnisonInternalError", "HorovodInternalError", "HostsUpdatedInterrupt",
 ]
 
 
@@ -45,6 +45,14 @@ class InvalidArgumentError(UnisonError, ValueError):
     """A rank passed an argument that no rank can accept (bad root, splits, shape).
 
     Raised on every rank so that no rank is left waiting for the others.
+    """
+
+
+class UnsupportedError(CollectiveError, NotImplementedError):
+    """A call Unison does not implement (a device, an op for a dtype), raised on every rank of the call.
+
+    A ``NotImplementedError`` and so a ``RuntimeError`` (what gloo raises for the same calls of the
+    ``torch.distributed`` backend), and a :class:`CollectiveError` (a ``TypeError``).
     """
 
 

@@ -24,6 +24,7 @@ from unison.common.exceptions import (
     NotInitializedError,
     UnisonError,
     UnisonInternalError,
+    UnsupportedError,
 )
 from unison.common.ops import Average, Max, Min, Product, ReduceOp, Sum
 from unison.common.runtime import (
@@ -151,7 +152,8 @@ __all__ = [
     "allgather_object", "DistributedOptimizer", "SyncBatchNorm", "Compression", "ProcessSet",
     "global_process_set", "add_process_set", "start_timeline", "stop_timeline", "ReduceOp", "Average",
     "Sum", "Min", "Max", "Product", "UnisonError", "NotInitializedError", "MismatchError",
-    "CollectiveError", "InvalidArgumentError", "StallError", "ShutdownError", "DuplicateNameError", "JoinError",
+    "CollectiveError", "InvalidArgumentError", "UnsupportedError", "StallError", "ShutdownError",
+    "DuplicateNameError", "JoinError",
     "Pipeline", "PipelineGrid", "pipeline_grid", "balance_by_params", "balance_by_time", "PipelineError",
     "save_sharded", "load_sharded", "shard_module", "full_state_dict", "load_full_state_dict", "clip_grad_norm_",
     "clip_sharded_grad_norm_", "zero3_memory", "GradScaler", "elastic", "UnisonInternalError",

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from unison.common.engine.handles import Handle, waiting_on
-from unison.common.exceptions import CollectiveError
+from unison.common.exceptions import CollectiveError, UnsupportedError
 from unison.torch_backend.tensors import from_numpy, to_numpy
 
 __all__ = ["host", "copy_into", "collective_work", "P2PWork", "isend_bytes", "irecv_bytes", "seconds", "timed_out",
@@ -55,12 +55,6 @@ P2P_BLOCK_BYTES = 1 << 30
 
 #: How the message of every :class:`UnsupportedError` starts (see [Note: what the backend does not support]).
 UNSUPPORTED = "unsupported by the unison backend: "
-
-
-class UnsupportedError(CollectiveError, NotImplementedError):
-    """A call the unison backend does not implement (a device, or an op for a dtype), raised on every rank
-    of the call: a ``NotImplementedError`` and a ``RuntimeError`` (as gloo's refusals), and Unison's
-    ``CollectiveError`` (a ``TypeError``). See [Note: what the backend does not support]."""
 
 
 def unsupported(text: str) -> UnsupportedError:
