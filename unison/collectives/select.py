@@ -19,9 +19,9 @@ Messages of at most 256 bytes travel inline in the agreement exchange (see
   (HAN: a pipeline of 64 KiB segments in C) ran within 1% of the link's
   floor, 4-8% ahead of ours, so MPI's call is used at every size there. From
   3 hosts on it is not: at 64 MiB on 1 Gbit/s links MPI's call took 1.8x
-  (3 hosts x 2 ranks) and 2.5-3.1x (4 x 2) the time of our ring, whose
-  cross-host traffic stays at the link's floor (942 ms at 3 hosts, 992 and
-  1050 ms in two runs at 4, within 4% of the model's prediction; 2026-12-06,
+  (3 hosts x 2 ranks) and 2.0-3.1x (4 x 2) the time of our ring, whose
+  cross-host traffic stays at the link's floor (942 ms at 3 hosts, 0.99-1.41 s
+  in three runs at 4, within 4% of the model's prediction in two; 2026-12-06,
   ``benchmarks/hosts.py --hosts 3|4``). So above 2 hosts a slow link takes
   the ring from :data:`HIER_MIN_BYTES` on (host-ordered: each link carries one
   flow each way). Our hierarchical all-reduce was 11% faster than the ring at
