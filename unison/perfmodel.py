@@ -22,7 +22,7 @@ from pathlib import Path
 
 from unison.common import perfmodel as pm
 from unison.common.perfmodel_workloads import COMPUTE_NOTES, DEFAULT_COMPUTE_S, WORKLOADS, tensor_bytes
-from unison.common.pipeline.render import require_matplotlib
+from unison.common.plotting import require_matplotlib
 
 __all__ = ["main", "HOROVOD_REFERENCE", "Reference"]
 

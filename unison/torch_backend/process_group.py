@@ -307,9 +307,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
                                         opts: Any = None) -> dist.Work:
         """``dist.reduce_scatter_tensor`` calls inside ``dist._coalescing_manager()``: one reduce-scatter per
         pair, after the ranks agreed on their number (as ``allreduce_coalesced``)."""
-        what = "reduce_scatter_tensor_coalesced"
-        self._agree_count(what, len(inputs), self._check_pairs(what, outputs, inputs))
-        pieces = [_pieces_of(i, o, self._size) for o, i in zip(outputs, inputs, strict=True)]
+        pieces = self._paired_pieces("reduce_scatter_tensor_coalesced", outputs, inputs, split_outputs=False)
         return self.reduce_scatter(outputs, pieces, opts)
 
     # PyTorch's older names, which its C++ group still binds (with parameters named differently)
@@ -351,9 +349,7 @@ class UnisonProcessGroup(dist.ProcessGroup):
                                     opts: Any = None) -> dist.Work:
         """``dist.all_gather_into_tensor`` calls inside ``dist._coalescing_manager()``: one all-gather per
         pair, after the ranks agreed on their number (as ``allreduce_coalesced``)."""
-        what = "all_gather_into_tensor_coalesced"
-        self._agree_count(what, len(inputs), self._check_pairs(what, outputs, inputs))
-        pieces = [_pieces_of(o, i, self._size) for o, i in zip(outputs, inputs, strict=True)]
+        pieces = self._paired_pieces("all_gather_into_tensor_coalesced", outputs, inputs, split_outputs=True)
         return self._allgather(pieces, inputs, lambda: outputs)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]  # (as above)
@@ -556,14 +552,16 @@ class UnisonProcessGroup(dist.ProcessGroup):
             raise ValueError(f"Tag must be nonnegative and at most {MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)}; "
                              f"got tag={tag}")
 
-    @staticmethod
-    def _check_pairs(what: str, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> str | None:
-        """Why the lists do not pair (PyTorch's ``_coalescing_manager`` pairs them; a direct call might not), for
-        :meth:`_agree_count` to raise on every rank; None when they pair."""
-        if len(outputs) != len(inputs):
-            return (f"{what} takes one output tensor per input; got {len(outputs)} outputs and {len(inputs)} "
-                    "inputs")
-        return None
+    def _paired_pieces(self, what: str, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+                       split_outputs: bool) -> list[list[torch.Tensor]]:
+        """The coalesced one-tensor calls: once the ranks agreed on the count (and that each rank's lists pair:
+        PyTorch's ``_coalescing_manager`` pairs them, a direct call might not), each whole tensor (the outputs of
+        an all-gather, the inputs of a reduce-scatter) as one piece per rank shaped like its partner."""
+        unpaired = (f"{what} takes one output tensor per input; got {len(outputs)} outputs and {len(inputs)} "
+                    "inputs") if len(outputs) != len(inputs) else None
+        self._agree_count(what, len(inputs), unpaired)
+        wholes, likes = (outputs, inputs) if split_outputs else (inputs, outputs)
+        return [_pieces_of(w, like, self._size) for w, like in zip(wholes, likes, strict=True)]
 
     def _check_pieces(self, pieces: Sequence[torch.Tensor], like: torch.Tensor, what: str) -> None:
         if len(pieces) != self._size or any(p.shape != like.shape for p in pieces):

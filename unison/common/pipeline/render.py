@@ -22,32 +22,13 @@ from typing import Any
 from unison.common.files import atomic_path
 from unison.common.pipeline.schedule import Schedule
 from unison.common.pipeline.simulate import SimResult, simulate
+from unison.common.plotting import require_matplotlib
 
 __all__ = ["render_text", "render_png"]
 
 _FILL = {"F": "-", "B": "=", "I": "~", "W": "+"}
 _NAMES = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "backward (weights)"}
 _COLORS = {"F": "#4c72b0", "B": "#55a868", "I": "#dd8452", "W": "#8172b3"}
-
-
-def require_matplotlib(purpose: str) -> None:
-    """Import matplotlib, or raise an ImportError that names the fix.
-
-    matplotlib is optional (the ``examples`` and ``dev`` extras) and imported only to draw, so every
-    drawing function calls this first: a missing one is then a message, not a ModuleNotFoundError from
-    the middle of a plot.
-
-    Args:
-        purpose: what needs it, for the message (``"render_png"``).
-
-    Raises:
-        ImportError: matplotlib (or one of its own dependencies) cannot be imported.
-    """
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError as exc:
-        raise ImportError(f"{purpose} needs matplotlib, which failed to import ({exc}): pip install matplotlib "
-                          "(or the checkout's [examples] extra: pip install '.[examples]')") from exc
 
 
 def _result(item: Schedule | SimResult) -> SimResult:

@@ -690,9 +690,7 @@ class ShardedTable:
             self._slowest_seen = self.shard.wait_ready(need, self._check_waiting)
         else:
             server = self.servers[need % len(self.servers)]
-            self._request = self._request % 30000 + 1
-            while any(o[2] == server and o[3] == self._request for o in self._orphans):
-                self._request = self._request % 30000 + 1
+            self._next_request(server)
             reply = np.empty(8, np.uint8)
             wait = self._rep.Irecv([reply, self.mpi.BYTE], server, self._request)  # type: ignore[union-attr]
             self._send(server, sv.pack(sv.PULL, self._request, need, np.zeros(0, np.int64)))
@@ -823,9 +821,7 @@ class ShardedTable:
         for r in self.servers:
             if r == self.rank or counts[r] == 0:
                 continue
-            self._request = self._request % 30000 + 1
-            while any(o[2] == r and o[3] == self._request for o in self._orphans):  # (its tag is still posted)
-                self._request = self._request % 30000 + 1
+            self._next_request(r)
             reply = np.empty(8 + int(counts[r]) * self.dim * self.dtype.itemsize, np.uint8)
             waits.append(self._rep.Irecv([reply, self.mpi.BYTE], r, self._request))  # type: ignore[union-attr]
             replies.append((r, reply, self._request))
@@ -860,6 +856,12 @@ class ShardedTable:
             self._stats["max_staleness"] = max(self._stats["max_staleness"], self._clock - min(slowest))
             self._slowest_seen = max(self._slowest_seen, max(slowest))  # (each shard's view is a lower bound)
         return rows
+
+    def _next_request(self, server: int) -> None:
+        """Take the next request id (a reply's tag) for ``server``, skipping those whose reply is still posted."""
+        self._request = self._request % 30000 + 1
+        while any(o[2] == server and o[3] == self._request for o in self._orphans):
+            self._request = self._request % 30000 + 1
 
     def _check_waiting(self) -> None:
         """While an SSP/ASP pull waits: raise this rank's server thread's failure or a peer's error."""

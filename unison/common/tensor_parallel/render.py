@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from unison.common.files import atomic_path
-from unison.common.pipeline.render import require_matplotlib
+from unison.common.plotting import require_matplotlib
 
 if TYPE_CHECKING:
     from unison.common.tensor_parallel.grid import Grid
