@@ -326,9 +326,53 @@ def test_ssp_workers_that_end_steps_apart_meet_in_a_barrier(staleness, pulls):
                 table.pull(np.arange(16))
             table.push(np.arange(16), np.ones((16, 2)))
         table.barrier()
-        if R != 0 or N == 1:  # (rank 0, s + 1 steps ahead, would wait for the others to catch up)
-            np.testing.assert_array_equal(table.pull(np.arange(16)), 3.0 * N + staleness + 1)  # every push
+        # every push; rank 0 reads too: the clocks met in the barrier (before 2026-12-06 it waited for ever)
+        np.testing.assert_array_equal(table.pull(np.arange(16)), 3.0 * N + staleness + 1)
         table.barrier()
+
+
+@pytest.mark.parametrize("meet", ["barrier", "save"])
+@pytest.mark.parametrize("dedicated", [False, True])
+def test_ssp_workers_with_uneven_steps_meet_in_a_barrier(dedicated, meet):
+    """An uneven last epoch under SSP(1): worker w makes 2 + 3w steps, then every worker calls barrier() (or
+    save()) and makes two more steps. Before 2026-12-06 the workers with more steps waited for ever for the
+    clock of a worker already in the barrier; now a worker in a barrier holds nobody back, and every worker
+    leaves it at the largest clock ([Note: clocks meet at a barrier])."""
+    if dedicated and (N < 3 or meet == "save"):
+        pytest.skip("a dedicated server needs 3 ranks; SSP tables with dedicated servers do not save")
+    servers = [N - 1] if dedicated else None
+    workers = list(range(N - 1)) if dedicated else list(range(N))
+    keys = np.arange(8)
+    steps = {w: 2 + 3 * i for i, w in enumerate(workers)}
+    with shared_folder("ps_uneven_") as folder, ps.ShardedTable(
+            8, 1, "float64", "row", ps.SGD(lr=-1.0), ps.SSP(1), name=f"uneven-{dedicated}-{meet}",
+            initializer="zeros", servers=servers, average=False) as table:
+        if R not in workers:
+            table.serve()
+        else:
+            for _ in range(steps[R]):
+                table.pull(keys)
+                table.push(keys, np.ones((8, 1)))
+            if meet == "barrier":
+                table.barrier()
+            else:
+                table.save(os.path.join(folder, "ckpt"))
+            clock = table.stats()["clock"]
+            seen = table.pull(keys)  # every push made before the barrier
+            for _ in range(2):
+                table.pull(keys)
+                table.push(keys, np.ones((8, 1)))
+            table.barrier()
+            final = table.pull(keys)
+        if meet == "save":  # the checkpoint holds every push made before it
+            with ps.ShardedTable(8, 1, "float64", "row", ps.SGD(lr=-1.0), name="uneven-load",
+                                 initializer="zeros", average=False) as again:
+                again.load(os.path.join(folder, "ckpt"))
+                np.testing.assert_array_equal(again.pull(keys), sum(steps.values()))
+    if R in workers:
+        assert clock == max(steps.values()), (clock, steps)
+        np.testing.assert_array_equal(seen, sum(steps.values()))
+        np.testing.assert_array_equal(final, sum(steps.values()) + 2 * len(workers))
 
 
 def test_a_peers_error_raised_while_held_back_leaves_this_push_unapplied():

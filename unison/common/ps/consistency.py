@@ -29,7 +29,8 @@ worker at clock ``c`` (a push, a pull, ``clock()``) waits until every worker has
 (so a worker that only pushes, or whose pulls touch no rows, is held back too: before 2026-12-06 it
 was not), and the shard that answers a pull defers it until the clocks it has received reach
 ``c - s`` (table [Note: SSP holds back every operation]). ``barrier()``, ``save()``, ``load()`` and
-``close()`` do not wait.
+``close()`` do not wait; a worker in a barrier holds nobody back, and the workers leave it at one
+clock, the largest (table [Note: clocks meet at a barrier]).
 """
 
 from __future__ import annotations

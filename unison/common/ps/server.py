@@ -118,19 +118,21 @@ class Server:
             self._answer_ready()
         elif op == MARK:  # a barrier: acknowledge to every worker once all have marked (their pushes are in)
             self.marks[self.worker_of[source]] = value
+            self.shard.park(self.worker_of[source])  # (table [Note: clocks meet at a barrier])
             if int(self.marks.min()) >= value:
-                ack = np.array([value], np.int64)
+                ack = np.array([value, self.shard.meet()], np.int64)  # the mark, the clock every worker has now
                 for rank in self.worker_of:
                     self.sends.append((self.rep.Isend([ack, self.mpi.INT64_T], rank, ACK_TAG), ack))
+            self._answer_ready()  # a pull deferred for the parked worker's clock goes now
         else:
             raise RuntimeError(f"sharded table: unknown request op {op} from rank {source}")
 
     def _answer_ready(self) -> None:
         keep = []
         with self.shard.cond:
-            slowest = int(self.shard.clocks.min())
+            slowest = self.shard.slowest()
             for source, request, need, storage in self.deferred:
-                if slowest < need:
+                if not self.shard.ready(need):
                     keep.append((source, request, need, storage))
                     continue
                 rows = rows_of(self.shard.weights, storage - self.shard.lo)

@@ -130,6 +130,8 @@ class Shard:
         self.state = optimizer.init_state(self.hi - self.lo, dim, self.dtype)
         self.scale = scale
         self.clocks = np.zeros(workers, np.int64)
+        #: workers waiting in a barrier, save or load: they hold nobody back ([Note: clocks meet at a barrier])
+        self.parked = np.zeros(workers, bool)
         self.cond = threading.Condition()
 
     def read(self, storage: np.ndarray) -> np.ndarray:
@@ -154,9 +156,17 @@ class Shard:
                 self.clocks[worker] = clock
                 self.cond.notify_all()
 
+    def slowest(self) -> int:
+        """The slowest clock of the workers not parked in a barrier (call with the lock held).
+
+        With every worker parked, the slowest of all: nobody is held back then (see :meth:`ready`).
+        """
+        active = self.clocks[~self.parked]
+        return int(active.min() if active.size else self.clocks.min())
+
     def ready(self, need: int) -> bool:
-        """Whether the slowest worker's clock is at least ``need`` (call with the lock held)."""
-        return int(self.clocks.min()) >= need
+        """Whether every worker not parked in a barrier has clock at least ``need`` (call with the lock held)."""
+        return bool(self.parked.all()) or self.slowest() >= need
 
     def wait_ready(self, need: int, check: Callable[[], None] | None = None) -> int:
         """Block until :meth:`ready`; return the slowest clock seen."""
@@ -165,4 +175,22 @@ class Shard:
                 self.cond.wait(0.05)
                 if check is not None:
                     check()
-            return int(self.clocks.min())
+            return self.slowest()
+
+    def park(self, worker: int) -> None:
+        """``worker`` entered a barrier: until the barrier ends it holds nobody back."""
+        with self.cond:
+            self.parked[worker] = True
+            self.cond.notify_all()
+
+    def meet(self) -> int:
+        """Every worker has entered the barrier: each parked worker's clock becomes the largest of theirs.
+
+        Returns that clock. [Note: clocks meet at a barrier] (table.py) says why.
+        """
+        with self.cond:
+            met = int(self.clocks[self.parked].max()) if self.parked.any() else int(self.clocks.min())
+            self.clocks[self.parked] = np.maximum(self.clocks[self.parked], met)
+            self.parked[:] = False
+            self.cond.notify_all()
+            return met

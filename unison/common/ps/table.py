@@ -676,7 +676,8 @@ class ShardedTable:
         anything, so a peer's error raised there leaves this worker's push unapplied (raised after
         it, a retry would apply it twice), and ``barrier()``, ``save()``, ``load()`` and ``close()``
         never wait: workers that end with different numbers of steps still meet there (a first
-        version waited at the end of each step, and such workers waited for ever: a review). A
+        version waited at the end of each step, and such workers waited for ever: a review), and
+        a worker in a barrier holds nobody back ([Note: clocks meet at a barrier]). A
         worker holding a shard reads the clocks its own server has received; a worker without one
         (dedicated servers) asks a server with a pull of no rows (the servers in turn), which that
         server defers like any pull. Every pull reply reports the slowest clock its shard has seen,
@@ -929,13 +930,29 @@ class ShardedTable:
         self._call("barrier", self._quiesce)
 
     def _quiesce(self) -> None:
+        """Under SSP/ASP: wait until every worker's pushes issued before it are applied; the clocks then meet.
+
+        [Note: clocks meet at a barrier]
+        A worker in ``barrier()`` (or ``save()``/``load()``, which start with one) makes no step until
+        every worker has joined it, so while it waits it holds nobody back: each server *parks* it
+        when its mark arrives, and defers pulls and hold-backs only for the workers not parked. Once
+        every mark is in, each server sets every worker's clock to the largest of them (the same on
+        every server: a worker's clock messages reach each server before its mark) and sends it with
+        the acknowledgement; the worker takes it as its own clock. So the ranks that meet in a barrier
+        leave it at one clock, as if the slower ones had made empty steps, and SSP's bound holds again
+        from there: every push made before the barrier is applied, and every later one carries a later
+        clock. Before 2026-12-06 a worker with more steps left than another's ``s`` (an uneven last
+        epoch) waited for ever in a push or pull for a worker already in the barrier, and a worker that
+        left a barrier more than ``s`` steps ahead waited in its next operation for workers that had none
+        left to make (``test_ssp_workers_with_uneven_steps_meet_in_a_barrier``).
+        """
         if self.comm is None or self.consistency.collective:
             return
         self._mark = getattr(self, "_mark", 0) + 1
         # a lone worker's pushes to its own shard are applied inline, and its server thread serves no one
         # (it ended at once): it is not marked (before 2026-12-05 the mark waited for ever for its ACK)
         servers = [r for r in self.servers if not (r == self.rank and len(self.workers) == 1)]
-        acks = [np.zeros(1, np.int64) for _ in servers]
+        acks = [np.zeros(2, np.int64) for _ in servers]  # [mark, the clock every worker has after it]
         waits = [
             self._rep.Irecv([a, self.mpi.INT64_T], r, sv.ACK_TAG)  # type: ignore[union-attr]
             for a, r in zip(acks, servers, strict=True)
@@ -945,6 +962,10 @@ class ShardedTable:
         self.mpi.Request.Waitall(waits)
         self.mpi.Request.Waitall([r for r, _ in self._sends])
         self._sends = []
+        if acks:  # [Note: clocks meet at a barrier]
+            met = max(int(a[1]) for a in acks)
+            self._clock = max(self._clock, met)
+            self._slowest_seen = max(self._slowest_seen, met)
 
     def to_numpy(self) -> np.ndarray:
         """The whole table in key order (a pull of every key: for small tables and tests)."""
