@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import textwrap
 
+import numpy as np
 import pytest
-from harness import mpirun, run_rank_suite
+from harness import ROOT, mpi_env, mpirun, run_rank_suite
+
+from unison.run.launcher import ELASTIC_MPI_ARGS
+
+sys.path.insert(0, str(ROOT / "tests" / "mpi"))
+import mpi_ps_elastic as elastic_job  # noqa: E402  (the script's constants and batches)
 
 
 @pytest.mark.mpi
@@ -89,3 +96,40 @@ def test_an_ssp_worker_that_exits_ahead_of_the_others_lets_them_finish(tmp_path,
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "rank 0 done" in out and "rank 1 done" in out, out[-4000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("consistency", ["bsp", "ssp"])
+def test_a_table_survives_a_rank_killed(tmp_path, consistency):
+    """Elastic mode, 3 ranks: the last rank SIGKILLs itself at step 5. The survivors' table operations raise
+    UnisonInternalError (the table is lost, not hung: [Note: a table that loses a rank]); the elastic wrapper
+    rolls back to the commit of step 4, the reset callback creates the table again on 2 ranks and loads that
+    commit's checkpoint, and the job ends with the table of a replay: steps 0-3 of 3 ranks, 4-7 of 2.
+    Before 2026-12-06 a BSP survivor failed with MPI_ERR_OTHER (ending the job) or waited in the round, and
+    an SSP worker raised a TableError that the wrapper did not take for a failure."""
+    job = elastic_job
+    environ = mpi_env()
+    environ["UNISON_ELASTIC"] = "1"
+    proc = mpirun(3, [*ELASTIC_MPI_ARGS, sys.executable, str(ROOT / "tests" / "mpi" / "mpi_ps_elastic.py"),
+                      str(tmp_path), consistency], timeout=150, env=environ, linger_ok=True)
+    out = proc.stdout + proc.stderr
+    ranks = []
+    for r in range(2):
+        path = tmp_path / f"rank{r}.json"
+        assert path.exists(), out[-6000:]
+        ranks.append(json.loads(path.read_text()))
+    expected = np.zeros((job.ROWS, job.DIM))
+    kept = [(step, 3) for step in range(4)] + [(step, 2) for step in range(4, job.STEPS)]
+    for step, world in kept:
+        for rank in range(world):
+            keys, grads = job.batch(step, rank)
+            np.add.at(expected, keys, grads)  # SGD(lr=-1): every gradient row added once (duplicates summed)
+    killed = json.loads((tmp_path / "kill.json").read_text())["time"]
+    for got in ranks:
+        assert got["size"] == 2 and got["step"] == job.STEPS, got
+        np.testing.assert_array_equal(np.array(got["table"]), expected)
+        assert got["raised"], got
+        first = got["raised"][0]
+        assert first["type"] == "UnisonInternalError", first
+        assert first["time"] - killed < 10.0, first  # raised, not hung (the detection takes well under 1 s)

@@ -358,7 +358,7 @@ def test_ssp_workers_with_uneven_steps_meet_in_a_barrier(dedicated, meet):
             else:
                 table.save(os.path.join(folder, "ckpt"))
             clock = table.stats()["clock"]
-            seen = table.pull(keys)  # every push made before the barrier
+            seen = table.pull(keys)  # every push made before the barrier (and maybe a faster worker's after it)
             for _ in range(2):
                 table.pull(keys)
                 table.push(keys, np.ones((8, 1)))
@@ -371,7 +371,8 @@ def test_ssp_workers_with_uneven_steps_meet_in_a_barrier(dedicated, meet):
                 np.testing.assert_array_equal(again.pull(keys), sum(steps.values()))
     if R in workers:
         assert clock == max(steps.values()), (clock, steps)
-        np.testing.assert_array_equal(seen, sum(steps.values()))
+        total = sum(steps.values())
+        assert ((total <= seen) & (seen <= total + 2 * (len(workers) - 1))).all(), (seen, total)
         np.testing.assert_array_equal(final, sum(steps.values()) + 2 * len(workers))
 
 

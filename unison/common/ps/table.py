@@ -21,6 +21,7 @@ from unison.common.agreement import raise_together
 from unison.common.engine.controller import wait as wait_request
 from unison.common.exceptions import UnisonError
 from unison.common.ps import exchange as ex
+from unison.common.ps import failure
 from unison.common.ps import server as sv
 from unison.common.ps.consistency import Consistency, consistency_from_name
 from unison.common.ps.optimizers import SGD, Optimizer, rows_of
@@ -53,6 +54,12 @@ def get_table(name: str) -> ShardedTable:
 def tables() -> list[str]:
     with _registry_lock:
         return sorted(_registry)
+
+
+def open_tables() -> list[ShardedTable]:
+    """This rank's open tables, in the order they were created."""
+    with _registry_lock:
+        return [t for t in _registry.values() if not t.closed]
 
 
 def _close_at_shutdown(state: Any) -> None:
@@ -233,6 +240,8 @@ class ShardedTable:
         refuse: str | None = None,
     ) -> None:
         base, self.mpi = _resolve_comm(comm, process_set)
+        #: why the table was lost (a rank of it failed: [Note: a table that loses a rank]), else None
+        self._lost: str | None = None
         self.size = 1 if base is None else base.Get_size()
         self.rank = 0 if base is None else base.Get_rank()
         self.name = name if name is not None else _default_name(base, self.mpi)
@@ -392,6 +401,8 @@ class ShardedTable:
             )
 
     def _check_open(self, what: str) -> None:
+        if self._lost is not None:
+            raise TableError(failure.lost_text(self))
         if self.closed:
             raise TableError(f"table {self.name!r} is closed; {what} needs an open table")
         self._check_server()
@@ -498,11 +509,29 @@ class ShardedTable:
 
     def _locked(self, fn: Any, *args: Any) -> Any:
         with self._op_lock:
-            return fn(*args)
+            return self._guarded(fn, *args)
 
     def _inline(self, fn: Any, *args: Any) -> Any:
         with self._op_lock, _HeldInterrupt():
+            return self._guarded(fn, *args)
+
+    def _guarded(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``; a rank's failure met there loses the table ([Note: a table that loses a rank])."""
+        try:
             return fn(*args)
+        except Exception as exc:
+            lost = failure.failure_of(self, exc)
+            if lost is None:
+                raise
+            raise failure.lose(self, lost) from exc
+
+    def _forget(self) -> None:
+        """Closed without freeing anything (a lost table: its communicators are revoked, not freed)."""
+        self.closed = True
+        with _registry_lock:
+            if _registry.get(self.name) is self:
+                del _registry[self.name]
+        self._executor.shutdown(wait=False)
 
     def _queued_op(self, fn: Any, *args: Any) -> Any:
         try:
@@ -871,6 +900,9 @@ class ShardedTable:
 
     def _check_server(self) -> None:
         if self._server is not None and self._server.error is not None:
+            lost = failure.failure_of(self, self._server.error)
+            if lost is not None:
+                raise failure.lose(self, lost)
             raise TableError(f"table {self.name!r}: the server thread failed: {self._server.error!r}")
 
     # ------------------------------------------------------------------ checkpoints
@@ -982,6 +1014,11 @@ class ShardedTable:
                 f"rank {self.rank} is a worker"
             )
         if self.comm is None or self.closed:  # (before 2026-12-06 a second serve() failed in MPI: freed comm)
+            return
+        self._guarded(self._serve)
+
+    def _serve(self) -> None:
+        if self.comm is None:
             return
         if self._server is not None:
             self._server.serve()

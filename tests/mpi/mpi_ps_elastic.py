@@ -1,0 +1,94 @@
+"""A sharded table through a rank's death in elastic mode; run by tests/test_ps_mpi.py.
+
+    python mpi_ps_elastic.py OUT_DIR CONSISTENCY    (bsp or ssp)
+
+Three ranks (every rank a worker and a server) train a table with the elastic ``run`` wrapper
+(framework-neutral: ``unison.common.elastic``), saving the table and committing every
+``COMMIT_EVERY`` steps. At step ``KILL_AT`` the last rank SIGKILLs itself. The survivors' next
+table operation (or the engine's) meets the failure; the wrapper rolls back to the last commit,
+shrinks to two ranks and calls the reset callback, which creates the table again and loads the
+checkpoint of that commit ([Note: a table that loses a rank] in unison/common/ps/failure.py).
+Each survivor writes ``OUT_DIR/rank<r>.json``: the final table, its world size, its resets, and
+the time its first operation after the kill raised.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+from unison.common import elastic, runtime
+from unison.common.ps import SGD, SSP, ShardedTable
+
+ROWS, DIM, STEPS, COMMIT_EVERY, KILL_AT = 24, 2, 8, 2, 5
+
+
+def batch(step: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rank ``rank``'s keys (duplicates included) and gradient rows at ``step``: small integers, exact sums."""
+    keys = np.array([(step * 7 + rank * 5 + j * 3) % ROWS for j in range(5)] + [rank % ROWS], np.int64)
+    grads = np.full((len(keys), DIM), float(rank + 1)) + np.arange(DIM)
+    return keys, grads
+
+
+def main(out: str, consistency: str) -> None:
+    faulthandler.dump_traceback_later(100, exit=True)
+    runtime.init()
+    world = runtime.size()
+    holder: dict[str, ShardedTable] = {}
+    raised: list[dict] = []
+
+    def make_table() -> None:
+        rule = SSP(1) if consistency == "ssp" else "bsp"
+        holder["t"] = ShardedTable(ROWS, DIM, "float64", "row", SGD(lr=-1.0), rule, name="elastic-table",
+                                   initializer="zeros", average=False)
+
+    state = elastic.ObjectState(step=0)
+
+    def reload() -> None:  # a reset callback: the old table was lost with the dead rank
+        assert holder["t"].closed, "the table of the old world is still open"
+        make_table()
+        holder["t"].load(os.path.join(out, f"ckpt{state.step}"))
+
+    make_table()
+    state.register_reset_callbacks([reload])
+
+    def train(state: elastic.ObjectState) -> None:
+        while state.step < STEPS:
+            table = holder["t"]
+            if state.step == KILL_AT and runtime.size() == world and runtime.rank() == world - 1:
+                with open(os.path.join(out, "kill.json"), "w") as f:
+                    json.dump({"time": time.time()}, f)
+                os.kill(os.getpid(), signal.SIGKILL)
+            keys, grads = batch(state.step, runtime.rank())
+            try:
+                table.pull(keys)
+                table.push(keys, grads)
+                state.step += 1
+                if state.step % COMMIT_EVERY == 0:
+                    table.save(os.path.join(out, f"ckpt{state.step}"))
+                    state.commit()
+            except Exception as exc:
+                raised.append({"time": time.time(), "step": state.step, "type": type(exc).__name__,
+                               "error": str(exc)[:300]})
+                raise
+
+    elastic.run_fn(train, elastic.recover)(state)  # (what the backends' elastic.run decorators do)
+    table = holder["t"]
+    table.barrier()
+    final = table.pull(np.arange(ROWS))
+    result = {"rank": runtime.rank(), "size": runtime.size(), "step": state.step, "raised": raised,
+              "table": final.tolist()}
+    table.close()
+    with open(os.path.join(out, f"rank{runtime.rank()}.json"), "w") as f:
+        json.dump(result, f)
+    runtime.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
