@@ -20,6 +20,7 @@ from mpi4py import MPI
 import unison
 from unison.common.engine import frontend, objects
 from unison.common.engine.errors import JoinError
+from unison.common.exceptions import UnsupportedError
 
 WORLD = MPI.COMM_WORLD
 N, R = WORLD.Get_size(), WORLD.Get_rank()
@@ -370,6 +371,39 @@ def test_read_only_out_and_unconvertible_inputs_raise_on_every_rank():
         with pytest.raises(unison.InvalidArgumentError, match="failed on 1 of"):
             call([[1.0, 2.0], [3.0]] if R == 0 else np.ones(2))
     np.testing.assert_array_equal(unison.allreduce(np.ones(2), op=unison.Sum, name="after.bad"), [N, N])
+
+
+#: (rank 0's refusal, rank 1's or None, the class every rank raises): [Note: refusal kinds] in errors.py
+REFUSALS = [
+    (UnsupportedError("a refusal whose message names no backend"), None, UnsupportedError),
+    (UnsupportedError("not implemented here"), ValueError("a bad root"), UnsupportedError),
+    (UnsupportedError("unsupported by the unison backend: not implemented"), TypeError("a bad dtype"),
+     unison.CollectiveError),
+    (TypeError("a bad dtype, quoting unsupported by the unison backend: "), None, unison.CollectiveError),
+    (ValueError("a bad root, quoting unsupported by the unison backend: "), None, unison.InvalidArgumentError),
+]
+
+
+@needs_engine
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("first, second, cls", REFUSALS)
+def test_a_refusal_arrives_as_its_kind_on_every_rank(first, second, cls, grouped):
+    """An ``UnsupportedError`` travels as a kind of its own ("U"), so every rank raises it whatever its
+    message says; a plain TypeError elsewhere wins (``CollectiveError``), a ValueError does not. Before
+    2026-12-06 (a second change) it travelled as a TypeError's "T": every rank raised ``CollectiveError``."""
+    if second is not None and N < 2:
+        pytest.skip("needs two refusing ranks")
+    mine = first if R == 0 else second if R == 1 else None
+    data = np.ones(2) if mine is None else frontend.Refused(mine)
+    name = f"refusal.{REFUSALS.index((first, second, cls))}.{grouped}"
+    with pytest.raises(cls, match="failed on") as info:
+        if grouped:
+            unison.grouped_allreduce([np.ones(3), data], op=unison.Sum, name=name)
+        else:
+            unison.allreduce(data, op=unison.Sum, name=name)
+    assert type(info.value) is cls, f"{type(info.value).__name__}: {info.value}"
+    assert str(first) in str(info.value) and (second is None or str(second) in str(info.value))
+    np.testing.assert_array_equal(unison.allreduce(np.ones(2), op=unison.Sum, name=f"{name}.after"), [N, N])
 
 
 def test_broadcast_object_with_a_root_outside_one_ranks_set_raises_on_every_rank():

@@ -7,6 +7,7 @@ process on the global batch.
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ import torch.distributed as dist
 import unison.torch_backend as hvd  # noqa: F401 - registers the backend
 from unison.common.exceptions import MismatchError
 from unison.torch_backend import UnsupportedError
+from unison.torch_backend.process_group import UnisonProcessGroup
 
 torch.set_num_threads(1)
 
@@ -211,6 +213,35 @@ def test_errors_reach_wait_on_every_rank():
         work = dist.all_reduce(torch.ones(r + 2), async_op=True)  # shapes differ per rank
         with _raises_exactly(MismatchError, "was submitted with different arguments on different ranks"):
             work.wait()
+    dist.barrier()  # the group still works afterwards
+
+
+@pytest.mark.parametrize("call", ["all_reduce", "broadcast", "reduce_scatter_tensor", "all_to_all_single"])
+def test_an_unsupported_refusal_is_known_by_its_kind_not_its_words(monkeypatch, call):
+    """Rank 0 refuses its tensor with an ``UnsupportedError`` whose message lacks "unsupported by the unison
+    backend: ": every rank raises ``UnsupportedError`` (engine [Note: refusal kinds]), also in a job of one rank,
+    where broadcast, reduce-scatter and all-to-all run the direct collectives (which carry a TypeError's kind
+    only: process_group_work.py's ``OwnRefusals``). Before 2026-12-06 (a second change) a ``CollectiveError``."""
+    r, n = _rank_size()
+    module = sys.modules[UnisonProcessGroup.allreduce.__module__]  # (where the collectives call ``host``)
+    real_host, refusal = module.host, UnsupportedError(f"{call} refused by a check of rank 0's own")
+
+    def host(tensor: torch.Tensor, what: str) -> Any:
+        if r == 0:
+            raise refusal
+        return real_host(tensor, what)
+
+    with monkeypatch.context() as patch, _raises_exactly(UnsupportedError, "rank 0's own") as info:
+        patch.setattr(module, "host", host)
+        if call == "all_reduce":
+            dist.all_reduce(torch.ones(2))
+        elif call == "broadcast":
+            dist.broadcast(torch.ones(2), src=0)
+        elif call == "reduce_scatter_tensor":
+            dist.reduce_scatter_tensor(torch.zeros(2), torch.ones(2 * n))
+        else:
+            dist.all_to_all_single(torch.zeros(n), torch.ones(n))
+    assert n == 1 or "failed on 1 of" in str(info.value)  # (every rank names rank 0's refusal)
     dist.barrier()  # the group still works afterwards
 
 

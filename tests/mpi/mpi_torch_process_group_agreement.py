@@ -12,6 +12,8 @@ every member, never hang, and the group goes on; what the backend does not suppo
 from __future__ import annotations
 
 import contextlib
+import re
+import sys
 from typing import Any
 
 import numpy as np
@@ -22,6 +24,7 @@ import torch.distributed as dist
 import unison.torch_backend as hvd  # noqa: F401 - registers the backend
 from unison.common.exceptions import MismatchError
 from unison.torch_backend import UnsupportedError
+from unison.torch_backend.process_group import UnisonProcessGroup
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.timeout(120)  # a hang fails (every rank raises at once when it works)
@@ -211,6 +214,47 @@ def test_what_the_backend_does_not_support_raises_on_every_member(group):
     with _raises_exactly(UnsupportedError, r"ReduceOp.BOR of float64 tensors: .*bitwise operation") as info:
         dist.all_reduce(torch.ones(3, dtype=torch.float64), op=dist.ReduceOp.BOR, group=group)
     assert isinstance(info.value, NotImplementedError) and isinstance(info.value, hvd.CollectiveError)
+    _goes_on(group)
+
+
+#: (the first member's refusal, the second's or None, the class every member raises): [Note: refusal kinds]
+REFUSALS = [
+    (UnsupportedError("a refusal whose message names no backend"), None, UnsupportedError),
+    (UnsupportedError("not implemented here"), ValueError("a bad size"), UnsupportedError),
+    (UnsupportedError("unsupported by the unison backend: not implemented"), TypeError("a bad dtype"),
+     hvd.CollectiveError),
+    (TypeError("a bad dtype, quoting unsupported by the unison backend: "), None, hvd.CollectiveError),
+    (ValueError("a bad size, quoting unsupported by the unison backend: "), None, hvd.InvalidArgumentError),
+]
+
+
+@pytest.mark.parametrize("first, second, cls", REFUSALS)
+def test_a_refusal_arrives_as_its_kind_on_every_member(group, monkeypatch, first, second, cls):
+    """A member's own check refuses its tensor (``host``, patched where the group's ``allreduce`` calls it):
+    every member raises the class its kind says ([Note: refusal kinds]), on the engine and on a sub-group,
+    never because of the message's words. Before 2026-12-06 (a second change) an ``UnsupportedError``
+    travelled as a TypeError and was recognised by "unsupported by the unison backend: " in the message: one
+    without the words arrived as ``CollectiveError``, and a TypeError quoting them as ``UnsupportedError``."""
+    if group == "out":
+        return
+    g, m = _members(group)
+    if m == 1:  # a job of one rank raises the refusal itself, at once
+        if second is not None:
+            pytest.skip("needs two refusing members")
+        cls = type(first)
+    mine = first if g == 0 else second if g == 1 else None
+    module = sys.modules[UnisonProcessGroup.allreduce.__module__]
+    real_host = module.host
+
+    def host(tensor: torch.Tensor, what: str) -> Any:
+        if mine is not None:
+            raise mine
+        return real_host(tensor, what)
+
+    with monkeypatch.context() as patch, _raises_exactly(cls, re.escape(str(first))) as info:
+        patch.setattr(module, "host", host)
+        dist.all_reduce(torch.ones(3), group=group)
+    assert m == 1 or second is None or str(second) in str(info.value)  # (every refusing member is named)
     _goes_on(group)
 
 

@@ -31,7 +31,8 @@ import numpy as np
 from unison.collectives import kernels
 from unison.collectives.reduce import check_op
 from unison.common import runtime
-from unison.common.exceptions import CollectiveError, InvalidArgumentError, MismatchError
+from unison.common.engine.errors import refusal_class, refusal_kind
+from unison.common.exceptions import MismatchError
 from unison.common.ops import ReduceOp, Sum
 
 __all__ = ["CommOps", "create_sub_communicator"]
@@ -119,13 +120,14 @@ class CommOps:
             return
         rooted = what == "broadcast" or what.startswith("reduce/")
         call = f"{what}(dtype={arr.dtype}, shape={tuple(arr.shape)}" + (f", root={extra})" if rooted else ")")
-        # a refusal's kind as the engine's ("T" TypeError, "V" ValueError: any T gives CollectiveError); by
-        # its class name before 2026-12-06, so a TypeError's subclass (UnsupportedError) arrived as a ValueError
-        kind = "" if error is None else "T" if isinstance(error, TypeError) else "V"
+        # a refusal's kind as the engine's ("T", "U" or "V": [Note: refusal kinds] in common/engine/errors.py).
+        # By its class name before 2026-12-06, so a TypeError's subclass (UnsupportedError) arrived as a
+        # ValueError; then an UnsupportedError went as "T", recognised by its message's words (till later that day)
+        kind = "" if error is None else refusal_kind(error)
         calls = self.comm.allgather((kind, str(error)) if error is not None else ("", call))
         refused = [(r, kind, text) for r, (kind, text) in enumerate(calls) if kind]
         if refused:
-            cls = CollectiveError if any(kind == "T" for _, kind, _ in refused) else InvalidArgumentError
+            cls = refusal_class(kind for _, kind, _ in refused)
             raise cls(f"a torch.distributed sub-group collective was refused on {len(refused)} of {self.size} "
                       "member(s): " + "; ".join(f"rank {r}: {text}" for r, _, text in refused))
         listing = "; ".join(f"rank {r}: {text}" for r, (_, text) in enumerate(calls))

@@ -12,9 +12,14 @@ floating-point or complex tensors, PREMUL_SUM of integers or bools, AVG of bools
 dtype") that is also Unison's ``CollectiveError`` (a ``TypeError``, what these calls raised before
 2026-12-06, and what docs/torch_distributed.md had promised otherwise). The refusing rank submits
 the call carrying the error (``frontend.Refused``); the engine, and a sub-group's agreement, hand
-the others only its text and a kind (``TypeError``: ``CollectiveError``), so the text starts with
-:data:`UNSUPPORTED` and ``wait()`` raises a ``CollectiveError`` that carries it as
-``UnsupportedError`` (:func:`as_unsupported`), on every rank alike.
+the others its text and its kind, ``"U"`` for an ``UnsupportedError`` ([Note: refusal kinds] in
+unison/common/engine/errors.py, which also says what wins when ranks refused differently), so
+``wait()`` raises ``UnsupportedError`` on every rank alike. A job of one rank runs each call at once
+on the caller's thread, some through the direct collectives (:mod:`unison.collectives`), which know
+a ``TypeError``'s kind and a ``ValueError``'s only: there the call raises the ``UnsupportedError``
+it carried itself (:class:`OwnRefusals`). The message starts with :data:`UNSUPPORTED` for people to
+read; nothing matches it (until a second change of 2026-12-06 the kind was ``TypeError``'s, and a
+``CollectiveError`` whose message held those words was made an ``UnsupportedError`` here).
 
 [Note: point-to-point messages over 2 GiB] Open MPI refuses a count of 2**31 bytes or more
 (``MPI_ERR_ARG``: before 2026-12-05 ``dist.send`` of a 2 GiB tensor failed so). A send or receive
@@ -40,12 +45,13 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from unison.common.engine import frontend
 from unison.common.engine.handles import Handle, waiting_on
 from unison.common.exceptions import CollectiveError, UnsupportedError
 from unison.torch_backend.tensors import from_numpy, to_numpy
 
 __all__ = ["host", "copy_into", "collective_work", "P2PWork", "isend_bytes", "irecv_bytes", "seconds", "timed_out",
-           "UnsupportedError", "UNSUPPORTED", "unsupported", "as_unsupported", "TranslatingOps"]
+           "UnsupportedError", "UNSUPPORTED", "unsupported", "OwnRefusals"]
 
 #: Point-to-point buffers larger than this travel as one element of a derived datatype (see the Note).
 P2P_TYPED_BYTES = (1 << 31) - 1
@@ -53,7 +59,8 @@ P2P_TYPED_BYTES = (1 << 31) - 1
 P2P_BLOCK_BYTES = 1 << 30
 
 
-#: How the message of every :class:`UnsupportedError` starts (see [Note: what the backend does not support]).
+#: How the message of every :class:`UnsupportedError` of the backend starts, for people to read (see [Note: what
+#: the backend does not support]).
 UNSUPPORTED = "unsupported by the unison backend: "
 
 
@@ -62,22 +69,11 @@ def unsupported(text: str) -> UnsupportedError:
     return UnsupportedError(UNSUPPORTED + text)
 
 
-def as_unsupported(error: BaseException) -> BaseException:
-    """``error``, or, when it is a ``CollectiveError`` carrying a rank's :class:`UnsupportedError` (the
-    engine's "failed on 1 of 3 rank(s): rank 0: unsupported by ..."), that error on this rank too."""
-    if isinstance(error, CollectiveError) and not isinstance(error, UnsupportedError) \
-            and UNSUPPORTED in str(error):
-        converted = UnsupportedError(str(error))
-        converted.__cause__ = error
-        return converted
-    return error
-
-
-class TranslatingOps:
+class OwnRefusals:
     """The collectives of a group (the engine's ``frontend``, a process set's, a sub-group's ``CommOps``)
-    whose refusals raised at submission come as :class:`UnsupportedError` too (:func:`as_unsupported`): a
-    job of size 1 runs each call at once on the caller's thread, so its error comes from the call itself,
-    not from ``wait()``."""
+    whose calls that carried this rank's :class:`UnsupportedError` (a ``frontend.Refused``) and raised at
+    once raise it itself: only a job of one rank raises at submission, and its direct collectives
+    report the refusal as a plain ``CollectiveError`` (see [Note: what the backend does not support])."""
 
     def __init__(self, ops: Any) -> None:
         self._inner = ops
@@ -93,10 +89,10 @@ class TranslatingOps:
             try:
                 return attr(*args, **kwargs)
             except CollectiveError as error:
-                converted = as_unsupported(error)
-                if converted is error:
-                    raise
-                raise converted from error
+                own = next((a.error for a in args if isinstance(a, frontend.Refused)), None)
+                if isinstance(own, UnsupportedError) and own is not error:
+                    raise own from error
+                raise
 
         self.__dict__[name] = call  # made once per name: later calls find it without __getattr__
         return call
@@ -164,7 +160,7 @@ def collective_work(handles: Sequence[Handle], finish: Callable[[list[Any]], Any
         try:
             results[index] = handle.wait()
         except BaseException as error:  # noqa: BLE001 - handed to the future, raised by wait()
-            first.append(as_unsupported(error))
+            first.append(error)
         left[0] -= 1
         if left[0] == 0 and not fut.done():  # (an error only once every handle is done: engine
             if first:                        # [Note: a group waits for all its members])

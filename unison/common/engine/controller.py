@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from unison.common.engine.errors import StallError
+from unison.common.engine.errors import REFUSALS, StallError, winning_kind
 from unison.common.engine.requests import ACTION, Kind, Request, Signature, describe, describe_member
 
 __all__ = ["Controller", "Response", "FLAG_ANNOUNCE", "FLAG_SHUTDOWN", "FLAG_STALL_CHECK",
@@ -77,7 +77,8 @@ class Response:
     request: Request | None
     error: str | None = None
     ready_times: dict[int, float] | None = None
-    #: "type" or "value": an invalid argument on some rank (TypeError / ValueError), not a mismatch
+    #: why every rank fails it, other than a mismatch (""): the kind that wins among the ranks' refusals
+    #: ("T", "U" or "V": [Note: refusal kinds] in errors.py), or "join" ([Note: join])
     invalid: str = ""
     #: payload size, computed once by the executor
     nbytes: int = -1
@@ -130,6 +131,9 @@ def _decode_record(rec: Any) -> tuple[str, Signature, int]:
             values[key] = float(values[key])
         if type(values[key]) is not typ:
             raise ValueError(f"field {key} must be {typ.__name__}")
+    error = values["error"]
+    if error and (error[:1] not in REFUSALS or error[1:2] != ":"):
+        raise ValueError(f"field error must be empty or a refusal kind ({'/'.join(REFUSALS)}), ':' and a message")
     values["shape"] = tuple(shape)
     values["layout"] = _decode_layout(values["layout"])
     return name, Signature(**values), dim0
@@ -385,10 +389,10 @@ class Controller:
 
     def _check(self, name: str, entry: dict[int, tuple[Signature, int]],
                ranks: list[int]) -> tuple[str | None, str]:
-        """(error text or None, "type" / "value" / "") for every rank's submission of ``name``."""
+        """(error text or None, the winning refusal kind or "") for every rank's submission of ``name``."""
         bad = [r for r in ranks if entry[r][0].error]
-        if bad:  # error texts are "T:<message>" (TypeError) or "V:<message>" (ValueError)
-            invalid = "type" if any(entry[r][0].error.startswith("T:") for r in bad) else "value"
+        if bad:  # error texts are "<kind>:<message>" ([Note: refusal kinds] in errors.py)
+            invalid = winning_kind(entry[r][0].error[0] for r in bad)
             return (f"collective {name!r} failed on {len(bad)} of {self.size} rank(s): "
                     + "; ".join(f"rank {self.job(r)}: {entry[r][0].error[2:]}" for r in bad)), invalid
         ref = entry[ranks[0]][0]

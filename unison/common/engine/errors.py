@@ -1,16 +1,49 @@
-"""The engine's own exceptions (``unison.StallError`` and friends are these classes).
+"""The engine's own exceptions (``unison.StallError`` and friends are these classes), and the kinds a
+rank's refusal of a call travels as.
 
 They live apart from :mod:`.engine` so that the controller and the executor, which
 the engine imports, can raise them too.
+
+[Note: refusal kinds] A rank whose own checks refuse a call still submits it, carrying the error, so
+that every rank of the call raises (the engine's negotiation, a ``torch.distributed`` sub-group's
+agreement). Only plain data crosses ranks ([Note: wire records] in :mod:`.controller`), so the error
+travels as one letter and its message: ``"T"`` a ``TypeError`` (a bad dtype or op), ``"U"`` an
+:class:`~unison.common.exceptions.UnsupportedError` (a call Unison does not implement; a ``TypeError``
+too), ``"V"`` anything else (a ``ValueError``: a bad root, splits, shape). Every rank then raises one
+class, whose message lists each refusing rank's text, by this precedence over the kinds sent:
+
+* any ``"T"``: :class:`~unison.common.exceptions.CollectiveError`. A plain ``TypeError`` is a fault in
+  the call that no fallback to another backend cures, so it wins over a rank's ``"U"``;
+* else any ``"U"``: :class:`~unison.common.exceptions.UnsupportedError`, also when other ranks sent
+  ``"V"`` (what one rank cannot run at all is the first thing to fix);
+* else (only ``"V"``): :class:`~unison.common.exceptions.InvalidArgumentError`.
+
+An ``UnsupportedError`` is a ``CollectiveError`` (a ``TypeError``), so any rank's ``TypeError`` still
+gives every rank a ``CollectiveError``, as before the third kind: until a second change of 2026-12-06
+an ``UnsupportedError`` travelled as ``"T"``, and the ``torch.distributed`` backend made the
+``CollectiveError`` an ``UnsupportedError`` again when its message held "unsupported by the unison
+backend: ", so one without those words arrived as a plain ``CollectiveError``, and a ``TypeError``
+quoting them as an ``UnsupportedError``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
-from unison.common.exceptions import InvalidArgumentError, UnisonError, UnisonInternalError
+from unison.common.exceptions import (
+    CollectiveError,
+    InvalidArgumentError,
+    UnisonError,
+    UnisonInternalError,
+    UnsupportedError,
+)
 
-__all__ = ["StallError", "ShutdownError", "DuplicateNameError", "JoinError", "process_failure"]
+__all__ = ["StallError", "ShutdownError", "DuplicateNameError", "JoinError", "process_failure", "REFUSALS",
+           "refusal_kind", "winning_kind", "refusal_class"]
+
+#: a refusal's kind -> the class every rank raises for it alone (see [Note: refusal kinds])
+REFUSALS: dict[str, type[UnisonError]] = {"T": CollectiveError, "U": UnsupportedError, "V": InvalidArgumentError}
 
 #: ULFM error classes (MPI 4 FT proposal): a peer died, a receive from any source may have
 #: missed a dead peer, the communicator was revoked by some rank
@@ -56,3 +89,31 @@ def process_failure(exc: BaseException, mpi: Any) -> UnisonInternalError | None:
                                 "mode the elastic run wrapper recovers on the surviving ranks")
     error.__cause__ = exc
     return error
+
+
+def refusal_kind(error: BaseException) -> str:
+    """The kind ``error``, a rank's refusal of a call, travels as: ``"U"`` for an ``UnsupportedError``,
+    ``"T"`` for any other ``TypeError``, ``"V"`` for anything else (see [Note: refusal kinds])."""
+    if isinstance(error, UnsupportedError):
+        return "U"
+    return "T" if isinstance(error, TypeError) else "V"
+
+
+def winning_kind(kinds: Iterable[str]) -> str:
+    """The kind that decides what every rank raises when ranks refused a call with errors of ``kinds``
+    (at least one): any ``"T"``, then any ``"U"``, then ``"V"`` (see [Note: refusal kinds]).
+
+    Raises:
+        ValueError: ``kinds`` is empty or holds a letter that is not a kind.
+    """
+    seen = set(kinds)
+    if not seen or not seen <= REFUSALS.keys():
+        raise ValueError(f"refusal kinds must be some of {sorted(REFUSALS)}; got {sorted(seen)}: every rank must "
+                         "run the same Unison version")
+    return next(kind for kind in "TUV" if kind in seen)
+
+
+def refusal_class(kinds: Iterable[str]) -> type[UnisonError]:
+    """What every rank raises when ranks refused a call with errors of ``kinds``: the class of their
+    :func:`winning_kind` (see [Note: refusal kinds])."""
+    return REFUSALS[winning_kind(kinds)]

@@ -49,10 +49,10 @@ from unison.collectives.native import mpi_op, mpi_type
 from unison.collectives.reduce import finalize, prescale, same_start
 from unison.common.dtypes import dtype_from_code
 from unison.common.engine.controller import Response
-from unison.common.engine.errors import JoinError
+from unison.common.engine.errors import REFUSALS, JoinError
 from unison.common.engine.requests import Kind, Signature, identity, identity_like
 from unison.common.engine.timeline import Timeline
-from unison.common.exceptions import CollectiveError, InvalidArgumentError, MismatchError
+from unison.common.exceptions import MismatchError
 from unison.common.ops import ReduceOp
 from unison.common.pool import ResultPool
 
@@ -60,8 +60,8 @@ __all__ = ["Executor", "GroupResult"]
 
 #: Tensors at least this large skip the fusion buffer (see [Note: fusion buffer]).
 DIRECT_BYTES = 1 << 20
-#: Response.invalid -> the exception raised on every rank
-_ERRORS = {"type": CollectiveError, "value": InvalidArgumentError, "join": JoinError}
+#: Response.invalid -> the exception raised on every rank ([Note: refusal kinds] in errors.py)
+_ERRORS = {**REFUSALS, "join": JoinError}
 
 
 class GroupResult(list):

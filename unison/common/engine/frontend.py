@@ -28,6 +28,7 @@ from unison.common import runtime
 from unison.common.compression import Compression, Compressor
 from unison.common.dtypes import dtype_code
 from unison.common.engine.engine import Engine, caller_waits
+from unison.common.engine.errors import refusal_kind
 from unison.common.engine.handles import Handle, wait_all
 from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.common.engine.requests import AUTO_NAME_MARK, AUTO_NAME_SLOTS, Kind, Request
@@ -244,7 +245,8 @@ def _done(value: Any, post: Callable[[Any], Any] | None = None) -> Handle:
 def _submit(eng: Engine, kind: Kind, name: str, tensor: Any, sid: int,
             checks: Callable[[np.ndarray], dict | None], post: Callable[[Any], Any] | None = None,
             **fields: Any) -> Handle:
-    """Build the request; an argument error is carried in it ("T:"/"V:" + message).
+    """Build the request; an argument error is carried in it (its kind, ":" and its message: [Note: refusal
+    kinds] in errors.py).
 
     ``checks(array)`` raises for invalid arguments and may return extra request fields.
     """
@@ -254,10 +256,8 @@ def _submit(eng: Engine, kind: Kind, name: str, tensor: Any, sid: int,
         if not arr.flags.c_contiguous:  # (np.ascontiguousarray would also turn 0-d into 1-d)
             arr = np.ascontiguousarray(arr)
         fields.update(checks(arr) or {})
-    except TypeError as exc:
-        error = "T:" + str(exc)
-    except ValueError as exc:
-        error = "V:" + str(exc)
+    except (TypeError, ValueError) as exc:
+        error = f"{refusal_kind(exc)}:{exc}"
     req = Request(name=name, kind=kind, array=arr, handle=Handle(name, post), process_set=sid,
                   error=error, **fields)
     return eng.submit(req)
@@ -597,10 +597,8 @@ def grouped_allreduce_async(tensors: Sequence[Any], op: Any = Average, name: str
                 members.append(arr)
                 layout.append((code, arr.shape))
                 contexts.append(ctx)
-        except TypeError as exc:
-            error = f"T:tensor '{base}.{len(members)}': {exc}"
-        except ValueError as exc:
-            error = f"V:tensor '{base}.{len(members)}': {exc}"
+        except (TypeError, ValueError) as exc:
+            error = f"{refusal_kind(exc)}:tensor '{base}.{len(members)}': {exc}"
     post = None
     if compression is not Compression.none:
         def post(results: list[np.ndarray]) -> list[np.ndarray]:

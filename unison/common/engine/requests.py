@@ -40,7 +40,8 @@ class Signature(NamedTuple):
     root: int
     prescale: float
     postscale: float
-    #: "" or "T:<message>" (a TypeError: bad dtype or op) / "V:<message>" (a ValueError)
+    #: "" or "<kind>:<message>", kind "T" (a TypeError), "U" (an UnsupportedError) or "V" (a ValueError):
+    #: [Note: refusal kinds] in errors.py
     error: str
     #: the requested algorithm; :data:`ACTION` for a barrier that runs an engine action
     algorithm: str
@@ -74,8 +75,8 @@ class Request:
     splits: tuple[int, ...] | None = None
     process_set: int = 0
     out: np.ndarray | None = None
-    #: a local argument error to report on every rank: "T:<message>" for a TypeError
-    #: (bad dtype or op), "V:<message>" for a ValueError (bad root, splits, shape)
+    #: a local argument error to report on every rank: "<kind>:<message>", kind "T" for a TypeError
+    #: (bad dtype or op), "U" for an UnsupportedError, "V" for a ValueError (bad root, splits, shape)
     error: str = ""
     #: "" until :meth:`Engine.submit` sets the job's setting for the op (``UNISON_<OP>_ALGORITHM``)
     algorithm: str = ""
