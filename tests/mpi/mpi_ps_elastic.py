@@ -1,11 +1,15 @@
 """A sharded table through a rank's death in elastic mode; run by tests/test_ps_mpi.py.
 
-    python mpi_ps_elastic.py OUT_DIR CONSISTENCY    (bsp or ssp)
+    python mpi_ps_elastic.py OUT_DIR MODE    (bsp, ssp, bsp-async or ssp-async)
 
 Three ranks (every rank a worker and a server) train a table with the elastic ``run`` wrapper
 (framework-neutral: ``unison.common.elastic``), saving the table and committing every
-``COMMIT_EVERY`` steps. At step ``KILL_AT`` the last rank SIGKILLs itself. The survivors' next
-table operation (or the engine's) meets the failure; the wrapper rolls back to the last commit,
+``COMMIT_EVERY`` steps. At step ``KILL_AT`` the last rank SIGKILLs itself at the top of the step;
+in the ``-async`` modes, where each step's push is a ``push_async`` waited after the next step's
+pull (as ``ShardedEmbedding`` does), it dies at step ``KILL_AT - 1``, right after a commit, between
+its pull and its push: the survivors' queued push meets the failure, and their next pull must raise
+it too. The survivors' next table operation (or
+handle, or the engine's operation) meets the failure; the wrapper rolls back to the last commit,
 shrinks to two ranks and calls the reset callback, which creates the table again and loads the
 checkpoint of that commit ([Note: a table that loses a rank] in unison/common/ps/failure.py).
 Each survivor writes ``OUT_DIR/rank<r>.json``: the final table, its world size, its resets, and
@@ -36,7 +40,8 @@ def batch(step: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
     return keys, grads
 
 
-def main(out: str, consistency: str) -> None:
+def main(out: str, mode: str) -> None:
+    consistency, asynchronous = mode.split("-")[0], mode.endswith("-async")
     faulthandler.dump_traceback_later(100, exit=True)
     runtime.init()
     world = runtime.size()
@@ -58,22 +63,37 @@ def main(out: str, consistency: str) -> None:
     make_table()
     state.register_reset_callbacks([reload])
 
+    def die_at(step: int) -> None:
+        last = runtime.size() == world and runtime.rank() == world - 1
+        if last and step == (KILL_AT - 1 if asynchronous else KILL_AT):
+            with open(os.path.join(out, "kill.json"), "w") as f:
+                json.dump({"time": time.time()}, f)
+            os.kill(os.getpid(), signal.SIGKILL)
+
     def train(state: elastic.ObjectState) -> None:
+        pushed = None  # the last step's push_async (-async modes)
         while state.step < STEPS:
             table = holder["t"]
-            if state.step == KILL_AT and runtime.size() == world and runtime.rank() == world - 1:
-                with open(os.path.join(out, "kill.json"), "w") as f:
-                    json.dump({"time": time.time()}, f)
-                os.kill(os.getpid(), signal.SIGKILL)
+            if not asynchronous:
+                die_at(state.step)
             keys, grads = batch(state.step, runtime.rank())
             try:
                 table.pull(keys)
-                table.push(keys, grads)
+                if pushed is not None:
+                    pushed, _ = None, pushed.wait()
+                if asynchronous:
+                    die_at(state.step)
+                    pushed = table.push_async(keys, grads)
+                    time.sleep(0.1)  # the rest of the step's compute: the queued push runs (and meets a failure)
+                else:
+                    table.push(keys, grads)
                 state.step += 1
                 if state.step % COMMIT_EVERY == 0:
+                    if pushed is not None:
+                        pushed, _ = None, pushed.wait()
                     table.save(os.path.join(out, f"ckpt{state.step}"))
                     state.commit()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - recorded, then raised to the elastic wrapper
                 raised.append({"time": time.time(), "step": state.step, "type": type(exc).__name__,
                                "error": str(exc)[:300]})
                 raise

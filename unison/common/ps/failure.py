@@ -14,9 +14,15 @@ server's thread failed) would wait on. So the first survivor operation that meet
              stop (their probe fails, and they are told to)
     forget   the table is closed (``close()`` does nothing, every operation raises a
              ``TableError`` that says it was lost) and its name is free again
-    raise    :class:`~unison.common.exceptions.UnisonInternalError` (``HorovodInternalError``),
-             which the elastic ``run`` wrapper takes as a failure: it restores the last commit,
-             shrinks the job to the survivors and calls the reset callbacks
+    raise    :class:`~unison.common.ps.table.TableLostError`, a ``HorovodInternalError`` (which the
+             elastic ``run`` wrapper takes as a failure: it restores the last commit, shrinks the job
+             to the survivors and calls the reset callbacks) and a ``TableError``
+
+Every later operation of the lost table raises the same, and so does a handle of an operation
+that was queued behind the one that lost it (``push_async`` whose handle is waited a step later,
+as ``ShardedEmbedding`` does, then a ``pull``: the pull must be taken for a failure too, or the
+job ends), until Unison is rebuilt on the survivors; from then on a plain ``TableError``, so code
+that goes on using the old table is told so instead of rolling back again and again.
 
 A table the survivors did not touch after the failure (the failure reached them through the
 engine first) is lost by the runtime's shutdown hook when the recovery rebuilds Unison: any open
@@ -39,18 +45,20 @@ from typing import TYPE_CHECKING, Any
 from unison.common import runtime
 from unison.common.elastic.recovery import ulfm_enabled
 from unison.common.engine.errors import process_failure
-from unison.common.exceptions import UnisonInternalError
+from unison.common.exceptions import UnisonError, UnisonInternalError
 
 if TYPE_CHECKING:
     from unison.common.ps.table import ShardedTable
 
-__all__ = ["failure_of", "lose", "lost_text", "FAILURE_NEWS_S"]
+__all__ = ["failure_of", "lose", "lost_error", "FAILURE_NEWS_S"]
 
 logger = logging.getLogger(__name__)
 
-#: How long an MPI error of another class on a table's communicator waits, under ULFM, for this rank to hear
-#: that a rank failed before it is taken for what it says (see :func:`failure_of`).
+#: How long an ``MPI_ERR_OTHER`` (or ``MPI_ERR_IN_STATUS``) on a table's communicator waits, under ULFM, for
+#: this rank to hear that a rank failed before it is taken for what it says (see :func:`failure_of`).
 FAILURE_NEWS_S = 3.0
+#: Runtime shutdowns so far (an elastic rebuild is one): a table lost before the last one belongs to an old world.
+_generation = 0
 
 
 def failure_of(table: ShardedTable, exc: BaseException) -> UnisonInternalError | None:
@@ -60,6 +68,8 @@ def failure_of(table: ShardedTable, exc: BaseException) -> UnisonInternalError |
     lost = process_failure(exc, table.mpi)
     if lost is not None or table.mpi is None or not isinstance(exc, table.mpi.Exception) or not ulfm_enabled():
         return lost
+    if exc.Get_error_class() not in (table.mpi.ERR_OTHER, table.mpi.ERR_IN_STATUS):
+        return None  # (only those were seen to stand for a failure this rank had not heard of yet)
     # the error can come before this rank hears of the failure (a broken connection first): wait for the news
     deadline = time.monotonic() + FAILURE_NEWS_S
     while not (failed := failed_ranks(table)) and time.monotonic() < deadline:
@@ -77,22 +87,31 @@ def failed_ranks(table: ShardedTable) -> int:
     if table.comm is None:
         return 0
     try:
-        failed = int(table.comm.Get_failed().Get_size())
+        group = table.comm.Get_failed()
+        failed = int(group.Get_size())
+        group.Free()
         revoked = any(c is not None and c.Is_revoked() for c in (table.comm, table._rep, table._err))
     except Exception:  # noqa: BLE001 - an MPI without ULFM: no rank can have failed and left us here
         return 0
     return failed or int(revoked)
 
 
-def lost_text(table: ShardedTable) -> str:
-    return (f"table {table.name!r} was lost when a rank of it failed ({table._lost}); create it again on the "
+def lost_error(table: ShardedTable) -> UnisonError:
+    """What an operation of the lost ``table`` raises (see the Note)."""
+    from unison.common.ps.table import TableError, TableLostError
+
+    text = (f"table {table.name!r} was lost when a rank of it failed ({table._lost}); create it again on the "
             "survivors (in an elastic reset callback) and load() the checkpoint of the last commit")
+    if table._lost_generation == _generation:
+        return TableLostError(text)
+    return TableError(text + "; Unison has been rebuilt since: this table belongs to the world before")
 
 
-def lose(table: ShardedTable, failure: BaseException) -> UnisonInternalError:
+def lose(table: ShardedTable, failure: BaseException) -> UnisonError:
     """Lose ``table`` on this rank (see the Note) and return the error to raise."""
     if table._lost is None:
         table._lost = str(failure)
+        table._lost_generation = _generation
         for comm in (table.comm, table._rep, table._err):
             if comm is not None:
                 try:
@@ -103,13 +122,15 @@ def lose(table: ShardedTable, failure: BaseException) -> UnisonInternalError:
             table._server.stop.set()
         table._forget()
         logger.warning("table %r: lost, a rank of it failed (%s)", table.name, failure)
-    error = UnisonInternalError(f"{lost_text(table)}")
+    error = lost_error(table)
     error.__cause__ = failure
     return error
 
 
 def _lose_broken_tables(state: Any) -> None:
-    """At a shutdown (an elastic rebuild's too): lose every open table a failed rank belonged to."""
+    """At a shutdown (an elastic rebuild's too): lose every open table a failed rank belonged to; from then on
+    the tables lost so far raise a plain ``TableError``."""
+    global _generation
     from unison.common.ps.table import open_tables
 
     for table in open_tables():
@@ -118,6 +139,7 @@ def _lose_broken_tables(state: Any) -> None:
         failed = failed_ranks(table)
         if failed:
             lose(table, UnisonInternalError(f"{failed} rank(s) of the table failed"))
+    _generation += 1
 
 
 runtime.add_shutdown_hook(_lose_broken_tables)

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from unison.common.engine.errors import process_failure
 from unison.common.ps.optimizers import rows_of
 from unison.common.ps.shard import Shard
 
@@ -73,7 +74,10 @@ class Server:
             self.serve()
         except BaseException as exc:  # surfaced to the worker thread on its next call
             self.error = exc
-            logger.exception("the sharded-table server thread failed")
+            if self.stop.is_set() or process_failure(exc, self.mpi) is not None:  # (a lost table: failure.py)
+                logger.debug("the sharded-table server thread ended on a rank's failure", exc_info=True)
+            else:
+                logger.exception("the sharded-table server thread failed")
 
     def serve(self) -> None:
         status = self.mpi.Status()

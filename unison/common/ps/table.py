@@ -19,7 +19,7 @@ import numpy as np
 from unison.common import runtime
 from unison.common.agreement import raise_together
 from unison.common.engine.controller import wait as wait_request
-from unison.common.exceptions import UnisonError
+from unison.common.exceptions import UnisonError, UnisonInternalError
 from unison.common.ps import exchange as ex
 from unison.common.ps import failure
 from unison.common.ps import server as sv
@@ -28,7 +28,7 @@ from unison.common.ps.optimizers import SGD, Optimizer, rows_of
 from unison.common.ps.shard import Shard
 from unison.common.ps.sharding import Sharding
 
-__all__ = ["ShardedTable", "TableError", "Handle", "get_table", "tables"]
+__all__ = ["ShardedTable", "TableError", "TableLostError", "Handle", "get_table", "tables", "open_tables"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,15 @@ _registry_lock = threading.Lock()
 
 class TableError(UnisonError, ValueError):
     """Bad input to a sharded table, or ranks that disagree about it; raised on every rank that takes part."""
+
+
+class TableLostError(UnisonInternalError, TableError):
+    """A rank of the table failed: the table is lost ([Note: a table that loses a rank] in failure.py).
+
+    A ``HorovodInternalError``, so the elastic ``run`` wrapper rolls back and resets; also a
+    :class:`TableError`. Raised by every operation of the lost table until Unison is rebuilt on the
+    survivors; a plain :class:`TableError` after that (the table belongs to the old world).
+    """
 
 
 def get_table(name: str) -> ShardedTable:
@@ -104,14 +113,20 @@ runtime.add_exit_hook(_close_at_shutdown)
 class Handle:
     """An asynchronous table operation: :meth:`wait` returns its result (rows for a pull) or raises."""
 
-    def __init__(self, future: concurrent.futures.Future[Any]) -> None:
+    def __init__(self, future: concurrent.futures.Future[Any], table: ShardedTable) -> None:
         self._future = future
+        self._table = table
 
     def done(self) -> bool:
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> Any:
-        return self._future.result(timeout)
+        try:
+            return self._future.result(timeout)
+        except concurrent.futures.CancelledError:
+            if self._table._lost is None:
+                raise
+            raise failure.lost_error(self._table) from None  # queued behind the operation that lost the table
 
 
 def _sum_by(inverse: np.ndarray, rows: np.ndarray, groups: int) -> np.ndarray:
@@ -242,6 +257,7 @@ class ShardedTable:
         base, self.mpi = _resolve_comm(comm, process_set)
         #: why the table was lost (a rank of it failed: [Note: a table that loses a rank]), else None
         self._lost: str | None = None
+        self._lost_generation = -1
         self.size = 1 if base is None else base.Get_size()
         self.rank = 0 if base is None else base.Get_rank()
         self.name = name if name is not None else _default_name(base, self.mpi)
@@ -327,6 +343,8 @@ class ShardedTable:
             "wait_seconds": 0.0,
         }
         self._server: sv.Server | None = None
+        #: the server thread's error judged a rank's failure or not (once: see _check_server)
+        self._server_verdict: tuple[Any] | None = None
         if self.comm is not None and not self.consistency.collective and self.shard is not None:
             remote = len(self.workers) - (1 if self.is_worker else 0)
             self._server = sv.Server(
@@ -402,7 +420,7 @@ class ShardedTable:
 
     def _check_open(self, what: str) -> None:
         if self._lost is not None:
-            raise TableError(failure.lost_text(self))
+            raise failure.lost_error(self)
         if self.closed:
             raise TableError(f"table {self.name!r} is closed; {what} needs an open table")
         self._check_server()
@@ -474,7 +492,8 @@ class ShardedTable:
         self._submit("wait", lambda: None).wait()
 
     def stats(self) -> dict[str, Any]:
-        """Counters of this rank: operations, rows, bytes to/from other ranks, largest staleness."""
+        """Counters of this rank: operations, rows, bytes to/from other ranks, largest staleness, and ``clock``
+        (the steps this worker finished, or the clock every worker met at in its last barrier, if larger)."""
         out = dict(self._stats)
         out["clock"] = self._clock
         out["requests_served"] = self._server.requests if self._server is not None else 0
@@ -531,7 +550,7 @@ class ShardedTable:
         with _registry_lock:
             if _registry.get(self.name) is self:
                 del _registry[self.name]
-        self._executor.shutdown(wait=False)
+        self._executor.shutdown(wait=False, cancel_futures=True)  # (their handles raise the loss: Handle.wait)
 
     def _queued_op(self, fn: Any, *args: Any) -> Any:
         try:
@@ -545,10 +564,12 @@ class ShardedTable:
         with self._queued_lock:
             self._queued += 1
         try:
-            return Handle(self._executor.submit(self._queued_op, fn, *args))
-        except Exception:  # not queued (a KeyboardInterrupt may come after it was: leave the count)
+            return Handle(self._executor.submit(self._queued_op, fn, *args), self)
+        except Exception as exc:  # not queued (a KeyboardInterrupt may come after it was: leave the count)
             with self._queued_lock:
                 self._queued -= 1
+            if self._lost is not None:  # lost on the executor thread since the check above: no new work there
+                raise failure.lost_error(self) from exc
             raise
 
     def _call(self, what: str, fn: Any, *args: Any) -> Any:
@@ -900,7 +921,9 @@ class ShardedTable:
 
     def _check_server(self) -> None:
         if self._server is not None and self._server.error is not None:
-            lost = failure.failure_of(self, self._server.error)
+            if self._server_verdict is None:  # judged once (it may wait for news of a failure)
+                self._server_verdict = (failure.failure_of(self, self._server.error),)
+            lost = self._server_verdict[0]
             if lost is not None:
                 raise failure.lose(self, lost)
             raise TableError(f"table {self.name!r}: the server thread failed: {self._server.error!r}")
@@ -1073,9 +1096,9 @@ class ShardedTable:
                 self._inline(self._close_worker)
         except TableError:
             if self._closed_by:  # [Note: a close that meets another operation]: this rank closes all the same
-                self._finish()
+                self._guarded(self._finish)
             raise
-        self._finish()
+        self._guarded(self._finish)  # (a rank that dies meanwhile fails its barrier: the table is lost)
 
     def _close_worker(self) -> None:
         if self.comm is None:
