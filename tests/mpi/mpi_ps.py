@@ -376,6 +376,32 @@ def test_ssp_workers_with_uneven_steps_meet_in_a_barrier(dedicated, meet):
         np.testing.assert_array_equal(final, sum(steps.values()) + 2 * len(workers))
 
 
+@pytest.mark.parametrize("meet", ["barrier", "save"])
+@pytest.mark.parametrize("dedicated", [False, True])
+def test_a_barrier_that_a_closed_worker_never_joins_raises(dedicated, meet):
+    """SSP: every worker but the last calls barrier() (or save()), the last closes the table instead. The servers
+    answer the waiting workers that it closed, and they raise naming it (before 2026-12-06 they waited for
+    ever); then they close too."""
+    if N == 1 or (dedicated and (N < 3 or meet == "save")):
+        pytest.skip("needs two workers (and a dedicated server); SSP tables with dedicated servers do not save")
+    servers = [N - 1] if dedicated else None
+    workers = list(range(N - 1)) if dedicated else list(range(N))
+    with shared_folder("ps_closed_") as folder:
+        table = ps.ShardedTable(8, 1, "float64", "row", ps.SGD(lr=-1.0), ps.SSP(1), initializer="zeros",
+                                servers=servers, average=False, name=f"closed-{dedicated}-{meet}")
+        if R not in workers:
+            table.serve()
+        else:
+            table.push([R % 8], np.ones((1, 1)))
+            if R == workers[-1]:
+                table.close()
+            else:
+                with pytest.raises(ps.TableError, match=rf"rank {workers[-1]} closed the table while this rank"):
+                    table.barrier() if meet == "barrier" else table.save(os.path.join(folder, "ckpt"))
+                table.close()
+        assert table.closed
+
+
 def test_a_peers_error_raised_while_held_back_leaves_this_push_unapplied():
     """SSP(0): the last worker pushes a bad key at step 1 and catches its error; the others' push of step 2
     waits for its clock and raises its error there, before anything is applied (a first version applied the

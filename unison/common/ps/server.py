@@ -59,6 +59,8 @@ class Server:
         self.stop = threading.Event()
         self.requests = 0
         self.marks = np.zeros(len(set(worker_of.values())), np.int64)  # the last save mark of each worker
+        self.pending_mark = 0  # a barrier some workers are waiting in (its mark), or 0
+        self.failed = np.zeros_like(self.marks)  # the last mark each worker was told it cannot complete
         self.thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -92,6 +94,8 @@ class Server:
                 continue
             if self.deferred:  # the local worker advances its clock without a message: look again
                 self._answer_ready()
+            if self.pending_mark:  # (the local worker closes without a message too)
+                self._fail_barrier_if_closed()
             self._reap()
             time.sleep(idle)
             idle = min(1e-3, idle * 2 + 2e-5)
@@ -120,16 +124,38 @@ class Server:
             self.remaining -= 1
             self.shard.advance(self.worker_of[source], DONE)
             self._answer_ready()
+            self._fail_barrier_if_closed()
         elif op == MARK:  # a barrier: acknowledge to every worker once all have marked (their pushes are in)
             self.marks[self.worker_of[source]] = value
             self.shard.park(self.worker_of[source])  # (table [Note: clocks meet at a barrier])
             if int(self.marks.min()) >= value:
+                self.pending_mark = 0
                 ack = np.array([value, self.shard.meet()], np.int64)  # the mark, the clock every worker has now
                 for rank in self.worker_of:
                     self.sends.append((self.rep.Isend([ack, self.mpi.INT64_T], rank, ACK_TAG), ack))
+            else:
+                self.pending_mark = value
+                self._fail_barrier_if_closed()
             self._answer_ready()  # a pull deferred for the parked worker's clock goes now
         else:
             raise RuntimeError(f"sharded table: unknown request op {op} from rank {source}")
+
+    def _fail_barrier_if_closed(self) -> None:
+        """A worker closed the table while others wait in a barrier it will never join: answer those with
+        ``[mark, -1 - the closed worker's index]`` (they raise; before 2026-12-06 they waited for ever)."""
+        if not self.pending_mark:
+            return
+        with self.shard.cond:
+            closed = np.flatnonzero(self.shard.clocks >= DONE)
+        absent = [int(w) for w in closed if self.marks[w] < self.pending_mark]  # (not one that raised and closed)
+        if not absent:
+            return
+        ack = np.array([self.pending_mark, -1 - absent[0]], np.int64)
+        for rank, w in self.worker_of.items():
+            if self.marks[w] == self.pending_mark and self.failed[w] < self.pending_mark:
+                self.failed[w] = self.pending_mark  # answered once
+                self.sends.append((self.rep.Isend([ack, self.mpi.INT64_T], rank, ACK_TAG), ack))
+        self.pending_mark = 0  # (a worker that marks later sets it again, and is answered then)
 
     def _answer_ready(self) -> None:
         keep = []

@@ -999,7 +999,9 @@ class ShardedTable:
         clock. Before 2026-12-06 a worker with more steps left than another's ``s`` (an uneven last
         epoch) waited for ever in a push or pull for a worker already in the barrier, and a worker that
         left a barrier more than ``s`` steps ahead waited in its next operation for workers that had none
-        left to make (``test_ssp_workers_with_uneven_steps_meet_in_a_barrier``).
+        left to make (``test_ssp_workers_with_uneven_steps_meet_in_a_barrier``). A worker that closes the
+        table instead never marks: each server answers the waiting workers that it closed, and they
+        raise (:meth:`_wait_acks`; they too waited for ever before).
         """
         if self.comm is None or self.consistency.collective:
             return
@@ -1014,13 +1016,33 @@ class ShardedTable:
         ]
         for r in servers:
             self._send(r, sv.pack(sv.MARK, 0, self._mark, np.zeros(0, np.int64)))
-        self.mpi.Request.Waitall(waits)
+        self._wait_acks(waits, acks)
         self.mpi.Request.Waitall([r for r, _ in self._sends])
         self._sends = []
         if acks:  # [Note: clocks meet at a barrier]
             met = max(int(a[1]) for a in acks)
             self._clock = max(self._clock, met)
             self._slowest_seen = max(self._slowest_seen, met)
+
+    def _wait_acks(self, waits: list[Any], acks: list[np.ndarray]) -> None:
+        """Wait for every server's acknowledgement of a barrier; raise if one says a worker closed the table
+        instead of joining it (a server whose thread ended with it never answers: that wait is cancelled)."""
+        pending = list(zip(waits, acks, strict=True))
+        idle = 0.0
+        while pending:
+            pending = [(w, a) for w, a in pending if not w.Test()]
+            done = [a for a in acks if a[1] < 0 and not any(a is b for _, b in pending)]
+            if done:
+                for w, _ in pending:
+                    w.Cancel()
+                    w.Wait()
+                closed = self.workers[-1 - int(done[0][1])]
+                raise TableError(f"table {self.name!r}: rank {closed} closed the table while this rank waited "
+                                 "for it in barrier(), save() or load(); every worker must make the same "
+                                 "barriers, saves and loads before close()")
+            if pending:
+                time.sleep(idle)
+                idle = min(1e-3, idle * 2 + 2e-5)
 
     def to_numpy(self) -> np.ndarray:
         """The whole table in key order (a pull of every key: for small tables and tests)."""
