@@ -135,3 +135,67 @@ def test_a_table_survives_a_rank_killed(tmp_path, mode):
         first = got["raised"][0]
         assert first["type"] in ("TableLostError", "UnisonInternalError"), first  # (or the engine's)
         assert first["time"] - killed < 10.0, first  # raised, not hung (the detection takes well under 1 s)
+
+
+_SURVIVORS_RAISE = textwrap.dedent("""
+    import os, signal, sys, time
+    import numpy as np
+    from unison.common import runtime
+    from unison.common.ps import SGD, SSP, ShardedTable
+    rule, dedicated, victim, where = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), sys.argv[4]
+    runtime.init()
+    r, n = runtime.rank(), runtime.size()
+    servers = [n - 1] if dedicated else None
+    table = ShardedTable(24, 2, "float64", "row", SGD(lr=-1.0), SSP(1) if rule == "ssp" else rule, name="t",
+                         initializer="zeros", average=False, servers=servers)
+    t0 = time.time()
+    try:
+        if servers and r in servers:
+            if r == victim:
+                time.sleep(0.5)
+                os.kill(os.getpid(), signal.SIGKILL)
+            table.serve()
+        else:
+            for step in range(8):
+                if step == 5 and r == victim and where == "step":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                t0 = time.time()
+                table.pull(np.arange(24))
+                table.push(np.arange(24), np.ones((24, 2)))
+            if where == "barrier":
+                if r == victim:
+                    time.sleep(0.5)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                t0 = time.time()
+                table.barrier()
+        print(f"rank {r} finished without raising", flush=True)
+    except BaseException as exc:
+        print(f"rank {r} raised {type(exc).__name__} after {time.time() - t0:.2f}s", flush=True)
+    finally:
+        os._exit(0)
+""")
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("rule,dedicated,victim,where", [
+    ("ssp", "1", 0, "step"),    # a worker dies; the other worker and the dedicated server raise
+    ("bsp", "1", 0, "step"),
+    ("ssp", "1", 2, "step"),    # the dedicated server dies while the workers train
+    ("asp", "0", 2, "barrier"),  # a rank dies while the others wait in barrier()
+])
+def test_every_survivor_of_a_table_raises_its_loss(tmp_path, rule, dedicated, victim, where):
+    """ULFM, 3 ranks, one SIGKILLed: every survivor (workers, a dedicated server in serve()) raises TableLostError
+    within seconds, whatever the consistency and wherever it waits ([Note: a table that loses a rank]); the
+    elastic test covers every rank a worker and a server under BSP and SSP, with a reset."""
+    script = tmp_path / "survivors.py"
+    script.write_text(_SURVIVORS_RAISE)
+    environ = mpi_env()
+    environ["UNISON_ELASTIC"] = "1"
+    proc = mpirun(3, [*ELASTIC_MPI_ARGS, sys.executable, str(script), rule, dedicated, str(victim), where],
+                  timeout=120, env=environ, linger_ok=True)
+    out = proc.stdout + proc.stderr
+    for r in {0, 1, 2} - {victim}:
+        line = next((ln for ln in out.splitlines() if ln.startswith(f"rank {r} ")), None)
+        assert line is not None and " raised TableLostError after " in line, (r, line, out[-4000:])
+        assert float(line.split(" after ")[1].rstrip("s")) < 10.0, line
