@@ -274,3 +274,16 @@ def test_the_base_optimizer_class_is_refused_at_creation():
             np.testing.assert_array_equal(table.pull(np.array([3])), [[-0.5, -0.5]])
     finally:
         unison.shutdown()
+
+
+def test_a_table_waits_longer_for_news_of_a_failure_when_the_failure_detector_is_slower(monkeypatch):
+    """An MPI_ERR_OTHER waits for news that a rank failed (unison/common/ps/failure.py): at least 3 s, and with
+    ULFM's failure detector on, twice its timeout and a second (news of a lost host comes from it)."""
+    from unison.common.ps import failure
+
+    monkeypatch.delenv("OMPI_MCA_mpi_ft_detector_timeout", raising=False)
+    assert failure.failure_news_s() == failure.FAILURE_NEWS_S == 3.0
+    monkeypatch.setenv("OMPI_MCA_mpi_ft_detector_timeout", "3")
+    assert failure.failure_news_s() == 7.0
+    monkeypatch.setenv("OMPI_MCA_mpi_ft_detector_timeout", "not a number")
+    assert failure.failure_news_s() == 3.0

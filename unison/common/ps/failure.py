@@ -39,6 +39,7 @@ training loop then makes again. Tested in ``tests/test_ps_mpi.py::test_a_table_s
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -55,8 +56,18 @@ __all__ = ["failure_of", "lose", "lost_error", "FAILURE_NEWS_S"]
 logger = logging.getLogger(__name__)
 
 #: How long an ``MPI_ERR_OTHER`` (or ``MPI_ERR_IN_STATUS``) on a table's communicator waits, under ULFM, for
-#: this rank to hear that a rank failed before it is taken for what it says (see :func:`failure_of`).
+#: this rank to hear that a rank failed before it is taken for what it says (see :func:`failure_of`), at
+#: least: with ULFM's failure detector on (``unisonrun --detect-lost-hosts``), twice its timeout and a second.
 FAILURE_NEWS_S = 3.0
+
+
+def failure_news_s() -> float:
+    """:data:`FAILURE_NEWS_S`, or longer when the failure detector's timeout would bring the news later."""
+    try:
+        detector = float(os.environ.get("OMPI_MCA_mpi_ft_detector_timeout", "0"))
+    except ValueError:
+        detector = 0.0
+    return max(FAILURE_NEWS_S, 2.0 * detector + 1.0)
 #: Runtime shutdowns so far (an elastic rebuild is one): a table lost before the last one belongs to an old world.
 _generation = 0
 
@@ -71,7 +82,7 @@ def failure_of(table: ShardedTable, exc: BaseException) -> UnisonInternalError |
     if exc.Get_error_class() not in (table.mpi.ERR_OTHER, table.mpi.ERR_IN_STATUS):
         return None  # (only those were seen to stand for a failure this rank had not heard of yet)
     # the error can come before this rank hears of the failure (a broken connection first): wait for the news
-    deadline = time.monotonic() + FAILURE_NEWS_S
+    deadline = time.monotonic() + failure_news_s()
     while not (failed := failed_ranks(table)) and time.monotonic() < deadline:
         time.sleep(0.02)
     if not failed:
