@@ -187,6 +187,23 @@ def test_bitwise_op_on_floats_refused_on_every_rank():
         C.allreduce(np.ones(4, np.int32), op=unison.Band, prescale_factor=2.0)
 
 
+def test_ranks_that_refuse_a_call_differently_raise_by_the_engines_rule():
+    """Rank 0 asks for a bitwise op on floats (a TypeError), the others for an algorithm that does not exist (a
+    ValueError): every rank raises CollectiveError, as the engine does for the same refusals ([Note: refusal
+    kinds] in unison/common/engine/errors.py; the direct collectives gave InvalidArgumentError until 2026-12-06).
+    Only ValueErrors give InvalidArgumentError."""
+    if N == 1:
+        pytest.skip("needs two ranks to refuse differently")
+    with pytest.raises(unison.CollectiveError, match=r"failed on \d+ of .*rank 0: .*bitwise.*rank 1: .*bogus"):
+        if R == 0:
+            C.allreduce(np.ones(4, np.float32), op=unison.Bxor)
+        else:
+            C.allreduce(np.ones(4, np.float32), algorithm="bogus")
+    with pytest.raises(unison.InvalidArgumentError, match="bogus") as info:
+        C.allreduce(np.ones(4, np.float32), algorithm="bogus" if R else "ring-bogus")
+    assert not isinstance(info.value, unison.CollectiveError)
+
+
 @pytest.mark.parametrize("algorithm", ["auto", "ring", "mpi"])
 @pytest.mark.parametrize("dtype", ALL, ids=str)
 @pytest.mark.parametrize("op", [unison.Sum, unison.Average, unison.Max], ids=repr)

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from unison.collectives import kernels
-from unison.collectives.header import INLINE_BYTES, Call, Collective, Negotiator
+from unison.collectives.header import ERR_KINDS, INLINE_BYTES, Call, Collective, Negotiator, error_code
 from unison.collectives.ordered import reduce_stack  # rank order (numpy's reduce is pairwise at >= 9 rows)
 from unison.collectives.plans import (
     AllgatherPlan,
@@ -49,7 +49,7 @@ from unison.collectives.validate import as_array, check_root, check_splits, rows
 from unison.common import pool, runtime
 from unison.common.config import validate_algorithm
 from unison.common.dtypes import dtype_code
-from unison.common.exceptions import CollectiveError, InvalidArgumentError
+from unison.common.exceptions import refusal_class
 from unison.common.ops import Average, ReduceOp, parse_op
 
 __all__ = ["allreduce", "allgather", "broadcast", "reducescatter", "alltoall", "barrier"]
@@ -110,7 +110,7 @@ class _Prep:
 
     def fail(self, exc: Exception) -> None:
         if self.call.error is None:
-            self.call.error = (1 if isinstance(exc, TypeError) else 2, str(exc))
+            self.call.error = (error_code(exc), str(exc))
 
     def check(self, fn: Any, *args: Any) -> None:
         if self.call.error is None:
@@ -135,7 +135,7 @@ class _Prep:
     def raise_local(self) -> None:
         if self.call.error is not None:
             kind, text = self.call.error
-            raise (CollectiveError if kind == 1 else InvalidArgumentError)(text)
+            raise refusal_class([ERR_KINDS.get(kind, "V")])(text)  # (the class the ranks of a larger job raise)
 
 
 def _flat(arr: np.ndarray) -> np.ndarray:

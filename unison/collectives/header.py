@@ -44,7 +44,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from unison.common.dtypes import dtype_from_code, dtype_name
-from unison.common.exceptions import CollectiveError, InvalidArgumentError, MismatchError
+from unison.common.exceptions import (
+    MismatchError,
+    refusal_class,
+    refusal_kind,
+)
 from unison.common.ops import ReduceOp
 
 __all__ = ["Collective", "Call", "Header", "Negotiator", "INLINE_BYTES", "HEADER_BYTES", "ERROR_BYTES"]
@@ -87,7 +91,14 @@ W_ERRLEN = W_INLINE + 1
 W_ERRKIND = W_ERRLEN + 1
 HEADER_WORDS = HEADER_BYTES // 8
 
-ERR_NONE, ERR_TYPE, ERR_VALUE = 0, 1, 2
+ERR_NONE, ERR_TYPE, ERR_VALUE, ERR_UNSUPPORTED = 0, 1, 2, 3
+#: the error-kind word -> the refusal kind it stands for ([Note: refusal kinds] in common/engine/errors.py)
+ERR_KINDS = {ERR_TYPE: "T", ERR_VALUE: "V", ERR_UNSUPPORTED: "U"}
+
+
+def error_code(exc: BaseException) -> int:
+    """The error-kind word of a rank's refusal ``exc``."""
+    return {letter: code for code, letter in ERR_KINDS.items()}[refusal_kind(exc)]
 
 _STRUCT = struct.Struct(f"<{W_PRESCALE}q2d{HEADER_WORDS - W_PRESCALE - 2}q")
 _UNUSED = (0,) * (HEADER_WORDS - W_ERRKIND - 1)
@@ -311,8 +322,9 @@ class Negotiator:
                     text = texts[r, :int(w[W_ERRLEN])].tobytes().decode("utf-8", "replace")
                     errors.append((int(w[W_ERRKIND]), f"rank {r}: {text}"))
         if errors:
-            kinds = {k for k, _ in errors}
-            cls = CollectiveError if kinds == {ERR_TYPE} else InvalidArgumentError
+            # the engine's rule: any TypeError gives CollectiveError, else any UnsupportedError, else
+            # InvalidArgumentError (before 2026-12-06 a TypeError beside a ValueError gave InvalidArgumentError)
+            cls = refusal_class(ERR_KINDS.get(k, "V") for k, _ in errors)
             raise cls(f"{label} failed on {len(errors)} of {self.size} rank(s): "
                       + "; ".join(t for _, t in errors))
         descs = [self._describe(r) for r in range(self.size)]

@@ -7,9 +7,12 @@ keep working.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 __all__ = [
     "UnisonError", "NotInitializedError", "MismatchError", "CollectiveError", "InvalidArgumentError",
     "UnsupportedError", "UnisonInternalError", "HorovodInternalError", "HostsUpdatedInterrupt",
+    "REFUSALS", "refusal_kind", "winning_kind", "refusal_class",
 ]
 
 
@@ -80,3 +83,37 @@ class HostsUpdatedInterrupt(RuntimeError):
     def __init__(self, skip_sync: bool = False) -> None:
         super().__init__("the hosts of the job changed; resetting at this commit")
         self.skip_sync = skip_sync
+
+
+# ---------------------------------------------- refusal kinds ([Note: refusal kinds] in common/engine/errors.py)
+
+#: a refusal's kind -> the class every rank raises for it alone (see [Note: refusal kinds] in engine/errors.py)
+REFUSALS: dict[str, type[UnisonError]] = {"T": CollectiveError, "U": UnsupportedError, "V": InvalidArgumentError}
+
+
+def refusal_kind(error: BaseException) -> str:
+    """The kind ``error``, a rank's refusal of a call, travels as: ``"U"`` for an ``UnsupportedError``,
+    ``"T"`` for any other ``TypeError``, ``"V"`` for anything else (see [Note: refusal kinds])."""
+    if isinstance(error, UnsupportedError):
+        return "U"
+    return "T" if isinstance(error, TypeError) else "V"
+
+
+def winning_kind(kinds: Iterable[str]) -> str:
+    """The kind that decides what every rank raises when ranks refused a call with errors of ``kinds``
+    (at least one): any ``"T"``, then any ``"U"``, then ``"V"`` (see [Note: refusal kinds]).
+
+    Raises:
+        ValueError: ``kinds`` is empty or holds a letter that is not a kind.
+    """
+    seen = set(kinds)
+    if not seen or not seen <= REFUSALS.keys():
+        raise ValueError(f"refusal kinds must be some of {sorted(REFUSALS)}; got {sorted(seen)}: every rank must "
+                         "run the same Unison version")
+    return next(kind for kind in "TUV" if kind in seen)
+
+
+def refusal_class(kinds: Iterable[str]) -> type[UnisonError]:
+    """What every rank raises when ranks refused a call with errors of ``kinds``: the class of their
+    :func:`winning_kind` (see [Note: refusal kinds])."""
+    return REFUSALS[winning_kind(kinds)]

@@ -28,22 +28,20 @@ quoting them as an ``UnsupportedError``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 from unison.common.exceptions import (
-    CollectiveError,
+    REFUSALS,
     InvalidArgumentError,
     UnisonError,
     UnisonInternalError,
-    UnsupportedError,
+    refusal_class,
+    refusal_kind,
+    winning_kind,
 )
 
 __all__ = ["StallError", "ShutdownError", "DuplicateNameError", "JoinError", "process_failure", "REFUSALS",
            "refusal_kind", "winning_kind", "refusal_class"]
-
-#: a refusal's kind -> the class every rank raises for it alone (see [Note: refusal kinds])
-REFUSALS: dict[str, type[UnisonError]] = {"T": CollectiveError, "U": UnsupportedError, "V": InvalidArgumentError}
 
 #: ULFM error classes (MPI 4 FT proposal): a peer died, a receive from any source may have
 #: missed a dead peer, the communicator was revoked by some rank
@@ -89,31 +87,3 @@ def process_failure(exc: BaseException, mpi: Any) -> UnisonInternalError | None:
                                 "mode the elastic run wrapper recovers on the surviving ranks")
     error.__cause__ = exc
     return error
-
-
-def refusal_kind(error: BaseException) -> str:
-    """The kind ``error``, a rank's refusal of a call, travels as: ``"U"`` for an ``UnsupportedError``,
-    ``"T"`` for any other ``TypeError``, ``"V"`` for anything else (see [Note: refusal kinds])."""
-    if isinstance(error, UnsupportedError):
-        return "U"
-    return "T" if isinstance(error, TypeError) else "V"
-
-
-def winning_kind(kinds: Iterable[str]) -> str:
-    """The kind that decides what every rank raises when ranks refused a call with errors of ``kinds``
-    (at least one): any ``"T"``, then any ``"U"``, then ``"V"`` (see [Note: refusal kinds]).
-
-    Raises:
-        ValueError: ``kinds`` is empty or holds a letter that is not a kind.
-    """
-    seen = set(kinds)
-    if not seen or not seen <= REFUSALS.keys():
-        raise ValueError(f"refusal kinds must be some of {sorted(REFUSALS)}; got {sorted(seen)}: every rank must "
-                         "run the same Unison version")
-    return next(kind for kind in "TUV" if kind in seen)
-
-
-def refusal_class(kinds: Iterable[str]) -> type[UnisonError]:
-    """What every rank raises when ranks refused a call with errors of ``kinds``: the class of their
-    :func:`winning_kind` (see [Note: refusal kinds])."""
-    return REFUSALS[winning_kind(kinds)]
