@@ -96,9 +96,12 @@ ERR_NONE, ERR_TYPE, ERR_VALUE, ERR_UNSUPPORTED = 0, 1, 2, 3
 ERR_KINDS = {ERR_TYPE: "T", ERR_VALUE: "V", ERR_UNSUPPORTED: "U"}
 
 
+_ERR_CODES = {letter: code for code, letter in ERR_KINDS.items()}
+
+
 def error_code(exc: BaseException) -> int:
     """The error-kind word of a rank's refusal ``exc``."""
-    return {letter: code for code, letter in ERR_KINDS.items()}[refusal_kind(exc)]
+    return _ERR_CODES[refusal_kind(exc)]
 
 _STRUCT = struct.Struct(f"<{W_PRESCALE}q2d{HEADER_WORDS - W_PRESCALE - 2}q")
 _UNUSED = (0,) * (HEADER_WORDS - W_ERRKIND - 1)

@@ -161,8 +161,9 @@ class Server:
         keep = []
         with self.shard.cond:
             slowest = self.shard.slowest()
+            everyone_parked = bool(self.shard.parked.all())  # (Shard.ready, computed once for every request)
             for source, request, need, storage in self.deferred:
-                if not self.shard.ready(need):
+                if slowest < need and not everyone_parked:
                     keep.append((source, request, need, storage))
                     continue
                 rows = rows_of(self.shard.weights, storage - self.shard.lo)

@@ -1027,22 +1027,25 @@ class ShardedTable:
     def _wait_acks(self, waits: list[Any], acks: list[np.ndarray]) -> None:
         """Wait for every server's acknowledgement of a barrier; raise if one says a worker closed the table
         instead of joining it (a server whose thread ended with it never answers: that wait is cancelled)."""
-        pending = list(zip(waits, acks, strict=True))
-        idle = 0.0
-        while pending:
-            pending = [(w, a) for w, a in pending if not w.Test()]
-            done = [a for a in acks if a[1] < 0 and not any(a is b for _, b in pending)]
-            if done:
-                for w, _ in pending:
-                    w.Cancel()
-                    w.Wait()
-                closed = self.workers[-1 - int(done[0][1])]
+        done = [False] * len(waits)
+
+        def check_closed() -> None:
+            for i, w in enumerate(waits):
+                done[i] = done[i] or w.Test()
+            failed = [a for a, d in zip(acks, done, strict=True) if d and a[1] < 0]
+            if failed:
+                for w, d in zip(waits, done, strict=True):
+                    if not d:
+                        w.Cancel()
+                        w.Wait()
+                closed = self.workers[-1 - int(failed[0][1])]
                 raise TableError(f"table {self.name!r}: rank {closed} closed the table while this rank waited "
                                  "for it in barrier(), save() or load(); every worker must make the same "
                                  "barriers, saves and loads before close()")
-            if pending:
-                time.sleep(idle)
-                idle = min(1e-3, idle * 2 + 2e-5)
+
+        for w in waits:
+            wait_request(w, check_closed)
+        check_closed()  # (the last acknowledgement to come may be the one that says so)
 
     def to_numpy(self) -> np.ndarray:
         """The whole table in key order (a pull of every key: for small tables and tests)."""
