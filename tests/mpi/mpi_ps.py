@@ -646,6 +646,50 @@ def test_dedicated_server_checkpoint_keeps_the_metadata():
         table.close()
 
 
+def test_a_dedicated_server_loads_beside_its_workers_and_hears_of_their_saves():
+    """Every rank calls load(); on the server it answers the workers' load and returns the metadata (it
+    refused before 2026-12-06: serve() only). serve(on_save=...) calls back after each save with its metadata,
+    where an elastic server commits ([Note: dedicated servers in elastic mode]). A server left in load() when
+    the workers close the table raises; under SSP load() raises the same on every rank."""
+    if N == 1:
+        pytest.skip("a dedicated server needs a worker")
+    with shared_folder("ps_ded_load_") as folder:
+        src = ps.ShardedTable(ROWS, DIM, "float64", "row", ps.SGD(lr=-1.0), name="ded-load-src",
+                              initializer=init_rows, average=False)
+        src.save(folder, metadata={"step": 3})
+        src.close()
+        table = ps.ShardedTable(ROWS, DIM, "float64", "row", ps.SGD(lr=-1.0), name="ded-load", initializer="zeros",
+                                servers=[0], average=False)
+        assert table.load(folder) == {"step": 3}  # on every rank, the server too
+        heard: list[dict] = []
+        if R == 0:
+            table.serve(on_save=heard.append)
+            assert heard == [{"step": 4}, {}], heard
+        else:
+            np.testing.assert_array_equal(table.pull([2, 7]), init_rows(np.array([2, 7])))
+            table.push([2], np.ones((1, DIM)))
+            table.save(folder, {"step": 4})
+            table.save(folder)
+            table.close()
+        assert WORLD.allgather(len(heard)) == [2] + [0] * (N - 1)
+
+        table = ps.ShardedTable(ROWS, DIM, "float64", name="ded-load-closed", initializer="zeros", servers=[0])
+        if R == 0:
+            with pytest.raises(ps.TableError, match="closed the table while dedicated server rank 0 waited"):
+                table.load(folder)
+            assert table.closed
+        else:
+            table.close()
+        table = ps.ShardedTable(ROWS, DIM, "float64", consistency=ps.SSP(1), name="ded-load-ssp",
+                                initializer="zeros", servers=[0])
+        with pytest.raises(ps.TableError, match=r"save\(\) and load\(\) under SSP\(staleness=1\) need every rank"):
+            table.load(folder)
+        if R == 0:
+            table.serve()
+        else:
+            table.close()
+
+
 def test_creation_failing_on_one_rank_raises_on_every_rank():
     if N == 1:
         pytest.skip("needs ranks that differ")

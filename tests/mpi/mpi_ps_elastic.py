@@ -1,6 +1,6 @@
 """A sharded table through a rank's death in elastic mode; run by tests/test_ps_mpi.py.
 
-    python mpi_ps_elastic.py OUT_DIR MODE    (bsp, ssp, bsp-async or ssp-async)
+    python mpi_ps_elastic.py OUT_DIR MODE    (bsp, ssp, bsp-async, ssp-async or bsp-dedicated)
 
 Three ranks (every rank a worker and a server) train a table with the elastic ``run`` wrapper
 (framework-neutral: ``unison.common.elastic``), saving the table and committing every
@@ -12,6 +12,10 @@ it too. The survivors' next table operation (or
 handle, or the engine's operation) meets the failure; the wrapper rolls back to the last commit,
 shrinks to two ranks and calls the reset callback, which creates the table again and loads the
 checkpoint of that commit ([Note: a table that loses a rank] in unison/common/ps/failure.py).
+In ``bsp-dedicated`` rank 0 is a dedicated server: it spends the training in ``serve()``, commits in
+its ``on_save`` (taking the workers' step from the save's metadata) and answers their ``load()`` in the
+reset callback with its own ``load()`` ([Note: dedicated servers in elastic mode] in
+unison/common/ps/table.py); the last rank, a worker, dies at the top of step ``KILL_AT``.
 Each survivor writes ``OUT_DIR/rank<r>.json``: the final table, its world size, its resets, and
 the time its first operation after the kill raised.
 """
@@ -41,7 +45,7 @@ def batch(step: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def main(out: str, mode: str) -> None:
-    consistency, asynchronous = mode.split("-")[0], mode.endswith("-async")
+    consistency, asynchronous, dedicated = mode.split("-")[0], mode.endswith("-async"), mode.endswith("-dedicated")
     faulthandler.dump_traceback_later(100, exit=True)
     runtime.init()
     world = runtime.size()
@@ -51,7 +55,7 @@ def main(out: str, mode: str) -> None:
     def make_table() -> None:
         rule = SSP(1) if consistency == "ssp" else "bsp"
         holder["t"] = ShardedTable(ROWS, DIM, "float64", "row", SGD(lr=-1.0), rule, name="elastic-table",
-                                   initializer="zeros", average=False)
+                                   initializer="zeros", average=False, servers=[0] if dedicated else None)
 
     state = elastic.ObjectState(step=0)
 
@@ -70,7 +74,19 @@ def main(out: str, mode: str) -> None:
                 json.dump({"time": time.time()}, f)
             os.kill(os.getpid(), signal.SIGKILL)
 
+    def commit_on_server(meta: dict) -> None:  # (the dedicated server's on_save)
+        state.step = meta["step"]
+        state.commit()
+
     def train(state: elastic.ObjectState) -> None:
+        if not holder["t"].is_worker:
+            try:
+                holder["t"].serve(on_save=commit_on_server)
+            except Exception as exc:  # noqa: BLE001 - recorded, then raised to the elastic wrapper
+                raised.append({"time": time.time(), "step": state.step, "type": type(exc).__name__,
+                               "error": str(exc)[:300]})
+                raise
+            return
         pushed = None  # the last step's push_async (-async modes)
         while state.step < STEPS:
             table = holder["t"]
@@ -91,8 +107,11 @@ def main(out: str, mode: str) -> None:
                 if state.step % COMMIT_EVERY == 0:
                     if pushed is not None:
                         pushed, _ = None, pushed.wait()
-                    table.save(os.path.join(out, f"ckpt{state.step}"))
+                    table.save(os.path.join(out, f"ckpt{state.step}"), {"step": state.step})
                     state.commit()
+                if dedicated and state.step == STEPS:  # the server serves until the workers close the table
+                    holder["final"] = table.pull(np.arange(ROWS))
+                    table.close()
             except Exception as exc:  # noqa: BLE001 - recorded, then raised to the elastic wrapper
                 raised.append({"time": time.time(), "step": state.step, "type": type(exc).__name__,
                                "error": str(exc)[:300]})
@@ -100,11 +119,14 @@ def main(out: str, mode: str) -> None:
 
     elastic.run_fn(train, elastic.recover)(state)  # (what the backends' elastic.run decorators do)
     table = holder["t"]
-    table.barrier()
-    final = table.pull(np.arange(ROWS))
+    if dedicated:
+        final = holder.get("final")  # (None on the server)
+    else:
+        table.barrier()
+        final = table.pull(np.arange(ROWS))
+        table.close()
     result = {"rank": runtime.rank(), "size": runtime.size(), "step": state.step, "raised": raised,
-              "table": final.tolist()}
-    table.close()
+              "table": None if final is None else final.tolist(), "worker": table.is_worker}
     with open(os.path.join(out, f"rank{runtime.rank()}.json"), "w") as f:
         json.dump(result, f)
     runtime.shutdown()

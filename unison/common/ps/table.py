@@ -11,7 +11,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -941,9 +941,23 @@ class ShardedTable:
     def load(self, path: Any) -> dict[str, Any]:
         """Replace the rows and optimizer state with the checkpoint at ``path`` (any rank count). Collective.
 
-        Returns the metadata given to :meth:`save`.
+        Returns the metadata given to :meth:`save`. On a dedicated server rank (BSP) it answers the
+        workers' ``load()`` (of the path their first worker gives) and returns, so that every rank of the
+        table can call it in the same place, an elastic reset callback's for one ([Note: dedicated servers
+        in elastic mode]).
         """
+        if not self.is_worker:
+            self._check_open("load")
+            if not self.consistency.collective:
+                raise self._no_dedicated_checkpoint()
+            return self._guarded(self._serve, None, True)
         return self._call("load", self._checkpoint, ex.LOAD, path, None)
+
+    def _no_dedicated_checkpoint(self) -> TableError:
+        return TableError(
+            f"table {self.name!r}: save() and load() under {self.consistency!r} need every rank "
+            "to be a worker (no dedicated servers); use BSP() for a PS-style table you save"
+        )
 
     def _checkpoint(self, op: int, path: Any, metadata: dict[str, Any] | None) -> Any:
         from unison.common.ps import checkpoint
@@ -960,10 +974,7 @@ class ShardedTable:
                                                  root=self.workers[0])
         elif self.comm is not None and not self.consistency.collective:
             if dedicated:
-                raise TableError(
-                    f"table {self.name!r}: save() and load() under {self.consistency!r} need every rank "
-                    "to be a worker (no dedicated servers); use BSP() for a PS-style table you save"
-                )
+                raise self._no_dedicated_checkpoint()
             self._quiesce()
             self.comm.Barrier()
         if op == ex.SAVE:
@@ -1053,9 +1064,31 @@ class ShardedTable:
 
     # ------------------------------------------------------------------ dedicated servers, closing
 
-    def serve(self) -> None:
+    def serve(self, on_save: Callable[[dict[str, Any]], Any] | None = None) -> None:
         """On a dedicated server rank: answer the workers until they close the table (then it is closed here
-        too; serving a closed table returns at once, as ``with table: table.serve()`` does on exit)."""
+        too; serving a closed table returns at once, as ``with table: table.serve()`` does on exit).
+
+        Args:
+            on_save: called on this rank after each ``save()`` of the workers, with the metadata they gave it
+                (``{}`` for none), before the next operation is answered: what a server must do at the same
+                point as the workers after a save, such as an elastic state's ``commit()`` ([Note: dedicated
+                servers in elastic mode]). What it raises ends ``serve()`` (the table stays open).
+
+        [Note: dedicated servers in elastic mode]
+        Under the elastic ``run`` wrapper every rank commits the same commits (a commit is collective)
+        and runs the same reset callbacks, but a dedicated server spends the training in ``serve()``.
+        So the workers commit right after a ``save()`` (``table.save(path, {"step": state.step})``,
+        then ``state.commit()``), and the server commits in ``on_save``, where it also takes the
+        step from the metadata (``state.step = meta["step"]``): its state then equals the workers'
+        at every commit, which matters when a server is rank 0, whose state every rank takes at a
+        reset's sync. In the reset callback every rank creates the table again and calls
+        ``load()``: on the server it answers the workers' load and returns. A load in the training
+        function instead would deadlock: the server would be in the reset's sync, an all-ranks
+        broadcast, while the workers waited in their load for it. Only BSP tables with dedicated
+        servers save and load (under SSP and ASP a server's thread answers the workers, and the
+        checkpoint's collectives would need the servers' main threads). Tested:
+        ``test_a_table_survives_a_rank_killed[bsp-dedicated]``.
+        """
         if not self.is_server or self.is_worker:
             raise TableError(
                 f"table {self.name!r}: serve() is for dedicated server ranks (servers={self.servers}); "
@@ -1063,11 +1096,13 @@ class ShardedTable:
             )
         if self.comm is None or self.closed:  # (before 2026-12-06 a second serve() failed in MPI: freed comm)
             return
-        self._guarded(self._serve)
+        self._guarded(self._serve, on_save)
 
-    def _serve(self) -> None:
+    def _serve(self, on_save: Callable[[dict[str, Any]], Any] | None = None, until_load: bool = False) -> Any:
+        """Answer the workers until they close the table; with ``until_load``, until they load a checkpoint
+        (return its metadata; a checkpoint that fails to load raises here as on the workers)."""
         if self.comm is None:
-            return
+            return None
         if self._server is not None:
             self._server.serve()
         else:
@@ -1091,12 +1126,19 @@ class ShardedTable:
                         if op == ex.SAVE:
                             checkpoint.save(self, path, metadata)
                         else:
-                            checkpoint.load(self, path)
+                            loaded = checkpoint.load(self, path)
                     except checkpoint.ck.CheckpointError as exc:
+                        if until_load and op == ex.LOAD:
+                            raise  # (as on the workers)
                         # raised on every rank: the workers report it; the server keeps serving
                         # (it stopped, and the workers' next operation waited for it forever)
                         logger.info("table %r: %s failed on every rank: %s", self.name,
                                     "save" if op == ex.SAVE else "load", exc)
+                        continue
+                    if op == ex.SAVE and on_save is not None:
+                        on_save(dict(metadata or {}))
+                    if op == ex.LOAD and until_load:
+                        return loaded
                     continue
                 self._bsp_body(
                     rnd,
@@ -1107,6 +1149,10 @@ class ShardedTable:
                     head[:, 1],
                 )
         self._finish()
+        if until_load:
+            raise TableError(f"table {self.name!r}: the workers closed the table while dedicated server rank "
+                             f"{self.rank} waited in load() for them to load it")
+        return None
 
     def close(self) -> None:
         """Collective: finish every operation, stop the server thread, free the communicators."""
