@@ -402,6 +402,33 @@ def test_a_barrier_that_a_closed_worker_never_joins_raises(dedicated, meet):
         assert table.closed
 
 
+@pytest.mark.parametrize("rule", ["ssp", "asp"])
+def test_workers_in_different_checkpoint_operations_raise_on_every_worker(rule):
+    """SSP/ASP: the last worker calls save() (then load()) where the others call barrier(). The marks met, so
+    the barrier returned and the saving worker waited in the checkpoint's collectives for a peer that went on
+    training: both hung (before 2026-12-06). Every worker raises naming both; the table goes on."""
+    if N == 1:
+        pytest.skip("needs two workers")
+    with shared_folder("ps_kinds_") as folder:
+        with ps.ShardedTable(8, 1, "float64", "row", ps.SGD(lr=-1.0), ps.SSP(1) if rule == "ssp" else ps.ASP(),
+                             initializer="zeros", average=False, name=f"kinds-{rule}") as table:
+            table.push([R % 8], np.ones((1, 1)))
+            table.save(os.path.join(folder, "ckpt"))
+            for other in ("save", "load"):
+                pattern = rf"different operations at the same point: rank 0 barrier\(\), rank {N - 1} {other}\(\)"
+                with pytest.raises(ps.TableError, match=pattern):
+                    if R == N - 1:
+                        getattr(table, other)(os.path.join(folder, "ckpt"))
+                    else:
+                        table.barrier()
+            table.push([R % 8], np.ones((1, 1)))  # in step again
+            table.barrier()
+            got = table.to_numpy()[:, 0]
+    expected = np.zeros(8)
+    np.add.at(expected, np.arange(N) % 8, 2.0)
+    np.testing.assert_array_equal(got, expected)
+
+
 def test_a_peers_error_raised_while_held_back_leaves_this_push_unapplied():
     """SSP(0): the last worker pushes a bad key at step 1 and catches its error; the others' push of step 2
     waits for its clock and raises its error there, before anything is applied (a first version applied the

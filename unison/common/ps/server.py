@@ -24,12 +24,35 @@ from unison.common.engine.errors import process_failure
 from unison.common.ps.optimizers import rows_of
 from unison.common.ps.shard import Shard
 
-__all__ = ["Server", "PULL", "PUSH", "CLOCK", "FIN", "MARK", "DONE", "ACK_TAG", "HEADER", "pack", "NO_WAIT"]
+__all__ = ["Server", "PULL", "PUSH", "CLOCK", "FIN", "MARK", "DONE", "ACK_TAG", "ACK_LEN", "HEADER", "pack",
+           "NO_WAIT", "BARRIER_MARK", "SAVE_MARK", "LOAD_MARK", "MARK_NAMES", "mismatch_code", "mismatch_of"]
 
 logger = logging.getLogger(__name__)
 
 PULL, PUSH, CLOCK, FIN, MARK = 1, 2, 3, 4, 5
 ACK_TAG = 32001  # replies to MARK (request ids stay below 30001)
+#: what a worker's MARK marks (its request field): the operations whose marks must meet
+BARRIER_MARK, SAVE_MARK, LOAD_MARK = 1, 2, 3
+MARK_NAMES = {BARRIER_MARK: "barrier()", SAVE_MARK: "save()", LOAD_MARK: "load()"}
+#: a MARK's acknowledgement: [the mark, the clock every worker has after it (or -1 - a closed worker's index),
+#: 0 or the encoded pair of operations that met at it (:func:`mismatch_code`)]
+ACK_LEN = 3
+
+
+def mismatch_code(kinds: np.ndarray) -> int:
+    """0 when every worker marked the same operation, else ``1 + (w * 4 + kinds[w]) * 4 + kinds[0]`` for the
+    first worker index ``w`` whose operation differs from worker 0's (see :func:`mismatch_of`)."""
+    other = np.flatnonzero(kinds != kinds[0])
+    if other.size == 0:
+        return 0
+    w = int(other[0])
+    return 1 + (w * 4 + int(kinds[w])) * 4 + int(kinds[0])
+
+
+def mismatch_of(code: int) -> tuple[int, int, int]:
+    """(worker 0's operation, the worker index w, w's operation) of a nonzero :func:`mismatch_code`."""
+    code -= 1
+    return code % 4, code // 16, (code // 4) % 4
 DONE = 1 << 62  # the clock of a worker that has closed the table: nobody waits for it
 HEADER = 4  # int64 words
 NO_WAIT = -(1 << 62)
@@ -59,6 +82,7 @@ class Server:
         self.stop = threading.Event()
         self.requests = 0
         self.marks = np.zeros(len(set(worker_of.values())), np.int64)  # the last save mark of each worker
+        self.kinds = np.zeros_like(self.marks)  # what each worker's last mark marks (BARRIER_MARK, ...)
         self.pending_mark = 0  # a barrier some workers are waiting in (its mark), or 0
         self.failed = np.zeros_like(self.marks)  # the last mark each worker was told it cannot complete
         self.thread: threading.Thread | None = None
@@ -127,10 +151,12 @@ class Server:
             self._fail_barrier_if_closed()
         elif op == MARK:  # a barrier: acknowledge to every worker once all have marked (their pushes are in)
             self.marks[self.worker_of[source]] = value
+            self.kinds[self.worker_of[source]] = request
             self.shard.park(self.worker_of[source])  # (table [Note: clocks meet at a barrier])
             if int(self.marks.min()) >= value:
                 self.pending_mark = 0
-                ack = np.array([value, self.shard.meet()], np.int64)  # the mark, the clock every worker has now
+                # the mark, the clock every worker has now, and whether they all marked the same operation
+                ack = np.array([value, self.shard.meet(), mismatch_code(self.kinds)], np.int64)
                 for rank in self.worker_of:
                     self.sends.append((self.rep.Isend([ack, self.mpi.INT64_T], rank, ACK_TAG), ack))
             else:
@@ -150,7 +176,7 @@ class Server:
         absent = [int(w) for w in closed if self.marks[w] < self.pending_mark]  # (not one that raised and closed)
         if not absent:
             return
-        ack = np.array([self.pending_mark, -1 - absent[0]], np.int64)
+        ack = np.array([self.pending_mark, -1 - absent[0], 0], np.int64)
         for rank, w in self.worker_of.items():
             if self.marks[w] == self.pending_mark and self.failed[w] < self.pending_mark:
                 self.failed[w] = self.pending_mark  # answered once

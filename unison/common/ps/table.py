@@ -975,7 +975,7 @@ class ShardedTable:
         elif self.comm is not None and not self.consistency.collective:
             if dedicated:
                 raise self._no_dedicated_checkpoint()
-            self._quiesce()
+            self._quiesce(sv.SAVE_MARK if op == ex.SAVE else sv.LOAD_MARK)
             self.comm.Barrier()
         if op == ex.SAVE:
             return checkpoint.save(self, path, metadata)
@@ -995,7 +995,7 @@ class ShardedTable:
         """
         self._call("barrier", self._quiesce)
 
-    def _quiesce(self) -> None:
+    def _quiesce(self, kind: int = sv.BARRIER_MARK) -> None:
         """Under SSP/ASP: wait until every worker's pushes issued before it are applied; the clocks then meet.
 
         [Note: clocks meet at a barrier]
@@ -1012,7 +1012,10 @@ class ShardedTable:
         left a barrier more than ``s`` steps ahead waited in its next operation for workers that had none
         left to make (``test_ssp_workers_with_uneven_steps_meet_in_a_barrier``). A worker that closes the
         table instead never marks: each server answers the waiting workers that it closed, and they
-        raise (:meth:`_wait_acks`; they too waited for ever before).
+        raise (:meth:`_wait_acks`; they too waited for ever before). Each mark says which operation
+        made it, and workers whose marks met in different operations (one in ``barrier()``, another in
+        ``save()``) raise on every worker: the one saving would wait in the checkpoint's collectives for
+        a peer that had gone on training (before 2026-12-06 both hung).
         """
         if self.comm is None or self.consistency.collective:
             return
@@ -1020,13 +1023,13 @@ class ShardedTable:
         # a lone worker's pushes to its own shard are applied inline, and its server thread serves no one
         # (it ended at once): it is not marked (before 2026-12-05 the mark waited for ever for its ACK)
         servers = [r for r in self.servers if not (r == self.rank and len(self.workers) == 1)]
-        acks = [np.zeros(2, np.int64) for _ in servers]  # [mark, the clock every worker has after it]
+        acks = [np.zeros(sv.ACK_LEN, np.int64) for _ in servers]  # see sv.ACK_LEN
         waits = [
             self._rep.Irecv([a, self.mpi.INT64_T], r, sv.ACK_TAG)  # type: ignore[union-attr]
             for a, r in zip(acks, servers, strict=True)
         ]
         for r in servers:
-            self._send(r, sv.pack(sv.MARK, 0, self._mark, np.zeros(0, np.int64)))
+            self._send(r, sv.pack(sv.MARK, kind, self._mark, np.zeros(0, np.int64)))
         self._wait_acks(waits, acks)
         self.mpi.Request.Waitall([r for r, _ in self._sends])
         self._sends = []
@@ -1034,6 +1037,14 @@ class ShardedTable:
             met = max(int(a[1]) for a in acks)
             self._clock = max(self._clock, met)
             self._slowest_seen = max(self._slowest_seen, met)
+            code = int(acks[0][2])
+            if code:  # (every server saw the same marks: one answer is enough, and every worker has it)
+                first, w, other = sv.mismatch_of(code)
+                raise TableError(
+                    f"table {self.name!r}: workers called different operations at the same point: rank "
+                    f"{self.workers[0]} {sv.MARK_NAMES[first]}, rank {self.workers[w]} {sv.MARK_NAMES[other]}; "
+                    "every worker must make the same barriers, saves and loads, in the same order"
+                )
 
     def _wait_acks(self, waits: list[Any], acks: list[np.ndarray]) -> None:
         """Wait for every server's acknowledgement of a barrier; raise if one says a worker closed the table
