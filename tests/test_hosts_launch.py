@@ -247,6 +247,7 @@ RANK_SCRIPT = textwrap.dedent(
         "local_rank": unison.local_rank(), "local_size": unison.local_size(),
         "cross_rank": unison.cross_rank(), "cross_size": unison.cross_size(),
         "sum": total.tolist(), "env": os.environ.get("UNISON_TEST_MARKER"),
+        "user": os.environ.get("SOME_USER_SETTING"), "spaced": os.environ.get("SOME_SPACED_SETTING"),
         "heartbeat": heartbeat.running()}), flush=True)
     if sys.argv[1:] == ["train"]:
         step = 0
@@ -314,18 +315,25 @@ def test_four_ranks_on_two_hosts_with_the_hostfile_alone(hosts, script):
     assert all(r["heartbeat"] for r in seen), "the heartbeat runs on every rank of a job across hosts"
 
 
+SPACED_VALUE = "two words, a 'quote' and a \"double\" one; $HOME stays as written\nand a second line"
+
+
 def test_environment_reaches_ranks_started_in_a_login_environment(hosts, script, tmp_path):
-    """Over ssh a daemon starts with a clean environment: only what unisonrun forwards reaches the ranks."""
+    """Over ssh a daemon starts with a clean environment: only what unisonrun forwards reaches the ranks.
+    The user's own variables arrive on every rank, on both hosts, with their values as set (one with spaces,
+    quotes and a newline); before 2026-12-06 the test set such a variable but never looked at it."""
     agent = tmp_path / "clean-agent.sh"
     agent.write_text(f"#!/bin/sh\nexec env -i HOME=/root PATH=/usr/bin:/bin {hosts.agent} \"$@\"\n")
     agent.chmod(0o755)
     hostfile = tmp_path / "hostfile"
     hostfile.write_text(Path(hosts.hostfile).read_text().replace(hosts.agent, str(agent)))
     result = unisonrun(["--hostfile", str(hostfile), "-np", "4", sys.executable, script], timeout=180,
-                       UNISON_TEST_MARKER="x", SOME_USER_SETTING="kept")
+                       UNISON_TEST_MARKER="x", SOME_USER_SETTING="kept", SOME_SPACED_SETTING=SPACED_VALUE)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     seen = ranks(result.stdout)
-    assert len(seen) == 4 and all(r["env"] == "x" for r in seen), seen
+    assert [r["host"] for r in seen] == [hosts.hosts[0]] * 2 + [hosts.hosts[1]] * 2, seen
+    assert all(r["env"] == "x" and r["user"] == "kept" for r in seen), seen
+    assert all(r["spaced"] == SPACED_VALUE for r in seen), seen
 
 
 @pytest.fixture()

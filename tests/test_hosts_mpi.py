@@ -8,6 +8,8 @@ elsewhere every test here is skipped with the reason printed.
 
 from __future__ import annotations
 
+import csv
+import re
 import subprocess
 import sys
 import time
@@ -114,10 +116,13 @@ def test_keras_training_equivalence_across_hosts(hosts, tmp_path):
                    pytest_args=["-k", "fit_matches_one_process"])
 
 
-def _results(tmp_path: Path, tag: str, hosts=None, **env: str) -> list[dict[str, np.ndarray]]:
+def _results(tmp_path: Path, tag: str, hosts=None, mode: str = "collectives",
+             **env: str) -> list[dict[str, np.ndarray]]:
+    """Every rank's results of ``tests/hosts/reproduce.py`` in ``mode``, run on 4 ranks: on one host, or on
+    ``hosts`` (2 x 2)."""
     out = tmp_path / tag
     out.mkdir()
-    proc = mpirun(4, [sys.executable, str(ROOT / "tests" / "hosts" / "reproduce.py"), str(out)],
+    proc = mpirun(4, [sys.executable, str(ROOT / "tests" / "hosts" / "reproduce.py"), str(out), mode],
                   timeout=300, env=mpi_env(**env), hosts=hosts)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return [dict(np.load(out / f"rank-{r}.npz")) for r in range(4)]
@@ -153,13 +158,64 @@ def test_results_across_hosts_match_one_host(hosts, tmp_path):
             assert _bitwise_equal(results[f"engine.fused.{i}"], reference[i]), f"tensor {i}"
 
 
-def inputs_of_every_rank(i: int) -> list[np.ndarray]:
+def _reproduce():
     sys.path.insert(0, str(ROOT / "tests" / "hosts"))
     try:
-        from reproduce import inputs
+        import reproduce
     finally:
         sys.path.pop(0)
-    return [inputs(r)[i] for r in range(4)]
+    return reproduce
+
+
+def inputs_of_every_rank(i: int) -> list[np.ndarray]:
+    return [_reproduce().inputs(r)[i] for r in range(4)]
+
+
+#: autotune's trials as short as they go (a new setting after every cycle that reduced 1 MiB), over the ring:
+#: there, without deterministic mode, a tensor's bits depend on where it sits in a fused buffer
+TUNED_RING = {"UNISON_AUTOTUNE": "1", "UNISON_AUTOTUNE_WARMUP_SAMPLES": "0",
+              "UNISON_AUTOTUNE_STEPS_PER_SAMPLE": "1", "UNISON_ALLREDUCE_ALGORITHM": "ring"}
+
+
+def test_deterministic_results_depend_on_neither_autotune_nor_hosts(hosts, tmp_path):
+    """Issue 12: with ``UNISON_DETERMINISTIC=1`` "the reduction order depends on neither fusion, autotune nor
+    timing". Autotune's trials change the fusion threshold (0 to 128 MiB: every tensor alone, some fused, all
+    in one buffer) and then the cycle time, between and within the rounds; every round, on one host and on two,
+    gives the bits of the rank-order sum. Without deterministic mode the same runs' rounds disagree (the check
+    can fail). (Before 2026-12-06 autotune was left out of these tests.)"""
+    reference = [sum(x.astype(np.float32) for x in inputs_of_every_rank(i)) for i in range(5)]
+    rounds = _reproduce().ROUNDS
+    control = _results(tmp_path, "tuned-ring", mode="rounds", **TUNED_RING)
+    distinct = [len({control[0][f"engine.tuned.{k}.{i}"].tobytes() for k in range(rounds)}) for i in range(5)]
+    assert max(distinct) > 1, "without UNISON_DETERMINISTIC autotune changed no bits: this test could not fail"
+    for tag, where in (("one-host", None), ("two-hosts", hosts)):
+        log = tmp_path / f"autotune-{tag}.csv"
+        results = _results(tmp_path, f"det-tuned-{tag}", hosts=where, mode="rounds", UNISON_DETERMINISTIC="1",
+                           UNISON_AUTOTUNE_LOG=str(log), **TUNED_RING)
+        with log.open() as f:
+            tried = {int(row["fusion_threshold_bytes"]) for row in csv.DictReader(f)}
+        assert len(tried) >= 3, f"{tag}: autotune tried the fusion thresholds {tried} only"
+        for r in range(4):
+            for k in range(rounds):
+                for i in range(5):
+                    key = f"engine.tuned.{k}.{i}"
+                    assert _bitwise_equal(results[r][key], reference[i]), f"{tag}, rank {r}: {key}"
+
+
+def test_training_across_hosts_matches_one_host_bit_for_bit(hosts, tmp_path):
+    """Issue 12: torch training on 2 test hosts x 2 ranks gives one host's weights bit for bit with the
+    algorithm forced: ``DistributedOptimizer`` steps of a seeded MLP, each rank on its own batches. Forced to
+    the ring with fusion off (which tensors share a fused buffer depends on timing, and moves their elements
+    to other ring segments, whose sums start at other ranks), and in deterministic mode with fusion on."""
+    for tag, env in (("ring", {"UNISON_ALLREDUCE_ALGORITHM": "ring", "UNISON_FUSION_THRESHOLD": "0"}),
+                     ("deterministic", {"UNISON_DETERMINISTIC": "1"})):
+        one = _results(tmp_path, f"train-{tag}-one-host", mode="train", **env)
+        two = _results(tmp_path, f"train-{tag}-two-hosts", hosts=hosts, mode="train", **env)
+        assert len(one[0]) == 6, sorted(one[0])  # (3 layers' weights and biases)
+        for r in range(4):
+            for key, value in one[r].items():
+                assert _bitwise_equal(value, one[0][key]), f"{tag}: rank {r} and 0 differ on {key} (one host)"
+                assert _bitwise_equal(two[r][key], value), f"{tag}, rank {r}: {key}: one host vs two hosts differ"
 
 
 def test_down_removes_everything_even_after_a_crash():
@@ -180,6 +236,90 @@ def test_down_removes_everything_even_after_a_crash():
     assert testhosts.down(9) == []
 
 
+#: leftovers of killed runs of two instances (9 and 0), in a sandbox: its own mount namespace (a tmpfs on /run,
+#: so its own ``ip netns`` list and test-host state, and a copy of /etc/hosts) and network namespace, so that
+#: a plain ``down`` there cannot touch the machine's test hosts, nor those of tests running beside it
+SANDBOX = r"""
+set -e
+mount -t tmpfs unison-test-run /run
+printf '127.0.0.1 localhost\n198.18.9.11 unison9-h1 # unison-testhosts-9\n' > "$1/hosts"
+printf '198.18.200.7 kept-host # unison-testhosts-x\n198.18.0.12 unison-h2 # unison-testhosts-0\n' >> "$1/hosts"
+mount --bind "$1/hosts" /etc/hosts
+ip netns add unison9-h1; ip netns add unison-h2; ip netns add other-h1
+ip link add unbr9 type bridge; ip link add unv9x1 type veth peer name unv9x1p
+ip link add unv0x2 type veth peer name unv0x2p; ip link set unv0x2p netns unison-h2
+ip netns exec unison9-h1 ip addr add 198.18.9.11/24 dev lo
+ip netns exec unison9-h1 sleep 300 >/dev/null 2>&1 &
+echo $! > "$1/pid"
+mkdir -p /run/unison-testhosts/9; touch /run/unison-testhosts/9/state.json /run/unison-testhosts/hostfile
+"$2" -m unison.run.testhosts down > "$1/first"
+"$2" -m unison.run.testhosts down > "$1/second"
+ip netns list | cut -d' ' -f1 > "$1/netns"
+ip -o link show > "$1/links"
+cp /etc/hosts "$1/hosts-after"
+ls -A /run > "$1/run"
+"""
+
+
+def test_plain_down_removes_every_instances_leftovers_and_only_reports_what_it_removed(tmp_path):
+    """Before 2026-12-06 ``down`` without ``--instance`` removed instance 0's alone (a killed benchmark's
+    instance 3, a killed test's 1, 7, 8 or 9 stayed), and listed a step as done whether or not it was."""
+    reason = _skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    try:
+        proc = subprocess.run(["unshare", "--mount", "--net", "--propagation", "private", "sh", "-c", SANDBOX,
+                               "sandbox", str(tmp_path), sys.executable], capture_output=True, text=True,
+                              timeout=120, env=mpi_env())
+    finally:
+        pid = tmp_path / "pid"
+        if pid.is_file():
+            subprocess.run(["kill", "-9", pid.read_text().strip()], capture_output=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    first = set((tmp_path / "first").read_text().splitlines())
+    want = {"removed namespace unison9-h1", "removed namespace unison-h2", "removed link unv9x1",
+            "removed bridge unbr9", "removed /etc/hosts lines tagged # unison-testhosts-0, # unison-testhosts-9",
+            "removed /run/unison-testhosts/hostfile", "removed /run/unison-testhosts/9/state.json"}
+    # (unv0x2 goes with its peer in unison-h2, at once or when the kernel frees the namespace: listed if
+    # it was still there to remove)
+    assert want <= first <= want | {"removed link unv0x2"}, first
+    assert (tmp_path / "second").read_text() == ""
+    assert (tmp_path / "netns").read_text().split() == ["other-h1"]
+    assert re.findall(r"^\d+: ([^:@]+)", (tmp_path / "links").read_text(), re.M) == ["lo"]
+    kept = "127.0.0.1 localhost\n198.18.200.7 kept-host # unison-testhosts-x\n"  # (no instance's tag)
+    assert (tmp_path / "hosts-after").read_text() == kept
+    assert "unison-testhosts" not in (tmp_path / "run").read_text().split()
+    stat = Path(f"/proc/{(tmp_path / 'pid').read_text().strip()}/stat")  # (killed: gone, or a zombie)
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_down_names_a_step_that_failed_and_checks_the_machine(tmp_path, monkeypatch, capsys):
+    """Before: ``down`` ignored what ``ip netns del``/``ip link del`` said and listed the item as removed, and
+    a non-root user was told the items were removed."""
+    run = testhosts._run
+
+    def failing(args, check=True):
+        if args[:3] == ["ip", "netns", "list"]:
+            return subprocess.CompletedProcess(args, 0, "unison9-h1 (id: 3)\n", "")
+        if args[:3] in (["ip", "netns", "del"], ["ip", "netns", "pids"]) or args[:3] == ["ip", "-o", "link"]:
+            failed = args[2] == "del"
+            return subprocess.CompletedProcess(args, int(failed), "", "Device or resource busy" if failed else "")
+        return run(args, check)
+
+    monkeypatch.setattr(testhosts, "_run", failing)
+    monkeypatch.setattr(testhosts, "STATE_ROOT", tmp_path / "state")
+    monkeypatch.setattr(testhosts, "check_machine", lambda need_tc=False: None)
+    assert testhosts.main(["down", "--instance", "9"]) == 2
+    captured = capsys.readouterr()
+    assert "removed" not in captured.out
+    assert captured.err.startswith("testhosts: error: down could not remove everything: 'ip netns del unison9-h1' "
+                                   "(exit 1): Device or resource busy (removed: nothing)"), captured.err
+    monkeypatch.undo()
+    monkeypatch.setattr(testhosts.os, "geteuid", lambda: 1000)
+    assert testhosts.main(["down"]) == 2
+    assert "testhosts: error: test hosts need root" in capsys.readouterr().err
+
+
 def _tcp_round_trip(server_host: str, address: str, client_host: str) -> None:
     """A TCP connection from ``client_host`` to ``address`` on ``server_host`` carries a byte each way."""
     server = subprocess.Popen(
@@ -196,6 +336,22 @@ def _tcp_round_trip(server_host: str, address: str, client_host: str) -> None:
     finally:
         server.kill()
         server.wait()
+
+
+def _ip(*args: str, namespace: str | None = None) -> str:
+    inside = [] if namespace is None else ["ip", "netns", "exec", namespace]
+    return subprocess.run([*inside, "ip", *args], capture_output=True, text=True, check=True).stdout
+
+
+def _assert_addresses_as_documented(made) -> None:
+    """[Note: the addresses test hosts use] in testhosts.py: the root namespace gets the bridge's 198.18.K.1
+    and that subnet's route alone; each host its own address and that route alone."""
+    bridge = testhosts.Names(made.instance).bridge
+    assert re.findall(r"inet (\S+)", _ip("-o", "addr", "show", "dev", bridge)) == [f"198.18.{made.instance}.1/24"]
+    assert [ln.split()[0] for ln in _ip("route", "show", "dev", bridge).splitlines()] == [made.subnet]
+    for host, address in zip(made.hosts, made.addresses, strict=True):
+        assert re.findall(r"inet (\S+)", _ip("-o", "addr", namespace=host)) == ["127.0.0.1/8", f"{address}/24"]
+        assert [ln.split()[0] for ln in _ip("route", namespace=host).splitlines()] == [made.subnet]
 
 
 def test_up_is_idempotent_and_writes_a_hostfile_unisonrun_reads():
@@ -219,6 +375,7 @@ def test_up_is_idempotent_and_writes_a_hostfile_unisonrun_reads():
         assert Path(first.agent).stat().st_mode & 0o111
         hosts_file = Path("/etc/hosts").read_text()
         assert f"{first.addresses[0]} {first.hosts[0]}" in hosts_file
+        _assert_addresses_as_documented(first)
         bigger = testhosts.up(3, slots=1, instance=9)  # another request replaces the set
         assert len(bigger.hosts) == 3 and testhosts.current(9) == bigger
         # a set with a piece gone is not up: the same request makes it whole again (it said "already up")

@@ -1157,7 +1157,7 @@ def test_probe_passes_a_host_that_answers_and_reaches_back(tmp_path):
 
     agent = agent_script(tmp_path, 'exec /bin/sh -c "$*"')
     results = probe_hosts(["node1", "localhost"], agent=agent, python=sys.executable,
-                          addresses={"lo": "127.0.0.1"}, timeout=30)
+                          addresses={"lo": "127.0.0.1"}, deadline=30)
     assert [(r.host, r.reason) for r in results] == [("node1", None)]
 
 
@@ -1176,12 +1176,70 @@ def test_probe_names_each_failing_host_within_its_deadline(tmp_path, body, reaso
     start = time.monotonic()
     with pytest.raises(HostUnreachableError) as error:
         check_hosts(["node1", "node2"], agent=agent, python=sys.executable, addresses={"lo": "127.0.0.1"},
-                    timeout=3)
+                    deadline=3)
     assert time.monotonic() - start < 15
     message = str(error.value)
     assert message.startswith("cannot reach 2 of 2 host(s), so nothing was launched: host node1: ")
     assert "host node2: " in message and reason in message
     assert message.endswith("or pass --skip-host-check")
+
+
+SLEEPING_AGENT = 'echo $$ >> {pids}\nexec sleep 30'
+
+
+def many_dead_hosts(tmp_path, count):
+    """``count`` fake host names and an agent that records its pid and never answers."""
+    pids = tmp_path / "pids"
+    return [f"node{i}" for i in range(count)], agent_script(tmp_path, SLEEPING_AGENT.format(pids=pids)), pids
+
+
+def assert_no_agent_left(pids):
+    deadline = time.monotonic() + 5
+    left = [int(p) for p in pids.read_text().split()]
+    while any(alive(p) for p in left) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(p) for p in left), "a launch agent outlived the probe"
+
+
+def test_probe_of_many_dead_hosts_ends_at_one_deadline_naming_every_host(tmp_path):
+    """Before 2026-12-06 a pool of 64 gave each host its own 20 s: 130 dead hosts took ceil(130/64) x 20 = 60 s
+    (with a 2 s deadline, 6.2 s). Now the whole probe has one deadline, under 30 s by default."""
+    import inspect
+
+    from unison.run import probe
+
+    assert probe.PROBE_DEADLINE_S < 30
+    for function in (probe.check_hosts, probe.probe_hosts):
+        assert inspect.signature(function).parameters["deadline"].default == probe.PROBE_DEADLINE_S
+    hosts, agent, pids = many_dead_hosts(tmp_path, 130)
+    start = time.monotonic()
+    with pytest.raises(probe.HostUnreachableError) as error:
+        probe.check_hosts(hosts, agent=agent, python=sys.executable, addresses={"lo": "127.0.0.1"}, deadline=2)
+    elapsed = time.monotonic() - start
+    assert elapsed < 4.5, f"130 dead hosts took {elapsed:.1f} s under a 2 s deadline"
+    message = str(error.value)
+    assert message.startswith("cannot reach 130 of 130 host(s), so nothing was launched: ")
+    for host in hosts:
+        assert f"host {host}: no answer through '{agent[0]}' within the probe's 2 s" in message, host
+    assert len(pids.read_text().split()) == 130, "not every agent was started"
+    assert_no_agent_left(pids)
+
+
+def test_probe_reports_hosts_past_the_open_file_limit_as_no_answer_by_the_deadline(tmp_path, monkeypatch):
+    """Where the open-file limit keeps agents waiting for a slot, those not started by the deadline count as
+    not answered, and the probe still ends on time."""
+    from unison.run import probe
+
+    monkeypatch.setattr(probe, "_agent_limit", lambda: 3)
+    hosts, agent, pids = many_dead_hosts(tmp_path, 8)
+    start = time.monotonic()
+    results = probe.probe_hosts(hosts, agent=agent, python=sys.executable, addresses={"lo": "127.0.0.1"},
+                                deadline=1.5)
+    assert time.monotonic() - start < 4
+    assert [r.host for r in results] == hosts
+    assert all(r.reason.startswith("no answer through") for r in results), results
+    assert len(pids.read_text().split()) == 3
+    assert_no_agent_left(pids)
 
 
 def test_probe_names_a_host_that_cannot_connect_back(tmp_path, monkeypatch):
@@ -1196,7 +1254,7 @@ def test_probe_names_a_host_that_cannot_connect_back(tmp_path, monkeypatch):
     monkeypatch.setattr(probe._Listener, "__init__", on_a_closed_port)
     agent = agent_script(tmp_path, 'exec /bin/sh -c "$*"')
     [result] = probe.probe_hosts(["node1"], agent=agent, python=sys.executable, addresses={"lo": "127.0.0.1"},
-                                 timeout=30)
+                                 deadline=30)
     assert result.reason.startswith("it could not open a TCP connection back to this machine, as Open MPI's "
                                     "daemon must: cannot connect back to 127.0.0.1:")
     assert "Connection refused" in result.reason
@@ -1226,7 +1284,7 @@ def test_probe_names_a_launch_agent_that_cannot_start(tmp_path):
     from unison.run.probe import probe_hosts
 
     [result] = probe_hosts(["node1"], agent=[str(tmp_path / "no-such-agent")], python=sys.executable,
-                           addresses={"lo": "127.0.0.1"}, timeout=5)
+                           addresses={"lo": "127.0.0.1"}, deadline=5)
     assert result.reason.startswith(f"cannot start the launch agent '{tmp_path / 'no-such-agent'}': ")
     assert "--launch-agent" in result.reason
 
@@ -1259,7 +1317,7 @@ def test_probe_skips_this_machine(tmp_path):
     agent = agent_script(tmp_path, "exit 255")  # would fail every host it is asked for
     here = socket.gethostname()
     assert probe_hosts(["localhost", "127.0.0.1", here, "10.9.8.7"], agent=agent, python=sys.executable,
-                       addresses={"eth0": "10.9.8.7"}, timeout=5) == []
+                       addresses={"eth0": "10.9.8.7"}, deadline=5) == []
 
 
 def _session_dir(base: Path, name: str, age_s: float) -> Path:
@@ -1439,6 +1497,22 @@ def test_dry_run_shows_the_wrapper_of_an_agent_open_mpi_would_split(capsys):
     assert main(["--dry-run", "-np", "2", "-H", "a:1,b:1", "--launch-agent", "ssh -p 2222", "python", "x.py"]) == 0
     command = shlex.split(capsys.readouterr().out)
     assert command[command.index("plm_ssh_agent") + 1] == "ssh -p 2222" and "plm_ssh_no_tree_spawn" not in command
+
+
+def test_dry_run_notes_the_wrapper_only_when_there_is_one(tmp_path, capsys):
+    """Before: a hostfile's plain agent (a test-host hostfile's) drew "... is given to mpirun as the wrapper script
+    None", since the note compared the hostfile's agent with the flag's, which was unset."""
+    plain = write_hostfile(tmp_path, "launch-agent=/run/unison-testhosts/agent.sh", "tcp-include=198.18.0.0/24")
+    assert main(["--dry-run", "--hostfile", plain, "-np", "4", "python", "x.py"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    command = shlex.split(captured.out)
+    assert command[command.index("plm_ssh_agent") + 1] == "/run/unison-testhosts/agent.sh"
+    split = write_hostfile(tmp_path, "launch-agent=ssh -o ProxyJump=j:2222")
+    assert main(["--dry-run", "--hostfile", split, "-np", "4", "python", "x.py"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("unisonrun: note: the launch agent 'ssh -o ProxyJump=j:2222' is given to mpirun as the "
+                          "wrapper script /") and "None" not in err
 
 
 def test_the_agent_wrapper_avoids_a_tmpdir_open_mpi_would_split(tmp_path, monkeypatch, capsys):

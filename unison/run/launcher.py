@@ -652,7 +652,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ValueError, OSError, MpirunNotFoundError) as error:
             parser.error(str(error))
         if args.dry_run:  # the variables the flags stand for go first (mpirun's -x forwards them by name only)
-            if config.launch_agent != label:
+            if config.launch_agent is not None and config.launch_agent != label:  # (_wrap_agent replaced it)
                 print(f"unisonrun: note: the launch agent {label!r} is given to mpirun as the wrapper script "
                       f"{config.launch_agent} (Open MPI would split it at ':' and spaces), which exists only "
                       "while unisonrun runs", file=sys.stderr)

@@ -6,7 +6,7 @@ and each daemon must open a TCP connection back to ``mpirun``. When a host is do
 wait minutes for its connection to time out; when a host is up but cannot route back (a downed
 link, a firewall, the wrong interface), the daemon may fail with a long message about libraries
 and firewalls, or wait. So before launching, ``unisonrun`` probes every host that is not this
-machine, all at once and each under a deadline (:data:`PROBE_TIMEOUT_S`):
+machine, all at once and under one deadline for the whole probe (:data:`PROBE_DEADLINE_S`):
 
 1. it listens on a free TCP port of this machine;
 2. through the same agent ``mpirun`` will use, it runs on the host the same Python as the
@@ -19,6 +19,16 @@ A host that fails is named with the reason (no answer within the deadline, the a
 error such as "Could not resolve hostname", or the connection back that failed) and nothing is
 launched. ``--skip-host-check`` turns the probe off. Hosts that are this machine
 (``localhost``, its hostname) are not probed.
+
+[Note: one deadline for the whole probe]
+The launch must fail within 30 s naming every unreachable host, at any host count. Before
+2026-12-06 a pool of 64 threads gave each host its own 20 s, so hosts past the 64th queued behind
+the others: 65 dead hosts took 40 s, 130 took 60 s. Now every agent starts at once (a pipe each,
+read through one selector in the calling thread) and the whole probe has one deadline, 25 s by
+default; when it passes, the session of every agent still running is killed and each host not
+answered by then is reported as "no answer". Only the limit on open files (``RLIMIT_NOFILE``,
+:func:`_agent_limit`) makes agents wait for a free slot, and one that has not started by the
+deadline is reported the same way.
 
 [Note: a signal during the probe]
 Each agent runs in its own session, so that a deadline kills everything it started (``ssh``, a
@@ -36,7 +46,9 @@ import fcntl
 import ipaddress
 import logging
 import os
+import resource
 import secrets
+import selectors
 import shlex
 import signal
 import socket
@@ -44,17 +56,19 @@ import struct
 import subprocess
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple
+from typing import IO, NamedTuple, cast
 
 __all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 
-PROBE_TIMEOUT_S = 20.0
+PROBE_DEADLINE_S = 25.0  # the whole probe's, at any host count: [Note: one deadline for the whole probe]
 CONNECT_BUDGET_S = 12.0
-MAX_PARALLEL = 64
+TOKEN_GRACE_S = 2.0  # how long a token may trail its agent's exit 0
+MAX_AGENTS = 1024  # agents running at once, at most (also bounded by the open-file limit)
+_OUTPUT_KEPT = 65536  # bytes of an agent's output kept (its last line is what is reported)
 DEFAULT_AGENT = ("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
 _SIOCGIFADDR = 0x8915
 _LOCAL_NAMES = frozenset({"localhost", "localhost.localdomain", "127.0.0.1", "::1"})
@@ -232,67 +246,150 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
-def _run_agent(argv: list[str], timeout: float, agents: Agents) -> tuple[int | None, str]:
-    """Runs ``argv`` in its own session; kills the whole session when ``timeout`` passes."""
-    if agents.stopped:
-        return None, ""
-    process = agents.start(argv)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-        return process.returncode, output.decode(errors="replace")
-    except subprocess.TimeoutExpired:
-        _kill_session(process)
-        process.wait()
-        return None, ""
-    finally:
-        agents.done(process)
+class _Outcome(NamedTuple):
+    """How one host's agent ended: ``status`` is ``None`` when it gave no answer by the deadline."""
+
+    status: int | None
+    output: str
+    seconds: float
+    error: OSError | None = None
 
 
-def _probe_one(host: str, agent: Sequence[str], python: str, addresses: list[str], listener: _Listener,
-               timeout: float, agents: Agents, label: str | None) -> ProbeResult:
-    """Probes ``host``; see [Note: probing the hosts]."""
-    start = time.monotonic()
-    wait = max(1.0, min(5.0, CONNECT_BUDGET_S / max(1, len(addresses))))
-    remote = shlex.join([python, "-I", "-S", "-c", _REMOTE_CODE, ",".join(addresses), str(listener.port),
-                         f"{listener.secret}:{host}", f"{wait:g}"])
-    agent_name = label or shlex.join(agent)
+class _Running:
+    """One host's agent while it runs: its process and what it printed so far."""
+
+    def __init__(self, host: str, process: subprocess.Popen[bytes]) -> None:
+        self.host, self.process = host, process
+        self.pipe = cast(IO[bytes], process.stdout)  # (stdout=PIPE)
+        self.started = time.monotonic()
+        self.output = b""
+        self.closed = False  # its output reached end of file
+
+    def read(self, selector: selectors.BaseSelector) -> None:
+        data = os.read(self.pipe.fileno(), 65536)
+        self.output = (self.output + data)[-_OUTPUT_KEPT:]
+        if not data:
+            self.closed = True
+            selector.unregister(self.pipe)
+
+    def finished(self) -> bool:
+        return self.closed and self.process.poll() is not None
+
+    def outcome(self, answered: bool) -> _Outcome:
+        return _Outcome(self.process.returncode if answered else None, self.output.decode(errors="replace"),
+                        time.monotonic() - self.started)
+
+    def end(self, agents: Agents) -> None:
+        """Kills its session unless it finished, reaps it and closes its pipe."""
+        if not self.finished():
+            _kill_session(self.process)
+        self.process.wait()
+        self.pipe.close()
+        agents.done(self.process)
+
+
+def _agent_limit() -> int:
+    """How many agents may run at once: each holds a pipe here, and Popen briefly four more
+    descriptors, under ``RLIMIT_NOFILE`` (64 are left for the rest of the launcher)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_AGENTS
+    return max(1, min(MAX_AGENTS, (soft - 64) // 2))
+
+
+def _start(host: str, argv: list[str], agents: Agents,
+           selector: selectors.BaseSelector) -> _Running | _Outcome:
+    """Starts ``host``'s agent in its own session, its output read through ``selector``."""
     try:
-        status, output = _run_agent([*agent, host, remote], timeout, agents)
+        process = agents.start(argv)
     except OSError as error:
-        return ProbeResult(host, f"cannot start the launch agent {agent_name!r}: {error.strerror or error}; "
-                           "install it, or give one with --launch-agent", time.monotonic() - start)
-    seconds = time.monotonic() - start
-    if agents.stopped:
-        return ProbeResult(host, "the probe was stopped by a signal", seconds)
-    if status is None:
-        return ProbeResult(host, f"no answer through {agent_name!r} within {timeout:g} s (the host is down, "
-                           "or its network does not answer)", seconds)
-    if status == 3:
-        return ProbeResult(host, f"it could not open a TCP connection back to this machine, as Open MPI's "
-                           f"daemon must: {_last_line(output)}", seconds)
-    if status != 0:
-        said = _last_line(output) or "no message"
-        return ProbeResult(host, f"{agent_name!r} failed to run {python!r} there (exit status {status}): "
-                           f"{said}", seconds)
-    deadline = time.monotonic() + 2.0
-    while host not in listener.reached and time.monotonic() < deadline:
+        return _Outcome(None, "", 0.0, error)
+    running = _Running(host, process)
+    selector.register(running.pipe, selectors.EVENT_READ, running)
+    return running
+
+
+def _run_agents(commands: dict[str, list[str]], end: float, agents: Agents) -> dict[str, _Outcome]:
+    """Runs every host's agent at once (up to :func:`_agent_limit`) until all finish, the
+    monotonic time ``end`` passes or ``agents`` is stopped; see [Note: one deadline for the whole
+    probe]. A host whose agent was still running then, or never started, gets status ``None``."""
+    waiting = deque(commands)
+    running: dict[str, _Running] = {}
+    outcomes: dict[str, _Outcome] = {}
+    limit = _agent_limit()
+    with selectors.DefaultSelector() as selector:
+        try:
+            while (waiting or running) and not agents.stopped and time.monotonic() < end:
+                while waiting and len(running) < limit and not agents.stopped and time.monotonic() < end:
+                    host = waiting.popleft()
+                    started = _start(host, commands[host], agents, selector)
+                    if isinstance(started, _Outcome):
+                        outcomes[host] = started
+                    else:
+                        running[host] = started
+                for key, _ in selector.select(max(0.0, min(0.05, end - time.monotonic()))):
+                    key.data.read(selector)
+                for host in [h for h, r in running.items() if r.finished()]:
+                    agent = running.pop(host)
+                    agent.end(agents)
+                    outcomes[host] = agent.outcome(answered=True)
+        finally:
+            for agent in running.values():
+                agent.end(agents)
+    outcomes.update({host: agent.outcome(answered=False) for host, agent in running.items()})
+    outcomes.update({host: _Outcome(None, "", 0.0) for host in waiting})
+    return outcomes
+
+
+def _reason(host: str, outcome: _Outcome, reached: set[str], agent_name: str, python: str,
+            deadline: float) -> str | None:
+    """Why ``host`` failed the probe, or ``None`` when it passed; see [Note: probing the hosts]."""
+    if outcome.error is not None:
+        return (f"cannot start the launch agent {agent_name!r}: {outcome.error.strerror or outcome.error}; "
+                "install it, or give one with --launch-agent")
+    if outcome.status is None:
+        return (f"no answer through {agent_name!r} within the probe's {deadline:g} s (the host is down, or "
+                "its network does not answer)")
+    if outcome.status == 3:
+        return ("it could not open a TCP connection back to this machine, as Open MPI's daemon must: "
+                f"{_last_line(outcome.output)}")
+    if outcome.status != 0:
+        said = _last_line(outcome.output) or "no message"
+        return f"{agent_name!r} failed to run {python!r} there (exit status {outcome.status}): {said}"
+    if host not in reached:
+        return "its connection back to this machine did not arrive"
+    return None
+
+
+def _remote_command(host: str, python: str, addresses: list[str], listener: _Listener) -> str:
+    """The command the agent runs on ``host``: connect back to ``listener`` and send the token."""
+    wait = max(1.0, min(5.0, CONNECT_BUDGET_S / max(1, len(addresses))))
+    return shlex.join([python, "-I", "-S", "-c", _REMOTE_CODE, ",".join(addresses), str(listener.port),
+                       f"{listener.secret}:{host}", f"{wait:g}"])
+
+
+def _await_tokens(hosts: list[str], outcomes: dict[str, _Outcome], listener: _Listener, end: float,
+                  agents: Agents) -> None:
+    """Waits (up to :data:`TOKEN_GRACE_S`, never past ``end``) for the tokens of hosts whose agent
+    exited 0 and whose token has not arrived yet."""
+    until = min(end, time.monotonic() + TOKEN_GRACE_S)
+    missing = [h for h in hosts if outcomes[h].status == 0]
+    while any(h not in listener.reached for h in missing) and time.monotonic() < until and not agents.stopped:
         time.sleep(0.02)
-    if host not in listener.reached:
-        return ProbeResult(host, "its connection back to this machine did not arrive", seconds)
-    return ProbeResult(host, None, seconds)
 
 
 def probe_hosts(hosts: Sequence[str], *, agent: Sequence[str], python: str, include: Sequence[str] = (),
-                timeout: float = PROBE_TIMEOUT_S, addresses: dict[str, str] | None = None,
+                deadline: float = PROBE_DEADLINE_S, addresses: dict[str, str] | None = None,
                 agents: Agents | None = None, label: str | None = None) -> list[ProbeResult]:
-    """Probes every host that is not this machine, in parallel; see [Note: probing the hosts].
+    """Probes every host that is not this machine, all at once; see [Note: probing the hosts].
 
     Args:
         hosts: Host names (repeats and local names are skipped).
         agent: The launch agent's command, e.g. ``["ssh"]``; it is called as ``AGENT HOST COMMAND``.
         python: The interpreter to run on each host (the launcher's own).
         include: The TCP include list (subnets or interface names) the job will use.
-        timeout: Seconds each host has to answer.
+        deadline: Seconds the whole probe may take, however many hosts there are (see [Note: one
+            deadline for the whole probe]); a host not answered by then is reported as "no answer".
         addresses: This machine's addresses by interface; :func:`local_addresses` when ``None``.
         agents: Where the running agents are kept, so that a signal handler can stop them
             (:meth:`Agents.stop`); a private one when ``None``.
@@ -306,6 +403,7 @@ def probe_hosts(hosts: Sequence[str], *, agent: Sequence[str], python: str, incl
     Raises:
         HostUnreachableError: ``include`` matches no address of this machine.
     """
+    end = time.monotonic() + deadline
     addresses = local_addresses() if addresses is None else addresses
     names = list(dict.fromkeys(h for h in hosts if not is_local(h, addresses)))
     if not names:
@@ -314,25 +412,31 @@ def probe_hosts(hosts: Sequence[str], *, agent: Sequence[str], python: str, incl
     listener = _Listener(secrets.token_hex(8))
     running = Agents() if agents is None else agents
     try:
-        with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL, len(names))) as pool:
-            results = list(pool.map(
-                lambda h: _probe_one(h, agent, python, back, listener, timeout, running, label), names))
+        commands = {h: [*agent, h, _remote_command(h, python, back, listener)] for h in names}
+        outcomes = _run_agents(commands, end, running)
+        _await_tokens(names, outcomes, listener, end, running)
     finally:
         listener.close()
-    for result in results:
-        logger.info("probe %s: %s (%.2f s)", result.host, result.reason or "ok", result.seconds)
+    agent_name = label or shlex.join(agent)
+    results = []
+    for host in names:
+        outcome = outcomes[host]
+        reason = "the probe was stopped by a signal" if running.stopped else _reason(
+            host, outcome, listener.reached, agent_name, python, deadline)
+        results.append(ProbeResult(host, reason, outcome.seconds))
+        logger.info("probe %s: %s (%.2f s)", host, reason or "ok", outcome.seconds)
     return results
 
 
 def check_hosts(hosts: Sequence[str], *, agent: Sequence[str], python: str, include: Sequence[str] = (),
-                timeout: float = PROBE_TIMEOUT_S, addresses: dict[str, str] | None = None,
+                deadline: float = PROBE_DEADLINE_S, addresses: dict[str, str] | None = None,
                 agents: Agents | None = None, label: str | None = None) -> None:
     """Raises, naming each host and why, unless every host passes :func:`probe_hosts` (same arguments).
 
     Raises:
         HostUnreachableError: a host failed the probe, or ``include`` matches no address here.
     """
-    results = probe_hosts(hosts, agent=agent, python=python, include=include, timeout=timeout,
+    results = probe_hosts(hosts, agent=agent, python=python, include=include, deadline=deadline,
                           addresses=addresses, agents=agents, label=label)
     failed = [r for r in results if r.reason is not None]
     if failed:

@@ -2,14 +2,15 @@
 
 ``python -m unison.run.testhosts up --hosts 2 --slots 2 [--rate 1gbit]`` builds::
 
-    root namespace                        namespace unison-h1 (hostname unison-h1)
-    bridge unbr0  198.18.0.1/24 --- unv1 ==== eth0 198.18.0.11/24   [tbf RATE both ways]
-                                 \\-- unv2 ==== eth0 198.18.0.12/24   (namespace unison-h2)
+    root namespace                          namespace unison-h1 (hostname unison-h1)
+    bridge unbr0  198.18.0.1/24 --- unv0x1 ==== eth0 198.18.0.11/24   [tbf RATE both ways]
+                                 \\-- unv0x2 ==== eth0 198.18.0.12/24   (namespace unison-h2)
 
 and writes a hostfile (``unison-h1 slots=2`` ...) whose last lines tell ``unisonrun`` how to
 reach the hosts (see [Note: test hosts in a hostfile]); its path is the last line printed.
-``... down`` removes every namespace, link, bridge and ``/etc/hosts`` line it made, also the
-leftovers of a run that crashed half way (it looks for them by name, not only in its state file).
+``... down`` removes every namespace, link, bridge, ``/etc/hosts`` line and file of every instance
+(``--instance K``: of one), also the leftovers of a run killed half way (it looks for them by name,
+not in a state file), lists only what is really gone, and fails naming any step that did not work.
 
 [Note: reaching a namespace without ssh]
 ``mpirun`` starts its daemon (``prted``) on a remote node by running ``AGENT HOST COMMAND`` where
@@ -18,8 +19,16 @@ AGENT is ``ssh`` by default. Open MPI 5 takes another agent with ``--prtemca plm
 string with ``ip netns exec HOST unshare --uts`` after setting the hostname, so each daemon and its
 ranks see their own hostname (without that, every daemon reports the same node and the job never
 starts) and their own network stack. The environment passes through unchanged, as with a local
-launch. Only addresses in 198.18.0.0/24 (the benchmarking range, RFC 2544) inside namespaces made
-here are ever used.
+launch.
+
+[Note: the addresses test hosts use]
+Every address comes from the benchmarking range 198.18.0.0/15 (RFC 2544): instance K uses the
+subnet 198.18.K.0/24 alone. Its hosts' addresses (198.18.K.11 and up) sit on ``eth0`` inside their
+namespaces; its bridge's address, 198.18.K.1, sits in the root namespace, on the bridge, because
+``mpirun`` runs there and its daemons in the hosts must reach it (Open MPI's out-of-band wire, and
+the probe's connection back). Nothing else is added to the root namespace: no route beyond that
+subnet's own, no forwarding or NAT, so no address outside the range is used and the test subnet
+reaches no other network. The hostfile pins Open MPI's TCP to the subnet.
 
 [Note: no shared memory between test hosts]
 The namespaces share one kernel, so ``/dev/shm`` is visible from all of them. Open MPI uses its
@@ -46,7 +55,7 @@ import shutil
 import stat
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -224,14 +233,16 @@ def _add_host(n: Names, i: int, slots: int, rate: str | None) -> None:
                 f", {rate} each way" if rate else "")
 
 
-def _edit_etc_hosts(tag: str, lines: list[str]) -> None:
-    """Replaces the lines tagged ``tag`` in ``/etc/hosts`` by ``lines`` (each tagged), atomically.
+def _edit_etc_hosts(tag: str | Callable[[str], bool], lines: list[str]) -> None:
+    """Replaces the lines tagged ``tag`` in ``/etc/hosts`` by ``lines`` (each tagged), atomically;
+    ``tag`` may instead be a test of which lines to drop (then ``lines`` must be empty).
 
     The new file keeps the old one's mode and owner: before 2026-12-05 it got its mode from the
     umask (0600 under ``umask 077``), and then no one but root could resolve a name.
     """
     path = Path("/etc/hosts")
-    kept = [ln for ln in path.read_text().splitlines() if not ln.endswith(tag)]
+    ours = tag if callable(tag) else (lambda line: line.endswith(tag))
+    kept = [ln for ln in path.read_text().splitlines() if not ours(ln)]
     text = "\n".join(kept + [f"{ln} {tag}" for ln in lines]) + "\n"
     old = path.stat()
     try:
@@ -388,17 +399,44 @@ def up(hosts: int, slots: int = 2, rate: str | None = None, delay: str | None = 
         _edit_etc_hosts(n.tag, [f"{a} {h}" for a, h in zip(wanted.addresses, names, strict=True)])
         _write_files(n, wanted, netem=bool(delay or loss))
     except BaseException:
-        down(instance)
+        try:
+            down(instance)
+        except TestHostsError as error:  # (the first failure is the one to report)
+            logger.warning("%s", error)
         raise
     return wanted
 
 
+class _Match:
+    """What of the test hosts ``down`` looks for, by name: one instance's, or every instance's (``None``)."""
+
+    def __init__(self, instance: int | None) -> None:
+        n = None if instance is None else Names(instance)
+        self.namespace = r"unison\d*-h\d+" if n is None else re.escape(n.ns_prefix) + r"\d+"
+        self.link = r"unbr\d+|unv\d+x\d+" if n is None else rf"{n.bridge}|{n.veth_prefix}\d+"
+        self.tag = re.escape(HOSTS_TAG) + r"-\d+" if n is None else re.escape(n.tag)
+        self.state_dirs = ([STATE_ROOT, *sorted(p for p in STATE_ROOT.glob("*") if p.name.isdigit())]
+                           if n is None else [n.state_dir])
+
+    def tagged(self, line: str) -> bool:
+        return re.search(rf"\s{self.tag}$", line) is not None
+
+
+def _namespaces(match: _Match) -> list[str]:
+    listed = _run(["ip", "netns", "list"], check=False).stdout.splitlines()
+    return [ln.split()[0] for ln in listed if ln.split() and re.fullmatch(match.namespace, ln.split()[0])]
+
+
+def _links(match: _Match) -> list[str]:
+    """The matching links of the root namespace, veths before bridges."""
+    shown = _run(["ip", "-o", "link", "show"], check=False).stdout
+    found = re.findall(rf"^\d+: ({match.link})[@:]", shown, re.M)
+    return sorted(found, key=lambda name: (name.startswith("unbr"), name))
+
+
 def _leftovers(n: Names) -> tuple[list[str], list[str]]:
-    spaces = [ln.split()[0] for ln in _run(["ip", "netns", "list"], check=False).stdout.splitlines()
-              if re.match(rf"{re.escape(n.ns_prefix)}\d+\b", ln)]
-    links = re.findall(rf"^\d+: ({n.veth_prefix}\d+|{n.bridge})[@:]",
-                       _run(["ip", "-o", "link", "show"], check=False).stdout, re.M)
-    return spaces, links
+    match = _Match(n.instance)
+    return _namespaces(match), _links(match)
 
 
 def _kill_namespace_processes(namespace: str) -> None:
@@ -410,39 +448,71 @@ def _kill_namespace_processes(namespace: str) -> None:
             pass
 
 
-def down(instance: int = 0) -> list[str]:
-    """Removes every test host, link, bridge, ``/etc/hosts`` line and file of ``instance``.
+class _Removal:
+    """What ``down`` removed, and the steps that failed (each a command or file and its error)."""
+
+    def __init__(self) -> None:
+        self.removed: list[str] = []
+        self.failed: list[str] = []
+
+    def run(self, item: str, args: list[str], name: str, listed: Callable[[], list[str]]) -> None:
+        """Runs ``args`` to remove ``item``; it counts as removed when ``name`` is no longer ``listed()``
+        afterwards (a veth goes with its namespace's end, so its own ``ip link del`` may find nothing left)."""
+        proc = _run(args, check=False)
+        if name not in listed():
+            self.removed.append(item)
+        else:
+            said = (proc.stderr or proc.stdout).strip() or "no message"
+            self.failed.append(f"{' '.join(args)!r} (exit {proc.returncode}): {said}")
+
+    def file(self, item: str, action: Callable[[], object]) -> None:
+        try:
+            action()
+        except OSError as error:
+            self.failed.append(f"{item}: {error}")
+        else:
+            self.removed.append(item)
+
+
+def down(instance: int | None = None) -> list[str]:
+    """Removes the test hosts of ``instance``, or of every instance when ``None`` (the command's default):
+    namespaces, links, bridges, ``/etc/hosts`` lines and files, found by name, so also what a run killed
+    half way left behind (before 2026-12-06 the command removed instance 0's alone, and reported a step
+    as done whether or not it was).
 
     Processes still running inside a test host are killed first. Safe to call when nothing is up.
 
     Returns:
-        What was removed, one item per entry.
+        What was removed, one item per entry; only what is really gone.
+
+    Raises:
+        TestHostsError: not root or no ``ip`` (see :func:`check_machine`), or a step failed; the message
+            names each failed step and what was removed.
     """
-    n = Names(instance)
-    removed = []
-    spaces, links = _leftovers(n)
-    for ns in spaces:
+    check_machine()
+    match, done = _Match(instance), _Removal()
+    for ns in _namespaces(match):
         _kill_namespace_processes(ns)
-        _run(["ip", "netns", "del", ns], check=False)
-        removed.append(f"namespace {ns}")
-    for link in links:
-        if link != n.bridge:
-            _run(["ip", "link", "del", link], check=False)
-            removed.append(f"link {link}")
-    if n.bridge in links:
-        _run(["ip", "link", "del", n.bridge], check=False)
-        removed.append(f"bridge {n.bridge}")
-    if any(ln.endswith(n.tag) for ln in Path("/etc/hosts").read_text().splitlines()):
-        _edit_etc_hosts(n.tag, [])
-        removed.append("/etc/hosts lines")
-    for name in ("state.json", "hostfile", "agent.sh"):
-        if (n.state_dir / name).exists():
-            (n.state_dir / name).unlink()
-            removed.append(str(n.state_dir / name))
-    for folder in ([n.state_dir] if n.state_dir != STATE_ROOT else []) + [STATE_ROOT]:
+        done.run(f"namespace {ns}", ["ip", "netns", "del", ns], ns, lambda: _namespaces(match))
+    for link in _links(match):
+        kind = "bridge" if link.startswith("unbr") else "link"
+        done.run(f"{kind} {link}", ["ip", "link", "del", link], link, lambda: _links(match))
+    tags = sorted({line.split()[-1] for line in Path("/etc/hosts").read_text().splitlines() if match.tagged(line)})
+    if tags:
+        done.file(f"/etc/hosts lines tagged {', '.join('# ' + t for t in tags)}",
+                  lambda: _edit_etc_hosts(match.tagged, []))
+    for folder in match.state_dirs:
+        for name in ("state.json", "hostfile", "agent.sh"):
+            if (folder / name).exists():
+                done.file(str(folder / name), (folder / name).unlink)
         with contextlib.suppress(OSError):  # absent, or holding something not ours (another instance's)
             folder.rmdir()
-    return removed
+    with contextlib.suppress(OSError):
+        STATE_ROOT.rmdir()
+    if done.failed:
+        raise TestHostsError(f"down could not remove everything: {'; '.join(done.failed)} (removed: "
+                             f"{', '.join(done.removed) or 'nothing'}); remove those by hand, or run it again")
+    return done.removed
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -460,11 +530,14 @@ def _parser() -> argparse.ArgumentParser:
     make.add_argument("--rate", help="limit each host's link to this rate each way, e.g. 1gbit")
     make.add_argument("--delay", help="netem delay, e.g. 1ms (only where netem exists)")
     make.add_argument("--loss", help="netem loss, e.g. 0.1%% (only where netem exists)")
-    gone = sub.add_parser("down", help="remove every test host and what came with it")
+    gone = sub.add_parser("down", help="remove every test host of every instance and what came with it "
+                          "(also what a killed run left), or with --instance those of one instance")
     show = sub.add_parser("status", help="print the hostfile of the hosts that are up, or nothing")
-    for each in (make, gone, show):
+    for each in (make, show):
         each.add_argument("--instance", type=int, default=0,
                           help="which set of test hosts, 0-99, so several can be up (default 0)")
+    gone.add_argument("--instance", type=int, default=None,
+                      help="remove only this set of test hosts, 0-99 (default: every set)")
     return parser
 
 
