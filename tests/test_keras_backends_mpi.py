@@ -94,3 +94,49 @@ def test_a_rank_with_fewer_batches_of_a_filtered_dataset_raises_instead_of_hangi
         assert line is not None and line.endswith("deadlock named: True"), out
         assert float(line.split("after ")[1].split(" s")[0]) < 30, line
     assert "NO ERROR" not in out, out
+
+
+RANK0_PREDICT = """
+import time
+import numpy as np, keras
+import unison.keras as uk
+dp = uk.DataParallel()
+R = uk.rank()
+X = np.random.RandomState(0).randn(32, 4).astype("float32")
+with dp.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+model.fit(X, X[:, :1], batch_size=16, epochs=1, verbose=0)
+t0 = time.monotonic()
+try:
+    if R == 0:  # Horovod's habit: predict on rank 0 only
+        model.predict(X, verbose=0)
+    else:
+        uk.barrier()
+    print(f"rank {R} NO ERROR", flush=True)
+except Exception as e:
+    named = "model.predict under unison.keras.DataParallel is collective" in str(e)
+    print(f"rank {R} raised {type(e).__name__} after {time.monotonic() - t0:.1f} s, cause named: {named}",
+          flush=True)
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_predict_on_rank_0_only_stalls_with_the_cause_named(tmp_path):
+    """[Note: evaluate and predict are collective] a Horovod-style `if rank == 0: model.predict(...)` stalled
+    with an error naming tensors only (before 2026-12-06); now rank 0's StallError names the cause (the engine's
+    deadlock check lowered to 3 s here)."""
+    import sys
+
+    from harness import mpi_env, mpirun
+
+    script = tmp_path / "rank0_predict.py"
+    script.write_text(RANK0_PREDICT)
+    proc = mpirun(2, [sys.executable, str(script)], timeout=200,
+                  env=mpi_env(KERAS_BACKEND="jax", UNISON_DEADLOCK_TIME_SECONDS="3"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    line = next((x for x in out.splitlines() if x.startswith("rank 0 raised StallError")), None)
+    assert line is not None and line.endswith("cause named: True"), out
+    assert "rank 1 raised StallError" in out, out

@@ -7,6 +7,7 @@ from rank 0's initial weights, on the same global batches.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 
 import keras
@@ -434,6 +435,38 @@ def test_dataset_inputs_of_global_batches_train_like_one_process(dp, kind):
     got = model.evaluate(source, verbose=0, return_dict=True)
     want = ref.evaluate(X, Y, batch_size=GLOBAL_BATCH, verbose=0, return_dict=True)
     np.testing.assert_allclose([got["loss"], got["mae"]], [want["loss"], want["mae"]], rtol=1e-5)
+    # predict takes the inputs fit takes (it refused all but numpy arrays before 2026-12-06): the global
+    # predictions, in order, on every rank
+    out = model.predict(source, verbose=0)
+    assert out.shape == (len(X), 1)
+    np.testing.assert_allclose(out, ref.predict(X, batch_size=GLOBAL_BATCH, verbose=0), rtol=1e-5, atol=1e-6)
+    assert same_everywhere([out])
+
+
+class _SmallLastBatch(keras.utils.PyDataset):
+    """Global batches of X of GLOBAL_BATCH rows, the last one with fewer rows than the ranks (N > 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = 2 * GLOBAL_BATCH + max(N - 1, 1)
+
+    def __len__(self):
+        return 3
+
+    def __getitem__(self, i):
+        return X[i * GLOBAL_BATCH:min((i + 1) * GLOBAL_BATCH, self.rows)]
+
+
+def test_dataset_inputs_predict_a_small_last_batch_and_steps_as_one_process(dp):
+    model, ref = distributed_and_reference(dp, lambda: keras.optimizers.SGD(0.05))
+    source = _SmallLastBatch()
+    x = X[:source.rows]
+    out = model.predict(source, verbose=0)
+    np.testing.assert_allclose(out, ref.predict(x, batch_size=GLOBAL_BATCH, verbose=0), rtol=1e-5, atol=1e-6)
+    out = model.predict(source, steps=2, verbose=0)
+    np.testing.assert_allclose(out, ref.predict(x[:2 * GLOBAL_BATCH], batch_size=GLOBAL_BATCH, verbose=0),
+                               rtol=1e-5, atol=1e-6)
+    assert same_everywhere([out])
 
 
 def test_a_tf_data_shuffle_needs_one_seed_on_every_rank(dp):
@@ -744,6 +777,41 @@ def test_evaluate_and_predict_are_global(dp):
     assert same_everywhere([out])
 
 
+def test_evaluate_and_predict_take_rank_0s_weights_at_every_call(dp):
+    """[Note: rank 0's weights at every evaluate and predict] One rank's weights set apart after the first
+    evaluate (a rank-local load_weights): the next evaluate returned a blend of the ranks' models, silently,
+    before 2026-12-06 (the weights were broadcast before the first evaluate only). Now every call takes rank
+    0's weights, as fit does."""
+    model, ref = distributed_and_reference(dp, lambda: keras.optimizers.SGD(0.05))
+    model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    ref.set_weights(WORLD.bcast(model.get_weights()))
+    for call in ("evaluate", "evaluate", "predict", "predict"):
+        if R != 0:
+            model.set_weights([w + 0.5 * R for w in model.get_weights()])
+        if call == "evaluate":
+            got = model.evaluate(X, Y, batch_size=GLOBAL_BATCH, verbose=0, return_dict=True)
+            want = ref.evaluate(X, Y, batch_size=GLOBAL_BATCH, verbose=0, return_dict=True)
+            np.testing.assert_allclose([got["loss"], got["mae"]], [want["loss"], want["mae"]], rtol=1e-5)
+        else:
+            got = model.predict(X, batch_size=GLOBAL_BATCH, verbose=0)
+            np.testing.assert_allclose(got, ref.predict(X, batch_size=GLOBAL_BATCH, verbose=0), rtol=1e-5,
+                                       atol=1e-6)
+        assert same_everywhere(model.get_weights())
+        assert_weights_close(model, ref, rtol=0, atol=0)
+
+
+def test_validation_data_wins_over_validation_split_as_in_keras(dp):
+    """Keras ignores validation_split when validation_data is given; DataParallel raised (before 2026-12-06)."""
+    model, ref = distributed_and_reference(dp, lambda: keras.optimizers.SGD(0.05))
+    val = (X[:GLOBAL_BATCH + N] * 2, Y[:GLOBAL_BATCH + N])
+    kwargs = dict(batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0, validation_split=0.25,
+                  validation_data=val)
+    hist, want = model.fit(X, Y, **kwargs), ref.fit(X, Y, **kwargs)
+    for key in ("loss", "val_loss", "val_mae"):
+        np.testing.assert_allclose(hist.history[key], want.history[key], rtol=2e-5)
+    assert_weights_close(model, ref)
+
+
 def test_validation_data_and_split_are_global(dp):
     model, ref = distributed_and_reference(dp, lambda: keras.optimizers.SGD(0.05))
     hist = model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0, validation_split=0.25)
@@ -873,6 +941,49 @@ def test_save_and_model_checkpoint_write_from_rank_0_only(dp, tmp_path_factory):
     for w, v in zip(loaded.get_weights(), model.get_weights(), strict=True):
         np.testing.assert_array_equal(w, v)
     assert type(loaded.optimizer).__module__.startswith("keras")
+
+
+def test_keras_csv_logger_and_tensorboard_write_from_rank_0_only(dp, tmp_path_factory):
+    """[Note: rank-0-only files under fit] every rank wrote its CSVLogger file and TensorBoard events before
+    2026-12-06; with a per-rank name only rank 0's exist now, and rank 0's failure raises on every rank."""
+    from unison.common.exceptions import UnisonError
+
+    folder = WORLD.bcast(str(tmp_path_factory.mktemp("logs")) if R == 0 else None)
+    with dp.scope():
+        model = make_model()
+        model.compile(optimizer="sgd", loss="mse")
+    board = importlib.util.find_spec("tensorboard") is not None  # (Keras's TensorBoard needs the package)
+    writers = [keras.callbacks.CSVLogger(f"{folder}/log{R}.csv")]
+    writers += [keras.callbacks.TensorBoard(f"{folder}/tb{R}")] if board else []
+    model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=2, verbose=0, callbacks=writers)
+    WORLD.Barrier()
+    assert sorted(os.listdir(folder)) == ["log0.csv"] + (["tb0"] if board else [])
+    with open(f"{folder}/log0.csv") as f:
+        assert len(f.read().splitlines()) == 3  # header and two epochs
+    with pytest.raises(UnisonError, match="CSVLogger.on_train_begin failed on rank 0"):  # (a file as folder)
+        model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0,
+                  callbacks=[keras.callbacks.CSVLogger(f"{folder}/log0.csv/log{R}.csv")])
+    assert same_everywhere(model.get_weights())
+
+
+def test_a_failed_write_of_keras_model_checkpoint_raises_on_every_rank(dp, tmp_path_factory):
+    """Keras's own ModelCheckpoint raised on rank 0 alone (the others trained on into a collective rank 0
+    never joined) before 2026-12-06; now a UnisonError on every rank, as unison.keras.callbacks.ModelCheckpoint."""
+    from unison.common.exceptions import UnisonError
+
+    folder = WORLD.bcast(str(tmp_path_factory.mktemp("ckpt")) if R == 0 else None)
+    if R == 0:
+        with open(f"{folder}/file", "w") as f:  # a file where the checkpoint's folder should be
+            f.write("x")
+    WORLD.Barrier()
+    with dp.scope():
+        model = make_model()
+        model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(UnisonError, match="ModelCheckpoint: rank 0 could not save"):
+        model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=2, verbose=0, callbacks=[
+            keras.callbacks.ModelCheckpoint(folder + "/file/ckpt-{epoch}.keras")])
+    model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0)  # the ranks go on together
+    assert same_everywhere(model.get_weights())
 
 
 # ------------------------------------------------------------ Horovod-style pieces
@@ -1123,6 +1234,21 @@ def test_ops_keep_bfloat16_and_scalars():
     scalar = uk.allreduce(keras.ops.convert_to_tensor(np.float32(R + 1)), op=uk.Sum)
     assert tuple(scalar.shape) == ()
     assert tuple(uk.broadcast(keras.ops.convert_to_tensor(np.float32(R)), root_rank=0).shape) == ()
+
+
+def test_collectives_take_numpy_scalars_and_return_the_inputs_device():
+    """torch: a numpy scalar raised AttributeError ('detach'), and results came back on the CPU whatever the
+    input's device (before 2026-12-06; only the CPU is here, so the device check is CPU to CPU)."""
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(uk.allgather(np.float32(R))), np.arange(N))
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(uk.allreduce(np.float32(R + 1), op=uk.Sum)),
+                               N * (N + 1) / 2)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(uk.broadcast(np.float32(R), root_rank=0)), 0.0)
+    if BACKEND == "torch":
+        import torch
+
+        x = torch.full((2,), float(R))
+        for out in (uk.allreduce(x), uk.allgather(x), uk.broadcast(x, 0)):
+            assert out.device == x.device
 
 
 def test_metric_average_callback_averages_array_metrics():

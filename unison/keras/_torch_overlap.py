@@ -69,7 +69,9 @@ class Overlap:
                 if i not in stream.pending:  # none here (or not streamed): zeros, or the gradient itself
                     value = grads[i] if grads[i] is not None else torch.zeros_like(params[i])
                     stream.submit(i, _host.torch_to_numpy(value))
-            return keys, [torch.from_numpy(a) for a in stream.results(keys)]
+            # on each parameter's device (they came back on the CPU before 2026-12-06)
+            return keys, [_host.torch_from_numpy(a).to(params[i].device)
+                          for i, a in zip(keys, stream.results(keys), strict=True)]
 
         optimizer.__dict__["_unison_pending"] = pending
         try:

@@ -293,14 +293,9 @@ def rank0_saves(what: str, save: Callable[[], Any]) -> Any:
     point): a failure raises a ``UnisonError`` on every rank. Rank 0 alone raising (a full disk) left the
     others training on into a collective it never joined, or ending with the engine's "rank 0 shut down"
     instead of the reason (before 2026-12-06; found by an audit)."""
-    result, error, cause = None, None, None
-    if runtime.rank() == 0:
-        try:
-            result = save()
-        except Exception as exc:  # shared with every rank below, then raised
-            error, cause = f"{type(exc).__name__}: {exc}", exc
-    if runtime.size() > 1:
-        error = objects.broadcast_object(error, 0)
+    from unison.keras._rank0 import shared_outcome
+
+    result, error, cause = shared_outcome(save)
     if error is not None:
         raise UnisonError(f"{what}: rank 0 could not save ({error}); every rank stops so that none goes on "
                           "without the checkpoint: give it a path rank 0 can write, with free space") from cause

@@ -207,6 +207,10 @@ class ShardedLoader(keras.utils.PyDataset):
         return len(self.loader)
 
     def __getitem__(self, step: int) -> Any:
+        return cut(self.global_batch(step), self.rank, self.size, f"batch {step} of the loader")
+
+    def global_batch(self, step: int) -> Any:
+        """The loader's global batch ``step`` as numpy (read in order; a pass begins at step 0)."""
         first = step == 0 or self._it is None
         ours = first and self.sampler is not None and self.sampler.generator is None
         if first:
@@ -229,7 +233,7 @@ class ShardedLoader(keras.utils.PyDataset):
         batch = keras.tree.map_structure(_numpy, batch)
         if first and self.size > 1 and not (self.known and (ours or self.sampler is None)):
             _agree_on_first_batch(batch, self.passes)  # (a generator of the user's own: is it seeded alike?)
-        return cut(batch, self.rank, self.size, f"batch {step} of the loader")
+        return batch
 
 
 def _order_of(loader: Any) -> tuple[bool, Any]:

@@ -9,7 +9,10 @@ A model compiled inside ``DataParallel().scope()`` is adapted on this instance o
 * ``fit`` / ``evaluate`` / ``predict`` take the *global* data and the *global*
   ``batch_size`` and give each rank its rows of every global batch
   (:mod:`unison.keras.data`); rank 0's weights and optimizer variables are broadcast
-  when training starts; ``predict`` returns the global predictions on every rank;
+  when every ``fit`` starts, rank 0's weights at every ``evaluate`` / ``predict`` ([Note: rank 0's
+  weights at every evaluate and predict]); ``predict`` returns the global predictions on every rank
+  (of arrays, or of a dataset's global batches: ``_predict.py``); all three are collective ([Note:
+  evaluate and predict are collective]);
 * loss and metrics are global: ``get_metrics_result`` sums each metric's state over the
   ranks before computing the result (Keras's metrics keep additive state: totals and
   counts), so every rank reports what one process would on the same global batches;
@@ -17,7 +20,9 @@ A model compiled inside ``DataParallel().scope()`` is adapted on this instance o
   from each rank's rows) are averaged over the ranks at the end of each epoch, so the
   ranks end every epoch with identical weights;
 * only rank 0 shows the progress bar; ``save`` / ``save_weights`` (and so Keras's
-  ``ModelCheckpoint``) write from rank 0 only, atomically and durably.
+  ``ModelCheckpoint``) write from rank 0 only, atomically and durably; under ``fit`` Keras's
+  ``ModelCheckpoint`` shares a failed write with every rank, and ``CSVLogger`` and ``TensorBoard``
+  run on rank 0 alone ([Note: rank-0-only files under fit] in ``_rank0.py``).
 
 Compiling: JAX keeps ``jax.jit``: Keras's own train step runs as two jitted programs with
 the gradients' exchange on the host between them ([Note: the JAX step in two programs] in
@@ -42,9 +47,10 @@ import numpy as np
 from unison.common import runtime
 from unison.common.data_parallel import BatchPlan, broadcast_arrays, gather_rows, sum_states
 from unison.common.engine import frontend
+from unison.common.engine.errors import ShutdownError, StallError
 from unison.common.files import atomic_keras_save
 from unison.common.ops import Max
-from unison.keras import _host, data
+from unison.keras import _host, _rank0, data
 from unison.keras.optimizer import DistributedOptimizer, batch_rows
 
 __all__ = ["DataParallel"]
@@ -198,13 +204,12 @@ class DataParallel:
         return data.shard_input(x, y, sample_weight, batch_size=batch_size, rank=self.rank, size=self.size,
                                 shuffle=shuffle, seed=seed, class_weight=class_weight, what=what)
 
-    def broadcast_state(self, model: Any) -> None:
-        """Rank 0's model and optimizer variables, on every rank; each rank keeps its own random
-        state (seed generators), so Dropout draws other masks on each rank's rows."""
+    def broadcast_state(self, model: Any, optimizer: bool = True) -> None:
+        """Rank 0's model (and, with ``optimizer``, optimizer) variables, on every rank; each rank keeps its
+        own random state (seed generators), so Dropout draws other masks on each rank's rows."""
         variables = without_seed_states(model, list(model.variables))
-        optimizer = getattr(model, "optimizer", None)
-        if optimizer is not None and optimizer.built:
-            variables += list(optimizer.variables)
+        if optimizer and getattr(model, "optimizer", None) is not None and model.optimizer.built:
+            variables += list(model.optimizer.variables)
         _assign(variables, broadcast_arrays([_host.to_numpy(v) for v in variables],
                                             what="the model's and optimizer's variables (rank 0's to every rank)"))
         if self.size > 1:
@@ -710,7 +715,7 @@ def _fit(dp: DataParallel, model: Any, fit: Callable[..., Any]) -> Callable[...,
         if split and val is None and data._is_arrays(x):
             (x, y, sw), (vx, vy, vsw) = data.split_validation((x, y, sw), split)
             val = (vx, vy, vsw)
-        elif split:
+        elif split and val is None:  # (given validation_data, Keras ignores the split: so do we, since 2026-12-06)
             raise ValueError("validation_split needs numpy arrays as x; pass validation_data instead")
         shuffle, class_weight = a.pop("shuffle", True), a.pop("class_weight", None)
         settings = f"shuffle={shuffle!r}, class_weight={_sorted(class_weight)}, validation=" + (
@@ -731,12 +736,17 @@ def _fit(dp: DataParallel, model: Any, fit: Callable[..., Any]) -> Callable[...,
         train, val = _unwrap(train, a, "steps_per_epoch"), _unwrap(val, a, "validation_steps")
         callbacks = list(a.pop("callbacks", None) or [])
         _refuse_unsafe_callbacks(callbacks)
+        callbacks = _rank0.fit_callbacks(callbacks)  # [Note: rank-0-only files under fit]
         callbacks.insert(0, _Sync(dp, model))
         callbacks.append(_AgreeToStop(model))
         return fit(train, validation_data=val, shuffle=False, callbacks=callbacks,
                    verbose=_quiet(a.pop("verbose", "auto"), dp.rank), **a)
 
-    return distributed_fit
+    def collective_fit(*args: Any, **kwargs: Any) -> Any:
+        with collective("model.fit"):
+            return distributed_fit(*args, **kwargs)
+
+    return collective_fit
 
 
 def _evaluate(dp: DataParallel, model: Any, evaluate: Callable[..., Any]) -> Callable[..., Any]:
@@ -747,13 +757,13 @@ def _evaluate(dp: DataParallel, model: Any, evaluate: Callable[..., Any]) -> Cal
         x = a.pop("x", None)
         if extra.get("_use_cached_eval_dataset") or _already_sharded(x):  # fit's validation
             return evaluate(x, verbose=a.pop("verbose", "auto"), **a, **extra)
-        raw = x
-        x = dp.shard(x, a.pop("y", None), a.pop("sample_weight", None), a.pop("batch_size", None), False, None,
-                     "model.evaluate")
-        if not getattr(model, "_unison_synced", False):
-            _sync_once(dp, model, raw)
-        x = _unwrap(x, a, "steps")
-        return evaluate(x, verbose=_quiet(a.pop("verbose", "auto"), dp.rank), **a, **extra)
+        with collective("model.evaluate"):
+            raw = x
+            x = dp.shard(x, a.pop("y", None), a.pop("sample_weight", None), a.pop("batch_size", None), False,
+                         None, "model.evaluate")
+            _sync(dp, model, raw)
+            x = _unwrap(x, a, "steps")
+            return evaluate(x, verbose=_quiet(a.pop("verbose", "auto"), dp.rank), **a, **extra)
 
     return distributed_evaluate
 
@@ -780,10 +790,20 @@ def _refuse_unsafe_callbacks(callbacks: list[Any]) -> None:
                              "BackupAndRestore is rank-aware")
 
 
-def _sync_once(dp: DataParallel, model: Any, x: Any = None) -> None:
-    """Rank 0's weights everywhere before a first evaluate/predict. An unbuilt model (a subclassed
-    one) is built first on one row of the (agreed) global data, in inference mode: Keras would
-    build it inside the call with each rank's own random weights."""
+def _sync(dp: DataParallel, model: Any, x: Any = None) -> None:
+    """Rank 0's weights on every rank, at every top-level ``evaluate`` / ``predict`` (as ``fit`` starts from
+    them at every call).
+
+    [Note: rank 0's weights at every evaluate and predict] Until 2026-12-06 they were broadcast before the
+    first evaluate or predict only: weights set apart afterwards on some rank (a rank-local
+    ``load_weights``, ``set_weights``, a custom loop) gave a global loss that was no model's (each rank
+    evaluated its rows with its own weights) and predictions whose rows came from different models, with no
+    error (found by an audit). Now each call broadcasts the model's variables (not the optimizer's: ``fit``
+    broadcasts those) and probes the function ([Note: one function on every rank]): one broadcast of the
+    weights per call. fit's own validation runs on weights that already agree and broadcasts nothing.
+
+    An unbuilt model (a subclassed one) is built first on one row of the (agreed) global data, in inference
+    mode: Keras would build it inside the call with each rank's own random weights."""
     if not model.built and x is not None:
         first = data.first_inputs(x)  # (a PyDataset's, a loader's or a tf.data dataset's first batch too: before
         if first is None:  # 2026-12-05 those left each rank evaluating its own random weights)
@@ -792,40 +812,76 @@ def _sync_once(dp: DataParallel, model: Any, x: Any = None) -> None:
                              "input_shape), or call it on one batch), or fit before evaluating")
         model(keras.tree.map_structure(lambda a: np.asarray(a)[:1], first), training=False)
     if model.built:
-        dp.broadcast_state(model)
-        _set(model, "_unison_synced", True)
+        dp.broadcast_state(model, optimizer=False)
+
+
+@contextlib.contextmanager
+def collective(what: str) -> Iterator[None]:
+    """Within the block, a stall or a peer's shutdown names the likely cause: ``what`` is collective.
+
+    [Note: evaluate and predict are collective] Every rank splits the data and takes its rows, so every
+    rank must call ``evaluate`` / ``predict`` with the same data. A Horovod-style ``if rank == 0:
+    model.predict(...)`` waited for the other ranks until the engine's deadlock check
+    (``UNISON_DEADLOCK_TIME_SECONDS``) raised a ``StallError`` naming tensors only (found by an audit)."""
+    try:
+        yield
+    except (StallError, ShutdownError) as exc:
+        raise type(exc)(f"{what} under unison.keras.DataParallel is collective: every rank must call it, with "
+                        f"the same data (a Horovod-style `if rank == 0: model.{what.split('.')[-1]}(...)` waits "
+                        f"for the other ranks); {exc}") from exc
 
 
 def _predict(dp: DataParallel, model: Any, predict: Callable[..., Any]) -> Callable[..., Any]:
     def distributed_predict(*args: Any, **kwargs: Any) -> Any:
         a = _PREDICT.bind(model, *args, **kwargs).arguments
         a.pop("self")
-        x, batch = a.pop("x"), a.pop("batch_size", None)
-        if not data._is_arrays(x):
-            raise ValueError(f"DataParallel's predict splits numpy arrays (the global data); got "
-                             f"{type(x).__name__}. Predict arrays, or call predict on each rank's own data "
-                             f"outside the data-parallel model")
-        steps = a.pop("steps", None)
-        if steps is not None:  # Keras predicts the first `steps` batches: the plan must cover those rows only
-            if not isinstance(steps, int) or steps < 1:
-                raise ValueError(f"predict: steps={steps!r} must be a positive int")
-            rows = steps * (batch or 32)
-            x = keras.tree.map_structure(lambda arr: np.asarray(arr)[:rows], x)
-        sharded = dp.shard(x, None, None, batch, False, None, "model.predict")
-        _sync_once(dp, model, x)
-        if sharded.plan.steps == 0:  # fewer rows than ranks: every rank predicts them all (no collective here)
-            return predict(x, batch_size=batch, verbose=_quiet(a.pop("verbose", "auto"), dp.rank), **a)
-        outputs = predict(sharded, verbose=_quiet(a.pop("verbose", "auto"), dp.rank), **a)
-        plan: BatchPlan = sharded.plan
-        gathered = keras.tree.map_structure(lambda o: gather_rows(np.asarray(o), plan, dp.rank), outputs)
-        if not plan.dropped:
-            return gathered
-        # a last batch with fewer rows than ranks: every rank predicts it whole (no collective in predict)
-        tail = predict(keras.tree.map_structure(lambda a: np.asarray(a)[plan.samples - plan.dropped:], x),
-                       verbose=0, **a)
-        return keras.tree.map_structure(lambda g, t: np.concatenate([g, np.asarray(t)]), gathered, tail)
+        with collective("model.predict"):
+            if data._is_arrays(a["x"]):
+                return _predict_arrays(dp, model, predict, a)
+            return _predict_batches(dp, model, predict, a)
 
     return distributed_predict
+
+
+def _predict_batches(dp: DataParallel, model: Any, predict: Callable[..., Any], a: dict[str, Any]) -> Any:
+    """``predict`` of a PyDataset, tf.data dataset or DataLoader of global batches (see ``_predict.py``)."""
+    from unison.keras import _predict as batches
+
+    x, steps = a.pop("x"), a.pop("steps", None)
+    if a.pop("batch_size", None) is not None:  # (as Keras refuses it)
+        raise ValueError(f"predict: batch_size goes with numpy arrays; a {type(x).__name__} gives its own batches")
+    if steps is not None and (not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"predict: steps={steps!r} must be a positive int")
+    if dp.size > 1:
+        _agree_on_inputs("model.predict", x, None, None, None, f"steps={steps!r}")
+    source = batches.predict_batches(x, dp.rank, dp.size, steps, dp.seed())
+    _sync(dp, model, x)
+    outputs = predict(source, verbose=_quiet(a.pop("verbose", "auto"), dp.rank), **a)
+    return keras.tree.map_structure(
+        lambda o: batches.gather_batches(np.asarray(o), source.global_rows, dp.rank, dp.size), outputs)
+
+
+def _predict_arrays(dp: DataParallel, model: Any, predict: Callable[..., Any], a: dict[str, Any]) -> Any:
+    x, batch = a.pop("x"), a.pop("batch_size", None)
+    steps = a.pop("steps", None)
+    if steps is not None:  # Keras predicts the first `steps` batches: the plan must cover those rows only
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"predict: steps={steps!r} must be a positive int")
+        rows = steps * (batch or 32)
+        x = keras.tree.map_structure(lambda arr: np.asarray(arr)[:rows], x)
+    sharded = dp.shard(x, None, None, batch, False, None, "model.predict")
+    _sync(dp, model, x)
+    if sharded.plan.steps == 0:  # fewer rows than ranks: every rank predicts them all (no collective here)
+        return predict(x, batch_size=batch, verbose=_quiet(a.pop("verbose", "auto"), dp.rank), **a)
+    outputs = predict(sharded, verbose=_quiet(a.pop("verbose", "auto"), dp.rank), **a)
+    plan: BatchPlan = sharded.plan
+    gathered = keras.tree.map_structure(lambda o: gather_rows(np.asarray(o), plan, dp.rank), outputs)
+    if not plan.dropped:
+        return gathered
+    # a last batch with fewer rows than ranks: every rank predicts it whole (no collective in predict)
+    tail = predict(keras.tree.map_structure(lambda a: np.asarray(a)[plan.samples - plan.dropped:], x),
+                   verbose=0, **a)
+    return keras.tree.map_structure(lambda g, t: np.concatenate([g, np.asarray(t)]), gathered, tail)
 
 
 def _not_distributed(name: str) -> Callable[..., Any]:

@@ -61,11 +61,12 @@ def _differentiable(forward: Fn, backward: Fn, out_like: Shape | None = None,
     class _Fn(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, x: Any) -> Any:  # (bfloat16 and 0-d tensors kept: _host's conversions)
-            return _host.torch_from_numpy(forward(_host.torch_to_numpy(x)))
+            # on the input's device (a CUDA tensor came back on the CPU before 2026-12-06)
+            return _host.torch_from_numpy(forward(_host.torch_to_numpy(x))).to(x.device)
 
         @staticmethod
         def backward(ctx: Any, dy: Any) -> Any:
-            return _host.torch_from_numpy(backward(_host.torch_to_numpy(dy)))
+            return _host.torch_from_numpy(backward(_host.torch_to_numpy(dy))).to(dy.device)
 
     return _Fn.apply
 
@@ -101,7 +102,9 @@ def _one_if_scalar(a: np.ndarray, scalar: bool) -> np.ndarray:
 
 
 def _tensor(x: Any) -> Any:
-    return keras.ops.convert_to_tensor(x) if isinstance(x, (np.ndarray, list, float, int)) else x
+    """``x`` as a backend tensor where it is host data (numpy arrays and scalars such as ``np.float32(3)``,
+    which failed on torch before 2026-12-06, lists, Python numbers)."""
+    return keras.ops.convert_to_tensor(x) if isinstance(x, (np.ndarray, np.generic, list, float, int)) else x
 
 
 def _traced(x: Any) -> bool:
