@@ -94,6 +94,53 @@ def test_fit_matches_one_process_dense_embedding(strategy):
     layer.table.close()
 
 
+def shared_model(embedding: keras.layers.Layer) -> keras.Model:
+    """One table looked up twice per step, on overlapping rows (a table shared by two inputs)."""
+    ids = keras.Input((SEQ,), dtype="int32")
+    first = keras.layers.GlobalAveragePooling1D()(embedding(ids))
+    second = keras.layers.GlobalAveragePooling1D()(embedding(keras.ops.mod(ids + 1, ROWS)))
+    return keras.Model(ids, keras.layers.Dense(1)(first + 2.0 * second))
+
+
+class OneHotEmbedding(keras.layers.Layer):
+    """A dense reference: ``one_hot(ids) @ W``, whose gradient is a dense matrix (duplicates summed).
+    ``keras.layers.Embedding``'s is IndexedSlices with one slice per occurrence, and Keras's Adagrad squares
+    each slice (sum of squares, not the square of the sum): no dense Adagrad to compare with."""
+
+    def build(self, input_shape: tuple) -> None:
+        self.w = self.add_weight(shape=(ROWS, DIM), initializer=keras.initializers.Constant(
+            init_rows(np.arange(ROWS))), name="rows")
+
+    def call(self, ids: tf.Tensor) -> tf.Tensor:
+        return keras.ops.matmul(keras.ops.one_hot(ids, ROWS), self.w)
+
+
+def test_fit_with_a_table_looked_up_twice_per_step_matches_one_process_under_adagrad(strategy):
+    """The layer pushes once per step, both lookups' rows together, so the table's Adagrad steps once on the
+    summed gradient as Keras's does on a shared Embedding. Before 2026-12-06 each lookup pushed on its own
+    and Adagrad stepped twice ([Note: one push per training step, TensorFlow] in unison/tf_backend/embedding.py).
+    Both Adagrads start their sums at 0.1 with no epsilon, so they compute the same update."""
+    keras.utils.set_random_seed(7)
+    with strategy.scope():
+        layer = ShardedEmbedding(ROWS, DIM, optimizer=ps.Adagrad(LR, initial_accumulator_value=0.1, eps=0.0),
+                                 initializer=init_rows, name="emb-shared")
+        model = shared_model(layer)
+        model.compile(optimizer=keras.optimizers.Adagrad(LR, initial_accumulator_value=0.1, epsilon=0.0),
+                      loss="mse")
+    ref_emb = OneHotEmbedding()
+    ref = shared_model(ref_emb)
+    ref.layers[-1].set_weights(model.layers[-1].get_weights())
+    ref.compile(optimizer=keras.optimizers.Adagrad(LR, initial_accumulator_value=0.1, epsilon=0.0), loss="mse")
+    hist = model.fit(data(), epochs=2, verbose=0, shuffle=False)
+    ref_hist = ref.fit(data(), epochs=2, verbose=0, shuffle=False)
+    rows = layer.table.to_numpy()
+    assert not np.allclose(rows, init_rows(np.arange(ROWS)), atol=1e-4)
+    np.testing.assert_allclose(rows, ref_emb.get_weights()[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-5)
+    assert layer.table.stats()["pushes"] == 2 * STEPS  # one push per step, not one per lookup
+    layer.table.close()
+
+
 @pytest.mark.parametrize("consistency", [ps.SSP(1), ps.ASP()], ids=["ssp1", "asp"])
 def test_fit_under_ssp_and_asp(strategy, consistency):
     """Stale reads are allowed, so no one-process equality: the loss falls with the exact one-process run's

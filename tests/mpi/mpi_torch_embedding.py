@@ -85,6 +85,66 @@ def test_bsp_training_equals_one_process(kind):
     emb.table.close()
 
 
+class TwiceModel(torch.nn.Module):
+    """Looks the table up twice per forward (overlapping rows): a table shared by two inputs."""
+
+    def __init__(self, embedding: torch.nn.Module) -> None:
+        super().__init__()
+        self.embedding = embedding
+        torch.manual_seed(0)
+        self.head = torch.nn.Linear(DIM, 1, dtype=torch.float64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        both = self.embedding(ids).mean(dim=1) + 2.0 * self.embedding((ids + 1) % ROWS).mean(dim=1)
+        return self.head(both).squeeze(-1)
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_lookups_and_passes_of_one_step_step_the_table_once_as_one_process(passes):
+    """Two lookups per forward, and with passes=2 two backward passes per optimizer step
+    (DistributedOptimizer's backward_passes_per_step): the table's optimizer steps once per optimizer step on
+    the summed gradient, as nn.Embedding's Adagrad does in one process. Before 2026-12-06 each lookup and
+    each pass pushed on its own, stepping Adagrad two or four times a step ([Note: one push per optimizer
+    step] in unison/torch_backend/embedding.py). (The table's Adam is lazy, per row: no torch optimizer to
+    compare with; SGD cannot tell one push from two.)"""
+    lr, kind = 0.2, "adagrad"
+    table_opt = ps.Adagrad(lr)
+    emb = hvd.ShardedEmbedding(ROWS, DIM, table_opt, dtype=torch.float64, initializer=init_rows,
+                               name=f"twice-{kind}-{passes}")
+    model = TwiceModel(emb)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), backward_passes_per_step=passes)
+    steps = data(4)
+    micro = PER_RANK if passes == 1 else 2  # rows per rank per pass (passes x micro <= PER_RANK)
+    for ids, y in steps:
+        opt.zero_grad()
+        for m in range(passes):
+            part = slice(R * PER_RANK + m * micro, R * PER_RANK + (m + 1) * micro)
+            torch.nn.functional.mse_loss(model(ids[part]), y[part]).backward()
+        opt.step()
+    got = emb.table.to_numpy()
+
+    ref = torch.nn.Embedding(ROWS, DIM, dtype=torch.float64)
+    with torch.no_grad():
+        ref.weight.copy_(torch.from_numpy(init_rows(np.arange(ROWS))))
+    ref_model = TwiceModel(ref)
+    ref_opts = [torch.optim.Adagrad(ref.parameters(), lr=lr), torch.optim.SGD(ref_model.head.parameters(), lr=0.1)]
+    for ids, y in steps:
+        for o in ref_opts:
+            o.zero_grad()
+        for m in range(passes):  # the global micro-batch m: every rank's rows of pass m
+            rows = np.concatenate([np.arange(r * PER_RANK + m * micro, r * PER_RANK + (m + 1) * micro)
+                                   for r in range(N)])
+            torch.nn.functional.mse_loss(ref_model(ids[rows]), y[rows]).backward()
+        for o in ref_opts:
+            o.step()
+    np.testing.assert_allclose(got, ref.weight.detach().numpy(), rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(model.head.weight.detach().numpy(), ref_model.head.weight.detach().numpy(),
+                               rtol=1e-9)
+    assert not np.allclose(got, init_rows(np.arange(ROWS)))
+    emb.table.close()
+
+
 def test_eval_and_no_grad_only_pull():
     emb = hvd.ShardedEmbedding(ROWS, DIM, ps.SGD(1.0), name="frozen")
     before = emb.table.to_numpy()

@@ -23,6 +23,18 @@ average of the ranks' local-mean gradients, exactly as the dense weights do. Wit
 strategy (a custom loop with ``DistributedOptimizer`` or ``DistributedGradientTape``, which
 average), the gradient is pushed as is and the table averages it.
 
+[Note: one push per training step, TensorFlow]
+The table's optimizer steps once per push, so a layer called twice in a step (a table shared by
+two inputs) must push once, the two lookups' rows together, as a Keras ``Embedding``'s optimizer
+steps once on the summed gradient. Each push callback only keeps its rows' gradient; the layer
+counts the training lookups (a pull with ``training`` not False) since its last push, and the
+push callback that brings the count to zero pushes everything kept as one push, still inside the
+backward pass. A lookup whose output never reaches a gradient leaves the count above zero: the next
+lookup after a push callback, or ``synchronize()``/``save_table()``/``load_table()``, pushes what is
+kept first, so nothing is lost and no push lands after a later pull. Before 2026-12-06 each lookup
+pushed on its own, and Adagrad or Adam stepped twice. Keras's ``gradient_accumulation_steps`` is
+not followed: the layer pushes every step.
+
 Under BSP (the default) pulls and pushes are collective: every rank must make the same
 sequence of them. ``model.fit``/``evaluate``/``predict`` under ``UnisonStrategy`` give every
 rank the same number of steps (each global batch is split over the ranks), so each training
@@ -129,6 +141,9 @@ class ShardedEmbedding(keras.layers.Layer):
             "seed": seed,
         }
         self._pending: list[Handle] = []
+        self._kept: list[tuple[np.ndarray, np.ndarray]] = []  # [Note: one push per training step, TensorFlow]
+        self._open = 0  # training lookups since the last push
+        self._pushing = False  # a push callback ran since the last lookup
 
     def build(self, input_shape: Any = None) -> None:
         problem = _policy_problem(self.dtype_policy)  # (a layer given its table: checked here)
@@ -142,23 +157,42 @@ class ShardedEmbedding(keras.layers.Layer):
         return tuple(input_shape) + (self.dim,)
 
     # host callbacks ----------------------------------------------------------------------------------
-    def _pull(self, keys: np.ndarray) -> np.ndarray:
-        self.synchronize()  # raise an earlier push's error here (the table orders the pull after it anyway)
+    def _pull(self, keys: np.ndarray, training: np.ndarray) -> np.ndarray:
+        if self._pushing:  # a new step: what a lookup without a gradient left kept goes first (see the Note)
+            self._flush()
+        self._wait_pushes()  # raise an earlier push's error here (the table orders the pull after it anyway)
+        if bool(training):
+            self._open += 1
         return np.asarray(self.table.pull(np.asarray(keys, np.int64)), self.table.dtype)
 
     def _push(self, keys: np.ndarray, grads: np.ndarray, scale: np.ndarray) -> np.ndarray:
         g = np.array(grads, self.table.dtype) * np.asarray(scale, self.table.dtype)  # a copy: pushed later
-        self._pending.append(self.table.push_async(np.array(keys, np.int64), g))
+        self._kept.append((np.array(keys, np.int64), g))
+        self._pushing = True
+        self._open -= 1
+        if self._open <= 0:  # the step's last lookup: [Note: one push per training step, TensorFlow]
+            self._flush()
         return np.zeros(1, self.table.dtype)  # (not 0-d: host_ops [Note: a callback's key is not 0-d])
 
-    def synchronize(self) -> None:
-        """Wait until this layer's pushes so far are applied (raises a push's error)."""
+    def _flush(self) -> None:
+        """Push the kept rows' gradients as one push (the table sums duplicate keys)."""
+        kept, self._kept, self._open, self._pushing = self._kept, [], 0, False
+        if kept:
+            self._pending.append(self.table.push_async(np.concatenate([k for k, _ in kept]),
+                                                       np.concatenate([g for _, g in kept])))
+
+    def _wait_pushes(self) -> None:
         pending, self._pending = self._pending, []
         for handle in pending:
             handle.wait()
 
+    def synchronize(self) -> None:
+        """Push what is kept and wait until this layer's pushes so far are applied (raises a push's error)."""
+        self._flush()
+        self._wait_pushes()
+
     # the lookup ----------------------------------------------------------------------------------------
-    def call(self, ids: Any) -> tf.Tensor:
+    def call(self, ids: Any, training: Any = None) -> tf.Tensor:
         ids = tf.convert_to_tensor(ids)
         if not ids.dtype.is_integer:
             if ids.dtype.is_floating:  # Keras may hand ids as floats (e.g. from numpy arrays):
@@ -179,17 +213,18 @@ class ShardedEmbedding(keras.layers.Layer):
                 ids = tf.numpy_function(refuse, [], tf.int64, stateful=True, name="unison_ps_refuse")
         ids = tf.cast(ids, tf.int64)
         unique, inverse = tf.unique(tf.reshape(ids, [-1]))
-        rows = self._lookup(unique, tf.convert_to_tensor(self.push_anchor))
+        counted = tf.constant(training is not False)  # a lookup a gradient may follow (see the Note)
+        rows = self._lookup(unique, tf.convert_to_tensor(self.push_anchor), counted)
         out = tf.gather(rows, inverse)
         out = tf.reshape(out, tf.concat([tf.shape(ids), [self.dim]], axis=0))
         return tf.cast(out, self.compute_dtype)
 
-    def _lookup(self, unique: tf.Tensor, anchor: tf.Tensor) -> tf.Tensor:
+    def _lookup(self, unique: tf.Tensor, anchor: tf.Tensor, counted: tf.Tensor) -> tf.Tensor:
         dim, dtype = self.dim, self._rows_dtype
 
         @tf.custom_gradient
         def lookup(keys: tf.Tensor, anchor_value: tf.Tensor) -> Any:
-            rows = tf.numpy_function(self._pull, [keys], dtype, stateful=True, name="unison_ps_pull")
+            rows = tf.numpy_function(self._pull, [keys, counted], dtype, stateful=True, name="unison_ps_pull")
             rows.set_shape([None, dim])
 
             def grad(dy: Any) -> tuple[None, tf.Tensor]:

@@ -2,10 +2,21 @@
 
 The forward pulls the rows of the batch's unique ids from the table and gathers them into the
 output; autograd sums the gradient of duplicate ids into those unique rows, and a hook pushes
-it to the table during ``backward()`` (asynchronously: the dense gradients' all-reduces and the
+it to the table when ``backward()`` ends (asynchronously: the dense gradients' all-reduces and the
 push overlap). The table's own optimizer applies it on the server side, so the table is never a
 parameter of the model: ``unison.torch_backend.DistributedOptimizer`` all-reduces the dense
 parameters and its ``synchronize()``/``step()`` also waits for the pushes. See docs/embeddings.md.
+
+[Note: one push per optimizer step]
+The table's optimizer steps once per push, so a module pushes once per optimizer step, as a
+dense ``nn.Embedding``'s optimizer steps once on the gradient summed over every lookup and
+backward pass. Each lookup's hook only keeps its rows' gradient; a callback queued on the
+autograd engine (the first hook of a backward queues it) runs when that backward ends and pushes
+everything kept as one push (the table sums duplicate keys), once every ``backward_passes_per_step``
+passes of the last ``DistributedOptimizer`` made (:func:`follow_backward_passes`); its
+``synchronize()`` pushes whatever is left. Before 2026-12-06 each lookup pushed on its own: a
+module called twice in a step, or a step of two backward passes, stepped Adagrad or Adam twice
+and differed from one process (SGD does not see the difference).
 """
 
 from __future__ import annotations
@@ -21,6 +32,15 @@ from unison.common.ps import Handle, ShardedTable
 __all__ = ["ShardedEmbedding", "synchronize_embeddings"]
 
 _live: weakref.WeakSet[ShardedEmbedding] = weakref.WeakSet()
+#: backward passes per optimizer step: a module pushes after this many (:func:`follow_backward_passes`)
+_passes_per_step = 1
+
+
+def follow_backward_passes(passes: int) -> None:
+    """Make every ShardedEmbedding push once every ``passes`` backward passes (a ``DistributedOptimizer``'s
+    ``backward_passes_per_step``: it calls this when made or changed); see [Note: one push per optimizer step]."""
+    global _passes_per_step
+    _passes_per_step = int(passes)
 
 _DTYPES = {torch.float32: "float32", torch.float64: "float64"}
 
@@ -58,6 +78,9 @@ class ShardedEmbedding(torch.nn.Module):
         self.table = table
         self.num_rows, self.embedding_dim = self.table.num_rows, self.table.dim
         self._pending: list[Handle] = []
+        self._kept: list[tuple[np.ndarray, np.ndarray]] = []  # rows' gradients not pushed yet (see the Note)
+        self._passes = 0  # backward passes whose gradients are kept
+        self._queued = False  # the end-of-backward callback is queued
         _live.add(self)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -82,10 +105,31 @@ class ShardedEmbedding(torch.nn.Module):
         # a copy: the push reads it later, and autograd may add into this very buffer meanwhile
         # (a second backward through the same forward accumulates into the rows' .grad in place)
         rows = grad.detach().cpu().numpy()
-        self._pending.append(self.table.push_async(keys, rows.copy() if grad.device.type == "cpu" else rows))
+        self._kept.append((keys, rows.copy() if grad.device.type == "cpu" else rows))
+        if not self._queued:  # pushed when this backward ends: [Note: one push per optimizer step]
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        self._queued = False
+        self._passes += 1
+        if self._passes >= _passes_per_step:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Push the kept gradients as one push (duplicate keys summed by the table)."""
+        kept, self._kept, self._passes = self._kept, [], 0
+        for handle in [h for h in self._pending if h.done()]:  # (kept short under any optimizer; errors raised)
+            self._pending.remove(handle)
+            handle.wait()
+        if kept:
+            keys = np.concatenate([k for k, _ in kept])
+            rows = np.concatenate([g for _, g in kept])
+            self._pending.append(self.table.push_async(keys, rows))
 
     def synchronize(self) -> None:
-        """Wait until this module's pushes so far are done (raises a push's error)."""
+        """Push the gradients kept so far and wait until this module's pushes are done (raises a push's error)."""
+        self._flush()
         pending, self._pending = self._pending, []
         for handle in pending:
             handle.wait()

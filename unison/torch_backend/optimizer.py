@@ -36,6 +36,7 @@ from unison.common.engine import frontend
 from unison.common.engine.process_sets import ProcessSet, global_process_set, set_size
 from unison.common.ops import Average, Max, ReduceOp, parse_op
 from unison.common.zero import DEFAULT_BUCKET_BYTES, check_stage
+from unison.torch_backend.embedding import follow_backward_passes
 from unison.torch_backend.grad_hooks import weak_grad_hooks
 from unison.torch_backend.handles import Adasum, is_adasum
 from unison.torch_backend.mpi_ops import grouped_allreduce
@@ -93,6 +94,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # Horovod's attributes, which user code reads
         self._parameter_names = self._names
         self.backward_passes_per_step = backward_passes_per_step
+        follow_backward_passes(backward_passes_per_step)  # [Note: one push per optimizer step] in embedding.py
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
         self.sparse_as_dense = sparse_as_dense
@@ -115,6 +117,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"backward_passes_per_step={passes} must be >= 1")
         self.backward_passes_per_step = self._passes = passes
         self._delay = {p: passes for p in self._params}
+        follow_backward_passes(passes)
 
     # ------------------------------------------------------------- hooks
     def _on_grad(self, p: torch.Tensor) -> None:

@@ -41,6 +41,7 @@ from unison.common.engine import frontend
 from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.common.ops import Average, ReduceOp, Sum
 from unison.common.zero import DEFAULT_BUCKET_BYTES, Bucket, ParamSpec, ShardPlan
+from unison.torch_backend.embedding import follow_backward_passes, synchronize_embeddings
 from unison.torch_backend.grad_hooks import weak_grad_hooks
 from unison.torch_backend.tensors import from_numpy, to_numpy
 from unison.torch_backend.zero_state import ZeroStateMixin, agree_on_stage, check_optimizer
@@ -91,6 +92,7 @@ class _ZeroOptimizer(ZeroStateMixin):
         self._compression, self._op = compression, op
         self._prescale, self._postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
         self.backward_passes_per_step = self._passes = backward_passes_per_step
+        follow_backward_passes(backward_passes_per_step)  # [Note: one push per optimizer step] in embedding.py
         self.op, self.gradient_predivide_factor = op, gradient_predivide_factor
         self.process_set = process_set if process_set is not None else global_process_set
         self._pset = process_set
@@ -310,7 +312,10 @@ class _ZeroOptimizer(ZeroStateMixin):
                                      "would never be trained. Build the optimizer again after unfreezing it")
 
     def synchronize(self) -> None:
-        """Wait for every bucket's reduce-scatter; parameters without a gradient contribute zeros."""
+        """Wait for every bucket's reduce-scatter; parameters without a gradient contribute zeros.
+
+        Also pushes and waits for the rows of every ShardedEmbedding (their tables apply them)."""
+        synchronize_embeddings()
         self._settle_placeholders()  # (no backward pass since step(): nothing else settled them)
         for st in self._buckets:
             if self.zero_stage == 1:
@@ -344,6 +349,7 @@ class _ZeroOptimizer(ZeroStateMixin):
             raise ValueError(f"backward_passes_per_step={passes} must be >= 1")
         self.backward_passes_per_step = self._passes = passes
         self._delay = {p: passes for p in self._bucket_of}
+        follow_backward_passes(passes)
 
     def step(self, closure: Any = None) -> Any:
         if closure is not None:
