@@ -141,6 +141,38 @@ def test_fit_with_a_table_looked_up_twice_per_step_matches_one_process_under_ada
     layer.table.close()
 
 
+def test_a_saved_model_loads_without_custom_objects_and_takes_its_rows_from_load_table(strategy, tmp_path_factory,
+                                                                                         caplog):
+    """keras.models.load_model failed with "could not be deserialized" (the class was not registered; an
+    audit), and with custom_objects it loaded a table of initial rows silently. Now it loads, warns that the
+    rows come from load_table, and with them predicts as the trained model."""
+    import logging
+    import os
+
+    keras.utils.set_random_seed(4)
+    with strategy.scope():
+        layer = ShardedEmbedding(ROWS, DIM, optimizer=ps.SGD(LR), initializer=init_rows, name="emb-saved")
+        model = make_model(layer)
+        model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+    model.fit(data(), epochs=1, verbose=0, shuffle=False)
+    folder = WORLD.bcast(str(tmp_path_factory.mktemp("saved")) if R == 0 else None, root=0)
+    layer.save_table(os.path.join(folder, "table"))
+    if R == 0:
+        model.save(os.path.join(folder, "model.keras"))
+    WORLD.Barrier()
+    expected, rows = model.predict(data(), verbose=0), layer.table.to_numpy()
+    layer.table.close()  # (its name is the new layer's table's)
+    with caplog.at_level(logging.WARNING, logger="unison.tf_backend.embedding"):
+        loaded = keras.models.load_model(os.path.join(folder, "model.keras"))
+    assert "made from its configuration with a new table of initial rows" in caplog.text
+    new = loaded.layers[0]
+    assert isinstance(new, ShardedEmbedding) and new.table.name == "emb-saved"
+    assert not np.allclose(new.table.to_numpy(), rows)  # initial rows ("uniform": a callable initializer's name)
+    new.load_table(os.path.join(folder, "table"))
+    np.testing.assert_allclose(loaded.predict(data(), verbose=0), expected, rtol=1e-6, atol=1e-7)
+    new.table.close()
+
+
 @pytest.mark.parametrize("consistency", [ps.SSP(1), ps.ASP()], ids=["ssp1", "asp"])
 def test_fit_under_ssp_and_asp(strategy, consistency):
     """Stale reads are allowed, so no one-process equality: the loss falls with the exact one-process run's

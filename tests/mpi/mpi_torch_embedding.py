@@ -145,6 +145,41 @@ def test_lookups_and_passes_of_one_step_step_the_table_once_as_one_process(passe
     emb.table.close()
 
 
+def test_a_model_holding_the_table_saves_its_state_dict_and_table_but_cannot_be_pickled(tmp_path_factory):
+    """torch.save(model) and copy.deepcopy failed with "cannot pickle 'module' object" (an audit): now a
+    TypeError says what to save instead, and the state_dict plus emb.save round-trips the model."""
+    import copy
+    import io
+    import os
+
+    emb = hvd.ShardedEmbedding(ROWS, DIM, ps.Adagrad(0.3), dtype=torch.float64, initializer=init_rows,
+                               name="saved")
+    model = Model(emb)
+    for ids, y in data(2):
+        part = slice(R * PER_RANK, (R + 1) * PER_RANK)
+        torch.nn.functional.mse_loss(model(ids[part]), y[part]).backward()
+    emb.synchronize()
+    for attempt in (lambda: torch.save(model, io.BytesIO()), lambda: copy.deepcopy(model)):
+        with pytest.raises(TypeError, match=r"ShardedEmbedding 'saved' cannot be pickled .*emb.save\(path\)"):
+            attempt()
+    folder = hvd.broadcast_object(str(tmp_path_factory.mktemp("emb")) if R == 0 else None, 0)
+    state = model.state_dict()
+    assert not any("table" in k for k in state), list(state)
+    emb.save(os.path.join(folder, "table"))
+    rows = emb.table.to_numpy()
+    emb.table.close()
+    again = hvd.ShardedEmbedding(ROWS, DIM, ps.Adagrad(0.3), dtype=torch.float64, initializer="zeros",
+                                 name="saved")
+    restored = Model(again)
+    restored.load_state_dict(state)
+    again.load(os.path.join(folder, "table"))
+    np.testing.assert_array_equal(again.table.to_numpy(), rows)
+    ids = data(1)[0][0]
+    np.testing.assert_array_equal(restored(ids).detach().numpy(), model.head(
+        torch.from_numpy(rows)[ids].mean(dim=1)).squeeze(-1).detach().numpy())
+    again.table.close()
+
+
 def test_eval_and_no_grad_only_pull():
     emb = hvd.ShardedEmbedding(ROWS, DIM, ps.SGD(1.0), name="frozen")
     before = emb.table.to_numpy()

@@ -45,6 +45,7 @@ must give every rank the same number of batches.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import keras
@@ -56,6 +57,8 @@ from unison.common.ps.consistency import consistency_from_name
 from unison.common.ps.optimizers import Optimizer, optimizer_from_config
 
 __all__ = ["ShardedEmbedding"]
+
+logger = logging.getLogger(__name__)
 
 
 def _consistency_config(consistency: Any) -> Any:
@@ -79,6 +82,7 @@ def _policy_problem(policy: Any) -> str | None:
             "carry loss-scaled gradients); give the layer dtype='float32' (the rest of the model may stay mixed)")
 
 
+@keras.saving.register_keras_serializable(package="unison")
 class ShardedEmbedding(keras.layers.Layer):
     """An embedding lookup into a :class:`unison.ps.ShardedTable` of ``num_rows x dim`` (Keras 3, TF backend).
 
@@ -245,6 +249,16 @@ class ShardedEmbedding(keras.layers.Layer):
         config = super().get_config()
         config.update(self._config)
         return config
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ShardedEmbedding:
+        """A layer of a saved model (``keras.models.load_model`` on every rank: collective). Its table is new,
+        with the initial rows: the model file holds the configuration only, so load the rows with
+        :meth:`load_table` (a warning says so)."""
+        layer = cls(**config)
+        logger.warning("ShardedEmbedding %r: made from its configuration with a new table of initial rows (a "
+                       "saved model holds no rows); load the saved rows with layer.load_table(path)", layer.name)
+        return layer
 
     def save_table(self, path: Any, metadata: dict[str, Any] | None = None) -> Any:
         """Save the table (rows and optimizer state) to the folder ``path``. Collective."""

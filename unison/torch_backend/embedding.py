@@ -144,6 +144,14 @@ class ShardedEmbedding(torch.nn.Module):
         self.synchronize()
         return self.table.load(path)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # torch.save(model) and copy.deepcopy pickle the module, and the table's communicators cannot be:
+        # say what to do instead of "cannot pickle 'module' object"
+        raise TypeError(f"ShardedEmbedding {self.table.name!r} cannot be pickled or copied (its rows live in a "
+                        "sharded table over the ranks): save the model's state_dict() with torch.save, which "
+                        "leaves the table out, and the table with emb.save(path) (emb.load(path) reads it back, "
+                        "on any number of ranks)")
+
     def extra_repr(self) -> str:
         return f"{self.num_rows}, {self.embedding_dim}, table={self.table!r}"
 
