@@ -141,6 +141,26 @@ def test_fit_with_a_table_looked_up_twice_per_step_matches_one_process_under_ada
     layer.table.close()
 
 
+def test_fit_with_several_steps_per_execution_matches_one_process(strategy):
+    """steps_per_execution=2: two training steps in one tf.function call, each with its pull and its one push."""
+    keras.utils.set_random_seed(12)
+    with strategy.scope():
+        layer = ShardedEmbedding(ROWS, DIM, optimizer=ps.SGD(LR), initializer=init_rows, name="emb-spe")
+        model = make_model(layer)
+        model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", steps_per_execution=2)
+    ref_emb = keras.layers.Embedding(ROWS, DIM, embeddings_initializer=keras.initializers.Constant(
+        init_rows(np.arange(ROWS))))
+    ref = make_model(ref_emb)
+    ref.layers[-1].set_weights(model.layers[-1].get_weights())
+    ref.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+    hist = model.fit(data(), epochs=2, verbose=0, shuffle=False)
+    ref_hist = ref.fit(data(), epochs=2, verbose=0, shuffle=False)
+    np.testing.assert_allclose(layer.table.to_numpy(), ref_emb.get_weights()[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-5)
+    assert layer.table.stats()["pushes"] == 2 * STEPS
+    layer.table.close()
+
+
 def test_a_saved_model_loads_without_custom_objects_and_takes_its_rows_from_load_table(strategy, tmp_path_factory,
                                                                                          caplog):
     """keras.models.load_model failed with "could not be deserialized" (the class was not registered; an
