@@ -39,7 +39,7 @@ def test_any_backend_example_learns_digits(backend, tmp_path):
     assert proc.returncode == 0, out
     found = re.findall(rf"final validation accuracy: ([0-9.]+) \({backend}\)", proc.stdout)
     assert len(found) == 1, out  # rank 0 only
-    assert float(found[0]) > 0.93, out
+    assert float(found[0]) > 0.95, out  # (the issue: "the same validation accuracy (~0.97)" on each backend)
     assert target.exists() and not list(tmp_path.glob(".*tmp*"))
     assert proc.stdout.count("Epoch 1/6") == 1  # one progress log, from rank 0
 
