@@ -88,8 +88,9 @@ def test_float16_sums_in_float16_on_the_default_group():
     np.testing.assert_array_equal(small.numpy(), np.array([0.5, -1.25, 3.0], np.float16) * sum(range(1, n + 1)))
 
 
+@pytest.mark.parametrize("async_op", [False, True])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool], ids=str)
-def test_all_reduce_bitwise(dtype):
+def test_all_reduce_bitwise(dtype, async_op):
     r, n = _rank_size()
     rng = np.random.default_rng
     if dtype == torch.bool:
@@ -103,22 +104,24 @@ def test_all_reduce_bitwise(dtype):
                dist.ReduceOp.BXOR: np.bitwise_xor}
     for op, fn in fns.items():
         t = torch.from_numpy(mine[r].copy())
-        dist.all_reduce(t, op=op)
+        _finish(dist.all_reduce(t, op=op, async_op=async_op), async_op)
         want = mine[0]
         for k in range(1, n):
             want = fn(want, mine[k])
         np.testing.assert_array_equal(t.numpy(), want)
 
 
+@pytest.mark.parametrize("async_op", [False, True])
 @pytest.mark.parametrize("factor", [0.5, torch.tensor(3.0, dtype=torch.float64)], ids=["float", "tensor"])
-def test_premul_sum_all_reduce_and_reduce_scatter(factor):
+def test_premul_sum_all_reduce_and_reduce_scatter(factor, async_op):
     r, n = _rank_size()
     scale = float(factor)
     t = _values(r)
-    dist.all_reduce(t, op=dist._make_nccl_premul_sum(factor))
+    _finish(dist.all_reduce(t, op=dist._make_nccl_premul_sum(factor), async_op=async_op), async_op)
     np.testing.assert_allclose(t.numpy(), scale * sum(_values(k).numpy() for k in range(n)), rtol=1e-12)
     out = torch.empty(2, dtype=torch.float64)
-    dist.reduce_scatter_single(out, _values(r, (2 * n,)), op=dist._make_nccl_premul_sum(factor))
+    _finish(dist.reduce_scatter_single(out, _values(r, (2 * n,)), op=dist._make_nccl_premul_sum(factor),
+                                       async_op=async_op), async_op)
     full = scale * sum(_values(k, (2 * n,)).numpy() for k in range(n))
     np.testing.assert_allclose(out.numpy(), full[2 * r:2 * r + 2], rtol=1e-12)
 
@@ -557,19 +560,17 @@ def test_zero_element_all_gather_and_the_group_goes_on():
     assert t.item() == n
 
 
-def test_gather_of_a_bigger_tensor_than_the_roots_raises_on_the_root():
-    """gloo aborts the root; the unison root raised nothing and dropped the extra elements."""
+def test_gather_of_a_bigger_tensor_than_the_roots_raises_on_every_rank():
+    """gloo aborts the root; the unison root raised nothing and dropped the extra elements (before 2026-12-05),
+    then raised alone (before 2026-12-06: the others returned). Rows of ``numel`` elements now travel, whose
+    width the engine compares: MismatchError on every rank (tests/mpi/mpi_torch_pg_checks.py has scatter)."""
     r, n = _rank_size()
     if n == 1:
         pytest.skip("needs two ranks")
     t = torch.arange(2.0 + 2 * (r == n - 1))  # the last rank sends 4 elements, the others 2
     outs = [torch.zeros(2) for _ in range(n)] if r == 0 else None
-    if r == 0:
-        wanted = rf"gather: the root's tensors hold 2 elements, but rank\(s\) \[{n - 1}\]"
-        with pytest.raises(ValueError, match=wanted):
-            dist.gather(t, outs, dst=0)
-    else:
-        dist.gather(t, None, dst=0)
+    with _raises_exactly(MismatchError, r"shape=\(1, 4\)"):
+        dist.gather(t, outs, dst=0)
     dist.barrier()
 
 

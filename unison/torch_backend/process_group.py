@@ -29,6 +29,7 @@ process_group_store.py.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any
 
@@ -60,8 +61,9 @@ class UnisonProcessGroup(Collectives, dist.ProcessGroup):
                  timeout_s: float | None = None) -> None:
         super().__init__(rank, size)
         self._rank, self._size = rank, size
-        self._ops = OwnRefusals(frontend if ops is None else ops)
+        self._ops = OwnRefusals(_SetOps() if ops is None else ops)
         self._comm = comm  # a sub-group's communicator (None: the job's)
+        self._seq = itertools.count()  # the calls made outside a future's callback (Collectives._work)
         # point-to-point messages go on a communicator of the group's own (never the engine's). It is
         # made here, while every member is creating the group: made at the first send or receive
         # instead (a collective), it waited for ranks that were not sending, e.g. in a barrier
@@ -133,7 +135,7 @@ class UnisonProcessGroup(Collectives, dist.ProcessGroup):
         self._check_rank(dst, "send", "dst")
         self._check_tag(tag)
         # as bytes: mpi4py takes no bfloat16 array (a BufferError where gloo sends it)
-        data = _bytes(np.ascontiguousarray(host(t, "send")))
+        data = _bytes(np.ascontiguousarray(host(t, "send", any_dtype=True)))
         return P2PWork(isend_bytes(self._p2p_comm, data, dst, tag), data, timeout_s=self._timeout_s)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
@@ -150,7 +152,7 @@ class UnisonProcessGroup(Collectives, dist.ProcessGroup):
         (t,) = tensors
         # the tensor's own values first: a shorter message leaves the rest of it as it was (as gloo),
         # where an empty buffer copied uninitialised memory into it
-        buf = np.array(host(t, "recv"), copy=True, order="C")
+        buf = np.array(host(t, "recv", any_dtype=True), copy=True, order="C")
         return P2PWork(irecv_bytes(self._p2p_comm, _bytes(buf), src, tag), buf, into=t,
                        timeout_s=self._timeout_s)
 
@@ -203,21 +205,26 @@ def _create(opts: Any, backend_options: Any = None) -> UnisonProcessGroup:
 
 
 class _SetOps:
-    """The engine's operations on one process set: what a group of every rank other than the default
-    one runs its collectives through ([Note: groups of every rank])."""
+    """The engine's operations on one process set (None: the job's global set, the default group's): what a
+    group of every rank runs its collectives through ([Note: groups of every rank]). ``name``: a call made
+    inside a future's callback ([Note: collectives from future callbacks]); a reduce so named is an all-reduce
+    named after its root (the engine's reduce takes no name), so ranks that name different roots never pair
+    and the engine's stall check reports them, instead of a ``MismatchError``."""
 
-    def __init__(self, process_set: Any) -> None:
+    def __init__(self, process_set: Any = None) -> None:
         self.process_set = process_set
 
-    def allreduce_async(self, arr: Any, op: Any, out: Any = None) -> Any:
-        return frontend.allreduce_async(arr, op, process_set=self.process_set, out=out)
+    def allreduce_async(self, arr: Any, op: Any, out: Any = None, name: str | None = None) -> Any:
+        return frontend.allreduce_async(arr, op, name=name, process_set=self.process_set, out=out)
 
-    def reducescatter_async(self, arr: Any, op: Any) -> Any:
-        return frontend.reducescatter_async(arr, op, process_set=self.process_set)
+    def reducescatter_async(self, arr: Any, op: Any, name: str | None = None) -> Any:
+        return frontend.reducescatter_async(arr, op, name=name, process_set=self.process_set)
 
     def close(self) -> None:
         """Unregister the group's process set (every member destroys the group: [Note: a destroyed group frees
-        its communicators]); nothing when Unison has already shut down."""
+        its communicators]); nothing for the global set, or when Unison has already shut down."""
+        if self.process_set is None:
+            return
         eng = frontend.running_engine()
         if eng is None or not eng.alive() or self.process_set.process_set_id is None:
             return  # (Unison shut down, or its engine stopped: the set went with it)
@@ -227,16 +234,18 @@ class _SetOps:
             logger.warning("destroy_process_group: could not remove the group's process set (%s); a group of "
                            "every rank is destroyed on every rank, as it was made", exc)
 
-    def broadcast_async(self, arr: Any, root: int) -> Any:
-        return frontend.broadcast_async(arr, root, process_set=self.process_set)
+    def broadcast_async(self, arr: Any, root: int, name: str | None = None) -> Any:
+        return frontend.broadcast_async(arr, root, name=name, process_set=self.process_set)
 
-    def allgather_async(self, arr: Any) -> Any:
-        return frontend.allgather_async(arr, process_set=self.process_set)
+    def allgather_async(self, arr: Any, name: str | None = None) -> Any:
+        return frontend.allgather_async(arr, name=name, process_set=self.process_set)
 
-    def alltoall_async(self, arr: Any, splits: Any) -> Any:
-        return frontend.alltoall_async(arr, splits, process_set=self.process_set)
+    def alltoall_async(self, arr: Any, splits: Any, name: str | None = None) -> Any:
+        return frontend.alltoall_async(arr, splits, name=name, process_set=self.process_set)
 
-    def rooted_allreduce_async(self, arr: Any, op: Any, root: int) -> Any:
+    def rooted_allreduce_async(self, arr: Any, op: Any, root: int, name: str | None = None) -> Any:
+        if name is not None:  # (only the root copies the result out: process_group_collectives.py's reduce)
+            return frontend.allreduce_async(arr, op, name=f"{name}.root{root}", process_set=self.process_set)
         return frontend.rooted_allreduce_async(arr, op, root, self.process_set)  # (set ranks are job ranks)
 
 

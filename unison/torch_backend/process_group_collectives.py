@@ -14,7 +14,7 @@ state it reads and adds the rest (names, point-to-point, shutdown).
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,6 +25,7 @@ from unison.common.engine import frontend
 from unison.common.engine.handles import waiting_on
 from unison.common.exceptions import MismatchError
 from unison.common.ops import Max, Sum
+from unison.torch_backend import process_group_callbacks as callbacks
 from unison.torch_backend.process_group_ops import (
     check_op,
     into,
@@ -47,9 +48,19 @@ class Collectives:
     _size: int
     _ops: Any
     _timeout_s: float | None
+    #: numbers the calls made outside a future's callback (see :meth:`_work`)
+    _seq: Iterator[int]
 
     def _work(self, handles: Any, finish: Any) -> dist.Work:
-        return collective_work(handles, finish, self._timeout_s)
+        """The call's ``Work``, named for the collectives its future's callbacks issue: after its place in the
+        callback that made it, else after the group's count of calls ([Note: collectives from future
+        callbacks] in process_group_callbacks.py)."""
+        run = callbacks.current()
+        if run is not None:
+            family = run.family_prefix()
+        else:
+            family = f"torch.{getattr(self, 'group_name', '')}.cb{next(self._seq)}"
+        return collective_work(handles, finish, self._timeout_s, family)
 
     def _agree_count(self, what: str, count: int, refused: str | None = None) -> None:
         """Every rank passed ``count`` tensors to a coalesced call (one request per tensor follows), or every
@@ -270,37 +281,40 @@ class Collectives:
         return self._work(handles, lambda results: (into(targets, self._rank == root)(results), tensors)[1])
 
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        """Every rank's tensor to the root: an all-to-all in which only the root receives."""
+        """Every rank's tensor to the root: an all-to-all in which only the root receives.
+
+        Each rank sends its tensor as one row of ``numel`` elements, so a rank whose tensor holds another
+        number of elements than the others' raises the engine's ``MismatchError`` on every rank (the rows'
+        width is compared). Before 2026-12-06 the root alone could tell, and raised alone."""
         root = opts.rootRank if opts is not None else 0
         (t,) = inputs
         try:  # (-1 indexed the last rank: every rank sent there, silently; refused, it travels to the others)
             self._check_rank(root, "gather", "dst")
-            data = host(t, "gather").reshape(-1)
+            data = host(t, "gather").reshape(1, -1)
+            if self._rank == root:
+                self._check_pieces(outputs[0], t, "gather")
         except (TypeError, ValueError) as exc:
             return self._work([self._ops.alltoall_async(frontend.Refused(exc), None)], lambda results: [])
         splits = np.zeros(self._size, np.int32)
-        splits[root] = data.size
+        splits[root] = 1
         handle = self._ops.alltoall_async(data, splits)
 
         def finish(results: list[Any]) -> Any:
-            if self._rank == root:
-                self._check_pieces(outputs[0], t, "gather")
-                received, counts = np.asarray(results[0][0]), np.asarray(results[0][1])
-                bad = {k: int(c) for k, c in enumerate(counts) if c != data.size}
-                if bad:  # the root is the only rank that can tell: the others sent and are done
-                    raise ValueError(f"gather: the root's tensors hold {data.size} elements, but rank(s) "
-                                     f"{sorted(bad)} sent {sorted(set(bad.values()))}: every rank must pass a "
-                                     "tensor of the root's size")
-                for k, out in enumerate(outputs[0]):
-                    copy_into(out, received[k * data.size:(k + 1) * data.size], "gather")
-                return outputs[0]  # (gloo's future value: the list of gathered tensors)
-            return []
+            if self._rank != root:
+                return []
+            for out, row in zip(outputs[0], np.asarray(results[0][0]), strict=True):
+                copy_into(out, row, "gather")
+            return outputs[0]  # (gloo's future value: the list of gathered tensors)
 
         return self._work([handle], finish)
 
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
                 opts: Any = None) -> dist.Work:
-        """The root's pieces, one to each rank: an all-to-all in which only the root sends."""
+        """The root's pieces, one to each rank: an all-to-all in which only the root sends.
+
+        The root sends each piece as one row of ``numel`` elements and the others send no rows of their
+        output's ``numel``, so an output of another size than the root's pieces raises the engine's
+        ``MismatchError`` on every rank. Before 2026-12-06 that rank raised alone and the root returned."""
         root = opts.rootRank if opts is not None else 0
         (out,) = outputs
         try:
@@ -313,12 +327,12 @@ class Collectives:
         if self._rank == root:
             try:
                 self._check_pieces(inputs[0], out, "scatter")
-                data = np.concatenate([host(p, "scatter").reshape(-1) for p in inputs[0]])
+                data = np.stack([host(p, "scatter").reshape(-1) for p in inputs[0]])
             except (TypeError, ValueError) as exc:
                 data = frontend.Refused(exc)
-            splits[:] = out.numel()
+            splits[:] = 1
         else:
-            data = np.zeros(0, dtype=mine.dtype)
+            data = np.zeros((0, out.numel()), dtype=mine.dtype)
         handle = self._ops.alltoall_async(data, splits)
         return self._work([handle], lambda results: (copy_into(out, results[0][0], "scatter"), outputs)[1])
 

@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
+from unison.torch_backend.process_group_work import unsupported
+
 __all__ = ["install", "installed", "OPERATORS"]
 
 _lock = threading.Lock()
@@ -43,11 +45,22 @@ def _group(group_name: Any) -> Any:
     return c10d._resolve_process_group(group_name)
 
 
-def _reduce_op(name: str) -> Any:
+def _reduce_op(name: str, what: str) -> Any:
+    """PyTorch's op named ``name`` (the functional collectives pass a string).
+
+    Raises:
+        UnsupportedError: "premul_sum", which needs a factor that a string cannot carry (before 2026-12-06
+            a pybind ``TypeError`` about ``AllreduceOptions``), on every rank (each passes the same string).
+        ValueError: a name PyTorch has no op for.
+    """
     op = getattr(dist.ReduceOp, str(name).upper(), None)
     if op is None or not isinstance(op, dist.ReduceOp.RedOpType):
-        raise ValueError(f"functional collective: unknown reduce op {name!r}; use sum, avg, product, min, max, "
+        raise ValueError(f"{what}: unknown reduce op {name!r}; use sum, avg, product, min, max, "
                          "band, bor or bxor")
+    if op == dist.ReduceOp.PREMUL_SUM:
+        raise unsupported(f"{what} with reduce op {name!r}: PREMUL_SUM needs a factor, which the functional "
+                          "collectives' op name cannot carry. Multiply the tensor by the factor and use 'sum', or "
+                          "call dist.all_reduce(t, op=dist._make_nccl_premul_sum(factor))")
     return op
 
 
@@ -102,7 +115,7 @@ def _gathered_shape(tensor: torch.Tensor, factor: int, what: str, divide: bool =
 
 def all_reduce_(tensor: torch.Tensor, reduce_op: str, group_name: Any) -> torch.Tensor:
     opts = c10d.AllreduceOptions()
-    opts.reduceOp = _reduce_op(reduce_op)
+    opts.reduceOp = _reduce_op(reduce_op, "all_reduce")
     _register([tensor], _group(group_name).allreduce([tensor], opts))
     return tensor
 
@@ -113,7 +126,7 @@ def all_reduce(tensor: torch.Tensor, reduce_op: str, group_name: Any) -> torch.T
 
 def all_reduce_coalesced_(tensors: list[torch.Tensor], reduce_op: str, group_name: Any) -> list[torch.Tensor]:
     opts = c10d.AllreduceCoalescedOptions()
-    opts.reduceOp = _reduce_op(reduce_op)
+    opts.reduceOp = _reduce_op(reduce_op, "all_reduce_coalesced")
     _register(tensors, _group(group_name).allreduce_coalesced(tensors, opts))
     return tensors
 
@@ -153,7 +166,7 @@ def all_gather_into_tensor_coalesced(tensors: list[torch.Tensor], group_size: in
 def reduce_scatter_tensor_out(tensor: torch.Tensor, reduce_op: str, group_size: int, group_name: Any, *,
                               out: torch.Tensor) -> torch.Tensor:
     opts = c10d.ReduceScatterOptions()
-    opts.reduceOp = _reduce_op(reduce_op)
+    opts.reduceOp = _reduce_op(reduce_op, "reduce_scatter_tensor")
     _register([out], _group(group_name).reduce_scatter_single(out, tensor.contiguous(), opts))
     return out
 

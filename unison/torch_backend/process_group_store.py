@@ -2,10 +2,14 @@
 
 [Note: the store under MPI] ``init_process_group`` without ``init_method`` uses ``env://``,
 which needs ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``. Under an MPI launch that
-set none of them, Unison's wrapper of the ``env://`` handler makes the store itself: rank 0
-opens a ``TCPStore`` on a free port and MPI broadcasts its address, so PyTorch code that uses
-the store (barriers, ``new_group`` bookkeeping) has a real one. Everything else is left to
-PyTorch's own handler.
+did not set both ``RANK`` and ``WORLD_SIZE``, rank and size come from MPI, and Unison's wrapper of the
+``env://`` handler makes the store: at ``MASTER_ADDR:MASTER_PORT`` when both are set (PyTorch's
+handler, handed MPI's rank and size), else itself: rank 0 opens a ``TCPStore`` on a free port and
+MPI broadcasts its address, so PyTorch code that uses the store (barriers, ``new_group``
+bookkeeping) has a real one. Before 2026-12-06 any one of the four variables handed everything to
+PyTorch's handler, so a ``MASTER_ADDR`` alone (a cluster profile's, which unisonrun forwards to
+every rank) failed with "environment variable RANK expected". ``RANK`` and ``WORLD_SIZE`` both set
+leave everything to PyTorch's own handler.
 """
 
 from __future__ import annotations
@@ -23,14 +27,23 @@ __all__ = ["wrap_env_handler"]
 
 
 def _mpi_launch() -> tuple[int, int] | None:
-    """(rank, size) of an MPI launch that set no torch rendezvous variables; else None."""
-    if any(os.environ.get(v) for v in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")):
+    """(rank, size) of an MPI launch that did not set both ``RANK`` and ``WORLD_SIZE``; else None."""
+    if os.environ.get("RANK") and os.environ.get("WORLD_SIZE"):
         return None
     if not (os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMIX_RANK")):
         return None
     from mpi4py import MPI
 
     return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+
+def _with_rank(url: str, rank: int, size: int) -> str:
+    """``url`` with MPI's rank and size in its query (PyTorch's handler reads them there before the
+    environment)."""
+    parts = urllib.parse.urlparse(url)
+    query = {k: v[0] for k, v in urllib.parse.parse_qs(parts.query).items()}
+    query.update(rank=str(rank), world_size=str(size))
+    return urllib.parse.urlunparse(parts._replace(query=urllib.parse.urlencode(query)))
 
 
 def _mpi_store(rank: int, size: int, timeout: datetime.timedelta) -> Any:
@@ -65,8 +78,9 @@ def _check_url(url: str, rank: int, size: int) -> None:
 
 
 def wrap_env_handler() -> None:
-    """Wrap PyTorch's ``env://`` handler so that an MPI launch without its variables gets the store made
-    through MPI (see the Note); once, however often called."""
+    """Wrap PyTorch's ``env://`` handler so that an MPI launch without ``RANK``/``WORLD_SIZE`` gets MPI's rank
+    and size, and a store made through MPI unless ``MASTER_ADDR`` and ``MASTER_PORT`` name one (see the Note);
+    once, however often called."""
     rdzv = importlib.import_module("torch.distributed.rendezvous")  # the module, not its function
     original = rdzv._rendezvous_handlers.get("env")
     if original is None or getattr(original, "_unison", False):
@@ -79,6 +93,9 @@ def wrap_env_handler() -> None:
             return
         rank, size = launch
         _check_url(url, rank, size)
+        if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+            yield from original(_with_rank(url, rank, size), timeout=timeout, **kwargs)
+            return
         yield _mpi_store(rank, size, timeout), rank, size
         raise RuntimeError("the MPI launch's store cannot rendezvous again")
 

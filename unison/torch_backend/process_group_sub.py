@@ -107,19 +107,22 @@ class CommOps:
         return _Pending(self._thread.submit(fn, *args))
 
     def _agree(self, what: str, arr: np.ndarray, shape: Sequence[int], extra: int = 0,
-               error: Exception | None = None) -> None:
+               error: Exception | None = None, name: str | None = None) -> None:
         """Every member's call compared (a 16-byte digest each); raises on every member when they differ or a
         member's own checks refused its arguments (``error``: it takes part in this exchange instead of raising
-        alone, which left the others' call unpaired and the next one paired with the wrong call)."""
+        alone, which left the others' call unpaired and the next one paired with the wrong call). ``name``: a
+        call made in a future's callback, compared too, so calls that meet out of order raise
+        ([Note: collectives from future callbacks])."""
         key = (f"refused|{error}" if error is not None
-               else f"{what}|{arr.dtype.str}|{tuple(shape)}|{extra}").encode()
+               else f"{what}|{arr.dtype.str}|{tuple(shape)}|{extra}|{name or ''}").encode()
         mine = np.frombuffer(hashlib.blake2b(key, digest_size=16).digest(), np.int64).copy()
         every = np.empty((self.size, 2), np.int64)
         self.comm.Allgather(mine, every)
         if error is None and (every == mine).all():
             return
         rooted = what == "broadcast" or what.startswith("reduce/")
-        call = f"{what}(dtype={arr.dtype}, shape={tuple(arr.shape)}" + (f", root={extra})" if rooted else ")")
+        call = f"{what}(dtype={arr.dtype}, shape={tuple(arr.shape)}" + (f", root={extra}" if rooted else "") + \
+            (f", name={name!r})" if name else ")")
         # a refusal's kind as the engine's ("T", "U" or "V": [Note: refusal kinds] in common/engine/errors.py).
         # By its class name before 2026-12-06, so a TypeError's subclass (UnsupportedError) arrived as a
         # ValueError; then an UnsupportedError went as "T", recognised by its message's words (till later that day)
@@ -135,17 +138,18 @@ class CommOps:
                             f"at the same step ({listing}); every member must pass tensors of the same "
                             "dtype and shape" + (" and the same root" if rooted else ""))
 
-    def allreduce_async(self, tensor: Any, op: Any = Sum, out: np.ndarray | None = None) -> _Pending:
-        return self._submit(self._allreduce, *_array_or_error(tensor), op, out)
+    def allreduce_async(self, tensor: Any, op: Any = Sum, out: np.ndarray | None = None,
+                        name: str | None = None) -> _Pending:
+        return self._submit(self._allreduce, *_array_or_error(tensor), op, out, -1, name)
 
-    def rooted_allreduce_async(self, tensor: Any, op: Any, root_rank: int) -> _Pending:
+    def rooted_allreduce_async(self, tensor: Any, op: Any, root_rank: int, name: str | None = None) -> _Pending:
         """An all-reduce whose result only ``root_rank`` keeps, the root compared like a broadcast's."""
-        return self._submit(self._allreduce, *_array_or_error(tensor), op, None, root_rank)
+        return self._submit(self._allreduce, *_array_or_error(tensor), op, None, root_rank, name)
 
     def _allreduce(self, arr: np.ndarray, error: Exception | None, op: Any, into: np.ndarray | None = None,
-                   root: int = -1) -> np.ndarray:
+                   root: int = -1, name: str | None = None) -> np.ndarray:
         what = f"allreduce/{_name(op)}" if root < 0 else f"reduce/{_name(op)}"
-        self._agree(what, arr, arr.shape, root, error)
+        self._agree(what, arr, arr.shape, root, error, name)
         check_op(arr.dtype, op, 1.0, 1.0)  # after the agreement: every member raises alike
         send = _wide(arr)
         out = np.empty_like(send)
@@ -156,33 +160,34 @@ class CommOps:
             return into
         return out.astype(arr.dtype, copy=False)
 
-    def broadcast_async(self, tensor: Any, root_rank: int = 0) -> _Pending:
-        return self._submit(self._broadcast, *_array_or_error(tensor), root_rank)
+    def broadcast_async(self, tensor: Any, root_rank: int = 0, name: str | None = None) -> _Pending:
+        return self._submit(self._broadcast, *_array_or_error(tensor), root_rank, name)
 
-    def _broadcast(self, arr: np.ndarray, error: Exception | None, root: int) -> np.ndarray:
-        self._agree("broadcast", arr, arr.shape, root, error)
+    def _broadcast(self, arr: np.ndarray, error: Exception | None, root: int, name: str | None) -> np.ndarray:
+        self._agree("broadcast", arr, arr.shape, root, error, name)
         buf = np.empty(arr.shape, arr.dtype)
         kernels.broadcast(self.comm, self.mpi, buf, root, _setting("broadcast_algorithm", "auto"), self._chunk(),
                           source=np.ascontiguousarray(arr) if self.rank == root else None)
         return buf
 
-    def allgather_async(self, tensor: Any) -> _Pending:
-        return self._submit(self._allgather, *_array_or_error(tensor))
+    def allgather_async(self, tensor: Any, name: str | None = None) -> _Pending:
+        return self._submit(self._allgather, *_array_or_error(tensor), name)
 
-    def _allgather(self, arr: np.ndarray, error: Exception | None) -> np.ndarray:
-        self._agree("allgather", arr, arr.shape, error=error)
+    def _allgather(self, arr: np.ndarray, error: Exception | None, name: str | None) -> np.ndarray:
+        self._agree("allgather", arr, arr.shape, error=error, name=name)
         send = np.ascontiguousarray(arr)
         out = np.empty((self.size * send.shape[0],) + send.shape[1:], send.dtype)
         kernels.allgatherv(self.comm, self.mpi, send, out, [send.nbytes] * self.size,
                            _setting("allgather_algorithm", "auto"), self._chunk())
         return out
 
-    def reducescatter_async(self, tensor: Any, op: Any = Sum) -> _Pending:
-        return self._submit(self._reducescatter, *_array_or_error(tensor), op)
+    def reducescatter_async(self, tensor: Any, op: Any = Sum, name: str | None = None) -> _Pending:
+        return self._submit(self._reducescatter, *_array_or_error(tensor), op, name)
 
-    def _reducescatter(self, stacked: np.ndarray, error: Exception | None, op: Any) -> np.ndarray:
+    def _reducescatter(self, stacked: np.ndarray, error: Exception | None, op: Any,
+                       name: str | None = None) -> np.ndarray:
         """``stacked``: one piece per member along axis 0; returns this member's reduced piece."""
-        self._agree(f"reducescatter/{_name(op)}", stacked, stacked.shape, error=error)
+        self._agree(f"reducescatter/{_name(op)}", stacked, stacked.shape, error=error, name=name)
         check_op(stacked.dtype, op, 1.0, 1.0)
         send = _wide(stacked)
         out = np.empty(send.shape[1:], send.dtype)
@@ -190,12 +195,13 @@ class CommOps:
                               op, 1.0, 1.0, _setting("reducescatter_algorithm", "auto"), self._chunk())
         return out.astype(stacked.dtype, copy=False)
 
-    def alltoall_async(self, tensor: Any, splits: Any = None) -> _Pending:
-        return self._submit(self._alltoall, *_array_or_error(tensor), splits)
+    def alltoall_async(self, tensor: Any, splits: Any = None, name: str | None = None) -> _Pending:
+        return self._submit(self._alltoall, *_array_or_error(tensor), splits, name)
 
-    def _alltoall(self, arr: np.ndarray, error: Exception | None, splits: Any) -> tuple[np.ndarray, np.ndarray]:
+    def _alltoall(self, arr: np.ndarray, error: Exception | None, splits: Any,
+                  name: str | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Rows ``splits[r]`` (of axis 0) to member r; returns (rows received, by source; rows per source)."""
-        self._agree("alltoall", arr, arr.shape[1:], error=error)
+        self._agree("alltoall", arr, arr.shape[1:], error=error, name=name)
         rows = arr.shape[0] if arr.ndim else 1
         send_rows = (np.full(self.size, rows // self.size, np.int64) if splits is None
                      else np.asarray(splits, np.int64))

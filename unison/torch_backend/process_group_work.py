@@ -5,8 +5,10 @@ A collective's ``Work`` completes through the engine's handles: each handle's do
 PyTorch's output tensors and completes the future ([Note: completing off the engine thread]).
 A point-to-point ``Work`` wraps the MPI requests of one send or receive.
 
-[Note: what the backend does not support] A tensor that is not on the CPU, a bitwise op of
-floating-point or complex tensors, PREMUL_SUM of integers or bools, AVG of bools: each raises
+[Note: what the backend does not support] A tensor that is not on the CPU, a collective of a dtype
+the engine does not carry (uint32, uint64, the float8 dtypes: :data:`CARRIED` lists those it does),
+a bitwise op of floating-point or complex tensors, PREMUL_SUM of integers or bools, AVG of bools,
+the functional collectives' bare "premul_sum" (it needs a factor): each raises
 :class:`UnsupportedError` on every rank of the call, a ``NotImplementedError`` (so a
 ``RuntimeError``, which gloo raises for the same calls: "Cannot use ReduceOp.BAND with non-integral
 dtype") that is also Unison's ``CollectiveError`` (a ``TypeError``, what these calls raised before
@@ -48,6 +50,7 @@ from torch.futures import Future
 from unison.common.engine import frontend
 from unison.common.engine.handles import Handle, waiting_on
 from unison.common.exceptions import CollectiveError, UnsupportedError
+from unison.torch_backend import process_group_callbacks as callbacks
 from unison.torch_backend.tensors import from_numpy, to_numpy
 
 __all__ = ["host", "copy_into", "collective_work", "P2PWork", "isend_bytes", "irecv_bytes", "seconds", "timed_out",
@@ -70,10 +73,11 @@ def unsupported(text: str) -> UnsupportedError:
 
 
 class OwnRefusals:
-    """The collectives of a group (the engine's ``frontend``, a process set's, a sub-group's ``CommOps``)
-    whose calls that carried this rank's :class:`UnsupportedError` (a ``frontend.Refused``) and raised at
-    once raise it itself: only a job of one rank raises at submission, and its direct collectives
-    report the refusal as a plain ``CollectiveError`` (see [Note: what the backend does not support])."""
+    """The collectives of a group (a process set's engine calls, a sub-group's ``CommOps``) whose calls that
+    carried this rank's :class:`UnsupportedError` (a ``frontend.Refused``) and raised at once raise it itself:
+    only a job of one rank raises at submission, and its direct collectives report the refusal as a plain
+    ``CollectiveError`` (see [Note: what the backend does not support]). A call made inside a callback of one
+    of the backend's futures gets its name there ([Note: collectives from future callbacks])."""
 
     def __init__(self, ops: Any) -> None:
         self._inner = ops
@@ -86,6 +90,9 @@ class OwnRefusals:
             return attr
 
         def call(*args: Any, **kwargs: Any) -> Any:
+            run = callbacks.current()
+            if run is not None and name.endswith("_async"):
+                kwargs.setdefault("name", run.call_name())
             try:
                 return attr(*args, **kwargs)
             except CollectiveError as error:
@@ -98,15 +105,33 @@ class OwnRefusals:
         return call
 
 
-def host(tensor: torch.Tensor, what: str) -> np.ndarray:
+#: the dtypes the collectives carry (the engine's, unison/common/dtypes.py, as torch names them)
+CARRIED = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32,
+           torch.int64, torch.uint8, torch.uint16, torch.bool)
+_CARRIED = frozenset(CARRIED)
+
+
+def host(tensor: torch.Tensor, what: str, any_dtype: bool = False) -> np.ndarray:
     """``tensor``'s memory as a numpy array (no copy for a contiguous CPU tensor).
 
+    Args:
+        any_dtype: the caller moves bytes (a send or receive), so any dtype numpy has will do.
+
     Raises:
-        UnsupportedError: ``tensor`` is not on the CPU (the collectives submit it in the data's place).
+        UnsupportedError: ``tensor`` is not on the CPU, or (unless ``any_dtype``) its dtype is not one the
+            collectives carry (the collectives submit the error in the data's place, so every rank raises it).
+            Before 2026-12-06 uint32 and uint64 raised the engine's ``CollectiveError``, and float8 dtypes a
+            ``CollectiveError`` quoting numpy ("Got unsupported ScalarType Float8_e4m3fn") that named no call.
     """
     if tensor.device.type != "cpu":
         raise unsupported(f"a tensor on {tensor.device}: it takes CPU tensors only ({what} got one on "
                           f"{tensor.device}). Move it with .cpu(), or use the gloo backend")
+    if not any_dtype and tensor.dtype not in _CARRIED:
+        hint = ("view it as real and imaginary parts with torch.view_as_real" if tensor.is_complex()
+                else "cast it (e.g. .to(torch.int64) or .to(torch.float32))")
+        raise unsupported(f"{what} of {str(tensor.dtype).replace('torch.', '')} tensors: its collectives carry "
+                          f"{', '.join(str(d).replace('torch.', '') for d in CARRIED)}; {hint}, or use the gloo "
+                          "backend")
     return to_numpy(tensor)
 
 
@@ -146,11 +171,14 @@ def timed_out(what: str, limit: float) -> Exception:
 
 
 def collective_work(handles: Sequence[Handle], finish: Callable[[list[Any]], Any],
-                    timeout_s: float | None = None) -> dist.Work:
-    """A ``Work`` done when every handle is: ``finish(results)`` writes the outputs (on the
-    engine thread) and its value completes the future. ``wait()`` without a timeout of its own
-    gives up after ``timeout_s`` (the process group's) with ``DistBackendError``."""
-    fut: Future = Future()
+                    timeout_s: float | None = None, family: str = "") -> dist.Work:
+    """A ``Work`` done when every handle is: ``finish(results)`` writes the outputs (on a
+    completion thread) and its value completes the future. ``wait()`` without a timeout of its own
+    gives up after ``timeout_s`` (the process group's) with ``DistBackendError``. ``family`` names the
+    collectives its future's callbacks issue ([Note: collectives from future callbacks]); a work made
+    inside such a callback completes on the pool of those (``callbacks.NESTED``)."""
+    fut: Future = callbacks.ChainFuture(callbacks.Family(family))
+    completer = callbacks.NESTED if callbacks.current() is not None else _COMPLETER
     left = [len(handles)]
     results: list[Any] = [None] * len(handles)
 
@@ -166,7 +194,7 @@ def collective_work(handles: Sequence[Handle], finish: Callable[[list[Any]], Any
             if first:                        # [Note: a group waits for all its members])
                 fut.set_exception(first[0])
             else:
-                _COMPLETER.submit(_complete, fut, finish, results)
+                completer.submit(_complete, fut, finish, results)
 
     if not handles:
         fut.set_result(finish([]))
@@ -175,8 +203,8 @@ def collective_work(handles: Sequence[Handle], finish: Callable[[list[Any]], Any
     return _Work(fut, timeout_s, handles)
 
 
-#: threads that complete futures: a callback may wait for another collective (PowerSGD's hook does),
-#: whose completion then runs on another of them; that nests this many deep
+#: threads that complete futures; a callback that waits for another collective (PowerSGD's hook does)
+#: holds one, and that collective completes on ``callbacks.NESTED`` ([Note: collectives from future callbacks])
 COMPLETERS = 4
 #: started on the first completion (see [Note: completing off the engine thread])
 _COMPLETER = concurrent.futures.ThreadPoolExecutor(COMPLETERS, thread_name_prefix="unison-pg-complete")
