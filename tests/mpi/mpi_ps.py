@@ -1,7 +1,7 @@
 """unison.ps (sharded tables, push/pull) under mpirun, checked against a one-process numpy reference.
 
-Launched by tests/test_ps_mpi.py at 4 ranks (which also saves a checkpoint into ``$PS_SHARED``)
-and at 2 (which loads what the 4 ranks saved). Every rank must agree on every outcome.
+Launched by tests/test_ps_mpi.py at 4 ranks (which also saves a checkpoint into ``$PS_SHARED``),
+at 2 (which loads what the 4 ranks saved), then at 3 and 1. Every rank must agree on every outcome.
 """
 
 from __future__ import annotations
@@ -278,6 +278,23 @@ def test_ssp_never_exceeds_its_bound(staleness):
         assert worst >= 1  # the fast ranks did run ahead of the straggler: the bound was exercised
 
 
+@pytest.mark.skipif(N == 1, reason="needs ranks that differ")
+@pytest.mark.parametrize("given", ["every", "subset"])
+def test_ranks_giving_different_process_sets_raise_on_every_rank(given):
+    """Rank 0 gives a process set (of every rank, or of ranks 0 and 1), the others none. Before 2026-12-06 rank
+    0 built a group communicator while the others waited in an allgather on the job's: a hang, or a segfault
+    in Open MPI (an audit). Every rank raises, and the table's name stays free."""
+    from unison.common.engine.process_sets import ProcessSet
+
+    ranks = list(range(N)) if given == "every" else [0, 1]
+    name = f"pset-{given}"
+    with pytest.raises(ps.TableError, match=r"ranks disagree about the table's ranks: rank \d gives"):
+        ps.ShardedTable(ROWS, DIM, name=name, process_set=ProcessSet(ranks) if R == 0 else None)
+    with ps.ShardedTable(ROWS, DIM, name=name, process_set=ProcessSet(list(range(N)))) as table:  # in step
+        assert (table.size, table.rank) == (N, R)
+        table.pull([1])
+
+
 @pytest.mark.parametrize("dedicated", [False, True])
 def test_ssp_holds_back_a_worker_that_only_pushes(dedicated):
     """SSP(s): no worker's operation at clock c runs before the slowest reached c - s, pulls or not. The fast
@@ -338,33 +355,33 @@ def test_ssp_workers_with_uneven_steps_meet_in_a_barrier(dedicated, meet):
     save()) and makes two more steps. Before 2026-12-06 the workers with more steps waited for ever for the
     clock of a worker already in the barrier; now a worker in a barrier holds nobody back, and every worker
     leaves it at the largest clock ([Note: clocks meet at a barrier])."""
-    if dedicated and (N < 3 or meet == "save"):
-        pytest.skip("a dedicated server needs 3 ranks; SSP tables with dedicated servers do not save")
+    if dedicated and N < 3:
+        pytest.skip("a dedicated server and two workers need 3 ranks")
     servers = [N - 1] if dedicated else None
     workers = list(range(N - 1)) if dedicated else list(range(N))
     keys = np.arange(8)
     steps = {w: 2 + 3 * i for i, w in enumerate(workers)}
-    with shared_folder("ps_uneven_") as folder, ps.ShardedTable(
-            8, 1, "float64", "row", ps.SGD(lr=-1.0), ps.SSP(1), name=f"uneven-{dedicated}-{meet}",
-            initializer="zeros", servers=servers, average=False) as table:
-        if R not in workers:
-            table.serve()
-        else:
-            for _ in range(steps[R]):
-                table.pull(keys)
-                table.push(keys, np.ones((8, 1)))
-            if meet == "barrier":
-                table.barrier()
+    with shared_folder("ps_uneven_") as folder:
+        with ps.ShardedTable(8, 1, "float64", "row", ps.SGD(lr=-1.0), ps.SSP(1), name=f"uneven-{dedicated}-{meet}",
+                             initializer="zeros", servers=servers, average=False) as table:
+            if R not in workers:
+                table.serve()
             else:
-                table.save(os.path.join(folder, "ckpt"))
-            clock = table.stats()["clock"]
-            seen = table.pull(keys)  # every push made before the barrier (and maybe a faster worker's after it)
-            for _ in range(2):
-                table.pull(keys)
-                table.push(keys, np.ones((8, 1)))
-            table.barrier()
-            final = table.pull(keys)
-        if meet == "save":  # the checkpoint holds every push made before it
+                for _ in range(steps[R]):
+                    table.pull(keys)
+                    table.push(keys, np.ones((8, 1)))
+                if meet == "barrier":
+                    table.barrier()
+                else:
+                    table.save(os.path.join(folder, "ckpt"))
+                clock = table.stats()["clock"]
+                seen = table.pull(keys)  # every push made before the barrier (maybe a faster worker's after it)
+                for _ in range(2):
+                    table.pull(keys)
+                    table.push(keys, np.ones((8, 1)))
+                table.barrier()
+                final = table.pull(keys)
+        if meet == "save":  # the checkpoint holds every push made before it (the server's shards too)
             with ps.ShardedTable(8, 1, "float64", "row", ps.SGD(lr=-1.0), name="uneven-load",
                                  initializer="zeros", average=False) as again:
                 again.load(os.path.join(folder, "ckpt"))
@@ -382,8 +399,8 @@ def test_a_barrier_that_a_closed_worker_never_joins_raises(dedicated, meet):
     """SSP: every worker but the last calls barrier() (or save()), the last closes the table instead. The servers
     answer the waiting workers that it closed, and they raise naming it (before 2026-12-06 they waited for
     ever); then they close too."""
-    if N == 1 or (dedicated and (N < 3 or meet == "save")):
-        pytest.skip("needs two workers (and a dedicated server); SSP tables with dedicated servers do not save")
+    if N == 1 or (dedicated and N < 3):
+        pytest.skip("needs two workers (and a dedicated server)")
     servers = [N - 1] if dedicated else None
     workers = list(range(N - 1)) if dedicated else list(range(N))
     with shared_folder("ps_closed_") as folder:
@@ -400,6 +417,32 @@ def test_a_barrier_that_a_closed_worker_never_joins_raises(dedicated, meet):
                     table.barrier() if meet == "barrier" else table.save(os.path.join(folder, "ckpt"))
                 table.close()
         assert table.closed
+
+
+def test_ssp_bound_holds_for_the_workers_that_go_on_after_a_barrier_a_closed_worker_never_joined():
+    """SSP(1): the last worker closes while the others wait in barrier(); they raise, then train on, the last of
+    them slowed. Each pull must still see every other going worker's steps < c - 1, as in
+    test_ssp_never_exceeds_its_bound. Before 2026-12-06 the servers left the answered workers parked, so
+    nobody held anybody back any more (ASP, silently; an audit)."""
+    if N < 3:
+        pytest.skip("needs two workers that go on and one that closes")
+    staleness, steps = 1, 10
+    going = N - 1  # workers 0 .. N-2 go on
+    table = ps.ShardedTable(8, 1, "float64", "row", ps.SGD(lr=-1.0), ps.SSP(staleness), initializer="zeros",
+                            average=False, name="closed-then-bound")
+    table.push([1], np.ones((1, 1)))  # clock 1 on every worker
+    if R == N - 1:
+        table.close()
+        return
+    with pytest.raises(ps.TableError, match=rf"rank {N - 1} closed the table while this rank"):
+        table.barrier()
+    for c in range(steps):
+        if R == going - 1:
+            time.sleep(0.05)  # the straggler
+        value = float(table.pull([0])[0, 0])
+        assert value >= going * max(0, c - staleness), (c, value)
+        table.push([0], np.ones((1, 1)))
+    table.close()
 
 
 @pytest.mark.parametrize("rule", ["ssp", "asp"])
@@ -450,6 +493,38 @@ def test_a_peers_error_raised_while_held_back_leaves_this_push_unapplied():
         table.barrier()
         got = float(table.pull([0])[0, 0])
     assert got == N + (N - 1), got  # step 1 of every worker, step 2 of the others: the raising push not applied
+
+
+@pytest.mark.skipif(N == 1, reason="needs a peer")
+@pytest.mark.parametrize("meet", ["barrier", "save"])
+@pytest.mark.parametrize("rule", ["ssp", "asp"])
+def test_a_peers_error_posted_before_a_barrier_is_raised_there_on_every_worker(rule, meet):
+    """SSP/ASP: the last worker pushes a bad key and catches its error; then, with no pull or push in between,
+    every worker calls barrier() (or save()). The others raise that error there, once it has completed on
+    every rank (the save is written); the table goes on. Before 2026-12-06 the error reached a worker only at
+    its next pull or push, so a worker that made none never heard of it (an audit)."""
+    name = f"late-error-{rule}-{meet}"
+    wanted = rf"rank {N - 1}: {name}.push: key 99 is out of range.*\(raised on that rank"
+    with shared_folder("ps_late_") as folder, ps.ShardedTable(
+            8, 1, "float64", "row", ps.SGD(lr=-1.0), ps.SSP(1) if rule == "ssp" else ps.ASP(), initializer="zeros",
+            average=False, name=name) as table:
+        table.push([0], np.ones((1, 1)))
+        WORLD.Barrier()  # (every worker's push is made: the error comes after it, so no push raises it)
+        if R == N - 1:
+            with pytest.raises(ps.TableError, match="key 99 is out of range"):
+                table.push([99], np.ones((1, 1)))
+        ckpt = os.path.join(folder, "ckpt")
+        if R == N - 1:  # its own error was raised where it happened
+            table.barrier() if meet == "barrier" else table.save(ckpt)
+        else:
+            with pytest.raises(ps.TableError, match=wanted):
+                table.barrier() if meet == "barrier" else table.save(ckpt)
+        table.barrier()  # raised once: every worker in step
+        got = float(table.pull([0])[0, 0])
+        if meet == "save":
+            table.load(ckpt)  # the save was written, with every push made before it
+            assert float(table.pull([0])[0, 0]) == N
+    assert got == N, got
 
 
 def test_asp_runs_and_loses_no_push():
@@ -565,8 +640,9 @@ def test_bad_input_raises_on_every_rank():
                         time.sleep(0.01)
             table.push(np.array([1]), np.zeros((1, DIM)))  # still usable on every rank
             assert agree(table.pull([1]).tolist())  # zero gradients: every rank reads the same row
-    with pytest.raises(ps.TableError, match="defined differently across ranks.*dim: rank 0 has 4"):
-        ps.ShardedTable(ROWS, 4 + (R == N - 1), name="mismatch")
+    if N > 1:  # (one rank cannot disagree with itself)
+        with pytest.raises(ps.TableError, match="defined differently across ranks.*dim: rank 0 has 4"):
+            ps.ShardedTable(ROWS, 4 + (R == N - 1), name="mismatch")
     ps.ShardedTable(ROWS, 4, name="mismatch").close()  # a failed creation leaves the name free
     with pytest.raises(ValueError, match=r"SSP\(staleness=-1\)"):
         ps.SSP(-1)
@@ -677,7 +753,7 @@ def test_a_dedicated_server_loads_beside_its_workers_and_hears_of_their_saves():
     """Every rank calls load(); on the server it answers the workers' load and returns the metadata (it
     refused before 2026-12-06: serve() only). serve(on_save=...) calls back after each save with its metadata,
     where an elastic server commits ([Note: dedicated servers in elastic mode]). A server left in load() when
-    the workers close the table raises; under SSP load() raises the same on every rank."""
+    the workers close the table raises."""
     if N == 1:
         pytest.skip("a dedicated server needs a worker")
     with shared_folder("ps_ded_load_") as folder:
@@ -707,14 +783,60 @@ def test_a_dedicated_server_loads_beside_its_workers_and_hears_of_their_saves():
             assert table.closed
         else:
             table.close()
-        table = ps.ShardedTable(ROWS, DIM, "float64", consistency=ps.SSP(1), name="ded-load-ssp",
-                                initializer="zeros", servers=[0])
-        with pytest.raises(ps.TableError, match=r"save\(\) and load\(\) under SSP\(staleness=1\) need every rank"):
-            table.load(folder)
-        if R == 0:
-            table.serve()
+
+
+@pytest.mark.skipif(N == 1, reason="a dedicated server needs a worker")
+@pytest.mark.parametrize("rule", ["ssp", "asp"])
+def test_async_tables_with_dedicated_servers_save_and_load(rule):
+    """SSP/ASP with a dedicated server (the last rank): the workers save, train on and load; the server joins
+    both from serve() (hearing of the save in on_save) and, called load() itself, answers the workers' load
+    and returns. The rows and the Adagrad sums round-trip exactly: a BSP table over every rank that loads the
+    checkpoint and takes worker 0's next push equals the SSP table after it. Before 2026-12-06 save() and
+    load() of such tables raised (an audit)."""
+    model = ps.SSP(1) if rule == "ssp" else ps.ASP()
+    server = N - 1
+    keys = np.arange(ROWS)
+    step = np.linspace(-1.0, 1.0, ROWS * DIM).reshape(ROWS, DIM)
+
+    def make(name: str) -> ps.ShardedTable:
+        return ps.ShardedTable(ROWS, DIM, "float64", "hash", ps.Adagrad(lr=0.1), model, name=name,
+                               initializer=init_rows, servers=[server], average=False)
+
+    with shared_folder("ps_ded_async_") as folder:
+        ckpt = os.path.join(folder, "ckpt")
+        table, heard, saved, after = make(f"ded-async-{rule}"), [], None, None
+        if R == server:
+            table.serve(on_save=heard.append)
         else:
+            table.push(keys, step * (R + 1))
+            table.barrier()
+            saved = table.to_numpy()
+            table.barrier()  # (every worker has read it before anyone pushes again)
+            assert table.save(ckpt, {"step": 1}).metadata["user"] == {"step": 1}
+            table.push(keys, step)
+            assert table.load(ckpt) == {"step": 1}
+            np.testing.assert_array_equal(table.to_numpy(), saved)
+            table.barrier()
+            if R == 0:
+                table.push(keys, step)
+            table.barrier()
+            after = table.to_numpy()
             table.close()
+        assert heard == ([{"step": 1}] if R == server else []), heard
+        after = WORLD.bcast(after, root=0)
+        saved = WORLD.bcast(saved, root=0)
+        with ps.ShardedTable(ROWS, DIM, "float64", "hash", ps.Adagrad(lr=0.1), name=f"ded-async-bsp-{rule}",
+                             initializer="zeros", average=False) as bsp:
+            assert bsp.load(ckpt) == {"step": 1}
+            bsp.push(keys if R == 0 else keys[:0], step if R == 0 else step[:0])
+            np.testing.assert_array_equal(bsp.to_numpy(), after)  # rows and Adagrad sums saved exactly
+        again = make(f"ded-async-again-{rule}")
+        assert again.load(ckpt) == {"step": 1}  # on every rank: the server answers the workers' load, returns
+        if R == server:
+            again.serve()
+        else:
+            np.testing.assert_array_equal(again.to_numpy(), saved)
+            again.close()
 
 
 def test_creation_failing_on_one_rank_raises_on_every_rank():

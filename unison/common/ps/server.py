@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -35,8 +36,10 @@ ACK_TAG = 32001  # replies to MARK (request ids stay below 30001)
 BARRIER_MARK, SAVE_MARK, LOAD_MARK = 1, 2, 3
 MARK_NAMES = {BARRIER_MARK: "barrier()", SAVE_MARK: "save()", LOAD_MARK: "load()"}
 #: a MARK's acknowledgement: [the mark, the clock every worker has after it (or -1 - a closed worker's index),
-#: 0 or the encoded pair of operations that met at it (:func:`mismatch_code`)]
-ACK_LEN = 3
+#: 0 or the encoded pair of operations that met at it (:func:`mismatch_code`), the bad-input errors the workers
+#: had posted by their marks, all together (a MARK carries its worker's count as its one storage word: table
+#: [Note: errors without collectives])]
+ACK_LEN = 4
 
 
 def mismatch_code(kinds: np.ndarray) -> int:
@@ -85,6 +88,12 @@ class Server:
         self.kinds = np.zeros_like(self.marks)  # what each worker's last mark marks (BARRIER_MARK, ...)
         self.pending_mark = 0  # a barrier some workers are waiting in (its mark), or 0
         self.failed = np.zeros_like(self.marks)  # the last mark each worker was told it cannot complete
+        self.posted = np.zeros_like(self.marks)  # the errors each worker had posted by its last mark
+        #: a dedicated server's part of the workers' save() or load() (SAVE_MARK or LOAD_MARK), called on the
+        #: serving thread once every worker's mark is in and acknowledged; True stops serve() there (the table's
+        #: [Note: a dedicated server checkpoints with its workers])
+        self.on_checkpoint: Callable[[int], bool] | None = None
+        self.paused = False
         self.thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -108,7 +117,8 @@ class Server:
     def serve(self) -> None:
         status = self.mpi.Status()
         idle = 0.0
-        while self.remaining > 0 and not self.stop.is_set():
+        self.paused = False
+        while self.remaining > 0 and not self.stop.is_set() and not self.paused:
             if self.req.Iprobe(self.mpi.ANY_SOURCE, self.mpi.ANY_TAG, status):
                 idle = 0.0
                 count = status.Get_count(self.mpi.BYTE)
@@ -123,6 +133,8 @@ class Server:
             self._reap()
             time.sleep(idle)
             idle = min(1e-3, idle * 2 + 2e-5)
+        if self.paused:  # (serve() goes on from here when called again)
+            return
         # pulls still deferred (a worker stopped waiting for them when a peer's error reached it: table
         # [Note: errors without collectives]) are answered once the local worker, closing, is done too
         while self.deferred and not self.stop.is_set():
@@ -152,13 +164,18 @@ class Server:
         elif op == MARK:  # a barrier: acknowledge to every worker once all have marked (their pushes are in)
             self.marks[self.worker_of[source]] = value
             self.kinds[self.worker_of[source]] = request
+            self.posted[self.worker_of[source]] = int(storage[0]) if n else 0
             self.shard.park(self.worker_of[source])  # (table [Note: clocks meet at a barrier])
             if int(self.marks.min()) >= value:
                 self.pending_mark = 0
                 # the mark, the clock every worker has now, and whether they all marked the same operation
-                ack = np.array([value, self.shard.meet(), mismatch_code(self.kinds)], np.int64)
+                code = mismatch_code(self.kinds)
+                ack = np.array([value, self.shard.meet(), code, self.posted.sum()], np.int64)
                 for rank in self.worker_of:
                     self.sends.append((self.rep.Isend([ack, self.mpi.INT64_T], rank, ACK_TAG), ack))
+                if self.on_checkpoint is not None and not code and request in (SAVE_MARK, LOAD_MARK):
+                    self._reap(wait=True)
+                    self.paused = self.on_checkpoint(request)
             else:
                 self.pending_mark = value
                 self._fail_barrier_if_closed()
@@ -176,11 +193,14 @@ class Server:
         absent = [int(w) for w in closed if self.marks[w] < self.pending_mark]  # (not one that raised and closed)
         if not absent:
             return
-        ack = np.array([self.pending_mark, -1 - absent[0], 0], np.int64)
+        ack = np.array([self.pending_mark, -1 - absent[0], 0, 0], np.int64)
         for rank, w in self.worker_of.items():
             if self.marks[w] == self.pending_mark and self.failed[w] < self.pending_mark:
                 self.failed[w] = self.pending_mark  # answered once
                 self.sends.append((self.rep.Isend([ack, self.mpi.INT64_T], rank, ACK_TAG), ack))
+                # out of the barrier it raised in, the worker holds the others back again: left parked, it was
+                # skipped by every hold-back, and the workers that went on ran as under ASP (an audit, 2026-12-06)
+                self.shard.unpark(w)
         self.pending_mark = 0  # (a worker that marks later sets it again, and is answered then)
 
     def _answer_ready(self) -> None:

@@ -183,6 +183,12 @@ class Shard:
             self.parked[worker] = True
             self.cond.notify_all()
 
+    def unpark(self, worker: int) -> None:
+        """``worker`` left a barrier that could not complete (a worker closed the table instead of joining it)."""
+        with self.cond:
+            self.parked[worker] = False
+            self.cond.notify_all()
+
     def meet(self) -> int:
         """Every worker has entered the barrier: each parked worker's clock becomes the largest of theirs.
 

@@ -21,7 +21,7 @@ from unison.common.agreement import raise_together
 from unison.common.engine.controller import wait as wait_request
 from unison.common.exceptions import UnisonError, UnisonInternalError
 from unison.common.ps import exchange as ex
-from unison.common.ps import failure
+from unison.common.ps import failure, membership
 from unison.common.ps import server as sv
 from unison.common.ps.consistency import Consistency, consistency_from_name
 from unison.common.ps.optimizers import SGD, Optimizer, rows_of
@@ -180,12 +180,14 @@ def _resolve_comm(comm: Any, process_set: Any) -> tuple[Any, Any]:
     st = runtime.state("ShardedTable()")
     if st.comm is None:
         return None, None
-    if process_set is None or getattr(process_set, "ranks", None) is None:
-        return st.comm, st.mpi
-    group = st.comm.Get_group().Incl(process_set.ranks)
-    if st.rank not in process_set.ranks:
+    given = None if process_set is None else getattr(process_set, "ranks", None)
+    if given is not None and st.rank not in given:
         raise TableError(f"rank {st.rank} is not in {process_set!r}: create the table only on its ranks")
-    return st.comm.Create_group(group), st.mpi
+    # every rank that takes part names the same ranks, before any collective ([Note: agreeing on a table's ranks])
+    membership.agree_members(st.comm, st.mpi, st.rank, membership.describe(given, st.size), TableError)
+    if given is None or sorted(given) == list(range(st.size)):  # (a set of every rank: the job's communicator)
+        return st.comm, st.mpi
+    return st.comm.Create_group(st.comm.Get_group().Incl(sorted(given))), st.mpi
 
 
 def _default_name(comm: Any, mpi: Any) -> str:
@@ -323,6 +325,7 @@ class ShardedTable:
         self._err_sends: list[tuple[Any, Any]] = []
         self._err_count = np.zeros((2, self.size), np.int64)  # error messages sent to / received from each rank
         self._peer_errors: list[str] = []
+        self._posted = 0  # bad-input errors this worker posted (each to every other worker)
         self._clock = 0
         #: the slowest worker's clock as some shard last reported it (a lower bound: clocks only grow)
         self._slowest_seen = 0
@@ -642,8 +645,12 @@ class ShardedTable:
     # cannot be agreed on as BSP's rounds do. The worker that meets it raises at once and sends the
     # message to every other worker on the table's error communicator; each of them raises the
     # same text (naming that rank) at its next pull or push on the table, once the message arrived
-    # (each probes for one first, on the thread that runs the operation, before any side effect; collective
-    # calls such as barrier() and save() never raise it, so no rank skips one the others are in). The
+    # (each probes for one first, on the thread that runs the operation, before any side effect), or at its
+    # next barrier(), save() or load(), once that has completed on every rank (so no rank skips one the others
+    # are in): each worker's barrier mark carries the number of errors it has posted, the acknowledgements the
+    # sum, and a worker receives every error posted before the barrier before it returns (before 2026-12-06 a
+    # worker whose last operation before a barrier or close was a peer's bad push never heard of it: an audit).
+    # Each worker raises each peer's error once; one that closes before raising it logs it. The
     # table stays usable on every rank afterwards, as under BSP. A worker already waiting in a pull when
     # the message arrives raises it there (it probes while it waits: the pull may wait on the very worker
     # that failed, whose clock no longer moves); its push of that call (push_pull) was sent already, and
@@ -655,6 +662,7 @@ class ShardedTable:
         if self._err is None:
             return
         data = np.frombuffer(message.encode("utf-8"), np.uint8).copy()
+        self._posted += 1
         for r in self.workers:
             if r != self.rank:
                 self._err_sends.append((self._err.Isend([data, self.mpi.BYTE], r, 1), data))
@@ -666,13 +674,25 @@ class ShardedTable:
             return
         status = self.mpi.Status()
         while self._err.Iprobe(self.mpi.ANY_SOURCE, 1, status):
-            buf = np.empty(status.Get_count(self.mpi.BYTE), np.uint8)
-            self._err.Recv([buf, self.mpi.BYTE], status.Get_source(), 1)
-            self._err_count[1][status.Get_source()] += 1
-            self._peer_errors.append(buf.tobytes().decode("utf-8", "replace"))
+            self._receive_error(status)
         if self._peer_errors:
             raise TableError(f"{self._peer_errors.pop(0)} (raised on that rank; table {self.name!r} under "
-                             f"{self.consistency!r} raises it on every worker at its next operation)")
+                             f"{self.consistency!r} raises it on every worker at its next operation, or once "
+                             "its next barrier(), save() or load() has completed)")
+
+    def _receive_error(self, status: Any) -> None:
+        buf = np.empty(status.Get_count(self.mpi.BYTE), np.uint8)
+        self._err.Recv([buf, self.mpi.BYTE], status.Get_source(), 1)  # type: ignore[union-attr]
+        self._err_count[1][status.Get_source()] += 1
+        self._peer_errors.append(buf.tobytes().decode("utf-8", "replace"))
+
+    def _receive_posted(self, total: int) -> None:
+        """After a barrier: receive every error the others had posted by their marks (``total``, all workers'
+        together, carried by the acknowledgements), so that the barrier's caller raises them (see the Note)."""
+        status = self.mpi.Status()
+        while int(self._err_count[1].sum()) < total - self._posted:  # (each was sent before its poster's mark)
+            self._err.Probe(self.mpi.ANY_SOURCE, 1, status)  # type: ignore[union-attr]
+            self._receive_error(status)
 
     def _check_not_closed_by_peers(self) -> None:
         if self._closed_by:
@@ -941,23 +961,15 @@ class ShardedTable:
     def load(self, path: Any) -> dict[str, Any]:
         """Replace the rows and optimizer state with the checkpoint at ``path`` (any rank count). Collective.
 
-        Returns the metadata given to :meth:`save`. On a dedicated server rank (BSP) it answers the
-        workers' ``load()`` (of the path their first worker gives) and returns, so that every rank of the
-        table can call it in the same place, an elastic reset callback's for one ([Note: dedicated servers
-        in elastic mode]).
+        Returns the metadata given to :meth:`save`. On a dedicated server rank it answers the workers'
+        ``load()`` (of the path their first worker gives) and returns, so that every rank of the table can
+        call it in the same place, an elastic reset callback's for one ([Note: dedicated servers in elastic
+        mode]).
         """
         if not self.is_worker:
             self._check_open("load")
-            if not self.consistency.collective:
-                raise self._no_dedicated_checkpoint()
             return self._guarded(self._serve, None, True)
         return self._call("load", self._checkpoint, ex.LOAD, path, None)
-
-    def _no_dedicated_checkpoint(self) -> TableError:
-        return TableError(
-            f"table {self.name!r}: save() and load() under {self.consistency!r} need every rank "
-            "to be a worker (no dedicated servers); use BSP() for a PS-style table you save"
-        )
 
     def _checkpoint(self, op: int, path: Any, metadata: dict[str, Any] | None) -> Any:
         from unison.common.ps import checkpoint
@@ -973,17 +985,22 @@ class ShardedTable:
                 path, metadata = self.comm.bcast((str(path), metadata) if self.rank == self.workers[0] else None,
                                                  root=self.workers[0])
         elif self.comm is not None and not self.consistency.collective:
-            if dedicated:
-                raise self._no_dedicated_checkpoint()
             self._quiesce(sv.SAVE_MARK if op == ex.SAVE else sv.LOAD_MARK)
+            # a dedicated server joins here ([Note: a dedicated server checkpoints with its workers])
             self.comm.Barrier()
+            if dedicated:
+                path, metadata = self.comm.bcast((str(path), metadata) if self.rank == self.workers[0] else None,
+                                                 root=self.workers[0])
         if op == ex.SAVE:
-            return checkpoint.save(self, path, metadata)
+            saved = checkpoint.save(self, path, metadata)
+            self._check_peers()  # once the save has completed on every rank ([Note: errors without collectives])
+            return saved
         loaded = checkpoint.load(self, path)
         if self.comm is not None and not self.consistency.collective:
             # every shard holds the loaded rows before any worker goes on: a worker that returned first
             # could pull a peer's old rows, or push into a shard the load then overwrote (before 2026-12-05)
             self.comm.Barrier()
+            self._check_peers()
         return loaded
 
     def barrier(self) -> None:
@@ -993,7 +1010,11 @@ class ShardedTable:
         marks every server, and a server acknowledges once all workers' marks (which follow
         their pushes) have arrived.
         """
-        self._call("barrier", self._quiesce)
+        self._call("barrier", self._barrier)
+
+    def _barrier(self) -> None:
+        self._quiesce()
+        self._check_peers()  # once it has completed on every worker ([Note: errors without collectives])
 
     def _quiesce(self, kind: int = sv.BARRIER_MARK) -> None:
         """Under SSP/ASP: wait until every worker's pushes issued before it are applied; the clocks then meet.
@@ -1029,11 +1050,12 @@ class ShardedTable:
             for a, r in zip(acks, servers, strict=True)
         ]
         for r in servers:
-            self._send(r, sv.pack(sv.MARK, kind, self._mark, np.zeros(0, np.int64)))
+            self._send(r, sv.pack(sv.MARK, kind, self._mark, np.array([self._posted], np.int64)))
         self._wait_acks(waits, acks)
         self.mpi.Request.Waitall([r for r, _ in self._sends])
         self._sends = []
         if acks:  # [Note: clocks meet at a barrier]
+            self._receive_posted(int(acks[0][3]))  # ([Note: errors without collectives])
             met = max(int(a[1]) for a in acks)
             self._clock = max(self._clock, met)
             self._slowest_seen = max(self._slowest_seen, met)
@@ -1095,9 +1117,9 @@ class ShardedTable:
         reset's sync. In the reset callback every rank creates the table again and calls
         ``load()``: on the server it answers the workers' load and returns. A load in the training
         function instead would deadlock: the server would be in the reset's sync, an all-ranks
-        broadcast, while the workers waited in their load for it. Only BSP tables with dedicated
-        servers save and load (under SSP and ASP a server's thread answers the workers, and the
-        checkpoint's collectives would need the servers' main threads). Tested:
+        broadcast, while the workers waited in their load for it. Under SSP and ASP the server joins
+        the checkpoints from inside its serving loop ([Note: a dedicated server checkpoints with its
+        workers]; before 2026-12-06 only BSP tables with dedicated servers saved and loaded). Tested:
         ``test_a_table_survives_a_rank_killed[bsp-dedicated]``.
         """
         if not self.is_server or self.is_worker:
@@ -1115,7 +1137,31 @@ class ShardedTable:
         if self.comm is None:
             return None
         if self._server is not None:
-            self._server.serve()
+            # [Note: a dedicated server checkpoints with its workers]
+            # Under SSP/ASP a dedicated server answers the workers on this thread, in Server.serve(); the
+            # checkpoint's collectives need it too. A worker's save() or load() starts with a barrier mark (which
+            # follows its pushes), then meets the others in the table communicator's barrier, the path's
+            # broadcast and the checkpoint itself. So once every worker's mark is in and acknowledged (the same
+            # operation on every worker: Server.on_checkpoint), the server takes the same steps from inside its
+            # loop, with every push before the marks applied and no worker sending anything until the checkpoint
+            # is done, then serves on (a load() called on it returns instead). Before 2026-12-06 such tables
+            # refused save() and load().
+            loaded: list[Any] = []
+
+            def on_checkpoint(kind: int) -> bool:
+                self.comm.Barrier()  # type: ignore[union-attr]
+                op = ex.SAVE if kind == sv.SAVE_MARK else ex.LOAD
+                stop, got = self._serve_checkpoint(op, on_save, until_load)
+                loaded.append(got)
+                return stop
+
+            self._server.on_checkpoint = on_checkpoint
+            try:
+                self._server.serve()
+            finally:
+                self._server.on_checkpoint = None
+            if self._server.paused:
+                return loaded[-1]
         else:
             while True:
                 rnd = ex.Round(self.comm, self.mpi, self.rank)
@@ -1130,26 +1176,9 @@ class ShardedTable:
                 if ex.CLOSE in ops:  # (a close met another operation: closed on every rank, see the Note)
                     break
                 if op == ex.SAVE or op == ex.LOAD:
-                    path, metadata = self.comm.bcast(None, root=self.workers[0])
-                    from unison.common.ps import checkpoint
-
-                    try:
-                        if op == ex.SAVE:
-                            checkpoint.save(self, path, metadata)
-                        else:
-                            loaded = checkpoint.load(self, path)
-                    except checkpoint.ck.CheckpointError as exc:
-                        if until_load and op == ex.LOAD:
-                            raise  # (as on the workers)
-                        # raised on every rank: the workers report it; the server keeps serving
-                        # (it stopped, and the workers' next operation waited for it forever)
-                        logger.info("table %r: %s failed on every rank: %s", self.name,
-                                    "save" if op == ex.SAVE else "load", exc)
-                        continue
-                    if op == ex.SAVE and on_save is not None:
-                        on_save(dict(metadata or {}))
-                    if op == ex.LOAD and until_load:
-                        return loaded
+                    stop, got = self._serve_checkpoint(op, on_save, until_load)
+                    if stop:
+                        return got
                     continue
                 self._bsp_body(
                     rnd,
@@ -1164,6 +1193,30 @@ class ShardedTable:
             raise TableError(f"table {self.name!r}: the workers closed the table while dedicated server rank "
                              f"{self.rank} waited in load() for them to load it")
         return None
+
+    def _serve_checkpoint(self, op: int, on_save: Callable[[dict[str, Any]], Any] | None,
+                          until_load: bool) -> tuple[bool, Any]:
+        """A dedicated server's part of the workers' save or load: (whether ``_serve`` returns now, the loaded
+        metadata). A checkpoint that fails raises on every rank: the workers report it and the server serves on
+        (it stopped, and the workers' next operation waited for it for ever), unless it waits in load()."""
+        from unison.common.ps import checkpoint
+
+        path, metadata = self.comm.bcast(None, root=self.workers[0])  # type: ignore[union-attr]
+        try:
+            if op == ex.SAVE:
+                checkpoint.save(self, path, metadata)
+            else:
+                loaded = checkpoint.load(self, path)
+                if not self.consistency.collective:
+                    self.comm.Barrier()  # type: ignore[union-attr]  # (as on the workers: see _checkpoint)
+        except checkpoint.ck.CheckpointError as exc:
+            if until_load and op == ex.LOAD:
+                raise  # (as on the workers)
+            logger.info("table %r: %s failed on every rank: %s", self.name, ex.OP_NAMES[op], exc)
+            return False, None
+        if op == ex.SAVE and on_save is not None:
+            on_save(dict(metadata or {}))
+        return (True, loaded) if op == ex.LOAD and until_load else (False, None)
 
     def close(self) -> None:
         """Collective: finish every operation, stop the server thread, free the communicators."""
@@ -1210,8 +1263,11 @@ class ShardedTable:
                 status = self.mpi.Status()
                 for _ in range(int((sent_here - self._err_count[1]).sum())):
                     self._err.Probe(self.mpi.ANY_SOURCE, 1, status)
-                    self._err.Recv([np.empty(status.Get_count(self.mpi.BYTE), np.uint8), self.mpi.BYTE],
-                                   status.Get_source(), 1)
+                    self._receive_error(status)
+                for message in self._peer_errors:  # (posted after this worker's last barrier, before its close)
+                    logger.warning("table %r: closed before an operation raised a peer's error here: %s",
+                                   self.name, message)
+                self._peer_errors = []
                 self.mpi.Request.Waitall([r for r, _ in self._err_sends])
                 self._err.Free()
             if self._orphans:  # every server answered its deferred pulls before the barrier (see the Note)
