@@ -1,4 +1,4 @@
-"""unison.tf_backend.ShardedEmbedding (a Keras layer over unison.ps) under real mpirun at 2 ranks."""
+"""unison.tf_backend.ShardedEmbedding (a Keras layer over unison.ps) under real mpirun at 2 and 3 ranks."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from harness import run_rank_suite
 
 
 @pytest.mark.mpi
-@pytest.mark.timeout(300)
-def test_tf_sharded_embedding(tmp_path):
-    run_rank_suite(2, "mpi_tf_embedding.py", tmp_path, timeout=280)
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_tf_sharded_embedding(tmp_path, np_):
+    run_rank_suite(np_, "mpi_tf_embedding.py", tmp_path, timeout=380)

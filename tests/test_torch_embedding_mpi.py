@@ -1,4 +1,4 @@
-"""unison.torch_backend.ShardedEmbedding under real mpirun (tests/mpi/mpi_torch_embedding.py at 2 ranks)."""
+"""unison.torch_backend.ShardedEmbedding under real mpirun (tests/mpi/mpi_torch_embedding.py at 2, 3 and 1 ranks)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from harness import run_rank_suite
 
 @pytest.mark.mpi
 @pytest.mark.timeout(400)
-def test_torch_sharded_embedding(tmp_path):
-    run_rank_suite(2, "mpi_torch_embedding.py", tmp_path, timeout=300)
+@pytest.mark.parametrize("np_", [2, 3, 1])
+def test_torch_sharded_embedding(tmp_path, np_):
+    run_rank_suite(np_, "mpi_torch_embedding.py", tmp_path, timeout=300)
 
 
 @pytest.mark.mpi

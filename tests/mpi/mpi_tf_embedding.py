@@ -1,6 +1,6 @@
 """unison.tf_backend.ShardedEmbedding under mpirun: model.fit under UnisonStrategy matches one process.
 
-Launched by tests/test_tf_embedding_mpi.py at 2 ranks. The reference is a plain
+Launched by tests/test_tf_embedding_mpi.py at 2 and 3 ranks. The reference is a plain
 ``keras.layers.Embedding`` with the same initial rows, trained in this process on the global batches.
 """
 
