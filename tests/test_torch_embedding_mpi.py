@@ -1,4 +1,4 @@
-"""unison.torch_backend.ShardedEmbedding under real mpirun (tests/mpi/mpi_torch_embedding.py at 2, 3 and 1 ranks)."""
+"""unison.torch_backend.ShardedEmbedding under real mpirun (tests/mpi/mpi_torch_embedding.py at 1-3 ranks)."""
 
 from __future__ import annotations
 
