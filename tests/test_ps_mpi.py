@@ -100,7 +100,7 @@ def test_an_ssp_worker_that_exits_ahead_of_the_others_lets_them_finish(tmp_path,
 
 @pytest.mark.mpi
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("mode", ["bsp", "ssp", "bsp-async", "ssp-async", "bsp-dedicated"])
+@pytest.mark.parametrize("mode", ["bsp", "ssp", "bsp-async", "ssp-async", "bsp-dedicated", "ssp-dedicated"])
 def test_a_table_survives_a_rank_killed(tmp_path, mode):
     """Elastic mode, 3 ranks: the last rank SIGKILLs itself at step 5 (-async: between its pull and its
     push_async, the push waited a step later). The survivors' table operations raise TableLostError, a
@@ -110,7 +110,7 @@ def test_a_table_survives_a_rank_killed(tmp_path, mode):
     Before 2026-12-06 a BSP survivor failed with MPI_ERR_OTHER (ending the job) or waited in the round, and
     an SSP worker raised a TableError that the wrapper did not take for a failure; in the first version of
     the fix a push_async that lost the table left the next pull a plain TableError (a review).
-    ``bsp-dedicated``: rank 0 a dedicated server, in serve() with a commit in its on_save and a load() in the
+    ``bsp-dedicated``/``ssp-dedicated``: rank 0 a dedicated server, in serve() with a commit in its on_save and a load() in the
     reset callback (before 2026-12-06 a server in serve() could not commit, so the workers' first commit hung,
     and its load() refused: [Note: dedicated servers in elastic mode])."""
     job = elastic_job

@@ -1,6 +1,6 @@
 """A sharded table through a rank's death in elastic mode; run by tests/test_ps_mpi.py.
 
-    python mpi_ps_elastic.py OUT_DIR MODE    (bsp, ssp, bsp-async, ssp-async or bsp-dedicated)
+    python mpi_ps_elastic.py OUT_DIR MODE    (bsp, ssp, bsp-async, ssp-async, bsp-dedicated or ssp-dedicated)
 
 Three ranks (every rank a worker and a server) train a table with the elastic ``run`` wrapper
 (framework-neutral: ``unison.common.elastic``), saving the table and committing every
@@ -12,7 +12,7 @@ it too. The survivors' next table operation (or
 handle, or the engine's operation) meets the failure; the wrapper rolls back to the last commit,
 shrinks to two ranks and calls the reset callback, which creates the table again and loads the
 checkpoint of that commit ([Note: a table that loses a rank] in unison/common/ps/failure.py).
-In ``bsp-dedicated`` rank 0 is a dedicated server: it spends the training in ``serve()``, commits in
+In ``bsp-dedicated`` and ``ssp-dedicated`` rank 0 is a dedicated server: it spends the training in ``serve()``, commits in
 its ``on_save`` (taking the workers' step from the save's metadata) and answers their ``load()`` in the
 reset callback with its own ``load()`` ([Note: dedicated servers in elastic mode] in
 unison/common/ps/table.py); the last rank, a worker, dies at the top of step ``KILL_AT``.

@@ -1120,7 +1120,7 @@ class ShardedTable:
         broadcast, while the workers waited in their load for it. Under SSP and ASP the server joins
         the checkpoints from inside its serving loop ([Note: a dedicated server checkpoints with its
         workers]; before 2026-12-06 only BSP tables with dedicated servers saved and loaded). Tested:
-        ``test_a_table_survives_a_rank_killed[bsp-dedicated]``.
+        ``test_a_table_survives_a_rank_killed[bsp-dedicated]`` and ``[ssp-dedicated]``.
         """
         if not self.is_server or self.is_worker:
             raise TableError(
