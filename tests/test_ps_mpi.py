@@ -110,9 +110,9 @@ def test_a_table_survives_a_rank_killed(tmp_path, mode):
     Before 2026-12-06 a BSP survivor failed with MPI_ERR_OTHER (ending the job) or waited in the round, and
     an SSP worker raised a TableError that the wrapper did not take for a failure; in the first version of
     the fix a push_async that lost the table left the next pull a plain TableError (a review).
-    ``bsp-dedicated``/``ssp-dedicated``: rank 0 a dedicated server, in serve() with a commit in its on_save and a load() in the
-    reset callback (before 2026-12-06 a server in serve() could not commit, so the workers' first commit hung,
-    and its load() refused: [Note: dedicated servers in elastic mode])."""
+    ``bsp-dedicated``/``ssp-dedicated``: rank 0 a dedicated server, in serve() with a commit in its on_save
+    and a load() in the reset callback (before 2026-12-06 a server in serve() could not commit, so the
+    workers' first commit hung, and its load() refused: [Note: dedicated servers in elastic mode])."""
     job = elastic_job
     environ = mpi_env()
     environ["UNISON_ELASTIC"] = "1"

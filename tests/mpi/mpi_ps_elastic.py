@@ -12,9 +12,9 @@ it too. The survivors' next table operation (or
 handle, or the engine's operation) meets the failure; the wrapper rolls back to the last commit,
 shrinks to two ranks and calls the reset callback, which creates the table again and loads the
 checkpoint of that commit ([Note: a table that loses a rank] in unison/common/ps/failure.py).
-In ``bsp-dedicated`` and ``ssp-dedicated`` rank 0 is a dedicated server: it spends the training in ``serve()``, commits in
-its ``on_save`` (taking the workers' step from the save's metadata) and answers their ``load()`` in the
-reset callback with its own ``load()`` ([Note: dedicated servers in elastic mode] in
+In ``bsp-dedicated`` and ``ssp-dedicated`` rank 0 is a dedicated server: it spends the training in
+``serve()``, commits in its ``on_save`` (taking the workers' step from the save's metadata) and answers
+their ``load()`` in the reset callback with its own ``load()`` ([Note: dedicated servers in elastic mode] in
 unison/common/ps/table.py); the last rank, a worker, dies at the top of step ``KILL_AT``.
 Each survivor writes ``OUT_DIR/rank<r>.json``: the final table, its world size, its resets, and
 the time its first operation after the kill raised.
