@@ -68,16 +68,24 @@ unison.shutdown()
 '''
 
 
-def test_topology_and_links_are_tcp_between_hosts_only(tmp_path):
+@pytest.mark.parametrize("launcher", ["mpirun", "unisonrun"])
+def test_topology_and_links_are_tcp_between_hosts_only(tmp_path, launcher):
     """local/cross ranks follow the hosts; a cross-host transfer is bounded by the link's rate.
 
     If Open MPI used shared memory between the namespaces, 8 MiB would cross in milliseconds;
-    at 100 Mbit/s each way it needs at least 0.67 s on the wire.
+    at 100 Mbit/s each way it needs at least 0.67 s on the wire. Checked under the harness's own
+    mpirun flags and under ``unisonrun --hostfile`` alone, the path users take (it pins no BTL list:
+    before 2026-12-06 only the harness's flags were checked; an audit).
     """
     script = tmp_path / "topology.py"
     script.write_text(TOPOLOGY)
     with hosts_for_test(SHAPED_INSTANCE, rate="100mbit") as shaped:
-        proc = mpirun(4, [sys.executable, str(script), str(8 << 20)], timeout=180, hosts=shaped)
+        if launcher == "mpirun":
+            proc = mpirun(4, [sys.executable, str(script), str(8 << 20)], timeout=180, hosts=shaped)
+        else:
+            proc = subprocess.run([sys.executable, "-m", "unison.run", "--hostfile", shaped.hostfile, "-np", "4",
+                                   sys.executable, str(script), str(8 << 20)], capture_output=True, text=True,
+                                  timeout=180, env=mpi_env(), cwd=ROOT)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     for r in range(4):
