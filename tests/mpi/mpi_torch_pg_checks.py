@@ -119,7 +119,7 @@ def test_collectives_from_future_callbacks_pair_by_parent_not_by_thread():
     callbacks in opposite orders (sleeps), so by order of arrival bucket 0's tensor met bucket 3's, silently,
     before 2026-12-06. A fifth is waited for before its callback is attached on rank 0 only, so there the
     callback runs at once on the main thread, elsewhere on a completion thread: it must be named alike.
-    Callback 2 reduces to the last rank instead (a reduce so named is an all-reduce named after its root)."""
+    Callback 2 reduces to the last rank instead (a named reduce)."""
     r, n = _rank_size()
     results: dict[int, torch.Tensor] = {}
 
@@ -145,6 +145,25 @@ def test_collectives_from_future_callbacks_pair_by_parent_not_by_thread():
     for i in range(5):
         want = float(sum(100 * i + k for k in range(n))) if i != 2 or r == n - 1 else 100.0 * i + r
         assert results[i].tolist() == [want] * 4, (i, results[i])
+
+
+def test_a_reduce_from_a_callback_to_roots_that_differ_raises_on_every_rank():
+    """A reduce issued inside a future's callback is named; the root is still compared across ranks, so ranks
+    naming different roots raise MismatchError (until 2026-12-06 a named reduce was an all-reduce named after
+    its root: such ranks stalled until the engine's stall check). The next call pairs."""
+    r, n = _rank_size()
+    if n == 1:
+        pytest.skip("needs ranks that differ")
+
+    def run(fut: torch.futures.Future) -> None:
+        dist.reduce(torch.ones(2), dst=r)  # (every rank names itself)
+
+    fut = dist.all_reduce(torch.ones(1), async_op=True).get_future().then(run)
+    with pytest.raises(MismatchError, match="root"):
+        fut.wait()
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    assert t.tolist() == [float(n)] * 2
 
 
 def test_a_callbacks_collective_and_a_main_thread_one_in_opposite_orders():

@@ -207,9 +207,9 @@ def _create(opts: Any, backend_options: Any = None) -> UnisonProcessGroup:
 class _SetOps:
     """The engine's operations on one process set (None: the job's global set, the default group's): what a
     group of every rank runs its collectives through ([Note: groups of every rank]). ``name``: a call made
-    inside a future's callback ([Note: collectives from future callbacks]); a reduce so named is an all-reduce
-    named after its root (the engine's reduce takes no name), so ranks that name different roots never pair
-    and the engine's stall check reports them, instead of a ``MismatchError``."""
+    inside a future's callback ([Note: collectives from future callbacks]), a reduce's too: ranks that name
+    different roots raise ``MismatchError``, named or not (until 2026-12-06 a named reduce was an all-reduce
+    named after its root, and such ranks stalled until the engine's stall check)."""
 
     def __init__(self, process_set: Any = None) -> None:
         self.process_set = process_set
@@ -244,9 +244,8 @@ class _SetOps:
         return frontend.alltoall_async(arr, splits, name=name, process_set=self.process_set)
 
     def rooted_allreduce_async(self, arr: Any, op: Any, root: int, name: str | None = None) -> Any:
-        if name is not None:  # (only the root copies the result out: process_group_collectives.py's reduce)
-            return frontend.allreduce_async(arr, op, name=f"{name}.root{root}", process_set=self.process_set)
-        return frontend.rooted_allreduce_async(arr, op, root, self.process_set)  # (set ranks are job ranks)
+        # (set ranks are job ranks; the root is compared across ranks, named or not: a MismatchError)
+        return frontend.rooted_allreduce_async(arr, op, root, self.process_set, name=name)
 
 
 def register() -> None:

@@ -442,15 +442,17 @@ def allgather_async(tensor: Any, name: str | None = None, process_set: ProcessSe
     return _submit(eng, Kind.ALLGATHER, name, arr, sid, checks)
 
 
-def rooted_allreduce_async(tensor: Any, op: Any, root_rank: int, process_set: ProcessSet | None = None) -> Handle:
-    """An all-reduce whose result only ``root_rank`` keeps (``torch.distributed.reduce``), unnamed.
+def rooted_allreduce_async(tensor: Any, op: Any, root_rank: int, process_set: ProcessSet | None = None,
+                           name: str | None = None) -> Handle:
+    """An all-reduce whose result only ``root_rank`` keeps (``torch.distributed.reduce``); unnamed unless
+    ``name`` is given (a torch collective issued from a future's callback is named).
 
     The root travels in the request's signature, as a broadcast's does, so ranks that name
     different roots raise :class:`MismatchError` on every rank instead of each keeping or
     dropping the sum as it thinks (not exported: Horovod has no reduce).
     """
     eng = engine("reduce")
-    name = _auto_name("allreduce", None, process_set)
+    name = _auto_name("allreduce", name, process_set)
     if eng is None:
         return allreduce_async(tensor, op, name=name, process_set=process_set)
     arr, unusable = _array_or_error(tensor, eng)
