@@ -85,14 +85,8 @@ def test_bsp_training_equals_one_process(kind):
     emb.table.close()
 
 
-class TwiceModel(torch.nn.Module):
+class TwiceModel(Model):
     """Looks the table up twice per forward (overlapping rows): a table shared by two inputs."""
-
-    def __init__(self, embedding: torch.nn.Module) -> None:
-        super().__init__()
-        self.embedding = embedding
-        torch.manual_seed(0)
-        self.head = torch.nn.Linear(DIM, 1, dtype=torch.float64)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         both = self.embedding(ids).mean(dim=1) + 2.0 * self.embedding((ids + 1) % ROWS).mean(dim=1)
