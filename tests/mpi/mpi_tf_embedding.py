@@ -141,6 +141,61 @@ def test_fit_with_a_table_looked_up_twice_per_step_matches_one_process_under_ada
     layer.table.close()
 
 
+@pytest.mark.parametrize("table_optimizer", ["sgd", "adagrad"])
+def test_fit_follows_the_optimizers_gradient_accumulation(strategy, table_optimizer):
+    """gradient_accumulation_steps=2: the dense weights change every second step with the two steps' mean
+    gradient, and so does the table (one push per two steps), equal to one process's dense reference under
+    the same accumulating optimizer. Then fits of 3 and 1 steps: the table keeps the optimizer's phase across
+    fit calls (the odd step waits in both). Before, the layer pushed every step ([Note: the table follows the
+    optimizer's accumulation] in unison/tf_backend/embedding.py)."""
+    keras.utils.set_random_seed(21)
+
+    def optimizers() -> tuple[ps.Optimizer, keras.optimizers.Optimizer]:
+        if table_optimizer == "sgd":
+            return ps.SGD(LR), keras.optimizers.SGD(LR, gradient_accumulation_steps=2)
+        return (ps.Adagrad(LR, initial_accumulator_value=0.1, eps=0.0),
+                keras.optimizers.Adagrad(LR, initial_accumulator_value=0.1, epsilon=0.0,
+                                         gradient_accumulation_steps=2))
+
+    with strategy.scope():  # (the model's optimizer is made in the scope, as its variables must be)
+        table_opt, dense_opt = optimizers()
+        layer = ShardedEmbedding(ROWS, DIM, optimizer=table_opt, initializer=init_rows,
+                                 name=f"emb-accumulate-{table_optimizer}")
+        model = shared_model(layer)
+        model.compile(optimizer=dense_opt, loss="mse")
+    ref_emb = OneHotEmbedding()
+    ref = shared_model(ref_emb)
+    ref.layers[-1].set_weights(model.layers[-1].get_weights())
+    ref.compile(optimizer=optimizers()[1], loss="mse")
+
+    def same_as_reference(pushes: int) -> None:
+        rows = layer.table.to_numpy()
+        np.testing.assert_allclose(rows, ref_emb.get_weights()[0], rtol=1e-5, atol=1e-6)
+        for w, v in zip(model.layers[-1].get_weights(), ref.layers[-1].get_weights(), strict=True):
+            np.testing.assert_allclose(w, v, rtol=1e-5, atol=1e-6)
+        assert layer.table.stats()["pushes"] == pushes
+        assert same_everywhere(rows)
+
+    hist = model.fit(data(), epochs=2, verbose=0, shuffle=False)
+    ref_hist = ref.fit(data(), epochs=2, verbose=0, shuffle=False)
+    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-5)
+    assert not np.allclose(layer.table.to_numpy(), init_rows(np.arange(ROWS)), atol=1e-4)
+    same_as_reference(STEPS)  # 2 * STEPS steps, one push per two
+    for take, pushes in ((3, STEPS + 1), (1, STEPS + 2)):  # steps 9-11 (an update at 10), then 12 (an update)
+        model.fit(data().take(take), epochs=1, verbose=0, shuffle=False)
+        ref.fit(data().take(take), epochs=1, verbose=0, shuffle=False)
+        same_as_reference(pushes)
+    layer.table.close()
+
+
+def test_follow_refuses_what_is_not_a_keras_optimizer(strategy):
+    with strategy.scope():
+        layer = ShardedEmbedding(ROWS, DIM, name="emb-follow")
+    with pytest.raises(TypeError, match="keras.optimizers.Optimizer"):
+        layer.follow(ps.SGD(LR))
+    layer.table.close()
+
+
 def test_fit_with_several_steps_per_execution_matches_one_process(strategy):
     """steps_per_execution=2: two training steps in one tf.function call, each with its pull and its one push."""
     keras.utils.set_random_seed(12)
@@ -249,6 +304,49 @@ def test_duplicate_ids_sum_and_average_without_strategy(graph):
         np.add.at(counts, every[r % len(every)].ravel(), 1.0)
     expected = before - lr * (counts / N)[:, None] * c.numpy()[None, :]
     np.testing.assert_allclose(layer.table.to_numpy(), expected, rtol=1e-6, atol=1e-6)
+    layer.table.close()
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_a_custom_loop_follows_its_optimizer_and_refuses_a_step_traced_before(strategy, graph):  # (inits Unison)
+    """A custom loop (no strategy) whose optimizer accumulates 2 steps: after ``follow``, the table gets one
+    push per two steps, with the mean of their gradients. A tf.function traced before ``follow`` raises on
+    every rank at its next step, naming the fix, instead of pushing every step."""
+    lr = 0.5
+    layer = ShardedEmbedding(ROWS, DIM, optimizer=ps.SGD(lr), initializer=init_rows, name=f"emb-loop-{graph}")
+    layer.build((None, SEQ))
+    optimizer = keras.optimizers.SGD(lr, gradient_accumulation_steps=2)
+    optimizer.build(layer.trainable_variables)
+    ids = [tf.constant([[1, 1, 2]], tf.int32), tf.constant([[2, 3, 3]], tf.int32)]
+
+    def step(i: tf.Tensor) -> None:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(tf.gather(tf.stack(ids), i)))
+        variables = layer.trainable_variables
+        optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables, strict=True))
+
+    run = tf.function(step) if graph else step
+    if graph:  # traced now, before follow: the next step refuses
+        run(tf.constant(0))
+        layer.synchronize()
+        layer.follow(optimizer)
+        with pytest.raises(tf.errors.InvalidArgumentError, match=r"traced before.*layer.follow\(optimizer\)"):
+            run(tf.constant(1))
+        layer.follow(None)
+        layer.synchronize()
+        layer.table.close()
+        return
+    layer.follow(optimizer)
+    before = init_rows(np.arange(ROWS))
+    run(0)
+    layer.synchronize()
+    np.testing.assert_array_equal(layer.table.to_numpy(), before)  # the first step waits for the second
+    run(1)
+    layer.synchronize()
+    counts = np.zeros(ROWS)
+    np.add.at(counts, np.concatenate([i.numpy().ravel() for i in ids]), 1.0)
+    np.testing.assert_allclose(layer.table.to_numpy(), before - lr * (counts / 2)[:, None], rtol=1e-6, atol=1e-6)
+    assert layer.table.stats()["pushes"] == 1
     layer.table.close()
 
 

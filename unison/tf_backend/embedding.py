@@ -32,8 +32,20 @@ push callback that brings the count to zero pushes everything kept as one push, 
 backward pass. A lookup whose output never reaches a gradient leaves the count above zero: the next
 lookup after a push callback, or ``synchronize()``/``save_table()``/``load_table()``, pushes what is
 kept first, so nothing is lost and no push lands after a later pull. Before 2026-12-06 each lookup
-pushed on its own, and Adagrad or Adam stepped twice. Keras's ``gradient_accumulation_steps`` is
-not followed: the layer pushes every step.
+pushed on its own, and Adagrad or Adam stepped twice.
+
+[Note: the table follows the optimizer's accumulation]
+A Keras optimizer with ``gradient_accumulation_steps=k`` changes the dense weights once every k
+steps, with the mean of the k steps' gradients: at the step whose ``iterations + 1`` (its own
+counter, one per step) is a multiple of k. The layer follows the optimizer ``model.fit`` trains
+with (``UnisonStrategy``'s fit tells it; a custom loop calls :meth:`ShardedEmbedding.follow`):
+each step's rows are kept, and at the optimizer's update step all k steps' rows are pushed as one
+push, their gradients divided by k, so the table's optimizer steps once on the same mean. The push
+callback reads the optimizer's counter when it runs (in the backward pass, before the optimizer
+counts the step), so the table keeps the optimizer's phase across ``fit`` calls. Before
+2026-12-06 (evening) the layer pushed every step: under k=2 the table's SGD moved twice as often
+as the dense weights, and its Adagrad's sums grew from each step's gradient, silently unlike one
+process's.
 
 Under BSP (the default) pulls and pushes are collective: every rank must make the same
 sequence of them. ``model.fit``/``evaluate``/``predict`` under ``UnisonStrategy`` give every
@@ -56,7 +68,7 @@ from unison.common.ps import ASP, SSP, Handle, ShardedTable
 from unison.common.ps.consistency import consistency_from_name
 from unison.common.ps.optimizers import Optimizer, optimizer_from_config
 
-__all__ = ["ShardedEmbedding"]
+__all__ = ["ShardedEmbedding", "follow_optimizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +92,17 @@ def _policy_problem(policy: Any) -> str | None:
         return None
     return (f"ShardedEmbedding does not support the mixed-precision policy {policy.name!r} (its pushes would "
             "carry loss-scaled gradients); give the layer dtype='float32' (the rest of the model may stay mixed)")
+
+
+def follow_optimizer(model: Any) -> None:
+    """Tell every :class:`ShardedEmbedding` in ``model`` to follow its optimizer's gradient accumulation
+    ([Note: the table follows the optimizer's accumulation]); ``model.fit`` under ``UnisonStrategy`` calls it."""
+    optimizer = getattr(model, "optimizer", None)
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        return
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, ShardedEmbedding):
+            layer.follow(optimizer)
 
 
 @keras.saving.register_keras_serializable(package="unison")
@@ -148,6 +171,9 @@ class ShardedEmbedding(keras.layers.Layer):
         self._kept: list[tuple[np.ndarray, np.ndarray]] = []  # [Note: one push per training step, TensorFlow]
         self._open = 0  # training lookups since the last push
         self._pushing = False  # a push callback ran since the last lookup
+        self._optimizer: Any = None  # [Note: the table follows the optimizer's accumulation]
+        self._iteration = -1  # the followed optimizer's counter when this step's push callback ran
+        self._accumulated: list[tuple[np.ndarray, np.ndarray]] = []  # steps kept until the update step
 
     def build(self, input_shape: Any = None) -> None:
         problem = _policy_problem(self.dtype_policy)  # (a layer given its table: checked here)
@@ -169,21 +195,77 @@ class ShardedEmbedding(keras.layers.Layer):
             self._open += 1
         return np.asarray(self.table.pull(np.asarray(keys, np.int64)), self.table.dtype)
 
-    def _push(self, keys: np.ndarray, grads: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    def _push(self, keys: np.ndarray, grads: np.ndarray, scale: np.ndarray, counter: np.ndarray) -> np.ndarray:
         g = np.array(grads, self.table.dtype) * np.asarray(scale, self.table.dtype)  # a copy: pushed later
         self._kept.append((np.array(keys, np.int64), g))
         self._pushing = True
+        steps = self._accumulation()
+        if steps > 1:
+            if int(counter) < 0:  # (a ValueError: TensorFlow reports it from a graph as InvalidArgumentError)
+                raise ValueError(
+                    f"ShardedEmbedding {self.name!r} follows an optimizer with gradient_accumulation_steps="
+                    f"{steps}, but this step was traced before it did; call layer.follow(optimizer) before the "
+                    "first step of a tf.function (model.fit under UnisonStrategy does)")
+            self._iteration = int(counter)
         self._open -= 1
         if self._open <= 0:  # the step's last lookup: [Note: one push per training step, TensorFlow]
             self._flush()
         return np.zeros(1, self.table.dtype)  # (not 0-d: host_ops [Note: a callback's key is not 0-d])
 
     def _flush(self) -> None:
-        """Push the kept rows' gradients as one push (the table sums duplicate keys)."""
+        """End the step: push the kept rows' gradients as one push (the table sums duplicate keys), or under
+        the followed optimizer's accumulation keep them until its update step ([Note: the table follows the
+        optimizer's accumulation])."""
         kept, self._kept, self._open, self._pushing = self._kept, [], 0, False
-        if kept:
-            self._pending.append(self.table.push_async(np.concatenate([k for k, _ in kept]),
-                                                       np.concatenate([g for _, g in kept])))
+        if not kept:
+            return
+        steps = self._accumulation()
+        if steps > 1:
+            self._accumulated.extend(kept)
+            if (self._iteration + 1) % steps:
+                return
+            kept, self._accumulated = self._accumulated, []
+        self._push_now(kept, steps)
+
+    def _push_now(self, kept: list[tuple[np.ndarray, np.ndarray]], steps: int) -> None:
+        grads = np.concatenate([g for _, g in kept])
+        if steps > 1:
+            grads /= np.asarray(steps, grads.dtype)
+        self._pending.append(self.table.push_async(np.concatenate([k for k, _ in kept]), grads))
+
+    def _counter(self) -> tf.Tensor:
+        """The followed optimizer's step counter, read in the backward pass (-1 when the optimizer does not
+        accumulate). Read in the graph, not in the host callback: the read is then ordered before the
+        optimizer counts the step (same variable), where the callback ran after it (measured: a callback
+        read saw every step's counter already counted)."""
+        if self._accumulation() > 1:
+            return tf.cast(keras.ops.convert_to_tensor(self._optimizer._iterations), tf.int64)
+        return tf.constant(-1, tf.int64)
+
+    def _accumulation(self) -> int:
+        """The followed optimizer's ``gradient_accumulation_steps`` (1: none, or no optimizer followed)."""
+        return int(getattr(self._optimizer, "gradient_accumulation_steps", None) or 1)
+
+    def follow(self, optimizer: Any) -> None:
+        """Push to the table at ``optimizer``'s update steps only: with ``gradient_accumulation_steps=k``
+        the mean of the k steps' row gradients, once per k steps ([Note: the table follows the optimizer's
+        accumulation]). ``model.fit`` under ``UnisonStrategy`` calls it with the model's optimizer; call it
+        in a custom loop whose Keras optimizer accumulates. ``None`` stops following (a push every step).
+        Steps accumulated for an optimizer no longer followed are pushed at once (a warning says so).
+
+        Raises:
+            TypeError: ``optimizer`` is neither None nor a Keras optimizer.
+        """
+        if optimizer is not None and not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise TypeError(f"ShardedEmbedding.follow({optimizer!r}): give the Keras optimizer that trains the "
+                            "model (a keras.optimizers.Optimizer), or None")
+        if optimizer is not self._optimizer and self._accumulated:
+            logger.warning("ShardedEmbedding %r: follows another optimizer while %d step(s) of row gradients "
+                           "wait for the last one's update step; they are pushed now", self.name,
+                           len(self._accumulated))
+            accumulated, self._accumulated = self._accumulated, []
+            self._push_now(accumulated, self._accumulation())
+        self._optimizer = optimizer
 
     def _wait_pushes(self) -> None:
         pending, self._pending = self._pending, []
@@ -236,8 +318,8 @@ class ShardedEmbedding(keras.layers.Layer):
                 # Keras scales each replica's loss by 1/N under a strategy of N replicas (which sums the
                 # dense gradients); the table averages over its workers, so undo the 1/N here
                 scale = tf.constant(tf.distribute.get_strategy().num_replicas_in_sync, dtype)
-                done = tf.reshape(tf.numpy_function(self._push, [keys, dy, scale], dtype, stateful=True,
-                                                    name="unison_ps_push"), [])
+                done = tf.reshape(tf.numpy_function(self._push, [keys, dy, scale, self._counter()], dtype,
+                                                    stateful=True, name="unison_ps_push"), [])
                 return None, tf.zeros_like(anchor_value) + done  # the anchor's gradient needs the push
 
             return rows, grad
@@ -261,11 +343,23 @@ class ShardedEmbedding(keras.layers.Layer):
         return layer
 
     def save_table(self, path: Any, metadata: dict[str, Any] | None = None) -> Any:
-        """Save the table (rows and optimizer state) to the folder ``path``. Collective."""
+        """Save the table (rows and optimizer state) to the folder ``path``. Collective. Row gradients of steps
+        waiting for the optimizer's update step (``gradient_accumulation_steps``) are not in the table yet,
+        so not saved (a warning says so)."""
         self.synchronize()
+        if self._accumulated:
+            logger.warning("ShardedEmbedding %r: saved while %d step(s) of row gradients wait for the optimizer's "
+                           "update step (gradient_accumulation_steps): they are not in the saved table; save "
+                           "after an update step to keep them", self.name, len(self._accumulated))
         return self.table.save(path, metadata)
 
     def load_table(self, path: Any) -> dict[str, Any]:
-        """Load the table from ``path`` (saved on any number of ranks). Collective."""
+        """Load the table from ``path`` (saved on any number of ranks). Collective. Row gradients of steps
+        waiting for the optimizer's update step belong to the training before the load: they are dropped (a
+        warning says so), as loading the model's optimizer variables drops its accumulated gradients."""
         self.synchronize()
+        if self._accumulated:
+            logger.warning("ShardedEmbedding %r: loading drops %d step(s) of row gradients that waited for the "
+                           "optimizer's update step", self.name, len(self._accumulated))
+            self._accumulated = []
         return self.table.load(path)
