@@ -618,11 +618,11 @@ def test_coalesced_lists_of_different_lengths_and_a_non_cpu_tensor_raise_on_ever
     mine = [torch.ones(3), torch.full((3,), 100.0)][:1 if r else 2]
     with pytest.warns(FutureWarning), _raises_exactly(MismatchError, "the ranks passed 1 to 2 tensors"):
         dist.all_reduce_coalesced(mine)
+    with _raises_exactly(MismatchError, "the ranks passed 1 to 2 tensors"):  # (raised where the results wait)
+        [funcol.wait_tensor(t) for t in funcol.all_gather_into_tensor_coalesced(mine, dist.group.WORLD)]
     with _raises_exactly(MismatchError, "the ranks passed 1 to 2 tensors"):
-        funcol.all_gather_into_tensor_coalesced(mine, dist.group.WORLD)
-    with _raises_exactly(MismatchError, "the ranks passed 1 to 2 tensors"):
-        funcol.reduce_scatter_tensor_coalesced([torch.ones(2 * n)] * len(mine), "sum", [0] * len(mine),
-                                               dist.group.WORLD)
+        [funcol.wait_tensor(t) for t in funcol.reduce_scatter_tensor_coalesced(
+            [torch.ones(2 * n)] * len(mine), "sum", [0] * len(mine), dist.group.WORLD)]
     c = torch.full((3,), 10.0 * (r + 1))
     dist.all_reduce(c)
     assert c.tolist() == [10.0 * n * (n + 1) / 2] * 3

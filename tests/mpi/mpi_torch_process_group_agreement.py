@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -137,6 +139,67 @@ def test_coalesced_reduce_scatters_from_tensors(group, async_op):
     mean1 = np.mean([_values(k, (m, 2, 3)).numpy() for k in range(m)], axis=0)
     np.testing.assert_allclose(outs[0].numpy(), mean0[2 * g:2 * g + 2], rtol=1e-12)
     np.testing.assert_allclose(outs[1].numpy(), mean1[g], rtol=1e-12)
+
+
+def _async_all_reduce_coalesced(group: Any, g: int, m: int) -> Callable[[], None]:
+    ins = [torch.full((2,), float(g + 1)), torch.full((3,), 10.0 * (g + 1))]
+    work = dist.all_reduce_coalesced(ins, group=group, async_op=True)
+
+    def check() -> None:
+        work.wait()
+        assert [t.tolist() for t in ins] == [[m * (m + 1) / 2] * 2, [10.0 * m * (m + 1) / 2] * 3]
+
+    return check
+
+
+def _async_gathers_into_tensors(group: Any, g: int, m: int) -> Callable[[], None]:
+    outs = [torch.zeros(2 * m), torch.zeros(m)]
+    with dist._coalescing_manager(group=group, async_ops=True) as cm:
+        dist.all_gather_into_tensor(outs[0], torch.full((2,), float(g)), group=group, async_op=True)
+        dist.all_gather_into_tensor(outs[1], torch.full((1,), float(g)), group=group, async_op=True)
+
+    def check() -> None:
+        cm.wait()
+        assert outs[0].tolist() == [float(k) for k in range(m) for _ in range(2)]
+        assert outs[1].tolist() == [float(k) for k in range(m)]
+
+    return check
+
+
+def _async_functional(group: Any, g: int, m: int) -> Callable[[], None]:
+    import torch.distributed._functional_collectives as funcol
+
+    outs = funcol.reduce_scatter_tensor_coalesced([torch.full((2 * m,), float(g + 1))] * 2, "sum", [0, 0],
+                                                  group if group is not None else dist.group.WORLD)
+
+    def check() -> None:
+        assert [funcol.wait_tensor(t).tolist() for t in outs] == [[m * (m + 1) / 2] * 2] * 2
+
+    return check
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("start", [_async_all_reduce_coalesced, _async_gathers_into_tensors, _async_functional],
+                         ids=["all_reduce_coalesced", "coalescing_manager", "functional_coalesced"])
+def test_an_async_coalesced_call_returns_before_the_others_have_called(group, start):
+    """``async_op=True`` returns at once (the count agreement travels with the members, not before them:
+    process_group_collectives.py [Note: coalesced calls do not block]): the group's last rank calls 1.5 s
+    after the others, whose calls return within 0.5 s, and every rank's results are right."""
+    if group == "out":
+        return
+    g, m = _members(group)
+    if m == 1:
+        pytest.skip("needs two ranks")
+    start(group, g, m)()  # (warm: PyTorch's first functional call takes most of a second here)
+    dist.barrier(group=group)
+    if g == m - 1:
+        time.sleep(1.5)
+    t0 = time.perf_counter()
+    check = start(group, g, m)
+    returned = time.perf_counter() - t0
+    check()
+    assert g == m - 1 or returned < 0.5, f"the call returned after {returned:.2f} s: it waited for the last rank"
+    _goes_on(group)
 
 
 def _gather_coalesced(group: Any, ins: list[torch.Tensor]) -> None:

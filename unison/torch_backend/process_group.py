@@ -217,6 +217,17 @@ class _SetOps:
     def allreduce_async(self, arr: Any, op: Any, out: Any = None, name: str | None = None) -> Any:
         return frontend.allreduce_async(arr, op, name=name, process_set=self.process_set, out=out)
 
+    def coalesced_base(self, kind: str) -> str:
+        """The name of a coalesced call's members (``<base>.<i>``), the same on every rank: the set's next
+        unnamed name of ``kind``'s coalesced calls ([Note: coalesced calls do not block] in
+        process_group_collectives.py)."""
+        return frontend._auto_name(f"coalesced_{kind}", None, self.process_set)
+
+    def count_agreement(self, base: str, count: int, kind: str, what: str) -> Any:
+        """The agreement on a coalesced call's member count, asynchronous: a longer call's extra members meet
+        refusals (frontend.group_size_agreement)."""
+        return frontend.group_size_agreement(base, count, self.process_set, kind, what=what)
+
     def reducescatter_async(self, arr: Any, op: Any, name: str | None = None) -> Any:
         return frontend.reducescatter_async(arr, op, name=name, process_set=self.process_set)
 

@@ -5,7 +5,22 @@ Each method checks its tensors, submits one call per tensor to the group's opera
 ``Work`` that writes the results into PyTorch's tensors (process_group_work.py). A check that refuses
 this rank's tensors does not raise here: the call is submitted carrying the error
 (``frontend.Refused``), so every rank of the call raises it from ``wait()`` and the ranks' next calls
-still pair. The coalesced calls first agree on the number of tensors (:meth:`Collectives._agree_count`).
+still pair. The coalesced calls agree on the number of tensors beside their members ([Note: coalesced calls
+do not block]).
+
+[Note: coalesced calls do not block]
+A coalesced call (``all_reduce_coalesced``, ``all_gather_coalesced``, the all-gathers and reduce-scatters
+of a ``_coalescing_manager``, the functional ``*_coalesced``) is one collective per tensor, and ranks that
+pass lists of different lengths must not let the longer list's extra tensor pair with the others' next
+call (wrong values there, then a hang: before 2026-12-05). Until 2026-12-06 (evening) the call first
+agreed on the count and waited for it, so ``async_op=True`` blocked until every rank had made the call.
+Now the agreement is submitted with the members and the call returns at once: the members are named
+``<base>.<i>`` after one name the ranks share (the group's next coalesced call, or its place in a future's
+callback), so they pair by name, not by order. When the counts differ, the engine's agreement makes the
+shorter ranks submit refusals under the missing members' names (``frontend.group_size_agreement``), and a
+sub-group's, run in order on its thread before the members, makes every member raise without
+communicating. ``wait()`` raises the agreement's ``MismatchError`` (a ``Work`` raises its first handle's
+error) on every rank, and the next call pairs.
 
 :class:`Collectives` is a mixin: :class:`~unison.torch_backend.process_group.UnisonProcessGroup` holds the
 state it reads and adds the rest (names, point-to-point, shutdown).
@@ -22,9 +37,7 @@ import torch
 import torch.distributed as dist
 
 from unison.common.engine import frontend
-from unison.common.engine.handles import waiting_on
-from unison.common.exceptions import MismatchError
-from unison.common.ops import Max, Sum
+from unison.common.ops import Sum
 from unison.torch_backend import process_group_callbacks as callbacks
 from unison.torch_backend.process_group_ops import (
     check_op,
@@ -35,9 +48,34 @@ from unison.torch_backend.process_group_ops import (
     real_view,
     unison_op,
 )
-from unison.torch_backend.process_group_work import collective_work, copy_into, host, timed_out
+from unison.torch_backend.process_group_work import collective_work, copy_into, host
 
 __all__ = ["Collectives"]
+
+#: runs the done callbacks of coalesced calls' count agreements (see :class:`_OffEngine`)
+_SETTLE = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="unison-pg-settle")
+
+
+class _OffEngine:
+    """A count agreement's handle whose done callbacks run on :data:`_SETTLE`, not on the thread that completed
+    it: reading its result waits for the refusals that the engine's agreement submits for a longer list's
+    extra members (``frontend.group_size_agreement``), and read on the engine thread (a ``Work``'s callback
+    reads each handle's result when it completes) that wait blocked the very thread that had to run them (a
+    hang, found by the test of counts that differ, 2026-12-06)."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_handle":  # (before __init__: a copy)
+            raise AttributeError(name)
+        return getattr(self._handle, name)
+
+    def wait(self, timeout: float | None = None) -> Any:
+        return self._handle.wait(timeout)
+
+    def add_done_callback(self, fn: Callable[[Any], Any]) -> None:
+        self._handle.add_done_callback(lambda _done: _SETTLE.submit(fn, self))
 
 
 class Collectives:
@@ -62,56 +100,62 @@ class Collectives:
             family = f"torch.{getattr(self, 'group_name', '')}.cb{next(self._seq)}"
         return collective_work(handles, finish, self._timeout_s, family)
 
-    def _agree_count(self, what: str, count: int, refused: str | None = None) -> None:
-        """Every rank passed ``count`` tensors to a coalesced call (one request per tensor follows), or every
-        rank raises. Before 2026-12-05 lists of different lengths paired a longer list's extra tensor with
-        the other ranks' next collective: wrong values there, then a hang. ``refused``: this rank's own
-        objection to its arguments, raised on every rank (raised before the agreement, it left the others
-        waiting in it: a review, 2026-12-06)."""
-        handle = self._ops.allreduce_async(np.array([count, -count, refused is not None], np.int64), Max)
-        try:  # (blocking, so an async coalesced call waits here for the others: at most the group's timeout)
-            with waiting_on((handle,)):  # (its timeout is an error's deadline: engine [Note: a deadlock is ...])
-                got = np.asarray(handle.wait(self._timeout_s))
-        except (TimeoutError, concurrent.futures.TimeoutError):
-            raise timed_out(f"{what}'s agreement on the tensor count", self._timeout_s or 0.0) from None
-        most, least = int(got[0]), -int(got[1])
-        if got[2]:
-            raise ValueError(refused or f"{what}: another rank's arguments were refused (it raises why)")
-        if most != least:
-            raise MismatchError(f"{what}: the ranks passed {least} to {most} tensors (this rank {count}); every "
-                                "rank must pass the same number")
+    def _coalesced(self, kind: str, what: str, count: int) -> tuple[Any, Callable[[int], dict[str, str]]]:
+        """A coalesced call's count agreement (submitted, not waited for) and its members' names, as keyword
+        arguments ([Note: coalesced calls do not block]). ``kind``: the members' collective."""
+        run = callbacks.current()
+        base = run.call_name() if run is not None else self._ops.coalesced_base(kind)
+        return self._ops.count_agreement(base, count, kind, what), lambda i: {"name": f"{base}.{i}"}
+
+    def _done(self, agreement: Any, handles: list[Any], finish: Callable[[list[Any]], Any]) -> dist.Work:
+        """The ``Work`` of ``handles``, after a coalesced call's ``agreement`` when there is one (its error
+        first; its result left out of ``finish``'s)."""
+        if agreement is None:
+            return self._work(handles, finish)
+        return self._work([_OffEngine(agreement), *handles], lambda results: finish(results[1:]))
 
     # ----------------------------------------------------------- reductions
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        return self._allreduce(tensors, opts)
+
+    def _allreduce(self, tensors: list[torch.Tensor], opts: Any, agreement: Any = None,
+                   named: Callable[[int], dict[str, str]] = lambda i: {}) -> dist.Work:
         op, factor = unison_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         handles, copy = [], []
-        for t in tensors:
+        for i, t in enumerate(tensors):
             try:
                 arr = host(t, "allreduce")
                 check_op(arr.dtype, op, factor, "allreduce")
             except (TypeError, ValueError) as exc:  # (refused on this rank: every rank raises it)
-                handles.append(self._ops.allreduce_async(frontend.Refused(exc), op))
+                handles.append(self._ops.allreduce_async(frontend.Refused(exc), op, **named(i)))
                 copy.append(False)
                 continue
             inplace = factor is None and is_view(arr, t)
             # in place: the result lands in the tensor itself (DDP's buckets: no copy of 25 MB back)
-            handles.append(self._ops.allreduce_async(arr, op, out=arr) if inplace
-                           else self._ops.allreduce_async(premul(arr, factor), op))
+            handles.append(self._ops.allreduce_async(arr, op, out=arr, **named(i)) if inplace
+                           else self._ops.allreduce_async(premul(arr, factor), op, **named(i)))
             copy.append(not inplace)
 
-        return self._work(handles, into(tensors, copy))
+        return self._done(agreement, handles, into(tensors, copy))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        self._agree_count("all_reduce_coalesced", len(tensors))
-        return self.allreduce(tensors, opts)
+        agreement, named = self._coalesced("allreduce", "all_reduce_coalesced", len(tensors))
+        return self._allreduce(tensors, opts, agreement, named)
 
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
                        opts: Any = None) -> dist.Work:
+        return self._reduce_scatter(outputs, inputs, opts)
+
+    def _reduce_scatter(self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any, agreement: Any = None,
+                        named: Callable[[int], dict[str, str]] = lambda i: {}) -> dist.Work:
+        """``inputs[i]``: the pieces of output i, or the exception that refused them on this rank."""
         op, factor = unison_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         handles, targets = [], []
-        for out, pieces in zip(outputs, inputs, strict=True):
+        for i, (out, pieces) in enumerate(zip(outputs, inputs, strict=True)):
             target = out
             try:
+                if isinstance(pieces, Exception):
+                    raise pieces
                 target = real_view(out, op, "reduce_scatter", written=True)
                 reals = [real_view(p, op, "reduce_scatter") for p in pieces]
                 self._check_pieces(reals, target, "reduce_scatter")
@@ -121,9 +165,9 @@ class Collectives:
             except (TypeError, ValueError) as exc:
                 stacked = frontend.Refused(exc)
             targets.append(target)
-            handles.append(self._ops.reducescatter_async(stacked, op))
+            handles.append(self._ops.reducescatter_async(stacked, op, **named(i)))
 
-        return self._work(handles, lambda results: (into(targets)(results), outputs)[1])
+        return self._done(agreement, handles, lambda results: (into(targets)(results), outputs)[1])
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002 - PyTorch's
                               opts: Any = None) -> dist.Work:
@@ -132,9 +176,12 @@ class Collectives:
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> dist.Work:
         """``dist.reduce_scatter_tensor`` calls inside ``dist._coalescing_manager()``: one reduce-scatter per
-        pair, after the ranks agreed on their number (as ``allreduce_coalesced``)."""
-        pieces = self._paired_pieces("reduce_scatter_tensor_coalesced", outputs, inputs, split_outputs=False)
-        return self.reduce_scatter(outputs, pieces, opts)
+        pair, beside the ranks' agreement on their number ([Note: coalesced calls do not block])."""
+        what = "reduce_scatter_tensor_coalesced"
+        agreement, named = self._coalesced("reducescatter", what, len(inputs))
+        pieces = self._paired_pieces(what, outputs, inputs, split_outputs=False)
+        return self._reduce_scatter(outputs if len(outputs) == len(inputs) else [None] * len(inputs), pieces,
+                                    opts, agreement, named)
 
     # PyTorch's older names, which its C++ group still binds (with parameters named differently)
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
@@ -161,36 +208,41 @@ class Collectives:
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts: Any = None) -> dist.Work:
         """``dist.all_gather_coalesced``: ``output_lists[k][i]`` receives rank k's ``inputs[i]`` (gloo's layout,
-        and the future's value), one all-gather per input after the ranks agreed on their number."""
-        self._agree_count("all_gather_coalesced", len(inputs))
+        and the future's value), one all-gather per input beside the ranks' agreement on their number."""
+        agreement, named = self._coalesced("allgather", "all_gather_coalesced", len(inputs))
         if len(output_lists) != self._size or any(len(outs) != len(inputs) for outs in output_lists):
             error = ValueError(f"all_gather_coalesced needs one output list per rank ({self._size}), each of one "
                                f"tensor per input ({len(inputs)}); got lists of {[len(o) for o in output_lists]}")
-            return self._work([self._ops.allgather_async(frontend.Refused(error)) for _ in inputs],
-                              lambda results: output_lists)
+            return self._done(agreement, [self._ops.allgather_async(frontend.Refused(error), **named(i))
+                                          for i in range(len(inputs))], lambda results: output_lists)
         per_input = [[outs[i] for outs in output_lists] for i in range(len(inputs))]
-        return self._allgather(per_input, inputs, lambda: output_lists)
+        return self._allgather(per_input, inputs, lambda: output_lists, agreement, named)
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts: Any = None) -> dist.Work:
         """``dist.all_gather_into_tensor`` calls inside ``dist._coalescing_manager()``: one all-gather per
-        pair, after the ranks agreed on their number (as ``allreduce_coalesced``)."""
-        pieces = self._paired_pieces("all_gather_into_tensor_coalesced", outputs, inputs, split_outputs=True)
-        return self._allgather(pieces, inputs, lambda: outputs)
+        pair, beside the ranks' agreement on their number ([Note: coalesced calls do not block])."""
+        what = "all_gather_into_tensor_coalesced"
+        agreement, named = self._coalesced("allgather", what, len(inputs))
+        pieces = self._paired_pieces(what, outputs, inputs, split_outputs=True)
+        return self._allgather(pieces, inputs, lambda: outputs, agreement, named)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced  # (as above)
 
-    def _allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
-                   value: Callable[[], Any]) -> dist.Work:
-        """One all-gather per input into its list of per-rank outputs; ``value()`` completes the future."""
+    def _allgather(self, outputs: Sequence[Any], inputs: list[torch.Tensor], value: Callable[[], Any],
+                   agreement: Any = None, named: Callable[[int], dict[str, str]] = lambda i: {}) -> dist.Work:
+        """One all-gather per input into its list of per-rank outputs (or the exception that refused them on
+        this rank); ``value()`` completes the future."""
         handles = []
-        for outs, t in zip(outputs, inputs, strict=True):
+        for i, (outs, t) in enumerate(zip(outputs, inputs, strict=True)):
             try:
+                if isinstance(outs, Exception):
+                    raise outs
                 self._check_pieces(outs, t, "allgather")
                 row: Any = host(t, "allgather").reshape(1, -1)
             except (TypeError, ValueError) as exc:
                 row = frontend.Refused(exc)
-            handles.append(self._ops.allgather_async(row))
+            handles.append(self._ops.allgather_async(row, **named(i)))
 
         def finish(results: list[Any]) -> list[torch.Tensor]:
             for outs, r in zip(outputs, results, strict=True):
@@ -198,7 +250,7 @@ class Collectives:
                     copy_into(out, row)
             return value()
 
-        return self._work(handles, finish)
+        return self._done(agreement, handles, finish)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002 - PyTorch's
                           opts: Any = None) -> dist.Work:
@@ -346,13 +398,14 @@ class Collectives:
                              f"{self._size - 1})")
 
     def _paired_pieces(self, what: str, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
-                       split_outputs: bool) -> list[list[torch.Tensor]]:
-        """The coalesced one-tensor calls: once the ranks agreed on the count (and that each rank's lists pair:
-        PyTorch's ``_coalescing_manager`` pairs them, a direct call might not), each whole tensor (the outputs of
-        an all-gather, the inputs of a reduce-scatter) as one piece per rank shaped like its partner."""
-        unpaired = (f"{what} takes one output tensor per input; got {len(outputs)} outputs and {len(inputs)} "
-                    "inputs") if len(outputs) != len(inputs) else None
-        self._agree_count(what, len(inputs), unpaired)
+                       split_outputs: bool) -> list[Any]:
+        """The coalesced one-tensor calls: for each input, its whole tensor (the outputs of an all-gather, the
+        inputs of a reduce-scatter) as one piece per rank shaped like its partner, or, when this rank's lists do
+        not pair (PyTorch's ``_coalescing_manager`` pairs them, a direct call might not), the error each of
+        its members then carries to every rank."""
+        if len(outputs) != len(inputs):
+            return [ValueError(f"{what} takes one output tensor per input; got {len(outputs)} outputs and "
+                               f"{len(inputs)} inputs")] * len(inputs)
         wholes, likes = (outputs, inputs) if split_outputs else (inputs, outputs)
         return [pieces_of(w, like, self._size) for w, like in zip(wholes, likes, strict=True)]
 

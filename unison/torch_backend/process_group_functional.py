@@ -147,20 +147,20 @@ def all_gather_into_tensor(tensor: torch.Tensor, group_size: int, group_name: An
     return all_gather_into_tensor_out(tensor, group_size, group_name, out=out)
 
 
-def _agree_count(group_name: Any, what: str, count: int) -> None:
-    """A coalesced call's tensor count, agreed (one collective per tensor follows: see
-    ``UnisonProcessGroup._agree_count``)."""
+def _unison(group_name: Any) -> Any:
+    """The group's Unison backend (its coalesced calls are not methods of PyTorch's group)."""
     group = _group(group_name)
-    agree = getattr(group, "_agree_count", None)
-    if agree is None:
-        agree = group._get_backend(torch.device("cpu"))._agree_count
-    agree(what, count)
+    return group if hasattr(group, "_coalesced") else group._get_backend(torch.device("cpu"))
 
 
 def all_gather_into_tensor_coalesced(tensors: list[torch.Tensor], group_size: int,
                                      group_name: Any) -> list[torch.Tensor]:
-    _agree_count(group_name, "all_gather_into_tensor_coalesced", len(tensors))
-    return [all_gather_into_tensor(t, group_size, group_name) for t in tensors]
+    """One all-gather per tensor beside the ranks' agreement on their number, as one ``Work`` (process_group_
+    collectives.py [Note: coalesced calls do not block]): it returns at once, the results wait."""
+    outs = [t.new_empty(_gathered_shape(t, group_size, "all_gather_into_tensor_coalesced")) for t in tensors]
+    work = _unison(group_name).all_gather_single_coalesced(outs, [t.contiguous() for t in tensors])
+    _register(outs, work)
+    return outs
 
 
 def reduce_scatter_tensor_out(tensor: torch.Tensor, reduce_op: str, group_size: int, group_name: Any, *,
@@ -178,8 +178,15 @@ def reduce_scatter_tensor(tensor: torch.Tensor, reduce_op: str, group_size: int,
 
 def reduce_scatter_tensor_coalesced(tensors: list[torch.Tensor], reduce_op: str, group_size: int,
                                     group_name: Any) -> list[torch.Tensor]:
-    _agree_count(group_name, "reduce_scatter_tensor_coalesced", len(tensors))
-    return [reduce_scatter_tensor(t, reduce_op, group_size, group_name) for t in tensors]
+    """One reduce-scatter per tensor beside the ranks' agreement on their number, as one ``Work`` (as
+    :func:`all_gather_into_tensor_coalesced`)."""
+    opts = c10d.ReduceScatterOptions()
+    opts.reduceOp = _reduce_op(reduce_op, "reduce_scatter_tensor_coalesced")
+    outs = [t.new_empty(_gathered_shape(t, group_size, "reduce_scatter_tensor_coalesced", divide=True))
+            for t in tensors]
+    work = _unison(group_name).reduce_scatter_single_coalesced(outs, [t.contiguous() for t in tensors], opts)
+    _register(outs, work)
+    return outs
 
 
 def all_to_all_single(tensor: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int],

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -98,6 +99,35 @@ class CommOps:
         self.comm, self.mpi = comm, MPI
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"unison-pg-{name}")
+        self._coalesced = itertools.count()
+        self._failed: dict[str, str] = {}  # coalesced calls whose counts differed: their members' error
+
+    def coalesced_base(self, kind: str) -> str:
+        """The name of a coalesced call's members (``<base>.<i>``): the group's next number of such calls."""
+        return f"coalesced_{kind}.{next(self._coalesced)}"
+
+    def count_agreement(self, base: str, count: int, kind: str, what: str) -> _Pending:
+        """The agreement on a coalesced call's member count, run in order before its members: when the counts
+        differ, every member's call raises without communicating (the longer list's extra members would pair
+        with the others' next calls; [Note: coalesced calls do not block] in process_group_collectives.py)."""
+        return self._submit(self._count, base, count, what)
+
+    def _count(self, base: str, count: int, what: str) -> int:
+        every = np.empty(self.size, np.int64)
+        self.comm.Allgather(np.array([count], np.int64), every)
+        most, least = int(every.max()), int(every.min())
+        if most != least:
+            self._failed[base] = (f"{what}: the ranks passed {least} to {most} tensors (this rank {count}); every "
+                                  "rank must pass the same number")
+            raise MismatchError(self._failed[base])
+        return count
+
+    def _refuse_failed(self, name: str | None) -> None:
+        """Raise a member of a coalesced call whose counts differed, before it communicates."""
+        if name and self._failed:
+            message = self._failed.get(name.rpartition(".")[0])
+            if message is not None:
+                raise MismatchError(message)
 
     @staticmethod
     def _chunk() -> int:
@@ -149,6 +179,7 @@ class CommOps:
     def _allreduce(self, arr: np.ndarray, error: Exception | None, op: Any, into: np.ndarray | None = None,
                    root: int = -1, name: str | None = None) -> np.ndarray:
         what = f"allreduce/{_name(op)}" if root < 0 else f"reduce/{_name(op)}"
+        self._refuse_failed(name)
         self._agree(what, arr, arr.shape, root, error, name)
         check_op(arr.dtype, op, 1.0, 1.0)  # after the agreement: every member raises alike
         send = _wide(arr)
@@ -174,6 +205,7 @@ class CommOps:
         return self._submit(self._allgather, *_array_or_error(tensor), name)
 
     def _allgather(self, arr: np.ndarray, error: Exception | None, name: str | None) -> np.ndarray:
+        self._refuse_failed(name)
         self._agree("allgather", arr, arr.shape, error=error, name=name)
         send = np.ascontiguousarray(arr)
         out = np.empty((self.size * send.shape[0],) + send.shape[1:], send.dtype)
@@ -187,6 +219,7 @@ class CommOps:
     def _reducescatter(self, stacked: np.ndarray, error: Exception | None, op: Any,
                        name: str | None = None) -> np.ndarray:
         """``stacked``: one piece per member along axis 0; returns this member's reduced piece."""
+        self._refuse_failed(name)
         self._agree(f"reducescatter/{_name(op)}", stacked, stacked.shape, error=error, name=name)
         check_op(stacked.dtype, op, 1.0, 1.0)
         send = _wide(stacked)

@@ -182,17 +182,19 @@ def collective_work(handles: Sequence[Handle], finish: Callable[[list[Any]], Any
     left = [len(handles)]
     results: list[Any] = [None] * len(handles)
 
-    first: list[BaseException] = []
+    errors: list[tuple[int, BaseException]] = []
 
     def one_done(index: int, handle: Handle) -> None:
         try:
             results[index] = handle.wait()
         except BaseException as error:  # noqa: BLE001 - handed to the future, raised by wait()
-            first.append(error)
+            errors.append((index, error))
         left[0] -= 1
         if left[0] == 0 and not fut.done():  # (an error only once every handle is done: engine
-            if first:                        # [Note: a group waits for all its members])
-                fut.set_exception(first[0])
+            if errors:                       # [Note: a group waits for all its members])
+                # the first handle's error, whichever finished first: the same on every rank (a coalesced
+                # call's count agreement comes first, and its error explains its members')
+                fut.set_exception(min(errors, key=lambda e: e[0])[1])
             else:
                 completer.submit(_complete, fut, finish, results)
 

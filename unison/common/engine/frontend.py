@@ -362,11 +362,13 @@ def allreduce_async(tensor: Any, op: Any = Average, name: str | None = None,
 
 
 def group_size_agreement(base: str, count: int, process_set: ProcessSet | None = None,
-                         members: str = "allgather") -> Handle:
+                         members: str = "allgather", what: str | None = None) -> Handle:
     """Submit the agreement on a group's member count that a grouped op of one request per member
     needs (``grouped_allgather``, ``grouped_reducescatter``, an Adasum ``grouped_allreduce``:
     ``members`` names the kind); its ``wait`` raises :class:`MismatchError` on every rank when ranks
     passed groups of different lengths.
+
+    ``what``: the call its mismatch error names (default: the grouped collective ``base``).
 
     Wait on it before the members. [Note: a longer group's extra members] When the counts differ,
     a rank with fewer members submits, as soon as the agreement completes (on the thread that
@@ -390,6 +392,9 @@ def group_size_agreement(base: str, count: int, process_set: ProcessSet | None =
         return int(result[0]), -int(result[1])
 
     def message(most: int, least: int) -> str:
+        if what is not None:
+            return (f"{what}: the ranks passed {least} to {most} tensors (this rank {count}); every rank must "
+                    "pass the same number")
         return (f"grouped collective {base!r}: the ranks passed groups of {least} to {most} tensors (this "
                 f"rank {count}); every rank must pass the same number")
 
