@@ -166,6 +166,30 @@ class UnisonProcessGroup(Collectives, dist.ProcessGroup):
                              f"got tag={tag}")
 
 
+def _out_of_dynamo(cls: type) -> None:
+    """[Note: the group's methods are out of torch.compile's reach] A compiled ``DistributedDataParallel``
+    (``torch.compile(ddp_model)``, any backend) runs DDP's forward under TorchDynamo, whose frame hook
+    then sees the Python frames of the collectives DDP's C++ reducer calls on this group (its bucket
+    broadcasts) and tries to trace them: "Attempted to access unregistered member on an OpaqueObject"
+    raised on every rank (before 2026-12-06 evening; gloo's and NCCL's methods are C++, which Dynamo
+    never sees). The group's public methods (and the older names PyTorch binds) are therefore excluded
+    from Dynamo (``torch.compiler.disable``, which also covers what they call): a compiled model's
+    collectives run as the eager ones do, about 1 us more per call. The functional collectives
+    (process_group_functional.py) are dispatcher kernels and stay in compiled graphs.
+    """
+    import inspect
+
+    names = {name for klass in cls.__mro__ if klass.__module__.startswith("unison.")
+             for name, member in vars(klass).items()
+             if inspect.isfunction(member) and (not name.startswith("_") or name in ("_allgather_base",
+                                                                                      "_reduce_scatter_base"))}
+    for name in sorted(names):
+        setattr(cls, name, torch.compiler.disable(getattr(cls, name)))
+
+
+_out_of_dynamo(UnisonProcessGroup)
+
+
 def _bytes(arr: np.ndarray) -> np.ndarray:
     """A contiguous array's memory as bytes (a view: what MPI moves for any dtype, bfloat16 included)."""
     return arr.reshape(-1).view(np.uint8)
