@@ -188,6 +188,34 @@ def test_fit_follows_the_optimizers_gradient_accumulation(strategy, table_optimi
     layer.table.close()
 
 
+def test_horovod_style_fit_pushes_the_sum_its_optimizer_applies(strategy):  # (the fixture inits Unison)
+    """Horovod-style ``model.fit`` (no strategy; each rank fits its rows of every global batch) with
+    ``DistributedOptimizer(SGD, backward_passes_per_step=2)``, which applies the SUM of the two steps'
+    averaged gradients (Horovod's default): the table gets the sum too, one push per two steps, so rows and
+    weights equal one process whose SGD of twice the rate accumulates the mean of two steps."""
+    from unison.tf_backend.keras import DistributedOptimizer
+
+    keras.utils.set_random_seed(33)  # (the same Dense weights on every rank: no broadcast needed)
+    layer = ShardedEmbedding(ROWS, DIM, optimizer=ps.SGD(LR), initializer=init_rows, name="emb-horovod")
+    model = shared_model(layer)
+    model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(LR), backward_passes_per_step=2),
+                  loss="mse")
+    ref_emb = OneHotEmbedding()
+    ref = shared_model(ref_emb)
+    ref.layers[-1].set_weights(model.layers[-1].get_weights())
+    ref.compile(optimizer=keras.optimizers.SGD(2 * LR, gradient_accumulation_steps=2), loss="mse")
+    mine = data().map(lambda x, y: (x[R * 8:(R + 1) * 8], y[R * 8:(R + 1) * 8]))
+    model.fit(mine, epochs=2, verbose=0, shuffle=False)
+    ref.fit(data(), epochs=2, verbose=0, shuffle=False)
+    rows = layer.table.to_numpy()
+    assert not np.allclose(rows, init_rows(np.arange(ROWS)), atol=1e-4)
+    np.testing.assert_allclose(rows, ref_emb.get_weights()[0], rtol=1e-5, atol=1e-6)
+    for w, v in zip(model.layers[-1].get_weights(), ref.layers[-1].get_weights(), strict=True):
+        np.testing.assert_allclose(w, v, rtol=1e-5, atol=1e-6)
+    assert layer.table.stats()["pushes"] == STEPS  # 2 * STEPS steps, one push per two
+    layer.table.close()
+
+
 def test_follow_refuses_what_is_not_a_keras_optimizer(strategy):
     with strategy.scope():
         layer = ShardedEmbedding(ROWS, DIM, name="emb-follow")

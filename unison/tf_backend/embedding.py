@@ -38,9 +38,12 @@ pushed on its own, and Adagrad or Adam stepped twice.
 A Keras optimizer with ``gradient_accumulation_steps=k`` changes the dense weights once every k
 steps, with the mean of the k steps' gradients: at the step whose ``iterations + 1`` (its own
 counter, one per step) is a multiple of k. The layer follows the optimizer ``model.fit`` trains
-with (``UnisonStrategy``'s fit tells it; a custom loop calls :meth:`ShardedEmbedding.follow`):
-each step's rows are kept, and at the optimizer's update step all k steps' rows are pushed as one
-push, their gradients divided by k, so the table's optimizer steps once on the same mean. The push
+with (``fit`` tells it, once a layer exists: :func:`_hook_fit`; a custom loop calls
+:meth:`ShardedEmbedding.follow`): each step's rows are kept, and at the optimizer's update step all
+k steps' rows are pushed as one push, their gradients divided by k, so the table's optimizer steps
+once on the same mean. Horovod's ``DistributedOptimizer(backward_passes_per_step=k)``
+(``unison.tf_backend.keras``) applies the SUM of the k steps unless ``average_aggregated_gradients``:
+the layer then pushes the sum too (the optimizer's ``_unison_accumulation_factor``). The push
 callback reads the optimizer's counter when it runs (in the backward pass, before the optimizer
 counts the step), so the table keeps the optimizer's phase across ``fit`` calls. Before
 2026-12-06 (evening) the layer pushed every step: under k=2 the table's SGD moved twice as often
@@ -57,6 +60,7 @@ must give every rank the same number of batches.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -96,13 +100,36 @@ def _policy_problem(policy: Any) -> str | None:
 
 def follow_optimizer(model: Any) -> None:
     """Tell every :class:`ShardedEmbedding` in ``model`` to follow its optimizer's gradient accumulation
-    ([Note: the table follows the optimizer's accumulation]); ``model.fit`` under ``UnisonStrategy`` calls it."""
+    ([Note: the table follows the optimizer's accumulation]); ``model.fit`` calls it (:func:`_hook_fit`)."""
     optimizer = getattr(model, "optimizer", None)
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         return
     for layer in model._flatten_layers(include_self=False):
         if isinstance(layer, ShardedEmbedding):
             layer.follow(optimizer)
+
+
+_FIT_HOOKED = False
+
+
+def _hook_fit() -> None:
+    """Make ``model.fit`` call :func:`follow_optimizer` first, for every model (once, when the first
+    ``ShardedEmbedding`` is made): with ``UnisonStrategy``, Horovod-style (``DistributedOptimizer``) or in one
+    process. Installed on the class that defines ``fit``, around whatever is there (``UnisonStrategy``'s
+    checks wrap it there too, before or after)."""
+    global _FIT_HOOKED
+    if _FIT_HOOKED:
+        return
+    owner = next(c for c in keras.Model.__mro__ if "fit" in c.__dict__)
+    original = owner.__dict__["fit"]
+
+    @functools.wraps(original)
+    def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
+        follow_optimizer(self)  # [Note: the table follows the optimizer's accumulation]
+        return original(self, *args, **kwargs)
+
+    owner.fit = fit
+    _FIT_HOOKED = True
 
 
 @keras.saving.register_keras_serializable(package="unison")
@@ -174,6 +201,7 @@ class ShardedEmbedding(keras.layers.Layer):
         self._optimizer: Any = None  # [Note: the table follows the optimizer's accumulation]
         self._iteration = -1  # the followed optimizer's counter when this step's push callback ran
         self._accumulated: list[tuple[np.ndarray, np.ndarray]] = []  # steps kept until the update step
+        _hook_fit()
 
     def build(self, input_shape: Any = None) -> None:
         problem = _policy_problem(self.dtype_policy)  # (a layer given its table: checked here)
@@ -229,8 +257,9 @@ class ShardedEmbedding(keras.layers.Layer):
 
     def _push_now(self, kept: list[tuple[np.ndarray, np.ndarray]], steps: int) -> None:
         grads = np.concatenate([g for _, g in kept])
-        if steps > 1:
-            grads /= np.asarray(steps, grads.dtype)
+        if steps > 1:  # the mean of the steps, times what the optimizer applies of it (Horovod's sum: k)
+            factor = float(getattr(self._optimizer, "_unison_accumulation_factor", 1.0))
+            grads *= np.asarray(factor / steps, grads.dtype)
         self._pending.append(self.table.push_async(np.concatenate([k for k, _ in kept]), grads))
 
     def _counter(self) -> tf.Tensor:
@@ -249,8 +278,8 @@ class ShardedEmbedding(keras.layers.Layer):
     def follow(self, optimizer: Any) -> None:
         """Push to the table at ``optimizer``'s update steps only: with ``gradient_accumulation_steps=k``
         the mean of the k steps' row gradients, once per k steps ([Note: the table follows the optimizer's
-        accumulation]). ``model.fit`` under ``UnisonStrategy`` calls it with the model's optimizer; call it
-        in a custom loop whose Keras optimizer accumulates. ``None`` stops following (a push every step).
+        accumulation]). ``model.fit`` calls it with the model's optimizer; call it in a custom loop whose
+        Keras optimizer accumulates. ``None`` stops following (a push every step).
         Steps accumulated for an optimizer no longer followed are pushed at once (a warning says so).
 
         Raises:

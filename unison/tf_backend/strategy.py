@@ -803,10 +803,6 @@ def _guard_keras() -> None:
 
         def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
             check(self, f"model.{name}()")
-            if name == "fit":  # (at any number of ranks, under a strategy or not)
-                from unison.tf_backend.embedding import follow_optimizer
-
-                follow_optimizer(self)  # [Note: the table follows the optimizer's accumulation]
             if before is not None and _unison_model(self):
                 before(self)
             if name == "compile" and _unison_model(self) and runtime.size() > 1:

@@ -120,7 +120,10 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
 
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                {"apply": apply, "build": build, "register_local_var": register_local_var,
-                "_unison_distributed": True, "_unison_process_set": process_set})
+                "_unison_distributed": True, "_unison_process_set": process_set,
+                # what the applied update is, in means of the accumulated steps (a ShardedEmbedding that
+                # follows this optimizer pushes the same: tf_backend/embedding.py)
+                "_unison_accumulation_factor": factor})
     _agree_on_loss_scale_skips()
     config = optimizer.get_config()
     if backward_passes_per_step > 1:
