@@ -98,6 +98,15 @@ def _policy_problem(policy: Any) -> str | None:
             "carry loss-scaled gradients); give the layer dtype='float32' (the rest of the model may stay mixed)")
 
 
+def _dp_rows() -> tf.Tensor:
+    """This rank's batch rows in a ``unison.keras.DataParallel`` train step (int64; -1 outside one): [Note:
+    the table weighs ranks by their rows]."""
+    from unison.keras.optimizer import _ROWS
+
+    rows = _ROWS.get()
+    return tf.constant(-1, tf.int64) if rows is None else tf.cast(rows, tf.int64)
+
+
 def follow_optimizer(model: Any) -> None:
     """Tell every :class:`ShardedEmbedding` in ``model`` to follow its optimizer's gradient accumulation
     ([Note: the table follows the optimizer's accumulation]); ``model.fit`` calls it (:func:`_hook_fit`)."""
@@ -223,8 +232,9 @@ class ShardedEmbedding(keras.layers.Layer):
             self._open += 1
         return np.asarray(self.table.pull(np.asarray(keys, np.int64)), self.table.dtype)
 
-    def _push(self, keys: np.ndarray, grads: np.ndarray, scale: np.ndarray, counter: np.ndarray) -> np.ndarray:
-        g = np.array(grads, self.table.dtype) * np.asarray(scale, self.table.dtype)  # a copy: pushed later
+    def _push(self, keys: np.ndarray, grads: np.ndarray, scale: np.ndarray, counter: np.ndarray,
+              rows: np.ndarray) -> np.ndarray:
+        g = np.array(grads, self.table.dtype) * np.asarray(scale * self._rows_weight(int(rows)), self.table.dtype)
         self._kept.append((np.array(keys, np.int64), g))
         self._pushing = True
         steps = self._accumulation()
@@ -261,6 +271,29 @@ class ShardedEmbedding(keras.layers.Layer):
             factor = float(getattr(self._optimizer, "_unison_accumulation_factor", 1.0))
             grads *= np.asarray(factor / steps, grads.dtype)
         self._pending.append(self.table.push_async(np.concatenate([k for k, _ in kept]), grads))
+
+    def _rows_weight(self, rows: int) -> float:
+        """This rank's weight among the table's workers in a step of ``rows`` batch rows (``unison.keras.
+        DataParallel``; -1 elsewhere: 1.0). [Note: the table weighs ranks by their rows] DataParallel combines
+        the dense gradients as ``sum_r rows_r g_r / sum_r rows_r`` (exact when a last batch splits unevenly),
+        and the table averages its workers' pushes: each push is scaled by ``workers * rows_r / sum_r rows_r``
+        so the table's average is the same weighted mean. Before 2026-12-06 (evening) a ragged last batch
+        (21 rows in batches of 8 at 2 ranks) left the table's rows 0.012 off one process's. One small
+        all-reduce of the rows per push, over the job (the table's workers must be every rank of it: else
+        the pushes are not weighted)."""
+        from unison.common import runtime
+
+        workers = len(self.table.workers)
+        if rows < 0 or workers < 2 or workers != self.table.size or self.table.size != runtime.size():
+            return 1.0
+        from unison.common.engine import frontend
+        from unison.common.ops import Sum
+
+        total = float(np.asarray(frontend.allreduce(np.array([rows], np.float64), Sum,
+                                                    name=f"unison.ps.{self.table.name}.rows")).reshape(-1)[0])
+        if total <= 0:
+            return 1.0
+        return workers * rows / total
 
     def _counter(self) -> tf.Tensor:
         """The followed optimizer's step counter, read in the backward pass (-1 when the optimizer does not
@@ -347,8 +380,8 @@ class ShardedEmbedding(keras.layers.Layer):
                 # Keras scales each replica's loss by 1/N under a strategy of N replicas (which sums the
                 # dense gradients); the table averages over its workers, so undo the 1/N here
                 scale = tf.constant(tf.distribute.get_strategy().num_replicas_in_sync, dtype)
-                done = tf.reshape(tf.numpy_function(self._push, [keys, dy, scale, self._counter()], dtype,
-                                                    stateful=True, name="unison_ps_push"), [])
+                done = tf.reshape(tf.numpy_function(self._push, [keys, dy, scale, self._counter(), _dp_rows()],
+                                                    dtype, stateful=True, name="unison_ps_push"), [])
                 return None, tf.zeros_like(anchor_value) + done  # the anchor's gradient needs the push
 
             return rows, grad
