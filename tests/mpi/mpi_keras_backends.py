@@ -958,6 +958,8 @@ def test_keras_csv_logger_and_tensorboard_write_from_rank_0_only(dp, tmp_path_fa
     model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=2, verbose=0, callbacks=writers)
     WORLD.Barrier()
     assert sorted(os.listdir(folder)) == ["log0.csv"] + (["tb0"] if board else [])
+    if board:  # (rank 0's events were written: the epochs' scalars)
+        assert any(f.startswith("events.out.tfevents") for _, _, files in os.walk(f"{folder}/tb0") for f in files)
     with open(f"{folder}/log0.csv") as f:
         assert len(f.read().splitlines()) == 3  # header and two epochs
     with pytest.raises(UnisonError, match="CSVLogger.on_train_begin failed on rank 0"):  # (a file as folder)

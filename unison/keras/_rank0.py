@@ -63,8 +63,11 @@ class OnRank0(keras.callbacks.Callback):
         self.inner = inner
 
     def set_model(self, model: Any) -> None:
+        """The inner callback's ``set_model`` on rank 0 alone: ``TensorBoard``'s creates its folders there
+        (each rank made its own before 2026-12-06 evening, found when the tests ran with tensorboard
+        installed); a failure raises on every rank (each reaches it when ``fit`` builds its callbacks)."""
         super().set_model(model)
-        self.inner.set_model(model)
+        on_rank0(f"{type(self.inner).__name__}.set_model", lambda: self.inner.set_model(model))
 
     def set_params(self, params: Any) -> None:
         super().set_params(params)
