@@ -224,6 +224,31 @@ def test_follow_refuses_what_is_not_a_keras_optimizer(strategy):
     layer.table.close()
 
 
+def test_fit_with_float64_rows_matches_one_process(strategy):
+    """A layer of dtype float64 (its table's rows float64) in a float32 model: Keras casts its output for the
+    next layer; the rows' gradient comes back float64 and is pushed as such. Equal to a float64 Embedding."""
+    keras.utils.set_random_seed(14)
+    with strategy.scope():
+        layer = ShardedEmbedding(ROWS, DIM, optimizer=ps.SGD(LR), name="emb-f64", dtype="float64",
+                                 initializer=lambda k: init_rows(k).astype("float64"))
+        model = make_model(layer)
+        model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+    assert layer.table.dtype == np.float64 and layer.table.to_numpy().dtype == np.float64
+    start = keras.initializers.Constant(init_rows(np.arange(ROWS)).astype("float64"))
+    ref_emb = keras.layers.Embedding(ROWS, DIM, dtype="float64", embeddings_initializer=start)
+    ref = make_model(ref_emb)
+    ref.layers[-1].set_weights(model.layers[-1].get_weights())
+    ref.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+    hist = model.fit(data(), epochs=2, verbose=0, shuffle=False)
+    ref_hist = ref.fit(data(), epochs=2, verbose=0, shuffle=False)
+    rows = layer.table.to_numpy()
+    assert not np.allclose(rows, init_rows(np.arange(ROWS)), atol=1e-4)
+    np.testing.assert_allclose(rows, ref_emb.get_weights()[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-5)
+    assert same_everywhere(rows)
+    layer.table.close()
+
+
 def test_fit_with_several_steps_per_execution_matches_one_process(strategy):
     """steps_per_execution=2: two training steps in one tf.function call, each with its pull and its one push."""
     keras.utils.set_random_seed(12)
