@@ -47,6 +47,18 @@ def same_everywhere(a: np.ndarray) -> bool:
     return all(np.array_equal(a, other) for other in WORLD.allgather(np.asarray(a)))
 
 
+def fit_like_reference(model: keras.Model, layer: ShardedEmbedding, ref: keras.Model,
+                       ref_emb: keras.layers.Layer) -> np.ndarray:
+    """Fit ``model`` and the one-process ``ref`` two epochs on the global batches; the table's rows equal
+    ``ref_emb``'s weights and the losses equal ``ref``'s. Returns the rows."""
+    hist = model.fit(data(), epochs=2, verbose=0, shuffle=False)
+    ref_hist = ref.fit(data(), epochs=2, verbose=0, shuffle=False)
+    rows = layer.table.to_numpy()
+    np.testing.assert_allclose(rows, ref_emb.get_weights()[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-5)
+    return rows
+
+
 @pytest.fixture(scope="module")
 def strategy():
     return UnisonStrategy()
@@ -68,15 +80,10 @@ def test_fit_matches_one_process_dense_embedding(strategy):
     ref.layers[-1].set_weights(dense_init)
     ref.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
 
-    hist = model.fit(data(), epochs=2, verbose=0, shuffle=False)
-    ref_hist = ref.fit(data(), epochs=2, verbose=0, shuffle=False)
-
-    rows = layer.table.to_numpy()
+    rows = fit_like_reference(model, layer, ref, ref_emb)
     assert not np.allclose(rows, init_rows(np.arange(ROWS)), atol=1e-4)  # it did train
-    np.testing.assert_allclose(rows, ref_emb.get_weights()[0], rtol=1e-5, atol=1e-6)
     for w, v in zip(model.layers[-1].get_weights(), ref.layers[-1].get_weights(), strict=True):
         np.testing.assert_allclose(w, v, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-5)
     assert layer.push_anchor.numpy() == 0.0
     assert same_everywhere(rows)
     assert layer.table.stats()["pushes"] == 2 * STEPS  # one push per training step on every rank
@@ -131,12 +138,8 @@ def test_fit_with_a_table_looked_up_twice_per_step_matches_one_process_under_ada
     ref = shared_model(ref_emb)
     ref.layers[-1].set_weights(model.layers[-1].get_weights())
     ref.compile(optimizer=keras.optimizers.Adagrad(LR, initial_accumulator_value=0.1, epsilon=0.0), loss="mse")
-    hist = model.fit(data(), epochs=2, verbose=0, shuffle=False)
-    ref_hist = ref.fit(data(), epochs=2, verbose=0, shuffle=False)
-    rows = layer.table.to_numpy()
+    rows = fit_like_reference(model, layer, ref, ref_emb)
     assert not np.allclose(rows, init_rows(np.arange(ROWS)), atol=1e-4)
-    np.testing.assert_allclose(rows, ref_emb.get_weights()[0], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-5)
     assert layer.table.stats()["pushes"] == 2 * STEPS  # one push per step, not one per lookup
     layer.table.close()
 
@@ -239,12 +242,8 @@ def test_fit_with_float64_rows_matches_one_process(strategy):
     ref = make_model(ref_emb)
     ref.layers[-1].set_weights(model.layers[-1].get_weights())
     ref.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
-    hist = model.fit(data(), epochs=2, verbose=0, shuffle=False)
-    ref_hist = ref.fit(data(), epochs=2, verbose=0, shuffle=False)
-    rows = layer.table.to_numpy()
+    rows = fit_like_reference(model, layer, ref, ref_emb)
     assert not np.allclose(rows, init_rows(np.arange(ROWS)), atol=1e-4)
-    np.testing.assert_allclose(rows, ref_emb.get_weights()[0], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-5)
     assert same_everywhere(rows)
     layer.table.close()
 
@@ -261,10 +260,7 @@ def test_fit_with_several_steps_per_execution_matches_one_process(strategy):
     ref = make_model(ref_emb)
     ref.layers[-1].set_weights(model.layers[-1].get_weights())
     ref.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
-    hist = model.fit(data(), epochs=2, verbose=0, shuffle=False)
-    ref_hist = ref.fit(data(), epochs=2, verbose=0, shuffle=False)
-    np.testing.assert_allclose(layer.table.to_numpy(), ref_emb.get_weights()[0], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-5)
+    fit_like_reference(model, layer, ref, ref_emb)
     assert layer.table.stats()["pushes"] == 2 * STEPS
     layer.table.close()
 

@@ -44,8 +44,9 @@ k steps' rows are pushed as one push, their gradients divided by k, so the table
 once on the same mean. Horovod's ``DistributedOptimizer(backward_passes_per_step=k)``
 (``unison.tf_backend.keras``) applies the SUM of the k steps unless ``average_aggregated_gradients``:
 the layer then pushes the sum too (the optimizer's ``_unison_accumulation_factor``). The push
-callback reads the optimizer's counter when it runs (in the backward pass, before the optimizer
-counts the step), so the table keeps the optimizer's phase across ``fit`` calls. Before
+is given the optimizer's counter as read in the backward pass, before the optimizer counts the
+step (:meth:`ShardedEmbedding._counter`), so the table keeps the optimizer's phase across ``fit``
+calls. Before
 2026-12-06 (evening) the layer pushed every step: under k=2 the table's SGD moved twice as often
 as the dense weights, and its Adagrad's sums grew from each step's gradient, silently unlike one
 process's.
@@ -210,6 +211,7 @@ class ShardedEmbedding(keras.layers.Layer):
         self._optimizer: Any = None  # [Note: the table follows the optimizer's accumulation]
         self._iteration = -1  # the followed optimizer's counter when this step's push callback ran
         self._accumulated: list[tuple[np.ndarray, np.ndarray]] = []  # steps kept until the update step
+        self._rows = -1  # this step's batch rows under unison.keras.DataParallel (-1: elsewhere)
         _hook_fit()
 
     def build(self, input_shape: Any = None) -> None:
@@ -234,16 +236,17 @@ class ShardedEmbedding(keras.layers.Layer):
 
     def _push(self, keys: np.ndarray, grads: np.ndarray, scale: np.ndarray, counter: np.ndarray,
               rows: np.ndarray) -> np.ndarray:
-        g = np.array(grads, self.table.dtype) * np.asarray(scale * self._rows_weight(int(rows)), self.table.dtype)
+        g = np.array(grads, self.table.dtype) * np.asarray(scale, self.table.dtype)  # a copy: pushed later
         self._kept.append((np.array(keys, np.int64), g))
         self._pushing = True
+        self._rows = int(rows)
         steps = self._accumulation()
         if steps > 1:
             if int(counter) < 0:  # (a ValueError: TensorFlow reports it from a graph as InvalidArgumentError)
                 raise ValueError(
                     f"ShardedEmbedding {self.name!r} follows an optimizer with gradient_accumulation_steps="
                     f"{steps}, but this step was traced before it did; call layer.follow(optimizer) before the "
-                    "first step of a tf.function (model.fit under UnisonStrategy does)")
+                    "first step of a tf.function (model.fit does)")
             self._iteration = int(counter)
         self._open -= 1
         if self._open <= 0:  # the step's last lookup: [Note: one push per training step, TensorFlow]
@@ -257,6 +260,10 @@ class ShardedEmbedding(keras.layers.Layer):
         kept, self._kept, self._open, self._pushing = self._kept, [], 0, False
         if not kept:
             return
+        weight = self._rows_weight(self._rows)  # (once per step: every lookup of it has the same rows)
+        if weight != 1.0:
+            for _, g in kept:
+                g *= np.asarray(weight, g.dtype)
         steps = self._accumulation()
         if steps > 1:
             self._accumulated.extend(kept)
@@ -279,8 +286,8 @@ class ShardedEmbedding(keras.layers.Layer):
         and the table averages its workers' pushes: each push is scaled by ``workers * rows_r / sum_r rows_r``
         so the table's average is the same weighted mean. Before 2026-12-06 (evening) a ragged last batch
         (21 rows in batches of 8 at 2 ranks) left the table's rows 0.012 off one process's. One small
-        all-reduce of the rows per push, over the job (the table's workers must be every rank of it: else
-        the pushes are not weighted)."""
+        all-reduce of the rows per step (when the step's rows are pushed or kept), over the job (the table's
+        workers must be every rank of it: else the pushes are not weighted)."""
         from unison.common import runtime
 
         workers = len(self.table.workers)

@@ -33,6 +33,7 @@ from unison.collectives import kernels
 from unison.collectives.reduce import check_op
 from unison.common import runtime
 from unison.common.engine.errors import refusal_class, refusal_kind
+from unison.common.engine.frontend import count_mismatch
 from unison.common.exceptions import MismatchError
 from unison.common.ops import ReduceOp, Sum
 
@@ -117,8 +118,7 @@ class CommOps:
         self.comm.Allgather(np.array([count], np.int64), every)
         most, least = int(every.max()), int(every.min())
         if most != least:
-            self._failed[base] = (f"{what}: the ranks passed {least} to {most} tensors (this rank {count}); every "
-                                  "rank must pass the same number")
+            self._failed[base] = count_mismatch(what, least, most, count)
             raise MismatchError(self._failed[base])
         return count
 

@@ -361,6 +361,12 @@ def allreduce_async(tensor: Any, op: Any = Average, name: str | None = None,
                    out=wire_out if usable_out else None, algorithm="" if algorithm is None else str(algorithm))
 
 
+def count_mismatch(what: str, least: int, most: int, count: int) -> str:
+    """The error of a call ``what`` whose ranks passed ``least`` to ``most`` tensors (this rank ``count``)."""
+    return (f"{what}: the ranks passed {least} to {most} tensors (this rank {count}); every rank must pass the "
+            "same number")
+
+
 def group_size_agreement(base: str, count: int, process_set: ProcessSet | None = None,
                          members: str = "allgather", what: str | None = None) -> Handle:
     """Submit the agreement on a group's member count that a grouped op of one request per member
@@ -393,8 +399,7 @@ def group_size_agreement(base: str, count: int, process_set: ProcessSet | None =
 
     def message(most: int, least: int) -> str:
         if what is not None:
-            return (f"{what}: the ranks passed {least} to {most} tensors (this rank {count}); every rank must "
-                    "pass the same number")
+            return count_mismatch(what, least, most, count)
         return (f"grouped collective {base!r}: the ranks passed groups of {least} to {most} tensors (this "
                 f"rank {count}); every rank must pass the same number")
 
