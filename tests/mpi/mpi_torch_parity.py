@@ -1206,6 +1206,32 @@ def test_in_place_async_ops_land_when_they_complete():
             hvd.synchronize(h)
 
 
+def test_in_place_broadcast_writes_the_tensor_where_it_lies(monkeypatch):
+    """``broadcast_`` of a contiguous tensor broadcasts into the tensor's own memory: no result array, no
+    copy back (before 2026-12-06 the engine copied the input into a new array, broadcast that, and the
+    result was copied into the tensor); the tensor's version moves as after an in-place op. A strided
+    tensor still gets the result copied in, and ``broadcast`` (not in place) leaves its input alone."""
+    import unison.torch_backend.gather_ops as gather_ops
+
+    copies = []
+    convert = gather_ops.result_tensor
+    monkeypatch.setattr(gather_ops, "result_tensor",
+                        lambda arr, src: copies.append(arr.shape) or convert(arr, src))
+    t = torch.arange(6.0).reshape(2, 3) * (R + 1)
+    version = t._version
+    assert hvd.broadcast_(t, N - 1, name="parity.lands.bcast") is t
+    np.testing.assert_array_equal(t.numpy(), np.arange(6.0).reshape(2, 3) * N)
+    if N > 1:  # (one rank runs no engine: its result is a copy)
+        assert copies == [] and t._version > version, (copies, t._version, version)
+    strided = torch.zeros(2, 6)[:, ::2]
+    strided.copy_(torch.full((2, 3), float(R)))
+    hvd.broadcast_(strided, 0, name="parity.lands.strided")
+    assert strided.tolist() == [[0.0] * 3] * 2
+    x = torch.full((4,), float(R))
+    y = hvd.broadcast(x, N - 1, name="parity.lands.copy")
+    assert y.tolist() == [float(N - 1)] * 4 and x.tolist() == [float(R)] * 4
+
+
 @multi
 @pytest.mark.parametrize("case", ["sparse-allreduce", "sparse-allgather", "strided-allreduce_", "root-outside",
                                   "strided-grouped_allreduce_"])

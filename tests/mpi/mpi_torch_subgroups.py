@@ -95,6 +95,47 @@ def test_collectives_inside_pairs(pairs):
     dist.barrier(group=group)
 
 
+def test_outputs_are_written_where_they_lie_inside_pairs(pairs, monkeypatch):
+    """A sub-group's broadcast, all_gather_into_tensor and reduce_scatter_tensor write a contiguous output's
+    own memory (no copy of the result), and FSDP's in-place forms stay right there too."""
+    import unison.torch_backend.process_group_collectives as collectives
+    import unison.torch_backend.process_group_ops as ops
+
+    seen: list[tuple[int, ...]] = []
+    copy = ops.copy_into
+
+    def counted(target, values, what="the collective"):  # noqa: ANN001, ANN202
+        seen.append(tuple(target.shape))
+        return copy(target, values, what)
+
+    monkeypatch.setattr(ops, "copy_into", counted)
+    monkeypatch.setattr(collectives, "copy_into", counted)
+    r = dist.get_rank()
+    group, members = _mine(pairs)
+    g = members.index(r)
+    expected = {m: _values(m).numpy() for m in members}
+    t = _values(r)
+    dist.broadcast(t, src=members[0], group=group)
+    np.testing.assert_allclose(t.numpy(), expected[members[0]])
+    flat = torch.empty(12, dtype=torch.float64)
+    dist.all_gather_into_tensor(flat, _values(r), group=group)
+    np.testing.assert_allclose(flat.numpy(), np.concatenate([expected[m] for m in members]))
+    whole = _values(r)
+    out = torch.empty(3, dtype=torch.float64)
+    dist.reduce_scatter_tensor(out, whole, group=group)
+    total = sum(expected.values())
+    np.testing.assert_allclose(out.numpy(), total[3 * g:3 * g + 3])
+    np.testing.assert_array_equal(whole.numpy(), expected[r])
+    assert seen == [], f"results were copied into outputs of shapes {seen}; they should land in place"
+    gathered = torch.zeros(12, dtype=torch.float64)
+    gathered[6 * g:6 * g + 6] = _values(r)
+    dist.all_gather_into_tensor(gathered, gathered[6 * g:6 * g + 6], group=group)
+    np.testing.assert_allclose(gathered.numpy(), np.concatenate([expected[m] for m in members]))
+    whole = _values(r)
+    dist.reduce_scatter_tensor(whole[3 * g:3 * g + 3], whole, group=group)
+    np.testing.assert_allclose(whole[3 * g:3 * g + 3].numpy(), total[3 * g:3 * g + 3])
+
+
 def test_rooted_and_point_to_point_in_an_ordered_group(pairs):
     r = dist.get_rank()
     odd = pairs[2]

@@ -9,6 +9,7 @@ dtype and group, so segments cut through parameters.
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -114,6 +115,31 @@ def test_stage_equals_one_process_on_the_global_batch(opt_name, stage):
     assert isinstance(opt, type(OPTIMIZERS[opt_name]([torch.nn.Parameter(torch.zeros(1))])))
     assert len(opt.plan.buckets) >= 3  # small buckets: segments cut through parameters
     assert_same_weights(model, ref)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_weights_gather_lands_in_the_weights_themselves(monkeypatch, stage):
+    """After each step every bucket's all-gather writes straight into the bucket's flat weights (its
+    ``out=``; before 2026-12-06 into a new array of the bucket's size, copied back piece by piece), and the
+    weights still equal one process's."""
+    import unison.torch_backend.zero as zero
+
+    gathers = []
+    submit = zero.frontend.allgather_async
+
+    def recorded(arr, name=None, process_set=None, out=None):  # noqa: ANN001, ANN202
+        handle = submit(arr, name, process_set, out=out)
+        if re.search(r"\.ag\d+$", str(name)):  # the buckets' gathers (not the optimizer's own agreements)
+            gathers.append((handle, out))
+        return handle
+
+    monkeypatch.setattr(zero.frontend, "allgather_async", recorded)
+    ref, _ = reference("adam")
+    model, opt = distributed("adam", stage)
+    assert_same_weights(model, ref)
+    assert len(gathers) == STEPS * len(opt.plan.buckets)
+    if N > 1:  # (one rank runs no engine)
+        assert all(out is not None and handle.wait() is out for handle, out in gathers)
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -133,27 +133,41 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
 
 # ----------------------------------------------------------------- broadcast
 
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                    process_set: ProcessSet | None = None) -> Handle:
-    """Start a broadcast from ``root_rank`` (a global rank, as in Horovod)."""
+def _broadcast_submit(tensor: torch.Tensor, root_rank: int, name: str | None, process_set: ProcessSet | None,
+                      in_place: bool) -> tuple[Handle, Any, np.ndarray | None]:
+    """Submit a broadcast of ``tensor``: ``(engine handle, the array submitted, the array the result lands
+    in or None)``. ``in_place``: a contiguous tensor's own memory is the result's ``out=`` (the engine
+    broadcasts into it: no result array, no copy back)."""
     ps = set_or_none(process_set)
     src = _dense(tensor, "broadcast")
     try:
         root = root_in_set(root_rank, ps)
     except ValueError as exc:  # submitted with the error in place of the data: every rank raises it
         src, root = frontend.Refused(exc), 0  # (a placeholder root no peer sees: the error comes first)
-    inner = frontend.broadcast_async(src, root, name, ps)
-    return TorchHandle(raise_now(inner), lambda arr: result_tensor(arr.reshape(src.shape), src))
+    lands = (src if in_place and isinstance(src, np.ndarray) and src.size and tensor.is_contiguous()
+             and src.__array_interface__["data"][0] == tensor.data_ptr() else None)
+    return raise_now(frontend.broadcast_async(src, root, name, ps, out=lands)), src, lands
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet | None = None) -> Handle:
+    """Start a broadcast from ``root_rank`` (a global rank, as in Horovod)."""
+    inner, src, _ = _broadcast_submit(tensor, root_rank, name, process_set, in_place=False)
+    return TorchHandle(inner, lambda arr: result_tensor(arr.reshape(src.shape), src))
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: ProcessSet | None = None) -> Handle:
-    """Start an in-place broadcast: ``tensor`` receives the root's values when it completes."""
-    inner = broadcast_async(tensor, root_rank, name, process_set)
+    """Start an in-place broadcast: ``tensor`` receives the root's values when it completes (a contiguous
+    one is broadcast into where it lies; another gets the result copied in)."""
+    inner, src, lands = _broadcast_submit(tensor, root_rank, name, process_set, in_place=True)
 
-    def copy_in(result: torch.Tensor) -> None:
+    def copy_in(result: np.ndarray) -> None:
+        if lands is not None and result is lands:  # written through numpy, unseen by autograd: bump the
+            torch.autograd.graph.increment_version(tensor)  # version as an in-place torch op would
+            return
         with torch.no_grad():
-            tensor.copy_(result)
+            tensor.copy_(result_tensor(result.reshape(src.shape), src))
 
     return InPlaceHandle(inner, copy_in, tensor)
 

@@ -252,8 +252,8 @@ class _SetOps:
         refusals (frontend.group_size_agreement)."""
         return frontend.group_size_agreement(base, count, self.process_set, kind, what=what)
 
-    def reducescatter_async(self, arr: Any, op: Any, name: str | None = None) -> Any:
-        return frontend.reducescatter_async(arr, op, name=name, process_set=self.process_set)
+    def reducescatter_async(self, arr: Any, op: Any, name: str | None = None, out: Any = None) -> Any:
+        return frontend.reducescatter_async(arr, op, name=name, process_set=self.process_set, out=out)
 
     def close(self) -> None:
         """Unregister the group's process set (every member destroys the group: [Note: a destroyed group frees
@@ -269,11 +269,11 @@ class _SetOps:
             logger.warning("destroy_process_group: could not remove the group's process set (%s); a group of "
                            "every rank is destroyed on every rank, as it was made", exc)
 
-    def broadcast_async(self, arr: Any, root: int, name: str | None = None) -> Any:
-        return frontend.broadcast_async(arr, root, name=name, process_set=self.process_set)
+    def broadcast_async(self, arr: Any, root: int, name: str | None = None, out: Any = None) -> Any:
+        return frontend.broadcast_async(arr, root, name=name, process_set=self.process_set, out=out)
 
-    def allgather_async(self, arr: Any, name: str | None = None) -> Any:
-        return frontend.allgather_async(arr, name=name, process_set=self.process_set)
+    def allgather_async(self, arr: Any, name: str | None = None, out: Any = None) -> Any:
+        return frontend.allgather_async(arr, name=name, process_set=self.process_set, out=out)
 
     def alltoall_async(self, arr: Any, splits: Any, name: str | None = None) -> Any:
         return frontend.alltoall_async(arr, splits, name=name, process_set=self.process_set)

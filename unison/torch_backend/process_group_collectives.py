@@ -47,6 +47,7 @@ from unison.torch_backend.process_group_ops import (
     premul,
     real_view,
     unison_op,
+    whole_view,
 )
 from unison.torch_backend.process_group_work import collective_work, copy_into, host
 
@@ -150,24 +151,32 @@ class Collectives:
                         named: Callable[[int], dict[str, str]] = lambda i: {}) -> dist.Work:
         """``inputs[i]``: the pieces of output i, or the exception that refused them on this rank."""
         op, factor = unison_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        handles, targets = [], []
+        handles, targets, landed = [], [], []
         for i, (out, pieces) in enumerate(zip(outputs, inputs, strict=True)):
-            target = out
+            target, lands = out, None
             try:
                 if isinstance(pieces, Exception):
                     raise pieces
                 target = real_view(out, op, "reduce_scatter", written=True)
                 reals = [real_view(p, op, "reduce_scatter") for p in pieces]
                 self._check_pieces(reals, target, "reduce_scatter")
-                stacked: Any = np.stack([host(p, "reduce_scatter") for p in reals])
+                whole = whole_view(pieces, target, self._size)
+                if whole is not None:  # one contiguous input (reduce_scatter_tensor): read where it lies
+                    view = host(target, "reduce_scatter")  # (its dtype is the input's: checked as carried)
+                    stacked: Any = whole.reshape(self._size, *view.shape)
+                    lands = view.reshape(1, *view.shape) if is_view(view, target) else None  # (its shape there)
+                else:
+                    stacked = np.stack([host(p, "reduce_scatter") for p in reals])
                 check_op(stacked.dtype, op, factor, "reduce_scatter")
                 stacked = premul(stacked, factor)
             except (TypeError, ValueError) as exc:
-                stacked = frontend.Refused(exc)
+                stacked, lands = frontend.Refused(exc), None
             targets.append(target)
-            handles.append(self._ops.reducescatter_async(stacked, op, **named(i)))
+            landed.append(lands)
+            handles.append(self._ops.reducescatter_async(stacked, op, out=lands, **named(i)))
 
-        return self._done(agreement, handles, lambda results: (into(targets)(results), outputs)[1])
+        return self._done(agreement, handles,
+                          lambda results: (into(targets, landed=landed)(results), outputs)[1])
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002 - PyTorch's
                               opts: Any = None) -> dist.Work:
@@ -190,15 +199,17 @@ class Collectives:
     # ----------------------------------------------------------- movement
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         root = opts.rootRank if opts is not None else 0
-        handles = []
+        handles, landed = [], []
         for t in tensors:
             try:
                 data: Any = host(t, "broadcast")
             except (TypeError, ValueError) as exc:  # (refused on this rank: every rank raises it)
                 data = frontend.Refused(exc)
-            handles.append(self._ops.broadcast_async(data, root))
+            lands = data if isinstance(data, np.ndarray) and is_view(data, t) else None  # in place: no copies
+            landed.append(lands)
+            handles.append(self._ops.broadcast_async(data, root, out=lands))
 
-        return self._work(handles, into(tensors, self._rank != root))
+        return self._work(handles, into(tensors, self._rank != root, landed))
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts: Any = None) -> dist.Work:
@@ -233,19 +244,24 @@ class Collectives:
                    agreement: Any = None, named: Callable[[int], dict[str, str]] = lambda i: {}) -> dist.Work:
         """One all-gather per input into its list of per-rank outputs (or the exception that refused them on
         this rank); ``value()`` completes the future."""
-        handles = []
+        handles, landed = [], []
         for i, (outs, t) in enumerate(zip(outputs, inputs, strict=True)):
+            lands = None
             try:
                 if isinstance(outs, Exception):
                     raise outs
                 self._check_pieces(outs, t, "allgather")
                 row: Any = host(t, "allgather").reshape(1, -1)
+                lands = whole_view(outs, t, self._size)  # all_gather_into_tensor: gathered where it goes
             except (TypeError, ValueError) as exc:
-                row = frontend.Refused(exc)
-            handles.append(self._ops.allgather_async(row, **named(i)))
+                row, lands = frontend.Refused(exc), None
+            landed.append(lands)
+            handles.append(self._ops.allgather_async(row, out=lands, **named(i)))
 
         def finish(results: list[Any]) -> list[torch.Tensor]:
-            for outs, r in zip(outputs, results, strict=True):
+            for outs, r, lands in zip(outputs, results, landed, strict=True):
+                if lands is not None and r is lands:
+                    continue
                 for out, row in zip(outs, np.asarray(r), strict=True):
                     copy_into(out, row)
             return value()

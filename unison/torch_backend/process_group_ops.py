@@ -18,8 +18,9 @@ import torch.distributed as dist
 from unison.common.dtypes import dtype_name, is_bool, is_float
 from unison.common.ops import BITWISE, Average, Band, Bor, Bxor, Max, Min, Product, Sum
 from unison.torch_backend.process_group_work import copy_into, unsupported
+from unison.torch_backend.tensors import to_numpy
 
-__all__ = ["unison_op", "check_op", "premul", "real_view", "pieces_of", "is_view", "into"]
+__all__ = ["unison_op", "check_op", "premul", "real_view", "Pieces", "pieces_of", "whole_view", "is_view", "into"]
 
 _OPS = {dist.ReduceOp.SUM: Sum, dist.ReduceOp.AVG: Average, dist.ReduceOp.PRODUCT: Product,
         dist.ReduceOp.MIN: Min, dist.ReduceOp.MAX: Max, dist.ReduceOp.BAND: Band, dist.ReduceOp.BOR: Bor,
@@ -80,12 +81,43 @@ def real_view(t: torch.Tensor, op: Any, what: str, written: bool = False) -> tor
     return torch.view_as_real(t if written else t.resolve_conj())
 
 
-def pieces_of(whole: torch.Tensor, like: torch.Tensor, size: int) -> list[torch.Tensor]:
+class Pieces(list):
+    """One tensor per rank cut from one tensor, ``whole``: the collective may then read or write
+    ``whole``'s memory at once (no stacking, no copy per piece) when :func:`whole_view` allows it."""
+
+    __slots__ = ("whole",)
+
+    def __init__(self, pieces: Sequence[torch.Tensor], whole: torch.Tensor) -> None:
+        super().__init__(pieces)
+        self.whole = whole
+
+
+def pieces_of(whole: torch.Tensor, like: torch.Tensor, size: int) -> Pieces:
     """``whole`` as one piece per rank shaped like ``like``: PyTorch's concatenation (``size`` times the
     rows) or its stack (a new first axis of ``size``), which raised before 2026-12-05."""
     if whole.dim() == like.dim() + 1 and whole.shape[0] == size and whole.shape[1:] == like.shape:
-        return list(whole.unbind(0))
-    return list(torch.chunk(whole, size))
+        return Pieces(whole.unbind(0), whole)
+    return Pieces(torch.chunk(whole, size), whole)
+
+
+def whole_view(pieces: Any, like: torch.Tensor, size: int) -> np.ndarray | None:
+    """The memory of ``pieces``' whole tensor as ``(size, like.numel())``, when the pieces are exactly that
+    (``size`` pieces shaped like ``like``, of its dtype, cut from one contiguous CPU tensor of
+    ``size x like.numel()`` elements that numpy views without a copy, not complex); else None, and the
+    caller goes piece by piece."""
+    whole = getattr(pieces, "whole", None)
+    if (whole is None or len(pieces) != size or whole.device.type != "cpu" or not whole.is_contiguous()
+            or whole.dtype != like.dtype or whole.is_complex() or whole.is_conj() or whole.is_neg()
+            or whole.numel() != size * like.numel() or whole.numel() == 0
+            or any(p.shape != like.shape for p in pieces)):
+        return None
+    try:
+        arr = to_numpy(whole)
+    except TypeError:
+        return None
+    if not is_view(arr, whole):  # (a dtype numpy lacks, or one the view would copy)
+        return None
+    return arr.reshape(size, -1)
 
 
 def is_view(arr: np.ndarray, tensor: torch.Tensor) -> bool:
@@ -93,14 +125,17 @@ def is_view(arr: np.ndarray, tensor: torch.Tensor) -> bool:
     return bool(arr.size) and arr.__array_interface__["data"][0] == tensor.data_ptr()
 
 
-def into(targets: list[torch.Tensor],
-          keep: bool | Sequence[bool] = True) -> Callable[[list[Any]], list[torch.Tensor]]:
-    """A ``finish`` that copies each result into its target tensor (when ``keep``, or its entry of ``keep``)."""
+def into(targets: list[torch.Tensor], keep: bool | Sequence[bool] = True,
+         landed: Sequence[np.ndarray | None] | None = None) -> Callable[[list[Any]], list[torch.Tensor]]:
+    """A ``finish`` that copies each result into its target tensor (when ``keep``, or its entry of ``keep``),
+    unless the result is the target's own memory that was passed as ``out=`` (its entry of ``landed``: the
+    engine wrote it in place, [Note: out= beyond the all-reduce] in common/engine/executor.py)."""
     keeps = [keep] * len(targets) if isinstance(keep, bool) else list(keep)
+    outs = list(landed) if landed is not None else [None] * len(targets)
 
     def finish(results: list[Any]) -> list[torch.Tensor]:
-        for target, result, needed in zip(targets, results, keeps, strict=True):
-            if needed:
+        for target, result, needed, out in zip(targets, results, keeps, outs, strict=True):
+            if needed and (out is None or result is not out):
                 copy_into(target, result)
         return targets
 

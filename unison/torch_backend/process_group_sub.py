@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from unison.collectives import kernels
-from unison.collectives.reduce import check_op
+from unison.collectives.reduce import check_op, same_start
 from unison.common import runtime
 from unison.common.engine.errors import refusal_class, refusal_kind
 from unison.common.engine.frontend import count_mismatch
@@ -83,6 +83,18 @@ def _wide(arr: np.ndarray) -> np.ndarray:
     if arr.dtype.itemsize == 2 and arr.dtype.kind in "fV":
         return arr.astype(np.float32)
     return np.ascontiguousarray(arr)
+
+
+def _fits(out: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype,
+          avoid: np.ndarray | None = None) -> np.ndarray:
+    """``out`` when a result of ``shape`` and ``dtype`` can land in it (C-contiguous, writeable, no memory
+    shared with ``avoid``), else a new array: the engine's rule ([Note: out= beyond the all-reduce] in
+    common/engine/executor.py), so the caller tells them apart by identity."""
+    if (isinstance(out, np.ndarray) and out.shape == tuple(shape) and out.dtype == dtype
+            and out.flags.c_contiguous and out.flags.writeable
+            and (avoid is None or not np.may_share_memory(out, avoid))):
+        return out
+    return np.empty(shape, dtype)
 
 
 def _setting(field: str, default: Any) -> Any:
@@ -191,39 +203,50 @@ class CommOps:
             return into
         return out.astype(arr.dtype, copy=False)
 
-    def broadcast_async(self, tensor: Any, root_rank: int = 0, name: str | None = None) -> _Pending:
-        return self._submit(self._broadcast, *_array_or_error(tensor), root_rank, name)
+    def broadcast_async(self, tensor: Any, root_rank: int = 0, name: str | None = None,
+                        out: np.ndarray | None = None) -> _Pending:
+        """``out``: where the result may land, as the engine's (frontend.broadcast_async)."""
+        return self._submit(self._broadcast, *_array_or_error(tensor), root_rank, name, out)
 
-    def _broadcast(self, arr: np.ndarray, error: Exception | None, root: int, name: str | None) -> np.ndarray:
+    def _broadcast(self, arr: np.ndarray, error: Exception | None, root: int, name: str | None,
+                   out: np.ndarray | None = None) -> np.ndarray:
         self._agree("broadcast", arr, arr.shape, root, error, name)
-        buf = np.empty(arr.shape, arr.dtype)
+        buf = _fits(out, arr.shape, arr.dtype)
+        source = np.ascontiguousarray(arr) if self.rank == root and not same_start(buf, arr) else None
         kernels.broadcast(self.comm, self.mpi, buf, root, _setting("broadcast_algorithm", "auto"), self._chunk(),
-                          source=np.ascontiguousarray(arr) if self.rank == root else None)
+                          source=source)
         return buf
 
-    def allgather_async(self, tensor: Any, name: str | None = None) -> _Pending:
-        return self._submit(self._allgather, *_array_or_error(tensor), name)
+    def allgather_async(self, tensor: Any, name: str | None = None, out: np.ndarray | None = None) -> _Pending:
+        """``out``: where the result may land, as the engine's (frontend.allgather_async)."""
+        return self._submit(self._allgather, *_array_or_error(tensor), name, out)
 
-    def _allgather(self, arr: np.ndarray, error: Exception | None, name: str | None) -> np.ndarray:
+    def _allgather(self, arr: np.ndarray, error: Exception | None, name: str | None,
+                   into: np.ndarray | None = None) -> np.ndarray:
         self._refuse_failed(name)
         self._agree("allgather", arr, arr.shape, error=error, name=name)
         send = np.ascontiguousarray(arr)
-        out = np.empty((self.size * send.shape[0],) + send.shape[1:], send.dtype)
+        out = _fits(into, (self.size * send.shape[0],) + send.shape[1:], send.dtype)
+        if np.may_share_memory(send, out):  # (an input inside out=: MPI takes no overlap)
+            send = send.copy()
         kernels.allgatherv(self.comm, self.mpi, send, out, [send.nbytes] * self.size,
                            _setting("allgather_algorithm", "auto"), self._chunk())
         return out
 
-    def reducescatter_async(self, tensor: Any, op: Any = Sum, name: str | None = None) -> _Pending:
-        return self._submit(self._reducescatter, *_array_or_error(tensor), op, name)
+    def reducescatter_async(self, tensor: Any, op: Any = Sum, name: str | None = None,
+                            out: np.ndarray | None = None) -> _Pending:
+        """``out``: where the result may land, as the engine's (frontend.reducescatter_async)."""
+        return self._submit(self._reducescatter, *_array_or_error(tensor), op, name, out)
 
     def _reducescatter(self, stacked: np.ndarray, error: Exception | None, op: Any,
-                       name: str | None = None) -> np.ndarray:
-        """``stacked``: one piece per member along axis 0; returns this member's reduced piece."""
+                       name: str | None = None, into: np.ndarray | None = None) -> np.ndarray:
+        """``stacked``: one piece per member along axis 0; returns this member's reduced piece, with a first
+        axis of 1 (the engine's shape)."""
         self._refuse_failed(name)
         self._agree(f"reducescatter/{_name(op)}", stacked, stacked.shape, error=error, name=name)
         check_op(stacked.dtype, op, 1.0, 1.0)
         send = _wide(stacked)
-        out = np.empty(send.shape[1:], send.dtype)
+        out = _fits(into, (1, *send.shape[1:]), send.dtype, avoid=send)
         kernels.reducescatter(self.comm, self.mpi, send.reshape(-1), out.reshape(-1), [out.size] * self.size,
                               op, 1.0, 1.0, _setting("reducescatter_algorithm", "auto"), self._chunk())
         return out.astype(stacked.dtype, copy=False)

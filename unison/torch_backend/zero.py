@@ -33,6 +33,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from unison.common import runtime
@@ -59,7 +60,7 @@ class _BucketState:
     """One bucket on this rank: the flat weights, its segment, gradients and what is in flight."""
 
     __slots__ = ("bucket", "params", "flat", "segment", "master", "grad_flat", "staging", "fired",
-                 "handle", "ctx", "gather", "pos", "grad_views", "fresh")
+                 "handle", "ctx", "gather", "gather_out", "pos", "grad_views", "fresh")
 
     def __init__(self, bucket: Bucket, params: list[torch.Tensor], flat: torch.Tensor, rank: int) -> None:
         self.bucket, self.params, self.flat = bucket, params, flat
@@ -75,6 +76,7 @@ class _BucketState:
         self.handle: Any = None
         self.ctx: Any = None
         self.gather: Any = None
+        self.gather_out: np.ndarray | None = None  # the weights' own memory, where the gather may land
 
 
 class _ZeroOptimizer(ZeroStateMixin):
@@ -455,8 +457,11 @@ class _ZeroOptimizer(ZeroStateMixin):
                 with torch.no_grad():
                     if half:
                         st.segment.copy_(st.master.detach())
+                # gathered into the weights where they lie ([Note: out= beyond the all-reduce] in
+                # common/engine/executor.py): no array of the bucket's size per step, no copy back
+                st.gather_out = to_numpy(st.flat) if st.flat.is_contiguous() else None
                 st.gather = frontend.allgather_async(to_numpy(st.segment), f"{self._base}.ag{st.bucket.index}",
-                                                     self._pset)
+                                                     self._pset, out=st.gather_out)
                 window.append(st)
                 if len(window) > 2:
                     self._land(window.pop(0))
@@ -466,8 +471,12 @@ class _ZeroOptimizer(ZeroStateMixin):
             self._land(st)
 
     def _land(self, st: _BucketState) -> None:
-        full = from_numpy(st.gather.wait()).view(-1)
-        st.gather = None
+        result, out = st.gather.wait(), st.gather_out
+        st.gather = st.gather_out = None
+        if out is not None and result is out:  # written in place, through numpy: bump the weights' version
+            torch.autograd.graph.increment_version(st.flat)  # as the copies below do (a saved graph raises)
+            return
+        full = from_numpy(result).view(-1)
         lo, hi = st.bucket.segment(self._rank)  # this rank's own segment is in place already
         with torch.no_grad():
             st.flat[:lo].copy_(full[:lo])

@@ -29,6 +29,15 @@ reduced straight into their results. The packed members' results are consecutive
 views of one pooled array, so an adapter can hand that array on whole (TensorFlow
 adopts it as one tensor and splits it in the graph: ``tf_backend.host_ops``).
 
+[Note: out= beyond the all-reduce] An all-gather, broadcast or reduce-scatter request may carry an
+``out=`` array (the torch process group passes the output tensor's memory). The executor writes the
+result there when ``out`` has exactly the result's shape and dtype (an all-gather's rows are known
+only after the ranks exchange their counts) and, for a reduce-scatter, shares no memory with the
+input; otherwise the result is a new array, as without ``out``, and the caller tells the two apart
+by identity (``result is out``). A wrong ``out`` therefore never fails one rank alone: the
+collective runs the same on every rank. Without it, a 64 MiB all-gather through the process group
+wrote a fresh 128 MiB array (page faults on every page) and then copied it into the output tensor.
+
 [Note: agreed bytes] ``agreed_bytes`` counts the bytes of executed responses from
 values every rank knows alike (signatures, gathered row counts), never from what
 only this rank received: the autotuner decides its sample boundaries from it, and
@@ -370,6 +379,17 @@ class Executor:
                     self._once[resp.name] = sig
         return out
 
+    @staticmethod
+    def _out(req: Any, shape: tuple[int, ...], dtype: np.dtype, avoid: np.ndarray | None = None) -> np.ndarray:
+        """Where a result of ``shape`` and ``dtype`` goes: the caller's ``out=`` when it is exactly that
+        (the frontend passes only C-contiguous, writeable ones), else a new array ([Note: out= beyond the
+        all-reduce]); also a new array when ``out=`` shares memory with ``avoid``, the input."""
+        out = req.out if req is not None else None
+        if (out is not None and out.shape == shape and out.dtype == dtype
+                and (avoid is None or not np.may_share_memory(out, avoid))):
+            return out
+        return np.empty(shape, dtype=dtype)
+
     def _allgather(self, resp: Response) -> np.ndarray:
         sig = resp.sig
         dtype = dtype_from_code(sig.dtype)
@@ -383,15 +403,20 @@ class Executor:
         rows = np.empty(self.comm.Get_size(), dtype=np.int64)
         self.comm.Allgather(np.array([mine.shape[0]], dtype=np.int64), rows)
         row_bytes = int(np.prod(sig.shape, dtype=np.int64)) * dtype.itemsize
-        out = np.empty((int(rows.sum()), *sig.shape), dtype=dtype)
+        out = self._out(req, (int(rows.sum()), *sig.shape), dtype)
+        if np.may_share_memory(mine, out):  # (an input inside the caller's out=: MPI takes no overlap)
+            mine = mine.copy()
         kernels.allgatherv(self.comm, self.mpi, mine, out, [int(r) * row_bytes for r in rows],
                            sig.algorithm, self.chunk_bytes)
         self.agreed_bytes += out.nbytes  # the gathered rows: the same on every rank
         return out
 
     def _broadcast(self, resp: Response) -> np.ndarray:
-        sig = resp.sig
-        out = np.array(self._input(resp).reshape(sig.shape), order="C")
+        sig, req = resp.sig, resp.request
+        out = self._out(req, sig.shape, dtype_from_code(sig.dtype))
+        src = self._input(resp)
+        if self.comm.Get_rank() == sig.root and not same_start(out, src):  # (the others' out is overwritten)
+            np.copyto(out.reshape(-1), src)
         kernels.broadcast(self.comm, self.mpi, out, sig.root, sig.algorithm, self.chunk_bytes)
         self.agreed_bytes += out.nbytes
         return out
@@ -403,8 +428,9 @@ class Executor:
         base, extra = divmod(shape[0], n)
         rows = [base + (1 if i < extra else 0) for i in range(n)]
         row_elems = int(np.prod(shape[1:], dtype=np.int64))
-        out = np.empty((rows[r], *shape[1:]), dtype=dtype_from_code(sig.dtype))
-        kernels.reducescatter(self.comm, self.mpi, self._input(resp), out.reshape(-1),
+        src = self._input(resp)
+        out = self._out(resp.request, (rows[r], *shape[1:]), dtype_from_code(sig.dtype), src)
+        kernels.reducescatter(self.comm, self.mpi, src, out.reshape(-1),
                               [k * row_elems for k in rows], ReduceOp(sig.op), sig.prescale, sig.postscale,
                               sig.algorithm, self.chunk_bytes)
         self.agreed_bytes += self._nbytes(resp)  # the whole input: this rank's rows may differ

@@ -434,8 +434,20 @@ def group_size_agreement(base: str, count: int, process_set: ProcessSet | None =
     return handle
 
 
-def allgather_async(tensor: Any, name: str | None = None, process_set: ProcessSet | None = None) -> Handle:
-    """Submit an all-gather along the first dimension (which may differ per rank)."""
+def _writable(out: Any) -> np.ndarray | None:
+    """``out`` when the executor may write a result into it (a C-contiguous, writeable array), else None."""
+    ok = isinstance(out, np.ndarray) and out.flags.c_contiguous and out.flags.writeable
+    return out if ok else None
+
+
+def allgather_async(tensor: Any, name: str | None = None, process_set: ProcessSet | None = None,
+                    out: np.ndarray | None = None) -> Handle:
+    """Submit an all-gather along the first dimension (which may differ per rank).
+
+    ``out``: where the result may land: the result is ``out`` itself when ``out`` is a C-contiguous,
+    writeable array of exactly the gathered shape and dtype, else a new array (compare with ``is``;
+    [Note: out= beyond the all-reduce] in executor.py).
+    """
     eng = engine("unison.allgather_async()")
     name = _auto_name("allgather", name, process_set)
     arr, unusable = _array_or_error(tensor, eng)
@@ -449,7 +461,7 @@ def allgather_async(tensor: Any, name: str | None = None, process_set: ProcessSe
         if unusable is not None:
             raise unusable
 
-    return _submit(eng, Kind.ALLGATHER, name, arr, sid, checks)
+    return _submit(eng, Kind.ALLGATHER, name, arr, sid, checks, out=_writable(out))
 
 
 def rooted_allreduce_async(tensor: Any, op: Any, root_rank: int, process_set: ProcessSet | None = None,
@@ -481,8 +493,12 @@ def rooted_allreduce_async(tensor: Any, op: Any, root_rank: int, process_set: Pr
 
 
 def broadcast_async(tensor: Any, root_rank: int = 0, name: str | None = None,
-                    process_set: ProcessSet | None = None) -> Handle:
-    """Submit a broadcast from ``root_rank`` (a rank of ``process_set``)."""
+                    process_set: ProcessSet | None = None, out: np.ndarray | None = None) -> Handle:
+    """Submit a broadcast from ``root_rank`` (a rank of ``process_set``).
+
+    ``out``: where the result may land, as for :func:`allgather_async` (``out=tensor`` broadcasts in
+    place).
+    """
     eng = engine("unison.broadcast_async()")
     name = _auto_name("broadcast", name, process_set)
     if eng is None:
@@ -492,7 +508,7 @@ def broadcast_async(tensor: Any, root_rank: int = 0, name: str | None = None,
     root = int(root_rank) if isinstance(root_rank, (int, np.integer)) else -1
     within = "this job" if sid == 0 else f"process set {sid} (roots are ranks within the set)"
     return _submit(eng, Kind.BROADCAST, name, tensor, sid, lambda a: check_root(root_rank, size, within),
-                   root=root)
+                   root=root, out=_writable(out))
 
 
 def alltoall_async(tensor: Any, splits: Any = None, name: str | None = None,
@@ -515,8 +531,11 @@ def alltoall_async(tensor: Any, splits: Any = None, name: str | None = None,
 
 def reducescatter_async(tensor: Any, op: Any = Average, name: str | None = None,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                        process_set: ProcessSet | None = None) -> Handle:
-    """Submit a reduce-scatter; the result is this rank's rows of the reduction."""
+                        process_set: ProcessSet | None = None, out: np.ndarray | None = None) -> Handle:
+    """Submit a reduce-scatter; the result is this rank's rows of the reduction.
+
+    ``out``: where the result may land, as for :func:`allgather_async` (not when it overlaps the input).
+    """
     eng = engine("unison.reducescatter_async()")
     name = _auto_name("reducescatter", name, process_set)
     if eng is None:
@@ -534,7 +553,7 @@ def reducescatter_async(tensor: Any, op: Any = Average, name: str | None = None,
                              "got a 0-d array. Reshape it to (1,) or use allreduce")
 
     return _submit(eng, Kind.REDUCESCATTER, name, tensor, sid, checks, op=int(rop),
-                   prescale=float(prescale_factor), postscale=float(postscale_factor))
+                   prescale=float(prescale_factor), postscale=float(postscale_factor), out=_writable(out))
 
 
 class _GroupHandle(Handle):
