@@ -20,12 +20,25 @@ made through MPI). Every rank runs the same cases in the same order.
   that returns every bucket untouched, so its step is the model's compute plus DDP's own work
   (copying the gradients into its buckets and back) and no all-reduce. ``ddp-nocomm / ddp-gloo``
   is the most any backend's DDP can reach against gloo here; it is printed under the target lines.
+* ``ddp-unison-view``, beside the peers rather than one: DDP on the unison group with
+  ``gradient_as_bucket_view=True``, PyTorch's option that makes the gradients views of DDP's buckets, so
+  DDP skips its copies of every gradient into the buckets and back; printed under the
+  DDP-against-``DistributedOptimizer`` line (the same reductions, without DDP's own copies).
 * FSDP2: ``fully_shard`` on each child module with parameters and on the root, over a
   ``DeviceMesh`` made from the unison group and from the gloo group (``DeviceMesh.from_group``);
   its parameters are shards, so the in-sync check is DDP's and the optimizer's only.
 
 Targets, printed as lines: DDP on unison >= 1.3x DDP on gloo (mlp), >= 1.0x (cnn); DDP on unison
 >= 0.9x Unison's ``DistributedOptimizer``; FSDP2 on unison >= 1.3x FSDP2 on gloo (mlp).
+
+[Note: the two ceilings] Under each DDP-against-gloo line: ``ddp-nocomm / ddp-gloo``, DDP with
+an all-reduce that costs nothing, which no backend can pass; and an estimate of what DDP on unison
+can reach here: ddp-nocomm's step plus one all-reduce of the model's whole gradient on the unison
+group timed alone (an ``ExchangeRecord``, in the JSON too). Each rank computes on one thread and
+the ranks fill the machine's cores, so no core is idle for the reduction to hide in: its copies and
+sums take the cores from backward and lengthen the step by about their own time (on a machine with
+cores to spare they would overlap and cost nothing). It is an estimate, not a bound: the reduction
+timed alone also spends some of its time waiting for the peer, which a busy core would not lose.
 """
 
 from __future__ import annotations
@@ -74,6 +87,17 @@ class TrainRecord:
     np: int
     batch: int
     samples_per_s: float
+
+
+@dataclass
+class ExchangeRecord:
+    """One all-reduce of a model's whole gradient (all its parameters as one float32 tensor) on the unison
+    group, timed alone: the reduction's own cost, which a step adds when no core is free to hide it."""
+
+    model: str
+    np: int
+    bytes: int
+    seconds: float
 
 
 def _sizes(text: str) -> list[int]:
@@ -135,14 +159,26 @@ def run_ops(world: Any, groups: dict[str, Any], sizes: list[int], reps: int) -> 
     return records
 
 
+def time_exchange(world: Any, name: str, group: Any) -> ExchangeRecord:
+    """The all-reduce of ``name``'s gradient bytes as one tensor on ``group``, alone: the median of 5 calls
+    after 2, max over ranks (:func:`time_op`)."""
+    import torch
+    import torch.distributed as dist
+
+    flat = torch.ones(sum(p.numel() for p in build_model(name).parameters()), dtype=torch.float32)
+    seconds = time_op(world, lambda: dist.all_reduce(flat, group=group), 5)
+    return ExchangeRecord(name, world.Get_size(), flat.numel() * 4, seconds)
+
+
 def run_training(world: Any, hvd: Any, groups: dict[str, Any], models: list[str], args: argparse.Namespace
-                 ) -> list[TrainRecord]:
+                 ) -> list[TrainRecord | ExchangeRecord]:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
     n = world.Get_size()
-    records = []
-    impls = ("ddp-unison", "ddp-gloo", "unison-optimizer", "fsdp2-unison", "fsdp2-gloo", "ddp-nocomm")
+    records: list[TrainRecord | ExchangeRecord] = []
+    impls = ("ddp-unison", "ddp-gloo", "unison-optimizer", "fsdp2-unison", "fsdp2-gloo", "ddp-nocomm",
+             "ddp-unison-view")
     for name in models:
         batch = DEFAULT_BATCH[name]
         x, y = synthetic_batch(name, batch, world.Get_rank())
@@ -153,6 +189,11 @@ def run_training(world: Any, hvd: Any, groups: dict[str, Any], models: list[str]
                 checked = model
             elif impl.startswith("fsdp2-"):
                 model, checked = fsdp2_model(name, groups[impl.removeprefix("fsdp2-")]), None
+                opt = torch.optim.SGD(model.parameters(), lr=LR)
+            elif impl == "ddp-unison-view":  # DDP without its copies into the buckets and back
+                checked = build_model(name)
+                model = DistributedDataParallel(checked, process_group=groups["unison"],
+                                                gradient_as_bucket_view=True)
                 opt = torch.optim.SGD(model.parameters(), lr=LR)
             elif impl == "ddp-nocomm":  # a ceiling, not a peer: DDP whose all-reduce costs nothing
                 model = DistributedDataParallel(build_model(name), process_group=groups["unison"])
@@ -171,6 +212,7 @@ def run_training(world: Any, hvd: Any, groups: dict[str, Any], models: list[str]
             if checked is not None:
                 check_in_sync(world, checked, f"{name} {impl}")
             records.append(TrainRecord(name, impl, n, batch, n * batch * args.steps / min(times[impl])))
+        records.append(time_exchange(world, name, groups["unison"]))
     return records
 
 
@@ -200,7 +242,7 @@ def fsdp2_model(name: str, group: Any) -> Any:
     return model
 
 
-def print_tables(ops: list[OpRecord], train: list[TrainRecord]) -> None:
+def print_tables(ops: list[OpRecord], train: list[TrainRecord | ExchangeRecord]) -> None:
     print(f"{'op':<16}{'size':>10}{'unison':>12}{'gloo':>12}{'busbw unison':>14}{'busbw gloo':>12}{'ratio':>8}")
     by = {(r.op, r.bytes, r.backend): r for r in ops}
     for op, size in sorted({(r.op, r.bytes) for r in ops}, key=lambda k: (OPS.index(k[0]), k[1])):
@@ -210,11 +252,19 @@ def print_tables(ops: list[OpRecord], train: list[TrainRecord]) -> None:
     print()
     print(f"{'model':<8}{'impl':<20}{'np':>4}{'batch':>7}{'samples/s':>12}")
     for r in train:
-        print(f"{r.model:<8}{r.impl:<20}{r.np:>4}{r.batch:>7}{r.samples_per_s:>12.1f}")
+        if isinstance(r, TrainRecord):
+            print(f"{r.model:<8}{r.impl:<20}{r.np:>4}{r.batch:>7}{r.samples_per_s:>12.1f}")
+    for r in train:
+        if isinstance(r, ExchangeRecord):
+            print(f"{r.model}: one all-reduce of its {human_bytes(r.bytes)} of gradients on unison, alone: "
+                  f"{human_time(r.seconds)}")
 
 
-def target_lines(train: list[TrainRecord]) -> list[str]:
-    rate = {(r.model, r.impl): r.samples_per_s for r in train}
+def target_lines(train: list[TrainRecord | ExchangeRecord]) -> list[str]:
+    """The target lines; under each DDP-against-gloo line its ceilings ([Note: the two ceilings])."""
+    rate = {(r.model, r.impl): r.samples_per_s for r in train if isinstance(r, TrainRecord)}
+    batch = {r.model: r.np * r.batch for r in train if isinstance(r, TrainRecord)}
+    exchange = {r.model: r.seconds for r in train if isinstance(r, ExchangeRecord)}
     lines = ["targets:"]
     for model, minimum in (("mlp", 1.3), ("cnn", 1.0)):
         lines.append(ratio_target(f"{model} DDP on unison / DDP on gloo samples/s",
@@ -223,9 +273,20 @@ def target_lines(train: list[TrainRecord]) -> list[str]:
         if ceiling and gloo:
             lines.append(f"    (ceiling: ddp-nocomm / DDP on gloo = {ceiling / gloo:.2f}: DDP whose all-reduce "
                          "costs nothing, the most any backend can reach against gloo on this machine)")
+            if model in exchange:
+                added = batch[model] / (batch[model] / ceiling + exchange[model])
+                lines.append(f"    (estimate: ddp-nocomm's step plus its gradients' all-reduce timed alone "
+                             f"({human_time(exchange[model])}) / DDP on gloo = {added / gloo:.2f}: what DDP on "
+                             "unison reaches when the ranks' computing fills every core, so the reduction adds "
+                             "its time instead of hiding behind backward)")
     for model in ("mlp", "cnn"):
         lines.append(ratio_target(f"{model} DDP on unison / Unison DistributedOptimizer samples/s",
                                   rate.get((model, "ddp-unison")), rate.get((model, "unison-optimizer")), 0.9))
+        view, ours = rate.get((model, "ddp-unison-view")), rate.get((model, "unison-optimizer"))
+        if view and ours:
+            lines.append(f"    (DDP on unison with gradient_as_bucket_view=True / Unison DistributedOptimizer = "
+                         f"{view / ours:.2f}: the same reductions without DDP's copies of every gradient into its "
+                         "buckets and back)")
     lines.append(ratio_target("mlp FSDP2 on unison / FSDP2 on gloo samples/s", rate.get(("mlp", "fsdp2-unison")),
                               rate.get(("mlp", "fsdp2-gloo")), 1.3))
     return lines

@@ -14,7 +14,8 @@ from harness import ROOT, mpi_env, mpirun
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
 
 OPS = {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
-IMPLS = {"ddp-unison", "ddp-gloo", "unison-optimizer", "fsdp2-unison", "fsdp2-gloo", "ddp-nocomm"}
+IMPLS = {"ddp-unison", "ddp-gloo", "unison-optimizer", "fsdp2-unison", "fsdp2-gloo", "ddp-nocomm",
+         "ddp-unison-view"}
 TARGETS = [("mlp DDP on unison / DDP on gloo samples/s", 1.3), ("cnn DDP on unison / DDP on gloo samples/s", 1.0),
            ("mlp DDP on unison / Unison DistributedOptimizer samples/s", 0.9),
            ("cnn DDP on unison / Unison DistributedOptimizer samples/s", 0.9),
@@ -31,13 +32,17 @@ def test_torch_distributed_benchmark_writes_its_records_and_target_lines(tmp_pat
     records = json.loads(out.read_text())
     ops = [r for r in records if "op" in r]
     train = [r for r in records if "impl" in r]
+    exchanges = [r for r in records if "op" not in r and "impl" not in r]
     assert {(r["op"], r["backend"]) for r in ops} == {(op, b) for op in OPS for b in ("unison", "gloo")}, ops
     assert all(r["np"] == 2 and r["bytes"] == 4096 and r["seconds"] > 0 and r["busbw_gbs"] > 0 for r in ops), ops
     assert {(r["model"], r["impl"]) for r in train} == {(m, i) for m in ("mlp", "cnn") for i in IMPLS}, train
     assert all(r["np"] == 2 and r["samples_per_s"] > 0 for r in train), train
+    assert sorted(r["model"] for r in exchanges) == ["cnn", "mlp"], exchanges
+    assert all(r["np"] == 2 and r["bytes"] > 0 and r["seconds"] > 0 for r in exchanges), exchanges
+    assert next(r for r in exchanges if r["model"] == "mlp")["bytes"] > 4 * 19_000_000, exchanges
     lines = proc.stdout.splitlines()
     start = lines.index("targets:")
-    verdicts = [line for line in lines[start + 1:] if not line.startswith("    (ceiling:")]
+    verdicts = [line for line in lines[start + 1:] if not line.startswith("    (")]
     assert len(verdicts) == len(TARGETS), lines[start:]
     for line, (what, minimum) in zip(verdicts, TARGETS, strict=True):
         match = re.fullmatch(rf"  {re.escape(what)} = (\d+\.\d+)  \(target >= {minimum}\)  (PASS|MISS)", line)
@@ -46,3 +51,7 @@ def test_torch_distributed_benchmark_writes_its_records_and_target_lines(tmp_pat
         assert printed >= minimum if match[2] == "PASS" else printed <= minimum, line
     ceilings = [line for line in lines[start + 1:] if line.startswith("    (ceiling: ddp-nocomm / DDP on gloo = ")]
     assert len(ceilings) == 2, lines[start:]
+    estimates = [line for line in lines[start + 1:] if line.startswith("    (estimate: ddp-nocomm's step plus ")]
+    assert len(estimates) == 2, lines[start:]
+    views = [line for line in lines[start + 1:] if line.startswith("    (DDP on unison with gradient_as_bucket")]
+    assert len(views) == 2, lines[start:]
