@@ -210,6 +210,13 @@ def test_outputs_are_written_where_they_lie_and_in_place_forms_are_right(monkeyp
     _finish(dist.reduce_scatter_tensor(out, whole, async_op=async_op), async_op)
     np.testing.assert_array_equal(out.numpy(), sum(_values(q * 10 + r, (3,)).numpy() for q in range(n)))
     assert torch.equal(whole, before), "reduce_scatter_tensor changed its input"
+    # one large enough for the ring (from 4 MiB): read where it lies, left unchanged too
+    big = torch.arange(n * 600_000, dtype=torch.float32) % 1000 + r
+    before = big.clone()
+    piece = torch.empty(600_000, dtype=torch.float32)
+    _finish(dist.reduce_scatter_tensor(piece, big, async_op=async_op), async_op)
+    own = (torch.arange(r * 600_000, (r + 1) * 600_000, dtype=torch.float32) % 1000) * n + sum(range(n))
+    assert torch.equal(piece, own) and torch.equal(big, before)
     if n > 1:  # (one rank runs no engine: its results are copies)
         assert seen == [], f"results were copied into outputs of shapes {seen}; they should land in place"
 
