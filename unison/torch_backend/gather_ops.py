@@ -29,7 +29,7 @@ from unison.torch_backend.handles import (
     set_or_none,
     synchronize,
 )
-from unison.torch_backend.tensors import result_tensor
+from unison.torch_backend.tensors import is_view, result_tensor
 
 __all__ = [
     "sparse_allreduce_async", "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
@@ -144,8 +144,7 @@ def _broadcast_submit(tensor: torch.Tensor, root_rank: int, name: str | None, pr
         root = root_in_set(root_rank, ps)
     except ValueError as exc:  # submitted with the error in place of the data: every rank raises it
         src, root = frontend.Refused(exc), 0  # (a placeholder root no peer sees: the error comes first)
-    lands = (src if in_place and isinstance(src, np.ndarray) and src.size and tensor.is_contiguous()
-             and src.__array_interface__["data"][0] == tensor.data_ptr() else None)
+    lands = src if in_place and isinstance(src, np.ndarray) and is_view(src, tensor) else None
     return raise_now(frontend.broadcast_async(src, root, name, ps, out=lands)), src, lands
 
 

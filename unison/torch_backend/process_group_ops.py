@@ -18,7 +18,7 @@ import torch.distributed as dist
 from unison.common.dtypes import dtype_name, is_bool, is_float
 from unison.common.ops import BITWISE, Average, Band, Bor, Bxor, Max, Min, Product, Sum
 from unison.torch_backend.process_group_work import copy_into, unsupported
-from unison.torch_backend.tensors import to_numpy
+from unison.torch_backend.tensors import is_view, to_numpy
 
 __all__ = ["unison_op", "check_op", "premul", "real_view", "Pieces", "pieces_of", "whole_view", "is_view", "into"]
 
@@ -118,11 +118,6 @@ def whole_view(pieces: Any, like: torch.Tensor, size: int) -> np.ndarray | None:
     if not is_view(arr, whole):  # (a dtype numpy lacks, or one the view would copy)
         return None
     return arr.reshape(size, -1)
-
-
-def is_view(arr: np.ndarray, tensor: torch.Tensor) -> bool:
-    """Whether ``arr`` is ``tensor``'s own memory (a contiguous CPU tensor's view), not a copy."""
-    return bool(arr.size) and arr.__array_interface__["data"][0] == tensor.data_ptr()
 
 
 def into(targets: list[torch.Tensor], keep: bool | Sequence[bool] = True,

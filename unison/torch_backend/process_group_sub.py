@@ -33,6 +33,7 @@ from unison.collectives import kernels
 from unison.collectives.reduce import check_op, same_start
 from unison.common import runtime
 from unison.common.engine.errors import refusal_class, refusal_kind
+from unison.common.engine.executor import landing
 from unison.common.engine.frontend import count_mismatch
 from unison.common.exceptions import MismatchError
 from unison.common.ops import ReduceOp, Sum
@@ -83,18 +84,6 @@ def _wide(arr: np.ndarray) -> np.ndarray:
     if arr.dtype.itemsize == 2 and arr.dtype.kind in "fV":
         return arr.astype(np.float32)
     return np.ascontiguousarray(arr)
-
-
-def _fits(out: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype,
-          avoid: np.ndarray | None = None) -> np.ndarray:
-    """``out`` when a result of ``shape`` and ``dtype`` can land in it (C-contiguous, writeable, no memory
-    shared with ``avoid``), else a new array: the engine's rule ([Note: out= beyond the all-reduce] in
-    common/engine/executor.py), so the caller tells them apart by identity."""
-    if (isinstance(out, np.ndarray) and out.shape == tuple(shape) and out.dtype == dtype
-            and out.flags.c_contiguous and out.flags.writeable
-            and (avoid is None or not np.may_share_memory(out, avoid))):
-        return out
-    return np.empty(shape, dtype)
 
 
 def _setting(field: str, default: Any) -> Any:
@@ -211,7 +200,7 @@ class CommOps:
     def _broadcast(self, arr: np.ndarray, error: Exception | None, root: int, name: str | None,
                    out: np.ndarray | None = None) -> np.ndarray:
         self._agree("broadcast", arr, arr.shape, root, error, name)
-        buf = _fits(out, arr.shape, arr.dtype)
+        buf = landing(out, arr.shape, arr.dtype)
         source = np.ascontiguousarray(arr) if self.rank == root and not same_start(buf, arr) else None
         kernels.broadcast(self.comm, self.mpi, buf, root, _setting("broadcast_algorithm", "auto"), self._chunk(),
                           source=source)
@@ -226,7 +215,7 @@ class CommOps:
         self._refuse_failed(name)
         self._agree("allgather", arr, arr.shape, error=error, name=name)
         send = np.ascontiguousarray(arr)
-        out = _fits(into, (self.size * send.shape[0],) + send.shape[1:], send.dtype)
+        out = landing(into, (self.size * send.shape[0],) + send.shape[1:], send.dtype)
         if np.may_share_memory(send, out):  # (an input inside out=: MPI takes no overlap)
             send = send.copy()
         kernels.allgatherv(self.comm, self.mpi, send, out, [send.nbytes] * self.size,
@@ -246,7 +235,7 @@ class CommOps:
         self._agree(f"reducescatter/{_name(op)}", stacked, stacked.shape, error=error, name=name)
         check_op(stacked.dtype, op, 1.0, 1.0)
         send = _wide(stacked)
-        out = _fits(into, (1, *send.shape[1:]), send.dtype, avoid=send)
+        out = landing(into, (1, *send.shape[1:]), send.dtype, avoid=send)
         kernels.reducescatter(self.comm, self.mpi, send.reshape(-1), out.reshape(-1), [out.size] * self.size,
                               op, 1.0, 1.0, _setting("reducescatter_algorithm", "auto"), self._chunk())
         return out.astype(stacked.dtype, copy=False)

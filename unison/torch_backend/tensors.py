@@ -12,7 +12,7 @@ import torch
 from unison.common.compression import register_caster
 from unison.common.dtypes import bfloat16_dtype, is_bfloat16
 
-__all__ = ["to_numpy", "from_numpy", "result_tensor", "TorchCaster"]
+__all__ = ["to_numpy", "from_numpy", "is_view", "result_tensor", "TorchCaster"]
 
 
 #: torch dtype -> numpy's: the dtypes ``Tensor.numpy`` and ``torch.from_numpy`` convert as they are
@@ -60,6 +60,11 @@ def _to_numpy_slow(tensor: torch.Tensor) -> np.ndarray:
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(bfloat16_dtype())
     return t.numpy(force=True)
+
+
+def is_view(arr: np.ndarray, tensor: torch.Tensor) -> bool:
+    """Whether ``arr`` is ``tensor``'s own memory (a contiguous CPU tensor's view), not a copy."""
+    return bool(arr.size) and arr.__array_interface__["data"][0] == tensor.data_ptr()
 
 
 def result_tensor(array: np.ndarray, source: np.ndarray) -> torch.Tensor:

@@ -65,7 +65,7 @@ from unison.common.exceptions import MismatchError
 from unison.common.ops import ReduceOp
 from unison.common.pool import ResultPool
 
-__all__ = ["Executor", "GroupResult"]
+__all__ = ["Executor", "GroupResult", "landing"]
 
 #: Tensors at least this large skip the fusion buffer (see [Note: fusion buffer]).
 DIRECT_BYTES = 1 << 20
@@ -122,6 +122,18 @@ class _NativeAllreduce:
             finalize(out, self.op, self.size, self.sig.postscale)
         self.executor.agreed_bytes += out.nbytes
         return out
+
+
+def landing(out: Any, shape: tuple[int, ...], dtype: np.dtype, avoid: np.ndarray | None = None) -> np.ndarray:
+    """Where a result of ``shape`` and ``dtype`` goes ([Note: out= beyond the all-reduce]): ``out`` when it
+    is a C-contiguous, writeable array of exactly that shape and dtype sharing no memory with ``avoid`` (the
+    input), else a new array, so the caller tells the two apart by identity. (The sub-groups of the
+    ``torch.distributed`` backend follow the same rule.)"""
+    if (isinstance(out, np.ndarray) and out.shape == tuple(shape) and out.dtype == dtype
+            and out.flags.c_contiguous and out.flags.writeable
+            and (avoid is None or not np.may_share_memory(out, avoid))):
+        return out
+    return np.empty(shape, dtype=dtype)
 
 
 class Executor:
@@ -379,17 +391,6 @@ class Executor:
                     self._once[resp.name] = sig
         return out
 
-    @staticmethod
-    def _out(req: Any, shape: tuple[int, ...], dtype: np.dtype, avoid: np.ndarray | None = None) -> np.ndarray:
-        """Where a result of ``shape`` and ``dtype`` goes: the caller's ``out=`` when it is exactly that
-        (the frontend passes only C-contiguous, writeable ones), else a new array ([Note: out= beyond the
-        all-reduce]); also a new array when ``out=`` shares memory with ``avoid``, the input."""
-        out = req.out if req is not None else None
-        if (out is not None and out.shape == shape and out.dtype == dtype
-                and (avoid is None or not np.may_share_memory(out, avoid))):
-            return out
-        return np.empty(shape, dtype=dtype)
-
     def _allgather(self, resp: Response) -> np.ndarray:
         sig = resp.sig
         dtype = dtype_from_code(sig.dtype)
@@ -403,7 +404,7 @@ class Executor:
         rows = np.empty(self.comm.Get_size(), dtype=np.int64)
         self.comm.Allgather(np.array([mine.shape[0]], dtype=np.int64), rows)
         row_bytes = int(np.prod(sig.shape, dtype=np.int64)) * dtype.itemsize
-        out = self._out(req, (int(rows.sum()), *sig.shape), dtype)
+        out = landing(req.out if req is not None else None, (int(rows.sum()), *sig.shape), dtype)
         if np.may_share_memory(mine, out):  # (an input inside the caller's out=: MPI takes no overlap)
             mine = mine.copy()
         kernels.allgatherv(self.comm, self.mpi, mine, out, [int(r) * row_bytes for r in rows],
@@ -413,7 +414,7 @@ class Executor:
 
     def _broadcast(self, resp: Response) -> np.ndarray:
         sig, req = resp.sig, resp.request
-        out = self._out(req, sig.shape, dtype_from_code(sig.dtype))
+        out = landing(req.out if req is not None else None, sig.shape, dtype_from_code(sig.dtype))
         src = self._input(resp)
         if self.comm.Get_rank() == sig.root and not same_start(out, src):  # (the others' out is overwritten)
             np.copyto(out.reshape(-1), src)
@@ -429,7 +430,8 @@ class Executor:
         rows = [base + (1 if i < extra else 0) for i in range(n)]
         row_elems = int(np.prod(shape[1:], dtype=np.int64))
         src = self._input(resp)
-        out = self._out(resp.request, (rows[r], *shape[1:]), dtype_from_code(sig.dtype), src)
+        req = resp.request
+        out = landing(req.out if req is not None else None, (rows[r], *shape[1:]), dtype_from_code(sig.dtype), src)
         kernels.reducescatter(self.comm, self.mpi, src, out.reshape(-1),
                               [k * row_elems for k in rows], ReduceOp(sig.op), sig.prescale, sig.postscale,
                               sig.algorithm, self.chunk_bytes)

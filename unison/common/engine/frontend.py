@@ -434,12 +434,6 @@ def group_size_agreement(base: str, count: int, process_set: ProcessSet | None =
     return handle
 
 
-def _writable(out: Any) -> np.ndarray | None:
-    """``out`` when the executor may write a result into it (a C-contiguous, writeable array), else None."""
-    ok = isinstance(out, np.ndarray) and out.flags.c_contiguous and out.flags.writeable
-    return out if ok else None
-
-
 def allgather_async(tensor: Any, name: str | None = None, process_set: ProcessSet | None = None,
                     out: np.ndarray | None = None) -> Handle:
     """Submit an all-gather along the first dimension (which may differ per rank).
@@ -461,7 +455,7 @@ def allgather_async(tensor: Any, name: str | None = None, process_set: ProcessSe
         if unusable is not None:
             raise unusable
 
-    return _submit(eng, Kind.ALLGATHER, name, arr, sid, checks, out=_writable(out))
+    return _submit(eng, Kind.ALLGATHER, name, arr, sid, checks, out=out)
 
 
 def rooted_allreduce_async(tensor: Any, op: Any, root_rank: int, process_set: ProcessSet | None = None,
@@ -508,7 +502,7 @@ def broadcast_async(tensor: Any, root_rank: int = 0, name: str | None = None,
     root = int(root_rank) if isinstance(root_rank, (int, np.integer)) else -1
     within = "this job" if sid == 0 else f"process set {sid} (roots are ranks within the set)"
     return _submit(eng, Kind.BROADCAST, name, tensor, sid, lambda a: check_root(root_rank, size, within),
-                   root=root, out=_writable(out))
+                   root=root, out=out)
 
 
 def alltoall_async(tensor: Any, splits: Any = None, name: str | None = None,
@@ -553,7 +547,7 @@ def reducescatter_async(tensor: Any, op: Any = Average, name: str | None = None,
                              "got a 0-d array. Reshape it to (1,) or use allreduce")
 
     return _submit(eng, Kind.REDUCESCATTER, name, tensor, sid, checks, op=int(rop),
-                   prescale=float(prescale_factor), postscale=float(postscale_factor), out=_writable(out))
+                   prescale=float(prescale_factor), postscale=float(postscale_factor), out=out)
 
 
 class _GroupHandle(Handle):
