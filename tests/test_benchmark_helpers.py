@@ -15,6 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import benchutil  # noqa: E402
+import collectives  # noqa: E402
 import hosts  # noqa: E402
 import keras_backends  # noqa: E402
 import keras_training  # noqa: E402
@@ -57,3 +58,19 @@ def test_hosts_training_rounds_by_mode():
     assert (quick.train_rounds, quick.train_steps, quick.train_warmup) == (2, 2, 1)
     record = hosts.TrainRecord("mlp", "unison", 2, "1gbit", 265.8)  # older JSON files lack the spread
     assert math.isnan(record.min_samples_per_s) and record.rounds == 0
+
+
+def test_collectives_rounds_repeat_the_small_cases_and_keep_each_ones_fastest():
+    small_a, small_b, large = ("allreduce", 4096, "unison-auto"), ("allreduce", 4096, "mpi-native"), \
+        ("allreduce", 4 << 20, "unison-auto")
+    cases = [small_a, small_b, large]
+    assert collectives.schedule(cases, 3) == [small_a, small_b, large, small_a, small_b, small_a, small_b]
+    assert collectives.schedule(cases, 1) == cases
+    best: dict = {}
+    for t in (9e-6, 6e-6, 7e-6):
+        rec = collectives.Record("allreduce", "unison-auto", 2, 4096, t, 1.0, 5.0)
+        collectives.keep_fastest(best, small_a, rec)
+    assert best[small_a].time_s == 6e-6 and best[small_a].rounds == 3
+    with pytest.raises(SystemExit):
+        collectives.parse_args(["--rounds", "0"])
+    assert collectives.parse_args([]).rounds == 3

@@ -452,16 +452,20 @@ def test_cached_mid_size_calls_match_numpy_and_detect_mismatch(op):
 
 
 @pytest.mark.parametrize("algorithm", ["auto", "tree", "mpi"])
-def test_large_broadcast_overlaps_the_roots_copy(algorithm):
-    """From 256 KiB MPI's broadcast is posted non-blocking while the root copies its input (twice: the
-    second call takes the cached plan); every rank gets the root's bits, the root's input stays as it was."""
+@pytest.mark.parametrize("count", [1024, 16_384, 300_000])
+def test_broadcast_overlaps_the_roots_copy(algorithm, count):
+    """MPI's broadcast is posted non-blocking at every size while the root copies its input (twice: the
+    second call takes the cached plan; a read-only input the second time); every rank gets the root's bits,
+    the root's input stays as it was and is never the result."""
     for root in range(N):
-        want = np.arange(300_000, dtype=np.float32) * (root + 1)
-        for _ in range(2):
-            mine = want.copy() if R == root else np.zeros(300_000, np.float32)
+        want = np.arange(count, dtype=np.float32) * (root + 1)
+        for read_only in (False, True):
+            mine = want.copy() if R == root else np.zeros(count, np.float32)
+            mine.flags.writeable = not read_only
             got = C.broadcast(mine, root_rank=root, algorithm=algorithm)
             np.testing.assert_array_equal(got, want)
             np.testing.assert_array_equal(mine, want if R == root else 0)
+            assert not np.shares_memory(got, mine)
 
 
 def test_cached_plans_follow_other_ranks_first_dims_and_splits():

@@ -216,6 +216,9 @@ class ReducescatterPlan(Plan):
         self.mine = counts[neg.rank]
         self.direct = kernels.reducescatter_is_native(neg.comm, neg.mpi, call.nbytes, self.dtype, op,
                                                       call.prescale, call.algorithm)
+        if self.direct:  # the call native.reduce_scatter would make, its arguments found once
+            self.mtype, self.mop = mpi_type(neg.mpi, self.dtype), mpi_op(neg.mpi, self.dtype, op)
+            self.block = counts.count(counts[0]) == len(counts)  # every rank's counts: the same call everywhere
         self.finish = op is ReduceOp.AVERAGE or call.postscale != 1.0
         self.empty = _allocator((self.mine,), self.dtype)
 
@@ -227,7 +230,11 @@ class ReducescatterPlan(Plan):
             kernels.reducescatter(neg.comm, neg.mpi, x.reshape(-1), out, self.counts, self.op, call.prescale,
                                   call.postscale, call.algorithm, self.chunk_bytes)
             return out.reshape(self.out_shape)
-        native.reduce_scatter(neg.comm, neg.mpi, x, out, self.counts, self.op)  # as the kernel would
+        t, mine = self.mtype, self.mine
+        if self.block:  # (mpi4py counts a block call's send buffer per rank too)
+            neg.comm.Reduce_scatter_block([x, mine, t], [out, mine, t], op=self.mop)
+        else:
+            neg.comm.Reduce_scatter([x, x.size, t], [out, mine, t], self.counts, op=self.mop)
         if self.finish:
             finalize(out, self.op, neg.size, call.postscale)
         return out.reshape(self.out_shape)

@@ -57,6 +57,8 @@ class ResultPool:
         self.held = 0
         self._arrays: dict[int, list[np.ndarray]] = {}  # by size class, the least recently used first
         self._skip = 0  # buffers not to scan for (see the class's docstring)
+        #: where each held buffer's aligned array starts (by the buffer's id), found once when it is made
+        self._starts: dict[int, int] = {}
         self._lock = threading.Lock()
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -72,16 +74,18 @@ class ResultPool:
             buffers = self._arrays.pop(size, None)
             if buffers is not None:
                 self._arrays[size] = buffers  # (now the most recently used class)
-                for i in range(len(buffers)):
-                    if sys.getrefcount(buffers[i]) == 2:  # the list's reference and the argument's
-                        return _typed(buffers[i], shape, dt)
+                for raw in buffers:
+                    if sys.getrefcount(raw) == 3:  # the list's, the loop variable's and the argument's
+                        return np.ndarray(shape, dt, raw, self._starts[id(raw)])
             raw = np.empty(size + ALIGN, dtype=np.uint8)
+            start = -raw.ctypes.data % ALIGN
             if self.held + size > self.max_bytes:
                 self._make_room(size)
             if self.held + size <= self.max_bytes:
                 self._arrays.setdefault(size, []).append(raw)
+                self._starts[id(raw)] = start
                 self.held += size
-            return _typed(raw, shape, dt)
+            return np.ndarray(shape, dt, raw, start)
 
     def _make_room(self, size: int) -> None:
         """Let go of free buffers, the least recently used classes first, until ``size`` more bytes fit (the
@@ -94,6 +98,7 @@ class ResultPool:
             i = 0
             while i < len(buffers) and self.held + size > self.max_bytes:
                 if sys.getrefcount(buffers[i]) == 2:  # the list's reference and the argument's: free
+                    del self._starts[id(buffers[i])]
                     del buffers[i]
                     self.held -= key
                 else:
@@ -108,13 +113,8 @@ class ResultPool:
         """Forget every array (the ones still in use stay valid; their memory is freed with them)."""
         with self._lock:
             self._arrays.clear()
+            self._starts.clear()
             self.held = 0
-
-
-def _typed(raw: np.ndarray, shape: tuple[int, ...], dt: np.dtype, align: int = ALIGN) -> np.ndarray:
-    """The ``shape``/``dt`` view of ``raw`` that starts on its first ``align``-byte boundary."""
-    start = -raw.ctypes.data % align
-    return raw[start:start + math.prod(shape) * dt.itemsize].view(dt).reshape(shape)
 
 
 #: The process-wide pool of the direct collectives (the engine keeps its own per process set).
