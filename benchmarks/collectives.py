@@ -19,7 +19,10 @@ What is measured, for each (op, impl, size):
   through the engine (naming, negotiation, fusion), which is not measured here.
   ``mpi-native`` calls mpi4py's ``Allreduce``/``Allgather``/``Reduce_scatter_block``/
   ``Bcast``/``Alltoall`` on preallocated numpy buffers over a ``Dup`` of ``COMM_WORLD``, the
-  communicator type Unison itself uses. ``gloo`` calls torch.distributed with the
+  communicator type Unison itself uses. ``mpi+agree`` makes the same call after an all-gather of
+  the block Unison's agreement exchanges (512 bytes per rank), in raw mpi4py with no Python of
+  Unison's: the floor of any design that agrees on every call in an exchange of its own before
+  MPI's call (see [Note: the agreement's floor]). ``gloo`` calls torch.distributed with the
   gloo backend, initialised inside the same job over TCP on 127.0.0.1 (so only
   for single-host jobs). Unison's calls return a new array, as its API does; the
   other two write into preallocated buffers, as theirs do.
@@ -80,7 +83,7 @@ from benchutil import atomic_write, human_bytes, human_time, list_choices, selec
 logger = logging.getLogger("benchmarks.collectives")
 
 OPS = ("allreduce", "allgather", "reducescatter", "broadcast", "alltoall")
-IMPLS = ("unison-auto", "unison-ring", "unison-rhd", "mpi-native", "gloo")
+IMPLS = ("unison-auto", "unison-ring", "unison-rhd", "mpi-native", "mpi+agree", "gloo")
 #: The ``algorithm=`` each ``unison-*`` impl passes, per op. ``unison-ring`` means the
 #: ring for allreduce, allgather and reducescatter and the binomial tree for broadcast
 #: (Unison has no ring broadcast); ``unison-rhd`` (recursive halving/doubling) exists
@@ -244,6 +247,28 @@ def unison_call(op: str, algorithm: str, x: np.ndarray) -> Callable[[], Any]:
     return lambda: coll.broadcast(x, root_rank=0, algorithm=algorithm)
 
 
+def agreed_call(comm: Any, call: Callable[[], Any]) -> Callable[[], Any]:
+    """``call`` after the all-gather of one agreement block per rank (the ``mpi+agree`` impl).
+
+    [Note: the agreement's floor] Every direct Unison collective first all-gathers a fixed block
+    describing the call, so that a mismatch raises on every rank instead of hanging or computing
+    on garbage (:mod:`unison.collectives.header`). This impl times that exchange and MPI's own
+    call with nothing else, so its ratio to ``mpi-native`` is what the check alone costs, and
+    ``unison-auto``'s ratio to it what Unison's Python adds. A target of ``<= 1.5x mpi-native``
+    below this floor cannot be met by any design that agrees in an exchange of its own.
+    """
+    from unison.collectives.header import HEADER_BYTES, INLINE_BYTES
+
+    block = np.zeros(HEADER_BYTES + INLINE_BYTES, np.uint8)
+    gathered = np.empty(block.size * comm.Get_size(), np.uint8)
+
+    def agreed() -> Any:
+        comm.Allgather(block, gathered)
+        return call()
+
+    return agreed
+
+
 def mpi_call(op: str, comm: Any, x: np.ndarray) -> Callable[[], Any]:
     from mpi4py import MPI
 
@@ -381,6 +406,8 @@ def plan(ops: Sequence[str], impls: Sequence[str], sizes: Sequence[int],
                     continue
                 if impl == "gloo" and (gloo is None or op in gloo.missing):
                     continue
+                if impl == "mpi+agree" and nbytes > ROUND_BYTES:  # (the targets' sizes: 4 KiB-1 MiB)
+                    continue
                 cases.append((op, nbytes, impl))
     return cases
 
@@ -436,6 +463,8 @@ def run_case(world: Any, mpi_comm: Any, gloo: Gloo | None, op: str, nbytes: int,
         call = unison_call(op, UNISON_ALGORITHMS[impl][op], x)
     elif impl == "mpi-native":
         call = mpi_call(op, mpi_comm, x)
+    elif impl == "mpi+agree":
+        call = agreed_call(mpi_comm, mpi_call(op, mpi_comm, x))
     else:
         assert gloo is not None
         call = gloo.call(op, x)
@@ -514,6 +543,17 @@ def print_summaries(records: Sequence[Record]) -> None:
             continue
         ok = value >= bound if cmp == ">=" else value <= bound
         print(f"  {what:<58} = {value:.2f}  (target {cmp} {bound})  {'PASS' if ok else 'MISS'}")
+    floors = [(op, nbytes) for op, nbytes, metric, other, _, _ in TARGETS
+              if metric == "time" and other == "mpi-native" and (op, "mpi+agree", nbytes) in by]
+    if floors:
+        print("  floor (no target; [Note: the agreement's floor]): mpi+agree = the agreement's all-gather, then "
+              "MPI's call")
+        for op, nbytes in floors:
+            floor = by[(op, "mpi+agree", nbytes)].time_s
+            native, mine = by.get((op, "mpi-native", nbytes)), by.get((op, "unison-auto", nbytes))
+            what = f"{human_bytes(nbytes)} {op}"
+            print(f"  {what:<20} mpi+agree / mpi-native = {fmt(native and floor / native.time_s):>5}   "
+                  f"unison-auto / mpi+agree = {fmt(mine and mine.time_s / floor):>5}")
     print(f"  where auto picks MPI's own call: unison-auto time / mpi-native time <= {AUTO_MPI_BOUND}")
     for op, nbytes in keys:
         value = _ratio(by, op, nbytes, "mpi-native", "time")
