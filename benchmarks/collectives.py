@@ -707,6 +707,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             keep_fastest(best, (op, nbytes, impl), run_case(world, mpi_comm, gloo, op, nbytes, impl, args, membw))
         except (WrongResultError, unison.UnisonError) as exc:
             failed.add((op, nbytes, impl))
+            best.pop((op, nbytes, impl), None)  # (a case that failed in any round has no record)
             # Both are raised on every rank alike (Unison agrees on errors before moving
             # data), so all ranks can go on to the next case.
             failures.append(f"{case}: {type(exc).__name__}: {exc}")

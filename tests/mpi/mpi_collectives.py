@@ -468,6 +468,26 @@ def test_broadcast_overlaps_the_roots_copy(algorithm, count):
             assert not np.shares_memory(got, mine)
 
 
+@pytest.mark.parametrize("count", [1024, 16_384, 300_000])
+def test_a_roots_source_overlapping_its_result_is_copied_before_it_is_sent(count):
+    """The kernel's root copies ``source`` into the result while MPI sends ``source``: where the two overlap
+    (shifted by 8 elements, as a caller's ``out=`` inside its input could) the copy goes first, else the
+    receivers got what it wrote over the source (a review's reproducer, 2026-12-07; from 256 KiB up before)."""
+    from unison.collectives import kernels
+
+    comm = WORLD.Dup()
+    want = np.arange(count, dtype=np.float64)
+    for root in range(N):
+        if R == root:
+            big = np.concatenate([want, np.zeros(8)])
+            source, buf = big[:count], big[8:8 + count]
+        else:
+            source, buf = None, np.zeros(count)
+        kernels.broadcast(comm, MPI, buf, root, "auto", 1 << 20, source=source)
+        np.testing.assert_array_equal(buf, want)
+    comm.Free()
+
+
 def test_cached_plans_follow_other_ranks_first_dims_and_splits():
     """A plan keyed by this rank's call must notice when another rank changed its rows or splits."""
     for step in range(4):

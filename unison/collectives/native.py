@@ -139,6 +139,9 @@ def broadcast(comm: Any, buf: np.ndarray, root: int, mpi: Any, source: np.ndarra
             copy_exact(buf, source)
         bcast_bytes(comm, mpi, buf.view(np.uint8), root)
         return
+    if source is not None and np.may_share_memory(buf, source):
+        copy_exact(buf, source)  # (sent from source, the receivers could get what this copy wrote over it)
+        source = None
     if source is None:
         comm.Ibcast([buf.view(np.uint8), mpi.BYTE], root=root).Wait()
         return

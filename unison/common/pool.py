@@ -74,8 +74,12 @@ class ResultPool:
             buffers = self._arrays.pop(size, None)
             if buffers is not None:
                 self._arrays[size] = buffers  # (now the most recently used class)
-                for raw in buffers:
-                    if sys.getrefcount(raw) == 3:  # the list's, the loop variable's and the argument's
+                for i in range(len(buffers)):
+                    # the list's reference and the argument's (an indexed argument is a new reference on every
+                    # Python; a loop variable may be lent without one from 3.14 on, which would count a buffer
+                    # one live array holds as free)
+                    if sys.getrefcount(buffers[i]) == 2:
+                        raw = buffers[i]
                         return np.ndarray(shape, dt, raw, self._starts[id(raw)])
             raw = np.empty(size + ALIGN, dtype=np.uint8)
             start = -raw.ctypes.data % ALIGN
