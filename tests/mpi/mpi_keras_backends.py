@@ -469,6 +469,50 @@ def test_dataset_inputs_predict_a_small_last_batch_and_steps_as_one_process(dp):
     assert same_everywhere([out])
 
 
+@pytest.mark.skipif(N == 1, reason="needs a global batch with fewer rows than ranks")
+@pytest.mark.parametrize("kind", ["pydataset", "tf.data", "DataLoader"])
+def test_a_global_batch_of_a_dataset_with_fewer_rows_than_ranks_is_refused_on_every_rank(dp, kind):
+    """A dataset's last global batch of N - 1 rows would leave a rank an empty batch. A PyDataset and a
+    DataLoader were refused; a tf.data dataset trained on: the empty share's BatchNormalization statistics
+    and loss became NaN on every rank, silently (found 2026-12-07). Now every input type is refused, on every
+    rank alike, naming the fix."""
+    rows = 2 * GLOBAL_BATCH + N - 1
+    if kind == "pydataset":
+        source = GlobalBatchesOf(X[:rows], Y[:rows])
+    elif kind == "tf.data":
+        import tensorflow as tf
+
+        source = tf.data.Dataset.from_tensor_slices((X[:rows], Y[:rows])).batch(GLOBAL_BATCH)
+    else:
+        import torch
+
+        pairs = torch.utils.data.TensorDataset(torch.from_numpy(X[:rows]), torch.from_numpy(Y[:rows]))
+        source = torch.utils.data.DataLoader(pairs, batch_size=GLOBAL_BATCH, shuffle=False)
+    with dp.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.BatchNormalization(),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    # (a ValueError, or TensorFlow's InvalidArgumentError where the batch is read inside tf.data)
+    with pytest.raises(Exception, match=f"at least {N} rows"):
+        model.fit(source, epochs=1, verbose=0, shuffle=False)
+    # the ranks took the same steps before it (each BatchNormalization's statistics are its rank's own)
+    assert same_everywhere([np.asarray(w) for w in model.trainable_weights])
+
+
+class GlobalBatchesOf(keras.utils.PyDataset):
+    """The global batches of (x, y), as a user's PyDataset would give them."""
+
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return -(-len(self.x) // GLOBAL_BATCH)
+
+    def __getitem__(self, i):
+        return self.x[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH], self.y[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH]
+
+
 def test_a_tf_data_shuffle_needs_one_seed_on_every_rank(dp):
     """An unseeded tf.data shuffle gave each rank its rows of another order's global batch, silently (50
     distinct rows of 64 in one pass at 2 ranks: found 2026-12-06); now every rank raises, as under

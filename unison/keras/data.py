@@ -326,7 +326,7 @@ def shard_input(x: Any, y: Any, sample_weight: Any, *, batch_size: int | None, r
     if _is_tf_dataset(x):
         from unison.tf_backend.strategy import split_global_batch
 
-        return split_global_batch(x, rank, size)
+        return split_global_batch(x, rank, size, refuse_small=True)  # (an empty share trained NaN into BatchNorm)
     if is_loader(x):
         return ShardedLoader(x, rank, size, seed)
     raise ValueError(f"{what}: unison.keras.DataParallel splits numpy arrays, keras.utils.PyDataset, "

@@ -255,8 +255,14 @@ class _UnisonReplicaContext(distribute_lib.ReplicaContext):
         return (_DEVICE,)
 
 
-def split_global_batch(dataset: tf.data.Dataset, rank: int, size: int) -> tf.data.Dataset:
+def split_global_batch(dataset: tf.data.Dataset, rank: int, size: int,
+                       refuse_small: bool = False) -> tf.data.Dataset:
     """Map each global batch of n rows to this rank's rows ``[rank*n//size, (rank+1)*n//size)``.
+
+    Args:
+        refuse_small: a global batch of fewer rows than ranks raises ``tf.errors.InvalidArgumentError``
+            (naming the rows, the ranks and the fix) when the step reads it, on every rank alike (they read
+            the same batches), instead of leaving some ranks an empty batch.
 
     Raises:
         ValueError: the dataset is not batched (its elements have no batch dimension).
@@ -268,6 +274,13 @@ def split_global_batch(dataset: tf.data.Dataset, rank: int, size: int) -> tf.dat
 
     def take(*elem: Any) -> Any:
         n = tf.shape(nest.flatten(elem)[0], out_type=tf.int64)[0]
+        if refuse_small:
+            message = (f"unison.keras.DataParallel: a global batch of the tf.data dataset has fewer rows than the "
+                       f"{size} ranks, so some rank would get none; make every global batch at least {size} rows "
+                       "(batch(..., drop_remainder=True), or pad the last one)")
+            check = tf.debugging.assert_greater_equal(n, tf.constant(size, tf.int64), message=message)
+            with tf.control_dependencies([check]):
+                n = tf.identity(n)
         lo, hi = (rank * n) // size, ((rank + 1) * n) // size
         out = nest.map_structure(lambda t: t[lo:hi], elem)
         return out if len(elem) > 1 else out[0]
