@@ -31,6 +31,29 @@ def test_a_last_batch_smaller_than_the_ranks_is_dropped_and_named(caplog):
     assert "1 row(s) for 3 ranks" in caplog.text and "remainder" in caplog.text
 
 
+@pytest.mark.parametrize("samples,batch,size", [(17, 8, 3), (2, 8, 3), (33, 16, 2), (64, 16, 2), (5, 4, 4)])
+def test_with_shadows_a_batch_smaller_than_the_ranks_goes_whole_to_every_rank(samples, batch, size):
+    """[Note: shadow shares]: nothing is dropped; the small batch's rows go to every rank, rank 0's counting."""
+    plan = BatchPlan(samples, batch, size, shadows=True)
+    tail = samples % batch
+    assert plan.dropped == 0 and plan.steps == -(-samples // batch)
+    assert plan.has_shadows is (0 < tail < size)
+    counted = []
+    for step in range(plan.steps):
+        start, stop = plan.global_rows(step)
+        for rank in range(size):
+            lo, hi = plan.rank_rows(step, rank)
+            if stop - start < size:  # the small batch: all of it, to every rank; the ranks but 0 its shadows
+                assert (lo, hi) == (start, stop) and plan.shadow(step, rank) is (rank != 0)
+            else:
+                assert hi > lo and not plan.shadow(step, rank)
+            if not plan.shadow(step, rank):
+                counted.extend(range(lo, hi))
+    assert counted == list(range(samples))  # every row counted once, in order
+    with_drop = BatchPlan(samples, batch, size)
+    assert with_drop.dropped == (tail if 0 < tail < size else 0) and not with_drop.has_shadows
+
+
 def test_bad_plans_name_the_value_and_the_fix():
     with pytest.raises(ValueError, match="batch_size=1 is the GLOBAL batch .* use batch_size >= 2"):
         BatchPlan(10, 1, 2)

@@ -17,7 +17,9 @@ ONE_RANK = "equals_one_process or rank_0s_weights or are_global or refused or da
                                               pytest.param("tensorflow", 2, None, id="tensorflow-2"),
                                               pytest.param("jax", 1, ONE_RANK, id="jax-1-subset")])
 def test_keras_backends(backend, np_, only, tmp_path):
-    run_rank_suite(np_, "mpi_keras_backends.py", tmp_path, timeout=600, extra_env={"KERAS_BACKEND": backend},
+    # (the stack dump at 500 s, not run_suite's 200: the JAX suite took 198 s on a loaded machine)
+    run_rank_suite(np_, "mpi_keras_backends.py", tmp_path, timeout=600,
+                   extra_env={"KERAS_BACKEND": backend, "TEST_HANG_DUMP_S": "500"},
                    pytest_args=["-k", only] if only else None)
 
 

@@ -9,8 +9,10 @@ once, on numpy arrays, so each adapter only moves its tensors to and from the ho
   ``[r*m//size, (r+1)*m//size)`` of each global batch of m rows, so the ranks' rows
   are disjoint, cover the batch, and every rank runs the same number of steps (the
   same rule as ``UnisonStrategy``). A last global batch with fewer rows than ranks
-  would leave some ranks without a row (Keras cannot train on an empty batch); it is
-  dropped, with a warning that names the rows lost and the fix.
+  would leave some ranks without a row (Keras cannot train on an empty batch): with
+  ``shadows`` every rank takes all its rows, and the ranks other than 0 are its *shadows*
+  ([Note: shadow shares]); without, it is dropped, with a warning that names the rows
+  lost and the fix.
 * **Gradients** (:func:`average_gradients`): with ``rows`` (this rank's batch rows) the
   result is ``sum_r rows_r * g_r / sum_r rows_r``: the gradient of the mean loss over
   the global batch, exactly, also when the last batch splits unevenly (a plain average
@@ -53,11 +55,25 @@ class BatchPlan:
         samples: rows in the (global) data.
         batch: rows in a global batch.
         size: number of ranks.
+        shadows: a global batch of fewer rows than ranks goes whole to every rank, rank 0's share
+            counting and the others' *shadows* weighing nothing; else it is dropped.
+
+    [Note: shadow shares] A last global batch of m < size rows cannot be split so that every
+    rank gets a row, and an empty batch is no batch to Keras (an empty mean is NaN: the loss, a
+    ``BatchNormalization``'s statistics). So every rank takes the m rows: rank 0 as one process
+    would, the others as shadows whose every sample weight is -0.0. A shadow's loss and metrics
+    are weighed by zero, so they change nothing, and its weight among the ranks is 0, so the
+    combined gradient is rank 0's alone: one process's, exactly. What each shadow computes beside
+    that is one process's too (its ``BatchNormalization`` sees the batch one process sees). The
+    sign of the zero is how a step tells a shadow share from a user's weights of zero, in a
+    compiled step as in an eager one (``unison.keras.data_parallel.shadow_share``). Before
+    2026-12-07 such a batch was dropped, with a warning.
     """
 
     samples: int
     batch: int
     size: int
+    shadows: bool = False
 
     def __post_init__(self) -> None:
         for field, value in (("samples", self.samples), ("batch", self.batch), ("size", self.size)):
@@ -72,9 +88,20 @@ class BatchPlan:
 
     @property
     def dropped(self) -> int:
-        """Rows of a last global batch too small to give every rank a row (0 when none)."""
+        """Rows of a last global batch too small to give every rank a row, left out (0 when none, or with
+        ``shadows``)."""
         tail = self.samples % self.batch
-        return tail if 0 < tail < self.size else 0
+        return tail if 0 < tail < self.size and not self.shadows else 0
+
+    @property
+    def has_shadows(self) -> bool:
+        """Whether a global batch goes whole to every rank ([Note: shadow shares])."""
+        return self.shadows and 0 < self.samples % self.batch < self.size
+
+    def shadow(self, step: int, rank: int) -> bool:
+        """Whether ``rank``'s share of global batch ``step`` is a shadow ([Note: shadow shares])."""
+        start, stop = self.global_rows(step)
+        return rank != 0 and stop - start < self.size
 
     @property
     def steps(self) -> int:
@@ -89,9 +116,12 @@ class BatchPlan:
         return start, min(start + self.batch, self.samples - self.dropped)
 
     def rank_rows(self, step: int, rank: int) -> tuple[int, int]:
-        """Rows ``[start, stop)`` of the data that ``rank`` takes from global batch ``step``."""
+        """Rows ``[start, stop)`` of the data that ``rank`` takes from global batch ``step`` (all of them from a
+        batch of fewer rows than ranks: [Note: shadow shares])."""
         start, stop = self.global_rows(step)
         m = stop - start
+        if m < self.size:
+            return start, stop
         return start + rank * m // self.size, start + (rank + 1) * m // self.size
 
     def warn_if_dropping(self, rank: int, what: str = "the data") -> None:

@@ -91,7 +91,14 @@ def make_train_step(model: Any) -> Callable[[Any, Any], Any]:
     exchange between them."""
     import jax
 
-    from unison.keras.data_parallel import batch_weight_of, counted_targets, local_metrics, loss_weighted_by
+    from unison.keras.data_parallel import (
+        batch_weight_of,
+        local_metrics,
+        loss_weighted_by,
+        metrics_unless,
+        shadow_share,
+        tracker_weight,
+    )
 
     rop, compression, pre, post = model.optimizer._unison_settings
     dp = getattr(model, "_unison_dp", None)
@@ -120,7 +127,9 @@ def make_train_step(model: Any) -> Callable[[Any, Any], Any]:
         finally:
             optimizer.__dict__.pop("_unison_pending", None)
         # (the metrics' states are summed over the ranks after this program)
-        with local_metrics(), loss_weighted_by(model, counted_targets(model, data)):
+        shadow = shadow_share(data)
+        with local_metrics(), loss_weighted_by(model, tracker_weight(model, data, shadow)), \
+                metrics_unless(model, shadow):
             logs, metrics_vars = model._update_metrics_variables(metrics_vars, unscaled_loss, x, y, y_pred,
                                                                  sample_weight)
         return logs, (trainable, non_trainable, optimizer_vars, metrics_vars)

@@ -41,8 +41,19 @@ def arrays_dataset(parts: tuple[Any, ...], plan: BatchPlan, rank: int, shuffle: 
 
     def mine(ids: tf.Tensor) -> Any:
         m = tf.shape(ids, out_type=tf.int64)[0]
-        rows = ids[(rank * m) // size:((rank + 1) * m) // size]
-        return one_batch(keras.tree.map_structure(lambda t: tf.gather(t, rows), data))
+        if not plan.has_shadows:
+            rows = ids[(rank * m) // size:((rank + 1) * m) // size]
+            return one_batch(keras.tree.map_structure(lambda t: tf.gather(t, rows), data))
+        # a batch of fewer rows than ranks goes whole to every rank, the ranks but 0 its shadows
+        # ([Note: shadow shares] in unison.common.data_parallel; ShardedArrays made sure of sample weights)
+        small = m < size
+        zero = tf.constant(0, tf.int64)
+        rows = ids[tf.where(small, zero, (rank * m) // size):tf.where(small, m, ((rank + 1) * m) // size)]
+        batch = keras.tree.map_structure(lambda t: tf.gather(t, rows), data)
+        if rank:
+            shadow = keras.tree.map_structure(lambda w: tf.where(small, tf.fill(tf.shape(w), -0.0), w), batch[2])
+            batch = batch[:2] + (shadow,)
+        return one_batch(batch)
 
     if shuffle:
         def epoch(e: tf.Tensor) -> tf.data.Dataset:

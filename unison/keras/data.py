@@ -92,11 +92,14 @@ class ShardedArrays(keras.utils.PyDataset):
             ``fit``'s ``steps_per_epoch`` cuts passes into several epochs), the same on every rank.
         seed: the permutation's seed (the same on every rank).
         class_weight: ``{class: weight}``, folded into the sample weights.
+        shadows: a last global batch of fewer rows than ranks goes whole to every rank, the ranks but
+            0 as its shadows ([Note: shadow shares] in ``unison.common.data_parallel``; only with
+            targets, whose batches can carry sample weights); else it is dropped.
     """
 
     def __init__(self, x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: int, rank: int,
                  size: int, shuffle: bool = False, seed: int = 0,
-                 class_weight: dict[int, float] | None = None) -> None:
+                 class_weight: dict[int, float] | None = None, shadows: bool = False) -> None:
         super().__init__()
         if class_weight is not None:
             if y is None:
@@ -105,13 +108,17 @@ class ShardedArrays(keras.utils.PyDataset):
                 raise ValueError("class_weight and sample_weight cannot both be given; fold the class weights "
                                  "into sample_weight")
             sample_weight = _class_weights(y, class_weight)
+        samples = _rows(x)
+        self.plan = BatchPlan(samples, int(batch_size), size, shadows=shadows and y is not None)
+        if self.plan.has_shadows:  # every batch carries sample weights, a shadow's all -0.0 (float32: signed)
+            sample_weight = (np.ones(samples, np.float32) if sample_weight is None else
+                             keras.tree.map_structure(lambda a: np.asarray(a, np.float32), sample_weight))
         parts = tuple(p for p in (x, y, sample_weight) if p is not None) if y is not None else (x,)
         # tf.data (TensorFlow's input, from this PyDataset or from arrays_dataset) reads a Python list as one
         # tensor to stack: lists of inputs or targets become tuples, as Keras's own array adapter makes them
         # (before 2026-12-05 fit([a, b], ...) and y=[y1, y2] failed on TensorFlow)
         self.parts = keras.tree.lists_to_tuples(parts)
         self.samples = _rows(self.parts)
-        self.plan = BatchPlan(self.samples, int(batch_size), size)
         self.rank, self.shuffle = rank, shuffle
         self._pass = _PassOrder(self.samples, shuffle, seed)
 
@@ -128,7 +135,14 @@ class ShardedArrays(keras.utils.PyDataset):
         lo, hi = self.plan.rank_rows(step, self.rank)
         take: Any = slice(lo, hi) if order is None else order[lo:hi]
         batch = keras.tree.map_structure(lambda a: np.asarray(a)[take], self.parts)
+        if self.plan.has_shadows and self.plan.shadow(step, self.rank):  # [Note: shadow shares]
+            batch = batch[:2] + (keras.tree.map_structure(shadow_weights, batch[2]),)
         return one_batch(batch)
+
+
+def shadow_weights(weights: Any) -> Any:
+    """A shadow share's sample weights: -0.0 in ``weights``' shape ([Note: shadow shares])."""
+    return np.full(np.shape(weights), -0.0, np.float32)
 
 
 def one_batch(parts: tuple[Any, ...]) -> Any:
@@ -306,9 +320,10 @@ def shard_input(x: Any, y: Any, sample_weight: Any, *, batch_size: int | None, r
     """
     if _is_arrays(x):
         plan_batch = 32 if batch_size is None else batch_size
+        training = what != "model.predict"  # predict keeps a too-small last batch (see DataParallel)
         data = ShardedArrays(x, y, sample_weight, batch_size=plan_batch, rank=rank, size=size,
-                             shuffle=shuffle, seed=seed, class_weight=class_weight)
-        if what != "model.predict":  # predict keeps a too-small last batch (see DataParallel)
+                             shuffle=shuffle, seed=seed, class_weight=class_weight, shadows=training)
+        if training:
             if data.plan.steps == 0:
                 raise ValueError(f"{what}: {data.samples} row(s) for {size} ranks, so some rank would get none; "
                                  f"give it at least {size} rows, or run it in one process")

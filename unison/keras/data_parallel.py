@@ -472,11 +472,12 @@ def _rows_step(model: Any, step: Callable[..., Any], overlap: Any = None) -> Cal
     """
 
     def train_step(*args: Any) -> Any:
-        counted = counted_targets(model, args[-1])  # (once: the rows' weight and the loss tracker's)
-        rows = batch_rows_of(args[-1]) if counted is None else counted
+        shadow = shadow_share(args[-1])
+        tracked = tracker_weight(model, args[-1], shadow)  # (once: the rows' weight and the loss tracker's)
+        rows = batch_rows_of(args[-1]) if tracked is None else tracked
         if overlap is not None and rows is not None and not isinstance(rows, int):
             rows = int(rows)  # (torch: the streamed exchange settles its weighting when it starts)
-        with batch_rows(rows), loss_weighted_by(model, counted):
+        with batch_rows(rows), loss_weighted_by(model, tracked), metrics_unless(model, shadow):
             settings = getattr(model.optimizer, "_unison_settings", None)
             if overlap is None or settings is None:
                 return step(*args)
@@ -490,7 +491,8 @@ def _counted_test_step(model: Any, step: Callable[..., Any]) -> Callable[..., An
     count]; the last argument is the batch on every backend)."""
 
     def test_step(*args: Any) -> Any:
-        with loss_weighted_by(model, counted_targets(model, args[-1])):
+        shadow = shadow_share(args[-1])
+        with loss_weighted_by(model, tracker_weight(model, args[-1], shadow)), metrics_unless(model, shadow):
             return step(*args)
 
     return test_step
@@ -539,9 +541,38 @@ def _only(value: Any) -> Any:
 
 def batch_weight_of(model: Any, data: Any) -> Any:
     """This rank's weight among the ranks in a step: its counted targets (:func:`counted_targets`) for a
-    loss that averages over those, else its rows (:func:`batch_rows_of`)."""
+    loss that averages over those, else its rows (:func:`batch_rows_of`); 0 for a shadow share."""
+    weight = tracker_weight(model, data)
+    return batch_rows_of(data) if weight is None else weight
+
+
+def tracker_weight(model: Any, data: Any, shadow: Any = None) -> Any:
+    """The weight of this rank's loss in the step (the loss tracker's, and the gradients' among the ranks)
+    where it is not the batch's rows: the targets an ``ignore_class`` loss counts (:func:`counted_targets`),
+    0 for a shadow share (``shadow``, else :func:`shadow_share` of ``data``); None otherwise (the rows, as
+    Keras weighs)."""
     counted = counted_targets(model, data)
-    return batch_rows_of(data) if counted is None else counted
+    if shadow is None:
+        shadow = shadow_share(data)
+    if shadow is False:
+        return counted
+    weight = batch_rows_of(data) if counted is None else counted
+    if shadow is True:
+        return 0
+    return keras.ops.where(shadow, keras.ops.zeros_like(weight), weight)  # (a compiled step: a tensor)
+
+
+def shadow_share(data: Any) -> Any:
+    """Whether a step's batch is a shadow share ([Note: shadow shares] in ``unison.common.data_parallel``):
+    sample weights that are all -0.0. False for a batch without floating-point sample weights; a bool, or a
+    scalar boolean tensor in a compiled step (where the values are not known yet)."""
+    _, _, weights = keras.utils.unpack_x_y_sample_weight(data)
+    leaves = [w for w in keras.tree.flatten(weights) if w is not None] if weights is not None else []
+    if not leaves or "float" not in str(keras.backend.standardize_dtype(leaves[0].dtype)):
+        return False
+    w = leaves[0]
+    flag = keras.ops.all(keras.ops.logical_and(keras.ops.equal(w, 0), keras.ops.signbit(w)))
+    return flag if _host.traced([w]) else bool(keras.ops.convert_to_numpy(flag))
 
 
 @contextlib.contextmanager
@@ -566,6 +597,46 @@ def loss_weighted_by(model: Any, counted: Any) -> Iterator[None]:
             del tracker.update_state
         else:
             tracker.update_state = own
+
+
+@contextlib.contextmanager
+def metrics_unless(model: Any, shadow: Any) -> Iterator[None]:
+    """Within the block, ``model.compute_metrics`` leaves the metrics' states as they were where ``shadow``
+    (:func:`shadow_share`: a bool, or a boolean tensor in a compiled step) holds; nothing when it is False.
+
+    [Note: a shadow's metrics] A shadow share's sample weights of -0.0 weigh its loss and Keras's
+    ``weighted_metrics`` by zero, but the metrics given to ``compile(metrics=...)`` are not weighted
+    by sample weights at all (as in one process), so they counted the shadow's rows (found by the
+    test of 2026-12-07: a mean absolute error's count 17 on a shadow that had 16 rows of its own).
+    So the states are read before the update and put back after it, through ``where`` in a compiled
+    step (a ``tf.function``, a jitted JAX step, whose states live in a ``StatelessScope``). The
+    update itself runs as it would, with whatever it does (a global metrics' result is a collective:
+    a second one here, on the shadows only, hung an eager step), so the logs that step returns count
+    the shadows' rows; Keras takes each epoch's and ``evaluate``'s logs from the states afterwards
+    (``_get_metrics_result_or_logs``), which are put back, and so are one process's.
+    """
+    if shadow is False:
+        yield
+        return
+    original = model.compute_metrics
+    own = model.__dict__.get("compute_metrics")
+
+    def compute_metrics(x: Any, y: Any, y_pred: Any, sample_weight: Any = None) -> Any:
+        variables = list(model.metrics_variables)
+        before = [keras.ops.copy(v.value) for v in variables]  # (a copy: torch updates in place)
+        logs = original(x, y, y_pred, sample_weight)
+        for v, old in zip(variables, before, strict=True):
+            v.assign(old if shadow is True else keras.ops.where(shadow, old, v.value))
+        return logs
+
+    model.compute_metrics = compute_metrics
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.compute_metrics
+        else:
+            model.compute_metrics = own
 
 
 def batch_rows_of(data: Any) -> Any:
