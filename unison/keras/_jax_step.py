@@ -95,7 +95,6 @@ def make_train_step(model: Any) -> Callable[[Any, Any], Any]:
         batch_weight_of,
         local_metrics,
         loss_weighted_by,
-        metrics_unless,
         shadow_share,
         tracker_weight,
     )
@@ -127,9 +126,7 @@ def make_train_step(model: Any) -> Callable[[Any, Any], Any]:
         finally:
             optimizer.__dict__.pop("_unison_pending", None)
         # (the metrics' states are summed over the ranks after this program)
-        shadow = shadow_share(data)
-        with local_metrics(), loss_weighted_by(model, tracker_weight(model, data, shadow)), \
-                metrics_unless(model, shadow):
+        with local_metrics(), loss_weighted_by(model, tracker_weight(model, data)):
             logs, metrics_vars = model._update_metrics_variables(metrics_vars, unscaled_loss, x, y, y_pred,
                                                                  sample_weight)
         return logs, (trainable, non_trainable, optimizer_vars, metrics_vars)
@@ -142,7 +139,12 @@ def make_train_step(model: Any) -> Callable[[Any, Any], Any]:
         weight = batch_weight_of(model, data)  # (rows, or counted targets: [Note: targets a loss does not count])
         combined = average_gradients([np.asarray(g) for g in grads], None if weight is None else int(weight), rop,
                                      compression, pre, post)
+        # a shadow share's metrics' states stay as they were ([Note: a shadow's metrics] in data_parallel;
+        # copied: apply donates the state)
+        kept = [jax.numpy.array(v, copy=True) for v in state[3]] if shadow_share(data) is True else None
         logs, state = apply(state, [jax.device_put(g) for g in combined], aux, data)
+        if kept is not None:
+            state = (*state[:3], kept)
         return (logs if logs_of is None else logs_of(state[3])), state
 
     return train_step

@@ -477,11 +477,11 @@ def _rows_step(model: Any, step: Callable[..., Any], overlap: Any = None) -> Cal
         rows = batch_rows_of(args[-1]) if tracked is None else tracked
         if overlap is not None and rows is not None and not isinstance(rows, int):
             rows = int(rows)  # (torch: the streamed exchange settles its weighting when it starts)
-        with batch_rows(rows), loss_weighted_by(model, tracked), metrics_unless(model, shadow):
+        with batch_rows(rows), loss_weighted_by(model, tracked):
             settings = getattr(model.optimizer, "_unison_settings", None)
             if overlap is None or settings is None:
-                return step(*args)
-            return overlap.step(rows, settings, lambda: step(*args))
+                return shadow_step(model, shadow, step, args)
+            return overlap.step(rows, settings, lambda: shadow_step(model, shadow, step, args))
 
     return train_step
 
@@ -492,8 +492,8 @@ def _counted_test_step(model: Any, step: Callable[..., Any]) -> Callable[..., An
 
     def test_step(*args: Any) -> Any:
         shadow = shadow_share(args[-1])
-        with loss_weighted_by(model, tracker_weight(model, args[-1], shadow)), metrics_unless(model, shadow):
-            return step(*args)
+        with loss_weighted_by(model, tracker_weight(model, args[-1], shadow)):
+            return shadow_step(model, shadow, step, args)
 
     return test_step
 
@@ -599,44 +599,36 @@ def loss_weighted_by(model: Any, counted: Any) -> Iterator[None]:
             tracker.update_state = own
 
 
-@contextlib.contextmanager
-def metrics_unless(model: Any, shadow: Any) -> Iterator[None]:
-    """Within the block, ``model.compute_metrics`` leaves the metrics' states as they were where ``shadow``
-    (:func:`shadow_share`: a bool, or a boolean tensor in a compiled step) holds; nothing when it is False.
+def shadow_step(model: Any, shadow: Any, step: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """``step(*args)`` (a train or test step), after which a shadow share's metrics' states are as before it;
+    ``shadow`` is :func:`shadow_share`'s answer (False: the step alone).
 
     [Note: a shadow's metrics] A shadow share's sample weights of -0.0 weigh its loss and Keras's
-    ``weighted_metrics`` by zero, but the metrics given to ``compile(metrics=...)`` are not weighted
-    by sample weights at all (as in one process), so they counted the shadow's rows (found by the
-    test of 2026-12-07: a mean absolute error's count 17 on a shadow that had 16 rows of its own).
-    So the states are read before the update and put back after it, through ``where`` in a compiled
-    step (a ``tf.function``, a jitted JAX step, whose states live in a ``StatelessScope``). The
-    update itself runs as it would, with whatever it does (a global metrics' result is a collective:
-    a second one here, on the shadows only, hung an eager step), so the logs that step returns count
-    the shadows' rows; Keras takes each epoch's and ``evaluate``'s logs from the states afterwards
-    (``_get_metrics_result_or_logs``), which are put back, and so are one process's.
+    ``weighted_metrics`` by zero, but neither the metrics given to ``compile(metrics=...)`` nor the
+    per-output losses Keras tracks are weighted by sample weights, so they counted the shadow's rows
+    (found by its tests, 2026-12-07: a mean absolute error's count 17 on a shadow with 16 rows of its
+    own; a two-output model's per-output losses off one process's). So every metric state is kept
+    from before the step and put back after it, through ``where`` in a compiled step: on the
+    variables themselves where they hold state (TensorFlow, torch), in the returned state's last
+    part where the step is a function of its state (JAX: the metrics' variables come last in the
+    train step's and the test step's). The step runs as it would, whatever it does (a global
+    metrics' result is a collective), so the logs it returns count the shadows' rows; Keras takes
+    each epoch's and ``evaluate``'s logs from the states afterwards (``_get_metrics_result_or_logs``),
+    which are put back, and so are one process's.
     """
     if shadow is False:
-        yield
-        return
-    original = model.compute_metrics
-    own = model.__dict__.get("compute_metrics")
-
-    def compute_metrics(x: Any, y: Any, y_pred: Any, sample_weight: Any = None) -> Any:
-        variables = list(model.metrics_variables)
-        before = [keras.ops.copy(v.value) for v in variables]  # (a copy: torch updates in place)
-        logs = original(x, y, y_pred, sample_weight)
-        for v, old in zip(variables, before, strict=True):
-            v.assign(old if shadow is True else keras.ops.where(shadow, old, v.value))
-        return logs
-
-    model.compute_metrics = compute_metrics
-    try:
-        yield
-    finally:
-        if own is None:
-            del model.compute_metrics
-        else:
-            model.compute_metrics = own
+        return step(*args)
+    keep = (lambda old, new: old) if shadow is True else (lambda old, new: keras.ops.where(shadow, old, new))
+    if _host.backend() == "jax" and isinstance(args[0], (list, tuple)) and len(args) == 2:
+        logs, state = step(*args)
+        kept = [keep(old, new) for old, new in zip(args[0][-1], state[-1], strict=True)]
+        return logs, (*state[:-1], kept)
+    variables = list(model.metrics_variables)
+    before = [keras.ops.copy(v.value) for v in variables]  # (a copy: torch updates in place)
+    out = step(*args)
+    for v, old in zip(variables, before, strict=True):
+        v.assign(keep(old, v.value))
+    return out
 
 
 def batch_rows_of(data: Any) -> Any:
