@@ -469,6 +469,65 @@ def test_dataset_inputs_predict_a_small_last_batch_and_steps_as_one_process(dp):
     assert same_everywhere([out])
 
 
+class _LastBatchLogs(keras.callbacks.Callback):
+    """Each epoch's logs of its last batch, as a batch-level callback (TensorBoard, a logger) reads them."""
+
+    def __init__(self):
+        super().__init__()
+        self.logs = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.logs.append(dict(self._last))
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._last = {k: float(v) for k, v in (logs or {}).items()}
+
+
+@pytest.mark.skipif(N == 1, reason="needs a global batch with fewer rows than ranks")
+def test_a_shadow_steps_batch_logs_and_a_users_negative_zero_weights_are_one_process_s(dp):
+    """A review of the shadow shares (2026-12-07): the last batch's logs, which batch-level callbacks read,
+    counted the shadows' rows in the metrics (their states were put back only after the step); and a user's
+    sample weights of -0.0 (a whole global batch of them here) read as a shadow share, dropping those rows
+    from the gradients' denominator. Both are one process's now."""
+    rows = 2 * GLOBAL_BATCH + N - 1
+    x, y = X[:rows], Y[:rows]
+    weights = np.ones(rows, "float32")
+    weights[:GLOBAL_BATCH] = -0.0
+    model, ref = distributed_and_reference(dp, lambda: keras.optimizers.SGD(0.05))
+    mine, theirs = _LastBatchLogs(), _LastBatchLogs()
+    model.fit(x, y, sample_weight=weights, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0,
+              callbacks=[mine])
+    ref.fit(x, y, sample_weight=weights, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0,
+            callbacks=[theirs])
+    for got, want in zip(mine.logs, theirs.logs, strict=True):
+        assert got.keys() == want.keys()
+        np.testing.assert_allclose([got[k] for k in sorted(got)], [want[k] for k in sorted(want)], rtol=2e-5)
+    assert_weights_close(model, ref)
+
+
+@pytest.mark.skipif(N == 1, reason="needs a global batch with fewer rows than ranks")
+def test_a_step_of_the_users_that_unpacks_x_and_y_still_drops_a_small_last_batch(dp, caplog):
+    """Shadows give every batch sample weights; a train_step of the user's written ``x, y = data`` (Keras's
+    guide's) failed on the third part (found by a review). Such a model keeps the old rule: the rows of a last
+    batch smaller than the ranks are skipped, with a warning on rank 0."""
+
+    class TwoPartStep(keras.Sequential):
+        def train_step(self, *args):
+            data = args[-1]
+            x, y = data  # (would raise with a third part)
+            return super().train_step(*args[:-1], (x, y))
+
+    keras.utils.set_random_seed(100 + R)
+    with dp.scope():
+        model = TwoPartStep(make_model().layers)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    rows = 2 * GLOBAL_BATCH + N - 1
+    with caplog.at_level("WARNING"):
+        hist = model.fit(X[:rows], Y[:rows], batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    assert np.isfinite(hist.history["loss"]).all()
+    assert (f"{N - 1} row(s) for {N} ranks" in caplog.text) is (R == 0)
+
+
 @pytest.mark.skipif(N == 1, reason="needs a global batch with fewer rows than ranks")
 def test_a_two_output_models_small_last_batch_trains_as_one_process(dp):
     """[Note: a shadow's metrics]: Keras tracks each output's loss apart from the metrics; a shadow's rows
@@ -560,7 +619,9 @@ def test_a_last_batch_of_fewer_rows_than_ranks_trains_and_evaluates_as_one_proce
     each rank's own rows, so is not one process's) everything stays finite, the shadow's statistics too."""
     rows = 2 * GLOBAL_BATCH + N - 1
     x, y = X[:rows], Y[:rows]
-    weights = np.random.default_rng(5).uniform(0.5, 2.0, rows).astype("float32") if case == "weighted" else None
+    # (a step of the user's gets shadows only with weights of the user's: it may not read a third part)
+    weights = np.random.default_rng(5).uniform(0.5, 2.0, rows).astype("float32") \
+        if case in ("weighted", "own_step") else None
     model, ref = distributed_and_reference(dp, optimizer, batchnorm=case == "batchnorm")
     if case == "own_step":  # a class with its own train_step (JAX: the one program with the host callback)
         class OwnStep(keras.Sequential):

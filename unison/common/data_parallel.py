@@ -62,12 +62,13 @@ class BatchPlan:
     rank gets a row, and an empty batch is no batch to Keras (an empty mean is NaN: the loss, a
     ``BatchNormalization``'s statistics). So every rank takes the m rows: rank 0 as one process
     would, the others as shadows whose every sample weight is -0.0. A shadow's loss and metrics
-    are weighed by zero, so they change nothing, and its weight among the ranks is 0, so the
-    combined gradient is rank 0's alone: one process's, exactly. What each shadow computes beside
-    that is one process's too (its ``BatchNormalization`` sees the batch one process sees). The
-    sign of the zero is how a step tells a shadow share from a user's weights of zero, in a
-    compiled step as in an eager one (``unison.keras.data_parallel.shadow_share``). Before
-    2026-12-07 such a batch was dropped, with a warning.
+    are weighed by zero and its metrics' states put back, so they change nothing, and its weight
+    among the ranks is 0, so the combined gradient is rank 0's alone: one process's, exactly. (Its
+    ``BatchNormalization`` sees the small batch whole, as one process's does there.) The sign of the
+    zero is how a step tells a shadow share from a user's weights of zero (made +0.0), in a compiled
+    step as in an eager one (``unison.keras.data_parallel.shadow_share``). Before 2026-12-07 such a
+    batch was dropped, with a warning; it still is where shadows do not apply (see
+    ``unison.keras.data_parallel._shadows_allowed``).
     """
 
     samples: int

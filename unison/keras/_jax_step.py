@@ -136,12 +136,14 @@ def make_train_step(model: Any) -> Callable[[Any, Any], Any]:
 
     def train_step(state: Any, data: Any) -> Any:
         grads, aux = compute(state, data)
-        weight = batch_weight_of(model, data)  # (rows, or counted targets: [Note: targets a loss does not count])
+        shadow = shadow_share(model, data)
+        # (rows, or counted targets: [Note: targets a loss does not count]; 0 for a shadow share)
+        weight = batch_weight_of(model, data, shadow)
         combined = average_gradients([np.asarray(g) for g in grads], None if weight is None else int(weight), rop,
                                      compression, pre, post)
         # a shadow share's metrics' states stay as they were ([Note: a shadow's metrics] in data_parallel;
         # copied: apply donates the state)
-        kept = [jax.numpy.array(v, copy=True) for v in state[3]] if shadow_share(data) is True else None
+        kept = [jax.numpy.array(v, copy=True) for v in state[3]] if shadow is True else None
         logs, state = apply(state, [jax.device_put(g) for g in combined], aux, data)
         if kept is not None:
             state = (*state[:3], kept)

@@ -51,7 +51,7 @@ def arrays_dataset(parts: tuple[Any, ...], plan: BatchPlan, rank: int, shuffle: 
         rows = ids[tf.where(small, zero, (rank * m) // size):tf.where(small, m, ((rank + 1) * m) // size)]
         batch = keras.tree.map_structure(lambda t: tf.gather(t, rows), data)
         if rank:
-            shadow = keras.tree.map_structure(lambda w: tf.where(small, tf.fill(tf.shape(w), -0.0), w), batch[2])
+            shadow = keras.tree.map_structure(lambda w: tf.where(small, -tf.zeros_like(w), w), batch[2])
             batch = batch[:2] + (shadow,)
         return one_batch(batch)
 

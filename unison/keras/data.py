@@ -110,9 +110,9 @@ class ShardedArrays(keras.utils.PyDataset):
             sample_weight = _class_weights(y, class_weight)
         samples = _rows(x)
         self.plan = BatchPlan(samples, int(batch_size), size, shadows=shadows and y is not None)
-        if self.plan.has_shadows:  # every batch carries sample weights, a shadow's all -0.0 (float32: signed)
+        if self.plan.has_shadows:  # every batch carries sample weights, a shadow's all -0.0
             sample_weight = (np.ones(samples, np.float32) if sample_weight is None else
-                             keras.tree.map_structure(lambda a: np.asarray(a, np.float32), sample_weight))
+                             keras.tree.map_structure(_signable, sample_weight))
         parts = tuple(p for p in (x, y, sample_weight) if p is not None) if y is not None else (x,)
         # tf.data (TensorFlow's input, from this PyDataset or from arrays_dataset) reads a Python list as one
         # tensor to stack: lists of inputs or targets become tuples, as Keras's own array adapter makes them
@@ -141,8 +141,15 @@ class ShardedArrays(keras.utils.PyDataset):
 
 
 def shadow_weights(weights: Any) -> Any:
-    """A shadow share's sample weights: -0.0 in ``weights``' shape ([Note: shadow shares])."""
-    return np.full(np.shape(weights), -0.0, np.float32)
+    """A shadow share's sample weights: -0.0 in ``weights``' shape and dtype ([Note: shadow shares])."""
+    return np.full(np.shape(weights), -0.0, np.asarray(weights).dtype)
+
+
+def _signable(weights: Any) -> np.ndarray:
+    """A user's sample weights where a shadow's can be told from them: floating point (integers as float32;
+    float64 kept), and every -0.0 made 0.0 (``+ 0.0``), so no share of the user's reads as a shadow."""
+    a = np.asarray(weights)
+    return (a if np.issubdtype(a.dtype, np.floating) else a.astype(np.float32)) + 0.0
 
 
 def one_batch(parts: tuple[Any, ...]) -> Any:
@@ -311,8 +318,10 @@ def cut(batch: Any, rank: int, size: int, what: str) -> Any:
 
 
 def shard_input(x: Any, y: Any, sample_weight: Any, *, batch_size: int | None, rank: int, size: int,
-                shuffle: bool, seed: int, class_weight: dict[int, float] | None, what: str) -> Any:
-    """``x`` (with ``y``, ``sample_weight``) as an input of this rank's rows (fit, evaluate, predict).
+                shuffle: bool, seed: int, class_weight: dict[int, float] | None, what: str,
+                shadows: bool = True) -> Any:
+    """``x`` (with ``y``, ``sample_weight``) as an input of this rank's rows (fit, evaluate, predict);
+    ``shadows``: a small last batch of arrays may go to shadows ([Note: shadow shares]), else it is dropped.
 
     Raises:
         ValueError: a dataset, PyDataset or loader given with ``y`` or ``sample_weight``
@@ -322,7 +331,7 @@ def shard_input(x: Any, y: Any, sample_weight: Any, *, batch_size: int | None, r
         plan_batch = 32 if batch_size is None else batch_size
         training = what != "model.predict"  # predict keeps a too-small last batch (see DataParallel)
         data = ShardedArrays(x, y, sample_weight, batch_size=plan_batch, rank=rank, size=size,
-                             shuffle=shuffle, seed=seed, class_weight=class_weight, shadows=training)
+                             shuffle=shuffle, seed=seed, class_weight=class_weight, shadows=training and shadows)
         if training:
             if data.plan.steps == 0:
                 raise ValueError(f"{what}: {data.samples} row(s) for {size} ranks, so some rank would get none; "

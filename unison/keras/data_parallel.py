@@ -191,9 +191,10 @@ class DataParallel:
     # --------------------------------------------------------------- helpers
 
     def shard(self, x: Any, y: Any, sample_weight: Any, batch_size: Any, shuffle: bool, class_weight: Any,
-              what: str, settings: str = "", call: int = 0) -> Any:
+              what: str, settings: str = "", call: int = 0, shadows: bool = True) -> Any:
         """This rank's input; ``settings`` (the call's other arguments, as text) and the data are compared over
-        the ranks first. ``call`` keys the shuffling: a new order for each ``fit`` call."""
+        the ranks first. ``call`` keys the shuffling: a new order for each ``fit`` call. ``shadows``: a small
+        last batch of arrays may go to shadows (:func:`_shadows_allowed`)."""
         if _already_sharded(x):
             return x
         if self.size > 1:
@@ -202,7 +203,7 @@ class DataParallel:
         if what == "model.fit":
             self.last_fit_seed = seed
         return data.shard_input(x, y, sample_weight, batch_size=batch_size, rank=self.rank, size=self.size,
-                                shuffle=shuffle, seed=seed, class_weight=class_weight, what=what)
+                                shuffle=shuffle, seed=seed, class_weight=class_weight, what=what, shadows=shadows)
 
     def broadcast_state(self, model: Any, optimizer: bool = True) -> None:
         """Rank 0's model (and, with ``optimizer``, optimizer) variables, on every rank; each rank keeps its
@@ -472,7 +473,7 @@ def _rows_step(model: Any, step: Callable[..., Any], overlap: Any = None) -> Cal
     """
 
     def train_step(*args: Any) -> Any:
-        shadow = shadow_share(args[-1])
+        shadow = shadow_share(model, args[-1])
         tracked = tracker_weight(model, args[-1], shadow)  # (once: the rows' weight and the loss tracker's)
         rows = batch_rows_of(args[-1]) if tracked is None else tracked
         if overlap is not None and rows is not None and not isinstance(rows, int):
@@ -491,7 +492,7 @@ def _counted_test_step(model: Any, step: Callable[..., Any]) -> Callable[..., An
     count]; the last argument is the batch on every backend)."""
 
     def test_step(*args: Any) -> Any:
-        shadow = shadow_share(args[-1])
+        shadow = shadow_share(model, args[-1])
         with loss_weighted_by(model, tracker_weight(model, args[-1], shadow)):
             return shadow_step(model, shadow, step, args)
 
@@ -539,10 +540,11 @@ def _only(value: Any) -> Any:
     return value
 
 
-def batch_weight_of(model: Any, data: Any) -> Any:
+def batch_weight_of(model: Any, data: Any, shadow: Any = None) -> Any:
     """This rank's weight among the ranks in a step: its counted targets (:func:`counted_targets`) for a
-    loss that averages over those, else its rows (:func:`batch_rows_of`); 0 for a shadow share."""
-    weight = tracker_weight(model, data)
+    loss that averages over those, else its rows (:func:`batch_rows_of`); 0 for a shadow share (``shadow``,
+    else :func:`shadow_share`)."""
+    weight = tracker_weight(model, data, shadow)
     return batch_rows_of(data) if weight is None else weight
 
 
@@ -553,7 +555,7 @@ def tracker_weight(model: Any, data: Any, shadow: Any = None) -> Any:
     Keras weighs)."""
     counted = counted_targets(model, data)
     if shadow is None:
-        shadow = shadow_share(data)
+        shadow = shadow_share(model, data)
     if shadow is False:
         return counted
     weight = batch_rows_of(data) if counted is None else counted
@@ -562,10 +564,13 @@ def tracker_weight(model: Any, data: Any, shadow: Any = None) -> Any:
     return keras.ops.where(shadow, keras.ops.zeros_like(weight), weight)  # (a compiled step: a tensor)
 
 
-def shadow_share(data: Any) -> Any:
+def shadow_share(model: Any, data: Any) -> Any:
     """Whether a step's batch is a shadow share ([Note: shadow shares] in ``unison.common.data_parallel``):
-    sample weights that are all -0.0. False for a batch without floating-point sample weights; a bool, or a
-    scalar boolean tensor in a compiled step (where the values are not known yet)."""
+    sample weights that are all -0.0, in a fit or evaluate whose data has a shadow batch (the user's weights
+    of -0.0 were made 0.0 there). False otherwise; a bool, or a scalar boolean tensor in a compiled step
+    (where the values are not known yet)."""
+    if not getattr(model, "_unison_shadows", False):
+        return False
     _, _, weights = keras.utils.unpack_x_y_sample_weight(data)
     leaves = [w for w in keras.tree.flatten(weights) if w is not None] if weights is not None else []
     if not leaves or "float" not in str(keras.backend.standardize_dtype(leaves[0].dtype)):
@@ -608,27 +613,59 @@ def shadow_step(model: Any, shadow: Any, step: Callable[..., Any], args: tuple[A
     per-output losses Keras tracks are weighted by sample weights, so they counted the shadow's rows
     (found by its tests, 2026-12-07: a mean absolute error's count 17 on a shadow with 16 rows of its
     own; a two-output model's per-output losses off one process's). So every metric state is kept
-    from before the step and put back after it, through ``where`` in a compiled step: on the
-    variables themselves where they hold state (TensorFlow, torch), in the returned state's last
-    part where the step is a function of its state (JAX: the metrics' variables come last in the
-    train step's and the test step's). The step runs as it would, whatever it does (a global
-    metrics' result is a collective), so the logs it returns count the shadows' rows; Keras takes
-    each epoch's and ``evaluate``'s logs from the states afterwards (``_get_metrics_result_or_logs``),
-    which are put back, and so are one process's.
+    from before the step and put back, through ``where`` in a compiled step:
+
+    * inside Keras's own ``compute_metrics``, after its update and before its result is read (the
+      update under :func:`local_metrics`, then one global result, as Keras's makes: the same
+      collectives on every rank), so the step's logs are one process's too;
+    * after the step, on the variables where they hold state (TensorFlow, torch), in the returned
+      state's last part where the step is a function of its state (JAX: the metrics' variables come
+      last in the train step's and the test step's); for a ``compute_metrics`` of the user's this is
+      the only restore, and that step's logs count the shadow's rows (Keras takes each epoch's and
+      ``evaluate``'s logs from the states afterwards, ``_get_metrics_result_or_logs``).
     """
     if shadow is False:
         return step(*args)
     keep = (lambda old, new: old) if shadow is True else (lambda old, new: keras.ops.where(shadow, old, new))
-    if _host.backend() == "jax" and isinstance(args[0], (list, tuple)) and len(args) == 2:
-        logs, state = step(*args)
-        kept = [keep(old, new) for old, new in zip(args[0][-1], state[-1], strict=True)]
-        return logs, (*state[:-1], kept)
+    stateless = _host.backend() == "jax" and isinstance(args[0], (list, tuple)) and len(args) == 2
     variables = list(model.metrics_variables)
-    before = [keras.ops.copy(v.value) for v in variables]  # (a copy: torch updates in place)
-    out = step(*args)
+    before = list(args[0][-1]) if stateless else [keras.ops.copy(v.value) for v in variables]  # (torch: in place)
+    with _metrics_put_back(model, variables, before, keep):
+        out = step(*args)
+    if stateless:
+        logs, state = out
+        return logs, (*state[:-1], [keep(old, new) for old, new in zip(before, state[-1], strict=True)])
     for v, old in zip(variables, before, strict=True):
         v.assign(keep(old, v.value))
     return out
+
+
+@contextlib.contextmanager
+def _metrics_put_back(model: Any, variables: list[Any], before: list[Any],
+                      keep: Callable[[Any, Any], Any]) -> Iterator[None]:
+    """Within the block Keras's own ``compute_metrics`` puts ``variables`` back to ``before`` (by ``keep``) after
+    its update, before its result ([Note: a shadow's metrics]); a ``compute_metrics`` of the user's is left."""
+    if getattr(type(model), "compute_metrics", None) is not keras.Model.compute_metrics:
+        yield
+        return
+    original = model.compute_metrics
+    own = model.__dict__.get("compute_metrics")
+
+    def compute_metrics(x: Any, y: Any, y_pred: Any, sample_weight: Any = None) -> Any:
+        with local_metrics():  # (its own result: the global one, a collective, is made once, below)
+            original(x, y, y_pred, sample_weight)
+        for v, old in zip(variables, before, strict=True):
+            v.assign(keep(old, v.value))
+        return model.get_metrics_result()
+
+    model.compute_metrics = compute_metrics
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.compute_metrics
+        else:
+            model.compute_metrics = own
 
 
 def batch_rows_of(data: Any) -> Any:
@@ -785,8 +822,9 @@ def _fit(dp: DataParallel, model: Any, fit: Callable[..., Any]) -> Callable[...,
             f"{'given' if val is not None else 'none'}, split={split!r}, " + ", ".join(
                 f"{k}={a.get(k, _FIT.parameters[k].default)!r}" for k in _FIT_SETTINGS))
         dp._fits += 1
+        shadows = _shadows_allowed(model, sw, class_weight, ("train_step", "test_step"), training=True)
         train = dp.shard(x, y, sw, batch, shuffle, class_weight, "model.fit", settings,
-                         call=dp._fits * 1_000_003 + int(a.get("initial_epoch") or 0))
+                         call=dp._fits * 1_000_003 + int(a.get("initial_epoch") or 0), shadows=shadows)
         if class_weight is not None and not data._is_arrays(x):
             if data.is_loader(x):  # as Keras refuses it for a DataLoader
                 raise ValueError("class_weight is not supported for a torch DataLoader (as in Keras); fold the "
@@ -795,7 +833,8 @@ def _fit(dp: DataParallel, model: Any, fit: Callable[..., Any]) -> Callable[...,
         if val is not None:
             vx, vy, vsw = (tuple(val) + (None, None))[:3] if isinstance(val, (tuple, list)) else (val, None, None)
             val = dp.shard(vx, vy, vsw, a.pop("validation_batch_size", None) or batch, False, None,
-                           "validation_data")
+                           "validation_data", shadows=_shadows_allowed(model, vsw, None, ("test_step",)))
+        _expect_shadows(model, _has_shadows(train) or _has_shadows(val))
         train, val = _unwrap(train, a, "steps_per_epoch"), _unwrap(val, a, "validation_steps")
         callbacks = list(a.pop("callbacks", None) or [])
         _refuse_unsafe_callbacks(callbacks)
@@ -822,13 +861,43 @@ def _evaluate(dp: DataParallel, model: Any, evaluate: Callable[..., Any]) -> Cal
             return evaluate(x, verbose=a.pop("verbose", "auto"), **a, **extra)
         with collective("model.evaluate"):
             raw = x
-            x = dp.shard(x, a.pop("y", None), a.pop("sample_weight", None), a.pop("batch_size", None), False,
-                         None, "model.evaluate")
+            sw = a.pop("sample_weight", None)
+            x = dp.shard(x, a.pop("y", None), sw, a.pop("batch_size", None), False, None, "model.evaluate",
+                         shadows=_shadows_allowed(model, sw, None, ("test_step",)))
+            _expect_shadows(model, _has_shadows(x))
             _sync(dp, model, raw)
             x = _unwrap(x, a, "steps")
             return evaluate(x, verbose=_quiet(a.pop("verbose", "auto"), dp.rank), **a, **extra)
 
     return distributed_evaluate
+
+
+def _shadows_allowed(model: Any, sample_weight: Any, class_weight: Any, steps: tuple[str, ...],
+                     training: bool = False) -> bool:
+    """Whether a small last batch of ``model``'s arrays may go to shadows ([Note: shadow shares]).
+
+    Their batches then carry sample weights: Keras's own steps read them, a step of the user's may unpack
+    ``x, y = data`` and fail on a third part, unless the user gave weights already. Training also needs
+    Unison's optimizer, which weighs each rank by its rows (another distributed optimizer averages plainly and
+    would give a shadow's gradient its share). Otherwise the batch is dropped with a warning, as before.
+    """
+    if training and getattr(getattr(model, "optimizer", None), "_unison_settings", None) is None:
+        return False
+    return (sample_weight is not None or class_weight is not None
+            or all(getattr(type(model), step, None) is getattr(keras.Model, step) for step in steps))
+
+
+def _has_shadows(sharded: Any) -> bool:
+    plan = getattr(sharded, "plan", None)
+    return bool(plan is not None and plan.has_shadows)
+
+
+def _expect_shadows(model: Any, expected: bool) -> None:
+    """Tell ``model``'s steps whether a share may be a shadow (:func:`shadow_share` looks only then); a change
+    drops the compiled steps, which read it when traced."""
+    if bool(getattr(model, "_unison_shadows", False)) != expected:
+        object.__setattr__(model, "_unison_shadows", expected)
+        model.train_function = model.test_function = None
 
 
 def _unwrap(sharded: Any, args: dict[str, Any], steps: str) -> Any:
