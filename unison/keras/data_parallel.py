@@ -589,19 +589,27 @@ def loss_weighted_by(model: Any, counted: Any) -> Iterator[None]:
         yield
         return
     original = tracker.update_state
-    own = tracker.__dict__.get("update_state")  # (an instance attribute of Keras's own, put back after)
 
     def update_state(values: Any, sample_weight: Any = None) -> Any:
         return original(values, sample_weight=counted)
 
-    tracker.update_state = update_state
+    with _instead(tracker, "update_state", update_state):
+        yield
+
+
+@contextlib.contextmanager
+def _instead(obj: Any, name: str, method: Callable[..., Any]) -> Iterator[None]:
+    """Within the block ``obj.name`` is ``method``; after it, what it was (an instance attribute of Keras's own
+    put back, else the class's method again)."""
+    own = obj.__dict__.get(name)
+    setattr(obj, name, method)
     try:
         yield
     finally:
         if own is None:
-            del tracker.update_state
+            delattr(obj, name)
         else:
-            tracker.update_state = own
+            setattr(obj, name, own)
 
 
 def shadow_step(model: Any, shadow: Any, step: Callable[..., Any], args: tuple[Any, ...]) -> Any:
@@ -618,11 +626,12 @@ def shadow_step(model: Any, shadow: Any, step: Callable[..., Any], args: tuple[A
     * inside Keras's own ``compute_metrics``, after its update and before its result is read (the
       update under :func:`local_metrics`, then one global result, as Keras's makes: the same
       collectives on every rank), so the step's logs are one process's too;
-    * after the step, on the variables where they hold state (TensorFlow, torch), in the returned
-      state's last part where the step is a function of its state (JAX: the metrics' variables come
-      last in the train step's and the test step's); for a ``compute_metrics`` of the user's this is
-      the only restore, and that step's logs count the shadow's rows (Keras takes each epoch's and
-      ``evaluate``'s logs from the states afterwards, ``_get_metrics_result_or_logs``).
+    * else (a ``compute_metrics`` of the user's, or a step of the user's that does not call it) after
+      the step, on the variables where they hold state (TensorFlow, torch), in the returned state's
+      last part where the step is a function of its state (JAX: the metrics' variables come last in
+      the train step's and the test step's); that step's logs then count the shadow's rows (Keras
+      takes each epoch's and ``evaluate``'s logs from the states afterwards,
+      ``_get_metrics_result_or_logs``).
     """
     if shadow is False:
         return step(*args)
@@ -630,8 +639,10 @@ def shadow_step(model: Any, shadow: Any, step: Callable[..., Any], args: tuple[A
     stateless = _host.backend() == "jax" and isinstance(args[0], (list, tuple)) and len(args) == 2
     variables = list(model.metrics_variables)
     before = list(args[0][-1]) if stateless else [keras.ops.copy(v.value) for v in variables]  # (torch: in place)
-    with _metrics_put_back(model, variables, before, keep):
+    with _metrics_put_back(model, variables, before, keep) as put_back:
         out = step(*args)
+    if put_back:  # (Keras's own compute_metrics ran, the step's last update of them, and put them back)
+        return out
     if stateless:
         logs, state = out
         return logs, (*state[:-1], [keep(old, new) for old, new in zip(before, state[-1], strict=True)])
@@ -642,30 +653,26 @@ def shadow_step(model: Any, shadow: Any, step: Callable[..., Any], args: tuple[A
 
 @contextlib.contextmanager
 def _metrics_put_back(model: Any, variables: list[Any], before: list[Any],
-                      keep: Callable[[Any, Any], Any]) -> Iterator[None]:
+                      keep: Callable[[Any, Any], Any]) -> Iterator[list[bool]]:
     """Within the block Keras's own ``compute_metrics`` puts ``variables`` back to ``before`` (by ``keep``) after
-    its update, before its result ([Note: a shadow's metrics]); a ``compute_metrics`` of the user's is left."""
+    its update, before its result ([Note: a shadow's metrics]); the list yielded is non-empty once it has (a
+    ``compute_metrics`` of the user's is left as it is, and a step of the user's may not call it)."""
+    done: list[bool] = []
     if getattr(type(model), "compute_metrics", None) is not keras.Model.compute_metrics:
-        yield
+        yield done
         return
     original = model.compute_metrics
-    own = model.__dict__.get("compute_metrics")
 
     def compute_metrics(x: Any, y: Any, y_pred: Any, sample_weight: Any = None) -> Any:
         with local_metrics():  # (its own result: the global one, a collective, is made once, below)
             original(x, y, y_pred, sample_weight)
         for v, old in zip(variables, before, strict=True):
             v.assign(keep(old, v.value))
+        done.append(True)
         return model.get_metrics_result()
 
-    model.compute_metrics = compute_metrics
-    try:
-        yield
-    finally:
-        if own is None:
-            del model.compute_metrics
-        else:
-            model.compute_metrics = own
+    with _instead(model, "compute_metrics", compute_metrics):
+        yield done
 
 
 def batch_rows_of(data: Any) -> Any:
