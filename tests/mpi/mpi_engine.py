@@ -954,6 +954,43 @@ def test_row_weighted_averages_stay_in_fp16_range():
 
 
 @needs_engine
+def test_row_weighting_beside_the_gradients_matches_deciding_first():
+    """The ranks' rows travel beside the gradients' plain average (data_parallel [Note: rows beside the
+    gradients]); a step whose rows differ reduces again, weighed. Equal rows give exactly the plain average;
+    unequal ones the weighted mean; rows of 0 everywhere the plain average; in a stream too, several steps
+    in a row (a decision left over from one step would weigh the next)."""
+    from unison.common.data_parallel import GradientStream, average_gradients
+
+    grads = [np.linspace(-1, 1, 7, dtype=np.float32) * (R + 1) / 3, np.full((2, 2), 0.1 * (R + 1), np.float64)]
+    plain = unison.grouped_allreduce(grads, op=unison.Average, name="rows.plain")
+    for rows in (32, 0):
+        got = average_gradients(grads, rows=rows)
+        for g, p in zip(got, plain, strict=True):
+            np.testing.assert_array_equal(g, p)
+    rows = [5, 3, 1, 4][R]
+    total = sum([5, 3, 1, 4][:N])
+    want = [sum(np.linspace(-1, 1, 7) * (r + 1) / 3 * [5, 3, 1, 4][r] for r in range(N)) / total,
+            sum(np.full((2, 2), 0.1 * (r + 1)) * [5, 3, 1, 4][r] for r in range(N)) / total]
+    for step_rows in (rows, 8, rows):
+        got = average_gradients(grads, rows=step_rows)
+        expect = want if step_rows == rows and N > 1 else plain
+        for g, w, a in zip(got, expect, grads, strict=True):
+            assert g.dtype == a.dtype and g.shape == a.shape
+            np.testing.assert_allclose(g, w, rtol=1e-6)
+        stream = GradientStream(step_rows, prefix="rows.stream")
+        for key in (1, 0):  # any order
+            stream.submit(key, grads[key])
+        for g, w in zip(stream.results([0, 1]), expect, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-6)
+        stream.drain()
+    with pytest.raises(ValueError, match="cannot be negative"):
+        average_gradients(grads, rows=-100)
+    stream = GradientStream(rows, prefix="rows.unused")  # a step that ended before any gradient
+    stream.drain()
+    np.testing.assert_array_equal(unison.allreduce(np.ones(2), op=unison.Sum, name="rows.after"), np.full(2, N))
+
+
+@needs_engine
 def test_allreduce_with_compression_writes_into_out():
     """Before: out= was checked against the float16 wire array (a float32 out= was refused on every rank) and a
     float16 one was left out of the result."""
