@@ -129,7 +129,7 @@ def test_hosts_reach_mpirun_as_checked_and_hostfile_slots_may_have_spaces(tmp_pa
     assert option_values(command, "-H") == ["localhost:1,otherhost:2"]
     hostfile = tmp_path / "hosts"
     hostfile.write_text("node1 slots = 2\nnode2 slots= 3\n")  # Open MPI reads both
-    assert read_hostfile(str(hostfile)) == [("node1", 2), ("node2", 3)]
+    assert [h[:2] for h in read_hostfile(str(hostfile))] == [("node1", 2), ("node2", 3)]
 
 
 def test_elastic_dry_run_shows_the_first_jobs_size():
@@ -140,7 +140,7 @@ def test_elastic_dry_run_shows_the_first_jobs_size():
 
 
 def test_bare_host_counts_one_slot():
-    assert parse_hosts("a,b:3") == [("a", 1), ("b", 3)]
+    assert [h[:2] for h in parse_hosts("a,b:3")] == [("a", 1), ("b", 3)]
 
 
 def test_environment_forwarding_is_selected_and_sorted():
@@ -1739,12 +1739,15 @@ def test_hostfile_counts_are_read_as_open_mpi_reads_them_and_a_host_without_one_
                     "e max-count=5 slots=4 extra\nf\nf\nf\ng\ng max_slots=5\nh slots=2\nh max_slots=4\n")
     with caplog.at_level("WARNING", logger="unison.run.hosts"):
         hosts = read_hostfile(path, counted=True)
-    assert hosts == [("a", 2), ("b", 3), ("c", 1), ("c", 1), ("d", 2), ("e", 4), ("f", 1), ("f", 1), ("f", 1),
-                     ("g", 1), ("g", 1), ("h", 2), ("h", 1)]  # (a later max_slots is no second count)
+    assert [h[:2] for h in hosts] == [("a", 2), ("b", 3), ("c", 1), ("c", 1), ("d", 2), ("e", 4), ("f", 1),
+                                      ("f", 1), ("f", 1), ("g", 1), ("g", 1), ("h", 2),
+                                      ("h", 1)]  # (a later max_slots is no second count)
+    assert hosts[1].most == 4 and hosts[1].user == "me" and hosts[1].port == 2222
     assert "'extra' is ignored" in caplog.text
     assert option_values(build(hostfile=str(path), cpu_count=1), "-np") == ["21"]
     path.write_text("a slots=2\nb\n")
-    assert read_hostfile(path) == [("a", 2), ("b", 1)]  # with -np: a lower bound, for --oversubscribe
+    # with -np: a lower bound, for --oversubscribe
+    assert [h[:2] for h in read_hostfile(path)] == [("a", 2), ("b", 1)]
     with pytest.raises(ValueError, match=re.escape("gives no slot count for 'b' (line 2)") + ".*Give -np N"):
         read_hostfile(path, counted=True)
     with pytest.raises(ValueError, match="gives no slot count"):
@@ -1765,3 +1768,125 @@ def test_unisonrun_refuses_a_hostfile_without_counts_unless_np_is_given_and_name
     last = missing.stderr.strip().splitlines()[-1]
     program = re.escape(str(tmp_path / "no_such_program"))
     assert re.search(r"rank 0 \(on \S+\) could not start " + program, last), last
+
+
+# --- launcher audit, 2026-12-07 ----------------------------------------------------------------------------------
+
+def test_np_above_the_hosts_max_slots_is_refused_instead_of_a_spinning_mpirun(tmp_path):
+    """Before: unisonrun added --oversubscribe, and Open MPI 5 given more processes than the hosts' max_slots with
+    it loops for ever at full CPU ("Out of resource" over and over), ignoring SIGTERM (an audit's, by hand)."""
+    path = tmp_path / "hosts"
+    path.write_text("a slots=1 max_slots=2\nb slots=2 max_slots=2\n")
+    with pytest.raises(ValueError, match=re.escape("-np 5 is more than the hosts may take: their max_slots add up "
+                                                   "to 4; give -np 4 or less")):
+        build(hostfile=str(path), np=5)
+    with pytest.raises(ValueError, match="max_slots add up to 4"):
+        build(hostfile=str(path), np=5, oversubscribe=True)
+    assert "--oversubscribe" in build(hostfile=str(path), np=4)  # (above the slots, within max_slots)
+    assert "--oversubscribe" not in build(hostfile=str(path), np=3)
+    path.write_text("a slots=1 max_slots=1\nb slots=1\n")  # b has no bound: Open MPI may place more there
+    assert "--oversubscribe" in build(hostfile=str(path), np=5)
+    path.write_text("a slots=1\na max_slots=3\n")  # a host on two lines: its max_slots once
+    with pytest.raises(ValueError, match="add up to 3"):
+        build(hostfile=str(path), np=4)
+
+
+@pytest.mark.parametrize("words", ["-H a:2,b:2", "--host=a:2", "--hostfile hf", "-np 4", "--np=4", "-n 4",
+                                   "--machinefile hf", "--tag-output -H a:2"])
+def test_hosts_and_process_counts_in_mpi_args_are_refused_naming_unisonruns_own_flag(words):
+    """Before: --mpi-args="-H a:2,b:2" (the help's own example) ran mpirun -np 1 with one host's settings: no
+    libfabric across hosts, Unison's variables only forwarded, no probe."""
+    from unison.run.launcher import _split_mpi_args
+
+    with pytest.raises(ValueError, match="which unisonrun must see itself"):
+        _split_mpi_args(words)
+    result = unisonrun("--dry-run", f"--mpi-args={words}", "python", "x.py")
+    assert result.returncode == 2 and "which unisonrun must see itself" in result.stderr, result
+    assert "-H a:2" not in "".join(unisonrun("--help").stdout.split())
+
+
+@pytest.mark.parametrize("line", ["// rack A", "/* old */", "^b"])
+def test_hostfile_lines_open_mpi_reads_otherwise_are_refused(tmp_path, line):
+    """Before: '// rack A' was a host named '//' (and a warning), '/* old */' failed on '*', '^b' (Open MPI's
+    exclusion) counted one more slot on a host named '^b' that the probe would try."""
+    path = tmp_path / "hosts"
+    path.write_text(f"a slots=2\n{line}\n")
+    with pytest.raises(ValueError, match=r"line 2: .*reads '#' comments and host lines only"):
+        read_hostfile(path)
+
+
+def test_hostfile_username_and_port_reach_the_probe(tmp_path):
+    """Before: the probe ran 'ssh ... nodex' for a line 'nodex username=bob port=2222', failed, and nothing was
+    launched, where Open MPI's ssh would use the port."""
+    from unison.run.launcher import _check_hosts
+
+    log = tmp_path / "agent.log"
+    path = tmp_path / "hosts"
+    path.write_text("nodex slots=1 username=bob port=2222\nnodey slots=1\n")
+    seen = []
+
+    def fake_check_hosts(hosts, **kwargs):
+        seen.append((list(hosts), kwargs["agent"], kwargs["logins"]))
+
+    import unison.run.launcher as launcher
+
+    original = launcher.check_hosts
+    launcher.check_hosts = fake_check_hosts
+    try:
+        _check_hosts(LaunchConfig(command=("true",), hostfile=str(path), np=2), {"PATH": "/usr/bin"})
+        _check_hosts(LaunchConfig(command=("true",), hostfile=str(path), np=2, launch_agent="my-agent"),
+                     {"PATH": "/usr/bin"})
+    finally:
+        launcher.check_hosts = original
+    assert seen[0][0] == ["nodex", "nodey"] and seen[0][1][0] == "ssh"
+    assert seen[0][2] == {"nodex": ["-l", "bob", "-p", "2222"]}
+    assert seen[1][2] == {}  # (a launch agent of the user's takes its own flags)
+    from unison.run.probe import probe_hosts
+
+    script = tmp_path / "ssh-like"
+    script.write_text(f'#!/bin/sh\necho "$@" >> {log}\nshift 5\nexec /bin/sh -c "$*"\n')  # (-l U -p P HOST CMD)
+    script.chmod(0o755)
+    agent = [str(script)]
+    results = probe_hosts(["nodex"], agent=agent, python=sys.executable, addresses={"lo": "127.0.0.1"},
+                          deadline=30, logins={"nodex": ["-l", "bob", "-p", "2222"]})
+    assert log.read_text().startswith("-l bob -p 2222 nodex "), log.read_text()
+    assert [(r.host, r.reason) for r in results] == [("nodex", None)]
+
+
+@pytest.mark.parametrize("content, message", [
+    ("a slots=2 port=99999\n", "'port=99999' is not a port number (1 to 65535)"),
+    ("a slots=99999999999\n", "more than Open MPI can count"),
+    ("a slots=1 username=-oProxyCommand=x\n", "begins with '-'"),
+])
+def test_hostfile_values_open_mpi_cannot_take_are_refused(tmp_path, content, message):
+    path = tmp_path / "hosts"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        read_hostfile(path)
+
+
+def test_minus_h_strips_names_and_says_why_ipv6_cannot_go_there():
+    assert [h[:2] for h in parse_hosts("a :2, b : 3")] == [("a", 2), ("b", 3)]
+    with pytest.raises(ValueError, match="an IPv6 address cannot go in -H"):
+        parse_hosts("[::1]:2")
+    with pytest.raises(ValueError, match="more than Open MPI can count"):
+        parse_hosts("a:99999999999999999999")
+
+
+def test_device_lists_stay_on_their_own_host():
+    """Before: a job with hosts forwarded this machine's CUDA_VISIBLE_DEVICES to every host (-x), where a batch
+    system sets each node's own."""
+    environ = {"PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "2,3", "ROCR_VISIBLE_DEVICES": "1", "FOO": "bar"}
+    forwarded = option_values(build(hosts="a:2,b:2", environ=environ), "-x")
+    assert "FOO" in forwarded and not any(name.startswith(("CUDA_VISIBLE", "ROCR_VISIBLE")) for name in forwarded)
+
+
+@pytest.mark.parametrize("value", ["\u00b2", "\u0662"])
+def test_slurm_counts_in_other_scripts_digits_are_refused(value):
+    """Before: SLURM_NTASKS='\u00b2' raised int()'s own message; SLURM_TASKS_PER_NODE='\u0662' read as 2."""
+    from unison.run.slurm import SlurmError, read_allocation
+
+    for variable in ("SLURM_NTASKS", "SLURM_TASKS_PER_NODE"):
+        environ = {"SLURM_JOB_NODELIST": "n1", "SLURM_TASKS_PER_NODE": "2", variable: value}
+        with pytest.raises(SlurmError, match=variable):
+            read_allocation(environ)

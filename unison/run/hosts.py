@@ -19,6 +19,15 @@ Accepted forms, following Open MPI:
   counted one slot without ``-np`` too: ``localhost`` alone ran one rank where ``mpirun`` ran one
   per core.)
 
+[Note: hostfile lines unisonrun does not read] Open MPI's hostfile reader also takes C-style
+comments (``//``, ``/* */``) and ``^host`` lines, which exclude a host. Read as host lines they
+gave wrong counts (``// rack A`` a host named ``//``; ``^b`` one more slot, and a host to probe), so
+they are refused, naming the line and the fix, until ``unisonrun`` reads them as Open MPI does.
+A host's ``max_slots`` bounds ``-np``: Open MPI 5 given more processes than the hosts' ``max_slots``
+with ``--oversubscribe`` loops at full CPU for ever instead of failing, so ``unisonrun`` refuses it.
+Its ``username=`` and ``port=`` reach the probe's ``ssh`` (``-l USER -p PORT``): without them a
+host that takes ssh on another port failed the probe, and nothing was launched.
+
 A hostfile may end with ``# unison: key=value`` lines (Open MPI skips them as comments) that
 stand for ``unisonrun`` flags: ``launch-agent``, ``tcp-include`` and ``network-interface``;
 ``python -m unison.run.testhosts up`` writes them so that its hostfile needs no other flag. A
@@ -48,13 +57,19 @@ _HOSTFILE_FORM = "'host slots=N' with N a positive integer, e.g. 'node7 slots=4'
 #: characters a POSIX shell treats specially, and quotes: never part of a real host name
 SHELL_METACHARACTERS = frozenset("|&;<>()$`\\\"' \t\n*?[]#~{}!")
 _NAME_FORM = "letters, digits, '.', '-' and '_' (e.g. 'node-7.cluster'), not starting with '-'"
+#: the most slots a count may give: Open MPI reads a count as a C int
+MAX_SLOTS = 2**31 - 1
 
 
 class Host(NamedTuple):
-    """One host and the number of MPI slots (processes) it offers."""
+    """One host and the number of MPI slots (processes) it offers; from a hostfile also the most it may take
+    (``max_slots``) and the ssh user and port it gives (``username=``, ``port=``)."""
 
     name: str
     slots: int
+    most: int | None = None
+    user: str | None = None
+    port: int | None = None
 
 
 def _parse_slots(text: str, where: str, form: str) -> int:
@@ -77,6 +92,9 @@ def _parse_slots(text: str, where: str, form: str) -> int:
         raise ValueError(
             f"slots must be a positive integer; received {text!r} in {where}; expected {form}"
         )
+    if slots > MAX_SLOTS:  # (Open MPI reads counts as a C int)
+        raise ValueError(f"slots {text!r} in {where} is more than Open MPI can count ({MAX_SLOTS}); give the "
+                         f"host's real slot count ({form})")
     return slots
 
 
@@ -122,8 +140,11 @@ def parse_hosts(value: str) -> list[Host]:
         name, sep, slots_text = entry.strip().rpartition(":")
         if not sep:
             name, slots_text = slots_text, "1"
+        name, slots_text = name.strip(), slots_text.strip()  # ('a :2' as 'a:2', as ' a:2 ' is)
         if not name or ":" in name:
-            raise ValueError(f"malformed -H entry {entry!r} in {value!r}: expected {_HOST_FORM}")
+            hint = (" (an IPv6 address cannot go in -H, whose ':' gives the slots: use --hostfile, or the "
+                    "host's name)" if name.count(":") >= 1 or "[" in entry else "")
+            raise ValueError(f"malformed -H entry {entry!r} in {value!r}: expected {_HOST_FORM}{hint}")
         where = f"-H entry {entry!r}"
         check_host_name(name, where)
         hosts.append(Host(name, _parse_slots(slots_text, where, _HOST_FORM)))
@@ -180,17 +201,23 @@ def read_hostfile(path: str | Path, counted: bool = False) -> list[Host]:
     hosts = []
     sized: dict[str, int] = {}  # host -> the line that gave its slot count
     bare: dict[str, list[int]] = {}  # host -> its lines without one
+    most: dict[str, int] = {}  # host -> its max_slots
+    login: dict[str, tuple[str | None, int | None]] = {}  # host -> (username, port)
     for number, line in enumerate(text.splitlines(), start=1):
         fields = re.sub(r"\s*=\s*", "=", line.split("#", 1)[0]).split()  # Open MPI takes "slots = 2" too
         if not fields:
             continue
         where = f"hostfile {str(path)!r} line {number}"
+        if fields[0].startswith(("//", "/*", "^")):  # [Note: hostfile lines unisonrun does not read]
+            raise ValueError(f"{where}: {line.strip()!r}: unisonrun reads '#' comments and host lines only (Open "
+                             "MPI also reads C-style comments and '^host' exclusions, whose slots unisonrun would "
+                             "count wrongly); write the comment after '#', and leave an excluded host out")
         if re.fullmatch(r"[^:]+:\d+", fields[0]):  # -H's form; a hostfile gives slots with slots=N
             name, _, count = fields[0].partition(":")
             raise ValueError(f"{where}: {fields[0]!r} is -H's host:slots form; a hostfile line is "
                              f"'{name} slots={count}' ({_HOSTFILE_FORM})")
         name = check_host_name(fields[0], where)
-        slots = most = None
+        slots = cap = user = port = None
         for field in fields[1:]:
             key, eq, value = field.partition("=")
             if not eq and key in _HOSTFILE_KEYS:
@@ -209,16 +236,24 @@ def read_hostfile(path: str | Path, counted: bool = False) -> list[Host]:
                                      f"MPI refuses it); keep one of them ({_HOSTFILE_FORM})")
                 slots = _parse_slots(value, where, _HOSTFILE_FORM)
             elif meaning == "max_slots":
-                most = _parse_slots(value, where, _HOSTFILE_FORM)
-                if slots is not None and most < slots:  # (before slots=, Open MPI raises max_slots instead)
+                cap = _parse_slots(value, where, _HOSTFILE_FORM)
+                if slots is not None and cap < slots:  # (before slots=, Open MPI raises max_slots instead)
                     raise ValueError(f"{where}: {field!r} is below slots={slots} (Open MPI refuses it); raise "
                                      "max_slots or lower slots")
-            elif meaning == "port" and not re.fullmatch(r"[0-9]{1,5}", value):
-                raise ValueError(f"{where}: {field!r} is not a port number; give e.g. port=22")
+                most[name] = cap
+            elif meaning == "port":
+                if not re.fullmatch(r"[0-9]{1,5}", value) or not 0 < int(value) < 65536:
+                    raise ValueError(f"{where}: {field!r} is not a port number (1 to 65535); give e.g. port=22")
+                port = int(value)
+            elif meaning == "username":
+                user = check_host_name(value, f"{where} (username=)")
+        if user is not None or port is not None:
+            known = login.get(name, (None, None))
+            login[name] = (user or known[0], port or known[1])
         # max_slots alone counts for a host's first line, as Open MPI takes it; on a later line it only sets
         # the most (not a second count)
         seen = name in sized or name in bare
-        given = slots if slots is not None else (most if not seen else None)
+        given = slots if slots is not None else (cap if not seen else None)
         if given is None:
             bare.setdefault(name, []).append(number)
         elif seen:
@@ -228,6 +263,8 @@ def read_hostfile(path: str | Path, counted: bool = False) -> list[Host]:
         else:
             sized[name] = number
         hosts.append(Host(name, 1 if given is None else given))
+    hosts = [host._replace(most=most.get(host.name), user=login.get(host.name, (None, None))[0],
+                           port=login.get(host.name, (None, None))[1]) for host in hosts]
     if not hosts:
         raise ValueError(f"hostfile {str(path)!r} lists no hosts (only blank lines or comments); give one host "
                          f"per line ({_HOSTFILE_FORM})")
@@ -244,6 +281,17 @@ def read_hostfile(path: str | Path, counted: bool = False) -> list[Host]:
 def total_slots(hosts: list[Host]) -> int:
     """Returns the number of slots offered by ``hosts`` altogether."""
     return sum(host.slots for host in hosts)
+
+
+def most_processes(hosts: list[Host]) -> int | None:
+    """The most processes ``hosts`` may take with ``--oversubscribe``: the sum of their ``max_slots`` when every
+    host gives one, else None (no bound). (A host on several lines counts its ``max_slots`` once.)"""
+    caps: dict[str, int | None] = {}
+    for host in hosts:
+        caps[host.name] = host.most
+    if any(cap is None for cap in caps.values()):
+        return None
+    return sum(cap for cap in caps.values() if cap is not None)
 
 
 #: the ``# unison:`` hostfile options ``unisonrun`` knows (see [Note: test hosts in a hostfile] in

@@ -312,7 +312,8 @@ def _parser() -> argparse.ArgumentParser:
         metavar="ARGS",
         help='extra mpirun arguments as one shell-quoted string, e.g. "--mca btl ^openib"; write it with '
         '"=" when it starts with "-" (argparse would take it for an option of its own): '
-        '--mpi-args=--tag-output, --mpi-args="-H a:2"',
+        '--mpi-args=--tag-output, --mpi-args="--mca btl tcp,self" (hosts and -np go to unisonrun\'s own '
+        '-H, --hostfile and -np)',
     )
     parser.add_argument(
         "--no-abort-on-exception",
@@ -405,12 +406,28 @@ def _config_from_args(args: argparse.Namespace) -> LaunchConfig:
     )
 
 
+#: mpirun flags that choose the hosts or the process count, which unisonrun must see itself (its own -H,
+#: --hostfile and -np): given through --mpi-args they ran a job of -np 1 with one host's settings (before
+#: 2026-12-07, when the help's own example was --mpi-args="-H a:2")
+_PLACEMENT_FLAGS = {**dict.fromkeys(("-H", "--host", "-host"), "-H"),
+                    **dict.fromkeys(("--hostfile", "-hostfile", "--machinefile", "-machinefile",
+                                     "--default-hostfile"), "--hostfile"),
+                    **dict.fromkeys(("-np", "--np", "-n", "--n", "-c"), "-np")}
+
+
 def _split_mpi_args(text: str) -> list[str]:
     try:
-        return shlex.split(text)
+        words = shlex.split(text)
     except ValueError as error:  # "No closing quotation", which named nothing
         raise ValueError(f"--mpi-args {text!r}: {error}; give the mpirun arguments as one shell-quoted "
                          "string") from None
+    for word in words:
+        flag = word.split("=", 1)[0]
+        if flag in _PLACEMENT_FLAGS:
+            raise ValueError(f"--mpi-args {text!r} gives mpirun {flag!r}, which unisonrun must see itself (it "
+                             "counts the slots, forwards the environment to other hosts and probes them): give "
+                             f"unisonrun's own {_PLACEMENT_FLAGS[flag]} instead")
+    return words
 
 
 def _elastic(args: argparse.Namespace) -> bool:
@@ -557,8 +574,11 @@ def _check_hosts(config: LaunchConfig, environ: Mapping[str, str], agents: Agent
     if placement.hosts is None or not placement.uses_ssh:
         return  # this machine alone, or a batch system starts the daemons
     agent = agent_words(placement.launch_agent) if placement.launch_agent else list(DEFAULT_AGENT)
+    logins = {} if placement.launch_agent else {  # (ssh's own flags: a launch agent of the user's takes its own)
+        h.name: [*(["-l", h.user] if h.user else []), *(["-p", str(h.port)] if h.port else [])]
+        for h in placement.hosts if h.user or h.port}
     check_hosts([h.name for h in placement.hosts], agent=agent, python=sys.executable,
-                include=placement.tcp_include, agents=agents, label=label)
+                include=placement.tcp_include, agents=agents, label=label, logins=logins)
 
 
 def _wrap_agent(config: LaunchConfig, environ: Mapping[str, str], cleanup: contextlib.ExitStack) -> LaunchConfig:

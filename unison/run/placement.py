@@ -12,9 +12,12 @@ another host get only what ``-x`` forwards (over ``ssh`` the daemon starts in a 
 environment; measured on test hosts with an agent that clears the environment as ``ssh`` does:
 a variable not named by ``-x`` did not arrive). So that a rank sees the same environment wherever
 it runs, a job with hosts forwards every variable, as Horovod's launcher does, except those that
-describe this machine or session (``HOSTNAME``, ``PWD``, ``SSH_*``, ``XDG_*``...), those MPI and
-Slurm set themselves on each host (``OMPI_*``, ``PMIX_*``, ``PRTE_*``, ``SLURM_*``; ``mpirun``
-carries the user's ``OMPI_MCA_*`` itself), shell functions, and names that are not identifiers.
+describe this machine or session (``HOSTNAME``, ``PWD``, ``SSH_*``, ``XDG_*``...) or its devices
+(``CUDA_VISIBLE_DEVICES`` and the like, which a batch system sets on each node to that node's
+allocated GPUs: until 2026-12-07 this machine's list was forced onto the others, which on a shared
+node would name another job's GPUs), those MPI and Slurm set themselves on each host (``OMPI_*``,
+``PMIX_*``, ``PRTE_*``, ``SLURM_*``; ``mpirun`` carries the user's ``OMPI_MCA_*`` itself), shell
+functions, and names that are not identifiers.
 A job on this machine alone forwards Unison's selection only: the rest arrives anyway.
 
 [Note: a launch agent Open MPI would split]
@@ -42,6 +45,7 @@ from pathlib import Path
 
 from unison.run.hosts import (
     Host,
+    most_processes,
     parse_hosts,
     parse_tcp_include,
     read_hostfile,
@@ -65,7 +69,10 @@ FORWARDED_NAMES = (
 )
 #: not forwarded to other hosts: see [Note: the environment across hosts]
 HOST_SPECIFIC_NAMES = frozenset({"HOSTNAME", "HOST", "PWD", "OLDPWD", "SHLVL", "_", "DISPLAY", "XAUTHORITY",
-                                 "TERMCAP", "PS1", "PS2", "PROMPT_COMMAND"})
+                                 "TERMCAP", "PS1", "PS2", "PROMPT_COMMAND",
+                                 # a node's own devices, which Slurm (gres) sets on each node
+                                 "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
+                                 "GPU_DEVICE_ORDINAL", "ZE_AFFINITY_MASK"})
 HOST_SPECIFIC_PREFIXES = ("SSH_", "XDG_", "OMPI_", "PMIX_", "PRTE_", "OPAL_", "SLURM_", "BASH_FUNC_")
 #: Variables the ranks get with these values unless the environment sets them (then its value goes):
 #: see [Note: huge pages for PyTorch's tensors]
@@ -203,7 +210,16 @@ def resolve_placement(config: LaunchConfig, environ: Mapping[str, str]) -> Place
 
 
 def needs_oversubscribe(config: LaunchConfig, placement: Placement, cpu_count: int) -> bool:
-    """Tells whether ``np`` exceeds the slots of the hosts, or of this machine without hosts."""
+    """Tells whether ``np`` exceeds the slots of the hosts, or of this machine without hosts.
+
+    Raises:
+        ValueError: ``np`` exceeds the sum of the hostfile's ``max_slots`` (every host giving one): Open MPI 5
+            then loops for ever at full CPU with ``--oversubscribe`` (before 2026-12-07 unisonrun added it).
+    """
+    cap = None if placement.hosts is None else most_processes(placement.hosts)
+    if cap is not None and placement.np > cap:
+        raise ValueError(f"-np {placement.np} is more than the hosts may take: their max_slots add up to {cap}; "
+                         f"give -np {cap} or less, or raise max_slots in the hostfile")
     if config.oversubscribe is not None:
         return config.oversubscribe
     slots = cpu_count if placement.hosts is None else total_slots(placement.hosts)

@@ -57,7 +57,7 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import IO, NamedTuple, cast
 
 __all__: list[str] = []
@@ -380,7 +380,8 @@ def _await_tokens(hosts: list[str], outcomes: dict[str, _Outcome], listener: _Li
 
 def probe_hosts(hosts: Sequence[str], *, agent: Sequence[str], python: str, include: Sequence[str] = (),
                 deadline: float = PROBE_DEADLINE_S, addresses: dict[str, str] | None = None,
-                agents: Agents | None = None, label: str | None = None) -> list[ProbeResult]:
+                agents: Agents | None = None, label: str | None = None,
+                logins: Mapping[str, Sequence[str]] | None = None) -> list[ProbeResult]:
     """Probes every host that is not this machine, all at once; see [Note: probing the hosts].
 
     Args:
@@ -397,6 +398,9 @@ def probe_hosts(hosts: Sequence[str], *, agent: Sequence[str], python: str, incl
             see [Note: a launch agent Open MPI would split] in ``placement.py``); ``agent``'s
             words when ``None``.
 
+        logins: Arguments the agent takes before a host's name (``-l USER -p PORT`` for ssh, from the
+            hostfile's ``username=`` and ``port=``).
+
     Returns:
         One result per probed host, in the order given.
 
@@ -412,7 +416,8 @@ def probe_hosts(hosts: Sequence[str], *, agent: Sequence[str], python: str, incl
     listener = _Listener(secrets.token_hex(8))
     running = Agents() if agents is None else agents
     try:
-        commands = {h: [*agent, h, _remote_command(h, python, back, listener)] for h in names}
+        commands = {h: [*agent, *(logins or {}).get(h, ()), h, _remote_command(h, python, back, listener)]
+                    for h in names}
         outcomes = _run_agents(commands, end, running)
         _await_tokens(names, outcomes, listener, end, running)
     finally:
@@ -430,14 +435,15 @@ def probe_hosts(hosts: Sequence[str], *, agent: Sequence[str], python: str, incl
 
 def check_hosts(hosts: Sequence[str], *, agent: Sequence[str], python: str, include: Sequence[str] = (),
                 deadline: float = PROBE_DEADLINE_S, addresses: dict[str, str] | None = None,
-                agents: Agents | None = None, label: str | None = None) -> None:
+                agents: Agents | None = None, label: str | None = None,
+                logins: Mapping[str, Sequence[str]] | None = None) -> None:
     """Raises, naming each host and why, unless every host passes :func:`probe_hosts` (same arguments).
 
     Raises:
         HostUnreachableError: a host failed the probe, or ``include`` matches no address here.
     """
     results = probe_hosts(hosts, agent=agent, python=python, include=include, deadline=deadline,
-                          addresses=addresses, agents=agents, label=label)
+                          addresses=addresses, agents=agents, label=label, logins=logins)
     failed = [r for r in results if r.reason is not None]
     if failed:
         details = "; ".join(f"host {r.host}: {r.reason}" for r in failed)

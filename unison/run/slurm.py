@@ -39,8 +39,8 @@ MAX_HOSTS = 100_000
 NODELIST_VARIABLES = ("SLURM_JOB_NODELIST", "SLURM_NODELIST")
 _NODELIST_FORM = "names separated by commas, each with optional [a-b,c] groups, e.g. 'node[01-03,07],gpu-a1'"
 _TASKS_FORM = "counts separated by commas, each N or N(xR), e.g. '2(x3),1'"
-_TASKS_ENTRY = re.compile(r"(\d+)(?:\(x(\d+)\))?")
-_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+_TASKS_ENTRY = re.compile(r"([0-9]+)(?:\(x([0-9]+)\))?")  # (ASCII: \d takes any script's digits)
+_RANGE = re.compile(r"([0-9]+)(?:-([0-9]+))?")
 
 
 class SlurmError(ValueError):
@@ -171,7 +171,7 @@ def _positive(environ: Mapping[str, str], variable: str) -> int | None:
     text = environ.get(variable)
     if text is None or text == "":
         return None
-    if not text.strip().isdigit() or int(text) < 1:
+    if not re.fullmatch(r"[0-9]+", text.strip()) or int(text) < 1:  # (isdigit() takes '²', which int() refuses)
         raise SlurmError(f"{variable}={text!r} is not a positive integer; Slurm sets it to the "
                          "number of tasks (e.g. 8): check the salloc/sbatch --ntasks value")
     return int(text)
