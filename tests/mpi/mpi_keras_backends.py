@@ -653,6 +653,77 @@ def test_a_last_batch_of_fewer_rows_than_ranks_trains_and_evaluates_as_one_proce
         assert same_everywhere([np.asarray(w) for w in model.weights])
 
 
+class _EvaluateAtLastBatch(keras.callbacks.Callback):
+    """Calls ``model.evaluate`` on ``data`` at the epoch's last training batch (fit validates right after)."""
+
+    def __init__(self, steps, data):
+        super().__init__()
+        self.steps, self.data, self.got = steps, data, []
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.steps - 1:
+            x, y, w = self.data
+            self.got.append(self.model.evaluate(x, y, sample_weight=w, batch_size=GLOBAL_BATCH, verbose=0))
+
+
+@pytest.mark.skipif(N == 1, reason="needs a global batch with fewer rows than ranks")
+@pytest.mark.parametrize("small", ["training", "validation", "callback's"])
+def test_an_evaluate_in_a_fits_callback_leaves_the_fit_as_one_process(dp, small):
+    """data_parallel [Note: compiled steps per shadow setting]. Before 2026-12-07 an evaluate called by a fit's
+    callback, with data whose shadow setting differed from the fit's, dropped the fit's train_function, which
+    Keras makes once per fit: the next step failed on every backend ('NoneType' object is not callable); with
+    the fit's shadow validation data, the fit's validation then ran with the evaluate's setting and counted
+    the shadow's row (val_loss 0.871 against one process's 0.898, torch at np 2; an audit's)."""
+    small_rows = 2 * GLOBAL_BATCH + N - 1  # a last batch of fewer rows than ranks: shadows
+    train_rows = small_rows if small == "training" else 2 * GLOBAL_BATCH
+    train = (X[:train_rows], Y[:train_rows])
+    steps = -(-len(train[0]) // GLOBAL_BATCH)
+    val_rows = small_rows if small == "validation" else GLOBAL_BATCH
+    val = (X[-val_rows:], Y[-val_rows:])
+    probe_rows = small_rows if small == "callback's" else GLOBAL_BATCH + N  # (no shadow: one row per rank)
+    probe = (X[:probe_rows], Y[:probe_rows], np.linspace(0.5, 1.5, probe_rows).astype("float32"))
+    model, ref = distributed_and_reference(dp, lambda: keras.optimizers.SGD(0.05, momentum=0.5))
+    runs = []
+    for m in (model, ref):
+        callback = _EvaluateAtLastBatch(steps, probe)
+        hist = m.fit(*train, validation_data=val, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0,
+                     callbacks=[callback])
+        runs.append((hist.history, callback.got))
+    (hist, got), (want, expected) = runs
+    for key in ("loss", "mae", "val_loss", "val_mae"):
+        np.testing.assert_allclose(hist[key], want[key], rtol=2e-5, err_msg=key)
+    np.testing.assert_allclose(got, expected, rtol=2e-5)
+    assert_weights_close(model, ref)
+    assert same_everywhere([np.asarray(w) for w in model.trainable_weights])
+
+
+@pytest.mark.skipif(N == 1, reason="needs a global batch with fewer rows than ranks")
+def test_steps_traced_without_shadows_are_not_reused_for_data_with_them(dp):
+    """data_parallel [Note: compiled steps per shadow setting]. Before 2026-12-07 JAX's jax.jit reused the
+    test step (and a class's own train step) traced while no share could be a shadow for later data with
+    one, so the shadow weighed by its rows: evaluate 5.71 against one process's 6.05, and a fit of a class
+    with its own train_step ended 0.059 off one process's weights (an audit's, np 2). Each data in turn,
+    with sample weights (a class's own step gets shadows only with the user's weights)."""
+    no_shadow = GLOBAL_BATCH + N  # (a last batch of one row per rank)
+    with_shadow = 2 * GLOBAL_BATCH + 1
+    parts = [(X[:rows], Y[:rows], np.linspace(0.5, 1.5, rows).astype("float32"))
+             for rows in (no_shadow, with_shadow, no_shadow, with_shadow)]
+    model, ref = distributed_and_reference(dp, lambda: keras.optimizers.SGD(0.05, momentum=0.5))
+    with dp.scope():
+        own = OwnStepModel(model.layers)
+        own.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.5), loss="mse", metrics=["mae"])
+    ref_own = OwnStepModel(ref.layers)
+    ref_own.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.5), loss="mse", metrics=["mae"])
+    for x, y, w in parts:
+        got = own.evaluate(x, y, sample_weight=w, batch_size=GLOBAL_BATCH, verbose=0)
+        want = ref_own.evaluate(x, y, sample_weight=w, batch_size=GLOBAL_BATCH, verbose=0)
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+        hist = own.fit(x, y, sample_weight=w, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+        want = ref_own.fit(x, y, sample_weight=w, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+        np.testing.assert_allclose(hist.history["loss"], want.history["loss"], rtol=2e-5)
+        assert_weights_close(own, ref_own)
+
+
 def test_a_tf_data_shuffle_needs_one_seed_on_every_rank(dp):
     """An unseeded tf.data shuffle gave each rank its rows of another order's global batch, silently (50
     distinct rows of 64 in one pass at 2 ranks: found 2026-12-06); now every rank raises, as under
@@ -752,6 +823,35 @@ def test_losses_that_do_not_average_over_the_batch_are_refused_on_every_rank(dp)
             make_model().compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction=reduction))
     with dp.scope():  # the default, by object or name, is fine
         make_model().compile(optimizer="sgd", loss=[keras.losses.MeanSquaredError()])
+
+
+def test_statistics_of_the_whole_batch_are_refused_and_per_row_ones_train_as_one_process(dp):
+    """data_parallel [Note: statistics of the whole batch]. Before 2026-12-07 Dice (axis=None, Keras's default)
+    trained 0.035 off one process's weights at np 2, and a Pearson correlation along axis 0 read -0.101 for one
+    process's -0.113 (an audit's): each rank's statistic of its share is not the global batch's. Refused at
+    compile on every rank; per row (axis over each row's values) Dice trains as one process."""
+    for loss in ("dice", keras.losses.Dice(), keras.losses.Tversky()):
+        with dp.scope(), refused_above_one_rank("is one statistic of the whole batch"):
+            make_model().compile(optimizer="sgd", loss=loss)
+    for metric in (keras.metrics.PearsonCorrelation(axis=0), keras.metrics.ConcordanceCorrelation(axis=(0, 1))):
+        with dp.scope(), refused_above_one_rank("is one statistic of the whole batch"):
+            make_model().compile(optimizer="sgd", loss="mse", metrics=[metric])
+        with uk.DataParallel(global_metrics=False).scope():  # each rank logs its own: its choice
+            make_model().compile(optimizer="sgd", loss="mse", metrics=[metric])
+    with dp.scope():  # along each row: accepted
+        make_model().compile(optimizer="sgd", loss="mse", metrics=[keras.metrics.PearsonCorrelation()])
+    keras.utils.set_random_seed(100 + R)
+    with dp.scope():
+        model = make_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.Dice(axis=-1))
+    ref = make_model()
+    ref.set_weights(WORLD.bcast(model.get_weights()))
+    ref.compile(optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.Dice(axis=-1))
+    target = (Y > 0).astype("float32")
+    hist = model.fit(X, target, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    want = ref.fit(X, target, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(hist.history["loss"], want.history["loss"], rtol=2e-5)
+    assert_weights_close(model, ref)
 
 
 class _Recorder(keras.layers.Layer):

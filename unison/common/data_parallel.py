@@ -48,6 +48,9 @@ __all__ = ["BatchPlan", "GradientStream", "average_gradients", "broadcast_arrays
 
 logger = logging.getLogger(__name__)
 
+#: the engine name of :func:`average_gradients`'s group (one call at a time: each waits for its result)
+GRADIENTS = "unison.average_gradients"
+
 
 @dataclass(frozen=True)
 class BatchPlan:
@@ -148,8 +151,8 @@ def _rows_check(rows: int | None, op: ReduceOp, name: str | None = None) -> Any:
     its rows. Whether the rows are equal (``size * sum(r**2) == sum(r)**2``, the usual case: then
     the plain average is the weighted one, and the engine's scale factors do all the work while
     copying) is known only from every rank's rows. That small all-reduce used to run, and be
-    waited for, before the gradients were submitted: a second round trip every step (about 130
-    us of 450 for a 94,538-parameter model's group at 2 ranks here). Now it is submitted beside
+    waited for, before the gradients were submitted: a second round trip every step (by hand, about
+    80 us of 450 for a 94,538-parameter model's group at 2 ranks here). Now it is submitted beside
     the gradients' plain average and both travel in one engine cycle; only a step whose rows
     differ (a last batch split unevenly, once an epoch) reduces its gradients again, weighed by
     the rows' shares (:func:`_share`). The numbers are the same as deciding first: the
@@ -216,16 +219,18 @@ def average_gradients(grads: Sequence[np.ndarray], rows: int | None = None, op: 
     if runtime.size() == 1 and rop in (Average, Sum):
         scale = prescale_factor * postscale_factor
         return arrays if scale == 1.0 else [a * np.asarray(scale, dtype=a.dtype) for a in arrays]
+    # (named: an unnamed group could pair with another rank's unnamed group of another kind, such as the
+    # metrics' sums of a rank whose data ended a step early, a MismatchError where the ranks' steps differ)
     with caller_waits():  # this thread runs the cycle that carries both ([Note: a waiter runs the cycle])
-        check = _rows_check(rows, rop)
-        handle = frontend.grouped_allreduce_async(arrays, op=rop, prescale_factor=prescale_factor,
+        check = _rows_check(rows, rop, f"{GRADIENTS}.rows")
+        handle = frontend.grouped_allreduce_async(arrays, op=rop, name=GRADIENTS, prescale_factor=prescale_factor,
                                                   postscale_factor=postscale_factor, compression=compression)
     out = handle.wait()
     weight = None if check is None else _share(check, rows, runtime.size())
     if weight is not None:  # rows differ: the weighed sum instead ([Note: rows beside the gradients])
         out = frontend.grouped_allreduce([_weighed(a, weight) for a in arrays], op=Sum,
-                                         prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                                         compression=compression)
+                                         name=f"{GRADIENTS}.weighed", prescale_factor=prescale_factor,
+                                         postscale_factor=postscale_factor, compression=compression)
     return _restore(out, arrays)
 
 

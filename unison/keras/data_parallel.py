@@ -148,6 +148,8 @@ class DataParallel:
             kwargs["jit_compile"] = False
         if self.size > 1:  # (one process's gradient is its own)
             _refuse_per_rank_reductions(kwargs.get("loss"))
+            if self.global_metrics:
+                _refuse_whole_batch_metrics(kwargs.get("metrics"), kwargs.get("weighted_metrics"))
         optimizer = keras.optimizers.get(kwargs.get("optimizer", "rmsprop"))
         if not getattr(optimizer, "_unison_distributed", False):
             # in place: model.optimizer is the object passed, so the user's handle on it (learning_rate,
@@ -167,9 +169,8 @@ class DataParallel:
             overlap = getattr(model, "_unison_overlap", None)
             overlap = overlap or Overlap(model, f"unison.keras.{next(_models)}.grad")
         _set(model, "_unison_overlap", overlap)
-        # the class's methods, not this instance's (already wrapped when the model is compiled again)
-        _set(model, "train_step", _rows_step(model, type(model).train_step.__get__(model), overlap))
-        _set(model, "test_step", _counted_test_step(model, type(model).test_step.__get__(model)))
+        _set_steps(model)
+        _set(model, "_unison_compiled", {})  # ([Note: compiled steps per shadow setting])
         if self.global_metrics:
             _set(model, "get_metrics_result", _global_metrics_result(model))
         elif "get_metrics_result" in model.__dict__:
@@ -244,6 +245,9 @@ def _refuse_per_rank_reductions(loss: Any) -> None:
                          "DataParallel weighs each rank by the targets such a loss counts, which it cannot do for "
                          "one loss among several. Compile one loss, or drop ignore_class and weigh the padding "
                          "out with sample weights")
+    _refuse_whole_batch("loss", items, "axis=None: Keras's default for Dice and Tversky",
+                        "pass axis over each row's own values (e.g. keras.losses.Dice(axis=(1, 2, 3)) for "
+                        "images), a loss per row that Keras then averages")
     for item in items:
         reduction = getattr(item, "reduction", None)
         if isinstance(item, keras.losses.Loss) and reduction in ("sum", "mean_with_sample_weight"):
@@ -252,6 +256,40 @@ def _refuse_per_rank_reductions(loss: Any) -> None:
                              "which is one process's gradient only for a loss that averages over the batch. Use "
                              "the default reduction 'sum_over_batch_size' (with sample weights scaled to average "
                              "1 where 'mean_with_sample_weight' was meant)")
+
+
+def _whole_batch(item: Any) -> bool:
+    """Whether a loss or metric is one statistic of the whole batch, not a mean of per-row values
+    ([Note: statistics of the whole batch]): Dice and Tversky with ``axis=None`` (their default), a correlation
+    metric along the batch axis."""
+    if isinstance(item, str) or callable(item) and not isinstance(item, (keras.losses.Loss, keras.metrics.Metric)):
+        return item in ("dice", "tversky", keras.losses.dice, keras.losses.tversky)  # (axis=None)
+    if getattr(item, "fn", None) in (keras.losses.dice, keras.losses.tversky):  # Dice, Tversky, their wrappers
+        return getattr(item, "_fn_kwargs", {}).get("axis") is None
+    if isinstance(item, (keras.metrics.PearsonCorrelation, keras.metrics.ConcordanceCorrelation)):
+        axis = item.get_config().get("axis", -1)
+        axes = axis if isinstance(axis, (list, tuple)) else (axis,)
+        return axis is None or 0 in axes
+    return False
+
+
+def _refuse_whole_batch_metrics(*metrics: Any) -> None:
+    """[Note: statistics of the whole batch] A loss or metric computed as one statistic of the batch (Dice over
+    every element, a correlation down the batch axis) is not a mean of per-row values: each rank's value of its
+    share, combined, is not one process's value of the global batch (an audit on 2026-12-07: Dice trained
+    0.035 off one process's weights at np 2, a Pearson correlation along axis 0 read -0.101 for -0.113). Such
+    losses and, with global metrics, such metrics are refused at ``compile`` on every rank, naming the fix."""
+    _refuse_whole_batch("metric", keras.tree.flatten([m for m in metrics if m is not None]),
+                        "along the batch axis", "compute it along each row (axis=-1), or pass "
+                        "DataParallel(global_metrics=False) to log each rank's own value")
+
+
+def _refuse_whole_batch(what: str, items: list[Any], why: str, fix: str) -> None:
+    for item in items:
+        if _whole_batch(item):
+            name = getattr(item, "name", getattr(item, "__name__", item))
+            raise ValueError(f"DataParallel: the {what} {name!r} is one statistic of the whole batch ({why}), "
+                             f"which no combination of the ranks' shares gives; {fix}")
 
 
 #: how :func:`_describe_input` shows a ``shuffle`` without a seed in a tf.data chain
@@ -424,6 +462,15 @@ def without_seed_states(model: Any, variables: list[Any]) -> list[Any]:
 
 def _set(model: Any, name: str, value: Any) -> None:
     object.__setattr__(model, name, value)
+
+
+def _set_steps(model: Any) -> None:
+    """``model``'s data-parallel ``train_step`` and ``test_step``: new function objects on every call (jax.jit
+    keeps its traces by the function: [Note: compiled steps per shadow setting])."""
+    # the class's methods, not this instance's (already wrapped when the model is compiled again)
+    _set(model, "train_step", _rows_step(model, type(model).train_step.__get__(model),
+                                         getattr(model, "_unison_overlap", None)))
+    _set(model, "test_step", _counted_test_step(model, type(model).test_step.__get__(model)))
 
 
 def _assign(variables: list[Any], values: list[np.ndarray]) -> None:
@@ -841,15 +888,16 @@ def _fit(dp: DataParallel, model: Any, fit: Callable[..., Any]) -> Callable[...,
             vx, vy, vsw = (tuple(val) + (None, None))[:3] if isinstance(val, (tuple, list)) else (val, None, None)
             val = dp.shard(vx, vy, vsw, a.pop("validation_batch_size", None) or batch, False, None,
                            "validation_data", shadows=_shadows_allowed(model, vsw, None, ("test_step",)))
-        _expect_shadows(model, _has_shadows(train) or _has_shadows(val))
+        shadowed = _has_shadows(train) or _has_shadows(val)  # (before _unwrap: a TensorFlow pipeline has no plan)
         train, val = _unwrap(train, a, "steps_per_epoch"), _unwrap(val, a, "validation_steps")
         callbacks = list(a.pop("callbacks", None) or [])
         _refuse_unsafe_callbacks(callbacks)
         callbacks = _rank0.fit_callbacks(callbacks)  # [Note: rank-0-only files under fit]
         callbacks.insert(0, _Sync(dp, model))
         callbacks.append(_AgreeToStop(model))
-        return fit(train, validation_data=val, shuffle=False, callbacks=callbacks,
-                   verbose=_quiet(a.pop("verbose", "auto"), dp.rank), **a)
+        with _expecting_shadows(model, shadowed):
+            return fit(train, validation_data=val, shuffle=False, callbacks=callbacks,
+                       verbose=_quiet(a.pop("verbose", "auto"), dp.rank), **a)
 
     def collective_fit(*args: Any, **kwargs: Any) -> Any:
         with collective("model.fit"):
@@ -871,10 +919,11 @@ def _evaluate(dp: DataParallel, model: Any, evaluate: Callable[..., Any]) -> Cal
             sw = a.pop("sample_weight", None)
             x = dp.shard(x, a.pop("y", None), sw, a.pop("batch_size", None), False, None, "model.evaluate",
                          shadows=_shadows_allowed(model, sw, None, ("test_step",)))
-            _expect_shadows(model, _has_shadows(x))
             _sync(dp, model, raw)
+            shadowed = _has_shadows(x)
             x = _unwrap(x, a, "steps")
-            return evaluate(x, verbose=_quiet(a.pop("verbose", "auto"), dp.rank), **a, **extra)
+            with _expecting_shadows(model, shadowed):
+                return evaluate(x, verbose=_quiet(a.pop("verbose", "auto"), dp.rank), **a, **extra)
 
     return distributed_evaluate
 
@@ -899,12 +948,51 @@ def _has_shadows(sharded: Any) -> bool:
     return bool(plan is not None and plan.has_shadows)
 
 
-def _expect_shadows(model: Any, expected: bool) -> None:
-    """Tell ``model``'s steps whether a share may be a shadow (:func:`shadow_share` looks only then); a change
-    drops the compiled steps, which read it when traced."""
-    if bool(getattr(model, "_unison_shadows", False)) != expected:
-        object.__setattr__(model, "_unison_shadows", expected)
+#: the attributes that hold a model's steps as traced for one shadow setting
+_COMPILED = ("train_step", "test_step", "train_function", "test_function")
+
+
+@contextlib.contextmanager
+def _expecting_shadows(model: Any, expected: bool) -> Iterator[None]:
+    """Within the block, ``model``'s steps know whether a share may be a shadow (:func:`shadow_share` looks
+    only then), and use the compiled steps traced for that setting.
+
+    [Note: compiled steps per shadow setting] A compiled step (tf.function, jax.jit) reads the setting when
+    traced, so each setting has its own steps, kept in ``model._unison_compiled``; a block with the other
+    setting puts the current ones away, and they come back at its end. Until 2026-12-07 a change dropped the
+    compiled steps instead, which failed two ways:
+
+    * an ``evaluate`` called by a fit's callback dropped the fit's ``train_function``, which Keras makes once
+      before its epochs: the next step called None (every backend); with data of the same setting it left
+      the fit's validation reading the evaluate's setting (a shadow row counted in ``val_loss``);
+    * JAX's ``jax.jit`` keeps its traces by the function: Keras's ``make_test_function`` (and its
+      ``make_train_function`` for a class with its own ``train_step``) jit ``model.test_step`` and
+      ``model.train_step``, the same objects before and after the change, so the old trace ran again with
+      the old setting (a shadow weighed by its rows: loss, metrics and weights off one process's). Each
+      setting now has its own step objects (:func:`_set_steps`).
+    """
+    before = bool(getattr(model, "_unison_shadows", False))
+    if before == expected:
+        yield
+        return
+    _switch_compiled(model, before, expected)
+    try:
+        yield
+    finally:
+        _switch_compiled(model, expected, before)
+
+
+def _switch_compiled(model: Any, old: bool, new: bool) -> None:
+    compiled = model.__dict__.setdefault("_unison_compiled", {})
+    compiled[old] = tuple(model.__dict__.get(name) for name in _COMPILED)
+    object.__setattr__(model, "_unison_shadows", new)
+    kept = compiled.pop(new, None)
+    if kept is None:
+        _set_steps(model)
         model.train_function = model.test_function = None
+        return
+    for name, value in zip(_COMPILED, kept, strict=True):
+        _set(model, name, value)
 
 
 def _unwrap(sharded: Any, args: dict[str, Any], steps: str) -> Any:
