@@ -1817,7 +1817,7 @@ def test_hostfile_lines_open_mpi_reads_otherwise_are_refused(tmp_path, line):
 
 def test_hostfile_username_and_port_reach_the_probe(tmp_path):
     """Before: the probe ran 'ssh ... nodex' for a line 'nodex username=bob port=2222', failed, and nothing was
-    launched, where Open MPI's ssh would use the port."""
+    launched, where Open MPI gives any agent 'bob@nodex -p 2222' (PRRTE's ssh launcher)."""
     from unison.run.launcher import _check_hosts
 
     log = tmp_path / "agent.log"
@@ -1833,23 +1833,22 @@ def test_hostfile_username_and_port_reach_the_probe(tmp_path):
     original = launcher.check_hosts
     launcher.check_hosts = fake_check_hosts
     try:
-        _check_hosts(LaunchConfig(command=("true",), hostfile=str(path), np=2), {"PATH": "/usr/bin"})
-        _check_hosts(LaunchConfig(command=("true",), hostfile=str(path), np=2, launch_agent="my-agent"),
-                     {"PATH": "/usr/bin"})
+        for agent in (None, "my-agent"):
+            _check_hosts(LaunchConfig(command=("true",), hostfile=str(path), np=2, launch_agent=agent),
+                         {"PATH": "/usr/bin"})
     finally:
         launcher.check_hosts = original
-    assert seen[0][0] == ["nodex", "nodey"] and seen[0][1][0] == "ssh"
-    assert seen[0][2] == {"nodex": ["-l", "bob", "-p", "2222"]}
-    assert seen[1][2] == {}  # (a launch agent of the user's takes its own flags)
+    assert [s[0] for s in seen] == [["nodex", "nodey"]] * 2
+    assert seen[0][1][0] == "ssh" and seen[1][1] == ["my-agent"]
+    assert seen[0][2] == seen[1][2] == {"nodex": ("bob", 2222)}
     from unison.run.probe import probe_hosts
 
     script = tmp_path / "ssh-like"
-    script.write_text(f'#!/bin/sh\necho "$@" >> {log}\nshift 5\nexec /bin/sh -c "$*"\n')  # (-l U -p P HOST CMD)
+    script.write_text(f'#!/bin/sh\necho "$@" >> {log}\nshift 3\nexec /bin/sh -c "$*"\n')  # (U@H -p P CMD)
     script.chmod(0o755)
-    agent = [str(script)]
-    results = probe_hosts(["nodex"], agent=agent, python=sys.executable, addresses={"lo": "127.0.0.1"},
-                          deadline=30, logins={"nodex": ["-l", "bob", "-p", "2222"]})
-    assert log.read_text().startswith("-l bob -p 2222 nodex "), log.read_text()
+    results = probe_hosts(["nodex"], agent=[str(script)], python=sys.executable, addresses={"lo": "127.0.0.1"},
+                          deadline=30, logins={"nodex": ("bob", 2222)})
+    assert log.read_text().startswith("bob@nodex -p 2222 "), log.read_text()
     assert [(r.host, r.reason) for r in results] == [("nodex", None)]
 
 
@@ -1873,11 +1872,14 @@ def test_minus_h_strips_names_and_says_why_ipv6_cannot_go_there():
         parse_hosts("a:99999999999999999999")
 
 
-def test_device_lists_stay_on_their_own_host():
-    """Before: a job with hosts forwarded this machine's CUDA_VISIBLE_DEVICES to every host (-x), where a batch
-    system sets each node's own."""
+def test_device_lists_stay_on_their_own_host_inside_an_allocation():
+    """Before: a job inside a Slurm allocation forwarded this machine's CUDA_VISIBLE_DEVICES to every host (-x),
+    where Slurm sets each node's own. Without a batch system the user's export is for every host."""
     environ = {"PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "2,3", "ROCR_VISIBLE_DEVICES": "1", "FOO": "bar"}
     forwarded = option_values(build(hosts="a:2,b:2", environ=environ), "-x")
+    assert {"FOO", "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"} <= set(forwarded)
+    slurm = {**environ, "SLURM_JOB_NODELIST": "gpu[1-2]", "SLURM_TASKS_PER_NODE": "2(x2)"}
+    forwarded = option_values(build(environ=slurm), "-x")
     assert "FOO" in forwarded and not any(name.startswith(("CUDA_VISIBLE", "ROCR_VISIBLE")) for name in forwarded)
 
 

@@ -695,6 +695,7 @@ def test_an_evaluate_in_a_fits_callback_leaves_the_fit_as_one_process(dp, small)
     np.testing.assert_allclose(got, expected, rtol=2e-5)
     assert_weights_close(model, ref)
     assert same_everywhere([np.asarray(w) for w in model.trainable_weights])
+    assert callable(model.train_function) and callable(model.test_function)  # (the fit's, as Keras leaves them)
 
 
 @pytest.mark.skipif(N == 1, reason="needs a global batch with fewer rows than ranks")
@@ -833,13 +834,15 @@ def test_statistics_of_the_whole_batch_are_refused_and_per_row_ones_train_as_one
     for loss in ("dice", keras.losses.Dice(), keras.losses.Tversky()):
         with dp.scope(), refused_above_one_rank("is one statistic of the whole batch"):
             make_model().compile(optimizer="sgd", loss=loss)
-    for metric in (keras.metrics.PearsonCorrelation(axis=0), keras.metrics.ConcordanceCorrelation(axis=(0, 1))):
+    # (along the last axis of a one-unit output: along the batch, once Keras squeezes the unit of the targets)
+    for metric in (keras.metrics.PearsonCorrelation(axis=0), keras.metrics.ConcordanceCorrelation(axis=(0, 1)),
+                   keras.metrics.PearsonCorrelation()):
         with dp.scope(), refused_above_one_rank("is one statistic of the whole batch"):
             make_model().compile(optimizer="sgd", loss="mse", metrics=[metric])
         with uk.DataParallel(global_metrics=False).scope():  # each rank logs its own: its choice
             make_model().compile(optimizer="sgd", loss="mse", metrics=[metric])
-    with dp.scope():  # along each row: accepted
-        make_model().compile(optimizer="sgd", loss="mse", metrics=[keras.metrics.PearsonCorrelation()])
+    with dp.scope():  # along each row of several units: accepted
+        make_model(classes=3).compile(optimizer="sgd", loss="mse", metrics=[keras.metrics.PearsonCorrelation()])
     keras.utils.set_random_seed(100 + R)
     with dp.scope():
         model = make_model()

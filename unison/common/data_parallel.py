@@ -29,6 +29,7 @@ once, on numpy arrays, so each adapter only moves its tensors to and from the ho
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,6 +51,8 @@ logger = logging.getLogger(__name__)
 
 #: the engine name of :func:`average_gradients`'s group (one call at a time: each waits for its result)
 GRADIENTS = "unison.average_gradients"
+#: how long a failed :func:`average_gradients` waits for its rows check before raising
+CHECK_DRAIN_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -225,7 +228,13 @@ def average_gradients(grads: Sequence[np.ndarray], rows: int | None = None, op: 
         check = _rows_check(rows, rop, f"{GRADIENTS}.rows")
         handle = frontend.grouped_allreduce_async(arrays, op=rop, name=GRADIENTS, prescale_factor=prescale_factor,
                                                   postscale_factor=postscale_factor, compression=compression)
-    out = handle.wait()
+    try:
+        out = handle.wait()
+    except BaseException:
+        if check is not None:  # (left in flight, a retry of this call would reuse its name on this rank alone)
+            with contextlib.suppress(Exception):
+                check.wait(CHECK_DRAIN_S)
+        raise
     weight = None if check is None else _share(check, rows, runtime.size())
     if weight is not None:  # rows differ: the weighed sum instead ([Note: rows beside the gradients])
         out = frontend.grouped_allreduce([_weighed(a, weight) for a in arrays], op=Sum,

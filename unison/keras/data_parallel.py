@@ -149,7 +149,7 @@ class DataParallel:
         if self.size > 1:  # (one process's gradient is its own)
             _refuse_per_rank_reductions(kwargs.get("loss"))
             if self.global_metrics:
-                _refuse_whole_batch_metrics(kwargs.get("metrics"), kwargs.get("weighted_metrics"))
+                _refuse_whole_batch_metrics(model, kwargs.get("metrics"), kwargs.get("weighted_metrics"))
         optimizer = keras.optimizers.get(kwargs.get("optimizer", "rmsprop"))
         if not getattr(optimizer, "_unison_distributed", False):
             # in place: model.optimizer is the object passed, so the user's handle on it (learning_rate,
@@ -170,7 +170,6 @@ class DataParallel:
             overlap = overlap or Overlap(model, f"unison.keras.{next(_models)}.grad")
         _set(model, "_unison_overlap", overlap)
         _set_steps(model)
-        _set(model, "_unison_compiled", {})  # ([Note: compiled steps per shadow setting])
         if self.global_metrics:
             _set(model, "get_metrics_result", _global_metrics_result(model))
         elif "get_metrics_result" in model.__dict__:
@@ -258,35 +257,61 @@ def _refuse_per_rank_reductions(loss: Any) -> None:
                              "1 where 'mean_with_sample_weight' was meant)")
 
 
-def _whole_batch(item: Any) -> bool:
+def _whole_batch(item: Any, outputs: tuple[int, bool] | None = None) -> bool:
     """Whether a loss or metric is one statistic of the whole batch, not a mean of per-row values
-    ([Note: statistics of the whole batch]): Dice and Tversky with ``axis=None`` (their default), a correlation
-    metric along the batch axis."""
+    ([Note: statistics of the whole batch]): Dice and Tversky over the batch axis (``axis=None``, their
+    default), a correlation metric along it. ``outputs``: the model's output rank (batch axis included) and
+    whether an output has one unit, where known: a correlation along the last axis of a one-unit output is
+    along the batch (Keras squeezes the unit away for targets of one value per row; with a unit in the targets
+    too, it is a correlation of one value, never meaningful)."""
     if isinstance(item, str) or callable(item) and not isinstance(item, (keras.losses.Loss, keras.metrics.Metric)):
-        return item in ("dice", "tversky", keras.losses.dice, keras.losses.tversky)  # (axis=None)
+        name = item.lower() if isinstance(item, str) else item
+        return name in ("dice", "tversky", keras.losses.dice, keras.losses.tversky)  # (axis=None)
     if getattr(item, "fn", None) in (keras.losses.dice, keras.losses.tversky):  # Dice, Tversky, their wrappers
-        return getattr(item, "_fn_kwargs", {}).get("axis") is None
+        return _over_batch(getattr(item, "_fn_kwargs", {}).get("axis"), outputs, last_is_batch=False)
     if isinstance(item, (keras.metrics.PearsonCorrelation, keras.metrics.ConcordanceCorrelation)):
-        axis = item.get_config().get("axis", -1)
-        axes = axis if isinstance(axis, (list, tuple)) else (axis,)
-        return axis is None or 0 in axes
+        return _over_batch(item.get_config().get("axis", -1), outputs, last_is_batch=True)
     return False
 
 
-def _refuse_whole_batch_metrics(*metrics: Any) -> None:
+def _over_batch(axis: Any, outputs: tuple[int, bool] | None, last_is_batch: bool) -> bool:
+    if axis is None:
+        return True
+    rank, one_unit = outputs if outputs is not None else (None, False)
+    axes = [int(a) for a in (axis if isinstance(axis, (list, tuple)) else (axis,))]
+    if rank is not None:
+        axes = [a + rank if a < 0 else a for a in axes]
+    return 0 in axes or (last_is_batch and one_unit and rank is not None and rank - 1 in axes)
+
+
+def _output_shapes(model: Any) -> tuple[int, bool] | None:
+    """``model``'s highest output rank and whether an output has one unit (see :func:`_whole_batch`), or None
+    where its outputs are not known yet (a model built at its first call)."""
+    try:
+        shapes = [tuple(o.shape) for o in keras.tree.flatten(model.outputs)]
+    except (AttributeError, ValueError, TypeError):
+        return None
+    if not shapes:
+        return None
+    return max(len(s) for s in shapes), any(len(s) == 1 or s[-1] == 1 for s in shapes)
+
+
+def _refuse_whole_batch_metrics(model: Any, *metrics: Any) -> None:
     """[Note: statistics of the whole batch] A loss or metric computed as one statistic of the batch (Dice over
     every element, a correlation down the batch axis) is not a mean of per-row values: each rank's value of its
     share, combined, is not one process's value of the global batch (an audit on 2026-12-07: Dice trained
     0.035 off one process's weights at np 2, a Pearson correlation along axis 0 read -0.101 for -0.113). Such
     losses and, with global metrics, such metrics are refused at ``compile`` on every rank, naming the fix."""
     _refuse_whole_batch("metric", keras.tree.flatten([m for m in metrics if m is not None]),
-                        "along the batch axis", "compute it along each row (axis=-1), or pass "
-                        "DataParallel(global_metrics=False) to log each rank's own value")
+                        "along the batch axis", "compute it along each row's values (an output of several "
+                        "units, axis=-1), or pass DataParallel(global_metrics=False) to log each rank's own "
+                        "value", _output_shapes(model))
 
 
-def _refuse_whole_batch(what: str, items: list[Any], why: str, fix: str) -> None:
+def _refuse_whole_batch(what: str, items: list[Any], why: str, fix: str,
+                        outputs: tuple[int, bool] | None = None) -> None:
     for item in items:
-        if _whole_batch(item):
+        if _whole_batch(item, outputs):
             name = getattr(item, "name", getattr(item, "__name__", item))
             raise ValueError(f"DataParallel: the {what} {name!r} is one statistic of the whole batch ({why}), "
                              f"which no combination of the ranks' shares gives; {fix}")
@@ -955,44 +980,39 @@ _COMPILED = ("train_step", "test_step", "train_function", "test_function")
 @contextlib.contextmanager
 def _expecting_shadows(model: Any, expected: bool) -> Iterator[None]:
     """Within the block, ``model``'s steps know whether a share may be a shadow (:func:`shadow_share` looks
-    only then), and use the compiled steps traced for that setting.
+    only then), and use compiled steps traced for that setting.
 
     [Note: compiled steps per shadow setting] A compiled step (tf.function, jax.jit) reads the setting when
-    traced, so each setting has its own steps, kept in ``model._unison_compiled``; a block with the other
-    setting puts the current ones away, and they come back at its end. Until 2026-12-07 a change dropped the
-    compiled steps instead, which failed two ways:
+    traced, so a change of setting makes new steps: new ``train_step``/``test_step`` objects (JAX's ``jax.jit``
+    keeps its traces by the function: Keras's ``make_test_function``, and its ``make_train_function`` for a
+    class with its own ``train_step``, jit ``model.test_step`` and ``model.train_step``) and no compiled
+    functions, which Keras then makes. A block inside another (an ``evaluate`` called by a fit's callback) puts
+    the outer call's steps back at its end; an outermost one leaves its own in place, as a plain fit does.
+    Until 2026-12-07 a change dropped the compiled functions only, which failed three ways:
 
     * an ``evaluate`` called by a fit's callback dropped the fit's ``train_function``, which Keras makes once
-      before its epochs: the next step called None (every backend); with data of the same setting it left
-      the fit's validation reading the evaluate's setting (a shadow row counted in ``val_loss``);
-    * JAX's ``jax.jit`` keeps its traces by the function: Keras's ``make_test_function`` (and its
-      ``make_train_function`` for a class with its own ``train_step``) jit ``model.test_step`` and
-      ``model.train_step``, the same objects before and after the change, so the old trace ran again with
-      the old setting (a shadow weighed by its rows: loss, metrics and weights off one process's). Each
-      setting now has its own step objects (:func:`_set_steps`).
+      before its epochs: the next step called None (every backend);
+    * with data of the other setting, it left the fit's validation reading the evaluate's setting (a shadow's
+      row counted in ``val_loss``);
+    * on JAX the old trace ran again with the old setting (a shadow weighed by its rows: loss, metrics and
+      weights off one process's).
     """
+    depth = model.__dict__.get("_unison_depth", 0)
     before = bool(getattr(model, "_unison_shadows", False))
-    if before == expected:
-        yield
-        return
-    _switch_compiled(model, before, expected)
+    saved = tuple(model.__dict__.get(name) for name in _COMPILED)
+    if before != expected:
+        object.__setattr__(model, "_unison_shadows", expected)
+        _set_steps(model)
+        model.train_function = model.test_function = None
+    _set(model, "_unison_depth", depth + 1)
     try:
         yield
     finally:
-        _switch_compiled(model, expected, before)
-
-
-def _switch_compiled(model: Any, old: bool, new: bool) -> None:
-    compiled = model.__dict__.setdefault("_unison_compiled", {})
-    compiled[old] = tuple(model.__dict__.get(name) for name in _COMPILED)
-    object.__setattr__(model, "_unison_shadows", new)
-    kept = compiled.pop(new, None)
-    if kept is None:
-        _set_steps(model)
-        model.train_function = model.test_function = None
-        return
-    for name, value in zip(_COMPILED, kept, strict=True):
-        _set(model, name, value)
+        _set(model, "_unison_depth", depth)
+        if depth and before != expected:  # (nested: the outer call's steps and setting come back)
+            object.__setattr__(model, "_unison_shadows", before)
+            for name, value in zip(_COMPILED, saved, strict=True):
+                _set(model, name, value)
 
 
 def _unwrap(sharded: Any, args: dict[str, Any], steps: str) -> Any:

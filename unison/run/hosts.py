@@ -25,8 +25,9 @@ gave wrong counts (``// rack A`` a host named ``//``; ``^b`` one more slot, and 
 they are refused, naming the line and the fix, until ``unisonrun`` reads them as Open MPI does.
 A host's ``max_slots`` bounds ``-np``: Open MPI 5 given more processes than the hosts' ``max_slots``
 with ``--oversubscribe`` loops at full CPU for ever instead of failing, so ``unisonrun`` refuses it.
-Its ``username=`` and ``port=`` reach the probe's ``ssh`` (``-l USER -p PORT``): without them a
-host that takes ssh on another port failed the probe, and nothing was launched.
+Its ``username=`` and ``port=`` reach the probe's agent as Open MPI gives them to any agent
+(``AGENT USER@HOST -p PORT ...``): without them a host that takes ssh on another port failed the
+probe, and nothing was launched.
 
 A hostfile may end with ``# unison: key=value`` lines (Open MPI skips them as comments) that
 stand for ``unisonrun`` flags: ``launch-agent``, ``tcp-include`` and ``network-interface``;

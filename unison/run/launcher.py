@@ -215,7 +215,8 @@ def build_command(
     if _one_host(placement) and "OMPI_MCA_btl" not in environ and not _sets_mca(config.mpi_args, "btl"):
         # [Note: the libfabric BTL on one host]
         command += ["--mca", "btl", "^ofi"]
-    command += forwarded_environment(environ, executable, every=placement.hosts is not None)
+    command += forwarded_environment(environ, executable, every=placement.hosts is not None,
+                                     batch=placement.in_slurm)
     if (config.detect_lost_hosts and _ulfm(config.mpi_args) and not _one_host(placement)
             and "OMPI_MCA_mpi_ft_detector" not in environ and not _sets_mca(config.mpi_args, "mpi_ft_detector")):
         command += DETECTOR_MPI_ARGS  # [Note: a lost host in the in-place tier]
@@ -574,9 +575,7 @@ def _check_hosts(config: LaunchConfig, environ: Mapping[str, str], agents: Agent
     if placement.hosts is None or not placement.uses_ssh:
         return  # this machine alone, or a batch system starts the daemons
     agent = agent_words(placement.launch_agent) if placement.launch_agent else list(DEFAULT_AGENT)
-    logins = {} if placement.launch_agent else {  # (ssh's own flags: a launch agent of the user's takes its own)
-        h.name: [*(["-l", h.user] if h.user else []), *(["-p", str(h.port)] if h.port else [])]
-        for h in placement.hosts if h.user or h.port}
+    logins = {h.name: (h.user, h.port) for h in placement.hosts if h.user or h.port}
     check_hosts([h.name for h in placement.hosts], agent=agent, python=sys.executable,
                 include=placement.tcp_include, agents=agents, label=label, logins=logins)
 

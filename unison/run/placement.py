@@ -12,10 +12,11 @@ another host get only what ``-x`` forwards (over ``ssh`` the daemon starts in a 
 environment; measured on test hosts with an agent that clears the environment as ``ssh`` does:
 a variable not named by ``-x`` did not arrive). So that a rank sees the same environment wherever
 it runs, a job with hosts forwards every variable, as Horovod's launcher does, except those that
-describe this machine or session (``HOSTNAME``, ``PWD``, ``SSH_*``, ``XDG_*``...) or its devices
-(``CUDA_VISIBLE_DEVICES`` and the like, which a batch system sets on each node to that node's
-allocated GPUs: until 2026-12-07 this machine's list was forced onto the others, which on a shared
-node would name another job's GPUs), those MPI and Slurm set themselves on each host (``OMPI_*``,
+describe this machine or session (``HOSTNAME``, ``PWD``, ``SSH_*``, ``XDG_*``...), inside a Slurm
+allocation its devices (``CUDA_VISIBLE_DEVICES`` and the like, which Slurm sets on each node to
+that node's allocated GPUs: until 2026-12-07 this machine's list was forced onto the others,
+which on a shared node would name another job's GPUs; without a batch system the user's export is
+meant for every host and goes), those MPI and Slurm set themselves on each host (``OMPI_*``,
 ``PMIX_*``, ``PRTE_*``, ``SLURM_*``; ``mpirun`` carries the user's ``OMPI_MCA_*`` itself), shell
 functions, and names that are not identifiers.
 A job on this machine alone forwards Unison's selection only: the rest arrives anyway.
@@ -69,10 +70,10 @@ FORWARDED_NAMES = (
 )
 #: not forwarded to other hosts: see [Note: the environment across hosts]
 HOST_SPECIFIC_NAMES = frozenset({"HOSTNAME", "HOST", "PWD", "OLDPWD", "SHLVL", "_", "DISPLAY", "XAUTHORITY",
-                                 "TERMCAP", "PS1", "PS2", "PROMPT_COMMAND",
-                                 # a node's own devices, which Slurm (gres) sets on each node
-                                 "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
-                                 "GPU_DEVICE_ORDINAL", "ZE_AFFINITY_MASK"})
+                                 "TERMCAP", "PS1", "PS2", "PROMPT_COMMAND"})
+#: a node's own devices, which a batch system sets on each node: not forwarded inside an allocation
+NODE_DEVICE_NAMES = frozenset({"CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
+                               "GPU_DEVICE_ORDINAL", "ZE_AFFINITY_MASK"})
 HOST_SPECIFIC_PREFIXES = ("SSH_", "XDG_", "OMPI_", "PMIX_", "PRTE_", "OPAL_", "SLURM_", "BASH_FUNC_")
 #: Variables the ranks get with these values unless the environment sets them (then its value goes):
 #: see [Note: huge pages for PyTorch's tensors]
@@ -297,7 +298,8 @@ def _forwarded_across_hosts(name: str) -> bool:
             and not name.startswith(HOST_SPECIFIC_PREFIXES))
 
 
-def forwarded_environment(environ: Mapping[str, str], executable: str, every: bool = False) -> list[str]:
+def forwarded_environment(environ: Mapping[str, str], executable: str, every: bool = False,
+                          batch: bool = False) -> list[str]:
     """Builds the ``-x`` arguments that carry the environment to the ranks.
 
     Args:
@@ -305,6 +307,8 @@ def forwarded_environment(environ: Mapping[str, str], executable: str, every: bo
         executable: The Python interpreter in use; its directory goes first on the ranks' ``PATH``.
         every: Forward every variable but the host-specific ones (a job with hosts; see
             [Note: the environment across hosts]) instead of Unison's selection.
+        batch: The job runs inside a batch system's allocation, which sets each node's devices
+            (:data:`NODE_DEVICE_NAMES` are then not forwarded).
 
     Returns:
         ``["-x", "NAME", ...]`` sorted by name. ``PATH`` is given with its value
@@ -328,7 +332,7 @@ def forwarded_environment(environ: Mapping[str, str], executable: str, every: bo
     """
     names = {
         name for name in environ
-        if (every and _forwarded_across_hosts(name))
+        if (every and _forwarded_across_hosts(name) and not (batch and name in NODE_DEVICE_NAMES))
         or name.startswith(FORWARDED_PREFIXES) or name in FORWARDED_NAMES
     }
     entries = {name: name for name in names}

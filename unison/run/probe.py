@@ -378,10 +378,17 @@ def _await_tokens(hosts: list[str], outcomes: dict[str, _Outcome], listener: _Li
         time.sleep(0.02)
 
 
+def _target(host: str, login: tuple[str | None, int | None] | None) -> list[str]:
+    """The agent's arguments naming ``host``: ``USER@HOST`` and ``-p PORT`` after it where the hostfile gives them,
+    as PRRTE's ssh launcher writes them for whatever agent it runs."""
+    user, port = login or (None, None)
+    return [f"{user}@{host}" if user else host, *(["-p", str(port)] if port else [])]
+
+
 def probe_hosts(hosts: Sequence[str], *, agent: Sequence[str], python: str, include: Sequence[str] = (),
                 deadline: float = PROBE_DEADLINE_S, addresses: dict[str, str] | None = None,
                 agents: Agents | None = None, label: str | None = None,
-                logins: Mapping[str, Sequence[str]] | None = None) -> list[ProbeResult]:
+                logins: Mapping[str, tuple[str | None, int | None]] | None = None) -> list[ProbeResult]:
     """Probes every host that is not this machine, all at once; see [Note: probing the hosts].
 
     Args:
@@ -398,8 +405,8 @@ def probe_hosts(hosts: Sequence[str], *, agent: Sequence[str], python: str, incl
             see [Note: a launch agent Open MPI would split] in ``placement.py``); ``agent``'s
             words when ``None``.
 
-        logins: Arguments the agent takes before a host's name (``-l USER -p PORT`` for ssh, from the
-            hostfile's ``username=`` and ``port=``).
+        logins: Each host's ``(username, port)`` from the hostfile, given to the agent as Open MPI
+            (PRRTE's ssh launcher) gives them to any agent: ``AGENT USER@HOST -p PORT COMMAND``.
 
     Returns:
         One result per probed host, in the order given.
@@ -416,7 +423,7 @@ def probe_hosts(hosts: Sequence[str], *, agent: Sequence[str], python: str, incl
     listener = _Listener(secrets.token_hex(8))
     running = Agents() if agents is None else agents
     try:
-        commands = {h: [*agent, *(logins or {}).get(h, ()), h, _remote_command(h, python, back, listener)]
+        commands = {h: [*agent, *_target(h, (logins or {}).get(h)), _remote_command(h, python, back, listener)]
                     for h in names}
         outcomes = _run_agents(commands, end, running)
         _await_tokens(names, outcomes, listener, end, running)
@@ -436,7 +443,7 @@ def probe_hosts(hosts: Sequence[str], *, agent: Sequence[str], python: str, incl
 def check_hosts(hosts: Sequence[str], *, agent: Sequence[str], python: str, include: Sequence[str] = (),
                 deadline: float = PROBE_DEADLINE_S, addresses: dict[str, str] | None = None,
                 agents: Agents | None = None, label: str | None = None,
-                logins: Mapping[str, Sequence[str]] | None = None) -> None:
+                logins: Mapping[str, tuple[str | None, int | None]] | None = None) -> None:
     """Raises, naming each host and why, unless every host passes :func:`probe_hosts` (same arguments).
 
     Raises:
