@@ -1892,3 +1892,42 @@ def test_slurm_counts_in_other_scripts_digits_are_refused(value):
         environ = {"SLURM_JOB_NODELIST": "n1", "SLURM_TASKS_PER_NODE": "2", variable: value}
         with pytest.raises(SlurmError, match=variable):
             read_allocation(environ)
+
+
+def test_an_elastic_relaunch_on_fewer_hosts_keeps_the_hostfiles_login_and_max_slots(tmp_path, monkeypatch):
+    """Before: a relaunch on other hosts than the hostfile's (a host lost) went to mpirun as -H name:slots,
+    dropping each host's username=, port= and max_slots (a reviewer's find): ssh then tried the default user and
+    port. Now such a relaunch gets a hostfile of its own, removed at the end."""
+    import unison.run.launcher as launcher
+
+    path = tmp_path / "hosts"
+    path.write_text("a slots=2 username=bob port=2222\nb slots=2 max_slots=3\nc slots=2\n")
+    seen = {}
+
+    class Sentinel(Exception):
+        pass
+
+    def fake_run_command(command, env, on_start=None):
+        files = option_values(command, "--hostfile")
+        seen.update(command=command, text=Path(files[0]).read_text() if files else None)
+        raise Sentinel
+
+    class FakeDriver:
+        def __init__(self, options, static, start, environ):
+            self.static, self.start = static, start
+
+        def run(self):
+            with pytest.raises(Sentinel):
+                self.start(4, [h for h in self.static if h.name != "c"], {"PATH": "/usr/bin"})
+            return 0
+
+    monkeypatch.setattr(launcher, "Driver", FakeDriver)
+    monkeypatch.setattr(launcher, "run_command", fake_run_command)
+    assert main(["--elastic", "--skip-host-check", "--hostfile", str(path), "-np", "6", "python", "x.py"]) == 0
+    assert seen["text"] == "a slots=2 username=bob port=2222\nb slots=2 max_slots=3\n", seen
+    assert "-H" not in seen["command"]
+    hostfile = Path(option_values(seen["command"], "--hostfile")[0])
+    assert not hostfile.exists() and not hostfile.parent.exists()  # (removed at the end)
+    path.write_text("a slots=2\nb slots=2\nc slots=2\n")  # nothing -H cannot say: -H as before
+    assert main(["--elastic", "--skip-host-check", "--hostfile", str(path), "-np", "6", "python", "x.py"]) == 0
+    assert option_values(seen["command"], "-H") == ["a:2,b:2"] and seen["text"] is None

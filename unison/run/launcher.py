@@ -489,13 +489,17 @@ def _run_elastic(args: argparse.Namespace, config: LaunchConfig, environ: Mappin
     options = _elastic_options(args)
     placement = resolve_placement(config, environ)
     static = None if placement.hosts is None else list(placement.hosts)
+    folder: list[str] = []  # the private folder of the relaunches' hostfile, made once when needed
 
     def start(np_: int, hosts: list[Host] | None, env: Mapping[str, str]) -> JobEnd:
         if hosts is None or hosts == static:
             cfg = dataclasses.replace(config, np=np_)
-        else:  # other hosts than the options gave: -H, keeping the hostfile's launch agent and TCP pinning
-            cfg = dataclasses.replace(config, np=np_, hosts=",".join(f"{h.name}:{h.slots}" for h in hosts),
-                                      hostfile=None, launch_agent=placement.launch_agent,
+        else:  # other hosts than the options gave: -H (or a hostfile: _relaunch_hostfile), keeping the hostfile's
+            # launch agent and TCP pinning
+            written = _relaunch_hostfile(hosts, static or [], folder)
+            cfg = dataclasses.replace(config, np=np_,
+                                      hosts=None if written else ",".join(f"{h.name}:{h.slots}" for h in hosts),
+                                      hostfile=written, launch_agent=placement.launch_agent,
                                       tcp_include=",".join(i for i in placement.tcp_include if "/" in i) or None,
                                       network_interface=",".join(i for i in placement.tcp_include
                                                                  if "/" not in i) or None)
@@ -524,7 +528,37 @@ def _run_elastic(args: argparse.Namespace, config: LaunchConfig, environ: Mappin
         return JobEnd(result.status, failed, tuple(h.host for h in report.hosts_lost), report.elastic_finished,
                       result.stop_signal is not None, bool(report.failures) or bool(failed), report.elastic_left)
 
-    return Driver(options, static, start, environ).run()
+    try:
+        return Driver(options, static, start, environ).run()
+    finally:
+        for path in folder:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _relaunch_hostfile(hosts: Sequence[Host], static: Sequence[Host], folder: list[str]) -> str | None:
+    """A hostfile of ``hosts`` for an elastic relaunch where a host of the user's hostfile gave ``username=``,
+    ``port=`` or ``max_slots=`` (which ``-H`` cannot carry: before 2026-12-07 a relaunch on fewer hosts lost
+    them, so ssh tried the default user and port); None where ``-H`` says it all. Written (atomically) in a
+    private folder, made once and appended to ``folder`` for removal at the end."""
+    known = {h.name: h for h in static}
+    lines = []
+    for h in hosts:
+        k = known.get(h.name)
+        user, port = h.user or (k.user if k else None), h.port or (k.port if k else None)
+        most = h.most or (k.most if k else None)
+        lines.append(" ".join([h.name, f"slots={h.slots}", *([f"max_slots={max(most, h.slots)}"] if most else []),
+                               *([f"username={user}"] if user else []), *([f"port={port}"] if port else [])]))
+    if all(len(line.split()) == 2 for line in lines):
+        return None
+    if not folder:
+        folder.append(tempfile.mkdtemp(prefix="unisonrun-hosts-"))
+    path = os.path.join(folder[0], "hostfile")
+    with tempfile.NamedTemporaryFile("w", dir=folder[0], delete=False) as f:
+        f.write("\n".join(lines) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(f.name, path)
+    return path
 
 
 def engine_environment(args: argparse.Namespace) -> dict[str, str]:
