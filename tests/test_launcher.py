@@ -1870,6 +1870,8 @@ def test_minus_h_strips_names_and_says_why_ipv6_cannot_go_there():
         parse_hosts("[::1]:2")
     with pytest.raises(ValueError, match="more than Open MPI can count"):
         parse_hosts("a:99999999999999999999")
+    with pytest.raises(ValueError, match=r"-np 2147483648 is more than Open MPI can count"):
+        build(np=2**31)
 
 
 def test_device_lists_stay_on_their_own_host_inside_an_allocation():

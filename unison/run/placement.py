@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from unison.run.hosts import (
+    MAX_SLOTS,
     Host,
     most_processes,
     parse_hosts,
@@ -206,6 +207,8 @@ def resolve_placement(config: LaunchConfig, environ: Mapping[str, str]) -> Place
         np = total_slots(hosts) if hosts and slurm_hosts is None else 1
     if np < 1:
         raise ValueError(f"-np must be at least 1; received {np}; pass e.g. -np 2")
+    if np > MAX_SLOTS:  # (Open MPI reads it as a C int)
+        raise ValueError(f"-np {np} is more than Open MPI can count ({MAX_SLOTS}); give the number of processes")
     agent, include = _hostfile_network(config)
     return Placement(np, hosts, slurm_hosts, agent, tuple(dict.fromkeys(include)), in_allocation(environ))
 
