@@ -166,7 +166,7 @@ def _rows_check(rows: int | None, op: ReduceOp, name: str | None = None) -> Any:
     return frontend.allreduce_async(np.array([rows, rows * rows], np.float64), Sum, name)
 
 
-def _share(check: Any, rows: int | None, size: int) -> float | None:
+def _share(check: Any, rows: int | None) -> float | None:
     """This rank's weight ``rows / total`` from a finished :func:`_rows_check`; None when the plain
     average is already the weighted one (equal rows, or no rank counts a target: a masked loss's
     gradients are zeros, which any weighting keeps).
@@ -177,7 +177,7 @@ def _share(check: Any, rows: int | None, size: int) -> float | None:
     total, squares = (float(v) for v in np.asarray(check.wait()).reshape(-1))
     if total < 0:
         raise ValueError(f"average_gradients: the ranks' rows sum to {total}; a rank's rows cannot be negative")
-    if total == 0 or size * squares == total * total:
+    if total == 0 or runtime.size() * squares == total * total:
         return None
     return float(rows) / total  # type: ignore[arg-type]
 
@@ -235,7 +235,7 @@ def average_gradients(grads: Sequence[np.ndarray], rows: int | None = None, op: 
             with contextlib.suppress(Exception):
                 check.wait(CHECK_DRAIN_S)
         raise
-    weight = None if check is None else _share(check, rows, runtime.size())
+    weight = None if check is None else _share(check, rows)
     if weight is not None:  # rows differ: the weighed sum instead ([Note: rows beside the gradients])
         out = frontend.grouped_allreduce([_weighed(a, weight) for a in arrays], op=Sum,
                                          name=f"{GRADIENTS}.weighed", prescale_factor=prescale_factor,
@@ -296,7 +296,7 @@ class GradientStream:
         out = [handle.wait() for handle, _ in taken]
         if self.check is not None:
             check, self.check = self.check, None
-            self.weight = _share(check, self.rows, runtime.size())
+            self.weight = _share(check, self.rows)
         if self.weight is not None:  # rows differ: the weighed sums instead
             handles = [frontend.allreduce_async(_weighed(array, self.weight), Sum, f"{self.prefix}.{k}.weighed",
                                                 prescale_factor=self.pre, postscale_factor=self.post,

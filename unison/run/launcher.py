@@ -541,14 +541,16 @@ def _relaunch_hostfile(hosts: Sequence[Host], static: Sequence[Host], folder: li
     them, so ssh tried the default user and port); None where ``-H`` says it all. Written (atomically) in a
     private folder, made once and appended to ``folder`` for removal at the end."""
     known = {h.name: h for h in static}
-    lines = []
+    lines, extra = [], False
     for h in hosts:
         k = known.get(h.name)
         user, port = h.user or (k.user if k else None), h.port or (k.port if k else None)
         most = h.most or (k.most if k else None)
-        lines.append(" ".join([h.name, f"slots={h.slots}", *([f"max_slots={max(most, h.slots)}"] if most else []),
-                               *([f"username={user}"] if user else []), *([f"port={port}"] if port else [])]))
-    if all(len(line.split()) == 2 for line in lines):
+        fields = [*([f"max_slots={max(most, h.slots)}"] if most else []), *([f"username={user}"] if user else []),
+                  *([f"port={port}"] if port else [])]
+        extra = extra or bool(fields)
+        lines.append(" ".join([h.name, f"slots={h.slots}", *fields]))
+    if not extra:
         return None
     if not folder:
         folder.append(tempfile.mkdtemp(prefix="unisonrun-hosts-"))
