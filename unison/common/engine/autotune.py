@@ -12,7 +12,8 @@ uneven alltoall or reducescatter) or a smaller set's, so all ranks reach them in
 cycle and enter the decision's broadcast together; rank 0 scores the trial and
 broadcasts the next setting, so every rank always uses the same values. The search
 is coordinate-wise: fusion thresholds at the default cycle time, then cycle times
-at the best threshold; the best setting found is kept for the rest of the job. The
+at the best threshold; the best setting found is kept for the rest of the job. A
+setting given explicitly is not tuned ([Note: autotune keeps what was set]). The
 first candidate is applied only once bytes flow (before that, with no warm-up sample,
 it was applied at the first cycle and kept for good when none came: fusion off).
 Each trial is a row of ``UNISON_AUTOTUNE_LOG`` (CSV, written by rank 0 into a file
@@ -30,7 +31,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from unison.common.config import Config
+from unison.common.config import Config, autotune_fixed
 from unison.common.engine.controller import wait
 from unison.common.engine.timeline import open_fresh
 
@@ -51,8 +52,13 @@ class Autotuner:
         self.rank = rank
         self.log_path = config.autotune_log
         self.current = (config.fusion_threshold, config.cycle_time)
+        #: the values set explicitly (an init() argument or a variable), kept as set: Horovod's rule
+        #: ([Note: autotune keeps what was set]); every rank's list is the same (checked at init())
+        self.fixed = autotune_fixed(config)
         self.candidates = [(mb << 20, config.cycle_time) for mb in THRESHOLDS_MB]
         self.phase = "threshold"
+        if "fusion_threshold" in self.fixed:
+            self.phase, self.candidates = "cycle_time", self._cycle_candidates(self.current)
         self.index = -config.autotune_warmup_samples
         self.steps = config.autotune_steps_per_sample
         self.scores: dict[tuple[int, float], float] = {}
@@ -62,8 +68,20 @@ class Autotuner:
         #: (cycle, fusion threshold, cycle time ms) at every change: identical on every rank
         self.history: list[tuple[int, int, float]] = []
         self._log: IO[str] | None = None
+        if len(self.fixed) == 2:  # nothing left to tune
+            self.done = True
+            if rank == 0:
+                logger.warning("UNISON_AUTOTUNE is on, but the fusion threshold and the cycle time are both "
+                               "set (%s, %s): autotune keeps set values as they are, so it tunes nothing",
+                               config.sources.get("fusion_threshold"), config.sources.get("cycle_time"))
+            return
         if rank == 0 and self.log_path:
             self._open_log()
+
+    @staticmethod
+    def _cycle_candidates(best: tuple[int, float]) -> list[tuple[int, float]]:
+        """The cycle-time phase's trials at ``best``'s threshold, ``best`` itself last."""
+        return [(best[0], ms) for ms in CYCLE_TIMES_MS if ms != best[1]] + [best]
 
     def _open_log(self) -> None:
         """Rank 0 writes the CSV header into a fresh file and keeps it open to append rows."""
@@ -147,9 +165,9 @@ class Autotuner:
         self.index += 1
         if self.index < len(self.candidates):
             return self._enter()
-        if self.phase == "threshold" and best is not None:
+        if self.phase == "threshold" and best is not None and "cycle_time" not in self.fixed:
             self.phase = "cycle_time"
-            self.candidates = [(best[0], ms) for ms in CYCLE_TIMES_MS if ms != best[1]] + [best]
+            self.candidates = self._cycle_candidates(best)
             self.index = 0
             return self._enter()
         self.done = True

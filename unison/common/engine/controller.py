@@ -64,6 +64,8 @@ FLAG_STALL_CHECK = 1 << 2
 FLAG_STALL_ABORT = 1 << 3
 FLAG_TIMELINE = 1 << 4
 FLAG_JOINED = 1 << 5
+#: this rank has nothing pending on the set (and has not joined): see [Note: a peer with nothing to offer]
+FLAG_IDLE = 1 << 6
 ALL_JOINED = 1 << 32
 _ANY_MASK = (1 << 32) - 1
 
@@ -277,6 +279,8 @@ class Controller:
             flags |= FLAG_JOINED
             if not self._join_told:
                 flags |= FLAG_ANNOUNCE
+        elif not self.pending and not self.table:
+            flags |= FLAG_IDLE
         if self.to_announce:
             flags |= FLAG_ANNOUNCE
         last_word = (~flags & _ANY_MASK) | (ALL_JOINED if self.joined else 0)

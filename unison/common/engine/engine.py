@@ -39,6 +39,7 @@ from unison.common import runtime
 from unison.common.config import Config
 from unison.common.engine.autotune import Autotuner
 from unison.common.engine.controller import (
+    FLAG_IDLE,
     FLAG_SHUTDOWN,
     FLAG_STALL_ABORT,
     FLAG_STALL_CHECK,
@@ -52,7 +53,7 @@ from unison.common.engine.handles import Handle, wake_waiters
 from unison.common.engine.process_sets import ProcessSet
 from unison.common.engine.requests import AUTO_NAME_MARK, Kind, Request
 from unison.common.engine.stalls import stall_flags, stall_round
-from unison.common.engine.timeline import Timeline
+from unison.common.engine.timeline import Timeline, row
 from unison.common.engine.watchdog import Watchdog
 from unison.common.exceptions import MismatchError
 from unison.common.ops import ReduceOp
@@ -114,7 +115,7 @@ class _SetState:
         # (sid passed in: a set is activated before its id is handed back to ps; its controller had id 0,
         # so a stall round on it left its failed requests in flight, under the global set's id)
         self.controller = Controller(comm, mpi, config.cache_capacity, sid, ps.ranks)
-        self.executor = Executor(comm, mpi, config.chunk_bytes, timeline)
+        self.executor = Executor(comm, mpi, config.chunk_bytes, timeline, sid, ps.ranks)
         self.last_stall_report = 0.0
 
     def world_ranks(self, ranks: list[int]) -> list[int]:
@@ -328,18 +329,17 @@ class Engine:
                 its ValueError at submission too).
             ShutdownError: the engine stopped (or the thread's own error, if it failed).
         """
-        timeline = self.timeline.active
-        if timeline:
-            self.timeline.begin(req.name, "NEGOTIATE_" + req.kind.name, req.submitted)
         if not req.algorithm:
             req.algorithm = self._algorithms.get(req.kind, "auto")
         key = (req.process_set, req.name)
         with self._cv:
             if not self._stopping and key in self._inflight and AUTO_NAME_MARK in req.name:
                 req.handle._engine = self  # an unnamed call's reused name: it runs after the last one
-                self._held.setdefault(key, deque()).append(req)
+                self._held.setdefault(key, deque()).append(req)  # (its negotiation begins when released)
                 return req.handle
             if not self._stopping and key not in self._inflight:
+                if self.timeline.active:  # (begun before it is queued: the engine thread may end it at once)
+                    self.timeline.begin(row(*key), "NEGOTIATE_" + req.kind.name, req.submitted)
                 self._inflight[key] = req
                 self._queue.append(req)
                 req.handle._engine = self
@@ -347,8 +347,6 @@ class Engine:
                     self._cv.notify()
                     self._woken = True
                 return req.handle
-        if timeline:
-            self.timeline.end(req.name, "NEGOTIATE_" + req.kind.name)
         self.check()
         raise DuplicateNameError(
             f"a collective named {req.name!r} is already in flight on this rank; wait for it "
@@ -485,7 +483,7 @@ class Engine:
                     obj.process_set_id = None
         for req in requests:
             req.handle.set_error(error)
-            self.timeline.close_open(req.name)
+            self.timeline.close_open(row(req.process_set, req.name))
         for handle in joins:
             handle.set_error(error)
         if thread_ended:
@@ -515,6 +513,20 @@ class Engine:
             if reason is not None and self._sleeping:
                 self._cv.notify()
 
+    # [Note: a peer with nothing to offer]
+    # A rank with nothing pending takes part in a round every IDLE_CYCLE_S; one with pending work waits
+    # the cycle time between rounds, to gather more tensors to fuse. Both wait in a round for the other.
+    # So an idle rank often sat in a round that a busy peer would join only at the end of its cycle time,
+    # and what it submitted meanwhile missed that round (its row was sent when it entered): the next round
+    # came a cycle time later, two in all (measured with a 500 ms cycle time: 1.0 s a step, 2.0 s with
+    # 1 s). Each round now says whether some rank had nothing pending (FLAG_IDLE, as the other any-rank
+    # flags); a rank with pending work then goes into the next round at once, without its cycle time:
+    # nothing of its can complete before the idle rank submits, and waiting in the round (sleeping, as any
+    # wait in a round) it is there when that rank's round comes, so the idle rank never waits in one and
+    # enters the round after its submission at once. Once every rank has work, the cycle time applies
+    # again. (Before 2026-12-07, an audit.)
+    _peer_idle = False
+
     def _busy(self) -> bool:
         return any(st.controller.has_work() for st in self._sets.values()) or bool(self._join_handles)
 
@@ -525,7 +537,9 @@ class Engine:
             if (not self._queue and not self._stopping and not self._timeline_toggle
                     and self._handed_over is None):
                 self._sleeping = True
-                self._cv.wait(self.cycle_time if self._busy() else IDLE_CYCLE_S)
+                busy = self._busy()
+                if not (busy and self._peer_idle):  # [Note: a peer with nothing to offer]
+                    self._cv.wait(self.cycle_time if busy else IDLE_CYCLE_S)
                 self._sleeping = False
         with self._cycle_lock:
             self._woken = False
@@ -616,6 +630,7 @@ class Engine:
                 if not st.controller.joined:
                     st.controller.join()
         stop = False
+        peer_idle = False
         for sid in sorted(self._sets):
             st = self._sets.get(sid)
             if st is None:  # removed by this cycle's remove_process_set (on every member alike)
@@ -629,6 +644,8 @@ class Engine:
                 flags |= FLAG_STALL_ABORT
             self.timeline.flush()  # what was recorded is on disk before a collective that may hang
             responses, any_flags, all_joined = st.controller.cycle(flags)
+            if any_flags & FLAG_IDLE and st.controller.pending:
+                peer_idle = True
             if any_flags & FLAG_STALL_CHECK:  # on every member: one check a period, not one per rank's clock
                 st.last_stall_report = time.monotonic()
             if any_flags & (FLAG_STALL_CHECK | FLAG_STALL_ABORT):
@@ -642,6 +659,7 @@ class Engine:
                 if sid == 0:
                     self._who_shut_down(st, stopping)
                 stop = True
+        self._peer_idle = peer_idle
         self.timeline.flush()  # a job that then sleeps, or is killed, keeps this cycle's events
         if self.autotuner is not None:
             every = self._sets[0].controller.size  # sets of every rank count alike on every rank
@@ -674,7 +692,7 @@ class Engine:
         if self.timeline.active:
             for req in done:
                 if req.handle._error is not None:
-                    self.timeline.close_open(req.name)
+                    self.timeline.close_open(row(req.process_set, req.name))
         wake_waiters()
 
     def _release(self, key: tuple[int, str]) -> None:
@@ -686,6 +704,10 @@ class Engine:
         if not held:
             del self._held[key]
         self._inflight[key] = req
+        # held since its submission, it negotiates from now (before 2026-12-07 its slice began at the
+        # submission, inside its predecessor's on the same row, and the predecessor's end closed it)
+        if self.timeline.active:
+            self.timeline.begin(row(*key), "NEGOTIATE_" + req.kind.name)
         self._queue.append(req)
         if self._sleeping:
             self._cv.notify()
@@ -775,7 +797,7 @@ class Engine:
                     del self._inflight[k]
                     self._release(k)
             for k in failed:
-                self.timeline.close_open(k[1])
+                self.timeline.close_open(row(*k))
             wake_waiters()
 
     def _apply_tuning(self, params: tuple[int, float] | None) -> None:

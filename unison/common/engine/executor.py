@@ -60,7 +60,7 @@ from unison.common.dtypes import dtype_from_code
 from unison.common.engine.controller import Response
 from unison.common.engine.errors import REFUSALS, JoinError
 from unison.common.engine.requests import Kind, Signature, identity, identity_like
-from unison.common.engine.timeline import Timeline
+from unison.common.engine.timeline import Timeline, row
 from unison.common.exceptions import MismatchError
 from unison.common.ops import ReduceOp
 from unison.common.pool import ResultPool
@@ -139,10 +139,14 @@ def landing(out: Any, shape: tuple[int, ...], dtype: np.dtype, avoid: np.ndarray
 class Executor:
     """Executes responses on one process set's communicator."""
 
-    def __init__(self, comm: Any, mpi: Any, chunk_bytes: int, timeline: Timeline) -> None:
+    def __init__(self, comm: Any, mpi: Any, chunk_bytes: int, timeline: Timeline, set_id: int = 0,
+                 job_ranks: list[int] | None = None) -> None:
         self.comm, self.mpi = comm, mpi
         self.chunk_bytes = chunk_bytes
         self.timeline = timeline
+        #: the process set's id and its ranks in the job (None: the job's own): the timeline names
+        #: rows by set and marks readiness by job rank, as errors do
+        self.set_id, self.job_ranks = set_id, job_ranks
         self._buffer = np.empty(0, dtype=np.uint8)
         #: the fusion threshold of the cycle being run (set by :meth:`run`)
         self.threshold = 0
@@ -223,10 +227,11 @@ class Executor:
         tl = self.timeline
         if not tl.active:
             return
+        name, ranks = row(self.set_id, resp.name), self.job_ranks
         for r, t in sorted((resp.ready_times or {}).items(), key=lambda kv: kv[1]):
-            tl.mark(resp.name, f"rank {r} ready", t)
-        tl.end(resp.name, "NEGOTIATE_" + Kind(resp.sig.kind).name)
-        tl.begin(resp.name, "QUEUE")
+            tl.mark(name, f"rank {r if ranks is None else ranks[r]} ready", t)  # (job ranks: before 2026-12-07
+        tl.end(name, "NEGOTIATE_" + Kind(resp.sig.kind).name)  # the set's, 'rank 1' for job rank 2)
+        tl.begin(name, "QUEUE")
 
     @staticmethod
     def _input(resp: Response) -> np.ndarray:
@@ -257,7 +262,7 @@ class Executor:
     def _phase(self, resps: list[Response], phase: str, begin: bool) -> None:
         if self.timeline.active:
             for resp in resps:
-                (self.timeline.begin if begin else self.timeline.end)(resp.name, phase)
+                (self.timeline.begin if begin else self.timeline.end)(row(self.set_id, resp.name), phase)
             if begin:
                 self.timeline.flush()  # on disk before a collective that may hang
 

@@ -17,11 +17,21 @@ symlink could redirect) and renamed over ``path`` at once, at ``start()``; event
 then stream into it, flushed before every negotiation and every collective, and
 ``stop()`` ends the phases still open and closes the JSON array. A job that stalls,
 aborts or is killed therefore leaves its trace up to the collective it was in, at
-``path`` (Chrome and Perfetto read an array without its closing bracket), which is
-when a timeline is wanted most; an abort through Unison (the collective timeout's
-``MPI_Abort``, an uncaught exception) closes it first (:meth:`Timeline.abandon`).
-Before 2026-12-05 the file was renamed into place only at ``stop()``, so such a job
-left a hidden, often empty, temporary file and no trace.
+``path``, which is when a timeline is wanted most; an abort through Unison on rank 0
+(the collective timeout's ``MPI_Abort``, an uncaught exception) first ends the open
+phases with a ``job aborted`` event (:meth:`Timeline.abandon`). Before 2026-12-05 the
+file was renamed into place only at ``stop()``, so such a job left a hidden, often
+empty, temporary file and no trace.
+
+[Note: valid after every write] Each write ends with the array's closing bracket and
+then steps back over it, so the next write replaces it: the file on disk is a whole JSON
+array after every flush, also when rank 0 is killed (an abort on another rank: Open MPI
+ends rank 0 without running its Python). Before 2026-12-07 such a file lacked the ``]``:
+Chrome and Perfetto read it, ``json.load`` did not.
+
+Rows are named by tensor name, and for a process set other than the job's by the name and
+the set (:func:`row`): one name in flight on two sets is two rows (before 2026-12-07 one,
+its slices nested wrongly).
 """
 
 from __future__ import annotations
@@ -34,7 +44,15 @@ import threading
 import time
 from typing import IO
 
-__all__ = ["Timeline", "open_fresh"]
+__all__ = ["Timeline", "open_fresh", "row", "TRAILER"]
+
+#: written after every write and stepped back over ([Note: valid after every write])
+TRAILER = "\n]\n"
+
+
+def row(set_id: int, name: str) -> str:
+    """The timeline row of ``name`` on process set ``set_id`` (the job's, 0, keeps the bare name)."""
+    return name if not set_id else f"{name} [process set {set_id}]"
 
 
 def open_fresh(path: str) -> tuple[IO[str], str]:
@@ -68,6 +86,8 @@ class Timeline:
         #: events not yet written: whole events only reach the file, so a killed job never leaves half of one
         self._buf: list[str] = []
         self._buf_chars = 0
+        #: bytes of events in the file, where the closing bracket starts
+        self._end = 0
 
     @property
     def active(self) -> bool:
@@ -79,7 +99,7 @@ class Timeline:
                 self._close()
             self._path = os.path.abspath(os.fspath(path))  # (a later chdir must not move it)
             self._file, self._tmp = open_fresh(self._path)
-            self._buf, self._buf_chars = ["[\n"], 0
+            self._buf, self._buf_chars, self._end = ["[\n"], 0, 0
             self._tids.clear()
             self._open.clear()
             self._first = True
@@ -121,10 +141,16 @@ class Timeline:
                 if self._file is not None:
                     self._write_out()
 
-    def _write_out(self) -> None:
+    def _write_out(self, last: bool = False) -> None:
+        """Write the buffered events and the closing bracket; unless ``last``, step back over the
+        bracket so that the next write replaces it ([Note: valid after every write])."""
         assert self._file is not None  # noqa: S101 - callers hold the lock and checked
-        self._file.write("".join(self._buf))
+        text = "".join(self._buf)
+        self._file.write(text + TRAILER)  # (one write: no moment without the bracket)
         self._file.flush()
+        self._end += len(text.encode())
+        if not last:
+            self._file.seek(self._end)  # (a text file's position is its byte offset: UTF-8 has no state)
         self._buf.clear()
         self._buf_chars = 0
 
@@ -136,8 +162,8 @@ class Timeline:
             for phase in reversed(phases):
                 self._emit({"name": phase, "ph": "E", "pid": 0, "tid": self._tid(name), "ts": now})
         self._open.clear()
-        self._buf.append("\n]\n")
-        self._write_out()
+        self._write_out(last=True)
+        self._file.truncate()  # (nothing follows: the trailer is the last write)
         os.fsync(self._file.fileno())
         self._file.close()
         self._file = None
