@@ -1311,3 +1311,148 @@ def test_a_sparse_gradient_with_op_min_on_one_rank_raises_on_every_rank():
         opt.step()
     torch.testing.assert_close(hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum, name="after.sparse.min"),
                                torch.tensor([float(N)]))
+
+
+# --- arguments bad on one rank: every rank raises, and the next call pairs (audit of 2026-12-07) -----------
+
+def _one_rank_bad(good, bad):
+    return bad if R == N - 1 else good
+
+
+_BAD_CALLS = {
+    "unknown op": lambda: hvd.allreduce(torch.ones(1), op=_one_rank_bad(hvd.Sum, "bogus")),
+    "average and op": lambda: hvd.allreduce(torch.ones(1), op=hvd.Sum, average=_one_rank_bad(None, True)),
+    "in place, op 42": lambda: hvd.allreduce_(torch.ones(1), op=_one_rank_bad(hvd.Sum, 42)),
+    "grouped": lambda: hvd.grouped_allreduce([torch.ones(1)], op=_one_rank_bad(hvd.Sum, "bogus")),
+    "grouped in place": lambda: hvd.grouped_allreduce_([torch.ones(1)], op=_one_rank_bad(hvd.Sum, "bogus")),
+    "sparse": lambda: hvd.synchronize(hvd.sparse_allreduce_async(torch.ones(2).to_sparse(), "bad.sparse",
+                                                                 op=_one_rank_bad(hvd.Sum, "bogus"))),
+    "compression string": lambda: hvd.allreduce(torch.ones(1), op=hvd.Sum,
+                                                compression=_one_rank_bad(hvd.Compression.none, "fp16")),
+    "a list for a tensor": lambda: hvd.allreduce(_one_rank_bad(torch.ones(1), [1.0]), op=hvd.Sum),
+}
+
+
+@multi
+@pytest.mark.parametrize("case", list(_BAD_CALLS))
+def test_a_bad_op_or_input_on_one_rank_raises_on_every_rank_and_the_next_call_pairs(case):
+    """Before 2026-12-07 the bad rank raised alone: the others' call met its next one (rank 0 got 1 + the
+    next call's 10 = 11, then the ranks were a call apart until a hang)."""
+    with pytest.raises((ValueError, TypeError, hvd.HorovodInternalError)) as info:
+        _BAD_CALLS[case]()
+    assert f"rank {N - 1}" in str(info.value) or R == N - 1, str(info.value)
+    after = hvd.allreduce(torch.full((1,), 10.0 if R == N - 1 else 1.0), op=hvd.Sum)
+    assert after.item() == 10.0 + (N - 1)
+
+
+_BAD_OPTIMIZERS = {
+    "predivide with Sum": dict(op=_one_rank_bad(hvd.Average, hvd.Sum), gradient_predivide_factor=2.0),
+    "unknown op": dict(op=_one_rank_bad(hvd.Average, "bogus")),
+    "duplicate names": dict(named=_one_rank_bad(None, "dup")),
+    "zero bucket bytes": dict(zero_stage=1, zero_bucket_bytes=_one_rank_bad(1 << 20, 0)),
+}
+
+
+@multi
+@pytest.mark.parametrize("case", list(_BAD_OPTIMIZERS))
+def test_a_distributed_optimizer_refused_on_one_rank_is_refused_on_every_rank(case):
+    """Before 2026-12-07 the checks ran before the ranks' agreement: the refusing rank raised alone and the
+    others waited in the agreement until the deadlock check, which named no cause (or for ever)."""
+    kwargs = dict(_BAD_OPTIMIZERS[case])
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    named = list(model.named_parameters())
+    if kwargs.pop("named", None) == "dup":
+        named = [("w", p) for _, p in named]
+    with pytest.raises(ValueError) as info:
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=named, **kwargs)
+    if R != N - 1:
+        assert f"refused on rank {N - 1}" in str(info.value), str(info.value)
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == N
+
+
+@multi
+def test_broadcast_parameters_with_a_non_tensor_on_one_rank_raises_on_every_rank():
+    params = {"a": torch.ones(1), "b": _one_rank_bad(torch.ones(1), 3.0)}
+    with pytest.raises(ValueError, match="expects tensors" if R == N - 1 else "refused: broadcast_parameters"):
+        hvd.broadcast_parameters(params, root_rank=0)
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == N
+
+
+class _HorovodStyleFP16:
+    """A compressor written for Horovod: it calls torch methods on what it is given."""
+    seen: list = []
+
+    @staticmethod
+    def compress(tensor):
+        _HorovodStyleFP16.seen.append(type(tensor).__name__)
+        return (tensor.type(torch.float16), tensor.dtype) if tensor.dtype.is_floating_point else (tensor, None)
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        _HorovodStyleFP16.seen.append(type(tensor).__name__)
+        return tensor if ctx is None else tensor.type(ctx)
+
+
+@multi
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_the_optimizer_gives_a_compressor_torch_tensors_as_horovod_does(zero_stage):
+    """Before 2026-12-07 the optimizer gave the compressor a numpy view: Horovod's own FP16Compressor body
+    (tensor.type(torch.float16)) failed inside backward()."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    ref = torch.nn.Linear(4, 2)
+    ref.load_state_dict(model.state_dict())
+    _HorovodStyleFP16.seen = []
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                   named_parameters=[(f"compressor{zero_stage}.{n}", p)
+                                                     for n, p in model.named_parameters()],
+                                   compression=_HorovodStyleFP16,
+                                   zero_stage=zero_stage)
+    xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(10 + r)) for r in range(N)]
+    model(xs[R]).square().sum().backward()
+    opt.step()
+    assert _HorovodStyleFP16.seen and set(_HorovodStyleFP16.seen) == {"Tensor"}, _HorovodStyleFP16.seen
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    (sum(ref(x).square().sum() for x in xs) / N).backward()  # the average over ranks, in float32
+    ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=0, atol=5e-3)  # (float16 wire)
+
+
+@multi
+def test_in_place_results_land_under_the_callers_inference_mode():
+    """Before 2026-12-07 grouped_allreduce_ and a non-contiguous broadcast_ copied their results on a worker
+    thread, outside the caller's torch.inference_mode(): writing the inference tensors raised there, on
+    whichever rank's result landed on that thread, leaving them half written and the ranks apart."""
+    with torch.inference_mode():
+        metrics = [torch.tensor([float(R + 1)]), torch.tensor([10.0 * (R + 1)])]
+        hvd.grouped_allreduce_(metrics, op=hvd.Sum)
+        t = torch.full((2, 3), float(R)).t()  # non-contiguous
+        hvd.broadcast_(t, root_rank=N - 1)
+    total = N * (N + 1) / 2
+    assert [m.item() for m in metrics] == [total, 10 * total]
+    assert torch.equal(t, torch.full((3, 2), float(N - 1)))
+
+
+@multi
+def test_groups_leave_frozen_parameters_out_so_their_group_reduces_during_backward():
+    """Horovod leaves parameters without requires_grad out of groups=. Before 2026-12-07 a group listing a
+    frozen one could not complete in backward (that parameter gets no gradient): all its members were
+    reduced in step(), after backward, with no overlap."""
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    model[0].weight.requires_grad_(False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=[(f"frozen.{n}", p) for n, p in model.named_parameters()],
+                                   groups=[[model[0].weight, model[0].bias], [model[1].weight, model[1].bias]])
+    model(torch.ones(1, 2) * (R + 1)).sum().backward()
+    assert model[0].bias in opt._pending and model[1].bias in opt._pending  # submitted during backward
+    mine = model[0].bias.grad.clone()
+    opt.synchronize()
+    want = sum(torch.tensor(x) for x in WORLD.allgather(mine.numpy())) / N
+    np.testing.assert_allclose(model[0].bias.grad.numpy(), want.numpy(), rtol=1e-6)
+    with opt.skip_synchronize():
+        opt.step()
+    opt.zero_grad()

@@ -54,10 +54,13 @@ def _tensor_handle(inner: Handle, source: np.ndarray) -> Handle:
 
 
 def _dense(tensor: torch.Tensor, what: str) -> Any:
-    """``tensor``'s numpy view; a tensor refused here (sparse, not on the CPU) comes back as a
+    """``tensor``'s numpy view; a tensor refused here (sparse, not on the CPU, not a tensor) comes back as a
     :class:`frontend.Refused`, submitted in its place, so that every rank of the collective raises the
     error (raised on this rank alone, the others' call paired with this rank's next one: another
     step's data there, or a hang)."""
+    if not isinstance(tensor, torch.Tensor):
+        return frontend.Refused(TypeError(f"{what} takes a torch.Tensor; got {type(tensor).__name__} "
+                                          f"{_short(tensor)}. Convert it first (torch.as_tensor)"))
     if tensor.is_sparse:
         return frontend.Refused(ValueError(
             f"{what} takes dense tensors; got a sparse {tensor.dtype} tensor (Horovod refuses it too). Use "
@@ -66,6 +69,32 @@ def _dense(tensor: torch.Tensor, what: str) -> Any:
         return to_numpy(tensor)
     except TypeError as exc:
         return frontend.Refused(exc)
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _op_or_refused(average: bool | None, op: Any) -> Any:
+    """The reduction ``average``/``op`` ask for, or a :class:`frontend.Refused` carrying why they name none
+    (an unknown op, both given), for the submit to put in the tensor's place: every rank raises it. Raised
+    here, on one rank alone (before 2026-12-07), the others' call met this rank's next one: its data
+    added to another call's, then a hang."""
+    try:
+        return reduce_op(average, op)
+    except ValueError as exc:
+        return frontend.Refused(exc)
+
+
+def _compressor_or_refused(compression: Any) -> tuple[Any, frontend.Refused | None]:
+    """``compression`` when it is a compressor (``compress``/``decompress``), else ``Compression.none`` and the
+    refusal every rank raises (a string such as ``"fp16"`` on one rank failed there alone)."""
+    if callable(getattr(compression, "compress", None)) and callable(getattr(compression, "decompress", None)):
+        return compression, None
+    return Compression.none, frontend.Refused(TypeError(
+        f"compression={_short(compression)} is not a compressor; pass hvd.Compression.none, "
+        "hvd.Compression.fp16 or hvd.Compression.bf16 (or a class with compress and decompress)"))
+
 
 def _check_adasum(process_set: ProcessSet | None) -> None:
     """Horovod's rules (and error types) for op=Adasum on CPU tensors."""
@@ -92,6 +121,8 @@ def _allreduce_submit(tensor: torch.Tensor, rop: Any, name: str | None, pre: flo
                       process_set: ProcessSet | None, in_place: bool) -> Handle:
     ps = set_or_none(process_set)
     arr = _dense(tensor, "allreduce")
+    if isinstance(rop, frontend.Refused):  # (see _op_or_refused)
+        arr, rop = rop, ReduceOp.AVERAGE
     if rop is Adasum:
         _check_adasum(ps)
         if not _ENGINE_ADASUM:
@@ -130,7 +161,7 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
             except TypeError as exc:  # (not on the CPU) every rank raises it, as _dense says
                 arr = frontend.Refused(exc)
             return _tensor_handle(raise_now(frontend.allreduce_async(arr, rop, name)), arr)
-    return _allreduce_submit(tensor, reduce_op(average, op), name, prescale_factor, postscale_factor,
+    return _allreduce_submit(tensor, _op_or_refused(average, op), name, prescale_factor, postscale_factor,
                              process_set, in_place=False)
 
 
@@ -138,7 +169,7 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
                      op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: ProcessSet | None = None) -> Handle:
     """Start an in-place all-reduce: the result lands in ``tensor``'s memory."""
-    return _allreduce_submit(tensor, reduce_op(average, op), name, prescale_factor, postscale_factor,
+    return _allreduce_submit(tensor, _op_or_refused(average, op), name, prescale_factor, postscale_factor,
                              process_set, in_place=True)
 
 
@@ -176,7 +207,11 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
             tensor.requires_grad and torch.is_grad_enabled()):  # nothing to differentiate: no autograd node
         return frontend._now(allreduce_async, tensor, average, name, op, prescale_factor, postscale_factor,
                              process_set)
-    rop = reduce_op(average, op)
+    rop = _op_or_refused(average, op)
+    compression, refused = _compressor_or_refused(compression)
+    if refused is not None or not isinstance(tensor, torch.Tensor):  # submitted, to raise on every rank
+        return frontend._now(_allreduce_submit, tensor, refused or rop, name, prescale_factor, postscale_factor,
+                             process_set, False)
     compressed, cctx = compression.compress(tensor)
     out = _Allreduce.apply(compressed, name, rop, prescale_factor, postscale_factor, process_set)
     return compression.decompress(out, cctx)
@@ -187,12 +222,14 @@ def _grouped_submit(tensors: Sequence[torch.Tensor], rop: Any, name: str | None,
     """One grouped request; ``refused`` (a member's index and the error an in-place check raised for it) puts
     that error in the member's place, so that every rank raises it (see :func:`_dense`)."""
     ps = set_or_none(process_set)
+    if isinstance(rop, frontend.Refused):  # (see _op_or_refused): in the first member's place
+        rop, refused = ReduceOp.AVERAGE, refused or (0, rop.error)
     if rop is Adasum and not _ENGINE_ADASUM:
         _check_adasum(ps)
         base = frontend._auto_name("grouped_allreduce", name, process_set)
         return ListHandle(base, [_adasum_now(t, f"{base}.{i}", pre, post, None) for i, t in enumerate(tensors)])
     sources = [_dense(t, "grouped_allreduce") for t in tensors]
-    if refused is not None:
+    if refused is not None and sources:
         sources[refused[0]] = frontend.Refused(refused[1])
     inner = frontend.grouped_allreduce_async(sources, rop, name, pre, post, ps)
     for member in getattr(inner, "members", [inner]):  # one request, or one per member (Adasum, size 1)
@@ -204,7 +241,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
                             name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
                             postscale_factor: float = 1.0, process_set: ProcessSet | None = None) -> Handle:
     """Start all-reduces of several tensors at once (they negotiate and fuse together)."""
-    return _grouped_submit(list(tensors), reduce_op(average, op), name, prescale_factor, postscale_factor,
+    return _grouped_submit(list(tensors), _op_or_refused(average, op), name, prescale_factor, postscale_factor,
                            process_set)
 
 
@@ -220,12 +257,13 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
     an in-place change; see :class:`~unison.torch_backend.handles.InPlaceHandle`).
     """
     tensors = list(tensors)
-    bad = next((i for i, t in enumerate(tensors) if not t.is_contiguous() or t.is_neg()), None)
+    bad = next((i for i, t in enumerate(tensors)
+                if isinstance(t, torch.Tensor) and (not t.is_contiguous() or t.is_neg())), None)
     refused = None if bad is None else (bad, ValueError(
         "grouped_allreduce_ needs contiguous tensors without a lazy negation (it writes the results in place); "
         "call .contiguous() (or .resolve_neg()) first, or use grouped_allreduce"))  # (raised on every rank)
-    inner = _grouped_submit(tensors, reduce_op(average, op), name, prescale_factor, postscale_factor, process_set,
-                            refused)
+    inner = _grouped_submit(tensors, _op_or_refused(average, op), name, prescale_factor, postscale_factor,
+                            process_set, refused)
 
     def into(results: list[torch.Tensor]) -> None:
         with torch.no_grad():
@@ -254,7 +292,12 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet | None = None) -> list[torch.Tensor]:
     """All-reduce a list of tensors together; differentiable. Returns a list."""
-    rop = reduce_op(average, op)
+    rop = _op_or_refused(average, op)
+    compression, refused = _compressor_or_refused(compression)
+    tensors = list(tensors)
+    if refused is not None or not all(isinstance(t, torch.Tensor) for t in tensors):  # raised on every rank
+        return synchronize(_grouped_submit(tensors, refused or rop, name, prescale_factor, postscale_factor,
+                                           process_set))
     pairs = [compression.compress(t) for t in tensors]
     outs = _GroupedAllreduce.apply(name, rop, prescale_factor, postscale_factor, process_set,
                                    *[p[0] for p in pairs])

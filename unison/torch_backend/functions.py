@@ -12,6 +12,7 @@ from unison.common import runtime
 from unison.common.engine import frontend, objects
 from unison.common.engine.objects import allgather_object, broadcast_object
 from unison.common.engine.process_sets import ProcessSet, set_size
+from unison.common.exceptions import MismatchError
 from unison.torch_backend.handles import set_or_none
 from unison.torch_backend.mpi_ops import broadcast_async_, synchronize
 
@@ -41,22 +42,38 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str
     else:  # pairs, or bare tensors (model.parameters()), which Horovod takes too: named by position
         items = [(f"param.{i}", p) if isinstance(p, torch.Tensor) else p for i, p in enumerate(params)]
     shards_across([(n, p) for n, p in items if isinstance(p, torch.Tensor)], process_set, "broadcast_parameters")
-    # one named broadcast per item: a name on one rank only waited for ever (before 2026-12-05)
-    objects.agree_on_names("broadcast_parameters", [name for name, _ in items], f"broadcast.{prefix or ''}.names",
-                           set_or_none(process_set))
+    refusal = next((r for r in (_refused(name, p) for name, p in items) if r is not None), None)
+    # one named broadcast per item: a name on one rank only waited for ever (before 2026-12-05); a refusal is
+    # agreed with the names, so that every rank raises it (before 2026-12-07 it was raised after the names'
+    # agreement on that rank alone, and the others waited in their broadcasts for ever)
+    names = [name for name, _ in items] + ([f"(refused: {refusal})"] if refusal else [])
+    try:
+        objects.agree_on_names("broadcast_parameters", names, f"broadcast.{prefix or ''}.names",
+                               set_or_none(process_set))
+    except MismatchError:
+        if refusal:
+            raise ValueError(refusal) from None
+        raise
+    if refusal:
+        raise ValueError(refusal)
     handles = []
     for name, p in items:
-        if not isinstance(p, torch.Tensor):
-            raise ValueError(f"broadcast_parameters expects tensors; {name!r} is a {type(p).__name__}. "
-                             "Pass model.state_dict() or model.named_parameters()")
-        if getattr(p, "_unison_zero3_shard", False) or "zero3_flat_" in str(name):
-            raise ValueError(f"{name!r} is a shard made by shard_module: every rank holds a different part, so "
-                             "broadcasting rank 0's would corrupt the others. shard_module already started every "
-                             "rank from rank 0's weights; use load_full_state_dict(model, ...) to load weights")
         target = p.data if isinstance(p, torch.nn.Parameter) else p
         handles.append(broadcast_async_(target, root_rank, f"broadcast.{prefix or ''}{name}", process_set))
     for h in handles:
         synchronize(h)
+
+
+def _refused(name: str, p: Any) -> str | None:
+    """Why ``broadcast_parameters`` cannot broadcast item ``name``, or None."""
+    if not isinstance(p, torch.Tensor):
+        return (f"broadcast_parameters expects tensors; {name!r} is a {type(p).__name__}. "
+                "Pass model.state_dict() or model.named_parameters()")
+    if getattr(p, "_unison_zero3_shard", False) or "zero3_flat_" in str(name):
+        return (f"{name!r} is a shard made by shard_module: every rank holds a different part, so "
+                "broadcasting rank 0's would corrupt the others. shard_module already started every "
+                "rank from rank 0's weights; use load_full_state_dict(model, ...) to load weights")
+    return None
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,

@@ -50,10 +50,15 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: Any,
         ValueError: ``tensor`` is not sparse.
     """
     ps = set_or_none(process_set)
-    average = reduce_op(None, op) == Average
-    if not tensor.is_sparse:  # submitted with the error in place of the rows: every rank raises it
+    error: Exception | None = None
+    try:
+        average = reduce_op(None, op) == Average
+    except ValueError as exc:  # an unknown op: raised on every rank, as the dense refusal below (before
+        error = exc  # 2026-12-07 on this rank alone, the others waiting in the gathers)
+    if error is None and not tensor.is_sparse:
         error = ValueError(f"sparse_allreduce_async takes a sparse COO tensor; got a dense {tensor.dtype} tensor. "
                            "Use allreduce_async for dense tensors")
+    if error is not None:  # submitted with the error in place of the rows: every rank raises it
         refused = SparseHandle(str(name), [frontend.allgather_async(frontend.Refused(error), f"{name}.{part}", ps)
                                            for part in ("indices", "values")])
         return refused.wait()  # raises here, as Horovod's does, once the others' calls have met it

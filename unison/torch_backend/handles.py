@@ -18,6 +18,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from unison.common.engine.handles import Handle, wait_all
 from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.common.ops import Adasum, is_adasum, resolve_op
@@ -99,11 +101,17 @@ class InPlaceHandle(Handle):
     ``synchronize`` was overwritten, and a handle never synchronized never landed.
     """
 
-    __slots__ = ("inner", "write", "target", "_lock", "_landed", "_left", "_write_error")
+    __slots__ = ("inner", "write", "target", "_lock", "_landed", "_left", "_write_error", "_inference")
 
     def __init__(self, inner: Handle, write: Callable[[Any], None], target: Any) -> None:
         super().__init__(inner.name)
         self.inner, self.write, self.target = inner, write, target
+        # the copy runs under the caller's inference mode, which is per thread: the landing thread's is off, and
+        # writing into an inference tensor there raised (before 2026-12-07: on the rank whose result landed on
+        # that thread, metrics reduced in torch.inference_mode() half written and the ranks apart)
+        targets = target if isinstance(target, (list, tuple)) else [target]
+        self._inference = torch.is_inference_mode_enabled() or any(
+            isinstance(t, torch.Tensor) and t.is_inference() for t in targets)
         self._lock = threading.Lock()
         self._landed = False
         self._write_error: BaseException | None = None
@@ -126,7 +134,8 @@ class InPlaceHandle(Handle):
             if self._landed:
                 return
             try:
-                self.write(self.inner.wait())
+                with torch.inference_mode(self._inference):
+                    self.write(self.inner.wait())
             except BaseException as exc:  # noqa: BLE001 - the collective's error, or the copy's: wait() raises it
                 self._write_error = exc
             self._landed = True

@@ -156,11 +156,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         elif kind != 1 and not self._sparse_as_dense:  # dense here, agreed sparse: gathered as the others are
             p.grad = grad.to_sparse(kind - 2)
             return self._submit_sparse(p, name)
-        arr = to_numpy(grad)
-        compressed, ctx = self._compression.compress(arr)
-        in_place = compressed is arr and grad.is_contiguous() and not grad.is_neg()
-        handle = frontend.allreduce_async(compressed, self._op, name, self._prescale, self._postscale,
-                                          self._process_set, out=compressed if in_place else None)
+        # the compressor gets the torch gradient, as Horovod's does (before 2026-12-07 a numpy view: a compressor
+        # written for Horovod, tensor.type(torch.float16), failed in backward(), and Compression.fp16 sent
+        # bfloat16 gradients uncompressed where hvd.allreduce(compression=...) cast them)
+        wire, ctx = self._compression.compress(grad)
+        arr = to_numpy(wire)
+        in_place = wire is grad and grad.is_contiguous() and not grad.is_neg()
+        handle = frontend.allreduce_async(arr, self._op, name, self._prescale, self._postscale,
+                                          self._process_set, out=arr if in_place else None)
         return _Pending(handle, None if in_place else arr, ctx, resparse=resparse)
 
     # [Note: a sparse gradient missing on some ranks]
@@ -239,7 +242,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         result = pend.handle.wait()
         if pend.target is not None:  # compressed or non-contiguous: copy back into the gradient
             with torch.no_grad():
-                p.grad.copy_(from_numpy(self._compression.decompress(result, pend.ctx)).view(p.grad.shape))
+                p.grad.copy_(self._compression.decompress(from_numpy(result), pend.ctx).view(p.grad.shape))
         if pend.resparse:  # as Horovod: an optimizer that takes only sparse gradients still gets one
             p.grad = p.grad.to_sparse()
 
@@ -476,7 +479,11 @@ def _groups(optimizer: torch.optim.Optimizer, num_groups: int,
         group = list(group)
         if any(id(p) not in owned for p in group):
             raise ValueError("groups= lists a parameter the optimizer does not update")
-        out.append(group)
+        # a frozen parameter gets no gradient: its group would complete only in step(), every member reduced
+        # there, after backward (before 2026-12-07); Horovod leaves such parameters out of the groups too
+        group = [p for p in group if p.requires_grad]
+        if group:
+            out.append(group)
     return out
 
 
@@ -514,33 +521,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
         ValueError: the optimizer is already wrapped; bad or incomplete ``named_parameters``;
             ``gradient_predivide_factor`` with an op other than Average.
     """
-    if getattr(optimizer, "_unison_distributed", False):
-        raise ValueError("this optimizer is already a DistributedOptimizer; wrap the original optimizer "
-                         "once")
-    if backward_passes_per_step < 1:
-        raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
-    rop = Adasum if is_adasum(op) else parse_op(op)
-    if gradient_predivide_factor != 1.0 and rop != Average:
-        raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} only applies to "
-                         f"op=Average; got op={rop!r}")
     runtime.state("DistributedOptimizer")
-    stage = check_stage(zero_stage)
-    _check_combination(rop, compression, backward_passes_per_step, num_groups, groups, process_set)
-    _check_zero(stage, rop, num_groups, groups)
-    named = _named(optimizer, named_parameters)
-    from unison.torch_backend.tensor_parallel import shards_across
-
-    shards_across(named, process_set, "DistributedOptimizer")
-    sharded = [n for n, p in named if getattr(p, "_unison_zero3_shard", False)]
-    if sharded:
-        raise ValueError(f"parameters {sharded[:3]} are shards made by shard_module, which reduce-scatters their "
-                         "gradients itself; step them with a plain torch.optim optimizer, not "
-                         "DistributedOptimizer")
-    refused = _init_refuses_params_alone(optimizer.__class__)
-    if refused is not None:  # (the same on every rank: the same class)
-        raise TypeError(f"DistributedOptimizer makes a {optimizer.__class__.__name__} again from the parameter "
-                        f"groups alone (as Horovod does), and its __init__ needs more ({refused}); give its other "
-                        "arguments defaults (the groups keep the values you passed)")
+    try:
+        rop, stage, named = _checked(optimizer, named_parameters, compression, backward_passes_per_step, op,
+                                     gradient_predivide_factor, num_groups, groups, process_set, zero_stage)
+    except (ValueError, TypeError, NotImplementedError) as exc:  # on this rank: the others raise it too
+        if process_set is None or process_set.included():
+            agree_on_stage(-1, None, process_set, refusal=exc)
+        raise
     # the options too: ranks with different sparse_as_dense made different collectives for one gradient (a
     # hang), and different backward_passes_per_step stepped on the wrong reduction
     options = (f"op={rop!r} compression={getattr(compression, '__name__', type(compression).__name__)} "
@@ -563,4 +551,42 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
     if optimizer.state:
         wrapped.load_state_dict(optimizer.state_dict())
     return wrapped
+
+
+def _checked(optimizer: torch.optim.Optimizer, named_parameters: Any, compression: Any,
+             backward_passes_per_step: int, op: Any, gradient_predivide_factor: float, num_groups: int,
+             groups: Any, process_set: ProcessSet | None, zero_stage: int) -> tuple[Any, int, list]:
+    """``DistributedOptimizer``'s argument checks: (the op, the ZeRO stage, the named parameters).
+
+    [Note: a refusal on one rank] They may fail on one rank alone (an argument computed per rank, a
+    model built differently); the caller then takes part in the agreement the other ranks make, so that
+    every rank raises (see :func:`~unison.torch_backend.zero_state.agree_on_stage`).
+    """
+    if getattr(optimizer, "_unison_distributed", False):
+        raise ValueError("this optimizer is already a DistributedOptimizer; wrap the original optimizer "
+                         "once")
+    if backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
+    rop = Adasum if is_adasum(op) else parse_op(op)
+    if gradient_predivide_factor != 1.0 and rop != Average:
+        raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} only applies to "
+                         f"op=Average; got op={rop!r}")
+    stage = check_stage(zero_stage)
+    _check_combination(rop, compression, backward_passes_per_step, num_groups, groups, process_set)
+    _check_zero(stage, rop, num_groups, groups)
+    named = _named(optimizer, named_parameters)
+    from unison.torch_backend.tensor_parallel import shards_across
+
+    shards_across(named, process_set, "DistributedOptimizer")
+    sharded = [n for n, p in named if getattr(p, "_unison_zero3_shard", False)]
+    if sharded:
+        raise ValueError(f"parameters {sharded[:3]} are shards made by shard_module, which reduce-scatters their "
+                         "gradients itself; step them with a plain torch.optim optimizer, not "
+                         "DistributedOptimizer")
+    refused = _init_refuses_params_alone(optimizer.__class__)
+    if refused is not None:  # (the same on every rank: the same class)
+        raise TypeError(f"DistributedOptimizer makes a {optimizer.__class__.__name__} again from the parameter "
+                        f"groups alone (as Horovod does), and its __init__ needs more ({refused}); give its other "
+                        "arguments defaults (the groups keep the values you passed)")
+    return rop, stage, named
 

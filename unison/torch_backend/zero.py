@@ -244,16 +244,15 @@ class _ZeroOptimizer(ZeroStateMixin):
             # the bytes; the segment then feeds the float32 master without a rounding. (Compression.fp16 still
             # sends float16, as asked.) bfloat16 has float32's range and goes as it is.
             flat_grad = flat_grad.float()
-        arr, st.ctx = self._compression.compress(to_numpy(flat_grad))
-        st.handle = frontend.reducescatter_async(arr, self._op, f"{self._base}.rs{st.bucket.index}",
+        wire, st.ctx = self._compression.compress(flat_grad)  # (a torch tensor, as Horovod's compressors take)
+        st.handle = frontend.reducescatter_async(to_numpy(wire), self._op, f"{self._base}.rs{st.bucket.index}",
                                                  self._prescale, self._postscale, self._pset)
         st.fired = set()
 
     def _finish(self, st: _BucketState) -> None:
         """Wait for the bucket's reduce-scatter and put (stage 2: add) the result in the shard's gradient."""
-        result = self._compression.decompress(st.handle.wait(), st.ctx)
+        seg = self._compression.decompress(from_numpy(st.handle.wait()), st.ctx)
         st.handle = None
-        seg = from_numpy(result)
         # [Note: stage 1 keeps local gradients] The averaged segment is the shard's own gradient,
         # not written into grad_flat: the model's .grad keeps the local gradients, so a backward
         # pass without zero_grad() adds to them and the next reduction averages the sum, as stage 0
@@ -583,16 +582,20 @@ def make_zero_optimizer(optimizer: torch.optim.Optimizer, named: list[tuple[str,
         ValueError: an optimizer whose update is not elementwise, an op other than Average/Sum,
             sparse parameters, or ranks that disagree on the stage or the model.
     """
-    check_optimizer(optimizer)
-    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-        raise ValueError(f"zero_bucket_bytes={bucket_bytes!r} must be a positive number of bytes")
-    if op not in (Average, Sum):
-        raise ValueError(f"zero_stage={zero_stage} reduces gradients with op=Average or op=Sum; got op={op!r}")
     if process_set is not None and not process_set.included():
         raise ValueError(f"this rank ({runtime.rank()}) is not a member of {process_set!r}; a ZeRO optimizer "
                          "shards over the ranks of its process set, so only members may build it")
-    set_ = process_set if process_set is not None else global_process_set
-    plan = ShardPlan.build(_specs(optimizer, named), set_.size(), bucket_bytes)
+    try:
+        check_optimizer(optimizer)
+        if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ValueError(f"zero_bucket_bytes={bucket_bytes!r} must be a positive number of bytes")
+        if op not in (Average, Sum):
+            raise ValueError(f"zero_stage={zero_stage} reduces gradients with op=Average or op=Sum; got op={op!r}")
+        set_ = process_set if process_set is not None else global_process_set
+        plan = ShardPlan.build(_specs(optimizer, named), set_.size(), bucket_bytes)
+    except (ValueError, TypeError, NotImplementedError) as exc:  # raised on every member ([Note: a refusal on
+        agree_on_stage(zero_stage, None, process_set, refusal=exc)  # one rank] in optimizer.py)
+        raise
     agree_on_stage(zero_stage, plan.signature() + (f"; {options}" if options else ""), process_set)  # before
     # anything changes (the options too: ranks with different backward_passes_per_step reduce-scattered on
     # different passes, before 2026-12-05)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from unison.common import runtime
-from unison.common.engine import frontend
+from unison.common.engine import frontend, objects
 from unison.common.engine.objects import agree_on_values, allgather_object
 from unison.common.engine.process_sets import ProcessSet
 from unison.common.ops import Max, Sum
@@ -285,20 +285,42 @@ class ZeroStateMixin:
         return torch.tensor(total)
 
 
-def agree_on_stage(zero_stage: int, signature: str | None, process_set: ProcessSet | None) -> None:
+#: the signature of a rank whose own checks refused its DistributedOptimizer
+REFUSED = "refused on this rank: "
+
+
+def agree_on_stage(zero_stage: int, signature: str | None, process_set: ProcessSet | None,
+                   refusal: Exception | None = None) -> None:
     """Every rank of the set compares ``(zero_stage, plan signature)``; a mismatch raises everywhere.
 
+    ``refusal``: this rank's own checks refused the optimizer (an argument bad on this rank alone). It
+    takes part in the agreement all the same and raises that error, while every other rank raises a
+    ``ValueError`` naming it: raised before the agreement (before 2026-12-07), it left the other ranks
+    waiting in it until the deadlock check, which named no cause (or for ever with that check off).
+
     Raises:
-        ValueError: ranks wrapped different models, or asked for different stages.
+        ValueError: ranks wrapped different models, or asked for different stages, or a rank's checks
+            refused it; ``refusal`` itself on the rank that refused.
     """
     if runtime.size() == 1:
+        if refusal is not None:
+            raise refusal
         return
-    mine = (zero_stage, signature)
+    mine = (zero_stage, signature if refusal is None else f"{REFUSED}{type(refusal).__name__}: {refusal}")
     name = frontend._auto_name("DistributedOptimizer.agree", None, process_set)
     everyone = allgather_object(mine, name, process_set)
+    if refusal is not None:
+        raise refusal
+    ranks = objects._members(len(everyone), process_set)  # (job ranks, also on a process set)
+    refused = [(r, sig) for r, (_, sig) in zip(ranks, everyone, strict=True)
+               if isinstance(sig, str) and sig.startswith(REFUSED)]
+    if refused:
+        raise ValueError("DistributedOptimizer was refused on " + "; ".join(
+            f"rank {r} ({sig[len(REFUSED):]})" for r, sig in refused) + ": fix the arguments there (every "
+            "rank must wrap its optimizer alike)")
     if len(set(everyone)) > 1:
         table = ", ".join(f"rank {r}: zero_stage={s}" + (f" plan {sig}" if sig else "")
-                          for r, (s, sig) in enumerate(everyone))
+                          for r, (s, sig) in zip(ranks, everyone, strict=True))
         raise ValueError(f"ranks disagree on the DistributedOptimizer's sharding ({table}); every rank must "
                          "wrap the same model's parameters with the same zero_stage and options")
 
