@@ -1304,16 +1304,21 @@ def test_horovod_style_optimizer_and_callbacks_equal_one_process(tmp_path_factor
     assert sorted(os.listdir(folder)) == ["m-1.keras", "m-2.keras"]
 
 
-def test_horovod_optimizer_keywords_and_backward_passes_per_step():
-    # Horovod's keywords raised TypeError; backward_passes_per_step is Keras's gradient accumulation
+@pytest.mark.parametrize("average", [False, True], ids=["sum", "average_aggregated_gradients"])
+def test_horovod_optimizer_keywords_and_backward_passes_per_step(average):
+    # Horovod's keywords raised TypeError; backward_passes_per_step is Keras's gradient accumulation, whose
+    # update is the sum of the accumulated steps' gradients as Horovod's (the mean before 2026-12-07), or
+    # their mean with average_aggregated_gradients: with plain SGD the sum is the mean at twice the rate
     keras.utils.set_random_seed(300)
     model = make_model()
     model.compile(optimizer=uk.DistributedOptimizer(keras.optimizers.SGD(0.05), backward_passes_per_step=2,
-                                                    sparse_as_dense=True, device_dense="", device_sparse=""),
+                                                    sparse_as_dense=True, device_dense="", device_sparse="",
+                                                    average_aggregated_gradients=average),
                   loss="mse", jit_compile=False)
     ref = make_model()
     ref.set_weights(model.get_weights())
-    ref.compile(optimizer=keras.optimizers.SGD(0.05, gradient_accumulation_steps=2), loss="mse")
+    ref.compile(optimizer=keras.optimizers.SGD(0.05 if average else 0.1, gradient_accumulation_steps=2),
+                loss="mse")
     rows = GLOBAL_BATCH * 4
     mine = np.concatenate([np.arange(b + R * 8, b + (R + 1) * 8) for b in range(0, rows, GLOBAL_BATCH)])
     model.fit(X[mine], Y[mine], batch_size=8, epochs=1, shuffle=False, verbose=0)

@@ -522,3 +522,83 @@ def test_loss_scale_skips_agree_with_the_global_process_set(wrapper):
         assert same_everywhere(np.concatenate([w.ravel() for w in model.get_weights()]))
     finally:
         keras.mixed_precision.set_global_policy("float32")
+
+
+# ------------------------------------------------------------------ from an audit of 2026-12-07
+@pytest.mark.parametrize("who", ["members only", "every rank"])
+def test_the_keras_optimizer_on_a_process_set_trains_its_members_and_leaves_the_others_their_own(who):
+    """Horovod's reduction is the identity outside the set. Before 2026-12-07 a rank outside it raised in
+    its tape or fit, and a model trained by the set's ranks only hung in its first step (the optimizer's
+    build agreed over every rank)."""
+    if N < 2:
+        pytest.skip("needs a set of some ranks only")
+    members = list(range(N - 1))  # the last rank is outside
+    ps = hvd.add_process_set(members)
+    try:
+        if who == "every rank" or R in members:
+            model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False,
+                                                                            kernel_initializer="zeros")])
+            model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(1.0), process_set=ps),
+                          loss=lambda y, p: tf.reduce_mean(p) * float(R + 1))
+            model.fit(np.ones((1, 1)), np.zeros((1, 1)), batch_size=1, epochs=1, verbose=0)
+            mean = sum(r + 1.0 for r in members) / len(members)
+            assert model.get_weights()[0].ravel().tolist() == [-(mean if R in members else R + 1.0)]
+        hvd.barrier()
+    finally:
+        hvd.remove_process_set(ps)
+
+
+@MODES
+def test_a_tape_on_a_process_set_gives_a_rank_outside_it_its_own_gradient(graph):
+    if N < 2:
+        pytest.skip("needs a set of some ranks only")
+    members = list(range(N - 1))
+    ps = hvd.add_process_set(members)
+    try:
+        w = tf.Variable(np.ones(3, np.float32))
+
+        def grads():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(w) * float(R + 1)
+            return hvd.DistributedGradientTape(tape, process_set=ps).gradient(loss, [w])[0]
+        got = (tf.function(grads) if graph else grads)().numpy()
+        mean = sum(r + 1.0 for r in members) / len(members)
+        np.testing.assert_array_equal(got, np.full(3, mean if R in members else R + 1.0))
+    finally:
+        hvd.remove_process_set(ps)
+
+
+def test_a_model_saved_with_the_distributed_optimizer_loads_with_and_without_unison(tmp_path_factory):
+    """Horovod keeps the optimizer's class name so that the model loads without Horovod. Before 2026-12-07 it
+    was saved as a class of unison.tf_backend.keras.optimizer: keras.models.load_model and hvd.load_model both
+    failed ('Could not locate class Adam')."""
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
+    model.fit(np.ones((4, 3)), np.ones((4, 2)), verbose=0)
+    path = str(tmp_path_factory.mktemp("saved") / f"m{R}.keras")
+    model.save(path)
+    plain = keras.models.load_model(path)
+    assert type(plain.optimizer) is keras.optimizers.Adam and int(plain.optimizer.iterations.numpy()) == 1
+    again = hvd_keras.load_model(path)
+    assert getattr(again.optimizer, "_unison_distributed", False)
+    np.testing.assert_array_equal(again.get_weights()[0], model.get_weights()[0])
+
+
+def test_unison_keras_optimizer_applies_the_sum_of_accumulated_steps_as_horovod():
+    """Before 2026-12-07 unison.keras.DistributedOptimizer applied the mean of backward_passes_per_step steps'
+    gradients (Keras's accumulation) where Horovod applies their sum unless average_aggregated_gradients, and
+    took ops Horovod refuses."""
+    import unison.keras as uk
+
+    def trained(**kwargs):
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False,
+                                                                        kernel_initializer="zeros")])
+        model.compile(optimizer=uk.DistributedOptimizer(keras.optimizers.SGD(1.0), backward_passes_per_step=2,
+                                                        **kwargs), loss=lambda y, p: tf.reduce_mean(p))
+        model.fit(np.ones((4, 1)), np.zeros((4, 1)), batch_size=1, epochs=1, verbose=0, shuffle=False)
+        return float(model.get_weights()[0].ravel()[0])
+    assert trained() == -4.0  # gradient 1 per step: two updates of the sum of two
+    assert trained(average_aggregated_gradients=True) == -2.0
+    for op in (hvd.Min, hvd.Max, hvd.Product, hvd.Adasum):
+        with pytest.raises(ValueError, match="only supports Average and Sum"):
+            uk.DistributedOptimizer(keras.optimizers.SGD(1.0), op=op)

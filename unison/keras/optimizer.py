@@ -50,7 +50,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
                          compression: Any = Compression.none, op: Any = Average,
                          gradient_predivide_factor: float = 1.0, backward_passes_per_step: int = 1,
                          sparse_as_dense: bool = False, device_dense: str = "", device_sparse: str = "",
-                         process_set: Any = None, *, _in_place: bool = False) -> keras.optimizers.Optimizer:
+                         process_set: Any = None, average_aggregated_gradients: bool = False, *,
+                         _in_place: bool = False) -> keras.optimizers.Optimizer:
     """Wrap a Keras 3 optimizer so each step's gradients are combined over the ranks before the update.
 
     Horovod's ``DistributedOptimizer`` on every Keras backend.
@@ -62,12 +63,14 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
         op: ``Average`` (default) or ``Sum``.
         gradient_predivide_factor: divide by this before the sum and multiply after
             (``Average`` only).
-        backward_passes_per_step: apply the update every this many steps, on the mean of their
-            gradients (Keras's ``gradient_accumulation_steps``; each step's gradients are still
-            reduced as they come).
+        backward_passes_per_step: apply the update every this many steps (Keras's
+            ``gradient_accumulation_steps``; each step's gradients are still reduced as they come), on
+            the sum of their gradients, as Horovod does, or their mean with ``average_aggregated_gradients``.
         sparse_as_dense, device_dense, device_sparse: accepted for Horovod's signature (gradients
             are reduced densely, on the host; see docs/keras_backends.md).
         process_set: the global set only (None or ``global_process_set``).
+        average_aggregated_gradients: with ``backward_passes_per_step`` > 1, apply the mean of the
+            accumulated gradients instead of their sum (Horovod's keyword and default).
 
     Returns:
         The wrapped optimizer: a new object, the original left as it was (Horovod's way). (``DataParallel``'s
@@ -76,8 +79,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
 
     Raises:
         TypeError: ``optimizer`` is not a Keras optimizer.
-        ValueError: already wrapped, or a predivide factor with an op other than Average, or
-            ``backward_passes_per_step`` below 1.
+        ValueError: already wrapped, an op other than Average or Sum (Horovod's error), a predivide
+            factor with an op other than Average, or ``backward_passes_per_step`` below 1.
         NotImplementedError: a process set other than the global one.
     """
     del name, sparse_as_dense, device_dense, device_sparse
@@ -92,15 +95,22 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
     if getattr(optimizer, "_unison_distributed", False):
         raise ValueError("this optimizer is already a DistributedOptimizer; wrap the original once")
     rop = parse_op(op)
+    if rop not in (Average, Sum):  # Horovod's check (before 2026-12-07 Min, Max, Product and Adasum were taken)
+        raise ValueError(f"op currently only supports Average and Sum; got op={op!r}. Pass op=unison.Average or "
+                         "op=unison.Sum, as Horovod's DistributedOptimizer requires")
     if gradient_predivide_factor <= 0:
         raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} must be > 0")
     if gradient_predivide_factor != 1.0 and rop is not Average:
         raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} only applies to op=Average")
     base = type(optimizer)
+    # [Note: the sum of the accumulated steps] Keras's accumulation applies the mean of the k steps'
+    # gradients; Horovod applies their sum unless average_aggregated_gradients: each step's reduced gradients
+    # are scaled by k for that (before 2026-12-07 the mean: a Horovod script took updates k times smaller)
+    factor = 1.0 if average_aggregated_gradients else float(backward_passes_per_step)
+    post = gradient_predivide_factor * factor
 
     def combine(arrays: list[np.ndarray], rows: int | None) -> list[np.ndarray]:
-        return average_gradients(arrays, rows, rop, compression, 1.0 / gradient_predivide_factor,
-                                 gradient_predivide_factor)
+        return average_gradients(arrays, rows, rop, compression, 1.0 / gradient_predivide_factor, post)
 
     def apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
         grads = list(grads)
@@ -160,8 +170,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
 
     members: dict[str, Any] = {"apply": apply, "_unison_distributed": True, "_unison_keras_distributed": True,
                                "__module__": base.__module__, "__qualname__": base.__qualname__,
-                               "_unison_settings": (rop, compression, 1.0 / gradient_predivide_factor,
-                                                    gradient_predivide_factor)}
+                               "_unison_settings": (rop, compression, 1.0 / gradient_predivide_factor, post)}
     if issubclass(base, keras.optimizers.LossScaleOptimizer):
         members["stateless_apply"] = stateless_apply
     cls = type(base.__name__, (base,), members)

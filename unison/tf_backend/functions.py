@@ -292,6 +292,10 @@ def reduce_gradients(grads: list[Any], op: Any, pre: float, post: float, compres
     if variables is not None and len(variables) != len(grads):
         raise ValueError(f"reduce_gradients got {len(grads)} gradients but {len(variables)} variables; "
                          "pass one variable per gradient, in the same order")
+    if process_set is not None and not process_set.included():
+        # Horovod's reduction is the identity on a rank outside the set (its _allreduce_cond): the rank keeps
+        # its own gradients (before 2026-12-07 it raised, and the set's ranks waited for it in their step)
+        return list(grads)
     grads = [tf.convert_to_tensor(g) if sparse_as_dense and isinstance(g, tf.IndexedSlices) else g
              for g in grads]
     kinds = _agree_kinds(grads, name, process_set, variables)

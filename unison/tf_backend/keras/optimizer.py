@@ -73,6 +73,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
             ``backward_passes_per_step`` < 1, bad ``groups``, ``zero_stage`` outside 0-2, an
             optimizer ZeRO cannot shard, or an option ZeRO does not support.
     """
+    from unison.common.engine.process_sets import global_process_set
     from unison.tf_backend import zero
 
     if getattr(optimizer, "_unison_distributed", False):
@@ -94,7 +95,9 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
     check_groups(num_groups, groups)
-    base = name or frontend._auto_name("keras.DistributedOptimizer", None)
+    # (the set's own counter: [Note: a counter per process set]; a subset's optimizer left the other ranks'
+    # next one a number behind, its reductions under another name: a hang, before 2026-12-07)
+    base = name or frontend._auto_name("keras.DistributedOptimizer", None, process_set)
     pre, post = 1.0 / gradient_predivide_factor, gradient_predivide_factor
     # Keras's accumulation applies the mean of the k gradients; Horovod their sum unless averaging
     factor = 1.0 if average_aggregated_gradients else float(backward_passes_per_step)
@@ -114,12 +117,20 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
         _local_vars(self).add(source_key(var))
 
     def build(self: Any, variables: Any) -> None:
-        if not self.built:  # every rank must wrap with the same zero_stage: they compare it here
+        # every rank must wrap with the same zero_stage: they compare it here, over every rank, so only with
+        # the global set (ZeRO takes no other): on a subset it waited for ranks that never build one (before
+        # 2026-12-07 a model trained by some ranks only hung in its first step), as Horovod runs nothing here
+        if not self.built and process_set in (None, global_process_set):
             zero.agree(0, "", f"{type(self).__name__}.build")
         super(cls, self).build(variables)
 
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+    base_cls = optimizer.__class__
+    cls = type(base_cls.__name__, (base_cls,),
                {"apply": apply, "build": build, "register_local_var": register_local_var,
+                # saved under the optimizer's own class, so that the model loads without Unison (Horovod's
+                # way) and hvd.load_model wraps it again (before 2026-12-07 saved as this module's class: every
+                # checkpoint of the whole model failed to load, hvd.load_model too)
+                "__module__": base_cls.__module__, "__qualname__": base_cls.__qualname__,
                 "_unison_distributed": True, "_unison_process_set": process_set,
                 # what the applied update is, in means of the accumulated steps (a ShardedEmbedding that
                 # follows this optimizer pushes the same: tf_backend/embedding.py)
