@@ -908,3 +908,135 @@ def test_helpers_refuse_an_unsharded_model():
         full_state_dict(make("mlp", seed=1))
     with pytest.raises(TypeError, match="shard_module"):
         clip_sharded_grad_norm_(make("mlp", seed=1), 1.0)
+
+
+# ----------------------------------------------------------------- from an audit of 2026-12-07
+def _worst_diff(model: nn.Module, ref: nn.Module) -> float:
+    full = full_state_dict(model)
+    return max(float((full[k].double() - v.double()).abs().max()) for k, v in ref.state_dict().items())
+
+
+def test_sync_module_states_broadcasts_non_contiguous_weights():
+    """to_numpy of a non-contiguous tensor (a channels_last conv, a transposed weight) is a copy: the broadcast
+    wrote the copy, and every rank sharded its own weights (a mix of the ranks' segments, before 2026-12-07)."""
+    torch.manual_seed(100 + R)  # different weights on every rank
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten()).to(memory_format=torch.channels_last)
+    model.register_parameter("t", nn.Parameter(torch.randn(5, 3).t()))
+    assert not model[0].weight.is_contiguous() and not model.t.is_contiguous()
+    first = WORLD.bcast({k: v.detach().clone() for k, v in model.state_dict().items()}, root=0)
+    shard_module(model)
+    full = full_state_dict(model)
+    for key, value in first.items():
+        assert torch.equal(full[key], value), key
+
+
+def test_a_model_sharded_on_a_subset_leaves_the_next_global_models_names_in_step():
+    """The models' collective names counted every model a process sharded: ranks that sat out a subset's model
+    named the next global model's collectives another number (a hang, before 2026-12-07)."""
+    if N < 3:
+        pytest.skip("needs a set of some ranks and one outside it")
+    ps = hvd.add_process_set(list(range(N - 1)))
+    try:
+        if ps.included():
+            shard_module(nn.Linear(3, 2), process_set=ps)
+        model = shard_module(nn.Linear(3, 2))
+        model(torch.ones(2, 3)).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    finally:
+        hvd.remove_process_set(ps)
+
+
+def test_a_prefetch_left_in_flight_before_a_step_is_not_used_after_it():
+    """A forward entered through a submodule between backward and step() prefetched the next unit from the old
+    shards, and the next full forward used those weights (0.10 off after 3 steps, before 2026-12-07)."""
+    def make() -> nn.Module:
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 3))
+    model, ref = shard_module(make()), make()
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    gen, b = torch.Generator().manual_seed(0), 2
+    for _ in range(3):
+        x, y = torch.randn(N * b, 4, generator=gen), torch.randn(N * b, 3, generator=gen)
+        mine = slice(R * b, (R + 1) * b)
+        nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+        nn.functional.mse_loss(ref(x), y).backward()
+        with torch.no_grad():
+            model[0](x[mine])  # (logging the first layer's features: unit 2's prefetch starts)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    assert _worst_diff(model, ref) < 1e-6
+
+
+def test_parameters_with_gradient_hooks_are_refused_on_every_rank():
+    """The hooks stayed on the replaced parameters and never ran (a clamp dropped silently: weights 0.23 off)."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    model[0].weight.register_hook(lambda g: g.clamp(-0.01, 0.01))
+    with pytest.raises(ValueError, match="gradient hooks"):
+        shard_module(model)
+
+
+def test_a_state_dict_of_another_layout_is_refused():
+    """Shards of one shape from another layout (another bucket_bytes) loaded silently, elements moved between
+    parameters (a = [12, 13, 2, 3] for [0, 1, 2, 3], before 2026-12-07)."""
+    def make(bucket_bytes: int) -> nn.Module:
+        m = nn.Module()
+        m.a = nn.Parameter(torch.arange(4.0))
+        m.b = nn.Parameter(torch.arange(10.0, 14.0))
+        return shard_module(m, bucket_bytes=bucket_bytes)
+    saved = make(1 << 20).state_dict()
+    assert "zero3_layout" in saved
+    again = make(1 << 20)
+    again.load_state_dict(saved)  # the same layout: loads
+    assert full_state_dict(again)["a"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    if N > 1:  # (one rank: every bucket size gives one shard of everything, the same layout)
+        other = make(16)
+        with pytest.raises(RuntimeError, match="another layout"):
+            other.load_state_dict(saved)
+
+
+def test_saved_tensor_hooks_around_a_unit_get_its_activations_and_checkpointing_trains_alike():
+    """A unit's own saved-tensor hooks replaced the ones around it (checkpointing's, save_on_cpu's): numbers
+    right, but the activations inside units were kept (105 MB of forward growth with and without
+    checkpointing, the unsharded model 106 and 56 MB; before 2026-12-07). Now only the unit weights stay
+    with the unit's hooks; every activation reaches the outer ones."""
+    from torch.utils.checkpoint import checkpoint
+
+    def make() -> nn.Module:
+        torch.manual_seed(4)
+        return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+
+    def shapes_seen(model: nn.Module) -> tuple[list, int]:
+        packed, unpacked = [], [0]
+
+        def pack(t):
+            packed.append(tuple(t.shape))
+            return t
+
+        def unpack(t):
+            unpacked[0] += 1
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            out = model(torch.ones(5, 6))
+        out.sum().backward()
+        return sorted(packed), unpacked[0]
+    plain, _ = shapes_seen(make())
+    sharded, unpacked = shapes_seen(shard_module(make()))
+    weight = (8, 3)  # the second layer's weight, saved (transposed) for the input's gradient: the unit's own
+    assert sharded == sorted(x for x in plain if x != weight) and unpacked == len(sharded) > 0, (plain, sharded)
+    for reentrant in (False, True):  # numbers as the unsharded model's, with checkpointing around each unit
+        model, ref = shard_module(make()), make()
+        x = torch.randn(4 * N, 6, generator=torch.Generator().manual_seed(2))
+        mine = x[R * 4:(R + 1) * 4].clone().requires_grad_()  # (reentrant checkpointing needs one)
+        opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.3), torch.optim.SGD(ref.parameters(), lr=0.3)
+        tail = nn.Sequential(model[1], model[2])
+        for _ in range(2):
+            h = checkpoint(model[0], mine, use_reentrant=reentrant)
+            checkpoint(tail, h, use_reentrant=reentrant).square().mean().backward()
+            ref(x).square().mean().backward()
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        assert _worst_diff(model, ref) < 1e-6, reentrant

@@ -58,6 +58,7 @@ import itertools
 import json
 import logging
 import math
+import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -71,7 +72,7 @@ from unison.common.engine.process_sets import ProcessSet, set_rank, set_size
 from unison.common.ops import Max, Sum
 from unison.common.zero.plan import DEFAULT_BUCKET_BYTES, ShardPlan
 from unison.torch_backend.handles import set_or_none
-from unison.torch_backend.tensors import to_numpy
+from unison.torch_backend.tensors import from_numpy, to_numpy
 from unison.torch_backend.zero3_hooks import Sharded
 from unison.torch_backend.zero3_unit import ParamRef, build_unit, install, param_specs
 from unison.torch_backend.zero_state import check_optimizer
@@ -81,7 +82,11 @@ __all__ = ["shard_module", "full_state_dict", "load_full_state_dict", "clip_shar
 
 log = logging.getLogger(__name__)
 
-_MODELS = itertools.count()
+#: the models sharded so far, per process set: their collectives' names ([Note: a counter per process set]:
+#: one counter for every set left a rank that sat out a subset's model a number behind, before 2026-12-07)
+_MODELS: dict[int, itertools.count] = {}
+#: the sharded models alive, whose prefetches an optimizer's step must not leave in flight
+_LIVE: weakref.WeakSet = weakref.WeakSet()
 _ERRORS = {"TypeError": TypeError, "ValueError": ValueError}
 #: modules that read their children's parameters without calling the children (MultiheadAttention
 #: passes ``out_proj.weight`` to a function): under the default policy each is one unit with its subtree
@@ -130,7 +135,9 @@ def shard_module(model: torch.nn.Module, process_set: ProcessSet | None = None,
     if isinstance(model, torch.nn.Module) and getattr(model, "_unison_zero3", None) is not None:
         raise RuntimeError("shard_module was already applied to this model; call it once per model "
                            "(to change its settings, build the model again and shard that)")
-    tag, ps = f"zero3.m{next(_MODELS)}", set_or_none(process_set)
+    ps = set_or_none(process_set)
+    sid = int(getattr(ps, "process_set_id", None) or 0)
+    tag = f"zero3.m{next(_MODELS.setdefault(sid, itertools.count()))}" + (f".s{sid}" if sid else "")
     world, rank = set_size(ps), set_rank(ps)
     error, found, mine = None, [], ("",)  # type: tuple[Exception | None, list[_Found], tuple]
     try:
@@ -152,6 +159,7 @@ def shard_module(model: torch.nn.Module, process_set: ProcessSet | None = None,
         unit.module.__dict__["_unison_zero3_unit"] = True
     state = Sharded(model, units, keys, prefetch, ps, tag)
     state.install_hooks()
+    _LIVE.add(state)
     model.__dict__["_unison_zero3"] = state
     model.__dict__["__deepcopy__"] = _refuse_deepcopy
     _check_optimizers_at_step()
@@ -182,6 +190,8 @@ def _check_optimizers_at_step() -> None:
         return
 
     def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for live in list(_LIVE):  # a prefetch started before the step would serve the old weights
+            live.drain()
         if optimizer.__dict__.get("_unison_zero3_checked"):
             return
         if any(getattr(p, "_unison_zero3_shard", False) for g in optimizer.param_groups for p in g["params"]):
@@ -226,6 +236,14 @@ def _discover(model: Any, unit_classes: tuple[type, ...] | None, prefetch: Any) 
     bad = [(n, p.device) for f in found for n, p in zip(f.names, f.params, strict=True) if p.device.type != "cpu"]
     if bad:
         raise TypeError(f"ZeRO stage 3 handles CPU parameters; {bad[:3]} are not. Call model.cpu() first")
+    hooked = [n for f in found for n, p in zip(f.names, f.params, strict=True)
+              if getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None)]
+    if hooked:  # (they stay on the replaced parameters, and a shard's gradient is written, not accumulated)
+        raise ValueError(f"parameters {hooked[:5]} have gradient hooks (register_hook or "
+                         "register_post_accumulate_grad_hook), which ZeRO stage 3 cannot run: the parameters "
+                         "become views of gathered weights and their gradients are reduce-scattered into the "
+                         "shards (the hooks were dropped silently before 2026-12-07). Remove them before "
+                         "shard_module (act on the shards' .grad after backward instead), or zero_stage=1 or 2")
     return found
 
 
@@ -316,7 +334,10 @@ def _broadcast_from_first(model: torch.nn.Module, tag: str, ps: ProcessSet | Non
     tensors = list(OrderedDict((id(t), t) for t in itertools.chain(model.parameters(), model.buffers())).values())
     handles = [frontend.broadcast_async(to_numpy(t), 0, f"{tag}.sync.{i}", ps) for i, t in enumerate(tensors)]
     for t, h in zip(tensors, handles, strict=True):
-        to_numpy(t)[...] = frontend.synchronize(h)
+        # copied into the tensor itself: to_numpy of a non-contiguous one (channels_last, a transposed weight)
+        # is a copy, and writing that lost rank 0's values (every rank kept its own, before 2026-12-07)
+        with torch.no_grad():
+            t.detach().copy_(from_numpy(frontend.synchronize(h)).view(t.shape))
 
 
 def _state_keys(model: torch.nn.Module, found: list[_Found]) -> dict[str, tuple]:
@@ -349,6 +370,7 @@ def full_state_dict(model: torch.nn.Module) -> OrderedDict[str, torch.Tensor]:
     unsharded model class with ``load_state_dict``.
     """
     state = _sharded(model, "full_state_dict")
+    state.drain()
     values: dict[tuple[int, int], torch.Tensor] = {}
     for u, unit in enumerate(state.units):
         was = unit.is_gathered()
@@ -376,6 +398,7 @@ def load_full_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.
     if missing or unexpected:
         raise KeyError(f"load_full_state_dict: missing keys {missing[:10]}, unexpected keys {unexpected[:10]}; "
                        "pass a state_dict of the same (unsharded) model, e.g. from full_state_dict()")
+    state.drain()
     for key, (kind, a, b) in state.keys.items():
         value = state_dict[key]
         target = state.units[a].views[b] if kind == "param" else getattr(a, b)

@@ -223,6 +223,7 @@ def load(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any,
 
 
 def _restore_model(state: Sharded, got: dict[str, Any]) -> None:
+    state.drain()  # [Note: no prefetch across a change of the shards]
     with torch.no_grad():
         for key, (kind, a, b) in state.keys.items():
             if kind == "buffer":

@@ -37,6 +37,7 @@ a numpy view: torch marks a storage shared with numpy as not resizable.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -298,10 +299,44 @@ def build_unit(name: str, module: torch.nn.Module, params: list[torch.nn.Paramet
     return unit
 
 
+#: the ``state_dict`` entry of a unit's layout ([Note: a state_dict knows its layout])
+LAYOUT_KEY = "zero3_layout"
+
+
+def layout_digest(unit: Unit) -> torch.Tensor:
+    """16 bytes naming ``unit``'s layout and this rank's place in it: the plan (parameters, rank count,
+    bucket size) and the rank."""
+    text = f"{unit.plan.signature()}|rank {unit.rank}"
+    return torch.tensor(list(hashlib.sha256(text.encode()).digest()[:16]), dtype=torch.uint8)
+
+
 def install(unit: Unit) -> None:
-    """Replace the unit's parameters by their views and register the shards as the parameters."""
+    """Replace the unit's parameters by their views and register the shards as the parameters.
+
+    [Note: a state_dict knows its layout] ``model.state_dict()`` holds each rank's shards, flat slices
+    whose meaning depends on the plan. Shards of one shape can come from another layout (another
+    ``bucket_bytes``, or another rank's file): before 2026-12-07 they loaded silently, the parameters'
+    elements moved between parameters. Each unit now adds ``<module>.zero3_layout`` (a digest of its plan
+    and the rank) and ``load_state_dict`` refuses a different one (an entry without it loads, as before).
+    """
     for ref in unit.refs:
         del ref.owner._parameters[ref.attr]
         setattr(ref.owner, ref.attr, unit.placeholders[ref.index])
     for key, flat in unit.flats.items():
         unit.module.register_parameter(f"zero3_flat_{key}", flat.shard)
+    digest = layout_digest(unit)
+
+    def save(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        state_dict[prefix + LAYOUT_KEY] = digest.clone()
+
+    def load(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: Any, strict: bool,
+             missing: list, unexpected: list, errors: list) -> None:
+        saved = state_dict.pop(prefix + LAYOUT_KEY, None)
+        if saved is not None and not torch.equal(torch.as_tensor(saved).to(torch.uint8), digest):
+            errors.append(f"{prefix or 'the model'}: these ZeRO-3 shards were saved with another layout (another "
+                          "rank count, bucket_bytes, set of parameters, or by another rank): they would land in "
+                          "the wrong parameters. Load the state_dict each rank saved, into the model sharded as "
+                          "it was, or use save_sharded/load_sharded, which reshard")
+
+    unit.module.register_state_dict_post_hook(save)
+    unit.module.register_load_state_dict_pre_hook(load)
