@@ -1822,3 +1822,121 @@ def test_equal_text_in_object_arrays_agrees_across_ranks():
     if N > 1:
         with pytest.raises(ValueError, match="the ranks passed different inputs"):
             _agree_on_inputs("model.fit", np.array([f"rank{R}"] * 15, dtype=object), Y[:15], None, GLOBAL_BATCH)
+
+
+# ----------------------------------------------------------------- from an audit of 2026-12-07
+@pytest.mark.skipif(N == 1, reason="a rank that refuses and one that does not")
+def test_ops_refuse_an_input_one_rank_cannot_convert_on_every_rank():
+    """A ragged list on one rank raised there alone: the others' all-reduce met its next call (101 where 200
+    was right, then a hang), before 2026-12-07."""
+    bad = [[1.0, 2.0], [3.0]] if R == 0 else [1.0, 1.0, 1.0, 1.0]
+    with pytest.raises((ValueError, TypeError)):
+        uk.allreduce(bad, op=uk.Sum)
+    got = uk.allreduce(np.full(4, 100.0, np.float32), op=uk.Sum)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(got), np.full(4, 100.0 * N))
+
+
+@pytest.mark.skipif(BACKEND != "jax" or N == 1, reason="JAX's jitted programs")
+def test_an_op_refused_while_traced_raises_on_every_rank_when_the_program_runs():
+    """Refused at trace time on one rank, the others' compiled call met that rank's next one (before 2026-12-07);
+    the refusal is now in the program, submitted when it runs."""
+    import jax
+
+    from unison.common.ops import Max
+
+    op = Max if R == 0 else uk.Sum
+    with pytest.raises(Exception, match="supports Average and Sum"):
+        jax.block_until_ready(jax.jit(lambda t: uk.allreduce(t, op=op))(np.ones(4, np.float32)))
+    got = uk.allreduce(np.full(4, 100.0, np.float32), op=uk.Sum)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(got), np.full(4, 100.0 * N))
+
+
+def test_ops_take_keras_variables_and_a_0d_allgather_differentiates():
+    """A keras.Variable was refused on JAX and torch, and a 0-d all-gather failed under jax.jit and jax.grad
+    (before 2026-12-07)."""
+    var = keras.Variable(np.full(2, float(R + 1), np.float32))
+    total = np.full(2, N * (N + 1) / 2)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(uk.allreduce(var, op=uk.Sum)), total)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(uk.broadcast(var, N - 1)), np.full(2, float(N)))
+    gathered = keras.ops.convert_to_numpy(uk.allgather(var))
+    np.testing.assert_allclose(gathered, np.repeat(np.arange(1.0, N + 1), 2))
+    if BACKEND == "jax":
+        import jax
+
+        s = jax.numpy.float32(R + 1.0)
+        np.testing.assert_allclose(np.asarray(jax.jit(uk.allgather)(s)), np.arange(1.0, N + 1))
+        grad = jax.grad(lambda t: (uk.allgather(t) * (jax.numpy.arange(N) + 1.0)).sum())(s)
+        assert np.shape(grad) == () and float(grad) == (R + 1) * N  # every rank's weight for this rank's row
+
+
+def test_broadcast_variables_of_a_model_with_dropout():
+    """JAX's seed-generator state is uint32, which the collectives refused: broadcast_variables(model.variables)
+    raised for any model with Dropout (before 2026-12-07)."""
+    keras.utils.set_random_seed(50 + R)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dropout(0.5),
+                              keras.layers.Dense(1)])
+    uk.broadcast_variables(model.variables, root_rank=0)
+    for v in model.variables:
+        assert same_everywhere([keras.ops.convert_to_numpy(v.value)]), v.path
+
+
+def test_wrapping_a_used_optimizer_keeps_its_state():
+    """Wrapping an optimizer already used (a loaded model's, to resume) rebuilt it from its configuration: Adam
+    restarted at iteration 0 with zero moments (before 2026-12-07)."""
+    keras.utils.set_random_seed(7)
+    model = make_model()
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.fit(X[:16], Y[:16], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    used = model.optimizer
+    wrapped = uk.DistributedOptimizer(used)
+    assert wrapped is not used and int(keras.ops.convert_to_numpy(wrapped.iterations)) == 2
+    mine = {v.path: keras.ops.convert_to_numpy(v.value) for v in wrapped.variables}
+    for v in used.variables:
+        np.testing.assert_array_equal(mine[v.path], keras.ops.convert_to_numpy(v.value))
+
+
+def test_the_rank0_checkpoints_collective_says_every_rank_passes_the_callback(monkeypatch, tmp_path):
+    """Horovod's scripts add their checkpoint callback on rank 0 only; this one is collective. The deadlock
+    check's report named an unnamed broadcast (before 2026-12-07); its name now says what to do."""
+    from unison.common.engine import objects
+
+    names = []
+    real = objects.broadcast_object
+
+    def spy(obj, root_rank=0, name=None, process_set=None):
+        names.append(name)
+        return real(obj, root_rank, name, process_set)
+    monkeypatch.setattr(objects, "broadcast_object", spy)
+    from unison.keras.callbacks import rank0_saves
+
+    rank0_saves("ModelCheckpoint", lambda: None)
+    assert N == 1 or names == ["ModelCheckpoint: every rank passes this callback (rank 0 saves)"], names
+
+
+def test_horovod_schedule_callback_load_model_and_group_keywords(tmp_path_factory):
+    """Horovod's LearningRateScheduleCallback and load_model, and DistributedOptimizer's num_groups/groups/
+    scale_local_gradients keywords (a TypeError before 2026-12-07), on every backend."""
+    keras.utils.set_random_seed(9)
+    model = make_model()
+    model.compile(optimizer=uk.DistributedOptimizer(keras.optimizers.SGD(0.1), num_groups=2, groups=None,
+                                                    scale_local_gradients=True), loss="mse")
+    history = model.fit(X[:32], Y[:32], batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[
+        uk.callbacks.BroadcastGlobalVariablesCallback(0),
+        uk.callbacks.LearningRateScheduleCallback(0.1, multiplier=0.5, start_epoch=1)])
+    np.testing.assert_allclose(history.history["lr"], [0.1, 0.05, 0.025], rtol=1e-6)
+    with pytest.raises(ValueError, match="groups"):
+        uk.DistributedOptimizer(keras.optimizers.SGD(0.1), groups=0)
+    # load_model: the optimizer distributed, its state kept, and training goes on alike on every rank
+    plain = make_model()
+    plain.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    plain.fit(X[:16], Y[:16], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    path = str(tmp_path_factory.mktemp("uk_load") / "m.keras")
+    if R == 0:
+        plain.save(path)
+    path = WORLD.bcast(path)
+    WORLD.Barrier()
+    loaded = uk.load_model(path)
+    assert getattr(loaded.optimizer, "_unison_distributed", False)
+    assert int(keras.ops.convert_to_numpy(loaded.optimizer.iterations)) == 2
+    loaded.fit(X[R * 8:(R + 1) * 8], Y[R * 8:(R + 1) * 8], batch_size=8, epochs=1, verbose=0)
+    assert same_everywhere([keras.ops.convert_to_numpy(w) for w in loaded.get_weights()])

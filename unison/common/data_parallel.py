@@ -336,8 +336,20 @@ def broadcast_arrays(arrays: Sequence[np.ndarray], root_rank: int = 0,
     # next broadcast, another array's value there, then a hang: before 2026-12-05)
     agree_on_names(what, [f"{i}: {np.asarray(a).dtype}{np.shape(a)}" for i, a in enumerate(arrays)],
                    f"{base}.agree", process_set)
-    handles = [frontend.broadcast_async(a, root, f"{base}.{i}", process_set) for i, a in enumerate(arrays)]
-    return [np.asarray(r).reshape(np.shape(a)) for r, a in zip(wait_all(handles), arrays, strict=True)]
+    # a broadcast copies bytes: unsigned 32/64-bit integers (JAX's Keras seed states, which the collectives do
+    # not take: broadcast_variables(model.variables) raised for any model with Dropout, before 2026-12-07)
+    # travel as the signed integers of their width
+    wire = [_signed(np.asarray(a)) for a in arrays]
+    handles = [frontend.broadcast_async(w, root, f"{base}.{i}", process_set) for i, w in enumerate(wire)]
+    return [np.asarray(r).view(np.asarray(a).dtype).reshape(np.shape(a))
+            for r, a in zip(wait_all(handles), arrays, strict=True)]
+
+
+def _signed(a: np.ndarray) -> np.ndarray:
+    """``a``'s bytes as signed integers of its width where it holds unsigned 32/64-bit ones, else ``a``."""
+    if a.dtype in (np.uint32, np.uint64):
+        return np.ascontiguousarray(a).view(np.int32 if a.dtype == np.uint32 else np.int64)
+    return a
 
 
 def gather_rows(local: np.ndarray, plan: BatchPlan, rank: int) -> np.ndarray:

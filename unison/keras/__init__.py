@@ -32,8 +32,8 @@ from unison.common.runtime import init, is_initialized, local_rank, local_size, 
 from unison.keras import callbacks
 from unison.keras.data_parallel import DataParallel
 from unison.keras.ops import allgather, allreduce, broadcast, broadcast_variables
-from unison.keras.optimizer import DistributedOptimizer
+from unison.keras.optimizer import DistributedOptimizer, load_model
 
 __all__ = ["Average", "Compression", "DataParallel", "DistributedOptimizer", "Sum", "allgather", "allreduce",
-           "barrier", "broadcast", "broadcast_variables", "callbacks", "init", "is_initialized", "local_rank",
-           "local_size", "rank", "shutdown", "size"]
+           "barrier", "broadcast", "broadcast_variables", "callbacks", "init", "is_initialized", "load_model",
+           "local_rank", "local_size", "rank", "shutdown", "size"]

@@ -33,9 +33,11 @@ _SHARED_HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_e
 _BATCH_HOOKS = ("on_train_batch_begin", "on_train_batch_end", "on_test_batch_begin", "on_test_batch_end")
 
 
-def shared_outcome(run: Callable[[], Any]) -> tuple[Any, str | None, BaseException | None]:
+def shared_outcome(run: Callable[[], Any],
+                   name: str | None = None) -> tuple[Any, str | None, BaseException | None]:
     """``run()`` on rank 0: (its result there, its failure as text on every rank or None, the exception on
-    rank 0). Collective: every rank calls it at one point."""
+    rank 0). Collective: every rank calls it at one point. ``name`` names the collective, so that the
+    deadlock check's report says what a rank that never comes should have done."""
     result, error, cause = None, None, None
     if runtime.rank() == 0:
         try:
@@ -43,7 +45,7 @@ def shared_outcome(run: Callable[[], Any]) -> tuple[Any, str | None, BaseExcepti
         except Exception as exc:  # shared with every rank below
             error, cause = f"{type(exc).__name__}: {exc}", exc
     if runtime.size() > 1:
-        error = objects.broadcast_object(error, 0)
+        error = objects.broadcast_object(error, 0, name)
     return result, error, cause
 
 

@@ -33,8 +33,8 @@ from unison.common.ops import Average
 from unison.keras.data_parallel import without_seed_states
 from unison.keras.ops import broadcast_variables
 
-__all__ = ["BroadcastGlobalVariablesCallback", "LearningRateWarmupCallback", "MetricAverageCallback",
-           "ModelCheckpoint"]
+__all__ = ["BroadcastGlobalVariablesCallback", "LearningRateScheduleCallback", "LearningRateWarmupCallback",
+           "MetricAverageCallback", "ModelCheckpoint"]
 
 
 def _sync_jax(model: Any) -> None:
@@ -250,6 +250,60 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
             print(f"\nEpoch {epoch + 1}: finished learning-rate warmup to {self.initial_lr:g}.")
 
 
+class LearningRateScheduleCallback(keras.callbacks.Callback):
+    """Horovod 0.28's schedule, on every backend: ``lr = initial_lr * multiplier(epoch)`` while
+    ``start_epoch <= epoch < end_epoch`` (outside that range the rate is left as it is).
+
+    A number ``multiplier`` m means ``m ** epoch`` (exponential decay); a function gets the epoch. With
+    ``staircase`` the rate is set at the first batch of each epoch; otherwise at every batch, from the
+    fractional epoch ``epoch + batch / steps_per_epoch`` (``steps_per_epoch`` read from ``fit`` when not
+    given). At each epoch's end ``logs["lr"]`` holds the rate. ``momentum_correction`` is accepted for
+    Horovod's signature and not applied: a Keras 3 optimizer compiles its momentum into the step.
+    """
+
+    def __init__(self, initial_lr: float, multiplier: float | Callable[[float], float], start_epoch: int = 0,
+                 end_epoch: int | None = None, staircase: bool = True, momentum_correction: bool = True,
+                 steps_per_epoch: int | None = None) -> None:
+        super().__init__()
+        if initial_lr is None:
+            raise ValueError("LearningRateScheduleCallback needs initial_lr (the rate the multiplier scales)")
+        self.initial_lr = float(initial_lr)
+        self.multiplier = multiplier if callable(multiplier) else (lambda epoch: multiplier ** epoch)
+        self.start_epoch, self.end_epoch = start_epoch, end_epoch
+        self.staircase, self.momentum_correction = staircase, momentum_correction
+        self.steps_per_epoch = steps_per_epoch
+        self._epoch = 0
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        if not self.staircase and not self.steps_per_epoch:
+            steps = (self.params or {}).get("steps")
+            if not steps:
+                raise ValueError(f"{type(self).__name__}: fit() did not say how many steps an epoch has; "
+                                 "pass steps_per_epoch=")
+            self.steps_per_epoch = steps
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self._epoch = epoch
+
+    def _set(self, epoch: float) -> None:
+        _sync_jax(self.model)
+        self.model.optimizer.learning_rate.assign(self.initial_lr * self.multiplier(epoch))
+
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        epoch = self._epoch
+        if epoch < self.start_epoch or (self.end_epoch is not None and epoch >= self.end_epoch):
+            return
+        if self.staircase:
+            if batch == 0:
+                self._set(epoch)
+        else:
+            self._set(epoch + batch / self.steps_per_epoch)
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        if logs is not None:
+            logs["lr"] = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+
+
 @contextmanager
 def _atomic_saves(model: Any) -> Iterator[None]:
     """Within the block, ``model.save``/``save_weights`` to a path write atomically and durably."""
@@ -295,7 +349,9 @@ def rank0_saves(what: str, save: Callable[[], Any]) -> Any:
     instead of the reason (before 2026-12-06; found by an audit)."""
     from unison.keras._rank0 import shared_outcome
 
-    result, error, cause = shared_outcome(save)
+    # named for the deadlock check's report: Horovod's scripts add their checkpoint callback on rank 0 alone,
+    # and this one must be on every rank (before 2026-12-07 the report named an unnamed broadcast)
+    result, error, cause = shared_outcome(save, f"{what}: every rank passes this callback (rank 0 saves)")
     if error is not None:
         raise UnisonError(f"{what}: rank 0 could not save ({error}); every rank stops so that none goes on "
                           "without the checkpoint: give it a path rank 0 can write, with free space") from cause

@@ -103,8 +103,32 @@ def _one_if_scalar(a: np.ndarray, scalar: bool) -> np.ndarray:
 
 def _tensor(x: Any) -> Any:
     """``x`` as a backend tensor where it is host data (numpy arrays and scalars such as ``np.float32(3)``,
-    which failed on torch before 2026-12-06, lists, Python numbers)."""
+    which failed on torch before 2026-12-06, lists, Python numbers) or a Keras variable (its value: JAX and
+    torch refused the variable itself, before 2026-12-07)."""
+    if isinstance(x, keras.Variable):
+        return x.value
     return keras.ops.convert_to_tensor(x) if isinstance(x, (np.ndarray, np.generic, list, float, int)) else x
+
+
+def _input(x: Any, submit: Callable[[Any], Any]) -> Any:
+    """``_tensor(x)``; an input this rank cannot convert (a ragged list) is refused under the call the
+    others make (``submit``), so that every rank raises (before 2026-12-07 this rank raised alone and the
+    others' call met its next one: another call's values on both, then a hang)."""
+    try:
+        return _tensor(x)
+    except (TypeError, ValueError) as exc:
+        _refuse_on_every_rank(exc, submit, None)
+        raise
+
+
+def _refusing(error: Exception, submit: Callable[[Any], Any]) -> Fn:
+    """A host function that submits ``error``'s refusal under the others' call and so raises, on every rank:
+    what a check that failed while a program was traced puts into the program (raised at trace time, on
+    this rank alone, the others' compiled call met this rank's next one, before 2026-12-07)."""
+    def refuse(_a: np.ndarray) -> np.ndarray:
+        submit(frontend.Refused(error))
+        raise error  # (the refusal raised already: the engine's words naming this rank)
+    return refuse
 
 
 def _traced(x: Any) -> bool:
@@ -140,18 +164,24 @@ def _refuse_on_every_rank(error: Exception, submit: Callable[[Any], Any], x: Any
 
 def allreduce(x: Any, op: Any = Average) -> Any:
     """``x`` reduced over every rank (``Average`` or ``Sum``); differentiable."""
+    def submit(refused: Any) -> Any:
+        return frontend.allreduce(refused)
+    t = _input(x, submit)
     try:
         rop = parse_op(op)
         if rop not in (Average, Sum):
             raise ValueError(f"unison.keras.allreduce(op={op!r}) supports Average and Sum")
     except ValueError as exc:
-        _refuse_on_every_rank(exc, lambda refused: frontend.allreduce(refused), x)
+        if frontend.running_engine() is not None and _traced(t):
+            refuse = _refusing(exc, submit)
+            return _differentiable(refuse, refuse)(t)
+        _refuse_on_every_rank(exc, submit, t)
         raise
 
     def reduce(a: np.ndarray) -> np.ndarray:
         return np.asarray(frontend.allreduce(np.ascontiguousarray(a), op=rop), dtype=a.dtype).reshape(a.shape)
 
-    return _differentiable(reduce, reduce)(_tensor(x))
+    return _differentiable(reduce, reduce)(t)
 
 
 def allgather(x: Any) -> Any:
@@ -162,6 +192,8 @@ def allgather(x: Any) -> Any:
     """
     size, rank = runtime.size(), runtime.rank()
     rows: dict[str, int] = {}
+    t = _input(x, lambda refused: frontend.allgather(refused))
+    scalar = len(tuple(t.shape)) == 0  # one row each: (size,) gathered, and a 0-d gradient back
 
     def gather(a: np.ndarray) -> np.ndarray:
         counts = frontend.allgather(np.array([a.shape[0] if a.ndim else 1], np.int64))
@@ -170,15 +202,19 @@ def allgather(x: Any) -> Any:
 
     def mine(g: np.ndarray) -> np.ndarray:
         summed = np.asarray(frontend.allreduce(np.ascontiguousarray(g), op=Sum), dtype=g.dtype)
-        return np.ascontiguousarray(summed[rows["start"]:rows["stop"]])
+        own = summed[rows["start"]:rows["stop"]]
+        return own.reshape(()).copy() if scalar else np.ascontiguousarray(own)  # (ascontiguousarray makes 0-d 1-d)
 
+    # (a 0-d input under jax.jit or jax.grad failed before 2026-12-07: its shape has no first dimension)
     def gathered_shape(shape: Sequence[Any]) -> tuple[Any, ...]:
+        if scalar:
+            return (size,)
         return (None if shape[0] is None else shape[0] * size, *shape[1:])
 
     def own_shape(shape: Sequence[Any]) -> tuple[Any, ...]:  # jax: every rank has the same rows
-        return (shape[0] // size, *shape[1:])
+        return () if scalar else (shape[0] // size, *shape[1:])
 
-    return _differentiable(gather, mine, gathered_shape, own_shape)(_tensor(x))
+    return _differentiable(gather, mine, gathered_shape, own_shape)(t)
 
 
 def broadcast(x: Any, root_rank: int = 0) -> Any:
@@ -192,7 +228,7 @@ def broadcast(x: Any, root_rank: int = 0) -> Any:
         summed = np.asarray(frontend.allreduce(np.ascontiguousarray(g), op=Sum), dtype=g.dtype).reshape(g.shape)
         return summed if rank == root_rank else np.zeros_like(summed)
 
-    return _differentiable(forward, backward)(_tensor(x))
+    return _differentiable(forward, backward)(_input(x, lambda refused: frontend.broadcast(refused, root_rank)))
 
 
 def broadcast_variables(variables: Sequence[Any], root_rank: int = 0, process_set: Any = None) -> None:

@@ -50,7 +50,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
                          compression: Any = Compression.none, op: Any = Average,
                          gradient_predivide_factor: float = 1.0, backward_passes_per_step: int = 1,
                          sparse_as_dense: bool = False, device_dense: str = "", device_sparse: str = "",
-                         process_set: Any = None, average_aggregated_gradients: bool = False, *,
+                         process_set: Any = None, average_aggregated_gradients: bool = False,
+                         num_groups: int = 0, groups: Any = None, scale_local_gradients: bool = True, *,
                          _in_place: bool = False) -> keras.optimizers.Optimizer:
     """Wrap a Keras 3 optimizer so each step's gradients are combined over the ranks before the update.
 
@@ -71,6 +72,9 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
         process_set: the global set only (None or ``global_process_set``).
         average_aggregated_gradients: with ``backward_passes_per_step`` > 1, apply the mean of the
             accumulated gradients instead of their sum (Horovod's keyword and default).
+        num_groups, groups: Horovod's fusion groups: checked (a number of groups, or lists of variables),
+            then left to the engine, which fuses a step's gradients in one call whatever they say.
+        scale_local_gradients: accepted for Horovod's signature (this wrapper has no local variables).
 
     Returns:
         The wrapped optimizer: a new object, the original left as it was (Horovod's way). (``DataParallel``'s
@@ -83,7 +87,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
             factor with an op other than Average, or ``backward_passes_per_step`` below 1.
         NotImplementedError: a process set other than the global one.
     """
-    del name, sparse_as_dense, device_dense, device_sparse
+    del name, sparse_as_dense, device_dense, device_sparse, scale_local_gradients
+    _check_groups(num_groups, groups)
     if process_set is not None and getattr(process_set, "ranks", None) is not None:
         raise NotImplementedError(f"unison.keras.DistributedOptimizer(process_set={process_set!r}): only the "
                                   "global set; use unison.tf_backend.keras.DistributedOptimizer on TensorFlow")
@@ -192,7 +197,77 @@ def rebuilt(cls: type, optimizer: Any, config: dict[str, Any]) -> Any:
     for attr in ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern"):
         if attr in optimizer.__dict__:
             setattr(new, attr, copy.copy(optimizer.__dict__[attr]))
+    if getattr(optimizer, "built", False):
+        _carry_state(optimizer, new)
     return new
+
+
+def _check_groups(num_groups: Any, groups: Any) -> None:
+    """Horovod's ``num_groups``/``groups`` shapes: a count >= 0, None, a positive count, or lists of variables."""
+    if not isinstance(num_groups, int) or isinstance(num_groups, bool) or num_groups < 0:
+        raise ValueError(f"num_groups={num_groups!r} must be a number of groups >= 0")
+    if groups is None:
+        return
+    if isinstance(groups, int) and not isinstance(groups, bool):
+        if groups < 1:
+            raise ValueError(f"groups={groups} must be a positive number of groups, or lists of variables")
+        return
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, (list, tuple)) for g in groups):
+        raise ValueError(f"groups={groups!r} must be a positive number or a list of lists of variables")
+
+
+def recompiled(model: Any, wrapped: Any) -> Any:
+    """``model`` compiled again as it was saved, with ``wrapped`` (its loaded optimizer made distributed,
+    state carried over: :func:`_carry_state`) as its optimizer."""
+    config = keras.saving.deserialize_keras_object(model.get_compile_config() or {})
+    config["optimizer"] = wrapped
+    model.compile(**config)
+    return model
+
+
+def load_model(filepath: Any, custom_optimizers: Any = None, custom_objects: dict | None = None,
+               compression: Any = Compression.none) -> keras.Model:
+    """Load a saved Keras model whose optimizer becomes a :func:`DistributedOptimizer`, its state (iterations,
+    slots) kept: Horovod's ``load_model``, on every backend. ``custom_optimizers`` (optimizer classes) are made
+    known to the loader like ``custom_objects``. Call it on every rank."""
+    return load_wrapped(filepath, custom_optimizers, custom_objects,
+                        lambda loaded: DistributedOptimizer(loaded, compression=compression))
+
+
+def load_wrapped(filepath: Any, custom_optimizers: Any, custom_objects: dict | None,
+                 wrap: Callable[[Any], Any]) -> keras.Model:
+    """``keras.models.load_model``, the loaded optimizer (unless it is distributed already) replaced by
+    ``wrap(optimizer)``, the model compiled again as it was saved."""
+    objects = dict(custom_objects or {})
+    objects.update({cls.__name__: cls for cls in custom_optimizers or []})
+    model = keras.models.load_model(filepath, custom_objects=objects or None)
+    loaded = getattr(model, "optimizer", None)
+    if loaded is None or getattr(loaded, "_unison_distributed", False):
+        return model
+    return recompiled(model, wrap(loaded))
+
+
+def _carry_state(old: Any, new: Any) -> None:
+    """Build ``new`` over ``old``'s variables and give it ``old``'s state (iterations, moments), matched by
+    path: wrapping an optimizer already used (one a loaded model brought, to resume) threw its state away,
+    silently, before 2026-12-07 (Adam restarted its moments and its step count at 0).
+
+    Raises:
+        ValueError: a variable of ``old`` that ``new`` has not, or of another shape.
+    """
+    new.build(list(getattr(old, "_trainable_variables", None) or []))
+    mine = {v.path: v for v in new.variables}
+    lost = []
+    for v in old.variables:
+        target = mine.get(v.path)
+        if target is None or tuple(target.shape) != tuple(v.shape):
+            lost.append(v.path)
+        else:
+            target.assign(v.value)
+    if lost:
+        raise ValueError(f"DistributedOptimizer: the optimizer was already used and its state {lost[:4]} has no "
+                         "place in the wrapped one; wrap it before training, or load the model with the "
+                         "distributed optimizer's load_model")
 
 
 #: (which inner optimizers, the agreeing LossScaleOptimizer class for a class): registered by

@@ -54,22 +54,8 @@ def load_model(filepath: Any, custom_optimizers: Any = None, custom_objects: dic
     ``custom_objects``; ``legacy_opts`` is accepted for Horovod's signature
     (Keras 3 has no legacy optimizers).
     """
-    import keras
-
+    from unison.keras.optimizer import load_wrapped
     from unison.tf_backend.keras.optimizer import DistributedOptimizer
 
-    objects = dict(custom_objects or {})
-    objects.update({cls.__name__: cls for cls in custom_optimizers or []})
-    model = keras.models.load_model(filepath, custom_objects=objects or None)
-    loaded = getattr(model, "optimizer", None)
-    if loaded is None or getattr(loaded, "_unison_distributed", False):
-        return model
-    wrapped = DistributedOptimizer(loaded, compression=compression)
-    if loaded.built:
-        wrapped.build(model.trainable_variables)
-        for target, source in zip(wrapped.variables, loaded.variables, strict=True):
-            target.assign(source)
-    config = keras.saving.deserialize_keras_object(model.get_compile_config() or {})
-    config["optimizer"] = wrapped
-    model.compile(**config)
-    return model
+    return load_wrapped(filepath, custom_optimizers, custom_objects,
+                        lambda loaded: DistributedOptimizer(loaded, compression=compression))

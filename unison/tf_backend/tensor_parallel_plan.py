@@ -136,9 +136,11 @@ def parallelize(model: keras.Model, plan: Mapping[str, Any],
     """
     _check_model(model)
     optimizer = getattr(model, "optimizer", None) if getattr(model, "compiled", False) else None
-    if optimizer is not None and type(optimizer).__module__.startswith("unison."):
-        # Keras recompiles the clone from the config, which cannot rebuild a class Unison made on
-        # the fly (it raised "Could not locate class" on every rank); the group matters too
+    if optimizer is not None and (getattr(optimizer, "_unison_distributed", False)
+                                  or type(optimizer).__module__.startswith("unison.")):
+        # Keras recompiles the clone from the config, which rebuilds the optimizer's own class (plain,
+        # not distributed; before 2026-12-07 it raised "Could not locate class" on every rank); and the
+        # group matters
         raise ValueError(f"parallelize: the model is compiled with Unison's {type(optimizer).__name__} "
                          "wrapper, which Keras cannot rebuild from its config for the new model. Parallelize "
                          "the model before compiling it, then compile the result with DistributedOptimizer"

@@ -11,7 +11,6 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -21,7 +20,13 @@ from unison.common import runtime
 from unison.common.engine import frontend, objects
 from unison.common.exceptions import UnisonError
 from unison.common.files import atomic_keras_save, atomic_path, makedirs_durable, remove_leftovers
-from unison.keras.callbacks import MetricAverageCallback, check_broadcast_target, rank0_saves, split_layers
+from unison.keras.callbacks import (
+    LearningRateScheduleCallback,  # (Horovod's schedule: one for every backend)
+    MetricAverageCallback,
+    check_broadcast_target,
+    rank0_saves,
+    split_layers,
+)
 from unison.keras.data_parallel import without_seed_states
 from unison.tf_backend.functions import without_rank_local
 
@@ -80,64 +85,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         _broadcast_all(variables, self.root_rank, tag, self.process_set)
 
 
-def _set_lr(model: Any, value: float) -> None:
-    model.optimizer.learning_rate.assign(value)
-
-
 def _lr(model: Any) -> float:
     return float(np.asarray(model.optimizer.learning_rate))
-
-
-class LearningRateScheduleCallback(keras.callbacks.Callback):
-    """Horovod 0.28's schedule: ``lr = initial_lr * multiplier(epoch)`` while ``start_epoch <= epoch <
-    end_epoch`` (outside that range the rate is left as it is).
-
-    A number ``multiplier`` m means ``m ** epoch`` (exponential decay); a function gets the epoch.
-    With ``staircase`` the rate is set at the first batch of each epoch; otherwise at every batch,
-    from the fractional epoch ``epoch + batch / steps_per_epoch`` (``steps_per_epoch`` read from
-    ``fit``'s parameters when not given). At each epoch's end ``logs["lr"]`` holds the rate.
-    ``momentum_correction`` is accepted for Horovod's signature and not applied: a Keras 3
-    optimizer compiles its momentum into the training step as a constant.
-    """
-
-    def __init__(self, initial_lr: float, multiplier: float | Callable[[float], float], start_epoch: int = 0,
-                 end_epoch: int | None = None, staircase: bool = True, momentum_correction: bool = True,
-                 steps_per_epoch: int | None = None) -> None:
-        super().__init__()
-        if initial_lr is None:
-            raise ValueError("LearningRateScheduleCallback needs initial_lr (the rate the multiplier scales)")
-        self.initial_lr = initial_lr
-        self.multiplier = multiplier if callable(multiplier) else (lambda epoch: multiplier ** epoch)
-        self.start_epoch, self.end_epoch = start_epoch, end_epoch
-        self.staircase = staircase
-        self.momentum_correction = momentum_correction
-        self.steps_per_epoch = steps_per_epoch
-        self._epoch = 0
-
-    def on_train_begin(self, logs: Any = None) -> None:
-        if not self.staircase and not self.steps_per_epoch:
-            steps = (self.params or {}).get("steps")
-            if not steps:
-                raise ValueError(f"{type(self).__name__}: fit() did not say how many steps an epoch has; pass "
-                                 "steps_per_epoch=")
-            self.steps_per_epoch = steps
-
-    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-        self._epoch = epoch
-
-    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-        epoch = self._epoch
-        if epoch < self.start_epoch or (self.end_epoch is not None and epoch >= self.end_epoch):
-            return
-        if self.staircase:
-            if batch == 0:
-                _set_lr(self.model, self.initial_lr * self.multiplier(epoch))
-        else:
-            _set_lr(self.model, self.initial_lr * self.multiplier(epoch + batch / self.steps_per_epoch))
-
-    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        if logs is not None:
-            logs["lr"] = _lr(self.model)
 
 
 class LearningRateWarmupCallback(LearningRateScheduleCallback):
@@ -150,9 +99,8 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     def __init__(self, initial_lr: float, warmup_epochs: int = 5, momentum_correction: bool = True,
                  steps_per_epoch: int | None = None, verbose: int = 0) -> None:
-        size = runtime.size()
-
         def multiplier(epoch: float) -> float:
+            size = runtime.size()  # when the rate is set, as Horovod's (an elastic job's size changes)
             epoch += 1.0 / self.steps_per_epoch
             return (epoch * (size - 1) / warmup_epochs + 1) / size
 
