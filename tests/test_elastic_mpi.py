@@ -464,6 +464,25 @@ def test_one_host_update_resets_the_same_ranks_once_with_or_without_ulfm(tmp_pat
     _check_replay(ranks, schedule(before=2, after=2, cut=job.UPDATE_AT), detail)
 
 
+def test_a_rank_that_dies_in_the_rebuild_after_a_host_update_is_left_behind(tmp_path: Path) -> None:
+    """3 ranks, ULFM: rank 0 is told the hosts changed before the commit after step 2; rank 2 dies while every
+    rank rebuilds Unison for it. The 2 left go on from that commit and finish with the replay's weights.
+    Before 2026-12-07 the failed init() had shut Unison down, so the recovery had nothing to start from and
+    both survivors ended with MPI_ERR_PROC_FAILED."""
+    environ = mpi_env(ELASTIC_HOST_UPDATE="1", ELASTIC_FAIL_IN_UPDATE="1", UNISON_ELASTIC="1")
+    proc = mpirun(3, [*ELASTIC_MPI_ARGS, sys.executable, SCRIPT, str(tmp_path)], timeout=120, env=environ,
+                  linger_ok=True)
+    detail = (f"\nexit {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n"
+              f"--- stderr ---\n{proc.stderr[-6000:]}")
+    assert (tmp_path / "kill2.json").exists(), detail
+    assert "a rank failed while rebuilding after a host update" in proc.stderr, detail
+    ranks = _outcomes(tmp_path)
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["size"] == 2 for r in ranks), detail
+    for r in ranks:
+        assert [(x["size"], x["step"]) for x in r["resets"]] == [(2, job.UPDATE_AT)], detail
+    _check_replay(ranks, schedule(before=3, after=2, cut=job.UPDATE_AT), detail)
+
+
 # ------------------------------------------------------------------ unisonrun's elastic driver
 def _unisonrun(args: list[str], timeout: int, **env: str) -> subprocess.CompletedProcess[str]:
     """``unisonrun ARGS`` to its end; a hang fails the test with the output so far (before pytest's own
@@ -774,3 +793,32 @@ def test_a_commit_only_some_ranks_make_fails_on_every_rank(tmp_path: Path) -> No
         assert float(line.split("after ")[1].split("s:")[0]) < 15, line
         assert f"rank {r} after [3.0]" in proc.stdout, out[-4000:]
     assert "NO ERROR" not in proc.stdout, out[-4000:]
+
+
+def test_a_grad_scaler_rolls_back_in_place() -> None:
+    """A GradScaler in a TorchState was a plain value: restore() put a copy in state.scaler while the training
+    loop's own scaler kept the failed steps' scale (ranks apart after a reset), before 2026-12-07. Objects with
+    state_dict/load_state_dict are now restored in place, as schedulers."""
+    import torch
+
+    import unison.torch_backend as hvd
+    from unison.torch_backend import elastic
+
+    hvd.init()
+    try:
+        net = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        off = torch.amp.GradScaler("cpu", enabled=False)  # (an empty state: left alone)
+        state = elastic.TorchState(net, opt, scaler=scaler, off=off)
+        state.commit()
+        scaler.scale(net(torch.ones(1, 2)).sum()).backward()
+        scaler.step(opt)
+        scaler.update(new_scale=8.0)  # a step after the commit, to be undone
+        assert scaler.get_scale() == 8.0
+        state.restore()
+        assert state.scaler is scaler and scaler.get_scale() == 1024.0 and state.off is off
+        state.sync()
+        assert state.scaler is scaler and scaler.get_scale() == 1024.0
+    finally:
+        hvd.shutdown()

@@ -25,9 +25,11 @@ With ``ELASTIC_GROW_FILE=PATH`` nobody is killed: after step ``GROW_AT`` of the 
 writes ``localhost:<ELASTIC_GROW_TO, default 3>`` to PATH (what the test's discovery script
 prints) and waits, so the driver sees the change and the commit after ``GROW_AT`` stops the job
 for a restart on the new slots.
-With ``ELASTIC_HOST_UPDATE=1`` nobody is killed: rank 0 posts ``on_hosts_updated(100.0)`` before the commit
-after step ``UPDATE_AT``, the last rank posts the same update before the next commit (as notices arrive at
-different times): the job must reset once, at the first of them, on the same ranks. With
+With ``ELASTIC_FAIL_IN_UPDATE=1`` (with ``ELASTIC_HOST_UPDATE=1``, 3 ranks) rank 2 dies while every
+rank rebuilds after the host update. With ``ELASTIC_HOST_UPDATE=1`` alone nobody is killed: rank 0 posts
+``on_hosts_updated(100.0)`` before the commit after step ``UPDATE_AT``, the last rank posts the same
+update before the next commit (as notices arrive at different times): the job must reset once, at the
+first of them, on the same ranks. With
 ``ELASTIC_EXTRA_STATE=1`` the state also tracks a module with extra state (``get_extra_state``), rank-dependent
 before each sync; each rank writes what it holds at the end.
 """
@@ -106,10 +108,19 @@ def main(out: str) -> None:
                 json.dump({"time": time.time()}, f)
             os.kill(os.getpid(), 9)
 
-    if in_recovery:
+    def die_in_update(st: object, sets: object) -> None:
+        """Rank 2 dies as every rank rebuilds Unison after the host update (no failure before): the survivors
+        go on without it (before 2026-12-07 they ended with MPI_ERR_PROC_FAILED)."""
+        if st.rank == 2:
+            with open(os.path.join(out, "kill2.json"), "w") as f:
+                json.dump({"time": time.time()}, f)
+            os.kill(os.getpid(), 9)
+
+    if in_recovery or os.environ.get("ELASTIC_FAIL_IN_UPDATE") == "1":
         from unison.common import runtime
 
-        runtime._init_hooks.insert(0, die_in_rebuild)  # test only: ahead of the engine's and the others' hooks
+        # test only: ahead of the engine's and the others' hooks (inserted after init: a rebuild's init runs it)
+        runtime._init_hooks.insert(0, die_in_rebuild if in_recovery else die_in_update)
     grow = os.environ.get("ELASTIC_GROW_FILE")
     first_job = os.environ.get("UNISON_ELASTIC_ATTEMPT", "0") == "0"
     pace = float(os.environ.get("ELASTIC_STEP_SLEEP", "0"))  # a test that cuts a host's link needs time

@@ -302,13 +302,26 @@ class _OptimizerHandler(_Handler):
         broadcast_optimizer_state(self.value, root_rank=0, prefix="elastic.")
 
 
-class _SchedulerHandler(_Handler):
-    """A learning-rate scheduler: its ``state_dict`` committed, restored and broadcast (Horovod's
-    ``LRSchedulerStateHandler``); the rates in the optimizer travel with the optimizer's state."""
+class _StatefulHandler(_Handler):
+    """An object with ``state_dict``/``load_state_dict`` (a learning-rate scheduler, as Horovod's
+    ``LRSchedulerStateHandler``; a ``GradScaler``; one of the user's): committed, restored and broadcast in
+    place, so the object the training loop holds is the one rolled back. The rates in the optimizer travel
+    with the optimizer's state. [Note: stateful objects in place] Before 2026-12-07 only schedulers were
+    handled; a ``GradScaler`` was a plain value, and restore() put a copy in ``state.scaler`` while the
+    loop's own scaler kept the failed steps' scale (ranks apart after a reset). An empty state (a disabled
+    scaler's) is left alone: ``load_state_dict({})`` refuses it."""
+
+    def restore(self) -> None:
+        if self._saved:
+            super().restore()
 
     def sync(self) -> None:
-        self.value.load_state_dict(broadcast_object(self.value.state_dict(), root_rank=0,
-                                                    name="elastic.scheduler"))
+        state = broadcast_object(self.value.state_dict(), root_rank=0, name="elastic.stateful")
+        if state:
+            self.value.load_state_dict(state)
+
+
+_SchedulerHandler = _StatefulHandler
 
 
 class _SamplerHandler(_Handler):
@@ -344,6 +357,9 @@ def _handler_class(value: Any) -> type[_Handler] | None:
         return _SamplerHandler
     if isinstance(value, torch.optim.lr_scheduler.LRScheduler):  # ReduceLROnPlateau too
         return _SchedulerHandler
+    if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)) \
+            and not isinstance(value, type):  # a GradScaler, a user's: [Note: stateful objects in place]
+        return _StatefulHandler
     return None
 
 

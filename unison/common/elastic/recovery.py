@@ -64,7 +64,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from unison.common import runtime
@@ -146,8 +146,12 @@ def _revoke(comm: Any) -> None:
 
 
 def _settings(config: Any) -> dict[str, Any]:
-    """The running configuration as ``init()`` arguments, so a rebuild keeps every setting."""
-    return {s.field: getattr(config, s.field) for s in SETTINGS}
+    """The running configuration's settings that were set, as ``init()`` arguments, so a rebuild keeps every
+    setting; the ones left at their defaults stay unset, so that what depends on a setting having been set
+    (autotune keeps set values, a set log level gets a handler) is as it was (the defaults passed as
+    arguments counted as set: autotune tuned nothing after a reset)."""
+    sources = getattr(config, "sources", {}) or {}
+    return {s.field: getattr(config, s.field) for s in SETTINGS if sources.get(s.field, "default") != "default"}
 
 
 def _shrink(st: runtime.State) -> Any:
@@ -190,11 +194,12 @@ def _needs_quorum(st: runtime.State) -> bool:
     return mode == "on" or (mode == "auto" and st.local_size < st.size)
 
 
-def _agree_to_continue(shrunk: Any, st: runtime.State) -> None:
-    """A side without a quorum of the world before the failure (``st``) leaves the job; then every survivor
-    raises, or none does (``MPI_Comm_agree`` is fault tolerant)."""
+def _agree_to_continue(shrunk: Any, st: runtime.State, world: Any = None) -> None:
+    """A side without a quorum of the world before the failure (``st``; its ranks in ``world``, by default
+    ``st.comm``) leaves the job; then every survivor raises, or none does (``MPI_Comm_agree`` is fault
+    tolerant)."""
     if _needs_quorum(st):
-        survivors = _survivors(shrunk, st.comm, st.mpi)
+        survivors = _survivors(shrunk, st.comm if world is None else world, st.mpi)
         if not shrunk.Agree(1 if has_quorum(st.size, survivors) else 0):
             _leave_the_job(st.rank, st.size, survivors)
     need = min_np()
@@ -229,6 +234,23 @@ def _rebuild(st: runtime.State, shrunk: Any, sets: list[Any]) -> None:
     runtime.init(comm=shrunk, **_settings(st.config))
 
 
+def _go_on_without_the_failed(st: runtime.State, world: Any, sets: list[Any], shrink: Callable[[], Any]) -> None:
+    """Shrink ``world`` (``shrink()``: the survivors' communicator), agree to go on, and start Unison on the
+    survivors; shrink again when more ranks fail meanwhile (see [Note: a failure during recovery])."""
+    comm = world
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        shrunk = shrink() if attempt == 1 else _shrink_again(comm, st.mpi)
+        try:
+            _agree_to_continue(shrunk, st, world)
+            _rebuild(st, shrunk, sets)
+            return
+        except Exception as exc:
+            if process_failure(exc, st.mpi) is None or attempt == MAX_ATTEMPTS:
+                raise
+            logger.warning("elastic: another rank failed during recovery (%s); shrinking again", exc)
+            comm = shrunk
+
+
 def rebuild() -> None:
     """Rebuild Unison on the same ranks after a host update (collective over every rank; no rank failed).
 
@@ -251,11 +273,26 @@ def rebuild() -> None:
     for ps in sets:  # as in _rebuild: a reset callback registers them again
         ps.process_set_id = None
     frontend.reset_auto_names()
+    revoked = False
     try:
         runtime.init(comm=base, **_settings(st.config))
+    except Exception as exc:
+        # a rank failed during the rebuild: its failed init() shut the runtime down again, so the run loop's
+        # recover() had no runtime to start from and the survivors ended with MPI_ERR_PROC_FAILED (before
+        # 2026-12-07). They go on without it from ``base``, which every one of them holds, as recover() does
+        if base is None or process_failure(exc, st.mpi) is None or not ulfm_enabled():
+            raise
+        logger.warning("elastic: a rank failed while rebuilding after a host update (%s); going on without it",
+                       exc)
+        revoked = True
+        start = time.monotonic()
+        _go_on_without_the_failed(st, base, sets, lambda: _shrink_again(base, st.mpi))
+        global _last
+        _last = Recovery(st.rank, st.size, runtime.rank(), runtime.size(), time.monotonic() - start)
+        return
     finally:
-        if base is not None:
-            base.Free()  # (init works on a duplicate of it; freed when init fails too)
+        if base is not None and not revoked:
+            base.Free()  # (init works on a duplicate of it; freed when init fails too; a revoked one is not)
     logger.warning("elastic: the hosts changed; rebuilt on the same %d rank(s), no rank failed", runtime.size())
 
 
@@ -283,18 +320,7 @@ def recover() -> Recovery:
                           "(mpirun --with-ft ulfm)")
     eng = st.cache.get("engine")
     sets = eng.registered_sets()[1:] if eng is not None else []
-    comm = st.comm
-    for attempt in range(1, MAX_ATTEMPTS + 1):
-        shrunk = _shrink(st) if attempt == 1 else _shrink_again(comm, st.mpi)
-        try:
-            _agree_to_continue(shrunk, st)
-            _rebuild(st, shrunk, sets)
-            break
-        except Exception as exc:
-            if process_failure(exc, st.mpi) is None or attempt == MAX_ATTEMPTS:
-                raise
-            logger.warning("elastic: another rank failed during recovery (%s); shrinking again", exc)
-            comm = shrunk
+    _go_on_without_the_failed(st, st.comm, sets, lambda: _shrink(st))
     _last = Recovery(st.rank, st.size, runtime.rank(), runtime.size(), time.monotonic() - start)
     logger.warning("elastic: recovered after a failure in %.3f s: rank %d of %d is now rank %d of %d",
                    _last.seconds, _last.old_rank, _last.old_size, _last.rank, _last.size)
