@@ -884,3 +884,24 @@ def test_zero_grad_between_backward_and_step_raises_on_every_rank(stage):
     assert all(WORLD.allgather(raised))
     opt.step()  # and the job goes on alike
     opt.zero_grad()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_nan_gradient_norm_makes_every_gradient_nan_as_torch_clips(stage):
+    """torch's clip_grad_norm_ multiplies the gradients by max_norm / (NaN + eps): every one becomes NaN, which
+    a GradScaler or the user's check then sees. Before 2026-12-07 the sharded clip kept them (min(1, NaN): 1)."""
+    model = Mixed()
+    opt = hvd.DistributedOptimizer(OPTIMIZERS["sgd_momentum"](groups_of(model)),
+                                   named_parameters=model.named_parameters(), zero_stage=stage,
+                                   zero_bucket_bytes=64)
+    x, y = local(0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.synchronize()
+    if R == 0:  # (one element of one rank's shard of the averaged gradient)
+        shard = next(g for st in opt._buckets if (g := st.master.grad) is not None and g.numel())
+        shard.view(-1)[0] = float("nan")
+    norm = hvd.clip_grad_norm_(opt, 1.0)
+    assert torch.isnan(norm)
+    grads = [g for st in opt._buckets if (g := st.master.grad) is not None]
+    assert grads and all(bool(torch.isnan(g).all()) for g in grads)
+    opt.zero_grad()

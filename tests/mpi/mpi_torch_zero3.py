@@ -1040,3 +1040,14 @@ def test_saved_tensor_hooks_around_a_unit_get_its_activations_and_checkpointing_
             opt.zero_grad()
             ref_opt.zero_grad()
         assert _worst_diff(model, ref) < 1e-6, reentrant
+
+
+def test_a_nan_gradient_norm_makes_every_shard_gradient_nan_as_torch_clips():
+    """As torch's clip_grad_norm_ (every gradient times max_norm / (NaN + eps)); before 2026-12-07 kept."""
+    model = shard_module(nn.Linear(4, 3))
+    model(torch.ones(2, 4)).sum().backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if R == 0:
+        next(g for g in grads if g.numel()).view(-1)[0] = float("nan")
+    assert torch.isnan(clip_sharded_grad_norm_(model, 1.0))
+    assert all(bool(torch.isnan(g).all()) for g in grads if g.numel())

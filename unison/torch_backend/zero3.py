@@ -435,7 +435,7 @@ def clip_sharded_grad_norm_(model: torch.nn.Module, max_norm: float, norm_type: 
         summed = frontend.allreduce(np.array([local]), Sum, f"{state.tag}.clip", process_set=state.process_set)
         total = float(summed[0]) ** (1.0 / norm_type)
     coef = float(max_norm) / (total + 1e-6)
-    if coef < 1.0:
+    if not coef >= 1.0:  # (NaN too: every gradient NaN, as torch's clip_grad_norm_; kept before 2026-12-07)
         for g in grads:
             g.detach().mul_(coef)
     return torch.tensor(total, dtype=torch.float32)

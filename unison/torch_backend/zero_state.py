@@ -278,8 +278,8 @@ class ZeroStateMixin:
             summed = frontend.allreduce(np.array([local], np.float64), Sum, f"{self._base}.clipnorm",
                                         process_set=self._pset)
             total = float(summed[0]) ** (1 / norm_type)
-        coef = min(1.0, float(max_norm) / (total + 1e-6))
-        if coef < 1.0:
+        coef = float(max_norm) / (total + 1e-6)
+        if not coef >= 1.0:  # (NaN too: every gradient NaN, as torch's clip_grad_norm_; kept before 2026-12-07)
             for g in grads:
                 g.mul_(coef)
         return torch.tensor(total)
