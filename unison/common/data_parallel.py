@@ -339,10 +339,9 @@ def broadcast_arrays(arrays: Sequence[np.ndarray], root_rank: int = 0,
     # a broadcast copies bytes: unsigned 32/64-bit integers (JAX's Keras seed states, which the collectives do
     # not take: broadcast_variables(model.variables) raised for any model with Dropout, before 2026-12-07)
     # travel as the signed integers of their width
-    wire = [_signed(np.asarray(a)) for a in arrays]
-    handles = [frontend.broadcast_async(w, root, f"{base}.{i}", process_set) for i, w in enumerate(wire)]
-    return [np.asarray(r).view(np.asarray(a).dtype).reshape(np.shape(a))
-            for r, a in zip(wait_all(handles), arrays, strict=True)]
+    handles = [frontend.broadcast_async(_signed(a), root, f"{base}.{i}", process_set)
+               for i, a in enumerate(arrays)]  # (numpy arrays already: _as_list)
+    return [np.asarray(r).view(a.dtype).reshape(a.shape) for r, a in zip(wait_all(handles), arrays, strict=True)]
 
 
 def _signed(a: np.ndarray) -> np.ndarray:

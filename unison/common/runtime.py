@@ -607,13 +607,6 @@ def get_logger(name: str) -> logging.LoggerAdapter:
     return _RankAdapter(logging.getLogger(name), {})
 
 
-class _RankFormatter(logging.Formatter):
-    """``[unison rank R LEVEL logger] message``, the time first as Horovod's log lines have it."""
-
-    def __init__(self, rank: int) -> None:
-        super().__init__(f"[%(asctime)s unison rank {rank} %(levelname)s %(name)s] %(message)s")
-
-
 def _configure_logging(config: Config, rank: int) -> None:
     """Set the ``unison`` loggers' level; a level that was set also gets a handler when nothing else
     would print the records.
@@ -633,7 +626,9 @@ def _configure_logging(config: Config, rank: int) -> None:
     if config.sources.get("log_level", "default") != "default" and not log.handlers \
             and not logging.getLogger().handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(_RankFormatter(rank))
+        # (the time first, as Horovod's log lines have it)
+        handler.setFormatter(logging.Formatter(f"[%(asctime)s unison rank {rank} %(levelname)s %(name)s] "
+                                               "%(message)s"))
         handler._unison = True  # type: ignore[attr-defined]
         log.addHandler(handler)
         log.propagate = False  # (a root handler the program adds later would print every line twice)
