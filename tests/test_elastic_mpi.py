@@ -795,30 +795,36 @@ def test_a_commit_only_some_ranks_make_fails_on_every_rank(tmp_path: Path) -> No
     assert "NO ERROR" not in proc.stdout, out[-4000:]
 
 
+GRAD_SCALER = """
+import torch
+import unison.torch_backend as hvd
+from unison.torch_backend import elastic
+
+hvd.init()
+net = torch.nn.Linear(2, 1)
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+off = torch.amp.GradScaler("cpu", enabled=False)  # (an empty state: left alone)
+state = elastic.TorchState(net, opt, scaler=scaler, off=off)
+state.commit()
+scaler.scale(net(torch.ones(1, 2)).sum()).backward()
+scaler.step(opt)
+scaler.update(new_scale=8.0)  # a step after the commit, to be undone
+assert scaler.get_scale() == 8.0
+state.restore()
+assert state.scaler is scaler and scaler.get_scale() == 1024.0 and state.off is off
+state.sync()
+assert state.scaler is scaler and scaler.get_scale() == 1024.0
+hvd.shutdown()
+print("ROLLED BACK IN PLACE")
+"""
+
+
 def test_a_grad_scaler_rolls_back_in_place() -> None:
     """A GradScaler in a TorchState was a plain value: restore() put a copy in state.scaler while the training
     loop's own scaler kept the failed steps' scale (ranks apart after a reset), before 2026-12-07. Objects with
-    state_dict/load_state_dict are now restored in place, as schedulers."""
-    import torch
-
-    import unison.torch_backend as hvd
-    from unison.torch_backend import elastic
-
-    hvd.init()
-    try:
-        net = torch.nn.Linear(2, 1)
-        opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-        off = torch.amp.GradScaler("cpu", enabled=False)  # (an empty state: left alone)
-        state = elastic.TorchState(net, opt, scaler=scaler, off=off)
-        state.commit()
-        scaler.scale(net(torch.ones(1, 2)).sum()).backward()
-        scaler.step(opt)
-        scaler.update(new_scale=8.0)  # a step after the commit, to be undone
-        assert scaler.get_scale() == 8.0
-        state.restore()
-        assert state.scaler is scaler and scaler.get_scale() == 1024.0 and state.off is off
-        state.sync()
-        assert state.scaler is scaler and scaler.get_scale() == 1024.0
-    finally:
-        hvd.shutdown()
+    state_dict/load_state_dict are now restored in place, as schedulers. (In a process of its own: this test
+    process starts no MPI of its own, as the jobs it launches later must not meet one.)"""
+    proc = subprocess.run([sys.executable, "-c", GRAD_SCALER], capture_output=True, text=True, timeout=120,
+                          env=mpi_env())
+    assert proc.returncode == 0 and "ROLLED BACK IN PLACE" in proc.stdout, proc.stdout + proc.stderr
