@@ -137,6 +137,49 @@ def test_flipped_byte_in_a_consolidated_file(tmp_path):
         ck.load(path, {"w": "full"})
 
 
+def test_a_partial_read_checks_every_block_it_touches(tmp_path):
+    """A consolidated file holds each entry as one run, so a shard's read of part of it (ZeRO, tensor
+    parallel) checked no CRC, and a flipped byte loaded as a wrong number (before 2026-12-07)."""
+    block = ck.format.CRC_BLOCK_BYTES
+    w = sample((3 * block // 8 + 100,), "float64", 4)  # 3 whole blocks of bytes and a short fourth
+    path = str(tmp_path / "one.ck")
+    m = ck.save_consolidated(path, {"w": w, "small": w[:50]})
+    run = m.entries["w"].runs[0]
+    assert len(run.blocks) == 4 and m.entries["small"].runs[0].blocks == ()
+    per = block // 8
+    ranges = [(0, 1), (per - 1, 2), (per, per), (per + 3, 2 * per), (3 * per + 99, 1), (10, 3 * per + 80), (5, 0)]
+    for verify in ("read", "all"):
+        for (s, n), g in zip(ranges, ck.load(path, {"w": ranges}, verify=verify)["w"], strict=True):
+            same_bits(g, w[s:s + n])
+    with open(path, "rb") as f:
+        _, base = ck.format.decode_header(f, path)
+    flip_byte(path, base + run.offset + 2 * block + 5)  # in the third block
+    flip_byte(path, base + m.entries["small"].runs[0].offset + 9)
+    for wanted in ([(2 * per + 1, 1)], [(per - 1, per + 2)], [(3 * per, 1), (2 * per + 7, 1)]):
+        with pytest.raises(ck.CheckpointError, match=r"corrupt: entry 'w', bytes \[2097152, 3145728\)"):
+            ck.load(path, {"w": wanted})
+    with pytest.raises(ck.CheckpointError, match="corrupt: entry 'small'"):  # a run of one block: read whole
+        ck.load(path, {"small": [(30, 2)]})
+    for s, n in [(0, per), (per + 5, per - 5), (3 * per, 100)]:  # blocks without the flipped byte
+        same_bits(ck.load(path, {"w": [(s, n)]})["w"][0], w[s:s + n])
+
+
+def test_a_checkpoint_without_block_crcs_still_loads(tmp_path):
+    """Checkpoints written before block CRCs existed: their partial reads are checked only with 'all'."""
+    w = sample((ck.format.CRC_BLOCK_BYTES // 4,), "float64", 5)
+    path = str(tmp_path / "ck")
+    ck.save_sharded(path, {"w": w})
+    manifest = os.path.join(path, "manifest.json")
+    with open(manifest) as f:
+        doc = json.load(f)
+    for run in doc["entries"]["w"]["runs"]:
+        assert len(run.pop("block_crc32")) == 2
+    with open(manifest, "w") as f:
+        json.dump(doc, f)
+    for verify in ("read", "all"):
+        same_bits(ck.load(path, {"w": [(7, 200_000)]}, verify=verify)["w"][0], w[7:200_007])
+
+
 def test_truncated_and_missing_data_files(tmp_path):
     path, _, m = save_two_files(tmp_path)
     data = os.path.join(path, m.entries["w"].runs[0].file)

@@ -770,6 +770,15 @@ def test_a_checkpoint_load_with_the_optimizer_on_some_ranks_only_raises_on_every
     with pytest.raises(ck.CheckpointError, match=f"rank {N - 1}: Adam, plain"):
         load_sharded(os.path.join(folder, "ck"), model, plain if R == N - 1 else model.optimizer)
     assert load_sharded(os.path.join(folder, "ck"), model, model.optimizer) == {}  # and then it loads
+    # a plain optimizer on some ranks only: rank 0's None went into the manifest, the others' state into the
+    # files, and the save reported success (found by an audit, 2026-12-07)
+    one = make_model()
+    one.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    one.optimizer.build(one.trainable_variables)
+    with pytest.raises(ck.CheckpointError, match=r"save_sharded: the ranks passed different optimizers \(rank 0: "
+                                                 r"None; rank 1: Adam, plain"):
+        save_sharded(os.path.join(folder, "some"), one, None if R == 0 else one.optimizer)
+    assert not os.path.exists(os.path.join(folder, "some", "manifest.json"))
 
 
 EV = np.random.RandomState(4).randint(0, 3, size=(GLOBAL_BATCH * 3, 2)).astype("int32")  # rows repeat

@@ -905,3 +905,89 @@ def test_a_nan_gradient_norm_makes_every_gradient_nan_as_torch_clips(stage):
     grads = [g for st in opt._buckets if (g := st.master.grad) is not None]
     assert grads and all(bool(torch.isnan(g).all()) for g in grads)
     opt.zero_grad()
+
+
+def _adam_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """The optimizer's full state (a ZeRO optimizer's gathered), by the model's parameter names."""
+    sd = opt.state_dict()
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
+    return {order[i]: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+            for i, s in sd["state"].items()}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_optimizer_state_of_a_checkpoint_does_not_depend_on_how_the_optimizer_was_named(stage):
+    """A ZeRO optimizer built without named_parameters (Horovod's default) named its state after a
+    per-process counter; a run that built another DistributedOptimizer first found no entries and
+    restarted Adam from zero without a word, as did a plain optimizer loading it (found by an audit,
+    2026-12-07). The state is named after the model's parameters now; a checkpoint whose optimizer state
+    no parameter claims is refused instead of dropped."""
+    import shutil
+    import tempfile
+
+    where = WORLD.bcast(tempfile.mkdtemp(prefix="zero_names_") if R == 0 else None)
+    try:
+        model = Mixed()
+        opt = hvd.DistributedOptimizer(torch.optim.Adam(groups_of(model), lr=0.01), zero_stage=stage)
+        for step in range(2):
+            x, y = local(step)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        hvd.save_sharded(f"{where}/ck", model, opt)
+        want = _adam_state(model, opt)
+        assert all(float(s["exp_avg"].abs().sum()) > 0 for s in want.values())
+        plain_model = Mixed()
+        plain = torch.optim.Adam(groups_of(plain_model), lr=0.01)
+        hvd.load_sharded(f"{where}/ck", plain_model, plain)
+        got = _adam_state(plain_model, plain)
+        assert sorted(got) == sorted(want)
+        for name in want:
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(got[name][key].float(), want[name][key].float()), (name, key)
+        hvd.DistributedOptimizer(torch.optim.SGD(Mixed().parameters(), lr=0.1), zero_stage=stage)  # names shift
+        again = Mixed()
+        zero = hvd.DistributedOptimizer(torch.optim.Adam(groups_of(again), lr=0.01), zero_stage=stage)
+        hvd.load_sharded(f"{where}/ck", again, zero)
+        got = _adam_state(again, zero)
+        for name in want:
+            assert torch.equal(got[name]["exp_avg"], want[name]["exp_avg"]), name
+        # a checkpoint whose state belongs to parameters this optimizer does not train: refused, not dropped
+        part = Mixed()
+        some = hvd.DistributedOptimizer(torch.optim.Adam([{"params": list(part.l1.parameters())},
+                                                          {"params": [part.l2.weight], "lr": 0.03}], lr=0.01),
+                                        zero_stage=stage)
+        with pytest.raises(ck.CheckpointError, match=r"optimizer state for parameters this optimizer does not "
+                                                     r"train: \['l2.bias', 'scale'\]"):
+            hvd.load_sharded(f"{where}/ck", part, some)
+    finally:
+        WORLD.Barrier()
+        if R == 0:
+            shutil.rmtree(where, ignore_errors=True)
+
+
+def test_a_save_with_an_optimizer_on_some_ranks_only_is_refused_on_every_rank():
+    """Rank 0's optimizer=None went into the manifest and the other ranks' state into the files: a
+    checkpoint that said it held no optimizer state held some, which no load would read; the save
+    reported success on every rank (found by an audit, 2026-12-07)."""
+    import shutil
+    import tempfile
+
+    where = WORLD.bcast(tempfile.mkdtemp(prefix="zero_some_") if R == 0 else None)
+    try:
+        model = Mixed()
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        x, y = local(0)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        with pytest.raises(ValueError, match=r"save_sharded: the ranks passed different optimizers \(\[None, "):
+            hvd.save_sharded(f"{where}/ck", model, None if R == 0 else opt)
+        assert not os.path.exists(f"{where}/ck/manifest.json")
+        hvd.save_sharded(f"{where}/ck", model, opt)  # the next save pairs
+        again = Mixed()
+        hvd.load_sharded(f"{where}/ck", again, torch.optim.Adam(again.parameters(), lr=0.01))
+    finally:
+        WORLD.Barrier()
+        if R == 0:
+            shutil.rmtree(where, ignore_errors=True)

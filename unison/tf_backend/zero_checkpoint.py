@@ -250,7 +250,12 @@ def save_sharded(path: str | os.PathLike[str], model: Any, optimizer: Any = None
     """
     comm = _comm()
     agree.enter(comm, "save_sharded")  # [Note: a collective save is entered through the engine]
-    entries, meta = agree.agreed(comm, lambda: _save_entries(model, optimizer, metadata))
+
+    def prepare() -> tuple[dict[str, Any], dict]:
+        _same_kind_everywhere(comm, optimizer, "save_sharded")  # first: a collective every rank reaches
+        return _save_entries(model, optimizer, metadata)
+
+    entries, meta = agree.agreed(comm, prepare)
     save = ck.save_consolidated if consolidated else ck.save_sharded
     return save(path, entries, comm, metadata=meta)
 
@@ -303,8 +308,8 @@ def load_sharded(path: str | os.PathLike[str], model: Any, optimizer: Any = None
     whatever rank count saved it); a plain optimizer gets whole tensors. An optimizer that is
     not built yet is built on ``model.trainable_variables`` first (as ``model.fit`` would), so
     a freshly compiled model can be loaded before its first step. ``verify`` is
-    :func:`unison.common.checkpoints.load`'s (``"all"`` also checks runs read in part, as
-    ranges of a checkpoint saved at another rank count are).
+    :func:`unison.common.checkpoints.load`'s (``"read"`` checks every byte read; ``"all"`` reads and
+    checks every run a read touches in full).
 
     Raises:
         unison.common.checkpoints.CheckpointError: (a ``ValueError``) on every rank: a missing,
@@ -362,13 +367,15 @@ def _kind(optimizer: Any) -> str:
     return f"{type(wrapper).__name__}({type(inner).__name__})" if wrapper is not None else type(inner).__name__
 
 
-def _same_kind_everywhere(comm: Any, optimizer: Any) -> None:
+def _same_kind_everywhere(comm: Any, optimizer: Any, what: str = "load_sharded") -> None:
     """Raise (on every rank alike) unless every rank passed an optimizer, of the same classes and all
     sharded or all plain, or every rank None.
 
     [Note: load_sharded's optimizer on every rank] The ranks with an optimizer build it (a
     collective under ZeRO or a strategy) and agree on its plan; a rank with ``optimizer=None``
     went straight to the reads' collectives: before 2026-12-05 the job hung. One small all-gather.
+    A save took rank 0's choice for the manifest and every rank's entries: a checkpoint that said it
+    held no optimizer state held some, which no load would read (before 2026-12-07; found by an audit).
     """
     if comm is None:
         return
@@ -377,7 +384,7 @@ def _same_kind_everywhere(comm: Any, optimizer: Any) -> None:
     everyone = comm.allgather(mine)
     if any(other != everyone[0] for other in everyone):
         shown = "; ".join(f"rank {r}: {d}" for r, d in enumerate(everyone))
-        raise ValueError(f"load_sharded: the ranks passed different optimizers ({shown}); pass the same "
+        raise ValueError(f"{what}: the ranks passed different optimizers ({shown}); pass the same "
                          "optimizer on every rank (created alike, in the same strategy scope), or "
                          "optimizer=None on every rank")
 

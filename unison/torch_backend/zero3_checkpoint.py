@@ -35,6 +35,7 @@ from unison.torch_backend.zero3_unit import Flat, Unit, dtype_name
 from unison.torch_backend.zero_checkpoint import (
     _groups_metadata,
     _jsonable,
+    _refuse_unclaimed,
     agree_optimizers,
     check_optimizer_class,
     mixed_state_problem,
@@ -133,6 +134,7 @@ def save(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any, m
     state = _state(model)
     comm = _comm(state)
     agree.enter(comm, "save_sharded")  # [Note: a collective save is entered through the engine]
+    agree_optimizers(comm, optimizer, "save_sharded")
     entries = _model_entries(state)
     meta: dict[str, Any] = {"user": metadata or {}, "optimizer": None}
     if optimizer is not None:
@@ -206,6 +208,8 @@ def load(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any,
         sharded = set(saved_opt.get("sharded_keys", [])) if optimizer is not None else set()
         wanted = _model_wanted(state, manifest)
         if optimizer is not None:
+            _refuse_unclaimed(where, manifest, {n for _, unit, key in _where(state, optimizer)
+                                                for n in _names_in(unit, key)})
             wanted.update(_optimizer_wanted(state, optimizer, manifest, sharded))
         return manifest, saved_opt, sharded, wanted
 

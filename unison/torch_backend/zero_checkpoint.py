@@ -59,6 +59,28 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def _model_names(model: torch.nn.Module, optimizer: Any) -> dict[int, str]:
+    """The model's name of each parameter a ZeRO optimizer trains (by ``id``): the names its state is saved under.
+
+    [Note: optimizer state is named by the model] A ZeRO optimizer's own names come from
+    ``named_parameters`` when it was given them, else from a per-process counter
+    (``DistributedOptimizer.noname.<k>...``), which another optimizer built first, or a wrapper's prefix,
+    changes. Saved under those names, the state of a run that named its parameters differently found
+    no entries on load and restarted from zero without a word (before 2026-12-07; found by an audit).
+    Named after the model's ``named_parameters``, as a sharded model's (stage 3) already were, the
+    entries do not depend on how the optimizer was built.
+
+    Raises:
+        ValueError: a parameter of the optimizer is not the model's.
+    """
+    names = {id(p): n for n, p in model.named_parameters()}
+    foreign = [optimizer._names[p] for st in optimizer._buckets for p in st.params if id(p) not in names]
+    if foreign:
+        raise ValueError(f"the optimizer trains parameters that are not this model's ({foreign[:5]}); pass the "
+                         "model whose parameters the optimizer was built over")
+    return {id(p): names[id(p)] for st in optimizer._buckets for p in st.params}
+
+
 def _model_entries(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
     """Weights: under ZeRO this rank's segments of trained parameters, the rest replicated."""
     entries: dict[str, Any] = {}
@@ -84,15 +106,15 @@ def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).replace("torch.", "")
 
 
-def _zero_optimizer_entries(optimizer: Any) -> dict[str, Any]:
+def _zero_optimizer_entries(optimizer: Any, names: dict[int, str]) -> dict[str, Any]:
     entries: dict[str, Any] = {}
     for st in optimizer._buckets:
         owned = st.bucket.owned(optimizer._rank)
         state = optimizer._inner.state.get(st.master, {})
         halves = st.master.data_ptr() != st.segment.data_ptr()
         for p, piece in zip(st.params, st.bucket.pieces, strict=True):
-            name = piece.name
-            mine = [pc for pc in owned if pc.name == name]
+            mine = [pc for pc in owned if pc.name == piece.name]
+            name = names[id(p)]  # [Note: optimizer state is named by the model]
             for key, value in state.items():
                 if torch.is_tensor(value) and value.shape == st.master.shape:
                     runs = [(pc.param_offset, to_numpy(value[pc.offset:pc.offset + pc.length])) for pc in mine]
@@ -117,6 +139,13 @@ def _plain_optimizer_entries(optimizer: torch.optim.Optimizer) -> dict[str, Any]
             arr = to_numpy(value.detach()) if torch.is_tensor(value) else np.asarray(value)
             entries[f"optim.{index}.{key}"] = ck.Replicated(arr)
     return entries
+
+
+def _sharded_keys(optimizer: Any) -> list[str]:
+    """The state keys a ZeRO optimizer keeps per element (``exp_avg``), not per parameter (``step``)."""
+    return sorted({k for st in getattr(optimizer, "_buckets", [])
+                   for k, v in optimizer._inner.state.get(st.master, {}).items()
+                   if torch.is_tensor(v) and v.shape == st.master.shape})
 
 
 def _groups_metadata(optimizer: Any) -> list[dict[str, Any]]:
@@ -147,18 +176,23 @@ def save_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
         from unison.torch_backend import zero3_checkpoint  # imports this module's helpers
 
         return zero3_checkpoint.save(path, model, optimizer, metadata, consolidated)
-    comm = _comm(optimizer)
+    comm = _comm(optimizer, check=False)
     agree.enter(comm, "save_sharded")  # [Note: a collective save is entered through the engine]
-    entries = _model_entries(model, optimizer)
-    meta: dict[str, Any] = {"user": metadata or {}, "optimizer": None}
-    if optimizer is not None:
-        zero = _is_zero(optimizer)
-        entries.update(_zero_optimizer_entries(optimizer) if zero else _plain_optimizer_entries(optimizer))
-        meta["optimizer"] = {"class": type(optimizer).__name__, "zero": zero,
-                             "groups": _groups_metadata(optimizer),
-                             "sharded_keys": sorted({k for st in getattr(optimizer, "_buckets", [])
-                                                     for k, v in optimizer._inner.state.get(st.master, {}).items()
-                                                     if torch.is_tensor(v) and v.shape == st.master.shape})}
+    agree_optimizers(comm, optimizer, "save_sharded")  # (the subset check included)
+
+    def prepare() -> tuple[dict[str, Any], dict[str, Any]]:
+        entries = _model_entries(model, optimizer)
+        meta: dict[str, Any] = {"user": metadata or {}, "optimizer": None}
+        if optimizer is not None:
+            zero = _is_zero(optimizer)
+            entries.update(_zero_optimizer_entries(optimizer, _model_names(model, optimizer)) if zero
+                           else _plain_optimizer_entries(optimizer))
+            meta["optimizer"] = {"class": type(optimizer).__name__, "zero": zero,
+                                 "groups": _groups_metadata(optimizer),
+                                 "sharded_keys": _sharded_keys(optimizer)}
+        return entries, meta
+
+    entries, meta = agree.agreed(comm, prepare, (ValueError, TypeError))
     save = ck.save_consolidated if consolidated else ck.save_sharded
     return save(path, entries, comm, metadata=meta)
 
@@ -172,9 +206,9 @@ def load_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
     whole state. A model sharded by ``shard_module`` (and a plain optimizer over its shards)
     reads only the ranges of its own shards.
 
-    ``verify`` is :func:`unison.common.checkpoints.load`'s: ``"read"`` checks the CRC of every
-    run read whole; after a change of rank count a shard reads parts of runs, which only
-    ``"all"`` (every run a read touches is read whole and checked) verifies.
+    ``verify`` is :func:`unison.common.checkpoints.load`'s: ``"read"`` checks every byte read (runs
+    read whole by their CRC, parts of runs by the CRCs of the 1 MiB blocks they touch); ``"all"``
+    reads and checks every run a read touches in full.
 
     Raises:
         unison.common.checkpoints.CheckpointError: a missing, corrupt or mismatched checkpoint.
@@ -205,22 +239,30 @@ def load_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
                              "optimizer=None")
         if optimizer is not None:
             check_optimizer_class(os.fspath(path), saved_opt, optimizer)
+        names: dict[int, str] = {}
         if optimizer is not None and _is_zero(optimizer):
             if not saved_opt.get("zero"):
                 raise ValueError(f"the checkpoint at {os.fspath(path)!r} was saved from a plain optimizer; load "
                                  "it into one (zero_stage=0), or save from a ZeRO optimizer")
-            ranges = _zero_wanted(optimizer, manifest, set(saved_opt.get("sharded_keys", [])))
+            names = _saved_names(model, optimizer, manifest)
+            _refuse_unclaimed(os.fspath(path), manifest, set(names.values()))
+            ranges = _zero_wanted(optimizer, manifest, set(saved_opt.get("sharded_keys", [])), names)
             # (a master a float32 model reads whole: its optimizer keeps no masters, so needs no ranges of it)
             wanted.update({k: v for k, v in ranges.items() if wanted.get(k) != "full"})
         elif optimizer is not None:
+            if saved_opt.get("zero"):
+                _refuse_unclaimed(os.fspath(path), manifest, set(_plain_names(model, optimizer)))
+            else:
+                _refuse_unclaimed(os.fspath(path), manifest,
+                                  {str(i) for i in range(sum(len(g["params"]) for g in optimizer.param_groups))})
             wanted.update({name: "full" for name in manifest.entries if name.startswith("optim.")})
-        return manifest, keys, saved_opt, wanted, source
+        return manifest, keys, saved_opt, wanted, source, names
 
-    manifest, keys, saved_opt, wanted, source = agree.agreed(comm, prepare, (ValueError, TypeError))
+    manifest, keys, saved_opt, wanted, source, names = agree.agreed(comm, prepare, (ValueError, TypeError))
     meta = manifest.metadata or {}
     got = ck.load(path, wanted, comm, verify)
     if optimizer is not None and _is_zero(optimizer):
-        groups = [[optimizer._names[p] for p in st.params] for st in optimizer._buckets]
+        groups = [[names[id(p)] for p in st.params] for st in optimizer._buckets]
         problem = mixed_state_problem(os.fspath(path), groups, manifest.entries,
                                       set(saved_opt.get("sharded_keys", [])), got)
         agreement.raise_together(comm, problem, ValueError)
@@ -231,8 +273,42 @@ def load_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
             names = {n: i for i, n in enumerate(_plain_names(model, optimizer))}
             got = {_numbered(k, names): v for k, v in got.items()
                    if not k.startswith("optim.") or k[6:].rsplit(".", 1)[0] in names}
-        _restore_optimizer(optimizer, saved_opt, got)
+        _restore_optimizer(optimizer, saved_opt, got, names)
     return meta.get("user", {})
+
+
+def _state_owners(manifest: ck.Manifest) -> set[str]:
+    """The parameter names (or plain indices) the checkpoint's optimizer state (``optim.`` entries) belongs to."""
+    return {e[len("optim."):].rsplit(".", 1)[0] for e in manifest.entries if e.startswith("optim.")}
+
+
+def _saved_names(model: torch.nn.Module, optimizer: Any, manifest: ck.Manifest) -> dict[int, str]:
+    """Per parameter of a ZeRO optimizer (by ``id``), the name its saved state has: the model's name
+    ([Note: optimizer state is named by the model]), or the optimizer's own where a checkpoint written before
+    2026-12-07 used that."""
+    owners = _state_owners(manifest)
+    model_names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for st in optimizer._buckets:
+        for p in st.params:
+            mine = model_names.get(id(p))
+            masters = owners | {e[len("master."):] for e in manifest.entries if e.startswith("master.")}
+            out[id(p)] = mine if mine in masters or optimizer._names[p] not in masters else optimizer._names[p]
+            if mine is None and out[id(p)] not in masters:
+                raise ValueError(f"the optimizer trains a parameter that is not this model's "
+                                 f"({optimizer._names[p]!r}); pass the model its parameters belong to")
+    return out
+
+
+def _refuse_unclaimed(where: str, manifest: ck.Manifest, claimed: set[str]) -> None:
+    """Raise when the checkpoint holds optimizer state for parameters the optimizer loading it does not train:
+    that state would be dropped without a word (the optimizer restarting from zero where no name matched)."""
+    extra = sorted(_state_owners(manifest) - claimed)
+    if extra:
+        raise ValueError(f"the checkpoint at {where!r} holds optimizer state for parameters this optimizer does "
+                         f"not train: {extra[:5]}{' and more' if len(extra) > 5 else ''} (of {len(claimed)} it "
+                         f"trains: {sorted(claimed)[:5]}); build the optimizer over the same parameters of the "
+                         "same model, or pass optimizer=None to load the weights only")
 
 
 def _weight_sources(model: torch.nn.Module, manifest: ck.Manifest, keys: list[str]) -> dict[str, str]:
@@ -250,10 +326,12 @@ def _weight_sources(model: torch.nn.Module, manifest: ck.Manifest, keys: list[st
     return out
 
 
-def agree_optimizers(comm: Any, optimizer: Any) -> list[str | None]:
+def agree_optimizers(comm: Any, optimizer: Any, what: str = "load_sharded") -> list[str | None]:
     """Every rank's optimizer class name (None where it passed none); raises ``ValueError`` on every rank
     when they differ: each rank loaded what it was given (states out of step), and a rank with a ZeRO
-    optimizer waited in a collective the others skipped (a hang), before 2026-12-05."""
+    optimizer waited in a collective the others skipped (a hang), before 2026-12-05. A save took rank 0's
+    choice for the manifest and every rank's entries, so a checkpoint claiming no optimizer state held
+    some, which no load would read (before 2026-12-07; found by an audit)."""
     mine = None if optimizer is None else (f"{type(optimizer).__name__} (zero_stage "
                                            f"{getattr(optimizer, 'zero_stage', 0)})")
     passed = agree.allgather(comm, (mine, _subset_problem(optimizer)))
@@ -262,7 +340,7 @@ def agree_optimizers(comm: Any, optimizer: Any) -> list[str | None]:
         raise ValueError(subset)
     kinds = [kind for kind, _ in passed]
     if len(set(kinds)) > 1:
-        raise ValueError(f"load_sharded: the ranks passed different optimizers ({kinds}, by rank); pass the "
+        raise ValueError(f"{what}: the ranks passed different optimizers ({kinds}, by rank); pass the "
                          "same optimizer (class and zero_stage) on every rank, or optimizer=None on every rank")
     return kinds
 
@@ -339,7 +417,8 @@ def _plain_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> li
     return [names[id(p)] for p in params]
 
 
-def _zero_wanted(optimizer: Any, manifest: ck.Manifest, sharded_keys: set[str]) -> dict[str, Any]:
+def _zero_wanted(optimizer: Any, manifest: ck.Manifest, sharded_keys: set[str],
+                 names: dict[int, str]) -> dict[str, Any]:
     """Per entry: this rank's ranges of sharded state and masters, whole scalars (step counts)."""
     of_param: dict[str, list[str]] = {}  # parameter name -> its optim.<name>.<key> / master.<name> entries
     for entry in manifest.entries:
@@ -351,16 +430,17 @@ def _zero_wanted(optimizer: Any, manifest: ck.Manifest, sharded_keys: set[str]) 
     for st in optimizer._buckets:
         owned = st.bucket.owned(optimizer._rank)
         for p in st.params:
-            name = optimizer._names[p]
+            name = names[id(p)]
+            mine = optimizer._names[p]  # (the plan's name; ``name`` is the checkpoint's)
             for entry in of_param.get(name, []):
                 if entry.startswith("master.") or entry[len(f"optim.{name}."):] in sharded_keys:
-                    wanted[entry] = [(pc.param_offset, pc.length) for pc in owned if pc.name == name]
+                    wanted[entry] = [(pc.param_offset, pc.length) for pc in owned if pc.name == mine]
                 else:
                     wanted[entry] = "full"
     return {k: v for k, v in wanted.items() if v != []}
 
 
-def _restore_optimizer(optimizer: Any, saved: dict[str, Any], got: dict[str, Any]) -> None:
+def _restore_optimizer(optimizer: Any, saved: dict[str, Any], got: dict[str, Any], names: dict[int, str]) -> None:
     for mine, group in zip(optimizer.param_groups, saved["groups"], strict=False):
         mine.update({k: tuple(v) if isinstance(mine.get(k), tuple) else v for k, v in group.items()})
     if not _is_zero(optimizer):
@@ -374,7 +454,7 @@ def _restore_optimizer(optimizer: Any, saved: dict[str, Any], got: dict[str, Any
         return
     sharded = set(saved.get("sharded_keys", []))
     for st in optimizer._buckets:
-        state = _bucket_state(optimizer, st, got)
+        state = _bucket_state(optimizer, st, got, names)
         if state:  # a rank owning only padding of a bucket still needs every piece of state
             for key in sharded:
                 state.setdefault(key, torch.zeros(st.master.shape, dtype=st.master.dtype))
@@ -382,13 +462,13 @@ def _restore_optimizer(optimizer: Any, saved: dict[str, Any], got: dict[str, Any
     optimizer._sync_hyperparameters()
 
 
-def _bucket_state(optimizer: Any, st: Any, got: dict[str, Any]) -> dict[str, Any]:
+def _bucket_state(optimizer: Any, st: Any, got: dict[str, Any], names: dict[int, str]) -> dict[str, Any]:
     """This rank's segment of the bucket's state (and its fp32 masters) from the loaded ranges."""
     owned = st.bucket.owned(optimizer._rank)
     state: dict[str, Any] = {}
     for p in st.params:
-        name = optimizer._names[p]
-        runs = [pc for pc in owned if pc.name == name]
+        name = names[id(p)]
+        runs = [pc for pc in owned if pc.name == optimizer._names[p]]
         for entry, value in got.items():
             if not entry.startswith(f"optim.{name}."):
                 continue

@@ -115,7 +115,7 @@ def _manifest(start: Start, full: dict[str, np.ndarray], world: int) -> Manifest
     entries, offset = {}, 0
     for name, (shape, dtype) in start.layout.entries.items():
         data = full[name]
-        runs = (Run(None, 0, len(data), offset, storage.crc32(data)),) if len(data) else ()
+        runs = (Run(None, 0, len(data), offset, *storage.crcs(data)),) if len(data) else ()
         entries[name] = Entry(shape, dtype, runs)
         offset += data.nbytes + (-data.nbytes % ALIGN)
     return Manifest(start.save_id, world, "consolidated", entries, start.metadata, {})

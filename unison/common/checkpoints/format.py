@@ -3,7 +3,10 @@
 [Note: checkpoint format]
 A checkpoint holds named *entries*, each a global array (shape, dtype). Its bytes are stored as
 *runs*: consecutive elements of the row-major flattened entry, each in one data file at a byte
-offset, with the CRC-32 of its bytes. Every element of every entry is in exactly one run.
+offset, with the CRC-32 of its bytes and, when it spans more than one block of
+:data:`CRC_BLOCK_BYTES`, the CRC-32 of each such block of its bytes (counted from the run's first
+byte), so that a read of part of a run checks the blocks it touches. Every element of every entry
+is in exactly one run.
 
 Two forms share one manifest schema (``Manifest.to_json``)::
 
@@ -38,6 +41,9 @@ __all__ = ["CheckpointError", "LocalShard", "Replicated", "Run", "Entry", "Manif
            "MANIFEST_NAME", "reshard_ranges"]
 
 FORMAT_NAME = "unison-checkpoint"
+#: The block of a run's bytes that has a CRC of its own ([Note: checkpoint format]); a partial read reads and
+#: checks every block it touches, at most two blocks more than it needs.
+CRC_BLOCK_BYTES = 1 << 20
 VERSION = 1
 MANIFEST_NAME = "manifest.json"
 MAGIC = b"UNISONCK"
@@ -84,6 +90,9 @@ class Run:
         file: the data file's name in the checkpoint folder; None inside a single-file checkpoint.
         start: the first element (of the flattened entry). length: number of elements.
         offset: byte offset in ``file`` (single file: in its data section). crc32: of the run's bytes.
+        blocks: the CRC-32 of each :data:`CRC_BLOCK_BYTES` of the run's bytes, the last block
+            shorter; empty for a run of one block or less, and in checkpoints written before
+            2026-12-07, whose partial reads only ``verify="all"`` checks.
     """
 
     file: str | None
@@ -91,10 +100,14 @@ class Run:
     length: int
     offset: int
     crc32: int
+    blocks: tuple[int, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "start": self.start, "length": self.length, "offset": self.offset,
-                "crc32": self.crc32}
+        doc: dict[str, Any] = {"file": self.file, "start": self.start, "length": self.length,
+                               "offset": self.offset, "crc32": self.crc32}
+        if self.blocks:
+            doc["block_crc32"] = list(self.blocks)
+        return doc
 
 
 @dataclass(frozen=True)
@@ -179,7 +192,8 @@ class Manifest:
 
 
 def _entry_from_json(e: dict[str, Any]) -> Entry:
-    runs = tuple(Run(r["file"], int(r["start"]), int(r["length"]), int(r["offset"]), int(r["crc32"]))
+    runs = tuple(Run(r["file"], int(r["start"]), int(r["length"]), int(r["offset"]), int(r["crc32"]),
+                     tuple(int(c) for c in r.get("block_crc32", ())))
                  for r in e["runs"])
     dtype_from_name(str(e["dtype"]))
     shape = tuple(int(d) for d in e["shape"])

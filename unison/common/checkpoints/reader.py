@@ -5,9 +5,11 @@
   rank looking at another folder, or at a checkpoint replaced mid-way, raises on every rank.
 * Each requested range is read with ``seek`` + ``readinto`` straight into the result, touching
   only the runs it overlaps. A run read whole is checked against its CRC-32. A range that covers
-  only part of a run is not (a CRC needs the whole run) unless ``verify="all"``, which reads every
-  run it touches in full: a flipped byte outside the bytes read is harmless to this load, and
-  one inside them goes undetected in the default mode (sizes are still checked).
+  only part of a run reads and checks every block of the run it touches (each 1 MiB block has a
+  CRC of its own, [Note: a partial read checks its blocks]), or, for a run of one block, the whole
+  run; ``verify="all"`` reads and checks every run it touches in full. Checkpoints written before
+  2026-12-07 have no block CRCs: their partial reads of longer runs are checked only with
+  ``verify="all"`` (sizes are still checked).
 * A data file that is missing, of the wrong size or truncated, an unknown entry, a range outside
   its entry and a newer format version each raise a :class:`CheckpointError` naming the file and
   the entry; under MPI the outcome is agreed, so every rank raises the same error.
@@ -25,6 +27,7 @@ import numpy as np
 
 from unison.common.checkpoints import agree, storage
 from unison.common.checkpoints.format import (
+    CRC_BLOCK_BYTES,
     MANIFEST_NAME,
     CheckpointError,
     Entry,
@@ -87,8 +90,9 @@ def load(path: str | os.PathLike[str], wanted: Mapping[str, Any], comm: Any = No
         wanted: entry name -> ``"full"`` (the whole array, shaped) or a list of
             ``(flat_start, length)`` ranges of the row-major flattened entry.
         comm: an mpi4py communicator, or None for one process.
-        verify: ``"read"`` checks the CRC of every run read whole; ``"all"`` reads every run a
-            range touches in full and checks it.
+        verify: ``"read"`` checks every byte it reads (a run read whole by its CRC, part of a run by
+            the CRCs of the blocks it touches); ``"all"`` reads every run a range touches in full and
+            checks it.
 
     Returns:
         name -> array (for ``"full"``) or list of 1-D arrays (one per range, in order).
@@ -220,6 +224,12 @@ class _Files:
         f, where = self._file(run.file, name)
         size = dest.dtype.itemsize
         whole = lo == run.start and len(dest) == run.length
+        if not whole and not verify_all and run.blocks:
+            self._read_blocks(f, where, name, run, run.length * size, (lo - run.start) * size,
+                              storage.as_bytes(dest))
+            return
+        if not whole and run.length * size <= CRC_BLOCK_BYTES:  # a run of one block: check it whole, cheaply
+            verify_all = True
         if whole or verify_all:
             buf = dest if whole else np.empty(run.length, dest.dtype)
             self._fill(f, where, name, run, run.offset, buf)
@@ -231,6 +241,33 @@ class _Files:
                 dest[:] = buf[lo - run.start:lo - run.start + len(dest)]
             return
         self._fill(f, where, name, run, run.offset + (lo - run.start) * size, dest)
+
+    def _read_blocks(self, f: BinaryIO, where: str, name: str, run: Run, total: int, first: int,
+                     dest: np.ndarray) -> None:
+        """Fill the bytes ``dest`` with bytes ``[first, first + len(dest))`` of ``run`` (``total`` bytes long),
+        reading and checking
+        every block of :data:`CRC_BLOCK_BYTES` they touch.
+
+        [Note: a partial read checks its blocks] A shard that reads part of a run (a ZeRO rank's segment
+        after a change of rank count, any sharded reader of a consolidated file, whose entries are one
+        run each) checked no CRC before 2026-12-07: a flipped byte in a consolidated file loaded as
+        -7.45e+35 at every rank count, and a save after it wrote the bad value under a fresh, valid CRC
+        (found by an audit). Blocks wholly inside the range are read straight into ``dest``; the first
+        and last, where the range cuts them, through a block-sized buffer.
+        """
+        end = first + dest.nbytes
+        for k in range(first // CRC_BLOCK_BYTES, -(-end // CRC_BLOCK_BYTES)):
+            lo, hi = k * CRC_BLOCK_BYTES, min((k + 1) * CRC_BLOCK_BYTES, total)
+            inside = first <= lo and hi <= end
+            buf = dest[lo - first:hi - first] if inside else np.empty(hi - lo, np.uint8)
+            self._fill(f, where, name, run, run.offset + lo, buf)
+            if k >= len(run.blocks) or storage.crc32(buf) != run.blocks[k]:
+                raise CheckpointError(f"{where} is corrupt: entry {name!r}, bytes [{lo}, {hi}) of its run of "
+                                      f"elements [{run.start}, {run.start + run.length}) at byte {run.offset} "
+                                      "fail their CRC-32 check; restore the checkpoint from a good copy")
+            if not inside:
+                a, b = max(first, lo), min(end, hi)
+                dest[a - first:b - first] = buf[a - lo:b - lo]
 
     def _fill(self, f: BinaryIO, where: str, name: str, run: Run, offset: int, dest: np.ndarray) -> None:
         f.seek(self.base + offset)

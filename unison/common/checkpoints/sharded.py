@@ -100,7 +100,7 @@ def _agree_or_clean(comm: Any, problem: str | None, start: Start, clean: bool = 
         raise
 
 
-def _manifest(start: Start, crcs: list[list[int]], world: int) -> Manifest:
+def _manifest(start: Start, crcs: list[list[tuple[int, tuple[int, ...]]]], world: int) -> Manifest:
     """The manifest every rank derives from the layout and every rank's CRCs."""
     runs: dict[str, list[Run]] = {name: [] for name in start.layout.entries}
     files = {}
@@ -108,7 +108,7 @@ def _manifest(start: Start, crcs: list[list[int]], world: int) -> Manifest:
         name, offset = data_file(start.save_id, r), 0
         for slot, crc in zip(start.layout.writes[r], crcs[r], strict=True):
             itemsize = storage.itemsize(start.layout.entries[slot.name][1])
-            runs[slot.name].append(Run(name, slot.start, slot.length, offset, crc))
+            runs[slot.name].append(Run(name, slot.start, slot.length, offset, crc[0], tuple(crc[1])))
             offset += slot.length * itemsize
         files[name] = offset
     entries = {name: Entry(shape, dtype, tuple(sorted(runs[name], key=lambda run: run.start)))

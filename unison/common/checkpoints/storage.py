@@ -9,7 +9,7 @@ import zlib
 import numpy as np
 
 from unison.common import files
-from unison.common.checkpoints.format import dtype_from_name
+from unison.common.checkpoints.format import CRC_BLOCK_BYTES, dtype_from_name
 from unison.common.checkpoints.layout import LocalEntry, Slot
 
 __all__: list[str] = []
@@ -35,25 +35,36 @@ def crc32(arr: np.ndarray) -> int:
     return zlib.crc32(buffer(arr)) & 0xFFFFFFFF
 
 
-def write_data_file(path: str, slots: list[Slot], local: dict[str, LocalEntry]) -> list[int]:
+def crcs(arr: np.ndarray) -> tuple[int, tuple[int, ...]]:
+    """The CRC-32 of ``arr``'s bytes and, when they span more than one :data:`CRC_BLOCK_BYTES`, of each block
+    (a run's ``crc32`` and ``blocks``; [Note: checkpoint format]). Two passes over the bytes, both cached."""
+    data = as_bytes(arr)
+    if data.nbytes <= CRC_BLOCK_BYTES:
+        return crc32(data), ()
+    blocks = tuple(crc32(data[k:k + CRC_BLOCK_BYTES]) for k in range(0, data.nbytes, CRC_BLOCK_BYTES))
+    return crc32(data), blocks
+
+
+def write_data_file(path: str, slots: list[Slot],
+                    local: dict[str, LocalEntry]) -> list[tuple[int, tuple[int, ...]]]:
     """Write this rank's runs, in ``slots`` order, to a new file at ``path``; fsync it and its folder.
 
     Returns:
-        The CRC-32 of each run, in order.
+        The CRC-32 of each run and of its blocks (:func:`crcs`), in order.
 
     Raises:
         OSError: the file exists already or cannot be written or flushed.
     """
-    crcs = []
+    out = []
     with open(path, "xb") as f:
         for slot in slots:
             data = local[slot.name].pieces[slot.start]
             f.write(buffer(data))
-            crcs.append(crc32(data))
+            out.append(crcs(data))
         f.flush()
         os.fsync(f.fileno())
     fsync_folder(os.path.dirname(path) or os.curdir)
-    return crcs
+    return out
 
 
 def fsync_folder(folder: str) -> None:
