@@ -761,6 +761,27 @@ def test_sync_batch_norm_in_a_graph_when_one_rank_built_another_layer():
     assert np.isfinite(dx.numpy()).all() and dgamma.shape == (3,)
 
 
+@MODES
+def test_sync_batch_norm_selects_masked_positions_out(graph):
+    """Padded steps holding inf or NaN were multiplied by a zero weight (inf * 0 = NaN): every statistic
+    and the moving mean were NaN on every rank, where Keras's own layer selects them out (found by an audit,
+    2026-12-07). And Horovod's fused=False is accepted, fused=True refused, as Horovod's layer does."""
+    rng = np.random.default_rng(R)
+    x = rng.normal(size=(2, 4, 3)).astype(np.float32)
+    mask = np.array([[True, True, False, False], [True, True, True, False]])
+    x[~mask] = np.inf if R == 0 else np.nan
+    layer = hvd.SyncBatchNormalization(momentum=0.0, epsilon=1e-3, fused=False)
+    layer.build((None, 4, 3))
+    out = run(lambda t: layer(t, training=True, mask=tf.constant(mask)), graph, tf.constant(x))
+    valid = np.concatenate([np.random.default_rng(r).normal(size=(2, 4, 3)).astype(np.float64)[mask]
+                            for r in range(N)])
+    np.testing.assert_allclose(layer.moving_mean.numpy(), valid.mean(0), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(out.numpy()[mask], (x[mask] - valid.mean(0)) / np.sqrt(valid.var(0) + 1e-3),
+                               rtol=2e-3, atol=2e-3)
+    with pytest.raises(ValueError, match="does not support fused=True"):
+        hvd.SyncBatchNormalization(fused=True)
+
+
 def test_a_saved_model_with_sync_batch_norm_loads_without_custom_objects(tmp_path):
     """Keras's load_model raised "could not be deserialized" without custom_objects before 2026-12-05."""
     import keras

@@ -862,14 +862,28 @@ def test_sync_batch_norm_tolerates_instances_only_some_ranks_build():
 
 @multi
 def test_sync_batch_norm_in_eval_mode_never_synchronizes():
-    """torch.nn.SyncBatchNorm's and Horovod's rule: eval() uses this rank's batch when there are no
-    running statistics. Before 2026-12-05 it used the ranks' (2.6 off), and one rank evaluating alone hung."""
+    """torch.nn.SyncBatchNorm's rule: eval() uses this rank's batch when there are no running statistics
+    (Horovod's synchronizes there: a deliberate difference, docs/horovod.md). Before 2026-12-05 it used the
+    ranks' (2.6 off), and one rank evaluating alone hung."""
     layer = hvd.SyncBatchNorm(3, track_running_stats=False).eval()
     x = torch.randn(4, 3, generator=torch.Generator().manual_seed(R)) * (R + 1) + R
     want = torch.nn.functional.batch_norm(x, None, None, training=True)
     if R == 0:  # alone: the others do not call it
         torch.testing.assert_close(layer(x), want)
     torch.testing.assert_close(layer(x), want)
+
+
+def test_sync_batch_norm_refuses_integer_input_on_every_rank():
+    """Integer input was normalized in float32 and cast back: [[-1, -1], [-1, 0], ...] for statistics of
+    -1.53, -1.50, ... (found by an audit, 2026-12-07); torch.nn.BatchNorm refuses it. One rank's integer
+    batch raises on every rank, and the next call pairs."""
+    layer = hvd.SyncBatchNorm(2)
+    x = torch.arange(8, dtype=torch.float32).reshape(4, 2) + R
+    with pytest.raises(ValueError, match=r"floating-point input; got torch.int64" if R == 0 else "rank 0"):
+        layer(x.long() if R == 0 else x)
+    every = torch.cat([torch.arange(8, dtype=torch.float32).reshape(4, 2) + r for r in range(N)])
+    want = torch.nn.functional.batch_norm(every, None, None, training=True)[4 * R:4 * R + 4]
+    torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-5)
 
 
 # ----------------------------------------------------------------- from the ops audit of 2026-12-04

@@ -41,7 +41,10 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         **kwargs: ``keras.layers.BatchNormalization``'s arguments.
     """
 
-    def __init__(self, *args: Any, process_set: ProcessSet | None = global_process_set, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, process_set: ProcessSet | None = global_process_set, fused: Any = False,
+                 **kwargs: Any) -> None:
+        if fused is not False:  # Horovod's signature and check (Keras 3's layer has no fused kernel to pick)
+            raise ValueError(f"SyncBatchNormalization does not support fused={fused!r}; leave it False")
         super().__init__(*args, **kwargs)
         self._process_set = process_set
 
@@ -56,16 +59,19 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         if set_size(None if self._process_set is global_process_set else self._process_set) == 1:
             return super()._moments(inputs, mask)
         x = tf.convert_to_tensor(inputs)
-        weights = tf.ones_like(x) if mask is None else tf.broadcast_to(
-            tf.cast(tf.expand_dims(mask, -1), x.dtype), tf.shape(x))
+        # masked positions are selected out, never multiplied by 0: a padded step holding inf or NaN made
+        # every statistic NaN on every rank (inf * 0), where Keras's own layer selects (before 2026-12-07)
+        keep = tf.ones_like(x, tf.bool) if mask is None else tf.broadcast_to(
+            tf.cast(tf.expand_dims(mask, -1), tf.bool), tf.shape(x))
+        weights, zeros = tf.cast(keep, x.dtype), tf.zeros_like(x)
         axes = list(self._reduction_axes)
         count, total = grouped_allreduce([tf.reduce_sum(weights, axes, keepdims=True),
-                                          tf.reduce_sum(x * weights, axes, keepdims=True)],
+                                          tf.reduce_sum(tf.where(keep, x, zeros), axes, keepdims=True)],
                                          op=Sum, process_set=self._process_set, name=_name("sync_batch_norm"),
                                          ignore_name_scope=True)
         mean = total / tf.maximum(count, 1.0)
-        squares = allreduce(tf.reduce_sum(tf.square(x - mean) * weights, axes, keepdims=True), op=Sum,
-                            process_set=self._process_set, name=_name("sync_batch_norm_squares"),
+        squares = allreduce(tf.reduce_sum(tf.where(keep, tf.square(x - mean), zeros), axes, keepdims=True),
+                            op=Sum, process_set=self._process_set, name=_name("sync_batch_norm_squares"),
                             ignore_name_scope=True)
         variance = squares / tf.maximum(count, 1.0)
         return tf.squeeze(mean, axes), tf.squeeze(variance, axes)

@@ -146,11 +146,16 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"SyncBatchNorm expects at least 2-D input (N, C, ...); got {input.dim()}-D")
+        if not input.is_floating_point():  # (normalized in float32 and cast back: [[-1, -1], [-1, 0], ...] for
+            # values whose statistics are -1.53, -1.50, ..., silently, before 2026-12-07; found by an audit)
+            raise ValueError(f"SyncBatchNorm normalizes floating-point input; got {input.dtype}, as "
+                             "torch.nn.BatchNorm refuses it. Convert it first (input.float())")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not self.training:  # never synchronized, as torch.nn.SyncBatchNorm and Horovod: without running
-            # statistics, this rank's own batch statistics (before 2026-12-05 they were the ranks', and
-            # one rank evaluating alone waited for the others for ever)
+        if not self.training:  # never synchronized, as torch.nn.SyncBatchNorm: without running statistics,
+            # this rank's own batch statistics (before 2026-12-05 they were the ranks', and one rank
+            # evaluating alone waited for the others for ever). Horovod's synchronizes in that one case: a
+            # deliberate difference (docs/horovod.md)
             self._check_input_dim(input)
             return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias,
                                 not self.track_running_stats, 0.0, self.eps)
