@@ -164,6 +164,29 @@ def test_predict_and_evaluate_run_forward_only_with_dropout_off():
     pipe.close()
 
 
+class _TrimPadding(nn.Module):
+    """Keeps the columns up to the batch's last non-zero one: a width that differs between microbatches."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, :int((x != 0).any(0).nonzero().max()) + 1]
+
+
+def test_predict_of_outputs_that_cannot_be_joined_raises_on_every_rank():
+    """The microbatches' outputs were joined after the step on the last stage's ranks alone: a shape that
+    differs between microbatches raised there while the others returned None (found by an audit,
+    2026-12-07)."""
+    pipe = hvd.Pipeline([nn.Identity()] * max(1, N - 1) + [_TrimPadding()], balance=[1] * max(2, N), chunks=2,
+                        loss_fn=nn.functional.mse_loss)
+    x = torch.zeros(4, 5)
+    x[0, :4], x[2, :2] = 1, 1  # microbatch 0 keeps 4 columns, microbatch 1 keeps 2
+    raised_everywhere(lambda: pipe.predict(x), "predict()'s joining of the last stage's microbatch outputs")
+    x[2, :4] = 1
+    out = pipe.predict(x)  # and the next call pairs
+    if pipe.holds_last:
+        torch.testing.assert_close(out, x[:, :4])
+    pipe.close()
+
+
 def raised_everywhere(fn, *parts):
     """``fn()`` raises PipelineError (a ValueError) with the same message on every rank, containing ``parts``."""
     with pytest.raises(hvd.PipelineError) as info:

@@ -188,10 +188,14 @@ class PipelineRunner:
             return f"{a} has {n} rows but {b} has {k}; give one target per example"
         return None
 
-    def run(self, worker: StageWorker, problem: str | None, train: bool) -> StepStats:
-        """One step of the training schedule, or (``train=False``) a forward-only pass."""
+    def run(self, worker: StageWorker, problem: str | None, train: bool, purpose: str = "forward") -> StepStats:
+        """One step of the training schedule, or (``train=False``) a forward-only pass for ``purpose``
+        (``"evaluate"``, ``"predict"``)."""
         # [Note: a pipeline step is entered through the engine] (before the first evaluate's setup, collective)
-        kind = "train" if train else f"forward.{self.chunks}"
+        # A forward-only step is named by its purpose: evaluate on one rank and predict on another paired as
+        # one step, then evaluate waited for ever in global_loss's all-reduce, which predict never makes
+        # (before 2026-12-07; found by an audit). Named apart, they fail on every rank as a stall.
+        kind = "train" if train else f"{purpose}.{self.chunks}"
         flagged = enter_step(self._world, f"pipeline.{self.index}.{kind}", problem)
         if train:
             driver = self.driver

@@ -255,7 +255,11 @@ class Pipeline(PipelineRunner):
         """The model's output for a batch, on the rank holding the last stage (None elsewhere)."""
         self._forward_only(x, None, need_targets=False)
         outputs = self._worker.outputs
-        return np.concatenate([outputs[k] for k in sorted(outputs)]) if self.holds_last else None
+        # agreed: outputs whose shapes differ between microbatches raised on the last stage's ranks alone
+        # (before 2026-12-07; found by an audit)
+        return agreed(lambda: np.concatenate([outputs[k] for k in sorted(outputs)]) if self.holds_last else None,
+                      failed="predict()'s joining of the last stage's microbatch outputs (they must have the same "
+                             "shape but for the batch dimension)")
 
     def get_weights(self) -> list[np.ndarray]:
         """Every layer's weights in model order (``keras.Sequential.get_weights`` order), on every rank.
@@ -300,7 +304,7 @@ class Pipeline(PipelineRunner):
     def _forward_only(self, x: Any, y: Any, need_targets: bool) -> None:
         """Every stage's forward with training off; backward sends only empty arrays."""
         problem = self._begin(x, y, need_targets, train=False)
-        self.run(self._worker, problem, train=False)
+        self.run(self._worker, problem, train=False, purpose="evaluate" if need_targets else "predict")
 
     def _begin(self, x: Any, y: Any, need_targets: bool, train: bool) -> str | None:
         """Check this rank's batch and hand its microbatches to the worker; return the pre-flight problem.

@@ -174,7 +174,11 @@ class Pipeline(PipelineRunner):
         """The model's output for a batch, on the rank holding the last stage (None elsewhere)."""
         self._forward_only(inputs, None, need_targets=False)
         outputs = self._worker.outputs
-        return torch.cat([outputs[k] for k in sorted(outputs)]) if self.holds_last else None
+        # agreed: outputs whose shapes differ between microbatches raised on the last stage's ranks alone
+        # (before 2026-12-07; found by an audit)
+        return agreed(lambda: torch.cat([outputs[k] for k in sorted(outputs)]) if self.holds_last else None,
+                      failed="predict()'s joining of the last stage's microbatch outputs (they must have the same "
+                             "shape but for the batch dimension)")
 
     # ------------------------------------------------------------------ helpers
     def _make_optimizer(self, factory: Any) -> torch.optim.Optimizer | None:
@@ -195,7 +199,7 @@ class Pipeline(PipelineRunner):
         for stage in self.stages.values():
             stage.eval()
         try:
-            self.run(self._worker, problem, train=False)
+            self.run(self._worker, problem, train=False, purpose="evaluate" if need_targets else "predict")
         finally:
             for m, training in modes:
                 m.training = training
