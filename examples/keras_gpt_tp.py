@@ -8,11 +8,11 @@ parallel, with dropout), a column-parallel head and ``vocab_parallel_cross_entro
 ``tf.function`` step under ``tf.GradientTape``; ``DistributedGradientTape(..., process_set=sets.dp)``
 averages the gradients over the data group only.
 
-Keras initialises weights from its global seed, so the shards are built after
-``keras.utils.set_random_seed(seed + 2718 + shard)`` (each shard its own numbers) and the
-replicated position table from an initializer with its own seed (the same on every rank); each
-block gets an explicit dropout ``seed=`` (docs/tensor_parallel.md, "Dropout and the two random
-streams"). Rank 0 prints the loss as it falls, ``validation loss: x.xxx`` and a sample that the ranks
+The layers are built after ``keras.utils.set_random_seed(seed)``, the same on every rank: each
+shard is its slice of the one model drawn under that seed (the parallel layers draw the whole
+weight and keep their slice), and the replicated position table comes from an initializer with its
+own seed; each block gets an explicit dropout ``seed=`` (docs/tensor_parallel.md, "Dropout and the
+two random streams"). Rank 0 prints the loss as it falls, ``validation loss: x.xxx`` and a sample that the ranks
 of the tensor group generate together.
 """
 
@@ -32,17 +32,16 @@ from gpt_tp import VOCAB, batch, build_parser, load_corpus  # noqa: E402  (the P
 logger = logging.getLogger("examples.keras_gpt_tp")
 
 
-def build_model(args: argparse.Namespace, tp_set: object, shard: int):
+def build_model(args: argparse.Namespace, tp_set: object):
     """The GPT as a ``keras.Model``; its call returns this rank's ``(batch, seq, 256 / tp)`` logits."""
     import keras
 
     import unison.tf_backend as hvd
-    from unison.common.tensor_parallel.rng import model_parallel_seed
 
     class GPT(keras.Model):
         def __init__(self) -> None:
             super().__init__()
-            keras.utils.set_random_seed(model_parallel_seed(args.seed, shard))  # every shard its own numbers
+            keras.utils.set_random_seed(args.seed)  # every rank alike: the shards are slices of one model
             self.embed = hvd.VocabParallelEmbedding(VOCAB, args.hidden, process_set=tp_set)
             self.blocks = [hvd.ParallelTransformerBlock(args.hidden, args.heads, 4 * args.hidden, causal=True,
                                                         process_set=tp_set, hidden_dropout=args.dropout,
@@ -84,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stdout)
     grid = Grid(tp=args.tp or hvd.size())
     sets = grid.register()
-    _, replica, shard = grid.coords(hvd.rank())
-    model = build_model(args, sets.tp, shard)
+    _, replica, _ = grid.coords(hvd.rank())
+    model = build_model(args, sets.tp)
     params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     logger.info("grid %r: %d data replica(s) x tensor groups of %d; %d parameters on rank 0 (one shard)",
                 grid, grid.dp, grid.tp, params)

@@ -228,6 +228,35 @@ def test_cross_entropy_refuses_a_target_outside_the_vocabulary(tp):
     np.testing.assert_allclose(float(loss), np.log(2.0 * tp), rtol=1e-6)
 
 
+@pytest.mark.parametrize("tp", [tp for tp in TPS if tp > 1])
+def test_cross_entropy_refuses_targets_that_differ_across_the_group_eagerly_and_in_a_tf_function(tp):
+    """[Note: one set of targets per tensor group] One rank of the group given other targets gave a wrong loss
+    with no error before 2026-12-07 (an audit). Now every rank raises MismatchError eagerly, and every rank's
+    graph fails inside a tf.function (the count and checksum ride in the all-reduce that checks the widths)."""
+    ps = group(tp)
+    if ps is None:
+        return
+    last = ps.rank() == tp - 1
+    logits = seeded(17, 4, 2 * tp)
+    target = np.array([1, 0, 2 * tp - 1, 3])
+    mine = piece(logits, ps)
+    differ = r"vocab_parallel_cross_entropy: the ranks of the tensor group were given different targets"
+    values = r" \(4 targets each, of different values; this rank's checksum \d+\)\. .*shard the data by the data-"
+    with pytest.raises(hvd.MismatchError, match=differ + values):
+        hvd.vocab_parallel_cross_entropy(mine, np.array([1, 0, 2, 3]) if last else target, process_set=ps)
+    with pytest.raises(hvd.MismatchError, match=differ):  # the same targets in another order
+        hvd.vocab_parallel_cross_entropy(mine, target[::-1] if last else target, process_set=ps)
+    with pytest.raises(hvd.MismatchError, match=differ + rf" \(3 to 4 targets; this rank {3 if last else 4}\)"):
+        hvd.vocab_parallel_cross_entropy(mine[:3] if last else mine, target[:3] if last else target,
+                                         process_set=ps)
+    graph = tf.function(lambda t: hvd.vocab_parallel_cross_entropy(mine, t, process_set=ps))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=differ):
+        graph(tf.constant(target[::-1] if last else target))
+    expected = keras_cross_entropy(tf.constant(logits), target, "mean")
+    close(hvd.vocab_parallel_cross_entropy(mine, target, process_set=ps), expected)
+    close(graph(tf.constant(target)), expected)
+
+
 # ------------------------------------------------------------------ blocks
 
 
@@ -374,6 +403,41 @@ def test_sequence_parallel_block_in_a_tf_function(tp):
 
 
 @pytest.mark.parametrize("tp", [tp for tp in TPS if tp > 1])
+def test_sequence_parallel_inputs_that_differ_are_refused_eagerly_and_in_a_traced_step(tp):
+    """[Note: a sequence split is checked where it starts] Each rank of the group given its own batch under
+    sequence parallelism ran with no error before 2026-12-07 (an audit): scatter_to_sequence compared nothing
+    and the column layers all-gathered pieces of different batches. Now the replicated tensor is compared
+    whole at each call site's first call, eagerly, and inside a tf.function at its second run."""
+    hidden = 4 * tp
+    ref = Block(hidden, 2 * tp, 8 * tp)
+    ps = group(tp)
+    if ps is None:
+        return
+    block = hvd.ParallelTransformerBlock.from_layers(ref.ln1, ref.attn, ref.ln2, ref.fc1, ref.fc2, causal=True,
+                                                     process_set=ps, sequence_parallel=True)
+    differ = (r"scatter_to_sequence: the tensor group \(ranks? .*\) was given different inputs \(rank .* differs "
+              r".*shard the data by the data-parallel rank")
+    with pytest.raises(hvd.MismatchError, match=differ):
+        block(hvd.scatter_to_sequence(seeded(70 + ps.rank(), 2, SEQ, hidden), ps))
+
+    def split_run(t):
+        return hvd.gather_from_sequence(block(hvd.scatter_to_sequence(t, ps)), ps, to_parallel=False)
+
+    step = tf.function(split_run)
+    own = tf.constant(seeded(71 + ps.rank(), 2, SEQ, hidden))
+    step(own)  # (the first run sends the sample)
+    with pytest.raises(tf.errors.FailedPreconditionError, match=differ):
+        step(own)
+    @tf.function
+    def fine(t):  # (another call site: checked at its first two runs, then agreed)
+        return hvd.gather_from_sequence(block(hvd.scatter_to_sequence(t, ps)), ps, to_parallel=False)
+
+    x = seeded(72, 2, SEQ, hidden)
+    for _ in range(3):
+        close(fine(tf.constant(x)), ref(x))
+
+
+@pytest.mark.parametrize("tp", [tp for tp in TPS if tp > 1])
 def test_sequence_parallel_refuses_a_sequence_the_group_does_not_divide(tp):
     ps = group(tp)
     if ps is None:
@@ -402,6 +466,39 @@ def test_a_sequence_gathered_from_uneven_pieces_raises_eagerly_and_in_a_tf_funct
 
     with pytest.raises(tf.errors.InvalidArgumentError, match="hold different numbers of sequence positions"):
         traced(tf.constant(mine))
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_layers_built_from_a_seed_hold_slices_of_one_weight(tp):
+    """[Note: Keras shards drawn from the whole] Each shard drew its own shape from the initializer's seed
+    before 2026-12-07, so ranks seeded alike (keras.utils.set_random_seed, the normal path) held identical
+    shards: a layer of tp copies of one block (an audit). Now the shards are the slices of the unsplit Dense
+    and Embedding built under that seed, and the attention built at tp is the one built on a single rank."""
+    hidden, heads = 4 * tp, 2 * tp
+    keras.utils.set_random_seed(5)
+    whole = [keras.layers.Dense(4 * tp, dtype=D), keras.layers.Dense(3, dtype=D),
+             keras.layers.Embedding(2 * tp, 3, dtype=D)]
+    for layer, shape in zip(whole, [(None, 6), (None, 2 * tp), (None,)], strict=True):
+        layer.build(shape)
+    keras.utils.set_random_seed(5)
+    solo = hvd.ParallelSelfAttention(hidden, heads, causal=True, process_set=SETS[1], dtype=D)
+    x = seeded(74, 2, SEQ, hidden)
+    expected = solo(x)
+    ps = group(tp)
+    if ps is None:
+        return
+    keras.utils.set_random_seed(5)
+    col = hvd.ColumnParallelLinear(6, 4 * tp, process_set=ps, dtype=D)
+    row = hvd.RowParallelLinear(2 * tp, 3, process_set=ps, dtype=D)
+    emb = hvd.VocabParallelEmbedding(2 * tp, 3, process_set=ps, dtype=D)
+    close(col.kernel, piece(whole[0].kernel, ps, 1))
+    close(row.kernel, piece(whole[1].kernel, ps, 0))
+    close(emb.embeddings, piece(whole[2].embeddings, ps, 0))
+    shards = hvd.allgather_object(np.asarray(col.kernel).tolist(), process_set=ps)
+    assert len({str(shard) for shard in shards}) == tp  # every shard its own values
+    keras.utils.set_random_seed(5)
+    attn = hvd.ParallelSelfAttention(hidden, heads, causal=True, process_set=ps, dtype=D)
+    close(attn(x), expected)
 
 
 @pytest.mark.parametrize("tp", TPS)

@@ -210,6 +210,30 @@ def test_cross_entropy_refuses_a_target_outside_the_vocabulary(tp):
     close(loss, torch.log(torch.tensor(2.0 * tp, dtype=D)))
 
 
+@pytest.mark.parametrize("tp", [tp for tp in TPS if tp > 1])
+def test_cross_entropy_refuses_targets_that_differ_across_the_group(tp):
+    """[Note: one set of targets per tensor group] One rank of the group given other targets (other values, the
+    same targets in another order, or fewer of them) gave a wrong loss with no error before 2026-12-07 (an
+    audit: 2.53 on one rank against 2.44 on the other, each right for neither). Now every rank raises."""
+    ps = group(tp)
+    if ps is None:
+        return
+    last = ps.rank() == tp - 1
+    logits = seeded(17, 4, 2 * tp)
+    target = torch.tensor([1, 0, 2 * tp - 1, 3])
+    mine = piece(logits, ps)
+    differ = r"vocab_parallel_cross_entropy: the ranks of the tensor group were given different targets"
+    values = r" \(4 targets each, of different values; this rank's checksum \d+\)\. .*shard the data by the data-"
+    with pytest.raises(hvd.MismatchError, match=differ + values):
+        hvd.vocab_parallel_cross_entropy(mine, torch.tensor([1, 0, 2, 3]) if last else target, process_set=ps)
+    with pytest.raises(hvd.MismatchError, match=differ):  # the same targets in another order
+        hvd.vocab_parallel_cross_entropy(mine, target.flip(0) if last else target, process_set=ps)
+    with pytest.raises(hvd.MismatchError, match=differ + rf" \(3 to 4 targets; this rank {3 if last else 4}\)"):
+        hvd.vocab_parallel_cross_entropy(mine[:3] if last else mine, target[:3] if last else target,
+                                         process_set=ps)
+    close(hvd.vocab_parallel_cross_entropy(mine, target, process_set=ps), F.cross_entropy(logits, target))
+
+
 # ------------------------------------------------------------------ blocks
 
 
@@ -382,6 +406,32 @@ def test_sequence_parallel_block_equals_the_unsplit_block(tp):
 
 
 @pytest.mark.parametrize("tp", [tp for tp in TPS if tp > 1])
+def test_sequence_parallel_inputs_that_differ_across_the_group_are_refused(tp):
+    """[Note: a sequence split is checked where it starts] Each rank of the group given its own batch under
+    sequence parallelism: scatter_to_sequence compared nothing and the column layers all-gathered the pieces
+    of different batches, so the block mixed them with no error before 2026-12-07 (an audit). Now the
+    replicated tensor is compared whole at each call site's first call."""
+    hidden = 4 * tp
+    ref = Block(hidden, 2 * tp, 8 * tp, causal=True, seq=SEQ)
+    ps = group(tp)
+    if ps is None:
+        return
+    block = hvd.ParallelTransformerBlock.from_modules(ref.ln1, ref.attn, ref.ln2, ref.fc1, ref.fc2, causal=True,
+                                                      process_set=ps, sequence_parallel=True)
+    with pytest.raises(hvd.MismatchError, match=r"scatter_to_sequence: the tensor group \(ranks? .*\) was given "
+                                                r"different inputs \(rank .* differs .*shard the data by the "
+                                                r"data-parallel rank"):
+        block(hvd.scatter_to_sequence(seeded(70 + ps.rank(), 2, SEQ, hidden), ps))
+    with pytest.raises(hvd.MismatchError, match=rf"rank .*'s is \[1, {SEQ}, {hidden}\] float64, rank .*'s "
+                                                rf"\[2, {SEQ}, {hidden}\] float64"):
+        hvd.scatter_to_sequence(seeded(71, 1 if ps.rank() else 2, SEQ, hidden), ps)
+    x = seeded(72, 2, SEQ, hidden)
+    for _ in range(2):  # one call site: agreed at its first call
+        out = hvd.gather_from_sequence(block(hvd.scatter_to_sequence(x, ps)), ps, to_parallel=False)
+        close(out, ref(x))
+
+
+@pytest.mark.parametrize("tp", [tp for tp in TPS if tp > 1])
 def test_sequence_parallel_refuses_a_sequence_the_group_does_not_divide(tp):
     ps = group(tp)
     if ps is None:
@@ -420,6 +470,56 @@ def test_layers_built_from_a_seed_hold_slices_of_one_weight(tp):
     shards = hvd.allgather_object(col.weight.detach().tolist(), process_set=ps)
     assert len({str(s) for s in shards}) == tp  # every shard its own values
     assert hvd.allgather_object(after, process_set=ps) == [after] * tp
+
+
+def drawn_block(seed: int, hidden: int, heads: int, ffn: int) -> Block:
+    """The unsplit block as ParallelTransformerBlock draws it under ``seed``: nn.Linear's bounds, the fused q/k/v
+    weight and bias first, then the output projection (bias zero), fc1, fc2 (bias zero); norms at one and zero."""
+    block = Block(hidden, heads, ffn, causal=True, seq=SEQ)
+    torch.manual_seed(seed)
+    b_h, b_f = hidden ** -0.5, ffn ** -0.5
+    draws = [(block.attn.in_proj_weight, b_h), (block.attn.in_proj_bias, b_h), (block.attn.out_proj.weight, b_h),
+             (block.fc1.weight, b_h), (block.fc1.bias, b_h), (block.fc2.weight, b_f)]
+    with torch.no_grad():
+        for norm in (block.ln1, block.ln2):
+            norm.reset_parameters()
+        block.attn.out_proj.bias.zero_()
+        block.fc2.bias.zero_()
+        for param, bound in draws:
+            param.uniform_(-bound, bound)
+    return block
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_attention_and_block_built_from_a_seed_are_the_unsplit_ones_drawn_under_it(tp):
+    """[Note: shards drawn from the whole] for the fused q/k/v: the column layer kept rows start:stop of the
+    whole (3 * hidden, hidden) weight, which the attention reads as this rank's heads of q, k and v, so before
+    2026-12-07 the tp > 1 attention built under a seed was not the unsplit one (an audit: 0.48 between the
+    outputs of tp = 2 and tp = 1). Now each rank holds its heads' rows of the whole draw."""
+    hidden, heads, ffn = 4 * tp, 2 * tp, 8 * tp
+    ref = drawn_block(9, hidden, heads, ffn)
+    x = seeded(73, 2, SEQ, hidden)
+    with torch.no_grad():
+        h = ref.ln1(x)
+        expected_attn = ref.attn(h, h, h, attn_mask=ref.mask, need_weights=False)[0]
+        expected = ref(x)
+    ps = group(tp)
+    if ps is None:
+        return
+    hvd.model_parallel_manual_seed(9, ps)
+    block = hvd.ParallelTransformerBlock(hidden, heads, ffn, causal=True, process_set=ps, dtype=D)
+    after = torch.rand(2).tolist()
+    drawn_block(9, hidden, heads, ffn)
+    assert torch.rand(2).tolist() == after  # the generator moved as for the unsplit block
+    close(block.attn.qkv.weight.detach(), heads_rows(ref.attn.in_proj_weight.detach(), hidden, ps))
+    close(block.attn.qkv.bias.detach(), heads_rows(ref.attn.in_proj_bias.detach(), hidden, ps))
+    with torch.no_grad():
+        close(block(x), expected)
+        close(block.attn(ref.ln1(x)), expected_attn)
+    hvd.model_parallel_manual_seed(9, ps)
+    attn = hvd.ParallelSelfAttention(hidden, heads, causal=True, process_set=ps, dtype=D)
+    with torch.no_grad():
+        close(attn(ref.ln1(x)), expected_attn)
 
 
 @pytest.mark.parametrize("tp", TPS)

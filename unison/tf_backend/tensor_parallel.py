@@ -12,9 +12,10 @@ a registered process set (``hvd.add_process_set``; ``Grid.register`` makes one p
 Keras's ``Dense`` keeps its kernel as ``(in, out)``, the transpose of ``nn.Linear.weight``, so a
 column shard is a slice of kernel *columns* here. ``Dense`` also carries an activation; the
 parallel layers keep it (element-wise, so a column shard applies it to its own units, a row layer
-after the sum), and ``from_dense`` copies it. Randomly initialised shards draw from Glorot-uniform
-of the whole layer; biases start at zero, as ``Dense``'s, so the row layer's replicated bias is the
-same on every rank of the group.
+after the sum), and ``from_dense`` copies it. Randomly initialised shards are this rank's slices of
+the whole layer's Glorot-uniform kernel (an embedding's: of the whole table's "uniform"), drawn under
+Keras's global seed ([Note: Keras shards drawn from the whole]); biases start at zero, as
+``Dense``'s, so the row layer's replicated bias is the same on every rank of the group.
 """
 
 from __future__ import annotations
@@ -24,28 +25,26 @@ from collections.abc import Callable
 from typing import Any
 
 import keras
-import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import resource_variable_ops
 
-from unison.common.engine.process_sets import ProcessSet, global_process_set, set_size
+from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.common.tensor_parallel.groups import (
+    CHECKSUM_PRIME,
     agree_on_layer,
     agree_on_source,
     describe,
     group_position,
-    input_sample,
-    start_input_agreement,
+    targets_mismatch,
 )
 from unison.common.tensor_parallel.sequence import check_column_options, check_row_options
 from unison.common.tensor_parallel.sharding import divisible_shard
-from unison.tf_backend import host_ops
-from unison.tf_backend.op_base import _name
 from unison.tf_backend.tensor_parallel_comm import (
+    agree_on_input_once,
     allreduce_max_no_grad,
     copy_to_group,
     gather_from_group,
     gather_from_sequence,
+    input_check,
     reduce_from_group,
     reduce_scatter_to_sequence,
     scatter_to_group,
@@ -56,8 +55,31 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"
 
 
 def _glorot(fan_in: int, fan_out: int) -> keras.initializers.Initializer:
+    """Glorot-uniform of a whole ``(fan_in, fan_out)`` kernel, as ``Dense``'s default draws it."""
     limit = math.sqrt(6.0 / (fan_in + fan_out))
     return keras.initializers.RandomUniform(-limit, limit)
+
+
+class ShardOfWhole(keras.initializers.Initializer):
+    """Draws the WHOLE ``shape`` with ``whole`` and keeps ``keep(drawn)``, this rank's shard.
+
+    [Note: Keras shards drawn from the whole] A Keras initializer made without a seed takes one from
+    Python's generator (``keras.utils.set_random_seed`` seeds it), so ranks seeded alike, the normal path,
+    give every layer's initializer the same seed on every rank. Drawn at the shard's shape (before
+    2026-12-07), every shard of a layer held the SAME values: the layer was tp copies of one block, which got
+    equal gradients and stayed copies (found by an audit). Drawn whole and sliced, as the PyTorch layers do
+    ([Note: shards drawn from the whole]), the shards are the slices of the unsplit layer drawn under that
+    seed: a tp = 1 and a tp = 2 model built under one seed are the same model. Each rank draws the whole
+    tensor once, when the layer is built. The seed is an integer, so calling ``whole`` again draws the same
+    values (Keras documents it): ``ParallelSelfAttention`` redraws its fused kernel to keep its heads' columns.
+    """
+
+    def __init__(self, whole: keras.initializers.Initializer, shape: tuple[int, ...],
+                 keep: Callable[[Any], Any]) -> None:
+        self.whole, self.shape, self.keep = whole, tuple(shape), keep
+
+    def __call__(self, shape: Any, dtype: Any = None) -> Any:
+        return self.keep(self.whole(self.shape, dtype=dtype))
 
 
 def _activation_text(activation: Any) -> str:
@@ -169,80 +191,6 @@ def _copy_penalties(dense: keras.layers.Dense, layer: Any, owner: str) -> None:
     refuse_activity_regularizer(dense, f"{owner}.from_dense")
 
 
-#: the states of a layer's input check: not started, its all-gather sent (graph), agreed
-_UNCHECKED, _SENT, _AGREED = 0, 1, 2
-
-
-def input_check(layer: Any, process_set: ProcessSet) -> None:
-    """Give ``layer`` the state :func:`agree_on_input_once` keeps: an int32 variable that Keras does not track
-    (not a weight, not saved), made only where the group has more than one rank."""
-    if set_size(process_set) > 1:
-        # a plain resource variable on the CPU, made outside any tf.distribute strategy's variable creators (a
-        # mirrored one refuses assign() in a replica context) and read on the host (no device copy per step)
-        with tf.init_scope(), tf.device("/CPU:0"):
-            layer.__dict__["_unison_input_agreed"] = resource_variable_ops.ResourceVariable(
-                _UNCHECKED, dtype=tf.int32, trainable=False, name="unison_input_agreed")
-        layer.__dict__["_unison_input_sent"] = []  # the sent all-gather: (handle, judge)
-
-
-def agree_on_input_once(layer: Any, inputs: Any, owner: str, process_set: ProcessSet) -> tf.Tensor:
-    """``inputs`` as a tensor, after checking once that every rank of the group was given the same one ([Note:
-    one input per tensor group] in ``unison/common/tensor_parallel/groups.py``): a ``MismatchError`` on every
-    rank of the group otherwise (inside a graph TensorFlow's ``FailedPreconditionError``).
-
-    [Note: the Keras layers check their input in two runs inside a graph] A Keras step is traced once and run
-    many times, and a trace has no values, so the check is part of the graph: a ``tf.cond`` on the layer's
-    state runs a host callback while the check is not done, and later runs only read the state. The first
-    run's callback sends the input's sample (an all-gather, named when the layer was traced, from the
-    group's counter as the layer's other collectives are) and returns without waiting; the second run's
-    waits for it, by then sent by every rank in its first run, and judges it. Waiting in the first run was
-    a deadlock: the checks of layers fed one input (query, key and value projections) are branches of the
-    graph that TensorFlow runs in any order, and a callback waiting for its collective holds a thread that
-    another rank's check needs (rank 0 waited in one check while rank 1 waited in another: found by a
-    review, 2026-12-06). So inside a graph the mismatch is raised at the second run (the first step has
-    trained on the mixed inputs by then); eagerly at the first call.
-    """
-    x = tf.convert_to_tensor(inputs)
-    state = layer.__dict__.get("_unison_input_agreed")
-    if state is None or (tf.executing_eagerly() and int(state.numpy()) == _AGREED):  # (a group of one, or done)
-        return x
-    name = _name("agree_on_input", None, process_set)
-    dtype, sent = x.dtype.name, layer.__dict__["_unison_input_sent"]
-
-    def advance(values: np.ndarray, now: Any, in_graph: bool = True) -> np.ndarray:
-        try:
-            if int(np.asarray(now).reshape(-1)[0]) == _UNCHECKED:
-                if not sent:  # (another call of this layer in the same run sent it already)
-                    sent.append(start_input_agreement(owner, process_set, values.shape, dtype,
-                                                      input_sample(values), name))
-                return np.array([_SENT], np.int32)
-            if sent:
-                handle, judge = sent.pop()
-                judge(handle.wait())
-            return np.array([_AGREED], np.int32)
-        except Exception as exc:  # noqa: BLE001 - reported as TensorFlow reports a collective's errors
-            if not in_graph:
-                raise
-            raise host_ops._GraphOpError(host_ops.to_tf_error(exc)) from exc  # noqa: SLF001
-
-    if tf.executing_eagerly():
-        values = x.numpy()
-        advance(values, advance(values, [_UNCHECKED], in_graph=False), in_graph=False)  # (sent, then judged)
-        state.assign(_AGREED)
-        return x
-
-    def check() -> tf.Tensor:
-        now = state.read_value()
-        after = tf.reshape(tf.numpy_function(advance, [x, now], tf.int32, stateful=True,
-                                             name="unison_agree_on_input"), [])
-        with tf.control_dependencies([state.assign(after, read_value=False)]):
-            return tf.identity(after)
-
-    ran = tf.cond(state.read_value() < _AGREED, check, lambda: tf.constant(_AGREED, tf.int32))
-    with tf.control_dependencies([ran]):
-        return tf.identity(x)
-
-
 def _in_out(dense: keras.layers.Dense) -> tuple[int, int]:
     fan_in, fan_out = dense.kernel.shape
     return int(fan_in), int(fan_out)
@@ -266,8 +214,10 @@ class _ParallelDense(keras.layers.Layer):
         self.process_set = process_set
         self.activation = keras.activations.get(activation)
         self.start, self.stop = self._split()
-        self.kernel = self.add_weight(shape=self._kernel_shape(), initializer=_glorot(in_features, out_features),
-                                      name="kernel")
+        #: the seeded Glorot-uniform of the whole (in, out) kernel ([Note: Keras shards drawn from the whole])
+        self.whole_kernel = _glorot(in_features, out_features)
+        self.kernel = self.add_weight(shape=self._kernel_shape(), name="kernel", initializer=ShardOfWhole(
+            self.whole_kernel, (in_features, out_features), self._keep))
         self.bias = self.add_weight(shape=(self._bias_size(),), initializer="zeros",
                                     name="bias") if use_bias else None
         self.built = True
@@ -282,6 +232,10 @@ class _ParallelDense(keras.layers.Layer):
         raise NotImplementedError
 
     def _bias_size(self) -> int:
+        raise NotImplementedError
+
+    def _keep(self, kernel: Any) -> Any:
+        """This rank's shard of the whole ``(in, out)`` kernel."""
         raise NotImplementedError
 
     def _load(self, kernel: Any, bias: Any) -> None:
@@ -341,6 +295,9 @@ class ColumnParallelLinear(_ParallelDense):
 
     def _bias_size(self) -> int:
         return self.stop - self.start
+
+    def _keep(self, kernel: Any) -> Any:
+        return kernel[:, self.start:self.stop]
 
     @classmethod
     def from_dense(cls, dense: keras.layers.Dense, gather_output: bool = False,
@@ -415,6 +372,9 @@ class RowParallelLinear(_ParallelDense):
     def _bias_size(self) -> int:
         return self.out_features
 
+    def _keep(self, kernel: Any) -> Any:
+        return kernel[self.start:self.stop]
+
     @classmethod
     def from_dense(cls, dense: keras.layers.Dense, input_is_parallel: bool = True,
                    process_set: ProcessSet = global_process_set,
@@ -462,7 +422,10 @@ class VocabParallelEmbedding(keras.layers.Layer):
         self.start, self.stop = divisible_shard("VocabParallelEmbedding num_embeddings", num_embeddings, self.tp,
                                                 self.shard)
         self.num_embeddings, self.embedding_dim, self.process_set = num_embeddings, embedding_dim, process_set
-        self.embeddings = self.add_weight(shape=(self.stop - self.start, embedding_dim), initializer="uniform",
+        # Embedding's "uniform" of the whole table, this rank's rows ([Note: Keras shards drawn from the whole])
+        whole = ShardOfWhole(keras.initializers.get("uniform"), (num_embeddings, embedding_dim),
+                             lambda table: table[self.start:self.stop])
+        self.embeddings = self.add_weight(shape=(self.stop - self.start, embedding_dim), initializer=whole,
                                           name="embeddings")
         input_check(self, process_set)
         self.built = True
@@ -530,17 +493,29 @@ def _check_ids(ids: tf.Tensor, vocab: int) -> tf.Tensor:
                      lambda text: tf.errors.InvalidArgumentError(None, None, text))
 
 
+def _targets_checksum(target: tf.Tensor) -> tf.Tensor:
+    """:func:`~unison.common.tensor_parallel.groups.targets_checksum` of the int64 ``target``, as a tensor."""
+    flat = tf.reshape(target, [-1])
+    weights = tf.math.floormod(tf.range(1, tf.size(flat, out_type=tf.int64) + 1, dtype=tf.int64), CHECKSUM_PRIME)
+    terms = tf.math.floormod(weights * (tf.math.floormod(flat, CHECKSUM_PRIME) + 1), CHECKSUM_PRIME)
+    return tf.math.floormod(tf.reduce_sum(terms), CHECKSUM_PRIME)
+
+
 def _check_targets(target: tf.Tensor, piece: int, tp: int, ignore_index: int,
                    process_set: ProcessSet) -> tf.Tensor:
-    """``target != ignore_index``, once the group agreed that every rank holds a piece of one width and no
-    rank holds a target outside the vocabulary; else every rank raises (eagerly) or fails its graph. Checked
-    on each rank alone (before 2026-12-05), pieces of different widths gave a wrong loss silently, and a
-    target one rank refused left the others in the all-reduce (torch's ``_check_targets`` likewise)."""
+    """``target != ignore_index``, once the group agreed that every rank holds a piece of one width, no rank
+    holds a target outside the vocabulary, and every rank holds the same targets (their number and checksum:
+    [Note: one set of targets per tensor group]); else every rank raises (eagerly) or fails its graph. One
+    all-reduce (max) of each value and its negative checks all three. Checked on each rank alone (before
+    2026-12-05), pieces of different widths gave a wrong loss silently, and a target one rank refused left
+    the others in the all-reduce; different targets were not checked before 2026-12-07 (torch's
+    ``_check_targets`` likewise)."""
     vocab = piece * tp
     valid = tf.not_equal(target, ignore_index)
     bad = valid & ((target < 0) | (target >= vocab))
+    count, checksum = tf.size(target, out_type=tf.int64), _targets_checksum(target)
     mine = tf.stack([tf.constant(piece, tf.int64), tf.constant(-piece, tf.int64),
-                     tf.cast(tf.reduce_any(bad), tf.int64)])
+                     tf.cast(tf.reduce_any(bad), tf.int64), count, -count, checksum, -checksum])
     agreed = allreduce_max_no_grad(mine, process_set)
     widths = (f"vocab_parallel_cross_entropy: the group's logits pieces differ in width (this rank {piece}); "
               "every rank must hold vocabulary / tp columns: pad the vocabulary to a multiple of the tensor "
@@ -555,9 +530,14 @@ def _check_targets(target: tf.Tensor, piece: int, tp: int, ignore_index: int,
             got = (f"received {int(tf.boolean_mask(target, bad)[0])}" if bool(tf.reduce_any(bad))
                    else "another rank of the group received one")
             raise ValueError(f"{targets}; {got}")
+        if int(agreed[3]) != -int(agreed[4]) or int(agreed[5]) != -int(agreed[6]):
+            raise targets_mismatch((-int(agreed[4]), int(agreed[3])), int(count), int(checksum))
         return valid
+    differ = str(targets_mismatch())  # (the numbers are not known when the graph is traced)
     checks = [tf.debugging.Assert(tf.equal(agreed[0], -agreed[1]), [widths]),
-              tf.debugging.Assert(tf.equal(agreed[2], 0), [targets])]
+              tf.debugging.Assert(tf.equal(agreed[2], 0), [targets]),
+              tf.debugging.Assert(tf.equal(agreed[3], -agreed[4]) & tf.equal(agreed[5], -agreed[6]),
+                                  [differ, "this rank's count and checksum:", count, checksum])]
     with tf.control_dependencies(checks):
         return tf.identity(valid)
 
@@ -599,6 +579,8 @@ def vocab_parallel_cross_entropy(logits: Any, target: Any, process_set: ProcessS
     Raises:
         ValueError: an unknown reduction, a shape mismatch, or (eagerly) a target outside the
             vocabulary; inside ``tf.function`` such a target fails the graph at run time.
+        MismatchError: (eagerly) the ranks of the group hold different targets, on every rank of
+            the group; inside ``tf.function`` they fail the graph at run time.
     """
     logits, target = tf.convert_to_tensor(logits), tf.cast(tf.convert_to_tensor(target), tf.int64)
     piece = _check_shapes(logits, target, reduction)

@@ -39,7 +39,7 @@ import tensorflow as tf
 from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.common.tensor_parallel.groups import agree_on_layer, agree_on_source
 from unison.common.tensor_parallel.rng import check_probability
-from unison.common.tensor_parallel.sharding import check_divisible
+from unison.common.tensor_parallel.sharding import check_divisible, divisible_shard
 from unison.tf_backend.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -225,7 +225,7 @@ class ParallelSelfAttention(keras.layers.Layer):
                  seed: int | None = None, sequence_parallel: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.supports_jit = False  # collectives run outside XLA: compile(jit_compile="auto") must not pick it
-        tp, _ = group_position(process_set, "ParallelSelfAttention")
+        tp, shard = group_position(process_set, "ParallelSelfAttention")
         agree_on_layer("ParallelSelfAttention", process_set, hidden_size=hidden_size, num_heads=num_heads,
                        causal=causal, attention_dropout=attention_dropout, seed=seed,
                        sequence_parallel=sequence_parallel)  # [Note: a layer built alike on every rank]
@@ -242,9 +242,24 @@ class ParallelSelfAttention(keras.layers.Layer):
         dtype = kwargs.get("dtype")
         self.qkv = ColumnParallelLinear(hidden_size, 3 * hidden_size, bias, process_set=process_set,
                                         sequence_parallel=sequence_parallel, dtype=dtype)
+        self._keep_heads(divisible_shard("ParallelSelfAttention hidden_size", hidden_size, tp, shard))
         self.out = RowParallelLinear(hidden_size, hidden_size, bias, process_set=process_set,
                                      sequence_parallel=sequence_parallel, dtype=dtype)
         self.built = True
+
+    def _keep_heads(self, heads: tuple[int, int]) -> None:
+        """This rank's heads' columns of q, k and v in the whole fused ``(hidden, 3 * hidden)`` kernel.
+
+        The column layer kept columns ``start:stop`` of the whole kernel, but :meth:`call` reads its columns
+        as this rank's heads of q, k and v (the layout ``from_multi_head_attention`` and the checkpoints
+        cut): before 2026-12-07 the tp = 2 layer built under a seed was not the tp = 1 one. Its seeded
+        initializer draws the same whole kernel again ([Note: Keras shards drawn from the whole]), and this
+        rank keeps the right columns of it; no seed is consumed, so the draws after it stay in step.
+        """
+        hidden, (start, stop) = self.hidden_size, heads
+        whole = self.qkv.whole_kernel((hidden, 3 * hidden), dtype=self.qkv.kernel.dtype)
+        self.qkv.kernel.assign(tf.concat([whole[:, part * hidden + start:part * hidden + stop]
+                                          for part in range(3)], 1))
 
     @classmethod
     def from_multi_head_attention(cls, mha: keras.layers.MultiHeadAttention, causal: bool = False,

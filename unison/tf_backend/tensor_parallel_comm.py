@@ -26,19 +26,26 @@ run (and trace) the same layers in the same order.
 
 from __future__ import annotations
 
+import weakref
+from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
 
 from unison.common.engine.process_sets import ProcessSet, set_rank, set_size
 from unison.common.ops import Max, Sum
+from unison.common.tensor_parallel.groups import call_site, input_sample, start_input_agreement
 from unison.common.tensor_parallel.sequence import check_gathered_sequence, sequence_problem
+from unison.tf_backend import host_ops
 from unison.tf_backend.gather_ops import allgather
 from unison.tf_backend.mpi_ops import allreduce, reducescatter
 from unison.tf_backend.op_base import _name, dense_gradient
 
 __all__ = ["copy_to_group", "reduce_from_group", "gather_from_group", "scatter_to_group",
-           "allreduce_max_no_grad", "scatter_to_sequence", "gather_from_sequence", "reduce_scatter_to_sequence"]
+           "allreduce_max_no_grad", "scatter_to_sequence", "gather_from_sequence", "reduce_scatter_to_sequence",
+           "input_check", "agree_on_input_once"]
 
 
 def _named(kind: str, group: ProcessSet) -> dict[str, Any]:
@@ -132,6 +139,97 @@ def allreduce_max_no_grad(tensor: Any, group: ProcessSet) -> tf.Tensor:
     return x if set_size(group) == 1 else tf.stop_gradient(allreduce(x, op=Max, **_named("allreduce", group)))
 
 
+# ----------------------------------------------------------------- one input per tensor group
+
+#: the states of a layer's input check: not started, its all-gather sent (graph), agreed
+_UNCHECKED, _SENT, _AGREED = 0, 1, 2
+
+
+def input_check(layer: Any, process_set: ProcessSet) -> None:
+    """Give ``layer`` the state :func:`agree_on_input_once` keeps: an int32 variable that Keras does not track
+    (not a weight, not saved), made only where the group has more than one rank."""
+    if set_size(process_set) > 1:
+        # a plain resource variable on the CPU, made outside any tf.distribute strategy's variable creators (a
+        # mirrored one refuses assign() in a replica context) and read on the host (no device copy per step)
+        with tf.init_scope(), tf.device("/CPU:0"):
+            layer.__dict__["_unison_input_agreed"] = resource_variable_ops.ResourceVariable(
+                _UNCHECKED, dtype=tf.int32, trainable=False, name="unison_input_agreed")
+        layer.__dict__["_unison_input_sent"] = []  # the sent all-gather: (handle, judge)
+
+
+def agree_on_input_once(layer: Any, inputs: Any, owner: str, process_set: ProcessSet) -> tf.Tensor:
+    """``inputs`` as a tensor, after checking once that every rank of the group was given the same one ([Note:
+    one input per tensor group] in ``unison/common/tensor_parallel/groups.py``): a ``MismatchError`` on every
+    rank of the group otherwise (inside a graph TensorFlow's ``FailedPreconditionError``).
+
+    [Note: the Keras layers check their input in two runs inside a graph] A Keras step is traced once and run
+    many times, and a trace has no values, so the check is part of the graph: a ``tf.cond`` on the layer's
+    state runs a host callback while the check is not done, and later runs only read the state. The first
+    run's callback sends the input's sample (an all-gather, named when the layer was traced, from the
+    group's counter as the layer's other collectives are) and returns without waiting; the second run's
+    waits for it, by then sent by every rank in its first run, and judges it. Waiting in the first run was
+    a deadlock: the checks of layers fed one input (query, key and value projections) are branches of the
+    graph that TensorFlow runs in any order, and a callback waiting for its collective holds a thread that
+    another rank's check needs (rank 0 waited in one check while rank 1 waited in another: found by a
+    review, 2026-12-06). So inside a graph the mismatch is raised at the second run (the first step has
+    trained on the mixed inputs by then); eagerly at the first call.
+    """
+    x = tf.convert_to_tensor(inputs)
+    state = layer.__dict__.get("_unison_input_agreed")
+    if state is None or (tf.executing_eagerly() and int(state.numpy()) == _AGREED):  # (a group of one, or done)
+        return x
+    name = _name("agree_on_input", None, process_set)
+    dtype, sent = x.dtype.name, layer.__dict__["_unison_input_sent"]
+
+    def advance(values: np.ndarray, now: Any, in_graph: bool = True) -> np.ndarray:
+        try:
+            if int(np.asarray(now).reshape(-1)[0]) == _UNCHECKED:
+                if not sent:  # (another call of this layer in the same run sent it already)
+                    sent.append(start_input_agreement(owner, process_set, values.shape, dtype,
+                                                      input_sample(values), name))
+                return np.array([_SENT], np.int32)
+            if sent:
+                handle, judge = sent.pop()
+                judge(handle.wait())
+            return np.array([_AGREED], np.int32)
+        except Exception as exc:  # noqa: BLE001 - reported as TensorFlow reports a collective's errors
+            if not in_graph:
+                raise
+            raise host_ops._GraphOpError(host_ops.to_tf_error(exc)) from exc  # noqa: SLF001
+
+    if tf.executing_eagerly():
+        values = x.numpy()
+        advance(values, advance(values, [_UNCHECKED], in_graph=False), in_graph=False)  # (sent, then judged)
+        state.assign(_AGREED)
+        return x
+
+    def check() -> tf.Tensor:
+        now = state.read_value()
+        after = tf.reshape(tf.numpy_function(advance, [x, now], tf.int32, stateful=True,
+                                             name="unison_agree_on_input"), [])
+        with tf.control_dependencies([state.assign(after, read_value=False)]):
+            return tf.identity(after)
+
+    ran = tf.cond(state.read_value() < _AGREED, check, lambda: tf.constant(_AGREED, tf.int32))
+    with tf.control_dependencies([ran]):
+        return tf.identity(x)
+
+
+#: per tensor group, the holder of each call site of :func:`scatter_to_sequence` that checks its input
+_SITES: weakref.WeakKeyDictionary[ProcessSet, dict[tuple, SimpleNamespace]] = weakref.WeakKeyDictionary()
+
+
+def _call_site_holder(group: ProcessSet) -> SimpleNamespace:
+    """The holder (with :func:`input_check`'s state) of the code that called this function's caller. Inside
+    ``tf.function`` that is the traced (AutoGraph-converted) code, past AutoGraph's own frames."""
+    sites = _SITES.setdefault(group, {})
+    site = call_site(2, skip=("tensorflow.",))
+    if site not in sites:
+        sites[site] = SimpleNamespace()
+        input_check(sites[site], group)
+    return sites[site]
+
+
 # ----------------------------------------------------------------- sequence parallelism
 
 def check_sequence(tensor: tf.Tensor, group: ProcessSet, what: str, whole: bool) -> None:
@@ -197,11 +295,19 @@ def _reduce_scatter_seq(tensor: tf.Tensor, group: ProcessSet) -> tf.Tensor:
 def scatter_to_sequence(tensor: Any, group: ProcessSet) -> tf.Tensor:
     """This shard's ``seq / tp`` positions of a replicated ``(batch, seq, ...)`` tensor; backward all-gathers.
 
+    The replicated tensor is compared over the group, whole, at the first call of each call site (the
+    PyTorch module's [Note: a sequence split is checked where it starts]; in a graph as the layers check
+    theirs, [Note: the Keras layers check their input in two runs inside a graph]).
+
     Raises:
         ValueError: fewer than 2 dimensions, or a sequence the group does not divide.
+        MismatchError: the ranks of the group passed different tensors (eagerly, on every rank of the
+            group; inside ``tf.function`` TensorFlow's ``FailedPreconditionError``, at the second run).
     """
     x = tf.convert_to_tensor(tensor)
     check_sequence(x, group, "scatter_to_sequence", whole=True)
+    if set_size(group) > 1:
+        x = agree_on_input_once(_call_site_holder(group), x, "scatter_to_sequence", group)
 
     @dense_gradient
     def scatter(t: tf.Tensor) -> Any:

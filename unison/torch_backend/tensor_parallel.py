@@ -29,15 +29,16 @@ from torch.nn import functional as F
 
 from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.common.tensor_parallel.groups import (
-    agree_on_input,
+    CHECKSUM_PRIME,
     agree_on_layer,
     agree_on_source,
     group_position,
-    input_sample_positions,
+    targets_mismatch,
 )
 from unison.common.tensor_parallel.sequence import check_column_options, check_row_options
 from unison.common.tensor_parallel.sharding import divisible_shard
 from unison.torch_backend.tensor_parallel_comm import (
+    agree_on_input_once,
     allreduce_max_no_grad,
     copy_to_group,
     gather_from_group,
@@ -111,29 +112,6 @@ class _SplitLayer(nn.Module):
         if getattr(self, "tp", 1) <= 1:
             return []
         return [t for t in (getattr(self, name, None) for name in self._split) if t is not None]
-
-
-def input_sample(x: torch.Tensor) -> Any:
-    """The values :func:`~unison.common.tensor_parallel.groups.agree_on_input` compares, as a numpy array
-    (float64, complex128 or int64): a few hundred elements, whatever ``x``'s size or device."""
-    flat = x.detach().reshape(-1)
-    pos = torch.from_numpy(input_sample_positions(flat.numel())).to(flat.device)
-    values = flat[pos]
-    if values.is_complex():
-        return values.to(torch.complex128).cpu().numpy()
-    return values.to(torch.float64 if values.is_floating_point() else torch.int64).cpu().numpy()
-
-
-def agree_on_input_once(holder: Any, x: torch.Tensor, owner: str, process_set: ProcessSet) -> None:
-    """At ``holder``'s first call, check that every rank of the group was given the same ``x`` ([Note: one input
-    per tensor group] in ``unison/common/tensor_parallel/groups.py``): a ``MismatchError`` on every rank of the
-    group otherwise. Not checked: inputs on the meta device (no values) or while torch compiles a graph."""
-    if holder.__dict__.get("_unison_input_agreed"):
-        return
-    holder.__dict__["_unison_input_agreed"] = True  # (a plain attribute: not a parameter, buffer or module)
-    if x.device.type == "meta" or torch.compiler.is_compiling():
-        return
-    agree_on_input(owner, process_set, tuple(x.shape), str(x.dtype).removeprefix("torch."), input_sample(x))
 
 
 def _memory(tensor: torch.Tensor) -> int | None:
@@ -270,6 +248,8 @@ class ColumnParallelLinear(_SplitLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
+            # the gathered x is the same on every rank by construction: it was compared whole where it was split
+            # ([Note: a sequence split is checked where it starts] in tensor_parallel_comm.py)
             x = gather_from_sequence(x, self.process_set, to_parallel=True)
         else:
             if self.tp > 1:
@@ -425,17 +405,30 @@ class VocabParallelEmbedding(_SplitLayer):
                 f"of tp={self.tp})")
 
 
+def _targets_checksum(target: torch.Tensor) -> torch.Tensor:
+    """:func:`~unison.common.tensor_parallel.groups.targets_checksum` of ``target``, on its device (int64)."""
+    flat = target.reshape(-1).to(torch.int64)
+    weights = torch.arange(1, flat.numel() + 1, dtype=torch.int64, device=flat.device) % CHECKSUM_PRIME
+    return (weights * (flat.remainder(CHECKSUM_PRIME) + 1) % CHECKSUM_PRIME).sum() % CHECKSUM_PRIME
+
+
 def _check_targets(target: torch.Tensor, piece: int, tp: int, ignore_index: int,
                    process_set: ProcessSet) -> torch.Tensor:
-    """``target != ignore_index``, once the group agreed that every rank holds a piece of one width and no
-    rank holds a target outside the vocabulary; else every rank raises. Checked on each rank alone (before
-    2026-12-05), pieces of different widths gave a wrong loss silently (the vocabulary and each rank's
-    start are inferred from the width), and a target one rank refused left the others in the all-reduce."""
+    """``target != ignore_index``, once the group agreed that every rank holds a piece of one width, no rank
+    holds a target outside the vocabulary, and every rank holds the same targets (their number and checksum:
+    [Note: one set of targets per tensor group]); else every rank raises. One all-reduce (max) of each value
+    and its negative checks all three. Checked on each rank alone (before 2026-12-05), pieces of different
+    widths gave a wrong loss silently (the vocabulary and each rank's start are inferred from the width), and
+    a target one rank refused left the others in the all-reduce; different targets were not checked before
+    2026-12-07 (a wrong loss)."""
     vocab = piece * tp
     valid = target != ignore_index
     bad = valid & ((target < 0) | (target >= vocab))
-    mine = torch.tensor([piece, -piece, int(bool(bad.any()))], dtype=torch.int64)
-    most, least, refused = (int(v) for v in allreduce_max_no_grad(mine, process_set) * torch.tensor([1, -1, 1]))
+    count, checksum = target.numel(), int(_targets_checksum(target))
+    mine = torch.tensor([piece, -piece, int(bool(bad.any())), count, -count, checksum, -checksum],
+                        dtype=torch.int64)
+    agreed = allreduce_max_no_grad(mine, process_set) * torch.tensor([1, -1, 1, 1, -1, 1, -1])
+    most, least, refused, most_count, least_count, most_sum, least_sum = (int(v) for v in agreed)
     if most != least:
         raise ValueError(f"vocab_parallel_cross_entropy: the group's logits pieces are {least} to {most} wide "
                          f"(this rank {piece}); every rank must hold vocabulary / tp columns: pad the vocabulary "
@@ -444,6 +437,8 @@ def _check_targets(target: torch.Tensor, piece: int, tp: int, ignore_index: int,
         got = f"received {int(target[bad][0])}" if bool(bad.any()) else "another rank of the group received one"
         raise ValueError(f"vocab_parallel_cross_entropy: targets must be in [0, {vocab}) (the whole vocabulary: "
                          f"logits' last dimension x tensor group size) or ignore_index={ignore_index}; {got}")
+    if most_count != least_count or most_sum != least_sum:
+        raise targets_mismatch((least_count, most_count), count, checksum)
     return valid
 
 
@@ -473,6 +468,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
 
     Raises:
         ValueError: an unknown reduction, a shape mismatch, or a target outside the vocabulary.
+        MismatchError: the ranks of the group hold different targets (on every rank of the group).
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"vocab_parallel_cross_entropy: reduction must be 'mean', 'sum' or 'none'; "

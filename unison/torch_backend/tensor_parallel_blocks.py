@@ -32,10 +32,11 @@ from torch.nn import functional as F
 from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.common.tensor_parallel.groups import agree_on_layer, agree_on_source
 from unison.common.tensor_parallel.rng import check_probability
-from unison.common.tensor_parallel.sharding import check_divisible
+from unison.common.tensor_parallel.sharding import check_divisible, divisible_shard
 from unison.torch_backend.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
+    _uniform,
     group_position,
     source_arrays,
 )
@@ -133,7 +134,7 @@ class ParallelSelfAttention(nn.Module):
                  attention_dropout: float = 0.0, sequence_parallel: bool = False,
                  batch_first: bool = True) -> None:
         super().__init__()
-        tp, _ = group_position(process_set, "ParallelSelfAttention")
+        tp, shard = group_position(process_set, "ParallelSelfAttention")
         agree_on_layer("ParallelSelfAttention", process_set, hidden_size=hidden_size, num_heads=num_heads,
                        causal=causal, attention_dropout=attention_dropout, sequence_parallel=sequence_parallel,
                        batch_first=batch_first)  # [Note: a layer built alike on every rank]
@@ -150,9 +151,28 @@ class ParallelSelfAttention(nn.Module):
         self.hidden_size, self.num_heads, self.causal = hidden_size, num_heads, causal
         self.head_dim = hidden_size // num_heads
         self.qkv = ColumnParallelLinear(hidden_size, 3 * hidden_size, bias, process_set=process_set, dtype=dtype,
-                                        sequence_parallel=sequence_parallel)
+                                        device="meta", sequence_parallel=sequence_parallel)  # (drawn below)
+        self._draw_qkv(divisible_shard("ParallelSelfAttention hidden_size", hidden_size, tp, shard), dtype)
         self.out = RowParallelLinear(hidden_size, hidden_size, bias, process_set=process_set, dtype=dtype,
                                      sequence_parallel=sequence_parallel)
+
+    def _draw_qkv(self, heads: tuple[int, int], dtype: torch.dtype | None) -> None:
+        """This rank's heads' rows of the whole fused ``(3 * hidden, hidden)`` weight and bias, drawn as
+        ``nn.Linear(hidden, 3 * hidden)`` draws them ([Note: shards drawn from the whole]).
+
+        The column layer's own draw would keep rows ``start:stop`` of the fused weight, but :meth:`_attend`
+        reads its rows as this rank's heads of q, k and v (the layout ``_head_rows`` cuts, as
+        ``from_multihead_attention`` and the checkpoints do): before 2026-12-07 the tp = 2 layer built under
+        a seed was not the tp = 1 layer built under it (an audit measured 0.48 between their outputs). The
+        column layer is built on the meta device (no draw) and given these rows instead, so the generator
+        moves as for the unsplit layer.
+        """
+        hidden = self.hidden_size
+        weight = _uniform((3 * hidden, hidden), hidden, dtype, None).detach()
+        self.qkv.weight = nn.Parameter(_head_rows(weight, hidden, *heads))
+        if self.qkv.bias is not None:
+            bias = _uniform((3 * hidden,), hidden, dtype, None).detach()
+            self.qkv.bias = nn.Parameter(_head_rows(bias, hidden, *heads))
 
     @classmethod
     def from_multihead_attention(cls, mha: nn.MultiheadAttention, causal: bool = False,

@@ -40,21 +40,59 @@ The ranks of a group must run the same layers in the same order.
 
 from __future__ import annotations
 
+import weakref
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from unison.common.engine.process_sets import ProcessSet, set_rank, set_size
 from unison.common.ops import Max, Sum
+from unison.common.tensor_parallel.groups import agree_on_input, call_site, input_sample_positions
 from unison.common.tensor_parallel.sequence import check_gathered_sequence, sequence_problem
 from unison.torch_backend.allreduce_ops import allreduce_async
 from unison.torch_backend.gather_ops import allgather_async, reducescatter_async
 from unison.torch_backend.handles import synchronize
 
 __all__ = ["copy_to_group", "reduce_from_group", "gather_from_group", "scatter_to_group",
-           "allreduce_max_no_grad", "scatter_to_sequence", "gather_from_sequence", "reduce_scatter_to_sequence"]
+           "allreduce_max_no_grad", "scatter_to_sequence", "gather_from_sequence", "reduce_scatter_to_sequence",
+           "agree_on_input_once", "input_sample"]
 
 SEQ_DIM = 1
+
+
+# ----------------------------------------------------------------- one input per tensor group
+
+def input_sample(x: torch.Tensor) -> Any:
+    """The values :func:`~unison.common.tensor_parallel.groups.agree_on_input` compares, as a numpy array
+    (float64, complex128 or int64): a few hundred elements, whatever ``x``'s size or device."""
+    flat = x.detach().reshape(-1)
+    pos = torch.from_numpy(input_sample_positions(flat.numel())).to(flat.device)
+    values = flat[pos]
+    if values.is_complex():
+        return values.to(torch.complex128).cpu().numpy()
+    return values.to(torch.float64 if values.is_floating_point() else torch.int64).cpu().numpy()
+
+
+def agree_on_input_once(holder: Any, x: torch.Tensor, owner: str, process_set: ProcessSet) -> None:
+    """At ``holder``'s first call, check that every rank of the group was given the same ``x`` ([Note: one input
+    per tensor group] in ``unison/common/tensor_parallel/groups.py``): a ``MismatchError`` on every rank of the
+    group otherwise. Not checked: inputs on the meta device (no values) or while torch compiles a graph."""
+    if holder.__dict__.get("_unison_input_agreed"):
+        return
+    holder.__dict__["_unison_input_agreed"] = True  # (a plain attribute: not a parameter, buffer or module)
+    if x.device.type == "meta" or torch.compiler.is_compiling():
+        return
+    agree_on_input(owner, process_set, tuple(x.shape), str(x.dtype).removeprefix("torch."), input_sample(x))
+
+
+#: per tensor group, the holder of each call site of :func:`scatter_to_sequence` that checked its input
+_SITES: weakref.WeakKeyDictionary[ProcessSet, dict[tuple, SimpleNamespace]] = weakref.WeakKeyDictionary()
+
+
+def _call_site_holder(group: ProcessSet) -> SimpleNamespace:
+    """The holder :func:`agree_on_input_once` marks for the code that called this function's caller."""
+    return _SITES.setdefault(group, {}).setdefault(call_site(2), SimpleNamespace())
 
 
 def _allreduce(tensor: torch.Tensor, group: ProcessSet, op: Any, kind: str) -> torch.Tensor:
@@ -239,10 +277,22 @@ def scatter_to_sequence(tensor: torch.Tensor, group: ProcessSet) -> torch.Tensor
 
     Enters sequence parallelism; backward all-gathers the gradient along the sequence.
 
+    [Note: a sequence split is checked where it starts] A column layer under sequence parallelism
+    all-gathers its input, which is then the same on every rank by construction: it cannot tell that the
+    ranks held pieces of different batches. So the replicated tensor is compared here, whole, before it is
+    split ([Note: one input per tensor group]), once per call site (the first call of each place in the
+    code that calls this; a loop's later calls are not compared), as a layer compares its input at its
+    first call. Before 2026-12-07 nothing was: each rank of the group went on with its positions of its own
+    batch, and the block mixed them with no error.
+
     Raises:
         ValueError: fewer than 2 dimensions, or a sequence the group does not divide.
+        MismatchError: the ranks of the group passed different tensors at this call site's first call (on
+            every rank of the group).
     """
     check_sequence(tensor, group, "scatter_to_sequence", whole=True)
+    if set_size(group) > 1 and not torch.compiler.is_compiling():
+        agree_on_input_once(_call_site_holder(group), tensor, "scatter_to_sequence", group)
     return _ScatterToSequence.apply(tensor, group)
 
 

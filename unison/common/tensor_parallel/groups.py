@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import pickle
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -19,7 +20,8 @@ from unison.common.engine.process_sets import ProcessSet, set_rank, set_size
 from unison.common.exceptions import MismatchError
 
 __all__ = ["group_position", "agree_on_layer", "agree_on_seed", "agree_on_source", "agree_on_input", "describe",
-           "INPUT_SAMPLES", "input_sample_positions", "input_sample", "start_input_agreement", "judge_inputs"]
+           "INPUT_SAMPLES", "input_sample_positions", "input_sample", "start_input_agreement", "judge_inputs",
+           "CHECKSUM_PRIME", "targets_checksum", "targets_mismatch", "call_site"]
 
 #: how many evenly spaced elements of a replicated input the group compares (see :func:`agree_on_input`)
 INPUT_SAMPLES = 256
@@ -242,6 +244,19 @@ def judge_inputs(owner: str, process_set: ProcessSet, everyone: list) -> None:
             "anything random before the layer (dropout, augmentation) on one seed across the group")
 
 
+def call_site(depth: int, skip: tuple[str, ...] = ()) -> tuple[str, int, str, int]:
+    """Where the code ``depth`` frames above this function's caller is (its file, function and instruction),
+    passing over frames of modules whose names start with one of ``skip``: TensorFlow's AutoGraph calls a
+    traced function's callees from its own frames, which every traced call site shares. The same place gives
+    the same key in every run of one script; a function that checks its input "once per call site" (as
+    ``scatter_to_sequence``) keys its state on it."""
+    frame = sys._getframe(depth + 1)  # (as warnings.warn(stacklevel=) finds its caller)
+    while frame.f_back is not None and str(frame.f_globals.get("__name__", "")).startswith(skip):
+        frame = frame.f_back
+    code = frame.f_code
+    return code.co_filename, code.co_firstlineno, code.co_name, frame.f_lasti
+
+
 #: the spacing of 1.0 in the half precisions (the input's dtype by name: the samples travel as float64)
 _EPS = {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}
 
@@ -276,3 +291,43 @@ def _differ(ref: np.ndarray, other: np.ndarray, rtol: float = INPUT_RTOL) -> str
     i = int(np.flatnonzero(bad)[0])
     return (f"at {int(bad.sum())} of {ref.size} sampled elements (the first: {other.flat[i]!r} against "
             f"{ref.flat[i]!r})")
+
+
+#: the targets' checksum is taken modulo this prime (2**31 - 1): each term ``(i + 1) * (t + 1)`` of two residues
+#: is below 2**62, and a sum of fewer than 2**32 reduced terms stays below 2**63, so int64 never overflows
+CHECKSUM_PRIME = 2 ** 31 - 1
+
+
+def targets_checksum(targets: np.ndarray) -> int:
+    """The checksum ``vocab_parallel_cross_entropy`` compares over the tensor group (both backends compute it on
+    the targets' device; this is the reference): ``sum_i ((i + 1) * (t_i mod p + 1)) mod p`` over the flat
+    targets, ``p`` = :data:`CHECKSUM_PRIME`.
+
+    [Note: one set of targets per tensor group] Every rank of a tensor group computes the loss of ONE set of
+    positions: the maximum, the sum of exponentials and the target's logit are summed over the group position
+    by position. Given other targets on one rank (a data loader sharded by the job's rank), each rank picked
+    the logit of its own target and the sums mixed them: a wrong loss and gradient, with no error (found by an
+    audit, 2026-12-07). The number of targets and this checksum ride, with their negatives, in the all-reduce
+    (max) that already checks the pieces' widths, so a difference costs no extra collective: the maximum and
+    minus the minimum differ exactly when some rank's value differs. Position-weighted, so a permutation of
+    the same targets differs too; two different target sets share a checksum with probability about 1 / p.
+    """
+    flat = np.asarray(targets, dtype=np.int64).reshape(-1)
+    weights = np.arange(1, flat.size + 1, dtype=np.int64) % CHECKSUM_PRIME
+    terms = weights * (flat % CHECKSUM_PRIME + 1) % CHECKSUM_PRIME
+    return int(terms.sum() % CHECKSUM_PRIME)
+
+
+def targets_mismatch(counts: tuple[int, int] | None = None, count: int = 0, checksum: int = 0) -> MismatchError:
+    """The error for a tensor group whose ranks hold different targets ([Note: one set of targets per tensor
+    group]): ``counts`` is the group's (fewest, most) targets, ``count`` and ``checksum`` this rank's (None:
+    not known, as when a graph is traced)."""
+    what = ""
+    if counts is not None:
+        least, most = counts
+        what = (f" ({least} to {most} targets; this rank {count})" if least != most else
+                f" ({count} targets each, of different values; this rank's checksum {checksum})")
+    return MismatchError(
+        f"vocab_parallel_cross_entropy: the ranks of the tensor group were given different targets{what}. "
+        "Every rank of a tensor group must compute the loss of the same batch: shard the data by the "
+        "data-parallel rank (Grid.coords(rank).dp, over Grid.dp ranks), not by the job's rank")
