@@ -460,3 +460,41 @@ def test_compile_on_a_gpu_host_does_not_pick_xla_for_the_table(monkeypatch):
     plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     plain.compile(optimizer="sgd", loss="mse")
     assert plain.jit_compile is True  # (the fake GPU is seen: a model without the table gets XLA)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_two_layers_on_one_table_push_once_per_step_as_one_process(strategy, graph):  # (inits Unison)
+    """A user and an item tower: two layers given one ``table=``, Adagrad, a custom loop without a strategy.
+    Until 2026-12-07 each layer kept and pushed its own rows: two pushes per step, Adagrad stepped twice.
+    The reference: one process, both inputs looking up one table, Adagrad applied once per step."""
+    lr, b = 0.3, 2
+    table = ps.ShardedTable(ROWS, DIM, optimizer=ps.Adagrad(lr), initializer=init_rows, name=f"towers-{graph}")
+    user, item = ShardedEmbedding(ROWS, DIM, table=table, name="user"), ShardedEmbedding(ROWS, DIM, table=table,
+                                                                                          name="item")
+    user.build((None,))
+    item.build((None,))
+    g = np.random.default_rng(3)
+    steps = [(g.integers(0, ROWS, b * N), g.integers(0, ROWS, b * N)) for _ in range(3)]
+
+    def step(u: tf.Tensor, i: tf.Tensor) -> None:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.reduce_sum(user(u) * item(i), -1) ** 2)
+        tape.gradient(loss, user.trainable_variables + item.trainable_variables)
+
+    run = tf.function(step) if graph else step
+    part = slice(R * b, (R + 1) * b)
+    for u, i in steps:
+        run(tf.constant(u[part]), tf.constant(i[part]))
+        user.synchronize()
+    rows = table.to_numpy()
+    assert table.stats()["pushes"] == len(steps)
+    w, acc = init_rows(np.arange(ROWS)).astype("float64"), np.zeros((ROWS, DIM))
+    for u, i in steps:
+        dot = np.sum(w[u] * w[i], -1, keepdims=True)  # d mean(dot^2) / d rows, both lookups summed
+        grad = np.zeros_like(w)
+        np.add.at(grad, u, 2 * dot * w[i] / len(u))
+        np.add.at(grad, i, 2 * dot * w[u] / len(u))
+        acc += grad * grad
+        w = w - lr * grad / (np.sqrt(acc) + 1e-10)
+    np.testing.assert_allclose(rows, w, rtol=1e-5, atol=1e-6)
+    table.close()

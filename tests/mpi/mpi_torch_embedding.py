@@ -235,3 +235,127 @@ def test_an_empty_float_batch_on_one_rank_and_float_ids_raise_on_every_rank():
     with pytest.raises(ps.TableError, match="keys must be integers"):
         emb(torch.tensor([1.0, 2.0]) if R == 0 else torch.tensor([3]))
     np.testing.assert_array_equal(emb(torch.tensor([4])).detach().numpy().shape, (1, DIM))  # still usable
+
+
+def adagrad_reference(steps, lr, loss_of):
+    """One process: nn.Embedding with the same initial rows, torch's Adagrad stepped once per step."""
+    ref = torch.nn.Embedding(ROWS, DIM, dtype=torch.float64)
+    with torch.no_grad():
+        ref.weight.copy_(torch.from_numpy(init_rows(np.arange(ROWS))))
+    opt = torch.optim.Adagrad(ref.parameters(), lr=lr)
+    for step in steps:
+        opt.zero_grad()
+        loss_of(ref, step).backward()
+        opt.step()
+    return ref.weight.detach().numpy()
+
+
+def test_two_modules_on_one_table_push_once_per_step_as_one_process():
+    """A user and an item tower: two ShardedEmbedding modules given one ``table=``. Until 2026-12-07 each
+    module kept and pushed its own gradients: two pushes per step, the table's Adagrad stepped twice (0.234
+    off one process at 2 ranks). The table now holds one step's gradients for all its modules."""
+    lr, b = 0.3, 2
+    table = ps.ShardedTable(ROWS, DIM, "float64", optimizer=ps.Adagrad(lr), initializer=init_rows,
+                            name="two-towers")
+    user = hvd.ShardedEmbedding(ROWS, DIM, table=table)
+    item = hvd.ShardedEmbedding(ROWS, DIM, table=table)
+    g = np.random.default_rng(3)
+    steps = [(torch.from_numpy(g.integers(0, ROWS, b * N)), torch.from_numpy(g.integers(0, ROWS, b * N)))
+             for _ in range(3)]
+    part = slice(R * b, (R + 1) * b)
+    for u, i in steps:
+        (user(u[part]) * item(i[part])).sum(-1).pow(2).mean().backward()
+        user.synchronize()
+        item.synchronize()
+    got = table.to_numpy()
+    assert table.stats()["pushes"] == len(steps)
+    ref = adagrad_reference(steps, lr, lambda emb, s: (emb(s[0]) * emb(s[1])).sum(-1).pow(2).mean())
+    np.testing.assert_allclose(got, ref, rtol=1e-9, atol=1e-12)
+    table.close()
+
+
+def passes_model(name):
+    emb = hvd.ShardedEmbedding(ROWS, DIM, ps.Adagrad(0.3), dtype=torch.float64, initializer=init_rows, name=name)
+    head = torch.nn.Linear(DIM, 1, dtype=torch.float64)
+    with torch.no_grad():
+        head.weight.fill_(0.5)
+        head.bias.zero_()
+    return emb, head
+
+
+PASS_IDS = [np.array([[1, 2], [3, 1], [5, 5]]), np.array([[0, 1], [1, 4], [2, 3]])]  # pass m, rank r: [m][r % 3]
+
+
+def test_an_unrelated_optimizer_made_later_leaves_the_tables_backward_passes_alone():
+    """Model A's DistributedOptimizer accumulates 2 backward passes per step; another model's optimizer (1 pass)
+    is made after it. Until 2026-12-07 the passes per step were one process-wide value, set by the last
+    optimizer made: A's table pushed after each pass and its Adagrad stepped twice (0.199 off one process)."""
+    emb, head = passes_model("passes-unrelated")
+    opt_a = hvd.DistributedOptimizer(torch.optim.SGD(head.parameters(), lr=0.0),
+                                     named_parameters=head.named_parameters(), backward_passes_per_step=2)
+    other = torch.nn.Linear(1, 1)
+    opt_b = hvd.DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1),  # noqa: F841 (alive: the point)
+                                     named_parameters=[("other." + n, p) for n, p in other.named_parameters()])
+    opt_a.zero_grad()
+    for m in range(2):
+        head(emb(torch.from_numpy(PASS_IDS[m][R % 3]))).pow(2).sum().backward()
+    opt_a.step()
+    got = emb.table.to_numpy()
+    assert emb.table.stats()["pushes"] == 1
+
+    def loss_of(ref, _):
+        ref_head = torch.nn.Linear(DIM, 1, dtype=torch.float64)
+        with torch.no_grad():
+            ref_head.weight.fill_(0.5)
+            ref_head.bias.zero_()
+        return sum(ref_head(ref(torch.from_numpy(PASS_IDS[m][r % 3]))).pow(2).sum() / N
+                   for m in range(2) for r in range(N))
+
+    np.testing.assert_allclose(got, adagrad_reference([None], 0.3, loss_of), rtol=1e-9, atol=1e-12)
+    emb.table.close()
+
+
+def test_optimizers_with_different_passes_training_one_table_raise_on_every_rank():
+    """Two live optimizers (2 and 1 backward passes per step) both get gradients in a backward pass through the
+    table: after how many passes to push is ambiguous, and every rank raises (before 2026-12-07 the last
+    optimizer made decided, silently)."""
+    emb, head = passes_model("passes-ambiguous")
+    other = torch.nn.Linear(DIM, 1, dtype=torch.float64)
+    opt_a = hvd.DistributedOptimizer(torch.optim.SGD(head.parameters(), lr=0.0),
+                                     named_parameters=head.named_parameters(), backward_passes_per_step=2)
+    opt_b = hvd.DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.0),
+                                     named_parameters=[("other." + n, p) for n, p in other.named_parameters()])
+    out = emb(torch.from_numpy(PASS_IDS[0][R % 3]))
+    with pytest.raises(RuntimeError, match=r"different backward_passes_per_step \(\[1, 2\]\)"):
+        (head(out) + other(out)).pow(2).sum().backward()
+    assert emb.table.stats()["pushes"] == 0
+    for opt in (opt_a, opt_b):  # (their reductions in flight end; nothing keeps them claiming later tables)
+        opt.synchronize()
+        opt.zero_grad()
+    emb.table.close()
+
+
+def test_a_grad_scaler_is_refused_on_every_rank_and_the_table_is_untouched():
+    """torch's GradScaler unscales the dense gradients in scaler.step() and skips overflowed steps; the table
+    is pushed when backward() ends, before both. Until 2026-12-07 it took the scaled gradient (x1024 here)
+    silently: [Note: loss scaling is refused] in unison/torch_backend/embedding.py."""
+    emb = hvd.ShardedEmbedding(4, 2, ps.SGD(0.1), dtype=torch.float64, initializer="zeros", name="amp",
+                               sharding="row")
+    head = torch.nn.Linear(2, 1, dtype=torch.float64)
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor([[0.5, -0.25]]))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(head.parameters(), lr=0.0),
+                                   named_parameters=head.named_parameters())
+    for scaler in (torch.amp.GradScaler("cpu", init_scale=1024.0), hvd.GradScaler("cpu", init_scale=1024.0)):
+        opt.zero_grad()
+        loss = head(emb(torch.tensor([1]))).sum()
+        with pytest.raises(RuntimeError, match=r"'amp' cannot train under a GradScaler \(loss scale 1024.0\)"):
+            scaler.scale(loss).backward()
+        opt.synchronize()
+    np.testing.assert_array_equal(emb.table.to_numpy(), np.zeros((4, 2)))
+    assert emb.table.stats()["pushes"] == 0
+    opt.zero_grad()  # a backward without loss scaling trains the table as before
+    head(emb(torch.tensor([1]))).sum().backward()
+    opt.step()
+    np.testing.assert_allclose(emb.table.pull([1])[0], [-0.05, 0.025], rtol=1e-12)
+    emb.table.close()

@@ -24,15 +24,18 @@ strategy (a custom loop with ``DistributedOptimizer`` or ``DistributedGradientTa
 average), the gradient is pushed as is and the table averages it.
 
 [Note: one push per training step, TensorFlow]
-The table's optimizer steps once per push, so a layer called twice in a step (a table shared by
-two inputs) must push once, the two lookups' rows together, as a Keras ``Embedding``'s optimizer
-steps once on the summed gradient. Each push callback only keeps its rows' gradient; the layer
-counts the training lookups (a pull with ``training`` not False) since its last push, and the
-push callback that brings the count to zero pushes everything kept as one push, still inside the
-backward pass. A lookup whose output never reaches a gradient leaves the count above zero: the next
-lookup after a push callback, or ``synchronize()``/``save_table()``/``load_table()``, pushes what is
-kept first, so nothing is lost and no push lands after a later pull. Before 2026-12-06 each lookup
-pushed on its own, and Adagrad or Adam stepped twice.
+The table's optimizer steps once per push, so a layer called twice in a step (a table shared by two
+inputs) must push once, the two lookups' rows together, as a Keras ``Embedding``'s optimizer steps once
+on the summed gradient. Each push callback only keeps its rows' gradient; the table's state
+(:class:`_TableSteps`, shared by every layer looking into the table) counts the training lookups (a pull
+with ``training`` not False) since its last push, and the push callback that brings the count to zero
+pushes everything kept as one push, still inside the backward pass. Two layers given one ``table=`` (a
+user and an item tower) are two lookups of one step: until 2026-12-07 each layer kept and pushed its
+own, and the table's Adagrad or Adam stepped twice per step. A lookup whose output never reaches a
+gradient leaves the count above zero: the next lookup after a push callback, or
+``synchronize()``/``save_table()``/``load_table()``, pushes what is kept first, so nothing is lost and
+no push lands after a later pull. Before 2026-12-06 each lookup pushed on its own, and Adagrad or Adam
+stepped twice.
 
 [Note: the table follows the optimizer's accumulation]
 A Keras optimizer with ``gradient_accumulation_steps=k`` changes the dense weights once every k
@@ -63,6 +66,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from typing import Any
 
 import keras
@@ -142,6 +146,29 @@ def _hook_fit() -> None:
     _FIT_HOOKED = True
 
 
+class _TableSteps:
+    """One table's training-step state, shared by every layer looking into it ([Note: one push per training
+    step, TensorFlow]): two layers given one ``table=`` (a user and an item tower) push once per step."""
+
+    def __init__(self) -> None:
+        self.pending: list[Handle] = []
+        self.kept: list[tuple[np.ndarray, np.ndarray]] = []  # this step's rows' gradients
+        self.open = 0  # training lookups since the last push
+        self.pushing = False  # a push callback ran since the last lookup
+        self.optimizer: Any = None  # [Note: the table follows the optimizer's accumulation]
+        self.iteration = -1  # the followed optimizer's counter when this step's push callback ran
+        self.accumulated: list[tuple[np.ndarray, np.ndarray]] = []  # steps kept until the update step
+        self.rows = -1  # this step's batch rows under unison.keras.DataParallel (-1: elsewhere)
+
+
+_STEPS: weakref.WeakKeyDictionary[ShardedTable, _TableSteps] = weakref.WeakKeyDictionary()
+
+
+def _table_steps(table: ShardedTable) -> _TableSteps:
+    """``table``'s :class:`_TableSteps` (made by its first layer)."""
+    return _STEPS.setdefault(table, _TableSteps())
+
+
 @keras.saving.register_keras_serializable(package="unison")
 class ShardedEmbedding(keras.layers.Layer):
     """An embedding lookup into a :class:`unison.ps.ShardedTable` of ``num_rows x dim`` (Keras 3, TF backend).
@@ -204,14 +231,7 @@ class ShardedEmbedding(keras.layers.Layer):
             "initializer": initializer if isinstance(initializer, str) else "uniform",
             "seed": seed,
         }
-        self._pending: list[Handle] = []
-        self._kept: list[tuple[np.ndarray, np.ndarray]] = []  # [Note: one push per training step, TensorFlow]
-        self._open = 0  # training lookups since the last push
-        self._pushing = False  # a push callback ran since the last lookup
-        self._optimizer: Any = None  # [Note: the table follows the optimizer's accumulation]
-        self._iteration = -1  # the followed optimizer's counter when this step's push callback ran
-        self._accumulated: list[tuple[np.ndarray, np.ndarray]] = []  # steps kept until the update step
-        self._rows = -1  # this step's batch rows under unison.keras.DataParallel (-1: elsewhere)
+        self._shared = _table_steps(table)  # [Note: one push per training step, TensorFlow]
         _hook_fit()
 
     def build(self, input_shape: Any = None) -> None:
@@ -227,19 +247,19 @@ class ShardedEmbedding(keras.layers.Layer):
 
     # host callbacks ----------------------------------------------------------------------------------
     def _pull(self, keys: np.ndarray, training: np.ndarray) -> np.ndarray:
-        if self._pushing:  # a new step: what a lookup without a gradient left kept goes first (see the Note)
+        if self._shared.pushing:  # a new step: what a lookup without a gradient left kept goes first (Note)
             self._flush()
         self._wait_pushes()  # raise an earlier push's error here (the table orders the pull after it anyway)
         if bool(training):
-            self._open += 1
+            self._shared.open += 1
         return np.asarray(self.table.pull(np.asarray(keys, np.int64)), self.table.dtype)
 
     def _push(self, keys: np.ndarray, grads: np.ndarray, scale: np.ndarray, counter: np.ndarray,
               rows: np.ndarray) -> np.ndarray:
         g = np.array(grads, self.table.dtype) * np.asarray(scale, self.table.dtype)  # a copy: pushed later
-        self._kept.append((np.array(keys, np.int64), g))
-        self._pushing = True
-        self._rows = int(rows)
+        self._shared.kept.append((np.array(keys, np.int64), g))
+        self._shared.pushing = True
+        self._shared.rows = int(rows)
         steps = self._accumulation()
         if steps > 1:
             if int(counter) < 0:  # (a ValueError: TensorFlow reports it from a graph as InvalidArgumentError)
@@ -247,9 +267,9 @@ class ShardedEmbedding(keras.layers.Layer):
                     f"ShardedEmbedding {self.name!r} follows an optimizer with gradient_accumulation_steps="
                     f"{steps}, but this step was traced before it did; call layer.follow(optimizer) before the "
                     "first step of a tf.function (model.fit does)")
-            self._iteration = int(counter)
-        self._open -= 1
-        if self._open <= 0:  # the step's last lookup: [Note: one push per training step, TensorFlow]
+            self._shared.iteration = int(counter)
+        self._shared.open -= 1
+        if self._shared.open <= 0:  # the step's last lookup: [Note: one push per training step, TensorFlow]
             self._flush()
         return np.zeros(1, self.table.dtype)  # (not 0-d: host_ops [Note: a callback's key is not 0-d])
 
@@ -257,27 +277,28 @@ class ShardedEmbedding(keras.layers.Layer):
         """End the step: push the kept rows' gradients as one push (the table sums duplicate keys), or under
         the followed optimizer's accumulation keep them until its update step ([Note: the table follows the
         optimizer's accumulation])."""
-        kept, self._kept, self._open, self._pushing = self._kept, [], 0, False
+        shared = self._shared
+        kept, shared.kept, shared.open, shared.pushing = shared.kept, [], 0, False
         if not kept:
             return
-        weight = self._rows_weight(self._rows)  # (once per step: every lookup of it has the same rows)
+        weight = self._rows_weight(self._shared.rows)  # (once per step: every lookup of it has the same rows)
         if weight != 1.0:
             for _, g in kept:
                 g *= np.asarray(weight, g.dtype)
         steps = self._accumulation()
         if steps > 1:
-            self._accumulated.extend(kept)
-            if (self._iteration + 1) % steps:
+            self._shared.accumulated.extend(kept)
+            if (self._shared.iteration + 1) % steps:
                 return
-            kept, self._accumulated = self._accumulated, []
+            kept, self._shared.accumulated = self._shared.accumulated, []
         self._push_now(kept, steps)
 
     def _push_now(self, kept: list[tuple[np.ndarray, np.ndarray]], steps: int) -> None:
         grads = np.concatenate([g for _, g in kept])
         if steps > 1:  # the mean of the steps, times what the optimizer applies of it (Horovod's sum: k)
-            factor = float(getattr(self._optimizer, "_unison_accumulation_factor", 1.0))
+            factor = float(getattr(self._shared.optimizer, "_unison_accumulation_factor", 1.0))
             grads *= np.asarray(factor / steps, grads.dtype)
-        self._pending.append(self.table.push_async(np.concatenate([k for k, _ in kept]), grads))
+        self._shared.pending.append(self.table.push_async(np.concatenate([k for k, _ in kept]), grads))
 
     def _rows_weight(self, rows: int) -> float:
         """This rank's weight among the table's workers in a step of ``rows`` batch rows (``unison.keras.
@@ -308,12 +329,12 @@ class ShardedEmbedding(keras.layers.Layer):
         optimizer counts the step (same variable), where the callback ran after it (measured: a callback
         read saw every step's counter already counted)."""
         if self._accumulation() > 1:
-            return tf.cast(keras.ops.convert_to_tensor(self._optimizer._iterations), tf.int64)
+            return tf.cast(keras.ops.convert_to_tensor(self._shared.optimizer._iterations), tf.int64)
         return tf.constant(-1, tf.int64)
 
     def _accumulation(self) -> int:
         """The followed optimizer's ``gradient_accumulation_steps`` (1: none, or no optimizer followed)."""
-        return int(getattr(self._optimizer, "gradient_accumulation_steps", None) or 1)
+        return int(getattr(self._shared.optimizer, "gradient_accumulation_steps", None) or 1)
 
     def follow(self, optimizer: Any) -> None:
         """Push to the table at ``optimizer``'s update steps only: with ``gradient_accumulation_steps=k``
@@ -321,6 +342,7 @@ class ShardedEmbedding(keras.layers.Layer):
         accumulation]). ``model.fit`` calls it with the model's optimizer; call it in a custom loop whose
         Keras optimizer accumulates. ``None`` stops following (a push every step).
         Steps accumulated for an optimizer no longer followed are pushed at once (a warning says so).
+        The table follows it: every layer looking into the table, as the step's rows are the table's.
 
         Raises:
             TypeError: ``optimizer`` is neither None nor a Keras optimizer.
@@ -328,21 +350,22 @@ class ShardedEmbedding(keras.layers.Layer):
         if optimizer is not None and not isinstance(optimizer, keras.optimizers.Optimizer):
             raise TypeError(f"ShardedEmbedding.follow({optimizer!r}): give the Keras optimizer that trains the "
                             "model (a keras.optimizers.Optimizer), or None")
-        if optimizer is not self._optimizer and self._accumulated:
+        if optimizer is not self._shared.optimizer and self._shared.accumulated:
             logger.warning("ShardedEmbedding %r: follows another optimizer while %d step(s) of row gradients "
                            "wait for the last one's update step; they are pushed now", self.name,
-                           len(self._accumulated))
-            accumulated, self._accumulated = self._accumulated, []
+                           len(self._shared.accumulated))
+            accumulated, self._shared.accumulated = self._shared.accumulated, []
             self._push_now(accumulated, self._accumulation())
-        self._optimizer = optimizer
+        self._shared.optimizer = optimizer
 
     def _wait_pushes(self) -> None:
-        pending, self._pending = self._pending, []
+        pending, self._shared.pending = self._shared.pending, []
         for handle in pending:
             handle.wait()
 
     def synchronize(self) -> None:
-        """Push what is kept and wait until this layer's pushes so far are applied (raises a push's error)."""
+        """Push what the table keeps (from every layer looking into it) and wait until its pushes so far are
+        applied (raises a push's error)."""
         self._flush()
         self._wait_pushes()
 
@@ -416,10 +439,10 @@ class ShardedEmbedding(keras.layers.Layer):
         waiting for the optimizer's update step (``gradient_accumulation_steps``) are not in the table yet,
         so not saved (a warning says so)."""
         self.synchronize()
-        if self._accumulated:
+        if self._shared.accumulated:
             logger.warning("ShardedEmbedding %r: saved while %d step(s) of row gradients wait for the optimizer's "
                            "update step (gradient_accumulation_steps): they are not in the saved table; save "
-                           "after an update step to keep them", self.name, len(self._accumulated))
+                           "after an update step to keep them", self.name, len(self._shared.accumulated))
         return self.table.save(path, metadata)
 
     def load_table(self, path: Any) -> dict[str, Any]:
@@ -427,8 +450,8 @@ class ShardedEmbedding(keras.layers.Layer):
         waiting for the optimizer's update step belong to the training before the load: they are dropped (a
         warning says so), as loading the model's optimizer variables drops its accumulated gradients."""
         self.synchronize()
-        if self._accumulated:
+        if self._shared.accumulated:
             logger.warning("ShardedEmbedding %r: loading drops %d step(s) of row gradients that waited for the "
-                           "optimizer's update step", self.name, len(self._accumulated))
-            self._accumulated = []
+                           "optimizer's update step", self.name, len(self._shared.accumulated))
+            self._shared.accumulated = []
         return self.table.load(path)

@@ -8,19 +8,46 @@ parameter of the model: ``unison.torch_backend.DistributedOptimizer`` all-reduce
 parameters and its ``synchronize()``/``step()`` also waits for the pushes. See docs/embeddings.md.
 
 [Note: one push per optimizer step]
-The table's optimizer steps once per push, so a module pushes once per optimizer step, as a
+The table's optimizer steps once per push, so a table is pushed once per optimizer step, as a
 dense ``nn.Embedding``'s optimizer steps once on the gradient summed over every lookup and
 backward pass. Each lookup's hook only keeps its rows' gradient; a callback queued on the
 autograd engine (the first hook of a backward queues it) runs when that backward ends and pushes
 everything kept as one push (the table sums duplicate keys), once every ``backward_passes_per_step``
-passes of the last ``DistributedOptimizer`` made (:func:`follow_backward_passes`); its
-``synchronize()`` pushes whatever is left. Before 2026-12-06 each lookup pushed on its own: a
-module called twice in a step, or a step of two backward passes, stepped Adagrad or Adam twice
-and differed from one process (SGD does not see the difference).
+passes ([Note: the passes of the optimizer that trains the table]); ``synchronize()`` pushes whatever is
+left. The kept gradients, the pass count and the callback belong to the *table* (:class:`_Steps`), not
+to a module: every module looking into one table (``table=``, e.g. a user tower and an item tower
+sharing one table) adds to the same push. Before 2026-12-06 each lookup pushed on its own, and until
+2026-12-07 each module kept its own gradients: two modules on one table, a module called twice in a
+step, or a step of two backward passes stepped Adagrad or Adam two or more times per step and differed
+from one process (SGD does not see the difference).
+
+[Note: the passes of the optimizer that trains the table]
+How many backward passes make a step is the ``backward_passes_per_step`` of the ``DistributedOptimizer``
+that trains the model. Every ``DistributedOptimizer`` registers itself when made
+(:func:`follow_backward_passes`; the count is read from it when a backward pass ends, so its setter
+needs nothing more). When a backward pass through the table ends, the optimizers that train it are
+the live ones whose parameters got a gradient since their last step (their gradient hooks counted
+it; without hooks, in one process, their ``.grad`` is set): the table takes their count, or 1 when
+there is none (a plain torch optimizer). If they disagree the count is ambiguous: a RuntimeError on
+every rank (all run the same passes) says so. (Each optimizer's ``synchronize()`` still pushes what every
+table has kept: step an optimizer that does not train a table between that table's passes and it is
+pushed early.) Before 2026-12-07 the count was one process-wide value, set by the last optimizer
+made: an unrelated optimizer made later (another model's, count 1) made a count-2 model's table
+push twice per step.
+
+[Note: loss scaling is refused]
+torch's ``GradScaler`` scales the loss, unscales the dense gradients in ``scaler.step`` and skips
+steps whose gradients overflowed. The table is pushed when ``backward()`` ends, before either, so it
+would get the scaled gradient (x1024 at ``init_scale=1024``) and the skipped steps too. The module
+refuses it instead: when the first ShardedEmbedding is made, ``GradScaler.scale`` is wrapped to mark
+the backward passes that start from a scaled loss (a pre-hook on its ``grad_fn``, by autograd graph
+task), and a row gradient arriving in such a pass raises a RuntimeError before anything is kept or
+pushed; every rank scales the same losses, so every rank raises. A loss scaled by hand cannot be seen.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -32,15 +59,133 @@ from unison.common.ps import Handle, ShardedTable
 __all__ = ["ShardedEmbedding", "synchronize_embeddings"]
 
 _live: weakref.WeakSet[ShardedEmbedding] = weakref.WeakSet()
-#: backward passes per optimizer step: a module pushes after this many (:func:`follow_backward_passes`)
-_passes_per_step = 1
+#: live DistributedOptimizers ([Note: the passes of the optimizer that trains the table])
+_optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
+#: each table's gradients between pushes, shared by its modules ([Note: one push per optimizer step])
+_steps: weakref.WeakKeyDictionary[ShardedTable, _Steps] = weakref.WeakKeyDictionary()
+#: autograd graph tasks started from a GradScaler-scaled loss -> the scaler ([Note: loss scaling is refused])
+_scaled: dict[int, Any] = {}
+_SCALER_HOOKED = False
 
 
-def follow_backward_passes(passes: int) -> None:
-    """Make every ShardedEmbedding push once every ``passes`` backward passes (a ``DistributedOptimizer``'s
-    ``backward_passes_per_step``: it calls this when made or changed); see [Note: one push per optimizer step]."""
-    global _passes_per_step
-    _passes_per_step = int(passes)
+def follow_backward_passes(optimizer: Any) -> None:
+    """Register a ``DistributedOptimizer`` (it calls this when made): the tables it trains push once every
+    ``optimizer.backward_passes_per_step`` passes; see [Note: the passes of the optimizer that trains the
+    table]."""
+    _optimizers.add(optimizer)
+
+
+def _trains_now(optimizer: Any) -> bool:
+    """Whether ``optimizer``'s parameters got a gradient since its last step: its gradient hooks count
+    them down (``_delay``; ZeRO-2 flags ``_backward_pending``); an optimizer without hooks (one process)
+    has a ``.grad`` set."""
+    if getattr(optimizer, "_backward_pending", False):
+        return True
+    if getattr(optimizer, "_hooks", None):
+        passes = optimizer.backward_passes_per_step
+        return any(left < passes for left in optimizer._delay.values())
+    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
+
+
+class _Steps:
+    """One table's row gradients between its pushes, shared by every module looking into it: [Note: one
+    push per optimizer step]. It holds no reference to the table (the table is passed in)."""
+
+    def __init__(self) -> None:
+        self.kept: list[tuple[np.ndarray, np.ndarray]] = []  # rows' gradients not pushed yet
+        self.passes = 0  # backward passes whose gradients are kept
+        self.queued = False  # the end-of-backward callback is queued
+        self.pending: list[Handle] = []
+
+    def keep(self, table: ShardedTable, keys: np.ndarray, rows: np.ndarray) -> None:
+        self.kept.append((keys, rows))
+        if not self.queued:  # pushed when this backward ends
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._backward_ended(table))
+
+    def _backward_ended(self, table: ShardedTable) -> None:
+        self.queued = False
+        self.passes += 1
+        if self.passes >= self.passes_per_step(table.name):
+            self.flush(table)
+
+    def passes_per_step(self, name: str) -> int:
+        """[Note: the passes of the optimizer that trains the table]
+
+        Raises:
+            RuntimeError: optimizers with different ``backward_passes_per_step`` train the table now.
+        """
+        counts = sorted({int(o.backward_passes_per_step) for o in list(_optimizers) if _trains_now(o)})
+        if len(counts) > 1:
+            raise RuntimeError(
+                f"ShardedEmbedding table {name!r}: the DistributedOptimizers that got gradients in this backward "
+                f"pass have different backward_passes_per_step ({counts}), so the table cannot tell after how "
+                "many passes to push; give them the same backward_passes_per_step, or train the table's model "
+                "with one optimizer")
+        return counts[0] if counts else 1
+
+    def flush(self, table: ShardedTable) -> None:
+        """Push the kept gradients as one push (duplicate keys summed by the table)."""
+        kept, self.kept, self.passes = self.kept, [], 0
+        for handle in [h for h in self.pending if h.done()]:  # (kept short under any optimizer; errors raised)
+            self.pending.remove(handle)
+            handle.wait()
+        if kept:
+            keys = np.concatenate([k for k, _ in kept])
+            rows = np.concatenate([g for _, g in kept])
+            self.pending.append(table.push_async(keys, rows))
+
+    def synchronize(self, table: ShardedTable) -> None:
+        self.flush(table)
+        pending, self.pending = self.pending, []
+        for handle in pending:
+            handle.wait()
+
+
+def _hook_grad_scaler() -> None:
+    """Wrap ``torch.amp.GradScaler.scale`` (once, when the first ShardedEmbedding is made) to mark the backward
+    passes of scaled losses: [Note: loss scaling is refused]. Subclasses (``unison.torch_backend.GradScaler``,
+    ``torch.cuda.amp.GradScaler``) inherit it."""
+    global _SCALER_HOOKED
+    if _SCALER_HOOKED:
+        return
+    original = torch.amp.GradScaler.scale
+
+    @functools.wraps(original)
+    def scale(self: Any, outputs: Any) -> Any:
+        scaled = original(self, outputs)
+        if self.is_enabled():
+            _mark_scaled(scaled, self)
+        return scaled
+
+    torch.amp.GradScaler.scale = scale
+    _SCALER_HOOKED = True
+
+
+def _mark_scaled(outputs: Any, scaler: Any) -> None:
+    if isinstance(outputs, (list, tuple)):
+        for output in outputs:
+            _mark_scaled(output, scaler)
+    elif isinstance(outputs, torch.Tensor) and outputs.grad_fn is not None:
+        outputs.grad_fn.register_prehook(functools.partial(_scaled_backward_starts, scaler))
+
+
+def _scaled_backward_starts(scaler: Any, grad_outputs: Any) -> None:
+    task = torch._C._current_graph_task_id()
+    _scaled[task] = scaler
+    torch.autograd.Variable._execution_engine.queue_callback(lambda: _scaled.pop(task, None))
+
+
+def _refuse_scaled(name: str) -> None:
+    """Raise when this backward pass started from a GradScaler-scaled loss: [Note: loss scaling is refused]."""
+    scaler = _scaled.pop(torch._C._current_graph_task_id(), None) if _scaled else None
+    if scaler is not None:  # (popped: the failed backward runs no callback)
+        raise RuntimeError(
+            f"ShardedEmbedding {name!r} cannot train under a GradScaler (loss scale {scaler.get_scale()}): its "
+            "rows' gradient is pushed to the table when backward() ends, before the scaler unscales it or skips "
+            "an overflowed step, so the table would take the scaled gradient. Train without loss scaling (a "
+            "bfloat16 autocast needs none), or keep the GradScaler for a model without ShardedEmbedding")
+
 
 _DTYPES = {torch.float32: "float32", torch.float64: "float64"}
 
@@ -77,11 +222,9 @@ class ShardedEmbedding(torch.nn.Module):
             raise TypeError(problem)
         self.table = table
         self.num_rows, self.embedding_dim = self.table.num_rows, self.table.dim
-        self._pending: list[Handle] = []
-        self._kept: list[tuple[np.ndarray, np.ndarray]] = []  # rows' gradients not pushed yet (see the Note)
-        self._passes = 0  # backward passes whose gradients are kept
-        self._queued = False  # the end-of-backward callback is queued
+        self._steps = _steps.setdefault(table, _Steps())  # shared: [Note: one push per optimizer step]
         _live.add(self)
+        _hook_grad_scaler()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         keys = ids.detach().cpu().reshape(-1)
@@ -102,37 +245,16 @@ class ShardedEmbedding(torch.nn.Module):
         return out.reshape(*ids.shape, self.embedding_dim).to(ids.device)
 
     def _push(self, keys: np.ndarray, grad: torch.Tensor) -> None:
+        _refuse_scaled(self.table.name)  # [Note: loss scaling is refused]
         # a copy: the push reads it later, and autograd may add into this very buffer meanwhile
         # (a second backward through the same forward accumulates into the rows' .grad in place)
         rows = grad.detach().cpu().numpy()
-        self._kept.append((keys, rows.copy() if grad.device.type == "cpu" else rows))
-        if not self._queued:  # pushed when this backward ends: [Note: one push per optimizer step]
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
-
-    def _backward_ended(self) -> None:
-        self._queued = False
-        self._passes += 1
-        if self._passes >= _passes_per_step:
-            self._flush()
-
-    def _flush(self) -> None:
-        """Push the kept gradients as one push (duplicate keys summed by the table)."""
-        kept, self._kept, self._passes = self._kept, [], 0
-        for handle in [h for h in self._pending if h.done()]:  # (kept short under any optimizer; errors raised)
-            self._pending.remove(handle)
-            handle.wait()
-        if kept:
-            keys = np.concatenate([k for k, _ in kept])
-            rows = np.concatenate([g for _, g in kept])
-            self._pending.append(self.table.push_async(keys, rows))
+        self._steps.keep(self.table, keys, rows.copy() if grad.device.type == "cpu" else rows)
 
     def synchronize(self) -> None:
-        """Push the gradients kept so far and wait until this module's pushes are done (raises a push's error)."""
-        self._flush()
-        pending, self._pending = self._pending, []
-        for handle in pending:
-            handle.wait()
+        """Push the table's gradients kept so far (from every module looking into it) and wait until its
+        pushes are done (raises a push's error)."""
+        self._steps.synchronize(self.table)
 
     def save(self, path: Any, metadata: dict[str, Any] | None = None) -> Any:
         """Save the table (rows and optimizer state) to the folder ``path``. Collective."""

@@ -94,7 +94,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # Horovod's attributes, which user code reads
         self._parameter_names = self._names
         self.backward_passes_per_step = backward_passes_per_step
-        follow_backward_passes(backward_passes_per_step)  # [Note: one push per optimizer step] in embedding.py
+        follow_backward_passes(self)  # [Note: the passes of the optimizer that trains the table] in embedding.py
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
         self.sparse_as_dense = sparse_as_dense
@@ -117,7 +117,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"backward_passes_per_step={passes} must be >= 1")
         self.backward_passes_per_step = self._passes = passes
         self._delay = {p: passes for p in self._params}
-        follow_backward_passes(passes)
+        follow_backward_passes(self)  # (registered when made: the count is read from self)
 
     # ------------------------------------------------------------- hooks
     def _on_grad(self, p: torch.Tensor) -> None:

@@ -94,7 +94,7 @@ class _ZeroOptimizer(ZeroStateMixin):
         self._compression, self._op = compression, op
         self._prescale, self._postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
         self.backward_passes_per_step = self._passes = backward_passes_per_step
-        follow_backward_passes(backward_passes_per_step)  # [Note: one push per optimizer step] in embedding.py
+        follow_backward_passes(self)  # [Note: the passes of the optimizer that trains the table] in embedding.py
         self.op, self.gradient_predivide_factor = op, gradient_predivide_factor
         self.process_set = process_set if process_set is not None else global_process_set
         self._pset = process_set
@@ -350,7 +350,7 @@ class _ZeroOptimizer(ZeroStateMixin):
             raise ValueError(f"backward_passes_per_step={passes} must be >= 1")
         self.backward_passes_per_step = self._passes = passes
         self._delay = {p: passes for p in self._bucket_of}
-        follow_backward_passes(passes)
+        follow_backward_passes(self)  # (registered when made: the count is read from self)
 
     def step(self, closure: Any = None) -> Any:
         if closure is not None:
