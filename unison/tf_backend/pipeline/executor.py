@@ -213,9 +213,11 @@ class Pipeline(PipelineRunner):
             summed: dict[int, Any] = {}
             for s in sorted(self.stages):
                 for v, g in zip(self.stages[s].weights, grads[s], strict=True):
-                    summed[id(v)] = g if id(v) not in summed else summed[id(v)] + g
-            variables = self.trainable_variables
-            self.optimizer.apply([summed[id(v)] for v in variables], variables)
+                    if g is not None:  # (None: [Note: no gradient through integers])
+                        summed[id(v)] = g if id(v) not in summed else summed[id(v)] + g
+            variables = [v for v in self.trainable_variables if id(v) in summed]
+            if variables:
+                self.optimizer.apply([summed[id(v)] for v in variables], variables)
 
         # agreed: an optimizer that fails on one rank raises on every rank (before 2026-12-05 the others
         # waited in global_loss's collective for ever)
@@ -328,10 +330,10 @@ class Pipeline(PipelineRunner):
 
     def _reduce_gradients(self, grads: dict[int, list[Any]], share: float = 1.0) -> dict[int, list[Any]]:
         """Each stage's gradient sums, averaged (summed for a ``"sum"`` loss) over its data group, each
-        replica's weighted by its ``share`` (see :meth:`replica_share`)."""
-        out = {s: grads.get(s) or [np.zeros(v.shape, v.dtype) for v in st.weights]
-               for s, st in self.stages.items()}
-        order = [(s, i) for s in sorted(out) for i in range(len(out[s]))]
+        replica's weighted by its ``share`` (see :meth:`replica_share`). A stage no gradient reached (upstream
+        of integers: [Note: no gradient through integers]) gets None for each variable, on every replica alike."""
+        out: dict[int, list[Any]] = {s: grads.get(s) or [None] * len(st.weights) for s, st in self.stages.items()}
+        order = [(s, i) for s in sorted(out) for i in range(len(out[s])) if out[s][i] is not None]
         if self.grid.dp == 1 or not order:
             return out
         values = [np.asarray(out[s][i]) for s, i in order]

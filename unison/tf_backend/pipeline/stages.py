@@ -44,6 +44,14 @@ Without checkpointing zb-h1 thus costs what 1F1B costs, with its order; with che
 is shorter than a recomputing ``B`` (2.8 against 3.7 ms on the same layers, 64 rows) and ``W``
 (3.3 ms) fills the drain, at the price of a second recompute.
 
+[Note: no gradient through integers] A stage whose input is not floating (integer ids cast from
+an activation upstream) has no input gradient: it sends the empty ``_NO_GRADIENT`` upstream, and a
+stage that receives it skips its backward, so its variables get no gradient (None, not zeros:
+the optimizer leaves them alone, as Keras does in one process, warning that they have none).
+Before 2026-12-07 the integer input was watched and "differentiated", and stage 0 failed inside
+``tape.gradient`` on every rank with TensorFlow's bare "'str' object has no attribute
+'_type_enum'" (found by an audit); the PyTorch executor already did this.
+
 [Note: Keras loss scaling] The last stage differentiates ``loss(targets, outputs) * scale``.
 ``scale`` is ``1 / chunks`` for a mean (a Keras loss with ``"sum_over_batch_size"``, the default,
 or any callable; a callable's per-example values are averaged, as ``compile`` does), and 1 for
@@ -67,7 +75,7 @@ from unison.common.pipeline.runner import microbatch_shares
 
 __all__: list[str] = []
 
-_NO_GRADIENT = np.empty(0, np.float32)  # what an evaluation pass sends upstream
+_NO_GRADIENT = np.empty(0, np.float32)  # what an evaluation pass, or a stage with integer input, sends upstream
 _ZERO = tf.UnconnectedGradients.ZERO
 
 
@@ -154,15 +162,20 @@ class KerasStage:
         """Run the stage under a new tape (watching ``x`` past stage 0); return it and the target."""
         tape = tf.GradientTape()
         with tape:
-            if self.index > 0:
+            if self.differentiates_input(x):
                 tape.watch(x)
             out = self._forward(x, y_true) if tf.executing_eagerly() else self.target(x, y_true)
         return tape, out
 
+    def differentiates_input(self, x: tf.Tensor) -> bool:
+        """Whether the stage's input has a gradient: past stage 0, and floating (integer ids have none)."""
+        return self.index > 0 and x.dtype.is_floating
+
     def gradients(self, tape: tf.GradientTape, out: tf.Tensor, x: tf.Tensor, dy: tf.Tensor | None,
                   weights: bool = True, inputs: bool = True) -> list[tf.Tensor]:
-        """Gradients of ``out`` (weighted by ``dy``) wrt the weights and/or the input, in that order."""
-        sources = (self.weights if weights else []) + ([x] if inputs and self.index > 0 else [])
+        """Gradients of ``out`` (weighted by ``dy``) wrt the weights and/or the input (where
+        :meth:`differentiates_input`), in that order."""
+        sources = (self.weights if weights else []) + ([x] if inputs and self.differentiates_input(x) else [])
         if not sources:
             return []
         return tape.gradient(out, sources, output_gradients=dy, unconnected_gradients=_ZERO)
@@ -171,8 +184,8 @@ class KerasStage:
                             inputs: bool = True) -> list[tf.Tensor]:
         """Recompute the stage and differentiate it in one compiled call (one trace per choice).
 
-        Returns the weight gradients (if ``weights``), then (past stage 0, if ``inputs``) the
-        input gradient; the graph computes nothing else.
+        Returns the weight gradients (if ``weights``), then (if ``inputs`` and the stage
+        :meth:`differentiates_input`) the input gradient; the graph computes nothing else.
         """
         return self._recompute(x, dy, y_true, weights, inputs)
 
@@ -268,6 +281,9 @@ class KerasStages:
         if not self.train:
             return None if stage == 0 else _NO_GRADIENT
         st, kept = self.stages[stage], self.kept.pop((stage, mb))
+        if stage != self.last and grad is not None and grad.size == 0:
+            # [Note: no gradient through integers] the stage downstream took integers: nothing to back-propagate
+            return None if stage == 0 else _NO_GRADIENT
         dy = self._loss_gradient(mb) if stage == self.last else _tensor(grad)
         if kept.state is not None:
             with st.replayed(kept.state):
@@ -275,15 +291,22 @@ class KerasStages:
         else:
             grads = st.gradients(kept.tape, kept.out, kept.x, dy)
         self._add(stage, grads[:len(st.weights)])
-        return None if stage == 0 else grads[-1].numpy()
+        if stage == 0:
+            return None
+        return grads[-1].numpy() if st.differentiates_input(kept.x) else _NO_GRADIENT
 
     def backward_input(self, stage: int, mb: int, grad: np.ndarray | None) -> np.ndarray | None:
         st, kept = self.stages[stage], self.kept[(stage, mb)]
         if kept.state is None:  # [Note: splitting a Keras backward]: the whole backward, now
             return self.backward(stage, mb, grad)
+        if stage != self.last and grad is not None and grad.size == 0:  # [Note: no gradient through integers]
+            del self.kept[(stage, mb)]  # (and W finds nothing to do)
+            return None if stage == 0 else _NO_GRADIENT
         kept.dy = self._loss_gradient(mb) if stage == self.last else _tensor(grad)
         if stage == 0:
             return None  # nobody needs stage 0's input gradient; W does all its work
+        if not st.differentiates_input(kept.x):
+            return _NO_GRADIENT
         with st.replayed(kept.state):
             (dx,) = st.recompute_gradients(kept.x, kept.dy, self._target(stage, mb), weights=False)
         return dx.numpy()
