@@ -660,3 +660,164 @@ def test_embedding_rows_reach_adam_as_in_one_process(overlap, clip):
     for w, v in zip(model.get_weights(), ref.get_weights(), strict=True):
         np.testing.assert_allclose(w, v, rtol=1e-5, atol=1e-6)
     assert same_everywhere(model.get_weights())
+
+
+def collectives_inside_branches(graph: tf.Graph) -> tuple[list[str], list[str]]:
+    """The names of the engine's collect ops at the top of ``graph`` (run in program order) and inside the
+    functions of its control flow (the branches of an If op: TensorFlow orders those by nothing)."""
+    def collects(nodes: list) -> list[str]:
+        return [n.name for n in nodes if n.op in ("PyFunc", "EagerPyFunc") and n.name.endswith("collect")]
+
+    graph_def = graph.as_graph_def()
+    return collects(graph_def.node), [c for f in graph_def.library.function for c in collects(f.node_def)]
+
+
+@pytest.mark.parametrize("clip", [{}, {"clipnorm": 0.3}], ids=["plain", "clipnorm"])
+def test_gradient_accumulation_reduces_outside_keras_cond_and_matches_one_process(strategy, clip):
+    """[Note: gradient accumulation under the strategy]: Keras reduced (and clipped) the gradients inside
+    ``ops.cond(is_update_step, ...)``, an If op ordered after no collective, so ranks ran it and the loss
+    metric's collective in different orders and hung (3 runs of 4 at TF_NUM_INTEROP_THREADS=1, before
+    2026-12-07). Now every collective of a step is at the top of the graph, and fit equals one process."""
+    def optimizer():
+        return keras.optimizers.SGD(0.2, gradient_accumulation_steps=2, **clip)
+
+    with strategy.scope():
+        model = make_model()
+        opt = optimizer()
+        opt.build(model.trainable_variables)
+
+    @tf.function
+    def step(x, y):
+        def one(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(x, training=True) - y)) / N
+            opt.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+        strategy.run(one, args=(x, y))
+
+    spec = tf.TensorSpec([None, 4], tf.float32), tf.TensorSpec([None, 1], tf.float32)
+    top, inside = collectives_inside_branches(step.get_concrete_function(*spec).graph)
+    if N > 1:
+        assert top and not inside, (top, inside)
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer=optimizer(), loss="mse")
+    init = model.get_weights()
+    hist = model.fit(data(), epochs=3, verbose=0)
+    ref = make_model()
+    ref.set_weights(init)
+    ref.compile(optimizer=optimizer(), loss="mse")
+    ref_hist = ref.fit(data(), epochs=3, verbose=0, shuffle=False)
+    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-5)
+    for w, v in zip(model.get_weights(), ref.get_weights(), strict=True):
+        np.testing.assert_allclose(w, v, rtol=1e-5, atol=1e-6)
+    assert same_everywhere(model.get_weights())
+
+
+def test_predict_keeps_a_multi_input_models_inputs_together(strategy):
+    """[Note: the element's structure]: Keras's element ``((a, b),)`` for ``predict([a, b])`` was unwrapped
+    to ``(a, b)``, read as x=a, y=b: predict on a two-input model raised (before 2026-12-07)."""
+    def make():
+        a, b = keras.Input((3,)), keras.Input((2,))
+        return keras.Model([a, b], keras.layers.Dense(1)(keras.layers.Concatenate()([a, b])))
+
+    rng = np.random.default_rng(1)
+    xa, xb = rng.standard_normal((2 * GLOBAL_BATCH, 3), "float32"), rng.standard_normal((2 * GLOBAL_BATCH, 2),
+                                                                                          "float32")
+    with strategy.scope():
+        model = make()
+    ref = make()
+    ref.set_weights(model.get_weights())
+    expected = ref.predict([xa, xb], batch_size=GLOBAL_BATCH, verbose=0)
+    for x in ([xa, xb], (xa, xb), tf.data.Dataset.from_tensor_slices(((xa, xb),)).batch(GLOBAL_BATCH)):
+        batch = None if isinstance(x, tf.data.Dataset) else GLOBAL_BATCH
+        np.testing.assert_allclose(model.predict(x, batch_size=batch, verbose=0), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_sparse_and_ragged_inputs_split_by_rows_as_one_process(strategy):
+    """A ``tf.SparseTensor`` input raised "'SparseTensor' object is not subscriptable" on every rank
+    (before 2026-12-07); its rows are split with ``tf.sparse.slice`` and fit equals one process."""
+    rng = np.random.RandomState(0)
+    rows = 4 * GLOBAL_BATCH
+    dense = (rng.rand(rows, 6) > 0.6).astype("float32") * rng.randn(rows, 6).astype("float32")
+    target = (dense @ rng.randn(6, 1)).astype("float32")
+
+    def make():
+        model = keras.Sequential([keras.Input((6,), sparse=True), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return model
+
+    def sparse_data():
+        return tf.data.Dataset.from_tensor_slices((tf.sparse.from_dense(dense), target)).batch(GLOBAL_BATCH)
+
+    shares = [tf.sparse.to_dense(b[0]).numpy() for b in strategy.experimental_distribute_dataset(sparse_data())]
+    np.testing.assert_array_equal(np.concatenate([np.concatenate(WORLD.allgather(s)) for s in shares]), dense)
+    with strategy.scope():
+        model = make()
+    ref = make()
+    ref.set_weights(model.get_weights())
+    hist = model.fit(sparse_data(), epochs=2, verbose=0)
+    ref_hist = ref.fit(sparse_data(), epochs=2, verbose=0)
+    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-5)
+    for w, v in zip(model.get_weights(), ref.get_weights(), strict=True):
+        np.testing.assert_allclose(w, v, rtol=1e-5, atol=1e-6)
+    ragged = tf.ragged.constant([[float(i)] * (i % 3 + 1) for i in range(2 * GLOBAL_BATCH + 3)])
+    batches = tf.data.Dataset.from_tensor_slices(ragged).batch(GLOBAL_BATCH)
+    seen = [r for b in strategy.experimental_distribute_dataset(batches) for share in WORLD.allgather(b.to_list())
+            for r in share]
+    assert seen == ragged.to_list()
+
+
+def test_on_read_sum_variable_sums_assign_add_and_assign_sub_over_the_ranks(strategy):
+    """A raw ON_READ/SUM variable inside ``strategy.run`` reads as MirroredStrategy's: every replica's updates
+    summed. ``assign`` was summed but ``assign_add``/``assign_sub`` stayed per rank (2, not 4, at 2 ranks)."""
+    def variable():
+        return tf.Variable(0.0, synchronization=tf.VariableSynchronization.ON_READ,
+                           aggregation=tf.VariableAggregation.SUM)
+
+    with strategy.scope():
+        added, assigned, subtracted = variable(), variable(), variable()
+
+    def step():
+        added.assign_add(1.0)
+        assigned.assign(assigned + 1.0)
+        subtracted.assign_sub(1.0)
+
+    strategy.run(step)
+    tf.function(lambda: strategy.run(step))()
+    assert [float(added.numpy()), float(assigned.numpy()), float(subtracted.numpy())] == [2.0 * N, 2.0 * N,
+                                                                                          -2.0 * N]
+
+
+YC = (X[:, :1] > 0).astype("float32")  # (two classes, for class_weight)
+SETTINGS = {  # argument: (how this rank calls, the argument the error names)
+    "class_weight": (lambda m: m.fit(X, YC, batch_size=8, epochs=1, verbose=0, shuffle=False,
+                                     class_weight={0: 1.0, 1: 1.0 + R}), "class_weight"),
+    "class_weight_shuffled": (lambda m: m.fit(X, YC, batch_size=8, epochs=1, verbose=0,
+                                              class_weight={0: 1.0, 1: 1.0 + R}), "class_weight"),
+    "epochs": (lambda m: m.fit(X, Y, batch_size=8, epochs=1 + R, verbose=0, shuffle=False), "epochs"),
+    "epochs_dataset": (lambda m: m.fit(data(), epochs=1 + R, verbose=0), "epochs"),
+    "steps_per_epoch": (lambda m: m.fit(X, Y, batch_size=8, epochs=1, steps_per_epoch=3 + R, verbose=0,
+                                        shuffle=False), "steps_per_epoch"),
+    "shuffle": (lambda m: m.fit(X, Y, batch_size=8, epochs=1, verbose=0, shuffle=R == 0), "shuffle"),
+    "validation_steps": (lambda m: m.fit(X, Y, batch_size=8, epochs=1, verbose=0, shuffle=False,
+                                         validation_data=(X, Y), validation_steps=1 + R), "validation_steps"),
+    "evaluate_steps": (lambda m: m.evaluate(X, Y, batch_size=8, steps=3 + R, verbose=0), "steps"),
+    "evaluate_steps_dataset": (lambda m: m.evaluate(data(), steps=3 + R, verbose=0), "steps"),
+}
+
+
+@pytest.mark.parametrize("case", list(SETTINGS))
+def test_ranks_passing_different_settings_raise_on_every_rank(strategy, case):
+    """[Note: the ranks' calls agree]: a ``class_weight`` that differed on one rank trained silently on a mix of
+    the ranks' weightings; different ``epochs``/``steps_per_epoch``/``shuffle``/``steps`` ran different steps and
+    the ranks waited 60 s for a StallError (before 2026-12-07). Now every rank raises, naming the argument."""
+    if N == 1:
+        pytest.skip("one rank passes one value")
+    call, argument = SETTINGS[case]
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match=rf"\({argument}=\.\.\.\) differs across the ranks") as info:
+        call(model)
+    assert len(set(WORLD.allgather(str(info.value)))) == 1
+    model.fit(X, Y, batch_size=8, epochs=1, verbose=0)  # the next call works

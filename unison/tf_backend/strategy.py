@@ -233,9 +233,11 @@ def gather_rows(tensor: Any, base: str) -> tf.Tensor:
 class _GlobalSumVariable(resource_variable_ops.ResourceVariable):
     """Metric state (ON_READ / SUM): assignments inside ``strategy.run`` add the global change.
 
-    Every rank adds the sum over ranks of ``new - old``, so the state (and
-    ``metric.result()``) is global and identical on every rank. Assignments in
-    cross-replica context (``reset_state``, checkpoint restore) stay local.
+    Every rank adds the sum over ranks of ``new - old`` (``assign``) or of the
+    increments (``assign_add``, ``assign_sub``), so the state (and
+    ``metric.result()``) is global and identical on every rank, as a
+    ``MirroredStrategy`` variable reads. Assignments in cross-replica context
+    (``reset_state``, checkpoint restore) stay local.
     """
 
     def assign(self, value: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
@@ -244,6 +246,22 @@ class _GlobalSumVariable(resource_variable_ops.ResourceVariable):
             delta = grouped_sum([value - self.read_value()], f"unison.metric.{self._shared_name}")[0]
             return super().assign_add(delta, use_locking=use_locking, name=name, read_value=read_value)
         return super().assign(value, use_locking=use_locking, name=name, read_value=read_value)
+
+    # assign_add and assign_sub are ops of their own, not assign: before 2026-12-07 they stayed per rank
+    # inside strategy.run while assign was summed (a raw ON_READ/SUM variable counted 2 where
+    # MirroredStrategy's 2 replicas count 4; found by an audit)
+    def assign_add(self, delta: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
+        return super().assign_add(self._global(delta), use_locking=use_locking, name=name, read_value=read_value)
+
+    def assign_sub(self, delta: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
+        return super().assign_sub(self._global(delta), use_locking=use_locking, name=name, read_value=read_value)
+
+    def _global(self, delta: Any) -> Any:
+        """``delta`` summed over the ranks inside ``strategy.run``; as given elsewhere."""
+        if isinstance(tf.distribute.get_replica_context(), _UnisonReplicaContext) and runtime.size() > 1:
+            delta = tf.convert_to_tensor(delta, dtype=self.dtype)
+            return grouped_sum([delta], f"unison.metric.{self._shared_name}")[0]
+        return delta
 
 
 class _UnisonReplicaContext(distribute_lib.ReplicaContext):
@@ -272,8 +290,11 @@ def split_global_batch(dataset: tf.data.Dataset, rank: int, size: int,
         raise ValueError(f"UnisonStrategy needs a batched dataset (each element a global batch); got "
                          f"elements {dataset.element_spec}. Call dataset.batch(global_batch_size) first")
 
+    # tf.data calls the map function with a tuple element unpacked, anything else (a tensor, a dict) whole
+    unpacked = type(dataset.element_spec) is tuple
+
     def take(*elem: Any) -> Any:
-        n = tf.shape(nest.flatten(elem)[0], out_type=tf.int64)[0]
+        n = _rows(nest.flatten(elem)[0])
         if refuse_small:
             message = (f"unison.keras.DataParallel: a global batch of the tf.data dataset has fewer rows than the "
                        f"{size} ranks, so some rank would get none; make every global batch at least {size} rows "
@@ -282,10 +303,37 @@ def split_global_batch(dataset: tf.data.Dataset, rank: int, size: int,
             with tf.control_dependencies([check]):
                 n = tf.identity(n)
         lo, hi = (rank * n) // size, ((rank + 1) * n) // size
-        out = nest.map_structure(lambda t: t[lo:hi], elem)
-        return out if len(elem) > 1 else out[0]
+        out = nest.map_structure(lambda t: _slice_rows(t, lo, hi), elem)
+        # [Note: the element's structure] A tuple element stays a tuple of its length: a 1-tuple
+        # ``((a, b),)`` (Keras's ``predict([a, b])`` of a two-input model) was unwrapped to ``(a, b)``
+        # before 2026-12-07 (found by an audit), which Keras read as ``x=a, y=b``: predict raised.
+        return out if unpacked else out[0]
 
     return dataset.map(take)
+
+
+def _rows(t: Any) -> tf.Tensor:
+    """The number of rows (first dimension) of a dense, sparse or ragged tensor, as int64."""
+    if isinstance(t, tf.SparseTensor):
+        return t.dense_shape[0]
+    if isinstance(t, tf.RaggedTensor):
+        return t.nrows(out_type=tf.int64)
+    return tf.shape(t, out_type=tf.int64)[0]
+
+
+def _slice_rows(t: Any, lo: tf.Tensor, hi: tf.Tensor) -> Any:
+    """Rows ``[lo, hi)`` of a dense, ragged or sparse tensor.
+
+    A ``tf.SparseTensor`` cannot be indexed; ``tf.sparse.slice`` takes its rows (indices renumbered
+    from ``lo``) and keeps the other dimensions whole. Before 2026-12-07 sparse input raised
+    "'SparseTensor' object is not subscriptable" on every rank (found by an audit).
+    """
+    if not isinstance(t, tf.SparseTensor):
+        return t[lo:hi]  # (a RaggedTensor slices by rows too)
+    zeros = tf.zeros_like(t.dense_shape[1:])
+    out = tf.sparse.slice(t, tf.concat([[lo], zeros], 0), tf.concat([[hi - lo], t.dense_shape[1:]], 0))
+    out.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
+    return out
 
 
 def _describe_dataset(dataset: Any) -> str:
@@ -336,12 +384,67 @@ def _with_agreement_to_stop(model: Any, callbacks: Any) -> Any:
     return [*nest.flatten(callbacks or []), agree]  # (Keras takes one callback alone too)
 
 
-def _agree_on_arrays(what: str, arguments: dict[str, Any]) -> None:
+#: the arguments of fit/evaluate/predict that set how many steps run and what they compute (besides the data)
+_SETTINGS = {"fit": ("epochs", "initial_epoch", "steps_per_epoch", "shuffle", "class_weight", "validation_steps",
+                     "validation_freq"),
+             "evaluate": ("steps",), "predict": ("steps",)}
+#: the settings of the fit/evaluate/predict call running on this thread, for :func:`_agree_on_dataset`
+_call = threading.local()
+
+
+def _call_settings(name: str, arguments: dict[str, Any]) -> dict[str, str]:
+    """The :data:`_SETTINGS` of a call (``arguments`` with Keras's defaults applied), comparable across ranks.
+
+    ``shuffle`` counts for in-memory arrays only (Keras ignores it for a dataset).
+    """
+    def canonical(value: Any) -> str:
+        if isinstance(value, dict):  # (class_weight: numpy keys and values compare by their numbers)
+            return repr(sorted((_plain(k), _plain(v)) for k, v in value.items()))
+        return repr(_plain(value))
+
+    keys = [k for k in _SETTINGS.get(name, ()) if k != "shuffle" or _in_memory(arguments.get("x"))]
+    return {k: canonical(arguments.get(k)) for k in keys}
+
+
+def _plain(value: Any) -> Any:
+    """A numpy scalar as the Python number it holds (``np.int64(3)`` and ``3`` agree)."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _raise_if_settings_differ(everyone: list[tuple[str, dict[str, str]] | None]) -> None:
+    """Raise, on every rank alike, naming the first argument of fit/evaluate/predict whose value differs.
+
+    [Note: the ranks' calls agree]
+    ``fit``/``evaluate``/``predict`` compare their :data:`_SETTINGS` in the exchange that already
+    compares their data, so no collective is added: :func:`_agree_on_arrays` for in-memory arrays,
+    and :func:`_agree_on_dataset` for anything Keras distributes as a dataset (the call's settings
+    wait in ``_call.settings`` while the call runs).
+    Before 2026-12-07 ranks given different ``epochs``, ``steps_per_epoch``, ``steps`` or ``shuffle``
+    ran different steps and the ones that ran more waited 60 s for a ``StallError``; a different
+    ``class_weight`` trained silently on a mix of the ranks' weightings (found by an audit).
+    """
+    if all(other == everyone[0] for other in everyone):
+        return
+    names = sorted({k for e in everyone if e is not None for k in e[1]})
+    for key in names:
+        seen = [e[1].get(key) if e is not None else None for e in everyone]
+        if any(v != seen[0] for v in seen):
+            what = next(e[0] for e in everyone if e is not None)
+            shown = "; ".join(f"rank {r}: {v}" for r, v in enumerate(seen))
+            raise ValueError(f"UnisonStrategy: {what}({key}=...) differs across the ranks ({shown}). Every rank "
+                             "must run the same steps, weighted alike, on the same global batches: pass the same "
+                             f"{key} on every rank")
+    raise ValueError(f"UnisonStrategy: the ranks run different calls ({everyone}): call fit, evaluate and predict "
+                     "alike on every rank")
+
+
+def _agree_on_arrays(what: str, arguments: dict[str, Any], settings: dict[str, str]) -> None:
     """For in-memory inputs (a dataset is compared when it is distributed): every rank must pass
-    the same rows and batch size; compared in one small all-gather, raised on every rank. The rows
-    are compared by a digest (``unison.keras``'s: a numpy array up to 64 MiB whole, else 64 rows
-    spread evenly): each rank's own shard of one shape (Horovod's habit) trained silently on half of every
-    rank's rows before 2026-12-05, when only shapes were compared."""
+    the same rows, batch size and ``settings`` (:func:`_call_settings`); compared in one small
+    all-gather, raised on every rank. The rows are compared by a digest (``unison.keras``'s: a
+    numpy array up to 64 MiB whole, else 64 rows spread evenly): each rank's own shard of one shape
+    (Horovod's habit) trained silently on half of every rank's rows before 2026-12-05, when only
+    shapes were compared."""
     from unison.common.engine.objects import allgather_object
     from unison.keras.data_parallel import _rows_digest
 
@@ -352,11 +455,20 @@ def _agree_on_arrays(what: str, arguments: dict[str, Any]) -> None:
     shapes = [f"{tuple(a.shape)} {getattr(a.dtype, 'name', a.dtype)} {_rows_digest(a)}"
               for p in parts for a in nest.flatten(p)]
     mine = f"arrays {', '.join(shapes)}, batch_size={arguments.get('batch_size')}"
-    everyone = allgather_object(mine, name=f"unison.UnisonStrategy.{what}.inputs")
+    gathered = allgather_object((mine, (what, settings)), name=f"unison.UnisonStrategy.{what}.inputs")
+    _raise_if_settings_differ([s for _, s in gathered])
+    everyone = [d for d, _ in gathered]
     if any(other != everyone[0] for other in everyone):
         shown = "; ".join(f"rank {r}: {d}" for r, d in enumerate(everyone))
         raise ValueError(f"UnisonStrategy: the ranks' datasets differ ({shown}). Every rank feeds the same global "
                          "batches (the strategy splits each one): pass the same data and batch_size on every rank")
+
+
+def _with_defaults(signature: inspect.Signature, model: Any, args: Any, kwargs: Any) -> dict[str, Any]:
+    """A call's arguments bound to ``signature``, with the defaults of those it leaves out."""
+    bound = signature.bind(model, *args, **kwargs)
+    bound.apply_defaults()
+    return {**bound.arguments.pop("kwargs", {}), **bound.arguments}
 
 
 def _check_metrics(metrics: Sequence[Any], what: str) -> None:
@@ -468,7 +580,11 @@ def _agree_on_dataset(dataset: Any) -> None:
     other ranks failed or hung in the next call."""
     from unison.common.engine.objects import allgather_object
 
-    everyone = allgather_object(_describe_dataset(dataset), name="unison.UnisonStrategy.dataset")
+    # the settings of the fit/evaluate/predict distributing it ride along: [Note: the ranks' calls agree]
+    gathered = allgather_object((_describe_dataset(dataset), getattr(_call, "settings", None)),
+                                name="unison.UnisonStrategy.dataset")
+    _raise_if_settings_differ([s for _, s in gathered])
+    everyone = [d for d, _ in gathered]
     if (0, 0) in shuffle_seeds(dataset):  # (the same on every rank: they all describe the same chain)
         raise ValueError("UnisonStrategy: the dataset is shuffled without a seed, so each rank shuffles its own "
                          "way and the ranks' shares of a global batch come from different rows (some trained "
@@ -825,13 +941,23 @@ def _guard_keras() -> None:
                 _check_losses(nest.flatten(given.get("loss")))
             if name in ("fit", "evaluate", "predict") and _unison_model(self) and runtime.size() > 1:
                 arguments = signature.bind(self, *args, **kwargs).arguments
-                _agree_on_arrays(f"model.{name}", arguments)
-                if name == "fit":
-                    agreed = _agreed_shuffle(arguments)
-                    call = agreed if agreed is not None else {k: v for k, v in arguments.items() if k != "self"}
-                    call["callbacks"] = _with_agreement_to_stop(self, call.get("callbacks"))
-                    return original(self, **call)
-            if name == "predict" and _unison_model(self):  # (after the agreement: building broadcasts)
+                settings = _call_settings(name, _with_defaults(signature, self, args, kwargs))
+                _agree_on_arrays(f"model.{name}", arguments, settings)
+                outer = getattr(_call, "settings", None)
+                _call.settings = (f"model.{name}", settings)  # [Note: the ranks' calls agree]
+                try:
+                    if name == "fit":
+                        agreed = _agreed_shuffle(arguments)
+                        call = agreed if agreed is not None else {k: v for k, v in arguments.items()
+                                                                  if k != "self"}
+                        call["callbacks"] = _with_agreement_to_stop(self, call.get("callbacks"))
+                        return original(self, **call)
+                    if name == "predict":  # (after the agreement: building broadcasts)
+                        _build_for_predict(self, arguments.get("x"))
+                    return original(self, *args, **kwargs)
+                finally:
+                    _call.settings = outer
+            if name == "predict" and _unison_model(self):
                 _build_for_predict(self, signature.bind(self, *args, **kwargs).arguments.get("x"))
             return original(self, *args, **kwargs)
 
@@ -943,6 +1069,18 @@ def _guard_optimizers() -> None:
       None pattern is fixed then.)
     * ``_all_reduce_sum_gradients`` names the group by the variables' positions in the
       optimizer's FULL variable list.
+
+    [Note: gradient accumulation under the strategy]
+    With ``gradient_accumulation_steps=k`` Keras reduces (and clips) the gradients inside
+    ``ops.cond(is_update_step, ...)``. The If op that runs the branch depends on no collective
+    before it, nor any collective after it on it, so TensorFlow may run it before the loss
+    metric's collective on one rank and after it on another: each rank waits on a different
+    collective, for ever (3 runs of 4 at ``TF_NUM_INTEROP_THREADS=1``, before 2026-12-07; found by
+    an audit). So such an optimizer sums every step's gradients over the ranks in ``apply``,
+    before Keras's, outside any branch and in program order like every other collective; Keras
+    then accumulates the global gradients and its own reduction and clipping sum nothing again.
+    The sum is linear, so the update is one process's with the same ``k``; the price is one
+    all-reduce per step instead of one per k steps.
     """
     import keras
     from keras.src import backend as keras_backend
@@ -968,7 +1106,32 @@ def _guard_optimizers() -> None:
                          else getattr(self, "_trainable_variables", []))
             if len(variables) == len(grads):  # otherwise Keras raises its own error
                 grads = fill_missing_gradients(list(grads), variables, f"unison.grads.{_optimizer_tag(self)}")
-        return apply(self, grads, trainable_variables)
+                if (self.gradient_accumulation_steps and tf.distribute.get_replica_context() is not None
+                        and not getattr(self, "_unison_zero_sharded", False)):
+                    grads = sum_by_variable(self, list(grads), variables)
+                    self.__dict__["_unison_presummed"] = True
+        try:
+            return apply(self, grads, trainable_variables)
+        finally:
+            self.__dict__.pop("_unison_presummed", None)
+            self.__dict__.pop("_unison_summed", None)
+
+    def sum_by_variable(self: Any, grads: list[Any], variables: Sequence[Any]) -> list[Any]:
+        """``grads`` summed over the ranks, in one group named by their variables' positions.
+
+        The variables Keras overwrites with their gradient (``overwrite_with_gradient``: float8
+        scales) keep theirs, as Keras's own reduction leaves them (it never sees them).
+        """
+        present = [i for i, (g, v) in enumerate(zip(grads, variables, strict=True))
+                   if g is not None and not getattr(v, "overwrite_with_gradient", False)]
+        positions = ",".join(str(self._get_variable_index(variables[i])) for i in present)
+        base = f"unison.grads.{_optimizer_tag(self)}.{zlib.crc32(positions.encode()):08x}"
+        # dense gradients summed, IndexedSlices gathered: [Note: sparse gradients under the strategy]
+        reduced = sum_gradients([grads[i] for i in present], base,
+                                overlap=self._distribution_strategy.extended._overlap)
+        for i, r in zip(present, reduced, strict=True):
+            grads[i] = r
+        return grads
 
     def reducing_clip(self: Any, grads: Any) -> Any:
         # [Note: clipping the global gradient] Keras clips in apply, before _all_reduce_sum_gradients:
@@ -976,6 +1139,7 @@ def _guard_optimizers() -> None:
         # clipnorm/global_clipnorm measuring a share's norm). One process clips the global batch's
         # gradient, so a clipping optimizer sums first and the later all-reduce passes them through.
         if (_unison_optimizer(self) and not getattr(self, "_unison_zero_sharded", False)
+                and not self.__dict__.get("_unison_presummed", False)
                 and (self.clipnorm or self.global_clipnorm or self.clipvalue)
                 and tf.distribute.get_replica_context() is not None):
             grads = list(grads)
@@ -991,17 +1155,12 @@ def _guard_optimizers() -> None:
         pairs = list(grads_and_vars)
         if self.__dict__.pop("_unison_summed", False):  # summed before clipping (see reducing_clip)
             return pairs
+        if self.__dict__.get("_unison_presummed", False):  # summed before accumulating (agreeing_apply)
+            return pairs
         if not _unison_optimizer(self) or tf.distribute.get_replica_context() is None:
             return all_reduce(self, pairs)
-        present = [i for i, (g, _) in enumerate(pairs) if g is not None]
-        positions = ",".join(str(self._get_variable_index(pairs[i][1])) for i in present)
-        base = f"unison.grads.{_optimizer_tag(self)}.{zlib.crc32(positions.encode()):08x}"
-        # dense gradients summed, IndexedSlices gathered: [Note: sparse gradients under the strategy]
-        reduced = sum_gradients([pairs[i][0] for i in present], base,
-                                overlap=self._distribution_strategy.extended._overlap)
-        for i, r in zip(present, reduced, strict=True):
-            pairs[i] = (r, pairs[i][1])
-        return pairs
+        grads = sum_by_variable(self, [g for g, _ in pairs], [v for _, v in pairs])
+        return list(zip(grads, [v for _, v in pairs], strict=True))
 
     agreeing_apply.__doc__ = apply.__doc__
     keras.optimizers.Optimizer.apply = agreeing_apply
