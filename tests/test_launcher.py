@@ -802,6 +802,8 @@ def test_launch_agent_and_tcp_flags_without_hostfile():
         ({"tcp_include": "10.0.0.0"}, "--tcp-include '10.0.0.0': '10.0.0.0' is not a subnet in CIDR form"),
         ({"tcp_include": "10.0.0.0/24,abc/8"}, "'abc/8' is not a subnet in CIDR form; give e.g. 10.0.0.0/24"),
         ({"tcp_include": "10.0.0.0/40"}, "'10.0.0.0/40' is not a subnet"),
+        # accepted before 2026-12-07, then every launch across hosts refused: the host check reads IPv4 only
+        ({"tcp_include": "10.0.0.0/24,fd00::/64"}, "'fd00::/64' is an IPv6 subnet; unisonrun's host check"),
         ({"network_interface": "eth0;id"}, "'eth0;id' is not a network interface name"),
         ({"network_interface": ""}, "'' is not a network interface name"),
         ({"launch_agent": " "}, "--launch-agent is empty"),
@@ -1753,6 +1755,20 @@ def test_hostfile_counts_are_read_as_open_mpi_reads_them_and_a_host_without_one_
     with pytest.raises(ValueError, match="gives no slot count"):
         build(hostfile=str(path))
     assert option_values(build(hostfile=str(path), np=3, cpu_count=1), "-np") == ["3"]
+
+
+def test_a_max_slots_before_slots_is_raised_to_them_as_open_mpi_does_and_mpiruns_spellings_work(tmp_path):
+    """'localhost max_slots=1 slots=2' runs 2 ranks under mpirun (it raises max_slots to slots); it was refused
+    ("their max_slots add up to 1"), and -hostfile / -host (mpirun's and horovodrun's spellings) were read as
+    -h with a value, a bare argparse error (found by an audit, 2026-12-07)."""
+    path = tmp_path / "hosts"
+    path.write_text("localhost max_slots=1 slots=2\n")
+    assert [(h[:2], h.most) for h in read_hostfile(path, counted=True)] == [(("localhost", 2), 2)]
+    for flag in ("--hostfile", "-hostfile"):
+        result = unisonrun("--dry-run", flag, str(path), "python", "x.py")
+        assert result.returncode == 0 and " -np 2 --hostfile " in result.stdout, result.stderr
+    result = unisonrun("--dry-run", "-host", "localhost:2", "python", "x.py")
+    assert result.returncode == 0 and " -np 2 -H localhost:2 " in result.stdout, result.stderr
 
 
 def test_unisonrun_refuses_a_hostfile_without_counts_unless_np_is_given_and_names_a_missing_program(tmp_path):

@@ -241,13 +241,15 @@ def read_hostfile(path: str | Path, counted: bool = False) -> list[Host]:
                 if slots is not None and cap < slots:  # (before slots=, Open MPI raises max_slots instead)
                     raise ValueError(f"{where}: {field!r} is below slots={slots} (Open MPI refuses it); raise "
                                      "max_slots or lower slots")
-                most[name] = cap
             elif meaning == "port":
                 if not re.fullmatch(r"[0-9]{1,5}", value) or not 0 < int(value) < 65536:
                     raise ValueError(f"{where}: {field!r} is not a port number (1 to 65535); give e.g. port=22")
                 port = int(value)
             elif meaning == "username":
                 user = check_host_name(value, f"{where} (username=)")
+        if cap is not None:  # a max_slots= before the line's slots= is raised to it, as Open MPI does (it was
+            # kept as given, and a line Open MPI runs refused: 'localhost max_slots=1 slots=2'; before 2026-12-07)
+            most[name] = max(cap, slots) if slots is not None else cap
         if user is not None or port is not None:
             known = login.get(name, (None, None))
             login[name] = (user or known[0], port or known[1])
@@ -323,10 +325,16 @@ def parse_tcp_include(value: str, flag: str) -> list[str]:
             try:
                 if "/" not in item:
                     raise ValueError(item)
-                items.append(str(ipaddress.ip_network(item, strict=False)))
+                network = ipaddress.ip_network(item, strict=False)
             except ValueError:
                 raise ValueError(f"{flag} {value!r}: {item!r} is not a subnet in CIDR form; give e.g. "
                                  "10.0.0.0/24 (several separated by commas)") from None
+            if network.version != 4:  # (accepted before 2026-12-07, then every launch across hosts was refused:
+                # the host check looks for this machine's IPv4 addresses only; found by an audit)
+                raise ValueError(f"{flag} {value!r}: {item!r} is an IPv6 subnet; unisonrun's host check and TCP "
+                                 "pinning take IPv4 subnets: give the hosts' IPv4 subnet, e.g. 10.0.0.0/24, or "
+                                 "pin by interface with --network-interface")
+            items.append(str(network))
         elif _INTERFACE.fullmatch(item):
             items.append(item)
         else:

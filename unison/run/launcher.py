@@ -279,12 +279,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "-H",
         "--hosts",
+        "-host",  # (mpirun's spelling; argparse read it as -h with a value before 2026-12-07: a bare error)
         dest="hosts",
         metavar="HOST:SLOTS,...",
         help="hosts and their slots, e.g. localhost:2,node7:2",
     )
-    parser.add_argument("--hostfile", metavar="FILE", help="Open MPI hostfile (its '# unison:' lines "
-                        "may give --launch-agent and --tcp-include)")
+    parser.add_argument("--hostfile", "-hostfile", metavar="FILE", help="Open MPI hostfile (its '# unison:' lines "
+                        "may give --launch-agent and --tcp-include); -hostfile, horovodrun's and mpirun's "
+                        "spelling, too")
     hosts = parser.add_argument_group("across hosts")
     hosts.add_argument("--launch-agent", metavar="CMD",
                        help="command that starts Open MPI's daemons on other hosts instead of ssh, "
