@@ -884,6 +884,13 @@ def test_sync_batch_norm_refuses_integer_input_on_every_rank():
     every = torch.cat([torch.arange(8, dtype=torch.float32).reshape(4, 2) + r for r in range(N)])
     want = torch.nn.functional.batch_norm(every, None, None, training=True)[4 * R:4 * R + 4]
     torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-5)
+    # the wrong number of channels, on one rank or on all: the same clear error on every rank
+    wide = torch.randn(4, 3)
+    with pytest.raises(ValueError, match=r"SyncBatchNorm\(2\) got input of 3 channels" if R == 0 else "rank 0"):
+        layer(wide if R == 0 else x)
+    with pytest.raises(ValueError, match=r"SyncBatchNorm\(2\) got input of 3 channels"):
+        layer(wide)
+    torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-5)  # and the next call pairs
 
 
 # ----------------------------------------------------------------- from the ops audit of 2026-12-04

@@ -150,6 +150,12 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
             # values whose statistics are -1.53, -1.50, ..., silently, before 2026-12-07; found by an audit)
             raise ValueError(f"SyncBatchNorm normalizes floating-point input; got {input.dtype}, as "
                              "torch.nn.BatchNorm refuses it. Convert it first (input.float())")
+        if input.shape[1] != self.num_features and (self.affine or self.track_running_stats):
+            # (a bare "size of tensor a (3) must match ... (5)" from the running statistics, or a mismatch of
+            # the statistics' internal shapes when one rank was wrong, before 2026-12-07; found by an audit)
+            raise ValueError(f"SyncBatchNorm({self.num_features}) got input of {input.shape[1]} channels "
+                             f"(shape {tuple(input.shape)}, channels in dimension 1); give it "
+                             f"{self.num_features} channels, or build it with num_features={input.shape[1]}")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self.training:  # never synchronized, as torch.nn.SyncBatchNorm: without running statistics,
