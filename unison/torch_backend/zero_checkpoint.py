@@ -286,15 +286,14 @@ def _saved_names(model: torch.nn.Module, optimizer: Any, manifest: ck.Manifest) 
     """Per parameter of a ZeRO optimizer (by ``id``), the name its saved state has: the model's name
     ([Note: optimizer state is named by the model]), or the optimizer's own where a checkpoint written before
     2026-12-07 used that."""
-    owners = _state_owners(manifest)
+    saved = _state_owners(manifest) | {e[len("master."):] for e in manifest.entries if e.startswith("master.")}
     model_names = {id(p): n for n, p in model.named_parameters()}
     out = {}
     for st in optimizer._buckets:
         for p in st.params:
             mine = model_names.get(id(p))
-            masters = owners | {e[len("master."):] for e in manifest.entries if e.startswith("master.")}
-            out[id(p)] = mine if mine in masters or optimizer._names[p] not in masters else optimizer._names[p]
-            if mine is None and out[id(p)] not in masters:
+            out[id(p)] = mine if mine in saved or optimizer._names[p] not in saved else optimizer._names[p]
+            if mine is None and out[id(p)] not in saved:
                 raise ValueError(f"the optimizer trains a parameter that is not this model's "
                                  f"({optimizer._names[p]!r}); pass the model its parameters belong to")
     return out
