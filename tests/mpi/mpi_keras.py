@@ -557,6 +557,31 @@ def test_fit_on_arrays_shuffles_alike_on_every_rank(strategy):
     assert sorted(trained.tolist()) == list(range(GLOBAL_BATCH * 3)) and "val_loss" in hist.history
 
 
+def test_fit_with_steps_per_epoch_ends_an_epoch_where_the_shuffled_pass_runs_out(strategy):
+    """Before: with shuffle=True and a steps_per_epoch not dividing a pass's batches, every epoch ran that many
+    steps through the endless pipeline (9 here), where Keras alone ends an epoch with the pass (3 + 1 + 3) and
+    reshuffles for the next."""
+    ids = np.zeros((GLOBAL_BATCH * 4 - 3, 4), "float32")  # 4 batches a pass, the last one short
+    ids[:, 0] = np.arange(len(ids))
+    zeros = np.zeros((len(ids), 1), "float32")
+    with strategy.scope():
+        model = RowRecorder([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.001), loss="mse", run_eagerly=True)
+    plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    plain.compile(optimizer=keras.optimizers.SGD(0.001), loss="mse")
+    want = plain.fit(ids, zeros, batch_size=GLOBAL_BATCH, epochs=3, steps_per_epoch=3, verbose=0)
+    RowRecorder.seen = []
+    got = model.fit(ids, zeros, batch_size=GLOBAL_BATCH, epochs=3, steps_per_epoch=3, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == int(plain.optimizer.iterations.numpy()) == 7
+    assert len(got.history["loss"]) == len(want.history["loss"]) == 3
+    steps = [np.concatenate(WORLD.allgather(b.astype(int))) for b in RowRecorder.seen]  # each step's rows
+    assert len(steps) == 7
+    assert sorted(np.concatenate(steps[:4]).tolist()) == list(range(len(ids)))  # one pass: each row once
+    assert len(set(np.concatenate(steps[4:]).tolist())) == 3 * GLOBAL_BATCH  # the next pass, begun anew
+    assert np.concatenate(steps[4:]).tolist() != np.concatenate(steps[:3]).tolist()  # reshuffled
+    assert same_everywhere(model.get_weights())
+
+
 def test_an_unseeded_dataset_shuffle_raises_on_every_rank(strategy):
     with strategy.scope():
         model = make_model()

@@ -223,6 +223,25 @@ def test_shuffled_fit_reads_the_same_global_batches_as_one_process(dp):
     assert same_everywhere(model.get_weights())
 
 
+def test_a_given_steps_per_epoch_ends_an_epoch_where_the_shuffled_pass_runs_out(dp):
+    """Before (TensorFlow): with shuffle=True and a steps_per_epoch not dividing a pass's 5 batches, every epoch
+    ran 3 steps through the endless pipeline (9), where Keras ends the second epoch with the pass (3 + 2 + 3)."""
+    model, ref = distributed_and_reference(dp, lambda: keras.optimizers.SGD(0.05))
+    model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=3, steps_per_epoch=3, verbose=0)
+    plain = make_model()
+    plain.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    plain.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=3, steps_per_epoch=3, verbose=0)  # Keras alone
+    assert int(model.optimizer.iterations.numpy()) == int(plain.optimizer.iterations.numpy()) == 8
+    batches = ukdata.shard_input(X, Y, None, batch_size=GLOBAL_BATCH, rank=0, size=1, shuffle=True,
+                                 seed=dp.last_fit_seed, class_weight=None, what="the reference")
+    if BACKEND == "tensorflow":  # one process reading the same passes (a new permutation each)
+        ref.fit(batches.one_pass_each(), steps_per_epoch=3, epochs=3, verbose=0)
+    else:
+        ref.fit(batches, steps_per_epoch=3, epochs=3, shuffle=False, verbose=0)
+    assert_weights_close(model, ref)
+    assert same_everywhere(model.get_weights())
+
+
 def _rows_read_by_fit(data, steps_per_epoch: int, epochs: int) -> list[list[int]]:
     """The rows each epoch of ``fit`` reads, on every rank together: Keras's own epoch iterator driven as
     its fit drives it (a peek at the first batch, a reset, then each epoch's steps)."""

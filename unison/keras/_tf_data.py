@@ -8,11 +8,16 @@ split (:class:`~unison.common.data_parallel.BatchPlan`). Shuffling draws each ep
 permutation with a stateless shuffle keyed by ``(seed, epoch)``, so every rank has the
 same one whatever its TensorFlow global seed; the shuffled dataset runs one epoch after
 another without end, and ``fit`` is given ``steps_per_epoch`` (Keras then keeps one
-iterator across epochs).
+iterator across epochs). Where the caller gives its own ``steps_per_epoch``, the dataset
+is one pass of known length instead, permuted by the number of passes begun before
+(:meth:`TFArrays.one_pass_each`), so Keras's own rule applies: an epoch ends early where
+a pass runs out, and the next one starts a new pass, as it does for arrays without Unison.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +37,23 @@ class TFArrays:
     dataset: tf.data.Dataset
     plan: BatchPlan
     endless: bool
+    _passes: Callable[[], tf.data.Dataset] | None = None
+
+    def one_pass_each(self) -> tf.data.Dataset:
+        """The shuffled rows as a dataset of one pass (``plan.steps`` batches, a known cardinality) whose
+        every iterator starts the next pass, permuted as the endless dataset permutes that pass.
+
+        [Note: a caller's steps_per_epoch over shuffled arrays] Keras, given arrays and a
+        ``steps_per_epoch`` that does not divide the batches of a pass, ends an epoch early where the
+        pass runs out and starts a new (reshuffled) pass with the next epoch: 46 rows in batches of
+        12, ``steps_per_epoch=3``, 3 epochs are 3 + 1 + 3 steps. The endless dataset ran 3 steps every
+        epoch (9) until 2026-12-07. Keras ends that epoch by the dataset's cardinality, and starts a
+        pass by making a new iterator; the pass number is counted where each iterator begins (one
+        Python call per pass), and every rank makes its iterators at the same points of ``fit``.
+        """
+        if self._passes is None:
+            return self.dataset
+        return self._passes()
 
 
 def arrays_dataset(parts: tuple[Any, ...], plan: BatchPlan, rank: int, shuffle: bool, seed: int) -> TFArrays:
@@ -55,14 +77,22 @@ def arrays_dataset(parts: tuple[Any, ...], plan: BatchPlan, rank: int, shuffle: 
             batch = batch[:2] + (shadow,)
         return one_batch(batch)
 
-    if shuffle:
-        def epoch(e: tf.Tensor) -> tf.data.Dataset:
-            key = tf.stack([tf.constant(seed, tf.int64), e])
-            order = tf.random.experimental.stateless_shuffle(tf.range(plan.samples, dtype=tf.int64), seed=key)
-            return tf.data.Dataset.from_tensor_slices(order[:kept]).batch(batch)
+    def rows(ids: tf.data.Dataset) -> tf.data.Dataset:
+        return ids.map(mine, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(tf.data.AUTOTUNE)
 
-        ids = tf.data.Dataset.range(2**62).flat_map(epoch)
-    else:
-        ids = tf.data.Dataset.range(kept).batch(batch)
-    dataset = ids.map(mine, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(tf.data.AUTOTUNE)
-    return TFArrays(dataset, plan, endless=shuffle)
+    if not shuffle:
+        return TFArrays(rows(tf.data.Dataset.range(kept).batch(batch)), plan, endless=False)
+
+    def epoch(e: tf.Tensor) -> tf.data.Dataset:
+        key = tf.stack([tf.constant(seed, tf.int64), e])
+        order = tf.random.experimental.stateless_shuffle(tf.range(plan.samples, dtype=tf.int64), seed=key)
+        return tf.data.Dataset.from_tensor_slices(order[:kept]).batch(batch)
+
+    def passes() -> tf.data.Dataset:  # [Note: a caller's steps_per_epoch over shuffled arrays]
+        begun = itertools.count()
+        number = tf.data.Dataset.from_generator(lambda: iter((next(begun),)),
+                                                output_signature=tf.TensorSpec((), tf.int64))
+        one = number.flat_map(epoch).apply(tf.data.experimental.assert_cardinality(plan.steps))
+        return rows(one)
+
+    return TFArrays(rows(tf.data.Dataset.range(2**62).flat_map(epoch)), plan, endless=True, _passes=passes)

@@ -1016,10 +1016,14 @@ def _expecting_shadows(model: Any, expected: bool) -> Iterator[None]:
 
 
 def _unwrap(sharded: Any, args: dict[str, Any], steps: str) -> Any:
-    """A TensorFlow pipeline's dataset; an endless (shuffled) one sets ``args[steps]`` to its batches."""
+    """A TensorFlow pipeline's dataset; an endless (shuffled) one sets ``args[steps]`` to its batches, and
+    where the caller gave ``args[steps]``, one pass per iterator is taken instead ([Note: a caller's
+    steps_per_epoch over shuffled arrays] in ``unison.keras._tf_data``)."""
     if sharded is None or type(sharded).__name__ != "TFArrays":
         return sharded
-    if sharded.endless and args.get(steps) is None:
+    if sharded.endless and args.get(steps) is not None:
+        return sharded.one_pass_each()
+    if sharded.endless:
         args[steps] = sharded.plan.steps
     return sharded.dataset
 

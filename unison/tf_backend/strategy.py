@@ -548,9 +548,11 @@ def _agreed_shuffle(arguments: dict[str, Any]) -> dict[str, Any] | None:
     data = ukdata.ShardedArrays(x, y, sample_weight, batch_size=batch, rank=0, size=1, shuffle=True, seed=seed,
                                 class_weight=a.pop("class_weight", None))
     pipeline = arrays_dataset(data.parts, data.plan, 0, True, seed)
-    a["x"], a["shuffle"] = pipeline.dataset, False
+    a["shuffle"] = False
     if a.get("steps_per_epoch") is None:
-        a["steps_per_epoch"] = data.plan.steps  # (the pipeline runs one pass after another)
+        a["x"], a["steps_per_epoch"] = pipeline.dataset, data.plan.steps  # (one pass after another)
+    else:  # Keras's own steps: an epoch ends early where a pass runs out ([Note: a caller's
+        a["x"] = pipeline.one_pass_each()  # steps_per_epoch over shuffled arrays] in unison.keras._tf_data)
     return a
 
 
