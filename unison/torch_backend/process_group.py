@@ -29,6 +29,7 @@ process_group_store.py.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from typing import Any
@@ -135,7 +136,7 @@ class UnisonProcessGroup(Collectives, dist.ProcessGroup):
         self._check_rank(dst, "send", "dst")
         self._check_tag(tag)
         # as bytes: mpi4py takes no bfloat16 array (a BufferError where gloo sends it)
-        data = _bytes(np.ascontiguousarray(host(t, "send", any_dtype=True)))
+        data = _bytes(np.ascontiguousarray(host(_numpy_able(t), "send", any_dtype=True)))
         return P2PWork(isend_bytes(self._p2p_comm, data, dst, tag), data, timeout_s=self._timeout_s)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
@@ -149,7 +150,7 @@ class UnisonProcessGroup(Collectives, dist.ProcessGroup):
 
     def _recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
         self._check_tag(tag)
-        (t,) = tensors
+        t = _numpy_able(tensors[0])  # (written through: a view of the same memory)
         # the tensor's own values first: a shorter message leaves the rest of it as it was (as gloo),
         # where an empty buffer copied uninitialised memory into it
         buf = np.array(host(t, "recv", any_dtype=True), copy=True, order="C")
@@ -164,6 +165,26 @@ class UnisonProcessGroup(Collectives, dist.ProcessGroup):
         if not 0 <= int(tag) <= MPI.COMM_WORLD.Get_attr(MPI.TAG_UB):
             raise ValueError(f"Tag must be nonnegative and at most {MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)}; "
                              f"got tag={tag}")
+
+
+#: the integer dtype of each element size, for the memory of a tensor whose dtype numpy has no type for
+_SAME_SIZE_INTEGER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _numpy_able(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or where numpy has no type for its dtype (float8 and the other 1-byte float formats), a view of
+    its memory as integers of the same size: point to point moves bytes. (Before 2026-12-07 a float8 send or
+    receive raised numpy's "Got unsupported ScalarType Float8_e4m3fn"; gloo sends them; found by an audit.)"""
+    return t if _numpy_has(t.dtype) else t.view(_SAME_SIZE_INTEGER[t.element_size()])
+
+
+@functools.cache
+def _numpy_has(dtype: torch.dtype) -> bool:
+    try:
+        torch.empty(0, dtype=dtype).numpy()
+    except TypeError:
+        return False
+    return True
 
 
 def _out_of_dynamo(cls: type) -> None:
