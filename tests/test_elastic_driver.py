@@ -101,6 +101,33 @@ def test_hosts_changed_status_restarts_without_counting_a_failure(tmp_path: Path
     assert driver(tmp_path, jobs, np=2, reset_limit=1).run() == RESTART_STATUS  # --reset-limit counts them
 
 
+def test_resets_in_place_count_toward_the_reset_limit(tmp_path: Path, caplog) -> None:
+    """Each job is given what is left of --reset-limit; the resets a job made in place are counted; a job whose
+    ranks used up their share (status 77) is not started again. Before, only restarted jobs counted."""
+    from unison.run.report import RESET_LIMIT_STATUS
+
+    jobs = Jobs([JobEnd(RESTART_STATUS, resets=1), JobEnd(1, resets=1), (0, [])])
+    assert driver(tmp_path, jobs, np=2, reset_limit=5).run() == 0
+    assert [env["UNISON_ELASTIC_RESET_LIMIT"] for _, _, env in jobs.calls] == ["5", "3", "1"]
+    jobs = Jobs([JobEnd(1, resets=2), (0, [])])  # 2 in place and a restart: 3 > 2
+    assert driver(tmp_path, jobs, np=2, reset_limit=2).run() == 1 and len(jobs.calls) == 1
+    jobs = Jobs([JobEnd(RESET_LIMIT_STATUS, resets=1), (0, [])])
+    with caplog.at_level(logging.ERROR):
+        assert driver(tmp_path, jobs, np=2, reset_limit=0, max_restarts=5).run() == RESET_LIMIT_STATUS
+    assert len(jobs.calls) == 1 and "exceed --reset-limit 0" in caplog.text
+    jobs = Jobs([(0, [])])
+    driver(tmp_path, jobs, np=2).run()
+    assert "UNISON_ELASTIC_RESET_LIMIT" not in jobs.calls[0][2]  # no limit: none given
+
+
+def test_the_reset_line_is_recognised_in_mpiruns_output() -> None:
+    from unison.run.report import ELASTIC_RESET, MpirunReport
+
+    report = MpirunReport()
+    report.feed(f"{ELASTIC_RESET} 1\nloss 0.3\n{ELASTIC_RESET} 2\n", "stdout")
+    assert report.elastic_resets == 2
+
+
 def test_a_host_that_keeps_failing_is_blacklisted_then_returns(tmp_path: Path) -> None:
     clock = FakeClock()
     hosts = [Host("a", 2), Host("b", 2)]

@@ -532,6 +532,31 @@ def test_restart_tier_resumes_every_rank_from_the_spilled_commit(tmp_path: Path)
     assert _exiting(proc.stdout) == [(0, r, 3) for r in range(3)], detail  # job 1's ranks at their exit
 
 
+@pytest.mark.parametrize("limit", [0, 1])
+def test_reset_limit_counts_resets_in_place(tmp_path: Path, limit: int) -> None:
+    """``unisonrun --elastic --reset-limit N`` in the in-place tier, rank 2 of 3 killed after step 5: one reset in
+    place. Before, only restarted jobs counted, and --reset-limit 0 recovered in place and finished (status 0)."""
+    proc = _unisonrun(["-np", "3", "--elastic", "--reset-limit", str(limit), sys.executable, SCRIPT,
+                       str(tmp_path)], timeout=240)
+    detail = (f"\nexit {proc.returncode}\n--- stdout ---\n{proc.stdout[-3000:]}\n"
+              f"--- stderr ---\n{proc.stderr[-5000:]}")
+    assert (tmp_path / "kill.json").exists(), detail
+    assert "starting job 1" not in proc.stderr, detail  # never started again
+    assert "[unison] elastic: reset in place, number 1" in proc.stdout, detail
+    if limit == 0:
+        from unison.run.report import RESET_LIMIT_STATUS
+
+        assert proc.returncode == RESET_LIMIT_STATUS, detail
+        assert "giving up: the job reset in place 1 time(s)" in proc.stderr, detail
+        assert _exiting(proc.stdout) == [(RESET_LIMIT_STATUS, r, 2) for r in range(2)], detail  # both survivors
+        assert not _outcomes(tmp_path), detail  # nobody trained on past the limit
+    else:
+        assert proc.returncode == 0, detail
+        ranks = _outcomes(tmp_path)
+        assert [(r["rank"], r["size"]) for r in ranks] == [(0, 2), (1, 2)], detail
+        _check_replay(ranks, schedule(), detail)
+
+
 def _run_discovered(hosts: Path, slots: int, script: str, out: Path,
                     **env: str) -> subprocess.CompletedProcess[str]:
     """``unisonrun`` with a discovery script printing ``hosts`` (``localhost:<slots>`` at first; the job's

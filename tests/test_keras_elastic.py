@@ -163,6 +163,22 @@ def test_a_state_made_before_compile_commits_the_optimizer_compile_gives() -> No
     state.restore()
 
 
+def test_horovods_backend_argument_is_accepted() -> None:
+    """Before: Horovod's ``TensorFlowKerasState(model, optimizer, backend=...)`` took the module for a value to
+    commit, and failed copying it."""
+    net = _model()
+    state = elastic.TensorFlowKerasState(net, net.optimizer, backend=keras.backend, epoch=3)
+    assert state.epoch == 3 and not hasattr(state, "backend")
+    state.save()
+    state.epoch = 4
+    state.restore()
+    assert state.epoch == 3
+    variables = elastic.TensorFlowState(net.weights, session=None, step=1)  # Horovod's TF1 argument, unused
+    assert variables.step == 1 and not hasattr(variables, "session")
+    with pytest.raises(ValueError, match="session"):
+        elastic.TensorFlowState(net.weights, session=object())
+
+
 def test_bad_input() -> None:
     with pytest.raises(ValueError, match="batches_per_commit must be a positive int; got 0"):
         elastic.CommitStateCallback(elastic.ObjectState(), batches_per_commit=0)

@@ -22,6 +22,8 @@ supervises a sequence of MPI jobs instead of one::
                   (see [Note: the driver's verdict])
                   unisonrun was stopped (Ctrl-C, SIGTERM)              -> stop, no restart
                   status 76 (the hosts changed)                        -> start again (a reset)
+                  status 77 (the job's resets in place went past its share of --reset-limit,
+                  UNISON_ELASTIC_RESET_LIMIT; [Note: --reset-limit in place])   -> give up
                   anything else (a rank or host died, and the in-place tier could not carry on,
                   or this is the restart tier)                         -> count a failure
                   against each host mpirun named; a host that failed --blacklist-after times
@@ -54,7 +56,7 @@ from typing import NamedTuple
 
 from unison.run.hosts import Host, parse_hosts
 from unison.run.rankwatch import read_records, records_folder
-from unison.run.report import RESTART_STATUS
+from unison.run.report import RESET_LIMIT_STATUS, RESTART_STATUS
 
 __all__ = ["ElasticOptions", "Driver", "JobEnd", "discover", "has_ulfm", "RESTART_STATUS", "ELASTIC_MPI_ARGS",
            "DETECTOR_MPI_ARGS"]
@@ -90,6 +92,8 @@ class JobEnd(NamedTuple):
     rank_failed: bool = False
     #: how many ranks left the job on the losing side of a split (report.ELASTIC_LEFT)
     left: int = 0
+    #: the resets the job made in place (rank 0's report.ELASTIC_RESET lines)
+    resets: int = 0
 
 
 @dataclasses.dataclass
@@ -292,12 +296,14 @@ class Driver:
                 Path(notice).write_text(f"{time.time()}\n")
                 return
 
-    def _run_once(self, attempt: int, hosts: list[Host] | None) -> JobEnd:
+    def _run_once(self, attempt: int, hosts: list[Host] | None, resets: int = 0) -> JobEnd:
         np_ = self._np(hosts)
         notice = os.path.join(self.state_dir, f"hosts-changed-{attempt}")
         env = {**self.environ, "UNISON_ELASTIC": "1", "UNISON_ELASTIC_STATE_DIR": self.state_dir,
                "UNISON_ELASTIC_ATTEMPT": str(attempt), "UNISON_ELASTIC_NOTICE": notice,
                "UNISON_ELASTIC_MIN_NP": str(self.options.min_np)}
+        if self.options.reset_limit is not None:  # the job's share ([Note: --reset-limit in place] in runner.py)
+            env["UNISON_ELASTIC_RESET_LIMIT"] = str(max(0, self.options.reset_limit - resets))
         logger.warning("starting job %d: %d rank(s) on %s", attempt, np_, _listing(hosts))
         here = socket.gethostname()
         if (self.options.discovery_script is not None and hosts is not None
@@ -332,12 +338,17 @@ class Driver:
                 except RuntimeError as error:
                     logger.error("%s", error)
                     return 1
-                end = self._run_once(attempt, hosts)
+                end = self._run_once(attempt, hosts, resets)
                 ranks = self._ranks_ended(attempt)
                 status, failed, lost = end.status, end.failed, end.lost
                 attempt += 1
+                resets += end.resets
                 if end.stopped:
                     logger.warning("unisonrun was stopped (status %d): not starting the job again", status)
+                    return status
+                if status == RESET_LIMIT_STATUS and not end.finished:
+                    logger.error("giving up: the job reset in place %d time(s), %d reset(s) in all exceed "
+                                 "--reset-limit %s", end.resets, resets, self.options.reset_limit)
                     return status
                 final = _final_status(end, ranks)
                 if final is not None:

@@ -346,7 +346,8 @@ def _parser() -> argparse.ArgumentParser:
     elastic.add_argument("--max-restarts", type=int, metavar="N",
                          help="restarts after failed jobs before giving up (default 3)")
     elastic.add_argument("--reset-limit", type=int, metavar="N",
-                         help="most restarts of any kind, host changes included (default: no limit)")
+                         help="most resets of any kind: restarts of the job, host changes and resets in place "
+                         "after a rank's death (default: no limit)")
     elastic.add_argument("--elastic-mode", choices=("auto", "inplace", "restart"), default=None,
                          help="inplace: survive a rank's death inside the job (needs ULFM: mpirun --with-ft "
                          "ulfm); restart: every failure restarts the job from the last commit; auto (default): "
@@ -528,7 +529,8 @@ def _run_elastic(args: argparse.Namespace, config: LaunchConfig, environ: Mappin
         elif result.status not in (0, RESTART_STATUS) and not report.elastic_finished:
             print(f"unisonrun: {report.summary(result.status)}", file=sys.stderr, flush=True)
         return JobEnd(result.status, failed, tuple(h.host for h in report.hosts_lost), report.elastic_finished,
-                      result.stop_signal is not None, bool(report.failures) or bool(failed), report.elastic_left)
+                      result.stop_signal is not None, bool(report.failures) or bool(failed), report.elastic_left,
+                      report.elastic_resets)
 
     try:
         return Driver(options, static, start, environ).run()

@@ -69,6 +69,15 @@ ELASTIC_LEFT = "[unison] elastic: leaving the job"
 #: ``unisonrun``'s driver then starts the job on the new hosts (unison.common.elastic.runner)
 RESTART_STATUS = 76
 
+#: the status every rank of an elastic job exits with when its in-place resets went past the driver's
+#: ``--reset-limit`` (the job's share of it: ``UNISON_ELASTIC_RESET_LIMIT``); the driver gives up
+RESET_LIMIT_STATUS = 77
+
+#: the line rank 0 of an elastic job prints after each reset in place, followed by `` <n>``: the job's resets
+#: so far, which the driver adds to its count for ``--reset-limit``
+ELASTIC_RESET = "[unison] elastic: reset in place, number"
+_RESET = re.compile(re.escape(ELASTIC_RESET) + r" (?P<n>\d+)")
+
 #: the line each rank of an elastic job prints when it is about to exit and has nothing left to save, followed
 #: by ``<status>, rank <rank> of <size>``: once its part of the commit is on disk before it exits with
 #: :data:`RESTART_STATUS`, or at its exit after the training function returned (status 0); see
@@ -242,6 +251,8 @@ class MpirunReport:
         self.exiting_size: int | None = None
         #: ``time.monotonic()`` when every rank had printed :data:`ELASTIC_EXITING`, else ``None``
         self.all_exiting_at: float | None = None
+        #: the job's resets in place (the largest number an :data:`ELASTIC_RESET` line gave)
+        self.elastic_resets = 0
         self._streams = {"stderr": _Stream(), "stdout": _Stream()}
 
     def feed(self, text: str, stream: str = "stderr") -> None:
@@ -257,6 +268,9 @@ class MpirunReport:
             self.elastic_finished = True
         if ELASTIC_LEFT in line:
             self.elastic_left += 1
+        reset = _RESET.search(line)
+        if reset is not None:
+            self.elastic_resets = max(self.elastic_resets, int(reset["n"]))
         exiting = _EXITING.search(line)
         if exiting is not None:
             self.exiting[int(exiting["rank"])] = int(exiting["status"])

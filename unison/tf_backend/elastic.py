@@ -135,10 +135,15 @@ class TensorFlowState(ObjectState):
     Args:
         variables: the ``tf.Variable`` s to commit (all of ``tf.compat.v1`` global variables
             has no meaning in TF 2: pass them).
+        session: Horovod's TF1 session argument: None (TensorFlow 2 runs eagerly); a session is
+            refused.
         **kwargs: picklable values, kept as attributes.
     """
 
-    def __init__(self, variables: Iterable[Any] | None = None, **kwargs: Any) -> None:
+    def __init__(self, variables: Iterable[Any] | None = None, session: Any = None, **kwargs: Any) -> None:
+        if session is not None:
+            raise ValueError(f"TensorFlowState(session={session!r}): TensorFlow 1 sessions are not supported; "
+                             "run eagerly (TensorFlow 2) and leave session=None")
         self.variables = list(variables or [])
         self._saved_variables = _numpy(self.variables)
         super().__init__(**kwargs)
@@ -180,6 +185,9 @@ class TensorFlowKerasState(ObjectState):
         model: a built Keras model.
         optimizer: its optimizer; when None, ``model.optimizer`` as it is at each commit, restore
             and sync (so a state made before ``compile`` commits the optimizer compile gives).
+        backend: Horovod's argument (the Keras backend module, which Horovod's uses for TF1
+            sessions); accepted and not needed: Keras 3 reads and assigns the variables itself.
+            (Before 2026-12-07 it was taken for a value to commit, and the module could not be copied.)
         **kwargs: picklable values, kept as attributes (``epoch=0, batch=0``).
 
     Raises:
@@ -187,7 +195,7 @@ class TensorFlowKerasState(ObjectState):
             are laid out for the old number of ranks).
     """
 
-    def __init__(self, model: Any, optimizer: Any = None, **kwargs: Any) -> None:
+    def __init__(self, model: Any, optimizer: Any = None, backend: Any = None, **kwargs: Any) -> None:
         if not model.built:
             raise ValueError(f"elastic: the model {model.name!r} is not built, so it has no weights to "
                              "commit; call model.build(input_shape) (or run it once) before the state")

@@ -32,7 +32,7 @@ from typing import Any
 from unison.common import runtime
 from unison.common.elastic.recovery import enabled, rebuild, ulfm_enabled
 from unison.common.elastic.store import attempt as job_attempt
-from unison.common.elastic.store import mark_entered, mark_finished, resume
+from unison.common.elastic.store import mark_entered, mark_finished, reset_limit, resume
 from unison.common.engine.errors import process_failure
 from unison.common.exceptions import HostsUpdatedInterrupt
 
@@ -99,8 +99,51 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], Any],
                 state.restore()
                 skip_sync = False
             _reset(state, rebuilder, reset)
+            _count_reset(state)
 
     return wrapper
+
+
+#: resets in place this process made (every rank of a job makes the same ones: see _count_reset)
+_resets_in_place = 0
+
+
+def _count_reset(state: Any) -> None:
+    """Count a reset in place, and end the job once there are more than it may make.
+
+    [Note: --reset-limit in place]
+    ``unisonrun --reset-limit N`` bounds resets of every kind, as Horovod's does. The driver counts
+    the jobs it starts again; the resets a job makes in place (a rank died and ULFM let the rest go
+    on, or the hosts changed without the driver) it hears of from rank 0's :data:`ELASTIC_RESET`
+    line after each, and it gives the next job what is left in ``UNISON_ELASTIC_RESET_LIMIT``. Every
+    rank of the job went through the same resets (a recovery is collective), so every rank counts
+    the same number and, past the limit, every rank says so and exits with
+    :data:`RESET_LIMIT_STATUS` after the reset completed (a clean exit from a whole world: an exit
+    before the recovery would leave the failed rank in it); the driver then gives up. Before
+    2026-12-07 only restarted jobs were counted, and a rank failing again and again reset in place
+    for ever under ``--reset-limit 0``.
+    """
+    global _resets_in_place
+    from unison.run.report import ELASTIC_RESET, RESET_LIMIT_STATUS, exiting_line
+
+    _resets_in_place += 1
+    st = runtime._state
+    rank, size = (st.rank, st.size) if st is not None else (0, 1)
+    if rank == 0 and state.store is not None:  # (under unisonrun's driver)
+        print(f"{ELASTIC_RESET} {_resets_in_place}", flush=True)
+    limit = reset_limit()
+    if limit is None or _resets_in_place <= limit:
+        return
+    logger.error("elastic: giving up: this job has reset in place %d time(s), more than the %d its share of "
+                 "unisonrun's --reset-limit allows (UNISON_ELASTIC_RESET_LIMIT); ending the job with status %d",
+                 _resets_in_place, limit, RESET_LIMIT_STATUS)
+    if state.store is not None:
+        state.store.wait()
+    print(exiting_line(RESET_LIMIT_STATUS, rank, size), flush=True)
+    if st is not None and st.comm is not None:
+        st.comm.Barrier()  # every rank said it before any exits (see _restart_on_new_hosts)
+    runtime.shutdown()
+    raise SystemExit(RESET_LIMIT_STATUS)
 
 
 #: the exit status of every rank that stops so the driver restarts the job on the new hosts

@@ -52,7 +52,8 @@ from unison.common import files, runtime
 from unison.common.config import IntRange, parse_env, register_env
 
 __all__ = ["CommitStore", "store_from_env", "resume", "mark_finished", "mark_entered", "ENV_STATE_DIR",
-           "ENV_ATTEMPT", "ENV_NOTICE"]
+           "ENV_ATTEMPT", "ENV_NOTICE",
+           "ENV_RESET_LIMIT", "reset_limit"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,10 @@ ENV_STATE_DIR = "ELASTIC_STATE_DIR"
 ENV_ATTEMPT = "ELASTIC_ATTEMPT"
 #: ``UNISON_ELASTIC_NOTICE``: a file the driver writes when the hosts changed (see state.py)
 ENV_NOTICE = "ELASTIC_NOTICE"
-register_env(ENV_STATE_DIR, ENV_ATTEMPT, ENV_NOTICE)
+#: ``UNISON_ELASTIC_RESET_LIMIT``: how many resets in place this job may make (what is left of the driver's
+#: ``--reset-limit``); unset: no limit
+ENV_RESET_LIMIT = "ELASTIC_RESET_LIMIT"
+register_env(ENV_STATE_DIR, ENV_ATTEMPT, ENV_NOTICE, ENV_RESET_LIMIT)
 
 _NAME = re.compile(r"^commit-(\d{6})-(\d{12})\.bin$")
 KEEP = 2
@@ -245,6 +249,11 @@ def store_from_env(name: str | None = None) -> CommitStore | None:
 def attempt() -> int:
     """How many times the driver started this job before (0: the first start)."""
     return int(parse_env(ENV_ATTEMPT, IntRange(0, 1 << 30).parse, 0))
+
+
+def reset_limit() -> int | None:
+    """How many resets in place this job may make (``UNISON_ELASTIC_RESET_LIMIT``); None: no limit."""
+    return parse_env(ENV_RESET_LIMIT, IntRange(0, 1 << 30).parse, None)
 
 
 def resume(state: Any, store: CommitStore) -> int:
