@@ -653,6 +653,35 @@ def test_bad_input_raises_on_every_rank():
     assert agree(ps.tables())
 
 
+@pytest.mark.parametrize("consistency", ["bsp", "ssp1", "asp"])
+def test_none_gradients_raise_on_every_rank_and_change_nothing(consistency):
+    """Before: push(keys, None) (torch's gradient of an unused tensor) was taken: under BSP the exchange read past
+    an empty buffer (garbage rows such as -5.8e-310, a segfault on a large table), under SSP/ASP the update was
+    dropped with no error and the clock still moved."""
+    rule = {"bsp": ps.BSP(), "ssp1": ps.SSP(1), "asp": ps.ASP()}[consistency]
+    with ps.ShardedTable(ROWS, DIM, "float64", "row", ps.SGD(1.0), rule, name="none-grads",
+                         initializer="zeros") as table:
+        keys = np.array([1, ROWS - 1])
+        wanted = rf"none-grads\.(push|push_pull): gradients are None.*pass an array of shape \(2, {DIM}\)"
+        if consistency == "bsp" or R == N - 1:  # (SSP/ASP: the rank that pushed raises; the others below)
+            clock = table.stats()["clock"]
+            with pytest.raises(ps.TableError, match=wanted):
+                table.push(keys, None)
+            with pytest.raises(ps.TableError, match=wanted):
+                table.push_pull(keys, None)
+            assert table.stats()["clock"] == clock
+        if consistency == "bsp" or R == N - 1:
+            table.barrier()
+        else:  # the others raise both once the barrier completed ([Note: errors without collectives])
+            with pytest.raises(ps.TableError, match=wanted + r".*\(raised on that rank"):
+                table.barrier()
+            with pytest.raises(ps.TableError, match=wanted + r".*\(raised on that rank"):
+                table.pull([1])
+        table.barrier()
+        np.testing.assert_array_equal(table.pull(keys), np.zeros((2, DIM)))  # nothing applied
+        assert agree(table.pull(keys).tolist())
+
+
 # ------------------------------------------------------------------ found by an audit (2026-12-05)
 @pytest.mark.skipif(N == 1, reason="needs a worker waiting on the one that fails")
 @pytest.mark.parametrize("after", ["barrier", "save"])

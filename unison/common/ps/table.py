@@ -450,6 +450,11 @@ class ShardedTable:
         return arr
 
     def _grads(self, grads: Any, keys: np.ndarray, what: str) -> np.ndarray:
+        if grads is None:  # (what torch gives an unused tensor: BSP read past an empty buffer, SSP/ASP dropped the
+            # update and still counted the clock, before 2026-12-07; found by an audit)
+            raise ValueError(f"{self.name}.{what}: gradients are None (a tensor no loss reached has no gradient); "
+                             f"pass an array of shape {keys.shape + (self.dim,)} (zeros to push nothing), "
+                             "or call pull")
         g = np.asarray(grads)
         if g.dtype.kind != "f":
             raise TypeError(f"{self.name}.{what}: gradients must be floating point; got dtype {g.dtype}")
@@ -632,7 +637,7 @@ class ShardedTable:
         SSP/ASP it is raised here and sent to the other workers ([Note: errors without collectives])."""
         try:
             arr = self._keys(keys, what)
-            return arr, None if grads is None else self._grads(grads, arr, what), None
+            return arr, None if what == "pull" else self._grads(grads, arr, what), None
         except (TypeError, ValueError) as exc:
             if not self.consistency.collective:
                 message = f"rank {self.rank}: {exc}"
