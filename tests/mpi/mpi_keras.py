@@ -582,6 +582,21 @@ def test_fit_with_steps_per_epoch_ends_an_epoch_where_the_shuffled_pass_runs_out
     assert same_everywhere(model.get_weights())
 
 
+def test_dropout_draws_each_ranks_own_masks_in_fit_when_every_rank_is_seeded_alike(strategy):
+    """Before: with keras.utils.set_random_seed(42) on every rank (a seeded script), every rank's Dropout drew the
+    same masks at every step, so row i of every rank's share got the same one (one process draws a mask per
+    row); now each rank but 0 moves its seed generators to a stream of its own when fit starts."""
+    keras.utils.set_random_seed(42)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dropout(0.5), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    model.fit(X, X[:, :1], batch_size=GLOBAL_BATCH, epochs=1, verbose=0, shuffle=False)
+    mask = keras.ops.convert_to_numpy(model.layers[0](np.ones((64, 8), "float32"), training=True)) == 0
+    masks = WORLD.allgather(mask)
+    assert N == 1 or not any(np.array_equal(masks[0], m) for m in masks[1:])
+    assert same_everywhere(model.get_weights())
+
+
 def test_an_unseeded_dataset_shuffle_raises_on_every_rank(strategy):
     with strategy.scope():
         model = make_model()

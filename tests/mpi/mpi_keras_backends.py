@@ -1186,8 +1186,10 @@ def test_validation_during_fit_uses_the_averaged_statistics(dp):
 def test_dropout_trains_with_each_ranks_own_masks_and_frozen_weights_stay_put(dp):
     """A model with Dropout: its seed generator's state is each rank's own (on JAX it is uint32,
     and broadcasting it failed every fit, evaluate and predict; elsewhere every rank drew rank 0's
-    masks). A frozen layer's weights stay bit for bit through the averaging of the statistics."""
-    keras.utils.set_random_seed(7 + R)
+    masks). A frozen layer's weights stay bit for bit through the averaging of the statistics.
+    Seeded alike on every rank (a seeded script), the ranks still draw their own masks: before
+    2026-12-07 row i of every rank's share got the same mask at every step."""
+    keras.utils.set_random_seed(7)
     with dp.scope():
         frozen = keras.layers.Dense(4, name="frozen")
         model = keras.Sequential([keras.Input((4,)), frozen, keras.layers.Dense(16, activation="relu"),

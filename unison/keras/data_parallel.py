@@ -485,6 +485,42 @@ def without_seed_states(model: Any, variables: list[Any]) -> list[Any]:
     return [v for v in variables if id(v) not in seeds]
 
 
+def own_seed_streams(model: Any, rank: int) -> None:
+    """Move every seed generator of ``model``'s layers on rank ``rank`` (not 0) to a stream of its own.
+
+    [Note: each rank's own random stream]
+    The seed generators' states are left out of the broadcast (:func:`without_seed_states`), but a
+    seeded script (``keras.utils.set_random_seed(42)`` on every rank, as the shuffling's seed asks)
+    starts every rank's generators in the same state: row i of every rank's share drew the same
+    Dropout mask at every step, where one process draws independent masks over the global batch
+    (found by an audit on 2026-12-07: identical masks on both ranks at every step, JAX and torch).
+    At every ``fit`` start each rank but 0 mixes its rank into the seed half of each state (the other
+    half counts the draws), so the streams differ, and a seeded script still draws the same masks in
+    every run. Rank 0's stream is untouched: a job of one rank draws what one process draws. On the
+    torch backend an unseeded layer (``Dropout(0.5)``) draws from torch's global generator, not from its
+    state, so that generator is moved the same way (a rank's own ``torch.rand`` calls then differ from
+    rank 0's too, as they would had each rank been seeded by its rank).
+    """
+    if rank == 0:
+        return
+    if keras.backend.backend() == "torch":
+        import torch
+
+        torch.manual_seed((torch.initial_seed() * 1_000_003 + 0x9E3779B1 * rank) % (1 << 63))
+    layers = model._flatten_layers(include_self=True) if hasattr(model, "_flatten_layers") else []
+    seen: set[int] = set()
+    for gen in (g for layer in layers for g in getattr(layer, "_seed_generators", [])):
+        state = getattr(gen, "state", None)
+        if state is None or id(state) in seen:
+            continue
+        seen.add(id(state))
+        value = np.asarray(keras.ops.convert_to_numpy(state))
+        mixed = value.astype(np.int64)
+        # (below 2**31, so every backend's seed dtype holds it: uint32 on JAX, int64 on TensorFlow, int32 on torch)
+        mixed[0] = (int(mixed[0]) * 1_000_003 + 0x9E3779B1 * rank) % (1 << 31)
+        state.assign(mixed.astype(value.dtype))
+
+
 def _set(model: Any, name: str, value: Any) -> None:
     object.__setattr__(model, name, value)
 
@@ -842,6 +878,7 @@ class _Sync(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: Any = None) -> None:
         self._dp.broadcast_state(self._target)
+        own_seed_streams(self._target, self._dp.rank)
 
     def on_test_begin(self, logs: Any = None) -> None:
         # fit validates before on_epoch_end: every rank validates the averaged statistics (it

@@ -953,6 +953,9 @@ def _guard_keras() -> None:
                         call = agreed if agreed is not None else {k: v for k, v in arguments.items()
                                                                   if k != "self"}
                         call["callbacks"] = _with_agreement_to_stop(self, call.get("callbacks"))
+                        from unison.keras.data_parallel import own_seed_streams
+
+                        own_seed_streams(self, runtime.rank())  # [Note: each rank's own random stream]
                         return original(self, **call)
                     if name == "predict":  # (after the agreement: building broadcasts)
                         _build_for_predict(self, arguments.get("x"))
