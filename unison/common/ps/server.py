@@ -26,7 +26,8 @@ from unison.common.ps.optimizers import rows_of
 from unison.common.ps.shard import Shard
 
 __all__ = ["Server", "PULL", "PUSH", "CLOCK", "FIN", "MARK", "DONE", "ACK_TAG", "ACK_LEN", "HEADER", "pack",
-           "NO_WAIT", "BARRIER_MARK", "SAVE_MARK", "LOAD_MARK", "MARK_NAMES", "mismatch_code", "mismatch_of"]
+           "NO_WAIT", "BARRIER_MARK", "SAVE_MARK", "LOAD_MARK", "MARK_NAMES", "mismatch_code", "mismatch_of",
+           "INPUT_ERROR_TAG", "APPLY_ERROR_TAG", "apply_failure"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +39,21 @@ MARK_NAMES = {BARRIER_MARK: "barrier()", SAVE_MARK: "save()", LOAD_MARK: "load()
 #: a MARK's acknowledgement: [the mark, the clock every worker has after it (or -1 - a closed worker's index),
 #: 0 or the encoded pair of operations that met at it (:func:`mismatch_code`), the bad-input errors the workers
 #: had posted by their marks, all together (a MARK carries its worker's count as its one storage word: table
-#: [Note: errors without collectives])]
-ACK_LEN = 4
+#: [Note: errors without collectives]), the apply() failures this server had posted by then (each to every
+#: worker: the pushes before the marks are all applied, or dropped, when it answers)]
+ACK_LEN = 5
+#: tags on the table's error communicator: a worker's bad input (raised on that worker too), a shard's apply()
+#: failure posted by its server thread (raised on no rank until the message arrives)
+INPUT_ERROR_TAG, APPLY_ERROR_TAG = 1, 2
+
+
+def apply_failure(table: str, exc: BaseException, source: int | None = None) -> str:
+    """What a shard whose optimizer's ``apply()`` raised ``exc`` (on a push of rank ``source``, when one worker's)
+    reports, after ``"rank r: "``; the update it was applying is dropped ([Note: a failed apply()] in table.py)."""
+    push = "" if source is None else f" on a push of rank {source}"
+    return (f"table {table!r}: the optimizer's apply() failed on this rank's shard{push} ({type(exc).__name__}: "
+            f"{exc}); that update of the shard's rows was dropped and the table goes on (fix the gradients or the "
+            "optimizer)")
 
 
 def mismatch_code(kinds: np.ndarray) -> int:
@@ -74,14 +88,20 @@ class Server:
     """Serve one shard to the workers over ``req``/``rep`` until every remote worker has sent FIN."""
 
     def __init__(
-        self, shard: Shard, req: Any, rep: Any, mpi: Any, worker_of: dict[int, int], remote_workers: int
+        self, shard: Shard, req: Any, rep: Any, mpi: Any, worker_of: dict[int, int], remote_workers: int,
+        err: Any = None, name: str = "",
     ) -> None:
         self.shard, self.req, self.rep, self.mpi = shard, req, rep, mpi
+        self.err, self.name = err, name  # the table's error communicator and name ([Note: a failed apply()])
         self.worker_of = worker_of  # table rank -> worker index
         self.remaining = remote_workers
         self.deferred: list[tuple[int, int, int, np.ndarray]] = []  # (source, request, need, storage)
         self.sends: list[tuple[Any, np.ndarray]] = []
         self.error: BaseException | None = None
+        #: apply() failures posted to every worker, and their sends (completed by the table's close, after the
+        #: workers received them: a message to this rank's own worker may wait for its receive)
+        self.failures = 0
+        self.error_sends: list[tuple[Any, np.ndarray]] = []
         self.stop = threading.Event()
         self.requests = 0
         self.marks = np.zeros(len(set(worker_of.values())), np.int64)  # the last save mark of each worker
@@ -152,7 +172,10 @@ class Server:
             self._answer_ready()
         elif op == PUSH:
             grads = buf[(HEADER + n) * 8 :].view(self.shard.dtype).reshape(n, self.shard.dim)
-            self.shard.apply(storage, grads)
+            try:
+                self.shard.apply(storage, grads)
+            except Exception as exc:  # noqa: BLE001 - a user's optimizer may raise anything: every worker raises it
+                self._post_failure(source, exc)
         elif op == CLOCK:
             self.shard.advance(self.worker_of[source], value)
             self._answer_ready()
@@ -170,7 +193,7 @@ class Server:
                 self.pending_mark = 0
                 # the mark, the clock every worker has now, and whether they all marked the same operation
                 code = mismatch_code(self.kinds)
-                ack = np.array([value, self.shard.meet(), code, self.posted.sum()], np.int64)
+                ack = np.array([value, self.shard.meet(), code, self.posted.sum(), self.failures], np.int64)
                 for rank in self.worker_of:
                     self.sends.append((self.rep.Isend([ack, self.mpi.INT64_T], rank, ACK_TAG), ack))
                 if self.on_checkpoint is not None and not code and request in (SAVE_MARK, LOAD_MARK):
@@ -183,6 +206,19 @@ class Server:
         else:
             raise RuntimeError(f"sharded table: unknown request op {op} from rank {source}")
 
+    def _post_failure(self, source: int, exc: Exception) -> None:
+        """The optimizer's apply() raised on a push of ``source``: drop that update, tell every worker (this
+        rank's own too) on the error communicator, and serve on ([Note: a failed apply()] in table.py; before
+        2026-12-07 this thread died and every worker's next barrier waited for ever)."""
+        if self.err is None:  # (a table always gives one; a bare Server as before)
+            raise exc
+        message = f"rank {self.req.Get_rank()}: {apply_failure(self.name, exc, source)}"
+        logger.warning("%s", message, exc_info=exc)
+        data = np.frombuffer(message.encode("utf-8"), np.uint8).copy()
+        self.failures += 1  # (read by this thread's acknowledgements, and by the worker's close after join())
+        for rank in self.worker_of:
+            self.error_sends.append((self.err.Isend([data, self.mpi.BYTE], rank, APPLY_ERROR_TAG), data))
+
     def _fail_barrier_if_closed(self) -> None:
         """A worker closed the table while others wait in a barrier it will never join: answer those with
         ``[mark, -1 - the closed worker's index]`` (they raise; before 2026-12-06 they waited for ever)."""
@@ -193,7 +229,7 @@ class Server:
         absent = [int(w) for w in closed if self.marks[w] < self.pending_mark]  # (not one that raised and closed)
         if not absent:
             return
-        ack = np.array([self.pending_mark, -1 - absent[0], 0, 0], np.int64)
+        ack = np.array([self.pending_mark, -1 - absent[0], 0, 0, 0], np.int64)
         for rank, w in self.worker_of.items():
             if self.marks[w] == self.pending_mark and self.failed[w] < self.pending_mark:
                 self.failed[w] = self.pending_mark  # answered once

@@ -171,7 +171,7 @@ class _HeldInterrupt:
             self.previous(*self.held)
 
 
-def _resolve_comm(comm: Any, process_set: Any) -> tuple[Any, Any]:
+def _resolve_comm(comm: Any, process_set: Any, name: str | None = None) -> tuple[Any, Any]:
     """(communicator or None for one process, mpi module or None)."""
     if comm is not None:
         from mpi4py import MPI  # a communicator was given: mpi4py is there
@@ -184,7 +184,7 @@ def _resolve_comm(comm: Any, process_set: Any) -> tuple[Any, Any]:
     if given is not None and st.rank not in given:
         raise TableError(f"rank {st.rank} is not in {process_set!r}: create the table only on its ranks")
     # every rank that takes part names the same ranks, before any collective ([Note: agreeing on a table's ranks])
-    membership.agree_members(st.comm, st.mpi, st.rank, membership.describe(given, st.size), TableError)
+    membership.agree_members(st.comm, st.mpi, st.rank, membership.describe(given, st.size), TableError, name)
     if given is None or sorted(given) == list(range(st.size)):  # (a set of every rank: the job's communicator)
         return st.comm, st.mpi
     return st.comm.Create_group(st.comm.Get_group().Incl(sorted(given))), st.mpi
@@ -256,7 +256,7 @@ class ShardedTable:
         process_set: Any = None,
         refuse: str | None = None,
     ) -> None:
-        base, self.mpi = _resolve_comm(comm, process_set)
+        base, self.mpi = _resolve_comm(comm, process_set, name)
         #: why the table was lost (a rank of it failed: [Note: a table that loses a rank]), else None
         self._lost: str | None = None
         self._lost_generation = -1
@@ -324,7 +324,7 @@ class ShardedTable:
         self._err = None if self._rep is None else base.Dup()
         self._err_sends: list[tuple[Any, Any]] = []
         self._err_count = np.zeros((2, self.size), np.int64)  # error messages sent to / received from each rank
-        self._peer_errors: list[str] = []
+        self._peer_errors: list[tuple[str, int]] = []  # (message, its tag: sv.INPUT_ERROR_TAG or APPLY_ERROR_TAG)
         self._posted = 0  # bad-input errors this worker posted (each to every other worker)
         self._clock = 0
         #: the slowest worker's clock as some shard last reported it (a lower bound: clocks only grow)
@@ -357,6 +357,8 @@ class ShardedTable:
                 self.mpi,  # type: ignore[arg-type]
                 {w: i for i, w in enumerate(self.workers)},
                 remote,
+                self._err,
+                self.name,
             )
             if self.is_worker:
                 self._server.start()
@@ -663,6 +665,25 @@ class ShardedTable:
     # closes. Before 2026-12-05 it went on waiting, and a failing worker that caught its error and then
     # called barrier() or save() waited for it in turn: a hang.
 
+    # [Note: a failed apply()]
+    # The optimizer's apply() runs on the shard's rank and may raise: a user's Optimizer subclass refusing a
+    # non-finite gradient, a MemoryError. That update is dropped (the shard's rows keep what apply() left:
+    # nothing, for one that checks before it writes), the rows of the same push on other shards are applied,
+    # and a TableError naming the rank, the table and the error is raised on every worker; the table goes on.
+    # Under BSP the apply follows the round's last exchange of a push, so the round agrees on it with one
+    # 8-byte allreduce (raise_together; a few microseconds beside the round's milliseconds, where a flag
+    # carried in a push_pull's rows would copy every row twice) and every rank raises in that push or
+    # push_pull; a dedicated server logs it and serves on. Under SSP/ASP a push to this worker's own shard is
+    # applied on its thread, raised there and posted as bad input is; a push to another rank's shard is applied
+    # by that rank's server thread, which catches the error, drops that update and posts the message on the
+    # error communicator to every worker (its own rank's too), with a tag of its own (APPLY_ERROR_TAG): each
+    # raises it at its next operation once it arrived, or once its next barrier(), save() or load() has
+    # completed, as bad input (each acknowledgement carries its server's count). The server thread keeps its
+    # own count and sends (read by close() after the thread has ended): the worker's bookkeeping is the
+    # worker's. Before 2026-12-07 the server thread died (every worker then waited in its next barrier for
+    # ever, its own included), and under BSP the shard's rank raised alone: after a push the others went on
+    # (the update silently lost), in a push_pull they waited for ever in the rows' exchange (an audit).
+
     def _post_error(self, message: str) -> None:
         if self._err is None:
             return
@@ -670,7 +691,7 @@ class ShardedTable:
         self._posted += 1
         for r in self.workers:
             if r != self.rank:
-                self._err_sends.append((self._err.Isend([data, self.mpi.BYTE], r, 1), data))
+                self._err_sends.append((self._err.Isend([data, self.mpi.BYTE], r, sv.INPUT_ERROR_TAG), data))
                 self._err_count[0][r] += 1
 
     def _check_peers(self) -> None:
@@ -678,25 +699,28 @@ class ShardedTable:
         if self._err is None:
             return
         status = self.mpi.Status()
-        while self._err.Iprobe(self.mpi.ANY_SOURCE, 1, status):
+        while self._err.Iprobe(self.mpi.ANY_SOURCE, self.mpi.ANY_TAG, status):
             self._receive_error(status)
         if self._peer_errors:
-            raise TableError(f"{self._peer_errors.pop(0)} (raised on that rank; table {self.name!r} under "
+            message, tag = self._peer_errors.pop(0)
+            how = "raised on that rank" if tag == sv.INPUT_ERROR_TAG else "its server thread serves on"
+            raise TableError(f"{message} ({how}; table {self.name!r} under "
                              f"{self.consistency!r} raises it on every worker at its next operation, or once "
                              "its next barrier(), save() or load() has completed)")
 
     def _receive_error(self, status: Any) -> None:
         buf = np.empty(status.Get_count(self.mpi.BYTE), np.uint8)
-        self._err.Recv([buf, self.mpi.BYTE], status.Get_source(), 1)  # type: ignore[union-attr]
+        self._err.Recv([buf, self.mpi.BYTE], status.Get_source(), status.Get_tag())  # type: ignore[union-attr]
         self._err_count[1][status.Get_source()] += 1
-        self._peer_errors.append(buf.tobytes().decode("utf-8", "replace"))
+        self._peer_errors.append((buf.tobytes().decode("utf-8", "replace"), status.Get_tag()))
 
     def _receive_posted(self, total: int) -> None:
         """After a barrier: receive every error the others had posted by their marks (``total``, all workers'
-        together, carried by the acknowledgements), so that the barrier's caller raises them (see the Note)."""
+        together and the servers' apply() failures, carried by the acknowledgements), so that the barrier's
+        caller raises them (see the Note)."""
         status = self.mpi.Status()
         while int(self._err_count[1].sum()) < total - self._posted:  # (each was sent before its poster's mark)
-            self._err.Probe(self.mpi.ANY_SOURCE, 1, status)  # type: ignore[union-attr]
+            self._err.Probe(self.mpi.ANY_SOURCE, self.mpi.ANY_TAG, status)  # type: ignore[union-attr]
             self._receive_error(status)
 
     def _check_not_closed_by_peers(self) -> None:
@@ -842,8 +866,14 @@ class ShardedTable:
         if op in (ex.PUSH, ex.PUSH_PULL):
             g = grads if grads is not None else np.zeros((0, self.dim), self.dtype)
             got_grads = rnd.alltoallv(g, counts, incoming, (self.dim,), self.dtype)
+            problem: str | None = None
+            cause: Exception | None = None
             if self.shard is not None:
-                self.shard.apply(got, got_grads, incoming)
+                try:
+                    self.shard.apply(got, got_grads, incoming)
+                except Exception as exc:  # noqa: BLE001 - a user's optimizer may raise anything: every rank raises it
+                    problem, cause = sv.apply_failure(self.name, exc), exc
+            raise_together(self.comm, problem, TableError, cause)  # [Note: a failed apply()]
         if op == ex.PUSH:
             return None
         out = self.shard.read(got) if self.shard is not None else np.zeros((0, self.dim), self.dtype)
@@ -853,8 +883,18 @@ class ShardedTable:
         if self.shard is None:  # one process holds the only shard
             raise TableError(f"table {self.name!r}: no shard on this rank")
         if op in (ex.PUSH, ex.PUSH_PULL) and grads is not None:
-            self.shard.apply(storage, grads)
+            self._apply_here(storage, grads)
         return None if op == ex.PUSH else self.shard.read(storage)
+
+    def _apply_here(self, storage: np.ndarray, grads: np.ndarray) -> None:
+        """Apply this worker's push to its own shard, on its own thread; an apply() that raises is this rank's
+        error, raised here and posted to the other workers as bad input is ([Note: a failed apply()])."""
+        try:
+            self.shard.apply(storage, grads)  # type: ignore[union-attr]
+        except Exception as exc:  # noqa: BLE001 - a user's optimizer may raise anything
+            message = f"rank {self.rank}: {sv.apply_failure(self.name, exc)}"
+            self._post_error(message)
+            raise TableError(message) from exc
 
     # SSP / ASP ----------------------------------------------------------
 
@@ -876,14 +916,16 @@ class ShardedTable:
         starts = np.concatenate([[0], np.cumsum(counts)])
         if op in (ex.PUSH, ex.PUSH_PULL) and grads is not None:
             for r in self.servers:
-                part = slice(starts[r], starts[r + 1])
-                if starts[r] == starts[r + 1]:
+                if starts[r] == starts[r + 1] or r == self.rank:
                     continue
-                if r == self.rank:
-                    self.shard.apply(storage[part], grads[part])  # type: ignore[union-attr]
-                else:
-                    self._send(r, sv.pack(sv.PUSH, 0, 0, storage[part], grads[part]))
-                    self._stats["remote_rows_pushed"] += int(counts[r])
+                part = slice(starts[r], starts[r + 1])
+                self._send(r, sv.pack(sv.PUSH, 0, 0, storage[part], grads[part]))
+                self._stats["remote_rows_pushed"] += int(counts[r])
+            # this worker's own shard last: an apply() failing there leaves the other shards' parts sent, as a
+            # failure on another rank's shard does ([Note: a failed apply()])
+            if self.shard is not None and counts[self.rank]:
+                part = slice(starts[self.rank], starts[self.rank + 1])
+                self._apply_here(storage[part], grads[part])
         if op == ex.PUSH:
             return None
         return self._async_pull(storage, counts, starts, need)
@@ -1060,7 +1102,8 @@ class ShardedTable:
         self.mpi.Request.Waitall([r for r, _ in self._sends])
         self._sends = []
         if acks:  # [Note: clocks meet at a barrier]
-            self._receive_posted(int(acks[0][3]))  # ([Note: errors without collectives])
+            # ([Note: errors without collectives]; each server's apply() failures: [Note: a failed apply()])
+            self._receive_posted(int(acks[0][3]) + sum(int(a[4]) for a in acks))
             met = max(int(a[1]) for a in acks)
             self._clock = max(self._clock, met)
             self._slowest_seen = max(self._slowest_seen, met)
@@ -1079,6 +1122,9 @@ class ShardedTable:
         done = [False] * len(waits)
 
         def check_closed() -> None:
+            # this rank's server thread ended (a rank's failure loses the table): it will never answer
+            # (before 2026-12-07 this barrier waited for ever; [Note: a failed apply()])
+            self._check_server()
             for i, w in enumerate(waits):
                 done[i] = done[i] or w.Test()
             failed = [a for a, d in zip(acks, done, strict=True) if d and a[1] < 0]
@@ -1185,14 +1231,17 @@ class ShardedTable:
                     if stop:
                         return got
                     continue
-                self._bsp_body(
-                    rnd,
-                    op,
-                    np.zeros(0, np.int64),
-                    np.zeros(self.size, np.int64),
-                    np.zeros((0, self.dim), self.dtype),
-                    head[:, 1],
-                )
+                try:
+                    self._bsp_body(
+                        rnd,
+                        op,
+                        np.zeros(0, np.int64),
+                        np.zeros(self.size, np.int64),
+                        np.zeros((0, self.dim), self.dtype),
+                        head[:, 1],
+                    )
+                except TableError as exc:  # a shard's apply() failed: the workers raise it, the server serves on
+                    logger.info("table %r: %s", self.name, exc)
         self._finish()
         if until_load:
             raise TableError(f"table {self.name!r}: the workers closed the table while dedicated server rank "
@@ -1263,17 +1312,21 @@ class ShardedTable:
         if self.comm is not None:
             self.comm.Barrier()
             if self._err is not None:  # errors no operation raised any more: receive each one sent here, then free
+                sent = self._err_count[0].copy()
+                server_sends = [] if self._server is None else self._server.error_sends  # (its thread has ended)
+                if self._server is not None:
+                    sent[self.workers] += self._server.failures  # (each to every worker)
                 sent_here = np.empty(self.size, np.int64)
-                self.comm.Alltoall([self._err_count[0], self.mpi.INT64_T], [sent_here, self.mpi.INT64_T])
+                self.comm.Alltoall([sent, self.mpi.INT64_T], [sent_here, self.mpi.INT64_T])
                 status = self.mpi.Status()
                 for _ in range(int((sent_here - self._err_count[1]).sum())):
-                    self._err.Probe(self.mpi.ANY_SOURCE, 1, status)
+                    self._err.Probe(self.mpi.ANY_SOURCE, self.mpi.ANY_TAG, status)
                     self._receive_error(status)
-                for message in self._peer_errors:  # (posted after this worker's last barrier, before its close)
+                for message, _ in self._peer_errors:  # (posted after this worker's last barrier, before its close)
                     logger.warning("table %r: closed before an operation raised a peer's error here: %s",
                                    self.name, message)
                 self._peer_errors = []
-                self.mpi.Request.Waitall([r for r, _ in self._err_sends])
+                self.mpi.Request.Waitall([r for r, _ in self._err_sends + server_sends])
                 self._err.Free()
             if self._orphans:  # every server answered its deferred pulls before the barrier (see the Note)
                 self.mpi.Request.Waitall([o[0] for o in self._orphans])
