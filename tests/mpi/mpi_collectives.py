@@ -364,6 +364,47 @@ def test_allreduce_out_and_in_place(algorithm):
         C.allreduce(np.ones(4, np.float32), out=np.empty(4, np.float64), algorithm=algorithm)
 
 
+@pytest.mark.parametrize("algorithm", ALGOS)
+def test_an_out_overlapping_part_of_the_input_gets_the_sum(algorithm):
+    """Before: out= half way into the input (buf[n//2:n//2+n] for x = buf[:n]) was taken as it came, and the ring
+    read input segments it had already overwritten: 50000 of 300000 elements wrong on every rank (an audit)."""
+    for n in (10, 300_000):
+        buf = np.arange(2 * n, dtype=np.float64) + R
+        x, out = buf[:n], buf[n // 2:n // 2 + n]
+        want = sum(np.arange(n, dtype=np.float64) + r for r in range(N))
+        for _ in range(2):  # the first call, then a planned one
+            buf[:] = np.arange(2 * n, dtype=np.float64) + R
+            assert C.allreduce(x, op=unison.Sum, algorithm=algorithm, out=out) is out
+            np.testing.assert_array_equal(out, want)
+
+
+def test_plans_do_not_take_an_op_or_factor_the_first_call_would_refuse_or_could_not_keep():
+    """Before: after two allreduce(x, op=Sum) calls, op=True (equal to and hashing as Sum) took the cached plan
+    where a first call refuses it; a 0-d array as a scale factor or split was used, then the plan's key could not
+    be hashed: TypeError after the data had moved, on the ranks that passed one (one rank only: the others
+    returned)."""
+    x = np.ones(5, np.float32)
+    for _ in range(2):
+        C.allreduce(x, op=unison.Sum)
+        C.reducescatter(np.ones((N, 2), np.float32), op=unison.Sum)
+    for bad in (True, 1.0):
+        with pytest.raises(unison.InvalidArgumentError):
+            C.allreduce(x, op=bad)
+        with pytest.raises(unison.InvalidArgumentError):
+            C.reducescatter(np.ones((N, 2), np.float32), op=bad)
+    factor = np.array(2.0) if R == N - 1 else 2.0  # (one rank: every rank must return)
+    for _ in range(2):
+        np.testing.assert_array_equal(C.allreduce(x, op=unison.Sum, prescale_factor=factor), np.full(5, 2.0 * N))
+        np.testing.assert_array_equal(C.allreduce(np.ones(5000, np.float32), op=unison.Sum,
+                                                  postscale_factor=factor), np.full(5000, 2.0 * N))
+        np.testing.assert_array_equal(C.reducescatter(np.ones((N, 2), np.float32), op=unison.Sum,
+                                                      prescale_factor=factor), np.full((1, 2), 2.0 * N))
+        splits = [np.array(1) if R == N - 1 else 1] + [1] * (N - 1)
+        got = C.alltoall(np.full((N, 2), float(R), np.float32), splits=splits)
+        np.testing.assert_array_equal(got[0] if isinstance(got, tuple) else got,
+                                      np.repeat(np.arange(N, dtype=np.float32), 2).reshape(N, 2))
+
+
 @pytest.mark.parametrize("size,algorithm", [(6, "auto"), (16368, "auto"), (300_000, "ring")],
                          ids=["inline", "mpi-call", "ring"])
 def test_a_read_only_out_after_a_planned_call_raises_on_every_rank(size, algorithm):

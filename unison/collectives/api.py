@@ -44,7 +44,7 @@ from unison.collectives.plans import (
     InlineAllreduce,
     ReducescatterPlan,
 )
-from unison.collectives.reduce import check_op, finalize, prescale, reducer
+from unison.collectives.reduce import check_op, finalize, prescale, reducer, same_start
 from unison.collectives.validate import as_array, check_root, check_splits, rows_split
 from unison.common import pool, runtime
 from unison.common.config import validate_algorithm
@@ -78,9 +78,19 @@ def _plan(st: runtime.State, key: tuple[Any, ...]) -> Any:
 
 
 def _keep(neg: Negotiator, key: tuple[Any, ...], plan: Any) -> None:
+    try:
+        hash(key)
+    except TypeError:  # an unhashable argument (a 0-d array as a factor or split): not planned. Kept after the
+        return  # data had moved, it raised on the ranks that passed one, the result lost (before 2026-12-07)
     if len(neg.plans) >= MAX_PLANS:
         neg.plans.clear()
     neg.plans[key] = plan
+
+
+def _op_key(op: Any) -> tuple[Any, Any]:
+    """``op`` in a plan's key with its type: ``True`` and ``1.0`` equal and hash as ``ReduceOp.SUM``, so a
+    call passing one took a Sum's plan where a first call refuses it (before 2026-12-07)."""
+    return type(op), op
 
 
 def _plannable(tensor: Any, st: runtime.State) -> bool:
@@ -182,7 +192,9 @@ def allreduce(tensor: Any, op: Any = Average, name: str | None = None,
         MismatchError: ranks passed different shapes, dtypes, ops or factors (a ``ValueError``).
     """
     st = runtime.state("unison.allreduce()")
-    key = ("allreduce", tensor.shape, tensor.dtype, op, prescale_factor, postscale_factor, algorithm) \
+    if out is not None and type(out) is np.ndarray and type(tensor) is np.ndarray and _overlaps(out, tensor):
+        tensor = tensor.copy()
+    key = ("allreduce", tensor.shape, tensor.dtype, _op_key(op), prescale_factor, postscale_factor, algorithm) \
         if _plannable(tensor, st) else None
     if key is not None:
         plan = _plan(st, key)
@@ -219,6 +231,15 @@ def allreduce(tensor: Any, op: Any = Average, name: str | None = None,
     if key is not None:
         _keep(neg, key, AllreducePlan(neg, call, rop, st.config.chunk_bytes))
     return result
+
+
+def _overlaps(out: np.ndarray, x: np.ndarray) -> bool:
+    """Whether ``out`` shares memory with ``x`` other than as the same array in place (same start, same layout).
+
+    The algorithms read ``x`` while they write ``out``: given ``out`` half way into ``x``, the ring
+    read segments it had already overwritten (50000 of 300000 elements wrong on every rank, before
+    2026-12-07; an audit), and MPI forbids such aliased buffers. ``x`` is then copied first."""
+    return np.may_share_memory(out, x) and not (same_start(out, x) and out.strides == x.strides)
 
 
 def _check_out(out: Any, x: np.ndarray) -> None:
@@ -344,7 +365,8 @@ def reducescatter(tensor: Any, op: Any = Average, name: str | None = None,
         MismatchError: ranks passed different shapes, dtypes, ops or factors.
     """
     st = runtime.state("unison.reducescatter()")
-    key = ("reducescatter", tensor.shape, tensor.dtype, op, prescale_factor, postscale_factor, algorithm) \
+    key = ("reducescatter", tensor.shape, tensor.dtype, _op_key(op), prescale_factor, postscale_factor,
+           algorithm) \
         if _plannable(tensor, st) and tensor.ndim else None
     if key is not None:
         plan = _plan(st, key)
