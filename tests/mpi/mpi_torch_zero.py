@@ -118,6 +118,25 @@ def test_stage_equals_one_process_on_the_global_batch(opt_name, stage):
 
 
 @pytest.mark.parametrize("stage", [1, 2])
+def test_gradients_assigned_by_hand_are_the_steps_gradients(stage):
+    """Before: at stage 2 a gradient set by hand (p.grad = g from torch.autograd.grad: meta-learning, gradient
+    surgery) fired no hook and was left unread, and the step used zeros: the weights did not move (an audit)."""
+    ref, _ = reference("adamw")
+    model = Mixed()
+    opt = hvd.DistributedOptimizer(OPTIMIZERS["adamw"](groups_of(model)),
+                                   named_parameters=model.named_parameters(), zero_stage=stage,
+                                   zero_bucket_bytes=64)
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = local(step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        for p, g in zip(model.parameters(), torch.autograd.grad(loss, list(model.parameters())), strict=True):
+            p.grad = g
+        opt.step()
+    assert_same_weights(model, ref)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
 def test_the_weights_gather_lands_in_the_weights_themselves(monkeypatch, stage):
     """After each step every bucket's all-gather writes straight into the bucket's flat weights (its
     ``out=``; before 2026-12-06 into a new array of the bucket's size, copied back piece by piece), and the

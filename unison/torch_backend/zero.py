@@ -318,6 +318,13 @@ class _ZeroOptimizer(ZeroStateMixin):
         Also pushes and waits for the rows of every ShardedEmbedding (their tables apply them)."""
         synchronize_embeddings()
         self._settle_placeholders()  # (no backward pass since step(): nothing else settled them)
+        if self.zero_stage == 2:
+            # a gradient assigned by hand (p.grad = g, from torch.autograd.grad say) fired no hook: taken as a
+            # backward pass's own (before 2026-12-07 it was left unread and the step used zeros; an audit)
+            for st in self._buckets:
+                for p in st.params:
+                    if p.grad is not None and id(p) not in st.fired:
+                        self._stage2_grad(p, st)
         for st in self._buckets:
             if self.zero_stage == 1:
                 if st.handle is None:
