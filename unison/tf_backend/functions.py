@@ -181,7 +181,9 @@ class DistributedGradientTape:
         self._local_sources: set[Any] = set()
         # eager tapes take the next unnamed-call name; one built while tracing takes none, so that a rank that
         # retraces alone does not move its counter ahead of the others' (see call_name)
-        self._name = _name("DistributedGradientTape", None) if tf.executing_eagerly() else None
+        # (the set's own counter: [Note: a counter per process set]; a tape of a subset's ranks left the other
+        # ranks' next tape a number behind, its reductions under another name: a hang, before 2026-12-07)
+        self._name = _name("DistributedGradientTape", None, process_set) if tf.executing_eagerly() else None
 
     def __getattr__(self, item: str) -> Any:
         return getattr(self._tape, item)
@@ -197,12 +199,16 @@ class DistributedGradientTape:
         """Keep ``source``'s gradient local: never reduced over the ranks (scaled, see the class)."""
         self._local_sources.add(source_key(source))
 
-    def gradient(self, target: Any, sources: Any, output_gradients: Any = None, **kwargs: Any) -> Any:
+    def gradient(self, target: Any, sources: Any, output_gradients: Any = None, use_generic_names: bool = False,
+                 **kwargs: Any) -> Any:
+        """``tf.GradientTape.gradient``, averaged over the ranks. ``use_generic_names``: Horovod's (it names
+        its ops after the variables unless set); accepted, and no difference here: reductions are named by
+        position (before 2026-12-07 it was passed on to TensorFlow, which refused it)."""
         grads = self._tape.gradient(target, sources, output_gradients, **kwargs)
         flat = tf.nest.flatten(grads)
         variables = tf.nest.flatten(sources)
         if tf.executing_eagerly():
-            self._name = self._name or _name("DistributedGradientTape", None)
+            self._name = self._name or _name("DistributedGradientTape", None, self._process_set)
             name = self._name
         else:
             name = call_name("DistributedGradientTape")
