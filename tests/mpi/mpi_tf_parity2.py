@@ -548,47 +548,48 @@ def test_the_keras_optimizer_on_a_process_set_trains_its_members_and_leaves_the_
         hvd.remove_process_set(ps)
 
 
-@MODES
-def test_a_tape_on_a_process_set_gives_a_rank_outside_it_its_own_gradient(graph):
+@pytest.fixture
+def all_but_the_last():
+    """(members, process set) of every rank but the last; removed afterwards."""
     if N < 2:
         pytest.skip("needs a set of some ranks only")
     members = list(range(N - 1))
     ps = hvd.add_process_set(members)
     try:
-        w = tf.Variable(np.ones(3, np.float32))
-
-        def grads():
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_sum(w) * float(R + 1)
-            return hvd.DistributedGradientTape(tape, process_set=ps).gradient(loss, [w])[0]
-        got = (tf.function(grads) if graph else grads)().numpy()
-        mean = sum(r + 1.0 for r in members) / len(members)
-        np.testing.assert_array_equal(got, np.full(3, mean if R in members else R + 1.0))
+        yield members, ps
     finally:
         hvd.remove_process_set(ps)
 
 
-def test_a_tape_made_by_a_sets_members_only_leaves_the_next_global_tape_in_step():
+@MODES
+def test_a_tape_on_a_process_set_gives_a_rank_outside_it_its_own_gradient(graph, all_but_the_last):
+    members, ps = all_but_the_last
+    w = tf.Variable(np.ones(3, np.float32))
+
+    def grads():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w) * float(R + 1)
+        return hvd.DistributedGradientTape(tape, process_set=ps).gradient(loss, [w])[0]
+    got = (tf.function(grads) if graph else grads)().numpy()
+    mean = sum(r + 1.0 for r in members) / len(members)
+    np.testing.assert_array_equal(got, np.full(3, mean if R in members else R + 1.0))
+
+
+def test_a_tape_made_by_a_sets_members_only_leaves_the_next_global_tape_in_step(all_but_the_last):
     """Before: an eager tape on a process set, made by its members only, took the global unnamed-call counter, so
     the members' next global tape had another name than the other ranks': a 60 s StallError (an audit). Also
     Horovod's ``gradient(..., use_generic_names=...)`` keyword, which TensorFlow's tape refused."""
-    if N < 2:
-        pytest.skip("needs a set of some ranks only")
-    members = list(range(N - 1))
-    ps = hvd.add_process_set(members)
-    try:
-        w = tf.Variable(np.ones(3, np.float32))
-        if R in members:
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_sum(w) * float(R + 1)
-            got = hvd.DistributedGradientTape(tape, process_set=ps).gradient(loss, [w])[0].numpy()
-            np.testing.assert_array_equal(got, np.full(3, sum(r + 1.0 for r in members) / len(members)))
+    members, ps = all_but_the_last
+    w = tf.Variable(np.ones(3, np.float32))
+    if R in members:
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(w) * float(R + 1)
-        got = hvd.DistributedGradientTape(tape).gradient(loss, [w], use_generic_names=True)[0].numpy()
-        np.testing.assert_array_equal(got, np.full(3, sum(r + 1.0 for r in range(N)) / N))
-    finally:
-        hvd.remove_process_set(ps)
+        got = hvd.DistributedGradientTape(tape, process_set=ps).gradient(loss, [w])[0].numpy()
+        np.testing.assert_array_equal(got, np.full(3, sum(r + 1.0 for r in members) / len(members)))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(w) * float(R + 1)
+    got = hvd.DistributedGradientTape(tape).gradient(loss, [w], use_generic_names=True)[0].numpy()
+    np.testing.assert_array_equal(got, np.full(3, sum(r + 1.0 for r in range(N)) / N))
 
 
 def test_a_model_saved_with_the_distributed_optimizer_loads_with_and_without_unison(tmp_path_factory):
