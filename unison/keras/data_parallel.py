@@ -479,10 +479,16 @@ def without_seed_states(model: Any, variables: list[Any]) -> list[Any]:
     """``variables`` less the states of the seed generators of ``model``'s layers (Dropout's,
     GaussianNoise's): random state stays each rank's own (on JAX it is uint32, which the
     collectives do not carry)."""
-    layers = model._flatten_layers(include_self=True) if hasattr(model, "_flatten_layers") else []
-    seeds = {id(gen.state) for layer in layers for gen in getattr(layer, "_seed_generators", [])
-             if getattr(gen, "state", None) is not None}
+    seeds = {id(state) for state in _seed_states(model)}
     return [v for v in variables if id(v) not in seeds]
+
+
+def _seed_states(model: Any) -> list[Any]:
+    """The state variables of the seed generators of ``model``'s layers, each once."""
+    layers = model._flatten_layers(include_self=True) if hasattr(model, "_flatten_layers") else []
+    states = {id(gen.state): gen.state for layer in layers for gen in getattr(layer, "_seed_generators", [])
+              if getattr(gen, "state", None) is not None}
+    return list(states.values())
 
 
 def own_seed_streams(model: Any, rank: int) -> None:
@@ -503,21 +509,18 @@ def own_seed_streams(model: Any, rank: int) -> None:
     """
     if rank == 0:
         return
+    def mix(seed: int, bits: int) -> int:
+        return (seed * 1_000_003 + 0x9E3779B1 * rank) % (1 << bits)
+
     if keras.backend.backend() == "torch":
         import torch
 
-        torch.manual_seed((torch.initial_seed() * 1_000_003 + 0x9E3779B1 * rank) % (1 << 63))
-    layers = model._flatten_layers(include_self=True) if hasattr(model, "_flatten_layers") else []
-    seen: set[int] = set()
-    for gen in (g for layer in layers for g in getattr(layer, "_seed_generators", [])):
-        state = getattr(gen, "state", None)
-        if state is None or id(state) in seen:
-            continue
-        seen.add(id(state))
+        torch.manual_seed(mix(torch.initial_seed(), 63))
+    for state in _seed_states(model):
         value = np.asarray(keras.ops.convert_to_numpy(state))
         mixed = value.astype(np.int64)
         # (below 2**31, so every backend's seed dtype holds it: uint32 on JAX, int64 on TensorFlow, int32 on torch)
-        mixed[0] = (int(mixed[0]) * 1_000_003 + 0x9E3779B1 * rank) % (1 << 31)
+        mixed[0] = mix(int(mixed[0]), 31)
         state.assign(mixed.astype(value.dtype))
 
 

@@ -124,12 +124,11 @@ def _count_reset(state: Any) -> None:
     for ever under ``--reset-limit 0``.
     """
     global _resets_in_place
-    from unison.run.report import ELASTIC_RESET, RESET_LIMIT_STATUS, exiting_line
+    from unison.run.report import ELASTIC_RESET, RESET_LIMIT_STATUS
 
     _resets_in_place += 1
     st = runtime._state
-    rank, size = (st.rank, st.size) if st is not None else (0, 1)
-    if rank == 0 and state.store is not None:  # (under unisonrun's driver)
+    if (st is None or st.rank == 0) and state.store is not None:  # (under unisonrun's driver)
         print(f"{ELASTIC_RESET} {_resets_in_place}", flush=True)
     limit = reset_limit()
     if limit is None or _resets_in_place <= limit:
@@ -137,13 +136,7 @@ def _count_reset(state: Any) -> None:
     logger.error("elastic: giving up: this job has reset in place %d time(s), more than the %d its share of "
                  "unisonrun's --reset-limit allows (UNISON_ELASTIC_RESET_LIMIT); ending the job with status %d",
                  _resets_in_place, limit, RESET_LIMIT_STATUS)
-    if state.store is not None:
-        state.store.wait()
-    print(exiting_line(RESET_LIMIT_STATUS, rank, size), flush=True)
-    if st is not None and st.comm is not None:
-        st.comm.Barrier()  # every rank said it before any exits (see _restart_on_new_hosts)
-    runtime.shutdown()
-    raise SystemExit(RESET_LIMIT_STATUS)
+    _end_job(state, RESET_LIMIT_STATUS)
 
 
 #: the exit status of every rank that stops so the driver restarts the job on the new hosts
@@ -153,21 +146,29 @@ RESTART_STATUS = 76  # unison.run.report.RESTART_STATUS (a test checks)
 def _restart_on_new_hosts(state: Any) -> None:
     """The driver saw the hosts change: the commit just made is on disk; end this job so the
     driver starts the next one on the new hosts (it resumes from that commit)."""
+    _end_job(state, RESTART_STATUS, f"elastic: the hosts changed; commit {state.commit_id} is saved, ending this "
+             "job so unisonrun starts it on the new hosts")
+
+
+def _end_job(state: Any, status: int, saved: str | None = None) -> None:
+    """Every rank of the job ends it together with ``status`` (a collective), its commit on disk first;
+    ``saved`` is logged once every rank's is."""
     from unison.run.report import exiting_line
 
-    state.store.wait()
+    if state.store is not None:
+        state.store.wait()
     st = runtime._state
     # this rank's part of the commit is on disk and it will exit: once every rank said so, the driver ends an
     # mpirun that outlives them all (see supervise.py). Said before the barrier, so before any rank can exit
     # (through the mpi4py wrapper's MPI_Abort, which may take the others down before they could say it).
     rank, size = (st.rank, st.size) if st is not None else (0, 1)
-    print(exiting_line(RESTART_STATUS, rank, size), flush=True)
+    print(exiting_line(status, rank, size), flush=True)
     if st is not None and st.comm is not None:
         st.comm.Barrier()  # every host's writer has its copy on disk before any rank exits (and aborts the rest)
-    logger.warning("elastic: the hosts changed; commit %d is saved, ending this job so unisonrun starts it on "
-                   "the new hosts", state.commit_id)
+    if saved is not None:
+        logger.warning("%s", saved)
     runtime.shutdown()
-    raise SystemExit(RESTART_STATUS)
+    raise SystemExit(status)
 
 
 #: how many times a reset is repeated when ranks keep failing during it

@@ -27,7 +27,7 @@ from unison.common.ps.shard import Shard
 
 __all__ = ["Server", "PULL", "PUSH", "CLOCK", "FIN", "MARK", "DONE", "ACK_TAG", "ACK_LEN", "HEADER", "pack",
            "NO_WAIT", "BARRIER_MARK", "SAVE_MARK", "LOAD_MARK", "MARK_NAMES", "mismatch_code", "mismatch_of",
-           "INPUT_ERROR_TAG", "APPLY_ERROR_TAG", "apply_failure"]
+           "INPUT_ERROR_TAG", "APPLY_ERROR_TAG", "apply_failure", "post"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,12 @@ def apply_failure(table: str, exc: BaseException, source: int | None = None) -> 
     return (f"table {table!r}: the optimizer's apply() failed on this rank's shard{push} ({type(exc).__name__}: "
             f"{exc}); that update of the shard's rows was dropped and the table goes on (fix the gradients or the "
             "optimizer)")
+
+
+def post(err: Any, mpi: Any, message: str, ranks: list[int], tag: int) -> list[tuple[Any, np.ndarray]]:
+    """Send ``message`` to each of ``ranks`` on the table's error communicator; the sends (request, buffer)."""
+    data = np.frombuffer(message.encode("utf-8"), np.uint8).copy()
+    return [(err.Isend([data, mpi.BYTE], r, tag), data) for r in ranks]
 
 
 def mismatch_code(kinds: np.ndarray) -> int:
@@ -214,10 +220,8 @@ class Server:
             raise exc
         message = f"rank {self.req.Get_rank()}: {apply_failure(self.name, exc, source)}"
         logger.warning("%s", message, exc_info=exc)
-        data = np.frombuffer(message.encode("utf-8"), np.uint8).copy()
         self.failures += 1  # (read by this thread's acknowledgements, and by the worker's close after join())
-        for rank in self.worker_of:
-            self.error_sends.append((self.err.Isend([data, self.mpi.BYTE], rank, APPLY_ERROR_TAG), data))
+        self.error_sends += post(self.err, self.mpi, message, list(self.worker_of), APPLY_ERROR_TAG)
 
     def _fail_barrier_if_closed(self) -> None:
         """A worker closed the table while others wait in a barrier it will never join: answer those with

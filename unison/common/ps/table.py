@@ -687,12 +687,10 @@ class ShardedTable:
     def _post_error(self, message: str) -> None:
         if self._err is None:
             return
-        data = np.frombuffer(message.encode("utf-8"), np.uint8).copy()
         self._posted += 1
-        for r in self.workers:
-            if r != self.rank:
-                self._err_sends.append((self._err.Isend([data, self.mpi.BYTE], r, sv.INPUT_ERROR_TAG), data))
-                self._err_count[0][r] += 1
+        others = [r for r in self.workers if r != self.rank]
+        self._err_sends += sv.post(self._err, self.mpi, message, others, sv.INPUT_ERROR_TAG)
+        self._err_count[0][others] += 1
 
     def _check_peers(self) -> None:
         """Raise a bad-input error another worker posted (see the Note)."""
