@@ -115,6 +115,9 @@ def test_resets_in_place_count_toward_the_reset_limit(tmp_path: Path, caplog) ->
     with caplog.at_level(logging.ERROR):
         assert driver(tmp_path, jobs, np=2, reset_limit=0, max_restarts=5).run() == RESET_LIMIT_STATUS
     assert len(jobs.calls) == 1 and "exceed --reset-limit 0" in caplog.text
+    jobs = Jobs([JobEnd(137, ("vm",), resets=1, exiting=RESET_LIMIT_STATUS), (0, [])])  # mpirun gave a kill's
+    assert driver(tmp_path, jobs, np=2, reset_limit=0, max_restarts=5).run() == RESET_LIMIT_STATUS
+    assert len(jobs.calls) == 1
     jobs = Jobs([(0, [])])
     driver(tmp_path, jobs, np=2).run()
     assert "UNISON_ELASTIC_RESET_LIMIT" not in jobs.calls[0][2]  # no limit: none given

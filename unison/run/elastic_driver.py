@@ -94,6 +94,8 @@ class JobEnd(NamedTuple):
     left: int = 0
     #: the resets the job made in place (rank 0's report.ELASTIC_RESET lines)
     resets: int = 0
+    #: the status the ranks said they exit with (report.ELASTIC_EXITING lines), else 0
+    exiting: int = 0
 
 
 @dataclasses.dataclass
@@ -346,10 +348,12 @@ class Driver:
                 if end.stopped:
                     logger.warning("unisonrun was stopped (status %d): not starting the job again", status)
                     return status
-                if status == RESET_LIMIT_STATUS and not end.finished:
+                # (by the ranks' word too: mpirun's own status may be a killed rank's, or its own when the
+                # launcher ended it after every rank said it exits)
+                if RESET_LIMIT_STATUS in (status, end.exiting) and not end.finished:
                     logger.error("giving up: the job reset in place %d time(s), %d reset(s) in all exceed "
                                  "--reset-limit %s", end.resets, resets, self.options.reset_limit)
-                    return status
+                    return RESET_LIMIT_STATUS
                 final = _final_status(end, ranks)
                 if final is not None:
                     return final

@@ -530,7 +530,7 @@ def _run_elastic(args: argparse.Namespace, config: LaunchConfig, environ: Mappin
             print(f"unisonrun: {report.summary(result.status)}", file=sys.stderr, flush=True)
         return JobEnd(result.status, failed, tuple(h.host for h in report.hosts_lost), report.elastic_finished,
                       result.stop_signal is not None, bool(report.failures) or bool(failed), report.elastic_left,
-                      report.elastic_resets)
+                      report.elastic_resets, report.exiting_status)
 
     try:
         return Driver(options, static, start, environ).run()
