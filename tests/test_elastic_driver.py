@@ -586,3 +586,119 @@ def test_a_failure_in_a_reset_callback_while_resuming_is_recovered_from_like_any
         return
     assert wrapped(state) == "trained"
     assert recovered == [1]  # (before: [] -- the callbacks ran again, no recovery)
+
+
+def test_discovery_output_that_is_not_text_is_a_clean_error_and_the_watcher_polls_on(tmp_path: Path) -> None:
+    """Before 2026-12-07 bytes that are not UTF-8 raised UnicodeDecodeError: a traceback before the first job,
+    and during one the watcher thread died, so no later host change reached the job."""
+    import threading
+
+    script = tmp_path / "hosts.sh"
+    script.write_bytes(b"#!/bin/sh\nprintf 'a:2\\n\\377\\376\\n'\n")
+    script.chmod(0o755)
+    with pytest.raises(RuntimeError, match="hosts.sh.*printed a bad line: its output is not UTF-8 text"):
+        discover(str(script))
+    offers: list = [RuntimeError("a hiccup"), UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"),
+                    [Host("a", 2)], [Host("b", 2)]]
+
+    def discover_hosts(_script: str) -> list[Host]:
+        offer = offers[0] if len(offers) == 1 else offers.pop(0)
+        if isinstance(offer, Exception):
+            raise offer
+        return offer
+
+    d = Driver(ElasticOptions(discovery_script="hosts.sh", poll_s=0.01), None, Jobs([]), {},
+               state_dir=str(tmp_path), discover_hosts=discover_hosts)
+    d._started = True
+    notice, stop = tmp_path / "notice", threading.Event()
+    watcher = threading.Thread(target=d._watch, args=([Host("a", 2)], str(notice), stop))
+    watcher.start()
+    try:
+        watcher.join(timeout=10)  # through both failures, the same hosts, then host a gone: the notice
+        assert notice.exists() and not watcher.is_alive()
+    finally:
+        stop.set()
+        watcher.join()
+
+
+def test_a_discovery_script_is_killed_with_its_children_at_the_timeout(tmp_path: Path) -> None:
+    """The script runs in a session of its own: at the timeout its whole group goes, not only the script."""
+    import os
+    import time
+
+    pidfile = tmp_path / "child.pid"
+    script = tmp_path / "hosts.sh"
+    script.write_text(f"#!/bin/sh\nsleep 300 &\necho $! > {pidfile}\necho a:2\nwait\n")
+    script.chmod(0o755)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="did not finish within 1 s"):
+        discover(str(script), timeout_s=1.0)
+    assert time.monotonic() - started < 10
+    child = int(pidfile.read_text())
+    for _ in range(100):  # (killed; reaped by init, which may take a moment)
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the script's child {child} outlived the timeout")
+
+
+def test_with_discovery_the_first_job_waits_for_np_slots_then_takes_every_slot(tmp_path: Path, caplog) -> None:
+    """Horovod's rule for -np with a discovery script: the run starts once -np slots are there, on every slot
+    up to --max-np (before 2026-12-07 -np was ignored). Later jobs need only --min-np."""
+    offers = [[Host("a", 1)], [Host("a", 2)], [Host("a", 2), Host("b", 2)], [Host("b", 1)]]
+    seen: list[int] = []
+
+    def discover_hosts(_script: str) -> list[Host]:
+        seen.append(len(offers))
+        return offers.pop(0) if len(offers) > 1 else offers[0]
+
+    clock = FakeClock()
+    jobs = Jobs([(1, ["a"], ["a"]), (0, [])])
+    d = Driver(ElasticOptions(discovery_script="hosts.sh", np=3, min_np=1, poll_s=1.0, elastic_timeout_s=60.0),
+               None, jobs, {}, state_dir=str(tmp_path / "state"), clock=clock, sleep=clock.sleep,
+               discover_hosts=discover_hosts)
+    assert d.run() == 0
+    assert [(np_, h) for np_, h, _ in jobs.calls] == [(4, ["a:2", "b:2"]), (1, ["b:1"])]
+    clock = FakeClock()
+    d = Driver(ElasticOptions(discovery_script="hosts.sh", np=3, poll_s=1.0, elastic_timeout_s=5.0), None,
+               Jobs([]), {}, state_dir=str(tmp_path / "state2"), clock=clock, sleep=clock.sleep,
+               discover_hosts=lambda _script: [Host("a", 2)])
+    with caplog.at_level(logging.ERROR):
+        assert d.run() == 1
+    assert "only 2 slot(s) available (hosts: a:2) but the first job waits for -np 3; waited 5 s" in caplog.text
+
+
+def test_fixed_hosts_short_of_min_np_fail_at_once_unless_np_oversubscribes_them(tmp_path: Path, caplog) -> None:
+    """Before 2026-12-07 --min-np above the slots of -H waited out --elastic-timeout (600 s by default), though
+    the hosts cannot change; with -np the job starts as without --elastic (mpirun oversubscribes)."""
+    clock = FakeClock()
+    with caplog.at_level(logging.ERROR):
+        assert driver(tmp_path, Jobs([]), [Host("a", 2)], clock, min_np=4).run() == 1
+    assert clock.now == 0.0
+    assert "--min-np 4 needs more than the 2 slot(s) of the hosts given (a:2)" in caplog.text
+    jobs = Jobs([(0, [])])
+    assert driver(tmp_path, jobs, [Host("a", 2)], clock, min_np=4, np=4).run() == 0
+    assert [(np_, h) for np_, h, _ in jobs.calls] == [(4, ["a:2"])]
+
+
+def test_a_stop_signal_between_jobs_ends_the_run_without_starting_another(tmp_path: Path) -> None:
+    """The launcher's handler records the signal and wakes the wait; the driver returns 128 + N and removes its
+    own state folder (before 2026-12-07 nothing caught a signal outside a job: a KeyboardInterrupt traceback,
+    or SIGTERM killed unisonrun and left the folder behind)."""
+    import signal
+
+    stopped: list[int] = []
+    clock = FakeClock()
+
+    def sleep(seconds: float) -> None:  # the second poll for hosts: a SIGTERM comes
+        clock.sleep(seconds)
+        stopped.append(signal.SIGTERM)
+
+    jobs = Jobs([(1, ["a"], ["a"])])  # host a lost: the next job waits for a slot
+    d = Driver(ElasticOptions(discovery_script="hosts.sh", poll_s=1.0), None, jobs, {}, clock=clock, sleep=sleep,
+               discover_hosts=lambda _script: [Host("a", 1)], stop_signal=lambda: stopped[0] if stopped else None)
+    assert d.run() == 128 + signal.SIGTERM
+    assert len(jobs.calls) == 1 and not Path(d.state_dir).exists()

@@ -139,6 +139,69 @@ def test_elastic_dry_run_shows_the_first_jobs_size():
     assert option_values(shlex.split(result.stdout), "-np") == ["2"]
 
 
+def test_elastic_dry_run_with_discovery_prints_the_first_job_on_the_hosts_the_script_gives(tmp_path):
+    """Before 2026-12-07 it printed -np 1 on this machine, not the job the run starts (2 ranks on localhost:2)."""
+    require_mpirun()
+    script = tmp_path / "hosts.sh"
+    script.write_text("#!/bin/sh\necho localhost:2\n")
+    script.chmod(0o755)
+    result = unisonrun("--dry-run", "--host-discovery-script", str(script), "-np", "2", "python", "x.py")
+    assert result.returncode == 0, result.stderr
+    command = shlex.split(result.stdout)
+    assert option_values(command, "-np") == ["2"] and option_values(command, "-H") == ["localhost:2"]
+    assert "each job's hosts and -np come from the script" in result.stderr
+    assert "waits for -np 2 slots" in result.stderr
+    script.write_text("#!/bin/sh\nexit 4\n")
+    result = unisonrun("--dry-run", "--host-discovery-script", str(script), "python", "x.py")
+    assert result.returncode == 2 and "exited with status 4" in result.stderr
+
+
+def test_elastic_min_np_above_the_fixed_hosts_slots_is_refused_at_once(capsys):
+    """Before 2026-12-07 it waited out --elastic-timeout (600 s by default) for slots that cannot come."""
+    from unison.run.launcher import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--min-np", "4", "-H", "localhost:2", "python", "train.py"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert "--min-np 4 needs more than the 2 slot(s) of the hosts given (localhost:2)" in err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_while_the_elastic_driver_waits_for_hosts_ends_the_run(tmp_path, signum):
+    """Before 2026-12-07 nothing caught a signal between the elastic jobs: SIGINT was a KeyboardInterrupt
+    traceback, and SIGTERM killed unisonrun at once, leaving its state folder behind."""
+    require_mpirun()
+    polls, script = tmp_path / "polls", tmp_path / "hosts.sh"
+    script.write_text(f"#!/bin/sh\necho poll >> {shlex.quote(str(polls))}\necho localhost:1\n")
+    script.chmod(0o755)
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    process = subprocess.Popen([sys.executable, "-m", "unison.run", "--min-np", "2", "--host-discovery-script",
+                                str(script), "--discovery-interval", "0.5", "python", "x.py"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                               env=dict(os.environ, TMPDIR=str(temp)))
+    try:
+        deadline = time.monotonic() + 60
+        while not (polls.is_file() and len(polls.read_text().split()) >= 2) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert polls.is_file(), "the driver never ran the discovery script"
+        start = time.monotonic()
+        process.send_signal(signum)
+        _, err = process.communicate(timeout=30)
+        assert process.returncode == 128 + signum, err
+        assert time.monotonic() - start < 5
+        assert "Traceback" not in err
+        assert err.strip().splitlines()[-1] == (f"unisonrun: the job was stopped by {signal.Signals(signum).name} "
+                                               f"(exit status {128 + signum})")
+        assert not list(temp.glob("unison-elastic-*")), "the driver's state folder outlived the run"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 def test_bare_host_counts_one_slot():
     assert [h[:2] for h in parse_hosts("a,b:3")] == [("a", 1), ("b", 3)]
 
@@ -1925,13 +1988,13 @@ def test_an_elastic_relaunch_on_fewer_hosts_keeps_the_hostfiles_login_and_max_sl
     class Sentinel(Exception):
         pass
 
-    def fake_run_command(command, env, on_start=None):
+    def fake_run_command(command, env, on_start=None, stopped_before=None):
         files = option_values(command, "--hostfile")
         seen.update(command=command, text=Path(files[0]).read_text() if files else None)
         raise Sentinel
 
     class FakeDriver:
-        def __init__(self, options, static, start, environ):
+        def __init__(self, options, static, start, environ, **_waits):
             self.static, self.start = static, start
 
         def run(self):

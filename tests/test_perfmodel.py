@@ -434,7 +434,7 @@ def test_cli_names_the_file_and_field_of_a_bad_calibration_and_an_unwritable_png
     data["intra"]["alpha_s"] = "fast"
     path.write_text(json.dumps(data))
     assert cli.main(["--calibration", str(path)]) == 2
-    assert f"{path}: intra.alpha_s must be a number; got 'fast'" in capsys.readouterr().err
+    assert f"{path}: intra.alpha_s must be a finite number >= 0; got 'fast'" in capsys.readouterr().err
     data["intra"]["alpha_s"], data["chunk_bytes"] = 1e-6, 1.5
     path.write_text(json.dumps(data))
     assert cli.main(["--calibration", str(path)]) == 2
@@ -445,6 +445,37 @@ def test_cli_names_the_file_and_field_of_a_bad_calibration_and_an_unwritable_png
     (tmp_path / "file").write_text("")
     assert cli.main(["--ranks", "8", "--png", str(tmp_path / "file" / "x.png")]) == 2
     assert f"could not write {tmp_path / 'file' / 'x.png'}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field, value", [("gamma_s_per_byte", "Infinity"), ("overhead_s", "NaN"),
+                                          ("inter.beta_s_per_byte", "-1e-9")])
+def test_cli_refuses_a_calibration_number_that_is_not_finite_naming_the_field(tmp_path, capsys, field,
+                                                                              value) -> None:
+    """Before 2026-12-07 JSON's Infinity gave an OverflowError traceback and NaN an error naming no field; the
+    advice named a benchmark flag that does not exist (--calibration-out)."""
+    path = tmp_path / "cal.json"
+    pm.Calibration(pm.Link(1e-6, 1e-10), pm.Link(1e-4, 1 / 118e6), 1e-10).save(path)
+    text = path.read_text()
+    key = field.split(".")[-1]
+    data = json.loads(text)
+    (data["inter"] if "." in field else data)[key] = 12345.0
+    path.write_text(json.dumps(data).replace("12345.0", value))
+    assert cli.main(["--calibration", str(path), "--ranks-per-host", "2", "--ranks", "4"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: {field} must be a finite number >= 0; got" in err and "Traceback" not in err
+    assert "--calibration-out" not in err and "benchmarks/hosts.py --json OUT.json" in err
+
+
+def test_cli_default_ranks_follow_the_ranks_per_host(capsys) -> None:
+    """Before 2026-12-07 --ranks-per-host 6 failed on its own default --ranks (8 ranks do not fill hosts of 6)."""
+    assert cli.default_ranks(8) == [8, 16, 32, 64, 128, 256, 512]
+    assert cli.default_ranks(6) == [6, 12, 24, 48, 96, 192, 384]
+    assert cli.default_ranks(1024) == [1024]
+    assert cli.main(["--ranks-per-host", "6", "--json"]) == 0
+    ranks = sorted({p["ranks"] for p in json.loads(capsys.readouterr().out)["predictions"]})
+    assert ranks == [6, 12, 24, 48, 96, 192, 384]
+    assert cli.main(["--ranks-per-host", "6", "--ranks", "8"]) == 2
+    assert "--ranks: 8 ranks do not fill whole hosts of 6" in capsys.readouterr().err
 
 
 def test_cli_prints_a_free_link_from_a_calibration(tmp_path, capsys) -> None:

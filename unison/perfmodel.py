@@ -32,6 +32,16 @@ LABELS = {"rhd": "halving-doubling", "tree": "tree (NCCL, not Unison)"}
 DEFAULT_RANKS = (8, 16, 32, 64, 128, 256, 512)
 
 
+def default_ranks(ranks_per_host: int) -> list[int]:
+    """The rank counts predicted without ``--ranks``: one host, then doubling up to 512 (8, 16, ..., 512 at 8
+    ranks per host; 6, 12, ..., 384 at 6: before 2026-12-07 the fixed 8..512 refused 6 ranks per host)."""
+    out, ranks = [], ranks_per_host
+    while ranks <= max(DEFAULT_RANKS[-1], ranks_per_host):
+        out.append(ranks)
+        ranks *= 2
+    return out
+
+
 @dataclass(frozen=True)
 class Reference:
     """A published scaling result to show next to the predictions."""
@@ -110,8 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", choices=sorted(WORKLOADS), default="resnet50",
                    help="gradient sizes of this workload (default resnet50)")
     p.add_argument("--ranks-per-host", type=_positive_int, default=8, help="ranks per host (default 8)")
-    p.add_argument("--ranks", type=_ranks, default=list(DEFAULT_RANKS),
-                   help="rank counts to predict (default 8,16,...,512)")
+    p.add_argument("--ranks", type=_ranks, default=None,
+                   help="rank counts to predict, each a multiple of --ranks-per-host or below it (default: "
+                        "--ranks-per-host doubled up to 512: 8,16,...,512 at 8 ranks per host)")
     p.add_argument("--link", type=_rate, default=pm.parse_rate("100gbit"),
                    help="inter-host bandwidth per host (default 100gbit)")
     p.add_argument("--latency", type=_seconds, default=5e-6, help="inter-host latency (default 5us)")
@@ -168,8 +179,11 @@ def predict(args: argparse.Namespace) -> list[pm.StepPrediction]:
     sizes = tensor_bytes(args.model, args.dtype_bytes)
     compute = (args.compute_ms / 1e3) if args.compute_ms is not None else DEFAULT_COMPUTE_S[args.model]
     out = []
-    for ranks in args.ranks:
-        cluster = base.with_ranks(ranks)
+    for ranks in default_ranks(args.ranks_per_host) if args.ranks is None else args.ranks:
+        try:
+            cluster = base.with_ranks(ranks)
+        except ValueError as exc:
+            raise ValueError(f"--ranks: {exc}") from None
         for algo in pm.ALGORITHMS:
             out.append(pm.predict_step(algo, sizes, cluster, compute, args.fusion_threshold,
                                        args.cycle_ms / 1e3, args.backward_share, not args.no_overlap))
@@ -275,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             require_matplotlib("--png")  # before the table, not after it
         preds = predict(args)
         cluster = _cluster(args)
-    except (ValueError, OSError, ImportError) as exc:
+    except (ValueError, OSError, ImportError, OverflowError) as exc:
         print(f"perfmodel: error: {exc}", file=sys.stderr)
         return 2
     header = _describe(args, cluster)

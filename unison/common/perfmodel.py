@@ -190,9 +190,10 @@ class Cluster:
         if self.hosts < 1 or self.ranks_per_host < 1:
             raise ValueError(f"a cluster needs at least 1 host and 1 rank per host; got hosts="
                              f"{self.hosts}, ranks_per_host={self.ranks_per_host}")
-        if self.chunk_bytes < 1 or self.gamma_s_per_byte < 0 or self.overhead_s < 0 \
-                or self.cross_piece_bytes < 0:
-            raise ValueError(f"chunk_bytes must be >= 1 and gamma, overhead >= 0; got chunk_bytes="
+        if not (self.chunk_bytes >= 1 and 0 <= self.gamma_s_per_byte < math.inf and 0 <= self.overhead_s < math.inf
+                and self.cross_piece_bytes >= 0):  # (before 2026-12-07 an infinite or NaN gamma or overhead from a
+            # calibration file passed: an OverflowError traceback, or an error naming no field)
+            raise ValueError(f"chunk_bytes must be >= 1 and gamma, overhead finite and >= 0; got chunk_bytes="
                              f"{self.chunk_bytes}, gamma={self.gamma_s_per_byte}, "
                              f"overhead={self.overhead_s}, cross_piece_bytes={self.cross_piece_bytes}")
 
@@ -557,30 +558,35 @@ class Calibration:
         try:
             data = json.loads(Path(path).read_text())
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} is not JSON ({exc}); write it with Calibration.save or "
-                             "benchmarks/hosts.py --calibration-out") from None
+            raise ValueError(f"{path} is not JSON ({exc}); write it with Calibration.save or {_WRITER}") from None
         if not isinstance(data, dict) or data.get("version") != CALIBRATION_VERSION:
             got = data.get("version") if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"{path} is not a Unison calibration file of version "
                              f"{CALIBRATION_VERSION} (found version {got!r}); write it with "
-                             "Calibration.save or benchmarks/hosts.py --calibration-out")
+                             f"Calibration.save or {_WRITER}")
         data.pop("version")
         _check_numbers(path, data)
         try:
             return cls(intra=Link(**data.pop("intra")), inter=Link(**data.pop("inter")), **data)
         except (TypeError, KeyError) as exc:  # (a missing link was a KeyError traceback)
             raise ValueError(f"{path}: malformed calibration (missing or unexpected {exc}); write it with "
-                             "Calibration.save or benchmarks/hosts.py --calibration-out") from None
+                             f"Calibration.save or {_WRITER}") from None
+
+
+#: what writes a calibration file (named in the errors about one)
+_WRITER = "benchmarks/hosts.py --json OUT.json (which writes OUT.calibration-<link>.json)"
 
 
 def _check_numbers(path: str | Path, data: dict[str, Any]) -> None:
-    """A calibration file's numeric fields are numbers (a string there was a TypeError traceback)."""
+    """A calibration file's numeric fields are finite numbers >= 0 (a string there was a TypeError traceback;
+    before 2026-12-07 JSON's ``Infinity`` or ``NaN`` passed, to an OverflowError traceback or an error
+    naming no field)."""
     def number(where: str, value: Any, integer: bool = False) -> None:
         kinds = (int,) if integer else (int, float)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
-            raise ValueError(f"{path}: {where} must be {'an integer' if integer else 'a number'}; got "
-                             f"{value!r}; write the file with Calibration.save or benchmarks/hosts.py "
-                             "--calibration-out")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)
+                                  or not 0 <= value < math.inf):
+            raise ValueError(f"{path}: {where} must be {'an integer' if integer else 'a finite number'} >= 0; "
+                             f"got {value!r}; write the file with Calibration.save or {_WRITER}")
 
     for kind in ("intra", "inter"):
         link = data.get(kind)

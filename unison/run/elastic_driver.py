@@ -45,6 +45,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -58,8 +59,8 @@ from unison.run.hosts import Host, parse_hosts
 from unison.run.rankwatch import read_records, records_folder
 from unison.run.report import RESET_LIMIT_STATUS, RESTART_STATUS
 
-__all__ = ["ElasticOptions", "Driver", "JobEnd", "discover", "has_ulfm", "RESTART_STATUS", "ELASTIC_MPI_ARGS",
-           "DETECTOR_MPI_ARGS"]
+__all__ = ["ElasticOptions", "Driver", "JobEnd", "discover", "fixed_hosts_error", "has_ulfm", "RESTART_STATUS",
+           "ELASTIC_MPI_ARGS", "DETECTOR_MPI_ARGS"]
 
 logger = logging.getLogger("unison.run.elastic")
 
@@ -164,17 +165,36 @@ def planned_np(options: ElasticOptions, hosts: list[Host] | None,
 def discover(script: str, timeout_s: float = 30.0) -> list[Host]:
     """Run the host discovery script; its ``host:slots`` (or ``host``) lines, blank and ``#`` lines skipped.
 
+    The script runs in a session of its own, so a stop signal typed at the terminal reaches unisonrun (which
+    ends the run) and not the script, and a script that outlives ``timeout_s`` is killed with every process
+    it started (a child left holding its output kept it open).
+
     Raises:
-        RuntimeError: the script failed, timed out or printed a malformed line.
+        RuntimeError: the script failed, timed out, printed a malformed line or output that is not UTF-8
+            text (before 2026-12-07 a UnicodeDecodeError, which ended unisonrun with a traceback before the
+            first job and killed the watcher that notices host changes during one).
     """
     try:
-        done = subprocess.run([script], capture_output=True, text=True, timeout=timeout_s, check=False)
-    except (OSError, subprocess.TimeoutExpired) as error:
+        child = subprocess.Popen([script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 start_new_session=True)
+    except OSError as error:
         raise RuntimeError(f"host discovery script {script!r} could not run: {error}") from error
-    if done.returncode != 0:
-        raise RuntimeError(f"host discovery script {script!r} exited with status {done.returncode}: "
-                           f"{done.stderr.strip()[-300:]}")
-    entries = [line.strip() for line in done.stdout.splitlines()
+    try:
+        out, err = child.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired as error:
+        _kill_group(child)
+        raise RuntimeError(f"host discovery script {script!r} could not run: it did not finish within "
+                           f"{timeout_s:g} s (its output must end: a process it leaves running must not "
+                           "hold it open)") from error
+    if child.returncode != 0:
+        raise RuntimeError(f"host discovery script {script!r} exited with status {child.returncode}: "
+                           f"{err.decode('utf-8', 'replace').strip()[-300:]}")
+    try:
+        text = out.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise RuntimeError(f"host discovery script {script!r} printed a bad line: its output is not UTF-8 text "
+                           f"({error}); print one host:slots per line") from error
+    entries = [line.strip() for line in text.splitlines()
                if line.strip() and not line.strip().startswith("#")]  # (an indented comment too)
     if not entries:
         return []
@@ -182,6 +202,18 @@ def discover(script: str, timeout_s: float = 30.0) -> list[Host]:
         return parse_hosts(",".join(entries))
     except ValueError as error:
         raise RuntimeError(f"host discovery script {script!r} printed a bad line: {error}") from error
+
+
+def _kill_group(child: subprocess.Popen[bytes]) -> None:
+    """Kills ``child`` and every process of its session, then reaps it."""
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except OSError:  # (gone already)
+        child.kill()
+    try:
+        child.communicate(timeout=5)
+    except subprocess.TimeoutExpired:  # a grandchild that escaped the group holds the pipes: leave them
+        pass
 
 
 def has_ulfm(mpirun: str) -> bool:
@@ -197,6 +229,22 @@ def has_ulfm(mpirun: str) -> bool:
     return bool(_FT.search(out))
 
 
+class _Stopped(Exception):
+    """A stop signal came while the driver was outside a job."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def fixed_hosts_error(options: ElasticOptions, hosts: list[Host] | None) -> str:
+    """Why the user's own hosts (no discovery script) cannot start a job of --min-np ranks."""
+    return (f"--min-np {options.min_np} needs more than the {_slots(options, hosts)} slot(s) of the hosts given "
+            f"({_listing(hosts) or 'this machine'}), which do not change without --host-discovery-script: give "
+            f"hosts with at least {options.min_np} slots, -np {options.min_np} (mpirun oversubscribes them), "
+            "or a lower --min-np")
+
+
 class Driver:
     """Runs MPI jobs until the training finishes (see [Note: the elastic driver]).
 
@@ -206,13 +254,17 @@ class Driver:
         start: ``start(np, hosts or None, environ) -> JobEnd`` runs one job.
         environ: the base environment of every job.
         state_dir: the commits' folder (default: a new folder under the temporary directory).
+        sleep: waits between polls for hosts; the launcher's wakes at a stop signal.
+        stop_signal: the stop signal unisonrun received outside a job, or None; asked before each job and
+            while waiting for hosts (a signal during a job reaches ``start``'s mpirun instead).
     """
 
     def __init__(self, options: ElasticOptions, static_hosts: list[Host] | None,
                  start: Callable[[int, list[Host] | None, Mapping[str, str]], JobEnd],
                  environ: Mapping[str, str], state_dir: str | None = None,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
-                 discover_hosts: Callable[[str], list[Host]] = discover) -> None:
+                 discover_hosts: Callable[[str], list[Host]] = discover,
+                 stop_signal: Callable[[], int | None] = lambda: None) -> None:
         options.check()
         self.options = options
         self.static_hosts = static_hosts
@@ -221,6 +273,7 @@ class Driver:
         self.state_dir = state_dir or tempfile.mkdtemp(prefix="unison-elastic-")
         self._own_dir = state_dir is None
         self.clock, self.sleep, self._discover = clock, sleep, discover_hosts
+        self._stop_signal = stop_signal  # a stop signal that came between jobs (see run())
         self.failures: dict[str, int] = {}
         self.blacklist: dict[str, float] = {}  # host -> when it may return
         self._started = False  # whether a job was started
@@ -255,22 +308,47 @@ class Driver:
     def _np(self, hosts: list[Host] | None) -> int:
         return planned_np(self.options, hosts, self.blacklist)
 
+    def _needed(self) -> int:
+        """The slots a job waits for: --min-np, and before the first job with discovery -np too (Horovod's
+        rule: -np slots before the run starts, then every slot up to --max-np)."""
+        if self.options.discovery_script is not None and not self._started and self.options.np is not None:
+            return max(self.options.min_np, self.options.np)
+        return self.options.min_np
+
     def _wait_for_hosts(self, previous: list[Host] | None) -> list[Host] | None:
-        """Hosts with at least --min-np slots, polling up to --elastic-timeout; raises RuntimeError otherwise."""
+        """Hosts with the slots a job needs (:meth:`_needed`), polling up to --elastic-timeout.
+
+        Raises:
+            RuntimeError: not enough slots by the deadline, or at once where the user's fixed hosts, all
+                there, cannot give them (before 2026-12-07 that waited out --elastic-timeout, 600 s).
+            _Stopped: a stop signal came meanwhile.
+        """
         deadline = self.clock() + self.options.elastic_timeout_s
+        needed = self._needed()
         while True:
+            self._check_stop()
             hosts = self._usable(self._hosts(previous))
-            if _slots(self.options, hosts) >= self.options.min_np:
-                return hosts
+            if _slots(self.options, hosts) >= needed or (
+                    self.options.discovery_script is None and not self.blacklist and self._np(hosts) >= needed):
+                return hosts  # (the user's fixed hosts with -np: mpirun oversubscribes them, as without --elastic)
+            if self.options.discovery_script is None and not self.blacklist:
+                raise RuntimeError(fixed_hosts_error(self.options, hosts))
             if self.clock() >= deadline:
                 listing = _listing(hosts) or "none"
                 black = f"; blacklisted: {', '.join(sorted(self.blacklist))}" if self.blacklist else ""
                 slots = _slots(self.options, hosts)
                 why = f"; the last discovery failed: {self._discovery_error}" if self._discovery_error else ""
+                wants = f"--min-np is {needed}" if needed == self.options.min_np else \
+                    f"the first job waits for -np {needed}"
                 raise RuntimeError(f"only {slots} slot(s) available (hosts: {listing}{black}) but "
-                                   f"--min-np is {self.options.min_np}; waited "
+                                   f"{wants}; waited "
                                    f"{self.options.elastic_timeout_s:g} s (--elastic-timeout){why}")
             self.sleep(min(self.options.poll_s, max(0.0, deadline - self.clock())))
+
+    def _check_stop(self) -> None:
+        signum = self._stop_signal()
+        if signum is not None:
+            raise _Stopped(signum)
 
     # ------------------------------------------------------------------ one job
     def _placement(self, hosts: list[Host] | None) -> tuple[int, list[tuple[str, int]]]:
@@ -291,7 +369,13 @@ class Driver:
         the same ranks in the same places, such as a slot added beyond --max-np)."""
         before = self._placement(hosts)
         while not stop.wait(self.options.poll_s):
-            now = self._usable(self._hosts(hosts))
+            try:
+                now = self._usable(self._hosts(hosts))
+            except Exception as error:  # noqa: BLE001 (the watcher must outlive any one poll: before 2026-12-07
+                # an exception ended it, and no later host change reached the job)
+                logger.warning("host discovery failed (%s: %s); keeping the last hosts", type(error).__name__,
+                               error)
+                continue
             if self._placement(now) != before:
                 logger.warning("the hosts changed (%s -> %s): asking the job to stop at its next commit",
                                _listing(hosts), _listing(now))
@@ -337,7 +421,13 @@ class Driver:
             while True:
                 try:
                     hosts = self._wait_for_hosts(hosts)
+                    self._check_stop()
+                except _Stopped as stopped:  # between jobs: no job to stop, none started
+                    return 128 + stopped.signum
                 except RuntimeError as error:
+                    signum = self._stop_signal()
+                    if signum is not None:  # (a signal that came while the discovery script ran)
+                        return 128 + signum
                     logger.error("%s", error)
                     return 1
                 end = self._run_once(attempt, hosts, resets)

@@ -88,6 +88,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -101,6 +102,8 @@ from unison.run.elastic_driver import (
     Driver,
     ElasticOptions,
     JobEnd,
+    discover,
+    fixed_hosts_error,
     has_ulfm,
     planned_np,
 )
@@ -487,32 +490,46 @@ def _rank_watch(options: ElasticOptions, env: Mapping[str, str]) -> RankWatch | 
     return RankWatch(folder)
 
 
-def _run_elastic(args: argparse.Namespace, config: LaunchConfig, environ: Mapping[str, str]) -> int:
-    """Drive the elastic job (see [Note: the elastic driver] in elastic_driver.py)."""
+def _job_config(config: LaunchConfig, placement: Any, np_: int, hosts: list[Host] | None,
+                static: list[Host] | None, folder: list[str]) -> LaunchConfig:
+    """The launch of one elastic job of ``np_`` ranks on ``hosts``: the options' own hosts, or others (-H, or a
+    hostfile: :func:`_relaunch_hostfile`) keeping the hostfile's launch agent and TCP pinning."""
+    if hosts is None or hosts == static:
+        return dataclasses.replace(config, np=np_)
+    written = _relaunch_hostfile(hosts, static or [], folder)
+    return dataclasses.replace(config, np=np_,
+                               hosts=None if written else ",".join(f"{h.name}:{h.slots}" for h in hosts),
+                               hostfile=written, launch_agent=placement.launch_agent,
+                               tcp_include=",".join(i for i in placement.tcp_include if "/" in i) or None,
+                               network_interface=",".join(i for i in placement.tcp_include
+                                                          if "/" not in i) or None)
+
+
+def _run_elastic(args: argparse.Namespace, config: LaunchConfig, environ: Mapping[str, str],
+                 early: _EarlyStop) -> int:
+    """Drive the elastic job (see [Note: the elastic driver] in elastic_driver.py).
+
+    ``early``'s handlers stay installed between the jobs (each job's own forward signals to its mpirun): a
+    stop signal there ends the run with ``128 + N`` and the "stopped by" line, and the driver removes its
+    state folder (before 2026-12-07 a SIGINT there was a KeyboardInterrupt traceback, and a SIGTERM killed
+    unisonrun, leaving the folder behind).
+    """
     options = _elastic_options(args)
     placement = resolve_placement(config, environ)
     static = None if placement.hosts is None else list(placement.hosts)
     folder: list[str] = []  # the private folder of the relaunches' hostfile, made once when needed
+    said: list[int] = []  # a "stopped by" line printed for a job
 
     def start(np_: int, hosts: list[Host] | None, env: Mapping[str, str]) -> JobEnd:
-        if hosts is None or hosts == static:
-            cfg = dataclasses.replace(config, np=np_)
-        else:  # other hosts than the options gave: -H (or a hostfile: _relaunch_hostfile), keeping the hostfile's
-            # launch agent and TCP pinning
-            written = _relaunch_hostfile(hosts, static or [], folder)
-            cfg = dataclasses.replace(config, np=np_,
-                                      hosts=None if written else ",".join(f"{h.name}:{h.slots}" for h in hosts),
-                                      hostfile=written, launch_agent=placement.launch_agent,
-                                      tcp_include=",".join(i for i in placement.tcp_include if "/" in i) or None,
-                                      network_interface=",".join(i for i in placement.tcp_include
-                                                                 if "/" not in i) or None)
+        cfg = _job_config(config, placement, np_, hosts, static, folder)
         command = build_command(cfg, environ=env, executable=sys.executable, cpu_count=os.cpu_count() or 1,
                                 euid=os.geteuid())
         if args.verbose:
             print(shlex.join(command), file=sys.stderr, flush=True)
         watch = _rank_watch(options, env)
         try:
-            result = run_command(command, env, on_start=None if watch is None else watch.watch)
+            result = run_command(command, env, on_start=None if watch is None else watch.watch,
+                                 stopped_before=lambda: early.signum)
         finally:
             if watch is not None:
                 watch.stop()
@@ -522,8 +539,8 @@ def _run_elastic(args: argparse.Namespace, config: LaunchConfig, environ: Mappin
         report = result.report
         failed = tuple(f.node for f in report.failures if f.node)
         if result.stop_signal is not None:  # unisonrun was stopped: no rank failed of its own accord
-            print(f"unisonrun: the job was stopped by {signal.Signals(result.stop_signal).name} "
-                  f"(exit status {result.status})", file=sys.stderr, flush=True)
+            _stopped_line(result.stop_signal, result.status)
+            said.append(result.stop_signal)
         elif watch is not None and watch.died is not None:
             failed = (*failed, watch.host)
         elif result.status not in (0, RESTART_STATUS) and not report.elastic_finished:
@@ -533,10 +550,12 @@ def _run_elastic(args: argparse.Namespace, config: LaunchConfig, environ: Mappin
                       report.elastic_resets, report.exiting_status)
 
     try:
-        return Driver(options, static, start, environ).run()
+        status = Driver(options, static, start, environ, sleep=early.wait, stop_signal=lambda: early.signum).run()
     finally:
-        for path in folder:
-            shutil.rmtree(path, ignore_errors=True)
+        _remove_all(folder)
+    if early.signum is not None and not said and status == 128 + early.signum:
+        _stopped_line(early.signum, status)
+    return status
 
 
 def _relaunch_hostfile(hosts: Sequence[Host], static: Sequence[Host], folder: list[str]) -> str | None:
@@ -648,11 +667,17 @@ class _EarlyStop:
     def __init__(self) -> None:
         self.signum: int | None = None
         self.agents = Agents()
+        self._signalled = threading.Event()
 
     def handle(self, signum: int, frame: object) -> None:
         if self.signum is None:
             self.signum = signum
         self.agents.stop()
+        self._signalled.set()
+
+    def wait(self, seconds: float) -> None:
+        """Sleeps ``seconds``, or less when a stop signal comes (the elastic driver's wait for hosts)."""
+        self._signalled.wait(seconds)
 
 
 def _stopped_line(signum: int, status: int, newline: str = "") -> None:
@@ -695,10 +720,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = _config_from_args(args)
             own = engine_environment(args)  # (the variables the flags stand for)
             environ = {**os.environ, **own}
-            if _elastic(args):  # the first job's size, as the driver will start it (-np need not be given)
-                placement = resolve_placement(config, environ)
-                config = dataclasses.replace(config, np=planned_np(
-                    _elastic_options(args), None if placement.hosts is None else list(placement.hosts)))
+            if _elastic(args):  # the first job, as the driver will start it (-np need not be given)
+                config = _first_elastic_job(args, config, environ, cleanup)
             label = resolve_placement(config, environ).launch_agent
             config = _wrap_agent(config, environ, cleanup)
             command = build_command(
@@ -711,6 +734,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ValueError, OSError, MpirunNotFoundError) as error:
             parser.error(str(error))
         if args.dry_run:  # the variables the flags stand for go first (mpirun's -x forwards them by name only)
+            if _elastic(args) and args.host_discovery_script:
+                print("unisonrun: note: with --host-discovery-script each job's hosts and -np come from the "
+                      "script when the job starts; this is the first job on the hosts it gives now"
+                      + (f" (the run waits for -np {args.np} slots before it)" if args.np else ""),
+                      file=sys.stderr)
             if config.launch_agent is not None and config.launch_agent != label:  # (_wrap_agent replaced it)
                 print(f"unisonrun: note: the launch agent {label!r} is given to mpirun as the wrapper script "
                       f"{config.launch_agent} (Open MPI would split it at ':' and spaces), which exists only "
@@ -719,6 +747,43 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         return _launch(args, parser, config, environ, command, label)
     raise AssertionError("unreachable")  # (for mypy: ExitStack may swallow exceptions)
+
+
+def _first_elastic_job(args: argparse.Namespace, config: LaunchConfig, environ: Mapping[str, str],
+                       cleanup: contextlib.ExitStack) -> LaunchConfig:
+    """The launch of an elastic run's first job, for ``--dry-run`` and ``--verbose``: its size on the options'
+    hosts, or (``--dry-run``) on the hosts the discovery script gives now.
+
+    Raises:
+        ValueError: the user's fixed hosts cannot give --min-np ranks (before 2026-12-07 the driver waited out
+            --elastic-timeout, 600 s by default), or the discovery script fails.
+    """
+    options = _elastic_options(args)
+    placement = resolve_placement(config, environ)
+    hosts = None if placement.hosts is None else list(placement.hosts)
+    if options.discovery_script is None:
+        np_ = planned_np(options, hosts)
+        if np_ < options.min_np:
+            raise ValueError(fixed_hosts_error(options, hosts))
+        return dataclasses.replace(config, np=np_)
+    if not args.dry_run:
+        return dataclasses.replace(config, np=planned_np(options, hosts))
+    try:  # (before 2026-12-07 the dry run printed -np 1 on this machine, not what the first job runs)
+        found = discover(options.discovery_script)
+    except RuntimeError as error:
+        raise ValueError(str(error)) from error
+    np_ = planned_np(options, found)
+    if np_ < 1:
+        raise ValueError(f"host discovery script {options.discovery_script!r} gives no hosts now: the run would "
+                         f"wait up to --elastic-timeout for {max(options.min_np, options.np or 1)} slot(s)")
+    folder: list[str] = []
+    cleanup.callback(_remove_all, folder)
+    return _job_config(config, placement, np_, found, hosts, folder)
+
+
+def _remove_all(folders: list[str]) -> None:
+    for path in folders:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser, config: LaunchConfig,
@@ -740,13 +805,8 @@ def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser, config: L
         if args.verbose:
             print(shlex.join(command), file=sys.stderr, flush=True)
         remove_stale_session_dirs(environ.get("TMPDIR") or None)
-        if _elastic(args):
-            for sig, handler in previous.items():  # the driver's jobs install their own, as before
-                signal.signal(sig, handler)
-            if early.signum is not None:
-                _stopped_line(early.signum, 128 + early.signum)
-                return 128 + early.signum
-            return _run_elastic(args, config, environ)
+        if _elastic(args):  # (early's handlers stay: each job installs its own, and puts them back after)
+            return _run_elastic(args, config, environ, early)
         try:
             grace = None if _ulfm(config.mpi_args, environ) else RANK_FAILED_GRACE_S  # (ULFM's survivors go on)
             result = run_command(command, environ, stopped_before=lambda: early.signum, rank_failed_grace_s=grace)
