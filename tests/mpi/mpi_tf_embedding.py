@@ -498,3 +498,65 @@ def test_two_layers_on_one_table_push_once_per_step_as_one_process(strategy, gra
         w = w - lr * grad / (np.sqrt(acc) + 1e-10)
     np.testing.assert_allclose(rows, w, rtol=1e-5, atol=1e-6)
     table.close()
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_lookups_with_training_false_under_a_tape_push_once_per_step_as_one_process(strategy, graph):  # (inits)
+    """Two lookups per step made with ``training=False`` (Keras's fine-tuning idiom under a frozen BatchNorm),
+    the gradient taken with a GradientTape, Adagrad, no synchronize between steps. Until 2026-12-07 such
+    lookups were not counted, so each push callback found the count at zero and pushed alone: two pushes per
+    step, Adagrad stepped twice (0.854 instead of 0.5 in the audit's case). The reference: numpy Adagrad
+    stepped once per step on the ranks' mean gradient."""
+    lr = 0.5
+    layer = ShardedEmbedding(ROWS, DIM, optimizer=ps.Adagrad(lr), initializer=init_rows, name=f"frozen-{graph}")
+    layer.build((None,))
+    every = [np.array([1, 2, 2]), np.array([2, 3, 7]), np.array([1, 1, 9])]  # overlapping rows
+    c = np.array([1.0, -2.0, 0.5, 3.0], "float32")
+
+    def step(a: tf.Tensor, b: tf.Tensor) -> None:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(a, training=False) * c) + 2.0 * tf.reduce_sum(layer(b, training=False) * c)
+        tape.gradient(loss, layer.trainable_variables)
+
+    run = tf.function(step) if graph else step
+    for s in range(3):
+        run(tf.constant(every[(s + R) % 3]), tf.constant(every[(s + R + 1) % 3]))
+    layer.synchronize()
+    assert layer.table.stats()["pushes"] == 3  # one per step
+    w, acc = init_rows(np.arange(ROWS)).astype("float64"), np.zeros((ROWS, DIM))
+    for s in range(3):
+        counts = np.zeros(ROWS)
+        for r in range(N):
+            np.add.at(counts, every[(s + r) % 3], 1.0)
+            np.add.at(counts, every[(s + r + 1) % 3], 2.0)
+        grad = (counts / N)[:, None] * c[None, :]
+        acc += grad * grad
+        w = w - lr * grad / (np.sqrt(acc) + 1e-10)
+    np.testing.assert_allclose(layer.table.to_numpy(), w, rtol=1e-5, atol=1e-6)
+    layer.table.close()
+
+
+def test_fit_evaluate_and_predict_return_with_every_step_in_the_table(strategy):
+    """A lookup without a gradient (the model called on a batch outside fit, for a look) leaves the next
+    step's push kept until a later pull ([Note: one push per training step, TensorFlow]). Until 2026-12-07
+    fit could return with its last step's push still kept, so ``layer.table.save()`` or ``to_numpy()`` right
+    after it missed that step; fit, evaluate and predict now push what is kept when they return."""
+    keras.utils.set_random_seed(13)
+    with strategy.scope():
+        layer = ShardedEmbedding(ROWS, DIM, optimizer=ps.SGD(LR), initializer=init_rows, name="emb-kept")
+        model = make_model(layer)
+        model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+    ref_emb = keras.layers.Embedding(ROWS, DIM, embeddings_initializer=keras.initializers.Constant(
+        init_rows(np.arange(ROWS))))
+    ref = make_model(ref_emb)
+    ref.layers[-1].set_weights(model.layers[-1].get_weights())
+    ref.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+    model(IDS[:2])  # no gradient follows
+    for _ in range(2):
+        model.fit(data().take(1), epochs=1, verbose=0, shuffle=False)
+        ref.fit(data().take(1), epochs=1, verbose=0, shuffle=False)
+        np.testing.assert_allclose(layer.table.to_numpy(), ref_emb.get_weights()[0], rtol=1e-5, atol=1e-6)
+        model.predict(data(), verbose=0)  # lookups without a gradient: counted, nothing left after them
+        model.evaluate(data(), verbose=0)
+    assert layer.table.stats()["pushes"] == 2 and not layer._shared.kept
+    layer.table.close()

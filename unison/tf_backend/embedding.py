@@ -27,21 +27,28 @@ average), the gradient is pushed as is and the table averages it.
 The table's optimizer steps once per push, so a layer called twice in a step (a table shared by two
 inputs) must push once, the two lookups' rows together, as a Keras ``Embedding``'s optimizer steps once
 on the summed gradient. Each push callback only keeps its rows' gradient; the table's state
-(:class:`_TableSteps`, shared by every layer looking into the table) counts the training lookups (a pull
-with ``training`` not False) since its last push, and the push callback that brings the count to zero
-pushes everything kept as one push, still inside the backward pass. Two layers given one ``table=`` (a
-user and an item tower) are two lookups of one step: until 2026-12-07 each layer kept and pushed its
-own, and the table's Adagrad or Adam stepped twice per step. A lookup whose output never reaches a
-gradient leaves the count above zero: the next lookup after a push callback, or
-``synchronize()``/``save_table()``/``load_table()``, pushes what is kept first, so nothing is lost and
-no push lands after a later pull. Before 2026-12-06 each lookup pushed on its own, and Adagrad or Adam
-stepped twice.
+(:class:`_TableSteps`, shared by every layer looking into the table) counts the lookups of trainable
+layers since its last push, whatever their ``training`` argument, and the push callback that brings the
+count to zero pushes everything kept as one push, still inside the backward pass. Two layers given one
+``table=`` (a user and an item tower) are two lookups of one step: until 2026-12-07 each layer kept and
+pushed its own, and the table's Adagrad or Adam stepped twice per step. Until 2026-12-07 too, lookups
+made with ``training=False`` (Keras's idiom for fine-tuning under frozen BatchNorm) were not counted, so
+under a ``GradientTape`` each of their push callbacks found the count at zero and pushed alone (Adagrad
+stepped twice for two lookups). A lookup whose output never reaches a gradient (``evaluate``,
+``predict``, a metric computed outside the tape) leaves the count above zero: the next lookup after a
+push callback, or ``synchronize()``/``save_table()``/``load_table()``, pushes what is kept first, so
+nothing is lost and no push lands after a later pull; ``fit``, ``evaluate`` and ``predict`` call
+``synchronize()`` when they return (:func:`_hook_model`), so nothing is kept after them. Before 2026-12-06
+each lookup pushed on its own, and Adagrad or Adam stepped twice.
+Each gradient computed through a lookup runs its push callback: a persistent ``GradientTape`` asked twice
+for the layer's ``push_anchor`` pushes twice (the table's optimizer steps twice, as two
+``apply_gradients`` of the two results would); ask once for all the trainable variables.
 
 [Note: the table follows the optimizer's accumulation]
 A Keras optimizer with ``gradient_accumulation_steps=k`` changes the dense weights once every k
 steps, with the mean of the k steps' gradients: at the step whose ``iterations + 1`` (its own
 counter, one per step) is a multiple of k. The layer follows the optimizer ``model.fit`` trains
-with (``fit`` tells it, once a layer exists: :func:`_hook_fit`; a custom loop calls
+with (``fit`` tells it, once a layer exists: :func:`_hook_model`; a custom loop calls
 :meth:`ShardedEmbedding.follow`): each step's rows are kept, and at the optimizer's update step all
 k steps' rows are pushed as one push, their gradients divided by k, so the table's optimizer steps
 once on the same mean. Horovod's ``DistributedOptimizer(backward_passes_per_step=k)``
@@ -114,36 +121,47 @@ def _dp_rows() -> tf.Tensor:
 
 def follow_optimizer(model: Any) -> None:
     """Tell every :class:`ShardedEmbedding` in ``model`` to follow its optimizer's gradient accumulation
-    ([Note: the table follows the optimizer's accumulation]); ``model.fit`` calls it (:func:`_hook_fit`)."""
+    ([Note: the table follows the optimizer's accumulation]); ``model.fit`` calls it (:func:`_hook_model`)."""
     optimizer = getattr(model, "optimizer", None)
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         return
-    for layer in model._flatten_layers(include_self=False):
-        if isinstance(layer, ShardedEmbedding):
-            layer.follow(optimizer)
+    for layer in _embeddings(model):
+        layer.follow(optimizer)
 
 
-_FIT_HOOKED = False
+def _embeddings(model: Any) -> list[ShardedEmbedding]:
+    return [layer for layer in model._flatten_layers(include_self=False) if isinstance(layer, ShardedEmbedding)]
 
 
-def _hook_fit() -> None:
-    """Make ``model.fit`` call :func:`follow_optimizer` first, for every model (once, when the first
-    ``ShardedEmbedding`` is made): with ``UnisonStrategy``, Horovod-style (``DistributedOptimizer``) or in one
-    process. Installed on the class that defines ``fit``, around whatever is there (``UnisonStrategy``'s
-    checks wrap it there too, before or after)."""
-    global _FIT_HOOKED
-    if _FIT_HOOKED:
+_MODEL_HOOKED = False
+
+
+def _hook_model() -> None:
+    """Make ``model.fit`` call :func:`follow_optimizer` first, and ``fit``/``evaluate``/``predict`` push what
+    the model's tables keep when they return ([Note: one push per training step, TensorFlow]), for every
+    model (once, when the first ``ShardedEmbedding`` is made): with ``UnisonStrategy``, Horovod-style
+    (``DistributedOptimizer``) or in one process. Installed on the class that defines each method, around
+    whatever is there (``UnisonStrategy``'s checks wrap it there too, before or after)."""
+    global _MODEL_HOOKED
+    if _MODEL_HOOKED:
         return
-    owner = next(c for c in keras.Model.__mro__ if "fit" in c.__dict__)
-    original = owner.__dict__["fit"]
+    for name in ("fit", "evaluate", "predict"):
+        owner = next(c for c in keras.Model.__mro__ if name in c.__dict__)
+        setattr(owner, name, _pushing_when_done(owner.__dict__[name], name == "fit"))
+    _MODEL_HOOKED = True
 
+
+def _pushing_when_done(original: Any, follow: bool) -> Any:
     @functools.wraps(original)
-    def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
-        follow_optimizer(self)  # [Note: the table follows the optimizer's accumulation]
-        return original(self, *args, **kwargs)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if follow:
+            follow_optimizer(self)  # [Note: the table follows the optimizer's accumulation]
+        result = original(self, *args, **kwargs)
+        for layer in _embeddings(self):  # (a lookup without a gradient left its step's push kept: Note)
+            layer.synchronize()
+        return result
 
-    owner.fit = fit
-    _FIT_HOOKED = True
+    return call
 
 
 class _TableSteps:
@@ -153,7 +171,7 @@ class _TableSteps:
     def __init__(self) -> None:
         self.pending: list[Handle] = []
         self.kept: list[tuple[np.ndarray, np.ndarray]] = []  # this step's rows' gradients
-        self.open = 0  # training lookups since the last push
+        self.open = 0  # lookups a gradient may follow since the last push
         self.pushing = False  # a push callback ran since the last lookup
         self.optimizer: Any = None  # [Note: the table follows the optimizer's accumulation]
         self.iteration = -1  # the followed optimizer's counter when this step's push callback ran
@@ -232,7 +250,7 @@ class ShardedEmbedding(keras.layers.Layer):
             "seed": seed,
         }
         self._shared = _table_steps(table)  # [Note: one push per training step, TensorFlow]
-        _hook_fit()
+        _hook_model()
 
     def build(self, input_shape: Any = None) -> None:
         problem = _policy_problem(self.dtype_policy)  # (a layer given its table: checked here)
@@ -246,11 +264,11 @@ class ShardedEmbedding(keras.layers.Layer):
         return tuple(input_shape) + (self.dim,)
 
     # host callbacks ----------------------------------------------------------------------------------
-    def _pull(self, keys: np.ndarray, training: np.ndarray) -> np.ndarray:
+    def _pull(self, keys: np.ndarray, counted: np.ndarray) -> np.ndarray:
         if self._shared.pushing:  # a new step: what a lookup without a gradient left kept goes first (Note)
             self._flush()
         self._wait_pushes()  # raise an earlier push's error here (the table orders the pull after it anyway)
-        if bool(training):
+        if bool(counted):
             self._shared.open += 1
         return np.asarray(self.table.pull(np.asarray(keys, np.int64)), self.table.dtype)
 
@@ -391,7 +409,8 @@ class ShardedEmbedding(keras.layers.Layer):
                 ids = tf.numpy_function(refuse, [], tf.int64, stateful=True, name="unison_ps_refuse")
         ids = tf.cast(ids, tf.int64)
         unique, inverse = tf.unique(tf.reshape(ids, [-1]))
-        counted = tf.constant(training is not False)  # a lookup a gradient may follow (see the Note)
+        # a lookup a gradient may follow, whatever ``training`` is (see the Note)
+        counted = tf.constant(bool(self.trainable))
         rows = self._lookup(unique, tf.convert_to_tensor(self.push_anchor), counted)
         out = tf.gather(rows, inverse)
         out = tf.reshape(out, tf.concat([tf.shape(ids), [self.dim]], axis=0))

@@ -21,6 +21,19 @@ sharing one table) adds to the same push. Before 2026-12-06 each lookup pushed o
 step, or a step of two backward passes stepped Adagrad or Adam two or more times per step and differed
 from one process (SGD does not see the difference).
 
+[Note: a failed backward pass]
+A backward pass may raise after a lookup's hook kept its rows (a later hook or the loss's own graph fails,
+and the loop catches it and skips the batch); torch then drops the callbacks queued on it. So the rows
+are kept per backward pass (its autograd graph task, ``torch._C._current_graph_task_id()``): each pass
+queues its own callback, which moves only that pass's rows into the step, and the rows of a pass whose
+callback torch dropped are discarded when torch releases it (a weakref finalizer; measured on CPU: before
+``backward()`` re-raises) with a warning, or at the latest in ``synchronize()``. A failed pass counts no pass
+(nor does one whose count of passes raises in the callback: its rows go with it). A pass still running
+when another starts keeps its rows: a reentrant checkpoint's backward runs nested in a running pass. Until
+2026-12-07 one flag said a callback was queued: it stayed set after a failed pass, so no later pass queued
+one, the table was never pushed again under a plain torch optimizer, and the next ``synchronize()`` pushed
+every pass since, the failed one's rows included.
+
 [Note: the passes of the optimizer that trains the table]
 How many backward passes make a step is the ``backward_passes_per_step`` of the ``DistributedOptimizer``
 that trains the model. Every ``DistributedOptimizer`` registers itself when made
@@ -48,6 +61,7 @@ pushed; every rank scales the same losses, so every rank raises. A loss scaled b
 from __future__ import annotations
 
 import functools
+import logging
 import weakref
 from typing import Any
 
@@ -57,6 +71,8 @@ import torch
 from unison.common.ps import Handle, ShardedTable
 
 __all__ = ["ShardedEmbedding", "synchronize_embeddings"]
+
+logger = logging.getLogger(__name__)
 
 _live: weakref.WeakSet[ShardedEmbedding] = weakref.WeakSet()
 #: live DistributedOptimizers ([Note: the passes of the optimizer that trains the table])
@@ -92,22 +108,36 @@ class _Steps:
     push per optimizer step]. It holds no reference to the table (the table is passed in)."""
 
     def __init__(self) -> None:
-        self.kept: list[tuple[np.ndarray, np.ndarray]] = []  # rows' gradients not pushed yet
+        self.kept: list[tuple[np.ndarray, np.ndarray]] = []  # rows' gradients of ended passes, not pushed yet
         self.passes = 0  # backward passes whose gradients are kept
-        self.queued = False  # the end-of-backward callback is queued
+        #: autograd graph task -> its rows' gradients while that pass runs ([Note: a failed backward pass])
+        self.running: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
         self.pending: list[Handle] = []
 
     def keep(self, table: ShardedTable, keys: np.ndarray, rows: np.ndarray) -> None:
-        self.kept.append((keys, rows))
-        if not self.queued:  # pushed when this backward ends
-            self.queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._backward_ended(table))
+        task = torch._C._current_graph_task_id()
+        if task not in self.running:  # this backward's first rows: pushed (or kept) when it ends
+            self.running[task] = []
+            ended = _PassEnded(self, table, task)
+            # torch drops the callback of a backward pass that raises: its rows go with it (Note)
+            weakref.finalize(ended, self.forget, table.name, task).atexit = False
+            torch.autograd.Variable._execution_engine.queue_callback(ended)
+        self.running[task].append((keys, rows))
 
-    def _backward_ended(self, table: ShardedTable) -> None:
-        self.queued = False
+    def _backward_ended(self, table: ShardedTable, task: int) -> None:
+        rows = self.running.pop(task, [])
+        count = self.passes_per_step(table.name)  # (raises: this pass fails, its rows dropped with it)
+        self.kept.extend(rows)
         self.passes += 1
-        if self.passes >= self.passes_per_step(table.name):
+        if self.passes >= count:
             self.flush(table)
+
+    def forget(self, name: str, task: int) -> None:
+        """Drop the rows of backward pass ``task`` if it never ended ([Note: a failed backward pass])."""
+        rows = self.running.pop(task, None)
+        if rows:
+            logger.warning("ShardedEmbedding table %r: a backward pass raised after %d lookup(s) of it had their "
+                           "rows' gradient; those rows are dropped, not pushed", name, len(rows))
 
     def passes_per_step(self, name: str) -> int:
         """[Note: the passes of the optimizer that trains the table]
@@ -136,10 +166,25 @@ class _Steps:
             self.pending.append(table.push_async(keys, rows))
 
     def synchronize(self, table: ShardedTable) -> None:
+        if torch._C._current_graph_task_id() < 0:  # (outside a backward pass, none of them runs any more)
+            for task in list(self.running):
+                self.forget(table.name, task)
         self.flush(table)
         pending, self.pending = self.pending, []
         for handle in pending:
             handle.wait()
+
+
+class _PassEnded:
+    """The callback queued on the autograd engine when a backward pass first keeps a table's rows: runs when
+    that pass ends ([Note: one push per optimizer step]); dropped by torch when it raises ([Note: a failed
+    backward pass])."""
+
+    def __init__(self, steps: _Steps, table: ShardedTable, task: int) -> None:
+        self.steps, self.table, self.task = steps, table, task
+
+    def __call__(self) -> None:
+        self.steps._backward_ended(self.table, self.task)
 
 
 def _hook_grad_scaler() -> None:
@@ -235,9 +280,11 @@ class ShardedEmbedding(torch.nn.Module):
             self.table.pull(keys_np)
             raise TypeError(f"ShardedEmbedding: ids must be integers; got {ids.dtype}. Cast with ids.long()")
         # an empty batch is accepted whatever its dtype (torch.tensor([]) is float32: no samples this step)
-        flat = keys_np.astype(np.int64, copy=False)
+        # uint64 ids go to the table's check uncast (cast first, 2**64-1 was refused as "key -1" until 2026-12-07)
+        flat = keys_np if keys_np.dtype == np.uint64 else keys_np.astype(np.int64, copy=False)
         unique, inverse = np.unique(flat, return_inverse=True)
         rows = torch.from_numpy(self.table.pull(unique))
+        unique = unique.astype(np.int64, copy=False)  # (in range now: the pull checked them)
         if self.training and torch.is_grad_enabled():
             rows.requires_grad_(True)
             rows.register_hook(lambda grad, keys=unique: self._push(keys, grad))
