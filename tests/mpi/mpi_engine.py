@@ -1155,3 +1155,69 @@ def test_zz_a_new_init_names_unnamed_calls_alike_whatever_each_rank_counted_befo
     unison.init()
     assert objects.broadcast_object(R, root_rank=0) == 0
     np.testing.assert_array_equal(unison.allreduce(np.ones(2), op=unison.Sum), [N, N])
+
+
+def test_a_call_on_a_removed_set_takes_no_name_from_the_global_sets_unnamed_calls():
+    """Before 2026-12-07 a refused call on a removed set still took the global set's next unnamed name, so the
+    ranks that made it paired their next unnamed calls with the others' previous ones: rank 0's second sum got
+    the others' first (silently), and the rest stalled (found by an audit)."""
+    if N == 1:
+        pytest.skip("needs a rank that makes the refused call and one that does not")
+    stale = unison.add_process_set(list(range(1, N)))
+    unison.remove_process_set(stale)
+    if R > 0:
+        for call in (lambda: unison.allreduce(np.ones(1), process_set=stale),
+                     lambda: unison.allgather(np.ones(1), process_set=stale),
+                     lambda: unison.grouped_allreduce([np.ones(1)], process_set=stale),
+                     lambda: objects.broadcast_object(1, root_rank=1, process_set=stale)):
+            with pytest.raises(ValueError, match="is not registered"):
+                call()
+    first = unison.allreduce_async(np.ones(1), op=unison.Sum)
+    second = unison.allreduce_async(np.full(1, 100.0), op=unison.Sum)
+    np.testing.assert_array_equal(unison.synchronize(first), [N])
+    np.testing.assert_array_equal(unison.synchronize(second), [100.0 * N])
+
+
+def test_an_empty_group_returns_an_empty_list_and_never_pairs_with_a_plain_allreduce():
+    """Before 2026-12-07 an empty group was described as a plain all-reduce of its empty uint8 placeholder: it
+    returned that array (a list in one process) and paired with another rank's allreduce of 0 uint8s."""
+    assert unison.grouped_allreduce([], name="empty.group") == []
+    assert unison.grouped_allreduce([], op=unison.Sum, name="empty.group") == []  # (the cached name again)
+    if N == 1:
+        return
+    with pytest.raises(unison.MismatchError) as info:
+        if R == 0:
+            unison.grouped_allreduce([], name="empty.vs.plain")
+        else:
+            unison.allreduce(np.zeros(0, np.uint8), name="empty.vs.plain")
+    message = str(info.value)
+    assert "allreduce of a group of 0 tensors" in message and "shape=(0,) dtype=uint8" in message, message
+    assert len(set(WORLD.allgather(message))) == 1
+
+
+class _RebuiltOnRankZeroOnly:
+    """Pickles everywhere, unpickles on rank 0 only (as a class importable on one host only would)."""
+
+    def __reduce__(self):
+        return (_rebuild, ())
+
+
+def _rebuild():
+    if R != 0:
+        raise RuntimeError("cannot rebuild here")
+    return "rebuilt"
+
+
+def test_an_object_that_cannot_be_unpickled_on_some_ranks_raises_on_every_rank():
+    """Before 2026-12-07 broadcast_object's root returned at once (it does not unpickle) and allgather_object's
+    rank 0 too, while the other ranks raised: their next collectives paired with the wrong calls (an audit)."""
+    if N == 1:
+        pytest.skip("needs a rank that cannot rebuild the object")
+    failing = list(range(1, N))
+    for call in (lambda: objects.broadcast_object(_RebuiltOnRankZeroOnly(), root_rank=0),
+                 lambda: objects.allgather_object(_RebuiltOnRankZeroOnly())):
+        with pytest.raises(TypeError) as info:
+            call()
+        assert f"ranks {failing} could not unpickle the object" in str(info.value), info.value
+        assert (R == 0) == ("here:" not in str(info.value))
+    np.testing.assert_array_equal(unison.allreduce(np.ones(1), op=unison.Sum, name="after.unpickle"), [N])

@@ -59,7 +59,7 @@ from unison.collectives.reduce import finalize, prescale, same_start
 from unison.common.dtypes import dtype_from_code
 from unison.common.engine.controller import Response
 from unison.common.engine.errors import REFUSALS, JoinError
-from unison.common.engine.requests import Kind, Signature, identity, identity_like
+from unison.common.engine.requests import Kind, Signature, identity, identity_like, is_group
 from unison.common.engine.timeline import Timeline, row
 from unison.common.exceptions import MismatchError
 from unison.common.ops import ReduceOp
@@ -184,7 +184,7 @@ class Executor:
                 continue
             self._mark_ready(resp)
             sig = resp.sig
-            if (sig.kind == Kind.ALLREDUCE and not sig.layout and threshold > 0  # (a group packs itself)
+            if (sig.kind == Kind.ALLREDUCE and not is_group(sig) and threshold > 0  # (a group packs itself)
                     and self._nbytes(resp) < min(DIRECT_BYTES, threshold)
                     and sig.op != ReduceOp.ADASUM):  # Adasum's coefficients are per tensor: never fused
                 key = (sig.dtype, sig.op, sig.prescale, sig.postscale, sig.algorithm)
@@ -204,7 +204,7 @@ class Executor:
     def _nbytes(resp: Response) -> int:
         if resp.nbytes < 0:
             sig = resp.sig
-            if sig.layout:
+            if is_group(sig):
                 resp.nbytes = sum(math.prod(shape) * dtype_from_code(code).itemsize for code, shape in sig.layout)
             else:
                 resp.nbytes = math.prod(sig.shape) * dtype_from_code(sig.dtype).itemsize
@@ -370,7 +370,7 @@ class Executor:
             resp.request.handle.set_result(result)
 
     def _allreduce(self, resp: Response) -> np.ndarray | list[np.ndarray]:
-        if resp.sig.layout:
+        if is_group(resp.sig):
             return self._grouped(resp)
         sig, req = resp.sig, resp.request
         if req is not None and req.out is None:

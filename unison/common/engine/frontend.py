@@ -149,8 +149,12 @@ def _auto_name(kind: str, name: str | None, process_set: ProcessSet | None = Non
     if name is not None:
         return str(name)
     sid = getattr(process_set, "process_set_id", None)
-    if process_set is None or process_set is global_process_set or sid is None:
+    if process_set is None or process_set is global_process_set:
         counters, key = _counters, kind
+    elif sid is None:  # removed or never added: refused before it takes a name (before 2026-12-07 it took the
+        # global set's next one, and the ranks that made the refused call paired their next unnamed global
+        # calls with the other ranks' previous ones: each other's data, then a stall; found by an audit)
+        raise _not_registered(process_set)
     else:
         counters, key = _set_counters(process_set, sid), f"{kind}.set{sid}"
     me = threading.current_thread()
@@ -224,8 +228,12 @@ def reset_auto_names() -> None:
 def _check_local(process_set: ProcessSet | None) -> None:
     """In a size-1 job: only registered sets (which all hold rank 0) are usable."""
     if process_set is not None and process_set.process_set_id is None:
-        raise ValueError(f"{process_set!r} is not registered; pass it to unison.init(process_sets=[...]) "
-                         "or unison.add_process_set() on every rank first")
+        raise _not_registered(process_set)
+
+
+def _not_registered(process_set: ProcessSet) -> ValueError:
+    return ValueError(f"{process_set!r} is not registered; pass it to unison.init(process_sets=[...]) "
+                      "or unison.add_process_set() on every rank first")
 
 
 def _set_id(eng: Engine, process_set: ProcessSet | None) -> tuple[int, int]:

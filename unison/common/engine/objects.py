@@ -12,8 +12,8 @@ from __future__ import annotations
 import hashlib
 import operator
 import pickle
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -22,6 +22,8 @@ from unison.common.agreement import ranks_text
 from unison.common.engine import frontend
 from unison.common.engine.process_sets import ProcessSet
 from unison.common.exceptions import MismatchError
+
+T = TypeVar("T")
 
 __all__ = ["broadcast_object", "allgather_object", "agree_on_names", "agree_on_values"]
 
@@ -78,7 +80,9 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                         f"{f' ({error})' if error is not None else ''}; send something picklable") from error
     buf = payload if is_root else np.zeros(int(size[0]), dtype=np.uint8)
     data = frontend.broadcast(buf, root, f"{name}.data", process_set)
-    return obj if is_root else pickle.loads(data.tobytes())  # the root's own object, as Horovod's
+    # the root's own object, as Horovod's
+    return _unpickled_together(lambda: obj if is_root else pickle.loads(data.tobytes()), "broadcast_object",
+                               name, process_set)
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet | None = None) -> list:
@@ -98,11 +102,37 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
         raise TypeError(f"allgather_object: the objects of ranks {failed} could not be "
                         f"pickled{f' (here: {error})' if error is not None else ''}; send something picklable")
     data = frontend.allgather(payload, f"{name}.data", process_set)
-    out, start = [], 0
-    for size in sizes.tolist():
-        out.append(pickle.loads(data[start:start + size].tobytes()))
-        start += size
-    return out
+
+    def load() -> list:
+        out, start = [], 0
+        for size in sizes.tolist():
+            out.append(pickle.loads(data[start:start + size].tobytes()))
+            start += size
+        return out
+
+    return _unpickled_together(load, "allgather_object", name, process_set)
+
+
+def _unpickled_together(load: Callable[[], T], what: str, name: str, process_set: ProcessSet | None) -> T:
+    """``load()`` (the unpickling), its failure raised on every rank as a TypeError naming the ranks that failed.
+
+    An object that pickles but cannot be rebuilt on some rank (its class not importable there, a
+    ``__reduce__`` that raises) failed on those ranks only, while the others went on to their next collective,
+    which then paired with the wrong call or hung (before 2026-12-07; found by an audit; Horovod has the same
+    gap). One more small all-gather per call tells every rank.
+    """
+    try:
+        value, error = load(), None
+    except Exception as exc:  # noqa: BLE001 (whatever unpickling raises: every rank must hear of it)
+        value, error = None, exc
+    flags = frontend.allgather(np.array([error is not None], dtype=np.uint8), f"{name}.loaded", process_set)
+    members = _members(len(flags), process_set)
+    failed = [members[i] for i, flag in enumerate(flags.tolist()) if flag]
+    if failed:
+        here = f" (here: {type(error).__name__}: {error})" if error is not None else ""
+        raise TypeError(f"{what}: ranks {failed} could not unpickle the object{here}; send an object that every "
+                        "rank can rebuild (its class importable there)") from error
+    return value  # type: ignore[return-value]  # (set: load() returned)
 
 
 def _digests_agree(text: str, name: str, process_set: ProcessSet | None) -> bool:

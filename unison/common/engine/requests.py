@@ -50,6 +50,17 @@ class Signature(NamedTuple):
     layout: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
 
+#: ``Signature.dtype`` of an empty grouped all-reduce, a code no dtype has (an error's is -1). Described as a
+#: plain all-reduce of its empty placeholder array, it paired with a plain all-reduce of 0 uint8 under the same
+#: name and returned that array where a group returns a list (before 2026-12-07; found by an audit).
+EMPTY_GROUP = -2
+
+
+def is_group(sig: Signature) -> bool:
+    """Whether ``sig`` is a grouped all-reduce's ([Note: grouped requests] in executor.py)."""
+    return bool(sig.layout) or sig.dtype == EMPTY_GROUP
+
+
 #: ``Signature.algorithm`` of a barrier whose engine action is itself collective on every
 #: rank (``add_process_set`` creates a communicator): a joined rank cannot take part.
 ACTION = "action"
@@ -92,8 +103,9 @@ class Request:
     def signature(self) -> Signature:
         if self.error:
             return _make_signature(Signature, (int(self.kind), -1, (), -1, -1, 1.0, 1.0, self.error, "", ()))
-        if self.layout:
-            return _make_signature(Signature, (int(self.kind), self.layout[0][0], (len(self.layout),), self.op,
+        if self.members is not None:  # a group, an empty one too (its own dtype code: is_group)
+            dtype = self.layout[0][0] if self.layout else EMPTY_GROUP
+            return _make_signature(Signature, (int(self.kind), dtype, (len(self.layout),), self.op,
                                                self.root, self.prescale, self.postscale, "", self.algorithm,
                                                self.layout))
         shape = self.array.shape
@@ -113,7 +125,7 @@ def describe(sig: Signature, dim0: int | None = None) -> str:
         shape = (dim0, *shape)
     dtype = dtype_name(dtype_from_code(sig.dtype)) if sig.dtype >= 0 else "?"
     parts = [kind.name.lower(), f"shape={tuple(shape)}", f"dtype={dtype}"]
-    if sig.layout:
+    if is_group(sig):
         parts[1:] = [f"of a group of {len(sig.layout)} tensors"]
     if sig.op >= 0:
         parts.append(f"op={ReduceOp(sig.op)!r}")
