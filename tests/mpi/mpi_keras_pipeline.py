@@ -570,3 +570,147 @@ def test_an_integer_stage_boundary_trains_as_one_process(schedule, checkpoint):
     losses = [pipe.train_step(x, y) for x, y in data]
     assert_same(pipe, ref, losses, ref_losses)
     pipe.close()
+
+
+def _bn_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization(momentum=0.5),
+                             keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)])
+
+
+@pytest.mark.skipif(N % 2, reason="a grid of 2 pipelines needs an even number of ranks")
+def test_a_grids_replicas_average_their_moving_statistics_like_one_process():
+    """Before 2026-12-07 only the gradients were averaged: each replica's BatchNormalization statistics followed
+    its own rows, evaluate averaged the losses of different models (0.376, where the model get_weights returned
+    gave 0.108), and get_weights returned replica 0's statistics (found by an audit). The replicas' rows here have
+    the same column means, so the averaged moving mean and (biased) variance are one process's on the global
+    batch."""
+    grid = pipeline_grid(dp=2)
+    pipe = Pipeline(_bn_model(), balance=[1, 2] if grid.pp == 2 else None, chunks=1, loss="mse", optimizer=sgd,
+                    grid=grid)
+    rs, centre = np.random.default_rng(4), np.array([1.0, -2.0, 0.5, 3.0])
+    ref_bn = keras.layers.BatchNormalization(momentum=0.5)  # one process on the global batch
+    for _ in range(2):
+        z = rs.standard_normal((4, 4))
+        z -= z.mean(axis=0)
+        parts = [(centre + z).astype("float32"), (centre + 3 * z).astype("float32")]  # the second spreads 3x wider
+        y = rs.standard_normal((4, 1)).astype("float32")
+        pipe.train_step(parts[grid.pipeline], y)
+        ref_bn(np.concatenate(parts), training=True)
+    want = [ref_bn.moving_mean.numpy(), ref_bn.moving_variance.numpy()]
+    bn = pipe._layers[0]
+    held = [bn.moving_mean.numpy(), bn.moving_variance.numpy()] if 0 in pipe.stages else None
+    for theirs in WORLD.allgather(held):
+        if theirs is not None:  # every replica holding the layer
+            for got, expected in zip(theirs, want, strict=True):
+                np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    weights = pipe.get_weights()
+    np.testing.assert_allclose(weights[2], want[0], rtol=1e-5, atol=1e-6)  # gamma, beta, moving mean, variance
+    np.testing.assert_allclose(weights[3], want[1], rtol=1e-5, atol=1e-6)
+    x, y = rs.standard_normal((4, 4)).astype("float32"), rs.standard_normal((4, 1)).astype("float32")
+    model = _bn_model()
+    model.set_weights(weights)
+    loss = pipe.evaluate(x, y)  # the same batch on every replica: the loss of the model get_weights returns
+    assert loss == pytest.approx(float(keras.losses.MeanSquaredError()(y, model(x, training=False))), rel=1e-5)
+    pipe.close()
+
+
+def _dropout_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((16,)), keras.layers.Dropout(0.5), keras.layers.Dense(1)])
+
+
+@pytest.mark.skipif(N % 2, reason="a grid of 2 pipelines needs an even number of ranks")
+def test_data_parallel_replicas_draw_their_own_dropout_masks():
+    """Before 2026-12-07 the replicas' seed generators started alike (left out of the broadcast, seeded alike):
+    global rows i and i + B / dp drew the same Dropout mask at every step, where one process draws independent
+    masks (found by an audit). Replica 0 draws what one process draws, the shards of a tensor group (4 ranks:
+    dp x tp = 2 x 2) draw alike, and a second build draws the same masks again (a seeded run is reproducible)."""
+    from unison.common.tensor_parallel import Grid, grid_pipeline
+
+    grid = pipeline_grid(pp=1, dp=2) if N == 2 else grid_pipeline(Grid(dp=2, pp=1, tp=2))
+    replica = grid.pipeline // grid.tp
+    ones = tf.ones((8, 16))
+    drawn = []
+    for _ in range(2):
+        pipe = Pipeline(_dropout_model(), chunks=1, loss="mse", optimizer=sgd, grid=grid)
+        drawn.append(pipe.stages[0].layers[0](ones, training=True).numpy() != 0)  # the stage's Dropout
+        pipe.close()
+    np.testing.assert_array_equal(drawn[0], drawn[1])
+    one_process = _dropout_model().layers[0](ones, training=True).numpy() != 0
+    if replica == 0:
+        np.testing.assert_array_equal(drawn[0], one_process)
+    masks = {}
+    for theirs, mask in WORLD.allgather((replica, drawn[0])):
+        np.testing.assert_array_equal(masks.setdefault(theirs, mask), mask)  # a tensor group's shards agree
+    assert np.mean(masks[0] == masks[1]) < 0.8, "the replicas drew the same dropout mask"
+
+
+@pytest.mark.skipif(N % 2, reason="a tensor group of 2 needs an even number of ranks")
+def test_get_weights_on_a_tensor_parallel_grid_is_refused_on_every_rank():
+    """Before 2026-12-07 every rank got shard 0 of each split layer (pipeline 0 is replica 0's shard 0), which
+    fits no unsplit model (found by an audit)."""
+    from unison.common.tensor_parallel import Grid, grid_pipeline
+
+    layout = grid_pipeline(Grid(dp=N // 2, pp=1, tp=2))
+    pipe = Pipeline(make_model(), chunks=2, loss="mse", optimizer=sgd, grid=layout)
+    msg = raised_everywhere(pipe.get_weights)
+    assert msg.startswith("get_weights() cannot gather a tensor-parallel pipeline (tp=2)")
+    assert "unison.tf_backend.save_tensor_parallel" in msg and "load_tensor_parallel" in msg
+    pipe.close()
+
+
+class _Pair(keras.layers.Layer):
+    def call(self, x):
+        return x, x * 2
+
+    def compute_output_shape(self, shape):
+        return shape, shape
+
+
+class _Sum(keras.layers.Layer):
+    def call(self, xs):
+        return xs[0] + xs[1]
+
+
+@pytest.mark.skipif(N not in (2, 4), reason="a stage per rank over four layers")
+def test_a_stage_that_returns_a_tuple_raises_on_every_rank_naming_the_stage():
+    """Before 2026-12-07 every rank got "AttributeError: 'tuple' object has no attribute 'numpy'" (found by an
+    audit); the PyTorch executor named the stage and the fix."""
+    keras.utils.set_random_seed(0)
+    layers = [keras.layers.Dense(4), _Pair(name="pair"), _Sum(), keras.layers.Dense(1)]
+    pipe = Pipeline(layers, balance=[2, 2] if N == 2 else [1] * 4, chunks=2, loss="mse", optimizer=sgd,
+                    input_shape=(4,))
+    culprit = 0 if N == 2 else 1
+    x, y = np.ones((4, 4), "float32"), np.ones((4, 1), "float32")
+    for step in (lambda: pipe.train_step(x, y), lambda: pipe.predict(x)):
+        msg = raised_everywhere(step)
+        assert (f"TypeError: stage {culprit} returned a tuple (from its last layer, 'pair' (_Pair)); what crosses "
+                "a stage boundary is one tensor. Make the stage's last layer return a single tensor") in msg
+    pipe.close()
+
+
+def test_a_tensor_grid_passed_as_grid_is_refused_on_every_rank():
+    """Before 2026-12-07 the tensor-parallel Grid got as far as splitting the job's communicator and raised
+    AttributeError "'Grid' object has no attribute 'pipeline'" (found by an audit)."""
+    from unison.common.tensor_parallel import Grid
+
+    msg = raised_everywhere(lambda: Pipeline(make_model(), loss="mse", optimizer=sgd, grid=Grid(pp=N)))
+    assert f"received the tensor-parallel Grid(dp=1, pp={N}, tp=1). Pass grid=grid_pipeline(grid, sets)" in msg
+    msg = raised_everywhere(lambda: Pipeline(make_model(), loss="mse", optimizer=sgd, grid=N))
+    assert f"grid= takes a PipelineGrid: hvd.pipeline_grid(pp, dp), or grid_pipeline(grid, sets) for a " \
+           f"tensor-parallel Grid; received int {N}" in msg
+
+
+@pytest.mark.skipif(N != 2, reason="one tensor group over both ranks of a two-stage pipeline")
+def test_tensor_parallel_layers_on_another_group_than_the_grids_are_refused_on_every_rank():
+    """Layers on the default (every-rank) set in a pp=2 pipeline: before 2026-12-07 construction accepted them
+    and the first step stalled until the engine's timeout (found by an audit)."""
+    keras.utils.set_random_seed(0)
+    layers = [hvd.ColumnParallelLinear(4, 8, activation="tanh"), hvd.RowParallelLinear(8, 2)]
+    msg = raised_everywhere(lambda: Pipeline(layers, balance=[1, 1], chunks=2, loss="mse", optimizer=sgd,
+                                             input_shape=(4,)))
+    assert msg.startswith("rank 0: layer 0 (") and "stage 0) holds the tensor-parallel ColumnParallelLinear" in msg
+    assert "split over ranks [0, 1] (its process_set), but the grid's tensor group of this rank is ranks [0]" \
+        in msg
+    assert "process_set=sets.tp) and pass grid=grid_pipeline(grid, sets)" in msg

@@ -12,8 +12,11 @@ of every weight's gradient. Eager throughout, except the transformer block, whic
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -920,6 +923,139 @@ def test_an_activation_over_all_units_runs_on_the_gathered_output(tp):
         layer = hvd.ColumnParallelLinear(5, 3 * tp, gather_output=True, process_set=ps, activation=other, dtype=D)
         out = layer(x)
         close(tf.reduce_sum(out, axis=-1), np.ones(4))
+
+
+def twice_the_first_half(x):
+    """An activation of the user's own that mixes the units: unit j + n/2 minus twice unit j."""
+    half = x.shape[-1] // 2
+    return x[..., half:] - 2.0 * x[..., :half]
+
+
+def same_message_in_the_group(message: str | None, ps) -> None:
+    """Every rank of ``ps`` got the same ``message`` (collective: idle ranks pass None)."""
+    told = WORLD.allgather(message)
+    if ps is not None:
+        assert len({told[r] for r in ps.ranks}) == 1, told
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_a_glu_on_a_split_layer_matches_the_whole_layer(tp):
+    """glu pairs unit j with unit j + n/2 of the whole layer: a column layer applies it (and any
+    activation it does not know to act unit by unit, such as a function of the user's) after the
+    gather, and refuses it without gather_output on every rank of the group. Before 2026-12-07
+    glu ran on each shard's own units: 0.35 off the unsplit Dense(8, activation="glu") at tp = 2,
+    with no error. An element-wise one (tf.nn.leaky_relu, known by name) still runs on the shards."""
+    x, upstream = seeded(70, 4, 5), seeded(71, 4, 2 * tp)
+    cases = [(dense(72, 5, 4 * tp, activation="glu"), "'glu' mixes the output units"),
+             (dense(73, 5, 4 * tp, activation=twice_the_first_half),
+              "'twice_the_first_half' is not one of the element-wise activations")]
+    expected = [run(ref, x, upstream, [ref.kernel, ref.bias]) for ref, _ in cases]
+    ref_slope = dense(74, 5, 4 * tp, activation=tf.nn.leaky_relu)
+    expected_slope = run(ref_slope, x, seeded(75, 4, 4 * tp), [ref_slope.kernel])
+    ps = group(tp)
+    for (ref, fragment), (out, dx, (dk, db)) in zip(cases, expected, strict=True):
+        message = None
+        if ps is not None:
+            layer = hvd.ColumnParallelLinear.from_dense(ref, gather_output=True, process_set=ps)
+            out_par, dx_par, (dk_par, db_par) = run(layer, x, upstream, [layer.kernel, layer.bias])
+            close(out_par, out)
+            close(dx_par, dx)
+            close(dk_par, piece(dk, ps, 1))
+            close(db_par, piece(db, ps, 0))
+            with pytest.raises(ValueError, match=fragment) as excinfo:
+                hvd.ColumnParallelLinear.from_dense(ref, gather_output=False, process_set=ps)
+            message = str(excinfo.value)
+            assert "pass gather_output=True" in message, message
+        same_message_in_the_group(message, ps)
+    if ps is None:
+        return
+    layer = hvd.ColumnParallelLinear.from_dense(ref_slope, process_set=ps)
+    out_par, dx_par, (dk_par,) = run(layer, x, piece(seeded(75, 4, 4 * tp), ps), [layer.kernel])
+    close(out_par, piece(expected_slope[0], ps))
+    close(dx_par, expected_slope[1])
+    close(dk_par, piece(expected_slope[2][0], ps, 1))
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("activation", ["glu", "softmax", twice_the_first_half])
+def test_a_row_layer_applies_any_activation_to_the_summed_output(tp, activation):
+    """The row layer's activation runs on the all-reduced sum plus the bias, which every rank holds
+    whole, so an activation over the units (glu, softmax, the user's own) equals the unsplit Dense."""
+    ref = dense(76, 3 * tp, 6, activation=activation)
+    x, upstream = seeded(77, 4, 3 * tp), seeded(78, 4, 3 if activation != "softmax" else 6)
+    expected, dx, (dk, db) = run(ref, x, upstream, [ref.kernel, ref.bias])
+    ps = group(tp)
+    if ps is None:
+        return
+    layer = hvd.RowParallelLinear.from_dense(ref, process_set=ps)
+    out, dx_par, (dk_par, db_par) = run(layer, piece(x, ps), upstream, [layer.kernel, layer.bias])
+    close(out, expected)
+    close(dx_par, piece(dx, ps))
+    close(dk_par, piece(dk, ps, 0))
+    close(db_par, db)
+
+
+def test_tensor_parallelism_on_another_keras_backend_is_refused_before_any_collective():
+    """On Keras's JAX backend every layer, builder and parallelize raise a ValueError naming the
+    backend and the fix, before any collective (so without hvd.init() here: one process). Before
+    2026-12-07 they were accepted: parallelize failed with AttributeError "'str' object has no attribute
+    '_error_repr'", and on torch fit failed inside RowParallelLinear ("Can't call numpy() on Tensor that
+    requires grad")."""
+    report = None
+    if R == 0:  # the check reads only this process's backend: one child shows it
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "HYDRA_"))}
+        env.update(KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
+        done = subprocess.run([sys.executable, "-c", JAX_CHILD], env=env, capture_output=True, text=True,
+                              timeout=240)
+        report = done.stdout.strip().splitlines()[-1] if done.returncode == 0 and done.stdout.strip() else (
+            f"child failed ({done.returncode}): {done.stderr[-2000:]}")
+    report = WORLD.bcast(report)
+    assert report.startswith("{"), report
+    outcomes = json.loads(report)
+    assert len(outcomes) == 10, outcomes
+    for what, (kind, message) in outcomes.items():
+        assert kind == "ValueError", (what, kind, message)
+        assert "KERAS_BACKEND is 'jax'" in message and "Set KERAS_BACKEND=tensorflow" in message, (what, message)
+        assert message.startswith(what.split("(")[0]), (what, message)
+
+
+#: run under KERAS_BACKEND=jax: each tensor-parallel entry point -> (exception class, message)
+JAX_CHILD = """
+import json, keras, numpy as np
+import unison.tf_backend as hvd
+dense = keras.layers.Dense(8, name="fc")
+dense.build((None, 4))
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="fc")])
+mha = keras.layers.MultiHeadAttention(2, 2)
+mha.build((None, 3, 4), (None, 3, 4))
+norm = keras.layers.LayerNormalization()
+norm.build((None, 3, 4))
+embedding = keras.layers.Embedding(8, 4)
+embedding.build((None,))
+back = keras.layers.Dense(4)
+back.build((None, 8))
+calls = {
+    "ColumnParallelLinear": lambda: hvd.ColumnParallelLinear(4, 8),
+    "RowParallelLinear": lambda: hvd.RowParallelLinear(8, 4),
+    "VocabParallelEmbedding": lambda: hvd.VocabParallelEmbedding(8, 4),
+    "ParallelMLP": lambda: hvd.ParallelMLP(4, 8),
+    "ParallelSelfAttention": lambda: hvd.ParallelSelfAttention(4, 2),
+    "ParallelTransformerBlock": lambda: hvd.ParallelTransformerBlock(4, 2, 8),
+    "ColumnParallelLinear.from_dense": lambda: hvd.ColumnParallelLinear.from_dense(dense),
+    "VocabParallelEmbedding.from_embedding": lambda: hvd.VocabParallelEmbedding.from_embedding(embedding),
+    "ParallelTransformerBlock.from_layers": lambda: hvd.ParallelTransformerBlock.from_layers(
+        norm, mha, norm, dense, back),
+    "parallelize": lambda: hvd.parallelize(model, {"fc": "colwise"}),
+}
+out = {}
+for what, call in calls.items():
+    try:
+        call()
+        out[what] = ["accepted", ""]
+    except Exception as exc:
+        out[what] = [type(exc).__name__, str(exc)]
+print(json.dumps(out))
+"""
 
 
 @pytest.mark.parametrize("tp", TPS)

@@ -199,6 +199,21 @@ def raised_everywhere(fn, *parts):
     return message
 
 
+def test_a_grid_that_is_no_pipeline_grid_is_refused_on_every_rank_naming_the_fix():
+    """Before 2026-12-07 the tensor-parallel Grid raised AttributeError "... no attribute 'position'" (the
+    Keras executor had the same defect; one check in unison.common.pipeline.grid serves both)."""
+    from unison.common.tensor_parallel import Grid
+
+    for grid, says in ((Grid(pp=N), f"received the tensor-parallel Grid(dp=1, pp={N}, tp=1). Pass "
+                                    "grid=grid_pipeline(grid, sets)"),
+                       (N, f"grid= takes a PipelineGrid: hvd.pipeline_grid(pp, dp), or grid_pipeline(grid, sets) "
+                           f"for a tensor-parallel Grid; received int {N}")):
+        with pytest.raises(TypeError) as info:
+            hvd.Pipeline(make_layers(), chunks=CHUNKS, loss_fn=nn.functional.mse_loss, optimizer=sgd, grid=grid)
+        message = str(info.value)
+        assert says in message and all(e == message for e in WORLD.allgather(message)), message
+
+
 def test_bad_configurations_raise_on_every_rank():
     def build(**kwargs):
         args = dict(chunks=CHUNKS, loss_fn=nn.functional.mse_loss, optimizer=sgd)

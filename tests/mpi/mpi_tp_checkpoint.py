@@ -28,6 +28,7 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 from tensor_parallel_groups import register_groups  # noqa: E402
@@ -385,6 +386,70 @@ def test_keras_sequential_round_trip():
     kck.load_tensor_parallel(shared("keras-sequential"), served, local=True)
     for actual, expected in zip(served.weights, src.weights, strict=True):
         np.testing.assert_array_equal(actual.numpy(), expected.numpy())
+
+
+def keras_chain(seed: int) -> keras.Sequential:
+    """up (column-split on a tensor grid) -> down (row-split) -> head, every weight drawn from ``seed``."""
+    model = keras.Sequential([keras.Input((4,), dtype=KD), keras.layers.Dense(8, activation="tanh", name="up",
+                                                                              dtype=KD),
+                              keras.layers.Dense(4, name="down", dtype=KD), keras.layers.Dense(2, name="head",
+                                                                                               dtype=KD)])
+    rng = np.random.default_rng(seed)
+    for v in model.weights:
+        v.assign(rng.standard_normal(tuple(v.shape)) * 0.5)
+    return model
+
+
+def keras_chain_pipeline(seed: int, grid: Grid, sets) -> kvd.Pipeline:
+    from unison.common.tensor_parallel import grid_pipeline
+
+    model = keras_chain(seed)
+    if grid.tp > 1:
+        model = kvd.parallelize(model, {"up": "colwise", "down": "rowwise"}, sets.tp)
+    return kvd.Pipeline(model, balance=[2, 1], chunks=2, loss="mse", optimizer=lambda: keras.optimizers.SGD(0.1),
+                        grid=grid_pipeline(grid, sets))
+
+
+@pytest.mark.parametrize("dp,pp,tp", [(2, 2, 1), (1, 2, 2)])
+def test_keras_pipeline_saves_its_stages_and_one_process_loads_the_trained_model(dp, pp, tp):
+    """save_tensor_parallel(path, pipe) of a Keras Pipeline (pp = 2, with data replicas or tensor-split
+    stages) writes each stage's layers under their names in the Sequential: the plain model loads them in
+    one process and equals the same model trained in one process on the whole batches, and a pipeline
+    built from another seed loads them back. Before 2026-12-07 the Keras save raised AttributeError
+    "'Pipeline' object has no attribute 'weights'" (the torch Pipeline saved)."""
+    grid = Grid(dp=dp, pp=pp, tp=tp)
+    sets = grid.register()
+    rng = np.random.default_rng(80)
+    x, y = rng.standard_normal((8, 4)), rng.standard_normal((8, 2))
+    ref = keras_chain(81)
+    optimizer = keras.optimizers.SGD(0.1)
+    _, d, _ = grid.coords(R)
+    rows = slice(d * 8 // dp, (d + 1) * 8 // dp)  # this replica's part of each global batch
+    path = shared(f"keras-pipeline-{dp}-{pp}-{tp}")
+    pipe = keras_chain_pipeline(81, grid, sets)
+    try:
+        for _ in range(2):
+            pipe.train_step(x[rows], y[rows])
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(keras.losses.mean_squared_error(y, ref(x)))
+            optimizer.apply_gradients(zip(tape.gradient(loss, ref.trainable_variables), ref.trainable_variables,
+                                          strict=True))
+        kck.save_tensor_parallel(path, pipe, metadata={"step": 2}, data_process_set=sets.dp if dp > 1 else None)
+        held = {layer.name: layer for s in pipe.layer_ranges for layer in pipe.stages[s].layers}
+    finally:
+        pipe.close()
+    served = keras_chain(99)
+    assert kck.load_tensor_parallel(path, served, local=True) == {"step": 2}
+    for actual, expected in zip(served.weights, ref.weights, strict=True):  # the pipeline's loss is float32
+        np.testing.assert_allclose(actual.numpy(), expected.numpy(), rtol=1e-6, atol=1e-7, err_msg=expected.path)
+    again = keras_chain_pipeline(98, grid, sets)
+    try:
+        kck.load_tensor_parallel(path, again)
+        for layer in (layer for s in again.layer_ranges for layer in again.stages[s].layers):
+            for actual, expected in zip(layer.weights, held[layer.name].weights, strict=True):
+                np.testing.assert_array_equal(actual.numpy(), expected.numpy(), err_msg=actual.path)
+    finally:
+        again.close()
 
 
 class KerasOne(keras.layers.Layer):

@@ -11,15 +11,30 @@ a registered process set (``hvd.add_process_set``; ``Grid.register`` makes one p
 
 Keras's ``Dense`` keeps its kernel as ``(in, out)``, the transpose of ``nn.Linear.weight``, so a
 column shard is a slice of kernel *columns* here. ``Dense`` also carries an activation; the
-parallel layers keep it (element-wise, so a column shard applies it to its own units, a row layer
-after the sum), and ``from_dense`` copies it. Randomly initialised shards are this rank's slices of
+parallel layers keep it (a column shard applies an element-wise one to its own units, any other
+after the gather; a row layer any activation after the sum: [Note: activations on a column shard]),
+and ``from_dense`` copies it. Randomly initialised shards are this rank's slices of
 the whole layer's Glorot-uniform kernel (an embedding's: of the whole table's "uniform"), drawn under
 Keras's global seed ([Note: Keras shards drawn from the whole]); biases start at zero, as
 ``Dense``'s, so the row layer's replicated bias is the same on every rank of the group.
+
+[Note: activations on a column shard] A column shard applies to its own units only the
+activations known to act unit by unit (relu, gelu, tanh...: ``_ELEMENTWISE``, Keras's, ``keras.ops``'
+and ``tf.nn``'s functions by name). Any other (softmax, glu, which pairs unit ``j`` with unit
+``j + n/2`` of the whole layer, or a function of the user's) runs on the gathered output
+(``gather_output=True``) and is refused without it: before 2026-12-07 only softmax's family was
+known, and a glu on a column layer gave each shard's own pairs, 0.35 off the unsplit ``Dense``
+at tp = 2 with no error (found by an audit). A row layer applies its activation to the summed
+output (and bias), which every rank holds whole (under ``sequence_parallel``, whole rows of its
+positions), so any activation over the units is right there.
+
+The layers run on Keras's TensorFlow backend only (their collectives are TensorFlow ops with
+``tf.custom_gradient``); on JAX or torch they raise on construction (:func:`refuse_other_backend`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -113,13 +128,48 @@ def _agree_on_dense(dense: Any, owner: str, process_set: ProcessSet) -> None:
         _check_dense(dense, owner)
         return source_arrays(dense)
 
+    refuse_other_backend(f"{owner}.from_dense")  # (before the agreement's collective)
     group_position(process_set, owner)
     agree_on_source(f"{owner}.from_dense", process_set, source)  # [Note: one unsplit source on every rank]
 
 
-#: activations over all of a layer's units, not element by element (by function name: Keras's,
-#: keras.ops' and tf.nn's are different objects)
-_ACROSS_UNITS = frozenset({"softmax", "log_softmax", "sparsemax", "softmax_v2", "log_softmax_v2"})
+def refuse_other_backend(owner: str) -> None:
+    """Raise unless Keras runs on TensorFlow: the layers' collectives are TensorFlow ops with custom
+    gradients (before 2026-12-07 JAX failed in ``parallelize`` with an AttributeError, torch in ``fit``
+    with "Can't call numpy() on Tensor that requires grad"). The backend is the same on every rank, so
+    every rank raises here, before any collective."""
+    backend = keras.backend.backend()
+    if backend != "tensorflow":
+        raise ValueError(f"{owner}: Unison's Keras tensor parallelism runs on Keras's TensorFlow backend only "
+                         f"(KERAS_BACKEND is {backend!r}): its collectives are TensorFlow ops with custom "
+                         "gradients, which a JAX or torch model cannot differentiate. Set "
+                         "KERAS_BACKEND=tensorflow, or on torch use unison.torch_backend's tensor-parallel "
+                         "layers with torch modules")
+
+
+#: activations that act on each unit alone, so a column shard may apply them to its own units ([Note:
+#: activations on a column shard]); by function name, as Keras's, keras.ops' and tf.nn's are different objects
+_ELEMENTWISE = frozenset({
+    "linear", "relu", "relu6", "leaky_relu", "elu", "selu", "celu", "gelu", "sigmoid", "hard_sigmoid",
+    "log_sigmoid", "sparse_sigmoid", "silu", "swish", "hard_silu", "hard_swish", "mish", "tanh", "hard_tanh",
+    "tanh_shrink", "hard_shrink", "soft_shrink", "softplus", "softsign", "sparse_plus", "squareplus",
+    "exponential", "exp", "threshold"})
+#: activations known to mix a layer's units (for the error message; any activation not in _ELEMENTWISE is
+#: applied after the gather)
+_ACROSS_UNITS = frozenset({"softmax", "log_softmax", "sparsemax", "softmax_v2", "log_softmax_v2", "glu"})
+
+
+def _activation_name(activation: Any) -> str:
+    function = activation.func if isinstance(activation, functools.partial) else activation
+    return getattr(function, "__name__", type(function).__name__)
+
+
+def _unit_by_unit(activation: Any) -> bool:
+    """Whether ``activation`` (``keras.activations.get``'s result) is one of Keras's or TensorFlow's
+    element-wise functions (a ``functools.partial`` of one included: ``leaky_relu`` with a slope)."""
+    function = activation.func if isinstance(activation, functools.partial) else activation
+    library = (getattr(function, "__module__", None) or "").split(".")[0]
+    return library in ("keras", "tensorflow") and getattr(function, "__name__", None) in _ELEMENTWISE
 
 
 class _GroupPenalty:
@@ -203,6 +253,7 @@ class _ParallelDense(keras.layers.Layer):
 
     def __init__(self, in_features: int, out_features: int, use_bias: bool, activation: Any,
                  process_set: ProcessSet, options: dict[str, bool], **kwargs: Any) -> None:
+        refuse_other_backend(self._owner)
         super().__init__(**kwargs)
         self.supports_jit = False  # collectives run outside XLA: compile(jit_compile="auto") must not pick it
         self.tp, self.shard = group_position(process_set, self._owner)
@@ -255,7 +306,9 @@ class ColumnParallelLinear(_ParallelDense):
     Args:
         gather_output: all-gather the shards' outputs so every rank gets all ``out_features``
             (otherwise each keeps its piece, ready for a :class:`RowParallelLinear`).
-        activation: applied to this rank's units (element-wise), as ``Dense`` does.
+        activation: as ``Dense``'s: an element-wise one (relu, gelu, tanh...) applied to this rank's
+            units; any other (softmax, glu, a function of your own) to the gathered output, so it
+            needs ``gather_output=True`` ([Note: activations on a column shard]).
         process_set: the tensor group (default: every rank).
         sequence_parallel: the input is this rank's positions of a ``(batch, seq, in)`` tensor
             split along the sequence; they are all-gathered first (backward: reduce-scatter).
@@ -263,7 +316,8 @@ class ColumnParallelLinear(_ParallelDense):
 
     Raises:
         ValueError: ``out_features`` not divisible by the group size, this rank not in the group,
-            or ``gather_output`` together with ``sequence_parallel``.
+            ``gather_output`` together with ``sequence_parallel``, an activation that is not
+            element-wise without ``gather_output``, or a Keras backend other than TensorFlow.
     """
 
     _owner = "ColumnParallelLinear"
@@ -276,13 +330,19 @@ class ColumnParallelLinear(_ParallelDense):
         self.gather_output, self.sequence_parallel = gather_output, bool(sequence_parallel)
         if not self.sequence_parallel:
             input_check(self, process_set)
-        #: an activation over all the units (softmax) runs on the gathered output
-        self._after_gather = getattr(self.activation, "__name__", "") in _ACROSS_UNITS
+        #: an activation not known to act unit by unit (softmax, glu) runs on the gathered output ([Note:
+        #: activations on a column shard])
+        self._after_gather = not _unit_by_unit(self.activation)
         if self._after_gather and not gather_output:
-            raise ValueError(f"ColumnParallelLinear: activation {self.activation.__name__!r} mixes the output "
-                             "units, which are split over the tensor group, so no rank can apply it to its shard; "
-                             "pass gather_output=True (it then runs on the gathered output), or apply it after "
-                             "the layer that combines the shards")
+            name = _activation_name(self.activation)
+            why = ("mixes the output units" if name in _ACROSS_UNITS else
+                   "is not one of the element-wise activations a shard can apply to its own units (relu, gelu, "
+                   "tanh, sigmoid...: Keras's, keras.ops' or tf.nn's), so it may mix the output units")
+            raise ValueError(f"ColumnParallelLinear: activation {name!r} {why}, which are split over the tensor "
+                             "group, so no rank can apply it to its shard; pass gather_output=True (it then runs "
+                             "on the gathered output), or build the layer without it and apply it after the layer "
+                             "that combines the shards (a RowParallelLinear, or keras.layers.Activation after a "
+                             "gathered output)")
 
     def _check_options(self, gather_output: bool, sequence_parallel: bool) -> None:  # type: ignore[override]
         check_column_options(gather_output, sequence_parallel)
@@ -340,13 +400,16 @@ class RowParallelLinear(_ParallelDense):
         input_is_parallel: the input is already this rank's piece of the last dimension (the
             output of a :class:`ColumnParallelLinear`); otherwise each rank takes its piece.
         process_set: the tensor group (default: every rank).
+        activation: as ``Dense``'s, applied to the summed output plus the bias, which every rank
+            holds whole: any activation (softmax, glu) is right here.
         sequence_parallel: reduce-scatter the partial sums along the sequence (dimension 1)
             instead of all-reducing them; the replicated bias's gradient is summed over the group.
         **kwargs: ``keras.layers.Layer`` arguments (``dtype=``, ``name=``).
 
     Raises:
         ValueError: ``in_features`` not divisible by the group size, this rank not in the group,
-            or ``sequence_parallel`` with ``input_is_parallel=False``.
+            ``sequence_parallel`` with ``input_is_parallel=False``, or a Keras backend other than
+            TensorFlow.
     """
 
     _owner = "RowParallelLinear"
@@ -408,11 +471,13 @@ class VocabParallelEmbedding(keras.layers.Layer):
     so every rank gets every id's vector.
 
     Raises:
-        ValueError: ``num_embeddings`` not divisible by the group size, or this rank not in the group.
+        ValueError: ``num_embeddings`` not divisible by the group size, this rank not in the group,
+            or a Keras backend other than TensorFlow.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, process_set: ProcessSet = global_process_set,
                  **kwargs: Any) -> None:
+        refuse_other_backend("VocabParallelEmbedding")
         super().__init__(**kwargs)
         self.supports_jit = False  # collectives run outside XLA: compile(jit_compile="auto") must not pick it
         self.tp, self.shard = group_position(process_set, "VocabParallelEmbedding")
@@ -455,6 +520,7 @@ class VocabParallelEmbedding(keras.layers.Layer):
             refuse_activity_regularizer(embedding, owner)
             return source_arrays(embedding)
 
+        refuse_other_backend(owner)  # (before the agreement's collective)
         group_position(process_set, "VocabParallelEmbedding")
         agree_on_source(owner, process_set, source)  # [Note: one unsplit source on every rank]
         layer = cls(embedding.input_dim, embedding.output_dim, process_set, dtype=embedding.dtype_policy)
@@ -577,11 +643,13 @@ def vocab_parallel_cross_entropy(logits: Any, target: Any, process_set: ProcessS
         reduction: ``"mean"`` (default), ``"sum"`` or ``"none"`` (a loss per position).
 
     Raises:
-        ValueError: an unknown reduction, a shape mismatch, or (eagerly) a target outside the
-            vocabulary; inside ``tf.function`` such a target fails the graph at run time.
+        ValueError: an unknown reduction, a shape mismatch, (eagerly) a target outside the
+            vocabulary (inside ``tf.function`` such a target fails the graph at run time), or a
+            Keras backend other than TensorFlow.
         MismatchError: (eagerly) the ranks of the group hold different targets, on every rank of
             the group; inside ``tf.function`` they fail the graph at run time.
     """
+    refuse_other_backend("vocab_parallel_cross_entropy")
     logits, target = tf.convert_to_tensor(logits), tf.cast(tf.convert_to_tensor(target), tf.int64)
     piece = _check_shapes(logits, target, reduction)
     tp, index = group_position(process_set, "vocab_parallel_cross_entropy")

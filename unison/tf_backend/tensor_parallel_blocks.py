@@ -46,6 +46,7 @@ from unison.tf_backend.tensor_parallel import (
     copy_penalty,
     group_position,
     refuse_activity_regularizer,
+    refuse_other_backend,
     source_arrays,
 )
 from unison.tf_backend.tensor_parallel_comm import check_sequence, copy_to_group
@@ -54,27 +55,26 @@ from unison.tf_backend.tensor_parallel_random import LAYER_SEED_STRIDE, dropout_
 __all__ = ["ParallelMLP", "ParallelSelfAttention", "ParallelTransformerBlock"]
 
 
-def _gelu(x: Any) -> Any:
-    """Exact (erf) GELU, the default of torch's ``F.gelu`` and of ``keras.activations.gelu``."""
-    return keras.activations.gelu(x, approximate=False)
-
-
 class ParallelMLP(keras.layers.Layer):
     """``fc2(fc1(x))``, ``fc1`` with ``activation``, the hidden units (``ffn_hidden_size``) split over the group.
 
     Args:
-        activation: ``fc1``'s, applied to this rank's hidden units (default exact GELU).
+        activation: ``fc1``'s, applied to this rank's hidden units: an element-wise one (default
+            ``"gelu"``, Keras's exact erf GELU, as torch's ``F.gelu``); another raises
+            ([Note: activations on a column shard] in ``tensor_parallel.py``).
         fc2_activation: ``fc2``'s, applied after the sum (default none, as in Megatron's MLP).
         sequence_parallel: input and output are this rank's positions along the sequence.
         **kwargs: ``keras.layers.Layer`` arguments (``dtype=``, ``name=``).
 
     Raises:
-        ValueError: ``ffn_hidden_size`` not divisible by the group size.
+        ValueError: ``ffn_hidden_size`` not divisible by the group size, an ``activation`` that is
+            not element-wise, or a Keras backend other than TensorFlow.
     """
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, bias: bool = True, activation: Any = _gelu,
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, bias: bool = True, activation: Any = "gelu",
                  process_set: ProcessSet = global_process_set, fc2_activation: Any = None,
                  sequence_parallel: bool = False, **kwargs: Any) -> None:
+        refuse_other_backend("ParallelMLP")
         super().__init__(**kwargs)
         self.supports_jit = False  # collectives run outside XLA: compile(jit_compile="auto") must not pick it
         group_position(process_set, "ParallelMLP")
@@ -105,6 +105,7 @@ class ParallelMLP(keras.layers.Layer):
             found["sizes"] = _check_pair(fc1, fc2)
             return []  # (each from_dense compares its layer)
 
+        refuse_other_backend("ParallelMLP.from_dense_pair")  # (before the agreement's collective)
         group_position(process_set, "ParallelMLP")
         agree_on_source("ParallelMLP.from_dense_pair", process_set, source)  # [Note: one unsplit source ...]
         hidden, ffn = found["sizes"]
@@ -217,12 +218,14 @@ class ParallelSelfAttention(keras.layers.Layer):
 
     Raises:
         ValueError: ``hidden_size`` not divisible by ``num_heads``, ``num_heads`` not divisible
-            by the group size, a dropout probability outside [0, 1), or dropout without a seed.
+            by the group size, a dropout probability outside [0, 1), dropout without a seed, or a
+            Keras backend other than TensorFlow.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, causal: bool = False, bias: bool = True,
                  process_set: ProcessSet = global_process_set, attention_dropout: float = 0.0,
                  seed: int | None = None, sequence_parallel: bool = False, **kwargs: Any) -> None:
+        refuse_other_backend("ParallelSelfAttention")
         super().__init__(**kwargs)
         self.supports_jit = False  # collectives run outside XLA: compile(jit_compile="auto") must not pick it
         tp, shard = group_position(process_set, "ParallelSelfAttention")
@@ -282,6 +285,7 @@ class ParallelSelfAttention(keras.layers.Layer):
             found["sizes"] = _check_mha(mha)
             return source_arrays(mha)
 
+        refuse_other_backend("ParallelSelfAttention.from_multi_head_attention")  # (before the collective)
         group_position(process_set, "ParallelSelfAttention")
         # [Note: one unsplit source on every rank]
         agree_on_source("ParallelSelfAttention.from_multi_head_attention", process_set, source)
@@ -338,13 +342,18 @@ class ParallelTransformerBlock(keras.layers.Layer):
         bias: the attention's projections have biases (``MultiHeadAttention(use_bias=)``).
         mlp_bias: the MLP's layers have biases (``Dense(use_bias=)``); None: as ``bias``.
         fc2_activation: the MLP's second layer's, applied after the sum (default none).
+
+    Raises:
+        ValueError: what :class:`ParallelSelfAttention` and :class:`ParallelMLP` refuse, or a Keras
+            backend other than TensorFlow.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, causal: bool = False,
-                 eps: float = 1e-5, activation: Any = _gelu, process_set: ProcessSet = global_process_set,
+                 eps: float = 1e-5, activation: Any = "gelu", process_set: ProcessSet = global_process_set,
                  hidden_dropout: float = 0.0, attention_dropout: float = 0.0, seed: int | None = None,
                  sequence_parallel: bool = False, bias: bool = True, mlp_bias: bool | None = None,
                  fc2_activation: Any = None, **kwargs: Any) -> None:
+        refuse_other_backend("ParallelTransformerBlock")
         super().__init__(**kwargs)
         self.supports_jit = False  # collectives run outside XLA: compile(jit_compile="auto") must not pick it
         group_position(process_set, "ParallelTransformerBlock")
@@ -394,6 +403,7 @@ class ParallelTransformerBlock(keras.layers.Layer):
             found["ffn"] = _check_pair(fc1, fc2)[1]
             return source_arrays(ln1, ln2)  # (the attention and the MLP: their from_* compare them)
 
+        refuse_other_backend("ParallelTransformerBlock.from_layers")  # (before the agreement's collective)
         group_position(process_set, "ParallelTransformerBlock")
         # [Note: one unsplit source on every rank]
         agree_on_source("ParallelTransformerBlock.from_layers", process_set, source)

@@ -21,6 +21,16 @@ as :class:`ParallelSelfAttention` accepts it) is named like the parallel layer: 
 its q, k and v kernels reshaped to ``(hidden, hidden)`` and concatenated along the output axis,
 ``out/kernel`` its output kernel as ``(hidden, hidden)``, so a block built by
 ``from_multi_head_attention`` and its plain source share a checkpoint (with or without biases).
+
+[Note: a Keras pipeline saves its stages' layers]
+``save_tensor_parallel(path, pipe)`` with a Keras ``Pipeline`` walks the layers of the stages this
+rank holds (``pipe.stages[s].layers`` for ``s`` in ``pipe.layer_ranges``) under their names, the
+names the ``Sequential`` it was made from gives them: the stages together write the whole model,
+which the plain ``Sequential`` loads in one process, and ``load_tensor_parallel(path, pipe)``
+reads them back at any pp (or tp). This is the PyTorch backend's ``Pipeline.local_module()``
+path, with Keras's names for indices. Before 2026-12-07 a Keras pipeline failed with
+"'Pipeline' object has no attribute 'weights'", and saving the ``Sequential`` on every rank
+was refused (the stages a rank does not hold are not trained there).
 """
 
 from __future__ import annotations
@@ -133,10 +143,11 @@ def _unnamed(layers: list[tuple[str, Any]]) -> str | None:
     return None
 
 
-def _layers(root: Any) -> Iterator[tuple[str, Any]]:
-    """``(attribute path, layer)``, parents before children, each layer once (at its first path)."""
+def _layers(root: Any, tops: list[tuple[str, Any]] | None = None) -> Iterator[tuple[str, Any]]:
+    """``(attribute path, layer)``, parents before children, each layer once (at its first path); from
+    ``tops`` (named layers without a root) when given."""
     seen: set[int] = set()
-    stack = [("", root)]
+    stack = list(tops) if tops is not None else [("", root)]
     while stack:
         path, layer = stack.pop(0)
         if id(layer) in seen:
@@ -145,6 +156,18 @@ def _layers(root: Any) -> Iterator[tuple[str, Any]]:
         yield path, layer
         if not isinstance(layer, keras.layers.MultiHeadAttention):
             stack[0:0] = [(_join(path, name), child) for name, child in _children(layer)]
+
+
+def _model_layers(model: Any) -> list[tuple[str, Any]]:
+    """``model``'s layers as :func:`_layers` walks them; for a Keras :class:`~unison.tf_backend.Pipeline`,
+    this rank's stages' layers under their names in the whole ``Sequential`` ([Note: a Keras pipeline
+    saves its stages' layers])."""
+    from unison.tf_backend.pipeline import Pipeline
+
+    if not isinstance(model, Pipeline):
+        return list(_layers(model))
+    held = [layer for s in sorted(model.layer_ranges) for layer in model.stages[s].layers]
+    return list(_layers(None, [(layer.name, layer) for layer in held]))
 
 
 def _variable_slot(name: str, owner: Any, variable: Any) -> _Slot:
@@ -256,10 +279,12 @@ def save_tensor_parallel(path: str | os.PathLike[str], model: Any, metadata: dic
 
     Args:
         path: a folder (or one file with ``consolidated=True``) every rank can see.
-        model: this rank's built model or layer: parallel layers, plain layers, or both.
+        model: this rank's built model or layer: parallel layers, plain layers, or both; or a
+            Keras ``Pipeline`` (each rank writes its stages' layers, named as in the whole model).
         metadata: JSON-serializable extras, returned by :func:`load_tensor_parallel`.
         data_process_set: this rank's data-parallel group: only data replica 0 writes. None:
-            every rank writes.
+            every rank writes. A pipeline on a grid with ``dp > 1`` passes its data group
+            (``pipe.grid.data_set``, or ``Grid.register().dp``).
         consolidated: one file written by rank 0 instead of a folder.
         local: this process saves alone; no other rank calls.
 
@@ -272,7 +297,7 @@ def save_tensor_parallel(path: str | os.PathLike[str], model: Any, metadata: dic
     """
     comm = _comm(local)
     agree.enter(comm, "save_tensor_parallel")  # [Note: a collective save is entered through the engine]
-    layers = list(_layers(model))
+    layers = _model_layers(model)
     agree.raise_together(comm, _unnamed(layers))
     writes = tpck.replica_writes(data_process_set, comm)
     described = _describe(layers, with_arrays=writes)
@@ -289,7 +314,8 @@ def load_tensor_parallel(path: str | os.PathLike[str], model: Any, local: bool =
 
     Args:
         path: the checkpoint folder or file.
-        model: this rank's built model (its variables exist).
+        model: this rank's built model (its variables exist), or a Keras ``Pipeline`` (each rank
+            reads its stages' layers).
         local: this process loads alone; no other rank calls.
         verify: ``"read"`` or ``"all"``, as ``unison.common.checkpoints.load``.
         strict: refuse a checkpoint holding entries that no loading rank's model has (as
@@ -306,7 +332,7 @@ def load_tensor_parallel(path: str | os.PathLike[str], model: Any, local: bool =
     """
     comm = _comm(local)
     agree.enter(comm, "load_tensor_parallel")  # [Note: a collective save is entered through the engine]
-    layers = list(_layers(model))
+    layers = _model_layers(model)
     agree.raise_together(comm, _unnamed(layers))
     described = _describe(layers, with_arrays=False)
     pieces, user = tpck.load(path, [p for p, _ in described], comm, verify, strict)

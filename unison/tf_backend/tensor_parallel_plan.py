@@ -34,7 +34,12 @@ from keras.src.models.functional import Functional  # clone_model's own test for
 from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.common.tensor_parallel.groups import agree_on_source, group_position
 from unison.common.tensor_parallel.plan import Placement, resolve_plan
-from unison.tf_backend.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from unison.tf_backend.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    refuse_other_backend,
+)
 
 __all__ = ["parallelize"]
 
@@ -132,8 +137,11 @@ def parallelize(model: keras.Model, plan: Mapping[str, Any],
         TypeError: ``model`` is not a Sequential or functional Keras model (a subclassed model).
         ValueError: an unbuilt model, a bad plan (see
             :func:`~unison.common.tensor_parallel.resolve_plan`), a size the group does not
-            divide, an ``Embedding`` with ``mask_zero``, or this rank not in ``process_set``.
+            divide, an ``Embedding`` with ``mask_zero``, a column layer whose activation is not
+            element-wise without ``gather_output=True``, this rank not in ``process_set``, or a
+            Keras backend other than TensorFlow (on every rank, before any collective).
     """
+    refuse_other_backend("parallelize")
     _check_model(model)
     optimizer = getattr(model, "optimizer", None) if getattr(model, "compiled", False) else None
     if optimizer is not None and (getattr(optimizer, "_unison_distributed", False)

@@ -26,7 +26,7 @@ from unison.common.pipeline.schedule import Action, Schedule
 
 T = TypeVar("T")
 
-__all__ = ["PipelineGrid", "pipeline_grid", "world_comm", "fill_drain", "rank0_decides"]
+__all__ = ["PipelineGrid", "pipeline_grid", "check_pipeline_grid", "world_comm", "fill_drain", "rank0_decides"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,26 @@ def pipeline_grid(pp: int | None = None, dp: int = 1) -> PipelineGrid:
                                     for i in range(pp)]
         data_set = registered[(pp, dp)][rank % pp]
     return PipelineGrid(pp, dp, rank // pp, rank % pp, data_set)
+
+
+def check_pipeline_grid(grid: Any) -> None:
+    """Refuse a ``grid=`` that is not a :class:`PipelineGrid` (before any communicator exists).
+
+    Before 2026-12-07 unison's tensor-parallel ``Grid`` got as far as splitting the job's (duplicated)
+    communicator and raised AttributeError "'Grid' object has no attribute 'pipeline'" in the Keras executor,
+    "... no attribute 'position'" in the torch one (found by an audit). Both executors call it first.
+
+    Raises:
+        TypeError: naming the value and the constructor to use.
+    """
+    if isinstance(grid, PipelineGrid):
+        return
+    if hasattr(grid, "register") and hasattr(grid, "coords"):  # unison.common.tensor_parallel.Grid
+        raise TypeError(f"grid= takes this rank's pipeline layout, a PipelineGrid; received the tensor-parallel "
+                        f"{grid!r}. Pass grid=grid_pipeline(grid, sets) (from unison.common.tensor_parallel, "
+                        "with sets = grid.register()), and build the tensor-parallel layers on sets.tp")
+    raise TypeError(f"grid= takes a PipelineGrid: hvd.pipeline_grid(pp, dp), or grid_pipeline(grid, sets) for a "
+                    f"tensor-parallel Grid; received {type(grid).__name__} {grid!r}")
 
 
 def world_comm() -> Any:

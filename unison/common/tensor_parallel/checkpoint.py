@@ -252,9 +252,10 @@ def _copies_problem(comm: Any, mine: Sequence[TPParam], same: set[str]) -> str |
         return None
     shown = "; ".join(f"{name!r}: ranks {groups}" for name, groups in sorted(differ.items())[:5])
     return (f"{len(differ)} replicated parameter(s) differ between the ranks that hold them ({shown}), so the "
-            "checkpoint would keep one rank's copy and silently drop the others. A pipeline saves with the "
-            "Pipeline object itself (each stage writes only its own layers); data replicas pass "
-            "data_process_set; otherwise make the copies equal (broadcast) before saving")
+            "checkpoint would keep one rank's copy and silently drop the others. A pipeline (torch or Keras) "
+            "saves with the Pipeline object itself, save_tensor_parallel(path, pipe) (each stage writes only "
+            "its own layers); data replicas pass data_process_set; otherwise make the copies equal "
+            "(broadcast) before saving")
 
 
 def save(path: str | os.PathLike[str], params: Sequence[TPParam], comm: Any = None, writes: bool = True,

@@ -7,7 +7,8 @@ which moves activations and gradients point to point and makes a failure on any 
 the same :class:`PipelineError` on every rank. The last stage computes the loss. On a data x
 pipeline grid, each stage's gradients are then averaged over the ranks that hold the same
 stage (an engine all-reduce over that position's process set), and each stage's own Keras
-optimizer applies them.
+optimizer applies them; the stages' moving statistics are averaged over the same set after the
+step, and each replica draws from its own random stream.
 
 A step computes the gradient of the loss over the whole batch with Keras's reduction, so ``k``
 steps equal the unpartitioned model trained in one process on the same batches (layers that mix
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from time import perf_counter
@@ -28,10 +30,17 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from unison.common import runtime
 from unison.common.engine import frontend
 from unison.common.ops import Average, Sum
 from unison.common.pipeline import PipelineError, Schedule, ScheduleError, balance_by_cost
-from unison.common.pipeline.grid import PipelineGrid, pipeline_grid, rank0_decides
+from unison.common.pipeline.grid import (
+    PipelineGrid,
+    check_pipeline_grid,
+    pipeline_grid,
+    rank0_decides,
+    world_comm,
+)
 from unison.common.pipeline.runner import PipelineRunner, agreed, check_ties, layer_ranges, plan_stages
 from unison.tf_backend.functions import broadcast_variables
 from unison.tf_backend.pipeline.fit import fit
@@ -104,6 +113,16 @@ def _forward_backward(layer: keras.Layer) -> Callable[[Any], Any]:
     return run
 
 
+class _Held:
+    """Some layers seen as one model by unison.keras's seed-generator helpers (which walk ``_flatten_layers``)."""
+
+    def __init__(self, layers: list[keras.Layer]) -> None:
+        self._held = layers
+
+    def _flatten_layers(self, include_self: bool = True) -> list[keras.Layer]:
+        return [sub for layer in self._held for sub in layer._flatten_layers(include_self=True)]
+
+
 @dataclass(frozen=True)
 class _Plan:
     layers: list[keras.Layer]
@@ -133,15 +152,18 @@ class Pipeline(PipelineRunner):
             scalar or per-example values (averaged), applied on the last stage.
         optimizer: a factory, called once on each rank for the variables of every stage it holds
             (each once): ``lambda: keras.optimizers.SGD(0.1)``, or an optimizer name (``"adam"``).
-        grid: a :func:`pipeline_grid` for data x pipeline; default: one pipeline of all ranks. With
-            ``dp > 1`` every replica of a stage starts from pipeline 0's weights (broadcast).
+        grid: a :func:`pipeline_grid` for data x pipeline, or ``grid_pipeline(grid, sets)`` for a
+            tensor-parallel ``Grid``; default: one pipeline of all ranks. With ``dp > 1`` every replica
+            of a stage starts from pipeline 0's weights (broadcast), draws its own random numbers,
+            and averages its moving statistics with the others' after every step.
         input_shape: one example's shape (without the batch dimension), needed only when the
             layers are not built yet; every rank then builds the whole model once.
         input_dtype: the inputs' dtype for that build.
 
     Raises:
         PipelineError: on every rank, for a model, balance, schedule, chunks or layout that cannot
-            run; the message names the values and the fix.
+            run (a ``grid`` that is no PipelineGrid, tensor-parallel layers on another process set
+            than the grid's tensor group); the message names the values and the fix.
     """
 
     def __init__(self, model: keras.Sequential | Sequence[keras.Layer], balance: Sequence[int] | None = None,
@@ -159,6 +181,9 @@ class Pipeline(PipelineRunner):
         grid = grid if grid is not None else pipeline_grid(dp=1)
         plan = agreed(lambda: _plan(model, balance, chunks, schedule, virtual_stages, checkpoint, loss, optimizer,
                                     grid, input_shape, input_dtype))
+        # every rank gathers, then every rank checks (agreed): before any communicator exists
+        group, mine = _tensor_group(grid), layer_ranges(plan.balance, plan.schedule.stages_of(grid.position))
+        agreed(lambda: _check_tensor_groups(plan.layers, mine, group))
         super().__init__(plan.schedule, chunks, grid, names=("x", "y"), balance=plan.balance,
                          checkpoint=checkpoint, layers=len(plan.layers))
         self.balance, self.checkpoint, self._is_mean = plan.balance, checkpoint, plan.is_mean
@@ -179,6 +204,9 @@ class Pipeline(PipelineRunner):
             ranks = grid.data_set.ranks if grid.data_set is not None else None
             broadcast_variables([v for s in sorted(self.stages) for v in self.stages[s].all_weights],
                                 root_rank=ranks[0] if ranks else 0, process_set=grid.data_set)
+            self._own_seed_streams()
+        #: this rank's moving statistics, each once (see :meth:`_average_statistics`)
+        self._statistics = _unique(v for s in sorted(self.stages) for v in self.stages[s].statistics)
 
     @property
     def trainable_variables(self) -> list[Any]:
@@ -222,6 +250,7 @@ class Pipeline(PipelineRunner):
         # agreed: an optimizer that fails on one rank raises on every rank (before 2026-12-05 the others
         # waited in global_loss's collective for ever)
         agreed(apply, failed=f"the optimizer's apply() for stages {sorted(self.stages)}")
+        self._average_statistics()
         return self.global_loss(self._worker.loss * share, self._is_mean)
 
     def fit(self, x: Any, y: Any, batch_size: int, epochs: int = 1, verbose: int = 1, shuffle: bool = True,
@@ -267,7 +296,20 @@ class Pipeline(PipelineRunner):
         """Every layer's weights in model order (``keras.Sequential.get_weights`` order), on every rank.
 
         Collective. Pipeline 0's ranks contribute their stages; on a grid the replicas are equal.
+
+        Raises:
+            PipelineError: on every rank, on a tensor-parallel grid (``tp > 1``): a rank holds only its
+                shards of the split layers, which ``keras.Sequential.set_weights`` cannot take.
         """
+        if self.grid.tp > 1:  # (the same on every rank: each raises)
+            # before 2026-12-07 every rank returned shard 0 of each split layer (pipeline 0 is replica 0's
+            # shard 0), which fits no unsplit model and lost the other shards (found by an audit)
+            raise PipelineError(
+                f"get_weights() cannot gather a tensor-parallel pipeline (tp={self.grid.tp}): each rank holds "
+                "only its shards of the split layers, and one list in keras.Sequential.get_weights() order has "
+                "no place for them. Save them with unison.tf_backend.save_tensor_parallel(path, pipe, "
+                "data_process_set=pipe.grid.data_set) (each rank writes its stages' shards) and read them back "
+                "with load_tensor_parallel(path, model), into a split or an unsplit model")
         mine = {}
         first = {}  # a layer used twice (tied inside a stage) is listed once, as keras.Sequential does
         for i, layer in enumerate(self._layers):
@@ -327,6 +369,37 @@ class Pipeline(PipelineRunner):
             inputs = targets = None
         self._worker.begin(inputs, targets, self.chunks, train)
         return problem
+
+    def _own_seed_streams(self) -> None:
+        """Give each data-parallel replica its own random stream (Dropout's masks); shards of one tensor group
+        keep equal states, and replica 0 keeps its stream (a seeded run draws the same masks every time).
+
+        The seed generators' states are left out of the broadcast, but a seeded script starts every replica's
+        generators alike: global rows i and i + B / dp drew the same Dropout mask at every step, where one
+        process draws independent masks (before 2026-12-07; found by an audit). unison.keras's DataParallel
+        mixes each rank into its states the same way ([Note: each rank's own random stream]).
+        """
+        from unison.keras.data_parallel import own_seed_streams  # (lazily, as strategy.py imports it)
+
+        own_seed_streams(_Held([self._layers[i] for r in self.layer_ranges.values() for i in r]),
+                         self.grid.pipeline // self.grid.tp)
+
+    def _average_statistics(self) -> None:
+        """Average this rank's moving statistics (BatchNormalization's) over its data group; collective there.
+
+        Each replica updates them from its own rows, and only the gradients were averaged: replicas' statistics
+        drifted apart, ``evaluate`` averaged losses of different models, and ``get_weights`` returned replica
+        0's (before 2026-12-07; found by an audit). Averaged after every step, as unison.keras's DataParallel
+        averages them (there at each epoch's end), in float64 so that equal values come back bit for bit.
+        """
+        if self.grid.dp == 1 or not self._statistics:
+            return
+        values = [np.asarray(v.numpy()) for v in self._statistics]
+        averaged = frontend.grouped_allreduce([v.astype(np.float64) for v in values], Average,
+                                              f"{self._name}.statistics.{self.grid.position}",
+                                              process_set=self.grid.data_set)
+        for variable, value, mean in zip(self._statistics, values, averaged, strict=True):
+            variable.assign(np.asarray(mean).astype(value.dtype))
 
     def _reduce_gradients(self, grads: dict[int, list[Any]], share: float = 1.0) -> dict[int, list[Any]]:
         """Each stage's gradient sums, averaged (summed for a ``"sum"`` loss) over its data group, each
@@ -398,6 +471,7 @@ def _as_layers(model: Any, input_shape: Any, input_dtype: str) -> list[keras.Lay
 def _plan(model: Any, balance: Any, chunks: Any, schedule: Any, v: Any, checkpoint: Any, loss: Any,
           optimizer: Any, grid: PipelineGrid, input_shape: Any, input_dtype: str) -> _Plan:
     """Check the arguments and build the layers; raises ValueError or TypeError with the values and the fix."""
+    check_pipeline_grid(grid)
     if loss is None:
         raise TypeError("Pipeline needs loss=: a Keras loss, a loss name ('mse') or loss(y_true, y_pred), "
                         "applied on the last stage")
@@ -432,3 +506,41 @@ def _refuse_penalties(layers: list[keras.Layer]) -> None:
                                  "pipeline does not add layers' losses to the training loss, so training would "
                                  "ignore them. Remove the regularizers (or put the penalty in loss=), or train "
                                  "without a pipeline")
+
+
+def _tensor_group(grid: PipelineGrid) -> list[int]:
+    """The job ranks of this rank's tensor group on ``grid``: those of its replica and stage position (this rank
+    alone when ``tp == 1``). Collective over the job."""
+    mine = (grid.pipeline // grid.tp, grid.position)
+    return [rank for rank, theirs in enumerate(world_comm().allgather(mine)) if theirs == mine]
+
+
+def _check_tensor_groups(layers: list[keras.Layer], ranges: dict[int, range], group: list[int]) -> None:
+    """Refuse this rank's tensor-parallel layers whose process set is not the grid's tensor group.
+
+    Their collectives would wait for ranks that run other stages or replicas: before 2026-12-07 layers on the
+    default (every-rank) set inside a pp=2 pipeline were accepted and the first step stalled until the engine's
+    timeout (found by an audit).
+
+    Raises:
+        ValueError: naming the layer, the two rank lists and the fix.
+    """
+    tp = sys.modules.get("unison.tf_backend.tensor_parallel")  # (loaded on first use: not loaded, no such layer)
+    if tp is None:
+        return
+    parallel = (tp.ColumnParallelLinear, tp.RowParallelLinear, tp.VocabParallelEmbedding)
+    for stage, held in sorted(ranges.items()):
+        for i in held:
+            for sub in layers[i]._flatten_layers(include_self=True):
+                if not isinstance(sub, parallel):
+                    continue
+                ranks = sub.process_set.ranks
+                ranks = list(range(runtime.size())) if ranks is None else list(ranks)
+                if ranks != group:
+                    raise ValueError(
+                        f"layer {i} ({layers[i].name}, stage {stage}) holds the tensor-parallel "
+                        f"{type(sub).__name__} {sub.name!r} split over ranks {ranks} (its process_set), but the "
+                        f"grid's tensor group of this rank is ranks {group}: its collectives would wait for ranks "
+                        "that run other stages or replicas. Build the parallel layers on the grid's tensor set "
+                        "(sets = Grid(dp=..., pp=..., tp=...).register(); process_set=sets.tp) and pass "
+                        "grid=grid_pipeline(grid, sets)")

@@ -136,6 +136,10 @@ class KerasStage:
         self.weights = _unique(v for layer in self.layers for v in layer.trainable_variables)
         #: every weight, trainable or not (no seed generator states): what replicas must agree on
         self.all_weights = _unique(v for layer in self.layers for v in layer.weights)
+        #: the non-trainable floating-point weights (moving statistics; no seed generator states, no integer
+        #: counters): each replica updates them from its own rows, so a grid averages them after each step
+        self.statistics = [v for v in self.all_weights
+                           if not v.trainable and keras.backend.is_float_dtype(v.dtype)]
         self.state = _unique(v for layer in self.layers for v in layer.non_trainable_variables)
         self._forward = tf.function(self.target, reduce_retracing=True)
         self._infer = tf.function(lambda x: self(x, training=False), reduce_retracing=True)
@@ -259,7 +263,7 @@ class KerasStages:
         if not self.train:
             out = st.infer(inp)
             if stage != self.last:
-                return out.numpy()
+                return _boundary(st, out)
             self.outputs[mb] = out.numpy()
             if y_true is not None:
                 self.loss += float(st.loss(y_true, out)) * self._ratio(mb)  # type: ignore[misc]  # (it has one)
@@ -275,7 +279,7 @@ class KerasStages:
             self.loss += float(out) * self._ratio(mb)
             self._loss_dtype = out.dtype  # (what _loss_gradient's scale must be)
             return None
-        return out.numpy()
+        return _boundary(st, out)
 
     def backward(self, stage: int, mb: int, grad: np.ndarray | None) -> np.ndarray | None:
         if not self.train:
@@ -363,6 +367,22 @@ class KerasStages:
         grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
         held = self.grads.get(stage)
         self.grads[stage] = list(grads) if held is None else [a + g for a, g in zip(held, grads, strict=True)]
+
+
+def _boundary(stage: KerasStage, out: Any) -> np.ndarray:
+    """``stage``'s output as it travels to the next stage: one tensor (the PyTorch executor's rule).
+
+    Raises:
+        TypeError: anything else (a tuple, a dict), naming the stage, its last layer and the fix (before
+            2026-12-07 every rank got AttributeError "'tuple' object has no attribute 'numpy'").
+    """
+    if not isinstance(out, tf.Tensor):
+        last = stage.layers[-1]
+        raise TypeError(f"stage {stage.index} returned a {type(out).__name__} (from its last layer, "
+                        f"{last.name!r} ({type(last).__name__})); what crosses a stage boundary is one tensor. "
+                        "Make the stage's last layer return a single tensor (concatenate the parts), or choose a "
+                        "balance that puts the layers consuming the parts in the same stage")
+    return out.numpy()  # type: ignore[no-any-return]
 
 
 def _tensor(array: np.ndarray | None) -> tf.Tensor | None:

@@ -26,7 +26,7 @@ from torch import nn
 
 from unison.common.ops import Average
 from unison.common.pipeline import Schedule
-from unison.common.pipeline.grid import PipelineGrid, pipeline_grid
+from unison.common.pipeline.grid import PipelineGrid, check_pipeline_grid, pipeline_grid
 from unison.common.pipeline.runner import PipelineRunner, agreed, check_ties, layer_ranges, plan_stages
 from unison.torch_backend.mpi_ops import broadcast, grouped_allreduce_
 from unison.torch_backend.pipeline.balance import as_layers, balance_by_params
@@ -79,6 +79,7 @@ class Pipeline(PipelineRunner):
                  optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
                  grid: PipelineGrid | None = None, device: torch.device | str | None = None) -> None:
         grid = grid if grid is not None else pipeline_grid(dp=1)
+        check_pipeline_grid(grid)  # (every rank is given the same kind: each raises)
         plan = agreed(lambda: _plan(module, balance, chunks, schedule, virtual_stages, checkpoint, loss_fn,
                                     optimizer, grid, device))
         super().__init__(plan.schedule, chunks, grid, balance=plan.balance, checkpoint=plan.checkpoint,
