@@ -60,7 +60,7 @@ from tensorflow.python.util import nest
 from unison.common import runtime
 from unison.common.engine import frontend
 from unison.common.files import atomic_keras_save
-from unison.common.ops import Sum
+from unison.common.ops import Max, Sum
 from unison.tf_backend import host_ops
 from unison.tf_backend.host_ops import refuse_xla
 
@@ -193,6 +193,39 @@ def grouped_sum(tensors: Sequence[Any], base: str, overlap: bool = False) -> lis
     return host_ops.run_grouped(
         lambda arrays: frontend.grouped_allreduce_async([np.ascontiguousarray(a) for a in arrays], Sum, name),
         ts, name)
+
+
+def grouped_max(tensors: Sequence[Any], base: str) -> list[tf.Tensor]:
+    """The elementwise maximum of dense tensors over the ranks, in one grouped engine call."""
+    ts = [tf.convert_to_tensor(t) for t in tensors]
+    if not ts or runtime.size() == 1:
+        return ts
+    name = _op_name(base)
+    return host_ops.run_grouped(
+        lambda arrays: frontend.grouped_allreduce_async([np.ascontiguousarray(a) for a in arrays], Max, name),
+        ts, name)
+
+
+def overwritten_by_max(grads: list[Any], variables: Sequence[Any], base: str) -> list[Any]:
+    """``grads`` with those of the variables Keras overwrites with their gradient taken as their maximum
+    over the ranks (the others unchanged).
+
+    [Note: float8 scales over the ranks]
+    After ``model.quantize("float8")`` a layer's ``*_scale`` and ``*_amax_history`` variables have
+    ``overwrite_with_gradient=True``: their "gradient" is their next value (the new scale, computed
+    from the amax history, and the history rolled with this batch's absolute maximum in front), and
+    Keras assigns it in ``apply`` before any reduction. One process over the global batch takes the
+    maximum over all its rows; each rank saw its share only, so the maximum over the ranks is the
+    global batch's (the scales, computed from the agreed history, are equal on every rank and stay
+    so). Keras's own ``tf.distribute`` path overwrites each replica with its local value; before
+    2026-12-07 so did this one, and the ranks' weights drifted apart.
+    """
+    present = [i for i, (g, v) in enumerate(zip(grads, variables, strict=True))
+               if g is not None and getattr(v, "overwrite_with_gradient", False)]
+    if present:
+        for i, r in zip(present, grouped_max([grads[i] for i in present], base), strict=True):
+            grads[i] = r
+    return grads
 
 
 def sum_gradients(grads: Sequence[Any], base: str, overlap: bool = False) -> list[Any]:
@@ -1111,6 +1144,10 @@ def _guard_optimizers() -> None:
                          else getattr(self, "_trainable_variables", []))
             if len(variables) == len(grads):  # otherwise Keras raises its own error
                 grads = fill_missing_gradients(list(grads), variables, f"unison.grads.{_optimizer_tag(self)}")
+                if (tf.distribute.get_replica_context() is not None
+                        and not isinstance(self, keras.optimizers.LossScaleOptimizer)):  # its inner one does it
+                    # [Note: float8 scales over the ranks]
+                    grads = overwritten_by_max(grads, variables, f"unison.overwrite.{_optimizer_tag(self)}")
                 if (self.gradient_accumulation_steps and tf.distribute.get_replica_context() is not None
                         and not getattr(self, "_unison_zero_sharded", False)):
                     grads = sum_by_variable(self, list(grads), variables)

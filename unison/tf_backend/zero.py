@@ -73,7 +73,7 @@ from unison.common import runtime
 from unison.common.engine import frontend
 from unison.common.ops import Average, Sum
 from unison.common.zero.plan import ParamSpec, Piece, ShardPlan, check_stage
-from unison.tf_backend.strategy import _enqueue, _host_collective, _op_name
+from unison.tf_backend.strategy import _enqueue, _host_collective, _op_name, grouped_max
 
 __all__: list[str] = []
 
@@ -177,7 +177,9 @@ class ShardLayout:
     """A model's trainable variables laid into a :class:`ShardPlan`, and this rank's shard variables.
 
     Args:
-        variables: the model's trainable variables (Keras variables), in the order Keras passes them.
+        variables: the model's trainable variables (Keras variables), in the order Keras passes them;
+            those Keras overwrites with their gradient stay out of the plan (``overwritten``, see
+            :meth:`overwrite`).
         stage: 1 or 2. op: ``Sum`` (gradients already divided by N) or ``Average``.
         make_variable: ``(shape, dtype, name) -> variable``; the caller decides where it lives.
         bucket_bytes: bucket cap of the plan.
@@ -195,7 +197,9 @@ class ShardLayout:
 
     def __init__(self, variables: Sequence[Any], stage: int, op: Any, make_variable: Any,
                  bucket_bytes: int | None = None, what: str = "ShardLayout") -> None:
-        self.variables = list(variables)
+        self.built_on = list(variables)  # what apply(grads) without variables pairs grads with
+        self.overwritten = [v for v in self.built_on if overwrites(v)]
+        self.variables = [v for v in self.built_on if not overwrites(v)]
         self.stage, self.op = stage, op
         self.rank, self.world = runtime.rank(), runtime.size()
         self.names = [f"{i}:{_path(v)}" for i, v in enumerate(self.variables)]
@@ -300,6 +304,38 @@ class ShardLayout:
         return _host_collective(submits, [(s.dtype, [b.padded]) for s, b in zip(segments, self.plan.buckets,
                                                                                  strict=True)])
 
+    # ---------------------------------------------------------- overwritten variables
+    def overwrite(self, optimizer: Any, grads: Sequence[Any], accumulators: Sequence[Any] | None) -> None:
+        """Keras's treatment of the ``overwritten`` variables: each becomes its gradient, the maximum
+        over the ranks (``grads[i]`` is ``overwritten[i]``'s, None: no rank has one, left alone).
+
+        [Note: overwritten variables at ZeRO stages 1/2]
+        float8 layers' ``*_scale`` and ``*_amax_history`` (``overwrite_with_gradient=True``) take
+        their gradient as their new value, with no update, weight decay or clipping; Keras does it in
+        ``apply`` (``_overwrite_variables_directly_with_gradients``). Laid into the flat shard they
+        were stepped like weights (an Adam-stepped scale of 0.96 where one process had 0.0065, before
+        2026-12-07), so they stay out of the plan and get that treatment here, with the gradient
+        reduced by maximum (see [Note: float8 scales over the ranks] in ``strategy.py``). With
+        ``gradient_accumulation_steps`` Keras keeps the running maximum in an accumulator
+        (``accumulators``) and assigns it on the update step, as here.
+        """
+        present = [(g, i) for i, g in enumerate(grads) if g is not None]
+        if not present:
+            return
+        reduced = grouped_max([g for g, _ in present], f"unison.zero.overwrite.{self.tag}")
+        steps = optimizer.gradient_accumulation_steps
+        for g, (_, i) in zip(reduced, present, strict=True):
+            var = self.overwritten[i]
+            g = tf.cast(g, var.dtype)
+            if not steps:
+                var.assign(g)
+                continue
+            acc = accumulators[i]
+            update = tf.equal((optimizer._iterations + 1) % steps, 0)
+            running = tf.maximum(g, _read(acc))
+            var.assign(tf.where(update, running, _read(var)))
+            acc.assign(tf.where(update, tf.zeros_like(g), running))
+
     # ---------------------------------------------------------- weight decay
     def decay_masks(self, uses_decay: Any) -> list[np.ndarray | None]:
         """Per key, 1.0 where the element's variable takes weight decay and 0.0 elsewhere (padding too);
@@ -317,6 +353,11 @@ class ShardLayout:
 def reduce_op(op: Any) -> Any:
     """The engine op for gradients that are local means (``Average``) or already divided by N (``Sum``)."""
     return Sum if op is Sum else Average
+
+
+def overwrites(var: Any) -> bool:
+    """Whether Keras overwrites ``var`` with its gradient instead of stepping it (float8 scales)."""
+    return bool(getattr(var, "overwrite_with_gradient", False))
 
 
 def _read(var: Any) -> tf.Tensor:

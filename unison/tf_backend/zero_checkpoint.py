@@ -12,8 +12,10 @@ The same names and meaning as ``unison.torch_backend.save_sharded`` / ``load_sha
   model variable. A sharded optimizer keeps them for its flat shard only; each rank writes its
   runs, which together cover every element once. A plain optimizer's are written whole.
 * ``optim.<name>``: the optimizer's other variables (``iteration``, ``learning_rate`` when it is
-  a variable), and ``optim.loss_scale.<name>`` a ``LossScaleOptimizer``'s (``dynamic_scale``,
-  ``step_counter``): replicated.
+  a variable; one Keras left unnamed by the attribute that holds it, see [Note: unnamed optimizer
+  variables]), and ``optim.loss_scale.<name>`` a ``LossScaleOptimizer``'s (``dynamic_scale``,
+  ``step_counter``): replicated. A float8 scale's gradient accumulator (the variable is kept out
+  of the shards) is ``optim.<path>.gradient_accumulator``, replicated, as a plain optimizer's.
 * The manifest's metadata: the user's ``metadata`` and the optimizer's class, zero stage and
   Keras config (hyper-parameters), for reference.
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -104,6 +107,47 @@ def _slots(optimizer: Any, refs: list[Any]) -> tuple[dict[tuple[int, str], Any],
         else:
             slots[(match, name[len(_ref_prefix(refs[match])):])] = v
     return slots, others
+
+
+_AUTO_NAME = re.compile(r"variable(_\d+)?")  # Keras's name for a variable made without one
+
+
+def _other_entries(inner: Any, others: list[Any]) -> dict[str, Any]:
+    """Entry key -> variable for the optimizer's variables that are no slot.
+
+    [Note: unnamed optimizer variables]
+    Keras names a variable made without a name from a per-process counter (``variable``,
+    ``variable_1``, ...): Nadam's ``_u_product`` was ``optim.variable`` in one process and
+    ``optim.variable_1`` in one that had made another unnamed variable first, and the resume was
+    refused (before 2026-12-07). Such a variable is keyed by the optimizer attribute that holds it
+    (``optim.u_product``), or else by its position among the unnamed ones (``optim.unnamed.<k>``);
+    a load takes the old key when it is the checkpoint's only one (:func:`_accept_old_names`).
+    """
+    import keras
+
+    attrs = {id(v): a.lstrip("_") for a, v in vars(inner).items() if isinstance(v, keras.Variable)}
+    out: dict[str, Any] = {}
+    unnamed = 0
+    for v in others:
+        if not _AUTO_NAME.fullmatch(str(v.name)):
+            out[f"optim.{v.name}"] = v
+        elif id(v) in attrs:
+            out[f"optim.{attrs[id(v)]}"] = v
+        else:
+            out[f"optim.unnamed.{unnamed}"] = v
+            unnamed += 1
+    return out
+
+
+def _accept_old_names(plan: dict[str, Any], manifest: ck.Manifest, inner: Any) -> None:
+    """Read an unnamed variable from its old key (``optim.variable_<n>``, see [Note: unnamed optimizer
+    variables]) when the checkpoint lacks the new one and holds exactly one old key for exactly one
+    such variable of this optimizer."""
+    unnamed = {id(v) for v in inner.variables if _AUTO_NAME.fullmatch(str(v.name))}
+    missing = [k for k, (_, target, _) in plan.items() if id(target) in unnamed and k not in manifest.entries]
+    old = [k for k in manifest.entries if k.startswith("optim.") and _AUTO_NAME.fullmatch(k[len("optim."):])]
+    if len(missing) == 1 and len(old) == 1 and len(unnamed) == 1:
+        plan[old[0]] = plan.pop(missing[0])
 
 
 def _numpy(v: Any) -> np.ndarray:
@@ -182,7 +226,8 @@ def _model_entries(model_keys: dict[str, Any], layout: Any) -> dict[str, Any]:
 
 
 def _zero_optimizer_entries(inner: Any, layout: Any, model_keys: dict[str, Any]) -> dict[str, Any]:
-    slots, others = _slots(inner, layout.shards)
+    slots, others = _slots(inner, layout.shards + layout.overwritten)
+    slots, whole = _whole_slots(slots, layout, model_keys)
     keys = _layout_keys(layout, model_keys)
     owned = _owned(layout)
     values = {ks: _numpy(v) for ks, v in slots.items()}
@@ -195,15 +240,26 @@ def _zero_optimizer_entries(inner: Any, layout: Any, model_keys: dict[str, Any])
             runs = [(p.param_offset, data[p.offset:p.offset + p.length]) for _, p in pieces]
             dtype = _dtype(slots[(shard_index, slot)])
             entries[f"optim.{keys[i]}.{slot}"] = ck.LocalShard(tuple(var.shape), dtype, runs)
-    entries.update({f"optim.{v.name}": ck.Replicated(_numpy(v)) for v in others})
+    entries.update({k: ck.Replicated(_numpy(v)) for k, v in whole.items()})
+    entries.update({k: ck.Replicated(_numpy(v)) for k, v in _other_entries(inner, others).items()})
     return entries
+
+
+def _whole_slots(slots: dict[tuple[int, str], Any], layout: Any,
+                 model_keys: dict[str, Any]) -> tuple[dict[tuple[int, str], Any], dict[str, Any]]:
+    """The shards' slots, and entry key -> variable for the slots of the variables kept out of the shards
+    (``layout.overwritten``, whose reference index follows the shards'): whole, alike on every rank."""
+    n = len(layout.shards)
+    keys = _keys_of(layout.overwritten, model_keys, "the sharded optimizer")
+    whole = {f"optim.{keys[i - n]}.{slot}": v for (i, slot), v in slots.items() if i >= n}
+    return {k: v for k, v in slots.items() if k[0] < n}, whole
 
 
 def _plain_optimizer_entries(inner: Any, model_keys: dict[str, Any]) -> dict[str, Any]:
     refs = _plain_refs(inner, model_keys)
     slots, others = _slots(inner, [v for _, v in refs])
     entries = {f"optim.{refs[i][0]}.{slot}": ck.Replicated(_numpy(v)) for (i, slot), v in slots.items()}
-    entries.update({f"optim.{v.name}": ck.Replicated(_numpy(v)) for v in others})
+    entries.update({k: ck.Replicated(_numpy(v)) for k, v in _other_entries(inner, others).items()})
     return entries
 
 
@@ -420,6 +476,7 @@ def _check_class(where: str, saved: dict[str, Any], optimizer: Any) -> None:
 def _checked_plan(path: Any, manifest: ck.Manifest, wrapper: Any, inner: Any,
                   model_keys: dict[str, Any]) -> dict[str, tuple[Any, Any, Any]]:
     plan = _optimizer_plan(wrapper, inner, model_keys)
+    _accept_old_names(plan, manifest, inner)
     _missing(plan, manifest, path, "load it into the same kind of optimizer it was saved from")
     return plan
 
@@ -435,7 +492,8 @@ def _optimizer_plan(wrapper: Any, inner: Any, model_keys: dict[str, Any]) -> dic
         slots, others = _slots(inner, [v for _, v in refs])
         for (i, slot), v in slots.items():
             plan[f"optim.{refs[i][0]}.{slot}"] = ("full", v, lambda a, v=v: a.reshape(tuple(v.shape)))
-        plan.update({f"optim.{v.name}": ("full", v, lambda a, v=v: a.reshape(tuple(v.shape))) for v in others})
+        plan.update({k: ("full", v, lambda a, v=v: a.reshape(tuple(v.shape)))
+                     for k, v in _other_entries(inner, others).items()})
     if wrapper is not None:
         plan.update({f"optim.{LOSS_SCALE}.{v.name}": ("full", v, lambda a, v=v: a.reshape(tuple(v.shape)))
                      for v in wrapper._variables})
@@ -444,10 +502,12 @@ def _optimizer_plan(wrapper: Any, inner: Any, model_keys: dict[str, Any]) -> dic
 
 def _zero_plan(inner: Any, layout: Any, model_keys: dict[str, Any]) -> dict[str, tuple[Any, Any, Any]]:
     """A sharded optimizer reads, for each slot of each shard, the ranges of its own pieces."""
-    slots, others = _slots(inner, layout.shards)
+    slots, others = _slots(inner, layout.shards + layout.overwritten)
+    slots, whole = _whole_slots(slots, layout, model_keys)
     keys = _layout_keys(layout, model_keys)
     owned = _owned(layout)
-    plan: dict[str, tuple[Any, Any, Any]] = {}
+    plan: dict[str, tuple[Any, Any, Any]] = {k: ("full", v, lambda a, v=v: a.reshape(tuple(v.shape)))
+                                             for k, v in whole.items()}
     for (k, slot), target in slots.items():
         sources = [(f"optim.{keys[i]}.{slot}", pieces) for i, pieces in sorted(owned.items())
                    if any(kk == k for kk, _ in pieces)]
@@ -456,7 +516,8 @@ def _zero_plan(inner: Any, layout: Any, model_keys: dict[str, Any]) -> dict[str,
             mine = [p for kk, p in pieces if kk == k]
             plan[entry] = ([(p.param_offset, p.length) for p in mine], target,
                            lambda parts, mine=mine, f=filler: f.add(mine, parts))
-    plan.update({f"optim.{v.name}": ("full", v, lambda a, v=v: a.reshape(tuple(v.shape))) for v in others})
+    plan.update({k: ("full", v, lambda a, v=v: a.reshape(tuple(v.shape)))
+                 for k, v in _other_entries(inner, others).items()})
     return plan
 
 

@@ -7,7 +7,9 @@ It overrides four things (see [Note: a sharded Keras step] in ``zero.py``):
 * ``build(model_variables)``: lays the variables out (:class:`~unison.tf_backend.zero.ShardLayout`),
   checks that every rank has the same stage and plan, and builds the original optimizer on the
   shard variables, so its slots are 1/N of the unsharded ones.
-* ``apply(grads, model_variables)``: reduce(-scatter) -> Keras's own ``apply`` on the shard ->
+* ``apply(grads, model_variables)``: the variables Keras overwrites with their gradient (float8
+  scales, kept out of the shards) overwritten as Keras does (``ShardLayout.overwrite``); then
+  reduce(-scatter) -> Keras's own ``apply`` on the shard ->
   all-gather into the model's variables.
 * ``_apply_weight_decay``: decoupled weight decay with a per-element mask (the shard variable has
   no name to match ``exclude_from_weight_decay`` against).
@@ -254,6 +256,11 @@ def _build(self: Any, variables: Any) -> None:
     super(type(self), self).build(layout.shards)
     own = [v for v in self.variables if id(v) not in before] + list(layout.shards)
     self.__dict__["_unison_rank_local"] = {source_key(v) for v in own}
+    # the overwritten variables' running maxima, alike on every rank (see ShardLayout.overwrite); named as
+    # Keras names their accumulators unsharded, so checkpoints of either kind carry them as the same slot
+    self.__dict__["_unison_zero_accumulators"] = [
+        self.add_variable_from_reference(v, name="gradient_accumulator") for v in layout.overwritten
+    ] if self.gradient_accumulation_steps else None
     _live.add(self)
 
 
@@ -287,8 +294,11 @@ def _apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
     layout = self.__dict__["_unison_zero"]
     _warn_if_sparse(self, grads)
     grads = _in_plan_order(layout, grads, trainable_variables, f"unison.zero.presence.{layout.tag}")
+    n = len(layout.variables)
+    # before Keras's apply, which counts the iteration: see [Note: overwritten variables at ZeRO stages 1/2]
+    layout.overwrite(self, grads[n:], self.__dict__.get("_unison_zero_accumulators"))
     layout.load_shards()
-    shard_grads = layout.shard_gradients(grads)
+    shard_grads = layout.shard_gradients(grads[:n])
     base_optimizer.BaseOptimizer.apply(self, shard_grads, layout.shards)
     layout.store_shards()
     return None
@@ -320,7 +330,8 @@ def _warn_if_sparse(optimizer: Any, grads: list[Any]) -> None:
 
 
 def _in_plan_order(layout: Any, grads: list[Any], variables: Any, name: str) -> list[Any]:
-    """The gradients in the order the layout was built with, dense; zeros where only other ranks have one.
+    """The gradients of ``layout.variables`` then ``layout.overwritten``, dense; zeros where only other
+    ranks have one (an overwritten variable with a gradient on no rank keeps None: Keras skips it).
 
     A variable that has a gradient on some ranks only (a branch some ranks' data takes) is reduced
     with zeros from the others, as one process averages it (the ranks agree which exist: one small
@@ -329,26 +340,27 @@ def _in_plan_order(layout: Any, grads: list[Any], variables: Any, name: str) -> 
     gradient on no rank raises on every rank: its segment cannot be left out of the flat step.
     """
     if variables is None:
-        variables = layout.variables
+        variables = layout.built_on
     variables = list(variables)
     if len(variables) != len(grads):
         raise ValueError(f"apply got {len(grads)} gradients for {len(variables)} variables; pass one per variable")
-    index = {id(_unwrap(v)): i for i, v in enumerate(layout.variables)}
-    out: list[Any] = [None] * len(layout.variables)
+    known = layout.variables + layout.overwritten
+    index = {id(_unwrap(v)): i for i, v in enumerate(known)}
+    out: list[Any] = [None] * len(known)
     for g, v in zip(grads, variables, strict=True):
         i = index.get(id(_unwrap(v)))
         if i is None:
-            raise ValueError(f"variable {zero._path(v)} is not among the {len(layout.variables)} variables this "
+            raise ValueError(f"variable {zero._path(v)} is not among the {len(known)} variables this "
                              "sharded optimizer was built with; build it on model.trainable_variables")
         out[i] = g
-    out = fill_missing_gradients(out, layout.variables, name)
-    missing = [zero._path(layout.variables[i]) for i, g in enumerate(out) if g is None]
+    out = fill_missing_gradients(out, known, name)
+    missing = [zero._path(layout.variables[i]) for i, g in enumerate(out[:len(layout.variables)]) if g is None]
     if missing:
         raise ValueError(f"zero_stage 1/2 needs a gradient for every variable the optimizer was built with; "
                          f"{missing} have none on any rank. A sharded optimizer lays out its variables when it "
                          "is built: after freezing a layer (layer.trainable = False) compile again with a new "
                          "optimizer (or freeze before the first step); else use zero_stage=0")
-    return [tf.convert_to_tensor(g) for g in out]
+    return [None if g is None else tf.convert_to_tensor(g) for g in out]
 
 
 def _unwrap(v: Any) -> Any:
