@@ -1961,3 +1961,43 @@ def test_horovod_schedule_callback_load_model_and_group_keywords(tmp_path_factor
     assert int(keras.ops.convert_to_numpy(loaded.optimizer.iterations)) == 2
     loaded.fit(X[R * 8:(R + 1) * 8], Y[R * 8:(R + 1) * 8], batch_size=8, epochs=1, verbose=0)
     assert same_everywhere([keras.ops.convert_to_numpy(w) for w in loaded.get_weights()])
+
+
+def make_float8_model() -> keras.Model:
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
+    model.quantize("float8")  # each Dense gets *_scale and *_amax_history: overwrite_with_gradient=True
+    return model
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["streamed", "at_apply"])
+def test_float8_scales_take_the_global_batchs_maximum_as_one_process(overlap):
+    """[Note: gradients that are next values]: a float8 layer's scales and amax histories are overwritten with
+    their "gradient", the history rolled with the batch's absolute maximum. Before 2026-12-07 DataParallel (and
+    unison.keras's DistributedOptimizer) averaged them over the ranks: an amax history 0.33 off one process's
+    at 2 ranks (an audit). Now the maximum over the ranks: after a step the inputs' and kernels' scales and
+    histories are one process's over the global batch, on every rank. Not the output gradients' history: each
+    rank's loss is its own rows' mean, so its output gradients are N times the global batch's share of them,
+    and so is their maximum (docs/keras_backends.md); over many steps float8 then scales the backward pass
+    differently from one process, and the weights drift apart by up to about 1e-2."""
+    if BACKEND != "torch" and not overlap:
+        pytest.skip("streaming during backward is the torch backend's only")
+    keras.utils.set_random_seed(7)  # (SGD: Adam's first step moves a weight by the learning rate whatever the
+    # gradient's size, so a tiny gradient whose float8 rounding differs at 3 ranks flipped a weight by 0.02)
+    with uk.DataParallel(overlap_gradients=overlap).scope():
+        model = make_float8_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    ref = make_float8_model()
+    ref.set_weights(WORLD.bcast(model.get_weights()))
+    ref.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    x, y = X[:GLOBAL_BATCH], Y[:GLOBAL_BATCH]  # (its largest value on one rank: averaged, it was off)
+    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    ref.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    assert same_everywhere(model.get_weights())
+    moved = 0
+    for v, w, r in zip(ref.weights, model.get_weights(), ref.get_weights(), strict=True):
+        if v.overwrite_with_gradient and "outputs_grad" not in v.path:
+            moved += int(np.any((r != 1.0) & (r != 0.0)))
+            np.testing.assert_allclose(w, r, rtol=1e-6, err_msg=v.path)
+        elif not v.overwrite_with_gradient:  # (float8 e5m2 gradients keep 2 bits: at 3 ranks up to 4e-3 off)
+            np.testing.assert_allclose(w, r, rtol=1e-2, atol=5e-3, err_msg=v.path)
+    assert moved > 0

@@ -196,6 +196,11 @@ def test_fit_evaluate_and_predict(capsys):
         np.testing.assert_allclose(out, ref(x[:8]).numpy(), rtol=1e-5, atol=1e-6)
     else:
         assert out is None
+    # a second fit goes on to the third epoch's order (before 2026-12-07 it repeated the first epoch's)
+    again = pipe.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, seed=4)
+    third = np.split(np.random.default_rng([4, 2]).permutation(40), 5)
+    more = reference(ref, [(x[rows], y[rows]) for rows in third])
+    np.testing.assert_allclose(again, [np.mean(more)], rtol=1e-3)  # (15 steps of float32 apart by now)
     pipe.close()
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +43,7 @@ from unison.common.engine import frontend
 from unison.common.engine.engine import caller_waits
 from unison.common.engine.handles import wait_all
 from unison.common.engine.objects import agree_on_names
-from unison.common.ops import Average, ReduceOp, Sum, parse_op
+from unison.common.ops import Average, Max, ReduceOp, Sum, parse_op
 
 __all__ = ["BatchPlan", "GradientStream", "average_gradients", "broadcast_arrays", "gather_rows", "sum_states"]
 
@@ -195,9 +195,49 @@ def _restore(out: Sequence[object], arrays: Sequence[np.ndarray]) -> list[np.nda
     return [np.asarray(o).astype(a.dtype, copy=False).reshape(a.shape) for o, a in zip(out, arrays, strict=True)]
 
 
+def max_overwritten(variables: Sequence[Any]) -> list[int]:
+    """The positions of the variables a framework overwrites with their gradient (Keras's
+    ``overwrite_with_gradient``: float8 layers' scales and amax histories).
+
+    [Note: gradients that are next values] After Keras's ``model.quantize("float8")`` the scale and
+    amax-history variables' "gradients" are their next values (the history rolled with the batch's
+    absolute maximum), which Keras assigns in place of an update. One process over the global batch
+    takes the maximum over all its rows: over the ranks that is the maximum of their values, not the
+    mean (averaged before 2026-12-07, under ``unison.keras``'s DistributedOptimizer and DataParallel:
+    an amax history 0.33 off one process's at 2 ranks, the kernels 3.7e-3; found by an audit).
+    """
+    return [i for i, v in enumerate(variables) if getattr(v, "overwrite_with_gradient", False)]
+
+
+def _with_maxed(arrays: list[np.ndarray], maxed: set[int],
+                rest: Any) -> list[np.ndarray]:
+    """``rest(others)`` for the arrays not in ``maxed``, and the maximum over the ranks for those in it."""
+    picked = [i for i in range(len(arrays)) if i in maxed]
+    others = [i for i in range(len(arrays)) if i not in maxed]
+    mine = [arrays[i] for i in picked]
+    handle = None
+    if picked and runtime.size() > 1:  # (submitted first: it travels in the same cycle as the others)
+        handle = frontend.grouped_allreduce_async(mine, op=Max, name=f"{GRADIENTS}.max")
+    try:
+        combined = rest([arrays[i] for i in others])
+    except BaseException:
+        if handle is not None:  # (left in flight, the next step's call would reuse its name on this rank alone)
+            with contextlib.suppress(Exception):
+                handle.wait(CHECK_DRAIN_S)
+        raise
+    maxima = mine if handle is None else _restore(handle.wait(), mine)
+    out: list[np.ndarray] = [arrays[0]] * len(arrays)
+    for i, value in zip(others, combined, strict=True):
+        out[i] = value
+    for i, value in zip(picked, maxima, strict=True):
+        out[i] = value
+    return out
+
+
 def average_gradients(grads: Sequence[np.ndarray], rows: int | None = None, op: object = Average,
                       compression: type[Compressor] = Compression.none,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[np.ndarray]:
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      maxed: Collection[int] = ()) -> list[np.ndarray]:
     """Combine one step's gradients over the ranks, in one fused group.
 
     Args:
@@ -210,6 +250,8 @@ def average_gradients(grads: Sequence[np.ndarray], rows: int | None = None, op: 
         compression: the wire format (``Compression.fp16`` halves the bytes).
         prescale_factor, postscale_factor: multiply before / after the reduction
             (Horovod's ``gradient_predivide_factor`` is made of these).
+        maxed: the positions of "gradients" that are their variables' next values, taken as their maximum
+            over the ranks, unscaled (:func:`max_overwritten`).
 
     Returns:
         The combined gradients, in the input's order and dtypes (at one rank, the inputs
@@ -217,6 +259,9 @@ def average_gradients(grads: Sequence[np.ndarray], rows: int | None = None, op: 
     """
     rop = parse_op(op)
     arrays = _as_list(grads)
+    if maxed:
+        return _with_maxed(arrays, set(maxed), lambda rest: average_gradients(
+            rest, rows, rop, compression, prescale_factor, postscale_factor))
     if not arrays:
         return []
     if runtime.size() == 1 and rop in (Average, Sum):

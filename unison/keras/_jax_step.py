@@ -36,7 +36,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from unison.common.data_parallel import average_gradients
+from unison.common.data_parallel import average_gradients, max_overwritten
 
 __all__ = ["applies", "make_train_step", "keeps_test_step", "with_global_logs"]
 
@@ -100,6 +100,7 @@ def make_train_step(model: Any) -> Callable[[Any, Any], Any]:
     )
 
     rop, compression, pre, post = model.optimizer._unison_settings
+    maxed = max_overwritten(model.trainable_variables)  # ([Note: gradients that are next values])
     dp = getattr(model, "_unison_dp", None)
     logs_of = _global_logs(model) if dp is not None and dp.global_metrics else None
 
@@ -140,7 +141,7 @@ def make_train_step(model: Any) -> Callable[[Any, Any], Any]:
         # (rows, or counted targets: [Note: targets a loss does not count]; 0 for a shadow share)
         weight = batch_weight_of(model, data, shadow)
         combined = average_gradients([np.asarray(g) for g in grads], None if weight is None else int(weight), rop,
-                                     compression, pre, post)
+                                     compression, pre, post, maxed)
         # a shadow share's metrics' states stay as they were ([Note: a shadow's metrics] in data_parallel;
         # copied: apply donates the state)
         kept = [jax.numpy.array(v, copy=True) for v in state[3]] if shadow is True else None

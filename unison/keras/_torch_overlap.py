@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from unison.common import runtime
-from unison.common.data_parallel import GradientStream
+from unison.common.data_parallel import GradientStream, max_overwritten
 from unison.common.engine import frontend
 from unison.common.ops import Max
 from unison.keras import _host
@@ -45,7 +45,9 @@ class Overlap:
     def step(self, rows: int | None, settings: tuple[Any, Any, float, float], run: Callable[[], Any]) -> Any:
         """Run one train step (``run``) with this step's gradients streamed as backward makes them."""
         params = [v.value for v in self.model.trainable_weights]
-        self.keys = {id(p): i for i, p in enumerate(params)}
+        # ([Note: gradients that are next values] in unison/common/data_parallel.py: not averaged, not streamed)
+        maxed = set(max_overwritten(self.model.trainable_weights))
+        self.keys = {id(p): i for i, p in enumerate(params) if i not in maxed}
         for p in params:
             if id(p) not in self.hooked and p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._hook)
@@ -65,13 +67,19 @@ class Overlap:
             flags = np.array([g is not None for g in grads], np.int32)
             anywhere = frontend.allreduce(flags, Max, f"{self.prefix}.present") if runtime.size() > 1 else flags
             keys = [i for i in range(len(grads)) if anywhere[i]]
+            values = {i: grads[i] if grads[i] is not None else torch.zeros_like(params[i]) for i in keys
+                      if i in maxed or i not in stream.pending}  # none here (or not streamed): zeros, or itself
             for i in keys:
-                if i not in stream.pending:  # none here (or not streamed): zeros, or the gradient itself
-                    value = grads[i] if grads[i] is not None else torch.zeros_like(params[i])
-                    stream.submit(i, _host.torch_to_numpy(value))
+                if i not in maxed and i in values:
+                    stream.submit(i, _host.torch_to_numpy(values[i]))
+            top, rest = [i for i in keys if i in maxed], [i for i in keys if i not in maxed]
+            arrays = dict(zip(rest, stream.results(rest), strict=True))
+            if top:
+                mine = [_host.torch_to_numpy(values[i]) for i in top]
+                arrays.update(zip(top, frontend.grouped_allreduce(mine, Max, f"{self.prefix}.max")
+                                  if runtime.size() > 1 else mine, strict=True))
             # on each parameter's device (they came back on the CPU before 2026-12-06)
-            return keys, [_host.torch_from_numpy(a).to(params[i].device)
-                          for i, a in zip(keys, stream.results(keys), strict=True)]
+            return keys, [_host.torch_from_numpy(arrays[i]).to(params[i].device) for i in keys]
 
         optimizer.__dict__["_unison_pending"] = pending
         try:

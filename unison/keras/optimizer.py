@@ -19,14 +19,15 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import keras
 import numpy as np
 
 from unison.common.compression import Compression
-from unison.common.data_parallel import average_gradients
+from unison.common.data_parallel import average_gradients, max_overwritten
 from unison.common.engine import frontend
 from unison.common.ops import Average, Sum, parse_op
 from unison.keras import _host
@@ -114,8 +115,9 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
     factor = 1.0 if average_aggregated_gradients else float(backward_passes_per_step)
     post = gradient_predivide_factor * factor
 
-    def combine(arrays: list[np.ndarray], rows: int | None) -> list[np.ndarray]:
-        return average_gradients(arrays, rows, rop, compression, 1.0 / gradient_predivide_factor, post)
+    def combine(arrays: list[np.ndarray], rows: int | None, maxed: Sequence[int] = ()) -> list[np.ndarray]:
+        # (maxed: [Note: gradients that are next values] in unison/common/data_parallel.py)
+        return average_gradients(arrays, rows, rop, compression, 1.0 / gradient_predivide_factor, post, maxed)
 
     def apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
         grads = list(grads)
@@ -139,22 +141,26 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
         (a group of another length is refused by the reduction itself)."""
         variables = list(trainable_variables if trainable_variables is not None else self._trainable_variables)
         local = np.array([g is not None for g in grads], dtype=np.float32)
+        maxed = set(max_overwritten(variables))
         if _host.traced([g for g in grads if g is not None]):
             keep = [i for i in range(len(grads)) if local[i]]
             marks = [keras.ops.convert_to_tensor(local), keras.ops.convert_to_tensor(1.0 - local)]
-            reduced = _host.host_call(checked, [grads[i] for i in keep] + marks, _ROWS.get())[:-2]
+            kept_maxed = [k for k, i in enumerate(keep) if i in maxed]
+            reduced = _host.host_call(functools.partial(checked, maxed=kept_maxed),
+                                      [grads[i] for i in keep] + marks, _ROWS.get())[:-2]
             out: list[Any] = [None] * len(grads)
             for i, g in zip(keep, reduced, strict=True):
                 out[i] = g
             return out
         filled = [g if g is not None else keras.ops.zeros(v.shape, dtype=v.dtype)
                   for g, v in zip(grads, variables, strict=True)]
-        reduced = _host.host_call(combine, filled + [keras.ops.convert_to_tensor(local)], _ROWS.get())
+        reduced = _host.host_call(functools.partial(combine, maxed=sorted(maxed)),
+                                  filled + [keras.ops.convert_to_tensor(local)], _ROWS.get())
         presence = _host.to_numpy(reduced[-1])
         return [g if presence[i] > 0 else None for i, g in enumerate(reduced[:-1])]
 
-    def checked(arrays: list[np.ndarray], rows: int | None) -> list[np.ndarray]:
-        out = combine(arrays, rows)
+    def checked(arrays: list[np.ndarray], rows: int | None, maxed: Sequence[int] = ()) -> list[np.ndarray]:
+        out = combine(arrays, rows, maxed)
         have, lack = out[-2], out[-1]
         mixed = np.flatnonzero((have > 0) & (lack > 0))
         if mixed.size:

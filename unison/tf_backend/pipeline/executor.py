@@ -264,8 +264,9 @@ class Pipeline(PipelineRunner):
                 The last partial batch of an epoch is dropped.
             epochs: passes over the data.
             verbose: 0 silent, 1 a progress bar, 2 one line per epoch (on rank 0 only).
-            shuffle: visit the examples in a new order each epoch (``seed`` and the epoch number
-                pick it, the same on every rank).
+            shuffle: visit the examples in a new order each epoch (``seed`` and the number of epochs
+                this pipeline's ``fit`` calls have begun pick it, the same on every rank: a second
+                ``fit`` goes on to new orders, as Keras's does).
             seed: the shuffling seed.
 
         Returns:

@@ -37,8 +37,12 @@ def fit(pipe: Pipeline, x: Any, y: Any, batch_size: int, epochs: int = 1, verbos
     lo = (pipe.grid.pipeline // pipe.grid.tp) * share
     show = verbose and world.Get_rank() == 0
     history = []
+    # the epochs of earlier fit calls count: a loop of fit(epochs=1) trained one order over and over (before
+    # 2026-12-07; Keras's fit draws a new order at every call); the same on every rank, as each calls fit alike
+    done = pipe.__dict__.get("_epochs_fitted", 0)
     for epoch in range(epochs):
-        order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+        pipe._epochs_fitted = done + epoch + 1
+        order = np.random.default_rng([seed, done + epoch]).permutation(n) if shuffle else np.arange(n)
         if show:
             sys.stdout.write(f"Epoch {epoch + 1}/{epochs}\n")
         bar = keras.utils.Progbar(steps, verbose=verbose, stateful_metrics=["loss"]) if show else None
