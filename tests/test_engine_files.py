@@ -192,3 +192,26 @@ def test_timeline_abandon_marks_the_abort_and_closes_the_trace(tmp_path):
     assert [e["name"] for e in events if e["ph"] == "i"] == ["job aborted: the collective timeout"]
     assert [e["ph"] for e in events if e["name"] == "ALLREDUCE"] == ["B", "E"]
     tl.abandon("again")  # closed: nothing more
+
+
+def test_wait_all_timeout_bounds_the_whole_wait_not_each_member():
+    """Members finishing one after another, each within the timeout of the one before: before 2026-12-07 the
+    timeout applied to each member's wait in turn, and three of them took about three times it."""
+    import threading
+    import time
+
+    from unison.common.engine.handles import wait_all
+
+    handles = [Handle(f"member.{i}") for i in range(3)]
+    timers = [threading.Timer(0.3 * (i + 1), h.set_result, (i,)) for i, h in enumerate(handles)]
+    for timer in timers:
+        timer.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError):
+            wait_all(handles, timeout=0.45)
+        assert time.monotonic() - started < 0.8
+        assert wait_all(handles, timeout=5.0) == [0, 1, 2]  # (and all of them, once done)
+    finally:
+        for timer in timers:
+            timer.cancel()

@@ -223,13 +223,16 @@ def wait_all(handles: Any, timeout: float | None = None) -> list[Any]:
     ``DuplicateNameError`` on this rank alone while the others waited. Every member of a group
     completes (each pairs with the other ranks' member, or with the refusal a rank with fewer
     members submits in its place: frontend [Note: a longer group's extra members]), so waiting
-    for all cannot hang where waiting for the first did not. A timeout is raised at once.
+    for all cannot hang where waiting for the first did not. A timeout is raised at once; it bounds
+    the whole wait (before 2026-12-07 each member's: members finishing one after another could take
+    that many times it).
     """
     results: list[Any] = []
     first: Exception | None = None
+    deadline = None if timeout is None else time.monotonic() + timeout
     for h in handles:  # (a timeout is raised at once: the first error instead, when a member failed)
         try:
-            results.append(h.wait(timeout))
+            results.append(h.wait(None if deadline is None else max(0.0, deadline - time.monotonic())))
         except TimeoutError:
             if first is not None:  # (the real cause, not the wait for the rest)
                 raise first from None
