@@ -1944,7 +1944,8 @@ def test_horovod_schedule_callback_load_model_and_group_keywords(tmp_path_factor
     history = model.fit(X[:32], Y[:32], batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[
         uk.callbacks.BroadcastGlobalVariablesCallback(0),
         uk.callbacks.LearningRateScheduleCallback(0.1, multiplier=0.5, start_epoch=1)])
-    np.testing.assert_allclose(history.history["lr"], [0.1, 0.05, 0.025], rtol=1e-6)
+    # (m ** (epoch - start_epoch), as Horovod since 0.23: [0.1, 0.05, 0.025] before 2026-12-07)
+    np.testing.assert_allclose(history.history["lr"], [0.1, 0.1, 0.05], rtol=1e-6)
     with pytest.raises(ValueError, match="groups"):
         uk.DistributedOptimizer(keras.optimizers.SGD(0.1), groups=0)
     # load_model: the optimizer distributed, its state kept, and training goes on alike on every rank

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
@@ -212,3 +214,150 @@ def test_metric_average_refuses_ranks_with_different_metric_names():
     with pytest.raises(ValueError, match=r"rank 0: \['loss', 'mae'\]; rank 1: \['loss', 'mse'\]"):
         model.fit(shard(X), shard(Y), batch_size=B, epochs=1, verbose=0, callbacks=callbacks)
     assert logged == []
+
+
+# ---------------------------------------------------------------------------------------------- audit 2026-12-07
+def _module(which: str):
+    import unison.keras as uk
+
+    return hvd if which == "tf" else uk
+
+
+def shared_dir() -> str:
+    return WORLD.bcast(tempfile.mkdtemp(prefix="unison-hvd-") if R == 0 else None, root=0)
+
+
+@pytest.mark.parametrize("staircase", [True, False], ids=["staircase", "smooth"])
+@pytest.mark.parametrize("which", ["tf", "uk"])
+def test_a_number_multiplier_decays_from_start_epoch_as_horovod(which, staircase):
+    """Horovod (since 0.23) decays a number multiplier m as m ** (epoch - start_epoch): the schedule starts at
+    initial_lr. Before 2026-12-07 m ** epoch: with start_epoch=2 it started at initial_lr * m ** 2."""
+    mod = _module(which)
+    lr0, m, start, end, epochs = 0.1, 0.5, 2, 4, 5
+    steps = len(shard(X)) // B
+    model = make_model(3)
+    model.compile(optimizer=mod.DistributedOptimizer(keras.optimizers.SGD(0.3)), loss="mse")
+    seen = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            seen.append(float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)))
+
+    sched = mod.callbacks.LearningRateScheduleCallback(lr0, m, start_epoch=start, end_epoch=end,
+                                                       staircase=staircase)
+    model.fit(shard(X), shard(Y), batch_size=B, epochs=epochs, shuffle=False, verbose=0,
+              callbacks=[sched, Record()])
+    want, lr = [], 0.3  # before start_epoch the optimizer's own rate; after end_epoch the last one set
+    for e in range(epochs):
+        for b in range(steps):
+            if start <= e < end:
+                lr = lr0 * m ** (e - start + (0 if staircase else b / steps))
+            want.append(lr)
+    np.testing.assert_allclose(seen, want, rtol=1e-6)
+    assert seen[start * steps] == pytest.approx(lr0)  # the schedule starts at initial_lr
+
+
+def _restored_everywhere(which: str, how: str, path: str) -> keras.Model:
+    """Horovod's resume: rank 0 alone restores ``path`` (its weights and Adam state), the others build anew."""
+    mod = _module(which)
+    if how == "load_model" and R == 0:
+        return mod.load_model(path)
+    model = make_model(20 + R)
+    model.compile(optimizer=mod.DistributedOptimizer(keras.optimizers.Adam(0.05)), loss="mse")
+    if how == "assigned":
+        model.optimizer.build(model.trainable_variables)
+        if R == 0:
+            saved = keras.models.load_model(path)
+            model.set_weights(saved.get_weights())
+            for mine, theirs in zip(model.optimizer.variables, saved.optimizer.variables, strict=True):
+                mine.assign(keras.ops.convert_to_numpy(theirs))
+    return model
+
+
+@pytest.mark.parametrize("how", ["assigned", "load_model"])
+@pytest.mark.parametrize("which", ["tf", "uk"])
+def test_ranks_resumed_from_rank_0s_checkpoint_train_as_one_process_from_it(which, how):
+    """Rank 0 alone restores weights and Adam state; BroadcastGlobalVariablesCallback must leave every rank
+    where one process resuming from that checkpoint goes. Before 2026-12-07: unison.tf_backend.keras's callback
+    sent the model at once and the optimizer after the first step, which ran rank 0's moments against fresh ones
+    elsewhere (weights 0.07 apart); with hvd.load_model on rank 0 alone its optimizer's build waited for the
+    others (StallError after 60 s), and unison.keras's callback sent the optimizer from rank 0 only
+    (MismatchError)."""
+    path = os.path.join(shared_dir(), "resume.keras")
+    if R == 0:
+        trained = make_model(0)
+        trained.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+        trained.fit(X, Y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        trained.save(path)
+    WORLD.Barrier()
+    model = _restored_everywhere(which, how, path)
+    model.fit(shard(X), shard(Y), batch_size=B, epochs=2, shuffle=False, verbose=0,
+              callbacks=[_module(which).callbacks.BroadcastGlobalVariablesCallback(0)])
+    ref = keras.models.load_model(path)  # one process goes on from the checkpoint over the global batches
+    ref.fit(X, Y, batch_size=B * N, epochs=2, shuffle=False, verbose=0)
+    WORLD.Barrier()
+    if R == 0:
+        shutil.rmtree(os.path.dirname(path))
+    for w, v in zip(model.get_weights(), ref.get_weights(), strict=True):
+        np.testing.assert_allclose(w, v, rtol=1e-5, atol=1e-6)
+    state = np.concatenate([np.ravel(keras.ops.convert_to_numpy(v)) for v in model.optimizer.variables])
+    assert all(np.array_equal(state, s) for s in WORLD.allgather(state))
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == int(
+        keras.ops.convert_to_numpy(ref.optimizer.iterations))
+
+
+def _custom_loss(y_true, y_pred):
+    return keras.ops.mean(keras.ops.abs(y_true - y_pred) ** 1.5)
+
+
+@pytest.mark.parametrize("which", ["tf", "uk"])
+def test_load_model_finds_a_custom_loss_in_custom_objects(which, tmp_path_factory):
+    """Horovod passes custom_objects to the loader; the model is compiled again from its compile config, which
+    names the loss. Before 2026-12-07 that config was read without them: TypeError "Could not locate function
+    '_custom_loss'" where keras.models.load_model loaded the model."""
+    model = make_model(4)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss=_custom_loss)
+    model.fit(X[:12], Y[:12], batch_size=6, epochs=1, verbose=0)
+    path = str(tmp_path_factory.mktemp("custom") / f"m{R}.keras")
+    model.save(path)
+    loaded = _module(which).load_model(path, custom_objects={"_custom_loss": _custom_loss})
+    assert loaded.loss is _custom_loss and getattr(loaded.optimizer, "_unison_distributed", False)
+    assert int(keras.ops.convert_to_numpy(loaded.optimizer.iterations)) == 2
+    want = float(keras.ops.convert_to_numpy(_custom_loss(Y[:12], model.predict(X[:12], verbose=0))))
+    assert loaded.evaluate(X[:12], Y[:12], verbose=0) == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("which", ["tf", "uk"])
+def test_schedule_and_warmup_refuse_bad_arguments_at_construction(which):
+    """Before 2026-12-07 unison.tf_backend.keras took warmup_epochs 0 or -1 (no warmup, silently), a multiplier
+    None or "0.5" (failing at the first batch), end_epoch before start_epoch (nothing done) and a negative
+    steps_per_epoch (the rate rose)."""
+    cb = _module(which).callbacks
+    for kwargs, named in (({"warmup_epochs": -1}, "warmup_epochs=-1"), ({"warmup_epochs": 0}, "warmup_epochs=0"),
+                          ({"warmup_epochs": "2"}, "warmup_epochs='2'"),
+                          ({"steps_per_epoch": -2}, "steps_per_epoch=-2")):
+        with pytest.raises(ValueError, match=f"LearningRateWarmupCallback\\({named}\\)"):
+            cb.LearningRateWarmupCallback(0.1, **kwargs)
+    for kwargs, named in (({"multiplier": None}, "multiplier=None"), ({"multiplier": "0.5"}, "multiplier='0.5'"),
+                          ({"multiplier": 0.5, "start_epoch": 3, "end_epoch": 1}, "start_epoch=3, end_epoch=1"),
+                          ({"multiplier": 0.5, "staircase": False, "steps_per_epoch": -2}, "steps_per_epoch=-2"),
+                          ({"multiplier": 0.5, "steps_per_epoch": 1.5}, "steps_per_epoch=1.5")):
+        with pytest.raises(ValueError, match=f"LearningRateScheduleCallback\\({named}\\)"):
+            cb.LearningRateScheduleCallback(0.1, **kwargs)
+    # what stays accepted: a function or a number, an empty range, steps from fit
+    cb.LearningRateScheduleCallback(0.1, lambda e: 1.0, start_epoch=1, end_epoch=1)
+    cb.LearningRateScheduleCallback(0.1, np.float32(0.5), steps_per_epoch=np.int64(3))
+    cb.LearningRateWarmupCallback(0.1, warmup_epochs=2.5, steps_per_epoch=None)
+
+
+@pytest.mark.parametrize("which", ["tf", "uk"])
+def test_warmup_logs_the_rate_at_each_epoch_end_as_horovod(which):
+    """Horovod's warmup (a schedule callback) logs logs['lr']; unison.keras's did not before 2026-12-07."""
+    mod = _module(which)
+    model = make_model(3)
+    model.compile(optimizer=mod.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+    history = model.fit(shard(X), shard(Y), batch_size=B, epochs=3, shuffle=False, verbose=0,
+                        callbacks=[mod.callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=2)])
+    # each epoch's last batch runs at the fractional epoch e + 1: Horovod's rate there
+    want = [0.1 * ((e + 1) * (N - 1) / 2 + 1) / N if e < 2 else 0.1 for e in range(3)]
+    np.testing.assert_allclose(history.history["lr"], want, rtol=1e-6)

@@ -32,6 +32,7 @@ from unison.common.files import atomic_keras_save
 from unison.common.ops import Average
 from unison.keras.data_parallel import without_seed_states
 from unison.keras.ops import broadcast_variables
+from unison.keras.optimizer import run_deferred_agreement
 
 __all__ = ["BroadcastGlobalVariablesCallback", "LearningRateScheduleCallback", "LearningRateWarmupCallback",
            "MetricAverageCallback", "ModelCheckpoint"]
@@ -73,21 +74,57 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         # a model without an Input is still unbuilt here on the TensorFlow backend (Keras builds it in the
         # first step there): it is broadcast after that step, as Horovod does (before 2026-12-05 nothing
         # was broadcast and the ranks trained apart)
-        self._pending = not self.model.variables
-        if not self._pending:
-            self._broadcast()
+        self._pending = not self._broadcast("unison.keras.BroadcastGlobalVariables")
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         if self._pending:
             self._pending = False
-            self._broadcast()
+            self._broadcast("unison.keras.BroadcastGlobalVariables.built")
 
-    def _broadcast(self) -> None:
+    def _broadcast(self, name: str) -> bool:
+        """Broadcast the model's and optimizer's variables, unless some rank's model is still unbuilt."""
+        optimizer_variables = agreed_optimizer_variables(self.model, self.process_set, name)
+        if optimizer_variables is None:
+            return False
         variables = without_seed_states(self.model, list(self.model.variables))  # random state stays each rank's
-        optimizer = getattr(self.model, "optimizer", None)
-        if optimizer is not None and optimizer.built:  # Keras builds it before training starts
-            variables += list(optimizer.variables)
-        broadcast_variables(variables, self.root_rank, self.process_set)
+        broadcast_variables(variables + optimizer_variables, self.root_rank, self.process_set)
+        return True
+
+
+def agreed_optimizer_variables(model: Any, process_set: Any, name: str) -> list[Any] | None:
+    """What both broadcast callbacks send with ``model``'s variables, the same on every rank (collective):
+    None while some rank's model is still unbuilt (broadcast after the first step), no variable while no
+    rank's optimizer is built (the first step builds them alike from the same weights), else every rank's
+    optimizer variables, built where they were not.
+
+    [Note: ranks that restored alone]
+    Horovod's resume pattern restores the checkpoint on rank 0 alone (``if rank == 0: model =
+    hvd.load_model(path)``): rank 0's optimizer is built, holding its state, the others' are not (on
+    TensorFlow Keras builds it in the first step). Before 2026-12-07 the ranks then sent different lists
+    of variables (a ``MismatchError`` blaming the model), or the model was broadcast at once and the
+    optimizer only after the first step, which ran rank 0's moments against fresh ones elsewhere (the
+    ranks' weights ended apart). The ranks compare, every rank builds its optimizer over the model's
+    trainable variables where some rank's is built, and the model and optimizer go together.
+
+    Raises:
+        ValueError: on every rank, when some ranks' optimizer is built and other ranks' model has none.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    mine = (bool(model.variables), optimizer is not None, bool(optimizer is not None and optimizer.built))
+    everyone = objects.allgather_object(mine, name, process_set)
+    if not all(built_model for built_model, _, _ in everyone):
+        return None
+    if not any(built for _, _, built in everyone):
+        return []
+    lacking = [r for r, (_, has, _) in enumerate(everyone) if not has]
+    if lacking:
+        raise ValueError(f"BroadcastGlobalVariablesCallback: the model has no optimizer on ranks {lacking} (of "
+                         f"the set) while others hold one with its state to broadcast; compile the model on every "
+                         "rank (with the same optimizer) before fit")
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    run_deferred_agreement(optimizer)  # where the others' builds just ran theirs (tf_backend's optimizer)
+    return list(optimizer.variables)
 
 
 def check_broadcast_target(model: Any, root_rank: int, process_set: Any) -> None:
@@ -207,13 +244,17 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
             their momentum into the step as a constant, so it is not rescaled.
         steps_per_epoch: batches per epoch (default: ``fit``'s, when it knows them).
         verbose: print (rank 0) when the warmup ends.
+
+    At each epoch's end ``logs["lr"]`` holds the rate, as Horovod's.
+
+    Raises:
+        ValueError: at construction, for ``warmup_epochs`` not above 0 or ``steps_per_epoch`` below 1.
     """
 
     def __init__(self, initial_lr: float, warmup_epochs: int = 5, momentum_correction: bool = True,
                  steps_per_epoch: int | None = None, verbose: int = 0) -> None:
         super().__init__()
-        if warmup_epochs <= 0:
-            raise ValueError(f"LearningRateWarmupCallback(warmup_epochs={warmup_epochs}): pass a positive number")
+        check_warmup_arguments(warmup_epochs, steps_per_epoch)
         self.initial_lr, self.warmup_epochs = float(initial_lr), warmup_epochs
         self.momentum_correction, self.steps_per_epoch = momentum_correction, steps_per_epoch
         self.verbose = verbose
@@ -246,6 +287,8 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
             self._set(self._epoch + (batch + 1) / self._steps)
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        if logs is not None:  # as Horovod's (History shows it): before 2026-12-07 this one did not log it
+            logs["lr"] = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
         if epoch == self.warmup_epochs - 1 and self.verbose and runtime.rank() == 0:
             print(f"\nEpoch {epoch + 1}: finished learning-rate warmup to {self.initial_lr:g}.")
 
@@ -254,11 +297,17 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
     """Horovod 0.28's schedule, on every backend: ``lr = initial_lr * multiplier(epoch)`` while
     ``start_epoch <= epoch < end_epoch`` (outside that range the rate is left as it is).
 
-    A number ``multiplier`` m means ``m ** epoch`` (exponential decay); a function gets the epoch. With
+    A number ``multiplier`` m means ``m ** (epoch - start_epoch)`` (exponential decay from ``initial_lr`` at
+    ``start_epoch``, as Horovod since 0.23; before 2026-12-07 ``m ** epoch``, so a schedule starting at
+    epoch 2 started at ``initial_lr * m ** 2``); a function gets the epoch. With
     ``staircase`` the rate is set at the first batch of each epoch; otherwise at every batch, from the
     fractional epoch ``epoch + batch / steps_per_epoch`` (``steps_per_epoch`` read from ``fit`` when not
     given). At each epoch's end ``logs["lr"]`` holds the rate. ``momentum_correction`` is accepted for
     Horovod's signature and not applied: a Keras 3 optimizer compiles its momentum into the step.
+
+    Raises:
+        ValueError: at construction, for an ``initial_lr`` of None, a ``multiplier`` neither a number nor a
+            function, an ``end_epoch`` before ``start_epoch`` or a ``steps_per_epoch`` below 1.
     """
 
     def __init__(self, initial_lr: float, multiplier: float | Callable[[float], float], start_epoch: int = 0,
@@ -267,8 +316,10 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         super().__init__()
         if initial_lr is None:
             raise ValueError("LearningRateScheduleCallback needs initial_lr (the rate the multiplier scales)")
+        check_schedule_arguments(multiplier, start_epoch, end_epoch, steps_per_epoch)
         self.initial_lr = float(initial_lr)
-        self.multiplier = multiplier if callable(multiplier) else (lambda epoch: multiplier ** epoch)
+        self.multiplier = multiplier if callable(multiplier) else (
+            lambda epoch: multiplier ** (epoch - start_epoch))
         self.start_epoch, self.end_epoch = start_epoch, end_epoch
         self.staircase, self.momentum_correction = staircase, momentum_correction
         self.steps_per_epoch = steps_per_epoch
@@ -302,6 +353,42 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         if logs is not None:
             logs["lr"] = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def _check_steps(what: str, steps_per_epoch: Any) -> None:
+    if steps_per_epoch is not None and (not isinstance(steps_per_epoch, (int, np.integer))
+                                        or isinstance(steps_per_epoch, bool) or steps_per_epoch < 1):
+        raise ValueError(f"{what}(steps_per_epoch={steps_per_epoch!r}): pass the number of batches of an epoch "
+                         "(an int >= 1), or None to read it from fit")
+
+
+def check_warmup_arguments(warmup_epochs: Any, steps_per_epoch: Any) -> None:
+    """Refuse at construction what both warmup callbacks cannot ramp over (before 2026-12-07
+    ``unison.tf_backend.keras``'s took ``warmup_epochs=0`` or ``-1``, silently no warmup, and a negative
+    ``steps_per_epoch``, under which the rate rose past ``initial_lr``)."""
+    if not _real(warmup_epochs) or not warmup_epochs > 0:
+        raise ValueError(f"LearningRateWarmupCallback(warmup_epochs={warmup_epochs!r}): pass the number of "
+                         "epochs the ramp lasts, a number > 0 (leave the callback out for no warmup)")
+    _check_steps("LearningRateWarmupCallback", steps_per_epoch)
+
+
+def check_schedule_arguments(multiplier: Any, start_epoch: Any, end_epoch: Any, steps_per_epoch: Any) -> None:
+    """Refuse at construction what the schedule cannot follow (before 2026-12-07 taken: a ``multiplier``
+    of None or ``"0.5"`` failed at the first batch, ``end_epoch`` before ``start_epoch`` did nothing)."""
+    what = "LearningRateScheduleCallback"
+    if not callable(multiplier) and not _real(multiplier):
+        raise ValueError(f"{what}(multiplier={multiplier!r}): pass a number m (the rate decays as "
+                         "m ** (epoch - start_epoch)) or a function of the epoch")
+    if not _real(start_epoch):
+        raise ValueError(f"{what}(start_epoch={start_epoch!r}): pass the epoch the schedule starts at (a number)")
+    if end_epoch is not None and (not _real(end_epoch) or end_epoch < start_epoch):
+        raise ValueError(f"{what}(start_epoch={start_epoch!r}, end_epoch={end_epoch!r}): end_epoch is the epoch "
+                         "the schedule stops before: pass one >= start_epoch, or None to run to the end")
+    _check_steps(what, steps_per_epoch)
 
 
 @contextmanager

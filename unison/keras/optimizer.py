@@ -222,10 +222,13 @@ def _check_groups(num_groups: Any, groups: Any) -> None:
         raise ValueError(f"groups={groups!r} must be a positive number or a list of lists of variables")
 
 
-def recompiled(model: Any, wrapped: Any) -> Any:
+def recompiled(model: Any, wrapped: Any, custom_objects: dict | None = None) -> Any:
     """``model`` compiled again as it was saved, with ``wrapped`` (its loaded optimizer made distributed,
-    state carried over: :func:`_carry_state`) as its optimizer."""
-    config = keras.saving.deserialize_keras_object(model.get_compile_config() or {})
+    state carried over: :func:`_carry_state`) as its optimizer. ``custom_objects``: the loader's, which the
+    compile config may name (a loss of the user's: before 2026-12-07 it could not be found, "Could not locate
+    function 'my_loss'", where ``keras.models.load_model`` had loaded it)."""
+    with keras.saving.custom_object_scope(custom_objects or {}):
+        config = keras.saving.deserialize_keras_object(model.get_compile_config() or {})
     config["optimizer"] = wrapped
     model.compile(**config)
     return model
@@ -250,7 +253,7 @@ def load_wrapped(filepath: Any, custom_optimizers: Any, custom_objects: dict | N
     loaded = getattr(model, "optimizer", None)
     if loaded is None or getattr(loaded, "_unison_distributed", False):
         return model
-    return recompiled(model, wrap(loaded))
+    return recompiled(model, wrap(loaded), objects)
 
 
 def _carry_state(old: Any, new: Any) -> None:
@@ -261,7 +264,11 @@ def _carry_state(old: Any, new: Any) -> None:
     Raises:
         ValueError: a variable of ``old`` that ``new`` has not, or of another shape.
     """
-    new.build(list(getattr(old, "_trainable_variables", None) or []))
+    token = _DEFER_AGREEMENT.set(True)  # (one rank's act, maybe: [Note: a build check left for later])
+    try:
+        new.build(list(getattr(old, "_trainable_variables", None) or []))
+    finally:
+        _DEFER_AGREEMENT.reset(token)
     mine = {v.path: v for v in new.variables}
     lost = []
     for v in old.variables:
@@ -274,6 +281,36 @@ def _carry_state(old: Any, new: Any) -> None:
         raise ValueError(f"DistributedOptimizer: the optimizer was already used and its state {lost[:4]} has no "
                          "place in the wrapped one; wrap it before training, or load the model with the "
                          "distributed optimizer's load_model")
+
+
+_DEFER_AGREEMENT: contextvars.ContextVar[bool] = contextvars.ContextVar("unison_keras_defer", default=False)
+
+
+def agree_at_build(optimizer: Any, check: Callable[[], None]) -> None:
+    """Run ``check`` (a collective over every rank that an optimizer's ``build`` makes) now, or, for a build
+    that :func:`_carry_state` makes, keep it for :func:`run_deferred_agreement`.
+
+    [Note: a build check left for later]
+    Wrapping an optimizer already used builds the new one at once, and that may be one rank's act:
+    Horovod's resume pattern loads the checkpoint on rank 0 alone (``if rank == 0: model =
+    hvd.load_model(path)``), the other ranks building a fresh model. A check across every rank in that
+    build waited for ranks that build their optimizer only at their first step (a ``StallError`` after
+    60 s, before 2026-12-07). The check is kept on the optimizer and runs where every rank meets: the
+    broadcast callback (which builds the others' optimizers at the same point) or else the first
+    ``apply``, at the place where an unbuilt optimizer builds.
+    """
+    if _DEFER_AGREEMENT.get():
+        optimizer.__dict__["_unison_deferred_agreement"] = check
+    else:
+        check()
+
+
+def run_deferred_agreement(optimizer: Any) -> None:
+    """Run the check a build of ``optimizer`` (or of the optimizer it wraps) kept for later, once."""
+    for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        check = opt.__dict__.pop("_unison_deferred_agreement", None) if opt is not None else None
+        if check is not None:
+            check()
 
 
 #: (which inner optimizers, the agreeing LossScaleOptimizer class for a class): registered by

@@ -21,6 +21,7 @@ k after the reduction, and the applied update is Horovod's.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import keras
@@ -28,7 +29,7 @@ import keras
 from unison.common.compression import Compression
 from unison.common.engine import frontend
 from unison.common.ops import Average, Sum, parse_op
-from unison.keras.optimizer import rebuilt
+from unison.keras.optimizer import agree_at_build, rebuilt, run_deferred_agreement
 from unison.tf_backend.functions import check_groups, local_layer_variables, reduce_partial, source_key
 from unison.tf_backend.op_base import call_name
 
@@ -110,6 +111,9 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
         reduced = reduce_partial(list(grads), variables, _local_vars(self), scale_local_gradients, rop,
                                  pre, post * factor, compression, sparse_as_dense, call_name(base), process_set,
                                  local_factor=factor)
+        # a build check kept for later runs here, where an unbuilt optimizer's build (in super().apply)
+        # runs its own: [Note: a build check left for later] in unison/keras/optimizer.py
+        run_deferred_agreement(self)
         return super(cls, self).apply(reduced, trainable_variables)
 
     def register_local_var(self: Any, var: Any) -> None:
@@ -121,7 +125,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
         # the global set (ZeRO takes no other): on a subset it waited for ranks that never build one (before
         # 2026-12-07 a model trained by some ranks only hung in its first step), as Horovod runs nothing here
         if not self.built and process_set in (None, global_process_set):
-            zero.agree(0, "", f"{type(self).__name__}.build")
+            agree_at_build(self, functools.partial(zero.agree, 0, "", f"{type(self).__name__}.build"))
         super(cls, self).build(variables)
 
     base_cls = optimizer.__class__
