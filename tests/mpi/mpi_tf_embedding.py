@@ -43,6 +43,17 @@ def make_model(embedding: keras.layers.Layer) -> keras.Model:
                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
 
 
+def dense_twin(model):
+    """One process's twin of ``model``: a Keras ``Embedding`` starting from the table's rows, the same dense
+    weights, compiled alike; returns ``(twin, its embedding)``."""
+    ref_emb = keras.layers.Embedding(ROWS, DIM, embeddings_initializer=keras.initializers.Constant(
+        init_rows(np.arange(ROWS))))
+    ref = make_model(ref_emb)
+    ref.layers[-1].set_weights(model.layers[-1].get_weights())
+    ref.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+    return ref, ref_emb
+
+
 def same_everywhere(a: np.ndarray) -> bool:
     return all(np.array_equal(a, other) for other in WORLD.allgather(np.asarray(a)))
 
@@ -74,11 +85,7 @@ def test_fit_matches_one_process_dense_embedding(strategy):
     dense_init = model.layers[-1].get_weights()
     assert same_everywhere(np.concatenate([w.ravel() for w in dense_init]))
 
-    ref_emb = keras.layers.Embedding(ROWS, DIM, embeddings_initializer=keras.initializers.Constant(
-        init_rows(np.arange(ROWS))))
-    ref = make_model(ref_emb)
-    ref.layers[-1].set_weights(dense_init)
-    ref.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+    ref, ref_emb = dense_twin(model)
 
     rows = fit_like_reference(model, layer, ref, ref_emb)
     assert not np.allclose(rows, init_rows(np.arange(ROWS)), atol=1e-4)  # it did train
@@ -255,11 +262,7 @@ def test_fit_with_several_steps_per_execution_matches_one_process(strategy):
         layer = ShardedEmbedding(ROWS, DIM, optimizer=ps.SGD(LR), initializer=init_rows, name="emb-spe")
         model = make_model(layer)
         model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", steps_per_execution=2)
-    ref_emb = keras.layers.Embedding(ROWS, DIM, embeddings_initializer=keras.initializers.Constant(
-        init_rows(np.arange(ROWS))))
-    ref = make_model(ref_emb)
-    ref.layers[-1].set_weights(model.layers[-1].get_weights())
-    ref.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+    ref, ref_emb = dense_twin(model)
     fit_like_reference(model, layer, ref, ref_emb)
     assert layer.table.stats()["pushes"] == 2 * STEPS
     layer.table.close()
@@ -546,11 +549,7 @@ def test_fit_evaluate_and_predict_return_with_every_step_in_the_table(strategy):
         layer = ShardedEmbedding(ROWS, DIM, optimizer=ps.SGD(LR), initializer=init_rows, name="emb-kept")
         model = make_model(layer)
         model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
-    ref_emb = keras.layers.Embedding(ROWS, DIM, embeddings_initializer=keras.initializers.Constant(
-        init_rows(np.arange(ROWS))))
-    ref = make_model(ref_emb)
-    ref.layers[-1].set_weights(model.layers[-1].get_weights())
-    ref.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+    ref, ref_emb = dense_twin(model)
     model(IDS[:2])  # no gradient follows
     for _ in range(2):
         model.fit(data().take(1), epochs=1, verbose=0, shuffle=False)

@@ -189,10 +189,7 @@ def grouped_sum(tensors: Sequence[Any], base: str, overlap: bool = False) -> lis
     if overlap:
         submits = [(lambda a, i=i: _submit_sum(f"{name}.{i}", a), [t]) for i, t in enumerate(ts)]
         return _host_collective(submits, [(t.dtype, t.shape) for t in ts])
-    # one grouped request; its small members come back as one tensor per dtype (host_ops.run_grouped)
-    return host_ops.run_grouped(
-        lambda arrays: frontend.grouped_allreduce_async([np.ascontiguousarray(a) for a in arrays], Sum, name),
-        ts, name)
+    return _grouped(ts, Sum, name)
 
 
 def grouped_max(tensors: Sequence[Any], base: str) -> list[tf.Tensor]:
@@ -200,9 +197,14 @@ def grouped_max(tensors: Sequence[Any], base: str) -> list[tf.Tensor]:
     ts = [tf.convert_to_tensor(t) for t in tensors]
     if not ts or runtime.size() == 1:
         return ts
-    name = _op_name(base)
+    return _grouped(ts, Max, _op_name(base))
+
+
+def _grouped(ts: list[tf.Tensor], op: Any, name: str) -> list[tf.Tensor]:
+    """One grouped request of ``op``; its small members come back as one tensor per dtype
+    (host_ops.run_grouped)."""
     return host_ops.run_grouped(
-        lambda arrays: frontend.grouped_allreduce_async([np.ascontiguousarray(a) for a in arrays], Max, name),
+        lambda arrays: frontend.grouped_allreduce_async([np.ascontiguousarray(a) for a in arrays], op, name),
         ts, name)
 
 

@@ -50,7 +50,7 @@ from unison.common.engine.controller import (
 from unison.common.engine.errors import DuplicateNameError, JoinError, ShutdownError, StallError, process_failure
 from unison.common.engine.executor import Executor
 from unison.common.engine.handles import Handle, wake_waiters
-from unison.common.engine.process_sets import ProcessSet
+from unison.common.engine.process_sets import ProcessSet, not_registered
 from unison.common.engine.requests import AUTO_NAME_MARK, Kind, Request
 from unison.common.engine.stalls import stall_flags, stall_round
 from unison.common.engine.timeline import Timeline, row
@@ -299,8 +299,7 @@ class Engine:
     def process_set(self, ps: ProcessSet | None) -> _SetState:
         sid = 0 if ps is None else ps.process_set_id
         if sid is None or (ps is not None and ps.ranks is not None and not self._registered(ps)):
-            raise ValueError(f"{ps!r} is not registered; pass it to unison.init(process_sets=[...]) or "
-                             "unison.add_process_set() on every rank first")
+            raise not_registered(ps)
         state = self._sets.get(sid)
         if state is None:
             raise ValueError(f"this rank ({self.rank}) is not a member of {ps!r}")

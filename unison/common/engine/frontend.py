@@ -30,7 +30,7 @@ from unison.common.dtypes import dtype_code
 from unison.common.engine.engine import Engine, caller_waits
 from unison.common.engine.errors import refusal_kind
 from unison.common.engine.handles import Handle, wait_all
-from unison.common.engine.process_sets import ProcessSet, global_process_set
+from unison.common.engine.process_sets import ProcessSet, global_process_set, not_registered
 from unison.common.engine.requests import AUTO_NAME_MARK, AUTO_NAME_SLOTS, Kind, Request
 from unison.common.engine.timeline import Timeline
 from unison.common.exceptions import MismatchError
@@ -154,7 +154,7 @@ def _auto_name(kind: str, name: str | None, process_set: ProcessSet | None = Non
     elif sid is None:  # removed or never added: refused before it takes a name (before 2026-12-07 it took the
         # global set's next one, and the ranks that made the refused call paired their next unnamed global
         # calls with the other ranks' previous ones: each other's data, then a stall; found by an audit)
-        raise _not_registered(process_set)
+        raise not_registered(process_set)
     else:
         counters, key = _set_counters(process_set, sid), f"{kind}.set{sid}"
     me = threading.current_thread()
@@ -228,12 +228,7 @@ def reset_auto_names() -> None:
 def _check_local(process_set: ProcessSet | None) -> None:
     """In a size-1 job: only registered sets (which all hold rank 0) are usable."""
     if process_set is not None and process_set.process_set_id is None:
-        raise _not_registered(process_set)
-
-
-def _not_registered(process_set: ProcessSet) -> ValueError:
-    return ValueError(f"{process_set!r} is not registered; pass it to unison.init(process_sets=[...]) "
-                      "or unison.add_process_set() on every rank first")
+        raise not_registered(process_set)
 
 
 def _set_id(eng: Engine, process_set: ProcessSet | None) -> tuple[int, int]:

@@ -13,7 +13,7 @@ import operator
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["ProcessSet", "global_process_set", "set_rank", "set_size"]
+__all__ = ["ProcessSet", "global_process_set", "set_rank", "set_size", "not_registered"]
 
 
 class ProcessSet:
@@ -62,6 +62,12 @@ class ProcessSet:
     def __repr__(self) -> str:
         who = "all ranks" if self.ranks is None else f"ranks={self.ranks}"
         return f"ProcessSet(id={self.process_set_id}, {who})"
+
+
+def not_registered(process_set: ProcessSet | None) -> ValueError:
+    """The error for a set that was never added, or was removed (the same wherever the set is refused)."""
+    return ValueError(f"{process_set!r} is not registered; pass it to unison.init(process_sets=[...]) or "
+                      "unison.add_process_set() on every rank first")
 
 
 def _communicator_ranks(comm: Any) -> list[int]:
