@@ -645,6 +645,25 @@ def test_a_discovery_script_is_killed_with_its_children_at_the_timeout(tmp_path:
         raise AssertionError(f"the script's child {child} outlived the timeout")
 
 
+def test_a_discovery_script_that_leaves_a_child_holding_its_output_is_read_when_it_exits(tmp_path: Path) -> None:
+    """A script that starts a daemon (``cmd &``) and exits: its hosts are read at once. Before 2026-12-07 the
+    output was read through pipes, which the child kept open: every poll waited out the timeout and failed."""
+    import os
+    import signal
+    import time
+
+    pidfile = tmp_path / "child.pid"
+    script = tmp_path / "hosts.sh"
+    script.write_text(f"#!/bin/sh\nsleep 300 &\necho $! > {pidfile}\necho a:2\necho b:1\n")
+    script.chmod(0o755)
+    started = time.monotonic()
+    try:
+        assert [(h.name, h.slots) for h in discover(str(script), timeout_s=5.0)] == [("a", 2), ("b", 1)]
+        assert time.monotonic() - started < 3
+    finally:
+        os.kill(int(pidfile.read_text()), signal.SIGKILL)
+
+
 def test_with_discovery_the_first_job_waits_for_np_slots_then_takes_every_slot(tmp_path: Path, caplog) -> None:
     """Horovod's rule for -np with a discovery script: the run starts once -np slots are there, on every slot
     up to --max-np (before 2026-12-07 -np was ignored). Later jobs need only --min-np."""

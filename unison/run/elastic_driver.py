@@ -167,25 +167,31 @@ def discover(script: str, timeout_s: float = 30.0) -> list[Host]:
 
     The script runs in a session of its own, so a stop signal typed at the terminal reaches unisonrun (which
     ends the run) and not the script, and a script that outlives ``timeout_s`` is killed with every process
-    it started (a child left holding its output kept it open).
+    it started. Its output goes to unnamed temporary files, read once the script itself has exited: a child
+    it leaves running in the background (a daemon it starts, ``cmd &``) may keep the output open without
+    holding the poll up (before 2026-12-07 it was read through pipes, so such a child made every poll wait
+    out the timeout and fail).
 
     Raises:
         RuntimeError: the script failed, timed out, printed a malformed line or output that is not UTF-8
             text (before 2026-12-07 a UnicodeDecodeError, which ended unisonrun with a traceback before the
             first job and killed the watcher that notices host changes during one).
     """
-    try:
-        child = subprocess.Popen([script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 start_new_session=True)
-    except OSError as error:
-        raise RuntimeError(f"host discovery script {script!r} could not run: {error}") from error
-    try:
-        out, err = child.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired as error:
-        _kill_group(child)
-        raise RuntimeError(f"host discovery script {script!r} could not run: it did not finish within "
-                           f"{timeout_s:g} s (its output must end: a process it leaves running must not "
-                           "hold it open)") from error
+    with tempfile.TemporaryFile() as out_file, tempfile.TemporaryFile() as err_file:
+        try:
+            child = subprocess.Popen([script], stdin=subprocess.DEVNULL, stdout=out_file, stderr=err_file,
+                                     start_new_session=True)
+        except OSError as error:
+            raise RuntimeError(f"host discovery script {script!r} could not run: {error}") from error
+        try:
+            child.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired as error:
+            _kill_group(child)
+            raise RuntimeError(f"host discovery script {script!r} could not run: it did not finish within "
+                               f"{timeout_s:g} s") from error
+        out_file.seek(0)
+        err_file.seek(0)
+        out, err = out_file.read(), err_file.read()
     if child.returncode != 0:
         raise RuntimeError(f"host discovery script {script!r} exited with status {child.returncode}: "
                            f"{err.decode('utf-8', 'replace').strip()[-300:]}")
@@ -211,8 +217,8 @@ def _kill_group(child: subprocess.Popen[bytes]) -> None:
     except OSError:  # (gone already)
         child.kill()
     try:
-        child.communicate(timeout=5)
-    except subprocess.TimeoutExpired:  # a grandchild that escaped the group holds the pipes: leave them
+        child.wait(timeout=5)
+    except subprocess.TimeoutExpired:  # (not reaped after SIGKILL: uninterruptible; leave it)
         pass
 
 
