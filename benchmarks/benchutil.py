@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["human_bytes", "human_time", "atomic_write", "write_json", "list_choices", "selected",
-           "ratio_target", "kill_group"]
+           "ratio_target", "kill_group", "shown"]
 
 
 def human_bytes(n: int) -> str:
@@ -64,15 +64,26 @@ def selected(groups: Sequence[Sequence[str]], allowed: Sequence[str]) -> list[st
     return [a for a in allowed if a in chosen]
 
 
+def shown(value: float, ok: bool, bound: float, at_least: bool, digits: int = 2) -> str:
+    """``value`` with ``digits`` decimals, or more where fewer would print it on the wrong side of ``bound``: a
+    miss never shows the threshold itself (1.2496 against ">= 1.25" is "1.2496", not "1.25" or "1.250"), nor a
+    pass a number that looks like a miss."""
+    for d in range(digits, 9):
+        text = f"{value:.{d}f}"
+        printed = float(text)
+        meets = printed >= bound if at_least else printed <= bound
+        if meets == ok:
+            return text
+    return repr(value)
+
+
 def ratio_target(what: str, mine: float | None, theirs: float | None, minimum: float, note: str = "") -> str:
     """A target line ``  what = 1.23  (target >= minimum)  PASS``, or "n/a   not measured"."""
     if mine is None or theirs is None:
         return f"  {what} = n/a   not measured"
     ratio = mine / theirs
-    verdict = "PASS" if ratio >= minimum else "MISS"
-    # two decimals, unless rounding would print the threshold itself for a miss (0.998 as "1.00")
-    digits = 2 if verdict == "PASS" or round(ratio, 2) < minimum else 3
-    return f"  {what} = {ratio:.{digits}f}  (target >= {minimum})  {verdict}{note}"
+    ok = ratio >= minimum
+    return f"  {what} = {shown(ratio, ok, minimum, True)}  (target >= {minimum})  {'PASS' if ok else 'MISS'}{note}"
 
 
 def kill_group(proc: subprocess.Popen[str]) -> None:

@@ -78,7 +78,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from benchutil import atomic_write, human_bytes, human_time, list_choices, selected, write_json
+from benchutil import atomic_write, human_bytes, human_time, list_choices, selected, shown, write_json
 
 logger = logging.getLogger("benchmarks.collectives")
 
@@ -542,7 +542,8 @@ def print_summaries(records: Sequence[Record]) -> None:
             print(f"  {what:<58} = n/a   (target {cmp} {bound})  not measured")
             continue
         ok = value >= bound if cmp == ">=" else value <= bound
-        print(f"  {what:<58} = {value:.2f}  (target {cmp} {bound})  {'PASS' if ok else 'MISS'}")
+        print(f"  {what:<58} = {shown(value, ok, bound, cmp == '>=')}  (target {cmp} {bound})  "
+              f"{'PASS' if ok else 'MISS'}")
     floors = [(op, nbytes) for op, nbytes, metric, other, _, _ in TARGETS
               if metric == "time" and other == "mpi-native" and (op, "mpi+agree", nbytes) in by]
     if floors:
@@ -561,7 +562,8 @@ def print_summaries(records: Sequence[Record]) -> None:
             continue
         what = f"{human_bytes(nbytes)} {op} (auto = mpi) unison-auto time / mpi-native time"
         ok = value <= AUTO_MPI_BOUND
-        print(f"  {what:<58} = {value:.2f}  (target <= {AUTO_MPI_BOUND})  {'PASS' if ok else 'MISS'}")
+        print(f"  {what:<58} = {shown(value, ok, AUTO_MPI_BOUND, False)}  (target <= {AUTO_MPI_BOUND})  "
+              f"{'PASS' if ok else 'MISS'}")
 
 
 def write_png(path: Path, records: Sequence[Record], membw: float) -> None:

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchutil import atomic_write, write_json
+from benchutil import atomic_write, shown, write_json
 
 logger = logging.getLogger("benchmarks.elastic")
 
@@ -249,8 +249,10 @@ def target_lines(records: list[Record], args: argparse.Namespace) -> list[str]:
     lines = ["targets:"]
     if mine and theirs:
         ratio = mine.recovery_s / theirs.recovery_s
+        text = shown(ratio, ratio <= RECOVERY_RATIO, RECOVERY_RATIO, False, 3)
         lines.append(f"  in-place recovery / torchrun recovery = {mine.recovery_s:.3f} s / "
-                     f"{theirs.recovery_s:.3f} s = {ratio:.3f}  (target <= {RECOVERY_RATIO})  "
+                     f"{theirs.recovery_s:.3f} s = {text}  "
+                     f"(target <= {RECOVERY_RATIO})  "
                      f"{_verdict(ratio <= RECOVERY_RATIO)}")
     else:
         lines.append("  in-place recovery / torchrun recovery = n/a (a run failed or was not asked for)  MISS")
@@ -258,7 +260,8 @@ def target_lines(records: list[Record], args: argparse.Namespace) -> list[str]:
     if restart and theirs:
         ratio = restart.recovery_s / theirs.recovery_s
         lines.append(f"  restart-tier recovery / torchrun recovery = {restart.recovery_s:.3f} s / "
-                     f"{theirs.recovery_s:.3f} s = {ratio:.3f}  (target <= 1.0)  {_verdict(ratio <= 1.0)}")
+                     f"{theirs.recovery_s:.3f} s = {shown(ratio, ratio <= 1.0, 1.0, False, 3)}  (target <= 1.0)  "
+                     f"{_verdict(ratio <= 1.0)}")
         lines.append(f"  restart-tier work lost = {restart.steps_lost} steps  (target <= one commit interval, "
                      f"{args.commit_every})  {_verdict(restart.steps_lost <= args.commit_every)}")
         lines.append(f"  restart-tier commit overhead = {restart.commit_fraction * 100:.2f}% of step time "

@@ -88,7 +88,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchutil import atomic_write, kill_group, list_choices, ratio_target, selected, write_json
+from benchutil import atomic_write, kill_group, list_choices, ratio_target, selected, shown, write_json
 
 logger = logging.getLogger("benchmarks.embeddings")
 
@@ -537,7 +537,8 @@ def print_targets(records: Sequence[Record], args: argparse.Namespace) -> None:
                     print(f"  {what} = n/a   not measured")
                     continue
                 ratio = r.bytes_per_step / r.touched_bytes_per_step
-                print(f"  {what} = {ratio:.3f}  (target <= {BYTES_SLACK:g})  "
+                text = shown(ratio, ratio <= BYTES_SLACK, BYTES_SLACK, False, 3)
+                print(f"  {what} = {text}  (target <= {BYTES_SLACK:g})  "
                       f"{'PASS' if ratio <= BYTES_SLACK else 'MISS'}")
         for touched in args.touched:
             ssp = find(records, np_, touched, "unison-ssp2", slowed=True)

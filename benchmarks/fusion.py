@@ -95,7 +95,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from benchutil import human_bytes, human_time, list_choices, selected, write_json
+from benchutil import human_bytes, human_time, list_choices, selected, shown, write_json
 
 logger = logging.getLogger("benchmarks.fusion")
 
@@ -494,22 +494,25 @@ def print_targets(records: Sequence[Record], n: int) -> None:
     print(f"\ntargets (np={n})")
     for case, impl, metric, bound in TARGETS:
         rec = by.get((case, impl))
+        digits, unit = 2, ""
         if metric == "ratio":
             what = f"{case} {impl} time / floor"
             value = rec.time_s / floor[case] if rec is not None and case in floor else None
-            shown, unit = ("n/a" if value is None else f"{value:.2f}"), ""
         elif metric.startswith("vs:"):
             other = by.get((case, metric[3:]))
             what = f"{case} {impl} time / {metric[3:]}"
             value = rec.time_s / other.time_s if rec is not None and other is not None else None
-            shown, unit = ("n/a" if value is None else f"{value:.2f}"), ""
         else:
             what = f"{case} {impl} time"
             value = rec.time_s * 1e3 if rec is not None else None
-            shown, unit = ("n/a" if value is None else f"{value:.3f} ms"), " ms"
-        verdict = "not measured" if value is None else "PASS" if value <= bound else "MISS"
+            digits, unit = 3, " ms"
+        if value is None:
+            verdict, text = "not measured", "n/a"
+        else:
+            verdict = "PASS" if value <= bound else "MISS"
+            text = shown(value, value <= bound, bound, False, digits) + unit
         target = f"(target <= {bound:g}{unit})"
-        print(f"  {what:<40} = {shown:<9} {target:<20} {verdict}")
+        print(f"  {what:<40} = {text:<9} {target:<20} {verdict}")
     print(f"\nreference from the issue: {REFERENCE}")
 
 

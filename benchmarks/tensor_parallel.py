@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchutil import atomic_write, list_choices, ratio_target, selected, write_json  # noqa: E402
+from benchutil import atomic_write, list_choices, ratio_target, selected, shown, write_json  # noqa: E402
 from tensor_parallel_worker import CONFIGS, block_params, tp_of  # noqa: E402
 from zero import launch  # noqa: E402
 
@@ -205,7 +205,8 @@ def param_line(r: Record) -> str:
         return f"  {what} = n/a   FAILED"
     ratio = r.param_bytes / (r.whole_param_bytes / r.tp)
     verdict = "PASS" if ratio <= 1 + PARAM_SLACK else "MISS"
-    return f"  {what} = {ratio:.3f}  (target <= {1 + PARAM_SLACK:g})  {verdict}"
+    text = shown(ratio, verdict == "PASS", 1 + PARAM_SLACK, False, 3)
+    return f"  {what} = {text}  (target <= {1 + PARAM_SLACK:g})  {verdict}"
 
 
 def comm_line(r: Record) -> str:

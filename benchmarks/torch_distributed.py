@@ -153,8 +153,9 @@ def run_ops(world: Any, groups: dict[str, Any], sizes: list[int], reps: int) -> 
             for backend, group in groups.items():
                 t = torch.ones(numel)
                 seconds = time_op(world, _op_call(op, t, group, n), reps)
-                nbytes = numel * 4
-                busbw = BUS_FACTOR[op](n) * nbytes / seconds / 1e9
+                nbytes = numel * 4  # each rank's input; an all-gather moves n of them (nccl-tests' S)
+                moved = nbytes * n if op == "all_gather" else nbytes
+                busbw = BUS_FACTOR[op](n) * moved / seconds / 1e9
                 records.append(OpRecord(op, backend, n, nbytes, seconds, busbw))
     return records
 

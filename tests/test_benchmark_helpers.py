@@ -25,7 +25,9 @@ def test_ratio_target_verdicts_and_digits():
     assert benchutil.ratio_target("a", 1.3, 1.0, 1.3).endswith("= 1.30  (target >= 1.3)  PASS")
     # a miss that two decimals would print as the threshold itself gets a third decimal
     assert benchutil.ratio_target("b", 0.998, 1.0, 1.0).endswith("= 0.998  (target >= 1.0)  MISS")
-    assert benchutil.ratio_target("c", 1.2496, 1.0, 1.25).endswith("= 1.250  (target >= 1.25)  MISS")
+    assert benchutil.ratio_target("c", 1.2496, 1.0, 1.25).endswith("= 1.2496  (target >= 1.25)  MISS")
+    # before 2026-12-07 a miss by under 0.0005 printed the threshold: "1.250 (target >= 1.25) MISS"
+    assert benchutil.ratio_target("c2", 0.99996, 1.0, 1.0).endswith("= 0.99996  (target >= 1.0)  MISS")
     # a clear miss keeps two
     assert benchutil.ratio_target("d", 0.93, 1.0, 1.0).endswith("= 0.93  (target >= 1.0)  MISS")
     assert benchutil.ratio_target("e", None, 1.0, 1.0) == "  e = n/a   not measured"

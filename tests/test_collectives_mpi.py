@@ -137,3 +137,16 @@ def test_settings_that_must_match_are_compared_at_init(np_, tmp_path):
 def test_hierarchical_and_deterministic(np_, tmp_path):
     """Hosts simulated by splitting the ranks (r // 2, r % 2); 3 ranks make a non-homogeneous layout."""
     run_rank_suite(np_, "mpi_hierarchical.py", tmp_path)
+
+
+def test_the_collectives_demo_checks_every_result_on_every_rank():
+    """examples/collectives_demo.py at 3 ranks: one ``ok=`` per collective, each agreed by every rank (before
+    2026-12-07 the all-gather, reduce-scatter and all-to-all lines printed no check, and the others were rank 0's
+    own)."""
+    from harness import ROOT
+
+    proc = mpirun(3, [sys.executable, str(ROOT / "examples" / "collectives_demo.py"), "--size-mb", "1"],
+                  timeout=240, env=mpi_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    checks = [line for line in proc.stdout.splitlines() if "ok=" in line]
+    assert len(checks) == 7 and all(line.rstrip().endswith("ok=True") for line in checks), proc.stdout

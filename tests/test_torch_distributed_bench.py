@@ -35,6 +35,9 @@ def test_torch_distributed_benchmark_writes_its_records_and_target_lines(tmp_pat
     exchanges = [r for r in records if "op" not in r and "impl" not in r]
     assert {(r["op"], r["backend"]) for r in ops} == {(op, b) for op in OPS for b in ("unison", "gloo")}, ops
     assert all(r["np"] == 2 and r["bytes"] == 4096 and r["seconds"] > 0 and r["busbw_gbs"] > 0 for r in ops), ops
+    factor = {"all_reduce": 1.0, "all_gather": 0.5 * 2, "reduce_scatter": 0.5, "broadcast": 1.0}  # np 2
+    for r in ops:  # nccl-tests' busbw; an all-gather moves both ranks' inputs (before 2026-12-07 it counted one)
+        assert r["busbw_gbs"] == pytest.approx(factor[r["op"]] * r["bytes"] / r["seconds"] / 1e9), r
     assert {(r["model"], r["impl"]) for r in train} == {(m, i) for m in ("mlp", "cnn") for i in IMPLS}, train
     assert all(r["np"] == 2 and r["samples_per_s"] > 0 for r in train), train
     assert sorted(r["model"] for r in exchanges) == ["cnn", "mlp"], exchanges
