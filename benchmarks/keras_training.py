@@ -315,9 +315,17 @@ def mwms_worker(args: argparse.Namespace) -> int:
         strategy = tf.distribute.MultiWorkerMirroredStrategy(
             communication_options=tf.distribute.experimental.CommunicationOptions(implementation=impl))
         n = strategy.num_replicas_in_sync
+
+        @tf.function
+        def meet() -> Any:  # every worker's one-element all-reduce: the barrier the Unison cases get
+            return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce("sum", tf.ones([1])))
+
+        def barrier() -> None:  # (before 2026-12-07 none: a worker that started late made MWMS look slower)
+            strategy.experimental_local_results(meet())[0].numpy()
+
         results = {}
         for name in args.models:
-            timing = time_loop(strategy, name, n * batch_of(args, name), args, lambda: None)
+            timing = time_loop(strategy, name, n * batch_of(args, name), args, barrier)
             results[name] = timing.__dict__
         atomic_write(args.mwms_worker, lambda f: json.dump(results, f), "w")
     except BaseException:

@@ -316,6 +316,8 @@ def print_targets(records: Sequence[Record]) -> None:
             diff = abs(meas.bubble - sim.bubble)
             line(f"sleep {name:<11} bubble measured {meas.bubble:.3f} vs sim {sim.bubble:.3f} "
                  f"(|diff| {diff:.3f} <= {BUBBLE_TOLERANCE})", diff <= BUBBLE_TOLERANCE)
+        else:  # (a launch that failed, or a case not asked for: said, not skipped; before 2026-12-07 no line)
+            print(f"  sleep {name:<11} bubble measured vs sim = n/a   not measured")
     for stages in MEASURED:
         one, gp = find("1f1b", "measured", stages), find("gpipe", "measured", stages)
         if one and gp:
@@ -325,6 +327,8 @@ def print_targets(records: Sequence[Record]) -> None:
                  all(n == gp.m for n in gp.peak_per_stage))
             ratio = (one.samples_per_s or 0) / (gp.samples_per_s or float("inf"))
             line(f"{stages:<7} 1f1b / gpipe samples/s = {ratio:.3f} (>= 1.0)", ratio >= 1.0)
+        else:
+            print(f"  {stages:<7} 1f1b and gpipe peaks and samples/s = n/a   not measured")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -76,3 +76,14 @@ def test_collectives_rounds_repeat_the_small_cases_and_keep_each_ones_fastest():
     with pytest.raises(SystemExit):
         collectives.parse_args(["--rounds", "0"])
     assert collectives.parse_args([]).rounds == 3
+
+
+def test_pipeline_targets_say_not_measured_for_a_missing_case(capsys):
+    """A measured case that failed to launch gets an "n/a   not measured" line (before 2026-12-07 its target
+    lines were left out, so a failed case read as fewer targets rather than as unmeasured)."""
+    import pipeline
+
+    pipeline.print_targets([])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+    assert lines and all(line.endswith("n/a   not measured") for line in lines), lines
+    assert len(lines) == len(pipeline.SCHEDULES) + len(pipeline.MEASURED)
