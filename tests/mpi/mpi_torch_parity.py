@@ -1457,6 +1457,37 @@ def test_in_place_results_land_under_the_callers_inference_mode():
 
 
 @multi
+@pytest.mark.parametrize("who", ["every", "one"])
+def test_a_parameter_in_two_groups_is_refused_on_every_rank(who):
+    """Horovod's rule. Before 2026-12-07 groups=[[a, b], [b, c]] was taken: a's group, one short for ever,
+    waited for step(), so a was reduced after backward instead of during it. Given on one rank only, every rank
+    raises, and the next collective pairs."""
+    model = torch.nn.Linear(2, 2)
+    w, b = model.weight, model.bias
+    groups = [[w, b], [b]] if who == "every" or R == 1 else [[w], [b]]
+    with pytest.raises(ValueError, match="only appear once in groups=: entry 0 of group 1"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=[(f"twice.{who}.{n}", p) for n, p in model.named_parameters()],
+                                 groups=groups)
+    assert float(hvd.allreduce(torch.ones(1), op=hvd.Sum)) == N
+
+
+@multi
+def test_an_extra_backward_of_a_member_waiting_for_its_group_names_backward_passes_per_step():
+    """A member of a group that cannot complete yet (its partner unused) and a second backward before step():
+    before 2026-12-07 it was counted twice in its group, which raised DuplicateNameError on its own name."""
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([a, b], lr=0.1),
+                                   named_parameters=[("extra.a", a), ("extra.b", b)], groups=[[a, b]])
+    (a * 2).sum().backward()
+    with pytest.raises(RuntimeError, match="more than backward_passes_per_step=1 times"):
+        (a * 2).sum().backward()
+    opt.synchronize()
+    np.testing.assert_allclose(a.grad.numpy(), [4.0, 4.0])  # both passes' sum, reduced once
+    opt.zero_grad()
+
+
+@multi
 def test_groups_leave_frozen_parameters_out_so_their_group_reduces_during_backward():
     """Horovod leaves parameters without requires_grad out of groups=. Before 2026-12-07 a group listing a
     frozen one could not complete in backward (that parameter gets no gradient): all its members were

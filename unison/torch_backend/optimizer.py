@@ -121,7 +121,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------- hooks
     def _on_grad(self, p: torch.Tensor) -> None:
-        if p in self._pending:
+        # (a member waiting for its group is not pending yet, but its count is spent: before 2026-12-07 its
+        # extra pass counted it twice in the group, which then raised DuplicateNameError on its own name)
+        if p in self._pending or self._delay[p] <= 0:
             raise RuntimeError(
                 f"the gradient of {self._names[p]!r} was computed more than backward_passes_per_step="
                 f"{self._passes} times before optimizer.step(); increase backward_passes_per_step to "
@@ -474,11 +476,20 @@ def _groups(optimizer: torch.optim.Optimizer, num_groups: int,
         bounds = np.cumsum([0] + [base + (1 if i < extra else 0) for i in range(n)]).tolist()
         return [params[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
     owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    out = []
-    for group in groups:
+    out: list[list[torch.Tensor]] = []
+    seen: set[int] = set()
+    for index, group in enumerate(groups):
         group = list(group)
+        if any(not isinstance(p, torch.Tensor) for p in group):
+            bad = next(type(p).__name__ for p in group if not isinstance(p, torch.Tensor))
+            raise ValueError(f"groups= must be lists of the model's parameters (torch.Tensor); got a {bad}")
         if any(id(p) not in owned for p in group):
             raise ValueError("groups= lists a parameter the optimizer does not update")
+        for entry, p in enumerate(group):  # Horovod's rule; before 2026-12-07 a repeat was taken, and its first
+            if id(p) in seen:  # group, one short for ever, waited for step() (reduced after backward, not in it)
+                raise ValueError(f"a parameter can only appear once in groups=: entry {entry} of group {index} "
+                                 "is listed before; list each parameter in one group")
+            seen.add(id(p))
         # a frozen parameter gets no gradient: its group would complete only in step(), every member reduced
         # there, after backward (before 2026-12-07); Horovod leaves such parameters out of the groups too
         group = [p for p in group if p.requires_grad]
@@ -523,8 +534,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
     """
     runtime.state("DistributedOptimizer")
     try:
-        rop, stage, named = _checked(optimizer, named_parameters, compression, backward_passes_per_step, op,
-                                     gradient_predivide_factor, num_groups, groups, process_set, zero_stage)
+        rop, stage, named, chosen = _checked(optimizer, named_parameters, compression, backward_passes_per_step,
+                                             op, gradient_predivide_factor, num_groups, groups, process_set,
+                                             zero_stage)
     except (ValueError, TypeError, NotImplementedError) as exc:  # on this rank: the others raise it too
         if process_set is None or process_set.included():
             agree_on_stage(-1, None, process_set, refusal=exc)
@@ -542,7 +554,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
     if process_set is None or process_set.included():  # (outside the set: local steps, nothing to agree)
         agree_on_stage(0, f"{parameters_signature(named)}; {options}", process_set)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
-    chosen = _groups(optimizer, num_groups, groups)
     wrapped = cls(optimizer.param_groups, named, compression, backward_passes_per_step, rop,
                   gradient_predivide_factor, chosen, sparse_as_dense, process_set)
     # the user's defaults, not the class's: a group added later (add_param_group) takes its missing settings
@@ -555,8 +566,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
 
 def _checked(optimizer: torch.optim.Optimizer, named_parameters: Any, compression: Any,
              backward_passes_per_step: int, op: Any, gradient_predivide_factor: float, num_groups: int,
-             groups: Any, process_set: ProcessSet | None, zero_stage: int) -> tuple[Any, int, list]:
-    """``DistributedOptimizer``'s argument checks: (the op, the ZeRO stage, the named parameters).
+             groups: Any, process_set: ProcessSet | None, zero_stage: int) -> tuple[Any, int, list, Any]:
+    """``DistributedOptimizer``'s argument checks: (the op, the ZeRO stage, the named parameters, the groups).
 
     [Note: a refusal on one rank] They may fail on one rank alone (an argument computed per rank, a
     model built differently); the caller then takes part in the agreement the other ranks make, so that
@@ -588,5 +599,5 @@ def _checked(optimizer: torch.optim.Optimizer, named_parameters: Any, compressio
         raise TypeError(f"DistributedOptimizer makes a {optimizer.__class__.__name__} again from the parameter "
                         f"groups alone (as Horovod does), and its __init__ needs more ({refused}); give its other "
                         "arguments defaults (the groups keep the values you passed)")
-    return rop, stage, named
+    return rop, stage, named, _groups(optimizer, num_groups, groups)
 
