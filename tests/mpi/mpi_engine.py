@@ -1067,6 +1067,29 @@ def test_allreduce_with_compression_writes_into_out():
         unison.allreduce(x, name="comp.bad", compression=unison.Compression.fp16, out=np.zeros(4, np.float32))
 
 
+@needs_engine
+@pytest.mark.parametrize("algorithm", ["ring", "auto", "mpi"])
+@pytest.mark.parametrize("where", ["inside", "before"])
+def test_an_engine_out_overlapping_part_of_the_input_gets_the_sum(algorithm, where):
+    """Before 2026-12-07 the engine handed an out= half way into the input to the ring as it came, which read
+    segments it had already overwritten: 50000 of 300000 elements wrong on every rank at np 3 (an audit; the
+    direct API had been fixed the same day). A true in-place call (out=x) keeps writing into x."""
+    n = 300_000
+    want = sum(np.arange(n, dtype=np.float64) + r for r in range(N))
+    for k in range(2):  # the first call, then one the engine may have planned
+        buf = np.zeros(n + n // 2)
+        x, out = (buf[:n], buf[n // 2:]) if where == "inside" else (buf[n // 2:], buf[:n])
+        x[:] = np.arange(n, dtype=np.float64) + R
+        got = unison.allreduce(x, op=unison.Sum, name=f"overlap.{algorithm}.{where}.{k}", out=out,
+                               algorithm=algorithm)
+        assert got is out
+        np.testing.assert_array_equal(out, want)
+    x = np.arange(n, dtype=np.float64) + R
+    assert unison.allreduce(x, op=unison.Sum, name=f"overlap.{algorithm}.{where}.inplace", out=x,
+                            algorithm=algorithm) is x
+    np.testing.assert_array_equal(x, want)
+
+
 def test_is_homogeneous_asked_on_one_rank_after_init_is_local():
     """Before: the query's init hook was registered only when a backend was imported, so a backend imported after
     init() made its first call a collective on the job's communicator: one rank asking alone hung the job or

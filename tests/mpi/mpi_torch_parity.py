@@ -1456,6 +1456,17 @@ def test_in_place_results_land_under_the_callers_inference_mode():
     assert torch.equal(t, torch.full((3, 2), float(N - 1)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.complex32])
+def test_a_torch_dtype_numpy_cannot_hold_is_refused_naming_the_supported_ones_on_every_rank(dtype):
+    """Before 2026-12-07 the message was torch's "Got unsupported ScalarType Float8_e4m3fn", naming no fix. One
+    rank passes it: every rank raises, and the next call pairs."""
+    t = torch.zeros(4, dtype=dtype) if R == N - 1 else torch.zeros(4)
+    with pytest.raises(Exception, match=rf"torch dtype {dtype} is not supported .*supported dtypes: .*float32.*"
+                                        "Cast the tensor first"):
+        hvd.allreduce(t, op=hvd.Sum, name=f"uncarried.{dtype}")
+    assert float(hvd.allreduce(torch.ones(1), op=hvd.Sum)) == N
+
+
 @multi
 @pytest.mark.parametrize("who", ["every", "one"])
 def test_a_parameter_in_two_groups_is_refused_on_every_rank(who):

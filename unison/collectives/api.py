@@ -44,7 +44,7 @@ from unison.collectives.plans import (
     InlineAllreduce,
     ReducescatterPlan,
 )
-from unison.collectives.reduce import check_op, finalize, prescale, reducer, same_start
+from unison.collectives.reduce import check_op, finalize, overlaps_partly, prescale, reducer
 from unison.collectives.validate import as_array, check_root, check_splits, rows_split
 from unison.common import pool, runtime
 from unison.common.config import validate_algorithm
@@ -192,7 +192,7 @@ def allreduce(tensor: Any, op: Any = Average, name: str | None = None,
         MismatchError: ranks passed different shapes, dtypes, ops or factors (a ``ValueError``).
     """
     st = runtime.state("unison.allreduce()")
-    if out is not None and type(out) is np.ndarray and type(tensor) is np.ndarray and _overlaps(out, tensor):
+    if out is not None and type(out) is np.ndarray and type(tensor) is np.ndarray and overlaps_partly(out, tensor):
         tensor = tensor.copy()
     key = ("allreduce", tensor.shape, tensor.dtype, _op_key(op), prescale_factor, postscale_factor, algorithm) \
         if _plannable(tensor, st) else None
@@ -231,15 +231,6 @@ def allreduce(tensor: Any, op: Any = Average, name: str | None = None,
     if key is not None:
         _keep(neg, key, AllreducePlan(neg, call, rop, st.config.chunk_bytes))
     return result
-
-
-def _overlaps(out: np.ndarray, x: np.ndarray) -> bool:
-    """Whether ``out`` shares memory with ``x`` other than as the same array in place (same start, same layout).
-
-    The algorithms read ``x`` while they write ``out``: given ``out`` half way into ``x``, the ring
-    read segments it had already overwritten (50000 of 300000 elements wrong on every rank, before
-    2026-12-07; an audit), and MPI forbids such aliased buffers. ``x`` is then copied first."""
-    return np.may_share_memory(out, x) and not (same_start(out, x) and out.strides == x.strides)
 
 
 def _check_out(out: Any, x: np.ndarray) -> None:

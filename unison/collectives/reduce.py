@@ -24,7 +24,7 @@ from unison.common.dtypes import is_bool, is_float
 from unison.common.exceptions import CollectiveError
 from unison.common.ops import BITWISE, ReduceOp
 
-__all__ = ["reducer", "check_op", "prescale", "finalize", "accumulator", "reduce_stack"]
+__all__ = ["reducer", "check_op", "prescale", "finalize", "accumulator", "reduce_stack", "overlaps_partly"]
 
 #: The accumulator of integer averages (see [Note: integer average]).
 WIDE = np.dtype(np.int64)
@@ -104,6 +104,16 @@ def same_start(a: np.ndarray, b: np.ndarray) -> bool:
     overlap test goes first: arrays that share no memory, the usual case, never build one.
     """
     return a is b or (np.may_share_memory(a, b) and a.ctypes.data == b.ctypes.data)
+
+
+def overlaps_partly(out: np.ndarray, x: np.ndarray) -> bool:
+    """Whether ``out`` shares memory with ``x`` other than as the same array in place (same start, same layout).
+
+    The algorithms read ``x`` while they write ``out``: given ``out`` half way into ``x``, the ring
+    read segments it had already overwritten (50000 of 300000 elements wrong on every rank, before
+    2026-12-07; an audit, then a second for the engine's ``out=``), and MPI forbids such aliased
+    buffers. The callers copy ``x`` first."""
+    return np.may_share_memory(out, x) and not (same_start(out, x) and out.strides == x.strides)
 
 
 def prescale(src: np.ndarray, factor: float, out: np.ndarray) -> None:

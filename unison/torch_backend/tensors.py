@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from unison.common.compression import register_caster
-from unison.common.dtypes import bfloat16_dtype, is_bfloat16
+from unison.common.dtypes import bfloat16_dtype, is_bfloat16, supported_names
 
 __all__ = ["to_numpy", "from_numpy", "is_view", "result_tensor", "TorchCaster"]
 
@@ -59,7 +59,11 @@ def _to_numpy_slow(tensor: torch.Tensor) -> np.ndarray:
         t = t.contiguous()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(bfloat16_dtype())
-    return t.numpy(force=True)
+    try:
+        return t.numpy(force=True)
+    except TypeError as exc:  # float8, complex32, quantized: before 2026-12-07 torch's own words, naming no fix
+        raise TypeError(f"torch dtype {t.dtype} is not supported by Unison's collectives; supported dtypes: "
+                        f"{supported_names()}. Cast the tensor first (e.g. tensor.float())") from exc
 
 
 def is_view(arr: np.ndarray, tensor: torch.Tensor) -> bool:

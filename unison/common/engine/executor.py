@@ -55,7 +55,7 @@ import numpy as np
 
 from unison.collectives import kernels
 from unison.collectives.native import mpi_op, mpi_type
-from unison.collectives.reduce import finalize, prescale, same_start
+from unison.collectives.reduce import finalize, overlaps_partly, prescale, same_start
 from unison.common.dtypes import dtype_from_code
 from unison.common.engine.controller import Response
 from unison.common.engine.errors import REFUSALS, JoinError
@@ -380,6 +380,8 @@ class Executor:
         src = self._scaled(self._input(resp), sig, req is None)
         out = req.out if (req is not None and req.out is not None) else self.pool.empty(
             sig.shape, dtype_from_code(sig.dtype))
+        if req is not None and req.out is not None and overlaps_partly(out, src):
+            src = src.copy()  # (see overlaps_partly: the engine's out= got wrong sums before 2026-12-07)
         kernels.allreduce(self.comm, self.mpi, src, out.reshape(-1), ReduceOp(sig.op), self._kernel_prescale(sig),
                           sig.postscale, sig.algorithm, self.chunk_bytes)
         self.agreed_bytes += out.nbytes
