@@ -257,6 +257,12 @@ RANK_SCRIPT = textwrap.dedent(
             if step == 10 and rank == 0:
                 print("TRAINING", flush=True)
             time.sleep(0.05)
+    if sys.argv[1:] == ["finish"]:  # the job's last seconds: no collective pending (saving), then exit
+        for step in range(10):
+            unison.allreduce(np.ones(1000), name=f"step{step % 4}")
+        if rank == 0:
+            print("TRAINING", flush=True)
+        time.sleep(10)
     """
 )
 
@@ -386,11 +392,16 @@ def cut_link(namespace: str) -> None:
                    timeout=30)
 
 
-@pytest.mark.parametrize("fault", ["kill", "link-down"])
+@pytest.mark.parametrize("fault", ["kill", "link-down", "link-down-at-the-end"])
 def test_a_host_dying_mid_job_ends_it_naming_the_host(hosts, script, fault):
+    """``link-down-at-the-end``: the link goes down while the ranks do their last work without collectives, and
+    they reach shutdown() meanwhile: before 2026-12-07 the heartbeat stopped first, and the job waited in
+    MPI_Finalize for ever, naming nobody (an audit: still running 134 s after the fault)."""
     victim = hosts.hosts[1]
+    mode = "finish" if fault == "link-down-at-the-end" else "train"
+    fault = "link-down" if fault == "link-down-at-the-end" else fault
     process = subprocess.Popen([sys.executable, "-m", "unison.run", "--hostfile", hosts.hostfile, "-np", "4",
-                                sys.executable, script, "train"], stdout=subprocess.PIPE,
+                                sys.executable, script, mode], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, env=launch_env(), cwd=ROOT)
     try:
         out: list[str] = []

@@ -2012,3 +2012,28 @@ def test_an_elastic_relaunch_on_fewer_hosts_keeps_the_hostfiles_login_and_max_sl
     path.write_text("a slots=2\nb slots=2\nc slots=2\n")  # nothing -H cannot say: -H as before
     assert main(["--elastic", "--skip-host-check", "--hostfile", str(path), "-np", "6", "python", "x.py"]) == 0
     assert option_values(seen["command"], "-H") == ["a:2,b:2"] and seen["text"] is None
+
+
+def test_an_agent_path_with_an_unquoted_space_is_a_usage_error_naming_the_word(tmp_path, capsys, monkeypatch):
+    """Before 2026-12-07 the agent reached the probe split at the space, every host failed it as unreachable
+    (exit 69), and the message named the whole path, which exists. Quoted, it is taken."""
+    require_mpirun()
+    from unison.run import launcher
+    from unison.run.supervise import JobResult
+
+    monkeypatch.setattr(launcher, "run_command", lambda command, env, **options: JobResult(0))
+    monkeypatch.setattr(launcher, "_check_hosts", lambda *args, **kwargs: None)  # (no host to reach here)
+    folder = tmp_path / "my tools"
+    folder.mkdir()
+    agent = folder / "agent.sh"
+    agent.write_text("#!/bin/sh\nexit 0\n")
+    agent.chmod(0o755)
+    hostfile = write_hostfile(tmp_path, f"launch-agent={agent}", hosts=("node-a slots=1", "node-b slots=1"))
+    with pytest.raises(SystemExit) as stop:
+        main(["--hostfile", hostfile, "-np", "2", "python", "-c", "pass"])
+    assert stop.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"'{tmp_path / 'my'}' is not a command on this machine" in last and "quote a path" in last, last
+    quoted = write_hostfile(tmp_path, f"launch-agent={shlex.quote(str(agent))}", hosts=("node-a slots=1",
+                                                                                       "node-b slots=1"))
+    assert main(["--hostfile", quoted, "-np", "2", "python", "-c", "pass"]) == 0

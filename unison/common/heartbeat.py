@@ -282,9 +282,35 @@ def _stop(st: runtime.State) -> None:
     beat = st.cache.pop("heartbeat", None)
     if beat is None:
         return
+    if not st.cache.get("rebuilding"):
+        _farewell(beat)
     if not beat.stop():
         logger.debug("heartbeat did not stop cleanly within %.1f s", STOP_WAIT_S + 2.0)
     _retired.append(beat.comm)
+
+
+def _farewell(beat: Heartbeat) -> None:
+    """Waits, the heartbeat still running, until every rank has reached its shutdown.
+
+    [Note: the heartbeat watches until every rank is stopping]
+    After ``shutdown()`` a rank enters ``MPI_Finalize``, which waits for every host's daemon. A host that lost
+    its link in a job's last seconds (ranks saving a checkpoint, no collective pending) was never reported:
+    before 2026-12-07 the heartbeat stopped first and said goodbye, the engine's stop waited its 30 s, and
+    ``MPI_Finalize`` waited for the lost host for ever, naming nobody (an audit on test hosts: still running
+    134 s after the link went down). Now the heartbeat stops after the engine (a last shutdown hook) and
+    only once a nonblocking barrier on its communicator shows every rank stopping: until then a silent
+    neighbour is reported and the job aborted as at any other time. A rank that finishes early waits here
+    for the others, as it would in ``MPI_Finalize``. Not when elastic recovery rebuilds Unison (a failed
+    rank would never arrive), and not once the heartbeat has ended on an MPI failure (ULFM's report).
+    """
+    try:
+        request = beat.comm.Ibarrier()
+        while not request.Test():
+            if not beat._thread.is_alive():  # it reported a lost host (aborting), or MPI reported a failure
+                return
+            time.sleep(0.01)
+    except Exception as exc:  # noqa: BLE001 - an MPI failure (ULFM): nothing to wait for
+        logger.info("heartbeat: farewell ended by MPI: %s", exc)
 
 
 #: communicators of stopped heartbeats (see [Note: the heartbeat's communicator is never freed])
@@ -298,4 +324,4 @@ def running() -> bool:
 
 
 runtime.add_init_hook(_start)
-runtime.add_shutdown_hook(_stop)
+runtime.add_shutdown_hook(_stop, last=True)

@@ -482,7 +482,8 @@ def shutdown(rebuild: bool = False) -> None:
         state, _state = _state, None
     if state is None:
         return
-    for hook in list(_shutdown_hooks):
+    state.cache["rebuilding"] = rebuild
+    for hook in list(_shutdown_hooks) + list(_last_shutdown_hooks):
         hook(state)
     if not rebuild:  # after the engine stopped: a rank waiting in a collective for this one is told so
         for hook in list(_exit_hooks):
@@ -499,6 +500,7 @@ def shutdown(rebuild: bool = False) -> None:
 
 
 _shutdown_hooks: list[Any] = []
+_last_shutdown_hooks: list[Any] = []
 _exit_hooks: list[Any] = []
 _init_hooks: list[Any] = []
 _abort_hooks: list[Any] = []
@@ -524,10 +526,13 @@ def before_abort(reason: str) -> None:
             logger.debug("an abort hook failed", exc_info=True)
 
 
-def add_shutdown_hook(hook: Any) -> None:
-    """Run ``hook(state)`` at the start of :func:`shutdown` (used by the engine)."""
-    if hook not in _shutdown_hooks:
-        _shutdown_hooks.append(hook)
+def add_shutdown_hook(hook: Any, last: bool = False) -> None:
+    """Run ``hook(state)`` at the start of :func:`shutdown` (used by the engine); ``last``: after the others
+    (the heartbeat, which must watch the hosts while the engine stops). ``state.cache["rebuilding"]`` says
+    whether elastic recovery stops Unison to start it again."""
+    hooks = _last_shutdown_hooks if last else _shutdown_hooks
+    if hook not in hooks:
+        hooks.append(hook)
 
 
 def add_exit_hook(hook: Any) -> None:

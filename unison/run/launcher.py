@@ -660,6 +660,23 @@ def _wrap_agent(config: LaunchConfig, environ: Mapping[str, str], cleanup: conte
     return dataclasses.replace(config, launch_agent=wrapper)
 
 
+def _missing_agent(agent: str | None, environ: Mapping[str, str]) -> str | None:
+    """Why the launch agent's command cannot run on this machine (mpirun runs it here), or None.
+
+    Before 2026-12-07 an agent whose unquoted path held a space (``/opt/my tools/agent.sh``) reached the probe
+    split in two, and every host failed it as unreachable (exit 69) with a message naming the whole path, which
+    exists; now it is a usage error (exit 2) naming the word that is not a command.
+    """
+    if agent is None:
+        return None
+    words = agent_words(agent)
+    if not words or shutil.which(words[0], path=environ.get("PATH")) is not None:
+        return None
+    spaced = " (the agent is split into shell words at spaces: quote a path that holds one, e.g. " \
+        "--launch-agent \"'/opt/my tools/agent.sh'\")" if len(words) > 1 else ""
+    return f"launch agent {agent!r}: {words[0]!r} is not a command on this machine{spaced}"
+
+
 class _EarlyStop:
     """Stop signals before ``mpirun`` runs: ends the probe's agents, and ``mpirun`` never starts
     (see [Note: a signal during the probe] in ``probe.py``)."""
@@ -733,6 +750,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         except (ValueError, OSError, MpirunNotFoundError) as error:
             parser.error(str(error))
+        missing = _missing_agent(label, environ) if not args.dry_run else None
+        if missing:
+            parser.error(missing)
         if args.dry_run:  # the variables the flags stand for go first (mpirun's -x forwards them by name only)
             if _elastic(args) and args.host_discovery_script:
                 print("unisonrun: note: with --host-discovery-script each job's hosts and -np come from the "
