@@ -13,6 +13,9 @@ against one process trained on the global batch.
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import pytest
 import torch
 from mpi4py import MPI
@@ -1133,3 +1136,146 @@ def test_attention_from_a_sequence_first_multihead_attention_reads_its_layout():
         xb = seeded(70, 2, SEQ, 4 * tp)
         out = block(hvd.scatter_to_sequence(xb, ps)) if sp else block(xb)
         close(hvd.gather_from_sequence(out, ps, to_parallel=False) if sp else out, block_ref(xb))
+
+
+# ------------------------------------------------------ ZeRO and checkpoints on a dp x tp grid (audit 2026-12-07)
+
+
+def dp_tp_grid() -> tuple[Grid, Any]:
+    """The dp = N/2 x tp = 2 grid and this rank's sets (skips an odd job)."""
+    if N % 2:
+        pytest.skip("the dp x tp grid needs an even job")
+    grid = Grid(dp=N // 2, tp=2)
+    return grid, grid.register()
+
+
+def normed_mlp() -> nn.Sequential:
+    """A layer norm (replicated under tp, its weight moved off 1 so its gradient matters) before the MLP."""
+    torch.manual_seed(71)
+    model = nn.Sequential(nn.LayerNorm(6, dtype=D), nn.Linear(6, 8, dtype=D), nn.GELU(), nn.Linear(8, 4, dtype=D))
+    with torch.no_grad():
+        model[0].weight.add_(seeded(72, 6))
+    return model
+
+
+NORMED_PLAN = {"1": "colwise", "3": "rowwise"}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_clipping_of_a_tensor_parallel_model_uses_the_global_norm_like_one_process(stage):
+    """hvd.clip_grad_norm_ under ZeRO over the data group of a dp x tp grid returns one process's norm, and
+    3 clipped Adam steps leave every shard equal to its slice of one process's model, the replicated layer
+    norm equal on the tensor group. Before 2026-12-07 the norm was summed over the data group only: each
+    tensor shard was clipped by its own norm (0.66 where one process had 1.04), and the layer norm's copies
+    drifted apart across the tensor group (4.9e-3)."""
+    grid, sets = dp_tp_grid()
+    mine, per, clip = grid.coords(R).dp, 2, 0.05
+    ref = normed_mlp()
+    model = hvd.parallelize(normed_mlp(), NORMED_PLAN, sets.tp)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.05)
+    if stage == 3:
+        hvd.shard_module(model, process_set=sets.dp)
+        opt = torch.optim.Adam(model.parameters(), lr=0.05)
+        target = model
+    else:
+        opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.05),
+                                       named_parameters=model.named_parameters(), process_set=sets.dp,
+                                       zero_stage=stage)
+        target = opt
+    for step in range(3):
+        x, y = seeded(73 + step, per * grid.dp, 6), seeded(76 + step, per * grid.dp, 4)
+        ref_opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        ref_opt.step()
+        opt.zero_grad()
+        F.mse_loss(model(x[mine * per:(mine + 1) * per]), y[mine * per:(mine + 1) * per]).backward()
+        norm = hvd.clip_grad_norm_(target, clip)
+        opt.step()
+        assert expected > clip  # (every step clips)
+        torch.testing.assert_close(norm, expected.float())  # (the norm is returned in float32)
+    weights = hvd.full_state_dict(model) if stage == 3 else model.state_dict()
+    close(weights["0.weight"], ref[0].weight)
+    close(weights["1.weight"], piece(ref[1].weight, sets.tp, 0))
+    close(weights["1.bias"], piece(ref[1].bias, sets.tp, 0))
+    close(weights["3.weight"], piece(ref[3].weight, sets.tp, 1))
+    close(weights["3.bias"], ref[3].bias)
+    norms = hvd.allgather(weights["0.weight"].detach().reshape(1, -1), process_set=sets.tp)
+    assert torch.equal(norms[0], norms[1])
+
+
+def test_shard_module_over_ranks_holding_different_shards_is_refused_on_every_rank():
+    """Before 2026-12-07 shard_module over every rank broadcast rank 0's tensor shard over rank 1's and
+    averaged the gradients of different shards, silently; over the data group it trains (test above)."""
+    _, sets = dp_tp_grid()
+    model = hvd.parallelize(mlp(74, hidden=8, fan_in=6, fan_out=4), MLP_PLAN, sets.tp)
+    kept = model[0].weight.detach().clone()
+    with pytest.raises(ValueError, match=r"shard_module: '0.weight' is one shard of a tensor-parallel layer split "
+                                         r"over ranks .*Pass process_set= the data-parallel group"):
+        hvd.shard_module(model)
+    close(model[0].weight, kept)  # (nothing was broadcast)
+
+
+@pytest.fixture
+def shared_dir():
+    """A folder every rank sees (rank 0's temporary folder), removed afterwards."""
+    import shutil
+    import tempfile
+
+    path = WORLD.bcast(tempfile.mkdtemp(prefix="tp-zero-") if R == 0 else None)
+    yield path
+    WORLD.Barrier()
+    if R == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_save_sharded_of_a_tensor_parallel_model_is_refused_on_every_rank_naming_save_tensor_parallel(shared_dir):
+    """Before 2026-12-07 save_sharded stored each tensor shard as one replicated copy (rank 0's), and
+    load_sharded gave the other shard's ranks shard 0's weights, silently."""
+    _, sets = dp_tp_grid()
+    model = hvd.parallelize(mlp(75, hidden=8, fan_in=6, fan_out=4), MLP_PLAN, sets.tp)
+    path = os.path.join(shared_dir, "ckpt")
+    for what, call in (("save_sharded", hvd.save_sharded), ("load_sharded", hvd.load_sharded)):
+        with pytest.raises(ValueError, match=rf"{what}: '0.weight' is one shard of a tensor-parallel layer.*"
+                                             r"save_tensor_parallel\(path, model, data_process_set="):
+            call(path, model)
+
+
+def test_save_sharded_of_a_tensor_parallel_stage3_model_says_it_is_not_built(shared_dir):
+    """shard_module over the data group of a dp x tp grid: before 2026-12-07 the refusal advised sharding over the
+    global process set (refused for such a model) or full_state_dict (one tensor shard's weights)."""
+    _, sets = dp_tp_grid()
+    model = hvd.shard_module(hvd.parallelize(mlp(76, hidden=8, fan_in=6, fan_out=4), MLP_PLAN, sets.tp),
+                             process_set=sets.dp)
+    path = os.path.join(shared_dir, "ckpt3")
+    for call in (hvd.save_sharded, hvd.load_sharded):
+        with pytest.raises(ValueError, match=r"tensor-parallel model sharded by shard_module is not built.*"
+                                             r"save_tensor_parallel\(path, model, data_process_set="):
+            call(path, model)
+
+
+def test_saving_a_zero_optimizer_of_a_tensor_parallel_model_is_refused_naming_this_ranks_data_group(shared_dir):
+    """Before 2026-12-07 the refusal said "Save with the global process set", which a tensor-parallel model
+    cannot (its optimizer over every rank is refused), and every rank quoted rank 0's data group."""
+    _, sets = dp_tp_grid()
+    model = hvd.parallelize(mlp(76, hidden=8, fan_in=6, fan_out=4), MLP_PLAN, sets.tp)
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters()), named_parameters=model.named_parameters(),
+                                   process_set=sets.dp, zero_stage=1)
+    with pytest.raises(ValueError, match="the optimizer state of a tensor-parallel model is not built") as err:
+        hvd.save_sharded(os.path.join(shared_dir, "ckpt"), model, opt)
+    assert repr(sets.dp) in str(err.value)
+    assert "save_tensor_parallel(path, model, data_process_set=" in str(err.value)
+
+
+def test_a_tensor_parallel_save_of_data_replicas_without_their_data_group_names_data_process_set(shared_dir):
+    """Before 2026-12-07 the replicas' shards reached the core save as overlapping runs, whose advice
+    ("or pass the entry as Replicated") a caller of save_tensor_parallel cannot follow."""
+    grid, sets = dp_tp_grid()
+    if grid.dp < 2:
+        pytest.skip("needs two data replicas")
+    model = hvd.parallelize(mlp(77, hidden=8, fan_in=6, fan_out=4), MLP_PLAN, sets.tp)
+    path = os.path.join(shared_dir, "ckpt")
+    with pytest.raises(ValueError, match=r"ranks \d+ and \d+ both hold shard 0 of 2 of tensor-parallel entry "
+                                         r"'0\.\w+'.*data_process_set=sets\.dp"):
+        hvd.save_tensor_parallel(path, model)
+    hvd.save_tensor_parallel(path, model, data_process_set=sets.dp)  # the fix it names works

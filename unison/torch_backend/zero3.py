@@ -57,25 +57,28 @@ import hashlib
 import itertools
 import json
 import logging
-import math
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
 from unison.common.engine import frontend
 from unison.common.engine.objects import allgather_object
 from unison.common.engine.process_sets import ProcessSet, set_rank, set_size
-from unison.common.ops import Max, Sum
 from unison.common.zero.plan import DEFAULT_BUCKET_BYTES, ShardPlan
 from unison.torch_backend.handles import set_or_none
 from unison.torch_backend.tensors import from_numpy, to_numpy
 from unison.torch_backend.zero3_hooks import Sharded
 from unison.torch_backend.zero3_unit import ParamRef, build_unit, install, param_specs
-from unison.torch_backend.zero_state import check_optimizer
+from unison.torch_backend.zero_state import (
+    check_optimizer,
+    global_norm,
+    norm_part,
+    tensor_group,
+    tensor_parallel_groups,
+)
 
 __all__ = ["shard_module", "full_state_dict", "load_full_state_dict", "clip_sharded_grad_norm_",
            "zero3_memory"]
@@ -140,8 +143,10 @@ def shard_module(model: torch.nn.Module, process_set: ProcessSet | None = None,
     tag = f"zero3.m{next(_MODELS.setdefault(sid, itertools.count()))}" + (f".s{sid}" if sid else "")
     world, rank = set_size(ps), set_rank(ps)
     error, found, mine = None, [], ("",)  # type: tuple[Exception | None, list[_Found], tuple]
+    split: tuple[ProcessSet | None, set[tuple[int, int]]] = (None, set())
     try:
         found = _discover(model, unit_classes, prefetch)
+        split = _tensor_split(found, ps)
         if not isinstance(master_weights, bool):
             raise TypeError(f"master_weights={master_weights!r} must be True or False")
         mine = ("ok", _signature(found, world, bucket_bytes, master_weights, bool(sync_module_states)),
@@ -158,6 +163,8 @@ def shard_module(model: torch.nn.Module, process_set: ProcessSet | None = None,
         install(unit)
         unit.module.__dict__["_unison_zero3_unit"] = True
     state = Sharded(model, units, keys, prefetch, ps, tag)
+    # read by clip_sharded_grad_norm_: the units' views no longer show which parameters were shards
+    state.tensor_group, state.tensor_split = split  # type: ignore[attr-defined]
     state.install_hooks()
     _LIVE.add(state)
     model.__dict__["_unison_zero3"] = state
@@ -165,6 +172,23 @@ def shard_module(model: torch.nn.Module, process_set: ProcessSet | None = None,
     _check_optimizers_at_step()
     log.info("zero3: %d units, %d parameters sharded over %d ranks", len(units), mine[2], world)
     return model
+
+
+def _tensor_split(found: list[_Found], ps: ProcessSet | None) -> tuple[ProcessSet | None, set[tuple[int, int]]]:
+    """The tensor group of the model's tensor-parallel shards and their ``(unit, parameter)`` indices.
+
+    Raises:
+        ValueError: ``ps`` holds two ranks of a shard's tensor group: sharding over them broadcast rank 0's
+            shard over the others' and averaged the gradients of different shards, silently (before
+            2026-12-07); or the shards span two tensor groups.
+    """
+    from unison.torch_backend.tensor_parallel import shards_across
+
+    shards_across([(n, p) for f in found for n, p in zip(f.names, f.params, strict=True)], ps, "shard_module")
+    params = [(u, i, p) for u, f in enumerate(found) for i, p in enumerate(f.params)]
+    groups = tensor_parallel_groups([p for _, _, p in params])
+    return (tensor_group(groups, "shard_module"),
+            {(u, i) for (u, i, _), g in zip(params, groups, strict=True) if g is not None})
 
 
 def _refuse_deepcopy(memo: Any) -> Any:
@@ -418,7 +442,9 @@ def clip_sharded_grad_norm_(model: torch.nn.Module, max_norm: float, norm_type: 
 
     Each rank sums ``|g|^p`` over its shards' gradients (padding holds zeros), the sums are
     all-reduced (the maximum for ``inf``), and every shard is scaled by
-    ``min(1, max_norm / (norm + 1e-6))``.
+    ``min(1, max_norm / (norm + 1e-6))``. A tensor-parallel model's sums are added over its tensor
+    group too, each replicated parameter counted once ([Note: the global norm of a tensor-parallel
+    model] in ``zero_state.py``).
 
     Returns:
         The total norm (float32 scalar tensor), the same on every rank.
@@ -426,14 +452,19 @@ def clip_sharded_grad_norm_(model: torch.nn.Module, max_norm: float, norm_type: 
     state = _sharded(model, "clip_sharded_grad_norm_")
     norm_type = float(norm_type)
     grads = [f.shard.grad for u in state.units for f in u.flats.values() if f.shard.grad is not None]
-    if math.isinf(norm_type):
-        local = max((float(g.detach().abs().max()) for g in grads if g.numel()), default=0.0)
-        peak = frontend.allreduce(np.array([local]), Max, f"{state.tag}.clip", process_set=state.process_set)
-        total = float(peak[0])
+    group, split_at = getattr(state, "tensor_group", None), getattr(state, "tensor_split", set())
+    if group is None:
+        split, rest = 0.0, norm_part(grads, norm_type)
     else:
-        local = sum(float(g.detach().double().abs().pow(norm_type).sum()) for g in grads)
-        summed = frontend.allreduce(np.array([local]), Sum, f"{state.tag}.clip", process_set=state.process_set)
-        total = float(summed[0]) ** (1.0 / norm_type)
+        parts: dict[bool, list[torch.Tensor]] = {True: [], False: []}
+        for u, unit in enumerate(state.units):
+            for name, pieces in unit.owned.items():
+                i = unit.index[name]
+                grad = unit.flats[unit.flat_of[i]].shard.grad
+                if grad is not None:
+                    parts[(u, i) in split_at].extend(grad[pc.offset:pc.offset + pc.length] for pc in pieces)
+        split, rest = norm_part(parts[True], norm_type), norm_part(parts[False], norm_type)
+    total = global_norm(split, rest, norm_type, f"{state.tag}.clip", state.process_set, group)
     coef = float(max_norm) / (total + 1e-6)
     if not coef >= 1.0:  # (NaN too: every gradient NaN, as torch's clip_grad_norm_; kept before 2026-12-07)
         for g in grads:

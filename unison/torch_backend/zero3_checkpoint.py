@@ -53,6 +53,12 @@ def _state(model: Any) -> Sharded:
 
 
 def _comm(state: Sharded) -> Any:
+    if getattr(state, "tensor_group", None) is not None:  # (before 2026-12-07 the advice below, which cannot
+        # apply: shard_module over every rank is refused for such a model, and full_state_dict is one shard's)
+        raise ValueError("save_sharded/load_sharded of a tensor-parallel model sharded by shard_module is not "
+                         "built (its weights are split twice: by the tensor group and by shard_module over the "
+                         "data group). Checkpoint a tensor-parallel model without shard_module: "
+                         "save_tensor_parallel(path, model, data_process_set=...) saves its weights")
     if set_size(state.process_set) != runtime.size():
         raise ValueError(f"save_sharded/load_sharded run over every rank; this model is sharded over "
                          f"{set_size(state.process_set)} of {runtime.size()} ranks. Shard it over the global "

@@ -23,6 +23,7 @@ from unison.common import agreement, runtime
 from unison.common import checkpoints as ck
 from unison.common.checkpoints import agree
 from unison.torch_backend.tensors import from_numpy, to_numpy
+from unison.torch_backend.zero_state import tensor_parallel_groups
 
 __all__ = ["save_sharded", "load_sharded"]
 
@@ -30,9 +31,39 @@ __all__ = ["save_sharded", "load_sharded"]
 def _subset_problem(optimizer: Any) -> str | None:
     pset = getattr(optimizer, "process_set", None)
     if pset is not None and pset.ranks is not None and len(pset.ranks) != runtime.size():
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if any(g is not None for g in tensor_parallel_groups(params)):
+            # (one over every rank is refused for such a model: "use the global set" could not be followed)
+            return (f"save_sharded/load_sharded run over every rank, and this rank's optimizer runs over "
+                    f"{pset!r}, a subset, training shards of a tensor-parallel model: saving the optimizer state "
+                    "of a tensor-parallel model is not built. Save its weights with save_tensor_parallel(path, "
+                    "model, data_process_set=<this rank's data group, e.g. Grid(...).register().dp>)")
         return (f"save_sharded/load_sharded run over every rank; this optimizer's process set {pset!r} is a "
                 "subset. Save with the global process set")
     return None
+
+
+def _refuse_tensor_parallel(model: Any, what: str) -> None:
+    """Raise when ``model`` holds live shards of tensor-parallel layers (its state dict's tensors).
+
+    Stored as one copy (rank 0's, ``Replicated``), a shard loaded into every rank: the ranks of the other
+    shards got shard 0's weights, silently (before 2026-12-07; found by an audit).
+
+    Raises:
+        ValueError: naming the first shard and :func:`save_tensor_parallel`.
+    """
+    named = list(model.state_dict(keep_vars=True).items()) if isinstance(model, torch.nn.Module) else []
+    groups = tensor_parallel_groups([t for _, t in named])
+    split = [(name, group) for (name, _), group in zip(named, groups, strict=True) if group is not None]
+    if split:
+        name, group = split[0]
+        ranks = "every rank" if group.ranks is None else f"ranks {list(group.ranks)}"
+        raise ValueError(f"{what}: {name!r} is one shard of a tensor-parallel layer split over {ranks} "
+                         f"({len(split)} such tensor(s)); {what} keeps one copy of each weight it does not "
+                         "shard itself, so every rank would load one rank's shard. Save a tensor-parallel model "
+                         "with save_tensor_parallel(path, model, data_process_set=<this rank's data group, e.g. "
+                         "Grid(...).register().dp>) and load it with load_tensor_parallel(path, model) (weights "
+                         "only: its optimizer state is not saved)")
 
 
 def _comm(optimizer: Any, check: bool = True) -> Any:
@@ -181,6 +212,7 @@ def save_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
     agree_optimizers(comm, optimizer, "save_sharded")  # (the subset check included)
 
     def prepare() -> tuple[dict[str, Any], dict[str, Any]]:
+        _refuse_tensor_parallel(model, "save_sharded")
         entries = _model_entries(model, optimizer)
         meta: dict[str, Any] = {"user": metadata or {}, "optimizer": None}
         if optimizer is not None:
@@ -224,6 +256,7 @@ def load_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
     agree_optimizers(comm, optimizer)  # (before any rank can raise alone: the subset check included)
 
     def prepare() -> tuple[ck.Manifest, list[str], Any, dict[str, Any], dict[str, str]]:
+        _refuse_tensor_parallel(model, "load_sharded")
         manifest = ck.read_manifest(path)
         keys = list(model.state_dict().keys())
         missing = [k for k in keys if f"model.{k}" not in manifest.entries]
@@ -333,8 +366,10 @@ def agree_optimizers(comm: Any, optimizer: Any, what: str = "load_sharded") -> l
     some, which no load would read (before 2026-12-07; found by an audit)."""
     mine = None if optimizer is None else (f"{type(optimizer).__name__} (zero_stage "
                                            f"{getattr(optimizer, 'zero_stage', 0)})")
-    passed = agree.allgather(comm, (mine, _subset_problem(optimizer)))
-    subset = next((problem for _, problem in passed if problem), None)
+    own = _subset_problem(optimizer)
+    passed = agree.allgather(comm, (mine, own))
+    # each rank names its own set where it has one (the others' differ: a data group per tensor shard)
+    subset = own or next((problem for _, problem in passed if problem), None)
     if subset is not None:
         raise ValueError(subset)
     kinds = [kind for kind, _ in passed]

@@ -22,12 +22,12 @@ import torch
 from unison.common import runtime
 from unison.common.engine import frontend, objects
 from unison.common.engine.objects import agree_on_values, allgather_object
-from unison.common.engine.process_sets import ProcessSet
+from unison.common.engine.process_sets import ProcessSet, set_rank
 from unison.common.ops import Max, Sum
 from unison.torch_backend.tensors import from_numpy, to_numpy
 
 __all__ = ["ZeroStateMixin", "check_optimizer", "agree_on_stage", "clip_grad_norm_", "ELEMENTWISE",
-           "NOT_SHARDABLE"]
+           "NOT_SHARDABLE", "tensor_parallel_groups", "tensor_group", "norm_part", "global_norm"]
 
 # Optimizers whose update of each element depends only on that element's gradient and state:
 # stepping a flat slice gives the same numbers as stepping the whole tensors.
@@ -263,26 +263,97 @@ class ZeroStateMixin:
         """Clip every shard's gradient by the *global* norm (all ranks' shards together); return it.
 
         Synchronizes first when ``step()`` has not; the next ``step()`` then does not again.
-        Equals ``torch.nn.utils.clip_grad_norm_`` over the full averaged gradients.
+        Equals ``torch.nn.utils.clip_grad_norm_`` over the full averaged gradients, also when the
+        model is tensor-parallel ([Note: the global norm of a tensor-parallel model]).
+
+        Raises:
+            ValueError: on every rank, the parameters' tensor-parallel shards span two tensor groups.
         """
         if not self._synchronized:
             self.synchronize()
-        grads = [st.master.grad for st in self._buckets if st.master.grad is not None]
         norm_type = float(norm_type)
-        if math.isinf(norm_type):
-            local = max((g.detach().abs().max().item() for g in grads), default=0.0)
-            total = float(frontend.allreduce(np.array([local], np.float64), Max,
-                                             f"{self._base}.clipnorm", process_set=self._pset)[0])
+        params = [p for st in self._buckets for p in st.params]
+        groups = tensor_parallel_groups(params)
+        group = tensor_group(groups, "clip_grad_norm_")
+        grads = [st.master.grad for st in self._buckets if st.master.grad is not None]
+        if group is None:
+            split, rest = 0.0, norm_part(grads, norm_type)
         else:
-            local = sum(float((g.detach().double().abs() ** norm_type).sum()) for g in grads)
-            summed = frontend.allreduce(np.array([local], np.float64), Sum, f"{self._base}.clipnorm",
-                                        process_set=self._pset)
-            total = float(summed[0]) ** (1 / norm_type)
+            parts: dict[bool, list[torch.Tensor]] = {True: [], False: []}
+            split_ids = {id(p) for p, g in zip(params, groups, strict=True) if g is not None}
+            for st in self._buckets:
+                if st.master.grad is None:
+                    continue
+                by_name = {piece.name: p for piece, p in zip(st.bucket.pieces, st.params, strict=True)}
+                for piece in st.bucket.owned(self._rank):
+                    parts[id(by_name[piece.name]) in split_ids].append(
+                        st.master.grad[piece.offset:piece.offset + piece.length])
+            split, rest = norm_part(parts[True], norm_type), norm_part(parts[False], norm_type)
+        total = global_norm(split, rest, norm_type, f"{self._base}.clipnorm", self._pset, group)
         coef = float(max_norm) / (total + 1e-6)
         if not coef >= 1.0:  # (NaN too: every gradient NaN, as torch's clip_grad_norm_; kept before 2026-12-07)
             for g in grads:
                 g.mul_(coef)
         return torch.tensor(total)
+
+
+def norm_part(grads: list[torch.Tensor], norm_type: float) -> float:
+    """``sum |g|^p`` over ``grads`` (their largest ``|g|`` for ``inf``), in float64."""
+    if math.isinf(norm_type):
+        return max((float(g.detach().abs().max()) for g in grads if g.numel()), default=0.0)
+    return sum(float((g.detach().double().abs() ** norm_type).sum()) for g in grads)
+
+
+def tensor_parallel_groups(tensors: list[torch.Tensor]) -> list[ProcessSet | None]:
+    """Per tensor, the tensor group of the live parallel layer holding it as one of its shards (None:
+    not a shard: a plain or replicated tensor, or a layer of one rank). Found by memory, as
+    :func:`~unison.torch_backend.tensor_parallel.shards_across` finds shards."""
+    from unison.torch_backend.tensor_parallel import _LAYERS, _memory
+
+    by_memory = {where: layer.process_set for layer in list(_LAYERS) for t in layer.split_tensors()
+                 if (where := _memory(t)) is not None}
+    return [None if (where := _memory(t)) is None else by_memory.get(where) for t in tensors]
+
+
+def tensor_group(groups: list[ProcessSet | None], what: str) -> ProcessSet | None:
+    """The one tensor group among ``groups`` (:func:`tensor_parallel_groups` of some tensors), or None
+    when none of the tensors is a shard.
+
+    Raises:
+        ValueError: shards of two tensor groups (the same verdict on every rank: the model is built alike).
+    """
+    found = {tuple(g.ranks) if g.ranks is not None else None: g for g in groups if g is not None}
+    if len(found) > 1:
+        shown = ", ".join("every rank" if ranks is None else str(list(ranks)) for ranks in found)
+        raise ValueError(f"{what}: the parameters hold shards of tensor-parallel layers split over different "
+                         f"tensor groups ({shown}); a global gradient norm is summed over one tensor group. Build "
+                         "every parallel layer of the model on the same group (Grid(...).register().tp)")
+    return next(iter(found.values()), None)
+
+
+def global_norm(split: float, rest: float, norm_type: float, name: str, data_set: ProcessSet | None,
+                group: ProcessSet | None) -> float:
+    """The global gradient norm from this rank's parts: ``sum |g|^p`` (the largest ``|g|`` for ``inf``)
+    over its pieces of tensor-parallel shards (``split``) and over the rest (``rest``).
+
+    [Note: the global norm of a tensor-parallel model]
+    ZeRO shards each parameter over the data set, so summing over it gives this rank's tensor shard's
+    whole parameters. With a tensor group (``group``) that is one shard of each split parameter: the
+    shards' sums are added over the tensor group too, while the replicated parameters (layer norms,
+    a row layer's bias), whose copies and gradients are equal on every rank of the group, are counted
+    by its first rank only. Before 2026-12-07 the sum stopped at the data set, so each tensor shard
+    was clipped by its own norm (0.66 where one process had 1.04), and the replicated parameters
+    drifted apart across the tensor group.
+    """
+    infinite = math.isinf(norm_type)
+    first = group is None or set_rank(group) == 0
+    mine = float(np.maximum(split, rest)) if infinite else split + (rest if first else 0.0)  # (NaN stays NaN)
+    op = Max if infinite else Sum
+    total = float(frontend.allreduce(np.array([mine], np.float64), op, name, process_set=data_set)[0])
+    if group is not None:  # (named alike on the group's ranks: ``name`` holds the data set's id, theirs differ)
+        total = float(frontend.allreduce(np.array([total], np.float64), op, "zero.clip_grad_norm_.tensor_group",
+                                         process_set=group)[0])
+    return total if infinite else total ** (1 / norm_type)
 
 
 #: the signature of a rank whose own checks refused its DistributedOptimizer

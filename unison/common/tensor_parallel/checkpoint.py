@@ -216,6 +216,23 @@ def _merge_specs(views: list[dict[str, dict[str, Any]]]) -> tuple[dict[str, Any]
     return merged, None
 
 
+def _shared_shard_problem(views: list[dict[str, tuple[dict[str, Any], int]]]) -> str | None:
+    """Two ranks declaring the same shard of a split entry: data replicas saving without
+    ``data_process_set``. The core save refused them as overlapping runs, advising ``Replicated``,
+    which a caller of ``save_tensor_parallel`` cannot pass (before 2026-12-07; found by an audit)."""
+    holder: dict[tuple[str, int, int], int] = {}
+    for rank, view in enumerate(views):
+        for name, (spec, shard) in sorted(view.items()):
+            first = holder.setdefault((name, spec["tp"], shard), rank)
+            if first != rank:
+                return (f"ranks {first} and {rank} both hold shard {shard} of {spec['tp']} of tensor-parallel "
+                        f"entry {name!r}: they are data-parallel replicas of each other, and one shard is written "
+                        "once. Pass each rank its data-parallel group, save_tensor_parallel(path, model, "
+                        "data_process_set=sets.dp) with sets = Grid(...).register(), so that only data replica 0 "
+                        "writes")
+    return None
+
+
 def _check_unique(params: Sequence[TPParam]) -> None:
     seen: set[str] = set()
     for p in params:
@@ -279,17 +296,18 @@ def save(path: str | os.PathLike[str], params: Sequence[TPParam], comm: Any = No
         The committed manifest, on every rank.
 
     Raises:
-        CheckpointError: on every rank: ranks that disagree on an entry's split, a piece whose
-            shape does not match its layer, copies in ``same`` that differ, or anything the core
-            save refuses (gaps, overlaps, a folder not shared).
+        CheckpointError: on every rank: ranks that disagree on an entry's split, two ranks
+            declaring the same shard (data replicas that all write), a piece whose shape does not
+            match its layer, copies in ``same`` that differ, or anything the core save refuses
+            (gaps, overlaps, a folder not shared).
     """
     mine = [p for p in params if writes]
     agree.raise_together(comm, _local_problem(mine))
     if same and comm is not None:
         agree.raise_together(comm, _copies_problem(comm, mine, same))
-    specs, problem = _merge_specs(agree.allgather(comm, {p.name: _spec_json(p) for p in mine
-                                                         if p.spec.axis is not None}))
-    agree.raise_together(comm, problem)
+    told = agree.allgather(comm, {p.name: (_spec_json(p), p.shard) for p in mine if p.spec.axis is not None})
+    specs, problem = _merge_specs([{name: spec for name, (spec, _) in view.items()} for view in told])
+    agree.raise_together(comm, problem or _shared_shard_problem(told))
     meta = {METADATA_KEY: {"version": LAYOUT_VERSION, "entries": specs}, "user": metadata or {}}
     entries = {p.name: _entry(p) for p in mine}
     writer = ck.save_consolidated if consolidated else ck.save_sharded
