@@ -303,7 +303,7 @@ def test_events_never_overlap_on_a_rank():
     ({"forward": [1, 2]}, "forward has 2 per-stage times but the schedule has 4 stages"),
     ({"backward": -1.0}, "backward times must be non-negative"),
     ({"weight": 3.0}, "weight times [3.0, 3.0, 3.0, 3.0] exceed backward times"),
-    ({"send_latency": -1}, "send_latency must be a non-negative number"),
+    ({"send_latency": -1}, "send_latency must be a non-negative finite number"),
 ])
 def test_simulator_rejects_bad_times(kwargs, message):
     with pytest.raises(ScheduleError) as info:
@@ -408,3 +408,54 @@ def test_check_balance_errors(args, message):
 def test_check_balance_accepts_a_good_balance():
     assert check_balance((2, 4), 6, 2) == [2, 4]
     assert check_balance(balance_by_cost([1.0] * 8, 4), 8, 2, v=2) == [2, 2, 2, 2]
+
+
+# ---------------------------------------------------------------- found by an audit, 2026-12-07
+
+@pytest.mark.parametrize("p, m, v", [(4, 8, 2), (4, 8, 4), (8, 16, 2), (2, 3, 3), (3, 5, 1)])
+def test_the_forward_only_order_fills_the_pipeline_once_with_interleaved_stages(p, m, v):
+    """evaluate/predict's order: forwards only (backwards free) take m*v + p - 1 thin-stage times, as a fill and a
+    drain do. Before, microbatch-major on each rank: at p=4, m=8, v=2 it took 21.5, slower than v=1's 11."""
+    from unison.common.pipeline.grid import fill_drain
+
+    schedule = fill_drain(p, m, v)
+    validate(schedule)
+    result = simulate(schedule, forward=1.0 / v, backward=0.0)
+    assert result.makespan == pytest.approx((m * v + p - 1) / v)
+
+
+@pytest.mark.parametrize("bad", [1.0, True])
+def test_validate_refuses_a_stage_or_microbatch_that_is_not_an_int(bad):
+    """1.0 and True equal 1, so they passed, and simulate failed later with a TypeError on a list index."""
+    rows = [[Action("F", 0, 0), Action("F", 0, 1), Action("B", 0, 0), Action("B", 0, 1)],
+            [Action("F", 1, 0), Action("B", 1, 0), Action("F", bad, 1), Action("B", 1, 1)]]
+    schedule = Schedule("hand", 2, 2, 1, tuple(tuple(row) for row in rows))
+    with pytest.raises(ScheduleError, match=rf"rank 1 step 2: stage {bad!r} is a {type(bad).__name__}; .*int\(\)"):
+        validate(schedule)
+
+
+def test_simulator_takes_numpy_times_and_refuses_infinite_ones():
+    import numpy as np
+
+    schedule = build_schedule("1f1b", 2, 4)
+    assert simulate(schedule, forward=np.float32(1), backward=np.int64(2)).makespan == \
+        simulate(schedule, forward=1.0, backward=2.0).makespan
+    for kwargs in ({"forward": float("inf")}, {"send_latency": float("inf")}, {"backward": [1.0, float("nan")]}):
+        with pytest.raises(ScheduleError, match="non-negative finite"):
+            simulate(schedule, **kwargs)
+
+
+def test_check_balance_takes_numpy_integers():
+    import numpy as np
+
+    assert check_balance(np.array([2, 3]), 5, 2) == [2, 3]
+    assert all(type(b) is int for b in check_balance(np.array([2, 3]), 5, 2))
+    with pytest.raises(ScheduleError, match="whole numbers"):
+        check_balance([2.0, 3.0], 5, 2)
+
+
+def test_the_render_module_docstring_shows_what_render_text_draws():
+    import unison.common.pipeline.render as render
+
+    drawn = render_text(build_schedule("1f1b", 2, 3))
+    assert "\n".join("    " + line for line in drawn.splitlines()) in render.__doc__

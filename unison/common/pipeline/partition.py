@@ -9,6 +9,7 @@ framework backends measure costs (time or parameter counts) and call :func:`bala
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 from unison.common.pipeline.schedule import ScheduleError
@@ -82,8 +83,9 @@ def check_balance(balance: Sequence[int], num_layers: int, p: int, v: int = 1) -
     stages = p * v
     want = f"p={p}" if v == 1 else f"p*v={p}*{v}={stages}"
     sizes = list(balance)
-    if any(isinstance(b, bool) or not isinstance(b, int) for b in sizes):
+    if any(isinstance(b, bool) or not isinstance(b, numbers.Integral) for b in sizes):
         raise ScheduleError(f"balance {sizes} must hold whole numbers of layers; give {want} integers")
+    sizes = [int(b) for b in sizes]  # (numpy integers too: np.array([2, 2]) was refused before 2026-12-07)
     if num_layers < stages:
         raise ScheduleError(f"the model has {num_layers} layers, too few for {stages} stages (each needs at "
                             f"least one); use at most {num_layers} stages")

@@ -5,8 +5,9 @@ and microbatch (a ``'`` per earlier stage on the same rank, for interleaved sche
 filled with the op's own character; idle time is ``.``::
 
     1f1b p=2 m=3 v=1: makespan 12, bubble 25.0%
-    rank 0 |F0-F1-B0==F2-B1==....B2==|
-    rank 1 |...F0-B0==F1-B1==F2-B2==.|
+    rank 0 |F0-F1-......B0====F2-B1====...B2====|
+    rank 1 |...F0-B0====F1-B1====F2-B2====......|
+    F- forward  B= backward  . idle
 
 matplotlib is imported only inside :func:`render_png`, through its Agg canvas, so importing
 this module needs nothing but the standard library and never changes pyplot's backend.

@@ -26,6 +26,8 @@ validator (``validate.py``) proves that this cannot deadlock for a given schedul
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -201,13 +203,13 @@ def check_sizes(name: str, p: object, m: object, v: object) -> None:
 
 def as_times(value: float | Sequence[float], num_stages: int, what: str) -> list[float]:
     """A per-stage time list from one number or a sequence of ``num_stages`` numbers."""
-    if isinstance(value, (int, float)):
+    if isinstance(value, numbers.Real):  # (numpy scalars too: np.float32 is no float)
         times = [float(value)] * num_stages
     else:
-        times = [float(t) for t in value]
+        times = [float(t) for t in value]  # type: ignore[union-attr]  # (a Real is handled above)
         if len(times) != num_stages:
             raise ScheduleError(f"{what} has {len(times)} per-stage times but the schedule has "
                                 f"{num_stages} stages; give one number or {num_stages}")
-    if any(not t >= 0.0 for t in times):
-        raise ScheduleError(f"{what} times must be non-negative numbers; received {times}")
+    if any(not 0.0 <= t < math.inf for t in times):  # (inf gave makespan inf and bubble nan before 2026-12-07)
+        raise ScheduleError(f"{what} times must be non-negative finite numbers; received {times}")
     return times

@@ -21,6 +21,7 @@ tests check each one)::
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -92,8 +93,8 @@ def simulate(schedule: Schedule, forward: Times = 1.0, backward: Times = 2.0, we
     validate(schedule)
     n = schedule.num_stages
     cost = {"F": as_times(forward, n, "forward"), "B": as_times(backward, n, "backward")}
-    if not send_latency >= 0.0:
-        raise ScheduleError(f"send_latency must be a non-negative number; received {send_latency!r}")
+    if not 0.0 <= send_latency < math.inf:  # (inf gave makespan inf and bubble nan before 2026-12-07)
+        raise ScheduleError(f"send_latency must be a non-negative finite number; received {send_latency!r}")
     if schedule.split_backward:
         w = [b / 2 for b in cost["B"]] if weight is None else as_times(weight, n, "weight")
         if any(wt > bt for wt, bt in zip(w, cost["B"], strict=True)):

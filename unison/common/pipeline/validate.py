@@ -102,6 +102,10 @@ def _check_actions(schedule: Schedule) -> None:
             if a.op not in COMPUTE_OPS:
                 raise _fail(schedule, f"{where} holds {a.op!r}; compute lists take only "
                             f"{', '.join(COMPUTE_OPS)} (communication is derived)", [(r, i)])
+            for what, value in (("stage", a.stage), ("microbatch", a.microbatch)):
+                if type(value) is not int:  # (1.0 and True equal 1: they passed, and simulate failed later)
+                    raise _fail(schedule, f"{where}: {what} {value!r} is a {type(value).__name__}; stages and "
+                                f"microbatches are Python ints (convert with int())", [(r, i)])
             if not 0 <= a.stage < schedule.num_stages:
                 raise _fail(schedule, f"{where}: stage {a.stage} does not exist; stages are 0.."
                             f"{schedule.num_stages - 1} (p*v = {schedule.p}*{schedule.v})", [(r, i)])
