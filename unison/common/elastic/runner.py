@@ -31,6 +31,7 @@ from typing import Any
 
 from unison.common import runtime
 from unison.common.elastic.recovery import enabled, rebuild, ulfm_enabled
+from unison.common.elastic.state import settle_last_spill
 from unison.common.elastic.store import attempt as job_attempt
 from unison.common.elastic.store import mark_entered, mark_finished, reset_limit, resume
 from unison.common.engine.errors import process_failure
@@ -74,6 +75,7 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], Any],
                     state.sync()
                 result = func(state, *args, **kwargs)
                 if state.store is not None:
+                    settle_last_spill(state.store)  # (every rank raises if the last commit is not on disk)
                     mark_finished(state.store)
                 return result
             except HostsUpdatedInterrupt as exc:
@@ -156,7 +158,7 @@ def _end_job(state: Any, status: int, saved: str | None = None) -> None:
     from unison.run.report import exiting_line
 
     if state.store is not None:
-        state.store.wait()
+        settle_last_spill(state.store)
     st = runtime._state
     # this rank's part of the commit is on disk and it will exit: once every rank said so, the driver ends an
     # mpirun that outlives them all (see supervise.py). Said before the barrier, so before any rank can exit

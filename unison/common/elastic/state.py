@@ -144,7 +144,7 @@ class State:
                              "order than in the job that wrote it? Make them in the same order in every run")
         self.commit_id = int(payload["commit_id"])
 
-    def check_host_updates(self, spill: OSError | None = None) -> None:
+    def check_host_updates(self, spill: Exception | None = None) -> None:
         """Raise :class:`HostsUpdatedInterrupt` on every rank alike when any rank learnt that the hosts
         changed: an update given to :meth:`on_hosts_updated` newer than the last one taken (as in
         Horovod), or the notice file of ``unisonrun``'s elastic driver.
@@ -187,10 +187,7 @@ class State:
             # [Note: a failed spill stops every rank] one rank per host writes the commits to disk; its error
             # (a full disk) was raised on it alone, and the others waited in their next commit's collective
             # for ever (before 2026-12-06; found by an audit)
-            mine = f" (this rank: {spill})" if spill is not None else ""
-            raise UnisonError(f"elastic: a rank could not write the last commit to its host's disk{mine}; every "
-                              "rank stops, so that none trains on without a commit to restart from. Free space "
-                              "under UNISON_ELASTIC_STATE_DIR (or point it at a larger disk)") from spill
+            raise spill_error(spill)
         self._last_host_update = newest
         if level:
             raise HostsUpdatedInterrupt(level < 2)
@@ -210,6 +207,37 @@ class State:
 
 #: the engine name of every commit's agreement ([Note: the commit's agreement goes through the engine])
 COMMIT_AGREEMENT = "elastic.commit"
+#: the engine name of the agreement on the last commit's spill, when the training function returns
+SPILL_AGREEMENT = "elastic.last_spill"
+
+
+def spill_error(spill: Exception | None) -> UnisonError:
+    """The error every rank raises when a rank could not write a commit to its host's disk (``spill``: this
+    rank's own error, or None on the others)."""
+    mine = f" (this rank: {type(spill).__name__}: {spill})" if spill is not None else ""
+    return UnisonError(f"elastic: a rank could not write the last commit to its host's disk{mine}; every rank "
+                       "stops, so that none trains on without a commit to restart from. Free space under "
+                       "UNISON_ELASTIC_STATE_DIR (or point it at a larger disk), or, for an error other than the "
+                       "disk's, make every value the state holds picklable (a class defined at module level)")
+
+
+def settle_last_spill(store: Any) -> None:
+    """Wait for the last commit's spill (``store``: the state's CommitStore, or None) and raise
+    :func:`spill_error` on every rank if any rank's failed. Collective on more than one rank.
+
+    Before 2026-12-07 the training function's return and the job's end waited with ``store.wait()``, which
+    raised the last spill's error on the writing rank alone: the others returned normally (one logged
+    "exiting with status 0") with the last commit missing from the disk (an audit)."""
+    spill = None
+    if store is not None:
+        store.settle()
+        spill, store.failed = store.failed, None
+    failed = spill is not None
+    st = runtime._state
+    if st is not None and st.comm is not None and st.size > 1:
+        failed = bool(frontend.allreduce(np.array([failed], dtype=np.float64), op=Max, name=SPILL_AGREEMENT)[0])
+    if failed:
+        raise spill_error(spill) from spill
 
 _made = itertools.count()  # the states this process made, in order
 

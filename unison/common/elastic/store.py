@@ -85,7 +85,7 @@ class CommitStore:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future[Path] | None = None
         #: a background write's error, until a commit takes it (see :meth:`settle`)
-        self.failed: OSError | None = None
+        self.failed: Exception | None = None
 
     @property
     def writer(self) -> bool:
@@ -149,11 +149,14 @@ class CommitStore:
             pending.result()
 
     def settle(self) -> None:
-        """:meth:`wait`, keeping a failed write's ``OSError`` in :attr:`failed` instead of raising it here:
-        the next commit raises it on every rank ([Note: a failed spill stops every rank] in state.py)."""
+        """:meth:`wait`, keeping a failed write's error in :attr:`failed` instead of raising it here: the next
+        commit raises it on every rank ([Note: a failed spill stops every rank] in state.py). Any error, not only
+        an ``OSError``: a value ``copy.deepcopy`` takes but ``pickle`` cannot (a class defined in a function)
+        failed in the background with an ``AttributeError``, raised on the writing rank alone while the others
+        waited in the commit's agreement (before 2026-12-07; an audit)."""
         try:
             self.wait()
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - agreed at the next commit, then raised on every rank
             self.failed = exc
 
     def read(self, key: tuple[int, int]) -> bytes:
