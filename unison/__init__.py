@@ -41,6 +41,7 @@ from unison.common.engine.handles import Handle
 from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.common.exceptions import (
     CollectiveError,
+    ForkedProcessError,
     InvalidArgumentError,
     MismatchError,
     NotInitializedError,
@@ -72,5 +73,6 @@ __all__ = [
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "start_timeline", "stop_timeline",
     "Compression", "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum", "Band", "Bor", "Bxor",
     "UnisonError", "NotInitializedError", "MismatchError", "CollectiveError", "InvalidArgumentError",
+    "ForkedProcessError",
     "StallError", "ShutdownError", "DuplicateNameError", "JoinError",
 ]

@@ -1090,6 +1090,37 @@ def test_an_engine_out_overlapping_part_of_the_input_gets_the_sum(algorithm, whe
     np.testing.assert_array_equal(x, want)
 
 
+@needs_engine
+def test_a_process_forked_after_init_refuses_collectives_and_leaves_the_parents_engine_alone():
+    """[Note: a process forked after init()]: before 2026-12-07 a collective in a forked child ran the engine's
+    negotiation over the parent's MPI endpoints: it paired with the other ranks' children or hung, and the
+    parent's next collective failed (MPI_ERR_TRUNCATE, the job aborted) or hung (an audit)."""
+    unison.allreduce(np.ones(3), op=unison.Sum, name="before.fork")
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: what it can read, then the collective
+        try:
+            said = f"{unison.rank()} {unison.size()} "
+            try:
+                unison.allreduce(np.ones(3), op=unison.Sum, name="in.the.child")
+                said += "no error"
+            except unison.UnisonError as exc:
+                said += f"{type(exc).__name__}: {exc}"
+            os.write(write_fd, said.encode())
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    os.waitpid(pid, 0)
+    with os.fdopen(read_fd) as pipe:
+        said = pipe.read()
+    assert said.startswith(f"{R} {N} ForkedProcessError: this process was forked from rank {R} after "
+                           "unison.init()"), said
+    assert "'spawn' or 'forkserver'" in said
+    for k in range(3):  # the parent's engine goes on, every rank alike
+        got = unison.allreduce(np.full(3, float(R)), op=unison.Sum, name=f"after.fork.{k}")
+        np.testing.assert_array_equal(got, np.full(3, float(sum(range(N)))))
+
+
 def test_is_homogeneous_asked_on_one_rank_after_init_is_local():
     """Before: the query's init hook was registered only when a backend was imported, so a backend imported after
     init() made its first call a collective on the job's communicator: one rank asking alone hung the job or

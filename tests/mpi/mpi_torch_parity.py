@@ -1456,6 +1456,61 @@ def test_in_place_results_land_under_the_callers_inference_mode():
     assert torch.equal(t, torch.full((3, 2), float(N - 1)))
 
 
+def test_two_threads_synchronizing_one_handle_get_one_result_object():
+    """Before 2026-12-07 both saw the conversion (from_numpy) pending and ran it: different result objects for
+    one handle (24 of 300 handles on one rank, in an audit), where synchronizing twice on one thread returns the
+    same one."""
+    import sys
+    import threading
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # (thread switches between the check and the conversion, as under load)
+    try:
+        differ = 0
+        for k in range(300):
+            handle = hvd.allreduce_async(torch.full((1000,), float(R)), name=f"two.threads.{k}", op=hvd.Sum)
+            got: list = [None, None]
+            meet = threading.Barrier(2)
+
+            def wait(i: int, handle=handle, got=got, meet=meet) -> None:
+                meet.wait()
+                got[i] = hvd.synchronize(handle)
+
+            threads = [threading.Thread(target=wait, args=(i,)) for i in (0, 1)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            differ += got[0] is not got[1]
+            assert torch.equal(got[0], torch.full((1000,), float(sum(range(N)))))
+    finally:
+        sys.setswitchinterval(switch)
+    assert differ == 0, f"{differ} of 300 handles gave the two threads different tensors"
+
+
+class _CollectiveInWorker(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 1:  # a worker may read its rank (to shard, to seed) ...
+            return torch.tensor([float(hvd.rank())])
+        return hvd.allreduce(torch.ones(1), name="in.a.worker")  # ... but not run a collective
+
+
+def test_a_dataloader_worker_forked_after_init_gets_a_clear_error_and_the_training_process_goes_on():
+    """A fork-context DataLoader worker calling a collective: before 2026-12-07 it paired with the other ranks'
+    workers over the parents' MPI endpoints or hung, and the parents' next collective failed or hung (an audit)."""
+    loader = torch.utils.data.DataLoader(_CollectiveInWorker(), batch_size=None, num_workers=1,
+                                         multiprocessing_context="fork")
+    with pytest.raises(Exception, match=r"(?s)ForkedProcessError.*forked from rank \d+ after unison.init\(\)"):
+        list(loader)
+    ranks = torch.utils.data.DataLoader(torch.utils.data.Subset(_CollectiveInWorker(), [1]), batch_size=None,
+                                        num_workers=1, multiprocessing_context="fork")
+    assert [float(t) for t in ranks] == [float(R)]
+    assert float(hvd.allreduce(torch.ones(1), op=hvd.Sum, name="after.the.workers")) == N
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.complex32])
 def test_a_torch_dtype_numpy_cannot_hold_is_refused_naming_the_supported_ones_on_every_rank(dtype):
     """Before 2026-12-07 the message was torch's "Got unsupported ScalarType Float8_e4m3fn", naming no fix. One

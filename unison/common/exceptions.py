@@ -12,7 +12,7 @@ from collections.abc import Iterable
 __all__ = [
     "UnisonError", "NotInitializedError", "MismatchError", "CollectiveError", "InvalidArgumentError",
     "UnsupportedError", "UnisonInternalError", "HorovodInternalError", "HostsUpdatedInterrupt",
-    "REFUSALS", "refusal_kind", "winning_kind", "refusal_class",
+    "REFUSALS", "refusal_kind", "winning_kind", "refusal_class", "ForkedProcessError",
 ]
 
 
@@ -28,6 +28,10 @@ class NotInitializedError(UnisonError, ValueError):
             f"Unison has not been initialized: {what} needs it. Call unison.init() first "
             "(once per process, after importing unison)."
         )
+
+
+class ForkedProcessError(UnisonError):
+    """A collective, or the job's communicator, used in a process forked after :func:`unison.init`."""
 
 
 class MismatchError(UnisonError, ValueError):

@@ -69,17 +69,19 @@ _home: Path | None = None  # where the watch's file goes (set once at init)
 _record: Path | None = None
 _phase: str | None = None
 _rank = 0
+_pid: int | None = None  # the process that marked itself (a child forked from it must not unmark it)
 
 
 def _mark(state: Any, process_sets: Any) -> None:
     """Init hook: leave this rank's file and record (once per process; a rebuild after a failure keeps them)."""
-    global _home, _record, _rank
+    global _home, _record, _rank, _pid
     found = env_value(_ENV_STATE_DIR)
     if _home is not None or found is None:
         return
     raw = env_value(_ENV_ATTEMPT)
     attempt = int(raw[1]) if raw is not None and raw[1].strip().isdigit() else 0
-    name = marker_name(socket.gethostname(), os.getpid())
+    _pid = os.getpid()
+    name = marker_name(socket.gethostname(), _pid)
     _home, _rank = folder(found[1], attempt) / name, state.rank
     _record = records_folder(found[1], attempt) / name
     _arm()
@@ -149,7 +151,10 @@ def release() -> None:
 
 
 def _at_exit() -> None:
-    """At a normal exit: the record says so and the watch's file goes, before the process does."""
+    """At a normal exit: the record says so and the watch's file goes, before the process does. Not in a child
+    forked from the rank (its file and record name the rank's own pid: [Note: a process forked after init()])."""
+    if _pid is not None and os.getpid() != _pid:
+        return
     _write(EXITED)
     _unmark()
 

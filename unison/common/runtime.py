@@ -36,7 +36,13 @@ import numpy as np
 
 import unison.common
 from unison.common.config import Config, load_config, mismatch_report, must_match_values
-from unison.common.exceptions import InvalidArgumentError, MismatchError, NotInitializedError, UnisonError
+from unison.common.exceptions import (
+    ForkedProcessError,
+    InvalidArgumentError,
+    MismatchError,
+    NotInitializedError,
+    UnisonError,
+)
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -67,6 +73,8 @@ class State:
 
 _state: State | None = None
 _lock = threading.Lock()
+#: the rank this process was forked from after ``init()``, or None (see [Note: a process forked after init()])
+_forked_from: int | None = None
 _previous_excepthook: Any = None
 _atexit_registered = False
 
@@ -344,10 +352,65 @@ def _watch_exit_status() -> None:
     run.set_abort_status = set_abort_status  # type: ignore[union-attr]
 
 
+FORKED_MESSAGE = ("this process was forked from rank {rank} after unison.init() (a DataLoader worker, "
+                  "multiprocessing's 'fork' context): it cannot run collectives or use the job's communicators, "
+                  "which belong to that rank's process. Run collectives in the training process, or start "
+                  "workers with multiprocessing's 'spawn' or 'forkserver' context "
+                  "(DataLoader(multiprocessing_context=...))")
+
+
+class _Forked:
+    """What a forked child holds in place of the job's communicator and the runtime's cache: any use raises
+    :class:`ForkedProcessError` (see [Note: a process forked after init()])."""
+
+    def __init__(self, rank: int) -> None:
+        self._rank = rank
+
+    def __getattr__(self, name: str) -> Any:
+        raise ForkedProcessError(FORKED_MESSAGE.format(rank=self._rank))
+
+
+class _ForkedCache(dict):  # type: ignore[type-arg]
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self._rank = rank
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise ForkedProcessError(FORKED_MESSAGE.format(rank=self._rank))
+
+    get = __getitem__ = __setitem__ = setdefault = pop = __contains__ = _refuse  # type: ignore[assignment]
+
+
+def _after_fork_in_child() -> None:
+    """[Note: a process forked after init()]
+    A child forked after ``init()`` (torch's DataLoader workers are, by default on Linux) inherits the runtime
+    state and the engine object, but not the engine thread, and its MPI endpoints are the parent's. Before
+    2026-12-07 a collective there ran the engine's negotiation on the child's thread over those endpoints:
+    it paired with the other ranks' children, or hung, and the parent's next collective failed
+    (``MPI_ERR_TRUNCATE``, the job aborted) or hung (an audit). Now the child keeps what it can read
+    (``rank()``, ``size()``, the local ranks: a worker may shard or seed by them), while its communicator and
+    the runtime's cache (the engine, plans, topology) raise :class:`ForkedProcessError` on any use, naming
+    the fix; ``shutdown()`` there only forgets the state (it frees nothing and runs no hook: they are the
+    parent's), and an uncaught exception does not abort the job.
+    """
+    global _state, _forked_from
+    s = _state
+    if s is None or s.comm is None:
+        return
+    _forked_from = s.rank
+    _state = dataclasses.replace(s, comm=_Forked(s.rank), cache=_ForkedCache(s.rank), owns_comm=False)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _shutdown_at_exit() -> None:
     """At the interpreter's exit: abort with the program's failing status first (see [Note: a rank that
     exits with a status]), else shut down as usual."""
     s = _state
+    if _forked_from is not None:
+        return
     if s is not None and s.size > 1 and _exit_status and s.config.abort_on_error:
         mpi = _import_mpi()
         if mpi is not None:
@@ -480,7 +543,7 @@ def shutdown(rebuild: bool = False) -> None:
     global _state
     with _lock:
         state, _state = _state, None
-    if state is None:
+    if state is None or _forked_from is not None:  # (a forked child's state is the parent's: nothing to stop)
         return
     state.cache["rebuilding"] = rebuild
     for hook in list(_shutdown_hooks) + list(_last_shutdown_hooks):
@@ -645,6 +708,9 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException,
                 tb: TracebackType | None) -> None:
     """Print the traceback, then abort the MPI job so no other rank waits forever."""
     s = _state
+    if _forked_from is not None:  # (a forked child: the job is not its to abort)
+        (_previous_excepthook or sys.__excepthook__)(exc_type, exc, tb)
+        return
     interrupted = issubclass(exc_type, KeyboardInterrupt)
     head = "" if s is None else (f"[unison] rank {s.rank} of {s.size} was interrupted:\n" if interrupted else
                                  f"[unison] rank {s.rank} of {s.size} failed; aborting the job:\n")

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from unison.common.engine.handles import Handle, wait_all
+from unison.common.engine.handles import POSTING, Handle, wait_all
 from unison.common.engine.process_sets import ProcessSet, global_process_set
 from unison.common.ops import Adasum, is_adasum, resolve_op
 
@@ -88,7 +88,10 @@ class TorchHandle(Handle):
 
     def wait(self, timeout: float | None = None) -> Any:
         if not self._done:
-            self._result, self._done = self.convert(self.inner.wait(timeout)), True
+            result = self.inner.wait(timeout)
+            with POSTING:  # (one conversion, one result object, whatever the threads waiting)
+                if not self._done:
+                    self._result, self._done = self.convert(result), True
         return self._result
 
 
@@ -182,7 +185,10 @@ class ListHandle(Handle):
     def wait(self, timeout: float | None = None) -> Any:
         if not self._done:
             # every member done before an error is raised: [Note: a group waits for all its members]
-            self._result, self._done = self.convert(wait_all(self.members, timeout)), True
+            results = wait_all(self.members, timeout)
+            with POSTING:  # (see TorchHandle.wait)
+                if not self._done:
+                    self._result, self._done = self.convert(results), True
         return self._result
 
 

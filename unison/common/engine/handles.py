@@ -30,11 +30,16 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-__all__ = ["Handle", "wake_waiters", "wait_all", "blocked_waits", "waiting_on"]
+__all__ = ["Handle", "wake_waiters", "wait_all", "blocked_waits", "waiting_on", "POSTING"]
 
 logger = logging.getLogger(__name__)
 
 _completion = threading.Condition(threading.Lock())
+#: held while a completed handle's result is converted (its ``_post``: the torch adapter's ``from_numpy``),
+#: and by the adapters' wrappers while they convert theirs: two threads synchronizing one handle at once both
+#: saw the conversion pending and ran it, so they got different result objects, and a conversion could run on
+#: a result already converted (before 2026-12-07; an audit). Re-entrant: a conversion may wait on a handle.
+POSTING = threading.RLock()
 #: seconds between a blocked waiter's checks that its engine is alive
 LIVENESS_S = 1.0
 
@@ -200,7 +205,10 @@ class Handle:
         if self._error is not None:
             raise self._error
         if self._post is not None:
-            self._result, self._post = self._post(self._result), None
+            with POSTING:  # (two threads waiting on one handle: see POSTING)
+                post = self._post
+                if post is not None:
+                    self._result, self._post = post(self._result), None
         return self._result
 
     def _check_engine(self) -> None:
