@@ -466,6 +466,45 @@ def test_cli_refuses_a_calibration_number_that_is_not_finite_naming_the_field(tm
     assert "--calibration-out" not in err and "benchmarks/hosts.py --json OUT.json" in err
 
 
+@pytest.mark.parametrize("field, value, want", [
+    ("gamma_s_per_byte", None, "a finite number >= 0"), ("overhead_s", None, "a finite number >= 0"),
+    ("chunk_bytes", None, "an integer >= 1"), ("chunk_bytes", 0, "an integer >= 1"),
+    ("cross_piece_bytes", None, "an integer >= 0")])
+def test_cli_refuses_a_calibration_null_or_zero_chunk_naming_the_file_and_field(tmp_path, capsys, field, value,
+                                                                               want) -> None:
+    """Before 2026-12-07 null passed the file's check (only beta_two_way may be null) to a TypeError traceback,
+    and chunk_bytes 0 to an error that named no file."""
+    path = tmp_path / "cal.json"
+    pm.Calibration(pm.Link(1e-6, 1e-10), pm.Link(1e-4, 1 / 118e6), 1e-10).save(path)
+    data = json.loads(path.read_text())
+    data[field] = value
+    path.write_text(json.dumps(data))
+    assert cli.main(["--calibration", str(path), "--ranks-per-host", "2", "--ranks", "4"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: {field} must be {want}; got {value!r}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("option, value", [("--link", "-100gbit"), ("--latency", "-5us"),
+                                           ("--intra-link", "-1gbit"), ("--reduce-rate", "-3gbps")])
+def test_cli_names_a_negative_value_given_apart_from_its_option(capsys, option, value) -> None:
+    """argparse took "-100gbit" for an option: "expected one argument" (before 2026-12-07)."""
+    with pytest.raises(SystemExit) as stop:
+        cli.main([option, value])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}: '{value}' is not a" in err and "expected one argument" not in err
+
+
+def test_the_models_public_functions_refuse_nan_and_infinite_inputs() -> None:
+    cluster = pm.Cluster(hosts=2, ranks_per_host=2, intra=pm.Link(1e-6, 1e-10), inter=pm.Link(5e-6, 1e-9))
+    for compute_s in (math.nan, math.inf, 0.0):
+        with pytest.raises(ValueError, match="compute_s must be > 0"):
+            pm.predict_step("ring", [1 << 20], cluster, compute_s)
+    for nbytes in (math.nan, math.inf, -1):
+        with pytest.raises(ValueError, match="nbytes must be a finite number >= 0"):
+            pm.allreduce_time("ring", nbytes, cluster)
+
+
 def test_cli_default_ranks_follow_the_ranks_per_host(capsys) -> None:
     """Before 2026-12-07 --ranks-per-host 6 failed on its own default --ranks (8 ranks do not fill hosts of 6)."""
     assert cli.default_ranks(8) == [8, 16, 32, 64, 128, 256, 512]

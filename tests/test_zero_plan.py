@@ -70,3 +70,13 @@ def test_formula_matches_the_zero_paper_per_parameter_bytes():
     half = BytesPerParam.adam(param_bytes=2, master_weights=True)
     assert formula_bytes(1, p, 8, half) == (2 + 2 + 12 / 8) * p
     assert formula_bytes(2, p, 2, working_bytes=123) == 10 * p + 123
+
+
+@pytest.mark.parametrize("args", [(1, 1000, 2.5), (0, 10.5, 2), (1, 1000, True)])
+def test_formula_bytes_refuses_fractional_ranks_and_parameters(args):
+    """Before 2026-12-07 2.5 ranks or 10.5 parameters gave a number of bytes."""
+    with pytest.raises(ValueError, match="integers world >= 1 and params >= 0"):
+        formula_bytes(*args)
+    with pytest.raises(ValueError, match="bytes per parameter must be >= 0"):
+        formula_bytes(1, 1000, 2, BytesPerParam(-4, -4, -8))
+    assert formula_bytes(1, np.int64(1000), np.int64(4)) == formula_bytes(1, 1000, 4)

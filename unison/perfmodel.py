@@ -270,10 +270,31 @@ def write_png(path: Path, preds: Sequence[pm.StepPrediction], title: str,
     plt.close(fig)
 
 
+#: options whose value may be given negative by mistake: argparse took "-100gbit" for an option and said only
+#: "expected one argument" (before 2026-12-07); joined to their option, the value reaches its own check
+_SIGNED = ("--link", "--latency", "--intra-link", "--intra-latency", "--reduce-rate")
+
+
+def _join_negative(argv: Sequence[str]) -> list[str]:
+    """``--link -100gbit`` as ``--link=-100gbit``, so the value's own error (naming it and the fix) is given."""
+    out: list[str] = []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        if args[i] in _SIGNED and i + 1 < len(args) and args[i + 1].startswith("-") and len(args[i + 1]) > 1 \
+                and not args[i + 1].startswith("--"):
+            out.append(f"{args[i]}={args[i + 1]}")
+            i += 2
+        else:
+            out.append(args[i])
+            i += 1
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit status (2 for bad input)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_join_negative(sys.argv[1:] if argv is None else argv))
     if not 0 < args.backward_share <= 1:
         parser.error(f"--backward-share {args.backward_share}: must be in (0, 1] (the backward's share)")
     if args.compute_ms is not None and not 0 < args.compute_ms < math.inf:

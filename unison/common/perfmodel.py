@@ -343,8 +343,8 @@ def allreduce_time(algorithm: str, nbytes: float, cluster: Cluster) -> float:
     """
     if algorithm not in _TIMES:
         raise ValueError(f"algorithm {algorithm!r} is not modelled; choose from {', '.join(ALGORITHMS)}")
-    if nbytes < 0:
-        raise ValueError(f"nbytes must be >= 0; got {nbytes}")
+    if not 0 <= nbytes < math.inf:  # (NaN reached int() before 2026-12-07: an error naming no argument)
+        raise ValueError(f"nbytes must be a finite number >= 0; got {nbytes}")
     if nbytes == 0 or cluster.size == 1:
         return 0.0
     return cluster.overhead_s + _TIMES[algorithm](nbytes, cluster)
@@ -440,7 +440,7 @@ def predict_step(algorithm: str, tensor_bytes: Sequence[int], cluster: Cluster, 
     Raises:
         ValueError: a non-positive compute time or a backward share outside (0, 1].
     """
-    if compute_s <= 0 or not 0 < backward_share <= 1:
+    if not 0 < compute_s < math.inf or not 0 < backward_share <= 1:  # (NaN and inf passed before 2026-12-07)
         raise ValueError(f"compute_s must be > 0 and backward_share in (0, 1]; got compute_s="
                          f"{compute_s}, backward_share={backward_share}")
     sizes = list(reversed(tensor_bytes))
@@ -581,24 +581,27 @@ def _check_numbers(path: str | Path, data: dict[str, Any]) -> None:
     """A calibration file's numeric fields are finite numbers >= 0 (a string there was a TypeError traceback;
     before 2026-12-07 JSON's ``Infinity`` or ``NaN`` passed, to an OverflowError traceback or an error
     naming no field)."""
-    def number(where: str, value: Any, integer: bool = False) -> None:
+    def number(where: str, value: Any, integer: bool = False, optional: bool = False, least: int = 0) -> None:
+        # (null only where the format allows it: before 2026-12-07 any null passed here, to a TypeError traceback
+        # later, and chunk_bytes 0 to an error naming no file)
+        if value is None and optional:
+            return
         kinds = (int,) if integer else (int, float)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)
-                                  or not 0 <= value < math.inf):
-            raise ValueError(f"{path}: {where} must be {'an integer' if integer else 'a finite number'} >= 0; "
-                             f"got {value!r}; write the file with Calibration.save or {_WRITER}")
+        if isinstance(value, bool) or not isinstance(value, kinds) or not least <= value < math.inf:
+            raise ValueError(f"{path}: {where} must be {'an integer' if integer else 'a finite number'} "
+                             f">= {least}; got {value!r}; write the file with Calibration.save or {_WRITER}")
 
     for kind in ("intra", "inter"):
         link = data.get(kind)
         if isinstance(link, dict):
             for key, value in link.items():
-                number(f"{kind}.{key}", value)
+                number(f"{kind}.{key}", value, optional=key == "beta_two_way_s_per_byte")
     for key in ("gamma_s_per_byte", "overhead_s"):
         if key in data:
             number(key, data[key])
     for key in ("chunk_bytes", "cross_piece_bytes"):
         if key in data:
-            number(key, data[key], integer=True)
+            number(key, data[key], integer=True, least=1 if key == "chunk_bytes" else 0)
 
 
 def parse_rate(text: str) -> float:

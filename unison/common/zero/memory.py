@@ -15,6 +15,7 @@ plus the declared working buffers (the buckets in flight, a gathered layer under
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from unison.common.zero.plan import check_stage
@@ -44,8 +45,12 @@ def formula_bytes(stage: int, params: int, world: int, per: BytesPerParam = Byte
         ValueError: ``stage`` outside 0-3, ``world`` < 1 or ``params`` < 0.
     """
     stage = check_stage(stage)
-    if world < 1 or params < 0:
-        raise ValueError(f"formula_bytes needs world >= 1 and params >= 0; got world={world}, params={params}")
+    whole = all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in (world, params))
+    if not whole or world < 1 or params < 0:  # (2.5 ranks or 10.5 parameters gave a number before 2026-12-07)
+        raise ValueError(f"formula_bytes needs integers world >= 1 and params >= 0; got world={world!r}, "
+                         f"params={params!r}")
+    if min(per.weights, per.grads, per.optimizer) < 0:
+        raise ValueError(f"formula_bytes: bytes per parameter must be >= 0; got {per}")
     w, g, k = per.weights * params, per.grads * params, per.optimizer * params
     sharded = {0: 0, 1: k, 2: g + k, 3: w + g + k}[stage]
     return int(w + g + k - sharded + sharded / world) + int(working_bytes)
