@@ -203,3 +203,12 @@ def test_importing_the_torch_backend_leaves_dynamo_unloaded_and_the_environment_
             "raise ImportError(repr(('torch._dynamo' in sys.modules, "
             "sorted(set(os.environ.items()) ^ set(before.items())))))")
     assert raised(run_blocked("nothing", code))["message"] == "(False, [])"
+
+
+def test_the_package_metadata_and_unison_version_agree():
+    """Two strings typed apart (pyproject.toml and unison/__init__.py); nothing compared them (an audit)."""
+    import tomllib
+
+    import unison
+
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"] == unison.__version__
