@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
 import tempfile
@@ -225,6 +227,36 @@ def _module(which: str):
 
 def shared_dir() -> str:
     return WORLD.bcast(tempfile.mkdtemp(prefix="unison-hvd-") if R == 0 else None, root=0)
+
+
+def test_a_backup_whose_tidy_up_fails_is_kept_and_training_goes_on(caplog):
+    """Removing older backup files is tidying up after the manifest named the new one: before 2026-12-07 an
+    error there other than a missing file (a directory where a stale weights file was expected) stopped every
+    rank with "could not save the backup", although the backup had been saved. Now it is logged."""
+    folder = shared_dir()
+    blocked, stale = (os.path.join(folder, f"backup-e0-b0-{n}.weights.h5") for n in ("blocked", "stale"))
+    if R == 0:
+        os.makedirs(blocked)  # os.remove refuses a directory
+        open(stale, "wb").close()
+    WORLD.Barrier()
+    model = make_model(0)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    with caplog.at_level(logging.WARNING, logger="unison"):
+        model.fit(shard(X), shard(Y), batch_size=B, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[hvd.callbacks.BackupAndRestore(folder, delete_checkpoint=False)])
+    with open(os.path.join(folder, "unison-backup.json"), encoding="utf-8") as f:
+        current = json.load(f)["current"]
+    assert current["epoch"] == 2  # (epochs done)
+    saved = make_model(1)
+    saved.load_weights(os.path.join(folder, current["weights"]))
+    for w, v in zip(saved.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_array_equal(w, v)
+    assert os.path.isdir(blocked) and not os.path.exists(stale)  # the other stale file went
+    if R == 0:
+        assert "is saved, but removing older backup files failed (IsADirectoryError" in caplog.text, caplog.text
+    WORLD.Barrier()
+    if R == 0:
+        shutil.rmtree(folder)
 
 
 @pytest.mark.parametrize("staircase", [True, False], ids=["staircase", "smooth"])

@@ -569,6 +569,45 @@ def test_checkpoint_bad_input_raises_on_every_rank(tmp_path_factory):
         save_sharded(path, model, keras.optimizers.Adam())
 
 
+def raising(error: Exception):
+    def fail(*args, **kwargs):
+        raise error
+    return fail
+
+
+def test_checkpoint_an_error_of_any_type_on_one_rank_raises_on_every_rank(tmp_path_factory, monkeypatch):
+    """Before 2026-12-07 only a ValueError of a save's or load's checks was shared: a TypeError, KeyError or
+    AttributeError there (a weight numpy cannot take, a layer renamed under the loader) raised on that rank
+    alone while the others waited in the first collective for ever. Now every rank raises it, typed."""
+    from unison.tf_backend import zero_checkpoint as zc
+
+    hvd.init()  # (run alone, no earlier test initialized Unison)
+    path = os.path.join(ck_root(tmp_path_factory), f"any-error-np{N}")
+    keras.utils.set_random_seed(5)  # the same weights on every rank: rank 0 writes the replicated ones
+    model, opt = make_model(), keras.optimizers.Adam(0.02)
+    opt.build(model.trainable_variables)
+    who, last = (f"rank {N - 1}: " if N > 1 else ""), R == N - 1
+    with monkeypatch.context() as m:
+        if last:
+            m.setattr(zc, "_numpy", raising(TypeError("a weight numpy cannot take")))
+        with pytest.raises(ck.CheckpointError, match=re.escape(f"{who}a weight numpy cannot take")):
+            save_sharded(path, model, opt)
+    assert not os.path.exists(path)
+    save_sharded(path, model, opt)  # the ranks go on together
+    fresh, fresh_opt = make_model(), keras.optimizers.Adam(0.02)
+    steps = [("_keys", KeyError("hidden/kernel"), "KeyError: 'hidden/kernel'"),  # the first agreed step
+             ("_optimizer_plan", AttributeError("no _momentums"), "AttributeError: no _momentums")]  # the second
+    for name, error, message in steps:
+        with monkeypatch.context() as m:
+            if last:
+                m.setattr(zc, name, raising(error))
+            with pytest.raises(ck.CheckpointError, match=re.escape(f"{who}{message}")):
+                load_sharded(path, fresh, fresh_opt)
+    load_sharded(path, fresh, fresh_opt)
+    for got, want in zip(fresh.weights, model.weights, strict=True):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
 def test_each_shard_variable_is_one_bucket_segment():
     """Adam's slots are per bucket segment, never one flat shard per dtype ([Note: one shard
     variable per bucket]: one large shard variable made the np 2 step 0.65x stage 0)."""

@@ -7,6 +7,7 @@ every rank with the whole global batch, so each comparison holds on every rank.
 from __future__ import annotations
 
 import os
+import tempfile
 
 import numpy as np
 import pytest
@@ -583,6 +584,36 @@ def test_sharded_checkpoint_saved_at_4_loads_at_any_size():
         held += int((master != master.bfloat16().float()).sum())
     assert held > 0, "the saved masters hold precision bfloat16 cannot"
     assert_runs_equal(half, half_opt, "momentum_buffer", buffers)
+
+def test_a_save_that_one_rank_cannot_describe_raises_on_every_rank_instead_of_hanging():
+    """Before 2026-12-07 a save's entries were made outside any agreement: an optimizer over another
+    model's parameters, or state numpy cannot take, raised on that rank alone while the others waited in
+    the save's first collective for ever."""
+    if N == 1:
+        pytest.skip("needs two ranks")
+    path = os.path.join(WORLD.bcast(tempfile.mkdtemp(prefix="zero3-refused-") if R == 0 else None), "ck")
+    model = shard_module(make("mlp", seed=1))
+    foreign = make_opt("adam", (model if R != 1 else make("mlp", seed=2)).parameters())
+    with pytest.raises(ck.CheckpointError, match="rank 1: the optimizer's parameters at positions .* are not "
+                                                 "shards of this model; build the optimizer over the sharded"):
+        hvd.save_sharded(path, model, foreign)
+    opt = make_opt("adam", model.parameters())
+    x, y = global_batch("mlp", 0, 3)
+    nn.functional.mse_loss(model(mine(x, 3)), mine(y, 3)).backward()
+    opt.step()
+    if R == 1:  # state numpy cannot take (a tensor without data)
+        p = next(iter(opt.state))
+        opt.state[p]["stray"] = torch.zeros(p.shape, device="meta")
+    with pytest.raises(ck.CheckpointError, match="rank 1: unison.torch_backend handles CPU tensors; got a "
+                                                 "tensor on meta"):
+        hvd.save_sharded(path, model, opt)
+    assert not os.path.exists(path)
+    if R == 1:
+        del opt.state[p]["stray"]
+    hvd.save_sharded(path, model, opt)  # the ranks go on together
+    got = ck.load(path, {"model.0.weight": "full"}, WORLD)
+    np.testing.assert_array_equal(got["model.0.weight"], full_state_dict(model)["0.weight"].numpy())
+
 
 # ----------------------------------------------------------------- memory
 def reachable_bytes(model: nn.Module) -> int:

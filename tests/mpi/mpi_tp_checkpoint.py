@@ -250,6 +250,35 @@ def test_torch_entries_no_rank_loads_refused_unless_not_strict():
     torch_equal(twin, expected)
 
 
+def test_torch_a_model_one_rank_cannot_describe_is_refused_on_every_rank(monkeypatch):
+    """Before 2026-12-07 each rank described its model (its tensor positions, its tensors as numpy) before the
+    first collective, outside any agreement: a tensor numpy cannot take (a meta tensor) on one rank, or a
+    layer outside its tensor group there, raised on that rank alone and the others waited for ever."""
+    path = shared("torch-undescribable")
+    twin = torch_twin(1, SETS[2])
+    if R == 1:  # a writing rank (data replica 0) holding a tensor without data
+        twin.head.bias = nn.Parameter(torch.zeros(twin.head.bias.shape, dtype=D, device="meta"))
+    with pytest.raises(CheckpointError) as excinfo:
+        tck.save_tensor_parallel(path, twin, data_process_set=GRID[0].dp)
+    same_error_everywhere(excinfo, "rank 1: unison.torch_backend handles CPU tensors; got a tensor on meta")
+    assert not os.path.exists(path)
+    good = torch_twin(1, SETS[2])
+    tck.save_tensor_parallel(path, good, data_process_set=GRID[0].dp)  # the ranks go on together
+    if R == 2:
+        def outside(process_set, owner):
+            raise ValueError(f"{owner}: this rank (2) is not in the tensor group; build tensor-parallel layers "
+                             "only on the ranks of their group")
+        monkeypatch.setattr(tck, "group_position", outside)
+    loaded = torch_twin(99, SETS[2])
+    with pytest.raises(CheckpointError) as excinfo:
+        tck.load_tensor_parallel(path, loaded)
+    same_error_everywhere(excinfo, "rank 2: save_tensor_parallel/load_tensor_parallel: this rank (2) is not in "
+                          "the tensor group")
+    monkeypatch.undo()
+    tck.load_tensor_parallel(path, loaded)
+    torch_equal(loaded, good)
+
+
 # ------------------------------------------------------------------------------------------- Keras
 
 class KerasMLP(keras.layers.Layer):

@@ -300,7 +300,8 @@ def save_tensor_parallel(path: str | os.PathLike[str], model: Any, metadata: dic
     layers = _model_layers(model)
     agree.raise_together(comm, _unnamed(layers))
     writes = tpck.replica_writes(data_process_set, comm)
-    described = _describe(layers, with_arrays=writes)
+    # (agreed: a rank that could not describe its layers raised alone, the others waited; before 2026-12-07)
+    described = agree.agreed(comm, lambda: _describe(layers, with_arrays=writes))
     same = {p.name for p, slot in described if slot.trainable}  # trained copies must agree (as torch's)
     return tpck.save(path, [p for p, _ in described], comm, writes, metadata, consolidated, same)
 
@@ -334,7 +335,7 @@ def load_tensor_parallel(path: str | os.PathLike[str], model: Any, local: bool =
     agree.enter(comm, "load_tensor_parallel")  # [Note: a collective save is entered through the engine]
     layers = _model_layers(model)
     agree.raise_together(comm, _unnamed(layers))
-    described = _describe(layers, with_arrays=False)
+    described = agree.agreed(comm, lambda: _describe(layers, with_arrays=False))
     pieces, user = tpck.load(path, [p for p, _ in described], comm, verify, strict)
     for param, slot in described:
         slot.set(pieces[param.name].astype(param.dtype, copy=False))

@@ -131,7 +131,9 @@ def save_tensor_parallel(path: str | os.PathLike[str], model: nn.Module, metadat
     comm = _comm(local)
     agree.enter(comm, "save_tensor_parallel")  # [Note: a collective save is entered through the engine]
     writes = tpck.replica_writes(data_process_set, comm)
-    described = _describe(_as_module(model), with_arrays=writes)
+    # agreed: a tensor numpy cannot take, or a layer outside its tensor group, on one rank raised there alone
+    # while the others waited in the save's first collective (before 2026-12-07)
+    described = agree.agreed(comm, lambda: _describe(_as_module(model), with_arrays=writes))
     same = {p.name for p, t in described if isinstance(t, nn.Parameter)}  # trained copies must agree
     return tpck.save(path, [p for p, _ in described], comm, writes, metadata, consolidated, same)
 
@@ -167,7 +169,7 @@ def load_tensor_parallel(path: str | os.PathLike[str], model: nn.Module, local: 
     """
     comm = _comm(local)
     agree.enter(comm, "load_tensor_parallel")  # [Note: a collective save is entered through the engine]
-    described = _describe(_as_module(model), with_arrays=False)
+    described = agree.agreed(comm, lambda: _describe(_as_module(model), with_arrays=False))  # (as the save's)
     pieces, user = tpck.load(path, [p for p, _ in described], comm, verify, strict)
     with torch.no_grad():
         for param, tensor in described:

@@ -141,13 +141,20 @@ def save(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any, m
     comm = _comm(state)
     agree.enter(comm, "save_sharded")  # [Note: a collective save is entered through the engine]
     agree_optimizers(comm, optimizer, "save_sharded")
-    entries = _model_entries(state)
-    meta: dict[str, Any] = {"user": metadata or {}, "optimizer": None}
-    if optimizer is not None:
-        opt_entries, sharded = _optimizer_entries(state, optimizer)
-        entries.update(opt_entries)
-        meta["optimizer"] = {"class": type(optimizer).__name__, "zero": True, "stage": 3,
-                             "groups": _groups_metadata(optimizer), "sharded_keys": sorted(sharded)}
+
+    def prepare() -> tuple[dict[str, Any], dict[str, Any]]:
+        entries = _model_entries(state)
+        meta: dict[str, Any] = {"user": metadata or {}, "optimizer": None}
+        if optimizer is not None:
+            opt_entries, sharded = _optimizer_entries(state, optimizer)
+            entries.update(opt_entries)
+            meta["optimizer"] = {"class": type(optimizer).__name__, "zero": True, "stage": 3,
+                                 "groups": _groups_metadata(optimizer), "sharded_keys": sorted(sharded)}
+        return entries, meta
+
+    # agreed: an optimizer over another model's parameters, or state numpy cannot take, raised on one rank
+    # alone while the others waited in the save's first collective for ever (before 2026-12-07)
+    entries, meta = agree.agreed(comm, prepare)
     save_fn = ck.save_consolidated if consolidated else ck.save_sharded
     return save_fn(path, entries, comm, metadata=meta)
 
@@ -219,7 +226,7 @@ def load(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any,
             wanted.update(_optimizer_wanted(state, optimizer, manifest, sharded))
         return manifest, saved_opt, sharded, wanted
 
-    manifest, saved_opt, sharded, wanted = agree.agreed(comm, prepare, (ValueError, TypeError))
+    manifest, saved_opt, sharded, wanted = agree.agreed(comm, prepare)
     meta = manifest.metadata or {}
     got = ck.load(path, wanted, comm, verify)
     if optimizer is not None:

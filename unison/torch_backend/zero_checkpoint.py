@@ -224,7 +224,7 @@ def save_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
                                  "sharded_keys": _sharded_keys(optimizer)}
         return entries, meta
 
-    entries, meta = agree.agreed(comm, prepare, (ValueError, TypeError))
+    entries, meta = agree.agreed(comm, prepare)
     save = ck.save_consolidated if consolidated else ck.save_sharded
     return save(path, entries, comm, metadata=meta)
 
@@ -291,7 +291,7 @@ def load_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
             wanted.update({name: "full" for name in manifest.entries if name.startswith("optim.")})
         return manifest, keys, saved_opt, wanted, source, names
 
-    manifest, keys, saved_opt, wanted, source, names = agree.agreed(comm, prepare, (ValueError, TypeError))
+    manifest, keys, saved_opt, wanted, source, names = agree.agreed(comm, prepare)
     meta = manifest.metadata or {}
     got = ck.load(path, wanted, comm, verify)
     if optimizer is not None and _is_zero(optimizer):

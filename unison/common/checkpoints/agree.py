@@ -61,14 +61,21 @@ def raise_together(comm: Any, problem: str | None, cause: BaseException | None =
 
 
 def agreed(comm: Any, step: Callable[[], T],
-           errors: tuple[type[BaseException], ...] = (ValueError,)) -> T:
-    """``step()``, whose ``errors`` (bad input, an unreadable manifest) are raised on every rank as a
-    :class:`CheckpointError` naming the first rank that failed (raised on that rank alone, the others
-    waited in the load's collectives for ever)."""
+           errors: tuple[type[BaseException], ...] = (Exception,)) -> T:
+    """``step()``, whose ``errors`` (bad input, an unreadable manifest, any other failure by default) are
+    raised on every rank as a :class:`CheckpointError` naming the first rank that failed (raised on that
+    rank alone, the others waited in the save's or load's collectives for ever). On that rank the original
+    exception is the ``__cause__``.
+
+    A ``ValueError`` or ``TypeError`` speaks for itself; any other error's message is prefixed with its type
+    (``"KeyError: 'kernel'"``). Until 2026-12-07 only ``ValueError`` was agreed by default: a Keras
+    ``save_sharded`` whose entries raised a ``TypeError`` or ``KeyError`` on one rank hung the others.
+    """
     result, problem, cause = None, None, None
     try:
         result = step()
     except errors as exc:
-        problem, cause = str(exc), exc
+        plain = isinstance(exc, (ValueError, TypeError))
+        problem, cause = (str(exc) if plain else f"{type(exc).__name__}: {exc}"), exc
     agreement.raise_together(comm, problem, CheckpointError, cause)
     return result  # type: ignore[return-value]  # (set: raise_together raised otherwise)

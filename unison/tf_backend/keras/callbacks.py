@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import functools
 import itertools
@@ -268,7 +267,12 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             if last is not None:
                 manifest["previous"] = last["current"]
         _write_manifest(self._manifest_path, manifest)
-        _remove_unnamed(self.backup_dir, manifest)
+        try:  # (the backup is committed: tidying up must not fail it, or stop every rank's training)
+            _remove_unnamed(self.backup_dir, manifest)
+        except OSError as exc:
+            logger.warning("BackupAndRestore: the backup of epoch %s in %s is saved, but removing older backup "
+                           "files failed (%s: %s); the next save tries again", self._current_epoch,
+                           self.backup_dir, type(exc).__name__, exc)
         return name
 
     def _check_visible(self, name: str, folder: str) -> None:
@@ -343,13 +347,26 @@ def _write_manifest(path: str, manifest: dict) -> None:
 
 
 def _remove_unnamed(folder: str, manifest: dict) -> None:
-    """Remove backup weights the manifest no longer names (older saves, saves cut short before it)."""
+    """Remove backup weights the manifest no longer names (older saves, saves cut short before it).
+
+    Raises:
+        OSError: the first entry that could not be removed, once the others were (a directory where a
+            stale weights file was expected: before 2026-12-07 it stopped every rank's training, although
+            the backup had been saved).
+    """
     keep = {e["weights"] for e in (manifest["current"], manifest.get("previous")) if e}
+    failed: list[OSError] = []
     for entry in os.listdir(folder):
         if fnmatch.fnmatch(entry, _WEIGHTS_PATTERN) and entry not in keep:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 os.remove(os.path.join(folder, entry))
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                failed.append(exc)
     remove_leftovers(folder, _WEIGHTS_PATTERN)
+    if failed:
+        raise failed[0]
 
 
 _WEIGHTS_PATTERN = "backup-*.weights.h5"
