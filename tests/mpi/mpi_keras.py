@@ -897,3 +897,37 @@ def test_float8_scales_take_the_global_batchs_maximum_on_every_rank(strategy, ac
             np.testing.assert_allclose(w, r, rtol=1e-4, err_msg=v.path)
         else:
             np.testing.assert_allclose(w, r, rtol=1e-3, atol=5e-4, err_msg=v.path)
+
+
+@pytest.mark.parametrize("regularizer", [None, 0.01], ids=["plain", "regularized"])
+def test_an_eager_step_on_a_share_with_no_rows_counts_nothing_as_in_a_graph(strategy, regularizer):
+    """A last global batch of fewer rows than ranks leaves some ranks no rows. Before 2026-12-07, with
+    run_eagerly=True, Keras left such a share's loss unreduced (shape (0,)) and its loss tracker summed NaN into
+    every rank's: evaluate and fit reported a NaN loss (in a graph the share's loss is 0, weighed by 0 rows);
+    with a regularization loss beside it, adding the two raised "Shapes of all inputs must match"."""
+    batch = N + 1
+    x = np.arange(3 * batch + 1, dtype="float32")[:, None] / 10  # the last global batch: 1 row
+    y = 2 * x + 1
+
+    def build():
+        inp = keras.Input((1,))
+        dense = keras.layers.Dense(1, kernel_initializer=keras.initializers.Constant(0.3),
+                                   kernel_regularizer=regularizer and keras.regularizers.L2(regularizer))
+        return keras.Model(inp, dense(inp))
+
+    ref = build()
+    ref.compile(loss="mse", metrics=["mae"])
+    want = ref.evaluate(x, y, batch_size=batch, verbose=0)
+    fitted = []
+    for eager in (False, True):
+        with strategy.scope():
+            model = build()
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"], run_eagerly=eager)
+        np.testing.assert_allclose(model.evaluate(x, y, batch_size=batch, verbose=0), want, rtol=1e-5)
+        fitted.append((model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0).history["loss"],
+                       model.get_weights()))
+    (graph_loss, graph_weights), (eager_loss, eager_weights) = fitted
+    assert np.all(np.isfinite(eager_loss))
+    np.testing.assert_allclose(eager_loss, graph_loss, rtol=1e-5)
+    for a, b in zip(eager_weights, graph_weights, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -979,6 +979,66 @@ def test_a_dataloader_whose_order_unison_cannot_seed_is_checked_across_ranks(dp)
             model.fit(_ids_loader(n, GLOBAL_BATCH, sampler=_RankOrder(n, per_rank=True)), epochs=1, verbose=0)
 
 
+def _refused_alike(call, match):
+    """``call()`` raises a ValueError matching ``match``, with one message on every rank."""
+    with pytest.raises(ValueError, match=match) as info:
+        call()
+    assert len(set(WORLD.allgather(str(info.value)))) == 1
+    return str(info.value)
+
+
+def test_each_ranks_own_shard_as_a_loader_pydataset_or_tf_data_is_refused_on_every_rank(dp):
+    """Horovod's habit, each rank passing its own shard: before 2026-12-07 a DataLoader (of a sequential or a
+    seeded sampler) or a PyDataset was compared by its type and length only, a tf.data dataset by its element
+    specs, and each rank trained on its rows of its own shard's batches: 6 rows of 12 a pass at 2 ranks."""
+    import tensorflow as tf
+    import torch
+
+    if N == 1:
+        pytest.skip("one rank's shard is the whole data")
+    n = 4 * GLOBAL_BATCH
+    ids = np.arange(n, dtype="float32")[:, None].repeat(4, axis=1)
+    mine = ids[R::N]  # this rank's shard, as a Horovod script makes it
+    model, recorder, record = _recording_model(dp)
+
+    class Shard(keras.utils.PyDataset):
+        def __len__(self):
+            return len(mine) // GLOBAL_BATCH
+
+        def __getitem__(self, i):
+            rows = mine[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH]
+            return rows, rows[:, :1]
+
+    pairs = torch.utils.data.TensorDataset(torch.from_numpy(ids), torch.from_numpy(ids[:, :1]))
+    shard = torch.utils.data.Subset(pairs, range(R, n, N))
+    fix = r"gave different first global batches in pass 1 \(ranks \[1.*Pass the whole dataset, the same on every"
+    for shuffle in (False, True):  # a sequential sampler, and one Unison seeds
+        loader = torch.utils.data.DataLoader(shard, batch_size=GLOBAL_BATCH, shuffle=shuffle)
+        message = _refused_alike(lambda: model.fit(loader, epochs=1, verbose=0),  # noqa: B023 - called at once
+                                 "the ranks' DataLoaders " + fix)
+        assert "seed" not in message  # (the order agrees: the data does not)
+    _refused_alike(lambda: model.fit(Shard(), epochs=1, verbose=0, shuffle=False), "the ranks' PyDatasets " + fix)
+    _refused_alike(lambda: model.evaluate(Shard(), verbose=0), "the ranks' PyDatasets " + fix)
+    split = tf.data.Dataset.from_tensor_slices((ids, ids[:, :1])).shard(N, R).batch(GLOBAL_BATCH)
+    _refused_alike(lambda: model.fit(split, epochs=1, verbose=0), r"passed different inputs.*shard\(")
+    own = tf.data.Dataset.from_tensor_slices((mine, mine[:, :1])).batch(GLOBAL_BATCH)  # each rank's own rows
+    _refused_alike(lambda: model.fit(own, epochs=1, verbose=0), r"passed different inputs.*whole data")
+
+    class Noisy(torch.utils.data.Dataset):  # the whole data, augmented by each rank's own torch stream
+        def __len__(self):
+            return n
+
+        def __getitem__(self, i):
+            return torch.from_numpy(ids[i]) + 1e-3 * torch.rand(4), torch.from_numpy(ids[i, :1])
+
+    loader = torch.utils.data.DataLoader(Noisy(), batch_size=GLOBAL_BATCH, shuffle=True)
+    recorder.recording, recorder.seen = False, []  # (a refused fit stopped inside a recorded step)
+    model.fit(loader, epochs=1, verbose=0, callbacks=[record])  # accepted: the targets agree
+    everyone = WORLD.allgather([list(step) for step in recorder.seen])
+    rows = sorted(round(v) for r in range(N) for step in everyone[r] for v in step)
+    assert rows == list(range(n))  # every row once
+
+
 def _two_inputs_model():
     a, b = keras.Input((3,)), keras.Input((2,))
     h = keras.layers.Concatenate()([a, b])

@@ -18,6 +18,7 @@ process would, and all run the same number of steps.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -168,7 +169,8 @@ class ShardedPyDataset(keras.utils.PyDataset):
     in a new order each pass) the order of the batches is a permutation drawn from ``seed``
     (rank 0's) and the number of passes begun, the same on every rank, so each global batch is
     still split, not mixed with another. A pass begins when batch 0 is read ([Note: one
-    permutation per pass]).
+    permutation per pass]); its first global batch is compared over the ranks ([Note: the same
+    first global batch on every rank]).
     """
 
     def __init__(self, dataset: keras.utils.PyDataset, rank: int, size: int, shuffle: bool = False,
@@ -177,6 +179,7 @@ class ShardedPyDataset(keras.utils.PyDataset):
         self.dataset, self.rank, self.size = dataset, rank, size
         self.shuffle = shuffle and dataset.num_batches is not None
         self._pass = _PassOrder(len(dataset) if self.shuffle else 0, self.shuffle, seed)
+        self.passes = 0  # passes begun
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -188,7 +191,12 @@ class ShardedPyDataset(keras.utils.PyDataset):
     def __getitem__(self, step: int) -> Any:
         order = self._pass.at(step)  # [Note: one permutation per pass]
         index = step if order is None else int(order[step])
-        return cut(self.dataset[index], self.rank, self.size, f"batch {index} of the PyDataset")
+        batch = self.dataset[index]
+        if step == 0:
+            self.passes += 1
+            if self.size > 1:  # [Note: the same first global batch on every rank]
+                _agree_on_first_batch(batch, self.passes, "PyDataset", ordered=True)
+        return cut(batch, self.rank, self.size, f"batch {index} of the PyDataset")
 
     def on_epoch_begin(self) -> None:
         self.dataset.on_epoch_begin()
@@ -212,8 +220,9 @@ class ShardedLoader(keras.utils.PyDataset):
     permutation, a new one each pass; once the sampler has taken it (at the pass's first index)
     the loader has no generator again. A generator the user gave is left alone (their seed, their
     order), and like a sampler Unison cannot seed (a custom sampler or batch sampler, an
-    ``IterableDataset``) has the first global batch of each pass compared over the ranks instead
-    (its shapes and a few values: one small all-gather): a difference raises on every rank.
+    ``IterableDataset``) has the first global batch of each pass compared whole over the ranks
+    ([Note: the same first global batch on every rank], inputs included): a difference raises on
+    every rank.
     """
 
     def __init__(self, loader: Any, rank: int, size: int, seed: int = 0) -> None:
@@ -252,8 +261,10 @@ class ShardedLoader(keras.utils.PyDataset):
                 self.sampler.generator = None
         batch = tuple(batch) if isinstance(batch, list) else batch
         batch = keras.tree.map_structure(_numpy, batch)
-        if first and self.size > 1 and not (self.known and (ours or self.sampler is None)):
-            _agree_on_first_batch(batch, self.passes)  # (a generator of the user's own: is it seeded alike?)
+        if first and self.size > 1:  # [Note: the same first global batch on every rank]
+            # (an order Unison cannot seed, or a generator of the user's own: is it seeded alike?)
+            _agree_on_first_batch(batch, self.passes, "DataLoader",
+                                  ordered=self.known and (ours or self.sampler is None))
         return batch
 
 
@@ -275,32 +286,51 @@ def _order_of(loader: Any) -> tuple[bool, Any]:
     return False, None
 
 
-def _fingerprint(batch: Any) -> str:
-    """A global batch's shapes and a few of its values (the first, middle and last of each array)."""
-    parts = []
-    for a in keras.tree.flatten(batch):
-        if a is None:
-            continue
-        flat = np.asarray(a).reshape(-1)
-        picks = flat[[0, flat.size // 2, flat.size - 1]].tolist() if flat.size else []
-        parts.append(f"{tuple(np.shape(a))}:{picks}")
-    return ";".join(parts)
+def _fingerprint(batch: Any, ordered: bool) -> str:
+    """A global batch's shapes and a digest of its targets and sample weights (of its inputs too where it has
+    no targets, or where ``ordered`` is False); see [Note: the same first global batch on every rank]."""
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
+    digested = (y, sample_weight) if ordered and y is not None else (x, y, sample_weight)
+    digest = hashlib.blake2b(digest_size=8)
+    for a in keras.tree.flatten(digested):
+        if a is not None:
+            a = np.asarray(a)  # (an object array's bytes are pointers, another on each rank: its text instead)
+            digest.update(repr(a.tolist()).encode() if a.dtype.hasobject else np.ascontiguousarray(a).data)
+    shapes = [tuple(np.shape(a)) for a in keras.tree.flatten(batch) if a is not None]
+    return f"{shapes}:{digest.hexdigest()}"
 
 
-def _agree_on_first_batch(batch: Any, passes: int) -> None:
-    """Raise on every rank when the ranks' loaders began pass ``passes`` with different global batches."""
+def _agree_on_first_batch(batch: Any, passes: int, source: str, ordered: bool) -> None:
+    """Raise on every rank when the ranks' ``source`` began pass ``passes`` with different global batches.
+
+    [Note: the same first global batch on every rank] Every rank must read the same global batches (each
+    cuts its own rows from them). A DataLoader or PyDataset of each rank's own shard (Horovod's habit,
+    ``DataLoader(Subset(ds, range(rank, n, size)))``) was accepted, as its length and type agree, and the
+    ranks together trained on 1/N of the rows, silently (found by an audit, before 2026-12-07: 12 rows at
+    2 ranks trained 6 a pass). So the first global batch of every pass is compared over the ranks (one
+    small all-gather a pass). Where every rank reads the loader in one order (``ordered``: a sequential
+    sampler, one Unison seeds, a PyDataset) only a difference of data can show, and random augmentation
+    of the inputs, which draws apart on each rank (each rank's own torch stream: [Note: each rank's own
+    random stream]) and does no harm, must not raise: so the targets and sample weights are compared
+    (the inputs too where a batch has no targets). Where the order is unknown the inputs are compared too.
+    """
     from unison.common.engine.objects import allgather_object
 
-    everyone = allgather_object(_fingerprint(batch), name=f"unison.keras.ShardedLoader.first_batch.{passes}")
+    everyone = allgather_object(_fingerprint(batch, ordered),
+                                name=f"unison.keras.Sharded{source}.first_batch.{passes}")
     if any(other != everyone[0] for other in everyone):
         differ = [r for r, f in enumerate(everyone) if f != everyone[0]]
-        raise ValueError(f"the ranks' DataLoaders gave different first global batches in pass {passes} (ranks "
-                         f"{differ} differ from rank 0), so each rank would cut its rows from another batch. "
-                         "Every rank must read the same global batches: give the loader a sampler Unison can "
-                         "seed (shuffle=True, a RandomSampler or SubsetRandomSampler), or seed your sampler "
-                         "alike on every rank (e.g. from DataParallel(seed=...).seed() and the epoch); random "
-                         "augmentation in the loader must draw alike on every rank too "
-                         "(keras.utils.set_random_seed)")
+        order = "" if ordered else (
+            "; and read it in the same order on every rank: give the loader a sampler Unison can seed "
+            "(shuffle=True, a RandomSampler or SubsetRandomSampler), or seed your sampler alike on every rank "
+            "(e.g. from DataParallel(seed=...).seed() and the epoch); random augmentation in the loader must "
+            "draw alike on every rank too (keras.utils.set_random_seed)")
+        raise ValueError(f"the ranks' {source}s gave different first global batches in pass {passes} (ranks "
+                         f"{differ} differ from rank 0), so each rank would cut its rows from other data and "
+                         "the ranks together would train on part of it. Pass the whole dataset, the same on "
+                         "every rank: Unison splits each global batch over the ranks itself (not each rank's "
+                         "own shard: a DataLoader(Subset(ds, range(rank, n, size))) or a PyDataset of the "
+                         f"rank's own files){order}")
 
 
 def _numpy(value: Any) -> Any:

@@ -333,7 +333,7 @@ def _describe_input(x: Any, y: Any, sample_weight: Any, batch_size: Any) -> str:
     if data._is_tf_dataset(x):
         # (len() raises for an infinite dataset or one tf.data cannot count, a filtered one: such input
         # raised TypeError on every rank before 2026-12-05, where plain Keras takes it)
-        from unison.tf_backend.strategy import shuffle_seeds
+        from unison.tf_backend.strategy import data_sources, shuffle_seeds
 
         count = int(x.cardinality())
         length = {-1: "infinitely many", -2: "an unknown number of"}.get(count, str(count))
@@ -341,7 +341,10 @@ def _describe_input(x: Any, y: Any, sample_weight: Any, batch_size: Any) -> str:
         shuffled = f", shuffled with seeds {seeds}" if seeds else ""
         if (0, 0) in seeds:
             shuffled += ", " + _UNSEEDED
-        return f"{type(x).__name__} of {length} batches, elements {x.element_spec}{shuffled}"
+        # (each rank's own shard() or in-memory part: the specs agree, and it trained on 1/N of the data)
+        sources = data_sources(x, _rows_digest)
+        return (f"{type(x).__name__} of {length} batches, elements {x.element_spec}{shuffled}"
+                + (f", from {', '.join(sources)}" if sources else ""))
     length = len(x) if hasattr(x, "__len__") else None
     return f"{type(x).__name__} of {length} batches" if length is not None else type(x).__name__
 

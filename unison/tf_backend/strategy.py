@@ -402,6 +402,32 @@ def shuffle_seeds(dataset: Any) -> list[tuple[int, int]]:
     return seeds
 
 
+def data_sources(dataset: Any, digest: Callable[[np.ndarray], str]) -> list[str]:
+    """What of ``dataset``'s chain of inputs may be each rank's own where its element specs agree: each
+    ``shard(num_shards, index)`` and each in-memory source (``from_tensor_slices``, ``from_tensors``, a
+    reader's file names), by ``digest`` of its tensors. Data a generator, a map or an interleave makes is not
+    seen. Before 2026-12-07 ``dataset.shard(size, rank)`` on each rank (Horovod's habit) was accepted and the
+    ranks together trained on 1/size of the data (found by an audit)."""
+    found, todo, seen = [], [dataset], set()
+    while todo:
+        d = todo.pop()
+        if d is None or id(d) in seen or not hasattr(d, "element_spec"):
+            continue
+        seen.add(id(d))
+        kind = type(d).__name__
+        try:
+            if kind == "_ShardDataset":
+                found.append(f"shard({int(d._num_shards)}, {int(d._index)})")
+            elif kind in ("_TensorSliceDataset", "_TensorDataset"):
+                found.append(f"{kind.strip('_')} {[digest(np.asarray(t.numpy())) for t in d._tensors]}")
+        except Exception:  # (another TensorFlow layout, or symbolic tensors: not compared)
+            pass
+        todo.extend(nest.flatten(getattr(d, "_datasets", None)))  # (zip)
+        todo.extend(getattr(d, name, None) for name in ("_input_dataset", "_dataset_to_concatenate", "_impl",
+                                                        "_filenames"))
+    return found
+
+
 def _with_agreement_to_stop(model: Any, callbacks: Any) -> Any:
     """``fit``'s callbacks and, last, the agreement that a stop set on one rank stops every rank
     (``unison.keras``'s: one all-reduce of a flag per batch and per epoch). Without it (before
@@ -976,6 +1002,9 @@ def _guard_keras() -> None:
                 _check_metrics([m for key in ("metrics", "weighted_metrics") for m in nest.flatten(given.get(key))
                                 if isinstance(m, keras.metrics.Metric)], "model.compile()")
                 _check_losses(nest.flatten(given.get("loss")))
+                compiled = original(self, *args, **kwargs)
+                _empty_share_loses_nothing(self)
+                return compiled
             if name in ("fit", "evaluate", "predict") and _unison_model(self) and runtime.size() > 1:
                 arguments = signature.bind(self, *args, **kwargs).arguments
                 settings = _call_settings(name, _with_defaults(signature, self, args, kwargs))
@@ -1064,6 +1093,30 @@ def _guard_keras() -> None:
     _guard_optimizers()
     _guard_checkpoints()
     _GUARDED = True
+
+
+def _empty_share_loses_nothing(model: Any) -> None:
+    """Make the compiled loss of a replica's empty share a scalar 0 when it runs eagerly, as in a graph.
+
+    [Note: an empty share's eager loss] A last global batch with fewer rows than ranks leaves some
+    ranks no rows. In a graph the batch dimension is unknown and Keras reduces the empty share's loss
+    to 0 (``divide_no_nan``), which the loss tracker weighs by its 0 rows; run eagerly, Keras sees the
+    shape ``(0,)`` and returns the loss unreduced, and the tracker's mean of no values, NaN, was summed
+    into every rank's: ``evaluate`` (and ``fit``'s logs) reported a NaN loss with ``run_eagerly=True``
+    (found by an audit, before 2026-12-07). The sum of the empty loss is that 0, with zero gradients.
+    """
+    compile_loss = getattr(model, "_compile_loss", None)
+    if compile_loss is None:
+        return
+    call = compile_loss.call
+
+    def summed_if_empty(*args: Any, **kwargs: Any) -> Any:
+        loss = call(*args, **kwargs)
+        if loss is not None and tuple(getattr(loss, "shape", ())) == (0,):  # (eager only: a graph's is None)
+            return tf.reduce_sum(loss)
+        return loss
+
+    compile_loss.call = summed_if_empty
 
 
 _optimizer_ids = itertools.count()
