@@ -564,6 +564,7 @@ def test_a_failure_in_a_reset_callback_while_resuming_is_recovered_from_like_any
 
     monkeypatch.setattr(runner, "mark_entered", lambda: None)
     monkeypatch.setattr(runner, "mark_finished", lambda store: None)
+    monkeypatch.setattr(runner, "settle_last_spill", lambda store: None)
     monkeypatch.setattr(runner, "job_attempt", lambda: 1)  # a restarted job
     monkeypatch.setattr(runner, "resume", lambda state, store: 3)  # that found commit 3
     monkeypatch.setattr(runner, "enabled", lambda: True)

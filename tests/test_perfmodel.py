@@ -505,6 +505,20 @@ def test_the_models_public_functions_refuse_nan_and_infinite_inputs() -> None:
             pm.allreduce_time("ring", nbytes, cluster)
 
 
+def test_cli_refuses_link_options_beside_a_calibration(tmp_path, capsys) -> None:
+    """The file gives the links: before 2026-12-07 --link/--latency given with it were ignored without a word (two
+    commands with 1gbit and 400gbit printed the same predictions; an audit of the docs' examples)."""
+    path = tmp_path / "cal.json"
+    pm.Calibration(pm.Link(1e-6, 1e-10), pm.Link(1e-4, 1 / 118e6), 1e-10).save(path)
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--calibration", str(path), "--link", "1gbit", "--latency", "500us", "--ranks-per-host", "2",
+                  "--ranks", "4"])
+    assert stop.value.code == 2
+    assert "--link, --latency with --calibration: the calibration file gives the links" in capsys.readouterr().err
+    given = ["--calibration", str(path), "--ranks-per-host", "2", "--ranks", "4", "--chunk-bytes", "4096"]
+    assert cli.main(given) == 0
+
+
 def test_cli_default_ranks_follow_the_ranks_per_host(capsys) -> None:
     """Before 2026-12-07 --ranks-per-host 6 failed on its own default --ranks (8 ranks do not fill hosts of 6)."""
     assert cli.default_ranks(8) == [8, 16, 32, 64, 128, 256, 512]

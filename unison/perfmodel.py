@@ -123,12 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=_ranks, default=None,
                    help="rank counts to predict, each a multiple of --ranks-per-host or below it (default: "
                         "--ranks-per-host doubled up to 512: 8,16,...,512 at 8 ranks per host)")
-    p.add_argument("--link", type=_rate, default=pm.parse_rate("100gbit"),
+    p.add_argument("--link", type=_rate, default=None,
                    help="inter-host bandwidth per host (default 100gbit)")
-    p.add_argument("--latency", type=_seconds, default=5e-6, help="inter-host latency (default 5us)")
-    p.add_argument("--intra-link", type=_rate, default=pm.parse_rate("1200gbit"),
+    p.add_argument("--latency", type=_seconds, default=None, help="inter-host latency (default 5us)")
+    p.add_argument("--intra-link", type=_rate, default=None,
                    help="bandwidth between ranks of one host (default 1200gbit = 150 GB/s, NVLink-class)")
-    p.add_argument("--intra-latency", type=_seconds, default=2e-6,
+    p.add_argument("--intra-latency", type=_seconds, default=None,
                    help="latency between ranks of one host (default 2us)")
     p.add_argument("--reduce-rate", type=_rate, default=None,
                    help="local reduction speed in buffer bytes/s (default: free, as on a GPU)")
@@ -158,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: the link options' defaults (None in the parser, so that one given with --calibration is seen)
+_LINK_DEFAULTS = {"link": pm.parse_rate("100gbit"), "latency": 5e-6, "intra_link": pm.parse_rate("1200gbit"),
+                  "intra_latency": 2e-6}
+
+
 def _cluster(args: argparse.Namespace) -> pm.Cluster:
     if args.calibration is not None:
         cluster = pm.Calibration.load(args.calibration).cluster(1, args.ranks_per_host)
@@ -167,8 +172,9 @@ def _cluster(args: argparse.Namespace) -> pm.Cluster:
             cluster = dataclasses.replace(cluster, overhead_s=args.overhead_us * 1e-6)
         return cluster
     gamma = 0.0 if args.reduce_rate is None else 1.0 / args.reduce_rate
-    return pm.Cluster(1, args.ranks_per_host, pm.Link.from_rate(args.intra_link, args.intra_latency),
-                      pm.Link.from_rate(args.link, args.latency), gamma,
+    given = {k: _LINK_DEFAULTS[k] if getattr(args, k) is None else getattr(args, k) for k in _LINK_DEFAULTS}
+    return pm.Cluster(1, args.ranks_per_host, pm.Link.from_rate(given["intra_link"], given["intra_latency"]),
+                      pm.Link.from_rate(given["link"], given["latency"]), gamma,
                       pm.DEFAULT_CHUNK_BYTES if args.chunk_bytes is None else args.chunk_bytes,
                       (args.overhead_us or 0.0) * 1e-6)
 
@@ -305,6 +311,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--cycle-ms {args.cycle_ms}: must be finite and >= 0")
     if args.fusion_threshold < 0:
         parser.error(f"--fusion-threshold {args.fusion_threshold}: must be >= 0 (0: no fusion)")
+    ignored = [f"--{k.replace('_', '-')}" for k in (*_LINK_DEFAULTS, "reduce_rate")
+               if getattr(args, k) is not None]
+    if args.calibration is not None and ignored:  # (before 2026-12-07 they were ignored without a word)
+        parser.error(f"{', '.join(ignored)} with --calibration: the calibration file gives the links and the "
+                     "reduction rate; drop these options, or drop --calibration")
     try:
         if args.png is not None:
             require_matplotlib("--png")  # before the table, not after it
