@@ -13,7 +13,6 @@ Before 2026-12-06 ``predict`` refused everything but numpy arrays (found by an a
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -62,8 +61,6 @@ def predict_batches(x: Any, rank: int, size: int, steps: int | None, seed: int) 
     read: Callable[[int], Any]
     if isinstance(x, keras.utils.PyDataset):
         length, read = x.num_batches, x.__getitem__
-        if size > 1:
-            read = _first_batch_agreed(read)
     elif data._is_tf_dataset(x):
         count = int(x.cardinality())
         length = count if count >= 0 else None
@@ -81,23 +78,6 @@ def predict_batches(x: Any, rank: int, size: int, steps: int | None, seed: int) 
                          "or give a tf.data dataset its length (dataset.apply(tf.data.experimental."
                          "assert_cardinality(n)))")
     return PredictBatches(read, length, rank, size)
-
-
-_predict_passes = itertools.count(1)
-
-
-def _first_batch_agreed(read: Callable[[int], Any]) -> Callable[[int], Any]:
-    """``read`` whose batch 0 is compared over the ranks ([Note: the same first global batch on every rank] in
-    data.py): a PyDataset of each rank's own shard was predicted on each rank's rows of its own batches, as
-    ``fit`` and ``evaluate`` did before 2026-12-07 (``predict`` read the PyDataset itself, so it was left out of
-    that day's first fix)."""
-    def checked(step: int) -> Any:
-        batch = read(step)
-        if step == 0:
-            data._agree_on_first_batch(batch, next(_predict_passes), "PyDataset", ordered=True)
-        return batch
-
-    return checked
 
 
 def _in_order(start: Callable[[], Iterator[Any]]) -> Callable[[int], Any]:
