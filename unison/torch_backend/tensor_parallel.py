@@ -121,6 +121,14 @@ def _memory(tensor: torch.Tensor) -> int | None:
     return tensor.data_ptr()
 
 
+def shard_groups(tensors: list[torch.Tensor]) -> list[ProcessSet | None]:
+    """Per tensor, the tensor group of the live parallel layer holding it as one of its shards (None: not a
+    shard: a plain or replicated tensor, or a layer of one rank). Found by memory."""
+    by_memory = {where: layer.process_set for layer in list(_LAYERS) for t in layer.split_tensors()
+                 if (where := _memory(t)) is not None}
+    return [None if (where := _memory(t)) is None else by_memory.get(where) for t in tensors]
+
+
 def shards_across(named: Any, process_set: ProcessSet | None, what: str) -> None:
     """Raise when ``process_set`` (None: every rank) holds two ranks of the tensor group of one of
     ``named``'s ``(name, tensor)`` shards: those ranks hold different pieces, so averaging or broadcasting
@@ -129,11 +137,8 @@ def shards_across(named: Any, process_set: ProcessSet | None, what: str) -> None
 
     over = set(range(runtime.size())) if process_set is None or process_set.ranks is None else set(
         process_set.ranks)
-    by_memory = {where: layer.process_set for layer in list(_LAYERS) for t in layer.split_tensors()
-                 if (where := _memory(t)) is not None}
-    for name, tensor in named:
-        where = _memory(tensor)
-        group = None if where is None else by_memory.get(where)
+    named = list(named)
+    for (name, _), group in zip(named, shard_groups([t for _, t in named]), strict=True):
         if group is None:
             continue
         tensor_ranks = set(range(runtime.size())) if group.ranks is None else set(group.ranks)

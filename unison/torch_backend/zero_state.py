@@ -24,6 +24,7 @@ from unison.common.engine import frontend, objects
 from unison.common.engine.objects import agree_on_values, allgather_object
 from unison.common.engine.process_sets import ProcessSet, set_rank
 from unison.common.ops import Max, Sum
+from unison.torch_backend.tensor_parallel import shard_groups as tensor_parallel_groups
 from unison.torch_backend.tensors import from_numpy, to_numpy
 
 __all__ = ["ZeroStateMixin", "check_optimizer", "agree_on_stage", "clip_grad_norm_", "ELEMENTWISE",
@@ -302,17 +303,6 @@ def norm_part(grads: list[torch.Tensor], norm_type: float) -> float:
     if math.isinf(norm_type):
         return max((float(g.detach().abs().max()) for g in grads if g.numel()), default=0.0)
     return sum(float((g.detach().double().abs() ** norm_type).sum()) for g in grads)
-
-
-def tensor_parallel_groups(tensors: list[torch.Tensor]) -> list[ProcessSet | None]:
-    """Per tensor, the tensor group of the live parallel layer holding it as one of its shards (None:
-    not a shard: a plain or replicated tensor, or a layer of one rank). Found by memory, as
-    :func:`~unison.torch_backend.tensor_parallel.shards_across` finds shards."""
-    from unison.torch_backend.tensor_parallel import _LAYERS, _memory
-
-    by_memory = {where: layer.process_set for layer in list(_LAYERS) for t in layer.split_tensors()
-                 if (where := _memory(t)) is not None}
-    return [None if (where := _memory(t)) is None else by_memory.get(where) for t in tensors]
 
 
 def tensor_group(groups: list[ProcessSet | None], what: str) -> ProcessSet | None:
